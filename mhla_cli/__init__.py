@@ -1,0 +1,29 @@
+"""mhla: learn single-layer multi-head linear attention exactly and certify identifiability.
+
+Library API (each CLI command is a thin layer over these):
+
+    feats = featurize("data.h5")            # Features: gram, moments, ... (streamed, float64)
+    cert = certify(feats)                   # Certificate: identifiable, lambda_min, ...
+    model = fit(feats)                      # Model: coef p (d, psi) and min-norm W
+    heads = export_heads(model)             # Heads: V, Q (H, d, d)
+    yhat = predict(heads, tokens)           # in-memory forward pass
+"""
+
+from __future__ import annotations
+
+__version__ = "0.1.0"
+
+from .errors import InputError, MhlaError
+from .features import cubic_features, feature_index, n_features
+from .heads import Heads, W_from_heads, W_from_p, export_heads, heads_from_W, p_from_heads, p_from_W
+from .model import forward_heads, load_function, predict, predict_file
+from .solve import Certificate, Model, certify, fit
+from .stream import Features, featurize, reduce_span
+from .synthetic import Dataset, generate_assoc, generate_teacher
+
+__all__ = [
+    "Certificate", "Dataset", "Features", "Heads", "InputError", "MhlaError", "Model", "W_from_heads",
+    "W_from_p", "__version__", "certify", "cubic_features", "export_heads", "feature_index", "featurize",
+    "fit", "forward_heads", "generate_assoc", "generate_teacher", "heads_from_W", "load_function",
+    "n_features", "p_from_W", "p_from_heads", "predict", "predict_file", "reduce_span",
+]

@@ -1,0 +1,305 @@
+"""The core commands: generate, featurize, certify, fit, export-heads, predict, inspect."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import numpy as np
+import typer
+
+from .. import formats, synthetic
+from ..errors import InputError
+from ..heads import Heads, export_heads
+from ..model import load_function, predict_file
+from ..solve import Model, certify, fit
+from ..stream import Features, featurize
+from ._common import ChunkOpt, JsonOpt, OutOpt, QuietOpt, emit_json, fmt, progress_bar, say, warn
+
+generate_app = typer.Typer(help="Make synthetic datasets (tokens files with targets).", no_args_is_help=True)
+
+
+def _load_or_featurize(path: Path, chunk_size: int | None, quiet: bool) -> tuple[Features, str]:
+    kind = formats.kind_of(path)
+    if kind == "features":
+        return Features.load(path), kind
+    if kind == "tokens":
+        info = formats.inspect_tokens(path)
+        with progress_bar("featurize", info.n_samples, quiet) as advance:
+            return featurize(path, chunk_size=chunk_size, progress=advance), kind
+    raise InputError(f"is a {kind} file, expected a tokens or features file", path)
+
+
+@generate_app.command("teacher")
+def generate_teacher_cmd(
+    output: OutOpt,
+    dim: Annotated[int, typer.Option("--dim", min=1, help="Token dimension d.")],
+    heads: Annotated[int, typer.Option("--heads", min=1, help="Number of teacher heads H.")],
+    n_samples: Annotated[int, typer.Option("--n-samples", min=1, help="Number of sequences N.")],
+    seq_len: Annotated[str, typer.Option("--seq-len", help="Sequence length n, or MIN:MAX for ragged lengths.")] = "100",
+    noise: Annotated[float, typer.Option("--noise", min=0.0, help="Std of Gaussian label noise.")] = 0.0,
+    seed: Annotated[int, typer.Option("--seed", help="Random seed.")] = 0,
+    teacher_out: Annotated[Path | None, typer.Option("--teacher-out", help="Also write the teacher as a heads file.")] = None,
+    dtype: Annotated[str, typer.Option("--dtype", help="Stored dtype: float32 or float64.")] = "float32",
+    json_out: JsonOpt = False,
+    quiet: QuietOpt = False,
+) -> None:
+    """Gaussian tokens labelled by a random H-head MHLA teacher (outputs scaled to RMS 1).
+
+    Example: mhla generate teacher -o data.h5 --dim 4 --heads 2 --n-samples 2048 --seq-len 100 --teacher-out teacher.h5
+    """
+    if dtype not in ("float32", "float64"):
+        raise InputError(f"--dtype must be float32 or float64, got {dtype}")
+    formats.check_output_path(output)
+    if teacher_out is not None:
+        formats.check_output_path(teacher_out)
+        if Path(teacher_out).resolve() == Path(output).resolve():
+            raise InputError("--teacher-out must differ from -o", teacher_out)
+    ds, teacher = synthetic.generate_teacher(dim, heads, n_samples, seq_len, noise, seed)
+    attrs = {"generator": "teacher", "seed": seed, "noise": noise, "n_heads": heads}
+    ds.save(output, dtype=dtype, attrs=attrs)
+    if teacher_out is not None:
+        teacher.save(teacher_out)
+    summary = {"output": str(output), "n_samples": ds.n_samples, "d": dim, "n_tokens": int(ds.offsets[-1]),
+               "n_heads": heads, "teacher": str(teacher_out) if teacher_out else None}
+    say(f"wrote {output}: N = {ds.n_samples} sequences, d = {dim}, {summary['n_tokens']} tokens"
+        + (f"; teacher ({heads} heads) in {teacher_out}" if teacher_out else ""), quiet)
+    if json_out:
+        emit_json(summary)
+
+
+@generate_app.command("assoc")
+def generate_assoc_cmd(
+    output: OutOpt,
+    keys: Annotated[int, typer.Option("--keys", min=1, help="Number of key/value pairs k (token dim 2k).")],
+    n_samples: Annotated[int, typer.Option("--n-samples", min=1, help="Number of sequences N.")],
+    orthogonal_fraction: Annotated[float, typer.Option("--orthogonal-fraction", min=0.0, max=1.0,
+                                                       help="Share of samples with orthogonal keys/values.")] = 0.0,
+    seed: Annotated[int, typer.Option("--seed", help="Random seed.")] = 0,
+    teacher_out: Annotated[Path | None, typer.Option("--teacher-out", help="Also write the exact 1-head teacher.")] = None,
+    dtype: Annotated[str, typer.Option("--dtype", help="Stored dtype: float32 or float64.")] = "float32",
+    json_out: JsonOpt = False,
+    quiet: QuietOpt = False,
+) -> None:
+    """The paper's associative memory: rows (k_j, v_j) then (q, 0); target (0, sum_j <q,k_j> v_j).
+
+    Example: mhla generate assoc -o assoc.h5 --keys 4 --n-samples 16384 --orthogonal-fraction 1.0
+    """
+    if dtype not in ("float32", "float64"):
+        raise InputError(f"--dtype must be float32 or float64, got {dtype}")
+    formats.check_output_path(output)
+    if teacher_out is not None:
+        formats.check_output_path(teacher_out)
+    ds, teacher = synthetic.generate_assoc(keys, n_samples, orthogonal_fraction, seed)
+    ds.save(output, dtype=dtype, attrs={"generator": "assoc", "seed": seed,
+                                        "orthogonal_fraction": orthogonal_fraction, "keys": keys})
+    if teacher_out is not None:
+        teacher.save(teacher_out)
+    say(f"wrote {output}: N = {ds.n_samples} associative-memory sequences, k = {keys}, d = {2 * keys}", quiet)
+    if json_out:
+        emit_json({"output": str(output), "n_samples": ds.n_samples, "d": 2 * keys, "keys": keys,
+                   "orthogonal_fraction": orthogonal_fraction,
+                   "teacher": str(teacher_out) if teacher_out else None})
+
+
+def featurize_cmd(
+    data: Annotated[Path, typer.Argument(help="Tokens file (tokens + offsets, or tokens (N, n, d)).")],
+    output: OutOpt,
+    chunk_size: ChunkOpt = None,
+    shard: Annotated[str | None, typer.Option("--shard", help="Only the i-th of M contiguous sample ranges, as i/M (0-based).")] = None,
+    json_out: JsonOpt = False,
+    quiet: QuietOpt = False,
+) -> None:
+    """Stream a tokens file into the feature statistics (gram, moments, ...), in float64.
+
+    Memory is O(chunk + psi^2) whatever N is.
+
+    Example: mhla featurize data.h5 -o feats.h5 --chunk-size 4096
+    """
+    formats.check_output_path(output, (data,))
+    info = formats.inspect_tokens(data)
+    shard_t = _parse_shard(shard)
+    total = info.n_samples
+    if shard_t is not None:
+        from ..stream import shard_range
+
+        lo, hi = shard_range(info.n_samples, *shard_t)
+        total = hi - lo
+    with progress_bar("featurize", total, quiet) as advance:
+        feats = featurize(data, chunk_size=chunk_size, shard=shard_t, progress=advance)
+    feats.save(output, inputs=(data,))
+    psi = feats.n_features
+    say(f"wrote {output}: d = {feats.d}, psi = {psi} features, N = {feats.n_samples} samples, "
+        f"{feats.n_tokens} tokens" + ("" if feats.has_targets else " (no targets)"), quiet)
+    if json_out:
+        emit_json({"output": str(output), "d": feats.d, "n_features": psi, "n_samples": feats.n_samples,
+                   "n_tokens": feats.n_tokens, "has_targets": feats.has_targets,
+                   "sample_range": list(feats.sample_range) if feats.sample_range else None})
+
+
+def _parse_shard(shard: str | None) -> tuple[int, int] | None:
+    if shard is None:
+        return None
+    try:
+        i, m = (int(x) for x in shard.split("/"))
+    except ValueError:
+        raise InputError(f"--shard '{shard}': expected i/M, e.g. 0/8") from None
+    if m < 1 or not 0 <= i < m:
+        raise InputError(f"--shard '{shard}': need 0 <= i < M")
+    return i, m
+
+
+def certify_cmd(
+    data: Annotated[Path, typer.Argument(help="Tokens file or features file.")],
+    min_eig: Annotated[float, typer.Option("--min-eig", min=0.0,
+                                           help="Demand lambda_min(Lambda_D) > this (a margin for CI); "
+                                                "the numerical tolerance psi*eps*lambda_max always applies.")] = 0.0,
+    domain: Annotated[str, typer.Option("--domain", help="full: every input in R^d (the paper). observed: "
+                                        "inputs in the span of the data's tokens / last tokens.")] = "full",
+    chunk_size: ChunkOpt = None,
+    json_out: JsonOpt = False,
+    quiet: QuietOpt = False,
+) -> None:
+    """Certify that the data determine the learned function (Lemma 2.3). Exit 0 yes, 1 no, 2 error.
+
+    Example (a CI gate): mhla certify data.h5 --json > cert.json || exit 1
+    """
+    if domain not in ("full", "observed"):
+        raise InputError(f"--domain must be full or observed, got '{domain}'")
+    feats, _ = _load_or_featurize(data, chunk_size, quiet)
+    cert = certify(feats, min_eig=min_eig, domain=domain)
+    out = cert.to_dict()
+    out["input"] = str(data)
+    try:
+        out["input_identity"] = formats.source_identity(data)
+    except InputError:
+        pass
+    verdict = "[green]identifiable[/green]" if cert.identifiable else "[red]NOT identifiable[/red]"
+    say(f"{data}: {verdict} on the {domain} domain: lambda_min = {fmt(cert.lambda_min)}, "
+        f"lambda_max = {fmt(cert.lambda_max)}, threshold = {fmt(cert.threshold)}, rank {cert.rank}/"
+        f"{cert.n_features}, N = {cert.n_samples}", quiet)
+    if domain == "observed":
+        say(f"  observed domain: dim U = {cert.dim_tokens}, dim U_n = {cert.dim_last_tokens}, "
+            f"{cert.n_features} reduced features", quiet)
+    for r in cert.reasons:
+        say(f"  - {r}", quiet)
+    if json_out:
+        emit_json(out)
+    if not cert.identifiable:
+        raise typer.Exit(1)
+
+
+def fit_cmd(
+    data: Annotated[Path, typer.Argument(help="Tokens file (with targets) or features file.")],
+    output: OutOpt,
+    ridge: Annotated[float, typer.Option("--ridge", min=0.0, help="Ridge penalty l: minimise MSE/2-style "
+                                         "(gram/N + l I) p^T = moments/N.")] = 0.0,
+    chunk_size: ChunkOpt = None,
+    json_out: JsonOpt = False,
+    quiet: QuietOpt = False,
+) -> None:
+    """Least-squares fit of coef p on the feature statistics (Algorithm 1); writes coef and min-norm W.
+
+    Example: mhla fit feats.h5 -o model.h5 --json
+    """
+    formats.check_output_path(output, (data,))
+    feats, _ = _load_or_featurize(data, chunk_size, quiet)
+    model = fit(feats, ridge=ridge)
+    model.save(output, inputs=(data,))
+    info = dict(model.info)
+    info["output"] = str(output)
+    say(f"wrote {output}: train MSE = {fmt(info['train_mse'])} (resolution {fmt(info['mse_resolution'])}), "
+        f"lambda_min = {fmt(info['lambda_min'])}, condition number = {fmt(info['condition_number'])}", quiet)
+    if not info["identifiable"] and ridge == 0:
+        warn("the data do not determine the function (gram is singular or N < psi): this is the "
+             "minimum-norm solution; see `mhla certify`")
+    elif info["condition_number"] > 1e10:
+        warn(f"ill-conditioned solve (condition number {fmt(info['condition_number'])}); consider --ridge")
+    if json_out:
+        emit_json(info)
+
+
+def export_heads_cmd(
+    model_path: Annotated[Path, typer.Argument(metavar="MODEL", help="Model file from `mhla fit`.")],
+    output: OutOpt,
+    max_heads: Annotated[int | None, typer.Option("--max-heads", min=1, help="Keep at most the H strongest heads.")] = None,
+    tol: Annotated[float, typer.Option("--tol", min=0.0, help="Drop heads with s_h <= tol * s_max.")] = 1e-12,
+    json_out: JsonOpt = False,
+    quiet: QuietOpt = False,
+) -> None:
+    """SVD of W into heads V_h, Q_h (at most d^2), reporting the relative function change.
+
+    Example: mhla export-heads model.h5 -o heads.h5 --max-heads 4
+    """
+    formats.check_output_path(output, (model_path,))
+    model = Model.load(model_path)
+    heads = export_heads(model, tol=tol, max_heads=max_heads)
+    heads.save(output, inputs=(model_path,))
+    out = {"output": str(output), "n_heads": heads.n_heads, "d": heads.d,
+           "relative_function_error": heads.info["relative_function_error"],
+           "singular_values": heads.info["singular_values"]}
+    say(f"wrote {output}: {heads.n_heads} heads of d = {heads.d}; relative function change "
+        f"||p_kept - p|| / ||p|| = {fmt(out['relative_function_error'])}", quiet)
+    if json_out:
+        emit_json(out)
+
+
+def predict_cmd(
+    model_path: Annotated[Path, typer.Argument(metavar="MODEL|HEADS", help="Model or heads file.")],
+    data: Annotated[Path, typer.Argument(help="Tokens file.")],
+    output: OutOpt,
+    all_positions: Annotated[bool, typer.Option("--all-positions", help="Also write outputs at every position.")] = False,
+    chunk_size: ChunkOpt = None,
+    json_out: JsonOpt = False,
+    quiet: QuietOpt = False,
+) -> None:
+    """Last-token predictions (and, optionally, every position's output) of a model on a tokens file.
+
+    Example: mhla predict heads.h5 data.h5 -o pred.h5 --json
+    """
+    formats.check_output_path(output, (model_path, data))
+    fn = load_function(model_path)
+    info = formats.inspect_tokens(data)
+    with progress_bar("predict", info.n_samples, quiet) as advance:
+        res = predict_file(fn, data, output, all_positions=all_positions, chunk_size=chunk_size,
+                           progress=advance, inputs=(model_path,))
+    res["output"] = str(output)
+    say(f"wrote {output}: {res['n_samples']} predictions"
+        + (f"; MSE against targets = {fmt(res['mse'])}" if "mse" in res else ""), quiet)
+    if json_out:
+        emit_json(res)
+
+
+def inspect_cmd(
+    path: Annotated[Path, typer.Argument(help="Any mhla file (tokens, features, model, heads, predictions).")],
+    json_out: JsonOpt = False,
+) -> None:
+    """Say what kind of mhla file this is, its shapes and attributes, and whether it is valid.
+
+    Exit 0 when valid, 2 otherwise. Example: mhla inspect feats.h5 --json
+    """
+    from ..inspect import inspect_file
+
+    rep = inspect_file(path)
+    if json_out:
+        emit_json(rep)
+    else:
+        say(f"{path}: {rep['kind']} file, {'valid' if rep['valid'] else 'INVALID'}")
+        for name, ds in rep["datasets"].items():
+            say(f"  {name}: shape {tuple(ds['shape'])}, {ds['dtype']}")
+        for k, v in rep["attrs"].items():
+            say(f"  @{k} = {v}")
+        if rep.get("error"):
+            say(f"  error: {rep['error']}")
+    if not rep["valid"]:
+        raise typer.Exit(2)
+
+
+def register(app: typer.Typer) -> None:
+    app.add_typer(generate_app, name="generate")
+    app.command("featurize")(featurize_cmd)
+    app.command("certify")(certify_cmd)
+    app.command("fit")(fit_cmd)
+    app.command("export-heads")(export_heads_cmd)
+    app.command("predict")(predict_cmd)
+    app.command("inspect")(inspect_cmd)

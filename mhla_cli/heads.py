@@ -1,0 +1,137 @@
+"""Conversions W <-> p <-> heads (Algorithm 1, steps 2-3) and the heads file."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from . import formats
+from .errors import InputError
+from .features import n_features, pair_index
+
+
+def _d_of_W(W: np.ndarray) -> int:
+    d = int(round(np.sqrt(W.shape[0])))
+    if W.shape != (d * d, d * d):
+        raise ValueError(f"W must have shape (d^2, d^2), got {W.shape}")
+    return d
+
+
+def p_from_W(W: np.ndarray) -> np.ndarray:
+    """coef p (d, psi): p[a,(j,k,l)] = W[a*d+j, k*d+l] + W[a*d+k, j*d+l] (j < k), W[a*d+j, j*d+l] (j = k)."""
+    d = _d_of_W(W)
+    W4 = np.asarray(W, dtype=np.float64).reshape(d, d, d, d)  # [a, j, k, l]
+    j, k = pair_index(d)
+    P = W4[:, j, k, :] + W4[:, k, j, :]
+    P[:, j == k, :] *= 0.5
+    return P.reshape(d, -1)
+
+
+def W_from_p(coef: np.ndarray) -> np.ndarray:
+    """The minimum-Frobenius-norm W with p(W) = coef: each off-diagonal coefficient split equally."""
+    coef = np.asarray(coef, dtype=np.float64)
+    d = coef.shape[0]
+    if coef.shape != (d, n_features(d)):
+        raise ValueError(f"coef must have shape (d, psi) = ({d}, {n_features(d)}), got {coef.shape}")
+    j, k = pair_index(d)
+    P = coef.reshape(d, j.size, d)
+    W4 = np.zeros((d, d, d, d))
+    half = np.where(j == k, 1.0, 0.5)[None, :, None] * P
+    W4[:, j, k, :] = half
+    W4[:, k, j, :] = half
+    return W4.reshape(d * d, d * d)
+
+
+def W_from_heads(V: np.ndarray, Q: np.ndarray) -> np.ndarray:
+    """W = sum_h vec(V_h) vec(Q_h)^T with row-major vec."""
+    H, d, _ = V.shape
+    return V.reshape(H, d * d).T @ Q.reshape(H, d * d)
+
+
+def p_from_heads(V: np.ndarray, Q: np.ndarray) -> np.ndarray:
+    """coef p of the function computed by heads (V, Q)."""
+    return p_from_W(W_from_heads(np.asarray(V, np.float64), np.asarray(Q, np.float64)))
+
+
+@dataclass
+class Heads:
+    """An MHLA: value matrices V (H, d, d) and merged key-query matrices Q (H, d, d)."""
+
+    V: np.ndarray
+    Q: np.ndarray
+    info: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def d(self) -> int:
+        return int(self.V.shape[1])
+
+    @property
+    def n_heads(self) -> int:
+        return int(self.V.shape[0])
+
+    @property
+    def coef(self) -> np.ndarray:
+        return p_from_heads(self.V, self.Q)
+
+    def save(self, path: str | os.PathLike, inputs: tuple[str | os.PathLike, ...] = ()) -> None:
+        """Write a heads file atomically."""
+        attrs = {"d": self.d, "n_heads": self.n_heads}
+        for k in ("relative_function_error", "tol", "max_heads"):
+            if self.info.get(k) is not None:
+                attrs[k] = self.info[k]
+        formats.write_file(path, "heads", {"V": self.V, "Q": self.Q}, attrs, inputs)
+
+    @classmethod
+    def load(cls, path: str | os.PathLike) -> Heads:
+        """Read and validate a heads file."""
+        with formats.open_input(path) as f:
+            formats.expect_kind(f, path, "heads")
+            V = formats.read_array(f, "V", path).astype(np.float64)
+            Q = formats.read_array(f, "Q", path).astype(np.float64)
+        if V.ndim != 3 or V.shape[1] != V.shape[2]:
+            raise InputError(f"'V' has shape {V.shape}, expected (H, d, d)", path)
+        if Q.shape != V.shape:
+            raise InputError(f"'Q' has shape {Q.shape} but 'V' has shape {V.shape}; they must match", path)
+        if V.shape[0] == 0:
+            raise InputError("no heads (H = 0)", path)
+        if not (np.isfinite(V).all() and np.isfinite(Q).all()):
+            raise InputError("'V' or 'Q' contains NaN or Inf", path)
+        return cls(V=V, Q=Q)
+
+
+def heads_from_W(W: np.ndarray, tol: float = 1e-12, max_heads: int | None = None
+                 ) -> tuple[Heads, np.ndarray]:
+    """SVD of W into heads V_h = sqrt(s_h) U_h, Q_h = sqrt(s_h) V_h^T (reshaped d x d).
+
+    Keeps singular values s_h > tol * s_max, at most `max_heads` of them (always at least one).
+    Returns the heads and all singular values.
+    """
+    d = _d_of_W(W)
+    U, s, Vt = np.linalg.svd(W)
+    smax = float(s[0]) if s.size else 0.0
+    keep = int((s > tol * smax).sum()) if smax > 0 else 0
+    if max_heads is not None:
+        keep = min(keep, int(max_heads))
+    keep = max(keep, 1)
+    r = np.sqrt(s[:keep])
+    V = (U[:, :keep] * r).T.reshape(keep, d, d)
+    Q = (Vt[:keep].T * r).T.reshape(keep, d, d)
+    return Heads(V=V, Q=Q), s
+
+
+def export_heads(model: Any, tol: float = 1e-12, max_heads: int | None = None) -> Heads:
+    """Heads computing `model`'s function (Algorithm 1, step 3), with the relative function change."""
+    if max_heads is not None and max_heads < 1:
+        raise InputError(f"--max-heads must be >= 1, got {max_heads}")
+    if not (0 <= tol < 1):
+        raise InputError(f"--tol must be in [0, 1), got {tol}")
+    heads, s = heads_from_W(model.W, tol=tol, max_heads=max_heads)
+    p = model.coef
+    norm = float(np.linalg.norm(p))
+    err = float(np.linalg.norm(heads.coef - p)) / norm if norm > 0 else 0.0
+    heads.info = {"n_heads": heads.n_heads, "relative_function_error": err, "tol": tol,
+                  "max_heads": max_heads, "singular_values": s.tolist()}
+    return heads
