@@ -30,11 +30,15 @@ class Dataset:
 
     def save(self, path: str | os.PathLike, dtype: str = "float32", compression: str | None = "gzip",
              attrs: dict | None = None) -> None:
-        """Write a tokens file; equal lengths use the (N, n, d) layout, ragged ones (T, d) + offsets."""
+        """Write a tokens file; equal lengths use the (N, n, d) layout, ragged ones (T, d) + offsets.
+
+        Tokens are stored as `dtype`; targets always as float64 (they are small, and exact targets
+        keep realisable data exactly realisable).
+        """
         lengths = np.diff(self.offsets)
         d = self.tokens.shape[1]
         tok = self.tokens.astype(dtype)
-        data: dict[str, np.ndarray] = {"targets": self.targets.astype(dtype)}
+        data: dict[str, np.ndarray] = {"targets": self.targets.astype(np.float64)}
         if (lengths == lengths[0]).all():
             data["tokens"] = tok.reshape(self.n_samples, int(lengths[0]), d)
         else:
@@ -68,8 +72,12 @@ def random_teacher(d: int, n_heads: int, rng: np.random.Generator) -> Heads:
 
 
 def generate_teacher(d: int, n_heads: int, n_samples: int, seq_len: str | int | tuple[int, int] = 100,
-                     noise: float = 0.0, seed: int = 0) -> tuple[Dataset, Heads]:
-    """Gaussian tokens N(0, I), targets from a random H-head teacher scaled so outputs have RMS 1."""
+                     noise: float = 0.0, seed: int = 0, dtype: str = "float64") -> tuple[Dataset, Heads]:
+    """Gaussian tokens N(0, I), targets from a random H-head teacher scaled so outputs have RMS 1.
+
+    Tokens are rounded to `dtype` before the targets are computed, so that data stored in that
+    dtype are exactly realisable.
+    """
     if d < 1 or n_heads < 1 or n_samples < 1:
         raise InputError("--dim, --heads and --n-samples must be >= 1")
     if noise < 0:
@@ -79,7 +87,7 @@ def generate_teacher(d: int, n_heads: int, n_samples: int, seq_len: str | int | 
     teacher = random_teacher(d, n_heads, rng)
     lengths = rng.integers(lo, hi + 1, size=n_samples)
     offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
-    tokens = rng.standard_normal((int(offsets[-1]), d))
+    tokens = rng.standard_normal((int(offsets[-1]), d)).astype(dtype).astype(np.float64)
     y = np.asarray(predict(teacher, tokens, offsets))
     rms = float(np.sqrt(np.mean(y**2)))
     if rms > 0:
@@ -109,8 +117,8 @@ def _random_orthogonal(rng: np.random.Generator, k: int, m: int) -> np.ndarray:
     return Qm * np.sign(np.diagonal(R, axis1=1, axis2=2))[:, None, :]
 
 
-def generate_assoc(keys: int, n_samples: int, orthogonal_fraction: float = 0.0, seed: int = 0
-                   ) -> tuple[Dataset, Heads]:
+def generate_assoc(keys: int, n_samples: int, orthogonal_fraction: float = 0.0, seed: int = 0,
+                   dtype: str = "float64") -> tuple[Dataset, Heads]:
     """The paper's associative memory: rows (k_j, v_j), j = 1..k, then (q, 0); target (0, sum_j <q,k_j> v_j).
 
     A fraction of samples take keys and values from rows of fresh random orthogonal matrices; the rest
@@ -131,6 +139,8 @@ def generate_assoc(keys: int, n_samples: int, orthogonal_fraction: float = 0.0, 
     perm = rng.permutation(n_samples)
     K, Vv = K[perm], Vv[perm]
     q = rng.standard_normal((n_samples, k)) / np.sqrt(k)
+    # Round to the storage dtype first so that the stored data are exactly realisable.
+    K, Vv, q = (a.astype(dtype).astype(np.float64) for a in (K, Vv, q))
     X = np.zeros((n_samples, k + 1, 2 * k))
     X[:, :k, :k] = K
     X[:, :k, k:] = Vv

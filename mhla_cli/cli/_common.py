@@ -47,15 +47,15 @@ def emit_json(obj: dict[str, Any]) -> None:
     sys.stdout.flush()
 
 
-def say(message: str, quiet: bool = False) -> None:
-    """Human output on stderr."""
+def say(message: str, quiet: bool = False, style: str | None = None) -> None:
+    """Human output on stderr (plain text: brackets in paths or feature names are not markup)."""
     if not quiet:
-        err_console.print(message)
+        err_console.print(message, style=style, markup=False)
 
 
 def warn(message: str) -> None:
     """A warning on stderr (shown even with --quiet)."""
-    err_console.print(f"[yellow]mhla: warning:[/yellow] {message}")
+    err_console.print(f"mhla: warning: {message}", style="yellow", markup=False)
 
 
 @contextmanager

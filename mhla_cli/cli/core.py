@@ -55,7 +55,7 @@ def generate_teacher_cmd(
         formats.check_output_path(teacher_out)
         if Path(teacher_out).resolve() == Path(output).resolve():
             raise InputError("--teacher-out must differ from -o", teacher_out)
-    ds, teacher = synthetic.generate_teacher(dim, heads, n_samples, seq_len, noise, seed)
+    ds, teacher = synthetic.generate_teacher(dim, heads, n_samples, seq_len, noise, seed, dtype=dtype)
     attrs = {"generator": "teacher", "seed": seed, "noise": noise, "n_heads": heads}
     ds.save(output, dtype=dtype, attrs=attrs)
     if teacher_out is not None:
@@ -90,7 +90,7 @@ def generate_assoc_cmd(
     formats.check_output_path(output)
     if teacher_out is not None:
         formats.check_output_path(teacher_out)
-    ds, teacher = synthetic.generate_assoc(keys, n_samples, orthogonal_fraction, seed)
+    ds, teacher = synthetic.generate_assoc(keys, n_samples, orthogonal_fraction, seed, dtype=dtype)
     ds.save(output, dtype=dtype, attrs={"generator": "assoc", "seed": seed,
                                         "orthogonal_fraction": orthogonal_fraction, "keys": keys})
     if teacher_out is not None:
@@ -174,10 +174,10 @@ def certify_cmd(
         out["input_identity"] = formats.source_identity(data)
     except InputError:
         pass
-    verdict = "[green]identifiable[/green]" if cert.identifiable else "[red]NOT identifiable[/red]"
+    verdict = "identifiable" if cert.identifiable else "NOT identifiable"
     say(f"{data}: {verdict} on the {domain} domain: lambda_min = {fmt(cert.lambda_min)}, "
         f"lambda_max = {fmt(cert.lambda_max)}, threshold = {fmt(cert.threshold)}, rank {cert.rank}/"
-        f"{cert.n_features}, N = {cert.n_samples}", quiet)
+        f"{cert.n_features}, N = {cert.n_samples}", quiet, style="green" if cert.identifiable else "red")
     if domain == "observed":
         say(f"  observed domain: dim U = {cert.dim_tokens}, dim U_n = {cert.dim_last_tokens}, "
             f"{cert.n_features} reduced features", quiet)
@@ -208,8 +208,13 @@ def fit_cmd(
     model.save(output, inputs=(data,))
     info = dict(model.info)
     info["output"] = str(output)
-    say(f"wrote {output}: train MSE = {fmt(info['train_mse'])} (resolution {fmt(info['mse_resolution'])}), "
-        f"lambda_min = {fmt(info['lambda_min'])}, condition number = {fmt(info['condition_number'])}", quiet)
+    if info["train_mse"] <= info["mse_resolution"]:
+        mse_text = (f"train MSE ~ 0 (below the {fmt(info['mse_resolution'])} float64 resolution of the "
+                    "statistics; `mhla predict` gives the exact value)")
+    else:
+        mse_text = f"train MSE = {fmt(info['train_mse'])}"
+    say(f"wrote {output}: {mse_text}, lambda_min = {fmt(info['lambda_min'])}, "
+        f"condition number = {fmt(info['condition_number'])}", quiet)
     if not info["identifiable"] and ridge == 0:
         warn("the data do not determine the function (gram is singular or N < psi): this is the "
              "minimum-norm solution; see `mhla certify`")

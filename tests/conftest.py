@@ -1,0 +1,34 @@
+"""Shared fixtures: small synthetic datasets written to HDF5 in a temporary directory."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import h5py
+import numpy as np
+import pytest
+
+from mhla_cli import synthetic
+
+
+def write_tokens(path: Path, tokens: np.ndarray, offsets: np.ndarray | None = None,
+                 targets: np.ndarray | None = None) -> Path:
+    """Write a tokens file the way a user would with plain h5py (no attributes)."""
+    with h5py.File(path, "w") as f:
+        f["tokens"] = tokens
+        if offsets is not None:
+            f["offsets"] = offsets
+        if targets is not None:
+            f["targets"] = targets
+    return path
+
+
+@pytest.fixture
+def teacher_file(tmp_path: Path) -> tuple[Path, Path, synthetic.Dataset]:
+    """d = 3, 2-head teacher, ragged lengths 1..12, N = 300, float64 storage."""
+    ds, teacher = synthetic.generate_teacher(3, 2, 300, "1:12", seed=3)
+    data = tmp_path / "data.h5"
+    ds.save(data, dtype="float64")
+    th = tmp_path / "teacher.h5"
+    teacher.save(th)
+    return data, th, ds
