@@ -7,9 +7,12 @@ Every file mhla writes has root attributes ``mhla_kind``, ``mhla_format_version`
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import json
 import os
+import re
+import shlex
 import signal
 import sys
 import tempfile
@@ -44,46 +47,138 @@ def _version() -> str:
 # --------------------------------------------------------------------------------------------
 
 
+# errno values meaning "this filesystem does not support file locks" (Lustre/NFS/GPFS mounts without
+# flock): reading is then safe without a lock, as HDF5's own BEST_EFFORT mode does for ENOSYS.
+_LOCK_UNSUPPORTED = {errno.ENOSYS, errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOTSUP}
+_LOCK_HELD = {errno.EAGAIN, errno.EWOULDBLOCK, errno.EACCES}
+# errno values of a failed write (disk full, file too large, quota).
+_WRITE_ERRNOS = {errno.ENOSPC, errno.EFBIG, errno.EDQUOT, errno.EROFS}
+
+
+def _h5_errno(exc: BaseException) -> int | None:
+    """The errno behind an h5py error (h5py only sets it for some; HDF5 puts it in the message)."""
+    if isinstance(exc, OSError) and exc.errno:
+        return int(exc.errno)
+    m = re.search(r"errno = (\d+)", str(exc))
+    return int(m.group(1)) if m else None
+
+
+def _is_lock_error(exc: BaseException) -> bool:
+    return re.search(r"\block", str(exc).lower()) is not None  # "unable to lock file", not "superblock"
+
+
+def _is_write_error(exc: BaseException) -> bool:
+    """True for errors of writing (disk full, quota, file too large), as opposed to reading."""
+    text = str(exc).lower()
+    if "write failed" in text or "unable to extend file" in text or "can't write" in text:
+        return True
+    return isinstance(exc, OSError) and not _is_lock_error(exc) and exc.errno in _WRITE_ERRNOS
+
+
+def _env_locking() -> bool | str | None:
+    """Locking requested by HDF5_USE_FILE_LOCKING (FALSE/0, TRUE/1, BEST_EFFORT), or None if unset."""
+    v = os.environ.get("HDF5_USE_FILE_LOCKING", "").strip().upper()
+    if v in ("FALSE", "0"):
+        return False
+    if v in ("TRUE", "1"):
+        return True
+    if v == "BEST_EFFORT":
+        return "best-effort"
+    return None
+
+
+def _h5_file(p: Path, mode: str, locking: bool | str | None) -> h5py.File:
+    if locking is None:
+        return h5py.File(p, mode)
+    try:
+        return h5py.File(p, mode, locking=locking)
+    except ValueError:  # HDF5 older than 1.10.7 / 1.12.1: no locking property; use the default
+        return h5py.File(p, mode)
+
+
+def _open_read(p: Path, locking: bool | None) -> h5py.File:
+    """h5py.File(p, "r") honouring HDF5_USE_FILE_LOCKING, falling back to no lock where unsupported."""
+    env = _env_locking()
+    want = locking if locking is not None else env
+    try:
+        return _h5_file(p, "r", want)
+    except OSError as exc:
+        if not _is_lock_error(exc):
+            raise
+        code = _h5_errno(exc)
+        if want is None and code in _LOCK_UNSUPPORTED:
+            # The filesystem has no flock (common on cluster filesystems): read without a lock.
+            return _h5_file(p, "r", False)
+        if code in _LOCK_HELD:
+            raise InputError(
+                "is locked by another process (HDF5 file locking: probably a program writing it); wait "
+                "for it to finish, or if the lock is stale or the filesystem is shared read-only, run "
+                "with HDF5_USE_FILE_LOCKING=FALSE", p) from None
+        raise InputError(f"cannot lock the file for reading ({_h5_reason(exc)}); on shared cluster "
+                         "filesystems run with HDF5_USE_FILE_LOCKING=FALSE", p) from None
+
+
+def _h5_reason(exc: BaseException) -> str:
+    """A short, one-line reason from an h5py/HDF5 error message."""
+    text = " ".join(str(exc).split())
+    m = re.search(r"error message = '([^']*)'", text)
+    if m:
+        return m.group(1)
+    return text[:300]
+
+
 @contextlib.contextmanager
-def open_input(path: str | os.PathLike) -> Iterator[h5py.File]:
-    """Open an HDF5 file for reading, turning every way it can fail into an `InputError`."""
+def open_input(path: str | os.PathLike, locking: bool | None = None) -> Iterator[h5py.File]:
+    """Open an HDF5 file read-only, turning every way it can fail into an `InputError`.
+
+    `locking=None` follows HDF5_USE_FILE_LOCKING (HDF5 takes a shared lock, so many readers may
+    open one file at once) and reads without a lock on filesystems that do not support locks;
+    `locking=False` never locks.
+    """
+    check_interrupted()  # re-raise a signal whose exception a destructor swallowed
     p = Path(path)
     if not p.exists():
         raise InputError("no such file", p)
     if p.is_dir():
         raise InputError("is a directory, expected an HDF5 file", p)
+    if not os.access(p, os.R_OK):
+        raise InputError("permission denied (the file is not readable)", p)
     try:
         is_hdf5 = h5py.is_hdf5(p)
     except OSError as exc:
-        raise InputError(f"cannot read: {exc}", p) from None
+        raise InputError(f"cannot read: {_h5_reason(exc)}", p) from None
     if not is_hdf5:
         raise InputError("not an HDF5 file", p)
     try:
-        f = h5py.File(p, "r")
+        f = _open_read(p, locking)
     except OSError as exc:
         raise InputError(
-            f"cannot open HDF5 file ({exc}); it may be truncated or corrupted, or locked by a writer "
-            "(on shared filesystems try HDF5_USE_FILE_LOCKING=FALSE)",
-            p,
-        ) from None
+            f"cannot open HDF5 file ({_h5_reason(exc)}); it may be truncated or corrupted", p) from None
     try:
         yield f
     except (OSError, KeyError, RuntimeError) as exc:
+        if _is_write_error(exc):
+            raise  # an output being written inside this block failed: not this input's fault
         # h5py raises these for corrupted or truncated datasets while reading.
-        raise InputError(f"cannot read data ({exc}); the file may be truncated or corrupted", p) from None
+        raise InputError(f"cannot read data ({_h5_reason(exc)}); the file may be truncated or corrupted",
+                         p) from None
     finally:
-        f.close()
+        with contextlib.suppress(Exception):
+            f.close()
 
 
-def read_array(f: h5py.File, name: str, path: str | os.PathLike) -> np.ndarray:
-    """Read a whole dataset, with a clear error when it is missing or not an array."""
+def read_array(f: h5py.File, name: str, path: str | os.PathLike, finite: bool = True) -> np.ndarray:
+    """Read a whole dataset, with a clear error when it is missing, not real numbers, or not finite."""
     if name not in f:
         raise InputError(f"missing dataset '{name}'", path)
     ds = f[name]
     if not isinstance(ds, h5py.Dataset):
         raise InputError(f"'{name}' is a group, expected a dataset", path)
     check_numeric(ds, name, path)
-    return np.asarray(ds[()])
+    arr = np.asarray(ds[()])
+    if finite and arr.dtype.kind == "f" and not np.isfinite(arr).all():
+        raise InputError(f"'{name}' contains NaN or Inf; the file is corrupted", path)
+    return arr
 
 
 def check_numeric(ds: h5py.Dataset, name: str, path: str | os.PathLike) -> None:
@@ -130,9 +225,21 @@ def kind_of(path: str | os.PathLike) -> str:
 
 
 def expect_kind(f: h5py.File, path: str | os.PathLike, *kinds: str) -> str:
+    """The kind of an open file; an InputError unless it is one of `kinds`.
+
+    For a features file this also refuses up front a d whose psi x psi statistics cannot fit in
+    memory (stream.check_memory), before anything large is read.
+    """
     kind = file_kind(f, path)
     if kind not in kinds:
         raise InputError(f"is a {kind} file, expected {' or '.join(kinds)}", path)
+    if kind == "features" and "d" in f.attrs:
+        from .stream import check_memory
+
+        try:
+            check_memory(read_attr_int(f, "d", path))
+        except InputError as exc:
+            raise InputError(str(exc), path) from None
     return kind
 
 
@@ -241,6 +348,7 @@ def read_tokens_span(f: h5py.File, info: TokensInfo, lo: int, hi: int
     Dense files come back in the ragged layout with equal-length offsets, so that callers handle
     one layout; `tokens` keeps the stored dtype.
     """
+    check_interrupted()
     if info.layout == "dense":
         n = int(info.seq_len)
         tokens = f["tokens"][lo:hi].reshape(-1, info.d)
@@ -253,38 +361,98 @@ def read_tokens_span(f: h5py.File, info: TokensInfo, lo: int, hi: int
     return tokens, offsets, targets
 
 
+# Largest token / target magnitude accepted: the cubic statistics sum N * n^2 * |x|^6 (tokens) and
+# N * |y|^2 (targets), which must stay far from the float64 overflow at ~1.8e308.
+MAX_TOKEN_ABS = 1e40
+MAX_TARGET_ABS = 1e100
+
+
 def check_finite(tokens: np.ndarray, offsets: np.ndarray, targets: np.ndarray | None, lo: int,
                  path: str | os.PathLike) -> None:
-    """Raise an InputError naming the first sample that holds NaN or Inf."""
-    if tokens.dtype.kind == "f" and not np.isfinite(tokens).all():
-        row = int(np.flatnonzero(~np.isfinite(tokens).all(axis=1))[0])
-        i = lo + int(np.searchsorted(offsets, row, side="right") - 1)
-        raise InputError(f"tokens of sample {i} contain NaN or Inf", path)
-    if targets is not None and targets.dtype.kind == "f" and not np.isfinite(targets).all():
-        i = lo + int(np.flatnonzero(~np.isfinite(targets).all(axis=1))[0])
-        raise InputError(f"targets of sample {i} contain NaN or Inf", path)
+    """Raise an InputError naming the first sample that holds NaN or Inf (or values so large that
+    the float64 statistics would overflow)."""
+    check_interrupted()  # called once per chunk: a cheap point to honour a swallowed signal
+    for name, arr, limit in (("tokens", tokens, MAX_TOKEN_ABS), ("targets", targets, MAX_TARGET_ABS)):
+        if arr is None or arr.dtype.kind != "f" or arr.size == 0:
+            continue
+        top = float(np.max(np.abs(arr)))  # NaN propagates through max
+        if top <= limit:
+            continue
+        a2 = arr.reshape(arr.shape[0], -1)
+        finite = np.isfinite(a2).all(axis=1)
+        if not finite.all():
+            row, what = int(np.flatnonzero(~finite)[0]), "contain NaN or Inf"
+        else:
+            row = int(np.flatnonzero((np.abs(a2) > limit).any(axis=1))[0])
+            what = (f"contain values up to {top:.3g}, too large for the float64 statistics "
+                    f"(limit {limit:.0e}); rescale the data")
+        i = lo + (int(np.searchsorted(offsets, row, side="right") - 1) if name == "tokens" else row)
+        raise InputError(f"{name} of sample {i} {what}", path)
 
 
-def source_identity(path: str | os.PathLike) -> dict[str, Any]:
-    """Name, size and a content fingerprint of an input file (shapes, dtypes, offsets, token ends)."""
+# Inputs whose datasets hold at most this many bytes are fingerprinted over all their data; larger
+# ones over their structure, offsets and a fixed sample of row blocks (see `source_identity`).
+FULL_FINGERPRINT_BYTES = 256 * 2**20
+_SAMPLED_BLOCKS = 64
+_BLOCK_BYTES = 4 * 2**20
+_identity_cache: dict[tuple[Any, ...], dict[str, Any]] = {}
+
+
+def _hash_dataset(h: Any, ds: h5py.Dataset, full: bool) -> None:
+    """Feed a dataset's contents (all rows, or head, tail and evenly spaced blocks) into `h`."""
+    if ds.ndim == 0:
+        h.update(np.ascontiguousarray(ds[()]).tobytes())
+        return
+    n = int(ds.shape[0])
+    if n == 0:
+        return
+    row_bytes = max(1, ds.dtype.itemsize * int(np.prod(ds.shape[1:], dtype=np.int64)))
+    rows = max(1, _BLOCK_BYTES // row_bytes)
+    if full or n <= rows * (_SAMPLED_BLOCKS + 2):
+        for lo in range(0, n, rows):  # every byte, in order: independent of the block size
+            h.update(np.ascontiguousarray(ds[lo:min(n, lo + rows)]).tobytes())
+        return
+    rows = max(1, rows // 16)  # a sample of ~_BLOCK_BYTES/16 per block keeps this cheap
+    for lo in sorted({0, n - rows, *(int(s) for s in np.linspace(0, n - rows, _SAMPLED_BLOCKS))}):
+        h.update(f"@{lo}:{rows};".encode())
+        h.update(np.ascontiguousarray(ds[lo:min(n, lo + rows)]).tobytes())
+
+
+def source_identity(path: str | os.PathLike, full: bool | None = None) -> dict[str, Any]:
+    """Name, size and content fingerprint of an input file, for provenance.
+
+    The fingerprint is a SHA-256 (first 32 hex digits) of the datasets' names, shapes, dtypes and
+    contents plus the attributes other than mhla_* (format and provenance), so it identifies the
+    data, not the bytes of the file (re-saving the same data, with any chunking or compression,
+    gives the same fingerprint). Files with more than
+    FULL_FINGERPRINT_BYTES of data are fingerprinted over their shapes, every offset and a fixed
+    sample of row blocks (`fingerprint_scope` says which); `full=True` forces a hash of everything.
+    """
     p = Path(path)
+    try:
+        st = p.stat()
+    except OSError:
+        raise InputError("no such file", p) from None
+    key = (str(p.resolve()), st.st_size, st.st_mtime_ns, st.st_ino, full, FULL_FINGERPRINT_BYTES, _BLOCK_BYTES)
+    if key in _identity_cache:
+        return dict(_identity_cache[key])
     h = hashlib.sha256()
     with open_input(p) as f:
-        for name in sorted(f.keys()):
-            obj = f[name]
-            if isinstance(obj, h5py.Dataset):
-                h.update(f"{name}:{obj.shape}:{obj.dtype};".encode())
-        if "offsets" in f and isinstance(f["offsets"], h5py.Dataset):
-            off = f["offsets"]
-            for lo in range(0, off.shape[0], _OFFSET_BLOCK):
-                h.update(np.ascontiguousarray(off[lo:lo + _OFFSET_BLOCK]).tobytes())
-        for name in ("tokens", "targets", "gram", "coef", "V", "Q"):
-            if name in f and isinstance(f[name], h5py.Dataset) and f[name].ndim >= 1 and f[name].shape[0]:
-                ds = f[name]
-                k = min(ds.shape[0], 256)
-                h.update(np.ascontiguousarray(ds[:k]).tobytes())
-                h.update(np.ascontiguousarray(ds[ds.shape[0] - k:]).tobytes())
-    return {"path": str(p), "size": p.stat().st_size, "fingerprint": h.hexdigest()[:32]}
+        dsets = {k: v for k, v in f.items() if isinstance(v, h5py.Dataset)}
+        total = sum(int(ds.size) * ds.dtype.itemsize for ds in dsets.values())
+        whole = bool(full) if full is not None else total <= FULL_FINGERPRINT_BYTES
+        for k in sorted(f.attrs.keys()):
+            if not k.startswith("mhla_"):  # format and provenance metadata are not data
+                with contextlib.suppress(Exception):
+                    h.update(f"attr {k}={f.attrs[k]!r};".encode())
+        for name in sorted(dsets):
+            ds = dsets[name]
+            h.update(f"{name}:{ds.shape}:{ds.dtype.str};".encode())
+            _hash_dataset(h, ds, whole or name == "offsets")
+    ident = {"path": str(p), "name": p.name, "size": st.st_size, "fingerprint": h.hexdigest()[:32],
+             "fingerprint_scope": "all data" if whole else "shapes, offsets and sampled rows"}
+    _identity_cache[key] = ident
+    return dict(ident)
 
 
 # --------------------------------------------------------------------------------------------
@@ -297,10 +465,13 @@ def check_output_path(out: str | os.PathLike, inputs: tuple[str | os.PathLike, .
     o = Path(out)
     if o.is_dir():
         raise InputError("output path is a directory; give a file name", o)
+    if o.exists() and not o.is_file():
+        raise InputError("output path exists and is not a regular file (a device, pipe or socket); "
+                         "give a file name", o)
     parent = o.parent if str(o.parent) else Path(".")
     if not parent.is_dir():
         raise InputError(f"output directory '{parent}' does not exist", o)
-    if not os.access(parent, os.W_OK):
+    if not os.access(parent, os.W_OK | os.X_OK):
         raise InputError(f"output directory '{parent}' is not writable", o)
     for i in inputs:
         if i is None:
@@ -316,53 +487,226 @@ def check_output_path(out: str | os.PathLike, inputs: tuple[str | os.PathLike, .
 
 
 class Interrupted(BaseException):
-    """Raised inside mhla when SIGTERM arrives, so that `finally` blocks clean up."""
+    """Raised inside mhla when SIGINT, SIGTERM or SIGHUP arrives, so that `finally` blocks clean up.
+
+    (Not a KeyboardInterrupt: typer would swallow that; the CLI maps it to exit 128 + signum.)
+    """
 
     def __init__(self, signum: int) -> None:
         super().__init__(signum)
         self.signum = signum
 
 
+_TERM_SIGNALS = tuple(getattr(signal, n) for n in ("SIGTERM", "SIGHUP") if hasattr(signal, n))
+
+
+# The signal caught by `sigterm_as_exception`, kept in case the exception was swallowed (raised
+# inside a destructor or a callback, where Python only prints it): outputs are then not committed.
+_signal_received: int | None = None
+
+
+def interrupted_signal() -> int | None:
+    """The signal received inside the current `sigterm_as_exception` block, if any."""
+    return _signal_received
+
+
+def check_interrupted() -> None:
+    """Raise `Interrupted` if a signal arrived (even if its exception was swallowed somewhere)."""
+    if _signal_received is not None:
+        raise Interrupted(_signal_received)
+
+
 @contextlib.contextmanager
-def sigterm_as_exception() -> Iterator[None]:
-    """Turn SIGTERM into `Interrupted` for the duration (main thread only)."""
-    try:
-        old = signal.getsignal(signal.SIGTERM)
-        def handler(signum: int, frame: Any) -> None:  # noqa: ARG001
+def sigterm_as_exception(sigint: bool = True) -> Iterator[None]:
+    """Turn SIGTERM and SIGHUP (and SIGINT unless `sigint=False`) into `Interrupted` for the
+    duration (main thread only).
+
+    Only the first signal raises: another one arriving while `finally` blocks remove temporary
+    files is ignored, so the cleanup finishes.
+    """
+    global _signal_received
+    fired = []
+    _signal_received = None
+
+    def handler(signum: int, frame: Any) -> None:  # noqa: ARG001
+        global _signal_received
+        if not fired:
+            fired.append(signum)
+            _signal_received = signum
             raise Interrupted(signum)
-        signal.signal(signal.SIGTERM, handler)
+
+    sigs = (*_TERM_SIGNALS, signal.SIGINT) if sigint else _TERM_SIGNALS
+    try:
+        old = {s: signal.getsignal(s) for s in sigs}
+        for s in sigs:
+            signal.signal(s, handler)
     except ValueError:  # not in the main thread
+        yield
+        return
+    old_hook = sys.unraisablehook
+
+    def unraisable(u: Any) -> None:
+        # Interrupted raised inside a destructor or generator finalizer cannot propagate; it is
+        # re-raised by check_interrupted() instead, so do not print it.
+        if u.exc_type is not None and issubclass(u.exc_type, Interrupted):
+            return
+        old_hook(u)
+
+    sys.unraisablehook = unraisable
+    try:
+        yield
+    finally:
+        sys.unraisablehook = old_hook
+        _signal_received = None
+        for s, h in old.items():
+            with contextlib.suppress(ValueError, TypeError):
+                signal.signal(s, h if h is not None else signal.SIG_DFL)
+
+
+@contextlib.contextmanager
+def _shield_signals() -> Iterator[None]:
+    """Ignore SIGINT/SIGTERM for a short cleanup (main thread only)."""
+    sigs = (signal.SIGINT, *_TERM_SIGNALS)
+    try:
+        old = {s: signal.signal(s, signal.SIG_IGN) for s in sigs}
+    except ValueError:
         yield
         return
     try:
         yield
     finally:
-        signal.signal(signal.SIGTERM, old)
+        for s, h in old.items():
+            with contextlib.suppress(ValueError, TypeError):
+                signal.signal(s, h if h is not None else signal.SIG_DFL)
+
+
+# Set when HDF5 failed to write a file: libhdf5 may then crash at interpreter shutdown while it
+# retries the flush, so the CLI exits with os._exit after printing the error (see cli.main).
+_hdf5_write_failed = False
+_failed_writes: list[BaseException] = []
+
+
+def hdf5_write_failed() -> bool:
+    """True if an HDF5 write failed in this process (the CLI then skips interpreter teardown)."""
+    return _hdf5_write_failed
+
+
+def _is_h5py_dealloc_noise(exc_type: Any, tb: Any) -> bool:
+    while tb is not None:
+        if "h5py" in tb.tb_frame.f_code.co_filename and "_objects" in tb.tb_frame.f_code.co_filename:
+            return True
+        tb = tb.tb_next
+    return False
+
+
+@contextlib.contextmanager
+def _quiet_h5py_dealloc() -> Iterator[None]:
+    """Silence the tracebacks h5py prints from object destructors after a failed write.
+
+    (The failure itself is raised by File.close and reported as one clear error line.)
+    """
+    old_unraisable, old_except = sys.unraisablehook, sys.excepthook
+
+    def unraisable(u: Any) -> None:
+        if "h5py" in repr(u.object) or _is_h5py_dealloc_noise(u.exc_type, u.exc_traceback):
+            return
+        old_unraisable(u)
+
+    def excepthook(t: Any, v: Any, tb: Any) -> None:
+        if _is_h5py_dealloc_noise(t, tb):
+            return
+        old_except(t, v, tb)
+
+    sys.unraisablehook, sys.excepthook = unraisable, excepthook
+    try:
+        yield
+    finally:
+        sys.unraisablehook, sys.excepthook = old_unraisable, old_except
+
+
+def _from_h5py(exc: BaseException) -> bool:
+    """True if the exception was raised inside h5py (i.e. by libhdf5)."""
+    tb = exc.__traceback__
+    while tb is not None:
+        if "h5py" in tb.tb_frame.f_code.co_filename:
+            return True
+        tb = tb.tb_next
+    return False
+
+
+def _fsync_dir(d: Path) -> None:
+    with contextlib.suppress(OSError, AttributeError):
+        fd = os.open(d, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
 
 
 @contextlib.contextmanager
 def atomic_path(out: str | os.PathLike) -> Iterator[Path]:
-    """Yield a temporary path next to `out`; rename it to `out` only if the block succeeds."""
+    """Yield a temporary path next to `out`; rename it to `out` only if the block succeeds.
+
+    The temporary file is `.<name>.<random>.tmp-mhla` in the output's directory. On any error,
+    KeyboardInterrupt or `Interrupted` it is removed and `out` is left as it was; a write error
+    (disk full, quota, file too large) becomes an `InputError` naming `out`.
+    """
+    global _hdf5_write_failed
     o = Path(out)
     parent = o.parent if str(o.parent) else Path(".")
-    fd, tmp = tempfile.mkstemp(prefix=f".{o.name}.", suffix=".tmp-mhla", dir=parent)
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=f".{o.name}.", suffix=".tmp-mhla", dir=parent)
+    except OSError as exc:
+        raise InputError(f"cannot create a file in '{parent}' ({exc.strerror or exc})", o) from None
     os.close(fd)
     tmp_path = Path(tmp)
+    # mkstemp creates 0600; give the output the permissions a plain open() would (0666 & ~umask).
+    umask = os.umask(0)
+    os.umask(umask)
+    with contextlib.suppress(OSError):
+        os.chmod(tmp_path, 0o666 & ~umask)
     try:
-        yield tmp_path
+        with _quiet_h5py_dealloc():
+            yield tmp_path
+        check_interrupted()  # never commit an output after a signal
         os.replace(tmp_path, o)
-    except OSError as exc:
-        with contextlib.suppress(OSError):
+        _fsync_dir(parent)
+    except (OSError, RuntimeError) as exc:
+        with _shield_signals(), contextlib.suppress(OSError):
             tmp_path.unlink()
-        raise InputError(f"cannot write output ({exc.strerror or exc}); nothing was written", o) from None
+        if isinstance(exc, RuntimeError) and not _is_write_error(exc):
+            raise
+        from_h5py = _from_h5py(exc)
+        if from_h5py:
+            # After a failed write libhdf5 (2.0) crashes when the file's h5py objects are freed, so
+            # keep them (referenced by the traceback) alive; the CLI leaves through os._exit.
+            _hdf5_write_failed = True
+            _failed_writes.append(exc)
+        reason = _h5_reason(exc) if from_h5py or not getattr(exc, "strerror", None) else exc.strerror
+        raise InputError(f"cannot write output ({reason}); nothing was written", o) from None
     except BaseException:
-        with contextlib.suppress(OSError):
+        with _shield_signals(), contextlib.suppress(OSError):
             tmp_path.unlink()
         raise
 
 
+_command: list[str] | None = None
+
+
+def set_command(argv: list[str] | None) -> None:
+    """Record the command line that provenance attributes report (the CLI sets it; default sys.argv)."""
+    global _command
+    _command = None if argv is None else [str(a) for a in argv]
+
+
+def command_line() -> str:
+    """The command line of this run, shell-quoted."""
+    argv = _command if _command is not None else ([Path(sys.argv[0]).name] + sys.argv[1:] if sys.argv else [])
+    return shlex.join(argv)
+
+
 def provenance(inputs: tuple[str | os.PathLike, ...] = ()) -> dict[str, Any]:
-    """Attributes saying which mhla, command and inputs made a file."""
+    """Attributes saying which mhla, command and inputs (path, size, fingerprint) made a file."""
     ids = []
     for i in inputs:
         if i is None:
@@ -373,35 +717,79 @@ def provenance(inputs: tuple[str | os.PathLike, ...] = ()) -> dict[str, Any]:
             ids.append({"path": str(i)})
     return {
         "mhla_version": _version(),
-        "mhla_command": " ".join([Path(sys.argv[0]).name] + sys.argv[1:]) if sys.argv else "",
+        "mhla_command": command_line(),
         "mhla_inputs": json.dumps(ids),
         "mhla_created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }
 
 
+# Outputs up to this size are built in memory (HDF5 core driver) and written with plain file I/O,
+# so that a full disk gives a clean OSError instead of a failure inside libhdf5.
+IN_MEMORY_WRITE_BYTES = 1 << 30
+
+
+def _fill(f: h5py.File, meta: Mapping[str, Any], attrs: Mapping[str, Any] | None,
+          datasets: Mapping[str, np.ndarray | None], compression: str | None) -> None:
+    for k, v in meta.items():
+        f.attrs[k] = v
+    for k, v in (attrs or {}).items():
+        if v is not None:
+            f.attrs[k] = v
+    for name, arr in datasets.items():
+        if arr is None:
+            continue
+        arr = np.asarray(arr)
+        if compression and arr.size > 1024:
+            f.create_dataset(name, data=arr, compression=compression, shuffle=True)
+        else:
+            f.create_dataset(name, data=arr)
+
+
+def _check_free_space(o: Path, need: int) -> None:
+    parent = o.parent if str(o.parent) else Path(".")
+    try:
+        st = os.statvfs(parent)
+    except (OSError, AttributeError):
+        return
+    free = st.f_bavail * st.f_frsize
+    if need > free:
+        raise InputError(f"not enough disk space: the output needs about {need / 2**20:.1f} MiB, "
+                         f"{free / 2**20:.1f} MiB are free in '{parent}'; nothing was written", o)
+
+
+def create_output(tmp: str | os.PathLike) -> h5py.File:
+    """Create a new HDF5 file at a private temporary path (no file lock: nobody else opens it)."""
+    return _h5_file(Path(tmp), "w", False)
+
+
 def write_file(out: str | os.PathLike, kind: str, datasets: Mapping[str, np.ndarray | None],
                attrs: Mapping[str, Any] | None = None, inputs: tuple[str | os.PathLike, ...] = (),
                compression: str | None = None) -> Path:
-    """Write an mhla file of `kind` atomically (temp file + rename); None datasets are skipped."""
+    """Write an mhla file of `kind` atomically (temp file + rename); None datasets are skipped.
+
+    Files up to IN_MEMORY_WRITE_BYTES are built in memory and written in one go (then fsync'ed);
+    a write error leaves `out` untouched and raises an InputError.
+    """
     if kind not in KINDS:
         raise ValueError(f"unknown kind {kind!r}")
     o = check_output_path(out, inputs)
     meta = {"mhla_kind": kind, "mhla_format_version": FORMAT_VERSION, **provenance(inputs)}
+    raw = sum(np.asarray(a).nbytes for a in datasets.values() if a is not None) + (1 << 16)
+    if compression is None:
+        _check_free_space(o, raw)
     with atomic_path(o) as tmp:
-        with h5py.File(tmp, "w") as f:
-            for k, v in meta.items():
-                f.attrs[k] = v
-            for k, v in (attrs or {}).items():
-                if v is not None:
-                    f.attrs[k] = v
-            for name, arr in datasets.items():
-                if arr is None:
-                    continue
-                arr = np.asarray(arr)
-                if compression and arr.size > 1024:
-                    f.create_dataset(name, data=arr, compression=compression, shuffle=True)
-                else:
-                    f.create_dataset(name, data=arr)
+        if raw <= IN_MEMORY_WRITE_BYTES:
+            with h5py.File(f"{tmp}.core", "w", driver="core", backing_store=False) as f:
+                _fill(f, meta, attrs, datasets, compression)
+                f.flush()
+                image = f.id.get_file_image()
+            with open(tmp, "wb") as fh:
+                fh.write(image)
+                fh.flush()
+                os.fsync(fh.fileno())
+        else:
+            with create_output(tmp) as f:
+                _fill(f, meta, attrs, datasets, compression)
     return o
 
 

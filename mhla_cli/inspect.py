@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 from typing import Any
 
@@ -12,8 +13,23 @@ from . import formats
 from .errors import InputError
 
 
+def _attr_value(v: Any) -> Any:
+    if isinstance(v, bytes):
+        return v.decode(errors="replace")
+    if isinstance(v, np.generic):
+        return v.item()
+    if isinstance(v, np.ndarray):
+        return v.tolist()
+    return v
+
+
 def inspect_file(path: str | os.PathLike) -> dict[str, Any]:
-    """Describe an mhla file and validate it with the same checks the commands use."""
+    """Describe an mhla file and validate it with the same checks the commands use.
+
+    Returns {path, kind, valid, datasets: {name: {shape, dtype}}, attrs, provenance, error, ...}
+    plus kind-specific fields (d, n_samples, ...); `error` is the message the commands would give
+    (``<path>: <what is wrong>``) and `valid` is False when there is one.
+    """
     rep: dict[str, Any] = {"path": str(path), "kind": None, "valid": False, "datasets": {}, "attrs": {},
                            "error": None}
     try:
@@ -21,19 +37,29 @@ def inspect_file(path: str | os.PathLike) -> dict[str, Any]:
             for name, obj in f.items():
                 if isinstance(obj, h5py.Dataset):
                     rep["datasets"][name] = {"shape": list(obj.shape), "dtype": str(obj.dtype)}
-            for k, v in f.attrs.items():
-                if isinstance(v, bytes):
-                    v = v.decode(errors="replace")
-                elif isinstance(v, np.generic):
-                    v = v.item()
-                elif isinstance(v, np.ndarray):
-                    v = v.tolist()
-                rep["attrs"][k] = v
+                else:
+                    rep["datasets"][name] = {"group": True}
+            for k in f.attrs.keys():
+                try:
+                    rep["attrs"][k] = _attr_value(f.attrs[k])
+                except (OSError, TypeError, ValueError) as exc:  # unreadable attribute type
+                    rep["attrs"][k] = f"<unreadable: {exc}>"
             rep["kind"] = formats.file_kind(f, path)
+        if isinstance(rep["attrs"].get("mhla_inputs"), str):
+            try:
+                rep["provenance"] = {"inputs": json.loads(rep["attrs"]["mhla_inputs"]),
+                                     "command": rep["attrs"].get("mhla_command"),
+                                     "mhla_version": rep["attrs"].get("mhla_version"),
+                                     "created": rep["attrs"].get("mhla_created")}
+            except ValueError:
+                pass
         rep.update(_validate(path, rep["kind"]))
         rep["valid"] = True
     except InputError as exc:
         rep["error"] = str(exc)
+    except (OSError, RuntimeError, KeyError, ValueError) as exc:
+        rep["error"] = str(InputError(f"cannot read ({' '.join(str(exc).split())}); the file may be "
+                                      "truncated or corrupted", path))
     return rep
 
 
@@ -48,12 +74,13 @@ def _validate(path: str | os.PathLike, kind: str) -> dict[str, Any]:
 
         feats = Features.load(path)
         return {"d": feats.d, "n_samples": feats.n_samples, "n_features": feats.n_features,
-                "has_targets": feats.has_targets}
+                "n_tokens": feats.n_tokens, "has_targets": feats.has_targets,
+                "sample_range": list(feats.sample_range) if feats.sample_range else None}
     if kind == "model":
         from .solve import Model
 
         model = Model.load(path)
-        return {"d": model.d}
+        return {"d": model.d, "n_features": int(model.coef.shape[1])}
     if kind == "heads":
         from .heads import Heads
 
@@ -61,9 +88,20 @@ def _validate(path: str | os.PathLike, kind: str) -> dict[str, Any]:
         return {"d": heads.d, "n_heads": heads.n_heads}
     with formats.open_input(path) as f:
         pred = formats.read_array(f, "predictions", path)
-    if pred.ndim != 2:
-        raise InputError(f"'predictions' has shape {pred.shape}, expected (N, d)", path)
-    return {"n_samples": int(pred.shape[0]), "d": int(pred.shape[1])}
+        if pred.ndim != 2:
+            raise InputError(f"'predictions' has shape {pred.shape}, expected (N, d)", path)
+        out = {"n_samples": int(pred.shape[0]), "d": int(pred.shape[1])}
+        if "outputs" in f:
+            outputs = formats.read_array(f, "outputs", path)
+            off = formats.read_array(f, "offsets", path)
+            if outputs.ndim != 2 or outputs.shape[1] != pred.shape[1]:
+                raise InputError(f"'outputs' has shape {outputs.shape}, expected (T, {pred.shape[1]})", path)
+            if off.shape != (pred.shape[0] + 1,) or off[0] != 0 or off[-1] != outputs.shape[0] \
+                    or (np.diff(off) <= 0).any():
+                raise InputError("'offsets' do not describe 'outputs' (need N+1 strictly increasing "
+                                 "integers from 0 to T)", path)
+            out["n_tokens"] = int(outputs.shape[0])
+    return out
 
 
 def _scan_finite(path: str | os.PathLike, info: formats.TokensInfo) -> None:

@@ -82,13 +82,20 @@ def predict(fn: Model | Heads | np.ndarray, tokens: np.ndarray, offsets: np.ndar
 def predict_file(fn: Model | Heads, data: str | os.PathLike, out: str | os.PathLike | None = None,
                  all_positions: bool = False, chunk_size: int | None = None,
                  progress: Callable[[int], None] | None = None,
-                 inputs: tuple[str | os.PathLike, ...] = ()) -> dict[str, Any]:
+                 inputs: tuple[str | os.PathLike, ...] = (), workers: int = 1,
+                 map: Callable[..., Any] | None = None) -> dict[str, Any]:  # noqa: A002
     """Stream predictions over a tokens file; write them to `out` (atomically) if given.
 
     Returns a summary (n_samples, mse when the data have targets); without `out` the summary also
-    holds the `predictions` array.
+    holds the `predictions` array. `workers=K` predicts chunks in K local workers (or pass any
+    ordered `map`); the output is the same as the serial one.
     """
+    import dataclasses
+    from functools import partial
+
     import h5py
+
+    from .parallel import make_map, predict_span
 
     coef = coef_of(fn)
     d = coef.shape[0]
@@ -110,13 +117,13 @@ def predict_file(fn: Model | Heads, data: str | os.PathLike, out: str | os.PathL
                 doff = fout.create_dataset("offsets", (info.n_samples + 1,), dtype="i8")
                 doff[0] = 0
         tok_pos = 0
-        with formats.open_input(data) as f:
-            for a, b in spans(0, info.n_samples, size):
-                tokens, offsets, targets = formats.read_tokens_span(f, info, a, b)
-                formats.check_finite(tokens, offsets, targets, a, data)
-                pred, outputs = predict_chunk(coef, tokens, offsets, all_positions)
-                if targets is not None:
-                    sse += float(((pred - targets) ** 2).sum())
+        todo = spans(0, info.n_samples, size)
+        with make_map(workers=workers, map=map) as pmap:
+            # workers open the file themselves: give them an absolute path
+            winfo = info if pmap.n_workers == 1 else dataclasses.replace(info, path=os.path.abspath(info.path))
+            task = partial(predict_span, coef, winfo, all_positions)
+            for (a, b), (pred, outputs, offsets, part_sse) in zip(todo, pmap(task, todo)):
+                sse += part_sse
                 if fout is not None:
                     dp[a:b] = pred
                     if all_positions:

@@ -56,10 +56,16 @@ def domain_map(feats: Features, domain: str) -> tuple[np.ndarray | None, int, in
     if domain != "observed":
         raise InputError(f"unknown domain '{domain}', expected full or observed")
     eps_in = float(np.finfo(np.dtype(feats.token_dtype)).eps) if feats.token_dtype in ("float16", "float32", "float64") else EPS
-    # A null direction of stored data is lifted by rounding only to second order (eps_in^2).
-    rel = max(d * EPS, d * eps_in**2)
-    B = range_basis(feats.token_gram, rel)
-    C = range_basis(feats.last_token_gram, rel)
+
+    def rel(count: int) -> float:
+        # A null direction of the token Gram is lifted (i) by rounding the stored tokens, only to
+        # second order (~ d eps_in^2), and (ii) by the float64 accumulation of its sum of `count`
+        # outer products: rounding errors add like a random walk, ~ sqrt(count) eps per entry, so
+        # d sqrt(count) eps in norm. (d eps alone is exceeded by real rank-3 data of 1500 samples.)
+        return max(d * EPS * float(np.sqrt(max(count, 1))), d * eps_in**2)
+
+    B = range_basis(feats.token_gram, rel(feats.n_tokens))
+    C = range_basis(feats.last_token_gram, rel(feats.n_samples))
     T = np.kron(pair_map(B), C.T)
     return T, B.shape[1], C.shape[1]
 

@@ -7,9 +7,13 @@ the only place the data are read; the serial loop, a process pool, shards and Da
 
 from __future__ import annotations
 
+import builtins
+import contextlib
 import json
+import math
 import os
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from functools import partial
 from typing import Any
@@ -19,7 +23,7 @@ import numpy as np
 
 from . import formats
 from .errors import InputError
-from .features import features_from_moments, n_features
+from .features import n_features, pair_index
 
 # Target size of the per-chunk work buffers; the default chunk size is derived from it.
 CHUNK_BYTES = 64 * 2**20
@@ -114,14 +118,13 @@ class Features:
             n = formats.read_attr_int(f, "n_samples", path)
             t = formats.read_attr_int(f, "n_tokens", path)
             psi = n_features(d)
-            gram = formats.read_array(f, "gram", path).astype(np.float64)
+            gram = formats.read_array(f, "gram", path).astype(np.float64, copy=False)
             if gram.shape != (psi, psi):
                 raise InputError(f"'gram' has shape {gram.shape}, expected (psi, psi) = ({psi}, {psi}) "
                                  f"for d = {d}", path)
             if not np.isfinite(gram).all():
                 raise InputError("'gram' contains NaN or Inf", path)
-            scale = float(np.abs(gram).max()) if gram.size else 0.0
-            if not np.allclose(gram, gram.T, rtol=0, atol=1e-12 * scale):
+            if not _is_symmetric(gram):
                 raise InputError("'gram' is not symmetric; the file is corrupted", path)
             tg = formats.read_array(f, "token_gram", path).astype(np.float64)
             lg = formats.read_array(f, "last_token_gram", path).astype(np.float64)
@@ -130,7 +133,7 @@ class Features:
                     raise InputError(f"'{name}' has shape {arr.shape}, expected ({d}, {d})", path)
             moments = target_gram = None
             if "moments" in f:
-                moments = formats.read_array(f, "moments", path).astype(np.float64)
+                moments = formats.read_array(f, "moments", path).astype(np.float64, copy=False)
                 if moments.shape != (psi, d):
                     raise InputError(f"'moments' has shape {moments.shape}, expected ({psi}, {d})", path)
                 if "target_gram" not in f:
@@ -146,9 +149,33 @@ class Features:
             source = json.loads(f.attrs["source"]) if "source" in f.attrs else None
             dtype = f.attrs.get("token_dtype", "float64")
             dtype = dtype.decode() if isinstance(dtype, bytes) else str(dtype)
+            extra = {}
+            for k in EXTRA_ATTRS:
+                if k in f.attrs:
+                    v = f.attrs[k]
+                    extra[k] = v.decode() if isinstance(v, bytes) else (v.item() if hasattr(v, "item") else v)
         return cls(d=d, n_samples=n, n_tokens=t, gram=gram, token_gram=tg, last_token_gram=lg,
                    moments=moments, target_gram=target_gram, token_dtype=dtype, sample_range=rng,
-                   source=source)
+                   source=source, extra_attrs=extra)
+
+
+# Attributes of a features file kept in `Features.extra_attrs` when it is loaded: which shard of
+# the source it holds, and for a partial merge the sample ranges it covers (JSON).
+EXTRA_ATTRS = ("shard", "sample_ranges", "partial")
+
+
+def _is_symmetric(a: np.ndarray, block: int = 1024) -> bool:
+    """a == a.T up to 1e-12 of its largest entry (checked in row blocks: no psi x psi temporaries)."""
+    if not a.size:
+        return True
+    tol = 1e-12 * float(np.abs(a).max())
+    for lo in range(0, a.shape[0], block):
+        hi = min(a.shape[0], lo + block)
+        if float(np.abs(a[lo:hi] - a[:, lo:hi].T).max()) > tol:
+            return False
+    return True
+
+
 
 
 # --------------------------------------------------------------------------------------------
@@ -156,24 +183,27 @@ class Features:
 # --------------------------------------------------------------------------------------------
 
 
-def sequence_moments(tokens: np.ndarray, offsets: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def sequence_moments(tokens: np.ndarray, offsets: np.ndarray, out: np.ndarray | None = None
+                     ) -> tuple[np.ndarray, np.ndarray]:
     """Per-sequence S = X^T X (B, d, d) and last tokens (B, d), float64, vectorised over the chunk.
 
-    Sequences are grouped by length (padding with zero rows, which do not change S) so that each
-    group is one batched matmul.
+    Equal lengths are one batched matmul; ragged chunks are grouped by length (padding with zero
+    rows, which do not change S), one batched matmul per group. `out` is an optional (B, d, d)
+    buffer for S.
     """
     tokens = np.asarray(tokens, dtype=np.float64)
+    offsets = np.asarray(offsets, dtype=np.int64)
     d = tokens.shape[1]
     lengths = np.diff(offsets)
     B = lengths.size
-    last = tokens[offsets[1:] - 1]
-    S = np.empty((B, d, d))
-    if B and (lengths == lengths[0]).all():
+    S = np.empty((B, d, d)) if out is None else out
+    if B == 0:
+        return S, np.empty((0, d))
+    if (lengths == lengths[0]).all() and offsets[0] == 0 and tokens.shape[0] == offsets[-1]:
         X = tokens.reshape(B, int(lengths[0]), d)
         np.matmul(X.transpose(0, 2, 1), X, out=S)
-        return S, last
-    padded = np.concatenate([tokens, np.zeros((1, d))])
-    zero_row = tokens.shape[0]
+        return S, X[:, -1, :]
+    last = tokens[offsets[1:] - 1]
     order = np.argsort(lengths, kind="stable")
     sorted_len = lengths[order]
     start = 0
@@ -181,35 +211,207 @@ def sequence_moments(tokens: np.ndarray, offsets: np.ndarray) -> tuple[np.ndarra
         lo_len = int(sorted_len[start])
         limit = lo_len + lo_len // 4 + 4  # pad by at most ~25 % (+4 rows) within a group
         stop = int(np.searchsorted(sorted_len, limit, side="right"))
-        idx_seq = order[start:stop]
+        idx = order[start:stop]
         L = int(sorted_len[stop - 1])
         ar = np.arange(L)
-        rows = offsets[idx_seq][:, None] + ar[None, :]
-        rows = np.where(ar[None, :] < lengths[idx_seq][:, None], rows, zero_row)
-        X = padded[rows]
-        S[idx_seq] = np.matmul(X.transpose(0, 2, 1), X)
+        valid = ar[None, :] < lengths[idx][:, None]
+        rows = np.where(valid, offsets[idx][:, None] + ar[None, :], 0)
+        X = tokens[rows]
+        X[~valid] = 0.0
+        S[idx] = np.matmul(X.transpose(0, 2, 1), X)
         start = stop
     return S, last
 
 
+# Narrower [H | Y] blocks use one BLAS thread: measured on 2 shared cores, OpenBLAS with 2 threads
+# took 397 ms for a (9500 x 44) syrk that one thread does in 1.6 ms (threads wait for a busy core).
+MIN_THREADED_WIDTH = 512
+_CONTROLLER: Any = None
+
+
+def _single_blas_thread() -> Any:
+    """Context limiting BLAS to one thread (tiny per-sequence products gain nothing from more)."""
+    global _CONTROLLER
+    if _CONTROLLER is None:
+        from threadpoolctl import ThreadpoolController
+
+        _CONTROLLER = ThreadpoolController()
+    return _CONTROLLER.limit(limits=1, user_api="blas")
+
+
+class _Accumulator:
+    """Running sums of one reduction, with reusable work buffers.
+
+    The Gram of the block [H | Y] (B x (psi + d)) holds gram, moments and target_gram at once, so
+    each chunk costs one syrk (numpy's `F.T @ F`); `G` accumulates it in float64.
+    """
+
+    def __init__(self, d: int, has_targets: bool) -> None:
+        self.d = d
+        self.psi = n_features(d)
+        self.has_targets = has_targets
+        self.width = self.psi + (d if has_targets else 0)
+        self.G: np.ndarray | None = None
+        self._prod: np.ndarray | None = None
+        self._bufs: dict[str, np.ndarray] = {}
+        j, k = pair_index(d)
+        self._upper_idx = (j * d + k).astype(np.intp)
+        self.token_gram = np.zeros((d, d))
+        self.last_token_gram = np.zeros((d, d))
+        self.n_samples = 0
+        self.n_tokens = 0
+
+    def _buf(self, name: str, rows: int, shape: tuple[int, ...]) -> np.ndarray:
+        buf = self._bufs.get(name)
+        if buf is None or buf.shape[0] < rows:
+            buf = self._bufs[name] = np.empty((rows, *shape))
+        return buf[:rows]
+
+    def add(self, tokens: np.ndarray, offsets: np.ndarray, targets: np.ndarray | None,
+            check: Callable[[np.ndarray], None] | None = None) -> None:
+        """Add one chunk: tokens (t, d) float64, offsets (B+1,) from 0, targets (B, d) or None.
+
+        `check(S)` may reject the chunk after S = X^T X is computed, before anything is added.
+        """
+        d, psi = self.d, self.psi
+        B = offsets.size - 1
+        if B == 0:
+            return
+        with _single_blas_thread():
+            S, last = sequence_moments(tokens, offsets, out=self._buf("S", B, (d, d)))
+            if check is not None:
+                check(S)
+            F = self._buf("F", B, (self.width,))
+            upper = np.take(S.reshape(B, d * d), self._upper_idx, axis=1, out=self._buf("U", B, (psi // d,)))
+            H = F[:, :psi].reshape(B, psi // d, d)  # a view: F is C-contiguous
+            # H_(j,k,l) = S[j,k] x_n[l] (BACKGROUND.md, "Why learning it is a linear regression")
+            np.multiply(upper[:, :, None], last[:, None, :], out=H)
+            if targets is not None:
+                F[:, psi:] = targets
+            self.token_gram += S.sum(axis=0)
+            self.last_token_gram += last.T @ last
+        # numpy's F.T @ F is a syrk; several BLAS threads only pay off for a wide block
+        with contextlib.nullcontext() if self.width >= MIN_THREADED_WIDTH else _single_blas_thread():
+            if self.G is None:
+                self.G = np.empty((self.width, self.width))
+                np.matmul(F.T, F, out=self.G)
+            else:
+                if self._prod is None:
+                    self._prod = np.empty_like(self.G)
+                np.matmul(F.T, F, out=self._prod)
+                self.G += self._prod
+        self.n_samples += B
+        self.n_tokens += int(offsets[-1])
+
+    def result(self, token_dtype: str = "float64") -> Features:
+        """The statistics so far (views into the accumulator; the work buffers are released)."""
+        self._bufs.clear()
+        self._prod = None
+        if self.G is None:
+            return Features.zeros(self.d, self.has_targets, token_dtype)
+        psi, G = self.psi, self.G
+        return Features(d=self.d, n_samples=self.n_samples, n_tokens=self.n_tokens, gram=G[:psi, :psi],
+                        token_gram=self.token_gram, last_token_gram=self.last_token_gram,
+                        moments=G[:psi, psi:] if self.has_targets else None,
+                        target_gram=G[psi:, psi:] if self.has_targets else None, token_dtype=token_dtype)
+
+
 def chunk_features(tokens: np.ndarray, offsets: np.ndarray, targets: np.ndarray | None, d: int) -> Features:
     """Statistics of one in-memory chunk (tokens (t, d), offsets from 0, targets (B, d) or None)."""
-    S, last = sequence_moments(tokens, offsets)
-    B = S.shape[0]
-    psi = n_features(d)
-    width = psi + (d if targets is not None else 0)
-    F = np.empty((B, width))
-    features_from_moments(S, last, out=F[:, :psi])
-    if targets is not None:
-        F[:, psi:] = targets
-    # One syrk for [H | Y]: its blocks are gram, moments and target_gram.
-    G = F.T @ F
-    return Features(
-        d=d, n_samples=B, n_tokens=int(offsets[-1]),
-        gram=G[:psi, :psi], token_gram=S.sum(axis=0), last_token_gram=last.T @ last,
-        moments=G[:psi, psi:] if targets is not None else None,
-        target_gram=G[psi:, psi:] if targets is not None else None,
-    )
+    acc = _Accumulator(d, targets is not None)
+    acc.add(np.asarray(tokens, dtype=np.float64), np.asarray(offsets, dtype=np.int64),
+            None if targets is None else np.asarray(targets, dtype=np.float64))
+    return acc.result(str(np.asarray(tokens).dtype))
+
+
+# --------------------------------------------------------------------------------------------
+# reading
+# --------------------------------------------------------------------------------------------
+
+
+class _ReadBuffers:
+    """Reusable float64 destination arrays of one reader slot (grown on demand)."""
+
+    def __init__(self) -> None:
+        self.tokens = np.empty((0,))
+        self.targets = np.empty((0,))
+
+    def get(self, name: str, shape: tuple[int, ...]) -> np.ndarray:
+        size = math.prod(shape)
+        buf = getattr(self, name)
+        if buf.size < size:
+            buf = np.empty(max(size, int(buf.size * 1.25)))
+            setattr(self, name, buf)
+        return buf[:size].reshape(shape)
+
+
+def _read_chunk(f: h5py.File, info: formats.TokensInfo, a: int, b: int, bufs: _ReadBuffers
+                ) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+    """Samples [a, b) as float64 (tokens (t, d), offsets from 0, targets), read into `bufs`.
+
+    HDF5 converts integer and float32 data to float64 while reading.
+    """
+    d = info.d
+    if info.layout == "dense":
+        n = int(info.seq_len)
+        dest = bufs.get("tokens", (b - a, n, d))
+        if b > a:
+            f["tokens"].read_direct(dest, np.s_[a:b])
+        tokens = dest.reshape(-1, d)
+        offsets = np.arange(b - a + 1, dtype=np.int64) * n
+    else:
+        offsets = np.asarray(f["offsets"][a:b + 1], dtype=np.int64)
+        t0, t1 = int(offsets[0]), int(offsets[-1])
+        tokens = bufs.get("tokens", (t1 - t0, d))
+        if t1 > t0:
+            f["tokens"].read_direct(tokens, np.s_[t0:t1])
+        offsets -= t0
+    targets = None
+    if info.has_targets:
+        targets = bufs.get("targets", (b - a, d))
+        if b > a:
+            f["targets"].read_direct(targets, np.s_[a:b])
+    return tokens, offsets, targets
+
+
+def iter_chunks(info: formats.TokensInfo, span: tuple[int, int], chunk_size: int | None = None,
+                prefetch: bool = True) -> Iterator[tuple[int, int, np.ndarray, np.ndarray, np.ndarray | None]]:
+    """Yield (a, b, tokens, offsets, targets) for the chunks of samples [lo, hi), as float64.
+
+    The arrays are reused: each is valid until the next item is requested. With `prefetch` a
+    reader thread reads the next chunk while the caller computes on this one.
+    """
+    lo, hi = span
+    size = chunk_size or default_chunk_size(info)
+    todo = spans(lo, hi, size)
+    slots = (_ReadBuffers(), _ReadBuffers())
+    with formats.open_input(info.path) as f:
+        if not prefetch or len(todo) < 2:
+            for a, b in todo:
+                yield (a, b, *_read_chunk(f, info, a, b, slots[0]))
+            return
+        with ThreadPoolExecutor(1, thread_name_prefix="mhla-read") as pool:
+            fut = pool.submit(_read_chunk, f, info, *todo[0], slots[0])
+            for i, (a, b) in enumerate(todo):
+                chunk = fut.result()
+                if i + 1 < len(todo):
+                    # the slot written next was last used by chunk i - 1, whose consumer is done
+                    fut = pool.submit(_read_chunk, f, info, *todo[i + 1], slots[(i + 1) % 2])
+                yield (a, b, *chunk)
+
+
+def _check_chunk(info: formats.TokensInfo, a: int, tokens: np.ndarray, offsets: np.ndarray,
+                 targets: np.ndarray | None, S: np.ndarray) -> None:
+    """Refuse NaN, Inf and overflowing magnitudes: a cheap test on S, the exact check on failure."""
+    bad = False
+    if np.dtype(info.dtype).kind == "f" and S.size:
+        # every squared token entry is <= some S_i[j, j]; NaN and Inf make the diagonal non-finite
+        top = float(np.max(np.diagonal(S, axis1=1, axis2=2)))
+        bad = not top <= getattr(formats, "MAX_TOKEN_ABS", 1e40) ** 2
+    if targets is not None and targets.size:
+        bad = bad or not float(np.max(np.abs(targets))) <= getattr(formats, "MAX_TARGET_ABS", 1e100)
+    if bad:
+        formats.check_finite(tokens, offsets, targets, a, info.path)
 
 
 # --------------------------------------------------------------------------------------------
@@ -221,7 +423,8 @@ def default_chunk_size(info: formats.TokensInfo) -> int:
     """Samples per chunk so that the chunk's buffers stay near CHUNK_BYTES."""
     psi = n_features(info.d)
     mean_len = max(1.0, info.n_tokens / info.n_samples)
-    per_sample = 8 * (psi + info.d) + 8 * info.d * mean_len * 3 + 8 * info.d * info.d * 2
+    # [H | Y] block + S + pair products, and two float64 read slots of tokens and targets
+    per_sample = 8 * (psi + info.d) + 8 * (info.d * info.d + psi // info.d) + 2 * 8 * info.d * (mean_len + 1)
     return int(max(1, min(info.n_samples, CHUNK_BYTES // per_sample)))
 
 
@@ -231,19 +434,25 @@ def spans(lo: int, hi: int, size: int) -> list[tuple[int, int]]:
     return [(a, min(a + size, hi)) for a in range(lo, hi, size)]
 
 
-def reduce_span(info: formats.TokensInfo, span: tuple[int, int], chunk_size: int | None = None) -> Features:
-    """Statistics of samples [lo, hi) of the tokens file `info.path` (opened here, read in chunks)."""
+def reduce_span(info: formats.TokensInfo, span: tuple[int, int], chunk_size: int | None = None,
+                progress: Callable[[int], None] | None = None, prefetch: bool = True) -> Features:
+    """Statistics of samples [lo, hi) of the tokens file `info.path` (opened here, read in chunks).
+
+    This is the one chunk reduction of mhla: the serial loop, worker pools, Dask and shards all
+    call it. `progress(n)` is called after each chunk of n samples.
+    """
     lo, hi = span
-    chunk_size = chunk_size or default_chunk_size(info)
-    total = Features.zeros(info.d, info.has_targets, info.dtype)
-    with formats.open_input(info.path) as f:
-        for a, b in spans(lo, hi, chunk_size):
-            tokens, offsets, targets = formats.read_tokens_span(f, info, a, b)
-            formats.check_finite(tokens, offsets, targets, a, info.path)
-            part = chunk_features(tokens, offsets, targets, info.d)
-            _add_into(total, part)
+    acc = _Accumulator(info.d, info.has_targets)
+    for a, b, tokens, offsets, targets in iter_chunks(info, (lo, hi), chunk_size, prefetch):
+        acc.add(tokens, offsets, targets,
+                check=lambda S, a=a, t=tokens, o=offsets, y=targets: _check_chunk(info, a, t, o, y, S))
+        if progress is not None:
+            progress(b - a)
+    total = acc.result(info.dtype)
+    if not (np.isfinite(total.gram).all() and (total.moments is None or np.isfinite(total.moments).all())):
+        raise InputError(f"the statistics of samples {lo}..{hi} overflow float64 (tokens or targets too "
+                         "large); rescale the data", info.path)
     total.sample_range = (lo, hi)
-    total.token_dtype = info.dtype
     return total
 
 
@@ -259,33 +468,55 @@ def _add_into(acc: Features, part: Features) -> None:
 
 
 def reduce_spans(info: formats.TokensInfo, span_list: Sequence[tuple[int, int]],
-                 map: Callable[..., Iterable[Features]] = map,  # noqa: A002 (cooler-style name)
+                 map: Callable[..., Iterable[Features]] = builtins.map,  # noqa: A002 (like builtins.map)
                  chunk_size: int | None = None,
                  progress: Callable[[int], None] | None = None) -> Features:
-    """Sum of `reduce_span` over `span_list`, evaluated with `map` (builtin, pool.map, ...)."""
-    total = Features.zeros(info.d, info.has_targets, info.dtype)
+    """Sum of `reduce_span` over `span_list`, evaluated with `map` (builtin, a pool's, Dask's).
+
+    `map(fn, spans)` may also yield partial sums (Dask tree-reduces on the cluster); the parts are
+    added in the order they come.
+    """
+    total: Features | None = None
     for part in map(partial(reduce_span, info, chunk_size=chunk_size), span_list):
-        _add_into(total, part)
+        if total is None:
+            total = part  # each part is a fresh result: sum into it
+        else:
+            _add_into(total, part)
         if progress is not None:
             progress(part.n_samples)
+    if total is None:
+        total = Features.zeros(info.d, info.has_targets, info.dtype)
+    total.token_dtype = info.dtype
     if span_list:
         total.sample_range = (span_list[0][0], span_list[-1][1])
     return total
 
 
-def check_memory(d: int, budget_bytes: int | None = None) -> None:
-    """Refuse up front a d whose psi x psi statistics (and their solve) would not fit in memory."""
+def work_spans(lo: int, hi: int, chunk_size: int, n_workers: int, per_worker: int = 4) -> list[tuple[int, int]]:
+    """About `per_worker` spans per worker (for load balance), each at least one chunk long."""
+    n = hi - lo
+    parts = max(1, min(math.ceil(n / max(1, chunk_size)), per_worker * max(1, n_workers)))
+    return [(lo + (n * i) // parts, lo + (n * (i + 1)) // parts) for i in range(parts)]
+
+
+def check_memory(d: int, budget_bytes: int | None = None, copies: int = 1) -> None:
+    """Refuse up front a d whose psi x psi statistics (and their solve) would not fit in memory.
+
+    `copies` is the number of accumulators held at once (one per worker process on this machine).
+    """
     if budget_bytes is None:
         budget_bytes = _available_memory()
-    need = _stats_bytes(d)
+    copies = max(1, int(copies))
+    need = copies * _stats_bytes(d)
     if need > budget_bytes:
-        fits = 1
-        while _stats_bytes(fits + 1) <= budget_bytes:
+        fits = 0
+        while copies * _stats_bytes(fits + 1) <= budget_bytes:
             fits += 1
+        who = f" ({copies} workers)" if copies > 1 else ""
         raise InputError(
-            f"d = {d} needs psi = {n_features(d)} features and about {need / 2**30:.1f} GiB for the "
-            f"psi x psi statistics, more than the {budget_bytes / 2**30:.1f} GiB available; "
-            f"the largest d that fits is {fits}")
+            f"d = {d} needs psi = {n_features(d)} features and about {need / 2**30:.1f} GiB{who} for "
+            f"the psi x psi statistics, more than the {budget_bytes / 2**30:.1f} GiB of memory available; "
+            + (f"the largest d that fits is {fits}" if fits else "not even d = 1 fits"))
 
 
 def _stats_bytes(d: int) -> int:
@@ -309,15 +540,16 @@ def _available_memory() -> int:
 
 def featurize(path: str | os.PathLike, chunk_size: int | None = None,
               shard: tuple[int, int] | None = None,
-              map: Callable[..., Iterable[Features]] = map,  # noqa: A002
-              progress: Callable[[int], None] | None = None) -> Features:
+              map: Callable[..., Iterable[Features]] | None = None,  # noqa: A002
+              progress: Callable[[int], None] | None = None,
+              workers: int = 1, scheduler: str | None = None) -> Features:
     """Sufficient statistics of a tokens file, streamed in chunks of `chunk_size` samples.
 
-    `shard=(i, M)` restricts to the i-th (0-based) of M contiguous sample ranges. `map` evaluates
-    the chunk reductions (builtin map, a pool's map, ...); results are summed in order.
+    `shard=(i, M)` restricts to the i-th (0-based) of M contiguous sample ranges. Parallelism:
+    `workers=K` (a local pool, see mhla_cli.parallel), `scheduler` (a Dask address, or "local" /
+    "local:K"), or any `map` (builtin map, a pool's map, ...) over the spans; all call `reduce_span`.
     """
     info = formats.inspect_tokens(path)
-    check_memory(info.d)
     lo, hi = 0, info.n_samples
     if shard is not None:
         i, m = shard
@@ -327,8 +559,23 @@ def featurize(path: str | os.PathLike, chunk_size: int | None = None,
         if hi <= lo:
             raise InputError(f"shard {i}/{m} is empty: the file has only {info.n_samples} samples", path)
     size = chunk_size or default_chunk_size(info)
-    feats = reduce_spans(info, spans(lo, hi, size), map=map, chunk_size=size, progress=progress)
-    feats.source = formats.source_identity(path)
+    if map is None and workers <= 1 and scheduler is None:
+        check_memory(info.d)
+        feats = reduce_span(info, (lo, hi), size, progress=progress)
+    else:
+        from . import parallel
+
+        with parallel.make_map(workers=workers, scheduler=scheduler, map=map) as pmap:
+            check_memory(info.d, copies=pmap.local_copies)
+            # workers (possibly on other hosts) open the file themselves: give them an absolute path
+            winfo = replace(info, path=os.path.abspath(info.path))
+            feats = reduce_spans(winfo, work_spans(lo, hi, size, pmap.n_workers), map=pmap,
+                                 chunk_size=size, progress=progress)
+    feats.sample_range = (lo, hi)
+    feats.token_dtype = info.dtype
+    feats.source = dict(formats.source_identity(path), n_samples=info.n_samples)
+    if shard is not None:
+        feats.extra_attrs["shard"] = f"{shard[0]}/{shard[1]}"
     return feats
 
 

@@ -7,6 +7,7 @@ Exit codes: 0 ok; 1 a check failed (certify); 2 usage or input error (one line `
 from __future__ import annotations
 
 import os
+import signal
 import sys
 from typing import Annotated
 
@@ -14,6 +15,7 @@ import typer
 
 from .. import __version__
 from ..errors import InputError
+from .. import formats
 from ..formats import Interrupted, sigterm_as_exception
 
 app = typer.Typer(
@@ -40,36 +42,67 @@ def _root(
     """mhla: learn MHLA exactly (Algorithm 1 of Yau et al., NeurIPS 2025) and certify identifiability."""
 
 
-from . import core  # noqa: E402
+from . import beyond, core, scale  # noqa: E402
 
 core.register(app)
+scale.register(app)
+beyond.register(app)
 
 
 def _error(message: str, code: int = 2) -> int:
-    sys.stderr.write(f"mhla: error: {message}\n")
-    sys.stderr.flush()
+    # One line, whatever the underlying library put in the message.
+    line = " ".join(str(message).split())
+    try:
+        sys.stderr.write(f"mhla: error: {line}\n")
+        sys.stderr.flush()
+    except (OSError, ValueError):
+        pass
     return code
+
+
+def _say_stderr(text: str) -> None:
+    try:
+        sys.stderr.write(text + "\n")
+        sys.stderr.flush()
+    except (OSError, ValueError):
+        pass
 
 
 def main(argv: list[str] | None = None) -> int:
     """Console-script entry point; returns (and exits with) the exit code."""
     code = run(argv)
+    if formats.hdf5_write_failed():
+        # libhdf5 can crash at interpreter shutdown after a failed write (it retries the flush of
+        # the already removed temporary file): the error is reported, so leave without teardown.
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except (OSError, ValueError):
+                pass
+        os._exit(code)
     sys.exit(code)
 
 
 def run(argv: list[str] | None = None) -> int:
-    """Run the CLI without exiting the interpreter; returns the exit code."""
+    """Run the CLI without exiting the interpreter; returns the exit code.
+
+    0 ok, 1 a check failed, 2 usage/input/output error (one line ``mhla: error: <file>: ...``),
+    3 internal error, 128 + signal number when interrupted (130 SIGINT, 143 SIGTERM).
+    """
+    args = list(sys.argv[1:] if argv is None else argv)
+    formats.set_command(["mhla", *args])
     try:
         with sigterm_as_exception():
-            rv = app(args=argv, prog_name="mhla", standalone_mode=False)
+            rv = app(args=args, prog_name="mhla", standalone_mode=False)
+            formats.check_interrupted()  # a signal whose exception was swallowed still ends the run
         return rv if isinstance(rv, int) else 0
     except InputError as exc:
         return _error(str(exc))
-    except Interrupted:
-        sys.stderr.write("mhla: terminated\n")
-        return 143
+    except Interrupted as exc:
+        _say_stderr("mhla: interrupted" if exc.signum == signal.SIGINT else "mhla: terminated")
+        return 128 + int(exc.signum)
     except KeyboardInterrupt:
-        sys.stderr.write("mhla: interrupted\n")
+        _say_stderr("mhla: interrupted")
         return 130
     except MemoryError:
         return _error("out of memory: use a smaller --chunk-size or a machine with more memory")
@@ -81,7 +114,7 @@ def run(argv: list[str] | None = None) -> int:
             pass
         return 0
     except typer.Abort:
-        sys.stderr.write("mhla: aborted\n")
+        _say_stderr("mhla: interrupted")
         return 130
     except Exception as exc:  # noqa: BLE001
         # Usage errors from typer's parser carry exit_code and format_message (typer's bundled click).
@@ -96,5 +129,8 @@ def run(argv: list[str] | None = None) -> int:
             return _error(msg, 2)
         if os.environ.get("MHLA_DEBUG"):
             raise
+        if isinstance(exc, OSError) and getattr(exc, "filename", None):
+            # An operating-system error on a named file (permissions, I/O error, ...).
+            return _error(f"{exc.filename}: {exc.strerror or exc}", 2)
         return _error(f"internal error: {type(exc).__name__}: {exc} (set MHLA_DEBUG=1 for a traceback; "
                       "please report it)", 3)

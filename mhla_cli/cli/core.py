@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 from typing import Annotated
 
@@ -107,15 +108,27 @@ def featurize_cmd(
     output: OutOpt,
     chunk_size: ChunkOpt = None,
     shard: Annotated[str | None, typer.Option("--shard", help="Only the i-th of M contiguous sample ranges, as i/M (0-based).")] = None,
+    folds: Annotated[int | None, typer.Option("--folds", min=2, help="Also store the statistics of K contiguous "
+                                              "folds (for `fit --heads auto` / `--nuclear auto`).")] = None,
+    workers: Annotated[int, typer.Option("--workers", "-j", min=0, help="Local worker processes (0: one per "
+                                         "core); the result equals the serial one up to summation order.")] = 1,
+    scheduler: Annotated[str | None, typer.Option("--scheduler", help="Run on a Dask cluster: a scheduler address "
+                                                  "(tcp://host:8786), a scheduler file (.json), or local / local:K "
+                                                  "(needs the dask extra).")] = None,
     json_out: JsonOpt = False,
     quiet: QuietOpt = False,
 ) -> None:
     """Stream a tokens file into the feature statistics (gram, moments, ...), in float64.
 
-    Memory is O(chunk + psi^2) whatever N is.
+    Memory is O(chunk + psi^2) whatever N is. For job arrays, run one --shard i/M per job and sum
+    the parts with `mhla merge`.
 
-    Example: mhla featurize data.h5 -o feats.h5 --chunk-size 4096
+    Example: mhla featurize data.h5 -o feats.h5 --workers 4
+    Example (job array): mhla featurize data.h5 --shard 3/8 -o part_3.h5 && mhla merge part_*.h5 -o feats.h5
     """
+    if scheduler is not None and workers != 1:
+        raise InputError("--workers and --scheduler cannot be combined (the Dask cluster sets the workers)")
+    parallel = {"workers": workers, "scheduler": scheduler}
     formats.check_output_path(output, (data,))
     info = formats.inspect_tokens(data)
     shard_t = _parse_shard(shard)
@@ -126,8 +139,18 @@ def featurize_cmd(
         lo, hi = shard_range(info.n_samples, *shard_t)
         total = hi - lo
     with progress_bar("featurize", total, quiet) as advance:
-        feats = featurize(data, chunk_size=chunk_size, shard=shard_t, progress=advance)
-    feats.save(output, inputs=(data,))
+        if folds is not None:
+            from ..folds import featurize_folds, save_with_folds
+
+            if shard_t is not None:
+                raise InputError("--folds and --shard cannot be combined")
+            feats, fold_feats = featurize_folds(data, folds, chunk_size=chunk_size, progress=advance, **parallel)
+        else:
+            feats = featurize(data, chunk_size=chunk_size, shard=shard_t, progress=advance, **parallel)
+    if folds is not None:
+        save_with_folds(feats, fold_feats, output, inputs=(data,))
+    else:
+        feats.save(output, inputs=(data,))
     psi = feats.n_features
     say(f"wrote {output}: d = {feats.d}, psi = {psi} features, N = {feats.n_samples} samples, "
         f"{feats.n_tokens} tokens" + ("" if feats.has_targets else " (no targets)"), quiet)
@@ -156,16 +179,21 @@ def certify_cmd(
                                                 "the numerical tolerance psi*eps*lambda_max always applies.")] = 0.0,
     domain: Annotated[str, typer.Option("--domain", help="full: every input in R^d (the paper). observed: "
                                         "inputs in the span of the data's tokens / last tokens.")] = "full",
+    witness: Annotated[Path | None, typer.Option("--witness", help="When not identifiable, write two models with "
+                                                 "the same training loss but different functions, and an "
+                                                 "input on which they differ, to this file.")] = None,
     chunk_size: ChunkOpt = None,
     json_out: JsonOpt = False,
     quiet: QuietOpt = False,
 ) -> None:
     """Certify that the data determine the learned function (Lemma 2.3). Exit 0 yes, 1 no, 2 error.
 
-    Example (a CI gate): mhla certify data.h5 --json > cert.json || exit 1
+    Example (a CI gate): mhla certify data.h5 --json > cert.json || exit 1;  mhla certify data.h5 --witness w.h5
     """
     if domain not in ("full", "observed"):
         raise InputError(f"--domain must be full or observed, got '{domain}'")
+    if witness is not None:
+        formats.check_output_path(witness, (data,))
     feats, _ = _load_or_featurize(data, chunk_size, quiet)
     cert = certify(feats, min_eig=min_eig, domain=domain)
     out = cert.to_dict()
@@ -183,6 +211,20 @@ def certify_cmd(
             f"{cert.n_features} reduced features", quiet)
     for r in cert.reasons:
         say(f"  - {r}", quiet)
+    if witness is not None and not cert.identifiable:
+        from ..witness import make_witness
+
+        wit = make_witness(feats, data=data, cert=cert if domain == "full" else None, chunk_size=chunk_size)
+        wit.save(witness, inputs=(data,))
+        wi = wit.info
+        out["witness"] = {"output": str(witness), **{k: wi[k] for k in (
+            "relative_loss_difference", "loss_source", "prediction_difference", "relative_prediction_difference",
+            "relative_function_distance", "verified")}}
+        say(f"  witness in {witness}: two models with training losses equal to {fmt(wi['relative_loss_difference'])} "
+            f"(relative, on the {wi['loss_source']}) differ by {fmt(wi['prediction_difference'])} "
+            f"({fmt(100 * wi['relative_prediction_difference'])} %) on the stored input sequence", quiet)
+    elif witness is not None:
+        warn("the data certify: no witness to write")
     if json_out:
         emit_json(out)
     if not cert.identifiable:
@@ -194,17 +236,47 @@ def fit_cmd(
     output: OutOpt,
     ridge: Annotated[float, typer.Option("--ridge", min=0.0, help="Ridge penalty l: minimise MSE/2-style "
                                          "(gram/N + l I) p^T = moments/N.")] = 0.0,
+    heads: Annotated[str | None, typer.Option("--heads", help="Factorised fit with H heads (V_h, Q_h), or 'auto' "
+                                              "(H by K-fold CV); needs far fewer samples when H is small.")] = None,
+    weight_decay: Annotated[float, typer.Option("--weight-decay", min=0.0, help="With --heads: penalty "
+                                                "L (||V||^2 + ||Q||^2) / 2 on the factors.")] = 0.0,
+    nuclear: Annotated[str | None, typer.Option("--nuclear", help="Nuclear-norm fit: MSE-style loss + LAMBDA "
+                                                "||W||_* (FISTA), or 'auto' (LAMBDA by K-fold CV).")] = None,
+    restarts: Annotated[int, typer.Option("--restarts", min=1, help="With --heads: number of starts "
+                                          "(SVD of the least-squares W, then random); the best is kept.")] = 10,
+    seed: Annotated[int, typer.Option("--seed", help="With --heads: seed of the random starts.")] = 0,
     chunk_size: ChunkOpt = None,
     json_out: JsonOpt = False,
     quiet: QuietOpt = False,
 ) -> None:
     """Least-squares fit of coef p on the feature statistics (Algorithm 1); writes coef and min-norm W.
 
-    Example: mhla fit feats.h5 -o model.h5 --json
+    With --heads H or --nuclear LAMBDA: a low-rank fit (W of rank <= H is stored), from the statistics only.
+    'auto' chooses by 5-fold CV (folds computed from a tokens file, or stored by `featurize --folds K`).
+
+    Example: mhla fit feats.h5 -o model.h5 --json;  mhla fit data.h5 -o model.h5 --heads auto
     """
     formats.check_output_path(output, (data,))
-    feats, _ = _load_or_featurize(data, chunk_size, quiet)
-    model = fit(feats, ridge=ridge)
+    from ..lowrank import fit_model, parse_auto
+
+    h, lam = parse_auto(heads, "--heads", int), parse_auto(nuclear, "--nuclear", float)
+    lowrank_fit = h is not None or lam is not None
+    if lowrank_fit and ridge > 0:
+        raise InputError("--ridge applies to the least-squares fit; use --weight-decay with --heads")
+    if "auto" in (h, lam):
+        from ..folds import load_for_cv
+
+        with progress_bar("featurize", formats.inspect_tokens(data).n_samples
+                          if formats.kind_of(data) == "tokens" else 0, quiet) as advance:
+            feats, fold_feats = load_for_cv(data, chunk_size=chunk_size, progress=advance)
+    else:
+        feats, _ = _load_or_featurize(data, chunk_size, quiet)
+        fold_feats = None
+    if lowrank_fit:
+        model = fit_model(feats, heads=h, nuclear=lam, weight_decay=weight_decay, restarts=restarts, seed=seed,
+                          folds=fold_feats)
+    else:
+        model = fit(feats, ridge=ridge)
     model.save(output, inputs=(data,))
     info = dict(model.info)
     info["output"] = str(output)
@@ -215,7 +287,12 @@ def fit_cmd(
         mse_text = f"train MSE = {fmt(info['train_mse'])}"
     say(f"wrote {output}: {mse_text}, lambda_min = {fmt(info['lambda_min'])}, "
         f"condition number = {fmt(info['condition_number'])}", quiet)
-    if not info["identifiable"] and ridge == 0:
+    if lowrank_fit:
+        say(f"  {info['method']} fit: {info['n_heads']} head(s), final objective {fmt(info['objective'])}"
+            + (f" (CV over {info['n_folds']} folds chose {info['cv']['chosen']:.4g})" if "cv" in info else "")
+            + (f"; head strengths ||V_h|| ||Q_h|| = {', '.join(fmt(x) for x in info['head_norms'])}"
+               if "head_norms" in info else ""), quiet)
+    elif not info["identifiable"] and ridge == 0:
         warn("the data do not determine the function (gram is singular or N < psi): this is the "
              "minimum-norm solution; see `mhla certify`")
     elif info["condition_number"] > 1e10:
@@ -227,18 +304,33 @@ def fit_cmd(
 def export_heads_cmd(
     model_path: Annotated[Path, typer.Argument(metavar="MODEL", help="Model file from `mhla fit`.")],
     output: OutOpt,
-    max_heads: Annotated[int | None, typer.Option("--max-heads", min=1, help="Keep at most the H strongest heads.")] = None,
+    max_heads: Annotated[str | None, typer.Option("--max-heads", help="Keep at most the H strongest heads; 'auto': "
+                                                  "the spectrum's outliers (see `mhla spectrum`).")] = None,
     tol: Annotated[float, typer.Option("--tol", min=0.0, help="Drop heads with s_h <= tol * s_max.")] = 1e-12,
+    fewest: Annotated[bool, typer.Option("--fewest", help="The fewest heads computing the same function "
+                                         "(relative function error <= 1e-8, verified).")] = False,
     json_out: JsonOpt = False,
     quiet: QuietOpt = False,
 ) -> None:
     """SVD of W into heads V_h, Q_h (at most d^2), reporting the relative function change.
 
-    Example: mhla export-heads model.h5 -o heads.h5 --max-heads 4
+    Example: mhla export-heads model.h5 -o heads.h5 --max-heads 4;  mhla export-heads model.h5 -o heads.h5 --fewest --json
     """
     formats.check_output_path(output, (model_path,))
+    from ..lowrank import fewest_heads, parse_auto
+
+    mh = parse_auto(max_heads, "--max-heads", int)
+    if fewest and mh is not None:
+        raise InputError("--fewest and --max-heads cannot be combined")
     model = Model.load(model_path)
-    heads = export_heads(model, tol=tol, max_heads=max_heads)
+    if fewest:
+        heads = fewest_heads(model.coef)
+    elif mh == "auto":
+        from ..spectrum import outlier_heads
+
+        heads = outlier_heads(model)
+    else:
+        heads = export_heads(model, tol=tol, max_heads=mh)
     heads.save(output, inputs=(model_path,))
     out = {"output": str(output), "n_heads": heads.n_heads, "d": heads.d,
            "relative_function_error": heads.info["relative_function_error"],
@@ -255,19 +347,21 @@ def predict_cmd(
     output: OutOpt,
     all_positions: Annotated[bool, typer.Option("--all-positions", help="Also write outputs at every position.")] = False,
     chunk_size: ChunkOpt = None,
+    workers: Annotated[int, typer.Option("--workers", "-j", min=0, help="Local worker processes (0: one per "
+                                         "core); the output equals the serial one.")] = 1,
     json_out: JsonOpt = False,
     quiet: QuietOpt = False,
 ) -> None:
     """Last-token predictions (and, optionally, every position's output) of a model on a tokens file.
 
-    Example: mhla predict heads.h5 data.h5 -o pred.h5 --json
+    Example: mhla predict heads.h5 data.h5 -o pred.h5 --json --workers 2
     """
     formats.check_output_path(output, (model_path, data))
     fn = load_function(model_path)
     info = formats.inspect_tokens(data)
     with progress_bar("predict", info.n_samples, quiet) as advance:
         res = predict_file(fn, data, output, all_positions=all_positions, chunk_size=chunk_size,
-                           progress=advance, inputs=(model_path,))
+                           progress=advance, inputs=(model_path,), workers=workers)
     res["output"] = str(output)
     say(f"wrote {output}: {res['n_samples']} predictions"
         + (f"; MSE against targets = {fmt(res['mse'])}" if "mse" in res else ""), quiet)
@@ -283,20 +377,28 @@ def inspect_cmd(
 
     Exit 0 when valid, 2 otherwise. Example: mhla inspect feats.h5 --json
     """
+    from rich.markup import escape
+
     from ..inspect import inspect_file
 
     rep = inspect_file(path)
     if json_out:
         emit_json(rep)
     else:
-        say(f"{path}: {rep['kind']} file, {'valid' if rep['valid'] else 'INVALID'}")
+        say(escape(f"{path}: {rep['kind'] or 'unknown'} file, {'valid' if rep['valid'] else 'INVALID'}"))
+        for key in ("layout", "d", "n_features", "n_samples", "n_tokens", "n_heads", "dtype", "has_targets"):
+            if rep.get(key) is not None:
+                say(escape(f"  {key} = {rep[key]}"))
         for name, ds in rep["datasets"].items():
-            say(f"  {name}: shape {tuple(ds['shape'])}, {ds['dtype']}")
+            if "shape" in ds:
+                say(escape(f"  {name}: shape {tuple(ds['shape'])}, {ds['dtype']}"))
+            else:
+                say(escape(f"  {name}: group"))
         for k, v in rep["attrs"].items():
-            say(f"  @{k} = {v}")
-        if rep.get("error"):
-            say(f"  error: {rep['error']}")
+            say(escape(f"  @{k} = {v}"))
     if not rep["valid"]:
+        # The same one-line error the other commands print (stderr), after the report.
+        sys.stderr.write(f"mhla: error: {' '.join(str(rep['error']).split())}\n")
         raise typer.Exit(2)
 
 

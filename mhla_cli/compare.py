@@ -1,0 +1,69 @@
+"""Do two models (or heads) compute the same function? Distance in p-space and on a dataset."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from . import formats
+from .errors import InputError
+from .heads import Heads
+from .model import coef_of, predict_chunk
+from .solve import Model
+from .stream import default_chunk_size, spans
+
+
+def function_distance(a: Model | Heads | np.ndarray, b: Model | Heads | np.ndarray) -> dict[str, float]:
+    """||p_A - p_B||_F and ||p_A - p_B||_F / ||p_B||_F (the paper's Fig. 2 metric)."""
+    pa, pb = coef_of(a), coef_of(b)
+    if pa.shape != pb.shape:
+        raise InputError(f"the models have different d ({pa.shape[0]} and {pb.shape[0]}): nothing to compare")
+    dist = float(np.linalg.norm(pa - pb))
+    nb = float(np.linalg.norm(pb))
+    rel = dist / nb if nb > 0 else (0.0 if dist == 0 else float("inf"))
+    return {"distance": dist, "relative_distance": rel, "norm_a": float(np.linalg.norm(pa)), "norm_b": nb}
+
+
+def prediction_difference(a: Model | Heads | np.ndarray, b: Model | Heads | np.ndarray,
+                          data: str | os.PathLike, chunk_size: int | None = None,
+                          progress: Callable[[int], None] | None = None) -> dict[str, float]:
+    """RMS over the N*d outputs of (yhat_A - yhat_B) on a tokens file, streamed, and the RMS of yhat_B."""
+    pa, pb = coef_of(a), coef_of(b)
+    info = formats.inspect_tokens(data)
+    if info.d != pa.shape[0]:
+        raise InputError(f"the data have d = {info.d} but the models have d = {pa.shape[0]}", data)
+    size = chunk_size or default_chunk_size(info)
+    ss_diff = ss_b = 0.0
+    max_abs = 0.0
+    with formats.open_input(data) as f:
+        for lo, hi in spans(0, info.n_samples, size):
+            tokens, offsets, targets = formats.read_tokens_span(f, info, lo, hi)
+            formats.check_finite(tokens, offsets, None, lo, data)
+            ya, _ = predict_chunk(pa, tokens, offsets)
+            yb, _ = predict_chunk(pb, tokens, offsets)
+            diff = ya - yb
+            ss_diff += float((diff**2).sum())
+            ss_b += float((yb**2).sum())
+            max_abs = max(max_abs, float(np.abs(diff).max()))
+            if progress is not None:
+                progress(hi - lo)
+    n = info.n_samples * info.d
+    return {"rms_prediction_difference": float(np.sqrt(ss_diff / n)), "rms_prediction_b": float(np.sqrt(ss_b / n)),
+            "max_abs_prediction_difference": max_abs, "n_samples": info.n_samples}
+
+
+def compare(a: Model | Heads | np.ndarray, b: Model | Heads | np.ndarray, tol: float = 1e-6,
+            on: str | os.PathLike | None = None, chunk_size: int | None = None,
+            progress: Callable[[int], None] | None = None) -> dict[str, Any]:
+    """Distance between two functions; `same` is relative_distance <= tol."""
+    if not (tol >= 0 and np.isfinite(tol)):
+        raise InputError(f"--tol must be a finite number >= 0, got {tol}")
+    out: dict[str, Any] = dict(function_distance(a, b))
+    out["tol"] = tol
+    out["same"] = bool(out["relative_distance"] <= tol)
+    if on is not None:
+        out.update(prediction_difference(a, b, on, chunk_size, progress))
+    return out

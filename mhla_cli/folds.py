@@ -1,0 +1,131 @@
+"""Per-fold sufficient statistics for K-fold cross-validation (``mhla featurize --folds K``).
+
+Fold k is the k-th contiguous sample range (stream.shard_range); its statistics are computed with
+stream.featurize(shard=(k, K)) and the folds sum to the whole-file statistics. A features file
+with folds holds, next to the usual datasets, fold_gram (K, psi, psi), fold_moments (K, psi, d),
+fold_target_gram (K, d, d), fold_token_gram (K, d, d), fold_last_token_gram (K, d, d),
+fold_n_samples (K,), fold_n_tokens (K,) and fold_ranges (K, 2), plus the attribute n_folds.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from . import formats
+from .errors import InputError
+from .features import n_features
+from .stream import Features, featurize
+
+FOLD_DATASETS = ("fold_gram", "fold_moments", "fold_target_gram", "fold_token_gram", "fold_last_token_gram",
+                 "fold_n_samples", "fold_n_tokens", "fold_ranges")
+
+
+def featurize_folds(path: str | os.PathLike, n_folds: int, chunk_size: int | None = None,
+                    progress: Callable[[int], None] | None = None, **parallel: Any
+                    ) -> tuple[Features, list[Features]]:
+    """Statistics of each of `n_folds` contiguous sample ranges of a tokens file, and their sum.
+
+    Each fold is stream.featurize(shard=(k, n_folds)); `parallel` (workers, scheduler, map) is passed on.
+    """
+    info = formats.inspect_tokens(path)
+    if n_folds < 2:
+        raise InputError(f"--folds must be >= 2, got {n_folds}")
+    if n_folds > info.n_samples:
+        raise InputError(f"--folds {n_folds} is more than the {info.n_samples} samples", path)
+    if not info.has_targets:
+        raise InputError("--folds needs targets (cross-validation scores predictions)", path)
+    folds = [featurize(path, chunk_size=chunk_size, shard=(k, n_folds), progress=progress, **parallel)
+             for k in range(n_folds)]
+    total = folds[0]
+    for f in folds[1:]:
+        total = total + f
+    total.source = folds[0].source
+    total.sample_range = (0, info.n_samples)
+    total.extra_attrs = {}
+    return total, folds
+
+
+def save_with_folds(total: Features, folds: list[Features], path: str | os.PathLike,
+                    inputs: tuple[str | os.PathLike, ...] = ()) -> None:
+    """Write a features file (same layout as Features.save) with the per-fold datasets added."""
+    attrs: dict[str, Any] = {"d": total.d, "n_samples": total.n_samples, "n_tokens": total.n_tokens,
+                             "n_features": total.n_features, "token_dtype": total.token_dtype,
+                             "n_folds": len(folds)}
+    if total.sample_range is not None:
+        attrs["sample_lo"], attrs["sample_hi"] = total.sample_range
+    if total.source is not None:
+        attrs["source"] = json.dumps(total.source)
+    attrs.update(total.extra_attrs)
+    data = {"gram": total.gram, "moments": total.moments, "target_gram": total.target_gram,
+            "token_gram": total.token_gram, "last_token_gram": total.last_token_gram,
+            "fold_gram": np.stack([f.gram for f in folds]),
+            "fold_moments": np.stack([f.moments for f in folds]),
+            "fold_target_gram": np.stack([f.target_gram for f in folds]),
+            "fold_token_gram": np.stack([f.token_gram for f in folds]),
+            "fold_last_token_gram": np.stack([f.last_token_gram for f in folds]),
+            "fold_n_samples": np.array([f.n_samples for f in folds], dtype=np.int64),
+            "fold_n_tokens": np.array([f.n_tokens for f in folds], dtype=np.int64),
+            "fold_ranges": np.array([f.sample_range or (0, 0) for f in folds], dtype=np.int64)}
+    formats.write_file(path, "features", data, attrs, inputs)
+
+
+def load_folds(path: str | os.PathLike, total: Features | None = None) -> list[Features] | None:
+    """The per-fold statistics of a features file, or None when it has none; validated against the total."""
+    total = Features.load(path) if total is None else total
+    d, psi = total.d, n_features(total.d)
+    with formats.open_input(path) as f:
+        if "fold_gram" not in f:
+            return None
+        arrs = {}
+        for name in FOLD_DATASETS:
+            arrs[name] = formats.read_array(f, name, path)
+    K = arrs["fold_gram"].shape[0]
+    expect = {"fold_gram": (K, psi, psi), "fold_moments": (K, psi, d), "fold_target_gram": (K, d, d),
+              "fold_token_gram": (K, d, d), "fold_last_token_gram": (K, d, d), "fold_n_samples": (K,),
+              "fold_n_tokens": (K,), "fold_ranges": (K, 2)}
+    for name, shape in expect.items():
+        if arrs[name].shape != shape:
+            raise InputError(f"'{name}' has shape {arrs[name].shape}, expected {shape}", path)
+        if not np.isfinite(arrs[name]).all():
+            raise InputError(f"'{name}' contains NaN or Inf", path)
+    if K < 2:
+        raise InputError(f"{K} fold(s) stored; cross-validation needs >= 2", path)
+    n = arrs["fold_n_samples"].astype(np.int64)
+    if (n < 1).any() or int(n.sum()) != total.n_samples:
+        raise InputError(f"fold_n_samples {n.tolist()} do not sum to n_samples = {total.n_samples}", path)
+    gsum = arrs["fold_gram"].sum(axis=0)
+    scale = max(float(np.abs(total.gram).max()), 1e-300)
+    if not np.allclose(gsum, total.gram, rtol=0, atol=1e-9 * scale):
+        raise InputError("the fold grams do not sum to 'gram'; the file is inconsistent", path)
+    folds = []
+    for k in range(K):
+        folds.append(Features(d=d, n_samples=int(n[k]), n_tokens=int(arrs["fold_n_tokens"][k]),
+                              gram=arrs["fold_gram"][k].astype(np.float64),
+                              token_gram=arrs["fold_token_gram"][k].astype(np.float64),
+                              last_token_gram=arrs["fold_last_token_gram"][k].astype(np.float64),
+                              moments=arrs["fold_moments"][k].astype(np.float64),
+                              target_gram=arrs["fold_target_gram"][k].astype(np.float64),
+                              token_dtype=total.token_dtype,
+                              sample_range=(int(arrs["fold_ranges"][k][0]), int(arrs["fold_ranges"][k][1]))))
+    return folds
+
+
+def load_for_cv(path: str | os.PathLike, n_folds: int = 5, chunk_size: int | None = None,
+                progress: Callable[[int], None] | None = None) -> tuple[Features, list[Features]]:
+    """Whole-file and per-fold statistics: from a features file's stored folds, or computed from a tokens file."""
+    kind = formats.kind_of(path)
+    if kind == "features":
+        total = Features.load(path)
+        folds = load_folds(path, total)
+        if folds is None:
+            raise InputError("has no per-fold statistics, which 'auto' needs: make it with "
+                             "`mhla featurize DATA -o FEATS --folds K`", path)
+        return total, folds
+    if kind == "tokens":
+        return featurize_folds(path, n_folds, chunk_size=chunk_size, progress=progress)
+    raise InputError(f"is a {kind} file, expected a tokens or features file", path)

@@ -1,0 +1,159 @@
+"""Spectrum of a learned function: head strengths, real heads vs a noise bulk.
+
+The spectrum is that of the minimum-nuclear-norm W among all W with the model's p (lowrank.min_nuclear_W),
+not of the minimum-norm W, whose (j, k) symmetrisation mixes the heads and leaves no gap.
+
+Threshold. The nuclear minimisation makes W exactly low rank: noise directions are not a full
+bulk but a set of small NONZERO values next to exact zeros. So:
+- "nonzero" means s > 1e-8 s_max (well above the 1e-11 convergence of min_nuclear_W);
+- if the nonzero count r is below the generic rank r_gen(d) = min{r : r (2 d^2 - r) >= d psi}, p is
+  exactly low rank (no noise: a generic p cannot be reached by a W of rank < r_gen, since the
+  rank-r matrices form a variety of dimension r (2 d^2 - r) < d psi), and every nonzero value is a head;
+- otherwise the Gavish-Donoho hard threshold for unknown noise, tau = omega(1) * median, with
+  omega(1) = 2.858 for a square matrix (Gavish & Donoho 2014), where the median is that of the
+  NONZERO values: the exact zeros are an artefact of the minimisation, not noise, and including them
+  drags the median (and tau) down until part of the bulk counts as heads.
+A noise level propagated from the fit's residual through gram^-1 would need the statistics, which a
+model file does not carry; this rule needs only the function.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import numpy as np
+
+from .errors import InputError
+from .features import n_features
+from .heads import Heads, p_from_W
+from .lowrank import min_nuclear_W, polish_heads
+from .solve import Model
+
+NONZERO_REL = 1e-8
+OMEGA_SQUARE = 2.858  # Gavish-Donoho omega(beta) at beta = 1 (unknown noise level)
+
+
+def generic_rank(d: int) -> int:
+    """Smallest r with r (2 d^2 - r) >= d psi: a generic p needs at least this many heads."""
+    n = d * d
+    need = d * n_features(d)
+    for r in range(1, n + 1):
+        if r * (2 * n - r) >= need:
+            return r
+    return n
+
+
+def effective_rank(s: np.ndarray) -> float:
+    """Entropy effective rank exp(-sum q log q), q = s / sum s (Roy & Vetterli 2007)."""
+    s = np.asarray(s, dtype=np.float64)
+    tot = float(s.sum())
+    if tot <= 0:
+        return 0.0
+    q = s[s > 0] / tot
+    return float(np.exp(-(q * np.log(q)).sum()))
+
+
+def spectrum(fn: Model | Heads | np.ndarray, W: np.ndarray | None = None) -> dict[str, Any]:
+    """Singular values of the min-nuclear-norm W of fn's function and their split into heads and noise."""
+    coef = np.asarray(fn if isinstance(fn, np.ndarray) else fn.coef, dtype=np.float64)
+    d = coef.shape[0]
+    Wn = min_nuclear_W(coef) if W is None else W
+    s = np.linalg.svd(Wn, compute_uv=False)
+    smax = float(s[0]) if s.size else 0.0
+    nz = s[s > NONZERO_REL * smax] if smax > 0 else s[:0]
+    r = int(nz.size)
+    r_gen = generic_rank(d)
+    if r == 0:
+        method, tau = "zero", 0.0
+    elif r < r_gen:
+        method, tau = "exact-low-rank", NONZERO_REL * smax
+    else:
+        method, tau = "gavish-donoho-nonzero-median", OMEGA_SQUARE * float(np.median(nz))
+    n_out = int((s > tau).sum()) if smax > 0 else 0
+    pn = float(np.linalg.norm(coef))
+    feas = float(np.linalg.norm(p_from_W(Wn) - coef)) / pn if pn > 0 else 0.0
+    return {"d": d, "singular_values": s.tolist(), "n_outliers": n_out, "threshold": tau,
+            "effective_rank": effective_rank(s), "nonzero_rank": r, "generic_rank": r_gen,
+            "threshold_method": method, "relative_function_error": feas, "W": Wn}
+
+
+def outlier_heads(fn: Model | Heads | np.ndarray, spec: dict[str, Any] | None = None) -> Heads:
+    """Heads for the spectrum's outliers: top-k SVD of the min-nuclear W, polished towards p.
+
+    The dropped bulk changes the function: info holds relative_function_error ||p_heads - p|| / ||p||.
+    """
+    coef = np.asarray(fn if isinstance(fn, np.ndarray) else fn.coef, dtype=np.float64)
+    d = coef.shape[0]
+    spec = spectrum(coef) if spec is None else spec
+    k = max(1, int(spec["n_outliers"]))
+    U, s, Vt = np.linalg.svd(spec["W"])
+    r = np.sqrt(s[:k])
+    V0 = (U[:, :k] * r).T
+    Q0 = (Vt[:k].T * r).T
+    pn = float(np.linalg.norm(coef))
+
+    def err(V: np.ndarray, Q: np.ndarray) -> float:
+        return float(np.linalg.norm(p_from_W(V.T @ Q) - coef)) / pn if pn > 0 else 0.0
+
+    V1, Q1, _ = polish_heads(coef, V0, Q0, max_iter=50)
+    if err(V1, Q1) < err(V0, Q0):
+        V0, Q0 = V1, Q1
+    heads = Heads(V=V0.reshape(k, d, d), Q=Q0.reshape(k, d, d))
+    heads.info = {"n_heads": k, "relative_function_error": err(V0, Q0), "max_heads": k,
+                  "singular_values": spec["singular_values"]}
+    return heads
+
+
+def text_histogram(spec: dict[str, Any], width: int = 40) -> str:
+    """Outliers as bars (linear in s / s_max), then a per-decade histogram of the other nonzero values."""
+    s = np.asarray(spec["singular_values"])
+    tau = spec["threshold"]
+    lines = []
+    smax = float(s[0]) if s.size and s[0] > 0 else 1.0
+    out = s[s > tau]
+    for i, v in enumerate(out):
+        bar = "#" * max(1, int(round(width * v / smax)))
+        lines.append(f"  head {i + 1:3d}  {v:10.4g}  {bar}")
+    lines.append(f"  ---- threshold {tau:.4g} ({spec['threshold_method']}) ----")
+    rest = s[(s <= tau) & (s > NONZERO_REL * smax)]
+    if rest.size:
+        lo = int(np.floor(np.log10(rest.min())))
+        hi = int(np.floor(np.log10(rest.max())))
+        counts = [(e, int(((rest >= 10.0**e) & (rest < 10.0 ** (e + 1))).sum())) for e in range(hi, lo - 1, -1)]
+        top = max(c for _, c in counts) or 1
+        for e, c in counts:
+            lines.append(f"  [1e{e:+d}, 1e{e + 1:+d})  {c:4d}  {'*' * max(0, int(round(width * c / top)))}")
+    zeros = int((s <= NONZERO_REL * smax).sum())
+    lines.append(f"  {zeros} value(s) <= {NONZERO_REL:g} s_max (zero)")
+    return "\n".join(lines)
+
+
+def plot_spectrum(spec: dict[str, Any], path: str | os.PathLike) -> None:
+    """Write a PNG of the singular values (log scale) with the threshold; needs the `plot` extra."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise InputError("--plot needs matplotlib: pip install 'mhla[plot]'") from None
+    from . import formats
+
+    s = np.asarray(spec["singular_values"])
+    floor = max(float(s[0]) * 1e-17, 1e-300) if s.size else 1e-300
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    idx = np.arange(1, s.size + 1)
+    heads = s > spec["threshold"]
+    ax.semilogy(idx[heads], np.maximum(s[heads], floor), "o", color="C3", label="heads (outliers)")
+    ax.semilogy(idx[~heads], np.maximum(s[~heads], floor), ".", color="C0", label="bulk / zero")
+    if spec["threshold"] > 0:
+        ax.axhline(spec["threshold"], color="gray", ls="--", label=f"threshold ({spec['threshold_method']})")
+    ax.set_xlabel("index")
+    ax.set_ylabel("singular value of min-nuclear-norm W")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    out = formats.check_output_path(path)
+    with formats.atomic_path(out) as tmp:
+        fig.savefig(tmp, format="png", dpi=120)
+    plt.close(fig)

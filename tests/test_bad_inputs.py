@@ -1,0 +1,530 @@
+"""Every bad input gets exit 2 and one line ``mhla: error: <file>: <message>``, no traceback, and
+nothing is written at -o (an existing file there stays byte-identical)."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import h5py
+import numpy as np
+import pytest
+
+from mhla_cli import synthetic
+from mhla_cli.cli import run
+from mhla_cli.features import n_features
+from mhla_cli.heads import export_heads
+from mhla_cli.solve import fit
+from mhla_cli.stream import featurize
+
+PREVIOUS = b"previous output, must survive\n" * 10
+
+
+@dataclass
+class Base:
+    """Valid files the bad ones are derived from (d = 2 data; a d = 3 model for the mismatch)."""
+
+    dir: Path
+    data: Path
+    feats: Path
+    model: Path
+    heads: Path
+    model3: Path
+    tokens: np.ndarray
+    offsets: np.ndarray
+    targets: np.ndarray
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory: pytest.TempPathFactory) -> Base:
+    d = tmp_path_factory.mktemp("base")
+    ds, _ = synthetic.generate_teacher(2, 1, 40, "2:6", seed=1)
+    data = d / "data.h5"
+    ds.save(data, dtype="float64", compression=None)
+    feats = featurize(data)
+    feats.save(d / "feats.h5")
+    model = fit(feats)
+    model.save(d / "model.h5")
+    export_heads(model).save(d / "heads.h5")
+    ds3, _ = synthetic.generate_teacher(3, 1, 30, "3", seed=2)
+    ds3.save(d / "data3.h5", dtype="float64")
+    fit(featurize(d / "data3.h5")).save(d / "model3.h5")
+    return Base(d, data, d / "feats.h5", d / "model.h5", d / "heads.h5", d / "model3.h5",
+                ds.tokens, ds.offsets, ds.targets)
+
+
+def h5(path: Path, **datasets: object) -> Path:
+    with h5py.File(path, "w") as f:
+        for k, v in datasets.items():
+            f[k] = v
+    return path
+
+
+def copy_with(src: Path, dst: Path, edit: Callable[[h5py.File], None]) -> Path:
+    shutil.copy(src, dst)
+    with h5py.File(dst, "r+") as f:
+        edit(f)
+    return dst
+
+
+def replace(name: str, value: np.ndarray) -> Callable[[h5py.File], None]:
+    def edit(f: h5py.File) -> None:
+        del f[name]
+        f[name] = value
+    return edit
+
+
+# --------------------------------------------------------------------------------------------
+# bad tokens files: each builder returns (path, expected message pattern)
+# --------------------------------------------------------------------------------------------
+
+
+def _nan_tokens(b: Base, p: Path) -> tuple[Path, str]:
+    t = b.tokens.copy()
+    t[b.offsets[7] + 1, 0] = np.nan  # second token of sample 7
+    return h5(p, tokens=t, offsets=b.offsets, targets=b.targets), r"tokens of sample 7 contain NaN or Inf"
+
+
+def _inf_targets(b: Base, p: Path) -> tuple[Path, str]:
+    y = b.targets.copy()
+    y[5, 1] = np.inf
+    return h5(p, tokens=b.tokens, offsets=b.offsets, targets=y), r"targets of sample 5 contain NaN or Inf"
+
+
+def _huge_tokens(b: Base, p: Path) -> tuple[Path, str]:
+    t = b.tokens.copy()
+    t[b.offsets[3], 1] = 1e200
+    return h5(p, tokens=t, offsets=b.offsets, targets=b.targets), r"tokens of sample 3 contain values up to 1e\+200"
+
+
+def _truncated(b: Base, p: Path) -> tuple[Path, str]:
+    raw = b.data.read_bytes()
+    p.write_bytes(raw[: len(raw) // 2])
+    return p, r"truncated or corrupted"
+
+
+def _corrupted_header(b: Base, p: Path) -> tuple[Path, str]:
+    raw = bytearray(b.data.read_bytes())
+    raw[8:200] = os.urandom(192)  # keep the signature, destroy the superblock and root group
+    p.write_bytes(bytes(raw))
+    return p, r"truncated or corrupted"
+
+
+def _corrupted_chunk(b: Base, p: Path) -> tuple[Path, str]:
+    # gzip-compressed tokens with garbage in the compressed data: the filter fails on reading.
+    with h5py.File(p, "w") as f:
+        f.create_dataset("tokens", data=b.tokens, compression="gzip", chunks=(len(b.tokens), 2))
+        f["offsets"] = b.offsets
+        f["targets"] = b.targets
+        info = f["tokens"].id.get_chunk_info(0)
+    raw = bytearray(p.read_bytes())
+    start = info.byte_offset + 16
+    raw[start:start + 64] = b"\x00" * 64
+    p.write_bytes(bytes(raw))
+    return p, r"truncated or corrupted"
+
+
+TOKEN_CASES: dict[str, Callable[[Base, Path], tuple[Path, str]]] = {
+    "missing": lambda b, p: (p, r"no such file"),
+    "not_hdf5": lambda b, p: (p.write_text("x,y\n1,2\n") and p, r"not an HDF5 file"),
+    "no_tokens": lambda b, p: (h5(p, stuff=np.ones(3)), r"expected a 'tokens' dataset.*found stuff"),
+    "rank1": lambda b, p: (h5(p, tokens=np.ones(10), offsets=np.array([0, 10])), r"'tokens' has rank 1"),
+    "rank4": lambda b, p: (h5(p, tokens=np.ones((2, 3, 4, 2))), r"'tokens' has rank 4"),
+    "strings": lambda b, p: (h5(p, tokens=np.array([[b"a", b"b"]] * 4), offsets=np.array([0, 2, 4])),
+                             r"dataset 'tokens' has dtype .*expected real numbers"),
+    "complex": lambda b, p: (h5(p, tokens=b.tokens.astype(complex), offsets=b.offsets),
+                             r"dataset 'tokens' has dtype complex128, expected real numbers"),
+    "offsets_not_0": lambda b, p: (h5(p, tokens=b.tokens, offsets=b.offsets + 1),
+                                   r"offsets\[0\] = 1, expected 0"),
+    "empty_sequence": lambda b, p: (h5(p, tokens=b.tokens, offsets=np.insert(b.offsets, 3, b.offsets[3])),
+                                    r"offsets not strictly increasing at sample 3 .*every sequence needs >= 1 token"),
+    "offsets_not_T": lambda b, p: (h5(p, tokens=b.tokens, offsets=np.append(b.offsets[:-1], b.offsets[-1] - 1)),
+                                   rf"offsets\[N\] = {b.offsets[-1] - 1} but tokens has T = {b.offsets[-1]} rows"),
+    "offsets_float": lambda b, p: (h5(p, tokens=b.tokens, offsets=b.offsets.astype(float)),
+                                   r"'offsets' must be a 1-d integer dataset"),
+    "n0_dense": lambda b, p: (h5(p, tokens=np.zeros((0, 4, 2))), r"no samples"),
+    "n0_ragged": lambda b, p: (h5(p, tokens=np.zeros((0, 2)), offsets=np.array([0])), r"no samples"),
+    "nan_tokens": _nan_tokens,
+    "inf_targets": _inf_targets,
+    "huge_tokens": _huge_tokens,
+    "targets_shape": lambda b, p: (h5(p, tokens=b.tokens, offsets=b.offsets, targets=np.ones((40, 3))),
+                                   r"'targets' has shape \(40, 3\), expected \(N, d\) = \(40, 2\)"),
+    "targets_wrong_n": lambda b, p: (h5(p, tokens=b.tokens, offsets=b.offsets, targets=b.targets[:-1]),
+                                     r"'targets' has shape \(39, 2\), expected \(N, d\) = \(40, 2\)"),
+    "truncated": _truncated,
+    "corrupted_header": _corrupted_header,
+    "corrupted_chunk": _corrupted_chunk,
+    "d_too_large": lambda b, p: (h5(p, tokens=np.ones((3, 2, 100)), targets=np.ones((3, 100))),
+                                 r"d = 100 needs psi = 505000 features.*the largest d that fits is \d+"),
+}
+
+
+def _features(edit: Callable[[h5py.File], None], msg: str) -> Callable[[Base, Path], tuple[Path, str]]:
+    return lambda b, p: (copy_with(b.feats, p, edit), msg)
+
+
+def _huge_features(b: Base, p: Path) -> tuple[Path, str]:
+    def edit(f: h5py.File) -> None:
+        psi = n_features(100)
+        f.attrs["d"] = 100
+        del f["gram"]
+        f.create_dataset("gram", shape=(psi, psi), dtype="f8")  # never written: the file stays small
+    return copy_with(b.feats, p, edit), r"d = 100 needs psi = 505000 features.*the largest d that fits is \d+"
+
+
+FEATURE_CASES = {
+    "gram_not_psi": _features(replace("gram", np.eye(5)), r"'gram' has shape \(5, 5\), expected \(psi, psi\) = \(6, 6\)"),
+    "gram_not_symmetric": _features(replace("gram", np.triu(np.ones((6, 6)))), r"'gram' is not symmetric"),
+    "gram_nan": _features(replace("gram", np.full((6, 6), np.nan)), r"'gram' contains NaN or Inf"),
+    "moments_shape": _features(replace("moments", np.ones((6, 3))), r"'moments' has shape \(6, 3\), expected \(6, 2\)"),
+    "features_truncated": lambda b, p: (p.write_bytes(b.feats.read_bytes()[:1500]) and p, r"truncated or corrupted"),
+    "d_too_large": _huge_features,
+}
+
+MODEL_CASES = {
+    "W_vs_coef": lambda b, p: (copy_with(b.model, p, replace("W", np.ones((4, 4)))),
+                               r"'W' and 'coef' describe different functions"),
+    "W_shape": lambda b, p: (copy_with(b.model, p, replace("W", np.ones((9, 9)))),
+                             r"'W' has shape \(9, 9\), expected \(d\^2, d\^2\) = \(4, 4\)"),
+    "coef_not_psi": lambda b, p: (copy_with(b.model, p, replace("coef", np.ones((2, 5)))),
+                                  r"'coef' has 5 feature columns, which is not d\^2\(d\+1\)/2"),
+}
+
+HEADS_CASES = {
+    "V_vs_Q": lambda b, p: (copy_with(b.heads, p, replace("Q", np.ones((1, 3, 3)))),
+                            r"'Q' has shape \(1, 3, 3\) but 'V' has shape \(\d+, 2, 2\)"),
+    "V_not_square": lambda b, p: (copy_with(b.heads, p, replace("V", np.ones((1, 2, 3)))),
+                                  r"'V' has shape \(1, 2, 3\), expected \(H, d, d\)"),
+}
+
+
+# --------------------------------------------------------------------------------------------
+# the runner
+# --------------------------------------------------------------------------------------------
+
+
+def run_bad(capsys: pytest.CaptureFixture[str], argv: list[str], blamed: Path | None, pattern: str,
+            out: Path | None) -> None:
+    """Run twice (no file at -o, then a pre-existing one) and check exit 2, the message, no output."""
+    for previous in (None, PREVIOUS) if out is not None else (None,):
+        if out is not None and previous is not None:
+            out.write_bytes(previous)
+        elif out is not None and out.is_file():
+            out.unlink()
+        capsys.readouterr()
+        code = run(argv)
+        cap = capsys.readouterr()
+        assert code == 2, cap.err
+        lines = cap.err.strip().splitlines()
+        assert len(lines) == 1, cap.err
+        assert "Traceback" not in cap.err
+        if argv[0] == "inspect":  # --json: the report on stdout carries the same message
+            rep = json.loads(cap.out)
+            assert rep["valid"] is False and lines[0] == f"mhla: error: {rep['error']}"
+        else:
+            assert cap.out == ""
+        prefix = "mhla: error: " if blamed is None else f"mhla: error: {blamed}: "
+        if blamed is None and lines[0].startswith(f"mhla: error: {argv[1]}: "):
+            prefix = f"mhla: error: {argv[1]}: "
+        assert lines[0].startswith(prefix), lines[0]
+        assert re.search(pattern, lines[0][len(prefix):]), lines[0]
+        if out is not None:
+            if previous is None:
+                assert not out.exists()
+            else:
+                assert out.read_bytes() == previous
+            assert not list(out.parent.glob(f".{out.name}.*.tmp-mhla"))
+
+
+@pytest.mark.parametrize("command", ["featurize", "certify", "fit", "predict", "inspect"])
+@pytest.mark.parametrize("case", sorted(TOKEN_CASES))
+def test_bad_tokens(case: str, command: str, base: Base, tmp_path: Path, capsys) -> None:
+    bad, pattern = TOKEN_CASES[case](base, tmp_path / f"{case}.h5")
+    out = tmp_path / "out.h5"
+    argv = {"featurize": ["featurize", str(bad), "-o", str(out)],
+            "certify": ["certify", str(bad)],
+            "fit": ["fit", str(bad), "-o", str(out)],
+            "predict": ["predict", str(base.model), str(bad), "-o", str(out)],
+            "inspect": ["inspect", str(bad), "--json"]}[command]
+    if command == "predict" and case == "d_too_large":
+        pattern = r"the data have d = 100 but the model has d = 2"  # predict needs no psi x psi statistics
+    if command == "inspect" and case == "d_too_large":
+        pytest.skip("inspect validates the file, not the machine's memory")
+    blamed: Path | None = bad
+    if case == "d_too_large" and command != "predict":
+        blamed = None  # stream.featurize raises check_memory's error without the file name (reported)
+    run_bad(capsys, argv, blamed, pattern, out if "-o" in argv else None)
+
+
+@pytest.mark.parametrize("command", ["fit", "certify", "inspect"])
+@pytest.mark.parametrize("case", sorted(FEATURE_CASES))
+def test_bad_features(case: str, command: str, base: Base, tmp_path: Path, capsys) -> None:
+    bad, pattern = FEATURE_CASES[case](base, tmp_path / f"{case}.h5")
+    out = tmp_path / "out.h5"
+    argv = {"fit": ["fit", str(bad), "-o", str(out)], "certify": ["certify", str(bad), "--json"],
+            "inspect": ["inspect", str(bad), "--json"]}[command]
+    run_bad(capsys, argv, bad, pattern, out if command == "fit" else None)
+
+
+@pytest.mark.parametrize("command", ["predict", "export-heads", "inspect"])
+@pytest.mark.parametrize("case", sorted(MODEL_CASES))
+def test_bad_model(case: str, command: str, base: Base, tmp_path: Path, capsys) -> None:
+    bad, pattern = MODEL_CASES[case](base, tmp_path / f"{case}.h5")
+    out = tmp_path / "out.h5"
+    argv = {"predict": ["predict", str(bad), str(base.data), "-o", str(out)],
+            "export-heads": ["export-heads", str(bad), "-o", str(out)],
+            "inspect": ["inspect", str(bad), "--json"]}[command]
+    run_bad(capsys, argv, bad, pattern, None if command == "inspect" else out)
+
+
+@pytest.mark.parametrize("case", sorted(HEADS_CASES))
+def test_bad_heads(case: str, base: Base, tmp_path: Path, capsys) -> None:
+    bad, pattern = HEADS_CASES[case](base, tmp_path / f"{case}.h5")
+    out = tmp_path / "out.h5"
+    run_bad(capsys, ["predict", str(bad), str(base.data), "-o", str(out)], bad, pattern, out)
+    run_bad(capsys, ["inspect", str(bad), "--json"], bad, pattern, None)
+
+
+def test_predict_with_other_d(base: Base, tmp_path: Path, capsys) -> None:
+    out = tmp_path / "pred.h5"
+    run_bad(capsys, ["predict", str(base.model3), str(base.data), "-o", str(out)], base.data,
+            r"the data have d = 2 but the model has d = 3", out)
+
+
+def test_wrong_kind(base: Base, tmp_path: Path, capsys) -> None:
+    out = tmp_path / "out.h5"
+    run_bad(capsys, ["featurize", str(base.model), "-o", str(out)], base.model, r"is a model file, expected tokens", out)
+    run_bad(capsys, ["predict", str(base.data), str(base.data), "-o", str(out)], base.data,
+            r"is a tokens file, expected a model or heads file", out)
+
+
+# --------------------------------------------------------------------------------------------
+# bad -o paths
+# --------------------------------------------------------------------------------------------
+
+
+def _commands(base: Base, out: Path) -> list[list[str]]:
+    return [["featurize", str(base.data), "-o", str(out)], ["fit", str(base.feats), "-o", str(out)],
+            ["export-heads", str(base.model), "-o", str(out)],
+            ["predict", str(base.heads), str(base.data), "-o", str(out)],
+            ["generate", "teacher", "-o", str(out), "--dim", "2", "--heads", "1", "--n-samples", "5"]]
+
+
+def test_output_in_missing_directory(base: Base, tmp_path: Path, capsys) -> None:
+    out = tmp_path / "nope" / "out.h5"
+    for argv in _commands(base, out):
+        run_bad(capsys, argv, out, r"output directory '.*nope' does not exist", None)
+        assert not out.parent.exists()
+
+
+def test_output_is_a_directory(base: Base, tmp_path: Path, capsys) -> None:
+    out = tmp_path / "adir"
+    out.mkdir()
+    (out / "keep.txt").write_text("keep")
+    for argv in _commands(base, out):
+        run_bad(capsys, argv, out, r"output path is a directory", None)
+        assert [p.name for p in out.iterdir()] == ["keep.txt"]
+
+
+def test_output_is_a_device(base: Base, capsys) -> None:
+    # As root, renaming over /dev/null would replace the device: refused up front.
+    run_bad(capsys, ["featurize", str(base.data), "-o", "/dev/null"], Path("/dev/null"),
+            r"not a regular file", None)
+    assert Path("/dev/null").is_char_device()
+
+
+def test_input_as_its_own_output(base: Base, tmp_path: Path, capsys) -> None:
+    data = tmp_path / "data.h5"
+    shutil.copy(base.data, data)
+    feats = tmp_path / "feats.h5"
+    shutil.copy(base.feats, feats)
+    link = tmp_path / "alias.h5"
+    os.link(data, link)
+    before = data.read_bytes(), feats.read_bytes()
+    for argv, blamed in ((["featurize", str(data), "-o", str(data)], data),
+                         (["featurize", str(data), "-o", str(link)], link),  # a hard link to the input
+                         (["fit", str(feats), "-o", str(feats)], feats),
+                         (["predict", str(base.heads), str(data), "-o", str(data)], data)):
+        run_bad(capsys, argv, blamed, r"output would overwrite an input file", None)
+    assert (data.read_bytes(), feats.read_bytes()) == before
+
+
+def test_unknown_option_is_a_usage_error(base: Base, capsys) -> None:
+    assert run(["featurize", str(base.data), "--no-such-option"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("mhla: error: featurize: ") and "no-such-option" in err[0]
+
+
+# --------------------------------------------------------------------------------------------
+# integer tokens
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", ["int8", "int32", "int64", "uint16"])
+def test_integer_tokens_equal_float64(dtype: str, tmp_path: Path, capsys) -> None:
+    rng = np.random.default_rng(0)
+    lengths = rng.integers(1, 7, size=60)
+    offsets = np.concatenate([[0], np.cumsum(lengths)])
+    tokens = rng.integers(0 if dtype.startswith("u") else -5, 6, size=(int(offsets[-1]), 3))
+    targets = rng.integers(0 if dtype.startswith("u") else -3, 4, size=(60, 3))
+    ints = h5(tmp_path / "ints.h5", tokens=tokens.astype(dtype), offsets=offsets, targets=targets.astype(dtype))
+    floats = h5(tmp_path / "floats.h5", tokens=tokens.astype(np.float64), offsets=offsets,
+                targets=targets.astype(np.float64))
+    for src in (ints, floats):
+        assert run(["featurize", str(src), "-o", str(src.with_suffix(".feats.h5")), "-q"]) == 0
+    a = h5py.File(ints.with_suffix(".feats.h5"), "r")
+    b = h5py.File(floats.with_suffix(".feats.h5"), "r")
+    with a, b:
+        for name in ("gram", "moments", "target_gram", "token_gram", "last_token_gram"):
+            assert a[name].dtype == np.float64
+            np.testing.assert_array_equal(a[name][()], b[name][()])
+    assert run(["inspect", str(ints)]) == 0
+
+
+# --------------------------------------------------------------------------------------------
+# HDF5 file locking (shared cluster filesystems)
+# --------------------------------------------------------------------------------------------
+
+
+def test_many_readers_share_a_file(base: Base, capsys) -> None:
+    """Readers take a shared lock: another reader holding one does not block mhla."""
+    import fcntl
+
+    with open(base.data, "rb") as fh:
+        fcntl.flock(fh.fileno(), fcntl.LOCK_SH)
+        with h5py.File(base.data, "r"):
+            assert run(["certify", str(base.data), "--json", "-q"]) == 0
+    capsys.readouterr()
+
+
+def test_locked_by_a_writer(base: Base, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys) -> None:
+    import fcntl
+
+    data = tmp_path / "data.h5"
+    shutil.copy(base.data, data)
+    out = tmp_path / "feats.h5"
+    monkeypatch.delenv("HDF5_USE_FILE_LOCKING", raising=False)
+    with open(data, "rb") as fh:
+        fcntl.flock(fh.fileno(), fcntl.LOCK_EX)  # what a program writing the file holds
+        run_bad(capsys, ["featurize", str(data), "-o", str(out)], data,
+                r"is locked by another process .*HDF5_USE_FILE_LOCKING=FALSE", out)
+        # The documented way out: HDF5_USE_FILE_LOCKING=FALSE (read without locking).
+        monkeypatch.setenv("HDF5_USE_FILE_LOCKING", "FALSE")
+        assert run(["featurize", str(data), "-o", str(out), "-q"]) == 0
+    assert out.exists()
+
+
+def test_filesystem_without_locks_falls_back(base: Base, monkeypatch: pytest.MonkeyPatch, capsys) -> None:
+    """Where flock is unsupported (ENOSYS, e.g. Lustre mounted without flock), reading goes on
+    without a lock, unless HDF5_USE_FILE_LOCKING=TRUE demands one."""
+    from mhla_cli import formats
+
+    real = h5py.File
+    calls = []
+
+    def no_flock(name, mode="r", *args, locking=None, **kwargs):  # noqa: ANN001, ANN002, ANN003
+        calls.append(locking)
+        if mode == "r" and locking is not False:
+            raise OSError(38, "Unable to synchronously open file (unable to lock file, errno = 38, "
+                              "error message = 'Function not implemented')")
+        return real(name, mode, *args, **({} if locking is None else {"locking": locking}), **kwargs)
+
+    monkeypatch.setattr(formats.h5py, "File", no_flock)
+    monkeypatch.delenv("HDF5_USE_FILE_LOCKING", raising=False)
+    assert run(["certify", str(base.data), "-q"]) == 0
+    assert False in calls
+    monkeypatch.setenv("HDF5_USE_FILE_LOCKING", "TRUE")
+    run_bad(capsys, ["certify", str(base.data)], base.data,
+            r"cannot lock the file for reading \(Function not implemented\).*HDF5_USE_FILE_LOCKING=FALSE", None)
+
+
+# --------------------------------------------------------------------------------------------
+# provenance and inspect on valid files
+# --------------------------------------------------------------------------------------------
+
+
+def test_every_output_records_provenance(tmp_path: Path, capsys) -> None:
+    import shlex
+
+    from mhla_cli import __version__, formats
+
+    p = {n: tmp_path / f"{n}.h5" for n in ("data", "feats", "model", "heads", "pred")}
+    steps = [
+        (["generate", "teacher", "-o", str(p["data"]), "--dim", "2", "--heads", "1", "--n-samples", "60",
+          "--seq-len", "1:5", "-q"], p["data"], []),
+        (["featurize", str(p["data"]), "-o", str(p["feats"]), "-q"], p["feats"], [p["data"]]),
+        (["fit", str(p["feats"]), "-o", str(p["model"]), "-q"], p["model"], [p["feats"]]),
+        (["export-heads", str(p["model"]), "-o", str(p["heads"]), "-q"], p["heads"], [p["model"]]),
+        (["predict", str(p["heads"]), str(p["data"]), "-o", str(p["pred"]), "-q"], p["pred"],
+         [p["data"], p["heads"]]),
+    ]
+    for argv, out, inputs in steps:
+        assert run(argv) == 0, capsys.readouterr().err
+        with h5py.File(out, "r") as f:
+            assert f.attrs["mhla_version"] == __version__
+            assert f.attrs["mhla_command"] == shlex.join(["mhla", *argv])
+            recorded = json.loads(f.attrs["mhla_inputs"])
+        assert sorted(r["path"] for r in recorded) == sorted(str(i) for i in inputs)
+        for r in recorded:
+            src = Path(r["path"])
+            assert r["size"] == src.stat().st_size and r["name"] == src.name
+            assert r["fingerprint"] == formats.source_identity(src)["fingerprint"]
+            assert re.fullmatch(r"[0-9a-f]{32}", r["fingerprint"])
+    assert run(["certify", str(p["data"]), "--json", "-q"]) == 0
+    ident = json.loads(capsys.readouterr().out)["input_identity"]
+    assert ident == formats.source_identity(p["data"])
+
+
+def test_fingerprint_identifies_the_data(base: Base, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from mhla_cli import formats
+
+    same = h5(tmp_path / "same.h5", tokens=base.tokens, offsets=base.offsets, targets=base.targets)
+    t = base.tokens.copy()
+    t[len(t) // 2, 1] = np.nextafter(t[len(t) // 2, 1], np.inf)  # one ulp, in the middle
+    changed = h5(tmp_path / "changed.h5", tokens=t, offsets=base.offsets, targets=base.targets)
+    ref = formats.source_identity(base.data)
+    assert ref["fingerprint_scope"] == "all data"
+    assert formats.source_identity(same)["fingerprint"] == ref["fingerprint"]  # same data, other file
+    assert formats.source_identity(changed)["fingerprint"] != ref["fingerprint"]
+    # big files: shapes, all offsets and sampled rows (a cheap identity, not a full hash)
+    monkeypatch.setattr(formats, "FULL_FINGERPRINT_BYTES", 100)
+    monkeypatch.setattr(formats, "_BLOCK_BYTES", 64)
+    big = formats.source_identity(same)
+    assert big["fingerprint_scope"] == "shapes, offsets and sampled rows"
+    t2 = base.tokens.copy()
+    t2[0, 0] += 1.0
+    other = h5(tmp_path / "other.h5", tokens=t2, offsets=base.offsets, targets=base.targets)
+    assert formats.source_identity(other)["fingerprint"] != big["fingerprint"]
+    assert formats.source_identity(same, full=True)["fingerprint"] == ref["fingerprint"]
+
+
+def test_inspect_valid_files(base: Base, tmp_path: Path, capsys) -> None:
+    pred = tmp_path / "pred.h5"
+    assert run(["predict", str(base.heads), str(base.data), "-o", str(pred), "--all-positions", "-q"]) == 0
+    expect = {
+        base.data: ("tokens", {"layout": "ragged", "d": 2, "n_samples": 40, "has_targets": True}),
+        base.feats: ("features", {"d": 2, "n_samples": 40, "n_features": 6, "has_targets": True}),
+        base.model: ("model", {"d": 2, "n_features": 6}),
+        base.heads: ("heads", {"d": 2}),
+        pred: ("predictions", {"d": 2, "n_samples": 40, "n_tokens": int(base.offsets[-1])}),
+    }
+    for path, (kind, fields) in expect.items():
+        capsys.readouterr()
+        assert run(["inspect", str(path), "--json"]) == 0
+        cap = capsys.readouterr()
+        rep = json.loads(cap.out)
+        assert rep["kind"] == kind and rep["valid"] is True and rep["error"] is None
+        for k, v in fields.items():
+            assert rep[k] == v, (kind, k)
+        assert all("shape" in ds for ds in rep["datasets"].values())
+        if kind != "tokens":
+            assert rep["attrs"]["mhla_kind"] == kind and "inputs" in rep["provenance"]
+        # human form: on stderr, valid, exit 0
+        assert run(["inspect", str(path)]) == 0
+        err = capsys.readouterr().err
+        assert f"{kind} file, valid" in err and "mhla: error" not in err

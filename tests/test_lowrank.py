@@ -1,0 +1,164 @@
+"""Fewest heads, factorised and nuclear-norm fits on the statistics, per-fold CV (issue 5, items 1-2)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from mhla_cli import lowrank, synthetic
+from mhla_cli.cli import run
+from mhla_cli.features import n_features
+from mhla_cli.folds import load_folds
+from mhla_cli.heads import Heads, p_from_W
+from mhla_cli.solve import Model, fit
+from mhla_cli.stream import Features, chunk_features, featurize
+
+
+def _feats(ds: synthetic.Dataset, d: int) -> Features:
+    return chunk_features(ds.tokens, ds.offsets, ds.targets, d)
+
+
+def _rel(a: np.ndarray, b: np.ndarray) -> float:
+    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
+
+
+def test_adjoint_and_projection() -> None:
+    rng = np.random.default_rng(0)
+    d = 4
+    W = rng.standard_normal((d * d, d * d))
+    R = rng.standard_normal((d, n_features(d)))
+    assert abs(np.sum(p_from_W(W) * R) - np.sum(W * lowrank.p_adjoint(R))) < 1e-10
+    target = rng.standard_normal((d, n_features(d)))
+    Wp = lowrank.project_affine(W, target)
+    assert _rel(p_from_W(Wp), target) < 1e-14
+    # the projection is orthogonal: W - Wp is in the row space of A (orthogonal to the kernel)
+    N = W - Wp
+    K = rng.standard_normal((d * d, d * d))
+    K = K - lowrank.W_from_p(p_from_W(K))  # a kernel element (antisymmetric in (j, k))
+    assert np.abs(p_from_W(K)).max() < 1e-12
+    assert abs(np.sum(N * K)) < 1e-10
+
+
+def test_normal_parts_match_dense_jacobian() -> None:
+    rng = np.random.default_rng(1)
+    d, H = 3, 2
+    ds, _ = synthetic.generate_teacher(d, 2, 60, 5, noise=0.1, seed=1)
+    feats = _feats(ds, d)
+    Vm, Qm = rng.standard_normal((H, d * d)), rng.standard_normal((H, d * d))
+    p = lowrank._p_of(Vm, Qm)
+    JV, JQ = lowrank._jacobians(Vm, Qm)
+    J = np.hstack([JV, JQ])
+    Gb = np.kron(np.eye(d), feats.gram)
+    Hd = (2 / feats.n_samples) * J.T @ Gb @ J
+    gd = (2 / feats.n_samples) * J.T @ (p @ feats.gram - feats.moments.T).ravel()
+    HVV, HQQ, HVQ, gV, gQ = lowrank._normal_parts(feats, Vm, Qm, p @ feats.gram - feats.moments.T)
+    Hf = np.block([[HVV, HVQ], [HVQ.T, HQQ]])
+    assert np.abs(Hf - Hd).max() <= 1e-12 * np.abs(Hd).max()
+    assert np.abs(np.concatenate([gV, gQ]) - gd).max() <= 1e-12 * np.abs(gd).max()
+    # p is linear in each factor: J_V v = J_Q q = p
+    assert _rel(JV @ Vm.ravel(), p.ravel()) < 1e-13 and _rel(JQ @ Qm.ravel(), p.ravel()) < 1e-13
+
+
+@pytest.mark.parametrize("d", [3, 4, 6])
+@pytest.mark.parametrize("H", [1, 2, 3])
+def test_fit_then_fewest_heads_recovers_teacher(d: int, H: int) -> None:
+    ds, teacher = synthetic.generate_teacher(d, H, n_features(d) + 40, 8, seed=10 * d + H)
+    model = fit(_feats(ds, d))
+    heads = lowrank.fewest_heads(model.coef)
+    assert heads.n_heads <= H
+    assert _rel(heads.coef, teacher.coef) <= 1e-8
+    assert heads.info["relative_function_error"] <= 1e-8
+    assert abs(heads.info["relative_function_error"] - _rel(heads.coef, model.coef)) < 1e-12
+
+
+def test_min_nuclear_w_is_feasible_and_low_rank() -> None:
+    rng = np.random.default_rng(2)
+    t = synthetic.random_teacher(5, 2, rng)
+    W = lowrank.min_nuclear_W(t.coef)
+    s = np.linalg.svd(W, compute_uv=False)
+    assert _rel(p_from_W(W), t.coef) < 1e-13
+    assert s[2] < 1e-9 * s[0]
+    # never more nuclear norm than the teacher's own (rank-2) W nor the min-norm W
+    from mhla_cli.heads import W_from_heads, W_from_p
+    assert s.sum() <= lowrank.nuclear_norm(W_from_heads(t.V, t.Q)) * (1 + 1e-9)
+    assert s.sum() < lowrank.nuclear_norm(W_from_p(t.coef))
+
+
+def test_factorised_fit_from_30_samples_d6() -> None:
+    """The issue's check: rank-1 d = 6 teacher from N = 30 < psi = 126 samples, p error ~1e-12."""
+    ds, teacher = synthetic.generate_teacher(6, 1, 30, 20, seed=1)
+    feats = _feats(ds, 6)
+    res = lowrank.fit_factorised(feats, 1, seed=0)
+    assert _rel(res.coef, teacher.coef) < 1e-10
+    assert _rel(fit(feats).coef, teacher.coef) > 0.5  # least squares cannot
+    assert res.heads is not None and res.heads.n_heads == 1
+    assert _rel(res.heads.coef, res.coef) < 1e-12
+
+
+def test_weight_decay_equals_nuclear_penalty() -> None:
+    """(1/N) SSE + L (||V||^2 + ||Q||^2) / 2 at its optimum equals the nuclear fit's objective."""
+    d = 3
+    ds, _ = synthetic.generate_teacher(d, 1, 200, 6, noise=0.3, seed=4)
+    feats = _feats(ds, d)
+    lam = 0.3 * lowrank.nuclear_lambda_max(feats)
+    nuc = lowrank.fit_nuclear(feats, lam, max_iter=20000, tol=1e-12)
+    assert nuc.info["converged"] and 1 <= nuc.info["rank"] <= 2
+    fac = lowrank.fit_factorised(feats, 2, weight_decay=lam, restarts=4, tol=1e-14)
+    assert abs(fac.info["objective"] - nuc.info["objective"]) <= 1e-6 * nuc.info["objective"]
+    assert _rel(fac.coef, nuc.coef) < 1e-3
+
+
+def test_nuclear_lambda_max_is_the_zero_threshold() -> None:
+    ds, _ = synthetic.generate_teacher(3, 2, 100, 6, noise=0.1, seed=5)
+    feats = _feats(ds, 3)
+    lmax = lowrank.nuclear_lambda_max(feats)
+    assert np.abs(lowrank.fit_nuclear(feats, 1.01 * lmax).W).max() == 0
+    assert np.abs(lowrank.fit_nuclear(feats, 0.9 * lmax).W).max() > 0
+
+
+def test_cli_fit_heads_fewest_export(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    data, th = tmp_path / "d.h5", tmp_path / "t.h5"
+    assert run(["generate", "teacher", "-o", str(data), "--dim", "6", "--heads", "1", "--n-samples", "30",
+                "--seq-len", "20", "--seed", "1", "--teacher-out", str(th), "--dtype", "float64", "-q"]) == 0
+    m = tmp_path / "m.h5"
+    capsys.readouterr()
+    assert run(["fit", str(data), "-o", str(m), "--heads", "1", "--json", "-q"]) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert info["method"] == "factorised" and info["n_heads"] == 1 and "objective" in info
+    assert _rel(Model.load(m).coef, Heads.load(th).coef) < 1e-10
+    # the stored W has rank 1, so plain export-heads gives one head
+    h = tmp_path / "h.h5"
+    assert run(["export-heads", str(m), "-o", str(h), "--fewest", "--json", "-q"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["n_heads"] == 1 and out["relative_function_error"] <= 1e-8
+    assert run(["fit", str(data), "-o", str(tmp_path / "x.h5"), "--heads", "two"]) == 2
+    assert run(["fit", str(data), "-o", str(tmp_path / "x.h5"), "--heads", "1", "--nuclear", "1"]) == 2
+
+
+def test_folds_and_auto(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    ds, teacher = synthetic.generate_teacher(3, 2, 400, 6, noise=0.05, seed=6)
+    data = tmp_path / "d.h5"
+    ds.save(data, dtype="float64")
+    feats = tmp_path / "f.h5"
+    assert run(["featurize", str(data), "-o", str(feats), "--folds", "3", "-q"]) == 0
+    total = Features.load(feats)
+    folds = load_folds(feats, total)
+    assert folds is not None and len(folds) == 3
+    for k, fold in enumerate(folds):
+        ref = featurize(data, shard=(k, 3))
+        assert fold.n_samples == ref.n_samples
+        assert np.allclose(fold.gram, ref.gram, rtol=1e-12, atol=0)
+    assert np.allclose(sum(f.gram for f in folds), total.gram, rtol=1e-12)
+    capsys.readouterr()
+    assert run(["fit", str(feats), "-o", str(tmp_path / "m.h5"), "--heads", "auto", "--json", "-q"]) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert info["n_heads"] == 2 and info["cv"]["chosen"] == 2
+    # a features file without folds cannot do 'auto'
+    plain = tmp_path / "p.h5"
+    assert run(["featurize", str(data), "-o", str(plain), "-q"]) == 0
+    capsys.readouterr()
+    assert run(["fit", str(plain), "-o", str(tmp_path / "m2.h5"), "--nuclear", "auto"]) == 2
+    assert "--folds" in capsys.readouterr().err

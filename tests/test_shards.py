@@ -1,0 +1,151 @@
+"""Shards and merge: the merged statistics equal a single pass; bad sets of parts are refused."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import h5py
+import numpy as np
+import pytest
+
+from mhla_cli import synthetic
+from mhla_cli.cli import run
+from mhla_cli.errors import InputError
+from mhla_cli.merge import merge_features
+from mhla_cli.stream import Features, featurize
+
+STATS = ("gram", "moments", "target_gram", "token_gram", "last_token_gram")
+
+
+def relerr(a: np.ndarray, b: np.ndarray) -> float:
+    return float(np.abs(a - b).max() / np.abs(b).max())
+
+
+def assert_same_stats(a: Features, b: Features, tol: float = 1e-12) -> None:
+    assert a.n_samples == b.n_samples and a.n_tokens == b.n_tokens and a.d == b.d
+    for k in STATS:
+        assert relerr(getattr(a, k), getattr(b, k)) < tol, k
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """d = 3, ragged lengths 1..15, N = 203 (not a multiple of the shard counts), float32."""
+    ds, _ = synthetic.generate_teacher(3, 2, 203, "1:15", seed=5)
+    path = tmp_path_factory.mktemp("shards") / "data.h5"
+    ds.save(path, dtype="float32")
+    return path
+
+
+@pytest.fixture(scope="module")
+def other_data(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    ds, _ = synthetic.generate_teacher(3, 2, 203, "1:15", seed=6)
+    path = tmp_path_factory.mktemp("shards_other") / "other.h5"
+    ds.save(path, dtype="float32")
+    return path
+
+
+def make_parts(data: Path, out: Path, m: int, which: list[int] | None = None, extra: list[str] = ()) -> list[Path]:
+    parts = []
+    for i in which if which is not None else range(m):
+        p = out / f"part_{i}of{m}.h5"
+        assert run(["featurize", str(data), "--shard", f"{i}/{m}", "-o", str(p), "-q", "--chunk-size", "17",
+                    *extra]) == 0
+        parts.append(p)
+    return parts
+
+
+def test_merge_equals_single_pass(data: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    single = featurize(data)
+    parts = make_parts(data, tmp_path, 4)
+    out = tmp_path / "merged.h5"
+    # order on the command line does not matter
+    assert run(["merge", *map(str, parts[::-1]), "-o", str(out), "--json", "-q"]) == 0
+    rep = json.loads(capsys.readouterr().out)
+    assert rep["n_samples"] == 203 and rep["partial"] is False and rep["missing"] == []
+    assert rep["covered"] == [[0, 203]] and rep["n_parts"] == 4
+    merged = Features.load(out)
+    assert_same_stats(merged, single)
+    assert merged.sample_range == (0, 203)
+    assert merged.source["fingerprint"] == single.source["fingerprint"]
+    assert merged.source["n_samples"] == 203
+    # each part records its range and its shard
+    ranges = [Features.load(p).sample_range for p in parts]
+    assert ranges == [(0, 50), (50, 101), (101, 152), (152, 203)]
+    assert Features.load(parts[2]).extra_attrs["shard"] == "2/4"
+
+
+def test_missing_shard_is_refused(data: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    parts = make_parts(data, tmp_path, 4, [0, 1, 3])
+    out = tmp_path / "merged.h5"
+    assert run(["merge", *map(str, parts), "-o", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert "missing samples 101..152" in err and "--allow-partial" in err
+    assert not out.exists()
+    # the last shard missing is detected too (the source's N is recorded in every part)
+    assert run(["merge", *map(str, parts[:2]), "-o", str(out)]) == 2
+    assert "missing samples 101..203" in capsys.readouterr().err
+
+
+def test_allow_partial_then_complete(data: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    parts = make_parts(data, tmp_path, 4, [0, 1, 3])
+    partial = tmp_path / "partial.h5"
+    assert run(["merge", *map(str, parts), "-o", str(partial), "--allow-partial", "--json", "-q"]) == 0
+    rep = json.loads(capsys.readouterr().out)
+    assert rep["partial"] is True and rep["missing"] == [[101, 152]] and rep["n_samples"] == 152
+    expect = featurize(data, shard=(0, 4)) + featurize(data, shard=(1, 4)) + featurize(data, shard=(3, 4))
+    assert_same_stats(Features.load(partial), expect)
+    with h5py.File(partial) as f:
+        assert json.loads(f.attrs["sample_ranges"]) == [[0, 101], [152, 203]]
+    # a partial merge plus the missing shard is the whole file
+    [rest] = make_parts(data, tmp_path, 4, [2])
+    full = tmp_path / "full.h5"
+    assert run(["merge", str(partial), str(rest), "-o", str(full), "-q"]) == 0
+    assert_same_stats(Features.load(full), featurize(data))
+
+
+def test_overlapping_parts_are_refused(data: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    halves = make_parts(data, tmp_path, 2)
+    thirds = make_parts(data, tmp_path, 3, [1])
+    out = tmp_path / "m.h5"
+    assert run(["merge", str(halves[0]), str(halves[1]), str(thirds[0]), "-o", str(out), "--allow-partial"]) == 2
+    err = capsys.readouterr().err
+    assert "overlaps" in err and "counted twice" in err
+    assert run(["merge", str(halves[0]), str(halves[0]), str(halves[1]), "-o", str(out)]) == 2
+    assert "listed twice" in capsys.readouterr().err
+    assert not out.exists()
+
+
+def test_different_sources_are_refused(data: Path, other_data: Path, tmp_path: Path,
+                                       capsys: pytest.CaptureFixture[str]) -> None:
+    a = make_parts(data, tmp_path, 2, [0])
+    (tmp_path / "o").mkdir()
+    b = make_parts(other_data, tmp_path / "o", 2, [1])
+    out = tmp_path / "m.h5"
+    assert run(["merge", str(a[0]), str(b[0]), "-o", str(out), "--allow-partial"]) == 2
+    err = capsys.readouterr().err
+    assert "different source" in err and str(b[0]) in err
+    with pytest.raises(InputError, match="different source"):
+        merge_features([a[0], b[0]])
+
+
+def test_parts_without_provenance_are_refused(data: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    feats = featurize(data)
+    feats.source = None
+    bare = tmp_path / "bare.h5"
+    feats.save(bare)
+    assert run(["merge", str(bare), "-o", str(tmp_path / "m.h5")]) == 2
+    assert "records no source or sample range" in capsys.readouterr().err
+    # a tokens file is not a part
+    assert run(["merge", str(data), "-o", str(tmp_path / "m.h5")]) == 2
+    assert "expected features" in capsys.readouterr().err
+
+
+def test_shards_with_workers_equal_serial(data: Path, tmp_path: Path) -> None:
+    serial = make_parts(data, tmp_path, 2)
+    (tmp_path / "w").mkdir()
+    pooled = make_parts(data, tmp_path / "w", 2, extra=["--workers", "2"])
+    for s, p in zip(serial, pooled):
+        a, b = Features.load(s), Features.load(p)
+        assert_same_stats(b, a)
+        assert a.sample_range == b.sample_range

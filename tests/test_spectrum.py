@@ -1,0 +1,73 @@
+"""Spectrum of the min-nuclear-norm W: real heads vs noise (issue 5, item 3)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from mhla_cli import synthetic
+from mhla_cli.cli import run
+from mhla_cli.heads import Heads
+from mhla_cli.solve import fit
+from mhla_cli.spectrum import effective_rank, generic_rank, spectrum
+from mhla_cli.stream import chunk_features
+
+
+@pytest.fixture(scope="module")
+def noisy_two_head(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """The issue's example: 2-head teacher, d = 6, N = 3000, noise 2 %."""
+    tmp = tmp_path_factory.mktemp("spec")
+    data, model = tmp / "d.h5", tmp / "m.h5"
+    ds, _ = synthetic.generate_teacher(6, 2, 3000, 20, noise=0.02, seed=0)
+    ds.save(data, dtype="float64")
+    assert run(["fit", str(data), "-o", str(model), "-q"]) == 0
+    return data, model
+
+
+def test_noisy_two_head_teacher_has_two_outliers(noisy_two_head: tuple[Path, Path],
+                                                 capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    _, model = noisy_two_head
+    capsys.readouterr()
+    png = tmp_path / "s.png"
+    assert run(["spectrum", str(model), "--json", "--plot", str(png)]) == 0
+    cap = capsys.readouterr()
+    out = json.loads(cap.out)
+    assert out["n_outliers"] == 2
+    s = np.array(out["singular_values"])
+    assert s[1] > out["threshold"] > s[2]
+    assert out["threshold_method"] == "gavish-donoho-nonzero-median"
+    assert 2 <= out["effective_rank"] < 3
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "head   2" in cap.err  # the text histogram
+    # the issue's warning: the median of ALL values (zeros included) would find too many heads
+    assert (s > 2.858 * np.median(s)).sum() > 2
+
+
+def test_max_heads_auto_keeps_outliers(noisy_two_head: tuple[Path, Path], tmp_path: Path,
+                                       capsys: pytest.CaptureFixture[str]) -> None:
+    _, model = noisy_two_head
+    h = tmp_path / "h.h5"
+    capsys.readouterr()
+    assert run(["export-heads", str(model), "-o", str(h), "--max-heads", "auto", "--json", "-q"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["n_heads"] == 2 == Heads.load(h).n_heads
+    assert out["relative_function_error"] < 0.05  # the dropped bulk is the noise
+    assert run(["export-heads", str(model), "-o", str(h), "--max-heads", "0"]) == 2
+
+
+def test_noise_free_teacher_is_exactly_low_rank() -> None:
+    ds, teacher = synthetic.generate_teacher(4, 2, 200, 8, seed=2)
+    m = fit(chunk_features(ds.tokens, ds.offsets, ds.targets, 4))
+    sp = spectrum(m)
+    assert sp["threshold_method"] == "exact-low-rank"
+    assert sp["n_outliers"] == 2 and sp["nonzero_rank"] == 2
+    assert sp["relative_function_error"] < 1e-12
+    assert sp["nonzero_rank"] < generic_rank(4) == 7
+
+
+def test_effective_rank() -> None:
+    assert effective_rank(np.array([1.0, 1.0, 0.0])) == pytest.approx(2.0)
+    assert effective_rank(np.array([3.0])) == pytest.approx(1.0)
