@@ -34,7 +34,8 @@ def machine() -> str:
     load = os.getloadavg() if hasattr(os, "getloadavg") else (float("nan"),) * 3
     return (f"Machine: {cpu}, {os.cpu_count()} logical cores, load average {load[0]:.2f} "
             f"(shared machine: other jobs may be running); Python {platform.python_version()}, "
-            f"numpy {np.__version__}, h5py {h5py.__version__}; numpy BLAS: {'; '.join(blas) or '?'}")
+            f"numpy {np.__version__}, h5py {h5py.__version__}; "
+            f"BLAS libraries loaded (threadpoolctl): {'; '.join(blas) or '?'}")
 
 
 def tokens_file(N: int, n: int, d: int, dtype: str = "float32", seed: int = 0, targets: bool = True,

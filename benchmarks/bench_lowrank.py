@@ -9,8 +9,9 @@ noise-free and noisy (label noise 0.05 on outputs of RMS 1). Methods, all on the
 "Needed" = relative p error <= 1e-4 (noise-free) or excess held-out MSE <= 1.5 x noise^2 (noisy;
 the test targets are noise-free, so the held-out MSE is the excess risk).
 
-Run: python benchmarks/bench_lowrank.py            (a few minutes on 1 core)
+Run: python benchmarks/bench_lowrank.py            (d = 6 and 8; about 3 minutes on 1 core)
      python benchmarks/bench_lowrank.py --quick    (d = 6 only)
+     python benchmarks/bench_lowrank.py --dims 6 7 8
 """
 
 from __future__ import annotations
@@ -97,9 +98,10 @@ def needed(r: tuple[float, float, float], noise: float) -> bool:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="d = 6 only")
+    ap.add_argument("--dims", type=int, nargs="+", default=[6, 8], help="token dimensions (default 6 8)")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
-    dims = (6,) if args.quick else (6, 8)
+    dims = (6,) if args.quick else tuple(args.dims)
     fracs = (1 / 8, 1 / 4, 1 / 2, 1, 2)
     rows, smallest = [], {}
     t_start = time.perf_counter()

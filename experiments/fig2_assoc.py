@@ -280,7 +280,7 @@ def plot(res: dict[str, Any], name: str) -> str:
         xs = np.arange(len(cols)) + (li - (len(labels) - 1) / 2) * width
         ax2.bar(xs, np.maximum(obs, 1e-17), width, color=f"C{li}", label=f"{label}: observed-domain features")
         ax2.plot(xs, np.maximum(full, 1e-17), "kx", ms=6, label="all features (incl. never-excited)" if li == 0 else None)
-    ax2.set_xticks(range(len(cols)), ["mhla fit"] + [f"AdamW {h}h\ninit {s:g}" for h, s in cols[1:]], fontsize=7)
+    ax2.set_xticks(range(len(cols)), ["mhla fit"] + [f"AdamW {h}h\ninit {s:g}" for h, s in cols[1:]], fontsize=6, rotation=30)
     ax2.set_yscale("log")
     ax2.set_ylabel("||p - p_true||_F")
     ax2.set_title("Fig. 2b: full-rank vs rank-deficient data")

@@ -236,10 +236,7 @@ def expect_kind(f: h5py.File, path: str | os.PathLike, *kinds: str) -> str:
     if kind == "features" and "d" in f.attrs:
         from .stream import check_memory
 
-        try:
-            check_memory(read_attr_int(f, "d", path))
-        except InputError as exc:
-            raise InputError(str(exc), path) from None
+        check_memory(read_attr_int(f, "d", path), path=path)
     return kind
 
 
@@ -392,7 +389,7 @@ def check_finite(tokens: np.ndarray, offsets: np.ndarray, targets: np.ndarray | 
 
 # Inputs whose datasets hold at most this many bytes are fingerprinted over all their data; larger
 # ones over their structure, offsets and a fixed sample of row blocks (see `source_identity`).
-FULL_FINGERPRINT_BYTES = 256 * 2**20
+FULL_FINGERPRINT_BYTES = 16 * 2**20
 _SAMPLED_BLOCKS = 64
 _BLOCK_BYTES = 4 * 2**20
 _identity_cache: dict[tuple[Any, ...], dict[str, Any]] = {}

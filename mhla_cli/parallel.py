@@ -5,9 +5,10 @@ the work: `n_workers` (how many spans to cut) and `local_copies` (how many psi x
 live in this machine's memory at once). The function mapped is always `stream.reduce_span` (or a
 prediction span); workers open the HDF5 file themselves from its path, never an h5py handle.
 
-Local pools use processes by default: measured on 2 cores (docs/performance.md), processes with
-BLAS pinned to one thread each beat threads at small d, where building features holds the GIL
-between numpy calls, and tie at large d, where the syrk dominates.
+Local pools use threads by default (MHLA_PARALLEL_BACKEND=process switches to processes): measured
+on 2 cores (docs/performance.md), threads with BLAS pinned to one thread each matched or beat
+processes (numpy releases the GIL in BLAS and in the large ufuncs of the hot path), with no worker
+start-up and no copies of the psi x psi partial sums between processes.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ import numpy as np
 from .errors import InputError
 
 BACKENDS = ("process", "thread")
-DEFAULT_BACKEND = "process"
+DEFAULT_BACKEND = "thread"
 # Results in flight per worker: bounds memory (each may hold a psi x psi matrix or a chunk's output)
 _WINDOW_PER_WORKER = 2
 
@@ -124,9 +125,16 @@ class ThreadMap:
         return self
 
     def __exit__(self, exc_type: Any, *rest: Any) -> None:
+        from . import stream
+
         assert self._pool is not None
-        self._pool.shutdown(wait=True, cancel_futures=exc_type is not None)
-        self._limits.restore_original_limits()
+        if exc_type is not None:
+            stream.CANCEL.set()  # running reductions stop at their next chunk
+        try:
+            self._pool.shutdown(wait=True, cancel_futures=exc_type is not None)
+        finally:
+            stream.CANCEL.clear()
+            self._limits.restore_original_limits()
 
     def __call__(self, fn: Callable[[Any], Any], items: Iterable[Any]) -> Iterator[Any]:
         assert self._pool is not None
@@ -233,10 +241,11 @@ def make_map(workers: int = 1, scheduler: Any = None, map: Callable[..., Iterabl
              backend: str | None = None) -> Iterator[Any]:
     """The map to evaluate reductions with: Dask if `scheduler`, a local pool if workers > 1.
 
-    `backend` is "process" or "thread" (default: MHLA_PARALLEL_BACKEND or process).
+    `backend` is "thread" or "process" (default: MHLA_PARALLEL_BACKEND, else thread).
     """
     if map is not None:
-        yield map if hasattr(map, "n_workers") else SerialMap(map)
+        # a user's map (e.g. a pool's): cut a few spans per core, its workers are unknown
+        yield map if hasattr(map, "n_workers") else SerialMap(map, n_workers=os.cpu_count() or 1)
         return
     if scheduler is not None:
         with DaskMap(scheduler) as dm:

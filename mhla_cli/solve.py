@@ -7,7 +7,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
-import scipy.linalg
 
 from . import formats
 from .errors import InputError
@@ -28,9 +27,16 @@ def numerical_tolerance(lambda_max: float, n: int) -> float:
     return n * EPS * max(lambda_max, 0.0)
 
 
+def _eigh(a: np.ndarray, vectors: bool = True) -> Any:
+    """LAPACK symmetric eigensolver (scipy is imported here, not at start-up: it costs ~0.2 s)."""
+    import scipy.linalg
+
+    return scipy.linalg.eigh(a, eigvals_only=not vectors)
+
+
 def range_basis(gram: np.ndarray, rel_tol: float) -> np.ndarray:
     """Orthonormal basis (d, r) of the numerical range of a PSD matrix; the identity when full rank."""
-    w, v = scipy.linalg.eigh(gram)
+    w, v = _eigh(gram)
     keep = w > rel_tol * max(w[-1], 0.0)
     if keep.all():
         return np.eye(gram.shape[0])
@@ -116,7 +122,7 @@ def certify(feats: Features, min_eig: float = 0.0, domain: str = "full") -> Cert
     if T is not None:
         lam = T @ lam @ T.T
     m = lam.shape[0]
-    w, v = scipy.linalg.eigh(lam)
+    w = _eigh(lam, vectors=False)  # eigenvectors only when needed to explain a failure
     lmin, lmax = float(w[0]), float(w[-1])
     tol = numerical_tolerance(lmax, m)
     threshold = max(tol, float(min_eig))
@@ -125,6 +131,7 @@ def certify(feats: Features, min_eig: float = 0.0, domain: str = "full") -> Cert
     cert = Certificate(identifiable, lmin, lmax, rank, m, feats.n_samples, threshold, tol, float(min_eig),
                        domain, r, s, eigenvalues=w)
     if not identifiable:
+        w, v = _eigh(lam)
         null = v[:, w <= threshold]
         cert.null_vectors = null
         cert.reasons, cert.null_features = _explain(feats, cert, null, T is None)
@@ -186,6 +193,11 @@ def _feature_names(d: int, cert: Certificate, full: bool) -> list[str]:
 # --------------------------------------------------------------------------------------------
 
 
+# Fit results kept as attributes of a model file.
+_SAVED_INFO = ("ridge", "train_mse", "lambda_min", "identifiable", "condition_number", "n_samples", "method",
+               "n_heads", "weight_decay", "nuclear_lambda", "objective")
+
+
 @dataclass
 class Model:
     """A fitted MHLA function: coef p (d, psi) and its minimum-Frobenius-norm W (d^2, d^2)."""
@@ -198,7 +210,7 @@ class Model:
     def save(self, path: str | os.PathLike, inputs: tuple[str | os.PathLike, ...] = ()) -> None:
         """Write a model file atomically."""
         attrs = {"d": self.d, "n_features": n_features(self.d)}
-        for k in ("ridge", "train_mse", "lambda_min", "identifiable", "condition_number", "n_samples", "method"):
+        for k in _SAVED_INFO:
             if k in self.info and self.info[k] is not None:
                 attrs[k] = self.info[k]
         formats.write_file(path, "model", {"coef": self.coef, "W": self.W}, attrs, inputs)
@@ -231,7 +243,7 @@ class Model:
 
                 W = W_from_p(coef)
             info = {k: (v.item() if hasattr(v, "item") else v) for k, v in f.attrs.items()
-                    if k in ("ridge", "train_mse", "lambda_min", "identifiable", "condition_number", "n_samples")}
+                    if k in _SAVED_INFO}
         return cls(coef=coef, W=W, d=d, info=info)
 
 
@@ -250,19 +262,36 @@ def fit(feats: Features, ridge: float = 0.0) -> Model:
     N = feats.n_samples
     psi = feats.n_features
     lam = feats.gram / N
-    w, v = scipy.linalg.eigh(lam)
-    lmax = float(w[-1])
+    w = _eigh(lam, vectors=False)
+    lmin, lmax = float(w[0]), float(w[-1])
     tol = numerical_tolerance(lmax, psi)
-    rhs = v.T @ (feats.moments / N)
-    if ridge > 0:
-        inv = 1.0 / (w + ridge)
-    else:
-        inv = np.where(w > tol, 1.0 / np.where(w > tol, w, 1.0), 0.0)
-    coef = (v @ (inv[:, None] * rhs)).T
-    lmin = float(w[0])
+    coef = None
+    if ridge > 0 or lmin > tol:
+        # Positive definite: a Cholesky solve (~10x cheaper than the eigenvectors).
+        import scipy.linalg
+
+        try:
+            factor = scipy.linalg.cho_factor(lam + ridge * np.eye(psi), lower=True, check_finite=False)
+            coef = scipy.linalg.cho_solve(factor, feats.moments / N, check_finite=False).T
+        except scipy.linalg.LinAlgError:
+            coef = None
+    if coef is None:
+        # Singular (or numerically so): the minimum-norm solution, pseudo-inverse with the
+        # certificate's tolerance.
+        w, v = _eigh(lam)
+        rhs = v.T @ (feats.moments / N)
+        if ridge > 0:
+            inv = 1.0 / (w + ridge)
+        else:
+            inv = np.where(w > tol, 1.0 / np.where(w > tol, w, 1.0), 0.0)
+        coef = (v @ (inv[:, None] * rhs)).T
     identifiable = bool(lmin > tol and N >= psi)
     mse, resolution = train_mse(feats, coef)
-    cond = (lmax / lmin) if lmin > tol else float("inf")
+    # Condition number of the system actually solved (regularised when ridge > 0).
+    if ridge > 0:
+        cond = (lmax + ridge) / (max(lmin, 0.0) + ridge)
+    else:
+        cond = (lmax / lmin) if lmin > tol else float("inf")
     info = {
         "ridge": float(ridge), "train_mse": mse, "mse_resolution": resolution, "lambda_min": lmin,
         "lambda_max": lmax, "identifiable": identifiable, "condition_number": cond,

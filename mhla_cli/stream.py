@@ -2,7 +2,10 @@
 
 Everything here is a sum over samples, so statistics of disjoint sample ranges add up
 (`Features.__add__`). `reduce_span` computes the statistics of one half-open range [lo, hi) and is
-the only place the data are read; the serial loop, a process pool, shards and Dask all call it.
+the only place the data are read; the serial loop, worker pools (mhla_cli.parallel), shards and
+Dask all call it. Per chunk: a reader thread fetches the next chunk in its stored dtype, the
+per-sequence X^T X are batched matmuls, and one syrk of the block [H | Y] updates gram, moments
+and target_gram together (docs/performance.md).
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ import contextlib
 import json
 import math
 import os
+import threading
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
@@ -187,12 +191,18 @@ def sequence_moments(tokens: np.ndarray, offsets: np.ndarray, out: np.ndarray | 
                      ) -> tuple[np.ndarray, np.ndarray]:
     """Per-sequence S = X^T X (B, d, d) and last tokens (B, d), float64, vectorised over the chunk.
 
-    Equal lengths are one batched matmul; ragged chunks are grouped by length (padding with zero
-    rows, which do not change S), one batched matmul per group. `out` is an optional (B, d, d)
-    buffer for S.
+    `tokens` may have any real dtype: they are converted to float64 in cache-sized blocks just
+    before each product (products of float32 or integer values are then exact). Equal lengths are
+    batched matmuls; ragged chunks are grouped by length (padding with zero rows, which do not
+    change S), one batched matmul per group. `out` is an optional (B, d, d) buffer for S.
     """
-    tokens = np.asarray(tokens, dtype=np.float64)
-    offsets = np.asarray(offsets, dtype=np.int64)
+    # Overflow from absurdly large tokens is reported by the finiteness check, not as a warning.
+    with np.errstate(over="ignore", invalid="ignore"):
+        return _sequence_moments(np.asarray(tokens), np.asarray(offsets, dtype=np.int64), out)
+
+
+def _sequence_moments(tokens: np.ndarray, offsets: np.ndarray, out: np.ndarray | None
+                      ) -> tuple[np.ndarray, np.ndarray]:
     d = tokens.shape[1]
     lengths = np.diff(offsets)
     B = lengths.size
@@ -201,9 +211,18 @@ def sequence_moments(tokens: np.ndarray, offsets: np.ndarray, out: np.ndarray | 
         return S, np.empty((0, d))
     if (lengths == lengths[0]).all() and offsets[0] == 0 and tokens.shape[0] == offsets[-1]:
         X = tokens.reshape(B, int(lengths[0]), d)
-        np.matmul(X.transpose(0, 2, 1), X, out=S)
-        return S, X[:, -1, :]
-    last = tokens[offsets[1:] - 1]
+        if X.dtype == np.float64:
+            np.matmul(X.transpose(0, 2, 1), X, out=S)
+        else:
+            step = max(1, _BLOCK_ELEMENTS // (X.shape[1] * d))
+            work = np.empty((min(step, B), X.shape[1], d))
+            for a in range(0, B, step):
+                b = min(B, a + step)
+                w = work[:b - a]
+                np.copyto(w, X[a:b])
+                np.matmul(w.transpose(0, 2, 1), w, out=S[a:b])
+        return S, X[:, -1, :].astype(np.float64)
+    last = tokens[offsets[1:] - 1].astype(np.float64)
     order = np.argsort(lengths, kind="stable")
     sorted_len = lengths[order]
     start = 0
@@ -216,16 +235,23 @@ def sequence_moments(tokens: np.ndarray, offsets: np.ndarray, out: np.ndarray | 
         ar = np.arange(L)
         valid = ar[None, :] < lengths[idx][:, None]
         rows = np.where(valid, offsets[idx][:, None] + ar[None, :], 0)
-        X = tokens[rows]
+        X = tokens[rows].astype(np.float64, copy=False)
         X[~valid] = 0.0
         S[idx] = np.matmul(X.transpose(0, 2, 1), X)
         start = stop
     return S, last
 
 
+# float64 elements per conversion block in sequence_moments (512 KiB: stays in cache for the product)
+_BLOCK_ELEMENTS = 1 << 16
+
+
 # Narrower [H | Y] blocks use one BLAS thread: measured on 2 shared cores, OpenBLAS with 2 threads
-# took 397 ms for a (9500 x 44) syrk that one thread does in 1.6 ms (threads wait for a busy core).
-MIN_THREADED_WIDTH = 512
+# took 397 ms for a (9500 x 44) syrk that one thread does in 1.6 ms, and 196 ms vs 41 ms at width
+# 520 (a thread waits for a core held by another process); wider blocks amortise the wait.
+MIN_THREADED_WIDTH = 1024
+# Rows per chunk at least, for wide blocks: as in the dsyrk baseline (4096 x psi) of benchmarks/.
+MIN_SYRK_ROWS = 4096
 _CONTROLLER: Any = None
 
 
@@ -243,7 +269,8 @@ class _Accumulator:
     """Running sums of one reduction, with reusable work buffers.
 
     The Gram of the block [H | Y] (B x (psi + d)) holds gram, moments and target_gram at once, so
-    each chunk costs one syrk (numpy's `F.T @ F`); `G` accumulates it in float64.
+    each chunk costs one syrk (numpy's `Ft @ Ft.T` on the transposed block); `G` accumulates it
+    in float64.
     """
 
     def __init__(self, d: int, has_targets: bool) -> None:
@@ -262,14 +289,23 @@ class _Accumulator:
         self.n_tokens = 0
 
     def _buf(self, name: str, rows: int, shape: tuple[int, ...]) -> np.ndarray:
+        """A reusable (rows, *shape) float64 work array."""
         buf = self._bufs.get(name)
         if buf is None or buf.shape[0] < rows:
             buf = self._bufs[name] = np.empty((rows, *shape))
         return buf[:rows]
 
+    def _buf_t(self, name: str, rows: int, cols: int) -> np.ndarray:
+        """A reusable C-contiguous (rows, cols) float64 work array (cols = samples of the chunk)."""
+        size = rows * cols
+        buf = self._bufs.get(name)
+        if buf is None or buf.size < size:
+            buf = self._bufs[name] = np.empty(size)
+        return buf[:size].reshape(rows, cols)
+
     def add(self, tokens: np.ndarray, offsets: np.ndarray, targets: np.ndarray | None,
             check: Callable[[np.ndarray], None] | None = None) -> None:
-        """Add one chunk: tokens (t, d) float64, offsets (B+1,) from 0, targets (B, d) or None.
+        """Add one chunk: tokens (t, d) of any real dtype, offsets (B+1,) from 0, targets (B, d) or None.
 
         `check(S)` may reject the chunk after S = X^T X is computed, before anything is added.
         """
@@ -277,28 +313,33 @@ class _Accumulator:
         B = offsets.size - 1
         if B == 0:
             return
-        with _single_blas_thread():
+        # errstate: NaN / Inf tokens are reported by `check`, not as numpy warnings
+        with _single_blas_thread(), np.errstate(invalid="ignore", over="ignore"):
             S, last = sequence_moments(tokens, offsets, out=self._buf("S", B, (d, d)))
             if check is not None:
                 check(S)
-            F = self._buf("F", B, (self.width,))
-            upper = np.take(S.reshape(B, d * d), self._upper_idx, axis=1, out=self._buf("U", B, (psi // d,)))
-            H = F[:, :psi].reshape(B, psi // d, d)  # a view: F is C-contiguous
+            # The block is built transposed, Ft = [H | Y]^T (psi + d, B): every elementwise loop
+            # then runs over the B samples of the chunk (long, contiguous) instead of over d.
+            Ft = self._buf_t("F", self.width, B)
+            upper = np.take(S.reshape(B, d * d).T, self._upper_idx, axis=0, out=self._buf_t("U", psi // d, B))
+            last_t = self._buf_t("L", d, B)
+            last_t[...] = last.T
+            H = Ft[:psi].reshape(psi // d, d, B)
             # H_(j,k,l) = S[j,k] x_n[l] (BACKGROUND.md, "Why learning it is a linear regression")
-            np.multiply(upper[:, :, None], last[:, None, :], out=H)
+            np.multiply(upper[:, None, :], last_t[None, :, :], out=H)
             if targets is not None:
-                F[:, psi:] = targets
+                Ft[psi:] = targets.T
             self.token_gram += S.sum(axis=0)
-            self.last_token_gram += last.T @ last
-        # numpy's F.T @ F is a syrk; several BLAS threads only pay off for a wide block
+            self.last_token_gram += last_t @ last_t.T
+        # numpy's Ft @ Ft.T is a syrk; several BLAS threads only pay off for a wide block
         with contextlib.nullcontext() if self.width >= MIN_THREADED_WIDTH else _single_blas_thread():
             if self.G is None:
                 self.G = np.empty((self.width, self.width))
-                np.matmul(F.T, F, out=self.G)
+                np.matmul(Ft, Ft.T, out=self.G)
             else:
                 if self._prod is None:
                     self._prod = np.empty_like(self.G)
-                np.matmul(F.T, F, out=self._prod)
+                np.matmul(Ft, Ft.T, out=self._prod)
                 self.G += self._prod
         self.n_samples += B
         self.n_tokens += int(offsets[-1])
@@ -319,7 +360,7 @@ class _Accumulator:
 def chunk_features(tokens: np.ndarray, offsets: np.ndarray, targets: np.ndarray | None, d: int) -> Features:
     """Statistics of one in-memory chunk (tokens (t, d), offsets from 0, targets (B, d) or None)."""
     acc = _Accumulator(d, targets is not None)
-    acc.add(np.asarray(tokens, dtype=np.float64), np.asarray(offsets, dtype=np.int64),
+    acc.add(np.asarray(tokens), np.asarray(offsets, dtype=np.int64),
             None if targets is None else np.asarray(targets, dtype=np.float64))
     return acc.result(str(np.asarray(tokens).dtype))
 
@@ -330,31 +371,33 @@ def chunk_features(tokens: np.ndarray, offsets: np.ndarray, targets: np.ndarray 
 
 
 class _ReadBuffers:
-    """Reusable float64 destination arrays of one reader slot (grown on demand)."""
+    """Reusable destination arrays of one reader slot (grown on demand)."""
 
     def __init__(self) -> None:
-        self.tokens = np.empty((0,))
-        self.targets = np.empty((0,))
+        self._arrays: dict[str, np.ndarray] = {}
 
-    def get(self, name: str, shape: tuple[int, ...]) -> np.ndarray:
+    def get(self, name: str, shape: tuple[int, ...], dtype: Any = np.float64) -> np.ndarray:
         size = math.prod(shape)
-        buf = getattr(self, name)
-        if buf.size < size:
-            buf = np.empty(max(size, int(buf.size * 1.25)))
-            setattr(self, name, buf)
+        buf = self._arrays.get(name)
+        if buf is None or buf.size < size or buf.dtype != dtype:
+            buf = self._arrays[name] = np.empty(max(size, int(0 if buf is None else buf.size * 1.25)), dtype)
         return buf[:size].reshape(shape)
 
 
 def _read_chunk(f: h5py.File, info: formats.TokensInfo, a: int, b: int, bufs: _ReadBuffers
                 ) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
-    """Samples [a, b) as float64 (tokens (t, d), offsets from 0, targets), read into `bufs`.
+    """Samples [a, b) (tokens (t, d) in the stored dtype, offsets from 0, float64 targets) into `bufs`.
 
-    HDF5 converts integer and float32 data to float64 while reading.
+    Tokens keep their stored dtype (half the bytes of float64 for float32); `sequence_moments`
+    converts them block by block. Unusual dtypes (float16, big-endian, ...) are read as float64.
     """
     d = info.d
+    dt = np.dtype(info.dtype)
+    tok_dtype = dt if dt.isnative and dt in (np.float32, np.float64, np.int32, np.int64, np.int16,
+                                              np.int8, np.uint8, np.uint16, np.uint32) else np.float64
     if info.layout == "dense":
         n = int(info.seq_len)
-        dest = bufs.get("tokens", (b - a, n, d))
+        dest = bufs.get("tokens", (b - a, n, d), tok_dtype)
         if b > a:
             f["tokens"].read_direct(dest, np.s_[a:b])
         tokens = dest.reshape(-1, d)
@@ -362,7 +405,7 @@ def _read_chunk(f: h5py.File, info: formats.TokensInfo, a: int, b: int, bufs: _R
     else:
         offsets = np.asarray(f["offsets"][a:b + 1], dtype=np.int64)
         t0, t1 = int(offsets[0]), int(offsets[-1])
-        tokens = bufs.get("tokens", (t1 - t0, d))
+        tokens = bufs.get("tokens", (t1 - t0, d), tok_dtype)
         if t1 > t0:
             f["tokens"].read_direct(tokens, np.s_[t0:t1])
         offsets -= t0
@@ -376,7 +419,7 @@ def _read_chunk(f: h5py.File, info: formats.TokensInfo, a: int, b: int, bufs: _R
 
 def iter_chunks(info: formats.TokensInfo, span: tuple[int, int], chunk_size: int | None = None,
                 prefetch: bool = True) -> Iterator[tuple[int, int, np.ndarray, np.ndarray, np.ndarray | None]]:
-    """Yield (a, b, tokens, offsets, targets) for the chunks of samples [lo, hi), as float64.
+    """Yield (a, b, tokens, offsets, targets) for the chunks of samples [lo, hi) (see _read_chunk).
 
     The arrays are reused: each is valid until the next item is requested. With `prefetch` a
     reader thread reads the next chunk while the caller computes on this one.
@@ -425,7 +468,11 @@ def default_chunk_size(info: formats.TokensInfo) -> int:
     mean_len = max(1.0, info.n_tokens / info.n_samples)
     # [H | Y] block + S + pair products, and two float64 read slots of tokens and targets
     per_sample = 8 * (psi + info.d) + 8 * (info.d * info.d + psi // info.d) + 2 * 8 * info.d * (mean_len + 1)
-    return int(max(1, min(info.n_samples, CHUNK_BYTES // per_sample)))
+    rows = CHUNK_BYTES // per_sample
+    if psi + info.d >= 512:
+        # the per-chunk cost outside the syrk (adding the psi^2 product) shrinks as 1/rows
+        rows = max(rows, MIN_SYRK_ROWS)
+    return int(max(1, min(info.n_samples, rows)))
 
 
 def spans(lo: int, hi: int, size: int) -> list[tuple[int, int]]:
@@ -444,6 +491,8 @@ def reduce_span(info: formats.TokensInfo, span: tuple[int, int], chunk_size: int
     lo, hi = span
     acc = _Accumulator(info.d, info.has_targets)
     for a, b, tokens, offsets, targets in iter_chunks(info, (lo, hi), chunk_size, prefetch):
+        if CANCEL.is_set():
+            raise Cancelled("the reduction was cancelled")
         acc.add(tokens, offsets, targets,
                 check=lambda S, a=a, t=tokens, o=offsets, y=targets: _check_chunk(info, a, t, o, y, S))
         if progress is not None:
@@ -454,6 +503,15 @@ def reduce_span(info: formats.TokensInfo, span: tuple[int, int], chunk_size: int
                          "large); rescale the data", info.path)
     total.sample_range = (lo, hi)
     return total
+
+
+class Cancelled(Exception):
+    """Raised by `reduce_span` in worker threads once `CANCEL` is set (the caller is stopping)."""
+
+
+# Set by a thread pool that is shutting down after an error or an interrupt, so that its running
+# reductions stop at the next chunk instead of finishing their spans.
+CANCEL = threading.Event()
 
 
 def _add_into(acc: Features, part: Features) -> None:
@@ -499,7 +557,8 @@ def work_spans(lo: int, hi: int, chunk_size: int, n_workers: int, per_worker: in
     return [(lo + (n * i) // parts, lo + (n * (i + 1)) // parts) for i in range(parts)]
 
 
-def check_memory(d: int, budget_bytes: int | None = None, copies: int = 1) -> None:
+def check_memory(d: int, budget_bytes: int | None = None, copies: int = 1,
+                 path: str | os.PathLike | None = None) -> None:
     """Refuse up front a d whose psi x psi statistics (and their solve) would not fit in memory.
 
     `copies` is the number of accumulators held at once (one per worker process on this machine).
@@ -516,7 +575,7 @@ def check_memory(d: int, budget_bytes: int | None = None, copies: int = 1) -> No
         raise InputError(
             f"d = {d} needs psi = {n_features(d)} features and about {need / 2**30:.1f} GiB{who} for "
             f"the psi x psi statistics, more than the {budget_bytes / 2**30:.1f} GiB of memory available; "
-            + (f"the largest d that fits is {fits}" if fits else "not even d = 1 fits"))
+            + (f"the largest d that fits is {fits}" if fits else "not even d = 1 fits"), path)
 
 
 def _stats_bytes(d: int) -> int:
@@ -560,13 +619,13 @@ def featurize(path: str | os.PathLike, chunk_size: int | None = None,
             raise InputError(f"shard {i}/{m} is empty: the file has only {info.n_samples} samples", path)
     size = chunk_size or default_chunk_size(info)
     if map is None and workers <= 1 and scheduler is None:
-        check_memory(info.d)
+        check_memory(info.d, path=path)
         feats = reduce_span(info, (lo, hi), size, progress=progress)
     else:
         from . import parallel
 
         with parallel.make_map(workers=workers, scheduler=scheduler, map=map) as pmap:
-            check_memory(info.d, copies=pmap.local_copies)
+            check_memory(info.d, copies=pmap.local_copies, path=path)
             # workers (possibly on other hosts) open the file themselves: give them an absolute path
             winfo = replace(info, path=os.path.abspath(info.path))
             feats = reduce_spans(winfo, work_spans(lo, hi, size, pmap.n_workers), map=pmap,

@@ -10,7 +10,7 @@ import h5py
 import numpy as np
 import pytest
 
-from mhla_cli import parallel, stream, synthetic
+from mhla_cli import stream, synthetic
 from mhla_cli.cli import run
 from mhla_cli.errors import InputError
 from mhla_cli.model import predict_file
@@ -67,7 +67,10 @@ def test_cli_workers_file_equals_serial(data: Path, tmp_path: Path) -> None:
     assert_same_stats(Features.load(b), Features.load(a))
 
 
-def test_predict_workers_equal_serial(data: Path, serial: Features, tmp_path: Path) -> None:
+@pytest.mark.parametrize("backend", ["process", "thread"])
+def test_predict_workers_equal_serial(data: Path, serial: Features, tmp_path: Path, backend: str,
+                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("MHLA_PARALLEL_BACKEND", backend)
     model = fit(serial)
     a = predict_file(model, data, tmp_path / "a.h5", all_positions=True, chunk_size=30)
     b = predict_file(model, data, tmp_path / "b.h5", all_positions=True, chunk_size=30, workers=2)
@@ -199,3 +202,24 @@ def test_featurize_and_fit_refuse_a_d_that_does_not_fit(data: Path, serial: Feat
         assert run(args) == 2
         err = capsys.readouterr().err
         assert "largest d that fits is 2" in err, (args, err)
+
+
+def test_interrupt_stops_thread_workers(data: Path, serial: Features, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("MHLA_PARALLEL_BACKEND", "thread")
+    seen = []
+
+    def progress(n: int) -> None:
+        seen.append(n)
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        featurize(data, chunk_size=3, workers=2, progress=progress)
+    assert len(seen) == 1 and not stream.CANCEL.is_set()
+    # a cancelled reduction stops at its next chunk; the flag does not leak into later runs
+    stream.CANCEL.set()
+    try:
+        with pytest.raises(stream.Cancelled):
+            stream.reduce_span(stream.formats.inspect_tokens(data), (0, 211), 10)
+    finally:
+        stream.CANCEL.clear()
+    assert_same_stats(featurize(data, chunk_size=13, workers=2), serial)

@@ -110,7 +110,7 @@ def featurize_cmd(
     shard: Annotated[str | None, typer.Option("--shard", help="Only the i-th of M contiguous sample ranges, as i/M (0-based).")] = None,
     folds: Annotated[int | None, typer.Option("--folds", min=2, help="Also store the statistics of K contiguous "
                                               "folds (for `fit --heads auto` / `--nuclear auto`).")] = None,
-    workers: Annotated[int, typer.Option("--workers", "-j", min=0, help="Local worker processes (0: one per "
+    workers: Annotated[int, typer.Option("--workers", "-j", min=0, help="Parallel local workers (0: one per "
                                          "core); the result equals the serial one up to summation order.")] = 1,
     scheduler: Annotated[str | None, typer.Option("--scheduler", help="Run on a Dask cluster: a scheduler address "
                                                   "(tcp://host:8786), a scheduler file (.json), or local / local:K "
@@ -234,8 +234,9 @@ def certify_cmd(
 def fit_cmd(
     data: Annotated[Path, typer.Argument(help="Tokens file (with targets) or features file.")],
     output: OutOpt,
-    ridge: Annotated[float, typer.Option("--ridge", min=0.0, help="Ridge penalty l: minimise MSE/2-style "
-                                         "(gram/N + l I) p^T = moments/N.")] = 0.0,
+    ridge: Annotated[float, typer.Option("--ridge", min=0.0, help="Ridge penalty l: minimise "
+                                         "(1/N) sum_i ||p H_i - y_i||^2 + l ||p||_F^2, i.e. solve (gram/N + l I) p^T "
+                                         "= moments/N (l is in the units of Lambda_D, which scale as tokens^6).")] = 0.0,
     heads: Annotated[str | None, typer.Option("--heads", help="Factorised fit with H heads (V_h, Q_h), or 'auto' "
                                               "(H by K-fold CV); needs far fewer samples when H is small.")] = None,
     weight_decay: Annotated[float, typer.Option("--weight-decay", min=0.0, help="With --heads: penalty "
@@ -292,11 +293,12 @@ def fit_cmd(
             + (f" (CV over {info['n_folds']} folds chose {info['cv']['chosen']:.4g})" if "cv" in info else "")
             + (f"; head strengths ||V_h|| ||Q_h|| = {', '.join(fmt(x) for x in info['head_norms'])}"
                if "head_norms" in info else ""), quiet)
-    elif not info["identifiable"] and ridge == 0:
+    elif not info["identifiable"]:
         warn("the data do not determine the function (gram is singular or N < psi): this is the "
-             "minimum-norm solution; see `mhla certify`")
+             + ("ridge-regularised" if ridge > 0 else "minimum-norm") + " solution; see `mhla certify`")
     elif info["condition_number"] > 1e10:
-        warn(f"ill-conditioned solve (condition number {fmt(info['condition_number'])}); consider --ridge")
+        warn(f"ill-conditioned solve (condition number {fmt(info['condition_number'])})"
+             + ("" if ridge > 0 else "; consider --ridge"))
     if json_out:
         emit_json(info)
 
@@ -347,7 +349,7 @@ def predict_cmd(
     output: OutOpt,
     all_positions: Annotated[bool, typer.Option("--all-positions", help="Also write outputs at every position.")] = False,
     chunk_size: ChunkOpt = None,
-    workers: Annotated[int, typer.Option("--workers", "-j", min=0, help="Local worker processes (0: one per "
+    workers: Annotated[int, typer.Option("--workers", "-j", min=0, help="Parallel local workers (0: one per "
                                          "core); the output equals the serial one.")] = 1,
     json_out: JsonOpt = False,
     quiet: QuietOpt = False,
