@@ -5,7 +5,7 @@ sequence, (N, d) = (512, 2) and (2048, 4). Models: AdamW MHLA with m in {1, 2, 4
 single-head linear attention with 2 and 4 residual layers (experiments/mhla_torch.py), and mhla's
 closed form (statistics + least squares + heads: Algorithm 1), drawn as a horizontal line.
 
-    python experiments/fig1_teacher.py            # full run (2 seeds, 600 epochs), ~8-12 min on 2 cores
+    python experiments/fig1_teacher.py            # full run (2 seeds, 600 epochs), ~8 min on 2 cores
     python experiments/fig1_teacher.py --seeds 3  # what docs/reproduction.md reports
     python experiments/fig1_teacher.py --quick    # tiny version, < 1 min
 

@@ -15,7 +15,7 @@ Data are kept float64 in memory (the Dataset object): `mhla generate assoc` stor
 and float32 rounding of tokens and targets makes the data slightly unrealisable; the column
 "fit, float32 file" shows what that does.
 
-    python experiments/fig2_assoc.py            # full run, ~5-10 min on 2 cores
+    python experiments/fig2_assoc.py            # full run, ~5 min on 2 cores (17 min under heavy load)
     python experiments/fig2_assoc.py --quick    # tiny version, < 1 min
 
 Equivalent CLI for one point (f = 99 %):

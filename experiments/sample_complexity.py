@@ -8,7 +8,7 @@ For d in {2, ..., 6}: random 2-head MHLA teachers, Gaussian tokens, T = 100 toke
 (2) Held-out relative MSE of mhla's minimum-norm least-squares fit vs N, noise-free and with label
     noise 0.1 (targets have RMS 1), on 1000 fresh sequences of the same teacher.
 
-    python experiments/sample_complexity.py            # full run, ~1-3 min on 2 cores
+    python experiments/sample_complexity.py            # full run, ~20 s on 2 cores
     python experiments/sample_complexity.py --quick    # tiny version, seconds
 
 Equivalent CLI for one point (d = 4, N = 40 = psi):
