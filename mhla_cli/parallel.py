@@ -167,6 +167,8 @@ class DaskMap:
         self._own_client = False
 
     def __enter__(self) -> DaskMap:
+        if isinstance(self.scheduler, str) and (self.scheduler == "local" or self.scheduler.startswith("local:")):
+            _parse_local(self.scheduler)  # a malformed spec is a usage error, Dask installed or not
         try:
             from dask.distributed import Client, LocalCluster
         except ImportError:
