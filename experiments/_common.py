@@ -95,3 +95,11 @@ def savefig(fig, name: str) -> Path:
 
 def env_note() -> str:
     return f"{os.cpu_count()} CPU(s) visible, 1 thread per run, numpy {np.__version__}"
+
+
+def write_json(path: str | os.PathLike, obj: object) -> None:
+    """Write raw results as JSON (numpy scalars as Python numbers, anything else as its str)."""
+    import json
+
+    with open(path, "w") as fh:
+        json.dump(obj, fh, default=lambda o: o.item() if isinstance(o, np.generic) else str(o))

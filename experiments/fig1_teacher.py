@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from _common import Timer, env_note, features_of, fmt, limit_threads, markdown_table, savefig
+from _common import Timer, env_note, features_of, fmt, limit_threads, markdown_table, savefig, write_json
 from mhla_cli import export_heads, fit, predict, synthetic
 
 SETUPS = ((2, 512), (4, 2048))
@@ -186,8 +186,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\nplot: {plot(all_res, 'fig1_teacher_quick.png' if args.quick else 'fig1_teacher.png')}")
     print(f"total {total.seconds:.0f} s; {env_note()}")
     if args.json:
-        with open(args.json, "w") as fh:
-            json.dump(all_res, fh, default=lambda o: o if not isinstance(o, np.generic) else o.item())
+        write_json(args.json, all_res)
     return 0
 
 

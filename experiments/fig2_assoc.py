@@ -32,7 +32,7 @@ from typing import Any
 
 import numpy as np
 
-from _common import Timer, env_note, features_of, fmt, limit_threads, markdown_table, savefig
+from _common import Timer, env_note, features_of, fmt, limit_threads, markdown_table, savefig, write_json
 from mhla_cli import certify, fit, predict, synthetic
 from mhla_cli.solve import domain_map
 from mhla_cli.stream import Features
@@ -320,8 +320,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\nplot: {plot(res, 'fig2_assoc_quick.png' if args.quick else 'fig2_assoc.png')}")
     print(f"total {total.seconds:.0f} s; {env_note()}")
     if args.json:
-        with open(args.json, "w") as fh:
-            json.dump(res, fh, default=lambda o: o.item() if isinstance(o, np.generic) else str(o))
+        write_json(args.json, res)
     return 0
 
 

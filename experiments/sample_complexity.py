@@ -19,12 +19,11 @@ Equivalent CLI for one point (d = 4, N = 40 = psi):
 from __future__ import annotations
 
 import argparse
-import json
 from typing import Any
 
 import numpy as np
 
-from _common import Timer, env_note, features_of, fmt, limit_threads, markdown_table, savefig, subset
+from _common import Timer, env_note, features_of, fmt, limit_threads, markdown_table, savefig, subset, write_json
 from mhla_cli import certify, fit, n_features, predict, synthetic
 
 DIMS = (2, 3, 4, 5, 6)
@@ -153,8 +152,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\nplot: {plot(results, 'sample_complexity_quick.png' if args.quick else 'sample_complexity.png')}")
     print(f"total {total.seconds:.0f} s; {env_note()}")
     if args.json:
-        with open(args.json, "w") as fh:
-            json.dump(results, fh, default=lambda o: o.item() if isinstance(o, np.generic) else str(o))
+        write_json(args.json, results)
     return 0
 
 
