@@ -319,20 +319,17 @@ def _inspect_tokens_open(f: h5py.File, path: str | os.PathLike) -> TokensInfo:
 
 def _check_offsets(off: h5py.Dataset, T: int, path: str | os.PathLike) -> None:
     n = off.shape[0]
-    prev = None
     for lo in range(0, n, _OFFSET_BLOCK):
+        # Blocks overlap by one entry, so the step across a block boundary is checked too.
         block = np.asarray(off[lo:min(n, lo + _OFFSET_BLOCK + 1)], dtype=np.int64)
         if lo == 0 and block[0] != 0:
             raise InputError(f"offsets[0] = {block[0]}, expected 0", path)
-        if prev is not None and block[0] != prev:
-            pass  # overlapping read keeps blocks consistent
         steps = np.diff(block)
         bad = np.flatnonzero(steps <= 0)
         if bad.size:
             i = lo + int(bad[0])
             raise InputError(f"offsets not strictly increasing at sample {i} (offsets[{i}] = {block[bad[0]]}, "
                              f"offsets[{i + 1}] = {block[bad[0] + 1]}): every sequence needs >= 1 token", path)
-        prev = block[-1]
     last = int(off[n - 1])
     if last != T:
         raise InputError(f"offsets[N] = {last} but tokens has T = {T} rows; they must be equal", path)

@@ -61,6 +61,14 @@ def domain_map(feats: Features, domain: str) -> tuple[np.ndarray | None, int, in
         return None, d, d
     if domain != "observed":
         raise InputError(f"unknown domain '{domain}', expected full or observed")
+    B, C = observed_bases(feats)
+    T = np.kron(pair_map(B), C.T)
+    return T, B.shape[1], C.shape[1]
+
+
+def observed_bases(feats: Features) -> tuple[np.ndarray, np.ndarray]:
+    """Orthonormal bases B (d, r) of U = span of all tokens and C (d, s) of U_n = span of last tokens."""
+    d = feats.d
     eps_in = float(np.finfo(np.dtype(feats.token_dtype)).eps) if feats.token_dtype in ("float16", "float32", "float64") else EPS
 
     def rel(count: int) -> float:
@@ -70,10 +78,7 @@ def domain_map(feats: Features, domain: str) -> tuple[np.ndarray | None, int, in
         # d sqrt(count) eps in norm. (d eps alone is exceeded by real rank-3 data of 1500 samples.)
         return max(d * EPS * float(np.sqrt(max(count, 1))), d * eps_in**2)
 
-    B = range_basis(feats.token_gram, rel(feats.n_tokens))
-    C = range_basis(feats.last_token_gram, rel(feats.n_samples))
-    T = np.kron(pair_map(B), C.T)
-    return T, B.shape[1], C.shape[1]
+    return range_basis(feats.token_gram, rel(feats.n_tokens)), range_basis(feats.last_token_gram, rel(feats.n_samples))
 
 
 @dataclass

@@ -1,7 +1,8 @@
 """A concrete witness of non-identifiability: two models the data cannot tell apart.
 
 Model A is the minimum-norm least-squares fit; model B = A + c u v^T, where v is a null
-eigenvector of Lambda_D = gram / N (Certificate.null_vectors, full domain) and u a unit vector in
+eigenvector of Lambda_D = gram / N (Certificate.null_vectors; for the observed domain, T^T v' with
+v' null for Lambda' = T Lambda_D T^T) and u a unit vector in
 output space. Because v^T gram v = sum_i (v^T H_i)^2 ~ 0, every training sample has v^T H_i ~ 0,
 so B predicts what A predicts on the data (same loss), yet on a generic input X, v^T H(X) != 0 and
 the predictions differ by c u v^T H(X). c is chosen so that ||p_B - p_A||_F = ||p_A||_F (the size
@@ -31,7 +32,7 @@ from .errors import InputError
 from .features import cubic_features
 from .heads import W_from_p
 from .model import predict_chunk
-from .solve import Certificate, Model, certify, fit
+from .solve import Certificate, Model, certify, domain_map, fit, observed_bases
 from .stream import Features, default_chunk_size, spans
 
 LOSS_TOL = 1e-10
@@ -102,7 +103,9 @@ def _sse_data(data: str | os.PathLike, coefs: list[np.ndarray], chunk_size: int 
 
 def make_witness(feats: Features, data: str | os.PathLike | None = None, cert: Certificate | None = None,
                  seq_len: int | None = None, seed: int = 0, chunk_size: int | None = None) -> Witness:
-    """Build a witness for data that do not certify (full domain); raise InputError if they do.
+    """Build a witness for data that do not certify; raise InputError if they do.
+
+    With an observed-domain certificate the two models differ on inputs of the observed domain.
 
     Losses are checked on the data themselves when `data` is a tokens file (one streamed pass),
     otherwise from the statistics (accurate to ~eps * sum ||y||^2).
@@ -113,8 +116,8 @@ def make_witness(feats: Features, data: str | os.PathLike | None = None, cert: C
     if cert.identifiable:
         raise InputError("the data certify (identifiable): no two different functions fit them equally; "
                          "there is no witness")
-    if cert.domain != "full" or cert.null_vectors is None or cert.null_vectors.shape[1] == 0:
-        raise InputError("no null direction of gram on the full domain to build a witness from")
+    if cert.null_vectors is None or cert.null_vectors.shape[1] == 0:
+        raise InputError(f"no null direction of gram on the {cert.domain} domain to build a witness from")
     d, N = feats.d, feats.n_samples
     model_a = fit(feats)
     pa = model_a.coef
@@ -122,6 +125,14 @@ def make_witness(feats: Features, data: str | os.PathLike | None = None, cert: C
     null = cert.null_vectors
     v = null[:, 0]  # eigh orders eigenvalues ascending: the least excited direction
     lam_v = float(w[0])
+    basis = None
+    if cert.domain == "observed":
+        # v' null for Lambda' = T Lambda_D T^T  =>  T^T v' is null for Lambda_D (PSD), and it changes
+        # the function on inputs of the observed domain (tokens in U, last token in U_n).
+        T, _, _ = domain_map(feats, "observed")
+        v = T.T @ v
+        v /= np.linalg.norm(v)
+        basis = observed_bases(feats)
     a = int(np.argmax(np.diag(feats.target_gram)))
     u = np.zeros(d)
     u[a] = 1.0
@@ -143,6 +154,9 @@ def make_witness(feats: Features, data: str | os.PathLike | None = None, cert: C
     best, best_val = None, -1.0
     for _ in range(32):
         X = rng.standard_normal((n, d))
+        if basis is not None:  # an input of the observed domain
+            B, C = basis
+            X = np.vstack([rng.standard_normal((n - 1, B.shape[1])) @ B.T, C @ rng.standard_normal(C.shape[1])])
         val = abs(float(v @ cubic_features(X))) / float(np.linalg.norm(X)) ** 3
         if val > best_val:
             best, best_val = X, val

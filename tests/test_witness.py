@@ -58,3 +58,24 @@ def test_no_witness_when_identifiable(teacher_file: tuple[Path, Path, synthetic.
     assert run(["certify", str(data), "--witness", str(w)]) == 0
     assert not w.exists()
     assert "no witness" in capsys.readouterr().err
+
+
+def test_observed_domain_witness_differs_on_observed_inputs(tmp_path: Path,
+                                                           capsys: pytest.CaptureFixture[str]) -> None:
+    """Orthogonal associative memory: the witness of `--domain observed` differs on inputs whose
+    last token is a query (q, 0), the inputs the task actually has."""
+    k = 2
+    ds, _ = synthetic.generate_assoc(k, 600, orthogonal_fraction=1.0, seed=1)
+    data = tmp_path / "d.h5"
+    ds.save(data, dtype="float64")
+    w = tmp_path / "w.h5"
+    capsys.readouterr()
+    assert run(["certify", str(data), "--domain", "observed", "--witness", str(w), "--json", "-q"]) == 1
+    assert json.loads(capsys.readouterr().out)["witness"]["verified"]
+    wit = Witness.load(w)
+    X = wit.tokens
+    assert np.abs(X[-1, k:]).max() < 1e-12  # the last token lies in U_n = span of the queries
+    sa, sb = _sse(wit.model_a.coef, ds), _sse(wit.model_b.coef, ds)
+    assert abs(sa - sb) <= 1e-10 * float((ds.targets**2).sum())
+    ya, yb = (predict(c, X[None])[0] for c in (wit.model_a.coef, wit.model_b.coef))
+    assert np.linalg.norm(ya - yb) > 1e-3 * max(np.linalg.norm(ya), 1.0)

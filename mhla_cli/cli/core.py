@@ -214,7 +214,7 @@ def certify_cmd(
     if witness is not None and not cert.identifiable:
         from ..witness import make_witness
 
-        wit = make_witness(feats, data=data, cert=cert if domain == "full" else None, chunk_size=chunk_size)
+        wit = make_witness(feats, data=data, cert=cert, chunk_size=chunk_size)
         wit.save(witness, inputs=(data,))
         wi = wit.info
         out["witness"] = {"output": str(witness), **{k: wi[k] for k in (
