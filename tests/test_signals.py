@@ -31,7 +31,7 @@ def big(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     """A tokens file that takes a few seconds to featurize (d = 8, psi = 288), and a d = 8 model."""
     d = tmp_path_factory.mktemp("big")
     rng = np.random.default_rng(0)
-    N, n, dim = 120_000, 4, 8
+    N, n, dim = 480_000, 4, 8  # ~3 s of work: the signal always lands mid-run
     data = d / "big.h5"
     with h5py.File(data, "w") as f:
         f["tokens"] = rng.standard_normal((N, n, dim)).astype(np.float32)
