@@ -412,12 +412,11 @@ def _normal_parts(feats: Features, Vm: np.ndarray, Qm: np.ndarray, Rp: np.ndarra
     psi = npair * d
     c = 2.0 / feats.n_samples
     P, R = _structure(Vm, Qm)
-    G4 = feats.gram.reshape(npair, d, npair, d)
     Rf = R.transpose(1, 2, 0, 3).reshape(psi, H * d)  # rows (i, l), cols (h, j')
     GR = (feats.gram @ Rf).reshape(npair, d, H, d)  # [i', l', h, j]
     B = (Rf.T @ GR.reshape(psi, H * d)).reshape(H, d, H, d)
     H_VV = np.einsum("hjgk,ab->hajgbk", B, np.eye(d)).reshape(H * dd, H * dd)
-    # X[h,a,k, l,i',m] = sum_i P[h,a,i,k] G4[i,l,i',m]
+    # X[h,a,k, l,i',m] = sum_i P[h,a,i,k] G4[i,l,i',m], G4 = gram reshaped (npair, d, npair, d)
     X = P.transpose(0, 1, 3, 2).reshape(H * d * d, npair) @ feats.gram.reshape(npair, d * psi)
     X = X.reshape(H, d, d, d, npair, d)
     # H_QQ[h,k,l, g,n,m] = sum_{a,i'} X[h,a,k,l,i',m] P[g,a,i',n]

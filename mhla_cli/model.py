@@ -10,7 +10,7 @@ import numpy as np
 
 from . import formats
 from .errors import InputError
-from .features import features_from_moments, n_features, pair_index
+from .features import features_from_moments, pair_index
 from .heads import Heads
 from .solve import Model
 from .stream import default_chunk_size, sequence_moments, spans

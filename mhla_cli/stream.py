@@ -641,7 +641,3 @@ def featurize(path: str | os.PathLike, chunk_size: int | None = None,
 def shard_range(n: int, i: int, m: int) -> tuple[int, int]:
     """The i-th of m contiguous, nearly equal ranges of [0, n)."""
     return (n * i) // m, (n * (i + 1)) // m
-
-
-def with_source(feats: Features, source: dict[str, Any] | None) -> Features:
-    return replace(feats, source=source)

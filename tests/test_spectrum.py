@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 from pathlib import Path
 
@@ -32,12 +33,8 @@ def test_noisy_two_head_teacher_has_two_outliers(noisy_two_head: tuple[Path, Pat
     _, model = noisy_two_head
     capsys.readouterr()
     png = tmp_path / "s.png"
-    try:
-        import matplotlib  # noqa: F401
-
-        plot = ["--plot", str(png)]
-    except ImportError:  # the optional `plot` extra is not installed
-        plot = []
+    # --plot needs the optional `plot` extra (matplotlib)
+    plot = ["--plot", str(png)] if importlib.util.find_spec("matplotlib") else []
     assert run(["spectrum", str(model), "--json", *plot]) == 0
     cap = capsys.readouterr()
     out = json.loads(cap.out)

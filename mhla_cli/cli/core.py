@@ -6,12 +6,11 @@ import sys
 from pathlib import Path
 from typing import Annotated
 
-import numpy as np
 import typer
 
 from .. import formats, synthetic
 from ..errors import InputError
-from ..heads import Heads, export_heads
+from ..heads import export_heads
 from ..model import load_function, predict_file
 from ..solve import Model, certify, fit
 from ..stream import Features, featurize
