@@ -402,11 +402,12 @@ def _hash_dataset(h: Any, ds: h5py.Dataset, full: bool) -> None:
         return
     row_bytes = max(1, ds.dtype.itemsize * int(np.prod(ds.shape[1:], dtype=np.int64)))
     rows = max(1, _BLOCK_BYTES // row_bytes)
-    if full or n <= rows * (_SAMPLED_BLOCKS + 2):
+    sample = max(1, rows // 16)  # a sample of ~_BLOCK_BYTES/16 per block keeps this cheap
+    if full or n <= sample * (_SAMPLED_BLOCKS + 2):
         for lo in range(0, n, rows):  # every byte, in order: independent of the block size
             h.update(np.ascontiguousarray(ds[lo:min(n, lo + rows)]).tobytes())
         return
-    rows = max(1, rows // 16)  # a sample of ~_BLOCK_BYTES/16 per block keeps this cheap
+    rows = sample
     for lo in sorted({0, n - rows, *(int(s) for s in np.linspace(0, n - rows, _SAMPLED_BLOCKS))}):
         h.update(f"@{lo}:{rows};".encode())
         h.update(np.ascontiguousarray(ds[lo:min(n, lo + rows)]).tobytes())

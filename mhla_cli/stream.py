@@ -321,7 +321,11 @@ class _Accumulator:
             # The block is built transposed, Ft = [H | Y]^T (psi + d, B): every elementwise loop
             # then runs over the B samples of the chunk (long, contiguous) instead of over d.
             Ft = self._buf_t("F", self.width, B)
-            upper = np.take(S.reshape(B, d * d).T, self._upper_idx, axis=0, out=self._buf_t("U", psi // d, B))
+            # gather the distinct entries row-wise (contiguous), then transpose: ~10x faster than a
+            # strided gather from the transposed view
+            upper_rows = np.take(S.reshape(B, d * d), self._upper_idx, axis=1, out=self._buf("Ur", B, (psi // d,)))
+            upper = self._buf_t("U", psi // d, B)
+            upper[...] = upper_rows.T
             last_t = self._buf_t("L", d, B)
             last_t[...] = last.T
             H = Ft[:psi].reshape(psi // d, d, B)
