@@ -720,6 +720,13 @@ def provenance(inputs: tuple[str | os.PathLike, ...] = ()) -> dict[str, Any]:
 
 # Outputs up to this size are built in memory (HDF5 core driver) and written with plain file I/O,
 # so that a full disk gives a clean OSError instead of a failure inside libhdf5.
+def header(kind: str, inputs: tuple[str | os.PathLike, ...] = ()) -> dict[str, Any]:
+    """Root attributes of every file mhla writes: kind, format version and provenance."""
+    if kind not in KINDS:
+        raise ValueError(f"unknown kind {kind!r}")
+    return {"mhla_kind": kind, "mhla_format_version": FORMAT_VERSION, **provenance(inputs)}
+
+
 IN_MEMORY_WRITE_BYTES = 1 << 30
 
 
@@ -765,10 +772,8 @@ def write_file(out: str | os.PathLike, kind: str, datasets: Mapping[str, np.ndar
     Files up to IN_MEMORY_WRITE_BYTES are built in memory and written in one go (then fsync'ed);
     a write error leaves `out` untouched and raises an InputError.
     """
-    if kind not in KINDS:
-        raise ValueError(f"unknown kind {kind!r}")
     o = check_output_path(out, inputs)
-    meta = {"mhla_kind": kind, "mhla_format_version": FORMAT_VERSION, **provenance(inputs)}
+    meta = header(kind, inputs)
     raw = sum(np.asarray(a).nbytes for a in datasets.values() if a is not None) + (1 << 16)
     if compression is None:
         _check_free_space(o, raw)

@@ -137,10 +137,9 @@ def predict_file(fn: Model | Heads, data: str | os.PathLike, out: str | os.PathL
 
     if out is not None:
         o = formats.check_output_path(out, (data, *inputs))
-        meta = {"mhla_kind": "predictions", "mhla_format_version": formats.FORMAT_VERSION,
-                **formats.provenance((data, *inputs)), "d": d, "n_samples": info.n_samples}
+        meta = {**formats.header("predictions", (data, *inputs)), "d": d, "n_samples": info.n_samples}
         with formats.atomic_path(o) as tmp:
-            with h5py.File(tmp, "w") as fout:
+            with formats.create_output(tmp) as fout:
                 for k, v in meta.items():
                     fout.attrs[k] = v
                 run(fout)

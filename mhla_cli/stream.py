@@ -68,27 +68,15 @@ class Features:
         return self.gram / max(self.n_samples, 1)
 
     def __add__(self, other: Features) -> Features:
-        if other.d != self.d:
-            raise InputError(f"cannot add statistics of d = {self.d} and d = {other.d}")
-        if other.has_targets != self.has_targets:
-            raise InputError("cannot add statistics with and without targets")
-        rng = None
+        total = Features.zeros(self.d, self.has_targets,
+                               self.token_dtype if self.token_dtype == other.token_dtype else "float64")
+        _add_into(total, self)
+        _add_into(total, other)
         if self.sample_range and other.sample_range:
-            rng = (min(self.sample_range[0], other.sample_range[0]),
-                   max(self.sample_range[1], other.sample_range[1]))
-        return Features(
-            d=self.d,
-            n_samples=self.n_samples + other.n_samples,
-            n_tokens=self.n_tokens + other.n_tokens,
-            gram=self.gram + other.gram,
-            token_gram=self.token_gram + other.token_gram,
-            last_token_gram=self.last_token_gram + other.last_token_gram,
-            moments=None if self.moments is None else self.moments + other.moments,
-            target_gram=None if self.target_gram is None else self.target_gram + other.target_gram,
-            token_dtype=self.token_dtype if self.token_dtype == other.token_dtype else "float64",
-            sample_range=rng,
-            source=self.source,
-        )
+            total.sample_range = (min(self.sample_range[0], other.sample_range[0]),
+                                  max(self.sample_range[1], other.sample_range[1]))
+        total.source = self.source
+        return total
 
     @classmethod
     def zeros(cls, d: int, has_targets: bool, token_dtype: str = "float64") -> Features:
@@ -519,6 +507,11 @@ CANCEL = threading.Event()
 
 
 def _add_into(acc: Features, part: Features) -> None:
+    """acc += part (counts and every sum), in place."""
+    if part.d != acc.d:
+        raise InputError(f"cannot add statistics of d = {acc.d} and d = {part.d}")
+    if part.has_targets != acc.has_targets:
+        raise InputError("cannot add statistics with and without targets")
     acc.n_samples += part.n_samples
     acc.n_tokens += part.n_tokens
     acc.gram += part.gram

@@ -9,6 +9,21 @@ import numpy as np
 import pytest
 
 from mhla_cli import synthetic
+from mhla_cli.stream import Features
+
+STATS = ("gram", "moments", "target_gram", "token_gram", "last_token_gram")
+
+
+def relerr(a: np.ndarray, b: np.ndarray) -> float:
+    """Largest absolute difference relative to the largest entry of b."""
+    return float(np.abs(a - b).max() / np.abs(b).max())
+
+
+def assert_same_stats(a: Features, b: Features, tol: float = 1e-12) -> None:
+    """Two sets of statistics agree: counts exactly, every sum to `tol` relative."""
+    assert a.n_samples == b.n_samples and a.n_tokens == b.n_tokens and a.d == b.d
+    for k in STATS:
+        assert relerr(getattr(a, k), getattr(b, k)) < tol, k
 
 
 def write_tokens(path: Path, tokens: np.ndarray, offsets: np.ndarray | None = None,

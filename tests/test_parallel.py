@@ -10,25 +10,13 @@ import h5py
 import numpy as np
 import pytest
 
+from conftest import assert_same_stats, relerr
 from mhla_cli import stream, synthetic
 from mhla_cli.cli import run
 from mhla_cli.errors import InputError
 from mhla_cli.model import predict_file
 from mhla_cli.solve import fit
 from mhla_cli.stream import Features, featurize
-
-STATS = ("gram", "moments", "target_gram", "token_gram", "last_token_gram")
-
-
-def relerr(a: np.ndarray, b: np.ndarray) -> float:
-    return float(np.abs(a - b).max() / np.abs(b).max())
-
-
-def assert_same_stats(a: Features, b: Features, tol: float = 1e-12) -> None:
-    assert a.n_samples == b.n_samples and a.n_tokens == b.n_tokens
-    for k in STATS:
-        assert relerr(getattr(a, k), getattr(b, k)) < tol, k
-
 
 @pytest.fixture(scope="module")
 def data(tmp_path_factory: pytest.TempPathFactory) -> Path:

@@ -7,7 +7,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import write_tokens
+from conftest import relerr, write_tokens
 from mhla_cli import featurize
 from mhla_cli.features import cubic_features
 from mhla_cli.stream import Features
@@ -19,10 +19,6 @@ def reference(tokens: np.ndarray, offsets: np.ndarray, y: np.ndarray) -> dict[st
     t64 = tokens.astype(np.float64)
     return {"gram": F.T @ F, "moments": F.T @ y, "target_gram": y.T @ y,
             "token_gram": t64.T @ t64, "last_token_gram": last.T @ last}
-
-
-def relerr(a: np.ndarray, b: np.ndarray) -> float:
-    return float(np.abs(a - b).max() / np.abs(b).max())
 
 
 @pytest.fixture
