@@ -29,7 +29,7 @@ from .errors import InputError
 from .features import n_features
 
 FORMAT_NAME = "mhla"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 KINDS = ("tokens", "features", "model", "heads", "predictions")
 
 # Largest number of offsets read at once while validating a ragged tokens file.

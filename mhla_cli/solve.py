@@ -8,7 +8,9 @@ from typing import Any
 
 import numpy as np
 
+from . import basis as basis_mod
 from . import formats
+from .basis import pair_map
 from .errors import InputError
 from .features import feature_index, n_features, pair_index
 from .stream import Features
@@ -43,31 +45,16 @@ def range_basis(gram: np.ndarray, rel_tol: float) -> np.ndarray:
     return v[:, keep][:, ::-1]
 
 
-def pair_map(B: np.ndarray) -> np.ndarray:
-    """Matrix A with upper(B^T S B) = A upper(S) for symmetric S, in feature pair order."""
-    d, r = B.shape
-    j, k = pair_index(d)
-    jr, kr = pair_index(r)
-    # (B^T S B)[j',k'] = sum_{j<=k} c S[j,k], c = B[j,j']B[k,k'] + B[k,j']B[j,k'] (j<k), B[j,j']B[j,k'] (j=k)
-    A = B[j][:, jr] * B[k][:, kr] + B[k][:, jr] * B[j][:, kr]
-    A[j == k] *= 0.5
-    return A.T
+def _basis_token_grams(feats: Features) -> tuple[np.ndarray, np.ndarray]:
+    """token_gram and last_token_gram in the solver basis (A^T G A)."""
+    A = feats.basis
+    if A is None:
+        return feats.token_gram, feats.last_token_gram
+    return A.T @ feats.token_gram @ A, A.T @ feats.last_token_gram @ A
 
 
-def domain_map(feats: Features, domain: str) -> tuple[np.ndarray | None, int, int]:
-    """The map T from H to the features of the observed domain (None for the full domain)."""
-    d = feats.d
-    if domain == "full":
-        return None, d, d
-    if domain != "observed":
-        raise InputError(f"unknown domain '{domain}', expected full or observed")
-    B, C = observed_bases(feats)
-    T = np.kron(pair_map(B), C.T)
-    return T, B.shape[1], C.shape[1]
-
-
-def observed_bases(feats: Features) -> tuple[np.ndarray, np.ndarray]:
-    """Orthonormal bases B (d, r) of U = span of all tokens and C (d, s) of U_n = span of last tokens."""
+def _observed_bases_b(feats: Features) -> tuple[np.ndarray, np.ndarray]:
+    """Orthonormal bases of U and U_n in the solver basis's token coordinates."""
     d = feats.d
     eps_in = float(np.finfo(np.dtype(feats.token_dtype)).eps) if feats.token_dtype in ("float16", "float32", "float64") else EPS
 
@@ -78,7 +65,48 @@ def observed_bases(feats: Features) -> tuple[np.ndarray, np.ndarray]:
         # d sqrt(count) eps in norm. (d eps alone is exceeded by real rank-3 data of 1500 samples.)
         return max(d * EPS * float(np.sqrt(max(count, 1))), d * eps_in**2)
 
-    return range_basis(feats.token_gram, rel(feats.n_tokens)), range_basis(feats.last_token_gram, rel(feats.n_samples))
+    tg, lg = _basis_token_grams(feats)
+    return range_basis(tg, rel(feats.n_tokens)), range_basis(lg, rel(feats.n_samples))
+
+
+def _domain_map_b(feats: Features, domain: str) -> tuple[np.ndarray | None, int, int]:
+    """The map T_b from the solver-basis features to the domain's (None for the full domain)."""
+    d = feats.d
+    if domain == "full":
+        return None, d, d
+    if domain != "observed":
+        raise InputError(f"unknown domain '{domain}', expected full or observed")
+    B, C = _observed_bases_b(feats)
+    return np.kron(pair_map(B), C.T), B.shape[1], C.shape[1]
+
+
+def domain_map(feats: Features, domain: str) -> tuple[np.ndarray | None, int, int]:
+    """The map T from H (tokens' own coordinates) to the features the certificate of `domain` uses.
+
+    Full domain: None without a solver basis, else the basis map M_A. Observed domain: the features
+    of X B and C^T x_n for orthonormal bases B, C of U and U_n (in the solver's token coordinates).
+    """
+    T, r, s = _domain_map_b(feats, domain)
+    A = feats.basis
+    if A is None:
+        return T, r, s
+    if T is None:
+        return basis_mod.feature_map(A), r, s
+    return basis_mod.coef_from_basis(A, T), r, s  # T_b @ M_A
+
+
+def observed_bases(feats: Features) -> tuple[np.ndarray, np.ndarray]:
+    """Orthonormal bases B (d, r) of U = span of all tokens and C (d, s) of U_n = span of last tokens.
+
+    In the tokens' own coordinates (computed in the solver basis, where the ranks are well resolved).
+    """
+    B, C = _observed_bases_b(feats)
+    A = feats.basis
+    if A is None:
+        return B, C
+    # column vectors: x_b = A^T x, so a subspace spanned by B_b is spanned by A^-T B_b
+    AinvT = np.linalg.inv(A).T
+    return np.linalg.qr(AinvT @ B)[0], np.linalg.qr(AinvT @ C)[0]
 
 
 @dataclass
@@ -101,6 +129,7 @@ class Certificate:
     null_features: list[dict[str, Any]] = field(default_factory=list)
     eigenvalues: np.ndarray | None = None
     null_vectors: np.ndarray | None = None
+    basis: str = "own"
 
     @property
     def margin(self) -> float:
@@ -114,16 +143,24 @@ class Certificate:
             "min_eig": self.min_eig, "margin": self.margin, "domain": self.domain,
             "condition_number": (self.lambda_max / self.lambda_min) if self.lambda_min > 0 else None,
             "dim_tokens": self.dim_tokens, "dim_last_tokens": self.dim_last_tokens,
-            "reasons": list(self.reasons), "null_features": list(self.null_features),
+            "reasons": list(self.reasons), "null_features": list(self.null_features), "basis": self.basis,
         }
 
 
 def certify(feats: Features, min_eig: float = 0.0, domain: str = "full") -> Certificate:
-    """Certify that the data determine the learned function (on R^d, or on the observed subspaces)."""
+    """Certify that the data determine the learned function (on R^d, or on the observed subspaces).
+
+    The eigenvalues are those of Lambda_D = gram / N in the solver basis (`Features.basis`: the
+    features of whitened tokens, so that the verdict does not depend on the units of the tokens).
+    `null_vectors` span the null space: for the full domain in the tokens' own feature coordinates
+    (orthonormal columns), for the observed domain in the observed-domain coordinates (map them with
+    `domain_map(feats, "observed")[0].T`).
+    """
     if min_eig < 0 or not np.isfinite(min_eig):
         raise InputError(f"--min-eig must be a finite number >= 0, got {min_eig}")
-    T, r, s = domain_map(feats, domain)
-    lam = feats.lambda_d
+    A, gram_b, _ = feats.solver_stats()
+    T, r, s = _domain_map_b(feats, domain)
+    lam = gram_b / max(feats.n_samples, 1)
     if T is not None:
         lam = T @ lam @ T.T
     m = lam.shape[0]
@@ -134,10 +171,13 @@ def certify(feats: Features, min_eig: float = 0.0, domain: str = "full") -> Cert
     rank = int((w > tol).sum())
     identifiable = bool(lmin > threshold and feats.n_samples >= m and lmax > 0)
     cert = Certificate(identifiable, lmin, lmax, rank, m, feats.n_samples, threshold, tol, float(min_eig),
-                       domain, r, s, eigenvalues=w)
+                       domain, r, s, eigenvalues=w, basis="own" if A is None else "whitened")
     if not identifiable:
         w, v = _eigh(lam)
         null = v[:, w <= threshold]
+        if T is None and A is not None and null.shape[1]:
+            # v^T H_b = v^T M_A H: the same direction in the tokens' own feature coordinates
+            null = np.linalg.qr(basis_mod.coef_from_basis(A, null.T).T)[0]
         cert.null_vectors = null
         cert.reasons, cert.null_features = _explain(feats, cert, null, T is None)
     return cert
@@ -157,9 +197,11 @@ def _explain(feats: Features, cert: Certificate, null: np.ndarray, full: bool
     if null.shape[1] and cert.lambda_min > cert.numerical_tolerance and cert.min_eig > 0:
         reasons.append(f"lambda_min = {cert.lambda_min:.3g} is full rank but below the demanded "
                        f"--min-eig {cert.min_eig:.3g}")
+    # token_gram / last_token_gram are sums of squares in the tokens' own coordinates: a zero
+    # diagonal entry means that coordinate is exactly 0 in every token (or last token).
+    zt = np.flatnonzero(np.diag(feats.token_gram) == 0.0)
+    zl = np.flatnonzero(np.diag(feats.last_token_gram) == 0.0)
     if full:
-        zt = np.flatnonzero(np.diag(feats.token_gram) <= EPS * max(np.trace(feats.token_gram), 0.0))
-        zl = np.flatnonzero(np.diag(feats.last_token_gram) <= EPS * max(np.trace(feats.last_token_gram), 0.0))
         if zt.size:
             reasons.append(f"token coordinate(s) {', '.join(map(str, zt))} are always 0: features "
                            "S[j,k] touching them vanish (try --domain observed)")
@@ -169,15 +211,29 @@ def _explain(feats: Features, cert: Certificate, null: np.ndarray, full: bool
     weight = (null**2).sum(axis=1)  # diagonal of the projector onto the null space
     order = np.argsort(-weight)
     names = _feature_names(d, cert, full)
+    idx = feature_index(d)
+    zero_t, zero_l = set(zt.tolist()), set(zl.tolist())
+
+    def exactly_zero(i: int) -> bool:
+        j, k, l = idx[i]
+        return int(j) in zero_t or int(k) in zero_t or int(l) in zero_l
+
     dead = [int(i) for i in order if weight[i] > 1 - 1e-6]
+    zero = [i for i in dead if full and exactly_zero(i)]
     mixed = [int(i) for i in order if 1e-6 < weight[i] <= 1 - 1e-6]
-    top = [{"feature": names[i], "index": i, "null_weight": float(weight[i])} for i in (dead + mixed)[:20]]
+    top = [{"feature": names[i], "index": i, "null_weight": float(weight[i]),
+            "identically_zero": bool(full and exactly_zero(i))} for i in (dead + mixed)[:20]]
     k = null.shape[1]
     if k:
         desc = f"{k} feature direction(s) are never excited by the data"
-        if dead:
-            desc += (f"; {len(dead)} single feature(s) are identically zero, e.g. "
-                     + ", ".join(names[i] for i in dead[:3]))
+        if zero:
+            desc += (f"; {len(zero)} single feature(s) are identically zero in the data, e.g. "
+                     + ", ".join(names[i] for i in zero[:3]))
+        other = [i for i in dead if i not in set(zero)]
+        if other:
+            desc += (f"; {len(other)} single feature(s) are zero to within the numerical threshold "
+                     "(not exactly 0 in the data), e.g. "
+                     + ", ".join(names[i] for i in other[:3]))
         if k > len(dead) and mixed:
             desc += ("; the other directions mix features such as "
                      + ", ".join(names[i] for i in mixed[:4]))
@@ -256,7 +312,10 @@ def fit(feats: Features, ridge: float = 0.0) -> Model:
     """Least squares over p on the sufficient statistics (Algorithm 1, step 1).
 
     Solves (gram / N + ridge I) p^T = moments / N; with ridge = 0 and a singular gram it returns
-    the minimum-norm solution (pseudo-inverse with the certificate's numerical tolerance).
+    the minimum-norm solution (pseudo-inverse with the certificate's numerical tolerance). The
+    system is solved in the solver basis (`Features.basis`) and p mapped back, so the result does
+    not depend on the units of the tokens; the ridge penalty and the minimum norm are those of p in
+    the tokens' own coordinates.
     """
     from .heads import W_from_p
 
@@ -264,32 +323,46 @@ def fit(feats: Features, ridge: float = 0.0) -> Model:
         raise InputError("the data have no 'targets': fit needs (X, y) pairs")
     if ridge < 0 or not np.isfinite(ridge):
         raise InputError(f"--ridge must be a finite number >= 0, got {ridge}")
+    import scipy.linalg
+
+    A, gram_b, moments_b = feats.solver_stats()
     N = feats.n_samples
     psi = feats.n_features
-    lam = feats.gram / N
+    lam = gram_b / N
+    rhs = moments_b / N
     w = _eigh(lam, vectors=False)
     lmin, lmax = float(w[0]), float(w[-1])
     tol = numerical_tolerance(lmax, psi)
-    coef = None
+    # ||p||^2 = p_b (M M^T) p_b^T with p = p_b M (mhla_cli.basis)
+    if ridge > 0:
+        M = np.eye(psi) if A is None else basis_mod.feature_map(A)
+        K = M @ M.T
+    coef_b = None
     if ridge > 0 or lmin > tol:
         # Positive definite: a Cholesky solve (~10x cheaper than the eigenvectors).
-        import scipy.linalg
-
         try:
-            factor = scipy.linalg.cho_factor(lam + ridge * np.eye(psi), lower=True, check_finite=False)
-            coef = scipy.linalg.cho_solve(factor, feats.moments / N, check_finite=False).T
+            factor = scipy.linalg.cho_factor(lam + ridge * K if ridge > 0 else lam, lower=True, check_finite=False)
+            coef_b = scipy.linalg.cho_solve(factor, rhs, check_finite=False).T
         except scipy.linalg.LinAlgError:
-            coef = None
-    if coef is None:
-        # Singular (or numerically so): the minimum-norm solution, pseudo-inverse with the
-        # certificate's tolerance.
+            coef_b = None
+    if coef_b is None and ridge > 0:
+        coef_b = scipy.linalg.lstsq(lam + ridge * K, rhs, check_finite=False)[0].T
+    if coef_b is None:
+        # Singular (or numerically so): pseudo-inverse with the certificate's tolerance, then the
+        # minimum-norm p among those with the same fit: remove p's component along the null
+        # directions of gram (in the tokens' own coordinates: the columns of M^T v, v null in the basis).
         w, v = _eigh(lam)
-        rhs = v.T @ (feats.moments / N)
-        if ridge > 0:
-            inv = 1.0 / (w + ridge)
+        keep = w > tol
+        coef_b = (v[:, keep] @ ((v[:, keep].T @ rhs) / w[keep][:, None])).T
+        null = v[:, ~keep]
+        if A is not None and null.shape[1]:
+            Z = np.linalg.qr(basis_mod.coef_from_basis(A, null.T).T)[0]
+            coef = basis_mod.coef_from_basis(A, coef_b)
+            coef = coef - (coef @ Z) @ Z.T
         else:
-            inv = np.where(w > tol, 1.0 / np.where(w > tol, w, 1.0), 0.0)
-        coef = (v @ (inv[:, None] * rhs)).T
+            coef = coef_b if A is None else basis_mod.coef_from_basis(A, coef_b)
+    else:
+        coef = coef_b if A is None else basis_mod.coef_from_basis(A, coef_b)
     identifiable = bool(lmin > tol and N >= psi)
     mse, resolution = train_mse(feats, coef)
     # Condition number of the system actually solved (regularised when ridge > 0).
@@ -301,6 +374,7 @@ def fit(feats: Features, ridge: float = 0.0) -> Model:
         "ridge": float(ridge), "train_mse": mse, "mse_resolution": resolution, "lambda_min": lmin,
         "lambda_max": lmax, "identifiable": identifiable, "condition_number": cond,
         "rank": int((w > tol).sum()), "n_features": psi, "n_samples": N, "method": "lstsq",
+        "basis": "own" if A is None else "whitened",
     }
     return Model(coef=coef, W=W_from_p(coef), d=feats.d, info=info)
 
@@ -308,12 +382,14 @@ def fit(feats: Features, ridge: float = 0.0) -> Model:
 def train_mse(feats: Features, coef: np.ndarray) -> tuple[float, float]:
     """Mean squared error over the N*d outputs from the statistics alone, and its float64 resolution.
 
-    sum_i ||p H_i - y_i||^2 = tr(p gram p^T) - 2 tr(p moments) + tr(target_gram); cancellation limits
-    the accuracy to about eps * tr(target_gram).
+    sum_i ||p H_i - y_i||^2 = tr(p gram p^T) - 2 tr(p moments) + tr(target_gram), evaluated in the
+    solver basis; cancellation limits the accuracy to about eps * tr(target_gram).
     """
     N, d = feats.n_samples, feats.d
-    pm = coef @ feats.moments
-    sse = float(np.einsum("ij,jk,ik->", coef, feats.gram, coef) - 2 * np.trace(pm) + np.trace(feats.target_gram))
-    scale = float(np.trace(feats.target_gram)) + float(np.einsum("ij,jk,ik->", coef, feats.gram, coef))
+    A, gram_b, moments_b = feats.solver_stats()
+    pb = coef if A is None else basis_mod.coef_to_basis(A, coef)
+    quad = float(np.einsum("ij,jk,ik->", pb, gram_b, pb))
+    sse = quad - 2 * float(np.einsum("ij,ji->", pb, moments_b)) + float(np.trace(feats.target_gram))
+    scale = float(np.trace(feats.target_gram)) + quad
     resolution = 8 * feats.n_features * EPS * scale / (N * d)
     return max(sse, 0.0) / (N * d), resolution

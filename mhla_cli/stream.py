@@ -25,6 +25,7 @@ from typing import Any
 import h5py
 import numpy as np
 
+from . import basis as basis_mod
 from . import formats
 from .errors import InputError
 from .features import n_features, pair_index
@@ -53,6 +54,12 @@ class Features:
     sample_range: tuple[int, int] | None = None
     source: dict[str, Any] | None = None
     extra_attrs: dict[str, Any] = field(default_factory=dict)
+    # The solver's basis (mhla_cli.basis): tokens X A, and the sums of their features. None: the
+    # tokens' own coordinates (files of format version 1). While `gram` / `moments` are None they
+    # are derived from these by `finalize`.
+    basis: np.ndarray | None = None
+    basis_gram: np.ndarray | None = None
+    basis_moments: np.ndarray | None = None
 
     @property
     def n_features(self) -> int:
@@ -60,12 +67,42 @@ class Features:
 
     @property
     def has_targets(self) -> bool:
-        return self.moments is not None
+        return self.target_gram is not None
 
     @property
     def lambda_d(self) -> np.ndarray:
         """Lambda_D = gram / N, the empirical second-moment matrix of the features (Lemma 2.3)."""
         return self.gram / max(self.n_samples, 1)
+
+    def solver_stats(self) -> tuple[np.ndarray | None, np.ndarray, np.ndarray | None]:
+        """(A, gram_b, moments_b): the basis the solver works in (None: the tokens' own) and the sums there."""
+        if self.basis is None:
+            return None, self.gram, self.moments
+        return self.basis, self.basis_gram, self.basis_moments
+
+    def finalize(self) -> Features:
+        """Derive `gram` and `moments` (tokens' own coordinates) from the basis sums, if not yet done."""
+        if self.basis is not None and self.gram is None:
+            with np.errstate(over="ignore", invalid="ignore"):
+                self.gram = basis_mod.gram_from_basis(self.basis, self.basis_gram)
+                if self.basis_moments is not None:
+                    self.moments = basis_mod.features_from_basis(self.basis, self.basis_moments)
+            _check_overflow(self, "the data", None)
+        return self
+
+    def datasets(self) -> dict[str, np.ndarray | None]:
+        """The datasets of a features file (docs/formats.md)."""
+        self.finalize()
+        data = {"gram": self.gram, "moments": self.moments, "target_gram": self.target_gram,
+                "token_gram": self.token_gram, "last_token_gram": self.last_token_gram}
+        if self.basis is not None:
+            data.update(basis=self.basis, basis_gram=self.basis_gram, basis_moments=self.basis_moments)
+        return data
+
+    def add(self, other: Features) -> Features:
+        """self += other (counts and every sum), in place; returns self."""
+        _add_into(self, other)
+        return self
 
     def __add__(self, other: Features) -> Features:
         total = Features.zeros(self.d, self.has_targets,
@@ -96,10 +133,7 @@ class Features:
         if self.source is not None:
             attrs["source"] = json.dumps(self.source)
         attrs.update(self.extra_attrs)
-        formats.write_file(path, "features", {
-            "gram": self.gram, "moments": self.moments, "target_gram": self.target_gram,
-            "token_gram": self.token_gram, "last_token_gram": self.last_token_gram,
-        }, attrs, inputs)
+        formats.write_file(path, "features", self.datasets(), attrs, inputs)
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> Features:
@@ -139,6 +173,7 @@ class Features:
             if "sample_lo" in f.attrs and "sample_hi" in f.attrs:
                 rng = (int(f.attrs["sample_lo"]), int(f.attrs["sample_hi"]))
             source = json.loads(f.attrs["source"]) if "source" in f.attrs else None
+            basis, basis_gram, basis_moments = _load_basis(f, path, d, moments is not None)
             dtype = f.attrs.get("token_dtype", "float64")
             dtype = dtype.decode() if isinstance(dtype, bytes) else str(dtype)
             extra = {}
@@ -148,7 +183,37 @@ class Features:
                     extra[k] = v.decode() if isinstance(v, bytes) else (v.item() if hasattr(v, "item") else v)
         return cls(d=d, n_samples=n, n_tokens=t, gram=gram, token_gram=tg, last_token_gram=lg,
                    moments=moments, target_gram=target_gram, token_dtype=dtype, sample_range=rng,
-                   source=source, extra_attrs=extra)
+                   source=source, extra_attrs=extra, basis=basis, basis_gram=basis_gram,
+                   basis_moments=basis_moments)
+
+
+def _load_basis(f: h5py.File, path: str | os.PathLike, d: int, has_targets: bool
+                ) -> tuple[np.ndarray | None, np.ndarray | None, np.ndarray | None]:
+    """The solver basis and its sums (format version 2); (None, None, None) for version-1 files."""
+    names = [k for k in ("basis", "basis_gram", "basis_moments") if k in f]
+    if not names:
+        return None, None, None
+    need = ["basis", "basis_gram"] + (["basis_moments"] if has_targets else [])
+    missing = [k for k in need if k not in f]
+    if missing:
+        raise InputError(f"has {', '.join(names)} but no {', '.join(missing)}; the file is incomplete", path)
+    psi = n_features(d)
+    A = formats.read_array(f, "basis", path).astype(np.float64)
+    if A.shape != (d, d):
+        raise InputError(f"'basis' has shape {A.shape}, expected ({d}, {d})", path)
+    if not np.isfinite(np.linalg.cond(A)) or np.linalg.cond(A) > 1e12:
+        raise InputError("'basis' is singular; the file is corrupted", path)
+    gb = formats.read_array(f, "basis_gram", path).astype(np.float64)
+    if gb.shape != (psi, psi):
+        raise InputError(f"'basis_gram' has shape {gb.shape}, expected ({psi}, {psi})", path)
+    if not _is_symmetric(gb):
+        raise InputError("'basis_gram' is not symmetric; the file is corrupted", path)
+    mb = None
+    if has_targets:
+        mb = formats.read_array(f, "basis_moments", path).astype(np.float64)
+        if mb.shape != (psi, d):
+            raise InputError(f"'basis_moments' has shape {mb.shape}, expected ({psi}, {d})", path)
+    return A, gb, mb
 
 
 # Attributes of a features file kept in `Features.extra_attrs` when it is loaded: which shard of
@@ -261,8 +326,9 @@ class _Accumulator:
     in float64.
     """
 
-    def __init__(self, d: int, has_targets: bool) -> None:
+    def __init__(self, d: int, has_targets: bool, basis: np.ndarray | None = None) -> None:
         self.d = d
+        self.basis = None if basis_mod.is_identity(basis) else np.asarray(basis, dtype=np.float64)
         self.psi = n_features(d)
         self.has_targets = has_targets
         self.width = self.psi + (d if has_targets else 0)
@@ -292,10 +358,12 @@ class _Accumulator:
         return buf[:size].reshape(rows, cols)
 
     def add(self, tokens: np.ndarray, offsets: np.ndarray, targets: np.ndarray | None,
-            check: Callable[[np.ndarray], None] | None = None) -> None:
+            check: Callable[[float], None] | None = None) -> None:
         """Add one chunk: tokens (t, d) of any real dtype, offsets (B+1,) from 0, targets (B, d) or None.
 
-        `check(S)` may reject the chunk after S = X^T X is computed, before anything is added.
+        `check(top)` may reject the chunk, given the largest squared token entry, before anything
+        is added. With a basis A the features are those of X A (token_gram and last_token_gram
+        stay in the tokens' own coordinates).
         """
         d, psi = self.d, self.psi
         B = offsets.size - 1
@@ -303,9 +371,25 @@ class _Accumulator:
             return
         # errstate: NaN / Inf tokens are reported by `check`, not as numpy warnings
         with _single_blas_thread(), np.errstate(invalid="ignore", over="ignore"):
-            S, last = sequence_moments(tokens, offsets, out=self._buf("S", B, (d, d)))
-            if check is not None:
-                check(S)
+            if self.basis is None:
+                S, last = sequence_moments(tokens, offsets, out=self._buf("S", B, (d, d)))
+                if check is not None:
+                    check(float(np.max(np.diagonal(S, axis1=1, axis2=2))) if S.size else 0.0)
+                self.token_gram += S.sum(axis=0)
+            else:
+                X = self._buf("X", tokens.shape[0], (d,))
+                np.copyto(X, tokens, casting="unsafe")
+                G = X.T @ X
+                if check is not None:  # the diagonal bounds every squared entry (NaN stays NaN)
+                    check(float(np.max(np.diagonal(G))) if X.size else 0.0)
+                self.token_gram += G
+                Xb = self._buf("Xb", tokens.shape[0], (d,))
+                # Xb = X A, computed as (A^T X^T) into Xb's transpose: OpenBLAS is ~40x slower on
+                # the (t x d) @ (d x d) orientation for small d (measured, d = 4)
+                np.matmul(self.basis.T, X.T, out=Xb.T)
+                own_last = X[offsets[1:] - 1]
+                self.last_token_gram += own_last.T @ own_last
+                S, last = sequence_moments(Xb, offsets, out=self._buf("S", B, (d, d)))
             # The block is built transposed, Ft = [H | Y]^T (psi + d, B): every elementwise loop
             # then runs over the B samples of the chunk (long, contiguous) instead of over d.
             Ft = self._buf_t("F", self.width, B)
@@ -321,8 +405,8 @@ class _Accumulator:
             np.multiply(upper[:, None, :], last_t[None, :, :], out=H)
             if targets is not None:
                 Ft[psi:] = targets.T
-            self.token_gram += S.sum(axis=0)
-            self.last_token_gram += last_t @ last_t.T
+            if self.basis is None:
+                self.last_token_gram += last_t @ last_t.T
         # numpy's Ft @ Ft.T is a syrk; several BLAS threads only pay off for a wide block
         with contextlib.nullcontext() if self.width >= MIN_THREADED_WIDTH else _single_blas_thread():
             if self.G is None:
@@ -336,25 +420,52 @@ class _Accumulator:
         self.n_samples += B
         self.n_tokens += int(offsets[-1])
 
-    def result(self, token_dtype: str = "float64") -> Features:
-        """The statistics so far (views into the accumulator; the work buffers are released)."""
+    def result(self, token_dtype: str = "float64", finalize: bool = True) -> Features:
+        """The statistics so far (views into the accumulator; the work buffers are released).
+
+        With a basis and `finalize=False`, `gram` and `moments` are left to `Features.finalize`
+        (partial sums of a larger reduction need only the basis sums).
+        """
         self._bufs.clear()
         self._prod = None
         if self.G is None:
-            return Features.zeros(self.d, self.has_targets, token_dtype)
+            out = Features.zeros(self.d, self.has_targets, token_dtype)
+            if self.basis is not None:
+                out.basis, out.basis_gram = self.basis, out.gram.copy()
+                out.basis_moments = None if out.moments is None else out.moments.copy()
+            return out
         psi, G = self.psi, self.G
-        return Features(d=self.d, n_samples=self.n_samples, n_tokens=self.n_tokens, gram=G[:psi, :psi],
-                        token_gram=self.token_gram, last_token_gram=self.last_token_gram,
-                        moments=G[:psi, psi:] if self.has_targets else None,
-                        target_gram=G[psi:, psi:] if self.has_targets else None, token_dtype=token_dtype)
+        gram, moments = G[:psi, :psi], (G[:psi, psi:] if self.has_targets else None)
+        out = Features(d=self.d, n_samples=self.n_samples, n_tokens=self.n_tokens, gram=gram,
+                       token_gram=self.token_gram, last_token_gram=self.last_token_gram, moments=moments,
+                       target_gram=G[psi:, psi:] if self.has_targets else None, token_dtype=token_dtype)
+        if self.basis is not None:
+            out.basis, out.basis_gram, out.basis_moments = self.basis, gram, moments
+            out.gram = out.moments = None
+            if finalize:
+                out.finalize()
+        return out
 
 
-def chunk_features(tokens: np.ndarray, offsets: np.ndarray, targets: np.ndarray | None, d: int) -> Features:
-    """Statistics of one in-memory chunk (tokens (t, d), offsets from 0, targets (B, d) or None)."""
-    acc = _Accumulator(d, targets is not None)
-    acc.add(np.asarray(tokens), np.asarray(offsets, dtype=np.int64),
+def chunk_features(tokens: np.ndarray, offsets: np.ndarray, targets: np.ndarray | None, d: int,
+                   basis: np.ndarray | str | None = "auto") -> Features:
+    """Statistics of one in-memory chunk (tokens (t, d), offsets from 0, targets (B, d) or None).
+
+    `basis`: "auto" whitens with the chunk's own token Gram, an array is used as given, None or
+    "identity" accumulates in the tokens' own coordinates.
+    """
+    tokens = np.asarray(tokens)
+    if isinstance(basis, str) and basis == "auto":
+        X = tokens.astype(np.float64)
+        basis = basis_mod.whitening(X.T @ X, X.shape[0])
+    elif isinstance(basis, str):
+        if basis != "identity":
+            raise InputError(f"unknown basis '{basis}', expected auto, identity or a (d, d) array")
+        basis = None
+    acc = _Accumulator(d, targets is not None, basis)
+    acc.add(tokens, np.asarray(offsets, dtype=np.int64),
             None if targets is None else np.asarray(targets, dtype=np.float64))
-    return acc.result(str(np.asarray(tokens).dtype))
+    return acc.result(str(tokens.dtype))
 
 
 # --------------------------------------------------------------------------------------------
@@ -436,12 +547,11 @@ def iter_chunks(info: formats.TokensInfo, span: tuple[int, int], chunk_size: int
 
 
 def _check_chunk(info: formats.TokensInfo, a: int, tokens: np.ndarray, offsets: np.ndarray,
-                 targets: np.ndarray | None, S: np.ndarray) -> None:
-    """Refuse NaN, Inf and overflowing magnitudes: a cheap test on S, the exact check on failure."""
+                 targets: np.ndarray | None, top: float) -> None:
+    """Refuse NaN, Inf and overflowing magnitudes: a cheap test on `top` (>= every squared token
+    entry, NaN if any is NaN), the exact check on failure."""
     bad = False
-    if np.dtype(info.dtype).kind == "f" and S.size:
-        # every squared token entry is <= some S_i[j, j]; NaN and Inf make the diagonal non-finite
-        top = float(np.max(np.diagonal(S, axis1=1, axis2=2)))
+    if np.dtype(info.dtype).kind == "f":
         bad = not top <= getattr(formats, "MAX_TOKEN_ABS", 1e40) ** 2
     if targets is not None and targets.size:
         bad = bad or not float(np.max(np.abs(targets))) <= getattr(formats, "MAX_TARGET_ABS", 1e100)
@@ -474,27 +584,70 @@ def spans(lo: int, hi: int, size: int) -> list[tuple[int, int]]:
 
 
 def reduce_span(info: formats.TokensInfo, span: tuple[int, int], chunk_size: int | None = None,
-                progress: Callable[[int], None] | None = None, prefetch: bool = True) -> Features:
+                progress: Callable[[int], None] | None = None, prefetch: bool = True,
+                basis: np.ndarray | None = None, finalize: bool = True) -> Features:
     """Statistics of samples [lo, hi) of the tokens file `info.path` (opened here, read in chunks).
 
     This is the one chunk reduction of mhla: the serial loop, worker pools, Dask and shards all
-    call it. `progress(n)` is called after each chunk of n samples.
+    call it. `progress(n)` is called after each chunk of n samples. `basis` (d, d): accumulate the
+    features of X @ basis (see mhla_cli.basis; `estimate_basis`); `finalize=False` leaves the sums
+    in the tokens' own coordinates to `Features.finalize` (for partial sums).
     """
     lo, hi = span
-    acc = _Accumulator(info.d, info.has_targets)
+    acc = _Accumulator(info.d, info.has_targets, basis)
     for a, b, tokens, offsets, targets in iter_chunks(info, (lo, hi), chunk_size, prefetch):
         if CANCEL.is_set():
             raise Cancelled("the reduction was cancelled")
         acc.add(tokens, offsets, targets,
-                check=lambda S, a=a, t=tokens, o=offsets, y=targets: _check_chunk(info, a, t, o, y, S))
+                check=lambda top, a=a, t=tokens, o=offsets, y=targets: _check_chunk(info, a, t, o, y, top))
         if progress is not None:
             progress(b - a)
-    total = acc.result(info.dtype)
-    if not (np.isfinite(total.gram).all() and (total.moments is None or np.isfinite(total.moments).all())):
-        raise InputError(f"the statistics of samples {lo}..{hi} overflow float64 (tokens or targets too "
-                         "large); rescale the data", info.path)
+    total = acc.result(info.dtype, finalize=False)
+    _check_overflow(total, f"samples {lo}..{hi}", info.path)
+    if finalize:
+        total.finalize()
+        _check_overflow(total, f"samples {lo}..{hi}", info.path)
     total.sample_range = (lo, hi)
     return total
+
+
+def _check_overflow(feats: Features, what: str, path: str | os.PathLike | None) -> None:
+    arrays = [feats.gram, feats.moments, feats.basis_gram, feats.basis_moments, feats.target_gram]
+    if not all(a is None or np.isfinite(a).all() for a in arrays):
+        raise InputError(f"the statistics of {what} overflow float64 (tokens or targets too large); "
+                         "rescale the data", path)
+
+
+# Samples read to estimate the solver basis: up to this many tokens, in _BASIS_BLOCKS blocks spread
+# evenly over the file (the same samples whatever the shard, chunk size or worker count).
+BASIS_SAMPLE_TOKENS = 1 << 18
+_BASIS_BLOCKS = 8
+
+
+def estimate_basis(info: formats.TokensInfo) -> np.ndarray:
+    """The solver basis of a tokens file: a float32-rounded whitening of a fixed sample's token Gram.
+
+    Deterministic in the file's content (every shard, worker and machine gets the same basis, so
+    their sums add up exactly). Any invertible basis gives the same function and verdict in exact
+    arithmetic; this one keeps the solver's Gram well conditioned whatever the token units.
+    """
+    N = info.n_samples
+    mean_len = max(1.0, info.n_tokens / max(N, 1))
+    per_block = max(1, int(BASIS_SAMPLE_TOKENS / mean_len / _BASIS_BLOCKS))
+    starts = sorted({(N * i) // _BASIS_BLOCKS for i in range(_BASIS_BLOCKS)})
+    G = np.zeros((info.d, info.d))
+    count = 0
+    bufs = _ReadBuffers()
+    with formats.open_input(info.path) as f, np.errstate(invalid="ignore", over="ignore"):
+        for a in starts:
+            b = min(N, a + per_block)
+            tokens, offsets, targets = _read_chunk(f, info, a, b, bufs)
+            X = tokens.astype(np.float64)
+            top = float(np.max(X * X)) if X.size else 0.0
+            _check_chunk(info, a, tokens, offsets, targets, top)
+            G += X.T @ X
+            count += X.shape[0]
+    return basis_mod.whitening(G, count)
 
 
 class Cancelled(Exception):
@@ -507,32 +660,57 @@ CANCEL = threading.Event()
 
 
 def _add_into(acc: Features, part: Features) -> None:
-    """acc += part (counts and every sum), in place."""
+    """acc += part (counts and every sum), in place.
+
+    Parts in different solver bases are converted into acc's basis first (basis.change); an empty
+    acc (Features.zeros) adopts the part's basis.
+    """
     if part.d != acc.d:
         raise InputError(f"cannot add statistics of d = {acc.d} and d = {part.d}")
     if part.has_targets != acc.has_targets:
         raise InputError("cannot add statistics with and without targets")
+    if acc.basis is None and part.basis is not None:
+        if acc.n_samples == 0 and not acc.gram.any():
+            acc.basis = part.basis
+            acc.basis_gram = np.zeros_like(part.basis_gram)
+            acc.basis_moments = None if acc.moments is None else np.zeros_like(part.basis_moments)
+        else:  # acc holds sums in the tokens' own coordinates: move them into the part's basis
+            acc.basis = part.basis
+            acc.basis_gram, acc.basis_moments = basis_mod.change(None, part.basis, acc.gram, acc.moments)
+    if acc.basis is not None:
+        if basis_mod.same(acc.basis, part.basis):
+            gb, mb = part.solver_stats()[1:]
+        else:
+            gb, mb = basis_mod.change(part.basis, acc.basis, *part.solver_stats()[1:])
+        acc.basis_gram += gb
+        if acc.basis_moments is not None:
+            acc.basis_moments += mb
     acc.n_samples += part.n_samples
     acc.n_tokens += part.n_tokens
-    acc.gram += part.gram
+    if acc.gram is not None and part.gram is not None:
+        acc.gram += part.gram
+        if acc.moments is not None and part.moments is not None:
+            acc.moments += part.moments
+    else:  # derived from the basis sums by finalize()
+        acc.gram = acc.moments = None
     acc.token_gram += part.token_gram
     acc.last_token_gram += part.last_token_gram
-    if acc.moments is not None:
-        acc.moments += part.moments
+    if acc.target_gram is not None:
         acc.target_gram += part.target_gram
 
 
 def reduce_spans(info: formats.TokensInfo, span_list: Sequence[tuple[int, int]],
                  map: Callable[..., Iterable[Features]] = builtins.map,  # noqa: A002 (like builtins.map)
                  chunk_size: int | None = None,
-                 progress: Callable[[int], None] | None = None) -> Features:
+                 progress: Callable[[int], None] | None = None,
+                 basis: np.ndarray | None = None) -> Features:
     """Sum of `reduce_span` over `span_list`, evaluated with `map` (builtin, a pool's, Dask's).
 
     `map(fn, spans)` may also yield partial sums (Dask tree-reduces on the cluster); the parts are
     added in the order they come.
     """
     total: Features | None = None
-    for part in map(partial(reduce_span, info, chunk_size=chunk_size), span_list):
+    for part in map(partial(reduce_span, info, chunk_size=chunk_size, basis=basis, finalize=False), span_list):
         if total is None:
             total = part  # each part is a fresh result: sum into it
         else:
@@ -541,6 +719,7 @@ def reduce_spans(info: formats.TokensInfo, span_list: Sequence[tuple[int, int]],
             progress(part.n_samples)
     if total is None:
         total = Features.zeros(info.d, info.has_targets, info.dtype)
+    total.finalize()
     total.token_dtype = info.dtype
     if span_list:
         total.sample_range = (span_list[0][0], span_list[-1][1])
@@ -577,7 +756,8 @@ def check_memory(d: int, budget_bytes: int | None = None, copies: int = 1,
 
 def _stats_bytes(d: int) -> int:
     psi = n_features(d)
-    return 3 * 8 * (psi + d) ** 2  # accumulator, per-chunk product, eigen-solve workspace
+    # accumulator, per-chunk product, the sums in the tokens' own coordinates, solve workspace
+    return 4 * 8 * (psi + d) ** 2
 
 
 def _available_memory() -> int:
@@ -598,14 +778,27 @@ def featurize(path: str | os.PathLike, chunk_size: int | None = None,
               shard: tuple[int, int] | None = None,
               map: Callable[..., Iterable[Features]] | None = None,  # noqa: A002
               progress: Callable[[int], None] | None = None,
-              workers: int = 1, scheduler: str | None = None) -> Features:
+              workers: int = 1, scheduler: str | None = None,
+              basis: np.ndarray | str | None = "auto") -> Features:
     """Sufficient statistics of a tokens file, streamed in chunks of `chunk_size` samples.
 
     `shard=(i, M)` restricts to the i-th (0-based) of M contiguous sample ranges. Parallelism:
     `workers=K` (a local pool, see mhla_cli.parallel), `scheduler` (a Dask address, or "local" /
     "local:K"), or any `map` (builtin map, a pool's map, ...) over the spans; all call `reduce_span`.
+    `basis`: "auto" (`estimate_basis`, from the whole file whatever the shard), a (d, d) array, or
+    None / "identity" (the tokens' own coordinates, as format version 1).
     """
     info = formats.inspect_tokens(path)
+    if isinstance(basis, str) and basis == "auto":
+        basis = estimate_basis(info)
+    elif isinstance(basis, str):
+        if basis != "identity":
+            raise InputError(f"unknown basis '{basis}', expected auto, identity or a (d, d) array")
+        basis = None
+    elif basis is not None:
+        basis = np.asarray(basis, dtype=np.float64)
+        if basis.shape != (info.d, info.d) or not np.isfinite(basis).all() or np.linalg.cond(basis) > 1e12:
+            raise InputError(f"the basis must be an invertible ({info.d}, {info.d}) array", path)
     lo, hi = 0, info.n_samples
     if shard is not None:
         i, m = shard
@@ -617,7 +810,7 @@ def featurize(path: str | os.PathLike, chunk_size: int | None = None,
     size = chunk_size or default_chunk_size(info)
     if map is None and workers <= 1 and scheduler is None:
         check_memory(info.d, path=path)
-        feats = reduce_span(info, (lo, hi), size, progress=progress)
+        feats = reduce_span(info, (lo, hi), size, progress=progress, basis=basis)
     else:
         from . import parallel
 
@@ -626,7 +819,7 @@ def featurize(path: str | os.PathLike, chunk_size: int | None = None,
             # workers (possibly on other hosts) open the file themselves: give them an absolute path
             winfo = replace(info, path=os.path.abspath(info.path))
             feats = reduce_spans(winfo, work_spans(lo, hi, size, pmap.n_workers), map=pmap,
-                                 chunk_size=size, progress=progress)
+                                 chunk_size=size, progress=progress, basis=basis)
     feats.sample_range = (lo, hi)
     feats.token_dtype = info.dtype
     feats.source = dict(formats.source_identity(path), n_samples=info.n_samples)

@@ -12,7 +12,7 @@ import h5py
 import numpy as np
 import pytest
 
-from mhla_cli import __version__
+from mhla_cli import __version__, formats
 from mhla_cli.cli import run
 from mhla_cli.heads import Heads
 from mhla_cli.solve import Model
@@ -49,7 +49,7 @@ def test_pipeline_recovers_teacher(tmp_path: Path, capsys: pytest.CaptureFixture
     fitted = Model.load(model)
     assert np.linalg.norm(fitted.coef - true_coef) < 1e-8 * np.linalg.norm(true_coef)
     with h5py.File(pred) as fh:
-        assert fh.attrs["mhla_kind"] == "predictions" and fh.attrs["mhla_format_version"] == 1
+        assert fh.attrs["mhla_kind"] == "predictions" and fh.attrs["mhla_format_version"] == formats.FORMAT_VERSION
         assert fh["predictions"].shape == (300, 3) and fh["predictions"].dtype == np.float64
     # certify straight from the tokens file gives the same verdict
     c2 = cli_json(capsys, ["certify", str(data), "--json", "-q"])

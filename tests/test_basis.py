@@ -1,0 +1,241 @@
+"""The solver basis (mhla_cli.basis): exact maps, and certify / fit invariant to the token units.
+
+References are plain numpy on materialised features (`_features`), never mhla_cli.features.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import h5py
+import numpy as np
+import pytest
+
+from mhla_cli import basis, synthetic
+from mhla_cli.cli import run
+from mhla_cli.merge import merge_features
+from mhla_cli.model import forward_heads
+from mhla_cli.solve import certify, fit
+from mhla_cli.stream import Features, featurize
+
+
+def _features(X: np.ndarray) -> np.ndarray:
+    """H(X) in plain numpy: S[j,k] x_n[l] for j <= k, l fastest."""
+    d = X.shape[1]
+    S = X.T @ X
+    return np.array([S[j, k] * X[-1, l] for j in range(d) for k in range(j, d) for l in range(d)])
+
+
+def _ill_conditioned(d: int, cond: float, seed: int) -> np.ndarray:
+    """A rotated matrix with singular values spread log-uniformly over [1/cond, 1]."""
+    rng = np.random.default_rng(seed)
+    U = np.linalg.qr(rng.standard_normal((d, d)))[0]
+    V = np.linalg.qr(rng.standard_normal((d, d)))[0]
+    return U @ np.diag(np.logspace(0, -np.log10(cond), d)) @ V.T
+
+
+def test_maps_match_materialised_features() -> None:
+    rng = np.random.default_rng(0)
+    d = 3
+    A = rng.standard_normal((d, d))
+    Xs = [rng.standard_normal((n, d)) for n in (1, 2, 5, 9)]
+    H = np.stack([_features(X) for X in Xs], axis=1)
+    Hb = np.stack([_features(X @ A) for X in Xs], axis=1)
+    assert np.abs(basis.features_to_basis(A, H) - Hb).max() < 1e-12 * np.abs(Hb).max()
+    assert np.abs(basis.features_from_basis(A, Hb) - H).max() < 1e-12 * np.abs(H).max()
+    assert np.abs(basis.feature_map(A) @ H - Hb).max() < 1e-12 * np.abs(Hb).max()
+    # coef: p_b . H(X A) = (p_b M) . H(X)
+    pb = rng.standard_normal((d, H.shape[0]))
+    p = basis.coef_from_basis(A, pb)
+    assert np.abs(p @ H - pb @ Hb).max() < 1e-12 * np.abs(pb @ Hb).max()
+    assert np.abs(basis.coef_to_basis(A, p) - pb).max() < 1e-12 * np.abs(pb).max()
+    G = basis.gram_from_basis(A, Hb @ Hb.T)
+    assert np.abs(G - H @ H.T).max() < 1e-11 * np.abs(H @ H.T).max()
+
+
+def test_whitening_is_float32_valued_and_whitens() -> None:
+    rng = np.random.default_rng(1)
+    X = rng.standard_normal((500, 4)) @ _ill_conditioned(4, 1e3, 2)
+    A = basis.whitening(X.T @ X, 500)
+    assert np.array_equal(A, A.astype(np.float32).astype(np.float64))
+    Z = X @ A
+    assert np.linalg.cond(Z.T @ Z) < 1.01
+    # a coordinate that is 0 in every token keeps the scale of the largest direction (no blow-up)
+    X[:, 1] = 0
+    A = basis.whitening(X.T @ X, 500)
+    assert np.isfinite(A).all() and np.linalg.cond(A) < 1e4
+
+
+# --------------------------------------------------------------------------------------------
+# issue 9.1: realisable d = 3 data in other units or an ill-conditioned rotated basis
+# --------------------------------------------------------------------------------------------
+
+TRANSFORMS = {
+    "identity": lambda d: np.eye(d),
+    "coordinate/300": lambda d: np.diag([1.0] * (d - 1) + [1 / 300]),
+    "coordinate/1000": lambda d: np.diag([1.0] * (d - 1) + [1 / 1000]),
+    "rotated cond 1e3": lambda d: _ill_conditioned(d, 1e3, 7),
+}
+
+
+@pytest.fixture(scope="module")
+def teacher_data() -> tuple[synthetic.Dataset, object]:
+    return synthetic.generate_teacher(3, 2, 400, "4:12", seed=11)
+
+
+@pytest.mark.parametrize("name", list(TRANSFORMS))
+def test_certify_and_fit_do_not_depend_on_token_units(name: str, teacher_data, tmp_path: Path,
+                                                      capsys) -> None:
+    ds, teacher = teacher_data
+    A0 = TRANSFORMS[name](3)
+    data = tmp_path / "data.h5"
+    with h5py.File(data, "w") as f:
+        f["tokens"] = ds.tokens @ A0
+        f["offsets"] = ds.offsets
+        f["targets"] = ds.targets
+    for domain in ("full", "observed"):
+        assert run(["certify", str(data), "--domain", domain, "--json", "-q"]) == 0, name
+        rep = json.loads(capsys.readouterr().out)
+        assert rep["identifiable"] and rep["reasons"] == []
+    model = tmp_path / "model.h5"
+    assert run(["fit", str(data), "-o", str(model), "--json", "-q"]) == 0
+    capsys.readouterr()
+    with h5py.File(model) as f:
+        p = f["coef"][()]
+    # reference 1: the teacher's function (its own heads), on fresh inputs in the new units
+    rng = np.random.default_rng(3)
+    Zs = [rng.standard_normal((n, 3)) for n in (1, 3, 7, 20)]
+    want = np.stack([forward_heads(teacher.V, teacher.Q, Z) for Z in Zs])
+    got = np.stack([p @ _features(Z @ A0) for Z in Zs])
+    assert np.abs(got - want).max() <= 1e-6 * np.abs(want).max(), name
+    # reference 2: the teacher's p carried to the new units through materialised features:
+    # p' H(X A0) = p H(X) for all X  <=>  p' = p H_X pinv(H_XA) on generic X
+    Xs = [rng.standard_normal((rng.integers(2, 6), 3)) for _ in range(60)]
+    HX = np.stack([_features(X) for X in Xs], axis=1)
+    HXA = np.stack([_features(X @ A0) for X in Xs], axis=1)
+    p_teacher = synthetic_p(teacher)
+    p_ref = np.linalg.lstsq(HXA.T, (p_teacher @ HX).T, rcond=None)[0].T
+    assert np.linalg.norm(p - p_ref) <= 1e-6 * np.linalg.norm(p_ref), name
+
+
+def synthetic_p(teacher) -> np.ndarray:
+    """The teacher's p from its heads, in plain numpy: p[a,(j,k,l)] = W[aj,kl] + W[ak,jl] (j<k)."""
+    V, Q = teacher.V, teacher.Q
+    d = V.shape[1]
+    W = np.einsum("haj,hkl->ajkl", V, Q)
+    return np.array([[W[a, j, k, l] + (W[a, k, j, l] if j < k else 0.0)
+                      for j in range(d) for k in range(j, d) for l in range(d)] for a in range(d)])
+
+
+def test_lstsq_reference_agrees_on_the_issue_case(teacher_data) -> None:
+    """The issue's reproduction: coordinate 3 scaled by 1/300; plain lstsq on materialised features
+    and mhla's fit agree with the teacher (the old Gram solve was 7e-2 off)."""
+    ds, teacher = teacher_data
+    A0 = np.diag([1.0, 1.0, 1 / 300])
+    tokens = ds.tokens @ A0
+    F = np.stack([_features(tokens[a:b]) for a, b in zip(ds.offsets[:-1], ds.offsets[1:])])
+    s = np.linalg.svd(F, compute_uv=False)
+    assert s[-1] / s[0] < 1e-7  # the raw features really are badly conditioned
+    p_lstsq = np.linalg.lstsq(F, ds.targets, rcond=None)[0].T
+    from mhla_cli.stream import chunk_features
+
+    p = fit(chunk_features(tokens, ds.offsets, ds.targets, 3)).coef
+    assert np.linalg.norm(p - p_lstsq) <= 1e-6 * np.linalg.norm(p_lstsq)
+
+
+def test_observed_domain_verdict_invariant_for_subspace_tokens(tmp_path: Path) -> None:
+    """Tokens in a 2-d subspace of R^3, then an ill-conditioned change of units: the observed-domain
+    verdict and dimensions do not change; the full-domain verdict is 'no' in both."""
+    rng = np.random.default_rng(4)
+    offsets = np.concatenate([[0], np.cumsum(rng.integers(3, 9, size=300))])
+    tokens = rng.standard_normal((int(offsets[-1]), 2)) @ rng.standard_normal((2, 3))
+    out = []
+    for A0 in (np.eye(3), _ill_conditioned(3, 1e3, 1)):
+        path = tmp_path / "t.h5"
+        with h5py.File(path, "w") as f:
+            f["tokens"], f["offsets"] = tokens @ A0, offsets
+        feats = featurize(path)
+        full, obs = certify(feats), certify(feats, domain="observed")
+        out.append((full.identifiable, obs.identifiable, obs.dim_tokens, obs.dim_last_tokens))
+    assert out[0] == out[1] == (False, True, 2, 2)
+
+
+def test_shards_merge_and_chunks_share_the_basis(teacher_data, tmp_path: Path) -> None:
+    ds, _ = teacher_data
+    data = tmp_path / "data.h5"
+    with h5py.File(data, "w") as f:
+        f["tokens"] = ds.tokens @ _ill_conditioned(3, 1e3, 5)
+        f["offsets"] = ds.offsets
+        f["targets"] = ds.targets
+    whole = featurize(data)
+    parts = []
+    for i in range(3):
+        part = featurize(data, shard=(i, 3), chunk_size=17)
+        assert np.array_equal(part.basis, whole.basis)  # one basis, estimated from the whole file
+        parts.append(tmp_path / f"p{i}.h5")
+        part.save(parts[-1])
+    merged, _ = merge_features(parts)
+    for name in ("basis_gram", "basis_moments", "gram", "moments", "token_gram", "last_token_gram"):
+        a, b = getattr(merged, name), getattr(whole, name)
+        assert np.abs(a - b).max() <= 1e-12 * np.abs(b).max(), name
+    np.testing.assert_allclose(fit(merged).coef, fit(whole).coef, rtol=0,
+                               atol=1e-9 * np.abs(fit(whole).coef).max())
+
+
+def test_features_file_round_trip_and_version_1(teacher_data, tmp_path: Path) -> None:
+    ds, _ = teacher_data
+    data = tmp_path / "data.h5"
+    ds.save(data, dtype="float64")
+    feats = featurize(data)
+    path = tmp_path / "f.h5"
+    feats.save(path)
+    with h5py.File(path) as f:
+        assert int(f.attrs["mhla_format_version"]) == 2
+        assert {"basis", "basis_gram", "basis_moments", "gram", "moments"} <= set(f)
+        # gram keeps its meaning: sum over samples of H H^T in the tokens' own coordinates
+        F = np.stack([_features(ds.tokens[a:b]) for a, b in zip(ds.offsets[:-1], ds.offsets[1:])])
+        assert np.abs(f["gram"][()] - F.T @ F).max() <= 1e-12 * np.abs(F.T @ F).max()
+        assert np.abs(f["moments"][()] - F.T @ ds.targets).max() <= 1e-12 * np.abs(F.T @ ds.targets).max()
+    back = Features.load(path)
+    assert np.array_equal(back.basis, feats.basis) and np.array_equal(back.basis_gram, feats.basis_gram)
+    # a version-1 file (no basis): read, and solved in the tokens' own coordinates
+    old = tmp_path / "old.h5"
+    with h5py.File(path) as f, h5py.File(old, "w") as g:
+        for k in ("gram", "moments", "target_gram", "token_gram", "last_token_gram"):
+            g[k] = f[k][()]
+        for k, v in f.attrs.items():
+            g.attrs[k] = v
+        g.attrs["mhla_format_version"] = 1
+    v1 = Features.load(old)
+    assert v1.basis is None and certify(v1).basis == "own"
+    np.testing.assert_allclose(fit(v1).coef, fit(feats).coef, rtol=0, atol=1e-8 * np.abs(fit(feats).coef).max())
+    # a file with a basis but no basis_gram is refused
+    bad = tmp_path / "bad.h5"
+    with h5py.File(path) as f, h5py.File(bad, "w") as g:
+        for k in f:
+            if k != "basis_gram":
+                g[k] = f[k][()]
+        for k, v in f.attrs.items():
+            g.attrs[k] = v
+    assert run(["certify", str(bad)]) == 2
+
+
+def test_identically_zero_only_when_exactly_zero(tmp_path: Path, capsys) -> None:
+    rng = np.random.default_rng(6)
+    offsets = np.concatenate([[0], np.cumsum(rng.integers(3, 9, size=200))])
+    tokens = rng.standard_normal((int(offsets[-1]), 3))
+    tokens[:, 2] = 0.0
+    path = tmp_path / "z.h5"
+    with h5py.File(path, "w") as f:
+        f["tokens"], f["offsets"] = tokens, offsets
+    assert run(["certify", str(path), "--json", "-q"]) == 1
+    rep = json.loads(capsys.readouterr().out)
+    assert any("identically zero in the data" in r for r in rep["reasons"])
+    assert all(nf["identically_zero"] for nf in rep["null_features"] if nf["null_weight"] > 1 - 1e-6)
+    # a tiny but nonzero coordinate: full rank, certified, no 'identically zero' reason
+    tokens[:, 2] = 1e-3 * rng.standard_normal(tokens.shape[0])
+    with h5py.File(path, "w") as f:
+        f["tokens"], f["offsets"] = tokens, offsets
+    assert run(["certify", str(path), "--json", "-q"]) == 0
+    assert json.loads(capsys.readouterr().out)["reasons"] == []
