@@ -14,7 +14,14 @@ from mhla_cli.features import n_features
 from mhla_cli.folds import load_folds
 from mhla_cli.heads import Heads, p_from_W
 from mhla_cli.solve import Model, fit
-from mhla_cli.stream import Features, chunk_features, featurize
+from mhla_cli.stream import Features, chunk_features
+
+
+def _np_features(X: np.ndarray) -> np.ndarray:
+    """H(X) from its definition in plain numpy: S[j,k] * x_n[l], j <= k, l fastest."""
+    S = np.einsum("tj,tk->jk", X, X)
+    j, k = np.triu_indices(X.shape[1])
+    return np.einsum("p,l->pl", S[j, k], X[-1]).ravel()
 
 
 def _feats(ds: synthetic.Dataset, d: int) -> Features:
@@ -147,11 +154,20 @@ def test_folds_and_auto(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> N
     total = Features.load(feats)
     folds = load_folds(feats, total)
     assert folds is not None and len(folds) == 3
-    for k, fold in enumerate(folds):
-        ref = featurize(data, shard=(k, 3))
-        assert fold.n_samples == ref.n_samples
-        assert np.allclose(fold.gram, ref.gram, rtol=1e-12, atol=0)
-    assert np.allclose(sum(f.gram for f in folds), total.gram, rtol=1e-12)
+    # Independent reference: plain numpy features of each sequence, summed over each fold's samples.
+    F = np.stack([_np_features(ds.sequence(i)) for i in range(ds.n_samples)])
+    ranges = [fold.sample_range for fold in folds]
+    assert ranges[0][0] == 0 and ranges[-1][1] == ds.n_samples  # contiguous ranges covering every sample once
+    assert all(a[1] == b[0] and a[0] < a[1] for a, b in zip(ranges, ranges[1:] + [(ds.n_samples, 0)]))
+    for fold, (lo, hi) in zip(folds, ranges):
+        Fk, Yk = F[lo:hi], ds.targets[lo:hi]
+        Xk = ds.tokens[ds.offsets[lo]:ds.offsets[hi]]
+        last = ds.tokens[ds.offsets[lo + 1:hi + 1] - 1]
+        assert fold.n_samples == hi - lo and fold.n_tokens == len(Xk)
+        for got, want in ((fold.gram, Fk.T @ Fk), (fold.moments, Fk.T @ Yk), (fold.target_gram, Yk.T @ Yk),
+                          (fold.token_gram, Xk.T @ Xk), (fold.last_token_gram, last.T @ last)):
+            np.testing.assert_allclose(got, want, rtol=0, atol=1e-12 * np.abs(want).max())
+    np.testing.assert_allclose(total.gram, F.T @ F, rtol=0, atol=1e-12 * np.abs(F.T @ F).max())
     capsys.readouterr()
     assert run(["fit", str(feats), "-o", str(tmp_path / "m.h5"), "--heads", "auto", "--json", "-q"]) == 0
     info = json.loads(capsys.readouterr().out)

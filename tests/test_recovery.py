@@ -12,6 +12,13 @@ from mhla_cli import certify, export_heads, featurize, fit, predict, synthetic
 from mhla_cli.heads import p_from_heads
 
 
+def np_features(X: np.ndarray) -> np.ndarray:
+    """H(X) from its definition in plain numpy: S[j,k] * x_n[l], j <= k, l fastest."""
+    S = np.einsum("tj,tk->jk", X, X)
+    j, k = np.triu_indices(X.shape[1])
+    return np.einsum("p,l->pl", S[j, k], X[-1]).ravel()
+
+
 def rel(a: np.ndarray, b: np.ndarray) -> float:
     return float(np.linalg.norm(a - b) / np.linalg.norm(b))
 
@@ -58,19 +65,24 @@ def test_exact_recovery_dense_layout(tmp_path: Path, dtype: str) -> None:
 
 
 def test_noisy_labels_give_least_squares_solution(tmp_path: Path) -> None:
-    """With label noise the fit is the least-squares solution of the explicit design matrix."""
+    """With label noise the fit is the least-squares solution of the explicit design matrix, and its
+    error against the teacher is exactly the least-squares image of the (known) noise."""
     ds, teacher = synthetic.generate_teacher(2, 1, 200, "1:5", noise=0.1, seed=4)
     path = tmp_path / "noisy.h5"
     ds.save(path, dtype="float64")
     model = fit(featurize(path))
-    from mhla_cli.features import cubic_features
-
-    F = np.stack([cubic_features(ds.sequence(i)) for i in range(ds.n_samples)])
+    F = np.stack([np_features(ds.sequence(i)) for i in range(ds.n_samples)])
     ref, *_ = np.linalg.lstsq(F, ds.targets, rcond=None)
     np.testing.assert_allclose(model.coef, ref.T, rtol=1e-9, atol=1e-9 * np.abs(ref).max())
     mse = float(np.mean((F @ ref - ds.targets) ** 2))
     assert abs(model.info["train_mse"] - mse) <= 1e-9 * mse
-    assert rel(model.coef, p_from_heads(teacher.V, teacher.Q)) < 0.5
+    p_true = p_from_heads(teacher.V, teacher.Q)
+    noise = ds.targets - F @ p_true.T  # the label noise, known exactly
+    e, *_ = np.linalg.lstsq(F, noise, rcond=None)
+    np.testing.assert_allclose(model.coef - p_true, e.T, rtol=0, atol=1e-9 * np.linalg.norm(p_true))
+    # ... of the size least squares predicts, sigma * sqrt(d tr((F^T F)^-1)) (a chi variable, 12 dof)
+    expected = 0.1 * np.sqrt(ds.targets.shape[1] * np.trace(np.linalg.inv(F.T @ F)))
+    assert 0.3 < np.linalg.norm(model.coef - p_true) / expected < 3
 
 
 def test_ridge_shrinks_and_matches_closed_form(tmp_path: Path, teacher_file) -> None:

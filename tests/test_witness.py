@@ -1,4 +1,8 @@
-"""`mhla certify --witness`: two equally good models with different functions (issue 5, item 5)."""
+"""`mhla certify --witness`: what the data fail to determine, checked against plain numpy (issue 9, item 3).
+
+The reference is independent of mhla: cubic features materialised with numpy from the definition
+(H_(j,k,l) = S[j,k] x_n[l], j <= k, l fastest), losses and predictions computed from them.
+"""
 
 from __future__ import annotations
 
@@ -8,47 +12,144 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from conftest import write_tokens
 from mhla_cli import synthetic
 from mhla_cli.cli import run
-from mhla_cli.model import forward_heads, predict
+from mhla_cli.model import forward_heads
 from mhla_cli.solve import Model
-from mhla_cli.witness import Witness
+from mhla_cli.witness import MIN_FUNCTION_CHANGE, ROUNDING, Witness
 
 
-def _sse(coef: np.ndarray, ds: synthetic.Dataset) -> float:
-    return float(((predict(coef, ds.tokens, ds.offsets) - ds.targets) ** 2).sum())
+def np_features(X: np.ndarray) -> np.ndarray:
+    """H(X) for one sequence (n, d), from the definition, in plain numpy."""
+    d = X.shape[1]
+    S = np.einsum("tj,tk->jk", X, X)
+    j, k = np.triu_indices(d)  # j ascending, then k >= j ascending
+    return np.einsum("p,l->pl", S[j, k], X[-1]).ravel()
 
 
-@pytest.mark.parametrize("kind", ["assoc", "few"])
-def test_witness_for_unidentifiable_data(kind: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    if kind == "assoc":  # orthogonal keys: the min-norm fit is the teacher, yet other zero-loss models exist
-        ds, _ = synthetic.generate_assoc(2, 500, orthogonal_fraction=1.0, seed=0)
-    else:  # N < psi
-        ds, _ = synthetic.generate_teacher(3, 2, 12, 5, noise=0.1, seed=0)
+def np_design(ds: synthetic.Dataset) -> np.ndarray:
+    return np.stack([np_features(ds.sequence(i)) for i in range(ds.n_samples)])
+
+
+def reference(wit: Witness, ds: synthetic.Dataset) -> dict[str, float]:
+    """The witness's numbers recomputed in numpy on the materialised features."""
+    F, Y = np_design(ds), ds.targets
+    pa, pb = wit.model_a.coef, wit.model_b.coef
+    ya, yb = F @ pa.T, F @ pb.T
+    Nd = Y.size
+    return {"mse_a": float(((ya - Y) ** 2).sum()) / Nd,
+            "increase": float(((yb - ya) * (yb + ya - 2 * Y)).sum()) / Nd,  # product form: no cancellation
+            "rel_fn": float(np.linalg.norm(pb - pa) / np.linalg.norm(pa)),
+            "max_train": float(np.linalg.norm(yb - ya, axis=1).max()),
+            "probe": float(np.linalg.norm((pb - pa) @ np_features(wit.tokens))),
+            "mean_y2": float((Y**2).mean())}
+
+
+def certify_witness(ds: synthetic.Dataset, tmp_path: Path, capsys: pytest.CaptureFixture[str], *extra: str
+                    ) -> tuple[dict, Witness]:
     data = tmp_path / "d.h5"
     ds.save(data, dtype="float64")
     w = tmp_path / "w.h5"
     capsys.readouterr()
-    assert run(["certify", str(data), "--witness", str(w), "--json", "-q"]) == 1
+    assert run(["certify", str(data), "--witness", str(w), "--json", *extra]) == 1
     out = json.loads(capsys.readouterr().out)
-    assert out["witness"]["verified"] and out["witness"]["loss_source"] == "data"
-    wit = Witness.load(w)
-    assert np.allclose(Model.load(w).coef, wit.model_a.coef)
-    # same training loss, recomputed here from the data, to 1e-10 relative to the target energy
-    sa, sb = _sse(wit.model_a.coef, ds), _sse(wit.model_b.coef, ds)
-    assert abs(sa - sb) <= 1e-10 * float((ds.targets**2).sum())
-    # different functions, by the stated amount, on the stored sequence
-    assert np.linalg.norm(wit.model_a.coef - wit.model_b.coef) >= 0.1 * np.linalg.norm(wit.model_a.coef)
-    X = wit.tokens
-    ya = predict(wit.model_a.coef, X[None])[0]
-    yb = predict(wit.model_b.coef, X[None])[0]
-    diff = float(np.linalg.norm(ya - yb))
-    assert diff == pytest.approx(wit.info["prediction_difference"], rel=1e-9)
-    assert diff > 1e-3 * max(1.0, float(np.linalg.norm(ya)))
-    # the heads of model B really compute it (so the witness is an MHLA, not just a coef)
+    return out, Witness.load(w)
+
+
+def zero_coordinate_data() -> synthetic.Dataset:
+    """Realisable d = 3 data whose token coordinate 2 is always 0: every feature touching it vanishes."""
+    ds, teacher = synthetic.generate_teacher(3, 2, 200, "2:8", seed=2)
+    X = ds.tokens.copy()
+    X[:, 2] = 0.0
+    Y = np.stack([sum(V @ X[a:b].T @ X[a:b] @ Q @ X[b - 1] for V, Q in zip(teacher.V, teacher.Q))
+                  for a, b in zip(ds.offsets[:-1], ds.offsets[1:])])
+    return synthetic.Dataset(tokens=X, offsets=ds.offsets, targets=Y)
+
+
+@pytest.mark.parametrize("kind", ["assoc", "zero_coordinate", "few"])
+def test_indistinguishable_pair_for_non_identifiable_data(kind: str, tmp_path: Path,
+                                                          capsys: pytest.CaptureFixture[str]) -> None:
+    if kind == "assoc":  # orthogonal keys: sum_j k_j k_j^T = I, collinear features
+        ds, _ = synthetic.generate_assoc(2, 500, orthogonal_fraction=1.0, seed=0)
+    elif kind == "zero_coordinate":
+        ds = zero_coordinate_data()
+    else:  # N < psi, noisy labels
+        ds, _ = synthetic.generate_teacher(3, 2, 12, 5, noise=0.1, seed=0)
+    F = np_design(ds)
+    sv = np.linalg.svd(F, compute_uv=False)
+    assert sv.size < F.shape[1] or sv[-1] < 1e-12 * sv[0]  # numpy agrees: the features are rank deficient
+    out, wit = certify_witness(ds, tmp_path, capsys)
+    wj = out["witness"]
+    assert wj["kind"] == "indistinguishable" and wj["verified"] and wj["loss_source"] == "data"
+    assert wit.info["kind"] == "indistinguishable"
+    ref = reference(wit, ds)
+    # loss increase: at rounding level by numpy, and the reported number agrees with numpy's
+    assert abs(ref["increase"]) <= ROUNDING * wj["loss_resolution"]
+    assert abs(wj["loss_increase"] - ref["increase"]) <= 1e-12 * ref["mean_y2"]
+    assert wj["loss_resolution"] <= 1e-11 * ref["mean_y2"]  # "rounding level" is a float64 level, not 1e-3
+    assert wj["loss_a"] == pytest.approx(ref["mse_a"], rel=1e-6, abs=1e-13 * ref["mean_y2"])
+    # a real change of the function: relative p distance as stated, and >= 1e-3
+    assert wj["relative_function_distance"] == pytest.approx(ref["rel_fn"], rel=1e-12)
+    assert ref["rel_fn"] >= MIN_FUNCTION_CHANGE
+    # the stated prediction differences: on the probe (large) and on the training samples (rounding)
+    assert wj["prediction_difference"] == pytest.approx(ref["probe"], rel=1e-9)
+    assert ref["probe"] > 1e-3 * max(1.0, float(np.linalg.norm(wit.info["pred_a"])))
+    assert wj["max_train_prediction_difference"] == pytest.approx(ref["max_train"], rel=1e-6, abs=1e-12)
+    assert ref["max_train"] <= 1e-10 * ref["probe"]
+    assert "random sequences of length" in wj["probe"]
+    # Model.load gives A; the heads of B compute B's function (the witness is an MHLA, not just a coef)
+    assert np.array_equal(Model.load(tmp_path / "w.h5").coef, wit.model_a.coef)
     from mhla_cli.heads import heads_from_W
+
     hb, _ = heads_from_W(wit.model_b.W, tol=0)
-    assert np.allclose(forward_heads(hb.V, hb.Q, X), yb, rtol=1e-9, atol=1e-12)
+    yb = wit.model_b.coef @ np_features(wit.tokens)
+    assert np.allclose(forward_heads(hb.V, hb.Q, wit.tokens), yb, rtol=1e-9, atol=1e-12)
+
+
+def issue_data() -> synthetic.Dataset:
+    """Identifiable realisable data: lambda_min / lambda_max = 1.6e-2 (issue 9, item 3)."""
+    return synthetic.generate_teacher(3, 2, 400, "4:12", seed=0)[0]
+
+
+@pytest.mark.parametrize("from_features", [False, True])
+def test_identifiable_data_above_min_eig_is_not_called_indistinguishable(
+        from_features: bool, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    ds = issue_data()
+    F = np_design(ds)
+    lam = np.linalg.eigvalsh(F.T @ F / ds.n_samples)
+    assert 1e-2 < lam[0] / lam[-1] < 2e-2  # the issue's regime, by numpy
+    data = tmp_path / "d.h5"
+    ds.save(data, dtype="float64")
+    src = data
+    if from_features:
+        src = tmp_path / "f.h5"
+        assert run(["featurize", str(data), "-o", str(src), "-q"]) == 0
+    w = tmp_path / "w.h5"
+    capsys.readouterr()
+    assert run(["certify", str(src), "--min-eig", f"{1.1 * lam[0]:.6g}", "--witness", str(w), "--json"]) == 1
+    captured = capsys.readouterr()
+    wj = json.loads(captured.out)["witness"]
+    assert wj["kind"] == "weakly_determined"
+    assert wj["loss_source"] == ("statistics" if from_features else "data")
+    assert "determine the function only weakly" in wj["message"] and "weakly" in captured.err
+    wit = Witness.load(w)
+    assert wit.info["kind"] == "weakly_determined"
+    ref = reference(wit, ds)
+    # a change as large as the function, and what it costs, by numpy
+    assert ref["rel_fn"] == pytest.approx(1.0, rel=1e-12)
+    assert wj["loss_increase"] == pytest.approx(ref["increase"], rel=1e-9)
+    assert wj["relative_loss_increase"] == pytest.approx(ref["increase"] / ref["mean_y2"], rel=1e-9)
+    assert ref["increase"] > 1e6 * ROUNDING * wj["loss_resolution"]  # far from rounding level
+    # exact arithmetic: increase = ||p_A|| ^2 v^T Lambda v (A is the exact optimum), v^T Lambda v >= lambda_min
+    v = wit.info["null_direction"]
+    lv = float(v @ (F.T @ F) @ v) / ds.n_samples
+    assert lam[0] * (1 - 1e-9) <= lv <= 1.1 * lam[0]
+    assert ref["increase"] == pytest.approx(float(np.sum(wit.model_a.coef**2)) * lv / 3, rel=1e-8)
+    # the largest change at rounding level costs at most the stated rounding level (numpy), and is << 1e-3
+    c = wj["largest_indistinguishable_change"]
+    assert 0 < c < 1e-4
+    assert float(np.sum(wit.model_a.coef**2)) * c**2 * lv / 3 <= ROUNDING * wj["loss_resolution"]
 
 
 def test_no_witness_when_identifiable(teacher_file: tuple[Path, Path, synthetic.Dataset], tmp_path: Path,
@@ -66,16 +167,36 @@ def test_observed_domain_witness_differs_on_observed_inputs(tmp_path: Path,
     last token is a query (q, 0), the inputs the task actually has."""
     k = 2
     ds, _ = synthetic.generate_assoc(k, 600, orthogonal_fraction=1.0, seed=1)
-    data = tmp_path / "d.h5"
-    ds.save(data, dtype="float64")
-    w = tmp_path / "w.h5"
-    capsys.readouterr()
-    assert run(["certify", str(data), "--domain", "observed", "--witness", str(w), "--json", "-q"]) == 1
-    assert json.loads(capsys.readouterr().out)["witness"]["verified"]
-    wit = Witness.load(w)
+    out, wit = certify_witness(ds, tmp_path, capsys, "--domain", "observed", "-q")
+    wj = out["witness"]
+    assert wj["kind"] == "indistinguishable" and "span U" in wj["probe"]
     X = wit.tokens
     assert np.abs(X[-1, k:]).max() < 1e-12  # the last token lies in U_n = span of the queries
-    sa, sb = _sse(wit.model_a.coef, ds), _sse(wit.model_b.coef, ds)
-    assert abs(sa - sb) <= 1e-10 * float((ds.targets**2).sum())
-    ya, yb = (predict(c, X[None])[0] for c in (wit.model_a.coef, wit.model_b.coef))
-    assert np.linalg.norm(ya - yb) > 1e-3 * max(np.linalg.norm(ya), 1.0)
+    ref = reference(wit, ds)
+    assert abs(ref["increase"]) <= ROUNDING * wj["loss_resolution"] <= 1e-11 * ref["mean_y2"]
+    assert ref["probe"] == pytest.approx(wj["prediction_difference"], rel=1e-9)
+    assert ref["probe"] > 1e-3 * max(np.linalg.norm(wit.info["pred_a"]), 1.0)
+
+
+def test_witness_failing_its_verification_is_not_written(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """If a recomputation disagrees with the claim (here: a training MSE off by 1e-6), no file."""
+    import mhla_cli.witness as witness
+
+    real = witness.train_mse
+    calls = {"n": 0}
+
+    def second_call_wrong(feats, coef):  # type: ignore[no-untyped-def]
+        calls["n"] += 1
+        mse, res = real(feats, coef)
+        return (mse + 1e-6 if calls["n"] == 2 else mse), res
+
+    monkeypatch.setattr(witness, "train_mse", second_call_wrong)
+    ds, _ = synthetic.generate_assoc(2, 300, orthogonal_fraction=1.0, seed=0)
+    data = write_tokens(tmp_path / "d.h5", ds.tokens, ds.offsets, ds.targets)
+    w = tmp_path / "w.h5"
+    capsys.readouterr()
+    assert run(["certify", str(data), "--witness", str(w)]) == 3
+    err = capsys.readouterr().err
+    assert "failed its own verification" in err and "training MSE increase" in err
+    assert not w.exists()

@@ -216,12 +216,10 @@ def certify_cmd(
         wit = make_witness(feats, data=data, cert=cert, chunk_size=chunk_size)
         wit.save(witness, inputs=(data,))
         wi = wit.info
-        out["witness"] = {"output": str(witness), **{k: wi[k] for k in (
-            "relative_loss_difference", "loss_source", "prediction_difference", "relative_prediction_difference",
-            "relative_function_distance", "verified")}}
-        say(f"  witness in {witness}: two models with training losses equal to {fmt(wi['relative_loss_difference'])} "
-            f"(relative, on the {wi['loss_source']}) differ by {fmt(wi['prediction_difference'])} "
-            f"({fmt(100 * wi['relative_prediction_difference'])} %) on the stored input sequence", quiet)
+        out["witness"] = {"output": str(witness), **wit.summary()}
+        say(f"  witness in {witness} ({wi['kind']}): {wi['message']}", quiet,
+            style="yellow" if wi["kind"] != "indistinguishable" else None)
+        say(f"  probe input: {wi['probe']}", quiet)
     elif witness is not None:
         warn("the data certify: no witness to write")
     if json_out:
