@@ -20,10 +20,15 @@ def load_function(path: str | os.PathLike) -> Model | Heads:
     """Load a model or heads file."""
     kind = formats.kind_of(path)
     if kind == "model":
-        return Model.load(path)
-    if kind == "heads":
-        return Heads.load(path)
-    raise InputError(f"is a {kind} file, expected a model or heads file", path)
+        fn: Model | Heads = Model.load(path)
+    elif kind == "heads":
+        fn = Heads.load(path)
+    else:
+        raise InputError(f"is a {kind} file, expected a model or heads file", path)
+    norm = normalize_of(fn)
+    if norm not in ("none", "length"):
+        raise InputError(f"attribute 'normalize' is '{norm}', expected none or length", path)
+    return fn
 
 
 def coef_of(fn: Model | Heads | np.ndarray) -> np.ndarray:
