@@ -60,7 +60,7 @@ def probe_residuals(ns: NullSpace, upper: np.ndarray, last: np.ndarray) -> np.nd
     """Relative null-space component ||Z0^T h|| / ||h|| of the rows h = H (0 for h = 0)."""
     R = upper.shape[0]
     d = last.shape[1]
-    H = (upper[:, :, None] * last[:, None, :]).reshape(R, -1)
+    H = (upper[:, :, None] * last[:, None, :]).reshape(R, upper.shape[1] * d)
     norm = np.sqrt(np.einsum("ij,ij->i", H, H))
     if ns.dim == 0 or R == 0:
         return np.zeros(R)
