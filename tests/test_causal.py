@@ -267,3 +267,19 @@ def test_causal_bad_inputs(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -
     m2 = tmp_path / "m2.h5"
     assert run(["fit", str(good), "-o", str(m2), "--normalize", "length", "-q"]) == 0
     assert run(["compare", str(model), str(m2)]) == 2
+
+
+def test_folds_keep_normalisation(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A features file with stored folds records --normalize; a fit from it predicts with it."""
+    ds, teacher = synthetic.generate_teacher(2, 1, 40, "2:6", seed=8, per_position=True, normalize="length")
+    data = tmp_path / "ar.h5"
+    ds.save(data, dtype="float64")
+    feats = tmp_path / "f.h5"
+    assert run(["featurize", str(data), "-o", str(feats), "--folds", "3", "--normalize", "length", "-q"]) == 0
+    f = Features.load(feats)
+    assert f.normalize == "length" and f.per_position and f.n_sequences == 40
+    model = tmp_path / "m.h5"
+    assert run(["fit", str(feats), "-o", str(model), "--heads", "auto", "-q"]) == 0
+    capsys.readouterr()
+    assert run(["predict", str(model), str(data), "-o", str(tmp_path / "p.h5"), "--causal", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["mse"] < 1e-12

@@ -257,6 +257,8 @@ def certify_cmd(
         if formats.kind_of(data) == "tokens" and formats.inspect_tokens(data).per_position:
             raise InputError("--witness supports last-token data only (this file has per-position data)", data)
     feats, _ = _load_or_featurize(data, chunk_size, quiet, normalize)
+    if witness is not None and (feats.per_position or feats.normalize != "none"):
+        raise InputError("--witness supports unweighted last-token data without --normalize only", data)
     cert = certify(feats, min_eig=min_eig, domain=domain)
     out = cert.to_dict()
     out["input"] = str(data)
