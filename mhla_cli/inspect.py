@@ -76,7 +76,8 @@ def _validate(path: str | os.PathLike, kind: str) -> dict[str, Any]:
         feats = Features.load(path)
         return {"d": feats.d, "n_samples": feats.n_samples, "n_features": feats.n_features,
                 "n_tokens": feats.n_tokens, "has_targets": feats.has_targets,
-                "sample_range": list(feats.sample_range) if feats.sample_range else None}
+                "sample_range": list(feats.sample_range) if feats.sample_range else None,
+                "per_position": feats.per_position, "normalize": feats.normalize}
     if kind == "model":
         from .solve import Model
 
