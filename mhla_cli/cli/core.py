@@ -187,7 +187,7 @@ def featurize_cmd(
     say(f"wrote {output}: d = {feats.d}, psi = {psi} features, N = {feats.n_samples} "
         + ("positions (causal)" if feats.per_position else "samples") + f", {feats.n_tokens} tokens"
         + ("" if feats.has_targets else " (no targets)")
-        + (f", S normalised by length" if feats.normalize == "length" else ""), quiet)
+        + (", S normalised by length" if feats.normalize == "length" else ""), quiet)
     if json_out:
         emit_json({"output": str(output), "d": feats.d, "n_features": psi, "n_samples": feats.n_samples,
                    "n_tokens": feats.n_tokens, "has_targets": feats.has_targets,
