@@ -31,7 +31,10 @@ def prediction_difference(a: Model | Heads | np.ndarray, b: Model | Heads | np.n
                           data: str | os.PathLike, chunk_size: int | None = None,
                           progress: Callable[[int], None] | None = None) -> dict[str, float]:
     """RMS over the N*d outputs of (yhat_A - yhat_B) on a tokens file, streamed, and the RMS of yhat_B."""
+    from .model import normalize_of
+
     pa, pb = coef_of(a), coef_of(b)
+    norm = normalize_of(a)
     info = formats.inspect_tokens(data)
     if info.d != pa.shape[0]:
         raise InputError(f"the data have d = {info.d} but the models have d = {pa.shape[0]}", data)
@@ -42,8 +45,8 @@ def prediction_difference(a: Model | Heads | np.ndarray, b: Model | Heads | np.n
         for lo, hi in spans(0, info.n_samples, size):
             tokens, offsets, targets = formats.read_tokens_span(f, info, lo, hi)
             formats.check_finite(tokens, offsets, None, lo, data)
-            ya, _ = predict_chunk(pa, tokens, offsets)
-            yb, _ = predict_chunk(pb, tokens, offsets)
+            ya, _ = predict_chunk(pa, tokens, offsets, normalize=norm)
+            yb, _ = predict_chunk(pb, tokens, offsets, normalize=norm)
             diff = ya - yb
             ss_diff += float((diff**2).sum())
             ss_b += float((yb**2).sum())
@@ -61,6 +64,11 @@ def compare(a: Model | Heads | np.ndarray, b: Model | Heads | np.ndarray, tol: f
     """Distance between two functions; `same` is relative_distance <= tol."""
     if not (tol >= 0 and np.isfinite(tol)):
         raise InputError(f"--tol must be a finite number >= 0, got {tol}")
+    from .model import normalize_of
+
+    if normalize_of(a) != normalize_of(b):
+        raise InputError(f"the models use different normalisations (--normalize {normalize_of(a)} and "
+                         f"{normalize_of(b)}): their coef act on different features, so they cannot be compared")
     out: dict[str, Any] = dict(function_distance(a, b))
     out["tol"] = tol
     out["same"] = bool(out["relative_distance"] <= tol)

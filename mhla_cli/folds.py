@@ -60,6 +60,9 @@ def save_with_folds(total: Features, folds: list[Features], path: str | os.PathL
         attrs["sample_lo"], attrs["sample_hi"] = total.sample_range
     if total.source is not None:
         attrs["source"] = json.dumps(total.source)
+    attrs["normalize"], attrs["per_position"] = total.normalize, int(total.per_position)
+    if total.n_sequences is not None:
+        attrs["n_sequences"] = int(total.n_sequences)
     attrs.update(total.extra_attrs)
     data = {"gram": total.gram, "moments": total.moments, "target_gram": total.target_gram,
             "token_gram": total.token_gram, "last_token_gram": total.last_token_gram,
@@ -111,7 +114,8 @@ def load_folds(path: str | os.PathLike, total: Features | None = None) -> list[F
                               moments=arrs["fold_moments"][k].astype(np.float64),
                               target_gram=arrs["fold_target_gram"][k].astype(np.float64),
                               token_dtype=total.token_dtype,
-                              sample_range=(int(arrs["fold_ranges"][k][0]), int(arrs["fold_ranges"][k][1]))))
+                              sample_range=(int(arrs["fold_ranges"][k][0]), int(arrs["fold_ranges"][k][1])),
+                              per_position=total.per_position, normalize=total.normalize))
     return folds
 
 

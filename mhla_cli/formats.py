@@ -245,6 +245,10 @@ def expect_kind(f: h5py.File, path: str | os.PathLike, *kinds: str) -> str:
 # --------------------------------------------------------------------------------------------
 
 
+# The report of `mhla certify --on PROBES -o REPORT` (mhla_cli.probes).
+KINDS += ("probes",)
+
+
 @dataclass(frozen=True)
 class TokensInfo:
     """Layout of a validated tokens file (nothing is loaded)."""
@@ -257,6 +261,10 @@ class TokensInfo:
     dtype: str
     has_targets: bool
     seq_len: int | None  # for the dense layout
+    # Per-position (causal) data: every prefix X[:t] is a sample, targets (T, d) / (N, n, d).
+    per_position: bool = False
+    # Optional `weights`: (N,) for last-token data, (T,) or (N, n) for per-position data.
+    has_weights: bool = False
 
     def sample_tokens(self, lo: int, hi: int, offsets: np.ndarray | None = None) -> int:
         """Number of tokens of samples [lo, hi)."""
@@ -307,14 +315,75 @@ def _inspect_tokens_open(f: h5py.File, path: str | os.PathLike) -> TokensInfo:
         raise InputError(f"'tokens' has rank {tok.ndim} (shape {tok.shape}), expected (T, d) with "
                          "'offsets' or (N, n, d)", path)
     has_targets = "targets" in f
+    per_position = False
     if has_targets:
         tg = f["targets"]
         if not isinstance(tg, h5py.Dataset):
             raise InputError("'targets' is a group, expected a dataset (N, d)", path)
         check_numeric(tg, "targets", path)
-        if tg.shape != (N, d):
-            raise InputError(f"'targets' has shape {tg.shape}, expected (N, d) = ({N}, {d})", path)
-    return TokensInfo(str(path), layout, N, d, T, str(tok.dtype), has_targets, seq_len)
+        per_position = _targets_layout(tuple(int(s) for s in tg.shape), layout, N, T, d, seq_len, path)
+    has_weights = "weights" in f
+    if has_weights:
+        per_position = _check_weights_shape(f["weights"], layout, N, T, seq_len, has_targets, per_position, path)
+    return TokensInfo(str(path), layout, N, d, T, str(tok.dtype), has_targets, seq_len, per_position, has_weights)
+
+
+def _targets_layout(shape: tuple[int, ...], layout: str, N: int, T: int, d: int, seq_len: int | None,
+                    path: str | os.PathLike) -> bool:
+    """True for per-position targets ((T, d) with offsets, (N, n, d) with dense tokens), False for (N, d).
+
+    With ragged tokens and T = N (every sequence one token) the two meanings coincide: last-token.
+    """
+    if shape == (N, d):
+        return False
+    if layout == "ragged" and shape == (T, d):
+        return True
+    if layout == "dense" and shape == (N, seq_len, d):
+        return True
+    per_pos = f"(T, d) = ({T}, {d})" if layout == "ragged" else f"(N, n, d) = ({N}, {seq_len}, {d})"
+    raise InputError(f"'targets' has shape {shape}, expected (N, d) = ({N}, {d}) (one target per sequence) "
+                     f"or {per_pos} (one target per position)", path)
+
+
+def _check_weights_shape(w: Any, layout: str, N: int, T: int, seq_len: int | None, has_targets: bool,
+                         per_position: bool, path: str | os.PathLike) -> bool:
+    """Validate the shape of `weights`; returns whether the data are per-position.
+
+    (N,) weighs sequences (last-token data); (T,) -- or (N, n) with dense tokens -- weighs positions,
+    and without targets makes the data per-position (every weighted prefix is a sample).
+    """
+    if not isinstance(w, h5py.Dataset):
+        raise InputError("'weights' is a group, expected a dataset", path)
+    check_numeric(w, "weights", path)
+    shape = tuple(int(s) for s in w.shape)
+    per_seq_ok = shape == (N,)
+    per_pos_ok = shape == (T,) or (layout == "dense" and shape == (N, seq_len))
+    if N == T:  # every sequence has one token: both meanings coincide
+        per_seq_ok = per_pos_ok = per_seq_ok or per_pos_ok
+    if per_position and not per_pos_ok:
+        alt = f"(T,) = ({T},)" + (f" or (N, n) = ({N}, {seq_len})" if layout == "dense" else "")
+        raise InputError(f"'weights' has shape {shape} but the targets are per position: expected {alt}", path)
+    if has_targets and not per_position and not per_seq_ok:
+        raise InputError(f"'weights' has shape {shape} but the targets are per sequence (N, d): expected "
+                         f"(N,) = ({N},); for per-position weights store per-position targets", path)
+    if not (per_seq_ok or per_pos_ok):
+        alt = f"(N,) = ({N},) per sequence, or (T,) = ({T},)" + (
+            f" or (N, n) = ({N}, {seq_len})" if layout == "dense" else "") + " per position"
+        raise InputError(f"'weights' has shape {shape}, expected {alt}", path)
+    return per_position or (per_pos_ok and not per_seq_ok)
+
+
+def check_weights(weights: np.ndarray | None, offsets: np.ndarray, lo: int, per_position: bool,
+                  path: str | os.PathLike) -> None:
+    """Raise an InputError naming the first sample whose weight is negative, NaN or Inf."""
+    if weights is None or weights.size == 0:
+        return
+    bad = ~(np.isfinite(weights) & (weights >= 0))
+    if bad.any():
+        row = int(np.flatnonzero(bad)[0])
+        i = lo + (int(np.searchsorted(offsets, row, side="right") - 1) if per_position else row)
+        where = f"sample {i}" + (f", position {row - int(offsets[i - lo])}" if per_position else "")
+        raise InputError(f"weights of {where} is {weights[row]!r}: weights must be finite and >= 0", path)
 
 
 def _check_offsets(off: h5py.Dataset, T: int, path: str | os.PathLike) -> None:
@@ -351,8 +420,34 @@ def read_tokens_span(f: h5py.File, info: TokensInfo, lo: int, hi: int
         offsets = np.asarray(f["offsets"][lo:hi + 1], dtype=np.int64)
         tokens = f["tokens"][offsets[0]:offsets[-1]]
         offsets = offsets - offsets[0]
-    targets = f["targets"][lo:hi] if info.has_targets else None
+    targets = None
+    if info.has_targets:
+        if info.per_position:
+            targets = _read_positions(f, "targets", info, lo, hi, offsets).reshape(-1, info.d)
+        else:
+            targets = f["targets"][lo:hi]
     return tokens, offsets, targets
+
+
+def _read_positions(f: h5py.File, name: str, info: TokensInfo, lo: int, hi: int, offsets: np.ndarray
+                    ) -> np.ndarray:
+    """Rows of a per-position dataset (targets or weights) for samples [lo, hi) (offsets from 0)."""
+    ds = f[name]
+    if info.layout == "dense" and ds.ndim >= 2 and ds.shape[1] == info.seq_len and ds.shape[0] == info.n_samples \
+            and (ds.ndim == 3 or name == "weights"):
+        return np.asarray(ds[lo:hi])
+    t0 = lo * int(info.seq_len) if info.layout == "dense" else int(f["offsets"][lo])
+    return np.asarray(ds[t0:t0 + int(offsets[-1])])
+
+
+def read_weights_span(f: h5py.File, info: TokensInfo, lo: int, hi: int, offsets: np.ndarray
+                      ) -> np.ndarray | None:
+    """float64 weights of samples [lo, hi): (hi-lo,) per sequence or (t,) per position; None if absent."""
+    if not info.has_weights:
+        return None
+    if info.per_position:
+        return _read_positions(f, "weights", info, lo, hi, offsets).reshape(-1).astype(np.float64)
+    return np.asarray(f["weights"][lo:hi], dtype=np.float64)
 
 
 # Largest token / target magnitude accepted: the cubic statistics sum N * n^2 * |x|^6 (tokens) and
@@ -380,7 +475,8 @@ def check_finite(tokens: np.ndarray, offsets: np.ndarray, targets: np.ndarray | 
             row = int(np.flatnonzero((np.abs(a2) > limit).any(axis=1))[0])
             what = (f"contain values up to {top:.3g}, too large for the float64 statistics "
                     f"(limit {limit:.0e}); rescale the data")
-        i = lo + (int(np.searchsorted(offsets, row, side="right") - 1) if name == "tokens" else row)
+        by_token = name == "tokens" or (arr.shape[0] == offsets[-1] and arr.shape[0] != offsets.size - 1)
+        i = lo + (int(np.searchsorted(offsets, row, side="right") - 1) if by_token else row)
         raise InputError(f"{name} of sample {i} {what}", path)
 
 

@@ -79,7 +79,7 @@ class Heads:
     def save(self, path: str | os.PathLike, inputs: tuple[str | os.PathLike, ...] = ()) -> None:
         """Write a heads file atomically."""
         attrs = {"d": self.d, "n_heads": self.n_heads}
-        for k in ("relative_function_error", "tol", "max_heads"):
+        for k in ("relative_function_error", "tol", "max_heads", "normalize"):
             if self.info.get(k) is not None:
                 attrs[k] = self.info[k]
         formats.write_file(path, "heads", {"V": self.V, "Q": self.Q}, attrs, inputs)
@@ -91,6 +91,9 @@ class Heads:
             formats.expect_kind(f, path, "heads")
             V = formats.read_array(f, "V", path).astype(np.float64)
             Q = formats.read_array(f, "Q", path).astype(np.float64)
+            from .stream import read_normalize
+
+            normalize = read_normalize(f, path)
         if V.ndim != 3 or V.shape[1] != V.shape[2]:
             raise InputError(f"'V' has shape {V.shape}, expected (H, d, d)", path)
         if Q.shape != V.shape:
@@ -99,7 +102,7 @@ class Heads:
             raise InputError("no heads (H = 0)", path)
         if not (np.isfinite(V).all() and np.isfinite(Q).all()):
             raise InputError("'V' or 'Q' contains NaN or Inf", path)
-        return cls(V=V, Q=Q)
+        return cls(V=V, Q=Q, info={"normalize": normalize})
 
 
 def heads_from_W(W: np.ndarray, tol: float = 1e-12, max_heads: int | None = None

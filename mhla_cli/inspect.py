@@ -68,14 +68,16 @@ def _validate(path: str | os.PathLike, kind: str) -> dict[str, Any]:
         info = formats.inspect_tokens(path)
         _scan_finite(path, info)
         return {"layout": info.layout, "n_samples": info.n_samples, "d": info.d, "n_tokens": info.n_tokens,
-                "dtype": info.dtype, "has_targets": info.has_targets}
+                "dtype": info.dtype, "has_targets": info.has_targets, "per_position": info.per_position,
+                "has_weights": info.has_weights}
     if kind == "features":
         from .stream import Features
 
         feats = Features.load(path)
         return {"d": feats.d, "n_samples": feats.n_samples, "n_features": feats.n_features,
                 "n_tokens": feats.n_tokens, "has_targets": feats.has_targets,
-                "sample_range": list(feats.sample_range) if feats.sample_range else None}
+                "sample_range": list(feats.sample_range) if feats.sample_range else None,
+                "per_position": feats.per_position, "normalize": feats.normalize}
     if kind == "model":
         from .solve import Model
 
@@ -86,6 +88,13 @@ def _validate(path: str | os.PathLike, kind: str) -> dict[str, Any]:
 
         heads = Heads.load(path)
         return {"d": heads.d, "n_heads": heads.n_heads}
+    if kind == "probes":
+        with formats.open_input(path) as f:
+            res = formats.read_array(f, "residual", path)
+            und = formats.read_array(f, "undetermined", path)
+            if res.ndim != 1 or und.ndim != 1 or (und.size and (und.min() < 0 or und.max() >= res.size)):
+                raise InputError("'residual' (n_probes,) and 'undetermined' (indices into it) do not match", path)
+        return {"n_samples": int(res.size), "n_undetermined": int(und.size)}
     with formats.open_input(path) as f:
         pred = formats.read_array(f, "predictions", path)
         if pred.ndim != 2:
@@ -111,3 +120,5 @@ def _scan_finite(path: str | os.PathLike, info: formats.TokensInfo) -> None:
         for a, b in spans(0, info.n_samples, default_chunk_size(info)):
             tokens, offsets, targets = formats.read_tokens_span(f, info, a, b)
             formats.check_finite(tokens, offsets, targets, a, path)
+            formats.check_weights(formats.read_weights_span(f, info, a, b, offsets), offsets, a,
+                                  info.per_position, path)

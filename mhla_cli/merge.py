@@ -28,6 +28,7 @@ class PartInfo:
     ranges: list[tuple[int, int]]
     source: dict[str, Any]
     shard: str | None = None
+    normalize: str = "none"
 
     @property
     def label(self) -> str:
@@ -73,10 +74,15 @@ def read_part_info(path: str | os.PathLike) -> PartInfo:
         else:
             ranges = [(int(attrs["sample_lo"]), int(attrs["sample_hi"]))]
         shard = _text(attrs["shard"]) if "shard" in attrs else None
-    if sum(b - a for a, b in ranges) != n:
-        raise InputError(f"n_samples = {n} does not match its sample ranges {ranges}; the file is corrupted",
+        from .stream import read_normalize
+
+        normalize = read_normalize(f, path)
+        # per-position or weighted data count positions (weight > 0) as samples: ranges are of sequences
+        n_seq = int(attrs["n_sequences"]) if "n_sequences" in attrs else n
+    if sum(b - a for a, b in ranges) != n_seq:
+        raise InputError(f"n_samples = {n_seq} does not match its sample ranges {ranges}; the file is corrupted",
                          path)
-    return PartInfo(str(path), d, n, ranges, source, shard)
+    return PartInfo(str(path), d, n, ranges, source, shard, normalize)
 
 
 def _text(v: Any) -> str:
@@ -97,6 +103,10 @@ def plan_merge(paths: list[str | os.PathLike], allow_partial: bool = False) -> M
     for p in parts[1:]:
         if p.d != first.d:
             raise InputError(f"has d = {p.d} but {first.path} has d = {first.d}: parts of different data", p.path)
+        if p.normalize != first.normalize:
+            raise InputError(f"was featurized with --normalize {p.normalize} but {first.path} with --normalize "
+                             f"{first.normalize}: the statistics of different normalisations do not add up",
+                             p.path)
         if not _same_source(p.source, first.source):
             raise InputError(
                 f"comes from a different source than {first.path}: {_describe(p.source)} vs "

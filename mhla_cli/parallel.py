@@ -270,8 +270,8 @@ def make_map(workers: int = 1, scheduler: Any = None, map: Callable[..., Iterabl
 # --------------------------------------------------------------------------------------------
 
 
-def predict_span(coef: np.ndarray, info: Any, all_positions: bool, span: tuple[int, int]
-                 ) -> tuple[np.ndarray, np.ndarray | None, np.ndarray, float]:
+def predict_span(coef: np.ndarray, info: Any, all_positions: bool, span: tuple[int, int],
+                 normalize: str = "none") -> tuple[np.ndarray, np.ndarray | None, np.ndarray, float]:
     """Predictions for samples [lo, hi): (pred (B, d), outputs (t, d) or None, offsets, SSE vs targets)."""
     from . import formats
     from .model import predict_chunk
@@ -280,7 +280,7 @@ def predict_span(coef: np.ndarray, info: Any, all_positions: bool, span: tuple[i
     lo, hi = span
     for a, _b, tokens, offsets, targets in iter_chunks(info, (lo, hi), hi - lo, prefetch=False):
         formats.check_finite(tokens, offsets, targets, a, info.path)
-        pred, outputs = predict_chunk(coef, tokens, offsets, all_positions)
+        pred, outputs = predict_chunk(coef, tokens, offsets, all_positions, normalize)
         sse = float(((pred - targets) ** 2).sum()) if targets is not None else 0.0
         return pred, outputs, offsets.copy(), sse
     raise ValueError("empty span")

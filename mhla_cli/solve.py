@@ -256,7 +256,7 @@ def _feature_names(d: int, cert: Certificate, full: bool) -> list[str]:
 
 # Fit results kept as attributes of a model file.
 _SAVED_INFO = ("ridge", "train_mse", "lambda_min", "identifiable", "condition_number", "n_samples", "method",
-               "n_heads", "weight_decay", "nuclear_lambda", "objective")
+               "n_heads", "weight_decay", "nuclear_lambda", "objective", "normalize")
 
 
 @dataclass

@@ -60,6 +60,12 @@ class Features:
     basis: np.ndarray | None = None
     basis_gram: np.ndarray | None = None
     basis_moments: np.ndarray | None = None
+    # Causal mode: every weighted prefix X[:t] was a sample (docs/formats.md, "per-position data").
+    per_position: bool = False
+    # "none", or "length": S divided by the number of tokens of the prefix / sequence.
+    normalize: str = "none"
+    # Sequences read (the unit of sample ranges and shards); None when unknown (older files).
+    n_sequences: int | None = None
 
     @property
     def n_features(self) -> int:
@@ -107,6 +113,8 @@ class Features:
     def __add__(self, other: Features) -> Features:
         total = Features.zeros(self.d, self.has_targets,
                                self.token_dtype if self.token_dtype == other.token_dtype else "float64")
+        total.normalize, total.per_position = self.normalize, self.per_position
+        total.n_sequences = 0 if self.n_sequences is not None and other.n_sequences is not None else None
         _add_into(total, self)
         _add_into(total, other)
         if self.sample_range and other.sample_range:
@@ -132,6 +140,10 @@ class Features:
             attrs["sample_lo"], attrs["sample_hi"] = self.sample_range
         if self.source is not None:
             attrs["source"] = json.dumps(self.source)
+        attrs["normalize"] = self.normalize
+        attrs["per_position"] = int(self.per_position)
+        if self.n_sequences is not None:
+            attrs["n_sequences"] = int(self.n_sequences)
         attrs.update(self.extra_attrs)
         formats.write_file(path, "features", self.datasets(), attrs, inputs)
 
@@ -176,6 +188,9 @@ class Features:
             basis, basis_gram, basis_moments = _load_basis(f, path, d, moments is not None)
             dtype = f.attrs.get("token_dtype", "float64")
             dtype = dtype.decode() if isinstance(dtype, bytes) else str(dtype)
+            normalize = read_normalize(f, path)
+            per_position = bool(int(f.attrs.get("per_position", 0)))
+            n_seq = int(f.attrs["n_sequences"]) if "n_sequences" in f.attrs else None
             extra = {}
             for k in EXTRA_ATTRS:
                 if k in f.attrs:
@@ -184,7 +199,8 @@ class Features:
         return cls(d=d, n_samples=n, n_tokens=t, gram=gram, token_gram=tg, last_token_gram=lg,
                    moments=moments, target_gram=target_gram, token_dtype=dtype, sample_range=rng,
                    source=source, extra_attrs=extra, basis=basis, basis_gram=basis_gram,
-                   basis_moments=basis_moments)
+                   basis_moments=basis_moments, per_position=per_position, normalize=normalize,
+                   n_sequences=n_seq)
 
 
 def _load_basis(f: h5py.File, path: str | os.PathLike, d: int, has_targets: bool
@@ -214,6 +230,25 @@ def _load_basis(f: h5py.File, path: str | os.PathLike, d: int, has_targets: bool
         if mb.shape != (psi, d):
             raise InputError(f"'basis_moments' has shape {mb.shape}, expected ({psi}, {d})", path)
     return A, gb, mb
+
+
+NORMALIZATIONS = ("none", "length")
+
+
+def check_normalize(normalize: str) -> str:
+    """Validate a --normalize value ("none" or "length")."""
+    if normalize not in NORMALIZATIONS:
+        raise InputError(f"--normalize must be none or length, got '{normalize}'")
+    return normalize
+
+
+def read_normalize(f: Any, path: str | os.PathLike) -> str:
+    """The `normalize` attribute of an open features, model or heads file ("none" when absent)."""
+    v = f.attrs.get("normalize", "none")
+    v = v.decode() if isinstance(v, bytes) else str(v)
+    if v not in NORMALIZATIONS:
+        raise InputError(f"attribute 'normalize' is '{v}', expected none or length", path)
+    return v
 
 
 # Attributes of a features file kept in `Features.extra_attrs` when it is loaded: which shard of
@@ -295,6 +330,77 @@ def _sequence_moments(tokens: np.ndarray, offsets: np.ndarray, out: np.ndarray |
     return S, last
 
 
+def prefix_moments(tokens: np.ndarray, offsets: np.ndarray, normalize: str = "none"
+                   ) -> tuple[np.ndarray, np.ndarray]:
+    """Distinct entries of the prefix Grams S_t = sum_{s<=t} x_s x_s^T of every position, vectorised.
+
+    tokens (T, d) of any real dtype, offsets (B+1,) from 0. Returns `upper` (T, d(d+1)/2) float64,
+    the entries S_t[j, k], j <= k, in feature pair order (features.pair_index), and the tokens
+    themselves (T, d) float64 (the last token x_t of each prefix). With normalize="length" S_t is
+    divided by t (the 1-based position in its sequence). S_t is a running sum: a cumsum of the
+    per-token outer products within each sequence (equal lengths: one batched cumsum; ragged:
+    grouped by length with trailing padding, which never enters a valid prefix).
+    """
+    with np.errstate(over="ignore", invalid="ignore"):
+        X = np.asarray(tokens, dtype=np.float64)
+        offsets = np.asarray(offsets, dtype=np.int64)
+        T, d = X.shape
+        j, k = pair_index(d)
+        P = X[:, j] * X[:, k]  # (T, npairs): upper entries of x_t x_t^T
+        lengths = np.diff(offsets)
+        B = lengths.size
+        if B == 0 or T == 0:
+            return P, X
+        if (lengths == lengths[0]).all() and offsets[0] == 0 and T == offsets[-1]:
+            n = int(lengths[0])
+            np.cumsum(P.reshape(B, n, -1), axis=1, out=P.reshape(B, n, -1))
+        else:
+            order = np.argsort(lengths, kind="stable")
+            sorted_len = lengths[order]
+            start = 0
+            while start < B:
+                lo_len = int(sorted_len[start])
+                stop = int(np.searchsorted(sorted_len, lo_len + lo_len // 4 + 4, side="right"))
+                idx = order[start:stop]
+                L = int(sorted_len[stop - 1])
+                ar = np.arange(L)
+                valid = ar[None, :] < lengths[idx][:, None]
+                rows = np.minimum(offsets[idx][:, None] + ar[None, :], T - 1)
+                block = P[rows]  # rows past a sequence's end are padding after its valid prefix
+                np.cumsum(block, axis=1, out=block)
+                P[rows[valid]] = block[valid]
+                start = stop
+        if normalize == "length":
+            P /= position_numbers(offsets)[:, None]
+        return P, X
+
+
+def position_numbers(offsets: np.ndarray) -> np.ndarray:
+    """1-based position t of every token in its sequence, float64 (T,)."""
+    offsets = np.asarray(offsets, dtype=np.int64)
+    lengths = np.diff(offsets)
+    T = int(offsets[-1] - offsets[0])
+    return (np.arange(T) - np.repeat(offsets[:-1] - offsets[0], lengths) + 1).astype(np.float64)
+
+
+def sample_rows(tokens: np.ndarray, offsets: np.ndarray, per_position: bool, normalize: str = "none"
+                ) -> tuple[np.ndarray, np.ndarray]:
+    """(upper entries of S (R, npairs), last tokens (R, d)) of every sample of a chunk, float64.
+
+    Per-position data: one row per position (prefix_moments); last-token data: one row per
+    sequence (S = X^T X, divided by the length with normalize="length").
+    """
+    if per_position:
+        return prefix_moments(tokens, offsets, normalize)
+    d = tokens.shape[1]
+    S, last = sequence_moments(tokens, offsets)
+    j, k = pair_index(d)
+    upper = S[:, j, k]
+    if normalize == "length":
+        upper /= np.diff(np.asarray(offsets, dtype=np.int64)).astype(np.float64)[:, None]
+    return upper, last
+
+
 # float64 elements per conversion block in sequence_moments (512 KiB: stays in cache for the product)
 _BLOCK_ELEMENTS = 1 << 16
 
@@ -326,7 +432,11 @@ class _Accumulator:
     in float64.
     """
 
-    def __init__(self, d: int, has_targets: bool, basis: np.ndarray | None = None) -> None:
+    def __init__(self, d: int, has_targets: bool, basis: np.ndarray | None = None, causal: bool = False,
+                 normalize: str = "none") -> None:
+        self.causal = causal  # per-position data: every prefix is a sample (see _add_rows)
+        self.normalize = normalize
+        self.n_sequences = 0
         self.d = d
         self.basis = None if basis_mod.is_identity(basis) else np.asarray(basis, dtype=np.float64)
         self.psi = n_features(d)
@@ -358,17 +468,22 @@ class _Accumulator:
         return buf[:size].reshape(rows, cols)
 
     def add(self, tokens: np.ndarray, offsets: np.ndarray, targets: np.ndarray | None,
-            check: Callable[[float], None] | None = None) -> None:
+            check: Callable[[float], None] | None = None, weights: np.ndarray | None = None) -> None:
         """Add one chunk: tokens (t, d) of any real dtype, offsets (B+1,) from 0, targets (B, d) or None.
 
-        `check(top)` may reject the chunk, given the largest squared token entry, before anything
-        is added. With a basis A the features are those of X A (token_gram and last_token_gram
-        stay in the tokens' own coordinates).
+        `check(top)` may reject the chunk, given a bound on the largest squared token entry, before
+        anything is added. With a basis A the features are those of X A (token_gram and
+        last_token_gram stay in the tokens' own coordinates). Causal mode, weights ((B,), or (t,)
+        in causal mode) or a normalisation go through `_add_rows`.
         """
         d, psi = self.d, self.psi
         B = offsets.size - 1
         if B == 0:
             return
+        if self.causal or weights is not None or self.normalize != "none":
+            self._add_rows(tokens, offsets, targets, check, weights)
+            return
+        self.n_sequences += B
         # errstate: NaN / Inf tokens are reported by `check`, not as numpy warnings
         with _single_blas_thread(), np.errstate(invalid="ignore", over="ignore"):
             if self.basis is None:
@@ -420,6 +535,90 @@ class _Accumulator:
         self.n_samples += B
         self.n_tokens += int(offsets[-1])
 
+    def _add_rows(self, tokens: np.ndarray, offsets: np.ndarray, targets: np.ndarray | None,
+                  check: Callable[[float], None] | None, weights: np.ndarray | None) -> None:
+        """Add a chunk sample by sample: rows = positions (causal) or sequences, each of weight w >= 0.
+
+        gram += sum w h h^T, moments += sum w h y^T, target_gram += sum w y y^T (one syrk of the block
+        sqrt(w) [H | Y] over the rows with w > 0); token_gram += sum w S (unnormalised S of each
+        sample), last_token_gram += sum w x x^T (x the sample's last token); n_samples += #{w > 0}.
+        """
+        d, psi = self.d, self.psi
+        j, k = pair_index(d)
+        B = offsets.size - 1
+        with _single_blas_thread(), np.errstate(invalid="ignore", over="ignore"):
+            upper, last = sample_rows(tokens, offsets, self.causal)  # unnormalised here
+            if check is not None:
+                # the diagonal of every whole sequence's Gram bounds its squared entries
+                ends = offsets[1:] - 1 if self.causal else np.arange(B)
+                diag = upper[ends][:, j == k]
+                check(float(np.max(diag)) if diag.size else 0.0)
+            if self.basis is not None:
+                # token statistics above in the tokens' own coordinates, features of X A below
+                X = np.asarray(tokens, dtype=np.float64)
+                Xb = self._buf("Xb", X.shape[0], (d,))
+                np.matmul(self.basis.T, X.T, out=Xb.T)  # X A (see add)
+                upper_own, last_own = upper, last
+                upper, last = sample_rows(Xb, offsets, self.causal)
+            keep = None
+            if weights is not None:
+                keep = np.flatnonzero(weights > 0)
+                if keep.size == weights.size:
+                    keep = None
+            w = None if weights is None else (weights if keep is None else weights[keep])
+            if self.basis is None:
+                upper_own, last_own = upper, last
+            if keep is not None:
+                upper, last = upper[keep], last[keep]
+                upper_own, last_own = upper_own[keep], last_own[keep]
+                if targets is not None:
+                    targets = targets[keep]
+            R = upper.shape[0]
+            tg_upper = upper_own.sum(axis=0) if w is None else w @ upper_own
+            self.token_gram[j, k] += tg_upper
+            self.token_gram[k, j] += np.where(j == k, 0.0, tg_upper)
+            lw = last_own if w is None else last_own * np.sqrt(w)[:, None]
+            self.last_token_gram += lw.T @ lw
+            if self.normalize == "length":
+                if self.causal:
+                    pos = position_numbers(offsets)
+                    upper /= (pos if keep is None else pos[keep])[:, None]
+                else:
+                    lengths = np.diff(offsets).astype(np.float64)
+                    upper /= (lengths if keep is None else lengths[keep])[:, None]
+            if R:
+                sw = None if w is None else np.sqrt(w)
+                Ft = self._buf_t("F", self.width, R)
+                upper_t = self._buf_t("U", psi // d, R)
+                upper_t[...] = upper.T
+                last_t = self._buf_t("L", d, R)
+                last_t[...] = last.T
+                if sw is not None:
+                    last_t *= sw  # sqrt(w) h = S (sqrt(w) x): the syrk then sums w h h^T
+                H = Ft[:psi].reshape(psi // d, d, R)
+                np.multiply(upper_t[:, None, :], last_t[None, :, :], out=H)
+                if targets is not None:
+                    Ft[psi:] = targets.T
+                    if sw is not None:
+                        Ft[psi:] *= sw
+        if R:
+            self._syrk(Ft)
+        self.n_samples += R
+        self.n_tokens += int(offsets[-1])
+        self.n_sequences += B
+
+    def _syrk(self, Ft: np.ndarray) -> None:
+        """G += Ft Ft^T (a syrk; several BLAS threads only pay off for a wide block)."""
+        with contextlib.nullcontext() if self.width >= MIN_THREADED_WIDTH else _single_blas_thread():
+            if self.G is None:
+                self.G = np.empty((self.width, self.width))
+                np.matmul(Ft, Ft.T, out=self.G)
+            else:
+                if self._prod is None:
+                    self._prod = np.empty_like(self.G)
+                np.matmul(Ft, Ft.T, out=self._prod)
+                self.G += self._prod
+
     def result(self, token_dtype: str = "float64", finalize: bool = True) -> Features:
         """The statistics so far (views into the accumulator; the work buffers are released).
 
@@ -447,13 +646,24 @@ class _Accumulator:
         return out
 
 
+def _result(acc: _Accumulator, token_dtype: str = "float64", finalize: bool = True) -> Features:
+    """acc.result() with the causal-mode fields (per_position, normalize, n_sequences) filled in."""
+    feats = acc.result(token_dtype, finalize=finalize)
+    feats.per_position, feats.normalize, feats.n_sequences = acc.causal, acc.normalize, acc.n_sequences
+    return feats
+
+
 def chunk_features(tokens: np.ndarray, offsets: np.ndarray, targets: np.ndarray | None, d: int,
-                   basis: np.ndarray | str | None = "auto") -> Features:
+                   weights: np.ndarray | None = None, per_position: bool = False,
+                   normalize: str = "none", basis: np.ndarray | str | None = "auto") -> Features:
     """Statistics of one in-memory chunk (tokens (t, d), offsets from 0, targets (B, d) or None).
 
+    With `per_position` every prefix is a sample: targets (t, d), weights (t,); otherwise targets
+    (B, d), weights (B,). `normalize="length"` divides S by the prefix / sequence length.
     `basis`: "auto" whitens with the chunk's own token Gram, an array is used as given, None or
     "identity" accumulates in the tokens' own coordinates.
     """
+    check_normalize(normalize)
     tokens = np.asarray(tokens)
     if isinstance(basis, str) and basis == "auto":
         X = tokens.astype(np.float64)
@@ -462,10 +672,11 @@ def chunk_features(tokens: np.ndarray, offsets: np.ndarray, targets: np.ndarray 
         if basis != "identity":
             raise InputError(f"unknown basis '{basis}', expected auto, identity or a (d, d) array")
         basis = None
-    acc = _Accumulator(d, targets is not None, basis)
+    acc = _Accumulator(d, targets is not None, basis, causal=per_position, normalize=normalize)
     acc.add(tokens, np.asarray(offsets, dtype=np.int64),
-            None if targets is None else np.asarray(targets, dtype=np.float64))
-    return acc.result(str(tokens.dtype))
+            None if targets is None else np.asarray(targets, dtype=np.float64),
+            weights=None if weights is None else np.asarray(weights, dtype=np.float64))
+    return _result(acc, str(tokens.dtype))
 
 
 # --------------------------------------------------------------------------------------------
@@ -487,8 +698,8 @@ class _ReadBuffers:
         return buf[:size].reshape(shape)
 
 
-def _read_chunk(f: h5py.File, info: formats.TokensInfo, a: int, b: int, bufs: _ReadBuffers
-                ) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+def _read_chunk(f: h5py.File, info: formats.TokensInfo, a: int, b: int, bufs: _ReadBuffers,
+                with_weights: bool = False) -> tuple[np.ndarray, ...]:
     """Samples [a, b) (tokens (t, d) in the stored dtype, offsets from 0, float64 targets) into `bufs`.
 
     Tokens keep their stored dtype (half the bytes of float64 for float32); `sequence_moments`
@@ -513,16 +724,30 @@ def _read_chunk(f: h5py.File, info: formats.TokensInfo, a: int, b: int, bufs: _R
             f["tokens"].read_direct(tokens, np.s_[t0:t1])
         offsets -= t0
     targets = None
-    if info.has_targets:
+    if info.has_targets and getattr(info, "per_position", False):
+        # per-position targets (t, d): rows of the chunk's tokens
+        targets = bufs.get("targets", (int(offsets[-1]), d))
+        if b > a:
+            if info.layout == "dense":
+                f["targets"].read_direct(targets.reshape(b - a, int(info.seq_len), d), np.s_[a:b])
+            else:
+                t0 = int(f["offsets"][a])
+                f["targets"].read_direct(targets, np.s_[t0:t0 + int(offsets[-1])])
+    elif info.has_targets:
         targets = bufs.get("targets", (b - a, d))
         if b > a:
             f["targets"].read_direct(targets, np.s_[a:b])
+    if with_weights:
+        return tokens, offsets, targets, formats.read_weights_span(f, info, a, b, offsets)
     return tokens, offsets, targets
 
 
 def iter_chunks(info: formats.TokensInfo, span: tuple[int, int], chunk_size: int | None = None,
-                prefetch: bool = True) -> Iterator[tuple[int, int, np.ndarray, np.ndarray, np.ndarray | None]]:
+                prefetch: bool = True, with_weights: bool = False) -> Iterator[tuple[Any, ...]]:
     """Yield (a, b, tokens, offsets, targets) for the chunks of samples [lo, hi) (see _read_chunk).
+
+    Per-position data give targets (t, d). `with_weights` appends the chunk's float64 weights
+    ((b-a,) per sequence or (t,) per position, or None) to every item.
 
     The arrays are reused: each is valid until the next item is requested. With `prefetch` a
     reader thread reads the next chunk while the caller computes on this one.
@@ -534,15 +759,15 @@ def iter_chunks(info: formats.TokensInfo, span: tuple[int, int], chunk_size: int
     with formats.open_input(info.path) as f:
         if not prefetch or len(todo) < 2:
             for a, b in todo:
-                yield (a, b, *_read_chunk(f, info, a, b, slots[0]))
+                yield (a, b, *_read_chunk(f, info, a, b, slots[0], with_weights))
             return
         with ThreadPoolExecutor(1, thread_name_prefix="mhla-read") as pool:
-            fut = pool.submit(_read_chunk, f, info, *todo[0], slots[0])
+            fut = pool.submit(_read_chunk, f, info, *todo[0], slots[0], with_weights)
             for i, (a, b) in enumerate(todo):
                 chunk = fut.result()
                 if i + 1 < len(todo):
                     # the slot written next was last used by chunk i - 1, whose consumer is done
-                    fut = pool.submit(_read_chunk, f, info, *todo[i + 1], slots[(i + 1) % 2])
+                    fut = pool.submit(_read_chunk, f, info, *todo[i + 1], slots[(i + 1) % 2], with_weights)
                 yield (a, b, *chunk)
 
 
@@ -570,10 +795,14 @@ def default_chunk_size(info: formats.TokensInfo) -> int:
     mean_len = max(1.0, info.n_tokens / info.n_samples)
     # [H | Y] block + S + pair products, and two float64 read slots of tokens and targets
     per_sample = 8 * (psi + info.d) + 8 * (info.d * info.d + psi // info.d) + 2 * 8 * info.d * (mean_len + 1)
+    if getattr(info, "per_position", False):
+        # every position is a row of the [H | Y] block, with its prefix Gram entries
+        per_sample = mean_len * (8 * (psi + info.d) + 3 * 8 * (psi // info.d) + 4 * 8 * info.d)
     rows = CHUNK_BYTES // per_sample
     if psi + info.d >= 512:
         # the per-chunk cost outside the syrk (adding the psi^2 product) shrinks as 1/rows
-        rows = max(rows, MIN_SYRK_ROWS)
+        rows = max(rows, MIN_SYRK_ROWS if not getattr(info, "per_position", False)
+                   else math.ceil(MIN_SYRK_ROWS / mean_len))
     return int(max(1, min(info.n_samples, rows)))
 
 
@@ -585,24 +814,30 @@ def spans(lo: int, hi: int, size: int) -> list[tuple[int, int]]:
 
 def reduce_span(info: formats.TokensInfo, span: tuple[int, int], chunk_size: int | None = None,
                 progress: Callable[[int], None] | None = None, prefetch: bool = True,
-                basis: np.ndarray | None = None, finalize: bool = True) -> Features:
+                normalize: str = "none", basis: np.ndarray | None = None, finalize: bool = True) -> Features:
     """Statistics of samples [lo, hi) of the tokens file `info.path` (opened here, read in chunks).
 
     This is the one chunk reduction of mhla: the serial loop, worker pools, Dask and shards all
-    call it. `progress(n)` is called after each chunk of n samples. `basis` (d, d): accumulate the
-    features of X @ basis (see mhla_cli.basis; `estimate_basis`); `finalize=False` leaves the sums
-    in the tokens' own coordinates to `Features.finalize` (for partial sums).
+    call it. `progress(n)` is called after each chunk of n samples (sequences). Per-position data
+    (info.per_position) make every weighted prefix a sample; `normalize="length"` divides S by the
+    prefix (sequence) length. `basis` (d, d): accumulate the features of X @ basis (see
+    mhla_cli.basis; `estimate_basis`); `finalize=False` leaves the sums in the tokens' own
+    coordinates to `Features.finalize` (for partial sums).
     """
     lo, hi = span
-    acc = _Accumulator(info.d, info.has_targets, basis)
-    for a, b, tokens, offsets, targets in iter_chunks(info, (lo, hi), chunk_size, prefetch):
+    per_position = getattr(info, "per_position", False)
+    acc = _Accumulator(info.d, info.has_targets, basis, causal=per_position, normalize=check_normalize(normalize))
+    for a, b, tokens, offsets, targets, weights in iter_chunks(info, (lo, hi), chunk_size, prefetch,
+                                                               with_weights=True):
         if CANCEL.is_set():
             raise Cancelled("the reduction was cancelled")
+        formats.check_weights(weights, offsets, a, per_position, info.path)
         acc.add(tokens, offsets, targets,
-                check=lambda top, a=a, t=tokens, o=offsets, y=targets: _check_chunk(info, a, t, o, y, top))
+                check=lambda top, a=a, t=tokens, o=offsets, y=targets: _check_chunk(info, a, t, o, y, top),
+                weights=weights)
         if progress is not None:
             progress(b - a)
-    total = acc.result(info.dtype, finalize=False)
+    total = _result(acc, info.dtype, finalize=False)
     _check_overflow(total, f"samples {lo}..{hi}", info.path)
     if finalize:
         total.finalize()
@@ -669,6 +904,13 @@ def _add_into(acc: Features, part: Features) -> None:
         raise InputError(f"cannot add statistics of d = {acc.d} and d = {part.d}")
     if part.has_targets != acc.has_targets:
         raise InputError("cannot add statistics with and without targets")
+    if part.normalize != acc.normalize:
+        raise InputError(f"cannot add statistics with different normalisations ({acc.normalize} and "
+                         f"{part.normalize}): featurize every part with the same --normalize")
+    if part.per_position != acc.per_position:
+        raise InputError("cannot add per-position (causal) statistics to last-token statistics")
+    acc.n_sequences = None if acc.n_sequences is None or part.n_sequences is None \
+        else acc.n_sequences + part.n_sequences
     if acc.basis is None and part.basis is not None:
         if acc.n_samples == 0 and not acc.gram.any():
             acc.basis = part.basis
@@ -702,7 +944,7 @@ def _add_into(acc: Features, part: Features) -> None:
 def reduce_spans(info: formats.TokensInfo, span_list: Sequence[tuple[int, int]],
                  map: Callable[..., Iterable[Features]] = builtins.map,  # noqa: A002 (like builtins.map)
                  chunk_size: int | None = None,
-                 progress: Callable[[int], None] | None = None,
+                 progress: Callable[[int], None] | None = None, normalize: str = "none",
                  basis: np.ndarray | None = None) -> Features:
     """Sum of `reduce_span` over `span_list`, evaluated with `map` (builtin, a pool's, Dask's).
 
@@ -710,15 +952,17 @@ def reduce_spans(info: formats.TokensInfo, span_list: Sequence[tuple[int, int]],
     added in the order they come.
     """
     total: Features | None = None
-    for part in map(partial(reduce_span, info, chunk_size=chunk_size, basis=basis, finalize=False), span_list):
+    for part in map(partial(reduce_span, info, chunk_size=chunk_size, normalize=normalize, basis=basis,
+                            finalize=False), span_list):
         if total is None:
             total = part  # each part is a fresh result: sum into it
         else:
             _add_into(total, part)
         if progress is not None:
-            progress(part.n_samples)
+            progress(part.n_sequences if part.n_sequences is not None else part.n_samples)
     if total is None:
         total = Features.zeros(info.d, info.has_targets, info.dtype)
+        total.per_position, total.normalize = getattr(info, "per_position", False), normalize
     total.finalize()
     total.token_dtype = info.dtype
     if span_list:
@@ -778,16 +1022,19 @@ def featurize(path: str | os.PathLike, chunk_size: int | None = None,
               shard: tuple[int, int] | None = None,
               map: Callable[..., Iterable[Features]] | None = None,  # noqa: A002
               progress: Callable[[int], None] | None = None,
-              workers: int = 1, scheduler: str | None = None,
+              workers: int = 1, scheduler: str | None = None, normalize: str = "none",
               basis: np.ndarray | str | None = "auto") -> Features:
     """Sufficient statistics of a tokens file, streamed in chunks of `chunk_size` samples.
 
     `shard=(i, M)` restricts to the i-th (0-based) of M contiguous sample ranges. Parallelism:
     `workers=K` (a local pool, see mhla_cli.parallel), `scheduler` (a Dask address, or "local" /
     "local:K"), or any `map` (builtin map, a pool's map, ...) over the spans; all call `reduce_span`.
+    Per-position data (targets (T, d) or weights per position) are featurized causally: every
+    prefix with weight > 0 is a sample. `normalize="length"` divides S by the number of tokens.
     `basis`: "auto" (`estimate_basis`, from the whole file whatever the shard), a (d, d) array, or
     None / "identity" (the tokens' own coordinates, as format version 1).
     """
+    check_normalize(normalize)
     info = formats.inspect_tokens(path)
     if isinstance(basis, str) and basis == "auto":
         basis = estimate_basis(info)
@@ -810,7 +1057,7 @@ def featurize(path: str | os.PathLike, chunk_size: int | None = None,
     size = chunk_size or default_chunk_size(info)
     if map is None and workers <= 1 and scheduler is None:
         check_memory(info.d, path=path)
-        feats = reduce_span(info, (lo, hi), size, progress=progress, basis=basis)
+        feats = reduce_span(info, (lo, hi), size, progress=progress, normalize=normalize, basis=basis)
     else:
         from . import parallel
 
@@ -819,7 +1066,9 @@ def featurize(path: str | os.PathLike, chunk_size: int | None = None,
             # workers (possibly on other hosts) open the file themselves: give them an absolute path
             winfo = replace(info, path=os.path.abspath(info.path))
             feats = reduce_spans(winfo, work_spans(lo, hi, size, pmap.n_workers), map=pmap,
-                                 chunk_size=size, progress=progress, basis=basis)
+                                 chunk_size=size, progress=progress, normalize=normalize, basis=basis)
+    if feats.n_samples == 0:
+        raise InputError(f"every weight of samples {lo}..{hi} is 0: there is no sample to learn from", path)
     feats.sample_range = (lo, hi)
     feats.token_dtype = info.dtype
     feats.source = dict(formats.source_identity(path), n_samples=info.n_samples)

@@ -10,16 +10,24 @@ import numpy as np
 from . import formats
 from .errors import InputError
 from .heads import Heads
-from .model import predict
+from .model import predict, predict_causal
 
 
 @dataclass
 class Dataset:
-    """In-memory tokens in the ragged layout: tokens (T, d), offsets (N+1,), targets (N, d)."""
+    """In-memory tokens in the ragged layout: tokens (T, d), offsets (N+1,), targets (N, d).
+
+    Per-position data have targets (T, d) (one per prefix); optional weights (N,) or (T,).
+    """
 
     tokens: np.ndarray
     offsets: np.ndarray
     targets: np.ndarray
+    weights: np.ndarray | None = None
+
+    @property
+    def per_position(self) -> bool:
+        return self.targets.shape[0] == self.tokens.shape[0] and self.tokens.shape[0] != self.n_samples
 
     @property
     def n_samples(self) -> int:
@@ -39,8 +47,12 @@ class Dataset:
         d = self.tokens.shape[1]
         tok = self.tokens.astype(dtype)
         data: dict[str, np.ndarray] = {"targets": self.targets.astype(np.float64)}
+        if self.weights is not None:
+            data["weights"] = np.asarray(self.weights, dtype=np.float64)
         if (lengths == lengths[0]).all():
             data["tokens"] = tok.reshape(self.n_samples, int(lengths[0]), d)
+            if self.per_position:
+                data["targets"] = data["targets"].reshape(self.n_samples, int(lengths[0]), d)
         else:
             data["tokens"] = tok
             data["offsets"] = self.offsets.astype(np.int64)
@@ -72,12 +84,18 @@ def random_teacher(d: int, n_heads: int, rng: np.random.Generator) -> Heads:
 
 
 def generate_teacher(d: int, n_heads: int, n_samples: int, seq_len: str | int | tuple[int, int] = 100,
-                     noise: float = 0.0, seed: int = 0, dtype: str = "float64") -> tuple[Dataset, Heads]:
+                     noise: float = 0.0, seed: int = 0, dtype: str = "float64", per_position: bool = False,
+                     normalize: str = "none") -> tuple[Dataset, Heads]:
     """Gaussian tokens N(0, I), targets from a random H-head teacher scaled so outputs have RMS 1.
 
     Tokens are rounded to `dtype` before the targets are computed, so that data stored in that
-    dtype are exactly realisable.
+    dtype are exactly realisable. `per_position`: targets (T, d), the teacher's last-token output
+    of every prefix (an autoregressive teacher). `normalize="length"`: the teacher divides S by the
+    number of tokens (recorded in the teacher's heads).
     """
+    from .stream import check_normalize
+
+    check_normalize(normalize)
     if d < 1 or n_heads < 1 or n_samples < 1:
         raise InputError("--dim, --heads and --n-samples must be >= 1")
     if noise < 0:
@@ -88,12 +106,16 @@ def generate_teacher(d: int, n_heads: int, n_samples: int, seq_len: str | int | 
     lengths = rng.integers(lo, hi + 1, size=n_samples)
     offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
     tokens = rng.standard_normal((int(offsets[-1]), d)).astype(dtype).astype(np.float64)
-    y = np.asarray(predict(teacher, tokens, offsets))
+    teacher.info["normalize"] = normalize
+    if per_position:
+        y = predict_causal(teacher, tokens, offsets)
+    else:
+        y = np.asarray(predict(teacher, tokens, offsets))
     rms = float(np.sqrt(np.mean(y**2)))
     if rms > 0:
         # Scale V and Q by rms^-1/2 each: the output is bilinear in (V, Q).
         c = 1.0 / np.sqrt(rms)
-        teacher = Heads(V=teacher.V * c, Q=teacher.Q * c)
+        teacher = Heads(V=teacher.V * c, Q=teacher.Q * c, info={"normalize": normalize})
         y = y / rms
     if noise > 0:
         y = y + noise * rng.standard_normal(y.shape)

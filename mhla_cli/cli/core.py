@@ -19,14 +19,30 @@ from ._common import ChunkOpt, JsonOpt, OutOpt, QuietOpt, emit_json, fmt, progre
 generate_app = typer.Typer(help="Make synthetic datasets (tokens files with targets).", no_args_is_help=True)
 
 
-def _load_or_featurize(path: Path, chunk_size: int | None, quiet: bool) -> tuple[Features, str]:
+NormalizeOpt = Annotated[str | None, typer.Option(
+    "--normalize", help="none (default) or length: divide S by the number of tokens of the prefix (per-position "
+    "data) or sequence, the 1/n-scaled linear attention; stored in the features, model and heads files. "
+    "Example: --normalize length")]
+
+
+def _load_or_featurize(path: Path, chunk_size: int | None, quiet: bool,
+                       normalize: str | None = None) -> tuple[Features, str]:
+    """Features of a features file (whose normalisation must match `normalize` if given) or a tokens file."""
+    from ..stream import check_normalize
+
+    if normalize is not None:
+        check_normalize(normalize)
     kind = formats.kind_of(path)
     if kind == "features":
-        return Features.load(path), kind
+        feats = Features.load(path)
+        if normalize is not None and normalize != feats.normalize:
+            raise InputError(f"was featurized with --normalize {feats.normalize}, not {normalize}; "
+                             "re-run `mhla featurize` with the normalisation wanted", path)
+        return feats, kind
     if kind == "tokens":
         info = formats.inspect_tokens(path)
         with progress_bar("featurize", info.n_samples, quiet) as advance:
-            return featurize(path, chunk_size=chunk_size, progress=advance), kind
+            return featurize(path, chunk_size=chunk_size, progress=advance, normalize=normalize or "none"), kind
     raise InputError(f"is a {kind} file, expected a tokens or features file", path)
 
 
@@ -41,27 +57,38 @@ def generate_teacher_cmd(
     seed: Annotated[int, typer.Option("--seed", help="Random seed.")] = 0,
     teacher_out: Annotated[Path | None, typer.Option("--teacher-out", help="Also write the teacher as a heads file.")] = None,
     dtype: Annotated[str, typer.Option("--dtype", help="Stored dtype: float32 or float64.")] = "float32",
+    per_position: Annotated[bool, typer.Option("--per-position", help="Targets at every position (T, d): the "
+                                               "teacher's output on every prefix (autoregressive data).")] = False,
+    normalize: NormalizeOpt = None,
     json_out: JsonOpt = False,
     quiet: QuietOpt = False,
 ) -> None:
     """Gaussian tokens labelled by a random H-head MHLA teacher (outputs scaled to RMS 1).
 
     Example: mhla generate teacher -o data.h5 --dim 4 --heads 2 --n-samples 2048 --seq-len 100 --teacher-out teacher.h5
+
+    Example (causal): mhla generate teacher -o ar.h5 --dim 3 --heads 2 --n-samples 10 --seq-len 5:40 --per-position
     """
     if dtype not in ("float32", "float64"):
         raise InputError(f"--dtype must be float32 or float64, got {dtype}")
+    from ..stream import check_normalize
+
+    normalize = check_normalize(normalize or "none")
     formats.check_output_path(output)
     if teacher_out is not None:
         formats.check_output_path(teacher_out)
         if Path(teacher_out).resolve() == Path(output).resolve():
             raise InputError("--teacher-out must differ from -o", teacher_out)
-    ds, teacher = synthetic.generate_teacher(dim, heads, n_samples, seq_len, noise, seed, dtype=dtype)
-    attrs = {"generator": "teacher", "seed": seed, "noise": noise, "n_heads": heads}
+    ds, teacher = synthetic.generate_teacher(dim, heads, n_samples, seq_len, noise, seed, dtype=dtype,
+                                             per_position=per_position, normalize=normalize)
+    attrs = {"generator": "teacher", "seed": seed, "noise": noise, "n_heads": heads,
+             "per_position": int(per_position), "normalize": normalize}
     ds.save(output, dtype=dtype, attrs=attrs)
     if teacher_out is not None:
         teacher.save(teacher_out)
     summary = {"output": str(output), "n_samples": ds.n_samples, "d": dim, "n_tokens": int(ds.offsets[-1]),
-               "n_heads": heads, "teacher": str(teacher_out) if teacher_out else None}
+               "n_heads": heads, "teacher": str(teacher_out) if teacher_out else None,
+               "per_position": per_position, "normalize": normalize}
     say(f"wrote {output}: N = {ds.n_samples} sequences, d = {dim}, {summary['n_tokens']} tokens"
         + (f"; teacher ({heads} heads) in {teacher_out}" if teacher_out else ""), quiet)
     if json_out:
@@ -114,10 +141,14 @@ def featurize_cmd(
     scheduler: Annotated[str | None, typer.Option("--scheduler", help="Run on a Dask cluster: a scheduler address "
                                                   "(tcp://host:8786), a scheduler file (.json), or local / local:K "
                                                   "(needs the dask extra).")] = None,
+    normalize: NormalizeOpt = None,
     json_out: JsonOpt = False,
     quiet: QuietOpt = False,
 ) -> None:
     """Stream a tokens file into the feature statistics (gram, moments, ...), in float64.
+
+    Per-position data (targets (T, d), or (N, n, d) with dense tokens) are featurized causally: every
+    prefix X[:t] with weight > 0 is a sample (target y_t); optional `weights` weigh samples.
 
     Memory is O(chunk + psi^2) whatever N is. For job arrays, run one --shard i/M per job and sum
     the parts with `mhla merge`.
@@ -127,7 +158,9 @@ def featurize_cmd(
     """
     if scheduler is not None and workers != 1:
         raise InputError("--workers and --scheduler cannot be combined (the Dask cluster sets the workers)")
-    parallel = {"workers": workers, "scheduler": scheduler}
+    from ..stream import check_normalize
+
+    parallel = {"workers": workers, "scheduler": scheduler, "normalize": check_normalize(normalize or "none")}
     formats.check_output_path(output, (data,))
     info = formats.inspect_tokens(data)
     shard_t = _parse_shard(shard)
@@ -151,11 +184,15 @@ def featurize_cmd(
     else:
         feats.save(output, inputs=(data,))
     psi = feats.n_features
-    say(f"wrote {output}: d = {feats.d}, psi = {psi} features, N = {feats.n_samples} samples, "
-        f"{feats.n_tokens} tokens" + ("" if feats.has_targets else " (no targets)"), quiet)
+    say(f"wrote {output}: d = {feats.d}, psi = {psi} features, N = {feats.n_samples} "
+        + ("positions (causal)" if feats.per_position else "samples") + f", {feats.n_tokens} tokens"
+        + ("" if feats.has_targets else " (no targets)")
+        + (", S normalised by length" if feats.normalize == "length" else ""), quiet)
     if json_out:
         emit_json({"output": str(output), "d": feats.d, "n_features": psi, "n_samples": feats.n_samples,
                    "n_tokens": feats.n_tokens, "has_targets": feats.has_targets,
+                   "per_position": feats.per_position, "normalize": feats.normalize,
+                   "n_sequences": feats.n_sequences,
                    "sample_range": list(feats.sample_range) if feats.sample_range else None})
 
 
@@ -181,19 +218,47 @@ def certify_cmd(
     witness: Annotated[Path | None, typer.Option("--witness", help="When not identifiable, write two models with "
                                                  "the same training loss but different functions, and an "
                                                  "input on which they differ, to this file.")] = None,
+    on: Annotated[Path | None, typer.Option("--on", metavar="PROBES", help="Instead of all inputs, test the inputs "
+                                            "of this tokens file (every sequence, or every weighted position of "
+                                            "per-position data): exit 0 when the data determine the output on "
+                                            "every one. Example: mhla certify train.h5 --on test.h5 -o report.h5")] = None,
+    report: Annotated[Path | None, typer.Option("--output", "-o", metavar="REPORT", help="With --on: write the "
+                                                "per-probe residuals and the undetermined probes to this HDF5 "
+                                                "file.")] = None,
+    normalize: NormalizeOpt = None,
     chunk_size: ChunkOpt = None,
     json_out: JsonOpt = False,
     quiet: QuietOpt = False,
 ) -> None:
     """Certify that the data determine the learned function (Lemma 2.3). Exit 0 yes, 1 no, 2 error.
 
+    With --on PROBES: whether every zero-loss model gives the same output on each probe input (its
+    feature vector in the range of gram: relative null-space component <= 1e-8).
+
     Example (a CI gate): mhla certify data.h5 --json > cert.json || exit 1;  mhla certify data.h5 --witness w.h5
+
+    Example (given inputs): mhla certify train.h5 --on heldout.h5 -o report.h5 --json
     """
     if domain not in ("full", "observed"):
         raise InputError(f"--domain must be full or observed, got '{domain}'")
+    if on is None and report is not None:
+        raise InputError("-o/--output REPORT is the report of --on PROBES; give --on")
+    if on is not None:
+        if witness is not None or domain != "full" or min_eig > 0:
+            raise InputError("--on tests the given probes: it cannot be combined with --witness, --domain "
+                             "or --min-eig")
+        formats.inspect_tokens(on)
+        if report is not None:
+            formats.check_output_path(report, (data, on))
+        _certify_on(data, on, report, normalize, chunk_size, json_out, quiet)
+        return
     if witness is not None:
         formats.check_output_path(witness, (data,))
-    feats, _ = _load_or_featurize(data, chunk_size, quiet)
+        if formats.kind_of(data) == "tokens" and formats.inspect_tokens(data).per_position:
+            raise InputError("--witness supports last-token data only (this file has per-position data)", data)
+    feats, _ = _load_or_featurize(data, chunk_size, quiet, normalize)
+    if witness is not None and (feats.per_position or feats.normalize != "none"):
+        raise InputError("--witness supports unweighted last-token data without --normalize only", data)
     cert = certify(feats, min_eig=min_eig, domain=domain)
     out = cert.to_dict()
     out["input"] = str(data)
@@ -228,6 +293,35 @@ def certify_cmd(
         raise typer.Exit(1)
 
 
+def _certify_on(data: Path, on: Path, report: Path | None, normalize: str | None, chunk_size: int | None,
+                json_out: bool, quiet: bool) -> None:
+    from ..probes import certify_probes
+
+    feats, _ = _load_or_featurize(data, chunk_size, quiet, normalize)
+    with progress_bar("probes", formats.inspect_tokens(on).n_samples, quiet) as advance:
+        rep = certify_probes(feats, on, chunk_size=chunk_size, progress=advance)
+    if report is not None:
+        rep.save(report, inputs=(data, on))
+    out = rep.to_dict()
+    out.update({"input": str(data), "probes": str(on), "output": str(report) if report is not None else None})
+    n_und = out["n_undetermined"]
+    unit = "positions" if rep.per_position else "sequences"
+    if rep.determined:
+        say(f"{on}: all {rep.n_probes} probe {unit} are determined by {data} (max relative null-space "
+            f"component {fmt(out['max_residual'])} <= {rep.tol:g}; null space of gram: {rep.null_dim} of "
+            f"{feats.n_features} directions)", quiet, style="green")
+    else:
+        say(f"{on}: {n_und} of {rep.n_probes} probe {unit} are NOT determined by {data}: zero-loss models "
+            f"differ there (relative null-space component > {rep.tol:g}; null space of gram: {rep.null_dim} "
+            f"of {feats.n_features} directions); first: {out['first_undetermined']}", quiet, style="red")
+    if report is not None:
+        say(f"  report in {report}", quiet)
+    if json_out:
+        emit_json(out)
+    if not rep.determined:
+        raise typer.Exit(1)
+
+
 def fit_cmd(
     data: Annotated[Path, typer.Argument(help="Tokens file (with targets) or features file.")],
     output: OutOpt,
@@ -243,6 +337,7 @@ def fit_cmd(
     restarts: Annotated[int, typer.Option("--restarts", min=1, help="With --heads: number of starts "
                                           "(SVD of the least-squares W, then random); the best is kept.")] = 10,
     seed: Annotated[int, typer.Option("--seed", help="With --heads: seed of the random starts.")] = 0,
+    normalize: NormalizeOpt = None,
     chunk_size: ChunkOpt = None,
     json_out: JsonOpt = False,
     quiet: QuietOpt = False,
@@ -264,17 +359,22 @@ def fit_cmd(
     if "auto" in (h, lam):
         from ..folds import load_for_cv
 
+        if normalize not in (None, "none"):
+            raise InputError("'auto' with --normalize: featurize first, e.g. `mhla featurize DATA -o FEATS "
+                             "--folds 5 --normalize length`, then fit FEATS")
+
         with progress_bar("featurize", formats.inspect_tokens(data).n_samples
                           if formats.kind_of(data) == "tokens" else 0, quiet) as advance:
             feats, fold_feats = load_for_cv(data, chunk_size=chunk_size, progress=advance)
     else:
-        feats, _ = _load_or_featurize(data, chunk_size, quiet)
+        feats, _ = _load_or_featurize(data, chunk_size, quiet, normalize)
         fold_feats = None
     if lowrank_fit:
         model = fit_model(feats, heads=h, nuclear=lam, weight_decay=weight_decay, restarts=restarts, seed=seed,
                           folds=fold_feats)
     else:
         model = fit(feats, ridge=ridge)
+    model.info["normalize"] = feats.normalize
     model.save(output, inputs=(data,))
     info = dict(model.info)
     info["output"] = str(output)
@@ -330,6 +430,7 @@ def export_heads_cmd(
         heads = outlier_heads(model)
     else:
         heads = export_heads(model, tol=tol, max_heads=mh)
+    heads.info["normalize"] = model.info.get("normalize", "none")
     heads.save(output, inputs=(model_path,))
     out = {"output": str(output), "n_heads": heads.n_heads, "d": heads.d,
            "relative_function_error": heads.info["relative_function_error"],
@@ -344,7 +445,12 @@ def predict_cmd(
     model_path: Annotated[Path, typer.Argument(metavar="MODEL|HEADS", help="Model or heads file.")],
     data: Annotated[Path, typer.Argument(help="Tokens file.")],
     output: OutOpt,
-    all_positions: Annotated[bool, typer.Option("--all-positions", help="Also write outputs at every position.")] = False,
+    all_positions: Annotated[bool, typer.Option("--all-positions", help="Also write the unmasked output at every "
+                                                "position (S over the whole sequence).")] = False,
+    causal: Annotated[bool, typer.Option("--causal", help="Also write `outputs` (T, d): the last-token output of "
+                                         "every prefix X[:t] (autoregressive); MSE over the weighted positions of "
+                                         "per-position targets. Example: mhla predict model.h5 ar.h5 -o pred.h5 "
+                                         "--causal")] = False,
     chunk_size: ChunkOpt = None,
     workers: Annotated[int, typer.Option("--workers", "-j", min=0, help="Parallel local workers (0: one per "
                                          "core); the output equals the serial one.")] = 1,
@@ -353,17 +459,63 @@ def predict_cmd(
 ) -> None:
     """Last-token predictions (and, optionally, every position's output) of a model on a tokens file.
 
+    The model's normalisation (`--normalize` at fit time) is applied.
+
     Example: mhla predict heads.h5 data.h5 -o pred.h5 --json --workers 2
+
+    Example (autoregressive): mhla predict model.h5 ar.h5 -o pred.h5 --causal --json
     """
     formats.check_output_path(output, (model_path, data))
+    if causal and all_positions:
+        raise InputError("--causal and --all-positions cannot be combined: --causal outputs the masked "
+                         "(prefix) output at every position, --all-positions the unmasked one")
     fn = load_function(model_path)
     info = formats.inspect_tokens(data)
     with progress_bar("predict", info.n_samples, quiet) as advance:
         res = predict_file(fn, data, output, all_positions=all_positions, chunk_size=chunk_size,
-                           progress=advance, inputs=(model_path,), workers=workers)
+                           progress=advance, inputs=(model_path,), workers=workers, causal=causal)
     res["output"] = str(output)
+    if info.per_position and not causal:
+        warn("the data have per-position targets: use --causal to score every prefix (no MSE computed)")
     say(f"wrote {output}: {res['n_samples']} predictions"
-        + (f"; MSE against targets = {fmt(res['mse'])}" if "mse" in res else ""), quiet)
+        + (f", {info.n_tokens} causal outputs" if causal else "")
+        + (f"; MSE against targets = {fmt(res['mse'])} over {res['n_scored']} "
+           + ("positions" if causal and info.per_position else "sequences") if "mse" in res else ""), quiet)
+    if json_out:
+        emit_json(res)
+
+
+def rollout_cmd(
+    model_path: Annotated[Path, typer.Argument(metavar="MODEL|HEADS", help="Model or heads file.")],
+    data: Annotated[Path, typer.Argument(help="Tokens file of prompts (each sequence is continued).")],
+    output: OutOpt,
+    steps: Annotated[int, typer.Option("--steps", "-k", min=1, help="Tokens to generate per sequence.")],
+    snap: Annotated[Path | None, typer.Option("--snap", metavar="CODEBOOK", help="Replace every generated token by "
+                                              "the nearest (Euclidean) row of the dataset 'codebook' (C, d) of "
+                                              "this HDF5 file (a vocabulary of token embeddings).")] = None,
+    chunk_size: ChunkOpt = None,
+    json_out: JsonOpt = False,
+    quiet: QuietOpt = False,
+) -> None:
+    """Generate autoregressively: append K tokens to every sequence, each the last-token output so far.
+
+    The output is a tokens file (tokens (T + N K, d) float64 + offsets) that feeds back into mhla.
+    The model's normalisation is applied.
+
+    Example: mhla rollout model.h5 prompts.h5 --steps 20 -o continued.h5
+
+    Example (symbols): mhla rollout heads.h5 prompts.h5 --steps 24 --snap vocab.h5 -o traces.h5 --json
+    """
+    from ..model import rollout_file
+
+    formats.check_output_path(output, (model_path, data) + ((snap,) if snap is not None else ()))
+    fn = load_function(model_path)
+    info = formats.inspect_tokens(data)
+    with progress_bar("rollout", info.n_samples, quiet) as advance:
+        res = rollout_file(fn, data, output, steps, codebook=snap, chunk_size=chunk_size, progress=advance,
+                           inputs=(model_path,))
+    say(f"wrote {output}: {res['n_samples']} sequences continued by {steps} generated tokens each"
+        + (f" (snapped to {snap})" if snap is not None else ""), quiet)
     if json_out:
         emit_json(res)
 
@@ -385,7 +537,8 @@ def inspect_cmd(
         emit_json(rep)
     else:
         say(escape(f"{path}: {rep['kind'] or 'unknown'} file, {'valid' if rep['valid'] else 'INVALID'}"))
-        for key in ("layout", "d", "n_features", "n_samples", "n_tokens", "n_heads", "dtype", "has_targets"):
+        for key in ("layout", "d", "n_features", "n_samples", "n_tokens", "n_heads", "dtype", "has_targets",
+                    "per_position", "has_weights", "normalize", "n_undetermined"):
             if rep.get(key) is not None:
                 say(escape(f"  {key} = {rep[key]}"))
         for name, ds in rep["datasets"].items():
@@ -408,4 +561,5 @@ def register(app: typer.Typer) -> None:
     app.command("fit")(fit_cmd)
     app.command("export-heads")(export_heads_cmd)
     app.command("predict")(predict_cmd)
+    app.command("rollout")(rollout_cmd)
     app.command("inspect")(inspect_cmd)

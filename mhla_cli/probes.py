@@ -1,0 +1,160 @@
+"""Certificates on given inputs: are the model's outputs on these probes determined by the data?
+
+A model's output on an input Z is p . H(Z). Every zero-loss model (every least-squares solution)
+gives the same output at Z exactly when H(Z) lies in the range of gram (the span of the training
+features); a component in gram's null space is a direction along which two zero-loss models differ.
+`certify_probes` streams a tokens file of probes (every sequence, or every weighted position of
+per-position data), and measures for each the relative component of H(Z) in gram's numerical null
+space, ||Z0^T h|| / ||h|| with Z0 an orthonormal basis of that null space (eigenvalues of Lambda_D =
+gram / N at or below the certificate's threshold psi * eps * lambda_max). A probe is determined when
+it is <= DETERMINED_TOL.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from . import formats
+from .errors import InputError
+from .features import n_features
+from .solve import _eigh, numerical_tolerance
+from .stream import Features, default_chunk_size, iter_chunks, sample_rows
+
+# A probe is determined when the relative component of its feature vector in gram's numerical
+# null space is at most this (the same null-space threshold as the full-domain certificate).
+DETERMINED_TOL = 1e-8
+
+
+@dataclass
+class NullSpace:
+    """Orthonormal basis (psi, k) of gram's numerical null space and how it was cut."""
+
+    basis: np.ndarray
+    lambda_max: float
+    threshold: float
+
+    @property
+    def dim(self) -> int:
+        return int(self.basis.shape[1])
+
+
+def null_space(feats: Features) -> NullSpace:
+    """Numerical null space of Lambda_D = gram / N: eigenvectors with eigenvalue <= psi eps lambda_max.
+
+    The one place that decides which feature directions the data leave free (a change of token
+    basis would be applied here).
+    """
+    lam = feats.lambda_d
+    w, v = _eigh(lam)
+    lmax = float(w[-1]) if w.size else 0.0
+    tol = numerical_tolerance(lmax, lam.shape[0])
+    return NullSpace(basis=np.ascontiguousarray(v[:, w <= tol]), lambda_max=lmax, threshold=tol)
+
+
+def probe_residuals(ns: NullSpace, upper: np.ndarray, last: np.ndarray) -> np.ndarray:
+    """Relative null-space component ||Z0^T h|| / ||h|| of the rows h = H (0 for h = 0)."""
+    R = upper.shape[0]
+    d = last.shape[1]
+    H = (upper[:, :, None] * last[:, None, :]).reshape(R, upper.shape[1] * d)
+    norm = np.sqrt(np.einsum("ij,ij->i", H, H))
+    if ns.dim == 0 or R == 0:
+        return np.zeros(R)
+    assert H.shape[1] == n_features(d)
+    comp = H @ ns.basis
+    num = np.sqrt(np.einsum("ij,ij->i", comp, comp))
+    return np.where(norm > 0, num / np.where(norm > 0, norm, 1.0), 0.0)
+
+
+@dataclass
+class ProbeReport:
+    """Per-probe residuals and the verdict of `certify --on`."""
+
+    residual: np.ndarray
+    sequence: np.ndarray
+    position: np.ndarray | None
+    null_dim: int
+    threshold: float
+    lambda_max: float
+    normalize: str
+    per_position: bool
+    tol: float = DETERMINED_TOL
+    info: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def undetermined(self) -> np.ndarray:
+        return np.flatnonzero(~(self.residual <= self.tol))
+
+    @property
+    def n_probes(self) -> int:
+        return int(self.residual.size)
+
+    @property
+    def determined(self) -> bool:
+        return self.undetermined.size == 0
+
+    def to_dict(self) -> dict[str, Any]:
+        und = self.undetermined
+        return {"determined": self.determined, "n_probes": self.n_probes, "n_undetermined": int(und.size),
+                "tol": self.tol, "max_residual": float(self.residual.max()) if self.residual.size else 0.0,
+                "null_dim": self.null_dim, "threshold": self.threshold, "lambda_max": self.lambda_max,
+                "normalize": self.normalize, "per_position": self.per_position,
+                "first_undetermined": [int(i) for i in und[:10]]}
+
+    def save(self, path: str | os.PathLike, inputs: tuple[str | os.PathLike, ...] = ()) -> None:
+        """Write the report (kind "probes") atomically."""
+        attrs = {"n_probes": self.n_probes, "n_undetermined": int(self.undetermined.size),
+                 "determined": int(self.determined), "tol": self.tol, "null_dim": self.null_dim,
+                 "threshold": self.threshold, "normalize": self.normalize, "per_position": int(self.per_position)}
+        formats.write_file(path, "probes", {"residual": self.residual, "undetermined": self.undetermined,
+                                            "sequence": self.sequence, "position": self.position}, attrs, inputs)
+
+
+def certify_probes(feats: Features, probes: str | os.PathLike, chunk_size: int | None = None,
+                   progress: Callable[[int], None] | None = None) -> ProbeReport:
+    """Test every probe of the tokens file `probes` against the training statistics `feats`.
+
+    Probes are the sequences (last token) of the file, or every position with weight > 0 of
+    per-position data (targets (T, d) / weights per position); their features use the training
+    normalisation (feats.normalize). Streamed in chunks; memory O(chunk + psi^2).
+    """
+    info = formats.inspect_tokens(probes)
+    if info.d != feats.d:
+        raise InputError(f"the probes have d = {info.d} but the training data have d = {feats.d}", probes)
+    ns = null_space(feats)
+    size = chunk_size or default_chunk_size(info)
+    res, seqs, poss = [], [], []
+    for a, b, tokens, offsets, _y, weights in iter_chunks(info, (0, info.n_samples), size, with_weights=True):
+        formats.check_finite(tokens, offsets, None, a, probes)
+        formats.check_weights(weights, offsets, a, info.per_position, probes)
+        with np.errstate(over="ignore", invalid="ignore"):
+            upper, last = sample_rows(tokens, offsets, info.per_position, feats.normalize)
+        lengths = np.diff(offsets)
+        if info.per_position:
+            seq = np.repeat(np.arange(a, b), lengths)
+            pos = np.arange(int(offsets[-1])) - np.repeat(offsets[:-1], lengths)
+        else:
+            seq, pos = np.arange(a, b), None
+        if weights is not None:
+            keep = weights > 0
+            upper, last, seq = upper[keep], last[keep], seq[keep]
+            pos = None if pos is None else pos[keep]
+        r = probe_residuals(ns, upper, last)
+        if not np.isfinite(r).all():
+            raise InputError("the probe features overflow float64 (tokens too large); rescale the data", probes)
+        res.append(r)
+        seqs.append(seq)
+        if pos is not None:
+            poss.append(pos)
+        if progress is not None:
+            progress(b - a)
+    if not res or sum(x.size for x in res) == 0:
+        raise InputError("has no probe: every weight is 0", probes)
+    return ProbeReport(residual=np.concatenate(res), sequence=np.concatenate(seqs).astype(np.int64),
+                       position=np.concatenate(poss).astype(np.int64) if info.per_position else None,
+                       null_dim=ns.dim, threshold=ns.threshold, lambda_max=ns.lambda_max,
+                       normalize=feats.normalize, per_position=info.per_position)
