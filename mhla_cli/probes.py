@@ -7,7 +7,8 @@ features); a component in gram's null space is a direction along which two zero-
 per-position data), and measures for each the relative component of H(Z) in gram's numerical null
 space, ||Z0^T h|| / ||h|| with Z0 an orthonormal basis of that null space (eigenvalues of Lambda_D =
 gram / N at or below the certificate's threshold psi * eps * lambda_max). A probe is determined when
-it is <= DETERMINED_TOL.
+it is <= DETERMINED_TOL. Like the certificate, this is measured in the solver's whitened token basis
+(`Features.basis`: the features h of Z A), so it does not depend on the units of the tokens.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ class NullSpace:
     basis: np.ndarray
     lambda_max: float
     threshold: float
+    token_basis: np.ndarray | None = None  # A: the null space is that of the features of Z A
 
     @property
     def dim(self) -> int:
@@ -46,14 +48,15 @@ class NullSpace:
 def null_space(feats: Features) -> NullSpace:
     """Numerical null space of Lambda_D = gram / N: eigenvectors with eigenvalue <= psi eps lambda_max.
 
-    The one place that decides which feature directions the data leave free (a change of token
-    basis would be applied here).
+    The one place that decides which feature directions the data leave free; in the solver basis
+    (the features of the tokens Z A, A = feats.basis), as the certificate.
     """
-    lam = feats.lambda_d
+    A, gram_b, _ = feats.solver_stats()
+    lam = gram_b / max(feats.n_samples, 1)
     w, v = _eigh(lam)
     lmax = float(w[-1]) if w.size else 0.0
     tol = numerical_tolerance(lmax, lam.shape[0])
-    return NullSpace(basis=np.ascontiguousarray(v[:, w <= tol]), lambda_max=lmax, threshold=tol)
+    return NullSpace(basis=np.ascontiguousarray(v[:, w <= tol]), lambda_max=lmax, threshold=tol, token_basis=A)
 
 
 def probe_residuals(ns: NullSpace, upper: np.ndarray, last: np.ndarray) -> np.ndarray:
@@ -132,6 +135,10 @@ def certify_probes(feats: Features, probes: str | os.PathLike, chunk_size: int |
         formats.check_finite(tokens, offsets, None, a, probes)
         formats.check_weights(weights, offsets, a, info.per_position, probes)
         with np.errstate(over="ignore", invalid="ignore"):
+            if ns.token_basis is not None:
+                X = np.asarray(tokens, dtype=np.float64)
+                tokens = np.empty_like(X)
+                np.matmul(ns.token_basis.T, X.T, out=tokens.T)  # Z A (fast orientation, see stream)
             upper, last = sample_rows(tokens, offsets, info.per_position, feats.normalize)
         lengths = np.diff(offsets)
         if info.per_position:

@@ -374,7 +374,7 @@ def fit(feats: Features, ridge: float = 0.0) -> Model:
         "ridge": float(ridge), "train_mse": mse, "mse_resolution": resolution, "lambda_min": lmin,
         "lambda_max": lmax, "identifiable": identifiable, "condition_number": cond,
         "rank": int((w > tol).sum()), "n_features": psi, "n_samples": N, "method": "lstsq",
-        "basis": "own" if A is None else "whitened",
+        "basis": "own" if A is None else "whitened", "normalize": getattr(feats, "normalize", "none"),
     }
     return Model(coef=coef, W=W_from_p(coef), d=feats.d, info=info)
 
