@@ -11,8 +11,7 @@ Library API (each CLI command is a thin layer over these):
 
 from __future__ import annotations
 
-__version__ = "0.1.0"
-
+from ._version import __version__
 from .errors import InputError, MhlaError
 from .features import cubic_features, feature_index, n_features
 from .heads import Heads, W_from_heads, W_from_p, export_heads, heads_from_W, p_from_heads, p_from_W

@@ -13,7 +13,6 @@ import json
 import os
 import re
 import shlex
-import signal
 import sys
 import tempfile
 import time
@@ -25,7 +24,10 @@ from typing import Any
 import h5py
 import numpy as np
 
+from ._version import __version__
 from .errors import InputError
+from .memory import check_memory
+from .signals import check_interrupted, shield_signals
 from .features import n_features
 
 FORMAT_NAME = "mhla"
@@ -37,8 +39,6 @@ _OFFSET_BLOCK = 1 << 20
 
 
 def _version() -> str:
-    from . import __version__
-
     return __version__
 
 
@@ -228,14 +228,12 @@ def expect_kind(f: h5py.File, path: str | os.PathLike, *kinds: str) -> str:
     """The kind of an open file; an InputError unless it is one of `kinds`.
 
     For a features file this also refuses up front a d whose psi x psi statistics cannot fit in
-    memory (stream.check_memory), before anything large is read.
+    memory (memory.check_memory), before anything large is read.
     """
     kind = file_kind(f, path)
     if kind not in kinds:
         raise InputError(f"is a {kind} file, expected {' or '.join(kinds)}", path)
     if kind == "features" and "d" in f.attrs:
-        from .stream import check_memory
-
         check_memory(read_attr_int(f, "d", path), path=path)
     return kind
 
@@ -577,100 +575,6 @@ def check_output_path(out: str | os.PathLike, inputs: tuple[str | os.PathLike, .
     return o
 
 
-class Interrupted(BaseException):
-    """Raised inside mhla when SIGINT, SIGTERM or SIGHUP arrives, so that `finally` blocks clean up.
-
-    (Not a KeyboardInterrupt: typer would swallow that; the CLI maps it to exit 128 + signum.)
-    """
-
-    def __init__(self, signum: int) -> None:
-        super().__init__(signum)
-        self.signum = signum
-
-
-_TERM_SIGNALS = tuple(getattr(signal, n) for n in ("SIGTERM", "SIGHUP") if hasattr(signal, n))
-
-
-# The signal caught by `sigterm_as_exception`, kept in case the exception was swallowed (raised
-# inside a destructor or a callback, where Python only prints it): outputs are then not committed.
-_signal_received: int | None = None
-
-
-def interrupted_signal() -> int | None:
-    """The signal received inside the current `sigterm_as_exception` block, if any."""
-    return _signal_received
-
-
-def check_interrupted() -> None:
-    """Raise `Interrupted` if a signal arrived (even if its exception was swallowed somewhere)."""
-    if _signal_received is not None:
-        raise Interrupted(_signal_received)
-
-
-@contextlib.contextmanager
-def sigterm_as_exception(sigint: bool = True) -> Iterator[None]:
-    """Turn SIGTERM and SIGHUP (and SIGINT unless `sigint=False`) into `Interrupted` for the
-    duration (main thread only).
-
-    Only the first signal raises: another one arriving while `finally` blocks remove temporary
-    files is ignored, so the cleanup finishes.
-    """
-    global _signal_received
-    fired = []
-    _signal_received = None
-
-    def handler(signum: int, frame: Any) -> None:  # noqa: ARG001
-        global _signal_received
-        if not fired:
-            fired.append(signum)
-            _signal_received = signum
-            raise Interrupted(signum)
-
-    sigs = (*_TERM_SIGNALS, signal.SIGINT) if sigint else _TERM_SIGNALS
-    try:
-        old = {s: signal.getsignal(s) for s in sigs}
-        for s in sigs:
-            signal.signal(s, handler)
-    except ValueError:  # not in the main thread
-        yield
-        return
-    old_hook = sys.unraisablehook
-
-    def unraisable(u: Any) -> None:
-        # Interrupted raised inside a destructor or generator finalizer cannot propagate; it is
-        # re-raised by check_interrupted() instead, so do not print it.
-        if u.exc_type is not None and issubclass(u.exc_type, Interrupted):
-            return
-        old_hook(u)
-
-    sys.unraisablehook = unraisable
-    try:
-        yield
-    finally:
-        sys.unraisablehook = old_hook
-        _signal_received = None
-        for s, h in old.items():
-            with contextlib.suppress(ValueError, TypeError):
-                signal.signal(s, h if h is not None else signal.SIG_DFL)
-
-
-@contextlib.contextmanager
-def _shield_signals() -> Iterator[None]:
-    """Ignore SIGINT/SIGTERM for a short cleanup (main thread only)."""
-    sigs = (signal.SIGINT, *_TERM_SIGNALS)
-    try:
-        old = {s: signal.signal(s, signal.SIG_IGN) for s in sigs}
-    except ValueError:
-        yield
-        return
-    try:
-        yield
-    finally:
-        for s, h in old.items():
-            with contextlib.suppress(ValueError, TypeError):
-                signal.signal(s, h if h is not None else signal.SIG_DFL)
-
-
 # Set when HDF5 failed to write a file: libhdf5 may then crash at interpreter shutdown while it
 # retries the flush, so the CLI exits with os._exit after printing the error (see cli.main).
 _hdf5_write_failed = False
@@ -763,7 +667,7 @@ def atomic_path(out: str | os.PathLike) -> Iterator[Path]:
         os.replace(tmp_path, o)
         _fsync_dir(parent)
     except (OSError, RuntimeError) as exc:
-        with _shield_signals(), contextlib.suppress(OSError):
+        with shield_signals(), contextlib.suppress(OSError):
             tmp_path.unlink()
         if isinstance(exc, RuntimeError) and not _is_write_error(exc):
             raise
@@ -776,7 +680,7 @@ def atomic_path(out: str | os.PathLike) -> Iterator[Path]:
         reason = _h5_reason(exc) if from_h5py or not getattr(exc, "strerror", None) else exc.strerror
         raise InputError(f"cannot write output ({reason}); nothing was written", o) from None
     except BaseException:
-        with _shield_signals(), contextlib.suppress(OSError):
+        with shield_signals(), contextlib.suppress(OSError):
             tmp_path.unlink()
         raise
 

@@ -15,7 +15,8 @@ from typing import Any
 
 from . import formats
 from .errors import InputError
-from .stream import Features, _add_into, check_memory
+from .memory import check_memory
+from .stream import Features, _add_into
 
 
 @dataclass

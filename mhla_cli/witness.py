@@ -282,7 +282,6 @@ def make_witness(feats: Features, data: str | os.PathLike | None = None, cert: C
     tokens_file = data is not None and formats.kind_of(data) == "tokens"
     terms = _data_terms(data, pa, v, u, chunk_size) if tokens_file else st
     source = "data" if tokens_file else "statistics"
-    g, b = max(terms["g"], 0.0), abs(terms["b"])
     sign = -1.0 if terms["b"] < 0 else 1.0  # B's loss is no lower than A's
 
     def increase(c: float, t: dict[str, float] = terms) -> float:  # MSE_B - MSE_A (exact in exact arithmetic)

@@ -11,9 +11,8 @@ import numpy as np
 import pytest
 
 from conftest import assert_same_stats, relerr
-from mhla_cli import stream, synthetic
+from mhla_cli import memory, stream, synthetic
 from mhla_cli.cli import run
-from mhla_cli.errors import InputError
 from mhla_cli.model import predict_file
 from mhla_cli.solve import fit
 from mhla_cli.stream import Features, featurize
@@ -165,25 +164,13 @@ def test_unreachable_scheduler(data: Path, tmp_path: Path, capsys: pytest.Captur
 # ---------------------------------------------------------------------------------------- memory
 
 
-def test_check_memory_names_the_largest_d() -> None:
-    budget = 2 * 2**30
-    with pytest.raises(InputError, match=r"largest d that fits is (\d+)") as exc:
-        stream.check_memory(30, budget_bytes=budget)
-    fits = int(exc.value.args[0].rsplit(" ", 1)[1])
-    assert stream._stats_bytes(fits) <= budget < stream._stats_bytes(fits + 1)
-    stream.check_memory(fits, budget_bytes=budget)  # no error
-    # K worker processes hold K accumulators
-    with pytest.raises(InputError, match="4 workers"):
-        stream.check_memory(fits, budget_bytes=budget, copies=4)
-
-
 def test_featurize_and_fit_refuse_a_d_that_does_not_fit(data: Path, serial: Features, tmp_path: Path,
                                                          monkeypatch: pytest.MonkeyPatch,
                                                          capsys: pytest.CaptureFixture[str]) -> None:
     feats = tmp_path / "feats.h5"
     serial.save(feats)
-    budget = stream._stats_bytes(2) + 1  # d = 3 data, room for d = 2 only
-    monkeypatch.setattr(stream, "_available_memory", lambda: budget)
+    budget = memory._stats_bytes(2) + 1  # d = 3 data, room for d = 2 only
+    monkeypatch.setattr(memory, "_available_memory", lambda: budget)
     for args in (["featurize", str(data), "-o", str(tmp_path / "f.h5")],
                  ["fit", str(feats), "-o", str(tmp_path / "m.h5")],
                  ["certify", str(data)]):

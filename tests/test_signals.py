@@ -14,7 +14,7 @@ import h5py
 import numpy as np
 import pytest
 
-from mhla_cli import formats
+from mhla_cli import formats, signals
 from mhla_cli.cli import run
 from mhla_cli.heads import W_from_p
 from mhla_cli.solve import Model
@@ -152,8 +152,8 @@ def small(tmp_path: Path) -> Path:
     return data
 
 
-@pytest.mark.parametrize("exc,code", [(KeyboardInterrupt(), 130), (formats.Interrupted(signal.SIGINT), 130),
-                                      (formats.Interrupted(signal.SIGTERM), 143),
+@pytest.mark.parametrize("exc,code", [(KeyboardInterrupt(), 130), (signals.Interrupted(signal.SIGINT), 130),
+                                      (signals.Interrupted(signal.SIGTERM), 143),
                                       (OSError(28, "No space left on device"), 2)])
 def test_interrupt_while_writing(exc: BaseException, code: int, small: Path, tmp_path: Path,
                                  monkeypatch: pytest.MonkeyPatch, capsys) -> None:
@@ -169,7 +169,7 @@ def test_interrupt_while_writing(exc: BaseException, code: int, small: Path, tmp
     assert run(["featurize", str(small), "-o", str(out), "-q"]) == code
     err = capsys.readouterr().err
     assert "Traceback" not in err and len(err.strip().splitlines()) <= 1
-    if isinstance(exc, formats.Interrupted):
+    if isinstance(exc, signals.Interrupted):
         assert err.strip() == ("mhla: interrupted" if code == 130 else "mhla: terminated")
     if code == 2:
         assert err.strip() == f"mhla: error: {out}: cannot write output (No space left on device); nothing was written"
@@ -196,11 +196,11 @@ def test_not_enough_disk_space_is_refused_up_front(small: Path, tmp_path: Path,
 def test_second_sigterm_during_cleanup_is_ignored() -> None:
     """Only the first SIGTERM raises, so `finally` blocks can finish removing temporary files."""
     raised = []
-    with formats.sigterm_as_exception():
+    with signals.sigterm_as_exception():
         try:
             os.kill(os.getpid(), signal.SIGTERM)
             time.sleep(1)
-        except formats.Interrupted as exc:
+        except signals.Interrupted as exc:
             raised.append(exc.signum)
             os.kill(os.getpid(), signal.SIGTERM)  # ignored while cleaning up
             time.sleep(0.05)
@@ -220,14 +220,14 @@ def test_swallowed_signal_still_stops_the_output(small: Path, tmp_path: Path, mo
         try:
             os.kill(os.getpid(), signal.SIGTERM)
             time.sleep(1)
-        except formats.Interrupted:
+        except signals.Interrupted:
             pass  # e.g. Python printing "Exception ignored in __del__" and going on
 
     monkeypatch.setattr(formats, "_fill", fill_and_swallow)
     assert run(["featurize", str(small), "-o", str(out), "-q"]) == 143
     assert capsys.readouterr().err.strip() == "mhla: terminated"
     assert not out.exists() and not _temps(out)
-    assert formats.interrupted_signal() is None  # reset once the run is over
+    assert signals.interrupted_signal() is None  # reset once the run is over
 
 
 def test_signal_in_a_finalizer_is_not_printed(capsys) -> None:
@@ -243,12 +243,12 @@ def test_signal_in_a_finalizer_is_not_printed(capsys) -> None:
             os.kill(os.getpid(), signal.SIGTERM)
             time.sleep(1)
 
-    with formats.sigterm_as_exception():
+    with signals.sigterm_as_exception():
         g = gen()
         next(g)
         del g
         gc.collect()
-        assert formats.interrupted_signal() == signal.SIGTERM
-        with pytest.raises(formats.Interrupted):
-            formats.check_interrupted()
+        assert signals.interrupted_signal() == signal.SIGTERM
+        with pytest.raises(signals.Interrupted):
+            signals.check_interrupted()
     assert capsys.readouterr().err == ""

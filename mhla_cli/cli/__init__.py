@@ -13,10 +13,10 @@ from typing import Annotated
 
 import typer
 
-from .. import __version__
+from .._version import __version__
 from ..errors import InputError
 from .. import formats
-from ..formats import Interrupted, sigterm_as_exception
+from ..signals import Interrupted, check_interrupted, sigterm_as_exception
 
 app = typer.Typer(
     name="mhla",
@@ -96,7 +96,7 @@ def run(argv: list[str] | None = None) -> int:
     try:
         with sigterm_as_exception():
             rv = app(args=args, prog_name="mhla", standalone_mode=False)
-            formats.check_interrupted()  # a signal whose exception was swallowed still ends the run
+            check_interrupted()  # a signal whose exception was swallowed still ends the run
         return rv if isinstance(rv, int) else 0
     except InputError as exc:
         return _error(str(exc))
