@@ -17,8 +17,8 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _common import OUT, best_of, drop_cache_note, machine, mhla_cmd, run_timed, table, tokens_file  # noqa: E402
 
-from mhla_cli import formats  # noqa: E402
 from mhla_cli.stream import default_chunk_size, featurize  # noqa: E402
+from mhla_cli.tokens import inspect_tokens
 
 
 def read_whole(path: str) -> None:
@@ -43,7 +43,7 @@ def main() -> None:
     args = ap.parse_args()
     N, n, d = args.n_samples, 100, 4
     data = str(tokens_file(N, n, d))
-    info = formats.inspect_tokens(data)
+    info = inspect_tokens(data)
     rows = default_chunk_size(info)
     out = str(OUT / "io_feats.h5")
     read_chunked(data, rows)  # warm the page cache

@@ -15,9 +15,9 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _common import OUT, machine, mhla_cmd, table, tokens_file  # noqa: E402
 
-from mhla_cli import formats  # noqa: E402
 from mhla_cli.features import n_features  # noqa: E402
 from mhla_cli.stream import default_chunk_size  # noqa: E402
+from mhla_cli.tokens import inspect_tokens
 
 WRAP = ("import json, resource, subprocess, sys, time; t = time.perf_counter(); "
         "subprocess.run(sys.argv[1:], check=True, stdout=subprocess.DEVNULL); "
@@ -42,7 +42,7 @@ def main() -> None:
     base = None
     for N in (args.small, args.large):
         data = tokens_file(N, n, d)
-        info = formats.inspect_tokens(data)
+        info = inspect_tokens(data)
         chunk = default_chunk_size(info)
         out = OUT / f"mem_feats_{N}.h5"
         r = peak_rss(mhla_cmd("featurize", str(data), "-o", str(out), "-q"))

@@ -8,12 +8,12 @@ from typing import Any
 
 import numpy as np
 
-from . import formats
 from .errors import InputError
 from .heads import Heads
 from .model import coef_of, predict_chunk
 from .solve import Model
-from .stream import default_chunk_size, spans
+from .stream import default_chunk_size
+from .tokens import check_finite, inspect_tokens, iter_chunks
 
 
 def function_distance(a: Model | Heads | np.ndarray, b: Model | Heads | np.ndarray) -> dict[str, float]:
@@ -35,24 +35,22 @@ def prediction_difference(a: Model | Heads | np.ndarray, b: Model | Heads | np.n
 
     pa, pb = coef_of(a), coef_of(b)
     norm = normalize_of(a)
-    info = formats.inspect_tokens(data)
+    info = inspect_tokens(data)
     if info.d != pa.shape[0]:
         raise InputError(f"the data have d = {info.d} but the models have d = {pa.shape[0]}", data)
     size = chunk_size or default_chunk_size(info)
     ss_diff = ss_b = 0.0
     max_abs = 0.0
-    with formats.open_input(data) as f:
-        for lo, hi in spans(0, info.n_samples, size):
-            tokens, offsets, targets = formats.read_tokens_span(f, info, lo, hi)
-            formats.check_finite(tokens, offsets, None, lo, data)
-            ya, _ = predict_chunk(pa, tokens, offsets, normalize=norm)
-            yb, _ = predict_chunk(pb, tokens, offsets, normalize=norm)
-            diff = ya - yb
-            ss_diff += float((diff**2).sum())
-            ss_b += float((yb**2).sum())
-            max_abs = max(max_abs, float(np.abs(diff).max()))
-            if progress is not None:
-                progress(hi - lo)
+    for lo, hi, tokens, offsets, _y in iter_chunks(info, (0, info.n_samples), size):
+        check_finite(tokens, offsets, None, lo, data)
+        ya, _ = predict_chunk(pa, tokens, offsets, normalize=norm)
+        yb, _ = predict_chunk(pb, tokens, offsets, normalize=norm)
+        diff = ya - yb
+        ss_diff += float((diff**2).sum())
+        ss_b += float((yb**2).sum())
+        max_abs = max(max_abs, float(np.abs(diff).max()))
+        if progress is not None:
+            progress(hi - lo)
     n = info.n_samples * info.d
     return {"rms_prediction_difference": float(np.sqrt(ss_diff / n)), "rms_prediction_b": float(np.sqrt(ss_b / n)),
             "max_abs_prediction_difference": max_abs, "n_samples": info.n_samples}

@@ -20,6 +20,7 @@ from . import formats
 from .errors import InputError
 from .features import n_features
 from .stream import Features, featurize
+from .tokens import inspect_tokens
 
 FOLD_DATASETS = ("fold_gram", "fold_moments", "fold_target_gram", "fold_token_gram", "fold_last_token_gram",
                  "fold_n_samples", "fold_n_tokens", "fold_ranges")
@@ -32,7 +33,7 @@ def featurize_folds(path: str | os.PathLike, n_folds: int, chunk_size: int | Non
 
     Each fold is stream.featurize(shard=(k, n_folds)); `parallel` (workers, scheduler, map) is passed on.
     """
-    info = formats.inspect_tokens(path)
+    info = inspect_tokens(path)
     if n_folds < 2:
         raise InputError(f"--folds must be >= 2, got {n_folds}")
     if n_folds > info.n_samples:

@@ -11,6 +11,10 @@ import numpy as np
 
 from . import formats
 from .errors import InputError
+from .heads import Heads
+from .solve import Model
+from .stream import Features, default_chunk_size
+from .tokens import TokensInfo, check_finite, check_weights, inspect_tokens, iter_chunks
 
 
 def _attr_value(v: Any) -> Any:
@@ -65,27 +69,21 @@ def inspect_file(path: str | os.PathLike) -> dict[str, Any]:
 
 def _validate(path: str | os.PathLike, kind: str) -> dict[str, Any]:
     if kind == "tokens":
-        info = formats.inspect_tokens(path)
+        info = inspect_tokens(path)
         _scan_finite(path, info)
         return {"layout": info.layout, "n_samples": info.n_samples, "d": info.d, "n_tokens": info.n_tokens,
                 "dtype": info.dtype, "has_targets": info.has_targets, "per_position": info.per_position,
                 "has_weights": info.has_weights}
     if kind == "features":
-        from .stream import Features
-
         feats = Features.load(path)
         return {"d": feats.d, "n_samples": feats.n_samples, "n_features": feats.n_features,
                 "n_tokens": feats.n_tokens, "has_targets": feats.has_targets,
                 "sample_range": list(feats.sample_range) if feats.sample_range else None,
                 "per_position": feats.per_position, "normalize": feats.normalize}
     if kind == "model":
-        from .solve import Model
-
         model = Model.load(path)
         return {"d": model.d, "n_features": int(model.coef.shape[1])}
     if kind == "heads":
-        from .heads import Heads
-
         heads = Heads.load(path)
         return {"d": heads.d, "n_heads": heads.n_heads}
     if kind == "probes":
@@ -113,12 +111,8 @@ def _validate(path: str | os.PathLike, kind: str) -> dict[str, Any]:
     return out
 
 
-def _scan_finite(path: str | os.PathLike, info: formats.TokensInfo) -> None:
-    from .stream import default_chunk_size, spans
-
-    with formats.open_input(path) as f:
-        for a, b in spans(0, info.n_samples, default_chunk_size(info)):
-            tokens, offsets, targets = formats.read_tokens_span(f, info, a, b)
-            formats.check_finite(tokens, offsets, targets, a, path)
-            formats.check_weights(formats.read_weights_span(f, info, a, b, offsets), offsets, a,
-                                  info.per_position, path)
+def _scan_finite(path: str | os.PathLike, info: TokensInfo) -> None:
+    for a, _b, tokens, offsets, targets, weights in iter_chunks(info, (0, info.n_samples), default_chunk_size(info),
+                                                               with_weights=True):
+        check_finite(tokens, offsets, targets, a, path)
+        check_weights(weights, offsets, a, info.per_position, path)

@@ -13,7 +13,8 @@ from .errors import InputError
 from .features import features_from_moments, pair_index
 from .heads import Heads
 from .solve import Model
-from .stream import check_normalize, default_chunk_size, prefix_moments, sequence_moments, spans
+from .stream import check_normalize, default_chunk_size, prefix_moments, sequence_moments
+from .tokens import check_finite, check_weights, inspect_tokens, iter_chunks, spans
 
 
 def load_function(path: str | os.PathLike) -> Model | Heads:
@@ -140,13 +141,13 @@ def causal_span(coef: np.ndarray, info: Any, normalize: str, span: tuple[int, in
     The SSE is sum_t w_t ||out_t - y_t||^2 over positions with w_t > 0 (per-position targets) or
     over sequences (last-token targets, pred vs y); count is the number of those samples.
     """
-    from .stream import iter_chunks
+
 
     lo, hi = span
     for a, _b, tokens, offsets, targets, weights in iter_chunks(info, (lo, hi), hi - lo, prefetch=False,
                                                                 with_weights=True):
-        formats.check_finite(tokens, offsets, targets, a, info.path)
-        formats.check_weights(weights, offsets, a, info.per_position, info.path)
+        check_finite(tokens, offsets, targets, a, info.path)
+        check_weights(weights, offsets, a, info.per_position, info.path)
         outputs = causal_chunk(coef, tokens, offsets, normalize)
         pred = outputs[offsets[1:] - 1]
         sse, count = 0.0, 0
@@ -200,7 +201,7 @@ def predict_file(fn: Model | Heads, data: str | os.PathLike, out: str | os.PathL
     coef = coef_of(fn)
     normalize = check_normalize(normalize_of(fn))
     d = coef.shape[0]
-    info = formats.inspect_tokens(data)
+    info = inspect_tokens(data)
     if info.d != d:
         raise InputError(f"the data have d = {info.d} but the model has d = {d}", data)
     if info.per_position and not causal:
@@ -346,7 +347,7 @@ def rollout_file(fn: Model | Heads, data: str | os.PathLike, out: str | os.PathL
     coef = coef_of(fn)
     normalize = check_normalize(normalize_of(fn))
     d = coef.shape[0]
-    info = formats.inspect_tokens(data)
+    info = inspect_tokens(data)
     if info.d != d:
         raise InputError(f"the data have d = {info.d} but the model has d = {d}", data)
     C = None if codebook is None else load_codebook(codebook, d)
@@ -356,7 +357,7 @@ def rollout_file(fn: Model | Heads, data: str | os.PathLike, out: str | os.PathL
     size = chunk_size or max(1, default_chunk_size(info) // max(1, (steps + 1) // 2))
     meta = {**formats.header("tokens", (data, *inputs)), "generator": "rollout", "steps": steps,
             "normalize": normalize, "snapped": int(C is not None)}
-    from .stream import iter_chunks
+
 
     with formats.atomic_path(o) as tmp:
         with formats.create_output(tmp) as fout:
@@ -367,7 +368,7 @@ def rollout_file(fn: Model | Heads, data: str | os.PathLike, out: str | os.PathL
             doff[0] = 0
             pos = 0
             for a, b, tokens, offsets, _y in iter_chunks(info, (0, N), size):
-                formats.check_finite(tokens, offsets, None, a, data)
+                check_finite(tokens, offsets, None, a, data)
                 with np.errstate(over="ignore", invalid="ignore"):
                     new_tok, new_off = rollout_chunk(coef, tokens, offsets, steps, normalize, C)
                 if not np.isfinite(new_tok).all():

@@ -28,6 +28,7 @@ from typing import Any
 import numpy as np
 
 from .errors import InputError
+from .tokens import check_finite, iter_chunks
 
 BACKENDS = ("process", "thread")
 DEFAULT_BACKEND = "thread"
@@ -273,13 +274,12 @@ def make_map(workers: int = 1, scheduler: Any = None, map: Callable[..., Iterabl
 def predict_span(coef: np.ndarray, info: Any, all_positions: bool, span: tuple[int, int],
                  normalize: str = "none") -> tuple[np.ndarray, np.ndarray | None, np.ndarray, float]:
     """Predictions for samples [lo, hi): (pred (B, d), outputs (t, d) or None, offsets, SSE vs targets)."""
-    from . import formats
     from .model import predict_chunk
-    from .stream import iter_chunks
+
 
     lo, hi = span
     for a, _b, tokens, offsets, targets in iter_chunks(info, (lo, hi), hi - lo, prefetch=False):
-        formats.check_finite(tokens, offsets, targets, a, info.path)
+        check_finite(tokens, offsets, targets, a, info.path)
         pred, outputs = predict_chunk(coef, tokens, offsets, all_positions, normalize)
         sse = float(((pred - targets) ** 2).sum()) if targets is not None else 0.0
         return pred, outputs, offsets.copy(), sse

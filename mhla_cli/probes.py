@@ -24,7 +24,8 @@ from . import formats
 from .errors import InputError
 from .features import n_features
 from .solve import _eigh, numerical_tolerance
-from .stream import Features, default_chunk_size, iter_chunks, sample_rows
+from .stream import Features, default_chunk_size, sample_rows
+from .tokens import check_finite, check_weights, inspect_tokens, iter_chunks
 
 # A probe is determined when the relative component of its feature vector in gram's numerical
 # null space is at most this (the same null-space threshold as the full-domain certificate).
@@ -125,15 +126,15 @@ def certify_probes(feats: Features, probes: str | os.PathLike, chunk_size: int |
     per-position data (targets (T, d) / weights per position); their features use the training
     normalisation (feats.normalize). Streamed in chunks; memory O(chunk + psi^2).
     """
-    info = formats.inspect_tokens(probes)
+    info = inspect_tokens(probes)
     if info.d != feats.d:
         raise InputError(f"the probes have d = {info.d} but the training data have d = {feats.d}", probes)
     ns = null_space(feats)
     size = chunk_size or default_chunk_size(info)
     res, seqs, poss = [], [], []
     for a, b, tokens, offsets, _y, weights in iter_chunks(info, (0, info.n_samples), size, with_weights=True):
-        formats.check_finite(tokens, offsets, None, a, probes)
-        formats.check_weights(weights, offsets, a, info.per_position, probes)
+        check_finite(tokens, offsets, None, a, probes)
+        check_weights(weights, offsets, a, info.per_position, probes)
         with np.errstate(over="ignore", invalid="ignore"):
             if ns.token_basis is not None:
                 X = np.asarray(tokens, dtype=np.float64)

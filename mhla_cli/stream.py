@@ -16,8 +16,7 @@ import json
 import math
 import os
 import threading
-from collections.abc import Callable, Iterable, Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field, replace
 from functools import partial
 from typing import Any
@@ -29,7 +28,9 @@ from . import basis as basis_mod
 from . import formats
 from .errors import InputError
 from .memory import check_memory
+from .tokens import ReadBuffers, TokensInfo, check_chunk, inspect_tokens, iter_chunks, read_chunk
 from .features import n_features, pair_index
+from .tokens import check_weights
 
 # Target size of the per-chunk work buffers; the default chunk size is derived from it.
 CHUNK_BYTES = 64 * 2**20
@@ -683,112 +684,12 @@ def chunk_features(tokens: np.ndarray, offsets: np.ndarray, targets: np.ndarray 
 # --------------------------------------------------------------------------------------------
 
 
-class _ReadBuffers:
-    """Reusable destination arrays of one reader slot (grown on demand)."""
-
-    def __init__(self) -> None:
-        self._arrays: dict[str, np.ndarray] = {}
-
-    def get(self, name: str, shape: tuple[int, ...], dtype: Any = np.float64) -> np.ndarray:
-        size = math.prod(shape)
-        buf = self._arrays.get(name)
-        if buf is None or buf.size < size or buf.dtype != dtype:
-            buf = self._arrays[name] = np.empty(max(size, int(0 if buf is None else buf.size * 1.25)), dtype)
-        return buf[:size].reshape(shape)
-
-
-def _read_chunk(f: h5py.File, info: formats.TokensInfo, a: int, b: int, bufs: _ReadBuffers,
-                with_weights: bool = False) -> tuple[np.ndarray, ...]:
-    """Samples [a, b) (tokens (t, d) in the stored dtype, offsets from 0, float64 targets) into `bufs`.
-
-    Tokens keep their stored dtype (half the bytes of float64 for float32); `sequence_moments`
-    converts them block by block. Unusual dtypes (float16, big-endian, ...) are read as float64.
-    """
-    d = info.d
-    dt = np.dtype(info.dtype)
-    tok_dtype = dt if dt.isnative and dt in (np.float32, np.float64, np.int32, np.int64, np.int16,
-                                              np.int8, np.uint8, np.uint16, np.uint32) else np.float64
-    if info.layout == "dense":
-        n = int(info.seq_len)
-        dest = bufs.get("tokens", (b - a, n, d), tok_dtype)
-        if b > a:
-            f["tokens"].read_direct(dest, np.s_[a:b])
-        tokens = dest.reshape(-1, d)
-        offsets = np.arange(b - a + 1, dtype=np.int64) * n
-    else:
-        offsets = np.asarray(f["offsets"][a:b + 1], dtype=np.int64)
-        t0, t1 = int(offsets[0]), int(offsets[-1])
-        tokens = bufs.get("tokens", (t1 - t0, d), tok_dtype)
-        if t1 > t0:
-            f["tokens"].read_direct(tokens, np.s_[t0:t1])
-        offsets -= t0
-    targets = None
-    if info.has_targets and getattr(info, "per_position", False):
-        # per-position targets (t, d): rows of the chunk's tokens
-        targets = bufs.get("targets", (int(offsets[-1]), d))
-        if b > a:
-            if info.layout == "dense":
-                f["targets"].read_direct(targets.reshape(b - a, int(info.seq_len), d), np.s_[a:b])
-            else:
-                t0 = int(f["offsets"][a])
-                f["targets"].read_direct(targets, np.s_[t0:t0 + int(offsets[-1])])
-    elif info.has_targets:
-        targets = bufs.get("targets", (b - a, d))
-        if b > a:
-            f["targets"].read_direct(targets, np.s_[a:b])
-    if with_weights:
-        return tokens, offsets, targets, formats.read_weights_span(f, info, a, b, offsets)
-    return tokens, offsets, targets
-
-
-def iter_chunks(info: formats.TokensInfo, span: tuple[int, int], chunk_size: int | None = None,
-                prefetch: bool = True, with_weights: bool = False) -> Iterator[tuple[Any, ...]]:
-    """Yield (a, b, tokens, offsets, targets) for the chunks of samples [lo, hi) (see _read_chunk).
-
-    Per-position data give targets (t, d). `with_weights` appends the chunk's float64 weights
-    ((b-a,) per sequence or (t,) per position, or None) to every item.
-
-    The arrays are reused: each is valid until the next item is requested. With `prefetch` a
-    reader thread reads the next chunk while the caller computes on this one.
-    """
-    lo, hi = span
-    size = chunk_size or default_chunk_size(info)
-    todo = spans(lo, hi, size)
-    slots = (_ReadBuffers(), _ReadBuffers())
-    with formats.open_input(info.path) as f:
-        if not prefetch or len(todo) < 2:
-            for a, b in todo:
-                yield (a, b, *_read_chunk(f, info, a, b, slots[0], with_weights))
-            return
-        with ThreadPoolExecutor(1, thread_name_prefix="mhla-read") as pool:
-            fut = pool.submit(_read_chunk, f, info, *todo[0], slots[0], with_weights)
-            for i, (a, b) in enumerate(todo):
-                chunk = fut.result()
-                if i + 1 < len(todo):
-                    # the slot written next was last used by chunk i - 1, whose consumer is done
-                    fut = pool.submit(_read_chunk, f, info, *todo[i + 1], slots[(i + 1) % 2], with_weights)
-                yield (a, b, *chunk)
-
-
-def _check_chunk(info: formats.TokensInfo, a: int, tokens: np.ndarray, offsets: np.ndarray,
-                 targets: np.ndarray | None, top: float) -> None:
-    """Refuse NaN, Inf and overflowing magnitudes: a cheap test on `top` (>= every squared token
-    entry, NaN if any is NaN), the exact check on failure."""
-    bad = False
-    if np.dtype(info.dtype).kind == "f":
-        bad = not top <= getattr(formats, "MAX_TOKEN_ABS", 1e40) ** 2
-    if targets is not None and targets.size:
-        bad = bad or not float(np.max(np.abs(targets))) <= getattr(formats, "MAX_TARGET_ABS", 1e100)
-    if bad:
-        formats.check_finite(tokens, offsets, targets, a, info.path)
-
-
 # --------------------------------------------------------------------------------------------
 # the reduction
 # --------------------------------------------------------------------------------------------
 
 
-def default_chunk_size(info: formats.TokensInfo) -> int:
+def default_chunk_size(info: TokensInfo) -> int:
     """Samples per chunk so that the chunk's buffers stay near CHUNK_BYTES."""
     psi = n_features(info.d)
     mean_len = max(1.0, info.n_tokens / info.n_samples)
@@ -805,13 +706,7 @@ def default_chunk_size(info: formats.TokensInfo) -> int:
     return int(max(1, min(info.n_samples, rows)))
 
 
-def spans(lo: int, hi: int, size: int) -> list[tuple[int, int]]:
-    """Half-open ranges [a, b) of at most `size` samples covering [lo, hi)."""
-    size = max(1, int(size))
-    return [(a, min(a + size, hi)) for a in range(lo, hi, size)]
-
-
-def reduce_span(info: formats.TokensInfo, span: tuple[int, int], chunk_size: int | None = None,
+def reduce_span(info: TokensInfo, span: tuple[int, int], chunk_size: int | None = None,
                 progress: Callable[[int], None] | None = None, prefetch: bool = True,
                 normalize: str = "none", basis: np.ndarray | None = None, finalize: bool = True) -> Features:
     """Statistics of samples [lo, hi) of the tokens file `info.path` (opened here, read in chunks).
@@ -826,13 +721,13 @@ def reduce_span(info: formats.TokensInfo, span: tuple[int, int], chunk_size: int
     lo, hi = span
     per_position = getattr(info, "per_position", False)
     acc = _Accumulator(info.d, info.has_targets, basis, causal=per_position, normalize=check_normalize(normalize))
-    for a, b, tokens, offsets, targets, weights in iter_chunks(info, (lo, hi), chunk_size, prefetch,
+    for a, b, tokens, offsets, targets, weights in iter_chunks(info, (lo, hi), chunk_size or default_chunk_size(info), prefetch,
                                                                with_weights=True):
         if CANCEL.is_set():
             raise Cancelled("the reduction was cancelled")
-        formats.check_weights(weights, offsets, a, per_position, info.path)
+        check_weights(weights, offsets, a, per_position, info.path)
         acc.add(tokens, offsets, targets,
-                check=lambda top, a=a, t=tokens, o=offsets, y=targets: _check_chunk(info, a, t, o, y, top),
+                check=lambda top, a=a, t=tokens, o=offsets, y=targets: check_chunk(info, a, t, o, y, top),
                 weights=weights)
         if progress is not None:
             progress(b - a)
@@ -858,7 +753,7 @@ BASIS_SAMPLE_TOKENS = 1 << 18
 _BASIS_BLOCKS = 8
 
 
-def estimate_basis(info: formats.TokensInfo) -> np.ndarray:
+def estimate_basis(info: TokensInfo) -> np.ndarray:
     """The solver basis of a tokens file: a float32-rounded whitening of a fixed sample's token Gram.
 
     Deterministic in the file's content (every shard, worker and machine gets the same basis, so
@@ -871,14 +766,14 @@ def estimate_basis(info: formats.TokensInfo) -> np.ndarray:
     starts = sorted({(N * i) // _BASIS_BLOCKS for i in range(_BASIS_BLOCKS)})
     G = np.zeros((info.d, info.d))
     count = 0
-    bufs = _ReadBuffers()
+    bufs = ReadBuffers()
     with formats.open_input(info.path) as f, np.errstate(invalid="ignore", over="ignore"):
         for a in starts:
             b = min(N, a + per_block)
-            tokens, offsets, targets = _read_chunk(f, info, a, b, bufs)
+            tokens, offsets, targets = read_chunk(f, info, a, b, bufs)
             X = tokens.astype(np.float64)
             top = float(np.max(X * X)) if X.size else 0.0
-            _check_chunk(info, a, tokens, offsets, targets, top)
+            check_chunk(info, a, tokens, offsets, targets, top)
             G += X.T @ X
             count += X.shape[0]
     return basis_mod.whitening(G, count)
@@ -940,7 +835,7 @@ def _add_into(acc: Features, part: Features) -> None:
         acc.target_gram += part.target_gram
 
 
-def reduce_spans(info: formats.TokensInfo, span_list: Sequence[tuple[int, int]],
+def reduce_spans(info: TokensInfo, span_list: Sequence[tuple[int, int]],
                  map: Callable[..., Iterable[Features]] = builtins.map,  # noqa: A002 (like builtins.map)
                  chunk_size: int | None = None,
                  progress: Callable[[int], None] | None = None, normalize: str = "none",
@@ -993,7 +888,7 @@ def featurize(path: str | os.PathLike, chunk_size: int | None = None,
     None / "identity" (the tokens' own coordinates, as format version 1).
     """
     check_normalize(normalize)
-    info = formats.inspect_tokens(path)
+    info = inspect_tokens(path)
     if isinstance(basis, str) and basis == "auto":
         basis = estimate_basis(info)
     elif isinstance(basis, str):

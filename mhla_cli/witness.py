@@ -51,7 +51,8 @@ from .features import cubic_features, features_from_moments
 from .heads import W_from_p
 from .model import predict_chunk
 from .solve import EPS, Certificate, Model, certify, domain_map, fit, observed_bases, train_mse
-from .stream import Features, default_chunk_size, sequence_moments, spans
+from .stream import Features, default_chunk_size, sequence_moments
+from .tokens import inspect_tokens, iter_chunks
 
 ROUNDING = 4.0  # "at rounding level": within this many times the float64 resolution
 MIN_FUNCTION_CHANGE = 1e-3  # smallest relative p distance worth calling a different function
@@ -189,31 +190,29 @@ def _data_terms(data: str | os.PathLike, pa: np.ndarray, v: np.ndarray, u: np.nd
                 chunk_size: int | None) -> dict[str, float]:
     """The same g and b summed on the data (t_i = v^T H_i, r_i = p_A H_i - y_i; no Gram, so no squared
     condition number), with bounds on their rounding, and max_i |t_i| (sample index)."""
-    info = formats.inspect_tokens(data)
+    info = inspect_tokens(data)
     size = chunk_size or default_chunk_size(info)
     psi = pa.shape[1]
     e = 4 * psi * EPS
     pu = u @ pa
     g = b = g_round = b_round = 0.0
     best, best_i = -1.0, -1
-    with formats.open_input(data) as f:
-        for lo, hi in spans(0, info.n_samples, size):
-            tokens, offsets, targets = formats.read_tokens_span(f, info, lo, hi)
-            yu = np.asarray(targets, dtype=np.float64) @ u
-            S, last = sequence_moments(tokens, offsets)
-            H = features_from_moments(S, last)
-            t = H @ v
-            r = H @ pu - yu
-            tau = e * (np.abs(H) @ np.abs(v))  # rounding of t_i
-            rho = e * (np.abs(H) @ np.abs(pu) + np.abs(yu))  # rounding of r_i
-            g += float(t @ t)
-            b += float(t @ r)
-            g_round += float((2 * np.abs(t) * tau + tau * tau).sum() + e * (t @ t))
-            b_round += float((tau * np.abs(r) + np.abs(t) * rho + tau * rho).sum() + e * abs(float(t @ r)))
-            if t.size:
-                i = int(np.argmax(np.abs(t)))
-                if abs(t[i]) > best:
-                    best, best_i = float(abs(t[i])), lo + i
+    for lo, hi, tokens, offsets, targets in iter_chunks(info, (0, info.n_samples), size):
+        yu = np.asarray(targets, dtype=np.float64) @ u
+        S, last = sequence_moments(tokens, offsets)
+        H = features_from_moments(S, last)
+        t = H @ v
+        r = H @ pu - yu
+        tau = e * (np.abs(H) @ np.abs(v))  # rounding of t_i
+        rho = e * (np.abs(H) @ np.abs(pu) + np.abs(yu))  # rounding of r_i
+        g += float(t @ t)
+        b += float(t @ r)
+        g_round += float((2 * np.abs(t) * tau + tau * tau).sum() + e * (t @ t))
+        b_round += float((tau * np.abs(r) + np.abs(t) * rho + tau * rho).sum() + e * abs(float(t @ r)))
+        if t.size:
+            i = int(np.argmax(np.abs(t)))
+            if abs(t[i]) > best:
+                best, best_i = float(abs(t[i])), lo + i
     return {"g": g, "b": b, "g_round": g_round, "b_round": b_round, "max_t": best, "max_sample": best_i}
 
 
@@ -221,29 +220,27 @@ def _data_check(data: str | os.PathLike, pa: np.ndarray, pb: np.ndarray, chunk_s
                 ) -> dict[str, float]:
     """Recompute on the data with the two models' predictions: SSE_A, SSE_B - SSE_A in product form
     (sum (yhat_B - yhat_A) . (yhat_B + yhat_A - 2 y)), a bound on its rounding, max ||yhat_B - yhat_A||."""
-    info = formats.inspect_tokens(data)
+    info = inspect_tokens(data)
     size = chunk_size or default_chunk_size(info)
     e = 4 * pa.shape[1] * EPS
     sse_a = dsse = bound = 0.0
     best = best_round = -1.0
-    with formats.open_input(data) as f:
-        for lo, hi in spans(0, info.n_samples, size):
-            tokens, offsets, targets = formats.read_tokens_span(f, info, lo, hi)
-            y = np.asarray(targets, dtype=np.float64)
-            ya, _ = predict_chunk(pa, tokens, offsets)
-            yb, _ = predict_chunk(pb, tokens, offsets)
-            S, last = sequence_moments(tokens, offsets)
-            Ha = np.abs(features_from_moments(S, last))
-            diff, total = yb - ya, yb + ya - 2 * y
-            sse_a += float(((ya - y) ** 2).sum())
-            dsse += float((diff * total).sum())
-            delta = e * (Ha @ (np.abs(pa) + np.abs(pb)).T)  # rounding of yhat_A + rounding of yhat_B
-            bound += float((delta * (np.abs(total) + np.abs(diff) + 2 * delta)).sum()
-                           + e * float(np.abs(diff * total).sum()))
-            nd = np.linalg.norm(diff, axis=1)
-            if nd.size:
-                best = max(best, float(nd.max()))
-                best_round = max(best_round, float(np.linalg.norm(delta, axis=1).max()))
+    for lo, hi, tokens, offsets, targets in iter_chunks(info, (0, info.n_samples), size):
+        y = np.asarray(targets, dtype=np.float64)
+        ya, _ = predict_chunk(pa, tokens, offsets)
+        yb, _ = predict_chunk(pb, tokens, offsets)
+        S, last = sequence_moments(tokens, offsets)
+        Ha = np.abs(features_from_moments(S, last))
+        diff, total = yb - ya, yb + ya - 2 * y
+        sse_a += float(((ya - y) ** 2).sum())
+        dsse += float((diff * total).sum())
+        delta = e * (Ha @ (np.abs(pa) + np.abs(pb)).T)  # rounding of yhat_A + rounding of yhat_B
+        bound += float((delta * (np.abs(total) + np.abs(diff) + 2 * delta)).sum()
+                       + e * float(np.abs(diff * total).sum()))
+        nd = np.linalg.norm(diff, axis=1)
+        if nd.size:
+            best = max(best, float(nd.max()))
+            best_round = max(best_round, float(np.linalg.norm(delta, axis=1).max()))
     return {"sse_a": sse_a, "dsse": dsse, "bound": bound, "max_diff": best, "max_round": best_round}
 
 

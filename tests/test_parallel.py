@@ -194,7 +194,7 @@ def test_interrupt_stops_thread_workers(data: Path, serial: Features, monkeypatc
     stream.CANCEL.set()
     try:
         with pytest.raises(stream.Cancelled):
-            stream.reduce_span(stream.formats.inspect_tokens(data), (0, 211), 10)
+            stream.reduce_span(stream.inspect_tokens(data), (0, 211), 10)
     finally:
         stream.CANCEL.clear()
     assert_same_stats(featurize(data, chunk_size=13, workers=2), serial)

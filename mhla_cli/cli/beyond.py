@@ -10,6 +10,7 @@ import typer
 from .. import formats
 from ..model import load_function
 from ._common import ChunkOpt, JsonOpt, QuietOpt, emit_json, fmt, progress_bar, say
+from ..tokens import inspect_tokens
 
 
 def spectrum_cmd(
@@ -62,7 +63,7 @@ def compare_cmd(
 
     fa, fb = load_function(a), load_function(b)
     if on is not None:
-        info = formats.inspect_tokens(on)
+        info = inspect_tokens(on)
         with progress_bar("compare", info.n_samples, quiet) as advance:
             res = compare(fa, fb, tol=tol, on=on, chunk_size=chunk_size, progress=advance)
     else:

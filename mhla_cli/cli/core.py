@@ -15,6 +15,7 @@ from ..model import load_function, predict_file
 from ..solve import Model, certify, fit
 from ..stream import Features, featurize
 from ._common import ChunkOpt, JsonOpt, OutOpt, QuietOpt, emit_json, fmt, progress_bar, say, warn
+from ..tokens import inspect_tokens
 
 generate_app = typer.Typer(help="Make synthetic datasets (tokens files with targets).", no_args_is_help=True)
 
@@ -40,7 +41,7 @@ def _load_or_featurize(path: Path, chunk_size: int | None, quiet: bool,
                              "re-run `mhla featurize` with the normalisation wanted", path)
         return feats, kind
     if kind == "tokens":
-        info = formats.inspect_tokens(path)
+        info = inspect_tokens(path)
         with progress_bar("featurize", info.n_samples, quiet) as advance:
             return featurize(path, chunk_size=chunk_size, progress=advance, normalize=normalize or "none"), kind
     raise InputError(f"is a {kind} file, expected a tokens or features file", path)
@@ -162,7 +163,7 @@ def featurize_cmd(
 
     parallel = {"workers": workers, "scheduler": scheduler, "normalize": check_normalize(normalize or "none")}
     formats.check_output_path(output, (data,))
-    info = formats.inspect_tokens(data)
+    info = inspect_tokens(data)
     shard_t = _parse_shard(shard)
     total = info.n_samples
     if shard_t is not None:
@@ -247,14 +248,14 @@ def certify_cmd(
         if witness is not None or domain != "full" or min_eig > 0:
             raise InputError("--on tests the given probes: it cannot be combined with --witness, --domain "
                              "or --min-eig")
-        formats.inspect_tokens(on)
+        inspect_tokens(on)
         if report is not None:
             formats.check_output_path(report, (data, on))
         _certify_on(data, on, report, normalize, chunk_size, json_out, quiet)
         return
     if witness is not None:
         formats.check_output_path(witness, (data,))
-        if formats.kind_of(data) == "tokens" and formats.inspect_tokens(data).per_position:
+        if formats.kind_of(data) == "tokens" and inspect_tokens(data).per_position:
             raise InputError("--witness supports last-token data only (this file has per-position data)", data)
     feats, _ = _load_or_featurize(data, chunk_size, quiet, normalize)
     if witness is not None and (feats.per_position or feats.normalize != "none"):
@@ -298,7 +299,7 @@ def _certify_on(data: Path, on: Path, report: Path | None, normalize: str | None
     from ..probes import certify_probes
 
     feats, _ = _load_or_featurize(data, chunk_size, quiet, normalize)
-    with progress_bar("probes", formats.inspect_tokens(on).n_samples, quiet) as advance:
+    with progress_bar("probes", inspect_tokens(on).n_samples, quiet) as advance:
         rep = certify_probes(feats, on, chunk_size=chunk_size, progress=advance)
     if report is not None:
         rep.save(report, inputs=(data, on))
@@ -363,7 +364,7 @@ def fit_cmd(
             raise InputError("'auto' with --normalize: featurize first, e.g. `mhla featurize DATA -o FEATS "
                              "--folds 5 --normalize length`, then fit FEATS")
 
-        with progress_bar("featurize", formats.inspect_tokens(data).n_samples
+        with progress_bar("featurize", inspect_tokens(data).n_samples
                           if formats.kind_of(data) == "tokens" else 0, quiet) as advance:
             feats, fold_feats = load_for_cv(data, chunk_size=chunk_size, progress=advance)
     else:
@@ -470,7 +471,7 @@ def predict_cmd(
         raise InputError("--causal and --all-positions cannot be combined: --causal outputs the masked "
                          "(prefix) output at every position, --all-positions the unmasked one")
     fn = load_function(model_path)
-    info = formats.inspect_tokens(data)
+    info = inspect_tokens(data)
     with progress_bar("predict", info.n_samples, quiet) as advance:
         res = predict_file(fn, data, output, all_positions=all_positions, chunk_size=chunk_size,
                            progress=advance, inputs=(model_path,), workers=workers, causal=causal)
@@ -510,7 +511,7 @@ def rollout_cmd(
 
     formats.check_output_path(output, (model_path, data) + ((snap,) if snap is not None else ()))
     fn = load_function(model_path)
-    info = formats.inspect_tokens(data)
+    info = inspect_tokens(data)
     with progress_bar("rollout", info.n_samples, quiet) as advance:
         res = rollout_file(fn, data, output, steps, codebook=snap, chunk_size=chunk_size, progress=advance,
                            inputs=(model_path,))
