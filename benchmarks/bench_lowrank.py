@@ -25,7 +25,7 @@ from threadpoolctl import threadpool_limits
 
 from mhla_cli import lowrank, synthetic
 from mhla_cli.features import n_features
-from mhla_cli.model import predict
+from mhla_cli.forward import predict
 from mhla_cli.solve import fit
 from mhla_cli.stream import chunk_features
 

@@ -15,8 +15,9 @@ from ._version import __version__
 from .errors import InputError, MhlaError
 from .features import cubic_features, feature_index, n_features
 from .heads import Heads, W_from_heads, W_from_p, export_heads, heads_from_W, p_from_heads, p_from_W
-from .model import forward_heads, load_function, predict, predict_file
-from .solve import Certificate, Model, certify, fit
+from .model import Model, load_function
+from .forward import forward_heads, predict, predict_file
+from .solve import Certificate, certify, fit
 from .stream import Features, featurize, reduce_span
 from .synthetic import Dataset, generate_assoc, generate_teacher
 

@@ -10,8 +10,8 @@ import numpy as np
 
 from .errors import InputError
 from .heads import Heads
-from .model import coef_of, predict_chunk
-from .solve import Model
+from .model import Model, coef_of, normalize_of
+from .forward import predict_chunk
 from .stream import default_chunk_size
 from .tokens import check_finite, inspect_tokens, iter_chunks
 
@@ -31,8 +31,6 @@ def prediction_difference(a: Model | Heads | np.ndarray, b: Model | Heads | np.n
                           data: str | os.PathLike, chunk_size: int | None = None,
                           progress: Callable[[int], None] | None = None) -> dict[str, float]:
     """RMS over the N*d outputs of (yhat_A - yhat_B) on a tokens file, streamed, and the RMS of yhat_B."""
-    from .model import normalize_of
-
     pa, pb = coef_of(a), coef_of(b)
     norm = normalize_of(a)
     info = inspect_tokens(data)
@@ -62,8 +60,6 @@ def compare(a: Model | Heads | np.ndarray, b: Model | Heads | np.ndarray, tol: f
     """Distance between two functions; `same` is relative_distance <= tol."""
     if not (tol >= 0 and np.isfinite(tol)):
         raise InputError(f"--tol must be a finite number >= 0, got {tol}")
-    from .model import normalize_of
-
     if normalize_of(a) != normalize_of(b):
         raise InputError(f"the models use different normalisations (--normalize {normalize_of(a)} and "
                          f"{normalize_of(b)}): their coef act on different features, so they cannot be compared")

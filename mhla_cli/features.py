@@ -9,6 +9,7 @@ from __future__ import annotations
 from functools import lru_cache
 
 import numpy as np
+from .errors import InputError
 
 
 def n_features(d: int) -> int:
@@ -63,3 +64,13 @@ def cubic_features(X: np.ndarray) -> np.ndarray:
         raise ValueError("X must have shape (n, d) with n >= 1")
     S = X.T @ X
     return features_from_moments(S[None], X[-1][None])[0]
+
+
+NORMALIZATIONS = ("none", "length")
+
+
+def check_normalize(normalize: str) -> str:
+    """Validate a --normalize value ("none" or "length")."""
+    if normalize not in NORMALIZATIONS:
+        raise InputError(f"--normalize must be none or length, got '{normalize}'")
+    return normalize

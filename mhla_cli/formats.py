@@ -25,6 +25,7 @@ import numpy as np
 
 from ._version import __version__
 from .errors import InputError
+from .features import NORMALIZATIONS
 from .memory import check_memory
 from .signals import check_interrupted, shield_signals
 from .features import n_features
@@ -580,3 +581,12 @@ def read_attr_int(f: h5py.File, name: str, path: str | os.PathLike) -> int:
         return int(f.attrs[name])
     except (TypeError, ValueError):
         raise InputError(f"attribute '{name}' is not an integer", path) from None
+
+
+def read_normalize(f: Any, path: str | os.PathLike) -> str:
+    """The `normalize` attribute of an open features, model or heads file ("none" when absent)."""
+    v = f.attrs.get("normalize", "none")
+    v = v.decode() if isinstance(v, bytes) else str(v)
+    if v not in NORMALIZATIONS:
+        raise InputError(f"attribute 'normalize' is '{v}', expected none or length", path)
+    return v

@@ -91,9 +91,7 @@ class Heads:
             formats.expect_kind(f, path, "heads")
             V = formats.read_array(f, "V", path).astype(np.float64)
             Q = formats.read_array(f, "Q", path).astype(np.float64)
-            from .stream import read_normalize
-
-            normalize = read_normalize(f, path)
+            normalize = formats.read_normalize(f, path)
         if V.ndim != 3 or V.shape[1] != V.shape[2]:
             raise InputError(f"'V' has shape {V.shape}, expected (H, d, d)", path)
         if Q.shape != V.shape:

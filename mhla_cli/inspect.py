@@ -12,7 +12,7 @@ import numpy as np
 from . import formats
 from .errors import InputError
 from .heads import Heads
-from .solve import Model
+from .model import Model
 from .stream import Features, default_chunk_size
 from .tokens import TokensInfo, check_finite, check_weights, inspect_tokens, iter_chunks
 

@@ -75,9 +75,7 @@ def read_part_info(path: str | os.PathLike) -> PartInfo:
         else:
             ranges = [(int(attrs["sample_lo"]), int(attrs["sample_hi"]))]
         shard = _text(attrs["shard"]) if "shard" in attrs else None
-        from .stream import read_normalize
-
-        normalize = read_normalize(f, path)
+        normalize = formats.read_normalize(f, path)
         # per-position or weighted data count positions (weight > 0) as samples: ranges are of sequences
         n_seq = int(attrs["n_sequences"]) if "n_sequences" in attrs else n
     if sum(b - a for a, b in ranges) != n_seq:

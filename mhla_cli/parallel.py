@@ -19,16 +19,15 @@ import logging
 import multiprocessing as mp
 import operator
 import os
+import threading
 import warnings
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-import numpy as np
 
 from .errors import InputError
-from .tokens import check_finite, iter_chunks
 
 BACKENDS = ("process", "thread")
 DEFAULT_BACKEND = "thread"
@@ -126,15 +125,13 @@ class ThreadMap:
         return self
 
     def __exit__(self, exc_type: Any, *rest: Any) -> None:
-        from . import stream
-
         assert self._pool is not None
         if exc_type is not None:
-            stream.CANCEL.set()  # running reductions stop at their next chunk
+            CANCEL.set()  # running reductions stop at their next chunk
         try:
             self._pool.shutdown(wait=True, cancel_futures=exc_type is not None)
         finally:
-            stream.CANCEL.clear()
+            CANCEL.clear()
             self._limits.restore_original_limits()
 
     def __call__(self, fn: Callable[[Any], Any], items: Iterable[Any]) -> Iterator[Any]:
@@ -271,16 +268,10 @@ def make_map(workers: int = 1, scheduler: Any = None, map: Callable[..., Iterabl
 # --------------------------------------------------------------------------------------------
 
 
-def predict_span(coef: np.ndarray, info: Any, all_positions: bool, span: tuple[int, int],
-                 normalize: str = "none") -> tuple[np.ndarray, np.ndarray | None, np.ndarray, float]:
-    """Predictions for samples [lo, hi): (pred (B, d), outputs (t, d) or None, offsets, SSE vs targets)."""
-    from .model import predict_chunk
+class Cancelled(Exception):
+    """Raised by `reduce_span` in worker threads once `CANCEL` is set (the caller is stopping)."""
 
 
-    lo, hi = span
-    for a, _b, tokens, offsets, targets in iter_chunks(info, (lo, hi), hi - lo, prefetch=False):
-        check_finite(tokens, offsets, targets, a, info.path)
-        pred, outputs = predict_chunk(coef, tokens, offsets, all_positions, normalize)
-        sse = float(((pred - targets) ** 2).sum()) if targets is not None else 0.0
-        return pred, outputs, offsets.copy(), sse
-    raise ValueError("empty span")
+# Set by a thread pool that is shutting down after an error or an interrupt, so that its running
+# reductions stop at the next chunk instead of finishing their spans.
+CANCEL = threading.Event()

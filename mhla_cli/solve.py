@@ -2,18 +2,18 @@
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
 from . import basis as basis_mod
-from . import formats
 from .basis import pair_map
 from .errors import InputError
-from .features import feature_index, n_features, pair_index
+from .features import feature_index, pair_index
 from .stream import Features
+from .heads import W_from_p
+from .model import Model
 
 EPS = float(np.finfo(np.float64).eps)
 
@@ -254,60 +254,6 @@ def _feature_names(d: int, cert: Certificate, full: bool) -> list[str]:
 # --------------------------------------------------------------------------------------------
 
 
-# Fit results kept as attributes of a model file.
-_SAVED_INFO = ("ridge", "train_mse", "lambda_min", "identifiable", "condition_number", "n_samples", "method",
-               "n_heads", "weight_decay", "nuclear_lambda", "objective", "normalize")
-
-
-@dataclass
-class Model:
-    """A fitted MHLA function: coef p (d, psi) and its minimum-Frobenius-norm W (d^2, d^2)."""
-
-    coef: np.ndarray
-    W: np.ndarray
-    d: int
-    info: dict[str, Any] = field(default_factory=dict)
-
-    def save(self, path: str | os.PathLike, inputs: tuple[str | os.PathLike, ...] = ()) -> None:
-        """Write a model file atomically."""
-        attrs = {"d": self.d, "n_features": n_features(self.d)}
-        for k in _SAVED_INFO:
-            if k in self.info and self.info[k] is not None:
-                attrs[k] = self.info[k]
-        formats.write_file(path, "model", {"coef": self.coef, "W": self.W}, attrs, inputs)
-
-    @classmethod
-    def load(cls, path: str | os.PathLike) -> Model:
-        """Read and validate a model file (coef and W must describe the same function)."""
-        from .heads import p_from_W
-
-        with formats.open_input(path) as f:
-            formats.expect_kind(f, path, "model")
-            coef = formats.read_array(f, "coef", path).astype(np.float64)
-            if coef.ndim != 2:
-                raise InputError(f"'coef' has shape {coef.shape}, expected (d, psi)", path)
-            d = formats.d_from_psi_shape(coef.shape, path, "coef")
-            if coef.shape[0] != d:
-                raise InputError(f"'coef' has shape {coef.shape}, expected (d, psi) = ({d}, {n_features(d)})", path)
-            if not np.isfinite(coef).all():
-                raise InputError("'coef' contains NaN or Inf", path)
-            if "W" in f:
-                W = formats.read_array(f, "W", path).astype(np.float64)
-                if W.shape != (d * d, d * d):
-                    raise InputError(f"'W' has shape {W.shape}, expected (d^2, d^2) = ({d*d}, {d*d}) "
-                                     f"to match coef", path)
-                scale = max(float(np.abs(coef).max()), 1e-300)
-                if not np.allclose(p_from_W(W), coef, rtol=0, atol=1e-8 * scale):
-                    raise InputError("'W' and 'coef' describe different functions; the file is inconsistent", path)
-            else:
-                from .heads import W_from_p
-
-                W = W_from_p(coef)
-            info = {k: (v.item() if hasattr(v, "item") else v) for k, v in f.attrs.items()
-                    if k in _SAVED_INFO}
-        return cls(coef=coef, W=W, d=d, info=info)
-
-
 def fit(feats: Features, ridge: float = 0.0) -> Model:
     """Least squares over p on the sufficient statistics (Algorithm 1, step 1).
 
@@ -317,8 +263,6 @@ def fit(feats: Features, ridge: float = 0.0) -> Model:
     not depend on the units of the tokens; the ridge penalty and the minimum norm are those of p in
     the tokens' own coordinates.
     """
-    from .heads import W_from_p
-
     if not feats.has_targets:
         raise InputError("the data have no 'targets': fit needs (X, y) pairs")
     if ridge < 0 or not np.isfinite(ridge):

@@ -28,7 +28,7 @@ from .errors import InputError
 from .features import n_features
 from .heads import Heads, p_from_W
 from .lowrank import min_nuclear_W, polish_heads
-from .solve import Model
+from .model import Model
 
 NONZERO_REL = 1e-8
 OMEGA_SQUARE = 2.858  # Gavish-Donoho omega(beta) at beta = 1 (unknown noise level)

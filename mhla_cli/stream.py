@@ -15,7 +15,6 @@ import contextlib
 import json
 import math
 import os
-import threading
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field, replace
 from functools import partial
@@ -31,6 +30,10 @@ from .memory import check_memory
 from .tokens import ReadBuffers, TokensInfo, check_chunk, inspect_tokens, iter_chunks, read_chunk
 from .features import n_features, pair_index
 from .tokens import check_weights
+from .features import check_normalize
+from .formats import read_normalize
+from . import parallel
+from .parallel import CANCEL, Cancelled
 
 # Target size of the per-chunk work buffers; the default chunk size is derived from it.
 CHUNK_BYTES = 64 * 2**20
@@ -232,25 +235,6 @@ def _load_basis(f: h5py.File, path: str | os.PathLike, d: int, has_targets: bool
         if mb.shape != (psi, d):
             raise InputError(f"'basis_moments' has shape {mb.shape}, expected ({psi}, {d})", path)
     return A, gb, mb
-
-
-NORMALIZATIONS = ("none", "length")
-
-
-def check_normalize(normalize: str) -> str:
-    """Validate a --normalize value ("none" or "length")."""
-    if normalize not in NORMALIZATIONS:
-        raise InputError(f"--normalize must be none or length, got '{normalize}'")
-    return normalize
-
-
-def read_normalize(f: Any, path: str | os.PathLike) -> str:
-    """The `normalize` attribute of an open features, model or heads file ("none" when absent)."""
-    v = f.attrs.get("normalize", "none")
-    v = v.decode() if isinstance(v, bytes) else str(v)
-    if v not in NORMALIZATIONS:
-        raise InputError(f"attribute 'normalize' is '{v}', expected none or length", path)
-    return v
 
 
 # Attributes of a features file kept in `Features.extra_attrs` when it is loaded: which shard of
@@ -779,15 +763,6 @@ def estimate_basis(info: TokensInfo) -> np.ndarray:
     return basis_mod.whitening(G, count)
 
 
-class Cancelled(Exception):
-    """Raised by `reduce_span` in worker threads once `CANCEL` is set (the caller is stopping)."""
-
-
-# Set by a thread pool that is shutting down after an error or an interrupt, so that its running
-# reductions stop at the next chunk instead of finishing their spans.
-CANCEL = threading.Event()
-
-
 def _add_into(acc: Features, part: Features) -> None:
     """acc += part (counts and every sum), in place.
 
@@ -912,8 +887,6 @@ def featurize(path: str | os.PathLike, chunk_size: int | None = None,
         check_memory(info.d, path=path)
         feats = reduce_span(info, (lo, hi), size, progress=progress, normalize=normalize, basis=basis)
     else:
-        from . import parallel
-
         with parallel.make_map(workers=workers, scheduler=scheduler, map=map) as pmap:
             check_memory(info.d, copies=pmap.local_copies, path=path)
             # workers (possibly on other hosts) open the file themselves: give them an absolute path

@@ -10,7 +10,8 @@ import numpy as np
 from . import formats
 from .errors import InputError
 from .heads import Heads
-from .model import predict, predict_causal
+from .features import check_normalize
+from .forward import predict, predict_causal
 
 
 @dataclass
@@ -93,8 +94,6 @@ def generate_teacher(d: int, n_heads: int, n_samples: int, seq_len: str | int | 
     of every prefix (an autoregressive teacher). `normalize="length"`: the teacher divides S by the
     number of tokens (recorded in the teacher's heads).
     """
-    from .stream import check_normalize
-
     check_normalize(normalize)
     if d < 1 or n_heads < 1 or n_samples < 1:
         raise InputError("--dim, --heads and --n-samples must be >= 1")

@@ -49,8 +49,9 @@ from . import formats
 from .errors import InputError
 from .features import cubic_features, features_from_moments
 from .heads import W_from_p
-from .model import predict_chunk
-from .solve import EPS, Certificate, Model, certify, domain_map, fit, observed_bases, train_mse
+from .model import Model
+from .forward import predict_chunk
+from .solve import EPS, Certificate, certify, domain_map, fit, observed_bases, train_mse
 from .stream import Features, default_chunk_size, sequence_moments
 from .tokens import inspect_tokens, iter_chunks
 

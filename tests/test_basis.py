@@ -15,7 +15,7 @@ import pytest
 from mhla_cli import basis, synthetic
 from mhla_cli.cli import run
 from mhla_cli.merge import merge_features
-from mhla_cli.model import forward_heads
+from mhla_cli.forward import forward_heads
 from mhla_cli.solve import certify, fit
 from mhla_cli.stream import Features, featurize
 

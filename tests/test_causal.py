@@ -169,7 +169,7 @@ def test_fit_recovers_causal_teacher_from_few_sequences(tmp_path: Path, capsys: 
     assert run(["certify", str(data), "-q"]) == 0
     model = tmp_path / "m.h5"
     assert run(["fit", str(data), "-o", str(model), "-q"]) == 0
-    from mhla_cli.solve import Model
+    from mhla_cli.model import Model
 
     m = Model.load(model)
     assert np.linalg.norm(m.coef - p_true) / np.linalg.norm(p_true) < 1e-8

@@ -15,7 +15,7 @@ import pytest
 from mhla_cli import __version__, formats
 from mhla_cli.cli import run
 from mhla_cli.heads import Heads
-from mhla_cli.solve import Model
+from mhla_cli.model import Model
 
 
 def cli_json(capsys: pytest.CaptureFixture[str], args: list[str], code: int = 0) -> dict:
@@ -72,7 +72,7 @@ def test_all_positions_outputs(tmp_path: Path, teacher_file) -> None:
     data, teacher, ds = teacher_file
     pred = tmp_path / "p.h5"
     assert run(["predict", str(teacher), str(data), "-o", str(pred), "--all-positions", "-q"]) == 0
-    from mhla_cli.model import forward_heads
+    from mhla_cli.forward import forward_heads
 
     th = Heads.load(teacher)
     with h5py.File(pred) as f:

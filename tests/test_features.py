@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from mhla_cli import features, heads, model
+from mhla_cli import features, forward, heads
 
 
 def plain_features(X: np.ndarray) -> np.ndarray:
@@ -58,8 +58,8 @@ def test_p_of_heads_reproduces_forward(d: int, H: int) -> None:
         X = rng.standard_normal((n, d))
         expect = plain_forward(V, Q, X, n - 1)
         np.testing.assert_allclose(p @ features.cubic_features(X), expect, rtol=1e-12, atol=1e-12)
-        np.testing.assert_allclose(model.forward_heads(V, Q, X), expect, rtol=1e-12, atol=1e-12)
-        allpos = model.forward_heads(V, Q, X, all_positions=True)
+        np.testing.assert_allclose(forward.forward_heads(V, Q, X), expect, rtol=1e-12, atol=1e-12)
+        allpos = forward.forward_heads(V, Q, X, all_positions=True)
         np.testing.assert_allclose(allpos, [plain_forward(V, Q, X, t) for t in range(n)], rtol=1e-12, atol=1e-12)
 
 
@@ -89,9 +89,9 @@ def test_predict_chunk_all_positions_matches_reference() -> None:
     lengths = np.array([1, 5, 2, 9])
     offsets = np.concatenate([[0], np.cumsum(lengths)])
     tokens = rng.standard_normal((offsets[-1], d))
-    pred, outputs = model.predict_chunk(heads.p_from_heads(V, Q), tokens, offsets, all_positions=True)
+    pred, outputs = forward.predict_chunk(heads.p_from_heads(V, Q), tokens, offsets, all_positions=True)
     for i in range(lengths.size):
         X = tokens[offsets[i]:offsets[i + 1]]
-        np.testing.assert_allclose(pred[i], model.forward_heads(V, Q, X), rtol=1e-12, atol=1e-12)
+        np.testing.assert_allclose(pred[i], forward.forward_heads(V, Q, X), rtol=1e-12, atol=1e-12)
         np.testing.assert_allclose(outputs[offsets[i]:offsets[i + 1]],
-                                   model.forward_heads(V, Q, X, all_positions=True), rtol=1e-12, atol=1e-12)
+                                   forward.forward_heads(V, Q, X, all_positions=True), rtol=1e-12, atol=1e-12)

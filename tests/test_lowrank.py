@@ -13,7 +13,8 @@ from mhla_cli.cli import run
 from mhla_cli.features import n_features
 from mhla_cli.folds import load_folds
 from mhla_cli.heads import Heads, p_from_W
-from mhla_cli.solve import Model, fit
+from mhla_cli.model import Model
+from mhla_cli.solve import fit
 from mhla_cli.stream import Features, chunk_features
 
 

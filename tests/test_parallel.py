@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 
 from conftest import assert_same_stats, relerr
-from mhla_cli import memory, stream, synthetic
+from mhla_cli import memory, parallel, stream, synthetic
 from mhla_cli.cli import run
-from mhla_cli.model import predict_file
+from mhla_cli.forward import predict_file
 from mhla_cli.solve import fit
 from mhla_cli.stream import Features, featurize
 
@@ -189,12 +189,12 @@ def test_interrupt_stops_thread_workers(data: Path, serial: Features, monkeypatc
 
     with pytest.raises(KeyboardInterrupt):
         featurize(data, chunk_size=3, workers=2, progress=progress)
-    assert len(seen) == 1 and not stream.CANCEL.is_set()
+    assert len(seen) == 1 and not parallel.CANCEL.is_set()
     # a cancelled reduction stops at its next chunk; the flag does not leak into later runs
-    stream.CANCEL.set()
+    parallel.CANCEL.set()
     try:
-        with pytest.raises(stream.Cancelled):
+        with pytest.raises(parallel.Cancelled):
             stream.reduce_span(stream.inspect_tokens(data), (0, 211), 10)
     finally:
-        stream.CANCEL.clear()
+        parallel.CANCEL.clear()
     assert_same_stats(featurize(data, chunk_size=13, workers=2), serial)

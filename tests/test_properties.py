@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from mhla_cli.features import cubic_features, n_features
 from mhla_cli.heads import p_from_heads
-from mhla_cli.model import predict
+from mhla_cli.forward import predict
 from mhla_cli.solve import EPS, certify, fit
 from mhla_cli.stream import featurize
 from mhla_cli.synthetic import random_teacher

@@ -17,7 +17,7 @@ import pytest
 from mhla_cli import formats, signals
 from mhla_cli.cli import run
 from mhla_cli.heads import W_from_p
-from mhla_cli.solve import Model
+from mhla_cli.model import Model
 from mhla_cli.features import n_features
 
 PREVIOUS = b"an earlier result that must survive\n" * 20

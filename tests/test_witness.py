@@ -15,8 +15,8 @@ import pytest
 from conftest import write_tokens
 from mhla_cli import synthetic
 from mhla_cli.cli import run
-from mhla_cli.model import forward_heads
-from mhla_cli.solve import Model
+from mhla_cli.forward import forward_heads
+from mhla_cli.model import Model
 from mhla_cli.witness import MIN_FUNCTION_CHANGE, ROUNDING, Witness
 
 

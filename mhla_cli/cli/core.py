@@ -11,8 +11,9 @@ import typer
 from .. import formats, synthetic
 from ..errors import InputError
 from ..heads import export_heads
-from ..model import load_function, predict_file
-from ..solve import Model, certify, fit
+from ..model import Model, load_function
+from ..forward import predict_file, rollout_file
+from ..solve import certify, fit
 from ..stream import Features, featurize
 from ._common import ChunkOpt, JsonOpt, OutOpt, QuietOpt, emit_json, fmt, progress_bar, say, warn
 from ..tokens import inspect_tokens
@@ -507,8 +508,6 @@ def rollout_cmd(
 
     Example (symbols): mhla rollout heads.h5 prompts.h5 --steps 24 --snap vocab.h5 -o traces.h5 --json
     """
-    from ..model import rollout_file
-
     formats.check_output_path(output, (model_path, data) + ((snap,) if snap is not None else ()))
     fn = load_function(model_path)
     info = inspect_tokens(data)

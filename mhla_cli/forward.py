@@ -1,0 +1,368 @@
+"""The MHLA forward pass: last-token and all-position outputs, from coef p or from heads."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from . import formats
+from .errors import InputError
+from .features import features_from_moments, pair_index
+from .heads import Heads
+from .features import check_normalize
+from .parallel import make_map
+from .stream import default_chunk_size, prefix_moments, sequence_moments
+from .tokens import check_finite, check_weights, inspect_tokens, iter_chunks, spans
+from .model import Model, coef_of, normalize_of
+
+
+def forward_heads(V: np.ndarray, Q: np.ndarray, X: np.ndarray, all_positions: bool = False,
+                  normalize: str = "none") -> np.ndarray:
+    """Reference forward pass of one sequence X (n, d): sum_h V_h X^T X Q_h x_t (t = n, or every t).
+
+    normalize="length" uses S = X^T X / n.
+    """
+    X = np.asarray(X, dtype=np.float64)
+    S = X.T @ X
+    if normalize == "length":
+        S = S / X.shape[0]
+    if all_positions:
+        return np.einsum("hab,bc,hcl,tl->ta", V, S, Q, X, optimize=True)
+    return np.einsum("hab,bc,hcl,l->a", V, S, Q, X[-1], optimize=True)
+
+
+def predict_chunk(coef: np.ndarray, tokens: np.ndarray, offsets: np.ndarray,
+                  all_positions: bool = False, normalize: str = "none") -> tuple[np.ndarray, np.ndarray | None]:
+    """Predictions for a chunk: last-token outputs (B, d) and, if asked, every position's (t, d).
+
+    normalize="length" divides each sequence's S by its length (as the model was fitted).
+    """
+    d = coef.shape[0]
+    if tokens.shape[1] != d:
+        raise InputError(f"the model has d = {d} but the data have d = {tokens.shape[1]}")
+    S, last = sequence_moments(tokens, offsets)
+    if normalize == "length":
+        S /= np.diff(np.asarray(offsets, dtype=np.int64)).astype(np.float64)[:, None, None]
+    H = features_from_moments(S, last)
+    pred = H @ coef.T
+    outputs = None
+    if all_positions:
+        # Y_t = M_i x_t with M_i[a, l] = sum_{j<=k} p[a,(j,k,l)] S_i[j,k].
+        j, k = pair_index(d)
+        P = coef.reshape(d, j.size, d)
+        M = np.einsum("bp,apl->bal", S[:, j, k], P, optimize=True)
+        lengths = np.diff(offsets)
+        seq = np.repeat(np.arange(lengths.size), lengths)
+        X = np.asarray(tokens, dtype=np.float64)
+        outputs = np.einsum("tal,tl->ta", M[seq], X, optimize=True)
+    return pred, outputs
+
+
+def causal_chunk(coef: np.ndarray, tokens: np.ndarray, offsets: np.ndarray, normalize: str = "none"
+                 ) -> np.ndarray:
+    """Causal outputs (t, d) of a chunk: row t is the last-token output p . H(X[:t]) of its prefix.
+
+    Computed from the running prefix Grams (stream.prefix_moments): out_t = M_t x_t with
+    M_t[a, l] = sum_{j<=k} p[a,(j,k,l)] S_t[j,k].
+    """
+    d = coef.shape[0]
+    if tokens.shape[1] != d:
+        raise InputError(f"the model has d = {d} but the data have d = {tokens.shape[1]}")
+    upper, X = prefix_moments(tokens, offsets, normalize)
+    npairs = upper.shape[1]
+    P = np.asarray(coef, dtype=np.float64).reshape(d, npairs, d).transpose(1, 0, 2).reshape(npairs, d * d)
+    M = (upper @ P).reshape(-1, d, d)
+    return np.einsum("tal,tl->ta", M, X)
+
+
+def predict_causal(fn: Model | Heads | np.ndarray, tokens: np.ndarray, offsets: np.ndarray | None = None
+                   ) -> np.ndarray:
+    """In-memory causal outputs (T, d) (tokens (N, n, d), or (T, d) with offsets); the model's normalisation."""
+    tokens = np.asarray(tokens)
+    if tokens.ndim == 3:
+        N, n, d = tokens.shape
+        offsets = np.arange(N + 1) * n
+        tokens = tokens.reshape(-1, d)
+    elif offsets is None:
+        raise InputError("tokens of shape (T, d) need offsets")
+    return causal_chunk(coef_of(fn), tokens, np.asarray(offsets, dtype=np.int64), normalize_of(fn))
+
+
+def predict(fn: Model | Heads | np.ndarray, tokens: np.ndarray, offsets: np.ndarray | None = None,
+            all_positions: bool = False) -> np.ndarray | tuple[np.ndarray, np.ndarray]:
+    """In-memory prediction. tokens (N, n, d), or (T, d) with offsets (N+1,); the model's normalisation."""
+    coef = coef_of(fn)
+    tokens = np.asarray(tokens)
+    if tokens.ndim == 3:
+        N, n, d = tokens.shape
+        offsets = np.arange(N + 1) * n
+        tokens = tokens.reshape(-1, d)
+    elif offsets is None:
+        raise InputError("tokens of shape (T, d) need offsets")
+    pred, outputs = predict_chunk(coef, tokens, np.asarray(offsets, dtype=np.int64), all_positions,
+                                  normalize_of(fn))
+    return (pred, outputs) if all_positions else pred
+
+
+def causal_span(coef: np.ndarray, info: Any, normalize: str, span: tuple[int, int]
+                ) -> tuple[np.ndarray, np.ndarray, np.ndarray, float, int]:
+    """Causal predictions of samples [lo, hi): (pred (B, d), outputs (t, d), offsets, weighted SSE, count).
+
+    The SSE is sum_t w_t ||out_t - y_t||^2 over positions with w_t > 0 (per-position targets) or
+    over sequences (last-token targets, pred vs y); count is the number of those samples.
+    """
+
+
+    lo, hi = span
+    for a, _b, tokens, offsets, targets, weights in iter_chunks(info, (lo, hi), hi - lo, prefetch=False,
+                                                                with_weights=True):
+        check_finite(tokens, offsets, targets, a, info.path)
+        check_weights(weights, offsets, a, info.per_position, info.path)
+        outputs = causal_chunk(coef, tokens, offsets, normalize)
+        pred = outputs[offsets[1:] - 1]
+        sse, count = 0.0, 0
+        if targets is not None:
+            err = ((outputs if info.per_position else pred) - targets) ** 2
+            if weights is None:
+                sse, count = float(err.sum()), err.shape[0]
+            else:
+                sse, count = float(weights @ err.sum(axis=1)), int((weights > 0).sum())
+        return pred, outputs, offsets.copy(), sse, count
+    raise ValueError("empty span")
+
+
+def _plain_span(coef: np.ndarray, info: Any, all_positions: bool, normalize: str, span: tuple[int, int]
+                ) -> tuple[np.ndarray, np.ndarray | None, np.ndarray, float, int]:
+    """parallel.predict_span with the sample count of its SSE (last-token predictions)."""
+    pred, outputs, offsets, sse = predict_span(coef, info, all_positions, span, normalize=normalize)
+    return pred, outputs, offsets, sse, pred.shape[0] if info.has_targets else 0
+
+
+def predict_file(fn: Model | Heads, data: str | os.PathLike, out: str | os.PathLike | None = None,
+                 all_positions: bool = False, chunk_size: int | None = None,
+                 progress: Callable[[int], None] | None = None,
+                 inputs: tuple[str | os.PathLike, ...] = (), workers: int = 1,
+                 map: Callable[..., Any] | None = None,  # noqa: A002
+                 causal: bool = False) -> dict[str, Any]:
+    """Stream predictions over a tokens file; write them to `out` (atomically) if given.
+
+    Returns a summary (n_samples, mse when the data have targets); without `out` the summary also
+    holds the `predictions` array (and `outputs`, `offsets` with `all_positions` or `causal`).
+    `workers=K` predicts chunks in K local workers (or pass any ordered `map`); the output is the
+    same as the serial one. The model's normalisation (attribute `normalize`) is applied.
+
+    `causal`: `outputs` (T, d) holds the last-token output of every prefix X[:t] and `predictions`
+    the one of every whole sequence; the MSE is over the weighted positions of per-position
+    targets (sum w ||e||^2 / (#{w > 0} d)), or over the sequences of last-token targets. Without
+    `causal`, per-position targets give no MSE (the predictions are per sequence).
+    """
+    import dataclasses
+    from functools import partial
+
+    import h5py
+
+    if all_positions and causal:
+        raise InputError("--causal and --all-positions cannot be combined: --causal outputs the masked "
+                         "(prefix) output at every position, --all-positions the unmasked one")
+    coef = coef_of(fn)
+    normalize = check_normalize(normalize_of(fn))
+    d = coef.shape[0]
+    info = inspect_tokens(data)
+    if info.d != d:
+        raise InputError(f"the data have d = {info.d} but the model has d = {d}", data)
+    if info.per_position and not causal:
+        info = dataclasses.replace(info, has_targets=False)  # per-position targets: no per-sequence MSE
+    size = chunk_size or default_chunk_size(info)
+    sse, count = 0.0, 0
+    have_y = info.has_targets
+    with_outputs = all_positions or causal
+    result: dict[str, Any] = {"n_samples": info.n_samples, "d": d, "normalize": normalize}
+    store = None if out is not None else np.empty((info.n_samples, d))
+    store_out = None if out is not None or not with_outputs else np.empty((info.n_tokens, d))
+    store_off = None if out is not None or not with_outputs else np.zeros(info.n_samples + 1, dtype=np.int64)
+
+    def run(fout: h5py.File | None) -> None:
+        nonlocal sse, count
+        if fout is not None:
+            dp = fout.create_dataset("predictions", (info.n_samples, d), dtype="f8")
+            if with_outputs:
+                do = fout.create_dataset("outputs", (info.n_tokens, d), dtype="f8")
+                doff = fout.create_dataset("offsets", (info.n_samples + 1,), dtype="i8")
+                doff[0] = 0
+        tok_pos = 0
+        todo = spans(0, info.n_samples, size)
+        with make_map(workers=workers, map=map) as pmap:
+            # workers open the file themselves: give them an absolute path
+            winfo = info if pmap.n_workers == 1 else dataclasses.replace(info, path=os.path.abspath(info.path))
+            if causal:
+                task = partial(causal_span, coef, winfo, normalize)
+            else:
+                task = partial(_plain_span, coef, winfo, all_positions, normalize)
+            for (a, b), (pred, outputs, offsets, part_sse, part_n) in zip(todo, pmap(task, todo)):
+                sse += part_sse
+                count += part_n
+                if fout is not None:
+                    dp[a:b] = pred
+                    if with_outputs:
+                        do[tok_pos:tok_pos + outputs.shape[0]] = outputs
+                        doff[a + 1:b + 1] = tok_pos + offsets[1:]
+                else:
+                    store[a:b] = pred
+                    if with_outputs:
+                        store_out[tok_pos:tok_pos + outputs.shape[0]] = outputs
+                        store_off[a + 1:b + 1] = tok_pos + offsets[1:]
+                tok_pos += int(offsets[-1])
+                if progress is not None:
+                    progress(b - a)
+
+    if out is not None:
+        o = formats.check_output_path(out, (data, *inputs))
+        meta = {**formats.header("predictions", (data, *inputs)), "d": d, "n_samples": info.n_samples,
+                "normalize": normalize, "causal": int(causal)}
+        with formats.atomic_path(o) as tmp:
+            with formats.create_output(tmp) as fout:
+                for k, v in meta.items():
+                    fout.attrs[k] = v
+                run(fout)
+    else:
+        run(None)
+        result["predictions"] = store
+        if with_outputs:
+            result["outputs"], result["offsets"] = store_out, store_off
+    if have_y:
+        result["mse"] = sse / (max(count, 1) * d)
+        result["n_scored"] = count
+    return result
+
+
+# --------------------------------------------------------------------------------------------
+# rollout: autoregressive generation
+# --------------------------------------------------------------------------------------------
+
+
+def load_codebook(path: str | os.PathLike, d: int) -> np.ndarray:
+    """The dataset `codebook` (C, d) of an HDF5 file, float64, validated (C >= 1, finite, d matches)."""
+    with formats.open_input(path) as f:
+        if "codebook" not in f:
+            names = ", ".join(sorted(f.keys())) or "nothing"
+            raise InputError(f"missing dataset 'codebook' (C, d) of token embeddings; found {names}", path)
+        C = formats.read_array(f, "codebook", path, finite=False).astype(np.float64)
+    if C.ndim != 2 or C.shape[0] < 1 or C.shape[1] != d:
+        raise InputError(f"'codebook' has shape {C.shape}, expected (C, d) = (C, {d}) with C >= 1", path)
+    if not np.isfinite(C).all():
+        raise InputError("'codebook' contains NaN or Inf", path)
+    return C
+
+
+def snap_to(codebook: np.ndarray, y: np.ndarray, block: int = 4096) -> np.ndarray:
+    """Index of the nearest codebook row (Euclidean; the first on ties) of every row of y (B, d)."""
+    c2 = (codebook**2).sum(axis=1)
+    idx = np.empty(y.shape[0], dtype=np.int64)
+    for a in range(0, y.shape[0], block):
+        yb = y[a:a + block]
+        dist = c2[None, :] - 2.0 * (yb @ codebook.T) + (yb**2).sum(axis=1)[:, None]
+        idx[a:a + block] = np.argmin(dist, axis=1)
+    return idx
+
+
+def rollout_chunk(coef: np.ndarray, tokens: np.ndarray, offsets: np.ndarray, steps: int,
+                  normalize: str = "none", codebook: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """Append `steps` generated tokens to every sequence of a chunk: (tokens (t + B*steps, d), offsets).
+
+    Each new token is the last-token output of the sequence so far (S kept as a running sum, so a
+    step costs O(B d^3)); with `codebook` it is replaced by the nearest codebook row.
+    """
+    d = coef.shape[0]
+    if tokens.shape[1] != d:
+        raise InputError(f"the model has d = {d} but the data have d = {tokens.shape[1]}")
+    offsets = np.asarray(offsets, dtype=np.int64)
+    S, last = sequence_moments(tokens, offsets)
+    lengths = np.diff(offsets)
+    B = lengths.size
+    n = lengths.astype(np.float64)
+    gen = np.empty((B, steps, d))
+    for k in range(steps):
+        Sn = S / n[:, None, None] if normalize == "length" else S
+        y = features_from_moments(Sn, last) @ coef.T
+        if codebook is not None:
+            y = codebook[snap_to(codebook, y)]
+        gen[:, k] = y
+        S += y[:, :, None] * y[:, None, :]
+        n += 1.0
+        last = y
+    new_off = offsets + steps * np.arange(B + 1)
+    out = np.empty((int(new_off[-1]), d))
+    pos = np.arange(int(offsets[-1]))
+    seq = np.repeat(np.arange(B), lengths)
+    out[pos + steps * seq] = np.asarray(tokens, dtype=np.float64)
+    gen_rows = (new_off[:-1] + lengths)[:, None] + np.arange(steps)[None, :]
+    out[gen_rows.reshape(-1)] = gen.reshape(-1, d)
+    return out, new_off
+
+
+def rollout_file(fn: Model | Heads, data: str | os.PathLike, out: str | os.PathLike, steps: int,
+                 codebook: str | os.PathLike | None = None, chunk_size: int | None = None,
+                 progress: Callable[[int], None] | None = None,
+                 inputs: tuple[str | os.PathLike, ...] = ()) -> dict[str, Any]:
+    """Stream `rollout_chunk` over a tokens file; write a tokens file (tokens (T + N K, d) float64 + offsets).
+
+    Generated tokens that overflow float64 (a diverging rollout) are an InputError; nothing is written.
+    """
+    if steps < 1:
+        raise InputError(f"--steps must be >= 1, got {steps}")
+    coef = coef_of(fn)
+    normalize = check_normalize(normalize_of(fn))
+    d = coef.shape[0]
+    info = inspect_tokens(data)
+    if info.d != d:
+        raise InputError(f"the data have d = {info.d} but the model has d = {d}", data)
+    C = None if codebook is None else load_codebook(codebook, d)
+    o = formats.check_output_path(out, (data, *inputs, *((codebook,) if codebook is not None else ())))
+    N = info.n_samples
+    total = info.n_tokens + N * steps
+    size = chunk_size or max(1, default_chunk_size(info) // max(1, (steps + 1) // 2))
+    meta = {**formats.header("tokens", (data, *inputs)), "generator": "rollout", "steps": steps,
+            "normalize": normalize, "snapped": int(C is not None)}
+
+
+    with formats.atomic_path(o) as tmp:
+        with formats.create_output(tmp) as fout:
+            for k, v in meta.items():
+                fout.attrs[k] = v
+            dt = fout.create_dataset("tokens", (total, d), dtype="f8")
+            doff = fout.create_dataset("offsets", (N + 1,), dtype="i8")
+            doff[0] = 0
+            pos = 0
+            for a, b, tokens, offsets, _y in iter_chunks(info, (0, N), size):
+                check_finite(tokens, offsets, None, a, data)
+                with np.errstate(over="ignore", invalid="ignore"):
+                    new_tok, new_off = rollout_chunk(coef, tokens, offsets, steps, normalize, C)
+                if not np.isfinite(new_tok).all():
+                    bad = int(np.searchsorted(new_off, np.flatnonzero(~np.isfinite(new_tok).all(axis=1))[0],
+                                              side="right") - 1)
+                    raise InputError(f"the rollout of sequence {a + bad} diverges: generated tokens overflow "
+                                     "float64 (use fewer --steps or --snap to a codebook); nothing was written",
+                                     data)
+                dt[pos:pos + new_tok.shape[0]] = new_tok
+                doff[a + 1:b + 1] = pos + new_off[1:]
+                pos += new_tok.shape[0]
+                if progress is not None:
+                    progress(b - a)
+    return {"output": str(out), "n_samples": N, "d": d, "steps": steps, "n_tokens": total,
+            "normalize": normalize, "snapped": C is not None}
+
+
+def predict_span(coef: np.ndarray, info: Any, all_positions: bool, span: tuple[int, int],
+                 normalize: str = "none") -> tuple[np.ndarray, np.ndarray | None, np.ndarray, float]:
+    """Predictions for samples [lo, hi): (pred (B, d), outputs (t, d) or None, offsets, SSE vs targets)."""
+
+    lo, hi = span
+    for a, _b, tokens, offsets, targets in iter_chunks(info, (lo, hi), hi - lo, prefetch=False):
+        check_finite(tokens, offsets, targets, a, info.path)
+        pred, outputs = predict_chunk(coef, tokens, offsets, all_positions, normalize)
+        sse = float(((pred - targets) ** 2).sum()) if targets is not None else 0.0
+        return pred, outputs, offsets.copy(), sse
+    raise ValueError("empty span")
