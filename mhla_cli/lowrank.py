@@ -100,32 +100,54 @@ def _check_coef(coef: np.ndarray) -> tuple[np.ndarray, int]:
     return coef, d
 
 
+def solver_info(name: str, converged: bool, iterations: int, max_iter: int, final_residual: float,
+                residual: str, tol: float, **extra: Any) -> dict[str, Any]:
+    """The record every iterative solver returns: did it stop on its criterion or at its limit."""
+    return {"solver": name, "converged": bool(converged), "iterations": int(iterations), "max_iter": int(max_iter),
+            "final_residual": float(final_residual), "residual": residual, "tol": float(tol), **extra}
+
+
 @_serial_blas
 def min_nuclear_W(coef: np.ndarray, tol: float = 1e-11, max_iter: int = 5000,
-                  W0: np.ndarray | None = None) -> np.ndarray:
+                  W0: np.ndarray | None = None, return_info: bool = False
+                  ) -> np.ndarray | tuple[np.ndarray, dict[str, Any]]:
     """The minimum-nuclear-norm W with p(W) = coef (Douglas-Rachford splitting).
 
     Splits min ||W||_* + indicator{A W = coef}: x = proj(z), y = svt(2x - z, t), z += y - x. The
-    returned x is feasible to rounding; the iteration stops when ||y - x|| <= tol ||x||.
+    returned W is feasible to rounding whether or not the iteration converged; it converged when
+    ||y - x|| <= tol ||x|| (the fixed-point residual, reported as final_residual) before max_iter.
+    With return_info=True returns (W, info) with info from `solver_info`.
     """
     coef, d = _check_coef(coef)
+    residual = "||y - x|| / ||x|| (Douglas-Rachford fixed-point residual; W is feasible regardless)"
     norm = float(np.linalg.norm(coef))
     if norm == 0:
-        return np.zeros((d * d, d * d))
+        W = np.zeros((d * d, d * d))
+        info = solver_info("min-nuclear-norm (Douglas-Rachford)", True, 0, max_iter, 0.0, residual, tol)
+        return (W, info) if return_info else W
     z = W_from_p(coef / norm) if W0 is None else np.asarray(W0, dtype=np.float64) / norm
     target = coef / norm
     s0 = np.linalg.svd(project_affine(z, target), compute_uv=False)
     # Step t: a fraction of the typical singular value; DR converges for any t > 0, this one fast.
     t = 0.5 * float(np.mean(s0[s0 > 1e-12 * s0[0]]))
     x = project_affine(z, target)
-    for _ in range(max_iter):
+    y = x
+    converged = False
+    it = 0
+    res = float("inf")
+    for it in range(1, max_iter + 1):
         x = project_affine(z, target)
         y, _s = svt(2 * x - z, t)
         diff = y - x
         z = z + diff
-        if np.linalg.norm(diff) <= tol * max(np.linalg.norm(x), 1e-300):
+        res = float(np.linalg.norm(diff)) / max(float(np.linalg.norm(x)), 1e-300)
+        if res <= tol:
+            converged = True
             break
-    return project_affine(y, target) * norm
+    W = project_affine(y, target) * norm
+    if not return_info:
+        return W
+    return W, solver_info("min-nuclear-norm (Douglas-Rachford)", converged, it, max_iter, res, residual, tol)
 
 
 # --------------------------------------------------------------------------------------------
@@ -193,8 +215,15 @@ class _Metric:
 
 
 def polish_heads(coef: np.ndarray, Vm: np.ndarray, Qm: np.ndarray, tol: float = 1e-13,
-                 max_iter: int = 200) -> tuple[np.ndarray, np.ndarray, float]:
-    """Levenberg-Marquardt on p(V, Q) = coef; returns V, Q (H, d^2) and ||p - coef|| / ||coef||."""
+                 max_iter: int = 200, stall_window: int = 50, stall_factor: float = 0.9,
+                 return_info: bool = False) -> tuple[Any, ...]:
+    """Levenberg-Marquardt on p(V, Q) = coef; returns V, Q (H, d^2) and ||p - coef|| / ||coef||.
+
+    Stops when the relative error is <= tol (converged), when the cost fell by less than a factor
+    `stall_factor` over the last `stall_window` accepted steps (a plateau: a local minimum or too few
+    heads), when no damped step decreases the cost, or at max_iter. With return_info=True also
+    returns the `solver_info` record (stop reason in info["stop"], final_residual = relative p error).
+    """
     norm = float(np.linalg.norm(coef))
     target = coef.ravel() / norm
     H = Vm.shape[0]
@@ -205,11 +234,16 @@ def polish_heads(coef: np.ndarray, Vm: np.ndarray, Qm: np.ndarray, tol: float = 
     mu = 1e-3
     history = [cost]
     metric = _Metric(gram=np.eye(n_features(d)), n_samples=2)  # (2/N) G = I
+    stop = "max_iter"
+    it = 0
     for it in range(max_iter):
         if np.sqrt(cost) <= tol:
+            stop = "tolerance"
             break
-        # Give up on a stalled run (a swamp or too few heads): < 2x progress over 25 steps.
-        if it >= 25 and cost > 0.5 * history[it - 25] and cost > 1e4 * tol * tol:
+        # A plateau (a swamp or too few heads): little progress over the last stall_window steps.
+        if (len(history) > stall_window and cost > stall_factor * history[-1 - stall_window]
+                and cost > 1e4 * tol * tol):
+            stop = "stalled"
             break
         # J^T J and J^T r from the structured blocks with an identity metric (no dense J).
         HVV, HQQ, HVQ, gV, gQ = _normal_parts(metric, Vm, Qm, r.reshape(d, -1))
@@ -236,9 +270,19 @@ def polish_heads(coef: np.ndarray, Vm: np.ndarray, Qm: np.ndarray, tol: float = 
                 break
             mu *= 4
         if not improved:
+            stop = "no-descent"
             break
+    else:
+        it = max_iter
+        if np.sqrt(cost) <= tol:
+            stop = "tolerance"
     s = np.sqrt(norm)
-    return Vm * s, Qm * s, float(np.sqrt(cost))
+    err = float(np.sqrt(cost))
+    if not return_info:
+        return Vm * s, Qm * s, err
+    info = solver_info("Levenberg-Marquardt (heads)", stop == "tolerance", it, max_iter, err,
+                       "||p(V, Q) - p|| / ||p||", tol, stop=stop)
+    return Vm * s, Qm * s, err, info
 
 
 def _rel_err(coef: np.ndarray, Vm: np.ndarray, Qm: np.ndarray) -> float:
@@ -251,50 +295,129 @@ def _to_heads(Vm: np.ndarray, Qm: np.ndarray, d: int) -> Heads:
     return Heads(V=Vm.reshape(H, d, d).copy(), Q=Qm.reshape(H, d, d).copy())
 
 
+def head_lower_bound(coef: np.ndarray, tol: float = 1e-8, n_directions: int = 4, seed: int = 0
+                     ) -> dict[str, Any]:
+    """A proven lower bound on the heads of any MHLA whose p is within `tol` (relative) of coef.
+
+    For x in R^d, B(x)[a, l] = sum_{j<=k} x_j x_k p[a,(j,k,l)] = sum_{j,k} x_j x_k W[a*d+j, k*d+l] is the
+    same for every W with that p (the kernel of A is antisymmetric in (j, k)), and an H-head W gives
+    B(x) = sum_h (V_h x)(Q_h^T x)^T of rank <= H. For unit x, ||B(x) - B'(x)||_2 <= ||p - p'||_F, so by
+    Weyl's inequality every p' with ||p' - p|| <= tol ||p|| needs >= #{i : s_i(B(x)) > tol ||p||} heads.
+    x runs over the coordinate vectors (B_j[a, l] = p[a,(j,j,l)]) and `n_directions` seeded random
+    unit vectors; the bound is the largest of these ranks (>= 1 when p != 0).
+    """
+    coef, d = _check_coef(coef)
+    norm = float(np.linalg.norm(coef))
+    # The SVD itself is accurate to ~ d eps ||B||; the tolerance dominates for tol >> eps.
+    thr = max(tol, 10 * d * EPS) * norm
+    j, k = pair_index(d)
+    P = coef.reshape(d, j.size, d)
+    xs = [np.eye(d)[i] for i in range(d)]
+    rng = np.random.default_rng(seed)
+    for _ in range(n_directions):
+        x = rng.standard_normal(d)
+        xs.append(x / np.linalg.norm(x))
+    ranks = []
+    for x in xs:
+        B = np.einsum("i,ail->al", x[j] * x[k], P)
+        ranks.append(int((np.linalg.svd(B, compute_uv=False) > thr).sum()))
+    bound = max(ranks) if norm > 0 else 0
+    return {"lower_bound": max(bound, 1) if norm > 0 else 1, "block_ranks": ranks[:d],
+            "direction_ranks": ranks[d:], "threshold": thr,
+            "method": "max rank of B(x)[a,l] = sum_{j<=k} x_j x_k p[a,(j,k,l)] over coordinate and random x, "
+                      "counting singular values > tol ||p||"}
+
+
+def _random_start(coef: np.ndarray, W_mn: np.ndarray, H: int, rng: np.random.Generator, scale: float
+                  ) -> tuple[np.ndarray, np.ndarray]:
+    """Top-H SVD of a random point of {W : p(W) = coef}: the min-norm W plus a random kernel element
+    of norm scale * ||W_mn|| (random kernel directions reach the other low-rank members of the set)."""
+    K = rng.standard_normal(W_mn.shape)
+    K = K - W_from_p(p_from_W(K))
+    nk = float(np.linalg.norm(K))
+    if nk > 0:
+        K *= scale * float(np.linalg.norm(W_mn)) / nk
+    return _heads_from_svd(W_mn + K, H)
+
+
+_START_SCALES = (1.0, 2.0, 4.0, 0.5)
+
+
 @_serial_blas
 def fewest_heads(coef: np.ndarray, tol: float = 1e-8, W: np.ndarray | None = None,
-                 linear_upto: int = 6) -> Heads:
-    """The fewest heads whose function matches coef to `tol` relative (verified before returning).
+                 linear_upto: int = 6, n_starts: int = 16, seed: int = 0, max_iter: int = 500) -> Heads:
+    """The fewest heads found whose function matches coef to `tol` relative (verified before returning).
 
-    Searches the equivalence class {W : p(W) = coef} for a low-rank W: the minimum-nuclear-norm W,
-    then for H = 1, 2, ... a rank-H factorisation started from its top-H SVD and polished by
-    Levenberg-Marquardt until p matches. H <= linear_upto is scanned one by one, larger H by
-    bisection (an exact H-head fit extends to H + 1 heads), trying spectrum.generic_rank(d) first. `info` holds n_heads,
-    relative_function_error, singular_values (of the min-nuclear W) and the min-norm head count.
+    Lower bound L (`head_lower_bound`): no model within tol of coef has fewer heads. For H = L, L + 1, ...
+    (one by one for linear_upto head counts, then bisection up to the rank of the minimum-nuclear-norm
+    W, since an exact H-head fit extends to H + 1 heads; spectrum.generic_rank(d) is tried first), up
+    to 2 + n_starts starts are polished by Levenberg-Marquardt: the top-H SVD of the min-nuclear-norm
+    W, of the min-norm W, then n_starts top-H SVDs of random points of {W : p(W) = coef} (seeded by
+    seed and H). The first start within tol is accepted. `info`: n_heads, lower_bound,
+    proven_minimal (n_heads == lower_bound), starts_tried and best_error per H tried, rel_error
+    (= relative_function_error), singular_values and solver (convergence of the min-nuclear W).
     """
     coef, d = _check_coef(coef)
     if not 0 < tol < 1:
         raise InputError(f"tolerance must be in (0, 1), got {tol}")
+    if n_starts < 0:
+        raise InputError(f"n_starts must be >= 0, got {n_starts}")
     norm = float(np.linalg.norm(coef))
     if norm == 0:
         heads = Heads(V=np.zeros((1, d, d)), Q=np.zeros((1, d, d)))
-        heads.info = {"n_heads": 1, "relative_function_error": 0.0, "singular_values": [0.0], "tol": tol}
+        heads.info = {"n_heads": 1, "relative_function_error": 0.0, "rel_error": 0.0, "singular_values": [0.0],
+                      "tol": tol, "lower_bound": 1, "proven_minimal": True, "starts_tried": {}, "best_error": {}}
         return heads
-    Wn = min_nuclear_W(coef) if W is None else W
+    if W is None:
+        Wn, nuc_info = min_nuclear_W(coef, return_info=True)
+    else:
+        Wn, nuc_info = W, None
+    W_mn = W_from_p(coef)
     s = np.linalg.svd(Wn, compute_uv=False)
     # The SVD of the (feasible) min-nuclear W with all its nonzero values is an exact fallback.
     r_max = max(1, int((s > 1e-10 * s[0]).sum()))
+    bound = head_lower_bound(coef, tol=tol, seed=seed)
+    L = min(bound["lower_bound"], r_max)
     tried: dict[int, tuple[np.ndarray, np.ndarray, float]] = {}
+    n_tried: dict[int, int] = {}
 
     def attempt(H: int) -> tuple[np.ndarray, np.ndarray, float]:
-        if H not in tried:
-            V0, Q0 = _heads_from_svd(Wn, H)
-            err0 = _rel_err(coef, V0, Q0)
-            if err0 <= tol * 1e-2:
-                tried[H] = (V0, Q0, err0)
+        if H in tried:
+            return tried[H]
+        rng = np.random.default_rng([seed, H])
+        best: tuple[np.ndarray, np.ndarray, float] | None = None
+        n = 0
+        for i in range(2 + n_starts):
+            if i == 0:
+                V0, Q0 = _heads_from_svd(Wn, H)
+            elif i == 1:
+                V0, Q0 = _heads_from_svd(W_mn, H)
             else:
-                V1, Q1, _ = polish_heads(coef, V0, Q0)
+                V0, Q0 = _random_start(coef, W_mn, H, rng, _START_SCALES[(i - 2) % len(_START_SCALES)])
+            n += 1
+            err0 = _rel_err(coef, V0, Q0)
+            cand = (V0, Q0, err0)
+            if err0 > tol * 1e-2:
+                V1, Q1, _ = polish_heads(coef, V0, Q0, max_iter=max_iter)
                 err1 = _rel_err(coef, V1, Q1)
-                tried[H] = (V1, Q1, err1) if err1 < err0 else (V0, Q0, err0)
-        return tried[H]
+                if err1 < err0:
+                    cand = (V1, Q1, err1)
+            if best is None or cand[2] < best[2]:
+                best = cand
+            if best[2] <= tol:
+                break
+        assert best is not None
+        tried[H], n_tried[H] = best, n
+        return best
 
     best_H = None
-    for H in range(1, min(linear_upto, r_max) + 1):
+    top = min(max(linear_upto, L + linear_upto - 1), r_max)
+    for H in range(L, top + 1):
         if attempt(H)[2] <= tol:
             best_H = H
             break
     if best_H is None:
-        lo, hi = min(linear_upto, r_max), r_max  # lo fails (or equals hi); find the smallest success in (lo, hi]
+        lo, hi = top, r_max  # lo fails (or equals hi); find the smallest success in (lo, hi]
         from .spectrum import generic_rank
 
         # A generic p (e.g. a noisy fit) is typically reachable with generic_rank(d) heads: try it first.
@@ -305,10 +428,11 @@ def fewest_heads(coef: np.ndarray, tol: float = 1e-8, W: np.ndarray | None = Non
             # Fallback: the min-norm SVD has at most d^2 heads and is exact.
             from .heads import heads_from_W
 
-            hd, _ = heads_from_W(W_from_p(coef), tol=0.0)
+            hd, _ = heads_from_W(W_mn, tol=0.0)
             V0, Q0 = hd.V.reshape(hd.n_heads, -1), hd.Q.reshape(hd.n_heads, -1)
             hi = hd.n_heads
             tried[hi] = (V0, Q0, _rel_err(coef, V0, Q0))
+            n_tried[hi] = n_tried.get(hi, 0) + 1
         while hi - lo > 1:
             mid = (lo + hi) // 2
             if attempt(mid)[2] <= tol:
@@ -321,9 +445,36 @@ def fewest_heads(coef: np.ndarray, tol: float = 1e-8, W: np.ndarray | None = Non
     if err > tol:
         raise RuntimeError(f"fewest_heads: no factorisation within {tol:g} (best {err:.3g})")
     heads = _to_heads(Vm, Qm, d)
-    heads.info = {"n_heads": heads.n_heads, "relative_function_error": err, "tol": tol,
-                  "singular_values": s.tolist(), "nuclear_rank": r_max}
+    proven = heads.n_heads <= bound["lower_bound"]
+    heads.info = {"n_heads": heads.n_heads, "relative_function_error": err, "rel_error": err, "tol": tol,
+                  "lower_bound": bound["lower_bound"], "proven_minimal": bool(proven),
+                  "lower_bound_info": bound,
+                  "starts_tried": {int(h): n_tried[h] for h in sorted(n_tried)},
+                  "best_error": {int(h): float(tried[h][2]) for h in sorted(tried)},
+                  "starts_per_head_count": 2 + n_starts, "seed": seed,
+                  "singular_values": s.tolist(), "nuclear_rank": r_max, "solver": nuc_info}
     return heads
+
+
+def fewest_message(info: dict[str, Any]) -> str:
+    """The verdict wording of --fewest: "proven minimal" only when the lower bound is met."""
+    if info.get("proven_minimal"):
+        return f"{info['n_heads']} heads, proven minimal (lower bound {info['lower_bound']})"
+    tried = info.get("starts_tried") or {}
+    per = info.get("starts_per_head_count", max(tried.values(), default=0))
+    return (f"{info['n_heads']} heads: fewest found ({per} starts per head count tried; "
+            f"lower bound {info['lower_bound']})")
+
+
+def hit_limit(info: dict[str, Any] | None) -> bool:
+    """True when an iterative solver's record says it stopped at its iteration limit, unconverged."""
+    return bool(info) and not info.get("converged", True) and info.get("iterations", 0) >= info.get("max_iter", 0)
+
+
+def convergence_warning(info: dict[str, Any], what: str | None = None) -> str:
+    """The stderr warning text for an unconverged solver record."""
+    return (f"{what or info['solver']} did not converge after {info['iterations']} iterations "
+            f"(residual {info['final_residual']:.3g}, {info['residual']}; tolerance {info['tol']:.3g})")
 
 
 # --------------------------------------------------------------------------------------------
