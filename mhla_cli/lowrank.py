@@ -471,6 +471,19 @@ def hit_limit(info: dict[str, Any] | None) -> bool:
     return bool(info) and not info.get("converged", True) and info.get("iterations", 0) >= info.get("max_iter", 0)
 
 
+def solver_warnings(info: dict[str, Any]) -> list[str]:
+    """Warnings for a fit/heads info dict: its solver record, and CV fits that stopped at their limit."""
+    out = []
+    solver = info.get("solver")
+    if hit_limit(solver):
+        out.append(convergence_warning(solver))
+    cv = info.get("cv") or {}
+    if cv.get("unconverged_fits"):
+        out.append(f"{cv['unconverged_fits']} of {cv['fits']} cross-validation fits stopped at their iteration "
+                   "limit before converging: the CV choice is from unconverged fits")
+    return out
+
+
 def convergence_warning(info: dict[str, Any], what: str | None = None) -> str:
     """The stderr warning text for an unconverged solver record."""
     return (f"{what or info['solver']} did not converge after {info['iterations']} iterations "
@@ -615,6 +628,8 @@ def _als_lm(feats: Features, Vm: np.ndarray, Qm: np.ndarray, wd: float, als_swee
     mu = 1e-4
     it = 0
     f0 = max(float(np.trace(feats.target_gram)) / feats.n_samples, 1e-300)
+    stop = "max_iter"
+    res = float("inf")
     for it in range(1, max_iter + 1):
         x = _pack(Vm, Qm)
         Hs, g = system(Vm, Qm)
@@ -635,7 +650,12 @@ def _als_lm(feats: Features, Vm: np.ndarray, Qm: np.ndarray, wd: float, als_swee
             mu *= 4
         # Stop when a step gains less than `tol` relative (statistically irrelevant), or at the
         # float64 resolution of the loss.
-        if not accepted or df <= tol * max(f, f0 * 1e-12):
+        res = df / max(f, f0 * 1e-12)
+        if not accepted:
+            stop = "no-descent"  # no damped step lowers the loss: a minimum at the loss's resolution
+            break
+        if res <= tol:
+            stop = "tolerance"
             break
     # Near an exact fit the loss itself only resolves ~eps * tr(T) (cancellation), so finish with
     # Gauss-Newton steps accepted on the gradient norm, which has no such floor.
@@ -650,7 +670,10 @@ def _als_lm(feats: Features, Vm: np.ndarray, Qm: np.ndarray, wd: float, als_swee
             break
         Vm, Qm = _balance(V2, Q2)
         f = _factorised_objective(feats, Vm, Qm, wd)
-    return Vm, Qm, f, it
+    info = solver_info("ALS + Levenberg-Marquardt (factorised fit)", stop != "max_iter", it, max_iter,
+                       res if np.isfinite(res) else 0.0,
+                       "relative objective decrease of the last Levenberg-Marquardt step", tol, stop=stop)
+    return Vm, Qm, f, it, info
 
 
 @_serial_blas
@@ -696,18 +719,24 @@ def fit_factorised(feats: Features, n_heads: int, weight_decay: float = 0.0, res
     results = []
     floor = 1e-26 * float(np.trace(feats.target_gram)) / feats.n_samples
     for name, V0, Q0 in starts:
-        Vm, Qm, f, it = _als_lm(feats, V0, Q0, weight_decay, als_sweeps, max_iter, tol)
-        results.append((f, name, Vm, Qm, it))
+        Vm, Qm, f, it, sinfo = _als_lm(feats, V0, Q0, weight_decay, als_sweeps, max_iter, tol)
+        if weight_decay == 0 and f <= floor:
+            # An exact fit (zero loss to rounding): converged whatever the step test said.
+            sinfo.update(converged=True, stop="exact-fit")
+        results.append((f, name, Vm, Qm, it, sinfo))
         if weight_decay == 0 and f <= floor:
             break  # an exact fit: no start can do better
     objs = [(r[0], r[1]) for r in results]
-    f, name, Vm, Qm, it = min(results, key=lambda r: r[0])
+    f, name, Vm, Qm, it, sinfo = min(results, key=lambda r: r[0])
+    sinfo["starts_at_limit"] = sum(1 for r in results if not r[5]["converged"])
+    sinfo["starts"] = len(results)
     W = Vm.T @ Qm
     coef = p_from_W(W)
     heads = _to_heads(Vm, Qm, d)
     info = {"method": "factorised", "n_heads": H, "weight_decay": float(weight_decay), "restarts": restarts,
             "seed": seed, "objective": f, "train_mse": mse(feats, coef), "best_start": name,
-            "iterations": it, "start_objectives": {f"{i}:{n}": v for i, (v, n) in enumerate(objs)},
+            "iterations": it, "converged": sinfo["converged"], "final_residual": sinfo["final_residual"],
+            "solver": sinfo, "start_objectives": {f"{i}:{n}": v for i, (v, n) in enumerate(objs)},
             "head_norms": (np.linalg.norm(Vm, axis=1) * np.linalg.norm(Qm, axis=1)).tolist()}
     return LowRankFit(coef=coef, W=W, info=info, heads=heads)
 
@@ -760,6 +789,7 @@ def fit_nuclear(feats: Features, lam: float, max_iter: int = 5000, tol: float = 
     t = 1.0
     converged = False
     it = 0
+    res = float("inf")
     for it in range(1, max_iter + 1):
         p = p_from_W(Y)
         grad = (2.0 / N) * p_adjoint(p @ G - Mt)
@@ -773,15 +803,18 @@ def fit_nuclear(feats: Features, lam: float, max_iter: int = 5000, tol: float = 
             Y = W_new + ((t - 1) / t_new) * step
         nstep = float(np.linalg.norm(step))
         W, t = W_new, t_new
-        if nstep <= tol * max(float(np.linalg.norm(W)), 1e-300):
+        res = nstep / max(float(np.linalg.norm(W)), 1e-300)
+        if res <= tol:
             converged = True
             break
     coef = p_from_W(W)
     s = np.linalg.svd(W, compute_uv=False)
     obj = sse(feats, coef) / N + lam * float(s.sum())
     info = {"method": "nuclear", "nuclear_lambda": float(lam), "objective": obj, "train_mse": mse(feats, coef),
-            "iterations": it, "converged": converged, "rank": int((s > d * d * EPS * max(s[0], 0)).sum()),
-            "singular_values": s.tolist()}
+            "iterations": it, "converged": converged, "final_residual": res,
+            "solver": solver_info("FISTA (nuclear-norm fit)", converged, it, max_iter, res,
+                                  "||W_k+1 - W_k|| / ||W_k+1|| (last proximal-gradient step)", tol),
+            "rank": int((s > d * d * EPS * max(s[0], 0)).sum()), "singular_values": s.tolist()}
     return LowRankFit(coef=coef, W=W, info=info)
 
 
@@ -830,11 +863,13 @@ def cv_heads(total: Features, folds: list[Features], candidates: list[int] | Non
     used: list[int] = []
     worse = 0
     best = np.inf
+    unconverged = 0
     for H in candidates:
         errs = []
         for k, fold in enumerate(folds):
             train = _minus(total, fold)
             res = fit_factorised(train, H, weight_decay=weight_decay, restarts=restarts, seed=seed + k)
+            unconverged += not res.info["converged"]
             errs.append(mse(fold, res.coef))
         rows.append(np.array(errs))
         used.append(H)
@@ -847,7 +882,8 @@ def cv_heads(total: Features, folds: list[Features], candidates: list[int] | Non
                 break
     table = _cv_table(used, np.array(rows))
     i = _pick(table, prefer_last=False, floor=_cv_floor(total))
-    return {"chosen": int(used[i]), "table": [{"heads": int(p), "cv_mse": m, "se": s} for p, m, s in table]}
+    return {"chosen": int(used[i]), "table": [{"heads": int(p), "cv_mse": m, "se": s} for p, m, s in table],
+            "fits": len(used) * len(folds), "unconverged_fits": int(unconverged)}
 
 
 @_serial_blas
@@ -862,17 +898,20 @@ def cv_nuclear(total: Features, folds: list[Features], n_grid: int = 10, decades
     lmax = nuclear_lambda_max(total)
     grid = [lmax * 10 ** (-decades * i / max(n_grid - 1, 1)) for i in range(n_grid)]
     errs = np.zeros((len(grid), len(folds)))
+    unconverged = 0
     for k, fold in enumerate(folds):
         train = _minus(total, fold)
         W0 = None
         for i, lam in enumerate(grid):
             res = fit_nuclear(train, lam, W0=W0, max_iter=2000, tol=1e-7)
+            unconverged += not res.info["converged"]
             W0 = res.W
             errs[i, k] = mse(fold, res.coef)
     table = _cv_table(grid, errs)
     i = _pick(table, prefer_last=True, floor=_cv_floor(total))
     return {"chosen": float(grid[i]), "lambda_max": lmax,
-            "table": [{"lambda": p, "cv_mse": m, "se": s} for p, m, s in table]}
+            "table": [{"lambda": p, "cv_mse": m, "se": s} for p, m, s in table],
+            "fits": len(grid) * len(folds), "unconverged_fits": int(unconverged)}
 
 
 def _minus(total: Features, part: Features) -> Features:
