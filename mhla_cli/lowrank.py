@@ -215,7 +215,7 @@ class _Metric:
 
 
 def polish_heads(coef: np.ndarray, Vm: np.ndarray, Qm: np.ndarray, tol: float = 1e-13,
-                 max_iter: int = 200, stall_window: int = 50, stall_factor: float = 0.9,
+                 max_iter: int = 200, stall_window: int = 40, stall_factor: float = 0.5,
                  return_info: bool = False) -> tuple[Any, ...]:
     """Levenberg-Marquardt on p(V, Q) = coef; returns V, Q (H, d^2) and ||p - coef|| / ||coef||.
 
@@ -345,17 +345,19 @@ _START_SCALES = (1.0, 2.0, 4.0, 0.5)
 
 @_serial_blas
 def fewest_heads(coef: np.ndarray, tol: float = 1e-8, W: np.ndarray | None = None,
-                 linear_upto: int = 6, n_starts: int = 16, seed: int = 0, max_iter: int = 500) -> Heads:
+                 linear_upto: int = 6, n_starts: int = 16, seed: int = 0, max_iter: int = 500,
+                 bisection_starts: int = 2) -> Heads:
     """The fewest heads found whose function matches coef to `tol` relative (verified before returning).
 
-    Lower bound L (`head_lower_bound`): no model within tol of coef has fewer heads. For H = L, L + 1, ...
-    (one by one for linear_upto head counts, then bisection up to the rank of the minimum-nuclear-norm
-    W, since an exact H-head fit extends to H + 1 heads; spectrum.generic_rank(d) is tried first), up
-    to 2 + n_starts starts are polished by Levenberg-Marquardt: the top-H SVD of the min-nuclear-norm
-    W, of the min-norm W, then n_starts top-H SVDs of random points of {W : p(W) = coef} (seeded by
-    seed and H). The first start within tol is accepted. `info`: n_heads, lower_bound,
-    proven_minimal (n_heads == lower_bound), starts_tried and best_error per H tried, rel_error
-    (= relative_function_error), singular_values and solver (convergence of the min-nuclear W).
+    Lower bound L (`head_lower_bound`): no model within tol of coef has fewer heads. For H = L, L + 1,
+    ... up to max(linear_upto, L) one by one, up to 2 + n_starts starts are polished by
+    Levenberg-Marquardt: the top-H SVD of the min-nuclear-norm W, of the min-norm W, then n_starts
+    top-H SVDs of random points of {W : p(W) = coef} (seeded by seed and H); the first start within
+    tol is accepted. Beyond that, bisection up to the rank of the min-nuclear-norm W (an exact H-head
+    fit extends to H + 1 heads; spectrum.generic_rank(d) is tried first) with 2 + bisection_starts
+    starts per H (each start costs O((H d^2)^3) per step there). `info`: n_heads, lower_bound,
+    proven_minimal (n_heads == lower_bound), starts_tried / starts_per_head_count / best_error per H
+    tried, rel_error (= relative_function_error), singular_values, solver (the min-nuclear W's record).
     """
     coef, d = _check_coef(coef)
     if not 0 < tol < 1:
@@ -380,14 +382,15 @@ def fewest_heads(coef: np.ndarray, tol: float = 1e-8, W: np.ndarray | None = Non
     L = min(bound["lower_bound"], r_max)
     tried: dict[int, tuple[np.ndarray, np.ndarray, float]] = {}
     n_tried: dict[int, int] = {}
+    budget: dict[int, int] = {}
 
-    def attempt(H: int) -> tuple[np.ndarray, np.ndarray, float]:
+    def attempt(H: int, k: int = n_starts) -> tuple[np.ndarray, np.ndarray, float]:
         if H in tried:
             return tried[H]
         rng = np.random.default_rng([seed, H])
         best: tuple[np.ndarray, np.ndarray, float] | None = None
         n = 0
-        for i in range(2 + n_starts):
+        for i in range(2 + k):
             if i == 0:
                 V0, Q0 = _heads_from_svd(Wn, H)
             elif i == 1:
@@ -407,11 +410,11 @@ def fewest_heads(coef: np.ndarray, tol: float = 1e-8, W: np.ndarray | None = Non
             if best[2] <= tol:
                 break
         assert best is not None
-        tried[H], n_tried[H] = best, n
+        tried[H], n_tried[H], budget[H] = best, n, 2 + k
         return best
 
     best_H = None
-    top = min(max(linear_upto, L + linear_upto - 1), r_max)
+    top = min(max(linear_upto, L), r_max)
     for H in range(L, top + 1):
         if attempt(H)[2] <= tol:
             best_H = H
@@ -422,9 +425,9 @@ def fewest_heads(coef: np.ndarray, tol: float = 1e-8, W: np.ndarray | None = Non
 
         # A generic p (e.g. a noisy fit) is typically reachable with generic_rank(d) heads: try it first.
         r_gen = generic_rank(d)
-        if lo < r_gen < hi and attempt(r_gen)[2] <= tol:
+        if lo < r_gen < hi and attempt(r_gen, bisection_starts)[2] <= tol:
             hi = r_gen
-        elif attempt(hi)[2] > tol:
+        elif attempt(hi, bisection_starts)[2] > tol:
             # Fallback: the min-norm SVD has at most d^2 heads and is exact.
             from .heads import heads_from_W
 
@@ -433,9 +436,10 @@ def fewest_heads(coef: np.ndarray, tol: float = 1e-8, W: np.ndarray | None = Non
             hi = hd.n_heads
             tried[hi] = (V0, Q0, _rel_err(coef, V0, Q0))
             n_tried[hi] = n_tried.get(hi, 0) + 1
+            budget[hi] = budget.get(hi, 0) + 1
         while hi - lo > 1:
             mid = (lo + hi) // 2
-            if attempt(mid)[2] <= tol:
+            if attempt(mid, bisection_starts)[2] <= tol:
                 hi = mid
             else:
                 lo = mid
@@ -451,7 +455,7 @@ def fewest_heads(coef: np.ndarray, tol: float = 1e-8, W: np.ndarray | None = Non
                   "lower_bound_info": bound,
                   "starts_tried": {int(h): n_tried[h] for h in sorted(n_tried)},
                   "best_error": {int(h): float(tried[h][2]) for h in sorted(tried)},
-                  "starts_per_head_count": 2 + n_starts, "seed": seed,
+                  "starts_per_head_count": {int(h): budget[h] for h in sorted(budget)}, "seed": seed,
                   "singular_values": s.tolist(), "nuclear_rank": r_max, "solver": nuc_info}
     return heads
 
@@ -460,9 +464,10 @@ def fewest_message(info: dict[str, Any]) -> str:
     """The verdict wording of --fewest: "proven minimal" only when the lower bound is met."""
     if info.get("proven_minimal"):
         return f"{info['n_heads']} heads, proven minimal (lower bound {info['lower_bound']})"
-    tried = info.get("starts_tried") or {}
-    per = info.get("starts_per_head_count", max(tried.values(), default=0))
-    return (f"{info['n_heads']} heads: fewest found ({per} starts per head count tried; "
+    per = info.get("starts_per_head_count") or {}
+    counts = sorted({v for h, v in per.items() if int(h) < info["n_heads"]}, reverse=True)
+    text = "/".join(str(c) for c in counts) or "0"
+    return (f"{info['n_heads']} heads: fewest found ({text} starts per head count tried; "
             f"lower bound {info['lower_bound']})")
 
 
