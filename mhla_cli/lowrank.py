@@ -119,7 +119,7 @@ def min_nuclear_W(coef: np.ndarray, tol: float = 1e-11, max_iter: int = 5000,
     With return_info=True returns (W, info) with info from `solver_info`.
     """
     coef, d = _check_coef(coef)
-    residual = "||y - x|| / ||x|| (Douglas-Rachford fixed-point residual; W is feasible regardless)"
+    residual = "||y - x|| / ||x|| (Douglas-Rachford fixed-point residual)"
     norm = float(np.linalg.norm(coef))
     if norm == 0:
         W = np.zeros((d * d, d * d))
@@ -492,7 +492,7 @@ def solver_warnings(info: dict[str, Any]) -> list[str]:
 def convergence_warning(info: dict[str, Any], what: str | None = None) -> str:
     """The stderr warning text for an unconverged solver record."""
     return (f"{what or info['solver']} did not converge after {info['iterations']} iterations "
-            f"(residual {info['final_residual']:.3g}, {info['residual']}; tolerance {info['tol']:.3g})")
+            f"(residual {info['final_residual']:.3g}, tolerance {info['tol']:.3g})")
 
 
 # --------------------------------------------------------------------------------------------
