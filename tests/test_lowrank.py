@@ -202,6 +202,7 @@ def test_fewest_d3_four_head_teachers_give_four_found(seed: int) -> None:
     """d = 3 four-head teachers: 4 heads (issue 9 saw 5). The bound is 3, so the count is "found"."""
     ds, teacher = synthetic.generate_teacher(3, 4, n_features(3) + 40, 8, seed=seed)
     heads = _check_fewest(fit(_feats(ds, 3)).coef, 4, proven=False)
+    assert _rel(heads.coef, teacher.coef) <= 1e-8
     info = heads.info
     assert info["lower_bound"] == 3
     # every start was tried at H = 3 before moving on, and none reached the tolerance
@@ -269,6 +270,7 @@ def test_min_nuclear_w_reports_convergence() -> None:
     t = synthetic.random_teacher(4, 2, np.random.default_rng(4))
     W, info = lowrank.min_nuclear_W(t.coef, return_info=True)
     assert info["converged"] and info["iterations"] < info["max_iter"] and info["final_residual"] <= 1e-11
+    assert np.linalg.svd(W, compute_uv=False)[2] < 1e-9 * np.linalg.norm(W)  # rank 2, as the teacher
     W3, info3 = lowrank.min_nuclear_W(t.coef, max_iter=3, return_info=True)
     assert not info3["converged"] and info3["iterations"] == 3 and info3["final_residual"] > 1e-11
     assert lowrank.hit_limit(info3) and not lowrank.hit_limit(info)

@@ -9,7 +9,16 @@ import typer
 
 from .. import formats
 from ..model import load_function
-from ._common import ChunkOpt, JsonOpt, QuietOpt, emit_json, fmt, progress_bar, say, warn
+from ._common import (
+    ChunkOpt,
+    JsonOpt,
+    QuietOpt,
+    emit_json,
+    fmt,
+    progress_bar,
+    say,
+    warn,
+)
 
 
 def spectrum_cmd(
