@@ -24,7 +24,9 @@ from threadpoolctl import threadpool_limits
 
 from .errors import InputError
 from .features import n_features, pair_index
-from .heads import Heads, W_from_p, p_from_W
+from .heads import Heads, W_from_p, heads_from_W, p_from_W
+from .model import Model
+from .solve import fit
 from .stream import Features
 
 EPS = float(np.finfo(np.float64).eps)
@@ -100,32 +102,54 @@ def _check_coef(coef: np.ndarray) -> tuple[np.ndarray, int]:
     return coef, d
 
 
+def solver_info(name: str, converged: bool, iterations: int, max_iter: int, final_residual: float,
+                residual: str, tol: float, **extra: Any) -> dict[str, Any]:
+    """The record every iterative solver returns: did it stop on its criterion or at its limit."""
+    return {"solver": name, "converged": bool(converged), "iterations": int(iterations), "max_iter": int(max_iter),
+            "final_residual": float(final_residual), "residual": residual, "tol": float(tol), **extra}
+
+
 @_serial_blas
 def min_nuclear_W(coef: np.ndarray, tol: float = 1e-11, max_iter: int = 5000,
-                  W0: np.ndarray | None = None) -> np.ndarray:
+                  W0: np.ndarray | None = None, return_info: bool = False
+                  ) -> np.ndarray | tuple[np.ndarray, dict[str, Any]]:
     """The minimum-nuclear-norm W with p(W) = coef (Douglas-Rachford splitting).
 
     Splits min ||W||_* + indicator{A W = coef}: x = proj(z), y = svt(2x - z, t), z += y - x. The
-    returned x is feasible to rounding; the iteration stops when ||y - x|| <= tol ||x||.
+    returned W is feasible to rounding whether or not the iteration converged; it converged when
+    ||y - x|| <= tol ||x|| (the fixed-point residual, reported as final_residual) before max_iter.
+    With return_info=True returns (W, info) with info from `solver_info`.
     """
     coef, d = _check_coef(coef)
+    residual = "||y - x|| / ||x|| (Douglas-Rachford fixed-point residual)"
     norm = float(np.linalg.norm(coef))
     if norm == 0:
-        return np.zeros((d * d, d * d))
+        W = np.zeros((d * d, d * d))
+        info = solver_info("min-nuclear-norm (Douglas-Rachford)", True, 0, max_iter, 0.0, residual, tol)
+        return (W, info) if return_info else W
     z = W_from_p(coef / norm) if W0 is None else np.asarray(W0, dtype=np.float64) / norm
     target = coef / norm
     s0 = np.linalg.svd(project_affine(z, target), compute_uv=False)
     # Step t: a fraction of the typical singular value; DR converges for any t > 0, this one fast.
     t = 0.5 * float(np.mean(s0[s0 > 1e-12 * s0[0]]))
     x = project_affine(z, target)
-    for _ in range(max_iter):
+    y = x
+    converged = False
+    it = 0
+    res = float("inf")
+    for it in range(1, max_iter + 1):
         x = project_affine(z, target)
         y, _s = svt(2 * x - z, t)
         diff = y - x
         z = z + diff
-        if np.linalg.norm(diff) <= tol * max(np.linalg.norm(x), 1e-300):
+        res = float(np.linalg.norm(diff)) / max(float(np.linalg.norm(x)), 1e-300)
+        if res <= tol:
+            converged = True
             break
-    return project_affine(y, target) * norm
+    W = project_affine(y, target) * norm
+    if not return_info:
+        return W
+    return W, solver_info("min-nuclear-norm (Douglas-Rachford)", converged, it, max_iter, res, residual, tol)
 
 
 # --------------------------------------------------------------------------------------------
@@ -193,8 +217,15 @@ class _Metric:
 
 
 def polish_heads(coef: np.ndarray, Vm: np.ndarray, Qm: np.ndarray, tol: float = 1e-13,
-                 max_iter: int = 200) -> tuple[np.ndarray, np.ndarray, float]:
-    """Levenberg-Marquardt on p(V, Q) = coef; returns V, Q (H, d^2) and ||p - coef|| / ||coef||."""
+                 max_iter: int = 200, stall_window: int = 40, stall_factor: float = 0.5,
+                 return_info: bool = False) -> tuple[Any, ...]:
+    """Levenberg-Marquardt on p(V, Q) = coef; returns V, Q (H, d^2) and ||p - coef|| / ||coef||.
+
+    Stops when the relative error is <= tol (converged), when the cost fell by less than a factor
+    `stall_factor` over the last `stall_window` accepted steps (a plateau: a local minimum or too few
+    heads), when no damped step decreases the cost, or at max_iter. With return_info=True also
+    returns the `solver_info` record (stop reason in info["stop"], final_residual = relative p error).
+    """
     norm = float(np.linalg.norm(coef))
     target = coef.ravel() / norm
     H = Vm.shape[0]
@@ -205,11 +236,16 @@ def polish_heads(coef: np.ndarray, Vm: np.ndarray, Qm: np.ndarray, tol: float = 
     mu = 1e-3
     history = [cost]
     metric = _Metric(gram=np.eye(n_features(d)), n_samples=2)  # (2/N) G = I
+    stop = "max_iter"
+    it = 0
     for it in range(max_iter):
         if np.sqrt(cost) <= tol:
+            stop = "tolerance"
             break
-        # Give up on a stalled run (a swamp or too few heads): < 2x progress over 25 steps.
-        if it >= 25 and cost > 0.5 * history[it - 25] and cost > 1e4 * tol * tol:
+        # A plateau (a swamp or too few heads): little progress over the last stall_window steps.
+        if (len(history) > stall_window and cost > stall_factor * history[-1 - stall_window]
+                and cost > 1e4 * tol * tol):
+            stop = "stalled"
             break
         # J^T J and J^T r from the structured blocks with an identity metric (no dense J).
         HVV, HQQ, HVQ, gV, gQ = _normal_parts(metric, Vm, Qm, r.reshape(d, -1))
@@ -236,9 +272,19 @@ def polish_heads(coef: np.ndarray, Vm: np.ndarray, Qm: np.ndarray, tol: float = 
                 break
             mu *= 4
         if not improved:
+            stop = "no-descent"
             break
+    else:
+        it = max_iter
+        if np.sqrt(cost) <= tol:
+            stop = "tolerance"
     s = np.sqrt(norm)
-    return Vm * s, Qm * s, float(np.sqrt(cost))
+    err = float(np.sqrt(cost))
+    if not return_info:
+        return Vm * s, Qm * s, err
+    info = solver_info("Levenberg-Marquardt (heads)", stop == "tolerance", it, max_iter, err,
+                       "||p(V, Q) - p|| / ||p||", tol, stop=stop)
+    return Vm * s, Qm * s, err, info
 
 
 def _rel_err(coef: np.ndarray, Vm: np.ndarray, Qm: np.ndarray) -> float:
@@ -251,67 +297,148 @@ def _to_heads(Vm: np.ndarray, Qm: np.ndarray, d: int) -> Heads:
     return Heads(V=Vm.reshape(H, d, d).copy(), Q=Qm.reshape(H, d, d).copy())
 
 
+def head_lower_bound(coef: np.ndarray, tol: float = 1e-8, n_directions: int = 4, seed: int = 0
+                     ) -> dict[str, Any]:
+    """A proven lower bound on the heads of any MHLA whose p is within `tol` (relative) of coef.
+
+    For x in R^d, B(x)[a, l] = sum_{j<=k} x_j x_k p[a,(j,k,l)] = sum_{j,k} x_j x_k W[a*d+j, k*d+l] is the
+    same for every W with that p (the kernel of A is antisymmetric in (j, k)), and an H-head W gives
+    B(x) = sum_h (V_h x)(Q_h^T x)^T of rank <= H. For unit x, ||B(x) - B'(x)||_2 <= ||p - p'||_F, so by
+    Weyl's inequality every p' with ||p' - p|| <= tol ||p|| needs >= #{i : s_i(B(x)) > tol ||p||} heads.
+    x runs over the coordinate vectors (B_j[a, l] = p[a,(j,j,l)]) and `n_directions` seeded random
+    unit vectors; the bound is the largest of these ranks (>= 1 when p != 0).
+    """
+    coef, d = _check_coef(coef)
+    norm = float(np.linalg.norm(coef))
+    # The SVD itself is accurate to ~ d eps ||B||; the tolerance dominates for tol >> eps.
+    thr = max(tol, 10 * d * EPS) * norm
+    j, k = pair_index(d)
+    P = coef.reshape(d, j.size, d)
+    xs = [np.eye(d)[i] for i in range(d)]
+    rng = np.random.default_rng(seed)
+    for _ in range(n_directions):
+        x = rng.standard_normal(d)
+        xs.append(x / np.linalg.norm(x))
+    ranks = []
+    for x in xs:
+        B = np.einsum("i,ail->al", x[j] * x[k], P)
+        ranks.append(int((np.linalg.svd(B, compute_uv=False) > thr).sum()))
+    bound = max(ranks) if norm > 0 else 0
+    return {"lower_bound": max(bound, 1) if norm > 0 else 1, "block_ranks": ranks[:d],
+            "direction_ranks": ranks[d:], "threshold": thr,
+            "method": "max rank of B(x)[a,l] = sum_{j<=k} x_j x_k p[a,(j,k,l)] over coordinate and random x, "
+                      "counting singular values > tol ||p||"}
+
+
+def _random_start(coef: np.ndarray, W_mn: np.ndarray, H: int, rng: np.random.Generator, scale: float
+                  ) -> tuple[np.ndarray, np.ndarray]:
+    """Top-H SVD of a random point of {W : p(W) = coef}: the min-norm W plus a random kernel element
+    of norm scale * ||W_mn|| (random kernel directions reach the other low-rank members of the set)."""
+    K = rng.standard_normal(W_mn.shape)
+    K = K - W_from_p(p_from_W(K))
+    nk = float(np.linalg.norm(K))
+    if nk > 0:
+        K *= scale * float(np.linalg.norm(W_mn)) / nk
+    return _heads_from_svd(W_mn + K, H)
+
+
+_START_SCALES = (1.0, 2.0, 4.0, 0.5)
+
+
 @_serial_blas
 def fewest_heads(coef: np.ndarray, tol: float = 1e-8, W: np.ndarray | None = None,
-                 linear_upto: int = 6) -> Heads:
-    """The fewest heads whose function matches coef to `tol` relative (verified before returning).
+                 linear_upto: int = 6, n_starts: int = 16, seed: int = 0, max_iter: int = 500,
+                 bisection_starts: int = 2) -> Heads:
+    """The fewest heads found whose function matches coef to `tol` relative (verified before returning).
 
-    Searches the equivalence class {W : p(W) = coef} for a low-rank W: the minimum-nuclear-norm W,
-    then for H = 1, 2, ... a rank-H factorisation started from its top-H SVD and polished by
-    Levenberg-Marquardt until p matches. H <= linear_upto is scanned one by one, larger H by
-    bisection (an exact H-head fit extends to H + 1 heads), trying spectrum.generic_rank(d) first. `info` holds n_heads,
-    relative_function_error, singular_values (of the min-nuclear W) and the min-norm head count.
+    Lower bound L (`head_lower_bound`): no model within tol of coef has fewer heads. For H = L, L + 1,
+    ... up to max(linear_upto, L) one by one, up to 2 + n_starts starts are polished by
+    Levenberg-Marquardt: the top-H SVD of the min-nuclear-norm W, of the min-norm W, then n_starts
+    top-H SVDs of random points of {W : p(W) = coef} (seeded by seed and H); the first start within
+    tol is accepted. Beyond that, bisection up to the rank of the min-nuclear-norm W (an exact H-head
+    fit extends to H + 1 heads; generic_rank(d) is tried first) with 2 + bisection_starts
+    starts per H (each start costs O((H d^2)^3) per step there). `info`: n_heads, lower_bound,
+    proven_minimal (n_heads == lower_bound), starts_tried / starts_per_head_count / best_error per H
+    tried, rel_error (= relative_function_error), singular_values, solver (the min-nuclear W's record).
     """
     coef, d = _check_coef(coef)
     if not 0 < tol < 1:
         raise InputError(f"tolerance must be in (0, 1), got {tol}")
+    if n_starts < 0:
+        raise InputError(f"n_starts must be >= 0, got {n_starts}")
     norm = float(np.linalg.norm(coef))
     if norm == 0:
         heads = Heads(V=np.zeros((1, d, d)), Q=np.zeros((1, d, d)))
-        heads.info = {"n_heads": 1, "relative_function_error": 0.0, "singular_values": [0.0], "tol": tol}
+        heads.info = {"n_heads": 1, "relative_function_error": 0.0, "rel_error": 0.0, "singular_values": [0.0],
+                      "tol": tol, "lower_bound": 1, "proven_minimal": True, "starts_tried": {}, "best_error": {}}
         return heads
-    Wn = min_nuclear_W(coef) if W is None else W
+    if W is None:
+        Wn, nuc_info = min_nuclear_W(coef, return_info=True)
+    else:
+        Wn, nuc_info = W, None
+    W_mn = W_from_p(coef)
     s = np.linalg.svd(Wn, compute_uv=False)
     # The SVD of the (feasible) min-nuclear W with all its nonzero values is an exact fallback.
     r_max = max(1, int((s > 1e-10 * s[0]).sum()))
+    bound = head_lower_bound(coef, tol=tol, seed=seed)
+    L = min(bound["lower_bound"], r_max)
     tried: dict[int, tuple[np.ndarray, np.ndarray, float]] = {}
+    n_tried: dict[int, int] = {}
+    budget: dict[int, int] = {}
 
-    def attempt(H: int) -> tuple[np.ndarray, np.ndarray, float]:
-        if H not in tried:
-            V0, Q0 = _heads_from_svd(Wn, H)
-            err0 = _rel_err(coef, V0, Q0)
-            if err0 <= tol * 1e-2:
-                tried[H] = (V0, Q0, err0)
+    def attempt(H: int, k: int = n_starts) -> tuple[np.ndarray, np.ndarray, float]:
+        if H in tried:
+            return tried[H]
+        rng = np.random.default_rng([seed, H])
+        best: tuple[np.ndarray, np.ndarray, float] | None = None
+        n = 0
+        for i in range(2 + k):
+            if i == 0:
+                V0, Q0 = _heads_from_svd(Wn, H)
+            elif i == 1:
+                V0, Q0 = _heads_from_svd(W_mn, H)
             else:
-                V1, Q1, _ = polish_heads(coef, V0, Q0)
+                V0, Q0 = _random_start(coef, W_mn, H, rng, _START_SCALES[(i - 2) % len(_START_SCALES)])
+            n += 1
+            err0 = _rel_err(coef, V0, Q0)
+            cand = (V0, Q0, err0)
+            if err0 > tol * 1e-2:
+                V1, Q1, _ = polish_heads(coef, V0, Q0, max_iter=max_iter)
                 err1 = _rel_err(coef, V1, Q1)
-                tried[H] = (V1, Q1, err1) if err1 < err0 else (V0, Q0, err0)
-        return tried[H]
+                if err1 < err0:
+                    cand = (V1, Q1, err1)
+            if best is None or cand[2] < best[2]:
+                best = cand
+            if best[2] <= tol:
+                break
+        assert best is not None
+        tried[H], n_tried[H], budget[H] = best, n, 2 + k
+        return best
 
     best_H = None
-    for H in range(1, min(linear_upto, r_max) + 1):
+    top = min(max(linear_upto, L), r_max)
+    for H in range(L, top + 1):
         if attempt(H)[2] <= tol:
             best_H = H
             break
     if best_H is None:
-        lo, hi = min(linear_upto, r_max), r_max  # lo fails (or equals hi); find the smallest success in (lo, hi]
-        from .spectrum import generic_rank
+        lo, hi = top, r_max  # lo fails (or equals hi); find the smallest success in (lo, hi]
 
         # A generic p (e.g. a noisy fit) is typically reachable with generic_rank(d) heads: try it first.
         r_gen = generic_rank(d)
-        if lo < r_gen < hi and attempt(r_gen)[2] <= tol:
+        if lo < r_gen < hi and attempt(r_gen, bisection_starts)[2] <= tol:
             hi = r_gen
-        elif attempt(hi)[2] > tol:
+        elif attempt(hi, bisection_starts)[2] > tol:
             # Fallback: the min-norm SVD has at most d^2 heads and is exact.
-            from .heads import heads_from_W
-
-            hd, _ = heads_from_W(W_from_p(coef), tol=0.0)
+            hd, _ = heads_from_W(W_mn, tol=0.0)
             V0, Q0 = hd.V.reshape(hd.n_heads, -1), hd.Q.reshape(hd.n_heads, -1)
             hi = hd.n_heads
             tried[hi] = (V0, Q0, _rel_err(coef, V0, Q0))
+            n_tried[hi] = n_tried.get(hi, 0) + 1
+            budget[hi] = budget.get(hi, 0) + 1
         while hi - lo > 1:
             mid = (lo + hi) // 2
-            if attempt(mid)[2] <= tol:
+            if attempt(mid, bisection_starts)[2] <= tol:
                 hi = mid
             else:
                 lo = mid
@@ -321,9 +448,50 @@ def fewest_heads(coef: np.ndarray, tol: float = 1e-8, W: np.ndarray | None = Non
     if err > tol:
         raise RuntimeError(f"fewest_heads: no factorisation within {tol:g} (best {err:.3g})")
     heads = _to_heads(Vm, Qm, d)
-    heads.info = {"n_heads": heads.n_heads, "relative_function_error": err, "tol": tol,
-                  "singular_values": s.tolist(), "nuclear_rank": r_max}
+    proven = heads.n_heads <= bound["lower_bound"]
+    heads.info = {"n_heads": heads.n_heads, "relative_function_error": err, "rel_error": err, "tol": tol,
+                  "lower_bound": bound["lower_bound"], "proven_minimal": bool(proven),
+                  "lower_bound_info": bound,
+                  "starts_tried": {int(h): n_tried[h] for h in sorted(n_tried)},
+                  "best_error": {int(h): float(tried[h][2]) for h in sorted(tried)},
+                  "starts_per_head_count": {int(h): budget[h] for h in sorted(budget)}, "seed": seed,
+                  "singular_values": s.tolist(), "nuclear_rank": r_max, "solver": nuc_info}
     return heads
+
+
+def fewest_message(info: dict[str, Any]) -> str:
+    """The verdict wording of --fewest: "proven minimal" only when the lower bound is met."""
+    if info.get("proven_minimal"):
+        return f"{info['n_heads']} heads, proven minimal (lower bound {info['lower_bound']})"
+    per = info.get("starts_per_head_count") or {}
+    counts = sorted({v for h, v in per.items() if int(h) < info["n_heads"]}, reverse=True)
+    text = "/".join(str(c) for c in counts) or "0"
+    return (f"{info['n_heads']} heads: fewest found ({text} starts per head count tried; "
+            f"lower bound {info['lower_bound']})")
+
+
+def hit_limit(info: dict[str, Any] | None) -> bool:
+    """True when an iterative solver's record says it stopped at its iteration limit, unconverged."""
+    return bool(info) and not info.get("converged", True) and info.get("iterations", 0) >= info.get("max_iter", 0)
+
+
+def solver_warnings(info: dict[str, Any]) -> list[str]:
+    """Warnings for a fit/heads info dict: its solver record, and CV fits that stopped at their limit."""
+    out = []
+    solver = info.get("solver")
+    if hit_limit(solver):
+        out.append(convergence_warning(solver))
+    cv = info.get("cv") or {}
+    if cv.get("unconverged_fits"):
+        out.append(f"{cv['unconverged_fits']} of {cv['fits']} cross-validation fits stopped at their iteration "
+                   "limit before converging: the CV choice is from unconverged fits")
+    return out
+
+
+def convergence_warning(info: dict[str, Any], what: str | None = None) -> str:
+    """The stderr warning text for an unconverged solver record."""
+    return (f"{what or info['solver']} did not converge after {info['iterations']} iterations "
+            f"(residual {info['final_residual']:.3g}, tolerance {info['tol']:.3g})")
 
 
 # --------------------------------------------------------------------------------------------
@@ -464,6 +632,8 @@ def _als_lm(feats: Features, Vm: np.ndarray, Qm: np.ndarray, wd: float, als_swee
     mu = 1e-4
     it = 0
     f0 = max(float(np.trace(feats.target_gram)) / feats.n_samples, 1e-300)
+    stop = "max_iter"
+    res = float("inf")
     for it in range(1, max_iter + 1):
         x = _pack(Vm, Qm)
         Hs, g = system(Vm, Qm)
@@ -484,7 +654,12 @@ def _als_lm(feats: Features, Vm: np.ndarray, Qm: np.ndarray, wd: float, als_swee
             mu *= 4
         # Stop when a step gains less than `tol` relative (statistically irrelevant), or at the
         # float64 resolution of the loss.
-        if not accepted or df <= tol * max(f, f0 * 1e-12):
+        res = df / max(f, f0 * 1e-12)
+        if not accepted:
+            stop = "no-descent"  # no damped step lowers the loss: a minimum at the loss's resolution
+            break
+        if res <= tol:
+            stop = "tolerance"
             break
     # Near an exact fit the loss itself only resolves ~eps * tr(T) (cancellation), so finish with
     # Gauss-Newton steps accepted on the gradient norm, which has no such floor.
@@ -499,7 +674,10 @@ def _als_lm(feats: Features, Vm: np.ndarray, Qm: np.ndarray, wd: float, als_swee
             break
         Vm, Qm = _balance(V2, Q2)
         f = _factorised_objective(feats, Vm, Qm, wd)
-    return Vm, Qm, f, it
+    info = solver_info("ALS + Levenberg-Marquardt (factorised fit)", stop != "max_iter", it, max_iter,
+                       res if np.isfinite(res) else 0.0,
+                       "relative objective decrease of the last Levenberg-Marquardt step", tol, stop=stop)
+    return Vm, Qm, f, it, info
 
 
 @_serial_blas
@@ -526,8 +704,6 @@ def fit_factorised(feats: Features, n_heads: int, weight_decay: float = 0.0, res
     H = int(n_heads)
     rng = np.random.default_rng(seed)
     if init_coef is None:
-        from .solve import fit
-
         init_coef = fit(feats).coef
     W_mn = W_from_p(init_coef)
     starts: list[tuple[str, np.ndarray, np.ndarray]] = []
@@ -545,18 +721,24 @@ def fit_factorised(feats: Features, n_heads: int, weight_decay: float = 0.0, res
     results = []
     floor = 1e-26 * float(np.trace(feats.target_gram)) / feats.n_samples
     for name, V0, Q0 in starts:
-        Vm, Qm, f, it = _als_lm(feats, V0, Q0, weight_decay, als_sweeps, max_iter, tol)
-        results.append((f, name, Vm, Qm, it))
+        Vm, Qm, f, it, sinfo = _als_lm(feats, V0, Q0, weight_decay, als_sweeps, max_iter, tol)
+        if weight_decay == 0 and f <= floor:
+            # An exact fit (zero loss to rounding): converged whatever the step test said.
+            sinfo.update(converged=True, stop="exact-fit")
+        results.append((f, name, Vm, Qm, it, sinfo))
         if weight_decay == 0 and f <= floor:
             break  # an exact fit: no start can do better
     objs = [(r[0], r[1]) for r in results]
-    f, name, Vm, Qm, it = min(results, key=lambda r: r[0])
+    f, name, Vm, Qm, it, sinfo = min(results, key=lambda r: r[0])
+    sinfo["starts_at_limit"] = sum(1 for r in results if not r[5]["converged"])
+    sinfo["starts"] = len(results)
     W = Vm.T @ Qm
     coef = p_from_W(W)
     heads = _to_heads(Vm, Qm, d)
     info = {"method": "factorised", "n_heads": H, "weight_decay": float(weight_decay), "restarts": restarts,
             "seed": seed, "objective": f, "train_mse": mse(feats, coef), "best_start": name,
-            "iterations": it, "start_objectives": {f"{i}:{n}": v for i, (v, n) in enumerate(objs)},
+            "iterations": it, "converged": sinfo["converged"], "final_residual": sinfo["final_residual"],
+            "solver": sinfo, "start_objectives": {f"{i}:{n}": v for i, (v, n) in enumerate(objs)},
             "head_norms": (np.linalg.norm(Vm, axis=1) * np.linalg.norm(Qm, axis=1)).tolist()}
     return LowRankFit(coef=coef, W=W, info=info, heads=heads)
 
@@ -609,6 +791,7 @@ def fit_nuclear(feats: Features, lam: float, max_iter: int = 5000, tol: float = 
     t = 1.0
     converged = False
     it = 0
+    res = float("inf")
     for it in range(1, max_iter + 1):
         p = p_from_W(Y)
         grad = (2.0 / N) * p_adjoint(p @ G - Mt)
@@ -622,15 +805,18 @@ def fit_nuclear(feats: Features, lam: float, max_iter: int = 5000, tol: float = 
             Y = W_new + ((t - 1) / t_new) * step
         nstep = float(np.linalg.norm(step))
         W, t = W_new, t_new
-        if nstep <= tol * max(float(np.linalg.norm(W)), 1e-300):
+        res = nstep / max(float(np.linalg.norm(W)), 1e-300)
+        if res <= tol:
             converged = True
             break
     coef = p_from_W(W)
     s = np.linalg.svd(W, compute_uv=False)
     obj = sse(feats, coef) / N + lam * float(s.sum())
     info = {"method": "nuclear", "nuclear_lambda": float(lam), "objective": obj, "train_mse": mse(feats, coef),
-            "iterations": it, "converged": converged, "rank": int((s > d * d * EPS * max(s[0], 0)).sum()),
-            "singular_values": s.tolist()}
+            "iterations": it, "converged": converged, "final_residual": res,
+            "solver": solver_info("FISTA (nuclear-norm fit)", converged, it, max_iter, res,
+                                  "||W_k+1 - W_k|| / ||W_k+1|| (last proximal-gradient step)", tol),
+            "rank": int((s > d * d * EPS * max(s[0], 0)).sum()), "singular_values": s.tolist()}
     return LowRankFit(coef=coef, W=W, info=info)
 
 
@@ -679,11 +865,13 @@ def cv_heads(total: Features, folds: list[Features], candidates: list[int] | Non
     used: list[int] = []
     worse = 0
     best = np.inf
+    unconverged = 0
     for H in candidates:
         errs = []
         for k, fold in enumerate(folds):
             train = _minus(total, fold)
             res = fit_factorised(train, H, weight_decay=weight_decay, restarts=restarts, seed=seed + k)
+            unconverged += not res.info["converged"]
             errs.append(mse(fold, res.coef))
         rows.append(np.array(errs))
         used.append(H)
@@ -696,7 +884,8 @@ def cv_heads(total: Features, folds: list[Features], candidates: list[int] | Non
                 break
     table = _cv_table(used, np.array(rows))
     i = _pick(table, prefer_last=False, floor=_cv_floor(total))
-    return {"chosen": int(used[i]), "table": [{"heads": int(p), "cv_mse": m, "se": s} for p, m, s in table]}
+    return {"chosen": int(used[i]), "table": [{"heads": int(p), "cv_mse": m, "se": s} for p, m, s in table],
+            "fits": len(used) * len(folds), "unconverged_fits": int(unconverged)}
 
 
 @_serial_blas
@@ -711,17 +900,20 @@ def cv_nuclear(total: Features, folds: list[Features], n_grid: int = 10, decades
     lmax = nuclear_lambda_max(total)
     grid = [lmax * 10 ** (-decades * i / max(n_grid - 1, 1)) for i in range(n_grid)]
     errs = np.zeros((len(grid), len(folds)))
+    unconverged = 0
     for k, fold in enumerate(folds):
         train = _minus(total, fold)
         W0 = None
         for i, lam in enumerate(grid):
             res = fit_nuclear(train, lam, W0=W0, max_iter=2000, tol=1e-7)
+            unconverged += not res.info["converged"]
             W0 = res.W
             errs[i, k] = mse(fold, res.coef)
     table = _cv_table(grid, errs)
     i = _pick(table, prefer_last=True, floor=_cv_floor(total))
     return {"chosen": float(grid[i]), "lambda_max": lmax,
-            "table": [{"lambda": p, "cv_mse": m, "se": s} for p, m, s in table]}
+            "table": [{"lambda": p, "cv_mse": m, "se": s} for p, m, s in table],
+            "fits": len(grid) * len(folds), "unconverged_fits": int(unconverged)}
 
 
 def _minus(total: Features, part: Features) -> Features:
@@ -763,8 +955,6 @@ def fit_model(feats: Features, heads: int | str | None = None, nuclear: float | 
     The Model's W is the low-rank W found (rank <= H for the factorised fit), so export-heads
     recovers the heads; info carries the base least-squares diagnostics plus the fit's own.
     """
-    from .solve import Model, fit
-
     _need_targets(feats)
     if (heads is None) == (nuclear is None):
         raise InputError("give exactly one of --heads and --nuclear")
@@ -794,3 +984,13 @@ def fit_model(feats: Features, heads: int | str | None = None, nuclear: float | 
         info["cv"] = cv
         info["n_folds"] = len(folds)
     return Model(coef=res.coef, W=res.W, d=feats.d, info=info)
+
+
+def generic_rank(d: int) -> int:
+    """Smallest r with r (2 d^2 - r) >= d psi: a generic p needs at least this many heads."""
+    n = d * d
+    need = d * n_features(d)
+    for r in range(1, n + 1):
+        if r * (2 * n - r) >= need:
+            return r
+    return n

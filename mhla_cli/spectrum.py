@@ -24,24 +24,14 @@ from typing import Any
 
 import numpy as np
 
+from . import formats
 from .errors import InputError
-from .features import n_features
 from .heads import Heads, p_from_W
-from .lowrank import min_nuclear_W, polish_heads
+from .lowrank import generic_rank, min_nuclear_W, polish_heads
 from .model import Model
 
 NONZERO_REL = 1e-8
 OMEGA_SQUARE = 2.858  # Gavish-Donoho omega(beta) at beta = 1 (unknown noise level)
-
-
-def generic_rank(d: int) -> int:
-    """Smallest r with r (2 d^2 - r) >= d psi: a generic p needs at least this many heads."""
-    n = d * d
-    need = d * n_features(d)
-    for r in range(1, n + 1):
-        if r * (2 * n - r) >= need:
-            return r
-    return n
 
 
 def effective_rank(s: np.ndarray) -> float:
@@ -54,11 +44,19 @@ def effective_rank(s: np.ndarray) -> float:
     return float(np.exp(-(q * np.log(q)).sum()))
 
 
-def spectrum(fn: Model | Heads | np.ndarray, W: np.ndarray | None = None) -> dict[str, Any]:
-    """Singular values of the min-nuclear-norm W of fn's function and their split into heads and noise."""
+def spectrum(fn: Model | Heads | np.ndarray, W: np.ndarray | None = None, max_iter: int = 5000,
+             tol: float = 1e-11) -> dict[str, Any]:
+    """Singular values of the min-nuclear-norm W of fn's function and their split into heads and noise.
+
+    `converged` / `solver` say whether min_nuclear_W met its tolerance within max_iter; when it did not,
+    the zeros of the spectrum (and so the head count) are not to be trusted. With a given W, both are None.
+    """
     coef = np.asarray(fn if isinstance(fn, np.ndarray) else fn.coef, dtype=np.float64)
     d = coef.shape[0]
-    Wn = min_nuclear_W(coef) if W is None else W
+    if W is None:
+        Wn, solver = min_nuclear_W(coef, tol=tol, max_iter=max_iter, return_info=True)
+    else:
+        Wn, solver = W, None
     s = np.linalg.svd(Wn, compute_uv=False)
     smax = float(s[0]) if s.size else 0.0
     nz = s[s > NONZERO_REL * smax] if smax > 0 else s[:0]
@@ -75,17 +73,20 @@ def spectrum(fn: Model | Heads | np.ndarray, W: np.ndarray | None = None) -> dic
     feas = float(np.linalg.norm(p_from_W(Wn) - coef)) / pn if pn > 0 else 0.0
     return {"d": d, "singular_values": s.tolist(), "n_outliers": n_out, "threshold": tau,
             "effective_rank": effective_rank(s), "nonzero_rank": r, "generic_rank": r_gen,
-            "threshold_method": method, "relative_function_error": feas, "W": Wn}
+            "threshold_method": method, "relative_function_error": feas,
+            "converged": None if solver is None else solver["converged"], "solver": solver, "W": Wn}
 
 
-def outlier_heads(fn: Model | Heads | np.ndarray, spec: dict[str, Any] | None = None) -> Heads:
+def outlier_heads(fn: Model | Heads | np.ndarray, spec: dict[str, Any] | None = None,
+                  max_iter: int = 5000) -> Heads:
     """Heads for the spectrum's outliers: top-k SVD of the min-nuclear W, polished towards p.
 
-    The dropped bulk changes the function: info holds relative_function_error ||p_heads - p|| / ||p||.
+    The dropped bulk changes the function: info holds relative_function_error ||p_heads - p|| / ||p||,
+    and `converged` / `solver` of the min-nuclear W the count k came from.
     """
     coef = np.asarray(fn if isinstance(fn, np.ndarray) else fn.coef, dtype=np.float64)
     d = coef.shape[0]
-    spec = spectrum(coef) if spec is None else spec
+    spec = spectrum(coef, max_iter=max_iter) if spec is None else spec
     k = max(1, int(spec["n_outliers"]))
     U, s, Vt = np.linalg.svd(spec["W"])
     r = np.sqrt(s[:k])
@@ -101,7 +102,9 @@ def outlier_heads(fn: Model | Heads | np.ndarray, spec: dict[str, Any] | None = 
         V0, Q0 = V1, Q1
     heads = Heads(V=V0.reshape(k, d, d), Q=Q0.reshape(k, d, d))
     heads.info = {"n_heads": k, "relative_function_error": err(V0, Q0), "max_heads": k,
-                  "singular_values": spec["singular_values"]}
+                  "singular_values": spec["singular_values"], "threshold": spec["threshold"],
+                  "threshold_method": spec["threshold_method"], "converged": spec.get("converged"),
+                  "solver": spec.get("solver")}
     return heads
 
 
@@ -138,8 +141,6 @@ def plot_spectrum(spec: dict[str, Any], path: str | os.PathLike) -> None:
         import matplotlib.pyplot as plt
     except ImportError:
         raise InputError("--plot needs matplotlib: pip install 'mhla[plot]'") from None
-    from . import formats
-
     s = np.asarray(spec["singular_values"])
     floor = max(float(s[0]) * 1e-17, 1e-300) if s.size else 1e-300
     fig, ax = plt.subplots(figsize=(6, 3.5))

@@ -179,3 +179,174 @@ def test_folds_and_auto(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> N
     capsys.readouterr()
     assert run(["fit", str(plain), "-o", str(tmp_path / "m2.h5"), "--nuclear", "auto"]) == 2
     assert "--folds" in capsys.readouterr().err
+
+
+# --------------------------------------------------------------------------------------------
+# fewest heads: counts against known truths, the lower bound against plain numpy (issue 9, item 2)
+# --------------------------------------------------------------------------------------------
+
+
+def _check_fewest(coef: np.ndarray, n_heads: int, proven: bool) -> Heads:
+    heads = lowrank.fewest_heads(coef)
+    assert heads.n_heads == n_heads
+    # verified independently: the heads' own p (p_from_W of sum_h vec(V_h) vec(Q_h)^T) against coef
+    assert _rel(heads.coef, coef) <= 1e-8
+    assert heads.info["rel_error"] == heads.info["relative_function_error"] <= 1e-8
+    assert heads.info["proven_minimal"] is proven
+    assert heads.info["proven_minimal"] == (heads.info["lower_bound"] == n_heads)
+    return heads
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_fewest_d2_four_head_teachers_give_two_proven(seed: int) -> None:
+    """Issue 9: 7 of these 20 gave 3 heads. For d = 2 the B_j bound proves 2."""
+    _, teacher = synthetic.generate_teacher(2, 4, 10, 4, seed=seed)
+    heads = _check_fewest(teacher.coef, 2, proven=True)
+    assert heads.info["lower_bound"] == 2 and lowrank.fewest_message(heads.info).endswith("proven minimal (lower bound 2)")
+
+
+@pytest.mark.parametrize("seed", [3, 5, 6])
+def test_fewest_d2_from_fitted_data(seed: int) -> None:
+    """The issue's failing seeds, through a fit on featurized data."""
+    ds, teacher = synthetic.generate_teacher(2, 4, n_features(2) + 40, 8, seed=seed)
+    model = fit(_feats(ds, 2))
+    heads = _check_fewest(model.coef, 2, proven=True)
+    assert _rel(heads.coef, teacher.coef) <= 1e-8
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_fewest_d3_four_head_teachers_give_four_found(seed: int) -> None:
+    """d = 3 four-head teachers: 4 heads (issue 9 saw 5). The bound is 3, so the count is "found"."""
+    ds, teacher = synthetic.generate_teacher(3, 4, n_features(3) + 40, 8, seed=seed)
+    heads = _check_fewest(fit(_feats(ds, 3)).coef, 4, proven=False)
+    assert _rel(heads.coef, teacher.coef) <= 1e-8
+    info = heads.info
+    assert info["lower_bound"] == 3
+    # every start was tried at H = 3 before moving on, and none reached the tolerance
+    assert info["starts_tried"] == {3: 18, 4: info["starts_tried"][4]}
+    assert info["starts_per_head_count"] == {3: 18, 4: 18} and info["best_error"][3] > 1e-8
+    assert lowrank.fewest_message(info) == "4 heads: fewest found (18 starts per head count tried; lower bound 3)"
+
+
+@pytest.mark.slow
+def test_fewest_wide_sweep() -> None:
+    for seed in range(100):
+        ds, _ = synthetic.generate_teacher(2, 4, n_features(2) + 40, 8, seed=seed)
+        _check_fewest(fit(_feats(ds, 2)).coef, 2, proven=True)
+    for seed in range(20):
+        ds, _ = synthetic.generate_teacher(3, 4, n_features(3) + 40, 8, seed=seed)
+        _check_fewest(fit(_feats(ds, 3)).coef, 4, proven=False)
+
+
+def _b_rank(V: np.ndarray, Q: np.ndarray, x: np.ndarray, thr: float) -> int:
+    """rank of B(x) = sum_h (V_h x)(Q_h^T x)^T, from the heads (no p involved)."""
+    B = sum(np.outer(V[h] @ x, Q[h].T @ x) for h in range(V.shape[0]))
+    return int((np.linalg.svd(B, compute_uv=False) > thr).sum())
+
+
+@pytest.mark.parametrize("d,H", [(2, 4), (3, 1), (3, 2), (4, 2), (4, 3), (5, 7)])
+def test_lower_bound_matches_numpy_block_ranks(d: int, H: int) -> None:
+    rng = np.random.default_rng(10 * d + H)
+    t = synthetic.random_teacher(d, H, rng)
+    coef = t.coef
+    lb = lowrank.head_lower_bound(coef, tol=1e-8)
+    thr = 1e-8 * np.linalg.norm(coef)
+    # B_j[a, l] = W[a*d+j, j*d+l] of the teacher's own W (sum_h vec(V_h) vec(Q_h)^T)
+    Wt = np.einsum("hr,hc->rc", t.V.reshape(H, -1), t.Q.reshape(H, -1))
+    ranks = [int((np.linalg.svd(Wt[j::d, j * d:(j + 1) * d], compute_uv=False) > thr).sum()) for j in range(d)]
+    assert lb["block_ranks"] == ranks
+    assert ranks == [_b_rank(t.V, t.Q, np.eye(d)[j], thr) for j in range(d)]
+    assert lb["lower_bound"] == min(H, d) <= H  # generic heads: rank min(H, d)
+    assert lb["lower_bound"] == max(ranks + lb["direction_ranks"])
+
+
+def test_lower_bound_is_about_the_tolerance() -> None:
+    """A perturbation below tol ||p|| may not raise the bound (a 2-head model is within tol);
+    a larger one must (no 2-head model is within tol then)."""
+    rng = np.random.default_rng(3)
+    coef = synthetic.random_teacher(4, 2, rng).coef
+    E = rng.standard_normal(coef.shape)
+    E /= np.linalg.norm(E)
+    n = np.linalg.norm(coef)
+    assert lowrank.head_lower_bound(coef + 1e-10 * n * E, tol=1e-8)["lower_bound"] == 2
+    assert lowrank.head_lower_bound(coef + 1e-5 * n * E, tol=1e-8)["lower_bound"] == 4
+    # off-diagonal-only p: every B_j is 0, a random direction still sees it
+    P = np.zeros_like(coef).reshape(4, -1, 4)
+    j, k = lowrank.pair_index(4)
+    P[:, j < k, :] = rng.standard_normal((4, int((j < k).sum()), 4))
+    lb = lowrank.head_lower_bound(P.reshape(4, -1))
+    assert lb["block_ranks"] == [0] * 4 and lb["lower_bound"] == 4
+
+
+# --------------------------------------------------------------------------------------------
+# convergence records (issue 9, item 4)
+# --------------------------------------------------------------------------------------------
+
+
+def test_min_nuclear_w_reports_convergence() -> None:
+    t = synthetic.random_teacher(4, 2, np.random.default_rng(4))
+    W, info = lowrank.min_nuclear_W(t.coef, return_info=True)
+    assert info["converged"] and info["iterations"] < info["max_iter"] and info["final_residual"] <= 1e-11
+    assert np.linalg.svd(W, compute_uv=False)[2] < 1e-9 * np.linalg.norm(W)  # rank 2, as the teacher
+    W3, info3 = lowrank.min_nuclear_W(t.coef, max_iter=3, return_info=True)
+    assert not info3["converged"] and info3["iterations"] == 3 and info3["final_residual"] > 1e-11
+    assert lowrank.hit_limit(info3) and not lowrank.hit_limit(info)
+    assert _rel(p_from_W(W3), t.coef) < 1e-12  # feasible even when unconverged
+
+
+def test_nuclear_and_factorised_fits_report_convergence() -> None:
+    ds, _ = synthetic.generate_teacher(3, 1, 200, 6, noise=0.3, seed=4)
+    feats = _feats(ds, 3)
+    lam = 0.3 * lowrank.nuclear_lambda_max(feats)
+    short = lowrank.fit_nuclear(feats, lam, max_iter=2)
+    assert short.info["converged"] is False and short.info["solver"]["iterations"] == 2
+    assert "did not converge after 2 iterations" in lowrank.solver_warnings(short.info)[0]
+    full = lowrank.fit_nuclear(feats, lam)
+    assert full.info["converged"] and full.info["final_residual"] <= 1e-9 and not lowrank.solver_warnings(full.info)
+    fac = lowrank.fit_factorised(feats, 1, restarts=2, max_iter=1, als_sweeps=0)
+    assert fac.info["solver"]["converged"] is False and fac.info["solver"]["stop"] == "max_iter"
+    fac = lowrank.fit_factorised(feats, 1, restarts=2)
+    assert fac.info["converged"] and fac.info["solver"]["stop"] in ("tolerance", "no-descent")
+
+
+def test_cli_warns_when_nuclear_fit_stops_at_limit(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    import functools
+
+    ds, _ = synthetic.generate_teacher(3, 1, 200, 6, noise=0.3, seed=4)
+    data = tmp_path / "d.h5"
+    ds.save(data, dtype="float64")
+    capsys.readouterr()
+    assert run(["fit", str(data), "-o", str(tmp_path / "m.h5"), "--nuclear", "0.01", "--json"]) == 0
+    cap = capsys.readouterr()
+    out = json.loads(cap.out)
+    assert out["converged"] is True and out["solver"]["converged"] is True and "did not converge" not in cap.err
+    monkeypatch.setattr(lowrank, "fit_nuclear", functools.partial(lowrank.fit_nuclear, max_iter=3))
+    assert run(["fit", str(data), "-o", str(tmp_path / "m2.h5"), "--nuclear", "0.01", "--json", "-q"]) == 0
+    cap = capsys.readouterr()
+    out = json.loads(cap.out)
+    assert out["converged"] is False and out["solver"]["iterations"] == 3
+    assert "warning: FISTA (nuclear-norm fit) did not converge after 3 iterations" in cap.err
+
+
+def test_cli_fewest_json_and_message(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    ds, _ = synthetic.generate_teacher(2, 4, n_features(2) + 40, 8, seed=3)
+    m = tmp_path / "m.h5"
+    fit(_feats(ds, 2)).save(m)
+    capsys.readouterr()
+    assert run(["export-heads", str(m), "-o", str(tmp_path / "h.h5"), "--fewest", "--json"]) == 0
+    cap = capsys.readouterr()
+    out = json.loads(cap.out)
+    assert out["n_heads"] == 2 == out["lower_bound"] and out["proven_minimal"] is True
+    assert out["rel_error"] <= 1e-8 and out["starts_tried"]["2"] >= 1 and out["converged"] is True
+    assert "proven minimal" in cap.err and "did not converge" not in cap.err
+    assert _rel(Heads.load(tmp_path / "h.h5").coef, Model.load(m).coef) <= 1e-8
+    # an unconverged min-nuclear W only seeds the search: warned, and the heads are still verified
+    orig = lowrank.min_nuclear_W
+    monkeypatch.setattr(lowrank, "min_nuclear_W", lambda coef, **kw: orig(coef, **{**kw, "max_iter": 2}))
+    assert run(["export-heads", str(m), "-o", str(tmp_path / "h2.h5"), "--fewest", "--json", "-q"]) == 0
+    cap = capsys.readouterr()
+    out = json.loads(cap.out)
+    assert out["converged"] is False and out["n_heads"] == 2 and out["rel_error"] <= 1e-8
+    assert "did not converge after 2 iterations" in cap.err

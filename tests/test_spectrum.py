@@ -13,7 +13,8 @@ from mhla_cli import synthetic
 from mhla_cli.cli import run
 from mhla_cli.heads import Heads
 from mhla_cli.solve import fit
-from mhla_cli.spectrum import effective_rank, generic_rank, spectrum
+from mhla_cli.lowrank import generic_rank
+from mhla_cli.spectrum import effective_rank, spectrum
 from mhla_cli.stream import chunk_features
 
 
@@ -58,6 +59,7 @@ def test_max_heads_auto_keeps_outliers(noisy_two_head: tuple[Path, Path], tmp_pa
     assert run(["export-heads", str(model), "-o", str(h), "--max-heads", "auto", "--json", "-q"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["n_heads"] == 2 == Heads.load(h).n_heads
+    assert out["converged"] is True and out["threshold_method"] == "gavish-donoho-nonzero-median"
     assert out["relative_function_error"] < 0.05  # the dropped bulk is the noise
     assert run(["export-heads", str(model), "-o", str(h), "--max-heads", "0"]) == 2
 
@@ -75,3 +77,39 @@ def test_noise_free_teacher_is_exactly_low_rank() -> None:
 def test_effective_rank() -> None:
     assert effective_rank(np.array([1.0, 1.0, 0.0])) == pytest.approx(2.0)
     assert effective_rank(np.array([3.0])) == pytest.approx(1.0)
+
+
+def test_spectrum_says_when_min_nuclear_w_did_not_converge(noisy_two_head: tuple[Path, Path],
+                                                           capsys: pytest.CaptureFixture[str]) -> None:
+    """Issue 9, item 4: a spectrum from an unconverged W is flagged (JSON) and warned (stderr)."""
+    _, model = noisy_two_head
+    capsys.readouterr()
+    assert run(["spectrum", str(model), "--json", "-q", "--max-iter", "3"]) == 0
+    cap = capsys.readouterr()
+    out = json.loads(cap.out)
+    assert out["converged"] is False and out["solver"]["iterations"] == 3 == out["solver"]["max_iter"]
+    assert out["solver"]["final_residual"] > out["solver"]["tol"]
+    assert "warning: the minimum-nuclear-norm W did not converge after 3 iterations" in cap.err
+    assert run(["spectrum", str(model), "--json", "-q"]) == 0
+    cap = capsys.readouterr()
+    out = json.loads(cap.out)
+    # the noisy d = 6 case needs ~3900 of the 5000 iterations
+    assert out["converged"] is True and out["solver"]["iterations"] < 5000
+    assert out["solver"]["final_residual"] <= 1e-11 and "warning" not in cap.err
+
+
+def test_max_heads_auto_reports_convergence(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    from mhla_cli import spectrum as spectrum_mod
+
+    ds, _ = synthetic.generate_teacher(3, 1, 300, 8, noise=0.02, seed=1)
+    model, h = tmp_path / "m.h5", tmp_path / "h.h5"
+    fit(chunk_features(ds.tokens, ds.offsets, ds.targets, 3)).save(model)
+    orig = spectrum_mod.spectrum
+    monkeypatch.setattr(spectrum_mod, "spectrum", lambda coef, **kw: orig(coef, **{**kw, "max_iter": 3}))
+    capsys.readouterr()
+    assert run(["export-heads", str(model), "-o", str(h), "--max-heads", "auto", "--json", "-q"]) == 0
+    cap = capsys.readouterr()
+    out = json.loads(cap.out)
+    assert out["converged"] is False and out["solver"]["iterations"] == 3
+    assert "did not converge after 3 iterations" in cap.err and "outlier count" in cap.err

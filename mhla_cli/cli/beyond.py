@@ -9,7 +9,16 @@ import typer
 
 from .. import formats
 from ..model import load_function
-from ._common import ChunkOpt, JsonOpt, QuietOpt, emit_json, fmt, progress_bar, say
+from ._common import (
+    ChunkOpt,
+    JsonOpt,
+    QuietOpt,
+    emit_json,
+    fmt,
+    progress_bar,
+    say,
+    warn,
+)
 from ..tokens import inspect_tokens
 
 
@@ -17,6 +26,8 @@ def spectrum_cmd(
     model_path: Annotated[Path, typer.Argument(metavar="MODEL", help="Model or heads file.")],
     plot: Annotated[Path | None, typer.Option("--plot", help="Also write a PNG of the spectrum "
                                               "(needs the 'plot' extra: matplotlib).")] = None,
+    max_iter: Annotated[int, typer.Option("--max-iter", min=1, help="Iteration limit of the minimum-nuclear-norm "
+                                          "solver (a warning says when it is reached).")] = 5000,
     json_out: JsonOpt = False,
     quiet: QuietOpt = False,
 ) -> None:
@@ -30,10 +41,15 @@ def spectrum_cmd(
     if plot is not None:
         formats.check_output_path(plot, (model_path,))
     fn = load_function(model_path)
-    spec = spectrum(fn)
+    spec = spectrum(fn, max_iter=max_iter)
     out = {k: v for k, v in spec.items() if k != "W"}
     out["input"] = str(model_path)
-    say(f"{model_path}: {spec['n_outliers']} head(s) above the threshold {fmt(spec['threshold'])} "
+    if not spec["converged"]:
+        from ..lowrank import convergence_warning
+
+        warn(convergence_warning(spec["solver"], "the minimum-nuclear-norm W") + ": its zero singular values, "
+             "and so the head count below, are not reliable")
+    say(f"{'UNCONVERGED: ' if not spec['converged'] else ''}{model_path}: {spec['n_outliers']} head(s) above the threshold {fmt(spec['threshold'])} "
         f"({spec['threshold_method']}); {spec['nonzero_rank']} nonzero of {len(spec['singular_values'])} "
         f"singular values, effective rank {fmt(spec['effective_rank'])}", quiet)
     say(text_histogram(spec), quiet)

@@ -392,6 +392,10 @@ def fit_cmd(
             + (f" (CV over {info['n_folds']} folds chose {info['cv']['chosen']:.4g})" if "cv" in info else "")
             + (f"; head strengths ||V_h|| ||Q_h|| = {', '.join(fmt(x) for x in info['head_norms'])}"
                if "head_norms" in info else ""), quiet)
+        from ..lowrank import solver_warnings
+
+        for w in solver_warnings(info):
+            warn(w)
     elif not info["identifiable"]:
         warn("the data do not determine the function (gram is singular or N < psi): this is the "
              + ("ridge-regularised" if ridge > 0 else "minimum-norm") + " solution; see `mhla certify`")
@@ -437,8 +441,21 @@ def export_heads_cmd(
     out = {"output": str(output), "n_heads": heads.n_heads, "d": heads.d,
            "relative_function_error": heads.info["relative_function_error"],
            "singular_values": heads.info["singular_values"]}
+    if fewest or mh == "auto":
+        from ..lowrank import convergence_warning, fewest_message, hit_limit
+
+        keys = ("rel_error", "lower_bound", "proven_minimal", "starts_tried", "starts_per_head_count", "best_error",
+                "lower_bound_info") if fewest else ("threshold", "threshold_method")
+        out.update({k: heads.info[k] for k in keys}, converged=(heads.info["solver"] or {}).get("converged"),
+                   solver=heads.info["solver"])
     say(f"wrote {output}: {heads.n_heads} heads of d = {heads.d}; relative function change "
         f"||p_kept - p|| / ||p|| = {fmt(out['relative_function_error'])}", quiet)
+    if fewest:
+        say(f"  {fewest_message(heads.info)}", quiet)
+    if (fewest or mh == "auto") and hit_limit(heads.info["solver"]):
+        warn(convergence_warning(heads.info["solver"], "the minimum-nuclear-norm W")
+             + ("; it only seeds the search, the heads are verified" if fewest else
+                "; the outlier count is from an unconverged W"))
     if json_out:
         emit_json(out)
 
