@@ -4,8 +4,8 @@ Library API (each CLI command is a thin layer over these):
 
     feats = featurize("data.h5")            # Features: gram, moments, ... (streamed, float64)
     cert = certify(feats)                   # Certificate: identifiable, lambda_min, ...
-    model = fit(feats)                      # Model: coef p (d, psi) and min-norm W
-    heads = export_heads(model)             # Heads: V, Q (H, d, d)
+    model = fit(feats)                      # Model: coef p (d, psi) and min-norm W (heads=, nuclear=: low rank)
+    heads = export_heads(model)             # Heads: V, Q (H, d, d) (fewest=True: the fewest heads)
     yhat = predict(heads, tokens)           # in-memory forward pass
 """
 
@@ -14,16 +14,17 @@ from __future__ import annotations
 from ._version import __version__
 from .errors import InputError, MhlaError
 from .features import cubic_features, feature_index, n_features
-from .heads import Heads, W_from_heads, W_from_p, export_heads, heads_from_W, p_from_heads, p_from_W
-from .model import Model, load_function
 from .forward import forward_heads, predict, predict_file
-from .solve import Certificate, certify, fit
-from .stream import Features, featurize, reduce_span
+from .heads import Heads, W_from_heads, W_from_p, heads_from_W, p_from_heads, p_from_W
+from .learn import export_heads, fit
+from .model import Model, load_function
+from .solve import Certificate, certify
+from .stream import Features, featurize, load_features, reduce_span
 from .synthetic import Dataset, generate_assoc, generate_teacher
 
 __all__ = [
     "Certificate", "Dataset", "Features", "Heads", "InputError", "MhlaError", "Model", "W_from_heads",
     "W_from_p", "__version__", "certify", "cubic_features", "export_heads", "feature_index", "featurize",
-    "fit", "forward_heads", "generate_assoc", "generate_teacher", "heads_from_W", "load_function",
+    "fit", "forward_heads", "generate_assoc", "generate_teacher", "heads_from_W", "load_features", "load_function",
     "n_features", "p_from_W", "p_from_heads", "predict", "predict_file", "reduce_span",
 ]

@@ -930,23 +930,6 @@ def _minus(total: Features, part: Features) -> Features:
 # --------------------------------------------------------------------------------------------
 
 
-def parse_auto(value: str | None, name: str, kind: type) -> int | float | str | None:
-    """'auto', None, or a number of `kind` (int or float) from a CLI string."""
-    if value is None:
-        return None
-    if str(value).strip().lower() == "auto":
-        return "auto"
-    try:
-        x = kind(value)
-    except ValueError:
-        raise InputError(f"{name} '{value}': expected {'an integer' if kind is int else 'a number'} or 'auto'") from None
-    if kind is int and x < 1:
-        raise InputError(f"{name} must be >= 1, got {x}")
-    if kind is float and (x < 0 or not np.isfinite(x)):
-        raise InputError(f"{name} must be a finite number >= 0, got {x}")
-    return x
-
-
 def fit_model(feats: Features, heads: int | str | None = None, nuclear: float | str | None = None,
               weight_decay: float = 0.0, restarts: int = 10, seed: int = 0,
               folds: list[Features] | None = None) -> Any:

@@ -906,3 +906,24 @@ def featurize(path: str | os.PathLike, chunk_size: int | None = None,
 def shard_range(n: int, i: int, m: int) -> tuple[int, int]:
     """The i-th of m contiguous, nearly equal ranges of [0, n)."""
     return (n * i) // m, (n * (i + 1)) // m
+
+
+def load_features(path: str | os.PathLike, chunk_size: int | None = None, normalize: str | None = None,
+                  progress: Callable[[int], None] | None = None) -> Features:
+    """The statistics of a features file, or of a tokens file (featurized here, streamed).
+
+    `normalize` (if given) must match a features file's normalisation, and is applied to a tokens file.
+    """
+    if normalize is not None:
+        check_normalize(normalize)
+    kind = formats.kind_of(path)
+    if kind == "features":
+        feats = Features.load(path)
+        if normalize is not None and normalize != feats.normalize:
+            raise InputError(f"was featurized with normalisation '{feats.normalize}', not '{normalize}'; "
+                             "featurize it again with the normalisation wanted", path)
+        return feats
+    if kind == "tokens":
+        return featurize(path, chunk_size=chunk_size, progress=progress, normalize=normalize or "none")
+    raise InputError(f"is a {kind} file, expected a tokens or features file", path)
+

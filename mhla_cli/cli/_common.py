@@ -13,6 +13,7 @@ from typing import Annotated, Any
 import numpy as np
 import typer
 from rich.console import Console
+from ..errors import InputError
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
 err_console = Console(stderr=True, highlight=False, soft_wrap=True)
@@ -76,3 +77,20 @@ def fmt(x: float | None) -> str:
     if isinstance(x, float) and not math.isfinite(x):
         return "inf"
     return f"{x:.4g}"
+
+
+def parse_auto(value: str | None, name: str, kind: type) -> int | float | str | None:
+    """'auto', None, or a number of `kind` (int or float) from a CLI string."""
+    if value is None:
+        return None
+    if str(value).strip().lower() == "auto":
+        return "auto"
+    try:
+        x = kind(value)
+    except ValueError:
+        raise InputError(f"{name} '{value}': expected {'an integer' if kind is int else 'a number'} or 'auto'") from None
+    if kind is int and x < 1:
+        raise InputError(f"{name} must be >= 1, got {x}")
+    if kind is float and (x < 0 or not np.isfinite(x)):
+        raise InputError(f"{name} must be a finite number >= 0, got {x}")
+    return x

@@ -10,12 +10,12 @@ import typer
 
 from .. import formats, synthetic
 from ..errors import InputError
-from ..heads import export_heads
+from ..learn import export_heads, fit
 from ..model import Model, load_function
 from ..forward import predict_file, rollout_file
-from ..solve import certify, fit
-from ..stream import Features, featurize
-from ._common import ChunkOpt, JsonOpt, OutOpt, QuietOpt, emit_json, fmt, progress_bar, say, warn
+from ..solve import certify
+from ..stream import Features, featurize, load_features
+from ._common import ChunkOpt, JsonOpt, OutOpt, QuietOpt, emit_json, fmt, parse_auto, progress_bar, say, warn
 from ..tokens import inspect_tokens
 
 generate_app = typer.Typer(help="Make synthetic datasets (tokens files with targets).", no_args_is_help=True)
@@ -29,23 +29,11 @@ NormalizeOpt = Annotated[str | None, typer.Option(
 
 def _load_or_featurize(path: Path, chunk_size: int | None, quiet: bool,
                        normalize: str | None = None) -> tuple[Features, str]:
-    """Features of a features file (whose normalisation must match `normalize` if given) or a tokens file."""
-    from ..stream import check_normalize
-
-    if normalize is not None:
-        check_normalize(normalize)
+    """Features of a features or tokens file (with a progress bar when featurizing), and the file kind."""
     kind = formats.kind_of(path)
-    if kind == "features":
-        feats = Features.load(path)
-        if normalize is not None and normalize != feats.normalize:
-            raise InputError(f"was featurized with --normalize {feats.normalize}, not {normalize}; "
-                             "re-run `mhla featurize` with the normalisation wanted", path)
-        return feats, kind
-    if kind == "tokens":
-        info = inspect_tokens(path)
-        with progress_bar("featurize", info.n_samples, quiet) as advance:
-            return featurize(path, chunk_size=chunk_size, progress=advance, normalize=normalize or "none"), kind
-    raise InputError(f"is a {kind} file, expected a tokens or features file", path)
+    total = inspect_tokens(path).n_samples if kind == "tokens" else 0
+    with progress_bar("featurize", total, quiet) as advance:
+        return load_features(path, chunk_size=chunk_size, normalize=normalize, progress=advance), kind
 
 
 @generate_app.command("teacher")
@@ -352,8 +340,6 @@ def fit_cmd(
     Example: mhla fit feats.h5 -o model.h5 --json;  mhla fit data.h5 -o model.h5 --heads auto
     """
     formats.check_output_path(output, (data,))
-    from ..lowrank import fit_model, parse_auto
-
     h, lam = parse_auto(heads, "--heads", int), parse_auto(nuclear, "--nuclear", float)
     lowrank_fit = h is not None or lam is not None
     if lowrank_fit and ridge > 0:
@@ -371,12 +357,8 @@ def fit_cmd(
     else:
         feats, _ = _load_or_featurize(data, chunk_size, quiet, normalize)
         fold_feats = None
-    if lowrank_fit:
-        model = fit_model(feats, heads=h, nuclear=lam, weight_decay=weight_decay, restarts=restarts, seed=seed,
-                          folds=fold_feats)
-    else:
-        model = fit(feats, ridge=ridge)
-    model.info["normalize"] = feats.normalize
+    model = fit(feats, ridge=ridge, heads=h, nuclear=lam, weight_decay=weight_decay, restarts=restarts, seed=seed,
+                folds=fold_feats)
     model.save(output, inputs=(data,))
     info = dict(model.info)
     info["output"] = str(output)
@@ -422,21 +404,10 @@ def export_heads_cmd(
     Example: mhla export-heads model.h5 -o heads.h5 --max-heads 4;  mhla export-heads model.h5 -o heads.h5 --fewest --json
     """
     formats.check_output_path(output, (model_path,))
-    from ..lowrank import fewest_heads, parse_auto
-
     mh = parse_auto(max_heads, "--max-heads", int)
     if fewest and mh is not None:
         raise InputError("--fewest and --max-heads cannot be combined")
-    model = Model.load(model_path)
-    if fewest:
-        heads = fewest_heads(model.coef)
-    elif mh == "auto":
-        from ..spectrum import outlier_heads
-
-        heads = outlier_heads(model)
-    else:
-        heads = export_heads(model, tol=tol, max_heads=mh)
-    heads.info["normalize"] = model.info.get("normalize", "none")
+    heads = export_heads(Model.load(model_path), tol=tol, max_heads=mh, fewest=fewest)
     heads.save(output, inputs=(model_path,))
     out = {"output": str(output), "n_heads": heads.n_heads, "d": heads.d,
            "relative_function_error": heads.info["relative_function_error"],

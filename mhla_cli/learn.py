@@ -1,0 +1,57 @@
+"""Which fit and which head export to run: the library side of `mhla fit` and `mhla export-heads`.
+
+`fit` is least squares (Algorithm 1) by default, a factorised fit with `heads` heads, or a
+nuclear-norm fit with weight `nuclear`; "auto" chooses H or the weight by K-fold cross-validation
+over per-fold statistics. `export_heads` is the SVD of W (optionally truncated), the spectrum's
+outliers (`max_heads="auto"`), or the fewest heads computing the same function (`fewest=True`).
+"""
+
+from __future__ import annotations
+
+from . import heads as heads_mod
+from . import lowrank, solve, spectrum
+from .errors import InputError
+from .heads import Heads
+from .model import Model
+from .stream import Features
+
+
+def fit(feats: Features, ridge: float = 0.0, heads: int | str | None = None, nuclear: float | str | None = None,
+        weight_decay: float = 0.0, restarts: int = 10, seed: int = 0,
+        folds: list[Features] | None = None) -> Model:
+    """Fit a model from the statistics `feats`.
+
+    heads=H (or "auto") and nuclear=LAMBDA (or "auto") select the low-rank fits (mhla_cli.lowrank);
+    "auto" needs `folds`, the statistics of K disjoint parts of the data (mhla_cli.folds). The model
+    records the normalisation of the statistics.
+    """
+    if heads is None and nuclear is None:
+        model = solve.fit(feats, ridge=ridge)
+    else:
+        if ridge > 0:
+            raise InputError("the ridge penalty applies to the least-squares fit; the low-rank fits take "
+                             "weight_decay")
+        model = lowrank.fit_model(feats, heads=heads, nuclear=nuclear, weight_decay=weight_decay,
+                                  restarts=restarts, seed=seed, folds=folds)
+    model.info["normalize"] = feats.normalize
+    return model
+
+
+def export_heads(model: Model, tol: float = 1e-12, max_heads: int | str | None = None,
+                 fewest: bool = False) -> Heads:
+    """Heads computing `model`'s function (or its strongest part).
+
+    Default: the SVD of W, dropping singular values <= tol * s_max and keeping at most `max_heads`
+    heads; max_heads="auto": the heads that stand out of the spectrum's noise; fewest=True: the fewest
+    heads that compute the same function (verified to 1e-8; `info` says whether the count is proven).
+    """
+    if fewest and max_heads is not None:
+        raise InputError("fewest and max_heads cannot be combined")
+    if fewest:
+        heads = lowrank.fewest_heads(model.coef)
+    elif max_heads == "auto":
+        heads = spectrum.outlier_heads(model)
+    else:
+        heads = heads_mod.export_heads(model, tol=tol, max_heads=max_heads)
+    heads.info["normalize"] = model.info.get("normalize", "none")
+    return heads
