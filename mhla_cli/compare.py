@@ -59,9 +59,9 @@ def compare(a: Model | Heads | np.ndarray, b: Model | Heads | np.ndarray, tol: f
             progress: Callable[[int], None] | None = None) -> dict[str, Any]:
     """Distance between two functions; `same` is relative_distance <= tol."""
     if not (tol >= 0 and np.isfinite(tol)):
-        raise InputError(f"--tol must be a finite number >= 0, got {tol}")
+        raise InputError(f"tol must be a finite number >= 0, got {tol}")
     if normalize_of(a) != normalize_of(b):
-        raise InputError(f"the models use different normalisations (--normalize {normalize_of(a)} and "
+        raise InputError(f"the models use different normalisations ({normalize_of(a)} and "
                          f"{normalize_of(b)}): their coef act on different features, so they cannot be compared")
     out: dict[str, Any] = dict(function_distance(a, b))
     out["tol"] = tol

@@ -72,5 +72,5 @@ NORMALIZATIONS = ("none", "length")
 def check_normalize(normalize: str) -> str:
     """Validate a --normalize value ("none" or "length")."""
     if normalize not in NORMALIZATIONS:
-        raise InputError(f"--normalize must be none or length, got '{normalize}'")
+        raise InputError(f"the normalisation must be none or length, got '{normalize}'")
     return normalize

@@ -35,11 +35,11 @@ def featurize_folds(path: str | os.PathLike, n_folds: int, chunk_size: int | Non
     """
     info = inspect_tokens(path)
     if n_folds < 2:
-        raise InputError(f"--folds must be >= 2, got {n_folds}")
+        raise InputError(f"the number of folds must be >= 2, got {n_folds}")
     if n_folds > info.n_samples:
-        raise InputError(f"--folds {n_folds} is more than the {info.n_samples} samples", path)
+        raise InputError(f"{n_folds} folds are more than the {info.n_samples} samples", path)
     if not info.has_targets:
-        raise InputError("--folds needs targets (cross-validation scores predictions)", path)
+        raise InputError("folds need targets (cross-validation scores predictions)", path)
     folds = [featurize(path, chunk_size=chunk_size, shard=(k, n_folds), progress=progress, **parallel)
              for k in range(n_folds)]
     total = folds[0]
@@ -128,8 +128,8 @@ def load_for_cv(path: str | os.PathLike, n_folds: int = 5, chunk_size: int | Non
         total = Features.load(path)
         folds = load_folds(path, total)
         if folds is None:
-            raise InputError("has no per-fold statistics, which 'auto' needs: make it with "
-                             "`mhla featurize DATA -o FEATS --folds K`", path)
+            raise InputError("has no per-fold statistics, which 'auto' needs (write them with "
+                             "featurize_folds and save_with_folds)", path)
         return total, folds
     if kind == "tokens":
         return featurize_folds(path, n_folds, chunk_size=chunk_size, progress=progress)

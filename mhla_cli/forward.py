@@ -165,8 +165,8 @@ def predict_file(fn: Model | Heads, data: str | os.PathLike, out: str | os.PathL
     import h5py
 
     if all_positions and causal:
-        raise InputError("--causal and --all-positions cannot be combined: --causal outputs the masked "
-                         "(prefix) output at every position, --all-positions the unmasked one")
+        raise InputError("causal and all_positions cannot be combined: causal is the masked (prefix) "
+                         "output at every position, all_positions the unmasked one")
     coef = coef_of(fn)
     normalize = check_normalize(normalize_of(fn))
     d = coef.shape[0]
@@ -312,7 +312,7 @@ def rollout_file(fn: Model | Heads, data: str | os.PathLike, out: str | os.PathL
     Generated tokens that overflow float64 (a diverging rollout) are an InputError; nothing is written.
     """
     if steps < 1:
-        raise InputError(f"--steps must be >= 1, got {steps}")
+        raise InputError(f"steps must be >= 1, got {steps}")
     coef = coef_of(fn)
     normalize = check_normalize(normalize_of(fn))
     d = coef.shape[0]
@@ -344,7 +344,7 @@ def rollout_file(fn: Model | Heads, data: str | os.PathLike, out: str | os.PathL
                     bad = int(np.searchsorted(new_off, np.flatnonzero(~np.isfinite(new_tok).all(axis=1))[0],
                                               side="right") - 1)
                     raise InputError(f"the rollout of sequence {a + bad} diverges: generated tokens overflow "
-                                     "float64 (use fewer --steps or --snap to a codebook); nothing was written",
+                                     "float64 (use fewer steps or snap to a codebook); nothing was written",
                                      data)
                 dt[pos:pos + new_tok.shape[0]] = new_tok
                 doff[a + 1:b + 1] = pos + new_off[1:]

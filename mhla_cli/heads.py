@@ -126,9 +126,9 @@ def heads_from_W(W: np.ndarray, tol: float = 1e-12, max_heads: int | None = None
 def export_heads(model: Any, tol: float = 1e-12, max_heads: int | None = None) -> Heads:
     """Heads computing `model`'s function (Algorithm 1, step 3), with the relative function change."""
     if max_heads is not None and max_heads < 1:
-        raise InputError(f"--max-heads must be >= 1, got {max_heads}")
+        raise InputError(f"max_heads must be >= 1, got {max_heads}")
     if not (0 <= tol < 1):
-        raise InputError(f"--tol must be in [0, 1), got {tol}")
+        raise InputError(f"tol must be in [0, 1), got {tol}")
     heads, s = heads_from_W(model.W, tol=tol, max_heads=max_heads)
     p = model.coef
     norm = float(np.linalg.norm(p))

@@ -695,11 +695,11 @@ def fit_factorised(feats: Features, n_heads: int, weight_decay: float = 0.0, res
     """
     _need_targets(feats)
     if n_heads < 1:
-        raise InputError(f"--heads must be >= 1, got {n_heads}")
+        raise InputError(f"the number of heads must be >= 1, got {n_heads}")
     if weight_decay < 0 or not np.isfinite(weight_decay):
-        raise InputError(f"--weight-decay must be a finite number >= 0, got {weight_decay}")
+        raise InputError(f"weight_decay must be a finite number >= 0, got {weight_decay}")
     if restarts < 1:
-        raise InputError(f"--restarts must be >= 1, got {restarts}")
+        raise InputError(f"restarts must be >= 1, got {restarts}")
     d = feats.d
     H = int(n_heads)
     rng = np.random.default_rng(seed)
@@ -781,7 +781,7 @@ def fit_nuclear(feats: Features, lam: float, max_iter: int = 5000, tol: float = 
     """
     _need_targets(feats)
     if lam < 0 or not np.isfinite(lam):
-        raise InputError(f"--nuclear must be a finite number >= 0, got {lam}")
+        raise InputError(f"the nuclear-norm weight must be a finite number >= 0, got {lam}")
     d = feats.d
     N = feats.n_samples
     G, Mt = feats.gram, feats.moments.T
@@ -940,10 +940,10 @@ def fit_model(feats: Features, heads: int | str | None = None, nuclear: float | 
     """
     _need_targets(feats)
     if (heads is None) == (nuclear is None):
-        raise InputError("give exactly one of --heads and --nuclear")
+        raise InputError("give exactly one of heads and nuclear")
     if "auto" in (heads, nuclear) and not folds:
-        raise InputError("'auto' needs per-fold statistics: run `mhla featurize DATA -o FEATS --folds K` "
-                         "and fit FEATS, or fit the tokens file directly")
+        raise InputError("'auto' needs per-fold statistics: pass folds, the statistics of K disjoint parts "
+                         "of the data (mhla_cli.folds)")
     base = fit(feats)
     info = dict(base.info)
     cv = None

@@ -65,7 +65,7 @@ def read_part_info(path: str | os.PathLike) -> PartInfo:
         attrs = f.attrs
         if "source" not in attrs or "sample_lo" not in attrs or "sample_hi" not in attrs:
             raise InputError("records no source or sample range, so it cannot be checked against the "
-                             "other parts; make parts with `mhla featurize DATA --shard i/M`", path)
+                             "other parts; make parts as shards of one tokens file", path)
         try:
             source = json.loads(_text(attrs["source"]))
         except (TypeError, ValueError):
@@ -103,7 +103,7 @@ def plan_merge(paths: list[str | os.PathLike], allow_partial: bool = False) -> M
         if p.d != first.d:
             raise InputError(f"has d = {p.d} but {first.path} has d = {first.d}: parts of different data", p.path)
         if p.normalize != first.normalize:
-            raise InputError(f"was featurized with --normalize {p.normalize} but {first.path} with --normalize "
+            raise InputError(f"was featurized with normalisation {p.normalize} but {first.path} with "
                              f"{first.normalize}: the statistics of different normalisations do not add up",
                              p.path)
         if not _same_source(p.source, first.source):
@@ -138,7 +138,7 @@ def plan_merge(paths: list[str | os.PathLike], allow_partial: bool = False) -> M
         gaps = ", ".join(f"{a}..{b}" for a, b in missing[:5]) + (" ..." if len(missing) > 5 else "")
         of = f" of {total}" if total is not None else ""
         raise InputError(f"the parts do not cover every sample{of}: missing samples {gaps} (half-open "
-                         "ranges); add the missing shards, or pass --allow-partial to merge what is there")
+                         "ranges); add the missing shards, or allow a partial merge of what is there")
     return report
 
 

@@ -170,7 +170,7 @@ class DaskMap:
         try:
             from dask.distributed import Client, LocalCluster
         except ImportError:
-            raise InputError("--scheduler needs Dask, an optional extra: pip install 'mhla[dask]'") from None
+            raise InputError("a Dask scheduler needs Dask, an optional extra: pip install 'mhla[dask]'") from None
         sched = self.scheduler
         if isinstance(sched, Client):
             self._client = sched
@@ -189,7 +189,7 @@ class DaskMap:
                 try:
                     self._client = Client(sched)  # timeout: distributed.comm.timeouts.connect
                 except (OSError, TimeoutError, ValueError) as exc:
-                    raise InputError(f"--scheduler {sched}: cannot connect to a Dask scheduler ({exc})") from None
+                    raise InputError(f"scheduler {sched}: cannot connect to a Dask scheduler ({exc})") from None
             self._own_client = True
         self.n_workers = max(1, len(self._client.scheduler_info().get("workers", {})))
         return self
@@ -225,14 +225,14 @@ def _parse_local(spec: str) -> int:
     except ValueError:
         k = 0
     if k < 1:
-        raise InputError(f"--scheduler {spec}: expected local or local:K with K >= 1")
+        raise InputError(f"scheduler {spec}: expected local or local:K with K >= 1")
     return k
 
 
 def resolve_workers(workers: int) -> int:
     """K >= 1 workers; 0 means one per core."""
     if workers < 0:
-        raise InputError(f"--workers must be >= 0 (0: one per core), got {workers}")
+        raise InputError(f"workers must be >= 0 (0: one per core), got {workers}")
     return workers or max(1, os.cpu_count() or 1)
 
 

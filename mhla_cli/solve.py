@@ -157,7 +157,7 @@ def certify(feats: Features, min_eig: float = 0.0, domain: str = "full") -> Cert
     `domain_map(feats, "observed")[0].T`).
     """
     if min_eig < 0 or not np.isfinite(min_eig):
-        raise InputError(f"--min-eig must be a finite number >= 0, got {min_eig}")
+        raise InputError(f"min_eig must be a finite number >= 0, got {min_eig}")
     A, gram_b, _ = feats.solver_stats()
     T, r, s = _domain_map_b(feats, domain)
     lam = gram_b / max(feats.n_samples, 1)
@@ -196,7 +196,7 @@ def _explain(feats: Features, cert: Certificate, null: np.ndarray, full: bool
                        "(necessary, not sufficient)")
     if null.shape[1] and cert.lambda_min > cert.numerical_tolerance and cert.min_eig > 0:
         reasons.append(f"lambda_min = {cert.lambda_min:.3g} is full rank but below the demanded "
-                       f"--min-eig {cert.min_eig:.3g}")
+                       f"margin min_eig = {cert.min_eig:.3g}")
     # token_gram / last_token_gram are sums of squares in the tokens' own coordinates: a zero
     # diagonal entry means that coordinate is exactly 0 in every token (or last token).
     zt = np.flatnonzero(np.diag(feats.token_gram) == 0.0)
@@ -204,10 +204,10 @@ def _explain(feats: Features, cert: Certificate, null: np.ndarray, full: bool
     if full:
         if zt.size:
             reasons.append(f"token coordinate(s) {', '.join(map(str, zt))} are always 0: features "
-                           "S[j,k] touching them vanish (try --domain observed)")
+                           "S[j,k] touching them vanish (the observed domain leaves them out)")
         if zl.size:
             reasons.append(f"last-token coordinate(s) {', '.join(map(str, zl))} are always 0: features "
-                           "S[j,k]*x_n[l] with those l vanish (try --domain observed)")
+                           "S[j,k]*x_n[l] with those l vanish (the observed domain leaves them out)")
     weight = (null**2).sum(axis=1)  # diagonal of the projector onto the null space
     order = np.argsort(-weight)
     names = _feature_names(d, cert, full)
@@ -266,7 +266,7 @@ def fit(feats: Features, ridge: float = 0.0) -> Model:
     if not feats.has_targets:
         raise InputError("the data have no 'targets': fit needs (X, y) pairs")
     if ridge < 0 or not np.isfinite(ridge):
-        raise InputError(f"--ridge must be a finite number >= 0, got {ridge}")
+        raise InputError(f"ridge must be a finite number >= 0, got {ridge}")
     import scipy.linalg
 
     A, gram_b, moments_b = feats.solver_stats()

@@ -775,7 +775,7 @@ def _add_into(acc: Features, part: Features) -> None:
         raise InputError("cannot add statistics with and without targets")
     if part.normalize != acc.normalize:
         raise InputError(f"cannot add statistics with different normalisations ({acc.normalize} and "
-                         f"{part.normalize}): featurize every part with the same --normalize")
+                         f"{part.normalize}): featurize every part with the same normalisation")
     if part.per_position != acc.per_position:
         raise InputError("cannot add per-position (causal) statistics to last-token statistics")
     acc.n_sequences = None if acc.n_sequences is None or part.n_sequences is None \

@@ -71,9 +71,9 @@ def parse_seq_len(spec: str | int) -> tuple[int, int]:
         else:
             lo = hi = int(spec)
     except ValueError:
-        raise InputError(f"--seq-len '{spec}': expected an integer n or MIN:MAX") from None
+        raise InputError(f"sequence length '{spec}': expected an integer n or MIN:MAX") from None
     if lo < 1 or hi < lo:
-        raise InputError(f"--seq-len '{spec}': need 1 <= MIN <= MAX")
+        raise InputError(f"sequence length '{spec}': need 1 <= MIN <= MAX")
     return lo, hi
 
 
@@ -96,9 +96,9 @@ def generate_teacher(d: int, n_heads: int, n_samples: int, seq_len: str | int | 
     """
     check_normalize(normalize)
     if d < 1 or n_heads < 1 or n_samples < 1:
-        raise InputError("--dim, --heads and --n-samples must be >= 1")
+        raise InputError("dim, heads and n_samples must be >= 1")
     if noise < 0:
-        raise InputError("--noise must be >= 0")
+        raise InputError("noise must be >= 0")
     lo, hi = seq_len if isinstance(seq_len, tuple) else parse_seq_len(seq_len)
     rng = np.random.default_rng(seed)
     teacher = random_teacher(d, n_heads, rng)
@@ -146,9 +146,9 @@ def generate_assoc(keys: int, n_samples: int, orthogonal_fraction: float = 0.0, 
     draw them from N(0, I/k) (rows of unit expected norm). Queries are N(0, I/k).
     """
     if keys < 1 or n_samples < 1:
-        raise InputError("--keys and --n-samples must be >= 1")
+        raise InputError("keys and n_samples must be >= 1")
     if not 0.0 <= orthogonal_fraction <= 1.0:
-        raise InputError("--orthogonal-fraction must be in [0, 1]")
+        raise InputError("orthogonal_fraction must be in [0, 1]")
     k = keys
     rng = np.random.default_rng(seed)
     n_orth = int(round(orthogonal_fraction * n_samples))

@@ -112,7 +112,7 @@ class Witness:
         a = Model.load(path)
         with formats.open_input(path) as f:
             if "coef_b" not in f:
-                raise InputError("not a witness file (no 'coef_b'); make one with mhla certify --witness", path)
+                raise InputError("not a witness file (no 'coef_b')", path)
             coef_b = formats.read_array(f, "coef_b", path).astype(np.float64)
             tokens = formats.read_array(f, "witness_tokens", path).astype(np.float64)
             info = {k: (v.item() if hasattr(v, "item") else v) for k, v in f.attrs.items()}
@@ -257,7 +257,7 @@ def make_witness(feats: Features, data: str | os.PathLike | None = None, cert: C
     its own verification.
     """
     if not feats.has_targets:
-        raise InputError("--witness needs targets: the two models are compared by their training loss")
+        raise InputError("a witness needs targets: the two models are compared by their training loss")
     cert = certify(feats) if cert is None else cert
     if cert.identifiable:
         raise InputError("the data certify (identifiable): no two different functions fit them equally; "

@@ -8,7 +8,10 @@ from typing import Annotated
 import typer
 
 from .. import formats
+from ..compare import compare
+from ..lowrank import convergence_warning
 from ..model import load_function
+from ..spectrum import plot_spectrum, spectrum, text_histogram
 from ._common import (
     ChunkOpt,
     JsonOpt,
@@ -36,8 +39,6 @@ def spectrum_cmd(
 
     Example: mhla spectrum model.h5 --plot spectrum.png --json
     """
-    from ..spectrum import plot_spectrum, spectrum, text_histogram
-
     if plot is not None:
         formats.check_output_path(plot, (model_path,))
     fn = load_function(model_path)
@@ -45,8 +46,6 @@ def spectrum_cmd(
     out = {k: v for k, v in spec.items() if k != "W"}
     out["input"] = str(model_path)
     if not spec["converged"]:
-        from ..lowrank import convergence_warning
-
         warn(convergence_warning(spec["solver"], "the minimum-nuclear-norm W") + ": its zero singular values, "
              "and so the head count below, are not reliable")
     say(f"{'UNCONVERGED: ' if not spec['converged'] else ''}{model_path}: {spec['n_outliers']} head(s) above the threshold {fmt(spec['threshold'])} "
@@ -75,8 +74,6 @@ def compare_cmd(
 
     Example (a CI gate): mhla compare retrained.h5 model.h5 --tol 1e-6 --on heldout.h5 --json
     """
-    from ..compare import compare
-
     fa, fb = load_function(a), load_function(b)
     if on is not None:
         info = inspect_tokens(on)

@@ -10,11 +10,17 @@ import typer
 
 from .. import formats, synthetic
 from ..errors import InputError
+from ..folds import featurize_folds, load_folds, load_for_cv, save_with_folds
+from ..inspect import inspect_file
 from ..learn import export_heads, fit
+from ..lowrank import convergence_warning, fewest_message, hit_limit, solver_warnings
 from ..model import Model, load_function
+from ..probes import certify_probes
 from ..forward import predict_file, rollout_file
 from ..solve import certify
-from ..stream import Features, featurize, load_features
+from ..features import check_normalize
+from ..stream import Features, featurize, load_features, shard_range
+from ..witness import make_witness
 from ._common import ChunkOpt, JsonOpt, OutOpt, QuietOpt, emit_json, fmt, parse_auto, progress_bar, say, warn
 from ..tokens import inspect_tokens
 
@@ -61,8 +67,6 @@ def generate_teacher_cmd(
     """
     if dtype not in ("float32", "float64"):
         raise InputError(f"--dtype must be float32 or float64, got {dtype}")
-    from ..stream import check_normalize
-
     normalize = check_normalize(normalize or "none")
     formats.check_output_path(output)
     if teacher_out is not None:
@@ -148,22 +152,16 @@ def featurize_cmd(
     """
     if scheduler is not None and workers != 1:
         raise InputError("--workers and --scheduler cannot be combined (the Dask cluster sets the workers)")
-    from ..stream import check_normalize
-
     parallel = {"workers": workers, "scheduler": scheduler, "normalize": check_normalize(normalize or "none")}
     formats.check_output_path(output, (data,))
     info = inspect_tokens(data)
     shard_t = _parse_shard(shard)
     total = info.n_samples
     if shard_t is not None:
-        from ..stream import shard_range
-
         lo, hi = shard_range(info.n_samples, *shard_t)
         total = hi - lo
     with progress_bar("featurize", total, quiet) as advance:
         if folds is not None:
-            from ..folds import featurize_folds, save_with_folds
-
             if shard_t is not None:
                 raise InputError("--folds and --shard cannot be combined")
             feats, fold_feats = featurize_folds(data, folds, chunk_size=chunk_size, progress=advance, **parallel)
@@ -266,8 +264,6 @@ def certify_cmd(
     for r in cert.reasons:
         say(f"  - {r}", quiet)
     if witness is not None and not cert.identifiable:
-        from ..witness import make_witness
-
         wit = make_witness(feats, data=data, cert=cert, chunk_size=chunk_size)
         wit.save(witness, inputs=(data,))
         wi = wit.info
@@ -285,8 +281,6 @@ def certify_cmd(
 
 def _certify_on(data: Path, on: Path, report: Path | None, normalize: str | None, chunk_size: int | None,
                 json_out: bool, quiet: bool) -> None:
-    from ..probes import certify_probes
-
     feats, _ = _load_or_featurize(data, chunk_size, quiet, normalize)
     with progress_bar("probes", inspect_tokens(on).n_samples, quiet) as advance:
         rep = certify_probes(feats, on, chunk_size=chunk_size, progress=advance)
@@ -345,8 +339,9 @@ def fit_cmd(
     if lowrank_fit and ridge > 0:
         raise InputError("--ridge applies to the least-squares fit; use --weight-decay with --heads")
     if "auto" in (h, lam):
-        from ..folds import load_for_cv
-
+        if formats.kind_of(data) == "features" and load_folds(data) is None:
+            raise InputError("has no per-fold statistics, which 'auto' needs: make them with "
+                             "`mhla featurize DATA -o FEATS --folds K`, or fit the tokens file directly", data)
         if normalize not in (None, "none"):
             raise InputError("'auto' with --normalize: featurize first, e.g. `mhla featurize DATA -o FEATS "
                              "--folds 5 --normalize length`, then fit FEATS")
@@ -374,8 +369,6 @@ def fit_cmd(
             + (f" (CV over {info['n_folds']} folds chose {info['cv']['chosen']:.4g})" if "cv" in info else "")
             + (f"; head strengths ||V_h|| ||Q_h|| = {', '.join(fmt(x) for x in info['head_norms'])}"
                if "head_norms" in info else ""), quiet)
-        from ..lowrank import solver_warnings
-
         for w in solver_warnings(info):
             warn(w)
     elif not info["identifiable"]:
@@ -413,8 +406,6 @@ def export_heads_cmd(
            "relative_function_error": heads.info["relative_function_error"],
            "singular_values": heads.info["singular_values"]}
     if fewest or mh == "auto":
-        from ..lowrank import convergence_warning, fewest_message, hit_limit
-
         keys = ("rel_error", "lower_bound", "proven_minimal", "starts_tried", "starts_per_head_count", "best_error",
                 "lower_bound_info") if fewest else ("threshold", "threshold_method")
         out.update({k: heads.info[k] for k in keys}, converged=(heads.info["solver"] or {}).get("converged"),
@@ -517,9 +508,6 @@ def inspect_cmd(
     Exit 0 when valid, 2 otherwise. Example: mhla inspect feats.h5 --json
     """
     from rich.markup import escape
-
-    from ..inspect import inspect_file
-
     rep = inspect_file(path)
     if json_out:
         emit_json(rep)
