@@ -9,7 +9,6 @@ fold_n_samples (K,), fold_n_tokens (K,) and fold_ranges (K, 2), plus the attribu
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Callable
 from typing import Any
@@ -22,8 +21,7 @@ from .features import n_features
 from .stream import Features, featurize
 from .tokens import inspect_tokens
 
-FOLD_DATASETS = ("fold_gram", "fold_moments", "fold_target_gram", "fold_token_gram", "fold_last_token_gram",
-                 "fold_n_samples", "fold_n_tokens", "fold_ranges")
+FOLD_DATASETS = (*(f"fold_{k}" for k in Features.SUMS), "fold_n_samples", "fold_n_tokens", "fold_ranges")
 
 
 def featurize_folds(path: str | os.PathLike, n_folds: int, chunk_size: int | None = None,
@@ -54,28 +52,11 @@ def featurize_folds(path: str | os.PathLike, n_folds: int, chunk_size: int | Non
 def save_with_folds(total: Features, folds: list[Features], path: str | os.PathLike,
                     inputs: tuple[str | os.PathLike, ...] = ()) -> None:
     """Write a features file (same layout as Features.save) with the per-fold datasets added."""
-    attrs: dict[str, Any] = {"d": total.d, "n_samples": total.n_samples, "n_tokens": total.n_tokens,
-                             "n_features": total.n_features, "token_dtype": total.token_dtype,
-                             "n_folds": len(folds)}
-    if total.sample_range is not None:
-        attrs["sample_lo"], attrs["sample_hi"] = total.sample_range
-    if total.source is not None:
-        attrs["source"] = json.dumps(total.source)
-    attrs["normalize"], attrs["per_position"] = total.normalize, int(total.per_position)
-    if total.n_sequences is not None:
-        attrs["n_sequences"] = int(total.n_sequences)
-    attrs.update(total.extra_attrs)
-    data = {"gram": total.gram, "moments": total.moments, "target_gram": total.target_gram,
-            "token_gram": total.token_gram, "last_token_gram": total.last_token_gram,
-            "fold_gram": np.stack([f.gram for f in folds]),
-            "fold_moments": np.stack([f.moments for f in folds]),
-            "fold_target_gram": np.stack([f.target_gram for f in folds]),
-            "fold_token_gram": np.stack([f.token_gram for f in folds]),
-            "fold_last_token_gram": np.stack([f.last_token_gram for f in folds]),
-            "fold_n_samples": np.array([f.n_samples for f in folds], dtype=np.int64),
-            "fold_n_tokens": np.array([f.n_tokens for f in folds], dtype=np.int64),
-            "fold_ranges": np.array([f.sample_range or (0, 0) for f in folds], dtype=np.int64)}
-    formats.write_file(path, "features", data, attrs, inputs)
+    data = {f"fold_{k}": np.stack([getattr(f, k) for f in folds]) for k in Features.SUMS}
+    data.update(fold_n_samples=np.array([f.n_samples for f in folds], dtype=np.int64),
+                fold_n_tokens=np.array([f.n_tokens for f in folds], dtype=np.int64),
+                fold_ranges=np.array([f.sample_range or (0, 0) for f in folds], dtype=np.int64))
+    total.save(path, inputs, extra=data, extra_attrs={"n_folds": len(folds)})
 
 
 def load_folds(path: str | os.PathLike, total: Features | None = None) -> list[Features] | None:
@@ -109,11 +90,7 @@ def load_folds(path: str | os.PathLike, total: Features | None = None) -> list[F
     folds = []
     for k in range(K):
         folds.append(Features(d=d, n_samples=int(n[k]), n_tokens=int(arrs["fold_n_tokens"][k]),
-                              gram=arrs["fold_gram"][k].astype(np.float64),
-                              token_gram=arrs["fold_token_gram"][k].astype(np.float64),
-                              last_token_gram=arrs["fold_last_token_gram"][k].astype(np.float64),
-                              moments=arrs["fold_moments"][k].astype(np.float64),
-                              target_gram=arrs["fold_target_gram"][k].astype(np.float64),
+                              **{s: arrs[f"fold_{s}"][k].astype(np.float64) for s in Features.SUMS},
                               token_dtype=total.token_dtype,
                               sample_range=(int(arrs["fold_ranges"][k][0]), int(arrs["fold_ranges"][k][1])),
                               per_position=total.per_position, normalize=total.normalize))

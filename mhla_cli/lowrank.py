@@ -917,12 +917,8 @@ def cv_nuclear(total: Features, folds: list[Features], n_grid: int = 10, decades
 
 
 def _minus(total: Features, part: Features) -> Features:
-    """Statistics of the samples in `total` but not in `part` (sums subtract)."""
-    return Features(d=total.d, n_samples=total.n_samples - part.n_samples, n_tokens=total.n_tokens - part.n_tokens,
-                    gram=total.gram - part.gram, token_gram=total.token_gram - part.token_gram,
-                    last_token_gram=total.last_token_gram - part.last_token_gram,
-                    moments=total.moments - part.moments, target_gram=total.target_gram - part.target_gram,
-                    token_dtype=total.token_dtype)
+    """Statistics of the samples in `total` but not in `part`."""
+    return total - part
 
 
 # --------------------------------------------------------------------------------------------

@@ -16,7 +16,7 @@ from typing import Any
 from . import formats
 from .errors import InputError
 from .memory import check_memory
-from .stream import Features, _add_into
+from .stream import Features
 
 
 @dataclass
@@ -161,7 +161,7 @@ def merge_features(paths: list[str | os.PathLike], allow_partial: bool = False) 
                 raise InputError(f"{'has' if feats.has_targets else 'has no'} targets but "
                                  f"{report.parts[0].path} {'has not' if feats.has_targets else 'has'}",
                                  part.path)
-            _add_into(total, feats)
+            total.add(feats)
             if feats.token_dtype != total.token_dtype:
                 total.token_dtype = "float64"
     assert total is not None

@@ -69,13 +69,22 @@ def _observed_bases_b(feats: Features) -> tuple[np.ndarray, np.ndarray]:
     return range_basis(tg, rel(feats.n_tokens)), range_basis(lg, rel(feats.n_samples))
 
 
+DOMAINS = ("full", "observed")
+
+
+def check_domain(domain: str) -> str:
+    """Validate a certificate domain: "full" (all inputs) or "observed" (tokens in the data's spans)."""
+    if domain not in DOMAINS:
+        raise InputError(f"unknown domain '{domain}', expected full or observed")
+    return domain
+
+
 def _domain_map_b(feats: Features, domain: str) -> tuple[np.ndarray | None, int, int]:
     """The map T_b from the solver-basis features to the domain's (None for the full domain)."""
     d = feats.d
     if domain == "full":
         return None, d, d
-    if domain != "observed":
-        raise InputError(f"unknown domain '{domain}', expected full or observed")
+    check_domain(domain)
     B, C = _observed_bases_b(feats)
     return np.kron(pair_map(B), C.T), B.shape[1], C.shape[1]
 

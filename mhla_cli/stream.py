@@ -72,6 +72,10 @@ class Features:
     # Sequences read (the unit of sample ranges and shards); None when unknown (older files).
     n_sequences: int | None = None
 
+    # The sums in the tokens' own coordinates (docs/formats.md); the solver basis adds BASIS_SUMS.
+    SUMS = ("gram", "moments", "target_gram", "token_gram", "last_token_gram")
+    BASIS_SUMS = ("basis_gram", "basis_moments")
+
     @property
     def n_features(self) -> int:
         return n_features(self.d)
@@ -115,6 +119,20 @@ class Features:
         _add_into(self, other)
         return self
 
+    def __sub__(self, part: Features) -> Features:
+        """Statistics of the samples in `self` but not in `part` (every sum subtracts; same basis)."""
+        self.finalize()
+        part.finalize()
+        out = Features(d=self.d, n_samples=self.n_samples - part.n_samples, n_tokens=self.n_tokens - part.n_tokens,
+                       token_dtype=self.token_dtype, normalize=self.normalize, per_position=self.per_position,
+                       **{k: None if getattr(self, k) is None else getattr(self, k) - getattr(part, k)
+                          for k in self.SUMS})
+        if self.basis is not None and basis_mod.same(self.basis, part.basis):
+            out.basis = self.basis
+            out.basis_gram = self.basis_gram - part.basis_gram
+            out.basis_moments = None if self.basis_moments is None else self.basis_moments - part.basis_moments
+        return out
+
     def __add__(self, other: Features) -> Features:
         total = Features.zeros(self.d, self.has_targets,
                                self.token_dtype if self.token_dtype == other.token_dtype else "float64")
@@ -137,8 +155,14 @@ class Features:
                    target_gram=np.zeros((d, d)) if has_targets else None, token_dtype=token_dtype)
 
     # ---------------------------------------------------------------- persistence
-    def save(self, path: str | os.PathLike, inputs: tuple[str | os.PathLike, ...] = ()) -> None:
-        """Write a features file atomically."""
+    def save(self, path: str | os.PathLike, inputs: tuple[str | os.PathLike, ...] = (),
+             extra: dict[str, np.ndarray] | None = None, extra_attrs: dict[str, Any] | None = None) -> None:
+        """Write a features file atomically (`extra` datasets and attributes beside, e.g. per-fold sums)."""
+        formats.write_file(path, "features", {**self.datasets(), **(extra or {})},
+                           {**self.file_attrs(), **(extra_attrs or {})}, inputs)
+
+    def file_attrs(self) -> dict[str, Any]:
+        """The attributes of a features file (docs/formats.md)."""
         attrs: dict[str, Any] = {"d": self.d, "n_samples": self.n_samples, "n_tokens": self.n_tokens,
                                  "n_features": self.n_features, "token_dtype": self.token_dtype}
         if self.sample_range is not None:
@@ -150,7 +174,7 @@ class Features:
         if self.n_sequences is not None:
             attrs["n_sequences"] = int(self.n_sequences)
         attrs.update(self.extra_attrs)
-        formats.write_file(path, "features", self.datasets(), attrs, inputs)
+        return attrs
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> Features:
@@ -874,14 +898,7 @@ def featurize(path: str | os.PathLike, chunk_size: int | None = None,
         basis = np.asarray(basis, dtype=np.float64)
         if basis.shape != (info.d, info.d) or not np.isfinite(basis).all() or np.linalg.cond(basis) > 1e12:
             raise InputError(f"the basis must be an invertible ({info.d}, {info.d}) array", path)
-    lo, hi = 0, info.n_samples
-    if shard is not None:
-        i, m = shard
-        if not (m >= 1 and 0 <= i < m):
-            raise InputError(f"shard {i}/{m}: need 0 <= i < M")
-        lo, hi = shard_range(info.n_samples, i, m)
-        if hi <= lo:
-            raise InputError(f"shard {i}/{m} is empty: the file has only {info.n_samples} samples", path)
+    lo, hi = shard_span(info.n_samples, shard, path)
     size = chunk_size or default_chunk_size(info)
     if map is None and workers <= 1 and scheduler is None:
         check_memory(info.d, path=path)
@@ -901,6 +918,19 @@ def featurize(path: str | os.PathLike, chunk_size: int | None = None,
     if shard is not None:
         feats.extra_attrs["shard"] = f"{shard[0]}/{shard[1]}"
     return feats
+
+
+def shard_span(n: int, shard: tuple[int, int] | None, path: str | os.PathLike | None = None) -> tuple[int, int]:
+    """The sample range [lo, hi) of shard (i, M) of n samples (all of them for None); validated here."""
+    if shard is None:
+        return 0, n
+    i, m = shard
+    if not (m >= 1 and 0 <= i < m):
+        raise InputError(f"shard {i}/{m}: need 0 <= i < M")
+    lo, hi = shard_range(n, i, m)
+    if hi <= lo:
+        raise InputError(f"shard {i}/{m} is empty: the file has only {n} samples", path)
+    return lo, hi
 
 
 def shard_range(n: int, i: int, m: int) -> tuple[int, int]:

@@ -17,9 +17,9 @@ from ..lowrank import convergence_warning, fewest_message, hit_limit, solver_war
 from ..model import Model, load_function
 from ..probes import certify_probes
 from ..forward import predict_file, rollout_file
-from ..solve import certify
+from ..solve import certify, check_domain
 from ..features import check_normalize
-from ..stream import Features, featurize, load_features, shard_range
+from ..stream import Features, featurize, load_features, shard_span
 from ..witness import make_witness
 from ._common import ChunkOpt, JsonOpt, OutOpt, QuietOpt, emit_json, fmt, parse_auto, progress_bar, say, warn
 from ..tokens import inspect_tokens
@@ -156,10 +156,8 @@ def featurize_cmd(
     formats.check_output_path(output, (data,))
     info = inspect_tokens(data)
     shard_t = _parse_shard(shard)
-    total = info.n_samples
-    if shard_t is not None:
-        lo, hi = shard_range(info.n_samples, *shard_t)
-        total = hi - lo
+    lo, hi = shard_span(info.n_samples, shard_t, data)
+    total = hi - lo
     with progress_bar("featurize", total, quiet) as advance:
         if folds is not None:
             if shard_t is not None:
@@ -191,8 +189,6 @@ def _parse_shard(shard: str | None) -> tuple[int, int] | None:
         i, m = (int(x) for x in shard.split("/"))
     except ValueError:
         raise InputError(f"--shard '{shard}': expected i/M, e.g. 0/8") from None
-    if m < 1 or not 0 <= i < m:
-        raise InputError(f"--shard '{shard}': need 0 <= i < M")
     return i, m
 
 
@@ -227,8 +223,7 @@ def certify_cmd(
 
     Example (given inputs): mhla certify train.h5 --on heldout.h5 -o report.h5 --json
     """
-    if domain not in ("full", "observed"):
-        raise InputError(f"--domain must be full or observed, got '{domain}'")
+    check_domain(domain)
     if on is None and report is not None:
         raise InputError("-o/--output REPORT is the report of --on PROBES; give --on")
     if on is not None:
