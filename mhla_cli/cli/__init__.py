@@ -44,11 +44,10 @@ def _root(
     """mhla: learn MHLA exactly (Algorithm 1 of Yau et al., NeurIPS 2025) and certify identifiability."""
 
 
-from . import beyond, core, scale  # noqa: E402
+from . import certify, featurize, fit, generate, inspect, predict  # noqa: E402
 
-core.register(app)
-scale.register(app)
-beyond.register(app)
+for _module in (generate, featurize, certify, fit, predict, inspect):
+    _module.register(app)
 
 
 def _error(message: str, code: int = 2) -> int:

@@ -1,4 +1,4 @@
-"""Shared CLI plumbing: consoles, JSON output, progress bars, option types."""
+"""Console output of the commands: human messages and warnings on stderr, JSON on stdout, progress bars."""
 
 from __future__ import annotations
 
@@ -8,22 +8,24 @@ import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Any
 
 import numpy as np
-import typer
 from rich.console import Console
-from ..errors import InputError
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    TextColumn,
+    TimeElapsedColumn,
+    TimeRemainingColumn,
+)
+
+from .. import formats
+from ..stream import Features, load_features
+from ..tokens import inspect_tokens
 
 err_console = Console(stderr=True, highlight=False, soft_wrap=True)
-
-JsonOpt = Annotated[bool, typer.Option("--json", help="Print one JSON object on stdout.")]
-QuietOpt = Annotated[bool, typer.Option("--quiet", "-q", help="No progress bar or human summary on stderr.")]
-OutOpt = Annotated[Path, typer.Option("--output", "-o", help="Output HDF5 file (written atomically).",
-                                      dir_okay=True, resolve_path=False)]
-ChunkOpt = Annotated[int | None, typer.Option("--chunk-size", min=1,
-                                              help="Samples per chunk (default: sized to ~64 MiB of buffers).")]
 
 
 def _clean(obj: Any) -> Any:
@@ -79,18 +81,10 @@ def fmt(x: float | None) -> str:
     return f"{x:.4g}"
 
 
-def parse_auto(value: str | None, name: str, kind: type) -> int | float | str | None:
-    """'auto', None, or a number of `kind` (int or float) from a CLI string."""
-    if value is None:
-        return None
-    if str(value).strip().lower() == "auto":
-        return "auto"
-    try:
-        x = kind(value)
-    except ValueError:
-        raise InputError(f"{name} '{value}': expected {'an integer' if kind is int else 'a number'} or 'auto'") from None
-    if kind is int and x < 1:
-        raise InputError(f"{name} must be >= 1, got {x}")
-    if kind is float and (x < 0 or not np.isfinite(x)):
-        raise InputError(f"{name} must be a finite number >= 0, got {x}")
-    return x
+def load_with_progress(path: Path, chunk_size: int | None, quiet: bool,
+                       normalize: str | None = None) -> tuple[Features, str]:
+    """Features of a features or tokens file (with a progress bar when featurizing), and the file kind."""
+    kind = formats.kind_of(path)
+    total = inspect_tokens(path).n_samples if kind == "tokens" else 0
+    with progress_bar("featurize", total, quiet) as advance:
+        return load_features(path, chunk_size=chunk_size, normalize=normalize, progress=advance), kind

@@ -1,0 +1,130 @@
+"""`mhla certify`: the identifiability certificate, the witness, and certificates on given inputs (--on)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from .. import formats
+from ..errors import InputError
+from ..probes import certify_probes
+from ..solve import certify, check_domain
+from ..tokens import inspect_tokens
+from ..witness import make_witness
+from .console import emit_json, fmt, load_with_progress, progress_bar, say, warn
+from .options import ChunkOpt, JsonOpt, NormalizeOpt, QuietOpt
+
+
+def certify_cmd(
+    data: Annotated[Path, typer.Argument(help="Tokens file or features file.")],
+    min_eig: Annotated[float, typer.Option("--min-eig", min=0.0,
+                                           help="Demand lambda_min(Lambda_D) > this (a margin for CI); "
+                                                "the numerical tolerance psi*eps*lambda_max always applies.")] = 0.0,
+    domain: Annotated[str, typer.Option("--domain", help="full: every input in R^d (the paper). observed: "
+                                        "inputs in the span of the data's tokens / last tokens.")] = "full",
+    witness: Annotated[Path | None, typer.Option("--witness", help="When not identifiable, write two models with "
+                                                 "the same training loss but different functions, and an "
+                                                 "input on which they differ, to this file.")] = None,
+    on: Annotated[Path | None, typer.Option("--on", metavar="PROBES", help="Instead of all inputs, test the inputs "
+                                            "of this tokens file (every sequence, or every weighted position of "
+                                            "per-position data): exit 0 when the data determine the output on "
+                                            "every one. Example: mhla certify train.h5 --on test.h5 -o report.h5")] = None,
+    report: Annotated[Path | None, typer.Option("--output", "-o", metavar="REPORT", help="With --on: write the "
+                                                "per-probe residuals and the undetermined probes to this HDF5 "
+                                                "file.")] = None,
+    normalize: NormalizeOpt = None,
+    chunk_size: ChunkOpt = None,
+    json_out: JsonOpt = False,
+    quiet: QuietOpt = False,
+) -> None:
+    """Certify that the data determine the learned function (Lemma 2.3). Exit 0 yes, 1 no, 2 error.
+
+    With --on PROBES: whether every zero-loss model gives the same output on each probe input (its
+    feature vector in the range of gram: relative null-space component <= 1e-8).
+
+    Example (a CI gate): mhla certify data.h5 --json > cert.json || exit 1;  mhla certify data.h5 --witness w.h5
+
+    Example (given inputs): mhla certify train.h5 --on heldout.h5 -o report.h5 --json
+    """
+    check_domain(domain)
+    if on is None and report is not None:
+        raise InputError("-o/--output REPORT is the report of --on PROBES; give --on")
+    if on is not None:
+        if witness is not None or domain != "full" or min_eig > 0:
+            raise InputError("--on tests the given probes: it cannot be combined with --witness, --domain "
+                             "or --min-eig")
+        inspect_tokens(on)
+        if report is not None:
+            formats.check_output_path(report, (data, on))
+        _certify_on(data, on, report, normalize, chunk_size, json_out, quiet)
+        return
+    if witness is not None:
+        formats.check_output_path(witness, (data,))
+        if formats.kind_of(data) == "tokens" and inspect_tokens(data).per_position:
+            raise InputError("--witness supports last-token data only (this file has per-position data)", data)
+    feats, _ = load_with_progress(data, chunk_size, quiet, normalize)
+    if witness is not None and (feats.per_position or feats.normalize != "none"):
+        raise InputError("--witness supports unweighted last-token data without --normalize only", data)
+    cert = certify(feats, min_eig=min_eig, domain=domain)
+    out = cert.to_dict()
+    out["input"] = str(data)
+    try:
+        out["input_identity"] = formats.source_identity(data)
+    except InputError:
+        pass
+    verdict = "identifiable" if cert.identifiable else "NOT identifiable"
+    say(f"{data}: {verdict} on the {domain} domain: lambda_min = {fmt(cert.lambda_min)}, "
+        f"lambda_max = {fmt(cert.lambda_max)}, threshold = {fmt(cert.threshold)}, rank {cert.rank}/"
+        f"{cert.n_features}, N = {cert.n_samples}", quiet, style="green" if cert.identifiable else "red")
+    if domain == "observed":
+        say(f"  observed domain: dim U = {cert.dim_tokens}, dim U_n = {cert.dim_last_tokens}, "
+            f"{cert.n_features} reduced features", quiet)
+    for r in cert.reasons:
+        say(f"  - {r}", quiet)
+    if witness is not None and not cert.identifiable:
+        wit = make_witness(feats, data=data, cert=cert, chunk_size=chunk_size)
+        wit.save(witness, inputs=(data,))
+        wi = wit.info
+        out["witness"] = {"output": str(witness), **wit.summary()}
+        say(f"  witness in {witness} ({wi['kind']}): {wi['message']}", quiet,
+            style="yellow" if wi["kind"] != "indistinguishable" else None)
+        say(f"  probe input: {wi['probe']}", quiet)
+    elif witness is not None:
+        warn("the data certify: no witness to write")
+    if json_out:
+        emit_json(out)
+    if not cert.identifiable:
+        raise typer.Exit(1)
+
+
+def _certify_on(data: Path, on: Path, report: Path | None, normalize: str | None, chunk_size: int | None,
+                json_out: bool, quiet: bool) -> None:
+    feats, _ = load_with_progress(data, chunk_size, quiet, normalize)
+    with progress_bar("probes", inspect_tokens(on).n_samples, quiet) as advance:
+        rep = certify_probes(feats, on, chunk_size=chunk_size, progress=advance)
+    if report is not None:
+        rep.save(report, inputs=(data, on))
+    out = rep.to_dict()
+    out.update({"input": str(data), "probes": str(on), "output": str(report) if report is not None else None})
+    n_und = out["n_undetermined"]
+    unit = "positions" if rep.per_position else "sequences"
+    if rep.determined:
+        say(f"{on}: all {rep.n_probes} probe {unit} are determined by {data} (max relative null-space "
+            f"component {fmt(out['max_residual'])} <= {rep.tol:g}; null space of gram: {rep.null_dim} of "
+            f"{feats.n_features} directions)", quiet, style="green")
+    else:
+        say(f"{on}: {n_und} of {rep.n_probes} probe {unit} are NOT determined by {data}: zero-loss models "
+            f"differ there (relative null-space component > {rep.tol:g}; null space of gram: {rep.null_dim} "
+            f"of {feats.n_features} directions); first: {out['first_undetermined']}", quiet, style="red")
+    if report is not None:
+        say(f"  report in {report}", quiet)
+    if json_out:
+        emit_json(out)
+    if not rep.determined:
+        raise typer.Exit(1)
+
+
+def register(app: typer.Typer) -> None:
+    app.command("certify")(certify_cmd)

@@ -1,0 +1,113 @@
+"""`mhla featurize` and `mhla merge`: the sufficient statistics of a tokens file, in one pass or in shards."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from .. import formats
+from ..errors import InputError
+from ..features import check_normalize
+from ..folds import featurize_folds, save_with_folds
+from ..merge import merge_features
+from ..stream import featurize, shard_span
+from ..tokens import inspect_tokens
+from .console import emit_json, progress_bar, say, warn
+from .options import ChunkOpt, JsonOpt, NormalizeOpt, OutOpt, QuietOpt, parse_shard
+
+
+def featurize_cmd(
+    data: Annotated[Path, typer.Argument(help="Tokens file (tokens + offsets, or tokens (N, n, d)).")],
+    output: OutOpt,
+    chunk_size: ChunkOpt = None,
+    shard: Annotated[str | None, typer.Option("--shard", help="Only the i-th of M contiguous sample ranges, as i/M (0-based).")] = None,
+    folds: Annotated[int | None, typer.Option("--folds", min=2, help="Also store the statistics of K contiguous "
+                                              "folds (for `fit --heads auto` / `--nuclear auto`).")] = None,
+    workers: Annotated[int, typer.Option("--workers", "-j", min=0, help="Parallel local workers (0: one per "
+                                         "core); the result equals the serial one up to summation order.")] = 1,
+    scheduler: Annotated[str | None, typer.Option("--scheduler", help="Run on a Dask cluster: a scheduler address "
+                                                  "(tcp://host:8786), a scheduler file (.json), or local / local:K "
+                                                  "(needs the dask extra).")] = None,
+    normalize: NormalizeOpt = None,
+    json_out: JsonOpt = False,
+    quiet: QuietOpt = False,
+) -> None:
+    """Stream a tokens file into the feature statistics (gram, moments, ...), in float64.
+
+    Per-position data (targets (T, d), or (N, n, d) with dense tokens) are featurized causally: every
+    prefix X[:t] with weight > 0 is a sample (target y_t); optional `weights` weigh samples.
+
+    Memory is O(chunk + psi^2) whatever N is. For job arrays, run one --shard i/M per job and sum
+    the parts with `mhla merge`.
+
+    Example: mhla featurize data.h5 -o feats.h5 --workers 4
+    Example (job array): mhla featurize data.h5 --shard 3/8 -o part_3.h5 && mhla merge part_*.h5 -o feats.h5
+    """
+    if scheduler is not None and workers != 1:
+        raise InputError("--workers and --scheduler cannot be combined (the Dask cluster sets the workers)")
+    parallel = {"workers": workers, "scheduler": scheduler, "normalize": check_normalize(normalize or "none")}
+    formats.check_output_path(output, (data,))
+    info = inspect_tokens(data)
+    shard_t = parse_shard(shard)
+    lo, hi = shard_span(info.n_samples, shard_t, data)
+    total = hi - lo
+    with progress_bar("featurize", total, quiet) as advance:
+        if folds is not None:
+            if shard_t is not None:
+                raise InputError("--folds and --shard cannot be combined")
+            feats, fold_feats = featurize_folds(data, folds, chunk_size=chunk_size, progress=advance, **parallel)
+        else:
+            feats = featurize(data, chunk_size=chunk_size, shard=shard_t, progress=advance, **parallel)
+    if folds is not None:
+        save_with_folds(feats, fold_feats, output, inputs=(data,))
+    else:
+        feats.save(output, inputs=(data,))
+    psi = feats.n_features
+    say(f"wrote {output}: d = {feats.d}, psi = {psi} features, N = {feats.n_samples} "
+        + ("positions (causal)" if feats.per_position else "samples") + f", {feats.n_tokens} tokens"
+        + ("" if feats.has_targets else " (no targets)")
+        + (", S normalised by length" if feats.normalize == "length" else ""), quiet)
+    if json_out:
+        emit_json({"output": str(output), "d": feats.d, "n_features": psi, "n_samples": feats.n_samples,
+                   "n_tokens": feats.n_tokens, "has_targets": feats.has_targets,
+                   "per_position": feats.per_position, "normalize": feats.normalize,
+                   "n_sequences": feats.n_sequences,
+                   "sample_range": list(feats.sample_range) if feats.sample_range else None})
+
+
+def merge_cmd(
+    parts: Annotated[list[Path], typer.Argument(metavar="PART...", help="Features files from "
+                                                "`mhla featurize DATA --shard i/M`.")],
+    output: OutOpt,
+    allow_partial: Annotated[bool, typer.Option("--allow-partial", help="Merge even if some samples of the "
+                                                "source are not covered (the output records which are).")] = False,
+    json_out: JsonOpt = False,
+    quiet: QuietOpt = False,
+) -> None:
+    """Sum shard statistics into one features file, equal to a single-pass featurize.
+
+    Refuses (exit 2) parts of different sources, overlapping sample ranges, and missing ranges
+    (unless --allow-partial).
+
+    Example: mhla merge part_*.h5 -o feats.h5 --json
+    """
+    formats.check_output_path(output, tuple(parts))
+    feats, report = merge_features(list(parts), allow_partial=allow_partial)
+    feats.save(output, inputs=tuple(parts))
+    out = {"output": str(output), "d": feats.d, "n_features": feats.n_features, "n_samples": feats.n_samples,
+           "n_tokens": feats.n_tokens, "has_targets": feats.has_targets,
+           "sample_range": list(feats.sample_range) if feats.sample_range else None, **report.to_dict()}
+    if report.partial:
+        warn(f"partial merge: missing samples {', '.join(f'{a}..{b}' for a, b in report.missing)}")
+    say(f"wrote {output}: {len(parts)} parts, N = {feats.n_samples} samples"
+        + (f" of {report.n_samples_source}" if report.n_samples_source is not None else "")
+        + f", d = {feats.d}", quiet)
+    if json_out:
+        emit_json(out)
+
+
+def register(app: typer.Typer) -> None:
+    app.command("featurize")(featurize_cmd)
+    app.command("merge")(merge_cmd)

@@ -1,0 +1,176 @@
+"""`mhla fit`, `mhla export-heads` and `mhla spectrum`: models and their heads."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from .. import formats
+from ..errors import InputError
+from ..folds import load_folds, load_for_cv
+from ..learn import export_heads, fit
+from ..lowrank import convergence_warning, fewest_message, hit_limit, solver_warnings
+from ..model import Model, load_function
+from ..spectrum import plot_spectrum, spectrum, text_histogram
+from ..tokens import inspect_tokens
+from .console import emit_json, fmt, load_with_progress, progress_bar, say, warn
+from .options import ChunkOpt, JsonOpt, NormalizeOpt, OutOpt, QuietOpt, parse_auto
+
+
+def fit_cmd(
+    data: Annotated[Path, typer.Argument(help="Tokens file (with targets) or features file.")],
+    output: OutOpt,
+    ridge: Annotated[float, typer.Option("--ridge", min=0.0, help="Ridge penalty l: minimise "
+                                         "(1/N) sum_i ||p H_i - y_i||^2 + l ||p||_F^2, i.e. solve (gram/N + l I) p^T "
+                                         "= moments/N (l is in the units of Lambda_D, which scale as tokens^6).")] = 0.0,
+    heads: Annotated[str | None, typer.Option("--heads", help="Factorised fit with H heads (V_h, Q_h), or 'auto' "
+                                              "(H by K-fold CV); needs far fewer samples when H is small.")] = None,
+    weight_decay: Annotated[float, typer.Option("--weight-decay", min=0.0, help="With --heads: penalty "
+                                                "L (||V||^2 + ||Q||^2) / 2 on the factors.")] = 0.0,
+    nuclear: Annotated[str | None, typer.Option("--nuclear", help="Nuclear-norm fit: MSE-style loss + LAMBDA "
+                                                "||W||_* (FISTA), or 'auto' (LAMBDA by K-fold CV).")] = None,
+    restarts: Annotated[int, typer.Option("--restarts", min=1, help="With --heads: number of starts "
+                                          "(SVD of the least-squares W, then random); the best is kept.")] = 10,
+    seed: Annotated[int, typer.Option("--seed", help="With --heads: seed of the random starts.")] = 0,
+    normalize: NormalizeOpt = None,
+    chunk_size: ChunkOpt = None,
+    json_out: JsonOpt = False,
+    quiet: QuietOpt = False,
+) -> None:
+    """Least-squares fit of coef p on the feature statistics (Algorithm 1); writes coef and min-norm W.
+
+    With --heads H or --nuclear LAMBDA: a low-rank fit (W of rank <= H is stored), from the statistics only.
+    'auto' chooses by 5-fold CV (folds computed from a tokens file, or stored by `featurize --folds K`).
+
+    Example: mhla fit feats.h5 -o model.h5 --json;  mhla fit data.h5 -o model.h5 --heads auto
+    """
+    formats.check_output_path(output, (data,))
+    h, lam = parse_auto(heads, "--heads", int), parse_auto(nuclear, "--nuclear", float)
+    lowrank_fit = h is not None or lam is not None
+    if lowrank_fit and ridge > 0:
+        raise InputError("--ridge applies to the least-squares fit; use --weight-decay with --heads")
+    if "auto" in (h, lam):
+        if formats.kind_of(data) == "features" and load_folds(data) is None:
+            raise InputError("has no per-fold statistics, which 'auto' needs: make them with "
+                             "`mhla featurize DATA -o FEATS --folds K`, or fit the tokens file directly", data)
+        if normalize not in (None, "none"):
+            raise InputError("'auto' with --normalize: featurize first, e.g. `mhla featurize DATA -o FEATS "
+                             "--folds 5 --normalize length`, then fit FEATS")
+
+        with progress_bar("featurize", inspect_tokens(data).n_samples
+                          if formats.kind_of(data) == "tokens" else 0, quiet) as advance:
+            feats, fold_feats = load_for_cv(data, chunk_size=chunk_size, progress=advance)
+    else:
+        feats, _ = load_with_progress(data, chunk_size, quiet, normalize)
+        fold_feats = None
+    model = fit(feats, ridge=ridge, heads=h, nuclear=lam, weight_decay=weight_decay, restarts=restarts, seed=seed,
+                folds=fold_feats)
+    model.save(output, inputs=(data,))
+    info = dict(model.info)
+    info["output"] = str(output)
+    if info["train_mse"] <= info["mse_resolution"]:
+        mse_text = (f"train MSE ~ 0 (below the {fmt(info['mse_resolution'])} float64 resolution of the "
+                    "statistics; `mhla predict` gives the exact value)")
+    else:
+        mse_text = f"train MSE = {fmt(info['train_mse'])}"
+    say(f"wrote {output}: {mse_text}, lambda_min = {fmt(info['lambda_min'])}, "
+        f"condition number = {fmt(info['condition_number'])}", quiet)
+    if lowrank_fit:
+        say(f"  {info['method']} fit: {info['n_heads']} head(s), final objective {fmt(info['objective'])}"
+            + (f" (CV over {info['n_folds']} folds chose {info['cv']['chosen']:.4g})" if "cv" in info else "")
+            + (f"; head strengths ||V_h|| ||Q_h|| = {', '.join(fmt(x) for x in info['head_norms'])}"
+               if "head_norms" in info else ""), quiet)
+        for w in solver_warnings(info):
+            warn(w)
+    elif not info["identifiable"]:
+        warn("the data do not determine the function (gram is singular or N < psi): this is the "
+             + ("ridge-regularised" if ridge > 0 else "minimum-norm") + " solution; see `mhla certify`")
+    elif info["condition_number"] > 1e10:
+        warn(f"ill-conditioned solve (condition number {fmt(info['condition_number'])})"
+             + ("" if ridge > 0 else "; consider --ridge"))
+    if json_out:
+        emit_json(info)
+
+
+def export_heads_cmd(
+    model_path: Annotated[Path, typer.Argument(metavar="MODEL", help="Model file from `mhla fit`.")],
+    output: OutOpt,
+    max_heads: Annotated[str | None, typer.Option("--max-heads", help="Keep at most the H strongest heads; 'auto': "
+                                                  "the spectrum's outliers (see `mhla spectrum`).")] = None,
+    tol: Annotated[float, typer.Option("--tol", min=0.0, help="Drop heads with s_h <= tol * s_max.")] = 1e-12,
+    fewest: Annotated[bool, typer.Option("--fewest", help="The fewest heads computing the same function "
+                                         "(relative function error <= 1e-8, verified).")] = False,
+    json_out: JsonOpt = False,
+    quiet: QuietOpt = False,
+) -> None:
+    """SVD of W into heads V_h, Q_h (at most d^2), reporting the relative function change.
+
+    Example: mhla export-heads model.h5 -o heads.h5 --max-heads 4;  mhla export-heads model.h5 -o heads.h5 --fewest --json
+    """
+    formats.check_output_path(output, (model_path,))
+    mh = parse_auto(max_heads, "--max-heads", int)
+    if fewest and mh is not None:
+        raise InputError("--fewest and --max-heads cannot be combined")
+    heads = export_heads(Model.load(model_path), tol=tol, max_heads=mh, fewest=fewest)
+    heads.save(output, inputs=(model_path,))
+    out = {"output": str(output), "n_heads": heads.n_heads, "d": heads.d,
+           "relative_function_error": heads.info["relative_function_error"],
+           "singular_values": heads.info["singular_values"]}
+    if fewest or mh == "auto":
+        keys = ("rel_error", "lower_bound", "proven_minimal", "starts_tried", "starts_per_head_count", "best_error",
+                "lower_bound_info") if fewest else ("threshold", "threshold_method")
+        out.update({k: heads.info[k] for k in keys}, converged=(heads.info["solver"] or {}).get("converged"),
+                   solver=heads.info["solver"])
+    say(f"wrote {output}: {heads.n_heads} heads of d = {heads.d}; relative function change "
+        f"||p_kept - p|| / ||p|| = {fmt(out['relative_function_error'])}", quiet)
+    if fewest:
+        say(f"  {fewest_message(heads.info)}", quiet)
+    if (fewest or mh == "auto") and hit_limit(heads.info["solver"]):
+        warn(convergence_warning(heads.info["solver"], "the minimum-nuclear-norm W")
+             + ("; it only seeds the search, the heads are verified" if fewest else
+                "; the outlier count is from an unconverged W"))
+    if json_out:
+        emit_json(out)
+
+
+def spectrum_cmd(
+    model_path: Annotated[Path, typer.Argument(metavar="MODEL", help="Model or heads file.")],
+    plot: Annotated[Path | None, typer.Option("--plot", help="Also write a PNG of the spectrum "
+                                              "(needs the 'plot' extra: matplotlib).")] = None,
+    max_iter: Annotated[int, typer.Option("--max-iter", min=1, help="Iteration limit of the minimum-nuclear-norm "
+                                          "solver (a warning says when it is reached).")] = 5000,
+    json_out: JsonOpt = False,
+    quiet: QuietOpt = False,
+) -> None:
+    """Head strengths: singular values of the minimum-nuclear-norm W of the model's function, split into
+    heads (outliers) and a noise bulk by the Gavish-Donoho threshold on the nonzero values.
+
+    Example: mhla spectrum model.h5 --plot spectrum.png --json
+    """
+    if plot is not None:
+        formats.check_output_path(plot, (model_path,))
+    fn = load_function(model_path)
+    spec = spectrum(fn, max_iter=max_iter)
+    out = {k: v for k, v in spec.items() if k != "W"}
+    out["input"] = str(model_path)
+    if not spec["converged"]:
+        warn(convergence_warning(spec["solver"], "the minimum-nuclear-norm W") + ": its zero singular values, "
+             "and so the head count below, are not reliable")
+    say(f"{'UNCONVERGED: ' if not spec['converged'] else ''}{model_path}: {spec['n_outliers']} head(s) above the threshold {fmt(spec['threshold'])} "
+        f"({spec['threshold_method']}); {spec['nonzero_rank']} nonzero of {len(spec['singular_values'])} "
+        f"singular values, effective rank {fmt(spec['effective_rank'])}", quiet)
+    say(text_histogram(spec), quiet)
+    if plot is not None:
+        plot_spectrum(spec, plot)
+        out["plot"] = str(plot)
+        say(f"wrote {plot}", quiet)
+    if json_out:
+        emit_json(out)
+
+
+def register(app: typer.Typer) -> None:
+    app.command("fit")(fit_cmd)
+    app.command("export-heads")(export_heads_cmd)
+    app.command("spectrum")(spectrum_cmd)

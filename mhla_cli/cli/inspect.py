@@ -1,0 +1,48 @@
+"""`mhla inspect`: what an mhla file is and whether it is valid."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from ..inspect import inspect_file
+from .console import emit_json, say
+from .options import JsonOpt
+
+
+def inspect_cmd(
+    path: Annotated[Path, typer.Argument(help="Any mhla file (tokens, features, model, heads, predictions).")],
+    json_out: JsonOpt = False,
+) -> None:
+    """Say what kind of mhla file this is, its shapes and attributes, and whether it is valid.
+
+    Exit 0 when valid, 2 otherwise. Example: mhla inspect feats.h5 --json
+    """
+    from rich.markup import escape
+    rep = inspect_file(path)
+    if json_out:
+        emit_json(rep)
+    else:
+        say(escape(f"{path}: {rep['kind'] or 'unknown'} file, {'valid' if rep['valid'] else 'INVALID'}"))
+        for key in ("layout", "d", "n_features", "n_samples", "n_tokens", "n_heads", "dtype", "has_targets",
+                    "per_position", "has_weights", "normalize", "n_undetermined"):
+            if rep.get(key) is not None:
+                say(escape(f"  {key} = {rep[key]}"))
+        for name, ds in rep["datasets"].items():
+            if "shape" in ds:
+                say(escape(f"  {name}: shape {tuple(ds['shape'])}, {ds['dtype']}"))
+            else:
+                say(escape(f"  {name}: group"))
+        for k, v in rep["attrs"].items():
+            say(escape(f"  @{k} = {v}"))
+    if not rep["valid"]:
+        # The same one-line error the other commands print (stderr), after the report.
+        sys.stderr.write(f"mhla: error: {' '.join(str(rep['error']).split())}\n")
+        raise typer.Exit(2)
+
+
+def register(app: typer.Typer) -> None:
+    app.command("inspect")(inspect_cmd)

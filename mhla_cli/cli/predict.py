@@ -1,0 +1,132 @@
+"""`mhla predict`, `mhla rollout` and `mhla compare`: running and comparing learned functions."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from .. import formats
+from ..errors import InputError
+from ..forward import predict_file, rollout_file
+from ..model import load_function
+from ..compare import compare
+from ..tokens import inspect_tokens
+from .console import emit_json, fmt, progress_bar, say, warn
+from .options import ChunkOpt, JsonOpt, OutOpt, QuietOpt
+
+
+def predict_cmd(
+    model_path: Annotated[Path, typer.Argument(metavar="MODEL|HEADS", help="Model or heads file.")],
+    data: Annotated[Path, typer.Argument(help="Tokens file.")],
+    output: OutOpt,
+    all_positions: Annotated[bool, typer.Option("--all-positions", help="Also write the unmasked output at every "
+                                                "position (S over the whole sequence).")] = False,
+    causal: Annotated[bool, typer.Option("--causal", help="Also write `outputs` (T, d): the last-token output of "
+                                         "every prefix X[:t] (autoregressive); MSE over the weighted positions of "
+                                         "per-position targets. Example: mhla predict model.h5 ar.h5 -o pred.h5 "
+                                         "--causal")] = False,
+    chunk_size: ChunkOpt = None,
+    workers: Annotated[int, typer.Option("--workers", "-j", min=0, help="Parallel local workers (0: one per "
+                                         "core); the output equals the serial one.")] = 1,
+    json_out: JsonOpt = False,
+    quiet: QuietOpt = False,
+) -> None:
+    """Last-token predictions (and, optionally, every position's output) of a model on a tokens file.
+
+    The model's normalisation (`--normalize` at fit time) is applied.
+
+    Example: mhla predict heads.h5 data.h5 -o pred.h5 --json --workers 2
+
+    Example (autoregressive): mhla predict model.h5 ar.h5 -o pred.h5 --causal --json
+    """
+    formats.check_output_path(output, (model_path, data))
+    if causal and all_positions:
+        raise InputError("--causal and --all-positions cannot be combined: --causal outputs the masked "
+                         "(prefix) output at every position, --all-positions the unmasked one")
+    fn = load_function(model_path)
+    info = inspect_tokens(data)
+    with progress_bar("predict", info.n_samples, quiet) as advance:
+        res = predict_file(fn, data, output, all_positions=all_positions, chunk_size=chunk_size,
+                           progress=advance, inputs=(model_path,), workers=workers, causal=causal)
+    res["output"] = str(output)
+    if info.per_position and not causal:
+        warn("the data have per-position targets: use --causal to score every prefix (no MSE computed)")
+    say(f"wrote {output}: {res['n_samples']} predictions"
+        + (f", {info.n_tokens} causal outputs" if causal else "")
+        + (f"; MSE against targets = {fmt(res['mse'])} over {res['n_scored']} "
+           + ("positions" if causal and info.per_position else "sequences") if "mse" in res else ""), quiet)
+    if json_out:
+        emit_json(res)
+
+
+def rollout_cmd(
+    model_path: Annotated[Path, typer.Argument(metavar="MODEL|HEADS", help="Model or heads file.")],
+    data: Annotated[Path, typer.Argument(help="Tokens file of prompts (each sequence is continued).")],
+    output: OutOpt,
+    steps: Annotated[int, typer.Option("--steps", "-k", min=1, help="Tokens to generate per sequence.")],
+    snap: Annotated[Path | None, typer.Option("--snap", metavar="CODEBOOK", help="Replace every generated token by "
+                                              "the nearest (Euclidean) row of the dataset 'codebook' (C, d) of "
+                                              "this HDF5 file (a vocabulary of token embeddings).")] = None,
+    chunk_size: ChunkOpt = None,
+    json_out: JsonOpt = False,
+    quiet: QuietOpt = False,
+) -> None:
+    """Generate autoregressively: append K tokens to every sequence, each the last-token output so far.
+
+    The output is a tokens file (tokens (T + N K, d) float64 + offsets) that feeds back into mhla.
+    The model's normalisation is applied.
+
+    Example: mhla rollout model.h5 prompts.h5 --steps 20 -o continued.h5
+
+    Example (symbols): mhla rollout heads.h5 prompts.h5 --steps 24 --snap vocab.h5 -o traces.h5 --json
+    """
+    formats.check_output_path(output, (model_path, data) + ((snap,) if snap is not None else ()))
+    fn = load_function(model_path)
+    info = inspect_tokens(data)
+    with progress_bar("rollout", info.n_samples, quiet) as advance:
+        res = rollout_file(fn, data, output, steps, codebook=snap, chunk_size=chunk_size, progress=advance,
+                           inputs=(model_path,))
+    say(f"wrote {output}: {res['n_samples']} sequences continued by {steps} generated tokens each"
+        + (f" (snapped to {snap})" if snap is not None else ""), quiet)
+    if json_out:
+        emit_json(res)
+
+
+def compare_cmd(
+    a: Annotated[Path, typer.Argument(metavar="A", help="Model or heads file.")],
+    b: Annotated[Path, typer.Argument(metavar="B", help="Model or heads file (the reference).")],
+    tol: Annotated[float, typer.Option("--tol", min=0.0, help="Pass when ||p_A - p_B|| / ||p_B|| <= tol.")] = 1e-6,
+    on: Annotated[Path | None, typer.Option("--on", help="Tokens file: also report the RMS difference "
+                                            "of the two models' predictions on it.")] = None,
+    chunk_size: ChunkOpt = None,
+    json_out: JsonOpt = False,
+    quiet: QuietOpt = False,
+) -> None:
+    """Do A and B compute the same function? Exit 0 if the relative p-distance <= tol, 1 if not, 2 on error.
+
+    Example (a CI gate): mhla compare retrained.h5 model.h5 --tol 1e-6 --on heldout.h5 --json
+    """
+    fa, fb = load_function(a), load_function(b)
+    if on is not None:
+        info = inspect_tokens(on)
+        with progress_bar("compare", info.n_samples, quiet) as advance:
+            res = compare(fa, fb, tol=tol, on=on, chunk_size=chunk_size, progress=advance)
+    else:
+        res = compare(fa, fb, tol=tol)
+    res["a"], res["b"] = str(a), str(b)
+    verdict = "same function" if res["same"] else "different functions"
+    say(f"{verdict}: ||p_A - p_B|| = {fmt(res['distance'])}, relative {fmt(res['relative_distance'])} "
+        f"(tol {fmt(tol)})" + (f"; RMS prediction difference on {on} = {fmt(res['rms_prediction_difference'])}"
+                               if on is not None else ""), quiet, style="green" if res["same"] else "red")
+    if json_out:
+        emit_json(res)
+    if not res["same"]:
+        raise typer.Exit(1)
+
+
+def register(app: typer.Typer) -> None:
+    app.command("predict")(predict_cmd)
+    app.command("rollout")(rollout_cmd)
+    app.command("compare")(compare_cmd)
