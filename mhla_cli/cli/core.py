@@ -437,7 +437,9 @@ def export_heads_cmd(
     else:
         heads = export_heads(model, tol=tol, max_heads=mh)
     heads.info["normalize"] = model.info.get("normalize", "none")
-    heads.save(output, inputs=(model_path,))
+    from ..export import save_heads  # the format (.h5, .npz, .safetensors) from the suffix
+
+    save_heads(heads, output, inputs=(model_path,))
     out = {"output": str(output), "n_heads": heads.n_heads, "d": heads.d,
            "relative_function_error": heads.info["relative_function_error"],
            "singular_values": heads.info["singular_values"]}
