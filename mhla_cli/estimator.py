@@ -10,6 +10,7 @@ products (`fit` is a reset and one `partial_fit`).
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -102,6 +103,20 @@ def _as_targets(targets: Any, n_rows: int, d: int, per_position: bool) -> np.nda
     return y
 
 
+def _canonical(feats: Features) -> Features:
+    """The statistics in the whitening of all tokens seen (basis.whitening of the summed token Gram).
+
+    The sums are accumulated in the basis fixed by the first chunk; solving and certifying in this
+    canonical basis makes every number (lambda_min included) independent of how the data were cut
+    into chunks. One `fit` accumulates in this basis already (no conversion).
+    """
+    A = basis_mod.whitening(feats.token_gram, feats.n_tokens)
+    if basis_mod.same(A, feats.basis):
+        return feats
+    gb, mb = basis_mod.change(feats.basis, A, feats.basis_gram, feats.basis_moments)
+    return replace(feats, basis=A, basis_gram=gb, basis_moments=mb)
+
+
 class MHLA:
     """Single-layer multi-head linear attention learned exactly (Algorithm 1), scikit-learn style.
 
@@ -113,7 +128,8 @@ class MHLA:
     data goes to fold i mod cv, counted across `partial_fit` calls).
 
     Fitted attributes: `coef_` (d, psi), `W_` (d^2, d^2), `heads_` (Heads), `certificate_`
-    (Certificate), `n_samples_`, `features_` (the summed Features), `model_` (Model, with `info`).
+    (Certificate), `n_samples_`, `features_` (the summed Features, in the whitening of all the
+    tokens seen), `model_` (Model, with `info`).
     """
 
     def __init__(self, ridge: float = 0.0, heads: int | str | None = None, nuclear: float | str | None = None,
@@ -180,6 +196,7 @@ class MHLA:
             self.__dict__.pop(k, None)
         self._basis: np.ndarray | None = None
         self._folds: list[Features] | None = None
+        self._total: Features | None = None  # the sums, in the basis fixed by the first chunk
         self._config: tuple[Any, ...] | None = None
         self._n_seen = 0
 
@@ -201,7 +218,7 @@ class MHLA:
         per_position, heads/nuclear 'auto' or cv between chunks is refused: call `fit` to start over.
         """
         self._check_params()
-        if not hasattr(self, "_n_seen") or getattr(self, "features_", None) is None:
+        if getattr(self, "_total", None) is None:
             self._reset()
         config = (self.normalize, bool(self.per_position), self._auto, self.cv if self._auto else None)
         if self._config is not None and config != self._config:
@@ -225,7 +242,7 @@ class MHLA:
             # the solver basis of every chunk: fixed by the first one, so that their sums add exactly
             A = basis_mod.whitening(tokens.T @ tokens, tokens.shape[0])
         parts = self._featurize(tokens, off, y, w, d, A)
-        total = getattr(self, "features_", None)
+        total = self._total
         folds = None if not self._auto else list(self._folds or [None] * int(self.cv))
         for k, part in parts:  # `+` makes new objects: nothing fitted so far is changed in place
             if folds is not None:
@@ -235,7 +252,7 @@ class MHLA:
             raise InputError("every sample weight is 0: there is no sample to learn from")
         self._solve(total, folds)
         # committed only once the solve succeeded (a refused chunk leaves the estimator as it was)
-        self._basis, self._folds, self._config = A, folds, config
+        self._basis, self._folds, self._config, self._total = A, folds, config, total
         self._n_seen += off.size - 1
         return self
 
@@ -262,7 +279,8 @@ class MHLA:
                                           weights=None if w is None else w[idx], **kw)))
         return out
 
-    def _solve(self, feats: Features, fold_feats: list[Features | None] | None) -> None:
+    def _solve(self, total: Features, fold_feats: list[Features | None] | None) -> None:
+        feats = _canonical(total)
         base = fit(feats, ridge=float(self.ridge))
         model = base
         if self.heads is not None or self.nuclear is not None:
