@@ -20,7 +20,7 @@ from .errors import InputError
 from .features import check_normalize
 from .forward import predict as forward_predict
 from .forward import predict_causal
-from .heads import Heads, export_heads
+from .heads import export_heads
 from .lowrank import cv_heads, cv_nuclear, fit_factorised, fit_nuclear
 from .model import Model
 from .solve import Certificate, certify, fit
@@ -260,7 +260,7 @@ class MHLA:
                    A: np.ndarray) -> list[tuple[int, Features]]:
         """Features of the chunk in basis A (one part; with 'auto', one part per CV fold: sequence i of
         all those seen -> fold i mod cv)."""
-        kw = dict(per_position=bool(self.per_position), normalize=self.normalize, basis=A)
+        kw: dict[str, Any] = {"per_position": bool(self.per_position), "normalize": self.normalize, "basis": A}
         if not self._auto:
             return [(0, chunk_features(tokens, off, y, d, weights=w, **kw))]
         K = int(self.cv)
@@ -361,4 +361,4 @@ class MHLA:
         return self.heads_.to_torch(dtype)
 
 
-__all__ = ["MHLA", "Heads"]
+__all__ = ["MHLA"]

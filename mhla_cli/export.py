@@ -104,7 +104,7 @@ def load_heads(path: str | os.PathLike) -> Heads:
 
             with safe_open(str(path), framework="np") as f:
                 meta = dict(f.metadata() or {})
-                arrays = {k: f.get_tensor(k) for k in f.keys()}
+                arrays = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 (not a dict)
         except Exception as exc:  # noqa: BLE001 (safetensors raises its own error types)
             raise InputError(f"cannot read as .safetensors ({exc})", path) from None
     normalize = _check_meta(meta, path)

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import itertools
 from pathlib import Path
 
 import numpy as np
 import pytest
-
 from conftest import relerr, write_tokens
+
 from mhla_cli import MHLA, InputError, synthetic
 from mhla_cli.cli import run
 from mhla_cli.forward import forward_heads, predict, predict_causal
@@ -72,7 +73,7 @@ def test_three_partial_fits_equal_one_fit(normalize: str, per_position: bool) ->
     one = MHLA(normalize=normalize, per_position=per_position).fit(tokens, y, offsets=ds.offsets)
     parts = MHLA(normalize=normalize, per_position=per_position)
     cuts = [0, 50, 130, 240]
-    for a, b in zip(cuts[:-1], cuts[1:]):
+    for a, b in itertools.pairwise(cuts):
         ya = y[ds.offsets[a]:ds.offsets[b]] if per_position else y[a:b]
         parts.partial_fit(seqs[a:b], ya)
     assert relerr(parts.coef_, one.coef_) < 1e-12
