@@ -7,6 +7,7 @@ Library API (each CLI command is a thin layer over these):
     model = fit(feats)                      # Model: coef p (d, psi) and min-norm W (heads=, nuclear=: low rank)
     heads = export_heads(model)             # Heads: V, Q (H, d, d) (fewest=True: the fewest heads)
     yhat = predict(heads, tokens)           # in-memory forward pass
+    est = MHLA().fit(sequences, targets)    # scikit-learn-style estimator (mhla_cli.estimator)
 """
 
 from __future__ import annotations
@@ -21,9 +22,10 @@ from .model import Model, load_function
 from .solve import Certificate, certify
 from .stream import Features, featurize, load_features, reduce_span
 from .synthetic import Dataset, generate_assoc, generate_teacher
+from .estimator import MHLA
 
 __all__ = [
-    "Certificate", "Dataset", "Features", "Heads", "InputError", "MhlaError", "Model", "W_from_heads",
+    "Certificate", "Dataset", "MHLA", "Features", "Heads", "InputError", "MhlaError", "Model", "W_from_heads",
     "W_from_p", "__version__", "certify", "cubic_features", "export_heads", "feature_index", "featurize",
     "fit", "forward_heads", "generate_assoc", "generate_teacher", "heads_from_W", "load_features", "load_function",
     "n_features", "p_from_W", "p_from_heads", "predict", "predict_file", "reduce_span",

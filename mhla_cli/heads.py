@@ -92,6 +92,17 @@ class Heads:
             V = formats.read_array(f, "V", path).astype(np.float64)
             Q = formats.read_array(f, "Q", path).astype(np.float64)
             normalize = formats.read_normalize(f, path)
+        return cls.from_arrays(V, Q, normalize, path)
+
+    @classmethod
+    def from_arrays(cls, V: Any, Q: Any, normalize: str = "none", path: str | os.PathLike | None = None) -> Heads:
+        """Validated heads from arrays V, Q (H, d, d) (any real dtype; stored as float64)."""
+        V = np.asarray(V)
+        Q = np.asarray(Q)
+        for name, a in (("V", V), ("Q", Q)):
+            if not (np.issubdtype(a.dtype, np.floating) or np.issubdtype(a.dtype, np.integer)):
+                raise InputError(f"'{name}' has dtype {a.dtype}, expected real numbers", path)
+        V, Q = V.astype(np.float64), Q.astype(np.float64)
         if V.ndim != 3 or V.shape[1] != V.shape[2]:
             raise InputError(f"'V' has shape {V.shape}, expected (H, d, d)", path)
         if Q.shape != V.shape:
@@ -100,7 +111,28 @@ class Heads:
             raise InputError("no heads (H = 0)", path)
         if not (np.isfinite(V).all() and np.isfinite(Q).all()):
             raise InputError("'V' or 'Q' contains NaN or Inf", path)
+        if normalize not in ("none", "length"):
+            raise InputError(f"attribute 'normalize' is '{normalize}', expected none or length", path)
         return cls(V=V, Q=Q, info={"normalize": normalize})
+
+    def to_torch(self, dtype: Any = None) -> Any:
+        """A `torch.nn.Module` computing these heads' function (V, Q as trainable parameters).
+
+        `module(X)` for X (B, n, d) or (n, d): last-token outputs (B, d) (or (d,));
+        `module(X, all_positions=True)`: sum_h V_h S Q_h x_t at every position (B, n, d);
+        `module(X, causal=True)`: the last-token output of every prefix X[:t] (B, n, d).
+        S = X^T X, divided by the (prefix) length when the heads were fitted with normalize="length".
+        Sequences of one batch have equal length (call it per sequence for ragged data).
+        `dtype` defaults to torch.float64. Needs torch (`pip install 'mhla[torch]'`).
+        """
+        try:
+            import torch
+        except ImportError:
+            raise ImportError("Heads.to_torch needs PyTorch: pip install 'mhla[torch]' (or any torch >= 2.1)") from None
+        from ._torch import HeadsModule
+
+        return HeadsModule(self.V, self.Q, str(self.info.get("normalize", "none")),
+                           torch.float64 if dtype is None else dtype)
 
 
 def heads_from_W(W: np.ndarray, tol: float = 1e-12, max_heads: int | None = None

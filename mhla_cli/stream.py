@@ -771,13 +771,18 @@ def estimate_basis(info: TokensInfo) -> np.ndarray:
     N = info.n_samples
     mean_len = max(1.0, info.n_tokens / max(N, 1))
     per_block = max(1, int(BASIS_SAMPLE_TOKENS / mean_len / _BASIS_BLOCKS))
-    starts = sorted({(N * i) // _BASIS_BLOCKS for i in range(_BASIS_BLOCKS)})
+    blocks: list[tuple[int, int]] = []  # disjoint: small files are read once, not block by block
+    for a in sorted({(N * i) // _BASIS_BLOCKS for i in range(_BASIS_BLOCKS)}):
+        b = min(N, a + per_block)
+        if blocks and a <= blocks[-1][1]:
+            blocks[-1] = (blocks[-1][0], max(b, blocks[-1][1]))
+        else:
+            blocks.append((a, b))
     G = np.zeros((info.d, info.d))
     count = 0
     bufs = ReadBuffers()
     with formats.open_input(info.path) as f, np.errstate(invalid="ignore", over="ignore"):
-        for a in starts:
-            b = min(N, a + per_block)
+        for a, b in blocks:
             tokens, offsets, targets = read_chunk(f, info, a, b, bufs)
             X = tokens.astype(np.float64)
             top = float(np.max(X * X)) if X.size else 0.0

@@ -10,6 +10,7 @@ import typer
 from .. import formats
 from ..errors import InputError
 from ..folds import load_folds, load_for_cv
+from ..export import heads_format, save_heads
 from ..learn import export_heads, fit
 from ..lowrank import convergence_warning, fewest_message, hit_limit, solver_warnings
 from ..model import Model, load_function
@@ -113,8 +114,9 @@ def export_heads_cmd(
     mh = parse_auto(max_heads, "--max-heads", int)
     if fewest and mh is not None:
         raise InputError("--fewest and --max-heads cannot be combined")
+    heads_format(output)  # refuse an unknown suffix before any work
     heads = export_heads(Model.load(model_path), tol=tol, max_heads=mh, fewest=fewest)
-    heads.save(output, inputs=(model_path,))
+    save_heads(heads, output, inputs=(model_path,))  # HDF5, .npz or .safetensors by the suffix
     out = {"output": str(output), "n_heads": heads.n_heads, "d": heads.d,
            "relative_function_error": heads.info["relative_function_error"],
            "singular_values": heads.info["singular_values"]}

@@ -1,0 +1,161 @@
+"""mhla_cli.export (heads as .h5 / .npz / .safetensors) and Heads.to_torch."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from mhla_cli import InputError, __version__, synthetic
+from mhla_cli.cli import run
+from mhla_cli.export import load_heads, save_heads
+from mhla_cli.forward import forward_heads, predict
+from mhla_cli.heads import Heads
+
+
+def _heads(normalize: str = "none") -> Heads:
+    rng = np.random.default_rng(3)
+    return Heads(V=rng.standard_normal((3, 4, 4)), Q=rng.standard_normal((3, 4, 4)) * 1e-7,
+                 info={"normalize": normalize, "relative_function_error": 1.25e-15})
+
+
+@pytest.mark.parametrize("suffix", [".npz", ".safetensors", ".h5", ".hdf5"])
+def test_round_trip_is_exact(suffix: str, tmp_path: Path) -> None:
+    if suffix == ".safetensors":
+        pytest.importorskip("safetensors")
+    h = _heads("length")
+    out = tmp_path / f"heads{suffix}"
+    save_heads(h, out)
+    g = load_heads(out)
+    assert np.array_equal(g.V, h.V) and np.array_equal(g.Q, h.Q)
+    assert g.V.dtype == np.float64 and g.info["normalize"] == "length"
+    assert sorted(p.name for p in tmp_path.iterdir()) == [out.name]  # no temporary left
+
+
+def test_npz_and_safetensors_metadata(tmp_path: Path) -> None:
+    h = _heads()
+    save_heads(h, tmp_path / "h.npz")
+    with np.load(tmp_path / "h.npz", allow_pickle=False) as z:  # readable by plain numpy
+        assert str(z["format"]) == "mhla-heads" and str(z["mhla_version"]) == __version__
+        assert int(z["d"]) == 4 and int(z["n_heads"]) == 3 and str(z["normalize"]) == "none"
+        assert np.array_equal(z["V"], h.V)
+    pytest.importorskip("safetensors")
+    from safetensors import safe_open
+
+    save_heads(h, tmp_path / "h.safetensors")
+    with safe_open(str(tmp_path / "h.safetensors"), framework="np") as f:
+        meta = f.metadata()
+        assert np.array_equal(f.get_tensor("Q"), h.Q)
+    assert meta["format"] == "mhla-heads" and meta["d"] == "4" and meta["n_heads"] == "3"
+    assert meta["mhla_version"] == __version__ and meta["normalize"] == "none"
+
+
+def test_bad_files(tmp_path: Path) -> None:
+    with pytest.raises(InputError, match="unknown heads format '.pt'"):
+        save_heads(_heads(), tmp_path / "h.pt")
+    with pytest.raises(InputError, match="unknown heads format"):
+        load_heads(tmp_path / "h.json")
+    np.savez(tmp_path / "other.npz", V=np.ones((1, 2, 2)), Q=np.ones((1, 2, 2)))
+    with pytest.raises(InputError, match="not an mhla heads file"):
+        load_heads(tmp_path / "other.npz")
+    (tmp_path / "junk.npz").write_bytes(b"not a zip")
+    with pytest.raises(InputError, match="cannot read as .npz"):
+        load_heads(tmp_path / "junk.npz")
+    np.savez(tmp_path / "noq.npz", V=np.ones((1, 2, 2)), format="mhla-heads")
+    with pytest.raises(InputError, match="has no 'Q'"):
+        load_heads(tmp_path / "noq.npz")
+    np.savez(tmp_path / "nan.npz", V=np.full((1, 2, 2), np.nan), Q=np.ones((1, 2, 2)), format="mhla-heads")
+    with pytest.raises(InputError, match="NaN or Inf"):
+        load_heads(tmp_path / "nan.npz")
+    np.savez(tmp_path / "shape.npz", V=np.ones((1, 2, 3)), Q=np.ones((1, 2, 3)), format="mhla-heads")
+    with pytest.raises(InputError, match=r"expected \(H, d, d\)"):
+        load_heads(tmp_path / "shape.npz")
+    with pytest.raises(InputError, match="no such file"):
+        load_heads(tmp_path / "missing.npz")
+    if _has("safetensors"):
+        (tmp_path / "junk.safetensors").write_bytes(b"\x00" * 16)
+        with pytest.raises(InputError, match="cannot read as .safetensors"):
+            load_heads(tmp_path / "junk.safetensors")
+
+
+def test_failed_write_leaves_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    out = tmp_path / "h.npz"
+    save_heads(_heads(), out)
+    before = out.read_bytes()
+
+    def boom(*a: object, **k: object) -> None:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(np, "savez", boom)
+    with pytest.raises(InputError, match="No space left"):
+        save_heads(Heads(V=np.ones((1, 2, 2)), Q=np.ones((1, 2, 2))), out)
+    assert out.read_bytes() == before  # the old file is untouched
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["h.npz"]
+
+
+def test_missing_optional_packages(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "safetensors", None)
+    monkeypatch.setitem(sys.modules, "safetensors.numpy", None)
+    with pytest.raises(InputError, match=r"pip install 'mhla\[safetensors\]'"):
+        save_heads(_heads(), tmp_path / "h.safetensors")
+    assert not list(tmp_path.iterdir())
+    monkeypatch.setitem(sys.modules, "torch", None)
+    with pytest.raises(ImportError, match=r"pip install 'mhla\[torch\]'"):
+        _heads().to_torch()
+
+
+@pytest.fixture(scope="module")
+def model_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    tmp = tmp_path_factory.mktemp("export")
+    ds, _ = synthetic.generate_teacher(3, 2, 200, seq_len=(4, 12), seed=1)
+    ds.save(tmp / "d.h5", dtype="float64")
+    assert run(["fit", str(tmp / "d.h5"), "-o", str(tmp / "m.h5"), "-q"]) == 0
+    return tmp / "m.h5"
+
+
+def test_cli_export_heads_each_suffix(model_file: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert run(["export-heads", str(model_file), "-o", str(tmp_path / "h.h5"), "-q"]) == 0
+    ref = Heads.load(tmp_path / "h.h5")
+    suffixes = [".npz", ".hdf5"] + ([".safetensors"] if _has("safetensors") else [])
+    for suffix in suffixes:
+        out = tmp_path / f"h{suffix}"
+        assert run(["export-heads", str(model_file), "-o", str(out), "--json", "-q"]) == 0
+        report = json.loads(capsys.readouterr().out)
+        assert report["output"] == str(out) and report["n_heads"] == ref.n_heads
+        got = load_heads(out)
+        assert np.array_equal(got.V, ref.V) and np.array_equal(got.Q, ref.Q)
+    # unknown suffix: exit 2, one error line, nothing written
+    before = sorted(p.name for p in tmp_path.iterdir())
+    assert run(["export-heads", str(model_file), "-o", str(tmp_path / "h.pt")]) == 2
+    err = capsys.readouterr().err
+    assert "mhla: error:" in err and "unknown heads format '.pt'" in err
+    assert sorted(p.name for p in tmp_path.iterdir()) == before
+
+
+def test_to_torch_matches_forward(tmp_path: Path) -> None:
+    torch = pytest.importorskip("torch")
+    rng = np.random.default_rng(0)
+    X = rng.standard_normal((5, 7, 4))
+    for normalize in ("none", "length"):
+        h = _heads(normalize)
+        h.Q *= 1e7
+        m = h.to_torch()
+        with torch.no_grad():
+            out = m(torch.from_numpy(X)).numpy()
+            allpos = m(torch.from_numpy(X), all_positions=True).numpy()
+        np.testing.assert_allclose(out, predict(h, X), rtol=1e-12, atol=1e-12 * np.abs(out).max())
+        ref = np.array([forward_heads(h.V, h.Q, x, all_positions=True, normalize=normalize) for x in X])
+        np.testing.assert_allclose(allpos, ref, rtol=0, atol=1e-12 * np.abs(ref).max())
+    with pytest.raises(ValueError, match="d = 4"):
+        m(torch.zeros(2, 3, 5, dtype=torch.float64))
+    m32 = h.to_torch(dtype=torch.float32)
+    assert m32.V.dtype == torch.float32
+
+
+def _has(name: str) -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec(name) is not None
