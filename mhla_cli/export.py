@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import zipfile
 from pathlib import Path
 from typing import Any
 
@@ -91,6 +92,8 @@ def load_heads(path: str | os.PathLike) -> Heads:
     if not Path(path).is_file():
         raise InputError("no such file", path)
     if fmt == "npz":
+        if not zipfile.is_zipfile(path):
+            raise InputError("not a .npz archive (a zip file of arrays); the file may be truncated or corrupted", path)
         try:
             with np.load(path, allow_pickle=False) as z:
                 arrays = {k: z[k] for k in z.files}

@@ -273,6 +273,10 @@ def _hash_dataset(h: Any, ds: h5py.Dataset, full: bool) -> None:
         h.update(np.ascontiguousarray(ds[lo:min(n, lo + rows)]).tobytes())
 
 
+# Files mhla reads that are not HDF5: heads exported for other frameworks (mhla_cli.export).
+FOREIGN_SUFFIXES = (".npz", ".safetensors")
+
+
 def source_identity(path: str | os.PathLike, full: bool | None = None) -> dict[str, Any]:
     """Name, size and content fingerprint of an input file, for provenance.
 
@@ -292,6 +296,21 @@ def source_identity(path: str | os.PathLike, full: bool | None = None) -> dict[s
     if key in _identity_cache:
         return dict(_identity_cache[key])
     h = hashlib.sha256()
+    if p.suffix.lower() in FOREIGN_SUFFIXES:
+        # heads exported for other frameworks (.npz, .safetensors): the bytes identify the data
+        whole = bool(full) if full is not None else st.st_size <= FULL_FINGERPRINT_BYTES
+        with open(p, "rb") as fh:
+            if whole:
+                for block in iter(lambda: fh.read(_BLOCK_BYTES), b""):
+                    h.update(block)
+            else:
+                for i in range(_SAMPLED_BLOCKS):
+                    fh.seek((st.st_size * i) // _SAMPLED_BLOCKS)
+                    h.update(fh.read(_BLOCK_BYTES // 64))
+        ident = {"path": str(p), "name": p.name, "size": st.st_size, "fingerprint": h.hexdigest()[:32],
+                 "fingerprint_scope": "all bytes" if whole else "sampled bytes"}
+        _identity_cache[key] = ident
+        return dict(ident)
     with open_input(p) as f:
         dsets = {k: v for k, v in f.items() if isinstance(v, h5py.Dataset)}
         total = sum(int(ds.size) * ds.dtype.itemsize for ds in dsets.values())

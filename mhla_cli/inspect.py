@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+from pathlib import Path
 from typing import Any
 
 import h5py
@@ -11,6 +12,7 @@ import numpy as np
 
 from . import formats
 from .errors import InputError
+from .export import load_heads
 from .heads import Heads
 from .model import Model
 from .stream import Features, default_chunk_size
@@ -36,6 +38,17 @@ def inspect_file(path: str | os.PathLike) -> dict[str, Any]:
     """
     rep: dict[str, Any] = {"path": str(path), "kind": None, "valid": False, "datasets": {}, "attrs": {},
                            "error": None}
+    if Path(path).suffix.lower() in formats.FOREIGN_SUFFIXES:  # heads exported for other frameworks
+        try:
+            heads = load_heads(path)
+        except InputError as exc:
+            rep["error"] = str(exc)
+            return rep
+        rep.update(kind="heads", valid=True, format=Path(path).suffix.lower().lstrip("."), d=heads.d,
+                   n_heads=heads.n_heads, normalize=heads.info.get("normalize", "none"),
+                   datasets={k: {"shape": list(v.shape), "dtype": str(v.dtype)} for k, v in (("V", heads.V),
+                                                                                        ("Q", heads.Q))})
+        return rep
     try:
         with formats.open_input(path) as f:
             for name, obj in f.items():

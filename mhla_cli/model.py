@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from pathlib import Path
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -11,6 +12,7 @@ import numpy as np
 from . import formats
 from .errors import InputError
 from .features import n_features
+from .export import load_heads
 from .heads import Heads, W_from_p, p_from_W
 
 
@@ -65,7 +67,9 @@ class Model:
 
 
 def load_function(path: str | os.PathLike) -> Model | Heads:
-    """Load a model or heads file."""
+    """Load a model or heads file (HDF5; heads also from .npz or .safetensors, mhla_cli.export)."""
+    if Path(path).suffix.lower() in formats.FOREIGN_SUFFIXES:
+        return load_heads(path)
     kind = formats.kind_of(path)
     if kind == "model":
         fn: Model | Heads = Model.load(path)

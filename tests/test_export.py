@@ -62,7 +62,7 @@ def test_bad_files(tmp_path: Path) -> None:
     with pytest.raises(InputError, match="not an mhla heads file"):
         load_heads(tmp_path / "other.npz")
     (tmp_path / "junk.npz").write_bytes(b"not a zip")
-    with pytest.raises(InputError, match="cannot read as .npz"):
+    with pytest.raises(InputError, match="not a .npz archive"):
         load_heads(tmp_path / "junk.npz")
     np.savez(tmp_path / "noq.npz", V=np.ones((1, 2, 2)), format="mhla-heads")
     with pytest.raises(InputError, match="has no 'Q'"):
@@ -159,3 +159,36 @@ def _has(name: str) -> bool:
     import importlib.util
 
     return importlib.util.find_spec(name) is not None
+
+
+def test_predict_compare_inspect_read_exported_heads(tmp_path) -> None:
+    """Heads written as .npz / .safetensors feed back into predict, compare and inspect."""
+    import json as _json
+    import subprocess
+    import sys
+
+    from mhla_cli import synthetic
+
+    ds, _ = synthetic.generate_teacher(3, 2, 120, "3:8", seed=4)
+    data = tmp_path / "d.h5"
+    ds.save(data, dtype="float64")
+    mhla = [sys.executable, "-m", "mhla_cli"]
+    model = tmp_path / "m.h5"
+    assert subprocess.run([*mhla, "fit", str(data), "-o", str(model), "-q"]).returncode == 0
+    for suffix in (".npz", ".safetensors"):
+        heads = tmp_path / f"h{suffix}"
+        assert subprocess.run([*mhla, "export-heads", str(model), "-o", str(heads), "-q"]).returncode == 0
+        r = subprocess.run([*mhla, "predict", str(heads), str(data), "-o", str(tmp_path / f"p{suffix}.h5"),
+                            "--json", "-q"], capture_output=True, text=True)
+        assert r.returncode == 0 and _json.loads(r.stdout)["mse"] < 1e-20
+        r = subprocess.run([*mhla, "compare", str(heads), str(model), "--json", "-q"], capture_output=True, text=True)
+        assert r.returncode == 0 and _json.loads(r.stdout)["relative_distance"] < 1e-12
+        r = subprocess.run([*mhla, "inspect", str(heads), "--json"], capture_output=True, text=True)
+        rep = _json.loads(r.stdout)
+        assert r.returncode == 0 and rep["kind"] == "heads" and rep["valid"] and rep["d"] == 3
+    bad = tmp_path / "bad.npz"
+    bad.write_text("junk")
+    r = subprocess.run([*mhla, "predict", str(bad), str(data), "-o", str(tmp_path / "q.h5")],
+                       capture_output=True, text=True)
+    assert r.returncode == 2 and r.stderr.startswith("mhla: error: ") and "not a .npz archive" in r.stderr
+    assert not (tmp_path / "q.h5").exists()
