@@ -31,14 +31,24 @@ UNSTORABLE = np.array([object(), object()], dtype=object)  # h5py has no HDF5 ty
 
 
 @pytest.mark.parametrize("existing", [False, True])
-def test_failed_write_leaves_no_temp_file_and_keeps_the_output(tmp_path: Path, existing: bool) -> None:
+def test_failed_write_leaves_no_temp_file_and_keeps_the_output(tmp_path: Path, existing: bool,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
     out = tmp_path / "out.h5"
+    during: list[str] = []
+    fill = formats._fill
+
+    def spy(*args, **kwargs):  # what the directory holds while the file is being written
+        during.extend(os.listdir(tmp_path))
+        return fill(*args, **kwargs)
+
+    monkeypatch.setattr(formats, "_fill", spy)
     if existing:
         _write(out, {"marker": 7}, old=np.arange(5))
         before = out.read_bytes()
     listing = sorted(os.listdir(tmp_path))
     with pytest.raises(TypeError, match="Object dtype"):  # raised inside the write, after the temp file exists
         formats.write_file(out, "model", {"coef": np.ones((2, 6)), "bad": UNSTORABLE})
+    assert any(n.startswith(".out.h5.") and n.endswith(".tmp-mhla") for n in during)  # the temp file existed
     assert sorted(os.listdir(tmp_path)) == listing  # neither a temp file nor a partial output
     if existing:
         assert out.read_bytes() == before
