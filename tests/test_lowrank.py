@@ -147,28 +147,15 @@ def test_cli_fit_heads_fewest_export(tmp_path: Path, capsys: pytest.CaptureFixtu
 
 
 def test_folds_and_auto(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """`fit --heads auto` picks the teacher's head count by CV over a folds file (the fold sums
+    themselves are checked against plain numpy in test_folds.py)."""
     ds, teacher = synthetic.generate_teacher(3, 2, 400, 6, noise=0.05, seed=6)
     data = tmp_path / "d.h5"
     ds.save(data, dtype="float64")
     feats = tmp_path / "f.h5"
     assert run(["featurize", str(data), "-o", str(feats), "--folds", "3", "-q"]) == 0
-    total = Features.load(feats)
-    folds = load_folds(feats, total)
+    folds = load_folds(feats)
     assert folds is not None and len(folds) == 3
-    # Independent reference: plain numpy features of each sequence, summed over each fold's samples.
-    F = np.stack([_np_features(ds.sequence(i)) for i in range(ds.n_samples)])
-    ranges = [fold.sample_range for fold in folds]
-    assert ranges[0][0] == 0 and ranges[-1][1] == ds.n_samples  # contiguous ranges covering every sample once
-    assert all(a[1] == b[0] and a[0] < a[1] for a, b in zip(ranges, ranges[1:] + [(ds.n_samples, 0)]))
-    for fold, (lo, hi) in zip(folds, ranges):
-        Fk, Yk = F[lo:hi], ds.targets[lo:hi]
-        Xk = ds.tokens[ds.offsets[lo]:ds.offsets[hi]]
-        last = ds.tokens[ds.offsets[lo + 1:hi + 1] - 1]
-        assert fold.n_samples == hi - lo and fold.n_tokens == len(Xk)
-        for got, want in ((fold.gram, Fk.T @ Fk), (fold.moments, Fk.T @ Yk), (fold.target_gram, Yk.T @ Yk),
-                          (fold.token_gram, Xk.T @ Xk), (fold.last_token_gram, last.T @ last)):
-            np.testing.assert_allclose(got, want, rtol=0, atol=1e-12 * np.abs(want).max())
-    np.testing.assert_allclose(total.gram, F.T @ F, rtol=0, atol=1e-12 * np.abs(F.T @ F).max())
     capsys.readouterr()
     assert run(["fit", str(feats), "-o", str(tmp_path / "m.h5"), "--heads", "auto", "--json", "-q"]) == 0
     info = json.loads(capsys.readouterr().out)

@@ -200,3 +200,73 @@ def test_witness_failing_its_verification_is_not_written(tmp_path: Path, capsys:
     err = capsys.readouterr().err
     assert "failed its own verification" in err and "training MSE increase" in err
     assert not w.exists()
+
+
+# --------------------------------------------------------------------------------------------
+# the witness file: round trip and the rules of Witness.load
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def witness_file(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Witness]:
+    from mhla_cli import certify, featurize
+    from mhla_cli.witness import make_witness
+
+    tmp = tmp_path_factory.mktemp("witness")
+    few, _ = synthetic.generate_teacher(2, 1, 3, 4, seed=3)  # 3 samples < psi = 6: not identifiable
+    data = write_tokens(tmp / "few.h5", few.tokens, few.offsets, few.targets)
+    feats = featurize(data)
+    wit = make_witness(feats, cert=certify(feats))
+    path = tmp / "w.h5"
+    wit.save(path, inputs=(data,))
+    return path, wit
+
+
+def _rewrite(src: Path, dst: Path, **changes: np.ndarray | None) -> Path:
+    import h5py
+
+    with h5py.File(src, "r") as f, h5py.File(dst, "w") as g:
+        for k, v in f.attrs.items():
+            g.attrs[k] = v
+        for k in f:
+            if k not in changes:
+                g[k] = f[k][()]
+        for k, v in changes.items():
+            if v is not None:
+                g[k] = v
+    return dst
+
+
+def test_witness_file_round_trip(witness_file: tuple[Path, Witness]) -> None:
+    path, wit = witness_file
+    back = Witness.load(path)
+    assert np.array_equal(back.model_a.coef, wit.model_a.coef) and np.array_equal(back.model_b.coef, wit.model_b.coef)
+    assert np.array_equal(back.tokens, wit.tokens)
+    for k in ("pred_a", "pred_b", "null_direction", "output_direction"):
+        assert np.array_equal(back.info[k], wit.info[k]), k
+    assert back.info["kind"] == wit.info["kind"] and back.indistinguishable == wit.indistinguishable
+    # the stored predictions are the two models' outputs on the probe input
+    for m, k in ((back.model_a, "pred_a"), (back.model_b, "pred_b")):
+        np.testing.assert_allclose(m.coef @ np_features(back.tokens), back.info[k], rtol=1e-9,
+                                   atol=1e-12 * max(1.0, np.abs(back.info[k]).max()))
+    assert Model.load(path).coef.shape == wit.model_a.coef.shape  # every model command accepts it
+
+
+def test_bad_witness_files_are_refused(witness_file: tuple[Path, Witness], tmp_path: Path) -> None:
+    from mhla_cli.errors import InputError
+
+    path, wit = witness_file
+    cases = {
+        "no_coef_b": ({"coef_b": None}, "not a witness file"),
+        "coef_b_shape": ({"coef_b": np.ones((2, 5))}, "inconsistent witness datasets"),
+        "coef_b_rows": ({"coef_b": np.ones((3, 6))}, "inconsistent witness datasets"),
+        "tokens_d": ({"witness_tokens": np.ones((4, 3))}, "inconsistent witness datasets"),
+        "tokens_rank": ({"witness_tokens": np.ones(4)}, "inconsistent witness datasets"),
+        "no_tokens": ({"witness_tokens": None}, "missing dataset 'witness_tokens'"),
+        "no_pred_b": ({"witness_pred_b": None}, "missing dataset 'witness_pred_b'"),
+        "nan_coef_b": ({"coef_b": np.full(wit.model_b.coef.shape, np.nan)}, "NaN"),
+        "model_a_inconsistent": ({"W": np.eye(4)}, "describe different functions"),
+    }
+    for name, (changes, msg) in cases.items():
+        with pytest.raises(InputError, match=msg):
+            Witness.load(_rewrite(path, tmp_path / f"{name}.h5", **changes))

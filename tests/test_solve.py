@@ -1,4 +1,4 @@
-"""Certificate verdicts (Lemma 2.3) on the full and the observed domain."""
+"""Certificate verdicts (Lemma 2.3) on the full and the observed domain, and the least-squares fit (mhla_cli.solve)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Shards and merge: the merged statistics equal a single pass; bad sets of parts are refused."""
+"""Shards and merge (mhla_cli.merge): the merged statistics equal a single pass; bad sets of parts are refused."""
 
 from __future__ import annotations
 

@@ -1,0 +1,152 @@
+"""HDF5 kinds, versions, provenance and atomic writes (mhla_cli.formats)."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+
+import h5py
+import numpy as np
+import pytest
+
+from mhla_cli import formats
+from mhla_cli._version import __version__
+from mhla_cli.errors import InputError
+from mhla_cli.heads import Heads
+from mhla_cli.model import Model
+
+
+def _write(path: Path, attrs: dict | None = None, **data: np.ndarray) -> Path:
+    with h5py.File(path, "w") as f:
+        for k, v in (attrs or {}).items():
+            f.attrs[k] = v
+        for k, v in data.items():
+            f[k] = v
+    return path
+
+
+UNSTORABLE = np.array([object(), object()], dtype=object)  # h5py has no HDF5 type for Python objects
+
+
+@pytest.mark.parametrize("existing", [False, True])
+def test_failed_write_leaves_no_temp_file_and_keeps_the_output(tmp_path: Path, existing: bool,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    out = tmp_path / "out.h5"
+    during: list[str] = []
+    fill = formats._fill
+
+    def spy(*args, **kwargs):  # what the directory holds while the file is being written
+        during.extend(os.listdir(tmp_path))
+        return fill(*args, **kwargs)
+
+    monkeypatch.setattr(formats, "_fill", spy)
+    if existing:
+        _write(out, {"marker": 7}, old=np.arange(5))
+        before = out.read_bytes()
+    listing = sorted(os.listdir(tmp_path))
+    with pytest.raises(TypeError, match="Object dtype"):  # raised inside the write, after the temp file exists
+        formats.write_file(out, "model", {"coef": np.ones((2, 6)), "bad": UNSTORABLE})
+    assert any(n.startswith(".out.h5.") and n.endswith(".tmp-mhla") for n in during)  # the temp file existed
+    assert sorted(os.listdir(tmp_path)) == listing  # neither a temp file nor a partial output
+    if existing:
+        assert out.read_bytes() == before
+        with h5py.File(out, "r") as f:
+            assert int(f.attrs["marker"]) == 7 and list(f) == ["old"]
+    else:
+        assert not out.exists()
+
+
+def test_successful_write_replaces_the_output(tmp_path: Path) -> None:
+    out = _write(tmp_path / "out.h5", {"marker": 7}, old=np.arange(5))
+    formats.write_file(out, "model", {"coef": np.ones((2, 6)), "skipped": None}, {"d": 2, "none_attr": None})
+    with h5py.File(out, "r") as f:
+        assert sorted(f) == ["coef"] and "marker" not in f.attrs and "none_attr" not in f.attrs
+        assert f.attrs["mhla_kind"] == "model" and int(f.attrs["d"]) == 2
+    assert sorted(os.listdir(tmp_path)) == ["out.h5"]
+
+
+def test_output_path_rules(tmp_path: Path) -> None:
+    inp = _write(tmp_path / "in.h5", tokens=np.ones((2, 3, 2)))
+    with pytest.raises(InputError, match="overwrite an input"):
+        formats.write_file(inp, "model", {"coef": np.ones((2, 6))}, inputs=(inp,))
+    with pytest.raises(InputError, match="does not exist"):
+        formats.write_file(tmp_path / "nodir" / "o.h5", "model", {"coef": np.ones((2, 6))})
+    with pytest.raises(InputError, match="is a directory"):
+        formats.write_file(tmp_path, "model", {"coef": np.ones((2, 6))})
+    with pytest.raises(ValueError):
+        formats.write_file(tmp_path / "o.h5", "nonsense", {"x": np.ones(2)})
+
+
+def test_newer_format_version_is_refused(tmp_path: Path) -> None:
+    coef = np.zeros((2, 6))
+    newer = _write(tmp_path / "new.h5", {"mhla_kind": "model", "mhla_format_version": formats.FORMAT_VERSION + 1},
+                   coef=coef)
+    for read in (formats.kind_of, Model.load):
+        with pytest.raises(InputError, match=f"format version {formats.FORMAT_VERSION + 1}.*upgrade"):
+            read(newer)
+    same = _write(tmp_path / "same.h5", {"mhla_kind": "model", "mhla_format_version": formats.FORMAT_VERSION},
+                  coef=coef)
+    assert formats.kind_of(same) == "model"
+    older = _write(tmp_path / "old.h5", {"mhla_kind": "model", "mhla_format_version": 1}, coef=coef)
+    assert Model.load(older).d == 2
+
+
+@pytest.mark.parametrize("name,kind", [("gram", "features"), ("coef", "model"), ("V", "heads"),
+                                       ("tokens", "tokens"), ("predictions", "predictions")])
+def test_kind_detected_from_datasets_without_attributes(tmp_path: Path, name: str, kind: str) -> None:
+    assert formats.kind_of(_write(tmp_path / "f.h5", **{name: np.ones((2, 2)), "other": np.ones(1)})) == kind
+
+
+def test_kind_rules(tmp_path: Path) -> None:
+    with pytest.raises(InputError, match="not an mhla file.*found other, stuff"):
+        formats.kind_of(_write(tmp_path / "a.h5", other=np.ones(1), stuff=np.ones(1)))
+    with pytest.raises(InputError, match="unknown mhla_kind 'banana'"):
+        formats.kind_of(_write(tmp_path / "b.h5", {"mhla_kind": "banana"}, tokens=np.ones((1, 1, 1))))
+    # the attribute wins over the datasets
+    assert formats.kind_of(_write(tmp_path / "c.h5", {"mhla_kind": "heads"}, coef=np.ones(1))) == "heads"
+    with h5py.File(_write(tmp_path / "d.h5", {"mhla_kind": "heads"}, V=np.ones(1)), "r") as f:
+        with pytest.raises(InputError, match="is a heads file, expected model or features"):
+            formats.expect_kind(f, tmp_path / "d.h5", "model", "features")
+    (tmp_path / "text.h5").write_text("not hdf5")
+    with pytest.raises(InputError, match="not an HDF5 file"):
+        formats.kind_of(tmp_path / "text.h5")
+    with pytest.raises(InputError, match="no such file"):
+        formats.kind_of(tmp_path / "missing.h5")
+
+
+def test_provenance_attributes(tmp_path: Path) -> None:
+    inp = _write(tmp_path / "in.h5", tokens=np.arange(12.0).reshape(2, 3, 2))
+    out = tmp_path / "h.h5"
+    formats.set_command(["mhla", "export-heads", "model file.h5"])
+    try:
+        t0 = time.time()
+        Heads(V=np.ones((1, 2, 2)), Q=np.ones((1, 2, 2))).save(out, inputs=(inp,))
+    finally:
+        formats.set_command(None)
+    with h5py.File(out, "r") as f:
+        a = {k: (v.decode() if isinstance(v, bytes) else v) for k, v in f.attrs.items()}
+    assert a["mhla_kind"] == "heads" and int(a["mhla_format_version"]) == formats.FORMAT_VERSION
+    assert a["mhla_version"] == __version__
+    assert a["mhla_command"] == "mhla export-heads 'model file.h5'"  # shell-quoted
+    created = time.mktime(time.strptime(a["mhla_created"], "%Y-%m-%dT%H:%M:%SZ")) - time.timezone
+    assert abs(created - t0) < 120
+    inputs = json.loads(a["mhla_inputs"])
+    assert len(inputs) == 1 and inputs[0]["path"] == str(inp) and inputs[0]["size"] == inp.stat().st_size
+    fp = inputs[0]["fingerprint"]
+    assert len(fp) == 32 and fp == formats.source_identity(inp)["fingerprint"]
+
+
+def test_read_array_rules(tmp_path: Path) -> None:
+    path = _write(tmp_path / "a.h5", x=np.array([1.0, np.nan]), s=np.array([b"a"]), c=np.ones(2, complex))
+    path2 = tmp_path / "a.h5"
+    with h5py.File(path, "a") as f:
+        f.create_group("g")
+    with formats.open_input(path2) as f:
+        with pytest.raises(InputError, match="'x' contains NaN"):
+            formats.read_array(f, "x", path2)
+        assert np.isnan(formats.read_array(f, "x", path2, finite=False)[1])
+        for name, msg in (("s", "dtype"), ("c", "dtype"), ("g", "is a group"), ("missing", "missing dataset")):
+            with pytest.raises(InputError, match=msg):
+                formats.read_array(f, name, path2)

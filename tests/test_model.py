@@ -1,0 +1,113 @@
+"""The Model (coef p and its min-norm W), its file, and loading a function (mhla_cli.model)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import h5py
+import numpy as np
+import pytest
+
+from mhla_cli import heads as heads_mod
+from mhla_cli.errors import InputError
+from mhla_cli.heads import Heads
+from mhla_cli.model import Model, coef_of, load_function, normalize_of
+
+
+def _model(d: int = 2, seed: int = 0, **info) -> Model:
+    rng = np.random.default_rng(seed)
+    coef = rng.standard_normal((d, d * d * (d + 1) // 2))
+    return Model(coef=coef, W=heads_mod.W_from_p(coef), d=d, info=info)
+
+
+def _write(path: Path, attrs: dict, **data: np.ndarray) -> Path:
+    with h5py.File(path, "w") as f:
+        for k, v in attrs.items():
+            f.attrs[k] = v
+        for k, v in data.items():
+            f[k] = v
+    return path
+
+
+def test_model_file_round_trip(tmp_path: Path) -> None:
+    info = {"ridge": 0.5, "train_mse": 1.25e-3, "lambda_min": 2e-4, "identifiable": True, "n_samples": 77,
+            "method": "lstsq", "normalize": "length", "condition_number": 12.5,
+            "rank": 6}  # 'rank' is not one of the saved attributes
+    m = _model(3, 1, **info)
+    path = tmp_path / "m.h5"
+    m.save(path)
+    back = Model.load(path)
+    assert back.d == 3
+    assert np.array_equal(back.coef, m.coef) and np.array_equal(back.W, m.W)
+    for k, v in info.items():
+        if k == "rank":
+            assert k not in back.info
+        else:
+            assert back.info[k] == v, k
+    assert normalize_of(back) == "length"
+    with h5py.File(path, "r") as f:
+        assert f.attrs["mhla_kind"] == "model" and int(f.attrs["n_features"]) == 18
+
+
+def test_model_without_W_gets_the_min_norm_W(tmp_path: Path) -> None:
+    m = _model(2, 2)
+    back = Model.load(_write(tmp_path / "m.h5", {"mhla_kind": "model"}, coef=m.coef))
+    np.testing.assert_array_equal(back.W, m.W)
+    # an other W with the same function (an antisymmetric part added) is accepted as it is
+    rng = np.random.default_rng(3)
+    N4 = rng.standard_normal((2, 2, 2, 2))
+    W2 = m.W + (N4 - N4.transpose(0, 2, 1, 3)).reshape(4, 4)
+    back2 = Model.load(_write(tmp_path / "m2.h5", {"mhla_kind": "model"}, coef=m.coef, W=W2))
+    np.testing.assert_array_equal(back2.W, W2)
+
+
+def test_inconsistent_or_malformed_model_files_are_refused(tmp_path: Path) -> None:
+    m = _model(2, 4)
+    W = m.W.copy()
+    W[0, 0] += 1e-3 * np.abs(m.coef).max()  # p(W) differs from coef in one coefficient
+    cases = {
+        "mismatch": (dict(coef=m.coef, W=W), "describe different functions"),
+        "W_shape": (dict(coef=m.coef, W=np.zeros((3, 3))), r"'W' has shape \(3, 3\)"),
+        "psi": (dict(coef=np.ones((2, 7))), "not d\\^2\\(d\\+1\\)/2"),
+        "rows": (dict(coef=np.ones((3, 6))), r"'coef' has shape \(3, 6\)"),
+        "rank1": (dict(coef=np.ones(6)), r"'coef' has shape \(6,\)"),
+        "nan": (dict(coef=np.full((2, 6), np.nan)), "NaN or Inf"),
+    }
+    for name, (data, msg) in cases.items():
+        with pytest.raises(InputError, match=msg):
+            Model.load(_write(tmp_path / f"{name}.h5", {"mhla_kind": "model"}, **data))
+
+
+def test_load_function_by_kind(tmp_path: Path) -> None:
+    m = _model(2, 5, normalize="none")
+    mp = tmp_path / "m.h5"
+    m.save(mp)
+    h = Heads(V=np.ones((1, 2, 2)), Q=np.eye(2)[None], info={"normalize": "length"})
+    hp = tmp_path / "h.h5"
+    h.save(hp)
+    fm, fh = load_function(mp), load_function(hp)
+    assert isinstance(fm, Model) and np.array_equal(fm.coef, m.coef)
+    assert isinstance(fh, Heads) and np.array_equal(fh.V, h.V) and normalize_of(fh) == "length"
+    feats = _write(tmp_path / "f.h5", {"mhla_kind": "features"}, gram=np.eye(6))
+    with pytest.raises(InputError, match="is a features file, expected a model or heads file"):
+        load_function(feats)
+    toks = _write(tmp_path / "t.h5", {}, tokens=np.ones((2, 3, 2)))
+    with pytest.raises(InputError, match="is a tokens file"):
+        load_function(toks)
+    with pytest.raises(InputError, match="normalize"):
+        load_function(_write(tmp_path / "bad.h5", {"mhla_kind": "model", "normalize": "rms"}, coef=m.coef))
+
+
+def test_coef_of() -> None:
+    rng = np.random.default_rng(6)
+    V, Q = rng.standard_normal((2, 2, 3, 3))
+    h = Heads(V=V, Q=Q)
+    # the heads' coef is p of W = sum_h vec(V_h) vec(Q_h)^T (docs/formats.md), built here with np.outer
+    W = sum(np.outer(V[i].reshape(-1), Q[i].reshape(-1)) for i in range(2))
+    np.testing.assert_allclose(coef_of(h), heads_mod.p_from_W(W), rtol=0, atol=1e-13)
+    m = _model(3, 7)
+    assert coef_of(m) is m.coef
+    arr = np.arange(18).reshape(3, 6)
+    out = coef_of(arr)
+    assert out.dtype == np.float64 and np.array_equal(out, arr)
+    assert normalize_of(arr) == "none" and normalize_of(m) == "none"
