@@ -48,7 +48,7 @@ import numpy as np
 from . import formats
 from .errors import InputError
 from .features import cubic_features, features_from_moments
-from .heads import W_from_p
+from .heads import W_from_p, p_from_W
 from .model import Model
 from .forward import predict_chunk
 from .solve import EPS, Certificate, certify, domain_map, fit, observed_bases, train_mse
@@ -120,9 +120,27 @@ class Witness:
                 info[k] = formats.read_array(f, k, path)
             info["pred_a"] = formats.read_array(f, "witness_pred_a", path)
             info["pred_b"] = formats.read_array(f, "witness_pred_b", path)
+            W_b = formats.read_array(f, "W_b", path).astype(np.float64) if "W_b" in f else None
         if coef_b.shape != a.coef.shape or tokens.ndim != 2 or tokens.shape[1] != a.d:
             raise InputError("inconsistent witness datasets", path)
-        return cls(a, Model(coef=coef_b, W=W_from_p(coef_b), d=a.d), tokens, info)
+        d, psi = a.d, a.coef.shape[1]
+        shapes = {"witness_pred_a": (info["pred_a"], (d,)), "witness_pred_b": (info["pred_b"], (d,)),
+                  "null_direction": (info["null_direction"], (psi,)), "output_direction": (info["output_direction"], (d,))}
+        for name, (arr, shape) in shapes.items():
+            if arr.shape != shape:
+                raise InputError(f"'{name}' has shape {arr.shape}, expected {shape}", path)
+        scale = max(float(np.abs(coef_b).max()), 1e-300)
+        if W_b is not None and (W_b.shape != (d * d, d * d)
+                                or not np.allclose(p_from_W(W_b), coef_b, rtol=0, atol=1e-8 * scale)):
+            raise InputError("'W_b' and 'coef_b' describe different functions; the file is inconsistent", path)
+        # the stored predictions must be those of the two models on the stored input
+        off = np.array([0, tokens.shape[0]])
+        for name, coef, pred in (("witness_pred_a", a.coef, info["pred_a"]), ("witness_pred_b", coef_b, info["pred_b"])):
+            want = predict_chunk(coef, tokens, off)[0][0]
+            if not np.allclose(pred, want, rtol=1e-8, atol=1e-8 * max(float(np.abs(want).max()), 1e-300)):
+                raise InputError(f"'{name}' is not the prediction of its model on 'witness_tokens'; "
+                                 "the file is inconsistent", path)
+        return cls(a, Model(coef=coef_b, W=W_from_p(coef_b), d=d), tokens, info)
 
 
 def _null_direction(feats: Features, cert: Certificate) -> np.ndarray:

@@ -266,6 +266,10 @@ def test_bad_witness_files_are_refused(witness_file: tuple[Path, Witness], tmp_p
         "no_pred_b": ({"witness_pred_b": None}, "missing dataset 'witness_pred_b'"),
         "nan_coef_b": ({"coef_b": np.full(wit.model_b.coef.shape, np.nan)}, "NaN"),
         "model_a_inconsistent": ({"W": np.eye(4)}, "describe different functions"),
+        "W_b_inconsistent": ({"W_b": np.eye(4) * 1e6}, "'W_b' and 'coef_b' describe different functions"),
+        "pred_b_shape": ({"witness_pred_b": np.ones(7)}, "'witness_pred_b' has shape"),
+        "pred_b_wrong": ({"witness_pred_b": wit.info["pred_b"] + 1.0}, "not the prediction of its model"),
+        "null_direction_shape": ({"null_direction": np.ones(2)}, "'null_direction' has shape"),
     }
     for name, (changes, msg) in cases.items():
         with pytest.raises(InputError, match=msg):
