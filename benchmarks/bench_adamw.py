@@ -9,7 +9,7 @@ d^2 heads, batch 64, lr 1e-2, weight decay 0, init RMS 0.1 (experiments/mhla_tor
             training MSE reaches 1e-12 (the cosine schedule is fixed by the 600-epoch horizon, so
             the epochs before stopping are those of the full run).
   constant  a 1-head random teacher (seed 0), constant learning rate, until 1e-12 or --epochs
-            (3000) epochs.
+            (1000) epochs.
 
 The mhla side (the baseline of the ratio) is measured in the same run on the same file: featurize +
 fit + export-heads in-process, best of 3. Run: python benchmarks/bench_adamw.py [--seeds 3]
@@ -53,7 +53,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--seeds", type=int, default=3, help="paper set-up: seeds per (d, N) (default 3)")
     ap.add_argument("--paper-epochs", type=int, default=600, help="paper set-up: cosine horizon (default 600)")
-    ap.add_argument("--epochs", type=int, default=3000, help="constant set-up: epoch budget (default 3000)")
+    ap.add_argument("--epochs", type=int, default=1000, help="constant set-up: epoch budget (default 1000)")
     ap.add_argument("--time-limit", type=float, default=None,
                     help="constant set-up: seconds per run (default none: the epoch budget decides)")
     ap.add_argument("--only", choices=("paper", "constant"), default=None, help="run one set-up only")
