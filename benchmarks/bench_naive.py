@@ -77,8 +77,8 @@ def main() -> None:
     print(f"## featurize + fit vs materialised features + numpy.linalg.lstsq: d = {args.dim}, n = 32\n")
     print(machine() + "\n")
     print(table(["N", "naive wall s", "mhla wall s", "mhla / naive time", "naive peak MiB", "mhla peak MiB",
-                 "mhla / naive memory", "coefficients compared", "max |diff| / max |coef|", "max of |diff| / |coef| per coefficient",
-                 "||diff|| / ||coef||"], rows))
+                 "mhla / naive memory", "coefficients compared", "max abs diff / max abs coef", "max relative diff per coefficient",
+                 "norm of diff / norm of coef"], rows))
     print(f"\nEach side is a fresh Python process (imports included), best of {args.repeat}. Target: "
           "time ratio <= 0.3, mhla memory not growing with N.")
 
