@@ -131,7 +131,7 @@ def test_fig2_observed_distance_when_tokens_span_a_proper_subspace() -> None:
         probes.append(_features_numpy(X))
     F = np.array(probes)
     # A coefficient difference orthogonal to that span: the two functions agree on the observed domain ...
-    U, s, Vt = np.linalg.svd(F, full_matrices=True)
+    _, s, Vt = np.linalg.svd(F, full_matrices=True)
     rank = int((s > 1e-10 * s[0]).sum())
     assert rank == 3  # u(S) spans 3 dims (S symmetric on a 2-dim U) times 1 dim of last tokens
     null = Vt[rank:]
