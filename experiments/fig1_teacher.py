@@ -8,6 +8,7 @@ closed form (statistics + least squares + heads: Algorithm 1), drawn as a horizo
     python experiments/fig1_teacher.py            # full run (2 seeds, 600 epochs), ~8 min on 2 cores
     python experiments/fig1_teacher.py --seeds 3  # what docs/reproduction.md reports
     python experiments/fig1_teacher.py --quick    # tiny version, < 1 min
+    python experiments/fig1_teacher.py --seeds 3 --closed-form-only   # closed form only: p errors, fewest heads
 
 Equivalent CLI for the closed form (d = 4):
     mhla generate teacher -o t4.h5 --dim 4 --heads 16 --n-samples 2048 --seq-len 100 --dtype float64
@@ -192,6 +193,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true", help="tiny version (< 1 min)")
     ap.add_argument("--epochs", type=int, default=None, help="epochs per model (default 600; quick 40)")
     ap.add_argument("--seeds", type=int, default=None, help="independent runs per setup (default 2; quick 1)")
+    ap.add_argument("--closed-form-only", action="store_true",
+                    help="only mhla's closed form (MSE, p error vs the teacher, fewest heads); no torch")
     ap.add_argument("--json", default=None, help="also write the raw results to this JSON file")
     ap.add_argument("--from-json", default=None, help="only print the table and plot from a saved JSON file")
     args = ap.parse_args(argv)
@@ -213,13 +216,14 @@ def main(argv: list[str] | None = None) -> int:
     all_res = []
     with Timer() as total:
         for d, N in setups:
-            all_res.append(run_setup(d, N, epochs, seeds))
+            all_res.append(run_setup(d, N, epochs, seeds, only=set() if args.closed_form_only else None))
     rows = [row for res in all_res for row in summarize(res)]
     print(f"## Fig. 1: training MSE, AdamW vs mhla closed form ({epochs} epochs, batch 64, lr 1e-2, "
           f"{seeds} seed(s){', QUICK' if args.quick else ''})\n")
     print(markdown_table(HEADER, rows))
     print("\n" + "\n".join(closed_form_lines(all_res)))
-    print(f"\nplot: {plot(all_res, 'fig1_teacher_quick.png' if args.quick else 'fig1_teacher.png')}")
+    if not args.closed_form_only:
+        print(f"\nplot: {plot(all_res, 'fig1_teacher_quick.png' if args.quick else 'fig1_teacher.png')}")
     print(f"total {total.seconds:.0f} s; {env_note()}")
     if args.json:
         write_json(args.json, all_res)
