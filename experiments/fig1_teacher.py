@@ -8,6 +8,7 @@ closed form (statistics + least squares + heads: Algorithm 1), drawn as a horizo
     python experiments/fig1_teacher.py            # full run (2 seeds, 600 epochs), ~8 min on 2 cores
     python experiments/fig1_teacher.py --seeds 3  # what docs/reproduction.md reports
     python experiments/fig1_teacher.py --quick    # tiny version, < 1 min
+    python experiments/fig1_teacher.py --seeds 3 --closed-form-only   # closed form only: p errors, fewest heads
 
 Equivalent CLI for the closed form (d = 4):
     mhla generate teacher -o t4.h5 --dim 4 --heads 16 --n-samples 2048 --seq-len 100 --dtype float64
@@ -39,17 +40,33 @@ def make_data(d: int, N: int, seed: int, seq_len: int = 100) -> tuple[synthetic.
     return synthetic.generate_teacher(d, d * d, N, seq_len, seed=seed)
 
 
-def closed_form(ds: synthetic.Dataset) -> dict[str, Any]:
-    """Algorithm 1 in-process: statistics, least squares, heads; MSE of the exported heads on the data."""
+def closed_form(ds: synthetic.Dataset, teacher: synthetic.Heads | None = None,
+                fewest: bool = False) -> dict[str, Any]:
+    """Algorithm 1 in-process: statistics, least squares, heads; MSE of the exported heads on the data.
+
+    With the teacher: `p_error` = ||coef - p_teacher||_F / ||p_teacher||_F. With `fewest`: the head
+    count and relative function error of `lowrank.fewest_heads` on the fitted coef (not timed).
+    """
     with Timer() as t:
         feats = features_of(ds)
         model = fit(feats)
         heads = export_heads(model)
     pred = predict(heads, ds.tokens, ds.offsets)
     mse = float(np.mean((pred - ds.targets) ** 2))
-    return {"mse": mse, "rel_mse": mse / float(np.mean(ds.targets**2)), "seconds": t.seconds,
-            "stats_mse": model.info["train_mse"], "stats_resolution": model.info["mse_resolution"],
-            "n_heads": heads.n_heads}
+    out = {"mse": mse, "rel_mse": mse / float(np.mean(ds.targets**2)), "seconds": t.seconds,
+           "stats_mse": model.info["train_mse"], "stats_resolution": model.info["mse_resolution"],
+           "n_heads": heads.n_heads}
+    if teacher is not None:
+        out["p_error"] = float(np.linalg.norm(model.coef - teacher.coef) / np.linalg.norm(teacher.coef))
+    if fewest:
+        from mhla_cli.heads import p_from_heads
+        from mhla_cli.lowrank import fewest_heads
+
+        fh_heads = fewest_heads(model.coef)
+        p_fh = p_from_heads(fh_heads.V, fh_heads.Q)
+        out["fewest_n_heads"] = int(fh_heads.n_heads)
+        out["fewest_error"] = float(np.linalg.norm(p_fh - model.coef) / np.linalg.norm(model.coef))
+    return out
 
 
 def models_for(d: int) -> list[dict[str, Any]]:
@@ -70,8 +87,8 @@ def run_setup(d: int, N: int, epochs: int, seeds: int, lr: float = 1e-2, batch_s
 
     results: dict[str, Any] = {"d": d, "N": N, "epochs": epochs, "seeds": seeds, "closed_form": [], "models": {}}
     for seed in range(seeds):
-        ds, _ = make_data(d, N, seed, seq_len)
-        results["closed_form"].append(closed_form(ds))
+        ds, teacher = make_data(d, N, seed, seq_len)
+        results["closed_form"].append(closed_form(ds, teacher, fewest=d == 2))
         X = ds.tokens.reshape(N, seq_len, d)
         for spec in models_for(d):
             if only is not None and spec["kind"] not in only:
@@ -104,7 +121,7 @@ def summarize(res: dict[str, Any]) -> list[list[str]]:
             es = [r["epochs_to"][t] for r in runs if r["epochs_to"][t] is not None]
             if not es:
                 return f"never (0/{len(runs)})"
-            return f"{int(np.median(es))} ({len(es)}/{len(runs)})"
+            return f"{int(np.median(es))} [{min(es)}-{max(es)}] ({len(es)}/{len(runs)})"
 
         spec = entry["spec"]
         if spec["kind"] == "layers":
@@ -115,13 +132,31 @@ def summarize(res: dict[str, Any]) -> list[list[str]]:
             paper = PAPER["m<d^2"]
         else:
             paper = ""
-        rows.append(["", name, f"{fmt(float(np.median(finals)))} (best {fmt(float(np.min(best)))})",
+        rows.append(["", name, f"{fmt(float(np.median(finals)))} [{fmt(min(finals))}..{fmt(max(finals))}] "
+                     f"(best {fmt(float(np.min(best)))})",
                      reach(1e-8), reach(1e-12), fmt(float(np.median([r['seconds'] for r in runs])), 2), paper])
     return rows
 
 
-HEADER = ["setup", "model", "final train MSE, median (lowest seen)", "epoch reaching 1e-8 (runs)",
-          "epoch reaching 1e-12 (runs)", "seconds/run", "paper"]
+HEADER = ["setup", "model", "final train MSE, median [range] (lowest seen)",
+          "epoch reaching 1e-8, median [range] (runs)", "epoch reaching 1e-12, median [range] (runs)",
+          "seconds/run", "paper"]
+
+
+def closed_form_lines(all_res: list[dict[str, Any]]) -> list[str]:
+    """One line per setup: the closed form's relative p error against the teacher, and fewest heads."""
+    lines = []
+    for res in all_res:
+        cf = res["closed_form"]
+        errs = [c["p_error"] for c in cf if "p_error" in c]
+        line = f"- d={res['d']}, N={res['N']}: closed form relative p error vs the teacher"
+        line += f" {', '.join(fmt(e) for e in errs)} (per seed)" if errs else " (not recorded)"
+        fw = [(c["fewest_n_heads"], c["fewest_error"]) for c in cf if "fewest_n_heads" in c]
+        if fw:
+            line += ("; lowrank.fewest_heads on the fit (export-heads --fewest): "
+                     + ", ".join(f"{h} heads (rel. function error {fmt(e)})" for h, e in fw))
+        lines.append(line)
+    return lines
 
 
 def plot(all_res: list[dict[str, Any]], name: str = "fig1_teacher.png") -> str:
@@ -158,6 +193,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true", help="tiny version (< 1 min)")
     ap.add_argument("--epochs", type=int, default=None, help="epochs per model (default 600; quick 40)")
     ap.add_argument("--seeds", type=int, default=None, help="independent runs per setup (default 2; quick 1)")
+    ap.add_argument("--closed-form-only", action="store_true",
+                    help="only mhla's closed form (MSE, p error vs the teacher, fewest heads); no torch")
     ap.add_argument("--json", default=None, help="also write the raw results to this JSON file")
     ap.add_argument("--from-json", default=None, help="only print the table and plot from a saved JSON file")
     args = ap.parse_args(argv)
@@ -170,6 +207,7 @@ def main(argv: list[str] | None = None) -> int:
                 for r in entry["runs"]:
                     r["epochs_to"] = {float(k): v for k, v in r["epochs_to"].items()}
         print(markdown_table(HEADER, [row for res in all_res for row in summarize(res)]))
+        print("\n" + "\n".join(closed_form_lines(all_res)))
         print(f"\nplot: {plot(all_res)}")
         return 0
     epochs = args.epochs or (40 if args.quick else 600)
@@ -178,12 +216,14 @@ def main(argv: list[str] | None = None) -> int:
     all_res = []
     with Timer() as total:
         for d, N in setups:
-            all_res.append(run_setup(d, N, epochs, seeds))
+            all_res.append(run_setup(d, N, epochs, seeds, only=set() if args.closed_form_only else None))
     rows = [row for res in all_res for row in summarize(res)]
     print(f"## Fig. 1: training MSE, AdamW vs mhla closed form ({epochs} epochs, batch 64, lr 1e-2, "
           f"{seeds} seed(s){', QUICK' if args.quick else ''})\n")
     print(markdown_table(HEADER, rows))
-    print(f"\nplot: {plot(all_res, 'fig1_teacher_quick.png' if args.quick else 'fig1_teacher.png')}")
+    print("\n" + "\n".join(closed_form_lines(all_res)))
+    if not args.closed_form_only:
+        print(f"\nplot: {plot(all_res, 'fig1_teacher_quick.png' if args.quick else 'fig1_teacher.png')}")
     print(f"total {total.seconds:.0f} s; {env_note()}")
     if args.json:
         write_json(args.json, all_res)

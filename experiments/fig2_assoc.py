@@ -34,7 +34,7 @@ import numpy as np
 
 from _common import Timer, env_note, features_of, fmt, limit_threads, markdown_table, savefig, write_json
 from mhla_cli import certify, fit, predict, synthetic
-from mhla_cli.solve import domain_map
+from mhla_cli.solve import domain_map, observed_bases
 from mhla_cli.stream import Features
 
 KEYS = 4
@@ -42,17 +42,42 @@ FRACTIONS = (0.95, 0.96, 0.97, 0.98, 0.99, 1.0)
 HEADS = (1, 2, 4, 8)
 
 
-def observed_projector(feats: Features) -> np.ndarray:
-    """Orthogonal projector (psi, psi) onto the feature directions seen on the observed domain.
+def observed_feature_basis(B: np.ndarray, C: np.ndarray) -> np.ndarray:
+    """Orthonormal basis (psi, r') of span{H(X) : tokens of X in U = range(B), last token in U_n = range(C)}.
 
-    The row space of the map T from H to the observed-domain features; for the associative memory
-    (tokens span R^d, last tokens span the key coordinates) it selects the features S[j,k] * x_n[l]
-    with l a key coordinate.
+    For such X, S = X^T X = B S' B^T with S' any symmetric r x r matrix (r = dim U) and x_n = C c, so
+    H(X) = u(S) (x) x_n ranges over span{u(B E B^T) : E symmetric} (x) range(C), with u(S) the distinct
+    entries S[j,k], j <= k (the feature order of BACKGROUND.md: (j,k) major, l fastest). Computed here
+    from that definition, independently of the library's map T.
     """
-    T, _, _ = domain_map(feats, "observed")
-    if T is None:
+    d, r = B.shape
+    iu = np.triu_indices(d)
+    cols = []
+    for a in range(r):
+        for b in range(a, r):
+            E = np.outer(B[:, a], B[:, b])
+            cols.append((E + E.T)[iu])
+    Ls = np.array(cols).T                                   # (d(d+1)/2, r(r+1)/2)
+    Us, sv, _ = np.linalg.svd(Ls, full_matrices=False)
+    Qs = Us[:, : int((sv > 1e-12 * sv[0]).sum())]
+    return np.kron(Qs, C)                                   # orthonormal: kron of orthonormal bases
+
+
+def observed_projector(feats: Features) -> np.ndarray:
+    """Orthogonal projector (psi, psi) onto the features that inputs of the observed domain excite.
+
+    The observed domain is that of `certify --domain observed` (mhla_cli.solve.observed_bases): tokens
+    in U = span of all tokens, last tokens in U_n = span of all last tokens. Two functions agree on
+    every such input iff (p1 - p2) @ P = 0; the observed distance is ||(p1 - p2) @ P||_F. (Not the row
+    space of the map T to the reduced features: the two differ when U is a proper subspace of R^d.)
+    For the associative memory (tokens span R^d, last tokens span the key coordinates) it selects the
+    features S[j,k] * x_n[l] with l a key coordinate.
+    """
+    B, C = observed_bases(feats)
+    d = feats.d
+    if B.shape[1] == d and C.shape[1] == d:
         return np.eye(feats.n_features)
-    Qb, _ = np.linalg.qr(T.T)
+    Qb = observed_feature_basis(B, C)
     return Qb @ Qb.T
 
 

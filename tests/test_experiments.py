@@ -95,3 +95,52 @@ def test_adamw_with_d2_heads_fits_and_one_head_cannot() -> None:
     assert min(one["history"]) > 1e-4  # a 1-head model cannot express a generic 4-head teacher
     # The learned function is the teacher's (data certify it): coef close to the truth.
     assert np.linalg.norm(full["coef"] - teacher.coef) < 1e-2 * np.linalg.norm(teacher.coef)
+
+
+def _features_numpy(X: np.ndarray) -> np.ndarray:
+    """H(X) in plain numpy: S[j,k] * x_n[l] for j <= k, l fastest (BACKGROUND.md order)."""
+    S = X.T @ X
+    d = X.shape[1]
+    return np.array([S[j, k] * X[-1, l] for j in range(d) for k in range(j, d) for l in range(d)])
+
+
+def test_fig2_observed_distance_when_tokens_span_a_proper_subspace() -> None:
+    # Tokens in a tilted 2-dim subspace U of R^3, last tokens in a 1-dim U_n inside U: the observed
+    # domain is a proper subspace, where the row space of the map T is not the span of the features.
+    rng = np.random.default_rng(3)
+    d, N, n = 3, 60, 6
+    Bu = np.linalg.qr(np.array([[1.0, 1.0, 0.0], [0.0, 1.0, 2.0]]).T)[0]     # (3, 2)
+    cn = Bu @ np.array([0.6, 0.8])                                           # U_n in U
+    seqs = []
+    for _ in range(N):
+        X = rng.standard_normal((n, 2)) @ Bu.T
+        X[-1] = rng.standard_normal() * cn
+        seqs.append(X)
+    tokens = np.concatenate(seqs)
+    offsets = np.arange(N + 1) * n
+    targets = rng.standard_normal((N, d))
+    from mhla_cli.stream import chunk_features
+
+    feats = chunk_features(tokens, offsets, targets, d)
+    P = fig2_assoc.observed_projector(feats)
+    # Reference: the span of the features of fresh random inputs of the observed domain (plain numpy).
+    probes = []
+    for _ in range(40):
+        X = rng.standard_normal((4, 2)) @ Bu.T
+        X[-1] = rng.standard_normal() * cn
+        probes.append(_features_numpy(X))
+    F = np.array(probes)
+    # A coefficient difference orthogonal to that span: the two functions agree on the observed domain ...
+    _, s, Vt = np.linalg.svd(F, full_matrices=True)
+    rank = int((s > 1e-10 * s[0]).sum())
+    assert rank == 3  # u(S) spans 3 dims (S symmetric on a 2-dim U) times 1 dim of last tokens
+    null = Vt[rank:]
+    dp = rng.standard_normal((d, null.shape[0])) @ null
+    assert np.abs(dp @ F.T).max() < 1e-10 * np.linalg.norm(dp) * np.abs(F).max()
+    # ... so their observed distance must be 0 (the old row-space-of-T projector gave O(1) here) ...
+    assert np.linalg.norm(dp @ P) < 1e-10 * np.linalg.norm(dp)
+    # ... and a difference inside the span keeps its full norm.
+    dq = rng.standard_normal((d, rank)) @ Vt[:rank]
+    assert abs(np.linalg.norm(dq @ P) - np.linalg.norm(dq)) < 1e-10 * np.linalg.norm(dq)
+    np.testing.assert_allclose(P @ P, P, atol=1e-12)
+    assert round(float(np.trace(P))) == rank
