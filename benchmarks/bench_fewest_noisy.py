@@ -24,7 +24,7 @@ from _common import machine  # noqa: E402
 from mhla_cli import fit, synthetic  # noqa: E402
 from mhla_cli.heads import p_from_heads  # noqa: E402
 from mhla_cli.lowrank import fewest_heads  # noqa: E402
-from mhla_cli.spectrum import generic_rank  # noqa: E402
+from mhla_cli.lowrank import generic_rank  # noqa: E402
 from mhla_cli.stream import chunk_features  # noqa: E402
 
 

@@ -5,8 +5,10 @@ Data (mhla_cli.synthetic.generate_assoc): 4 key/value pairs of dimension 4 (toke
 is exactly the 1-head teacher V = [[0,0],[0,I]], Q = [[I,0],[0,0]]. A share f of the samples take keys
 and values from rows of random orthogonal matrices, the rest are Gaussian N(0, I/4).
 
-(a) f swept over 95..100 %: observed-domain lambda_min (certify(domain='observed'); the full-domain
-    lambda_min is 0 for all such data because the query's value part is always 0), the distance
+(a) f swept over 95..100 %: observed-domain lambda_min (the paper's metric: Lambda_D of the features in
+    the tokens' own coordinates, reduced to the observed domain; the full-domain lambda_min is 0 for
+    all such data because the query's value part is always 0), mhla's verdict (certify(domain=
+    'observed'), computed in its whitened token basis, so its lambda_min is in other units), the distance
     ||p - p_true||_F of mhla's minimum-norm fit, of AdamW-trained MHLA (1, 2, 4, 8 heads, random init),
     and of a certify witness (another zero-loss solution) when the certificate fails.
 (b) full-rank (all Gaussian, f = 0) vs rank-deficient (f = 1) data: the same distances, two init scales.
@@ -28,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -128,13 +131,18 @@ def convex_point(f: float, n_samples: int, seed: int) -> dict[str, Any]:
         feats = features_of(ds)
         cert_obs = certify(feats, domain="observed")
         cert_full = certify(feats, domain="full")
+        # the paper's lambda_min: Lambda_D in the tokens' own coordinates (no solver basis)
+        own = replace(feats, basis=None, basis_gram=None, basis_moments=None)
+        cert_obs_own = certify(own, domain="observed")
         model = fit(feats)
     P_obs = observed_projector(feats)
     dist, dist_obs = distances(model.coef, p_true, P_obs)
     model32 = fit(features_of(float32_copy(ds)))
     dist32, _ = distances(model32.coef, p_true, P_obs)
-    out = {"f": f, "seed": seed, "n_samples": n_samples, "lambda_min_observed": cert_obs.lambda_min,
-           "lambda_max_observed": cert_obs.lambda_max, "identifiable_observed": cert_obs.identifiable,
+    out = {"f": f, "seed": seed, "n_samples": n_samples, "lambda_min_observed": cert_obs_own.lambda_min,
+           "lambda_max_observed": cert_obs_own.lambda_max, "identifiable_observed": cert_obs.identifiable,
+           "lambda_min_observed_whitened": cert_obs.lambda_min, "lambda_max_observed_whitened": cert_obs.lambda_max,
+           "identifiable_observed_own_basis": cert_obs_own.identifiable,
            "rank_observed": cert_obs.rank, "n_features_observed": cert_obs.n_features,
            "lambda_min_full": cert_full.lambda_min, "identifiable_full": cert_full.identifiable,
            "fit_distance": dist, "fit_distance_observed": dist_obs, "fit_distance_float32": dist32,
