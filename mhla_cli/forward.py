@@ -78,31 +78,30 @@ def causal_chunk(coef: np.ndarray, tokens: np.ndarray, offsets: np.ndarray, norm
     return np.einsum("tal,tl->ta", M, X)
 
 
-def predict_causal(fn: Model | Heads | np.ndarray, tokens: np.ndarray, offsets: np.ndarray | None = None
-                   ) -> np.ndarray:
-    """In-memory causal outputs (T, d) (tokens (N, n, d), or (T, d) with offsets); the model's normalisation."""
+def as_ragged(tokens: np.ndarray, offsets: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """tokens (N, n, d) -> ((N n, d), offsets); tokens (T, d) need `offsets` (N+1,)."""
     tokens = np.asarray(tokens)
     if tokens.ndim == 3:
         N, n, d = tokens.shape
-        offsets = np.arange(N + 1) * n
-        tokens = tokens.reshape(-1, d)
-    elif offsets is None:
+        return tokens.reshape(-1, d), np.arange(N + 1, dtype=np.int64) * n
+    if offsets is None:
         raise InputError("tokens of shape (T, d) need offsets")
-    return causal_chunk(coef_of(fn), tokens, np.asarray(offsets, dtype=np.int64), normalize_of(fn))
+    return tokens, np.asarray(offsets, dtype=np.int64)
+
+
+def predict_causal(fn: Model | Heads | np.ndarray, tokens: np.ndarray, offsets: np.ndarray | None = None
+                   ) -> np.ndarray:
+    """In-memory causal outputs (T, d) (tokens (N, n, d), or (T, d) with offsets); the model's normalisation."""
+    tokens, offsets = as_ragged(tokens, offsets)
+    return causal_chunk(coef_of(fn), tokens, offsets, normalize_of(fn))
 
 
 def predict(fn: Model | Heads | np.ndarray, tokens: np.ndarray, offsets: np.ndarray | None = None,
             all_positions: bool = False) -> np.ndarray | tuple[np.ndarray, np.ndarray]:
     """In-memory prediction. tokens (N, n, d), or (T, d) with offsets (N+1,); the model's normalisation."""
     coef = coef_of(fn)
-    tokens = np.asarray(tokens)
-    if tokens.ndim == 3:
-        N, n, d = tokens.shape
-        offsets = np.arange(N + 1) * n
-        tokens = tokens.reshape(-1, d)
-    elif offsets is None:
-        raise InputError("tokens of shape (T, d) need offsets")
-    pred, outputs = predict_chunk(coef, tokens, np.asarray(offsets, dtype=np.int64), all_positions,
+    tokens, offsets = as_ragged(tokens, offsets)
+    pred, outputs = predict_chunk(coef, tokens, offsets, all_positions,
                                   normalize_of(fn))
     return (pred, outputs) if all_positions else pred
 

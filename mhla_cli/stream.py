@@ -530,16 +530,7 @@ class _Accumulator:
                 Ft[psi:] = targets.T
             if self.basis is None:
                 self.last_token_gram += last_t @ last_t.T
-        # numpy's Ft @ Ft.T is a syrk; several BLAS threads only pay off for a wide block
-        with contextlib.nullcontext() if self.width >= MIN_THREADED_WIDTH else _single_blas_thread():
-            if self.G is None:
-                self.G = np.empty((self.width, self.width))
-                np.matmul(Ft, Ft.T, out=self.G)
-            else:
-                if self._prod is None:
-                    self._prod = np.empty_like(self.G)
-                np.matmul(Ft, Ft.T, out=self._prod)
-                self.G += self._prod
+        self._syrk(Ft)
         self.n_samples += B
         self.n_tokens += int(offsets[-1])
 
