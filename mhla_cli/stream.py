@@ -447,6 +447,11 @@ class _Accumulator:
         self.n_sequences = 0
         self.d = d
         self.basis = None if basis_mod.is_identity(basis) else np.asarray(basis, dtype=np.float64)
+        # The features of X A are formed from S = X^T X as P_A upper(S) and A^T x_n: two small
+        # products per chunk. (Transforming the tokens first costs a pass over them and gains
+        # nothing measurable: on tests/test_basis.py's rotated cond(A) = 1e3 data the function
+        # error is 3e-8 either way, set by mapping p back to the tokens' own coordinates.)
+        self._pair_map = None if self.basis is None else basis_mod.pair_map(self.basis)
         self.psi = n_features(d)
         self.has_targets = has_targets
         self.width = self.psi + (d if has_targets else 0)
@@ -494,25 +499,11 @@ class _Accumulator:
         self.n_sequences += B
         # errstate: NaN / Inf tokens are reported by `check`, not as numpy warnings
         with _single_blas_thread(), np.errstate(invalid="ignore", over="ignore"):
-            if self.basis is None:
-                S, last = sequence_moments(tokens, offsets, out=self._buf("S", B, (d, d)))
-                if check is not None:
-                    check(float(np.max(np.diagonal(S, axis1=1, axis2=2))) if S.size else 0.0)
-                self.token_gram += S.sum(axis=0)
-            else:
-                X = self._buf("X", tokens.shape[0], (d,))
-                np.copyto(X, tokens, casting="unsafe")
-                G = X.T @ X
-                if check is not None:  # the diagonal bounds every squared entry (NaN stays NaN)
-                    check(float(np.max(np.diagonal(G))) if X.size else 0.0)
-                self.token_gram += G
-                Xb = self._buf("Xb", tokens.shape[0], (d,))
-                # Xb = X A, computed as (A^T X^T) into Xb's transpose: OpenBLAS is ~40x slower on
-                # the (t x d) @ (d x d) orientation for small d (measured, d = 4)
-                np.matmul(self.basis.T, X.T, out=Xb.T)
-                own_last = X[offsets[1:] - 1]
-                self.last_token_gram += own_last.T @ own_last
-                S, last = sequence_moments(Xb, offsets, out=self._buf("S", B, (d, d)))
+            S, last = sequence_moments(tokens, offsets, out=self._buf("S", B, (d, d)))
+            if check is not None:  # the diagonals bound every squared token entry (NaN stays NaN)
+                check(float(np.max(np.diagonal(S, axis1=1, axis2=2))) if S.size else 0.0)
+            self.token_gram += S.sum(axis=0)
+            self.last_token_gram += last.T @ last
             # The block is built transposed, Ft = [H | Y]^T (psi + d, B): every elementwise loop
             # then runs over the B samples of the chunk (long, contiguous) instead of over d.
             Ft = self._buf_t("F", self.width, B)
@@ -520,16 +511,20 @@ class _Accumulator:
             # strided gather from the transposed view
             upper_rows = np.take(S.reshape(B, d * d), self._upper_idx, axis=1, out=self._buf("Ur", B, (psi // d,)))
             upper = self._buf_t("U", psi // d, B)
-            upper[...] = upper_rows.T
             last_t = self._buf_t("L", d, B)
-            last_t[...] = last.T
+            if self.basis is None:
+                upper[...] = upper_rows.T
+                last_t[...] = last.T
+            else:
+                # the features of X A: upper(A^T S A) = P_A upper(S) and A^T x_n (mhla_cli.basis),
+                # one small matrix product each, in the (small @ wide) orientation BLAS is fast at
+                np.matmul(self._pair_map, upper_rows.T, out=upper)
+                np.matmul(self.basis.T, last.T, out=last_t)
             H = Ft[:psi].reshape(psi // d, d, B)
             # H_(j,k,l) = S[j,k] x_n[l] (BACKGROUND.md, "Why learning it is a linear regression")
             np.multiply(upper[:, None, :], last_t[None, :, :], out=H)
             if targets is not None:
                 Ft[psi:] = targets.T
-            if self.basis is None:
-                self.last_token_gram += last_t @ last_t.T
         self._syrk(Ft)
         self.n_samples += B
         self.n_tokens += int(offsets[-1])
@@ -553,12 +548,10 @@ class _Accumulator:
                 diag = upper[ends][:, j == k]
                 check(float(np.max(diag)) if diag.size else 0.0)
             if self.basis is not None:
-                # token statistics above in the tokens' own coordinates, features of X A below
-                X = np.asarray(tokens, dtype=np.float64)
-                Xb = self._buf("Xb", X.shape[0], (d,))
-                np.matmul(self.basis.T, X.T, out=Xb.T)  # X A (see add)
+                # token statistics in the tokens' own coordinates, features of X A (see add)
                 upper_own, last_own = upper, last
-                upper, last = sample_rows(Xb, offsets, self.causal)
+                upper = (self._pair_map @ upper.T).T
+                last = (self.basis.T @ last.T).T
             keep = None
             if weights is not None:
                 keep = np.flatnonzero(weights > 0)

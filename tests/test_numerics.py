@@ -58,7 +58,9 @@ def test_duplicated_samples_beyond_psi(dtype: str, scale: float, tmp_path: Path)
     c = _certify(tmp_path, tokens, offsets, dtype, scale)
     _check(c, False)
     assert c.n_samples == 72 and c.rank == 6
-    assert abs(c.lambda_min) < 0.1 * c.threshold  # well below: rounding does not lift it
+    # well below: exact duplicates stay exact duplicates, only the eigensolver's rounding (~0.1x the
+    # psi * eps * lambda_max bound) lifts the null eigenvalues
+    assert abs(c.lambda_min) < 0.25 * c.threshold
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
