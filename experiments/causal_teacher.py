@@ -26,8 +26,17 @@ import argparse
 from typing import Any
 
 import numpy as np
+from _common import (
+    env_note,
+    features_of,
+    fmt,
+    limit_threads,
+    markdown_table,
+    out_dir,
+    savefig,
+    write_json,
+)
 
-from _common import env_note, features_of, fmt, limit_threads, markdown_table, savefig, out_dir, write_json
 from mhla_cli import certify, fit, n_features, p_from_heads
 from mhla_cli.model import predict_causal
 from mhla_cli.stream import chunk_features

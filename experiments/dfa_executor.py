@@ -44,8 +44,16 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from _common import (
+    env_note,
+    fmt,
+    limit_threads,
+    markdown_table,
+    out_dir,
+    savefig,
+    write_json,
+)
 
-from _common import env_note, fmt, limit_threads, markdown_table, out_dir, savefig, write_json
 from mhla_cli import certify, featurize, fit, n_features
 from mhla_cli.model import predict_file, snap_to
 from mhla_cli.probes import certify_probes

@@ -34,8 +34,16 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from _common import (
+    env_note,
+    fmt,
+    limit_threads,
+    markdown_table,
+    out_dir,
+    savefig,
+    write_json,
+)
 
-from _common import env_note, fmt, limit_threads, markdown_table, out_dir, savefig, write_json
 from mhla_cli import certify, featurize, fit, n_features
 from mhla_cli.model import predict_causal
 from mhla_cli.synthetic import Dataset
@@ -72,7 +80,7 @@ def gd_features(x: np.ndarray, y: np.ndarray) -> np.ndarray:
 
 def ols_predictions(x: np.ndarray, y: np.ndarray) -> np.ndarray:
     """Minimum-norm least squares on the previous examples, evaluated at each query (0 with no context)."""
-    n_seq, n_ex, k = x.shape
+    n_seq, n_ex, _ = x.shape
     out = np.zeros((n_seq, n_ex))
     for i in range(1, n_ex):
         W = np.stack([np.linalg.lstsq(x[s, :i], y[s, :i], rcond=None)[0] for s in range(n_seq)])
@@ -154,7 +162,7 @@ def main() -> None:
           f"of {n_ex} examples ({r['n_samples']} weighted positions), {n_test} test tasks of {2 * n_ex} examples "
           f"(seed {args.seed}); {env_note()}\n")
     rows = []
-    show = sorted(set(list(range(0, 8)) + list(range(8, 2 * n_ex, 4)) + [n_ex - 1, n_ex, 2 * n_ex - 1]))
+    show = sorted(set(list(range(8)) + list(range(8, 2 * n_ex, 4)) + [n_ex - 1, n_ex, 2 * n_ex - 1]))
     for i in show:
         m = {key: r["mse"][key][i] for key in ("mhla", "gd1", "ols", "zero")}
         rows.append([i, fmt(m["mhla"]), fmt(m["gd1"]), fmt(m["ols"]), fmt(m["zero"]),

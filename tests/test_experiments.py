@@ -15,8 +15,8 @@ sys.path.insert(0, str(EXP))
 import causal_teacher  # noqa: E402
 import dfa_executor  # noqa: E402
 import fig1_teacher  # noqa: E402
-import icl_regression  # noqa: E402
 import fig2_assoc  # noqa: E402
+import icl_regression  # noqa: E402
 import sample_complexity  # noqa: E402
 from mhla_cli import forward_heads, n_features, synthetic  # noqa: E402
 
@@ -119,11 +119,7 @@ def test_dfa_embedding_has_an_exact_single_layer_solution() -> None:
     q = 0
     for t, s in enumerate(words[0]):
         q = delta[0, q, s]
-        assert Y_state(ds, 0, qs + t, qs) == q
-
-
-def Y_state(ds, i: int, t: int, qs: int) -> int:
-    return int(np.argmax(ds.targets[ds.offsets[i] + t, qs:]))
+        assert int(np.argmax(ds.targets[ds.offsets[0] + qs + t, qs:])) == q
 
 
 def test_dfa_executor_80_traces_execute_unseen_dfas_exactly(tmp_path: Path) -> None:
