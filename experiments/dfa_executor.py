@@ -24,6 +24,10 @@ back: token t+1 = e_pair(q_hat_t, s_{t+1}), q_hat_t = the nearest e_next row (`s
 model's output (`mhla rollout` cannot do this, it appends the output itself, but the next token
 also carries the exogenous input symbol s_{t+1}).
 
+Second table: autonomous DFAs (one-letter alphabet, q_{t+1} = f(q_t)) embedded so that the target
+IS the next token (table e_state(q) + e_next(f(q)), trace e_state(q_t), d = 2Q): there the closed
+loop is `mhla rollout --snap` with the codebook of e_state rows, run from prompts table + e_state(0).
+
     python experiments/dfa_executor.py            # full run
     python experiments/dfa_executor.py --quick    # Q=3, S=2 only, two training sizes
 
@@ -203,6 +207,84 @@ def run_point(Q: int, S: int, n_train: int, L: int, n_test: int, seed: int, work
     }
 
 
+# --------------------------------------------------------------------------------------------
+# Autonomous DFAs (a one-letter alphabet: q_{t+1} = f(q_t)): the closed loop through `mhla rollout --snap`
+# --------------------------------------------------------------------------------------------
+
+
+def encode_autonomous(f: np.ndarray, L: int) -> Dataset:
+    """Table e_state(q) + e_next(f(q)) (weight 0), then trace tokens e_state(q_t), t = 0..L-1, whose
+    target is the NEXT TOKEN e_state(q_{t+1}) (weight 1); d = 2Q. The output is the next token, so
+    `mhla rollout --snap` (codebook: the e_state rows) runs the machine by itself."""
+    n, Q = f.shape
+    d = 2 * Q
+    q = np.zeros((n, L + 1), dtype=np.int64)
+    for t in range(L):
+        q[:, t + 1] = f[np.arange(n), q[:, t]]
+    X = np.zeros((n, Q + L, d))
+    rows = np.arange(n)[:, None]
+    X[:, np.arange(Q), np.arange(Q)] = 1.0
+    X[rows, np.arange(Q)[None, :], Q + f] = 1.0
+    X[rows, Q + np.arange(L)[None, :], q[:, :L]] = 1.0
+    Y = np.zeros_like(X)
+    Y[rows, Q + np.arange(L)[None, :], q[:, 1:]] = 1.0
+    w = np.zeros((n, Q + L))
+    w[:, Q:] = 1.0
+    return Dataset(X.reshape(-1, d), np.arange(n + 1) * (Q + L), Y.reshape(-1, d), w.reshape(-1))
+
+
+def run_autonomous(Q: int, n_train: int, L: int, n_test: int, seed: int, workdir: Path,
+                   keep_files: bool = False) -> dict[str, Any]:
+    """Fit on n_train traces of length L; `rollout_file(..., codebook=...)` (= `mhla rollout --snap`)
+    from prompts table + e_state(0) of n_test new maps for 4L steps; compare with the true orbit."""
+    import h5py
+
+    from mhla_cli.model import rollout_file
+
+    rng = np.random.default_rng(seed)
+    f_tr = rng.integers(0, Q, size=(n_train, Q))
+    f_te = np.random.default_rng(20_000 + seed).integers(0, Q, size=(n_test, Q))
+    steps = 4 * L
+    train, test = encode_autonomous(f_tr, L), encode_autonomous(f_te, steps)
+    prompts = encode_autonomous(f_te, 1)  # table + e_state(q_0 = 0)
+    paths = {k: workdir / f"auto_{k}.h5" for k in ("train", "heldout", "prompts", "codebook", "rollout")}
+    train.save(paths["train"], dtype="float64", compression=None)
+    test.save(paths["heldout"], dtype="float64", compression=None)
+    Dataset(prompts.tokens, prompts.offsets, prompts.tokens[prompts.offsets[1:] - 1]).save(
+        paths["prompts"], dtype="float64", compression=None)
+    with h5py.File(paths["codebook"], "w") as fh:
+        fh["codebook"] = np.eye(2 * Q)[:Q]
+    feats = featurize(paths["train"])
+    model = fit(feats)
+    probes = certify_probes(feats, paths["heldout"])
+    rollout_file(model, paths["prompts"], paths["rollout"], steps, codebook=paths["codebook"])
+    with h5py.File(paths["rollout"], "r") as fh:
+        tok = fh["tokens"][()]
+        off = fh["offsets"][()] if "offsets" in fh else np.arange(n_test + 1) * (Q + 1 + steps)
+    gen = np.stack([tok[off[i + 1] - steps:off[i + 1]] for i in range(n_test)])  # (n_test, steps, d)
+    states = np.argmax(gen[:, :, :Q], axis=2)
+    q = np.zeros((n_test, steps + 1), dtype=np.int64)
+    for t in range(steps):
+        q[:, t + 1] = f_te[np.arange(n_test), q[:, t]]
+    ok = states == q[:, 1:]
+    if keep_files:
+        for k in ("train", "heldout", "prompts", "codebook"):
+            shutil.copy(paths[k], out_dir() / paths[k].name)
+    return {"Q": Q, "d": 2 * Q, "psi": n_features(2 * Q), "n_train": n_train, "L": L, "steps": steps,
+            "n_test": n_test, "exact_runs": int(ok.all(axis=1).sum()), "step_accuracy": float(ok.mean()),
+            "probes": {"n_probes": probes.n_probes, "n_undetermined": int(probes.undetermined.size)},
+            "rank": certify(feats).rank}
+
+
+def autonomous_table(results: list[dict[str, Any]]) -> str:
+    header = ["Q", "d = 2Q", "psi", "train traces N", "L", "rollout steps (4L)", "exact rollouts (--snap)",
+              "step accuracy", "rank", "certify --on: undetermined / probes"]
+    return markdown_table(header, [[r["Q"], r["d"], r["psi"], r["n_train"], r["L"], r["steps"],
+                                    f"{r['exact_runs']}/{r['n_test']}", f"{r['step_accuracy']:.3f}", r["rank"],
+                                    f"{r['probes']['n_undetermined']} / {r['probes']['n_probes']}"]
+                                   for r in results])
+
+
 def table(results: list[dict[str, Any]]) -> str:
     header = ["Q", "S", "d", "psi", "train traces N", "tokens N*L", "train acc", "held-out acc (4L)",
               "held-out max err", "closed-loop exact runs", "full cert (rank/psi)", "observed cert (rank/dim)",
@@ -299,6 +381,12 @@ def main() -> None:
                 print(f"# Q={Q} S={S} N={n}: held-out acc {r['heldout']['accuracy']:.3f}, "
                       f"undetermined {r['probes']['n_undetermined']}/{r['probes']['n_probes']}, "
                       f"{sum(r['seconds'].values()):.1f} s", flush=True)
+    auto_grid = [] if args.point else [(3, (5, 20))] if args.quick else [(3, (5, 10, 20, 40)), (5, (20, 40, 80, 160))]
+    auto = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for Q, ns in auto_grid:
+            for n in ns:
+                auto.append(run_autonomous(Q, n, L, n_test, args.seed, Path(tmp), keep_files=(Q, n) == (3, 20)))
     name = ("dfa_executor_points" if args.point else "dfa_executor_quick" if args.quick else "dfa_executor")
     print(f"\nDFA executor: words of L = {L} symbols in training, {4 * L} on {n_test} new random DFAs "
           f"per point (seed {args.seed}); {env_note()}\n")
@@ -311,8 +399,13 @@ def main() -> None:
     print(f"\nPaper, Fig. 4 (quoted, not rerun): {PAPER_FIG4}\n")
     print("Cost (seconds, 1 BLAS thread):\n")
     print(cost_table(results))
+    if auto:
+        print(f"\nAutonomous DFAs (one-letter alphabet, q_t+1 = f(q_t)), closed loop by `mhla rollout --snap` "
+              f"from table + e_state(0) on {n_test} new maps:\n")
+        print(autonomous_table(auto))
     path = plot(results, f"{name}.png")
-    write_json(out_dir() / f"{name}.json", {"results": results, "smallest": sm, "paper_fig4": PAPER_FIG4})
+    write_json(out_dir() / f"{name}.json", {"results": results, "smallest": sm, "paper_fig4": PAPER_FIG4,
+                                            "autonomous": auto})
     print(f"\nwrote {path} and {out_dir() / (name + '.json')}")
 
 

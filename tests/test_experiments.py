@@ -163,3 +163,10 @@ def test_causal_teacher_recovered_from_fewer_sequences_than_features() -> None:
     assert not r["control_identifiable"]  # the same sequences as last-token data cannot certify
     f = r["fixed"]
     assert f["N"] == 10 and f["identifiable"] and f["p_error"] < 1e-8
+
+
+def test_autonomous_dfa_rollout_with_snap_runs_unseen_maps(tmp_path: Path) -> None:
+    r = dfa_executor.run_autonomous(3, 20, 6, 30, 0, tmp_path)  # rollout --snap, 24 steps, 30 new maps
+    assert r["probes"]["n_undetermined"] == 0 and r["exact_runs"] == 30
+    few = dfa_executor.run_autonomous(3, 5, 6, 30, 0, tmp_path)
+    assert few["probes"]["n_undetermined"] > 100 and few["exact_runs"] < 30
