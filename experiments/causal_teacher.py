@@ -147,7 +147,7 @@ def main() -> None:
                      f"{'yes' if r['control_identifiable'] else 'no'} (rank {r['control_rank']}/{r['psi']})",
                      f"{r['fixed']['T']}, {'yes' if r['fixed']['identifiable'] else 'no'}", fmt(r["fixed"]["p_error"])])
     print(markdown_table(["normalize", "d", "psi", "first N with T >= psi", "smallest certified N (sequences)", "T (positions)",
-                          "lambda_min/lambda_max", "||p - p_teacher|| / ||p_teacher||",
+                          "lambda_min/lambda_max", "p error (relative, vs teacher)",
                           "causal rel. MSE, fresh length-200 sequences", "last-token control certifies?",
                           f"N = {N_FIXED}: T, certified?", f"N = {N_FIXED}: p error"], rows))
     path = plot(results, f"{name}.png")
