@@ -26,7 +26,7 @@ from .errors import InputError
 from .features import n_features, pair_index
 from .heads import Heads, W_from_p, heads_from_W, p_from_W
 from .model import Model
-from .solve import fit
+from .solve import fit, train_mse
 from .stream import Features
 
 EPS = float(np.finfo(np.float64).eps)
@@ -500,15 +500,13 @@ def convergence_warning(info: dict[str, Any], what: str | None = None) -> str:
 
 
 def sse(feats: Features, coef: np.ndarray) -> float:
-    """sum_i ||p H_i - y_i||^2 from the statistics (clipped at 0)."""
-    v = float(np.einsum("ij,jk,ik->", coef, feats.gram, coef) - 2 * np.einsum("ij,ji->", coef, feats.moments)
-              + np.trace(feats.target_gram))
-    return max(v, 0.0)
+    """sum_i ||p H_i - y_i||^2 from the statistics (solve.train_mse, the one training error)."""
+    return train_mse(feats, coef)[0] * feats.n_samples * feats.d
 
 
 def mse(feats: Features, coef: np.ndarray) -> float:
-    """Mean squared error per output, sum_i ||p H_i - y_i||^2 / (N d)."""
-    return sse(feats, coef) / (feats.n_samples * feats.d)
+    """Mean squared error per output, sum_i ||p H_i - y_i||^2 / (N d) (solve.train_mse)."""
+    return train_mse(feats, coef)[0]
 
 
 def _need_targets(feats: Features) -> None:
