@@ -2,21 +2,30 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
+import h5py
 import numpy as np
 
 from . import formats
 from .errors import InputError
-from .features import features_from_moments, pair_index
+from .features import check_normalize, features_from_moments, pair_index
 from .heads import Heads
-from .features import check_normalize
+from .model import Model, coef_of, normalize_of
 from .parallel import make_map
 from .stream import default_chunk_size, prefix_moments, sequence_moments
-from .tokens import check_finite, check_weights, inspect_tokens, iter_chunks, spans
-from .model import Model, coef_of, normalize_of
+from .tokens import (
+    TokensInfo,
+    check_finite,
+    check_weights,
+    inspect_tokens,
+    iter_chunks,
+    spans,
+)
 
 
 def forward_heads(V: np.ndarray, Q: np.ndarray, X: np.ndarray, all_positions: bool = False,
@@ -140,6 +149,16 @@ def _plain_span(coef: np.ndarray, info: Any, all_positions: bool, normalize: str
     return pred, outputs, offsets, sse, pred.shape[0] if info.has_targets else 0
 
 
+def _function_and_data(fn: Model | Heads, data: str | os.PathLike) -> tuple[np.ndarray, str, TokensInfo]:
+    """coef and normalisation of `fn`, and the layout of the tokens file `data` (same d checked)."""
+    coef = coef_of(fn)
+    normalize = check_normalize(normalize_of(fn))
+    info = inspect_tokens(data)
+    if info.d != coef.shape[0]:
+        raise InputError(f"the data have d = {info.d} but the model has d = {coef.shape[0]}", data)
+    return coef, normalize, info
+
+
 def predict_file(fn: Model | Heads, data: str | os.PathLike, out: str | os.PathLike | None = None,
                  all_positions: bool = False, chunk_size: int | None = None,
                  progress: Callable[[int], None] | None = None,
@@ -158,20 +177,11 @@ def predict_file(fn: Model | Heads, data: str | os.PathLike, out: str | os.PathL
     targets (sum w ||e||^2 / (#{w > 0} d)), or over the sequences of last-token targets. Without
     `causal`, per-position targets give no MSE (the predictions are per sequence).
     """
-    import dataclasses
-    from functools import partial
-
-    import h5py
-
     if all_positions and causal:
         raise InputError("causal and all_positions cannot be combined: causal is the masked (prefix) "
                          "output at every position, all_positions the unmasked one")
-    coef = coef_of(fn)
-    normalize = check_normalize(normalize_of(fn))
+    coef, normalize, info = _function_and_data(fn, data)
     d = coef.shape[0]
-    info = inspect_tokens(data)
-    if info.d != d:
-        raise InputError(f"the data have d = {info.d} but the model has d = {d}", data)
     if info.per_position and not causal:
         info = dataclasses.replace(info, has_targets=False)  # per-position targets: no per-sequence MSE
     size = chunk_size or default_chunk_size(info)
@@ -312,12 +322,8 @@ def rollout_file(fn: Model | Heads, data: str | os.PathLike, out: str | os.PathL
     """
     if steps < 1:
         raise InputError(f"steps must be >= 1, got {steps}")
-    coef = coef_of(fn)
-    normalize = check_normalize(normalize_of(fn))
+    coef, normalize, info = _function_and_data(fn, data)
     d = coef.shape[0]
-    info = inspect_tokens(data)
-    if info.d != d:
-        raise InputError(f"the data have d = {info.d} but the model has d = {d}", data)
     C = None if codebook is None else load_codebook(codebook, d)
     o = formats.check_output_path(out, (data, *inputs, *((codebook,) if codebook is not None else ())))
     N = info.n_samples

@@ -26,7 +26,6 @@ from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-
 from .errors import InputError
 
 BACKENDS = ("process", "thread")
@@ -49,8 +48,6 @@ _LIMITS: Any = None
 def _mp_context() -> Any:
     """fork when this process has no other threads (fast start, no re-import of __main__), else a
     forkserver that has imported mhla (forking a multi-threaded process is unsafe)."""
-    import threading
-
     methods = mp.get_all_start_methods()
     if "fork" in methods and threading.active_count() == 1:
         return mp.get_context("fork")

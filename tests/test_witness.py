@@ -11,8 +11,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
 from conftest import write_tokens
+
 from mhla_cli import synthetic
 from mhla_cli.cli import run
 from mhla_cli.forward import forward_heads
@@ -181,7 +181,7 @@ def test_observed_domain_witness_differs_on_observed_inputs(tmp_path: Path,
 def test_witness_failing_its_verification_is_not_written(tmp_path: Path, capsys: pytest.CaptureFixture[str],
                                                         monkeypatch: pytest.MonkeyPatch) -> None:
     """If a recomputation disagrees with the claim (here: a training MSE off by 1e-6), no file."""
-    import mhla_cli.witness as witness
+    from mhla_cli import witness
 
     real = witness.train_mse
     calls = {"n": 0}
