@@ -115,6 +115,13 @@ def predict(fn: Model | Heads | np.ndarray, tokens: np.ndarray, offsets: np.ndar
     return (pred, outputs) if all_positions else pred
 
 
+def weighted_sse(err: np.ndarray, weights: np.ndarray | None) -> tuple[float, int]:
+    """(sum_i w_i ||err_i||^2, #{i: w_i > 0}) over the rows of err (B, d); w_i = 1 without weights."""
+    if weights is None:
+        return float((err**2).sum()), err.shape[0]
+    return float(weights @ (err**2).sum(axis=1)), int((weights > 0).sum())
+
+
 def causal_span(coef: np.ndarray, info: Any, normalize: str, span: tuple[int, int]
                 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, float, int]:
     """Causal predictions of samples [lo, hi): (pred (B, d), outputs (t, d), offsets, weighted SSE, count).
@@ -133,20 +140,9 @@ def causal_span(coef: np.ndarray, info: Any, normalize: str, span: tuple[int, in
         pred = outputs[offsets[1:] - 1]
         sse, count = 0.0, 0
         if targets is not None:
-            err = ((outputs if info.per_position else pred) - targets) ** 2
-            if weights is None:
-                sse, count = float(err.sum()), err.shape[0]
-            else:
-                sse, count = float(weights @ err.sum(axis=1)), int((weights > 0).sum())
+            sse, count = weighted_sse((outputs if info.per_position else pred) - targets, weights)
         return pred, outputs, offsets.copy(), sse, count
     raise ValueError("empty span")
-
-
-def _plain_span(coef: np.ndarray, info: Any, all_positions: bool, normalize: str, span: tuple[int, int]
-                ) -> tuple[np.ndarray, np.ndarray | None, np.ndarray, float, int]:
-    """parallel.predict_span with the sample count of its SSE (last-token predictions)."""
-    pred, outputs, offsets, sse = predict_span(coef, info, all_positions, span, normalize=normalize)
-    return pred, outputs, offsets, sse, pred.shape[0] if info.has_targets else 0
 
 
 def _function_and_data(fn: Model | Heads, data: str | os.PathLike) -> tuple[np.ndarray, str, TokensInfo]:
@@ -174,8 +170,11 @@ def predict_file(fn: Model | Heads, data: str | os.PathLike, out: str | os.PathL
 
     `causal`: `outputs` (T, d) holds the last-token output of every prefix X[:t] and `predictions`
     the one of every whole sequence; the MSE is over the weighted positions of per-position
-    targets (sum w ||e||^2 / (#{w > 0} d)), or over the sequences of last-token targets. Without
-    `causal`, per-position targets give no MSE (the predictions are per sequence).
+    targets (sum w ||e||^2 / (#{w > 0} d)), or over the sequences of last-token targets.
+    Last-token targets with `weights` (N,) give the same weighted MSE with or without `causal`:
+    sum_i w_i ||yhat_i - y_i||^2 / (#{i: w_i > 0} d) (fit's train_mse), `n_scored` = #{i: w_i > 0};
+    weight-0 sequences are predicted but not scored. Without `causal`, per-position targets give no
+    MSE (the predictions are per sequence; use `causal` to score every weighted position).
     """
     if all_positions and causal:
         raise InputError("causal and all_positions cannot be combined: causal is the masked (prefix) "
@@ -209,7 +208,7 @@ def predict_file(fn: Model | Heads, data: str | os.PathLike, out: str | os.PathL
             if causal:
                 task = partial(causal_span, coef, winfo, normalize)
             else:
-                task = partial(_plain_span, coef, winfo, all_positions, normalize)
+                task = partial(predict_span, coef, winfo, all_positions, normalize=normalize)
             for (a, b), (pred, outputs, offsets, part_sse, part_n) in zip(todo, pmap(task, todo)):
                 sse += part_sse
                 count += part_n
@@ -266,14 +265,50 @@ def load_codebook(path: str | os.PathLike, d: int) -> np.ndarray:
     return C
 
 
+# Entries of the (rows of y) x (codebook rows) work arrays of `snap_to` per block (~8 MiB of float64).
+SNAP_BLOCK_ENTRIES = 1 << 20
+
+
 def snap_to(codebook: np.ndarray, y: np.ndarray, block: int = 4096) -> np.ndarray:
-    """Index of the nearest codebook row (Euclidean; the first on ties) of every row of y (B, d)."""
-    c2 = (codebook**2).sum(axis=1)
+    """Index of the nearest codebook row (Euclidean; the lowest index on ties) of every row of y (B, d).
+
+    Exact for any magnitudes: the expanded form |c|^2 - 2 y.c + |y|^2 (one matrix product, in
+    coordinates centred on the codebook's mean) only selects the candidates, the rows within twice
+    its rounding-error bound of the smallest; their distances are then recomputed directly as
+    ||y - c||^2. Works on blocks of at most `block` rows of y and SNAP_BLOCK_ENTRIES pairs.
+    """
+    C = np.asarray(codebook, dtype=np.float64)
+    y = np.asarray(y, dtype=np.float64)
+    n_c, d = C.shape
+    m = C.mean(axis=0)
+    Cc = C - m
+    c2 = np.einsum("ij,ij->i", Cc, Cc)
+    cmax = float(np.sqrt(c2.max()))
+    # |computed - exact| of the expanded form (the centring, three dot products and two sums) is
+    # below about (d + 4) eps / 2 (|y - m| + max |c - m|)^2; `rel` allows four times that
+    rel = 2.0 * (d + 8) * np.finfo(np.float64).eps
+    rows_per_block = max(1, min(block, SNAP_BLOCK_ENTRIES // n_c))
+    pairs_per_step = max(1, SNAP_BLOCK_ENTRIES // max(d, 1))
     idx = np.empty(y.shape[0], dtype=np.int64)
-    for a in range(0, y.shape[0], block):
-        yb = y[a:a + block]
-        dist = c2[None, :] - 2.0 * (yb @ codebook.T) + (yb**2).sum(axis=1)[:, None]
-        idx[a:a + block] = np.argmin(dist, axis=1)
+    for a in range(0, y.shape[0], rows_per_block):
+        yb = y[a:a + rows_per_block]
+        ybc = yb - m
+        y2 = np.einsum("ij,ij->i", ybc, ybc)
+        dist = c2[None, :] - 2.0 * (ybc @ Cc.T) + y2[:, None]
+        lo = dist.min(axis=1)
+        slack = rel * (np.sqrt(y2) + cmax) ** 2
+        ok = np.isfinite(lo) & np.isfinite(slack)
+        if not ok.all():  # non-finite outputs: keep the plain argmin (NaN -> the first NaN)
+            idx[a:a + yb.shape[0]][~ok] = np.argmin(dist[~ok], axis=1)
+        cand = (dist <= (lo + 2.0 * slack)[:, None]) & ok[:, None]
+        r, c = np.nonzero(cand)  # row-major: every row's candidates in increasing index
+        exact = np.empty(r.size)
+        for s in range(0, r.size, pairs_per_step):
+            diff = yb[r[s:s + pairs_per_step]] - C[c[s:s + pairs_per_step]]
+            exact[s:s + pairs_per_step] = np.einsum("ij,ij->i", diff, diff)
+        dist[ok] = np.inf
+        dist[r, c] = exact
+        idx[a:a + yb.shape[0]][ok] = np.argmin(dist[ok], axis=1)  # the first of equal distances
     return idx
 
 
@@ -361,13 +396,19 @@ def rollout_file(fn: Model | Heads, data: str | os.PathLike, out: str | os.PathL
 
 
 def predict_span(coef: np.ndarray, info: Any, all_positions: bool, span: tuple[int, int],
-                 normalize: str = "none") -> tuple[np.ndarray, np.ndarray | None, np.ndarray, float]:
-    """Predictions for samples [lo, hi): (pred (B, d), outputs (t, d) or None, offsets, SSE vs targets)."""
+                 normalize: str = "none") -> tuple[np.ndarray, np.ndarray | None, np.ndarray, float, int]:
+    """Predictions for samples [lo, hi): (pred (B, d), outputs (t, d) or None, offsets, SSE, count).
 
+    With last-token targets the SSE is sum_i w_i ||pred_i - y_i||^2 and count #{i: w_i > 0} (w_i = 1
+    without `weights`), as in `causal_span`; without targets (info.has_targets false) both are 0.
+    """
     lo, hi = span
-    for a, _b, tokens, offsets, targets in iter_chunks(info, (lo, hi), hi - lo, prefetch=False):
+    for a, _b, tokens, offsets, targets, *w in iter_chunks(info, (lo, hi), hi - lo, prefetch=False,
+                                                            with_weights=info.has_targets):
+        weights = w[0] if w else None
         check_finite(tokens, offsets, targets, a, info.path)
+        check_weights(weights, offsets, a, info.per_position, info.path)
         pred, outputs = predict_chunk(coef, tokens, offsets, all_positions, normalize)
-        sse = float(((pred - targets) ** 2).sum()) if targets is not None else 0.0
-        return pred, outputs, offsets.copy(), sse
+        sse, count = weighted_sse(pred - targets, weights) if targets is not None else (0.0, 0)
+        return pred, outputs, offsets.copy(), sse, count
     raise ValueError("empty span")

@@ -1,4 +1,5 @@
-"""The forward pass (mhla_cli.forward): forward_heads, predict_chunk and `mhla rollout` against plain numpy loops."""
+"""The forward pass (mhla_cli.forward): forward_heads, predict_chunk, snap_to, `mhla rollout` and the MSE of
+`mhla predict` against plain numpy loops."""
 
 from __future__ import annotations
 
@@ -8,6 +9,8 @@ from pathlib import Path
 import h5py
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from mhla_cli import features, forward, heads
 from mhla_cli.cli import run
@@ -182,3 +185,136 @@ def test_predict_causal_is_the_last_token_output_of_every_prefix(normalize: str)
         for t in range(1, X.shape[0] + 1):
             want.append(plain_forward(V, Q, X[:t], t - 1) / (t if normalize == "length" else 1))
     np.testing.assert_allclose(out, np.array(want), rtol=1e-11, atol=1e-12)
+
+
+# --------------------------------------------------------------------------------------------
+# snap_to: the nearest codebook row, exact at any magnitude
+# --------------------------------------------------------------------------------------------
+
+
+def brute_snap(C: np.ndarray, y: np.ndarray) -> np.ndarray:
+    """Nearest row by brute force, in coordinates shifted by the codebook's mean (well conditioned)."""
+    m = C.mean(axis=0)
+    return np.argmin((((y - m)[:, None, :] - (C - m)[None]) ** 2).sum(-1), axis=1)
+
+
+def test_snap_to_is_exact_near_1e8() -> None:
+    """Issue: outputs near 1e8 snapped to a row 0.3 away instead of the one 0.2 away (the expanded
+    |c|^2 - 2 y.c + |y|^2 cancels catastrophically)."""
+    C = 1e8 + np.array([[0.0, 0.0, 0.0], [0.5, 0.0, 0.0], [10.0, 0.0, 0.0], [0.0, 0.5, 0.0]])
+    y = 1e8 + np.array([[0.3, 0.0, 0.0],  # 0.3 from row 0, 0.2 from row 1
+                        [0.2, 0.0, 0.0],  # 0.2 from row 0, 0.3 from row 1
+                        [9.5, 0.0, 0.0],  # row 2
+                        [0.0, 0.3, 0.0],  # 0.3 from row 0, 0.2 from row 3
+                        [0.25, 0.0, 0.0],  # tie of rows 0 and 1: the lowest index
+                        [0.0, 0.25, 0.0]])  # tie of rows 0 and 3
+    assert forward.snap_to(C, y).tolist() == [1, 0, 2, 3, 0, 0]
+    assert forward.snap_to(C[::-1].copy(), y).tolist() == [2, 3, 1, 0, 2, 0]  # ties: lowest index again
+    # many rows on a grid of 1e8 + k/4 (exact), several blocks of y and of pairs
+    rng = np.random.default_rng(3)
+    C = 1e8 + rng.integers(-40, 41, size=(3000, 5)) / 4.0
+    y = 1e8 + rng.integers(-160, 161, size=(300, 5)) / 16.0
+    exact = (((y - 1e8)[:, None, :] - (C - 1e8)[None]) ** 2).sum(-1)  # exact on this grid
+    want = np.argmin(exact, axis=1)
+    for block in (4096, 7, 1):
+        assert np.array_equal(forward.snap_to(C, y, block=block), want)
+    assert np.array_equal(brute_snap(C, y), want)
+
+
+@settings(max_examples=60, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
+@given(n_c=st.integers(1, 40), n_y=st.integers(1, 30), d=st.integers(1, 6), seed=st.integers(0, 2**31 - 1),
+       offset=st.sampled_from([0.0, 1.0, -3e4, 1e8, 2.0**40]), step=st.sampled_from([2.0**-4, 1.0, 2.0**5]),
+       near=st.booleans())
+def test_snap_to_matches_brute_force(n_c: int, n_y: int, d: int, seed: int, offset: float, step: float,
+                                     near: bool) -> None:
+    """snap_to = the exact nearest row (lowest index on ties) on a grid where exact distances are
+    computable, = the mean-shifted brute force up to exact ties, and = it on generic floats."""
+    rng = np.random.default_rng(seed)
+    Ci = rng.integers(-6, 7, size=(n_c, d))
+    yi = Ci[rng.integers(0, n_c, size=n_y)] + rng.integers(-2, 3, size=(n_y, d)) if near \
+        else rng.integers(-12, 13, size=(n_y, d))
+    C, y = offset + Ci * step, offset + yi * step  # exactly representable
+    exact = ((yi[:, None, :] - Ci[None]) ** 2).sum(-1)  # integers: exact, ties included
+    got = forward.snap_to(C, y, block=int(rng.integers(1, 9)))
+    assert np.array_equal(got, np.argmin(exact, axis=1))
+    ref = brute_snap(C, y)
+    rows = np.arange(n_y)
+    assert np.array_equal(exact[rows, got], exact[rows, ref])  # the brute force may break exact ties otherwise
+    # generic floats (no exact ties): the well-conditioned brute force is the reference
+    Cf = offset + rng.standard_normal((n_c, d)) * step
+    yf = offset + rng.standard_normal((n_y, d)) * step * (0.1 if near else 3.0)
+    assert np.array_equal(forward.snap_to(Cf, yf), brute_snap(Cf, yf))
+
+
+# --------------------------------------------------------------------------------------------
+# mhla predict: the weighted MSE of last-token data (the same as fit's and predict --causal's)
+# --------------------------------------------------------------------------------------------
+
+
+def np_H(X: np.ndarray, normalize: str) -> np.ndarray:
+    """H(X) from its definition: S[j,k] * x_n[l], j <= k, l fastest (S / n with normalize="length")."""
+    S = X.T @ X / (X.shape[0] if normalize == "length" else 1)
+    j, k = np.triu_indices(X.shape[1])
+    return np.einsum("p,l->pl", S[j, k], X[-1]).ravel()
+
+
+def cli_json(capsys: pytest.CaptureFixture[str], *args: str) -> dict:
+    capsys.readouterr()
+    assert run([*args, "--json", "-q"]) == 0, args
+    return json.loads(capsys.readouterr().out)
+
+
+@pytest.mark.parametrize("layout", ["ragged", "dense"])
+@pytest.mark.parametrize("normalize", ["none", "length"])
+def test_plain_predict_mse_is_weighted(tmp_path: Path, capsys: pytest.CaptureFixture[str], layout: str,
+                                       normalize: str) -> None:
+    """Issue: plain `mhla predict` ignored the weights (N,) of last-token data (unweighted mean over
+    every sequence, weight-0 ones included); fit and predict --causal report the weighted MSE."""
+    rng = np.random.default_rng(21)
+    d, N = 2, 60
+    lengths = rng.integers(1, 7, size=N) if layout == "ragged" else np.full(N, 4)
+    off = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+    X = rng.standard_normal((int(off[-1]), d))
+    Y = rng.standard_normal((N, d))  # noise: a large MSE, so fit's train_mse (from the statistics) is exact
+    w = rng.random(N) * 3
+    w[::3] = 0.0
+    Y[::3] *= 50.0  # masked sequences with large errors: ignoring the weights is plain to see
+    tokens = {"tokens": X, "offsets": off} if layout == "ragged" else {"tokens": X.reshape(N, 4, d)}
+    data = write(tmp_path / "x.h5", **tokens, targets=Y, weights=w)
+    model = tmp_path / "m.h5"
+    fit = cli_json(capsys, "fit", str(data), "-o", str(model), "--normalize", normalize)
+    plain = cli_json(capsys, "predict", str(model), str(data), "-o", str(tmp_path / "p.h5"), "--chunk-size", "7")
+    par = cli_json(capsys, "predict", str(model), str(data), "-o", str(tmp_path / "q.h5"), "--chunk-size", "5",
+                   "--workers", "2")
+    causal = cli_json(capsys, "predict", str(model), str(data), "-o", str(tmp_path / "c.h5"), "--causal")
+    with h5py.File(model) as f:
+        coef = f["coef"][()]
+    H = np.array([np_H(X[off[i]:off[i + 1]], normalize) for i in range(N)])
+    err = ((H @ coef.T - Y) ** 2).sum(axis=1)
+    want = float(w @ err / ((w > 0).sum() * d))
+    assert fit["n_samples"] == plain["n_scored"] == causal["n_scored"] == par["n_scored"] == int((w > 0).sum())
+    for got in (fit["train_mse"], plain["mse"], par["mse"], causal["mse"]):
+        assert abs(got - want) <= 1e-12 * want, (got, want)
+    assert abs(plain["mse"] - err.mean() / d) > 0.5 * want  # not the unweighted mean of before
+    with h5py.File(tmp_path / "p.h5") as f:
+        assert f["predictions"].shape == (N, d)  # weight-0 sequences are still predicted
+    # without weights: the plain mean over every sequence, as before
+    nw = write(tmp_path / "nw.h5", **tokens, targets=Y)
+    res = cli_json(capsys, "predict", str(model), str(nw), "-o", str(tmp_path / "nwp.h5"))
+    assert abs(res["mse"] - err.mean() / d) <= 1e-12 * res["mse"] and res["n_scored"] == N
+
+
+def test_plain_predict_checks_weights(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Negative or NaN weights are an input error for plain predict too (as for --causal and fit)."""
+    rng = np.random.default_rng(22)
+    hp = tmp_path / "h.h5"
+    Heads(V=rng.standard_normal((1, 2, 2)), Q=rng.standard_normal((1, 2, 2))).save(hp)
+    X, Y = rng.standard_normal((5, 3, 2)), rng.standard_normal((5, 2))
+    for name, w in {"neg": np.array([1.0, -1.0, 1.0, 1.0, 1.0]), "nan": np.r_[np.ones(4), np.nan]}.items():
+        data = write(tmp_path / f"{name}.h5", tokens=X, targets=Y, weights=w)
+        for extra in ([], ["--causal"]):
+            capsys.readouterr()
+            assert run(["predict", str(hp), str(data), "-o", str(tmp_path / "p.h5"), *extra]) == 2
+            err = capsys.readouterr().err
+            assert err.startswith("mhla: error:") and "weights" in err, err
+            assert not (tmp_path / "p.h5").exists()

@@ -37,6 +37,8 @@ def predict_cmd(
 
     The model's normalisation (`--normalize` at fit time) is applied.
 
+    Weights (N,) of last-token targets weigh the MSE (fit's train_mse), with or without --causal.
+
     Example: mhla predict heads.h5 data.h5 -o pred.h5 --json --workers 2
 
     Example (autoregressive): mhla predict model.h5 ar.h5 -o pred.h5 --causal --json
@@ -56,7 +58,8 @@ def predict_cmd(
     say(f"wrote {output}: {res['n_samples']} predictions"
         + (f", {info.n_tokens} causal outputs" if causal else "")
         + (f"; MSE against targets = {fmt(res['mse'])} over {res['n_scored']} "
-           + ("positions" if causal and info.per_position else "sequences") if "mse" in res else ""), quiet)
+           + ("positions" if causal and info.per_position else "sequences")
+           + (" of weight > 0" if info.has_weights else "") if "mse" in res else ""), quiet)
     if json_out:
         emit_json(res)
 
