@@ -1,24 +1,57 @@
-"""The token basis the solver works in: its estimate, and the maps it induces on features and coef.
+"""The canonical token basis: the whitening of all tokens, its estimate, its verification, and its maps.
 
-The MHLA class is closed under an invertible change of token coordinates X -> X A (S -> A^T S A,
-x_n -> A^T x_n; BACKGROUND.md, "Autoregressive data and certificates on given inputs"), so the
-features of X A are an exact linear image of those of X:
+The certificate's numbers belong to the data, not to the units of the tokens (BACKGROUND.md, "The
+canonical certificate"). Tokens are whitened, X -> X A with A^T G A = I and G = token_gram / n_tokens
+the second moment of all the tokens of the data, and the features of X A are taken in orthonormal
+coordinates
 
-    H(X A) = M_A H(X),   M_A = kron(P_A, A^T),   P_A = pair_map(A)  (upper(A^T S A) = P_A upper(S))
+    Ht(X) = D H(X),   D = 1 on the pairs j = k, sqrt 2 on the pairs j < k   (||Ht|| = ||S||_F ||x_n||),
 
-and a function with coefficients p_b in the basis has p = p_b M_A in the tokens' own coordinates.
-Badly scaled or rotated tokens make gram = sum H H^T ill-conditioned to the sixth power of the
-token condition number; accumulating the features of whitened tokens X A (A ~ token_gram^(-1/2))
-keeps the solver's Gram well conditioned whatever the units (docs/numerics.md).
+so that for data X T (T invertible) the whitened tokens are X A M with M orthogonal, and
+Ht(X M) = O_M Ht(X) with O_M = kron(D P_M D^-1, M^T) orthogonal: the spectrum of
+Lambda~ = (1/N) sum Ht Ht^T, the rank and the verdict do not depend on T.
+
+Maps, with P_A = pair_map(A) (upper(A^T S A) = P_A upper(S)):
+    Ht(X A) = M_A H(X),      M_A = kron(D P_A, A^T)          (own upper-triangle features -> canonical)
+    Ht(X A C) = O_C Ht(X A), O_C = kron(D P_C D^-1, C^T)     (one canonical basis -> another)
+and a function with coefficients p_b on Ht(X A) has p = p_b M_A on H(X).
+
+The features of X A are always formed from the transformed tokens ((X A)^T (X A) per sequence),
+never by transforming S: the rounding of S (eps |S|) would be amplified by up to cond(A)^2.
 """
 
 from __future__ import annotations
+
+from functools import lru_cache
 
 import numpy as np
 
 from .features import pair_index
 
 EPS = float(np.finfo(np.float64).eps)
+
+# A basis change of the sums by C amplifies their rounding by about cond(C)^6 (the features are
+# cubic, the Gram quadratic in them): up to this condition number (4^6 ~ 4e3 -> ~1e-12 relative) the
+# sums are changed exactly to the whitening of the data; beyond it a stream pass is redone in the
+# whitening of the data (stream.featurize).
+CHANGE_COND = 4.0
+# A basis whose token Gram A^T G A is within this of the identity (2-norm) is already the whitening
+# of the data: no change is applied (so canonicalising twice changes nothing).
+CANONICAL_TOL = 1e-9
+
+
+@lru_cache(maxsize=64)
+def pair_scale(d: int) -> np.ndarray:
+    """D of the orthonormal coordinates: 1 for the pairs j = k, sqrt 2 for j < k (feature pair order)."""
+    j, k = pair_index(d)
+    s = np.where(j == k, 1.0, np.sqrt(2.0))
+    s.setflags(write=False)
+    return s
+
+
+def feature_scale(d: int) -> np.ndarray:
+    """D expanded to the psi features (pair-major, l fastest)."""
+    return np.repeat(pair_scale(d), d)
 
 
 def pair_map(B: np.ndarray) -> np.ndarray:
@@ -35,71 +68,134 @@ def pair_map(B: np.ndarray) -> np.ndarray:
     return A.T
 
 
-def whitening(token_gram: np.ndarray, n_tokens: int) -> np.ndarray:
-    """A (d, d) with A^T (token_gram / n_tokens) A ~ I, rounded to float32 values.
+def orth_pair_map(B: np.ndarray) -> np.ndarray:
+    """D_r P_B D_d^-1: S -> B^T S B in orthonormal pair coordinates (orthogonal rows for orthonormal B)."""
+    d, r = B.shape
+    return pair_scale(r)[:, None] * pair_map(B) / pair_scale(d)[None, :]
+
+
+def whitening(token_gram: np.ndarray, n_tokens: float, round32: bool = True) -> np.ndarray:
+    """A (d, d) with A^T (token_gram / n_tokens) A ~ I (the symmetric inverse square root).
 
     Directions the tokens do not excite (eigenvalues <= d eps lambda_max) keep the scale of the
-    largest one. The float32 rounding makes the basis reproducible bit for bit from the same sample
-    on any machine (shards featurized apart then add up exactly); it costs nothing in conditioning.
+    largest one. `round32` rounds to float32 values, which makes an estimate reproducible bit for
+    bit on any machine; it costs nothing in conditioning (the sums are corrected exactly after the
+    pass, `correction`).
     """
     d = token_gram.shape[0]
-    G = np.asarray(token_gram, dtype=np.float64) / max(int(n_tokens), 1)
+    G = np.asarray(token_gram, dtype=np.float64) / max(float(n_tokens), 1.0)
     G = 0.5 * (G + G.T)
+    if not np.isfinite(G).all():
+        return np.eye(d)
     w, V = np.linalg.eigh(G)
     top = float(w[-1]) if w.size else 0.0
     if not np.isfinite(top) or top <= 0.0:
         return np.eye(d)
     w = np.where(w > d * EPS * top, w, top)
     A = (V / np.sqrt(w)) @ V.T
-    return A.astype(np.float32).astype(np.float64)
+    return A.astype(np.float32).astype(np.float64) if round32 else A
 
 
-def is_identity(A: np.ndarray | None) -> bool:
-    return A is None or bool(np.array_equal(A, np.eye(A.shape[0])))
+def correction(basis_token_gram: np.ndarray, n_tokens: float) -> tuple[np.ndarray | None, float]:
+    """(C, cond(C)): X A C is the whitening of the data whose token Gram in basis A is `basis_token_gram`.
+
+    C is None when A is already that whitening (A^T G A within CANONICAL_TOL of I on the tokens' span).
+    """
+    d = basis_token_gram.shape[0]
+    G = np.asarray(basis_token_gram, dtype=np.float64) / max(float(n_tokens), 1.0)
+    G = 0.5 * (G + G.T)
+    if not np.isfinite(G).all():
+        return None, 1.0
+    w = np.linalg.eigvalsh(G)
+    top = float(w[-1]) if w.size else 0.0
+    if top <= 0.0:
+        return None, 1.0
+    live = w[w > d * EPS * top]
+    if float(np.abs(live - 1.0).max()) <= CANONICAL_TOL and float(np.abs(live[-1] - 1.0)) <= CANONICAL_TOL:
+        return None, 1.0
+    C = whitening(G, 1.0, round32=False)
+    s = np.linalg.svd(C, compute_uv=False)
+    return C, float(s[0] / s[-1])
 
 
 def _apply_rows(P: np.ndarray, R: np.ndarray, X: np.ndarray) -> np.ndarray:
-    """kron(P, R) @ X for X (psi, m) with features ordered (pair, l), l fastest."""
-    npairs, d = P.shape[0], R.shape[0]
+    """kron(P, R) @ X for X (P.shape[1] * R.shape[1], m), features ordered (pair, l), l fastest."""
+    npairs_out, npairs = P.shape
+    d_out, d = R.shape
     m = X.shape[1]
-    Z = np.tensordot(P, X.reshape(npairs, d * m), axes=(1, 0)).reshape(npairs, d, m)
-    return np.matmul(R, Z).reshape(npairs * d, m)
+    Z = np.tensordot(P, X.reshape(npairs, d * m), axes=(1, 0)).reshape(npairs_out, d, m)
+    return np.matmul(R, Z).reshape(npairs_out * d_out, m)
 
 
-def feature_map(A: np.ndarray) -> np.ndarray:
-    """M_A (psi, psi) with H(X A) = M_A H(X), materialised (for tests and small d)."""
-    return np.kron(pair_map(A), A.T)
-
-
-def features_to_basis(A: np.ndarray, X: np.ndarray) -> np.ndarray:
-    """M_A @ X: feature columns X (psi, m) of tokens in their own coordinates -> of the tokens X A."""
-    return _apply_rows(pair_map(A), A.T, X)
-
-
-def features_from_basis(A: np.ndarray, Xb: np.ndarray) -> np.ndarray:
-    """M_A^-1 @ Xb (the inverse map of `features_to_basis`)."""
-    Ainv = np.linalg.inv(A)
-    return _apply_rows(pair_map(Ainv), Ainv.T, Xb)
-
-
-def gram_from_basis(A: np.ndarray, gram_b: np.ndarray) -> np.ndarray:
-    """gram = M^-1 gram_b M^-T: the Gram of the tokens' own features from the basis one."""
-    Ainv = np.linalg.inv(A)
-    P, R = pair_map(Ainv), Ainv.T
-    half = _apply_rows(P, R, gram_b)
+def _congruence(P: np.ndarray, R: np.ndarray, G: np.ndarray) -> np.ndarray:
+    """K G K^T for K = kron(P, R), symmetrised (O(psi^2 (q + d)) through the Kronecker structure)."""
+    half = _apply_rows(P, R, G)
     out = _apply_rows(P, R, np.ascontiguousarray(half.T))
     return 0.5 * (out + out.T)
 
 
+def feature_map(A: np.ndarray) -> np.ndarray:
+    """M_A (psi, psi) with Ht(X A) = M_A H(X), materialised (for tests and small d)."""
+    d = A.shape[0]
+    return np.kron(pair_scale(d)[:, None] * pair_map(A), A.T)
+
+
+def _to_basis_factors(A: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    d = A.shape[0]
+    return pair_scale(d)[:, None] * pair_map(A), A.T
+
+
+def _from_basis_factors(A: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Factors of M_A^-1 = kron(P_A^-1 D^-1, A^-T) (P_A^-1 = P_(A^-1))."""
+    d = A.shape[0]
+    Ainv = np.linalg.inv(A)
+    return pair_map(Ainv) / pair_scale(d)[None, :], Ainv.T
+
+
+def features_to_basis(A: np.ndarray, X: np.ndarray) -> np.ndarray:
+    """M_A @ X: own feature columns X (psi, m) -> canonical features of the tokens X A."""
+    return _apply_rows(*_to_basis_factors(A), X)
+
+
+def features_from_basis(A: np.ndarray, Xb: np.ndarray) -> np.ndarray:
+    """M_A^-1 @ Xb (the inverse map of `features_to_basis`)."""
+    return _apply_rows(*_from_basis_factors(A), Xb)
+
+
+def gram_to_basis(A: np.ndarray, gram: np.ndarray) -> np.ndarray:
+    """M_A gram M_A^T: a Gram of own features -> of the canonical features of X A."""
+    return _congruence(*_to_basis_factors(A), gram)
+
+
+def gram_from_basis(A: np.ndarray, gram_b: np.ndarray) -> np.ndarray:
+    """M_A^-1 gram_b M_A^-T: the Gram of the tokens' own features from the canonical one."""
+    return _congruence(*_from_basis_factors(A), gram_b)
+
+
 def coef_from_basis(A: np.ndarray, coef_b: np.ndarray) -> np.ndarray:
-    """p = p_b M_A: coefficients (d, psi) in the tokens' own coordinates."""
-    return _apply_rows(pair_map(A).T, A, np.ascontiguousarray(coef_b.T)).T
+    """p = p_b M_A: coefficients (m, psi) on the tokens' own features."""
+    P, R = _to_basis_factors(A)
+    return _apply_rows(P.T, R.T, np.ascontiguousarray(coef_b.T)).T
 
 
 def coef_to_basis(A: np.ndarray, coef: np.ndarray) -> np.ndarray:
     """p_b = p M_A^-1 (the inverse of `coef_from_basis`)."""
-    Ainv = np.linalg.inv(A)
-    return _apply_rows(pair_map(Ainv).T, Ainv, np.ascontiguousarray(coef.T)).T
+    P, R = _from_basis_factors(A)
+    return _apply_rows(P.T, R.T, np.ascontiguousarray(coef.T)).T
+
+
+def change_by(C: np.ndarray, gram_b: np.ndarray, moments_b: np.ndarray | None
+              ) -> tuple[np.ndarray, np.ndarray | None]:
+    """Canonical sums of X A -> of X A C: O_C gram_b O_C^T and O_C moments_b (exact up to rounding)."""
+    P, R = orth_pair_map(C), C.T
+    g = _congruence(P, R, gram_b)
+    m = None if moments_b is None else _apply_rows(P, R, moments_b)
+    return g, m
+
+
+def transition(A_from: np.ndarray, A_to: np.ndarray) -> np.ndarray:
+    """C with X A_to = (X A_from) C."""
+    return np.linalg.solve(A_from, A_to)
 
 
 def same(a: np.ndarray | None, b: np.ndarray | None) -> bool:
@@ -112,14 +208,24 @@ def same(a: np.ndarray | None, b: np.ndarray | None) -> bool:
     return bool(np.array_equal(a, b))
 
 
-def change(A_from: np.ndarray | None, A_to: np.ndarray, gram_b: np.ndarray, moments_b: np.ndarray | None
-           ) -> tuple[np.ndarray, np.ndarray | None]:
-    """Statistics in basis A_from -> in basis A_to (exact up to rounding; well conditioned when the
-    two bases are close, as the whitenings of the same data are)."""
-    d = A_to.shape[0]
-    C = np.linalg.solve(np.eye(d) if A_from is None else A_from, A_to)  # X A_to = (X A_from) C
-    P, R = pair_map(C), C.T
-    half = _apply_rows(P, R, gram_b)
-    g = _apply_rows(P, R, np.ascontiguousarray(half.T))
-    m = None if moments_b is None else _apply_rows(P, R, moments_b)
-    return 0.5 * (g + g.T), m
+# Tokens read to estimate the basis before a pass: up to this many, in SAMPLE_BLOCKS blocks spread
+# evenly over the file (the same samples whatever the shard, chunk size or worker count). The
+# estimate only has to be good enough for the pass (CHANGE_COND); the sums are then corrected to the
+# whitening of all the tokens, or the pass is redone in it.
+SAMPLE_TOKENS = 1 << 18
+SAMPLE_BLOCKS = 8
+
+
+def sample_blocks(n_samples: int, n_tokens: int) -> list[tuple[int, int]]:
+    """Disjoint sample ranges [a, b) of the estimate's sample (small files: read once, not per block)."""
+    N = n_samples
+    mean_len = max(1.0, n_tokens / max(N, 1))
+    per_block = max(1, int(SAMPLE_TOKENS / mean_len / SAMPLE_BLOCKS))
+    blocks: list[tuple[int, int]] = []
+    for a in sorted({(N * i) // SAMPLE_BLOCKS for i in range(SAMPLE_BLOCKS)}):
+        b = min(N, a + per_block)
+        if blocks and a <= blocks[-1][1]:
+            blocks[-1] = (blocks[-1][0], max(b, blocks[-1][1]))
+        else:
+            blocks.append((a, b))
+    return blocks

@@ -3,19 +3,19 @@
 No scikit-learn dependency; the estimator follows its conventions (constructor parameters only,
 `get_params` / `set_params`, fitted attributes with a trailing underscore, `score` = R^2).
 The statistics are sums over samples, so `partial_fit` on chunks equals one `fit` on all of
-them: the solver basis (mhla_cli.basis) is fixed from the first chunk's tokens and every later
-chunk is featurized in that same basis, so the chunks' sums add exactly as sums of the same
-products (`fit` is a reset and one `partial_fit`).
+them: each chunk is featurized in the whitening of its own tokens, and the sum of the chunks is
+changed exactly to the whitening of all the tokens seen (mhla_cli.stats.add_into; each change is
+well conditioned whatever the first chunk holds), where the canonical certificate and the fit are
+computed (`fit` is a reset and one `partial_fit`).
 """
 
 from __future__ import annotations
 
-from dataclasses import replace
+import warnings
 from typing import Any
 
 import numpy as np
 
-from . import basis as basis_mod
 from . import learn
 from .errors import InputError
 from .features import check_normalize
@@ -102,20 +102,6 @@ def _as_targets(targets: Any, n_rows: int, d: int, per_position: bool) -> np.nda
     return y
 
 
-def _canonical(feats: Features) -> Features:
-    """The statistics in the whitening of all tokens seen (basis.whitening of the summed token Gram).
-
-    The sums are accumulated in the basis fixed by the first chunk; solving and certifying in this
-    canonical basis makes every number (lambda_min included) independent of how the data were cut
-    into chunks. One `fit` accumulates in this basis already (no conversion).
-    """
-    A = basis_mod.whitening(feats.token_gram, feats.n_tokens)
-    if basis_mod.same(A, feats.basis):
-        return feats
-    gb, mb = basis_mod.change(feats.basis, A, feats.basis_gram, feats.basis_moments)
-    return replace(feats, basis=A, basis_gram=gb, basis_moments=mb)
-
-
 class MHLA:
     """Single-layer multi-head linear attention learned exactly (Algorithm 1), scikit-learn style.
 
@@ -193,9 +179,8 @@ class MHLA:
     def _reset(self) -> None:
         for k in ("coef_", "W_", "heads_", "certificate_", "n_samples_", "features_", "model_"):
             self.__dict__.pop(k, None)
-        self._basis: np.ndarray | None = None
         self._folds: list[Features] | None = None
-        self._total: Features | None = None  # the sums, in the basis fixed by the first chunk
+        self._total: Features | None = None  # the sums of all chunks seen
         self._config: tuple[Any, ...] | None = None
         self._n_seen = 0
 
@@ -213,7 +198,7 @@ class MHLA:
         """Add a chunk of data to the statistics and refit on everything seen so far. Returns self.
 
         Several chunks give the same fit as one `fit` on their concatenation (the statistics are
-        sums, accumulated in the solver basis fixed by the first chunk). Changing normalize,
+        sums, in the whitening of all the tokens seen). Changing normalize,
         per_position, heads/nuclear 'auto' or cv between chunks is refused: call `fit` to start over.
         """
         self._check_params()
@@ -236,11 +221,7 @@ class MHLA:
             if w.shape != (n_rows,) or not np.isfinite(w).all() or (w < 0).any():
                 raise InputError(f"sample_weight must be {n_rows} finite numbers >= 0 (one per "
                                  f"{'token' if per_pos else 'sequence'}), got shape {w.shape}")
-        A = self._basis
-        if A is None:
-            # the solver basis of every chunk: fixed by the first one, so that their sums add exactly
-            A = basis_mod.whitening(tokens.T @ tokens, tokens.shape[0])
-        parts = self._featurize(tokens, off, y, w, d, A)
+        parts = self._featurize(tokens, off, y, w, d)
         total = self._total
         folds = None if not self._auto else list(self._folds or [None] * int(self.cv))
         for k, part in parts:  # `+` makes new objects: nothing fitted so far is changed in place
@@ -251,15 +232,15 @@ class MHLA:
             raise InputError("every sample weight is 0: there is no sample to learn from")
         self._solve(total, folds)
         # committed only once the solve succeeded (a refused chunk leaves the estimator as it was)
-        self._basis, self._folds, self._config, self._total = A, folds, config, total
+        self._folds, self._config, self._total = folds, config, total
         self._n_seen += off.size - 1
         return self
 
-    def _featurize(self, tokens: np.ndarray, off: np.ndarray, y: np.ndarray, w: np.ndarray | None, d: int,
-                   A: np.ndarray) -> list[tuple[int, Features]]:
-        """Features of the chunk in basis A (one part; with 'auto', one part per CV fold: sequence i of
-        all those seen -> fold i mod cv)."""
-        kw: dict[str, Any] = {"per_position": bool(self.per_position), "normalize": self.normalize, "basis": A}
+    def _featurize(self, tokens: np.ndarray, off: np.ndarray, y: np.ndarray, w: np.ndarray | None, d: int
+                   ) -> list[tuple[int, Features]]:
+        """Features of the chunk, each part in its own whitening (one part; with 'auto', one part per CV
+        fold: sequence i of all those seen -> fold i mod cv)."""
+        kw: dict[str, Any] = {"per_position": bool(self.per_position), "normalize": self.normalize, "basis": "auto"}
         if not self._auto:
             return [(0, chunk_features(tokens, off, y, d, weights=w, **kw))]
         K = int(self.cv)
@@ -279,7 +260,7 @@ class MHLA:
         return out
 
     def _solve(self, total: Features, fold_feats: list[Features | None] | None) -> None:
-        feats = _canonical(total)
+        feats = total.canonical()
         folds = None
         if self._auto:
             folds = [f for f in (fold_feats or []) if f is not None and f.n_samples > 0]
@@ -290,6 +271,8 @@ class MHLA:
         model = learn.fit(feats, ridge=float(self.ridge), heads=self.heads, nuclear=self.nuclear,
                           weight_decay=float(self.weight_decay), restarts=int(self.restarts), seed=int(self.seed),
                           folds=folds)
+        for message in learn.fit_warnings(model.info):
+            warnings.warn(message, UserWarning, stacklevel=3)
         heads = learn.export_heads(model)
         self.features_ = feats
         self.model_ = model

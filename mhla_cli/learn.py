@@ -8,6 +8,8 @@ outliers (`max_heads="auto"`), or the fewest heads computing the same function (
 
 from __future__ import annotations
 
+from typing import Any
+
 from . import heads as heads_mod
 from . import lowrank, solve, spectrum
 from .errors import InputError
@@ -35,6 +37,30 @@ def fit(feats: Features, ridge: float = 0.0, heads: int | str | None = None, nuc
                                   restarts=restarts, seed=seed, folds=folds)
     model.info["normalize"] = feats.normalize
     return model
+
+
+def fit_warnings(info: dict[str, Any]) -> list[str]:
+    """The warnings a fit deserves (the CLI prints them, the estimator raises them with warnings.warn).
+
+    Low-rank fits: their solver records; least squares: data that do not determine the function
+    (the minimum-norm or ridge solution was returned) and an ill-conditioned solve.
+    """
+    if info.get("method", "lstsq") != "lstsq":
+        return lowrank.solver_warnings(info)
+    ridge = float(info.get("ridge", 0.0))
+    if not info["identifiable"]:
+        reason = (f"N = {info['n_samples']} < psi = {info['n_features']}" if info["n_samples"] < info["n_features"]
+                  else "the canonical Lambda~ is singular")
+        return [f"the data do not determine the function ({reason}): this is the "
+                + ("ridge-regularised" if ridge > 0 else "minimum-norm") + " solution; see `mhla certify`"]
+    if info["condition_number"] > ILL_CONDITIONED:
+        return [f"ill-conditioned solve (condition number {info['condition_number']:.4g})"
+                + ("" if ridge > 0 else "; consider a ridge penalty")]
+    return []
+
+
+# A least-squares solve whose condition number exceeds this is reported as ill-conditioned.
+ILL_CONDITIONED = 1e10
 
 
 def export_heads(model: Model, tol: float = 1e-12, max_heads: int | str | None = None,

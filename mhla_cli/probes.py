@@ -7,8 +7,8 @@ features); a component in gram's null space is a direction along which two zero-
 per-position data), and measures for each the relative component of H(Z) in gram's numerical null
 space, ||Z0^T h|| / ||h|| with Z0 an orthonormal basis of that null space (eigenvalues of Lambda_D =
 gram / N at or below the certificate's threshold psi * eps * lambda_max). A probe is determined when
-it is <= DETERMINED_TOL. Like the certificate, this is measured in the solver's whitened token basis
-(`Features.basis`: the features h of Z A), so it does not depend on the units of the tokens.
+it is <= DETERMINED_TOL. Like the certificate, this is measured on the canonical features h of the
+whitened probes Z A (mhla_cli.basis), so it does not depend on the units of the tokens.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ import numpy as np
 
 from . import formats
 from .errors import InputError
+from .basis import pair_scale
 from .features import n_features
 from .solve import _eigh, numerical_tolerance
 from .stream import Features, default_chunk_size, sample_rows
@@ -39,7 +40,7 @@ class NullSpace:
     basis: np.ndarray
     lambda_max: float
     threshold: float
-    token_basis: np.ndarray | None = None  # A: the null space is that of the features of Z A
+    token_basis: np.ndarray  # A: the null space is that of the canonical features of Z A
 
     @property
     def dim(self) -> int:
@@ -136,11 +137,10 @@ def certify_probes(feats: Features, probes: str | os.PathLike, chunk_size: int |
         check_finite(tokens, offsets, None, a, probes)
         check_weights(weights, offsets, a, info.per_position, probes)
         with np.errstate(over="ignore", invalid="ignore"):
-            if ns.token_basis is not None:
-                X = np.asarray(tokens, dtype=np.float64)
-                tokens = np.empty_like(X)
-                np.matmul(ns.token_basis.T, X.T, out=tokens.T)  # Z A (fast orientation, see stream)
+            # the canonical features of Z A (mhla_cli.basis): transformed tokens, orthonormal coordinates
+            tokens = np.asarray(tokens, dtype=np.float64) @ ns.token_basis
             upper, last = sample_rows(tokens, offsets, info.per_position, feats.normalize)
+            upper *= pair_scale(feats.d)
         lengths = np.diff(offsets)
         if info.per_position:
             seq = np.repeat(np.arange(a, b), lengths)

@@ -8,10 +8,10 @@ from typing import Any
 import numpy as np
 
 from . import basis as basis_mod
-from .basis import pair_map
+from .basis import orth_pair_map
 from .errors import InputError
 from .features import feature_index, pair_index
-from .stream import Features
+from .stats import Features
 from .heads import W_from_p
 from .model import Model
 
@@ -46,11 +46,9 @@ def range_basis(gram: np.ndarray, rel_tol: float) -> np.ndarray:
 
 
 def _basis_token_grams(feats: Features) -> tuple[np.ndarray, np.ndarray]:
-    """token_gram and last_token_gram in the solver basis (A^T G A)."""
-    A = feats.basis
-    if A is None:
-        return feats.token_gram, feats.last_token_gram
-    return A.T @ feats.token_gram @ A, A.T @ feats.last_token_gram @ A
+    """token_gram and last_token_gram in the canonical basis (A^T G A, accumulated from X A)."""
+    feats.canonical()
+    return feats.basis_token_gram, feats.basis_last_token_gram
 
 
 def _observed_bases_b(feats: Features) -> tuple[np.ndarray, np.ndarray]:
@@ -80,25 +78,28 @@ def check_domain(domain: str) -> str:
 
 
 def _domain_map_b(feats: Features, domain: str) -> tuple[np.ndarray | None, int, int]:
-    """The map T_b from the solver-basis features to the domain's (None for the full domain)."""
+    """The map T_b from the canonical features to the domain's (None for the full domain).
+
+    Observed domain: the canonical features of X B and C^T x_n for orthonormal bases B, C of the
+    whitened spans U and U_n; T_b = kron(D P_B D^-1, C^T) has orthonormal rows, so the observed
+    spectrum is as unit-free as the full one.
+    """
     d = feats.d
     if domain == "full":
         return None, d, d
     check_domain(domain)
     B, C = _observed_bases_b(feats)
-    return np.kron(pair_map(B), C.T), B.shape[1], C.shape[1]
+    return np.kron(orth_pair_map(B), C.T), B.shape[1], C.shape[1]
 
 
 def domain_map(feats: Features, domain: str) -> tuple[np.ndarray | None, int, int]:
     """The map T from H (tokens' own coordinates) to the features the certificate of `domain` uses.
 
-    Full domain: None without a solver basis, else the basis map M_A. Observed domain: the features
-    of X B and C^T x_n for orthonormal bases B, C of U and U_n (in the solver's token coordinates).
+    Full domain: the canonical map M_A (Ht(X A) = M_A H(X)). Observed domain: the canonical
+    features of X A B and C^T A^T x_n for orthonormal bases B, C of the whitened U and U_n.
     """
     T, r, s = _domain_map_b(feats, domain)
     A = feats.basis
-    if A is None:
-        return T, r, s
     if T is None:
         return basis_mod.feature_map(A), r, s
     return basis_mod.coef_from_basis(A, T), r, s  # T_b @ M_A
@@ -111,8 +112,6 @@ def observed_bases(feats: Features) -> tuple[np.ndarray, np.ndarray]:
     """
     B, C = _observed_bases_b(feats)
     A = feats.basis
-    if A is None:
-        return B, C
     # column vectors: x_b = A^T x, so a subspace spanned by B_b is spanned by A^-T B_b
     AinvT = np.linalg.inv(A).T
     return np.linalg.qr(AinvT @ B)[0], np.linalg.qr(AinvT @ C)[0]
@@ -138,7 +137,7 @@ class Certificate:
     null_features: list[dict[str, Any]] = field(default_factory=list)
     eigenvalues: np.ndarray | None = None
     null_vectors: np.ndarray | None = None
-    basis: str = "own"
+    basis: str = "canonical"
 
     @property
     def margin(self) -> float:
@@ -159,8 +158,9 @@ class Certificate:
 def certify(feats: Features, min_eig: float = 0.0, domain: str = "full") -> Certificate:
     """Certify that the data determine the learned function (on R^d, or on the observed subspaces).
 
-    The eigenvalues are those of Lambda_D = gram / N in the solver basis (`Features.basis`: the
-    features of whitened tokens, so that the verdict does not depend on the units of the tokens).
+    The eigenvalues are those of the canonical Lambda~ = (1/N) sum Ht Ht^T: the features of the
+    whitened tokens X A (A^T G A = I, G the second moment of all tokens) in orthonormal coordinates
+    (mhla_cli.basis), so that the numbers and the verdict do not depend on the units of the tokens.
     `null_vectors` span the null space: for the full domain in the tokens' own feature coordinates
     (orthonormal columns), for the observed domain in the observed-domain coordinates (map them with
     `domain_map(feats, "observed")[0].T`).
@@ -180,11 +180,11 @@ def certify(feats: Features, min_eig: float = 0.0, domain: str = "full") -> Cert
     rank = int((w > tol).sum())
     identifiable = bool(lmin > threshold and feats.n_samples >= m and lmax > 0)
     cert = Certificate(identifiable, lmin, lmax, rank, m, feats.n_samples, threshold, tol, float(min_eig),
-                       domain, r, s, eigenvalues=w, basis="own" if A is None else "whitened")
+                       domain, r, s, eigenvalues=w)
     if not identifiable:
         w, v = _eigh(lam)
         null = v[:, w <= threshold]
-        if T is None and A is not None and null.shape[1]:
+        if T is None and null.shape[1]:
             # v^T H_b = v^T M_A H: the same direction in the tokens' own feature coordinates
             null = np.linalg.qr(basis_mod.coef_from_basis(A, null.T).T)[0]
         cert.null_vectors = null
@@ -264,13 +264,14 @@ def _feature_names(d: int, cert: Certificate, full: bool) -> list[str]:
 
 
 def fit(feats: Features, ridge: float = 0.0) -> Model:
-    """Least squares over p on the sufficient statistics (Algorithm 1, step 1).
+    """Least squares over p on the sufficient statistics (Algorithm 1, step 1), in the canonical basis.
 
-    Solves (gram / N + ridge I) p^T = moments / N; with ridge = 0 and a singular gram it returns
-    the minimum-norm solution (pseudo-inverse with the certificate's numerical tolerance). The
-    system is solved in the solver basis (`Features.basis`) and p mapped back, so the result does
-    not depend on the units of the tokens; the ridge penalty and the minimum norm are those of p in
-    the tokens' own coordinates.
+    Solves (Lambda~ + ridge I) p_b^T = m~ with Lambda~ = gram_b / N and m~ = moments_b / N the
+    canonical sums (mhla_cli.basis), and maps p = p_b M_A back to the tokens' own features. With
+    ridge = 0 and a singular Lambda~ it returns the minimum-norm p_b (pseudo-inverse with the
+    certificate's numerical tolerance). The ridge and the minimum norm are taken in the canonical
+    coordinates, so the learned function does not depend on the units of the tokens, and `ridge` is
+    in the units of the certificate's lambda_max.
     """
     if not feats.has_targets:
         raise InputError("the data have no 'targets': fit needs (X, y) pairs")
@@ -286,38 +287,26 @@ def fit(feats: Features, ridge: float = 0.0) -> Model:
     w = _eigh(lam, vectors=False)
     lmin, lmax = float(w[0]), float(w[-1])
     tol = numerical_tolerance(lmax, psi)
-    # ||p||^2 = p_b (M M^T) p_b^T with p = p_b M (mhla_cli.basis)
-    if ridge > 0:
-        M = np.eye(psi) if A is None else basis_mod.feature_map(A)
-        K = M @ M.T
     coef_b = None
     if ridge > 0 or lmin > tol:
         # Positive definite: a Cholesky solve (~10x cheaper than the eigenvectors).
         try:
-            factor = scipy.linalg.cho_factor(lam + ridge * K if ridge > 0 else lam, lower=True, check_finite=False)
+            system = lam + ridge * np.eye(psi) if ridge > 0 else lam
+            factor = scipy.linalg.cho_factor(system, lower=True, check_finite=False)
             coef_b = scipy.linalg.cho_solve(factor, rhs, check_finite=False).T
         except scipy.linalg.LinAlgError:
             coef_b = None
     if coef_b is None and ridge > 0:
-        coef_b = scipy.linalg.lstsq(lam + ridge * K, rhs, check_finite=False)[0].T
+        coef_b = scipy.linalg.lstsq(lam + ridge * np.eye(psi), rhs, check_finite=False)[0].T
     if coef_b is None:
-        # Singular (or numerically so): pseudo-inverse with the certificate's tolerance, then the
-        # minimum-norm p among those with the same fit: remove p's component along the null
-        # directions of gram (in the tokens' own coordinates: the columns of M^T v, v null in the basis).
+        # Singular (or numerically so): the pseudo-inverse with the certificate's tolerance, i.e.
+        # the minimum-norm p_b (no component along the null directions of Lambda~).
         w, v = _eigh(lam)
         keep = w > tol
         coef_b = (v[:, keep] @ ((v[:, keep].T @ rhs) / w[keep][:, None])).T
-        null = v[:, ~keep]
-        if A is not None and null.shape[1]:
-            Z = np.linalg.qr(basis_mod.coef_from_basis(A, null.T).T)[0]
-            coef = basis_mod.coef_from_basis(A, coef_b)
-            coef = coef - (coef @ Z) @ Z.T
-        else:
-            coef = coef_b if A is None else basis_mod.coef_from_basis(A, coef_b)
-    else:
-        coef = coef_b if A is None else basis_mod.coef_from_basis(A, coef_b)
+    coef = basis_mod.coef_from_basis(A, coef_b)
     identifiable = bool(lmin > tol and N >= psi)
-    mse, resolution = train_mse(feats, coef)
+    mse, resolution = _train_mse_b(feats, coef_b)
     # Condition number of the system actually solved (regularised when ridge > 0).
     if ridge > 0:
         cond = (lmax + ridge) / (max(lmin, 0.0) + ridge)
@@ -327,7 +316,7 @@ def fit(feats: Features, ridge: float = 0.0) -> Model:
         "ridge": float(ridge), "train_mse": mse, "mse_resolution": resolution, "lambda_min": lmin,
         "lambda_max": lmax, "identifiable": identifiable, "condition_number": cond,
         "rank": int((w > tol).sum()), "n_features": psi, "n_samples": N, "method": "lstsq",
-        "basis": "own" if A is None else "whitened", "normalize": getattr(feats, "normalize", "none"),
+        "basis": "canonical", "normalize": getattr(feats, "normalize", "none"),
     }
     return Model(coef=coef, W=W_from_p(coef), d=feats.d, info=info)
 
@@ -335,12 +324,18 @@ def fit(feats: Features, ridge: float = 0.0) -> Model:
 def train_mse(feats: Features, coef: np.ndarray) -> tuple[float, float]:
     """Mean squared error over the N*d outputs from the statistics alone, and its float64 resolution.
 
-    sum_i ||p H_i - y_i||^2 = tr(p gram p^T) - 2 tr(p moments) + tr(target_gram), evaluated in the
-    solver basis; cancellation limits the accuracy to about eps * tr(target_gram).
+    sum_i ||p H_i - y_i||^2 = tr(p_b gram_b p_b^T) - 2 tr(p_b moments_b) + tr(target_gram), evaluated
+    on the canonical sums (p_b = p M_A^-1); cancellation limits the accuracy to about
+    eps * tr(target_gram).
     """
+    A, _, _ = feats.solver_stats()
+    return _train_mse_b(feats, basis_mod.coef_to_basis(A, coef))
+
+
+def _train_mse_b(feats: Features, pb: np.ndarray) -> tuple[float, float]:
+    """`train_mse` of the canonical coefficients p_b."""
     N, d = feats.n_samples, feats.d
-    A, gram_b, moments_b = feats.solver_stats()
-    pb = coef if A is None else basis_mod.coef_to_basis(A, coef)
+    _, gram_b, moments_b = feats.solver_stats()
     quad = float(np.einsum("ij,jk,ik->", pb, gram_b, pb))
     sse = quad - 2 * float(np.einsum("ij,ji->", pb, moments_b)) + float(np.trace(feats.target_gram))
     scale = float(np.trace(feats.target_gram)) + quad

@@ -1,281 +1,44 @@
 """Streaming accumulation of the sufficient statistics (gram, moments, ...) over chunks of samples.
 
 Everything here is a sum over samples, so statistics of disjoint sample ranges add up
-(`Features.__add__`). `reduce_span` computes the statistics of one half-open range [lo, hi) and is
-the only place the data are read; the serial loop, worker pools (mhla_cli.parallel), shards and
-Dask all call it. Per chunk: a reader thread fetches the next chunk in its stored dtype, the
-per-sequence X^T X are batched matmuls, and one syrk of the block [H | Y] updates gram, moments
-and target_gram together (docs/performance.md).
+(`Features.__add__`, mhla_cli.stats). `reduce_span` computes the statistics of one half-open range
+[lo, hi) and is the only place the data are read; the serial loop, worker pools
+(mhla_cli.parallel), shards and Dask all call it. Per chunk: a reader thread fetches the next chunk
+in its stored dtype, the tokens are transformed to the pass's basis (X A), the per-sequence
+(X A)^T (X A) are batched matmuls, and one syrk of the block [Ht | Y] updates the canonical sums
+together (docs/performance.md). `featurize` ends in the whitening of all the data read
+(mhla_cli.basis).
 """
 
 from __future__ import annotations
 
 import builtins
 import contextlib
-import json
 import math
 import os
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from functools import partial
 from typing import Any
 
-import h5py
 import numpy as np
 
 from . import basis as basis_mod
 from . import formats
-from .errors import InputError
-from .memory import check_memory
-from .tokens import ReadBuffers, TokensInfo, check_chunk, inspect_tokens, iter_chunks, read_chunk
-from .features import n_features, pair_index
-from .tokens import check_weights
-from .features import check_normalize
-from .formats import read_normalize
 from . import parallel
+from .errors import InputError
+from .features import check_normalize, n_features, pair_index
+from .memory import check_memory
 from .parallel import CANCEL, Cancelled
+from .stats import Features, add_into, check_overflow
+from .tokens import ReadBuffers, TokensInfo, check_chunk, check_weights, inspect_tokens, iter_chunks, read_chunk
+
+__all__ = ["Features", "chunk_features", "default_chunk_size", "estimate_basis", "featurize", "load_features",
+           "prefix_moments", "reduce_span", "reduce_spans", "sample_rows", "sequence_moments", "shard_range",
+           "shard_span", "work_spans"]
 
 # Target size of the per-chunk work buffers; the default chunk size is derived from it.
 CHUNK_BYTES = 64 * 2**20
-
-
-@dataclass
-class Features:
-    """Sufficient statistics of a dataset (sums over samples, float64).
-
-    gram = sum_i H_i H_i^T (psi, psi); moments = sum_i H_i y_i^T (psi, d); target_gram =
-    sum_i y_i y_i^T; token_gram = sum over all tokens of x x^T; last_token_gram = sum_i x_n x_n^T.
-    """
-
-    d: int
-    n_samples: int
-    n_tokens: int
-    gram: np.ndarray
-    token_gram: np.ndarray
-    last_token_gram: np.ndarray
-    moments: np.ndarray | None = None
-    target_gram: np.ndarray | None = None
-    token_dtype: str = "float64"
-    sample_range: tuple[int, int] | None = None
-    source: dict[str, Any] | None = None
-    extra_attrs: dict[str, Any] = field(default_factory=dict)
-    # The solver's basis (mhla_cli.basis): tokens X A, and the sums of their features. None: the
-    # tokens' own coordinates (files of format version 1). While `gram` / `moments` are None they
-    # are derived from these by `finalize`.
-    basis: np.ndarray | None = None
-    basis_gram: np.ndarray | None = None
-    basis_moments: np.ndarray | None = None
-    # Causal mode: every weighted prefix X[:t] was a sample (docs/formats.md, "per-position data").
-    per_position: bool = False
-    # "none", or "length": S divided by the number of tokens of the prefix / sequence.
-    normalize: str = "none"
-    # Sequences read (the unit of sample ranges and shards); None when unknown (older files).
-    n_sequences: int | None = None
-
-    # The sums in the tokens' own coordinates (docs/formats.md); the solver basis adds BASIS_SUMS.
-    SUMS = ("gram", "moments", "target_gram", "token_gram", "last_token_gram")
-    BASIS_SUMS = ("basis_gram", "basis_moments")
-
-    @property
-    def n_features(self) -> int:
-        return n_features(self.d)
-
-    @property
-    def has_targets(self) -> bool:
-        return self.target_gram is not None
-
-    @property
-    def lambda_d(self) -> np.ndarray:
-        """Lambda_D = gram / N, the empirical second-moment matrix of the features (Lemma 2.3)."""
-        return self.gram / max(self.n_samples, 1)
-
-    def solver_stats(self) -> tuple[np.ndarray | None, np.ndarray, np.ndarray | None]:
-        """(A, gram_b, moments_b): the basis the solver works in (None: the tokens' own) and the sums there."""
-        if self.basis is None:
-            return None, self.gram, self.moments
-        return self.basis, self.basis_gram, self.basis_moments
-
-    def finalize(self) -> Features:
-        """Derive `gram` and `moments` (tokens' own coordinates) from the basis sums, if not yet done."""
-        if self.basis is not None and self.gram is None:
-            with np.errstate(over="ignore", invalid="ignore"):
-                self.gram = basis_mod.gram_from_basis(self.basis, self.basis_gram)
-                if self.basis_moments is not None:
-                    self.moments = basis_mod.features_from_basis(self.basis, self.basis_moments)
-            _check_overflow(self, "the data", None)
-        return self
-
-    def datasets(self) -> dict[str, np.ndarray | None]:
-        """The datasets of a features file (docs/formats.md)."""
-        self.finalize()
-        data = {"gram": self.gram, "moments": self.moments, "target_gram": self.target_gram,
-                "token_gram": self.token_gram, "last_token_gram": self.last_token_gram}
-        if self.basis is not None:
-            data.update(basis=self.basis, basis_gram=self.basis_gram, basis_moments=self.basis_moments)
-        return data
-
-    def add(self, other: Features) -> Features:
-        """self += other (counts and every sum), in place; returns self."""
-        _add_into(self, other)
-        return self
-
-    def __sub__(self, part: Features) -> Features:
-        """Statistics of the samples in `self` but not in `part` (every sum subtracts; same basis)."""
-        self.finalize()
-        part.finalize()
-        out = Features(d=self.d, n_samples=self.n_samples - part.n_samples, n_tokens=self.n_tokens - part.n_tokens,
-                       token_dtype=self.token_dtype, normalize=self.normalize, per_position=self.per_position,
-                       **{k: None if getattr(self, k) is None else getattr(self, k) - getattr(part, k)
-                          for k in self.SUMS})
-        if self.basis is not None and basis_mod.same(self.basis, part.basis):
-            out.basis = self.basis
-            out.basis_gram = self.basis_gram - part.basis_gram
-            out.basis_moments = None if self.basis_moments is None else self.basis_moments - part.basis_moments
-        return out
-
-    def __add__(self, other: Features) -> Features:
-        total = Features.zeros(self.d, self.has_targets,
-                               self.token_dtype if self.token_dtype == other.token_dtype else "float64")
-        total.normalize, total.per_position = self.normalize, self.per_position
-        total.n_sequences = 0 if self.n_sequences is not None and other.n_sequences is not None else None
-        _add_into(total, self)
-        _add_into(total, other)
-        if self.sample_range and other.sample_range:
-            total.sample_range = (min(self.sample_range[0], other.sample_range[0]),
-                                  max(self.sample_range[1], other.sample_range[1]))
-        total.source = self.source
-        return total
-
-    @classmethod
-    def zeros(cls, d: int, has_targets: bool, token_dtype: str = "float64") -> Features:
-        psi = n_features(d)
-        return cls(d=d, n_samples=0, n_tokens=0, gram=np.zeros((psi, psi)),
-                   token_gram=np.zeros((d, d)), last_token_gram=np.zeros((d, d)),
-                   moments=np.zeros((psi, d)) if has_targets else None,
-                   target_gram=np.zeros((d, d)) if has_targets else None, token_dtype=token_dtype)
-
-    # ---------------------------------------------------------------- persistence
-    def save(self, path: str | os.PathLike, inputs: tuple[str | os.PathLike, ...] = (),
-             extra: dict[str, np.ndarray] | None = None, extra_attrs: dict[str, Any] | None = None) -> None:
-        """Write a features file atomically (`extra` datasets and attributes beside, e.g. per-fold sums)."""
-        formats.write_file(path, "features", {**self.datasets(), **(extra or {})},
-                           {**self.file_attrs(), **(extra_attrs or {})}, inputs)
-
-    def file_attrs(self) -> dict[str, Any]:
-        """The attributes of a features file (docs/formats.md)."""
-        attrs: dict[str, Any] = {"d": self.d, "n_samples": self.n_samples, "n_tokens": self.n_tokens,
-                                 "n_features": self.n_features, "token_dtype": self.token_dtype}
-        if self.sample_range is not None:
-            attrs["sample_lo"], attrs["sample_hi"] = self.sample_range
-        if self.source is not None:
-            attrs["source"] = json.dumps(self.source)
-        attrs["normalize"] = self.normalize
-        attrs["per_position"] = int(self.per_position)
-        if self.n_sequences is not None:
-            attrs["n_sequences"] = int(self.n_sequences)
-        attrs.update(self.extra_attrs)
-        return attrs
-
-    @classmethod
-    def load(cls, path: str | os.PathLike) -> Features:
-        """Read and validate a features file."""
-        with formats.open_input(path) as f:
-            formats.expect_kind(f, path, "features")
-            d = formats.read_attr_int(f, "d", path)
-            n = formats.read_attr_int(f, "n_samples", path)
-            t = formats.read_attr_int(f, "n_tokens", path)
-            psi = n_features(d)
-            gram = formats.read_array(f, "gram", path).astype(np.float64, copy=False)
-            if gram.shape != (psi, psi):
-                raise InputError(f"'gram' has shape {gram.shape}, expected (psi, psi) = ({psi}, {psi}) "
-                                 f"for d = {d}", path)
-            if not np.isfinite(gram).all():
-                raise InputError("'gram' contains NaN or Inf", path)
-            if not _is_symmetric(gram):
-                raise InputError("'gram' is not symmetric; the file is corrupted", path)
-            tg = formats.read_array(f, "token_gram", path).astype(np.float64)
-            lg = formats.read_array(f, "last_token_gram", path).astype(np.float64)
-            for name, arr in (("token_gram", tg), ("last_token_gram", lg)):
-                if arr.shape != (d, d):
-                    raise InputError(f"'{name}' has shape {arr.shape}, expected ({d}, {d})", path)
-            moments = target_gram = None
-            if "moments" in f:
-                moments = formats.read_array(f, "moments", path).astype(np.float64, copy=False)
-                if moments.shape != (psi, d):
-                    raise InputError(f"'moments' has shape {moments.shape}, expected ({psi}, {d})", path)
-                if "target_gram" not in f:
-                    raise InputError("has 'moments' but no 'target_gram'", path)
-                target_gram = formats.read_array(f, "target_gram", path).astype(np.float64)
-                if target_gram.shape != (d, d):
-                    raise InputError(f"'target_gram' has shape {target_gram.shape}, expected ({d}, {d})", path)
-            if n < 1:
-                raise InputError(f"n_samples = {n}: no samples", path)
-            rng = None
-            if "sample_lo" in f.attrs and "sample_hi" in f.attrs:
-                rng = (int(f.attrs["sample_lo"]), int(f.attrs["sample_hi"]))
-            source = json.loads(f.attrs["source"]) if "source" in f.attrs else None
-            basis, basis_gram, basis_moments = _load_basis(f, path, d, moments is not None)
-            dtype = f.attrs.get("token_dtype", "float64")
-            dtype = dtype.decode() if isinstance(dtype, bytes) else str(dtype)
-            normalize = read_normalize(f, path)
-            per_position = bool(int(f.attrs.get("per_position", 0)))
-            n_seq = int(f.attrs["n_sequences"]) if "n_sequences" in f.attrs else None
-            extra = {}
-            for k in EXTRA_ATTRS:
-                if k in f.attrs:
-                    v = f.attrs[k]
-                    extra[k] = v.decode() if isinstance(v, bytes) else (v.item() if hasattr(v, "item") else v)
-        return cls(d=d, n_samples=n, n_tokens=t, gram=gram, token_gram=tg, last_token_gram=lg,
-                   moments=moments, target_gram=target_gram, token_dtype=dtype, sample_range=rng,
-                   source=source, extra_attrs=extra, basis=basis, basis_gram=basis_gram,
-                   basis_moments=basis_moments, per_position=per_position, normalize=normalize,
-                   n_sequences=n_seq)
-
-
-def _load_basis(f: h5py.File, path: str | os.PathLike, d: int, has_targets: bool
-                ) -> tuple[np.ndarray | None, np.ndarray | None, np.ndarray | None]:
-    """The solver basis and its sums (format version 2); (None, None, None) for version-1 files."""
-    names = [k for k in ("basis", "basis_gram", "basis_moments") if k in f]
-    if not names:
-        return None, None, None
-    need = ["basis", "basis_gram"] + (["basis_moments"] if has_targets else [])
-    missing = [k for k in need if k not in f]
-    if missing:
-        raise InputError(f"has {', '.join(names)} but no {', '.join(missing)}; the file is incomplete", path)
-    psi = n_features(d)
-    A = formats.read_array(f, "basis", path).astype(np.float64)
-    if A.shape != (d, d):
-        raise InputError(f"'basis' has shape {A.shape}, expected ({d}, {d})", path)
-    if not np.isfinite(np.linalg.cond(A)) or np.linalg.cond(A) > 1e12:
-        raise InputError("'basis' is singular; the file is corrupted", path)
-    gb = formats.read_array(f, "basis_gram", path).astype(np.float64)
-    if gb.shape != (psi, psi):
-        raise InputError(f"'basis_gram' has shape {gb.shape}, expected ({psi}, {psi})", path)
-    if not _is_symmetric(gb):
-        raise InputError("'basis_gram' is not symmetric; the file is corrupted", path)
-    mb = None
-    if has_targets:
-        mb = formats.read_array(f, "basis_moments", path).astype(np.float64)
-        if mb.shape != (psi, d):
-            raise InputError(f"'basis_moments' has shape {mb.shape}, expected ({psi}, {d})", path)
-    return A, gb, mb
-
-
-# Attributes of a features file kept in `Features.extra_attrs` when it is loaded: which shard of
-# the source it holds, and for a partial merge the sample ranges it covers (JSON).
-EXTRA_ATTRS = ("shard", "sample_ranges", "partial")
-
-
-def _is_symmetric(a: np.ndarray, block: int = 1024) -> bool:
-    """a == a.T up to 1e-12 of its largest entry (checked in row blocks: no psi x psi temporaries)."""
-    if not a.size:
-        return True
-    tol = 1e-12 * float(np.abs(a).max())
-    for lo in range(0, a.shape[0], block):
-        hi = min(a.shape[0], lo + block)
-        if float(np.abs(a[lo:hi] - a[:, lo:hi].T).max()) > tol:
-            return False
-    return True
 
 
 # --------------------------------------------------------------------------------------------
@@ -433,11 +196,14 @@ def _single_blas_thread() -> Any:
 
 
 class _Accumulator:
-    """Running sums of one reduction, with reusable work buffers.
+    """Running sums of one reduction in one basis A, with reusable work buffers.
 
-    The Gram of the block [H | Y] (B x (psi + d)) holds gram, moments and target_gram at once, so
-    each chunk costs one syrk (numpy's `Ft @ Ft.T` on the transposed block); `G` accumulates it
-    in float64.
+    Per chunk the tokens are transformed first (X A, a d x d product per token: BACKGROUND.md,
+    "The canonical certificate", Numerics), the features are those of X A in canonical coordinates
+    (mhla_cli.basis), and the Gram of the block [Ht | Y] (B x (psi + d)) holds basis_gram,
+    basis_moments and target_gram at once, so each chunk costs one syrk (numpy's `Ft @ Ft.T` on the
+    transposed block); `G` accumulates it in float64. The token Grams are accumulated both on the
+    tokens' own coordinates (exact zeros stay zeros) and on X A.
     """
 
     def __init__(self, d: int, has_targets: bool, basis: np.ndarray | None = None, causal: bool = False,
@@ -446,12 +212,8 @@ class _Accumulator:
         self.normalize = normalize
         self.n_sequences = 0
         self.d = d
-        self.basis = None if basis_mod.is_identity(basis) else np.asarray(basis, dtype=np.float64)
-        # The features of X A are formed from S = X^T X as P_A upper(S) and A^T x_n: two small
-        # products per chunk. (Transforming the tokens first costs a pass over them and gains
-        # nothing measurable: on tests/test_basis.py's rotated cond(A) = 1e3 data the function
-        # error is 3e-8 either way, set by mapping p back to the tokens' own coordinates.)
-        self._pair_map = None if self.basis is None else basis_mod.pair_map(self.basis)
+        self.basis = np.eye(d) if basis is None else np.asarray(basis, dtype=np.float64)
+        self._transform = not basis_mod.same(self.basis, None)
         self.psi = n_features(d)
         self.has_targets = has_targets
         self.width = self.psi + (d if has_targets else 0)
@@ -460,8 +222,11 @@ class _Accumulator:
         self._bufs: dict[str, np.ndarray] = {}
         j, k = pair_index(d)
         self._upper_idx = (j * d + k).astype(np.intp)
+        self._scale = np.ascontiguousarray(basis_mod.pair_scale(d))
         self.token_gram = np.zeros((d, d))
         self.last_token_gram = np.zeros((d, d))
+        self.basis_token_gram = np.zeros((d, d))
+        self.basis_last_token_gram = np.zeros((d, d))
         self.n_samples = 0
         self.n_tokens = 0
 
@@ -480,14 +245,40 @@ class _Accumulator:
             buf = self._bufs[name] = np.empty(size)
         return buf[:size].reshape(rows, cols)
 
+    def _tokens(self, tokens: np.ndarray, check: Callable[[float], None] | None,
+                token_weights: np.ndarray | None, last_rows: np.ndarray | None,
+                last_weights: np.ndarray | None) -> np.ndarray:
+        """Add the chunk's token Grams (own and basis; weighted per token) and return X A (float64).
+
+        token_gram += X^T diag(c) X (c: per-token weights, None = 1); last_token_gram += sum w x x^T
+        over the rows `last_rows` (None: every token) with weights `last_weights`.
+        """
+        X = np.asarray(tokens, dtype=np.float64)
+        t = X.shape[0]
+        Xw = X if token_weights is None else X * token_weights[:, None]
+        own = X.T @ Xw
+        if check is not None:  # the diagonal bounds every squared token entry (NaN stays NaN)
+            diag = np.diagonal(own) if token_weights is None else np.einsum("ij,ij->j", X, X)
+            check(float(np.max(diag)) if diag.size else 0.0)
+        if self._transform:
+            Xb = self._buf("Xb", t, (self.d,))
+            np.matmul(X, self.basis, out=Xb)
+        else:
+            Xb = X
+        self.token_gram += own
+        self.basis_token_gram += Xb.T @ (Xb if token_weights is None else Xb * token_weights[:, None])
+        for src, dst in ((X, self.last_token_gram), (Xb, self.basis_last_token_gram)):
+            L = src if last_rows is None else src[last_rows]
+            dst += L.T @ (L if last_weights is None else L * last_weights[:, None])
+        return Xb
+
     def add(self, tokens: np.ndarray, offsets: np.ndarray, targets: np.ndarray | None,
             check: Callable[[float], None] | None = None, weights: np.ndarray | None = None) -> None:
         """Add one chunk: tokens (t, d) of any real dtype, offsets (B+1,) from 0, targets (B, d) or None.
 
         `check(top)` may reject the chunk, given a bound on the largest squared token entry, before
-        anything is added. With a basis A the features are those of X A (token_gram and
-        last_token_gram stay in the tokens' own coordinates). Causal mode, weights ((B,), or (t,)
-        in causal mode) or a normalisation go through `_add_rows`.
+        anything is added. Causal mode, weights ((B,), or (t,) in causal mode) or a normalisation go
+        through `_add_rows`.
         """
         d, psi = self.d, self.psi
         B = offsets.size - 1
@@ -496,36 +287,27 @@ class _Accumulator:
         if self.causal or weights is not None or self.normalize != "none":
             self._add_rows(tokens, offsets, targets, check, weights)
             return
-        self.n_sequences += B
         # errstate: NaN / Inf tokens are reported by `check`, not as numpy warnings
         with _single_blas_thread(), np.errstate(invalid="ignore", over="ignore"):
-            S, last = sequence_moments(tokens, offsets, out=self._buf("S", B, (d, d)))
-            if check is not None:  # the diagonals bound every squared token entry (NaN stays NaN)
-                check(float(np.max(np.diagonal(S, axis1=1, axis2=2))) if S.size else 0.0)
-            self.token_gram += S.sum(axis=0)
-            self.last_token_gram += last.T @ last
-            # The block is built transposed, Ft = [H | Y]^T (psi + d, B): every elementwise loop
+            Xb = self._tokens(tokens, check, None, offsets[1:] - 1, None)
+            S, last = sequence_moments(Xb, offsets, out=self._buf("S", B, (d, d)))
+            # The block is built transposed, Ft = [Ht | Y]^T (psi + d, B): every elementwise loop
             # then runs over the B samples of the chunk (long, contiguous) instead of over d.
             Ft = self._buf_t("F", self.width, B)
             # gather the distinct entries row-wise (contiguous), then transpose: ~10x faster than a
             # strided gather from the transposed view
             upper_rows = np.take(S.reshape(B, d * d), self._upper_idx, axis=1, out=self._buf("Ur", B, (psi // d,)))
             upper = self._buf_t("U", psi // d, B)
+            np.multiply(upper_rows.T, self._scale[:, None], out=upper)  # canonical coordinates D upper(S)
             last_t = self._buf_t("L", d, B)
-            if self.basis is None:
-                upper[...] = upper_rows.T
-                last_t[...] = last.T
-            else:
-                # the features of X A: upper(A^T S A) = P_A upper(S) and A^T x_n (mhla_cli.basis),
-                # one small matrix product each, in the (small @ wide) orientation BLAS is fast at
-                np.matmul(self._pair_map, upper_rows.T, out=upper)
-                np.matmul(self.basis.T, last.T, out=last_t)
+            last_t[...] = last.T
             H = Ft[:psi].reshape(psi // d, d, B)
             # H_(j,k,l) = S[j,k] x_n[l] (BACKGROUND.md, "Why learning it is a linear regression")
             np.multiply(upper[:, None, :], last_t[None, :, :], out=H)
             if targets is not None:
                 Ft[psi:] = targets.T
         self._syrk(Ft)
+        self.n_sequences += B
         self.n_samples += B
         self.n_tokens += int(offsets[-1])
 
@@ -538,46 +320,44 @@ class _Accumulator:
         sample), last_token_gram += sum w x x^T (x the sample's last token); n_samples += #{w > 0}.
         """
         d, psi = self.d, self.psi
-        j, k = pair_index(d)
         B = offsets.size - 1
+        lengths = np.diff(offsets)
+        T = int(offsets[-1])
+        w_all = np.ones(T if self.causal else B) if weights is None else weights
+        # sum over samples of w S = sum over tokens of c x x^T: c = the weight of the sequence
+        # (last-token data), or the sum of the weights of the prefixes containing the token (causal)
+        if self.causal:
+            seq = np.repeat(np.arange(B), lengths)
+            tail = np.cumsum(w_all[::-1])[::-1]
+            ends = np.append(tail, 0.0)[offsets[1:]]
+            c = tail - ends[seq]
+            last_rows, last_w = None, w_all
+        else:
+            c = np.repeat(w_all, lengths)
+            last_rows, last_w = offsets[1:] - 1, w_all
+        unit = weights is None and not self.causal
         with _single_blas_thread(), np.errstate(invalid="ignore", over="ignore"):
-            upper, last = sample_rows(tokens, offsets, self.causal)  # unnormalised here
-            if check is not None:
-                # the diagonal of every whole sequence's Gram bounds its squared entries
-                ends = offsets[1:] - 1 if self.causal else np.arange(B)
-                diag = upper[ends][:, j == k]
-                check(float(np.max(diag)) if diag.size else 0.0)
-            if self.basis is not None:
-                # token statistics in the tokens' own coordinates, features of X A (see add)
-                upper_own, last_own = upper, last
-                upper = (self._pair_map @ upper.T).T
-                last = (self.basis.T @ last.T).T
+            Xb = self._tokens(tokens, check, None if unit else c, last_rows, None if unit else last_w)
+            upper, last = sample_rows(Xb, offsets, self.causal)  # unnormalised here
             keep = None
             if weights is not None:
                 keep = np.flatnonzero(weights > 0)
                 if keep.size == weights.size:
                     keep = None
             w = None if weights is None else (weights if keep is None else weights[keep])
-            if self.basis is None:
-                upper_own, last_own = upper, last
             if keep is not None:
                 upper, last = upper[keep], last[keep]
-                upper_own, last_own = upper_own[keep], last_own[keep]
                 if targets is not None:
                     targets = targets[keep]
             R = upper.shape[0]
-            tg_upper = upper_own.sum(axis=0) if w is None else w @ upper_own
-            self.token_gram[j, k] += tg_upper
-            self.token_gram[k, j] += np.where(j == k, 0.0, tg_upper)
-            lw = last_own if w is None else last_own * np.sqrt(w)[:, None]
-            self.last_token_gram += lw.T @ lw
+            upper *= self._scale  # canonical coordinates
             if self.normalize == "length":
                 if self.causal:
                     pos = position_numbers(offsets)
                     upper /= (pos if keep is None else pos[keep])[:, None]
                 else:
-                    lengths = np.diff(offsets).astype(np.float64)
-                    upper /= (lengths if keep is None else lengths[keep])[:, None]
+                    lens = lengths.astype(np.float64)
+                    upper /= (lens if keep is None else lens[keep])[:, None]
             if R:
                 sw = None if w is None else np.sqrt(w)
                 Ft = self._buf_t("F", self.width, R)
@@ -596,7 +376,7 @@ class _Accumulator:
         if R:
             self._syrk(Ft)
         self.n_samples += R
-        self.n_tokens += int(offsets[-1])
+        self.n_tokens += T
         self.n_sequences += B
 
     def _syrk(self, Ft: np.ndarray) -> None:
@@ -611,38 +391,23 @@ class _Accumulator:
                 np.matmul(Ft, Ft.T, out=self._prod)
                 self.G += self._prod
 
-    def result(self, token_dtype: str = "float64", finalize: bool = True) -> Features:
-        """The statistics so far (views into the accumulator; the work buffers are released).
+    def result(self, token_dtype: str = "float64") -> Features:
+        """The statistics so far, in the accumulator's basis (views; the work buffers are released).
 
-        With a basis and `finalize=False`, `gram` and `moments` are left to `Features.finalize`
-        (partial sums of a larger reduction need only the basis sums).
+        `gram` and `moments` (own coordinates) are left to `Features.finalize`.
         """
         self._bufs.clear()
         self._prod = None
-        if self.G is None:
-            out = Features.zeros(self.d, self.has_targets, token_dtype)
-            if self.basis is not None:
-                out.basis, out.basis_gram = self.basis, out.gram.copy()
-                out.basis_moments = None if out.moments is None else out.moments.copy()
-            return out
-        psi, G = self.psi, self.G
-        gram, moments = G[:psi, :psi], (G[:psi, psi:] if self.has_targets else None)
-        out = Features(d=self.d, n_samples=self.n_samples, n_tokens=self.n_tokens, gram=gram,
-                       token_gram=self.token_gram, last_token_gram=self.last_token_gram, moments=moments,
-                       target_gram=G[psi:, psi:] if self.has_targets else None, token_dtype=token_dtype)
-        if self.basis is not None:
-            out.basis, out.basis_gram, out.basis_moments = self.basis, gram, moments
-            out.gram = out.moments = None
-            if finalize:
-                out.finalize()
+        psi, d = self.psi, self.d
+        G = self.G if self.G is not None else np.zeros((self.width, self.width))
+        out = Features(d=d, n_samples=self.n_samples, n_tokens=self.n_tokens, gram=None,
+                       token_gram=self.token_gram, last_token_gram=self.last_token_gram,
+                       target_gram=G[psi:, psi:] if self.has_targets else None, token_dtype=token_dtype,
+                       basis=self.basis, basis_gram=G[:psi, :psi],
+                       basis_moments=G[:psi, psi:] if self.has_targets else None,
+                       basis_token_gram=self.basis_token_gram, basis_last_token_gram=self.basis_last_token_gram,
+                       per_position=self.causal, normalize=self.normalize, n_sequences=self.n_sequences)
         return out
-
-
-def _result(acc: _Accumulator, token_dtype: str = "float64", finalize: bool = True) -> Features:
-    """acc.result() with the causal-mode fields (per_position, normalize, n_sequences) filled in."""
-    feats = acc.result(token_dtype, finalize=finalize)
-    feats.per_position, feats.normalize, feats.n_sequences = acc.causal, acc.normalize, acc.n_sequences
-    return feats
 
 
 def chunk_features(tokens: np.ndarray, offsets: np.ndarray, targets: np.ndarray | None, d: int,
@@ -652,28 +417,39 @@ def chunk_features(tokens: np.ndarray, offsets: np.ndarray, targets: np.ndarray 
 
     With `per_position` every prefix is a sample: targets (t, d), weights (t,); otherwise targets
     (B, d), weights (B,). `normalize="length"` divides S by the prefix / sequence length.
-    `basis`: "auto" whitens with the chunk's own token Gram, an array is used as given, None or
-    "identity" accumulates in the tokens' own coordinates.
+    `basis`: the basis accumulated in ("auto": the whitening of the chunk's own tokens; an array;
+    None or "identity": the tokens' own coordinates); the result is then changed exactly to the
+    whitening of the chunk's token Gram (`Features.canonical`).
     """
     check_normalize(normalize)
     tokens = np.asarray(tokens)
-    if isinstance(basis, str) and basis == "auto":
+    basis = _basis_option(basis, d, None)
+    if basis is None:
         X = tokens.astype(np.float64)
         basis = basis_mod.whitening(X.T @ X, X.shape[0])
-    elif isinstance(basis, str):
-        if basis != "identity":
-            raise InputError(f"unknown basis '{basis}', expected auto, identity or a (d, d) array")
-        basis = None
     acc = _Accumulator(d, targets is not None, basis, causal=per_position, normalize=normalize)
     acc.add(tokens, np.asarray(offsets, dtype=np.int64),
             None if targets is None else np.asarray(targets, dtype=np.float64),
             weights=None if weights is None else np.asarray(weights, dtype=np.float64))
-    return _result(acc, str(tokens.dtype))
+    feats = acc.result(str(tokens.dtype))
+    check_overflow(feats, "the data", None)
+    return feats.canonical().finalize()
 
 
-# --------------------------------------------------------------------------------------------
-# reading
-# --------------------------------------------------------------------------------------------
+def _basis_option(basis: np.ndarray | str | None, d: int, path: str | os.PathLike | None) -> np.ndarray | None:
+    """A `basis` argument -> the (d, d) array to accumulate in, or None for "auto" (estimate it)."""
+    if isinstance(basis, str):
+        if basis == "auto":
+            return None
+        if basis != "identity":
+            raise InputError(f"unknown basis '{basis}', expected auto, identity or a (d, d) array")
+        return np.eye(d)
+    if basis is None:
+        return np.eye(d)
+    A = np.asarray(basis, dtype=np.float64)
+    if A.shape != (d, d) or not np.isfinite(A).all() or np.linalg.cond(A) > 1e12:
+        raise InputError(f"the basis must be an invertible ({d}, {d}) array", path)
+    return A
 
 
 # --------------------------------------------------------------------------------------------
@@ -706,9 +482,10 @@ def reduce_span(info: TokensInfo, span: tuple[int, int], chunk_size: int | None 
     This is the one chunk reduction of mhla: the serial loop, worker pools, Dask and shards all
     call it. `progress(n)` is called after each chunk of n samples (sequences). Per-position data
     (info.per_position) make every weighted prefix a sample; `normalize="length"` divides S by the
-    prefix (sequence) length. `basis` (d, d): accumulate the features of X @ basis (see
-    mhla_cli.basis; `estimate_basis`); `finalize=False` leaves the sums in the tokens' own
-    coordinates to `Features.finalize` (for partial sums).
+    prefix (sequence) length. `basis` (d, d; None = the identity): accumulate the features of
+    X @ basis (mhla_cli.basis). `finalize=False` returns the sums of that basis as they are (partial
+    sums of a larger reduction add exactly); otherwise they are changed to the whitening of the
+    span's tokens and the own-coordinate sums derived.
     """
     lo, hi = span
     per_position = getattr(info, "per_position", False)
@@ -723,50 +500,27 @@ def reduce_span(info: TokensInfo, span: tuple[int, int], chunk_size: int | None 
                 weights=weights)
         if progress is not None:
             progress(b - a)
-    total = _result(acc, info.dtype, finalize=False)
-    _check_overflow(total, f"samples {lo}..{hi}", info.path)
+    total = acc.result(info.dtype)
+    check_overflow(total, f"samples {lo}..{hi}", info.path)
     if finalize:
-        total.finalize()
-        _check_overflow(total, f"samples {lo}..{hi}", info.path)
+        total.canonical().finalize()
+        check_overflow(total, f"samples {lo}..{hi}", info.path)
     total.sample_range = (lo, hi)
     return total
 
 
-def _check_overflow(feats: Features, what: str, path: str | os.PathLike | None) -> None:
-    arrays = [feats.gram, feats.moments, feats.basis_gram, feats.basis_moments, feats.target_gram]
-    if not all(a is None or np.isfinite(a).all() for a in arrays):
-        raise InputError(f"the statistics of {what} overflow float64 (tokens or targets too large); "
-                         "rescale the data", path)
-
-
-# Samples read to estimate the solver basis: up to this many tokens, in _BASIS_BLOCKS blocks spread
-# evenly over the file (the same samples whatever the shard, chunk size or worker count).
-BASIS_SAMPLE_TOKENS = 1 << 18
-_BASIS_BLOCKS = 8
-
-
 def estimate_basis(info: TokensInfo) -> np.ndarray:
-    """The solver basis of a tokens file: a float32-rounded whitening of a fixed sample's token Gram.
+    """An estimate of the whitening of a tokens file, from a fixed sample (basis.sample_blocks).
 
     Deterministic in the file's content (every shard, worker and machine gets the same basis, so
-    their sums add up exactly). Any invertible basis gives the same function and verdict in exact
-    arithmetic; this one keeps the solver's Gram well conditioned whatever the token units.
+    their sums add up exactly). It only has to be good enough to accumulate in: `featurize` checks it
+    against the token Gram of all the data at the end of the pass (basis.correction).
     """
-    N = info.n_samples
-    mean_len = max(1.0, info.n_tokens / max(N, 1))
-    per_block = max(1, int(BASIS_SAMPLE_TOKENS / mean_len / _BASIS_BLOCKS))
-    blocks: list[tuple[int, int]] = []  # disjoint: small files are read once, not block by block
-    for a in sorted({(N * i) // _BASIS_BLOCKS for i in range(_BASIS_BLOCKS)}):
-        b = min(N, a + per_block)
-        if blocks and a <= blocks[-1][1]:
-            blocks[-1] = (blocks[-1][0], max(b, blocks[-1][1]))
-        else:
-            blocks.append((a, b))
     G = np.zeros((info.d, info.d))
     count = 0
     bufs = ReadBuffers()
     with formats.open_input(info.path) as f, np.errstate(invalid="ignore", over="ignore"):
-        for a, b in blocks:
+        for a, b in basis_mod.sample_blocks(info.n_samples, info.n_tokens):
             tokens, offsets, targets = read_chunk(f, info, a, b, bufs)
             X = tokens.astype(np.float64)
             top = float(np.max(X * X)) if X.size else 0.0
@@ -776,62 +530,15 @@ def estimate_basis(info: TokensInfo) -> np.ndarray:
     return basis_mod.whitening(G, count)
 
 
-def _add_into(acc: Features, part: Features) -> None:
-    """acc += part (counts and every sum), in place.
-
-    Parts in different solver bases are converted into acc's basis first (basis.change); an empty
-    acc (Features.zeros) adopts the part's basis.
-    """
-    if part.d != acc.d:
-        raise InputError(f"cannot add statistics of d = {acc.d} and d = {part.d}")
-    if part.has_targets != acc.has_targets:
-        raise InputError("cannot add statistics with and without targets")
-    if part.normalize != acc.normalize:
-        raise InputError(f"cannot add statistics with different normalisations ({acc.normalize} and "
-                         f"{part.normalize}): featurize every part with the same normalisation")
-    if part.per_position != acc.per_position:
-        raise InputError("cannot add per-position (causal) statistics to last-token statistics")
-    acc.n_sequences = None if acc.n_sequences is None or part.n_sequences is None \
-        else acc.n_sequences + part.n_sequences
-    if acc.basis is None and part.basis is not None:
-        if acc.n_samples == 0 and not acc.gram.any():
-            acc.basis = part.basis
-            acc.basis_gram = np.zeros_like(part.basis_gram)
-            acc.basis_moments = None if acc.moments is None else np.zeros_like(part.basis_moments)
-        else:  # acc holds sums in the tokens' own coordinates: move them into the part's basis
-            acc.basis = part.basis
-            acc.basis_gram, acc.basis_moments = basis_mod.change(None, part.basis, acc.gram, acc.moments)
-    if acc.basis is not None:
-        if basis_mod.same(acc.basis, part.basis):
-            gb, mb = part.solver_stats()[1:]
-        else:
-            gb, mb = basis_mod.change(part.basis, acc.basis, *part.solver_stats()[1:])
-        acc.basis_gram += gb
-        if acc.basis_moments is not None:
-            acc.basis_moments += mb
-    acc.n_samples += part.n_samples
-    acc.n_tokens += part.n_tokens
-    if acc.gram is not None and part.gram is not None:
-        acc.gram += part.gram
-        if acc.moments is not None and part.moments is not None:
-            acc.moments += part.moments
-    else:  # derived from the basis sums by finalize()
-        acc.gram = acc.moments = None
-    acc.token_gram += part.token_gram
-    acc.last_token_gram += part.last_token_gram
-    if acc.target_gram is not None:
-        acc.target_gram += part.target_gram
-
-
 def reduce_spans(info: TokensInfo, span_list: Sequence[tuple[int, int]],
                  map: Callable[..., Iterable[Features]] = builtins.map,  # noqa: A002 (like builtins.map)
                  chunk_size: int | None = None,
                  progress: Callable[[int], None] | None = None, normalize: str = "none",
-                 basis: np.ndarray | None = None) -> Features:
+                 basis: np.ndarray | None = None, finalize: bool = True) -> Features:
     """Sum of `reduce_span` over `span_list`, evaluated with `map` (builtin, a pool's, Dask's).
 
     `map(fn, spans)` may also yield partial sums (Dask tree-reduces on the cluster); the parts are
-    added in the order they come.
+    added in the order they come, all in `basis`. `finalize` as in `reduce_span`.
     """
     total: Features | None = None
     for part in map(partial(reduce_span, info, chunk_size=chunk_size, normalize=normalize, basis=basis,
@@ -839,13 +546,14 @@ def reduce_spans(info: TokensInfo, span_list: Sequence[tuple[int, int]],
         if total is None:
             total = part  # each part is a fresh result: sum into it
         else:
-            _add_into(total, part)
+            add_into(total, part)
         if progress is not None:
             progress(part.n_sequences if part.n_sequences is not None else part.n_samples)
     if total is None:
-        total = Features.zeros(info.d, info.has_targets, info.dtype)
-        total.per_position, total.normalize = getattr(info, "per_position", False), normalize
-    total.finalize()
+        total = _Accumulator(info.d, info.has_targets, basis, causal=getattr(info, "per_position", False),
+                             normalize=normalize).result(info.dtype)
+    if finalize:
+        total.canonical().finalize()
     total.token_dtype = info.dtype
     if span_list:
         total.sample_range = (span_list[0][0], span_list[-1][1])
@@ -872,41 +580,62 @@ def featurize(path: str | os.PathLike, chunk_size: int | None = None,
     "local:K"), or any `map` (builtin map, a pool's map, ...) over the spans; all call `reduce_span`.
     Per-position data (targets (T, d) or weights per position) are featurized causally: every
     prefix with weight > 0 is a sample. `normalize="length"` divides S by the number of tokens.
-    `basis`: "auto" (`estimate_basis`, from the whole file whatever the shard), a (d, d) array, or
-    None / "identity" (the tokens' own coordinates, as format version 1).
+
+    The basis: the pass accumulates in an estimate (`basis` "auto": `estimate_basis`, from the whole
+    file whatever the shard; a (d, d) array; None / "identity": the tokens' own coordinates), which
+    is then checked against the token Gram of all the data read (of the shard, for a shard): the
+    sums are changed exactly to its whitening when that change is well conditioned
+    (cond <= basis.CHANGE_COND), and otherwise the pass is redone in that whitening. The result is
+    always in the whitening of its own data (`Features.canonical`).
     """
     check_normalize(normalize)
     info = inspect_tokens(path)
-    if isinstance(basis, str) and basis == "auto":
-        basis = estimate_basis(info)
-    elif isinstance(basis, str):
-        if basis != "identity":
-            raise InputError(f"unknown basis '{basis}', expected auto, identity or a (d, d) array")
-        basis = None
-    elif basis is not None:
-        basis = np.asarray(basis, dtype=np.float64)
-        if basis.shape != (info.d, info.d) or not np.isfinite(basis).all() or np.linalg.cond(basis) > 1e12:
-            raise InputError(f"the basis must be an invertible ({info.d}, {info.d}) array", path)
+    A = _basis_option(basis, info.d, path)
+    if A is None:
+        A = estimate_basis(info)
     lo, hi = shard_span(info.n_samples, shard, path)
     size = chunk_size or default_chunk_size(info)
     if map is None and workers <= 1 and scheduler is None:
         check_memory(info.d, path=path)
-        feats = reduce_span(info, (lo, hi), size, progress=progress, normalize=normalize, basis=basis)
+
+        def run(A: np.ndarray) -> Features:
+            return reduce_span(info, (lo, hi), size, progress=progress, normalize=normalize, basis=A,
+                               finalize=False)
+        feats = _in_whitening(run, A)
     else:
         with parallel.make_map(workers=workers, scheduler=scheduler, map=map) as pmap:
             check_memory(info.d, copies=pmap.local_copies, path=path)
             # workers (possibly on other hosts) open the file themselves: give them an absolute path
             winfo = replace(info, path=os.path.abspath(info.path))
-            feats = reduce_spans(winfo, work_spans(lo, hi, size, pmap.n_workers), map=pmap,
-                                 chunk_size=size, progress=progress, normalize=normalize, basis=basis)
+            spans_ = work_spans(lo, hi, size, pmap.n_workers)
+
+            def run(A: np.ndarray) -> Features:
+                return reduce_spans(winfo, spans_, map=pmap, chunk_size=size, progress=progress,
+                                    normalize=normalize, basis=A, finalize=False)
+            feats = _in_whitening(run, A)
     if feats.n_samples == 0:
         raise InputError(f"every weight of samples {lo}..{hi} is 0: there is no sample to learn from", path)
+    feats.finalize()
+    check_overflow(feats, f"samples {lo}..{hi}", path)
     feats.sample_range = (lo, hi)
     feats.token_dtype = info.dtype
     feats.source = dict(formats.source_identity(path), n_samples=info.n_samples)
     if shard is not None:
         feats.extra_attrs["shard"] = f"{shard[0]}/{shard[1]}"
     return feats
+
+
+def _in_whitening(run: Callable[[np.ndarray], Features], A: np.ndarray) -> Features:
+    """run(A) (a pass accumulating in basis A), verified against the whitening of the data it read.
+
+    The sums are changed exactly to that whitening when the change is well conditioned; otherwise
+    the pass is redone once in it (its float32 rounding then needs only a tiny exact change).
+    """
+    feats = run(A)
+    C, cond = feats.correction()
+    if C is not None and cond > basis_mod.CHANGE_COND:
+        feats = run((feats.basis @ C).astype(np.float32).astype(np.float64))
+    return feats.canonical()
 
 
 def shard_span(n: int, shard: tuple[int, int] | None, path: str | os.PathLike | None = None) -> tuple[int, int]:

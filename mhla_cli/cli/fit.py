@@ -11,8 +11,8 @@ from .. import formats
 from ..errors import InputError
 from ..folds import load_folds, load_for_cv
 from ..export import heads_format, save_heads
-from ..learn import export_heads, fit
-from ..lowrank import convergence_warning, fewest_message, hit_limit, solver_warnings
+from ..learn import export_heads, fit, fit_warnings
+from ..lowrank import convergence_warning, fewest_message, hit_limit
 from ..model import Model, load_function
 from ..spectrum import plot_spectrum, spectrum, text_histogram
 from ..tokens import inspect_tokens
@@ -83,14 +83,8 @@ def fit_cmd(
             + (f" (CV over {info['n_folds']} folds chose {info['cv']['chosen']:.4g})" if "cv" in info else "")
             + (f"; head strengths ||V_h|| ||Q_h|| = {', '.join(fmt(x) for x in info['head_norms'])}"
                if "head_norms" in info else ""), quiet)
-        for w in solver_warnings(info):
-            warn(w)
-    elif not info["identifiable"]:
-        warn("the data do not determine the function (gram is singular or N < psi): this is the "
-             + ("ridge-regularised" if ridge > 0 else "minimum-norm") + " solution; see `mhla certify`")
-    elif info["condition_number"] > 1e10:
-        warn(f"ill-conditioned solve (condition number {fmt(info['condition_number'])})"
-             + ("" if ridge > 0 else "; consider --ridge"))
+    for w in fit_warnings(info):
+        warn(w)
     if json_out:
         emit_json(info)
 

@@ -1,0 +1,410 @@
+"""`Features`: the sufficient statistics of a dataset (sums over samples), their algebra and their file.
+
+Every field is a sum over samples, so the statistics of disjoint parts add up (`add`, `+`, `-`).
+Beside the sums on the tokens' own features (`gram`, `moments`, ...) a Features holds the same sums
+on the canonical features of the whitened tokens X A (mhla_cli.basis): `basis_gram` =
+sum Ht Ht^T, `basis_moments` = sum Ht y^T, `basis_token_gram` = A^T token_gram A and
+`basis_last_token_gram` = A^T last_token_gram A, accumulated from the transformed tokens. The
+certificate and the fit read only these (`solver_stats`), after `canonical` has made A the
+whitening of the data's own token Gram (A^T G A = I, G = token_gram / n_tokens).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+import h5py
+import numpy as np
+
+from . import basis as basis_mod
+from . import formats
+from .errors import InputError
+from .features import n_features
+from .formats import read_normalize
+
+# Attributes of a features file kept in `Features.extra_attrs` when it is loaded: which shard of
+# the source it holds, and for a partial merge the sample ranges it covers (JSON).
+EXTRA_ATTRS = ("shard", "sample_ranges", "partial")
+# mhla format version from which basis_gram / basis_moments are canonical (orthonormal coordinates,
+# basis = the whitening of the file's own token Gram); version 2 stored upper-triangle coordinates.
+CANONICAL_FORMAT = 3
+
+
+@dataclass
+class Features:
+    """Sufficient statistics of a dataset (sums over samples, float64).
+
+    gram = sum_i H_i H_i^T (psi, psi); moments = sum_i H_i y_i^T (psi, d); target_gram =
+    sum_i y_i y_i^T; token_gram = sum over samples of w S (for last-token data without weights: the
+    sum of x x^T over all tokens); last_token_gram = sum_i w_i x_n x_n^T. The basis_* sums are the
+    same on the canonical features of X A (module docstring).
+    """
+
+    d: int
+    n_samples: int
+    n_tokens: int
+    gram: np.ndarray | None
+    token_gram: np.ndarray
+    last_token_gram: np.ndarray
+    moments: np.ndarray | None = None
+    target_gram: np.ndarray | None = None
+    token_dtype: str = "float64"
+    sample_range: tuple[int, int] | None = None
+    source: dict[str, Any] | None = None
+    extra_attrs: dict[str, Any] = field(default_factory=dict)
+    # The basis A (tokens X A) and the sums of the canonical features there. None: only the own
+    # sums are known (format version 1, per-fold sums); `ensure_basis` then takes A = I.
+    basis: np.ndarray | None = None
+    basis_gram: np.ndarray | None = None
+    basis_moments: np.ndarray | None = None
+    basis_token_gram: np.ndarray | None = None
+    basis_last_token_gram: np.ndarray | None = None
+    # Causal mode: every weighted prefix X[:t] was a sample (docs/formats.md, "per-position data").
+    per_position: bool = False
+    # "none", or "length": S divided by the number of tokens of the prefix / sequence.
+    normalize: str = "none"
+    # Sequences read (the unit of sample ranges and shards); None when unknown (older files).
+    n_sequences: int | None = None
+
+    # The sums on the tokens' own features (docs/formats.md), and those in the basis.
+    SUMS = ("gram", "moments", "target_gram", "token_gram", "last_token_gram")
+    BASIS_SUMS = ("basis_gram", "basis_moments", "basis_token_gram", "basis_last_token_gram")
+
+    @property
+    def n_features(self) -> int:
+        return n_features(self.d)
+
+    @property
+    def has_targets(self) -> bool:
+        return self.target_gram is not None
+
+    @property
+    def lambda_d(self) -> np.ndarray:
+        """Lambda_D = gram / N on the tokens' own features (the certificate uses `solver_stats`)."""
+        self.finalize()
+        return self.gram / max(self.n_samples, 1)
+
+    # ---------------------------------------------------------------- the basis
+    def ensure_basis(self) -> Features:
+        """Give statistics known only on the own features the basis A = I (canonical coordinates)."""
+        if self.basis is None:
+            eye = np.eye(self.d)
+            self.basis = eye
+            self.basis_gram = basis_mod.gram_to_basis(eye, self.gram)
+            self.basis_moments = None if self.moments is None else basis_mod.features_to_basis(eye, self.moments)
+            self.basis_token_gram = self.token_gram.copy()
+            self.basis_last_token_gram = self.last_token_gram.copy()
+        return self
+
+    def change_basis(self, C: np.ndarray) -> Features:
+        """In place: the basis sums of X A -> of X A C (exact up to rounding; the own sums stay)."""
+        self.ensure_basis()
+        self.basis_gram, self.basis_moments = basis_mod.change_by(C, self.basis_gram, self.basis_moments)
+        self.basis_token_gram = C.T @ self.basis_token_gram @ C
+        self.basis_last_token_gram = C.T @ self.basis_last_token_gram @ C
+        self.basis = self.basis @ C
+        return self
+
+    def to_basis(self, A: np.ndarray) -> Features:
+        """In place: the basis sums in basis A."""
+        self.ensure_basis()
+        if not basis_mod.same(self.basis, A):
+            self.change_basis(basis_mod.transition(self.basis, A))
+            self.basis = np.array(A, dtype=np.float64)
+        return self
+
+    def correction(self) -> tuple[np.ndarray | None, float]:
+        """(C, cond C) that makes the basis the whitening of the data (None: it already is)."""
+        self.ensure_basis()
+        return basis_mod.correction(self.basis_token_gram, self.n_tokens)
+
+    def canonical(self) -> Features:
+        """In place: the basis becomes the whitening of this data's token Gram (A^T G A = I); returns self."""
+        C, _ = self.correction()
+        if C is not None:
+            self.change_basis(C)
+        return self
+
+    def solver_stats(self) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+        """(A, gram_b, moments_b): the canonical basis and the sums of the canonical features there."""
+        self.canonical()
+        return self.basis, self.basis_gram, self.basis_moments  # type: ignore[return-value]
+
+    def finalize(self) -> Features:
+        """Derive `gram` and `moments` (tokens' own coordinates) from the basis sums, if not yet done."""
+        if self.gram is None:
+            with np.errstate(over="ignore", invalid="ignore"):
+                self.gram = basis_mod.gram_from_basis(self.basis, self.basis_gram)
+                if self.basis_moments is not None:
+                    self.moments = basis_mod.features_from_basis(self.basis, self.basis_moments)
+            check_overflow(self, "the data", None)
+        return self
+
+    def datasets(self) -> dict[str, np.ndarray | None]:
+        """The datasets of a features file (docs/formats.md)."""
+        self.finalize()
+        self.canonical()
+        data = {"gram": self.gram, "moments": self.moments, "target_gram": self.target_gram,
+                "token_gram": self.token_gram, "last_token_gram": self.last_token_gram}
+        data.update(basis=self.basis, **{k: getattr(self, k) for k in self.BASIS_SUMS})
+        return data
+
+    # ---------------------------------------------------------------- algebra
+    def add(self, other: Features) -> Features:
+        """self += other (counts and every sum), in place; returns self."""
+        add_into(self, other)
+        return self
+
+    def __sub__(self, part: Features) -> Features:
+        """Statistics of the samples in `self` but not in `part` (every sum subtracts)."""
+        self.finalize()
+        part.finalize()
+        out = Features(d=self.d, n_samples=self.n_samples - part.n_samples, n_tokens=self.n_tokens - part.n_tokens,
+                       token_dtype=self.token_dtype, normalize=self.normalize, per_position=self.per_position,
+                       **{k: None if getattr(self, k) is None else getattr(self, k) - getattr(part, k)
+                          for k in self.SUMS})
+        if self.basis is not None and part.basis is not None:
+            other = part.copy().to_basis(self.basis)
+            out.basis = self.basis
+            for k in self.BASIS_SUMS:
+                a, b = getattr(self, k), getattr(other, k)
+                setattr(out, k, None if a is None else a - b)
+        return out
+
+    def __add__(self, other: Features) -> Features:
+        total = Features.zeros(self.d, self.has_targets,
+                               self.token_dtype if self.token_dtype == other.token_dtype else "float64")
+        total.normalize, total.per_position = self.normalize, self.per_position
+        total.n_sequences = 0 if self.n_sequences is not None and other.n_sequences is not None else None
+        add_into(total, self)
+        add_into(total, other)
+        if self.sample_range and other.sample_range:
+            total.sample_range = (min(self.sample_range[0], other.sample_range[0]),
+                                  max(self.sample_range[1], other.sample_range[1]))
+        total.source = self.source
+        return total
+
+    def copy(self) -> Features:
+        """A deep copy of the sums (metadata shared)."""
+        arrays = {k: None if getattr(self, k) is None else np.array(getattr(self, k))
+                  for k in (*self.SUMS, "basis", *self.BASIS_SUMS)}
+        return Features(d=self.d, n_samples=self.n_samples, n_tokens=self.n_tokens, token_dtype=self.token_dtype,
+                        sample_range=self.sample_range, source=self.source, extra_attrs=dict(self.extra_attrs),
+                        per_position=self.per_position, normalize=self.normalize, n_sequences=self.n_sequences,
+                        **arrays)
+
+    @classmethod
+    def zeros(cls, d: int, has_targets: bool, token_dtype: str = "float64") -> Features:
+        psi = n_features(d)
+        return cls(d=d, n_samples=0, n_tokens=0, gram=np.zeros((psi, psi)),
+                   token_gram=np.zeros((d, d)), last_token_gram=np.zeros((d, d)),
+                   moments=np.zeros((psi, d)) if has_targets else None,
+                   target_gram=np.zeros((d, d)) if has_targets else None, token_dtype=token_dtype)
+
+    # ---------------------------------------------------------------- persistence
+    def save(self, path: str | os.PathLike, inputs: tuple[str | os.PathLike, ...] = (),
+             extra: dict[str, np.ndarray] | None = None, extra_attrs: dict[str, Any] | None = None) -> None:
+        """Write a features file atomically (`extra` datasets and attributes beside, e.g. per-fold sums)."""
+        formats.write_file(path, "features", {**self.datasets(), **(extra or {})},
+                           {**self.file_attrs(), **(extra_attrs or {})}, inputs)
+
+    def file_attrs(self) -> dict[str, Any]:
+        """The attributes of a features file (docs/formats.md)."""
+        attrs: dict[str, Any] = {"d": self.d, "n_samples": self.n_samples, "n_tokens": self.n_tokens,
+                                 "n_features": self.n_features, "token_dtype": self.token_dtype}
+        if self.sample_range is not None:
+            attrs["sample_lo"], attrs["sample_hi"] = self.sample_range
+        if self.source is not None:
+            attrs["source"] = json.dumps(self.source)
+        attrs["normalize"] = self.normalize
+        attrs["per_position"] = int(self.per_position)
+        if self.n_sequences is not None:
+            attrs["n_sequences"] = int(self.n_sequences)
+        attrs.update(self.extra_attrs)
+        return attrs
+
+    @classmethod
+    def load(cls, path: str | os.PathLike) -> Features:
+        """Read and validate a features file."""
+        with formats.open_input(path) as f:
+            formats.expect_kind(f, path, "features")
+            d = formats.read_attr_int(f, "d", path)
+            n = formats.read_attr_int(f, "n_samples", path)
+            t = formats.read_attr_int(f, "n_tokens", path)
+            psi = n_features(d)
+            gram = formats.read_array(f, "gram", path).astype(np.float64, copy=False)
+            if gram.shape != (psi, psi):
+                raise InputError(f"'gram' has shape {gram.shape}, expected (psi, psi) = ({psi}, {psi}) "
+                                 f"for d = {d}", path)
+            if not np.isfinite(gram).all():
+                raise InputError("'gram' contains NaN or Inf", path)
+            if not _is_symmetric(gram):
+                raise InputError("'gram' is not symmetric; the file is corrupted", path)
+            tg = formats.read_array(f, "token_gram", path).astype(np.float64)
+            lg = formats.read_array(f, "last_token_gram", path).astype(np.float64)
+            for name, arr in (("token_gram", tg), ("last_token_gram", lg)):
+                if arr.shape != (d, d):
+                    raise InputError(f"'{name}' has shape {arr.shape}, expected ({d}, {d})", path)
+            moments = target_gram = None
+            if "moments" in f:
+                moments = formats.read_array(f, "moments", path).astype(np.float64, copy=False)
+                if moments.shape != (psi, d):
+                    raise InputError(f"'moments' has shape {moments.shape}, expected ({psi}, {d})", path)
+                if "target_gram" not in f:
+                    raise InputError("has 'moments' but no 'target_gram'", path)
+                target_gram = formats.read_array(f, "target_gram", path).astype(np.float64)
+                if target_gram.shape != (d, d):
+                    raise InputError(f"'target_gram' has shape {target_gram.shape}, expected ({d}, {d})", path)
+            if n < 1:
+                raise InputError(f"n_samples = {n}: no samples", path)
+            rng = None
+            if "sample_lo" in f.attrs and "sample_hi" in f.attrs:
+                rng = (int(f.attrs["sample_lo"]), int(f.attrs["sample_hi"]))
+            source = json.loads(f.attrs["source"]) if "source" in f.attrs else None
+            sums = _load_basis(f, path, d, moments is not None, tg, lg)
+            dtype = f.attrs.get("token_dtype", "float64")
+            dtype = dtype.decode() if isinstance(dtype, bytes) else str(dtype)
+            normalize = read_normalize(f, path)
+            per_position = bool(int(f.attrs.get("per_position", 0)))
+            n_seq = int(f.attrs["n_sequences"]) if "n_sequences" in f.attrs else None
+            extra = {}
+            for k in EXTRA_ATTRS:
+                if k in f.attrs:
+                    v = f.attrs[k]
+                    extra[k] = v.decode() if isinstance(v, bytes) else (v.item() if hasattr(v, "item") else v)
+        return cls(d=d, n_samples=n, n_tokens=t, gram=gram, token_gram=tg, last_token_gram=lg,
+                   moments=moments, target_gram=target_gram, token_dtype=dtype, sample_range=rng,
+                   source=source, extra_attrs=extra, per_position=per_position, normalize=normalize,
+                   n_sequences=n_seq, **sums)
+
+
+def _load_basis(f: h5py.File, path: str | os.PathLike, d: int, has_targets: bool, tg: np.ndarray,
+                lg: np.ndarray) -> dict[str, np.ndarray | None]:
+    """The basis and its canonical sums; {} for version-1 files (`ensure_basis` derives them).
+
+    Version-2 files stored basis_gram / basis_moments in upper-triangle coordinates and no basis token
+    Grams: they are converted here (D gram D, D moments; A^T G A).
+    """
+    names = [k for k in ("basis", *Features.BASIS_SUMS) if k in f]
+    if not names:
+        return {}
+    version = int(f.attrs.get("mhla_format_version", 2))
+    need = ["basis", "basis_gram"] + (["basis_moments"] if has_targets else [])
+    if version >= CANONICAL_FORMAT:
+        need += ["basis_token_gram", "basis_last_token_gram"]
+    missing = [k for k in need if k not in f]
+    if missing:
+        raise InputError(f"has {', '.join(names)} but no {', '.join(missing)}; the file is incomplete", path)
+    psi = n_features(d)
+    A = formats.read_array(f, "basis", path).astype(np.float64)
+    if A.shape != (d, d):
+        raise InputError(f"'basis' has shape {A.shape}, expected ({d}, {d})", path)
+    if not np.isfinite(A).all() or not np.isfinite(np.linalg.cond(A)) or np.linalg.cond(A) > 1e12:
+        raise InputError("'basis' is singular; the file is corrupted", path)
+    gb = formats.read_array(f, "basis_gram", path).astype(np.float64)
+    if gb.shape != (psi, psi):
+        raise InputError(f"'basis_gram' has shape {gb.shape}, expected ({psi}, {psi})", path)
+    if not np.isfinite(gb).all():
+        raise InputError("'basis_gram' contains NaN or Inf", path)
+    if not _is_symmetric(gb):
+        raise InputError("'basis_gram' is not symmetric; the file is corrupted", path)
+    mb = None
+    if has_targets:
+        mb = formats.read_array(f, "basis_moments", path).astype(np.float64)
+        if mb.shape != (psi, d):
+            raise InputError(f"'basis_moments' has shape {mb.shape}, expected ({psi}, {d})", path)
+    if version < CANONICAL_FORMAT:
+        D = basis_mod.feature_scale(d)
+        gb = gb * D[:, None] * D[None, :]
+        mb = None if mb is None else mb * D[:, None]
+        btg, blg = A.T @ tg @ A, A.T @ lg @ A
+    else:
+        btg = formats.read_array(f, "basis_token_gram", path).astype(np.float64)
+        blg = formats.read_array(f, "basis_last_token_gram", path).astype(np.float64)
+        for name, arr in (("basis_token_gram", btg), ("basis_last_token_gram", blg)):
+            if arr.shape != (d, d) or not np.isfinite(arr).all():
+                raise InputError(f"'{name}' has shape {arr.shape} or non-finite values, expected finite ({d}, {d})",
+                                 path)
+    return {"basis": A, "basis_gram": gb, "basis_moments": mb, "basis_token_gram": btg,
+            "basis_last_token_gram": blg}
+
+
+def _is_symmetric(a: np.ndarray, block: int = 1024) -> bool:
+    """a == a.T up to 1e-12 of its largest entry (checked in row blocks: no psi x psi temporaries)."""
+    if not a.size:
+        return True
+    tol = 1e-12 * float(np.abs(a).max())
+    for lo in range(0, a.shape[0], block):
+        hi = min(a.shape[0], lo + block)
+        if float(np.abs(a[lo:hi] - a[:, lo:hi].T).max()) > tol:
+            return False
+    return True
+
+
+def check_overflow(feats: Features, what: str, path: str | os.PathLike | None) -> None:
+    """Refuse statistics that overflowed float64."""
+    arrays = [feats.gram, feats.moments, feats.basis_gram, feats.basis_moments, feats.target_gram]
+    if not all(a is None or np.isfinite(a).all() for a in arrays):
+        raise InputError(f"the statistics of {what} overflow float64 (tokens or targets too large); "
+                         "rescale the data", path)
+
+
+def add_into(acc: Features, part: Features) -> None:
+    """acc += part (counts and every sum), in place.
+
+    Parts in the same basis add exactly. Otherwise both are changed into the whitening of their sum
+    (each change is well conditioned: a part's basis suits its own data, and the sum's whitening
+    shrinks or grows a part's directions by at most the inverse of its share of the tokens); an
+    empty acc (Features.zeros) adopts the part's basis.
+    """
+    if part.d != acc.d:
+        raise InputError(f"cannot add statistics of d = {acc.d} and d = {part.d}")
+    if part.has_targets != acc.has_targets:
+        raise InputError("cannot add statistics with and without targets")
+    if part.normalize != acc.normalize:
+        raise InputError(f"cannot add statistics with different normalisations ({acc.normalize} and "
+                         f"{part.normalize}): featurize every part with the same normalisation")
+    if part.per_position != acc.per_position:
+        raise InputError("cannot add per-position (causal) statistics to last-token statistics")
+    acc.n_sequences = None if acc.n_sequences is None or part.n_sequences is None \
+        else acc.n_sequences + part.n_sequences
+    empty = acc.n_samples == 0 and acc.n_tokens == 0 and (acc.gram is None or not acc.gram.any())
+    if acc.basis is None and part.basis is None:
+        pass  # own sums only
+    elif empty and acc.basis is None:
+        acc.basis = np.array(part.basis)
+        for k in Features.BASIS_SUMS:
+            v = getattr(part, k)
+            setattr(acc, k, None if v is None else np.zeros_like(v))
+    else:
+        acc.ensure_basis()
+        if part.basis is None:
+            part = part.copy().ensure_basis()
+        if not basis_mod.same(acc.basis, part.basis):
+            part = part.copy()
+            # the token Gram of the sum in acc's basis (X A_acc = X A_part Cp), then its whitening A_acc C
+            Cp = basis_mod.transition(part.basis, acc.basis)
+            G = acc.basis_token_gram + Cp.T @ part.basis_token_gram @ Cp
+            C = basis_mod.whitening(G, acc.n_tokens + part.n_tokens, round32=False)
+            acc.change_basis(C)
+            part.to_basis(acc.basis)
+    if acc.basis is not None:
+        for k in Features.BASIS_SUMS:
+            a = getattr(acc, k)
+            if a is not None:
+                a += getattr(part, k)
+    acc.n_samples += part.n_samples
+    acc.n_tokens += part.n_tokens
+    if acc.gram is not None and part.gram is not None:
+        acc.gram += part.gram
+        if acc.moments is not None and part.moments is not None:
+            acc.moments += part.moments
+    else:  # derived from the basis sums by finalize()
+        acc.gram = acc.moments = None
+    acc.token_gram += part.token_gram
+    acc.last_token_gram += part.last_token_gram
+    if acc.target_gram is not None:
+        acc.target_gram += part.target_gram
