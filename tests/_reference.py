@@ -1,0 +1,92 @@
+"""Independent references in plain numpy on materialised features (never mhla_cli's own kernels).
+
+The canonical certificate (docs/formats.md, "The canonical certificate"): tokens whitened with
+G = token_gram / n_tokens (token_gram = sum over samples of w S, S the sample's unnormalised
+X^T X), features of the whitened tokens in orthonormal coordinates (sqrt 2 on S[j,k], j < k),
+Lambda~ = (1/N) sum_i w_i Ht_i Ht_i^T over the N samples of weight > 0.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+def features(X: np.ndarray, normalize: str = "none") -> np.ndarray:
+    """H(X): S[j,k] x_n[l] for j <= k, l fastest (S / n with normalize="length")."""
+    X = np.asarray(X, dtype=np.float64)
+    d = X.shape[1]
+    S = X.T @ X / (X.shape[0] if normalize == "length" else 1.0)
+    return np.array([S[j, k] * X[-1, l] for j in range(d) for k in range(j, d) for l in range(d)])
+
+
+def canonical_features(X: np.ndarray, normalize: str = "none") -> np.ndarray:
+    """Ht(X): S[j,j] and sqrt(2) S[j,k] (j < k), times x_n[l] (orthonormal coordinates)."""
+    X = np.asarray(X, dtype=np.float64)
+    d = X.shape[1]
+    S = X.T @ X / (X.shape[0] if normalize == "length" else 1.0)
+    return np.array([S[j, k] * (1.0 if j == k else np.sqrt(2.0)) * X[-1, l]
+                     for j in range(d) for k in range(j, d) for l in range(d)])
+
+
+def samples(tokens: np.ndarray, offsets: np.ndarray, per_position: bool = False,
+            weights: np.ndarray | None = None) -> list[tuple[np.ndarray, float, int]]:
+    """Every sample as (its tokens X, its weight, its row in the targets)."""
+    out = []
+    row = 0
+    for i, (a, b) in enumerate(zip(offsets[:-1], offsets[1:])):
+        if per_position:
+            for t in range(a, b):
+                out.append((tokens[a:t + 1], 1.0 if weights is None else float(weights[t]), t))
+        else:
+            out.append((tokens[a:b], 1.0 if weights is None else float(weights[i]), i))
+        row += 1
+    return out
+
+
+def inv_sqrt(G: np.ndarray) -> np.ndarray:
+    """The symmetric inverse square root of an SPD matrix (numpy's eigh)."""
+    w, V = np.linalg.eigh(0.5 * (G + G.T))
+    return (V / np.sqrt(w)) @ V.T
+
+
+def canonical(tokens: np.ndarray, offsets: np.ndarray, targets: np.ndarray | None = None,
+              per_position: bool = False, weights: np.ndarray | None = None,
+              normalize: str = "none") -> dict[str, np.ndarray]:
+    """Lambda~, its eigenvalues, the canonical moments and the whitening A, materialised."""
+    tokens = np.asarray(tokens, dtype=np.float64)
+    smp = samples(tokens, offsets, per_position, weights)
+    G = sum(w * X.T @ X for X, w, _ in smp) / tokens.shape[0]
+    A = inv_sqrt(G)
+    rows = [(canonical_features(X @ A, normalize), w, r) for X, w, r in smp if w > 0]
+    Ht = np.stack([h for h, _, _ in rows])
+    w = np.array([w for _, w, _ in rows])
+    N = len(rows)
+    lam = (Ht * w[:, None]).T @ Ht / N
+    out = {"lambda": lam, "eigenvalues": np.linalg.eigvalsh(lam), "A": A, "Ht": Ht, "w": w, "N": N}
+    if targets is not None:
+        y = np.asarray(targets, dtype=np.float64)[[r for _, _, r in rows]]
+        out["moments"] = (Ht * w[:, None]).T @ y / N
+        out["y"] = y
+    return out
+
+
+def min_norm_function(ref: dict[str, np.ndarray], rcond: float = 1e-10) -> np.ndarray:
+    """The minimum-norm least-squares p_b on the canonical features (numpy's lstsq, weighted)."""
+    sw = np.sqrt(ref["w"])[:, None]
+    return np.linalg.lstsq(ref["Ht"] * sw, ref["y"] * sw, rcond=rcond)[0].T
+
+
+def predict_canonical(pb: np.ndarray, A: np.ndarray, Zs: list[np.ndarray], normalize: str = "none") -> np.ndarray:
+    """Outputs of the canonical coefficients p_b on inputs Z (in the tokens' own coordinates)."""
+    return np.stack([pb @ canonical_features(Z @ A, normalize) for Z in Zs])
+
+
+def predict_own(p: np.ndarray, Zs: list[np.ndarray], normalize: str = "none") -> np.ndarray:
+    """Outputs of coefficients p on the own features H(Z)."""
+    return np.stack([p @ features(Z, normalize) for Z in Zs])
+
+
+def ratio(a: np.ndarray, b: np.ndarray) -> float:
+    """||a - b|| / ||b|| (max norm), the scaled error that tests compare with a tolerance."""
+    a, b = np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64)
+    return float(np.abs(a - b).max() / max(np.abs(b).max(), 1e-300))
