@@ -39,7 +39,7 @@ def fit(feats: Features, ridge: float = 0.0, heads: int | str | None = None, nuc
     return model
 
 
-def fit_warnings(info: dict[str, Any]) -> list[str]:
+def fit_warnings(info: dict[str, Any], ridge_name: str = "a ridge penalty") -> list[str]:
     """The warnings a fit deserves (the CLI prints them, the estimator raises them with warnings.warn).
 
     Low-rank fits: their solver records; least squares: data that do not determine the function
@@ -55,7 +55,7 @@ def fit_warnings(info: dict[str, Any]) -> list[str]:
                 + ("ridge-regularised" if ridge > 0 else "minimum-norm") + " solution; see `mhla certify`"]
     if info["condition_number"] > ILL_CONDITIONED:
         return [f"ill-conditioned solve (condition number {info['condition_number']:.4g})"
-                + ("" if ridge > 0 else "; consider a ridge penalty")]
+                + ("" if ridge > 0 else f"; consider {ridge_name}")]
     return []
 
 

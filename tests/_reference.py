@@ -90,3 +90,8 @@ def ratio(a: np.ndarray, b: np.ndarray) -> float:
     """||a - b|| / ||b|| (max norm), the scaled error that tests compare with a tolerance."""
     a, b = np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64)
     return float(np.abs(a - b).max() / max(np.abs(b).max(), 1e-300))
+
+
+def ridge_function(ref: dict[str, np.ndarray], lam: float) -> np.ndarray:
+    """p_b solving (Lambda~ + lam I) p_b^T = m~ on the materialised canonical features."""
+    return np.linalg.solve(ref["lambda"] + lam * np.eye(ref["lambda"].shape[0]), ref["moments"]).T

@@ -1,6 +1,7 @@
-"""The solver basis (mhla_cli.basis): exact maps, and certify / fit invariant to the token units.
+"""The canonical basis (mhla_cli.basis): exact maps, and certify / fit invariant to the token units.
 
-References are plain numpy on materialised features (`_features`), never mhla_cli.features.
+References are plain numpy on materialised features (`_features`, tests/_reference.py), never
+mhla_cli.features.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import h5py
 import numpy as np
 import pytest
 
+from _reference import canonical_features
 from mhla_cli import basis, synthetic
 from mhla_cli.cli import run
 from mhla_cli.merge import merge_features
@@ -41,7 +43,7 @@ def test_maps_match_materialised_features() -> None:
     A = rng.standard_normal((d, d))
     Xs = [rng.standard_normal((n, d)) for n in (1, 2, 5, 9)]
     H = np.stack([_features(X) for X in Xs], axis=1)
-    Hb = np.stack([_features(X @ A) for X in Xs], axis=1)
+    Hb = np.stack([canonical_features(X @ A) for X in Xs], axis=1)  # orthonormal coordinates
     assert np.abs(basis.features_to_basis(A, H) - Hb).max() < 1e-12 * np.abs(Hb).max()
     assert np.abs(basis.features_from_basis(A, Hb) - H).max() < 1e-12 * np.abs(H).max()
     assert np.abs(basis.feature_map(A) @ H - Hb).max() < 1e-12 * np.abs(Hb).max()
@@ -52,6 +54,26 @@ def test_maps_match_materialised_features() -> None:
     assert np.abs(basis.coef_to_basis(A, p) - pb).max() < 1e-12 * np.abs(pb).max()
     G = basis.gram_from_basis(A, Hb @ Hb.T)
     assert np.abs(G - H @ H.T).max() < 1e-11 * np.abs(H @ H.T).max()
+    Gb = basis.gram_to_basis(A, H @ H.T)
+    assert np.abs(Gb - Hb @ Hb.T).max() < 1e-11 * np.abs(Hb @ Hb.T).max()
+    # one canonical basis to another: Ht(X A C) = O_C Ht(X A)
+    C = rng.standard_normal((d, d))
+    Hc = np.stack([canonical_features(X @ A @ C) for X in Xs], axis=1)
+    g, m = basis.change_by(C, Hb @ Hb.T, Hb[:, :2].copy())
+    assert np.abs(g - Hc @ Hc.T).max() < 1e-11 * np.abs(Hc @ Hc.T).max()
+    assert np.abs(m - Hc[:, :2]).max() < 1e-12 * np.abs(Hc).max()
+
+
+def test_orthonormal_coordinates_make_rotations_orthogonal() -> None:
+    """For an orthogonal M the canonical feature map is orthogonal (the spectrum cannot move)."""
+    rng = np.random.default_rng(9)
+    for d in (2, 3, 5):
+        M = np.linalg.qr(rng.standard_normal((d, d)))[0]
+        O = np.kron(basis.orth_pair_map(M), M.T)
+        assert np.abs(O @ O.T - np.eye(O.shape[0])).max() < 1e-13
+        # and not in the upper-triangle coordinates of H (the old spectrum moved with rotations)
+        P = basis.feature_map(M) / basis.feature_scale(d)[:, None]
+        assert np.abs(P @ P.T - np.eye(P.shape[0])).max() > 1e-3
 
 
 def test_whitening_is_float32_valued_and_whitens() -> None:
@@ -161,7 +183,7 @@ def test_observed_domain_verdict_invariant_for_subspace_tokens(tmp_path: Path) -
     assert out[0] == out[1] == (False, True, 2, 2)
 
 
-def test_shards_merge_and_chunks_share_the_basis(teacher_data, tmp_path: Path) -> None:
+def test_shards_merge_and_chunks_end_in_the_whitening_of_the_data(teacher_data, tmp_path: Path) -> None:
     ds, _ = teacher_data
     data = tmp_path / "data.h5"
     with h5py.File(data, "w") as f:
@@ -172,15 +194,19 @@ def test_shards_merge_and_chunks_share_the_basis(teacher_data, tmp_path: Path) -
     parts = []
     for i in range(3):
         part = featurize(data, shard=(i, 3), chunk_size=17)
-        assert np.array_equal(part.basis, whole.basis)  # one basis, estimated from the whole file
         parts.append(tmp_path / f"p{i}.h5")
         part.save(parts[-1])
     merged, _ = merge_features(parts)
-    for name in ("basis_gram", "basis_moments", "gram", "moments", "token_gram", "last_token_gram"):
+    for name in ("gram", "moments", "token_gram", "last_token_gram"):
         a, b = getattr(merged, name), getattr(whole, name)
-        assert np.abs(a - b).max() <= 1e-12 * np.abs(b).max(), name
+        assert np.abs(a - b).max() <= 1e-9 * np.abs(b).max(), name
+    for f in (whole, merged):  # the basis whitens the data's token Gram
+        G = f.basis.T @ (f.token_gram / f.n_tokens) @ f.basis
+        assert np.abs(G - np.eye(3)).max() < 1e-6
+    a, b = certify(merged), certify(whole)
+    assert abs(a.lambda_min - b.lambda_min) <= 1e-9 * b.lambda_max and a.rank == b.rank
     np.testing.assert_allclose(fit(merged).coef, fit(whole).coef, rtol=0,
-                               atol=1e-9 * np.abs(fit(whole).coef).max())
+                               atol=1e-7 * np.abs(fit(whole).coef).max())
 
 
 def test_features_file_round_trip_and_version_1(teacher_data, tmp_path: Path) -> None:
@@ -191,15 +217,31 @@ def test_features_file_round_trip_and_version_1(teacher_data, tmp_path: Path) ->
     path = tmp_path / "f.h5"
     feats.save(path)
     with h5py.File(path) as f:
-        assert int(f.attrs["mhla_format_version"]) == 2
-        assert {"basis", "basis_gram", "basis_moments", "gram", "moments"} <= set(f)
+        assert int(f.attrs["mhla_format_version"]) == 3
+        assert {"basis", "basis_gram", "basis_moments", "basis_token_gram", "basis_last_token_gram", "gram",
+                "moments"} <= set(f)
         # gram keeps its meaning: sum over samples of H H^T in the tokens' own coordinates
         F = np.stack([_features(ds.tokens[a:b]) for a, b in zip(ds.offsets[:-1], ds.offsets[1:])])
         assert np.abs(f["gram"][()] - F.T @ F).max() <= 1e-12 * np.abs(F.T @ F).max()
         assert np.abs(f["moments"][()] - F.T @ ds.targets).max() <= 1e-12 * np.abs(F.T @ ds.targets).max()
     back = Features.load(path)
     assert np.array_equal(back.basis, feats.basis) and np.array_equal(back.basis_gram, feats.basis_gram)
-    # a version-1 file (no basis): read, and solved in the tokens' own coordinates
+    assert certify(back).lambda_min == certify(feats).lambda_min  # canonical already: nothing changes
+    # a version-2 file (basis sums in upper-triangle coordinates, no basis token Grams): converted
+    v2 = tmp_path / "v2.h5"
+    D = basis.feature_scale(3)
+    with h5py.File(path) as f, h5py.File(v2, "w") as g:
+        for k in f:
+            if k not in ("basis_token_gram", "basis_last_token_gram"):
+                g[k] = f[k][()]
+        g["basis_gram"][...] = f["basis_gram"][()] / D[:, None] / D[None, :]
+        g["basis_moments"][...] = f["basis_moments"][()] / D[:, None]
+        for k, v in f.attrs.items():
+            g.attrs[k] = v
+        g.attrs["mhla_format_version"] = 2
+    c2, c3 = certify(Features.load(v2)), certify(feats)
+    assert abs(c2.lambda_min - c3.lambda_min) <= 1e-9 * c3.lambda_min
+    # a version-1 file (no basis): read, and changed to the canonical basis from the own sums
     old = tmp_path / "old.h5"
     with h5py.File(path) as f, h5py.File(old, "w") as g:
         for k in ("gram", "moments", "target_gram", "token_gram", "last_token_gram"):
@@ -208,7 +250,8 @@ def test_features_file_round_trip_and_version_1(teacher_data, tmp_path: Path) ->
             g.attrs[k] = v
         g.attrs["mhla_format_version"] = 1
     v1 = Features.load(old)
-    assert v1.basis is None and certify(v1).basis == "own"
+    assert v1.basis is None and certify(v1).basis == "canonical"
+    assert abs(certify(v1).lambda_min - c3.lambda_min) <= 1e-6 * c3.lambda_min
     np.testing.assert_allclose(fit(v1).coef, fit(feats).coef, rtol=0, atol=1e-8 * np.abs(fit(feats).coef).max())
     # a file with a basis but no basis_gram is refused
     bad = tmp_path / "bad.h5"

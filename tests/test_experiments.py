@@ -46,15 +46,16 @@ def test_fig2_certificate_separates_orthogonal_from_mixed_keys() -> None:
     assert mixed["identifiable_observed"] and mixed["lambda_min_observed"] > 1e-8 * mixed["lambda_max_observed"]
     assert not orth["identifiable_observed"]
     assert abs(orth["lambda_min_observed"]) < 1e-12 * orth["lambda_max_observed"]
-    # The minimum-norm fit equals the truth in both cases (the truth has no null-space component) ...
-    assert mixed["fit_distance"] < 1e-9 and orth["fit_distance"] < 1e-9
+    # Where the observed domain is identifiable the fit equals the truth there; on orthogonal keys the
+    # minimum-norm fit (in the canonical coordinates) is one of many zero-loss solutions ...
+    assert mixed["fit_distance_observed"] < 1e-9 and orth["fit_train_mse"] < 1e-20
     # ... but on orthogonal keys another zero-loss solution exists far from it, and it disagrees off the data.
     assert "witness" not in mixed
     w = orth["witness"]
     assert w["train_mse"] < 1e-20
     assert w["distance"] > 1.0
-    test, _ = synthetic.generate_assoc(4, 256, 0.0, seed=7)
-    assert fig2_assoc.mse_on(orth["_fit"], test) < 1e-20
+    # (the minimum-norm fit is taken in the canonical coordinates: off the data it need not be the
+    # teacher, whose p happens to have no null component in the tokens' own coordinates)
 
 
 def test_sample_complexity_certifies_exactly_at_psi() -> None:

@@ -8,6 +8,8 @@ from pathlib import Path
 
 import h5py
 import numpy as np
+
+from mhla_cli import basis
 import pytest
 
 from mhla_cli import synthetic
@@ -123,7 +125,7 @@ def test_badly_conditioned_full_rank(dtype: str, scale: float, tmp_path: Path) -
     assert 1e-11 < raw[-1] / raw[0] < 1e-9, raw[-1] / raw[0]
     assert raw[-1] / raw[0] < np.sqrt(EPS) and raw[-1] / raw[0] < np.finfo(np.float32).eps
     ratio = c.lambda_min / c.lambda_max
-    assert ratio > 1e-3 and c.basis == "whitened"
+    assert ratio > 1e-3 and c.basis == "canonical"
     assert c.lambda_min > 1e3 * c.threshold
 
 
@@ -218,12 +220,14 @@ def test_fit_reports_condition_and_ridge(tmp_path: Path, capsys) -> None:
     cap = capsys.readouterr()
     assert json.loads(cap.out)["condition_number"] > 1e10
     assert "ill-conditioned" in cap.err and "--ridge" in cap.err
-    # ridge: the penalised normal equations (gram/N + l I) p^T = moments/N hold, and the norm shrinks
+    # ridge: the penalised normal equations (Lambda~ + l I) p_b^T = m~ hold on the canonical sums
+    # (p_b = p M_A^-1), and the canonical norm shrinks
     feats = featurize(data)
-    p0 = fit(feats).coef
-    p1 = fit(feats, ridge=0.1).coef
-    lhs = (feats.gram / feats.n_samples + 0.1 * np.eye(feats.n_features)) @ p1.T
-    np.testing.assert_allclose(lhs, feats.moments / feats.n_samples, atol=1e-12 * np.abs(lhs).max())
+    A, gb, mb = feats.solver_stats()
+    p0 = basis.coef_to_basis(A, fit(feats).coef)
+    p1 = basis.coef_to_basis(A, fit(feats, ridge=0.1).coef)
+    lhs = (gb / feats.n_samples + 0.1 * np.eye(feats.n_features)) @ p1.T
+    np.testing.assert_allclose(lhs, mb / feats.n_samples, atol=1e-10 * np.abs(lhs).max())
     assert np.linalg.norm(p1) < np.linalg.norm(p0)
     assert run(["fit", str(data), "-o", str(out), "--ridge", "-1"]) == 2
     assert capsys.readouterr().err.startswith("mhla: error: ")

@@ -76,13 +76,15 @@ def test_on_matches_numpy_range_test(tmp_path: Path, capsys: pytest.CaptureFixtu
         seq, pos = f["sequence"][()], f["position"][()]
     assert np.array_equal(np.flatnonzero(res > 1e-8), und)
     assert np.array_equal(und, np.flatnonzero(ref_und))
-    # the residual values are relative components measured in the solver's whitened token basis A
-    # (as the certificate): the same range test on the features of Z A
+    # the residual values are relative components measured on the canonical features (as the
+    # certificate): the same range test on the features of Z A in orthonormal coordinates
+    from mhla_cli.basis import feature_scale
     from mhla_cli.stream import featurize
 
     A = featurize(train, normalize=normalize).basis
-    Htr_b = prefix_features(Xtr.reshape(-1, d) @ A, off_tr, normalize)
-    Hp_b = prefix_features(Xp.reshape(-1, d) @ A, np.arange(11) * n, normalize)[wp.reshape(-1) > 0]
+    D = feature_scale(d)
+    Htr_b = prefix_features(Xtr.reshape(-1, d) @ A, off_tr, normalize) * D
+    Hp_b = prefix_features(Xp.reshape(-1, d) @ A, np.arange(11) * n, normalize)[wp.reshape(-1) > 0] * D
     assert np.allclose(res, range_residual(Htr_b, Hp_b), atol=1e-7)
     ws, wpos = np.nonzero(wp)
     assert np.array_equal(seq, ws) and np.array_equal(pos, wpos)

@@ -5,6 +5,9 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
+
+from _reference import canonical, predict_canonical, predict_own, ridge_function
+from mhla_cli import basis
 import pytest
 
 from conftest import write_tokens
@@ -90,7 +93,12 @@ def test_ridge_shrinks_and_matches_closed_form(tmp_path: Path, teacher_file) -> 
     feats = featurize(data)
     lam = 0.5
     model = fit(feats, ridge=lam)
-    N, psi = feats.n_samples, feats.n_features
-    ref = np.linalg.solve(feats.gram / N + lam * np.eye(psi), feats.moments / N).T
-    np.testing.assert_allclose(model.coef, ref, rtol=1e-9, atol=1e-12)
-    assert np.linalg.norm(model.coef) < np.linalg.norm(fit(feats).coef)
+    # the ridge acts on the canonical coefficients (in the units of the certificate's lambda_max):
+    # the same function as the closed form on the materialised canonical features
+    ref = canonical(ds.tokens, ds.offsets, ds.targets)
+    rng = np.random.default_rng(0)
+    Zs = [rng.standard_normal((n, ds.tokens.shape[1])) for n in (1, 2, 5, 9)]
+    want = predict_canonical(ridge_function(ref, lam), ref["A"], Zs)
+    np.testing.assert_allclose(predict_own(model.coef, Zs), want, rtol=0, atol=1e-9 * np.abs(want).max())
+    pb = lambda m: basis.coef_to_basis(feats.basis, m.coef)  # noqa: E731
+    assert np.linalg.norm(pb(model)) < np.linalg.norm(pb(fit(feats)))

@@ -7,6 +7,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from _reference import canonical, canonical_features, inv_sqrt
 from conftest import write_tokens
 from mhla_cli import certify, featurize, fit, synthetic
 
@@ -103,42 +104,31 @@ def _np_features(X: np.ndarray) -> np.ndarray:
 
 @pytest.mark.parametrize("scaled", [False, True])
 def test_eigenvalues_match_materialised_features(tmp_path: Path, scaled: bool) -> None:
-    """lambda_min / lambda_max of the full domain and of the observed domain's Lambda' against
-    eigvalsh of the features materialised in plain numpy (of the tokens X A, A the stored basis)."""
+    """lambda_min / lambda_max of the full domain and of the observed domain against eigvalsh of the
+    canonical features materialised in plain numpy (tests/_reference.py: whitened tokens,
+    orthonormal coordinates), whatever the token units."""
     rng = np.random.default_rng(8)
     offsets = np.concatenate([[0], np.cumsum(rng.integers(2, 9, size=300))])
     tokens = rng.standard_normal((int(offsets[-1]), 3))
     if scaled:
         tokens = tokens * np.array([1.0, 1.0, 1 / 300])
     path = write_tokens(tmp_path / "t.h5", tokens, offsets)
-    feats = featurize(path)
-    Xb = tokens @ feats.basis
-    F = np.stack([_np_features(Xb[a:b]) for a, b in zip(offsets[:-1], offsets[1:])])
-    w = np.linalg.eigvalsh(F.T @ F / len(F))
-    cert = certify(feats)
+    w = canonical(tokens, offsets)["eigenvalues"]
+    cert = certify(featurize(path))
     assert cert.lambda_min == pytest.approx(w[0], rel=1e-8)
     assert cert.lambda_max == pytest.approx(w[-1], rel=1e-10)
-    # observed domain: tokens in a 2-d subspace, last tokens everywhere; reduced features of
-    # X_b B and C^T x_n for orthonormal bases B, C of the spans of X_b and of the last tokens
+    # observed domain: every token in a 2-d subspace of R^3; the reference whitens inside the span
+    # (an orthonormal basis B of the whitened tokens) and takes the canonical features of X A B
     tokens2 = tokens[:, :2] @ rng.standard_normal((2, 3))
-    last = offsets[1:] - 1
-    tokens2[last] = rng.standard_normal((last.size, 3))
-    path2 = write_tokens(tmp_path / "t2.h5", tokens2, offsets)
-    feats2 = featurize(path2)
-    cert2 = certify(feats2, domain="observed")
-    from mhla_cli.solve import _observed_bases_b
-
-    B, C = _observed_bases_b(feats2)
-    assert (B.shape[1], C.shape[1]) == (3, 3)  # the last tokens span R^3, so U = R^3 too
-    Xb2 = tokens2 @ feats2.basis
-    Fr = []
-    for a, b in zip(offsets[:-1], offsets[1:]):
-        Z = Xb2[a:b] @ B
-        S = Z.T @ Z
-        xn = C.T @ Xb2[b - 1]
-        r = B.shape[1]
-        Fr.append([S[j, k] * xn[l] for j in range(r) for k in range(j, r) for l in range(C.shape[1])])
-    Fr = np.array(Fr)
-    w2 = np.linalg.eigvalsh(Fr.T @ Fr / len(Fr))
+    if scaled:
+        tokens2 = tokens2 * np.array([1.0, 1.0, 1 / 300])
+    cert2 = certify(featurize(write_tokens(tmp_path / "t2.h5", tokens2, offsets)), domain="observed")
+    G = tokens2.T @ tokens2 / tokens2.shape[0]
+    U = np.linalg.svd(tokens2, full_matrices=False)[2][:2].T  # span of the tokens (own coordinates)
+    Z = tokens2 @ U  # coordinates in the span, then whitened there
+    A = inv_sqrt(U.T @ G @ U)
+    Ht = np.stack([canonical_features(Z[a:b] @ A) for a, b in zip(offsets[:-1], offsets[1:])])
+    w2 = np.linalg.eigvalsh(Ht.T @ Ht / len(Ht))
+    assert (cert2.dim_tokens, cert2.dim_last_tokens, cert2.n_features) == (2, 2, 6)
     assert cert2.lambda_min == pytest.approx(w2[0], rel=1e-8)
     assert cert2.lambda_max == pytest.approx(w2[-1], rel=1e-10)

@@ -83,7 +83,7 @@ def fit_cmd(
             + (f" (CV over {info['n_folds']} folds chose {info['cv']['chosen']:.4g})" if "cv" in info else "")
             + (f"; head strengths ||V_h|| ||Q_h|| = {', '.join(fmt(x) for x in info['head_norms'])}"
                if "head_norms" in info else ""), quiet)
-    for w in fit_warnings(info):
+    for w in fit_warnings(info, ridge_name="--ridge"):
         warn(w)
     if json_out:
         emit_json(info)
