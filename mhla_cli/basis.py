@@ -78,21 +78,27 @@ def whitening(token_gram: np.ndarray, n_tokens: float, round32: bool = True) -> 
     """A (d, d) with A^T (token_gram / n_tokens) A ~ I (the symmetric inverse square root).
 
     Directions the tokens do not excite (eigenvalues <= d eps lambda_max) keep the scale of the
-    largest one. `round32` rounds to float32 values, which makes an estimate reproducible bit for
-    bit on any machine; it costs nothing in conditioning (the sums are corrected exactly after the
-    pass, `correction`).
+    largest one. A coordinate that is exactly 0 in every token (a zero row and column of the Gram)
+    stays its own coordinate (A is block diagonal there), so that it is still exactly 0 in X A and
+    in the token Gram derived back from X A. `round32` rounds to float32 values, which makes an
+    estimate reproducible bit for bit on any machine; it costs nothing in conditioning (the sums
+    are corrected exactly after the pass, `correction`).
     """
     d = token_gram.shape[0]
     G = np.asarray(token_gram, dtype=np.float64) / max(float(n_tokens), 1.0)
     G = 0.5 * (G + G.T)
     if not np.isfinite(G).all():
         return np.eye(d)
-    w, V = np.linalg.eigh(G)
-    top = float(w[-1]) if w.size else 0.0
+    live = np.flatnonzero(np.diagonal(G) != 0.0)
+    if live.size == 0:
+        return np.eye(d)
+    w, V = np.linalg.eigh(G[np.ix_(live, live)])
+    top = float(w[-1])
     if not np.isfinite(top) or top <= 0.0:
         return np.eye(d)
     w = np.where(w > d * EPS * top, w, top)
-    A = (V / np.sqrt(w)) @ V.T
+    A = np.eye(d) / np.sqrt(top)
+    A[np.ix_(live, live)] = (V / np.sqrt(w)) @ V.T
     return A.astype(np.float32).astype(np.float64) if round32 else A
 
 
