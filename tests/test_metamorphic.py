@@ -1,0 +1,295 @@
+"""Metamorphic tests of the canonical certificate and fit (hypothesis), each also against the plain
+numpy reference on materialised canonical features (tests/_reference.py).
+
+What cannot change the answer: an invertible (rotated, ill-conditioned) map of the token
+coordinates, the order of the sequences, the chunk size, shards + merge, workers, partial_fit
+chunking, duplicating every sequence. Structure whose truth is known: length-1 sequences never
+certify, however their tokens are scaled or rotated.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import h5py
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, assume, given, settings
+from hypothesis import strategies as st
+
+from _reference import canonical, features, min_norm_function, predict_canonical, predict_own, ratio
+from mhla_cli import MHLA, synthetic
+from mhla_cli.merge import merge_features
+from mhla_cli.probes import certify_probes
+from mhla_cli.solve import certify, fit
+from mhla_cli.stream import chunk_features, featurize
+
+SETTINGS = settings(max_examples=30, deadline=None, derandomize=True,
+                    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+FILE_SETTINGS = settings(max_examples=8, deadline=None, derandomize=True,
+                         suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+
+
+@dataclass
+class Data:
+    tokens: np.ndarray
+    offsets: np.ndarray
+    targets: np.ndarray
+    weights: np.ndarray | None
+    per_position: bool
+    normalize: str
+    d: int
+
+    def kw(self) -> dict:
+        return {"weights": self.weights, "per_position": self.per_position, "normalize": self.normalize}
+
+    def feats(self, tokens: np.ndarray | None = None):
+        X = self.tokens if tokens is None else tokens
+        return chunk_features(X, self.offsets, self.targets, self.d, **self.kw())
+
+    def write(self, path: Path, tokens: np.ndarray | None = None, order: np.ndarray | None = None) -> Path:
+        """A tokens file (sequences in `order`), as a user would write it with h5py."""
+        X = self.tokens if tokens is None else tokens
+        off = self.offsets
+        seqs = [X[a:b] for a, b in zip(off[:-1], off[1:])]
+        order = np.arange(len(seqs)) if order is None else order
+        new_off = np.concatenate([[0], np.cumsum([len(seqs[i]) for i in order])])
+        rows = np.concatenate([np.arange(off[i], off[i + 1]) for i in order])
+        with h5py.File(path, "w") as f:
+            f["tokens"] = np.concatenate([seqs[i] for i in order])
+            f["offsets"] = new_off
+            f["targets"] = self.targets[rows] if self.per_position else self.targets[order]
+            if self.weights is not None:
+                f["weights"] = self.weights[rows] if self.per_position else self.weights[order]
+            if self.normalize != "none":
+                pass  # the normalisation is an option of featurize, not of the file
+        return path
+
+
+@st.composite
+def datasets(draw, min_n: int = 40, max_n: int = 70) -> Data:
+    d = draw(st.sampled_from([2, 3]))
+    n_seq = draw(st.integers(min_n, max_n))
+    dense = draw(st.booleans())
+    per_position = draw(st.booleans())
+    weighted = draw(st.booleans())
+    normalize = draw(st.sampled_from(["none", "length"]))
+    dtype = draw(st.sampled_from(["float32", "float64"]))
+    seed = draw(st.integers(0, 2**31 - 1))
+    rng = np.random.default_rng(seed)
+    lengths = np.full(n_seq, 4) if dense else rng.integers(1, 7, size=n_seq)
+    offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+    tokens = rng.standard_normal((int(offsets[-1]), d)).astype(dtype)
+    teacher = synthetic.random_teacher(d, 2, rng)
+    teacher.info["normalize"] = normalize
+    from mhla_cli.forward import predict, predict_causal
+
+    X64 = tokens.astype(np.float64)
+    y = np.asarray(predict_causal(teacher, X64, offsets) if per_position else predict(teacher, X64, offsets))
+    rows = int(offsets[-1]) if per_position else n_seq
+    weights = None
+    if weighted:
+        weights = rng.uniform(0.5, 2.0, size=rows)
+        weights[rng.random(rows) < 0.1] = 0.0
+    return Data(tokens, offsets, y, weights, per_position, normalize, d)
+
+
+def transform(d: int, cond: float, seed: int) -> np.ndarray:
+    """A rotated (not axis-aligned) invertible map with condition number `cond`."""
+    rng = np.random.default_rng(seed)
+    U = np.linalg.qr(rng.standard_normal((d, d)))[0]
+    V = np.linalg.qr(rng.standard_normal((d, d)))[0]
+    return U @ np.diag(np.logspace(0, np.log10(cond), d)) @ V.T
+
+
+def probes(d: int, seed: int) -> list[np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return [rng.standard_normal((n, d)) for n in (1, 2, 3, 5, 8, 13)]
+
+
+def same_certificate(a, b, rel: float = 1e-6) -> None:
+    assert a.identifiable == b.identifiable and a.rank == b.rank
+    scale = max(abs(b.lambda_max), 1e-300)
+    assert abs(a.lambda_max - b.lambda_max) <= rel * scale
+    # lambda_min to `rel` of itself when the data certify, else to `rel` of lambda_max
+    assert abs(a.lambda_min - b.lambda_min) <= rel * (abs(b.lambda_min) if b.identifiable else scale)
+
+
+# --------------------------------------------------------------------------------------------
+# the reference, and invertible maps of the token coordinates
+# --------------------------------------------------------------------------------------------
+
+
+@SETTINGS
+@given(data=datasets(), cond=st.sampled_from([1.0, 30.0, 1e3]), tseed=st.integers(0, 1000))
+def test_certificate_and_fit_are_unit_free_and_match_the_reference(data: Data, cond: float, tseed: int) -> None:
+    ref = canonical(data.tokens, data.offsets, data.targets, data.per_position, data.weights, data.normalize)
+    feats = data.feats()
+    cert = certify(feats)
+    w = ref["eigenvalues"]
+    assert abs(cert.lambda_max - w[-1]) <= 1e-9 * w[-1]
+    assert abs(cert.lambda_min - w[0]) <= 1e-9 * (abs(w[0]) if cert.identifiable else w[-1])
+    T = transform(data.d, cond, tseed)
+    XT = data.tokens.astype(np.float64) @ T
+    cert_T = certify(data.feats(XT))
+    same_certificate(cert_T, cert)
+    # the fitted function (least squares, minimum norm, ridge) on fresh inputs Z and Z T
+    Zs = probes(data.d, tseed + 1)
+    ZTs = [Z @ T for Z in Zs]
+    for ridge in (0.0, 1e-3 * cert.lambda_max):
+        f, f_T = fit(feats, ridge=ridge), fit(data.feats(XT), ridge=ridge)
+        want = predict_own(f.coef, Zs, data.normalize)
+        got = predict_own(f_T.coef, ZTs, data.normalize)
+        assert ratio(got, want) < 1e-7, (ridge, ratio(got, want))
+    # the least-squares function against numpy's minimum-norm lstsq on the canonical features
+    if cert.identifiable:
+        want = predict_canonical(min_norm_function(ref, rcond=1e-12), ref["A"], Zs, data.normalize)
+        assert ratio(predict_own(fit(feats).coef, Zs, data.normalize), want) < 1e-8
+
+
+@SETTINGS
+@given(data=datasets(min_n=3, max_n=6), cond=st.sampled_from([30.0, 1e3]), tseed=st.integers(0, 1000))
+def test_minimum_norm_fit_of_non_identifiable_data_is_unit_free(data: Data, cond: float, tseed: int) -> None:
+    """Fewer samples than features: the minimum-norm function is the canonical one, whatever the units."""
+    feats = data.feats()
+    if feats.n_samples == 0:
+        return
+    T = transform(data.d, cond, tseed)
+    XT = data.tokens.astype(np.float64) @ T
+    f, f_T = fit(feats), fit(data.feats(XT))
+    assume(not f.info["identifiable"])  # per-position data of a few sequences may already certify
+    assert not f_T.info["identifiable"]
+    Zs = probes(data.d, tseed + 2)
+    want = predict_own(f.coef, Zs, data.normalize)
+    assert ratio(predict_own(f_T.coef, [Z @ T for Z in Zs], data.normalize), want) < 1e-7
+    ref = canonical(data.tokens, data.offsets, data.targets, data.per_position, data.weights, data.normalize)
+    ref_fn = predict_canonical(min_norm_function(ref), ref["A"], Zs, data.normalize)
+    assert ratio(want, ref_fn) < 1e-7
+
+
+# --------------------------------------------------------------------------------------------
+# what the reduction cannot see: order, chunks, shards, workers, partial_fit, duplicates
+# --------------------------------------------------------------------------------------------
+
+
+@FILE_SETTINGS
+@given(data=datasets(), chunk=st.integers(1, 40), pseed=st.integers(0, 1000))
+def test_order_chunks_shards_workers_and_duplicates_do_not_change_the_answer(
+        data: Data, chunk: int, pseed: int, tmp_path_factory: pytest.TempPathFactory) -> None:
+    tmp = tmp_path_factory.mktemp("m")
+    path = data.write(tmp / "d.h5")
+    base = featurize(path, normalize=data.normalize)
+    cert = certify(base)
+    Zs = probes(data.d, pseed)
+    fn = predict_own(fit(base).coef, Zs, data.normalize)
+    N = data.offsets.size - 1
+    variants = {
+        "order": featurize(data.write(tmp / "p.h5", order=np.random.default_rng(pseed).permutation(N)),
+                           normalize=data.normalize),
+        "chunk": featurize(path, chunk_size=chunk, normalize=data.normalize),
+        "workers": featurize(path, chunk_size=chunk, workers=2, normalize=data.normalize),
+        "duplicated": featurize(data.write(tmp / "dup.h5", order=np.repeat(np.arange(N), 2)),
+                                normalize=data.normalize),
+    }
+    parts = []
+    for i in range(3):
+        parts.append(tmp / f"s{i}.h5")
+        featurize(path, shard=(i, 3), chunk_size=chunk, normalize=data.normalize).save(parts[-1])
+    variants["shards"] = merge_features(parts)[0]
+    for name, v in variants.items():
+        same_certificate(certify(v), cert, rel=1e-8)
+        assert ratio(predict_own(fit(v).coef, Zs, data.normalize), fn) < 1e-8, name
+    # duplicating every sequence leaves Lambda~ itself unchanged (not only its spectrum)
+    dup = variants["duplicated"]
+    assert dup.n_samples == 2 * base.n_samples
+    assert ratio(certify(dup).eigenvalues, cert.eigenvalues) < 1e-10
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+@SETTINGS
+@given(data=datasets(), cuts=st.lists(st.integers(1, 39), min_size=1, max_size=4, unique=True),
+       scale=st.sampled_from([1.0, 1e-4]))
+def test_partial_fit_equals_the_fit_of_the_concatenation(data: Data, cuts: list[int], scale: float) -> None:
+    """Any chunking, whatever the first chunk holds (here optionally a tiny rotated direction)."""
+    N = data.offsets.size - 1
+    tokens = data.tokens.astype(np.float64).copy()
+    first = sorted(cuts)[0]
+    if scale != 1.0:  # the first chunk squashed along a rotated direction
+        R = transform(data.d, 1.0, 5)
+        a = data.offsets[first]
+        Z = tokens[:a] @ R
+        Z[:, -1] *= scale
+        tokens[:a] = Z @ R.T
+    ts = np.asarray(data.targets)
+    kw = {"per_position": data.per_position, "normalize": data.normalize}
+    one = MHLA(**kw).fit([tokens[a:b] for a, b in zip(data.offsets[:-1], data.offsets[1:])],
+                         _split(ts, data.offsets, data.per_position, 0, N),
+                         sample_weight=None if data.weights is None else data.weights)
+    est = MHLA(**kw)
+    bounds = [0, *sorted(c for c in cuts if c < N), N]
+    for lo, hi in zip(bounds[:-1], bounds[1:]):
+        if hi <= lo:
+            continue
+        seqs = [tokens[data.offsets[i]:data.offsets[i + 1]] for i in range(lo, hi)]
+        w = None
+        if data.weights is not None:
+            w = data.weights[data.offsets[lo]:data.offsets[hi]] if data.per_position else data.weights[lo:hi]
+            if not (w > 0).any() and est.__dict__.get("coef_") is None:
+                return  # a first chunk without samples is refused (and nothing is fitted)
+        try:
+            est.partial_fit(seqs, _split(ts, data.offsets, data.per_position, lo, hi), sample_weight=w)
+        except Exception as e:  # only a chunk whose weights are all 0 may be refused
+            assert "no sample" in str(e)
+            return
+    same_certificate(est.certificate_, one.certificate_, rel=1e-8)
+    Zs = probes(data.d, 3)
+    assert ratio(predict_own(est.coef_, Zs, data.normalize), predict_own(one.coef_, Zs, data.normalize)) < 1e-7
+
+
+def _split(y: np.ndarray, offsets: np.ndarray, per_position: bool, lo: int, hi: int):
+    if per_position:
+        return [y[offsets[i]:offsets[i + 1]] for i in range(lo, hi)]
+    return y[lo:hi]
+
+
+# --------------------------------------------------------------------------------------------
+# structure whose truth is known
+# --------------------------------------------------------------------------------------------
+
+
+@SETTINGS
+@given(d=st.integers(2, 4), n=st.integers(60, 200), std=st.sampled_from([1.0, 1e-3, 1e-6]),
+       scale=st.sampled_from([1e-3, 1.0, 1e3]), seed=st.integers(0, 10_000))
+def test_length_one_sequences_never_certify(d: int, n: int, std: float, scale: float, seed: int,
+                                            tmp_path_factory: pytest.TempPathFactory) -> None:
+    """Their features are symmetric cubic tensors: rank <= C(d+2, 3) < psi, whatever the tokens."""
+    rng = np.random.default_rng(seed)
+    R = np.linalg.qr(rng.standard_normal((d, d)))[0]
+    Z = rng.standard_normal((n, d))
+    Z[:, -1] *= std
+    tokens = scale * Z @ R
+    offsets = np.arange(n + 1)
+    feats = chunk_features(tokens, offsets, None, d)
+    cert = certify(feats)
+    sym = (d + 2) * (d + 1) * d // 6
+    assert not cert.identifiable and cert.rank <= sym < cert.n_features
+    if n >= 3 * sym and std >= 1e-3:  # enough generic samples: exactly the symmetric tensors
+        assert cert.rank == sym
+    if d == 3 and seed % 4 == 0:  # certify --on: length-1 probes determined, longer ones not
+        tmp = tmp_path_factory.mktemp("l1")
+        f = tmp / "f.h5"
+        featurize_from = tmp / "t.h5"
+        with h5py.File(featurize_from, "w") as h:
+            h["tokens"], h["offsets"] = tokens, offsets
+        featurize(featurize_from).save(f)
+        P = scale * rng.standard_normal((40, d)) @ R
+        for length, determined in ((1, True), (4, False)):
+            p = tmp / f"p{length}.h5"
+            with h5py.File(p, "w") as h:
+                h["tokens"], h["offsets"] = P, np.arange(0, 41, length)
+            rep = certify_probes(featurize(featurize_from), p)
+            if determined and std >= 1e-3 and n >= 3 * sym:
+                assert rep.determined, rep.to_dict()
+            if not determined:
+                assert rep.undetermined.size == rep.n_probes
