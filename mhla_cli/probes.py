@@ -50,7 +50,7 @@ class NullSpace:
 def null_space(feats: Features) -> NullSpace:
     """Numerical null space of Lambda_D = gram / N: eigenvectors with eigenvalue <= psi eps lambda_max.
 
-    The one place that decides which feature directions the data leave free; in the solver basis
+    The one place that decides which feature directions the data leave free; in the canonical basis
     (the features of the tokens Z A, A = feats.basis), as the certificate.
     """
     A, gram_b, _ = feats.solver_stats()

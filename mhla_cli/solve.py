@@ -52,7 +52,7 @@ def _basis_token_grams(feats: Features) -> tuple[np.ndarray, np.ndarray]:
 
 
 def _observed_bases_b(feats: Features) -> tuple[np.ndarray, np.ndarray]:
-    """Orthonormal bases of U and U_n in the solver basis's token coordinates."""
+    """Orthonormal bases of U and U_n in the canonical (whitened) token coordinates."""
     d = feats.d
     eps_in = float(np.finfo(np.dtype(feats.token_dtype)).eps) if feats.token_dtype in ("float16", "float32", "float64") else EPS
 
@@ -108,7 +108,7 @@ def domain_map(feats: Features, domain: str) -> tuple[np.ndarray | None, int, in
 def observed_bases(feats: Features) -> tuple[np.ndarray, np.ndarray]:
     """Orthonormal bases B (d, r) of U = span of all tokens and C (d, s) of U_n = span of last tokens.
 
-    In the tokens' own coordinates (computed in the solver basis, where the ranks are well resolved).
+    In the tokens' own coordinates (computed in the canonical basis, where the ranks are well resolved).
     """
     B, C = _observed_bases_b(feats)
     A = feats.basis

@@ -20,7 +20,8 @@ from .options import ChunkOpt, JsonOpt, NormalizeOpt, QuietOpt
 def certify_cmd(
     data: Annotated[Path, typer.Argument(help="Tokens file or features file.")],
     min_eig: Annotated[float, typer.Option("--min-eig", min=0.0,
-                                           help="Demand lambda_min(Lambda_D) > this (a margin for CI); "
+                                           help="Demand lambda_min > this (a margin for CI); lambda_min is "
+                                                "the canonical one (whitened tokens, orthonormal features: unit-free); "
                                                 "the numerical tolerance psi*eps*lambda_max always applies.")] = 0.0,
     domain: Annotated[str, typer.Option("--domain", help="full: every input in R^d (the paper). observed: "
                                         "inputs in the span of the data's tokens / last tokens.")] = "full",
@@ -40,6 +41,10 @@ def certify_cmd(
     quiet: QuietOpt = False,
 ) -> None:
     """Certify that the data determine the learned function (Lemma 2.3). Exit 0 yes, 1 no, 2 error.
+
+    lambda_min / lambda_max are those of the canonical Lambda~: the features of the whitened tokens
+    (the second moment of all tokens made I) in orthonormal coordinates, so they do not change with
+    the units or the basis of the tokens (docs/formats.md, "The canonical certificate").
 
     With --on PROBES: whether every zero-loss model gives the same output on each probe input (its
     feature vector in the range of gram: relative null-space component <= 1e-8).

@@ -23,9 +23,9 @@ from .options import ChunkOpt, JsonOpt, NormalizeOpt, OutOpt, QuietOpt, parse_au
 def fit_cmd(
     data: Annotated[Path, typer.Argument(help="Tokens file (with targets) or features file.")],
     output: OutOpt,
-    ridge: Annotated[float, typer.Option("--ridge", min=0.0, help="Ridge penalty l: minimise "
-                                         "(1/N) sum_i ||p H_i - y_i||^2 + l ||p||_F^2, i.e. solve (gram/N + l I) p^T "
-                                         "= moments/N (l is in the units of Lambda_D, which scale as tokens^6).")] = 0.0,
+    ridge: Annotated[float, typer.Option("--ridge", min=0.0, help="Ridge penalty l on the canonical "
+                                         "coefficients: solve (Lambda~ + l I) p_b^T = m~ (see `mhla certify`; l is in "
+                                         "the units of the reported lambda_max, whatever the token units).")] = 0.0,
     heads: Annotated[str | None, typer.Option("--heads", help="Factorised fit with H heads (V_h, Q_h), or 'auto' "
                                               "(H by K-fold CV); needs far fewer samples when H is small.")] = None,
     weight_decay: Annotated[float, typer.Option("--weight-decay", min=0.0, help="With --heads: penalty "
