@@ -26,8 +26,9 @@ from .features import n_features
 from .formats import read_normalize
 
 # Attributes of a features file kept in `Features.extra_attrs` when it is loaded: which shard of
-# the source it holds, and for a partial merge the sample ranges it covers (JSON).
-EXTRA_ATTRS = ("shard", "sample_ranges", "partial")
+# the source it holds, for a partial merge the sample ranges it covers (JSON), and how featurize
+# reached the whitening of the data (passes over the tokens, cond of the estimate's correction).
+EXTRA_ATTRS = ("shard", "sample_ranges", "partial", "basis_passes", "basis_correction_cond")
 # mhla format version from which basis_gram / basis_moments are canonical (orthonormal coordinates,
 # basis = the whitening of the file's own token Gram); version 2 stored upper-triangle coordinates.
 CANONICAL_FORMAT = 3

@@ -681,11 +681,16 @@ def _in_whitening(run: Callable[[np.ndarray], Features], A: np.ndarray) -> Featu
 
     The sums are changed exactly to that whitening when the change is well conditioned; otherwise
     the pass is redone once in it (its float32 rounding then needs only a tiny exact change).
+    Records `basis_passes` (1 or 2) and `basis_correction_cond` (cond of the first correction) in
+    extra_attrs (attributes of the features file).
     """
     feats = run(A)
     C, cond = feats.correction()
+    passes = 1
     if C is not None and cond > basis_mod.CHANGE_COND:
         feats = run((feats.basis @ C).astype(np.float32).astype(np.float64))
+        passes = 2
+    feats.extra_attrs.update(basis_passes=passes, basis_correction_cond=float(cond))
     return feats.canonical()
 
 

@@ -95,6 +95,8 @@ def test_case2_a_distribution_shift_the_sample_misses(tmp_path: Path, capsys) ->
     offsets = np.arange(0, N * n + 1, n)
     y = teacher_targets(teacher, tokens, offsets)
     data = write(tmp_path / "d.h5", tokens, offsets, y)
+    code, f = cli_json(capsys, ["featurize", str(data), "-o", str(tmp_path / "f.h5"), "--json", "-q"])
+    assert code == 0 and f["basis_passes"] == 2  # the estimate was checked against all the tokens, and redone
     code, rep = cli_json(capsys, ["certify", str(data), "--json", "-q"])
     ref = canonical(tokens, offsets, y)
     assert code == 0 and rep["identifiable"] and rep["rank"] == 40

@@ -33,7 +33,7 @@ def test_pipeline_recovers_teacher(tmp_path: Path, capsys: pytest.CaptureFixture
                           "--json", "-q"])
     assert g["n_samples"] == 300 and g["d"] == 3
     f = cli_json(capsys, ["featurize", str(data), "-o", str(feats), "--chunk-size", "50", "--json", "-q"])
-    assert f["n_features"] == 18 and f["n_samples"] == 300
+    assert f["n_features"] == 18 and f["n_samples"] == 300 and f["basis_passes"] == 1  # the estimate sufficed
     c = cli_json(capsys, ["certify", str(feats), "--json", "-q"])
     for key in ("identifiable", "lambda_min", "lambda_max", "rank", "n_features", "n_samples", "threshold",
                 "domain", "margin"):

@@ -14,7 +14,7 @@ from ..folds import featurize_folds, save_with_folds
 from ..merge import merge_features
 from ..stream import featurize, shard_span
 from ..tokens import inspect_tokens
-from .console import emit_json, progress_bar, say, warn
+from .console import emit_json, fmt, progress_bar, say, warn
 from .options import ChunkOpt, JsonOpt, NormalizeOpt, OutOpt, QuietOpt, parse_shard
 
 
@@ -69,11 +69,16 @@ def featurize_cmd(
         + ("positions (causal)" if feats.per_position else "samples") + f", {feats.n_tokens} tokens"
         + ("" if feats.has_targets else " (no targets)")
         + (", S normalised by length" if feats.normalize == "length" else ""), quiet)
+    passes = int(feats.extra_attrs.get("basis_passes", 1))
+    if passes > 1:
+        say(f"  the basis estimated from a sample of the file did not whiten all its tokens (correction cond "
+            f"{fmt(feats.extra_attrs['basis_correction_cond'])}): the pass was redone in the whitening of all "
+            "the tokens", quiet)
     if json_out:
         emit_json({"output": str(output), "d": feats.d, "n_features": psi, "n_samples": feats.n_samples,
                    "n_tokens": feats.n_tokens, "has_targets": feats.has_targets,
                    "per_position": feats.per_position, "normalize": feats.normalize,
-                   "n_sequences": feats.n_sequences,
+                   "n_sequences": feats.n_sequences, "basis_passes": passes,
                    "sample_range": list(feats.sample_range) if feats.sample_range else None})
 
 
