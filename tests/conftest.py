@@ -20,10 +20,13 @@ def relerr(a: np.ndarray, b: np.ndarray) -> float:
 
 
 def assert_same_stats(a: Features, b: Features, tol: float = 1e-12) -> None:
-    """Two sets of statistics agree: counts exactly, every sum to `tol` relative."""
+    """Two sets of statistics agree: counts exactly, every sum to `tol` relative, and the canonical
+    spectra (the certificate's Lambda~, whatever whitening each is in) to 1e3 `tol` of lambda_max."""
     assert a.n_samples == b.n_samples and a.n_tokens == b.n_tokens and a.d == b.d
     for k in STATS:
         assert relerr(getattr(a, k), getattr(b, k)) < tol, k
+    wa, wb = (np.linalg.eigvalsh(f.solver_stats()[1] / f.n_samples) for f in (a, b))
+    assert np.abs(wa - wb).max() <= 1e3 * tol * np.abs(wb).max()
 
 
 def write_tokens(path: Path, tokens: np.ndarray, offsets: np.ndarray | None = None,
