@@ -135,9 +135,12 @@ def _apply_rows(P: np.ndarray, R: np.ndarray, X: np.ndarray) -> np.ndarray:
 
 def _congruence(P: np.ndarray, R: np.ndarray, G: np.ndarray) -> np.ndarray:
     """K G K^T for K = kron(P, R), symmetrised (O(psi^2 (q + d)) through the Kronecker structure)."""
-    half = _apply_rows(P, R, G)
-    out = _apply_rows(P, R, np.ascontiguousarray(half.T))
-    return 0.5 * (out + out.T)
+    half = np.ascontiguousarray(_apply_rows(P, R, G).T)
+    out = _apply_rows(P, R, half)
+    del half
+    out += out.T.copy()
+    out *= 0.5
+    return out
 
 
 def feature_map(A: np.ndarray) -> np.ndarray:
