@@ -160,7 +160,7 @@ def check_weights(weights: np.ndarray | None, offsets: np.ndarray, lo: int, per_
         row = int(np.flatnonzero(bad)[0])
         i = lo + (int(np.searchsorted(offsets, row, side="right") - 1) if per_position else row)
         where = f"sample {i}" + (f", position {row - int(offsets[i - lo])}" if per_position else "")
-        raise InputError(f"weights of {where} is {weights[row]!r}: weights must be finite and >= 0", path)
+        raise InputError(f"weights of {where} is {float(weights[row])!r}: weights must be finite and >= 0", path)
 
 
 def _check_offsets(off: h5py.Dataset, T: int, path: str | os.PathLike) -> None:
