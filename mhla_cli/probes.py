@@ -24,7 +24,7 @@ from . import formats
 from .errors import InputError
 from .basis import pair_scale
 from .features import n_features
-from .solve import _eigh, numerical_tolerance
+from .solve import factorize, numerical_tolerance
 from .stream import Features, default_chunk_size, sample_rows
 from .tokens import check_finite, check_weights, inspect_tokens, iter_chunks
 
@@ -53,11 +53,13 @@ def null_space(feats: Features) -> NullSpace:
     The one place that decides which feature directions the data leave free; in the canonical basis
     (the features of the tokens Z A, A = feats.basis), as the certificate.
     """
-    A, gram_b, _ = feats.solver_stats()
-    lam = gram_b / max(feats.n_samples, 1)
-    w, v = _eigh(lam)
-    lmax = float(w[-1]) if w.size else 0.0
-    tol = numerical_tolerance(lmax, lam.shape[0])
+    A, _, _ = feats.solver_stats()
+    fac = factorize(feats, "full")  # shared with certify and fit
+    lmax = fac.lambda_max()
+    tol = numerical_tolerance(lmax, fac.n)
+    if not fac.dense and fac.lambda_min() > tol:  # positive definite: no null space, no eigenvectors
+        return NullSpace(basis=np.zeros((fac.n, 0)), lambda_max=lmax, threshold=tol, token_basis=A)
+    w, v = fac.eigh()
     return NullSpace(basis=np.ascontiguousarray(v[:, w <= tol]), lambda_max=lmax, threshold=tol, token_basis=A)
 
 

@@ -10,6 +10,7 @@ import numpy as np
 from . import basis as basis_mod
 from .basis import orth_pair_map
 from .errors import InputError
+from .factorization import Factorization
 from .features import feature_index, pair_index
 from .stats import Features
 from .heads import W_from_p
@@ -105,6 +106,21 @@ def domain_map(feats: Features, domain: str) -> tuple[np.ndarray | None, int, in
     return basis_mod.coef_from_basis(A, T), r, s  # T_b @ M_A
 
 
+def factorize(feats: Features, domain: str = "full") -> Factorization:
+    """The factorization of the canonical Lambda~ (or its observed-domain restriction), computed once
+    per Features and domain and shared by certify, fit, `certify --on` and the witness."""
+    check_domain(domain)
+    feats.canonical()
+    cache = feats.factor_cache
+    if domain not in cache:
+        lam = feats.basis_gram / max(feats.n_samples, 1)
+        T, _, _ = _domain_map_b(feats, domain)
+        if T is not None:
+            lam = T @ lam @ T.T
+        cache[domain] = Factorization(lam)
+    return cache[domain]
+
+
 def observed_bases(feats: Features) -> tuple[np.ndarray, np.ndarray]:
     """Orthonormal bases B (d, r) of U = span of all tokens and C (d, s) of U_n = span of last tokens.
 
@@ -167,22 +183,25 @@ def certify(feats: Features, min_eig: float = 0.0, domain: str = "full") -> Cert
     """
     if min_eig < 0 or not np.isfinite(min_eig):
         raise InputError(f"min_eig must be a finite number >= 0, got {min_eig}")
-    A, gram_b, _ = feats.solver_stats()
-    T, r, s = _domain_map_b(feats, domain)
-    lam = gram_b / max(feats.n_samples, 1)
-    if T is not None:
-        lam = T @ lam @ T.T
-    m = lam.shape[0]
-    w = _eigh(lam, vectors=False)  # eigenvectors only when needed to explain a failure
-    lmin, lmax = float(w[0]), float(w[-1])
+    A, _, _ = feats.solver_stats()
+    fac = factorize(feats, domain)
+    T, r, s = _domain_map_b(feats, domain) if domain != "full" else (None, feats.d, feats.d)
+    m = fac.n
+    lmax = fac.lambda_max()
     tol = numerical_tolerance(lmax, m)
     threshold = max(tol, float(min_eig))
-    rank = int((w > tol).sum())
+    # lambda_min by Lanczos through a Cholesky when Lambda~ is positive definite (the identifiable
+    # case costs a factorization n^3 / 3); eigenvectors only when needed to explain a failure
+    lmin = fac.lambda_min()
     identifiable = bool(lmin > threshold and feats.n_samples >= m and lmax > 0)
+    w = fac.known_eigenvalues()
+    if w is None and not identifiable:
+        w = fac.eigh()[0]
+    rank = m if w is None else int((w > tol).sum())
     cert = Certificate(identifiable, lmin, lmax, rank, m, feats.n_samples, threshold, tol, float(min_eig),
                        domain, r, s, eigenvalues=w)
     if not identifiable:
-        w, v = _eigh(lam)
+        w, v = fac.eigh()
         null = v[:, w <= threshold]
         if T is None and null.shape[1]:
             # v^T H_b = v^T M_A H: the same direction in the tokens' own feature coordinates
@@ -279,29 +298,31 @@ def fit(feats: Features, ridge: float = 0.0) -> Model:
         raise InputError(f"ridge must be a finite number >= 0, got {ridge}")
     import scipy.linalg
 
-    A, gram_b, moments_b = feats.solver_stats()
+    A, _, moments_b = feats.solver_stats()
     N = feats.n_samples
     psi = feats.n_features
-    lam = gram_b / N
+    fac = factorize(feats, "full")
+    lam = fac.lam
     rhs = moments_b / N
-    w = _eigh(lam, vectors=False)
-    lmin, lmax = float(w[0]), float(w[-1])
+    lmax = fac.lambda_max()
     tol = numerical_tolerance(lmax, psi)
+    lmin = fac.lambda_min()
     coef_b = None
-    if ridge > 0 or lmin > tol:
-        # Positive definite: a Cholesky solve (~10x cheaper than the eigenvectors).
+    if ridge > 0:
+        sl = scipy.linalg
         try:
-            system = lam + ridge * np.eye(psi) if ridge > 0 else lam
-            factor = scipy.linalg.cho_factor(system, lower=True, check_finite=False)
-            coef_b = scipy.linalg.cho_solve(factor, rhs, check_finite=False).T
-        except scipy.linalg.LinAlgError:
-            coef_b = None
-    if coef_b is None and ridge > 0:
-        coef_b = scipy.linalg.lstsq(lam + ridge * np.eye(psi), rhs, check_finite=False)[0].T
+            system = lam + ridge * np.eye(psi)
+            coef_b = sl.cho_solve(sl.cho_factor(system, lower=True, check_finite=False), rhs, check_finite=False).T
+        except sl.LinAlgError:
+            coef_b = sl.lstsq(lam + ridge * np.eye(psi), rhs, check_finite=False)[0].T
+    elif lmin > tol:
+        # Positive definite: a solve with the certificate's Cholesky factor.
+        sol = fac.solve(rhs)
+        coef_b = None if sol is None else sol.T
     if coef_b is None:
         # Singular (or numerically so): the pseudo-inverse with the certificate's tolerance, i.e.
         # the minimum-norm p_b (no component along the null directions of Lambda~).
-        w, v = _eigh(lam)
+        w, v = fac.eigh()
         keep = w > tol
         coef_b = (v[:, keep] @ ((v[:, keep].T @ rhs) / w[keep][:, None])).T
     coef = basis_mod.coef_from_basis(A, coef_b)
@@ -315,7 +336,8 @@ def fit(feats: Features, ridge: float = 0.0) -> Model:
     info = {
         "ridge": float(ridge), "train_mse": mse, "mse_resolution": resolution, "lambda_min": lmin,
         "lambda_max": lmax, "identifiable": identifiable, "condition_number": cond,
-        "rank": int((w > tol).sum()), "n_features": psi, "n_samples": N, "method": "lstsq",
+        "rank": psi if lmin > tol else int((fac.eigh()[0] > tol).sum()), "n_features": psi, "n_samples": N,
+        "method": "lstsq",
         "basis": "canonical", "normalize": getattr(feats, "normalize", "none"),
     }
     return Model(coef=coef, W=W_from_p(coef), d=feats.d, info=info)

@@ -69,6 +69,9 @@ class Features:
     normalize: str = "none"
     # Sequences read (the unit of sample ranges and shards); None when unknown (older files).
     n_sequences: int | None = None
+    # Factorizations of the canonical Lambda~ by domain (mhla_cli.factorization, solve.factorize);
+    # emptied whenever the basis sums change.
+    factor_cache: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
 
     # The sums on the tokens' own features (docs/formats.md), and those in the basis.
     SUMS = ("gram", "moments", "target_gram", "token_gram", "last_token_gram")
@@ -103,6 +106,7 @@ class Features:
     def change_basis(self, C: np.ndarray) -> Features:
         """In place: the basis sums of X A -> of X A C (exact up to rounding; the own sums stay)."""
         self.ensure_basis()
+        self.factor_cache.clear()
         self.basis_gram, self.basis_moments = basis_mod.change_by(C, self.basis_gram, self.basis_moments)
         self.basis_token_gram = C.T @ self.basis_token_gram @ C
         self.basis_last_token_gram = C.T @ self.basis_last_token_gram @ C
@@ -372,6 +376,7 @@ def add_into(acc: Features, part: Features) -> None:
         raise InputError("cannot add per-position (causal) statistics to last-token statistics")
     acc.n_sequences = None if acc.n_sequences is None or part.n_sequences is None \
         else acc.n_sequences + part.n_sequences
+    acc.factor_cache.clear()
     empty = acc.n_samples == 0 and acc.n_tokens == 0 and (acc.gram is None or not acc.gram.any())
     if acc.basis is None and part.basis is None:
         pass  # own sums only

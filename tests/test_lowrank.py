@@ -331,7 +331,7 @@ def test_cli_fewest_json_and_message(tmp_path: Path, capsys: pytest.CaptureFixtu
     assert _rel(Heads.load(tmp_path / "h.h5").coef, Model.load(m).coef) <= 1e-8
     # an unconverged min-nuclear W only seeds the search: warned, and the heads are still verified
     orig = lowrank.min_nuclear_W
-    monkeypatch.setattr(lowrank, "min_nuclear_W", lambda coef, **kw: orig(coef, **{**kw, "max_iter": 2}))
+    monkeypatch.setattr(lowrank.fewest, "min_nuclear_W", lambda coef, **kw: orig(coef, **{**kw, "max_iter": 2}))
     assert run(["export-heads", str(m), "-o", str(tmp_path / "h2.h5"), "--fewest", "--json", "-q"]) == 0
     cap = capsys.readouterr()
     out = json.loads(cap.out)

@@ -1,0 +1,118 @@
+"""One factorization of the certificate's matrix, computed once per statistics and reused.
+
+certify (full and observed domains), fit, `certify --on` and the witness all need the spectrum or a
+factor of the same canonical Lambda~ (mhla_cli.basis). `Factorization` cached on the Features object (`solve.factorize`), which computes only what is
+asked, once:
+
+- small matrices (n <= DENSE_MAX): LAPACK's eigenvalues (eigvalsh), the vectors only when asked;
+- large ones: lambda_max by Lanczos on Lambda~, and a Cholesky of Lambda~ (n^3 / 3 flops) that
+  succeeds when it is numerically positive definite; lambda_min is then Lanczos on the inverse
+  through that factor (a few dozen O(n^2) solves), and fit is a solve with the same factor. The
+  eigendecomposition (~9 n^3, BACKGROUND.md "Structure that shrinks psi exactly") is computed only
+  when the data are not identifiable and the null space is needed.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+# Matrices up to this size are decomposed densely (eigvalsh costs little there, and gives every
+# eigenvalue); above it the certificate costs a Cholesky plus Lanczos iterations.
+DENSE_MAX = 1024
+
+
+def _scipy_linalg() -> Any:
+    import scipy.linalg  # imported here, not at start-up: it costs ~0.2 s
+
+    return scipy.linalg
+
+
+class Factorization:
+    """Lazily computed, cached decompositions of one symmetric PSD matrix `lam` (not copied)."""
+
+    def __init__(self, lam: np.ndarray) -> None:
+        self.lam = lam
+        self.n = int(lam.shape[0])
+        self._w: np.ndarray | None = None  # eigvalsh
+        self._we: np.ndarray | None = None  # eigh: values and vectors
+        self._v: np.ndarray | None = None
+        self._chol: Any = None
+        self._chol_tried = False
+        self._lmax: float | None = None
+        self._lmin: float | None = None
+
+    @property
+    def dense(self) -> bool:
+        # ARPACK needs room for its Krylov basis: tiny matrices are always decomposed densely
+        return self.n <= DENSE_MAX or self.n < 32
+
+    def eigenvalues(self) -> np.ndarray:
+        """Every eigenvalue, ascending: eigvalsh, computed once (those of `eigh` if it came first)."""
+        if self._w is None:
+            if self._we is not None:
+                return self._we
+            self._w = _scipy_linalg().eigh(self.lam, eigvals_only=True, check_finite=False)
+        return self._w
+
+    def known_eigenvalues(self) -> np.ndarray | None:
+        """The eigenvalues if they are computed anyway (dense path) or were (eigh), else None."""
+        return self.eigenvalues() if self.dense or self._we is not None else None
+
+    def eigh(self) -> tuple[np.ndarray, np.ndarray]:
+        """Eigenvalues and orthonormal eigenvectors (computed once)."""
+        if self._v is None:
+            self._we, self._v = _scipy_linalg().eigh(self.lam, check_finite=False)
+        return self._we, self._v  # type: ignore[return-value]
+
+    def lambda_max(self) -> float:
+        if self._lmax is None:
+            if self.dense or self._we is not None:
+                self._lmax = float(self.eigenvalues()[-1]) if self.n else 0.0
+            else:
+                self._lmax = _lanczos_top(lambda x: self.lam @ x, self.n)
+        return self._lmax
+
+    def cholesky(self) -> Any:
+        """The Cholesky factor (scipy cho_factor) of lam, or None when lam is not numerically PD."""
+        if not self._chol_tried:
+            self._chol_tried = True
+            sl = _scipy_linalg()
+            try:
+                self._chol = sl.cho_factor(self.lam, lower=True, check_finite=False)
+            except sl.LinAlgError:
+                self._chol = None
+            if self._chol is not None and not np.isfinite(self._chol[0].diagonal()).all():
+                self._chol = None
+        return self._chol
+
+    def lambda_min(self) -> float:
+        """The smallest eigenvalue: dense, or Lanczos on lam^-1 through the Cholesky factor, or eigh."""
+        if self._lmin is None:
+            if self.dense or self._we is not None:
+                self._lmin = float(self.eigenvalues()[0]) if self.n else 0.0
+            elif self.cholesky() is not None:
+                sl, c = _scipy_linalg(), self._chol
+                top = _lanczos_top(lambda x: sl.cho_solve(c, x, check_finite=False), self.n)
+                self._lmin = 1.0 / top if top > 0 else float(self.eigh()[0][0])
+            else:
+                self._lmin = float(self.eigh()[0][0])
+        return self._lmin
+
+    def solve(self, rhs: np.ndarray) -> np.ndarray | None:
+        """lam^-1 rhs through the Cholesky factor (None when lam is not positive definite)."""
+        c = self.cholesky()
+        if c is None:
+            return None
+        return _scipy_linalg().cho_solve(c, rhs, check_finite=False)
+
+
+def _lanczos_top(matvec: Any, n: int) -> float:
+    """The largest eigenvalue of a symmetric PSD operator (ARPACK Lanczos, to machine precision)."""
+    from scipy.sparse.linalg import LinearOperator, eigsh
+
+    op = LinearOperator((n, n), matvec=matvec, dtype=np.float64)
+    v0 = np.ones(n) / np.sqrt(n)  # deterministic start
+    w = eigsh(op, k=1, which="LA", v0=v0, tol=0.0, return_eigenvectors=False)
+    return float(w[0])

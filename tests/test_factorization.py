@@ -1,0 +1,113 @@
+"""One factorization per statistics (mhla_cli.factorization): the Cholesky + Lanczos path gives the
+dense eigendecomposition's verdict, rank, lambda_min / lambda_max (1e-10 relative), p and probe
+verdicts, on identifiable, singular, observed-domain and near-threshold data; and it is reused."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import h5py
+import numpy as np
+import pytest
+
+from mhla_cli import factorization, synthetic
+from mhla_cli.probes import certify_probes
+from mhla_cli.solve import certify, factorize, fit
+from mhla_cli.stream import chunk_features
+
+
+def _cases() -> dict[str, tuple]:
+    rng = np.random.default_rng(0)
+    d = 4  # psi = 40: above the dense-only size, so both paths can run
+    ds, _ = synthetic.generate_teacher(d, 2, 300, "2:9", seed=1)
+    one = np.arange(301)
+    subspace = rng.standard_normal((ds.tokens.shape[0], 3)) @ rng.standard_normal((3, d))
+    return {
+        "identifiable": (ds.tokens, ds.offsets, ds.targets),
+        "length-1 (singular)": (ds.tokens[:300], one, ds.targets),
+        "few samples": (ds.tokens[:ds.offsets[30]], ds.offsets[:31], ds.targets[:30]),
+        "tokens in a 3-d subspace": (subspace, ds.offsets, ds.targets),
+        "badly scaled": (ds.tokens * np.array([1.0, 1e-3, 1.0, 30.0]), ds.offsets, ds.targets),
+    }
+
+
+def _run(tokens, offsets, targets, min_eig: float = 0.0) -> dict:
+    feats = chunk_features(tokens, offsets, targets, tokens.shape[1])
+    out = {}
+    for domain in ("full", "observed"):
+        c = certify(feats, min_eig=min_eig, domain=domain)
+        out[domain] = (c.identifiable, c.rank, c.lambda_min, c.lambda_max, c.threshold)
+    m = fit(feats)
+    out["p"] = m.coef
+    out["fit"] = (m.info["identifiable"], m.info["rank"], m.info["lambda_min"])
+    out["ridge"] = fit(feats, ridge=1e-3 * out["full"][3]).coef
+    return out
+
+
+@pytest.mark.parametrize("name", list(_cases()))
+def test_cholesky_path_equals_the_dense_eigendecomposition(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    case = _cases()[name]
+    dense = _run(*case)
+    monkeypatch.setattr(factorization, "DENSE_MAX", 0)
+    fast = _run(*case)
+    for key in ("full", "observed"):
+        a, b = fast[key], dense[key]
+        assert a[:2] == b[:2], (key, a, b)  # verdict and rank
+        assert abs(a[3] - b[3]) <= 1e-10 * b[3]
+        assert abs(a[2] - b[2]) <= 1e-10 * (abs(b[2]) if b[0] else b[3]), (key, a[2], b[2])
+    assert fast["fit"][:2] == dense["fit"][:2]
+    scale = np.abs(dense["p"]).max()
+    assert np.abs(fast["p"] - dense["p"]).max() <= 1e-9 * scale
+    assert np.abs(fast["ridge"] - dense["ridge"]).max() <= 1e-9 * np.abs(dense["ridge"]).max()
+
+
+def test_near_threshold_margin_gives_the_same_verdict(monkeypatch: pytest.MonkeyPatch) -> None:
+    tokens, offsets, targets = _cases()["identifiable"]
+    lmin = certify(chunk_features(tokens, offsets, targets, 4)).lambda_min
+    for margin in (0.999, 1.001):
+        dense = _run(tokens, offsets, targets, min_eig=margin * lmin)
+        monkeypatch.setattr(factorization, "DENSE_MAX", 0)
+        fast = _run(tokens, offsets, targets, min_eig=margin * lmin)
+        monkeypatch.setattr(factorization, "DENSE_MAX", 1024)
+        assert fast["full"][0] == dense["full"][0] == (margin < 1)
+
+
+def test_probe_verdicts_are_the_same(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    rng = np.random.default_rng(3)
+    probes = tmp_path / "p.h5"
+    with h5py.File(probes, "w") as f:
+        f["tokens"], f["offsets"] = rng.standard_normal((60, 4)), np.arange(0, 61, 3)
+    for name, case in _cases().items():
+        a = certify_probes(chunk_features(case[0], case[1], case[2], 4), probes).undetermined
+        monkeypatch.setattr(factorization, "DENSE_MAX", 0)
+        b = certify_probes(chunk_features(case[0], case[1], case[2], 4), probes).undetermined
+        monkeypatch.setattr(factorization, "DENSE_MAX", 1024)
+        assert np.array_equal(a, b), name
+
+
+def test_one_factorization_is_shared_and_dropped_when_the_sums_change(monkeypatch: pytest.MonkeyPatch) -> None:
+    tokens, offsets, targets = _cases()["identifiable"]
+    feats = chunk_features(tokens, offsets, targets, 4)
+    monkeypatch.setattr(factorization, "DENSE_MAX", 0)
+    calls = {"cho": 0, "eigh": 0}
+    import scipy.linalg
+
+    real_cho, real_eigh = scipy.linalg.cho_factor, scipy.linalg.eigh
+
+    def cho(*a, **k):
+        calls["cho"] += 1
+        return real_cho(*a, **k)
+
+    def eigh(*a, **k):
+        calls["eigh"] += 1
+        return real_eigh(*a, **k)
+
+    monkeypatch.setattr(scipy.linalg, "cho_factor", cho)
+    monkeypatch.setattr(scipy.linalg, "eigh", eigh)
+    certify(feats)
+    fit(feats)
+    certify(feats)
+    assert calls == {"cho": 1, "eigh": 0}  # identifiable: one Cholesky, no eigendecomposition
+    fac = factorize(feats)
+    feats.add(chunk_features(tokens, offsets, targets, 4))  # the sums change: the factorization goes
+    assert factorize(feats) is not fac
