@@ -358,7 +358,7 @@ def _train_mse_b(feats: Features, pb: np.ndarray) -> tuple[float, float]:
     """`train_mse` of the canonical coefficients p_b."""
     N, d = feats.n_samples, feats.d
     _, gram_b, moments_b = feats.solver_stats()
-    quad = float(np.einsum("ij,jk,ik->", pb, gram_b, pb))
+    quad = float(np.sum((pb @ gram_b) * pb))
     sse = quad - 2 * float(np.einsum("ij,ji->", pb, moments_b)) + float(np.trace(feats.target_gram))
     scale = float(np.trace(feats.target_gram)) + quad
     resolution = 8 * feats.n_features * EPS * scale / (N * d)

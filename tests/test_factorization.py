@@ -68,7 +68,7 @@ def test_near_threshold_margin_gives_the_same_verdict(monkeypatch: pytest.Monkey
         dense = _run(tokens, offsets, targets, min_eig=margin * lmin)
         monkeypatch.setattr(factorization, "DENSE_MAX", 0)
         fast = _run(tokens, offsets, targets, min_eig=margin * lmin)
-        monkeypatch.setattr(factorization, "DENSE_MAX", 1024)
+        monkeypatch.setattr(factorization, "DENSE_MAX", 4096)
         assert fast["full"][0] == dense["full"][0] == (margin < 1)
 
 
@@ -81,7 +81,7 @@ def test_probe_verdicts_are_the_same(tmp_path: Path, monkeypatch: pytest.MonkeyP
         a = certify_probes(chunk_features(case[0], case[1], case[2], 4), probes).undetermined
         monkeypatch.setattr(factorization, "DENSE_MAX", 0)
         b = certify_probes(chunk_features(case[0], case[1], case[2], 4), probes).undetermined
-        monkeypatch.setattr(factorization, "DENSE_MAX", 1024)
+        monkeypatch.setattr(factorization, "DENSE_MAX", 4096)
         assert np.array_equal(a, b), name
 
 
