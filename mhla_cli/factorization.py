@@ -14,6 +14,9 @@ cached on the Features object, which computes only what is asked, once:
 
 from __future__ import annotations
 
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import numpy as np
@@ -45,6 +48,15 @@ class Factorization:
         self._chol_tried = False
         self._lmax: float | None = None
         self._lmin: float | None = None
+        self.seconds: dict[str, float] = {}  # wall time of each decomposition computed
+
+    @contextmanager
+    def _timed(self, what: str) -> Iterator[None]:
+        t = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.seconds[what] = self.seconds.get(what, 0.0) + time.perf_counter() - t
 
     @property
     def dense(self) -> bool:
@@ -56,7 +68,8 @@ class Factorization:
         if self._w is None:
             if self._we is not None:
                 return self._we
-            self._w = _scipy_linalg().eigh(self.lam, eigvals_only=True, check_finite=False)
+            with self._timed("eigenvalues"):
+                self._w = _scipy_linalg().eigh(self.lam, eigvals_only=True, check_finite=False)
         return self._w
 
     def known_eigenvalues(self) -> np.ndarray | None:
@@ -66,7 +79,8 @@ class Factorization:
     def eigh(self) -> tuple[np.ndarray, np.ndarray]:
         """Eigenvalues and orthonormal eigenvectors (computed once)."""
         if self._v is None:
-            self._we, self._v = _scipy_linalg().eigh(self.lam, check_finite=False)
+            with self._timed("eigenvectors"):
+                self._we, self._v = _scipy_linalg().eigh(self.lam, check_finite=False)
         return self._we, self._v  # type: ignore[return-value]
 
     def lambda_max(self) -> float:
@@ -74,7 +88,8 @@ class Factorization:
             if self.dense or self._we is not None:
                 self._lmax = float(self.eigenvalues()[-1]) if self.n else 0.0
             else:
-                self._lmax = _lanczos_top(lambda x: self.lam @ x, self.n)
+                with self._timed("lanczos"):
+                    self._lmax = _lanczos_top(lambda x: self.lam @ x, self.n)
         return self._lmax
 
     def cholesky(self) -> Any:
@@ -82,10 +97,11 @@ class Factorization:
         if not self._chol_tried:
             self._chol_tried = True
             sl = _scipy_linalg()
-            try:
-                self._chol = sl.cho_factor(self.lam, lower=True, check_finite=False)
-            except sl.LinAlgError:
-                self._chol = None
+            with self._timed("cholesky"):
+                try:
+                    self._chol = sl.cho_factor(self.lam, lower=True, check_finite=False)
+                except sl.LinAlgError:
+                    self._chol = None
             if self._chol is not None and not np.isfinite(self._chol[0].diagonal()).all():
                 self._chol = None
         return self._chol
@@ -97,7 +113,8 @@ class Factorization:
                 self._lmin = float(self.eigenvalues()[0]) if self.n else 0.0
             elif self.cholesky() is not None:
                 sl, c = _scipy_linalg(), self._chol
-                top = _lanczos_top(lambda x: sl.cho_solve(c, x, check_finite=False), self.n)
+                with self._timed("lanczos"):
+                    top = _lanczos_top(lambda x: sl.cho_solve(c, x, check_finite=False), self.n)
                 self._lmin = 1.0 / top if top > 0 else float(self.eigh()[0][0])
             else:
                 self._lmin = float(self.eigh()[0][0])

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -154,6 +155,7 @@ class Certificate:
     eigenvalues: np.ndarray | None = None
     null_vectors: np.ndarray | None = None
     basis: str = "canonical"
+    seconds: dict[str, float] = field(default_factory=dict)  # the factorization's steps (wall time)
 
     @property
     def margin(self) -> float:
@@ -168,6 +170,7 @@ class Certificate:
             "condition_number": (self.lambda_max / self.lambda_min) if self.lambda_min > 0 else None,
             "dim_tokens": self.dim_tokens, "dim_last_tokens": self.dim_last_tokens,
             "reasons": list(self.reasons), "null_features": list(self.null_features), "basis": self.basis,
+            "seconds": dict(self.seconds),
         }
 
 
@@ -208,6 +211,7 @@ def certify(feats: Features, min_eig: float = 0.0, domain: str = "full") -> Cert
             null = np.linalg.qr(basis_mod.coef_from_basis(A, null.T).T)[0]
         cert.null_vectors = null
         cert.reasons, cert.null_features = _explain(feats, cert, null, T is None)
+    cert.seconds = dict(fac.seconds)
     return cert
 
 
@@ -307,6 +311,7 @@ def fit(feats: Features, ridge: float = 0.0) -> Model:
     lmax = fac.lambda_max()
     tol = numerical_tolerance(lmax, psi)
     lmin = fac.lambda_min()
+    t_solve = time.perf_counter()
     coef_b = None
     if ridge > 0:
         sl = scipy.linalg
@@ -326,6 +331,7 @@ def fit(feats: Features, ridge: float = 0.0) -> Model:
         keep = w > tol
         coef_b = (v[:, keep] @ ((v[:, keep].T @ rhs) / w[keep][:, None])).T
     coef = basis_mod.coef_from_basis(A, coef_b)
+    seconds = {**fac.seconds, "solve": time.perf_counter() - t_solve}
     identifiable = bool(lmin > tol and N >= psi)
     mse, resolution = _train_mse_b(feats, coef_b)
     # Condition number of the system actually solved (regularised when ridge > 0).
@@ -338,7 +344,7 @@ def fit(feats: Features, ridge: float = 0.0) -> Model:
         "lambda_max": lmax, "identifiable": identifiable, "condition_number": cond,
         "rank": psi if lmin > tol else int((fac.eigh()[0] > tol).sum()), "n_features": psi, "n_samples": N,
         "method": "lstsq",
-        "basis": "canonical", "normalize": getattr(feats, "normalize", "none"),
+        "basis": "canonical", "normalize": getattr(feats, "normalize", "none"), "seconds": seconds,
     }
     return Model(coef=coef, W=W_from_p(coef), d=feats.d, info=info)
 

@@ -69,11 +69,12 @@ def certify_cmd(
         formats.check_output_path(witness, (data,))
         if formats.kind_of(data) == "tokens" and inspect_tokens(data).per_position:
             raise InputError("--witness supports last-token data only (this file has per-position data)", data)
-    feats, _ = load_with_progress(data, chunk_size, quiet, normalize)
+    feats, _, seconds = load_with_progress(data, chunk_size, quiet, normalize)
     if witness is not None and (feats.per_position or feats.normalize != "none"):
         raise InputError("--witness supports unweighted last-token data without --normalize only", data)
     cert = certify(feats, min_eig=min_eig, domain=domain)
     out = cert.to_dict()
+    out["seconds"] = {**seconds, **cert.seconds}
     out["input"] = str(data)
     try:
         out["input_identity"] = formats.source_identity(data)
@@ -106,7 +107,7 @@ def certify_cmd(
 
 def _certify_on(data: Path, on: Path, report: Path | None, normalize: str | None, chunk_size: int | None,
                 json_out: bool, quiet: bool) -> None:
-    feats, _ = load_with_progress(data, chunk_size, quiet, normalize)
+    feats, _, _ = load_with_progress(data, chunk_size, quiet, normalize)
     with progress_bar("probes", inspect_tokens(on).n_samples, quiet) as advance:
         rep = certify_probes(feats, on, chunk_size=chunk_size, progress=advance)
     if report is not None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import sys
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -82,9 +83,12 @@ def fmt(x: float | None) -> str:
 
 
 def load_with_progress(path: Path, chunk_size: int | None, quiet: bool,
-                       normalize: str | None = None) -> tuple[Features, str]:
-    """Features of a features or tokens file (with a progress bar when featurizing), and the file kind."""
+                       normalize: str | None = None) -> tuple[Features, str, dict[str, float]]:
+    """Features of a features or tokens file (with a progress bar when featurizing), the file kind, and
+    the seconds it took ({"pass": s} when a tokens file was featurized, else {"load": s})."""
     kind = formats.kind_of(path)
     total = inspect_tokens(path).n_samples if kind == "tokens" else 0
+    t = time.perf_counter()
     with progress_bar("featurize", total, quiet) as advance:
-        return load_features(path, chunk_size=chunk_size, normalize=normalize, progress=advance), kind
+        feats = load_features(path, chunk_size=chunk_size, normalize=normalize, progress=advance)
+    return feats, kind, {"pass" if kind == "tokens" else "load": time.perf_counter() - t}

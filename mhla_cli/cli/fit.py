@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from typing import Annotated
 
@@ -60,17 +61,20 @@ def fit_cmd(
             raise InputError("'auto' with --normalize: featurize first, e.g. `mhla featurize DATA -o FEATS "
                              "--folds 5 --normalize length`, then fit FEATS")
 
+        t0 = time.perf_counter()
         with progress_bar("featurize", inspect_tokens(data).n_samples
                           if formats.kind_of(data) == "tokens" else 0, quiet) as advance:
             feats, fold_feats = load_for_cv(data, chunk_size=chunk_size, progress=advance)
+        load_seconds = {"load": time.perf_counter() - t0}
     else:
-        feats, _ = load_with_progress(data, chunk_size, quiet, normalize)
+        feats, _, load_seconds = load_with_progress(data, chunk_size, quiet, normalize)
         fold_feats = None
     model = fit(feats, ridge=ridge, heads=h, nuclear=lam, weight_decay=weight_decay, restarts=restarts, seed=seed,
                 folds=fold_feats)
     model.save(output, inputs=(data,))
     info = dict(model.info)
     info["output"] = str(output)
+    info["seconds"] = {**load_seconds, **info.get("seconds", {})}
     if info["train_mse"] <= info["mse_resolution"]:
         mse_text = (f"train MSE ~ 0 (below the {fmt(info['mse_resolution'])} float64 resolution of the "
                     "statistics; `mhla predict` gives the exact value)")
