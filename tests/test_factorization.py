@@ -111,3 +111,23 @@ def test_one_factorization_is_shared_and_dropped_when_the_sums_change(monkeypatc
     fac = factorize(feats)
     feats.add(chunk_features(tokens, offsets, targets, 4))  # the sums change: the factorization goes
     assert factorize(feats) is not fac
+
+
+def test_the_seconds_of_each_step_are_reported(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys) -> None:
+    import json
+
+    from mhla_cli.cli import run
+
+    tokens, offsets, targets = _cases()["identifiable"]
+    cert = certify(chunk_features(tokens, offsets, targets, 4))
+    assert set(cert.seconds) == {"eigenvalues"} and cert.seconds["eigenvalues"] >= 0
+    monkeypatch.setattr(factorization, "DENSE_MAX", 0)
+    feats = chunk_features(tokens, offsets, targets, 4)
+    cert = certify(feats)
+    assert set(cert.seconds) == {"cholesky", "lanczos"}  # no eigendecomposition when identifiable
+    assert {"cholesky", "lanczos", "solve"} <= set(fit(feats).info["seconds"])
+    data = tmp_path / "d.h5"
+    with h5py.File(data, "w") as f:
+        f["tokens"], f["offsets"], f["targets"] = tokens, offsets, targets
+    assert run(["certify", str(data), "--json", "-q"]) == 0
+    assert {"pass", "cholesky", "lanczos"} <= set(json.loads(capsys.readouterr().out)["seconds"])
