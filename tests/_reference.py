@@ -95,3 +95,12 @@ def ratio(a: np.ndarray, b: np.ndarray) -> float:
 def ridge_function(ref: dict[str, np.ndarray], lam: float) -> np.ndarray:
     """p_b solving (Lambda~ + lam I) p_b^T = m~ on the materialised canonical features."""
     return np.linalg.solve(ref["lambda"] + lam * np.eye(ref["lambda"].shape[0]), ref["moments"]).T
+
+
+def teacher_p(teacher) -> np.ndarray:
+    """The teacher's p from its heads: p[a,(j,k,l)] = W[aj,kl] + W[ak,jl] (j<k), W = sum_h V_h (x) Q_h."""
+    V, Q = teacher.V, teacher.Q
+    d = V.shape[1]
+    W = np.einsum("haj,hkl->ajkl", V, Q)
+    return np.array([[W[a, j, k, l] + (W[a, k, j, l] if j < k else 0.0)
+                      for j in range(d) for k in range(j, d) for l in range(d)] for a in range(d)])

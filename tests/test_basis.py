@@ -13,7 +13,7 @@ import h5py
 import numpy as np
 import pytest
 
-from _reference import canonical_features
+from _reference import canonical_features, teacher_p
 from mhla_cli import basis, synthetic
 from mhla_cli.cli import run
 from mhla_cli.merge import merge_features
@@ -141,13 +141,7 @@ def test_certify_and_fit_do_not_depend_on_token_units(name: str, teacher_data, t
     assert np.linalg.norm(p - p_ref) <= 1e-6 * np.linalg.norm(p_ref), name
 
 
-def synthetic_p(teacher) -> np.ndarray:
-    """The teacher's p from its heads, in plain numpy: p[a,(j,k,l)] = W[aj,kl] + W[ak,jl] (j<k)."""
-    V, Q = teacher.V, teacher.Q
-    d = V.shape[1]
-    W = np.einsum("haj,hkl->ajkl", V, Q)
-    return np.array([[W[a, j, k, l] + (W[a, k, j, l] if j < k else 0.0)
-                      for j in range(d) for k in range(j, d) for l in range(d)] for a in range(d)])
+synthetic_p = teacher_p
 
 
 def test_lstsq_reference_agrees_on_the_issue_case(teacher_data) -> None:

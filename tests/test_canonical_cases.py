@@ -10,7 +10,7 @@ import h5py
 import numpy as np
 import pytest
 
-from _reference import canonical, min_norm_function, predict_canonical, predict_own, ratio
+from _reference import canonical, min_norm_function, predict_own, ratio, teacher_p
 from mhla_cli import MHLA, basis, synthetic
 from mhla_cli.cli import run
 from mhla_cli.forward import forward_heads
@@ -24,14 +24,6 @@ def rotation(d: int, seed: int) -> np.ndarray:
 
 def teacher_targets(teacher, tokens: np.ndarray, offsets: np.ndarray) -> np.ndarray:
     return np.stack([forward_heads(teacher.V, teacher.Q, tokens[a:b]) for a, b in zip(offsets[:-1], offsets[1:])])
-
-
-def teacher_p(teacher) -> np.ndarray:
-    V, Q = teacher.V, teacher.Q
-    d = V.shape[1]
-    W = np.einsum("haj,hkl->ajkl", V, Q)
-    return np.array([[W[a, j, k, l] + (W[a, k, j, l] if j < k else 0.0)
-                      for j in range(d) for k in range(j, d) for l in range(d)] for a in range(d)])
 
 
 def write(path: Path, tokens: np.ndarray, offsets: np.ndarray, targets: np.ndarray | None = None) -> Path:
