@@ -136,12 +136,11 @@ def test_certify_and_fit_do_not_depend_on_token_units(name: str, teacher_data, t
     Xs = [rng.standard_normal((rng.integers(2, 6), 3)) for _ in range(60)]
     HX = np.stack([_features(X) for X in Xs], axis=1)
     HXA = np.stack([_features(X @ A0) for X in Xs], axis=1)
-    p_teacher = synthetic_p(teacher)
+    p_teacher = teacher_p(teacher)
     p_ref = np.linalg.lstsq(HXA.T, (p_teacher @ HX).T, rcond=None)[0].T
     assert np.linalg.norm(p - p_ref) <= 1e-6 * np.linalg.norm(p_ref), name
 
 
-synthetic_p = teacher_p
 
 
 def test_lstsq_reference_agrees_on_the_issue_case(teacher_data) -> None:
