@@ -82,8 +82,11 @@ def models_for(d: int) -> list[dict[str, Any]]:
 
 def run_setup(d: int, N: int, epochs: int, seeds: int, lr: float = 1e-2, batch_size: int = 64,
               seq_len: int = 100, only: set[str] | None = None) -> dict[str, Any]:
-    """All models of one Fig. 1 panel; per model the per-seed histories and summary numbers."""
-    from mhla_torch import train_linear_attention, train_mhla
+    """All models of one Fig. 1 panel; per model the per-seed histories and summary numbers.
+
+    `only=set()` runs the closed form alone (no torch needed)."""
+    if only != set():
+        from mhla_torch import train_linear_attention, train_mhla
 
     results: dict[str, Any] = {"d": d, "N": N, "epochs": epochs, "seeds": seeds, "closed_form": [], "models": {}}
     for seed in range(seeds):

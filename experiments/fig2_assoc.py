@@ -8,7 +8,7 @@ and values from rows of random orthogonal matrices, the rest are Gaussian N(0, I
 (a) f swept over 95..100 %: observed-domain lambda_min (the paper's metric: Lambda_D of the features in
     the tokens' own coordinates, reduced to the observed domain; the full-domain lambda_min is 0 for
     all such data because the query's value part is always 0), mhla's verdict (certify(domain=
-    'observed'), computed in its whitened token basis, so its lambda_min is in other units), the distance
+    'observed'), whose lambda_min is the canonical one: whitened tokens, orthonormal features), the distance
     ||p - p_true||_F of mhla's minimum-norm fit, of AdamW-trained MHLA (1, 2, 4, 8 heads, random init),
     and of a certify witness (another zero-loss solution) when the certificate fails.
 (b) full-rank (all Gaussian, f = 0) vs rank-deficient (f = 1) data: the same distances, two init scales.

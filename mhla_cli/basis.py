@@ -2,8 +2,8 @@
 
 The certificate's numbers belong to the data, not to the units of the tokens (BACKGROUND.md, "The
 canonical certificate"). Tokens are whitened, X -> X A with A^T G A = I and G = token_gram / n_tokens
-the second moment of all the tokens of the data, and the features of X A are taken in orthonormal
-coordinates
+(the second moment of all the tokens of the data, each counted with the weights of the samples that
+contain it: stats.Features), and the features of X A are taken in orthonormal coordinates
 
     Ht(X) = D H(X),   D = 1 on the pairs j = k, sqrt 2 on the pairs j < k   (||Ht|| = ||S||_F ||x_n||),
 

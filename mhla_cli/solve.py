@@ -178,8 +178,10 @@ def certify(feats: Features, min_eig: float = 0.0, domain: str = "full") -> Cert
     """Certify that the data determine the learned function (on R^d, or on the observed subspaces).
 
     The eigenvalues are those of the canonical Lambda~ = (1/N) sum Ht Ht^T: the features of the
-    whitened tokens X A (A^T G A = I, G the second moment of all tokens) in orthonormal coordinates
-    (mhla_cli.basis), so that the numbers and the verdict do not depend on the units of the tokens.
+    whitened tokens X A (A^T G A = I, G = token_gram / n_tokens: for last-token data without weights
+    the second moment of all tokens; for weighted or per-position data each token counted with the
+    weights of the samples that contain it) in orthonormal coordinates (mhla_cli.basis), so that the
+    numbers and the verdict do not depend on the units of the tokens.
     `null_vectors` span the null space: for the full domain in the tokens' own feature coordinates
     (orthonormal columns), for the observed domain in the observed-domain coordinates (map them with
     `domain_map(feats, "observed")[0].T`).
@@ -257,7 +259,9 @@ def _explain(feats: Features, cert: Certificate, null: np.ndarray, full: bool
             "identically_zero": bool(full and exactly_zero(i))} for i in (dead + mixed)[:20]]
     k = null.shape[1]
     if k:
-        desc = f"{k} feature direction(s) are never excited by the data"
+        below_margin = cert.lambda_min > cert.numerical_tolerance
+        desc = (f"{k} feature direction(s) are excited less than the demanded margin (eigenvalues <= "
+                f"{cert.threshold:.3g})" if below_margin else f"{k} feature direction(s) are never excited by the data")
         if zero:
             desc += (f"; {len(zero)} single feature(s) are identically zero in the data, e.g. "
                      + ", ".join(names[i] for i in zero[:3]))
