@@ -15,7 +15,7 @@ from mhla_cli import MHLA, basis, synthetic
 from mhla_cli.cli import run
 from mhla_cli.forward import forward_heads
 from mhla_cli.solve import certify, fit
-from mhla_cli.stream import chunk_features, featurize
+from mhla_cli.stream import chunk_features
 
 
 def rotation(d: int, seed: int) -> np.ndarray:

@@ -18,7 +18,7 @@ import fig1_teacher  # noqa: E402
 import fig2_assoc  # noqa: E402
 import icl_regression  # noqa: E402
 import sample_complexity  # noqa: E402
-from mhla_cli import forward_heads, n_features, synthetic  # noqa: E402
+from mhla_cli import forward_heads, n_features  # noqa: E402
 
 
 @pytest.fixture(autouse=True)

@@ -18,7 +18,7 @@ import pytest
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
-from _reference import canonical, features, min_norm_function, predict_canonical, predict_own, ratio
+from _reference import canonical, min_norm_function, predict_canonical, predict_own, ratio
 from mhla_cli import MHLA, synthetic
 from mhla_cli.merge import merge_features
 from mhla_cli.probes import certify_probes

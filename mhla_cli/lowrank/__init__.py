@@ -34,6 +34,19 @@ from .nuclear import _lipschitz, fit_nuclear, nuclear_lambda_max
 from .result import LowRankFit
 
 
+__all__ = [
+    "EPS", "Features", "Heads", "InputError", "LowRankFit", "Model", "W_from_p", "_Metric", "_START_SCALES",
+    "_als_lm", "_balance", "_check_coef", "_cv_floor", "_cv_table", "_damped_solve", "_factorised_objective",
+    "_heads_from_svd", "_jacobians", "_lipschitz", "_minus", "_need_targets", "_normal_parts", "_p_index",
+    "_p_of", "_pack", "_pick", "_random_start", "_rel_err", "_serial_blas", "_solve_psd", "_structure",
+    "_to_heads", "_unpack", "convergence_warning", "cv_heads", "cv_nuclear", "fewest_heads",
+    "fewest_message", "fit", "fit_factorised", "fit_model", "fit_nuclear", "generic_rank",
+    "head_lower_bound", "heads_from_W", "hit_limit", "min_nuclear_W", "mse", "n_features",
+    "nuclear_lambda_max", "nuclear_norm", "p_adjoint", "p_from_W", "pair_index", "polish_heads",
+    "project_affine", "solver_info", "solver_warnings", "sse", "svt", "train_mse"
+]  # every name the single-module lowrank had (public and private), re-exported
+
+
 def fit_model(feats: Features, heads: int | str | None = None, nuclear: float | str | None = None,
               weight_decay: float = 0.0, restarts: int = 10, seed: int = 0,
               folds: list[Features] | None = None) -> Any:
