@@ -275,3 +275,20 @@ def test_identically_zero_only_when_exactly_zero(tmp_path: Path, capsys) -> None
         f["tokens"], f["offsets"] = tokens, offsets
     assert run(["certify", str(path), "--json", "-q"]) == 0
     assert json.loads(capsys.readouterr().out)["reasons"] == []
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_exact_zeros_survive_the_derived_token_gram(tmp_path: Path, dtype: str) -> None:
+    """Equal-length chunks derive the own token Gram from that of X A: a coordinate that is 0 in
+    every token must still be exactly 0 there (the whitening keeps it apart)."""
+    rng = np.random.default_rng(7)
+    tokens = rng.standard_normal((600, 3)).astype(dtype)
+    tokens[:, 2] = 0.0
+    path = tmp_path / "z.h5"
+    with h5py.File(path, "w") as f:
+        f["tokens"], f["offsets"] = tokens, np.arange(0, 601, 6)
+    feats = featurize(path, chunk_size=17)
+    assert feats.token_gram[2, 2] == 0.0 and not feats.token_gram[2].any()
+    assert feats.last_token_gram[2, 2] == 0.0
+    X = tokens.astype(np.float64)
+    assert np.abs(feats.token_gram - X.T @ X).max() <= 1e-12 * np.abs(X.T @ X).max()
