@@ -120,6 +120,13 @@ class Factorization:
                 self._lmin = float(self.eigh()[0][0])
         return self._lmin
 
+    def rank(self, tol: float) -> int:
+        """Eigenvalues above `tol`: all of them when lambda_min > tol, else counted (eigh if needed)."""
+        if self.lambda_min() > tol:
+            return self.n
+        w = self.known_eigenvalues()
+        return int(((self.eigh()[0] if w is None else w) > tol).sum())
+
     def solve(self, rhs: np.ndarray) -> np.ndarray | None:
         """lam^-1 rhs through the Cholesky factor (None when lam is not positive definite)."""
         c = self.cholesky()

@@ -190,7 +190,7 @@ def certify(feats: Features, min_eig: float = 0.0, domain: str = "full") -> Cert
         raise InputError(f"min_eig must be a finite number >= 0, got {min_eig}")
     A, _, _ = feats.solver_stats()
     fac = factorize(feats, domain)
-    T, r, s = _domain_map_b(feats, domain) if domain != "full" else (None, feats.d, feats.d)
+    T, r, s = _domain_map_b(feats, domain)
     m = fac.n
     lmax = fac.lambda_max()
     tol = numerical_tolerance(lmax, m)
@@ -199,10 +199,8 @@ def certify(feats: Features, min_eig: float = 0.0, domain: str = "full") -> Cert
     # case costs a factorization n^3 / 3); eigenvectors only when needed to explain a failure
     lmin = fac.lambda_min()
     identifiable = bool(lmin > threshold and feats.n_samples >= m and lmax > 0)
+    rank = fac.rank(tol)
     w = fac.known_eigenvalues()
-    if w is None and not identifiable:
-        w = fac.eigh()[0]
-    rank = m if w is None else int((w > tol).sum())
     cert = Certificate(identifiable, lmin, lmax, rank, m, feats.n_samples, threshold, tol, float(min_eig),
                        domain, r, s, eigenvalues=w)
     if not identifiable:
@@ -319,11 +317,11 @@ def fit(feats: Features, ridge: float = 0.0) -> Model:
     coef_b = None
     if ridge > 0:
         sl = scipy.linalg
+        system = lam + ridge * np.eye(psi)
         try:
-            system = lam + ridge * np.eye(psi)
             coef_b = sl.cho_solve(sl.cho_factor(system, lower=True, check_finite=False), rhs, check_finite=False).T
         except sl.LinAlgError:
-            coef_b = sl.lstsq(lam + ridge * np.eye(psi), rhs, check_finite=False)[0].T
+            coef_b = sl.lstsq(system, rhs, check_finite=False)[0].T
     elif lmin > tol:
         # Positive definite: a solve with the certificate's Cholesky factor.
         sol = fac.solve(rhs)
@@ -346,8 +344,7 @@ def fit(feats: Features, ridge: float = 0.0) -> Model:
     info = {
         "ridge": float(ridge), "train_mse": mse, "mse_resolution": resolution, "lambda_min": lmin,
         "lambda_max": lmax, "identifiable": identifiable, "condition_number": cond,
-        "rank": psi if lmin > tol else int((fac.eigh()[0] > tol).sum()), "n_features": psi, "n_samples": N,
-        "method": "lstsq",
+        "rank": fac.rank(tol), "n_features": psi, "n_samples": N, "method": "lstsq",
         "basis": "canonical", "normalize": getattr(feats, "normalize", "none"), "seconds": seconds,
     }
     return Model(coef=coef, W=W_from_p(coef), d=feats.d, info=info)
