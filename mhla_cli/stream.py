@@ -285,8 +285,9 @@ class _Accumulator:
                        ) -> tuple[np.ndarray, np.ndarray]:
         """`_tokens` + `sequence_moments` for B sequences of n tokens, fused in cache-sized blocks.
 
-        Per block of sequences: convert to float64, the own token Gram, X A, and the batched
-        (X A)^T (X A); returns S of X A (B, d, d) and the last tokens of X A (B, d).
+        Per block of sequences: convert to float64, X A, and the batched (X A)^T (X A); the token
+        Grams follow from S (the own one derived, `_from_basis`). Returns S of X A (B, d, d) and the
+        last tokens of X A (B, d).
         """
         d = self.d
         X = tokens.reshape(B, n, d)
