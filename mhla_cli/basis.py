@@ -133,14 +133,86 @@ def _apply_rows(P: np.ndarray, R: np.ndarray, X: np.ndarray) -> np.ndarray:
     return np.matmul(R, Z).reshape(npairs_out * d_out, m)
 
 
-def _congruence(P: np.ndarray, R: np.ndarray, G: np.ndarray) -> np.ndarray:
-    """K G K^T for K = kron(P, R), symmetrised (O(psi^2 (q + d)) through the Kronecker structure)."""
-    half = np.ascontiguousarray(_apply_rows(P, R, G).T)
-    out = _apply_rows(P, R, half)
-    del half
-    out += out.T.copy()
-    out *= 0.5
+def _congruence(P: np.ndarray, R: np.ndarray, G: np.ndarray, overwrite: bool = False) -> np.ndarray:
+    """K G K^T for K = kron(P, R), symmetrised (O(psi^2 (q + d)) through the Kronecker structure).
+
+    For square P and R the product is formed in place in one psi x psi array (a copy of G, or G
+    itself with `overwrite`), with temporaries of a few MiB: K (K G)^T, the transpose and the
+    symmetrisation taken block by block. Other shapes use two out-of-place products.
+    """
+    if P.shape[0] != P.shape[1] or R.shape[0] != R.shape[1]:
+        half = np.ascontiguousarray(_apply_rows(P, R, G).T)
+        out = _apply_rows(P, R, half)
+        del half
+        out += out.T.copy()
+        out *= 0.5
+        return out
+    out = G if overwrite else np.array(G, dtype=np.float64, order="C")
+    _apply_rows_inplace(P, R, out)  # K G
+    _transpose_inplace(out)  # (K G)^T
+    _apply_rows_inplace(P, R, out)  # K G^T K^T
+    _symmetrize_inplace(out)
     return out
+
+
+# Bytes of the work arrays of the in-place kernels below (per block of rows or columns).
+_WORK_BYTES = 8 * 2**20
+# Side of the square tiles of the in-place transpose and symmetrisation.
+_TILE = 256
+
+
+def _apply_rows_inplace(P: np.ndarray, R: np.ndarray, X: np.ndarray) -> None:
+    """X <- kron(P, R) @ X in place, for square P (q, q), R (d, d) and X (q d, m) (rows may be strided).
+
+    The same products as `_apply_rows` (P over the pairs, then R over l), a block of columns or of
+    pairs at a time through a work array of about _WORK_BYTES.
+    """
+    q, d, m = P.shape[0], R.shape[0], X.shape[1]
+    X3 = X.view()
+    X3.shape = (q, d, m)  # a view (raises rather than copy)
+    cols = max(1, min(m, _WORK_BYTES // (8 * q)))
+    work = np.empty(q * cols)
+    for l in range(d):
+        Xl = X3[:, l, :]
+        for c0 in range(0, m, cols):
+            c1 = min(m, c0 + cols)
+            w = work[:q * (c1 - c0)].reshape(q, c1 - c0)
+            np.matmul(P, Xl[:, c0:c1], out=w)
+            Xl[:, c0:c1] = w
+    pairs = max(1, min(q, _WORK_BYTES // (8 * d * m)))
+    work = np.empty(pairs * d * m)
+    for p0 in range(0, q, pairs):
+        p1 = min(q, p0 + pairs)
+        w = work[:(p1 - p0) * d * m].reshape(p1 - p0, d, m)
+        np.matmul(R, X3[p0:p1], out=w)
+        X3[p0:p1] = w
+
+
+def _transpose_inplace(G: np.ndarray, tile: int = _TILE) -> None:
+    """G <- G^T in place for a square G, tile by tile."""
+    n = G.shape[0]
+    for i0 in range(0, n, tile):
+        i1 = min(n, i0 + tile)
+        D = G[i0:i1, i0:i1]
+        D[...] = D.T.copy()
+        for j0 in range(i1, n, tile):
+            j1 = min(n, j0 + tile)
+            upper = G[i0:i1, j0:j1].copy()
+            G[i0:i1, j0:j1] = G[j0:j1, i0:i1].T
+            G[j0:j1, i0:i1] = upper.T
+
+
+def _symmetrize_inplace(G: np.ndarray, tile: int = _TILE) -> None:
+    """G <- (G + G^T) / 2 in place, tile by tile (the same rounding as `(G + G.T) * 0.5`)."""
+    n = G.shape[0]
+    for i0 in range(0, n, tile):
+        i1 = min(n, i0 + tile)
+        for j0 in range(i0, n, tile):
+            j1 = min(n, j0 + tile)
+            s = G[i0:i1, j0:j1] + G[j0:j1, i0:i1].T
+            s *= 0.5
+            G[i0:i1, j0:j1] = s
+            G[j0:j1, i0:i1] = s.T
 
 
 def feature_map(A: np.ndarray) -> np.ndarray:
@@ -193,11 +265,14 @@ def coef_to_basis(A: np.ndarray, coef: np.ndarray) -> np.ndarray:
     return _apply_rows(P.T, R.T, np.ascontiguousarray(coef.T)).T
 
 
-def change_by(C: np.ndarray, gram_b: np.ndarray, moments_b: np.ndarray | None
+def change_by(C: np.ndarray, gram_b: np.ndarray, moments_b: np.ndarray | None, overwrite: bool = False
               ) -> tuple[np.ndarray, np.ndarray | None]:
-    """Canonical sums of X A -> of X A C: O_C gram_b O_C^T and O_C moments_b (exact up to rounding)."""
+    """Canonical sums of X A -> of X A C: O_C gram_b O_C^T and O_C moments_b (exact up to rounding).
+
+    `overwrite`: the new gram is formed in gram_b's memory (no psi x psi copy).
+    """
     P, R = orth_pair_map(C), C.T
-    g = _congruence(P, R, gram_b)
+    g = _congruence(P, R, gram_b, overwrite=overwrite)
     m = None if moments_b is None else _apply_rows(P, R, moments_b)
     return g, m
 
@@ -238,3 +313,8 @@ def sample_blocks(n_samples: int, n_tokens: int) -> list[tuple[int, int]]:
         else:
             blocks.append((a, b))
     return blocks
+
+
+# Public names of the Kronecker kernels (used by mhla_cli.structure).
+kron_apply = _apply_rows
+kron_congruence = _congruence

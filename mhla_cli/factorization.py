@@ -5,6 +5,8 @@ factor of the same canonical Lambda~ (mhla_cli.basis). `solve.factorize` returns
 cached on the Features object, which computes only what is asked, once:
 
 - small matrices (n <= DENSE_MAX): LAPACK's eigenvalues (eigvalsh), the vectors only when asked;
+- the matrix may be the nonzero block of a larger one (mhla_cli.structure): `n_full - n` further
+  eigenvalues are exact zeros, counted by `lambda_min`, `full_eigenvalues` and the certificate;
 - large ones: lambda_max by Lanczos on Lambda~, and a Cholesky of Lambda~ (n^3 / 3 flops) that
   succeeds when it is numerically positive definite; lambda_min is then Lanczos on the inverse
   through that factor (tens of O(n^2) triangular solves), and fit is a solve with the same factor. The
@@ -36,11 +38,17 @@ def _scipy_linalg() -> Any:
 
 
 class Factorization:
-    """Lazily computed, cached decompositions of one symmetric PSD matrix `lam` (not copied)."""
+    """Lazily computed, cached decompositions of one symmetric PSD matrix `lam` (not copied).
 
-    def __init__(self, lam: np.ndarray) -> None:
+    `lam` is the block of a (n_full x n_full) matrix outside which every direction is an exact null
+    direction (n_full = n when there is no such structure).
+    """
+
+    def __init__(self, lam: np.ndarray, n_full: int | None = None) -> None:
         self.lam = lam
         self.n = int(lam.shape[0])
+        self.n_full = self.n if n_full is None else int(n_full)
+        self.structure: Any = None  # mhla_cli.structure.Structure of the block, set by solve.factorize
         self._w: np.ndarray | None = None  # eigvalsh
         self._we: np.ndarray | None = None  # eigh: values and vectors
         self._v: np.ndarray | None = None
@@ -73,8 +81,15 @@ class Factorization:
         return self._w
 
     def known_eigenvalues(self) -> np.ndarray | None:
-        """The eigenvalues if they are computed anyway (dense path) or were (eigh), else None."""
+        """The block's eigenvalues if they are computed anyway (dense path) or were (eigh), else None."""
         return self.eigenvalues() if self.dense or self._we is not None else None
+
+    def full_eigenvalues(self) -> np.ndarray | None:
+        """`known_eigenvalues` with the n_full - n exact zeros outside the block, ascending."""
+        w = self.known_eigenvalues()
+        if w is None or self.n_full == self.n:
+            return w
+        return np.sort(np.concatenate([np.zeros(self.n_full - self.n), w]))
 
     def eigh(self) -> tuple[np.ndarray, np.ndarray]:
         """Eigenvalues and orthonormal eigenvectors (computed once)."""
@@ -107,7 +122,11 @@ class Factorization:
         return self._chol
 
     def lambda_min(self) -> float:
-        """The smallest eigenvalue: dense, or Lanczos on lam^-1 through the Cholesky factor, or eigh."""
+        """The smallest eigenvalue of the full matrix: 0 when the block is smaller, else `block_lambda_min`."""
+        return 0.0 if self.n < self.n_full else self.block_lambda_min()
+
+    def block_lambda_min(self) -> float:
+        """The block's smallest eigenvalue: dense, or Lanczos on lam^-1 through the Cholesky factor, or eigh."""
         if self._lmin is None:
             if self.dense or self._we is not None:
                 self._lmin = float(self.eigenvalues()[0]) if self.n else 0.0
@@ -121,8 +140,9 @@ class Factorization:
         return self._lmin
 
     def rank(self, tol: float) -> int:
-        """Eigenvalues above `tol`: all of them when lambda_min > tol, else counted (eigh if needed)."""
-        if self.lambda_min() > tol:
+        """Eigenvalues above `tol` (none outside the block): all of the block's when its lambda_min > tol,
+        else counted (eigh if needed)."""
+        if self.block_lambda_min() > tol:
             return self.n
         w = self.known_eigenvalues()
         return int(((self.eigh()[0] if w is None else w) > tol).sum())

@@ -25,6 +25,7 @@ from .errors import InputError
 from .basis import pair_scale
 from .features import n_features
 from .solve import factorize, numerical_tolerance
+from .structure import Structure
 from .stream import Features, default_chunk_size, sample_rows
 from .tokens import check_finite, check_weights, inspect_tokens, iter_chunks
 
@@ -35,16 +36,19 @@ DETERMINED_TOL = 1e-8
 
 @dataclass
 class NullSpace:
-    """Orthonormal basis (psi, k) of gram's numerical null space and how it was cut."""
+    """gram's numerical null space: the exact nulls outside the data's spans (`structure`,
+    mhla_cli.structure) and an orthonormal basis (n, k) of the null space of the block on them."""
 
     basis: np.ndarray
     lambda_max: float
     threshold: float
     token_basis: np.ndarray  # A: the null space is that of the canonical features of Z A
+    structure: Structure | None = None  # None: `basis` is in the canonical features themselves
 
     @property
     def dim(self) -> int:
-        return int(self.basis.shape[1])
+        outside = 0 if self.structure is None else self.structure.n_full - self.structure.n
+        return outside + int(self.basis.shape[1])
 
 
 def null_space(feats: Features) -> NullSpace:
@@ -56,25 +60,28 @@ def null_space(feats: Features) -> NullSpace:
     A, _, _ = feats.solver_stats()
     fac = factorize(feats, "full")  # shared with certify and fit
     lmax = fac.lambda_max()
-    tol = numerical_tolerance(lmax, fac.n)
-    if not fac.dense and fac.lambda_min() > tol:  # positive definite: no null space, no eigenvectors
-        return NullSpace(basis=np.zeros((fac.n, 0)), lambda_max=lmax, threshold=tol, token_basis=A)
+    tol = numerical_tolerance(lmax, fac.n_full)
+    st = fac.structure
+    if not fac.dense and fac.block_lambda_min() > tol:  # positive definite block: no eigenvectors
+        return NullSpace(basis=np.zeros((fac.n, 0)), lambda_max=lmax, threshold=tol, token_basis=A, structure=st)
     w, v = fac.eigh()
-    return NullSpace(basis=np.ascontiguousarray(v[:, w <= tol]), lambda_max=lmax, threshold=tol, token_basis=A)
+    return NullSpace(basis=np.ascontiguousarray(v[:, w <= tol]), lambda_max=lmax, threshold=tol, token_basis=A,
+                     structure=st)
 
 
 def probe_residuals(ns: NullSpace, upper: np.ndarray, last: np.ndarray) -> np.ndarray:
-    """Relative null-space component ||Z0^T h|| / ||h|| of the rows h = H (0 for h = 0)."""
+    """Relative null-space component ||Z0^T h|| / ||h|| of the rows h = upper (x) last (0 for h = 0)."""
     R = upper.shape[0]
     d = last.shape[1]
-    H = (upper[:, :, None] * last[:, None, :]).reshape(R, upper.shape[1] * d)
-    norm = np.sqrt(np.einsum("ij,ij->i", H, H))
+    assert upper.shape[1] * d == n_features(d)
+    st = ns.structure if ns.structure is not None else Structure.identity(upper.shape[1], d)
     if ns.dim == 0 or R == 0:
         return np.zeros(R)
-    assert H.shape[1] == n_features(d)
-    comp = H @ ns.basis
-    num = np.sqrt(np.einsum("ij,ij->i", comp, comp))
-    return np.where(norm > 0, num / np.where(norm > 0, norm, 1.0), 0.0)
+    # in-block coordinates of h, and the squared norm of its part outside the block (the exact nulls)
+    inside, outside, norm2 = st.split_rows(upper, last)
+    comp = inside @ ns.basis
+    num2 = outside + np.einsum("ij,ij->i", comp, comp)
+    return np.where(norm2 > 0, np.sqrt(num2 / np.where(norm2 > 0, norm2, 1.0)), 0.0)
 
 
 @dataclass

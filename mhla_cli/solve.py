@@ -4,18 +4,21 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
 from . import basis as basis_mod
-from .basis import orth_pair_map
+from . import structure as structure_mod
+from .basis import kron_congruence, orth_pair_map
 from .errors import InputError
 from .factorization import Factorization
 from .features import feature_index, pair_index
 from .stats import Features
 from .heads import W_from_p
 from .model import Model
+from .structure import find_structure
 
 EPS = float(np.finfo(np.float64).eps)
 
@@ -109,16 +112,34 @@ def domain_map(feats: Features, domain: str) -> tuple[np.ndarray | None, int, in
 
 def factorize(feats: Features, domain: str = "full") -> Factorization:
     """The factorization of the canonical Lambda~ (or its observed-domain restriction), computed once
-    per Features and domain and shared by certify, fit, `certify --on` and the witness."""
+    per Features and domain and shared by certify, fit, `certify --on` and the witness.
+
+    Only the block of Lambda~ on the data's spans is factorized (mhla_cli.structure): `fac.structure`
+    maps its coordinates to the domain's features, and the directions outside it are exact zeros.
+    """
     check_domain(domain)
     feats.canonical()
     cache = feats.factor_cache
-    if domain not in cache:
+    if domain in cache:
+        return cache[domain]
+    d = feats.d
+    if "full" not in cache:
         lam = feats.basis_gram / max(feats.n_samples, 1)
-        T, _, _ = _domain_map_b(feats, domain)
-        if T is not None:
-            lam = T @ lam @ T.T
-        cache[domain] = Factorization(lam)
+        st = find_structure(lam, d)
+        fac = Factorization(st.compress(lam), st.n_full)
+        del lam
+        fac.structure = st
+        cache["full"] = fac
+    full = cache["full"]
+    if domain == "observed":
+        B, C = _observed_bases_b(feats)
+        if B.shape[1] == d and C.shape[1] == d:
+            cache[domain] = full  # U = U_n = R^d: the observed domain is the full one
+        else:
+            st_o, R1, R2 = structure_mod.observed(full.structure, orth_pair_map(B), C.T)
+            fac = Factorization(kron_congruence(R1, R2, full.lam), st_o.n_full)
+            fac.structure = st_o
+            cache[domain] = fac
     return cache[domain]
 
 
@@ -153,9 +174,21 @@ class Certificate:
     reasons: list[str] = field(default_factory=list)
     null_features: list[dict[str, Any]] = field(default_factory=list)
     eigenvalues: np.ndarray | None = None
-    null_vectors: np.ndarray | None = None
     basis: str = "canonical"
     seconds: dict[str, float] = field(default_factory=dict)  # the factorization's steps (wall time)
+    # the data's spans (mhla_cli.structure): features in span{S_i} (x) U_n, and the two dimensions
+    span_features: int = 0
+    span_pairs: int = 0
+    span_last_tokens: int = 0
+    _null_fn: Callable[[], np.ndarray] | None = field(default=None, repr=False, compare=False)
+    _null: np.ndarray | None = field(default=None, repr=False, compare=False)
+
+    @property
+    def null_vectors(self) -> np.ndarray | None:
+        """Orthonormal columns spanning the null space (computed on first use; None when identifiable)."""
+        if self._null is None and self._null_fn is not None:
+            self._null = self._null_fn()
+        return self._null
 
     @property
     def margin(self) -> float:
@@ -170,7 +203,8 @@ class Certificate:
             "condition_number": (self.lambda_max / self.lambda_min) if self.lambda_min > 0 else None,
             "dim_tokens": self.dim_tokens, "dim_last_tokens": self.dim_last_tokens,
             "reasons": list(self.reasons), "null_features": list(self.null_features), "basis": self.basis,
-            "seconds": dict(self.seconds),
+            "span_features": self.span_features, "span_pairs": self.span_pairs,
+            "span_last_tokens": self.span_last_tokens, "seconds": dict(self.seconds),
         }
 
 
@@ -190,32 +224,61 @@ def certify(feats: Features, min_eig: float = 0.0, domain: str = "full") -> Cert
         raise InputError(f"min_eig must be a finite number >= 0, got {min_eig}")
     A, _, _ = feats.solver_stats()
     fac = factorize(feats, domain)
-    T, r, s = _domain_map_b(feats, domain)
-    m = fac.n
+    full = domain == "full"
+    r, s = (feats.d, feats.d) if full else tuple(b.shape[1] for b in _observed_bases_b(feats))
+    m = fac.n_full
     lmax = fac.lambda_max()
     tol = numerical_tolerance(lmax, m)
     threshold = max(tol, float(min_eig))
     # lambda_min by Lanczos through a Cholesky when Lambda~ is positive definite (the identifiable
-    # case costs a factorization n^3 / 3); eigenvectors only when needed to explain a failure
+    # case costs a factorization n^3 / 3); 0 when the data's spans leave directions out
+    # (mhla_cli.structure); eigenvectors only when needed to explain a failure
     lmin = fac.lambda_min()
     identifiable = bool(lmin > threshold and feats.n_samples >= m and lmax > 0)
     rank = fac.rank(tol)
-    w = fac.known_eigenvalues()
     cert = Certificate(identifiable, lmin, lmax, rank, m, feats.n_samples, threshold, tol, float(min_eig),
-                       domain, r, s, eigenvalues=w)
+                       domain, r, s, eigenvalues=fac.full_eigenvalues(), span_features=fac.n,
+                       span_pairs=fac.structure.a, span_last_tokens=fac.structure.b)
     if not identifiable:
-        w, v = fac.eigh()
-        null = v[:, w <= threshold]
-        if T is None and null.shape[1]:
-            # v^T H_b = v^T M_A H: the same direction in the tokens' own feature coordinates
-            null = np.linalg.qr(basis_mod.coef_from_basis(A, null.T).T)[0]
-        cert.null_vectors = null
-        cert.reasons, cert.null_features = _explain(feats, cert, null, T is None)
+        cert._null_fn = lambda: _null_vectors(A, fac, threshold, full)
+        weight, k = _null_weights(A, fac, threshold, full)
+        cert.reasons, cert.null_features = _explain(feats, cert, weight, k, full)
     cert.seconds = dict(fac.seconds)
     return cert
 
 
-def _explain(feats: Features, cert: Certificate, null: np.ndarray, full: bool
+def _null_vectors(A: np.ndarray, fac: Factorization, threshold: float, full: bool) -> np.ndarray:
+    """Orthonormal basis of the eigenvalues <= threshold: the exact nulls outside the data's spans and
+    the block's own; for the full domain in the tokens' own feature coordinates."""
+    w, v = fac.eigh()
+    st = fac.structure
+    null = np.hstack([st.outside(), st.embed(v[:, w <= threshold])])
+    if full and null.shape[1]:
+        # v^T H_b = v^T M_A H: the same direction in the tokens' own feature coordinates
+        null = np.linalg.qr(basis_mod.coef_from_basis(A, null.T).T)[0]
+    return null
+
+
+def _null_weights(A: np.ndarray, fac: Factorization, threshold: float, full: bool) -> tuple[np.ndarray, int]:
+    """(diagonal of the projector onto the null space, in the coordinates of `_null_vectors`; its dim).
+
+    From the null vectors or from the range, whichever is smaller: in own coordinates the range is
+    M_A^-1 (range in the canonical ones), the orthogonal complement of M_A^T (null space).
+    """
+    w, v = fac.eigh()
+    st = fac.structure
+    live = w > threshold
+    k = fac.n_full - int(live.sum())
+    if k <= int(live.sum()):
+        null = _null_vectors(A, fac, threshold, full)
+        return (null**2).sum(axis=1), k
+    rng = st.embed(v[:, live])
+    if full and rng.shape[1]:
+        rng = np.linalg.qr(basis_mod.features_from_basis(A, rng))[0]
+    return np.clip(1.0 - (rng**2).sum(axis=1), 0.0, 1.0), k
+
+
+def _explain(feats: Features, cert: Certificate, weight: np.ndarray, k: int, full: bool
              ) -> tuple[list[str], list[dict[str, Any]]]:
     d = feats.d
     reasons: list[str] = []
@@ -226,7 +289,13 @@ def _explain(feats: Features, cert: Certificate, null: np.ndarray, full: bool
     if feats.n_samples < m:
         reasons.append(f"N = {feats.n_samples} samples < {m} features: at least {m} samples are needed "
                        "(necessary, not sufficient)")
-    if null.shape[1] and cert.lambda_min > cert.numerical_tolerance and cert.min_eig > 0:
+    if cert.span_features < m:
+        q = (cert.dim_tokens * (cert.dim_tokens + 1)) // 2
+        reasons.append(f"the data's S matrices span {cert.span_pairs} of {q} dimensions and their last tokens "
+                       f"{cert.span_last_tokens} of {cert.dim_last_tokens}: at most {cert.span_features} of the "
+                       f"{m} features carry information, the other {m - cert.span_features} directions are "
+                       "exact nulls")
+    if k and cert.lambda_min > cert.numerical_tolerance and cert.min_eig > 0:
         reasons.append(f"lambda_min = {cert.lambda_min:.3g} is full rank but below the demanded "
                        f"margin min_eig = {cert.min_eig:.3g}")
     # token_gram / last_token_gram are sums of squares in the tokens' own coordinates: a zero
@@ -240,7 +309,6 @@ def _explain(feats: Features, cert: Certificate, null: np.ndarray, full: bool
         if zl.size:
             reasons.append(f"last-token coordinate(s) {', '.join(map(str, zl))} are always 0: features "
                            "S[j,k]*x_n[l] with those l vanish (the observed domain leaves them out)")
-    weight = (null**2).sum(axis=1)  # diagonal of the projector onto the null space
     order = np.argsort(-weight)
     names = _feature_names(d, cert, full)
     idx = feature_index(d)
@@ -255,7 +323,6 @@ def _explain(feats: Features, cert: Certificate, null: np.ndarray, full: bool
     mixed = [int(i) for i in order if 1e-6 < weight[i] <= 1 - 1e-6]
     top = [{"feature": names[i], "index": i, "null_weight": float(weight[i]),
             "identically_zero": bool(full and exactly_zero(i))} for i in (dead + mixed)[:20]]
-    k = null.shape[1]
     if k:
         below_margin = cert.lambda_min > cert.numerical_tolerance
         desc = (f"{k} feature direction(s) are excited less than the demanded margin (eigenvalues <= "
@@ -308,30 +375,32 @@ def fit(feats: Features, ridge: float = 0.0) -> Model:
     N = feats.n_samples
     psi = feats.n_features
     fac = factorize(feats, "full")
-    lam = fac.lam
-    rhs = moments_b / N
+    st = fac.structure
+    lam = fac.lam  # the block on the data's spans (mhla_cli.structure): the moments lie in its range
+    rhs = st.restrict(moments_b / N)
     lmax = fac.lambda_max()
     tol = numerical_tolerance(lmax, psi)
     lmin = fac.lambda_min()
     t_solve = time.perf_counter()
-    coef_b = None
+    sol = None
     if ridge > 0:
         sl = scipy.linalg
-        system = lam + ridge * np.eye(psi)
+        system = lam + ridge * np.eye(fac.n)
         try:
-            coef_b = sl.cho_solve(sl.cho_factor(system, lower=True, check_finite=False), rhs, check_finite=False).T
+            sol = sl.cho_solve(sl.cho_factor(system, lower=True, check_finite=False), rhs, check_finite=False)
         except sl.LinAlgError:
-            coef_b = sl.lstsq(system, rhs, check_finite=False)[0].T
-    elif lmin > tol:
-        # Positive definite: a solve with the certificate's Cholesky factor.
+            sol = sl.lstsq(system, rhs, check_finite=False)[0]
+        del system
+    elif fac.block_lambda_min() > tol:
+        # The block is positive definite: a solve with the certificate's Cholesky factor.
         sol = fac.solve(rhs)
-        coef_b = None if sol is None else sol.T
-    if coef_b is None:
+    if sol is None:
         # Singular (or numerically so): the pseudo-inverse with the certificate's tolerance, i.e.
         # the minimum-norm p_b (no component along the null directions of Lambda~).
         w, v = fac.eigh()
         keep = w > tol
-        coef_b = (v[:, keep] @ ((v[:, keep].T @ rhs) / w[keep][:, None])).T
+        sol = v[:, keep] @ ((v[:, keep].T @ rhs) / w[keep][:, None])
+    coef_b = st.embed(sol).T
     coef = basis_mod.coef_from_basis(A, coef_b)
     seconds = {**fac.seconds, "solve": time.perf_counter() - t_solve}
     identifiable = bool(lmin > tol and N >= psi)

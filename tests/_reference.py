@@ -51,12 +51,17 @@ def inv_sqrt(G: np.ndarray) -> np.ndarray:
 
 def canonical(tokens: np.ndarray, offsets: np.ndarray, targets: np.ndarray | None = None,
               per_position: bool = False, weights: np.ndarray | None = None,
-              normalize: str = "none") -> dict[str, np.ndarray]:
-    """Lambda~, its eigenvalues, the canonical moments and the whitening A, materialised."""
+              normalize: str = "none", A: np.ndarray | None = None) -> dict[str, np.ndarray]:
+    """Lambda~, its eigenvalues, the canonical moments and the whitening A, materialised.
+
+    `A` replaces the whitening where G is singular (tokens in a subspace), where the canonical basis
+    is a convention (mhla keeps the unexcited directions at the scale of the largest one).
+    """
     tokens = np.asarray(tokens, dtype=np.float64)
     smp = samples(tokens, offsets, per_position, weights)
-    G = sum(w * X.T @ X for X, w, _ in smp) / tokens.shape[0]
-    A = inv_sqrt(G)
+    if A is None:
+        G = sum(w * X.T @ X for X, w, _ in smp) / tokens.shape[0]
+        A = inv_sqrt(G)
     rows = [(canonical_features(X @ A, normalize), w, r) for X, w, r in smp if w > 0]
     Ht = np.stack([h for h, _, _ in rows])
     w = np.array([w for _, w, _ in rows])

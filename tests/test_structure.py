@@ -1,0 +1,239 @@
+"""The data's spans (mhla_cli.structure): the block on span{S_i} (x) U_n gives the plain dense
+eigendecomposition's verdict, rank, lambda_min / lambda_max (1e-10 of lambda_max), minimum-norm and
+ridge functions and probe verdicts, against plain numpy on the materialised canonical features
+(tests/_reference.py), on data where the reduction is large (one-hot, DFA traces, tokens in a
+subspace, a dead coordinate) and where it is nothing (dense Gaussian, length-1 sequences)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import h5py
+import numpy as np
+import pytest
+from _reference import canonical, min_norm_function, predict_canonical, predict_own, ratio, ridge_function
+
+from mhla_cli import factorization, synthetic
+from mhla_cli.basis import kron_apply
+from mhla_cli.features import n_features
+from mhla_cli.probes import certify_probes
+from mhla_cli.solve import _domain_map_b, certify, factorize, fit
+from mhla_cli.stream import chunk_features
+from mhla_cli.structure import Structure, find_structure, partial_traces
+
+EPS = float(np.finfo(np.float64).eps)
+
+
+def _dfa(Q: int, S: int, n: int, L: int, seed: int) -> dict:
+    """Per-position DFA traces (experiments/dfa_executor.py's embedding, d = QS + Q)."""
+    rng = np.random.default_rng(seed)
+    d = Q * S + Q
+    toks, ys, ws, offs = [], [], [], [0]
+    for _ in range(n):
+        delta = rng.integers(0, Q, size=(Q, S))
+        T = np.zeros((Q * S + L, d))
+        Y = np.zeros_like(T)
+        w = np.zeros(Q * S + L)
+        for q in range(Q):
+            for s in range(S):
+                T[q * S + s, q * S + s] = 1.0
+                T[q * S + s, Q * S + delta[q, s]] = 1.0
+        state = 0
+        for t, s in enumerate(rng.integers(0, S, size=L)):
+            row = Q * S + t
+            T[row, state * S + s] = 1.0
+            state = int(delta[state, s])
+            Y[row, Q * S + state] = 1.0
+            w[row] = 1.0
+        toks.append(T), ys.append(Y), ws.append(w)
+        offs.append(offs[-1] + T.shape[0])
+    return {"tokens": np.concatenate(toks), "offsets": np.array(offs), "targets": np.concatenate(ys),
+            "weights": np.concatenate(ws), "per_position": True}
+
+
+def _cases() -> dict[str, dict]:
+    rng = np.random.default_rng(0)
+    ds, _ = synthetic.generate_teacher(4, 2, 300, "2:9", seed=1)
+    d5, _ = synthetic.generate_teacher(5, 2, 400, "3:8", seed=2)
+    onehot = np.eye(5)[rng.integers(0, 5, size=d5.tokens.shape[0])]
+    sub = rng.standard_normal((d5.tokens.shape[0], 3)) @ rng.standard_normal((3, 5))
+    lastsub = d5.tokens.copy()
+    lastsub[d5.offsets[1:] - 1] = rng.standard_normal((400, 2)) @ rng.standard_normal((2, 5))
+    dead = d5.tokens.copy()
+    dead[:, 2] = 0.0
+    w = rng.uniform(0.5, 2.0, size=400)
+    w[::3] = 0.0
+    return {
+        "dense gaussian (nothing reduced)": {"tokens": ds.tokens, "offsets": ds.offsets, "targets": ds.targets},
+        "length-1 (nothing reduced, singular)": {"tokens": ds.tokens[:300], "offsets": np.arange(301),
+                                                 "targets": ds.targets},
+        "one-hot tokens": {"tokens": onehot, "offsets": d5.offsets, "targets": d5.targets},
+        "tokens in a 3-d subspace": {"tokens": sub, "offsets": d5.offsets, "targets": d5.targets},
+        "last tokens in a 2-d subspace": {"tokens": lastsub, "offsets": d5.offsets, "targets": d5.targets},
+        "a dead coordinate, weighted": {"tokens": dead, "offsets": d5.offsets, "targets": d5.targets,
+                                        "weights": w},
+        "DFA traces Q=2 S=2": _dfa(2, 2, 60, 6, 3),
+    }
+
+
+def _feats(case: dict):
+    return chunk_features(case["tokens"], case["offsets"], case.get("targets"), case["tokens"].shape[1],
+                          weights=case.get("weights"), per_position=case.get("per_position", False))
+
+
+def _ref(case: dict, own_basis: bool = False) -> dict:
+    A = None
+    if own_basis or np.linalg.matrix_rank(case["tokens"]) < case["tokens"].shape[1]:
+        # G singular: mhla's convention; or coordinates that must match mhla's (any whitening A R,
+        # R orthogonal, has the same eigenvalues)
+        A = _feats(case).basis
+    return canonical(case["tokens"], case["offsets"], case.get("targets"), case.get("per_position", False),
+                     case.get("weights"), A=A)
+
+
+# the block each case must reduce to: (pairs kept, last-token coordinates kept), by construction
+EXPECTED = {
+    "dense gaussian (nothing reduced)": (10, 4),
+    "length-1 (nothing reduced, singular)": (10, 4),
+    "one-hot tokens": (5, 5),  # S is diagonal
+    "tokens in a 3-d subspace": (6, 3),
+    "last tokens in a 2-d subspace": (15, 2),
+    "a dead coordinate, weighted": (10, 4),
+    "DFA traces Q=2 S=2": None,  # checked against the reference's spans below
+}
+
+
+def _spans(ref: dict, d: int) -> tuple[int, int]:
+    """Dimensions of span{s_i} and span{x_n,i} of the weighted samples, by numpy's matrix_rank."""
+    Ht, q = ref["Ht"], d * (d + 1) // 2
+    keep = ref["w"] > 0
+    # h = s (x) x_n: s and x_n from the rank-1 reshape of each feature row
+    rows = Ht[keep].reshape(-1, q, d)
+    s = np.stack([np.linalg.svd(r)[0][:, 0] for r in rows if np.abs(r).max() > 0])
+    x = np.stack([np.linalg.svd(r)[2][0] for r in rows if np.abs(r).max() > 0])
+    return int(np.linalg.matrix_rank(s)), int(np.linalg.matrix_rank(x))
+
+
+@pytest.mark.parametrize("name", list(_cases()))
+@pytest.mark.parametrize("dense_max", [4096, 0])
+def test_structured_certificate_and_fit_equal_plain_numpy(name: str, dense_max: int,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(factorization, "DENSE_MAX", dense_max)
+    case = _cases()[name]
+    d = case["tokens"].shape[1]
+    psi = n_features(d)
+    feats = _feats(case)
+    ref = _ref(case)
+    st = factorize(feats).structure
+    want = EXPECTED[name] or _spans(ref, d)
+    assert (st.a, st.b) == want
+    assert st.is_identity == (want == (d * (d + 1) // 2, d))
+    w_ref = ref["eigenvalues"]
+    lmax = w_ref[-1]
+    tol = psi * EPS * lmax
+    cert = certify(feats)
+    assert cert.n_features == psi
+    assert cert.identifiable == bool(w_ref[0] > tol and ref["N"] >= psi)
+    assert cert.rank == int((w_ref > tol).sum())
+    assert abs(cert.lambda_max - lmax) <= 1e-10 * lmax
+    assert abs(cert.lambda_min - w_ref[0]) <= 1e-10 * lmax
+    if cert.eigenvalues is not None:
+        assert np.abs(cert.eigenvalues - w_ref).max() <= 1e-10 * lmax
+    if not cert.identifiable:  # the null space: orthonormal, of the right size, annihilated by the gram
+        null = cert.null_vectors
+        assert null.shape == (psi, psi - cert.rank)
+        assert np.abs(null.T @ null - np.eye(null.shape[1])).max() < 1e-10
+        assert np.linalg.norm(feats.gram @ null) <= 1e-8 * np.linalg.norm(feats.gram)
+        assert cert.reasons
+    # the function: minimum-norm and ridge least squares on the canonical features
+    rng = np.random.default_rng(7)
+    Zs = [rng.standard_normal((int(rng.integers(1, 6)), d)) for _ in range(20)]
+    model = fit(feats)
+    assert model.info["rank"] == cert.rank and model.info["identifiable"] == cert.identifiable
+    rc = 1e-9 if name.startswith("DFA") else 1e-10
+    want_f = predict_canonical(min_norm_function(ref, rcond=rc), ref["A"], Zs)
+    assert ratio(predict_own(model.coef, Zs), want_f) < 1e-7
+    lam = 1e-3 * lmax
+    ridge = fit(feats, ridge=lam)
+    assert ratio(predict_own(ridge.coef, Zs), predict_canonical(ridge_function(ref, lam), ref["A"], Zs)) < 1e-7
+
+
+@pytest.mark.parametrize("name", list(_cases()))
+def test_observed_domain_equals_the_restricted_dense_matrix(name: str) -> None:
+    case = _cases()[name]
+    feats = _feats(case)
+    ref = _ref(case, own_basis=True)  # T is in mhla's canonical coordinates
+    T, r, s = _domain_map_b(feats, "observed")
+    lam = ref["lambda"] if T is None else T @ ref["lambda"] @ T.T
+    w = np.linalg.eigvalsh(lam)
+    m = lam.shape[0]
+    tol = m * EPS * w[-1]
+    cert = certify(feats, domain="observed")
+    assert (cert.n_features, cert.dim_tokens, cert.dim_last_tokens) == (m, r, s)
+    assert cert.identifiable == bool(w[0] > tol and ref["N"] >= m)
+    assert cert.rank == int((w > tol).sum())
+    assert abs(cert.lambda_min - w[0]) <= 1e-10 * w[-1]
+    assert abs(cert.lambda_max - w[-1]) <= 1e-10 * w[-1]
+
+
+def test_probe_verdicts_equal_the_reference_null_space(tmp_path: Path) -> None:
+    rng = np.random.default_rng(4)
+    for name, case in _cases().items():
+        d = case["tokens"].shape[1]
+        ref = _ref(case)
+        # probes: half drawn like the data (sequences of the training tokens), half generic
+        toks = [case["tokens"][case["offsets"][i]:case["offsets"][i + 1]][:4] for i in range(10)]
+        toks += [rng.standard_normal((3, d)) for _ in range(10)]
+        probes = tmp_path / f"{abs(hash(name))}.h5"
+        with h5py.File(probes, "w") as f:
+            f["tokens"] = np.concatenate(toks)
+            f["offsets"] = np.concatenate([[0], np.cumsum([len(t) for t in toks])])
+        rep = certify_probes(_feats(case), probes)
+        w, V = np.linalg.eigh(ref["lambda"])
+        null = V[:, w <= n_features(d) * EPS * w[-1]]
+        from _reference import canonical_features
+
+        want = []
+        for Z in toks:
+            h = canonical_features(Z @ ref["A"])
+            nh = np.linalg.norm(h)
+            want.append(nh > 0 and np.linalg.norm(null.T @ h) / nh > 1e-8)
+        assert list(rep.undetermined) == list(np.flatnonzero(want)), name
+        assert rep.null_dim == null.shape[1], name
+
+
+def test_partial_traces_and_the_block_maps() -> None:
+    rng = np.random.default_rng(1)
+    d, q = 3, 6
+    X = rng.standard_normal((40, q * d))
+    lam = X.T @ X
+    tp, tl = partial_traces(lam, d)
+    v = lam.reshape(q, d, q, d)
+    assert np.allclose(tp, sum(v[:, i, :, i] for i in range(d)))
+    assert np.allclose(tl, sum(v[a, :, a, :] for a in range(q)))
+    E = np.linalg.qr(rng.standard_normal((q, q)))[0]
+    F = np.linalg.qr(rng.standard_normal((d, d)))[0]
+    st = Structure(E, F, 4, 2)
+    Qm = np.kron(E[:, :4], F[:, :2])
+    assert np.allclose(st.compress(lam), Qm.T @ lam @ Qm)
+    assert np.allclose(st.embed(np.eye(8)), Qm)
+    assert np.allclose(st.restrict(np.eye(q * d)), Qm.T)
+    out = st.outside()
+    assert out.shape == (q * d, q * d - 8)
+    assert np.allclose(out.T @ out, np.eye(q * d - 8)) and np.abs(Qm.T @ out).max() < 1e-12
+    s, x = rng.standard_normal((5, q)), rng.standard_normal((5, d))
+    h = (s[:, :, None] * x[:, None, :]).reshape(5, q * d)
+    inside, outside, norm2 = st.split_rows(s, x)
+    assert np.allclose(inside, h @ Qm)
+    assert np.allclose(outside, ((h - h @ Qm @ Qm.T) ** 2).sum(axis=1))
+    assert np.allclose(norm2, (h**2).sum(axis=1))
+    assert np.allclose(kron_apply(E, F, np.eye(q * d)), np.kron(E, F))
+
+
+def test_all_zero_features_reduce_to_nothing() -> None:
+    lam = np.zeros((40, 40))
+    st = find_structure(lam, 4)
+    assert st.n == 0 and st.n_full == 40
+    feats = chunk_features(np.zeros((9, 4)), np.array([0, 3, 6, 9]), np.zeros((3, 4)), 4)
+    cert = certify(feats)
+    assert not cert.identifiable and cert.rank == 0 and cert.lambda_max == 0.0
