@@ -26,7 +26,7 @@ import numpy as np
 from ._version import __version__
 from .errors import InputError
 from .features import NORMALIZATIONS
-from .memory import check_memory
+from .memory import check_memory, load_bytes
 from .signals import check_interrupted, shield_signals
 from .features import n_features
 
@@ -231,7 +231,7 @@ def expect_kind(f: h5py.File, path: str | os.PathLike, *kinds: str) -> str:
     if kind not in kinds:
         raise InputError(f"is a {kind} file, expected {' or '.join(kinds)}", path)
     if kind == "features" and "d" in f.attrs:
-        check_memory(read_attr_int(f, "d", path), path=path)
+        check_memory(read_attr_int(f, "d", path), path=path, need=load_bytes, what="loading the statistics")
     return kind
 
 
@@ -512,7 +512,11 @@ def header(kind: str, inputs: tuple[str | os.PathLike, ...] = ()) -> dict[str, A
     return {"mhla_kind": kind, "mhla_format_version": FORMAT_VERSION, **provenance(inputs)}
 
 
-IN_MEMORY_WRITE_BYTES = 1 << 30
+# Files up to this size are built in memory and written in one go; larger ones (psi x psi
+# statistics) are written through libhdf5 straight from their arrays, without copies.
+IN_MEMORY_WRITE_BYTES = 64 << 20
+# Arrays larger than this that are not C-contiguous are written in blocks of rows (no full copy).
+_BLOCK_WRITE_BYTES = 16 << 20
 
 
 def _fill(f: h5py.File, meta: Mapping[str, Any], attrs: Mapping[str, Any] | None,
@@ -528,6 +532,11 @@ def _fill(f: h5py.File, meta: Mapping[str, Any], attrs: Mapping[str, Any] | None
         arr = np.asarray(arr)
         if compression and arr.size > 1024:
             f.create_dataset(name, data=arr, compression=compression, shuffle=True)
+        elif arr.nbytes > _BLOCK_WRITE_BYTES and arr.ndim >= 1 and not arr.flags.c_contiguous:
+            ds = f.create_dataset(name, shape=arr.shape, dtype=arr.dtype)
+            rows = max(1, _BLOCK_WRITE_BYTES // max(1, arr[:1].nbytes))
+            for a in range(0, arr.shape[0], rows):
+                ds[a:a + rows] = arr[a:a + rows]
         else:
             f.create_dataset(name, data=arr)
 
@@ -554,8 +563,9 @@ def write_file(out: str | os.PathLike, kind: str, datasets: Mapping[str, np.ndar
                compression: str | None = None) -> Path:
     """Write an mhla file of `kind` atomically (temp file + rename); None datasets are skipped.
 
-    Files up to IN_MEMORY_WRITE_BYTES are built in memory and written in one go (then fsync'ed);
-    a write error leaves `out` untouched and raises an InputError.
+    Files up to IN_MEMORY_WRITE_BYTES are built in memory and written in one go (then fsync'ed),
+    larger ones through libhdf5 from the arrays themselves (no copy of a psi x psi matrix); a write
+    error leaves `out` untouched and raises an InputError.
     """
     o = check_output_path(out, inputs)
     meta = header(kind, inputs)
@@ -575,6 +585,8 @@ def write_file(out: str | os.PathLike, kind: str, datasets: Mapping[str, np.ndar
         else:
             with create_output(tmp) as f:
                 _fill(f, meta, attrs, datasets, compression)
+            with open(tmp, "rb") as fh:
+                os.fsync(fh.fileno())
     return o
 
 

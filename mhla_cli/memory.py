@@ -1,38 +1,98 @@
-"""Memory budget: refuse up front a token dimension whose psi x psi statistics cannot fit."""
+"""Memory budget: refuse up front a job whose psi x psi matrices cannot fit in memory.
+
+Each command's peak is counted in psi x psi float64 matrices (`matrix_bytes`), the accumulator of a
+pass ((psi + d)^2 with targets) and its chunk buffers, plus SLACK_BYTES for the small work arrays
+(tiles of the in-place basis changes, read buffers, allocator slack):
+
+- featurize: the accumulator and its chunk buffers during the pass (with K workers: K of each, and
+  the sum they are added into); then the accumulator, which becomes the canonical `basis_gram` in
+  place, and the own-coordinate `gram` derived from it for the file (written without copies);
+- certify / fit of a features file: `basis_gram` (the stored own `gram` is validated tile by tile
+  and read only when a consumer needs it) plus what the factorization of Lambda~ holds
+  (`SOLVE_COPIES`, measured on mhla_cli.solve / factorization);
+- certify / fit of a tokens file: the larger of the pass and the solve.
+"""
 
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 
 from .errors import InputError
 from .features import n_features
 
+# Room for what the counts leave out: small work arrays and read buffers, allocator slack.
+SLACK_BYTES = 64 * 2**20
+# psi x psi matrices the solve holds besides basis_gram (mhla_cli.solve.factorize / Factorization):
+# "cholesky": Lambda~ = basis_gram / N and its Cholesky factor (an identifiable certificate, a fit);
+# "eigh": Lambda~, the eigensolver's copy and its eigenvectors, then the null space (N < psi:
+# certainly singular) or a ridge system (Lambda~ + l I and its factor); "lowrank": the own gram too.
+SOLVE_COPIES = {"cholesky": 2, "eigh": 4, "ridge": 4, "lowrank": 4}
+
+
+def matrix_bytes(d: int) -> int:
+    """Bytes of one psi x psi float64 matrix."""
+    return 8 * n_features(d) ** 2
+
+
+def accumulator_bytes(d: int, has_targets: bool = True) -> int:
+    """Bytes of a pass's accumulator: the Gram of [Ht | Y], (psi + d)^2 float64 with targets."""
+    w = n_features(d) + (d if has_targets else 0)
+    return 8 * w * w
+
+
+def featurize_bytes(d: int, chunk_bytes: int = 0, workers: int = 1, has_targets: bool = True,
+                    derive: bool = True) -> int:
+    """Peak of `featurize`: the pass, then (`derive`) the accumulator and the own-coordinate gram."""
+    acc = accumulator_bytes(d, has_targets)
+    k = max(1, int(workers))
+    pass_ = acc + chunk_bytes if k == 1 else (k + 1) * acc + k * chunk_bytes
+    return max(pass_, acc + matrix_bytes(d) if derive else 0) + SLACK_BYTES
+
+
+def load_bytes(d: int) -> int:
+    """Peak of loading a features file (basis_gram read in place; gram validated tile by tile)."""
+    return matrix_bytes(d) + SLACK_BYTES
+
+
+def solve_bytes(d: int, kind: str = "cholesky") -> int:
+    """Peak of certify / fit on loaded statistics: basis_gram and the factorization's matrices."""
+    return (1 + SOLVE_COPIES[kind]) * matrix_bytes(d) + SLACK_BYTES
+
+
+def solve_kind(d: int, n_samples: int, ridge: float = 0.0, lowrank: bool = False) -> str:
+    """Which solve a job will run, as far as is known before the work (N < psi: singular for sure)."""
+    if lowrank:
+        return "lowrank"
+    if ridge > 0:
+        return "ridge"
+    return "cholesky" if n_samples >= n_features(d) else "eigh"
+
 
 def check_memory(d: int, budget_bytes: int | None = None, copies: int = 1,
-                 path: str | os.PathLike | None = None) -> None:
-    """Refuse up front a d whose psi x psi statistics (and their solve) would not fit in memory.
+                 path: str | os.PathLike | None = None, need: Callable[[int], int] | None = None,
+                 what: str = "the psi x psi statistics") -> None:
+    """Refuse up front a d whose job would not fit in memory (an InputError naming the GiB it needs).
 
-    `copies` is the number of accumulators held at once (one per worker process on this machine).
+    `need(d)` is the job's peak in bytes (default: `copies` accumulators of featurize, one per worker
+    process on this machine); `what` names the job in the message.
     """
     if budget_bytes is None:
         budget_bytes = _available_memory()
     copies = max(1, int(copies))
-    need = copies * _stats_bytes(d)
-    if need > budget_bytes:
+    if need is None:
+        def need(k: int) -> int:
+            return featurize_bytes(k, workers=copies)
+    total = need(d)
+    if total > budget_bytes:
         fits = 0
-        while copies * _stats_bytes(fits + 1) <= budget_bytes:
+        while fits + 1 < d and need(fits + 1) <= budget_bytes:
             fits += 1
         who = f" ({copies} workers)" if copies > 1 else ""
         raise InputError(
-            f"d = {d} needs psi = {n_features(d)} features and about {need / 2**30:.1f} GiB{who} for "
-            f"the psi x psi statistics, more than the {budget_bytes / 2**30:.1f} GiB of memory available; "
+            f"d = {d} needs psi = {n_features(d)} features and about {total / 2**30:.1f} GiB for {what}{who}, "
+            f"more than the {budget_bytes / 2**30:.1f} GiB of memory available; "
             + (f"the largest d that fits is {fits}" if fits else "not even d = 1 fits"), path)
-
-
-def _stats_bytes(d: int) -> int:
-    psi = n_features(d)
-    # accumulator, per-chunk product, the sums in the tokens' own coordinates, solve workspace
-    return 4 * 8 * (psi + d) ** 2
 
 
 def _available_memory() -> int:

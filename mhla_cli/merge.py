@@ -15,7 +15,7 @@ from typing import Any
 
 from . import formats
 from .errors import InputError
-from .memory import check_memory
+from .memory import SLACK_BYTES, check_memory, matrix_bytes
 from .stream import Features
 
 
@@ -150,7 +150,9 @@ def _describe(src: dict[str, Any]) -> str:
 def merge_features(paths: list[str | os.PathLike], allow_partial: bool = False) -> tuple[Features, MergeReport]:
     """Sum the parts after `plan_merge`; the result records the covered ranges and the source."""
     report = plan_merge(paths, allow_partial)
-    check_memory(report.parts[0].d, copies=1)
+    # the sum and the part being added, each with basis_gram and the stored own gram
+    check_memory(report.parts[0].d, path=report.parts[0].path, need=lambda k: 4 * matrix_bytes(k) + SLACK_BYTES,
+                 what="merge")
     total: Features | None = None
     for part in report.parts:
         feats = Features.load(part.path)

@@ -28,7 +28,7 @@ from . import formats
 from . import parallel
 from .errors import InputError
 from .features import check_normalize, n_features, pair_index
-from .memory import check_memory
+from .memory import check_memory, featurize_bytes, solve_bytes, solve_kind
 from .parallel import CANCEL, Cancelled
 from .stats import Features, add_into, check_overflow
 from .tokens import ReadBuffers, TokensInfo, check_chunk, check_weights, inspect_tokens, iter_chunks, read_chunk
@@ -182,6 +182,8 @@ _BLOCK_ELEMENTS = 1 << 16
 MIN_THREADED_WIDTH = 1024
 # Rows per chunk at least, for wide blocks: as in the dsyrk baseline (4096 x psi) of benchmarks/.
 MIN_SYRK_ROWS = 4096
+# Work array of one panel of the accumulator's update (`_Accumulator._syrk`).
+PANEL_BYTES = 32 * 2**20
 _CONTROLLER: Any = None
 
 
@@ -218,7 +220,6 @@ class _Accumulator:
         self.has_targets = has_targets
         self.width = self.psi + (d if has_targets else 0)
         self.G: np.ndarray | None = None
-        self._prod: np.ndarray | None = None
         self._bufs: dict[str, np.ndarray] = {}
         j, k = pair_index(d)
         self._upper_idx = (j * d + k).astype(np.intp)
@@ -431,35 +432,77 @@ class _Accumulator:
         self.n_sequences += B
 
     def _syrk(self, Ft: np.ndarray) -> None:
-        """G += Ft Ft^T (a syrk; several BLAS threads only pay off for a wide block)."""
-        with contextlib.nullcontext() if self.width >= MIN_THREADED_WIDTH else _single_blas_thread():
+        """G += Ft Ft^T on the lower triangle (mirrored in `result`), in panels of rows.
+
+        Each panel of rows [a, b) is one GEMM Ft[a:b] Ft[:b]^T into a work array of about
+        PANEL_BYTES, added to G[a:b, :b]: the flops of a syrk, and no psi x psi product beside G.
+        Several BLAS threads only pay off for a wide block.
+        """
+        W = self.width
+        with contextlib.nullcontext() if W >= MIN_THREADED_WIDTH else _single_blas_thread():
             if self.G is None:
-                self.G = np.empty((self.width, self.width))
-                np.matmul(Ft, Ft.T, out=self.G)
-            else:
-                if self._prod is None:
-                    self._prod = np.empty_like(self.G)
-                np.matmul(Ft, Ft.T, out=self._prod)
-                self.G += self._prod
+                self.G = np.zeros((W, W))
+            rows = max(1, min(W, PANEL_BYTES // (8 * W)))
+            work = self._buf_t("P", rows, W)
+            for a in range(0, W, rows):
+                b = min(W, a + rows)
+                w = work.reshape(-1)[:(b - a) * b].reshape(b - a, b)
+                np.matmul(Ft[a:b], Ft[:b].T, out=w)
+                self.G[a:b, :b] += w
 
     def result(self, token_dtype: str = "float64") -> Features:
-        """The statistics so far, in the accumulator's basis (views; the work buffers are released).
+        """The statistics, in the accumulator's basis (the accumulator is spent: its work buffers are
+        released and its Gram becomes the result's, in place).
 
+        G is mirrored from its lower triangle and compacted in place so that basis_gram is a
+        C-contiguous psi x psi array at its start (moments and the target Gram are copied out first).
         `gram` and `moments` (own coordinates) are left to `Features.finalize`.
         """
         self._bufs.clear()
-        self._prod = None
         psi, d = self.psi, self.d
         G = self.G if self.G is not None else np.zeros((self.width, self.width))
+        self.G = None
+        _mirror_lower(G)
+        moments = G[:psi, psi:].copy() if self.has_targets else None
+        target_gram = G[psi:, psi:].copy() if self.has_targets else None
+        gram_b = _compact_leading(G, psi)
         token_gram = self.token_gram + self._from_basis(self._derived_token_gram)
         out = Features(d=d, n_samples=self.n_samples, n_tokens=self.n_tokens, gram=None,
                        token_gram=token_gram, last_token_gram=self.last_token_gram,
-                       target_gram=G[psi:, psi:] if self.has_targets else None, token_dtype=token_dtype,
-                       basis=self.basis, basis_gram=G[:psi, :psi],
-                       basis_moments=G[:psi, psi:] if self.has_targets else None,
+                       target_gram=target_gram, token_dtype=token_dtype,
+                       basis=self.basis, basis_gram=gram_b, basis_moments=moments,
                        basis_token_gram=self.basis_token_gram, basis_last_token_gram=self.basis_last_token_gram,
                        per_position=self.causal, normalize=self.normalize, n_sequences=self.n_sequences)
         return out
+
+
+def _mirror_lower(G: np.ndarray, tile: int = 256) -> None:
+    """G[i, j] = G[j, i] for i < j, in place, tile by tile (G exactly symmetric from its lower triangle)."""
+    n = G.shape[0]
+    for i0 in range(0, n, tile):
+        i1 = min(n, i0 + tile)
+        D = G[i0:i1, i0:i1]
+        D[np.triu_indices(i1 - i0, 1)] = D.T[np.triu_indices(i1 - i0, 1)]
+        for j0 in range(i1, n, tile):
+            j1 = min(n, j0 + tile)
+            G[i0:i1, j0:j1] = G[j0:j1, i0:i1].T
+
+
+def _compact_leading(G: np.ndarray, n: int, rows: int = 256) -> np.ndarray:
+    """The leading n x n block of a C-contiguous square G, moved in place to G's first n^2 entries.
+
+    Returns a C-contiguous (n, n) view of G's memory (G's other entries are overwritten).
+    """
+    W = G.shape[0]
+    flat = G.reshape(-1)
+    if W == n:
+        return G
+    # row i moves from i W to i n <= i W: rows done in increasing order never overwrite a row still
+    # to be moved (numpy buffers the overlap within a block)
+    for a in range(0, n, rows):
+        b = min(n, a + rows)
+        flat[a * n:b * n].reshape(b - a, n)[...] = G[a:b, :n]
+    return flat[:n * n].reshape(n, n)
 
 
 def chunk_features(tokens: np.ndarray, offsets: np.ndarray, targets: np.ndarray | None, d: int,
@@ -513,17 +556,41 @@ def default_chunk_size(info: TokensInfo) -> int:
     """Samples per chunk so that the chunk's buffers stay near CHUNK_BYTES."""
     psi = n_features(info.d)
     mean_len = max(1.0, info.n_tokens / info.n_samples)
-    # [H | Y] block + S + pair products, and two float64 read slots of tokens and targets
-    per_sample = 8 * (psi + info.d) + 8 * (info.d * info.d + psi // info.d) + 2 * 8 * info.d * (mean_len + 1)
-    if getattr(info, "per_position", False):
-        # every position is a row of the [H | Y] block, with its prefix Gram entries
-        per_sample = mean_len * (8 * (psi + info.d) + 3 * 8 * (psi // info.d) + 4 * 8 * info.d)
-    rows = CHUNK_BYTES // per_sample
+    rows = CHUNK_BYTES // _sample_bytes(info)
     if psi + info.d >= 512:
         # the per-chunk cost outside the syrk (adding the psi^2 product) shrinks as 1/rows
         rows = max(rows, MIN_SYRK_ROWS if not getattr(info, "per_position", False)
                    else math.ceil(MIN_SYRK_ROWS / mean_len))
     return int(max(1, min(info.n_samples, rows)))
+
+
+def _sample_bytes(info: TokensInfo) -> int:
+    """Bytes of the chunk buffers per sample (sequence) of a chunk."""
+    psi, d = n_features(info.d), info.d
+    mean_len = max(1.0, info.n_tokens / info.n_samples)
+    # [H | Y] block + S + pair products, and two float64 read slots of tokens and targets
+    per_sample = 8 * (psi + d) + 8 * (d * d + psi // d) + 2 * 8 * d * (mean_len + 1)
+    if getattr(info, "per_position", False):
+        # every position is a row of the [H | Y] block, with its prefix Gram entries
+        per_sample = mean_len * (8 * (psi + d) + 3 * 8 * (psi // d) + 4 * 8 * d)
+    return int(per_sample)
+
+
+def chunk_buffer_bytes(info: TokensInfo, chunk_size: int | None = None) -> int:
+    """Bytes of one reduction's chunk buffers (mhla_cli.memory): the chunk's arrays and the panel."""
+    rows = min(chunk_size or default_chunk_size(info), info.n_samples)
+    W = n_features(info.d) + (info.d if info.has_targets else 0)
+    panel = 8 * W * max(1, min(W, PANEL_BYTES // (8 * W)))
+    return int(rows * _sample_bytes(info) * 1.25) + panel
+
+
+def featurize_need(info: TokensInfo, chunk_size: int | None = None, workers: int = 1,
+                   derive: bool = True) -> Callable[[int], int]:
+    """need(d): the peak bytes of featurizing `info` with its dimension set to d (memory.check_memory)."""
+    def need(d: int) -> int:
+        other = replace(info, d=d)
+        return featurize_bytes(d, chunk_buffer_bytes(other, chunk_size), workers, info.has_targets, derive)
+    return need
 
 
 def reduce_span(info: TokensInfo, span: tuple[int, int], chunk_size: int | None = None,
@@ -642,13 +709,15 @@ def featurize(path: str | os.PathLike, chunk_size: int | None = None,
     """
     check_normalize(normalize)
     info = inspect_tokens(path)
+    serial = map is None and workers <= 1 and scheduler is None
+    if serial:  # before any work (a pool's workers are counted once it is made)
+        check_memory(info.d, path=path, need=featurize_need(info, chunk_size), what="featurize")
     A = _basis_option(basis, info.d, path)
     if A is None:
         A = estimate_basis(info)
     lo, hi = shard_span(info.n_samples, shard, path)
     size = chunk_size or default_chunk_size(info)
-    if map is None and workers <= 1 and scheduler is None:
-        check_memory(info.d, path=path)
+    if serial:
 
         def run(A: np.ndarray) -> Features:
             return reduce_span(info, (lo, hi), size, progress=progress, normalize=normalize, basis=A,
@@ -656,7 +725,8 @@ def featurize(path: str | os.PathLike, chunk_size: int | None = None,
         feats = _in_whitening(run, A)
     else:
         with parallel.make_map(workers=workers, scheduler=scheduler, map=map) as pmap:
-            check_memory(info.d, copies=pmap.local_copies, path=path)
+            check_memory(info.d, copies=pmap.local_copies, path=path,
+                         need=featurize_need(info, chunk_size, pmap.local_copies), what="featurize")
             # workers (possibly on other hosts) open the file themselves: give them an absolute path
             winfo = replace(info, path=os.path.abspath(info.path))
             spans_ = work_spans(lo, hi, size, pmap.n_workers)
@@ -711,6 +781,32 @@ def shard_span(n: int, shard: tuple[int, int] | None, path: str | os.PathLike | 
 def shard_range(n: int, i: int, m: int) -> tuple[int, int]:
     """The i-th of m contiguous, nearly equal ranges of [0, n)."""
     return (n * i) // m, (n * (i + 1)) // m
+
+
+def solve_need(path: str | os.PathLike, ridge: float = 0.0, lowrank: bool = False,
+               chunk_size: int | None = None) -> tuple[int, Callable[[int], int]] | None:
+    """(d, need(d)): the peak bytes of certifying / fitting the statistics of a features or tokens
+    file (a tokens file is featurized first), for memory.check_memory; None for other kinds."""
+    kind = formats.kind_of(path)
+    if kind == "features":
+        with formats.open_input(path) as f:
+            d = formats.read_attr_int(f, "d", path)
+            n = formats.read_attr_int(f, "n_samples", path)
+        return d, lambda k: solve_bytes(k, solve_kind(k, n, ridge, lowrank))
+    if kind == "tokens":
+        info = inspect_tokens(path)
+        n = info.n_tokens if info.per_position else info.n_samples
+        pass_ = featurize_need(info, chunk_size, derive=False)
+        return info.d, lambda k: max(pass_(k), solve_bytes(k, solve_kind(k, n, ridge, lowrank)))
+    return None
+
+
+def check_solve_memory(path: str | os.PathLike, what: str, ridge: float = 0.0, lowrank: bool = False,
+                       chunk_size: int | None = None) -> None:
+    """Refuse before any work a certify / fit of `path` that cannot fit in memory (`solve_need`)."""
+    job = solve_need(path, ridge, lowrank, chunk_size)
+    if job is not None:
+        check_memory(job[0], path=path, need=job[1], what=what)
 
 
 def load_features(path: str | os.PathLike, chunk_size: int | None = None, normalize: str | None = None,

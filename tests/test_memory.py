@@ -1,11 +1,17 @@
-"""The memory budget check (mhla_cli.memory)."""
+"""The memory budget (mhla_cli.memory): each command's need, and refusals before any work."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
+import numpy as np
 import pytest
 
-from mhla_cli import memory
+from mhla_cli import memory, stream, synthetic
+from mhla_cli.cli import run
 from mhla_cli.errors import InputError
+from mhla_cli.features import n_features
+from mhla_cli.stats import Features
 
 
 def test_check_memory_names_the_largest_d() -> None:
@@ -13,8 +19,114 @@ def test_check_memory_names_the_largest_d() -> None:
     with pytest.raises(InputError, match=r"largest d that fits is (\d+)") as exc:
         memory.check_memory(30, budget_bytes=budget)
     fits = int(exc.value.args[0].rsplit(" ", 1)[1])
-    assert memory._stats_bytes(fits) <= budget < memory._stats_bytes(fits + 1)
+    assert memory.featurize_bytes(fits) <= budget < memory.featurize_bytes(fits + 1)
     memory.check_memory(fits, budget_bytes=budget)  # no error
-    # K worker processes hold K accumulators
+    # K worker processes hold K accumulators (and the sum they are added into)
     with pytest.raises(InputError, match="4 workers"):
         memory.check_memory(fits, budget_bytes=budget, copies=4)
+
+
+def test_needs_count_psi_by_psi_matrices() -> None:
+    d, psi = 24, n_features(24)
+    mat = 8 * psi * psi
+    assert memory.matrix_bytes(d) == mat
+    # featurize: the accumulator with its chunk buffers, then the accumulator + the derived own gram
+    chunk = 300 * 2**20
+    assert memory.featurize_bytes(d, chunk) == memory.accumulator_bytes(d) + mat + memory.SLACK_BYTES
+    assert memory.featurize_bytes(d, 2 * mat) == memory.accumulator_bytes(d) + 2 * mat + memory.SLACK_BYTES
+    # certify / fit: at most 3 psi x psi matrices for identifiable data (the acceptance of issue 15)
+    assert memory.solve_bytes(d, memory.solve_kind(d, psi)) == 3 * mat + memory.SLACK_BYTES
+    assert memory.solve_kind(d, psi - 1) == "eigh"  # N < psi: singular for sure
+    assert memory.solve_kind(d, psi, ridge=0.1) == "ridge"
+    assert memory.solve_bytes(d, "eigh") > memory.solve_bytes(d, "cholesky")
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    ds, _ = synthetic.generate_teacher(3, 1, 80, 6, seed=3)
+    root = tmp_path_factory.mktemp("mem")
+    tokens = root / "tokens.h5"
+    ds.save(tokens)
+    feats = root / "feats.h5"
+    assert run(["featurize", str(tokens), "-o", str(feats), "-q"]) == 0
+    return tokens, feats
+
+
+def _no_work(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Any pass over tokens or load of statistics fails the test: a refusal comes before the work."""
+    def boom(*a: object, **k: object) -> None:
+        raise AssertionError("work started before the memory check")
+
+    monkeypatch.setattr(stream, "estimate_basis", boom)
+    monkeypatch.setattr(stream, "reduce_span", boom)
+    monkeypatch.setattr(Features, "load", classmethod(boom))
+
+
+def _refused(capsys: pytest.CaptureFixture[str], argv: list[str], path: Path, what: str) -> str:
+    assert run(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1, err
+    assert err[0].startswith(f"mhla: error: {path}: d = 3 needs psi = 18 features and about "), err[0]
+    assert f"GiB for {what}," in err[0] and "largest d that fits is 2" in err[0], err[0]
+    return err[0]
+
+
+@pytest.mark.parametrize("command", ["featurize", "certify", "fit"])
+def test_refused_before_any_work(command: str, files: tuple[Path, Path], tmp_path: Path,
+                                 monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    tokens, feats = files
+    out = tmp_path / "out.h5"
+    info = stream.inspect_tokens(tokens)
+    source, need = {"featurize": (tokens, stream.featurize_need(info)),
+                    "certify": (feats, stream.solve_need(feats)[1]),
+                    "fit": (feats, stream.solve_need(feats)[1])}[command]
+    monkeypatch.setattr(memory, "_available_memory", lambda: need(2) + 1)  # room for d = 2 only
+    _no_work(monkeypatch)
+    argv = {"featurize": ["featurize", str(tokens), "-o", str(out)], "certify": ["certify", str(feats)],
+            "fit": ["fit", str(feats), "-o", str(out)]}[command]
+    _refused(capsys, argv, source, command)
+    assert not out.exists()
+
+
+def test_certify_and_fit_of_tokens_count_the_pass_and_the_solve(files: tuple[Path, Path], tmp_path: Path,
+                                                                monkeypatch: pytest.MonkeyPatch,
+                                                                capsys: pytest.CaptureFixture[str]) -> None:
+    tokens, _ = files
+    d, need = stream.solve_need(tokens)
+    info = stream.inspect_tokens(tokens)
+    assert need(d) >= stream.featurize_need(info, derive=False)(d)
+    assert need(d) >= memory.solve_bytes(d, memory.solve_kind(d, info.n_samples))
+    monkeypatch.setattr(memory, "_available_memory", lambda: need(2) + 1)
+    _no_work(monkeypatch)
+    _refused(capsys, ["certify", str(tokens)], tokens, "certify")
+    _refused(capsys, ["fit", str(tokens), "-o", str(tmp_path / "m.h5")], tokens, "fit")
+
+
+def test_a_ridge_fit_needs_more(files: tuple[Path, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                capsys: pytest.CaptureFixture[str]) -> None:
+    _, feats = files
+    plain = stream.solve_need(feats)[1](3)
+    ridge = stream.solve_need(feats, ridge=0.5)[1]
+    assert ridge(3) > plain
+    monkeypatch.setattr(memory, "_available_memory", lambda: ridge(2) + 1)
+    _refused(capsys, ["fit", str(feats), "-o", str(tmp_path / "m.h5"), "--ridge", "0.5"], feats, "fit")
+
+
+def test_workers_count_their_accumulators(files: tuple[Path, Path], monkeypatch: pytest.MonkeyPatch) -> None:
+    tokens, _ = files
+    info = stream.inspect_tokens(tokens)
+    one, two = stream.featurize_need(info), stream.featurize_need(info, workers=2)
+    assert two(3) > one(3)
+    monkeypatch.setenv("MHLA_PARALLEL_BACKEND", "thread")
+    monkeypatch.setattr(memory, "_available_memory", lambda: two(2) + 1)
+    with pytest.raises(InputError, match=r"for featurize \(2 workers\).*largest d that fits is 2") as exc:
+        stream.featurize(tokens, workers=2)
+    assert exc.value.path is not None and Path(exc.value.path) == tokens
+
+
+def test_a_job_that_fits_runs(files: tuple[Path, Path], monkeypatch: pytest.MonkeyPatch) -> None:
+    tokens, _ = files
+    need = stream.featurize_need(stream.inspect_tokens(tokens))
+    monkeypatch.setattr(memory, "_available_memory", lambda: need(3))
+    feats = stream.featurize(tokens)
+    assert feats.d == 3 and np.isfinite(feats.gram).all()

@@ -169,11 +169,12 @@ def test_featurize_and_fit_refuse_a_d_that_does_not_fit(data: Path, serial: Feat
                                                          capsys: pytest.CaptureFixture[str]) -> None:
     feats = tmp_path / "feats.h5"
     serial.save(feats)
-    budget = memory._stats_bytes(2) + 1  # d = 3 data, room for d = 2 only
-    monkeypatch.setattr(memory, "_available_memory", lambda: budget)
-    for args in (["featurize", str(data), "-o", str(tmp_path / "f.h5")],
-                 ["fit", str(feats), "-o", str(tmp_path / "m.h5")],
-                 ["certify", str(data)]):
+    info = stream.inspect_tokens(data)
+    for args, need in ((["featurize", str(data), "-o", str(tmp_path / "f.h5")], stream.featurize_need(info)),
+                       (["fit", str(feats), "-o", str(tmp_path / "m.h5")], stream.solve_need(feats)[1]),
+                       (["certify", str(data)], stream.solve_need(data)[1])):
+        budget = need(2) + 1  # d = 3 data, room for d = 2 only
+        monkeypatch.setattr(memory, "_available_memory", lambda budget=budget: budget)
         assert run(args) == 2
         err = capsys.readouterr().err
         assert "largest d that fits is 2" in err, (args, err)

@@ -11,6 +11,7 @@ from .. import formats
 from ..errors import InputError
 from ..probes import certify_probes
 from ..solve import certify, check_domain
+from ..stream import check_solve_memory
 from ..tokens import inspect_tokens
 from ..witness import make_witness
 from .console import emit_json, fmt, load_with_progress, progress_bar, say, warn
@@ -69,6 +70,7 @@ def certify_cmd(
         formats.check_output_path(witness, (data,))
         if formats.kind_of(data) == "tokens" and inspect_tokens(data).per_position:
             raise InputError("--witness supports last-token data only (this file has per-position data)", data)
+    check_solve_memory(data, "certify", chunk_size=chunk_size)
     feats, _, seconds = load_with_progress(data, chunk_size, quiet, normalize)
     if witness is not None and (feats.per_position or feats.normalize != "none"):
         raise InputError("--witness supports unweighted last-token data without --normalize only", data)
@@ -107,6 +109,7 @@ def certify_cmd(
 
 def _certify_on(data: Path, on: Path, report: Path | None, normalize: str | None, chunk_size: int | None,
                 json_out: bool, quiet: bool) -> None:
+    check_solve_memory(data, "certify", chunk_size=chunk_size)
     feats, _, _ = load_with_progress(data, chunk_size, quiet, normalize)
     with progress_bar("probes", inspect_tokens(on).n_samples, quiet) as advance:
         rep = certify_probes(feats, on, chunk_size=chunk_size, progress=advance)

@@ -16,6 +16,7 @@ from ..learn import export_heads, fit, fit_warnings
 from ..lowrank import convergence_warning, fewest_message, hit_limit
 from ..model import Model, load_function
 from ..spectrum import plot_spectrum, spectrum, text_histogram
+from ..stream import check_solve_memory
 from ..tokens import inspect_tokens
 from .console import emit_json, fmt, load_with_progress, progress_bar, say, warn
 from .options import ChunkOpt, JsonOpt, NormalizeOpt, OutOpt, QuietOpt, parse_auto
@@ -53,6 +54,7 @@ def fit_cmd(
     lowrank_fit = h is not None or lam is not None
     if lowrank_fit and ridge > 0:
         raise InputError("--ridge applies to the least-squares fit; use --weight-decay with --heads")
+    check_solve_memory(data, "fit", ridge=ridge, lowrank=lowrank_fit, chunk_size=chunk_size)
     if "auto" in (h, lam):
         if formats.kind_of(data) == "features" and load_folds(data) is None:
             raise InputError("has no per-fold statistics, which 'auto' needs: make them with "
