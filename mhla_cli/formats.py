@@ -178,6 +178,62 @@ def read_array(f: h5py.File, name: str, path: str | os.PathLike, finite: bool = 
     return arr
 
 
+def dataset(f: h5py.File, name: str, path: str | os.PathLike) -> h5py.Dataset:
+    """The dataset `name`, with the errors of `read_array` when it is missing or not real numbers."""
+    if name not in f:
+        raise InputError(f"missing dataset '{name}'", path)
+    ds = f[name]
+    if not isinstance(ds, h5py.Dataset):
+        raise InputError(f"'{name}' is a group, expected a dataset", path)
+    check_numeric(ds, name, path)
+    return ds
+
+
+def read_matrix(f: h5py.File, name: str, path: str | os.PathLike) -> np.ndarray:
+    """Read a whole dataset as float64 straight into a new array (no second copy); as `read_array`."""
+    ds = dataset(f, name, path)
+    out = np.empty(ds.shape, dtype=np.float64)
+    if out.size:
+        ds.read_direct(out)
+    if not all_finite(out):
+        raise InputError(f"'{name}' contains NaN or Inf; the file is corrupted", path)
+    return out
+
+
+def all_finite(a: np.ndarray, block_bytes: int = 8 << 20) -> bool:
+    """np.isfinite(a).all(), in blocks of rows (no temporary of a's size)."""
+    if a.ndim < 2 or a.nbytes <= block_bytes:
+        return bool(np.isfinite(a).all())
+    rows = max(1, block_bytes // max(1, a[:1].nbytes))
+    return all(bool(np.isfinite(a[i:i + rows]).all()) for i in range(0, a.shape[0], rows))
+
+
+def check_stored_symmetric(f: h5py.File, name: str, path: str | os.PathLike, tile: int = 1024) -> None:
+    """A stored square dataset is finite and symmetric to 1e-12 of its largest entry (the checks of
+    `read_array` and stats._is_symmetric), read tile by tile: nothing of its size is held."""
+    ds = dataset(f, name, path)
+    n = int(ds.shape[0])
+    a, b = np.empty(tile * tile), np.empty(tile * tile)
+    top = diff = 0.0
+    for i0 in range(0, n, tile):
+        i1 = min(n, i0 + tile)
+        for j0 in range(i0, n, tile):
+            j1 = min(n, j0 + tile)
+            upper = a[:(i1 - i0) * (j1 - j0)].reshape(i1 - i0, j1 - j0)
+            ds.read_direct(upper, np.s_[i0:i1, j0:j1])
+            if j0 == i0:
+                lower = upper
+            else:
+                lower = b[:(j1 - j0) * (i1 - i0)].reshape(j1 - j0, i1 - i0)
+                ds.read_direct(lower, np.s_[j0:j1, i0:i1])
+            if not (np.isfinite(upper).all() and np.isfinite(lower).all()):
+                raise InputError(f"'{name}' contains NaN or Inf; the file is corrupted", path)
+            top = max(top, float(np.abs(upper).max()), float(np.abs(lower).max()))
+            diff = max(diff, float(np.abs(upper - lower.T).max()))
+    if diff > 1e-12 * top:
+        raise InputError(f"'{name}' is not symmetric; the file is corrupted", path)
+
+
 def check_numeric(ds: h5py.Dataset, name: str, path: str | os.PathLike) -> None:
     """Raise unless the dataset holds real numbers (ints or floats; not complex, strings, compounds)."""
     kind = ds.dtype.kind

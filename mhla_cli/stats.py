@@ -86,6 +86,11 @@ class Features:
         return self.target_gram is not None
 
     @property
+    def _gram_raw(self) -> Any:
+        """`gram` as held: an array, None (not derived yet), _DERIVED or a StoredGram (read when used)."""
+        return self.__dict__.get("_gram")
+
+    @property
     def lambda_d(self) -> np.ndarray:
         """Lambda_D = gram / N on the tokens' own features (the certificate uses `solver_stats`)."""
         self.finalize()
@@ -107,7 +112,9 @@ class Features:
         """In place: the basis sums of X A -> of X A C (exact up to rounding; the own sums stay)."""
         self.ensure_basis()
         self.factor_cache.clear()
-        self.basis_gram, self.basis_moments = basis_mod.change_by(C, self.basis_gram, self.basis_moments)
+        # in place: a Features owns its sums (`copy` makes new ones)
+        self.basis_gram, self.basis_moments = basis_mod.change_by(C, self.basis_gram, self.basis_moments,
+                                                                  overwrite=_writeable(self.basis_gram))
         self.basis_token_gram = C.T @ self.basis_token_gram @ C
         self.basis_last_token_gram = C.T @ self.basis_last_token_gram @ C
         self.basis = self.basis @ C
@@ -139,14 +146,24 @@ class Features:
         return self.basis, self.basis_gram, self.basis_moments  # type: ignore[return-value]
 
     def finalize(self) -> Features:
-        """Derive `gram` and `moments` (tokens' own coordinates) from the basis sums, if not yet done."""
-        if self.gram is None:
-            with np.errstate(over="ignore", invalid="ignore"):
-                self.gram = basis_mod.gram_from_basis(self.basis, self.basis_gram)
-                if self.basis_moments is not None:
+        """Derive `moments` (tokens' own coordinates) from the basis sums, if not yet done; `gram` is
+        derived from them when first used (a psi x psi matrix that certify and fit never need)."""
+        if self._gram_raw is None:
+            if self.basis_moments is not None:
+                with np.errstate(over="ignore", invalid="ignore"):
                     self.moments = basis_mod.features_from_basis(self.basis, self.basis_moments)
+            self.gram = _DERIVED
             check_overflow(self, "the data", None)
         return self
+
+    def _derive_gram(self) -> np.ndarray:
+        """The own-coordinate gram from the basis sums (M_A^-1 gram_b M_A^-T; `finalize`)."""
+        with np.errstate(over="ignore", invalid="ignore"):
+            gram = basis_mod.gram_from_basis(self.basis, self.basis_gram)
+        if not formats.all_finite(gram):
+            raise InputError("the statistics of the data overflow float64 (tokens or targets too large); "
+                             "rescale the data")
+        return gram
 
     def datasets(self) -> dict[str, np.ndarray | None]:
         """The datasets of a features file (docs/formats.md)."""
@@ -195,7 +212,9 @@ class Features:
     def copy(self) -> Features:
         """A deep copy of the sums (metadata shared)."""
         arrays = {k: None if getattr(self, k) is None else np.array(getattr(self, k))
-                  for k in (*self.SUMS, "basis", *self.BASIS_SUMS)}
+                  for k in (*self.SUMS, "basis", *self.BASIS_SUMS) if k != "gram"}
+        raw = self._gram_raw
+        arrays["gram"] = np.array(raw) if isinstance(raw, np.ndarray) else raw  # a lazy gram stays lazy
         return Features(d=self.d, n_samples=self.n_samples, n_tokens=self.n_tokens, token_dtype=self.token_dtype,
                         sample_range=self.sample_range, source=self.source, extra_attrs=dict(self.extra_attrs),
                         per_position=self.per_position, normalize=self.normalize, n_sequences=self.n_sequences,
@@ -240,14 +259,7 @@ class Features:
             n = formats.read_attr_int(f, "n_samples", path)
             t = formats.read_attr_int(f, "n_tokens", path)
             psi = n_features(d)
-            gram = formats.read_array(f, "gram", path).astype(np.float64, copy=False)
-            if gram.shape != (psi, psi):
-                raise InputError(f"'gram' has shape {gram.shape}, expected (psi, psi) = ({psi}, {psi}) "
-                                 f"for d = {d}", path)
-            if not np.isfinite(gram).all():
-                raise InputError("'gram' contains NaN or Inf", path)
-            if not _is_symmetric(gram):
-                raise InputError("'gram' is not symmetric; the file is corrupted", path)
+            gram = _stored_gram(f, path, d, psi)
             tg = formats.read_array(f, "token_gram", path).astype(np.float64)
             lg = formats.read_array(f, "last_token_gram", path).astype(np.float64)
             for name, arr in (("token_gram", tg), ("last_token_gram", lg)):
@@ -309,11 +321,9 @@ def _load_basis(f: h5py.File, path: str | os.PathLike, d: int, has_targets: bool
         raise InputError(f"'basis' has shape {A.shape}, expected ({d}, {d})", path)
     if not np.isfinite(A).all() or not np.isfinite(np.linalg.cond(A)) or np.linalg.cond(A) > 1e12:
         raise InputError("'basis' is singular; the file is corrupted", path)
-    gb = formats.read_array(f, "basis_gram", path).astype(np.float64)
+    gb = formats.read_matrix(f, "basis_gram", path)  # read in place: the one psi x psi array of a load
     if gb.shape != (psi, psi):
         raise InputError(f"'basis_gram' has shape {gb.shape}, expected ({psi}, {psi})", path)
-    if not np.isfinite(gb).all():
-        raise InputError("'basis_gram' contains NaN or Inf", path)
     if not _is_symmetric(gb):
         raise InputError("'basis_gram' is not symmetric; the file is corrupted", path)
     mb = None
@@ -323,7 +333,8 @@ def _load_basis(f: h5py.File, path: str | os.PathLike, d: int, has_targets: bool
             raise InputError(f"'basis_moments' has shape {mb.shape}, expected ({psi}, {d})", path)
     if version < CANONICAL_FORMAT:
         D = basis_mod.feature_scale(d)
-        gb = gb * D[:, None] * D[None, :]
+        gb *= D[:, None]
+        gb *= D[None, :]
         mb = None if mb is None else mb * D[:, None]
         btg, blg = A.T @ tg @ A, A.T @ lg @ A
     else:
@@ -337,22 +348,104 @@ def _load_basis(f: h5py.File, path: str | os.PathLike, d: int, has_targets: bool
             "basis_last_token_gram": blg}
 
 
-def _is_symmetric(a: np.ndarray, block: int = 1024) -> bool:
-    """a == a.T up to 1e-12 of its largest entry (checked in row blocks: no psi x psi temporaries)."""
+def _is_symmetric(a: np.ndarray, tile: int = 512) -> bool:
+    """a == a.T up to 1e-12 of its largest entry (checked tile by tile: no psi x psi temporaries)."""
     if not a.size:
         return True
-    tol = 1e-12 * float(np.abs(a).max())
-    for lo in range(0, a.shape[0], block):
-        hi = min(a.shape[0], lo + block)
-        if float(np.abs(a[lo:hi] - a[:, lo:hi].T).max()) > tol:
-            return False
-    return True
+    n = a.shape[0]
+    top = diff = 0.0
+    for i0 in range(0, n, tile):
+        i1 = min(n, i0 + tile)
+        for j0 in range(i0, n, tile):
+            j1 = min(n, j0 + tile)
+            upper, lower = a[i0:i1, j0:j1], a[j0:j1, i0:i1]
+            top = max(top, float(np.abs(upper).max()), float(np.abs(lower).max()))
+            diff = max(diff, float(np.abs(upper - lower.T).max()))
+    return diff <= 1e-12 * top
+
+
+def _writeable(a: np.ndarray | None) -> bool:
+    """An array the basis change may overwrite (float64, writeable, square)."""
+    return (a is not None and a.dtype == np.float64 and a.flags.writeable and a.ndim == 2
+            and a.shape[0] == a.shape[1])
+
+
+class _Derived:
+    """`Features.gram` to be derived from the basis sums when first used (`Features.finalize`)."""
+
+    def __repr__(self) -> str:
+        return "<gram derived from the basis sums when used>"
+
+
+_DERIVED = _Derived()
+
+
+class StoredGram:
+    """The 'gram' dataset of a features file: validated when the file was loaded (tile by tile),
+    read when first used (certify and fit never need it)."""
+
+    def __init__(self, path: str | os.PathLike, psi: int) -> None:
+        self.path = str(path)
+        self.abspath = os.path.abspath(path)
+        self.psi = psi
+        self.stamp = _stamp(self.abspath)
+
+    def __repr__(self) -> str:
+        return f"<gram stored in {self.path}>"
+
+    def read(self) -> np.ndarray:
+        if _stamp(self.abspath) != self.stamp:
+            raise InputError("changed since its statistics were loaded (its 'gram' is read when first "
+                             "used); run the command again", self.path)
+        with formats.open_input(self.abspath) as f:
+            gram = formats.read_matrix(f, "gram", self.path)
+        if gram.shape != (self.psi, self.psi):
+            raise InputError(f"'gram' has shape {gram.shape}, expected ({self.psi}, {self.psi})", self.path)
+        return gram
+
+
+def _stamp(path: str) -> tuple[int, ...] | None:
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return (st.st_size, st.st_mtime_ns, st.st_ino, st.st_dev)
+
+
+def _stored_gram(f: h5py.File, path: str | os.PathLike, d: int, psi: int) -> StoredGram:
+    """Validate the stored own gram without holding it (shape, finite, symmetric); read when used."""
+    ds = formats.dataset(f, "gram", path)
+    if ds.shape != (psi, psi):
+        formats.read_array(f, "gram", path)  # its NaN / Inf are reported first, as they always were
+        raise InputError(f"'gram' has shape {ds.shape}, expected (psi, psi) = ({psi}, {psi}) for d = {d}", path)
+    formats.check_stored_symmetric(f, "gram", path)
+    return StoredGram(path, psi)
+
+
+def _get_gram(self: Features) -> np.ndarray | None:
+    g = self.__dict__.get("_gram")
+    if isinstance(g, StoredGram):
+        g = self.__dict__["_gram"] = g.read()
+    elif g is _DERIVED:
+        g = self.__dict__["_gram"] = self._derive_gram()
+    return g
+
+
+def _set_gram(self: Features, value: Any) -> None:
+    self.__dict__["_gram"] = value
+
+
+# The dataclass field `gram` is a property: derived from the basis sums or read from the file when
+# first used (`finalize`, `load`), so that certify and fit hold one psi x psi array of statistics.
+Features.gram = property(_get_gram, _set_gram, doc="sum_i H_i H_i^T on the tokens' own features (psi, psi)")  # type: ignore[assignment]
 
 
 def check_overflow(feats: Features, what: str, path: str | os.PathLike | None) -> None:
     """Refuse statistics that overflowed float64."""
-    arrays = [feats.gram, feats.moments, feats.basis_gram, feats.basis_moments, feats.target_gram]
-    if not all(a is None or np.isfinite(a).all() for a in arrays):
+    raw = feats._gram_raw  # a gram not derived or read yet is checked when it is
+    arrays = [raw if isinstance(raw, np.ndarray) else None, feats.moments, feats.basis_gram, feats.basis_moments,
+              feats.target_gram]
+    if not all(a is None or formats.all_finite(a) for a in arrays):
         raise InputError(f"the statistics of {what} overflow float64 (tokens or targets too large); "
                          "rescale the data", path)
 
@@ -377,7 +470,8 @@ def add_into(acc: Features, part: Features) -> None:
     acc.n_sequences = None if acc.n_sequences is None or part.n_sequences is None \
         else acc.n_sequences + part.n_sequences
     acc.factor_cache.clear()
-    empty = acc.n_samples == 0 and acc.n_tokens == 0 and (acc.gram is None or not acc.gram.any())
+    raw = acc._gram_raw
+    empty = acc.n_samples == 0 and acc.n_tokens == 0 and (not isinstance(raw, np.ndarray) or not raw.any())
     if acc.basis is None and part.basis is None:
         pass  # own sums only
     elif empty and acc.basis is None:
@@ -404,12 +498,16 @@ def add_into(acc: Features, part: Features) -> None:
                 a += getattr(part, k)
     acc.n_samples += part.n_samples
     acc.n_tokens += part.n_tokens
-    if acc.gram is not None and part.gram is not None:
-        acc.gram += part.gram
+    known = (np.ndarray, StoredGram)
+    ga, gp = acc._gram_raw, part._gram_raw
+    if isinstance(ga, known) and isinstance(gp, known):
+        acc.gram += part.gram  # both known (a stored one is read): the own sums add
         if acc.moments is not None and part.moments is not None:
             acc.moments += part.moments
     else:  # derived from the basis sums by finalize()
         acc.gram = acc.moments = None
+        if ga is not None and gp is not None:  # both were finalized (one lazily): so is the sum
+            acc.finalize()
     acc.token_gram += part.token_gram
     acc.last_token_gram += part.last_token_gram
     if acc.target_gram is not None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import numpy as np
@@ -130,3 +131,52 @@ def test_a_job_that_fits_runs(files: tuple[Path, Path], monkeypatch: pytest.Monk
     monkeypatch.setattr(memory, "_available_memory", lambda: need(3))
     feats = stream.featurize(tokens)
     assert feats.d == 3 and np.isfinite(feats.gram).all()
+
+
+# ------------------------------------------------------------- one psi x psi array per load
+
+
+def test_certify_and_fit_never_read_the_own_gram(files: tuple[Path, Path], tmp_path: Path,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    from mhla_cli import stats
+
+    _, feats = files
+    def boom(self: object) -> None:
+        raise AssertionError("the own gram was read")
+
+    monkeypatch.setattr(stats.StoredGram, "read", boom)
+    loaded = Features.load(feats)
+    assert isinstance(loaded._gram_raw, stats.StoredGram)
+    assert loaded.basis_gram.flags.c_contiguous and loaded.basis_gram.flags.writeable
+    assert run(["certify", str(feats), "-q"]) in (0, 1)
+    assert run(["fit", str(feats), "-o", str(tmp_path / "m.h5"), "-q"]) == 0
+
+
+def test_the_stored_gram_is_read_when_used(files: tuple[Path, Path], tmp_path: Path) -> None:
+    import h5py
+    import shutil
+
+    _, feats = files
+    with h5py.File(feats, "r") as f:
+        stored = f["gram"][()]
+    loaded = Features.load(feats)
+    assert np.array_equal(loaded.gram, stored)
+    copy = tmp_path / "copy.h5"
+    shutil.copy(feats, copy)
+    lazy = Features.load(copy)
+    with h5py.File(copy, "a") as f:
+        f["gram"][0, 0] += 1.0
+    st = os.stat(copy)
+    os.utime(copy, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))  # whatever the clock's resolution
+    with pytest.raises(InputError, match="changed since its statistics were loaded"):
+        lazy.gram
+
+
+def test_featurize_derives_the_own_gram_when_used(files: tuple[Path, Path]) -> None:
+    from mhla_cli import basis, stats
+
+    tokens, _ = files
+    feats = stream.featurize(tokens)
+    assert feats._gram_raw is stats._DERIVED and feats.moments is not None
+    want = basis.gram_from_basis(feats.basis, feats.basis_gram)
+    assert np.array_equal(feats.gram, want) and feats._gram_raw is feats.gram
