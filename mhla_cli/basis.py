@@ -318,3 +318,4 @@ def sample_blocks(n_samples: int, n_tokens: int) -> list[tuple[int, int]]:
 # Public names of the Kronecker kernels (used by mhla_cli.structure).
 kron_apply = _apply_rows
 kron_congruence = _congruence
+from_basis_factors = _from_basis_factors  # M_A^-1 = kron(P, R): (P, R)

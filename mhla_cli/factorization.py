@@ -56,6 +56,7 @@ class Factorization:
         self._chol_tried = False
         self._lmax: float | None = None
         self._lmin: float | None = None
+        self._null: dict[float, tuple[np.ndarray, np.ndarray]] = {}  # threshold -> eigenpairs <= it
         self.seconds: dict[str, float] = {}  # wall time of each decomposition computed
 
     @contextmanager
@@ -97,6 +98,40 @@ class Factorization:
             with self._timed("eigenvectors"):
                 self._we, self._v = _scipy_linalg().eigh(self.lam, check_finite=False)
         return self._we, self._v  # type: ignore[return-value]
+
+    def null_space(self, threshold: float) -> tuple[np.ndarray, np.ndarray]:
+        """The eigenpairs with eigenvalue <= threshold (ascending): LAPACK's selected eigenvectors
+        (dsyevr over (-inf, threshold]: the tridiagonal reduction and only those vectors, not all)."""
+        if self._v is not None:
+            keep = self._we <= threshold
+            return self._we[keep], self._v[:, keep]
+        if threshold not in self._null:
+            if self.n == 0:
+                return np.zeros(0), np.zeros((0, 0))
+            with self._timed("null space"):
+                w, v = _scipy_linalg().eigh(self.lam, subset_by_value=(-np.inf, threshold), check_finite=False)
+            self._null[threshold] = (w, v)
+        return self._null[threshold]
+
+    def pinv_solve(self, rhs: np.ndarray, tol: float) -> np.ndarray:
+        """The minimum-norm least-squares solution of lam x = rhs with eigenvalues <= tol dropped
+        (the pseudo-inverse): a Cholesky solve of lam + c N N^T (N: those eigenvectors, c = lambda_max),
+        which has lam's eigenvectors, then the N part removed; the full eigh when that fails."""
+        sl = _scipy_linalg()
+        _, N = self.null_space(tol)
+        c = max(self.lambda_max(), tol, 1e-300)
+        with self._timed("solve"):
+            try:
+                shifted = self.lam + c * (N @ N.T)
+                x = sl.cho_solve(sl.cho_factor(shifted, lower=True, overwrite_a=True, check_finite=False), rhs,
+                                 check_finite=False)
+                del shifted
+                return x - N @ (N.T @ x)
+            except sl.LinAlgError:
+                pass
+        w, v = self.eigh()
+        keep = w > tol
+        return v[:, keep] @ ((v[:, keep].T @ rhs) / w[keep][:, None])
 
     def lambda_max(self) -> float:
         if self._lmax is None:
@@ -145,7 +180,7 @@ class Factorization:
         if self.block_lambda_min() > tol:
             return self.n
         w = self.known_eigenvalues()
-        return int(((self.eigh()[0] if w is None else w) > tol).sum())
+        return self.n - self.null_space(tol)[0].size if w is None else int((w > tol).sum())
 
     def solve(self, rhs: np.ndarray) -> np.ndarray | None:
         """lam^-1 rhs through the Cholesky factor (None when lam is not positive definite)."""

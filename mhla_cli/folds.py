@@ -38,7 +38,8 @@ def featurize_folds(path: str | os.PathLike, n_folds: int, chunk_size: int | Non
         raise InputError(f"{n_folds} folds are more than the {info.n_samples} samples", path)
     if not info.has_targets:
         raise InputError("folds need targets (cross-validation scores predictions)", path)
-    folds = [featurize(path, chunk_size=chunk_size, shard=(k, n_folds), progress=progress, **parallel)
+    # every feature (spans="off"): folds are compared and summed feature by feature
+    folds = [featurize(path, chunk_size=chunk_size, shard=(k, n_folds), progress=progress, spans="off", **parallel)
              for k in range(n_folds)]
     total = folds[0]
     for f in folds[1:]:
@@ -61,7 +62,7 @@ def save_with_folds(total: Features, folds: list[Features], path: str | os.PathL
 
 def load_folds(path: str | os.PathLike, total: Features | None = None) -> list[Features] | None:
     """The per-fold statistics of a features file, or None when it has none; validated against the total."""
-    total = Features.load(path) if total is None else total
+    total = (Features.load(path) if total is None else total).expand()
     d, psi = total.d, n_features(total.d)
     with formats.open_input(path) as f:
         if "fold_gram" not in f:

@@ -26,7 +26,7 @@ import numpy as np
 from ._version import __version__
 from .errors import InputError
 from .features import NORMALIZATIONS
-from .memory import check_memory, load_bytes
+from .memory import SLACK_BYTES, check_memory, load_bytes
 from .signals import check_interrupted, shield_signals
 from .features import n_features
 
@@ -287,7 +287,12 @@ def expect_kind(f: h5py.File, path: str | os.PathLike, *kinds: str) -> str:
     if kind not in kinds:
         raise InputError(f"is a {kind} file, expected {' or '.join(kinds)}", path)
     if kind == "features" and "d" in f.attrs:
-        check_memory(read_attr_int(f, "d", path), path=path, need=load_bytes, what="loading the statistics")
+        d = read_attr_int(f, "d", path)
+        need = load_bytes
+        if "span_pairs" in f and "basis_gram" in f:  # only the block on the data's spans is stored
+            n = int(f["basis_gram"].shape[0])
+            need = lambda k: 8 * n * n + SLACK_BYTES if k == d else load_bytes(k)  # noqa: E731
+        check_memory(d, path=path, need=need, what="loading the statistics")
     return kind
 
 

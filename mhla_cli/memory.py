@@ -50,6 +50,15 @@ def featurize_bytes(d: int, chunk_bytes: int = 0, workers: int = 1, has_targets:
     return max(pass_, acc + matrix_bytes(d) if derive else 0) + SLACK_BYTES
 
 
+def block_featurize_bytes(n: int, d: int, chunk_bytes: int = 0, workers: int = 1, has_targets: bool = True) -> int:
+    """Peak of `featurize` accumulating only a block of n features (the data's spans,
+    mhla_cli.structure): the pass's accumulator of n (+ d) columns; no own-coordinate gram."""
+    w = n + (d if has_targets else 0)
+    acc = 8 * w * w
+    k = max(1, int(workers))
+    return (acc + chunk_bytes if k == 1 else (k + 1) * acc + k * chunk_bytes) + SLACK_BYTES
+
+
 def load_bytes(d: int) -> int:
     """Peak of loading a features file (basis_gram read in place; gram validated tile by tile)."""
     return matrix_bytes(d) + SLACK_BYTES
@@ -58,6 +67,11 @@ def load_bytes(d: int) -> int:
 def solve_bytes(d: int, kind: str = "cholesky") -> int:
     """Peak of certify / fit on loaded statistics: basis_gram and the factorization's matrices."""
     return (1 + SOLVE_COPIES[kind]) * matrix_bytes(d) + SLACK_BYTES
+
+
+def block_solve_bytes(n: int, kind: str = "cholesky") -> int:
+    """`solve_bytes` of statistics holding only a block of n features (the data's spans)."""
+    return (1 + SOLVE_COPIES[kind]) * 8 * n * n + SLACK_BYTES
 
 
 def solve_kind(d: int, n_samples: int, ridge: float = 0.0, lowrank: bool = False) -> str:

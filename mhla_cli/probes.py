@@ -64,9 +64,8 @@ def null_space(feats: Features) -> NullSpace:
     st = fac.structure
     if not fac.dense and fac.block_lambda_min() > tol:  # positive definite block: no eigenvectors
         return NullSpace(basis=np.zeros((fac.n, 0)), lambda_max=lmax, threshold=tol, token_basis=A, structure=st)
-    w, v = fac.eigh()
-    return NullSpace(basis=np.ascontiguousarray(v[:, w <= tol]), lambda_max=lmax, threshold=tol, token_basis=A,
-                     structure=st)
+    return NullSpace(basis=np.ascontiguousarray(fac.null_space(tol)[1]), lambda_max=lmax, threshold=tol,
+                     token_basis=A, structure=st)
 
 
 def probe_residuals(ns: NullSpace, upper: np.ndarray, last: np.ndarray) -> np.ndarray:

@@ -125,8 +125,13 @@ def factorize(feats: Features, domain: str = "full") -> Factorization:
     d = feats.d
     if "full" not in cache:
         lam = feats.basis_gram / max(feats.n_samples, 1)
-        st = find_structure(lam, d)
-        fac = Factorization(st.compress(lam), st.n_full)
+        if feats.reduced:  # featurize held only the block on the data's spans
+            st = structure_mod.Structure(_complete(feats.span_pairs), _complete(feats.span_last),
+                                         feats.span_pairs.shape[1], feats.span_last.shape[1])
+            fac = Factorization(lam, st.n_full)
+        else:
+            st = find_structure(lam, d)
+            fac = Factorization(st.compress(lam), st.n_full)
         del lam
         fac.structure = st
         cache["full"] = fac
@@ -141,6 +146,12 @@ def factorize(feats: Features, domain: str = "full") -> Factorization:
             fac.structure = st_o
             cache[domain] = fac
     return cache[domain]
+
+
+def _complete(E: np.ndarray) -> np.ndarray:
+    """[E, E_perp]: orthonormal columns E (n, a) completed to an orthogonal matrix (E kept as it is)."""
+    Q = np.linalg.qr(E, mode="complete")[0]
+    return np.hstack([E, Q[:, E.shape[1]:]])
 
 
 def observed_bases(feats: Features) -> tuple[np.ndarray, np.ndarray]:
@@ -250,9 +261,8 @@ def certify(feats: Features, min_eig: float = 0.0, domain: str = "full") -> Cert
 def _null_vectors(A: np.ndarray, fac: Factorization, threshold: float, full: bool) -> np.ndarray:
     """Orthonormal basis of the eigenvalues <= threshold: the exact nulls outside the data's spans and
     the block's own; for the full domain in the tokens' own feature coordinates."""
-    w, v = fac.eigh()
     st = fac.structure
-    null = np.hstack([st.outside(), st.embed(v[:, w <= threshold])])
+    null = np.hstack([st.outside(), st.embed(fac.null_space(threshold)[1])])
     if full and null.shape[1]:
         # v^T H_b = v^T M_A H: the same direction in the tokens' own feature coordinates
         null = np.linalg.qr(basis_mod.coef_from_basis(A, null.T).T)[0]
@@ -262,20 +272,31 @@ def _null_vectors(A: np.ndarray, fac: Factorization, threshold: float, full: boo
 def _null_weights(A: np.ndarray, fac: Factorization, threshold: float, full: bool) -> tuple[np.ndarray, int]:
     """(diagonal of the projector onto the null space, in the coordinates of `_null_vectors`; its dim).
 
-    From the null vectors or from the range, whichever is smaller: in own coordinates the range is
-    M_A^-1 (range in the canonical ones), the orthogonal complement of M_A^T (null space).
+    The range is Y = K V (V: the block's eigenvectors above threshold, K = E' (x) F' the block's
+    embedding: E (x) F, times M_A^-1 = kron(P_A^-1 D^-1, A^-T) in own coordinates). With K = (U1 (x) U2)
+    (R1 (x) R2) (QR), range(K) = range(Y) (+) Z, Z = (U1 (x) U2) orth((R1 (x) R2)^-T N) (N: the block's
+    null eigenvectors), so diag P_Y = |U1_j|^2 |U2_l|^2 - diag P_Z: O(psi n) and small QRs, no psi x rank
+    orthogonalisation.
     """
-    w, v = fac.eigh()
     st = fac.structure
-    live = w > threshold
-    k = fac.n_full - int(live.sum())
-    if k <= int(live.sum()):
-        null = _null_vectors(A, fac, threshold, full)
-        return (null**2).sum(axis=1), k
-    rng = st.embed(v[:, live])
-    if full and rng.shape[1]:
-        rng = np.linalg.qr(basis_mod.features_from_basis(A, rng))[0]
-    return np.clip(1.0 - (rng**2).sum(axis=1), 0.0, 1.0), k
+    E, F = st.E, st.F
+    if full:  # M_A^-1 (E (x) F) = (P_A^-1 D^-1 E) (x) (A^-T F)
+        P, R = basis_mod.from_basis_factors(A)
+        E, F = P @ E, R @ F
+    U1, R1 = np.linalg.qr(E)
+    U2, R2 = np.linalg.qr(F)
+    _, N = fac.null_space(threshold)
+    k = fac.n_full - (fac.n - N.shape[1])
+    inside = np.einsum("ja,ja->j", U1, U1)[:, None] * np.einsum("lb,lb->l", U2, U2)[None, :]
+    weight = 1.0 - inside.ravel()
+    if N.shape[1]:
+        import scipy.linalg
+
+        # (R1 (x) R2)^-T N = kron(R1^-T, R2^-T) N, orthonormalised, in U1 (x) U2 coordinates
+        Zb = basis_mod.kron_apply(scipy.linalg.inv(R1).T, scipy.linalg.inv(R2).T, N)
+        Z = basis_mod.kron_apply(U1, U2, np.linalg.qr(Zb)[0])
+        weight += np.einsum("ij,ij->i", Z, Z)
+    return np.clip(weight, 0.0, 1.0), k
 
 
 def _explain(feats: Features, cert: Certificate, weight: np.ndarray, k: int, full: bool
@@ -377,7 +398,7 @@ def fit(feats: Features, ridge: float = 0.0) -> Model:
     fac = factorize(feats, "full")
     st = fac.structure
     lam = fac.lam  # the block on the data's spans (mhla_cli.structure): the moments lie in its range
-    rhs = st.restrict(moments_b / N)
+    rhs = moments_b / N if feats.reduced else st.restrict(moments_b / N)
     lmax = fac.lambda_max()
     tol = numerical_tolerance(lmax, psi)
     lmin = fac.lambda_min()
@@ -397,9 +418,7 @@ def fit(feats: Features, ridge: float = 0.0) -> Model:
     if sol is None:
         # Singular (or numerically so): the pseudo-inverse with the certificate's tolerance, i.e.
         # the minimum-norm p_b (no component along the null directions of Lambda~).
-        w, v = fac.eigh()
-        keep = w > tol
-        sol = v[:, keep] @ ((v[:, keep].T @ rhs) / w[keep][:, None])
+        sol = fac.pinv_solve(rhs, tol)
     coef_b = st.embed(sol).T
     coef = basis_mod.coef_from_basis(A, coef_b)
     seconds = {**fac.seconds, "solve": time.perf_counter() - t_solve}
@@ -431,9 +450,15 @@ def train_mse(feats: Features, coef: np.ndarray) -> tuple[float, float]:
 
 
 def _train_mse_b(feats: Features, pb: np.ndarray) -> tuple[float, float]:
-    """`train_mse` of the canonical coefficients p_b."""
+    """`train_mse` of the canonical coefficients p_b.
+
+    With only the block on the data's spans held (gram_b = Q G_r Q^T, moments_b = Q M_r), p_b enters
+    through p_b Q alone, exactly (mhla_cli.structure).
+    """
     N, d = feats.n_samples, feats.d
     _, gram_b, moments_b = feats.solver_stats()
+    if feats.reduced:
+        pb = basis_mod.kron_apply(feats.span_pairs.T, feats.span_last.T, np.ascontiguousarray(pb.T)).T
     quad = float(np.sum((pb @ gram_b) * pb))
     sse = quad - 2 * float(np.einsum("ij,ji->", pb, moments_b)) + float(np.trace(feats.target_gram))
     scale = float(np.trace(feats.target_gram)) + quad

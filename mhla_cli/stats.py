@@ -24,11 +24,13 @@ from . import formats
 from .errors import InputError
 from .features import n_features
 from .formats import read_normalize
+from .structure import change as structure_change
 
 # Attributes of a features file kept in `Features.extra_attrs` when it is loaded: which shard of
 # the source it holds, for a partial merge the sample ranges it covers (JSON), and how featurize
-# reached the whitening of the data (passes over the tokens, cond of the estimate's correction).
-EXTRA_ATTRS = ("shard", "sample_ranges", "partial", "basis_passes", "basis_correction_cond")
+# reached the whitening of the data (passes over the tokens, cond of the estimate's correction), and
+# the passes spent finding the data's spans (stream.find_spans; 0: none).
+EXTRA_ATTRS = ("shard", "sample_ranges", "partial", "basis_passes", "basis_correction_cond", "span_passes")
 # mhla format version from which basis_gram / basis_moments are canonical (orthonormal coordinates,
 # basis = the whitening of the file's own token Gram); version 2 stored upper-triangle coordinates.
 CANONICAL_FORMAT = 3
@@ -69,6 +71,12 @@ class Features:
     normalize: str = "none"
     # Sequences read (the unit of sample ranges and shards); None when unknown (older files).
     n_sequences: int | None = None
+    # The data's spans (mhla_cli.structure), when featurize accumulated only the block on them:
+    # orthonormal bases (q, a) of span{s_i} and (d, b) of span{x_n,i} in the canonical coordinates of
+    # `basis`; basis_gram (a b, a b) and basis_moments (a b, d) are then the sums of the block
+    # features (E^T s) (x) (F^T x_n), and gram / moments stay None until `expand`.
+    span_pairs: np.ndarray | None = None
+    span_last: np.ndarray | None = None
     # Factorizations of the canonical Lambda~ by domain (mhla_cli.factorization, solve.factorize);
     # emptied whenever the basis sums change.
     factor_cache: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
@@ -86,6 +94,11 @@ class Features:
         return self.target_gram is not None
 
     @property
+    def reduced(self) -> bool:
+        """Only the block on the data's spans is held (featurize --spans)."""
+        return self.span_pairs is not None
+
+    @property
     def _gram_raw(self) -> Any:
         """`gram` as held: an array, None (not derived yet), _DERIVED or a StoredGram (read when used)."""
         return self.__dict__.get("_gram")
@@ -93,8 +106,23 @@ class Features:
     @property
     def lambda_d(self) -> np.ndarray:
         """Lambda_D = gram / N on the tokens' own features (the certificate uses `solver_stats`)."""
-        self.finalize()
+        self.expand()
         return self.gram / max(self.n_samples, 1)
+
+    def expand(self) -> Features:
+        """In place: the full psi x psi sums from the block on the data's spans (exact: the sums are
+        zero outside it), and the own-coordinate ones; for consumers that need every feature."""
+        if self.reduced:
+            from .memory import check_memory
+
+            check_memory(self.d)
+            E, F = self.span_pairs, self.span_last
+            self.basis_gram = basis_mod.kron_congruence(E, F, self.basis_gram)
+            if self.basis_moments is not None:
+                self.basis_moments = basis_mod.kron_apply(E, F, self.basis_moments)
+            self.span_pairs = self.span_last = None
+            self.factor_cache.clear()
+        return self.finalize()
 
     # ---------------------------------------------------------------- the basis
     def ensure_basis(self) -> Features:
@@ -112,9 +140,18 @@ class Features:
         """In place: the basis sums of X A -> of X A C (exact up to rounding; the own sums stay)."""
         self.ensure_basis()
         self.factor_cache.clear()
-        # in place: a Features owns its sums (`copy` makes new ones)
-        self.basis_gram, self.basis_moments = basis_mod.change_by(C, self.basis_gram, self.basis_moments,
-                                                                  overwrite=_writeable(self.basis_gram))
+        if self.reduced:
+            # s -> P_C s, x -> C^T x map span E to P_C E = U1 R1 and F to C^T F = U2 R2 (QR): the block
+            # coordinates change by R1 (x) R2 (mhla_cli.structure)
+            U1, U2, R1, R2 = structure_change(self.span_pairs, self.span_last, basis_mod.orth_pair_map(C), C.T)
+            self.basis_gram = basis_mod.kron_congruence(R1, R2, self.basis_gram)
+            if self.basis_moments is not None:
+                self.basis_moments = basis_mod.kron_apply(R1, R2, self.basis_moments)
+            self.span_pairs, self.span_last = U1, U2
+        else:
+            # in place: a Features owns its sums (`copy` makes new ones)
+            self.basis_gram, self.basis_moments = basis_mod.change_by(C, self.basis_gram, self.basis_moments,
+                                                                      overwrite=_writeable(self.basis_gram))
         self.basis_token_gram = C.T @ self.basis_token_gram @ C
         self.basis_last_token_gram = C.T @ self.basis_last_token_gram @ C
         self.basis = self.basis @ C
@@ -147,8 +184,9 @@ class Features:
 
     def finalize(self) -> Features:
         """Derive `moments` (tokens' own coordinates) from the basis sums, if not yet done; `gram` is
-        derived from them when first used (a psi x psi matrix that certify and fit never need)."""
-        if self._gram_raw is None:
+        derived from them when first used (a psi x psi matrix that certify and fit never need);
+        not for a block on the data's spans (`expand` does)."""
+        if self._gram_raw is None and not self.reduced:
             if self.basis_moments is not None:
                 with np.errstate(over="ignore", invalid="ignore"):
                     self.moments = basis_mod.features_from_basis(self.basis, self.basis_moments)
@@ -172,6 +210,7 @@ class Features:
         data = {"gram": self.gram, "moments": self.moments, "target_gram": self.target_gram,
                 "token_gram": self.token_gram, "last_token_gram": self.last_token_gram}
         data.update(basis=self.basis, **{k: getattr(self, k) for k in self.BASIS_SUMS})
+        data.update(span_pairs=self.span_pairs, span_last=self.span_last)  # None (not written) unless reduced
         return data
 
     # ---------------------------------------------------------------- algebra
@@ -182,8 +221,8 @@ class Features:
 
     def __sub__(self, part: Features) -> Features:
         """Statistics of the samples in `self` but not in `part` (every sum subtracts)."""
-        self.finalize()
-        part.finalize()
+        self.expand()
+        part.expand()
         out = Features(d=self.d, n_samples=self.n_samples - part.n_samples, n_tokens=self.n_tokens - part.n_tokens,
                        token_dtype=self.token_dtype, normalize=self.normalize, per_position=self.per_position,
                        **{k: None if getattr(self, k) is None else getattr(self, k) - getattr(part, k)
@@ -212,7 +251,7 @@ class Features:
     def copy(self) -> Features:
         """A deep copy of the sums (metadata shared)."""
         arrays = {k: None if getattr(self, k) is None else np.array(getattr(self, k))
-                  for k in (*self.SUMS, "basis", *self.BASIS_SUMS) if k != "gram"}
+                  for k in (*self.SUMS, "basis", *self.BASIS_SUMS, "span_pairs", "span_last") if k != "gram"}
         raw = self._gram_raw
         arrays["gram"] = np.array(raw) if isinstance(raw, np.ndarray) else raw  # a lazy gram stays lazy
         return Features(d=self.d, n_samples=self.n_samples, n_tokens=self.n_tokens, token_dtype=self.token_dtype,
@@ -259,19 +298,22 @@ class Features:
             n = formats.read_attr_int(f, "n_samples", path)
             t = formats.read_attr_int(f, "n_tokens", path)
             psi = n_features(d)
-            gram = _stored_gram(f, path, d, psi)
+            reduced = "span_pairs" in f or "span_last" in f  # only the block on the data's spans
+            gram = None if reduced else _stored_gram(f, path, d, psi)
             tg = formats.read_array(f, "token_gram", path).astype(np.float64)
             lg = formats.read_array(f, "last_token_gram", path).astype(np.float64)
             for name, arr in (("token_gram", tg), ("last_token_gram", lg)):
                 if arr.shape != (d, d):
                     raise InputError(f"'{name}' has shape {arr.shape}, expected ({d}, {d})", path)
             moments = target_gram = None
-            if "moments" in f:
+            if "moments" in f and not reduced:
                 moments = formats.read_array(f, "moments", path).astype(np.float64, copy=False)
                 if moments.shape != (psi, d):
                     raise InputError(f"'moments' has shape {moments.shape}, expected ({psi}, {d})", path)
+            has_targets = "basis_moments" in f if reduced else moments is not None
+            if has_targets:
                 if "target_gram" not in f:
-                    raise InputError("has 'moments' but no 'target_gram'", path)
+                    raise InputError("has moments but no 'target_gram'", path)
                 target_gram = formats.read_array(f, "target_gram", path).astype(np.float64)
                 if target_gram.shape != (d, d):
                     raise InputError(f"'target_gram' has shape {target_gram.shape}, expected ({d}, {d})", path)
@@ -281,7 +323,7 @@ class Features:
             if "sample_lo" in f.attrs and "sample_hi" in f.attrs:
                 rng = (int(f.attrs["sample_lo"]), int(f.attrs["sample_hi"]))
             source = json.loads(f.attrs["source"]) if "source" in f.attrs else None
-            sums = _load_basis(f, path, d, moments is not None, tg, lg)
+            sums = _load_basis(f, path, d, has_targets, tg, lg) if not reduced else _load_block(f, path, d, has_targets)
             dtype = f.attrs.get("token_dtype", "float64")
             dtype = dtype.decode() if isinstance(dtype, bytes) else str(dtype)
             normalize = read_normalize(f, path)
@@ -346,6 +388,38 @@ def _load_basis(f: h5py.File, path: str | os.PathLike, d: int, has_targets: bool
                                  path)
     return {"basis": A, "basis_gram": gb, "basis_moments": mb, "basis_token_gram": btg,
             "basis_last_token_gram": blg}
+
+
+def _load_block(f: h5py.File, path: str | os.PathLike, d: int, has_targets: bool) -> dict[str, np.ndarray | None]:
+    """The basis, the data's spans and the block sums of a file featurized on the spans (format >= 4)."""
+    need = ["basis", "span_pairs", "span_last", "basis_gram", "basis_token_gram", "basis_last_token_gram"]
+    need += ["basis_moments"] if has_targets else []
+    missing = [k for k in need if k not in f]
+    if missing:
+        raise InputError(f"holds the block on the data's spans but no {', '.join(missing)}; the file is "
+                         "incomplete", path)
+    q = d * (d + 1) // 2
+    out: dict[str, np.ndarray | None] = {k: formats.read_array(f, k, path).astype(np.float64) for k in need}
+    out.setdefault("basis_moments", None)
+    A, E, F = out["basis"], out["span_pairs"], out["span_last"]
+    if A.shape != (d, d) or not np.isfinite(A).all() or np.linalg.cond(A) > 1e12:
+        raise InputError(f"'basis' has shape {A.shape} or is singular, expected an invertible ({d}, {d})", path)
+    for name, M, rows in (("span_pairs", E, q), ("span_last", F, d)):
+        if M.ndim != 2 or M.shape[0] != rows or M.shape[1] > rows or not np.isfinite(M).all() \
+                or np.abs(M.T @ M - np.eye(M.shape[1])).max() > 1e-8:
+            raise InputError(f"'{name}' must have orthonormal columns of length {rows}, got shape {M.shape}", path)
+    n = E.shape[1] * F.shape[1]
+    gb = out["basis_gram"]
+    if gb.shape != (n, n) or not np.isfinite(gb).all() or not _is_symmetric(gb):
+        raise InputError(f"'basis_gram' must be a finite symmetric ({n}, {n}) block, got shape {gb.shape}", path)
+    mb = out["basis_moments"]
+    if mb is not None and mb.shape != (n, d):
+        raise InputError(f"'basis_moments' has shape {mb.shape}, expected ({n}, {d})", path)
+    for name in ("basis_token_gram", "basis_last_token_gram"):
+        if out[name].shape != (d, d) or not np.isfinite(out[name]).all():
+            raise InputError(f"'{name}' has shape {out[name].shape} or non-finite values, expected finite ({d}, {d})",
+                             path)
+    return out
 
 
 def _is_symmetric(a: np.ndarray, tile: int = 512) -> bool:
@@ -470,6 +544,21 @@ def add_into(acc: Features, part: Features) -> None:
     acc.n_sequences = None if acc.n_sequences is None or part.n_sequences is None \
         else acc.n_sequences + part.n_sequences
     acc.factor_cache.clear()
+    if acc.reduced or part.reduced:
+        if part.reduced and acc.basis is None and acc.n_samples == 0 and acc.n_tokens == 0:
+            # an empty sum (Features.zeros) adopts the part's spans, as it adopts its basis below
+            acc.span_pairs, acc.span_last = np.array(part.span_pairs), np.array(part.span_last)
+            acc.gram = acc.moments = None
+            acc.basis = np.array(part.basis)
+            for k in Features.BASIS_SUMS:
+                v = getattr(part, k)
+                setattr(acc, k, None if v is None else np.zeros_like(v))
+        same = (acc.reduced and part.reduced and basis_mod.same(acc.basis, part.basis)
+                and np.array_equal(acc.span_pairs, part.span_pairs) and np.array_equal(acc.span_last, part.span_last))
+        if not same:  # different spans: add the full sums (the union of the spans)
+            acc.expand()
+            if part.reduced:
+                part = part.copy().expand()
     raw = acc._gram_raw
     empty = acc.n_samples == 0 and acc.n_tokens == 0 and (not isinstance(raw, np.ndarray) or not raw.any())
     if acc.basis is None and part.basis is None:

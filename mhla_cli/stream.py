@@ -26,9 +26,11 @@ import numpy as np
 from . import basis as basis_mod
 from . import formats
 from . import parallel
+from . import structure as structure_mod
 from .errors import InputError
 from .features import check_normalize, n_features, pair_index
-from .memory import check_memory, featurize_bytes, solve_bytes, solve_kind
+from .memory import (block_featurize_bytes, block_solve_bytes, check_memory, featurize_bytes, solve_bytes,
+                     solve_kind)
 from .parallel import CANCEL, Cancelled
 from .stats import Features, add_into, check_overflow
 from .tokens import ReadBuffers, TokensInfo, check_chunk, check_weights, inspect_tokens, iter_chunks, read_chunk
@@ -209,7 +211,8 @@ class _Accumulator:
     """
 
     def __init__(self, d: int, has_targets: bool, basis: np.ndarray | None = None, causal: bool = False,
-                 normalize: str = "none") -> None:
+                 normalize: str = "none", spans: tuple[np.ndarray, np.ndarray] | None = None,
+                 traces: bool = False) -> None:
         self.causal = causal  # per-position data: every prefix is a sample (see _add_rows)
         self.normalize = normalize
         self.n_sequences = 0
@@ -217,8 +220,16 @@ class _Accumulator:
         self.basis = np.eye(d) if basis is None else np.asarray(basis, dtype=np.float64)
         self._transform = not basis_mod.same(self.basis, None)
         self.psi = n_features(d)
+        # spans (E (q, a), F (d, b)): accumulate only the block features (E^T s) (x) (F^T x_n)
+        # (mhla_cli.structure); nf features in all
+        self.spans = None if spans is None else tuple(np.ascontiguousarray(m, dtype=np.float64) for m in spans)
+        self.nf = self.psi if spans is None else int(spans[0].shape[1] * spans[1].shape[1])
+        # traces: accumulate only the two partial traces of the canonical Gram (`find_spans`)
+        self.traces = (np.zeros((self.psi // d, self.psi // d)), np.zeros((d, d))) if traces else None
+        if traces:
+            self.nf, has_targets = 0, False
         self.has_targets = has_targets
-        self.width = self.psi + (d if has_targets else 0)
+        self.width = self.nf + (d if has_targets else 0)
         self.G: np.ndarray | None = None
         self._bufs: dict[str, np.ndarray] = {}
         j, k = pair_index(d)
@@ -353,11 +364,9 @@ class _Accumulator:
             np.multiply(upper_rows.T, self._scale[:, None], out=upper)  # canonical coordinates D upper(S)
             last_t = self._buf_t("L", d, B)
             last_t[...] = last.T
-            H = Ft[:psi].reshape(psi // d, d, B)
-            # H_(j,k,l) = S[j,k] x_n[l] (BACKGROUND.md, "Why learning it is a linear regression")
-            np.multiply(upper[:, None, :], last_t[None, :, :], out=H)
+            self._fill(Ft, upper, last_t)
             if targets is not None:
-                Ft[psi:] = targets.T
+                Ft[self.nf:] = targets.T
         self._syrk(Ft)
         self.n_sequences += B
         self.n_samples += B
@@ -419,17 +428,31 @@ class _Accumulator:
                 last_t[...] = last.T
                 if sw is not None:
                     last_t *= sw  # sqrt(w) h = S (sqrt(w) x): the syrk then sums w h h^T
-                H = Ft[:psi].reshape(psi // d, d, R)
-                np.multiply(upper_t[:, None, :], last_t[None, :, :], out=H)
+                self._fill(Ft, upper_t, last_t)
                 if targets is not None:
-                    Ft[psi:] = targets.T
+                    Ft[self.nf:] = targets.T
                     if sw is not None:
-                        Ft[psi:] *= sw
+                        Ft[self.nf:] *= sw
         if R:
             self._syrk(Ft)
         self.n_samples += R
         self.n_tokens += T
         self.n_sequences += B
+
+    def _fill(self, Ft: np.ndarray, upper_t: np.ndarray, last_t: np.ndarray) -> None:
+        """Ft[:nf] = the features of the rows, transposed: upper_t (q, R) canonical, last_t (d, R)."""
+        R = upper_t.shape[1]
+        if self.traces is not None:  # sum w ||x||^2 s s^T and sum w ||s||^2 x x^T (last_t holds sqrt(w) x)
+            nx = np.einsum("ij,ij->j", last_t, last_t)
+            ns = np.einsum("ij,ij->j", upper_t, upper_t)
+            self.traces[0][...] += (upper_t * nx) @ upper_t.T
+            self.traces[1][...] += (last_t * ns) @ last_t.T
+            return
+        if self.spans is not None:  # the block coordinates E^T s and F^T x_n
+            upper_t, last_t = self.spans[0].T @ upper_t, self.spans[1].T @ last_t
+        H = Ft[:self.nf].reshape(upper_t.shape[0], last_t.shape[0], R)
+        # H_(j,k,l) = S[j,k] x_n[l] (BACKGROUND.md, "Why learning it is a linear regression")
+        np.multiply(upper_t[:, None, :], last_t[None, :, :], out=H)
 
     def _syrk(self, Ft: np.ndarray) -> None:
         """G += Ft Ft^T on the lower triangle (mirrored in `result`), in panels of rows.
@@ -439,6 +462,8 @@ class _Accumulator:
         Several BLAS threads only pay off for a wide block.
         """
         W = self.width
+        if W == 0:
+            return
         with contextlib.nullcontext() if W >= MIN_THREADED_WIDTH else _single_blas_thread():
             if self.G is None:
                 self.G = np.zeros((W, W))
@@ -459,7 +484,7 @@ class _Accumulator:
         `gram` and `moments` (own coordinates) are left to `Features.finalize`.
         """
         self._bufs.clear()
-        psi, d = self.psi, self.d
+        psi, d = self.nf, self.d  # the features accumulated (all psi, or the block on the spans)
         G = self.G if self.G is not None else np.zeros((self.width, self.width))
         self.G = None
         _mirror_lower(G)
@@ -473,6 +498,8 @@ class _Accumulator:
                        basis=self.basis, basis_gram=gram_b, basis_moments=moments,
                        basis_token_gram=self.basis_token_gram, basis_last_token_gram=self.basis_last_token_gram,
                        per_position=self.causal, normalize=self.normalize, n_sequences=self.n_sequences)
+        if self.spans is not None:
+            out.span_pairs, out.span_last = self.spans
         return out
 
 
@@ -585,17 +612,39 @@ def chunk_buffer_bytes(info: TokensInfo, chunk_size: int | None = None) -> int:
 
 
 def featurize_need(info: TokensInfo, chunk_size: int | None = None, workers: int = 1,
-                   derive: bool = True) -> Callable[[int], int]:
-    """need(d): the peak bytes of featurizing `info` with its dimension set to d (memory.check_memory)."""
+                   derive: bool = True, block: int | None = None) -> Callable[[int], int]:
+    """need(d): the peak bytes of featurizing `info` with its dimension set to d (memory.check_memory).
+
+    `block`: at the file's own d only that many features are accumulated (the data's spans).
+    """
     def need(d: int) -> int:
         other = replace(info, d=d)
+        if block is not None and d == info.d:
+            return block_featurize_bytes(block, d, chunk_buffer_bytes(other, chunk_size), workers, info.has_targets)
         return featurize_bytes(d, chunk_buffer_bytes(other, chunk_size), workers, info.has_targets, derive)
     return need
 
 
+def _add_chunks(acc: _Accumulator, info: TokensInfo, span: tuple[int, int], chunk_size: int | None = None,
+                progress: Callable[[int], None] | None = None, prefetch: bool = True) -> None:
+    """Read samples [lo, hi) in chunks, validate each and add it to `acc`."""
+    per_position = getattr(info, "per_position", False)
+    for a, b, tokens, offsets, targets, weights in iter_chunks(info, span, chunk_size or default_chunk_size(info),
+                                                               prefetch, with_weights=True):
+        if CANCEL.is_set():
+            raise Cancelled("the reduction was cancelled")
+        check_weights(weights, offsets, a, per_position, info.path)
+        acc.add(tokens, offsets, targets if acc.has_targets else None,
+                check=lambda top, a=a, t=tokens, o=offsets, y=targets: check_chunk(info, a, t, o, y, top),
+                weights=weights)
+        if progress is not None:
+            progress(b - a)
+
+
 def reduce_span(info: TokensInfo, span: tuple[int, int], chunk_size: int | None = None,
                 progress: Callable[[int], None] | None = None, prefetch: bool = True,
-                normalize: str = "none", basis: np.ndarray | None = None, finalize: bool = True) -> Features:
+                normalize: str = "none", basis: np.ndarray | None = None, finalize: bool = True,
+                spans: tuple[np.ndarray, np.ndarray] | None = None) -> Features:
     """Statistics of samples [lo, hi) of the tokens file `info.path` (opened here, read in chunks).
 
     This is the one chunk reduction of mhla: the serial loop, worker pools, Dask and shards all
@@ -604,21 +653,14 @@ def reduce_span(info: TokensInfo, span: tuple[int, int], chunk_size: int | None 
     prefix (sequence) length. `basis` (d, d; None = the identity): accumulate the features of
     X @ basis (mhla_cli.basis). `finalize=False` returns the sums of that basis as they are (partial
     sums of a larger reduction add exactly); otherwise they are changed to the whitening of the
-    span's tokens and the own-coordinate sums derived.
+    span's tokens and the own-coordinate sums derived. `spans` (E, F) in the canonical coordinates of
+    `basis`: accumulate only the block on the data's spans (mhla_cli.structure, `find_spans`).
     """
     lo, hi = span
     per_position = getattr(info, "per_position", False)
-    acc = _Accumulator(info.d, info.has_targets, basis, causal=per_position, normalize=check_normalize(normalize))
-    for a, b, tokens, offsets, targets, weights in iter_chunks(info, (lo, hi), chunk_size or default_chunk_size(info), prefetch,
-                                                               with_weights=True):
-        if CANCEL.is_set():
-            raise Cancelled("the reduction was cancelled")
-        check_weights(weights, offsets, a, per_position, info.path)
-        acc.add(tokens, offsets, targets,
-                check=lambda top, a=a, t=tokens, o=offsets, y=targets: check_chunk(info, a, t, o, y, top),
-                weights=weights)
-        if progress is not None:
-            progress(b - a)
+    acc = _Accumulator(info.d, info.has_targets, basis, causal=per_position, normalize=check_normalize(normalize),
+                       spans=spans)
+    _add_chunks(acc, info, span, chunk_size, progress, prefetch)
     total = acc.result(info.dtype)
     check_overflow(total, f"samples {lo}..{hi}", info.path)
     if finalize:
@@ -653,7 +695,8 @@ def reduce_spans(info: TokensInfo, span_list: Sequence[tuple[int, int]],
                  map: Callable[..., Iterable[Features]] = builtins.map,  # noqa: A002 (like builtins.map)
                  chunk_size: int | None = None,
                  progress: Callable[[int], None] | None = None, normalize: str = "none",
-                 basis: np.ndarray | None = None, finalize: bool = True) -> Features:
+                 basis: np.ndarray | None = None, finalize: bool = True,
+                 spans: tuple[np.ndarray, np.ndarray] | None = None) -> Features:
     """Sum of `reduce_span` over `span_list`, evaluated with `map` (builtin, a pool's, Dask's).
 
     `map(fn, spans)` may also yield partial sums (Dask tree-reduces on the cluster); the parts are
@@ -661,7 +704,7 @@ def reduce_spans(info: TokensInfo, span_list: Sequence[tuple[int, int]],
     """
     total: Features | None = None
     for part in map(partial(reduce_span, info, chunk_size=chunk_size, normalize=normalize, basis=basis,
-                            finalize=False), span_list):
+                            finalize=False, spans=spans), span_list):
         if total is None:
             total = part  # each part is a fresh result: sum into it
         else:
@@ -670,7 +713,7 @@ def reduce_spans(info: TokensInfo, span_list: Sequence[tuple[int, int]],
             progress(part.n_sequences if part.n_sequences is not None else part.n_samples)
     if total is None:
         total = _Accumulator(info.d, info.has_targets, basis, causal=getattr(info, "per_position", False),
-                             normalize=normalize).result(info.dtype)
+                             normalize=normalize, spans=spans).result(info.dtype)
     if finalize:
         total.canonical().finalize()
     total.token_dtype = info.dtype
@@ -691,7 +734,7 @@ def featurize(path: str | os.PathLike, chunk_size: int | None = None,
               map: Callable[..., Iterable[Features]] | None = None,  # noqa: A002
               progress: Callable[[int], None] | None = None,
               workers: int = 1, scheduler: str | None = None, normalize: str = "none",
-              basis: np.ndarray | str | None = "auto") -> Features:
+              basis: np.ndarray | str | None = "auto", spans: str = "auto") -> Features:
     """Sufficient statistics of a tokens file, streamed in chunks of `chunk_size` samples.
 
     `shard=(i, M)` restricts to the i-th (0-based) of M contiguous sample ranges. Parallelism:
@@ -708,33 +751,51 @@ def featurize(path: str | os.PathLike, chunk_size: int | None = None,
     always in the whitening of its own data (`Features.canonical`).
     """
     check_normalize(normalize)
+    check_spans(spans)
     info = inspect_tokens(path)
     serial = map is None and workers <= 1 and scheduler is None
-    if serial:  # before any work (a pool's workers are counted once it is made)
+    # every feature for sure: refused before any work (a pool's workers are counted once it is made);
+    # otherwise after the cheap span pass, with the block it found
+    whole = spans == "off" or (spans == "auto" and n_features(info.d) < SPANS_MIN_FEATURES)
+    if serial and whole:
         check_memory(info.d, path=path, need=featurize_need(info, chunk_size), what="featurize")
     A = _basis_option(basis, info.d, path)
     if A is None:
         A = estimate_basis(info)
     lo, hi = shard_span(info.n_samples, shard, path)
     size = chunk_size or default_chunk_size(info)
+    # the data's spans (a cheap pass; none spent when the basis sample already fills psi)
+    found, A, span_passes = find_spans(info, A, (lo, hi), size, normalize, spans)
+    if serial and not whole:
+        check_memory(info.d, path=path, need=featurize_need(info, chunk_size, block=_block(found)), what="featurize")
+
+    def spans_in(A_run: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
+        """The spans in the canonical coordinates of the basis A_run (a redone pass changes it)."""
+        if found is None or basis_mod.same(A_run, A):
+            return found
+        Ct = basis_mod.transition(A, A_run)
+        return structure_mod.change(found[0], found[1], basis_mod.orth_pair_map(Ct), Ct.T)[:2]
+
     if serial:
 
         def run(A: np.ndarray) -> Features:
             return reduce_span(info, (lo, hi), size, progress=progress, normalize=normalize, basis=A,
-                               finalize=False)
+                               finalize=False, spans=spans_in(A))
         feats = _in_whitening(run, A)
     else:
         with parallel.make_map(workers=workers, scheduler=scheduler, map=map) as pmap:
             check_memory(info.d, copies=pmap.local_copies, path=path,
-                         need=featurize_need(info, chunk_size, pmap.local_copies), what="featurize")
+                         need=featurize_need(info, chunk_size, pmap.local_copies, block=_block(found)),
+                         what="featurize")
             # workers (possibly on other hosts) open the file themselves: give them an absolute path
             winfo = replace(info, path=os.path.abspath(info.path))
             spans_ = work_spans(lo, hi, size, pmap.n_workers)
 
             def run(A: np.ndarray) -> Features:
                 return reduce_spans(winfo, spans_, map=pmap, chunk_size=size, progress=progress,
-                                    normalize=normalize, basis=A, finalize=False)
+                                    normalize=normalize, basis=A, finalize=False, spans=spans_in(A))
             feats = _in_whitening(run, A)
+    feats.extra_attrs["span_passes"] = span_passes
     if feats.n_samples == 0:
         raise InputError(f"every weight of samples {lo}..{hi} is 0: there is no sample to learn from", path)
     feats.finalize()
@@ -745,6 +806,83 @@ def featurize(path: str | os.PathLike, chunk_size: int | None = None,
     if shard is not None:
         feats.extra_attrs["shard"] = f"{shard[0]}/{shard[1]}"
     return feats
+
+
+# "auto": featurize accumulates only the block on the data's spans when it holds at most this share
+# of the psi features (below it the block's factorization costs <= 1/8 of the full one, O(n^3)).
+SPANS_SHARE = 0.5
+# ... and psi is at least this (smaller statistics are cheap whole, and keep every feature for the
+# commands that need them: low-rank fits, the witness, folds).
+SPANS_MIN_FEATURES = 2048
+SPANS = ("auto", "on", "off")
+
+
+def check_spans(spans: str) -> str:
+    """Validate featurize's `spans` option."""
+    if spans not in SPANS:
+        raise InputError(f"unknown spans option '{spans}', expected auto, on or off")
+    return spans
+
+
+def span_traces(info: TokensInfo, span: tuple[int, int], A: np.ndarray, chunk_size: int | None = None,
+                normalize: str = "none") -> tuple[np.ndarray, np.ndarray, Features]:
+    """The two partial traces of the canonical Gram of samples [lo, hi) in basis A (tokens X A):
+    sum w ||x_n||^2 s s^T (q x q) and sum w ||s||^2 x_n x_n^T (d x d) (mhla_cli.structure), and the
+    token Grams of the same pass (a Features without feature sums, for `Features.correction`).
+
+    A cheap pass: O(q^2) per sample instead of the Gram's O(psi^2).
+    """
+    acc = _Accumulator(info.d, False, A, causal=getattr(info, "per_position", False),
+                       normalize=check_normalize(normalize), traces=True)
+    _add_chunks(acc, info, span, chunk_size)
+    tp, tl = acc.traces  # type: ignore[misc]
+    return 0.5 * (tp + tp.T), 0.5 * (tl + tl.T), acc.result(info.dtype)
+
+
+def find_spans(info: TokensInfo, A: np.ndarray, span: tuple[int, int], chunk_size: int,
+               normalize: str = "none", spans: str = "auto"
+               ) -> tuple[tuple[np.ndarray, np.ndarray] | None, np.ndarray, int]:
+    """((E, F) bases of the data's spans in the canonical coordinates of the returned basis, or None:
+    accumulate every feature; the basis to accumulate in; the passes over the data spent).
+
+    The spans are read off partial traces in a basis that whitens the data to within
+    basis.CHANGE_COND (else the pass is redone in the whitening it measured, which is then returned):
+    in a badly scaled basis the traces' small directions would fall under the cut. "auto" first looks
+    at the fixed sample of `estimate_basis` (its spans are within the data's): when they already hold
+    more than SPANS_SHARE of the features, no pass is spent.
+    """
+    if check_spans(spans) == "off":
+        return None, A, 0
+    share = 1.0 if spans == "on" else SPANS_SHARE
+    psi = n_features(info.d)
+    if spans == "auto" and psi < SPANS_MIN_FEATURES:
+        return None, A, 0
+    if spans == "auto":
+        blocks = basis_mod.sample_blocks(info.n_samples, info.n_tokens)
+        tp, tl = np.zeros((psi // info.d, psi // info.d)), np.zeros((info.d, info.d))
+        for block in blocks:
+            a, b, _ = span_traces(info, block, A, chunk_size, normalize)
+            tp += a
+            tl += b
+        st = structure_mod.from_traces(tp, tl)
+        if not st.reduced or st.n > share * psi:
+            return None, A, 0
+    tp, tl, part = span_traces(info, span, A, chunk_size, normalize)
+    passes = 1
+    C, cond = part.correction()
+    if C is not None and cond > basis_mod.CHANGE_COND:
+        A = (part.basis @ C).astype(np.float32).astype(np.float64)
+        tp, tl, _ = span_traces(info, span, A, chunk_size, normalize)
+        passes = 2
+    st = structure_mod.from_traces(tp, tl)
+    if not st.reduced or st.n > share * psi:
+        return None, A, passes
+    return (np.ascontiguousarray(st.E), np.ascontiguousarray(st.F)), A, passes
+
+
+def _block(found: tuple[np.ndarray, np.ndarray] | None) -> int | None:
+    """Features of the block on the data's spans (None: all psi)."""
+    return None if found is None else int(found[0].shape[1] * found[1].shape[1])
 
 
 def _in_whitening(run: Callable[[np.ndarray], Features], A: np.ndarray) -> Features:
@@ -792,9 +930,16 @@ def solve_need(path: str | os.PathLike, ridge: float = 0.0, lowrank: bool = Fals
         with formats.open_input(path) as f:
             d = formats.read_attr_int(f, "d", path)
             n = formats.read_attr_int(f, "n_samples", path)
+            block = int(f["basis_gram"].shape[0]) if "span_pairs" in f and "basis_gram" in f else None
+        if block is not None and not lowrank:  # only the block on the data's spans is factorized
+            kind_b = "ridge" if ridge > 0 else ("cholesky" if n >= block else "eigh")
+            return d, lambda k: (block_solve_bytes(block, kind_b) if k == d
+                                 else solve_bytes(k, solve_kind(k, n, ridge, lowrank)))
         return d, lambda k: solve_bytes(k, solve_kind(k, n, ridge, lowrank))
     if kind == "tokens":
         info = inspect_tokens(path)
+        if n_features(info.d) >= SPANS_MIN_FEATURES and not lowrank:
+            return None  # featurize may find a block on the data's spans: it checks its pass itself
         n = info.n_tokens if info.per_position else info.n_samples
         pass_ = featurize_need(info, chunk_size, derive=False)
         return info.d, lambda k: max(pass_(k), solve_bytes(k, solve_kind(k, n, ridge, lowrank)))

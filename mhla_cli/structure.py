@@ -132,18 +132,22 @@ def _eig_desc(t: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 
 def find_structure(lam: np.ndarray, d: int) -> Structure:
-    """The spans of a canonical Gram `lam` (features of d-dimensional tokens), from its partial traces.
+    """The spans of a canonical Gram `lam` (features of d-dimensional tokens), from its partial traces."""
+    if lam.shape[0] == 0:
+        return Structure.identity(0, d)
+    return from_traces(*partial_traces(lam, d))
+
+
+def from_traces(tp: np.ndarray, tl: np.ndarray) -> Structure:
+    """The spans from the two partial traces (any common scale: sums or means).
 
     A direction is dropped when its partial-trace energy is at most psi eps lambda_max(lam) (bounded
     below by lambda_max(Tr) / (number of blocks summed)), the certificate's numerical tolerance
     (solve.numerical_tolerance): the features it spans have Rayleigh quotients the certificate already
     counts as zero, so dropping them changes no verdict. Exact nulls sit ~q times below that cut.
     """
-    psi = lam.shape[0]
-    q = psi // d
-    if psi == 0:
-        return Structure.identity(q, d)
-    tp, tl = partial_traces(lam, d)
+    q, d = tp.shape[0], tl.shape[0]
+    psi = q * d
     wp, pairs = _eig_desc(tp)
     wl, last = _eig_desc(tl)
     # lambda_max(lam) >= lambda_max(Tr_l lam) / d and >= lambda_max(Tr_s lam) / q
@@ -152,6 +156,15 @@ def find_structure(lam: np.ndarray, d: int) -> Structure:
     if a == q and b == d:
         return Structure.identity(q, d)  # nothing to drop: keep the canonical coordinates
     return Structure(pairs, last, a, b)
+
+
+def change(E: np.ndarray, F: np.ndarray, pair_map: np.ndarray, token_map: np.ndarray
+           ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Spans E, F under s -> pair_map s, x -> token_map x (a change of basis): (E', F', R1, R2) with
+    pair_map E = E' R1 and token_map F = F' R2 (QR); block coordinates change by R1 (x) R2."""
+    E2, R1 = np.linalg.qr(pair_map @ E)
+    F2, R2 = np.linalg.qr(token_map @ F)
+    return E2, F2, R1, R2
 
 
 def observed(st: Structure, pair_map: np.ndarray, token_map: np.ndarray) -> tuple[Structure, np.ndarray, np.ndarray]:

@@ -145,6 +145,7 @@ class Witness:
 
 def _null_direction(feats: Features, cert: Certificate) -> np.ndarray:
     """Unit v (psi,) in the certificate's null space (in feature coordinates) minimising v^T gram v."""
+    feats.expand()  # every feature (a block on the data's spans is expanded)
     null = np.asarray(cert.null_vectors, dtype=np.float64)
     psi = feats.n_features
     if cert.domain == "observed" and null.shape[0] != psi:
@@ -195,6 +196,7 @@ def _stats_terms(feats: Features, pa: np.ndarray, v: np.ndarray, u: np.ndarray) 
     <= gamma s_k s_l (s = sqrt(diag gram)), so v^T gram v is known to gamma (|v|.s)^2 (invariant
     under rescaling single features), and the cross term likewise.
     """
+    feats.expand()  # every feature (a block on the data's spans is expanded)
     G, M = feats.gram, feats.moments
     gamma = _gamma(feats)
     s = np.sqrt(np.maximum(np.diag(G), 0.0))
@@ -274,6 +276,7 @@ def make_witness(feats: Features, data: str | os.PathLike | None = None, cert: C
     a tokens file, otherwise taken from the statistics. Raises WitnessError when the witness fails
     its own verification.
     """
+    feats.expand()  # every feature (a block on the data's spans is expanded)
     if not feats.has_targets:
         raise InputError("a witness needs targets: the two models are compared by their training loss")
     cert = certify(feats) if cert is None else cert

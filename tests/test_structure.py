@@ -237,3 +237,118 @@ def test_all_zero_features_reduce_to_nothing() -> None:
     feats = chunk_features(np.zeros((9, 4)), np.array([0, 3, 6, 9]), np.zeros((3, 4)), 4)
     cert = certify(feats)
     assert not cert.identifiable and cert.rank == 0 and cert.lambda_max == 0.0
+
+
+# ------------------------------------------------------------------ featurize on the data's spans
+def _save(case: dict, path: Path) -> Path:
+    synthetic.Dataset(case["tokens"], case["offsets"], case["targets"], case.get("weights")).save(
+        path, dtype="float64", compression=None)
+    return path
+
+
+def _summary(feats, probes: Path | None = None) -> dict:
+    out = {}
+    for domain in ("full", "observed"):
+        c = certify(feats, domain=domain)
+        out[domain] = (c.identifiable, c.rank, c.n_features, c.lambda_min, c.lambda_max)
+    m = fit(feats)
+    out["fit"] = (m.info["rank"], m.info["identifiable"], m.info["train_mse"])
+    out["coef"] = m.coef
+    out["ridge"] = fit(feats, ridge=1e-3 * out["full"][4]).coef
+    if probes is not None:
+        out["probes"] = list(certify_probes(feats, probes).undetermined)
+    return out
+
+
+def _same(a: dict, b: dict) -> None:
+    for key in ("full", "observed"):
+        assert a[key][:3] == b[key][:3], (key, a[key], b[key])
+        lmax = b[key][4]
+        assert abs(a[key][3] - b[key][3]) <= 1e-10 * lmax and abs(a[key][4] - lmax) <= 1e-10 * lmax
+    assert a["fit"][:2] == b["fit"][:2]
+    assert abs(a["fit"][2] - b["fit"][2]) <= 1e-9 * max(b["fit"][2], 1e-12) + 1e-14
+    for key in ("coef", "ridge"):
+        assert ratio(a[key], b[key]) < 1e-7, key  # p carries cond(tokens)^3: the shift case has 1e-4
+    assert a.get("probes") == b.get("probes")
+
+
+@pytest.mark.parametrize("name", [n for n in _cases() if EXPECTED[n] is None or EXPECTED[n][0] * EXPECTED[n][1]
+                                  <= n_features(5) // 2])
+def test_featurize_on_the_spans_equals_the_full_statistics(name: str, tmp_path: Path,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    from mhla_cli import stream
+    from mhla_cli.stats import Features
+    from mhla_cli.stream import featurize
+
+    monkeypatch.setattr(stream, "SPANS_MIN_FEATURES", 0)  # "auto" at these small psi too
+
+    case = _cases()[name]
+    data = _save(case, tmp_path / "d.h5")
+    probes = tmp_path / "p.h5"
+    d = case["tokens"].shape[1]
+    rng = np.random.default_rng(5)
+    toks = [case["tokens"][case["offsets"][i]:case["offsets"][i + 1]] for i in range(8)]
+    toks += [rng.standard_normal((3, d)) for _ in range(4)]
+    with h5py.File(probes, "w") as f:
+        f["tokens"] = np.concatenate(toks)
+        f["offsets"] = np.concatenate([[0], np.cumsum([len(t) for t in toks])])
+    full = featurize(data, spans="off")
+    assert not full.reduced
+    want = _summary(full, probes)
+    for spans, chunk in (("auto", None), ("on", 7)):
+        red = featurize(data, spans=spans, chunk_size=chunk)
+        assert red.reduced and red.basis_gram.shape[0] < n_features(d)
+        _same(_summary(red, probes), want)
+    red = featurize(data, spans="on")
+    red.save(tmp_path / "f.h5")
+    back = Features.load(tmp_path / "f.h5")
+    assert back.reduced
+    with h5py.File(tmp_path / "f.h5") as f:
+        assert "gram" not in f and "span_pairs" in f
+    _same(_summary(back, probes), want)
+    # every feature back from the block: the full sums, exactly
+    back.expand()
+    full.canonical()
+    back.to_basis(full.basis)
+    assert np.abs(back.basis_gram - full.basis_gram).max() <= 1e-10 * np.abs(full.basis_gram).max()
+    assert np.abs(back.gram - full.gram).max() <= 1e-9 * np.abs(full.gram).max()
+
+
+def test_featurize_spans_with_workers_shards_and_a_redone_pass(tmp_path: Path) -> None:
+    from mhla_cli import basis
+    from mhla_cli.stream import featurize
+
+    # tokens in a 3-d subspace of R^5, and a distribution shift the basis estimate's sample misses
+    rng = np.random.default_rng(2)
+    d, N, n = 5, 30000, 10  # more tokens than the estimate's sample (basis.SAMPLE_TOKENS)
+    Z = rng.standard_normal((N * n, 3))
+    in_sample = np.zeros(N, dtype=bool)
+    for a, b in basis.sample_blocks(N, N * n):
+        in_sample[a:b] = True
+    Z[np.repeat(in_sample, n), 2] *= 1e-4
+    tokens = Z @ rng.standard_normal((3, d))
+    offsets = np.arange(0, N * n + 1, n)
+    targets = rng.standard_normal((N, d))
+    data = _save({"tokens": tokens, "offsets": offsets, "targets": targets}, tmp_path / "d.h5")
+    want = _summary(featurize(data, spans="off"))
+    red = featurize(data, spans="on")
+    # the spans were found in the whitening of all the tokens (the span pass redone), not in the estimate
+    assert red.reduced and red.basis_gram.shape[0] == 18
+    assert red.extra_attrs["span_passes"] == 2 and red.extra_attrs["basis_passes"] == 1
+    _same(_summary(red), want)
+    _same(_summary(featurize(data, spans="on", workers=2, chunk_size=5000)), want)
+    parts = [featurize(data, spans="on", shard=(i, 3)) for i in range(3)]
+    total = parts[0] + parts[1] + parts[2]
+    _same(_summary(total), want)
+
+
+def test_spans_option_is_validated(tmp_path: Path) -> None:
+    from mhla_cli.errors import InputError
+    from mhla_cli.stream import featurize
+
+    data = _save(_cases()["one-hot tokens"], tmp_path / "d.h5")
+    with pytest.raises(InputError, match="spans"):
+        featurize(data, spans="sometimes")
+    assert not featurize(data).reduced  # psi = 75 < SPANS_MIN_FEATURES: every feature, as before
+    assert featurize(data, spans="on").reduced
+    assert not featurize(_save(_cases()["dense gaussian (nothing reduced)"], tmp_path / "g.h5"), spans="on").reduced

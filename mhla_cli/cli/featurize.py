@@ -12,7 +12,7 @@ from ..errors import InputError
 from ..features import check_normalize
 from ..folds import featurize_folds, save_with_folds
 from ..merge import merge_features
-from ..stream import featurize, shard_span
+from ..stream import check_spans, featurize, shard_span
 from ..tokens import inspect_tokens
 from .console import emit_json, fmt, progress_bar, say, warn
 from .options import ChunkOpt, JsonOpt, NormalizeOpt, OutOpt, QuietOpt, parse_shard
@@ -31,6 +31,9 @@ def featurize_cmd(
                                                   "(tcp://host:8786), a scheduler file (.json), or local / local:K "
                                                   "(needs the dask extra).")] = None,
     normalize: NormalizeOpt = None,
+    spans: Annotated[str, typer.Option("--spans", help="Accumulate only the features on the data's spans "
+                                       "span{S_i} (x) span{x_n} (the rest are exact nulls): auto (psi >= 2048 and "
+                                       "they hold at most half the features; a cheap first pass finds them), on, off.")] = "auto",
     json_out: JsonOpt = False,
     quiet: QuietOpt = False,
 ) -> None:
@@ -41,6 +44,11 @@ def featurize_cmd(
 
     Memory is O(chunk + psi^2) whatever N is. For job arrays, run one --shard i/M per job and sum
     the parts with `mhla merge`.
+
+    Structured tokens (one-hot, DFA / Turing-machine traces) leave most features outside the data's
+    spans; featurize then finds the spans in a cheap first pass and accumulates only the block on
+    them (--spans), so memory and time go with the block, not psi. certify, fit and certify --on
+    use the block directly; commands that need every feature expand it.
 
     Example: mhla featurize data.h5 -o feats.h5 --workers 4
     Example (job array): mhla featurize data.h5 --shard 3/8 -o part_3.h5 && mhla merge part_*.h5 -o feats.h5
@@ -59,7 +67,8 @@ def featurize_cmd(
                 raise InputError("--folds and --shard cannot be combined")
             feats, fold_feats = featurize_folds(data, folds, chunk_size=chunk_size, progress=advance, **parallel)
         else:
-            feats = featurize(data, chunk_size=chunk_size, shard=shard_t, progress=advance, **parallel)
+            feats = featurize(data, chunk_size=chunk_size, shard=shard_t, progress=advance, spans=check_spans(spans),
+                              **parallel)
     if folds is not None:
         save_with_folds(feats, fold_feats, output, inputs=(data,))
     else:
@@ -74,8 +83,14 @@ def featurize_cmd(
         say(f"  the basis estimated from a sample of the file did not whiten all its tokens (correction cond "
             f"{fmt(feats.extra_attrs['basis_correction_cond'])}): the pass was redone in the whitening of all "
             "the tokens", quiet)
+    block = feats.basis_gram.shape[0] if feats.reduced else psi
+    if feats.reduced:
+        say(f"  only the block on the data's spans was accumulated: {block} of {psi} features (the S matrices span "
+            f"{feats.span_pairs.shape[1]} of {psi // feats.d} dimensions, the last tokens {feats.span_last.shape[1]} "
+            f"of {feats.d}; the other features are exact nulls; --spans off keeps them all)", quiet)
     if json_out:
-        emit_json({"output": str(output), "d": feats.d, "n_features": psi, "n_samples": feats.n_samples,
+        emit_json({"output": str(output), "d": feats.d, "n_features": psi, "span_features": block,
+                   "span_passes": int(feats.extra_attrs.get("span_passes", 0)), "n_samples": feats.n_samples,
                    "n_tokens": feats.n_tokens, "has_targets": feats.has_targets,
                    "per_position": feats.per_position, "normalize": feats.normalize,
                    "n_sequences": feats.n_sequences, "basis_passes": passes,

@@ -36,6 +36,7 @@ def _solve_psd(A: np.ndarray, b: np.ndarray) -> np.ndarray:
 def _als_lm(feats: Features, Vm: np.ndarray, Qm: np.ndarray, wd: float, als_sweeps: int,
             max_iter: int, tol: float) -> tuple[np.ndarray, np.ndarray, float, int, dict[str, Any]]:
     """ALS sweeps (exact block solves, normal equations from gram/moments) then Levenberg-Marquardt."""
+    feats.expand()  # every feature (a block on the data's spans is expanded)
     H, dd = Vm.shape
     d = int(round(np.sqrt(dd)))
     nblk = H * dd

@@ -32,6 +32,7 @@ def _lipschitz(G: np.ndarray, d: int, iters: int = 40) -> float:
 
 def nuclear_lambda_max(feats: Features) -> float:
     """The smallest LAMBDA for which W = 0 is optimal: ||grad at 0||_2 = (2/N) ||A^T M^T||_2."""
+    feats.expand()  # every feature (a block on the data's spans is expanded)
     _need_targets(feats)
     G0 = (2.0 / feats.n_samples) * p_adjoint(feats.moments.T)
     return float(np.linalg.norm(G0, 2))
@@ -46,6 +47,7 @@ def fit_nuclear(feats: Features, lam: float, max_iter: int = 5000, tol: float = 
     (||A||^2 = 2); L from a power iteration (+5 %, capped by the bound); step 1/L, momentum with the gradient-based adaptive restart (O'Donoghue & Candes 2015).
     Stops when ||W_{k+1} - W_k|| <= tol ||W_k||.
     """
+    feats.expand()  # every feature (a block on the data's spans is expanded)
     _need_targets(feats)
     if lam < 0 or not np.isfinite(lam):
         raise InputError(f"the nuclear-norm weight must be a finite number >= 0, got {lam}")
