@@ -49,15 +49,17 @@ class Factorization:
         self.n = int(lam.shape[0])
         self.n_full = self.n if n_full is None else int(n_full)
         self.structure: Any = None  # mhla_cli.structure.Structure of the block, set by solve.factorize
-        self._w: np.ndarray | None = None  # eigvalsh
-        self._we: np.ndarray | None = None  # eigh: values and vectors
-        self._v: np.ndarray | None = None
-        self._chol: Any = None
-        self._chol_tried = False
-        self._lmax: float | None = None
-        self._lmin: float | None = None
-        self._null: dict[float, tuple[np.ndarray, np.ndarray]] = {}  # threshold -> eigenpairs <= it
-        self.seconds: dict[str, float] = {}  # wall time of each decomposition computed
+        self._c = _Cache()  # the decompositions, shared by `share`
+        self.seconds = self._c.seconds  # wall time of each decomposition computed
+
+    def share(self, n_full: int, structure: Any) -> Factorization:
+        """The same block (and its decompositions, computed once) inside another domain of n_full
+        features, whose coordinates `structure` maps it to (an orthogonal change of the block's)."""
+        out = Factorization(self.lam, n_full)
+        out.structure = structure
+        out._c = self._c
+        out.seconds = self._c.seconds
+        return out
 
     @contextmanager
     def _timed(self, what: str) -> Iterator[None]:
@@ -65,7 +67,7 @@ class Factorization:
         try:
             yield
         finally:
-            self.seconds[what] = self.seconds.get(what, 0.0) + time.perf_counter() - t
+            self._c.seconds[what] = self._c.seconds.get(what, 0.0) + time.perf_counter() - t
 
     @property
     def dense(self) -> bool:
@@ -74,16 +76,16 @@ class Factorization:
 
     def eigenvalues(self) -> np.ndarray:
         """Every eigenvalue, ascending: eigvalsh, computed once (those of `eigh` if it came first)."""
-        if self._w is None:
-            if self._we is not None:
-                return self._we
+        if self._c._w is None:
+            if self._c._we is not None:
+                return self._c._we
             with self._timed("eigenvalues"):
-                self._w = _scipy_linalg().eigh(self.lam, eigvals_only=True, check_finite=False)
-        return self._w
+                self._c._w = _scipy_linalg().eigh(self.lam, eigvals_only=True, check_finite=False)
+        return self._c._w
 
     def known_eigenvalues(self) -> np.ndarray | None:
         """The block's eigenvalues if they are computed anyway (dense path) or were (eigh), else None."""
-        return self.eigenvalues() if self.dense or self._we is not None else None
+        return self.eigenvalues() if self.dense or self._c._we is not None else None
 
     def full_eigenvalues(self) -> np.ndarray | None:
         """`known_eigenvalues` with the n_full - n exact zeros outside the block, ascending."""
@@ -94,24 +96,29 @@ class Factorization:
 
     def eigh(self) -> tuple[np.ndarray, np.ndarray]:
         """Eigenvalues and orthonormal eigenvectors (computed once)."""
-        if self._v is None:
+        if self._c._v is None:
             with self._timed("eigenvectors"):
-                self._we, self._v = _scipy_linalg().eigh(self.lam, check_finite=False)
-        return self._we, self._v  # type: ignore[return-value]
+                self._c._we, self._c._v = _scipy_linalg().eigh(self.lam, check_finite=False)
+        return self._c._we, self._c._v  # type: ignore[return-value]
 
     def null_space(self, threshold: float) -> tuple[np.ndarray, np.ndarray]:
         """The eigenpairs with eigenvalue <= threshold (ascending): LAPACK's selected eigenvectors
-        (dsyevr over (-inf, threshold]: the tridiagonal reduction and only those vectors, not all)."""
-        if self._v is not None:
-            keep = self._we <= threshold
-            return self._we[keep], self._v[:, keep]
-        if threshold not in self._null:
-            if self.n == 0:
-                return np.zeros(0), np.zeros((0, 0))
-            with self._timed("null space"):
-                w, v = _scipy_linalg().eigh(self.lam, subset_by_value=(-np.inf, threshold), check_finite=False)
-            self._null[threshold] = (w, v)
-        return self._null[threshold]
+        (dsyevr over (-inf, threshold]: the tridiagonal reduction and only those vectors, not all).
+        A smaller threshold than one computed before is served from it."""
+        if self._c._v is not None:
+            keep = self._c._we <= threshold
+            return self._c._we[keep], self._c._v[:, keep]
+        if self.n == 0:
+            return np.zeros(0), np.zeros((0, 0))
+        done = [t for t in self._c._null if t >= threshold]
+        if done:
+            w, v = self._c._null[min(done)]
+            keep = w <= threshold
+            return w[keep], v[:, keep]
+        with self._timed("null space"):
+            w, v = _scipy_linalg().eigh(self.lam, subset_by_value=(-np.inf, threshold), check_finite=False)
+        self._c._null[threshold] = (w, v)
+        return w, v
 
     def pinv_solve(self, rhs: np.ndarray, tol: float) -> np.ndarray:
         """The minimum-norm least-squares solution of lam x = rhs with eigenvalues <= tol dropped
@@ -134,27 +141,27 @@ class Factorization:
         return v[:, keep] @ ((v[:, keep].T @ rhs) / w[keep][:, None])
 
     def lambda_max(self) -> float:
-        if self._lmax is None:
-            if self.dense or self._we is not None:
-                self._lmax = float(self.eigenvalues()[-1]) if self.n else 0.0
+        if self._c._lmax is None:
+            if self.dense or self._c._we is not None:
+                self._c._lmax = float(self.eigenvalues()[-1]) if self.n else 0.0
             else:
                 with self._timed("lanczos"):
-                    self._lmax = _lanczos_top(lambda x: self.lam @ x, self.n)
-        return self._lmax
+                    self._c._lmax = _lanczos_top(lambda x: self.lam @ x, self.n)
+        return self._c._lmax
 
     def cholesky(self) -> Any:
         """The Cholesky factor (scipy cho_factor) of lam, or None when lam is not numerically PD."""
-        if not self._chol_tried:
-            self._chol_tried = True
+        if not self._c._chol_tried:
+            self._c._chol_tried = True
             sl = _scipy_linalg()
             with self._timed("cholesky"):
                 try:
-                    self._chol = sl.cho_factor(self.lam, lower=True, check_finite=False)
+                    self._c._chol = sl.cho_factor(self.lam, lower=True, check_finite=False)
                 except sl.LinAlgError:
-                    self._chol = None
-            if self._chol is not None and not np.isfinite(self._chol[0].diagonal()).all():
-                self._chol = None
-        return self._chol
+                    self._c._chol = None
+            if self._c._chol is not None and not np.isfinite(self._c._chol[0].diagonal()).all():
+                self._c._chol = None
+        return self._c._chol
 
     def lambda_min(self) -> float:
         """The smallest eigenvalue of the full matrix: 0 when the block is smaller, else `block_lambda_min`."""
@@ -162,17 +169,17 @@ class Factorization:
 
     def block_lambda_min(self) -> float:
         """The block's smallest eigenvalue: dense, or Lanczos on lam^-1 through the Cholesky factor, or eigh."""
-        if self._lmin is None:
-            if self.dense or self._we is not None:
-                self._lmin = float(self.eigenvalues()[0]) if self.n else 0.0
+        if self._c._lmin is None:
+            if self.dense or self._c._we is not None:
+                self._c._lmin = float(self.eigenvalues()[0]) if self.n else 0.0
             elif self.cholesky() is not None:
-                sl, c = _scipy_linalg(), self._chol
+                sl, c = _scipy_linalg(), self._c._chol
                 with self._timed("lanczos"):
                     top = _lanczos_top(lambda x: sl.cho_solve(c, x, check_finite=False), self.n)
-                self._lmin = 1.0 / top if top > 0 else float(self.eigh()[0][0])
+                self._c._lmin = 1.0 / top if top > 0 else float(self.eigh()[0][0])
             else:
-                self._lmin = float(self.eigh()[0][0])
-        return self._lmin
+                self._c._lmin = float(self.eigh()[0][0])
+        return self._c._lmin
 
     def rank(self, tol: float) -> int:
         """Eigenvalues above `tol` (none outside the block): all of the block's when its lambda_min > tol,
@@ -188,6 +195,21 @@ class Factorization:
         if c is None:
             return None
         return _scipy_linalg().cho_solve(c, rhs, check_finite=False)
+
+
+class _Cache:
+    """The decompositions of one matrix, computed lazily (Factorization)."""
+
+    def __init__(self) -> None:
+        self._w: np.ndarray | None = None  # eigvalsh
+        self._we: np.ndarray | None = None  # eigh: values and vectors
+        self._v: np.ndarray | None = None
+        self._chol: Any = None
+        self._chol_tried = False
+        self._lmax: float | None = None
+        self._lmin: float | None = None
+        self._null: dict[float, tuple[np.ndarray, np.ndarray]] = {}  # threshold -> eigenpairs <= it
+        self.seconds: dict[str, float] = {}
 
 
 def _lanczos_top(matvec: Any, n: int) -> float:

@@ -141,11 +141,24 @@ def factorize(feats: Features, domain: str = "full") -> Factorization:
         if B.shape[1] == d and C.shape[1] == d:
             cache[domain] = full  # U = U_n = R^d: the observed domain is the full one
         else:
-            st_o, R1, R2 = structure_mod.observed(full.structure, orth_pair_map(B), C.T)
-            fac = Factorization(kron_congruence(R1, R2, full.lam), st_o.n_full)
-            fac.structure = st_o
-            cache[domain] = fac
+            pm, tm = orth_pair_map(B), C.T
+            st_o, R1, R2 = structure_mod.observed(full.structure, pm, tm)
+            if _orthogonal(R1) and _orthogonal(R2):
+                # the spans lie in the observed domain isometrically: the same block, in the coordinates
+                # (P_B E) (x) (C^T F); its decompositions are shared with the full domain's
+                st_o = structure_mod.Structure(_complete(pm @ full.structure.E), _complete(tm @ full.structure.F),
+                                               full.structure.a, full.structure.b)
+                cache[domain] = full.share(st_o.n_full, st_o)
+            else:
+                fac = Factorization(kron_congruence(R1, R2, full.lam), st_o.n_full)
+                fac.structure = st_o
+                cache[domain] = fac
     return cache[domain]
+
+
+def _orthogonal(R: np.ndarray) -> bool:
+    """R is square and orthogonal to 1e-12."""
+    return R.shape[0] == R.shape[1] and float(np.abs(R.T @ R - np.eye(R.shape[0])).max(initial=0.0)) <= 1e-12
 
 
 def _complete(E: np.ndarray) -> np.ndarray:
