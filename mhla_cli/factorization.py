@@ -85,7 +85,8 @@ class Factorization:
 
     def known_eigenvalues(self) -> np.ndarray | None:
         """The block's eigenvalues if they are computed anyway (dense path) or were (eigh), else None."""
-        return self.eigenvalues() if self.dense or self._c._we is not None else None
+        known = self.dense or self._c._we is not None or self._c._w is not None
+        return self.eigenvalues() if known else None
 
     def full_eigenvalues(self) -> np.ndarray | None:
         """`known_eigenvalues` with the n_full - n exact zeros outside the block, ascending."""
@@ -176,9 +177,10 @@ class Factorization:
                 sl, c = _scipy_linalg(), self._c._chol
                 with self._timed("lanczos"):
                     top = _lanczos_top(lambda x: sl.cho_solve(c, x, check_finite=False), self.n)
-                self._c._lmin = 1.0 / top if top > 0 else float(self.eigh()[0][0])
+                self._c._lmin = 1.0 / top if top > 0 else float(self.eigenvalues()[0])
             else:
-                self._c._lmin = float(self.eigh()[0][0])
+                # not positive definite: the eigenvalues (~4/3 n^3; the vectors, ~9 n^3, only if needed)
+                self._c._lmin = float(self.eigenvalues()[0])
         return self._c._lmin
 
     def rank(self, tol: float) -> int:

@@ -27,7 +27,9 @@ SLACK_BYTES = 64 * 2**20
 # "cholesky": Lambda~ = basis_gram / N and its Cholesky factor (an identifiable certificate, a fit);
 # "eigh": Lambda~, the eigensolver's copy and its eigenvectors, then the null space (N < psi:
 # certainly singular) or a ridge system (Lambda~ + l I and its factor); "lowrank": the own gram too.
-SOLVE_COPIES = {"cholesky": 2, "eigh": 4, "ridge": 4, "lowrank": 4}
+# Measured at d = 24 (psi = 7200; peak RSS less the ~82 MiB of a bare process): certify / fit 3.1 /
+# 3.1 copies in all (N = 9000), 4.9 / 5.4 (N = 5000 < psi), fit --ridge 5.1.
+SOLVE_COPIES = {"cholesky": 2, "eigh": 4, "fit-eigh": 4.5, "ridge": 4, "lowrank": 4}
 
 
 def matrix_bytes(d: int) -> int:
@@ -66,21 +68,25 @@ def load_bytes(d: int) -> int:
 
 def solve_bytes(d: int, kind: str = "cholesky") -> int:
     """Peak of certify / fit on loaded statistics: basis_gram and the factorization's matrices."""
-    return (1 + SOLVE_COPIES[kind]) * matrix_bytes(d) + SLACK_BYTES
+    return int((1 + SOLVE_COPIES[kind]) * matrix_bytes(d)) + SLACK_BYTES
 
 
 def block_solve_bytes(n: int, kind: str = "cholesky") -> int:
     """`solve_bytes` of statistics holding only a block of n features (the data's spans)."""
-    return (1 + SOLVE_COPIES[kind]) * 8 * n * n + SLACK_BYTES
+    return int((1 + SOLVE_COPIES[kind]) * 8 * n * n) + SLACK_BYTES
 
 
-def solve_kind(d: int, n_samples: int, ridge: float = 0.0, lowrank: bool = False) -> str:
-    """Which solve a job will run, as far as is known before the work (N < psi: singular for sure)."""
+def solve_kind(d: int, n_samples: int, ridge: float = 0.0, lowrank: bool = False, command: str = "certify",
+               n: int | None = None) -> str:
+    """Which solve a job will run, as far as is known before the work (N < n features: singular for
+    sure); `n` the features factorized (default psi)."""
     if lowrank:
         return "lowrank"
     if ridge > 0:
         return "ridge"
-    return "cholesky" if n_samples >= n_features(d) else "eigh"
+    if n_samples >= (n_features(d) if n is None else n):
+        return "cholesky"
+    return "fit-eigh" if command == "fit" else "eigh"
 
 
 def check_memory(d: int, budget_bytes: int | None = None, copies: int = 1,

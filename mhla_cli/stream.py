@@ -922,9 +922,9 @@ def shard_range(n: int, i: int, m: int) -> tuple[int, int]:
 
 
 def solve_need(path: str | os.PathLike, ridge: float = 0.0, lowrank: bool = False,
-               chunk_size: int | None = None) -> tuple[int, Callable[[int], int]] | None:
-    """(d, need(d)): the peak bytes of certifying / fitting the statistics of a features or tokens
-    file (a tokens file is featurized first), for memory.check_memory; None for other kinds."""
+               chunk_size: int | None = None, command: str = "certify") -> tuple[int, Callable[[int], int]] | None:
+    """(d, need(d)): the peak bytes of certifying / fitting (`command`) the statistics of a features or
+    tokens file (a tokens file is featurized first), for memory.check_memory; None for other kinds."""
     kind = formats.kind_of(path)
     if kind == "features":
         with formats.open_input(path) as f:
@@ -932,24 +932,24 @@ def solve_need(path: str | os.PathLike, ridge: float = 0.0, lowrank: bool = Fals
             n = formats.read_attr_int(f, "n_samples", path)
             block = int(f["basis_gram"].shape[0]) if "span_pairs" in f and "basis_gram" in f else None
         if block is not None and not lowrank:  # only the block on the data's spans is factorized
-            kind_b = "ridge" if ridge > 0 else ("cholesky" if n >= block else "eigh")
+            kind_b = solve_kind(d, n, ridge, lowrank, command, n=block)
             return d, lambda k: (block_solve_bytes(block, kind_b) if k == d
-                                 else solve_bytes(k, solve_kind(k, n, ridge, lowrank)))
-        return d, lambda k: solve_bytes(k, solve_kind(k, n, ridge, lowrank))
+                                 else solve_bytes(k, solve_kind(k, n, ridge, lowrank, command)))
+        return d, lambda k: solve_bytes(k, solve_kind(k, n, ridge, lowrank, command))
     if kind == "tokens":
         info = inspect_tokens(path)
         if n_features(info.d) >= SPANS_MIN_FEATURES and not lowrank:
             return None  # featurize may find a block on the data's spans: it checks its pass itself
         n = info.n_tokens if info.per_position else info.n_samples
         pass_ = featurize_need(info, chunk_size, derive=False)
-        return info.d, lambda k: max(pass_(k), solve_bytes(k, solve_kind(k, n, ridge, lowrank)))
+        return info.d, lambda k: max(pass_(k), solve_bytes(k, solve_kind(k, n, ridge, lowrank, command)))
     return None
 
 
 def check_solve_memory(path: str | os.PathLike, what: str, ridge: float = 0.0, lowrank: bool = False,
                        chunk_size: int | None = None) -> None:
     """Refuse before any work a certify / fit of `path` that cannot fit in memory (`solve_need`)."""
-    job = solve_need(path, ridge, lowrank, chunk_size)
+    job = solve_need(path, ridge, lowrank, chunk_size, command=what)
     if job is not None:
         check_memory(job[0], path=path, need=job[1], what=what)
 
