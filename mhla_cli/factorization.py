@@ -109,8 +109,9 @@ class Factorization:
         if self._c._v is not None:
             keep = self._c._we <= threshold
             return self._c._we[keep], self._c._v[:, keep]
-        if self.n == 0:
-            return np.zeros(0), np.zeros((0, 0))
+        if self.n == 0 or (self._c._lmin is not None and self._c._lmin > threshold) or (
+                self._c._w is not None and self._c._w[0] > threshold):
+            return np.zeros(0), np.zeros((self.n, 0))  # the block is positive definite beyond threshold
         done = [t for t in self._c._null if t >= threshold]
         if done:
             w, v = self._c._null[min(done)]
