@@ -28,7 +28,8 @@ Second table: autonomous DFAs (one-letter alphabet, q_{t+1} = f(q_t)) embedded s
 IS the next token (table e_state(q) + e_next(f(q)), trace e_state(q_t), d = 2Q): there the closed
 loop is `mhla rollout --snap` with the codebook of e_state rows, run from prompts table + e_state(0).
 
-    python experiments/dfa_executor.py            # full run
+    python experiments/dfa_executor.py            # full run (up to Q = S = 5)
+    python experiments/dfa_executor.py --large    # ... and Q = S = 6 (d = 42, psi = 37926)
     python experiments/dfa_executor.py --quick    # Q=3, S=2 only, two training sizes
 
 Equivalent CLI for one point (files written by the script to experiments/out/dfa_*.h5):
@@ -41,6 +42,7 @@ Equivalent CLI for one point (files written by the script to experiments/out/dfa
 from __future__ import annotations
 
 import argparse
+import resource
 import shutil
 import tempfile
 import time
@@ -197,7 +199,9 @@ def run_point(Q: int, S: int, n_train: int, L: int, n_test: int, seed: int, work
         "train": position_metrics(tr["outputs"], train, Q, S), "train_mse": tr.get("mse"),
         "heldout": position_metrics(te["outputs"], test, Q, S), "heldout_mse": te.get("mse"),
         "closed_loop": loop,
-        "cert_full": {"identifiable": cert_full.identifiable, "rank": cert_full.rank, "n_features": cert_full.n_features},
+        "cert_full": {"identifiable": cert_full.identifiable, "rank": cert_full.rank, "n_features": cert_full.n_features,
+                      "span_features": cert_full.span_features},
+        "reduced": bool(feats.reduced),
         "cert_observed": {"identifiable": cert_obs.identifiable, "rank": cert_obs.rank,
                           "n_features": cert_obs.n_features},
         "probes": {"n_probes": probes.n_probes, "n_undetermined": int(probes.undetermined.size),
@@ -303,13 +307,15 @@ def table(results: list[dict[str, Any]]) -> str:
 
 
 def cost_table(results: list[dict[str, Any]]) -> str:
-    header = ["Q", "S", "d", "psi", "gram (MiB)", "N", "featurize (s)", "certify full+obs (s)", "fit (s)",
-              "certify --on (s)", "closed loop (s)"]
+    header = ["Q", "S", "d", "psi", "span features (block)", "block (MiB)", "N", "featurize (s)",
+              "certify full+obs (s)", "fit (s)", "certify --on (s)", "closed loop (s)", "total (s)"]
     rows = []
     for r in results:
         s = r["seconds"]
-        rows.append([r["Q"], r["S"], r["d"], r["psi"], fmt(r["gram_mib"]), r["n_train"], fmt(s["featurize"]),
-                     fmt(s["certify"]), fmt(s["fit"]), fmt(s["probes"]), fmt(s["closed_loop"])])
+        n = r["cert_full"]["span_features"]
+        rows.append([r["Q"], r["S"], r["d"], r["psi"], f"{n}{'' if r['reduced'] else ' (all stored)'}",
+                     fmt(n * n * 8 / 2**20), r["n_train"], fmt(s["featurize"]), fmt(s["certify"]), fmt(s["fit"]),
+                     fmt(s["probes"]), fmt(s["closed_loop"]), fmt(sum(s.values()))])
     return markdown_table(header, rows)
 
 
@@ -362,6 +368,8 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--point", type=int, nargs=3, metavar=("Q", "S", "N"), action="append",
                     help="run only these points (repeatable), e.g. --point 4 4 320")
+    ap.add_argument("--large", action="store_true",
+                    help="also Q = S = 6 (d = 42, psi = 37926) at N = 1000 and 3000 (minutes)")
     args = ap.parse_args()
     limit_threads(1)
     L, n_test = 6, 30
@@ -370,7 +378,10 @@ def main() -> None:
     elif args.quick:
         grid = [(3, 2, (20, 80))]
     else:
-        grid = [(3, 2, (10, 20, 40, 80, 160)), (3, 3, (20, 40, 80, 160)), (4, 3, (80, 160, 320))]
+        grid = [(3, 2, (10, 20, 40, 80, 160)), (3, 3, (20, 40, 80, 160)), (4, 3, (80, 160, 320)),
+                (4, 4, (320,)), (5, 4, (400, 800)), (5, 5, (500, 1000))]
+        if args.large:
+            grid.append((6, 6, (1000, 3000)))
     results = []
     with tempfile.TemporaryDirectory() as tmp:
         for Q, S, ns in grid:
@@ -378,9 +389,10 @@ def main() -> None:
                 keep = (Q, S, n) == (3, 2, 80)
                 r = run_point(Q, S, n, L, n_test, args.seed, Path(tmp), keep_files=keep)
                 results.append(r)
+                r["peak_rss_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # so far
                 print(f"# Q={Q} S={S} N={n}: held-out acc {r['heldout']['accuracy']:.3f}, "
                       f"undetermined {r['probes']['n_undetermined']}/{r['probes']['n_probes']}, "
-                      f"{sum(r['seconds'].values()):.1f} s", flush=True)
+                      f"{sum(r['seconds'].values()):.1f} s, peak RSS so far {r['peak_rss_mib']:.0f} MiB", flush=True)
     auto_grid = [] if args.point else [(3, (5, 20))] if args.quick else [(3, (5, 10, 20, 40)), (5, (20, 40, 80, 160))]
     auto = []
     with tempfile.TemporaryDirectory() as tmp:
