@@ -38,6 +38,7 @@ def test_needs_count_psi_by_psi_matrices() -> None:
     # certify / fit: at most 3 psi x psi matrices for identifiable data (the acceptance of issue 15)
     assert memory.solve_bytes(d, memory.solve_kind(d, psi)) == 3 * mat + memory.SLACK_BYTES
     assert memory.solve_kind(d, psi - 1) == "eigh"  # N < psi: singular for sure
+    assert memory.solve_bytes(d, memory.solve_kind(d, psi - 1, command="fit")) > memory.solve_bytes(d, "eigh")
     assert memory.solve_kind(d, psi, ridge=0.1) == "ridge"
     assert memory.solve_bytes(d, "eigh") > memory.solve_bytes(d, "cholesky")
 
@@ -80,7 +81,7 @@ def test_refused_before_any_work(command: str, files: tuple[Path, Path], tmp_pat
     info = stream.inspect_tokens(tokens)
     source, need = {"featurize": (tokens, stream.featurize_need(info)),
                     "certify": (feats, stream.solve_need(feats)[1]),
-                    "fit": (feats, stream.solve_need(feats)[1])}[command]
+                    "fit": (feats, stream.solve_need(feats, command="fit")[1])}[command]
     monkeypatch.setattr(memory, "_available_memory", lambda: need(2) + 1)  # room for d = 2 only
     _no_work(monkeypatch)
     argv = {"featurize": ["featurize", str(tokens), "-o", str(out)], "certify": ["certify", str(feats)],

@@ -171,7 +171,7 @@ def test_featurize_and_fit_refuse_a_d_that_does_not_fit(data: Path, serial: Feat
     serial.save(feats)
     info = stream.inspect_tokens(data)
     for args, need in ((["featurize", str(data), "-o", str(tmp_path / "f.h5")], stream.featurize_need(info)),
-                       (["fit", str(feats), "-o", str(tmp_path / "m.h5")], stream.solve_need(feats)[1]),
+                       (["fit", str(feats), "-o", str(tmp_path / "m.h5")], stream.solve_need(feats, command="fit")[1]),
                        (["certify", str(data)], stream.solve_need(data)[1])):
         budget = need(2) + 1  # d = 3 data, room for d = 2 only
         monkeypatch.setattr(memory, "_available_memory", lambda budget=budget: budget)
