@@ -16,6 +16,7 @@ cached on the Features object, which computes only what is asked, once:
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -132,7 +133,7 @@ class Factorization:
         with self._timed("solve"):
             try:
                 shifted = self.lam + c * (N @ N.T)
-                x = sl.cho_solve(sl.cho_factor(shifted, lower=True, overwrite_a=True, check_finite=False), rhs,
+                x = sl.cho_solve(cholesky(shifted, overwrite_a=True), rhs,
                                  check_finite=False)
                 del shifted
                 return x - N @ (N.T @ x)
@@ -158,7 +159,7 @@ class Factorization:
             sl = _scipy_linalg()
             with self._timed("cholesky"):
                 try:
-                    self._c._chol = sl.cho_factor(self.lam, lower=True, check_finite=False)
+                    self._c._chol = cholesky(self.lam)
                 except sl.LinAlgError:
                     self._c._chol = None
             if self._c._chol is not None and not np.isfinite(self._c._chol[0].diagonal()).all():
@@ -178,10 +179,12 @@ class Factorization:
                 sl, c = _scipy_linalg(), self._c._chol
                 with self._timed("lanczos"):
                     top = _lanczos_top(lambda x: sl.cho_solve(c, x, check_finite=False), self.n)
-                self._c._lmin = 1.0 / top if top > 0 else float(self.eigenvalues()[0])
+                self._c._lmin = 1.0 / top if top > 0 else float(self.eigh()[0][0])
             else:
-                # not positive definite: the eigenvalues (~4/3 n^3; the vectors, ~9 n^3, only if needed)
-                self._c._lmin = float(self.eigenvalues()[0])
+                # not positive definite: the null space will be wanted too, and one eigh with vectors
+                # (divide and conquer) costs less than the eigenvalues and then the selected vectors
+                # (measured at n = 3150, 1 thread: 5.4 s against 3.0 + 3.7 s)
+                self._c._lmin = float(self.eigh()[0][0])
         return self._c._lmin
 
     def rank(self, tol: float) -> int:
@@ -198,6 +201,28 @@ class Factorization:
         if c is None:
             return None
         return _scipy_linalg().cho_solve(c, rhs, check_finite=False)
+
+
+# OpenBLAS's threaded dpotrf (0.3.31 here) segfaults for n >= ~16000 with 2 threads (measured: n = 16896,
+# even on the identity; n = 12000 runs; OpenMathLib/OpenBLAS issues #1413, #2821 report the same crash
+# in dpotrf_L_parallel / dsyrk_thread): above this size the Cholesky runs on one BLAS thread.
+POTRF_THREADED_MAX = 12000
+
+
+def _potrf_threads(n: int) -> Any:
+    """Context: one BLAS thread for a Cholesky of order n > POTRF_THREADED_MAX, else nothing."""
+    if n <= POTRF_THREADED_MAX:
+        return contextlib.nullcontext()
+    from threadpoolctl import threadpool_limits
+
+    return threadpool_limits(limits=1, user_api="blas")
+
+
+def cholesky(a: np.ndarray, overwrite_a: bool = False) -> Any:
+    """scipy's cho_factor (lower) of a, on one BLAS thread above POTRF_THREADED_MAX; LinAlgError when
+    a is not numerically positive definite."""
+    with _potrf_threads(a.shape[0]):
+        return _scipy_linalg().cho_factor(a, lower=True, overwrite_a=overwrite_a, check_finite=False)
 
 
 class _Cache:

@@ -13,7 +13,7 @@ from . import basis as basis_mod
 from . import structure as structure_mod
 from .basis import kron_congruence, orth_pair_map
 from .errors import InputError
-from .factorization import Factorization
+from .factorization import Factorization, cholesky
 from .features import feature_index, pair_index
 from .stats import Features
 from .heads import W_from_p
@@ -421,7 +421,7 @@ def fit(feats: Features, ridge: float = 0.0) -> Model:
         sl = scipy.linalg
         system = lam + ridge * np.eye(fac.n)
         try:
-            sol = sl.cho_solve(sl.cho_factor(system, lower=True, check_finite=False), rhs, check_finite=False)
+            sol = sl.cho_solve(cholesky(system, overwrite_a=True), rhs, check_finite=False)
         except sl.LinAlgError:
             sol = sl.lstsq(system, rhs, check_finite=False)[0]
         del system
