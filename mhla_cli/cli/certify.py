@@ -14,7 +14,7 @@ from ..solve import certify, check_domain
 from ..stream import check_solve_memory
 from ..tokens import inspect_tokens
 from ..witness import make_witness
-from .console import emit_json, fmt, load_with_progress, progress_bar, say, warn
+from .console import emit_json, fmt, load_with_progress, progress_bar, say, warn, working
 from .options import ChunkOpt, JsonOpt, NormalizeOpt, QuietOpt
 
 
@@ -74,7 +74,8 @@ def certify_cmd(
     feats, _, seconds = load_with_progress(data, chunk_size, quiet, normalize)
     if witness is not None and (feats.per_position or feats.normalize != "none"):
         raise InputError("--witness supports unweighted last-token data without --normalize only", data)
-    cert = certify(feats, min_eig=min_eig, domain=domain)
+    with working(f"certify: factorizing the canonical Lambda~ ({feats.n_features} features)", quiet):
+        cert = certify(feats, min_eig=min_eig, domain=domain)
     out = cert.to_dict()
     out["seconds"] = {**seconds, **cert.seconds}
     out["input"] = str(data)

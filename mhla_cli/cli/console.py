@@ -17,6 +17,7 @@ from rich.progress import (
     BarColumn,
     MofNCompleteColumn,
     Progress,
+    SpinnerColumn,
     TextColumn,
     TimeElapsedColumn,
     TimeRemainingColumn,
@@ -72,6 +73,19 @@ def progress_bar(description: str, total: int, quiet: bool) -> Iterator[Callable
                   TimeElapsedColumn(), TimeRemainingColumn(), console=err_console, transient=True) as prog:
         task = prog.add_task(description, total=total)
         yield lambda n: prog.advance(task, n)
+
+
+@contextmanager
+def working(description: str, quiet: bool) -> Iterator[None]:
+    """A spinner with the elapsed time on stderr for a step that reports no progress of its own (a
+    factorization inside LAPACK); only when stderr is a terminal and not quiet."""
+    if quiet or not sys.stderr.isatty():
+        yield
+        return
+    with Progress(SpinnerColumn(), TextColumn("[bold]{task.description}"), TimeElapsedColumn(),
+                  console=err_console, transient=True) as prog:
+        prog.add_task(description, total=None)
+        yield
 
 
 def fmt(x: float | None) -> str:

@@ -18,7 +18,7 @@ from ..model import Model, load_function
 from ..spectrum import plot_spectrum, spectrum, text_histogram
 from ..stream import check_solve_memory
 from ..tokens import inspect_tokens
-from .console import emit_json, fmt, load_with_progress, progress_bar, say, warn
+from .console import emit_json, fmt, load_with_progress, progress_bar, say, warn, working
 from .options import ChunkOpt, JsonOpt, NormalizeOpt, OutOpt, QuietOpt, parse_auto
 
 
@@ -71,8 +71,9 @@ def fit_cmd(
     else:
         feats, _, load_seconds = load_with_progress(data, chunk_size, quiet, normalize)
         fold_feats = None
-    model = fit(feats, ridge=ridge, heads=h, nuclear=lam, weight_decay=weight_decay, restarts=restarts, seed=seed,
-                folds=fold_feats)
+    with working(f"fit: solving on the canonical Lambda~ ({feats.n_features} features)", quiet):
+        model = fit(feats, ridge=ridge, heads=h, nuclear=lam, weight_decay=weight_decay, restarts=restarts,
+                    seed=seed, folds=fold_feats)
     model.save(output, inputs=(data,))
     info = dict(model.info)
     info["output"] = str(output)
