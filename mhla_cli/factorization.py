@@ -219,10 +219,14 @@ def _potrf_threads(n: int) -> Any:
 
 
 def cholesky(a: np.ndarray, overwrite_a: bool = False) -> Any:
-    """scipy's cho_factor (lower) of a, on one BLAS thread above POTRF_THREADED_MAX; LinAlgError when
-    a is not numerically positive definite."""
+    """scipy's cho_factor of a symmetric a (for cho_solve), on one BLAS thread above POTRF_THREADED_MAX;
+    LinAlgError when a is not numerically positive definite."""
+    # a is symmetric, so a C-ordered array's transpose (an F-ordered view) is the same matrix: LAPACK
+    # factors it as it lies (upper U, U^T U = a) instead of after a transposing copy
+    c_order = bool(a.flags.c_contiguous) and not a.flags.f_contiguous
     with _potrf_threads(a.shape[0]):
-        return _scipy_linalg().cho_factor(a, lower=True, overwrite_a=overwrite_a, check_finite=False)
+        return _scipy_linalg().cho_factor(a.T if c_order else a, lower=not c_order, overwrite_a=overwrite_a,
+                                          check_finite=False)
 
 
 class _Cache:
