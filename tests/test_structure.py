@@ -352,3 +352,23 @@ def test_spans_option_is_validated(tmp_path: Path) -> None:
     assert not featurize(data).reduced  # psi = 75 < SPANS_MIN_FEATURES: every feature, as before
     assert featurize(data, spans="on").reduced
     assert not featurize(_save(_cases()["dense gaussian (nothing reduced)"], tmp_path / "g.h5"), spans="on").reduced
+
+
+def test_cli_featurize_spans(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    import json
+
+    from mhla_cli.cli import run
+
+    data = _save(_cases()["DFA traces Q=2 S=2"], tmp_path / "d.h5")
+    out = tmp_path / "f.h5"
+    capsys.readouterr()
+    assert run(["featurize", str(data), "-o", str(out), "--spans", "sometimes"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("mhla: error: ") and "spans" in err[0] and not out.exists()
+    assert run(["featurize", str(data), "-o", str(out), "--spans", "on", "--json", "-q"]) == 0
+    rep = json.loads(capsys.readouterr().out)
+    assert rep["n_features"] == 126 and rep["span_features"] == 36 and rep["span_passes"] == 1
+    assert run(["certify", str(out), "--json", "-q"]) == 1
+    cert = json.loads(capsys.readouterr().out)
+    assert (cert["rank"], cert["n_features"], cert["span_features"], cert["lambda_min"]) == (36, 126, 36, 0.0)
+    assert run(["certify", str(data), "--on", str(data), "--json", "-q"]) == 0  # training positions: determined
