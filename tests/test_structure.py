@@ -372,3 +372,38 @@ def test_cli_featurize_spans(tmp_path: Path, capsys: pytest.CaptureFixture[str])
     cert = json.loads(capsys.readouterr().out)
     assert (cert["rank"], cert["n_features"], cert["span_features"], cert["lambda_min"]) == (36, 126, 36, 0.0)
     assert run(["certify", str(data), "--on", str(data), "--json", "-q"]) == 0  # training positions: determined
+
+
+@pytest.mark.parametrize("name", ["DFA traces Q=2 S=2", "tokens in a 3-d subspace", "one-hot tokens"])
+def test_spans_are_basis_free(name: str, tmp_path: Path) -> None:
+    """An invertible map of the token coordinates (cond up to 1e3), the order of the sequences and the
+    chunk size change neither the spans found by featurize nor the certificate and the function."""
+    from mhla_cli.stream import featurize
+
+    case = _cases()[name]
+    d = case["tokens"].shape[1]
+    want = featurize(_save(case, tmp_path / "a.h5"), spans="on")
+    cert = certify(want)
+    rng = np.random.default_rng(11)
+    U, _, V = np.linalg.svd(rng.standard_normal((d, d)))
+    T = U @ np.diag(np.logspace(0, 3, d)) @ V
+    moved = dict(case, tokens=case["tokens"] @ T)
+    n = len(case["offsets"]) - 1
+    order = rng.permutation(n)
+    seqs = [moved["tokens"][case["offsets"][i]:case["offsets"][i + 1]] for i in order]
+    per_pos = case.get("per_position", False)
+    rows = (lambda i: slice(case["offsets"][i], case["offsets"][i + 1])) if per_pos else (lambda i: i)
+    shuffled = dict(moved, tokens=np.concatenate(seqs),
+                    offsets=np.concatenate([[0], np.cumsum([len(s) for s in seqs])]),
+                    targets=np.concatenate([np.atleast_2d(case["targets"][rows(i)]) for i in order]))
+    if case.get("weights") is not None:
+        shuffled["weights"] = np.concatenate([np.atleast_1d(case["weights"][rows(i)]) for i in order])
+    got = featurize(_save(shuffled, tmp_path / "b.h5"), spans="on", chunk_size=3)
+    c2 = certify(got)
+    assert got.basis_gram.shape == want.basis_gram.shape
+    assert (c2.identifiable, c2.rank, c2.span_features) == (cert.identifiable, cert.rank, cert.span_features)
+    assert abs(c2.lambda_max - cert.lambda_max) <= 1e-6 * cert.lambda_max
+    # probes in the span of the tokens (outside it the whitening of singular data is a convention)
+    Zs = [rng.standard_normal((3, 8)) @ case["tokens"][rng.integers(0, len(case["tokens"]), 8)] for _ in range(10)]
+    # the minimum-norm function is canonical, so it moves with the tokens: p_T(Z T) = p(Z)
+    assert ratio(predict_own(fit(got).coef, [Z @ T for Z in Zs]), predict_own(fit(want).coef, Zs)) < 1e-6
