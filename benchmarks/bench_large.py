@@ -69,6 +69,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _common import OUT, machine, mhla_cmd, table  # noqa: E402
 
 from mhla_cli import synthetic  # noqa: E402
+from mhla_cli.factorization import POTRF_THREADED_MAX  # noqa: E402
 from mhla_cli.features import n_features  # noqa: E402
 from mhla_cli.stream import default_chunk_size  # noqa: E402
 from mhla_cli.tokens import inspect_tokens  # noqa: E402
@@ -214,6 +215,10 @@ def dense_point(d: int, N: int, n: int, repeat: int, workdir: Path) -> dict[str,
     data = teacher_file(N, n, d)
     rows = default_chunk_size(inspect_tokens(data))
     syrk_threads = 0 if psi + d >= MIN_THREADED_WIDTH else 1
+    if psi > POTRF_THREADED_MAX:
+        # OpenBLAS's threaded syrk segfaults at this size (mhla_cli.factorization.POTRF_THREADED_MAX;
+        # featurize itself adds GEMM panels, which do not): the bare syrk runs on one thread
+        syrk_threads = 1
     feats, model = workdir / f"feats_d{d}.h5", workdir / f"model_d{d}.h5"
     r: dict[str, Any] = {"d": d, "psi": psi, "N": N, "n": n, "tokens": str(data), "chunk_rows": rows,
                          "flops": N * psi * (psi + 1), "bound_mib": 3 * psi**2 * 8 / 2**20 + 300}
@@ -239,7 +244,8 @@ def dense_point(d: int, N: int, n: int, repeat: int, workdir: Path) -> dict[str,
             break
     print(f"# d = {d}: bare dsyrk ({rows} x {psi}) and Cholesky ({psi} x {psi}) ...", flush=True)
     r["dsyrk"] = python_snippet(BARE_SYRK, psi, rows, repeat, syrk_threads)
-    r["dsyrk"]["threads"] = "default" if syrk_threads == 0 else syrk_threads
+    r["dsyrk"]["threads"] = ("default" if syrk_threads == 0 else
+                             "1 (threaded syrk crashes)" if psi > POTRF_THREADED_MAX else syrk_threads)
     r["cholesky"] = python_snippet(BARE_CHOL, psi, repeat)
     for f in (feats, model):
         f.unlink(missing_ok=True)

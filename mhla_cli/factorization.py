@@ -80,7 +80,7 @@ class Factorization:
         if self._c._w is None:
             if self._c._we is not None:
                 return self._c._we
-            with self._timed("eigenvalues"):
+            with self._timed("eigenvalues"), _lapack_threads(self.n):
                 self._c._w = _scipy_linalg().eigh(self.lam, eigvals_only=True, check_finite=False)
         return self._c._w
 
@@ -99,7 +99,7 @@ class Factorization:
     def eigh(self) -> tuple[np.ndarray, np.ndarray]:
         """Eigenvalues and orthonormal eigenvectors (computed once)."""
         if self._c._v is None:
-            with self._timed("eigenvectors"):
+            with self._timed("eigenvectors"), _lapack_threads(self.n):
                 self._c._we, self._c._v = _scipy_linalg().eigh(self.lam, check_finite=False)
         return self._c._we, self._c._v  # type: ignore[return-value]
 
@@ -118,7 +118,7 @@ class Factorization:
             w, v = self._c._null[min(done)]
             keep = w <= threshold
             return w[keep], v[:, keep]
-        with self._timed("null space"):
+        with self._timed("null space"), _lapack_threads(self.n):
             w, v = _scipy_linalg().eigh(self.lam, subset_by_value=(-np.inf, threshold), check_finite=False)
         self._c._null[threshold] = (w, v)
         return w, v
@@ -132,7 +132,10 @@ class Factorization:
         c = max(self.lambda_max(), tol, 1e-300)
         with self._timed("solve"):
             try:
-                shifted = self.lam + c * (N @ N.T)
+                # N @ (a copy of N^T): a GEMM (numpy turns N @ N.T into a syrk, see POTRF_THREADED_MAX)
+                shifted = N @ np.ascontiguousarray(N.T)
+                shifted *= c
+                shifted += self.lam
                 x = sl.cho_solve(cholesky(shifted, overwrite_a=True), rhs,
                                  check_finite=False)
                 del shifted
@@ -203,14 +206,15 @@ class Factorization:
         return _scipy_linalg().cho_solve(c, rhs, check_finite=False)
 
 
-# OpenBLAS's threaded dpotrf (0.3.31 here) segfaults for n >= ~16000 with 2 threads (measured: n = 16896,
-# even on the identity; n = 12000 runs; OpenMathLib/OpenBLAS issues #1413, #2821 report the same crash
-# in dpotrf_L_parallel / dsyrk_thread): above this size the Cholesky runs on one BLAS thread.
+# OpenBLAS's threaded dsyrk and dpotrf (0.3.30 / 0.3.31 here) segfault for n >= ~16000 with 2 threads
+# (measured: n = 16896, a Cholesky even of the identity, and numpy's F.T @ F of a 2048 x 16896 F;
+# n = 12000 runs; OpenMathLib/OpenBLAS issues #1413, #2821 report the same crash in dpotrf_L_parallel /
+# dsyrk_thread): above this size every decomposition here runs on one BLAS thread.
 POTRF_THREADED_MAX = 12000
 
 
-def _potrf_threads(n: int) -> Any:
-    """Context: one BLAS thread for a Cholesky of order n > POTRF_THREADED_MAX, else nothing."""
+def _lapack_threads(n: int) -> Any:
+    """Context: one BLAS thread for a decomposition of order n > POTRF_THREADED_MAX, else nothing."""
     if n <= POTRF_THREADED_MAX:
         return contextlib.nullcontext()
     from threadpoolctl import threadpool_limits
@@ -224,7 +228,7 @@ def cholesky(a: np.ndarray, overwrite_a: bool = False) -> Any:
     # a is symmetric, so a C-ordered array's transpose (an F-ordered view) is the same matrix: LAPACK
     # factors it as it lies (upper U, U^T U = a) instead of after a transposing copy
     c_order = bool(a.flags.c_contiguous) and not a.flags.f_contiguous
-    with _potrf_threads(a.shape[0]):
+    with _lapack_threads(a.shape[0]):
         return _scipy_linalg().cho_factor(a.T if c_order else a, lower=not c_order, overwrite_a=overwrite_a,
                                           check_finite=False)
 
