@@ -159,8 +159,10 @@ TOKEN_CASES: dict[str, Callable[[Base, Path], tuple[Path, str]]] = {
     "truncated": _truncated,
     "corrupted_header": _corrupted_header,
     "corrupted_chunk": _corrupted_chunk,
-    "d_too_large": lambda b, p: (h5(p, tokens=np.ones((3, 2, 100)), targets=np.ones((3, 100))),
-                                 r"d = 100 needs psi = 505000 features.*the largest d that fits is \d+"),
+    # d = 60 (psi = 109800): 180 GiB as full statistics; the spans of its 3 samples (a q x q partial
+    # trace, q = 1830, found in ~1 s) make certify and fit small
+    "d_too_large": lambda b, p: (h5(p, tokens=np.ones((3, 2, 60)), targets=np.ones((3, 60))),
+                                 r"d = 60 needs psi = 109800 features.*the largest d that fits is \d+"),
 }
 
 
@@ -252,11 +254,11 @@ def test_bad_tokens(case: str, command: str, base: Base, tmp_path: Path, capsys)
             "predict": ["predict", str(base.model), str(bad), "-o", str(out)],
             "inspect": ["inspect", str(bad), "--json"]}[command]
     if command == "predict" and case == "d_too_large":
-        pattern = r"the data have d = 100 but the model has d = 2"  # predict needs no psi x psi statistics
+        pattern = r"the data have d = \d+ but the model has d = 2"  # predict needs no psi x psi statistics
     if case == "d_too_large" and command == "featurize":
         argv += ["--spans", "off"]  # every feature: psi x psi (the 3 samples' spans would fit: see below)
     if case == "d_too_large" and command in ("certify", "fit"):
-        # the 3 samples span a tiny block of the 505000 features: the job fits, and is answered exactly
+        # the 3 samples span a tiny block of the 109800 features: the job fits, and is answered exactly
         code = run(argv)
         assert code == (1 if command == "certify" else 0), capsys.readouterr().err
         return
