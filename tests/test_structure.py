@@ -407,3 +407,48 @@ def test_spans_are_basis_free(name: str, tmp_path: Path) -> None:
     Zs = [rng.standard_normal((3, 8)) @ case["tokens"][rng.integers(0, len(case["tokens"]), 8)] for _ in range(10)]
     # the minimum-norm function is canonical, so it moves with the tokens: p_T(Z T) = p(Z)
     assert ratio(predict_own(fit(got).coef, [Z @ T for Z in Zs]), predict_own(fit(want).coef, Zs)) < 1e-6
+
+
+def _rewrite(src: Path, dst: Path, edit) -> Path:
+    import shutil
+
+    shutil.copy(src, dst)
+    with h5py.File(dst, "r+") as f:
+        edit(f)
+    return dst
+
+
+def _replace(name: str, value: np.ndarray):
+    def edit(f: h5py.File) -> None:
+        del f[name]
+        f[name] = value
+    return edit
+
+
+def test_a_broken_block_file_is_refused(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """One refusal (exit 2, one line naming the file) per rule of a features file on the data's spans."""
+    from mhla_cli.cli import run
+    from mhla_cli.stream import featurize
+
+    good = tmp_path / "f.h5"
+    featurize(_save(_cases()["DFA traces Q=2 S=2"], tmp_path / "d.h5"), spans="on").save(good)
+    with h5py.File(good) as f:
+        E, F, G, M = (f[k][()] for k in ("span_pairs", "span_last", "basis_gram", "basis_moments"))
+    cases = {
+        "no span_last": (lambda f: f.__delitem__("span_last"), "no span_last"),
+        "no basis_gram": (lambda f: f.__delitem__("basis_gram"), "no basis_gram"),
+        "span_pairs not orthonormal": (_replace("span_pairs", 2 * E), "'span_pairs' must have orthonormal columns"),
+        "span_last too long": (_replace("span_last", np.vstack([F, F[:1]])), "'span_last' must have orthonormal"),
+        "block of the wrong size": (_replace("basis_gram", G[:-1, :-1]), "'basis_gram' must be a finite symmetric"),
+        "block not symmetric": (_replace("basis_gram", G + np.triu(np.ones_like(G), 1)),
+                                "'basis_gram' must be a finite symmetric"),
+        "block with NaN": (_replace("basis_gram", np.where(np.eye(len(G)) > 0, np.nan, G)),
+                           "'basis_gram' contains NaN or Inf"),
+        "moments of the wrong size": (_replace("basis_moments", M[:-1]), "'basis_moments' has shape"),
+    }
+    for name, (edit, msg) in cases.items():
+        bad = _rewrite(good, tmp_path / f"{abs(hash(name))}.h5", edit)
+        capsys.readouterr()
+        assert run(["certify", str(bad)]) == 2, name
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith(f"mhla: error: {bad}: ") and msg in err[0], (name, err)
