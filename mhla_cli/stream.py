@@ -27,6 +27,7 @@ from . import basis as basis_mod
 from . import formats
 from . import parallel
 from . import structure as structure_mod
+from .factorization import POTRF_THREADED_MAX
 from .errors import InputError
 from .features import check_normalize, n_features, pair_index
 from .memory import (block_featurize_bytes, block_solve_bytes, check_memory, featurize_bytes, solve_bytes,
@@ -455,11 +456,10 @@ class _Accumulator:
         np.multiply(upper_t[:, None, :], last_t[None, :, :], out=H)
 
     def _syrk(self, Ft: np.ndarray) -> None:
-        """G += Ft Ft^T on the lower triangle (mirrored in `result`), in panels of rows.
-
-        Each panel of rows [a, b) is one GEMM Ft[a:b] Ft[:b]^T into a work array of about
-        PANEL_BYTES, added to G[a:b, :b]: the flops of a syrk, and no psi x psi product beside G.
-        Several BLAS threads only pay off for a wide block.
+        """G += Ft Ft^T on the lower triangle (mirrored in `result`), in place: one BLAS dsyrk into G,
+        or (wider than POTRF_THREADED_MAX) panels of rows, each one GEMM Ft[a:b] Ft[:b]^T into a work
+        array of about PANEL_BYTES added to G[a:b, :b]: the flops of a syrk, and no psi x psi product
+        beside G. Several BLAS threads only pay off for a wide block.
         """
         W = self.width
         if W == 0:
@@ -467,6 +467,16 @@ class _Accumulator:
         with contextlib.nullcontext() if W >= MIN_THREADED_WIDTH else _single_blas_thread():
             if self.G is None:
                 self.G = np.zeros((W, W))
+            if W <= POTRF_THREADED_MAX:
+                # BLAS dsyrk straight into G (no work array): G's lower triangle (C order) is the upper
+                # triangle of the F-ordered G^T, and Ft Ft^T = (Ft^T)^T (Ft^T) with Ft^T F-ordered
+                from scipy.linalg import blas
+
+                out = blas.dsyrk(1.0, Ft.T, beta=1.0, c=self.G.T, trans=1, lower=0, overwrite_c=1)
+                if not np.shares_memory(out, self.G):  # a copy was made: keep its triangle
+                    self.G[...] = np.tril(out.T)
+                return
+            # above it OpenBLAS's threaded syrk segfaults (factorization.POTRF_THREADED_MAX): GEMM panels
             rows = max(1, min(W, PANEL_BYTES // (8 * W)))
             work = self._buf_t("P", rows, W)
             for a in range(0, W, rows):
