@@ -39,14 +39,17 @@ def _scipy_linalg() -> Any:
 
 
 class Factorization:
-    """Lazily computed, cached decompositions of one symmetric PSD matrix `lam` (not copied).
+    """Lazily computed, cached decompositions of one symmetric PSD matrix scale * lam (lam not copied,
+    never written: it may be the statistics' own sums, scale = 1 / N); every eigenvalue, solve and
+    lambda reported is of scale * lam.
 
     `lam` is the block of a (n_full x n_full) matrix outside which every direction is an exact null
     direction (n_full = n when there is no such structure).
     """
 
-    def __init__(self, lam: np.ndarray, n_full: int | None = None) -> None:
-        self.lam = lam
+    def __init__(self, lam: np.ndarray, n_full: int | None = None, scale: float = 1.0) -> None:
+        self.lam = lam  # the matrix is scale * lam (lam may be the statistics' own array: never written)
+        self.scale = float(scale)
         self.n = int(lam.shape[0])
         self.n_full = self.n if n_full is None else int(n_full)
         self.structure: Any = None  # mhla_cli.structure.Structure of the block, set by solve.factorize
@@ -56,7 +59,7 @@ class Factorization:
     def share(self, n_full: int, structure: Any) -> Factorization:
         """The same block (and its decompositions, computed once) inside another domain of n_full
         features, whose coordinates `structure` maps it to (an orthogonal change of the block's)."""
-        out = Factorization(self.lam, n_full)
+        out = Factorization(self.lam, n_full, self.scale)
         out.structure = structure
         out._c = self._c
         out.seconds = self._c.seconds
@@ -81,7 +84,7 @@ class Factorization:
             if self._c._we is not None:
                 return self._c._we
             with self._timed("eigenvalues"), _lapack_threads(self.n):
-                self._c._w = _scipy_linalg().eigh(self.lam, eigvals_only=True, check_finite=False)
+                self._c._w = _scipy_linalg().eigh(self.lam, eigvals_only=True, check_finite=False) * self.scale
         return self._c._w
 
     def known_eigenvalues(self) -> np.ndarray | None:
@@ -100,7 +103,8 @@ class Factorization:
         """Eigenvalues and orthonormal eigenvectors (computed once)."""
         if self._c._v is None:
             with self._timed("eigenvectors"), _lapack_threads(self.n):
-                self._c._we, self._c._v = _scipy_linalg().eigh(self.lam, check_finite=False)
+                w, self._c._v = _scipy_linalg().eigh(self.lam, check_finite=False)
+                self._c._we = w * self.scale
         return self._c._we, self._c._v  # type: ignore[return-value]
 
     def null_space(self, threshold: float) -> tuple[np.ndarray, np.ndarray]:
@@ -119,7 +123,9 @@ class Factorization:
             keep = w <= threshold
             return w[keep], v[:, keep]
         with self._timed("null space"), _lapack_threads(self.n):
-            w, v = _scipy_linalg().eigh(self.lam, subset_by_value=(-np.inf, threshold), check_finite=False)
+            w, v = _scipy_linalg().eigh(self.lam, subset_by_value=(-np.inf, threshold / self.scale),
+                                        check_finite=False)
+            w = w * self.scale
         self._c._null[threshold] = (w, v)
         return w, v
 
@@ -134,10 +140,9 @@ class Factorization:
             try:
                 # N @ (a copy of N^T): a GEMM (numpy turns N @ N.T into a syrk, see POTRF_THREADED_MAX)
                 shifted = N @ np.ascontiguousarray(N.T)
-                shifted *= c
+                shifted *= c / self.scale
                 shifted += self.lam
-                x = sl.cho_solve(cholesky(shifted, overwrite_a=True), rhs,
-                                 check_finite=False)
+                x = sl.cho_solve(cholesky(shifted, overwrite_a=True), rhs, check_finite=False) / self.scale
                 del shifted
                 return x - N @ (N.T @ x)
             except sl.LinAlgError:
@@ -152,11 +157,11 @@ class Factorization:
                 self._c._lmax = float(self.eigenvalues()[-1]) if self.n else 0.0
             else:
                 with self._timed("lanczos"):
-                    self._c._lmax = _lanczos_top(lambda x: self.lam @ x, self.n)
+                    self._c._lmax = _lanczos_top(lambda x: self.lam @ x, self.n) * self.scale
         return self._c._lmax
 
     def cholesky(self) -> Any:
-        """The Cholesky factor (scipy cho_factor) of lam, or None when lam is not numerically PD."""
+        """The Cholesky factor (scipy cho_factor) of lam (unscaled), or None when it is not numerically PD."""
         if not self._c._chol_tried:
             self._c._chol_tried = True
             sl = _scipy_linalg()
@@ -181,7 +186,7 @@ class Factorization:
             elif self.cholesky() is not None:
                 with self._timed("lanczos"):
                     top = _lanczos_top(_inverse_matvec(self._c._chol), self.n)
-                self._c._lmin = 1.0 / top if top > 0 else float(self.eigh()[0][0])
+                self._c._lmin = self.scale / top if top > 0 else float(self.eigh()[0][0])
             else:
                 # not positive definite: the null space will be wanted too, and one eigh with vectors
                 # (divide and conquer) costs less than the eigenvalues and then the selected vectors
@@ -198,11 +203,11 @@ class Factorization:
         return self.n - self.null_space(tol)[0].size if w is None else int((w > tol).sum())
 
     def solve(self, rhs: np.ndarray) -> np.ndarray | None:
-        """lam^-1 rhs through the Cholesky factor (None when lam is not positive definite)."""
+        """(scale lam)^-1 rhs through the Cholesky factor (None when lam is not positive definite)."""
         c = self.cholesky()
         if c is None:
             return None
-        return _scipy_linalg().cho_solve(c, rhs, check_finite=False)
+        return _scipy_linalg().cho_solve(c, rhs, check_finite=False) / self.scale
 
 
 # OpenBLAS's threaded dsyrk and dpotrf (0.3.30 / 0.3.31 here) segfault for n >= ~16000 with 2 threads

@@ -124,15 +124,15 @@ def factorize(feats: Features, domain: str = "full") -> Factorization:
         return cache[domain]
     d = feats.d
     if "full" not in cache:
-        lam = feats.basis_gram / max(feats.n_samples, 1)
+        # Lambda~ = basis_gram / N, held as the sums and the scale 1 / N (no psi x psi copy)
+        gram_b, scale = feats.basis_gram, 1.0 / max(feats.n_samples, 1)
         if feats.reduced:  # featurize held only the block on the data's spans
             st = structure_mod.Structure(_complete(feats.span_pairs), _complete(feats.span_last),
                                          feats.span_pairs.shape[1], feats.span_last.shape[1])
-            fac = Factorization(lam, st.n_full)
+            fac = Factorization(gram_b, st.n_full, scale)
         else:
-            st = find_structure(lam, d)
-            fac = Factorization(st.compress(lam), st.n_full)
-        del lam
+            st = find_structure(gram_b, d)
+            fac = Factorization(st.compress(gram_b), st.n_full, scale)
         fac.structure = st
         cache["full"] = fac
     full = cache["full"]
@@ -150,7 +150,7 @@ def factorize(feats: Features, domain: str = "full") -> Factorization:
                                                full.structure.a, full.structure.b)
                 cache[domain] = full.share(st_o.n_full, st_o)
             else:
-                fac = Factorization(kron_congruence(R1, R2, full.lam), st_o.n_full)
+                fac = Factorization(kron_congruence(R1, R2, full.lam), st_o.n_full, full.scale)
                 fac.structure = st_o
                 cache[domain] = fac
     return cache[domain]
@@ -264,11 +264,18 @@ def certify(feats: Features, min_eig: float = 0.0, domain: str = "full") -> Cert
                        domain, r, s, eigenvalues=fac.full_eigenvalues(), span_features=fac.n,
                        span_pairs=fac.structure.a, span_last_tokens=fac.structure.b)
     if not identifiable:
-        cert._null_fn = lambda: _null_vectors(A, fac, threshold, full)
+        cert._null_fn = lambda: _null_vectors(A, _current(feats, domain, fac), threshold, full)
         weight, k = _null_weights(A, fac, threshold, full)
         cert.reasons, cert.null_features = _explain(feats, cert, weight, k, full)
     cert.seconds = dict(fac.seconds)
     return cert
+
+
+def _current(feats: Features, domain: str, fac: Factorization) -> Factorization:
+    """fac, if it is still the factorization of feats' sums (they are summed and changed in place)."""
+    if feats.factor_cache.get(domain) is not fac:
+        raise InputError("the statistics changed after this certificate was made: certify them again")
+    return fac
 
 
 def _null_vectors(A: np.ndarray, fac: Factorization, threshold: float, full: bool) -> np.ndarray:
@@ -419,7 +426,8 @@ def fit(feats: Features, ridge: float = 0.0) -> Model:
     sol = None
     if ridge > 0:
         sl = scipy.linalg
-        system = lam + ridge * np.eye(fac.n)
+        system = lam * fac.scale
+        system[np.diag_indices(fac.n)] += ridge
         try:
             sol = sl.cho_solve(cholesky(system, overwrite_a=True), rhs, check_finite=False)
         except sl.LinAlgError:

@@ -276,6 +276,9 @@ def make_witness(feats: Features, data: str | os.PathLike | None = None, cert: C
     a tokens file, otherwise taken from the statistics. Raises WitnessError when the witness fails
     its own verification.
     """
+    if feats.reduced and cert is not None:  # every feature is needed: the same certificate, of the expanded sums
+        feats.expand()
+        cert = certify(feats, min_eig=cert.min_eig, domain=cert.domain)
     feats.expand()  # every feature (a block on the data's spans is expanded)
     if not feats.has_targets:
         raise InputError("a witness needs targets: the two models are compared by their training loss")

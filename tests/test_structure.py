@@ -452,3 +452,22 @@ def test_a_broken_block_file_is_refused(tmp_path: Path, capsys: pytest.CaptureFi
         assert run(["certify", str(bad)]) == 2, name
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and err[0].startswith(f"mhla: error: {bad}: ") and msg in err[0], (name, err)
+
+
+def test_a_certificate_of_changed_statistics_refuses_its_null_space(tmp_path: Path) -> None:
+    """The null vectors are computed on first use: after the sums change they are refused, not wrong."""
+    from mhla_cli.errors import InputError
+    from mhla_cli.witness import make_witness
+
+    case = _cases()["one-hot tokens"]
+    feats = _feats(case)
+    cert = certify(feats)
+    feats.add(_feats(case))
+    with pytest.raises(InputError, match="changed"):
+        cert.null_vectors
+    # a witness from statistics on the spans works on the expanded ones, with the same certificate's domain
+    from mhla_cli.stream import featurize
+
+    red = featurize(_save(case, tmp_path / "d.h5"), spans="on")
+    wit = make_witness(red, cert=certify(red))
+    assert red.reduced is False and wit.info["kind"] in ("indistinguishable", "weakly_determined")
