@@ -23,13 +23,15 @@ from .features import n_features
 
 # Room for what the counts leave out: small work arrays and read buffers, allocator slack.
 SLACK_BYTES = 64 * 2**20
-# psi x psi matrices the solve holds besides basis_gram (mhla_cli.solve.factorize / Factorization):
-# "cholesky": Lambda~ = basis_gram / N and its Cholesky factor (an identifiable certificate, a fit);
-# "eigh": Lambda~, the eigensolver's copy and its eigenvectors, then the null space (N < psi:
-# certainly singular) or a ridge system (Lambda~ + l I and its factor); "lowrank": the own gram too.
-# Measured at d = 24 (psi = 7200; peak RSS less the ~82 MiB of a bare process): certify / fit 3.1 /
-# 3.1 copies in all (N = 9000), 4.9 / 5.4 (N = 5000 < psi), fit --ridge 5.1.
-SOLVE_COPIES = {"cholesky": 2, "eigh": 4, "fit-eigh": 4.5, "ridge": 4, "lowrank": 4}
+# psi x psi matrices the solve holds besides basis_gram (mhla_cli.solve.factorize / Factorization,
+# which holds Lambda~ as basis_gram and the scale 1 / N, no copy):
+# "cholesky": the Cholesky factor (an identifiable certificate, a fit);
+# "eigh": the eigensolver's copy and its eigenvectors, then the null space (N < psi: certainly
+# singular); "ridge": the system (Lambda~ + l I) and its factor; "lowrank": the own gram too.
+# Measured at d = 24 (psi = 7200, N = 9000; peak RSS less the ~82 MiB of a bare process): certify /
+# fit 2.0 / 2.1 copies in all, fit --ridge 3.0 (before the scale: 3.1 / 3.1 and 5.1; 4.9 / 5.4 at
+# N = 5000 < psi, one copy less now).
+SOLVE_COPIES = {"cholesky": 1.2, "eigh": 3, "fit-eigh": 3.5, "ridge": 2.2, "lowrank": 4}
 
 
 def matrix_bytes(d: int) -> int:
