@@ -166,20 +166,14 @@ def open_input(path: str | os.PathLike, locking: bool | None = None) -> Iterator
 
 def read_array(f: h5py.File, name: str, path: str | os.PathLike, finite: bool = True) -> np.ndarray:
     """Read a whole dataset, with a clear error when it is missing, not real numbers, or not finite."""
-    if name not in f:
-        raise InputError(f"missing dataset '{name}'", path)
-    ds = f[name]
-    if not isinstance(ds, h5py.Dataset):
-        raise InputError(f"'{name}' is a group, expected a dataset", path)
-    check_numeric(ds, name, path)
-    arr = np.asarray(ds[()])
+    arr = np.asarray(dataset(f, name, path)[()])
     if finite and arr.dtype.kind == "f" and not np.isfinite(arr).all():
         raise InputError(f"'{name}' contains NaN or Inf; the file is corrupted", path)
     return arr
 
 
 def dataset(f: h5py.File, name: str, path: str | os.PathLike) -> h5py.Dataset:
-    """The dataset `name`, with the errors of `read_array` when it is missing or not real numbers."""
+    """The dataset `name`, with a clear error when it is missing, a group, or not real numbers."""
     if name not in f:
         raise InputError(f"missing dataset '{name}'", path)
     ds = f[name]
