@@ -130,9 +130,10 @@ class Factorization:
         return w, v
 
     def pinv_solve(self, rhs: np.ndarray, tol: float) -> np.ndarray:
-        """The minimum-norm least-squares solution of lam x = rhs with eigenvalues <= tol dropped
-        (the pseudo-inverse): a Cholesky solve of lam + c N N^T (N: those eigenvectors, c = lambda_max),
-        which has lam's eigenvectors, then the N part removed; the full eigh when that fails."""
+        """The minimum-norm least-squares solution of (scale lam) x = rhs with eigenvalues <= tol
+        dropped (the pseudo-inverse): a Cholesky solve of scale lam + c N N^T (N: those eigenvectors,
+        c = lambda_max), which has the same eigenvectors, then the N part removed; the full eigh when
+        that fails."""
         sl = _scipy_linalg()
         _, N = self.null_space(tol)
         c = max(self.lambda_max(), tol, 1e-300)
