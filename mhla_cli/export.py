@@ -49,7 +49,7 @@ def _safetensors() -> Any:
         import safetensors.numpy as st
     except ImportError:
         raise InputError("reading or writing .safetensors needs the optional package safetensors: "
-                         "pip install 'mhla[safetensors]'") from None
+                         "pip install 'safetensors>=0.4' (mhla's [safetensors] extra)") from None
     return st
 
 

@@ -123,12 +123,12 @@ class Heads:
         `module(X, causal=True)`: the last-token output of every prefix X[:t] (B, n, d).
         S = X^T X, divided by the (prefix) length when the heads were fitted with normalize="length".
         Sequences of one batch have equal length (call it per sequence for ragged data).
-        `dtype` defaults to torch.float64. Needs torch (`pip install 'mhla[torch]'`).
+        `dtype` defaults to torch.float64. Needs torch >= 2.1 (mhla's [torch] extra).
         """
         try:
             import torch
         except ImportError:
-            raise ImportError("Heads.to_torch needs PyTorch: pip install 'mhla[torch]' (or any torch >= 2.1)") from None
+            raise ImportError("Heads.to_torch needs PyTorch: pip install 'torch>=2.1' (mhla's [torch] extra)") from None
         from ._torch import HeadsModule
 
         return HeadsModule(self.V, self.Q, str(self.info.get("normalize", "none")),

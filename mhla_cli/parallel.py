@@ -167,7 +167,8 @@ class DaskMap:
         try:
             from dask.distributed import Client, LocalCluster
         except ImportError:
-            raise InputError("a Dask scheduler needs Dask, an optional extra: pip install 'mhla[dask]'") from None
+            raise InputError("a Dask scheduler needs Dask, an optional dependency: "
+                             "pip install 'dask[distributed]>=2023.1' (mhla's [dask] extra)") from None
         sched = self.scheduler
         if isinstance(sched, Client):
             self._client = sched

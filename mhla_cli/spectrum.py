@@ -140,7 +140,7 @@ def plot_spectrum(spec: dict[str, Any], path: str | os.PathLike) -> None:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        raise InputError("plotting needs matplotlib: pip install 'mhla[plot]'") from None
+        raise InputError("plotting needs matplotlib: pip install 'matplotlib>=3.6' (mhla's [plot] extra)") from None
     s = np.asarray(spec["singular_values"])
     floor = max(float(s[0]) * 1e-17, 1e-300) if s.size else 1e-300
     fig, ax = plt.subplots(figsize=(6, 3.5))

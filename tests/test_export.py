@@ -99,11 +99,11 @@ def test_failed_write_leaves_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyP
 def test_missing_optional_packages(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(sys.modules, "safetensors", None)
     monkeypatch.setitem(sys.modules, "safetensors.numpy", None)
-    with pytest.raises(InputError, match=r"pip install 'mhla\[safetensors\]'"):
+    with pytest.raises(InputError, match=r"pip install 'safetensors>=0\.4' \(mhla's \[safetensors\] extra\)"):
         save_heads(_heads(), tmp_path / "h.safetensors")
     assert not list(tmp_path.iterdir())
     monkeypatch.setitem(sys.modules, "torch", None)
-    with pytest.raises(ImportError, match=r"pip install 'mhla\[torch\]'"):
+    with pytest.raises(ImportError, match=r"pip install 'torch>=2\.1' \(mhla's \[torch\] extra\)"):
         _heads().to_torch()
 
 

@@ -102,7 +102,7 @@ def test_missing_dask_is_a_clear_error(data: Path, tmp_path: Path, monkeypatch: 
                                        capsys: pytest.CaptureFixture[str]) -> None:
     monkeypatch.setitem(sys.modules, "dask.distributed", None)  # import fails as if not installed
     assert run(["featurize", str(data), "-o", str(tmp_path / "f.h5"), "--scheduler", "local"]) == 2
-    assert "pip install 'mhla[dask]'" in capsys.readouterr().err
+    assert "pip install 'dask[distributed]>=2023.1' (mhla's [dask] extra)" in capsys.readouterr().err
 
 
 # ------------------------------------------------------------------------------------------ Dask

@@ -1,0 +1,131 @@
+"""The package stands alone: the wheel builds from pyproject.toml, README.md, LICENSE and mhla_cli/ only,
+holds the license, `py.typed` and every module and nothing else (no tests, experiments, benchmarks or
+sample data), pins no dependency exactly, and (slow) installs into a fresh virtual environment where
+`mhla` runs a generate / featurize / certify / fit / export-heads / compare pipeline away from the source
+tree.
+"""
+
+from __future__ import annotations
+
+import email.parser
+import os
+import shutil
+import subprocess
+import sys
+import venv
+import zipfile
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+SOURCES = ("pyproject.toml", "README.md", "LICENSE", "mhla_cli")
+
+
+def _setuptools_ok() -> bool:
+    """Whether the installed setuptools builds this project without build isolation (PEP 639: >= 77)."""
+    try:
+        import setuptools
+    except ImportError:
+        return False
+    return tuple(int(x) for x in setuptools.__version__.split(".")[:2] if x.isdigit()) >= (77, 0)
+
+
+@pytest.fixture(scope="module")
+def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A wheel built from a copy of only the files a build needs (pip builds in place; not in the tree)."""
+    src = tmp_path_factory.mktemp("src")
+    for name in SOURCES:
+        if (ROOT / name).is_dir():
+            shutil.copytree(ROOT / name, src / name, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+        else:
+            shutil.copy2(ROOT / name, src / name)
+    out = tmp_path_factory.mktemp("wheelhouse")
+    # Without build isolation (fast, offline) when the installed setuptools is new enough; else pip
+    # fetches the build requirements from the package index, as `pip install .` does.
+    no_isolation = ["--no-build-isolation"] if _setuptools_ok() else []
+    cmd = [sys.executable, "-m", "pip", "wheel", str(src), "--no-deps", "--quiet", "-w", str(out), *no_isolation]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    (whl,) = out.glob("mhla-*.whl")
+    return whl
+
+
+def _metadata(whl: Path) -> email.message.Message:
+    with zipfile.ZipFile(whl) as z:
+        (name,) = [n for n in z.namelist() if n.endswith(".dist-info/METADATA")]
+        return email.parser.Parser().parsestr(z.read(name).decode())
+
+
+def test_wheel_contents(wheel: Path) -> None:
+    with zipfile.ZipFile(wheel) as z:
+        names = set(z.namelist())
+        (dist_info,) = {n.split("/")[0] for n in names if n.split("/")[0].endswith(".dist-info")}
+        assert z.read(f"{dist_info}/licenses/LICENSE") == (ROOT / "LICENSE").read_bytes()
+        entry_points = z.read(f"{dist_info}/entry_points.txt").decode()
+    assert "mhla_cli/py.typed" in names
+    assert {n.split("/")[0] for n in names} == {"mhla_cli", dist_info}  # no tests/, experiments/, ...
+    modules = {p.relative_to(ROOT).as_posix() for p in (ROOT / "mhla_cli").rglob("*.py")
+               if "__pycache__" not in p.parts}
+    assert modules == {n for n in names if n.endswith(".py")}  # every module (subpackages too), no other
+    assert "mhla = mhla_cli.cli:main" in entry_points
+
+
+def test_wheel_metadata(wheel: Path) -> None:
+    meta = _metadata(wheel)
+    from mhla_cli import __version__
+
+    assert meta["Name"] == "mhla" and meta["Version"] == __version__
+    assert meta["License-Expression"] == "MIT"
+    assert "MIT License" in (ROOT / "LICENSE").read_text()
+    classifiers = meta.get_all("Classifier")
+    assert "Typing :: Typed" in classifiers and not [c for c in classifiers if c.startswith("License ::")]
+    requires = meta.get_all("Requires-Dist")
+    assert any(r.startswith("numpy") for r in requires)
+    pinned = [r for r in requires if any(op in r.split(";")[0] for op in ("==", "<", "~="))]
+    assert not pinned, f"exact or capped pins would downgrade users' packages: {pinned}"
+    extras = set(meta.get_all("Provides-Extra"))
+    assert {"test", "safetensors", "torch", "dask", "plot", "bench"} <= extras
+
+
+@pytest.mark.slow
+def test_wheel_installs_and_runs_without_the_source_tree(wheel: Path, tmp_path: Path) -> None:
+    """A clean venv (no system site-packages): the wheel and its dependencies from the package index."""
+    env_dir = tmp_path / "venv"
+    venv.create(env_dir, with_pip=True, clear=True)
+    bindir = env_dir / ("Scripts" if os.name == "nt" else "bin")
+    python = bindir / "python"
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV", "PYTHONHOME")}
+    env["PATH"] = f"{bindir}{os.pathsep}{env.get('PATH', '')}"
+    proc = subprocess.run([str(python), "-m", "pip", "install", "--quiet", str(wheel)], capture_output=True,
+                          text=True, timeout=900, env=env)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    work = tmp_path / "work"
+    work.mkdir()
+
+    def mhla(*args: str, code: int = 0) -> str:
+        proc = subprocess.run([str(bindir / "mhla"), *args], capture_output=True, text=True, cwd=work, env=env,
+                              timeout=300)
+        assert proc.returncode == code, proc.stdout + proc.stderr
+        return proc.stdout + proc.stderr
+
+    from mhla_cli import __version__
+
+    assert mhla("--version").strip() == f"mhla {__version__}"
+    mhla("generate", "teacher", "-o", "data.h5", "--dim", "3", "--heads", "2", "--n-samples", "300",
+         "--seq-len", "8", "--teacher-out", "teacher.h5", "-q")
+    mhla("featurize", "data.h5", "-o", "feats.h5", "-q")
+    assert "identifiable" in mhla("certify", "feats.h5")
+    mhla("fit", "feats.h5", "-o", "model.h5", "-q")
+    mhla("export-heads", "model.h5", "-o", "heads.h5", "-q")
+    assert "same function" in mhla("compare", "heads.h5", "teacher.h5")
+    # safetensors is an extra the plain install lacks: the hint names what to install.
+    out = mhla("export-heads", "model.h5", "-o", "heads.safetensors", code=2)
+    assert "pip install 'safetensors>=0.4'" in out and "mhla[" not in out
+    check = ("import importlib.resources, pathlib, sys, mhla_cli\n"
+             "f = pathlib.Path(mhla_cli.__file__).resolve()\n"
+             f"assert {str(ROOT)!r} not in str(f), f\n"
+             "assert pathlib.Path(sys.prefix).resolve() in f.parents, f\n"
+             "assert importlib.resources.files('mhla_cli').joinpath('py.typed').is_file()\n")
+    proc = subprocess.run([str(python), "-c", check], capture_output=True, text=True, cwd=work, env=env, timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
