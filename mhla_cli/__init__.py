@@ -7,12 +7,14 @@ Library API (each CLI command is a thin layer over these):
     model = fit(feats)                      # Model: coef p (d, psi) and min-norm W (heads=, nuclear=: low rank)
     heads = export_heads(model)             # Heads: V, Q (H, d, d) (fewest=True: the fewest heads)
     yhat = predict(heads, tokens)           # in-memory forward pass
+    write_tokens("data.h5", sequences, targets=Y)  # a tokens file from arrays (convert_files: from files)
     est = MHLA().fit(sequences, targets)    # scikit-learn-style estimator (mhla_cli.estimator)
 """
 
 from __future__ import annotations
 
 from ._version import __version__
+from .convert import convert_files, write_tokens
 from .errors import InputError, MhlaError
 from .features import cubic_features, feature_index, n_features
 from .forward import forward_heads, predict, predict_file
@@ -26,7 +28,7 @@ from .estimator import MHLA
 
 __all__ = [
     "Certificate", "Dataset", "MHLA", "Features", "Heads", "InputError", "MhlaError", "Model", "W_from_heads",
-    "W_from_p", "__version__", "certify", "cubic_features", "export_heads", "feature_index", "featurize",
+    "W_from_p", "__version__", "certify", "convert_files", "cubic_features", "export_heads", "feature_index", "featurize",
     "fit", "forward_heads", "generate_assoc", "generate_teacher", "heads_from_W", "load_features", "load_function",
-    "n_features", "p_from_W", "p_from_heads", "predict", "predict_file", "reduce_span",
+    "n_features", "p_from_W", "p_from_heads", "predict", "predict_file", "reduce_span", "write_tokens",
 ]

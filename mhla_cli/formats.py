@@ -16,6 +16,7 @@ import shlex
 import sys
 import tempfile
 import time
+import zipfile
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -124,6 +125,57 @@ def _h5_reason(exc: BaseException) -> str:
     return text[:300]
 
 
+def _is_text(head: bytes) -> bool:
+    """True if the bytes are UTF-8 text (a multi-byte character may be cut at the end)."""
+    try:
+        text = head.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        if exc.start < len(head) - 4:
+            return False
+        text = head[:exc.start].decode("utf-8")
+    return all(c.isprintable() or c in "\t\r\n" for c in text)
+
+
+def not_hdf5_reason(p: Path) -> str:
+    """Why a file is refused as not HDF5: what it is instead (by its first bytes), and how to convert it."""
+    try:
+        size = p.stat().st_size
+        with open(p, "rb") as fh:
+            head = fh.read(4096)
+    except OSError:
+        head, size = b"", 0
+    convert = f"convert it with: mhla convert {shlex.quote(p.name)} -o {shlex.quote(p.stem + '.h5')}"
+    what = None
+    if not head:
+        return "is empty, not an HDF5 file"
+    if head.startswith(b"\x93NUMPY"):
+        what = "a NumPy .npy array"
+    elif head.startswith(b"PK\x03\x04"):
+        try:
+            with zipfile.ZipFile(p) as z:
+                names = z.namelist()
+        except (zipfile.BadZipFile, OSError):
+            names = []
+        if any(n.endswith("data.pkl") for n in names):
+            what = "a PyTorch file (torch.save)"
+        elif {"V.npy", "Q.npy", "format.npy"} <= set(names):
+            return "is mhla heads in NumPy .npz form (from export-heads), not an HDF5 file"
+        elif names and all(n.endswith(".npy") for n in names):
+            what = "a NumPy .npz archive"
+        else:
+            return "is a zip archive, not an HDF5 file"
+    elif len(head) > 8 and head[8:9] == b"{" and int.from_bytes(head[:8], "little") < size:
+        what = "a safetensors file"
+    elif head[:1] == b"\x80" and p.suffix.lower() in (".pt", ".pth"):
+        what = "a PyTorch file (legacy torch.save)"
+    elif _is_text(head):
+        return ("is a text file (CSV?), not an HDF5 file: load it with numpy (np.loadtxt), np.save the array and "
+                "run mhla convert on the .npy")
+    if what is None:
+        return "not an HDF5 file (mhla convert makes tokens files from .npy, .npz, .safetensors and .pt files)"
+    return f"is {what}, not an HDF5 file: {convert}"
+
+
 @contextlib.contextmanager
 def open_input(path: str | os.PathLike, locking: bool | None = None) -> Iterator[h5py.File]:
     """Open an HDF5 file read-only, turning every way it can fail into an `InputError`.
@@ -145,7 +197,7 @@ def open_input(path: str | os.PathLike, locking: bool | None = None) -> Iterator
     except OSError as exc:
         raise InputError(f"cannot read: {_h5_reason(exc)}", p) from None
     if not is_hdf5:
-        raise InputError("not an HDF5 file", p)
+        raise InputError(not_hdf5_reason(p), p)
     try:
         f = _open_read(p, locking)
     except OSError as exc:

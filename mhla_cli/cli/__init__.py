@@ -17,6 +17,7 @@ from .._version import __version__
 from ..errors import InputError
 from .. import formats
 from ..signals import Interrupted, check_interrupted, sigterm_as_exception
+from .help import HelpGroup
 
 app = typer.Typer(
     name="mhla",
@@ -25,7 +26,8 @@ app = typer.Typer(
          "&& mhla export-heads model.h5 -o heads.h5",
     no_args_is_help=True,
     pretty_exceptions_enable=False,
-    add_completion=False,
+    add_completion=True,  # typer's own --install-completion / --show-completion
+    cls=HelpGroup,
     context_settings={"help_option_names": ["-h", "--help"]},
 )
 
@@ -44,9 +46,9 @@ def _root(
     """mhla: learn MHLA exactly (Algorithm 1 of Yau et al., NeurIPS 2025) and certify identifiability."""
 
 
-from . import certify, featurize, fit, generate, inspect, predict  # noqa: E402
+from . import certify, convert, featurize, fit, generate, inspect, predict  # noqa: E402
 
-for _module in (generate, featurize, certify, fit, predict, inspect):
+for _module in (generate, convert, featurize, certify, fit, predict, inspect):
     _module.register(app)
 
 
