@@ -26,7 +26,7 @@ from .solve import Certificate, certify
 from .stream import Features, chunk_features
 
 _PARAMS = ("ridge", "heads", "nuclear", "domain", "normalize", "per_position", "weight_decay", "restarts", "seed",
-           "min_eig", "cv")
+           "min_eig", "cv", "device")
 
 
 def _as_tokens(sequences: Any, offsets: Any = None, what: str = "sequences") -> tuple[np.ndarray, np.ndarray]:
@@ -110,7 +110,9 @@ class MHLA:
     `domain` ("full" or "observed": the certificate's domain), `normalize` ("none" or "length"),
     `per_position` (targets per token: every prefix is a sample), `weight_decay`, `restarts`, `seed`
     (factorised fit), `min_eig` (certificate threshold), `cv` (folds for "auto": sample i of the
-    data goes to fold i mod cv, counted across `partial_fit` calls).
+    data goes to fold i mod cv, counted across `partial_fit` calls), `device` ("cpu": numpy, the
+    default; "cuda", "cuda:I" or "torch:cpu": the features, the factorization and the last-token
+    predictions through torch there, float64; mhla_cli.device).
 
     Fitted attributes: `coef_` (d, psi), `W_` (d^2, d^2), `heads_` (Heads), `certificate_`
     (Certificate), `n_samples_`, `features_` (the summed Features, in the whitening of all the
@@ -120,7 +122,7 @@ class MHLA:
     def __init__(self, ridge: float = 0.0, heads: int | str | None = None, nuclear: float | str | None = None,
                  domain: str = "full", normalize: str = "none", per_position: bool = False,
                  weight_decay: float = 0.0, restarts: int = 10, seed: int = 0, min_eig: float = 0.0,
-                 cv: int = 5) -> None:
+                 cv: int = 5, device: str = "cpu") -> None:
         self.ridge = ridge
         self.heads = heads
         self.nuclear = nuclear
@@ -132,6 +134,7 @@ class MHLA:
         self.seed = seed
         self.min_eig = min_eig
         self.cv = cv
+        self.device = device
 
     # ------------------------------------------------------------------ parameters
     def get_params(self, deep: bool = True) -> dict[str, Any]:
@@ -240,7 +243,8 @@ class MHLA:
                    ) -> list[tuple[int, Features]]:
         """Features of the chunk, each part in its own whitening (one part; with 'auto', one part per CV
         fold: sequence i of all those seen -> fold i mod cv)."""
-        kw: dict[str, Any] = {"per_position": bool(self.per_position), "normalize": self.normalize, "basis": "auto"}
+        kw: dict[str, Any] = {"per_position": bool(self.per_position), "normalize": self.normalize, "basis": "auto",
+                              "device": self.device}
         if not self._auto:
             return [(0, chunk_features(tokens, off, y, d, weights=w, **kw))]
         K = int(self.cv)
@@ -270,7 +274,7 @@ class MHLA:
         # the same dispatch as `mhla fit` (mhla_cli.learn)
         model = learn.fit(feats, ridge=float(self.ridge), heads=self.heads, nuclear=self.nuclear,
                           weight_decay=float(self.weight_decay), restarts=int(self.restarts), seed=int(self.seed),
-                          folds=folds)
+                          folds=folds, device=self.device)
         for message in learn.fit_warnings(model.info):
             warnings.warn(message, UserWarning, stacklevel=3)
         heads = learn.export_heads(model)
@@ -279,7 +283,8 @@ class MHLA:
         self.coef_ = model.coef
         self.W_ = model.W
         self.heads_ = heads
-        self.certificate_: Certificate = certify(feats, min_eig=float(self.min_eig), domain=self.domain)
+        self.certificate_: Certificate = certify(feats, min_eig=float(self.min_eig), domain=self.domain,
+                                                      device=self.device)
         self.n_samples_ = int(feats.n_samples)
 
     # ------------------------------------------------------------------ prediction
@@ -298,7 +303,7 @@ class MHLA:
             raise InputError(f"the sequences have d = {tokens.shape[1]} but the model has d = {model.d}")
         if self.per_position:
             return predict_causal(model, tokens, off)
-        return forward_predict(model, tokens, off)  # type: ignore[return-value]
+        return forward_predict(model, tokens, off, device=self.device)  # type: ignore[return-value]
 
     def score(self, sequences: Any, targets: Any, offsets: Any = None, sample_weight: Any = None) -> float:
         """Coefficient of determination R^2, averaged uniformly over the d outputs (as scikit-learn's

@@ -47,9 +47,12 @@ class Factorization:
     direction (n_full = n when there is no such structure).
     """
 
-    def __init__(self, lam: np.ndarray, n_full: int | None = None, scale: float = 1.0) -> None:
+    def __init__(self, lam: np.ndarray, n_full: int | None = None, scale: float = 1.0,
+                 device: str | None = None) -> None:
         self.lam = lam  # the matrix is scale * lam (lam may be the statistics' own array: never written)
         self.scale = float(scale)
+        # device (mhla_cli.device): the decompositions through torch.linalg there (lam copied once)
+        self.device = device
         self.n = int(lam.shape[0])
         self.n_full = self.n if n_full is None else int(n_full)
         self.structure: Any = None  # mhla_cli.structure.Structure of the block, set by solve.factorize
@@ -59,7 +62,7 @@ class Factorization:
     def share(self, n_full: int, structure: Any) -> Factorization:
         """The same block (and its decompositions, computed once) inside another domain of n_full
         features, whose coordinates `structure` maps it to (an orthogonal change of the block's)."""
-        out = Factorization(self.lam, n_full, self.scale)
+        out = Factorization(self.lam, n_full, self.scale, self.device)
         out.structure = structure
         out._c = self._c
         out.seconds = self._c.seconds
@@ -73,6 +76,16 @@ class Factorization:
         finally:
             self._c.seconds[what] = self._c.seconds.get(what, 0.0) + time.perf_counter() - t
 
+    def _on_device(self) -> Any:
+        """The device's copy of lam (device.DeviceMatrix), made once; None on the numpy path."""
+        if self.device is None:
+            return None
+        if self._c._dm is None:
+            from .device import DeviceMatrix
+
+            self._c._dm = DeviceMatrix(self.lam, self.device)
+        return self._c._dm
+
     @property
     def dense(self) -> bool:
         # ARPACK needs room for its Krylov basis: tiny matrices are always decomposed densely
@@ -84,7 +97,10 @@ class Factorization:
             if self._c._we is not None:
                 return self._c._we
             with self._timed("eigenvalues"), _lapack_threads(self.n):
-                self._c._w = _scipy_linalg().eigh(self.lam, eigvals_only=True, check_finite=False) * self.scale
+                dm = self._on_device()
+                w = dm.eigvalsh() if dm is not None else _scipy_linalg().eigh(self.lam, eigvals_only=True,
+                                                                               check_finite=False)
+                self._c._w = w * self.scale
         return self._c._w
 
     def known_eigenvalues(self) -> np.ndarray | None:
@@ -103,7 +119,8 @@ class Factorization:
         """Eigenvalues and orthonormal eigenvectors (computed once)."""
         if self._c._v is None:
             with self._timed("eigenvectors"), _lapack_threads(self.n):
-                w, self._c._v = _scipy_linalg().eigh(self.lam, check_finite=False)
+                dm = self._on_device()
+                w, self._c._v = dm.eigh() if dm is not None else _scipy_linalg().eigh(self.lam, check_finite=False)
                 self._c._we = w * self.scale
         return self._c._we, self._c._v  # type: ignore[return-value]
 
@@ -117,6 +134,10 @@ class Factorization:
         if self.n == 0 or (self._c._lmin is not None and self._c._lmin > threshold) or (
                 self._c._w is not None and self._c._w[0] > threshold):
             return np.zeros(0), np.zeros((self.n, 0))  # the block is positive definite beyond threshold
+        if self.device is not None:  # torch.linalg has no selected eigenvectors: all of them, once
+            w, v = self.eigh()
+            keep = w <= threshold
+            return w[keep], v[:, keep]
         done = [t for t in self._c._null if t >= threshold]
         if done:
             w, v = self._c._null[min(done)]
@@ -137,17 +158,19 @@ class Factorization:
         sl = _scipy_linalg()
         _, N = self.null_space(tol)
         c = max(self.lambda_max(), tol, 1e-300)
-        with self._timed("solve"):
-            try:
-                # N @ (a copy of N^T): a GEMM (numpy turns N @ N.T into a syrk, see POTRF_THREADED_MAX)
-                shifted = N @ np.ascontiguousarray(N.T)
-                shifted *= c / self.scale
-                shifted += self.lam
-                x = sl.cho_solve(cholesky(shifted, overwrite_a=True), rhs, check_finite=False) / self.scale
-                del shifted
-                return x - N @ (N.T @ x)
-            except sl.LinAlgError:
-                pass
+        # (on a device the null space took every eigenvector already: the pseudo-inverse from them)
+        if self.device is None:
+            with self._timed("solve"):
+                try:
+                    # N @ (a copy of N^T): a GEMM (numpy turns N @ N.T into a syrk, see POTRF_THREADED_MAX)
+                    shifted = N @ np.ascontiguousarray(N.T)
+                    shifted *= c / self.scale
+                    shifted += self.lam
+                    x = sl.cho_solve(cholesky(shifted, overwrite_a=True), rhs, check_finite=False) / self.scale
+                    del shifted
+                    return x - N @ (N.T @ x)
+                except sl.LinAlgError:
+                    pass
         w, v = self.eigh()
         keep = w > tol
         return v[:, keep] @ ((v[:, keep].T @ rhs) / w[keep][:, None])
@@ -157,8 +180,10 @@ class Factorization:
             if self.dense or self._c._we is not None:
                 self._c._lmax = float(self.eigenvalues()[-1]) if self.n else 0.0
             else:
+                dm = self._on_device()
                 with self._timed("lanczos"):
-                    self._c._lmax = _lanczos_top(lambda x: self.lam @ x, self.n) * self.scale
+                    mv = dm.matvec if dm is not None else (lambda x: self.lam @ x)
+                    self._c._lmax = _lanczos_top(mv, self.n) * self.scale
         return self._c._lmax
 
     def cholesky(self) -> Any:
@@ -166,7 +191,11 @@ class Factorization:
         if not self._c._chol_tried:
             self._c._chol_tried = True
             sl = _scipy_linalg()
+            dm = self._on_device()
             with self._timed("cholesky"):
+                if dm is not None:
+                    self._c._chol = dm if dm.cholesky() else None
+                    return self._c._chol
                 try:
                     self._c._chol = cholesky(self.lam)
                 except sl.LinAlgError:
@@ -186,7 +215,9 @@ class Factorization:
                 self._c._lmin = float(self.eigenvalues()[0]) if self.n else 0.0
             elif self.cholesky() is not None:
                 with self._timed("lanczos"):
-                    top = _lanczos_top(_inverse_matvec(self._c._chol), self.n)
+                    chol = self._c._chol
+                    inv = chol.inverse_matvec if self.device is not None else _inverse_matvec(chol)
+                    top = _lanczos_top(inv, self.n)
                 self._c._lmin = self.scale / top if top > 0 else float(self.eigh()[0][0])
             else:
                 # not positive definite: the null space will be wanted too, and one eigh with vectors
@@ -208,7 +239,24 @@ class Factorization:
         c = self.cholesky()
         if c is None:
             return None
+        if self.device is not None:
+            return c.solve(rhs) / self.scale
         return _scipy_linalg().cho_solve(c, rhs, check_finite=False) / self.scale
+
+    def ridge_solve(self, rhs: np.ndarray, ridge: float) -> np.ndarray:
+        """(scale lam + ridge I) x = rhs: a Cholesky of that new matrix (least squares if it fails)."""
+        sl = _scipy_linalg()
+        dm = self._on_device()
+        if dm is not None:
+            x = dm.shifted_solve(self.scale, ridge, rhs)
+            if x is not None:
+                return x
+        system = self.lam * self.scale
+        system[np.diag_indices(self.n)] += ridge
+        try:
+            return sl.cho_solve(cholesky(system, overwrite_a=True), rhs, check_finite=False)
+        except sl.LinAlgError:
+            return sl.lstsq(system, rhs, check_finite=False)[0]
 
 
 # OpenBLAS's threaded dsyrk and dpotrf (0.3.30 / 0.3.31 here) segfault for n >= ~16000 with 2 threads
@@ -245,8 +293,9 @@ class _Cache:
         self._w: np.ndarray | None = None  # eigvalsh
         self._we: np.ndarray | None = None  # eigh: values and vectors
         self._v: np.ndarray | None = None
-        self._chol: Any = None
+        self._chol: Any = None  # cho_factor's (c, lower), or the device.DeviceMatrix holding the factor
         self._chol_tried = False
+        self._dm: Any = None  # device.DeviceMatrix of lam
         self._lmax: float | None = None
         self._lmin: float | None = None
         self._null: dict[float, tuple[np.ndarray, np.ndarray]] = {}  # threshold -> eigenpairs <= it

@@ -12,6 +12,7 @@ import h5py
 import numpy as np
 
 from . import formats
+from .device import check_device, predict_last, worker_device
 from .errors import InputError
 from .features import check_normalize, features_from_moments, pair_index
 from .heads import Heads
@@ -44,10 +45,12 @@ def forward_heads(V: np.ndarray, Q: np.ndarray, X: np.ndarray, all_positions: bo
 
 
 def predict_chunk(coef: np.ndarray, tokens: np.ndarray, offsets: np.ndarray,
-                  all_positions: bool = False, normalize: str = "none") -> tuple[np.ndarray, np.ndarray | None]:
+                  all_positions: bool = False, normalize: str = "none",
+                  device: str | None = None) -> tuple[np.ndarray, np.ndarray | None]:
     """Predictions for a chunk: last-token outputs (B, d) and, if asked, every position's (t, d).
 
-    normalize="length" divides each sequence's S by its length (as the model was fitted).
+    normalize="length" divides each sequence's S by its length (as the model was fitted). `device`
+    (mhla_cli.device): the last-token outputs computed there (every position's stay on the CPU).
     """
     d = coef.shape[0]
     if tokens.shape[1] != d:
@@ -55,8 +58,11 @@ def predict_chunk(coef: np.ndarray, tokens: np.ndarray, offsets: np.ndarray,
     S, last = sequence_moments(tokens, offsets)
     if normalize == "length":
         S /= np.diff(np.asarray(offsets, dtype=np.int64)).astype(np.float64)[:, None, None]
-    H = features_from_moments(S, last)
-    pred = H @ coef.T
+    if device is not None:
+        j, k = pair_index(d)
+        pred = predict_last(coef, S[:, j, k], last, device)
+    else:
+        pred = features_from_moments(S, last) @ coef.T
     outputs = None
     if all_positions:
         # Y_t = M_i x_t with M_i[a, l] = sum_{j<=k} p[a,(j,k,l)] S_i[j,k].
@@ -106,12 +112,13 @@ def predict_causal(fn: Model | Heads | np.ndarray, tokens: np.ndarray, offsets: 
 
 
 def predict(fn: Model | Heads | np.ndarray, tokens: np.ndarray, offsets: np.ndarray | None = None,
-            all_positions: bool = False) -> np.ndarray | tuple[np.ndarray, np.ndarray]:
-    """In-memory prediction. tokens (N, n, d), or (T, d) with offsets (N+1,); the model's normalisation."""
+            all_positions: bool = False, device: str | None = None) -> np.ndarray | tuple[np.ndarray, np.ndarray]:
+    """In-memory prediction. tokens (N, n, d), or (T, d) with offsets (N+1,); the model's normalisation.
+    `device` (mhla_cli.device): the last-token outputs computed there."""
     coef = coef_of(fn)
     tokens, offsets = as_ragged(tokens, offsets)
     pred, outputs = predict_chunk(coef, tokens, offsets, all_positions,
-                                  normalize_of(fn))
+                                  normalize_of(fn), device=check_device(device))
     return (pred, outputs) if all_positions else pred
 
 
@@ -160,7 +167,7 @@ def predict_file(fn: Model | Heads, data: str | os.PathLike, out: str | os.PathL
                  progress: Callable[[int], None] | None = None,
                  inputs: tuple[str | os.PathLike, ...] = (), workers: int = 1,
                  map: Callable[..., Any] | None = None,  # noqa: A002
-                 causal: bool = False) -> dict[str, Any]:
+                 causal: bool = False, device: str | None = None) -> dict[str, Any]:
     """Stream predictions over a tokens file; write them to `out` (atomically) if given.
 
     Returns a summary (n_samples, mse when the data have targets); without `out` the summary also
@@ -175,7 +182,9 @@ def predict_file(fn: Model | Heads, data: str | os.PathLike, out: str | os.PathL
     sum_i w_i ||yhat_i - y_i||^2 / (#{i: w_i > 0} d) (fit's train_mse), `n_scored` = #{i: w_i > 0};
     weight-0 sequences are predicted but not scored. Without `causal`, per-position targets give no
     MSE (the predictions are per sequence; use `causal` to score every weighted position).
+    `device` (mhla_cli.device): the last-token predictions on a torch device (float64).
     """
+    device = check_device(device, data)
     if all_positions and causal:
         raise InputError("causal and all_positions cannot be combined: causal is the masked (prefix) "
                          "output at every position, all_positions the unmasked one")
@@ -208,7 +217,7 @@ def predict_file(fn: Model | Heads, data: str | os.PathLike, out: str | os.PathL
             if causal:
                 task = partial(causal_span, coef, winfo, normalize)
             else:
-                task = partial(predict_span, coef, winfo, all_positions, normalize=normalize)
+                task = partial(predict_span, coef, winfo, all_positions, normalize=normalize, device=device)
             for (a, b), (pred, outputs, offsets, part_sse, part_n) in zip(todo, pmap(task, todo)):
                 sse += part_sse
                 count += part_n
@@ -396,7 +405,8 @@ def rollout_file(fn: Model | Heads, data: str | os.PathLike, out: str | os.PathL
 
 
 def predict_span(coef: np.ndarray, info: Any, all_positions: bool, span: tuple[int, int],
-                 normalize: str = "none") -> tuple[np.ndarray, np.ndarray | None, np.ndarray, float, int]:
+                 normalize: str = "none", device: str | None = None
+                 ) -> tuple[np.ndarray, np.ndarray | None, np.ndarray, float, int]:
     """Predictions for samples [lo, hi): (pred (B, d), outputs (t, d) or None, offsets, SSE, count).
 
     With last-token targets the SSE is sum_i w_i ||pred_i - y_i||^2 and count #{i: w_i > 0} (w_i = 1
@@ -408,7 +418,8 @@ def predict_span(coef: np.ndarray, info: Any, all_positions: bool, span: tuple[i
         weights = w[0] if w else None
         check_finite(tokens, offsets, targets, a, info.path)
         check_weights(weights, offsets, a, info.per_position, info.path)
-        pred, outputs = predict_chunk(coef, tokens, offsets, all_positions, normalize)
+        pred, outputs = predict_chunk(coef, tokens, offsets, all_positions, normalize,
+                                      device=None if device is None else worker_device(device))
         sse, count = weighted_sse(pred - targets, weights) if targets is not None else (0.0, 0)
         return pred, outputs, offsets.copy(), sse, count
     raise ValueError("empty span")

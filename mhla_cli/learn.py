@@ -20,15 +20,16 @@ from .stream import Features
 
 def fit(feats: Features, ridge: float = 0.0, heads: int | str | None = None, nuclear: float | str | None = None,
         weight_decay: float = 0.0, restarts: int = 10, seed: int = 0,
-        folds: list[Features] | None = None) -> Model:
+        folds: list[Features] | None = None, device: str | None = None) -> Model:
     """Fit a model from the statistics `feats`.
 
     heads=H (or "auto") and nuclear=LAMBDA (or "auto") select the low-rank fits (mhla_cli.lowrank);
     "auto" needs `folds`, the statistics of K disjoint parts of the data (mhla_cli.folds). The model
-    records the normalisation of the statistics.
+    records the normalisation of the statistics. `device` (mhla_cli.device): where the least-squares
+    factorization runs (the low-rank fits run on the CPU).
     """
     if heads is None and nuclear is None:
-        model = solve.fit(feats, ridge=ridge)
+        model = solve.fit(feats, ridge=ridge, device=device)
     else:
         if ridge > 0:
             raise InputError("the ridge penalty applies to the least-squares fit; the low-rank fits take "

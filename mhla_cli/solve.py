@@ -10,10 +10,11 @@ from typing import Any
 import numpy as np
 
 from . import basis as basis_mod
+from . import device as device_mod
 from . import structure as structure_mod
 from .basis import kron_congruence, orth_pair_map
 from .errors import InputError
-from .factorization import Factorization, cholesky
+from .factorization import Factorization
 from .features import feature_index, pair_index
 from .stats import Features
 from .heads import W_from_p
@@ -110,14 +111,18 @@ def domain_map(feats: Features, domain: str) -> tuple[np.ndarray | None, int, in
     return basis_mod.coef_from_basis(A, T), r, s  # T_b @ M_A
 
 
-def factorize(feats: Features, domain: str = "full") -> Factorization:
+def factorize(feats: Features, domain: str = "full", device: str | None = None) -> Factorization:
     """The factorization of the canonical Lambda~ (or its observed-domain restriction), computed once
     per Features and domain and shared by certify, fit, `certify --on` and the witness.
+
+    `device` (mhla_cli.device): where a new factorization runs (torch.linalg; its free memory is
+    checked first); one already computed is reused wherever it ran.
 
     Only the block of Lambda~ on the data's spans is factorized (mhla_cli.structure): `fac.structure`
     maps its coordinates to the domain's features, and the directions outside it are exact zeros.
     """
     check_domain(domain)
+    device = device_mod.check_device(device)
     feats.canonical()
     cache = feats.factor_cache
     if domain in cache:
@@ -129,10 +134,11 @@ def factorize(feats: Features, domain: str = "full") -> Factorization:
         if feats.reduced:  # featurize held only the block on the data's spans
             st = structure_mod.Structure(_complete(feats.span_pairs), _complete(feats.span_last),
                                          feats.span_pairs.shape[1], feats.span_last.shape[1])
-            fac = Factorization(gram_b, st.n_full, scale)
+            fac = Factorization(gram_b, st.n_full, scale, device)
         else:
             st = find_structure(gram_b, d)
-            fac = Factorization(st.compress(gram_b), st.n_full, scale)
+            fac = Factorization(st.compress(gram_b), st.n_full, scale, device)
+        _check_device_memory(fac)
         fac.structure = st
         cache["full"] = fac
     full = cache["full"]
@@ -150,10 +156,20 @@ def factorize(feats: Features, domain: str = "full") -> Factorization:
                                                full.structure.a, full.structure.b)
                 cache[domain] = full.share(st_o.n_full, st_o)
             else:
-                fac = Factorization(kron_congruence(R1, R2, full.lam), st_o.n_full, full.scale)
+                fac = Factorization(kron_congruence(R1, R2, full.lam), st_o.n_full, full.scale, device)
                 fac.structure = st_o
+                _check_device_memory(fac)
                 cache[domain] = fac
     return cache[domain]
+
+
+# psi x psi float64 matrices a factorization holds on a device: the matrix, its Cholesky factor or
+# eigenvectors, and torch.linalg's work (eigh: about one more)
+DEVICE_COPIES = 3
+
+
+def _check_device_memory(fac: Factorization) -> None:
+    device_mod.check_device_memory(fac.device, DEVICE_COPIES * 8 * fac.n ** 2, f"the factorization of {fac.n} features")
 
 
 def _orthogonal(R: np.ndarray) -> bool:
@@ -232,7 +248,7 @@ class Certificate:
         }
 
 
-def certify(feats: Features, min_eig: float = 0.0, domain: str = "full") -> Certificate:
+def certify(feats: Features, min_eig: float = 0.0, domain: str = "full", device: str | None = None) -> Certificate:
     """Certify that the data determine the learned function (on R^d, or on the observed subspaces).
 
     The eigenvalues are those of the canonical Lambda~ = (1/N) sum Ht Ht^T: the features of the
@@ -242,12 +258,12 @@ def certify(feats: Features, min_eig: float = 0.0, domain: str = "full") -> Cert
     numbers and the verdict do not depend on the units of the tokens.
     `null_vectors` span the null space: for the full domain in the tokens' own feature coordinates
     (orthonormal columns), for the observed domain in the observed-domain coordinates (map them with
-    `domain_map(feats, "observed")[0].T`).
+    `domain_map(feats, "observed")[0].T`). `device`: where the factorization runs (mhla_cli.device).
     """
     if min_eig < 0 or not np.isfinite(min_eig):
         raise InputError(f"min_eig must be a finite number >= 0, got {min_eig}")
     A, _, _ = feats.solver_stats()
-    fac = factorize(feats, domain)
+    fac = factorize(feats, domain, device)
     full = domain == "full"
     r, s = (feats.d, feats.d) if full else tuple(b.shape[1] for b in _observed_bases_b(feats))
     m = fac.n_full
@@ -396,7 +412,7 @@ def _feature_names(d: int, cert: Certificate, full: bool) -> list[str]:
 # --------------------------------------------------------------------------------------------
 
 
-def fit(feats: Features, ridge: float = 0.0) -> Model:
+def fit(feats: Features, ridge: float = 0.0, device: str | None = None) -> Model:
     """Least squares over p on the sufficient statistics (Algorithm 1, step 1), in the canonical basis.
 
     Solves (Lambda~ + ridge I) p_b^T = m~ with Lambda~ = gram_b / N and m~ = moments_b / N the
@@ -404,20 +420,18 @@ def fit(feats: Features, ridge: float = 0.0) -> Model:
     ridge = 0 and a singular Lambda~ it returns the minimum-norm p_b (pseudo-inverse with the
     certificate's numerical tolerance). The ridge and the minimum norm are taken in the canonical
     coordinates, so the learned function does not depend on the units of the tokens, and `ridge` is
-    in the units of the certificate's lambda_max.
+    in the units of the certificate's lambda_max. `device`: where the factorization runs (mhla_cli.device).
     """
     if not feats.has_targets:
         raise InputError("the data have no 'targets': fit needs (X, y) pairs")
     if ridge < 0 or not np.isfinite(ridge):
         raise InputError(f"ridge must be a finite number >= 0, got {ridge}")
-    import scipy.linalg
-
     A, _, moments_b = feats.solver_stats()
     N = feats.n_samples
     psi = feats.n_features
-    fac = factorize(feats, "full")
+    fac = factorize(feats, "full", device)
     st = fac.structure
-    lam = fac.lam  # the block on the data's spans (mhla_cli.structure): the moments lie in its range
+    # the factorized block on the data's spans (mhla_cli.structure): the moments lie in its range
     rhs = moments_b / N if feats.reduced else st.restrict(moments_b / N)
     lmax = fac.lambda_max()
     tol = numerical_tolerance(lmax, psi)
@@ -425,14 +439,7 @@ def fit(feats: Features, ridge: float = 0.0) -> Model:
     t_solve = time.perf_counter()
     sol = None
     if ridge > 0:
-        sl = scipy.linalg
-        system = lam * fac.scale
-        system[np.diag_indices(fac.n)] += ridge
-        try:
-            sol = sl.cho_solve(cholesky(system, overwrite_a=True), rhs, check_finite=False)
-        except sl.LinAlgError:
-            sol = sl.lstsq(system, rhs, check_finite=False)[0]
-        del system
+        sol = fac.ridge_solve(rhs, ridge)
     elif fac.block_lambda_min() > tol:
         # The block is positive definite: a solve with the certificate's Cholesky factor.
         sol = fac.solve(rhs)

@@ -24,6 +24,7 @@ from typing import Any
 import numpy as np
 
 from . import basis as basis_mod
+from . import device as device_mod
 from . import formats
 from . import parallel
 from . import structure as structure_mod
@@ -213,7 +214,7 @@ class _Accumulator:
 
     def __init__(self, d: int, has_targets: bool, basis: np.ndarray | None = None, causal: bool = False,
                  normalize: str = "none", spans: tuple[np.ndarray, np.ndarray] | None = None,
-                 traces: bool = False) -> None:
+                 traces: bool = False, device: str | None = None) -> None:
         self.causal = causal  # per-position data: every prefix is a sample (see _add_rows)
         self.normalize = normalize
         self.n_sequences = 0
@@ -232,6 +233,10 @@ class _Accumulator:
         self.has_targets = has_targets
         self.width = self.nf + (d if has_targets else 0)
         self.G: np.ndarray | None = None
+        # device (mhla_cli.device): the features and their Gram on a torch device; the token-side
+        # work (S, the token Grams, the traces of a span pass) stays here
+        self.device = None if traces else device
+        self._dgram: Any = None
         self._bufs: dict[str, np.ndarray] = {}
         j, k = pair_index(d)
         self._upper_idx = (j * d + k).astype(np.intp)
@@ -355,9 +360,6 @@ class _Accumulator:
             else:
                 Xb = self._tokens(tokens, check, None, offsets[1:] - 1, None)
                 S, last = sequence_moments(Xb, offsets, out=self._buf("S", B, (d, d)))
-            # The block is built transposed, Ft = [Ht | Y]^T (psi + d, B): every elementwise loop
-            # then runs over the B samples of the chunk (long, contiguous) instead of over d.
-            Ft = self._buf_t("F", self.width, B)
             # gather the distinct entries row-wise (contiguous), then transpose: ~10x faster than a
             # strided gather from the transposed view
             upper_rows = np.take(S.reshape(B, d * d), self._upper_idx, axis=1, out=self._buf("Ur", B, (psi // d,)))
@@ -365,10 +367,7 @@ class _Accumulator:
             np.multiply(upper_rows.T, self._scale[:, None], out=upper)  # canonical coordinates D upper(S)
             last_t = self._buf_t("L", d, B)
             last_t[...] = last.T
-            self._fill(Ft, upper, last_t)
-            if targets is not None:
-                Ft[self.nf:] = targets.T
-        self._syrk(Ft)
+            self._emit(upper, last_t, None if targets is None else targets.T)
         self.n_sequences += B
         self.n_samples += B
         self.n_tokens += int(offsets[-1])
@@ -422,23 +421,40 @@ class _Accumulator:
                     upper /= (lens if keep is None else lens[keep])[:, None]
             if R:
                 sw = None if w is None else np.sqrt(w)
-                Ft = self._buf_t("F", self.width, R)
                 upper_t = self._buf_t("U", psi // d, R)
                 upper_t[...] = upper.T
                 last_t = self._buf_t("L", d, R)
                 last_t[...] = last.T
                 if sw is not None:
                     last_t *= sw  # sqrt(w) h = S (sqrt(w) x): the syrk then sums w h h^T
-                self._fill(Ft, upper_t, last_t)
+                y_t = None
                 if targets is not None:
-                    Ft[self.nf:] = targets.T
-                    if sw is not None:
-                        Ft[self.nf:] *= sw
-        if R:
-            self._syrk(Ft)
+                    y_t = targets.T if sw is None else targets.T * sw
+                self._emit(upper_t, last_t, y_t)
         self.n_samples += R
         self.n_tokens += T
         self.n_sequences += B
+
+    def _emit(self, upper_t: np.ndarray, last_t: np.ndarray, targets_t: np.ndarray | None) -> None:
+        """Add the rows' block [Ht | Y] to the Gram: upper_t (q, R) canonical S entries, last_t (d, R),
+        targets_t (d, R) or None. On the host the block is built transposed, Ft = [Ht | Y]^T
+        (psi + d, R), so that every elementwise loop runs over the R samples of the chunk (long,
+        contiguous) instead of over d, then one syrk; on a device (`device.DeviceGram`) it is built
+        there."""
+        if self.device is not None:
+            if self._dgram is None:
+                from .device import DeviceGram
+
+                self._dgram = DeviceGram(self.device, self.width, self.nf, self.spans)
+            if self.width:
+                self._dgram.add(upper_t, last_t, targets_t)
+            return
+        Ft = self._buf_t("F", self.width, upper_t.shape[1])
+        self._fill(Ft, upper_t, last_t)
+        if targets_t is not None and self.traces is None:
+            Ft[self.nf:] = targets_t
+        if self.traces is None:
+            self._syrk(Ft)
 
     def _fill(self, Ft: np.ndarray, upper_t: np.ndarray, last_t: np.ndarray) -> None:
         """Ft[:nf] = the features of the rows, transposed: upper_t (q, R) canonical, last_t (d, R)."""
@@ -495,6 +511,9 @@ class _Accumulator:
         """
         self._bufs.clear()
         psi, d = self.nf, self.d  # the features accumulated (all psi, or the block on the spans)
+        if self._dgram is not None:
+            self.G = self._dgram.result()
+            self._dgram = None
         G = self.G if self.G is not None else np.zeros((self.width, self.width))
         self.G = None
         _mirror_lower(G)
@@ -544,22 +563,25 @@ def _compact_leading(G: np.ndarray, n: int, rows: int = 256) -> np.ndarray:
 
 def chunk_features(tokens: np.ndarray, offsets: np.ndarray, targets: np.ndarray | None, d: int,
                    weights: np.ndarray | None = None, per_position: bool = False,
-                   normalize: str = "none", basis: np.ndarray | str | None = "auto") -> Features:
+                   normalize: str = "none", basis: np.ndarray | str | None = "auto",
+                   device: str | None = None) -> Features:
     """Statistics of one in-memory chunk (tokens (t, d), offsets from 0, targets (B, d) or None).
 
     With `per_position` every prefix is a sample: targets (t, d), weights (t,); otherwise targets
     (B, d), weights (B,). `normalize="length"` divides S by the prefix / sequence length.
     `basis`: the basis accumulated in ("auto": the whitening of the chunk's own tokens; an array;
     None or "identity": the tokens' own coordinates); the result is then changed exactly to the
-    whitening of the chunk's token Gram (`Features.canonical`).
+    whitening of the chunk's token Gram (`Features.canonical`). `device` (mhla_cli.device): where the
+    features and their Gram are built.
     """
     check_normalize(normalize)
+    device = device_mod.check_device(device)
     tokens = np.asarray(tokens)
     basis = _basis_option(basis, d, None)
     if basis is None:
         X = tokens.astype(np.float64)
         basis = basis_mod.whitening(X.T @ X, X.shape[0])
-    acc = _Accumulator(d, targets is not None, basis, causal=per_position, normalize=normalize)
+    acc = _Accumulator(d, targets is not None, basis, causal=per_position, normalize=normalize, device=device)
     acc.add(tokens, np.asarray(offsets, dtype=np.int64),
             None if targets is None else np.asarray(targets, dtype=np.float64),
             weights=None if weights is None else np.asarray(weights, dtype=np.float64))
@@ -621,6 +643,15 @@ def chunk_buffer_bytes(info: TokensInfo, chunk_size: int | None = None) -> int:
     return int(rows * _sample_bytes(info) * 1.25) + panel
 
 
+def device_pass_bytes(info: TokensInfo, chunk_size: int | None = None, block: int | None = None) -> int:
+    """Bytes a pass holds on a device (`device.DeviceGram`): the Gram of [Ht | Y] and a chunk's block."""
+    W = (n_features(info.d) if block is None else block) + (info.d if info.has_targets else 0)
+    rows = min(chunk_size or default_chunk_size(info), info.n_samples)
+    if getattr(info, "per_position", False):
+        rows = int(rows * max(1.0, info.n_tokens / info.n_samples))
+    return 8 * W * W + 2 * 8 * W * rows + 64 * 2**20
+
+
 def featurize_need(info: TokensInfo, chunk_size: int | None = None, workers: int = 1,
                    derive: bool = True, block: int | None = None) -> Callable[[int], int]:
     """need(d): the peak bytes of featurizing `info` with its dimension set to d (memory.check_memory).
@@ -654,7 +685,7 @@ def _add_chunks(acc: _Accumulator, info: TokensInfo, span: tuple[int, int], chun
 def reduce_span(info: TokensInfo, span: tuple[int, int], chunk_size: int | None = None,
                 progress: Callable[[int], None] | None = None, prefetch: bool = True,
                 normalize: str = "none", basis: np.ndarray | None = None, finalize: bool = True,
-                spans: tuple[np.ndarray, np.ndarray] | None = None) -> Features:
+                spans: tuple[np.ndarray, np.ndarray] | None = None, device: str | None = None) -> Features:
     """Statistics of samples [lo, hi) of the tokens file `info.path` (opened here, read in chunks).
 
     This is the one chunk reduction of mhla: the serial loop, worker pools, Dask and shards all
@@ -665,11 +696,14 @@ def reduce_span(info: TokensInfo, span: tuple[int, int], chunk_size: int | None 
     sums of a larger reduction add exactly); otherwise they are changed to the whitening of the
     span's tokens and the own-coordinate sums derived. `spans` (E, F) in the canonical coordinates of
     `basis`: accumulate only the block on the data's spans (mhla_cli.structure, `find_spans`).
+    `device` (mhla_cli.device): build the features and their Gram there ("cuda" in a worker process:
+    one GPU per worker); the result is the same float64 Features.
     """
     lo, hi = span
     per_position = getattr(info, "per_position", False)
+    device = device_mod.worker_device(device)
     acc = _Accumulator(info.d, info.has_targets, basis, causal=per_position, normalize=check_normalize(normalize),
-                       spans=spans)
+                       spans=spans, device=device)
     _add_chunks(acc, info, span, chunk_size, progress, prefetch)
     total = acc.result(info.dtype)
     check_overflow(total, f"samples {lo}..{hi}", info.path)
@@ -706,7 +740,7 @@ def reduce_spans(info: TokensInfo, span_list: Sequence[tuple[int, int]],
                  chunk_size: int | None = None,
                  progress: Callable[[int], None] | None = None, normalize: str = "none",
                  basis: np.ndarray | None = None, finalize: bool = True,
-                 spans: tuple[np.ndarray, np.ndarray] | None = None) -> Features:
+                 spans: tuple[np.ndarray, np.ndarray] | None = None, device: str | None = None) -> Features:
     """Sum of `reduce_span` over `span_list`, evaluated with `map` (builtin, a pool's, Dask's).
 
     `map(fn, spans)` may also yield partial sums (Dask tree-reduces on the cluster); the parts are
@@ -714,7 +748,7 @@ def reduce_spans(info: TokensInfo, span_list: Sequence[tuple[int, int]],
     """
     total: Features | None = None
     for part in map(partial(reduce_span, info, chunk_size=chunk_size, normalize=normalize, basis=basis,
-                            finalize=False, spans=spans), span_list):
+                            finalize=False, spans=spans, device=device), span_list):
         if total is None:
             total = part  # each part is a fresh result: sum into it
         else:
@@ -744,7 +778,7 @@ def featurize(path: str | os.PathLike, chunk_size: int | None = None,
               map: Callable[..., Iterable[Features]] | None = None,  # noqa: A002
               progress: Callable[[int], None] | None = None,
               workers: int = 1, scheduler: str | None = None, normalize: str = "none",
-              basis: np.ndarray | str | None = "auto", spans: str = "auto") -> Features:
+              basis: np.ndarray | str | None = "auto", spans: str = "auto", device: str | None = None) -> Features:
     """Sufficient statistics of a tokens file, streamed in chunks of `chunk_size` samples.
 
     `shard=(i, M)` restricts to the i-th (0-based) of M contiguous sample ranges. Parallelism:
@@ -759,9 +793,14 @@ def featurize(path: str | os.PathLike, chunk_size: int | None = None,
     sums are changed exactly to its whitening when that change is well conditioned
     (cond <= basis.CHANGE_COND), and otherwise the pass is redone in that whitening. The result is
     always in the whitening of its own data (`Features.canonical`).
+
+    `device` (mhla_cli.device: "cpu" / None numpy, "cuda", "cuda:I", "torch:cpu"): where the features
+    and their Gram are built (with workers, "cuda" gives each worker one GPU in turn); its free memory
+    is checked before the pass.
     """
     check_normalize(normalize)
     check_spans(spans)
+    device = device_mod.check_device(device, path)
     info = inspect_tokens(path)
     serial = map is None and workers <= 1 and scheduler is None
     # every feature for sure: refused before any work (a pool's workers are counted once it is made);
@@ -778,6 +817,7 @@ def featurize(path: str | os.PathLike, chunk_size: int | None = None,
     found, A, span_passes = find_spans(info, A, (lo, hi), size, normalize, spans)
     if serial and not whole:
         check_memory(info.d, path=path, need=featurize_need(info, chunk_size, block=_block(found)), what="featurize")
+    device_mod.check_device_memory(device, device_pass_bytes(info, size, _block(found)), "featurize", path)
 
     def spans_in(A_run: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
         """The spans in the canonical coordinates of the basis A_run (a redone pass changes it)."""
@@ -790,7 +830,7 @@ def featurize(path: str | os.PathLike, chunk_size: int | None = None,
 
         def run(A: np.ndarray) -> Features:
             return reduce_span(info, (lo, hi), size, progress=progress, normalize=normalize, basis=A,
-                               finalize=False, spans=spans_in(A))
+                               finalize=False, spans=spans_in(A), device=device)
         feats = _in_whitening(run, A)
     else:
         with parallel.make_map(workers=workers, scheduler=scheduler, map=map) as pmap:
@@ -803,7 +843,8 @@ def featurize(path: str | os.PathLike, chunk_size: int | None = None,
 
             def run(A: np.ndarray) -> Features:
                 return reduce_spans(winfo, spans_, map=pmap, chunk_size=size, progress=progress,
-                                    normalize=normalize, basis=A, finalize=False, spans=spans_in(A))
+                                    normalize=normalize, basis=A, finalize=False, spans=spans_in(A),
+                                    device=device)
             feats = _in_whitening(run, A)
     feats.extra_attrs["span_passes"] = span_passes
     if feats.n_samples == 0:
@@ -965,8 +1006,8 @@ def check_solve_memory(path: str | os.PathLike, what: str, ridge: float = 0.0, l
 
 
 def load_features(path: str | os.PathLike, chunk_size: int | None = None, normalize: str | None = None,
-                  progress: Callable[[int], None] | None = None) -> Features:
-    """The statistics of a features file, or of a tokens file (featurized here, streamed).
+                  progress: Callable[[int], None] | None = None, device: str | None = None) -> Features:
+    """The statistics of a features file, or of a tokens file (featurized here, streamed, on `device`).
 
     `normalize` (if given) must match a features file's normalisation, and is applied to a tokens file.
     """
@@ -980,6 +1021,7 @@ def load_features(path: str | os.PathLike, chunk_size: int | None = None, normal
                              "featurize it again with the normalisation wanted", path)
         return feats
     if kind == "tokens":
-        return featurize(path, chunk_size=chunk_size, progress=progress, normalize=normalize or "none")
+        return featurize(path, chunk_size=chunk_size, progress=progress, normalize=normalize or "none",
+                         device=device)
     raise InputError(f"is a {kind} file, expected a tokens or features file", path)
 

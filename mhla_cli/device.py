@@ -1,0 +1,255 @@
+"""Where the psi x psi work runs: numpy on the CPU (the default) or torch on a device (the `gpu` extra).
+
+Spellings of `device` (CLI `--device`, library `device=`):
+
+- "cpu" or None: numpy / SciPy on the CPU, the default;
+- "cuda" or "cuda:I": torch on a CUDA GPU (with several workers each takes one, `worker_device`);
+- "torch:cpu": the torch path on the CPU. Numerically it is the GPU path (same code, same float64
+  operations), so the tests and a machine without a GPU can check it.
+
+Everything the device computes is float64: the Gram accumulates float64 GEMMs (TF32 and reduced
+precision only ever apply to float32 / half inputs, and none reach the device), the factorizations are
+torch.linalg's float64 ones, and every result comes back as float64 numpy, the same `Features`,
+eigenvalues and solutions as the numpy path.
+
+The device holds the reduction's Gram (`DeviceGram`: features built from each chunk's S entries and
+last tokens on the device, one GEMM per chunk) and the factorization's matrix (`DeviceMatrix`).
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import threading
+from typing import Any
+
+import numpy as np
+
+from .errors import InputError
+
+DEVICES_HELP = "cpu (numpy, the default), cuda, cuda:I (torch on a GPU), torch:cpu (the torch path on the CPU)"
+
+
+def _torch() -> Any:
+    try:
+        import torch
+    except ImportError:
+        raise InputError("this device needs PyTorch, which is not installed: install the project's `gpu` "
+                         "extra (pip install -e '.[gpu]' from a clone) or torch itself") from None
+    return torch
+
+
+def check_device(device: str | None, path: str | os.PathLike | None = None) -> str | None:
+    """Validate a device spelling before any work: None for numpy on the CPU, else the spelling.
+
+    "cuda" without torch, without a CUDA GPU or with an index beyond the GPUs is an InputError.
+    """
+    if device is None or device == "cpu":
+        return None
+    if not isinstance(device, str):
+        raise InputError(f"device must be a string ({DEVICES_HELP}), got {device!r}", path)
+    if device == "torch:cpu":
+        _torch()
+        return device
+    index = None
+    if device.startswith("cuda:"):
+        tail = device[5:]
+        if not tail.isdigit():
+            raise InputError(f"unknown device {device!r}: expected {DEVICES_HELP}", path)
+        index = int(tail)
+    elif device != "cuda":
+        raise InputError(f"unknown device {device!r}: expected {DEVICES_HELP}", path)
+    torch = _torch()
+    if not torch.cuda.is_available():
+        raise InputError(f"device {device!r}: no CUDA GPU is available to PyTorch "
+                         f"(torch {torch.__version__}, built with CUDA {torch.version.cuda})", path)
+    count = torch.cuda.device_count()
+    if index is not None and index >= count:
+        raise InputError(f"device {device!r}: there are {count} CUDA GPUs (cuda:0..cuda:{count - 1})", path)
+    return device
+
+
+def torch_device(device: str) -> Any:
+    """The torch.device of a checked spelling ("torch:cpu" -> cpu)."""
+    torch = _torch()
+    return torch.device("cpu" if device == "torch:cpu" else device)
+
+
+_WORKERS: dict[tuple[int, int], int] = {}
+_WORKERS_LOCK = threading.Lock()
+
+
+def worker_device(device: str | None) -> str | None:
+    """The device of the calling worker: "cuda" gives each worker (a thread or process of a pool, a Dask
+    worker) one GPU, in turn in the order they first ask; the main thread takes the first."""
+    if device != "cuda":
+        return device
+    count = _torch().cuda.device_count()
+    if count <= 1:
+        return device
+    if threading.current_thread() is threading.main_thread() and mp.parent_process() is None:
+        return "cuda:0"
+    key = (os.getpid(), threading.get_ident())
+    with _WORKERS_LOCK:
+        worker = _WORKERS.setdefault(key, len(_WORKERS))
+    return f"cuda:{worker % count}"
+
+
+def free_bytes(device: str) -> int | None:
+    """The device's free memory in bytes (None on the CPU: the host's memory check applies)."""
+    dev = torch_device(device)
+    if dev.type != "cuda":
+        return None
+    free, _total = _torch().cuda.mem_get_info(dev)
+    return int(free)
+
+
+def check_device_memory(device: str | None, need: int, what: str, path: str | os.PathLike | None = None) -> None:
+    """Refuse up front a job whose device arrays (`need` bytes) exceed the device's free memory."""
+    if device is None:
+        return
+    free = free_bytes(device)
+    if free is not None and need > free:
+        raise InputError(f"{what} needs about {need / 2**30:.1f} GiB on {device}, more than its "
+                         f"{free / 2**30:.1f} GiB of free memory", path)
+
+
+class DeviceGram:
+    """The Gram of a reduction's [Ht | Y] block on a device, built chunk by chunk.
+
+    Per chunk the host sends the transposed canonical S entries (q, R), last tokens (d, R) and targets
+    (d, R) (through two alternating pinned buffers on a GPU, copied asynchronously, so that the host
+    reads and prepares the next chunk while the device works); the device forms the features
+    H_(j,k,l) = S[j,k] x_n[l] (BACKGROUND.md, "Why learning it is a linear regression"), on the
+    data's spans E^T s (x) F^T x_n when given, and adds Ft Ft^T with one float64 GEMM.
+    """
+
+    def __init__(self, device: str, width: int, nf: int, spans: tuple[np.ndarray, np.ndarray] | None = None) -> None:
+        torch = self._t = _torch()
+        self.dev = torch_device(device)
+        self.width, self.nf = int(width), int(nf)
+        self.G = torch.zeros((self.width, self.width), dtype=torch.float64, device=self.dev)
+        self.spans = None if spans is None else tuple(
+            torch.as_tensor(np.ascontiguousarray(m, dtype=np.float64)).to(self.dev) for m in spans)
+        self._pin = self.dev.type == "cuda"
+        self._slots: list[dict[str, Any]] = [{}, {}]  # alternating pinned staging buffers
+        self._events: list[Any] = [None, None]
+        self._turn = 0
+
+    def _send(self, slot: dict[str, Any], name: str, a: np.ndarray) -> Any:
+        """A float64 host array on the device (through a pinned buffer on a GPU)."""
+        t = self._t
+        if not self._pin:
+            return t.from_numpy(np.ascontiguousarray(a, dtype=np.float64)).to(self.dev)
+        buf = slot.get(name)
+        if buf is None or buf.numel() < a.size:
+            buf = slot[name] = t.empty(max(a.size, 1), dtype=t.float64, pin_memory=True)
+        host = buf[:a.size].view(a.shape)
+        host.numpy()[...] = a
+        return host.to(self.dev, non_blocking=True)
+
+    def add(self, upper_t: np.ndarray, last_t: np.ndarray, targets_t: np.ndarray | None) -> None:
+        """G += Ft Ft^T for the chunk's rows: upper_t (q, R) canonical S entries, last_t (d, R)
+        (sqrt(w) x for weighted rows), targets_t (d, R) or None (already weighted)."""
+        t = self._t
+        R = upper_t.shape[1]
+        if R == 0:
+            return
+        k = self._turn
+        self._turn = 1 - k
+        if self._events[k] is not None:
+            self._events[k].synchronize()  # the slot's previous copies have left its pinned buffers
+        slot = self._slots[k]
+        u = self._send(slot, "u", upper_t)
+        x = self._send(slot, "x", last_t)
+        y = None if targets_t is None else self._send(slot, "y", targets_t)
+        if self._pin:
+            self._events[k] = t.cuda.Event()
+            self._events[k].record()
+        if self.spans is not None:
+            u, x = self.spans[0].T @ u, self.spans[1].T @ x
+        Ft = t.empty((self.width, R), dtype=t.float64, device=self.dev)
+        t.mul(u[:, None, :], x[None, :, :], out=Ft[:self.nf].view(u.shape[0], x.shape[0], R))
+        if y is not None:
+            Ft[self.nf:] = y
+        self.G.addmm_(Ft, Ft.T)  # one float64 GEMM (torch has no syrk: twice its flops)
+
+    def result(self) -> np.ndarray:
+        """The Gram as a float64 host array (the device's copy released)."""
+        G = self.G.cpu().numpy()
+        self.G = None
+        return G
+
+
+class DeviceMatrix:
+    """A symmetric float64 matrix on a device and the factorizations mhla_cli.factorization asks of it."""
+
+    def __init__(self, a: np.ndarray, device: str) -> None:
+        torch = self._t = _torch()
+        self.dev = torch_device(device)
+        # on the CPU this shares a's memory: it is only read
+        self.a = torch.as_tensor(np.asarray(a, dtype=np.float64)).to(self.dev)
+        self._L: Any = None
+
+    def eigvalsh(self) -> np.ndarray:
+        return self._t.linalg.eigvalsh(self.a).cpu().numpy()
+
+    def eigh(self) -> tuple[np.ndarray, np.ndarray]:
+        w, v = self._t.linalg.eigh(self.a)
+        return w.cpu().numpy(), v.cpu().numpy()
+
+    def matvec(self, x: np.ndarray) -> np.ndarray:
+        return (self.a @ self._t.from_numpy(np.ascontiguousarray(x, dtype=np.float64)).to(self.dev)).cpu().numpy()
+
+    def cholesky(self) -> bool:
+        """Factor a = L L^T; False when it is not numerically positive definite."""
+        L, info = self._t.linalg.cholesky_ex(self.a)
+        if int(info) != 0 or not bool(self._t.isfinite(L.diagonal()).all()):
+            return False
+        self._L = L
+        return True
+
+    def solve(self, rhs: np.ndarray) -> np.ndarray:
+        """a^-1 rhs through the Cholesky factor."""
+        b = self._t.from_numpy(np.ascontiguousarray(rhs, dtype=np.float64)).to(self.dev)
+        vec = b.ndim == 1
+        x = self._t.cholesky_solve(b[:, None] if vec else b, self._L)
+        return (x[:, 0] if vec else x).cpu().numpy()
+
+    def inverse_matvec(self, x: np.ndarray) -> np.ndarray:
+        """a^-1 x by two triangular solves with the factor (Lanczos on the inverse)."""
+        t = self._t
+        b = t.from_numpy(np.ascontiguousarray(x, dtype=np.float64)).to(self.dev)[:, None]
+        z = t.linalg.solve_triangular(self._L, b, upper=False)
+        return t.linalg.solve_triangular(self._L.T, z, upper=True)[:, 0].cpu().numpy()
+
+
+    def shifted_solve(self, scale: float, shift: np.ndarray | float, rhs: np.ndarray) -> np.ndarray | None:
+        """(scale a + shift) x = rhs by a Cholesky of a new device matrix (`shift` a matrix, or a
+        number added to the diagonal); None when it is not numerically positive definite."""
+        t = self._t
+        m = DeviceMatrix.__new__(DeviceMatrix)
+        m._t, m.dev, m._L = t, self.dev, None
+        m.a = self.a * scale  # a new array: `a` itself is never written (it may share the host's memory)
+        if np.isscalar(shift):
+            m.a.diagonal().add_(float(shift))  # type: ignore[arg-type]
+        else:
+            m.a.add_(t.as_tensor(np.asarray(shift, dtype=np.float64)).to(self.dev))
+        return m.solve(rhs) if m.cholesky() else None
+
+
+def predict_last(coef: np.ndarray, upper: np.ndarray, last: np.ndarray, device: str) -> np.ndarray:
+    """Last-token predictions H coef^T on the device without forming H: upper (B, q) the S entries
+    j <= k, last (B, d), coef (d, psi) in the features' (pair, l) order; returns (B, d) float64.
+
+    pred[b, a] = sum_l (sum_p upper[b, p] coef[a, p, l]) last[b, l]: one GEMM (B x q) (q x d^2), then
+    a batched contraction with the last tokens."""
+    t = _torch()
+    dev = torch_device(device)
+    d = coef.shape[0]
+    q = upper.shape[1]
+    P = t.as_tensor(np.ascontiguousarray(coef, dtype=np.float64)).to(dev).reshape(d, q, d)
+    U = t.as_tensor(np.ascontiguousarray(upper, dtype=np.float64)).to(dev)
+    x = t.as_tensor(np.ascontiguousarray(last, dtype=np.float64)).to(dev)
+    M = (U @ P.permute(1, 0, 2).reshape(q, d * d)).reshape(-1, d, d)  # M[b, a, l]
+    return t.bmm(M, x[:, :, None])[:, :, 0].cpu().numpy()

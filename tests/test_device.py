@@ -1,0 +1,153 @@
+"""The torch device path (mhla_cli.device) against the numpy path, on the CPU ("torch:cpu").
+
+"torch:cpu" runs the GPU path's code (features and Gram built by torch, factorizations by torch.linalg)
+on the CPU; every result must equal the numpy path's to 1e-12 relative: gram, moments, lambda_min,
+the learned p and the predictions, for dense, ragged, per-position, weighted and length-normalised
+data, on the full statistics and on the data's spans. Skipped without torch.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import h5py
+import numpy as np
+import pytest
+
+from mhla_cli import device as device_mod
+from mhla_cli import factorization, forward, solve, stream
+from mhla_cli.cli import main
+from mhla_cli.errors import InputError
+from mhla_cli.estimator import MHLA
+
+from conftest import relerr
+
+torch = pytest.importorskip("torch")
+
+DEV = "torch:cpu"
+
+
+def _write(path: Path, **arrays: np.ndarray) -> Path:
+    with h5py.File(path, "w") as f:
+        for k, v in arrays.items():
+            f[k] = v
+    return path
+
+
+def _data(kind: str, tmp_path: Path, d: int = 4, seed: int = 0) -> tuple[Path, str]:
+    """A tokens file of one kind and the normalisation to featurize it with."""
+    rng = np.random.default_rng(seed)
+    # tokens with one small-variance rotated direction: the whitening matters
+    R = np.linalg.qr(rng.standard_normal((d, d)))[0] @ np.diag([1e-2] + [1.0] * (d - 1))
+    if kind == "dense":
+        X = rng.standard_normal((400, 6, d)) @ R
+        return _write(tmp_path / "dense.h5", tokens=X, targets=rng.standard_normal((400, d))), "none"
+    lengths = rng.integers(1, 10, size=400)
+    off = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+    X = rng.standard_normal((int(off[-1]), d)) @ R
+    if kind == "ragged":
+        return _write(tmp_path / "ragged.h5", tokens=X, offsets=off, targets=rng.standard_normal((400, d))), "none"
+    if kind == "length":
+        return _write(tmp_path / "length.h5", tokens=X, offsets=off, targets=rng.standard_normal((400, d))), "length"
+    if kind == "weighted":
+        w = rng.uniform(0, 2, size=400)
+        w[::7] = 0.0
+        return _write(tmp_path / "weighted.h5", tokens=X, offsets=off, targets=rng.standard_normal((400, d)),
+                      weights=w), "none"
+    if kind == "per_position":
+        T = int(off[-1])
+        w = rng.uniform(0, 1, size=T)
+        return _write(tmp_path / "causal.h5", tokens=X, offsets=off, targets=rng.standard_normal((T, d)),
+                      weights=w), "none"
+    raise ValueError(kind)
+
+
+KINDS = ("dense", "ragged", "per_position", "weighted", "length")
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_featurize_certify_fit_equal_numpy(kind: str, tmp_path: Path) -> None:
+    path, normalize = _data(kind, tmp_path)
+    a = stream.featurize(path, normalize=normalize, chunk_size=97)
+    b = stream.featurize(path, normalize=normalize, chunk_size=97, device=DEV)
+    assert a.n_samples == b.n_samples and a.n_tokens == b.n_tokens
+    for k in ("gram", "moments", "target_gram", "basis_gram", "basis_moments", "token_gram"):
+        assert relerr(getattr(b, k), getattr(a, k)) < 1e-12, k
+    ca, cb = solve.certify(a), solve.certify(b, device=DEV)
+    assert ca.identifiable == cb.identifiable and ca.rank == cb.rank
+    assert abs(ca.lambda_min - cb.lambda_min) <= 1e-12 * ca.lambda_max
+    assert abs(ca.lambda_max - cb.lambda_max) <= 1e-12 * ca.lambda_max
+    ma, mb = solve.fit(a), solve.fit(b, device=DEV)
+    assert relerr(mb.coef, ma.coef) < 1e-10  # p: a solve with Lambda~'s condition (~1e2 here)
+    assert relerr(solve.fit(b, ridge=0.1, device=DEV).coef, solve.fit(a, ridge=0.1).coef) < 1e-12
+
+
+@pytest.mark.parametrize("dense_max", [4096, 0], ids=["dense", "cholesky-lanczos"])
+def test_factorization_paths_equal_numpy(dense_max: int, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Both factorization paths (every eigenvalue, and Cholesky + Lanczos) on the device, and a
+    singular Lambda~ (N < psi: the null space and the minimum-norm fit from torch's eigh)."""
+    monkeypatch.setattr(factorization, "DENSE_MAX", dense_max)
+    path, _ = _data("ragged", tmp_path)
+    info = stream.inspect_tokens(path)
+    for n in (400, 20):  # identifiable; then N = 20 < psi = 40: singular
+        a = stream.reduce_span(info, (0, n))
+        b = stream.reduce_span(info, (0, n), device=DEV)
+        ca, cb = solve.certify(a), solve.certify(b, device=DEV)
+        assert ca.identifiable == cb.identifiable == (n == 400)
+        assert ca.rank == cb.rank
+        assert abs(ca.lambda_min - cb.lambda_min) <= 1e-12 * ca.lambda_max
+        ma, mb = solve.fit(a), solve.fit(b, device=DEV)
+        assert relerr(mb.coef, ma.coef) < 1e-10
+
+
+def test_spans_block_on_device(tmp_path: Path) -> None:
+    """One-hot tokens: the data's spans leave most of psi out; the block accumulated on the device
+    equals the numpy one, and so do the verdict and lambda_min."""
+    rng = np.random.default_rng(1)
+    d = 12
+    X = np.eye(d)[rng.integers(0, 3, size=(800, 5))]  # only 3 of 12 coordinates ever appear
+    path = _write(tmp_path / "onehot.h5", tokens=X, targets=rng.standard_normal((800, d)))
+    a = stream.featurize(path, spans="on")
+    b = stream.featurize(path, spans="on", device=DEV)
+    assert a.reduced and b.reduced
+    assert relerr(b.basis_gram, a.basis_gram) < 1e-12
+    ca, cb = solve.certify(a), solve.certify(b, device=DEV)
+    assert ca.identifiable == cb.identifiable and ca.rank == cb.rank and ca.span_features == cb.span_features
+    assert abs(ca.lambda_min - cb.lambda_min) <= 1e-12 * ca.lambda_max
+
+
+def test_workers_and_predict_on_device(tmp_path: Path) -> None:
+    path, _ = _data("ragged", tmp_path)
+    a = stream.featurize(path)
+    b = stream.featurize(path, workers=2, device=DEV)
+    assert relerr(b.basis_gram, a.basis_gram) < 1e-12
+    model = solve.fit(a)
+    pa = forward.predict_file(model, path)
+    pb = forward.predict_file(model, path, device=DEV, workers=2)
+    assert relerr(pb["predictions"], pa["predictions"]) < 1e-12
+    assert abs(pb["mse"] - pa["mse"]) <= 1e-12 * pa["mse"]
+
+
+def test_estimator_device(tmp_path: Path) -> None:
+    rng = np.random.default_rng(2)
+    X, y = rng.standard_normal((300, 5, 3)), rng.standard_normal((300, 3))
+    a = MHLA().fit(X, y)
+    b = MHLA(device=DEV).fit(X, y)
+    assert b.get_params()["device"] == DEV
+    assert relerr(b.coef_, a.coef_) < 1e-10
+    assert relerr(b.predict(X), a.predict(X)) < 1e-10
+    assert b.certificate_.identifiable == a.certificate_.identifiable
+
+
+@pytest.mark.parametrize("bad", ["gpu", "cuda:x", "cuda:-1", "tpu:0", ""])
+def test_unknown_device_refused(bad: str, tmp_path: Path) -> None:
+    path, _ = _data("dense", tmp_path)
+    with pytest.raises(InputError, match="device"):
+        stream.featurize(path, device=bad)
+
+
+def test_device_memory_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(device_mod, "free_bytes", lambda device: 2**20)
+    with pytest.raises(InputError, match="GiB on cuda"):
+        device_mod.check_device_memory("cuda", 2**31, "featurize")
+    device_mod.check_device_memory(None, 2**40, "featurize")  # the numpy path: the host's check applies
