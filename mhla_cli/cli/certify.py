@@ -15,7 +15,7 @@ from ..stream import check_solve_memory
 from ..tokens import inspect_tokens
 from ..witness import make_witness
 from .console import emit_json, fmt, load_with_progress, progress_bar, say, warn, working
-from .options import ChunkOpt, JsonOpt, NormalizeOpt, QuietOpt
+from .options import ChunkOpt, JsonOpt, NormalizeOpt, QuietOpt, check_hdf5_output
 
 
 def certify_cmd(
@@ -63,11 +63,11 @@ def certify_cmd(
                              "or --min-eig")
         inspect_tokens(on)
         if report is not None:
-            formats.check_output_path(report, (data, on))
+            check_hdf5_output(report, (data, on), "the report")
         _certify_on(data, on, report, normalize, chunk_size, json_out, quiet)
         return
     if witness is not None:
-        formats.check_output_path(witness, (data,))
+        check_hdf5_output(witness, (data,), "the witness file")
         if formats.kind_of(data) == "tokens" and inspect_tokens(data).per_position:
             raise InputError("--witness supports last-token data only (this file has per-position data)", data)
     check_solve_memory(data, "certify", chunk_size=chunk_size)

@@ -7,15 +7,16 @@ from typing import Annotated
 
 import typer
 
-from .. import formats
 from ..errors import InputError
 from ..features import check_normalize
 from ..folds import featurize_folds, save_with_folds
 from ..merge import merge_features
+from ..parallel import make_map
 from ..stream import check_spans, featurize, shard_span
 from ..tokens import inspect_tokens
 from .console import emit_json, fmt, progress_bar, say, warn
-from .options import ChunkOpt, JsonOpt, NormalizeOpt, OutOpt, QuietOpt, parse_shard
+from .options import (ChunkOpt, JsonOpt, NormalizeOpt, OutOpt, QuietOpt, check_hdf5_output, parse_shard,
+                      require_optional)
 
 
 def featurize_cmd(
@@ -56,7 +57,9 @@ def featurize_cmd(
     if scheduler is not None and workers != 1:
         raise InputError("--workers and --scheduler cannot be combined (the Dask cluster sets the workers)")
     parallel = {"workers": workers, "scheduler": scheduler, "normalize": check_normalize(normalize or "none")}
-    formats.check_output_path(output, (data,))
+    check_hdf5_output(output, (data,), "a features file")
+    if scheduler is not None:
+        require_dask(scheduler)
     info = inspect_tokens(data)
     shard_t = parse_shard(shard)
     lo, hi = shard_span(info.n_samples, shard_t, data)
@@ -113,7 +116,7 @@ def merge_cmd(
 
     Example: mhla merge part_*.h5 -o feats.h5 --json
     """
-    formats.check_output_path(output, tuple(parts))
+    check_hdf5_output(output, tuple(parts), "a features file")
     feats, report = merge_features(list(parts), allow_partial=allow_partial)
     feats.save(output, inputs=tuple(parts))
     out = {"output": str(output), "d": feats.d, "n_features": feats.n_features, "n_samples": feats.n_samples,
@@ -126,6 +129,14 @@ def merge_cmd(
         + f", d = {feats.d}", quiet)
     if json_out:
         emit_json(out)
+
+
+def require_dask(scheduler: str) -> None:
+    """--scheduler needs Dask: refused before any work when it is missing (parallel.make_map's message)."""
+    def refuse() -> None:
+        with make_map(scheduler=scheduler):
+            pass
+    require_optional("dask.distributed", refuse)
 
 
 def register(app: typer.Typer) -> None:

@@ -11,7 +11,7 @@ import typer
 from .. import formats
 from ..errors import InputError
 from ..folds import load_folds, load_for_cv
-from ..export import heads_format, save_heads
+from ..export import save_heads
 from ..learn import export_heads, fit, fit_warnings
 from ..lowrank import convergence_warning, fewest_message, hit_limit
 from ..model import Model, load_function
@@ -19,7 +19,8 @@ from ..spectrum import plot_spectrum, spectrum, text_histogram
 from ..stream import check_solve_memory
 from ..tokens import inspect_tokens
 from .console import emit_json, fmt, load_with_progress, progress_bar, say, warn, working
-from .options import ChunkOpt, JsonOpt, NormalizeOpt, OutOpt, QuietOpt, parse_auto
+from .options import (ChunkOpt, JsonOpt, NormalizeOpt, OutOpt, QuietOpt, check_heads_output, check_hdf5_output,
+                      parse_auto, require_optional)
 
 
 def fit_cmd(
@@ -49,7 +50,7 @@ def fit_cmd(
 
     Example: mhla fit feats.h5 -o model.h5 --json;  mhla fit data.h5 -o model.h5 --heads auto
     """
-    formats.check_output_path(output, (data,))
+    check_hdf5_output(output, (data,), "a model file")
     h, lam = parse_auto(heads, "--heads", int), parse_auto(nuclear, "--nuclear", float)
     lowrank_fit = h is not None or lam is not None
     if lowrank_fit and ridge > 0:
@@ -111,11 +112,10 @@ def export_heads_cmd(
 
     Example: mhla export-heads model.h5 -o heads.h5 --max-heads 4;  mhla export-heads model.h5 -o heads.h5 --fewest --json
     """
-    formats.check_output_path(output, (model_path,))
+    check_heads_output(output, (model_path,))  # the suffix names the format: an unknown one is refused
     mh = parse_auto(max_heads, "--max-heads", int)
     if fewest and mh is not None:
         raise InputError("--fewest and --max-heads cannot be combined")
-    heads_format(output)  # refuse an unknown suffix before any work
     heads = export_heads(Model.load(model_path), tol=tol, max_heads=mh, fewest=fewest)
     save_heads(heads, output, inputs=(model_path,))  # HDF5, .npz or .safetensors by the suffix
     out = {"output": str(output), "n_heads": heads.n_heads, "d": heads.d,
@@ -153,7 +153,7 @@ def spectrum_cmd(
     Example: mhla spectrum model.h5 --plot spectrum.png --json
     """
     if plot is not None:
-        formats.check_output_path(plot, (model_path,))
+        check_plot_output(plot, (model_path,))
     fn = load_function(model_path)
     spec = spectrum(fn, max_iter=max_iter)
     out = {k: v for k, v in spec.items() if k != "W"}
@@ -171,6 +171,16 @@ def spectrum_cmd(
         say(f"wrote {plot}", quiet)
     if json_out:
         emit_json(out)
+
+
+def check_plot_output(plot: Path, inputs: tuple[Path, ...]) -> None:
+    """--plot writes a PNG: another suffix, or no matplotlib, is refused before any work."""
+    if plot.suffix.lower() != ".png":
+        raise InputError(f"--plot writes a PNG image; the suffix '{plot.suffix}' names another format: "
+                         "use .png", plot)
+    # without matplotlib, plot_spectrum raises the library's InputError (with its install hint) at once
+    require_optional("matplotlib.pyplot", lambda: plot_spectrum({}, plot))
+    formats.check_output_path(plot, inputs)
 
 
 def register(app: typer.Typer) -> None:

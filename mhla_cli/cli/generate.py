@@ -7,14 +7,17 @@ from typing import Annotated
 
 import typer
 
-from .. import formats, synthetic
+from .. import synthetic
 from ..errors import InputError
+from ..export import save_heads
 from ..features import check_normalize
 from .console import emit_json, say
-from .options import JsonOpt, NormalizeOpt, OutOpt, QuietOpt
+from .help import HelpGroup
+from .options import JsonOpt, NormalizeOpt, OutOpt, QuietOpt, check_hdf5_output, check_heads_output
 
 
-generate_app = typer.Typer(help="Make synthetic datasets (tokens files with targets).", no_args_is_help=True)
+generate_app = typer.Typer(help="Make synthetic datasets (tokens files with targets).", no_args_is_help=True,
+                           cls=HelpGroup)
 
 
 @generate_app.command("teacher")
@@ -26,7 +29,8 @@ def generate_teacher_cmd(
     seq_len: Annotated[str, typer.Option("--seq-len", help="Sequence length n, or MIN:MAX for ragged lengths.")] = "100",
     noise: Annotated[float, typer.Option("--noise", min=0.0, help="Std of Gaussian label noise.")] = 0.0,
     seed: Annotated[int, typer.Option("--seed", help="Random seed.")] = 0,
-    teacher_out: Annotated[Path | None, typer.Option("--teacher-out", help="Also write the teacher as a heads file.")] = None,
+    teacher_out: Annotated[Path | None, typer.Option("--teacher-out", help="Also write the teacher as a heads file "
+                                              "(HDF5, or .npz / .safetensors by the suffix, as export-heads).")] = None,
     dtype: Annotated[str, typer.Option("--dtype", help="Stored dtype: float32 or float64.")] = "float32",
     per_position: Annotated[bool, typer.Option("--per-position", help="Targets at every position (T, d): the "
                                                "teacher's output on every prefix (autoregressive data).")] = False,
@@ -43,9 +47,9 @@ def generate_teacher_cmd(
     if dtype not in ("float32", "float64"):
         raise InputError(f"--dtype must be float32 or float64, got {dtype}")
     normalize = check_normalize(normalize or "none")
-    formats.check_output_path(output)
+    check_hdf5_output(output, (), "a tokens file")
     if teacher_out is not None:
-        formats.check_output_path(teacher_out)
+        check_heads_output(teacher_out)
         if Path(teacher_out).resolve() == Path(output).resolve():
             raise InputError("--teacher-out must differ from -o", teacher_out)
     ds, teacher = synthetic.generate_teacher(dim, heads, n_samples, seq_len, noise, seed, dtype=dtype,
@@ -54,7 +58,7 @@ def generate_teacher_cmd(
              "per_position": int(per_position), "normalize": normalize}
     ds.save(output, dtype=dtype, attrs=attrs)
     if teacher_out is not None:
-        teacher.save(teacher_out)
+        save_heads(teacher, teacher_out)  # HDF5, .npz or .safetensors by the suffix
     summary = {"output": str(output), "n_samples": ds.n_samples, "d": dim, "n_tokens": int(ds.offsets[-1]),
                "n_heads": heads, "teacher": str(teacher_out) if teacher_out else None,
                "per_position": per_position, "normalize": normalize}
@@ -72,7 +76,8 @@ def generate_assoc_cmd(
     orthogonal_fraction: Annotated[float, typer.Option("--orthogonal-fraction", min=0.0, max=1.0,
                                                        help="Share of samples with orthogonal keys/values.")] = 0.0,
     seed: Annotated[int, typer.Option("--seed", help="Random seed.")] = 0,
-    teacher_out: Annotated[Path | None, typer.Option("--teacher-out", help="Also write the exact 1-head teacher.")] = None,
+    teacher_out: Annotated[Path | None, typer.Option("--teacher-out", help="Also write the exact 1-head teacher "
+                                              "(a heads file: HDF5, or .npz / .safetensors by the suffix).")] = None,
     dtype: Annotated[str, typer.Option("--dtype", help="Stored dtype: float32 or float64.")] = "float32",
     json_out: JsonOpt = False,
     quiet: QuietOpt = False,
@@ -83,14 +88,16 @@ def generate_assoc_cmd(
     """
     if dtype not in ("float32", "float64"):
         raise InputError(f"--dtype must be float32 or float64, got {dtype}")
-    formats.check_output_path(output)
+    check_hdf5_output(output, (), "a tokens file")
     if teacher_out is not None:
-        formats.check_output_path(teacher_out)
+        check_heads_output(teacher_out)
+        if Path(teacher_out).resolve() == Path(output).resolve():
+            raise InputError("--teacher-out must differ from -o", teacher_out)
     ds, teacher = synthetic.generate_assoc(keys, n_samples, orthogonal_fraction, seed, dtype=dtype)
     ds.save(output, dtype=dtype, attrs={"generator": "assoc", "seed": seed,
                                         "orthogonal_fraction": orthogonal_fraction, "keys": keys})
     if teacher_out is not None:
-        teacher.save(teacher_out)
+        save_heads(teacher, teacher_out)
     say(f"wrote {output}: N = {ds.n_samples} associative-memory sequences, k = {keys}, d = {2 * keys}", quiet)
     if json_out:
         emit_json({"output": str(output), "n_samples": ds.n_samples, "d": 2 * keys, "keys": keys,

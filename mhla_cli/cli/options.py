@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import importlib
+from collections.abc import Callable
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import numpy as np
 import typer
 
+from .. import formats
 from ..errors import InputError
+from ..export import heads_format
 
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print one JSON object on stdout.")]
 
@@ -16,8 +20,8 @@ JsonOpt = Annotated[bool, typer.Option("--json", help="Print one JSON object on 
 QuietOpt = Annotated[bool, typer.Option("--quiet", "-q", help="No progress bar or human summary on stderr.")]
 
 
-OutOpt = Annotated[Path, typer.Option("--output", "-o", help="Output HDF5 file (written atomically).",
-                                      dir_okay=True, resolve_path=False)]
+OutOpt = Annotated[Path, typer.Option("--output", "-o", help="Output HDF5 file (.h5, .hdf5 or .hdf; written "
+                                      "atomically).", dir_okay=True, resolve_path=False)]
 
 
 ChunkOpt = Annotated[int | None, typer.Option("--chunk-size", min=1,
@@ -55,3 +59,38 @@ def parse_shard(shard: str | None) -> tuple[int, int] | None:
     except ValueError:
         raise InputError(f"--shard '{shard}': expected i/M, e.g. 0/8") from None
     return i, m
+
+
+# An output's suffix means its format: every HDF5 output takes one of these (or none).
+HDF5_SUFFIXES = (".h5", ".hdf5", ".hdf")
+
+
+def check_hdf5_output(path: Path, inputs: tuple[Path | None, ...] = (), what: str = "the output") -> Path:
+    """An HDF5 output path, refused (InputError, exit 2) before any work when its suffix names another
+    format (model.npz would be HDF5 under a NumPy name) or it cannot be written."""
+    suffix = Path(path).suffix
+    if suffix and suffix.lower() not in HDF5_SUFFIXES:
+        raise InputError(f"{what} is written in HDF5; the suffix '{suffix}' names another format: "
+                         f"use {', '.join(HDF5_SUFFIXES[:-1])} or {HDF5_SUFFIXES[-1]}", path)
+    return formats.check_output_path(path, tuple(i for i in inputs if i is not None))
+
+
+def check_heads_output(path: Path, inputs: tuple[Path | None, ...] = ()) -> str:
+    """A heads output: its format by the suffix (HDF5, .npz, .safetensors; any other suffix refused), the
+    optional package it needs, and a writable path; all before any work."""
+    fmt = heads_format(path)
+    if fmt == "safetensors":
+        from ..export import _safetensors  # the library's own refusal, with its install hint
+        require_optional("safetensors.numpy", _safetensors)
+    formats.check_output_path(path, tuple(i for i in inputs if i is not None))
+    return fmt
+
+
+def require_optional(module: str, refuse: Callable[[], Any]) -> None:
+    """Refuse a run whose optional package `module` is missing, before any work: `refuse()` is the library
+    call that raises the InputError naming the extra to install (so the hint has one home)."""
+    try:
+        importlib.import_module(module)
+    except ImportError:
+        refuse()
+        raise InputError(f"the optional package {module.split('.')[0]} is not installed") from None

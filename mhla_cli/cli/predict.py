@@ -7,14 +7,13 @@ from typing import Annotated
 
 import typer
 
-from .. import formats
 from ..errors import InputError
 from ..forward import predict_file, rollout_file
 from ..model import load_function
 from ..compare import compare
 from ..tokens import inspect_tokens
 from .console import emit_json, fmt, progress_bar, say, warn
-from .options import ChunkOpt, JsonOpt, OutOpt, QuietOpt
+from .options import ChunkOpt, JsonOpt, OutOpt, QuietOpt, check_hdf5_output
 
 
 def predict_cmd(
@@ -43,7 +42,7 @@ def predict_cmd(
 
     Example (autoregressive): mhla predict model.h5 ar.h5 -o pred.h5 --causal --json
     """
-    formats.check_output_path(output, (model_path, data))
+    check_hdf5_output(output, (model_path, data), "a predictions file")
     if causal and all_positions:
         raise InputError("--causal and --all-positions cannot be combined: --causal outputs the masked "
                          "(prefix) output at every position, --all-positions the unmasked one")
@@ -85,7 +84,7 @@ def rollout_cmd(
 
     Example (symbols): mhla rollout heads.h5 prompts.h5 --steps 24 --snap vocab.h5 -o traces.h5 --json
     """
-    formats.check_output_path(output, (model_path, data) + ((snap,) if snap is not None else ()))
+    check_hdf5_output(output, (model_path, data, snap), "a tokens file")
     fn = load_function(model_path)
     info = inspect_tokens(data)
     with progress_bar("rollout", info.n_samples, quiet) as advance:

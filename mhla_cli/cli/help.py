@@ -1,0 +1,87 @@
+"""Help pages without type placeholders: flags show none, values a click-style name (PATH, FLOAT).
+
+typer 0.29 prints ``<bool>`` after every flag, ``<path>`` after every argument and ``<list[Path]>``
+after a variadic one. `HelpGroup` (the class of the `mhla` app and its sub-apps) swaps the
+classes of its commands' parameters for ones that print no placeholder on a flag or an argument
+(whose name, e.g. DATA or PART..., already says it) and an upper-case value name on an option
+(``--output PATH``, ``--ridge FLOAT``, ``--files PATH...``). Parsing is untouched.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from typer import _click
+from typer.core import TyperArgument, TyperGroup, TyperOption
+
+# annotation -> the value name shown after an option (click's names)
+_NAMES = {int: "INTEGER", float: "FLOAT", str: "TEXT", bool: "BOOLEAN"}
+
+
+class _Argument(TyperArgument):
+    @property
+    def display_name_raw(self) -> str:
+        return self.metavar if self.metavar is not None else str(self.name).upper()
+
+    def display_type_rich(self, ctx: _click.Context) -> str | None:
+        return None  # the name column (DATA, PART...) is the placeholder
+
+    def _usage_display_name(self) -> str:
+        name = self.display_name_raw
+        if self.nargs != 1 and not name.endswith("..."):
+            name += "..."
+        return name if self.required else f"[{name}]"
+
+
+class _Option(TyperOption):
+    def display_type_rich(self, ctx: _click.Context) -> str | None:
+        if self.is_flag or self.count:
+            return None
+        if self.metavar is not None:
+            return self.metavar
+        return value_name(self)
+
+
+def value_name(param: Any) -> str:
+    """PATH, INTEGER, FLOAT, TEXT or [A|B] (choices) for an option's value; '...' when it repeats."""
+    desc = param.type_descriptor
+    if desc.is_choice and desc.choices is not None:
+        name = "[" + "|".join(str(getattr(c, "value", c)) for c in desc.choices) + "]"
+    elif desc.is_path:
+        name = "PATH"
+    else:
+        ann = desc.annotation
+        if desc.is_list:
+            args = getattr(ann, "__args__", ())
+            ann = args[0] if args else str
+        name = _NAMES.get(ann, "PATH" if getattr(ann, "__name__", "") in ("Path", "PurePath") else "VALUE")
+    return name + ("..." if param.nargs != 1 or desc.is_list else "")
+
+
+def plain_params(command: Any, ctx: _click.Context) -> None:
+    """Swap the parameter classes of `command` (and, for a group, of its commands) in place."""
+    params = command.get_params(ctx)  # includes the --help option, made on first use
+    for p in params:
+        if type(p) is TyperOption:
+            p.__class__ = _Option
+        elif type(p) is TyperArgument:
+            p.__class__ = _Argument
+    for sub in getattr(command, "commands", {}).values():
+        plain_params(sub, ctx)
+
+
+class HelpGroup(TyperGroup):
+    """A typer group whose help pages (its own and its commands') show no type placeholders."""
+
+    def get_params(self, ctx: _click.Context) -> list[Any]:
+        params = super().get_params(ctx)
+        for p in params:
+            if type(p) is TyperOption:
+                p.__class__ = _Option
+        return params
+
+    def get_command(self, ctx: _click.Context, cmd_name: str) -> Any:
+        cmd = super().get_command(ctx, cmd_name)
+        if cmd is not None:
+            plain_params(cmd, ctx)
+        return cmd
