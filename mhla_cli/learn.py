@@ -30,6 +30,12 @@ def fit(feats: Features, ridge: float = 0.0, heads: int | str | None = None, nuc
     """
     if heads is None and nuclear is None:
         model = solve.fit(feats, ridge=ridge, device=device)
+        if not model.info["identifiable"]:
+            # the data may still determine the function on the inputs they span (`fit_warnings` says so);
+            # when their tokens and last tokens span R^d the observed domain is the full one
+            B, C = solve.observed_bases(feats)
+            model.info["identifiable_observed"] = (min(B.shape[1], C.shape[1]) < feats.d
+                                                   and solve.certify(feats, domain="observed").identifiable)
     else:
         if ridge > 0:
             raise InputError("the ridge penalty applies to the least-squares fit; the low-rank fits take "
@@ -44,7 +50,8 @@ def fit_warnings(info: dict[str, Any], ridge_name: str = "a ridge penalty") -> l
     """The warnings a fit deserves (the CLI prints them, the estimator raises them with warnings.warn).
 
     Low-rank fits: their solver records; least squares: data that do not determine the function
-    (the minimum-norm or ridge solution was returned) and an ill-conditioned solve.
+    (the minimum-norm or ridge solution was returned; named when they do determine it on the observed
+    domain, info["identifiable_observed"]) and an ill-conditioned solve.
     """
     if info.get("method", "lstsq") != "lstsq":
         return lowrank.solver_warnings(info)
@@ -52,8 +59,17 @@ def fit_warnings(info: dict[str, Any], ridge_name: str = "a ridge penalty") -> l
     if not info["identifiable"]:
         reason = (f"N = {info['n_samples']} < psi = {info['n_features']}" if info["n_samples"] < info["n_features"]
                   else "the canonical Lambda~ is singular")
-        return [f"the data do not determine the function ({reason}): this is the "
-                + ("ridge-regularised" if ridge > 0 else "minimum-norm") + " solution; see `mhla certify`"]
+        text = (f"the data do not determine the function ({reason}): this is the "
+                + ("ridge-regularised" if ridge > 0 else "minimum-norm") + " solution")
+        if info.get("identifiable_observed"):
+            # every least-squares solution gives the same outputs on the observed domain
+            return [text + "; they do determine it on the observed domain (inputs whose tokens lie in the span of "
+                    "the data's tokens and whose last token lies in that of their last tokens; `mhla certify "
+                    "--domain observed`): " + (f"without {ridge_name}, its predictions there would be exact (those "
+                                               "of every least-squares fit)" if ridge > 0 else
+                                               "its predictions there are exact (those of every least-squares "
+                                               "fit); elsewhere the minimum norm picks one of many")]
+        return [text + "; see `mhla certify`"]
     if info["condition_number"] > ILL_CONDITIONED:
         return [f"ill-conditioned solve (condition number {info['condition_number']:.4g})"
                 + ("" if ridge > 0 else f"; consider {ridge_name}")]
