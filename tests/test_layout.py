@@ -1,0 +1,375 @@
+"""The repository's layout rules, as tests (formerly a script outside the repository).
+
+1. No import cycles among the modules of `mhla_cli`, counting imports made inside functions (a lazy
+   import still runs the imported module's top level, and one added later at the top turns the cycle
+   into an ImportError). Graph: `import a.b` is an edge to the deepest of a, a.b that is a module of
+   the package; `from X import n` to X.n when that is a module, else to X (a package's `__init__`
+   is a module like any other, so importing a name re-exported by a package is an edge into it).
+   Imports under `if TYPE_CHECKING:` count too. A module's parent packages, which Python imports
+   first, are not edges.
+2. One `tests/test_<module>.py` per library module, and it imports that module (directly, or a
+   name the module defines through a re-export such as `from mhla_cli import fit`):
+   - a library module is `mhla_cli/<name>.py` with `<name>` not starting with `_`;
+   - a subpackage `mhla_cli/<pkg>/` (e.g. `lowrank`) is one library module: `tests/test_<pkg>.py`
+     (its modules are one job split in files behind the package's `__init__`, which re-exports them);
+   - `mhla_cli/cli/` is the command layer, not a library module: it only parses options, calls the
+     library and formats output, and is tested through `run([...])` by `tests/test_cli.py` and the
+     library modules' test files; it needs `tests/test_cli.py` only;
+   - private modules (`_version.py`, `_torch.py`, `lowrank/_*.py`) and `__init__.py` / `__main__.py`
+     are parts of the module or package that imports them and are tested through it;
+   - `TESTED_THROUGH_CLI` lists the modules whose test file exercises them through the commands only.
+3. The README points at nothing outside the repository: relative links and paths stay inside it (no
+   `../shared/...`); relative links of the README and docs/ resolve to files of the repository.
+4. No install instruction (README, docs, error hints, scripts) tells users to `pip install mhla`
+   from a package index while no release is published; the library's hints name the optional package
+   itself, with the same requirement as pyproject's extra.
+"""
+
+from __future__ import annotations
+
+import ast
+import re
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGE = ROOT / "mhla_cli"
+
+# Library modules whose test file runs them through the CLI only, never importing them: test_probes.py
+# checks `mhla certify --on PROBES` against a numpy range test (a direct test of mhla_cli.probes is to do).
+TESTED_THROUGH_CLI = {"probes"}
+
+
+# ---------------------------------------------------------------------------------------------------
+# 1. import cycles
+
+
+def _module_files(package_dir: Path) -> dict[str, Path]:
+    """Dotted module name -> file, for every .py file under package_dir (a package's name for __init__)."""
+    files = {}
+    for path in sorted(package_dir.rglob("*.py")):
+        parts = list(path.relative_to(package_dir.parent).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts.pop()
+        files[".".join(parts)] = path
+    return files
+
+
+def import_graph(package_dir: Path) -> dict[str, set[str]]:
+    """Module -> the package's modules it imports (anywhere in its body, functions included)."""
+    files = _module_files(package_dir)
+    packages = {m for m, p in files.items() if p.name == "__init__.py"}
+
+    def resolve(name: str) -> str | None:
+        while name and name not in files:
+            name = name.rpartition(".")[0]
+        return name or None
+
+    edges: dict[str, set[str]] = {m: set() for m in files}
+    for mod, path in files.items():
+        pkg = mod if mod in packages else mod.rpartition(".")[0]
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"), filename=str(path))):
+            targets: list[str | None] = []
+            if isinstance(node, ast.Import):
+                targets = [resolve(alias.name) for alias in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                if node.level:
+                    base = pkg
+                    for _ in range(node.level - 1):
+                        base = base.rpartition(".")[0]
+                    stem = f"{base}.{node.module}" if node.module else base
+                else:
+                    stem = node.module or ""
+                for alias in node.names:
+                    sub = f"{stem}.{alias.name}"
+                    targets.append(sub if sub in files else resolve(stem))
+            for t in targets:
+                if t is not None and t != mod:
+                    edges[mod].add(t)
+    return edges
+
+
+def import_cycles(edges: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components with more than one module (Tarjan), each sorted."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(edges[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                found.append(sorted(comp))
+
+    limit = sys.getrecursionlimit()
+    sys.setrecursionlimit(max(limit, 10 * len(edges) + 100))
+    try:
+        for v in sorted(edges):
+            if v not in index:
+                visit(v)
+    finally:
+        sys.setrecursionlimit(limit)
+    return sorted(found)
+
+
+def _write_package(root: Path, files: dict[str, str]) -> Path:
+    for rel, text in files.items():
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        (root / rel).write_text(text)
+    return root / "pkg"
+
+
+def test_no_import_cycles() -> None:
+    edges = import_graph(PACKAGE)
+    assert "mhla_cli.stream" in edges and "mhla_cli.lowrank.fewest" in edges and "mhla_cli.cli.fit" in edges
+    assert sum(map(len, edges.values())) > 50  # the graph is not vacuous
+    cycles = import_cycles(edges)
+    assert not cycles, "import cycles: " + "; ".join(" <-> ".join(c) for c in cycles)
+
+
+def test_cycle_through_a_function_level_import_is_found(tmp_path: Path) -> None:
+    pkg = _write_package(tmp_path, {
+        "pkg/__init__.py": "",
+        "pkg/a.py": "from .b import g\n\ndef f():\n    return g()\n",
+        "pkg/b.py": "def g():\n    from .a import f  # lazy: still a cycle\n    return f\n",
+        "pkg/c.py": "import pkg.a\n",
+    })
+    edges = import_graph(pkg)
+    assert edges == {"pkg": set(), "pkg.a": {"pkg.b"}, "pkg.b": {"pkg.a"}, "pkg.c": {"pkg.a"}}
+    assert import_cycles(edges) == [["pkg.a", "pkg.b"]]
+    (pkg / "b.py").write_text("def g():\n    return 1\n")
+    assert import_cycles(import_graph(pkg)) == []
+
+
+def test_relative_imports_and_packages_resolve(tmp_path: Path) -> None:
+    pkg = _write_package(tmp_path, {
+        "pkg/__init__.py": "from .sub import h\nfrom .a import f\n",
+        "pkg/a.py": "from . import b\nimport numpy\nfrom .sub.deep import x\n\ndef f():\n    return b\n",
+        "pkg/b.py": "from .sub.deep import *\nfrom pkg.sub import deep as d\n",
+        "pkg/sub/__init__.py": "def h():\n    from ..a import f  # through the package's __init__\n    return f\n",
+        "pkg/sub/deep.py": "from ..b import y\n",  # level 2 -> pkg.b
+        "pkg/sub/leaf.py": "from .. import f\n",  # a name re-exported by pkg/__init__: an edge into it
+    })
+    edges = import_graph(pkg)
+    assert edges == {
+        "pkg": {"pkg.sub", "pkg.a"},
+        "pkg.a": {"pkg.b", "pkg.sub.deep"},
+        "pkg.b": {"pkg.sub.deep"},
+        "pkg.sub": {"pkg.a"},
+        "pkg.sub.deep": {"pkg.b"},
+        "pkg.sub.leaf": {"pkg"},
+    }
+    # pkg -> pkg.sub -> pkg.a -> pkg.b <-> pkg.sub.deep; nothing leads back to pkg (pkg.sub.leaf is a leaf).
+    assert import_cycles(edges) == [["pkg.b", "pkg.sub.deep"]]
+    # A submodule importing a name from its package, which imports the submodule: a cycle.
+    (pkg / "sub" / "deep.py").write_text("from .. import f\n")
+    assert import_cycles(import_graph(pkg)) == [["pkg", "pkg.a", "pkg.b", "pkg.sub", "pkg.sub.deep"]]
+
+
+# ---------------------------------------------------------------------------------------------------
+# 2. one test module per library module
+
+
+def library_modules(package_dir: Path = PACKAGE) -> list[str]:
+    """The names that need a tests/test_<name>.py: public modules and subpackages, except cli."""
+    names = [p.stem for p in package_dir.glob("*.py") if not p.stem.startswith("_")]
+    names += [p.parent.name for p in package_dir.glob("*/__init__.py")
+              if p.parent.name != "cli" and not p.parent.name.startswith("_")]
+    return sorted(names)
+
+
+def _reexports(package_dir: Path) -> dict[str, str]:
+    """Name -> module for the names the package's __init__ imports from its own modules."""
+    out = {}
+    tree = ast.parse((package_dir / "__init__.py").read_text(encoding="utf-8"))
+    for node in tree.body:
+        if isinstance(node, ast.ImportFrom) and node.level == 1 and node.module:
+            for alias in node.names:
+                out[alias.asname or alias.name] = node.module.split(".")[0]
+    return out
+
+
+def _modules_imported(test_file: Path, package: str, reexports: dict[str, str]) -> set[str]:
+    """The package's top-level modules a test file imports, directly or through a re-exported name."""
+    found = set()
+    tree = ast.parse(test_file.read_text(encoding="utf-8"))
+    as_module = False  # `import mhla_cli`: then `mhla_cli.fit(...)` uses learn's fit
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                parts = alias.name.split(".")
+                if parts[0] == package and len(parts) > 1:
+                    found.add(parts[1])
+                as_module |= alias.name == package and alias.asname is None
+        elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
+            parts = node.module.split(".")
+            if parts[0] != package:
+                continue
+            if len(parts) > 1:
+                found.add(parts[1])
+            else:
+                for alias in node.names:
+                    found.add(reexports.get(alias.name, alias.name))
+    if as_module:
+        found |= {reexports.get(node.attr, node.attr) for node in ast.walk(tree) if isinstance(node, ast.Attribute)
+                  and isinstance(node.value, ast.Name) and node.value.id == package}
+    return found
+
+
+def test_one_test_module_per_library_module() -> None:
+    modules = library_modules()
+    assert {"stream", "solve", "lowrank", "formats"} <= set(modules) and "cli" not in modules
+    reexports = _reexports(PACKAGE)
+    missing, not_importing = [], []
+    for name in modules:
+        test_file = ROOT / "tests" / f"test_{name}.py"
+        if not test_file.is_file():
+            missing.append(f"tests/test_{name}.py")
+        elif name not in TESTED_THROUGH_CLI and name not in _modules_imported(test_file, "mhla_cli", reexports):
+            not_importing.append(f"tests/test_{name}.py (never imports mhla_cli.{name})")
+    assert (ROOT / "tests" / "test_cli.py").is_file()
+    assert not missing, "library modules without a test module: " + ", ".join(missing)
+    assert not not_importing, ", ".join(not_importing)
+    stale = sorted(TESTED_THROUGH_CLI - set(modules))
+    assert not stale, f"TESTED_THROUGH_CLI names modules that no longer exist: {stale}"
+
+
+def test_library_modules_rule_on_a_synthetic_package(tmp_path: Path) -> None:
+    pkg = _write_package(tmp_path, {
+        "pkg/__init__.py": "from .alpha import a\n", "pkg/__main__.py": "", "pkg/_private.py": "",
+        "pkg/alpha.py": "", "pkg/beta.py": "", "pkg/cli/__init__.py": "", "pkg/cli/opts.py": "",
+        "pkg/sub/__init__.py": "", "pkg/sub/part.py": "", "pkg/_hidden/__init__.py": "",
+    })
+    assert library_modules(pkg) == ["alpha", "beta", "sub"]
+    test = tmp_path / "test_alpha.py"
+    test.write_text("import pkg.beta\nfrom pkg import a\nfrom pkg.sub.part import z\n\ndef f():\n"
+                    "    from pkg import cli\n")
+    assert _modules_imported(test, "pkg", _reexports(pkg)) == {"alpha", "beta", "sub", "cli"}
+    test.write_text("import pkg\n\ndef test():\n    pkg.a()\n")
+    assert _modules_imported(test, "pkg", _reexports(pkg)) == {"alpha"}
+    test.write_text("import numpy\nfrom pkg.cli import run\n\ndef test():\n    run(['beta'])\n")
+    assert _modules_imported(test, "pkg", _reexports(pkg)) == {"cli"}
+
+
+# ---------------------------------------------------------------------------------------------------
+# 3. nothing outside the repository
+
+
+_LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
+_UPWARD = re.compile(r"(?<![\w./-])((?:\.\./)+[\w.$-][\w./$-]*)")
+
+
+def outside_references(md: Path, root: Path = ROOT) -> list[str]:
+    """Relative paths in a markdown file that leave the repository, and relative links to no file."""
+    text = md.read_text(encoding="utf-8")
+    bad = []
+    for path in _UPWARD.findall(text):
+        target = (md.parent / path).resolve()
+        if not target.is_relative_to(root.resolve()):
+            bad.append(f"{md.name}: {path} (outside the repository)")
+    for link in _LINK.findall(text):
+        if re.match(r"[a-z][a-z0-9+.-]*:", link) or link.startswith("#"):
+            continue  # a URL or an anchor
+        target = (md.parent / link.split("#")[0]).resolve()
+        if not target.is_relative_to(root.resolve()):
+            bad.append(f"{md.name}: link {link} (outside the repository)")
+        elif not target.exists():
+            bad.append(f"{md.name}: link {link} (no such file)")
+    return sorted(set(bad))
+
+
+def test_readme_points_at_nothing_outside_the_repository() -> None:
+    bad = outside_references(ROOT / "README.md")
+    assert not bad, "; ".join(bad)
+
+
+def test_docs_links_stay_inside_the_repository() -> None:
+    docs = sorted((ROOT / "docs").glob("*.md"))
+    assert docs
+    bad = [b for md in docs for b in outside_references(md)]
+    assert not bad, "; ".join(bad)
+
+
+def test_outside_references_on_a_synthetic_tree(tmp_path: Path) -> None:
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "docs" / "a.md").write_text("x")
+    readme = tmp_path / "README.md"
+    readme.write_text("[a](docs/a.md) [b](docs/b.md) [w](https://example.org/x) [s](#sec)\n"
+                      "run `python ../shared/tools/import_cycles.py` and see [t](../tools/t.py)\n")
+    assert outside_references(readme, tmp_path) == [
+        "README.md: ../shared/tools/import_cycles.py (outside the repository)",
+        "README.md: ../tools/t.py (outside the repository)",
+        "README.md: link ../tools/t.py (outside the repository)",
+        "README.md: link docs/b.md (no such file)",
+    ]
+    doc = tmp_path / "docs" / "c.md"
+    doc.write_text("[readme](../README.md), `../docs/a.md`\n")
+    assert outside_references(doc, tmp_path) == []
+
+
+# ---------------------------------------------------------------------------------------------------
+# 4. no `pip install mhla` while no release exists
+
+
+# `pip install mhla`, `pip install 'mhla[dask]'`, `pip install -U "mhla[plot]"` (not `pip install -e .`).
+_FROM_INDEX = re.compile(r"""pip install(?:\s+-{1,2}[\w-]+)*\s+['"]?mhla\b(?![_-])""")
+
+
+def _texts() -> list[Path]:
+    """What tells users how to install: the markdown files (not CHANGELOG.md, a history) and the code."""
+    out = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")),
+           *sorted(p for p in ROOT.glob("*/README.md") if not p.parent.name.startswith("."))]
+    for folder in ("mhla_cli", "benchmarks", "experiments", "examples"):
+        out += sorted(p for p in (ROOT / folder).rglob("*.py") if "out" not in p.relative_to(ROOT / folder).parts)
+    out += [p for p in (ROOT / ".ci").glob("*") if p.is_file()]
+    return sorted(set(out))
+
+
+def test_no_install_from_an_index() -> None:
+    hits = []
+    for path in _texts():
+        for n, line in enumerate(path.read_text(encoding="utf-8", errors="replace").splitlines(), 1):
+            if _FROM_INDEX.search(line):
+                hits.append(f"{path.relative_to(ROOT)}:{n}: {line.strip()[:100]}")
+    assert not hits, "install instructions that need a published mhla:\n" + "\n".join(hits)
+
+
+def test_install_pattern() -> None:
+    for line in ["pip install mhla", "pip install 'mhla[dask]'", 'pip install -U "mhla[plot]"', "- run: pip install mhla"]:
+        assert _FROM_INDEX.search(line), line
+    for line in ["pip install -e .", "pip install -e '.[test,dask,plot]'", "pip install 'dask[distributed]>=2023.1'",
+                 "pip install mhla_cli-0.1.0.whl", "pip install ./dist/mhla-0.1.0-py3-none-any.whl"]:
+        assert not _FROM_INDEX.search(line), line
+
+
+def test_library_hints_name_the_extras_requirements() -> None:
+    tomllib = pytest.importorskip("tomllib")
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))["project"]["optional-dependencies"]
+    hint = re.compile(r"""pip install '([^']+)' \(mhla's \[(\w+)\] extra\)""")
+    seen = 0
+    for path in sorted(PACKAGE.rglob("*.py")):
+        text = path.read_text(encoding="utf-8")
+        text = re.sub(r"\"\s*\n\s*\"", "", text)  # join implicitly concatenated string literals
+        for req, extra in hint.findall(text):
+            seen += 1
+            assert req in extras.get(extra, []), f"{path.name}: {req!r} is not in the [{extra}] extra"
+    assert seen >= 4  # safetensors, plot, torch, dask
