@@ -34,6 +34,8 @@ from .errors import InputError
 
 NAMES = ("tokens", "offsets", "targets", "weights")
 SUFFIXES = (".npy", ".npz", ".safetensors", ".pt", ".pth")
+# Output suffixes that name another format (an output's suffix means its format).
+_OTHER_FORMATS = (*SUFFIXES, ".csv", ".tsv", ".txt", ".json", ".zip", ".pkl", ".pickle")
 # Bytes of token (and per-position target) rows copied per chunk; at least one sample per chunk.
 CHUNK_BYTES = 32 << 20
 _OFFSET_BLOCK = 1 << 20
@@ -142,7 +144,8 @@ class _ZipStream:
         try:
             data = self.fh.read(n)
         except (zipfile.BadZipFile, OSError, EOFError) as exc:
-            raise InputError(f"cannot read member {self.member} ({exc}); the file may be corrupted", self.path) from None
+            raise InputError(f"cannot read member {self.member} ({exc}); the file may be corrupted",
+                             self.path) from None
         if len(data) != n:
             raise InputError(f"member {self.member} is truncated", self.path)
         return data
@@ -243,7 +246,8 @@ def _torch() -> Any:
     try:
         import torch
     except ImportError:
-        raise InputError("reading torch .pt files needs PyTorch: pip install 'mhla[torch]'") from None
+        raise InputError("reading torch .pt files needs PyTorch: pip install 'torch>=2.1' "
+                         "(mhla's [torch] extra)") from None
     return torch
 
 
@@ -270,8 +274,10 @@ def _torch_sources(path: Path) -> list[_Source]:
                 raise
             obj = torch.load(path, map_location="cpu", weights_only=True)  # a legacy (non-zip) file
     except Exception as exc:  # noqa: BLE001 (torch and pickle raise many types)
-        reason = " ".join(str(exc).split())[:200]
-        raise InputError(f"cannot read as a torch file ({reason}); mhla reads a tensor, a list of (n_i, d) "
+        reason = " ".join(str(exc).split())
+        if "weights only load failed" in reason.lower():  # torch's advice to unpickle anything is not ours
+            reason = "not a torch.save file of tensors, lists and dicts"
+        raise InputError(f"cannot read as a torch file ({reason[:200]}); mhla reads a tensor, a list of (n_i, d) "
                          "tensors or a dict of them (torch.save, loaded with weights_only=True)", path) from None
     label = str(path)
     if isinstance(obj, torch.Tensor):
@@ -316,8 +322,9 @@ def _concat_source(name: str, seqs: Sequence[Any], label: str) -> tuple[_Source,
     first = arrays[0]
     for i, a in enumerate(arrays):
         if a.ndim < 1 or a.shape[1:] != first.shape[1:]:
-            raise InputError(f"'{name}': sequence {i} has shape {a.shape}, expected (n_i, {', '.join(map(str, first.shape[1:]))}) "
-                             "like sequence 0", label)
+            row = ", ".join(map(str, first.shape[1:]))
+            raise InputError(f"'{name}': sequence {i} has shape {a.shape}, expected (n_i, {row}) like sequence 0",
+                             label)
     dtype = np.result_type(*arrays)
     offsets = np.concatenate([[0], np.cumsum([a.shape[0] for a in arrays])]).astype(np.int64)
 
@@ -430,6 +437,9 @@ def _write(out: str | os.PathLike, sources: list[_Source], inputs: tuple[str | o
         raise InputError(f"no 'tokens' array (found {found})", where)
     for s in sources:
         formats.check_numeric(s, s.name, s.label)  # a duck-typed dataset: only its dtype is read
+    suffix = Path(out).suffix.lower()
+    if suffix in _OTHER_FORMATS:
+        raise InputError(f"the output is an HDF5 tokens file: give it a .h5 name, not {suffix}", out)
     o = formats.check_output_path(out, inputs)
     with formats.atomic_path(o) as tmp:
         with formats.create_output(tmp) as f:
@@ -527,8 +537,9 @@ def _file_sources(name: str | None, p: Path, stack: ExitStack) -> list[_Source]:
         return _safetensors_sources(p)
     if suffix in (".pt", ".pth"):
         return _torch_sources(p)
+    text = " (text: load it with np.loadtxt and np.save it as .npy)" if suffix in (".csv", ".tsv", ".txt") else ""
     raise InputError(f"unknown input format '{suffix or p.name}': mhla convert reads .npy, .npz, .safetensors "
-                     "and .pt files", p)
+                     f"and .pt files{text}", p)
 
 
 def convert_files(inputs: Sequence[str | os.PathLike], output: str | os.PathLike, *,

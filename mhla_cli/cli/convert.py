@@ -2,17 +2,13 @@
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Annotated
 
 import typer
 
 from .. import convert as convert_mod
-from ..errors import InputError
 from .console import emit_json, progress_bar, say
-from .options import ChunkOpt, JsonOpt, QuietOpt
-
-_H5_SUFFIXES = (".h5", ".hdf5", ".hdf")
+from .options import ChunkOpt, JsonOpt, OutOpt, QuietOpt
 
 
 def convert_cmd(
@@ -20,8 +16,7 @@ def convert_cmd(
         help="Input files: .npy, .npz, .safetensors, .pt/.pth. A .npy holds the array named by NAME=FILE "
              "(tokens=X.npy, offsets=, targets=, weights=) or by its stem (targets.npy); any other single "
              ".npy holds the tokens.", show_default=False)],
-    output: Annotated[Path, typer.Option("--output", "-o", help="Output tokens file (HDF5: .h5 or .hdf5; "
-                                         "written atomically, nothing is left on an error).")],
+    output: OutOpt,
     chunk_size: ChunkOpt = None,
     json_out: JsonOpt = False,
     quiet: QuietOpt = False,
@@ -40,8 +35,6 @@ def convert_cmd(
 
     Example: mhla convert data.npz -o data.h5 && mhla certify data.h5
     """
-    if output.suffix.lower() not in _H5_SUFFIXES:
-        raise InputError("mhla convert writes an HDF5 tokens file: give -o a .h5 or .hdf5 name", output)
     with progress_bar("convert", None, quiet) as advance:  # type: ignore[arg-type]
         info = convert_mod.convert_files(inputs, output, chunk_size=chunk_size, progress=advance)
     summary = {"output": str(output), "inputs": [str(p) for _, p in map(convert_mod.parse_input, inputs)],

@@ -1,0 +1,441 @@
+"""`mhla convert` and `mhla_cli.write_tokens`: tokens files from .npy, .npz, .safetensors and torch .pt.
+
+Round trips are checked against the source arrays read back with plain h5py; bad inputs exit 2 with
+one line and leave nothing at -o (a file already there stays byte-identical) nor a temporary file.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import h5py
+import numpy as np
+import pytest
+
+import mhla_cli
+from mhla_cli import convert as convert_mod
+from mhla_cli.cli import run
+from mhla_cli.errors import InputError
+from mhla_cli.stream import featurize
+
+from conftest import STATS, write_tokens as h5_write_tokens
+
+PREVIOUS = b"previous output, must survive\n" * 10
+
+
+def _read(path: Path) -> dict[str, np.ndarray]:
+    with h5py.File(path, "r") as f:
+        assert f.attrs["mhla_kind"] == "tokens"
+        return {k: f[k][()] for k in f}
+
+
+def _same(path: Path, **expected: np.ndarray | None) -> None:
+    """The file holds exactly the expected datasets, equal in values, shape and dtype."""
+    got = _read(path)
+    want = {k: np.asarray(v) for k, v in expected.items() if v is not None}
+    assert sorted(got) == sorted(want)
+    for k, v in want.items():
+        assert got[k].shape == v.shape, k
+        assert got[k].dtype == v.dtype, k
+        assert np.array_equal(got[k], v), k
+
+
+def _ragged(seed: int = 0, N: int = 9, d: int = 3, dtype: str = "float64") -> tuple[np.ndarray, ...]:
+    rng = np.random.default_rng(seed)
+    lengths = rng.integers(1, 8, size=N)
+    offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+    tokens = rng.standard_normal((int(offsets[-1]), d)).astype(dtype)
+    return tokens, offsets, rng.standard_normal((N, d)), rng.random(N)
+
+
+def _dense(seed: int = 1, N: int = 7, n: int = 5, d: int = 2) -> tuple[np.ndarray, ...]:
+    rng = np.random.default_rng(seed)
+    return (rng.standard_normal((N, n, d)).astype(np.float32), rng.standard_normal((N, n, d)),
+            rng.random((N, n)))
+
+
+def _convert(args: list[str], capsys: pytest.CaptureFixture[str], code: int = 0) -> str:
+    rc = run(["convert", *args, "-q"])
+    err = capsys.readouterr().err
+    assert rc == code, err
+    return err
+
+
+# --------------------------------------------------------------------------------------------
+# the library function
+# --------------------------------------------------------------------------------------------
+
+
+def test_write_tokens_list_of_sequences(tmp_path: Path) -> None:
+    tokens, offsets, targets, weights = _ragged()
+    seqs = [tokens[offsets[i]:offsets[i + 1]] for i in range(len(offsets) - 1)]
+    info = mhla_cli.write_tokens(tmp_path / "a.h5", seqs, targets=targets, weights=weights)
+    assert (info.layout, info.n_samples, info.d, info.n_tokens) == ("ragged", 9, 3, offsets[-1])
+    _same(tmp_path / "a.h5", tokens=tokens, offsets=offsets, targets=targets, weights=weights)
+
+
+def test_write_tokens_ragged_per_position_and_dense(tmp_path: Path) -> None:
+    tokens, offsets, _, _ = _ragged(2, dtype="float32")
+    T = tokens.shape[0]
+    y, w = np.arange(T * 3.0).reshape(T, 3), np.linspace(0, 1, T)
+    info = mhla_cli.write_tokens(tmp_path / "r.h5", tokens, offsets, targets=y, weights=w, chunk_size=2)
+    assert info.per_position and info.has_weights
+    _same(tmp_path / "r.h5", tokens=tokens, offsets=offsets, targets=y, weights=w)
+    X, Y, W = _dense()
+    info = mhla_cli.write_tokens(tmp_path / "d.h5", X, targets=Y, weights=W)
+    assert (info.layout, info.seq_len, info.per_position) == ("dense", 5, True)
+    _same(tmp_path / "d.h5", tokens=X, targets=Y, weights=W)
+    # lists of per-position targets and per-sequence weights go with a list of sequences
+    seqs = [tokens[offsets[i]:offsets[i + 1]] for i in range(len(offsets) - 1)]
+    ys = [y[offsets[i]:offsets[i + 1]] for i in range(len(offsets) - 1)]
+    mhla_cli.write_tokens(tmp_path / "l.h5", seqs, targets=ys, weights=list(w[:0]) + [1.0] * T)
+    _same(tmp_path / "l.h5", tokens=tokens, offsets=offsets, targets=y, weights=np.ones(T))
+
+
+def test_write_tokens_torch_tensors(tmp_path: Path) -> None:
+    torch = pytest.importorskip("torch")
+    X, Y, _ = _dense()
+    mhla_cli.write_tokens(tmp_path / "t.h5", torch.tensor(X), targets=torch.tensor(Y[:, -1]))
+    _same(tmp_path / "t.h5", tokens=X, targets=Y[:, -1])
+
+
+def test_chunking_does_not_change_the_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    tokens, offsets, targets, weights = _ragged(5, N=40)
+    np.savez_compressed(tmp_path / "c.npz", tokens=tokens, offsets=offsets, targets=targets, weights=weights)
+    # tiny chunks and offset blocks: many chunks, chunk plans across offset-block boundaries, one
+    # sample per chunk where a sequence is longer than the chunk, and a compressed stream reopened
+    monkeypatch.setattr(convert_mod, "CHUNK_BYTES", 3 * 8 * 4)
+    monkeypatch.setattr(convert_mod, "_OFFSET_BLOCK", 7)
+    for i, cs in enumerate((None, 1, 3, 1000)):
+        convert_mod.convert_files([tmp_path / "c.npz"], tmp_path / f"o{i}.h5", chunk_size=cs)
+        _same(tmp_path / f"o{i}.h5", tokens=tokens, offsets=offsets, targets=targets, weights=weights)
+
+
+def test_converted_file_featurizes_as_the_h5py_one(tmp_path: Path) -> None:
+    tokens, offsets, targets, _ = _ragged(3, N=60)
+    np.save(tmp_path / "tokens.npy", tokens)
+    np.save(tmp_path / "offsets.npy", offsets)
+    np.save(tmp_path / "targets.npy", targets)
+    convert_mod.convert_files([tmp_path / n for n in ("tokens.npy", "offsets.npy", "targets.npy")],
+                              tmp_path / "c.h5")
+    ref = h5_write_tokens(tmp_path / "ref.h5", tokens, offsets, targets)
+    a, b = featurize(tmp_path / "c.h5"), featurize(ref)
+    assert (a.n_samples, a.n_tokens) == (b.n_samples, b.n_tokens)
+    for k in STATS:  # the same data: the same sums, bit for bit
+        assert np.array_equal(getattr(a, k), getattr(b, k)), k
+
+
+# --------------------------------------------------------------------------------------------
+# mhla convert: every input kind, ragged and dense, with targets and weights
+# --------------------------------------------------------------------------------------------
+
+
+def test_npy_dense_and_named(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    X, Y, W = _dense()
+    np.save(tmp_path / "X.npy", X)
+    np.save(tmp_path / "y.npy", Y)
+    np.save(tmp_path / "weights.npy", W)
+    out = tmp_path / "o.h5"
+    _convert([str(tmp_path / "X.npy"), f"targets={tmp_path / 'y.npy'}", str(tmp_path / "weights.npy"),
+              "-o", str(out)], capsys)
+    _same(out, tokens=X, targets=Y, weights=W)
+    np.save(tmp_path / "F.npy", np.asfortranarray(X))  # column-major files are read too
+    _convert([str(tmp_path / "F.npy"), "-o", str(tmp_path / "f.h5")], capsys)
+    _same(tmp_path / "f.h5", tokens=X)
+
+
+def test_npy_ragged_by_stem(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    tokens, offsets, targets, weights = _ragged(dtype="float32")
+    for name, arr in (("tokens", tokens), ("offsets", offsets.astype(np.int32)), ("targets", targets),
+                      ("weights", weights)):
+        np.save(tmp_path / f"{name}.npy", arr)
+    out = tmp_path / "o.h5"
+    rc = run(["convert", *(str(tmp_path / f"{n}.npy") for n in ("tokens", "offsets", "targets", "weights")),
+              "-o", str(out), "--json"])
+    captured = capsys.readouterr()
+    assert rc == 0, captured.err
+    summary = __import__("json").loads(captured.out)
+    assert summary["layout"] == "ragged" and summary["n_samples"] == 9 and summary["weights"]
+    _same(out, tokens=tokens, offsets=offsets.astype(np.int32), targets=targets, weights=weights)
+
+
+@pytest.mark.parametrize("compressed", [False, True])
+def test_npz(tmp_path: Path, capsys: pytest.CaptureFixture[str], compressed: bool) -> None:
+    save = np.savez_compressed if compressed else np.savez
+    tokens, offsets, targets, weights = _ragged(4)
+    save(tmp_path / "r.npz", tokens=tokens, offsets=offsets, targets=targets, weights=weights)
+    _convert([str(tmp_path / "r.npz"), "-o", str(tmp_path / "r.h5"), "--chunk-size", "2"], capsys)
+    _same(tmp_path / "r.h5", tokens=tokens, offsets=offsets, targets=targets, weights=weights)
+    X, Y, W = _dense()
+    save(tmp_path / "d.npz", tokens=X, targets=Y, weights=W)
+    _convert([str(tmp_path / "d.npz"), "-o", str(tmp_path / "d.h5")], capsys)
+    _same(tmp_path / "d.h5", tokens=X, targets=Y, weights=W)
+    with zipfile.ZipFile(tmp_path / "d.npz") as z:  # the archive really is (not) compressed
+        assert {i.compress_type for i in z.infolist()} == {zipfile.ZIP_DEFLATED if compressed else zipfile.ZIP_STORED}
+
+
+def test_safetensors(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    st = pytest.importorskip("safetensors.numpy")
+    tokens, offsets, targets, weights = _ragged(6, dtype="float32")
+    st.save_file({"tokens": tokens, "offsets": offsets, "targets": targets, "weights": weights},
+                 str(tmp_path / "r.safetensors"), metadata={"source": "test"})
+    _convert([str(tmp_path / "r.safetensors"), "-o", str(tmp_path / "r.h5")], capsys)
+    _same(tmp_path / "r.h5", tokens=tokens, offsets=offsets, targets=targets, weights=weights)
+    X, Y, W = _dense()
+    st.save_file({"tokens": X, "targets": Y, "weights": W}, str(tmp_path / "d.safetensors"))
+    _convert([str(tmp_path / "d.safetensors"), "-o", str(tmp_path / "d.h5")], capsys)
+    _same(tmp_path / "d.h5", tokens=X, targets=Y, weights=W)
+
+
+def test_safetensors_bfloat16_widened_exactly(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    torch = pytest.importorskip("torch")
+    sttorch = pytest.importorskip("safetensors.torch")
+    X = torch.randn(4, 3, 2).to(torch.bfloat16)
+    sttorch.save_file({"tokens": X}, str(tmp_path / "b.safetensors"))
+    _convert([str(tmp_path / "b.safetensors"), "-o", str(tmp_path / "b.h5")], capsys)
+    _same(tmp_path / "b.h5", tokens=X.float().numpy())
+
+
+def test_torch(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    torch = pytest.importorskip("torch")
+    tokens, offsets, targets, weights = _ragged(7)
+    seqs = [torch.tensor(tokens[offsets[i]:offsets[i + 1]]) for i in range(len(offsets) - 1)]
+    torch.save(seqs, tmp_path / "list.pt")  # a list of (n_i, d) tensors: ragged
+    _convert([str(tmp_path / "list.pt"), "-o", str(tmp_path / "l.h5")], capsys)
+    _same(tmp_path / "l.h5", tokens=tokens, offsets=offsets)
+    torch.save({"tokens": seqs, "targets": torch.tensor(targets), "weights": torch.tensor(weights)},
+               tmp_path / "dl.pt")  # a dict whose tokens are a list of sequences
+    _convert([str(tmp_path / "dl.pt"), "-o", str(tmp_path / "dl.h5")], capsys)
+    _same(tmp_path / "dl.h5", tokens=tokens, offsets=offsets, targets=targets, weights=weights)
+    torch.save({"tokens": torch.tensor(tokens), "offsets": torch.tensor(offsets), "targets": torch.tensor(targets)},
+               tmp_path / "r.pth")
+    _convert([str(tmp_path / "r.pth"), "-o", str(tmp_path / "r.h5")], capsys)
+    _same(tmp_path / "r.h5", tokens=tokens, offsets=offsets, targets=targets)
+    X, Y, W = _dense()
+    torch.save({"tokens": torch.tensor(X), "targets": torch.tensor(Y), "weights": torch.tensor(W)},
+               tmp_path / "d.pt")
+    _convert([str(tmp_path / "d.pt"), "-o", str(tmp_path / "d.h5")], capsys)
+    _same(tmp_path / "d.h5", tokens=X, targets=Y, weights=W)
+    torch.save(torch.tensor(X), tmp_path / "one.pt", _use_new_zipfile_serialization=False)  # legacy, one tensor
+    _convert([str(tmp_path / "one.pt"), "-o", str(tmp_path / "one.h5")], capsys)
+    _same(tmp_path / "one.h5", tokens=X)
+
+
+def test_help_has_examples(capsys: pytest.CaptureFixture[str]) -> None:
+    assert run(["convert", "--help"]) == 0
+    text = capsys.readouterr().out
+    assert "Example: mhla convert" in text and "NAME=FILE" in text
+
+
+# --------------------------------------------------------------------------------------------
+# bad inputs: exit 2, one line, nothing written
+# --------------------------------------------------------------------------------------------
+
+
+def _npz(**arrays: np.ndarray) -> "callable":
+    return lambda d: (np.savez(d / "in.npz", **arrays), [str(d / "in.npz")])[1]
+
+
+def _npys(**arrays: np.ndarray) -> "callable":
+    def make(d: Path) -> list[str]:
+        for k, v in arrays.items():
+            np.save(d / f"{k}.npy", v)
+        return [str(d / f"{k}.npy") for k in arrays]
+    return make
+
+
+_T, _O, _Y, _W = _ragged(8)
+_X = _dense()[0]
+_NAN = _T.copy()
+_NAN[5, 1] = np.nan
+
+
+def _file(name: str, data: bytes) -> "callable":
+    return lambda d: ((d / name).write_bytes(data), [str(d / name)])[1]
+
+
+def _pickled(d: Path) -> list[str]:
+    np.save(d / "tokens.npy", np.array([np.zeros((2, 2)), np.zeros((3, 2))], dtype=object), allow_pickle=True)
+    return [str(d / "tokens.npy")]
+
+
+def _truncated(d: Path) -> list[str]:
+    np.save(d / "tokens.npy", _X)
+    (d / "tokens.npy").write_bytes((d / "tokens.npy").read_bytes()[:-8])
+    return [str(d / "tokens.npy")]
+
+
+def _hdf5(d: Path) -> list[str]:
+    h5_write_tokens(d / "in.h5", _X)
+    return [str(d / "in.h5")]
+
+
+BAD = {
+    "tokens 1-d": (_npz(tokens=np.zeros(5)), "rank 1"),
+    "tokens 4-d": (_npz(tokens=np.zeros((2, 2, 2, 2))), "rank 4"),
+    "no offsets for (T, d)": (_npz(tokens=_T), "no 'offsets'"),
+    "dense with offsets": (_npz(tokens=_X, offsets=np.arange(8)), "'offsets' dataset is present"),
+    "offsets not increasing": (_npz(tokens=_T, offsets=np.r_[_O[:3], _O[2], _O[4:]]), "not strictly increasing"),
+    "offsets[0] != 0": (_npz(tokens=_T, offsets=_O + 1), "offsets[0]"),
+    "offsets[N] != T": (_npz(tokens=_T, offsets=np.r_[_O[:-1], _O[-1] - 1]), "offsets[N]"),
+    "float offsets": (_npz(tokens=_T, offsets=_O.astype(float)), "integer"),
+    "2-d offsets": (_npz(tokens=_T, offsets=_O[:, None]), "1-d integer"),
+    "NaN tokens": (_npz(tokens=_NAN, offsets=_O), "NaN or Inf"),
+    "Inf targets": (_npz(tokens=_T, offsets=_O, targets=np.where(np.eye(9, 3) > 0, np.inf, _Y)), "NaN or Inf"),
+    "huge tokens": (_npz(tokens=_T * 1e45, offsets=_O), "too large"),
+    "negative weights": (_npz(tokens=_T, offsets=_O, weights=-_W), "weights must be finite and >= 0"),
+    "NaN weights": (_npz(tokens=_T, offsets=_O, weights=np.r_[_W[:-1], np.nan]), "weights must be finite"),
+    "targets of other length": (_npz(tokens=_T, offsets=_O, targets=_Y[:-1]), "'targets' has shape"),
+    "targets of other d": (_npz(tokens=_T, offsets=_O, targets=_Y[:, :2]), "'targets' has shape"),
+    "weights of other length": (_npz(tokens=_T, offsets=_O, weights=_W[:-1]), "'weights' has shape"),
+    "unknown key": (_npz(tokens=_X, labels=np.zeros(7)), "unknown array 'labels'"),
+    "no tokens": (_npz(targets=_Y), "no 'tokens' array"),
+    "complex tokens": (_npz(tokens=_X.astype(complex)), "expected real numbers"),
+    "bool weights": (_npz(tokens=_X, weights=np.ones(7, bool)), "expected real numbers"),
+    "empty dense": (_npz(tokens=np.zeros((0, 3, 2))), "no samples"),
+    "pickled objects": (_pickled, "Python objects"),
+    "truncated .npy": (_truncated, "truncated"),
+    "two plain .npy": (lambda d: (_npys(tokens=_X)(d), np.save(d / "a.npy", _X), np.save(d / "b.npy", _X),
+                                  [str(d / "a.npy"), str(d / "b.npy")])[-1], "cannot tell which"),
+    "the same array twice": (lambda d: _npys(tokens=_X)(d) + _npz(tokens=_X)(d), "more than one array"),
+    "not a zip .npz": (_file("in.npz", b"not a zip at all"), "not a valid .npz"),
+    "bad safetensors": (_file("in.safetensors", b"\x05\x00\x00\x00\x00\x00\x00\x00{bad}"), ".safetensors"),
+    "bad torch": (_file("in.pt", b"garbage"), "cannot read as a torch file"),
+    "unknown suffix": (_file("in.csv", b"1,2\n"), "unknown input format"),
+    "already HDF5": (_hdf5, "already an HDF5 file"),
+    "missing": (lambda d: [str(d / "nope.npy")], "no such file"),
+    "NAME= on an npz": (lambda d: [f"targets={_npz(tokens=_X)(d)[0]}"], "NAME=FILE names the array of a .npy"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD))
+def test_bad_input_exits_2_and_writes_nothing(tmp_path: Path, capsys: pytest.CaptureFixture[str], case: str) -> None:
+    make, expected = BAD[case]
+    args = make(tmp_path)
+    for out, existed in ((tmp_path / "out.h5", False), (tmp_path / "prev.h5", True)):
+        if existed:
+            out.write_bytes(PREVIOUS)
+        before = set(os.listdir(tmp_path))
+        assert run(["convert", *args, "-o", str(out)]) == 2
+        err = capsys.readouterr().err
+        lines = err.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith("mhla: error: "), err
+        assert expected in lines[0], lines[0]
+        assert "Traceback" not in err
+        assert set(os.listdir(tmp_path)) == before  # no output, no temporary file
+        assert out.read_bytes() == PREVIOUS if existed else not out.exists()
+
+
+def test_bad_torch_content(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    torch = pytest.importorskip("torch")
+    torch.save({"tokens": torch.zeros(2, 3, 2, dtype=torch.complex64)}, tmp_path / "c.pt")
+    torch.save({"tokens": [torch.zeros(2, 2), torch.zeros(3, 3)]}, tmp_path / "ragged_d.pt")
+    torch.save({"tokens": torch.zeros(2, 3, 2), "mask": torch.ones(2)}, tmp_path / "key.pt")
+    torch.save("a string", tmp_path / "s.pt")
+    for name, expected in (("c.pt", "real numbers"), ("ragged_d.pt", "sequence 1 has shape"),
+                           ("key.pt", "unknown array 'mask'"), ("s.pt", "holds a str")):
+        assert run(["convert", str(tmp_path / name), "-o", str(tmp_path / "o.h5")]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and expected in err[0], err
+        assert not (tmp_path / "o.h5").exists()
+
+
+def test_bad_output_suffix_and_overwriting_the_input(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    np.save(tmp_path / "X.npy", _X)
+    for out, expected in ((tmp_path / "o.npz", ".h5"), (tmp_path / "X.npy", ".h5")):
+        assert run(["convert", str(tmp_path / "X.npy"), "-o", str(out)]) == 2
+        assert expected in capsys.readouterr().err
+    assert run(["convert", "-o", str(tmp_path / "o.h5")]) == 2  # no INPUT
+    capsys.readouterr()
+
+
+def test_library_refuses_like_the_cli(tmp_path: Path) -> None:
+    with pytest.raises(InputError, match="not strictly increasing"):
+        mhla_cli.write_tokens(tmp_path / "o.h5", _T, np.r_[_O[:3], _O[2], _O[4:]])
+    with pytest.raises(InputError, match="sequence 1 has shape"):
+        mhla_cli.write_tokens(tmp_path / "o.h5", [np.zeros((2, 2)), np.zeros((2, 3))])
+    with pytest.raises(InputError, match="offsets"):
+        mhla_cli.write_tokens(tmp_path / "o.h5", [np.zeros((2, 2))], offsets=[0, 2])
+    with pytest.raises(InputError, match="NaN"):
+        mhla_cli.write_tokens(tmp_path / "o.h5", _NAN, _O)
+    assert os.listdir(tmp_path) == []
+
+
+# --------------------------------------------------------------------------------------------
+# other commands given a non-HDF5 file say what it is and name mhla convert
+# --------------------------------------------------------------------------------------------
+
+
+def test_other_commands_name_mhla_convert(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    np.save(tmp_path / "x.npy", _X)
+    np.savez(tmp_path / "x.npz", tokens=_X)
+    (tmp_path / "x.csv").write_text("a,b\n1,2\n")
+    files = {"x.npy": "NumPy .npy", "x.npz": "NumPy .npz", "x.csv": "text file"}
+    try:
+        import safetensors.numpy as st
+
+        st.save_file({"tokens": _X}, str(tmp_path / "x.safetensors"))
+        files["x.safetensors"] = "safetensors"
+    except ImportError:
+        pass
+    try:
+        import torch
+
+        torch.save({"tokens": torch.tensor(_X)}, tmp_path / "x.pt")
+        files["x.pt"] = "PyTorch"
+    except ImportError:
+        pass
+    for name, what in files.items():
+        for cmd in (["certify", str(tmp_path / name)],
+                    ["featurize", str(tmp_path / name), "-o", str(tmp_path / "f.h5")],
+                    ["fit", str(tmp_path / name), "-o", str(tmp_path / "m.h5")]):
+            assert run(cmd) == 2
+            lines = capsys.readouterr().err.strip().splitlines()
+            assert len(lines) == 1 and lines[0].startswith(f"mhla: error: {tmp_path / name}: "), lines
+            assert what in lines[0] and "not an HDF5 file" in lines[0], lines[0]
+            if name != "x.csv":
+                assert f"mhla convert {name} -o" in lines[0], lines[0]
+            assert not (tmp_path / "f.h5").exists() and not (tmp_path / "m.h5").exists()
+        # ... and the command it names works
+        if name != "x.csv":
+            assert run(["convert", str(tmp_path / name), "-o", str(tmp_path / f"{name}.h5"), "-q"]) == 0
+            _same(tmp_path / f"{name}.h5", tokens=_X)
+
+
+# --------------------------------------------------------------------------------------------
+# bounded memory
+# --------------------------------------------------------------------------------------------
+
+
+def _peak_rss_mib(args: list[str]) -> float:
+    """Peak RSS (MiB) of a fresh `mhla` process, measured by a wrapper whose only child it is."""
+    wrapper = ("import resource, subprocess, sys\n"
+               "r = subprocess.run([sys.executable, '-m', 'mhla_cli', *sys.argv[1:]])\n"
+               "print(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024)\n"
+               "sys.exit(r.returncode)\n")
+    r = subprocess.run([sys.executable, "-c", wrapper, *args], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    return float(r.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.slow
+def test_2gb_npy_converts_in_bounded_memory(tmp_path: Path) -> None:
+    N, n, d = 2**15, 1024, 16  # float32: 2 GiB
+    big = np.lib.format.open_memmap(tmp_path / "big.npy", mode="w+", dtype=np.float32, shape=(N, n, d))
+    rng = np.random.default_rng(0)
+    for a in range(0, N, 1024):
+        big[a:a + 1024] = rng.standard_normal((1024, n, d), dtype=np.float32)
+    big.flush()
+    del big
+    out = tmp_path / "big.h5"
+    rss = _peak_rss_mib(["convert", str(tmp_path / "big.npy"), "-o", str(out), "-q"])
+    assert rss < 500, f"peak RSS {rss:.0f} MiB"
+    src = np.load(tmp_path / "big.npy", mmap_mode="r")
+    with h5py.File(out, "r") as f:
+        assert f["tokens"].shape == (N, n, d)
+        for a in range(0, N, 2048):
+            assert np.array_equal(f["tokens"][a:a + 2048], src[a:a + 2048])
