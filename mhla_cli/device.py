@@ -114,6 +114,10 @@ def check_device_memory(device: str | None, need: int, what: str, path: str | os
                          f"{free / 2**30:.1f} GiB of free memory", path)
 
 
+# Row panels of the device Gram's update (DeviceGram.add): the flops are (1 + 1 / GRAM_PANELS) those of a syrk.
+GRAM_PANELS = 8
+
+
 class DeviceGram:
     """The Gram of a reduction's [Ht | Y] block on a device, built chunk by chunk.
 
@@ -121,7 +125,8 @@ class DeviceGram:
     (d, R) (through two alternating pinned buffers on a GPU, copied asynchronously, so that the host
     reads and prepares the next chunk while the device works); the device forms the features
     H_(j,k,l) = S[j,k] x_n[l] (BACKGROUND.md, "Why learning it is a linear regression"), on the
-    data's spans E^T s (x) F^T x_n when given, and adds Ft Ft^T with one float64 GEMM.
+    data's spans E^T s (x) F^T x_n when given, and adds the lower triangle of Ft Ft^T with float64
+    GEMMs (one per row panel).
     """
 
     def __init__(self, device: str, width: int, nf: int, spans: tuple[np.ndarray, np.ndarray] | None = None) -> None:
@@ -172,7 +177,14 @@ class DeviceGram:
         t.mul(u[:, None, :], x[None, :, :], out=Ft[:self.nf].view(u.shape[0], x.shape[0], R))
         if y is not None:
             Ft[self.nf:] = y
-        self.G.addmm_(Ft, Ft.T)  # one float64 GEMM (torch has no syrk: twice its flops)
+        # the lower triangle (mirrored on the host, stream._mirror_lower) in GRAM_PANELS row panels,
+        # each one float64 GEMM G[a:b, :b] += Ft[a:b] Ft[:b]^T: torch has no syrk, and a whole GEMM
+        # would do twice its flops; P panels do (1 + 1/P) times them
+        W = self.width
+        step = max(1, -(-W // GRAM_PANELS))
+        for a in range(0, W, step):
+            b = min(W, a + step)
+            self.G[a:b, :b].addmm_(Ft[a:b], Ft[:b].T)
 
     def result(self) -> np.ndarray:
         """The Gram as a float64 host array (the device's copy released)."""
