@@ -95,6 +95,13 @@ def worker_device(device: str | None) -> str | None:
     return f"cuda:{worker % count}"
 
 
+def workers_per_device(device: str | None, workers: int) -> int:
+    """How many of `workers` workers share one device: "cuda" spreads them over the GPUs."""
+    if device != "cuda":
+        return max(1, workers)
+    return max(1, -(-workers // max(1, _torch().cuda.device_count())))
+
+
 def free_bytes(device: str) -> int | None:
     """The device's free memory in bytes (None on the CPU: the host's memory check applies)."""
     dev = torch_device(device)

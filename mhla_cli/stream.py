@@ -817,7 +817,8 @@ def featurize(path: str | os.PathLike, chunk_size: int | None = None,
     found, A, span_passes = find_spans(info, A, (lo, hi), size, normalize, spans)
     if serial and not whole:
         check_memory(info.d, path=path, need=featurize_need(info, chunk_size, block=_block(found)), what="featurize")
-    device_mod.check_device_memory(device, device_pass_bytes(info, size, _block(found)), "featurize", path)
+    if serial:
+        device_mod.check_device_memory(device, device_pass_bytes(info, size, _block(found)), "featurize", path)
 
     def spans_in(A_run: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
         """The spans in the canonical coordinates of the basis A_run (a redone pass changes it)."""
@@ -837,6 +838,10 @@ def featurize(path: str | os.PathLike, chunk_size: int | None = None,
             check_memory(info.d, copies=pmap.local_copies, path=path,
                          need=featurize_need(info, chunk_size, pmap.local_copies, block=_block(found)),
                          what="featurize")
+            # each worker holds its own Gram on its device (device.worker_device)
+            device_mod.check_device_memory(
+                device, device_mod.workers_per_device(device, pmap.local_copies)
+                * device_pass_bytes(info, size, _block(found)), f"featurize ({pmap.local_copies} workers)", path)
             # workers (possibly on other hosts) open the file themselves: give them an absolute path
             winfo = replace(info, path=os.path.abspath(info.path))
             spans_ = work_spans(lo, hi, size, pmap.n_workers)
