@@ -61,8 +61,9 @@ def check_device(device: str | None, path: str | os.PathLike | None = None) -> s
         raise InputError(f"unknown device {device!r}: expected {DEVICES_HELP}", path)
     torch = _torch()
     if not torch.cuda.is_available():
-        raise InputError(f"device {device!r}: no CUDA GPU is available to PyTorch "
-                         f"(torch {torch.__version__}, built with CUDA {torch.version.cuda})", path)
+        build = ("a CPU-only build" if torch.version.cuda is None else f"built with CUDA {torch.version.cuda}")
+        raise InputError(f"device {device!r}: no CUDA GPU is available to PyTorch (torch {torch.__version__}, "
+                         f"{build}); use --device cpu", path)
     count = torch.cuda.device_count()
     if index is not None and index >= count:
         raise InputError(f"device {device!r}: there are {count} CUDA GPUs (cuda:0..cuda:{count - 1})", path)
