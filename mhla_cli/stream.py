@@ -16,6 +16,7 @@ import builtins
 import contextlib
 import math
 import os
+import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import replace
 from functools import partial
@@ -50,22 +51,24 @@ CHUNK_BYTES = 64 * 2**20
 # --------------------------------------------------------------------------------------------
 
 
-def sequence_moments(tokens: np.ndarray, offsets: np.ndarray, out: np.ndarray | None = None
-                     ) -> tuple[np.ndarray, np.ndarray]:
+def sequence_moments(tokens: np.ndarray, offsets: np.ndarray, out: np.ndarray | None = None,
+                     progress: Callable[[int], None] | None = None) -> tuple[np.ndarray, np.ndarray]:
     """Per-sequence S = X^T X (B, d, d) and last tokens (B, d), float64, vectorised over the chunk.
 
     `tokens` may have any real dtype: they are converted to float64 in cache-sized blocks just
     before each product (products of float32 or integer values are then exact). Equal lengths are
     batched matmuls; ragged chunks are grouped by length (padding with zero rows, which do not
     change S), one batched matmul per group. `out` is an optional (B, d, d) buffer for S.
+    `progress(k)`, if given, is told the number k of sequences done after each block or group (the
+    results do not depend on it).
     """
     # Overflow from absurdly large tokens is reported by the finiteness check, not as a warning.
     with np.errstate(over="ignore", invalid="ignore"):
-        return _sequence_moments(np.asarray(tokens), np.asarray(offsets, dtype=np.int64), out)
+        return _sequence_moments(np.asarray(tokens), np.asarray(offsets, dtype=np.int64), out, progress)
 
 
-def _sequence_moments(tokens: np.ndarray, offsets: np.ndarray, out: np.ndarray | None
-                      ) -> tuple[np.ndarray, np.ndarray]:
+def _sequence_moments(tokens: np.ndarray, offsets: np.ndarray, out: np.ndarray | None,
+                      progress: Callable[[int], None] | None = None) -> tuple[np.ndarray, np.ndarray]:
     d = tokens.shape[1]
     lengths = np.diff(offsets)
     B = lengths.size
@@ -84,6 +87,8 @@ def _sequence_moments(tokens: np.ndarray, offsets: np.ndarray, out: np.ndarray |
                 w = work[:b - a]
                 np.copyto(w, X[a:b])
                 np.matmul(w.transpose(0, 2, 1), w, out=S[a:b])
+                if progress is not None:
+                    progress(b)
         return S, X[:, -1, :].astype(np.float64)
     last = tokens[offsets[1:] - 1].astype(np.float64)
     order = np.argsort(lengths, kind="stable")
@@ -102,6 +107,8 @@ def _sequence_moments(tokens: np.ndarray, offsets: np.ndarray, out: np.ndarray |
         X[~valid] = 0.0
         S[idx] = np.matmul(X.transpose(0, 2, 1), X)
         start = stop
+        if progress is not None:
+            progress(stop)
     return S, last
 
 
@@ -248,6 +255,7 @@ class _Accumulator:
         self._derived_token_gram = np.zeros((d, d))  # basis token Gram whose own one is derived in result()
         self._inv = None if not self._transform else np.linalg.inv(self.basis)
         self.n_samples = 0
+        self._moments_share = 0.5  # of a chunk's time in `add`, for its progress ticks (measured per chunk)
         self.n_tokens = 0
 
     def _buf(self, name: str, rows: int, shape: tuple[int, ...]) -> np.ndarray:
@@ -299,8 +307,8 @@ class _Accumulator:
         own = self._inv.T @ Gb @ self._inv
         return 0.5 * (own + own.T)
 
-    def _equal_moments(self, tokens: np.ndarray, B: int, n: int, check: Callable[[float], None] | None
-                       ) -> tuple[np.ndarray, np.ndarray]:
+    def _equal_moments(self, tokens: np.ndarray, B: int, n: int, check: Callable[[float], None] | None,
+                       progress: Callable[[int], None] | None = None) -> tuple[np.ndarray, np.ndarray]:
         """`_tokens` + `sequence_moments` for B sequences of n tokens, fused in cache-sized blocks.
 
         Per block of sequences: convert to float64, X A, and the batched (X A)^T (X A); the token
@@ -322,6 +330,8 @@ class _Accumulator:
                 np.matmul(w, self.basis, out=wb)
             w3 = wb.reshape(b - a, n, d)
             np.matmul(w3.transpose(0, 2, 1), w3, out=S[a:b])
+            if progress is not None:
+                progress(b)  # sequences done
         Gb = S.sum(axis=0)
         # The own token Gram of these tokens is derived from that of X A (A^-T Gb A^-1, once per
         # pass in `result`): a GEMM over every token less per chunk. Exact zeros stay exact
@@ -338,12 +348,15 @@ class _Accumulator:
         return S, last
 
     def add(self, tokens: np.ndarray, offsets: np.ndarray, targets: np.ndarray | None,
-            check: Callable[[float], None] | None = None, weights: np.ndarray | None = None) -> None:
+            check: Callable[[float], None] | None = None, weights: np.ndarray | None = None,
+            tick: Callable[[float], None] | None = None) -> None:
         """Add one chunk: tokens (t, d) of any real dtype, offsets (B+1,) from 0, targets (B, d) or None.
 
         `check(top)` may reject the chunk, given a bound on the largest squared token entry, before
         anything is added. Causal mode, weights ((B,), or (t,) in causal mode) or a normalisation go
-        through `_add_rows`.
+        through `_add_rows`. `tick(f)`, if given, is told the share f in [0, 1) of the chunk's work done
+        while the per-sequence moments are computed (a progress bar inside a large chunk; the sums do
+        not depend on it); the syrk that follows is one BLAS call and reports nothing.
         """
         d, psi = self.d, self.psi
         B = offsets.size - 1
@@ -352,14 +365,18 @@ class _Accumulator:
         if self.causal or weights is not None or self.normalize != "none":
             self._add_rows(tokens, offsets, targets, check, weights)
             return
+        t0 = time.perf_counter()
+        # the moments' share of a chunk's time, as measured on the previous chunk
+        share = self._moments_share
+        moments_done = None if tick is None else (lambda k: tick(share * k / B))
         # errstate: NaN / Inf tokens are reported by `check`, not as numpy warnings
         with _single_blas_thread(), np.errstate(invalid="ignore", over="ignore"):
             lengths = np.diff(offsets)
             if (lengths == lengths[0]).all() and offsets[0] == 0 and tokens.shape[0] == offsets[-1]:
-                S, last = self._equal_moments(tokens, B, int(lengths[0]), check)
+                S, last = self._equal_moments(tokens, B, int(lengths[0]), check, moments_done)
             else:
                 Xb = self._tokens(tokens, check, None, offsets[1:] - 1, None)
-                S, last = sequence_moments(Xb, offsets, out=self._buf("S", B, (d, d)))
+                S, last = sequence_moments(Xb, offsets, out=self._buf("S", B, (d, d)), progress=moments_done)
             # gather the distinct entries row-wise (contiguous), then transpose: ~10x faster than a
             # strided gather from the transposed view
             upper_rows = np.take(S.reshape(B, d * d), self._upper_idx, axis=1, out=self._buf("Ur", B, (psi // d,)))
@@ -367,7 +384,11 @@ class _Accumulator:
             np.multiply(upper_rows.T, self._scale[:, None], out=upper)  # canonical coordinates D upper(S)
             last_t = self._buf_t("L", d, B)
             last_t[...] = last.T
+            t1 = time.perf_counter()
             self._emit(upper, last_t, None if targets is None else targets.T)
+        t2 = time.perf_counter()
+        if t2 > t0:
+            self._moments_share = min(0.95, max(0.05, (t1 - t0) / (t2 - t0)))
         self.n_sequences += B
         self.n_samples += B
         self.n_tokens += int(offsets[-1])
@@ -668,18 +689,34 @@ def featurize_need(info: TokensInfo, chunk_size: int | None = None, workers: int
 
 def _add_chunks(acc: _Accumulator, info: TokensInfo, span: tuple[int, int], chunk_size: int | None = None,
                 progress: Callable[[int], None] | None = None, prefetch: bool = True) -> None:
-    """Read samples [lo, hi) in chunks, validate each and add it to `acc`."""
+    """Read samples [lo, hi) in chunks, validate each and add it to `acc`.
+
+    `progress(n)` gets the samples of every chunk, in up to PROGRESS_STEPS parts when the chunk reports
+    its work as it goes (`_Accumulator.add`'s tick), so that a bar moves within the large chunks of a
+    big file; the parts of a chunk sum to its samples, and nothing else depends on them.
+    """
     per_position = getattr(info, "per_position", False)
     for a, b, tokens, offsets, targets, weights in iter_chunks(info, span, chunk_size or default_chunk_size(info),
                                                                prefetch, with_weights=True):
         if CANCEL.is_set():
             raise Cancelled("the reduction was cancelled")
         check_weights(weights, offsets, a, per_position, info.path)
+        told = [0]  # samples of this chunk reported so far
+
+        def tick(f: float, n: int = b - a, told: list[int] = told) -> None:
+            k = min(n - 1, int(f * n))
+            if k - told[0] >= max(1, n // PROGRESS_STEPS):
+                progress(k - told[0])
+                told[0] = k
         acc.add(tokens, offsets, targets if acc.has_targets else None,
                 check=lambda top, a=a, t=tokens, o=offsets, y=targets: check_chunk(info, a, t, o, y, top),
-                weights=weights)
+                weights=weights, tick=None if progress is None else tick)
         if progress is not None:
-            progress(b - a)
+            progress(b - a - told[0])
+
+
+# A chunk's progress is reported in at most this many parts (`_add_chunks`).
+PROGRESS_STEPS = 16
 
 
 def reduce_span(info: TokensInfo, span: tuple[int, int], chunk_size: int | None = None,

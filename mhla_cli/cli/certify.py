@@ -15,7 +15,7 @@ from ..stream import check_solve_memory
 from ..tokens import inspect_tokens
 from ..witness import make_witness
 from .console import emit_json, fmt, load_with_progress, progress_bar, say, warn, working
-from .options import ChunkOpt, JsonOpt, NormalizeOpt, QuietOpt, check_hdf5_output
+from .options import ChunkOpt, JsonOpt, NormalizeOpt, QuietOpt, about, check_hdf5_output
 
 
 def certify_cmd(
@@ -61,15 +61,17 @@ def certify_cmd(
         if witness is not None or domain != "full" or min_eig > 0:
             raise InputError("--on tests the given probes: it cannot be combined with --witness, --domain "
                              "or --min-eig")
-        inspect_tokens(on)
         if report is not None:
             check_hdf5_output(report, (data, on), "the report")
+        inspect_tokens(on)
         _certify_on(data, on, report, normalize, chunk_size, json_out, quiet)
         return
     if witness is not None:
         check_hdf5_output(witness, (data,), "the witness file")
         if formats.kind_of(data) == "tokens" and inspect_tokens(data).per_position:
             raise InputError("--witness supports last-token data only (this file has per-position data)", data)
+        if formats.kind_of(data) == "tokens" and not inspect_tokens(data).has_targets:
+            raise InputError("--witness needs targets: the two models are compared by their training loss", data)
     check_solve_memory(data, "certify", chunk_size=chunk_size)
     feats, _, seconds = load_with_progress(data, chunk_size, quiet, normalize)
     if witness is not None and (feats.per_position or feats.normalize != "none"):
@@ -93,7 +95,8 @@ def certify_cmd(
     for r in cert.reasons:
         say(f"  - {r}", quiet)
     if witness is not None and not cert.identifiable:
-        wit = make_witness(feats, data=data, cert=cert, chunk_size=chunk_size)
+        with about(data):
+            wit = make_witness(feats, data=data, cert=cert, chunk_size=chunk_size)
         wit.save(witness, inputs=(data,))
         wi = wit.info
         out["witness"] = {"output": str(witness), **wit.summary()}

@@ -19,7 +19,7 @@ from ..spectrum import plot_spectrum, spectrum, text_histogram
 from ..stream import check_solve_memory
 from ..tokens import inspect_tokens
 from .console import emit_json, fmt, load_with_progress, progress_bar, say, warn, working
-from .options import (ChunkOpt, JsonOpt, NormalizeOpt, OutOpt, QuietOpt, check_heads_output, check_hdf5_output,
+from .options import (ChunkOpt, about, JsonOpt, NormalizeOpt, OutOpt, QuietOpt, check_heads_output, check_hdf5_output,
                       parse_auto, require_optional)
 
 
@@ -51,6 +51,8 @@ def fit_cmd(
     Example: mhla fit feats.h5 -o model.h5 --json;  mhla fit data.h5 -o model.h5 --heads auto
     """
     check_hdf5_output(output, (data,), "a model file")
+    if formats.kind_of(data) == "tokens" and not inspect_tokens(data).has_targets:
+        raise InputError("has no 'targets': fit needs (X, y) pairs", data)
     h, lam = parse_auto(heads, "--heads", int), parse_auto(nuclear, "--nuclear", float)
     lowrank_fit = h is not None or lam is not None
     if lowrank_fit and ridge > 0:
@@ -73,8 +75,9 @@ def fit_cmd(
         feats, _, load_seconds = load_with_progress(data, chunk_size, quiet, normalize)
         fold_feats = None
     with working(f"fit: solving on the canonical Lambda~ ({feats.n_features} features)", quiet):
-        model = fit(feats, ridge=ridge, heads=h, nuclear=lam, weight_decay=weight_decay, restarts=restarts,
-                    seed=seed, folds=fold_feats)
+        with about(data):  # e.g. a features file without targets
+            model = fit(feats, ridge=ridge, heads=h, nuclear=lam, weight_decay=weight_decay, restarts=restarts,
+                        seed=seed, folds=fold_feats)
     model.save(output, inputs=(data,))
     info = dict(model.info)
     info["output"] = str(output)

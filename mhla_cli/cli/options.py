@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import importlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -84,6 +85,18 @@ def check_heads_output(path: Path, inputs: tuple[Path | None, ...] = ()) -> str:
         require_optional("safetensors.numpy", _safetensors)
     formats.check_output_path(path, tuple(i for i in inputs if i is not None))
     return fmt
+
+
+@contextmanager
+def about(path: Path) -> Iterator[None]:
+    """Name `path` in an InputError raised without a file: a library check of the data it was handed in
+    memory (e.g. statistics without targets) becomes ``<path>: ...``."""
+    try:
+        yield
+    except InputError as exc:
+        if exc.path is None:
+            raise InputError(str(exc), path) from None
+        raise
 
 
 def require_optional(module: str, refuse: Callable[[], Any]) -> None:

@@ -9,7 +9,7 @@ import typer
 
 from ..errors import InputError
 from ..forward import predict_file, rollout_file
-from ..model import load_function
+from ..model import load_function, normalize_of
 from ..compare import compare
 from ..tokens import inspect_tokens
 from .console import emit_json, fmt, progress_bar, say, warn
@@ -111,6 +111,11 @@ def compare_cmd(
     Example (a CI gate): mhla compare retrained.h5 model.h5 --tol 1e-6 --on heldout.h5 --json
     """
     fa, fb = load_function(a), load_function(b)
+    if fa.d != fb.d:
+        raise InputError(f"has d = {fa.d} but {b} has d = {fb.d}: nothing to compare", a)
+    if normalize_of(fa) != normalize_of(fb):
+        raise InputError(f"uses the normalisation {normalize_of(fa)} but {b} uses {normalize_of(fb)}: their coef "
+                         "act on different features", a)
     if on is not None:
         info = inspect_tokens(on)
         with progress_bar("compare", info.n_samples, quiet) as advance:
