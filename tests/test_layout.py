@@ -330,8 +330,9 @@ def test_outside_references_on_a_synthetic_tree(tmp_path: Path) -> None:
 # 4. no `pip install mhla` while no release exists
 
 
-# `pip install mhla`, `pip install 'mhla[dask]'`, `pip install -U "mhla[plot]"` (not `pip install -e .`).
-_FROM_INDEX = re.compile(r"""pip install(?:\s+-{1,2}[\w-]+)*\s+['"]?mhla\b(?![_-])""")
+# `pip install mhla`, `pip install 'mhla[dask]'`, `pip install -U "mhla[plot]"`; not `pip install -e .`, a wheel's
+# path, or a direct reference (`pip install "mhla[dask] @ git+https://..."`).
+_FROM_INDEX = re.compile(r"""pip install(?:\s+-{1,2}[\w-]+)*\s+['"]?mhla\b(?![_-]|\S*\s*@)""")
 
 
 def _texts() -> list[Path]:
@@ -357,7 +358,9 @@ def test_install_pattern() -> None:
     for line in ["pip install mhla", "pip install 'mhla[dask]'", 'pip install -U "mhla[plot]"', "- run: pip install mhla"]:
         assert _FROM_INDEX.search(line), line
     for line in ["pip install -e .", "pip install -e '.[test,dask,plot]'", "pip install 'dask[distributed]>=2023.1'",
-                 "pip install mhla_cli-0.1.0.whl", "pip install ./dist/mhla-0.1.0-py3-none-any.whl"]:
+                 "pip install mhla_cli-0.1.0.whl", "pip install ./dist/mhla-0.1.0-py3-none-any.whl",
+                 "pip install 'mhla-0.1.0-py3-none-any.whl[dask]'", 'pip install "mhla @ git+https://host/mhla.git"',
+                 "pip install 'mhla[dask]@ file:///tmp/mhla-0.1.0-py3-none-any.whl'"]:
         assert not _FROM_INDEX.search(line), line
 
 
