@@ -15,10 +15,13 @@ compressed .npz members are decompressed as a stream, in order; torch files are 
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import json
+import mmap
 import os
 import struct
+import sys
 import zipfile
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import ExitStack
@@ -251,17 +254,59 @@ def _torch() -> Any:
     return torch
 
 
-def _tensor_source(name: str, t: Any, label: str) -> _Source:
+def _tensor_source(name: str, t: Any, label: str, release: _PageDropper | None = None) -> _Source:
     torch = _torch()
     t = t.detach()
-    if t.dtype == torch.bfloat16:  # no numpy bfloat16: widened exactly to float32
-        return _Source(name, tuple(t.shape), np.dtype(np.float32), lambda a, b: t[a:b].float().numpy(), label)
-    try:
-        dtype = torch.empty(0, dtype=t.dtype).numpy().dtype
-    except (TypeError, RuntimeError):
-        raise InputError(f"tensor '{name}' has dtype {t.dtype}, which mhla cannot read; store float32/float64 "
-                         "or integers", label) from None
-    return _Source(name, tuple(int(s) for s in t.shape), dtype, lambda a, b: np.array(t[a:b].numpy()), label)
+    widen = t.dtype == torch.bfloat16  # no numpy bfloat16: widened exactly to float32
+    if widen:
+        dtype = np.dtype(np.float32)
+    else:
+        try:
+            dtype = torch.empty(0, dtype=t.dtype).numpy().dtype
+        except (TypeError, RuntimeError):
+            raise InputError(f"tensor '{name}' has dtype {t.dtype}, which mhla cannot read; store float32/float64 "
+                             "or integers", label) from None
+
+    def read(a: int, b: int) -> np.ndarray:
+        rows = t[a:b]
+        out = rows.float().numpy() if widen else np.array(rows.numpy())
+        if release is not None and rows.is_contiguous():
+            release(rows.data_ptr(), rows.numel() * rows.element_size())
+        return out
+
+    return _Source(name, tuple(int(s) for s in t.shape), dtype, read, label)
+
+
+class _PageDropper:
+    """Hands back to the kernel the pages of a memory-mapped file that have been copied (madvise
+    MADV_DONTNEED; Linux), so that reading a torch file mapped with mmap=True does not grow the RSS.
+
+    Only whole pages inside a read-only use of a mapping of that very file (per /proc/self/maps) are
+    dropped: the next access reads them from the file again, so no data can change.
+    """
+
+    def __init__(self, path: Path) -> None:
+        self.ranges: list[tuple[int, int]] = []
+        if not sys.platform.startswith("linux"):
+            return
+        try:
+            maps = Path("/proc/self/maps").read_text()
+            self.madvise = ctypes.CDLL(None, use_errno=True).madvise
+        except (OSError, AttributeError):
+            return
+        self.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+        target = os.path.realpath(path)
+        for line in maps.splitlines():
+            fields = line.split(None, 5)
+            if len(fields) == 6 and fields[5] == target:
+                lo, hi = (int(x, 16) for x in fields[0].split("-"))
+                self.ranges.append((lo, hi))
+
+    def __call__(self, addr: int, nbytes: int) -> None:
+        page = mmap.PAGESIZE
+        lo, hi = -(-addr // page) * page, (addr + nbytes) // page * page
+        if hi > lo and any(a <= lo and hi <= b for a, b in self.ranges):
+            self.madvise(lo, hi - lo, 4)  # MADV_DONTNEED
 
 
 def _torch_sources(path: Path) -> list[_Source]:
@@ -269,10 +314,12 @@ def _torch_sources(path: Path) -> list[_Source]:
     try:
         try:
             obj = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+            release: _PageDropper | None = _PageDropper(path)
         except RuntimeError as exc:
             if "mmap" not in str(exc).lower() and "zip" not in str(exc).lower():
                 raise
-            obj = torch.load(path, map_location="cpu", weights_only=True)  # a legacy (non-zip) file
+            obj = torch.load(path, map_location="cpu", weights_only=True)  # a legacy (non-zip) file: in memory
+            release = None
     except Exception as exc:  # noqa: BLE001 (torch and pickle raise many types)
         reason = " ".join(str(exc).split())
         if "weights only load failed" in reason.lower():  # torch's advice to unpickle anything is not ours
@@ -281,14 +328,14 @@ def _torch_sources(path: Path) -> list[_Source]:
                          "tensors or a dict of them (torch.save, loaded with weights_only=True)", path) from None
     label = str(path)
     if isinstance(obj, torch.Tensor):
-        return [_tensor_source("tokens", obj, label)]
+        return [_tensor_source("tokens", obj, label, release)]
     if isinstance(obj, (list, tuple)):
-        return _value_sources({"tokens": obj}, label)
+        return _value_sources({"tokens": obj}, label, release)
     if isinstance(obj, dict):
         if not all(isinstance(k, str) for k in obj):
             raise InputError("a dict with keys that are not strings; name the tensors tokens, offsets, targets, "
                              "weights", path)
-        return _value_sources(obj, label)
+        return _value_sources(obj, label, release)
     raise InputError(f"holds a {type(obj).__name__}; mhla reads a tensor, a list of (n_i, d) tensors or a dict of "
                      "them", path)
 
@@ -314,7 +361,8 @@ def _as_array(x: Any, name: str, label: str) -> np.ndarray:
     return arr
 
 
-def _concat_source(name: str, seqs: Sequence[Any], label: str) -> tuple[_Source, np.ndarray]:
+def _concat_source(name: str, seqs: Sequence[Any], label: str, release: _PageDropper | None = None
+                   ) -> tuple[_Source, np.ndarray]:
     """A list of (n_i, ...) arrays as one concatenated array (read piece by piece) and its offsets."""
     arrays = [_as_array(s, name, label) for s in seqs]
     if not arrays:
@@ -338,7 +386,11 @@ def _concat_source(name: str, seqs: Sequence[Any], label: str) -> tuple[_Source,
             i += 1
         if not parts:
             return np.empty((0, *first.shape[1:]), dtype)
-        return np.concatenate(parts).astype(dtype, copy=False)
+        out = np.concatenate(parts).astype(dtype, copy=False)
+        for part in parts if release is not None else ():
+            if part.flags.c_contiguous:
+                release(part.ctypes.data, part.nbytes)
+        return out
 
     return _Source(name, (int(offsets[-1]), *first.shape[1:]), dtype, read, label), offsets
 
@@ -348,7 +400,7 @@ def _array_source(name: str, arr: np.ndarray, label: str) -> _Source:
                    lambda a, b: np.ascontiguousarray(arr[a:b]), label)
 
 
-def _value_sources(values: dict[str, Any], label: str) -> list[_Source]:
+def _value_sources(values: dict[str, Any], label: str, release: _PageDropper | None = None) -> list[_Source]:
     """Sources of named values: arrays or tensors; tokens, targets, weights may be lists of sequences."""
     out = []
     for name, v in values.items():
@@ -363,7 +415,7 @@ def _value_sources(values: dict[str, Any], label: str) -> list[_Source]:
             if name != "tokens" and items and all(x.ndim == row_ndim for x in items):
                 out.append(_array_source(name, _as_array(np.stack(items), name, label), label))
                 continue
-            src, offsets = _concat_source(name, items, label)
+            src, offsets = _concat_source(name, items, label, release)
             out.append(src)
             if name == "tokens":
                 if values.get("offsets") is not None:
@@ -371,7 +423,7 @@ def _value_sources(values: dict[str, Any], label: str) -> list[_Source]:
                                      "sequences (their lengths are the offsets)", label)
                 out.append(_array_source("offsets", offsets, label))
         elif type(v).__module__.startswith("torch") and hasattr(v, "detach"):
-            out.append(_tensor_source(name, v, label))
+            out.append(_tensor_source(name, v, label, release))
         else:
             out.append(_array_source(name, _as_array(v, name, label), label))
     return out

@@ -423,18 +423,25 @@ def _peak_rss_mib(args: list[str]) -> float:
 
 
 @pytest.mark.slow
-def test_2gb_npy_converts_in_bounded_memory(tmp_path: Path) -> None:
-    N, n, d = 2**15, 1024, 16  # float32: 2 GiB
+@pytest.mark.parametrize("kind", ["npy", "pt"])
+def test_large_input_converts_in_bounded_memory(tmp_path: Path, kind: str) -> None:
+    """A 2 GiB .npy (1 GiB torch file) converts with a peak RSS under 500 MB, into equal data."""
+    N, n, d = (2**15 if kind == "npy" else 2**14), 1024, 16  # float32: 2 GiB (1 GiB)
     big = np.lib.format.open_memmap(tmp_path / "big.npy", mode="w+", dtype=np.float32, shape=(N, n, d))
     rng = np.random.default_rng(0)
     for a in range(0, N, 1024):
         big[a:a + 1024] = rng.standard_normal((1024, n, d), dtype=np.float32)
     big.flush()
     del big
-    out = tmp_path / "big.h5"
-    rss = _peak_rss_mib(["convert", str(tmp_path / "big.npy"), "-o", str(out), "-q"])
-    assert rss < 500, f"peak RSS {rss:.0f} MiB"
     src = np.load(tmp_path / "big.npy", mmap_mode="r")
+    inp = tmp_path / "big.npy"
+    if kind == "pt":
+        torch = pytest.importorskip("torch")
+        inp = tmp_path / "big.pt"
+        torch.save({"tokens": torch.from_numpy(np.array(src))}, inp)
+    out = tmp_path / "big.h5"
+    rss = _peak_rss_mib(["convert", str(inp), "-o", str(out), "-q"])
+    assert rss < 500 * 1e6 / 2**20, f"peak RSS {rss:.0f} MiB"
     with h5py.File(out, "r") as f:
         assert f["tokens"].shape == (N, n, d)
         for a in range(0, N, 2048):
