@@ -255,7 +255,7 @@ class _Accumulator:
         self._derived_token_gram = np.zeros((d, d))  # basis token Gram whose own one is derived in result()
         self._inv = None if not self._transform else np.linalg.inv(self.basis)
         self.n_samples = 0
-        self._moments_share = 0.5  # of a chunk's time in `add`, for its progress ticks (measured per chunk)
+        self._moments_share: float | None = None  # of a chunk's time in `add`, for its progress ticks
         self.n_tokens = 0
 
     def _buf(self, name: str, rows: int, shape: tuple[int, ...]) -> np.ndarray:
@@ -366,8 +366,12 @@ class _Accumulator:
             self._add_rows(tokens, offsets, targets, check, weights)
             return
         t0 = time.perf_counter()
-        # the moments' share of a chunk's time, as measured on the previous chunk
+        # the moments' share of a chunk's time: measured on the previous chunk; for the first, a guess
+        # from the operation counts (the memory-bound moments cost ~30x a syrk flop)
         share = self._moments_share
+        if share is None:
+            m, s = 30.0 * tokens.shape[0] * d * d, 0.5 * B * self.width ** 2
+            share = min(0.95, max(0.05, m / (m + s)))
         moments_done = None if tick is None else (lambda k: tick(share * k / B))
         # errstate: NaN / Inf tokens are reported by `check`, not as numpy warnings
         with _single_blas_thread(), np.errstate(invalid="ignore", over="ignore"):
@@ -716,7 +720,7 @@ def _add_chunks(acc: _Accumulator, info: TokensInfo, span: tuple[int, int], chun
 
 
 # A chunk's progress is reported in at most this many parts (`_add_chunks`).
-PROGRESS_STEPS = 16
+PROGRESS_STEPS = 64
 
 
 def reduce_span(info: TokensInfo, span: tuple[int, int], chunk_size: int | None = None,

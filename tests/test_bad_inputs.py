@@ -537,3 +537,97 @@ def test_inspect_valid_files(base: Base, tmp_path: Path, capsys) -> None:
         assert run(["inspect", str(path)]) == 0
         err = capsys.readouterr().err
         assert f"{kind} file, valid" in err and "mhla: error" not in err
+
+
+# --------------------------------------------------------------------------------------------
+# an output's suffix means its format; optional packages checked before any work
+# --------------------------------------------------------------------------------------------
+
+HDF5_ONLY = r"is written in HDF5; the suffix '\.[a-z]+' names another format: use \.h5, \.hdf5 or \.hdf"
+
+
+def _suffix_cases(base: Base, d: Path) -> list[tuple[list[str], Path, str]]:
+    """(argv, the output blamed, pattern) for every output option of every command."""
+    gen = ["--dim", "2", "--heads", "1", "--n-samples", "5"]
+    return [
+        (["featurize", str(base.data), "-o", str(d / "f.npz")], d / "f.npz", HDF5_ONLY),
+        (["merge", str(base.feats), "-o", str(d / "m.safetensors")], d / "m.safetensors", HDF5_ONLY),
+        (["fit", str(base.feats), "-o", str(d / "model.npz")], d / "model.npz", HDF5_ONLY),
+        (["fit", str(base.data), "-o", str(d / "model.safetensors")], d / "model.safetensors", HDF5_ONLY),
+        (["predict", str(base.heads), str(base.data), "-o", str(d / "p.npy")], d / "p.npy", HDF5_ONLY),
+        (["rollout", str(base.model), str(base.data), "-k", "1", "-o", str(d / "r.npz")], d / "r.npz", HDF5_ONLY),
+        (["generate", "teacher", "-o", str(d / "t.csv"), *gen], d / "t.csv", HDF5_ONLY),
+        (["generate", "assoc", "-o", str(d / "a.npz"), "--keys", "1", "--n-samples", "4"], d / "a.npz", HDF5_ONLY),
+        (["certify", str(base.data), "--witness", str(d / "w.npz")], d / "w.npz", HDF5_ONLY),
+        (["certify", str(base.data), "--on", str(base.data), "-o", str(d / "rep.json")], d / "rep.json", HDF5_ONLY),
+        (["export-heads", str(base.model), "-o", str(d / "h.pt")], d / "h.pt",
+         r"unknown heads format '\.pt': use \.h5 / \.hdf5 \(HDF5\), \.npz \(numpy\) or \.safetensors"),
+        (["generate", "teacher", "-o", str(d / "t.h5"), *gen, "--teacher-out", str(d / "teacher.pt")],
+         d / "teacher.pt", r"unknown heads format '\.pt'"),
+        (["spectrum", str(base.model), "--plot", str(d / "s.pdf")], d / "s.pdf",
+         r"--plot writes a PNG image; the suffix '\.pdf' names another format: use \.png"),
+    ]
+
+
+def test_output_suffix_must_name_its_format(base: Base, tmp_path: Path, capsys) -> None:
+    # `mhla fit data.h5 -o model.npz` used to exit 0 with HDF5 under the .npz name
+    cases = _suffix_cases(base, tmp_path)
+    for argv, out, pattern in cases:
+        run_bad(capsys, argv, out, pattern, out)  # the pre-existing file at the bad name survives
+    # and no other output was written (t.h5 beside a refused --teacher-out)
+    assert {p.name for p in tmp_path.iterdir()} == {out.name for _, out, _ in cases}
+
+
+def test_output_suffix_is_refused_before_any_work(base: Base, tmp_path: Path, capsys) -> None:
+    # with a missing input, the suffix is what is reported: it was checked before the input was read
+    missing = tmp_path / "missing.h5"
+    for argv, out, pattern in _suffix_cases(base, tmp_path):
+        argv = [str(missing) if a in (str(base.data), str(base.feats), str(base.model), str(base.heads)) else a
+                for a in argv]
+        run_bad(capsys, argv, out, pattern, None)
+
+
+def test_hdf5_outputs_take_any_hdf5_suffix_or_none(base: Base, tmp_path: Path, capsys) -> None:
+    for name in ("model.hdf5", "model.HDF", "model"):
+        assert run(["fit", str(base.feats), "-o", str(tmp_path / name), "-q"]) == 0, capsys.readouterr().err
+        assert h5py.is_hdf5(tmp_path / name)
+
+
+def _without(monkeypatch: pytest.MonkeyPatch, *modules: str) -> None:
+    """Make `import module` fail as if the package were not installed."""
+    import sys
+    for m in modules:
+        monkeypatch.setitem(sys.modules, m, None)
+
+
+def test_spectrum_plot_without_matplotlib(base: Base, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                          capsys) -> None:
+    # refused before the spectrum is computed or printed (it used to print everything, then fail)
+    _without(monkeypatch, "matplotlib", "matplotlib.pyplot")
+    png = tmp_path / "s.png"
+    run_bad(capsys, ["spectrum", str(base.model), "--plot", str(png), "--json"], None,
+            r"plotting needs matplotlib: pip install", png)
+
+
+def test_safetensors_output_without_safetensors(base: Base, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                capsys) -> None:
+    _without(monkeypatch, "safetensors", "safetensors.numpy")
+    out = tmp_path / "h.safetensors"
+    run_bad(capsys, ["export-heads", str(base.model), "-o", str(out)], None, r"needs the optional package "
+            "safetensors", out)
+    data = tmp_path / "d.h5"
+    run_bad(capsys, ["generate", "teacher", "-o", str(data), "--dim", "2", "--heads", "1", "--n-samples", "5",
+                     "--teacher-out", str(out)], None, r"needs the optional package safetensors", out)
+    assert not data.exists()  # nothing was generated
+
+
+def test_scheduler_without_dask(base: Base, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys) -> None:
+    _without(monkeypatch, "dask", "dask.distributed", "distributed")
+    import mhla_cli.stream as stream_mod
+
+    def no_work(*a: object, **k: object) -> None:
+        raise AssertionError("the pass started")
+    monkeypatch.setattr(stream_mod, "estimate_basis", no_work)
+    out = tmp_path / "f.h5"
+    run_bad(capsys, ["featurize", str(base.data), "-o", str(out), "--scheduler", "local:1"], None,
+            r"a Dask scheduler needs Dask", out)

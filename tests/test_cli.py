@@ -125,3 +125,147 @@ def test_console_script_as_process(tmp_path: Path, teacher_file) -> None:
     bad = subprocess.run(exe + ["certify", str(tmp_path / "missing.h5")], capture_output=True, text=True)
     assert bad.returncode == 2 and bad.stdout == ""
     assert bad.stderr.startswith("mhla: error: ") and "Traceback" not in bad.stderr
+
+
+# --------------------------------------------------------------------------------------------
+# help, completion, progress, the fit warning (issue 16)
+# --------------------------------------------------------------------------------------------
+
+
+def _command_paths() -> list[list[str]]:
+    """Every command of `mhla`, as the argv that names it (["fit"], ["generate", "teacher"], ...)."""
+    import typer
+
+    from mhla_cli.cli import app
+    root = typer.main.get_command(app)
+    paths = []
+    for name, cmd in root.commands.items():
+        subs = getattr(cmd, "commands", None)
+        paths += [[name, s] for s in subs] if subs else [[name]]
+    return paths
+
+
+def test_every_command_is_covered() -> None:
+    names = {" ".join(p) for p in _command_paths()}
+    assert {"featurize", "merge", "certify", "fit", "export-heads", "spectrum", "predict", "rollout", "compare",
+            "inspect", "generate teacher", "generate assoc"} <= names
+
+
+@pytest.mark.parametrize("argv", _command_paths(), ids=" ".join)
+def test_help_has_an_example_and_no_type_placeholders(argv: list[str], capsys) -> None:
+    import re
+    assert run([*argv, "--help"]) == 0
+    out = capsys.readouterr().out
+    assert "Example" in out, out
+    # typer 0.29 printed <bool> after every flag, <path> after arguments, <list[Path]> on merge
+    assert not re.search(r"<(bool|str|int|float|path|file|directory|list\[.*?\]|(int|float) range)>", out), out
+    for line in out.splitlines():  # a flag shows no value name
+        if re.search(r"--(json|quiet|help)\b", line):
+            assert not re.search(r"\b(BOOLEAN|TEXT|PATH|INTEGER)\b", line), line
+
+
+def test_help_names_values_and_arguments(capsys) -> None:
+    assert run(["merge", "--help"]) == 0
+    out = capsys.readouterr().out
+    assert "Usage: mhla merge [OPTIONS] PART..." in out and "PATH" in out
+    assert run(["fit", "--help"]) == 0
+    out = capsys.readouterr().out
+    assert "Usage: mhla fit [OPTIONS] DATA" in out and "FLOAT" in out and "INTEGER" in out
+    assert run(["--help"]) == 0
+    out = capsys.readouterr().out
+    assert "--install-completion" in out and "--show-completion" in out and "<bool>" not in out
+
+
+def _mhla() -> list[str]:
+    script = shutil.which("mhla")
+    return [script] if script else [sys.executable, "-m", "mhla_cli"]
+
+
+def test_shell_completion(tmp_path: Path) -> None:
+    import os
+    env = {**os.environ, "SHELL": "/bin/bash", "HOME": str(tmp_path)}
+    show = subprocess.run(_mhla() + ["--show-completion", "bash"], capture_output=True, text=True, env=env)
+    assert show.returncode == 0, show.stderr
+    assert "_MHLA_COMPLETE=complete_bash" in show.stdout and "complete -o default -F _mhla_completion mhla" in show.stdout
+    # what bash runs on <TAB>: commands, then a command's options
+    for words, cword, expect in (("mhla fe", 1, "featurize"), ("mhla fit --ri", 2, "--ridge"),
+                                 ("mhla generate t", 2, "teacher")):
+        comp = subprocess.run(_mhla(), capture_output=True, text=True,
+                              env={**env, "_MHLA_COMPLETE": "complete_bash", "COMP_WORDS": words,
+                                   "COMP_CWORD": str(cword)})
+        assert comp.returncode == 0 and expect in comp.stdout.split(), (words, comp.stdout, comp.stderr)
+    inst = subprocess.run(_mhla() + ["--install-completion", "bash"], capture_output=True, text=True, env=env)
+    assert inst.returncode == 0, inst.stderr
+    assert (tmp_path / ".bash_completions" / "mhla.sh").is_file()
+    assert "_mhla_completion" in (tmp_path / ".bash_completions" / "mhla.sh").read_text()
+
+
+def test_featurize_progress_moves_within_large_chunks(tmp_path: Path, monkeypatch, capsys) -> None:
+    # 4000 sequences of 50 tokens (2e5 tokens) in one or two chunks: the bar used to jump from 0 to done
+    from contextlib import contextmanager
+
+    import mhla_cli.cli.featurize as featurize_cli
+    from mhla_cli.stream import featurize
+
+    data = tmp_path / "d.h5"
+    assert run(["generate", "teacher", "-o", str(data), "--dim", "4", "--heads", "1", "--n-samples", "4000",
+                "--seq-len", "50", "-q"]) == 0
+    calls: list[tuple[str, int]] = []
+
+    @contextmanager
+    def counting_bar(description: str, total: int, quiet: bool):
+        calls.append(("total", total))
+        yield lambda n: calls.append(("advance", n))
+    monkeypatch.setattr(featurize_cli, "progress_bar", counting_bar)
+    for chunk in ("4000", "2000"):
+        calls.clear()
+        out = tmp_path / f"f{chunk}.h5"
+        assert run(["featurize", str(data), "-o", str(out), "--chunk-size", chunk, "-q"]) == 0
+        steps = [n for kind, n in calls if kind == "advance"]
+        assert calls[0] == ("total", 4000) and sum(steps) == 4000
+        assert len(steps) >= 10 and all(n > 0 for n in steps), steps
+    # the ticks change nothing: the same statistics with and without a progress callback
+    a = featurize(data, chunk_size=2000, progress=lambda n: None)
+    b = featurize(data, chunk_size=2000)
+    for name in ("gram", "moments", "target_gram", "token_gram"):
+        assert np.array_equal(getattr(a, name), getattr(b, name)), name
+
+
+def test_fit_warning_names_the_observed_domain(tmp_path: Path, capsys) -> None:
+    # Gaussian keys: not identifiable on R^d (the last tokens (q, 0) span half of it), identifiable on
+    # the observed domain; orthogonal keys: identifiable on neither
+    g, held, o = tmp_path / "g.h5", tmp_path / "held.h5", tmp_path / "o.h5"
+    for path, frac, n, seed in ((g, "0", "500", "0"), (held, "0", "200", "7"), (o, "1", "500", "0")):
+        assert run(["generate", "assoc", "-o", str(path), "--keys", "2", "--n-samples", n, "--seed", seed,
+                    "--orthogonal-fraction", frac, "-q"]) == 0
+    capsys.readouterr()
+    assert run(["fit", str(g), "-o", str(tmp_path / "gm.h5"), "-q"]) == 0
+    warn = capsys.readouterr().err.strip().splitlines()
+    assert len(warn) == 1 and warn[0].startswith("mhla: warning: the data do not determine the function")
+    assert "they do determine it on the observed domain" in warn[0] and "certify --domain observed" in warn[0]
+    assert "its predictions there are exact" in warn[0]
+    # ... and they are: held-out inputs of the same domain are predicted to float64 rounding
+    p = cli_json(capsys, ["predict", str(tmp_path / "gm.h5"), str(held), "-o", str(tmp_path / "p.h5"), "--json",
+                          "-q"])
+    assert p["mse"] < 1e-20
+    assert run(["fit", str(g), "-o", str(tmp_path / "gr.h5"), "-q", "--ridge", "0.1"]) == 0
+    warn = capsys.readouterr().err
+    assert "observed domain" in warn and "without --ridge, its predictions there would be exact" in warn
+    assert run(["fit", str(o), "-o", str(tmp_path / "om.h5"), "-q"]) == 0
+    warn = capsys.readouterr().err
+    assert "do not determine the function" in warn and "observed domain" not in warn
+    assert "see `mhla certify`" in warn
+
+
+def test_teacher_out_writes_the_format_of_its_suffix(tmp_path: Path, capsys) -> None:
+    data, teacher = tmp_path / "d.h5", tmp_path / "teacher.npz"
+    assert run(["generate", "teacher", "-o", str(data), "--dim", "2", "--heads", "1", "--n-samples", "50",
+                "--seq-len", "3:8", "--dtype", "float64", "--teacher-out", str(teacher), "-q"]) == 0
+    with np.load(teacher) as z:  # a real .npz archive (it used to be HDF5 under any name)
+        assert z["V"].shape == (1, 2, 2) and z["Q"].shape == (1, 2, 2)
+    p = cli_json(capsys, ["predict", str(teacher), str(data), "-o", str(tmp_path / "p.h5"), "--json", "-q"])
+    assert p["mse"] < 1e-25
+    st = tmp_path / "teacher.safetensors"
+    assert run(["generate", "assoc", "-o", str(tmp_path / "a.h5"), "--keys", "1", "--n-samples", "8",
+                "--teacher-out", str(st), "-q"]) == 0
+    assert st.read_bytes()[8:9] == b"{"  # safetensors: an 8-byte header length, then JSON

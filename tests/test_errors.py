@@ -25,3 +25,52 @@ def test_cli_prints_one_line_and_exits_2(tmp_path: Path, capsys: pytest.CaptureF
     assert run(["featurize", str(missing), "-o", str(tmp_path / "f.h5")]) == 2
     err = capsys.readouterr().err
     assert err == f"mhla: error: {missing}: no such file\n"
+
+
+def test_about_names_the_file_of_a_pathless_error() -> None:
+    from mhla_cli.cli.options import about
+    with pytest.raises(InputError) as bare:
+        with about(Path("d.h5")):
+            raise InputError("the data have no 'targets'")
+    assert str(bare.value) == "d.h5: the data have no 'targets'" and bare.value.path == "d.h5"
+    with pytest.raises(InputError) as named:  # an error that names its file keeps it
+        with about(Path("d.h5")):
+            raise InputError("bad offsets", Path("other.h5"))
+    assert str(named.value) == "other.h5: bad offsets"
+
+
+def _one_error(capsys: pytest.CaptureFixture[str], argv: list[str]) -> str:
+    capsys.readouterr()
+    assert run(argv) == 2
+    cap = capsys.readouterr()
+    lines = cap.err.strip().splitlines()
+    assert len(lines) == 1 and cap.out == "" and "Traceback" not in cap.err, cap.err
+    return lines[0]
+
+
+def test_errors_about_a_file_name_it(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    import h5py
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    untargeted = tmp_path / "x.h5"
+    with h5py.File(untargeted, "w") as f:  # tokens alone: featurize and certify take them, fit cannot
+        f["tokens"] = rng.standard_normal((3, 4, 2))
+    feats = tmp_path / "f.h5"
+    assert run(["featurize", str(untargeted), "-o", str(feats), "-q"]) == 0
+    # these used to print "mhla: error: the data have no 'targets'" / "the models have different d"
+    line = _one_error(capsys, ["fit", str(untargeted), "-o", str(tmp_path / "m.h5")])
+    assert line == f"mhla: error: {untargeted}: has no 'targets': fit needs (X, y) pairs"
+    assert not (tmp_path / "m.h5").exists()
+    line = _one_error(capsys, ["fit", str(feats), "-o", str(tmp_path / "m.h5")])
+    assert line.startswith(f"mhla: error: {feats}: ") and "no 'targets'" in line
+    line = _one_error(capsys, ["certify", str(untargeted), "--witness", str(tmp_path / "w.h5")])
+    assert line.startswith(f"mhla: error: {untargeted}: --witness needs targets")
+    a, b = tmp_path / "a.h5", tmp_path / "b.h5"
+    for path, dim in ((a, "2"), (b, "3")):
+        data = tmp_path / f"d{dim}.h5"
+        assert run(["generate", "teacher", "-o", str(data), "--dim", dim, "--heads", "1", "--n-samples", "60",
+                    "-q"]) == 0
+        assert run(["fit", str(data), "-o", str(path), "-q"]) == 0
+    line = _one_error(capsys, ["compare", str(a), str(b)])
+    assert line == f"mhla: error: {a}: has d = 2 but {b} has d = 3: nothing to compare"
