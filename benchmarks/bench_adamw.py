@@ -61,7 +61,7 @@ def main() -> None:
         import torch
         from experiments.mhla_torch import train_mhla
     except ImportError as exc:
-        sys.exit(f"needs torch and experiments/mhla_torch.py: pip install 'mhla[bench]' ({exc})")
+        sys.exit(f"needs torch and experiments/mhla_torch.py: pip install -e '.[bench]' in a clone ({exc})")
     torch.set_num_threads(1)
     header = ["set-up", "d", "N", "seed", "heads exported", "closed-form train MSE", "mhla s (file)",
               "AdamW epochs to 1e-8", "AdamW epochs to 1e-12", "AdamW s to 1e-12", "AdamW lowest MSE",

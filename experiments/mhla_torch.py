@@ -37,7 +37,7 @@ import numpy as np
 try:
     import torch
 except ImportError as exc:  # pragma: no cover - exercised only without the extra
-    raise ImportError("experiments.mhla_torch needs torch: pip install 'mhla[bench]' "
+    raise ImportError("experiments.mhla_torch needs torch: pip install -e '.[bench]' in a clone "
                       "(torch==2.13.0, CPU build)") from exc
 
 THRESHOLDS = (1e-4, 1e-8, 1e-12)
