@@ -16,6 +16,7 @@ import builtins
 import contextlib
 import math
 import os
+import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import replace
@@ -785,16 +786,25 @@ def reduce_spans(info: TokensInfo, span_list: Sequence[tuple[int, int]],
     """Sum of `reduce_span` over `span_list`, evaluated with `map` (builtin, a pool's, Dask's).
 
     `map(fn, spans)` may also yield partial sums (Dask tree-reduces on the cluster); the parts are
-    added in the order they come, all in `basis`. `finalize` as in `reduce_span`.
+    added in the order they come, all in `basis`. `finalize` as in `reduce_span`. `progress` is told
+    each part's samples when it comes back, or, with worker threads of this process
+    (parallel.ThreadMap), each chunk's as the workers go (one call at a time).
     """
     total: Features | None = None
+    threads = progress is not None and isinstance(map, parallel.ThreadMap)
+    lock = threading.Lock()
+
+    def locked(n: int) -> None:
+        with lock:
+            progress(n)  # type: ignore[misc]
     for part in map(partial(reduce_span, info, chunk_size=chunk_size, normalize=normalize, basis=basis,
-                            finalize=False, spans=spans, device=device), span_list):
+                            finalize=False, spans=spans, device=device, progress=locked if threads else None),
+                    span_list):
         if total is None:
             total = part  # each part is a fresh result: sum into it
         else:
             add_into(total, part)
-        if progress is not None:
+        if progress is not None and not threads:
             progress(part.n_sequences if part.n_sequences is not None else part.n_samples)
     if total is None:
         total = _Accumulator(info.d, info.has_targets, basis, causal=getattr(info, "per_position", False),

@@ -217,10 +217,10 @@ def test_featurize_progress_moves_within_large_chunks(tmp_path: Path, monkeypatc
         calls.append(("total", total))
         yield lambda n: calls.append(("advance", n))
     monkeypatch.setattr(featurize_cli, "progress_bar", counting_bar)
-    for chunk in ("4000", "2000"):
+    for chunk, workers in (("4000", "1"), ("2000", "1"), ("2000", "2")):  # -j 2: threads tell their chunks
         calls.clear()
-        out = tmp_path / f"f{chunk}.h5"
-        assert run(["featurize", str(data), "-o", str(out), "--chunk-size", chunk, "-q"]) == 0
+        out = tmp_path / f"f{chunk}_{workers}.h5"
+        assert run(["featurize", str(data), "-o", str(out), "--chunk-size", chunk, "-j", workers, "-q"]) == 0
         steps = [n for kind, n in calls if kind == "advance"]
         assert calls[0] == ("total", 4000) and sum(steps) == 4000
         assert len(steps) >= 10 and all(n > 0 for n in steps), steps
