@@ -792,11 +792,17 @@ def reduce_spans(info: TokensInfo, span_list: Sequence[tuple[int, int]],
     """
     total: Features | None = None
     threads = progress is not None and isinstance(map, parallel.ThreadMap)
-    lock = threading.Lock()
+    lock, raised = threading.Lock(), []
 
     def locked(n: int) -> None:
         with lock:
-            progress(n)  # type: ignore[misc]
+            if raised:  # the callback raised (e.g. to interrupt): it is not called again
+                return
+            try:
+                progress(n)  # type: ignore[misc]
+            except BaseException:
+                raised.append(True)
+                raise
     for part in map(partial(reduce_span, info, chunk_size=chunk_size, normalize=normalize, basis=basis,
                             finalize=False, spans=spans, device=device, progress=locked if threads else None),
                     span_list):
