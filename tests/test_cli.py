@@ -174,6 +174,7 @@ def test_help_names_values_and_arguments(capsys) -> None:
     assert run(["--help"]) == 0
     out = capsys.readouterr().out
     assert "--install-completion" in out and "--show-completion" in out and "<bool>" not in out
+    assert 'eval "$(mhla --show-completion bash)"' in out  # the completion flags' example
 
 
 def _mhla() -> list[str]:

@@ -23,7 +23,9 @@ app = typer.Typer(
     name="mhla",
     help="Learn single-layer multi-head linear attention exactly, certify identifiability, export heads.\n\n"
          "Example: mhla featurize data.h5 -o feats.h5 && mhla certify feats.h5 && mhla fit feats.h5 -o model.h5 "
-         "&& mhla export-heads model.h5 -o heads.h5",
+         "&& mhla export-heads model.h5 -o heads.h5\n\n"
+         "Shell completion (typer's): mhla --install-completion, or for this shell only: "
+         "eval \"$(mhla --show-completion bash)\"",
     no_args_is_help=True,
     pretty_exceptions_enable=False,
     add_completion=True,  # typer's own --install-completion / --show-completion

@@ -102,7 +102,9 @@ def fit_cmd(
 
 def export_heads_cmd(
     model_path: Annotated[Path, typer.Argument(metavar="MODEL", help="Model file from `mhla fit`.")],
-    output: OutOpt,
+    output: Annotated[Path, typer.Option("--output", "-o", help="Output heads file, its format named by the "
+                                         "suffix: .h5 / .hdf5 / .hdf (HDF5), .npz (NumPy) or .safetensors (needs "
+                                         "the safetensors extra); written atomically. Example: -o heads.npz")],
     max_heads: Annotated[str | None, typer.Option("--max-heads", help="Keep at most the H strongest heads; 'auto': "
                                                   "the spectrum's outliers (see `mhla spectrum`).")] = None,
     tol: Annotated[float, typer.Option("--tol", min=0.0, help="Drop heads with s_h <= tol * s_max.")] = 1e-12,
@@ -143,8 +145,9 @@ def export_heads_cmd(
 
 def spectrum_cmd(
     model_path: Annotated[Path, typer.Argument(metavar="MODEL", help="Model or heads file.")],
-    plot: Annotated[Path | None, typer.Option("--plot", help="Also write a PNG of the spectrum "
-                                              "(needs the 'plot' extra: matplotlib).")] = None,
+    plot: Annotated[Path | None, typer.Option("--plot", help="Also write a PNG of the spectrum to this .png "
+                                              "file (needs the 'plot' extra: matplotlib; checked before any "
+                                              "work). Example: --plot spectrum.png")] = None,
     max_iter: Annotated[int, typer.Option("--max-iter", min=1, help="Iteration limit of the minimum-nuclear-norm "
                                           "solver (a warning says when it is reached).")] = 5000,
     json_out: JsonOpt = False,
