@@ -20,6 +20,7 @@ import dataclasses
 import json
 import mmap
 import os
+import re
 import struct
 import sys
 import zipfile
@@ -290,17 +291,25 @@ class _PageDropper:
         if not sys.platform.startswith("linux"):
             return
         try:
-            maps = Path("/proc/self/maps").read_text()
+            smaps = Path("/proc/self/smaps").read_text()
             self.madvise = ctypes.CDLL(None, use_errno=True).madvise
         except (OSError, AttributeError):
             return
         self.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
         target = os.path.realpath(path)
-        for line in maps.splitlines():
+        ours = False
+        for line in smaps.splitlines():
             fields = line.split(None, 5)
-            if len(fields) == 6 and fields[5] == target:
-                lo, hi = (int(x, 16) for x in fields[0].split("-"))
-                self.ranges.append((lo, hi))
+            if re.match(r"[0-9a-f]+-[0-9a-f]+ ", line):  # a mapping's header line
+                ours = len(fields) == 6 and fields[5] == target
+                if ours:
+                    lo, hi = (int(x, 16) for x in fields[0].split("-"))
+                    self.ranges.append((lo, hi))
+            elif ours and fields[0] == "Private_Dirty:" and int(fields[1]) > 0:
+                # torch changed pages of the mapping (e.g. swapped the bytes of a big-endian file):
+                # dropping them would bring back the file's bytes, so drop nothing
+                self.ranges = []
+                return
 
     def __call__(self, addr: int, nbytes: int) -> None:
         page = mmap.PAGESIZE
@@ -387,9 +396,12 @@ def _concat_source(name: str, seqs: Sequence[Any], label: str, release: _PageDro
         if not parts:
             return np.empty((0, *first.shape[1:]), dtype)
         out = np.concatenate(parts).astype(dtype, copy=False)
-        for part in parts if release is not None else ():
-            if part.flags.c_contiguous:
-                release(part.ctypes.data, part.nbytes)
+        spans = [(p.ctypes.data, p.ctypes.data + p.nbytes) for p in parts if p.flags.c_contiguous]
+        if release is not None and spans:
+            # one range over all the parts (and what lies between them in the file: zip headers), so
+            # that the pages shared by neighbouring sequences go too
+            lo = min(a for a, _ in spans)
+            release(lo, max(b for _, b in spans) - lo)
         return out
 
     return _Source(name, (int(offsets[-1]), *first.shape[1:]), dtype, read, label), offsets

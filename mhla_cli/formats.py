@@ -165,6 +165,8 @@ def not_hdf5_reason(p: Path) -> str:
         else:
             return "is a zip archive, not an HDF5 file"
     elif len(head) > 8 and head[8:9] == b"{" and int.from_bytes(head[:8], "little") < size:
+        if b'"mhla-heads"' in head:
+            return "is mhla heads in safetensors form (from export-heads), not an HDF5 file"
         what = "a safetensors file"
     elif head[:1] == b"\x80" and p.suffix.lower() in (".pt", ".pth"):
         what = "a PyTorch file (legacy torch.save)"

@@ -446,3 +446,42 @@ def test_large_input_converts_in_bounded_memory(tmp_path: Path, kind: str) -> No
         assert f["tokens"].shape == (N, n, d)
         for a in range(0, N, 2048):
             assert np.array_equal(f["tokens"][a:a + 2048], src[a:a + 2048])
+
+
+def test_not_hdf5_reason(tmp_path: Path) -> None:
+    from mhla_cli import formats
+    from mhla_cli.export import save_heads
+    from mhla_cli.heads import Heads
+
+    heads = Heads(V=np.eye(2)[None], Q=np.eye(2)[None])
+    save_heads(heads, tmp_path / "h.npz")
+    (tmp_path / "empty.h5").write_bytes(b"")
+    (tmp_path / "blob.h5").write_bytes(bytes(range(256)) * 4)
+    with zipfile.ZipFile(tmp_path / "z.h5", "w") as z:
+        z.writestr("readme.txt", "hello")
+    cases = {"h.npz": "mhla heads in NumPy .npz form", "empty.h5": "is empty",
+             "blob.h5": "mhla convert makes tokens files from", "z.h5": "is a zip archive"}
+    try:
+        save_heads(heads, tmp_path / "h.safetensors")
+        cases["h.safetensors"] = "mhla heads in safetensors form"
+    except InputError:  # safetensors not installed
+        pass
+    for name, expected in cases.items():
+        reason = formats.not_hdf5_reason(tmp_path / name)
+        assert expected in reason and "not an HDF5 file" in reason, (name, reason)
+        assert ("mhla convert " + name) not in reason  # converting would not help these
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="page dropping is Linux-only")
+def test_dropped_pages_read_back_the_same_and_changed_pages_are_never_dropped(tmp_path: Path) -> None:
+    torch = pytest.importorskip("torch")
+    x = torch.randn(4096, 64, dtype=torch.float64)  # 2 MiB: many pages
+    torch.save({"tokens": x}, tmp_path / "x.pt")
+    t = torch.load(tmp_path / "x.pt", mmap=True, weights_only=True)["tokens"]
+    drop = convert_mod._PageDropper(tmp_path / "x.pt")
+    assert drop.ranges  # the file is mapped
+    before = t.numpy().copy()
+    drop(t.data_ptr(), t.numel() * t.element_size())
+    assert np.array_equal(t.numpy(), before) and np.array_equal(before, x.numpy())
+    t[0, 0] = 7.0  # a changed (copy-on-write) page: dropping it would bring back the file's bytes
+    assert convert_mod._PageDropper(tmp_path / "x.pt").ranges == []
