@@ -40,8 +40,8 @@ NAMES = ("tokens", "offsets", "targets", "weights")
 SUFFIXES = (".npy", ".npz", ".safetensors", ".pt", ".pth")
 # Output suffixes that name another format (an output's suffix means its format).
 _OTHER_FORMATS = (*SUFFIXES, ".csv", ".tsv", ".txt", ".json", ".zip", ".pkl", ".pickle")
-# Bytes of token (and per-position target) rows copied per chunk; at least one sample per chunk.
-CHUNK_BYTES = 32 << 20
+# Bytes of token (and per-position target) rows copied per chunk (at least one sample per chunk).
+CHUNK_BYTES = 16 << 20
 _OFFSET_BLOCK = 1 << 20
 
 
