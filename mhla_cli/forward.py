@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import threading
 from collections.abc import Callable
 from functools import partial
 from typing import Any
@@ -17,7 +18,7 @@ from .errors import InputError
 from .features import check_normalize, features_from_moments, pair_index
 from .heads import Heads
 from .model import Model, coef_of, normalize_of
-from .parallel import make_map
+from .parallel import SerialMap, ThreadMap, make_map
 from .stream import default_chunk_size, prefix_moments, sequence_moments
 from .tokens import (
     TokensInfo,
@@ -76,21 +77,46 @@ def predict_chunk(coef: np.ndarray, tokens: np.ndarray, offsets: np.ndarray,
     return pred, outputs
 
 
-def causal_chunk(coef: np.ndarray, tokens: np.ndarray, offsets: np.ndarray, normalize: str = "none"
-                 ) -> np.ndarray:
+def causal_chunk(coef: np.ndarray, tokens: np.ndarray, offsets: np.ndarray, normalize: str = "none",
+                 progress: Callable[[int], None] | None = None) -> np.ndarray:
     """Causal outputs (t, d) of a chunk: row t is the last-token output p . H(X[:t]) of its prefix.
 
     Computed from the running prefix Grams (stream.prefix_moments): out_t = M_t x_t with
-    M_t[a, l] = sum_{j<=k} p[a,(j,k,l)] S_t[j,k].
+    M_t[a, l] = sum_{j<=k} p[a,(j,k,l)] S_t[j,k], in blocks of whole sequences (every row is its
+    own prefix's: the blocks change no value and bound the (t, d, d) work array). `progress(k)`, if
+    given, is told the number k of sequences done after each block.
     """
     d = coef.shape[0]
     if tokens.shape[1] != d:
         raise InputError(f"the model has d = {d} but the data have d = {tokens.shape[1]}")
-    upper, X = prefix_moments(tokens, offsets, normalize)
-    npairs = upper.shape[1]
+    offsets = np.asarray(offsets, dtype=np.int64)
+    B = offsets.size - 1
+    npairs = d * (d + 1) // 2
     P = np.asarray(coef, dtype=np.float64).reshape(d, npairs, d).transpose(1, 0, 2).reshape(npairs, d * d)
-    M = (upper @ P).reshape(-1, d, d)
-    return np.einsum("tal,tl->ta", M, X)
+    out = np.empty((int(offsets[-1]), d))
+    # about CAUSAL_BLOCKS blocks of sequences, each at most CAUSAL_BLOCK_ROWS positions (or one sequence)
+    ends = np.searchsorted(offsets, np.linspace(0, offsets[-1], CAUSAL_BLOCKS + 1)[1:-1], side="right") - 1
+    cut = [0]
+    for e in [*np.unique(ends[(ends > 0) & (ends < B)]).tolist(), B]:
+        while offsets[e] - offsets[cut[-1]] > CAUSAL_BLOCK_ROWS and cut[-1] + 1 < e:
+            nxt = int(np.searchsorted(offsets, offsets[cut[-1]] + CAUSAL_BLOCK_ROWS, side="right")) - 1
+            cut.append(max(nxt, cut[-1] + 1))
+        if e > cut[-1]:
+            cut.append(e)
+    for s, e in zip(cut[:-1], cut[1:]):
+        r0, r1 = int(offsets[s]), int(offsets[e])
+        upper, X = prefix_moments(tokens[r0:r1], offsets[s:e + 1] - r0, normalize)
+        M = (upper @ P).reshape(-1, d, d)
+        np.einsum("tal,tl->ta", M, X, out=out[r0:r1])
+        if progress is not None:
+            progress(e)
+    return out
+
+
+# causal_chunk's blocks: about this many per chunk (a progress bar's steps), and at most this many
+# positions each unless one sequence is longer (its (rows, d, d) work array: 32 MiB at d = 16)
+CAUSAL_BLOCKS = 16
+CAUSAL_BLOCK_ROWS = 1 << 14
 
 
 def as_ragged(tokens: np.ndarray, offsets: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
@@ -129,13 +155,21 @@ def weighted_sse(err: np.ndarray, weights: np.ndarray | None) -> tuple[float, in
     return float(weights @ (err**2).sum(axis=1)), int((weights > 0).sum())
 
 
-def causal_span(coef: np.ndarray, info: Any, normalize: str, span: tuple[int, int]
+def causal_span(coef: np.ndarray, info: Any, normalize: str, span: tuple[int, int],
+                progress: Callable[[int], None] | None = None
                 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, float, int]:
     """Causal predictions of samples [lo, hi): (pred (B, d), outputs (t, d), offsets, weighted SSE, count).
 
     The SSE is sum_t w_t ||out_t - y_t||^2 over positions with w_t > 0 (per-position targets) or
     over sequences (last-token targets, pred vs y); count is the number of those samples.
+    `progress(n)`, if given, is told the sequences done as the blocks of `causal_chunk` finish (they
+    sum to hi - lo).
     """
+    done = [0]
+
+    def step(k: int) -> None:
+        progress(k - done[0])  # type: ignore[misc]
+        done[0] = k
 
 
     lo, hi = span
@@ -143,13 +177,29 @@ def causal_span(coef: np.ndarray, info: Any, normalize: str, span: tuple[int, in
                                                                 with_weights=True):
         check_finite(tokens, offsets, targets, a, info.path)
         check_weights(weights, offsets, a, info.per_position, info.path)
-        outputs = causal_chunk(coef, tokens, offsets, normalize)
+        outputs = causal_chunk(coef, tokens, offsets, normalize, progress=None if progress is None else step)
         pred = outputs[offsets[1:] - 1]
         sse, count = 0.0, 0
         if targets is not None:
             sse, count = weighted_sse((outputs if info.per_position else pred) - targets, weights)
         return pred, outputs, offsets.copy(), sse, count
     raise ValueError("empty span")
+
+
+def _one_at_a_time(progress: Callable[[int], None]) -> Callable[[int], None]:
+    """`progress` for worker threads: one call at a time, and never again once it raised (an interrupt)."""
+    lock, raised = threading.Lock(), []
+
+    def call(n: int) -> None:
+        with lock:
+            if raised:
+                return
+            try:
+                progress(n)
+            except BaseException:
+                raised.append(True)
+                raise
+    return call
 
 
 def _function_and_data(fn: Model | Heads, data: str | os.PathLike) -> tuple[np.ndarray, str, TokensInfo]:
@@ -214,8 +264,12 @@ def predict_file(fn: Model | Heads, data: str | os.PathLike, out: str | os.PathL
         with make_map(workers=workers, map=map) as pmap:
             # workers open the file themselves: give them an absolute path
             winfo = info if pmap.n_workers == 1 else dataclasses.replace(info, path=os.path.abspath(info.path))
+            # causal outputs take long per span: in this process (serial or threads) each span tells its
+            # blocks as they finish, one call at a time; otherwise each span is told when it comes back
+            ticks = causal and progress is not None and map is None and isinstance(pmap, (SerialMap, ThreadMap))
             if causal:
-                task = partial(causal_span, coef, winfo, normalize)
+                task = partial(causal_span, coef, winfo, normalize, progress=_one_at_a_time(progress) if ticks
+                               else None)
             else:
                 task = partial(predict_span, coef, winfo, all_positions, normalize=normalize, device=device)
             for (a, b), (pred, outputs, offsets, part_sse, part_n) in zip(todo, pmap(task, todo)):
@@ -232,7 +286,7 @@ def predict_file(fn: Model | Heads, data: str | os.PathLike, out: str | os.PathL
                         store_out[tok_pos:tok_pos + outputs.shape[0]] = outputs
                         store_off[a + 1:b + 1] = tok_pos + offsets[1:]
                 tok_pos += int(offsets[-1])
-                if progress is not None:
+                if progress is not None and not ticks:
                     progress(b - a)
 
     if out is not None:

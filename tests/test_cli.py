@@ -270,3 +270,32 @@ def test_teacher_out_writes_the_format_of_its_suffix(tmp_path: Path, capsys) -> 
     assert run(["generate", "assoc", "-o", str(tmp_path / "a.h5"), "--keys", "1", "--n-samples", "8",
                 "--teacher-out", str(st), "-q"]) == 0
     assert st.read_bytes()[8:9] == b"{"  # safetensors: an 8-byte header length, then JSON
+
+
+def test_predict_causal_progress_moves_within_a_span(tmp_path: Path, monkeypatch, capsys) -> None:
+    from contextlib import contextmanager
+
+    import mhla_cli.cli.predict as predict_cli
+    from mhla_cli.forward import predict_file
+    from mhla_cli.model import load_function
+
+    data, model = tmp_path / "d.h5", tmp_path / "m.h5"
+    assert run(["generate", "teacher", "-o", str(data), "--dim", "3", "--heads", "1", "--n-samples", "600",
+                "--seq-len", "2:60", "--per-position", "-q"]) == 0
+    assert run(["fit", str(data), "-o", str(model), "-q"]) == 0
+    steps: list[int] = []
+
+    @contextmanager
+    def counting_bar(description: str, total: int, quiet: bool):
+        assert total == 600
+        yield steps.append
+    monkeypatch.setattr(predict_cli, "progress_bar", counting_bar)
+    for workers in ("1", "2"):
+        steps.clear()
+        assert run(["predict", str(model), str(data), "-o", str(tmp_path / f"p{workers}.h5"), "--causal",
+                    "--chunk-size", "600", "-j", workers, "-q"]) == 0
+        assert sum(steps) == 600 and len(steps) >= 10 and all(n > 0 for n in steps), steps
+    fn = load_function(model)
+    a = predict_file(fn, data, causal=True, progress=lambda n: None)
+    b = predict_file(fn, data, causal=True, chunk_size=7)  # the blocks change no value
+    assert np.array_equal(a["outputs"], b["outputs"]) and a["mse"] == pytest.approx(b["mse"], rel=1e-12)
