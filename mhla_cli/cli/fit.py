@@ -185,7 +185,7 @@ def check_plot_output(plot: Path, inputs: tuple[Path, ...]) -> None:
         raise InputError(f"--plot writes a PNG image; the suffix '{plot.suffix}' names another format: "
                          "use .png", plot)
     # without matplotlib, plot_spectrum raises the library's InputError (with its install hint) at once
-    require_optional("matplotlib.pyplot", lambda: plot_spectrum({}, plot))
+    require_optional("matplotlib", lambda: plot_spectrum({}, plot))  # not pyplot: it would pick a backend
     formats.check_output_path(plot, inputs)
 
 
