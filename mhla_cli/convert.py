@@ -55,10 +55,6 @@ class _Source:
     read: Callable[[int, int], np.ndarray]
     label: str  # the file it came from (for messages)
 
-    @property
-    def row_shape(self) -> tuple[int, ...]:
-        return self.shape[1:]
-
 
 # --------------------------------------------------------------------------------------------
 # readers
