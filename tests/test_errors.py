@@ -73,4 +73,4 @@ def test_errors_about_a_file_name_it(tmp_path: Path, capsys: pytest.CaptureFixtu
                     "-q"]) == 0
         assert run(["fit", str(data), "-o", str(path), "-q"]) == 0
     line = _one_error(capsys, ["compare", str(a), str(b)])
-    assert line == f"mhla: error: {a}: has d = 2 but {b} has d = 3: nothing to compare"
+    assert line == f"mhla: error: {a}: the models have different d (2 here, 3 in {b}): nothing to compare"

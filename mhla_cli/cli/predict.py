@@ -112,10 +112,10 @@ def compare_cmd(
     """
     fa, fb = load_function(a), load_function(b)
     if fa.d != fb.d:
-        raise InputError(f"has d = {fa.d} but {b} has d = {fb.d}: nothing to compare", a)
+        raise InputError(f"the models have different d ({fa.d} here, {fb.d} in {b}): nothing to compare", a)
     if normalize_of(fa) != normalize_of(fb):
-        raise InputError(f"uses the normalisation {normalize_of(fa)} but {b} uses {normalize_of(fb)}: their coef "
-                         "act on different features", a)
+        raise InputError(f"the models use different normalisations ({normalize_of(fa)} here, {normalize_of(fb)} "
+                         f"in {b}): their coef act on different features", a)
     if on is not None:
         info = inspect_tokens(on)
         with progress_bar("compare", info.n_samples, quiet) as advance:
