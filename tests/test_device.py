@@ -16,7 +16,7 @@ import pytest
 
 from mhla_cli import device as device_mod
 from mhla_cli import factorization, forward, solve, stream
-from mhla_cli.cli import main
+from mhla_cli.cli import run as main
 from mhla_cli.errors import InputError
 from mhla_cli.estimator import MHLA
 
@@ -151,3 +151,38 @@ def test_device_memory_refused(monkeypatch: pytest.MonkeyPatch) -> None:
     with pytest.raises(InputError, match="GiB on cuda"):
         device_mod.check_device_memory("cuda", 2**31, "featurize")
     device_mod.check_device_memory(None, 2**40, "featurize")  # the numpy path: the host's check applies
+def test_cuda_without_gpu_refused_before_work(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                              capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    path, _ = _data("dense", tmp_path)
+    with pytest.raises(InputError, match="no CUDA GPU"):
+        device_mod.check_device("cuda:0")
+    out = tmp_path / "f.h5"
+    assert main(["featurize", str(path), "-o", str(out), "--device", "cuda"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("mhla: error:") and "CUDA" in err[0]
+    assert not out.exists()
+
+
+def test_cli_device_options(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """--device torch:cpu on featurize, certify, fit and predict gives the numpy path's numbers."""
+    import json
+
+    path, _ = _data("ragged", tmp_path)
+    fa, fb = tmp_path / "a.h5", tmp_path / "b.h5"
+    assert main(["featurize", str(path), "-o", str(fa), "-q"]) == 0
+    assert main(["featurize", str(path), "-o", str(fb), "-q", "--device", DEV]) == 0
+    capsys.readouterr()
+    outs = []
+    for f, dev in ((fa, "cpu"), (fb, DEV)):
+        assert main(["certify", str(f), "--json", "-q", "--device", dev]) == 0
+        outs.append(json.loads(capsys.readouterr().out))
+    assert abs(outs[0]["lambda_min"] - outs[1]["lambda_min"]) <= 1e-12 * outs[0]["lambda_max"]
+    ma, mb = tmp_path / "ma.h5", tmp_path / "mb.h5"
+    assert main(["fit", str(fa), "-o", str(ma), "-q"]) == 0
+    assert main(["fit", str(fb), "-o", str(mb), "-q", "--device", DEV]) == 0
+    pa, pb = tmp_path / "pa.h5", tmp_path / "pb.h5"
+    assert main(["predict", str(ma), str(path), "-o", str(pa), "-q"]) == 0
+    assert main(["predict", str(mb), str(path), "-o", str(pb), "-q", "--device", DEV]) == 0
+    with h5py.File(pa) as a, h5py.File(pb) as b:
+        assert relerr(b["predictions"][...], a["predictions"][...]) < 1e-10

@@ -8,14 +8,15 @@ from typing import Annotated
 import typer
 
 from .. import formats
+from ..device import check_device
 from ..errors import InputError
 from ..probes import certify_probes
-from ..solve import certify, check_domain
+from ..solve import certify, check_domain, factorize
 from ..stream import check_solve_memory
 from ..tokens import inspect_tokens
 from ..witness import make_witness
 from .console import emit_json, fmt, load_with_progress, progress_bar, say, warn, working
-from .options import ChunkOpt, JsonOpt, NormalizeOpt, QuietOpt, about, check_hdf5_output
+from .options import ChunkOpt, DeviceOpt, JsonOpt, NormalizeOpt, QuietOpt, about, check_hdf5_output
 
 
 def certify_cmd(
@@ -38,6 +39,7 @@ def certify_cmd(
                                                 "file.")] = None,
     normalize: NormalizeOpt = None,
     chunk_size: ChunkOpt = None,
+    device: DeviceOpt = "cpu",
     json_out: JsonOpt = False,
     quiet: QuietOpt = False,
 ) -> None:
@@ -53,8 +55,11 @@ def certify_cmd(
     Example (a CI gate): mhla certify data.h5 --json > cert.json || exit 1;  mhla certify data.h5 --witness w.h5
 
     Example (given inputs): mhla certify train.h5 --on heldout.h5 -o report.h5 --json
+
+    Example (a GPU): mhla certify feats.h5 --device cuda --json
     """
     check_domain(domain)
+    dev = check_device(device, data)
     if on is None and report is not None:
         raise InputError("-o/--output REPORT is the report of --on PROBES; give --on")
     if on is not None:
@@ -64,7 +69,7 @@ def certify_cmd(
         if report is not None:
             check_hdf5_output(report, (data, on), "the report")
         inspect_tokens(on)
-        _certify_on(data, on, report, normalize, chunk_size, json_out, quiet)
+        _certify_on(data, on, report, normalize, chunk_size, json_out, quiet, dev)
         return
     if witness is not None:
         check_hdf5_output(witness, (data,), "the witness file")
@@ -73,11 +78,11 @@ def certify_cmd(
         if formats.kind_of(data) == "tokens" and not inspect_tokens(data).has_targets:
             raise InputError("--witness needs targets: the two models are compared by their training loss", data)
     check_solve_memory(data, "certify", chunk_size=chunk_size)
-    feats, _, seconds = load_with_progress(data, chunk_size, quiet, normalize)
+    feats, _, seconds = load_with_progress(data, chunk_size, quiet, normalize, dev)
     if witness is not None and (feats.per_position or feats.normalize != "none"):
         raise InputError("--witness supports unweighted last-token data without --normalize only", data)
     with working(f"certify: factorizing the canonical Lambda~ ({feats.n_features} features)", quiet):
-        cert = certify(feats, min_eig=min_eig, domain=domain)
+        cert = certify(feats, min_eig=min_eig, domain=domain, device=dev)
     out = cert.to_dict()
     out["seconds"] = {**seconds, **cert.seconds}
     out["input"] = str(data)
@@ -112,9 +117,11 @@ def certify_cmd(
 
 
 def _certify_on(data: Path, on: Path, report: Path | None, normalize: str | None, chunk_size: int | None,
-                json_out: bool, quiet: bool) -> None:
+                json_out: bool, quiet: bool, device: str | None = None) -> None:
     check_solve_memory(data, "certify", chunk_size=chunk_size)
-    feats, _, _ = load_with_progress(data, chunk_size, quiet, normalize)
+    feats, _, _ = load_with_progress(data, chunk_size, quiet, normalize, device)
+    if device is not None:
+        factorize(feats, "full", device)  # the probes reuse this factorization (computed on the device)
     with progress_bar("probes", inspect_tokens(on).n_samples, quiet) as advance:
         rep = certify_probes(feats, on, chunk_size=chunk_size, progress=advance)
     if report is not None:

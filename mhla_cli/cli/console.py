@@ -97,12 +97,12 @@ def fmt(x: float | None) -> str:
 
 
 def load_with_progress(path: Path, chunk_size: int | None, quiet: bool,
-                       normalize: str | None = None) -> tuple[Features, str, dict[str, float]]:
+                       normalize: str | None = None, device: str | None = None) -> tuple[Features, str, dict[str, float]]:
     """Features of a features or tokens file (with a progress bar when featurizing), the file kind, and
     the seconds it took ({"pass": s} when a tokens file was featurized, else {"load": s})."""
     kind = formats.kind_of(path)
     total = inspect_tokens(path).n_samples if kind == "tokens" else 0
     t = time.perf_counter()
     with progress_bar("featurize", total, quiet) as advance:
-        feats = load_features(path, chunk_size=chunk_size, normalize=normalize, progress=advance)
+        feats = load_features(path, chunk_size=chunk_size, normalize=normalize, progress=advance, device=device)
     return feats, kind, {"pass" if kind == "tokens" else "load": time.perf_counter() - t}

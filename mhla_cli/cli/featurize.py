@@ -7,6 +7,7 @@ from typing import Annotated
 
 import typer
 
+from ..device import check_device
 from ..errors import InputError
 from ..features import check_normalize
 from ..folds import featurize_folds, save_with_folds
@@ -15,7 +16,7 @@ from ..parallel import make_map
 from ..stream import check_spans, featurize, shard_span
 from ..tokens import inspect_tokens
 from .console import emit_json, fmt, progress_bar, say, warn
-from .options import (ChunkOpt, JsonOpt, NormalizeOpt, OutOpt, QuietOpt, check_hdf5_output, parse_shard,
+from .options import (ChunkOpt, DeviceOpt, JsonOpt, NormalizeOpt, OutOpt, QuietOpt, check_hdf5_output, parse_shard,
                       require_optional)
 
 
@@ -35,6 +36,7 @@ def featurize_cmd(
     spans: Annotated[str, typer.Option("--spans", help="Accumulate only the features on the data's spans "
                                        "span{S_i} (x) span{x_n} (the rest are exact nulls): auto (psi >= 2048 and "
                                        "they hold at most half the features; a cheap first pass finds them), on, off.")] = "auto",
+    device: DeviceOpt = "cpu",
     json_out: JsonOpt = False,
     quiet: QuietOpt = False,
 ) -> None:
@@ -51,12 +53,16 @@ def featurize_cmd(
     them (--spans), so memory and time go with the block, not psi. certify, fit and certify --on
     use the block directly; commands that need every feature expand it.
 
+    Example (a GPU): mhla featurize data.h5 -o feats.h5 --device cuda
     Example: mhla featurize data.h5 -o feats.h5 --workers 4
     Example (job array): mhla featurize data.h5 --shard 3/8 -o part_3.h5 && mhla merge part_*.h5 -o feats.h5
     """
     if scheduler is not None and workers != 1:
         raise InputError("--workers and --scheduler cannot be combined (the Dask cluster sets the workers)")
     parallel = {"workers": workers, "scheduler": scheduler, "normalize": check_normalize(normalize or "none")}
+    dev = check_device(device, data)
+    if dev is not None and folds is not None:
+        raise InputError("--folds runs on the CPU: featurize the folds without --device")
     check_hdf5_output(output, (data,), "a features file")
     if scheduler is not None:
         require_dask(scheduler)
@@ -71,6 +77,7 @@ def featurize_cmd(
             feats, fold_feats = featurize_folds(data, folds, chunk_size=chunk_size, progress=advance, **parallel)
         else:
             feats = featurize(data, chunk_size=chunk_size, shard=shard_t, progress=advance, spans=check_spans(spans),
+                              device=dev,
                               **parallel)
     if folds is not None:
         save_with_folds(feats, fold_feats, output, inputs=(data,))

@@ -9,6 +9,7 @@ from typing import Annotated
 import typer
 
 from .. import formats
+from ..device import check_device
 from ..errors import InputError
 from ..folds import load_folds, load_for_cv
 from ..export import save_heads
@@ -19,7 +20,7 @@ from ..spectrum import plot_spectrum, spectrum, text_histogram
 from ..stream import check_solve_memory
 from ..tokens import inspect_tokens
 from .console import emit_json, fmt, load_with_progress, progress_bar, say, warn, working
-from .options import (ChunkOpt, about, JsonOpt, NormalizeOpt, OutOpt, QuietOpt, check_heads_output, check_hdf5_output,
+from .options import (ChunkOpt, DeviceOpt, about, JsonOpt, NormalizeOpt, OutOpt, QuietOpt, check_heads_output, check_hdf5_output,
                       parse_auto, require_optional)
 
 
@@ -40,6 +41,7 @@ def fit_cmd(
     seed: Annotated[int, typer.Option("--seed", help="With --heads: seed of the random starts.")] = 0,
     normalize: NormalizeOpt = None,
     chunk_size: ChunkOpt = None,
+    device: DeviceOpt = "cpu",
     json_out: JsonOpt = False,
     quiet: QuietOpt = False,
 ) -> None:
@@ -49,8 +51,11 @@ def fit_cmd(
     'auto' chooses by 5-fold CV (folds computed from a tokens file, or stored by `featurize --folds K`).
 
     Example: mhla fit feats.h5 -o model.h5 --json;  mhla fit data.h5 -o model.h5 --heads auto
+
+    Example (a GPU): mhla fit feats.h5 -o model.h5 --device cuda
     """
     check_hdf5_output(output, (data,), "a model file")
+    dev = check_device(device, data)
     if formats.kind_of(data) == "tokens" and not inspect_tokens(data).has_targets:
         raise InputError("has no 'targets': fit needs (X, y) pairs", data)
     h, lam = parse_auto(heads, "--heads", int), parse_auto(nuclear, "--nuclear", float)
@@ -72,12 +77,12 @@ def fit_cmd(
             feats, fold_feats = load_for_cv(data, chunk_size=chunk_size, progress=advance)
         load_seconds = {"load": time.perf_counter() - t0}
     else:
-        feats, _, load_seconds = load_with_progress(data, chunk_size, quiet, normalize)
+        feats, _, load_seconds = load_with_progress(data, chunk_size, quiet, normalize, dev)
         fold_feats = None
     with working(f"fit: solving on the canonical Lambda~ ({feats.n_features} features)", quiet):
         with about(data):  # e.g. a features file without targets
             model = fit(feats, ridge=ridge, heads=h, nuclear=lam, weight_decay=weight_decay, restarts=restarts,
-                        seed=seed, folds=fold_feats)
+                        seed=seed, folds=fold_feats, device=dev)
     model.save(output, inputs=(data,))
     info = dict(model.info)
     info["output"] = str(output)

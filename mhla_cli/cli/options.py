@@ -18,6 +18,9 @@ from ..export import heads_format
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print one JSON object on stdout.")]
 
 
+DeviceOpt = Annotated[str, typer.Option(
+    "--device", help="Where the psi x psi work runs: cpu (numpy, the default), cuda or cuda:I (torch on a GPU, "
+    "float64; the gpu extra), torch:cpu (the GPU code on the CPU). docs/gpu.md. Example: --device cuda:0")]
 QuietOpt = Annotated[bool, typer.Option("--quiet", "-q", help="No progress bar or human summary on stderr.")]
 
 

@@ -7,13 +7,14 @@ from typing import Annotated
 
 import typer
 
+from ..device import check_device
 from ..errors import InputError
 from ..forward import predict_file, rollout_file
 from ..model import load_function, normalize_of
 from ..compare import compare
 from ..tokens import inspect_tokens
 from .console import emit_json, fmt, progress_bar, say, warn
-from .options import ChunkOpt, JsonOpt, OutOpt, QuietOpt, check_hdf5_output
+from .options import ChunkOpt, DeviceOpt, JsonOpt, OutOpt, QuietOpt, check_hdf5_output
 
 
 def predict_cmd(
@@ -29,6 +30,7 @@ def predict_cmd(
     chunk_size: ChunkOpt = None,
     workers: Annotated[int, typer.Option("--workers", "-j", min=0, help="Parallel local workers (0: one per "
                                          "core); the output equals the serial one.")] = 1,
+    device: DeviceOpt = "cpu",
     json_out: JsonOpt = False,
     quiet: QuietOpt = False,
 ) -> None:
@@ -41,16 +43,19 @@ def predict_cmd(
     Example: mhla predict heads.h5 data.h5 -o pred.h5 --json --workers 2
 
     Example (autoregressive): mhla predict model.h5 ar.h5 -o pred.h5 --causal --json
+
+    Example (a GPU): mhla predict model.h5 data.h5 -o pred.h5 --device cuda
     """
     check_hdf5_output(output, (model_path, data), "a predictions file")
     if causal and all_positions:
         raise InputError("--causal and --all-positions cannot be combined: --causal outputs the masked "
                          "(prefix) output at every position, --all-positions the unmasked one")
+    dev = check_device(device, data)
     fn = load_function(model_path)
     info = inspect_tokens(data)
     with progress_bar("predict", info.n_samples, quiet) as advance:
         res = predict_file(fn, data, output, all_positions=all_positions, chunk_size=chunk_size,
-                           progress=advance, inputs=(model_path,), workers=workers, causal=causal)
+                           progress=advance, inputs=(model_path,), workers=workers, causal=causal, device=dev)
     res["output"] = str(output)
     if info.per_position and not causal:
         warn("the data have per-position targets: use --causal to score every prefix (no MSE computed)")
