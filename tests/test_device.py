@@ -8,6 +8,7 @@ data, on the full statistics and on the data's spans. Skipped without torch.
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import h5py
@@ -22,7 +23,12 @@ from mhla_cli.estimator import MHLA
 
 from conftest import relerr
 
-torch = pytest.importorskip("torch")
+try:
+    import torch
+except ImportError:  # the numpy path only: the device tests are skipped, the refusals still run
+    torch = None
+
+needs_torch = pytest.mark.skipif(torch is None, reason="needs torch (the gpu extra)")
 
 DEV = "torch:cpu"
 
@@ -66,6 +72,7 @@ KINDS = ("dense", "ragged", "per_position", "weighted", "length")
 
 
 @pytest.mark.parametrize("kind", KINDS)
+@needs_torch
 def test_featurize_certify_fit_equal_numpy(kind: str, tmp_path: Path) -> None:
     path, normalize = _data(kind, tmp_path)
     a = stream.featurize(path, normalize=normalize, chunk_size=97)
@@ -83,6 +90,7 @@ def test_featurize_certify_fit_equal_numpy(kind: str, tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("dense_max", [4096, 0], ids=["dense", "cholesky-lanczos"])
+@needs_torch
 def test_factorization_paths_equal_numpy(dense_max: int, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Both factorization paths (every eigenvalue, and Cholesky + Lanczos) on the device, and a
     singular Lambda~ (N < psi: the null space and the minimum-norm fit from torch's eigh)."""
@@ -100,6 +108,7 @@ def test_factorization_paths_equal_numpy(dense_max: int, tmp_path: Path, monkeyp
         assert relerr(mb.coef, ma.coef) < 1e-10
 
 
+@needs_torch
 def test_spans_block_on_device(tmp_path: Path) -> None:
     """One-hot tokens: the data's spans leave most of psi out; the block accumulated on the device
     equals the numpy one, and so do the verdict and lambda_min."""
@@ -116,6 +125,7 @@ def test_spans_block_on_device(tmp_path: Path) -> None:
     assert abs(ca.lambda_min - cb.lambda_min) <= 1e-12 * ca.lambda_max
 
 
+@needs_torch
 def test_workers_and_predict_on_device(tmp_path: Path) -> None:
     path, _ = _data("ragged", tmp_path)
     a = stream.featurize(path)
@@ -128,6 +138,7 @@ def test_workers_and_predict_on_device(tmp_path: Path) -> None:
     assert abs(pb["mse"] - pa["mse"]) <= 1e-12 * pa["mse"]
 
 
+@needs_torch
 def test_estimator_device(tmp_path: Path) -> None:
     rng = np.random.default_rng(2)
     X, y = rng.standard_normal((300, 5, 3)), rng.standard_normal((300, 3))
@@ -151,6 +162,7 @@ def test_device_memory_refused(monkeypatch: pytest.MonkeyPatch) -> None:
     with pytest.raises(InputError, match="GiB on cuda"):
         device_mod.check_device_memory("cuda", 2**31, "featurize")
     device_mod.check_device_memory(None, 2**40, "featurize")  # the numpy path: the host's check applies
+@needs_torch
 def test_cuda_without_gpu_refused_before_work(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                               capsys: pytest.CaptureFixture[str]) -> None:
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
@@ -164,6 +176,7 @@ def test_cuda_without_gpu_refused_before_work(tmp_path: Path, monkeypatch: pytes
     assert not out.exists()
 
 
+@needs_torch
 def test_cli_device_options(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """--device torch:cpu on featurize, certify, fit and predict gives the numpy path's numbers."""
     import json
@@ -186,3 +199,19 @@ def test_cli_device_options(tmp_path: Path, capsys: pytest.CaptureFixture[str]) 
     assert main(["predict", str(mb), str(path), "-o", str(pb), "-q", "--device", DEV]) == 0
     with h5py.File(pa) as a, h5py.File(pb) as b:
         assert relerr(b["predictions"][...], a["predictions"][...]) < 1e-10
+
+
+def test_without_torch_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                               capsys: pytest.CaptureFixture[str]) -> None:
+    """No torch: any device but cpu exits 2 naming the gpu extra, before any work; cpu needs no torch."""
+    monkeypatch.setitem(sys.modules, "torch", None)  # import torch raises ImportError
+    path, _ = _data("dense", tmp_path)
+    for dev in ("cuda", "cuda:1", "torch:cpu"):
+        with pytest.raises(InputError, match="gpu"):
+            device_mod.check_device(dev)
+    out = tmp_path / "f.h5"
+    assert main(["featurize", str(path), "-o", str(out), "--device", "cuda", "-q"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "PyTorch" in err[0] and not out.exists()
+    assert device_mod.check_device("cpu") is None and device_mod.check_device(None) is None
+    assert main(["featurize", str(path), "-o", str(out), "--device", "cpu", "-q"]) == 0
