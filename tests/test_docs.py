@@ -77,6 +77,7 @@ class Block:
     opts: dict = field(default_factory=dict)
     tols: list = field(default_factory=list)   # [(literal or ('col', lo, hi), tol)]
     annot_line: int = 0
+    cut: list = field(default_factory=list)    # indentation removed from each body line
 
     @property
     def name(self) -> str:
@@ -149,8 +150,11 @@ def parse(path: str, text: str) -> Doc:
             j = i + 1
             while j < len(lines) and not lines[j].strip().startswith(fence):
                 j += 1
-            body = "\n".join(lines[i + 1:j])
+            ind = len(m[1])     # a fence inside a list item: its lines carry the item's indentation
+            cut = [min(ind, len(ln) - len(ln.lstrip(" "))) for ln in lines[i + 1:j]]
+            body = "\n".join(ln[c:] for ln, c in zip(lines[i + 1:j], cut))
             b = Block(len(blocks), i + 1, lang, body)
+            b.cut = cut
             if pending is not None:
                 head, aline = pending
                 head_words, *clauses = head.split(";")
@@ -543,8 +547,9 @@ def mutations(text: str, doc: Doc):
             tol = tol_for(lit, cell, b.tols)
             if tol == "any":
                 continue
-            at = base + lead + off
-            assert text[at:at + len(lit)] == lit
+            k = body.count("\n", 0, lead + off)          # the body line of the number
+            at = base + lead + off + sum(b.cut[:k + 1])
+            assert text[at:at + len(lit)] == lit, (text[at:at + len(lit)], lit)
             yield f"{doc.path}:{b.line} {lit}", text[:at] + edit_number(lit, tol) + text[at + len(lit):]
     for q in doc.quotes:
         if q.slow or unchecked(blocks.get(q.block)):
