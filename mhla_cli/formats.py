@@ -443,6 +443,20 @@ def source_identity(path: str | os.PathLike, full: bool | None = None) -> dict[s
 # --------------------------------------------------------------------------------------------
 
 
+# An output's suffix means its format: every HDF5 output takes one of these (or none).
+HDF5_SUFFIXES = (".h5", ".hdf5", ".hdf")
+
+
+def check_hdf5_suffix(out: str | os.PathLike, what: str = "the output") -> Path:
+    """`out`, refused (InputError) when its suffix names another format than HDF5 (model.npz would be
+    HDF5 under a NumPy name)."""
+    o = Path(out)
+    if o.suffix and o.suffix.lower() not in HDF5_SUFFIXES:
+        raise InputError(f"{what} is written in HDF5; the suffix '{o.suffix}' names another format: "
+                         f"use {', '.join(HDF5_SUFFIXES[:-1])} or {HDF5_SUFFIXES[-1]}", o)
+    return o
+
+
 def check_output_path(out: str | os.PathLike, inputs: tuple[str | os.PathLike, ...] = ()) -> Path:
     """Reject an output path that cannot be written or that names one of the inputs."""
     o = Path(out)
@@ -676,6 +690,7 @@ def write_file(out: str | os.PathLike, kind: str, datasets: Mapping[str, np.ndar
     larger ones through libhdf5 from the arrays themselves (no copy of a psi x psi matrix); a write
     error leaves `out` untouched and raises an InputError.
     """
+    check_hdf5_suffix(out, f"a {kind} file")
     o = check_output_path(out, inputs)
     meta = header(kind, inputs)
     raw = sum(np.asarray(a).nbytes for a in datasets.values() if a is not None) + (1 << 16)

@@ -290,6 +290,7 @@ def predict_file(fn: Model | Heads, data: str | os.PathLike, out: str | os.PathL
                     progress(b - a)
 
     if out is not None:
+        formats.check_hdf5_suffix(out, "a predictions file")
         o = formats.check_output_path(out, (data, *inputs))
         meta = {**formats.header("predictions", (data, *inputs)), "d": d, "n_samples": info.n_samples,
                 "normalize": normalize, "causal": int(causal)}
@@ -423,6 +424,7 @@ def rollout_file(fn: Model | Heads, data: str | os.PathLike, out: str | os.PathL
     coef, normalize, info = _function_and_data(fn, data)
     d = coef.shape[0]
     C = None if codebook is None else load_codebook(codebook, d)
+    formats.check_hdf5_suffix(out, "a tokens file")
     o = formats.check_output_path(out, (data, *inputs, *((codebook,) if codebook is not None else ())))
     N = info.n_samples
     total = info.n_tokens + N * steps

@@ -150,3 +150,25 @@ def test_read_array_rules(tmp_path: Path) -> None:
         for name, msg in (("s", "dtype"), ("c", "dtype"), ("g", "is a group"), ("missing", "missing dataset")):
             with pytest.raises(InputError, match=msg):
                 formats.read_array(f, name, path2)
+
+
+def test_library_hdf5_writers_refuse_other_suffixes(tmp_path) -> None:
+    """An output's suffix means its format in the library too: Model.save / Features.save /
+    predict_file write HDF5 and refuse a NumPy, safetensors or text name (nothing written)."""
+    import pytest
+
+    from mhla_cli import featurize, fit, predict_file, synthetic
+    from mhla_cli.errors import InputError
+
+    ds, _ = synthetic.generate_teacher(2, 1, 40, 4, seed=0)
+    data = tmp_path / "d.h5"
+    ds.save(data)
+    feats = featurize(data)
+    model = fit(feats)
+    for name in ("m.npz", "m.safetensors", "m.npy", "m.csv"):
+        for write in (lambda p: model.save(p), lambda p: feats.save(p), lambda p: predict_file(model, data, p)):
+            with pytest.raises(InputError, match="HDF5"):
+                write(tmp_path / name)
+            assert not (tmp_path / name).exists()
+    for name in ("m.h5", "m.hdf5", "m.hdf", "m"):
+        model.save(tmp_path / name)

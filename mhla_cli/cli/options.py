@@ -65,17 +65,10 @@ def parse_shard(shard: str | None) -> tuple[int, int] | None:
     return i, m
 
 
-# An output's suffix means its format: every HDF5 output takes one of these (or none).
-HDF5_SUFFIXES = (".h5", ".hdf5", ".hdf")
-
-
 def check_hdf5_output(path: Path, inputs: tuple[Path | None, ...] = (), what: str = "the output") -> Path:
     """An HDF5 output path, refused (InputError, exit 2) before any work when its suffix names another
     format (model.npz would be HDF5 under a NumPy name) or it cannot be written."""
-    suffix = Path(path).suffix
-    if suffix and suffix.lower() not in HDF5_SUFFIXES:
-        raise InputError(f"{what} is written in HDF5; the suffix '{suffix}' names another format: "
-                         f"use {', '.join(HDF5_SUFFIXES[:-1])} or {HDF5_SUFFIXES[-1]}", path)
+    formats.check_hdf5_suffix(path, what)
     return formats.check_output_path(path, tuple(i for i in inputs if i is not None))
 
 
