@@ -19,7 +19,8 @@ right before a fenced block, or right after a paragraph that quotes numbers:
     NUMBER TOL REGEX
     ... -->
         each NUMBER must appear in the paragraph right above the comment and equal, within TOL, the
-        number captured by REGEX (group 1, or the whole match) in the output of block BLOCK.
+        number captured by REGEX (group 1, or the whole match) in the output of block BLOCK
+        (`docs/x.md#BLOCK`: a block of another doc; checked with -m slow only).
     <!-- docs-test: table BLOCK [slow] [; TOL clauses] -->
         the markdown table right above the comment appears, row by row, in the output of BLOCK.
 
@@ -414,8 +415,9 @@ def run_doc(doc: Doc, workdir: Path, slow: bool) -> dict:
     return results
 
 
-def check_doc(doc: Doc, results: dict, slow: bool) -> list[str]:
-    """Every failure of the doc against the recorded outputs (no commands are run here)."""
+def check_doc(doc: Doc, results: dict, slow: bool, external=None) -> list[str]:
+    """Every failure of the doc against the recorded outputs (no commands are run here).
+    external(path) gives another doc's (Doc, results), for quotes of `path#block` (slow only)."""
     fails = list(doc.errors)
     names = [b.name for b in doc.blocks]
     dup = {n for n in names if names.count(n) > 1}
@@ -465,14 +467,24 @@ def check_doc(doc: Doc, results: dict, slow: bool) -> list[str]:
     blocks = {b.name: b for b in doc.blocks}
     for q in doc.quotes:
         where = f"{doc.path}:{q.line}"
-        src = blocks.get(q.block)
+        src, res = blocks.get(q.block), results
+        if "#" in q.block:                  # another doc's block: runs only with -m slow
+            if not slow or external is None:
+                continue
+            other, name = q.block.split("#", 1)
+            odoc, res = external(other)
+            src = next((c for c in odoc.blocks if c.kind == "run" and c.name == name), None)
+            res = {q.block: res.get(name)} if src is not None and name in res else {}
+            if src is not None:
+                src = Block(src.index, src.line, src.lang, src.text, src.kind, src.opts)
+                src.opts = {**src.opts, "id": q.block}
         if src is None or src.kind != "run":
             fails.append(f"{where}: quote of unknown run block {q.block!r}")
             continue
         if (src.slow or q.slow) and not slow or missing_modules(src):
             continue
         if q.kind == "table":
-            r = results.get(q.block)
+            r = res.get(q.block)
             if r is None:
                 fails.append(f"{where}: block {q.block} did not run")
             else:
@@ -480,7 +492,7 @@ def check_doc(doc: Doc, results: dict, slow: bool) -> list[str]:
                           for f in compare_output(q.paragraph, r.output, q.tols, search=True)]
             continue
         literals = [m[0] for m in NUM_TOKEN.finditer(q.paragraph)]
-        r = results.get(q.block)
+        r = res.get(q.block)
         for lit, tol, rx in q.claims:
             if lit not in literals:
                 fails.append(f"{where}: quoted number {lit} is not in the paragraph above")
@@ -617,10 +629,12 @@ def test_doc(path, tmp_path_factory):
 @pytest.mark.slow
 @pytest.mark.parametrize("path", all_docs())
 def test_doc_slow(path, tmp_path_factory):
-    doc, results = doc_results(path, tmp_path_factory, slow=True)
-    if not any(b.slow for b in doc.blocks):
+    doc = parse(path, (ROOT / path).read_text())
+    if not any(b.slow for b in doc.blocks) and not any("#" in q.block or q.slow for q in doc.quotes):
         pytest.skip("no slow blocks")
-    fails = check_doc(doc, results, slow=True)
+    doc, results = doc_results(path, tmp_path_factory, slow=True)
+    fails = check_doc(doc, results, slow=True,
+                      external=lambda other: doc_results(other, tmp_path_factory, slow=True))
     assert not fails, "\n\n".join(fails)
 
 
