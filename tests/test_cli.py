@@ -184,8 +184,14 @@ def _mhla() -> list[str]:
 
 def test_shell_completion(tmp_path: Path) -> None:
     import os
+    import shlex
+
     env = {**os.environ, "SHELL": "/bin/bash", "HOME": str(tmp_path)}
-    show = subprocess.run(_mhla() + ["--show-completion", "bash"], capture_output=True, text=True, env=env)
+    # typer finds the shell by walking up the process tree (shellingham): run mhla from bash, so that
+    # the answer does not depend on how pytest itself was started
+    # (a second command after mhla: bash would otherwise exec it in its own place)
+    in_bash = ["bash", "-c", shlex.join(_mhla()) + ' "$@"; exit $?', "bash"]
+    show = subprocess.run(in_bash + ["--show-completion"], capture_output=True, text=True, env=env)
     assert show.returncode == 0, show.stderr
     assert "_MHLA_COMPLETE=complete_bash" in show.stdout and "complete -o default -F _mhla_completion mhla" in show.stdout
     # what bash runs on <TAB>: commands, then a command's options
@@ -195,7 +201,7 @@ def test_shell_completion(tmp_path: Path) -> None:
                               env={**env, "_MHLA_COMPLETE": "complete_bash", "COMP_WORDS": words,
                                    "COMP_CWORD": str(cword)})
         assert comp.returncode == 0 and expect in comp.stdout.split(), (words, comp.stdout, comp.stderr)
-    inst = subprocess.run(_mhla() + ["--install-completion", "bash"], capture_output=True, text=True, env=env)
+    inst = subprocess.run(in_bash + ["--install-completion"], capture_output=True, text=True, env=env)
     assert inst.returncode == 0, inst.stderr
     assert (tmp_path / ".bash_completions" / "mhla.sh").is_file()
     assert "_mhla_completion" in (tmp_path / ".bash_completions" / "mhla.sh").read_text()
