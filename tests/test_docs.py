@@ -27,8 +27,9 @@ right before a fenced block, or right after a paragraph that quotes numbers:
 Numbers are compared by value, never as text. TOL is `=` (the default: equal to the printed digits,
 half a unit of the last digit, and at least 1e-9 relative), `rel=X`, `abs=X`, `order` / `order=K`
 (rounding-level values: within a factor 10^K, default 10), or `any` (wall times: not checked).
-Clauses after `;` in an output annotation set TOL for a literal (`; 7.6e-30 order`) or a table column
-(`; col=8..13 any`, 1-based cells of a markdown table row).
+Clauses after `;` in an output annotation set TOL for a literal (`; 7.6e-30 order`), for the literals
+a regex matches (`; /\d\.\de-1[4-6]/ order`) or for a table column (`; col=8..13 any`, 1-based cells of
+a markdown table row).
 
 In README.md and the docs listed in OWNED every fenced block must carry an annotation; in other docs
 (docs/formats.md, docs/real_model.md, ...) only the annotated blocks are tested. Blocks marked slow
@@ -274,7 +275,7 @@ def tol_for(lit: str, cell: int | None, tols: list) -> str:
         if isinstance(target, tuple):
             if cell is not None and target[1] <= cell <= target[2]:
                 return tol
-        elif target == lit:
+        elif target == lit or len(target) > 2 and target[0] == target[-1] == "/" and re.fullmatch(target[1:-1], lit):
             return tol
     return "="
 
