@@ -1,4 +1,4 @@
-"""The README's and docs' code blocks run, and every number they quote is what the command prints.
+r"""The README's and docs' code blocks run, and every number they quote is what the command prints.
 
 Blocks and numbers are tied to commands by HTML comments (invisible on GitHub) placed on the line(s)
 right before a fenced block, or right after a paragraph that quotes numbers:
