@@ -276,7 +276,7 @@ def run_case(run: Runner, d: int, normalize: str, train_seqs, train_y, test_seqs
 
 
 def table(rows: list[dict]) -> str:
-    head = ("d", "normalize", "features", "R2 train", "R2 held-out", "R2 lstsq", "|diff|",
+    head = ("d", "normalize", "features", "R2 train", "R2 held-out", "R2 lstsq", "abs diff",
             "R2 head (32-dim)", "top-d share", "certify full", "observed", "--on held-out", "heads")
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     yn = {True: "yes", False: "no"}
@@ -301,17 +301,18 @@ def read_texts(names: tuple[str, ...], folder: Path) -> list[str]:
 def main(argv: list[str] | None = None) -> list[dict]:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--d", type=int, nargs="+", default=[4, 8, 12, 16], help="reduced dimensions")
-    ap.add_argument("--normalize", nargs="+", default=["none", "length"], choices=["none", "length"])
-    ap.add_argument("--layer", type=int, default=0, help="encoder layer (0..5)")
-    ap.add_argument("--head", type=int, default=0, help="attention head of that layer (0..11)")
-    ap.add_argument("--stride", type=int, default=4, help="word pieces between window starts")
-    ap.add_argument("--min-len", type=int, default=8, help="shortest window (word pieces)")
-    ap.add_argument("--max-len", type=int, default=32, help="longest window (word pieces)")
+    ap.add_argument("--d", type=int, nargs="+", default=[4, 8, 12, 16], help="reduced dimensions (default: 4 8 12 16; at most 32)")
+    ap.add_argument("--normalize", nargs="+", default=["none", "length"], choices=["none", "length"],
+                    help="S or S / n (default: none length)")
+    ap.add_argument("--layer", type=int, default=0, help="encoder layer, 0 to 5 (default: 0)")
+    ap.add_argument("--head", type=int, default=0, help="attention head of that layer, 0 to 11 (default: 0)")
+    ap.add_argument("--stride", type=int, default=4, help="word pieces between window starts (default: 4)")
+    ap.add_argument("--min-len", type=int, default=8, help="shortest window in word pieces (default: 8)")
+    ap.add_argument("--max-len", type=int, default=32, help="longest window in word pieces (default: 32)")
     ap.add_argument("--max-windows", type=int, default=None,
                     help="at most this many training and this many held-out windows (quick runs)")
-    ap.add_argument("--texts", type=Path, default=LICENSES, help="folder of the licence texts")
-    ap.add_argument("--workdir", type=Path, default=None, help="keep the mhla files here")
+    ap.add_argument("--texts", type=Path, default=LICENSES, help="folder of the licence texts (default: %(default)s)")
+    ap.add_argument("--workdir", type=Path, default=None, help="keep the mhla files here (default: a temporary folder)")
     ap.add_argument("--show-commands", action="store_true", help="print each mhla command (stderr)")
     ap.add_argument("--json", action="store_true", help="print the rows as one JSON object instead")
     args = ap.parse_args(argv)
