@@ -52,7 +52,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 OWNED = ("README.md", "docs/tutorial.md", "docs/autoregressive.md", "docs/api.md", "docs/beyond.md",
-         "docs/cluster.md", "docs/performance.md", "docs/reproduction.md", "docs/robustness.md")
+         "docs/cluster.md", "docs/performance.md", "docs/reproduction.md", "docs/robustness.md", "docs/gpu.md")
 
 
 def all_docs() -> list[str]:
