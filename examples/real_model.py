@@ -218,8 +218,10 @@ def r2(y: np.ndarray, yhat: np.ndarray) -> float:
 
 
 class Runner:
+    """Runs `mhla ARGS --json --quiet` (this Python's mhla_cli) in the work folder; returns its JSON."""
+
     def __init__(self, workdir: Path, show: bool):
-        self.workdir, self.show, self.shown = workdir, show, False
+        self.workdir, self.show = workdir, show
 
     def __call__(self, *args: str, ok: tuple[int, ...] = (0,)) -> dict:
         cmd = [sys.executable, "-m", "mhla_cli", *args, "--json", "--quiet"]

@@ -51,7 +51,6 @@ def _r2(y: np.ndarray, yhat: np.ndarray) -> float:
     return float(1.0 - ((y - yhat) ** 2).sum() / ((y - y.mean(axis=0)) ** 2).sum())
 
 
-@pytest.mark.slow
 def test_real_model_r2_is_numpy_least_squares(tmp_path, capsys):
     if not all((LICENSES / n).is_file() for n in ("GPL-3", "Apache-2.0", "MPL-2.0")):
         pytest.skip(f"{LICENSES}: Debian's licence texts are not here")
