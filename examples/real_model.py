@@ -26,8 +26,9 @@ eigenvectors of the outputs' second moment. Then the mhla commands, for each d a
     mhla spectrum model.h5                   (heads that stand out of the noise bulk)
 
 The fit is the exact least-squares optimum over all MHLAs (any number of heads) on the cubic features
-(Algorithm 1), so its held-out R^2 is the best any single MHLA layer fitted to these data does; the
-table checks it against numpy's lstsq on the materialised features of the same reduced data.
+(docs/formats.md; Algorithm 1 of the paper), so its held-out R^2 is the best any single MHLA layer
+fitted to these data does; the table checks it against numpy's lstsq on the materialised features
+of the same reduced data.
 
 Run:  python examples/real_model.py            (needs the `examples` extra)
       python examples/real_model.py --d 4 8 --normalize none length --layer 2 --head 5
@@ -198,7 +199,7 @@ def reduce(c: Captured, r: Reduction) -> tuple[list[np.ndarray], np.ndarray]:
 
 
 def features_matrix(sequences: list[np.ndarray], normalize: str) -> np.ndarray:
-    """H(X) of every sequence, materialised: S[j,k] x_n[l], j <= k, l fastest (BACKGROUND.md)."""
+    """H(X) of every sequence, materialised: S[j,k] x_n[l], j <= k, l fastest (docs/formats.md)."""
     d = sequences[0].shape[1]
     j, k = np.triu_indices(d)
     rows = []
@@ -303,7 +304,8 @@ def read_texts(names: tuple[str, ...], folder: Path) -> list[str]:
 def main(argv: list[str] | None = None) -> list[dict]:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--d", type=int, nargs="+", default=[4, 8, 12, 16], help="reduced dimensions (default: 4 8 12 16; at most 32)")
+    ap.add_argument("--d", type=int, nargs="+", default=[4, 8, 12, 16],
+                    help="reduced dimensions (default: 4 8 12 16; at most 32)")
     ap.add_argument("--normalize", nargs="+", default=["none", "length"], choices=["none", "length"],
                     help="S or S / n (default: none length)")
     ap.add_argument("--layer", type=int, default=0, help="encoder layer, 0 to 5 (default: 0)")
@@ -313,13 +315,15 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--max-len", type=int, default=32, help="longest window in word pieces (default: 32)")
     ap.add_argument("--max-windows", type=int, default=None,
                     help="at most this many training and this many held-out windows (quick runs)")
-    ap.add_argument("--texts", type=Path, default=LICENSES, help="folder of the licence texts (default: %(default)s)")
-    ap.add_argument("--workdir", type=Path, default=None, help="keep the mhla files here (default: a temporary folder)")
+    ap.add_argument("--texts", type=Path, default=LICENSES,
+                    help="folder of the licence texts (default: %(default)s)")
+    ap.add_argument("--workdir", type=Path, default=None,
+                    help="keep the mhla files here (default: a temporary folder)")
     ap.add_argument("--show-commands", action="store_true", help="print each mhla command (stderr)")
     ap.add_argument("--json", action="store_true", help="print the rows as one JSON object instead")
     args = ap.parse_args(argv)
-    if max(args.d) > 32:
-        ap.error("--d: at most 32 (the head's output has 32 dimensions)")
+    if not all(1 <= d <= 32 for d in args.d):
+        ap.error("--d: 1 to 32 (the head's output has 32 dimensions)")
 
     t0 = time.perf_counter()
     tokenizer, model = load_model()
