@@ -389,8 +389,9 @@ class _Accumulator:
             np.multiply(upper_rows.T, self._scale[:, None], out=upper)  # canonical coordinates D upper(S)
             last_t = self._buf_t("L", d, B)
             last_t[...] = last.T
-            t1 = time.perf_counter()
-            self._emit(upper, last_t, None if targets is None else targets.T)
+        t1 = time.perf_counter()
+        # outside the one-thread block: the syrk uses the BLAS threads (`_syrk`)
+        self._emit(upper, last_t, None if targets is None else targets.T)
         t2 = time.perf_counter()
         if t2 > t0:
             self._moments_share = min(0.95, max(0.05, (t1 - t0) / (t2 - t0)))
@@ -456,7 +457,8 @@ class _Accumulator:
                 y_t = None
                 if targets is not None:
                     y_t = targets.T if sw is None else targets.T * sw
-                self._emit(upper_t, last_t, y_t)
+        if R:
+            self._emit(upper_t, last_t, y_t)  # outside the one-thread block (the syrk's threads)
         self.n_samples += R
         self.n_tokens += T
         self.n_sequences += B
@@ -475,12 +477,13 @@ class _Accumulator:
             if self.width:
                 self._dgram.add(upper_t, last_t, targets_t)
             return
-        Ft = self._buf_t("F", self.width, upper_t.shape[1])
-        self._fill(Ft, upper_t, last_t)
-        if targets_t is not None and self.traces is None:
-            Ft[self.nf:] = targets_t
+        with _single_blas_thread():  # elementwise work and small products
+            Ft = self._buf_t("F", self.width, upper_t.shape[1])
+            self._fill(Ft, upper_t, last_t)
+            if targets_t is not None and self.traces is None:
+                Ft[self.nf:] = targets_t
         if self.traces is None:
-            self._syrk(Ft)
+            self._syrk(Ft)  # with the BLAS threads a wide block pays for
 
     def _fill(self, Ft: np.ndarray, upper_t: np.ndarray, last_t: np.ndarray) -> None:
         """Ft[:nf] = the features of the rows, transposed: upper_t (q, R) canonical, last_t (d, R)."""
