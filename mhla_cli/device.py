@@ -76,23 +76,26 @@ def torch_device(device: str) -> Any:
     return torch.device("cpu" if device == "torch:cpu" else device)
 
 
-_WORKERS: dict[tuple[int, int], int] = {}
-_WORKERS_LOCK = threading.Lock()
+_THREADS: dict[int, int] = {}  # worker threads of this process, in the order they first asked
+_THREADS_LOCK = threading.Lock()
 
 
 def worker_device(device: str | None) -> str | None:
-    """The device of the calling worker: "cuda" gives each worker (a thread or process of a pool, a Dask
-    worker) one GPU, in turn in the order they first ask; the main thread takes the first."""
+    """The device of the calling worker: "cuda" gives each worker one GPU in turn (a worker process of
+    a pool by its number in the pool, a worker thread in the order the threads first ask; the main
+    thread takes cuda:0). A Dask-CUDA worker sees one GPU (CUDA_VISIBLE_DEVICES) and takes it."""
     if device != "cuda":
         return device
     count = _torch().cuda.device_count()
     if count <= 1:
         return device
-    if threading.current_thread() is threading.main_thread() and mp.parent_process() is None:
-        return "cuda:0"
-    key = (os.getpid(), threading.get_ident())
-    with _WORKERS_LOCK:
-        worker = _WORKERS.setdefault(key, len(_WORKERS))
+    worker = 0
+    if mp.parent_process() is not None:  # a pool's worker process: its number in the pool (1, 2, ...)
+        ident = mp.current_process()._identity
+        worker = (ident[0] - 1) if ident else os.getpid()
+    if threading.current_thread() is not threading.main_thread():
+        with _THREADS_LOCK:
+            worker += _THREADS.setdefault(threading.get_ident(), len(_THREADS))
     return f"cuda:{worker % count}"
 
 

@@ -215,3 +215,29 @@ def test_without_torch_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
     assert len(err) == 1 and "PyTorch" in err[0] and not out.exists()
     assert device_mod.check_device("cpu") is None and device_mod.check_device(None) is None
     assert main(["featurize", str(path), "-o", str(out), "--device", "cpu", "-q"]) == 0
+
+
+@needs_torch
+def test_workers_spread_over_gpus(monkeypatch: pytest.MonkeyPatch) -> None:
+    """'cuda' with several GPUs: the main thread takes cuda:0, worker threads one GPU each in turn."""
+    import threading
+
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 3)
+    monkeypatch.setattr(device_mod, "_THREADS", {})
+    assert device_mod.worker_device("cuda") == "cuda:0"
+    assert device_mod.worker_device("cuda:2") == "cuda:2" and device_mod.worker_device(None) is None
+    got: list[str] = []
+    lock, alive = threading.Lock(), threading.Barrier(4)  # four threads alive at once (a pool's workers)
+
+    def work() -> None:
+        with lock:
+            got.append(device_mod.worker_device("cuda"))
+        alive.wait()
+    threads = [threading.Thread(target=work) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert got == ["cuda:0", "cuda:1", "cuda:2", "cuda:0"]
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    assert device_mod.worker_device("cuda") == "cuda"
