@@ -11,7 +11,9 @@ cached on the Features object, which computes only what is asked, once:
   succeeds when it is numerically positive definite; lambda_min is then Lanczos on the inverse
   through that factor (tens of O(n^2) triangular solves), and fit is a solve with the same factor. The
   eigendecomposition (~9 n^3, BACKGROUND.md "Structure that shrinks psi exactly") is computed only
-  when the data are not identifiable and the null space is needed.
+  when the data are not identifiable and the null space is needed;
+- on a device (`device=`, mhla_cli.device) the same decompositions run through torch.linalg on one
+  copy of the matrix there (the null space from every eigenvector: torch has no selected ones).
 """
 
 from __future__ import annotations
