@@ -241,3 +241,40 @@ def test_workers_spread_over_gpus(monkeypatch: pytest.MonkeyPatch) -> None:
     assert got == ["cuda:0", "cuda:1", "cuda:2", "cuda:0"]
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     assert device_mod.worker_device("cuda") == "cuda"
+
+
+@needs_torch
+def test_device_equals_numpy_over_a_family() -> None:
+    """Over random shapes, lengths, weights, chunkings and token scales (a rotated small-variance
+    direction included), the device's statistics and certificate equal the numpy path's."""
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+
+    @settings(max_examples=15, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
+    @given(d=st.integers(1, 4), n_seq=st.integers(1, 60), max_len=st.integers(1, 7), chunk=st.integers(1, 40),
+           weighted=st.booleans(), small=st.sampled_from([1.0, 1e-3]), seed=st.integers(0, 2**16),
+           normalize=st.sampled_from(["none", "length"]))
+    def check(d, n_seq, max_len, chunk, weighted, small, seed, normalize):
+        rng = np.random.default_rng(seed)
+        lengths = rng.integers(1, max_len + 1, size=n_seq)
+        off = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+        R = np.linalg.qr(rng.standard_normal((d, d)))[0] @ np.diag([small] + [1.0] * (d - 1))
+        X = rng.standard_normal((int(off[-1]), d)) @ R
+        Y = rng.standard_normal((n_seq, d))
+        w = rng.uniform(0.5, 2.0, size=n_seq) if weighted else None
+        parts = []
+        for dev in (None, DEV):
+            acc = stream._Accumulator(d, True, np.eye(d), normalize=normalize, device=dev)
+            for a in range(0, n_seq, chunk):
+                b = min(n_seq, a + chunk)
+                acc.add(X[off[a]:off[b]], off[a:b + 1] - off[a], Y[a:b], weights=None if w is None else w[a:b])
+            parts.append(acc.result())
+        a, b = parts
+        for k in ("basis_gram", "basis_moments", "target_gram", "basis_token_gram"):
+            x, y = getattr(a, k), getattr(b, k)
+            assert np.abs(x - y).max() <= 1e-12 * max(np.abs(x).max(), 1e-300), k
+        ca, cb = solve.certify(a.canonical()), solve.certify(b.canonical(), device=DEV)
+        assert ca.identifiable == cb.identifiable and ca.rank == cb.rank
+        assert abs(ca.lambda_min - cb.lambda_min) <= 1e-10 * max(ca.lambda_max, 1e-300)
+
+    check()
