@@ -10,7 +10,7 @@ import typer
 from .. import formats
 from ..device import check_device
 from ..errors import InputError
-from ..probes import certify_probes
+from ..probes import certify_probes, null_space
 from ..solve import certify, check_domain, factorize
 from ..stream import check_solve_memory
 from ..tokens import inspect_tokens
@@ -120,8 +120,11 @@ def _certify_on(data: Path, on: Path, report: Path | None, normalize: str | None
                 json_out: bool, quiet: bool, device: str | None = None) -> None:
     check_solve_memory(data, "certify", chunk_size=chunk_size)
     feats, _, _ = load_with_progress(data, chunk_size, quiet, normalize, device)
-    if device is not None:
-        factorize(feats, "full", device)  # the probes reuse this factorization (computed on the device)
+    # the factorization and the null space first (under a spinner: the eigendecomposition of a
+    # singular Lambda~ can take a while); the probes reuse both (cached on feats)
+    with working(f"certify --on: the null space of the canonical Lambda~ ({feats.n_features} features)", quiet):
+        factorize(feats, "full", device)
+        null_space(feats)
     with progress_bar("probes", inspect_tokens(on).n_samples, quiet) as advance:
         rep = certify_probes(feats, on, chunk_size=chunk_size, progress=advance)
     if report is not None:
