@@ -35,7 +35,7 @@ def fit(feats: Features, ridge: float = 0.0, heads: int | str | None = None, nuc
             # when their tokens and last tokens span R^d the observed domain is the full one
             B, C = solve.observed_bases(feats)
             model.info["identifiable_observed"] = (min(B.shape[1], C.shape[1]) < feats.d
-                                                   and solve.certify(feats, domain="observed").identifiable)
+                                                   and solve.certify(feats, domain="observed", device=device).identifiable)
     else:
         if ridge > 0:
             raise InputError("the ridge penalty applies to the least-squares fit; the low-rank fits take "
