@@ -207,11 +207,12 @@ class DeviceGram:
 class DeviceMatrix:
     """A symmetric float64 matrix on a device and the factorizations mhla_cli.factorization asks of it."""
 
-    def __init__(self, a: np.ndarray, device: str) -> None:
+    def __init__(self, a: Any, device: str) -> None:
         torch = self._t = _torch()
+        self.device = device
         self.dev = torch_device(device)
-        # on the CPU this shares a's memory: it is only read
-        self.a = torch.as_tensor(np.asarray(a, dtype=np.float64)).to(self.dev)
+        # a numpy array (on the CPU its memory is shared: it is only read) or a tensor already there
+        self.a = (a if isinstance(a, torch.Tensor) else torch.as_tensor(np.asarray(a, dtype=np.float64))).to(self.dev)
         self._L: Any = None
 
     def eigvalsh(self) -> np.ndarray:
@@ -246,18 +247,11 @@ class DeviceMatrix:
         z = t.linalg.solve_triangular(self._L, b, upper=False)
         return t.linalg.solve_triangular(self._L.T, z, upper=True)[:, 0].cpu().numpy()
 
-
-    def shifted_solve(self, scale: float, shift: np.ndarray | float, rhs: np.ndarray) -> np.ndarray | None:
-        """(scale a + shift) x = rhs by a Cholesky of a new device matrix (`shift` a matrix, or a
-        number added to the diagonal); None when it is not numerically positive definite."""
-        t = self._t
-        m = DeviceMatrix.__new__(DeviceMatrix)
-        m._t, m.dev, m._L = t, self.dev, None
-        m.a = self.a * scale  # a new array: `a` itself is never written (it may share the host's memory)
-        if np.isscalar(shift):
-            m.a.diagonal().add_(float(shift))  # type: ignore[arg-type]
-        else:
-            m.a.add_(t.as_tensor(np.asarray(shift, dtype=np.float64)).to(self.dev))
+    def shifted_solve(self, scale: float, shift: float, rhs: np.ndarray) -> np.ndarray | None:
+        """(scale a + shift I) x = rhs by a Cholesky of a new device matrix (the ridge fit); None when
+        it is not numerically positive definite."""
+        m = DeviceMatrix(self.a * scale, self.device)  # a new array: `a` is never written (it may be the host's)
+        m.a.diagonal().add_(float(shift))
         return m.solve(rhs) if m.cholesky() else None
 
 
