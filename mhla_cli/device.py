@@ -213,7 +213,6 @@ class DeviceMatrix:
         self.dev = torch_device(device)
         # a numpy array (on the CPU its memory is shared: it is only read) or a tensor already there
         self.a = (a if isinstance(a, torch.Tensor) else torch.as_tensor(np.asarray(a, dtype=np.float64))).to(self.dev)
-        self._L: Any = None
 
     def eigvalsh(self) -> np.ndarray:
         return self._t.linalg.eigvalsh(self.a).cpu().numpy()
@@ -225,34 +224,51 @@ class DeviceMatrix:
     def matvec(self, x: np.ndarray) -> np.ndarray:
         return (self.a @ self._t.from_numpy(np.ascontiguousarray(x, dtype=np.float64)).to(self.dev)).cpu().numpy()
 
-    def cholesky(self) -> bool:
-        """Factor a = L L^T; False when it is not numerically positive definite."""
-        L, info = self._t.linalg.cholesky_ex(self.a)
-        if int(info) != 0 or not bool(self._t.isfinite(L.diagonal()).all()):
-            return False
-        self._L = L
-        return True
+    def cholesky(self, shift: float = 0.0) -> DeviceFactor | None:
+        """The Cholesky factor of a - shift I (a copy of a when shift != 0: a is never written); None when
+        that matrix is not numerically positive definite."""
+        t = self._t
+        if shift:
+            m = self.a.clone()
+            m.diagonal().sub_(float(shift))
+        else:
+            m = self.a
+        L, info = t.linalg.cholesky_ex(m)
+        del m
+        if int(info) != 0 or not bool(t.isfinite(L.diagonal()).all()):
+            return None
+        return DeviceFactor(L)
+
+    def shifted_solve(self, scale: float, shift: float, rhs: np.ndarray) -> np.ndarray | None:
+        """(scale a + shift I) x = rhs by a Cholesky of a new device matrix (the ridge fit, for a shift
+        above the certificate's tolerance: mhla_cli.factorization.Factorization.ridge_solve); None when it
+        is not numerically positive definite."""
+        m = DeviceMatrix(self.a * scale, self.device)  # a new array: `a` is never written (it may be the host's)
+        m.a.diagonal().add_(float(shift))
+        f = m.cholesky()
+        return f.solve(rhs) if f is not None else None
+
+
+class DeviceFactor:
+    """A Cholesky factor L (a = L L^T) on a device: solves and inverse products through it."""
+
+    def __init__(self, L: Any) -> None:
+        self._t = _torch()
+        self.L = L
 
     def solve(self, rhs: np.ndarray) -> np.ndarray:
-        """a^-1 rhs through the Cholesky factor."""
-        b = self._t.from_numpy(np.ascontiguousarray(rhs, dtype=np.float64)).to(self.dev)
+        """a^-1 rhs through the factor."""
+        b = self._t.from_numpy(np.ascontiguousarray(rhs, dtype=np.float64)).to(self.L.device)
         vec = b.ndim == 1
-        x = self._t.cholesky_solve(b[:, None] if vec else b, self._L)
+        x = self._t.cholesky_solve(b[:, None] if vec else b, self.L)
         return (x[:, 0] if vec else x).cpu().numpy()
 
     def inverse_matvec(self, x: np.ndarray) -> np.ndarray:
         """a^-1 x by two triangular solves with the factor (Lanczos on the inverse)."""
         t = self._t
-        b = t.from_numpy(np.ascontiguousarray(x, dtype=np.float64)).to(self.dev)[:, None]
-        z = t.linalg.solve_triangular(self._L, b, upper=False)
-        return t.linalg.solve_triangular(self._L.T, z, upper=True)[:, 0].cpu().numpy()
-
-    def shifted_solve(self, scale: float, shift: float, rhs: np.ndarray) -> np.ndarray | None:
-        """(scale a + shift I) x = rhs by a Cholesky of a new device matrix (the ridge fit); None when
-        it is not numerically positive definite."""
-        m = DeviceMatrix(self.a * scale, self.device)  # a new array: `a` is never written (it may be the host's)
-        m.a.diagonal().add_(float(shift))
-        return m.solve(rhs) if m.cholesky() else None
+        b = t.from_numpy(np.ascontiguousarray(x, dtype=np.float64)).to(self.L.device)[:, None]
+        z = t.linalg.solve_triangular(self.L, b, upper=False)
+        return t.linalg.solve_triangular(self.L.T, z, upper=True)[:, 0].cpu().numpy()
 
 
 def predict_last(coef: np.ndarray, upper: np.ndarray, last: np.ndarray, device: str) -> np.ndarray:

@@ -26,6 +26,8 @@ from typing import Any
 
 import numpy as np
 
+EPS = float(np.finfo(np.float64).eps)
+
 # Matrices up to this size are decomposed densely: measured at psi = 2176 (d = 16 Gaussian data,
 # 2 cores), eigvalsh took 0.36 s, a Cholesky 0.11 s, and Lanczos on the inverse through it 0.65 s
 # (~80 triangular solves, memory-bound; lambda_min's gap to the next eigenvalue was 0.7 %), so
@@ -154,13 +156,20 @@ class Factorization:
 
     def pinv_solve(self, rhs: np.ndarray, tol: float) -> np.ndarray:
         """The minimum-norm least-squares solution of (scale lam) x = rhs with eigenvalues <= tol
-        dropped (the pseudo-inverse): a Cholesky solve of scale lam + c N N^T (N: those eigenvectors,
-        c = lambda_max), which has the same eigenvectors, then the N part removed; the full eigh when
-        that fails."""
+        dropped (the pseudo-inverse): `range_solve` with no ridge."""
+        return self.range_solve(rhs, tol, 0.0)
+
+    def range_solve(self, rhs: np.ndarray, tol: float, ridge: float = 0.0) -> np.ndarray:
+        """V+ diag(1 / (lambda + ridge)) V+^T rhs over the eigenpairs with lambda > tol (those at or below
+        it taken as exact zeros: their part of rhs is rounding, dropped), for every ridge >= 0.
+
+        A Cholesky solve of scale lam + ridge I + c N N^T (N: the eigenvectors <= tol, c = lambda_max),
+        which has the same eigenvectors and eigenvalues lambda + ridge >= tol on the range, then the N
+        part removed; the full eigh when that Cholesky fails (and always on a device, whose null space
+        took every eigenvector already)."""
         sl = _scipy_linalg()
         _, N = self.null_space(tol)
         c = max(self.lambda_max(), tol, 1e-300)
-        # (on a device the null space took every eigenvector already: the pseudo-inverse from them)
         if self.device is None:
             with self._timed("solve"):
                 try:
@@ -168,6 +177,7 @@ class Factorization:
                     shifted = N @ np.ascontiguousarray(N.T)
                     shifted *= c / self.scale
                     shifted += self.lam
+                    shifted[np.diag_indices(self.n)] += ridge / self.scale
                     x = sl.cho_solve(cholesky(shifted, overwrite_a=True), rhs, check_finite=False) / self.scale
                     del shifted
                     return x - N @ (N.T @ x)
@@ -175,7 +185,7 @@ class Factorization:
                     pass
         w, v = self.eigh()
         keep = w > tol
-        return v[:, keep] @ ((v[:, keep].T @ rhs) / w[keep][:, None])
+        return v[:, keep] @ ((v[:, keep].T @ rhs) / (w[keep] + ridge)[:, None])
 
     def lambda_max(self) -> float:
         if self._c._lmax is None:
@@ -188,44 +198,77 @@ class Factorization:
                     self._c._lmax = _lanczos_top(mv, self.n) * self.scale
         return self._c._lmax
 
-    def cholesky(self) -> Any:
-        """The Cholesky factor (scipy cho_factor) of lam (unscaled), or None when it is not numerically PD."""
-        if not self._c._chol_tried:
-            self._c._chol_tried = True
+    def cholesky(self, shift: float = 0.0) -> Any:
+        """The Cholesky factor of lam - (shift / scale) I, i.e. of the matrix scale * lam - shift I up to
+        the factor scale (scipy cho_factor, or a device.DeviceFactor), computed once per shift; None when
+        that matrix is not numerically positive definite."""
+        shift = float(shift)
+        if shift not in self._c._chol:
             sl = _scipy_linalg()
             dm = self._on_device()
             with self._timed("cholesky"):
                 if dm is not None:
-                    self._c._chol = dm if dm.cholesky() else None
-                    return self._c._chol
+                    self._c._chol[shift] = dm.cholesky(shift / self.scale)
+                    return self._c._chol[shift]
                 try:
-                    self._c._chol = cholesky(self.lam)
+                    if shift == 0.0:
+                        f = cholesky(self.lam)
+                    else:
+                        a = np.array(self.lam, dtype=np.float64, order="F")
+                        a[np.diag_indices(self.n)] -= shift / self.scale
+                        f = cholesky(a, overwrite_a=True)
+                    if not np.isfinite(f[0].diagonal()).all():
+                        f = None
                 except sl.LinAlgError:
-                    self._c._chol = None
-            if self._c._chol is not None and not np.isfinite(self._c._chol[0].diagonal()).all():
-                self._c._chol = None
-        return self._c._chol
+                    f = None
+                self._c._chol[shift] = f
+        return self._c._chol[shift]
+
+    def proves_above(self, t: float) -> bool:
+        """Proof by inertia that every eigenvalue of the block exceeds t: a Cholesky of scale lam - t I
+        that succeeds (Sylvester: no eigenvalue at or below t). One already tried is reused: a success
+        at a shift >= t proves it, a failure at a shift <= t refutes it."""
+        t = float(t)
+        if self.n == 0:
+            return False
+        for s, f in self._c._chol.items():
+            if f is not None and s >= t:
+                return True
+            if f is None and s <= t:
+                return False
+        return self.cholesky(t) is not None
+
+    def _best_factor(self) -> tuple[float, Any]:
+        """(shift, factor) of the successful Cholesky with the largest shift (the closest to lambda_min:
+        Lanczos on its inverse converges fastest), else (0, the unshifted one or None)."""
+        good = [s for s, f in self._c._chol.items() if f is not None]
+        if good:
+            s = max(good)
+            return s, self._c._chol[s]
+        return 0.0, self.cholesky(0.0)
 
     def lambda_min(self) -> float:
         """The smallest eigenvalue of the full matrix: 0 when the block is smaller, else `block_lambda_min`."""
         return 0.0 if self.n < self.n_full else self.block_lambda_min()
 
     def block_lambda_min(self) -> float:
-        """The block's smallest eigenvalue: dense, or Lanczos on lam^-1 through the Cholesky factor, or eigh."""
+        """The block's smallest eigenvalue: dense, or Lanczos on (scale lam - s I)^-1 through a shifted
+        Cholesky factor (s + 1 / its top eigenvalue: an estimate, the Ritz value), or eigh."""
         if self._c._lmin is None:
             if self.dense or self._c._we is not None:
                 self._c._lmin = float(self.eigenvalues()[0]) if self.n else 0.0
-            elif self.cholesky() is not None:
-                with self._timed("lanczos"):
-                    chol = self._c._chol
-                    inv = chol.inverse_matvec if self.device is not None else _inverse_matvec(chol)
-                    top = _lanczos_top(inv, self.n)
-                self._c._lmin = self.scale / top if top > 0 else float(self.eigh()[0][0])
             else:
-                # not positive definite: the null space will be wanted too, and one eigh with vectors
-                # (divide and conquer) costs less than the eigenvalues and then the selected vectors
-                # (measured at n = 3150, 1 thread: 5.4 s against 3.0 + 3.7 s)
-                self._c._lmin = float(self.eigh()[0][0])
+                s, chol = self._best_factor()
+                if chol is not None:
+                    with self._timed("lanczos"):
+                        inv = chol.inverse_matvec if self.device is not None else _inverse_matvec(chol)
+                        top = _lanczos_top(inv, self.n)
+                    self._c._lmin = s + self.scale / top if top > 0 else float(self.eigh()[0][0])
+                else:
+                    # not positive definite: the null space will be wanted too, and one eigh with vectors
+                    # (divide and conquer) costs less than the eigenvalues and then the selected vectors
+                    # (measured at n = 3150, 1 thread: 5.4 s against 3.0 + 3.7 s)
+                    self._c._lmin = float(self.eigh()[0][0])
         return self._c._lmin
 
     def rank(self, tol: float) -> int:
@@ -236,29 +279,58 @@ class Factorization:
         w = self.known_eigenvalues()
         return self.n - self.null_space(tol)[0].size if w is None else int((w > tol).sum())
 
+    def _cho_solve(self, chol: Any, rhs: np.ndarray) -> np.ndarray:
+        """(lam - s I)^-1 rhs through a factor of `cholesky` (unscaled)."""
+        if self.device is not None:
+            return chol.solve(rhs)
+        return _scipy_linalg().cho_solve(chol, rhs, check_finite=False)
+
     def solve(self, rhs: np.ndarray) -> np.ndarray | None:
-        """(scale lam)^-1 rhs through the Cholesky factor (None when lam is not positive definite)."""
-        c = self.cholesky()
+        """(scale lam)^-1 rhs through a Cholesky factor (None when lam is not positive definite).
+
+        A factor of scale lam - s I already computed (the certificate's proof) is reused when s is at
+        most half of lambda_min - s, with iterative refinement x += (scale lam - s I)^-1 (rhs - scale lam x),
+        which contracts the error by rho = s / (lambda_min - s) per step, until rho^(k+1) < eps."""
+        s, c = self._best_factor()
+        if c is not None and s > 0:
+            lmin = self.block_lambda_min()
+            rho = s / (lmin - s) if lmin > s else np.inf
+            if rho > 0.5:
+                s, c = 0.0, self.cholesky(0.0)
         if c is None:
             return None
-        if self.device is not None:
-            return c.solve(rhs) / self.scale
-        return _scipy_linalg().cho_solve(c, rhs, check_finite=False) / self.scale
+        x = self._cho_solve(c, rhs) / self.scale
+        if s > 0:
+            dm = self._on_device()
+            mv = dm.matvec if dm is not None else (lambda v: self.lam @ v)
+            steps = int(min(60, np.ceil(np.log(EPS) / np.log(rho)))) if rho > 0 else 0
+            for _ in range(steps):
+                x = x + self._cho_solve(c, rhs - self.scale * mv(x)) / self.scale
+        return x
 
-    def ridge_solve(self, rhs: np.ndarray, ridge: float) -> np.ndarray:
-        """(scale lam + ridge I) x = rhs: a Cholesky of that new matrix (least squares if it fails)."""
-        sl = _scipy_linalg()
-        dm = self._on_device()
-        if dm is not None:
-            x = dm.shifted_solve(self.scale, ridge, rhs)
-            if x is not None:
-                return x
-        system = self.lam * self.scale
-        system[np.diag_indices(self.n)] += ridge
-        try:
-            return sl.cho_solve(cholesky(system, overwrite_a=True), rhs, check_finite=False)
-        except sl.LinAlgError:
-            return sl.lstsq(system, rhs, check_finite=False)[0]
+    def ridge_solve(self, rhs: np.ndarray, ridge: float, tol: float) -> np.ndarray:
+        """The ridge solution V diag(1 / (lambda + ridge)) V^T rhs with the eigenvalues <= tol (the
+        certificate's numerical tolerance) taken as exact zeros, for every ridge >= 0.
+
+        ridge > tol: a Cholesky of scale lam + ridge I (positive definite beyond rounding: the shift
+        alone lifts every eigenvalue above tol). ridge <= tol, or when that Cholesky fails: on the
+        range (`range_solve`), so ridge -> 0 gives the minimum-norm solution (dividing rounding-level
+        components of rhs by a tiny ridge is what a least-squares fallback with a default cutoff did)."""
+        if ridge > tol:
+            dm = self._on_device()
+            if dm is not None:
+                x = dm.shifted_solve(self.scale, ridge, rhs)
+                if x is not None:
+                    return x
+            else:
+                sl = _scipy_linalg()
+                system = self.lam * self.scale
+                system[np.diag_indices(self.n)] += ridge
+                try:
+                    return sl.cho_solve(cholesky(system, overwrite_a=True), rhs, check_finite=False)
+                except sl.LinAlgError:
+                    pass
+        return self.range_solve(rhs, tol, ridge)
 
 
 # OpenBLAS's threaded dsyrk and dpotrf (0.3.30 / 0.3.31 here) segfault for n >= ~16000 with 2 threads
@@ -295,8 +367,8 @@ class _Cache:
         self._w: np.ndarray | None = None  # eigvalsh
         self._we: np.ndarray | None = None  # eigh: values and vectors
         self._v: np.ndarray | None = None
-        self._chol: Any = None  # cho_factor's (c, lower), or the device.DeviceMatrix holding the factor
-        self._chol_tried = False
+        # shift -> cho_factor's (c, lower) of lam - (shift / scale) I, or a device.DeviceFactor; None: failed
+        self._chol: dict[float, Any] = {}
         self._dm: Any = None  # device.DeviceMatrix of lam
         self._lmax: float | None = None
         self._lmin: float | None = None

@@ -62,7 +62,7 @@ def null_space(feats: Features) -> NullSpace:
     lmax = fac.lambda_max()
     tol = numerical_tolerance(lmax, fac.n_full)
     st = fac.structure
-    if not fac.dense and fac.block_lambda_min() > tol:  # positive definite block: no eigenvectors
+    if not fac.dense and fac.proves_above(tol):  # positive definite block: no eigenvectors
         return NullSpace(basis=np.zeros((fac.n, 0)), lambda_max=lmax, threshold=tol, token_basis=A, structure=st)
     return NullSpace(basis=np.ascontiguousarray(fac.null_space(tol)[1]), lambda_max=lmax, threshold=tol,
                      token_basis=A, structure=st)

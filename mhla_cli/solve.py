@@ -220,6 +220,9 @@ class Certificate:
     span_features: int = 0
     span_pairs: int = 0
     span_last_tokens: int = 0
+    # what the verdict rests on (PROOFS) and which reported numbers are estimates (Lanczos Ritz values)
+    proof: str = ""
+    estimated: list[str] = field(default_factory=list)
     _null_fn: Callable[[], np.ndarray] | None = field(default=None, repr=False, compare=False)
     _null: np.ndarray | None = field(default=None, repr=False, compare=False)
 
@@ -244,7 +247,8 @@ class Certificate:
             "dim_tokens": self.dim_tokens, "dim_last_tokens": self.dim_last_tokens,
             "reasons": list(self.reasons), "null_features": list(self.null_features), "basis": self.basis,
             "span_features": self.span_features, "span_pairs": self.span_pairs,
-            "span_last_tokens": self.span_last_tokens, "seconds": dict(self.seconds),
+            "span_last_tokens": self.span_last_tokens, "proof": self.proof, "estimated": list(self.estimated),
+            "seconds": dict(self.seconds),
         }
 
 
@@ -270,15 +274,26 @@ def certify(feats: Features, min_eig: float = 0.0, domain: str = "full", device:
     lmax = fac.lambda_max()
     tol = numerical_tolerance(lmax, m)
     threshold = max(tol, float(min_eig))
-    # lambda_min by Lanczos through a Cholesky when Lambda~ is positive definite (the identifiable
-    # case costs a factorization n^3 / 3); 0 when the data's spans leave directions out
+    # The verdict is proven by inertia: a Cholesky of Lambda~ - t I (t = threshold) that succeeds shows
+    # that no eigenvalue lies at or below t, on every path (dense, Lanczos, device). lambda_min is then
+    # Lanczos on the inverse through that same factor (the identifiable case costs one factorization,
+    # n^3 / 3) or the dense eigenvalues; 0 when the data's spans leave directions out
     # (mhla_cli.structure); eigenvectors only when needed to explain a failure
+    if lmax <= 0:
+        proof = "all features are zero"
+    elif fac.n < m:
+        proof = "exact null directions outside the data's spans"
+    elif feats.n_samples < m:
+        proof = "N < psi samples"
+    else:
+        proof = "cholesky of Lambda~ - t I" if fac.proves_above(threshold) else "cholesky of Lambda~ - t I failed"
+    identifiable = proof == "cholesky of Lambda~ - t I"
     lmin = fac.lambda_min()
-    identifiable = bool(lmin > threshold and feats.n_samples >= m and lmax > 0)
     rank = fac.rank(tol)
     cert = Certificate(identifiable, lmin, lmax, rank, m, feats.n_samples, threshold, tol, float(min_eig),
                        domain, r, s, eigenvalues=fac.full_eigenvalues(), span_features=fac.n,
-                       span_pairs=fac.structure.a, span_last_tokens=fac.structure.b)
+                       span_pairs=fac.structure.a, span_last_tokens=fac.structure.b, proof=proof,
+                       estimated=[] if fac.known_eigenvalues() is not None else ["lambda_min", "lambda_max"])
     if not identifiable:
         cert._null_fn = lambda: _null_vectors(A, _current(feats, domain, fac), threshold, full)
         weight, k = _null_weights(A, fac, threshold, full)
@@ -396,6 +411,9 @@ def _explain(feats: Features, cert: Certificate, weight: np.ndarray, k: int, ful
             desc += ("; the other directions mix features such as "
                      + ", ".join(names[i] for i in mixed[:4]))
         reasons.append(desc)
+    elif cert.proof == "cholesky of Lambda~ - t I failed":
+        reasons.append(f"the Cholesky of Lambda~ - t I (t = {cert.threshold:.3g}) failed although lambda_min = "
+                       f"{cert.lambda_min:.3g}: the smallest eigenvalue is within rounding of the threshold")
     return reasons, top
 
 
@@ -435,12 +453,14 @@ def fit(feats: Features, ridge: float = 0.0, device: str | None = None) -> Model
     rhs = moments_b / N if feats.reduced else st.restrict(moments_b / N)
     lmax = fac.lambda_max()
     tol = numerical_tolerance(lmax, psi)
+    # proven as the certificate's: a Cholesky of the block's Lambda~ - tol I (reused by the solve)
+    block_pd = lmax > 0 and fac.proves_above(tol)
     lmin = fac.lambda_min()
     t_solve = time.perf_counter()
     sol = None
     if ridge > 0:
-        sol = fac.ridge_solve(rhs, ridge)
-    elif fac.block_lambda_min() > tol:
+        sol = fac.ridge_solve(rhs, ridge, tol)
+    elif block_pd:
         # The block is positive definite: a solve with the certificate's Cholesky factor.
         sol = fac.solve(rhs)
     if sol is None:
@@ -450,7 +470,7 @@ def fit(feats: Features, ridge: float = 0.0, device: str | None = None) -> Model
     coef_b = st.embed(sol).T
     coef = basis_mod.coef_from_basis(A, coef_b)
     seconds = {**fac.seconds, "solve": time.perf_counter() - t_solve}
-    identifiable = bool(lmin > tol and N >= psi)
+    identifiable = bool(block_pd and fac.n == psi and N >= psi)
     mse, resolution = _train_mse_b(feats, coef_b)
     # Condition number of the system actually solved (regularised when ridge > 0).
     if ridge > 0:

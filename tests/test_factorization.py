@@ -11,6 +11,8 @@ import numpy as np
 import pytest
 
 from mhla_cli import factorization, synthetic
+
+import _reference
 from mhla_cli.probes import certify_probes
 from mhla_cli.solve import certify, factorize, fit
 from mhla_cli.stream import chunk_features
@@ -121,7 +123,8 @@ def test_the_seconds_of_each_step_are_reported(monkeypatch: pytest.MonkeyPatch, 
 
     tokens, offsets, targets = _cases()["identifiable"]
     cert = certify(chunk_features(tokens, offsets, targets, 4))
-    assert set(cert.seconds) == {"eigenvalues"} and cert.seconds["eigenvalues"] >= 0
+    # the dense eigenvalues, and the verdict's proof: a Cholesky of Lambda~ - t I
+    assert set(cert.seconds) == {"eigenvalues", "cholesky"} and cert.seconds["eigenvalues"] >= 0
     monkeypatch.setattr(factorization, "DENSE_MAX", 0)
     feats = chunk_features(tokens, offsets, targets, 4)
     cert = certify(feats)
@@ -132,3 +135,46 @@ def test_the_seconds_of_each_step_are_reported(monkeypatch: pytest.MonkeyPatch, 
         f["tokens"], f["offsets"], f["targets"] = tokens, offsets, targets
     assert run(["certify", str(data), "--json", "-q"]) == 0
     assert {"pass", "cholesky", "lanczos"} <= set(json.loads(capsys.readouterr().out)["seconds"])
+
+
+# --------------------------------------------------------------------------------------------
+# ridge for every r >= 0 against the spectral ridge solution on materialised canonical features
+# --------------------------------------------------------------------------------------------
+
+
+def _singular_cases() -> dict[str, tuple]:
+    rng = np.random.default_rng(11)
+    d = 4  # psi = 40
+    lens = rng.integers(2, 9, size=33)
+    off = np.concatenate([[0], np.cumsum(lens)])
+    X = rng.standard_normal((int(off[-1]), d))
+    y = rng.standard_normal((33, d))  # noisy targets: nothing realisable
+    few = (X[:off[33 - 6]], off[:28], y[:27])  # N = 27 < psi = 40
+    seqs = [X[off[i]:off[i + 1]] for i in range(22)] * 3  # 22 sequences, each 3 times: rank <= 22
+    rep_off = np.concatenate([[0], np.cumsum([len(s) for s in seqs])])
+    return {"few samples": few, "repeated": (np.concatenate(seqs), rep_off, np.tile(y[:22], (3, 1)))}
+
+
+def _spectral_ridge_fitted(tokens, offsets, targets, r: float) -> np.ndarray:
+    """Fitted values of V diag(1 / (lambda + r)) V^T m~ over the eigenvalues above psi eps lambda_max."""
+    ref = _reference.canonical(tokens, offsets, targets)
+    w, V = np.linalg.eigh(ref["lambda"])
+    keep = w > w.size * np.finfo(np.float64).eps * w[-1]
+    Vk = V[:, keep]
+    pb = (Vk @ ((Vk.T @ ref["moments"]) / (w[keep] + r)[:, None])).T
+    return ref["Ht"] @ pb.T
+
+
+@pytest.mark.parametrize("dense_max", [4096, 0], ids=["dense", "cholesky-lanczos"])
+@pytest.mark.parametrize("name", ["few samples", "repeated"])
+@pytest.mark.parametrize("r", [0.0, 1e-30, 1e-20, 1e-14, 1e-12, 1e-8, 1e-3, 1.0])
+def test_ridge_equals_the_spectral_ridge_for_every_r(name: str, r: float, dense_max: int,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(factorization, "DENSE_MAX", dense_max)
+    tokens, offsets, targets = _singular_cases()[name]
+    m = fit(chunk_features(tokens, offsets, targets, 4), ridge=r)
+    assert not m.info["identifiable"]
+    seqs = [tokens[a:b] for a, b in zip(offsets[:-1], offsets[1:])]
+    got = _reference.predict_own(m.coef, seqs)
+    want = _spectral_ridge_fitted(tokens, offsets, targets, r)
+    assert _reference.ratio(got, want) <= 1e-8, (r, _reference.ratio(got, want))
