@@ -28,7 +28,7 @@ import numpy as np
 
 from .features import pair_index
 
-EPS = float(np.finfo(np.float64).eps)
+from .numerics import EPS
 
 # A basis change of the sums by C amplifies their rounding by about cond(C)^6 (the features are
 # cubic, the Gram quadratic in them): up to this condition number (4^6 ~ 4e3 -> ~1e-12 relative) the

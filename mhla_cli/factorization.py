@@ -26,7 +26,7 @@ from typing import Any
 
 import numpy as np
 
-EPS = float(np.finfo(np.float64).eps)
+from .numerics import EPS, LANCZOS_TOL, REFINE_MAX_RHO
 
 # Matrices up to this size are decomposed densely: measured at psi = 2176 (d = 16 Gaussian data,
 # 2 cores), eigvalsh took 0.36 s, a Cholesky 0.11 s, and Lanczos on the inverse through it 0.65 s
@@ -295,7 +295,7 @@ class Factorization:
         if c is not None and s > 0:
             lmin = self.block_lambda_min()
             rho = s / (lmin - s) if lmin > s else np.inf
-            if rho > 0.5:
+            if rho > REFINE_MAX_RHO:
                 s, c = 0.0, self.cholesky(0.0)
         if c is None:
             return None
@@ -389,10 +389,9 @@ def _inverse_matvec(factor: tuple[np.ndarray, bool]) -> Any:
     return lambda x: blas.dtrsv(c, blas.dtrsv(c, x, lower=0, trans=1), lower=0, trans=0)  # lam = U^T U
 
 
-# ARPACK's residual tolerance, relative: the Ritz value's error is about tol^2 lambda / gap, so 1e-7
-# still gives lambda to ~1e-14 relative (measured at psi = 7200, dense Gaussian data: 31 products for
-# lambda_max and 51 solves for lambda_min, against 51 and 71 at 1e-12, the values equal to 5e-15)
-LANCZOS_TOL = 1e-7
+# ARPACK's residual tolerance: LANCZOS_TOL (mhla_cli.numerics; measured at psi = 7200, dense Gaussian
+# data: 31 products for lambda_max and 51 solves for lambda_min, against 51 and 71 at 1e-12, the values
+# equal to 5e-15)
 
 
 def _lanczos_top(matvec: Any, n: int) -> float:

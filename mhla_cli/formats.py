@@ -28,6 +28,7 @@ from ._version import __version__
 from .errors import InputError
 from .features import NORMALIZATIONS
 from .memory import SLACK_BYTES, check_memory, load_bytes
+from .numerics import SYMMETRY_TOL
 from .signals import check_interrupted, shield_signals
 from .features import n_features
 
@@ -257,7 +258,7 @@ def all_finite(a: np.ndarray, block_bytes: int = 8 << 20) -> bool:
 
 
 def check_stored_symmetric(f: h5py.File, name: str, path: str | os.PathLike, tile: int = 1024) -> None:
-    """A stored square dataset is finite and symmetric to 1e-12 of its largest entry (the checks of
+    """A stored square dataset is finite and symmetric to SYMMETRY_TOL of its largest entry (the checks of
     `read_array` and stats._is_symmetric), read tile by tile: nothing of its size is held."""
     ds = dataset(f, name, path)
     n = int(ds.shape[0])
@@ -278,7 +279,7 @@ def check_stored_symmetric(f: h5py.File, name: str, path: str | os.PathLike, til
                 raise InputError(f"'{name}' contains NaN or Inf; the file is corrupted", path)
             top = max(top, float(np.abs(upper).max()), float(np.abs(lower).max()))
             diff = max(diff, float(np.abs(upper - lower.T).max()))
-    if diff > 1e-12 * top:
+    if diff > SYMMETRY_TOL * top:
         raise InputError(f"'{name}' is not symmetric; the file is corrupted", path)
 
 

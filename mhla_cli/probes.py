@@ -30,8 +30,8 @@ from .stream import Features, default_chunk_size, sample_rows
 from .tokens import check_finite, check_weights, inspect_tokens, iter_chunks
 
 # A probe is determined when the relative component of its feature vector in gram's numerical
-# null space is at most this (the same null-space threshold as the full-domain certificate).
-DETERMINED_TOL = 1e-8
+# null space is at most DETERMINED_TOL (mhla_cli.numerics; the null space of the full-domain certificate).
+from .numerics import DETERMINED_TOL  # noqa: E402  (importable from here, its old home)
 
 
 @dataclass

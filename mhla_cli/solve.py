@@ -21,18 +21,9 @@ from .heads import W_from_p
 from .model import Model
 from .structure import find_structure
 
-EPS = float(np.finfo(np.float64).eps)
+from .numerics import DEAD_WEIGHT_TOL, EPS, ORTHOGONAL_TOL, mse_resolution, numerical_tolerance, observed_span_tol
 
-
-def numerical_tolerance(lambda_max: float, n: int) -> float:
-    """Eigenvalues at or below n * eps64 * lambda_max are zero to float64 accumulation accuracy.
-
-    This is the rule of numpy.linalg.matrix_rank: rounding a sum of float64 products perturbs the
-    psi x psi matrix by about eps * its norm per entry, i.e. at most ~ psi * eps * lambda_max in
-    spectral norm; an exact null direction lifted by rounding stays below it, while real data with
-    lambda_min / lambda_max down to ~1e-10 stay far above it.
-    """
-    return n * EPS * max(lambda_max, 0.0)
+__all__ = ["EPS", "numerical_tolerance"]  # (also importable from here, their old home)
 
 
 def _eigh(a: np.ndarray, vectors: bool = True) -> Any:
@@ -67,7 +58,7 @@ def _observed_bases_b(feats: Features) -> tuple[np.ndarray, np.ndarray]:
         # second order (~ d eps_in^2), and (ii) by the float64 accumulation of its sum of `count`
         # outer products: rounding errors add like a random walk, ~ sqrt(count) eps per entry, so
         # d sqrt(count) eps in norm. (d eps alone is exceeded by real rank-3 data of 1500 samples.)
-        return max(d * EPS * float(np.sqrt(max(count, 1))), d * eps_in**2)
+        return observed_span_tol(d, count, eps_in)
 
     tg, lg = _basis_token_grams(feats)
     return range_basis(tg, rel(feats.n_tokens)), range_basis(lg, rel(feats.n_samples))
@@ -173,8 +164,8 @@ def _check_device_memory(fac: Factorization) -> None:
 
 
 def _orthogonal(R: np.ndarray) -> bool:
-    """R is square and orthogonal to 1e-12."""
-    return R.shape[0] == R.shape[1] and float(np.abs(R.T @ R - np.eye(R.shape[0])).max(initial=0.0)) <= 1e-12
+    """R is square and orthogonal to ORTHOGONAL_TOL."""
+    return R.shape[0] == R.shape[1] and float(np.abs(R.T @ R - np.eye(R.shape[0])).max(initial=0.0)) <= ORTHOGONAL_TOL
 
 
 def _complete(E: np.ndarray) -> np.ndarray:
@@ -390,9 +381,9 @@ def _explain(feats: Features, cert: Certificate, weight: np.ndarray, k: int, ful
         j, k, l = idx[i]
         return int(j) in zero_t or int(k) in zero_t or int(l) in zero_l
 
-    dead = [int(i) for i in order if weight[i] > 1 - 1e-6]
+    dead = [int(i) for i in order if weight[i] > 1 - DEAD_WEIGHT_TOL]
     zero = [i for i in dead if full and exactly_zero(i)]
-    mixed = [int(i) for i in order if 1e-6 < weight[i] <= 1 - 1e-6]
+    mixed = [int(i) for i in order if DEAD_WEIGHT_TOL < weight[i] <= 1 - DEAD_WEIGHT_TOL]
     top = [{"feature": names[i], "index": i, "null_weight": float(weight[i]),
             "identically_zero": bool(full and exactly_zero(i))} for i in (dead + mixed)[:20]]
     if k:
@@ -510,5 +501,5 @@ def _train_mse_b(feats: Features, pb: np.ndarray) -> tuple[float, float]:
     quad = float(np.sum((pb @ gram_b) * pb))
     sse = quad - 2 * float(np.einsum("ij,ji->", pb, moments_b)) + float(np.trace(feats.target_gram))
     scale = float(np.trace(feats.target_gram)) + quad
-    resolution = 8 * feats.n_features * EPS * scale / (N * d)
+    resolution = mse_resolution(feats.n_features, scale, N, d)
     return max(sse, 0.0) / (N * d), resolution

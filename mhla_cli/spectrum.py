@@ -30,7 +30,7 @@ from .heads import Heads, p_from_W
 from .lowrank import generic_rank, min_nuclear_W, polish_heads
 from .model import Model
 
-NONZERO_REL = 1e-8
+from .numerics import NONZERO_REL  # noqa: E402  (a singular value is nonzero above NONZERO_REL s_max)
 OMEGA_SQUARE = 2.858  # Gavish-Donoho omega(beta) at beta = 1 (unknown noise level)
 
 

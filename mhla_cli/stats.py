@@ -23,6 +23,7 @@ from . import basis as basis_mod
 from . import formats
 from .errors import InputError
 from .features import n_features
+from .numerics import SINGULAR_BASIS_COND, SYMMETRY_TOL
 from .formats import read_normalize
 from .structure import change as structure_change
 
@@ -361,7 +362,7 @@ def _load_basis(f: h5py.File, path: str | os.PathLike, d: int, has_targets: bool
     A = formats.read_array(f, "basis", path).astype(np.float64)
     if A.shape != (d, d):
         raise InputError(f"'basis' has shape {A.shape}, expected ({d}, {d})", path)
-    if not np.isfinite(A).all() or not np.isfinite(np.linalg.cond(A)) or np.linalg.cond(A) > 1e12:
+    if not np.isfinite(A).all() or not np.isfinite(np.linalg.cond(A)) or np.linalg.cond(A) > SINGULAR_BASIS_COND:
         raise InputError("'basis' is singular; the file is corrupted", path)
     gb = formats.read_matrix(f, "basis_gram", path)  # read in place: the one psi x psi array of a load
     if gb.shape != (psi, psi):
@@ -402,7 +403,7 @@ def _load_block(f: h5py.File, path: str | os.PathLike, d: int, has_targets: bool
     out: dict[str, np.ndarray | None] = {k: formats.read_array(f, k, path).astype(np.float64) for k in need}
     out.setdefault("basis_moments", None)
     A, E, F = out["basis"], out["span_pairs"], out["span_last"]
-    if A.shape != (d, d) or not np.isfinite(A).all() or np.linalg.cond(A) > 1e12:
+    if A.shape != (d, d) or not np.isfinite(A).all() or np.linalg.cond(A) > SINGULAR_BASIS_COND:
         raise InputError(f"'basis' has shape {A.shape} or is singular, expected an invertible ({d}, {d})", path)
     for name, M, rows in (("span_pairs", E, q), ("span_last", F, d)):
         if M.ndim != 2 or M.shape[0] != rows or M.shape[1] > rows or not np.isfinite(M).all() \
@@ -423,7 +424,7 @@ def _load_block(f: h5py.File, path: str | os.PathLike, d: int, has_targets: bool
 
 
 def _is_symmetric(a: np.ndarray, tile: int = 512) -> bool:
-    """a == a.T up to 1e-12 of its largest entry (checked tile by tile: no psi x psi temporaries)."""
+    """a == a.T up to SYMMETRY_TOL of its largest entry (checked tile by tile: no psi x psi temporaries)."""
     if not a.size:
         return True
     n = a.shape[0]
@@ -435,7 +436,7 @@ def _is_symmetric(a: np.ndarray, tile: int = 512) -> bool:
             upper, lower = a[i0:i1, j0:j1], a[j0:j1, i0:i1]
             top = max(top, float(np.abs(upper).max()), float(np.abs(lower).max()))
             diff = max(diff, float(np.abs(upper - lower.T).max()))
-    return diff <= 1e-12 * top
+    return diff <= SYMMETRY_TOL * top
 
 
 def _writeable(a: np.ndarray | None) -> bool:

@@ -30,6 +30,7 @@ from . import device as device_mod
 from . import formats
 from . import parallel
 from . import structure as structure_mod
+from .numerics import SINGULAR_BASIS_COND
 from .factorization import POTRF_THREADED_MAX
 from .errors import InputError
 from .features import check_normalize, n_features, pair_index
@@ -630,7 +631,7 @@ def _basis_option(basis: np.ndarray | str | None, d: int, path: str | os.PathLik
     if basis is None:
         return np.eye(d)
     A = np.asarray(basis, dtype=np.float64)
-    if A.shape != (d, d) or not np.isfinite(A).all() or np.linalg.cond(A) > 1e12:
+    if A.shape != (d, d) or not np.isfinite(A).all() or np.linalg.cond(A) > SINGULAR_BASIS_COND:
         raise InputError(f"the basis must be an invertible ({d}, {d}) array", path)
     return A
 

@@ -27,7 +27,7 @@ import numpy as np
 
 from .basis import kron_apply, kron_congruence
 
-EPS = float(np.finfo(np.float64).eps)
+from .numerics import EPS, STRUCTURE_FACTOR
 
 
 @dataclass
@@ -151,7 +151,7 @@ def from_traces(tp: np.ndarray, tl: np.ndarray) -> Structure:
     wp, pairs = _eig_desc(tp)
     wl, last = _eig_desc(tl)
     # lambda_max(lam) >= lambda_max(Tr_l lam) / d and >= lambda_max(Tr_s lam) / q
-    cut = psi * EPS * max(float(wp[0]) / d, float(wl[0]) / q, 0.0)
+    cut = STRUCTURE_FACTOR * psi * EPS * max(float(wp[0]) / d, float(wl[0]) / q, 0.0)
     a, b = int((wp > cut).sum()), int((wl > cut).sum())
     if a == q and b == d:
         return Structure.identity(q, d)  # nothing to drop: keep the canonical coordinates

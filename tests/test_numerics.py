@@ -4,18 +4,20 @@ lambda_min / lambda_max ~ 1e-10) is accepted, at float32 and float64 storage and
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import h5py
 import numpy as np
 
-from mhla_cli import basis
+from mhla_cli import basis, factorization
 import pytest
 
 from mhla_cli import synthetic
 from mhla_cli.cli import run
 from mhla_cli.solve import EPS, Certificate, certify, fit, numerical_tolerance
 from mhla_cli.stream import featurize
+from mhla_cli.stats import Features
 
 DTYPES = ["float32", "float64"]
 SCALES = [1e-3, 1.0, 1e3]
@@ -230,3 +232,364 @@ def test_fit_reports_condition_and_ridge(tmp_path: Path, capsys) -> None:
     assert np.linalg.norm(p1) < np.linalg.norm(p0)
     assert run(["fit", str(data), "-o", str(out), "--ridge", "-1"]) == 2
     assert capsys.readouterr().err.startswith("mhla: error: ")
+
+
+# --------------------------------------------------------------------------------------------
+# mhla_cli.numerics: one home for the constants, quoted from the code by the docs and the help
+# --------------------------------------------------------------------------------------------
+
+
+def test_the_constants_quoted_in_formats_md_are_the_code_s() -> None:
+    from mhla_cli import numerics
+
+    text = (Path(__file__).resolve().parent.parent / "docs" / "formats.md").read_text(encoding="utf-8")
+    table = text[text.index("**The numerics' constants**"):]
+    table = table[:table.index("\n\n", table.index("|---"))]
+    rows = dict(re.findall(r"^\| `([A-Z_]+)` \| ([^|]+?) \|", table, flags=re.M))
+    assert set(rows) == set(numerics.QUOTED), set(rows) ^ set(numerics.QUOTED)
+    for name, value in rows.items():
+        assert float(value) == numerics.QUOTED[name], name
+    inline = re.findall(r"`([A-Z_]+)` \(([-+0-9.e]+)\)", text)
+    assert inline  # the sentences that name a constant quote its value next to it
+    for name, value in inline:
+        assert float(value) == numerics.QUOTED[name], name
+    assert numerics.EPS == 2.0 ** -52
+    assert numerics.quote(1e-8) == "1e-8" and numerics.quote(1e12) == "1e12" and numerics.quote(8.0) == "8"
+
+
+def test_the_help_quotes_the_constants(capsys) -> None:
+    from mhla_cli import numerics
+
+    assert run(["certify", "--help"]) == 0
+    out = " ".join(capsys.readouterr().out.replace("│", " ").split())
+    assert f"component <= {numerics.quote(numerics.DETERMINED_TOL)}" in out
+    assert f"tolerance {numerics.RANK_RULE} (eps = {numerics.EPS:.4g})" in out
+
+
+def test_old_homes_of_the_constants_still_import() -> None:
+    from mhla_cli import factorization, numerics, probes, solve, spectrum
+
+    assert solve.EPS == numerics.EPS and solve.numerical_tolerance is numerics.numerical_tolerance
+    assert probes.DETERMINED_TOL == numerics.DETERMINED_TOL and factorization.LANCZOS_TOL == numerics.LANCZOS_TOL
+    assert spectrum.NONZERO_REL == numerics.NONZERO_REL
+
+
+# --------------------------------------------------------------------------------------------
+# every cut of mhla_cli.numerics, with a case at 1e-2 x and at 1e2 x of it, against plain numpy on
+# materialised canonical features (tests/_reference.py); tests/test_mutations.py shows that a x1e4 or
+# x1e-4 change of each constant (and the review's mutations) fails one of them
+# --------------------------------------------------------------------------------------------
+
+import _reference  # noqa: E402
+
+from mhla_cli import numerics  # noqa: E402
+from mhla_cli.stream import chunk_features  # noqa: E402
+
+
+def _off_plane(rng: np.random.Generator, N: int, s: float, d: int = 3) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Gaussian tokens (lengths 3..7) whose last tokens lie s off a fixed 2-d plane (a rotated one)."""
+    off = np.concatenate([[0], np.cumsum(rng.integers(3, 8, size=N))])
+    X = rng.standard_normal((int(off[-1]), d))
+    Q = np.linalg.qr(rng.standard_normal((d, d)))[0]
+    last = X[off[1:] - 1] @ Q
+    last[:, 2] *= s
+    X[off[1:] - 1] = last @ Q.T
+    return X, off, rng.standard_normal((N, d))
+
+
+def _partial_traces(lam: np.ndarray, d: int) -> tuple[np.ndarray, np.ndarray]:
+    """Tr over the last token (q x q) and over the pairs (d x d) of a (q d) x (q d) matrix, l fastest."""
+    q = lam.shape[0] // d
+    L = lam.reshape(q, d, q, d)
+    return np.einsum("albl->ab", L), np.einsum("ajak->jk", L)
+
+
+def _structure_energy(s: float, seed: int, N: int = 600) -> float:
+    """The reference's smallest last-token partial-trace energy over the structure cut."""
+    ref = _reference.canonical(*_off_plane(np.random.default_rng(seed), N, s))
+    tp, tl = _partial_traces(ref["lambda"], 3)
+    wp, wl = np.linalg.eigvalsh(tp), np.linalg.eigvalsh(tl)
+    psi, q = ref["lambda"].shape[0], tp.shape[0]
+    cut = numerics.EPS * psi * max(wp[-1] / 3, wl[-1] / q)
+    return float(wl[0] / cut)
+
+
+@pytest.mark.parametrize("factor", [1e2, 1e-2])
+def test_structure_cut_boundary(factor: float) -> None:
+    seed, N = 21, 600
+    # the energy scales as s^2: calibrate s where it is resolved, then aim at factor x the cut
+    s0 = 1e-4
+    s = s0 * np.sqrt(factor / _structure_energy(s0, seed, N))
+    if factor > 1:  # (below the cut the reference's own rounding hides the energy: s^2 extrapolates it)
+        assert factor / 3 < _structure_energy(s, seed, N) < 3 * factor
+    X, off, y = _off_plane(np.random.default_rng(seed), N, s)
+    ref = _reference.canonical(X, off, y)
+    w = ref["eigenvalues"]
+    tol = w.size * numerics.EPS * w[-1]
+    c = certify(chunk_features(X, off, y, 3))
+    # above the cut the direction is in the factorized block, below it is an exact null
+    assert c.span_last_tokens == (3 if factor > 1 else 2)
+    assert c.identifiable is bool(w[0] > tol) and c.rank == int((w > tol).sum())
+    assert c.lambda_max == pytest.approx(w[-1], rel=1e-10)
+
+
+def _observed_ratio(X: np.ndarray, off: np.ndarray) -> float:
+    """The whitened last tokens' smallest eigenvalue over the observed-span cut d eps sqrt(N)."""
+    ref = _reference.canonical(X, off)
+    L = X[off[1:] - 1] @ ref["A"]
+    w = np.linalg.eigvalsh(L.T @ L)
+    return float(w[0] / w[-1] / (3 * numerics.EPS * np.sqrt(len(off) - 1)))
+
+
+@pytest.mark.parametrize("factor", [1e2, 1e-2])
+def test_observed_span_boundary(factor: float) -> None:
+    seed, N = 22, 600
+    s0 = 1e-4
+    r0 = _observed_ratio(*_off_plane(np.random.default_rng(seed), N, s0)[:2])
+    s = s0 * np.sqrt(factor / r0)
+    X, off, y = _off_plane(np.random.default_rng(seed), N, s)
+    assert factor / 3 < _observed_ratio(X, off) < 3 * factor
+    c = certify(chunk_features(X, off, y, 3), domain="observed")
+    assert c.dim_tokens == 3 and c.dim_last_tokens == (3 if factor > 1 else 2)
+    assert c.n_features == 6 * c.dim_last_tokens
+
+
+def _null_component(ref: dict, Z: np.ndarray) -> float:
+    """||Z0^T h|| / ||h|| for the reference null space Z0 of Lambda~ and h = Ht(Z A)."""
+    w, V = np.linalg.eigh(ref["lambda"])
+    Z0 = V[:, w <= w.size * numerics.EPS * w[-1]]
+    h = _reference.canonical_features(Z @ ref["A"])
+    return float(np.linalg.norm(Z0.T @ h) / np.linalg.norm(h))
+
+
+def test_probe_tolerance_boundary(tmp_path: Path) -> None:
+    from mhla_cli.probes import certify_probes
+
+    rng = np.random.default_rng(23)
+    X, off, y = _off_plane(rng, 400, 0.0)  # last tokens exactly in a plane: exact nulls
+    ref = _reference.canonical(X, off, y)
+    n_plane = np.linalg.svd(X[off[1:] - 1])[2][2]  # the plane's normal
+    Z = rng.standard_normal((4, 3))
+    Z[-1] -= (Z[-1] @ n_plane) * n_plane
+    assert _null_component(ref, Z) < 1e-12
+    probes, want = [], []
+    for target in (1e2 * numerics.DETERMINED_TOL, 1e-2 * numerics.DETERMINED_TOL):
+        e0 = 1e-3
+        Ze = Z.copy()
+        Ze[-1] += e0 * n_plane
+        e = e0 * target / _null_component(ref, Ze)
+        Ze = Z.copy()
+        Ze[-1] += e * n_plane
+        want.append(_null_component(ref, Ze))
+        assert target / 2 < want[-1] < 2 * target
+        probes.append(Ze)
+    path = tmp_path / "probes.h5"
+    with h5py.File(path, "w") as f:
+        f["tokens"], f["offsets"] = np.concatenate(probes), np.array([0, 4, 8])
+    rep = certify_probes(chunk_features(X, off, y, 3), path)
+    assert rep.residual == pytest.approx(want, rel=1e-3)
+    assert list(rep.undetermined) == [0]  # 1e2 x the tolerance: undetermined; 1e-2 x: determined
+
+
+def _threshold_case(s: float, seed: int = 24) -> tuple:
+    return _off_plane(np.random.default_rng(seed), 300, s)
+
+
+@pytest.mark.parametrize("dense_max", [4096, 0], ids=["dense", "cholesky-lanczos"])
+@pytest.mark.parametrize("factor", [10.0, 0.1])
+def test_rank_cut_boundary(factor: float, dense_max: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An eigenvalue of Lambda~ at 10 x and at 0.1 x the numerical tolerance (last tokens s off a
+    plane: lambda_min ~ s^2), and --min-eig at 10 x and 0.1 x a resolved lambda_min."""
+    monkeypatch.setattr(factorization, "DENSE_MAX", dense_max)
+    s0 = 1e-3
+
+    def ratio(s: float) -> float:
+        w = _reference.canonical(*_threshold_case(s))["eigenvalues"]
+        return float(w[0] / (w.size * numerics.EPS * w[-1]))
+
+    s = s0 * np.sqrt(factor / ratio(s0))
+    X, off, y = _threshold_case(s)
+    feats = chunk_features(X, off, y, 3)
+    c = certify(feats)
+    assert c.span_last_tokens == 3  # the structure cut keeps the direction: the rank cut decides
+    assert c.identifiable is (factor > 1)
+    assert c.proof == ("cholesky of Lambda~ - t I" if factor > 1 else "cholesky of Lambda~ - t I failed")
+    # --min-eig on resolved data: proven above 0.1 x lambda_min, refused at 10 x
+    Xr, offr, yr = _threshold_case(1.0)
+    ref = _reference.canonical(Xr, offr, yr)["eigenvalues"]
+    featr = chunk_features(Xr, offr, yr, 3)
+    assert certify(featr, min_eig=factor * ref[0]).identifiable is (factor < 1)
+
+
+def test_threshold_uses_every_feature_on_reduced_data() -> None:
+    """On data whose spans leave features out (a factorized block of n < psi), the tolerance is still
+    psi eps lambda_max (n_full, not the block's n), and the rank is the reference's."""
+    X, off, y = _off_plane(np.random.default_rng(25), 300, 0.0)
+    ref = _reference.canonical(X, off, y)["eigenvalues"]
+    c = certify(chunk_features(X, off, y, 3))
+    assert c.span_features < c.n_features == ref.size
+    assert c.numerical_tolerance == pytest.approx(ref.size * numerics.EPS * ref[-1], rel=1e-10)
+    assert c.rank == int((ref > c.numerical_tolerance).sum())
+
+
+def test_lanczos_tolerance_matters_at_psi_288(monkeypatch: pytest.MonkeyPatch) -> None:
+    ds, _ = synthetic.generate_teacher(8, 2, 1500, "2:7", seed=26)
+    ref = _reference.canonical(ds.tokens, ds.offsets)["eigenvalues"]
+    monkeypatch.setattr(factorization, "DENSE_MAX", 0)
+    c = certify(chunk_features(ds.tokens, ds.offsets, ds.targets, 8))
+    assert c.estimated == ["lambda_min", "lambda_max"] and c.identifiable
+    # LANCZOS_TOL = 1e-7 gives ~1e-14 (1e-3: ~1e-8, 1e-1: ~1e-5)
+    assert abs(c.lambda_min - ref[0]) <= 1e-11 * ref[0], (c.lambda_min, ref[0])
+    assert abs(c.lambda_max - ref[-1]) <= 1e-11 * ref[-1]
+
+
+def test_merged_parts_in_unlike_bases_on_the_observed_domain() -> None:
+    rng = np.random.default_rng(27)
+    P = np.linalg.qr(rng.standard_normal((3, 2)))[0]
+    parts = []
+    for scale in (np.ones(3), np.array([1.0, 1e-2, 30.0])):
+        off = np.concatenate([[0], np.cumsum(rng.integers(2, 7, size=250))])
+        X = rng.standard_normal((int(off[-1]), 3)) * scale
+        X[off[1:] - 1] = (X[off[1:] - 1] @ P) @ P.T  # last tokens in a fixed plane
+        parts.append((X, off, rng.standard_normal((250, 3))))
+    a, b = (chunk_features(X, off, y, 3) for X, off, y in parts)
+    c = certify(a + b, domain="observed")
+    # the reference on the concatenation: whitened by all tokens, last tokens in the whitened plane C
+    X = np.concatenate([p[0] for p in parts])
+    off = np.concatenate([parts[0][1], parts[0][1][-1] + parts[1][1][1:]])
+    A = _reference.canonical(X, off)["A"]
+    C = np.linalg.svd(X[off[1:] - 1] @ A, full_matrices=False)[2][:2].T
+    H = []
+    for i in range(len(off) - 1):
+        Xi = X[off[i]:off[i + 1]] @ A
+        S = Xi.T @ Xi
+        upper = [S[j, k] * (1.0 if j == k else np.sqrt(2.0)) for j in range(3) for k in range(j, 3)]
+        H.append(np.kron(upper, Xi[-1] @ C))
+    H = np.array(H)
+    w = np.linalg.eigvalsh(H.T @ H / H.shape[0])
+    assert (c.dim_tokens, c.dim_last_tokens, c.n_features) == (3, 2, 12)
+    assert c.identifiable and c.lambda_min == pytest.approx(w[0], rel=1e-8)
+    assert c.lambda_max == pytest.approx(w[-1], rel=1e-8)
+
+
+def test_null_weight_is_the_diagonal_of_the_null_projector() -> None:
+    """null_features[].null_weight = diag(N N^T) of the null space, in the tokens' own feature
+    coordinates (the null space of the own Lambda_D = (1/N) sum H H^T)."""
+    rng = np.random.default_rng(28)
+    off = np.concatenate([[0], np.cumsum(rng.integers(2, 8, size=22))])
+    X = rng.standard_normal((int(off[-1]), 4)) * np.array([1.0, 2.0, 0.5, 1.0])
+    seqs = [X[off[i]:off[i + 1]] for i in range(22)] * 2  # 44 samples of rank 22 < psi = 40
+    H = np.array([_reference.features(s) for s in seqs])
+    w, V = np.linalg.eigh(H.T @ H / len(seqs))
+    N0 = V[:, w <= 1e-9 * w[-1]]
+    assert N0.shape[1] == 40 - 22
+    want = np.einsum("ij,ij->i", N0, N0)
+    tokens = np.concatenate(seqs)
+    offsets = np.concatenate([[0], np.cumsum([len(s) for s in seqs])])
+    c = certify(chunk_features(tokens, offsets, None, 4))
+    assert not c.identifiable and c.null_features
+    listed = sorted(want[want > numerics.DEAD_WEIGHT_TOL], reverse=True)[:20]
+    got = [f["null_weight"] for f in c.null_features]
+    assert got == pytest.approx(listed, abs=1e-9)
+    for f in c.null_features:
+        assert f["null_weight"] == pytest.approx(want[f["index"]], abs=1e-9)
+
+
+@pytest.mark.parametrize("factor", [1e2, 1e-2])
+def test_train_mse_resolution_boundary(factor: float) -> None:
+    """Noisy targets whose train MSE is 1e2 x and 1e-2 x the MSE resolution: above it the train MSE is
+    the MSE of the model's predictions (reference forward pass), below it both are under it."""
+    ds, _ = synthetic.generate_teacher(3, 2, 400, "2:6", seed=29)
+    rng = np.random.default_rng(29)
+    y0 = ds.targets
+    res0 = numerics.MSE_RESOLUTION_FACTOR * 18 * numerics.EPS * 2 * float(np.sum(y0 ** 2)) / y0.size
+    noise = rng.standard_normal(y0.shape)
+    sigma = np.sqrt(factor * res0 / (1 - 18 / 400))
+    y = y0 + sigma * noise
+    m = fit(chunk_features(ds.tokens, ds.offsets, y, 3))
+    seqs = [ds.tokens[a:b] for a, b in zip(ds.offsets[:-1], ds.offsets[1:])]
+    mse = float(np.mean((_reference.predict_own(m.coef, seqs) - y) ** 2))
+    res = m.info["mse_resolution"]
+    assert res == pytest.approx(res0, rel=0.05)
+    assert factor / 3 < mse / res < 3 * factor
+    assert abs(m.info["train_mse"] - mse) <= res
+    assert (m.info["train_mse"] > res) is (factor > 1)
+
+
+def test_singular_basis_cond_boundary(tmp_path: Path) -> None:
+    from mhla_cli.errors import InputError
+
+    ds, _ = synthetic.generate_teacher(3, 1, 50, 4, seed=30)
+    for factor in (1e-2, 1e2):
+        A = np.diag([1.0, 1.0, 1.0 / (factor * numerics.SINGULAR_BASIS_COND)])
+        if factor < 1:
+            chunk_features(ds.tokens, ds.offsets, ds.targets, 3, basis=A)
+        else:
+            with pytest.raises(InputError, match="invertible"):
+                chunk_features(ds.tokens, ds.offsets, ds.targets, 3, basis=A)
+    path = tmp_path / "f.h5"
+    chunk_features(ds.tokens, ds.offsets, ds.targets, 3).save(path)
+    for factor in (1e-2, 1e2):
+        with h5py.File(path, "a") as f:
+            B = np.array(f["basis"])
+            u, sv, vt = np.linalg.svd(B)
+            sv[-1] = sv[0] / (factor * numerics.SINGULAR_BASIS_COND)
+            f["basis"][...] = (u * sv) @ vt
+        if factor < 1:
+            Features.load(path)
+        else:
+            with pytest.raises(InputError, match="singular"):
+                Features.load(path)
+
+
+def test_symmetry_on_load_boundary(tmp_path: Path) -> None:
+    from mhla_cli.errors import InputError
+
+    ds, _ = synthetic.generate_teacher(3, 1, 80, 4, seed=31)
+    path = tmp_path / "f.h5"
+    chunk_features(ds.tokens, ds.offsets, ds.targets, 3).save(path)
+    with h5py.File(path, "r") as f:
+        g0 = np.array(f["basis_gram"])
+    for factor in (1e-2, 1e2):
+        g = g0.copy()
+        g[0, 1] += factor * numerics.SYMMETRY_TOL * np.abs(g0).max()
+        with h5py.File(path, "a") as f:
+            f["basis_gram"][...] = g
+        if factor < 1:
+            Features.load(path)
+        else:
+            with pytest.raises(InputError, match="symmetric"):
+                Features.load(path)
+
+
+def test_nonzero_singular_value_boundary() -> None:
+    from mhla_cli.spectrum import spectrum
+
+    rng = np.random.default_rng(32)
+    d = 3
+    U = np.linalg.qr(rng.standard_normal((d * d, d * d)))[0]
+    V = np.linalg.qr(rng.standard_normal((d * d, d * d)))[0]
+    s = np.zeros(d * d)
+    s[:3] = [1.0, 1e2 * numerics.NONZERO_REL, 1e-2 * numerics.NONZERO_REL]
+    W = (U * s) @ V.T
+    from mhla_cli.heads import p_from_W
+
+    spec = spectrum(p_from_W(W), W=W)
+    assert spec["nonzero_rank"] == 2, spec["nonzero_rank"]
+
+
+def test_fit_through_the_proof_factor_near_the_threshold() -> None:
+    """certify --min-eig close to lambda_min leaves a factor of Lambda~ - t I with t / (lambda_min - t)
+    far above REFINE_MAX_RHO: the fit must not refine with it (it would diverge); at 1e-2 x it may."""
+    ds, _ = synthetic.generate_teacher(3, 2, 300, "2:7", noise=0.1, seed=33)
+    ref = _reference.canonical(ds.tokens, ds.offsets, ds.targets)
+    want = _reference.predict_canonical(_reference.min_norm_function(ref), ref["A"],
+                                        [ds.tokens[a:b] for a, b in zip(ds.offsets[:-1], ds.offsets[1:])])
+    lmin = ref["eigenvalues"][0]
+    for rho in (1e2 * numerics.REFINE_MAX_RHO, 1e-2 * numerics.REFINE_MAX_RHO):
+        feats = chunk_features(ds.tokens, ds.offsets, ds.targets, 3)
+        t = lmin * rho / (1 + rho)  # t / (lambda_min - t) = rho
+        assert certify(feats, min_eig=t).identifiable
+        m = fit(feats)
+        got = _reference.predict_own(m.coef, [ds.tokens[a:b] for a, b in zip(ds.offsets[:-1], ds.offsets[1:])])
+        assert _reference.ratio(got, want) <= 1e-9, rho

@@ -15,6 +15,7 @@ from ..solve import certify, check_domain, factorize
 from ..stream import check_solve_memory
 from ..tokens import inspect_tokens
 from ..witness import make_witness
+from ..numerics import DETERMINED_TOL, EPS, RANK_RULE, quote
 from .console import emit_json, fmt, load_with_progress, progress_bar, say, warn, working
 from .options import ChunkOpt, DeviceOpt, JsonOpt, NormalizeOpt, QuietOpt, about, check_hdf5_output
 
@@ -24,7 +25,9 @@ def certify_cmd(
     min_eig: Annotated[float, typer.Option("--min-eig", min=0.0,
                                            help="Demand lambda_min > this (a margin for CI); lambda_min is "
                                                 "the canonical one (whitened tokens, orthonormal features: unit-free); "
-                                                "the numerical tolerance psi*eps*lambda_max always applies.")] = 0.0,
+                                                f"the numerical tolerance {RANK_RULE} (eps = {EPS:.4g}) always "
+                                                "applies; the verdict is proven by a Cholesky of Lambda~ - t I, "
+                                                "t = the larger of the two.")] = 0.0,
     domain: Annotated[str, typer.Option("--domain", help="full: every input in R^d (the paper). observed: "
                                         "inputs in the span of the data's tokens / last tokens.")] = "full",
     witness: Annotated[Path | None, typer.Option("--witness", help="When not identifiable, write two models with "
@@ -50,7 +53,7 @@ def certify_cmd(
     the units or the basis of the tokens (docs/formats.md, "The canonical certificate").
 
     With --on PROBES: whether every zero-loss model gives the same output on each probe input (its
-    feature vector in the range of gram: relative null-space component <= 1e-8).
+    feature vector in the range of gram: relative null-space component <= {DETERMINED_TOL}).
 
     Example (a CI gate): mhla certify data.h5 --json > cert.json || exit 1;  mhla certify data.h5 --witness w.h5
 
@@ -115,6 +118,10 @@ def certify_cmd(
     if not cert.identifiable:
         raise typer.Exit(1)
 
+
+
+# the help quotes the constants from the code (mhla_cli.numerics)
+certify_cmd.__doc__ = (certify_cmd.__doc__ or "").replace("{DETERMINED_TOL}", quote(DETERMINED_TOL))
 
 def _certify_on(data: Path, on: Path, report: Path | None, normalize: str | None, chunk_size: int | None,
                 json_out: bool, quiet: bool, device: str | None = None) -> None:

@@ -1,0 +1,102 @@
+"""The numerics' constants: EPS once, and every tolerance of the certificate, the fit and the loaders.
+
+Each cut is a named constant here, documented with the reason for its value; the other modules import
+them (their old names stay importable there), the CLI help and docs/formats.md quote them from here
+(tests/test_docs.py checks the quotes), and tests/test_numerics.py puts a case at 1e-2 x and at 1e2 x
+of each cut against plain numpy on materialised features (tests/_reference.py).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+# float64's unit roundoff (machine epsilon): 2^-52.
+EPS = float(np.finfo(np.float64).eps)
+
+# The rank cut (`numerical_tolerance`): eigenvalues of Lambda~ at or below RANK_FACTOR * n * EPS *
+# lambda_max are zero to float64 accumulation accuracy (numpy.linalg.matrix_rank's rule).
+RANK_FACTOR = 1.0
+
+# The structure cut (mhla_cli.structure.from_traces): a direction of the data's spans whose partial-trace
+# energy is at most STRUCTURE_FACTOR * psi * EPS * (a lower bound of lambda_max) is left out of the block,
+# i.e. the certificate's own rank cut, so dropping it changes no verdict.
+STRUCTURE_FACTOR = 1.0
+
+# The observed-span rule (solve._observed_bases_b): a direction of the canonical token Gram (or the
+# last-token Gram) of `count` summed outer products is in the observed span when its eigenvalue exceeds
+# OBSERVED_SPAN_FACTOR * d * EPS * sqrt(count) of the largest (float64 rounding adds like a random walk),
+# or d * eps_in^2 for tokens stored at precision eps_in.
+OBSERVED_SPAN_FACTOR = 1.0
+
+# A probe of `certify --on` is determined when the relative component of its canonical feature vector
+# in the null space of Lambda~ is at most this.
+DETERMINED_TOL = 1e-8
+
+# ARPACK's relative residual tolerance for Lanczos (lambda_max, and lambda_min on the inverse through
+# the shifted Cholesky factor): the Ritz value's error is about tol^2 lambda / gap, so 1e-7 still gives
+# lambda to ~1e-14 relative (measured at psi = 7200, dense Gaussian data).
+LANCZOS_TOL = 1e-7
+
+# The train MSE from the sums cancels: its resolution is MSE_RESOLUTION_FACTOR * psi * EPS *
+# (tr(target_gram) + p Lambda p^T) / (N d); a train MSE below it is reported as ~ 0.
+MSE_RESOLUTION_FACTOR = 8.0
+
+# A stored or given token basis A with condition number above this is refused as singular.
+SINGULAR_BASIS_COND = 1e12
+
+# A stored psi x psi Gram is accepted when |a - a^T| <= SYMMETRY_TOL * max |a| (else: corrupted).
+SYMMETRY_TOL = 1e-12
+
+# A change of coordinates R is treated as orthogonal (the factorization shared between the full and the
+# observed domain) when |R^T R - I| <= ORTHOGONAL_TOL.
+ORTHOGONAL_TOL = 1e-12
+
+# certify's explanation: a feature with null_weight > 1 - DEAD_WEIGHT_TOL is "dead" (its direction lies in
+# the null space), one above DEAD_WEIGHT_TOL mixes into it.
+DEAD_WEIGHT_TOL = 1e-6
+
+# spectrum: a singular value of W is nonzero when above NONZERO_REL * s_max.
+NONZERO_REL = 1e-8
+
+# Factorization.solve reuses the proof's factor of Lambda~ - s I with iterative refinement when the
+# contraction rho = s / (lambda_min - s) is at most this (else a Cholesky of Lambda~ itself).
+REFINE_MAX_RHO = 0.5
+
+def quote(x: float) -> str:
+    """A constant as the help and the docs write it: 1e-8, 1e12, 0.5, 8."""
+    return f"{x:g}".replace("e-0", "e-").replace("e+0", "e").replace("e+", "e")
+
+
+# The rank cut as the CLI help and the docs write it.
+RANK_RULE = ("" if RANK_FACTOR == 1 else f"{RANK_FACTOR:g}*") + "psi*eps*lambda_max"
+
+
+def numerical_tolerance(lambda_max: float, n: int) -> float:
+    """Eigenvalues at or below RANK_FACTOR * n * EPS * lambda_max are zero to float64 accumulation accuracy.
+
+    This is the rule of numpy.linalg.matrix_rank: rounding a sum of float64 products perturbs the
+    psi x psi matrix by about eps * its norm per entry, i.e. at most ~ psi * eps * lambda_max in
+    spectral norm; an exact null direction lifted by rounding stays below it, while real data with
+    lambda_min / lambda_max down to ~1e-10 stay far above it.
+    """
+    return RANK_FACTOR * n * EPS * max(lambda_max, 0.0)
+
+
+def observed_span_tol(d: int, count: int, eps_in: float) -> float:
+    """The relative eigenvalue cut of the observed spans: OBSERVED_SPAN_FACTOR * d * EPS * sqrt(count),
+    at least d * eps_in^2 (see OBSERVED_SPAN_FACTOR)."""
+    return max(OBSERVED_SPAN_FACTOR * d * EPS * float(np.sqrt(max(count, 1))), d * eps_in**2)
+
+
+def mse_resolution(n_features: int, scale: float, n_samples: int, d: int) -> float:
+    """The float64 resolution of the train MSE from the sums (see MSE_RESOLUTION_FACTOR)."""
+    return MSE_RESOLUTION_FACTOR * n_features * EPS * scale / (max(n_samples, 1) * d)
+
+
+# The constants that docs/formats.md quotes (tests/test_docs.py checks each quote against this table).
+QUOTED = {
+    "RANK_FACTOR": RANK_FACTOR, "STRUCTURE_FACTOR": STRUCTURE_FACTOR, "OBSERVED_SPAN_FACTOR": OBSERVED_SPAN_FACTOR,
+    "DETERMINED_TOL": DETERMINED_TOL, "LANCZOS_TOL": LANCZOS_TOL, "MSE_RESOLUTION_FACTOR": MSE_RESOLUTION_FACTOR,
+    "SINGULAR_BASIS_COND": SINGULAR_BASIS_COND, "SYMMETRY_TOL": SYMMETRY_TOL, "ORTHOGONAL_TOL": ORTHOGONAL_TOL,
+    "DEAD_WEIGHT_TOL": DEAD_WEIGHT_TOL, "NONZERO_REL": NONZERO_REL, "REFINE_MAX_RHO": REFINE_MAX_RHO,
+}
