@@ -109,3 +109,30 @@ def teacher_p(teacher) -> np.ndarray:
     W = np.einsum("haj,hkl->ajkl", V, Q)
     return np.array([[W[a, j, k, l] + (W[a, k, j, l] if j < k else 0.0)
                       for j in range(d) for k in range(j, d) for l in range(d)] for a in range(d)])
+
+
+def observed_eigenvalues(tokens: np.ndarray, offsets: np.ndarray, A: np.ndarray, per_position: bool = False,
+                         weights: np.ndarray | None = None, rel_tol: float = 1e-9,
+                         normalize: str = "none") -> tuple[np.ndarray, int, int]:
+    """The observed-domain spectrum (docs/formats.md, "The observed domain"), materialised: orthonormal
+    bases B, C of the whitened spans of all tokens and of the last tokens (singular values above rel_tol
+    of the largest), the features upper(B^T S_A B) (sqrt 2 off the diagonal) (x) C^T A^T x_n of every
+    sample of weight > 0 (S / n with normalize="length"), and the eigenvalues of (1/N) sum w Ht' Ht'^T; with dim U and dim U_n."""
+    tokens = np.asarray(tokens, dtype=np.float64)
+    smp = [(X @ A, w) for X, w, _ in samples(tokens, offsets, per_position, weights) if w > 0]
+
+    def span(M: np.ndarray) -> np.ndarray:
+        _, s, vt = np.linalg.svd(M, full_matrices=False)
+        return vt[s > rel_tol * s[0]].T
+
+    B = span(np.concatenate([X for X, _ in smp]))
+    C = span(np.stack([X[-1] for X, _ in smp]))
+    r = B.shape[1]
+    rows = []
+    for X, _ in smp:
+        S = B.T @ (X.T @ X) @ B / (X.shape[0] if normalize == "length" else 1.0)
+        upper = [S[j, k] * (1.0 if j == k else np.sqrt(2.0)) for j in range(r) for k in range(j, r)]
+        rows.append(np.kron(upper, X[-1] @ C))
+    H = np.array(rows)
+    w = np.array([w for _, w in smp])
+    return np.linalg.eigvalsh((H * w[:, None]).T @ H / len(smp)), r, C.shape[1]

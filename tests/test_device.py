@@ -278,3 +278,63 @@ def test_device_equals_numpy_over_a_family() -> None:
         assert abs(ca.lambda_min - cb.lambda_min) <= 1e-10 * max(ca.lambda_max, 1e-300)
 
     check()
+
+
+def _plane_data(tmp_path: Path, kind: str, d: int = 3, seed: int = 5) -> tuple[Path, np.ndarray, np.ndarray, dict]:
+    """Ragged tokens with a small-variance rotated direction whose last tokens lie in a plane (the
+    observed domain is smaller than the full one), in the layouts of KINDS."""
+    rng = np.random.default_rng(seed)
+    R = np.linalg.qr(rng.standard_normal((d, d)))[0] @ np.diag([1e-2] + [1.0] * (d - 1))
+    off = np.concatenate([[0], np.cumsum(rng.integers(2, 9, size=300))]).astype(np.int64)
+    X = rng.standard_normal((int(off[-1]), d)) @ R
+    P = np.linalg.qr(rng.standard_normal((d, 2)))[0]
+    X[off[1:] - 1] = (X[off[1:] - 1] @ P) @ P.T
+    extra: dict = {}
+    if kind == "per_position":  # the weighted prefixes end in the plane
+        w = (rng.uniform(size=int(off[-1])) < 0.3) * 1.0
+        w[off[1:] - 1] = 1.0
+        X[w > 0] = (X[w > 0] @ P) @ P.T
+        extra = {"targets": rng.standard_normal((int(off[-1]), d)), "weights": w}
+    else:
+        extra = {"targets": rng.standard_normal((300, d))}
+    if kind == "weighted":
+        extra["weights"] = rng.uniform(0.5, 2.0, size=300)
+    return _write(tmp_path / f"{kind}.h5", tokens=X, offsets=off, **extra), X, off, extra
+
+
+@pytest.mark.parametrize("kind", ["ragged", "per_position", "weighted", "length"])
+@needs_torch
+def test_device_certificates_equal_the_materialised_reference(kind: str, tmp_path: Path) -> None:
+    """The device's full and observed certificates against plain numpy on materialised canonical
+    features (tests/_reference.py), not against mhla's numpy path."""
+    import _reference
+
+    path, X, off, extra = _plane_data(tmp_path, kind)
+    normalize = "length" if kind == "length" else "none"
+    feats = stream.featurize(path, normalize=normalize, chunk_size=97, device=DEV)
+    pp, w = kind == "per_position", extra.get("weights")
+    ref = _reference.canonical(X, off, extra["targets"], per_position=pp, weights=w, normalize=normalize,
+                               A=feats.basis)
+    full = solve.certify(feats, device=DEV)
+    wr = ref["eigenvalues"]
+    tol = wr.size * np.finfo(np.float64).eps * wr[-1]
+    # a scale of Lambda~ (1/N or 1/sum w) moves every eigenvalue alike: compare lambda_max, then the ratios
+    scale = full.lambda_max / wr[-1]
+    if w is None or kind == "per_position":
+        assert abs(scale - 1) <= 1e-10
+    assert not full.identifiable and full.rank == int((wr > tol).sum())
+    obs = solve.certify(feats, domain="observed", device=DEV)
+    wo, r, s = _reference.observed_eigenvalues(X, off, feats.basis, per_position=pp, weights=w,
+                                               normalize=normalize)
+    assert (obs.dim_tokens, obs.dim_last_tokens, obs.n_features) == (r, s, wo.size) == (3, 2, 12)
+    assert obs.identifiable and obs.proof == "cholesky of Lambda~ - t I"
+    assert abs(obs.lambda_min / obs.lambda_max - wo[0] / wo[-1]) <= 1e-9 * wo[0] / wo[-1]
+    assert abs(obs.lambda_max / scale - wo[-1]) <= 1e-10 * wo[-1]
+    # the fit on the device: the training predictions of the minimum-norm p against the reference's
+    m = solve.fit(feats, device=DEV)
+    seqs = [s_ for s_, _, _ in _reference.samples(X, off, pp, w)]
+    keep = np.array([wi > 0 for _, wi, _ in _reference.samples(X, off, pp, w)])
+    got = _reference.predict_own(m.coef, [q for q, k in zip(seqs, keep) if k], normalize)
+    want = _reference.predict_canonical(_reference.min_norm_function(ref), ref["A"],
+                                        [q for q, k in zip(seqs, keep) if k], normalize)
+    assert _reference.ratio(got, want) <= 1e-8

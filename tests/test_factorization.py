@@ -167,11 +167,15 @@ def _spectral_ridge_fitted(tokens, offsets, targets, r: float) -> np.ndarray:
 
 @pytest.mark.parametrize("dense_max", [4096, 0], ids=["dense", "cholesky-lanczos"])
 @pytest.mark.parametrize("name", ["few samples", "repeated"])
-@pytest.mark.parametrize("r", [0.0, 1e-30, 1e-20, 1e-14, 1e-12, 1e-8, 1e-3, 1.0])
-def test_ridge_equals_the_spectral_ridge_for_every_r(name: str, r: float, dense_max: int,
+@pytest.mark.parametrize("r", [0.0, 1e-30, 1e-20, 1e-14, 1e-12, 1e-8, 1e-3, 1.0, "1e-2 tol", "0.3 tol", "3 tol",
+                               "1e2 tol"])
+def test_ridge_equals_the_spectral_ridge_for_every_r(name: str, r: float | str, dense_max: int,
                                                      monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(factorization, "DENSE_MAX", dense_max)
     tokens, offsets, targets = _singular_cases()[name]
+    if isinstance(r, str):  # a multiple of the certificate's tolerance psi eps lambda_max
+        w = _reference.canonical(tokens, offsets, targets)["eigenvalues"]
+        r = float(r.split()[0]) * w.size * np.finfo(np.float64).eps * w[-1]
     m = fit(chunk_features(tokens, offsets, targets, 4), ridge=r)
     assert not m.info["identifiable"]
     seqs = [tokens[a:b] for a, b in zip(offsets[:-1], offsets[1:])]

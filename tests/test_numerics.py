@@ -243,12 +243,10 @@ def test_the_constants_quoted_in_formats_md_are_the_code_s() -> None:
     from mhla_cli import numerics
 
     text = (Path(__file__).resolve().parent.parent / "docs" / "formats.md").read_text(encoding="utf-8")
-    table = text[text.index("**The numerics' constants**"):]
-    table = table[:table.index("\n\n", table.index("|---"))]
-    rows = dict(re.findall(r"^\| `([A-Z_]+)` \| ([^|]+?) \|", table, flags=re.M))
+    rows = _documented_constants()
     assert set(rows) == set(numerics.QUOTED), set(rows) ^ set(numerics.QUOTED)
     for name, value in rows.items():
-        assert float(value) == numerics.QUOTED[name], name
+        assert value == numerics.QUOTED[name], name
     inline = re.findall(r"`([A-Z_]+)` \(([-+0-9.e]+)\)", text)
     assert inline  # the sentences that name a constant quote its value next to it
     for name, value in inline:
@@ -285,6 +283,20 @@ import _reference  # noqa: E402
 from mhla_cli import numerics  # noqa: E402
 from mhla_cli.stream import chunk_features  # noqa: E402
 
+EPS64 = float(np.finfo(np.float64).eps)
+
+
+def _documented_constants() -> dict[str, float]:
+    """The constants' values as docs/formats.md's table states them (the cases below sit at 1e-2 x and
+    1e2 x of these, so that a changed constant in the code moves its cut away from its cases)."""
+    text = (Path(__file__).resolve().parent.parent / "docs" / "formats.md").read_text(encoding="utf-8")
+    table = text[text.index("**The numerics' constants**"):]
+    table = table[:table.index("\n\n", table.index("|---"))]
+    return {k: float(v) for k, v in re.findall(r"^\| `([A-Z_]+)` \| ([^|]+?) \|", table, flags=re.M)}
+
+
+DOC = _documented_constants()
+
 
 def _off_plane(rng: np.random.Generator, N: int, s: float, d: int = 3) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Gaussian tokens (lengths 3..7) whose last tokens lie s off a fixed 2-d plane (a rotated one)."""
@@ -310,12 +322,12 @@ def _structure_energy(s: float, seed: int, N: int = 600) -> float:
     tp, tl = _partial_traces(ref["lambda"], 3)
     wp, wl = np.linalg.eigvalsh(tp), np.linalg.eigvalsh(tl)
     psi, q = ref["lambda"].shape[0], tp.shape[0]
-    cut = numerics.EPS * psi * max(wp[-1] / 3, wl[-1] / q)
+    cut = DOC["STRUCTURE_FACTOR"] * EPS64 * psi * max(wp[-1] / 3, wl[-1] / q)
     return float(wl[0] / cut)
 
 
 @pytest.mark.parametrize("factor", [1e2, 1e-2])
-def test_structure_cut_boundary(factor: float) -> None:
+def test_cut_structure(factor: float) -> None:
     seed, N = 21, 600
     # the energy scales as s^2: calibrate s where it is resolved, then aim at factor x the cut
     s0 = 1e-4
@@ -325,12 +337,12 @@ def test_structure_cut_boundary(factor: float) -> None:
     X, off, y = _off_plane(np.random.default_rng(seed), N, s)
     ref = _reference.canonical(X, off, y)
     w = ref["eigenvalues"]
-    tol = w.size * numerics.EPS * w[-1]
+    tol = DOC["RANK_FACTOR"] * w.size * EPS64 * w[-1]
     c = certify(chunk_features(X, off, y, 3))
     # above the cut the direction is in the factorized block, below it is an exact null
     assert c.span_last_tokens == (3 if factor > 1 else 2)
     assert c.identifiable is bool(w[0] > tol) and c.rank == int((w > tol).sum())
-    assert c.lambda_max == pytest.approx(w[-1], rel=1e-10)
+    assert c.lambda_max == pytest.approx(w[-1], rel=1e-10, abs=0)
 
 
 def _observed_ratio(X: np.ndarray, off: np.ndarray) -> float:
@@ -338,11 +350,11 @@ def _observed_ratio(X: np.ndarray, off: np.ndarray) -> float:
     ref = _reference.canonical(X, off)
     L = X[off[1:] - 1] @ ref["A"]
     w = np.linalg.eigvalsh(L.T @ L)
-    return float(w[0] / w[-1] / (3 * numerics.EPS * np.sqrt(len(off) - 1)))
+    return float(w[0] / w[-1] / (DOC["OBSERVED_SPAN_FACTOR"] * 3 * EPS64 * np.sqrt(len(off) - 1)))
 
 
 @pytest.mark.parametrize("factor", [1e2, 1e-2])
-def test_observed_span_boundary(factor: float) -> None:
+def test_cut_observed_span(factor: float) -> None:
     seed, N = 22, 600
     s0 = 1e-4
     r0 = _observed_ratio(*_off_plane(np.random.default_rng(seed), N, s0)[:2])
@@ -357,12 +369,12 @@ def test_observed_span_boundary(factor: float) -> None:
 def _null_component(ref: dict, Z: np.ndarray) -> float:
     """||Z0^T h|| / ||h|| for the reference null space Z0 of Lambda~ and h = Ht(Z A)."""
     w, V = np.linalg.eigh(ref["lambda"])
-    Z0 = V[:, w <= w.size * numerics.EPS * w[-1]]
+    Z0 = V[:, w <= DOC["RANK_FACTOR"] * w.size * EPS64 * w[-1]]
     h = _reference.canonical_features(Z @ ref["A"])
     return float(np.linalg.norm(Z0.T @ h) / np.linalg.norm(h))
 
 
-def test_probe_tolerance_boundary(tmp_path: Path) -> None:
+def test_cut_probe_tolerance(tmp_path: Path) -> None:
     from mhla_cli.probes import certify_probes
 
     rng = np.random.default_rng(23)
@@ -373,7 +385,7 @@ def test_probe_tolerance_boundary(tmp_path: Path) -> None:
     Z[-1] -= (Z[-1] @ n_plane) * n_plane
     assert _null_component(ref, Z) < 1e-12
     probes, want = [], []
-    for target in (1e2 * numerics.DETERMINED_TOL, 1e-2 * numerics.DETERMINED_TOL):
+    for target in (1e2 * DOC["DETERMINED_TOL"], 1e-2 * DOC["DETERMINED_TOL"]):
         e0 = 1e-3
         Ze = Z.copy()
         Ze[-1] += e0 * n_plane
@@ -387,7 +399,7 @@ def test_probe_tolerance_boundary(tmp_path: Path) -> None:
     with h5py.File(path, "w") as f:
         f["tokens"], f["offsets"] = np.concatenate(probes), np.array([0, 4, 8])
     rep = certify_probes(chunk_features(X, off, y, 3), path)
-    assert rep.residual == pytest.approx(want, rel=1e-3)
+    assert rep.residual == pytest.approx(want, rel=1e-3, abs=0)
     assert list(rep.undetermined) == [0]  # 1e2 x the tolerance: undetermined; 1e-2 x: determined
 
 
@@ -397,7 +409,7 @@ def _threshold_case(s: float, seed: int = 24) -> tuple:
 
 @pytest.mark.parametrize("dense_max", [4096, 0], ids=["dense", "cholesky-lanczos"])
 @pytest.mark.parametrize("factor", [10.0, 0.1])
-def test_rank_cut_boundary(factor: float, dense_max: int, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_cut_rank(factor: float, dense_max: int, monkeypatch: pytest.MonkeyPatch) -> None:
     """An eigenvalue of Lambda~ at 10 x and at 0.1 x the numerical tolerance (last tokens s off a
     plane: lambda_min ~ s^2), and --min-eig at 10 x and 0.1 x a resolved lambda_min."""
     monkeypatch.setattr(factorization, "DENSE_MAX", dense_max)
@@ -405,7 +417,7 @@ def test_rank_cut_boundary(factor: float, dense_max: int, monkeypatch: pytest.Mo
 
     def ratio(s: float) -> float:
         w = _reference.canonical(*_threshold_case(s))["eigenvalues"]
-        return float(w[0] / (w.size * numerics.EPS * w[-1]))
+        return float(w[0] / (DOC["RANK_FACTOR"] * w.size * EPS64 * w[-1]))
 
     s = s0 * np.sqrt(factor / ratio(s0))
     X, off, y = _threshold_case(s)
@@ -421,18 +433,18 @@ def test_rank_cut_boundary(factor: float, dense_max: int, monkeypatch: pytest.Mo
     assert certify(featr, min_eig=factor * ref[0]).identifiable is (factor < 1)
 
 
-def test_threshold_uses_every_feature_on_reduced_data() -> None:
+def test_cut_rank_uses_every_feature_on_reduced_data() -> None:
     """On data whose spans leave features out (a factorized block of n < psi), the tolerance is still
     psi eps lambda_max (n_full, not the block's n), and the rank is the reference's."""
     X, off, y = _off_plane(np.random.default_rng(25), 300, 0.0)
     ref = _reference.canonical(X, off, y)["eigenvalues"]
     c = certify(chunk_features(X, off, y, 3))
     assert c.span_features < c.n_features == ref.size
-    assert c.numerical_tolerance == pytest.approx(ref.size * numerics.EPS * ref[-1], rel=1e-10)
+    assert c.numerical_tolerance == pytest.approx(DOC["RANK_FACTOR"] * ref.size * EPS64 * ref[-1], rel=1e-10, abs=0)
     assert c.rank == int((ref > c.numerical_tolerance).sum())
 
 
-def test_lanczos_tolerance_matters_at_psi_288(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_cut_lanczos_tolerance_at_psi_288(monkeypatch: pytest.MonkeyPatch) -> None:
     ds, _ = synthetic.generate_teacher(8, 2, 1500, "2:7", seed=26)
     ref = _reference.canonical(ds.tokens, ds.offsets)["eigenvalues"]
     monkeypatch.setattr(factorization, "DENSE_MAX", 0)
@@ -443,7 +455,7 @@ def test_lanczos_tolerance_matters_at_psi_288(monkeypatch: pytest.MonkeyPatch) -
     assert abs(c.lambda_max - ref[-1]) <= 1e-11 * ref[-1]
 
 
-def test_merged_parts_in_unlike_bases_on_the_observed_domain() -> None:
+def test_cut_observed_domain_of_merged_parts_in_unlike_bases() -> None:
     rng = np.random.default_rng(27)
     P = np.linalg.qr(rng.standard_normal((3, 2)))[0]
     parts = []
@@ -468,11 +480,11 @@ def test_merged_parts_in_unlike_bases_on_the_observed_domain() -> None:
     H = np.array(H)
     w = np.linalg.eigvalsh(H.T @ H / H.shape[0])
     assert (c.dim_tokens, c.dim_last_tokens, c.n_features) == (3, 2, 12)
-    assert c.identifiable and c.lambda_min == pytest.approx(w[0], rel=1e-8)
-    assert c.lambda_max == pytest.approx(w[-1], rel=1e-8)
+    assert c.identifiable and c.lambda_min == pytest.approx(w[0], rel=1e-8, abs=0)
+    assert c.lambda_max == pytest.approx(w[-1], rel=1e-8, abs=0)
 
 
-def test_null_weight_is_the_diagonal_of_the_null_projector() -> None:
+def test_cut_null_weight_is_the_diagonal_of_the_null_projector() -> None:
     """null_features[].null_weight = diag(N N^T) of the null space, in the tokens' own feature
     coordinates (the null space of the own Lambda_D = (1/N) sum H H^T)."""
     rng = np.random.default_rng(28)
@@ -488,7 +500,7 @@ def test_null_weight_is_the_diagonal_of_the_null_projector() -> None:
     offsets = np.concatenate([[0], np.cumsum([len(s) for s in seqs])])
     c = certify(chunk_features(tokens, offsets, None, 4))
     assert not c.identifiable and c.null_features
-    listed = sorted(want[want > numerics.DEAD_WEIGHT_TOL], reverse=True)[:20]
+    listed = sorted(want[want > DOC["DEAD_WEIGHT_TOL"]], reverse=True)[:20]
     got = [f["null_weight"] for f in c.null_features]
     assert got == pytest.approx(listed, abs=1e-9)
     for f in c.null_features:
@@ -496,13 +508,13 @@ def test_null_weight_is_the_diagonal_of_the_null_projector() -> None:
 
 
 @pytest.mark.parametrize("factor", [1e2, 1e-2])
-def test_train_mse_resolution_boundary(factor: float) -> None:
+def test_cut_train_mse_resolution(factor: float) -> None:
     """Noisy targets whose train MSE is 1e2 x and 1e-2 x the MSE resolution: above it the train MSE is
     the MSE of the model's predictions (reference forward pass), below it both are under it."""
     ds, _ = synthetic.generate_teacher(3, 2, 400, "2:6", seed=29)
     rng = np.random.default_rng(29)
     y0 = ds.targets
-    res0 = numerics.MSE_RESOLUTION_FACTOR * 18 * numerics.EPS * 2 * float(np.sum(y0 ** 2)) / y0.size
+    res0 = DOC["MSE_RESOLUTION_FACTOR"] * 18 * EPS64 * 2 * float(np.sum(y0 ** 2)) / y0.size
     noise = rng.standard_normal(y0.shape)
     sigma = np.sqrt(factor * res0 / (1 - 18 / 400))
     y = y0 + sigma * noise
@@ -510,18 +522,18 @@ def test_train_mse_resolution_boundary(factor: float) -> None:
     seqs = [ds.tokens[a:b] for a, b in zip(ds.offsets[:-1], ds.offsets[1:])]
     mse = float(np.mean((_reference.predict_own(m.coef, seqs) - y) ** 2))
     res = m.info["mse_resolution"]
-    assert res == pytest.approx(res0, rel=0.05)
+    assert res == pytest.approx(res0, rel=0.05, abs=0)
     assert factor / 3 < mse / res < 3 * factor
     assert abs(m.info["train_mse"] - mse) <= res
     assert (m.info["train_mse"] > res) is (factor > 1)
 
 
-def test_singular_basis_cond_boundary(tmp_path: Path) -> None:
+def test_cut_singular_basis_cond(tmp_path: Path) -> None:
     from mhla_cli.errors import InputError
 
     ds, _ = synthetic.generate_teacher(3, 1, 50, 4, seed=30)
     for factor in (1e-2, 1e2):
-        A = np.diag([1.0, 1.0, 1.0 / (factor * numerics.SINGULAR_BASIS_COND)])
+        A = np.diag([1.0, 1.0, 1.0 / (factor * DOC["SINGULAR_BASIS_COND"])])
         if factor < 1:
             chunk_features(ds.tokens, ds.offsets, ds.targets, 3, basis=A)
         else:
@@ -533,7 +545,7 @@ def test_singular_basis_cond_boundary(tmp_path: Path) -> None:
         with h5py.File(path, "a") as f:
             B = np.array(f["basis"])
             u, sv, vt = np.linalg.svd(B)
-            sv[-1] = sv[0] / (factor * numerics.SINGULAR_BASIS_COND)
+            sv[-1] = sv[0] / (factor * DOC["SINGULAR_BASIS_COND"])
             f["basis"][...] = (u * sv) @ vt
         if factor < 1:
             Features.load(path)
@@ -542,7 +554,7 @@ def test_singular_basis_cond_boundary(tmp_path: Path) -> None:
                 Features.load(path)
 
 
-def test_symmetry_on_load_boundary(tmp_path: Path) -> None:
+def test_cut_symmetry_on_load(tmp_path: Path) -> None:
     from mhla_cli.errors import InputError
 
     ds, _ = synthetic.generate_teacher(3, 1, 80, 4, seed=31)
@@ -552,7 +564,7 @@ def test_symmetry_on_load_boundary(tmp_path: Path) -> None:
         g0 = np.array(f["basis_gram"])
     for factor in (1e-2, 1e2):
         g = g0.copy()
-        g[0, 1] += factor * numerics.SYMMETRY_TOL * np.abs(g0).max()
+        g[0, 1] += factor * DOC["SYMMETRY_TOL"] * np.abs(g0).max()
         with h5py.File(path, "a") as f:
             f["basis_gram"][...] = g
         if factor < 1:
@@ -562,7 +574,7 @@ def test_symmetry_on_load_boundary(tmp_path: Path) -> None:
                 Features.load(path)
 
 
-def test_nonzero_singular_value_boundary() -> None:
+def test_cut_nonzero_singular_value() -> None:
     from mhla_cli.spectrum import spectrum
 
     rng = np.random.default_rng(32)
@@ -570,7 +582,7 @@ def test_nonzero_singular_value_boundary() -> None:
     U = np.linalg.qr(rng.standard_normal((d * d, d * d)))[0]
     V = np.linalg.qr(rng.standard_normal((d * d, d * d)))[0]
     s = np.zeros(d * d)
-    s[:3] = [1.0, 1e2 * numerics.NONZERO_REL, 1e-2 * numerics.NONZERO_REL]
+    s[:3] = [1.0, 1e2 * DOC["NONZERO_REL"], 1e-2 * DOC["NONZERO_REL"]]
     W = (U * s) @ V.T
     from mhla_cli.heads import p_from_W
 
@@ -578,7 +590,7 @@ def test_nonzero_singular_value_boundary() -> None:
     assert spec["nonzero_rank"] == 2, spec["nonzero_rank"]
 
 
-def test_fit_through_the_proof_factor_near_the_threshold() -> None:
+def test_cut_refinement_of_the_proof_factor() -> None:
     """certify --min-eig close to lambda_min leaves a factor of Lambda~ - t I with t / (lambda_min - t)
     far above REFINE_MAX_RHO: the fit must not refine with it (it would diverge); at 1e-2 x it may."""
     ds, _ = synthetic.generate_teacher(3, 2, 300, "2:7", noise=0.1, seed=33)
@@ -586,10 +598,36 @@ def test_fit_through_the_proof_factor_near_the_threshold() -> None:
     want = _reference.predict_canonical(_reference.min_norm_function(ref), ref["A"],
                                         [ds.tokens[a:b] for a, b in zip(ds.offsets[:-1], ds.offsets[1:])])
     lmin = ref["eigenvalues"][0]
-    for rho in (1e2 * numerics.REFINE_MAX_RHO, 1e-2 * numerics.REFINE_MAX_RHO):
+    for rho in (1e2 * DOC["REFINE_MAX_RHO"], 1e-2 * DOC["REFINE_MAX_RHO"]):
         feats = chunk_features(ds.tokens, ds.offsets, ds.targets, 3)
         t = lmin * rho / (1 + rho)  # t / (lambda_min - t) = rho
         assert certify(feats, min_eig=t).identifiable
         m = fit(feats)
         got = _reference.predict_own(m.coef, [ds.tokens[a:b] for a, b in zip(ds.offsets[:-1], ds.offsets[1:])])
         assert _reference.ratio(got, want) <= 1e-9, rho
+
+
+@pytest.mark.parametrize("case", ["listed", "dead"])
+def test_cut_dead_and_listed_null_weights(case: str) -> None:
+    """Last tokens orthogonal to a unit n: the null space is R^q (x) n, so null_weight(j,k,l) = n_l^2.
+    "listed": n^2 = (1 - a - b, a, b) with a = 1e2 x and b = 1e-2 x DEAD_WEIGHT_TOL: the features with
+    l = 0 and 1 are listed, none is dead (1 - a is 1e2 x the tolerance below 1); "dead": n^2 =
+    (1 - c, c, 0) with c = 1e-2 x the tolerance: the l = 0 features are dead."""
+    tolw = DOC["DEAD_WEIGHT_TOL"]
+    n2 = np.array([1 - 1e2 * tolw - 1e-2 * tolw, 1e2 * tolw, 1e-2 * tolw]) if case == "listed" else \
+        np.array([1 - 1e-2 * tolw, 1e-2 * tolw, 0.0])
+    n = np.sqrt(n2)
+    rng = np.random.default_rng(34)
+    off = np.concatenate([[0], np.cumsum(rng.integers(3, 8, size=300))])
+    X = rng.standard_normal((int(off[-1]), 3))
+    last = X[off[1:] - 1]
+    X[off[1:] - 1] = last - np.outer(last @ n, n)
+    c = certify(chunk_features(X, off, None, 3))
+    assert not c.identifiable
+    idx = {f["index"]: f["null_weight"] for f in c.null_features}
+    want = {i: float(n2[i % 3]) for i in range(18) if n2[i % 3] > tolw}
+    assert set(idx) == set(want)
+    for i, v in want.items():
+        assert idx[i] == pytest.approx(v, rel=1e-6, abs=1e-12)
+    said = " ".join(c.reasons)
+    assert ("6 single feature(s) are zero to within" in said) is (case == "dead"), said
