@@ -338,3 +338,31 @@ def test_device_certificates_equal_the_materialised_reference(kind: str, tmp_pat
     want = _reference.predict_canonical(_reference.min_norm_function(ref), ref["A"],
                                         [q for q, k in zip(seqs, keep) if k], normalize)
     assert _reference.ratio(got, want) <= 1e-8
+
+
+@pytest.mark.parametrize("dense_max", [4096, 0], ids=["dense", "cholesky-lanczos"])
+@needs_torch
+def test_device_verdict_is_proven_by_a_shifted_cholesky(dense_max: int, tmp_path: Path,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """On the device too: --min-eig at 0.5 x and 2 x the reference lambda_min is proven or refused by a
+    Cholesky of Lambda~ - t I (torch.linalg), and a ridge below the tolerance gives the spectral ridge."""
+    import _reference
+
+    monkeypatch.setattr(factorization, "DENSE_MAX", dense_max)
+    path, _ = _data("ragged", tmp_path)
+    with h5py.File(path) as f:
+        X, off, y = np.array(f["tokens"]), np.array(f["offsets"]), np.array(f["targets"])
+    w = _reference.canonical(X, off, y)["eigenvalues"]
+    for factor in (0.5, 2.0):
+        feats = stream.featurize(path, device=DEV)
+        c = solve.certify(feats, min_eig=factor * w[0], device=DEV)
+        assert c.identifiable is (factor < 1) and abs(c.lambda_min - w[0]) <= 1e-9 * w[0]
+        assert c.proof == ("cholesky of Lambda~ - t I" if factor < 1 else "cholesky of Lambda~ - t I failed")
+    # singular (N = 20 < psi = 40) with a ridge of 1e-30: the minimum-norm fit, not rounding / 1e-30
+    n = 20
+    feats = stream.reduce_span(stream.inspect_tokens(path), (0, n), device=DEV)
+    m = solve.fit(feats, ridge=1e-30, device=DEV)
+    ref = _reference.canonical(X[:off[n]], off[:n + 1], y[:n])
+    seqs = [X[a:b] for a, b in zip(off[:n], off[1:n + 1])]
+    want = _reference.predict_canonical(_reference.min_norm_function(ref), ref["A"], seqs)
+    assert _reference.ratio(_reference.predict_own(m.coef, seqs), want) <= 1e-8

@@ -1,6 +1,8 @@
 """One factorization per statistics (mhla_cli.factorization): the Cholesky + Lanczos path gives the
 dense eigendecomposition's verdict, rank, lambda_min / lambda_max (1e-10 relative), p and probe
-verdicts, on identifiable, singular, observed-domain and near-threshold data; and it is reused."""
+verdicts, on identifiable, singular, observed-domain and near-threshold data; both equal plain numpy
+on the materialised canonical features (tests/_reference.py); the ridge is the spectral ridge for every
+r >= 0; and the factorization is reused."""
 
 from __future__ import annotations
 
@@ -61,6 +63,22 @@ def test_cholesky_path_equals_the_dense_eigendecomposition(name: str, monkeypatc
     scale = np.abs(dense["p"]).max()
     assert np.abs(fast["p"] - dense["p"]).max() <= 1e-9 * scale
     assert np.abs(fast["ridge"] - dense["ridge"]).max() <= 1e-9 * np.abs(dense["ridge"]).max()
+    # and both against plain numpy on the materialised canonical features (tests/_reference.py)
+    tokens, offsets, targets = case
+    A = chunk_features(tokens, offsets, targets, tokens.shape[1]).basis
+    ref = _reference.canonical(tokens, offsets, targets, A=A)
+    w = ref["eigenvalues"]
+    tol = w.size * np.finfo(np.float64).eps * w[-1]
+    seqs = [tokens[a:b] for a, b in zip(offsets[:-1], offsets[1:])]
+    want_p = _reference.predict_canonical(_reference.min_norm_function(ref), A, seqs)
+    want_r = _reference.predict_canonical(_reference.ridge_function(ref, 1e-3 * w[-1]), A, seqs)
+    for out in (dense, fast):
+        ident, rank, lmin, lmax, _ = out["full"]
+        assert ident is bool(w[0] > tol) and rank == int((w > tol).sum()), (name, ident, rank)
+        assert abs(lmax - w[-1]) <= 1e-10 * w[-1]
+        assert abs(lmin - w[0]) <= (1e-9 * w[0] if ident else tol)
+        assert _reference.ratio(_reference.predict_own(out["p"], seqs), want_p) <= 1e-8
+        assert _reference.ratio(_reference.predict_own(out["ridge"], seqs), want_r) <= 1e-10
 
 
 def test_near_threshold_margin_gives_the_same_verdict(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -182,3 +200,25 @@ def test_ridge_equals_the_spectral_ridge_for_every_r(name: str, r: float | str, 
     got = _reference.predict_own(m.coef, seqs)
     want = _spectral_ridge_fitted(tokens, offsets, targets, r)
     assert _reference.ratio(got, want) <= 1e-8, (r, _reference.ratio(got, want))
+
+
+@pytest.mark.parametrize("dense_max", [4096, 0], ids=["dense", "cholesky-lanczos"])
+def test_the_verdict_is_proven_by_a_shifted_cholesky(dense_max: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """--min-eig at 0.5 x and 2 x the reference lambda_min: a Cholesky of Lambda~ - t I succeeds (proof)
+    or fails, on both paths; lambda_min through the shifted factor is the reference's."""
+    monkeypatch.setattr(factorization, "DENSE_MAX", dense_max)
+    tokens, offsets, targets = _cases()["identifiable"]
+    w = _reference.canonical(tokens, offsets, targets)["eigenvalues"]
+    for factor in (0.5, 2.0):
+        feats = chunk_features(tokens, offsets, targets, 4)
+        c = certify(feats, min_eig=factor * w[0])
+        assert c.identifiable is (factor < 1)
+        assert c.proof == ("cholesky of Lambda~ - t I" if factor < 1 else "cholesky of Lambda~ - t I failed")
+        assert c.to_dict()["proof"] == c.proof
+        assert c.estimated == ([] if dense_max else ["lambda_min", "lambda_max"])
+        assert abs(c.lambda_min - w[0]) <= 1e-9 * w[0]
+        m = fit(feats)  # the fit reuses (or, near the shift, avoids) the proof's factor: the same p
+        ref = _reference.canonical(tokens, offsets, targets)
+        seqs = [tokens[a:b] for a, b in zip(offsets[:-1], offsets[1:])]
+        want = _reference.predict_canonical(_reference.min_norm_function(ref), ref["A"], seqs)
+        assert _reference.ratio(_reference.predict_own(m.coef, seqs), want) <= 1e-9
