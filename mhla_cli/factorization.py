@@ -7,11 +7,16 @@ cached on the Features object, which computes only what is asked, once:
 - small matrices (n <= DENSE_MAX): LAPACK's eigenvalues (eigvalsh), the vectors only when asked;
 - the matrix may be the nonzero block of a larger one (mhla_cli.structure): `n_full - n` further
   eigenvalues are exact zeros, counted by `lambda_min`, `full_eigenvalues` and the certificate;
-- large ones: lambda_max by Lanczos on Lambda~, and a Cholesky of Lambda~ (n^3 / 3 flops) that
-  succeeds when it is numerically positive definite; lambda_min is then Lanczos on the inverse
-  through that factor (tens of O(n^2) triangular solves), and fit is a solve with the same factor. The
-  eigendecomposition (~9 n^3, BACKGROUND.md "Structure that shrinks psi exactly") is computed only
-  when the data are not identifiable and the null space is needed;
+- the verdict, on every path: a Cholesky of Lambda~ - t I (n^3 / 3 flops, t the certificate's
+  threshold) that succeeds proves that no eigenvalue is at or below t (`proves_above`, Sylvester's
+  inertia); the dense eigenvalues are only reported, never the proof;
+- large ones: lambda_max by Lanczos on Lambda~; lambda_min is Lanczos on (Lambda~ - t I)^-1 through
+  the proof's factor (tens of O(n^2) triangular solves), and fit is a solve with the same factor
+  (iterative refinement undoes the shift). The eigendecomposition (~9 n^3, BACKGROUND.md "Structure
+  that shrinks psi exactly") is computed only when the data are not identifiable and the null space
+  is needed;
+- the ridge (`ridge_solve`) is the spectral ridge solution for every r >= 0: a Cholesky of
+  Lambda~ + r I when r exceeds the numerical tolerance, else a solve on the range of Lambda~;
 - on a device (`device=`, mhla_cli.device) the same decompositions run through torch.linalg on one
   copy of the matrix there (the null space from every eigenvector: torch has no selected ones).
 """

@@ -21,9 +21,9 @@ from .heads import W_from_p
 from .model import Model
 from .structure import find_structure
 
-from .numerics import DEAD_WEIGHT_TOL, EPS, ORTHOGONAL_TOL, mse_resolution, numerical_tolerance, observed_span_tol
-
-__all__ = ["EPS", "numerical_tolerance"]  # (also importable from here, their old home)
+# EPS and numerical_tolerance stay importable from here, their old home
+from .numerics import (DEAD_WEIGHT_TOL, EPS, ORTHOGONAL_TOL, mse_resolution,  # noqa: F401
+                       numerical_tolerance, observed_span_tol)
 
 
 def _eigh(a: np.ndarray, vectors: bool = True) -> Any:
