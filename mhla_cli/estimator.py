@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from . import learn
+from . import learn, scores
 from .errors import InputError
 from .features import check_normalize
 from .forward import predict as forward_predict
@@ -306,18 +306,19 @@ class MHLA:
         return forward_predict(model, tokens, off, device=self.device)  # type: ignore[return-value]
 
     def score(self, sequences: Any, targets: Any, offsets: Any = None, sample_weight: Any = None) -> float:
-        """Coefficient of determination R^2, averaged uniformly over the d outputs (as scikit-learn's
-        r2_score: an output with constant targets scores 1 if predicted exactly, else 0)."""
+        """Coefficient of determination R^2 = 1 - SSE / SST over all d outputs, SST about the targets'
+        weighted mean vector (mhla_cli.scores: `mhla predict`'s and `mhla fit`'s R^2; scikit-learn's
+        r2_score with multioutput="variance_weighted"). Targets that do not vary score 1 when
+        predicted exactly, else 0 (as scikit-learn's r2_score)."""
         pred = self.predict(sequences, offsets)
         y = _as_targets(targets, pred.shape[0], pred.shape[1], bool(self.per_position))
-        w = np.ones(y.shape[0]) if sample_weight is None else _real(sample_weight, "sample_weight").reshape(-1)
-        if w.shape != (y.shape[0],):
-            raise InputError(f"sample_weight has shape {w.shape}, expected ({y.shape[0]},)")
-        mean = (w @ y) / w.sum()
-        ss_res = w @ (y - pred) ** 2
-        ss_tot = w @ (y - mean) ** 2
-        r2 = np.where(ss_tot > 0, 1.0 - ss_res / np.where(ss_tot > 0, ss_tot, 1.0), np.where(ss_res == 0, 1.0, 0.0))
-        return float(r2.mean())
+        w = None if sample_weight is None else _real(sample_weight, "sample_weight").reshape(-1)
+        if w is not None and (w.shape != (y.shape[0],) or not np.isfinite(w).all() or (w < 0).any()):
+            raise InputError(f"sample_weight must be {y.shape[0]} finite numbers >= 0, got shape {w.shape}")
+        r2 = scores.r2_of(pred, y, w)
+        if r2 is None:
+            return 1.0 if np.array_equal(pred, y) else 0.0
+        return r2
 
     def to_torch(self, dtype: Any = None) -> Any:
         """The fitted heads as a torch.nn.Module (see `Heads.to_torch`)."""

@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 from . import heads as heads_mod
-from . import lowrank, solve, spectrum
+from . import lowrank, scores, solve, spectrum
 from .errors import InputError
 from .heads import Heads
 from .model import Model
@@ -43,6 +43,7 @@ def fit(feats: Features, ridge: float = 0.0, heads: int | str | None = None, nuc
         model = lowrank.fit_model(feats, heads=heads, nuclear=nuclear, weight_decay=weight_decay,
                                   restarts=restarts, seed=seed, folds=folds)
     model.info["normalize"] = feats.normalize
+    model.info["train_r2"] = scores.train_r2(feats, model.info["train_mse"])
     return model
 
 

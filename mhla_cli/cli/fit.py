@@ -92,6 +92,8 @@ def fit_cmd(
                     "statistics; `mhla predict` gives the exact value)")
     else:
         mse_text = f"train MSE = {fmt(info['train_mse'])}"
+    if info.get("train_r2") is not None:
+        mse_text += f", train R^2 = {fmt(info['train_r2'])}"
     say(f"wrote {output}: {mse_text}, lambda_min = {fmt(info['lambda_min'])}, "
         f"condition number = {fmt(info['condition_number'])}", quiet)
     if lowrank_fit:
