@@ -105,8 +105,8 @@ def _as_targets(targets: Any, n_rows: int, d: int, per_position: bool) -> np.nda
 class MHLA:
     """Single-layer multi-head linear attention learned exactly (Algorithm 1), scikit-learn style.
 
-    Parameters: `ridge` (least-squares penalty, as `mhla fit --ridge`), `heads` (H: a factorised fit
-    with H heads, or "auto" by cross-validation), `nuclear` (LAMBDA: a nuclear-norm fit, or "auto"),
+    Parameters: `ridge` (least-squares penalty, as `mhla fit --ridge`, or "auto" by cross-validation),
+    `heads` (H: a factorised fit with H heads, or "auto" by cross-validation), `nuclear` (LAMBDA: a nuclear-norm fit, or "auto"),
     `domain` ("full" or "observed": the certificate's domain), `normalize` ("none" or "length"),
     `per_position` (targets per token: every prefix is a sample), `weight_decay`, `restarts`, `seed`
     (factorised fit), `min_eig` (certificate threshold), `cv` (folds for "auto": sample i of the
@@ -167,8 +167,9 @@ class MHLA:
             raise InputError(f"nuclear must be a finite number >= 0, 'auto' or None, got {self.nuclear!r}")
         if (self.heads is not None or self.nuclear is not None) and self.ridge:
             raise InputError("ridge applies to the least-squares fit; with heads= use weight_decay=")
-        if isinstance(self.ridge, (bool, str)) or not np.isfinite(self.ridge) or self.ridge < 0:
-            raise InputError(f"ridge must be a finite number >= 0, got {self.ridge!r}")
+        if self.ridge != "auto" and (isinstance(self.ridge, (bool, str)) or not np.isfinite(self.ridge)
+                                     or self.ridge < 0):
+            raise InputError(f"ridge must be a finite number >= 0 or 'auto', got {self.ridge!r}")
         if self.domain not in ("full", "observed"):
             raise InputError(f"unknown domain {self.domain!r}, expected 'full' or 'observed'")
         check_normalize(self.normalize)
@@ -177,7 +178,7 @@ class MHLA:
 
     @property
     def _auto(self) -> bool:
-        return "auto" in (self.heads, self.nuclear)
+        return any(isinstance(v, str) and v == "auto" for v in (self.heads, self.nuclear, self.ridge))
 
     def _reset(self) -> None:
         for k in ("coef_", "W_", "heads_", "certificate_", "n_samples_", "features_", "model_"):
@@ -272,7 +273,8 @@ class MHLA:
                 raise InputError(f"'auto' needs at least 2 non-empty cross-validation folds; the data have "
                                  f"{len(folds)} (give more sequences, or a fixed heads= / nuclear=)")
         # the same dispatch as `mhla fit` (mhla_cli.learn)
-        model = learn.fit(feats, ridge=float(self.ridge), heads=self.heads, nuclear=self.nuclear,
+        ridge = self.ridge if isinstance(self.ridge, str) else float(self.ridge)
+        model = learn.fit(feats, ridge=ridge, heads=self.heads, nuclear=self.nuclear,
                           weight_decay=float(self.weight_decay), restarts=int(self.restarts), seed=int(self.seed),
                           folds=folds, device=self.device)
         for message in learn.fit_warnings(model.info):
