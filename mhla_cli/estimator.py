@@ -1,7 +1,10 @@
 """A scikit-learn-style estimator over the library: `MHLA().fit(sequences, targets).predict(...)`.
 
 No scikit-learn dependency; the estimator follows its conventions (constructor parameters only,
-`get_params` / `set_params`, fitted attributes with a trailing underscore, `score` = R^2).
+`get_params` / `set_params`, fitted attributes with a trailing underscore, `score` = R^2) and its
+protocol (`__sklearn_tags__`, `n_features_in_`), so that scikit-learn's `clone`, `cross_val_score`,
+`GridSearchCV` and `Pipeline` (as the last step) take it, with sequences given as a list of (n_i, d)
+arrays or an (N, n, d) array (what they slice); it pickles.
 The statistics are sums over samples, so `partial_fit` on chunks equals one `fit` on all of
 them: each chunk is featurized in the whitening of its own tokens, and the sum of the chunks is
 changed exactly to the whitening of all the tokens seen (mhla_cli.stats.add_into; each change is
@@ -11,6 +14,7 @@ computed (`fit` is a reset and one `partial_fit`).
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 from typing import Any
 
@@ -115,8 +119,8 @@ class MHLA:
     predictions through torch there, float64; mhla_cli.device).
 
     Fitted attributes: `coef_` (d, psi), `W_` (d^2, d^2), `heads_` (Heads), `certificate_`
-    (Certificate), `n_samples_`, `features_` (the summed Features, in the whitening of all the
-    tokens seen), `model_` (Model, with `info`).
+    (Certificate), `n_samples_`, `n_features_in_` (d), `features_` (the summed Features, in the
+    whitening of all the tokens seen), `model_` (Model, with `info`).
     """
 
     def __init__(self, ridge: float = 0.0, heads: int | str | None = None, nuclear: float | str | None = None,
@@ -181,7 +185,7 @@ class MHLA:
         return any(isinstance(v, str) and v == "auto" for v in (self.heads, self.nuclear, self.ridge))
 
     def _reset(self) -> None:
-        for k in ("coef_", "W_", "heads_", "certificate_", "n_samples_", "features_", "model_"):
+        for k in ("coef_", "W_", "heads_", "certificate_", "n_samples_", "n_features_in_", "features_", "model_"):
             self.__dict__.pop(k, None)
         self._folds: list[Features] | None = None
         self._total: Features | None = None  # the sums of all chunks seen
@@ -288,6 +292,7 @@ class MHLA:
         self.certificate_: Certificate = certify(feats, min_eig=float(self.min_eig), domain=self.domain,
                                                       device=self.device)
         self.n_samples_ = int(feats.n_samples)
+        self.n_features_in_ = int(feats.d)  # scikit-learn's name: the token dimension d
 
     # ------------------------------------------------------------------ prediction
     def _fitted(self) -> Model:
@@ -321,6 +326,34 @@ class MHLA:
         if r2 is None:
             return 1.0 if np.array_equal(pred, y) else 0.0
         return r2
+
+    # ------------------------------------------------------------------ scikit-learn protocol
+    def __sklearn_tags__(self) -> Any:
+        """scikit-learn's estimator tags (a multi-output regressor on sequences: lists of (n_i, d) arrays
+        or (N, n, d) arrays); sklearn.utils.Tags when scikit-learn is importable, else the same as a dict.
+        mhla does not import scikit-learn otherwise."""
+        fields = {"estimator_type": "regressor", "requires_fit": True, "non_deterministic": False}
+        target = {"required": True, "two_d_labels": True, "multi_output": True, "single_output": False}
+        inputs = {"two_d_array": False, "three_d_array": True}
+        try:
+            from sklearn.utils import InputTags, RegressorTags, Tags, TargetTags
+        except ImportError:
+            return {**fields, "target_tags": target, "input_tags": inputs, "regressor_tags": {}}
+        return Tags(**fields, target_tags=TargetTags(**target), input_tags=InputTags(**inputs),
+                    regressor_tags=RegressorTags())
+
+    def __sklearn_is_fitted__(self) -> bool:
+        return getattr(self, "model_", None) is not None
+
+    def __getstate__(self) -> dict[str, Any]:
+        """For pickle: the certificate's null vectors computed now (they were computed on first use)."""
+        state = self.__dict__.copy()
+        cert = state.get("certificate_")
+        if cert is not None and cert._null_fn is not None:
+            null = cert.null_vectors
+            cert = dataclasses.replace(cert, _null_fn=None, _null=null)
+            state["certificate_"] = cert
+        return state
 
     def to_torch(self, dtype: Any = None) -> Any:
         """The fitted heads as a torch.nn.Module (see `Heads.to_torch`)."""

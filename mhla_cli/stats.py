@@ -476,6 +476,9 @@ class _Derived:
     def __repr__(self) -> str:
         return "<gram derived from the basis sums when used>"
 
+    def __reduce__(self) -> str:
+        return "_DERIVED"  # unpickled as the module's one instance (`_get_gram` tests identity)
+
 
 _DERIVED = _Derived()
 
