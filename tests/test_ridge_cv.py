@@ -10,8 +10,10 @@ import h5py
 import numpy as np
 import pytest
 
-from _reference import canonical_features, inv_sqrt
-from mhla_cli import ridge_cv, synthetic
+from _reference import (canonical, canonical_features, inv_sqrt, min_norm_function, predict_canonical, ratio,
+                        ridge_function)
+from mhla_cli import learn, ridge_cv, synthetic
+from mhla_cli.forward import predict
 from mhla_cli.cli import run
 from mhla_cli.estimator import MHLA
 from mhla_cli.ridge_cv import GRID_HI, GRID_LO, N_GRID, cv_ridge, ridge_grid
@@ -81,6 +83,17 @@ def test_cv_path_equals_numpy(d: int, N: int, K: int, noise: float) -> None:
     i = int(np.argmin(got))
     assert res["chosen"] == grid[i] and res["cv_mse"] <= res["least_squares_cv_mse"]
     assert res["rule"] == "minimum" and res["n_folds"] == K
+    # the fit at the chosen ridge (learn.fit, as `mhla fit --ridge auto`) is numpy's ridge on all the data
+    model = learn.fit(total, ridge="auto", folds=folds)
+    assert model.info["ridge"] == res["chosen"] and model.info["ridge_cv"]["table"] == res["table"]
+    seqs = [X[off[i]:off[i + 1]] for i in range(N)]
+    ref = canonical(X, off, Y)
+    if res["chosen"] > 0:
+        pb = ridge_function(ref, res["chosen"])
+    else:
+        pb = min_norm_function(ref)
+    want = predict_canonical(pb, ref["A"], seqs)
+    assert ratio(predict(model, X, off), want) < 1e-8
 
 
 def test_auto_beats_least_squares_on_held_out_data() -> None:
