@@ -208,3 +208,18 @@ def test_estimator_score_is_the_same_number() -> None:
     assert est.score(seqs, Y, sample_weight=w) == pytest.approx(np_r2(pred, Y, w), rel=1e-12)
     # constant targets: 1 when predicted exactly, else 0 (scikit-learn's convention)
     assert est.score(seqs, np.full_like(Y, 2.0)) == 0.0
+
+
+def test_merged_shards_keep_target_sum(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """`featurize --shard` parts merged by `mhla merge` carry target_sum: the same train R^2 as one featurize."""
+    rng = np.random.default_rng(8)
+    X, off, H, Y = _data(rng, N=70)
+    data = write(tmp_path / "x.h5", tokens=X, offsets=off, targets=Y)
+    for k in (0, 1):
+        assert run(["featurize", str(data), "--shard", f"{k}/2", "-o", str(tmp_path / f"p{k + 1}.h5"), "-q"]) == 0
+    assert run(["merge", str(tmp_path / "p1.h5"), str(tmp_path / "p2.h5"), "-o", str(tmp_path / "m.h5"), "-q"]) == 0
+    merged = Features.load(tmp_path / "m.h5")
+    assert np.allclose(merged.target_sum, Y.sum(0), rtol=1e-12) and merged.target_weight == 70
+    a = cli_json(capsys, "fit", str(tmp_path / "m.h5"), "-o", str(tmp_path / "a.h5"))
+    b = cli_json(capsys, "fit", str(data), "-o", str(tmp_path / "b.h5"))
+    assert a["train_r2"] == pytest.approx(b["train_r2"], rel=1e-10)
