@@ -18,8 +18,8 @@ from .model import Model
 from .stream import Features
 
 
-def fit(feats: Features, ridge: float | str = 0.0, heads: int | str | None = None, nuclear: float | str | None = None,
-        weight_decay: float = 0.0, restarts: int = 10, seed: int = 0,
+def fit(feats: Features, ridge: float | str = 0.0, heads: int | str | None = None,
+        nuclear: float | str | None = None, weight_decay: float = 0.0, restarts: int = 10, seed: int = 0,
         folds: list[Features] | None = None, device: str | None = None) -> Model:
     """Fit a model from the statistics `feats`.
 
