@@ -1,7 +1,10 @@
 """A scikit-learn-style estimator over the library: `MHLA().fit(sequences, targets).predict(...)`.
 
 No scikit-learn dependency; the estimator follows its conventions (constructor parameters only,
-`get_params` / `set_params`, fitted attributes with a trailing underscore, `score` = R^2).
+`get_params` / `set_params`, fitted attributes with a trailing underscore, `score` = R^2) and its
+protocol (`__sklearn_tags__`, `n_features_in_`), so that scikit-learn's `clone`, `cross_val_score`,
+`GridSearchCV` and `Pipeline` (as the last step) take it, with sequences given as a list of (n_i, d)
+arrays or an (N, n, d) array (what they slice); it pickles.
 The statistics are sums over samples, so `partial_fit` on chunks equals one `fit` on all of
 them: each chunk is featurized in the whitening of its own tokens, and the sum of the chunks is
 changed exactly to the whitening of all the tokens seen (mhla_cli.stats.add_into; each change is
@@ -11,12 +14,13 @@ computed (`fit` is a reset and one `partial_fit`).
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 from typing import Any
 
 import numpy as np
 
-from . import learn
+from . import learn, scores
 from .errors import InputError
 from .features import check_normalize
 from .forward import predict as forward_predict
@@ -105,8 +109,8 @@ def _as_targets(targets: Any, n_rows: int, d: int, per_position: bool) -> np.nda
 class MHLA:
     """Single-layer multi-head linear attention learned exactly (Algorithm 1), scikit-learn style.
 
-    Parameters: `ridge` (least-squares penalty, as `mhla fit --ridge`), `heads` (H: a factorised fit
-    with H heads, or "auto" by cross-validation), `nuclear` (LAMBDA: a nuclear-norm fit, or "auto"),
+    Parameters: `ridge` (least-squares penalty, as `mhla fit --ridge`, or "auto" by cross-validation),
+    `heads` (H: a factorised fit with H heads, or "auto" by cross-validation), `nuclear` (LAMBDA: a nuclear-norm fit, or "auto"),
     `domain` ("full" or "observed": the certificate's domain), `normalize` ("none" or "length"),
     `per_position` (targets per token: every prefix is a sample), `weight_decay`, `restarts`, `seed`
     (factorised fit), `min_eig` (certificate threshold), `cv` (folds for "auto": sample i of the
@@ -115,8 +119,8 @@ class MHLA:
     predictions through torch there, float64; mhla_cli.device).
 
     Fitted attributes: `coef_` (d, psi), `W_` (d^2, d^2), `heads_` (Heads), `certificate_`
-    (Certificate), `n_samples_`, `features_` (the summed Features, in the whitening of all the
-    tokens seen), `model_` (Model, with `info`).
+    (Certificate), `n_samples_`, `n_features_in_` (d), `features_` (the summed Features, in the
+    whitening of all the tokens seen), `model_` (Model, with `info`).
     """
 
     def __init__(self, ridge: float = 0.0, heads: int | str | None = None, nuclear: float | str | None = None,
@@ -167,8 +171,9 @@ class MHLA:
             raise InputError(f"nuclear must be a finite number >= 0, 'auto' or None, got {self.nuclear!r}")
         if (self.heads is not None or self.nuclear is not None) and self.ridge:
             raise InputError("ridge applies to the least-squares fit; with heads= use weight_decay=")
-        if isinstance(self.ridge, (bool, str)) or not np.isfinite(self.ridge) or self.ridge < 0:
-            raise InputError(f"ridge must be a finite number >= 0, got {self.ridge!r}")
+        if self.ridge != "auto" and (isinstance(self.ridge, (bool, str)) or not np.isfinite(self.ridge)
+                                     or self.ridge < 0):
+            raise InputError(f"ridge must be a finite number >= 0 or 'auto', got {self.ridge!r}")
         if self.domain not in ("full", "observed"):
             raise InputError(f"unknown domain {self.domain!r}, expected 'full' or 'observed'")
         check_normalize(self.normalize)
@@ -177,10 +182,10 @@ class MHLA:
 
     @property
     def _auto(self) -> bool:
-        return "auto" in (self.heads, self.nuclear)
+        return any(isinstance(v, str) and v == "auto" for v in (self.heads, self.nuclear, self.ridge))
 
     def _reset(self) -> None:
-        for k in ("coef_", "W_", "heads_", "certificate_", "n_samples_", "features_", "model_"):
+        for k in ("coef_", "W_", "heads_", "certificate_", "n_samples_", "n_features_in_", "features_", "model_"):
             self.__dict__.pop(k, None)
         self._folds: list[Features] | None = None
         self._total: Features | None = None  # the sums of all chunks seen
@@ -272,7 +277,8 @@ class MHLA:
                 raise InputError(f"'auto' needs at least 2 non-empty cross-validation folds; the data have "
                                  f"{len(folds)} (give more sequences, or a fixed heads= / nuclear=)")
         # the same dispatch as `mhla fit` (mhla_cli.learn)
-        model = learn.fit(feats, ridge=float(self.ridge), heads=self.heads, nuclear=self.nuclear,
+        ridge = self.ridge if isinstance(self.ridge, str) else float(self.ridge)
+        model = learn.fit(feats, ridge=ridge, heads=self.heads, nuclear=self.nuclear,
                           weight_decay=float(self.weight_decay), restarts=int(self.restarts), seed=int(self.seed),
                           folds=folds, device=self.device)
         for message in learn.fit_warnings(model.info):
@@ -286,6 +292,7 @@ class MHLA:
         self.certificate_: Certificate = certify(feats, min_eig=float(self.min_eig), domain=self.domain,
                                                       device=self.device)
         self.n_samples_ = int(feats.n_samples)
+        self.n_features_in_ = int(feats.d)  # scikit-learn's name: the token dimension d
 
     # ------------------------------------------------------------------ prediction
     def _fitted(self) -> Model:
@@ -306,18 +313,47 @@ class MHLA:
         return forward_predict(model, tokens, off, device=self.device)  # type: ignore[return-value]
 
     def score(self, sequences: Any, targets: Any, offsets: Any = None, sample_weight: Any = None) -> float:
-        """Coefficient of determination R^2, averaged uniformly over the d outputs (as scikit-learn's
-        r2_score: an output with constant targets scores 1 if predicted exactly, else 0)."""
+        """Coefficient of determination R^2 = 1 - SSE / SST over all d outputs, SST about the targets'
+        weighted mean vector (mhla_cli.scores: `mhla predict`'s and `mhla fit`'s R^2; scikit-learn's
+        r2_score with multioutput="variance_weighted"). Targets that do not vary score 1 when
+        predicted exactly, else 0 (as scikit-learn's r2_score)."""
         pred = self.predict(sequences, offsets)
         y = _as_targets(targets, pred.shape[0], pred.shape[1], bool(self.per_position))
-        w = np.ones(y.shape[0]) if sample_weight is None else _real(sample_weight, "sample_weight").reshape(-1)
-        if w.shape != (y.shape[0],):
-            raise InputError(f"sample_weight has shape {w.shape}, expected ({y.shape[0]},)")
-        mean = (w @ y) / w.sum()
-        ss_res = w @ (y - pred) ** 2
-        ss_tot = w @ (y - mean) ** 2
-        r2 = np.where(ss_tot > 0, 1.0 - ss_res / np.where(ss_tot > 0, ss_tot, 1.0), np.where(ss_res == 0, 1.0, 0.0))
-        return float(r2.mean())
+        w = None if sample_weight is None else _real(sample_weight, "sample_weight").reshape(-1)
+        if w is not None and (w.shape != (y.shape[0],) or not np.isfinite(w).all() or (w < 0).any()):
+            raise InputError(f"sample_weight must be {y.shape[0]} finite numbers >= 0, got shape {w.shape}")
+        r2 = scores.r2_of(pred, y, w)
+        if r2 is None:
+            return 1.0 if np.array_equal(pred, y) else 0.0
+        return r2
+
+    # ------------------------------------------------------------------ scikit-learn protocol
+    def __sklearn_tags__(self) -> Any:
+        """scikit-learn's estimator tags (a multi-output regressor on sequences: lists of (n_i, d) arrays
+        or (N, n, d) arrays); sklearn.utils.Tags when scikit-learn is importable, else the same as a dict.
+        mhla does not import scikit-learn otherwise."""
+        fields = {"estimator_type": "regressor", "requires_fit": True, "non_deterministic": False}
+        target = {"required": True, "two_d_labels": True, "multi_output": True, "single_output": False}
+        inputs = {"two_d_array": False, "three_d_array": True}
+        try:
+            from sklearn.utils import InputTags, RegressorTags, Tags, TargetTags
+        except ImportError:
+            return {**fields, "target_tags": target, "input_tags": inputs, "regressor_tags": {}}
+        return Tags(**fields, target_tags=TargetTags(**target), input_tags=InputTags(**inputs),
+                    regressor_tags=RegressorTags())
+
+    def __sklearn_is_fitted__(self) -> bool:
+        return getattr(self, "model_", None) is not None
+
+    def __getstate__(self) -> dict[str, Any]:
+        """For pickle: the certificate's null vectors computed now (they were computed on first use)."""
+        state = self.__dict__.copy()
+        cert = state.get("certificate_")
+        if cert is not None and cert._null_fn is not None:
+            null = cert.null_vectors
+            cert = dataclasses.replace(cert, _null_fn=None, _null=null)
+            state["certificate_"] = cert
+        return state
 
     def to_torch(self, dtype: Any = None) -> Any:
         """The fitted heads as a torch.nn.Module (see `Heads.to_torch`)."""

@@ -19,6 +19,7 @@ from .features import check_normalize, features_from_moments, pair_index
 from .heads import Heads
 from .model import Model, coef_of, normalize_of
 from .parallel import SerialMap, ThreadMap, make_map
+from .scores import Spread
 from .stream import default_chunk_size, prefix_moments, sequence_moments
 from .tokens import (
     TokensInfo,
@@ -157,8 +158,9 @@ def weighted_sse(err: np.ndarray, weights: np.ndarray | None) -> tuple[float, in
 
 def causal_span(coef: np.ndarray, info: Any, normalize: str, span: tuple[int, int],
                 progress: Callable[[int], None] | None = None
-                ) -> tuple[np.ndarray, np.ndarray, np.ndarray, float, int]:
-    """Causal predictions of samples [lo, hi): (pred (B, d), outputs (t, d), offsets, weighted SSE, count).
+                ) -> tuple[np.ndarray, np.ndarray, np.ndarray, float, int, Spread]:
+    """Causal predictions of samples [lo, hi): (pred (B, d), outputs (t, d), offsets, weighted SSE, count,
+    the scored targets' Spread (for R^2)).
 
     The SSE is sum_t w_t ||out_t - y_t||^2 over positions with w_t > 0 (per-position targets) or
     over sequences (last-token targets, pred vs y); count is the number of those samples.
@@ -179,10 +181,11 @@ def causal_span(coef: np.ndarray, info: Any, normalize: str, span: tuple[int, in
         check_weights(weights, offsets, a, info.per_position, info.path)
         outputs = causal_chunk(coef, tokens, offsets, normalize, progress=None if progress is None else step)
         pred = outputs[offsets[1:] - 1]
-        sse, count = 0.0, 0
+        sse, count, spread = 0.0, 0, Spread()
         if targets is not None:
             sse, count = weighted_sse((outputs if info.per_position else pred) - targets, weights)
-        return pred, outputs, offsets.copy(), sse, count
+            spread = Spread.of(targets, weights)
+        return pred, outputs, offsets.copy(), sse, count, spread
     raise ValueError("empty span")
 
 
@@ -220,7 +223,8 @@ def predict_file(fn: Model | Heads, data: str | os.PathLike, out: str | os.PathL
                  causal: bool = False, device: str | None = None) -> dict[str, Any]:
     """Stream predictions over a tokens file; write them to `out` (atomically) if given.
 
-    Returns a summary (n_samples, mse when the data have targets); without `out` the summary also
+    Returns a summary (n_samples, mse and r2 when the data have targets: mhla_cli.scores, weighted like
+    the MSE, None when the targets do not vary); without `out` the summary also
     holds the `predictions` array (and `outputs`, `offsets` with `all_positions` or `causal`).
     `workers=K` predicts chunks in K local workers (or pass any ordered `map`); the output is the
     same as the serial one. The model's normalisation (attribute `normalize`) is applied.
@@ -243,7 +247,7 @@ def predict_file(fn: Model | Heads, data: str | os.PathLike, out: str | os.PathL
     if info.per_position and not causal:
         info = dataclasses.replace(info, has_targets=False)  # per-position targets: no per-sequence MSE
     size = chunk_size or default_chunk_size(info)
-    sse, count = 0.0, 0
+    sse, count, spread = 0.0, 0, Spread()
     have_y = info.has_targets
     with_outputs = all_positions or causal
     result: dict[str, Any] = {"n_samples": info.n_samples, "d": d, "normalize": normalize}
@@ -252,7 +256,7 @@ def predict_file(fn: Model | Heads, data: str | os.PathLike, out: str | os.PathL
     store_off = None if out is not None or not with_outputs else np.zeros(info.n_samples + 1, dtype=np.int64)
 
     def run(fout: h5py.File | None) -> None:
-        nonlocal sse, count
+        nonlocal sse, count, spread
         if fout is not None:
             dp = fout.create_dataset("predictions", (info.n_samples, d), dtype="f8")
             if with_outputs:
@@ -272,9 +276,10 @@ def predict_file(fn: Model | Heads, data: str | os.PathLike, out: str | os.PathL
                                else None)
             else:
                 task = partial(predict_span, coef, winfo, all_positions, normalize=normalize, device=device)
-            for (a, b), (pred, outputs, offsets, part_sse, part_n) in zip(todo, pmap(task, todo)):
+            for (a, b), (pred, outputs, offsets, part_sse, part_n, part_spread) in zip(todo, pmap(task, todo)):
                 sse += part_sse
                 count += part_n
+                spread = spread.merge(part_spread)
                 if fout is not None:
                     dp[a:b] = pred
                     if with_outputs:
@@ -306,6 +311,7 @@ def predict_file(fn: Model | Heads, data: str | os.PathLike, out: str | os.PathL
             result["outputs"], result["offsets"] = store_out, store_off
     if have_y:
         result["mse"] = sse / (max(count, 1) * d)
+        result["r2"] = spread.r2(sse)  # None when the scored targets do not vary (mhla_cli.scores)
         result["n_scored"] = count
     return result
 
@@ -462,8 +468,9 @@ def rollout_file(fn: Model | Heads, data: str | os.PathLike, out: str | os.PathL
 
 def predict_span(coef: np.ndarray, info: Any, all_positions: bool, span: tuple[int, int],
                  normalize: str = "none", device: str | None = None
-                 ) -> tuple[np.ndarray, np.ndarray | None, np.ndarray, float, int]:
-    """Predictions for samples [lo, hi): (pred (B, d), outputs (t, d) or None, offsets, SSE, count).
+                 ) -> tuple[np.ndarray, np.ndarray | None, np.ndarray, float, int, Spread]:
+    """Predictions for samples [lo, hi): (pred (B, d), outputs (t, d) or None, offsets, SSE, count, the
+    targets' Spread).
 
     With last-token targets the SSE is sum_i w_i ||pred_i - y_i||^2 and count #{i: w_i > 0} (w_i = 1
     without `weights`), as in `causal_span`; without targets (info.has_targets false) both are 0.
@@ -477,5 +484,6 @@ def predict_span(coef: np.ndarray, info: Any, all_positions: bool, span: tuple[i
         pred, outputs = predict_chunk(coef, tokens, offsets, all_positions, normalize,
                                       device=None if device is None else worker_device(device))
         sse, count = weighted_sse(pred - targets, weights) if targets is not None else (0.0, 0)
-        return pred, outputs, offsets.copy(), sse, count
+        spread = Spread.of(targets, weights) if targets is not None else Spread()
+        return pred, outputs, offsets.copy(), sse, count, spread
     raise ValueError("empty span")

@@ -11,25 +11,37 @@ from __future__ import annotations
 from typing import Any
 
 from . import heads as heads_mod
-from . import lowrank, solve, spectrum
+from . import lowrank, ridge_cv, scores, solve, spectrum
 from .errors import InputError
 from .heads import Heads
 from .model import Model
 from .stream import Features
 
 
-def fit(feats: Features, ridge: float = 0.0, heads: int | str | None = None, nuclear: float | str | None = None,
-        weight_decay: float = 0.0, restarts: int = 10, seed: int = 0,
+def fit(feats: Features, ridge: float | str = 0.0, heads: int | str | None = None,
+        nuclear: float | str | None = None, weight_decay: float = 0.0, restarts: int = 10, seed: int = 0,
         folds: list[Features] | None = None, device: str | None = None) -> Model:
     """Fit a model from the statistics `feats`.
 
     heads=H (or "auto") and nuclear=LAMBDA (or "auto") select the low-rank fits (mhla_cli.lowrank);
+    ridge="auto" the least-squares ridge by cross-validation (mhla_cli.ridge_cv, info["ridge_cv"]);
     "auto" needs `folds`, the statistics of K disjoint parts of the data (mhla_cli.folds). The model
     records the normalisation of the statistics. `device` (mhla_cli.device): where the least-squares
     factorization runs (the low-rank fits run on the CPU).
     """
+    if ridge == "auto" and (heads is not None or nuclear is not None):
+        raise InputError("the ridge penalty applies to the least-squares fit; the low-rank fits take "
+                         "weight_decay")
     if heads is None and nuclear is None:
-        model = solve.fit(feats, ridge=ridge, device=device)
+        cv = None
+        if ridge == "auto":
+            if not folds:
+                raise InputError("ridge 'auto' needs per-fold statistics (cross-validation folds)")
+            cv = ridge_cv.cv_ridge(feats, folds)
+            ridge = cv["chosen"]
+        model = solve.fit(feats, ridge=float(ridge), device=device)
+        if cv is not None:
+            model.info["ridge_cv"] = cv
         if not model.info["identifiable"]:
             # the data may still determine the function on the inputs they span (`fit_warnings` says so);
             # when their tokens and last tokens span R^d the observed domain is the full one
@@ -43,6 +55,7 @@ def fit(feats: Features, ridge: float = 0.0, heads: int | str | None = None, nuc
         model = lowrank.fit_model(feats, heads=heads, nuclear=nuclear, weight_decay=weight_decay,
                                   restarts=restarts, seed=seed, folds=folds)
     model.info["normalize"] = feats.normalize
+    model.info["train_r2"] = scores.train_r2(feats, model.info["train_mse"])
     return model
 
 

@@ -17,7 +17,7 @@ from .heads import Heads, W_from_p, p_from_W
 
 
 # Fit results kept as attributes of a model file.
-_SAVED_INFO = ("ridge", "train_mse", "lambda_min", "identifiable", "condition_number", "n_samples", "method",
+_SAVED_INFO = ("ridge", "train_mse", "train_r2", "lambda_min", "identifiable", "condition_number", "n_samples", "method",
                "n_heads", "weight_decay", "nuclear_lambda", "objective", "normalize")
 
 

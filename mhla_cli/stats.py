@@ -81,6 +81,10 @@ class Features:
     # Factorizations of the canonical Lambda~ by domain (mhla_cli.factorization, solve.factorize);
     # emptied whenever the basis sums change.
     factor_cache: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
+    # sum_i w_i y_i (d,) and sum_i w_i over the samples with targets (the scored data's mean, for R^2:
+    # mhla_cli.scores); None when unknown (files written before they were accumulated)
+    target_sum: np.ndarray | None = None
+    target_weight: float | None = None
 
     # The sums on the tokens' own features (docs/formats.md), and those in the basis.
     SUMS = ("gram", "moments", "target_gram", "token_gram", "last_token_gram")
@@ -212,6 +216,7 @@ class Features:
                 "token_gram": self.token_gram, "last_token_gram": self.last_token_gram}
         data.update(basis=self.basis, **{k: getattr(self, k) for k in self.BASIS_SUMS})
         data.update(span_pairs=self.span_pairs, span_last=self.span_last)  # None (not written) unless reduced
+        data["target_sum"] = self.target_sum  # None (not written) when unknown
         return data
 
     # ---------------------------------------------------------------- algebra
@@ -228,6 +233,9 @@ class Features:
                        token_dtype=self.token_dtype, normalize=self.normalize, per_position=self.per_position,
                        **{k: None if getattr(self, k) is None else getattr(self, k) - getattr(part, k)
                           for k in self.SUMS})
+        if self.target_sum is not None and part.target_sum is not None:
+            out.target_sum = self.target_sum - part.target_sum
+            out.target_weight = float(self.target_weight) - float(part.target_weight)
         if self.basis is not None and part.basis is not None:
             other = part.copy().to_basis(self.basis)
             out.basis = self.basis
@@ -258,7 +266,8 @@ class Features:
         return Features(d=self.d, n_samples=self.n_samples, n_tokens=self.n_tokens, token_dtype=self.token_dtype,
                         sample_range=self.sample_range, source=self.source, extra_attrs=dict(self.extra_attrs),
                         per_position=self.per_position, normalize=self.normalize, n_sequences=self.n_sequences,
-                        **arrays)
+                        target_sum=None if self.target_sum is None else np.array(self.target_sum),
+                        target_weight=self.target_weight, **arrays)
 
     @classmethod
     def zeros(cls, d: int, has_targets: bool, token_dtype: str = "float64") -> Features:
@@ -266,7 +275,8 @@ class Features:
         return cls(d=d, n_samples=0, n_tokens=0, gram=np.zeros((psi, psi)),
                    token_gram=np.zeros((d, d)), last_token_gram=np.zeros((d, d)),
                    moments=np.zeros((psi, d)) if has_targets else None,
-                   target_gram=np.zeros((d, d)) if has_targets else None, token_dtype=token_dtype)
+                   target_gram=np.zeros((d, d)) if has_targets else None, token_dtype=token_dtype,
+                   target_sum=np.zeros(d) if has_targets else None, target_weight=0.0 if has_targets else None)
 
     # ---------------------------------------------------------------- persistence
     def save(self, path: str | os.PathLike, inputs: tuple[str | os.PathLike, ...] = (),
@@ -287,6 +297,8 @@ class Features:
         attrs["per_position"] = int(self.per_position)
         if self.n_sequences is not None:
             attrs["n_sequences"] = int(self.n_sequences)
+        if self.target_sum is not None:
+            attrs["target_weight"] = float(self.target_weight)
         attrs.update(self.extra_attrs)
         return attrs
 
@@ -330,6 +342,7 @@ class Features:
             normalize = read_normalize(f, path)
             per_position = bool(int(f.attrs.get("per_position", 0)))
             n_seq = int(f.attrs["n_sequences"]) if "n_sequences" in f.attrs else None
+            t_sum, t_weight = _load_target_sum(f, path, d) if has_targets else (None, None)
             extra = {}
             for k in EXTRA_ATTRS:
                 if k in f.attrs:
@@ -338,7 +351,20 @@ class Features:
         return cls(d=d, n_samples=n, n_tokens=t, gram=gram, token_gram=tg, last_token_gram=lg,
                    moments=moments, target_gram=target_gram, token_dtype=dtype, sample_range=rng,
                    source=source, extra_attrs=extra, per_position=per_position, normalize=normalize,
-                   n_sequences=n_seq, **sums)
+                   n_sequences=n_seq, target_sum=t_sum, target_weight=t_weight, **sums)
+
+
+def _load_target_sum(f: h5py.File, path: str | os.PathLike, d: int) -> tuple[np.ndarray | None, float | None]:
+    """target_sum (d,) and the attribute target_weight, validated; (None, None) in files without them."""
+    if "target_sum" not in f:
+        return None, None
+    s = formats.read_array(f, "target_sum", path).astype(np.float64)
+    if s.shape != (d,):
+        raise InputError(f"'target_sum' has shape {s.shape}, expected ({d},)", path)
+    w = float(f.attrs.get("target_weight", np.nan))
+    if not np.isfinite(w) or w < 0:
+        raise InputError("has 'target_sum' but no finite attribute target_weight >= 0; the file is corrupted", path)
+    return s, w
 
 
 def _load_basis(f: h5py.File, path: str | os.PathLike, d: int, has_targets: bool, tg: np.ndarray,
@@ -450,6 +476,9 @@ class _Derived:
 
     def __repr__(self) -> str:
         return "<gram derived from the basis sums when used>"
+
+    def __reduce__(self) -> str:
+        return "_DERIVED"  # unpickled as the module's one instance (`_get_gram` tests identity)
 
 
 _DERIVED = _Derived()
@@ -602,3 +631,8 @@ def add_into(acc: Features, part: Features) -> None:
     acc.last_token_gram += part.last_token_gram
     if acc.target_gram is not None:
         acc.target_gram += part.target_gram
+    if acc.target_sum is not None and part.target_sum is not None:
+        acc.target_sum = acc.target_sum + part.target_sum
+        acc.target_weight = float(acc.target_weight) + float(part.target_weight)
+    else:
+        acc.target_sum = acc.target_weight = None

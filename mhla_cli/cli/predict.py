@@ -39,6 +39,8 @@ def predict_cmd(
     The model's normalisation (`--normalize` at fit time) is applied.
 
     Weights (N,) of last-token targets weigh the MSE (fit's train_mse), with or without --causal.
+    R^2 = 1 - SSE / SST over all outputs, SST about the scored targets' weighted mean (null when they
+    do not vary).
 
     Example: mhla predict heads.h5 data.h5 -o pred.h5 --json --workers 2
 
@@ -63,7 +65,9 @@ def predict_cmd(
         + (f", {info.n_tokens} causal outputs" if causal else "")
         + (f"; MSE against targets = {fmt(res['mse'])} over {res['n_scored']} "
            + ("positions" if causal and info.per_position else "sequences")
-           + (" of weight > 0" if info.has_weights else "") if "mse" in res else ""), quiet)
+           + (" of weight > 0" if info.has_weights else "")
+           + (f", R^2 = {fmt(res['r2'])}" if res["r2"] is not None else ", R^2 undefined (constant targets)")
+           if "mse" in res else ""), quiet)
     if json_out:
         emit_json(res)
 
