@@ -31,7 +31,7 @@ from typing import Any
 
 import numpy as np
 
-from .numerics import EPS, LANCZOS_TOL, REFINE_MAX_RHO
+from .numerics import EPS, LANCZOS_TOL, REFINE_MAX_RHO, numerical_tolerance
 
 # Matrices up to this size are decomposed densely: measured at psi = 2176 (d = 16 Gaussian data,
 # 2 cores), eigvalsh took 0.36 s, a Cholesky 0.11 s, and Lanczos on the inverse through it 0.65 s
@@ -250,6 +250,9 @@ class Factorization:
         if good:
             s = max(good)
             return s, self._c._chol[s]
+        tol = numerical_tolerance(self.lambda_max(), self.n_full)
+        if any(f is None and s <= tol for s, f in self._c._chol.items()):
+            return 0.0, None  # an eigenvalue within rounding of 0: a Cholesky of lam itself is no better
         return 0.0, self.cholesky(0.0)
 
     def lambda_min(self) -> float:

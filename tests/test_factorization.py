@@ -222,3 +222,23 @@ def test_the_verdict_is_proven_by_a_shifted_cholesky(dense_max: int, monkeypatch
         seqs = [tokens[a:b] for a, b in zip(offsets[:-1], offsets[1:])]
         want = _reference.predict_canonical(_reference.min_norm_function(ref), ref["A"], seqs)
         assert _reference.ratio(_reference.predict_own(m.coef, seqs), want) <= 1e-9
+
+
+def test_a_singular_block_costs_one_failed_cholesky(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Not identifiable (N < psi) on the Lanczos path: the proof's Cholesky fails once, and lambda_min
+    comes from the eigendecomposition the null space needs anyway (no second Cholesky of Lambda~)."""
+    import scipy.linalg
+
+    monkeypatch.setattr(factorization, "DENSE_MAX", 0)
+    calls = {"cho": 0}
+    real = scipy.linalg.cho_factor
+
+    def cho(*a, **k):
+        calls["cho"] += 1
+        return real(*a, **k)
+
+    monkeypatch.setattr(scipy.linalg, "cho_factor", cho)
+    tokens, offsets, targets = _singular_cases()["repeated"]
+    c = certify(chunk_features(tokens, offsets, targets, 4))
+    assert not c.identifiable and c.proof == "cholesky of Lambda~ - t I failed"
+    assert calls["cho"] == 1
