@@ -209,6 +209,9 @@ def _function_and_data(fn: Model | Heads, data: str | os.PathLike) -> tuple[np.n
     info = inspect_tokens(data)
     if info.d != coef.shape[0]:
         raise InputError(f"the data have d = {info.d} but the model has d = {coef.shape[0]}", data)
+    if info.has_targets and info.out_dim != coef.shape[0]:
+        raise InputError(f"the targets are {info.out_dim} wide but the model's outputs {coef.shape[0]}: map the "
+                         "targets as the model's were (mhla reduce --like)", data)
     return coef, normalize, info
 
 

@@ -37,7 +37,8 @@ from .memory import (block_featurize_bytes, block_solve_bytes, check_floor, chec
                      solve_kind)
 from .parallel import CANCEL, Cancelled
 from .stats import Features, add_into, check_overflow
-from .tokens import ReadBuffers, TokensInfo, check_chunk, check_weights, inspect_tokens, iter_chunks, read_chunk
+from .tokens import (ReadBuffers, TokensInfo, check_chunk, check_weights, inspect_tokens, iter_chunks, read_chunk,
+                     require_square)
 
 __all__ = ["Features", "chunk_features", "default_chunk_size", "estimate_basis", "featurize", "load_features",
            "prefix_moments", "reduce_span", "reduce_spans", "sample_rows", "sequence_moments", "shard_range",
@@ -864,6 +865,7 @@ def featurize(path: str | os.PathLike, chunk_size: int | None = None,
     device = device_mod.check_device(device, path)
     info = inspect_tokens(path)
     check_floor(info.d, path, "featurize")  # wide tokens: before anything of their size
+    require_square(info, "featurize")
     serial = map is None and workers <= 1 and scheduler is None
     # every feature for sure: refused before any work (a pool's workers are counted once it is made);
     # otherwise after the cheap span pass, with the block it found
@@ -1058,6 +1060,7 @@ def solve_need(path: str | os.PathLike, ridge: float = 0.0, lowrank: bool = Fals
     if kind == "tokens":
         info = inspect_tokens(path)
         check_floor(info.d, path, command)
+        require_square(info, command)
         if n_features(info.d) >= SPANS_MIN_FEATURES and not lowrank:
             return None  # featurize may find a block on the data's spans: it checks its pass itself
         n = info.n_tokens if info.per_position else info.n_samples
