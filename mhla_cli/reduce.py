@@ -29,6 +29,7 @@ import numpy as np
 
 from . import formats
 from .errors import InputError
+from .heads import Heads
 from .tokens import TokensInfo, check_finite, check_weights, inspect_tokens, iter_chunks
 
 __all__ = ["Reduction", "fit_reduction", "load_reduction", "reduce_tokens", "second_moments", "top_eigenvectors",
@@ -247,17 +248,17 @@ def reduce_tokens(data: str | os.PathLike, out: str | os.PathLike, dim: int | No
     return red
 
 
-def unreduce_heads(V: np.ndarray, Q: np.ndarray, red: Reduction) -> tuple[np.ndarray, np.ndarray]:
+def unreduce_heads(heads: Heads, red: Reduction, path: str | os.PathLike | None = None) -> Heads:
     """Heads of reduced coordinates as heads of the original widths: V_full = U V_h P^T (H, D_out, D)
-    and Q_full = P Q_h P^T (H, D, D), so that sum_h V_full X^T X Q_full x = U (the reduced model's
-    output on X P) for every X."""
+    and Q_full = P Q_h P^T (H, D, D), so that sum_h V_full X^T X Q_full x = U (the reduced heads'
+    output on X P) for every X (P^T P = I). `path`: the reduced file, for messages."""
     if red.U is None:
-        raise InputError("the reduction has no targets' map U: the outputs cannot be mapped back")
-    V = np.asarray(V, dtype=np.float64)
-    Q = np.asarray(Q, dtype=np.float64)
+        raise InputError("records no targets' map 'reduce_U': the outputs cannot be mapped back", path)
     d = red.dim
-    if V.shape[1:] != (d, d) or Q.shape[1:] != (d, d):
-        raise InputError(f"the heads are {V.shape[1]}-dimensional but the reduction maps to d = {d}")
-    Vf = np.einsum("ij,hjk,lk->hil", red.U, V, red.P, optimize=True)
-    Qf = np.einsum("ij,hjk,lk->hil", red.P, Q, red.P, optimize=True)
-    return Vf, Qf
+    if heads.d != d or heads.d_out != d:
+        raise InputError(f"the heads have d = {heads.d} but the reduction maps to d = {d}", path)
+    Vf = np.einsum("ij,hjk,lk->hil", red.U, heads.V, red.P, optimize=True)
+    Qf = np.einsum("ij,hjk,lk->hil", red.P, heads.Q, red.P, optimize=True)
+    info = dict(heads.info)
+    info["unreduced"] = str(path) if path is not None else "yes"
+    return Heads(V=np.ascontiguousarray(Vf), Q=np.ascontiguousarray(Qf), info=info)

@@ -204,8 +204,11 @@ MODEL_CASES = {
 HEADS_CASES = {
     "V_vs_Q": lambda b, p: (copy_with(b.heads, p, replace("Q", np.ones((1, 3, 3)))),
                             r"'Q' has shape \(1, 3, 3\) but 'V' has shape \(\d+, 2, 2\)"),
-    "V_not_square": lambda b, p: (copy_with(b.heads, p, replace("V", np.ones((1, 2, 3)))),
-                                  r"'V' has shape \(1, 2, 3\), expected \(H, d, d\)"),
+    "V_vs_Q_width": lambda b, p: (copy_with(b.heads, p, replace("V", np.ones((1, 2, 3)))),
+                                  r"'Q' has shape \(\d+, 2, 2\) but 'V' has shape \(1, 2, 3\); expected V "
+                                  r"\(H, d_out, d\) beside Q \(H, d, d\)"),
+    "Q_not_square": lambda b, p: (copy_with(b.heads, p, replace("Q", np.ones((1, 2, 3)))),
+                                  r"'Q' has shape \(1, 2, 3\), expected \(H, d, d\)"),
 }
 
 

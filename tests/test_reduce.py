@@ -202,3 +202,58 @@ def test_json_summary(data: tuple[Path, list[np.ndarray], np.ndarray], tmp_path:
 def test_library_errors() -> None:
     with pytest.raises(InputError, match="cannot keep 4 of 3"):
         reduce_mod.top_eigenvectors(np.eye(3), 4)
+
+
+# ------------------------------------------------------------- heads back in the original widths
+
+
+def test_unreduced_heads_predict_U_times_the_reduced_predictions(data: tuple[Path, list[np.ndarray], np.ndarray],
+                                                                 tmp_path: Path) -> None:
+    """export-heads --unreduce: on the unreduced tokens, U times the reduced model's predictions (1e-10)."""
+    from mhla_cli import load_function, predict_file
+    from mhla_cli.export import load_heads
+
+    path, seqs, _ = data
+    red, model, heads = tmp_path / "r.h5", tmp_path / "m.h5", tmp_path / "h.h5"
+    assert run(["reduce", str(path), "-o", str(red), "--dim", "3", "-q"]) == 0
+    assert run(["fit", str(red), "-o", str(model), "-q"]) == 0
+    assert run(["export-heads", str(model), "-o", str(heads), "--unreduce", str(red), "-q"]) == 0
+    h = load_function(heads)
+    assert h.V.shape[1:] == (E, D) and h.Q.shape[1:] == (D, D) and (h.d, h.d_out) == (D, E)
+    U = _read(red)["reduce_U"]
+    small = predict_file(load_function(model), red)
+    full = predict_file(h, path)
+    want = small["predictions"] @ U.T
+    scale = np.abs(want).max()
+    assert np.abs(full["predictions"] - want).max() <= 1e-10 * scale
+    # against the targets of the original width: an MSE (E wide)
+    assert "mse" in full and full["d"] == E
+    # every position, and causal, the same way (the reduced model's outputs mapped by U)
+    for kw in ({"all_positions": True}, {"causal": True}):
+        a, b = predict_file(h, path, **kw), predict_file(load_function(model), red, **kw)
+        assert np.abs(a["outputs"] - b["outputs"] @ U.T).max() <= 1e-10 * np.abs(b["outputs"]).max()
+    # the exports of other frameworks hold the rectangular V too
+    for suffix in (".npz",):
+        out = tmp_path / f"h{suffix}"
+        assert run(["export-heads", str(model), "-o", str(out), "--unreduce", str(red), "-q"]) == 0
+        back = load_heads(out)
+        assert np.array_equal(back.V, h.V) and np.array_equal(back.Q, h.Q)
+    # compare: the file against itself, and the --on check on the original tokens
+    assert run(["compare", str(heads), str(tmp_path / "h.npz"), "--on", str(path), "-q"]) == 0
+
+
+def test_unreduce_refusals(data: tuple[Path, list[np.ndarray], np.ndarray], tmp_path: Path,
+                           capsys: pytest.CaptureFixture[str]) -> None:
+    path, _, _ = data
+    red, model = tmp_path / "r.h5", tmp_path / "m.h5"
+    assert run(["reduce", str(path), "-o", str(red), "--dim", "3", "-q"]) == 0
+    other = tmp_path / "r2.h5"
+    assert run(["reduce", str(path), "-o", str(other), "--dim", "2", "-q"]) == 0
+    assert run(["fit", str(red), "-o", str(model), "-q"]) == 0
+    capsys.readouterr()
+    assert run(["export-heads", str(model), "-o", str(tmp_path / "h.h5"), "--unreduce", str(other)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"mhla: error: {other}: the heads have d = 3 but the reduction maps to d = 2"], err
+    assert run(["export-heads", str(model), "-o", str(tmp_path / "h.h5"), "--unreduce", str(path)]) == 2
+    assert "records no reduction" in capsys.readouterr().err
+    assert not (tmp_path / "h.h5").exists()
