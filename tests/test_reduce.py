@@ -257,3 +257,32 @@ def test_unreduce_refusals(data: tuple[Path, list[np.ndarray], np.ndarray], tmp_
     assert run(["export-heads", str(model), "-o", str(tmp_path / "h.h5"), "--unreduce", str(path)]) == 2
     assert "records no reduction" in capsys.readouterr().err
     assert not (tmp_path / "h.h5").exists()
+
+
+@pytest.mark.slow
+def test_reduce_runs_in_bounded_memory(tmp_path: Path) -> None:
+    """A 192 MiB file of 384-dim float32 tokens reduces with a peak RSS under 300 MB (chunks + D^2)."""
+    import subprocess
+    import sys
+
+    N, n, Dw = 4096, 32, 384
+    path = tmp_path / "big.h5"
+    rng = np.random.default_rng(0)
+    with h5py.File(path, "w") as f:
+        f.attrs["mhla_kind"] = "tokens"
+        ds = f.create_dataset("tokens", (N, n, Dw), dtype="f4")
+        for a in range(0, N, 512):
+            ds[a:a + 512] = rng.standard_normal((512, n, Dw), dtype=np.float32)
+        f["targets"] = rng.standard_normal((N, 32))
+    wrapper = ("import resource, subprocess, sys\n"
+               "r = subprocess.run([sys.executable, '-m', 'mhla_cli', *sys.argv[1:]])\n"
+               "print(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024)\n"
+               "sys.exit(r.returncode)\n")
+    out = tmp_path / "r.h5"
+    r = subprocess.run([sys.executable, "-c", wrapper, "reduce", str(path), "-o", str(out), "--dim", "8", "-q"],
+                       capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    rss = float(r.stdout.strip().splitlines()[-1])
+    assert rss < 300 * 1e6 / 2**20, f"peak RSS {rss:.0f} MiB"
+    with h5py.File(out, "r") as f:
+        assert f["tokens"].shape == (N, n, 8) and f["targets"].shape == (N, 8)
