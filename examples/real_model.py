@@ -12,10 +12,15 @@ is a function of all the window's tokens, as the MHLA's last-token output is; th
 moved to the end of the sequence (both the softmax head and the MHLA are invariant to the order of
 the other rows). The capture is checked by recomputing the head from the layer's own weights.
 
-Reduction to d dimensions (fitted on the training windows only): tokens X -> X P, P = the top d
-eigenvectors of the tokens' second moment divided by the square roots of their eigenvalues (whitened
-PCA, a linear change of coordinates of the head's input); head outputs o -> o U, U the top d
-eigenvectors of the outputs' second moment. Then the mhla commands, for each d and normalisation:
+The captured windows are written as tokens files of the model's widths (train384.h5, heldout384.h5:
+384-dim tokens, 32-dim targets), and reduced to d dimensions with the maps fitted on the training
+windows only (the top d eigenvectors of the tokens' and of the outputs' uncentered second moments;
+the maps are saved in train_d{d}.h5, and the held-out windows take the same ones):
+
+    mhla reduce train384.h5 -o train_d{d}.h5 --dim d
+    mhla reduce heldout384.h5 --like train_d{d}.h5 -o heldout_d{d}.h5
+
+Then the mhla commands, for each d and normalisation:
 
     mhla featurize train.h5 -o feats.h5 [--normalize length]
     mhla certify feats.h5                    (full domain)
@@ -31,6 +36,14 @@ The fit is the exact least-squares optimum over all MHLAs (any number of heads) 
 (docs/formats.md; Algorithm 1 of the paper), so its held-out R^2 is the best any single MHLA layer
 fitted to these data does; the table checks it against numpy's lstsq on the materialised features
 of the same reduced data.
+
+Back into the transformer (the case with the best held-out R^2, or --replace-d / --replace-normalize):
+`mhla export-heads model.h5 -o heads384.h5 --unreduce train_d{d}.h5` writes the fitted heads in the
+model's coordinates (V = U V_h P^T: 32 x 384, Q = P Q_h P^T: 384 x 384); a forward hook then replaces
+the chosen head's output at every position by the MHLA's (all-positions output, the window's whole
+S, as BERT attends both ways), and the script reports on the held-out windows the mean cosine of the
+sentence embeddings (mean pooling, as sentence-transformers) to the original model's, beside the head
+zeroed (ablated) and the head replaced by its mean output over the training windows.
 
 Run:  python examples/real_model.py            (needs the `examples` extra)
       python examples/real_model.py --d 4 8 --normalize none length --layer 2 --head 5
@@ -99,6 +112,7 @@ class Captured:
     """Per window: the layer's input tokens (query row last) and the head's output at the query."""
     tokens: list[np.ndarray]   # each (n, 384) float64
     outputs: np.ndarray        # (N, 32) float64
+    window_ids: list[list[int]]  # the word pieces of each window (without [CLS], [SEP])
 
 
 def capture(tokenizer, model, texts: list[str], layer: int, head: int, stride: int,
@@ -151,7 +165,7 @@ def capture(tokenizer, model, texts: list[str], layer: int, head: int, stride: i
     finally:
         handle.remove()
     check_head(attn, tokens, outputs, head, dh)
-    return Captured(tokens, outputs)  # type: ignore[arg-type]
+    return Captured(tokens, outputs, wins)  # type: ignore[arg-type]
 
 
 def check_head(attn, tokens, outputs, head: int, dh: int, count: int = 64) -> None:
@@ -175,29 +189,32 @@ def check_head(attn, tokens, outputs, head: int, dh: int, count: int = 64) -> No
 # Reduction, files, reference
 
 
-def top_eig(M: np.ndarray, d: int) -> tuple[np.ndarray, np.ndarray]:
-    w, V = np.linalg.eigh(0.5 * (M + M.T))
-    order = np.argsort(w)[::-1][:d]
-    V = V[:, order]
-    V *= np.sign(V[np.argmax(np.abs(V), axis=0), range(d)])  # a fixed sign per vector
-    return w[order], V
-
-
 @dataclass
-class Reduction:
-    P: np.ndarray   # (384, d): tokens -> whitened top-d principal coordinates
-    U: np.ndarray   # (32, d): head outputs -> top-d principal coordinates (orthonormal columns)
+class Reduced:
+    """One d's reduced windows and the maps of `mhla reduce` (read back from its output files)."""
+    train_seqs: list[np.ndarray]   # (n, d) each
+    train_y: np.ndarray            # (N, d)
+    test_seqs: list[np.ndarray]
+    test_y: np.ndarray
+    P: np.ndarray                  # (384, d): tokens x -> P^T x
+    U: np.ndarray                  # (32, d): head outputs o -> U^T o
 
 
-def fit_reduction(train: Captured, d: int) -> Reduction:
-    T = np.concatenate(train.tokens)
-    w, V = top_eig(T.T @ T / len(T), d)
-    _, U = top_eig(train.outputs.T @ train.outputs / len(train.outputs), d)
-    return Reduction(P=V / np.sqrt(w), U=U)
+def read_tokens(path: Path) -> tuple[list[np.ndarray], np.ndarray, dict[str, np.ndarray]]:
+    """The sequences, targets and recorded maps of a tokens file."""
+    with h5py.File(path, "r") as f:
+        tokens, offsets, targets = f["tokens"][...], f["offsets"][...], f["targets"][...]
+        maps = {k: f[k][...] for k in ("reduce_P", "reduce_U") if k in f}
+    return [tokens[a:b] for a, b in zip(offsets[:-1], offsets[1:])], targets, maps
 
 
-def reduce(c: Captured, r: Reduction) -> tuple[list[np.ndarray], np.ndarray]:
-    return [X @ r.P for X in c.tokens], c.outputs @ r.U
+def reduce_windows(run: "Runner", d: int) -> Reduced:
+    """`mhla reduce` of the wide files to d dimensions: the maps fitted on the training windows."""
+    run("reduce", "train384.h5", "-o", f"train_d{d}.h5", "--dim", str(d))
+    run("reduce", "heldout384.h5", "--like", f"train_d{d}.h5", "-o", f"heldout_d{d}.h5")
+    tr, ty, maps = read_tokens(run.workdir / f"train_d{d}.h5")
+    te, tey, _ = read_tokens(run.workdir / f"heldout_d{d}.h5")
+    return Reduced(tr, ty, te, tey, maps["reduce_P"], maps["reduce_U"])
 
 
 def features_matrix(sequences: list[np.ndarray], normalize: str) -> np.ndarray:
@@ -241,9 +258,9 @@ def read_predictions(path: Path) -> np.ndarray:
         return f["predictions"][...]
 
 
-def run_case(run: Runner, d: int, normalize: str, train_seqs, train_y, test_seqs, test_y,
-             test_out: np.ndarray, red: Reduction) -> dict:
+def run_case(run: Runner, d: int, normalize: str, red: Reduced, test_out: np.ndarray) -> dict:
     wd = run.workdir
+    train_seqs, train_y, test_seqs, test_y = red.train_seqs, red.train_y, red.test_seqs, red.test_y
     tag = f"d{d}_{normalize}"
     norm = ["--normalize", normalize] if normalize != "none" else []
     feats, model = f"feats_{tag}.h5", f"model_{tag}.h5"
@@ -278,6 +295,7 @@ def run_case(run: Runner, d: int, normalize: str, train_seqs, train_y, test_seqs
         "r2_lstsq": r2(test_y, ref),
         "r2_head": r2(test_out, pred @ red.U.T),
         "r2_reduction": r2(test_out, test_out @ red.U @ red.U.T),
+        "token_share": red_share(run.workdir / f"train_d{d}.h5"),
         "certify_full": bool(full["identifiable"]),
         "certify_observed": bool(observed["identifiable"]),
         "heldout_determined": on["n_probes"] - on["n_undetermined"], "heldout_probes": on["n_probes"],
@@ -285,6 +303,108 @@ def run_case(run: Runner, d: int, normalize: str, train_seqs, train_y, test_seqs
         "heads": spec["n_outliers"], "spectrum_converged": bool(spec["converged"]),
         "ridge_cv": fit_cv["ridge"], "r2_heldout_cv": r2(test_y, pred_cv),
     }
+
+
+def red_share(path: Path) -> float:
+    """The share of the training tokens' second moment the map P keeps (recorded by mhla reduce)."""
+    with h5py.File(path, "r") as f:
+        return float(f.attrs["reduce_token_share"])
+
+
+# --------------------------------------------------------------------------------------------------
+# Back into the transformer
+
+
+def sentence_embeddings(model, batches: list, hook=None, attn=None) -> np.ndarray:
+    """Mean-pooled, L2-normalised last hidden states (sentence-transformers' pooling) of every window,
+    with `hook` (a forward hook on `attn`) in place if given."""
+    import torch
+
+    handle = attn.register_forward_hook(hook, with_kwargs=True) if hook is not None else None
+    out = []
+    try:
+        for batch in batches:
+            with torch.no_grad():
+                h = model(input_ids=batch).last_hidden_state.double()
+            e = h.mean(dim=1)
+            out.append((e / e.norm(dim=1, keepdim=True)).numpy())
+    finally:
+        if handle is not None:
+            handle.remove()
+    return np.concatenate(out)
+
+
+def replace_head(run: "Runner", tokenizer, model, layer: int, head: int, d: int, normalize: str, red: Reduced,
+                 train: Captured, test: Captured, max_windows: int | None) -> dict:
+    """The chosen head replaced by the fitted MHLA (and zeroed, and by its mean output): the mean
+    cosine of the held-out windows' sentence embeddings to the original model's."""
+    import torch
+
+    from mhla_cli import load_function, predict
+
+    tag = f"d{d}_{normalize}"
+    run("export-heads", f"model_{tag}.h5", "-o", f"heads384_{tag}.h5", "--unreduce", f"train_d{d}.h5")
+    fitted = load_function(run.workdir / f"model_{tag}.h5")  # reduced coordinates
+    full = load_function(run.workdir / f"heads384_{tag}.h5")  # the model's coordinates
+    P, U = red.P, red.U
+    dh = model.config.hidden_size // model.config.num_attention_heads
+    sl = slice(head * dh, (head + 1) * dh)
+    mean_out = train.outputs.mean(axis=0)
+
+    # The heads in the model's coordinates compute U times the reduced model on the reduced tokens.
+    k = min(50, len(test.tokens))
+    lens = np.cumsum([0] + [len(x) for x in test.tokens[:k]])
+    wide = predict(full, np.concatenate(test.tokens[:k]), lens)
+    small = predict(fitted, np.concatenate(test.tokens[:k]) @ P, lens) @ U.T
+    unreduce_error = float(np.abs(wide - small).max() / max(np.abs(small).max(), 1e-300))
+
+    def mhla_outputs(X: np.ndarray) -> np.ndarray:
+        """The MHLA's output at every position of each window (b, n, 32): query t, the window's S."""
+        b, n, _ = X.shape
+        Z = (X @ P).reshape(b * n, d)
+        _, outs = predict(fitted, Z, np.arange(b + 1) * n, all_positions=True)
+        return outs.reshape(b, n, d) @ U.T
+
+    def make_hook(kind: str):
+        def hook(module, args, kwargs, output):
+            X = (args[0] if args else kwargs["hidden_states"]).detach().double().numpy()
+            out = output[0] if isinstance(output, tuple) else output
+            new = out.clone()
+            if kind == "mhla":
+                new[:, :, sl] = torch.from_numpy(mhla_outputs(X)).to(out.dtype)
+            elif kind == "zero":
+                new[:, :, sl] = 0
+            else:
+                new[:, :, sl] = torch.from_numpy(mean_out).to(out.dtype)
+            return (new, *output[1:]) if isinstance(output, tuple) else new
+        return hook
+
+    cls, sep = tokenizer.cls_token_id, tokenizer.sep_token_id
+    wins = test.window_ids[:max_windows] if max_windows else test.window_ids
+    by_len: dict[int, list[list[int]]] = {}
+    for w in wins:
+        by_len.setdefault(len(w), []).append(w)
+    batches = [torch.tensor([[cls] + w + [sep] for w in ws]) for _, ws in sorted(by_len.items())]
+    attn = model.encoder.layer[layer].attention.self
+    base = sentence_embeddings(model, batches)
+    result = {"d": d, "normalize": normalize, "n_windows": len(wins), "unreduce_max_rel_error": unreduce_error,
+              "heads_file": f"heads384_{tag}.h5", "n_heads": full.n_heads}
+    for kind in ("mhla", "mean", "zero"):
+        emb = sentence_embeddings(model, batches, make_hook(kind), attn)
+        cos = (emb * base).sum(axis=1)
+        result[kind] = {"mean_cosine": float(cos.mean()), "min_cosine": float(cos.min())}
+    return result
+
+
+def replacement_table(r: dict) -> str:
+    head = ("head replaced by", "mean cosine to the original", "min cosine")
+    lines = [f"sentence embeddings of {r['n_windows']} held-out windows with the head replaced (MHLA: d = {r['d']}, "
+             f"normalize {r['normalize']}, {r['n_heads']} heads in the model's coordinates, {r['heads_file']}; "
+             f"they match the reduced model to {r['unreduce_max_rel_error']:.1e})",
+             "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for kind, name in (("mhla", "the fitted MHLA"), ("mean", "its mean output"), ("zero", "zero (ablated)")):
+        lines.append(f"| {name} | {r[kind]['mean_cosine']:.4f} | {r[kind]['min_cosine']:.4f} |")
+    return "\n".join(lines)
 
 
 def table(rows: list[dict]) -> str:
@@ -331,6 +451,13 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--workdir", type=Path, default=None,
                     help="keep the mhla files here (default: a temporary folder)")
     ap.add_argument("--show-commands", action="store_true", help="print each mhla command (stderr)")
+    ap.add_argument("--replace-d", type=int, default=None,
+                    help="the case whose MHLA replaces the head (default: the best held-out R^2)")
+    ap.add_argument("--replace-normalize", choices=["none", "length"], default=None,
+                    help="its normalisation (default: that of the best case)")
+    ap.add_argument("--replace-windows", type=int, default=None,
+                    help="held-out windows of the replacement test (default: all)")
+    ap.add_argument("--no-replace", action="store_true", help="only the table: no replacement in the model")
     ap.add_argument("--json", action="store_true", help="print the rows as one JSON object instead")
     args = ap.parse_args(argv)
     if not all(1 <= d <= 32 for d in args.d):
@@ -355,25 +482,36 @@ def main(argv: list[str] | None = None) -> list[dict]:
         wd = args.workdir or Path(tmp)
         wd.mkdir(parents=True, exist_ok=True)
         run = Runner(wd, args.show_commands)
-        rows = []
+        # the model's widths: 384-dim tokens, the head's 32-dim output as targets
+        write_tokens(wd / "train384.h5", train.tokens, targets=train.outputs)
+        write_tokens(wd / "heldout384.h5", test.tokens, targets=test.outputs)
+        rows, reduced = [], {}
         for d in args.d:
-            red = fit_reduction(train, d)
-            train_seqs, train_y = reduce(train, red)
-            test_seqs, test_y = reduce(test, red)
-            write_tokens(wd / f"train_d{d}.h5", train_seqs, targets=train_y)
-            write_tokens(wd / f"heldout_d{d}.h5", test_seqs, targets=test_y)
+            reduced[d] = red = reduce_windows(run, d)
             for normalize in args.normalize:
-                rows.append(run_case(run, d, normalize, train_seqs, train_y, test_seqs, test_y,
-                                     test.outputs, red))
+                rows.append(run_case(run, d, normalize, red, test.outputs))
                 run.show = False  # the commands of the first case show the pattern
+        replaced = None
+        if not args.no_replace:
+            best = max(rows, key=lambda r: r["r2_heldout"])
+            d_r = args.replace_d if args.replace_d is not None else best["d"]
+            n_r = args.replace_normalize or (best["normalize"] if args.replace_d is None else args.normalize[0])
+            if d_r not in reduced:
+                ap.error(f"--replace-d {d_r}: not one of --d")
+            run.show = args.show_commands
+            replaced = replace_head(run, tokenizer, model, args.layer, args.head, d_r, n_r, reduced[d_r],
+                                    train, test, args.replace_windows)
     if args.json:
-        print(json.dumps({"layer": args.layer, "head": args.head, "rows": rows}))
+        print(json.dumps({"layer": args.layer, "head": args.head, "rows": rows, "replaced": replaced}))
     else:
         print(f"all-MiniLM-L6-v2, layer {args.layer}, head {args.head}: {len(train.tokens)} training "
               f"windows, {len(test.tokens)} held-out; R^2 of the exact least-squares MHLA")
         print(table(rows))
         if not all(r["spectrum_converged"] for r in rows):
             print("* the spectrum's solver stopped at --max-iter before converging")
+        if replaced is not None:
+            print()
+            print(replacement_table(replaced))
     return rows
 
 

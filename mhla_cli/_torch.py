@@ -10,7 +10,7 @@ from torch import nn
 
 
 class HeadsModule(nn.Module):
-    """sum_h V_h S Q_h x_t with S = X^T X (or the prefix Gram S_t); V, Q (H, d, d) are parameters.
+    """sum_h V_h S Q_h x_t with S = X^T X (or the prefix Gram S_t); V (H, d_out, d), Q (H, d, d) are parameters.
 
     forward(X, all_positions=False, causal=False): X (B, n, d) or (n, d). Last-token output (B, d);
     all_positions: (B, n, d) with the whole sequence's S; causal: (B, n, d), row t the last-token
@@ -27,10 +27,17 @@ class HeadsModule(nn.Module):
 
     @property
     def d(self) -> int:
+        """Width of the tokens."""
+        return int(self.Q.shape[1])
+
+    @property
+    def d_out(self) -> int:
+        """Width of the outputs (d unless the heads are rectangular)."""
         return int(self.V.shape[1])
 
     def extra_repr(self) -> str:
-        return f"n_heads={self.V.shape[0]}, d={self.d}, normalize={self.normalize!r}"
+        out = f", d_out={self.d_out}" if self.d_out != self.d else ""
+        return f"n_heads={self.V.shape[0]}, d={self.d}{out}, normalize={self.normalize!r}"
 
     def forward(self, X: torch.Tensor, all_positions: bool = False, causal: bool = False) -> torch.Tensor:
         if all_positions and causal:
@@ -48,7 +55,7 @@ class HeadsModule(nn.Module):
             S = torch.cumsum(X.unsqueeze(-1) * X.unsqueeze(-2), dim=1)
             if self.normalize == "length":
                 S = S / torch.arange(1, n + 1, dtype=X.dtype, device=X.device).view(1, n, 1, 1)
-            out = torch.einsum("hab,Btbc,hcl,Btl->Bta", self.V, S, self.Q, X)
+            out = torch.einsum("hab,Btbc,hcl,Btl->Bta", self.V, S, self.Q, X)  # a: d_out, b, c, l: d
         else:
             S = X.transpose(1, 2) @ X
             if self.normalize == "length":

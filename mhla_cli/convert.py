@@ -37,6 +37,12 @@ from . import formats, tokens as tokens_mod
 from .errors import InputError
 
 NAMES = ("tokens", "offsets", "targets", "weights")
+# Names of a model's activations read as the tokens when no array is named `tokens` (Hugging Face).
+TOKEN_ALIASES = ("last_hidden_state", "hidden_states")
+# Names of a padding mask: attention_mask (N, n) of 0/1, or lengths (N,) (the first lengths[i] kept).
+MASK_NAMES = ("attention_mask", "lengths")
+# Roles of --key ROLE=NAME.
+ROLES = ("tokens", "targets", "weights", "offsets", "mask")
 SUFFIXES = (".npy", ".npz", ".safetensors", ".pt", ".pth")
 # Output suffixes that name another format (an output's suffix means its format).
 _OTHER_FORMATS = (*SUFFIXES, ".csv", ".tsv", ".txt", ".json", ".zip", ".pkl", ".pickle")
@@ -335,6 +341,7 @@ def _torch_sources(path: Path) -> list[_Source]:
     if isinstance(obj, torch.Tensor):
         return [_tensor_source("tokens", obj, label, release)]
     if isinstance(obj, (list, tuple)):
+        _check_sequence_list(obj, "the file", path)
         return _value_sources({"tokens": obj}, label, release)
     if isinstance(obj, dict):
         if not all(isinstance(k, str) for k in obj):
@@ -408,6 +415,20 @@ def _array_source(name: str, arr: np.ndarray, label: str) -> _Source:
                    lambda a, b: np.ascontiguousarray(arr[a:b]), label)
 
 
+def _check_sequence_list(obj: Sequence[Any], what: str, path: str | os.PathLike) -> None:
+    """Refuse clearly a tuple / list that is not a list of (n_i, d) sequences: e.g. a model's output
+    tuple (last_hidden_state (N, n, d), pooler_output (N, d)) or the per-layer `hidden_states`."""
+    shapes = [tuple(getattr(x, "shape", ())) for x in obj]
+    if obj and all(len(sh) == 2 for sh in shapes) and len({sh[1] for sh in shapes}) == 1:
+        return  # ragged sequences (n_i, d)
+    kind = type(obj).__name__
+    listed = ", ".join(str(sh) for sh in shapes[:4]) + (", ..." if len(shapes) > 4 else "")
+    raise InputError(f"{what} holds a {kind} of {len(shapes)} arrays of shapes {listed}, not a list of (n_i, d) "
+                     "sequences (a model's output tuple, or the hidden states of every layer?): save a dict naming "
+                     "the arrays, e.g. {'tokens': out.last_hidden_state, 'attention_mask': mask} or "
+                     "{'tokens': out.hidden_states[k], ...}", path)
+
+
 def _value_sources(values: dict[str, Any], label: str, release: _PageDropper | None = None) -> list[_Source]:
     """Sources of named values: arrays or tensors; tokens, targets, weights may be lists of sequences."""
     out = []
@@ -417,6 +438,9 @@ def _value_sources(values: dict[str, Any], label: str, release: _PageDropper | N
         if isinstance(v, (list, tuple)):
             # a list of sequences (n_i, d) for tokens; of per-sequence rows or per-position blocks otherwise
             row_ndim = {"tokens": 2, "targets": 1, "weights": 0}.get(name)
+            if name in TOKEN_ALIASES:
+                _check_sequence_list(v, f"'{name}'", label)
+                row_ndim = 2
             if row_ndim is None:
                 raise InputError(f"'{name}' is a list; give it as one array", label)
             items = [_as_array(s, name, label) for s in v]
@@ -425,7 +449,7 @@ def _value_sources(values: dict[str, Any], label: str, release: _PageDropper | N
                 continue
             src, offsets = _concat_source(name, items, label, release)
             out.append(src)
-            if name == "tokens":
+            if name == "tokens" or name in TOKEN_ALIASES:
                 if values.get("offsets") is not None:
                     raise InputError("give 'offsets' only with tokens as one (T, d) array, not with a list of "
                                      "sequences (their lengths are the offsets)", label)
@@ -482,19 +506,8 @@ def _write(out: str | os.PathLike, sources: list[_Source], inputs: tuple[str | o
            chunk_size: int | None, progress: Callable[[int], None] | None) -> tokens_mod.TokensInfo:
     labels = list(dict.fromkeys(s.label for s in sources))
     where = " + ".join(labels) if labels else "input"
-    names = [s.name for s in sources]
-    dup = sorted({n for n in names if names.count(n) > 1})
-    if dup:
-        raise InputError(f"more than one array named {', '.join(repr(d) for d in dup)}", where)
-    unknown = [n for n in names if n not in NAMES]
-    if unknown:
-        raise InputError(f"unknown array{'s' if len(unknown) > 1 else ''} {', '.join(repr(u) for u in unknown)}: "
-                         "a tokens file holds only tokens, offsets, targets and weights (rename the arrays, or "
-                         "name a .npy file NAME=FILE)", where)
+    _check_names(sources, where)
     src = {s.name: s for s in sources}
-    if "tokens" not in src:
-        found = ", ".join(repr(n) for n in names) or "nothing"
-        raise InputError(f"no 'tokens' array (found {found})", where)
     for s in sources:
         formats.check_numeric(s, s.name, s.label)  # a duck-typed dataset: only its dtype is read
     suffix = Path(out).suffix.lower()
@@ -602,26 +615,356 @@ def _file_sources(name: str | None, p: Path, stack: ExitStack) -> list[_Source]:
                      f"and .pt files{text}", p)
 
 
+# --------------------------------------------------------------------------------------------
+# activations as models write them: names, padding masks, several files
+# --------------------------------------------------------------------------------------------
+
+
+def parse_keys(keys: Sequence[str] | None) -> dict[str, str]:
+    """--key ROLE=NAME options -> {NAME: ROLE} (ROLE: tokens, targets, weights, offsets, mask)."""
+    out: dict[str, str] = {}
+    for k in keys or ():
+        role, sep, name = str(k).partition("=")
+        if not sep or not name or role not in ROLES:
+            raise InputError(f"--key {k}: expected ROLE=NAME with ROLE one of {', '.join(ROLES)} (e.g. "
+                             "--key tokens=hidden)")
+        if name in out and out[name] != role:
+            raise InputError(f"--key: '{name}' is given two roles ({out[name]} and {role})")
+        out[name] = role
+    roles = list(out.values())
+    dup = sorted({r for r in roles if roles.count(r) > 1})
+    if dup:
+        raise InputError(f"--key: more than one array given the role {', '.join(dup)}")
+    return out
+
+
+def _rename(sources: list[_Source], keymap: dict[str, str], mask: str | None) -> tuple[list[_Source], str | None]:
+    """Sources renamed by --key (the mask role names the mask) and the token aliases; the mask's name."""
+    out = []
+    for s in sources:
+        role = keymap.get(s.name)
+        if role == "mask":
+            mask = s.name
+        elif role is not None:
+            s = dataclasses.replace(s, name=role)
+        out.append(s)
+    names = [s.name for s in out]
+    if "tokens" not in names:
+        alias = [a for a in TOKEN_ALIASES if a in names]
+        if alias:
+            out = [dataclasses.replace(s, name="tokens") if s.name == alias[0] else s for s in out]
+    return out, mask
+
+
+# Bytes of mask rows read at once while counting a padded file's lengths.
+_MASK_BYTES = 16 << 20
+
+
+def _mask_rows(mask: _Source, n: int) -> Callable[[int, int], np.ndarray]:
+    """Rows [a, b) of the keep mask (bool (b-a, n)): an attention mask of 0/1, or lengths (N,)."""
+    if len(mask.shape) == 1:
+        def read(a: int, b: int) -> np.ndarray:
+            lens = np.asarray(mask.read(a, b))
+            return np.arange(n)[None, :] < lens.astype(np.int64)[:, None]
+        return read
+
+    def read2(a: int, b: int) -> np.ndarray:
+        return np.asarray(mask.read(a, b)) != 0
+    return read2
+
+
+def _check_mask(mask: _Source, N: int, n: int, label: str) -> np.ndarray:
+    """The offsets (N+1,) of the kept tokens; refuses a mask of another shape, values other than 0/1
+    (lengths outside 1..n) and sequences with no token kept."""
+    if mask.dtype.kind not in "biuf":
+        raise InputError(f"'{mask.name}' has dtype {mask.dtype}, expected 0/1 numbers (or integer lengths)", label)
+    lengths = np.empty(N, dtype=np.int64)
+    step = max(1, _MASK_BYTES // max(1, n * max(1, mask.dtype.itemsize)))
+    for a in range(0, N, step):
+        b = min(N, a + step)
+        m = np.asarray(mask.read(a, b))
+        if len(mask.shape) == 1:
+            bad = ~((m >= 1) & (m <= n) & (m == np.floor(m)))
+            if bad.any():
+                i = a + int(np.flatnonzero(bad)[0])
+                raise InputError(f"'{mask.name}' of sequence {i} is {m[i - a]!r}: lengths must be whole numbers in "
+                                 f"1..{n} (the padded length)", label)
+            lengths[a:b] = m.astype(np.int64)
+        else:
+            bad = ~((m == 0) | (m == 1))
+            if bad.any():
+                i, t = (int(x[0]) for x in np.nonzero(bad))
+                raise InputError(f"'{mask.name}' of sequence {a + i}, position {t} is {m[i, t]!r}: an attention "
+                                 "mask holds 0 (padding) or 1 (a token)", label)
+            lengths[a:b] = (m != 0).sum(axis=1)
+            empty = np.flatnonzero(lengths[a:b] == 0)
+            if empty.size:
+                raise InputError(f"sequence {a + int(empty[0])} has no token: its '{mask.name}' is all 0", label)
+    return np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+
+
+def _masked(src: _Source, keep: Callable[[int, int], np.ndarray], offsets: np.ndarray) -> _Source:
+    """Rows of a padded (N, n, ...) array at the kept positions, flattened: (T, ...) in order."""
+    rest = src.shape[2:]
+
+    def read(a: int, b: int) -> np.ndarray:
+        if b <= a:
+            return np.empty((0, *rest), src.dtype)
+        i0 = int(np.searchsorted(offsets, a, side="right")) - 1
+        i1 = int(np.searchsorted(offsets, b, side="left"))
+        rows = np.asarray(src.read(i0, i1))[keep(i0, i1)]
+        r0 = a - int(offsets[i0])
+        return rows[r0:r0 + (b - a)]
+
+    return _Source(src.name, (int(offsets[-1]), *rest), src.dtype, read, src.label)
+
+
+def _flat(src: _Source) -> _Source:
+    """A dense (N, n, ...) array read as (N n, ...) rows."""
+    n = src.shape[1]
+    rest = src.shape[2:]
+
+    def read(a: int, b: int) -> np.ndarray:
+        if b <= a:
+            return np.empty((0, *rest), src.dtype)
+        i0, i1 = a // n, -(-b // n)
+        rows = np.asarray(src.read(i0, i1)).reshape(-1, *rest)
+        return rows[a - i0 * n:b - i0 * n]
+
+    return _Source(src.name, (src.shape[0] * n, *rest), src.dtype, read, src.label)
+
+
+def _apply_mask(sources: list[_Source], mask_name: str | None, label: str, explicit: bool) -> list[_Source]:
+    """Padded tokens (N, n, d) with a mask (N, n) or lengths (N,): the unpadded sequences (ragged; the
+    last kept position is the query), per-position targets and weights masked the same way."""
+    by = {s.name: s for s in sources}
+    if mask_name is None:
+        found = [m for m in MASK_NAMES if m in by]
+        if len(found) > 1:
+            raise InputError(f"both {' and '.join(repr(f) for f in found)}: give one padding mask (or name it with "
+                             "--mask NAME)", label)
+        mask_name = found[0] if found else None
+    if mask_name is None:
+        return sources
+    if mask_name not in by:
+        if explicit:
+            have = ", ".join(repr(s.name) for s in sources) or "nothing"
+            raise InputError(f"no array '{mask_name}' to use as the padding mask (found {have})", label)
+        return sources
+    mask = by[mask_name]
+    tok = by.get("tokens")
+    if tok is None:
+        return sources  # the missing tokens are reported by the writer
+    if len(tok.shape) != 3:
+        raise InputError(f"'{mask_name}' masks padded tokens (N, n, d), but 'tokens' has shape {tok.shape}", label)
+    if "offsets" in by:
+        raise InputError(f"give either '{mask_name}' (padded tokens) or 'offsets' (ragged tokens), not both", label)
+    N, n = tok.shape[0], tok.shape[1]
+    want = (N,) if len(mask.shape) == 1 else (N, n)
+    if mask.shape != want:
+        raise InputError(f"'{mask_name}' has shape {mask.shape}, expected (N, n) = ({N}, {n}) (0/1 per position) "
+                         f"or (N,) = ({N},) (lengths)", label)
+    offsets = _check_mask(mask, N, n, label)
+    keep = _mask_rows(mask, n)
+    out = []
+    for s in sources:
+        if s.name == mask_name:
+            continue
+        if s.name == "tokens" or (len(s.shape) >= 2 and s.shape[:2] == (N, n) and s.name in ("targets", "weights")
+                                  and not (s.name == "targets" and len(s.shape) == 2)):
+            s = _masked(s, keep, offsets)  # per position: tokens, targets (N, n, e), weights (N, n)
+        out.append(s)
+    out.append(_array_source("offsets", offsets, label))
+    return out
+
+
+def _check_names(sources: list[_Source], where: str) -> None:
+    names = [s.name for s in sources]
+    dup = sorted({n for n in names if names.count(n) > 1})
+    if dup:
+        raise InputError(f"more than one array named {', '.join(repr(d) for d in dup)}", where)
+    unknown = [n for n in names if n not in NAMES]
+    if unknown:
+        raise InputError(f"unknown array{'s' if len(unknown) > 1 else ''} {', '.join(repr(u) for u in unknown)}: "
+                         "a tokens file holds only tokens, offsets, targets and weights (rename the arrays, map "
+                         "them with --key ROLE=NAME, or name a .npy file NAME=FILE)", where)
+    if "tokens" not in names:
+        found = ", ".join(repr(n) for n in names) or "nothing"
+        raise InputError(f"no 'tokens' array (found {found}; name one with --key tokens=NAME)", where)
+
+
+@dataclass
+class _Part:
+    """One input file of several: its arrays (named as a tokens file's) and their layout."""
+
+    label: str
+    src: dict[str, _Source]
+    N: int
+    dense: int | None  # n for (N, n, d) tokens, None for ragged (T, d) + offsets
+
+    @property
+    def d(self) -> int:
+        return int(self.src["tokens"].shape[-1])
+
+    def role(self, name: str) -> str | None:
+        """How `name` is laid out: "sequence" (first axis N) or "position" (per token), None if absent."""
+        s = self.src.get(name)
+        if s is None:
+            return None
+        if self.dense is not None:
+            per_pos = len(s.shape) >= 2 and s.shape[1] == self.dense and (name == "weights" or len(s.shape) == 3)
+        else:
+            T = self.src["tokens"].shape[0]
+            per_pos = s.shape[0] == T and T != self.N
+        return "position" if per_pos else "sequence"
+
+    def layout(self) -> tuple[Any, ...]:
+        tg = self.src.get("targets")
+        return (self.d, self.role("targets"), None if tg is None else int(tg.shape[-1]), self.role("weights"))
+
+
+def _part(sources: list[_Source], label: str) -> _Part:
+    _check_names(sources, label)
+    src = {s.name: s for s in sources}
+    tok = src["tokens"]
+    if len(tok.shape) == 3:
+        return _Part(label, src, int(tok.shape[0]), int(tok.shape[1]))
+    if len(tok.shape) != 2 or "offsets" not in src:
+        raise InputError(f"'tokens' has shape {tok.shape}: to join several files each needs tokens (N, n, d), "
+                         "(N, n, d) with a padding mask, or (T, d) with offsets", label)
+    return _Part(label, src, int(src["offsets"].shape[0]) - 1, None)
+
+
+def _concat(name: str, parts: list[_Source]) -> _Source:
+    """Sources joined along their first axis, read part by part."""
+    sizes = np.concatenate([[0], np.cumsum([p.shape[0] for p in parts])]).astype(np.int64)
+    dtype = np.result_type(*[p.dtype for p in parts])
+
+    def read(a: int, b: int) -> np.ndarray:
+        out = []
+        for k, p in enumerate(parts):
+            lo, hi = max(a, int(sizes[k])), min(b, int(sizes[k + 1]))
+            if hi > lo:
+                out.append(np.asarray(p.read(lo - int(sizes[k]), hi - int(sizes[k]))).astype(dtype, copy=False))
+        if not out:
+            return np.empty((0, *parts[0].shape[1:]), dtype)
+        return np.concatenate(out)
+
+    return _Source(name, (int(sizes[-1]), *parts[0].shape[1:]), dtype, read, " + ".join(p.label for p in parts))
+
+
+def _join(parts: list[_Part]) -> list[_Source]:
+    """Several files' arrays as one: concatenated in the order given (dense when every file is dense
+    with one n, else ragged), refusing a file of another d or layout."""
+    first = parts[0]
+    for p in parts[1:]:
+        if p.d != first.d:
+            raise InputError(f"has tokens of d = {p.d} but {first.label} has d = {first.d}: the files cannot be "
+                             "joined", p.label)
+        if p.layout() != first.layout():
+            def desc(q: _Part) -> str:
+                d, tr, te, wr = q.layout()
+                return (f"targets {'per ' + tr + f' ({te} wide)' if tr else 'none'}, weights "
+                        f"{'per ' + wr if wr else 'none'}")
+            raise InputError(f"has another layout than {first.label} ({desc(p)}; {desc(first)}): the files cannot "
+                             "be joined", p.label)
+    dense = all(p.dense is not None and p.dense == first.dense for p in parts)
+    out = []
+    names = [n for n in ("tokens", "targets", "weights") if n in first.src]
+    if dense:
+        for name in names:
+            out.append(_concat(name, [p.src[name] for p in parts]))
+        return out
+    flat: dict[str, list[_Source]] = {n: [] for n in names}
+    offs = [np.zeros(1, dtype=np.int64)]
+    total = 0
+    for p in parts:
+        for name in names:
+            s = p.src[name]
+            flat[name].append(_flat(s) if p.dense is not None and p.role(name) in ("position",) or
+                              (p.dense is not None and name == "tokens") else s)
+        if p.dense is not None:
+            o = np.arange(1, p.N + 1, dtype=np.int64) * p.dense
+        else:
+            off = p.src["offsets"]
+            o = np.asarray(off.read(1, off.shape[0]), dtype=np.int64)
+        offs.append(o + total)
+        total += int(o[-1]) if o.size else 0
+    for name in names:
+        out.append(_concat(name, flat[name]))
+    off = np.concatenate(offs)
+    out.append(_array_source("offsets", off, " + ".join(p.label for p in parts)))
+    return out
+
+
+def expand_inputs(inputs: Sequence[str | os.PathLike]) -> list[str]:
+    """Inputs with directories replaced by their files of a known suffix (sorted by name) and
+    unexpanded shell patterns (*, ?, [) by their matches (sorted)."""
+    import glob
+
+    out: list[str] = []
+    for spec in inputs:
+        s = str(spec)
+        name, p = parse_input(s)
+        if name is None and p.is_dir():
+            files = sorted(str(q) for q in p.iterdir() if q.is_file() and q.suffix.lower() in SUFFIXES)
+            if not files:
+                raise InputError("is a directory with no .npy, .npz, .safetensors or .pt file", p)
+            out += files
+        elif name is None and not p.exists() and any(c in s for c in "*?["):
+            files = sorted(glob.glob(s))
+            if not files:
+                raise InputError("matches no file", s)
+            out += files
+        else:
+            out.append(s)
+    return out
+
+
 def convert_files(inputs: Sequence[str | os.PathLike], output: str | os.PathLike, *,
-                  chunk_size: int | None = None,
-                  progress: Callable[[int], None] | None = None) -> tokens_mod.TokensInfo:
+                  chunk_size: int | None = None, progress: Callable[[int], None] | None = None,
+                  mask: str | None = None, keys: Sequence[str] | None = None) -> tokens_mod.TokensInfo:
     """Write the arrays of `inputs` (.npy, .npz, .safetensors, .pt) as one tokens file `output`.
 
     A `.npy` input holds one array: the one named by `NAME=FILE` (e.g. `targets=y.npy`), else by its
     stem when that is a dataset name (`offsets.npy`), else the tokens (allowed once). The others hold
     arrays named as the datasets of a tokens file; a torch file may also hold a tensor (the tokens)
     or a list of (n_i, d) tensors (ragged sequences). Validated and written as `write_tokens`.
+
+    Activations as models write them: `last_hidden_state` or `hidden_states` are the tokens when no
+    array is named `tokens`; `keys` ("ROLE=NAME": tokens, targets, weights, offsets, mask) name any
+    array's role; padded tokens (N, n, d) with an `attention_mask` (N, n) of 0/1 or `lengths` (N,)
+    (or the array named by `mask`) become the unpadded sequences, the last kept position the query
+    (per-position targets and weights masked alike). When several files hold tokens (a directory or
+    a glob gives its files sorted), each is one part and they are joined in the order given; a file
+    of another d or layout is refused, naming it.
     """
     if not inputs:
         raise InputError("no input files")
-    specs = [parse_input(i) for i in inputs]
+    keymap = parse_keys(keys)
+    specs = [parse_input(i) for i in expand_inputs(inputs)]
     with ExitStack() as stack:
-        sources: list[_Source] = []
         plain = [p for n, p in specs if n is None and p.suffix.lower() == ".npy" and p.stem not in NAMES]
-        if len(plain) > 1:
-            raise InputError(f"cannot tell which array each of {', '.join(p.name for p in plain)} holds: name the "
-                             "files tokens.npy, offsets.npy, targets.npy, weights.npy, or write NAME=FILE "
-                             "(e.g. targets=y.npy)")
+        per_file: list[tuple[Path, list[_Source], str | None]] = []
         for name, p in specs:
-            sources += _file_sources(name, p, stack)
+            srcs, mask_name = _rename(_file_sources(name, p, stack), keymap, mask)
+            per_file.append((p, srcs, mask_name))
+        holders = [p for p, srcs, _ in per_file if any(s.name == "tokens" for s in srcs)]
+        if len(holders) > 1 and not plain:
+            parts = []
+            for p, srcs, mask_name in per_file:
+                if not any(s.name == "tokens" for s in srcs):
+                    raise InputError("holds no tokens: when several files hold tokens each file is one part to "
+                                     "join, with its own targets and weights", p)
+                parts.append(_part(_apply_mask(srcs, mask_name, str(p), mask is not None), str(p)))
+            sources = _join(parts)
+        else:
+            if len(plain) > 1:
+                raise InputError(f"cannot tell which array each of {', '.join(p.name for p in plain)} holds: name "
+                                 "the files tokens.npy, offsets.npy, targets.npy, weights.npy, or write NAME=FILE "
+                                 "(e.g. targets=y.npy)")
+            sources = [s for _, srcs, _ in per_file for s in srcs]
+            where = " + ".join(str(p) for p, _, _ in per_file)
+            mask_name = next((m for _, _, m in per_file if m is not None), None)
+            sources = _apply_mask(sources, mask_name, where, mask is not None)
         return _write(output, sources, tuple(p for _, p in specs), chunk_size, progress)

@@ -1,7 +1,8 @@
 """Heads files for other frameworks: HDF5 (mhla's own), .npz (numpy) and .safetensors, chosen by suffix.
 
-Every format holds V and Q (H, d, d) float64 exactly as computed, plus metadata: format
-("mhla-heads"), mhla_version, d, n_heads, normalize. Writes are atomic (a temporary file in the
+Every format holds V (H, d_out, d) and Q (H, d, d) float64 exactly as computed, plus metadata: format
+("mhla-heads"), mhla_version, d, n_heads, normalize (and d_out when it differs from d: heads put back
+in a model's coordinates by `mhla export-heads --unreduce`). Writes are atomic (a temporary file in the
 output's directory, renamed on success; nothing is left on failure).
 """
 
@@ -38,6 +39,8 @@ def heads_format(path: str | os.PathLike) -> str:
 def _metadata(heads: Heads) -> dict[str, str]:
     meta = {"format": FORMAT_NAME, "mhla_version": __version__, "d": str(heads.d), "n_heads": str(heads.n_heads),
             "normalize": str(heads.info.get("normalize", "none"))}
+    if heads.d_out != heads.d:
+        meta["d_out"] = str(heads.d_out)
     err = heads.info.get("relative_function_error")
     if err is not None:
         meta["relative_function_error"] = repr(float(err))
@@ -115,7 +118,7 @@ def load_heads(path: str | os.PathLike) -> Heads:
     if missing:
         raise InputError(f"has no {' or '.join(repr(m) for m in missing)} array", path)
     heads = Heads.from_arrays(arrays["V"], arrays["Q"], normalize, path)
-    for key, value in (("d", heads.d), ("n_heads", heads.n_heads)):
+    for key, value in (("d", heads.d), ("n_heads", heads.n_heads), ("d_out", heads.d_out)):
         if key in meta and meta[key] != str(value):
             raise InputError(f"metadata '{key}' = {meta[key]} but the arrays have {key} = {value}", path)
     if "relative_function_error" in meta:

@@ -46,14 +46,109 @@ def forward_heads(V: np.ndarray, Q: np.ndarray, X: np.ndarray, all_positions: bo
     return np.einsum("hab,bc,hcl,l->a", V, S, Q, X[-1], optimize=True)
 
 
-def predict_chunk(coef: np.ndarray, tokens: np.ndarray, offsets: np.ndarray,
+class HeadsFn(tuple):
+    """Heads (V (H, d_out, d), Q (H, d, d)) evaluated directly, sum_h V_h S Q_h x (O(H d^2) per
+    sequence after S), instead of through coef (d_out, psi): for heads whose outputs have another
+    width than the tokens (mhla export-heads --unreduce), or whose coef would not fit (`direct`)."""
+
+    @property
+    def shape(self) -> tuple[int, int]:  # (outputs, tokens) widths, like coef's (d, psi) first axis
+        return int(self[0].shape[1]), int(self[0].shape[2])
+
+
+# Heads whose coef (d_out, psi) would exceed this are evaluated directly (HeadsFn).
+DIRECT_COEF_BYTES = 256 << 20
+# Bytes of the per-sequence S (B, d, d) of a chunk evaluated directly (predict_file's default chunk).
+DIRECT_CHUNK_BYTES = 32 << 20
+
+
+def direct(fn: Model | Heads | np.ndarray) -> HeadsFn | None:
+    """`fn` as a HeadsFn when it is heads that are rectangular (d_out != d) or too wide for a coef."""
+    if not isinstance(fn, Heads):
+        return None
+    V, Q = np.asarray(fn.V, dtype=np.float64), np.asarray(fn.Q, dtype=np.float64)
+    d_out, d = V.shape[1], Q.shape[1]
+    if d_out != d or 8 * d_out * (d * d * (d + 1) // 2) > DIRECT_COEF_BYTES:
+        return HeadsFn((V, Q))
+    return None
+
+
+def function_of(fn: Model | Heads | np.ndarray) -> np.ndarray | HeadsFn:
+    """What the chunk kernels evaluate: coef (d, psi), or the heads themselves (`direct`)."""
+    h = direct(fn)
+    return coef_of(fn) if h is None else h
+
+
+def out_width(fn: np.ndarray | HeadsFn) -> int:
+    """Width of the outputs of a coef or HeadsFn."""
+    return int(fn.shape[0])
+
+
+def in_width(fn: np.ndarray | HeadsFn) -> int:
+    """Width of the tokens a coef or HeadsFn takes."""
+    return int(fn.shape[1]) if isinstance(fn, HeadsFn) else int(fn.shape[0])
+
+
+def heads_chunk(fn: HeadsFn, tokens: np.ndarray, offsets: np.ndarray, all_positions: bool = False,
+                normalize: str = "none") -> tuple[np.ndarray, np.ndarray | None]:
+    """`predict_chunk` of heads evaluated directly: last-token outputs (B, d_out), every position's (t, d_out)."""
+    V, Q = fn
+    d = Q.shape[1]
+    if tokens.shape[1] != d:
+        raise InputError(f"the model has d = {d} but the data have d = {tokens.shape[1]}")
+    S, last = sequence_moments(tokens, offsets)
+    if normalize == "length":
+        S /= np.diff(np.asarray(offsets, dtype=np.int64)).astype(np.float64)[:, None, None]
+    # sum_h V_h (S (Q_h x)): per head, matrix-vector products
+    qx = np.einsum("hcl,bl->bhc", Q, last, optimize=True)
+    sqx = np.einsum("bjc,bhc->bhj", S, qx, optimize=True)
+    pred = np.einsum("haj,bhj->ba", V, sqx, optimize=True)
+    outputs = None
+    if all_positions:
+        M = np.einsum("haj,bjc,hcl->bal", V, S, Q, optimize=True)
+        lengths = np.diff(offsets)
+        seq = np.repeat(np.arange(lengths.size), lengths)
+        outputs = np.einsum("tal,tl->ta", M[seq], np.asarray(tokens, dtype=np.float64), optimize=True)
+    return pred, outputs
+
+
+def heads_causal_chunk(fn: HeadsFn, tokens: np.ndarray, offsets: np.ndarray, normalize: str = "none",
+                       progress: Callable[[int], None] | None = None) -> np.ndarray:
+    """`causal_chunk` of heads evaluated directly: out_t = sum_h V_h S_t Q_h x_t, by sequence
+    (S_t Q_h x_t = sum_{s<=t} x_s (x_s . Q_h x_t): an n x n masked score matrix per head)."""
+    V, Q = fn
+    d = Q.shape[1]
+    if tokens.shape[1] != d:
+        raise InputError(f"the model has d = {d} but the data have d = {tokens.shape[1]}")
+    offsets = np.asarray(offsets, dtype=np.int64)
+    out = np.empty((int(offsets[-1]), V.shape[1]))
+    for i in range(offsets.size - 1):
+        X = np.asarray(tokens[offsets[i]:offsets[i + 1]], dtype=np.float64)
+        n = X.shape[0]
+        mask = np.tril(np.ones((n, n)))  # [t, s]: s <= t
+        if normalize == "length":
+            mask /= np.arange(1, n + 1, dtype=np.float64)[:, None]
+        y = np.zeros((n, V.shape[1]))
+        for h in range(V.shape[0]):
+            qx = X @ Q[h].T  # row t: Q_h x_t
+            y += ((mask * (qx @ X.T)) @ X) @ V[h].T  # [t, s] = x_s . Q_h x_t
+        out[offsets[i]:offsets[i + 1]] = y
+        if progress is not None:
+            progress(i + 1)
+    return out
+
+
+def predict_chunk(coef: np.ndarray | HeadsFn, tokens: np.ndarray, offsets: np.ndarray,
                   all_positions: bool = False, normalize: str = "none",
                   device: str | None = None) -> tuple[np.ndarray, np.ndarray | None]:
     """Predictions for a chunk: last-token outputs (B, d) and, if asked, every position's (t, d).
 
     normalize="length" divides each sequence's S by its length (as the model was fitted). `device`
     (mhla_cli.device): the last-token outputs computed there (every position's stay on the CPU).
+    `coef` may be a HeadsFn (heads evaluated directly, on the CPU: `heads_chunk`).
     """
+    if isinstance(coef, HeadsFn):
+        return heads_chunk(coef, tokens, offsets, all_positions, normalize)
     d = coef.shape[0]
     if tokens.shape[1] != d:
         raise InputError(f"the model has d = {d} but the data have d = {tokens.shape[1]}")
@@ -85,8 +180,10 @@ def causal_chunk(coef: np.ndarray, tokens: np.ndarray, offsets: np.ndarray, norm
     Computed from the running prefix Grams (stream.prefix_moments): out_t = M_t x_t with
     M_t[a, l] = sum_{j<=k} p[a,(j,k,l)] S_t[j,k], in blocks of whole sequences (every row is its
     own prefix's: the blocks change no value and bound the (t, d, d) work array). `progress(k)`, if
-    given, is told the number k of sequences done after each block.
+    given, is told the number k of sequences done after each block. A HeadsFn: `heads_causal_chunk`.
     """
+    if isinstance(coef, HeadsFn):
+        return heads_causal_chunk(coef, tokens, offsets, normalize, progress)
     d = coef.shape[0]
     if tokens.shape[1] != d:
         raise InputError(f"the model has d = {d} but the data have d = {tokens.shape[1]}")
@@ -135,14 +232,14 @@ def predict_causal(fn: Model | Heads | np.ndarray, tokens: np.ndarray, offsets: 
                    ) -> np.ndarray:
     """In-memory causal outputs (T, d) (tokens (N, n, d), or (T, d) with offsets); the model's normalisation."""
     tokens, offsets = as_ragged(tokens, offsets)
-    return causal_chunk(coef_of(fn), tokens, offsets, normalize_of(fn))
+    return causal_chunk(function_of(fn), tokens, offsets, normalize_of(fn))
 
 
 def predict(fn: Model | Heads | np.ndarray, tokens: np.ndarray, offsets: np.ndarray | None = None,
             all_positions: bool = False, device: str | None = None) -> np.ndarray | tuple[np.ndarray, np.ndarray]:
     """In-memory prediction. tokens (N, n, d), or (T, d) with offsets (N+1,); the model's normalisation.
     `device` (mhla_cli.device): the last-token outputs computed there."""
-    coef = coef_of(fn)
+    coef = function_of(fn)
     tokens, offsets = as_ragged(tokens, offsets)
     pred, outputs = predict_chunk(coef, tokens, offsets, all_positions,
                                   normalize_of(fn), device=check_device(device))
@@ -205,13 +302,18 @@ def _one_at_a_time(progress: Callable[[int], None]) -> Callable[[int], None]:
     return call
 
 
-def _function_and_data(fn: Model | Heads, data: str | os.PathLike) -> tuple[np.ndarray, str, TokensInfo]:
-    """coef and normalisation of `fn`, and the layout of the tokens file `data` (same d checked)."""
-    coef = coef_of(fn)
+def _function_and_data(fn: Model | Heads, data: str | os.PathLike
+                       ) -> tuple[np.ndarray | HeadsFn, str, TokensInfo]:
+    """coef (or a HeadsFn) and normalisation of `fn`, and the layout of the tokens file `data` (same
+    d checked, and the targets' width against the outputs')."""
+    coef = function_of(fn)
     normalize = check_normalize(normalize_of(fn))
     info = inspect_tokens(data)
-    if info.d != coef.shape[0]:
-        raise InputError(f"the data have d = {info.d} but the model has d = {coef.shape[0]}", data)
+    if info.d != in_width(coef):
+        raise InputError(f"the data have d = {info.d} but the model has d = {in_width(coef)}", data)
+    if info.has_targets and info.out_dim != out_width(coef):
+        raise InputError(f"the targets are {info.out_dim} wide but the model's outputs {out_width(coef)}: map the "
+                         "targets as the model's were (mhla reduce --like)", data)
     return coef, normalize, info
 
 
@@ -243,10 +345,15 @@ def predict_file(fn: Model | Heads, data: str | os.PathLike, out: str | os.PathL
         raise InputError("causal and all_positions cannot be combined: causal is the masked (prefix) "
                          "output at every position, all_positions the unmasked one")
     coef, normalize, info = _function_and_data(fn, data)
-    d = coef.shape[0]
+    d = out_width(coef)
     if info.per_position and not causal:
         info = dataclasses.replace(info, has_targets=False)  # per-position targets: no per-sequence MSE
-    size = chunk_size or default_chunk_size(info)
+    if isinstance(coef, HeadsFn):
+        device = None  # heads evaluated directly run on the CPU
+        mean_len = max(1.0, info.n_tokens / info.n_samples)
+        size = chunk_size or int(max(1, min(info.n_samples, DIRECT_CHUNK_BYTES // (8 * info.d * (info.d + mean_len)))))
+    else:
+        size = chunk_size or default_chunk_size(info)
     sse, count, spread = 0.0, 0, Spread()
     have_y = info.has_targets
     with_outputs = all_positions or causal
@@ -428,6 +535,11 @@ def rollout_file(fn: Model | Heads, data: str | os.PathLike, out: str | os.PathL
     if steps < 1:
         raise InputError(f"steps must be >= 1, got {steps}")
     coef, normalize, info = _function_and_data(fn, data)
+    if isinstance(coef, HeadsFn):
+        if out_width(coef) != in_width(coef):
+            raise InputError(f"the heads map d = {in_width(coef)} tokens to {out_width(coef)}-dim outputs: a rollout "
+                             "appends outputs as tokens, so they need equal widths", data)
+        coef = coef_of(fn)
     d = coef.shape[0]
     C = None if codebook is None else load_codebook(codebook, d)
     formats.check_hdf5_suffix(out, "a tokens file")

@@ -56,9 +56,41 @@ def p_from_heads(V: np.ndarray, Q: np.ndarray) -> np.ndarray:
     return p_from_W(W_from_heads(np.asarray(V, np.float64), np.asarray(Q, np.float64)))
 
 
+def coef_of_heads(V: np.ndarray, Q: np.ndarray) -> np.ndarray:
+    """coef p (d_out, psi) of heads V (H, d_out, d), Q (H, d, d), rectangular ones too (as p_from_W
+    on W4[a, j, k, l] = sum_h V_h[a, j] Q_h[k, l])."""
+    V, Q = np.asarray(V, dtype=np.float64), np.asarray(Q, dtype=np.float64)
+    d = Q.shape[1]
+    W4 = np.einsum("haj,hkl->ajkl", V, Q, optimize=True)
+    j, k = pair_index(d)
+    P = W4[:, j, k, :] + W4[:, k, j, :]
+    P[:, j == k, :] *= 0.5
+    return P.reshape(V.shape[1], -1)
+
+
+def coef_inner(Va: np.ndarray, Qa: np.ndarray, Vb: np.ndarray, Qb: np.ndarray) -> float:
+    """<p_A, p_B> (Frobenius) of the coef of two sets of heads, without forming either coef (psi
+    d_out entries): sum_{h,g} <Va_h, Vb_g> <Qa_h, Qb_g> + tr(M N) - sum_j M_jj N_jj with
+    M = Va_h^T Vb_g, N = Qa_h Qb_g^T (d x d). O(H_a H_b d^2 (d + d_out)); for heads too wide for a coef."""
+    total = 0.0
+    for h in range(Va.shape[0]):
+        M = np.einsum("aj,gak->gjk", Va[h], Vb, optimize=True)  # (Hb, d, d)
+        N = np.einsum("kl,gjl->gkj", Qa[h], Qb, optimize=True)  # N[g, k, j] = (Qa_h Qb_g^T)[k, j]
+        vv = np.einsum("aj,gaj->g", Va[h], Vb)
+        qq = np.einsum("kl,gkl->g", Qa[h], Qb)
+        total += float(vv @ qq) + float(np.einsum("gjk,gkj->", M, N)) - float(
+            np.einsum("gjj,gjj->", M, N))
+    return total
+
+
 @dataclass
 class Heads:
-    """An MHLA: value matrices V (H, d, d) and merged key-query matrices Q (H, d, d)."""
+    """An MHLA: value matrices V (H, d_out, d) and merged key-query matrices Q (H, d, d).
+
+    d_out = d for the heads mhla fits; d_out != d for heads put back in a model's coordinates
+    (`mhla export-heads --unreduce`: V_full = U V_h P^T). Such heads are evaluated directly
+    (forward.HeadsFn); they have no coef (d, psi).
+    """
 
     V: np.ndarray
     Q: np.ndarray
@@ -66,6 +98,12 @@ class Heads:
 
     @property
     def d(self) -> int:
+        """Width of the tokens."""
+        return int(self.Q.shape[1])
+
+    @property
+    def d_out(self) -> int:
+        """Width of the outputs (d unless the heads are rectangular)."""
         return int(self.V.shape[1])
 
     @property
@@ -74,12 +112,17 @@ class Heads:
 
     @property
     def coef(self) -> np.ndarray:
+        if self.d_out != self.d:
+            raise InputError(f"heads with {self.d_out}-dim outputs of {self.d}-dim tokens have no coef (d, psi) "
+                             "on d x d features; they are evaluated directly")
         return p_from_heads(self.V, self.Q)
 
     def save(self, path: str | os.PathLike, inputs: tuple[str | os.PathLike, ...] = ()) -> None:
         """Write a heads file atomically."""
         attrs = {"d": self.d, "n_heads": self.n_heads}
-        for k in ("relative_function_error", "tol", "max_heads", "normalize"):
+        if self.d_out != self.d:
+            attrs["d_out"] = self.d_out
+        for k in ("relative_function_error", "tol", "max_heads", "normalize", "unreduced"):
             if self.info.get(k) is not None:
                 attrs[k] = self.info[k]
         formats.write_file(path, "heads", {"V": self.V, "Q": self.Q}, attrs, inputs)
@@ -96,17 +139,20 @@ class Heads:
 
     @classmethod
     def from_arrays(cls, V: Any, Q: Any, normalize: str = "none", path: str | os.PathLike | None = None) -> Heads:
-        """Validated heads from arrays V, Q (H, d, d) (any real dtype; stored as float64)."""
+        """Validated heads from arrays V (H, d_out, d), Q (H, d, d) (any real dtype; stored as float64)."""
         V = np.asarray(V)
         Q = np.asarray(Q)
         for name, a in (("V", V), ("Q", Q)):
             if not (np.issubdtype(a.dtype, np.floating) or np.issubdtype(a.dtype, np.integer)):
                 raise InputError(f"'{name}' has dtype {a.dtype}, expected real numbers", path)
         V, Q = V.astype(np.float64), Q.astype(np.float64)
-        if V.ndim != 3 or V.shape[1] != V.shape[2]:
-            raise InputError(f"'V' has shape {V.shape}, expected (H, d, d)", path)
-        if Q.shape != V.shape:
-            raise InputError(f"'Q' has shape {Q.shape} but 'V' has shape {V.shape}; they must match", path)
+        if V.ndim != 3:
+            raise InputError(f"'V' has shape {V.shape}, expected (H, d_out, d)", path)
+        if Q.ndim != 3 or Q.shape[1] != Q.shape[2]:
+            raise InputError(f"'Q' has shape {Q.shape}, expected (H, d, d)", path)
+        if V.ndim != 3 or V.shape[0] != Q.shape[0] or V.shape[2] != Q.shape[2]:
+            raise InputError(f"'Q' has shape {Q.shape} but 'V' has shape {V.shape}; expected V (H, d_out, d) "
+                             "beside Q (H, d, d)", path)
         if V.shape[0] == 0:
             raise InputError("no heads (H = 0)", path)
         if not (np.isfinite(V).all() and np.isfinite(Q).all()):

@@ -45,7 +45,7 @@ def inspect_file(path: str | os.PathLike) -> dict[str, Any]:
             rep["error"] = str(exc)
             return rep
         rep.update(kind="heads", valid=True, format=Path(path).suffix.lower().lstrip("."), d=heads.d,
-                   n_heads=heads.n_heads, normalize=heads.info.get("normalize", "none"),
+                   d_out=heads.d_out, n_heads=heads.n_heads, normalize=heads.info.get("normalize", "none"),
                    datasets={k: {"shape": list(v.shape), "dtype": str(v.dtype)} for k, v in (("V", heads.V),
                                                                                         ("Q", heads.Q))})
         return rep
@@ -86,7 +86,7 @@ def _validate(path: str | os.PathLike, kind: str) -> dict[str, Any]:
         _scan_finite(path, info)
         return {"layout": info.layout, "n_samples": info.n_samples, "d": info.d, "n_tokens": info.n_tokens,
                 "dtype": info.dtype, "has_targets": info.has_targets, "per_position": info.per_position,
-                "has_weights": info.has_weights}
+                "has_weights": info.has_weights, "d_out": info.out_dim}
     if kind == "features":
         feats = Features.load(path)
         return {"d": feats.d, "n_samples": feats.n_samples, "n_features": feats.n_features,
@@ -98,7 +98,7 @@ def _validate(path: str | os.PathLike, kind: str) -> dict[str, Any]:
         return {"d": model.d, "n_features": int(model.coef.shape[1])}
     if kind == "heads":
         heads = Heads.load(path)
-        return {"d": heads.d, "n_heads": heads.n_heads}
+        return {"d": heads.d, "d_out": heads.d_out, "n_heads": heads.n_heads}
     if kind == "probes":
         with formats.open_input(path) as f:
             res = formats.read_array(f, "residual", path)

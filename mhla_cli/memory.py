@@ -11,6 +11,11 @@ pass ((psi + d)^2 with targets) and its chunk buffers, plus SLACK_BYTES for the 
   and read only when a consumer needs it) plus what the factorization of Lambda~ holds
   (`SOLVE_COPIES`, measured on mhla_cli.solve / factorization);
 - certify / fit of a tokens file: the larger of the pass and the solve.
+
+Wide tokens (a transformer's hidden states, D = 384..4096) are refused before anything of their size
+is allocated, whatever path the job would take (`check_floor`): even the cheapest pass over them, the
+partial traces of the data's spans, needs `floor_bytes(d)`; the refusal names the largest d whose
+featurize fits this machine and `mhla reduce`, which maps the tokens to that many dimensions.
 """
 
 from __future__ import annotations
@@ -32,6 +37,12 @@ SLACK_BYTES = 64 * 2**20
 # fit 2.0 / 2.1 copies in all, fit --ridge 3.0 (before the scale: 3.1 / 3.1 and 5.1; 4.9 / 5.4 at
 # N = 5000 < psi, one copy less now).
 SOLVE_COPIES = {"cholesky": 1.2, "eigh": 3, "fit-eigh": 3.5, "ridge": 2.2, "lowrank": 4}
+
+
+# q x q float64 matrices (q = psi / d = d (d + 1) / 2) the cheapest pass over d-dim tokens holds:
+# the span pass's partial trace, its symmetrised copy and sum (stream.find_spans), and the
+# eigensolver's copy and eigenvectors (structure.from_traces).
+FLOOR_COPIES = 4
 
 
 def matrix_bytes(d: int) -> int:
@@ -91,6 +102,47 @@ def solve_kind(d: int, n_samples: int, ridge: float = 0.0, lowrank: bool = False
     return "fit-eigh" if command == "fit" else "eigh"
 
 
+def floor_bytes(d: int) -> int:
+    """The least that any job building psi x psi statistics of d-dim tokens holds (`FLOOR_COPIES`
+    q x q float64 matrices of the span pass, q = d (d + 1) / 2): below every command's own need."""
+    q = d * (d + 1) // 2
+    return FLOOR_COPIES * 8 * q * q + SLACK_BYTES
+
+
+def largest_d(budget_bytes: int, need: Callable[[int], int] | None = None, below: int | None = None) -> int:
+    """The largest d (< `below`, if given) whose `need(d)` (default: a whole serial featurize) fits
+    in `budget_bytes`; 0 if not even d = 1 fits."""
+    need = need or featurize_bytes
+    fits = 0
+    while (below is None or fits + 1 < below) and need(fits + 1) <= budget_bytes:
+        fits += 1
+    return fits
+
+
+def reduce_hint(fits: int, tokens: str | os.PathLike | None = None) -> str:
+    """The advice of a refusal for too wide tokens: map them (the file `tokens`) to `fits` dimensions."""
+    if not fits:
+        return ""
+    return f"; map the tokens to fewer dimensions first: mhla reduce {tokens or 'TOKENS'} -o REDUCED.h5 --dim {fits}"
+
+
+def check_floor(d: int, path: str | os.PathLike | None = None, what: str = "the psi x psi statistics",
+                budget_bytes: int | None = None) -> None:
+    """Refuse up front tokens too wide for any job on psi x psi statistics (`floor_bytes`), before a
+    byte of their size is allocated: one InputError naming d, psi, the memory needed, the largest d
+    whose featurize fits, and `mhla reduce`. Cheap: call it first in every such command."""
+    if budget_bytes is None:
+        budget_bytes = _available_memory()
+    total = floor_bytes(d)
+    if total <= budget_bytes:
+        return
+    fits = largest_d(budget_bytes, below=d)
+    raise InputError(
+        f"d = {d} needs psi = {n_features(d)} features and at least {total / 2**30:.1f} GiB for {what}, "
+        f"more than the {budget_bytes / 2**30:.1f} GiB of memory available; "
+        + (f"the largest d that fits is {fits}" if fits else "not even d = 1 fits") + reduce_hint(fits, path), path)
+
+
 def check_memory(d: int, budget_bytes: int | None = None, copies: int = 1,
                  path: str | os.PathLike | None = None, need: Callable[[int], int] | None = None,
                  what: str = "the psi x psi statistics") -> None:
@@ -107,14 +159,12 @@ def check_memory(d: int, budget_bytes: int | None = None, copies: int = 1,
             return featurize_bytes(k, workers=copies)
     total = need(d)
     if total > budget_bytes:
-        fits = 0
-        while fits + 1 < d and need(fits + 1) <= budget_bytes:
-            fits += 1
+        fits = largest_d(budget_bytes, need, below=d)
         who = f" ({copies} workers)" if copies > 1 else ""
         raise InputError(
             f"d = {d} needs psi = {n_features(d)} features and about {total / 2**30:.1f} GiB for {what}{who}, "
             f"more than the {budget_bytes / 2**30:.1f} GiB of memory available; "
-            + (f"the largest d that fits is {fits}" if fits else "not even d = 1 fits"), path)
+            + (f"the largest d that fits is {fits}" if fits else "not even d = 1 fits") + reduce_hint(fits), path)
 
 
 def _available_memory() -> int:

@@ -34,11 +34,12 @@ from .numerics import SINGULAR_BASIS_COND
 from .factorization import POTRF_THREADED_MAX
 from .errors import InputError
 from .features import check_normalize, n_features, pair_index
-from .memory import (block_featurize_bytes, block_solve_bytes, check_memory, featurize_bytes, solve_bytes,
+from .memory import (block_featurize_bytes, block_solve_bytes, check_floor, check_memory, featurize_bytes, solve_bytes,
                      solve_kind)
 from .parallel import CANCEL, Cancelled
 from .stats import Features, add_into, check_overflow
-from .tokens import ReadBuffers, TokensInfo, check_chunk, check_weights, inspect_tokens, iter_chunks, read_chunk
+from .tokens import (ReadBuffers, TokensInfo, check_chunk, check_weights, inspect_tokens, iter_chunks, read_chunk,
+                     require_square)
 
 __all__ = ["Features", "chunk_features", "default_chunk_size", "estimate_basis", "featurize", "load_features",
            "prefix_moments", "reduce_span", "reduce_spans", "sample_rows", "sequence_moments", "shard_range",
@@ -619,6 +620,7 @@ def chunk_features(tokens: np.ndarray, offsets: np.ndarray, targets: np.ndarray 
     features and their Gram are built.
     """
     check_normalize(normalize)
+    check_floor(d, what="featurize")
     device = device_mod.check_device(device)
     tokens = np.asarray(tokens)
     basis = _basis_option(basis, d, None)
@@ -877,6 +879,8 @@ def featurize(path: str | os.PathLike, chunk_size: int | None = None,
     check_spans(spans)
     device = device_mod.check_device(device, path)
     info = inspect_tokens(path)
+    check_floor(info.d, path, "featurize")  # wide tokens: before anything of their size
+    require_square(info, "featurize")
     serial = map is None and workers <= 1 and scheduler is None
     # every feature for sure: refused before any work (a pool's workers are counted once it is made);
     # otherwise after the cheap span pass, with the block it found
@@ -984,6 +988,7 @@ def find_spans(info: TokensInfo, A: np.ndarray, span: tuple[int, int], chunk_siz
     """
     if check_spans(spans) == "off":
         return None, A, 0
+    check_floor(info.d, info.path, "featurize")
     share = 1.0 if spans == "on" else SPANS_SHARE
     psi = n_features(info.d)
     if spans == "auto" and psi < SPANS_MIN_FEATURES:
@@ -1069,6 +1074,8 @@ def solve_need(path: str | os.PathLike, ridge: float = 0.0, lowrank: bool = Fals
         return d, lambda k: solve_bytes(k, solve_kind(k, n, ridge, lowrank, command))
     if kind == "tokens":
         info = inspect_tokens(path)
+        check_floor(info.d, path, command)
+        require_square(info, command)
         if n_features(info.d) >= SPANS_MIN_FEATURES and not lowrank:
             return None  # featurize may find a block on the data's spans: it checks its pass itself
         n = info.n_tokens if info.per_position else info.n_samples

@@ -42,6 +42,14 @@ class TokensInfo:
     per_position: bool = False
     # Optional `weights`: (N,) for last-token data, (T,) or (N, n) for per-position data.
     has_weights: bool = False
+    # Width of the targets when it differs from d (a head's output beside the hidden states);
+    # None: the targets are d wide, or there are none (`out_dim`).
+    d_out: int | None = None
+
+    @property
+    def out_dim(self) -> int:
+        """Width of the targets (d unless the file says otherwise)."""
+        return self.d if self.d_out is None else int(self.d_out)
 
     def sample_tokens(self, lo: int, hi: int, offsets: np.ndarray | None = None) -> int:
         """Number of tokens of samples [lo, hi)."""
@@ -93,29 +101,46 @@ def _inspect_tokens_open(f: h5py.File, path: str | os.PathLike) -> TokensInfo:
                          "'offsets' or (N, n, d)", path)
     has_targets = "targets" in f
     per_position = False
+    d_out = None
     if has_targets:
         tg = f["targets"]
         if not isinstance(tg, h5py.Dataset):
             raise InputError("'targets' is a group, expected a dataset (N, d)", path)
         formats.check_numeric(tg, "targets", path)
-        per_position = _targets_layout(tuple(int(s) for s in tg.shape), layout, N, T, d, seq_len, path)
+        shape = tuple(int(s) for s in tg.shape)
+        per_position = _targets_layout(shape, layout, N, T, d, seq_len, path)
+        if shape and shape[-1] != d:
+            d_out = shape[-1]
     has_weights = "weights" in f
     if has_weights:
         per_position = _check_weights_shape(f["weights"], layout, N, T, seq_len, has_targets, per_position, path)
-    return TokensInfo(str(path), layout, N, d, T, str(tok.dtype), has_targets, seq_len, per_position, has_weights)
+    return TokensInfo(str(path), layout, N, d, T, str(tok.dtype), has_targets, seq_len, per_position, has_weights,
+                      d_out)
+
+
+def require_square(info: TokensInfo, what: str) -> None:
+    """Refuse (one line naming `mhla reduce`) a file whose targets are not as wide as its tokens, for
+    `what`, a job that needs equal widths (the MHLA maps R^d to R^d)."""
+    if info.has_targets and info.out_dim != info.d:
+        raise InputError(f"the targets are {info.out_dim} wide but the tokens d = {info.d}: {what} needs targets "
+                         f"of the tokens' width; map both to the same dimension with mhla reduce "
+                         f"{info.path} -o REDUCED.h5 --dim K", info.path)
 
 
 def _targets_layout(shape: tuple[int, ...], layout: str, N: int, T: int, d: int, seq_len: int | None,
                     path: str | os.PathLike) -> bool:
-    """True for per-position targets ((T, d) with offsets, (N, n, d) with dense tokens), False for (N, d).
+    """True for per-position targets ((T, e) with offsets, (N, n, e) with dense tokens), False for (N, e).
 
-    With ragged tokens and T = N (every sequence one token) the two meanings coincide: last-token.
+    The width e of the targets is d, or any other width >= 1 (`TokensInfo.d_out`: a head's output
+    beside the hidden states, for `mhla reduce`). With ragged tokens and T = N (every sequence one
+    token) the two meanings coincide: last-token.
     """
-    if shape == (N, d):
+    e = shape[-1] if len(shape) in (2, 3) and shape[-1] >= 1 else d
+    if shape == (N, e):
         return False
-    if layout == "ragged" and shape == (T, d):
+    if layout == "ragged" and shape == (T, e):
         return True
-    if layout == "dense" and shape == (N, seq_len, d):
+    if layout == "dense" and shape == (N, seq_len, e):
         return True
     per_pos = f"(T, d) = ({T}, {d})" if layout == "ragged" else f"(N, n, d) = ({N}, {seq_len}, {d})"
     raise InputError(f"'targets' has shape {shape}, expected (N, d) = ({N}, {d}) (one target per sequence) "
@@ -276,15 +301,16 @@ def read_chunk(f: h5py.File, info: TokensInfo, a: int, b: int, bufs: ReadBuffers
     targets = None
     if info.has_targets and getattr(info, "per_position", False):
         # per-position targets (t, d): rows of the chunk's tokens
-        targets = bufs.get("targets", (int(offsets[-1]), d))
+        e = info.out_dim
+        targets = bufs.get("targets", (int(offsets[-1]), e))
         if b > a:
             if info.layout == "dense":
-                f["targets"].read_direct(targets.reshape(b - a, int(info.seq_len), d), np.s_[a:b])
+                f["targets"].read_direct(targets.reshape(b - a, int(info.seq_len), e), np.s_[a:b])
             else:
                 t0 = int(f["offsets"][a])
                 f["targets"].read_direct(targets, np.s_[t0:t0 + int(offsets[-1])])
     elif info.has_targets:
-        targets = bufs.get("targets", (b - a, d))
+        targets = bufs.get("targets", (b - a, info.out_dim))
         if b > a:
             f["targets"].read_direct(targets, np.s_[a:b])
     if with_weights:

@@ -53,7 +53,7 @@ from .model import Model
 from .forward import predict_chunk
 from .solve import EPS, Certificate, certify, domain_map, fit, observed_bases, train_mse
 from .stream import Features, default_chunk_size, sequence_moments
-from .tokens import inspect_tokens, iter_chunks
+from .tokens import inspect_tokens, iter_chunks, require_square
 
 ROUNDING = 4.0  # "at rounding level": within this many times the float64 resolution
 MIN_FUNCTION_CHANGE = 1e-3  # smallest relative p distance worth calling a different function
@@ -212,6 +212,7 @@ def _data_terms(data: str | os.PathLike, pa: np.ndarray, v: np.ndarray, u: np.nd
     """The same g and b summed on the data (t_i = v^T H_i, r_i = p_A H_i - y_i; no Gram, so no squared
     condition number), with bounds on their rounding, and max_i |t_i| (sample index)."""
     info = inspect_tokens(data)
+    require_square(info, "the witness")
     size = chunk_size or default_chunk_size(info)
     psi = pa.shape[1]
     e = 4 * psi * EPS
@@ -242,6 +243,7 @@ def _data_check(data: str | os.PathLike, pa: np.ndarray, pb: np.ndarray, chunk_s
     """Recompute on the data with the two models' predictions: SSE_A, SSE_B - SSE_A in product form
     (sum (yhat_B - yhat_A) . (yhat_B + yhat_A - 2 y)), a bound on its rounding, max ||yhat_B - yhat_A||."""
     info = inspect_tokens(data)
+    require_square(info, "the witness")
     size = chunk_size or default_chunk_size(info)
     e = 4 * pa.shape[1] * EPS
     sse_a = dsse = bound = 0.0

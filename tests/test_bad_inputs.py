@@ -152,8 +152,12 @@ TOKEN_CASES: dict[str, Callable[[Base, Path], tuple[Path, str]]] = {
     "nan_tokens": _nan_tokens,
     "inf_targets": _inf_targets,
     "huge_tokens": _huge_tokens,
-    "targets_shape": lambda b, p: (h5(p, tokens=b.tokens, offsets=b.offsets, targets=np.ones((40, 3))),
-                                   r"'targets' has shape \(40, 3\), expected \(N, d\) = \(40, 2\)"),
+    "targets_shape": lambda b, p: (h5(p, tokens=b.tokens, offsets=b.offsets, targets=np.ones((40, 2, 1))),
+                                   r"'targets' has shape \(40, 2, 1\), expected \(N, d\) = \(40, 2\)"),
+    # targets of another width are a valid file (for mhla reduce), refused by the jobs needing equal widths
+    "targets_width": lambda b, p: (h5(p, tokens=b.tokens, offsets=b.offsets, targets=np.ones((40, 3))),
+                                   r"the targets are 3 wide but the tokens d = 2: \w+ needs targets of the "
+                                   r"tokens' width; map both to the same dimension with mhla reduce "),
     "targets_wrong_n": lambda b, p: (h5(p, tokens=b.tokens, offsets=b.offsets, targets=b.targets[:-1]),
                                      r"'targets' has shape \(39, 2\), expected \(N, d\) = \(40, 2\)"),
     "truncated": _truncated,
@@ -200,8 +204,11 @@ MODEL_CASES = {
 HEADS_CASES = {
     "V_vs_Q": lambda b, p: (copy_with(b.heads, p, replace("Q", np.ones((1, 3, 3)))),
                             r"'Q' has shape \(1, 3, 3\) but 'V' has shape \(\d+, 2, 2\)"),
-    "V_not_square": lambda b, p: (copy_with(b.heads, p, replace("V", np.ones((1, 2, 3)))),
-                                  r"'V' has shape \(1, 2, 3\), expected \(H, d, d\)"),
+    "V_vs_Q_width": lambda b, p: (copy_with(b.heads, p, replace("V", np.ones((1, 2, 3)))),
+                                  r"'Q' has shape \(\d+, 2, 2\) but 'V' has shape \(1, 2, 3\); expected V "
+                                  r"\(H, d_out, d\) beside Q \(H, d, d\)"),
+    "Q_not_square": lambda b, p: (copy_with(b.heads, p, replace("Q", np.ones((1, 2, 3)))),
+                                  r"'Q' has shape \(1, 2, 3\), expected \(H, d, d\)"),
 }
 
 
@@ -262,7 +269,9 @@ def test_bad_tokens(case: str, command: str, base: Base, tmp_path: Path, capsys)
         code = run(argv)
         assert code == (1 if command == "certify" else 0), capsys.readouterr().err
         return
-    if command == "inspect" and case == "d_too_large":
+    if case == "targets_width" and command == "predict":
+        pattern = r"the targets are 3 wide but the model's outputs 2: map the targets as the model's were"
+    if command == "inspect" and case in ("d_too_large", "targets_width"):
         pytest.skip("inspect validates the file, not the machine's memory")
     blamed: Path | None = bad
     if case == "d_too_large" and command != "predict":

@@ -51,3 +51,26 @@ def test_different_d_is_an_error(tmp_path: Path, capsys: pytest.CaptureFixture[s
     capsys.readouterr()
     assert run(["compare", str(a), str(b)]) == 2
     assert "different d" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("wide", [False, True])
+def test_rectangular_heads_compare_on_their_coef(wide: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """V (H, d_out, d): the distance of the (d_out, psi) coefs, or (`wide`: no coef formed) of the
+    d x d products (heads.coef_inner); reference: the coefs materialised in numpy."""
+    from mhla_cli import compare as compare_mod, forward
+    from mhla_cli.errors import InputError
+    from mhla_cli.heads import coef_of_heads
+
+    rng = np.random.default_rng(3)
+    a = Heads.from_arrays(rng.standard_normal((2, 2, 4)), rng.standard_normal((2, 4, 4)))
+    b = Heads.from_arrays(a.V + 1e-3 * rng.standard_normal(a.V.shape), a.Q)
+    if wide:
+        monkeypatch.setattr(compare_mod, "DIRECT_COEF_BYTES", 0)
+        monkeypatch.setattr(forward, "DIRECT_COEF_BYTES", 0)
+    pa, pb = coef_of_heads(a.V, a.Q), coef_of_heads(b.V, b.Q)
+    res = compare(a, b, tol=1e-6)
+    assert res["distance"] == pytest.approx(float(np.linalg.norm(pa - pb)), rel=1e-6)
+    assert res["norm_b"] == pytest.approx(float(np.linalg.norm(pb)), rel=1e-12)
+    assert res["same"] is False and compare(a, a)["same"] is True
+    with pytest.raises(InputError, match="nothing to compare"):
+        compare(a, Heads.from_arrays(rng.standard_normal((1, 3, 4)), rng.standard_normal((1, 4, 4))))

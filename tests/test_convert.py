@@ -290,7 +290,7 @@ BAD = {
     "negative weights": (_npz(tokens=_T, offsets=_O, weights=-_W), "weights must be finite and >= 0"),
     "NaN weights": (_npz(tokens=_T, offsets=_O, weights=np.r_[_W[:-1], np.nan]), "weights must be finite"),
     "targets of other length": (_npz(tokens=_T, offsets=_O, targets=_Y[:-1]), "'targets' has shape"),
-    "targets of other d": (_npz(tokens=_T, offsets=_O, targets=_Y[:, :2]), "'targets' has shape"),
+    "targets of rank 3 for ragged tokens": (_npz(tokens=_T, offsets=_O, targets=_Y[:, :, None]), "'targets' has shape"),
     "weights of other length": (_npz(tokens=_T, offsets=_O, weights=_W[:-1]), "'weights' has shape"),
     "unknown key": (_npz(tokens=_X, labels=np.zeros(7)), "unknown array 'labels'"),
     "no tokens": (_npz(targets=_Y), "no 'tokens' array"),
@@ -301,7 +301,8 @@ BAD = {
     "truncated .npy": (_truncated, "truncated"),
     "two plain .npy": (lambda d: (_npys(tokens=_X)(d), np.save(d / "a.npy", _X), np.save(d / "b.npy", _X),
                                   [str(d / "a.npy"), str(d / "b.npy")])[-1], "cannot tell which"),
-    "the same array twice": (lambda d: _npys(tokens=_X)(d) + _npz(tokens=_X)(d), "more than one array"),
+    "the same array twice": (lambda d: _npys(tokens=_X, targets=_X[:, -1])(d) + _npz(targets=_X[:, -1])(d),
+                             "more than one array"),
     "not a zip .npz": (_file("in.npz", b"not a zip at all"), "not a valid .npz"),
     "bad safetensors": (_file("in.safetensors", b"\x05\x00\x00\x00\x00\x00\x00\x00{bad}"), ".safetensors"),
     "bad torch": (_file("in.pt", b"garbage"), "cannot read as a torch file"),
@@ -485,3 +486,177 @@ def test_dropped_pages_read_back_the_same_and_changed_pages_are_never_dropped(tm
     assert np.array_equal(t.numpy(), before) and np.array_equal(before, x.numpy())
     t[0, 0] = 7.0  # a changed (copy-on-write) page: dropping it would bring back the file's bytes
     assert convert_mod._PageDropper(tmp_path / "x.pt").ranges == []
+
+
+# --------------------------------------------------------------------------------------------
+# activations as models write them: padding masks, names, several files, bfloat16, tuples
+# --------------------------------------------------------------------------------------------
+
+
+def _padded(seed: int = 3, N: int = 6, n: int = 5, d: int = 4, left: bool = False
+            ) -> tuple[np.ndarray, np.ndarray, list[np.ndarray]]:
+    """Padded activations (N, n, d) (garbage in the padding), a 0/1 mask and the kept sequences."""
+    rng = np.random.default_rng(seed)
+    X = rng.standard_normal((N, n, d)).astype(np.float32)
+    lengths = rng.integers(1, n + 1, size=N)
+    mask = np.zeros((N, n), dtype=np.int64)
+    for i, k in enumerate(lengths):
+        if left:
+            mask[i, n - k:] = 1
+        else:
+            mask[i, :k] = 1
+    return X, mask, [X[i][mask[i] == 1] for i in range(N)]
+
+
+@pytest.mark.parametrize("left", [False, True])
+def test_padded_tokens_with_an_attention_mask_become_the_unpadded_sequences(left: bool, tmp_path: Path) -> None:
+    X, mask, seqs = _padded(left=left)
+    N, n, _ = X.shape
+    rng = np.random.default_rng(0)
+    Y = rng.standard_normal((N, 2))  # per sequence, another width than the tokens
+    Yp = rng.standard_normal((N, n, 3))  # per position
+    Wp = rng.random((N, n))
+    np.savez(tmp_path / "a.npz", last_hidden_state=X, attention_mask=mask, targets=Y)
+    assert run(["convert", str(tmp_path / "a.npz"), "-o", str(tmp_path / "a.h5"), "-q"]) == 0
+    off = np.concatenate([[0], np.cumsum([len(s) for s in seqs])]).astype(np.int64)
+    _same(tmp_path / "a.h5", tokens=np.concatenate(seqs), offsets=off, targets=Y)
+    # per-position targets and weights are masked alike; the last kept position is the query
+    np.savez(tmp_path / "b.npz", tokens=X, attention_mask=mask, targets=Yp, weights=Wp)
+    assert run(["convert", str(tmp_path / "b.npz"), "-o", str(tmp_path / "b.h5"), "-q"]) == 0
+    keep = mask == 1
+    _same(tmp_path / "b.h5", tokens=np.concatenate(seqs), offsets=off, targets=Yp[keep], weights=Wp[keep])
+    info = mhla_cli.tokens.inspect_tokens(tmp_path / "b.h5")
+    assert info.per_position and info.out_dim == 3
+
+
+def test_lengths_mask_name_and_keys(tmp_path: Path) -> None:
+    X, mask, seqs = _padded()
+    lengths = mask.sum(axis=1)
+    off = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+    np.savez(tmp_path / "l.npz", tokens=X, lengths=lengths)
+    assert run(["convert", str(tmp_path / "l.npz"), "-o", str(tmp_path / "l.h5"), "-q"]) == 0
+    _same(tmp_path / "l.h5", tokens=np.concatenate(seqs), offsets=off)
+    # another name for the mask, and any array mapped to a role
+    np.savez(tmp_path / "k.npz", hidden=X, keep=mask, head=X[:, 0, :2].astype(np.float64))
+    assert run(["convert", str(tmp_path / "k.npz"), "-o", str(tmp_path / "k.h5"), "--mask", "keep",
+                "--key", "tokens=hidden", "--key", "targets=head", "-q"]) == 0
+    _same(tmp_path / "k.h5", tokens=np.concatenate(seqs), offsets=off, targets=X[:, 0, :2].astype(np.float64))
+    assert run(["convert", str(tmp_path / "k.npz"), "-o", str(tmp_path / "k2.h5"), "--key", "mask=keep",
+                "--key", "tokens=hidden", "--key", "targets=head", "-q"]) == 0
+    _same(tmp_path / "k2.h5", tokens=np.concatenate(seqs), offsets=off, targets=X[:, 0, :2].astype(np.float64))
+
+
+@pytest.mark.parametrize("case, pattern", [
+    ("not 0/1", "an attention mask holds 0 (padding) or 1"),
+    ("all 0", "sequence 2 has no token"),
+    ("bad length", "lengths must be whole numbers in 1..5"),
+    ("ragged tokens", "masks padded tokens"),
+    ("no such mask", "no array 'nope' to use as the padding mask"),
+    ("bad key", "--key foo=bar: expected ROLE=NAME"),
+])
+def test_bad_masks_exit_2(case: str, pattern: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    X, mask, _ = _padded()
+    extra: list[str] = []
+    if case == "not 0/1":
+        mask = mask * 2
+    if case == "all 0":
+        mask[2] = 0
+    arrays: dict[str, np.ndarray] = {"tokens": X, "attention_mask": mask}
+    if case == "bad length":
+        arrays = {"tokens": X, "lengths": np.r_[mask.sum(axis=1)[:-1], 6]}
+    if case == "ragged tokens":
+        arrays = {"tokens": _T, "offsets": _O, "attention_mask": np.ones((9, 2))}
+    if case == "no such mask":
+        extra = ["--mask", "nope"]
+    if case == "bad key":
+        extra = ["--key", "foo=bar"]
+    np.savez(tmp_path / "m.npz", **arrays)
+    out = tmp_path / "m.h5"
+    capsys.readouterr()
+    assert run(["convert", str(tmp_path / "m.npz"), "-o", str(out), *extra]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and pattern in err[0], err
+    assert not out.exists()
+
+
+def test_several_files_are_joined_in_order(tmp_path: Path) -> None:
+    rng = np.random.default_rng(1)
+    parts = [rng.standard_normal((k, 4, 3)) for k in (2, 3, 1)]
+    ys = [rng.standard_normal((k, 3)) for k in (2, 3, 1)]
+    for i, (x, y) in enumerate(zip(parts, ys)):
+        np.savez(tmp_path / f"p{i}.npz", tokens=x, targets=y)
+    files = [str(tmp_path / f"p{i}.npz") for i in range(3)]
+    # dense parts of one n: dense
+    assert run(["convert", *files, "-o", str(tmp_path / "all.h5"), "-q"]) == 0
+    _same(tmp_path / "all.h5", tokens=np.concatenate(parts), targets=np.concatenate(ys))
+    # the order given, a directory (sorted), a pattern (sorted)
+    assert run(["convert", files[2], files[0], "-o", str(tmp_path / "rev.h5"), "-q"]) == 0
+    _same(tmp_path / "rev.h5", tokens=np.concatenate([parts[2], parts[0]]), targets=np.concatenate([ys[2], ys[0]]))
+    d = tmp_path / "dir"
+    d.mkdir()
+    for i in range(3):
+        (tmp_path / f"p{i}.npz").rename(d / f"p{i}.npz")
+    assert run(["convert", str(d), "-o", str(tmp_path / "dir.h5"), "-q"]) == 0
+    _same(tmp_path / "dir.h5", tokens=np.concatenate(parts), targets=np.concatenate(ys))
+    assert run(["convert", str(d / "p*.npz"), "-o", str(tmp_path / "glob.h5"), "-q"]) == 0
+    _same(tmp_path / "glob.h5", tokens=np.concatenate(parts), targets=np.concatenate(ys))
+    # a padded part with a mask and a ragged one among dense ones: joined ragged
+    X, mask, seqs = _padded(N=3, n=4, d=3)
+    yx = rng.standard_normal((3, 3))
+    np.savez(d / "p3.npz", tokens=X, attention_mask=mask, targets=yx)
+    tr, orr, _, _ = _ragged(2, N=2, d=3)
+    yr = rng.standard_normal((2, 3))
+    np.savez(d / "p4.npz", tokens=tr, offsets=orr, targets=yr)
+    assert run(["convert", str(d), "-o", str(tmp_path / "mix.h5"), "-q"]) == 0
+    all_seqs = [s for x in parts for s in x] + seqs + [tr[orr[i]:orr[i + 1]] for i in range(2)]
+    off = np.concatenate([[0], np.cumsum([len(s) for s in all_seqs])]).astype(np.int64)
+    got = _read(tmp_path / "mix.h5")
+    assert np.array_equal(got["offsets"], off)
+    assert np.array_equal(got["tokens"], np.concatenate(all_seqs))
+    assert np.array_equal(got["targets"], np.concatenate([*ys, yx, yr]))
+
+
+def test_joining_refuses_a_file_of_another_d_or_layout(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    rng = np.random.default_rng(2)
+    np.savez(tmp_path / "a.npz", tokens=rng.standard_normal((2, 4, 3)), targets=rng.standard_normal((2, 3)))
+    np.savez(tmp_path / "b.npz", tokens=rng.standard_normal((2, 4, 5)), targets=rng.standard_normal((2, 5)))
+    np.savez(tmp_path / "c.npz", tokens=rng.standard_normal((2, 4, 3)))
+    for other, pattern in (("b", "has tokens of d = 5 but"), ("c", "has another layout than")):
+        capsys.readouterr()
+        out = tmp_path / "o.h5"
+        assert run(["convert", str(tmp_path / "a.npz"), str(tmp_path / f"{other}.npz"), "-o", str(out)]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith(f"mhla: error: {tmp_path / f'{other}.npz'}: {pattern}"), err
+        assert not out.exists()
+
+
+def test_bfloat16_is_read_exactly_and_tuples_are_refused_clearly(tmp_path: Path,
+                                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    torch = pytest.importorskip("torch")
+    X, mask, seqs = _padded()
+    xb = torch.from_numpy(X).to(torch.bfloat16)
+    exact = xb.float().numpy()  # bfloat16 -> float32 is exact
+    torch.save({"last_hidden_state": xb, "attention_mask": torch.from_numpy(mask)}, tmp_path / "b.pt")
+    assert run(["convert", str(tmp_path / "b.pt"), "-o", str(tmp_path / "b.h5"), "-q"]) == 0
+    got = _read(tmp_path / "b.h5")
+    assert got["tokens"].dtype == np.float32
+    assert np.array_equal(got["tokens"], np.concatenate([exact[i][mask[i] == 1] for i in range(len(mask))]))
+    try:
+        from safetensors.torch import save_file
+    except ImportError:
+        save_file = None
+    if save_file is not None:
+        save_file({"tokens": xb.contiguous(), "attention_mask": torch.from_numpy(mask)}, str(tmp_path / "b.safetensors"))
+        assert run(["convert", str(tmp_path / "b.safetensors"), "-o", str(tmp_path / "bs.h5"), "-q"]) == 0
+        assert np.array_equal(_read(tmp_path / "bs.h5")["tokens"], got["tokens"])
+    # a model's output tuple: refused in one line that says what to save instead
+    torch.save((xb, xb[:, 0]), tmp_path / "t.pt")
+    capsys.readouterr()
+    assert run(["convert", str(tmp_path / "t.pt"), "-o", str(tmp_path / "t.h5")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "holds a tuple of 2 arrays of shapes (6, 5, 4), (6, 4)" in err[0], err
+    assert "last_hidden_state" in err[0]
+    # a list of (n_i, d) sequences is still ragged data
+    torch.save([torch.from_numpy(s) for s in seqs], tmp_path / "l.pt")
+    assert run(["convert", str(tmp_path / "l.pt"), "-o", str(tmp_path / "l.h5"), "-q"]) == 0
+    assert np.array_equal(_read(tmp_path / "l.h5")["tokens"], np.concatenate(seqs))

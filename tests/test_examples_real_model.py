@@ -55,9 +55,22 @@ def test_real_model_r2_is_numpy_least_squares(tmp_path, capsys):
     if not all((LICENSES / n).is_file() for n in ("GPL-3", "Apache-2.0", "MPL-2.0")):
         pytest.skip(f"{LICENSES}: Debian's licence texts are not here")
     mod = _example()
-    rows = mod.main(["--d", "3", "--max-windows", "250", "--workdir", str(tmp_path), "--json"])
+    rows = mod.main(["--d", "3", "--max-windows", "250", "--workdir", str(tmp_path), "--json",
+                     "--replace-windows", "40"])
     printed = json.loads(capsys.readouterr().out)
     assert printed["rows"] == rows and len(rows) == 2
+    # the maps come from mhla reduce, saved with the outputs; the held-out windows take the same ones
+    with h5py.File(tmp_path / "train_d3.h5", "r") as a, h5py.File(tmp_path / "heldout_d3.h5", "r") as b:
+        assert a["reduce_P"].shape == (384, 3) and a["reduce_U"].shape == (32, 3)
+        assert np.array_equal(a["reduce_P"][...], b["reduce_P"][...])
+        assert np.array_equal(a["reduce_U"][...], b["reduce_U"][...])
+    # back into the transformer: heads of the model's widths, the head replaced through a hook
+    rep = printed["replaced"]
+    assert rep["n_windows"] == 40 and rep["unreduce_max_rel_error"] <= 1e-10
+    with h5py.File(tmp_path / rep["heads_file"], "r") as f:
+        assert f["V"].shape[1:] == (32, 384) and f["Q"].shape[1:] == (384, 384)
+    for kind in ("mhla", "mean", "zero"):
+        assert -1 <= rep[kind]["min_cosine"] <= rep[kind]["mean_cosine"] <= 1 + 1e-12
     train, train_y = _read(tmp_path / "train_d3.h5")
     test, test_y = _read(tmp_path / "heldout_d3.h5")
     assert len(train) == len(test) == 250 and train[0].shape[1] == 3

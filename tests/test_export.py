@@ -192,3 +192,37 @@ def test_predict_compare_inspect_read_exported_heads(tmp_path) -> None:
                        capture_output=True, text=True)
     assert r.returncode == 2 and r.stderr.startswith("mhla: error: ") and "not a .npz archive" in r.stderr
     assert not (tmp_path / "q.h5").exists()
+
+
+@pytest.mark.parametrize("suffix", [".h5", ".npz", ".safetensors"])
+def test_rectangular_heads_round_trip(suffix: str, tmp_path: Path) -> None:
+    """V (H, d_out, d) beside Q (H, d, d): every format keeps them exactly, with d_out in the metadata."""
+    from mhla_cli.export import load_heads, save_heads
+    from mhla_cli.heads import Heads
+
+    if suffix == ".safetensors":
+        pytest.importorskip("safetensors")
+    rng = np.random.default_rng(0)
+    h = Heads.from_arrays(rng.standard_normal((2, 3, 5)), rng.standard_normal((2, 5, 5)))
+    path = tmp_path / f"h{suffix}"
+    save_heads(h, path)
+    back = load_heads(path)
+    assert np.array_equal(back.V, h.V) and np.array_equal(back.Q, h.Q) and (back.d, back.d_out) == (5, 3)
+    assert run(["inspect", str(path), "--json"]) == 0
+
+
+def test_to_torch_of_rectangular_heads(tmp_path: Path) -> None:
+    torch = pytest.importorskip("torch")
+    from mhla_cli.forward import forward_heads
+    from mhla_cli.heads import Heads
+
+    rng = np.random.default_rng(1)
+    V, Q = rng.standard_normal((2, 3, 5)), rng.standard_normal((2, 5, 5))
+    m = Heads.from_arrays(V, Q).to_torch()
+    assert (m.d, m.d_out) == (5, 3) and "d_out=3" in repr(m)
+    X = rng.standard_normal((4, 5))
+    with torch.no_grad():
+        last = m(torch.from_numpy(X)).numpy()
+        causal = m(torch.from_numpy(X), causal=True).numpy()
+    assert np.allclose(last, forward_heads(V, Q, X), rtol=1e-12, atol=1e-12)
+    assert np.allclose(causal[1], forward_heads(V, Q, X[:2]), rtol=1e-12, atol=1e-12)

@@ -318,3 +318,60 @@ def test_plain_predict_checks_weights(tmp_path: Path, capsys: pytest.CaptureFixt
             err = capsys.readouterr().err
             assert err.startswith("mhla: error:") and "weights" in err, err
             assert not (tmp_path / "p.h5").exists()
+
+
+# ------------------------------------------------------------- heads evaluated directly (HeadsFn)
+
+
+def _ragged(rng: np.random.Generator, d: int, lengths: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray]:
+    X = rng.standard_normal((sum(lengths), d))
+    return X, np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+
+
+@pytest.mark.parametrize("normalize", ["none", "length"])
+def test_rectangular_heads_against_the_reference_forward_pass(normalize: str) -> None:
+    """Last-token, every-position and causal outputs of V (H, d_out, d) heads equal forward_heads."""
+    rng = np.random.default_rng(4)
+    V, Q = rng.standard_normal((3, 2, 5)), rng.standard_normal((3, 5, 5))
+    X, off = _ragged(rng, 5, (1, 4, 2, 6))
+    h = Heads.from_arrays(V, Q, normalize)
+    fn = forward.direct(h)
+    assert isinstance(fn, forward.HeadsFn) and fn.shape == (2, 5)
+    pred, outs = forward.predict_chunk(fn, X, off, all_positions=True, normalize=normalize)
+    causal = forward.causal_chunk(fn, X, off, normalize=normalize)
+    for i in range(off.size - 1):
+        Xi = X[off[i]:off[i + 1]]
+        assert np.allclose(pred[i], forward.forward_heads(V, Q, Xi, normalize=normalize), rtol=1e-12, atol=1e-12)
+        assert np.allclose(outs[off[i]:off[i + 1]], forward.forward_heads(V, Q, Xi, True, normalize),
+                           rtol=1e-12, atol=1e-12)
+        for t in range(1, Xi.shape[0] + 1):
+            assert np.allclose(causal[off[i] + t - 1], forward.forward_heads(V, Q, Xi[:t], normalize=normalize),
+                               rtol=1e-12, atol=1e-12)
+    assert np.allclose(forward.predict(h, X, off), pred, rtol=0, atol=0)
+
+
+def test_wide_square_heads_are_evaluated_directly_as_the_coef_would(monkeypatch: pytest.MonkeyPatch) -> None:
+    rng = np.random.default_rng(5)
+    V, Q = rng.standard_normal((2, 4, 4)), rng.standard_normal((2, 4, 4))
+    X, off = _ragged(rng, 4, (3, 1, 5))
+    h = Heads.from_arrays(V, Q)
+    assert forward.direct(h) is None  # small: through the coef
+    want, want_all = forward.predict_chunk(h.coef, X, off, all_positions=True)
+    want_causal = forward.causal_chunk(h.coef, X, off)
+    monkeypatch.setattr(forward, "DIRECT_COEF_BYTES", 0)
+    fn = forward.direct(h)
+    assert fn is not None
+    got, got_all = forward.predict_chunk(fn, X, off, all_positions=True)
+    assert np.allclose(got, want, rtol=1e-12, atol=1e-12) and np.allclose(got_all, want_all, rtol=1e-12, atol=1e-12)
+    assert np.allclose(forward.causal_chunk(fn, X, off), want_causal, rtol=1e-12, atol=1e-12)
+
+
+def test_rollout_refuses_rectangular_heads(tmp_path: Path) -> None:
+    from mhla_cli import write_tokens
+
+    rng = np.random.default_rng(6)
+    h = Heads.from_arrays(rng.standard_normal((1, 2, 3)), rng.standard_normal((1, 3, 3)))
+    data = tmp_path / "t.h5"
+    write_tokens(data, rng.standard_normal((4, 2, 3)))
+    with pytest.raises(InputError, match="need equal widths"):
+        forward.rollout_file(h, data, tmp_path / "o.h5", 2)

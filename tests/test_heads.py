@@ -189,7 +189,9 @@ def _write(path: Path, attrs: dict | None = None, **data: np.ndarray) -> Path:
 BAD_HEADS = {
     "Q_shape": (dict(V=np.ones((2, 3, 3)), Q=np.ones((2, 2, 2))), r"'Q' has shape \(2, 2, 2\) but 'V'"),
     "Q_count": (dict(V=np.ones((2, 3, 3)), Q=np.ones((1, 3, 3))), r"'Q' has shape"),
-    "V_not_square": (dict(V=np.ones((2, 3, 2)), Q=np.ones((2, 3, 2))), r"'V' has shape .* expected \(H, d, d\)"),
+    "Q_not_square": (dict(V=np.ones((2, 3, 2)), Q=np.ones((2, 3, 2))), r"'Q' has shape .* expected \(H, d, d\)"),
+    "V_vs_Q_width": (dict(V=np.ones((2, 3, 2)), Q=np.ones((2, 3, 3))), r"'Q' has shape \(2, 3, 3\) but 'V' has shape "
+                     r"\(2, 3, 2\); expected V \(H, d_out, d\)"),
     "V_rank2": (dict(V=np.ones((3, 3)), Q=np.ones((3, 3))), r"'V' has shape"),
     "no_heads": (dict(V=np.ones((0, 2, 2)), Q=np.ones((0, 2, 2))), r"no heads"),
     "nan": (dict(V=np.full((1, 2, 2), np.nan), Q=np.ones((1, 2, 2))), r"NaN or Inf"),
@@ -216,3 +218,44 @@ def test_heads_file_bad_normalize_and_wrong_kind(tmp_path: Path) -> None:
         Heads.load(_write(tmp_path / "b.h5", {"mhla_kind": "model"}, coef=np.ones((2, 6))))
     # no attributes at all: the kind is detected from the 'V' dataset
     assert Heads.load(_write(tmp_path / "c.h5", {}, **good)).n_heads == 1
+
+
+# ------------------------------------------------------------- rectangular heads (d_out != d)
+
+
+def _rect(seed: int = 0, H: int = 2, d_out: int = 2, d: int = 3) -> tuple[np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return rng.standard_normal((H, d_out, d)), rng.standard_normal((H, d, d))
+
+
+def test_rectangular_heads_round_trip_and_have_no_square_coef(tmp_path: Path) -> None:
+    from mhla_cli.heads import coef_of_heads
+
+    V, Q = _rect()
+    h = Heads.from_arrays(V, Q)
+    assert (h.d, h.d_out, h.n_heads) == (3, 2, 2)
+    h.save(tmp_path / "h.h5")
+    back = Heads.load(tmp_path / "h.h5")
+    assert np.array_equal(back.V, V) and np.array_equal(back.Q, Q)
+    with pytest.raises(InputError, match="no coef"):
+        back.coef
+    # the (d_out, psi) coef computes sum_h V_h S Q_h x on the features (reference: forward_heads)
+    from mhla_cli.forward import forward_heads
+    from mhla_cli.features import cubic_features
+
+    X = np.random.default_rng(1).standard_normal((5, 3))
+    p = coef_of_heads(V, Q)
+    assert p.shape == (2, 18)
+    assert np.allclose(p @ cubic_features(X), forward_heads(V, Q, X), rtol=1e-12, atol=1e-12)
+
+
+def test_coef_inner_is_the_frobenius_product_of_the_coefs() -> None:
+    from mhla_cli.heads import coef_inner, coef_of_heads
+
+    Va, Qa = _rect(0, H=3, d_out=2, d=4)
+    Vb, Qb = _rect(1, H=2, d_out=2, d=4)
+    want = float(np.sum(coef_of_heads(Va, Qa) * coef_of_heads(Vb, Qb)))
+    assert coef_inner(Va, Qa, Vb, Qb) == pytest.approx(want, rel=1e-12)
+    # square heads: the coef of p_from_heads
+    Vs, Qs = _rect(2, H=2, d_out=3, d=3)
+    assert np.allclose(coef_of_heads(Vs, Qs), heads.p_from_heads(Vs, Qs), rtol=0, atol=1e-12)

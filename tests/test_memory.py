@@ -182,3 +182,77 @@ def test_featurize_derives_the_own_gram_when_used(files: tuple[Path, Path]) -> N
     assert feats._gram_raw is stats._DERIVED and feats.moments is not None
     want = basis.gram_from_basis(feats.basis, feats.basis_gram)
     assert np.array_equal(feats.gram, want) and feats._gram_raw is feats.gram
+
+
+# ------------------------------------------------------------- wide tokens, refused up front
+
+
+def test_floor_cut_and_message() -> None:
+    """check_floor refuses just above floor_bytes(d), lets through at it; the line names d, psi, the
+    GiB, the largest d whose featurize fits and mhla reduce."""
+    d = 40
+    need = memory.floor_bytes(d)
+    memory.check_floor(d, "t.h5", budget_bytes=need)  # just inside: no error
+    with pytest.raises(InputError) as exc:
+        memory.check_floor(d, "t.h5", "featurize", budget_bytes=need - 1)
+    msg = str(exc.value)
+    fits = memory.largest_d(need - 1, below=d)
+    assert memory.featurize_bytes(fits) <= need - 1 < memory.featurize_bytes(fits + 1)
+    assert f"d = {d} needs psi = {n_features(d)} features and at least {need / 2**30:.1f} GiB for featurize" in msg
+    assert f"the largest d that fits is {fits}" in msg
+    assert msg.endswith(f"mhla reduce t.h5 -o REDUCED.h5 --dim {fits}")
+    # below every command's own need: the floor never refuses what the full check lets through
+    for k in (3, 8, 16, 24):
+        assert memory.floor_bytes(k) <= memory.featurize_bytes(k)
+
+
+def test_library_entry_points_check_the_floor(files: tuple[Path, Path], monkeypatch: pytest.MonkeyPatch) -> None:
+    tokens, _ = files
+    monkeypatch.setattr(memory, "_available_memory", lambda: memory.floor_bytes(3) - 1)
+    _no_work(monkeypatch)
+    with pytest.raises(InputError, match="at least .* GiB for featurize"):
+        stream.featurize(tokens)
+    with pytest.raises(InputError, match="mhla reduce"):
+        stream.solve_need(tokens)
+    with pytest.raises(InputError, match="mhla reduce|not even d = 1"):
+        stream.chunk_features(np.ones((4, 3)), np.array([0, 2, 4]), None, 3)
+
+
+@pytest.fixture(scope="module")
+def wide(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The issue's case: 384-dim hidden states of N = 50 sequences (10 tokens each)."""
+    from mhla_cli import write_tokens
+
+    rng = np.random.default_rng(0)
+    path = tmp_path_factory.mktemp("wide") / "w384.h5"
+    write_tokens(path, [rng.standard_normal((10, 384)).astype(np.float32) for _ in range(50)],
+                 targets=rng.standard_normal((50, 384)))
+    return path
+
+
+@pytest.mark.parametrize("command", ["featurize", "certify", "fit"])
+def test_wide_tokens_refused_in_one_line_with_a_small_peak(command: str, wide: Path, tmp_path: Path) -> None:
+    """d = 384 (psi = 28385280): one line naming d, psi, the memory, the largest d and mhla reduce;
+    exit 2; a peak RSS below 300 MB (the span pass alone would hold 4 x 40.7 GiB)."""
+    import subprocess
+    import sys
+
+    out = tmp_path / "out.h5"
+    argv = {"featurize": ["featurize", str(wide), "-o", str(out)], "certify": ["certify", str(wide)],
+            "fit": ["fit", str(wide), "-o", str(out)]}[command]
+    wrapper = ("import resource, subprocess, sys\n"
+               "r = subprocess.run([sys.executable, '-m', 'mhla_cli', *sys.argv[1:]], capture_output=True, text=True)\n"
+               "sys.stderr.write(r.stderr)\n"
+               "print(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024)\n"
+               "sys.exit(r.returncode)\n")
+    r = subprocess.run([sys.executable, "-c", wrapper, *argv], capture_output=True, text=True)
+    assert r.returncode == 2, r.stderr
+    err = r.stderr.strip().splitlines()
+    assert len(err) == 1, err
+    line = err[0]
+    assert line.startswith(f"mhla: error: {wide}: d = 384 needs psi = 28385280 features and at least "), line
+    assert f"GiB for {command}," in line and "the largest d that fits is " in line, line
+    assert f"mhla reduce {wide} -o REDUCED.h5 --dim " in line, line
+    rss = float(r.stdout.strip().splitlines()[-1])
+    assert rss < 300 * 1e6 / 2**20, f"peak RSS {rss:.0f} MiB"
+    assert not out.exists()

@@ -48,9 +48,9 @@ def _root(
     """mhla: learn MHLA exactly (Algorithm 1 of Yau et al., NeurIPS 2025) and certify identifiability."""
 
 
-from . import certify, convert, featurize, fit, generate, inspect, predict  # noqa: E402
+from . import certify, convert, featurize, fit, generate, inspect, predict, reduce  # noqa: E402
 
-for _module in (generate, convert, featurize, certify, fit, predict, inspect):
+for _module in (generate, convert, reduce, featurize, certify, fit, predict, inspect):
     _module.register(app)
 
 

@@ -15,8 +15,15 @@ def convert_cmd(
     inputs: Annotated[list[str], typer.Argument(
         help="Input files: .npy, .npz, .safetensors, .pt/.pth. A .npy holds the array named by NAME=FILE "
              "(tokens=X.npy, offsets=, targets=, weights=) or by its stem (targets.npy); any other single "
-             ".npy holds the tokens.", show_default=False)],
+             ".npy holds the tokens. Several files holding tokens (or a directory, or a glob) are joined in "
+             "the order given.", show_default=False)],
     output: OutOpt,
+    mask: Annotated[str | None, typer.Option("--mask", help="The padding mask's array name (default: "
+                                             "attention_mask (N, n) of 0/1, or lengths (N,)).",
+                                             show_default=False)] = None,
+    key: Annotated[list[str] | None, typer.Option("--key", help="ROLE=NAME: read the array NAME as ROLE (tokens, "
+                                                  "targets, weights, offsets, mask); repeatable.",
+                                                  show_default=False)] = None,
     chunk_size: ChunkOpt = None,
     json_out: JsonOpt = False,
     quiet: QuietOpt = False,
@@ -29,6 +36,15 @@ def convert_cmd(
     sequences); it needs the torch extra. Inputs are checked as every reader checks them (shapes,
     offsets, NaN/Inf, weights >= 0) and copied in chunks, so files larger than memory convert.
 
+    Activations as models write them: `last_hidden_state` / `hidden_states` are read as the tokens;
+    padded tokens (N, n, d) with `attention_mask` (N, n) or `lengths` (N,) become the unpadded
+    sequences (the last kept position is the query); bfloat16 is widened exactly. Targets may be of
+    another width than the tokens (then `mhla reduce` them).
+
+    Example (Hugging Face): mhla convert acts.pt --key targets=head_out -o data.h5
+
+    Example (shards): mhla convert shards/ -o all.h5
+
     Example: mhla convert X.npy targets=y.npy -o data.h5
 
     Example (ragged): mhla convert tokens.npy offsets.npy targets.npy -o data.h5
@@ -36,11 +52,13 @@ def convert_cmd(
     Example: mhla convert data.npz -o data.h5 && mhla certify data.h5
     """
     with progress_bar("convert", None, quiet) as advance:  # type: ignore[arg-type]
-        info = convert_mod.convert_files(inputs, output, chunk_size=chunk_size, progress=advance)
-    summary = {"output": str(output), "inputs": [str(p) for _, p in map(convert_mod.parse_input, inputs)],
+        info = convert_mod.convert_files(inputs, output, chunk_size=chunk_size, progress=advance, mask=mask,
+                                         keys=key)
+    summary = {"output": str(output),
+               "inputs": [str(p) for _, p in map(convert_mod.parse_input, convert_mod.expand_inputs(inputs))],
                "layout": info.layout, "n_samples": info.n_samples, "d": info.d, "n_tokens": info.n_tokens,
                "dtype": info.dtype, "targets": info.has_targets, "per_position": info.per_position,
-               "weights": info.has_weights}
+               "weights": info.has_weights, "d_out": info.out_dim}
     extras = [x for x, on in (("targets", info.has_targets), ("weights", info.has_weights),
                               ("per position", info.per_position)) if on]
     say(f"wrote {output}: N = {info.n_samples} sequences ({info.layout}), d = {info.d}, {info.n_tokens} tokens "

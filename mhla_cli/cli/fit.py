@@ -126,20 +126,39 @@ def export_heads_cmd(
     tol: Annotated[float, typer.Option("--tol", min=0.0, help="Drop heads with s_h <= tol * s_max.")] = 1e-12,
     fewest: Annotated[bool, typer.Option("--fewest", help="The fewest heads computing the same function "
                                          "(relative function error <= 1e-8, verified).")] = False,
+    unreduce: Annotated[Path | None, typer.Option("--unreduce", help="A tokens file written by `mhla reduce` (the "
+                                                  "one MODEL was fitted on, or one --like it): write the heads in "
+                                                  "its original widths, V = U V_h P^T (D_out x D), Q = P Q_h P^T "
+                                                  "(D x D).", show_default=False)] = None,
     json_out: JsonOpt = False,
     quiet: QuietOpt = False,
 ) -> None:
     """SVD of W into heads V_h, Q_h (at most d^2), reporting the relative function change.
 
+    With --unreduce REDUCED the heads are mapped back to the coordinates before `mhla reduce`: on the
+    original tokens they compute U times the reduced model's outputs on the reduced tokens.
+
     Example: mhla export-heads model.h5 -o heads.h5 --max-heads 4;  mhla export-heads model.h5 -o heads.h5 --fewest --json
+
+    Example: mhla export-heads m8.h5 -o heads384.safetensors --unreduce h8.h5
     """
     check_heads_output(output, (model_path,))  # the suffix names the format: an unknown one is refused
     mh = parse_auto(max_heads, "--max-heads", int)
     if fewest and mh is not None:
         raise InputError("--fewest and --max-heads cannot be combined")
+    red = None
+    if unreduce is not None:
+        from ..reduce import load_reduction
+
+        red = load_reduction(unreduce)  # before the work: a file without maps is refused first
     heads = export_heads(Model.load(model_path), tol=tol, max_heads=mh, fewest=fewest)
-    save_heads(heads, output, inputs=(model_path,))  # HDF5, .npz or .safetensors by the suffix
-    out = {"output": str(output), "n_heads": heads.n_heads, "d": heads.d,
+    if red is not None:
+        from ..reduce import unreduce_heads
+
+        heads = unreduce_heads(heads, red, unreduce)
+    save_heads(heads, output, inputs=(model_path,) + ((unreduce,) if unreduce is not None else ()))
+    out = {"output": str(output), "n_heads": heads.n_heads, "d": heads.d, "d_out": heads.d_out,
+           "unreduced": None if unreduce is None else str(unreduce),
            "relative_function_error": heads.info["relative_function_error"],
            "singular_values": heads.info["singular_values"]}
     if fewest or mh == "auto":
@@ -147,7 +166,9 @@ def export_heads_cmd(
                 "lower_bound_info") if fewest else ("threshold", "threshold_method")
         out.update({k: heads.info[k] for k in keys}, converged=(heads.info["solver"] or {}).get("converged"),
                    solver=heads.info["solver"])
-    say(f"wrote {output}: {heads.n_heads} heads of d = {heads.d}; relative function change "
+    shape = f"d = {heads.d}" if heads.d_out == heads.d else f"d = {heads.d} -> d_out = {heads.d_out}"
+    back = f" (in the coordinates of {unreduce} before mhla reduce)" if unreduce is not None else ""
+    say(f"wrote {output}: {heads.n_heads} heads of {shape}{back}; relative function change "
         f"||p_kept - p|| / ||p|| = {fmt(out['relative_function_error'])}", quiet)
     if fewest:
         say(f"  {fewest_message(heads.info)}", quiet)

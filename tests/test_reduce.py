@@ -1,0 +1,288 @@
+"""`mhla reduce` and mhla_cli.reduce: the maps against numpy's eigh on the materialised arrays, `--like`
+bit for bit, layouts (ragged, dense, per position, weights) and the refusals (exit 2, one line)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import h5py
+import numpy as np
+import pytest
+
+from mhla_cli import reduce as reduce_mod, write_tokens
+from mhla_cli.cli import run
+from mhla_cli.errors import InputError
+
+D, E, N = 24, 6, 30
+
+
+def _data(seed: int = 0, n_max: int = 7) -> tuple[list[np.ndarray], np.ndarray]:
+    """Ragged sequences of D-dim tokens with well separated second-moment eigenvalues, E-dim targets."""
+    rng = np.random.default_rng(seed)
+    scale = 2.0 ** -np.arange(D / 2, step=0.5)
+    R = np.linalg.qr(rng.standard_normal((D, D)))[0]
+    seqs = [(rng.standard_normal((int(rng.integers(1, n_max)), D)) * scale) @ R.T for _ in range(N)]
+    Y = rng.standard_normal((N, E)) * 2.0 ** -np.arange(E)
+    return seqs, Y
+
+
+def _ref_maps(X: np.ndarray, k: int) -> np.ndarray:
+    """Top-k eigenvectors of X^T X by numpy's eigh, signed largest entry positive (the reference)."""
+    w, V = np.linalg.eigh(X.T @ X)
+    top = V[:, np.argsort(w)[::-1][:k]]
+    for j in range(k):
+        i = int(np.argmax(np.abs(top[:, j])))
+        top[:, j] *= np.sign(top[i, j])
+    return top
+
+
+def _read(path: Path) -> dict[str, np.ndarray]:
+    with h5py.File(path, "r") as f:
+        return {k: f[k][()] for k in f}
+
+
+@pytest.fixture()
+def data(tmp_path: Path) -> tuple[Path, list[np.ndarray], np.ndarray]:
+    seqs, Y = _data()
+    path = tmp_path / "wide.h5"
+    write_tokens(path, seqs, targets=Y)
+    return path, seqs, Y
+
+
+def test_maps_are_numpys_top_eigenvectors(data: tuple[Path, list[np.ndarray], np.ndarray], tmp_path: Path) -> None:
+    path, seqs, Y = data
+    out = tmp_path / "r.h5"
+    assert run(["reduce", str(path), "-o", str(out), "--dim", "4", "-q"]) == 0
+    got = _read(out)
+    X = np.concatenate(seqs)
+    P, U = got["reduce_P"], got["reduce_U"]
+    Pr, Ur = _ref_maps(X, 4), _ref_maps(Y, 4)
+    # the subspaces (projectors) and, with the sign rule, the maps themselves
+    assert np.abs(P @ P.T - Pr @ Pr.T).max() < 1e-10
+    assert np.abs(U @ U.T - Ur @ Ur.T).max() < 1e-10
+    assert np.abs(P - Pr).max() < 1e-10 and np.abs(U - Ur).max() < 1e-10
+    assert np.abs(got["tokens"] - X @ Pr).max() < 1e-10 * np.abs(X).max()
+    assert np.abs(got["targets"] - Y @ Ur).max() < 1e-10 * np.abs(Y).max()
+    assert np.array_equal(got["offsets"], np.concatenate([[0], np.cumsum([len(s) for s in seqs])]))
+    with h5py.File(out, "r") as f:
+        wx = np.sort(np.linalg.eigvalsh(X.T @ X))[::-1]
+        wy = np.sort(np.linalg.eigvalsh(Y.T @ Y))[::-1]
+        assert f.attrs["reduce_token_share"] == pytest.approx(wx[:4].sum() / wx.sum(), rel=1e-12)
+        assert f.attrs["reduce_target_share"] == pytest.approx(wy[:4].sum() / wy.sum(), rel=1e-12)
+        assert f.attrs["mhla_kind"] == "tokens" and int(f.attrs["reduce_dim"]) == 4
+
+
+def test_like_applies_the_same_maps_bit_for_bit(data: tuple[Path, list[np.ndarray], np.ndarray],
+                                                tmp_path: Path) -> None:
+    path, _, _ = data
+    out, again, other = tmp_path / "r.h5", tmp_path / "again.h5", tmp_path / "other.h5"
+    assert run(["reduce", str(path), "-o", str(out), "--dim", "5", "-q"]) == 0
+    # the same data through --like: the very same file contents (maps; tokens, targets in the same chunks)
+    assert run(["reduce", str(path), "--like", str(out), "-o", str(again), "-q"]) == 0
+    a, b = _read(out), _read(again)
+    for k in ("reduce_P", "reduce_U", "tokens", "targets", "offsets"):
+        assert np.array_equal(a[k], b[k]), k
+    # held-out data: the maps of OUT, not their own
+    seqs2, Y2 = _data(seed=5)
+    held = tmp_path / "held.h5"
+    write_tokens(held, seqs2, targets=Y2)
+    assert run(["reduce", str(held), "--like", str(out), "-o", str(other), "-q"]) == 0
+    c = _read(other)
+    assert np.array_equal(c["reduce_P"], a["reduce_P"]) and np.array_equal(c["reduce_U"], a["reduce_U"])
+    assert np.abs(c["tokens"] - np.concatenate(seqs2) @ a["reduce_P"]).max() < 1e-12
+    assert np.abs(c["targets"] - Y2 @ a["reduce_U"]).max() < 1e-12
+
+
+def test_chunking_changes_nothing_but_rounding(data: tuple[Path, list[np.ndarray], np.ndarray],
+                                               tmp_path: Path) -> None:
+    path, _, _ = data
+    whole = reduce_mod.fit_reduction(path, 3)
+    small = reduce_mod.fit_reduction(path, 3, chunk_size=1)
+    assert np.abs(whole.P - small.P).max() < 1e-10 and np.abs(whole.U - small.U).max() < 1e-10
+
+
+def test_dense_per_position_and_weights(tmp_path: Path) -> None:
+    rng = np.random.default_rng(2)
+    X = rng.standard_normal((8, 5, D)) * np.linspace(1, 0.1, D)
+    Y = rng.standard_normal((8, 5, E))
+    w = rng.uniform(0.5, 1.5, (8, 5))
+    path, out = tmp_path / "dense.h5", tmp_path / "r.h5"
+    write_tokens(path, X, targets=Y, weights=w)
+    red = reduce_mod.reduce_tokens(path, out, dim=3)
+    got = _read(out)
+    assert got["tokens"].shape == (8, 5, 3) and got["targets"].shape == (8, 5, 3)
+    Pr, Ur = _ref_maps(X.reshape(-1, D), 3), _ref_maps(Y.reshape(-1, E), 3)
+    assert np.abs(red.P - Pr).max() < 1e-10 and np.abs(red.U - Ur).max() < 1e-10
+    assert np.abs(got["tokens"] - X @ Pr).max() < 1e-10
+    assert np.array_equal(got["weights"], w)
+    assert run(["fit", str(out), "-o", str(tmp_path / "m.h5"), "-q"]) == 0
+
+
+def test_tokens_without_targets(tmp_path: Path) -> None:
+    seqs, _ = _data()
+    path, out = tmp_path / "x.h5", tmp_path / "r.h5"
+    write_tokens(path, seqs)
+    red = reduce_mod.reduce_tokens(path, out, dim=2)
+    assert red.U is None and "reduce_U" not in _read(out) and "targets" not in _read(out)
+
+
+def test_sign_rule_is_deterministic() -> None:
+    G = np.diag([3.0, 2.0, 1.0])
+    P, share = reduce_mod.top_eigenvectors(-np.eye(3) @ G @ -np.eye(3), 2)
+    assert np.array_equal(P, np.eye(3)[:, :2]) and share == pytest.approx(5 / 6)
+    rng = np.random.default_rng(0)
+    A = rng.standard_normal((5, 5))
+    P1, _ = reduce_mod.top_eigenvectors(A @ A.T, 3)
+    assert (P1[np.argmax(np.abs(P1), axis=0), np.arange(3)] > 0).all()
+
+
+@pytest.mark.parametrize("argv, pattern", [
+    (["--dim", "25"], r"--dim 25 is more than the tokens' width D = 24"),
+    (["--dim", "7"], r"--dim 7 is more than the targets' width D_out = 6"),
+    (["--dim", "0"], r"--dim must be >= 1"),
+    ([], r"give exactly one of --dim"),
+])
+def test_bad_dims_exit_2(argv: list[str], pattern: str, data: tuple[Path, list[np.ndarray], np.ndarray],
+                         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    import re
+
+    path, _, _ = data
+    out = tmp_path / "r.h5"
+    capsys.readouterr()
+    assert run(["reduce", str(path), "-o", str(out), *argv]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("mhla: error: ") and re.search(pattern, err[0]), err
+    assert not out.exists()
+
+
+def test_like_of_other_widths_exit_2(data: tuple[Path, list[np.ndarray], np.ndarray], tmp_path: Path,
+                                     capsys: pytest.CaptureFixture[str]) -> None:
+    path, seqs, Y = data
+    out = tmp_path / "r.h5"
+    assert run(["reduce", str(path), "-o", str(out), "--dim", "3", "-q"]) == 0
+    narrow, wide_y = tmp_path / "narrow.h5", tmp_path / "widey.h5"
+    write_tokens(narrow, [s[:, :20] for s in seqs], targets=Y)
+    write_tokens(wide_y, seqs, targets=np.hstack([Y, Y]))
+    for bad, pattern in ((narrow, "the tokens have width D = 20 but the reduction of"),
+                         (wide_y, "the targets have width D_out = 12 but the reduction of")):
+        capsys.readouterr()
+        assert run(["reduce", str(bad), "--like", str(out), "-o", str(tmp_path / "o.h5")]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith(f"mhla: error: {bad}: {pattern}"), err
+    capsys.readouterr()
+    assert run(["reduce", str(path), "--like", str(path), "-o", str(tmp_path / "o.h5")]) == 2
+    assert "records no reduction" in capsys.readouterr().err
+    assert not (tmp_path / "o.h5").exists()
+
+
+def test_targets_of_another_width_are_a_valid_file_refused_by_fit(data: tuple[Path, list[np.ndarray], np.ndarray],
+                                                                 tmp_path: Path,
+                                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    path, _, _ = data
+    capsys.readouterr()
+    assert run(["inspect", str(path), "--json"]) == 0
+    capsys.readouterr()
+    for argv in (["fit", str(path), "-o", str(tmp_path / "m.h5")], ["certify", str(path)],
+                 ["featurize", str(path), "-o", str(tmp_path / "f.h5")]):
+        assert run(argv) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and "the targets are 6 wide but the tokens d = 24" in err[0] and "mhla reduce" in err[0]
+
+
+def test_json_summary(data: tuple[Path, list[np.ndarray], np.ndarray], tmp_path: Path,
+                      capsys: pytest.CaptureFixture[str]) -> None:
+    path, _, _ = data
+    capsys.readouterr()
+    assert run(["reduce", str(path), "-o", str(tmp_path / "r.h5"), "--dim", "2", "--json", "-q"]) == 0
+    rep = json.loads(capsys.readouterr().out)
+    assert rep["d"] == 2 and rep["D"] == D and rep["D_out"] == E and 0 < rep["token_share"] <= 1
+
+
+def test_library_errors() -> None:
+    with pytest.raises(InputError, match="cannot keep 4 of 3"):
+        reduce_mod.top_eigenvectors(np.eye(3), 4)
+
+
+# ------------------------------------------------------------- heads back in the original widths
+
+
+def test_unreduced_heads_predict_U_times_the_reduced_predictions(data: tuple[Path, list[np.ndarray], np.ndarray],
+                                                                 tmp_path: Path) -> None:
+    """export-heads --unreduce: on the unreduced tokens, U times the reduced model's predictions (1e-10)."""
+    from mhla_cli import load_function, predict_file
+    from mhla_cli.export import load_heads
+
+    path, seqs, _ = data
+    red, model, heads = tmp_path / "r.h5", tmp_path / "m.h5", tmp_path / "h.h5"
+    assert run(["reduce", str(path), "-o", str(red), "--dim", "3", "-q"]) == 0
+    assert run(["fit", str(red), "-o", str(model), "-q"]) == 0
+    assert run(["export-heads", str(model), "-o", str(heads), "--unreduce", str(red), "-q"]) == 0
+    h = load_function(heads)
+    assert h.V.shape[1:] == (E, D) and h.Q.shape[1:] == (D, D) and (h.d, h.d_out) == (D, E)
+    U = _read(red)["reduce_U"]
+    small = predict_file(load_function(model), red)
+    full = predict_file(h, path)
+    want = small["predictions"] @ U.T
+    scale = np.abs(want).max()
+    assert np.abs(full["predictions"] - want).max() <= 1e-10 * scale
+    # against the targets of the original width: an MSE (E wide)
+    assert "mse" in full and full["d"] == E
+    # every position, and causal, the same way (the reduced model's outputs mapped by U)
+    for kw in ({"all_positions": True}, {"causal": True}):
+        a, b = predict_file(h, path, **kw), predict_file(load_function(model), red, **kw)
+        assert np.abs(a["outputs"] - b["outputs"] @ U.T).max() <= 1e-10 * np.abs(b["outputs"]).max()
+    # the exports of other frameworks hold the rectangular V too
+    for suffix in (".npz",):
+        out = tmp_path / f"h{suffix}"
+        assert run(["export-heads", str(model), "-o", str(out), "--unreduce", str(red), "-q"]) == 0
+        back = load_heads(out)
+        assert np.array_equal(back.V, h.V) and np.array_equal(back.Q, h.Q)
+    # compare: the file against itself, and the --on check on the original tokens
+    assert run(["compare", str(heads), str(tmp_path / "h.npz"), "--on", str(path), "-q"]) == 0
+
+
+def test_unreduce_refusals(data: tuple[Path, list[np.ndarray], np.ndarray], tmp_path: Path,
+                           capsys: pytest.CaptureFixture[str]) -> None:
+    path, _, _ = data
+    red, model = tmp_path / "r.h5", tmp_path / "m.h5"
+    assert run(["reduce", str(path), "-o", str(red), "--dim", "3", "-q"]) == 0
+    other = tmp_path / "r2.h5"
+    assert run(["reduce", str(path), "-o", str(other), "--dim", "2", "-q"]) == 0
+    assert run(["fit", str(red), "-o", str(model), "-q"]) == 0
+    capsys.readouterr()
+    assert run(["export-heads", str(model), "-o", str(tmp_path / "h.h5"), "--unreduce", str(other)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"mhla: error: {other}: the heads have d = 3 but the reduction maps to d = 2"], err
+    assert run(["export-heads", str(model), "-o", str(tmp_path / "h.h5"), "--unreduce", str(path)]) == 2
+    assert "records no reduction" in capsys.readouterr().err
+    assert not (tmp_path / "h.h5").exists()
+
+
+@pytest.mark.slow
+def test_reduce_runs_in_bounded_memory(tmp_path: Path) -> None:
+    """A 192 MiB file of 384-dim float32 tokens reduces with a peak RSS under 300 MB (chunks + D^2)."""
+    import subprocess
+    import sys
+
+    N, n, Dw = 4096, 32, 384
+    path = tmp_path / "big.h5"
+    rng = np.random.default_rng(0)
+    with h5py.File(path, "w") as f:
+        f.attrs["mhla_kind"] = "tokens"
+        ds = f.create_dataset("tokens", (N, n, Dw), dtype="f4")
+        for a in range(0, N, 512):
+            ds[a:a + 512] = rng.standard_normal((512, n, Dw), dtype=np.float32)
+        f["targets"] = rng.standard_normal((N, 32))
+    wrapper = ("import resource, subprocess, sys\n"
+               "r = subprocess.run([sys.executable, '-m', 'mhla_cli', *sys.argv[1:]])\n"
+               "print(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024)\n"
+               "sys.exit(r.returncode)\n")
+    out = tmp_path / "r.h5"
+    r = subprocess.run([sys.executable, "-c", wrapper, "reduce", str(path), "-o", str(out), "--dim", "8", "-q"],
+                       capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    rss = float(r.stdout.strip().splitlines()[-1])
+    assert rss < 300 * 1e6 / 2**20, f"peak RSS {rss:.0f} MiB"
+    with h5py.File(out, "r") as f:
+        assert f["tokens"].shape == (N, n, 8) and f["targets"].shape == (N, 8)
