@@ -15,6 +15,7 @@ import pytest
 
 from mhla_cli import __version__, formats
 from mhla_cli.cli import run
+from mhla_cli.cli.console import SCHEMA_VERSION
 from mhla_cli.heads import Heads
 from mhla_cli.model import Model
 
@@ -23,7 +24,9 @@ def cli_json(capsys: pytest.CaptureFixture[str], args: list[str], code: int = 0)
     assert run(args) == code, capsys.readouterr().err
     out = capsys.readouterr().out.strip().splitlines()
     assert len(out) == 1, out  # exactly one JSON object on stdout
-    return json.loads(out[0])
+    obj = json.loads(out[0])
+    assert next(iter(obj)) == "schema_version" and obj["schema_version"] == SCHEMA_VERSION, obj
+    return obj
 
 
 def test_pipeline_recovers_teacher(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -308,3 +311,63 @@ def test_predict_causal_progress_moves_within_a_span(tmp_path: Path, monkeypatch
     a = predict_file(fn, data, causal=True, progress=lambda n: None)
     b = predict_file(fn, data, causal=True, chunk_size=7)  # the blocks change no value
     assert np.array_equal(a["outputs"], b["outputs"]) and a["mse"] == pytest.approx(b["mse"], rel=1e-12)
+
+
+# Every command with --json, on a missing input (exit 2): one error object naming the input.
+JSON_ERROR_RUNS = {
+    "certify": ["certify", "{missing}"],
+    "certify --on": ["certify", "{missing}", "--on", "{missing}"],
+    "fit": ["fit", "{missing}", "-o", "{out}"],
+    "featurize": ["featurize", "{missing}", "-o", "{out}"],
+    "export-heads": ["export-heads", "{missing}", "-o", "{out}"],
+    "spectrum": ["spectrum", "{missing}"],
+    "predict": ["predict", "{missing}", "{missing}", "-o", "{out}"],
+    "compare": ["compare", "{missing}", "{missing}"],
+    "inspect": ["inspect", "{missing}"],
+    "merge": ["merge", "{missing}", "-o", "{out}"],
+    "convert": ["convert", "{missing_npy}", "-o", "{out}"],
+    "rollout": ["rollout", "{missing}", "{missing}", "--steps", "1", "-o", "{out}"],
+}
+
+
+@pytest.mark.parametrize("name", sorted(JSON_ERROR_RUNS))
+def test_json_error_object_on_exit_2(tmp_path: Path, capsys: pytest.CaptureFixture[str], name: str) -> None:
+    missing = str(tmp_path / "missing.h5")
+    args = [a.format(missing=missing, missing_npy=str(tmp_path / "missing.npy"), out=str(tmp_path / "o.h5"))
+            for a in JSON_ERROR_RUNS[name]]
+    obj = cli_json(capsys, [*args, "--json"], code=2)
+    assert obj["exit_code"] == 2 and "missing" in obj["error"], obj
+    assert obj["path"] is not None and obj["path"].endswith(("missing.h5", "missing.npy")), obj
+    assert not (tmp_path / "o.h5").exists()
+
+
+def test_json_error_object_on_usage_errors_and_internal_errors(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    obj = cli_json(capsys, ["certify", "--json"], code=2)  # a usage error: no DATA
+    assert obj["exit_code"] == 2 and "Missing argument" in obj["error"] and obj["path"] is None
+    data = tmp_path / "d.h5"
+    assert run(["generate", "teacher", "-o", str(data), "--dim", "2", "--heads", "1", "--n-samples", "40",
+                "--seq-len", "4", "-q"]) == 0
+    import mhla_cli.cli.certify as certify_cli
+
+    def boom(*a, **k):
+        raise RuntimeError("a bug")
+    monkeypatch.setattr(certify_cli, "certify", boom)
+    monkeypatch.delenv("MHLA_DEBUG", raising=False)
+    obj = cli_json(capsys, ["certify", str(data), "--json"], code=3)
+    assert obj["exit_code"] == 3 and "internal error: RuntimeError: a bug" in obj["error"]
+    assert obj["path"] == str(data)
+    # without --json nothing goes to stdout; after `--` a file named --json is no option
+    assert run(["certify", str(tmp_path / "missing.h5")]) == 2
+    assert capsys.readouterr().out == ""
+
+
+def test_certify_missing_json_redirect_leaves_an_object(tmp_path: Path) -> None:
+    """The README's CI step: `mhla certify missing.h5 --json > cert.json` leaves a JSON object, not 0 bytes."""
+    cert = tmp_path / "cert.json"
+    with open(cert, "w") as f:
+        proc = subprocess.run([sys.executable, "-m", "mhla_cli", "certify", "missing.h5", "--json"], stdout=f,
+                              stderr=subprocess.PIPE, text=True, cwd=tmp_path)
+    assert proc.returncode == 2 and proc.stderr == "mhla: error: missing.h5: no such file\n"
+    assert json.loads(cert.read_text()) == {"schema_version": SCHEMA_VERSION, "error": "missing.h5: no such file",
+                                            "exit_code": 2, "path": "missing.h5"}

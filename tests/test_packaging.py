@@ -156,6 +156,7 @@ def test_readme_quick_start_on_a_fresh_clone_without_torch(tmp_path: Path) -> No
     """A copy of the clone, a clean venv, the README's install line as written (no torch), its quick start,
     and the tests that used to fail without torch (convert's .pt refusal, docs/gpu.md's errors)."""
     clone = tmp_path / "clone"
+    clone.mkdir()
     for name in (*SOURCES, "sample_data", "tests", "docs"):
         if (ROOT / name).is_dir():
             shutil.copytree(ROOT / name, clone / name, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))

@@ -17,7 +17,8 @@ from .._version import __version__
 from ..errors import InputError
 from .. import formats
 from ..signals import Interrupted, check_interrupted, sigterm_as_exception
-from .help import HelpGroup
+from .console import emit_error_json, start_json_run
+from .help import HelpGroup, note_first_path
 
 app = typer.Typer(
     name="mhla",
@@ -54,14 +55,16 @@ for _module in (generate, convert, featurize, certify, fit, predict, inspect):
     _module.register(app)
 
 
-def _error(message: str, code: int = 2) -> int:
-    # One line, whatever the underlying library put in the message.
-    line = " ".join(str(message).split())
+def _error(message: str, code: int = 2, path: str | None = None) -> int:
+    """The one-line error on stderr and, when the run asked for --json and printed nothing yet, the error
+    object on stdout (`error`, `exit_code`, the input's `path`)."""
+    line = " ".join(str(message).split())  # one line, whatever the underlying library put in the message
     try:
         sys.stderr.write(f"mhla: error: {line}\n")
         sys.stderr.flush()
     except (OSError, ValueError):
         pass
+    emit_error_json(line, code, path)
     return code
 
 
@@ -92,22 +95,31 @@ def run(argv: list[str] | None = None) -> int:
     """Run the CLI without exiting the interpreter; returns the exit code.
 
     0 ok, 1 a check failed, 2 usage/input/output error (one line ``mhla: error: <file>: ...``),
-    3 internal error, 128 + signal number when interrupted (130 SIGINT, 143 SIGTERM).
+    3 internal error, 128 + signal number when interrupted (130 SIGINT, 143 SIGTERM). With --json every
+    run prints one JSON object on stdout: the command's, or on a failure that printed none an error
+    object (`schema_version`, `error`, `exit_code`, `path`).
     """
     args = list(sys.argv[1:] if argv is None else argv)
     formats.set_command(["mhla", *args])
+    start_json_run(args)
     try:
         with sigterm_as_exception():
             rv = app(args=args, prog_name="mhla", standalone_mode=False)
             check_interrupted()  # a signal whose exception was swallowed still ends the run
-        return rv if isinstance(rv, int) else 0
+        code = rv if isinstance(rv, int) else 0
+        if code:
+            emit_error_json(f"exit code {code}", code)
+        return code
     except InputError as exc:
-        return _error(str(exc))
+        return _error(str(exc), 2, exc.path)
     except Interrupted as exc:
-        _say_stderr("mhla: interrupted" if exc.signum == signal.SIGINT else "mhla: terminated")
+        msg = "interrupted" if exc.signum == signal.SIGINT else "terminated"
+        _say_stderr(f"mhla: {msg}")
+        emit_error_json(msg, 128 + int(exc.signum))
         return 128 + int(exc.signum)
     except KeyboardInterrupt:
         _say_stderr("mhla: interrupted")
+        emit_error_json("interrupted", 130)
         return 130
     except MemoryError:
         return _error("out of memory: use a smaller --chunk-size or a machine with more memory")
@@ -120,14 +132,17 @@ def run(argv: list[str] | None = None) -> int:
         return 0
     except typer.Abort:
         _say_stderr("mhla: interrupted")
+        emit_error_json("interrupted", 130)
         return 130
     except Exception as exc:  # noqa: BLE001
         # Usage errors from typer's parser carry exit_code and format_message (typer's bundled click).
         if hasattr(exc, "format_message") and hasattr(exc, "exit_code"):
             if type(exc).__name__ == "NoArgsIsHelpError":
+                emit_error_json("no arguments: the help was printed", 2)
                 return 2  # typer has already printed the help
             msg = exc.format_message()
             ctx = getattr(exc, "ctx", None)
+            note_first_path(ctx)  # the input parsed before the bad option, for the --json error object
             if ctx is not None:
                 sub = ctx.command_path.replace("mhla", "", 1).strip()
                 msg = f"{sub}: {msg}" if sub else msg
@@ -136,6 +151,6 @@ def run(argv: list[str] | None = None) -> int:
             raise
         if isinstance(exc, OSError) and getattr(exc, "filename", None):
             # An operating-system error on a named file (permissions, I/O error, ...).
-            return _error(f"{exc.filename}: {exc.strerror or exc}", 2)
+            return _error(f"{exc.filename}: {exc.strerror or exc}", 2, str(exc.filename))
         return _error(f"internal error: {type(exc).__name__}: {exc} (set MHLA_DEBUG=1 for a traceback; "
                       "please report it)", 3)

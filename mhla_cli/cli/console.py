@@ -46,10 +46,43 @@ def _clean(obj: Any) -> Any:
     return obj
 
 
+# The version of the JSON objects' layout, the first key of every object `--json` prints: it changes when a
+# key is removed or changes meaning (new keys do not change it).
+SCHEMA_VERSION = 1
+
+# This run's JSON state: whether the command asked for JSON, whether it printed its object, and the input
+# the command was handed (its first path argument), for the error object of a run that fails.
+_JSON: dict[str, Any] = {"requested": False, "emitted": False, "input": None}
+
+
 def emit_json(obj: dict[str, Any]) -> None:
-    """Print one JSON object on stdout (non-finite floats become null)."""
-    sys.stdout.write(json.dumps(_clean(obj), sort_keys=False) + "\n")
+    """Print one JSON object on stdout (non-finite floats become null), `schema_version` first."""
+    sys.stdout.write(json.dumps(_clean({"schema_version": SCHEMA_VERSION, **obj}), sort_keys=False) + "\n")
     sys.stdout.flush()
+    _JSON["emitted"] = True
+
+
+def start_json_run(args: list[str]) -> None:
+    """Reset the JSON state for a run of `args` (the command line after `mhla`)."""
+    head = args[:args.index("--")] if "--" in args else args
+    _JSON.update(requested="--json" in head, emitted=False, input=None)
+
+
+def note_input(path: Any) -> None:
+    """Record the input of the command being run (its first path argument)."""
+    _JSON["input"] = None if path is None else str(path)
+
+
+def emit_error_json(message: str, code: int, path: str | None = None) -> None:
+    """When the run asked for --json and printed no object yet: one object with `error`, `exit_code` and
+    the input's `path`, so that `mhla certify missing.h5 --json > cert.json` leaves no empty file."""
+    if not _JSON["requested"] or _JSON["emitted"]:
+        return
+    try:
+        emit_json({"error": " ".join(str(message).split()), "exit_code": code,
+                   "path": path if path is not None else _JSON["input"]})
+    except (OSError, ValueError):
+        pass
 
 
 def say(message: str, quiet: bool = False, style: str | None = None) -> None:

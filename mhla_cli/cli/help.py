@@ -68,6 +68,30 @@ def plain_params(command: Any, ctx: _click.Context) -> None:
             p.__class__ = _Argument
     for sub in getattr(command, "commands", {}).values():
         plain_params(sub, ctx)
+    if not hasattr(command, "commands") and not getattr(command, "_mhla_notes_input", False):
+        command.invoke = _noting_input(command.invoke)
+        command._mhla_notes_input = True
+
+
+def _noting_input(invoke: Any) -> Any:
+    """`invoke` of a command that first records its input (the first path argument) for --json errors."""
+    def wrapped(ctx: _click.Context) -> Any:
+        note_first_path(ctx)
+        return invoke(ctx)
+    return wrapped
+
+
+def note_first_path(ctx: Any) -> None:
+    """Record the first path argument parsed in `ctx` (if any) as the run's input."""
+    from .console import note_input
+
+    for p in getattr(getattr(ctx, "command", None), "params", ()):
+        value = ctx.params.get(p.name) if isinstance(p, TyperArgument) else None
+        if isinstance(value, (list, tuple)):
+            value = value[0] if value else None
+        if value is not None:
+            note_input(value)
+            return
 
 
 class HelpGroup(TyperGroup):
