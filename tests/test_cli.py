@@ -142,8 +142,10 @@ def _command_paths() -> list[list[str]]:
 
     from mhla_cli.cli import app
     root = typer.main.get_command(app)
+    ctx = typer._click.Context(root)
     paths = []
-    for name, cmd in root.commands.items():
+    for name in root.list_commands(ctx):  # the commands are loaded when asked for (start-up)
+        cmd = root.get_command(ctx, name)
         subs = getattr(cmd, "commands", None)
         paths += [[name, s] for s in subs] if subs else [[name]]
     return paths
@@ -348,11 +350,11 @@ def test_json_error_object_on_usage_errors_and_internal_errors(tmp_path: Path, c
     data = tmp_path / "d.h5"
     assert run(["generate", "teacher", "-o", str(data), "--dim", "2", "--heads", "1", "--n-samples", "40",
                 "--seq-len", "4", "-q"]) == 0
-    import mhla_cli.cli.certify as certify_cli
+    import mhla_cli.solve
 
     def boom(*a, **k):
         raise RuntimeError("a bug")
-    monkeypatch.setattr(certify_cli, "certify", boom)
+    monkeypatch.setattr(mhla_cli.solve, "certify", boom)  # the command imports it when it runs
     monkeypatch.delenv("MHLA_DEBUG", raising=False)
     obj = cli_json(capsys, ["certify", str(data), "--json"], code=3)
     assert obj["exit_code"] == 3 and "internal error: RuntimeError: a bug" in obj["error"]
@@ -371,3 +373,47 @@ def test_certify_missing_json_redirect_leaves_an_object(tmp_path: Path) -> None:
     assert proc.returncode == 2 and proc.stderr == "mhla: error: missing.h5: no such file\n"
     assert json.loads(cert.read_text()) == {"schema_version": SCHEMA_VERSION, "error": "missing.h5: no such file",
                                             "exit_code": 2, "path": "missing.h5"}
+
+
+def _modules_after(code: str) -> set[str]:
+    """The top-level packages a fresh interpreter has imported after running `code`."""
+    probe = code + "\nimport sys\nprint(' '.join(sorted({m.split('.')[0] for m in sys.modules} | " \
+                   "{m for m in sys.modules if m.startswith('scipy.')})))"
+    proc = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    return set(proc.stdout.split())
+
+
+def test_start_up_imports_only_what_the_command_needs() -> None:
+    """`import mhla_cli` loads no SciPy LAPACK, h5py or torch; `mhla --version` not even typer or NumPy;
+    `mhla certify --help` only the parser (typer, rich), none of the library's numerics."""
+    heavy = {"scipy.linalg", "torch", "h5py"}
+    assert not _modules_after("import mhla_cli") & (heavy | {"numpy", "typer"})
+    assert not _modules_after("from mhla_cli.cli import run; run(['--version'])") & (heavy | {"numpy", "typer"})
+    loaded = _modules_after("import io, contextlib\nfrom mhla_cli.cli import run\n"
+                            "with contextlib.redirect_stdout(io.StringIO()): run(['certify', '--help'])")
+    assert "typer" in loaded and not loaded & (heavy | {"numpy", "scipy"}), loaded
+    # the low-rank solvers import SciPy's LAPACK when they run, not when fit / the estimator is imported
+    assert "scipy.linalg" not in _modules_after("import mhla_cli.learn, mhla_cli.estimator, mhla_cli.cli.fit")
+
+
+def test_lazy_public_names_resolve() -> None:
+    import mhla_cli
+
+    assert set(mhla_cli._EXPORTS) | {"InputError", "MhlaError", "__version__"} == set(mhla_cli.__all__)
+    for name in mhla_cli.__all__:
+        assert getattr(mhla_cli, name) is not None and name in dir(mhla_cli)
+    assert mhla_cli.fit.__module__ == "mhla_cli.learn" and mhla_cli.Model.__module__ == "mhla_cli.model"
+    with pytest.raises(AttributeError, match="no attribute 'nope'"):
+        mhla_cli.nope  # noqa: B018
+
+
+def test_version_fast_path_and_help_list_every_command(capsys: pytest.CaptureFixture[str]) -> None:
+    from mhla_cli.cli import COMMANDS, app
+
+    assert run(["--version"]) == 0 and capsys.readouterr().out == f"mhla {__version__}\n"
+    assert run(["--help"]) == 0
+    out = capsys.readouterr().out
+    for name in COMMANDS:
+        assert f" {name} " in out, name
+    assert app is not None

@@ -9,50 +9,61 @@ from __future__ import annotations
 import os
 import signal
 import sys
-from typing import Annotated
-
-import typer
+from typing import Annotated, Any
 
 from .._version import __version__
-from ..errors import InputError
-from .. import formats
-from ..signals import Interrupted, check_interrupted, sigterm_as_exception
-from .console import emit_error_json, start_json_run
-from .help import HelpGroup, note_first_path
 
-app = typer.Typer(
-    name="mhla",
-    help="Learn single-layer multi-head linear attention exactly, certify identifiability, export heads.\n\n"
-         "Example: mhla featurize data.h5 -o feats.h5 && mhla certify feats.h5 && mhla fit feats.h5 -o model.h5 "
-         "&& mhla export-heads model.h5 -o heads.h5\n\n"
-         "Shell completion (typer's): mhla --install-completion, or for this shell only: "
-         "eval \"$(mhla --show-completion bash)\"",
-    no_args_is_help=True,
-    pretty_exceptions_enable=False,
-    add_completion=True,  # typer's own --install-completion / --show-completion
-    cls=HelpGroup,
-    context_settings={"help_option_names": ["-h", "--help"]},
-)
+from .registry import COMMANDS  # noqa: F401 (the commands and their modules, loaded on demand)
+
+_APP: Any = None
 
 
 def _version_callback(value: bool) -> None:
     if value:
+        import typer
+
         typer.echo(f"mhla {__version__}")
         raise typer.Exit(0)
 
 
-@app.callback()
-def _root(
-    version: Annotated[bool, typer.Option("--version", callback=_version_callback, is_eager=True,
-                                          help="Print the version and exit.")] = False,
-) -> None:
-    """mhla: learn MHLA exactly (Algorithm 1 of Yau et al., NeurIPS 2025) and certify identifiability."""
+def _build_app() -> Any:
+    import typer
+
+    from .help import HelpGroup
+
+    app = typer.Typer(
+        name="mhla",
+        help="Learn single-layer multi-head linear attention exactly, certify identifiability, export heads.\n\n"
+             "Example: mhla featurize data.h5 -o feats.h5 && mhla certify feats.h5 && mhla fit feats.h5 -o "
+             "model.h5 && mhla export-heads model.h5 -o heads.h5\n\n"
+             "Shell completion (typer's): mhla --install-completion, or for this shell only: "
+             "eval \"$(mhla --show-completion bash)\"",
+        no_args_is_help=True,
+        pretty_exceptions_enable=False,
+        add_completion=True,  # typer's own --install-completion / --show-completion
+        cls=HelpGroup,
+        context_settings={"help_option_names": ["-h", "--help"]},
+    )
+
+    def _root(version: bool = False) -> None:
+        """mhla: learn MHLA exactly (Algorithm 1 of Yau et al., NeurIPS 2025) and certify identifiability."""
+
+    # the annotation as an object (a string would be resolved in this module's globals, without typer)
+    _root.__annotations__ = {"version": Annotated[bool, typer.Option(
+        "--version", callback=_version_callback, is_eager=True, help="Print the version and exit.")],
+        "return": None}
+    app.callback()(_root)
+    return app
 
 
-from . import certify, convert, featurize, fit, generate, inspect, predict  # noqa: E402
-
-for _module in (generate, convert, featurize, certify, fit, predict, inspect):
-    _module.register(app)
+def __getattr__(name: str) -> Any:
+    """`app`, the typer application, built on first use (not at import: start-up)."""
+    global _APP
+    if name == "app":
+        if _APP is None:
+            _APP = _build_app()
+        return _APP
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def _error(message: str, code: int = 2, path: str | None = None) -> int:
@@ -64,6 +75,8 @@ def _error(message: str, code: int = 2, path: str | None = None) -> int:
         sys.stderr.flush()
     except (OSError, ValueError):
         pass
+    from .console import emit_error_json
+
     emit_error_json(line, code, path)
     return code
 
@@ -79,7 +92,8 @@ def _say_stderr(text: str) -> None:
 def main(argv: list[str] | None = None) -> int:
     """Console-script entry point; returns (and exits with) the exit code."""
     code = run(argv)
-    if formats.hdf5_write_failed():
+    formats = sys.modules.get("mhla_cli.formats")  # not imported by `mhla --version`
+    if formats is not None and formats.hdf5_write_failed():
         # libhdf5 can crash at interpreter shutdown after a failed write (it retries the flush of
         # the already removed temporary file): the error is reported, so leave without teardown.
         for stream in (sys.stdout, sys.stderr):
@@ -100,11 +114,24 @@ def run(argv: list[str] | None = None) -> int:
     object (`schema_version`, `error`, `exit_code`, `path`).
     """
     args = list(sys.argv[1:] if argv is None else argv)
-    formats.set_command(["mhla", *args])
-    start_json_run(args)
+    if args == ["--version"]:  # without typer, NumPy or h5py: paid by scripts that check the version
+        try:
+            sys.stdout.write(f"mhla {__version__}\n")
+            sys.stdout.flush()
+        except BrokenPipeError:
+            pass
+        return 0
+    import typer
+
+    from ..errors import InputError
+    from ..signals import Interrupted, check_interrupted, sigterm_as_exception
+    from .console import emit_error_json, start_json_run
+    from .help import note_first_path
+
+    start_json_run(args)  # and the command line for the outputs' provenance, set when a command runs
     try:
         with sigterm_as_exception():
-            rv = app(args=args, prog_name="mhla", standalone_mode=False)
+            rv = __getattr__("app")(args=args, prog_name="mhla", standalone_mode=False)
             check_interrupted()  # a signal whose exception was swallowed still ends the run
         code = rv if isinstance(rv, int) else 0
         if code:

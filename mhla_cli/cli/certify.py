@@ -7,14 +7,7 @@ from typing import Annotated
 
 import typer
 
-from .. import formats
-from ..device import check_device
 from ..errors import InputError
-from ..probes import certify_probes, null_space
-from ..solve import certify, check_domain, factorize
-from ..stream import check_solve_memory
-from ..tokens import inspect_tokens
-from ..witness import make_witness
 from .console import emit_json, fmt, load_with_progress, progress_bar, say, warn, working
 from .options import ChunkOpt, DeviceOpt, JsonOpt, NormalizeOpt, QuietOpt, about, check_hdf5_output
 
@@ -58,6 +51,14 @@ def certify_cmd(
 
     Example (a GPU): mhla certify feats.h5 --device cuda --json
     """
+    # the library here, not at the top: `mhla certify --help` and completion load only the parser
+    from .. import formats
+    from ..device import check_device
+    from ..solve import certify, check_domain
+    from ..stream import check_solve_memory
+    from ..tokens import inspect_tokens
+    from ..witness import make_witness
+
     check_domain(domain)
     dev = check_device(device, data)
     if on is None and report is not None:
@@ -118,6 +119,11 @@ def certify_cmd(
 
 def _certify_on(data: Path, on: Path, report: Path | None, normalize: str | None, chunk_size: int | None,
                 json_out: bool, quiet: bool, device: str | None = None) -> None:
+    from ..probes import certify_probes, null_space
+    from ..solve import factorize
+    from ..stream import check_solve_memory
+    from ..tokens import inspect_tokens
+
     check_solve_memory(data, "certify", chunk_size=chunk_size)
     feats, _, _ = load_with_progress(data, chunk_size, quiet, normalize, device)
     # the factorization and the null space first (under a spinner: the eigendecomposition of a

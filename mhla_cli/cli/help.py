@@ -76,7 +76,10 @@ def plain_params(command: Any, ctx: _click.Context) -> None:
 def _noting_input(invoke: Any) -> Any:
     """`invoke` of a command that first records its input (the first path argument) for --json errors."""
     def wrapped(ctx: _click.Context) -> Any:
+        from .console import command_started
+
         note_first_path(ctx)
+        command_started()
         return invoke(ctx)
     return wrapped
 
@@ -104,8 +107,34 @@ class HelpGroup(TyperGroup):
                 p.__class__ = _Option
         return params
 
+    def list_commands(self, ctx: _click.Context) -> list[str]:
+        names = list(super().list_commands(ctx))
+        if ctx.parent is None:  # the root: also the commands not loaded yet, in their order
+            from .registry import COMMANDS
+
+            names = list(COMMANDS) + [n for n in names if n not in COMMANDS]
+        return names
+
     def get_command(self, ctx: _click.Context, cmd_name: str) -> Any:
+        if cmd_name not in self.commands and ctx.parent is None:
+            self._load(cmd_name)
         cmd = super().get_command(ctx, cmd_name)
         if cmd is not None:
             plain_params(cmd, ctx)
         return cmd
+
+    def _load(self, cmd_name: str) -> None:
+        """Register the commands of the module that defines `cmd_name` (mhla_cli.cli.COMMANDS)."""
+        import importlib
+
+        import typer
+
+        from .registry import COMMANDS
+
+        module = COMMANDS.get(cmd_name)
+        if module is None:
+            return
+        sub = typer.Typer()
+        importlib.import_module(f"{__package__}.{module}").register(sub)
+        for name, cmd in typer.main.get_group(sub).commands.items():
+            self.commands.setdefault(name, cmd)

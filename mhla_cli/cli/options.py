@@ -8,12 +8,11 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Annotated, Any
 
-import numpy as np
+import math
+
 import typer
 
-from .. import formats
 from ..errors import InputError
-from ..export import heads_format
 
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print one JSON object on stdout.")]
 
@@ -44,7 +43,7 @@ def parse_auto(value: str | None, name: str, kind: type) -> int | float | str | 
         raise InputError(f"{name} '{value}': expected {'an integer' if kind is int else 'a number'} or 'auto'") from None
     if kind is int and x < 1:
         raise InputError(f"{name} must be >= 1, got {x}")
-    if kind is float and (x < 0 or not np.isfinite(x)):
+    if kind is float and (x < 0 or not math.isfinite(x)):
         raise InputError(f"{name} must be a finite number >= 0, got {x}")
     return x
 
@@ -68,6 +67,8 @@ def parse_shard(shard: str | None) -> tuple[int, int] | None:
 def check_hdf5_output(path: Path, inputs: tuple[Path | None, ...] = (), what: str = "the output") -> Path:
     """An HDF5 output path, refused (InputError, exit 2) before any work when its suffix names another
     format (model.npz would be HDF5 under a NumPy name) or it cannot be written."""
+    from .. import formats
+
     formats.check_hdf5_suffix(path, what)
     return formats.check_output_path(path, tuple(i for i in inputs if i is not None))
 
@@ -75,6 +76,9 @@ def check_hdf5_output(path: Path, inputs: tuple[Path | None, ...] = (), what: st
 def check_heads_output(path: Path, inputs: tuple[Path | None, ...] = ()) -> str:
     """A heads output: its format by the suffix (HDF5, .npz, .safetensors; any other suffix refused), the
     optional package it needs, and a writable path; all before any work."""
+    from .. import formats
+    from ..export import heads_format
+
     fmt = heads_format(path)
     if fmt == "safetensors":
         from ..export import _safetensors  # the library's own refusal, with its install hint
