@@ -72,6 +72,10 @@ class Heads:
     def n_heads(self) -> int:
         return int(self.V.shape[0])
 
+    def __repr__(self) -> str:  # the sizes, not V and Q
+        norm = self.info.get("normalize")
+        return f"Heads(n_heads={self.n_heads}, d={self.d}" + (f", normalize={norm!r})" if norm else ")")
+
     @property
     def coef(self) -> np.ndarray:
         return p_from_heads(self.V, self.Q)

@@ -202,7 +202,12 @@ def test_shell_completion(tmp_path: Path) -> None:
     assert "_MHLA_COMPLETE=complete_bash" in show.stdout and "complete -o default -F _mhla_completion mhla" in show.stdout
     # what bash runs on <TAB>: commands, then a command's options
     for words, cword, expect in (("mhla fe", 1, "featurize"), ("mhla fit --ri", 2, "--ridge"),
-                                 ("mhla generate t", 2, "teacher")):
+                                 ("mhla generate t", 2, "teacher"),
+                                 # choice options offer their values (issue 26)
+                                 ("mhla certify d.h5 --domain ", 4, "observed"),
+                                 ("mhla fit d.h5 --normalize ", 4, "length"),
+                                 ("mhla featurize d.h5 --spans o", 4, "off"),
+                                 ("mhla predict m.h5 d.h5 --device c", 5, "cuda:0")):
         comp = subprocess.run(_mhla(), capture_output=True, text=True,
                               env={**env, "_MHLA_COMPLETE": "complete_bash", "COMP_WORDS": words,
                                    "COMP_CWORD": str(cword)})
@@ -417,3 +422,59 @@ def test_version_fast_path_and_help_list_every_command(capsys: pytest.CaptureFix
     for name in COMMANDS:
         assert f" {name} " in out, name
     assert app is not None
+
+
+def test_choice_options_show_their_values_and_refuse_others(capsys: pytest.CaptureFixture[str]) -> None:
+    for argv, shown in ((["certify", "--help"], ("[full|observed]", "[none|length]", "DEVICE")),
+                        (["featurize", "--help"], ("[auto|on|off]",)),
+                        (["generate", "teacher", "--help"], ("[float32|float64]",))):
+        assert run(argv) == 0
+        out = capsys.readouterr().out
+        for s in shown:
+            assert s in out, (argv, s)
+    assert run(["certify", "x.h5", "--domain", "both"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "'both' is not one of 'full', 'observed'" in err
+
+
+def test_help_is_wrapped_by_the_console(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    """A docstring's paragraph is one paragraph of the help, filled to the terminal's width (no hand wraps)."""
+    from mhla_cli.cli.help import unwrap
+
+    assert unwrap("a b\nc d\n\n- x\n- y\n  z") == "a b c d\n\n- x\n- y z"
+    monkeypatch.setenv("COLUMNS", "300")
+    assert run(["certify", "--help"]) == 0
+    out = capsys.readouterr().out
+    # the whole paragraph on one line at 300 columns (it was three ragged lines)
+    assert any("lambda_min / lambda_max are those of the canonical" in ln and "The canonical certificate" in ln
+               for ln in out.splitlines())
+
+
+@pytest.mark.parametrize("argv", [["featurize", "{data}", "-o", "-"], ["certify", "-"], ["fit", "-", "-o", "{m}"],
+                                  ["convert", "tokens=-", "-o", "{m}"], ["predict", "-", "{data}", "-o", "{m}"],
+                                  ["generate", "teacher", "-o", "-", "--dim", "2", "--heads", "1", "--n-samples", "3"]])
+def test_dash_as_a_path_is_refused(tmp_path: Path, capsys: pytest.CaptureFixture[str], argv: list[str]) -> None:
+    data = tmp_path / "d.h5"
+    data.write_bytes(b"")
+    args = [a.format(data=data, m=tmp_path / "m.h5") for a in argv]
+    assert run(args) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "'-': mhla reads and writes files, not standard input or output" in err \
+        or "'tokens=-'" in err, err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["d.h5"]
+    assert not Path("-").exists()
+
+
+def test_more_workers_than_cores_is_noted(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    import mhla_cli.cli.options as options
+
+    data = tmp_path / "d.h5"
+    assert run(["generate", "teacher", "-o", str(data), "--dim", "2", "--heads", "1", "--n-samples", "20",
+                "--seq-len", "4", "-q"]) == 0
+    monkeypatch.setattr(options, "available_cores", lambda: 2)
+    assert run(["featurize", str(data), "-o", str(tmp_path / "f.h5"), "--workers", "3", "-q"]) == 0
+    err = capsys.readouterr().err
+    assert err == "mhla: warning: --workers 3 is more than the 2 cores available here: the workers share them\n"
+    assert run(["featurize", str(data), "-o", str(tmp_path / "g.h5"), "--workers", "2", "-q"]) == 0
+    assert capsys.readouterr().err == ""

@@ -216,3 +216,10 @@ def test_heads_file_bad_normalize_and_wrong_kind(tmp_path: Path) -> None:
         Heads.load(_write(tmp_path / "b.h5", {"mhla_kind": "model"}, coef=np.ones((2, 6))))
     # no attributes at all: the kind is detected from the 'V' dataset
     assert Heads.load(_write(tmp_path / "c.h5", {}, **good)).n_heads == 1
+
+
+def test_heads_repr_is_short_and_shows_no_arrays() -> None:
+    rng = np.random.default_rng(0)
+    h = Heads(V=rng.standard_normal((5, 3, 3)), Q=rng.standard_normal((5, 3, 3)), info={"normalize": "length"})
+    assert repr(h) == "Heads(n_heads=5, d=3, normalize='length')"
+    assert repr(Heads(V=h.V, Q=h.Q)) == "Heads(n_heads=5, d=3)"

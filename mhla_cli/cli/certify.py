@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Literal
 
 import typer
 
@@ -18,8 +18,9 @@ def certify_cmd(
                                            help="Demand lambda_min > this (a margin for CI); lambda_min is "
                                                 "the canonical one (whitened tokens, orthonormal features: unit-free); "
                                                 "the numerical tolerance psi*eps*lambda_max always applies.")] = 0.0,
-    domain: Annotated[str, typer.Option("--domain", help="full: every input in R^d (the paper). observed: "
-                                        "inputs in the span of the data's tokens / last tokens.")] = "full",
+    domain: Annotated[Literal["full", "observed"], typer.Option(
+        "--domain", help="full: every input in R^d (the paper). observed: inputs in the span of the data's "
+        "tokens / last tokens.")] = "full",
     witness: Annotated[Path | None, typer.Option("--witness", help="When not identifiable, write two models with "
                                                  "the same training loss but different functions, and an "
                                                  "input on which they differ, to this file.")] = None,

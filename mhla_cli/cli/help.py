@@ -58,8 +58,28 @@ def value_name(param: Any) -> str:
     return name + ("..." if param.nargs != 1 or desc.is_list else "")
 
 
+def unwrap(text: str | None) -> str | None:
+    """A help text whose paragraphs are single lines, for the console to wrap at its width: the line breaks
+    inside a paragraph of a docstring are hard wraps, not structure (list items stay on their lines)."""
+    if not text:
+        return text
+    paragraphs = []
+    for para in text.strip().split("\n\n"):
+        lines = [ln.strip() for ln in para.splitlines() if ln.strip()]
+        out: list[str] = []
+        for ln in lines:
+            if out and not ln.startswith(("- ", "* ", "$ ")):
+                out[-1] += " " + ln
+            else:
+                out.append(ln)
+        paragraphs.append("\n".join(out))
+    return "\n\n".join(paragraphs)
+
+
 def plain_params(command: Any, ctx: _click.Context) -> None:
-    """Swap the parameter classes of `command` (and, for a group, of its commands) in place."""
+    """Swap the parameter classes of `command` (and, for a group, of its commands) in place, and unwrap its
+    help text (`unwrap`)."""
+    command.help = unwrap(command.help)
     params = command.get_params(ctx)  # includes the --help option, made on first use
     for p in params:
         if type(p) is TyperOption:
@@ -77,8 +97,10 @@ def _noting_input(invoke: Any) -> Any:
     """`invoke` of a command that first records its input (the first path argument) for --json errors."""
     def wrapped(ctx: _click.Context) -> Any:
         from .console import command_started
+        from .options import check_common_params
 
         note_first_path(ctx)
+        check_common_params(ctx)
         command_started()
         return invoke(ctx)
     return wrapped
@@ -101,6 +123,7 @@ class HelpGroup(TyperGroup):
     """A typer group whose help pages (its own and its commands') show no type placeholders."""
 
     def get_params(self, ctx: _click.Context) -> list[Any]:
+        self.help = unwrap(self.help)
         params = super().get_params(ctx)
         for p in params:
             if type(p) is TyperOption:
