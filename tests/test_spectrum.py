@@ -173,7 +173,7 @@ def test_issue_two_head_teacher_d6_export_heads_and_converged_count(tmp_path: Pa
 @pytest.mark.slow
 def test_issue_three_head_teacher_d8_count_is_never_silently_wrong(tmp_path: Path,
                                                                    capsys: pytest.CaptureFixture[str]) -> None:
-    """Issue 26: 5 heads for a 3-head teacher at d = 8 (about a minute)."""
+    """Issue 26: 5 heads for a 3-head teacher at d = 8 (2-3 minutes on the 2-core machine)."""
     _never_a_wrong_count(_issue_teacher(tmp_path, 8, 3), 3, tmp_path, capsys)
 
 
