@@ -87,9 +87,26 @@ class Timer:
         self.seconds = time.perf_counter() - self.t0
 
 
+DOC_IMAGES = ROOT / "docs" / "img"
+_DOC_IMAGE = {"on": False}
+
+
+def add_doc_image_flag(ap) -> None:
+    """--doc-image: also write the figure's small copy that the docs show (docs/img/<name>.png)."""
+    ap.add_argument("--doc-image", action="store_true",
+                    help="also write the small PNG the docs show, docs/img/<figure>.png (< 100 KB)")
+
+
+def doc_images(on: bool) -> None:
+    _DOC_IMAGE["on"] = bool(on)
+
+
 def savefig(fig, name: str) -> Path:
     path = out_dir() / name
     fig.savefig(path, dpi=110, bbox_inches="tight")
+    if _DOC_IMAGE["on"]:  # the docs' copy: the quick and the full run give the same file name
+        DOC_IMAGES.mkdir(parents=True, exist_ok=True)
+        fig.savefig(DOC_IMAGES / name.replace("_quick", ""), dpi=60, bbox_inches="tight")
     return path
 
 

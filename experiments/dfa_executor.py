@@ -51,6 +51,8 @@ from typing import Any
 
 import numpy as np
 from _common import (
+    add_doc_image_flag,
+    doc_images,
     env_note,
     fmt,
     limit_threads,
@@ -370,7 +372,9 @@ def main() -> None:
                     help="run only these points (repeatable), e.g. --point 4 4 320")
     ap.add_argument("--large", action="store_true",
                     help="also Q = S = 6 (d = 42, psi = 37926) at N = 1000 and 3000 (minutes)")
+    add_doc_image_flag(ap)
     args = ap.parse_args()
+    doc_images(args.doc_image)
     limit_threads(1)
     L, n_test = 6, 30
     if args.point:

@@ -23,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from _common import Timer, env_note, features_of, fmt, limit_threads, markdown_table, savefig, write_json
+from _common import add_doc_image_flag, doc_images, Timer, env_note, features_of, fmt, limit_threads, markdown_table, savefig, write_json
 from mhla_cli import export_heads, fit, predict, synthetic
 
 SETUPS = ((2, 512), (4, 2048))
@@ -200,7 +200,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="only mhla's closed form (MSE, p error vs the teacher, fewest heads); no torch")
     ap.add_argument("--json", default=None, help="also write the raw results to this JSON file")
     ap.add_argument("--from-json", default=None, help="only print the table and plot from a saved JSON file")
+    add_doc_image_flag(ap)
     args = ap.parse_args(argv)
+    doc_images(args.doc_image)
     limit_threads(1)
     if args.from_json:
         with open(args.from_json) as fh:

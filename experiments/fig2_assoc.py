@@ -34,7 +34,7 @@ from typing import Any
 
 import numpy as np
 
-from _common import Timer, env_note, features_of, fmt, limit_threads, markdown_table, savefig, write_json
+from _common import add_doc_image_flag, doc_images, Timer, env_note, features_of, fmt, limit_threads, markdown_table, savefig, write_json
 from mhla_cli import certify, fit, predict, synthetic
 from mhla_cli.basis import pair_map
 from mhla_cli.solve import domain_map, observed_bases
@@ -335,7 +335,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--epochs", type=int, default=None, help="AdamW epochs (default 50; quick 5)")
     ap.add_argument("--json", default=None, help="also write the raw results to this JSON file")
     ap.add_argument("--from-json", default=None, help="only print the tables and plot from a saved JSON file")
+    add_doc_image_flag(ap)
     args = ap.parse_args(argv)
+    doc_images(args.doc_image)
     limit_threads(1)
     if args.from_json:
         with open(args.from_json) as fh:

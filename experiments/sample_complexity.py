@@ -23,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from _common import Timer, env_note, features_of, fmt, limit_threads, markdown_table, savefig, subset, write_json
+from _common import add_doc_image_flag, doc_images, Timer, env_note, features_of, fmt, limit_threads, markdown_table, savefig, subset, write_json
 from mhla_cli import certify, fit, n_features, predict, synthetic
 
 DIMS = (2, 3, 4, 5, 6)
@@ -137,7 +137,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true", help="tiny version (seconds)")
     ap.add_argument("--seeds", type=int, default=None, help="teachers per d (default 5; quick 2)")
     ap.add_argument("--json", default=None, help="also write the raw results to this JSON file")
+    add_doc_image_flag(ap)
     args = ap.parse_args(argv)
+    doc_images(args.doc_image)
     limit_threads(1)
     dims = (2, 3) if args.quick else DIMS
     seeds = args.seeds or (2 if args.quick else 5)

@@ -14,19 +14,56 @@ Library API (each CLI command is a thin layer over these):
 
 from __future__ import annotations
 
+import importlib
+from typing import TYPE_CHECKING, Any
+
 from ._version import __version__
-from .convert import convert_files, write_tokens
 from .errors import InputError, MhlaError
-from .features import cubic_features, feature_index, n_features
-from .forward import forward_heads, predict, predict_file
-from .heads import Heads, W_from_heads, W_from_p, heads_from_W, p_from_heads, p_from_W
-from .learn import export_heads, fit
-from .model import Model, load_function
-from .reduce import Reduction, load_reduction, reduce_tokens
-from .solve import Certificate, certify
-from .stream import Features, featurize, load_features, reduce_span
-from .synthetic import Dataset, generate_assoc, generate_teacher
-from .estimator import MHLA
+
+# The public names and the module that defines each, imported on first use (PEP 562): `import mhla_cli`
+# (and so every `mhla` command, `--version` and `--help`) loads neither NumPy's friends SciPy and h5py
+# nor torch until a name that needs them is used.
+_EXPORTS = {
+    "convert_files": "convert", "write_tokens": "convert",
+    "cubic_features": "features", "feature_index": "features", "n_features": "features",
+    "forward_heads": "forward", "predict": "forward", "predict_file": "forward",
+    "Heads": "heads", "W_from_heads": "heads", "W_from_p": "heads", "heads_from_W": "heads",
+    "p_from_heads": "heads", "p_from_W": "heads",
+    "export_heads": "learn", "fit": "learn",
+    "Model": "model", "load_function": "model",
+    "Certificate": "solve", "certify": "solve",
+    "Reduction": "reduce", "load_reduction": "reduce", "reduce_tokens": "reduce",
+    "Features": "stream", "featurize": "stream", "load_features": "stream", "reduce_span": "stream",
+    "Dataset": "synthetic", "generate_assoc": "synthetic", "generate_teacher": "synthetic",
+    "MHLA": "estimator",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f".{module}", __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_EXPORTS))
+
+
+if TYPE_CHECKING:  # the same names for type checkers and the layout test's re-export map
+    from .convert import convert_files, write_tokens
+    from .estimator import MHLA
+    from .features import cubic_features, feature_index, n_features
+    from .forward import forward_heads, predict, predict_file
+    from .heads import Heads, W_from_heads, W_from_p, heads_from_W, p_from_heads, p_from_W
+    from .learn import export_heads, fit
+    from .model import Model, load_function
+    from .reduce import Reduction, load_reduction, reduce_tokens
+    from .solve import Certificate, certify
+    from .stream import Features, featurize, load_features, reduce_span
+    from .synthetic import Dataset, generate_assoc, generate_teacher
 
 __all__ = [
     "Certificate", "Dataset", "MHLA", "Features", "Heads", "InputError", "MhlaError", "Model", "Reduction", "W_from_heads",

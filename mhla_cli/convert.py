@@ -248,12 +248,12 @@ def _safetensors_sources(path: Path) -> list[_Source]:
     return out
 
 
-def _torch() -> Any:
+def _torch(path: str | os.PathLike | None = None) -> Any:
     try:
         import torch
     except ImportError:
-        raise InputError("reading torch .pt files needs PyTorch: pip install 'torch>=2.1' "
-                         "(mhla's [torch] extra)") from None
+        raise InputError("reading torch .pt files needs PyTorch, which is not installed: pip install "
+                         "'torch>=2.1' (mhla's [torch] extra)", path) from None
     return torch
 
 
@@ -321,7 +321,7 @@ class _PageDropper:
 
 
 def _torch_sources(path: Path) -> list[_Source]:
-    torch = _torch()
+    torch = _torch(path)
     try:
         try:
             obj = torch.load(path, map_location="cpu", weights_only=True, mmap=True)

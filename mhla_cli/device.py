@@ -30,12 +30,14 @@ from .errors import InputError
 DEVICES_HELP = "cpu (numpy, the default), cuda, cuda:I (torch on a GPU), torch:cpu (the torch path on the CPU)"
 
 
-def _torch() -> Any:
+def _torch(device: str | None = None, path: str | os.PathLike | None = None) -> Any:
+    """torch, or an InputError naming the file (`path`) and the device when it is not installed."""
     try:
         import torch
     except ImportError:
-        raise InputError("this device needs PyTorch, which is not installed: install the project's `gpu` "
-                         "extra (pip install -e '.[gpu]' from a clone) or torch itself") from None
+        what = f"device {device!r}" if device else "the device path"
+        raise InputError(f"{what}: PyTorch is not installed; install the project's `gpu` extra "
+                         "(pip install -e '.[gpu]' from a clone) or torch itself", path) from None
     return torch
 
 
@@ -49,7 +51,7 @@ def check_device(device: str | None, path: str | os.PathLike | None = None) -> s
     if not isinstance(device, str):
         raise InputError(f"device must be a string ({DEVICES_HELP}), got {device!r}", path)
     if device == "torch:cpu":
-        _torch()
+        _torch(device, path)
         return device
     index = None
     if device.startswith("cuda:"):
@@ -59,7 +61,7 @@ def check_device(device: str | None, path: str | os.PathLike | None = None) -> s
         index = int(tail)
     elif device != "cuda":
         raise InputError(f"unknown device {device!r}: expected {DEVICES_HELP}", path)
-    torch = _torch()
+    torch = _torch(device, path)
     if not torch.cuda.is_available():
         build = ("a CPU-only build" if torch.version.cuda is None else f"built with CUDA {torch.version.cuda}")
         raise InputError(f"device {device!r}: no CUDA GPU is available to PyTorch (torch {torch.__version__}, "

@@ -110,6 +110,11 @@ class Heads:
     def n_heads(self) -> int:
         return int(self.V.shape[0])
 
+    def __repr__(self) -> str:  # the sizes, not V and Q
+        norm = self.info.get("normalize")
+        out = f", d_out={self.d_out}" if self.d_out != self.d else ""
+        return f"Heads(n_heads={self.n_heads}, d={self.d}{out}" + (f", normalize={norm!r})" if norm else ")")
+
     @property
     def coef(self) -> np.ndarray:
         if self.d_out != self.d:

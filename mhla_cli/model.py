@@ -30,6 +30,12 @@ class Model:
     d: int
     info: dict[str, Any] = field(default_factory=dict)
 
+    def __repr__(self) -> str:  # what was fitted, not coef and W
+        shown = {k: self.info[k] for k in ("method", "n_heads", "ridge", "normalize", "train_mse")
+                 if self.info.get(k) is not None}
+        extra = "".join(f", {k}={v:.4g}" if isinstance(v, float) else f", {k}={v!r}" for k, v in shown.items())
+        return f"Model(d={self.d}, n_features={self.coef.shape[-1]}{extra})"
+
     def save(self, path: str | os.PathLike, inputs: tuple[str | os.PathLike, ...] = ()) -> None:
         """Write a model file atomically."""
         attrs = {"d": self.d, "n_features": n_features(self.d)}

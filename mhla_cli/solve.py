@@ -228,6 +228,11 @@ class Certificate:
     def margin(self) -> float:
         return self.lambda_min - self.threshold
 
+    def __repr__(self) -> str:  # the verdict and its numbers, not the eigenvalues and null vectors
+        return (f"Certificate(identifiable={self.identifiable}, domain={self.domain!r}, lambda_min={self.lambda_min:.4g}, "
+                f"lambda_max={self.lambda_max:.4g}, threshold={self.threshold:.4g}, rank={self.rank}/{self.n_features}, "
+                f"n_samples={self.n_samples})")
+
     def to_dict(self) -> dict[str, Any]:
         return {
             "identifiable": self.identifiable, "lambda_min": self.lambda_min, "lambda_max": self.lambda_max,

@@ -94,6 +94,11 @@ class Features:
     def n_features(self) -> int:
         return n_features(self.d)
 
+    def __repr__(self) -> str:  # the shapes and counts, not the psi x psi sums
+        return (f"Features(d={self.d}, n_features={self.n_features}, n_samples={self.n_samples}, "
+                f"n_tokens={self.n_tokens}, per_position={self.per_position}, normalize={self.normalize!r}, "
+                f"targets={self.moments is not None or self.basis_moments is not None})")
+
     @property
     def has_targets(self) -> bool:
         return self.target_gram is not None

@@ -235,6 +235,10 @@ def run_bad(capsys: pytest.CaptureFixture[str], argv: list[str], blamed: Path | 
         if argv[0] == "inspect":  # --json: the report on stdout carries the same message
             rep = json.loads(cap.out)
             assert rep["valid"] is False and lines[0] == f"mhla: error: {rep['error']}"
+            assert rep["exit_code"] == 2
+        elif "--json" in argv:  # one error object on stdout, the stderr line's message
+            rep = json.loads(cap.out)
+            assert lines[0] == f"mhla: error: {rep['error']}" and rep["exit_code"] == 2
         else:
             assert cap.out == ""
         prefix = "mhla: error: " if blamed is None else f"mhla: error: {blamed}: "

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import shutil
 import subprocess
@@ -14,6 +15,7 @@ import pytest
 
 from mhla_cli import __version__, formats
 from mhla_cli.cli import run
+from mhla_cli.cli.console import SCHEMA_VERSION
 from mhla_cli.heads import Heads
 from mhla_cli.model import Model
 
@@ -22,7 +24,9 @@ def cli_json(capsys: pytest.CaptureFixture[str], args: list[str], code: int = 0)
     assert run(args) == code, capsys.readouterr().err
     out = capsys.readouterr().out.strip().splitlines()
     assert len(out) == 1, out  # exactly one JSON object on stdout
-    return json.loads(out[0])
+    obj = json.loads(out[0])
+    assert next(iter(obj)) == "schema_version" and obj["schema_version"] == SCHEMA_VERSION, obj
+    return obj
 
 
 def test_pipeline_recovers_teacher(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -138,8 +142,10 @@ def _command_paths() -> list[list[str]]:
 
     from mhla_cli.cli import app
     root = typer.main.get_command(app)
+    ctx = typer._click.Context(root)
     paths = []
-    for name, cmd in root.commands.items():
+    for name in root.list_commands(ctx):  # the commands are loaded when asked for (start-up)
+        cmd = root.get_command(ctx, name)
         subs = getattr(cmd, "commands", None)
         paths += [[name, s] for s in subs] if subs else [[name]]
     return paths
@@ -196,7 +202,12 @@ def test_shell_completion(tmp_path: Path) -> None:
     assert "_MHLA_COMPLETE=complete_bash" in show.stdout and "complete -o default -F _mhla_completion mhla" in show.stdout
     # what bash runs on <TAB>: commands, then a command's options
     for words, cword, expect in (("mhla fe", 1, "featurize"), ("mhla fit --ri", 2, "--ridge"),
-                                 ("mhla generate t", 2, "teacher")):
+                                 ("mhla generate t", 2, "teacher"),
+                                 # choice options offer their values (issue 26)
+                                 ("mhla certify d.h5 --domain ", 4, "observed"),
+                                 ("mhla fit d.h5 --normalize ", 4, "length"),
+                                 ("mhla featurize d.h5 --spans o", 4, "off"),
+                                 ("mhla predict m.h5 d.h5 --device c", 5, "cuda:0")):
         comp = subprocess.run(_mhla(), capture_output=True, text=True,
                               env={**env, "_MHLA_COMPLETE": "complete_bash", "COMP_WORDS": words,
                                    "COMP_CWORD": str(cword)})
@@ -272,6 +283,8 @@ def test_teacher_out_writes_the_format_of_its_suffix(tmp_path: Path, capsys) -> 
         assert z["V"].shape == (1, 2, 2) and z["Q"].shape == (1, 2, 2)
     p = cli_json(capsys, ["predict", str(teacher), str(data), "-o", str(tmp_path / "p.h5"), "--json", "-q"])
     assert p["mse"] < 1e-25
+    if importlib.util.find_spec("safetensors") is None:  # an optional package (the `test` extra has it)
+        return
     st = tmp_path / "teacher.safetensors"
     assert run(["generate", "assoc", "-o", str(tmp_path / "a.h5"), "--keys", "1", "--n-samples", "8",
                 "--teacher-out", str(st), "-q"]) == 0
@@ -305,3 +318,163 @@ def test_predict_causal_progress_moves_within_a_span(tmp_path: Path, monkeypatch
     a = predict_file(fn, data, causal=True, progress=lambda n: None)
     b = predict_file(fn, data, causal=True, chunk_size=7)  # the blocks change no value
     assert np.array_equal(a["outputs"], b["outputs"]) and a["mse"] == pytest.approx(b["mse"], rel=1e-12)
+
+
+# Every command with --json, on a missing input (exit 2): one error object naming the input.
+JSON_ERROR_RUNS = {
+    "certify": ["certify", "{missing}"],
+    "certify --on": ["certify", "{missing}", "--on", "{missing}"],
+    "fit": ["fit", "{missing}", "-o", "{out}"],
+    "featurize": ["featurize", "{missing}", "-o", "{out}"],
+    "export-heads": ["export-heads", "{missing}", "-o", "{out}"],
+    "spectrum": ["spectrum", "{missing}"],
+    "predict": ["predict", "{missing}", "{missing}", "-o", "{out}"],
+    "compare": ["compare", "{missing}", "{missing}"],
+    "inspect": ["inspect", "{missing}"],
+    "merge": ["merge", "{missing}", "-o", "{out}"],
+    "convert": ["convert", "{missing_npy}", "-o", "{out}"],
+    "rollout": ["rollout", "{missing}", "{missing}", "--steps", "1", "-o", "{out}"],
+}
+
+
+@pytest.mark.parametrize("name", sorted(JSON_ERROR_RUNS))
+def test_json_error_object_on_exit_2(tmp_path: Path, capsys: pytest.CaptureFixture[str], name: str) -> None:
+    missing = str(tmp_path / "missing.h5")
+    args = [a.format(missing=missing, missing_npy=str(tmp_path / "missing.npy"), out=str(tmp_path / "o.h5"))
+            for a in JSON_ERROR_RUNS[name]]
+    obj = cli_json(capsys, [*args, "--json"], code=2)
+    assert obj["exit_code"] == 2 and "missing" in obj["error"], obj
+    assert obj["path"] is not None and obj["path"].endswith(("missing.h5", "missing.npy")), obj
+    assert not (tmp_path / "o.h5").exists()
+
+
+def test_json_error_object_on_usage_errors_and_internal_errors(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    obj = cli_json(capsys, ["certify", "--json"], code=2)  # a usage error: no DATA
+    assert obj["exit_code"] == 2 and "Missing argument" in obj["error"] and obj["path"] is None
+    data = tmp_path / "d.h5"
+    assert run(["generate", "teacher", "-o", str(data), "--dim", "2", "--heads", "1", "--n-samples", "40",
+                "--seq-len", "4", "-q"]) == 0
+    import mhla_cli.solve
+
+    def boom(*a, **k):
+        raise RuntimeError("a bug")
+    monkeypatch.setattr(mhla_cli.solve, "certify", boom)  # the command imports it when it runs
+    monkeypatch.delenv("MHLA_DEBUG", raising=False)
+    obj = cli_json(capsys, ["certify", str(data), "--json"], code=3)
+    assert obj["exit_code"] == 3 and "internal error: RuntimeError: a bug" in obj["error"]
+    assert obj["path"] == str(data)
+    # without --json nothing goes to stdout; after `--` a file named --json is no option
+    assert run(["certify", str(tmp_path / "missing.h5")]) == 2
+    assert capsys.readouterr().out == ""
+
+
+def test_certify_missing_json_redirect_leaves_an_object(tmp_path: Path) -> None:
+    """The README's CI step: `mhla certify missing.h5 --json > cert.json` leaves a JSON object, not 0 bytes."""
+    cert = tmp_path / "cert.json"
+    with open(cert, "w") as f:
+        proc = subprocess.run([sys.executable, "-m", "mhla_cli", "certify", "missing.h5", "--json"], stdout=f,
+                              stderr=subprocess.PIPE, text=True, cwd=tmp_path)
+    assert proc.returncode == 2 and proc.stderr == "mhla: error: missing.h5: no such file\n"
+    assert json.loads(cert.read_text()) == {"schema_version": SCHEMA_VERSION, "error": "missing.h5: no such file",
+                                            "exit_code": 2, "path": "missing.h5"}
+
+
+def _modules_after(code: str) -> set[str]:
+    """The top-level packages a fresh interpreter has imported after running `code`."""
+    probe = code + "\nimport sys\nprint(' '.join(sorted({m.split('.')[0] for m in sys.modules} | " \
+                   "{m for m in sys.modules if m.startswith('scipy.')})))"
+    proc = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    return set(proc.stdout.split())
+
+
+def test_start_up_imports_only_what_the_command_needs() -> None:
+    """`import mhla_cli` loads no SciPy LAPACK, h5py or torch; `mhla --version` not even typer or NumPy;
+    `mhla certify --help` only the parser (typer, rich), none of the library's numerics."""
+    heavy = {"scipy.linalg", "torch", "h5py"}
+    assert not _modules_after("import mhla_cli") & (heavy | {"numpy", "typer"})
+    assert not _modules_after("from mhla_cli.cli import run; run(['--version'])") & (heavy | {"numpy", "typer"})
+    loaded = _modules_after("import io, contextlib\nfrom mhla_cli.cli import run\n"
+                            "with contextlib.redirect_stdout(io.StringIO()): run(['certify', '--help'])")
+    assert "typer" in loaded and not loaded & (heavy | {"numpy", "scipy"}), loaded
+    # the low-rank solvers import SciPy's LAPACK when they run, not when fit / the estimator is imported
+    assert "scipy.linalg" not in _modules_after("import mhla_cli.learn, mhla_cli.estimator, mhla_cli.cli.fit")
+
+
+def test_lazy_public_names_resolve() -> None:
+    import mhla_cli
+
+    assert set(mhla_cli._EXPORTS) | {"InputError", "MhlaError", "__version__"} == set(mhla_cli.__all__)
+    for name in mhla_cli.__all__:
+        assert getattr(mhla_cli, name) is not None and name in dir(mhla_cli)
+    assert mhla_cli.fit.__module__ == "mhla_cli.learn" and mhla_cli.Model.__module__ == "mhla_cli.model"
+    with pytest.raises(AttributeError, match="no attribute 'nope'"):
+        mhla_cli.nope  # noqa: B018
+
+
+def test_version_fast_path_and_help_list_every_command(capsys: pytest.CaptureFixture[str]) -> None:
+    from mhla_cli.cli import COMMANDS, app
+
+    assert run(["--version"]) == 0 and capsys.readouterr().out == f"mhla {__version__}\n"
+    assert run(["--help"]) == 0
+    out = capsys.readouterr().out
+    for name in COMMANDS:
+        assert f" {name} " in out, name
+    assert app is not None
+
+
+def test_choice_options_show_their_values_and_refuse_others(capsys: pytest.CaptureFixture[str]) -> None:
+    for argv, shown in ((["certify", "--help"], ("[full|observed]", "[none|length]", "DEVICE")),
+                        (["featurize", "--help"], ("[auto|on|off]",)),
+                        (["generate", "teacher", "--help"], ("[float32|float64]",))):
+        assert run(argv) == 0
+        out = capsys.readouterr().out
+        for s in shown:
+            assert s in out, (argv, s)
+    assert run(["certify", "x.h5", "--domain", "both"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "'both' is not one of 'full', 'observed'" in err
+
+
+def test_help_is_wrapped_by_the_console(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    """A docstring's paragraph is one paragraph of the help, filled to the terminal's width (no hand wraps)."""
+    from mhla_cli.cli.help import unwrap
+
+    assert unwrap("a b\nc d\n\n- x\n- y\n  z") == "a b c d\n\n- x\n- y z"
+    monkeypatch.setenv("COLUMNS", "300")
+    assert run(["certify", "--help"]) == 0
+    out = capsys.readouterr().out
+    # the whole paragraph on one line at 300 columns (it was three ragged lines)
+    assert any("lambda_min / lambda_max are those of the canonical" in ln and "The canonical certificate" in ln
+               for ln in out.splitlines())
+
+
+@pytest.mark.parametrize("argv", [["featurize", "{data}", "-o", "-"], ["certify", "-"], ["fit", "-", "-o", "{m}"],
+                                  ["convert", "tokens=-", "-o", "{m}"], ["predict", "-", "{data}", "-o", "{m}"],
+                                  ["generate", "teacher", "-o", "-", "--dim", "2", "--heads", "1", "--n-samples", "3"]])
+def test_dash_as_a_path_is_refused(tmp_path: Path, capsys: pytest.CaptureFixture[str], argv: list[str]) -> None:
+    data = tmp_path / "d.h5"
+    data.write_bytes(b"")
+    args = [a.format(data=data, m=tmp_path / "m.h5") for a in argv]
+    assert run(args) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "'-': mhla reads and writes files, not standard input or output" in err \
+        or "'tokens=-'" in err, err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["d.h5"]
+    assert not Path("-").exists()
+
+
+def test_more_workers_than_cores_is_noted(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    import mhla_cli.cli.options as options
+
+    data = tmp_path / "d.h5"
+    assert run(["generate", "teacher", "-o", str(data), "--dim", "2", "--heads", "1", "--n-samples", "20",
+                "--seq-len", "4", "-q"]) == 0
+    monkeypatch.setattr(options, "available_cores", lambda: 2)
+    assert run(["featurize", str(data), "-o", str(tmp_path / "f.h5"), "--workers", "3", "-q"]) == 0
+    err = capsys.readouterr().err
+    assert err == "mhla: warning: --workers 3 is more than the 2 cores available here: the workers share them\n"
+    assert run(["featurize", str(data), "-o", str(tmp_path / "g.h5"), "--workers", "2", "-q"]) == 0
+    assert capsys.readouterr().err == ""

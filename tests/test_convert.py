@@ -6,6 +6,7 @@ one line and leave nothing at -o (a file already there stays byte-identical) nor
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import subprocess
 import sys
@@ -23,6 +24,8 @@ from mhla_cli.errors import InputError
 from mhla_cli.stream import featurize
 
 from conftest import STATS, write_tokens as h5_write_tokens
+
+HAVE_TORCH = importlib.util.find_spec("torch") is not None
 
 PREVIOUS = b"previous output, must survive\n" * 10
 
@@ -305,7 +308,9 @@ BAD = {
                              "more than one array"),
     "not a zip .npz": (_file("in.npz", b"not a zip at all"), "not a valid .npz"),
     "bad safetensors": (_file("in.safetensors", b"\x05\x00\x00\x00\x00\x00\x00\x00{bad}"), ".safetensors"),
-    "bad torch": (_file("in.pt", b"garbage"), "cannot read as a torch file"),
+    # without torch the refusal names the file and says what is missing
+    "bad torch": (_file("in.pt", b"garbage"), "cannot read as a torch file" if HAVE_TORCH
+                  else "in.pt: reading torch .pt files needs PyTorch, which is not installed"),
     "unknown suffix": (_file("in.csv", b"1,2\n"), "unknown input format"),
     "already HDF5": (_hdf5, "already an HDF5 file"),
     "missing": (lambda d: [str(d / "nope.npy")], "no such file"),

@@ -259,3 +259,10 @@ def test_coef_inner_is_the_frobenius_product_of_the_coefs() -> None:
     # square heads: the coef of p_from_heads
     Vs, Qs = _rect(2, H=2, d_out=3, d=3)
     assert np.allclose(coef_of_heads(Vs, Qs), heads.p_from_heads(Vs, Qs), rtol=0, atol=1e-12)
+
+
+def test_heads_repr_is_short_and_shows_no_arrays() -> None:
+    rng = np.random.default_rng(0)
+    h = Heads(V=rng.standard_normal((5, 3, 3)), Q=rng.standard_normal((5, 3, 3)), info={"normalize": "length"})
+    assert repr(h) == "Heads(n_heads=5, d=3, normalize='length')"
+    assert repr(Heads(V=h.V, Q=h.Q)) == "Heads(n_heads=5, d=3)"

@@ -201,7 +201,7 @@ def _reexports(package_dir: Path) -> dict[str, str]:
     """Name -> module for the names the package's __init__ imports from its own modules."""
     out = {}
     tree = ast.parse((package_dir / "__init__.py").read_text(encoding="utf-8"))
-    for node in tree.body:
+    for node in ast.walk(tree):  # also the lazy names' imports under `if TYPE_CHECKING:`
         if isinstance(node, ast.ImportFrom) and node.level == 1 and node.module:
             for alias in node.names:
                 out[alias.asname or alias.name] = node.module.split(".")[0]

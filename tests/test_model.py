@@ -111,3 +111,11 @@ def test_coef_of() -> None:
     out = coef_of(arr)
     assert out.dtype == np.float64 and np.array_equal(out, arr)
     assert normalize_of(arr) == "none" and normalize_of(m) == "none"
+
+
+def test_model_repr_is_short_and_shows_no_arrays() -> None:
+    rng = np.random.default_rng(0)
+    V, Q = rng.standard_normal((2, 3, 3)), rng.standard_normal((2, 3, 3))
+    W = heads_mod.W_from_heads(V, Q)
+    m = Model(coef=heads_mod.p_from_W(W), W=W, d=3, info={"method": "lstsq", "ridge": 0.5, "train_mse": 1.25e-3})
+    assert repr(m) == "Model(d=3, n_features=18, method='lstsq', ridge=0.5, train_mse=0.00125)"

@@ -129,3 +129,56 @@ def test_wheel_installs_and_runs_without_the_source_tree(wheel: Path, tmp_path: 
              "assert importlib.resources.files('mhla_cli').joinpath('py.typed').is_file()\n")
     proc = subprocess.run([str(python), "-c", check], capture_output=True, text=True, cwd=work, env=env, timeout=120)
     assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def _readme_block(after: str) -> str:
+    """The body of the first fenced block of README.md after the line that contains `after`."""
+    text = (ROOT / "README.md").read_text()
+    rest = text[text.index(after):]
+    start = rest.index("```")
+    body = rest[rest.index("\n", start) + 1:]
+    return body[:body.index("```")]
+
+
+def test_ci_runs_the_readme_commands_first() -> None:
+    """.ci/run runs the README's install line and test command as written, before it adds torch."""
+    install = _readme_block("## Quick start").strip()
+    test = _readme_block("<!-- docs-test: skip the test suite itself").strip()
+    assert install == 'pip install -e ".[test,dask,plot]"' and test == "python -m pytest -q"
+    lines = [ln.strip() for ln in (ROOT / ".ci" / "run").read_text().splitlines()]
+    assert install in lines and test in lines
+    torch_line = next(i for i, ln in enumerate(lines) if "pip install" in ln and "torch" in ln)
+    assert lines.index(install) < lines.index(test) < torch_line
+
+
+@pytest.mark.slow
+def test_readme_quick_start_on_a_fresh_clone_without_torch(tmp_path: Path) -> None:
+    """A copy of the clone, a clean venv, the README's install line as written (no torch), its quick start,
+    and the tests that used to fail without torch (convert's .pt refusal, docs/gpu.md's errors)."""
+    clone = tmp_path / "clone"
+    clone.mkdir()
+    for name in (*SOURCES, "sample_data", "tests", "docs"):
+        if (ROOT / name).is_dir():
+            shutil.copytree(ROOT / name, clone / name, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+        else:
+            shutil.copy2(ROOT / name, clone / name)
+    env_dir = tmp_path / "venv"
+    venv.create(env_dir, with_pip=True, clear=True)
+    bindir = env_dir / ("Scripts" if os.name == "nt" else "bin")
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV", "PYTHONHOME")}
+    env.update(PATH=f"{bindir}{os.pathsep}{env.get('PATH', '')}", VIRTUAL_ENV=str(env_dir))
+
+    def sh(script: str, timeout: int = 900) -> str:
+        proc = subprocess.run(["bash", "-e", "-o", "pipefail", "-c", script], capture_output=True, text=True,
+                              cwd=clone, env=env, timeout=timeout)
+        assert proc.returncode == 0, f"{script}\n{proc.stdout}\n{proc.stderr}"
+        return proc.stdout + proc.stderr
+
+    install = _readme_block("## Quick start")
+    assert "pip install" in install and "torch" not in install
+    sh(install)
+    sh("python -c 'import importlib.util as u, sys; sys.exit(u.find_spec(\"torch\") is not None)'")
+    out = sh(_readme_block("<!-- docs-test: run id=quick-start"), timeout=300)
+    assert "identifiable on the full domain" in out and "same function" in out
+    sh('python -m pytest -q -p no:cacheprovider tests/test_convert.py "tests/test_docs.py::test_doc[docs/gpu.md]"',
+       timeout=600)

@@ -132,3 +132,12 @@ def test_eigenvalues_match_materialised_features(tmp_path: Path, scaled: bool) -
     assert (cert2.dim_tokens, cert2.dim_last_tokens, cert2.n_features) == (2, 2, 6)
     assert cert2.lambda_min == pytest.approx(w2[0], rel=1e-8)
     assert cert2.lambda_max == pytest.approx(w2[-1], rel=1e-10)
+
+
+def test_certificate_repr_is_short_and_shows_no_arrays(tmp_path: Path) -> None:
+    ds, _ = synthetic.generate_teacher(3, 2, 200, "8", seed=1)
+    ds.save(tmp_path / "d.h5")
+    cert = certify(featurize(tmp_path / "d.h5"))
+    r = repr(cert)
+    assert r.startswith("Certificate(identifiable=True, domain='full', lambda_min=") and "rank=18/18" in r
+    assert "array" not in r and "\n" not in r and len(r) < 200

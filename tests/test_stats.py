@@ -95,3 +95,12 @@ def test_load_refuses_a_version_3_file_without_its_basis_token_grams(tmp_path: P
         del f["basis_last_token_gram"]
     with pytest.raises(InputError, match="basis_last_token_gram"):
         Features.load(path)
+
+
+def test_repr_is_short_and_shows_no_arrays() -> None:
+    from mhla_cli.stream import featurize
+
+    feats = featurize(Path(__file__).resolve().parent.parent / "sample_data" / "teacher.h5")
+    r = repr(feats)
+    assert r == ("Features(d=4, n_features=40, n_samples=2048, n_tokens=204800, per_position=False, "
+                 "normalize='none', targets=True)")

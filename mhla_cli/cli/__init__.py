@@ -9,59 +9,75 @@ from __future__ import annotations
 import os
 import signal
 import sys
-from typing import Annotated
-
-import typer
+from typing import Annotated, Any
 
 from .._version import __version__
-from ..errors import InputError
-from .. import formats
-from ..signals import Interrupted, check_interrupted, sigterm_as_exception
-from .help import HelpGroup
 
-app = typer.Typer(
-    name="mhla",
-    help="Learn single-layer multi-head linear attention exactly, certify identifiability, export heads.\n\n"
-         "Example: mhla featurize data.h5 -o feats.h5 && mhla certify feats.h5 && mhla fit feats.h5 -o model.h5 "
-         "&& mhla export-heads model.h5 -o heads.h5\n\n"
-         "Shell completion (typer's): mhla --install-completion, or for this shell only: "
-         "eval \"$(mhla --show-completion bash)\"",
-    no_args_is_help=True,
-    pretty_exceptions_enable=False,
-    add_completion=True,  # typer's own --install-completion / --show-completion
-    cls=HelpGroup,
-    context_settings={"help_option_names": ["-h", "--help"]},
-)
+from .registry import COMMANDS  # noqa: F401 (the commands and their modules, loaded on demand)
+
+_APP: Any = None
 
 
 def _version_callback(value: bool) -> None:
     if value:
+        import typer
+
         typer.echo(f"mhla {__version__}")
         raise typer.Exit(0)
 
 
-@app.callback()
-def _root(
-    version: Annotated[bool, typer.Option("--version", callback=_version_callback, is_eager=True,
-                                          help="Print the version and exit.")] = False,
-) -> None:
-    """mhla: learn MHLA exactly (Algorithm 1 of Yau et al., NeurIPS 2025) and certify identifiability."""
+def _build_app() -> Any:
+    import typer
+
+    from .help import HelpGroup
+
+    app = typer.Typer(
+        name="mhla",
+        help="Learn single-layer multi-head linear attention exactly, certify identifiability, export heads.\n\n"
+             "Example: mhla featurize data.h5 -o feats.h5 && mhla certify feats.h5 && mhla fit feats.h5 -o "
+             "model.h5 && mhla export-heads model.h5 -o heads.h5\n\n"
+             "Shell completion (typer's): mhla --install-completion, or for this shell only: "
+             "eval \"$(mhla --show-completion bash)\"",
+        no_args_is_help=True,
+        pretty_exceptions_enable=False,
+        add_completion=True,  # typer's own --install-completion / --show-completion
+        cls=HelpGroup,
+        context_settings={"help_option_names": ["-h", "--help"]},
+    )
+
+    def _root(version: bool = False) -> None:
+        """mhla: learn MHLA exactly (Algorithm 1 of Yau et al., NeurIPS 2025) and certify identifiability."""
+
+    # the annotation as an object (a string would be resolved in this module's globals, without typer)
+    _root.__annotations__ = {"version": Annotated[bool, typer.Option(
+        "--version", callback=_version_callback, is_eager=True, help="Print the version and exit.")],
+        "return": None}
+    app.callback()(_root)
+    return app
 
 
-from . import certify, convert, featurize, fit, generate, inspect, predict, reduce  # noqa: E402
+def __getattr__(name: str) -> Any:
+    """`app`, the typer application, built on first use (not at import: start-up)."""
+    global _APP
+    if name == "app":
+        if _APP is None:
+            _APP = _build_app()
+        return _APP
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
-for _module in (generate, convert, reduce, featurize, certify, fit, predict, inspect):
-    _module.register(app)
 
-
-def _error(message: str, code: int = 2) -> int:
-    # One line, whatever the underlying library put in the message.
-    line = " ".join(str(message).split())
+def _error(message: str, code: int = 2, path: str | None = None) -> int:
+    """The one-line error on stderr and, when the run asked for --json and printed nothing yet, the error
+    object on stdout (`error`, `exit_code`, the input's `path`)."""
+    line = " ".join(str(message).split())  # one line, whatever the underlying library put in the message
     try:
         sys.stderr.write(f"mhla: error: {line}\n")
         sys.stderr.flush()
     except (OSError, ValueError):
         pass
+    from .console import emit_error_json
+
+    emit_error_json(line, code, path)
     return code
 
 
@@ -76,7 +92,8 @@ def _say_stderr(text: str) -> None:
 def main(argv: list[str] | None = None) -> int:
     """Console-script entry point; returns (and exits with) the exit code."""
     code = run(argv)
-    if formats.hdf5_write_failed():
+    formats = sys.modules.get("mhla_cli.formats")  # not imported by `mhla --version`
+    if formats is not None and formats.hdf5_write_failed():
         # libhdf5 can crash at interpreter shutdown after a failed write (it retries the flush of
         # the already removed temporary file): the error is reported, so leave without teardown.
         for stream in (sys.stdout, sys.stderr):
@@ -92,22 +109,44 @@ def run(argv: list[str] | None = None) -> int:
     """Run the CLI without exiting the interpreter; returns the exit code.
 
     0 ok, 1 a check failed, 2 usage/input/output error (one line ``mhla: error: <file>: ...``),
-    3 internal error, 128 + signal number when interrupted (130 SIGINT, 143 SIGTERM).
+    3 internal error, 128 + signal number when interrupted (130 SIGINT, 143 SIGTERM). With --json every
+    run prints one JSON object on stdout: the command's, or on a failure that printed none an error
+    object (`schema_version`, `error`, `exit_code`, `path`).
     """
     args = list(sys.argv[1:] if argv is None else argv)
-    formats.set_command(["mhla", *args])
+    if args == ["--version"]:  # without typer, NumPy or h5py: paid by scripts that check the version
+        try:
+            sys.stdout.write(f"mhla {__version__}\n")
+            sys.stdout.flush()
+        except BrokenPipeError:
+            pass
+        return 0
+    import typer
+
+    from ..errors import InputError
+    from ..signals import Interrupted, check_interrupted, sigterm_as_exception
+    from .console import emit_error_json, start_json_run
+    from .help import note_first_path
+
+    start_json_run(args)  # and the command line for the outputs' provenance, set when a command runs
     try:
         with sigterm_as_exception():
-            rv = app(args=args, prog_name="mhla", standalone_mode=False)
+            rv = __getattr__("app")(args=args, prog_name="mhla", standalone_mode=False)
             check_interrupted()  # a signal whose exception was swallowed still ends the run
-        return rv if isinstance(rv, int) else 0
+        code = rv if isinstance(rv, int) else 0
+        if code:
+            emit_error_json(f"exit code {code}", code)
+        return code
     except InputError as exc:
-        return _error(str(exc))
+        return _error(str(exc), 2, exc.path)
     except Interrupted as exc:
-        _say_stderr("mhla: interrupted" if exc.signum == signal.SIGINT else "mhla: terminated")
+        msg = "interrupted" if exc.signum == signal.SIGINT else "terminated"
+        _say_stderr(f"mhla: {msg}")
+        emit_error_json(msg, 128 + int(exc.signum))
         return 128 + int(exc.signum)
     except KeyboardInterrupt:
         _say_stderr("mhla: interrupted")
+        emit_error_json("interrupted", 130)
         return 130
     except MemoryError:
         return _error("out of memory: use a smaller --chunk-size or a machine with more memory")
@@ -120,14 +159,17 @@ def run(argv: list[str] | None = None) -> int:
         return 0
     except typer.Abort:
         _say_stderr("mhla: interrupted")
+        emit_error_json("interrupted", 130)
         return 130
     except Exception as exc:  # noqa: BLE001
         # Usage errors from typer's parser carry exit_code and format_message (typer's bundled click).
         if hasattr(exc, "format_message") and hasattr(exc, "exit_code"):
             if type(exc).__name__ == "NoArgsIsHelpError":
+                emit_error_json("no arguments: the help was printed", 2)
                 return 2  # typer has already printed the help
             msg = exc.format_message()
             ctx = getattr(exc, "ctx", None)
+            note_first_path(ctx)  # the input parsed before the bad option, for the --json error object
             if ctx is not None:
                 sub = ctx.command_path.replace("mhla", "", 1).strip()
                 msg = f"{sub}: {msg}" if sub else msg
@@ -136,6 +178,6 @@ def run(argv: list[str] | None = None) -> int:
             raise
         if isinstance(exc, OSError) and getattr(exc, "filename", None):
             # An operating-system error on a named file (permissions, I/O error, ...).
-            return _error(f"{exc.filename}: {exc.strerror or exc}", 2)
+            return _error(f"{exc.filename}: {exc.strerror or exc}", 2, str(exc.filename))
         return _error(f"internal error: {type(exc).__name__}: {exc} (set MHLA_DEBUG=1 for a traceback; "
                       "please report it)", 3)

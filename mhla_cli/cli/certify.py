@@ -3,18 +3,11 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Literal
 
 import typer
 
-from .. import formats
-from ..device import check_device
 from ..errors import InputError
-from ..probes import certify_probes, null_space
-from ..solve import certify, check_domain, factorize
-from ..stream import check_solve_memory
-from ..tokens import inspect_tokens
-from ..witness import make_witness
 from ..numerics import DETERMINED_TOL, EPS, RANK_RULE, quote
 from .console import emit_json, fmt, load_with_progress, progress_bar, say, warn, working
 from .options import ChunkOpt, DeviceOpt, JsonOpt, NormalizeOpt, QuietOpt, about, check_hdf5_output
@@ -28,8 +21,9 @@ def certify_cmd(
                                                 f"the numerical tolerance {RANK_RULE} (eps = {EPS:.4g}) always "
                                                 "applies; the verdict is proven by a Cholesky of Lambda~ - t I, "
                                                 "t = the larger of the two.")] = 0.0,
-    domain: Annotated[str, typer.Option("--domain", help="full: every input in R^d (the paper). observed: "
-                                        "inputs in the span of the data's tokens / last tokens.")] = "full",
+    domain: Annotated[Literal["full", "observed"], typer.Option(
+        "--domain", help="full: every input in R^d (the paper). observed: inputs in the span of the data's "
+        "tokens / last tokens.")] = "full",
     witness: Annotated[Path | None, typer.Option("--witness", help="When not identifiable, write two models with "
                                                  "the same training loss but different functions, and an "
                                                  "input on which they differ, to this file.")] = None,
@@ -61,6 +55,14 @@ def certify_cmd(
 
     Example (a GPU): mhla certify feats.h5 --device cuda --json
     """
+    # the library here, not at the top: `mhla certify --help` and completion load only the parser
+    from .. import formats
+    from ..device import check_device
+    from ..solve import certify, check_domain
+    from ..stream import check_solve_memory
+    from ..tokens import inspect_tokens
+    from ..witness import make_witness
+
     check_domain(domain)
     dev = check_device(device, data)
     if on is None and report is not None:
@@ -125,6 +127,11 @@ certify_cmd.__doc__ = (certify_cmd.__doc__ or "").replace("{DETERMINED_TOL}", qu
 
 def _certify_on(data: Path, on: Path, report: Path | None, normalize: str | None, chunk_size: int | None,
                 json_out: bool, quiet: bool, device: str | None = None) -> None:
+    from ..probes import certify_probes, null_space
+    from ..solve import factorize
+    from ..stream import check_solve_memory
+    from ..tokens import inspect_tokens
+
     check_solve_memory(data, "certify", chunk_size=chunk_size)
     feats, _, _ = load_with_progress(data, chunk_size, quiet, normalize, device)
     # the factorization and the null space first (under a spinner: the eigendecomposition of a

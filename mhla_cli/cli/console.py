@@ -11,21 +11,12 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-from rich.console import Console
-from rich.progress import (
-    BarColumn,
-    MofNCompleteColumn,
-    Progress,
-    SpinnerColumn,
-    TextColumn,
-    TimeElapsedColumn,
-    TimeRemainingColumn,
-)
+from typing import TYPE_CHECKING
 
-from .. import formats
-from ..stream import Features, load_features
-from ..tokens import inspect_tokens
+from rich.console import Console
+
+if TYPE_CHECKING:
+    from ..stream import Features
 
 err_console = Console(stderr=True, highlight=False, soft_wrap=True)
 
@@ -35,9 +26,10 @@ def _clean(obj: Any) -> Any:
         return {str(k): _clean(v) for k, v in obj.items()}
     if isinstance(obj, (list, tuple)):
         return [_clean(v) for v in obj]
-    if isinstance(obj, np.ndarray):
+    np = sys.modules.get("numpy")  # a NumPy value can only come from a run that imported NumPy
+    if np is not None and isinstance(obj, np.ndarray):
         return _clean(obj.tolist())
-    if isinstance(obj, np.generic):
+    if np is not None and isinstance(obj, np.generic):
         obj = obj.item()
     if isinstance(obj, float) and not math.isfinite(obj):
         return None
@@ -46,10 +38,51 @@ def _clean(obj: Any) -> Any:
     return obj
 
 
+# The version of the JSON objects' layout, the first key of every object `--json` prints: it changes when a
+# key is removed or changes meaning (new keys do not change it).
+SCHEMA_VERSION = 1
+
+# This run's JSON state: whether the command asked for JSON, whether it printed its object, and the input
+# the command was handed (its first path argument), for the error object of a run that fails.
+_JSON: dict[str, Any] = {"requested": False, "emitted": False, "input": None, "argv": None}
+
+
 def emit_json(obj: dict[str, Any]) -> None:
-    """Print one JSON object on stdout (non-finite floats become null)."""
-    sys.stdout.write(json.dumps(_clean(obj), sort_keys=False) + "\n")
+    """Print one JSON object on stdout (non-finite floats become null), `schema_version` first."""
+    sys.stdout.write(json.dumps(_clean({"schema_version": SCHEMA_VERSION, **obj}), sort_keys=False) + "\n")
     sys.stdout.flush()
+    _JSON["emitted"] = True
+
+
+def start_json_run(args: list[str]) -> None:
+    """Reset the JSON state for a run of `args` (the command line after `mhla`)."""
+    head = args[:args.index("--")] if "--" in args else args
+    _JSON.update(requested="--json" in head, emitted=False, input=None, argv=["mhla", *args])
+
+
+def command_started() -> None:
+    """A command's body is about to run: record its command line for the provenance of what it writes
+    (here, not at start-up, so that `--help` and completion do not load the file formats)."""
+    from .. import formats
+
+    formats.set_command(_JSON["argv"])
+
+
+def note_input(path: Any) -> None:
+    """Record the input of the command being run (its first path argument)."""
+    _JSON["input"] = None if path is None else str(path)
+
+
+def emit_error_json(message: str, code: int, path: str | None = None) -> None:
+    """When the run asked for --json and printed no object yet: one object with `error`, `exit_code` and
+    the input's `path`, so that `mhla certify missing.h5 --json > cert.json` leaves no empty file."""
+    if not _JSON["requested"] or _JSON["emitted"]:
+        return
+    try:
+        emit_json({"error": " ".join(str(message).split()), "exit_code": code,
+                   "path": path if path is not None else _JSON["input"]})
+    except (OSError, ValueError):
+        pass
 
 
 def say(message: str, quiet: bool = False, style: str | None = None) -> None:
@@ -69,6 +102,8 @@ def progress_bar(description: str, total: int, quiet: bool) -> Iterator[Callable
     if quiet or not sys.stderr.isatty():
         yield lambda n: None
         return
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
     with Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
                   TimeElapsedColumn(), TimeRemainingColumn(), console=err_console, transient=True) as prog:
         task = prog.add_task(description, total=total)
@@ -82,6 +117,8 @@ def working(description: str, quiet: bool) -> Iterator[None]:
     if quiet or not sys.stderr.isatty():
         yield
         return
+    from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+
     with Progress(SpinnerColumn(), TextColumn("[bold]{task.description}"), TimeElapsedColumn(),
                   console=err_console, transient=True) as prog:
         prog.add_task(description, total=None)
@@ -100,6 +137,10 @@ def load_with_progress(path: Path, chunk_size: int | None, quiet: bool,
                        normalize: str | None = None, device: str | None = None) -> tuple[Features, str, dict[str, float]]:
     """Features of a features or tokens file (with a progress bar when featurizing), the file kind, and
     the seconds it took ({"pass": s} when a tokens file was featurized, else {"load": s})."""
+    from .. import formats
+    from ..stream import load_features
+    from ..tokens import inspect_tokens
+
     kind = formats.kind_of(path)
     total = inspect_tokens(path).n_samples if kind == "tokens" else 0
     t = time.perf_counter()

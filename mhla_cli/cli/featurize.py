@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Literal
 
 import typer
 
@@ -33,7 +33,7 @@ def featurize_cmd(
                                                   "(tcp://host:8786), a scheduler file (.json), or local / local:K "
                                                   "(needs the dask extra).")] = None,
     normalize: NormalizeOpt = None,
-    spans: Annotated[str, typer.Option("--spans", help="Accumulate only the features on the data's spans "
+    spans: Annotated[Literal["auto", "on", "off"], typer.Option("--spans", help="Accumulate only the features on the data's spans "
                                        "span{S_i} (x) span{x_n} (the rest are exact nulls): auto (psi >= 2048 and "
                                        "they hold at most half the features; a cheap first pass finds them), on, off.")] = "auto",
     device: DeviceOpt = "cpu",

@@ -16,7 +16,7 @@ from ..export import save_heads
 from ..learn import export_heads, fit, fit_warnings
 from ..lowrank import convergence_warning, fewest_message, hit_limit
 from ..model import Model, load_function
-from ..spectrum import plot_spectrum, spectrum, text_histogram
+from ..spectrum import UnreliableHeadCount, plot_spectrum, spectrum, text_histogram
 from ..stream import check_solve_memory
 from ..tokens import inspect_tokens
 from .console import emit_json, fmt, load_with_progress, progress_bar, say, warn, working
@@ -151,7 +151,14 @@ def export_heads_cmd(
         from ..reduce import load_reduction
 
         red = load_reduction(unreduce)  # before the work: a file without maps is refused first
-    heads = export_heads(Model.load(model_path), tol=tol, max_heads=mh, fewest=fewest)
+    try:
+        heads = export_heads(Model.load(model_path), tol=tol, max_heads=mh, fewest=fewest)
+    except UnreliableHeadCount as exc:  # --max-heads auto without a reliable count: a failed check, no file
+        warn(f"{model_path}: {exc}")
+        if json_out:
+            emit_json({"output": None, "n_heads": None, "n_outliers": None, "count_reliable": False,
+                       "reason": str(exc), "input": str(model_path)})
+        raise typer.Exit(1) from None
     if red is not None:
         from ..reduce import unreduce_heads
 
@@ -175,7 +182,7 @@ def export_heads_cmd(
     if (fewest or mh == "auto") and hit_limit(heads.info["solver"]):
         warn(convergence_warning(heads.info["solver"], "the minimum-nuclear-norm W")
              + ("; it only seeds the search, the heads are verified" if fewest else
-                "; the outlier count is from an unconverged W"))
+                f"; the outlier count is kept: its heads stand {fmt(heads.info.get('gap'))}x above the rest"))
     if json_out:
         emit_json(out)
 
@@ -201,10 +208,13 @@ def spectrum_cmd(
     spec = spectrum(fn, max_iter=max_iter)
     out = {k: v for k, v in spec.items() if k != "W"}
     out["input"] = str(model_path)
-    if not spec["converged"]:
-        warn(convergence_warning(spec["solver"], "the minimum-nuclear-norm W") + ": its zero singular values, "
-             "and so the head count below, are not reliable")
-    say(f"{'UNCONVERGED: ' if not spec['converged'] else ''}{model_path}: {spec['n_outliers']} head(s) above the threshold {fmt(spec['threshold'])} "
+    if not spec["count_reliable"]:  # one warning: no count (exit 1 below)
+        warn(f"{model_path}: {spec['reason']}")
+    elif spec["converged"] is False:  # one warning: the count stands on its gap
+        warn(convergence_warning(spec["solver"], "the minimum-nuclear-norm W") + f"; the head count is kept: its "
+             f"heads stand {fmt(spec['gap'])}x above the rest")
+    count = "no reliable count of" if spec["n_outliers"] is None else str(spec["n_outliers"])
+    say(f"{model_path}: {count} head(s) above the threshold {fmt(spec['threshold'])} "
         f"({spec['threshold_method']}); {spec['nonzero_rank']} nonzero of {len(spec['singular_values'])} "
         f"singular values, effective rank {fmt(spec['effective_rank'])}", quiet)
     say(text_histogram(spec), quiet)
@@ -214,6 +224,8 @@ def spectrum_cmd(
         say(f"wrote {plot}", quiet)
     if json_out:
         emit_json(out)
+    if not spec["count_reliable"]:
+        raise typer.Exit(1)
 
 
 def check_plot_output(plot: Path, inputs: tuple[Path, ...]) -> None:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Literal
 
 import typer
 
@@ -31,7 +31,7 @@ def generate_teacher_cmd(
     seed: Annotated[int, typer.Option("--seed", help="Random seed.")] = 0,
     teacher_out: Annotated[Path | None, typer.Option("--teacher-out", help="Also write the teacher as a heads file "
                                               "(HDF5, or .npz / .safetensors by the suffix, as export-heads).")] = None,
-    dtype: Annotated[str, typer.Option("--dtype", help="Stored dtype: float32 or float64.")] = "float32",
+    dtype: Annotated[Literal["float32", "float64"], typer.Option("--dtype", help="Stored dtype.")] = "float32",
     per_position: Annotated[bool, typer.Option("--per-position", help="Targets at every position (T, d): the "
                                                "teacher's output on every prefix (autoregressive data).")] = False,
     normalize: NormalizeOpt = None,
@@ -78,7 +78,7 @@ def generate_assoc_cmd(
     seed: Annotated[int, typer.Option("--seed", help="Random seed.")] = 0,
     teacher_out: Annotated[Path | None, typer.Option("--teacher-out", help="Also write the exact 1-head teacher "
                                               "(a heads file: HDF5, or .npz / .safetensors by the suffix).")] = None,
-    dtype: Annotated[str, typer.Option("--dtype", help="Stored dtype: float32 or float64.")] = "float32",
+    dtype: Annotated[Literal["float32", "float64"], typer.Option("--dtype", help="Stored dtype.")] = "float32",
     json_out: JsonOpt = False,
     quiet: QuietOpt = False,
 ) -> None:

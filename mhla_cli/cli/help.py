@@ -58,8 +58,28 @@ def value_name(param: Any) -> str:
     return name + ("..." if param.nargs != 1 or desc.is_list else "")
 
 
+def unwrap(text: str | None) -> str | None:
+    """A help text whose paragraphs are single lines, for the console to wrap at its width: the line breaks
+    inside a paragraph of a docstring are hard wraps, not structure (list items stay on their lines)."""
+    if not text:
+        return text
+    paragraphs = []
+    for para in text.strip().split("\n\n"):
+        lines = [ln.strip() for ln in para.splitlines() if ln.strip()]
+        out: list[str] = []
+        for ln in lines:
+            if out and not ln.startswith(("- ", "* ", "$ ")):
+                out[-1] += " " + ln
+            else:
+                out.append(ln)
+        paragraphs.append("\n".join(out))
+    return "\n\n".join(paragraphs)
+
+
 def plain_params(command: Any, ctx: _click.Context) -> None:
-    """Swap the parameter classes of `command` (and, for a group, of its commands) in place."""
+    """Swap the parameter classes of `command` (and, for a group, of its commands) in place, and unwrap its
+    help text (`unwrap`)."""
+    command.help = unwrap(command.help)
     params = command.get_params(ctx)  # includes the --help option, made on first use
     for p in params:
         if type(p) is TyperOption:
@@ -68,20 +88,76 @@ def plain_params(command: Any, ctx: _click.Context) -> None:
             p.__class__ = _Argument
     for sub in getattr(command, "commands", {}).values():
         plain_params(sub, ctx)
+    if not hasattr(command, "commands") and not getattr(command, "_mhla_notes_input", False):
+        command.invoke = _noting_input(command.invoke)
+        command._mhla_notes_input = True
+
+
+def _noting_input(invoke: Any) -> Any:
+    """`invoke` of a command that first records its input (the first path argument) for --json errors."""
+    def wrapped(ctx: _click.Context) -> Any:
+        from .console import command_started
+        from .options import check_common_params
+
+        note_first_path(ctx)
+        check_common_params(ctx)
+        command_started()
+        return invoke(ctx)
+    return wrapped
+
+
+def note_first_path(ctx: Any) -> None:
+    """Record the first path argument parsed in `ctx` (if any) as the run's input."""
+    from .console import note_input
+
+    for p in getattr(getattr(ctx, "command", None), "params", ()):
+        value = ctx.params.get(p.name) if isinstance(p, TyperArgument) else None
+        if isinstance(value, (list, tuple)):
+            value = value[0] if value else None
+        if value is not None:
+            note_input(value)
+            return
 
 
 class HelpGroup(TyperGroup):
     """A typer group whose help pages (its own and its commands') show no type placeholders."""
 
     def get_params(self, ctx: _click.Context) -> list[Any]:
+        self.help = unwrap(self.help)
         params = super().get_params(ctx)
         for p in params:
             if type(p) is TyperOption:
                 p.__class__ = _Option
         return params
 
+    def list_commands(self, ctx: _click.Context) -> list[str]:
+        names = list(super().list_commands(ctx))
+        if ctx.parent is None:  # the root: also the commands not loaded yet, in their order
+            from .registry import COMMANDS
+
+            names = list(COMMANDS) + [n for n in names if n not in COMMANDS]
+        return names
+
     def get_command(self, ctx: _click.Context, cmd_name: str) -> Any:
+        if cmd_name not in self.commands and ctx.parent is None:
+            self._load(cmd_name)
         cmd = super().get_command(ctx, cmd_name)
         if cmd is not None:
             plain_params(cmd, ctx)
         return cmd
+
+    def _load(self, cmd_name: str) -> None:
+        """Register the commands of the module that defines `cmd_name` (mhla_cli.cli.COMMANDS)."""
+        import importlib
+
+        import typer
+
+        from .registry import COMMANDS
+
+        module = COMMANDS.get(cmd_name)
+        if module is None:
+            return
+        sub = typer.Typer()
+        importlib.import_module(f"{__package__}.{module}").register(sub)
+        for name, cmd in typer.main.get_group(sub).commands.items():
+            self.commands.setdefault(name, cmd)

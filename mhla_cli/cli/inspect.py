@@ -23,6 +23,8 @@ def inspect_cmd(
     """
     from rich.markup import escape
     rep = inspect_file(path)
+    if not rep["valid"]:
+        rep["exit_code"] = 2
     if json_out:
         emit_json(rep)
     else:

@@ -6,21 +6,28 @@ import importlib
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
-import numpy as np
+import math
+
 import typer
 
-from .. import formats
 from ..errors import InputError
-from ..export import heads_format
 
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print one JSON object on stdout.")]
 
 
+def _complete_device(incomplete: str) -> list[str]:
+    """The device spellings a shell completion offers (counting GPUs would import torch: cuda:0 stands for them)."""
+    return [v for v in ("cpu", "cuda", "cuda:0", "torch:cpu") if v.startswith(incomplete)]
+
+
+# Choice options are Literal types: help shows the values, completion offers them, a wrong value is a
+# usage error naming them, and the command receives a plain str.
 DeviceOpt = Annotated[str, typer.Option(
-    "--device", help="Where the psi x psi work runs: cpu (numpy, the default), cuda or cuda:I (torch on a GPU, "
-    "float64; the gpu extra), torch:cpu (the GPU code on the CPU). docs/gpu.md. Example: --device cuda:0")]
+    "--device", metavar="DEVICE", autocompletion=_complete_device,
+    help="Where the psi x psi work runs: cpu (numpy, the default), cuda or cuda:I (torch on a GPU, float64; the "
+    "gpu extra), torch:cpu (the GPU code on the CPU). docs/gpu.md. Example: --device cuda:0")]
 QuietOpt = Annotated[bool, typer.Option("--quiet", "-q", help="No progress bar or human summary on stderr.")]
 
 
@@ -44,12 +51,13 @@ def parse_auto(value: str | None, name: str, kind: type) -> int | float | str | 
         raise InputError(f"{name} '{value}': expected {'an integer' if kind is int else 'a number'} or 'auto'") from None
     if kind is int and x < 1:
         raise InputError(f"{name} must be >= 1, got {x}")
-    if kind is float and (x < 0 or not np.isfinite(x)):
+    if kind is float and (x < 0 or not math.isfinite(x)):
         raise InputError(f"{name} must be a finite number >= 0, got {x}")
     return x
 
 
-NormalizeOpt = Annotated[str | None, typer.Option(
+Normalize = Literal["none", "length"]
+NormalizeOpt = Annotated[Normalize | None, typer.Option(
     "--normalize", help="none (default) or length: divide S by the number of tokens of the prefix (per-position "
     "data) or sequence, the 1/n-scaled linear attention; stored in the features, model and heads files. "
     "Example: --normalize length")]
@@ -68,6 +76,8 @@ def parse_shard(shard: str | None) -> tuple[int, int] | None:
 def check_hdf5_output(path: Path, inputs: tuple[Path | None, ...] = (), what: str = "the output") -> Path:
     """An HDF5 output path, refused (InputError, exit 2) before any work when its suffix names another
     format (model.npz would be HDF5 under a NumPy name) or it cannot be written."""
+    from .. import formats
+
     formats.check_hdf5_suffix(path, what)
     return formats.check_output_path(path, tuple(i for i in inputs if i is not None))
 
@@ -75,6 +85,9 @@ def check_hdf5_output(path: Path, inputs: tuple[Path | None, ...] = (), what: st
 def check_heads_output(path: Path, inputs: tuple[Path | None, ...] = ()) -> str:
     """A heads output: its format by the suffix (HDF5, .npz, .safetensors; any other suffix refused), the
     optional package it needs, and a writable path; all before any work."""
+    from .. import formats
+    from ..export import heads_format
+
     fmt = heads_format(path)
     if fmt == "safetensors":
         from ..export import _safetensors  # the library's own refusal, with its install hint
@@ -103,3 +116,37 @@ def require_optional(module: str, refuse: Callable[[], Any]) -> None:
     except ImportError:
         refuse()
         raise InputError(f"the optional package {module.split('.')[0]} is not installed") from None
+
+
+def available_cores() -> int:
+    """The cores this process may run on (its CPU affinity where the OS reports it, else os.cpu_count())."""
+    import os
+
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+def check_common_params(ctx: Any) -> None:
+    """The checks every command gets before its body runs, from its parsed parameters:
+
+    - a path given as '-' (standard input / output, by convention) is refused: mhla reads and writes files
+      (HDF5 with random access, written atomically), so `-o -` used to write a file named '-';
+    - `--workers` above the cores available is noted on stderr (one line; the run goes on).
+    """
+    from .console import warn
+
+    for p in getattr(ctx.command, "params", ()):
+        value = ctx.params.get(p.name)
+        values = value if isinstance(value, (list, tuple)) else (value,)
+        is_arg = type(p).__name__.endswith("Argument")
+        for v in values:
+            if (isinstance(v, Path) or (is_arg and isinstance(v, str))) and (str(v) == "-" or str(v).endswith("=-")):
+                name = p.opts[0] if not is_arg and getattr(p, "opts", None) else str(p.name).upper()
+                raise InputError(f"{name} '{v}': mhla reads and writes files, not standard input or output; give a "
+                                 "file path")
+    workers = ctx.params.get("workers")
+    cores = available_cores()
+    if isinstance(workers, int) and workers > cores:
+        warn(f"--workers {workers} is more than the {cores} cores available here: the workers share them")

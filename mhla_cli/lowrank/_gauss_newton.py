@@ -8,7 +8,6 @@ from __future__ import annotations
 import warnings
 
 import numpy as np
-import scipy.linalg
 
 from ..features import pair_index
 from ..stream import Features
@@ -16,6 +15,8 @@ from ..stream import Features
 
 def _damped_solve(A: np.ndarray, b: np.ndarray) -> np.ndarray:
     """Solve a damped (positive definite) normal-equation system; ill-conditioning is expected here."""
+    import scipy.linalg  # here, not at import (start-up)
+
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", scipy.linalg.LinAlgWarning)
         return scipy.linalg.solve(A, b, assume_a="pos")

@@ -5,7 +5,6 @@ from __future__ import annotations
 from typing import Any
 
 import numpy as np
-import scipy.linalg
 
 from ..errors import InputError
 from ..heads import W_from_p, p_from_W
@@ -27,6 +26,8 @@ def _factorised_objective(feats: Features, Vm: np.ndarray, Qm: np.ndarray, wd: f
 
 def _solve_psd(A: np.ndarray, b: np.ndarray) -> np.ndarray:
     """Minimum-norm solution of a symmetric PSD system (eigh, relative cut-off)."""
+    import scipy.linalg  # here, not at import (start-up)
+
     w, v = scipy.linalg.eigh(A)
     cut = A.shape[0] * EPS * max(float(w[-1]), 0.0)
     inv = np.where(w > cut, 1.0 / np.where(w > cut, w, 1.0), 0.0)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import numpy as np
-import scipy.linalg
 
 from ..errors import InputError
 from ..heads import p_from_W
@@ -17,6 +16,8 @@ from .result import LowRankFit
 
 def _lipschitz(G: np.ndarray, d: int, iters: int = 40) -> float:
     """||W -> A^T (A(W) G)||_2 by power iteration, +5 %, capped by the bound 2 lambda_max(G)."""
+    import scipy.linalg  # here, not at import: `import mhla_cli` and start-up stay without SciPy's LAPACK
+
     bound = 2.0 * float(scipy.linalg.eigh(G, eigvals_only=True, subset_by_index=[G.shape[0] - 1] * 2)[0])
     W = np.random.default_rng(0).standard_normal((d * d, d * d))
     est = 0.0
