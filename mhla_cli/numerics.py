@@ -8,10 +8,11 @@ of each cut against plain numpy on materialised features (tests/_reference.py).
 
 from __future__ import annotations
 
-import numpy as np
+import math
+import sys
 
 # float64's unit roundoff (machine epsilon): 2^-52.
-EPS = float(np.finfo(np.float64).eps)
+EPS = sys.float_info.epsilon  # float64's machine epsilon (no NumPy at import: the CLI's help quotes this module)
 
 # The rank cut (`numerical_tolerance`): eigenvalues of Lambda~ at or below RANK_FACTOR * n * EPS *
 # lambda_max are zero to float64 accumulation accuracy (numpy.linalg.matrix_rank's rule).
@@ -85,7 +86,7 @@ def numerical_tolerance(lambda_max: float, n: int) -> float:
 def observed_span_tol(d: int, count: int, eps_in: float) -> float:
     """The relative eigenvalue cut of the observed spans: OBSERVED_SPAN_FACTOR * d * EPS * sqrt(count),
     at least d * eps_in^2 (see OBSERVED_SPAN_FACTOR)."""
-    return max(OBSERVED_SPAN_FACTOR * d * EPS * float(np.sqrt(max(count, 1))), d * eps_in**2)
+    return max(OBSERVED_SPAN_FACTOR * d * EPS * math.sqrt(max(count, 1)), d * eps_in**2)
 
 
 def mse_resolution(n_features: int, scale: float, n_samples: int, d: int) -> float:
