@@ -74,8 +74,15 @@ def orth_pair_map(B: np.ndarray) -> np.ndarray:
     return pair_scale(r)[:, None] * pair_map(B) / pair_scale(d)[None, :]
 
 
+def _positive(total: float) -> float:
+    """A normaliser (sum w n: any positive number, the weights carry no units); 1 for an empty sum."""
+    t = float(total)
+    return t if t > 0 else 1.0
+
+
 def whitening(token_gram: np.ndarray, n_tokens: float, round32: bool = True) -> np.ndarray:
-    """A (d, d) with A^T (token_gram / n_tokens) A ~ I (the symmetric inverse square root).
+    """A (d, d) with A^T (token_gram / n_tokens) A ~ I (the symmetric inverse square root); `n_tokens`
+    is the token weight sum w n (stats.Features.token_weight), any positive number.
 
     Directions the tokens do not excite (eigenvalues <= d eps lambda_max) keep the scale of the
     largest one. A coordinate that is exactly 0 in every token (a zero row and column of the Gram)
@@ -85,7 +92,7 @@ def whitening(token_gram: np.ndarray, n_tokens: float, round32: bool = True) -> 
     are corrected exactly after the pass, `correction`).
     """
     d = token_gram.shape[0]
-    G = np.asarray(token_gram, dtype=np.float64) / max(float(n_tokens), 1.0)
+    G = np.asarray(token_gram, dtype=np.float64) / _positive(n_tokens)
     G = 0.5 * (G + G.T)
     if not np.isfinite(G).all():
         return np.eye(d)
@@ -108,7 +115,7 @@ def correction(basis_token_gram: np.ndarray, n_tokens: float) -> tuple[np.ndarra
     C is None when A is already that whitening (A^T G A within CANONICAL_TOL of I on the tokens' span).
     """
     d = basis_token_gram.shape[0]
-    G = np.asarray(basis_token_gram, dtype=np.float64) / max(float(n_tokens), 1.0)
+    G = np.asarray(basis_token_gram, dtype=np.float64) / _positive(n_tokens)
     G = 0.5 * (G + G.T)
     if not np.isfinite(G).all():
         return None, 1.0

@@ -258,6 +258,9 @@ class _Accumulator:
         self.n_samples = 0
         self._moments_share: float | None = None  # of a chunk's time in `add`, for its progress ticks
         self.n_tokens = 0
+        # the weight totals (stats.Features): sum w over the samples, sum w n over their tokens
+        self.weight_sum = 0.0
+        self.token_weight_sum = 0.0
 
     def _buf(self, name: str, rows: int, shape: tuple[int, ...]) -> np.ndarray:
         """A reusable (rows, *shape) float64 work array."""
@@ -398,6 +401,8 @@ class _Accumulator:
         self.n_sequences += B
         self.n_samples += B
         self.n_tokens += int(offsets[-1])
+        self.weight_sum += B
+        self.token_weight_sum += int(offsets[-1])
 
     def _add_rows(self, tokens: np.ndarray, offsets: np.ndarray, targets: np.ndarray | None,
                   check: Callable[[float], None] | None, weights: np.ndarray | None) -> None:
@@ -462,6 +467,10 @@ class _Accumulator:
         self.n_samples += R
         self.n_tokens += T
         self.n_sequences += B
+        # sum w over the samples, and sum w n = sum over the tokens of c (the weights of the samples
+        # that contain the token)
+        self.weight_sum += float(np.sum(w_all))
+        self.token_weight_sum += float(np.sum(c))
 
     def _emit(self, upper_t: np.ndarray, last_t: np.ndarray, targets_t: np.ndarray | None) -> None:
         """Add the rows' block [Ht | Y] to the Gram: upper_t (q, R) canonical S entries, last_t (d, R),
@@ -555,7 +564,8 @@ class _Accumulator:
                        target_gram=target_gram, token_dtype=token_dtype,
                        basis=self.basis, basis_gram=gram_b, basis_moments=moments,
                        basis_token_gram=self.basis_token_gram, basis_last_token_gram=self.basis_last_token_gram,
-                       per_position=self.causal, normalize=self.normalize, n_sequences=self.n_sequences)
+                       per_position=self.causal, normalize=self.normalize, n_sequences=self.n_sequences,
+                       weight_sum=self.weight_sum, token_weight_sum=self.token_weight_sum)
         if self.spans is not None:
             out.span_pairs, out.span_last = self.spans
         return out
