@@ -383,8 +383,18 @@ def _explain(feats: Features, cert: Certificate, weight: np.ndarray, k: int, ful
             "identically_zero": bool(full and exactly_zero(i))} for i in (dead + mixed)[:20]]
     if k:
         below_margin = cert.lambda_min > cert.numerical_tolerance
-        desc = (f"{k} feature direction(s) are excited less than the demanded margin (eigenvalues <= "
-                f"{cert.threshold:.3g})" if below_margin else f"{k} feature direction(s) are never excited by the data")
+        # token directions whose variance float64 cannot tell from zero (basis.unresolved): the
+        # whitening keeps them at the largest scale, and the features along them are lost that way
+        lost = basis_mod.unresolved(feats.token_gram) if full else 0
+        if below_margin:
+            desc = (f"{k} feature direction(s) are excited less than the demanded margin (eigenvalues <= "
+                    f"{cert.threshold:.3g})")
+        elif lost:
+            desc = (f"{k} feature direction(s) are not resolvable in float64: {lost} token direction(s) have a "
+                    f"variance of at most {feats.d} eps64 of the largest (after equilibration), zero or too "
+                    "small for float64 to tell from rounding")
+        else:
+            desc = f"{k} feature direction(s) are never excited by the data"
         if zero:
             desc += (f"; {len(zero)} single feature(s) are identically zero in the data, e.g. "
                      + ", ".join(names[i] for i in zero[:3]))

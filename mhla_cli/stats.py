@@ -419,7 +419,7 @@ def _load_basis(f: h5py.File, path: str | os.PathLike, d: int, has_targets: bool
     A = formats.read_array(f, "basis", path).astype(np.float64)
     if A.shape != (d, d):
         raise InputError(f"'basis' has shape {A.shape}, expected ({d}, {d})", path)
-    if not np.isfinite(A).all() or not np.isfinite(np.linalg.cond(A)) or np.linalg.cond(A) > 1e12:
+    if not np.isfinite(A).all() or basis_mod.row_scaled_cond(A) > 1e12:
         raise InputError("'basis' is singular; the file is corrupted", path)
     gb = formats.read_matrix(f, "basis_gram", path)  # read in place: the one psi x psi array of a load
     if gb.shape != (psi, psi):
@@ -460,7 +460,7 @@ def _load_block(f: h5py.File, path: str | os.PathLike, d: int, has_targets: bool
     out: dict[str, np.ndarray | None] = {k: formats.read_array(f, k, path).astype(np.float64) for k in need}
     out.setdefault("basis_moments", None)
     A, E, F = out["basis"], out["span_pairs"], out["span_last"]
-    if A.shape != (d, d) or not np.isfinite(A).all() or np.linalg.cond(A) > 1e12:
+    if A.shape != (d, d) or not np.isfinite(A).all() or basis_mod.row_scaled_cond(A) > 1e12:
         raise InputError(f"'basis' has shape {A.shape} or is singular, expected an invertible ({d}, {d})", path)
     for name, M, rows in (("span_pairs", E, q), ("span_last", F, d)):
         if M.ndim != 2 or M.shape[0] != rows or M.shape[1] > rows or not np.isfinite(M).all() \

@@ -640,7 +640,7 @@ def _basis_option(basis: np.ndarray | str | None, d: int, path: str | os.PathLik
     if basis is None:
         return np.eye(d)
     A = np.asarray(basis, dtype=np.float64)
-    if A.shape != (d, d) or not np.isfinite(A).all() or np.linalg.cond(A) > 1e12:
+    if A.shape != (d, d) or not np.isfinite(A).all() or basis_mod.row_scaled_cond(A) > 1e12:
         raise InputError(f"the basis must be an invertible ({d}, {d}) array", path)
     return A
 
