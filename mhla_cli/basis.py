@@ -188,6 +188,17 @@ def unresolved(token_gram: np.ndarray) -> int:
     return lost
 
 
+def round32(A: np.ndarray) -> np.ndarray:
+    """A rounded to float32 values relative to each row's power-of-2 scale (so that rows far outside
+    float32's range, tokens coordinates of scale 1e-40 or 1e40, round rather than overflow)."""
+    A = np.asarray(A, dtype=np.float64)
+    n = np.max(np.abs(A), axis=1)
+    ok = (n > 0) & np.isfinite(n)
+    k = np.round(np.log2(np.where(ok, n, 1.0))).astype(np.int64)
+    r = np.where(ok, np.ldexp(1.0, k), 1.0)[:, None]
+    return (A / r).astype(np.float32).astype(np.float64) * r
+
+
 def row_scaled_cond(A: np.ndarray) -> float:
     """cond(R A) with R = 1 / the row norms of A: the condition of a basis up to a rescaling of the
     token coordinates (which `whitening` takes out exactly), inf when a row is zero or not finite."""

@@ -997,7 +997,7 @@ def find_spans(info: TokensInfo, A: np.ndarray, span: tuple[int, int], chunk_siz
     passes = 1
     C, cond = part.correction()
     if C is not None and cond > basis_mod.CHANGE_COND:
-        A = (part.basis @ C).astype(np.float32).astype(np.float64)
+        A = basis_mod.round32(part.basis @ C)
         tp, tl, _ = span_traces(info, span, A, chunk_size, normalize)
         passes = 2
     st = structure_mod.from_traces(tp, tl)
@@ -1023,7 +1023,7 @@ def _in_whitening(run: Callable[[np.ndarray], Features], A: np.ndarray) -> Featu
     C, cond = feats.correction()
     passes = 1
     if C is not None and cond > basis_mod.CHANGE_COND:
-        feats = run((feats.basis @ C).astype(np.float32).astype(np.float64))
+        feats = run(basis_mod.round32(feats.basis @ C))
         passes = 2
     feats.extra_attrs.update(basis_passes=passes, basis_correction_cond=float(cond))
     return feats.canonical()

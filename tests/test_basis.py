@@ -418,3 +418,13 @@ def test_equilibrated_whitening_and_transition_are_exact_for_scaled_grams() -> N
     # map between two whitenings: C^T C = B^T (G / 500) B = 400 / (1.5 * 500) I
     assert np.all(np.abs(A @ C - B) <= 1e-12 * np.abs(B).max(axis=1, keepdims=True))
     assert np.abs(C.T @ C - np.eye(4) * (400.0 / (1.5 * 500.0))).max() < 1e-10
+
+
+def test_round32_keeps_rows_far_outside_float32_range() -> None:
+    """The redone pass's basis is rounded to float32 values row by row (power-of-2 scales): rows of
+    scale 1e-45 or 1e45 round to 2^-24 relative instead of flushing to 0 or overflowing."""
+    A = np.array([[1e45, 2e44], [3e-46, 1e-45]])
+    B = basis.round32(A)
+    assert np.isfinite(B).all() and np.all(np.abs(B - A) <= 2.0**-23 * np.abs(A).max(axis=1, keepdims=True))
+    M = np.random.default_rng(1).standard_normal((3, 3))
+    assert np.array_equal(basis.round32(M), M.astype(np.float32).astype(np.float64))
