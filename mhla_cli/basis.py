@@ -169,9 +169,10 @@ UNRESOLVED_REL = EPS
 
 
 def unresolved(token_gram: np.ndarray) -> int:
-    """How many directions of the tokens float64 cannot resolve: eigenvalues of the equilibrated
-    token Gram (`whitening`) in (0, d eps] of its largest, i.e. nonzero variances too small to tell
-    from rounding (exact-zero coordinates are not counted; the certificate calls them zero)."""
+    """How many directions of the tokens float64 cannot resolve: eigenvalues <= d eps of the largest
+    of the token Gram, equilibrated where that resolves more (as `whitening` does), i.e. variances
+    too small to tell from rounding (exact-zero coordinates are not counted; the certificate calls
+    them zero)."""
     d = token_gram.shape[0]
     G = np.asarray(token_gram, dtype=np.float64)
     G = 0.5 * (G + G.T)
