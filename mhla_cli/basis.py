@@ -74,32 +74,142 @@ def orth_pair_map(B: np.ndarray) -> np.ndarray:
     return pair_scale(r)[:, None] * pair_map(B) / pair_scale(d)[None, :]
 
 
-def whitening(token_gram: np.ndarray, n_tokens: float, round32: bool = True) -> np.ndarray:
-    """A (d, d) with A^T (token_gram / n_tokens) A ~ I (the symmetric inverse square root).
+def _positive(total: float) -> float:
+    """A normaliser (sum w n: any positive number, the weights carry no units); 1 for an empty sum."""
+    t = float(total)
+    return t if t > 0 else 1.0
 
-    Directions the tokens do not excite (eigenvalues <= d eps lambda_max) keep the scale of the
+
+def equilibrate(G: np.ndarray) -> np.ndarray:
+    """r (d,) with r_j = 1 / sqrt(G[j,j]) rounded to a power of 2 (1 where G[j,j] = 0): diag(r) G diag(r)
+    has a diagonal in [1/2, 2] (the symmetric scaling of LAPACK's dpoequ), so that a rescaling of the token coordinates leaves
+    nothing for an eigendecomposition's floor to lose."""
+    g = np.diagonal(G).astype(np.float64)
+    ok = (g > 0) & np.isfinite(g)
+    # powers of 2 (as LAPACK's dgeequb): the scaling is exact, and a float32-valued matrix stays so
+    k = np.round(-0.5 * np.log2(np.where(ok, g, 1.0)))
+    return np.where(ok, np.ldexp(1.0, k.astype(np.int64)), 1.0)
+
+
+def whitening(token_gram: np.ndarray, n_tokens: float, round32: bool = True) -> np.ndarray:
+    """A (d, d) with A^T (token_gram / n_tokens) A ~ I; `n_tokens` is the token weight sum w n
+    (stats.Features.token_weight), any positive number.
+
+    A is the symmetric inverse square root of G. Directions it does not resolve (eigenvalues <=
+    d eps of the largest, UNRESOLVED_REL) keep the scale of the largest one; when there are such
+    directions, G is equilibrated first (G_e = R G R, R = diag(`equilibrate`): a diagonal near 1) and
+    A = R G_e^(-1/2) is used if it resolves more of them, so that a diagonal scaling of the tokens,
+    however large, is taken out exactly before the eigendecomposition (data that need no
+    equilibration keep the symmetric A bit for bit). What neither resolves (a rotated direction of
+    relative standard deviation below about sqrt(d eps): `unresolved`) keeps the scale of the
     largest one. A coordinate that is exactly 0 in every token (a zero row and column of the Gram)
     stays its own coordinate (A is block diagonal there), so that it is still exactly 0 in X A and
-    in the token Gram derived back from X A. `round32` rounds to float32 values, which makes an
-    estimate reproducible bit for bit on any machine; it costs nothing in conditioning (the sums
-    are corrected exactly after the pass, `correction`).
+    in the token Gram derived back from X A. `round32` rounds to float32 values (after the
+    power-of-2 scaling R is taken out), which makes an estimate reproducible bit for bit on any
+    machine; it costs nothing in conditioning (the sums are corrected exactly after the pass,
+    `correction`).
     """
     d = token_gram.shape[0]
-    G = np.asarray(token_gram, dtype=np.float64) / max(float(n_tokens), 1.0)
+    G = np.asarray(token_gram, dtype=np.float64) / _positive(n_tokens)
     G = 0.5 * (G + G.T)
     if not np.isfinite(G).all():
         return np.eye(d)
     live = np.flatnonzero(np.diagonal(G) != 0.0)
     if live.size == 0:
         return np.eye(d)
-    w, V = np.linalg.eigh(G[np.ix_(live, live)])
-    top = float(w[-1])
-    if not np.isfinite(top) or top <= 0.0:
+    Gl = G[np.ix_(live, live)]
+    best = None
+    for r in (np.ones(live.size), *_equilibration(Gl)):
+        Ge = Gl * r[:, None] * r[None, :]
+        w, V = np.linalg.eigh(Ge)
+        top = float(w[-1])
+        if not np.isfinite(top) or top <= 0.0:
+            continue
+        lost = int((w <= UNRESOLVED_REL * d * top).sum())
+        if best is None or lost < best[0]:
+            best = (lost, r, w, V, top)
+        if lost == 0:
+            break
+    if best is None:
         return np.eye(d)
-    w = np.where(w > d * EPS * top, w, top)
-    A = np.eye(d) / np.sqrt(top)
-    A[np.ix_(live, live)] = (V / np.sqrt(w)) @ V.T
-    return A.astype(np.float32).astype(np.float64) if round32 else A
+    _, r, w, V, top = best
+    w = np.where(w > UNRESOLVED_REL * d * top, w, top)
+    Ae = (V / np.sqrt(w)) @ V.T
+    if round32:
+        Ae = Ae.astype(np.float32).astype(np.float64)
+    # the coordinates G never excites: the scale of the largest live one
+    A = np.eye(d) * (float(r.min()) / np.sqrt(top))
+    if round32:
+        A = A.astype(np.float32).astype(np.float64)
+    A[np.ix_(live, live)] = r[:, None] * Ae
+    return A
+
+
+# A token Gram whose diagonal spans more than this ratio (largest / smallest variance of a token
+# coordinate) is equilibrated before `whitening`'s eigendecomposition when that resolves more
+# directions; below it the symmetric whitening already resolves what equilibration would (a diagonal
+# scaling by at most 1e2 in standard deviation), and rounding-level directions (tokens in a rotated
+# subspace) stay where the symmetric floor puts them.
+EQUILIBRATE_RATIO = 1e4
+
+
+def _equilibration(G: np.ndarray) -> tuple[np.ndarray, ...]:
+    """(r,) from `equilibrate` when G's positive diagonal spans more than EQUILIBRATE_RATIO, else ()."""
+    g = np.diagonal(G)
+    g = g[g > 0]
+    if g.size < 2 or not float(g.max()) > EQUILIBRATE_RATIO * float(g.min()):
+        return ()
+    return (equilibrate(G),)
+
+
+# The resolution of an equilibrated token Gram (`whitening`, `unresolved`): eigenvalues at or below
+# d * this * its largest are not resolved in float64 (the rule of numpy.linalg.matrix_rank, per
+# token coordinate).
+UNRESOLVED_REL = EPS
+
+
+def unresolved(token_gram: np.ndarray) -> int:
+    """How many directions of the tokens float64 cannot resolve: eigenvalues <= d eps of the largest
+    of the token Gram, equilibrated where that resolves more (as `whitening` does), i.e. variances
+    too small to tell from rounding (exact-zero coordinates are not counted; the certificate calls
+    them zero)."""
+    d = token_gram.shape[0]
+    G = np.asarray(token_gram, dtype=np.float64)
+    G = 0.5 * (G + G.T)
+    if not np.isfinite(G).all():
+        return 0
+    live = np.flatnonzero(np.diagonal(G) != 0.0)
+    if live.size == 0:
+        return 0
+    Gl = G[np.ix_(live, live)]
+    lost = d
+    for r in (np.ones(live.size), *_equilibration(Gl)):
+        w = np.linalg.eigvalsh(Gl * r[:, None] * r[None, :])
+        lost = min(lost, int((w <= UNRESOLVED_REL * d * max(float(w[-1]), 0.0)).sum()))
+    return lost
+
+
+def round32(A: np.ndarray) -> np.ndarray:
+    """A rounded to float32 values relative to each row's power-of-2 scale (so that rows far outside
+    float32's range, tokens coordinates of scale 1e-40 or 1e40, round rather than overflow)."""
+    A = np.asarray(A, dtype=np.float64)
+    n = np.max(np.abs(A), axis=1)
+    ok = (n > 0) & np.isfinite(n)
+    k = np.round(np.log2(np.where(ok, n, 1.0))).astype(np.int64)
+    r = np.where(ok, np.ldexp(1.0, k), 1.0)[:, None]
+    return (A / r).astype(np.float32).astype(np.float64) * r
+
+
+def row_scaled_cond(A: np.ndarray) -> float:
+    """cond(R A) with R = 1 / the row norms of A: the condition of a basis up to a rescaling of the
+    token coordinates (which `whitening` takes out exactly), inf when a row is zero or not finite."""
+    A = np.asarray(A, dtype=np.float64)
+    if not np.isfinite(A).all():
+        return float("inf")
+    n = np.linalg.norm(A, axis=1)
+    if (n <= 0).any():
+        return float("inf")
+    return float(np.linalg.cond(A / n[:, None]))
 
 
 def correction(basis_token_gram: np.ndarray, n_tokens: float) -> tuple[np.ndarray | None, float]:
@@ -108,7 +218,7 @@ def correction(basis_token_gram: np.ndarray, n_tokens: float) -> tuple[np.ndarra
     C is None when A is already that whitening (A^T G A within CANONICAL_TOL of I on the tokens' span).
     """
     d = basis_token_gram.shape[0]
-    G = np.asarray(basis_token_gram, dtype=np.float64) / max(float(n_tokens), 1.0)
+    G = np.asarray(basis_token_gram, dtype=np.float64) / _positive(n_tokens)
     G = 0.5 * (G + G.T)
     if not np.isfinite(G).all():
         return None, 1.0
@@ -116,7 +226,9 @@ def correction(basis_token_gram: np.ndarray, n_tokens: float) -> tuple[np.ndarra
     top = float(w[-1]) if w.size else 0.0
     if top <= 0.0:
         return None, 1.0
-    live = w[w > d * EPS * top]
+    live = w[w > UNRESOLVED_REL * d * top]
+    if live.size < w.size and unresolved(G) < w.size - live.size:
+        live = w  # resolved once equilibrated (a coordinate far smaller than the others is not "zero")
     if float(np.abs(live - 1.0).max()) <= CANONICAL_TOL and float(np.abs(live[-1] - 1.0)) <= CANONICAL_TOL:
         return None, 1.0
     C = whitening(G, 1.0, round32=False)
@@ -278,8 +390,11 @@ def change_by(C: np.ndarray, gram_b: np.ndarray, moments_b: np.ndarray | None, o
 
 
 def transition(A_from: np.ndarray, A_to: np.ndarray) -> np.ndarray:
-    """C with X A_to = (X A_from) C."""
-    return np.linalg.solve(A_from, A_to)
+    """C with X A_to = (X A_from) C (the rows, one per token coordinate, scaled alike first: the same
+    system, without the token coordinates' scales in its conditioning)."""
+    n = np.linalg.norm(A_from, axis=1)
+    n = np.where(n > 0, n, 1.0)[:, None]
+    return np.linalg.solve(A_from / n, A_to / n)
 
 
 def same(a: np.ndarray | None, b: np.ndarray | None) -> bool:

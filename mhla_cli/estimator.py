@@ -28,6 +28,7 @@ from .forward import predict_causal
 from .model import Model
 from .solve import Certificate, certify
 from .stream import Features, chunk_features
+from .tokens import MAX_EXACT_INT
 
 _PARAMS = ("ridge", "heads", "nuclear", "domain", "normalize", "per_position", "weight_decay", "restarts", "seed",
            "min_eig", "cv", "device")
@@ -87,6 +88,9 @@ def _real(a: Any, what: str) -> np.ndarray:
     if arr.dtype == object or not (np.issubdtype(arr.dtype, np.floating) or np.issubdtype(arr.dtype, np.integer)
                                    or arr.dtype == np.bool_):
         raise InputError(f"{what} must be real numbers (an array of floats or integers), got dtype {arr.dtype}")
+    if arr.dtype.kind in "iu" and arr.size and (int(arr.max()) > MAX_EXACT_INT or int(arr.min()) < -MAX_EXACT_INT):
+        raise InputError(f"{what} hold {arr.dtype} values beyond 2^53 = {MAX_EXACT_INT}: float64 cannot hold them "
+                         "exactly (pass float64, or rescale)")
     return arr.astype(np.float64)
 
 

@@ -4,7 +4,8 @@ Fold k is the k-th contiguous sample range (stream.shard_range); its statistics 
 stream.featurize(shard=(k, K)) and the folds sum to the whole-file statistics. A features file
 with folds holds, next to the usual datasets, fold_gram (K, psi, psi), fold_moments (K, psi, d),
 fold_target_gram (K, d, d), fold_token_gram (K, d, d), fold_last_token_gram (K, d, d),
-fold_n_samples (K,), fold_n_tokens (K,) and fold_ranges (K, 2), plus the attribute n_folds.
+fold_n_samples (K,), fold_n_tokens (K,), fold_weight_sum (K,), fold_token_weight_sum (K,) (the weight
+totals, stats.Features) and fold_ranges (K, 2), plus the attribute n_folds.
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ from .stream import Features, featurize
 from .tokens import inspect_tokens
 
 FOLD_DATASETS = (*(f"fold_{k}" for k in Features.SUMS), "fold_n_samples", "fold_n_tokens", "fold_ranges")
+# The per-fold weight totals (format version >= stats.WEIGHTS_FORMAT; older files: the counts).
+FOLD_WEIGHTS = ("fold_weight_sum", "fold_token_weight_sum")
 
 
 def featurize_folds(path: str | os.PathLike, n_folds: int, chunk_size: int | None = None,
@@ -56,7 +59,9 @@ def save_with_folds(total: Features, folds: list[Features], path: str | os.PathL
     data = {f"fold_{k}": np.stack([getattr(f, k) for f in folds]) for k in Features.SUMS}
     data.update(fold_n_samples=np.array([f.n_samples for f in folds], dtype=np.int64),
                 fold_n_tokens=np.array([f.n_tokens for f in folds], dtype=np.int64),
-                fold_ranges=np.array([f.sample_range or (0, 0) for f in folds], dtype=np.int64))
+                fold_ranges=np.array([f.sample_range or (0, 0) for f in folds], dtype=np.int64),
+                fold_weight_sum=np.array([f.weight for f in folds]),
+                fold_token_weight_sum=np.array([f.token_weight for f in folds]))
     total.save(path, inputs, extra=data, extra_attrs={"n_folds": len(folds)})
 
 
@@ -70,10 +75,13 @@ def load_folds(path: str | os.PathLike, total: Features | None = None) -> list[F
         arrs = {}
         for name in FOLD_DATASETS:
             arrs[name] = formats.read_array(f, name, path)
+        for name, counts in zip(FOLD_WEIGHTS, ("fold_n_samples", "fold_n_tokens")):
+            # a file before the weight totals: Features.load accepted it as unweighted last-token data
+            arrs[name] = formats.read_array(f, name, path) if name in f else arrs[counts].astype(np.float64)
     K = arrs["fold_gram"].shape[0]
     expect = {"fold_gram": (K, psi, psi), "fold_moments": (K, psi, d), "fold_target_gram": (K, d, d),
               "fold_token_gram": (K, d, d), "fold_last_token_gram": (K, d, d), "fold_n_samples": (K,),
-              "fold_n_tokens": (K,), "fold_ranges": (K, 2)}
+              "fold_n_tokens": (K,), "fold_ranges": (K, 2), "fold_weight_sum": (K,), "fold_token_weight_sum": (K,)}
     for name, shape in expect.items():
         if arrs[name].shape != shape:
             raise InputError(f"'{name}' has shape {arrs[name].shape}, expected {shape}", path)
@@ -84,6 +92,9 @@ def load_folds(path: str | os.PathLike, total: Features | None = None) -> list[F
     n = arrs["fold_n_samples"].astype(np.int64)
     if (n < 1).any() or int(n.sum()) != total.n_samples:
         raise InputError(f"fold_n_samples {n.tolist()} do not sum to n_samples = {total.n_samples}", path)
+    for name in FOLD_WEIGHTS:
+        if (arrs[name] <= 0).any():
+            raise InputError(f"'{name}' {arrs[name].tolist()} must be > 0", path)
     gsum = arrs["fold_gram"].sum(axis=0)
     scale = max(float(np.abs(total.gram).max()), 1e-300)
     if not np.allclose(gsum, total.gram, rtol=0, atol=1e-9 * scale):
@@ -91,6 +102,8 @@ def load_folds(path: str | os.PathLike, total: Features | None = None) -> list[F
     folds = []
     for k in range(K):
         folds.append(Features(d=d, n_samples=int(n[k]), n_tokens=int(arrs["fold_n_tokens"][k]),
+                              weight_sum=float(arrs["fold_weight_sum"][k]),
+                              token_weight_sum=float(arrs["fold_token_weight_sum"][k]),
                               **{s: arrs[f"fold_{s}"][k].astype(np.float64) for s in Features.SUMS},
                               token_dtype=total.token_dtype,
                               sample_range=(int(arrs["fold_ranges"][k][0]), int(arrs["fold_ranges"][k][1])),

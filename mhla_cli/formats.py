@@ -33,7 +33,7 @@ from .signals import check_interrupted, shield_signals
 from .features import n_features
 
 FORMAT_NAME = "mhla"
-FORMAT_VERSION = 4
+FORMAT_VERSION = 5
 KINDS = ("tokens", "features", "model", "heads", "predictions")
 
 

@@ -17,7 +17,7 @@ from .device import check_device, predict_last, worker_device
 from .errors import InputError
 from .features import check_normalize, features_from_moments, pair_index
 from .heads import Heads
-from .model import Model, coef_of, normalize_of
+from .model import Model, coef_of, evaluation_of, normalize_of
 from .parallel import SerialMap, ThreadMap, make_map
 from .scores import Spread
 from .stream import default_chunk_size, prefix_moments, sequence_moments
@@ -77,6 +77,13 @@ def function_of(fn: Model | Heads | np.ndarray) -> np.ndarray | HeadsFn:
     """What the chunk kernels evaluate: coef (d, psi), or the heads themselves (`direct`)."""
     h = direct(fn)
     return coef_of(fn) if h is None else h
+
+
+def evaluated(fn: Model | Heads | np.ndarray) -> tuple[np.ndarray | HeadsFn, np.ndarray | None]:
+    """(what the kernels evaluate, A): a model's canonical coef with its basis A (tokens X A;
+    Model.evaluation), or the heads themselves (`direct`, A None)."""
+    h = direct(fn)
+    return (h, None) if h is not None else evaluation_of(fn)
 
 
 def out_width(fn: np.ndarray | HeadsFn) -> int:
@@ -232,35 +239,45 @@ def predict_causal(fn: Model | Heads | np.ndarray, tokens: np.ndarray, offsets: 
                    ) -> np.ndarray:
     """In-memory causal outputs (T, d) (tokens (N, n, d), or (T, d) with offsets); the model's normalisation."""
     tokens, offsets = as_ragged(tokens, offsets)
-    return causal_chunk(function_of(fn), tokens, offsets, normalize_of(fn))
+    coef, A = evaluated(fn)
+    return causal_chunk(coef, in_basis(tokens, A), offsets, normalize_of(fn))
 
 
 def predict(fn: Model | Heads | np.ndarray, tokens: np.ndarray, offsets: np.ndarray | None = None,
             all_positions: bool = False, device: str | None = None) -> np.ndarray | tuple[np.ndarray, np.ndarray]:
     """In-memory prediction. tokens (N, n, d), or (T, d) with offsets (N+1,); the model's normalisation.
     `device` (mhla_cli.device): the last-token outputs computed there."""
-    coef = function_of(fn)
+    coef, A = evaluated(fn)
     tokens, offsets = as_ragged(tokens, offsets)
-    pred, outputs = predict_chunk(coef, tokens, offsets, all_positions,
+    pred, outputs = predict_chunk(coef, in_basis(tokens, A), offsets, all_positions,
                                   normalize_of(fn), device=check_device(device))
     return (pred, outputs) if all_positions else pred
 
 
-def weighted_sse(err: np.ndarray, weights: np.ndarray | None) -> tuple[float, int]:
-    """(sum_i w_i ||err_i||^2, #{i: w_i > 0}) over the rows of err (B, d); w_i = 1 without weights."""
+def in_basis(tokens: np.ndarray, A: np.ndarray | None) -> np.ndarray:
+    """The tokens X A a model evaluates (Model.evaluation); X itself for A None."""
+    if A is None:
+        return tokens
+    return np.asarray(tokens, dtype=np.float64) @ A
+
+
+def weighted_sse(err: np.ndarray, weights: np.ndarray | None) -> tuple[float, int, float]:
+    """(sum_i w_i ||err_i||^2, #{i: w_i > 0}, sum_i w_i) over the rows of err (B, d); w_i = 1 without
+    weights."""
     if weights is None:
-        return float((err**2).sum()), err.shape[0]
-    return float(weights @ (err**2).sum(axis=1)), int((weights > 0).sum())
+        return float((err**2).sum()), err.shape[0], float(err.shape[0])
+    return float(weights @ (err**2).sum(axis=1)), int((weights > 0).sum()), float(weights.sum())
 
 
 def causal_span(coef: np.ndarray, info: Any, normalize: str, span: tuple[int, int],
-                progress: Callable[[int], None] | None = None
+                progress: Callable[[int], None] | None = None, basis: np.ndarray | None = None
                 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, float, int, Spread]:
-    """Causal predictions of samples [lo, hi): (pred (B, d), outputs (t, d), offsets, weighted SSE, count,
-    the scored targets' Spread (for R^2)).
+    """Causal predictions of samples [lo, hi): (pred (B, d), outputs (t, d), offsets, weighted SSE,
+    count, the scored targets' Spread: their weight and spread, for the MSE and R^2).
 
     The SSE is sum_t w_t ||out_t - y_t||^2 over positions with w_t > 0 (per-position targets) or
-    over sequences (last-token targets, pred vs y); count is the number of those samples.
+    over sequences (last-token targets, pred vs y); count is the number of those samples, weight
+    the sum of their weights. `basis`: the tokens X basis are evaluated (Model.evaluation).
     `progress(n)`, if given, is told the sequences done as the blocks of `causal_chunk` finish (they
     sum to hi - lo).
     """
@@ -276,11 +293,12 @@ def causal_span(coef: np.ndarray, info: Any, normalize: str, span: tuple[int, in
                                                                 with_weights=True):
         check_finite(tokens, offsets, targets, a, info.path)
         check_weights(weights, offsets, a, info.per_position, info.path)
-        outputs = causal_chunk(coef, tokens, offsets, normalize, progress=None if progress is None else step)
+        outputs = causal_chunk(coef, in_basis(tokens, basis), offsets, normalize,
+                               progress=None if progress is None else step)
         pred = outputs[offsets[1:] - 1]
         sse, count, spread = 0.0, 0, Spread()
         if targets is not None:
-            sse, count = weighted_sse((outputs if info.per_position else pred) - targets, weights)
+            sse, count, _ = weighted_sse((outputs if info.per_position else pred) - targets, weights)
             spread = Spread.of(targets, weights)
         return pred, outputs, offsets.copy(), sse, count, spread
     raise ValueError("empty span")
@@ -304,8 +322,8 @@ def _one_at_a_time(progress: Callable[[int], None]) -> Callable[[int], None]:
 
 def _function_and_data(fn: Model | Heads, data: str | os.PathLike
                        ) -> tuple[np.ndarray | HeadsFn, str, TokensInfo]:
-    """coef (or a HeadsFn) and normalisation of `fn`, and the layout of the tokens file `data` (same
-    d checked, and the targets' width against the outputs')."""
+    """coef (own coordinates; or a HeadsFn) and normalisation of `fn`, and the layout of the tokens file
+    `data` (same d checked, and the targets' width against the outputs')."""
     coef = function_of(fn)
     normalize = check_normalize(normalize_of(fn))
     info = inspect_tokens(data)
@@ -333,9 +351,9 @@ def predict_file(fn: Model | Heads, data: str | os.PathLike, out: str | os.PathL
 
     `causal`: `outputs` (T, d) holds the last-token output of every prefix X[:t] and `predictions`
     the one of every whole sequence; the MSE is over the weighted positions of per-position
-    targets (sum w ||e||^2 / (#{w > 0} d)), or over the sequences of last-token targets.
+    targets (sum w ||e||^2 / (d sum w)), or over the sequences of last-token targets.
     Last-token targets with `weights` (N,) give the same weighted MSE with or without `causal`:
-    sum_i w_i ||yhat_i - y_i||^2 / (#{i: w_i > 0} d) (fit's train_mse), `n_scored` = #{i: w_i > 0};
+    sum_i w_i ||yhat_i - y_i||^2 / (d sum_i w_i) (fit's train_mse), `n_scored` = #{i: w_i > 0};
     weight-0 sequences are predicted but not scored. Without `causal`, per-position targets give no
     MSE (the predictions are per sequence; use `causal` to score every weighted position).
     `device` (mhla_cli.device): the last-token predictions on a torch device (float64).
@@ -344,7 +362,8 @@ def predict_file(fn: Model | Heads, data: str | os.PathLike, out: str | os.PathL
     if all_positions and causal:
         raise InputError("causal and all_positions cannot be combined: causal is the masked (prefix) "
                          "output at every position, all_positions the unmasked one")
-    coef, normalize, info = _function_and_data(fn, data)
+    _, normalize, info = _function_and_data(fn, data)
+    coef, A = evaluated(fn)  # evaluated where it was solved (Model.evaluation), or the heads directly
     d = out_width(coef)
     if info.per_position and not causal:
         info = dataclasses.replace(info, has_targets=False)  # per-position targets: no per-sequence MSE
@@ -380,9 +399,10 @@ def predict_file(fn: Model | Heads, data: str | os.PathLike, out: str | os.PathL
             ticks = causal and progress is not None and map is None and isinstance(pmap, (SerialMap, ThreadMap))
             if causal:
                 task = partial(causal_span, coef, winfo, normalize, progress=_one_at_a_time(progress) if ticks
-                               else None)
+                               else None, basis=A)
             else:
-                task = partial(predict_span, coef, winfo, all_positions, normalize=normalize, device=device)
+                task = partial(predict_span, coef, winfo, all_positions, normalize=normalize, device=device,
+                               basis=A)
             for (a, b), (pred, outputs, offsets, part_sse, part_n, part_spread) in zip(todo, pmap(task, todo)):
                 sse += part_sse
                 count += part_n
@@ -417,7 +437,8 @@ def predict_file(fn: Model | Heads, data: str | os.PathLike, out: str | os.PathL
         if with_outputs:
             result["outputs"], result["offsets"] = store_out, store_off
     if have_y:
-        result["mse"] = sse / (max(count, 1) * d)
+        # weighted means over the scored samples' weights (sum w: units-free)
+        result["mse"] = sse / ((spread.weight if spread.weight > 0 else 1.0) * d)
         result["r2"] = spread.r2(sse)  # None when the scored targets do not vary (mhla_cli.scores)
         result["n_scored"] = count
     return result
@@ -579,13 +600,14 @@ def rollout_file(fn: Model | Heads, data: str | os.PathLike, out: str | os.PathL
 
 
 def predict_span(coef: np.ndarray, info: Any, all_positions: bool, span: tuple[int, int],
-                 normalize: str = "none", device: str | None = None
+                 normalize: str = "none", device: str | None = None, basis: np.ndarray | None = None
                  ) -> tuple[np.ndarray, np.ndarray | None, np.ndarray, float, int, Spread]:
     """Predictions for samples [lo, hi): (pred (B, d), outputs (t, d) or None, offsets, SSE, count, the
-    targets' Spread).
+    targets' Spread (their weight and spread: the MSE's and R^2's denominators)).
 
-    With last-token targets the SSE is sum_i w_i ||pred_i - y_i||^2 and count #{i: w_i > 0} (w_i = 1
-    without `weights`), as in `causal_span`; without targets (info.has_targets false) both are 0.
+    With last-token targets the SSE is sum_i w_i ||pred_i - y_i||^2, count #{i: w_i > 0} and weight
+    sum_i w_i (w_i = 1 without `weights`), as in `causal_span`; without targets (info.has_targets
+    false) all are 0. `basis`: the tokens X basis are evaluated (Model.evaluation).
     """
     lo, hi = span
     for a, _b, tokens, offsets, targets, *w in iter_chunks(info, (lo, hi), hi - lo, prefetch=False,
@@ -593,9 +615,9 @@ def predict_span(coef: np.ndarray, info: Any, all_positions: bool, span: tuple[i
         weights = w[0] if w else None
         check_finite(tokens, offsets, targets, a, info.path)
         check_weights(weights, offsets, a, info.per_position, info.path)
-        pred, outputs = predict_chunk(coef, tokens, offsets, all_positions, normalize,
+        pred, outputs = predict_chunk(coef, in_basis(tokens, basis), offsets, all_positions, normalize,
                                       device=None if device is None else worker_device(device))
-        sse, count = weighted_sse(pred - targets, weights) if targets is not None else (0.0, 0)
+        sse, count, _ = weighted_sse(pred - targets, weights) if targets is not None else (0.0, 0, 0.0)
         spread = Spread.of(targets, weights) if targets is not None else Spread()
         return pred, outputs, offsets.copy(), sse, count, spread
     raise ValueError("empty span")

@@ -23,12 +23,32 @@ _SAVED_INFO = ("ridge", "train_mse", "train_r2", "lambda_min", "identifiable", "
 
 @dataclass
 class Model:
-    """A fitted MHLA function: coef p (d, psi) and its minimum-Frobenius-norm W (d^2, d^2)."""
+    """A fitted MHLA function: coef p (d, psi) and its minimum-Frobenius-norm W (d^2, d^2).
+
+    A least-squares fit (solve.fit) also keeps the coefficients it solved for, `coef_b` (d, psi) on
+    the canonical features Ht(X A) of the whitened tokens, and that basis A (d, d): predict evaluates
+    the function there (`evaluation`), which keeps its accuracy where p = p_b M_A would lose it (a
+    token direction far smaller than the others: M_A's condition number is cond(A)^3).
+    """
 
     coef: np.ndarray
     W: np.ndarray
     d: int
     info: dict[str, Any] = field(default_factory=dict)
+    coef_b: np.ndarray | None = None
+    basis: np.ndarray | None = None
+
+    def evaluation(self) -> tuple[np.ndarray, np.ndarray | None]:
+        """(c, A): the function is c . H(X A) on the tokens X (A None: c = coef on X itself).
+
+        With the canonical coefficients c = p_b D (Ht = D H, mhla_cli.basis), so that the forward
+        pass of the tokens X A with coefficients c is the fitted function, evaluated where it was solved.
+        """
+        if self.coef_b is None or self.basis is None:
+            return self.coef, None
+        from .basis import feature_scale
+
+        return self.coef_b * feature_scale(self.d)[None, :], self.basis
 
     def __repr__(self) -> str:  # what was fitted, not coef and W
         shown = {k: self.info[k] for k in ("method", "n_heads", "ridge", "normalize", "train_mse")
@@ -42,7 +62,10 @@ class Model:
         for k in _SAVED_INFO:
             if k in self.info and self.info[k] is not None:
                 attrs[k] = self.info[k]
-        formats.write_file(path, "model", {"coef": self.coef, "W": self.W}, attrs, inputs)
+        data = {"coef": self.coef, "W": self.W}
+        if self.coef_b is not None and self.basis is not None:
+            data.update(canonical_coef=self.coef_b, canonical_basis=self.basis)
+        formats.write_file(path, "model", data, attrs, inputs)
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> Model:
@@ -69,7 +92,42 @@ class Model:
                 W = W_from_p(coef)
             info = {k: (v.item() if hasattr(v, "item") else v) for k, v in f.attrs.items()
                     if k in _SAVED_INFO}
-        return cls(coef=coef, W=W, d=d, info=info)
+            coef_b, basis = _load_canonical(f, path, coef)
+        return cls(coef=coef, W=W, d=d, info=info, coef_b=coef_b, basis=basis)
+
+
+# A model file's coef and the p_b M_A of its canonical coefficients agree to this (relative to the
+# largest coefficient; fit writes coef = p_b M_A, so they agree to rounding).
+CANONICAL_COEF_TOL = 1e-8
+
+
+def _load_canonical(f: Any, path: str | os.PathLike, coef: np.ndarray) -> tuple[np.ndarray | None, np.ndarray | None]:
+    """The optional `canonical_coef` (p_b) and `canonical_basis` (A) of a model file (files before them have
+    neither: coef is used)."""
+    have = [k for k in ("canonical_coef", "canonical_basis") if k in f]
+    if not have:
+        return None, None
+    if len(have) == 1:
+        missing = "canonical_basis" if have[0] == "canonical_coef" else "canonical_coef"
+        raise InputError(f"has '{have[0]}' but no '{missing}'; the file is incomplete", path)
+    d = coef.shape[0]
+    coef_b = formats.read_array(f, "canonical_coef", path).astype(np.float64)
+    basis = formats.read_array(f, "canonical_basis", path).astype(np.float64)
+    if coef_b.shape != coef.shape or not np.isfinite(coef_b).all():
+        raise InputError(f"'canonical_coef' has shape {coef_b.shape} or non-finite values, expected finite "
+                         f"{coef.shape}", path)
+    if basis.shape != (d, d) or not np.isfinite(basis).all() or not np.isfinite(np.linalg.cond(basis)):
+        raise InputError(f"'canonical_basis' has shape {basis.shape} or is singular, expected an invertible "
+                         f"({d}, {d})", path)
+    from .basis import coef_from_basis
+
+    scale = max(float(np.abs(coef).max()), 1e-300)
+    with np.errstate(over="ignore", invalid="ignore"):
+        back = coef_from_basis(basis, coef_b)
+    if not (np.abs(back - coef) <= CANONICAL_COEF_TOL * scale).all():
+        raise InputError("'canonical_coef' in 'canonical_basis' and 'coef' describe different functions; the "
+                         "file is inconsistent", path)
+    return coef_b, basis
 
 
 def load_function(path: str | os.PathLike) -> Model | Heads:
@@ -87,6 +145,13 @@ def load_function(path: str | os.PathLike) -> Model | Heads:
     if norm not in ("none", "length"):
         raise InputError(f"attribute 'normalize' is '{norm}', expected none or length", path)
     return fn
+
+
+def evaluation_of(fn: Model | Heads | np.ndarray) -> tuple[np.ndarray, np.ndarray | None]:
+    """(c, A): predict evaluates c . H(X A) (A None: the tokens' own coordinates; Model.evaluation)."""
+    if isinstance(fn, Model):
+        return fn.evaluation()
+    return coef_of(fn), None
 
 
 def coef_of(fn: Model | Heads | np.ndarray) -> np.ndarray:

@@ -120,8 +120,8 @@ def factorize(feats: Features, domain: str = "full", device: str | None = None) 
         return cache[domain]
     d = feats.d
     if "full" not in cache:
-        # Lambda~ = basis_gram / N, held as the sums and the scale 1 / N (no psi x psi copy)
-        gram_b, scale = feats.basis_gram, 1.0 / max(feats.n_samples, 1)
+        # Lambda~ = basis_gram / sum w, held as the sums and the scale 1 / sum w (no psi x psi copy)
+        gram_b, scale = feats.basis_gram, 1.0 / (feats.weight if feats.weight > 0 else 1.0)
         if feats.reduced:  # featurize held only the block on the data's spans
             st = structure_mod.Structure(_complete(feats.span_pairs), _complete(feats.span_last),
                                          feats.span_pairs.shape[1], feats.span_last.shape[1])
@@ -251,11 +251,12 @@ class Certificate:
 def certify(feats: Features, min_eig: float = 0.0, domain: str = "full", device: str | None = None) -> Certificate:
     """Certify that the data determine the learned function (on R^d, or on the observed subspaces).
 
-    The eigenvalues are those of the canonical Lambda~ = (1/N) sum Ht Ht^T: the features of the
-    whitened tokens X A (A^T G A = I, G = token_gram / n_tokens: for last-token data without weights
-    the second moment of all tokens; for weighted or per-position data each token counted with the
-    weights of the samples that contain it) in orthonormal coordinates (mhla_cli.basis), so that the
-    numbers and the verdict do not depend on the units of the tokens.
+    The eigenvalues are those of the canonical Lambda~ = sum w Ht Ht^T / sum w: the features of the
+    whitened tokens X A (A^T G A = I, G = sum w S / sum w n, n the sample's token count: for
+    last-token data without weights the second moment of all tokens; for weighted or per-position
+    data each token counted with the weights of the samples that contain it) in orthonormal
+    coordinates (mhla_cli.basis), so that the numbers and the verdict depend neither on the units of
+    the tokens nor on those of the weights.
     `null_vectors` span the null space: for the full domain in the tokens' own feature coordinates
     (orthonormal columns), for the observed domain in the observed-domain coordinates (map them with
     `domain_map(feats, "observed")[0].T`). `device`: where the factorization runs (mhla_cli.device).
@@ -393,8 +394,18 @@ def _explain(feats: Features, cert: Certificate, weight: np.ndarray, k: int, ful
             "identically_zero": bool(full and exactly_zero(i))} for i in (dead + mixed)[:20]]
     if k:
         below_margin = cert.lambda_min > cert.numerical_tolerance
-        desc = (f"{k} feature direction(s) are excited less than the demanded margin (eigenvalues <= "
-                f"{cert.threshold:.3g})" if below_margin else f"{k} feature direction(s) are never excited by the data")
+        # token directions whose variance float64 cannot tell from zero (basis.unresolved): the
+        # whitening keeps them at the largest scale, and the features along them are lost that way
+        lost = basis_mod.unresolved(feats.token_gram) if full else 0
+        if below_margin:
+            desc = (f"{k} feature direction(s) are excited less than the demanded margin (eigenvalues <= "
+                    f"{cert.threshold:.3g})")
+        elif lost:
+            desc = (f"{k} feature direction(s) are not resolvable in float64: {lost} token direction(s) have a "
+                    f"variance of at most {feats.d} eps64 of the largest (after equilibration), zero or too "
+                    "small for float64 to tell from rounding")
+        else:
+            desc = f"{k} feature direction(s) are never excited by the data"
         if zero:
             desc += (f"; {len(zero)} single feature(s) are identically zero in the data, e.g. "
                      + ", ".join(names[i] for i in zero[:3]))
@@ -429,7 +440,7 @@ def _feature_names(d: int, cert: Certificate, full: bool) -> list[str]:
 def fit(feats: Features, ridge: float = 0.0, device: str | None = None) -> Model:
     """Least squares over p on the sufficient statistics (Algorithm 1, step 1), in the canonical basis.
 
-    Solves (Lambda~ + ridge I) p_b^T = m~ with Lambda~ = gram_b / N and m~ = moments_b / N the
+    Solves (Lambda~ + ridge I) p_b^T = m~ with Lambda~ = gram_b / sum w and m~ = moments_b / sum w the
     canonical sums (mhla_cli.basis), and maps p = p_b M_A back to the tokens' own features. With
     ridge = 0 and a singular Lambda~ it returns the minimum-norm p_b (pseudo-inverse with the
     certificate's numerical tolerance). The ridge and the minimum norm are taken in the canonical
@@ -442,11 +453,12 @@ def fit(feats: Features, ridge: float = 0.0, device: str | None = None) -> Model
         raise InputError(f"ridge must be a finite number >= 0, got {ridge}")
     A, _, moments_b = feats.solver_stats()
     N = feats.n_samples
+    W = feats.weight if feats.weight > 0 else 1.0  # sum w: the normaliser of Lambda~ and m~
     psi = feats.n_features
     fac = factorize(feats, "full", device)
     st = fac.structure
     # the factorized block on the data's spans (mhla_cli.structure): the moments lie in its range
-    rhs = moments_b / N if feats.reduced else st.restrict(moments_b / N)
+    rhs = moments_b / W if feats.reduced else st.restrict(moments_b / W)
     lmax = fac.lambda_max()
     tol = numerical_tolerance(lmax, psi)
     # proven as the certificate's: a Cholesky of the block's Lambda~ - tol I (reused by the solve)
@@ -479,13 +491,15 @@ def fit(feats: Features, ridge: float = 0.0, device: str | None = None) -> Model
         "rank": fac.rank(tol), "n_features": psi, "n_samples": N, "method": "lstsq",
         "basis": "canonical", "normalize": getattr(feats, "normalize", "none"), "seconds": seconds,
     }
-    return Model(coef=coef, W=W_from_p(coef), d=feats.d, info=info)
+    # the canonical coefficients and their basis: predict evaluates the function there (Model.evaluation)
+    return Model(coef=coef, W=W_from_p(coef), d=feats.d, info=info, coef_b=coef_b, basis=np.array(A))
 
 
 def train_mse(feats: Features, coef: np.ndarray) -> tuple[float, float]:
-    """Mean squared error over the N*d outputs from the statistics alone, and its float64 resolution.
+    """Mean squared error sum_i w_i ||p H_i - y_i||^2 / (d sum_i w_i) from the statistics alone, and
+    its float64 resolution.
 
-    sum_i ||p H_i - y_i||^2 = tr(p_b gram_b p_b^T) - 2 tr(p_b moments_b) + tr(target_gram), evaluated
+    sum_i w_i ||p H_i - y_i||^2 = tr(p_b gram_b p_b^T) - 2 tr(p_b moments_b) + tr(target_gram), evaluated
     on the canonical sums (p_b = p M_A^-1); cancellation limits the accuracy to about
     eps * tr(target_gram).
     """
@@ -499,7 +513,7 @@ def _train_mse_b(feats: Features, pb: np.ndarray) -> tuple[float, float]:
     With only the block on the data's spans held (gram_b = Q G_r Q^T, moments_b = Q M_r), p_b enters
     through p_b Q alone, exactly (mhla_cli.structure).
     """
-    N, d = feats.n_samples, feats.d
+    N, d = (feats.weight if feats.weight > 0 else 1.0), feats.d  # sum w: the weighted mean
     _, gram_b, moments_b = feats.solver_stats()
     if feats.reduced:
         pb = basis_mod.kron_apply(feats.span_pairs.T, feats.span_last.T, np.ascontiguousarray(pb.T)).T

@@ -6,7 +6,8 @@ on the canonical features of the whitened tokens X A (mhla_cli.basis): `basis_gr
 sum Ht Ht^T, `basis_moments` = sum Ht y^T, `basis_token_gram` = A^T token_gram A and
 `basis_last_token_gram` = A^T last_token_gram A, accumulated from the transformed tokens. The
 certificate and the fit read only these (`solver_stats`), after `canonical` has made A the
-whitening of the data's own token Gram (A^T G A = I, G = token_gram / n_tokens).
+whitening of the data's own token Gram (A^T G A = I, G = token_gram / token_weight_sum, the weight
+totals of `Features`).
 """
 
 from __future__ import annotations
@@ -35,6 +36,10 @@ EXTRA_ATTRS = ("shard", "sample_ranges", "partial", "basis_passes", "basis_corre
 # mhla format version from which basis_gram / basis_moments are canonical (orthonormal coordinates,
 # basis = the whitening of the file's own token Gram); version 2 stored upper-triangle coordinates.
 CANONICAL_FORMAT = 3
+# mhla format version from which features files hold the weight totals (attributes weight_sum =
+# sum w and token_weight_sum = sum w n: Lambda~ and G carry no units of the weights).
+WEIGHTS_FORMAT = 5
+WEIGHT_ATTRS = ("weight_sum", "token_weight_sum")
 
 
 @dataclass
@@ -85,6 +90,17 @@ class Features:
     # mhla_cli.scores); None when unknown (files written before they were accumulated)
     target_sum: np.ndarray | None = None
     target_weight: float | None = None
+    # The weight totals (docs/formats.md, "Weights"): weight_sum = sum_i w_i over the samples and
+    # token_weight_sum = sum_i w_i n_i (n_i the sample's token count; for per-position data every
+    # prefix is a sample), so that G = token_gram / token_weight_sum and Lambda~ = basis_gram /
+    # weight_sum carry no units of the weights. None (the default): the counts n_samples and
+    # n_tokens, i.e. unweighted last-token data (`__post_init__`).
+    weight_sum: float | None = None
+    token_weight_sum: float | None = None
+
+    def __post_init__(self) -> None:
+        self.weight_sum = float(self.n_samples if self.weight_sum is None else self.weight_sum)
+        self.token_weight_sum = float(self.n_tokens if self.token_weight_sum is None else self.token_weight_sum)
 
     # The sums on the tokens' own features (docs/formats.md), and those in the basis.
     SUMS = ("gram", "moments", "target_gram", "token_gram", "last_token_gram")
@@ -115,9 +131,9 @@ class Features:
 
     @property
     def lambda_d(self) -> np.ndarray:
-        """Lambda_D = gram / N on the tokens' own features (the certificate uses `solver_stats`)."""
+        """Lambda_D = gram / sum w on the tokens' own features (the certificate uses `solver_stats`)."""
         self.expand()
-        return self.gram / max(self.n_samples, 1)
+        return self.gram / (self.weight if self.weight > 0 else 1.0)
 
     def expand(self) -> Features:
         """In place: the full psi x psi sums from the block on the data's spans (exact: the sums are
@@ -175,10 +191,20 @@ class Features:
             self.basis = np.array(A, dtype=np.float64)
         return self
 
+    @property
+    def weight(self) -> float:
+        """sum_i w_i over the samples: the normaliser of Lambda~ and of the mean squared error."""
+        return float(self.weight_sum)  # type: ignore[arg-type]
+
+    @property
+    def token_weight(self) -> float:
+        """sum_i w_i n_i: the normaliser of the token Gram, G = token_gram / token_weight."""
+        return float(self.token_weight_sum)  # type: ignore[arg-type]
+
     def correction(self) -> tuple[np.ndarray | None, float]:
         """(C, cond C) that makes the basis the whitening of the data (None: it already is)."""
         self.ensure_basis()
-        return basis_mod.correction(self.basis_token_gram, self.n_tokens)
+        return basis_mod.correction(self.basis_token_gram, self.token_weight)
 
     def canonical(self) -> Features:
         """In place: the basis becomes the whitening of this data's token Gram (A^T G A = I); returns self."""
@@ -236,6 +262,7 @@ class Features:
         part.expand()
         out = Features(d=self.d, n_samples=self.n_samples - part.n_samples, n_tokens=self.n_tokens - part.n_tokens,
                        token_dtype=self.token_dtype, normalize=self.normalize, per_position=self.per_position,
+                       weight_sum=self.weight - part.weight, token_weight_sum=self.token_weight - part.token_weight,
                        **{k: None if getattr(self, k) is None else getattr(self, k) - getattr(part, k)
                           for k in self.SUMS})
         if self.target_sum is not None and part.target_sum is not None:
@@ -272,7 +299,8 @@ class Features:
                         sample_range=self.sample_range, source=self.source, extra_attrs=dict(self.extra_attrs),
                         per_position=self.per_position, normalize=self.normalize, n_sequences=self.n_sequences,
                         target_sum=None if self.target_sum is None else np.array(self.target_sum),
-                        target_weight=self.target_weight, **arrays)
+                        target_weight=self.target_weight, weight_sum=self.weight_sum,
+                        token_weight_sum=self.token_weight_sum, **arrays)
 
     @classmethod
     def zeros(cls, d: int, has_targets: bool, token_dtype: str = "float64") -> Features:
@@ -293,7 +321,8 @@ class Features:
     def file_attrs(self) -> dict[str, Any]:
         """The attributes of a features file (docs/formats.md)."""
         attrs: dict[str, Any] = {"d": self.d, "n_samples": self.n_samples, "n_tokens": self.n_tokens,
-                                 "n_features": self.n_features, "token_dtype": self.token_dtype}
+                                 "n_features": self.n_features, "token_dtype": self.token_dtype,
+                                 "weight_sum": self.weight, "token_weight_sum": self.token_weight}
         if self.sample_range is not None:
             attrs["sample_lo"], attrs["sample_hi"] = self.sample_range
         if self.source is not None:
@@ -348,6 +377,7 @@ class Features:
             per_position = bool(int(f.attrs.get("per_position", 0)))
             n_seq = int(f.attrs["n_sequences"]) if "n_sequences" in f.attrs else None
             t_sum, t_weight = _load_target_sum(f, path, d) if has_targets else (None, None)
+            weights = _load_weights(f, path, n, t, per_position, n_seq)
             extra = {}
             for k in EXTRA_ATTRS:
                 if k in f.attrs:
@@ -356,7 +386,8 @@ class Features:
         return cls(d=d, n_samples=n, n_tokens=t, gram=gram, token_gram=tg, last_token_gram=lg,
                    moments=moments, target_gram=target_gram, token_dtype=dtype, sample_range=rng,
                    source=source, extra_attrs=extra, per_position=per_position, normalize=normalize,
-                   n_sequences=n_seq, target_sum=t_sum, target_weight=t_weight, **sums)
+                   n_sequences=n_seq, target_sum=t_sum, target_weight=t_weight, weight_sum=weights[0],
+                   token_weight_sum=weights[1], **sums)
 
 
 def _load_target_sum(f: h5py.File, path: str | os.PathLike, d: int) -> tuple[np.ndarray | None, float | None]:
@@ -370,6 +401,35 @@ def _load_target_sum(f: h5py.File, path: str | os.PathLike, d: int) -> tuple[np.
     if not np.isfinite(w) or w < 0:
         raise InputError("has 'target_sum' but no finite attribute target_weight >= 0; the file is corrupted", path)
     return s, w
+
+
+def _load_weights(f: h5py.File, path: str | os.PathLike, n: int, t: int, per_position: bool,
+                  n_seq: int | None) -> tuple[float, float]:
+    """(weight_sum, token_weight_sum) of a features file (format >= WEIGHTS_FORMAT), or of an older one
+    converted: unweighted last-token data have the counts; the others are refused (their totals
+    cannot be told from the file)."""
+    version = int(f.attrs.get("mhla_format_version", 2))
+    have = [k for k in WEIGHT_ATTRS if k in f.attrs]
+    if version < WEIGHTS_FORMAT and not have:
+        if per_position or (n_seq is not None and n_seq != n):
+            what = "per-position" if per_position else "weighted"
+            raise InputError(f"holds {what} statistics of format version {version}, before the weight totals "
+                             f"(version {WEIGHTS_FORMAT}); run `mhla featurize` on its tokens file again", path)
+        return float(n), float(t)
+    if len(have) < len(WEIGHT_ATTRS):
+        missing = [k for k in WEIGHT_ATTRS if k not in have]
+        raise InputError(f"has no attribute {', '.join(repr(k) for k in missing)}; the file is incomplete", path)
+    out = []
+    for k in WEIGHT_ATTRS:
+        v = f.attrs[k]
+        try:
+            x = float(np.asarray(v).reshape(()))
+        except (TypeError, ValueError):
+            raise InputError(f"attribute '{k}' = {v!r} is not a number", path) from None
+        if not np.isfinite(x) or x <= 0:
+            raise InputError(f"attribute '{k}' = {x!r}, expected a finite number > 0", path)
+        out.append(x)
+    return out[0], out[1]
 
 
 def _load_basis(f: h5py.File, path: str | os.PathLike, d: int, has_targets: bool, tg: np.ndarray,
@@ -393,7 +453,7 @@ def _load_basis(f: h5py.File, path: str | os.PathLike, d: int, has_targets: bool
     A = formats.read_array(f, "basis", path).astype(np.float64)
     if A.shape != (d, d):
         raise InputError(f"'basis' has shape {A.shape}, expected ({d}, {d})", path)
-    if not np.isfinite(A).all() or not np.isfinite(np.linalg.cond(A)) or np.linalg.cond(A) > SINGULAR_BASIS_COND:
+    if not np.isfinite(A).all() or basis_mod.row_scaled_cond(A) > SINGULAR_BASIS_COND:
         raise InputError("'basis' is singular; the file is corrupted", path)
     gb = formats.read_matrix(f, "basis_gram", path)  # read in place: the one psi x psi array of a load
     if gb.shape != (psi, psi):
@@ -434,7 +494,7 @@ def _load_block(f: h5py.File, path: str | os.PathLike, d: int, has_targets: bool
     out: dict[str, np.ndarray | None] = {k: formats.read_array(f, k, path).astype(np.float64) for k in need}
     out.setdefault("basis_moments", None)
     A, E, F = out["basis"], out["span_pairs"], out["span_last"]
-    if A.shape != (d, d) or not np.isfinite(A).all() or np.linalg.cond(A) > SINGULAR_BASIS_COND:
+    if A.shape != (d, d) or not np.isfinite(A).all() or basis_mod.row_scaled_cond(A) > SINGULAR_BASIS_COND:
         raise InputError(f"'basis' has shape {A.shape} or is singular, expected an invertible ({d}, {d})", path)
     for name, M, rows in (("span_pairs", E, q), ("span_last", F, d)):
         if M.ndim != 2 or M.shape[0] != rows or M.shape[1] > rows or not np.isfinite(M).all() \
@@ -612,7 +672,7 @@ def add_into(acc: Features, part: Features) -> None:
             # the token Gram of the sum in acc's basis (X A_acc = X A_part Cp), then its whitening A_acc C
             Cp = basis_mod.transition(part.basis, acc.basis)
             G = acc.basis_token_gram + Cp.T @ part.basis_token_gram @ Cp
-            C = basis_mod.whitening(G, acc.n_tokens + part.n_tokens, round32=False)
+            C = basis_mod.whitening(G, acc.token_weight + part.token_weight, round32=False)
             acc.change_basis(C)
             part.to_basis(acc.basis)
     if acc.basis is not None:
@@ -622,6 +682,8 @@ def add_into(acc: Features, part: Features) -> None:
                 a += getattr(part, k)
     acc.n_samples += part.n_samples
     acc.n_tokens += part.n_tokens
+    acc.weight_sum = acc.weight + part.weight
+    acc.token_weight_sum = acc.token_weight + part.token_weight
     known = (np.ndarray, StoredGram)
     ga, gp = acc._gram_raw, part._gram_raw
     if isinstance(ga, known) and isinstance(gp, known):

@@ -263,6 +263,9 @@ class _Accumulator:
         self.target_weight = 0.0
         self._moments_share: float | None = None  # of a chunk's time in `add`, for its progress ticks
         self.n_tokens = 0
+        # the weight totals (stats.Features): sum w over the samples, sum w n over their tokens
+        self.weight_sum = 0.0
+        self.token_weight_sum = 0.0
 
     def _buf(self, name: str, rows: int, shape: tuple[int, ...]) -> np.ndarray:
         """A reusable (rows, *shape) float64 work array."""
@@ -404,6 +407,8 @@ class _Accumulator:
         self.n_sequences += B
         self.n_samples += B
         self.n_tokens += int(offsets[-1])
+        self.weight_sum += B
+        self.token_weight_sum += int(offsets[-1])
 
     def _add_rows(self, tokens: np.ndarray, offsets: np.ndarray, targets: np.ndarray | None,
                   check: Callable[[float], None] | None, weights: np.ndarray | None) -> None:
@@ -469,6 +474,10 @@ class _Accumulator:
         self.n_samples += R
         self.n_tokens += T
         self.n_sequences += B
+        # sum w over the samples, and sum w n = sum over the tokens of c (the weights of the samples
+        # that contain the token)
+        self.weight_sum += float(np.sum(w_all))
+        self.token_weight_sum += float(np.sum(c))
 
     def _add_target_sum(self, targets: np.ndarray | None, w: np.ndarray | None) -> None:
         """target_sum += sum w y, target_weight += sum w over the rows added (w None: all 1)."""
@@ -571,7 +580,8 @@ class _Accumulator:
                        basis=self.basis, basis_gram=gram_b, basis_moments=moments,
                        basis_token_gram=self.basis_token_gram, basis_last_token_gram=self.basis_last_token_gram,
                        per_position=self.causal, normalize=self.normalize, n_sequences=self.n_sequences,
-                       target_sum=self.target_sum, target_weight=self.target_weight if self.has_targets else None)
+                       target_sum=self.target_sum, target_weight=self.target_weight if self.has_targets else None,
+                       weight_sum=self.weight_sum, token_weight_sum=self.token_weight_sum)
         if self.spans is not None:
             out.span_pairs, out.span_last = self.spans
         return out
@@ -647,7 +657,7 @@ def _basis_option(basis: np.ndarray | str | None, d: int, path: str | os.PathLik
     if basis is None:
         return np.eye(d)
     A = np.asarray(basis, dtype=np.float64)
-    if A.shape != (d, d) or not np.isfinite(A).all() or np.linalg.cond(A) > SINGULAR_BASIS_COND:
+    if A.shape != (d, d) or not np.isfinite(A).all() or basis_mod.row_scaled_cond(A) > SINGULAR_BASIS_COND:
         raise InputError(f"the basis must be an invertible ({d}, {d}) array", path)
     return A
 
@@ -1007,7 +1017,7 @@ def find_spans(info: TokensInfo, A: np.ndarray, span: tuple[int, int], chunk_siz
     passes = 1
     C, cond = part.correction()
     if C is not None and cond > basis_mod.CHANGE_COND:
-        A = (part.basis @ C).astype(np.float32).astype(np.float64)
+        A = basis_mod.round32(part.basis @ C)
         tp, tl, _ = span_traces(info, span, A, chunk_size, normalize)
         passes = 2
     st = structure_mod.from_traces(tp, tl)
@@ -1033,7 +1043,7 @@ def _in_whitening(run: Callable[[np.ndarray], Features], A: np.ndarray) -> Featu
     C, cond = feats.correction()
     passes = 1
     if C is not None and cond > basis_mod.CHANGE_COND:
-        feats = run((feats.basis @ C).astype(np.float32).astype(np.float64))
+        feats = run(basis_mod.round32(feats.basis @ C))
         passes = 2
     feats.extra_attrs.update(basis_passes=passes, basis_correction_cond=float(cond))
     return feats.canonical()

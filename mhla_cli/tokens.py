@@ -234,12 +234,36 @@ MAX_TOKEN_ABS = 1e40
 
 MAX_TARGET_ABS = 1e100
 
+# Largest integer magnitude float64 holds exactly for every integer up to it (2^53): int64 / uint64
+# tokens beyond it would be rounded when converted, so they are refused.
+MAX_EXACT_INT = 2**53
+
+
+def check_exact_ints(arr: np.ndarray | None, offsets: np.ndarray, lo: int, path: str | os.PathLike | None,
+                     name: str = "tokens") -> None:
+    """Refuse integers that float64 cannot hold exactly (|x| > 2^53), naming the first such sample."""
+    if arr is None or arr.dtype.kind not in "iu" or arr.dtype.itemsize < 8 or arr.size == 0:
+        return
+    top, bottom = int(arr.max()), int(arr.min())  # Python ints: no overflow of abs(int64 min)
+    if top <= MAX_EXACT_INT and bottom >= -MAX_EXACT_INT:
+        return
+    a2 = arr.reshape(arr.shape[0], -1)
+    bad = (a2 > MAX_EXACT_INT).any(axis=1)
+    if arr.dtype.kind == "i":
+        bad |= (a2 < -MAX_EXACT_INT).any(axis=1)
+    row = int(np.flatnonzero(bad)[0])
+    value = top if top > MAX_EXACT_INT else bottom
+    i = lo + int(np.searchsorted(offsets, row, side="right") - 1) if name == "tokens" else lo + row
+    raise InputError(f"{name} of sample {i} hold {arr.dtype} values up to {value}, beyond 2^53 = {MAX_EXACT_INT}: "
+                     "float64 cannot hold them exactly (store the tokens as float64, or rescale them)", path)
+
 
 def check_finite(tokens: np.ndarray, offsets: np.ndarray, targets: np.ndarray | None, lo: int,
                  path: str | os.PathLike) -> None:
     """Raise an InputError naming the first sample that holds NaN or Inf (or values so large that
-    the float64 statistics would overflow)."""
+    the float64 statistics would overflow, or integers float64 cannot hold exactly: check_exact_ints)."""
     check_interrupted()  # called once per chunk: a cheap point to honour a swallowed signal
+    check_exact_ints(tokens, offsets, lo, path)
     for name, arr, limit in (("tokens", tokens, MAX_TOKEN_ABS), ("targets", targets, MAX_TARGET_ABS)):
         if arr is None or arr.dtype.kind != "f" or arr.size == 0:
             continue
@@ -284,6 +308,9 @@ def read_chunk(f: h5py.File, info: TokensInfo, a: int, b: int, bufs: ReadBuffers
     dt = np.dtype(info.dtype)
     tok_dtype = dt if dt.isnative and dt in (np.float32, np.float64, np.int32, np.int64, np.int16,
                                               np.int8, np.uint8, np.uint16, np.uint32) else np.float64
+    if dt.kind in "iu" and dt.itemsize == 8:
+        # 64-bit integers stay integers (any byte order): check_exact_ints sees the stored values
+        tok_dtype = np.dtype(f"{dt.kind}8")
     if info.layout == "dense":
         n = int(info.seq_len)
         dest = bufs.get("tokens", (b - a, n, d), tok_dtype)
@@ -353,6 +380,8 @@ def check_chunk(info: TokensInfo, a: int, tokens: np.ndarray, offsets: np.ndarra
     bad = False
     if np.dtype(info.dtype).kind == "f":
         bad = not top <= MAX_TOKEN_ABS ** 2
+    else:
+        check_exact_ints(tokens, offsets, a, info.path)
     if targets is not None and targets.size:
         bad = bad or not float(np.max(np.abs(targets))) <= MAX_TARGET_ABS
     if bad:

@@ -293,7 +293,8 @@ def make_witness(feats: Features, data: str | os.PathLike | None = None, cert: C
     if not all(np.isfinite(x).all() for x in (feats.gram, feats.moments, feats.target_gram)):
         raise InputError("the statistics are not finite (values too large for float64): no witness")
     d, N = feats.d, feats.n_samples
-    Nd = N * d
+    W = feats.weight if feats.weight > 0 else 1.0  # sum w: the MSE's normaliser (solve.train_mse)
+    Nd = W * d
     model_a = fit(feats)
     pa = model_a.coef
     v = _null_direction(feats, cert)
@@ -374,7 +375,7 @@ def make_witness(feats: Features, data: str | os.PathLike | None = None, cert: C
         "relative_function_distance": rel_fn, "largest_indistinguishable_change": c_round / ref, "probe": probe,
         "prediction_difference": pdiff,
         "relative_prediction_difference": pdiff / max(float(np.linalg.norm(ya)), 1e-300),
-        "null_eigenvalue": terms["g"] / N, "loss_source": source, "n_samples": N, **extra,
+        "null_eigenvalue": terms["g"] / W, "loss_source": source, "n_samples": N, **extra,
         "null_direction": v, "output_direction": u, "pred_a": ya, "pred_b": yb,
     }
     numbers = [x for x in info.values() if isinstance(x, float)]

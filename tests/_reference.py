@@ -1,9 +1,9 @@
 """Independent references in plain numpy on materialised features (never mhla_cli's own kernels).
 
 The canonical certificate (docs/formats.md, "The canonical certificate"): tokens whitened with
-G = token_gram / n_tokens (token_gram = sum over samples of w S, S the sample's unnormalised
-X^T X), features of the whitened tokens in orthonormal coordinates (sqrt 2 on S[j,k], j < k),
-Lambda~ = (1/N) sum_i w_i Ht_i Ht_i^T over the N samples of weight > 0.
+G = sum_i w_i S_i / sum_i w_i n_i (S the sample's unnormalised X^T X, n_i its token count; for
+per-position data every prefix is a sample), features of the whitened tokens in orthonormal
+coordinates (sqrt 2 on S[j,k], j < k), Lambda~ = sum_i w_i Ht_i Ht_i^T / sum_i w_i.
 """
 
 from __future__ import annotations
@@ -60,17 +60,18 @@ def canonical(tokens: np.ndarray, offsets: np.ndarray, targets: np.ndarray | Non
     tokens = np.asarray(tokens, dtype=np.float64)
     smp = samples(tokens, offsets, per_position, weights)
     if A is None:
-        G = sum(w * X.T @ X for X, w, _ in smp) / tokens.shape[0]
+        G = sum(w * X.T @ X for X, w, _ in smp) / sum(w * X.shape[0] for X, w, _ in smp)
         A = inv_sqrt(G)
     rows = [(canonical_features(X @ A, normalize), w, r) for X, w, r in smp if w > 0]
     Ht = np.stack([h for h, _, _ in rows])
     w = np.array([w for _, w, _ in rows])
     N = len(rows)
-    lam = (Ht * w[:, None]).T @ Ht / N
-    out = {"lambda": lam, "eigenvalues": np.linalg.eigvalsh(lam), "A": A, "Ht": Ht, "w": w, "N": N}
+    W = float(w.sum())  # sum w: the weights carry no units
+    lam = (Ht * w[:, None]).T @ Ht / W
+    out = {"lambda": lam, "eigenvalues": np.linalg.eigvalsh(lam), "A": A, "Ht": Ht, "w": w, "N": N, "W": W}
     if targets is not None:
         y = np.asarray(targets, dtype=np.float64)[[r for _, _, r in rows]]
-        out["moments"] = (Ht * w[:, None]).T @ y / N
+        out["moments"] = (Ht * w[:, None]).T @ y / W
         out["y"] = y
     return out
 

@@ -292,3 +292,139 @@ def test_exact_zeros_survive_the_derived_token_gram(tmp_path: Path, dtype: str) 
     assert feats.last_token_gram[2, 2] == 0.0
     X = tokens.astype(np.float64)
     assert np.abs(feats.token_gram - X.T @ X).max() <= 1e-12 * np.abs(X.T @ X).max()
+
+
+# --------------------------------------------------------------------------------------------
+# scalings without a floor (equilibration), and the float64 resolution of rotated directions
+# --------------------------------------------------------------------------------------------
+
+
+def _gauss(seed: int, N: int = 260, d: int = 4):
+    rng = np.random.default_rng(seed)
+    off = np.concatenate([[0], np.cumsum(rng.integers(2, 8, N))]).astype(np.int64)
+    X = rng.standard_normal((int(off[-1]), d))
+    teacher = synthetic.random_teacher(d, 2, rng)
+    from mhla_cli.forward import predict
+
+    y = predict(teacher, X, off) + 1e-3 * rng.standard_normal((N, d))
+    return X, off, y
+
+
+@pytest.mark.parametrize("s", [1e-4, 1e-6, 1e-8, 1e-10, 1e-12, 1e4, 1e6, 1e8, 1e10, 1e12])
+def test_diagonal_scalings_up_to_1e12_change_no_number(s: float) -> None:
+    """Gaussian tokens X diag(1, 1, 1, s): the same verdict, rank and lambda_min (1e-6) as the
+    reference on the unscaled X (the canonical numbers are unit-free), and the same fitted function on
+    inputs scaled alike. Before equilibration the whitening's floor lost 22 directions at 1/s = 1e8."""
+    from _reference import canonical
+    from mhla_cli.forward import predict
+    from mhla_cli.stream import chunk_features
+
+    X, off, y = _gauss(17)
+    ref = canonical(X, off, y)
+    w = ref["eigenvalues"]
+    D = np.array([1.0, 1.0, 1.0, s])
+    feats = chunk_features(X * D, off, y, 4)
+    cert = certify(feats)
+    assert cert.identifiable and cert.rank == 40 and w[0] > cert.threshold
+    assert abs(cert.lambda_min - w[0]) <= 1e-6 * w[0] and abs(cert.lambda_max - w[-1]) <= 1e-6 * w[-1]
+    G = feats.basis.T @ (feats.token_gram / feats.token_weight) @ feats.basis
+    assert np.abs(G - np.eye(4)).max() < 1e-9
+    Z = np.random.default_rng(3).standard_normal((30, 4))
+    zoff = np.array([0, 1, 4, 12, 30])
+    want = predict(fit(chunk_features(X, off, y, 4), ridge=1e-6), Z, zoff)
+    got = predict(fit(feats, ridge=1e-6), Z * D, zoff)
+    assert np.abs(got - want).max() <= 1e-8 * np.abs(want).max()
+
+
+@pytest.mark.parametrize("s", [1e-12, 1e12])
+def test_scaled_tokens_through_files_shards_merge_and_partial_fit(tmp_path: Path, s: float) -> None:
+    """featurize (the sampled estimate, its correction), shards merged from their files, and
+    MHLA.partial_fit in chunks give the reference's numbers for tokens scaled by 1e12 / 1e-12."""
+    from _reference import canonical
+    from mhla_cli import MHLA
+
+    X, off, y = _gauss(29, N=300)
+    w = canonical(X, off, y)["eigenvalues"]
+    Xs = X * np.array([1.0, s, 1.0, 1.0])
+    path = tmp_path / "s.h5"
+    with h5py.File(path, "w") as f:
+        f["tokens"], f["offsets"], f["targets"] = Xs, off, y
+    parts = []
+    for i in range(3):
+        parts.append(tmp_path / f"p{i}.h5")
+        featurize(path, shard=(i, 3), chunk_size=40).save(parts[-1])
+    whole = featurize(path, chunk_size=50)
+    assert whole.extra_attrs["basis_passes"] == 1
+    est = MHLA()
+    for a, b in ((0, 90), (90, 200), (200, 300)):
+        est.partial_fit([Xs[off[i]:off[i + 1]] for i in range(a, b)], y[a:b])
+    for cert in (certify(whole), certify(merge_features(parts)[0]), certify(Features.load(parts[0]) + Features.load(parts[1])
+                                                                             + Features.load(parts[2])),
+                 est.certificate_):
+        assert cert.identifiable and cert.rank == 40
+        assert abs(cert.lambda_min - w[0]) <= 1e-6 * w[0]
+
+
+def test_rotated_directions_are_resolved_above_sqrt_d_eps_and_called_unresolvable_below() -> None:
+    """A rotation keeps a floor: a direction of relative standard deviation s is resolved (lambda_min
+    of the unrotated, unscaled data to 1e-6) while s^2 > d eps64 (s > 3e-8 at d = 4), and below it the
+    certificate says the features along it are not resolvable in float64 (not "never excited")."""
+    from _reference import canonical
+    from mhla_cli.stream import chunk_features
+
+    X, off, y = _gauss(31)
+    w = canonical(X, off, y)["eigenvalues"]
+    R = np.linalg.qr(np.random.default_rng(8).standard_normal((4, 4)))[0]
+    assert np.sqrt(4 * basis.EPS) == pytest.approx(2.98e-8, rel=1e-2)
+    for s in (1e-6, 1e-7, 6e-8):
+        f = chunk_features((X * np.array([1.0, 1.0, 1.0, s])) @ R, off, y, 4)
+        cert = certify(f)
+        assert basis.unresolved(f.token_gram) == 0
+        assert cert.identifiable and cert.rank == 40 and abs(cert.lambda_min - w[0]) <= 1e-6 * w[0], s
+    for s in (1e-8, 1e-10):
+        f = chunk_features((X * np.array([1.0, 1.0, 1.0, s])) @ R, off, y, 4)
+        cert = certify(f)
+        assert basis.unresolved(f.token_gram) == 1 and not cert.identifiable
+        text = " ".join(cert.reasons)
+        assert "not resolvable in float64" in text and "never excited" not in text, text
+    # an exactly-zero coordinate is zero, not unresolvable
+    Z = X.copy()
+    Z[:, 2] = 0.0
+    f = chunk_features(Z, off, y, 4)
+    assert basis.unresolved(f.token_gram) == 0 and "always 0" in " ".join(certify(f).reasons)
+
+
+def test_equilibrated_whitening_and_transition_are_exact_for_scaled_grams() -> None:
+    """whitening takes a diagonal scaling out exactly (A^T G A = I to 1e-12 at scales 1e-12..1e12, A
+    float32-valued after its power-of-2 scaling); a well-scaled G keeps the symmetric inverse square
+    root; transition between two such bases is exact though cond(A) ~ 1e24."""
+    rng = np.random.default_rng(0)
+    M = rng.standard_normal((500, 4))
+    G0 = M.T @ M
+    D = np.array([1e12, 1.0, 1e-12, 3.0])
+    G = G0 * D[:, None] * D[None, :]
+    A = basis.whitening(G, 500.0, round32=False)
+    assert np.abs(A.T @ (G / 500.0) @ A - np.eye(4)).max() < 1e-12
+    A32 = basis.whitening(G, 500.0)
+    assert np.abs(A32.T @ (G / 500.0) @ A32 - np.eye(4)).max() < 1e-5
+    r = basis.equilibrate(G)
+    assert np.array_equal(A32 / r[:, None], (A32 / r[:, None]).astype(np.float32).astype(np.float64))
+    sym = basis.whitening(G0, 500.0, round32=False)
+    wv, V = np.linalg.eigh(G0 / 500.0)
+    assert np.abs(sym - (V / np.sqrt(wv)) @ V.T).max() < 1e-12 * np.abs(sym).max()
+    B = basis.whitening(G * 1.5, 400.0, round32=False)
+    C = basis.transition(A, B)
+    # X B = X A C row by row (each token coordinate at its own scale), and C is the scaled orthogonal
+    # map between two whitenings: C^T C = B^T (G / 500) B = 400 / (1.5 * 500) I
+    assert np.all(np.abs(A @ C - B) <= 1e-12 * np.abs(B).max(axis=1, keepdims=True))
+    assert np.abs(C.T @ C - np.eye(4) * (400.0 / (1.5 * 500.0))).max() < 1e-10
+
+
+def test_round32_keeps_rows_far_outside_float32_range() -> None:
+    """The redone pass's basis is rounded to float32 values row by row (power-of-2 scales): rows of
+    scale 1e-45 or 1e45 round to 2^-24 relative instead of flushing to 0 or overflowing."""
+    A = np.array([[1e45, 2e44], [3e-46, 1e-45]])
+    B = basis.round32(A)
+    assert np.isfinite(B).all() and np.all(np.abs(B - A) <= 2.0**-23 * np.abs(A).max(axis=1, keepdims=True))
+    M = np.random.default_rng(1).standard_normal((3, 3))
+    assert np.array_equal(basis.round32(M), M.astype(np.float32).astype(np.float64))

@@ -291,7 +291,7 @@ def test_plain_predict_mse_is_weighted(tmp_path: Path, capsys: pytest.CaptureFix
         coef = f["coef"][()]
     H = np.array([np_H(X[off[i]:off[i + 1]], normalize) for i in range(N)])
     err = ((H @ coef.T - Y) ** 2).sum(axis=1)
-    want = float(w @ err / ((w > 0).sum() * d))
+    want = float(w @ err / (w.sum() * d))  # sum w: the weights carry no units
     assert fit["n_samples"] == plain["n_scored"] == causal["n_scored"] == par["n_scored"] == int((w > 0).sum())
     for got in (fit["train_mse"], plain["mse"], par["mse"], causal["mse"]):
         assert abs(got - want) <= 1e-12 * want, (got, want)
@@ -375,3 +375,59 @@ def test_rollout_refuses_rectangular_heads(tmp_path: Path) -> None:
     write_tokens(data, rng.standard_normal((4, 2, 3)))
     with pytest.raises(InputError, match="need equal widths"):
         forward.rollout_file(h, data, tmp_path / "o.h5", 2)
+
+
+# --------------------------------------------------------------------------------------------
+# the function at extreme conditioning: predict in the model's canonical coordinates
+# --------------------------------------------------------------------------------------------
+
+
+def _squashed(rng: np.random.Generator, R: np.ndarray, n: int, std: float) -> np.ndarray:
+    """n length-1 sequences (tokens (n, d)) whose rotated last direction has standard deviation std."""
+    Z = rng.standard_normal((n, R.shape[0]))
+    Z[:, -1] *= std
+    return Z @ R.T
+
+
+@pytest.mark.parametrize("std", [1e-6, 1e-5, 1e-4])
+def test_fit_predicts_the_teacher_at_extreme_conditioning(tmp_path: Path, std: float) -> None:
+    """Length-1 sequences (d = 3, N = 420) with a rotated direction of std 1e-6..1e-4: fit + predict on
+    40 fresh inputs like the data equal the teacher to 1e-8 (the coefficients on the tokens' own
+    features lose ~cond(A)^3 eps; predict evaluates the canonical ones, Model.evaluation), in memory,
+    through a model file and through predict_file; the file keeps `coef` = p_b M_A for h5py users."""
+    from _reference import canonical, min_norm_function, predict_canonical, ratio
+    from mhla_cli import synthetic
+    from mhla_cli.solve import certify, fit
+    from mhla_cli.stream import chunk_features
+
+    rng = np.random.default_rng(41)
+    d, N = 3, 420
+    R = np.linalg.qr(rng.standard_normal((d, d)))[0]
+    X = _squashed(rng, R, N, std)
+    off = np.arange(N + 1)
+    teacher = synthetic.random_teacher(d, 2, rng)
+    y = forward.predict(teacher, X, off)
+    feats = chunk_features(X, off, y, d)
+    assert certify(feats).rank == 10  # length 1: S = x x^T, features x (x) x (x) x span 10 directions
+    model = fit(feats)
+    Z = _squashed(rng, R, 40, std)
+    zoff = np.arange(41)
+    want = forward.predict(teacher, Z, zoff)
+    assert ratio(forward.predict(model, Z, zoff), want) < 1e-8
+    # the reference: the minimum-norm fit on the materialised canonical features
+    ref = canonical(X, off, y)
+    assert ratio(predict_canonical(min_norm_function(ref), ref["A"], [Z[i:i + 1] for i in range(40)]), want) < 1e-8
+    path = tmp_path / "m.h5"
+    model.save(path)
+    back = Model.load(path)
+    assert ratio(forward.predict(back, Z, zoff), want) < 1e-8
+    with h5py.File(path) as f:
+        assert np.array_equal(f["coef"][()], model.coef) and "canonical_coef" in f and "canonical_basis" in f
+    data = tmp_path / "z.h5"
+    with h5py.File(data, "w") as f:
+        f["tokens"], f["offsets"], f["targets"] = Z, zoff, want
+    res = forward.predict_file(back, data)
+    assert ratio(res["predictions"], want) < 1e-8
+    causal = forward.predict_file(back, data, causal=True)
+    assert ratio(causal["outputs"], want) < 1e-8  # length 1: every prefix is the sequence
+    assert ratio(forward.predict_causal(back, Z, zoff), want) < 1e-8

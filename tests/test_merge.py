@@ -136,3 +136,70 @@ def test_shards_with_workers_equal_serial(data: Path, tmp_path: Path) -> None:
         a, b = Features.load(s), Features.load(p)
         assert_same_stats(b, a)
         assert a.sample_range == b.sample_range
+
+
+def test_zero_weight_sequences_and_scaled_weights_change_no_number(tmp_path: Path, capsys) -> None:
+    """The issue's case through files (featurize's sampled basis, shards, merge, folds): the plain data,
+    the same file with 300 large zero-weight sequences appended, and every weight x 10 give the same
+    certificate, the same fit and the same train MSE as the reference on the plain data."""
+    import numpy as np
+
+    from _reference import canonical, predict_canonical, predict_own, ratio, min_norm_function
+    from mhla_cli.folds import featurize_folds, load_folds, save_with_folds
+    from mhla_cli.solve import certify, fit
+
+    rng = np.random.default_rng(23)
+    d, N = 3, 80
+    L = rng.integers(2, 9, N)
+    off = np.concatenate([[0], np.cumsum(L)]).astype(np.int64)
+    X = rng.standard_normal((int(off[-1]), d))
+    y = rng.standard_normal((N, d))
+    w = rng.uniform(0.5, 2.0, N)
+    Lz = rng.integers(1, 30, 300)
+    Xz = 50.0 * rng.standard_normal((int(Lz.sum()), d))
+    def shuffled(tok, o, yy, ww):  # the zero-weight sequences spread over the file (every shard has samples)
+        order = np.random.default_rng(1).permutation(o.size - 1)
+        seqs = [tok[o[i]:o[i + 1]] for i in order]
+        return (np.concatenate(seqs), np.concatenate([[0], np.cumsum([len(q) for q in seqs])]).astype(np.int64),
+                yy[order], ww[order])
+
+    files = {}
+    for name, (tok, o, yy, ww) in {
+        "plain": (X, off, y, w),
+        "zeros": shuffled(np.concatenate([X, Xz]), np.concatenate([off, off[-1] + np.cumsum(Lz)]),
+                          np.concatenate([y, 1e3 * rng.standard_normal((300, d))]), np.concatenate([w, np.zeros(300)])),
+        "x10": (X, off, y, 10.0 * w),
+    }.items():
+        files[name] = tmp_path / f"{name}.h5"
+        with h5py.File(files[name], "w") as f:
+            f["tokens"], f["offsets"], f["targets"], f["weights"] = tok, o, yy, ww
+    ref = canonical(X, off, y, weights=w)
+    Zs = [rng.standard_normal((n, d)) for n in (1, 3, 6)]
+    want = predict_canonical(min_norm_function(ref, rcond=1e-12), ref["A"], Zs)
+    base_mse = None
+    for name, path in files.items():
+        parts = []
+        for i in range(3):
+            parts.append(tmp_path / f"{name}{i}.h5")
+            featurize(path, shard=(i, 3), chunk_size=7).save(parts[-1])
+        for feats in (featurize(path), merge_features(parts)[0]):
+            cert = certify(feats)
+            assert abs(cert.lambda_min - ref["eigenvalues"][0]) <= 1e-10 * ref["eigenvalues"][0], name
+            assert cert.identifiable and cert.n_samples == N
+            model = fit(feats)
+            assert ratio(predict_own(model.coef, Zs), want) < 1e-9, name
+            base_mse = model.info["train_mse"] if base_mse is None else base_mse
+            assert abs(model.info["train_mse"] - base_mse) <= 1e-10 * base_mse, name
+        total, folds = featurize_folds(path, 3)
+        out = tmp_path / f"{name}_folds.h5"
+        save_with_folds(total, folds, out)
+        back = load_folds(out)
+        assert [f.weight for f in back] == [f.weight for f in folds]
+        assert abs(sum(f.weight for f in back) - total.weight) <= 1e-12 * total.weight
+    # the CLI quotes the same lambda_min for the three files
+    got = []
+    for path in files.values():
+        capsys.readouterr()
+        assert run(["certify", str(path), "--json"]) == 0
+        got.append(json.loads(capsys.readouterr().out)["lambda_min"])
+    assert max(got) - min(got) <= 1e-10 * got[0]

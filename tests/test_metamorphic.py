@@ -108,6 +108,13 @@ def probes(d: int, seed: int) -> list[np.ndarray]:
     return [rng.standard_normal((n, d)) for n in (1, 2, 3, 5, 8, 13)]
 
 
+def predict_model(model, Zs: list[np.ndarray]) -> np.ndarray:
+    """mhla's predict of a fitted model on each input Z (its normalisation)."""
+    from mhla_cli.forward import predict
+
+    return np.stack([predict(model, Z[None])[0] for Z in Zs])
+
+
 def same_certificate(a, b, rel: float = 1e-6) -> None:
     assert a.identifiable == b.identifiable and a.rank == b.rank
     scale = max(abs(b.lambda_max), 1e-300)
@@ -139,9 +146,10 @@ def test_certificate_and_fit_are_unit_free_and_match_the_reference(data: Data, c
     ZTs = [Z @ T for Z in Zs]
     for ridge in (0.0, 1e-3 * cert.lambda_max):
         f, f_T = fit(feats, ridge=ridge), fit(data.feats(XT), ridge=ridge)
-        want = predict_own(f.coef, Zs, data.normalize)
-        got = predict_own(f_T.coef, ZTs, data.normalize)
-        assert ratio(got, want) < 1e-7, (ridge, ratio(got, want))
+        # the models' own predict (evaluated in their canonical coordinates, Model.evaluation): the
+        # coefficients on the own features of X T carry cond(T)^3 eps of rounding
+        want, got = predict_model(f, Zs), predict_model(f_T, ZTs)
+        assert ratio(got, want) < 1e-8, (ridge, ratio(got, want))
     # the least-squares function against numpy's minimum-norm lstsq on the canonical features
     if cert.identifiable:
         want = predict_canonical(min_norm_function(ref, rcond=1e-12), ref["A"], Zs, data.normalize)
@@ -161,11 +169,51 @@ def test_minimum_norm_fit_of_non_identifiable_data_is_unit_free(data: Data, cond
     assume(not f.info["identifiable"])  # per-position data of a few sequences may already certify
     assert not f_T.info["identifiable"]
     Zs = probes(data.d, tseed + 2)
-    want = predict_own(f.coef, Zs, data.normalize)
-    assert ratio(predict_own(f_T.coef, [Z @ T for Z in Zs], data.normalize), want) < 1e-7
+    want = predict_model(f, Zs)
+    assert ratio(predict_model(f_T, [Z @ T for Z in Zs]), want) < 1e-8
     ref = canonical(data.tokens, data.offsets, data.targets, data.per_position, data.weights, data.normalize)
     ref_fn = predict_canonical(min_norm_function(ref), ref["A"], Zs, data.normalize)
     assert ratio(want, ref_fn) < 1e-7
+
+
+def _with_zero_weights(data: Data, n_zero: int, seed: int, c: float) -> Data:
+    """The same data with every weight times c and n_zero sequences of weight 0 appended (large
+    tokens, random targets: they would dominate any sum that counted them)."""
+    rng = np.random.default_rng(seed)
+    rows = int(data.offsets[-1]) if data.per_position else data.offsets.size - 1
+    w = np.ones(rows) if data.weights is None else data.weights
+    lengths = rng.integers(1, 9, size=n_zero)
+    extra = (100.0 * rng.standard_normal((int(lengths.sum()), data.d))).astype(data.tokens.dtype)
+    offsets = np.concatenate([data.offsets, data.offsets[-1] + np.cumsum(lengths)]).astype(np.int64)
+    n_new = int(lengths.sum()) if data.per_position else n_zero
+    y = np.concatenate([data.targets, 1e3 * rng.standard_normal((n_new, data.d))])
+    return Data(np.concatenate([data.tokens, extra]), offsets, y, np.concatenate([c * w, np.zeros(n_new)]),
+                data.per_position, data.normalize, data.d)
+
+
+@SETTINGS
+@given(data=datasets(), n_zero=st.integers(1, 40), c=st.sampled_from([1e-8, 1e-3, 7.0, 1e6]),
+       zseed=st.integers(0, 1000))
+def test_weights_carry_no_units(data: Data, n_zero: int, c: float, zseed: int) -> None:
+    """Zero-weight samples change nothing and every weight times c changes nothing: the certificate
+    and the fitted function equal the reference of the plain data (G = sum w S / sum w n, Lambda~ =
+    sum w Ht Ht^T / sum w)."""
+    ref = canonical(data.tokens, data.offsets, data.targets, data.per_position, data.weights, data.normalize)
+    w = ref["eigenvalues"]
+    other = _with_zero_weights(data, n_zero, zseed, c)
+    feats = other.feats()
+    assert feats.n_samples == ref["N"] and abs(feats.weight - c * ref["W"]) <= 1e-12 * c * ref["W"]
+    cert = certify(feats)
+    assert cert.identifiable == certify(data.feats()).identifiable
+    assert abs(cert.lambda_max - w[-1]) <= 1e-10 * w[-1]
+    assert abs(cert.lambda_min - w[0]) <= 1e-10 * (abs(w[0]) if cert.identifiable else w[-1])
+    Zs = probes(data.d, zseed)
+    want = predict_own(fit(data.feats()).coef, Zs, data.normalize)
+    assert ratio(predict_own(fit(feats).coef, Zs, data.normalize), want) < 1e-10
+    if cert.identifiable:
+        ref_fn = predict_canonical(min_norm_function(ref, rcond=1e-12), ref["A"], Zs, data.normalize)
+        assert ratio(want, ref_fn) < 1e-8
+        assert ratio(predict_own(fit(feats).coef, Zs, data.normalize), ref_fn) < 1e-8
 
 
 # --------------------------------------------------------------------------------------------

@@ -119,3 +119,44 @@ def test_model_repr_is_short_and_shows_no_arrays() -> None:
     W = heads_mod.W_from_heads(V, Q)
     m = Model(coef=heads_mod.p_from_W(W), W=W, d=3, info={"method": "lstsq", "ridge": 0.5, "train_mse": 1.25e-3})
     assert repr(m) == "Model(d=3, n_features=18, method='lstsq', ridge=0.5, train_mse=0.00125)"
+
+
+def test_model_files_before_canonical_coef_are_read_and_broken_ones_refused(tmp_path: Path) -> None:
+    """A model file without canonical_coef / canonical_basis (written before them) is read and predicts with coef; a file
+    with only one of them, or with coef_b in basis disagreeing with coef, is refused."""
+    from mhla_cli import forward
+    from mhla_cli.solve import fit
+    from mhla_cli.stream import chunk_features
+
+    rng = np.random.default_rng(2)
+    X = rng.standard_normal((60, 2)) * np.array([1.0, 30.0])
+    off = np.arange(0, 61, 3)
+    y = rng.standard_normal((20, 2))
+    model = fit(chunk_features(X, off, y, 2), ridge=1e-3)
+    path = tmp_path / "m.h5"
+    model.save(path)
+    old = tmp_path / "old.h5"
+    with h5py.File(path) as f, h5py.File(old, "w") as g:
+        for k in ("coef", "W"):
+            g[k] = f[k][()]
+        for k, v in f.attrs.items():
+            g.attrs[k] = v
+    m_old = Model.load(old)
+    assert m_old.coef_b is None and m_old.evaluation()[1] is None
+    Z = rng.standard_normal((12, 2))
+    zoff = np.array([0, 5, 12])
+    a, b = forward.predict(m_old, Z, zoff), forward.predict(Model.load(path), Z, zoff)
+    assert np.abs(a - b).max() <= 1e-10 * np.abs(b).max()
+    for name, change, match in (("canonical_basis", None, "has 'canonical_coef' but no 'canonical_basis'"),
+                                ("canonical_coef", lambda c: c * (1 + 1e-6), "describe different functions"),
+                                ("canonical_basis", lambda A: np.zeros_like(A), "singular")):
+        bad = tmp_path / f"bad_{name}.h5"
+        with h5py.File(path) as f, h5py.File(bad, "w") as g:
+            for k in f:
+                if k == name and change is None:
+                    continue
+                g[k] = change(f[k][()]) if k == name else f[k][()]
+            for k, v in f.attrs.items():
+                g.attrs[k] = v
+        with pytest.raises(InputError, match=match):
+            Model.load(bad)

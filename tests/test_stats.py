@@ -104,3 +104,111 @@ def test_repr_is_short_and_shows_no_arrays() -> None:
     r = repr(feats)
     assert r == ("Features(d=4, n_features=40, n_samples=2048, n_tokens=204800, per_position=False, "
                  "normalize='none', targets=True)")
+
+
+# --------------------------------------------------------------------------------------------
+# the weight totals (format version 5): sum w and sum w n
+# --------------------------------------------------------------------------------------------
+
+
+def _weighted(seed: int, per_position: bool = False) -> Features:
+    X, off, y = _data(seed, n=40)
+    rng = np.random.default_rng(seed + 100)
+    rows = int(off[-1]) if per_position else off.size - 1
+    if per_position:
+        y = rng.standard_normal((rows, 3))
+    w = rng.uniform(0.0, 3.0, rows)
+    w[::5] = 0.0
+    return chunk_features(X, off, y, 3, weights=w, per_position=per_position)
+
+
+def test_weight_totals_are_sums_that_add_subtract_and_round_trip(tmp_path: Path) -> None:
+    """weight_sum = sum w, token_weight_sum = sum w n (the reference's normalisers); the totals add
+    and subtract with the parts, and a features file keeps them."""
+    X, off, y = _data(11, n=30)
+    w = np.random.default_rng(5).uniform(0.0, 4.0, 30)
+    w[::7] = 0.0
+    f = chunk_features(X, off, y, 3, weights=w)
+    lengths = np.diff(off)
+    assert f.n_samples == int((w > 0).sum()) and f.n_tokens == int(off[-1])
+    assert abs(f.weight - w.sum()) <= 1e-12 * w.sum() and abs(f.token_weight - w @ lengths) <= 1e-12 * (w @ lengths)
+    ref = canonical(X, off, y, weights=w)
+    assert ratio(np.linalg.eigvalsh(f.solver_stats()[1] / f.weight), ref["eigenvalues"]) < 1e-10
+    # per-position data: every prefix is a sample, of n = its length
+    X2, off2, _ = _data(12, n=20)
+    wp = np.random.default_rng(6).uniform(0.0, 2.0, int(off2[-1]))
+    y2 = np.random.default_rng(7).standard_normal((int(off2[-1]), 3))
+    g = chunk_features(X2, off2, y2, 3, weights=wp, per_position=True)
+    prefix_len = np.concatenate([np.arange(1, b - a + 1) for a, b in zip(off2[:-1], off2[1:])])
+    assert abs(g.token_weight - wp @ prefix_len) <= 1e-12 * (wp @ prefix_len) and abs(g.weight - wp.sum()) <= 1e-12 * wp.sum()
+    # unweighted last-token data: the counts
+    h = chunk_features(X, off, y, 3)
+    assert h.weight == h.n_samples == 30 and h.token_weight == h.n_tokens == int(off[-1])
+    # sums that add, and subtract
+    a, b = _weighted(1), _weighted(2)
+    total = a + b
+    assert total.weight == a.weight + b.weight and total.token_weight == a.token_weight + b.token_weight
+    back = total - b
+    assert abs(back.weight - a.weight) <= 1e-12 * a.weight
+    # a features file keeps them
+    path = tmp_path / "w.h5"
+    a.save(path)
+    with h5py.File(path) as fh:
+        assert int(fh.attrs["mhla_format_version"]) >= 5
+        assert float(fh.attrs["weight_sum"]) == a.weight and float(fh.attrs["token_weight_sum"]) == a.token_weight
+    c = Features.load(path)
+    assert c.weight == a.weight and c.token_weight == a.token_weight
+
+
+def _as_version_4(path: Path) -> None:
+    """A features file as format version 4 wrote it (no weight totals)."""
+    with h5py.File(path, "r+") as f:
+        del f.attrs["weight_sum"], f.attrs["token_weight_sum"]
+        f.attrs["mhla_format_version"] = 4
+
+
+def test_a_version_4_file_of_unweighted_last_token_data_is_converted(tmp_path: Path) -> None:
+    """Before version 5 the totals were not written: unweighted last-token data have the counts (and
+    today's numbers exactly)."""
+    path = _write_features(tmp_path)
+    new = Features.load(path)
+    _as_version_4(path)
+    old = Features.load(path)
+    assert old.weight == old.n_samples and old.token_weight == old.n_tokens
+    assert np.array_equal(old.basis_gram, new.basis_gram) and old.weight == new.weight
+    assert old.token_weight == new.token_weight
+
+
+@pytest.mark.parametrize("per_position", [True, False])
+def test_a_version_4_file_whose_totals_are_unknown_is_refused(tmp_path: Path, per_position: bool) -> None:
+    """Per-position sums (sum w n is not the token count), or last-token sums with weight-0 samples
+    (n_samples < n_sequences): refused with one line that says how to regenerate them."""
+    feats = _weighted(3, per_position)
+    if not per_position:
+        assert feats.n_samples < feats.n_sequences
+    path = tmp_path / "old.h5"
+    feats.save(path)
+    _as_version_4(path)
+    with pytest.raises(InputError, match=r"format version 4.*mhla featurize") as e:
+        Features.load(path)
+    assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("attr,value,match", [
+    ("weight_sum", None, "no attribute 'weight_sum'"),
+    ("token_weight_sum", None, "no attribute 'token_weight_sum'"),
+    ("weight_sum", 0.0, "'weight_sum' = 0.0, expected a finite number > 0"),
+    ("token_weight_sum", -2.0, "expected a finite number > 0"),
+    ("weight_sum", np.nan, "expected a finite number > 0"),
+    ("token_weight_sum", "many", "is not a number"),
+])
+def test_load_refuses_broken_weight_totals(tmp_path: Path, attr: str, value, match: str) -> None:
+    """Format version 5: both totals present, finite and > 0 (one refusal per rule)."""
+    path = _write_features(tmp_path)
+    with h5py.File(path, "r+") as f:
+        if value is None:
+            del f.attrs[attr]
+        else:
+            f.attrs[attr] = value
+    with pytest.raises(InputError, match=match):
+        Features.load(path)

@@ -187,3 +187,37 @@ def test_bad_weights_are_refused_naming_the_sample(tmp_path: Path, bad: float) -
     with pytest.raises(InputError, match=r"sample 11, position 1"):
         check_weights(np.array([1.0, 1.0, 1.0, bad, 1.0]), off, 10, True, "x.h5")
     check_weights(np.array([0.0, 2.0]), off, 10, False, "x.h5")  # zero weights are allowed
+
+
+@pytest.mark.parametrize("dtype,value", [("int64", 2**53 + 1), ("int64", -(2**62)), ("uint64", 2**64 - 1)])
+def test_integer_tokens_float64_cannot_hold_are_refused(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                                        dtype: str, value: int) -> None:
+    """int64 / uint64 tokens beyond 2^53 (tokens.MAX_EXACT_INT) would be rounded by the float64 sums:
+    featurize, certify, predict and the estimator refuse them with one line naming the file and the
+    sample; 2^53 itself (exact) is accepted."""
+    from mhla_cli import MHLA
+    from mhla_cli.cli import run
+    from mhla_cli.tokens import MAX_EXACT_INT
+
+    rng = np.random.default_rng(4)
+    X = rng.integers(0, 50, size=(40, 3, 2)).astype(dtype)
+    y = rng.standard_normal((40, 2))
+    ok = tmp_path / "ok.h5"
+    X[7, 1, 0] = MAX_EXACT_INT
+    with h5py.File(ok, "w") as f:
+        f["tokens"], f["targets"] = X, y
+    assert featurize(ok).n_samples == 40  # 2^53 is held exactly
+    bad = tmp_path / "big.h5"
+    X[23, 2, 1] = value
+    with h5py.File(bad, "w") as f:
+        f["tokens"], f["targets"] = X, y
+    with pytest.raises(InputError, match=r"tokens of sample 23 hold .* beyond 2\^53") as e:
+        featurize(bad)
+    assert str(bad) in str(e.value)
+    for cmd in (["featurize", str(bad), "-o", str(tmp_path / "f.h5")], ["certify", str(bad)]):
+        capsys.readouterr()
+        assert run(cmd) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith(f"mhla: error: {bad}: tokens of sample 23"), err
+    with pytest.raises(InputError, match="beyond 2"):
+        MHLA().fit(X, y)

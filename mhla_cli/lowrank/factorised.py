@@ -21,7 +21,7 @@ from .result import LowRankFit
 
 def _factorised_objective(feats: Features, Vm: np.ndarray, Qm: np.ndarray, wd: float) -> float:
     p = _p_of(Vm, Qm)
-    return sse(feats, p) / feats.n_samples + 0.5 * wd * (float((Vm**2).sum()) + float((Qm**2).sum()))
+    return sse(feats, p) / feats.weight + 0.5 * wd * (float((Vm**2).sum()) + float((Qm**2).sum()))
 
 
 def _solve_psd(A: np.ndarray, b: np.ndarray) -> np.ndarray:
@@ -58,7 +58,7 @@ def _als_lm(feats: Features, Vm: np.ndarray, Qm: np.ndarray, wd: float, als_swee
     f = _factorised_objective(feats, Vm, Qm, wd)
     mu = 1e-4
     it = 0
-    f0 = max(float(np.trace(feats.target_gram)) / feats.n_samples, 1e-300)
+    f0 = max(float(np.trace(feats.target_gram)) / feats.weight, 1e-300)
     stop = "max_iter"
     res = float("inf")
     for it in range(1, max_iter + 1):
@@ -146,7 +146,7 @@ def fit_factorised(feats: Features, n_heads: int, weight_decay: float = 0.0, res
         starts.append(("random", V0 * c, Q0 * c))
     starts = starts[:restarts]
     results = []
-    floor = 1e-26 * float(np.trace(feats.target_gram)) / feats.n_samples
+    floor = 1e-26 * float(np.trace(feats.target_gram)) / feats.weight
     for name, V0, Q0 in starts:
         Vm, Qm, f, it, sinfo = _als_lm(feats, V0, Q0, weight_decay, als_sweeps, max_iter, tol)
         if weight_decay == 0 and f <= floor:

@@ -23,6 +23,7 @@ class _Metric:
 
     gram: np.ndarray
     n_samples: int
+    weight: float  # sum w, the normaliser of the loss (stats.Features.weight)
 
 
 def polish_heads(coef: np.ndarray, Vm: np.ndarray, Qm: np.ndarray, tol: float = 1e-13,
@@ -44,7 +45,7 @@ def polish_heads(coef: np.ndarray, Vm: np.ndarray, Qm: np.ndarray, tol: float = 
     cost = float(r @ r)
     mu = 1e-3
     history = [cost]
-    metric = _Metric(gram=np.eye(n_features(d)), n_samples=2)  # (2/N) G = I
+    metric = _Metric(gram=np.eye(n_features(d)), n_samples=2, weight=2.0)  # (2/N) G = I
     stop = "max_iter"
     it = 0
     for it in range(max_iter):

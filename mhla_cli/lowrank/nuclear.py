@@ -35,7 +35,7 @@ def nuclear_lambda_max(feats: Features) -> float:
     """The smallest LAMBDA for which W = 0 is optimal: ||grad at 0||_2 = (2/N) ||A^T M^T||_2."""
     feats.expand()  # every feature (a block on the data's spans is expanded)
     _need_targets(feats)
-    G0 = (2.0 / feats.n_samples) * p_adjoint(feats.moments.T)
+    G0 = (2.0 / feats.weight) * p_adjoint(feats.moments.T)
     return float(np.linalg.norm(G0, 2))
 
 
@@ -53,7 +53,7 @@ def fit_nuclear(feats: Features, lam: float, max_iter: int = 5000, tol: float = 
     if lam < 0 or not np.isfinite(lam):
         raise InputError(f"the nuclear-norm weight must be a finite number >= 0, got {lam}")
     d = feats.d
-    N = feats.n_samples
+    N = feats.weight  # sum w (stats.Features): the mean loss
     G, Mt = feats.gram, feats.moments.T
     L = _lipschitz(G, d) * 2.0 / N
     W = np.zeros((d * d, d * d)) if W0 is None else np.array(W0, dtype=np.float64)
