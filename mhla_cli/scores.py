@@ -46,13 +46,13 @@ def sst_from_sums(target_gram: np.ndarray, target_sum: np.ndarray, weight: float
 
 
 def train_r2(feats: Features, train_mse: float) -> float | None:
-    """R^2 of a fit on its statistics from its train MSE (solve.train_mse: SSE / (n_samples d)); None
+    """R^2 of a fit on its statistics from its train MSE (solve.train_mse: SSE / (d sum_i w_i)); None
     when the statistics hold no target_sum (files written before it was accumulated) or the targets
     do not vary."""
     if feats.target_sum is None or feats.target_weight is None or feats.target_gram is None:
         return None
     sst, energy = sst_from_sums(feats.target_gram, feats.target_sum, feats.target_weight)
-    return r2(float(train_mse) * feats.n_samples * feats.d, sst, energy)
+    return r2(float(train_mse) * feats.weight * feats.d, sst, energy)
 
 
 @dataclass
