@@ -524,8 +524,11 @@ def test_cut_singular_basis_cond(tmp_path: Path) -> None:
     from mhla_cli.errors import InputError
 
     ds, _ = synthetic.generate_teacher(3, 1, 50, 4, seed=30)
+    # a rotated basis: a diagonal one is only a scaling of the token coordinates, which the rule
+    # (basis.row_scaled_cond) takes out exactly and never calls singular
+    Q = np.linalg.qr(np.random.default_rng(30).standard_normal((3, 3)))[0]
     for factor in (1e-2, 1e2):
-        A = np.diag([1.0, 1.0, 1.0 / (factor * DOC["SINGULAR_BASIS_COND"])])
+        A = (Q * [1.0, 1.0, 1.0 / (factor * DOC["SINGULAR_BASIS_COND"])]) @ Q.T
         if factor < 1:
             chunk_features(ds.tokens, ds.offsets, ds.targets, 3, basis=A)
         else:
