@@ -30,6 +30,7 @@ from . import device as device_mod
 from . import formats
 from . import parallel
 from . import structure as structure_mod
+from . import symgram
 from .factorization import POTRF_THREADED_MAX
 from .errors import InputError
 from .features import check_normalize, n_features, pair_index
@@ -245,6 +246,10 @@ class _Accumulator:
         # work (S, the token Grams, the traces of a span pass) stays here
         self.device = None if traces else device
         self._dgram: Any = None
+        # the Gram's own symmetry (mhla_cli.symgram): on the host, K = U^T V of the distinct entries
+        # instead of a syrk of the materialised block, when the factors are wide enough to gain
+        self._pairs = None if traces or self.device is not None else symgram.accumulator(
+            *((self.psi // d, d) if spans is None else (self.spans[0].shape[1], self.spans[1].shape[1])), d if has_targets else 0)
         self._bufs: dict[str, np.ndarray] = {}
         j, k = pair_index(d)
         self._upper_idx = (j * d + k).astype(np.intp)
@@ -477,6 +482,12 @@ class _Accumulator:
             if self.width:
                 self._dgram.add(upper_t, last_t, targets_t)
             return
+        if self._pairs is not None:
+            if self.spans is not None:  # the block coordinates E^T s and F^T x_n
+                upper_t, last_t = self.spans[0].T @ upper_t, self.spans[1].T @ last_t
+            with contextlib.nullcontext() if self.width >= MIN_THREADED_WIDTH else _single_blas_thread():
+                self._pairs.add(upper_t, last_t, targets_t)  # the GEMMs with the BLAS threads a wide block pays for
+            return
         with _single_blas_thread():  # elementwise work and small products
             Ft = self._buf_t("F", self.width, upper_t.shape[1])
             self._fill(Ft, upper_t, last_t)
@@ -543,12 +554,16 @@ class _Accumulator:
         if self._dgram is not None:
             self.G = self._dgram.result()
             self._dgram = None
-        G = self.G if self.G is not None else np.zeros((self.width, self.width))
-        self.G = None
-        _mirror_lower(G)
-        moments = G[:psi, psi:].copy() if self.has_targets else None
-        target_gram = G[psi:, psi:].copy() if self.has_targets else None
-        gram_b = _compact_leading(G, psi)
+        if self._pairs is not None:  # the Gram from its distinct entries (mhla_cli.symgram)
+            pairs, self._pairs = self._pairs, None
+            gram_b, moments, target_gram = pairs.gram(), pairs.moments(), pairs.target_gram()
+        else:
+            G = self.G if self.G is not None else np.zeros((self.width, self.width))
+            self.G = None
+            _mirror_lower(G)
+            moments = G[:psi, psi:].copy() if self.has_targets else None
+            target_gram = G[psi:, psi:].copy() if self.has_targets else None
+            gram_b = _compact_leading(G, psi)
         token_gram = self.token_gram + self._from_basis(self._derived_token_gram)
         out = Features(d=d, n_samples=self.n_samples, n_tokens=self.n_tokens, gram=None,
                        token_gram=token_gram, last_token_gram=self.last_token_gram,

@@ -1,0 +1,184 @@
+"""The Gram of the cubic features from its distinct entries: K = U^T V (BACKGROUND.md, "The Gram's own symmetry").
+
+A feature vector is h = s (x) x (s: the q pair entries of S, scaled as the caller wants; x: the d
+entries of the last token), so
+
+    Gram[(a,l),(b,m)] = sum_i w_i s_ia s_ib x_il x_im
+
+is symmetric in (a, b) and in (l, m) separately: its distinct entries are the
+q(q+1)/2 x d(d+1)/2 matrix
+
+    K[(a<=b), (l<=m)] = sum_i U[i,(a<=b)] V[i,(l<=m)],   U[i,(a,b)] = s_ia s_ib,  V[i,(l,m)] = x_il x_im,
+
+one GEMM of N psi^2 / 2 flops against the N psi^2 of a syrk on the materialised features. U is
+formed panel by panel (the rows (a, b >= a) of U^T are the contiguous product s_a * s_a:), in a
+reused buffer small enough to stay in cache. `gram_from_pairs` expands K to the (q d, q d) Gram
+(the diagonal pairs a = b and l = m included), `pairs_from_gram` takes it back. The moments
+sum_i w_i h_i y_i^T and the target Gram are accumulated beside K (`SymGram`).
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+
+import numpy as np
+
+__all__ = ["SYMGRAM_MIN_D", "SymGram", "accumulator", "gram_from_pairs", "n_pairs", "pair_positions",
+           "pairs_from_gram", "pairs_shape", "use_pairs"]
+
+# Token dimension (of the factor x; the spans' block: its width) from which the reduction
+# accumulates K rather than one dsyrk of the materialised [H | Y] block. Measured on this 2-core
+# machine (float64, one BLAS thread, 2048 rows per chunk, `python benchmarks/bench_symgram.py`):
+# the time of K over the time of the dsyrk was 1.9 at d = 4, 1.2 at d = 6, 0.85 at d = 8, 0.7 at
+# d = 12 and 0.55-0.6 at d = 16 and 24 (below d = 8 the Python loop over the q panels and the
+# separate moments cost more than the syrk's small flop count).
+SYMGRAM_MIN_D = 8
+# Rows of U^T per GEMM at least: the rows (a, b >= a) of consecutive a are merged into one panel
+# until it has this many (the last a-blocks are short). One a-block per GEMM (q - a rows) measured
+# as fast as any larger panel (panels of 2^13 .. 2^21 entries, d = 8 .. 24; the run-to-run spread on
+# the shared machine was larger than the differences), and its buffer stays small.
+MIN_PANEL_ROWS = 64
+
+
+def n_pairs(n: int) -> int:
+    """n (n + 1) / 2: the distinct entries (a <= b) of a symmetric n x n matrix."""
+    return n * (n + 1) // 2
+
+
+def pairs_shape(q: int, d: int) -> tuple[int, int]:
+    """The shape (q(q+1)/2, d(d+1)/2) of K for pair factors of length q and token factors of length d."""
+    return n_pairs(q), n_pairs(d)
+
+
+@lru_cache(maxsize=64)
+def pair_positions(n: int) -> np.ndarray:
+    """(n, n) intp: the position of the pair (min(a, b), max(a, b)) in the upper-triangle order
+    (a, then b >= a) of n entries."""
+    a, b = np.triu_indices(n)
+    idx = np.empty((n, n), dtype=np.intp)
+    pos = np.arange(a.size, dtype=np.intp)
+    idx[a, b] = pos
+    idx[b, a] = pos
+    idx.setflags(write=False)
+    return idx
+
+
+def _pair_products(f: np.ndarray, out: np.ndarray) -> None:
+    """out[(a<=b), :] = f[a] * f[b] for f (n, R) C-contiguous; out (n(n+1)/2, R)."""
+    n = f.shape[0]
+    r = 0
+    for a in range(n):
+        np.multiply(f[a], f[a:], out=out[r:r + n - a])
+        r += n - a
+
+
+class SymGram:
+    """Running K, moments and target Gram of rows h_i = s_i (x) x_i (weights folded in by the caller:
+    sqrt(w) x and sqrt(w) y give w h h^T).
+
+    `add(s_t, x_t, y_t)` takes one chunk transposed: s_t (q, R), x_t (d, R), y_t (d, R) or None, all
+    C-contiguous float64 (every elementwise loop runs over the R samples); y_t (n_targets, R). Per chunk: V^T (d(d+1)/2, R)
+    once, then for each panel of rows (a, b >= a) of U^T (one a-block, or a few short ones: in one
+    reused buffer) one GEMM K[panel] += U^T[panel] V; moments += s (x) (x y^T) as one GEMM
+    s_t @ Z^T with Z = x (x) y (d^2, R).
+    """
+
+    def __init__(self, q: int, d: int, n_targets: int = 0) -> None:
+        self.q, self.d, self.t = int(q), int(d), int(n_targets)
+        self.K = np.zeros(pairs_shape(self.q, self.d))
+        self.M = np.zeros((self.q, self.d * self.t)) if self.t else None  # moments (a, l, target)
+        self.Y = np.zeros((self.t, self.t)) if self.t else None
+        self._work: dict[str, np.ndarray] = {}
+
+    def _buf(self, name: str, rows: int, cols: int) -> np.ndarray:
+        size = rows * cols
+        buf = self._work.get(name)
+        if buf is None or buf.size < size:
+            buf = self._work[name] = np.empty(size)
+        return buf[:size].reshape(rows, cols)
+
+    def add(self, s_t: np.ndarray, x_t: np.ndarray, y_t: np.ndarray | None = None) -> None:
+        """Add the chunk's rows (module docstring); s_t (q, R), x_t (d, R), y_t (d, R) or None."""
+        q, d = self.q, self.d
+        R = s_t.shape[1]
+        if R == 0 or q == 0 or d == 0:
+            return
+        s_t = np.ascontiguousarray(s_t, dtype=np.float64)
+        x_t = np.ascontiguousarray(x_t, dtype=np.float64)
+        Vt = self._buf("V", n_pairs(d), R)
+        _pair_products(x_t, Vt)
+        # panels of the rows (a, b >= a) of U^T: whole a-blocks, merged up to MIN_PANEL_ROWS rows
+        panel = self._buf("U", min(n_pairs(q), q + MIN_PANEL_ROWS), R)
+        a, row = 0, 0
+        while a < q:
+            a1, rows = a, 0
+            while a1 < q and rows < MIN_PANEL_ROWS:
+                rows += q - a1
+                a1 += 1
+            P = panel[:rows]
+            r = 0
+            for c in range(a, a1):
+                np.multiply(s_t[c], s_t[c:], out=P[r:r + q - c])
+                r += q - c
+            self.K[row:row + rows] += P @ Vt.T
+            row += rows
+            a = a1
+        if self.M is not None and y_t is not None:
+            Z = self._buf("Z", d * self.t, R).reshape(d, self.t, R)
+            np.multiply(x_t[:, None, :], y_t[None, :, :], out=Z)
+            self.M += s_t @ Z.reshape(d * self.t, R).T
+            self.Y += y_t @ y_t.T
+
+    def gram(self) -> np.ndarray:
+        """The (q d, q d) Gram of the rows (exactly symmetric), from K."""
+        return gram_from_pairs(self.K, self.q, self.d)
+
+    def moments(self) -> np.ndarray | None:
+        """sum_i w_i h_i y_i^T, (q d, n_targets) (feature order: a, then l fastest)."""
+        return None if self.M is None else self.M.reshape(self.q * self.d, self.t).copy()
+
+    def target_gram(self) -> np.ndarray | None:
+        """sum_i w_i y_i y_i^T, (n_targets, n_targets)."""
+        return None if self.Y is None else 0.5 * (self.Y + self.Y.T)
+
+
+def gram_from_pairs(K: np.ndarray, q: int, d: int, out: np.ndarray | None = None) -> np.ndarray:
+    """The (q d, q d) Gram from its distinct entries K (q(q+1)/2, d(d+1)/2): Gram[(a,l),(b,m)] =
+    K[(min(a,b), max(a,b)), (min(l,m), max(l,m))], written one row block a at a time (no
+    temporaries of the Gram's size). Exactly symmetric."""
+    K = np.asarray(K, dtype=np.float64)
+    if K.shape != pairs_shape(q, d):
+        raise ValueError(f"K has shape {K.shape}, expected {pairs_shape(q, d)}")
+    n = q * d
+    G = np.empty((n, n)) if out is None else out
+    Pq, Pd = pair_positions(q), pair_positions(d).reshape(-1)
+    G4 = G.reshape(q, d, q, d)
+    for a in range(q):
+        rows = np.take(K, Pq[a], axis=0)  # (q, d(d+1)/2): the pairs (a, b) for every b
+        G4[a] = np.take(rows, Pd, axis=1).reshape(q, d, d).transpose(1, 0, 2)
+    return G
+
+
+def pairs_from_gram(G: np.ndarray, q: int, d: int) -> np.ndarray:
+    """The distinct entries K (q(q+1)/2, d(d+1)/2) of a (q d, q d) Gram of rows s (x) x (the inverse
+    of `gram_from_pairs`; of a Gram without that symmetry it returns the upper entries of each block)."""
+    G4 = np.asarray(G).reshape(q, d, q, d)
+    a, b = np.triu_indices(q)
+    lo, mo = np.triu_indices(d)
+    K = np.empty(pairs_shape(q, d))
+    for r0 in range(0, a.size, 256):
+        r1 = min(a.size, r0 + 256)
+        blocks = G4[a[r0:r1], :, b[r0:r1], :]  # (rows, d, d)
+        K[r0:r1] = blocks[:, lo, mo]
+    return K
+
+
+def use_pairs(q: int, d: int) -> bool:
+    """Accumulate K (rather than a syrk of the materialised rows) for factors of lengths q and d:
+    both at least SYMGRAM_MIN_D."""
+    return min(q, d) >= SYMGRAM_MIN_D
+
+
+def accumulator(q: int, d: int, n_targets: int = 0) -> SymGram | None:
+    """A SymGram for factors of lengths q and d when `use_pairs` says it gains, else None (syrk)."""
+    return SymGram(q, d, n_targets) if use_pairs(q, d) else None
