@@ -248,8 +248,9 @@ class _Accumulator:
         self._dgram: Any = None
         # the Gram's own symmetry (mhla_cli.symgram): on the host, K = U^T V of the distinct entries
         # instead of a syrk of the materialised block, when the factors are wide enough to gain
+        factors = (self.psi // d, d) if spans is None else (self.spans[0].shape[1], self.spans[1].shape[1])
         self._pairs = None if traces or self.device is not None else symgram.accumulator(
-            *((self.psi // d, d) if spans is None else (self.spans[0].shape[1], self.spans[1].shape[1])), d if has_targets else 0)
+            *factors, d if has_targets else 0)
         self._bufs: dict[str, np.ndarray] = {}
         j, k = pair_index(d)
         self._upper_idx = (j * d + k).astype(np.intp)
@@ -1061,7 +1062,7 @@ def solve_need(path: str | os.PathLike, ridge: float = 0.0, lowrank: bool = Fals
         with formats.open_input(path) as f:
             d = formats.read_attr_int(f, "d", path)
             n = formats.read_attr_int(f, "n_samples", path)
-            block = int(f["basis_gram"].shape[0]) if "span_pairs" in f and "basis_gram" in f else None
+            block = formats.stored_block(f)
         if block is not None and not lowrank:  # only the block on the data's spans is factorized
             kind_b = solve_kind(d, n, ridge, lowrank, command, n=block)
             return d, lambda k: (block_solve_bytes(block, kind_b) if k == d

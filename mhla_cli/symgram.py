@@ -76,11 +76,11 @@ class SymGram:
     """Running K, moments and target Gram of rows h_i = s_i (x) x_i (weights folded in by the caller:
     sqrt(w) x and sqrt(w) y give w h h^T).
 
-    `add(s_t, x_t, y_t)` takes one chunk transposed: s_t (q, R), x_t (d, R), y_t (d, R) or None, all
-    C-contiguous float64 (every elementwise loop runs over the R samples); y_t (n_targets, R). Per chunk: V^T (d(d+1)/2, R)
-    once, then for each panel of rows (a, b >= a) of U^T (one a-block, or a few short ones: in one
-    reused buffer) one GEMM K[panel] += U^T[panel] V; moments += s (x) (x y^T) as one GEMM
-    s_t @ Z^T with Z = x (x) y (d^2, R).
+    `add(s_t, x_t, y_t)` takes one chunk transposed: s_t (q, R), x_t (d, R), y_t (n_targets, R) or
+    None, float64 (every elementwise loop runs over the R samples). Per chunk: V^T (d(d+1)/2, R) once,
+    then for each panel of rows (a, b >= a) of U^T (one a-block, or a few short ones: in one reused
+    buffer) one GEMM K[panel] += U^T[panel] V; moments += s (x) (x y^T) as one GEMM s_t @ Z^T with
+    Z = x (x) y (d n_targets, R).
     """
 
     def __init__(self, q: int, d: int, n_targets: int = 0) -> None:
