@@ -5,8 +5,9 @@ Everything here is a sum over samples, so statistics of disjoint sample ranges a
 [lo, hi) and is the only place the data are read; the serial loop, worker pools
 (mhla_cli.parallel), shards and Dask all call it. Per chunk: a reader thread fetches the next chunk
 in its stored dtype, the tokens are transformed to the pass's basis (X A), the per-sequence
-(X A)^T (X A) are batched matmuls, and one syrk of the block [Ht | Y] updates the canonical sums
-together (docs/performance.md). `featurize` ends in the whitening of all the data read
+(X A)^T (X A) are batched matmuls, and the canonical sums are updated either by the Gram's
+distinct entries K = U^T V (mhla_cli.symgram: half the flops of a syrk, for d >= symgram.SYMGRAM_MIN_D)
+or by one syrk of the block [Ht | Y] (docs/performance.md). `featurize` ends in the whitening of all the data read
 (mhla_cli.basis).
 """
 
@@ -217,7 +218,9 @@ class _Accumulator:
     "The canonical certificate", Numerics), the features are those of X A in canonical coordinates
     (mhla_cli.basis), and the Gram of the block [Ht | Y] (B x (psi + d)) holds basis_gram,
     basis_moments and target_gram at once, so each chunk costs one syrk (numpy's `Ft @ Ft.T` on the
-    transposed block); `G` accumulates it in float64. The token Grams are accumulated both on the
+    transposed block); `G` accumulates it in float64. From symgram.SYMGRAM_MIN_D on (`_pairs`, or
+    device.DevicePairs on a device) the chunk instead adds the Gram's distinct entries K = U^T V of the
+    two factors s and x_n (mhla_cli.symgram), and `result` expands K to basis_gram exactly. The token Grams are accumulated both on the
     tokens' own coordinates (exact zeros stay zeros) and on X A.
     """
 
@@ -248,9 +251,9 @@ class _Accumulator:
         self._dgram: Any = None
         # the Gram's own symmetry (mhla_cli.symgram): on the host, K = U^T V of the distinct entries
         # instead of a syrk of the materialised block, when the factors are wide enough to gain
-        factors = (self.psi // d, d) if spans is None else (self.spans[0].shape[1], self.spans[1].shape[1])
+        self._factors = (self.psi // d, d) if spans is None else (self.spans[0].shape[1], self.spans[1].shape[1])
         self._pairs = None if traces or self.device is not None else symgram.accumulator(
-            *factors, d if has_targets else 0)
+            *self._factors, d if has_targets else 0)
         self._bufs: dict[str, np.ndarray] = {}
         j, k = pair_index(d)
         self._upper_idx = (j * d + k).astype(np.intp)
@@ -477,9 +480,11 @@ class _Accumulator:
         there."""
         if self.device is not None:
             if self._dgram is None:
-                from .device import DeviceGram
+                from .device import DeviceGram, DevicePairs
 
-                self._dgram = DeviceGram(self.device, self.width, self.nf, self.spans)
+                q, r = self._factors
+                self._dgram = (DevicePairs(self.device, q, r, self.d if self.has_targets else 0, self.spans)
+                               if symgram.use_pairs(q, r) else DeviceGram(self.device, self.width, self.nf, self.spans))
             if self.width:
                 self._dgram.add(upper_t, last_t, targets_t)
             return
@@ -553,8 +558,11 @@ class _Accumulator:
         self._bufs.clear()
         psi, d = self.nf, self.d  # the features accumulated (all psi, or the block on the spans)
         if self._dgram is not None:
-            self.G = self._dgram.result()
-            self._dgram = None
+            out, self._dgram = self._dgram.result(), None
+            if isinstance(out, symgram.SymGram):
+                self._pairs = out
+            else:
+                self.G = out
         if self._pairs is not None:  # the Gram from its distinct entries (mhla_cli.symgram)
             pairs, self._pairs = self._pairs, None
             gram_b, moments, target_gram = pairs.gram(), pairs.moments(), pairs.target_gram()

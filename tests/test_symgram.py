@@ -214,3 +214,28 @@ def test_featurize_paths_equal_the_syrk(tmp_path: Path, monkeypatch) -> None:
             assert relerr(a.basis_gram, b.basis_gram) < 1e-12
         else:
             assert_same_stats(a, b)
+
+
+@pytest.mark.parametrize("kind", ["dense", "weighted", "causal-weighted", "single"])
+def test_device_reduction_equals_the_reference(tmp_path: Path, kernel: str, kind: str) -> None:
+    """The torch backend (device.DevicePairs for K, device.DeviceGram for the syrk form)."""
+    pytest.importorskip("torch")
+    d = 3
+    rng = np.random.default_rng(11 + KINDS.index(kind))
+    data = _data(kind, d, rng)
+    info = inspect_tokens(_write(tmp_path / "t.h5", data))
+    X = data["tokens"].reshape(-1, d).astype(np.float64)
+    off = data.get("offsets", np.arange(data["tokens"].shape[0] + 1) * (data["tokens"].shape[1]
+                                                                       if data["tokens"].ndim == 3 else 1))
+    G, M, n = _reference_gram(X, off, np.eye(d), info.per_position, data.get("weights"), "length",
+                              data["targets"].reshape(-1, d))
+    f = stream.reduce_span(info, (0, info.n_samples), 5, normalize="length", basis=np.eye(d), finalize=False,
+                           device="torch:cpu")
+    assert f.n_samples == n and relerr(f.basis_gram, G) < TOL and relerr(f.basis_moments, M) < TOL
+    E = np.linalg.qr(rng.standard_normal((6, 3)))[0]
+    F = np.linalg.qr(rng.standard_normal((3, 2)))[0]
+    Gs, Ms, _ = _reference_gram(X, off, np.eye(d), info.per_position, data.get("weights"), "none",
+                                data["targets"].reshape(-1, d), spans=(E, F))
+    g = stream.reduce_span(info, (0, info.n_samples), 5, basis=np.eye(d), finalize=False, spans=(E, F),
+                           device="torch:cpu")
+    assert relerr(g.basis_gram, Gs) < TOL and relerr(g.basis_moments, Ms) < TOL
