@@ -26,18 +26,21 @@ import numpy as np
 __all__ = ["SYMGRAM_MIN_D", "SymGram", "accumulator", "gram_from_pairs", "n_pairs", "pair_positions",
            "pairs_from_gram", "pairs_shape", "use_pairs"]
 
-# Token dimension (of the factor x; the spans' block: its width) from which the reduction
-# accumulates K rather than one dsyrk of the materialised [H | Y] block. Measured on this 2-core
-# machine (float64, one BLAS thread, 2048 rows per chunk, `python benchmarks/bench_symgram.py`):
-# the time of K over the time of the dsyrk was 1.9 at d = 4, 1.2 at d = 6, 0.85 at d = 8, 0.7 at
-# d = 12 and 0.55-0.6 at d = 16 and 24 (below d = 8 the Python loop over the q panels and the
-# separate moments cost more than the syrk's small flop count).
-SYMGRAM_MIN_D = 8
-# Rows of U^T per GEMM at least: the rows (a, b >= a) of consecutive a are merged into one panel
-# until it has this many (the last a-blocks are short). One a-block per GEMM (q - a rows) measured
-# as fast as any larger panel (panels of 2^13 .. 2^21 entries, d = 8 .. 24; the run-to-run spread on
-# the shared machine was larger than the differences), and its buffer stays small.
-MIN_PANEL_ROWS = 64
+# Token dimension (the length of the token factor x; on the data's spans, both factors' widths) from
+# which the reduction accumulates K rather than one dsyrk of the materialised [H | Y] block.
+# Measured on this machine (AMD EPYC, 2 cores shared with other jobs, load average 6-8; one chunk of
+# 2048 rows, one BLAS thread; `python benchmarks/bench_gflops.py --kernel 6 8 10 12 16`, five runs
+# with panels of 256 KiB .. 32 MiB): K / dsyrk = 1.45-2.03 at d = 6, 0.98-1.92 at d = 8, 0.88-1.21 at
+# d = 10, 0.83-1.22 (median 0.99) at d = 12, 0.58-0.76 at d = 16. Below d = 12 the loop over the
+# panels, the separate moments GEMM and the formation of U cost more than the syrk flops they save.
+SYMGRAM_MIN_D = 12
+# Bytes of one panel of U^T (the rows (a, b >= a) of consecutive a, merged until the panel holds
+# about this much): one GEMM per panel. Large panels, because every BLAS call with several threads
+# pays a wait for the cores when the machine is shared: measured on 2 shared cores (load 7-8, d = 16,
+# N = 6000, featurize in-process, 2 BLAS threads) one panel per a-block (136 GEMMs per chunk of 4096
+# rows) took 24-26 s against 3.1-4.7 s with 1024-4096 rows per panel; with one thread panels of
+# 256 KiB .. 32 MiB were alike (the spread between runs was larger than the differences).
+PAIRS_PANEL_BYTES = 32 * 2**20
 
 
 def n_pairs(n: int) -> int:
@@ -78,8 +81,8 @@ class SymGram:
 
     `add(s_t, x_t, y_t)` takes one chunk transposed: s_t (q, R), x_t (d, R), y_t (n_targets, R) or
     None, float64 (every elementwise loop runs over the R samples). Per chunk: V^T (d(d+1)/2, R) once,
-    then for each panel of rows (a, b >= a) of U^T (one a-block, or a few short ones: in one reused
-    buffer) one GEMM K[panel] += U^T[panel] V; moments += s (x) (x y^T) as one GEMM s_t @ Z^T with
+    then for each panel of rows (a, b >= a) of U^T (whole a-blocks, about PAIRS_PANEL_BYTES, in one
+    reused buffer) one GEMM K[panel] += U^T[panel] V; moments += s (x) (x y^T) as one GEMM s_t @ Z^T with
     Z = x (x) y (d n_targets, R).
     """
 
@@ -107,12 +110,13 @@ class SymGram:
         x_t = np.ascontiguousarray(x_t, dtype=np.float64)
         Vt = self._buf("V", n_pairs(d), R)
         _pair_products(x_t, Vt)
-        # panels of the rows (a, b >= a) of U^T: whole a-blocks, merged up to MIN_PANEL_ROWS rows
-        panel = self._buf("U", min(n_pairs(q), q + MIN_PANEL_ROWS), R)
+        # panels of the rows (a, b >= a) of U^T: whole a-blocks, merged up to about PAIRS_PANEL_BYTES
+        limit = max(1, PAIRS_PANEL_BYTES // (8 * R))
+        panel = self._buf("U", min(n_pairs(q), limit + q), R)
         a, row = 0, 0
         while a < q:
             a1, rows = a, 0
-            while a1 < q and rows < MIN_PANEL_ROWS:
+            while a1 < q and (rows == 0 or rows + (q - a1) <= limit):
                 rows += q - a1
                 a1 += 1
             P = panel[:rows]
