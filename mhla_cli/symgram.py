@@ -155,11 +155,12 @@ def gram_from_pairs(K: np.ndarray, q: int, d: int, out: np.ndarray | None = None
         raise ValueError(f"K has shape {K.shape}, expected {pairs_shape(q, d)}")
     n = q * d
     G = np.empty((n, n)) if out is None else out
-    Pq, Pd = pair_positions(q), pair_positions(d).reshape(-1)
-    G4 = G.reshape(q, d, q, d)
+    Pq, Pd = pair_positions(q), pair_positions(d)
+    rows = np.empty((q, K.shape[1]))
     for a in range(q):
-        rows = np.take(K, Pq[a], axis=0)  # (q, d(d+1)/2): the pairs (a, b) for every b
-        G4[a] = np.take(rows, Pd, axis=1).reshape(q, d, d).transpose(1, 0, 2)
+        np.take(K, Pq[a], axis=0, out=rows)  # (q, d(d+1)/2): the pairs (a, b) for every b, in cache
+        for l in range(d):  # row (a, l) of G, contiguous: G[(a,l), (b,m)] = rows[b, (l, m)]
+            np.take(rows, Pd[l], axis=1, out=G[a * d + l].reshape(q, d))
     return G
 
 

@@ -28,8 +28,11 @@ def kernel(request, monkeypatch) -> str:
 # ---------------------------------------------------------------- the kernel
 
 
+@pytest.mark.parametrize("panel", [8, 8 * 7 * 9, None])  # one a-block per GEMM, a few merged, all in one
 @pytest.mark.parametrize("q,d,t", [(1, 1, 1), (3, 2, 2), (6, 3, 0), (10, 4, 4), (4, 2, 3), (21, 6, 6)])
-def test_kernel_equals_materialised_rows(q: int, d: int, t: int) -> None:
+def test_kernel_equals_materialised_rows(q: int, d: int, t: int, panel: int | None, monkeypatch) -> None:
+    if panel is not None:
+        monkeypatch.setattr(symgram, "PAIRS_PANEL_BYTES", panel)
     rng = np.random.default_rng(q * 31 + d)
     sg = symgram.SymGram(q, d, t)
     rows, ys = [], []
