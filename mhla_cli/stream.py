@@ -565,6 +565,7 @@ class _Accumulator:
                 self.G = out
         if self._pairs is not None:  # the Gram from its distinct entries (mhla_cli.symgram)
             pairs, self._pairs = self._pairs, None
+            pairs.release_work()
             gram_b, moments, target_gram = pairs.gram(), pairs.moments(), pairs.target_gram()
         else:
             G = self.G if self.G is not None else np.zeros((self.width, self.width))

@@ -133,6 +133,10 @@ class SymGram:
             self.M += s_t @ Z.reshape(d * self.t, R).T
             self.Y += y_t @ y_t.T
 
+    def release_work(self) -> None:
+        """Free the per-chunk work buffers (before the Gram is expanded)."""
+        self._work.clear()
+
     def gram(self) -> np.ndarray:
         """The (q d, q d) Gram of the rows (exactly symmetric), from K."""
         return gram_from_pairs(self.K, self.q, self.d)
