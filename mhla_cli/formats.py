@@ -34,6 +34,8 @@ from .features import n_features
 FORMAT_NAME = "mhla"
 # 5: features files may hold the canonical Gram as its distinct entries (stats.PAIRS_FORMAT, --compact)
 FORMAT_VERSION = 5
+# The dataset of those distinct entries in a compact features file (mhla_cli.stats, docs/formats.md).
+PAIRS_DATASET = "basis_gram_pairs"
 KINDS = ("tokens", "features", "model", "heads", "predictions")
 
 
@@ -353,6 +355,10 @@ def expect_kind(f: h5py.File, path: str | os.PathLike, *kinds: str) -> str:
         n = stored_block(f)
         if n is not None:  # only the block on the data's spans is stored
             need = lambda k: 8 * n * n + SLACK_BYTES if k == d else load_bytes(k)  # noqa: E731
+        if PAIRS_DATASET in f:  # a compact file: its distinct entries are read, then expanded
+            pairs = 8 * int(np.prod(f[PAIRS_DATASET].shape))
+            base = need
+            need = lambda k: base(k) + (pairs if k == d else 0)  # noqa: E731
         check_memory(d, path=path, need=need, what="loading the statistics")
     return kind
 

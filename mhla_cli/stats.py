@@ -40,7 +40,7 @@ CANONICAL_FORMAT = 3
 # 'basis_gram'; both are derived on load). Files of this version without it are as before.
 PAIRS_FORMAT = 5
 # The dataset of a compact features file (`Features.save(compact=True)`).
-PAIRS_DATASET = "basis_gram_pairs"
+PAIRS_DATASET = formats.PAIRS_DATASET
 
 
 @dataclass
