@@ -211,6 +211,17 @@ def _single_blas_thread() -> Any:
     return _CONTROLLER.limit(limits=1, user_api="blas")
 
 
+def _blas_threads() -> int:
+    """The number of threads BLAS uses now (threadpoolctl; 1 when unknown)."""
+    global _CONTROLLER
+    if _CONTROLLER is None:
+        from threadpoolctl import ThreadpoolController
+
+        _CONTROLLER = ThreadpoolController()
+    counts = [int(lib.num_threads) for lib in _CONTROLLER.select(user_api="blas").lib_controllers]
+    return max(1, min(counts)) if counts else 1
+
+
 class _Accumulator:
     """Running sums of one reduction in one basis A, with reusable work buffers.
 
@@ -491,8 +502,11 @@ class _Accumulator:
         if self._pairs is not None:
             if self.spans is not None:  # the block coordinates E^T s and F^T x_n
                 upper_t, last_t = self.spans[0].T @ upper_t, self.spans[1].T @ last_t
-            with contextlib.nullcontext() if self.width >= MIN_THREADED_WIDTH else _single_blas_thread():
-                self._pairs.add(upper_t, last_t, targets_t)  # the GEMMs with the BLAS threads a wide block pays for
+            # a wide block shares its panels out over as many Python threads as BLAS has threads
+            # (each panel's GEMM on one BLAS thread: symgram.SymGram.add); a narrow one runs on one
+            wide = self.width >= MIN_THREADED_WIDTH
+            with contextlib.nullcontext() if wide else _single_blas_thread():
+                self._pairs.add(upper_t, last_t, targets_t, threads=_blas_threads() if wide else 1)
             return
         with _single_blas_thread():  # elementwise work and small products
             Ft = self._buf_t("F", self.width, upper_t.shape[1])

@@ -100,8 +100,13 @@ class SymGram:
             buf = self._work[name] = np.empty(size)
         return buf[:size].reshape(rows, cols)
 
-    def add(self, s_t: np.ndarray, x_t: np.ndarray, y_t: np.ndarray | None = None) -> None:
-        """Add the chunk's rows (module docstring); s_t (q, R), x_t (d, R), y_t (d, R) or None."""
+    def add(self, s_t: np.ndarray, x_t: np.ndarray, y_t: np.ndarray | None = None, threads: int = 1) -> None:
+        """Add the chunk's rows (module docstring); s_t (q, R), x_t (d, R), y_t (d, R) or None.
+
+        `threads` > 1: the panels are shared out over that many Python threads, each forming its panels
+        in its own buffer and running their GEMMs on one BLAS thread (numpy and BLAS release the GIL):
+        the memory-bound formation of U runs in parallel too, and no BLAS call waits for a second core.
+        The sums do not depend on it (each panel is one GEMM into its own rows of K)."""
         q, d = self.q, self.d
         R = s_t.shape[1]
         if R == 0 or q == 0 or d == 0:
@@ -112,21 +117,36 @@ class SymGram:
         _pair_products(x_t, Vt)
         # panels of the rows (a, b >= a) of U^T: whole a-blocks, merged up to about PAIRS_PANEL_BYTES
         limit = max(1, PAIRS_PANEL_BYTES // (8 * R))
-        panel = self._buf("U", min(n_pairs(q), limit + q), R)
+        panels = []  # (a, a1, first row of K, rows)
         a, row = 0, 0
         while a < q:
             a1, rows = a, 0
             while a1 < q and (rows == 0 or rows + (q - a1) <= limit):
                 rows += q - a1
                 a1 += 1
-            P = panel[:rows]
-            r = 0
-            for c in range(a, a1):
-                np.multiply(s_t[c], s_t[c:], out=P[r:r + q - c])
-                r += q - c
-            self.K[row:row + rows] += P @ Vt.T
+            panels.append((a, a1, row, rows))
             row += rows
             a = a1
+        n = max(1, min(int(threads), len(panels)))
+
+        def run(part: int) -> None:
+            P0 = self._buf(f"U{part}", min(n_pairs(q), limit + q), R)
+            for a, a1, row, rows in panels[part::n]:
+                P = P0[:rows]
+                r = 0
+                for c in range(a, a1):
+                    np.multiply(s_t[c], s_t[c:], out=P[r:r + q - c])
+                    r += q - c
+                self.K[row:row + rows] += P @ Vt.T
+        if n == 1:
+            run(0)
+        else:
+            from concurrent.futures import ThreadPoolExecutor
+
+            from threadpoolctl import threadpool_limits
+
+            with threadpool_limits(limits=1, user_api="blas"), ThreadPoolExecutor(n) as pool:
+                list(pool.map(run, range(n)))
         if self.M is not None and y_t is not None:
             Z = self._buf("Z", d * self.t, R).reshape(d, self.t, R)
             np.multiply(x_t[:, None, :], y_t[None, :, :], out=Z)

@@ -53,6 +53,23 @@ def test_kernel_equals_materialised_rows(q: int, d: int, t: int, panel: int | No
     assert sg.K.shape == symgram.pairs_shape(q, d) == (q * (q + 1) // 2, d * (d + 1) // 2)
 
 
+def test_panels_over_python_threads_give_the_same_sums(monkeypatch) -> None:
+    """`threads`: the panels shared out over Python threads (one BLAS thread each) give the same K,
+    bit for bit, as one thread on one BLAS thread."""
+    from threadpoolctl import threadpool_limits
+
+    monkeypatch.setattr(symgram, "PAIRS_PANEL_BYTES", 8 * 30 * 9)  # several panels for each thread
+    rng = np.random.default_rng(9)
+    s, x, y = rng.standard_normal((21, 30)), rng.standard_normal((6, 30)), rng.standard_normal((6, 30))
+    one, many = symgram.SymGram(21, 6, 6), symgram.SymGram(21, 6, 6)
+    with threadpool_limits(limits=1, user_api="blas"):
+        one.add(s, x, y)
+    many.add(s, x, y, threads=3)
+    assert np.array_equal(one.K, many.K) and np.array_equal(one.M, many.M)
+    H = (s[:, None, :] * x[None, :, :]).reshape(126, 30)
+    assert relerr(many.gram(), H @ H.T) < TOL
+
+
 def test_gram_from_pairs_refuses_a_wrong_shape() -> None:
     with pytest.raises(ValueError, match="shape"):
         symgram.gram_from_pairs(np.zeros((3, 4)), 2, 2)
@@ -242,3 +259,19 @@ def test_device_reduction_equals_the_reference(tmp_path: Path, kernel: str, kind
     g = stream.reduce_span(info, (0, info.n_samples), 5, basis=np.eye(d), finalize=False, spans=(E, F),
                            device="torch:cpu")
     assert relerr(g.basis_gram, Gs) < TOL and relerr(g.basis_moments, Ms) < TOL
+
+
+def test_a_wide_block_with_threaded_panels_equals_the_syrk(tmp_path: Path, monkeypatch) -> None:
+    """d = 13 (psi + d >= stream.MIN_THREADED_WIDTH): the panels go over Python threads; the statistics
+    equal those of the syrk path."""
+    d = 13
+    assert symgram.n_pairs(d) * d + d >= stream.MIN_THREADED_WIDTH
+    rng = np.random.default_rng(12)
+    X, y = rng.standard_normal((150, 4, d)), rng.standard_normal((150, d))
+    path = write_tokens(tmp_path / "w.h5", X, None, y)
+    monkeypatch.setattr(stream, "_blas_threads", lambda: 2)  # two threads even on a one-core runner
+    monkeypatch.setattr(symgram, "PAIRS_PANEL_BYTES", 8 * 150 * 2000)  # several panels per thread
+    a = featurize(path, chunk_size=60, spans="off")
+    monkeypatch.setattr(symgram, "SYMGRAM_MIN_D", 10**9)
+    b = featurize(path, chunk_size=60, spans="off")
+    assert_same_stats(a, b)
