@@ -2,6 +2,14 @@
 
 d = 16, N = 50000, n = 32, float32 tokens; flops counted as N * psi * (psi + 1) (the syrk of the
 N x psi feature matrix). Run: python benchmarks/bench_gflops.py [--n-samples N] [--repeat R]
+
+`--ratio D:N ...` (issue 24) instead prints same-run time ratios, in this process with all BLAS
+threads: featurize (the Gram's distinct entries K = U^T V, mhla_cli.symgram) and featurize with the
+syrk of the materialised block forced (symgram.SYMGRAM_MIN_D raised), each over the time of a bare
+dsyrk of the materialised N x psi features (blocks of at most 4096 rows, timed and scaled to N).
+Example: python benchmarks/bench_gflops.py --ratio 16:12000 24:2000 --repeat 2
+`--kernel D ...`: one chunk's update alone, K against the dsyrk, one BLAS thread (the rule
+symgram.SYMGRAM_MIN_D). Example: python benchmarks/bench_gflops.py --kernel 4 6 8 12 16
 """
 
 from __future__ import annotations
@@ -16,7 +24,7 @@ import scipy.linalg.blas as sblas
 from threadpoolctl import threadpool_limits
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import OUT, machine, mhla_cmd, run_timed, table, tokens_file  # noqa: E402
+from _common import OUT, best_of, machine, mhla_cmd, run_timed, table, tokens_file  # noqa: E402
 
 from mhla_cli.features import n_features  # noqa: E402
 from mhla_cli.stream import featurize  # noqa: E402
@@ -44,13 +52,93 @@ def dsyrk_gflops(psi: int, rows: int = 4096, repeat: int = 5) -> tuple[float, fl
     return flops / best_s / 1e9, flops / best_n / 1e9
 
 
+def bare_dsyrk_seconds(psi: int, N: int, repeat: int = 3, rows: int = 4096) -> float:
+    """Seconds of a bare float64 dsyrk of N x psi materialised features: the best time of one (r x psi)
+    block, r = min(N, rows), scaled by N / r (a syrk is linear in its rows)."""
+    r = min(N, rows)
+    rng = np.random.default_rng(0)
+    F = np.asfortranarray(rng.standard_normal((r, psi)))
+    C = np.zeros((psi, psi), order="F")
+    sblas.dsyrk(1.0, F, beta=0.0, c=C, trans=1, lower=0, overwrite_c=1)  # warm-up
+    best = float("inf")
+    for _ in range(repeat):
+        t = time.perf_counter()
+        sblas.dsyrk(1.0, F, beta=1.0, c=C, trans=1, lower=0, overwrite_c=1)
+        best = min(best, time.perf_counter() - t)
+    return best * N / r
+
+
+def ratio_rows(points: list[tuple[int, int]], seq_len: int, repeat: int) -> list[list[object]]:
+    """Rows of the same-run ratio table (`--ratio`): featurize with K and with the syrk, over a bare dsyrk."""
+    from mhla_cli import symgram
+
+    rows = []
+    for d, N in points:
+        psi = n_features(d)
+        data = tokens_file(N, seq_len, d)
+        featurize(data)  # warm the page cache
+        t_syrk_bare = bare_dsyrk_seconds(psi, N, repeat)
+        rule = symgram.SYMGRAM_MIN_D
+        try:
+            t_k = best_of(lambda: featurize(data), repeat)
+            symgram.SYMGRAM_MIN_D = 10**9  # the syrk of the materialised block, as before issue 24
+            t_s = best_of(lambda: featurize(data), repeat)
+        finally:
+            symgram.SYMGRAM_MIN_D = rule
+        rows.append([d, psi, N, f"{t_syrk_bare:.2f}", f"{t_k:.2f}", f"{t_s:.2f}", f"{t_k / t_syrk_bare:.2f}",
+                     f"{t_s / t_syrk_bare:.2f}"])
+    return rows
+
+
+def kernel_rows(dims: list[int], rows: int, repeat: int) -> list[list[object]]:
+    """Rows of `--kernel`: one chunk's update, one BLAS thread: the dsyrk of the materialised [H | Y]
+    block against symgram.SymGram.add (K = U^T V, the moments and the target Gram), best of `repeat`."""
+    from mhla_cli import symgram
+
+    out = []
+    rng = np.random.default_rng(0)
+    for d in dims:
+        q = d * (d + 1) // 2
+        s, x, y = (rng.standard_normal((m, rows)) for m in (q, d, d))
+        F = np.asfortranarray(np.vstack([(s[:, None, :] * x[None, :, :]).reshape(q * d, rows), y]).T)
+        C = np.zeros((F.shape[1], F.shape[1]), order="F")
+        sg = symgram.SymGram(q, d, d)
+        with threadpool_limits(limits=1):
+            t_s = best_of(lambda: sblas.dsyrk(1.0, F, beta=1.0, c=C, trans=1, lower=0, overwrite_c=1), repeat)
+            t_k = best_of(lambda: sg.add(s, x, y), repeat)
+        out.append([d, q * d, rows, f"{t_s * 1e3:.2f}", f"{t_k * 1e3:.2f}", f"{t_k / t_s:.2f}"])
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--kernel", nargs="+", type=int, metavar="D", default=None,
+                    help="one chunk's update at these d, one BLAS thread: K = U^T V against the dsyrk "
+                         "(the measurement behind symgram.SYMGRAM_MIN_D)")
+    ap.add_argument("--rows", type=int, default=2048, help="rows of the chunk of --kernel")
+    ap.add_argument("--ratio", nargs="+", metavar="D:N", default=None,
+                    help="same-run time ratios featurize / bare dsyrk at these (d, N) instead (issue 24)")
     ap.add_argument("--n-samples", type=int, default=50000)
     ap.add_argument("--dim", type=int, default=16)
     ap.add_argument("--seq-len", type=int, default=32)
     ap.add_argument("--repeat", type=int, default=3)
     args = ap.parse_args()
+    if args.kernel:
+        print(f"## one chunk's update ({args.rows} rows, one BLAS thread, best of {args.repeat}): K = U^T V "
+              "(mhla_cli.symgram) against the dsyrk of the materialised block\n")
+        print(machine() + "\n")
+        print(table(["d", "psi", "rows", "dsyrk ms", "K ms", "K / dsyrk"],
+                    kernel_rows(args.kernel, args.rows, max(args.repeat, 5))))
+        return
+    if args.ratio:
+        points = [tuple(int(v) for v in p.split(":")) for p in args.ratio]
+        rows = ratio_rows(points, args.seq_len, args.repeat)  # type: ignore[arg-type]
+        print(f"## featurize / bare dsyrk, same run (n = {args.seq_len}, float32 tokens, all BLAS threads, "
+              f"in-process, best of {args.repeat})\n")
+        print(machine() + "\n")
+        print(table(["d", "psi", "N", "bare dsyrk s (N x psi)", "featurize s (K)", "featurize s (syrk forced)",
+                     "featurize (K) / dsyrk", "featurize (syrk) / dsyrk"], rows))
+        return
     d, N = args.dim, args.n_samples
     psi = n_features(d)
     data = tokens_file(N, args.seq_len, d)

@@ -166,13 +166,10 @@ class DeviceGram:
         host.numpy()[...] = a
         return host.to(self.dev, non_blocking=True)
 
-    def add(self, upper_t: np.ndarray, last_t: np.ndarray, targets_t: np.ndarray | None) -> None:
-        """G += Ft Ft^T for the chunk's rows: upper_t (q, R) canonical S entries, last_t (d, R)
-        (sqrt(w) x for weighted rows), targets_t (d, R) or None (already weighted)."""
+    def _stage(self, upper_t: np.ndarray, last_t: np.ndarray, targets_t: np.ndarray | None) -> tuple[Any, Any, Any]:
+        """The chunk's factors on the device (E^T s and F^T x_n on the data's spans), through the
+        alternating pinned buffers."""
         t = self._t
-        R = upper_t.shape[1]
-        if R == 0:
-            return
         k = self._turn
         self._turn = 1 - k
         if self._events[k] is not None:
@@ -186,6 +183,16 @@ class DeviceGram:
             self._events[k].record()
         if self.spans is not None:
             u, x = self.spans[0].T @ u, self.spans[1].T @ x
+        return u, x, y
+
+    def add(self, upper_t: np.ndarray, last_t: np.ndarray, targets_t: np.ndarray | None) -> None:
+        """G += Ft Ft^T for the chunk's rows: upper_t (q, R) canonical S entries, last_t (d, R)
+        (sqrt(w) x for weighted rows), targets_t (d, R) or None (already weighted)."""
+        t = self._t
+        R = upper_t.shape[1]
+        if R == 0:
+            return
+        u, x, y = self._stage(upper_t, last_t, targets_t)
         Ft = t.empty((self.width, R), dtype=t.float64, device=self.dev)
         t.mul(u[:, None, :], x[None, :, :], out=Ft[:self.nf].view(u.shape[0], x.shape[0], R))
         if y is not None:
@@ -204,6 +211,68 @@ class DeviceGram:
         G = self.G.cpu().numpy()
         self.G = None
         return G
+
+
+# Entries of one panel of U^T in DevicePairs.add (a gather of pair products, then one GEMM).
+PAIRS_PANEL_ELEMENTS = 1 << 23
+
+
+class DevicePairs(DeviceGram):
+    """The distinct entries K = U^T V of the Gram of a reduction's features on a device (mhla_cli.symgram),
+    with the moments and the target Gram beside, built chunk by chunk as `DeviceGram` (same staging).
+
+    Per chunk: V^T = the pair products x_l x_m (l <= m) of the token factor, then panels of rows of
+    U^T (the pair products s_a s_b, a <= b, gathered for a range of pairs, at most PAIRS_PANEL_ELEMENTS
+    entries), each one float64 GEMM K[panel] += U^T[panel] V; moments += s Z^T, Z = x (x) y.
+    """
+
+    def __init__(self, device: str, q: int, r: int, n_targets: int,
+                 spans: tuple[np.ndarray, np.ndarray] | None = None) -> None:
+        from .symgram import pairs_shape
+
+        torch = self._t = _torch()
+        self.dev = torch_device(device)
+        self.q, self.r, self.nt = int(q), int(r), int(n_targets)
+        f64 = dict(dtype=torch.float64, device=self.dev)
+        self.K = torch.zeros(pairs_shape(self.q, self.r), **f64)
+        self.M = torch.zeros((self.q, self.r * self.nt), **f64) if self.nt else None
+        self.Y = torch.zeros((self.nt, self.nt), **f64) if self.nt else None
+        self._ia, self._ib = (torch.as_tensor(i).to(self.dev) for i in np.triu_indices(self.q))
+        self._il, self._im = (torch.as_tensor(i).to(self.dev) for i in np.triu_indices(self.r))
+        self.spans = None if spans is None else tuple(
+            torch.as_tensor(np.ascontiguousarray(m, dtype=np.float64)).to(self.dev) for m in spans)
+        self._pin = self.dev.type == "cuda"
+        self._slots = [{}, {}]
+        self._events = [None, None]
+        self._turn = 0
+
+    def add(self, upper_t: np.ndarray, last_t: np.ndarray, targets_t: np.ndarray | None) -> None:
+        """K += U^T V (and the moments, the target Gram) for the chunk's rows, as `DeviceGram.add`."""
+        R = upper_t.shape[1]
+        if R == 0:
+            return
+        u, x, y = self._stage(upper_t, last_t, targets_t)
+        V = x[self._il] * x[self._im]  # (r(r+1)/2, R)
+        n = self._ia.numel()
+        step = max(1, PAIRS_PANEL_ELEMENTS // R)
+        for a in range(0, n, step):
+            b = min(n, a + step)
+            self.K[a:b].addmm_(u[self._ia[a:b]] * u[self._ib[a:b]], V.T)
+        if self.M is not None and y is not None:
+            Z = (x[:, None, :] * y[None, :, :]).reshape(self.r * self.nt, R)
+            self.M.addmm_(u, Z.T)
+            self.Y.addmm_(y, y.T)
+
+    def result(self) -> Any:  # a symgram.SymGram on the host
+        """The sums as a host `symgram.SymGram` (the device's copies released)."""
+        from .symgram import SymGram
+
+        out = SymGram(self.q, self.r, self.nt)
+        out.K = self.K.cpu().numpy()
+        if self.M is not None:
+            out.M, out.Y = self.M.cpu().numpy(), self.Y.cpu().numpy()
+        self.K = self.M = self.Y = None
+        return out
 
 
 class DeviceMatrix:

@@ -33,7 +33,11 @@ from .signals import check_interrupted, shield_signals
 from .features import n_features
 
 FORMAT_NAME = "mhla"
+# 5: features files hold the weight totals (stats.WEIGHTS_FORMAT) and may hold the canonical Gram as its
+# distinct entries (stats.PAIRS_FORMAT, --compact); model files the canonical coefficients
 FORMAT_VERSION = 5
+# The dataset of those distinct entries in a compact features file (mhla_cli.stats, docs/formats.md).
+PAIRS_DATASET = "basis_gram_pairs"
 KINDS = ("tokens", "features", "model", "heads", "predictions")
 
 
@@ -320,6 +324,18 @@ def file_kind(f: h5py.File, path: str | os.PathLike) -> str:
     )
 
 
+def stored_block(f: h5py.File) -> int | None:
+    """The features of the block on the data's spans that a features file holds (None: all psi, or
+    not known from the shapes): the side of 'basis_gram', or of the compact form's spans."""
+    if "span_pairs" not in f:
+        return None
+    if "basis_gram" in f:
+        return int(f["basis_gram"].shape[0])
+    if "span_last" in f and len(f["span_pairs"].shape) == 2 and len(f["span_last"].shape) == 2:
+        return int(f["span_pairs"].shape[1] * f["span_last"].shape[1])
+    return None
+
+
 def kind_of(path: str | os.PathLike) -> str:
     """The mhla kind of the file at `path` (see `file_kind`)."""
     with open_input(path) as f:
@@ -338,9 +354,13 @@ def expect_kind(f: h5py.File, path: str | os.PathLike, *kinds: str) -> str:
     if kind == "features" and "d" in f.attrs:
         d = read_attr_int(f, "d", path)
         need = load_bytes
-        if "span_pairs" in f and "basis_gram" in f:  # only the block on the data's spans is stored
-            n = int(f["basis_gram"].shape[0])
+        n = stored_block(f)
+        if n is not None:  # only the block on the data's spans is stored
             need = lambda k: 8 * n * n + SLACK_BYTES if k == d else load_bytes(k)  # noqa: E731
+        if PAIRS_DATASET in f:  # a compact file: its distinct entries are read, then expanded
+            pairs = 8 * int(np.prod(f[PAIRS_DATASET].shape))
+            base = need
+            need = lambda k: base(k) + (pairs if k == d else 0)  # noqa: E731
         check_memory(d, path=path, need=need, what="loading the statistics")
     return kind
 

@@ -15,6 +15,7 @@ from .errors import InputError
 from .export import load_heads
 from .heads import Heads
 from .model import Model
+from .stats import PAIRS_DATASET
 from .stream import Features, default_chunk_size
 from .tokens import TokensInfo, check_finite, check_weights, inspect_tokens, iter_chunks
 
@@ -80,6 +81,17 @@ def inspect_file(path: str | os.PathLike) -> dict[str, Any]:
     return rep
 
 
+def gram_form(path: str | os.PathLike) -> str:
+    """How a features file stores its Gram: "full" ('gram' and 'basis_gram', psi x psi each), "compact"
+    (the distinct entries only, `featurize --compact`), and "block" / "compact block" for the block
+    on the data's spans."""
+    with formats.open_input(path) as f:
+        form = "compact" if PAIRS_DATASET in f else "full"
+        if "span_pairs" in f:
+            form = "compact block" if form == "compact" else "block"
+    return form
+
+
 def _validate(path: str | os.PathLike, kind: str) -> dict[str, Any]:
     if kind == "tokens":
         info = inspect_tokens(path)
@@ -92,7 +104,8 @@ def _validate(path: str | os.PathLike, kind: str) -> dict[str, Any]:
         return {"d": feats.d, "n_samples": feats.n_samples, "n_features": feats.n_features,
                 "n_tokens": feats.n_tokens, "has_targets": feats.has_targets,
                 "sample_range": list(feats.sample_range) if feats.sample_range else None,
-                "per_position": feats.per_position, "normalize": feats.normalize}
+                "per_position": feats.per_position, "normalize": feats.normalize,
+                "gram_form": gram_form(path)}
     if kind == "model":
         model = Model.load(path)
         return {"d": model.d, "n_features": int(model.coef.shape[1])}

@@ -23,6 +23,7 @@ from __future__ import annotations
 import os
 from collections.abc import Callable
 
+from . import symgram
 from .errors import InputError
 from .features import n_features
 
@@ -51,9 +52,14 @@ def matrix_bytes(d: int) -> int:
 
 
 def accumulator_bytes(d: int, has_targets: bool = True) -> int:
-    """Bytes of a pass's accumulator: the Gram of [Ht | Y], (psi + d)^2 float64 with targets."""
+    """Bytes of a pass's accumulator: the Gram of [Ht | Y], (psi + d)^2 float64 with targets; when the
+    pass accumulates the Gram's distinct entries K instead (mhla_cli.symgram), at least K and the
+    psi x psi Gram expanded from it at the end of the pass."""
     w = n_features(d) + (d if has_targets else 0)
-    return 8 * w * w
+    if d < symgram.SYMGRAM_MIN_D:
+        return 8 * w * w
+    k_rows, k_cols = symgram.pairs_shape(d * (d + 1) // 2, d)
+    return max(8 * w * w, 8 * k_rows * k_cols + matrix_bytes(d))
 
 
 def featurize_bytes(d: int, chunk_bytes: int = 0, workers: int = 1, has_targets: bool = True,

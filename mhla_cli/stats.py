@@ -22,6 +22,7 @@ import numpy as np
 
 from . import basis as basis_mod
 from . import formats
+from . import symgram
 from .errors import InputError
 from .features import n_features
 from .numerics import SINGULAR_BASIS_COND, SYMMETRY_TOL
@@ -40,6 +41,12 @@ CANONICAL_FORMAT = 3
 # sum w and token_weight_sum = sum w n: Lambda~ and G carry no units of the weights).
 WEIGHTS_FORMAT = 5
 WEIGHT_ATTRS = ("weight_sum", "token_weight_sum")
+# mhla format version from which a features file may hold the canonical Gram as its distinct entries
+# only (`featurize --compact`: 'basis_gram_pairs', K of mhla_cli.symgram, and no 'gram' nor
+# 'basis_gram'; both are derived on load). Files of this version without it are as before.
+PAIRS_FORMAT = 5
+# The dataset of a compact features file (`Features.save(compact=True)`).
+PAIRS_DATASET = formats.PAIRS_DATASET
 
 
 @dataclass
@@ -239,13 +246,17 @@ class Features:
                              "rescale the data")
         return gram
 
-    def datasets(self) -> dict[str, np.ndarray | None]:
-        """The datasets of a features file (docs/formats.md)."""
+    def datasets(self, compact: bool = False) -> dict[str, np.ndarray | None]:
+        """The datasets of a features file (docs/formats.md). `compact`: the canonical Gram as its
+        distinct entries only (PAIRS_DATASET), without 'gram' and 'basis_gram'."""
         self.finalize()
         self.canonical()
-        data = {"gram": self.gram, "moments": self.moments, "target_gram": self.target_gram,
+        data = {"gram": None if compact else self.gram, "moments": self.moments, "target_gram": self.target_gram,
                 "token_gram": self.token_gram, "last_token_gram": self.last_token_gram}
         data.update(basis=self.basis, **{k: getattr(self, k) for k in self.BASIS_SUMS})
+        if compact:
+            data["basis_gram"] = None
+            data[PAIRS_DATASET] = symgram.pairs_from_gram(self.basis_gram, *self.factor_sizes())
         data.update(span_pairs=self.span_pairs, span_last=self.span_last)  # None (not written) unless reduced
         data["target_sum"] = self.target_sum  # None (not written) when unknown
         return data
@@ -313,10 +324,19 @@ class Features:
 
     # ---------------------------------------------------------------- persistence
     def save(self, path: str | os.PathLike, inputs: tuple[str | os.PathLike, ...] = (),
-             extra: dict[str, np.ndarray] | None = None, extra_attrs: dict[str, Any] | None = None) -> None:
-        """Write a features file atomically (`extra` datasets and attributes beside, e.g. per-fold sums)."""
-        formats.write_file(path, "features", {**self.datasets(), **(extra or {})},
+             extra: dict[str, np.ndarray] | None = None, extra_attrs: dict[str, Any] | None = None,
+             compact: bool = False) -> None:
+        """Write a features file atomically (`extra` datasets and attributes beside, e.g. per-fold sums);
+        `compact`: the Gram as its distinct entries only (`datasets`)."""
+        formats.write_file(path, "features", {**self.datasets(compact), **(extra or {})},
                            {**self.file_attrs(), **(extra_attrs or {})}, inputs)
+
+    def factor_sizes(self) -> tuple[int, int]:
+        """(q, r): the lengths of the pair factor and of the token factor of the basis features
+        (d(d+1)/2 and d; the spans' widths for a block), for mhla_cli.symgram."""
+        if self.reduced:
+            return int(self.span_pairs.shape[1]), int(self.span_last.shape[1])
+        return n_features(self.d) // self.d, self.d
 
     def file_attrs(self) -> dict[str, Any]:
         """The attributes of a features file (docs/formats.md)."""
@@ -346,7 +366,8 @@ class Features:
             t = formats.read_attr_int(f, "n_tokens", path)
             psi = n_features(d)
             reduced = "span_pairs" in f or "span_last" in f  # only the block on the data's spans
-            gram = None if reduced else _stored_gram(f, path, d, psi)
+            # a compact file: the own gram is derived from the basis sums when used (`finalize`)
+            gram = None if reduced else _DERIVED if PAIRS_DATASET in f else _stored_gram(f, path, d, psi)
             tg = formats.read_array(f, "token_gram", path).astype(np.float64)
             lg = formats.read_array(f, "last_token_gram", path).astype(np.float64)
             for name, arr in (("token_gram", tg), ("last_token_gram", lg)):
@@ -443,7 +464,9 @@ def _load_basis(f: h5py.File, path: str | os.PathLike, d: int, has_targets: bool
     if not names:
         return {}
     version = int(f.attrs.get("mhla_format_version", 2))
-    need = ["basis", "basis_gram"] + (["basis_moments"] if has_targets else [])
+    if PAIRS_DATASET in f:
+        names.append(PAIRS_DATASET)
+    need = ["basis", PAIRS_DATASET if PAIRS_DATASET in f else "basis_gram"] + (["basis_moments"] if has_targets else [])
     if version >= CANONICAL_FORMAT:
         need += ["basis_token_gram", "basis_last_token_gram"]
     missing = [k for k in need if k not in f]
@@ -455,11 +478,14 @@ def _load_basis(f: h5py.File, path: str | os.PathLike, d: int, has_targets: bool
         raise InputError(f"'basis' has shape {A.shape}, expected ({d}, {d})", path)
     if not np.isfinite(A).all() or basis_mod.row_scaled_cond(A) > SINGULAR_BASIS_COND:
         raise InputError("'basis' is singular; the file is corrupted", path)
-    gb = formats.read_matrix(f, "basis_gram", path)  # read in place: the one psi x psi array of a load
-    if gb.shape != (psi, psi):
-        raise InputError(f"'basis_gram' has shape {gb.shape}, expected ({psi}, {psi})", path)
-    if not _is_symmetric(gb):
-        raise InputError("'basis_gram' is not symmetric; the file is corrupted", path)
+    if PAIRS_DATASET in f:
+        gb = _read_pairs(f, path, psi // d, d)
+    else:
+        gb = formats.read_matrix(f, "basis_gram", path)  # read in place: the one psi x psi array of a load
+        if gb.shape != (psi, psi):
+            raise InputError(f"'basis_gram' has shape {gb.shape}, expected ({psi}, {psi})", path)
+        if not _is_symmetric(gb):
+            raise InputError("'basis_gram' is not symmetric; the file is corrupted", path)
     mb = None
     if has_targets:
         mb = formats.read_array(f, "basis_moments", path).astype(np.float64)
@@ -484,14 +510,21 @@ def _load_basis(f: h5py.File, path: str | os.PathLike, d: int, has_targets: bool
 
 def _load_block(f: h5py.File, path: str | os.PathLike, d: int, has_targets: bool) -> dict[str, np.ndarray | None]:
     """The basis, the data's spans and the block sums of a file featurized on the spans (format >= 4)."""
-    need = ["basis", "span_pairs", "span_last", "basis_gram", "basis_token_gram", "basis_last_token_gram"]
+    compact = PAIRS_DATASET in f
+    need = ["basis", "span_pairs", "span_last", "basis_token_gram", "basis_last_token_gram"]
     need += ["basis_moments"] if has_targets else []
-    missing = [k for k in need if k not in f]
+    missing = [k for k in [*need, PAIRS_DATASET if compact else "basis_gram"] if k not in f]
     if missing:
         raise InputError(f"holds the block on the data's spans but no {', '.join(missing)}; the file is "
                          "incomplete", path)
     q = d * (d + 1) // 2
     out: dict[str, np.ndarray | None] = {k: formats.read_array(f, k, path).astype(np.float64) for k in need}
+    if compact:
+        E, F = out["span_pairs"], out["span_last"]
+        if E.ndim == 2 and F.ndim == 2:
+            out["basis_gram"] = _read_pairs(f, path, E.shape[1], F.shape[1])
+    else:
+        out["basis_gram"] = formats.read_array(f, "basis_gram", path).astype(np.float64)
     out.setdefault("basis_moments", None)
     A, E, F = out["basis"], out["span_pairs"], out["span_last"]
     if A.shape != (d, d) or not np.isfinite(A).all() or basis_mod.row_scaled_cond(A) > SINGULAR_BASIS_COND:
@@ -512,6 +545,25 @@ def _load_block(f: h5py.File, path: str | os.PathLike, d: int, has_targets: bool
             raise InputError(f"'{name}' has shape {out[name].shape} or non-finite values, expected finite ({d}, {d})",
                              path)
     return out
+
+
+def _read_pairs(f: h5py.File, path: str | os.PathLike, q: int, r: int) -> np.ndarray:
+    """The canonical Gram (q r, q r) of a compact file, from its distinct entries (PAIRS_DATASET:
+    (q(q+1)/2, r(r+1)/2), mhla_cli.symgram), validated: format version, no 'basis_gram' beside it,
+    shape, finite values."""
+    version = int(f.attrs.get("mhla_format_version", 2))
+    if version < PAIRS_FORMAT:
+        raise InputError(f"has '{PAIRS_DATASET}' but format version {version}: the compact form exists from "
+                         f"version {PAIRS_FORMAT} on; the file is corrupted", path)
+    if "basis_gram" in f:
+        raise InputError(f"has both 'basis_gram' and '{PAIRS_DATASET}'; the file is corrupted", path)
+    K = formats.read_matrix(f, PAIRS_DATASET, path)
+    if K.shape != symgram.pairs_shape(q, r):
+        raise InputError(f"'{PAIRS_DATASET}' has shape {K.shape}, expected {symgram.pairs_shape(q, r)} (the "
+                         f"distinct entries of a ({q * r}, {q * r}) Gram)", path)
+    if not formats.all_finite(K):
+        raise InputError(f"'{PAIRS_DATASET}' contains NaN or Inf; the file is corrupted", path)
+    return symgram.gram_from_pairs(K, q, r)
 
 
 def _is_symmetric(a: np.ndarray, tile: int = 512) -> bool:

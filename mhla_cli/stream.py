@@ -5,8 +5,9 @@ Everything here is a sum over samples, so statistics of disjoint sample ranges a
 [lo, hi) and is the only place the data are read; the serial loop, worker pools
 (mhla_cli.parallel), shards and Dask all call it. Per chunk: a reader thread fetches the next chunk
 in its stored dtype, the tokens are transformed to the pass's basis (X A), the per-sequence
-(X A)^T (X A) are batched matmuls, and one syrk of the block [Ht | Y] updates the canonical sums
-together (docs/performance.md). `featurize` ends in the whitening of all the data read
+(X A)^T (X A) are batched matmuls, and the canonical sums are updated either by the Gram's
+distinct entries K = U^T V (mhla_cli.symgram: half the flops of a syrk, for d >= symgram.SYMGRAM_MIN_D)
+or by one syrk of the block [Ht | Y] (docs/performance.md). `featurize` ends in the whitening of all the data read
 (mhla_cli.basis).
 """
 
@@ -30,6 +31,7 @@ from . import device as device_mod
 from . import formats
 from . import parallel
 from . import structure as structure_mod
+from . import symgram
 from .numerics import SINGULAR_BASIS_COND
 from .factorization import POTRF_THREADED_MAX
 from .errors import InputError
@@ -211,6 +213,17 @@ def _single_blas_thread() -> Any:
     return _CONTROLLER.limit(limits=1, user_api="blas")
 
 
+def _blas_threads() -> int:
+    """The number of threads BLAS uses now (threadpoolctl; 1 when unknown)."""
+    global _CONTROLLER
+    if _CONTROLLER is None:
+        from threadpoolctl import ThreadpoolController
+
+        _CONTROLLER = ThreadpoolController()
+    counts = [int(lib.num_threads) for lib in _CONTROLLER.select(user_api="blas").lib_controllers]
+    return max(1, min(counts)) if counts else 1
+
+
 class _Accumulator:
     """Running sums of one reduction in one basis A, with reusable work buffers.
 
@@ -218,7 +231,9 @@ class _Accumulator:
     "The canonical certificate", Numerics), the features are those of X A in canonical coordinates
     (mhla_cli.basis), and the Gram of the block [Ht | Y] (B x (psi + d)) holds basis_gram,
     basis_moments and target_gram at once, so each chunk costs one syrk (numpy's `Ft @ Ft.T` on the
-    transposed block); `G` accumulates it in float64. The token Grams are accumulated both on the
+    transposed block); `G` accumulates it in float64. From symgram.SYMGRAM_MIN_D on (`_pairs`, or
+    device.DevicePairs on a device) the chunk instead adds the Gram's distinct entries K = U^T V of the
+    two factors s and x_n (mhla_cli.symgram), and `result` expands K to basis_gram exactly. The token Grams are accumulated both on the
     tokens' own coordinates (exact zeros stay zeros) and on X A.
     """
 
@@ -247,6 +262,11 @@ class _Accumulator:
         # work (S, the token Grams, the traces of a span pass) stays here
         self.device = None if traces else device
         self._dgram: Any = None
+        # the Gram's own symmetry (mhla_cli.symgram): on the host, K = U^T V of the distinct entries
+        # instead of a syrk of the materialised block, when the factors are wide enough to gain
+        self._factors = (self.psi // d, d) if spans is None else (self.spans[0].shape[1], self.spans[1].shape[1])
+        self._pairs = None if traces or self.device is not None else symgram.accumulator(
+            *self._factors, d if has_targets else 0)
         self._bufs: dict[str, np.ndarray] = {}
         j, k = pair_index(d)
         self._upper_idx = (j * d + k).astype(np.intp)
@@ -495,11 +515,22 @@ class _Accumulator:
         there."""
         if self.device is not None:
             if self._dgram is None:
-                from .device import DeviceGram
+                from .device import DeviceGram, DevicePairs
 
-                self._dgram = DeviceGram(self.device, self.width, self.nf, self.spans)
+                q, r = self._factors
+                self._dgram = (DevicePairs(self.device, q, r, self.d if self.has_targets else 0, self.spans)
+                               if symgram.use_pairs(q, r) else DeviceGram(self.device, self.width, self.nf, self.spans))
             if self.width:
                 self._dgram.add(upper_t, last_t, targets_t)
+            return
+        if self._pairs is not None:
+            if self.spans is not None:  # the block coordinates E^T s and F^T x_n
+                upper_t, last_t = self.spans[0].T @ upper_t, self.spans[1].T @ last_t
+            # a wide block shares its panels out over as many Python threads as BLAS has threads
+            # (each panel's GEMM on one BLAS thread: symgram.SymGram.add); a narrow one runs on one
+            wide = self.width >= MIN_THREADED_WIDTH
+            with contextlib.nullcontext() if wide else _single_blas_thread():
+                self._pairs.add(upper_t, last_t, targets_t, threads=_blas_threads() if wide else 1)
             return
         with _single_blas_thread():  # elementwise work and small products
             Ft = self._buf_t("F", self.width, upper_t.shape[1])
@@ -565,14 +596,22 @@ class _Accumulator:
         self._bufs.clear()
         psi, d = self.nf, self.d  # the features accumulated (all psi, or the block on the spans)
         if self._dgram is not None:
-            self.G = self._dgram.result()
-            self._dgram = None
-        G = self.G if self.G is not None else np.zeros((self.width, self.width))
-        self.G = None
-        _mirror_lower(G)
-        moments = G[:psi, psi:].copy() if self.has_targets else None
-        target_gram = G[psi:, psi:].copy() if self.has_targets else None
-        gram_b = _compact_leading(G, psi)
+            out, self._dgram = self._dgram.result(), None
+            if isinstance(out, symgram.SymGram):
+                self._pairs = out
+            else:
+                self.G = out
+        if self._pairs is not None:  # the Gram from its distinct entries (mhla_cli.symgram)
+            pairs, self._pairs = self._pairs, None
+            pairs.release_work()
+            gram_b, moments, target_gram = pairs.gram(), pairs.moments(), pairs.target_gram()
+        else:
+            G = self.G if self.G is not None else np.zeros((self.width, self.width))
+            self.G = None
+            _mirror_lower(G)
+            moments = G[:psi, psi:].copy() if self.has_targets else None
+            target_gram = G[psi:, psi:].copy() if self.has_targets else None
+            gram_b = _compact_leading(G, psi)
         token_gram = self.token_gram + self._from_basis(self._derived_token_gram)
         out = Features(d=d, n_samples=self.n_samples, n_tokens=self.n_tokens, gram=None,
                        token_gram=token_gram, last_token_gram=self.last_token_gram,
@@ -1076,7 +1115,7 @@ def solve_need(path: str | os.PathLike, ridge: float = 0.0, lowrank: bool = Fals
         with formats.open_input(path) as f:
             d = formats.read_attr_int(f, "d", path)
             n = formats.read_attr_int(f, "n_samples", path)
-            block = int(f["basis_gram"].shape[0]) if "span_pairs" in f and "basis_gram" in f else None
+            block = formats.stored_block(f)
         if block is not None and not lowrank:  # only the block on the data's spans is factorized
             kind_b = solve_kind(d, n, ridge, lowrank, command, n=block)
             return d, lambda k: (block_solve_bytes(block, kind_b) if k == d

@@ -478,3 +478,21 @@ def test_more_workers_than_cores_is_noted(tmp_path: Path, capsys: pytest.Capture
     assert err == "mhla: warning: --workers 3 is more than the 2 cores available here: the workers share them\n"
     assert run(["featurize", str(data), "-o", str(tmp_path / "g.h5"), "--workers", "2", "-q"]) == 0
     assert capsys.readouterr().err == ""
+
+
+def test_featurize_compact_certifies_and_fits_as_the_full_file(tmp_path: Path, capsys) -> None:
+    """`featurize --compact` stores the Gram's distinct entries; certify and fit read it as the full file,
+    inspect names the form, and --folds (stored whole) is refused with it."""
+    data, full, compact = tmp_path / "d.h5", tmp_path / "f.h5", tmp_path / "c.h5"
+    cli_json(capsys, ["generate", "teacher", "-o", str(data), "--dim", "3", "--heads", "2", "--n-samples", "200",
+                      "--seq-len", "1:12", "--dtype", "float64", "--json", "-q"])
+    assert cli_json(capsys, ["featurize", str(data), "-o", str(full), "--json", "-q"])["compact"] is False
+    assert cli_json(capsys, ["featurize", str(data), "-o", str(compact), "--compact", "--json", "-q"])["compact"]
+    assert compact.stat().st_size < full.stat().st_size
+    a, b = (cli_json(capsys, ["certify", str(p), "--json", "-q"]) for p in (full, compact))
+    assert a["identifiable"] == b["identifiable"] and a["rank"] == b["rank"]
+    assert abs(a["lambda_min"] - b["lambda_min"]) <= 1e-12 * a["lambda_max"]
+    forms = [cli_json(capsys, ["inspect", str(p), "--json"])["gram_form"] for p in (full, compact)]
+    assert forms == ["full", "compact"]
+    assert run(["featurize", str(data), "-o", str(tmp_path / "x.h5"), "--compact", "--folds", "3"]) == 2
+    assert "--compact and --folds" in capsys.readouterr().err

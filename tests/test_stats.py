@@ -14,7 +14,7 @@ import pytest
 from _reference import canonical, ratio
 from mhla_cli import basis
 from mhla_cli.errors import InputError
-from mhla_cli.stats import Features
+from mhla_cli.stats import PAIRS_DATASET, PAIRS_FORMAT, Features
 from mhla_cli.stream import chunk_features
 
 
@@ -212,3 +212,78 @@ def test_load_refuses_broken_weight_totals(tmp_path: Path, attr: str, value, mat
             f.attrs[attr] = value
     with pytest.raises(InputError, match=match):
         Features.load(path)
+
+
+# ---------------------------------------------------------------- the compact file (featurize --compact)
+
+
+def _compact_pair(tmp_path: Path) -> tuple[Features, Path, Path]:
+    X, off, y = _data(6, n=80, d=3)
+    feats = chunk_features(X, off, y, 3)
+    full, compact = tmp_path / "full.h5", tmp_path / "compact.h5"
+    feats.save(full)
+    feats.save(compact, compact=True)
+    return feats, full, compact
+
+
+def test_compact_file_holds_the_distinct_entries_and_reads_back_the_same(tmp_path: Path) -> None:
+    from conftest import assert_same_stats
+
+    feats, full, compact = _compact_pair(tmp_path)
+    with h5py.File(compact, "r") as f:
+        assert "gram" not in f and "basis_gram" not in f
+        assert f[PAIRS_DATASET].shape == (21, 6)  # (q(q+1)/2, d(d+1)/2), q = 6: 126 of psi^2 = 324 numbers
+        assert int(f.attrs["mhla_format_version"]) >= PAIRS_FORMAT
+    a, b = Features.load(full), Features.load(compact)
+    assert ratio(b.basis_gram, a.basis_gram) < 1e-15 and np.array_equal(b.basis_gram, b.basis_gram.T)
+    assert_same_stats(a, b, tol=1e-13)  # gram derived on read; counts, sums and the canonical spectra
+    assert ratio(b.gram, feats.gram) < 1e-13
+
+
+def test_a_version_4_file_reads_as_before(tmp_path: Path) -> None:
+    """Files of the format before the compact form (version 4: 'gram' and 'basis_gram') still read."""
+    from conftest import assert_same_stats
+
+    feats, full, _ = _compact_pair(tmp_path)
+    with h5py.File(full, "r+") as f:
+        f.attrs["mhla_format_version"] = PAIRS_FORMAT - 1
+    assert_same_stats(Features.load(full), feats, tol=1e-13)
+
+
+def test_a_compact_block_on_the_spans_reads_back(tmp_path: Path) -> None:
+    from mhla_cli.stream import featurize
+
+    rng = np.random.default_rng(3)
+    off = np.concatenate([[0], np.cumsum(rng.integers(1, 8, size=50))])
+    X = rng.standard_normal((int(off[-1]), 3))
+    X[:, 2] = X[:, 0] + X[:, 1]
+    src = tmp_path / "t.h5"
+    with h5py.File(src, "w") as f:
+        f["tokens"], f["offsets"], f["targets"] = X, off, rng.standard_normal((50, 3))
+    red = featurize(src, spans="on")
+    assert red.reduced
+    red.save(tmp_path / "b.h5", compact=True)
+    back = Features.load(tmp_path / "b.h5")
+    assert back.reduced and ratio(back.basis_gram, red.basis_gram) < 1e-15
+    assert ratio(back.basis_moments, red.basis_moments) < 1e-15
+
+
+@pytest.mark.parametrize("change,match", [
+    (lambda f: _replace(f, PAIRS_DATASET, f[PAIRS_DATASET][()][:-1]), "shape"),
+    (lambda f: _replace(f, PAIRS_DATASET, f[PAIRS_DATASET][()] * np.nan), "NaN"),
+    (lambda f: _replace(f, "basis_gram", np.eye(18)), "both"),
+    (lambda f: f.attrs.__setitem__("mhla_format_version", PAIRS_FORMAT - 1), "format version"),
+    (lambda f: f.__delitem__(PAIRS_DATASET), "gram"),
+])
+def test_load_refuses_each_broken_compact_file(tmp_path: Path, change, match: str) -> None:
+    _, _, compact = _compact_pair(tmp_path)
+    with h5py.File(compact, "r+") as f:
+        change(f)
+    with pytest.raises(InputError, match=match):
+        Features.load(compact)
+
+
+def _replace(f: h5py.File, name: str, value: np.ndarray) -> None:
+    if name in f:
+        del f[name]
+    f[name] = value

@@ -37,6 +37,9 @@ def featurize_cmd(
                                        "span{S_i} (x) span{x_n} (the rest are exact nulls): auto (psi >= 2048 and "
                                        "they hold at most half the features; a cheap first pass finds them), on, off.")] = "auto",
     device: DeviceOpt = "cpu",
+    compact: Annotated[bool, typer.Option("--compact", help="Store the canonical Gram as its distinct entries "
+                                          "only (about a quarter of the numbers; no 'gram' / 'basis_gram' "
+                                          "datasets: mhla derives them on read, docs/formats.md).")] = False,
     json_out: JsonOpt = False,
     quiet: QuietOpt = False,
 ) -> None:
@@ -63,6 +66,8 @@ def featurize_cmd(
     dev = check_device(device, data)
     if dev is not None and folds is not None:
         raise InputError("--folds runs on the CPU: featurize the folds without --device")
+    if compact and folds is not None:
+        raise InputError("--compact and --folds cannot be combined (the folds' sums are stored whole)")
     check_hdf5_output(output, (data,), "a features file")
     if scheduler is not None:
         require_dask(scheduler)
@@ -82,7 +87,7 @@ def featurize_cmd(
     if folds is not None:
         save_with_folds(feats, fold_feats, output, inputs=(data,))
     else:
-        feats.save(output, inputs=(data,))
+        feats.save(output, inputs=(data,), compact=compact)
     psi = feats.n_features
     say(f"wrote {output}: d = {feats.d}, psi = {psi} features, N = {feats.n_samples} "
         + ("positions (causal)" if feats.per_position else "samples") + f", {feats.n_tokens} tokens"
@@ -103,7 +108,7 @@ def featurize_cmd(
                    "span_passes": int(feats.extra_attrs.get("span_passes", 0)), "n_samples": feats.n_samples,
                    "n_tokens": feats.n_tokens, "has_targets": feats.has_targets,
                    "per_position": feats.per_position, "normalize": feats.normalize,
-                   "n_sequences": feats.n_sequences, "basis_passes": passes,
+                   "n_sequences": feats.n_sequences, "basis_passes": passes, "compact": compact,
                    "sample_range": list(feats.sample_range) if feats.sample_range else None})
 
 

@@ -1,0 +1,217 @@
+"""The Gram of the cubic features from its distinct entries: K = U^T V (BACKGROUND.md, "The Gram's own symmetry").
+
+A feature vector is h = s (x) x (s: the q pair entries of S, scaled as the caller wants; x: the d
+entries of the last token), so
+
+    Gram[(a,l),(b,m)] = sum_i w_i s_ia s_ib x_il x_im
+
+is symmetric in (a, b) and in (l, m) separately: its distinct entries are the
+q(q+1)/2 x d(d+1)/2 matrix
+
+    K[(a<=b), (l<=m)] = sum_i U[i,(a<=b)] V[i,(l<=m)],   U[i,(a,b)] = s_ia s_ib,  V[i,(l,m)] = x_il x_im,
+
+one GEMM of N psi^2 / 2 flops against the N psi^2 of a syrk on the materialised features. U is
+formed panel by panel (the rows (a, b >= a) of U^T are the contiguous product s_a * s_a:), in a
+reused buffer small enough to stay in cache. `gram_from_pairs` expands K to the (q d, q d) Gram
+(the diagonal pairs a = b and l = m included), `pairs_from_gram` takes it back. The moments
+sum_i w_i h_i y_i^T and the target Gram are accumulated beside K (`SymGram`).
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+
+import numpy as np
+
+__all__ = ["SYMGRAM_MIN_D", "SymGram", "accumulator", "gram_from_pairs", "n_pairs", "pair_positions",
+           "pairs_from_gram", "pairs_shape", "use_pairs"]
+
+# Token dimension (the length of the token factor x; on the data's spans, both factors' widths) from
+# which the reduction accumulates K rather than one dsyrk of the materialised [H | Y] block.
+# Measured on this machine (AMD EPYC, 2 cores shared with other jobs, load average 6-8; one chunk of
+# 2048 rows, one BLAS thread; `python benchmarks/bench_gflops.py --kernel 6 8 10 12 16`, five runs
+# with panels of 256 KiB .. 32 MiB): K / dsyrk = 1.45-2.03 at d = 6, 0.98-1.92 at d = 8, 0.88-1.21 at
+# d = 10, 0.83-1.22 (median 0.99) at d = 12, 0.58-0.76 at d = 16; a sixth run at load 2.2
+# (`--kernel 8 10 12 16 24 --repeat 5`): 1.07, 1.00, 0.82, 0.70 and 0.59 at d = 24. Below d = 12
+# the loop over the panels, the separate moments GEMM and the formation of U cost more than the
+# syrk flops they save.
+SYMGRAM_MIN_D = 12
+# Bytes of one panel of U^T (the rows (a, b >= a) of consecutive a, merged until the panel holds
+# about this much): one GEMM per panel. Large panels, because every BLAS call with several threads
+# pays a wait for the cores when the machine is shared: measured on 2 shared cores (load 7-8, d = 16,
+# N = 6000, featurize in-process, 2 BLAS threads) one panel per a-block (136 GEMMs per chunk of 4096
+# rows) took 24-26 s against 3.1-4.7 s with 1024-4096 rows per panel; with one thread panels of
+# 256 KiB .. 32 MiB were alike (the spread between runs was larger than the differences). A wide
+# block's panels then go over Python threads, one BLAS thread each (`SymGram.add`'s `threads`): at
+# d = 24, N = 2000 the update took 1.7-2.5 s against 5.4-5.6 s for the syrk of the same run.
+PAIRS_PANEL_BYTES = 32 * 2**20
+
+
+def n_pairs(n: int) -> int:
+    """n (n + 1) / 2: the distinct entries (a <= b) of a symmetric n x n matrix."""
+    return n * (n + 1) // 2
+
+
+def pairs_shape(q: int, d: int) -> tuple[int, int]:
+    """The shape (q(q+1)/2, d(d+1)/2) of K for pair factors of length q and token factors of length d."""
+    return n_pairs(q), n_pairs(d)
+
+
+@lru_cache(maxsize=64)
+def pair_positions(n: int) -> np.ndarray:
+    """(n, n) intp: the position of the pair (min(a, b), max(a, b)) in the upper-triangle order
+    (a, then b >= a) of n entries."""
+    a, b = np.triu_indices(n)
+    idx = np.empty((n, n), dtype=np.intp)
+    pos = np.arange(a.size, dtype=np.intp)
+    idx[a, b] = pos
+    idx[b, a] = pos
+    idx.setflags(write=False)
+    return idx
+
+
+def _pair_products(f: np.ndarray, out: np.ndarray) -> None:
+    """out[(a<=b), :] = f[a] * f[b] for f (n, R) C-contiguous; out (n(n+1)/2, R)."""
+    n = f.shape[0]
+    r = 0
+    for a in range(n):
+        np.multiply(f[a], f[a:], out=out[r:r + n - a])
+        r += n - a
+
+
+class SymGram:
+    """Running K, moments and target Gram of rows h_i = s_i (x) x_i (weights folded in by the caller:
+    sqrt(w) x and sqrt(w) y give w h h^T).
+
+    `add(s_t, x_t, y_t)` takes one chunk transposed: s_t (q, R), x_t (d, R), y_t (n_targets, R) or
+    None, float64 (every elementwise loop runs over the R samples). Per chunk: V^T (d(d+1)/2, R) once,
+    then for each panel of rows (a, b >= a) of U^T (whole a-blocks, about PAIRS_PANEL_BYTES, in one
+    reused buffer) one GEMM K[panel] += U^T[panel] V; moments += s (x) (x y^T) as one GEMM s_t @ Z^T with
+    Z = x (x) y (d n_targets, R).
+    """
+
+    def __init__(self, q: int, d: int, n_targets: int = 0) -> None:
+        self.q, self.d, self.t = int(q), int(d), int(n_targets)
+        self.K = np.zeros(pairs_shape(self.q, self.d))
+        self.M = np.zeros((self.q, self.d * self.t)) if self.t else None  # moments (a, l, target)
+        self.Y = np.zeros((self.t, self.t)) if self.t else None
+        self._work: dict[str, np.ndarray] = {}
+
+    def _buf(self, name: str, rows: int, cols: int) -> np.ndarray:
+        size = rows * cols
+        buf = self._work.get(name)
+        if buf is None or buf.size < size:
+            buf = self._work[name] = np.empty(size)
+        return buf[:size].reshape(rows, cols)
+
+    def add(self, s_t: np.ndarray, x_t: np.ndarray, y_t: np.ndarray | None = None, threads: int = 1) -> None:
+        """Add the chunk's rows (module docstring); s_t (q, R), x_t (d, R), y_t (d, R) or None.
+
+        `threads` > 1: the panels are shared out over that many Python threads, each forming its panels
+        in its own buffer and running their GEMMs on one BLAS thread (numpy and BLAS release the GIL):
+        the memory-bound formation of U runs in parallel too, and no BLAS call waits for a second core.
+        The sums do not depend on it (each panel is one GEMM into its own rows of K)."""
+        q, d = self.q, self.d
+        R = s_t.shape[1]
+        if R == 0 or q == 0 or d == 0:
+            return
+        s_t = np.ascontiguousarray(s_t, dtype=np.float64)
+        x_t = np.ascontiguousarray(x_t, dtype=np.float64)
+        Vt = self._buf("V", n_pairs(d), R)
+        _pair_products(x_t, Vt)
+        # panels of the rows (a, b >= a) of U^T: whole a-blocks, merged up to about PAIRS_PANEL_BYTES
+        limit = max(1, PAIRS_PANEL_BYTES // (8 * R))
+        panels = []  # (a, a1, first row of K, rows)
+        a, row = 0, 0
+        while a < q:
+            a1, rows = a, 0
+            while a1 < q and (rows == 0 or rows + (q - a1) <= limit):
+                rows += q - a1
+                a1 += 1
+            panels.append((a, a1, row, rows))
+            row += rows
+            a = a1
+        n = max(1, min(int(threads), len(panels)))
+
+        def run(part: int) -> None:
+            P0 = self._buf(f"U{part}", min(n_pairs(q), limit + q), R)
+            for a, a1, row, rows in panels[part::n]:
+                P = P0[:rows]
+                r = 0
+                for c in range(a, a1):
+                    np.multiply(s_t[c], s_t[c:], out=P[r:r + q - c])
+                    r += q - c
+                self.K[row:row + rows] += P @ Vt.T
+        if n == 1:
+            run(0)
+        else:
+            from concurrent.futures import ThreadPoolExecutor
+
+            from threadpoolctl import threadpool_limits
+
+            with threadpool_limits(limits=1, user_api="blas"), ThreadPoolExecutor(n) as pool:
+                list(pool.map(run, range(n)))
+        if self.M is not None and y_t is not None:
+            Z = self._buf("Z", d * self.t, R).reshape(d, self.t, R)
+            np.multiply(x_t[:, None, :], y_t[None, :, :], out=Z)
+            self.M += s_t @ Z.reshape(d * self.t, R).T
+            self.Y += y_t @ y_t.T
+
+    def release_work(self) -> None:
+        """Free the per-chunk work buffers (before the Gram is expanded)."""
+        self._work.clear()
+
+    def gram(self) -> np.ndarray:
+        """The (q d, q d) Gram of the rows (exactly symmetric), from K."""
+        return gram_from_pairs(self.K, self.q, self.d)
+
+    def moments(self) -> np.ndarray | None:
+        """sum_i w_i h_i y_i^T, (q d, n_targets) (feature order: a, then l fastest)."""
+        return None if self.M is None else self.M.reshape(self.q * self.d, self.t).copy()
+
+    def target_gram(self) -> np.ndarray | None:
+        """sum_i w_i y_i y_i^T, (n_targets, n_targets)."""
+        return None if self.Y is None else 0.5 * (self.Y + self.Y.T)
+
+
+def gram_from_pairs(K: np.ndarray, q: int, d: int, out: np.ndarray | None = None) -> np.ndarray:
+    """The (q d, q d) Gram from its distinct entries K (q(q+1)/2, d(d+1)/2): Gram[(a,l),(b,m)] =
+    K[(min(a,b), max(a,b)), (min(l,m), max(l,m))], written one row block a at a time (no
+    temporaries of the Gram's size). Exactly symmetric."""
+    K = np.asarray(K, dtype=np.float64)
+    if K.shape != pairs_shape(q, d):
+        raise ValueError(f"K has shape {K.shape}, expected {pairs_shape(q, d)}")
+    n = q * d
+    G = np.empty((n, n)) if out is None else out
+    Pq, Pd = pair_positions(q), pair_positions(d)
+    rows = np.empty((q, K.shape[1]))
+    for a in range(q):
+        np.take(K, Pq[a], axis=0, out=rows)  # (q, d(d+1)/2): the pairs (a, b) for every b, in cache
+        for l in range(d):  # row (a, l) of G, contiguous: G[(a,l), (b,m)] = rows[b, (l, m)]
+            np.take(rows, Pd[l], axis=1, out=G[a * d + l].reshape(q, d))
+    return G
+
+
+def pairs_from_gram(G: np.ndarray, q: int, d: int) -> np.ndarray:
+    """The distinct entries K (q(q+1)/2, d(d+1)/2) of a (q d, q d) Gram of rows s (x) x (the inverse
+    of `gram_from_pairs`; of a Gram without that symmetry it returns the upper entries of each block)."""
+    G4 = np.asarray(G).reshape(q, d, q, d)
+    a, b = np.triu_indices(q)
+    lo, mo = np.triu_indices(d)
+    K = np.empty(pairs_shape(q, d))
+    for r0 in range(0, a.size, 256):
+        r1 = min(a.size, r0 + 256)
+        blocks = G4[a[r0:r1], :, b[r0:r1], :]  # (rows, d, d)
+        K[r0:r1] = blocks[:, lo, mo]
+    return K
+
+
+def use_pairs(q: int, d: int) -> bool:
+    """Accumulate K (rather than a syrk of the materialised rows) for factors of lengths q and d:
+    both at least SYMGRAM_MIN_D."""
+    return min(q, d) >= SYMGRAM_MIN_D
+
+
+def accumulator(q: int, d: int, n_targets: int = 0) -> SymGram | None:
+    """A SymGram for factors of lengths q and d when `use_pairs` says it gains, else None (syrk)."""
+    return SymGram(q, d, n_targets) if use_pairs(q, d) else None

@@ -1,0 +1,277 @@
+"""The Gram from its distinct entries (mhla_cli.symgram): K = U^T V on every path of the reduction,
+against materialised features in plain numpy (tests/_reference.py)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import h5py
+import numpy as np
+import pytest
+
+import _reference as ref
+from conftest import assert_same_stats, relerr, write_tokens
+from mhla_cli import featurize, stream, symgram
+from mhla_cli.tokens import inspect_tokens
+
+# the gram derived from K against the materialised reference (issue 24)
+TOL = 1e-13
+
+
+@pytest.fixture(params=["pairs", "syrk"])
+def kernel(request, monkeypatch) -> str:
+    """Run a test with the reduction on K for every d ("pairs") and on the syrk for every d."""
+    monkeypatch.setattr(symgram, "SYMGRAM_MIN_D", 1 if request.param == "pairs" else 10**9)
+    return request.param
+
+
+# ---------------------------------------------------------------- the kernel
+
+
+@pytest.mark.parametrize("panel", [8, 8 * 7 * 9, None])  # one a-block per GEMM, a few merged, all in one
+@pytest.mark.parametrize("q,d,t", [(1, 1, 1), (3, 2, 2), (6, 3, 0), (10, 4, 4), (4, 2, 3), (21, 6, 6)])
+def test_kernel_equals_materialised_rows(q: int, d: int, t: int, panel: int | None, monkeypatch) -> None:
+    if panel is not None:
+        monkeypatch.setattr(symgram, "PAIRS_PANEL_BYTES", panel)
+    rng = np.random.default_rng(q * 31 + d)
+    sg = symgram.SymGram(q, d, t)
+    rows, ys = [], []
+    for R in (7, 0, 1, 40):  # chunks of several sizes, an empty one among them
+        s, x, y = rng.standard_normal((q, R)), rng.standard_normal((d, R)), rng.standard_normal((t, R))
+        sg.add(s, x, y if t else None)
+        rows.append((s[:, None, :] * x[None, :, :]).reshape(q * d, R))
+        ys.append(y)
+    H, Y = np.hstack(rows), np.hstack(ys)
+    G = sg.gram()
+    assert np.array_equal(G, G.T)  # exactly symmetric by construction
+    assert relerr(G, H @ H.T) < TOL
+    if t:
+        assert relerr(sg.moments(), H @ Y.T) < TOL and relerr(sg.target_gram(), Y @ Y.T) < TOL
+    else:
+        assert sg.moments() is None and sg.target_gram() is None
+    assert np.array_equal(symgram.pairs_from_gram(G, q, d), sg.K)
+    assert sg.K.shape == symgram.pairs_shape(q, d) == (q * (q + 1) // 2, d * (d + 1) // 2)
+
+
+def test_panels_over_python_threads_give_the_same_sums(monkeypatch) -> None:
+    """`threads`: the panels shared out over Python threads (one BLAS thread each) give the same K,
+    bit for bit, as one thread on one BLAS thread."""
+    from threadpoolctl import threadpool_limits
+
+    monkeypatch.setattr(symgram, "PAIRS_PANEL_BYTES", 8 * 30 * 9)  # several panels for each thread
+    rng = np.random.default_rng(9)
+    s, x, y = rng.standard_normal((21, 30)), rng.standard_normal((6, 30)), rng.standard_normal((6, 30))
+    one, many = symgram.SymGram(21, 6, 6), symgram.SymGram(21, 6, 6)
+    with threadpool_limits(limits=1, user_api="blas"):
+        one.add(s, x, y)
+    many.add(s, x, y, threads=3)
+    assert np.array_equal(one.K, many.K) and np.array_equal(one.M, many.M)
+    H = (s[:, None, :] * x[None, :, :]).reshape(126, 30)
+    assert relerr(many.gram(), H @ H.T) < TOL
+
+
+def test_gram_from_pairs_refuses_a_wrong_shape() -> None:
+    with pytest.raises(ValueError, match="shape"):
+        symgram.gram_from_pairs(np.zeros((3, 4)), 2, 2)
+
+
+def test_pair_positions_is_the_upper_triangle_order() -> None:
+    P = symgram.pair_positions(4)
+    a, b = np.triu_indices(4)
+    assert np.array_equal(P[a, b], np.arange(a.size)) and np.array_equal(P, P.T)
+
+
+def test_rule_uses_pairs_from_the_measured_width() -> None:
+    m = symgram.SYMGRAM_MIN_D
+    assert symgram.use_pairs(m * (m + 1) // 2, m) and not symgram.use_pairs(m * m, m - 1)
+    assert symgram.accumulator(m * (m + 1) // 2, m - 1) is None
+    assert isinstance(symgram.accumulator(m * (m + 1) // 2, m, m), symgram.SymGram)
+
+
+# ---------------------------------------------------------------- the reduction against the reference
+
+
+def _reference_gram(X: np.ndarray, off: np.ndarray, A: np.ndarray, per_position: bool, w: np.ndarray | None,
+                    normalize: str, y: np.ndarray | None, spans: tuple[np.ndarray, np.ndarray] | None = None
+                    ) -> tuple[np.ndarray, np.ndarray | None, int]:
+    """sum w Ht Ht^T and sum w Ht y^T of the canonical features of X A (or of their block on `spans`)."""
+    rows, ws, ts = [], [], []
+    for Xs, wt, r in ref.samples(X, off, per_position, w):
+        if wt > 0:
+            h = ref.canonical_features(Xs @ A, normalize)
+            if spans is not None:
+                E, F = spans
+                d = X.shape[1]
+                h = (E.T @ h.reshape(-1, d) @ F).reshape(-1)  # (E^T s) (x) (F^T x_n)
+            rows.append(h)
+            ws.append(wt)
+            ts.append(r)
+    H, wv = np.stack(rows), np.array(ws)
+    M = None if y is None else (H * wv[:, None]).T @ y[ts]
+    return (H * wv[:, None]).T @ H, M, len(rows)
+
+
+def _data(kind: str, d: int, rng: np.random.Generator) -> dict[str, np.ndarray]:
+    """Tokens files of every kind the reduction reads."""
+    if kind == "dense":
+        return {"tokens": rng.standard_normal((23, 4, d)), "targets": rng.standard_normal((23, d))}
+    if kind == "single":
+        return {"tokens": rng.standard_normal((5, d)), "offsets": np.array([0, 5]),
+                "targets": rng.standard_normal((1, d))}
+    lengths = rng.integers(1, 9, size=31)
+    off = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+    X = rng.standard_normal((int(off[-1]), d)).astype(np.float32)
+    out = {"tokens": X, "offsets": off}
+    if kind in ("ragged", "weighted"):
+        out["targets"] = rng.standard_normal((31, d))
+    if kind == "weighted":
+        w = rng.random(31) * 2
+        w[::3] = 0.0  # weights with zeros
+        out["weights"] = w
+    if kind in ("causal", "causal-weighted"):
+        out["targets"] = rng.standard_normal((X.shape[0], d))
+    if kind == "causal-weighted":
+        w = rng.random(X.shape[0])
+        w[::4] = 0.0
+        out["weights"] = w
+    return out
+
+
+def _write(path: Path, data: dict[str, np.ndarray]) -> Path:
+    with h5py.File(path, "w") as f:
+        for k, v in data.items():
+            f[k] = v
+    return path
+
+
+KINDS = ["dense", "ragged", "weighted", "causal", "causal-weighted", "single"]
+
+
+@pytest.mark.parametrize("normalize", ["none", "length"])
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("d", [1, 2, 3])
+def test_reduction_equals_the_reference(tmp_path: Path, kernel: str, kind: str, d: int, normalize: str) -> None:
+    rng = np.random.default_rng(d * 7 + KINDS.index(kind))
+    data = _data(kind, d, rng)
+    info = inspect_tokens(_write(tmp_path / "t.h5", data))
+    A = np.linalg.qr(rng.standard_normal((d, d)))[0] * 1.5 + 0.1 * np.eye(d)  # a basis with a transform
+    X = data["tokens"].reshape(-1, d).astype(np.float64)
+    off = data.get("offsets", np.arange(data["tokens"].shape[0] + 1) * (data["tokens"].shape[1]
+                                                                       if data["tokens"].ndim == 3 else 1))
+    y = data["targets"].reshape(-1, d)
+    G, M, n = _reference_gram(X, off, A, info.per_position, data.get("weights"), normalize, y)
+    for chunk in (3, None):  # several chunks (the empty chunks of zero weights among them), one chunk
+        f = stream.reduce_span(info, (0, info.n_samples), chunk, normalize=normalize, basis=A, finalize=False)
+        assert f.n_samples == n
+        assert relerr(f.basis_gram, G) < TOL and relerr(f.basis_moments, M) < TOL
+        assert np.array_equal(f.basis_gram, f.basis_gram.T)
+
+
+@pytest.mark.parametrize("kind", ["ragged", "causal-weighted"])
+def test_reduction_on_spans_equals_the_reference(tmp_path: Path, kernel: str, kind: str) -> None:
+    d = 3
+    rng = np.random.default_rng(5)
+    data = _data(kind, d, rng)
+    info = inspect_tokens(_write(tmp_path / "t.h5", data))
+    E = np.linalg.qr(rng.standard_normal((6, 4)))[0]
+    F = np.linalg.qr(rng.standard_normal((3, 2)))[0]
+    X = data["tokens"].astype(np.float64)
+    G, M, n = _reference_gram(X, data["offsets"], np.eye(d), info.per_position, data.get("weights"), "none",
+                              data["targets"], spans=(E, F))
+    f = stream.reduce_span(info, (0, info.n_samples), 4, basis=np.eye(d), finalize=False, spans=(E, F))
+    assert f.reduced and f.n_samples == n
+    assert relerr(f.basis_gram, G) < TOL and relerr(f.basis_moments, M) < TOL
+
+
+def test_empty_span_and_all_zero_weights(tmp_path: Path, kernel: str) -> None:
+    rng = np.random.default_rng(8)
+    data = _data("weighted", 2, rng)
+    data["weights"][:10] = 0.0
+    info = inspect_tokens(_write(tmp_path / "t.h5", data))
+    empty = stream.reduce_span(info, (4, 4), basis=np.eye(2), finalize=False)
+    zero = stream.reduce_span(info, (0, 10), 3, basis=np.eye(2), finalize=False)  # every weight 0
+    for f in (empty, zero):
+        assert f.n_samples == 0 and not f.basis_gram.any() and not f.basis_moments.any()
+        assert f.basis_gram.shape == (6, 6)  # psi = d^2 (d + 1) / 2
+
+
+def test_at_the_rule_width_without_forcing(tmp_path: Path) -> None:
+    """d = SYMGRAM_MIN_D takes the K path by itself; it equals the reference and the syrk path."""
+    d = symgram.SYMGRAM_MIN_D
+    rng = np.random.default_rng(3)
+    lengths = rng.integers(1, 6, size=40)
+    off = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+    X, y = rng.standard_normal((int(off[-1]), d)), rng.standard_normal((40, d))
+    w = rng.random(40)
+    w[::5] = 0.0
+    path = _write(tmp_path / "t.h5", {"tokens": X, "offsets": off, "targets": y, "weights": w})
+    info = inspect_tokens(path)
+    acc = stream._Accumulator(d, True)
+    assert acc._pairs is not None
+    G, M, n = _reference_gram(X, off, np.eye(d), False, w, "none", y)
+    f = stream.reduce_span(info, (0, 40), 7, basis=np.eye(d), finalize=False)
+    assert relerr(f.basis_gram, G) < TOL and relerr(f.basis_moments, M) < TOL and f.n_samples == n
+
+
+def test_featurize_paths_equal_the_syrk(tmp_path: Path, monkeypatch) -> None:
+    """Serial, shards, workers and the spans of featurize: K and the syrk give the same statistics."""
+    rng = np.random.default_rng(4)
+    lengths = rng.integers(1, 12, size=60)
+    off = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+    X = rng.standard_normal((int(off[-1]), 3))
+    X[:, 2] = X[:, 0] - X[:, 1]  # tokens in a 2-d subspace: the data have spans
+    path = write_tokens(tmp_path / "t.h5", X, off, rng.standard_normal((60, 3)))
+    runs = {}
+    for rule in (1, 10**9):
+        monkeypatch.setattr(symgram, "SYMGRAM_MIN_D", rule)
+        serial = featurize(path, chunk_size=9)
+        sharded = featurize(path, shard=(0, 2), chunk_size=7) + featurize(path, shard=(1, 2), chunk_size=7)
+        pooled = featurize(path, workers=2, chunk_size=11)
+        on_spans = featurize(path, spans="on", chunk_size=9)
+        runs[rule] = (serial, sharded, pooled, on_spans)
+    for a, b in zip(*runs.values()):
+        if a.reduced:
+            assert relerr(a.basis_gram, b.basis_gram) < 1e-12
+        else:
+            assert_same_stats(a, b)
+
+
+@pytest.mark.parametrize("kind", ["dense", "weighted", "causal-weighted", "single"])
+def test_device_reduction_equals_the_reference(tmp_path: Path, kernel: str, kind: str) -> None:
+    """The torch backend (device.DevicePairs for K, device.DeviceGram for the syrk form)."""
+    pytest.importorskip("torch")
+    d = 3
+    rng = np.random.default_rng(11 + KINDS.index(kind))
+    data = _data(kind, d, rng)
+    info = inspect_tokens(_write(tmp_path / "t.h5", data))
+    X = data["tokens"].reshape(-1, d).astype(np.float64)
+    off = data.get("offsets", np.arange(data["tokens"].shape[0] + 1) * (data["tokens"].shape[1]
+                                                                       if data["tokens"].ndim == 3 else 1))
+    G, M, n = _reference_gram(X, off, np.eye(d), info.per_position, data.get("weights"), "length",
+                              data["targets"].reshape(-1, d))
+    f = stream.reduce_span(info, (0, info.n_samples), 5, normalize="length", basis=np.eye(d), finalize=False,
+                           device="torch:cpu")
+    assert f.n_samples == n and relerr(f.basis_gram, G) < TOL and relerr(f.basis_moments, M) < TOL
+    E = np.linalg.qr(rng.standard_normal((6, 3)))[0]
+    F = np.linalg.qr(rng.standard_normal((3, 2)))[0]
+    Gs, Ms, _ = _reference_gram(X, off, np.eye(d), info.per_position, data.get("weights"), "none",
+                                data["targets"].reshape(-1, d), spans=(E, F))
+    g = stream.reduce_span(info, (0, info.n_samples), 5, basis=np.eye(d), finalize=False, spans=(E, F),
+                           device="torch:cpu")
+    assert relerr(g.basis_gram, Gs) < TOL and relerr(g.basis_moments, Ms) < TOL
+
+
+def test_a_wide_block_with_threaded_panels_equals_the_syrk(tmp_path: Path, monkeypatch) -> None:
+    """d = 13 (psi + d >= stream.MIN_THREADED_WIDTH): the panels go over Python threads; the statistics
+    equal those of the syrk path."""
+    d = 13
+    assert symgram.n_pairs(d) * d + d >= stream.MIN_THREADED_WIDTH
+    rng = np.random.default_rng(12)
+    X, y = rng.standard_normal((150, 4, d)), rng.standard_normal((150, d))
+    path = write_tokens(tmp_path / "w.h5", X, None, y)
+    monkeypatch.setattr(stream, "_blas_threads", lambda: 2)  # two threads even on a one-core runner
+    monkeypatch.setattr(symgram, "PAIRS_PANEL_BYTES", 8 * 150 * 2000)  # several panels per thread
+    a = featurize(path, chunk_size=60, spans="off")
+    monkeypatch.setattr(symgram, "SYMGRAM_MIN_D", 10**9)
+    b = featurize(path, chunk_size=60, spans="off")
+    assert_same_stats(a, b)
