@@ -118,7 +118,7 @@ def observed_eigenvalues(tokens: np.ndarray, offsets: np.ndarray, A: np.ndarray,
     """The observed-domain spectrum (docs/formats.md, "The observed domain"), materialised: orthonormal
     bases B, C of the whitened spans of all tokens and of the last tokens (singular values above rel_tol
     of the largest), the features upper(B^T S_A B) (sqrt 2 off the diagonal) (x) C^T A^T x_n of every
-    sample of weight > 0 (S / n with normalize="length"), and the eigenvalues of (1/N) sum w Ht' Ht'^T;
+    sample of weight > 0 (S / n with normalize="length"), and the eigenvalues of sum w Ht' Ht'^T / sum w;
     with dim U and dim U_n."""
     tokens = np.asarray(tokens, dtype=np.float64)
     smp = [(X @ A, w) for X, w, _ in samples(tokens, offsets, per_position, weights) if w > 0]
@@ -137,4 +137,4 @@ def observed_eigenvalues(tokens: np.ndarray, offsets: np.ndarray, A: np.ndarray,
         rows.append(np.kron(upper, X[-1] @ C))
     H = np.array(rows)
     w = np.array([w for _, w in smp])
-    return np.linalg.eigvalsh((H * w[:, None]).T @ H / len(smp)), r, C.shape[1]
+    return np.linalg.eigvalsh((H * w[:, None]).T @ H / w.sum()), r, C.shape[1]  # weights without units

@@ -318,10 +318,9 @@ def test_device_certificates_equal_the_materialised_reference(kind: str, tmp_pat
     full = solve.certify(feats, device=DEV)
     wr = ref["eigenvalues"]
     tol = wr.size * np.finfo(np.float64).eps * wr[-1]
-    # a scale of Lambda~ (1/N or 1/sum w) moves every eigenvalue alike: compare lambda_max, then the ratios
+    # Lambda~ = sum w Ht Ht^T / sum w in both (weights without units): the same scale
     scale = full.lambda_max / wr[-1]
-    if w is None or kind == "per_position":
-        assert abs(scale - 1) <= 1e-10
+    assert abs(scale - 1) <= 1e-10
     assert not full.identifiable and full.rank == int((wr > tol).sum())
     obs = solve.certify(feats, domain="observed", device=DEV)
     wo, r, s = _reference.observed_eigenvalues(X, off, feats.basis, per_position=pp, weights=w,
