@@ -5,7 +5,7 @@ and SST = sum_i w_i ||y_i - ybar||^2 about the scored data's weighted mean vecto
 (scikit-learn's r2_score with multioutput="variance_weighted"). It is None (JSON null) when the targets
 do not vary beyond rounding (SST <= SST_RESOLUTION times the targets' energy), where it is not defined.
 
-On the statistics (fit's train R^2) SST = tr(target_gram) - ||target_sum||^2 / target_weight; while
+On the statistics (fit's train R^2) SST = tr(target_gram) - ||target_sum||^2 / weight_sum; while
 predicting, `Spread` accumulates (sum w, mean, sum w ||y - mean||^2) chunk by chunk and merges the
 chunks' spreads exactly (Chan et al.'s pairwise update: no cancellation against the mean).
 """
@@ -49,9 +49,9 @@ def train_r2(feats: Features, train_mse: float) -> float | None:
     """R^2 of a fit on its statistics from its train MSE (solve.train_mse: SSE / (d sum_i w_i)); None
     when the statistics hold no target_sum (files written before it was accumulated) or the targets
     do not vary."""
-    if feats.target_sum is None or feats.target_weight is None or feats.target_gram is None:
+    if feats.target_sum is None or feats.target_gram is None:
         return None
-    sst, energy = sst_from_sums(feats.target_gram, feats.target_sum, feats.target_weight)
+    sst, energy = sst_from_sums(feats.target_gram, feats.target_sum, feats.weight)
     return r2(float(train_mse) * feats.weight * feats.d, sst, energy)
 
 

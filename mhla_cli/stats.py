@@ -93,10 +93,9 @@ class Features:
     # Factorizations of the canonical Lambda~ by domain (mhla_cli.factorization, solve.factorize);
     # emptied whenever the basis sums change.
     factor_cache: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
-    # sum_i w_i y_i (d,) and sum_i w_i over the samples with targets (the scored data's mean, for R^2:
-    # mhla_cli.scores); None when unknown (files written before they were accumulated)
+    # sum_i w_i y_i (d,) over the samples (with weight_sum below, the scored data's mean, for R^2:
+    # mhla_cli.scores); None when unknown (files written before it was accumulated)
     target_sum: np.ndarray | None = None
-    target_weight: float | None = None
     # The weight totals (docs/formats.md, "Weights"): weight_sum = sum_i w_i over the samples and
     # token_weight_sum = sum_i w_i n_i (n_i the sample's token count; for per-position data every
     # prefix is a sample), so that G = token_gram / token_weight_sum and Lambda~ = basis_gram /
@@ -278,7 +277,6 @@ class Features:
                           for k in self.SUMS})
         if self.target_sum is not None and part.target_sum is not None:
             out.target_sum = self.target_sum - part.target_sum
-            out.target_weight = float(self.target_weight) - float(part.target_weight)
         if self.basis is not None and part.basis is not None:
             other = part.copy().to_basis(self.basis)
             out.basis = self.basis
@@ -310,7 +308,7 @@ class Features:
                         sample_range=self.sample_range, source=self.source, extra_attrs=dict(self.extra_attrs),
                         per_position=self.per_position, normalize=self.normalize, n_sequences=self.n_sequences,
                         target_sum=None if self.target_sum is None else np.array(self.target_sum),
-                        target_weight=self.target_weight, weight_sum=self.weight_sum,
+                        weight_sum=self.weight_sum,
                         token_weight_sum=self.token_weight_sum, **arrays)
 
     @classmethod
@@ -320,7 +318,7 @@ class Features:
                    token_gram=np.zeros((d, d)), last_token_gram=np.zeros((d, d)),
                    moments=np.zeros((psi, d)) if has_targets else None,
                    target_gram=np.zeros((d, d)) if has_targets else None, token_dtype=token_dtype,
-                   target_sum=np.zeros(d) if has_targets else None, target_weight=0.0 if has_targets else None)
+                   target_sum=np.zeros(d) if has_targets else None)
 
     # ---------------------------------------------------------------- persistence
     def save(self, path: str | os.PathLike, inputs: tuple[str | os.PathLike, ...] = (),
@@ -351,8 +349,6 @@ class Features:
         attrs["per_position"] = int(self.per_position)
         if self.n_sequences is not None:
             attrs["n_sequences"] = int(self.n_sequences)
-        if self.target_sum is not None:
-            attrs["target_weight"] = float(self.target_weight)
         attrs.update(self.extra_attrs)
         return attrs
 
@@ -397,7 +393,7 @@ class Features:
             normalize = read_normalize(f, path)
             per_position = bool(int(f.attrs.get("per_position", 0)))
             n_seq = int(f.attrs["n_sequences"]) if "n_sequences" in f.attrs else None
-            t_sum, t_weight = _load_target_sum(f, path, d) if has_targets else (None, None)
+            t_sum = _load_target_sum(f, path, d) if has_targets else None
             weights = _load_weights(f, path, n, t, per_position, n_seq)
             extra = {}
             for k in EXTRA_ATTRS:
@@ -407,21 +403,20 @@ class Features:
         return cls(d=d, n_samples=n, n_tokens=t, gram=gram, token_gram=tg, last_token_gram=lg,
                    moments=moments, target_gram=target_gram, token_dtype=dtype, sample_range=rng,
                    source=source, extra_attrs=extra, per_position=per_position, normalize=normalize,
-                   n_sequences=n_seq, target_sum=t_sum, target_weight=t_weight, weight_sum=weights[0],
+                   n_sequences=n_seq, target_sum=t_sum, weight_sum=weights[0],
                    token_weight_sum=weights[1], **sums)
 
 
-def _load_target_sum(f: h5py.File, path: str | os.PathLike, d: int) -> tuple[np.ndarray | None, float | None]:
-    """target_sum (d,) and the attribute target_weight, validated; (None, None) in files without them."""
+def _load_target_sum(f: h5py.File, path: str | os.PathLike, d: int) -> np.ndarray | None:
+    """target_sum (d,), validated; None in files without it."""
     if "target_sum" not in f:
-        return None, None
+        return None
     s = formats.read_array(f, "target_sum", path).astype(np.float64)
     if s.shape != (d,):
         raise InputError(f"'target_sum' has shape {s.shape}, expected ({d},)", path)
-    w = float(f.attrs.get("target_weight", np.nan))
-    if not np.isfinite(w) or w < 0:
-        raise InputError("has 'target_sum' but no finite attribute target_weight >= 0; the file is corrupted", path)
-    return s, w
+    if not np.isfinite(s).all():
+        raise InputError("'target_sum' contains NaN or Inf; the file is corrupted", path)
+    return s
 
 
 def _load_weights(f: h5py.File, path: str | os.PathLike, n: int, t: int, per_position: bool,
@@ -752,6 +747,5 @@ def add_into(acc: Features, part: Features) -> None:
         acc.target_gram += part.target_gram
     if acc.target_sum is not None and part.target_sum is not None:
         acc.target_sum = acc.target_sum + part.target_sum
-        acc.target_weight = float(acc.target_weight) + float(part.target_weight)
     else:
-        acc.target_sum = acc.target_weight = None
+        acc.target_sum = None

@@ -278,9 +278,8 @@ class _Accumulator:
         self._derived_token_gram = np.zeros((d, d))  # basis token Gram whose own one is derived in result()
         self._inv = None if not self._transform else np.linalg.inv(self.basis)
         self.n_samples = 0
-        # sum w y and sum w over the samples with targets (Features.target_sum / target_weight)
+        # sum w y over the samples with targets (Features.target_sum)
         self.target_sum = np.zeros(d) if has_targets else None
-        self.target_weight = 0.0
         self._moments_share: float | None = None  # of a chunk's time in `add`, for its progress ticks
         self.n_tokens = 0
         # the weight totals (stats.Features): sum w over the samples, sum w n over their tokens
@@ -500,12 +499,11 @@ class _Accumulator:
         self.token_weight_sum += float(np.sum(c))
 
     def _add_target_sum(self, targets: np.ndarray | None, w: np.ndarray | None) -> None:
-        """target_sum += sum w y, target_weight += sum w over the rows added (w None: all 1)."""
+        """target_sum += sum w y over the rows added (w None: all 1)."""
         if targets is None or self.target_sum is None or self.traces is not None:
             return
         y = np.asarray(targets, dtype=np.float64)
         self.target_sum += y.sum(axis=0) if w is None else w @ y
-        self.target_weight += float(y.shape[0]) if w is None else float(np.sum(w))
 
     def _emit(self, upper_t: np.ndarray, last_t: np.ndarray, targets_t: np.ndarray | None) -> None:
         """Add the rows' block [Ht | Y] to the Gram: upper_t (q, R) canonical S entries, last_t (d, R),
@@ -619,7 +617,7 @@ class _Accumulator:
                        basis=self.basis, basis_gram=gram_b, basis_moments=moments,
                        basis_token_gram=self.basis_token_gram, basis_last_token_gram=self.basis_last_token_gram,
                        per_position=self.causal, normalize=self.normalize, n_sequences=self.n_sequences,
-                       target_sum=self.target_sum, target_weight=self.target_weight if self.has_targets else None,
+                       target_sum=self.target_sum,
                        weight_sum=self.weight_sum, token_weight_sum=self.token_weight_sum)
         if self.spans is not None:
             out.span_pairs, out.span_last = self.spans

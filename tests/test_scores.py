@@ -120,7 +120,7 @@ def test_features_target_sum_and_fit_train_r2(tmp_path: Path, capsys: pytest.Cap
     feats = Features.load(feats_path)
     ww = np.ones(N) if w is None else w
     assert np.allclose(feats.target_sum, ww @ Y, rtol=1e-12, atol=0)
-    assert feats.target_weight == pytest.approx(ww.sum(), rel=1e-14)
+    assert feats.weight == pytest.approx(ww.sum(), rel=1e-14)
     for src in (data, feats_path):
         model = tmp_path / "m.h5"
         fit = cli_json(capsys, "fit", str(src), "-o", str(model))
@@ -148,13 +148,13 @@ def test_target_sum_merges_and_subtracts(tmp_path: Path) -> None:
     a = chunk_features(X[:off[15]], off[:16], Y[:15], 2)
     b = chunk_features(X[off[15]:], off[15:] - off[15], Y[15:], 2)
     total = a + b
-    assert np.allclose(total.target_sum, Y.sum(0), rtol=1e-13) and total.target_weight == 40
+    assert np.allclose(total.target_sum, Y.sum(0), rtol=1e-13) and total.weight == 40
     rest = total - a
-    assert np.allclose(rest.target_sum, Y[15:].sum(0), rtol=1e-12) and rest.target_weight == 25
+    assert np.allclose(rest.target_sum, Y[15:].sum(0), rtol=1e-12) and rest.weight == 25
     assert np.array_equal(total.copy().target_sum, total.target_sum)
     # a part without target_sum (an old file) makes the sum's unknown: R^2 None, not a wrong number
     old = b.copy()
-    old.target_sum = old.target_weight = None
+    old.target_sum = None
     mixed = a + old
     assert mixed.target_sum is None and scores.train_r2(mixed, 1.0) is None
 
@@ -167,11 +167,10 @@ def test_old_features_file_reports_r2_null(tmp_path: Path, capsys: pytest.Captur
     assert run(["featurize", str(data), "-o", str(fp), "-q"]) == 0
     with h5py.File(fp, "a") as f:  # a file written before target_sum was accumulated
         del f["target_sum"]
-        del f.attrs["target_weight"]
     fit = cli_json(capsys, "fit", str(fp), "-o", str(tmp_path / "m.h5"))
     assert fit["train_r2"] is None and fit["train_mse"] > 0
-    with h5py.File(fp, "a") as f:  # a target_sum without its weight is refused
-        f["target_sum"] = Y.sum(0)
+    with h5py.File(fp, "a") as f:  # a target_sum that is not finite is refused
+        f["target_sum"] = np.full(Y.shape[1], np.nan)
     assert run(["fit", str(fp), "-o", str(tmp_path / "m2.h5"), "-q"]) == 2
 
 
@@ -219,7 +218,7 @@ def test_merged_shards_keep_target_sum(tmp_path: Path, capsys: pytest.CaptureFix
         assert run(["featurize", str(data), "--shard", f"{k}/2", "-o", str(tmp_path / f"p{k + 1}.h5"), "-q"]) == 0
     assert run(["merge", str(tmp_path / "p1.h5"), str(tmp_path / "p2.h5"), "-o", str(tmp_path / "m.h5"), "-q"]) == 0
     merged = Features.load(tmp_path / "m.h5")
-    assert np.allclose(merged.target_sum, Y.sum(0), rtol=1e-12) and merged.target_weight == 70
+    assert np.allclose(merged.target_sum, Y.sum(0), rtol=1e-12) and merged.weight == 70
     a = cli_json(capsys, "fit", str(tmp_path / "m.h5"), "-o", str(tmp_path / "a.h5"))
     b = cli_json(capsys, "fit", str(data), "-o", str(tmp_path / "b.h5"))
     assert a["train_r2"] == pytest.approx(b["train_r2"], rel=1e-10)
