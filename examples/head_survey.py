@@ -290,9 +290,18 @@ def main(argv: list[str] | None = None) -> dict:
         print(f"all-MiniLM-L6-v2: held-out R^2 / certificate (full domain) of the CV-ridge MHLA of every head "
               f"(d = {args.d}, normalize {args.normalize}; {n_train} training, {n_test} held-out windows)")
         print(table(rows, n_layers, n_heads))
+        ls = np.array([r["r2_heldout_lstsq"] for r in rows])
+        share = np.array([r["target_share"] for r in rows])
+        layer_median = [float(np.median([r["r2_heldout"] for r in rows if r["layer"] == li])) for li in range(n_layers)]
         print(f"best: layer {best['layer']} head {best['head']}, R^2 {best['r2_heldout']:.4f}; "
               f"median {np.median(r2s):.4f}; certified {sum(r['certify_full'] for r in rows)} of {len(rows)}; "
               f"{seconds:.0f} s")
+        print("median R^2 by layer: " + ", ".join(f"{li}: {m:.4f}" for li, m in enumerate(layer_median)))
+        print(f"least squares (ridge 0): median R^2 {np.median(ls):.4f}, from {ls.min():.4f} to {ls.max():.4f}; "
+              f"the CV ridge is above it on {int((r2s > ls).sum())} of {len(rows)} heads "
+              f"(by {(r2s - ls).min():+.4f} to {(r2s - ls).max():+.4f})")
+        print(f"the top {args.d} output directions keep {share.min():.4f} to {share.max():.4f} of a head's "
+              f"output second moment (median {np.median(share):.4f})")
     return result
 
 
