@@ -96,6 +96,14 @@ MAX_EXACT_INT = 2**53
 # scored (SST / energy = 1e-12 there), at a cost of about 4 of float64's 16 digits.
 SST_RESOLUTION = 1e-12
 
+# A features file's stored spans (span_pairs, span_last) are accepted when |M^T M - I| <= ORTHONORMAL_TOL
+# (orthonormal columns to far above rounding), else refused.
+ORTHONORMAL_TOL = 1e-8
+
+# A features file's fold grams must sum to its gram to FOLD_SUM_TOL * max |gram| (they are the same
+# sums in another order: they agree to rounding), else it is refused as inconsistent.
+FOLD_SUM_TOL = 1e-9
+
 # spectrum: an unconverged W's head count is trusted when its k outliers stand this far above the
 # rest, s_k / s_(k+1) >= RELIABLE_GAP (the noisy examples' heads stand 100-1000x above their bulk, an
 # unconverged bulk cut by the threshold 1-1.5x).
@@ -141,5 +149,6 @@ QUOTED = {
     "DEAD_WEIGHT_TOL": DEAD_WEIGHT_TOL, "NONZERO_REL": NONZERO_REL, "REFINE_MAX_RHO": REFINE_MAX_RHO,
     "UNRESOLVED_REL": UNRESOLVED_REL, "EQUILIBRATE_RATIO": EQUILIBRATE_RATIO, "CANONICAL_TOL": CANONICAL_TOL,
     "CANONICAL_COEF_TOL": CANONICAL_COEF_TOL, "W_COEF_TOL": W_COEF_TOL, "MAX_EXACT_INT": MAX_EXACT_INT,
-    "SST_RESOLUTION": SST_RESOLUTION, "RELIABLE_GAP": RELIABLE_GAP,
+    "SST_RESOLUTION": SST_RESOLUTION, "RELIABLE_GAP": RELIABLE_GAP, "ORTHONORMAL_TOL": ORTHONORMAL_TOL,
+    "FOLD_SUM_TOL": FOLD_SUM_TOL,
 }

@@ -790,3 +790,59 @@ def test_cut_reliable_gap(gap: float) -> None:
     kept, reason = count_reliability(s, 2, converged=False)
     assert kept is (gap > 1) and (reason is None) is (gap > 1)
     assert count_reliability(s, 2, converged=True) == (True, None)
+
+
+def test_cut_orthonormal_spans_on_load(tmp_path: Path) -> None:
+    """A reduced features file whose stored span_last column is off unit length by factor x
+    ORTHONORMAL_TOL (|M^T M - I| in numpy): loaded at 1e-2 x, refused at 1e2 x."""
+    from mhla_cli.errors import InputError
+
+    X, off, y = _off_plane(np.random.default_rng(45), 300, 0.0)  # last tokens in a plane: reduced spans
+    src, path = tmp_path / "t.h5", tmp_path / "f.h5"
+    with h5py.File(src, "w") as f:
+        f["tokens"], f["offsets"], f["targets"] = X, off, y
+    red = featurize(src, spans="on")
+    assert red.reduced
+    red.save(path)
+    with h5py.File(path, "r") as f:
+        F0 = np.array(f["span_last"])
+    assert F0.shape == (3, 2)
+    for factor in (1e-2, 1e2):
+        F = F0.copy()
+        F[:, 0] *= np.sqrt(1 + factor * DOC["ORTHONORMAL_TOL"])
+        dev = np.abs(F.T @ F - np.eye(2)).max()
+        assert dev == pytest.approx(factor * DOC["ORTHONORMAL_TOL"], rel=1e-3)
+        with h5py.File(path, "a") as f:
+            f["span_last"][...] = F
+        if factor < 1:
+            Features.load(path)
+        else:
+            with pytest.raises(InputError, match="orthonormal columns"):
+                Features.load(path)
+
+
+def test_cut_fold_sums(tmp_path: Path) -> None:
+    """A features file whose fold grams (numpy's sum) miss its gram by factor x FOLD_SUM_TOL of max
+    |gram| on one diagonal entry: the folds load at 1e-2 x, and are refused at 1e2 x."""
+    from mhla_cli.errors import InputError
+    from mhla_cli.folds import featurize_folds, load_folds, save_with_folds
+
+    ds, _ = synthetic.generate_teacher(2, 1, 120, "2:5", seed=46)
+    data = tmp_path / "d.h5"
+    ds.save(data, dtype="float64")
+    total, folds = featurize_folds(data, 3)
+    path = tmp_path / "f.h5"
+    save_with_folds(total, folds, path)
+    with h5py.File(path, "r") as f:
+        g0 = np.array(f["fold_gram"])
+    scale = np.abs(g0.sum(axis=0)).max()
+    for factor in (1e-2, 1e2):
+        g = g0.copy()
+        g[0, 0, 0] += factor * DOC["FOLD_SUM_TOL"] * scale
+        with h5py.File(path, "a") as f:
+            f["fold_gram"][...] = g
+        if factor < 1:
+            assert len(load_folds(path)) == 3
+        else:
+            with pytest.raises(InputError, match="do not sum"):
+                load_folds(path)
