@@ -270,6 +270,14 @@ def test_old_homes_of_the_constants_still_import() -> None:
     assert solve.EPS == numerics.EPS and solve.numerical_tolerance is numerics.numerical_tolerance
     assert probes.DETERMINED_TOL == numerics.DETERMINED_TOL and factorization.LANCZOS_TOL == numerics.LANCZOS_TOL
     assert spectrum.NONZERO_REL == numerics.NONZERO_REL
+    from mhla_cli import model, scores, tokens
+    from mhla_cli.lowrank import _numerics
+
+    assert basis.UNRESOLVED_REL == numerics.UNRESOLVED_REL == numerics.EPS
+    assert basis.EQUILIBRATE_RATIO == numerics.EQUILIBRATE_RATIO and basis.CANONICAL_TOL == numerics.CANONICAL_TOL
+    assert model.CANONICAL_COEF_TOL == numerics.CANONICAL_COEF_TOL and tokens.MAX_EXACT_INT == numerics.MAX_EXACT_INT
+    assert scores.SST_RESOLUTION == numerics.SST_RESOLUTION and spectrum.RELIABLE_GAP == numerics.RELIABLE_GAP
+    assert scores.EPS == _numerics.EPS == numerics.EPS
 
 
 # --------------------------------------------------------------------------------------------
