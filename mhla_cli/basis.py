@@ -28,16 +28,14 @@ import numpy as np
 
 from .features import pair_index
 
-from .numerics import EPS
+from .numerics import CANONICAL_TOL, EPS, EQUILIBRATE_RATIO, UNRESOLVED_REL  # noqa: F401  (old homes)
 
 # A basis change of the sums by C amplifies their rounding by about cond(C)^6 (the features are
 # cubic, the Gram quadratic in them): up to this condition number (4^6 ~ 4e3 -> ~1e-12 relative) the
 # sums are changed exactly to the whitening of the data; beyond it a stream pass is redone in the
 # whitening of the data (stream.featurize).
 CHANGE_COND = 4.0
-# A basis whose token Gram A^T G A is within this of the identity (2-norm) is already the whitening
-# of the data: no change is applied (so canonicalising twice changes nothing).
-CANONICAL_TOL = 1e-9
+# CANONICAL_TOL (mhla_cli.numerics): a basis already the whitening of the data is left unchanged.
 
 
 @lru_cache(maxsize=64)
@@ -145,12 +143,11 @@ def whitening(token_gram: np.ndarray, n_tokens: float, round32: bool = True) -> 
     return A
 
 
-# A token Gram whose diagonal spans more than this ratio (largest / smallest variance of a token
-# coordinate) is equilibrated before `whitening`'s eigendecomposition when that resolves more
-# directions; below it the symmetric whitening already resolves what equilibration would (a diagonal
-# scaling by at most 1e2 in standard deviation), and rounding-level directions (tokens in a rotated
-# subspace) stay where the symmetric floor puts them.
-EQUILIBRATE_RATIO = 1e4
+# EQUILIBRATE_RATIO (mhla_cli.numerics): a token Gram whose diagonal spans more than it is equilibrated
+# before `whitening`'s eigendecomposition when that resolves more directions; below it the symmetric
+# whitening already resolves what equilibration would (a diagonal scaling by at most 1e2 in standard
+# deviation), and rounding-level directions (tokens in a rotated subspace) stay where the symmetric
+# floor puts them.
 
 
 def _equilibration(G: np.ndarray) -> tuple[np.ndarray, ...]:
@@ -162,10 +159,8 @@ def _equilibration(G: np.ndarray) -> tuple[np.ndarray, ...]:
     return (equilibrate(G),)
 
 
-# The resolution of an equilibrated token Gram (`whitening`, `unresolved`): eigenvalues at or below
-# d * this * its largest are not resolved in float64 (the rule of numpy.linalg.matrix_rank, per
-# token coordinate).
-UNRESOLVED_REL = EPS
+# UNRESOLVED_REL (mhla_cli.numerics): eigenvalues of an equilibrated token Gram at or below d * it * its
+# largest are not resolvable in float64 (`whitening`, `unresolved`).
 
 
 def unresolved(token_gram: np.ndarray) -> int:

@@ -19,6 +19,7 @@ import numpy as np
 from . import formats
 from .errors import InputError
 from .features import n_features
+from .numerics import FOLD_SUM_TOL
 from .stream import Features, featurize
 from .tokens import inspect_tokens
 
@@ -97,7 +98,7 @@ def load_folds(path: str | os.PathLike, total: Features | None = None) -> list[F
             raise InputError(f"'{name}' {arrs[name].tolist()} must be > 0", path)
     gsum = arrs["fold_gram"].sum(axis=0)
     scale = max(float(np.abs(total.gram).max()), 1e-300)
-    if not np.allclose(gsum, total.gram, rtol=0, atol=1e-9 * scale):
+    if not np.allclose(gsum, total.gram, rtol=0, atol=FOLD_SUM_TOL * scale):
         raise InputError("the fold grams do not sum to 'gram'; the file is inconsistent", path)
     folds = []
     for k in range(K):

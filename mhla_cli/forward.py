@@ -17,6 +17,7 @@ from .device import check_device, predict_last, worker_device
 from .errors import InputError
 from .features import check_normalize, features_from_moments, pair_index
 from .heads import Heads
+from .numerics import EPS
 from .model import Model, coef_of, evaluation_of, normalize_of
 from .parallel import SerialMap, ThreadMap, make_map
 from .scores import Spread
@@ -484,7 +485,7 @@ def snap_to(codebook: np.ndarray, y: np.ndarray, block: int = 4096) -> np.ndarra
     cmax = float(np.sqrt(c2.max()))
     # |computed - exact| of the expanded form (the centring, three dot products and two sums) is
     # below about (d + 4) eps / 2 (|y - m| + max |c - m|)^2; `rel` allows four times that
-    rel = 2.0 * (d + 8) * np.finfo(np.float64).eps
+    rel = 2.0 * (d + 8) * EPS
     rows_per_block = max(1, min(block, SNAP_BLOCK_ENTRIES // n_c))
     pairs_per_step = max(1, SNAP_BLOCK_ENTRIES // max(d, 1))
     idx = np.empty(y.shape[0], dtype=np.int64)

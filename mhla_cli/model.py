@@ -14,6 +14,7 @@ from .errors import InputError
 from .features import n_features
 from .export import load_heads
 from .heads import Heads, W_from_p, p_from_W
+from .numerics import CANONICAL_COEF_TOL, W_COEF_TOL
 
 
 # Fit results kept as attributes of a model file.
@@ -86,7 +87,7 @@ class Model:
                     raise InputError(f"'W' has shape {W.shape}, expected (d^2, d^2) = ({d*d}, {d*d}) "
                                      f"to match coef", path)
                 scale = max(float(np.abs(coef).max()), 1e-300)
-                if not np.allclose(p_from_W(W), coef, rtol=0, atol=1e-8 * scale):
+                if not np.allclose(p_from_W(W), coef, rtol=0, atol=W_COEF_TOL * scale):
                     raise InputError("'W' and 'coef' describe different functions; the file is inconsistent", path)
             else:
                 W = W_from_p(coef)
@@ -96,9 +97,7 @@ class Model:
         return cls(coef=coef, W=W, d=d, info=info, coef_b=coef_b, basis=basis)
 
 
-# A model file's coef and the p_b M_A of its canonical coefficients agree to this (relative to the
-# largest coefficient; fit writes coef = p_b M_A, so they agree to rounding).
-CANONICAL_COEF_TOL = 1e-8
+# CANONICAL_COEF_TOL (mhla_cli.numerics): coef and p_b M_A of a model file agree to it.
 
 
 def _load_canonical(f: Any, path: str | os.PathLike, coef: np.ndarray) -> tuple[np.ndarray | None, np.ndarray | None]:

@@ -63,6 +63,53 @@ NONZERO_REL = 1e-8
 # contraction rho = s / (lambda_min - s) is at most this (else a Cholesky of Lambda~ itself).
 REFINE_MAX_RHO = 0.5
 
+# The resolution of an equilibrated token Gram (basis.whitening, basis.unresolved): eigenvalues at or
+# below d * UNRESOLVED_REL * its largest are not resolvable in float64 (numpy.linalg.matrix_rank's
+# rule per token coordinate): a rotated direction of relative standard deviation below about
+# sqrt(d eps) keeps the scale of the largest one.
+UNRESOLVED_REL = EPS
+
+# basis.whitening equilibrates the token Gram (G_e = R G R, a diagonal near 1) before its
+# eigendecomposition when G's positive diagonal spans more than this ratio (largest / smallest variance
+# of a token coordinate) and that resolves more directions; below it the symmetric whitening already
+# resolves what equilibration would.
+EQUILIBRATE_RATIO = 1e4
+
+# A basis whose token Gram A^T G A is within this of the identity (2-norm) is already the whitening of
+# the data: basis.correction applies no change (so canonicalising twice changes nothing).
+CANONICAL_TOL = 1e-9
+
+# A model file's coef and the p_b M_A of its canonical coefficients agree to this (relative to the
+# largest coefficient; fit writes coef = p_b M_A, so they agree to rounding), else it is refused.
+CANONICAL_COEF_TOL = 1e-8
+
+# A model file's W and coef agree to this (relative to the largest coefficient: |p(W) - coef| <=
+# W_COEF_TOL * max |coef|), else it is refused (the witness checks its own W the same way).
+W_COEF_TOL = 1e-8
+
+# Largest integer magnitude float64 holds exactly for every integer up to it (2^53): int64 / uint64
+# tokens beyond it would be rounded when converted, so they are refused (not a tolerance: a cut).
+MAX_EXACT_INT = 2**53
+
+# R^2 is not defined (None) when SST is at or below SST_RESOLUTION times the targets' energy
+# sum w ||y||^2 (rounding of the sums): targets whose spread is 1e-6 of their magnitude are still
+# scored (SST / energy = 1e-12 there), at a cost of about 4 of float64's 16 digits.
+SST_RESOLUTION = 1e-12
+
+# A features file's stored spans (span_pairs, span_last) are accepted when |M^T M - I| <= ORTHONORMAL_TOL
+# (orthonormal columns to far above rounding), else refused.
+ORTHONORMAL_TOL = 1e-8
+
+# A features file's fold grams must sum to its gram to FOLD_SUM_TOL * max |gram| (they are the same
+# sums in another order: they agree to rounding), else it is refused as inconsistent.
+FOLD_SUM_TOL = 1e-9
+
+# spectrum: an unconverged W's head count is trusted when its k outliers stand this far above the
+# rest, s_k / s_(k+1) >= RELIABLE_GAP (the noisy examples' heads stand 100-1000x above their bulk, an
+# unconverged bulk cut by the threshold 1-1.5x).
+RELIABLE_GAP = 10.0
+
+
 def quote(x: float) -> str:
     """A constant as the help and the docs write it: 1e-8, 1e12, 0.5, 8."""
     return f"{x:g}".replace("e-0", "e-").replace("e+0", "e").replace("e+", "e")
@@ -100,4 +147,8 @@ QUOTED = {
     "DETERMINED_TOL": DETERMINED_TOL, "LANCZOS_TOL": LANCZOS_TOL, "MSE_RESOLUTION_FACTOR": MSE_RESOLUTION_FACTOR,
     "SINGULAR_BASIS_COND": SINGULAR_BASIS_COND, "SYMMETRY_TOL": SYMMETRY_TOL, "ORTHOGONAL_TOL": ORTHOGONAL_TOL,
     "DEAD_WEIGHT_TOL": DEAD_WEIGHT_TOL, "NONZERO_REL": NONZERO_REL, "REFINE_MAX_RHO": REFINE_MAX_RHO,
+    "UNRESOLVED_REL": UNRESOLVED_REL, "EQUILIBRATE_RATIO": EQUILIBRATE_RATIO, "CANONICAL_TOL": CANONICAL_TOL,
+    "CANONICAL_COEF_TOL": CANONICAL_COEF_TOL, "W_COEF_TOL": W_COEF_TOL, "MAX_EXACT_INT": MAX_EXACT_INT,
+    "SST_RESOLUTION": SST_RESOLUTION, "RELIABLE_GAP": RELIABLE_GAP, "ORTHONORMAL_TOL": ORTHONORMAL_TOL,
+    "FOLD_SUM_TOL": FOLD_SUM_TOL,
 }

@@ -20,13 +20,9 @@ import numpy as np
 if TYPE_CHECKING:
     from .stats import Features
 
-EPS = float(np.finfo(np.float64).eps)
-
-# SST at or below this times the targets' energy sum w ||y||^2 is rounding (of the sums, or of
-# ||s||^2 / W against tr(target_gram)): R^2 is then not defined and reported as None. A relative 1e-12
-# leaves targets whose spread is 1e-6 of their magnitude scored (SST / energy = 1e-12 there) and
-# costs float64 about 4 of its 16 digits in the cancellation.
-SST_RESOLUTION = 1e-12
+# SST at or below SST_RESOLUTION (mhla_cli.numerics) times the targets' energy sum w ||y||^2 is rounding
+# (of the sums, or of ||s||^2 / W against tr(target_gram)): R^2 is then not defined and reported as None.
+from .numerics import EPS, SST_RESOLUTION  # noqa: E402, F401  (old homes)
 
 
 def r2(sse: float, sst: float, energy: float) -> float | None:

@@ -40,10 +40,9 @@ from .model import Model
 
 from .numerics import NONZERO_REL  # noqa: E402  (a singular value is nonzero above NONZERO_REL s_max)
 OMEGA_SQUARE = 2.858  # Gavish-Donoho omega(beta) at beta = 1 (unknown noise level)
-# An unconverged W's head count is trusted when its k outliers stand this far above the rest:
-# s_k / s_(k+1) >= RELIABLE_GAP (the noisy examples' heads stand 100-1000x above their bulk, an
-# unconverged bulk cut by the threshold 1-1.5x).
-RELIABLE_GAP = 10.0
+# An unconverged W's head count is trusted when its k outliers stand RELIABLE_GAP (mhla_cli.numerics)
+# above the rest: s_k / s_(k+1) >= RELIABLE_GAP.
+from .numerics import RELIABLE_GAP  # noqa: E402
 
 
 class UnreliableHeadCount(MhlaError):

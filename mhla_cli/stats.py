@@ -25,7 +25,7 @@ from . import formats
 from . import symgram
 from .errors import InputError
 from .features import n_features
-from .numerics import SINGULAR_BASIS_COND, SYMMETRY_TOL
+from .numerics import ORTHONORMAL_TOL, SINGULAR_BASIS_COND, SYMMETRY_TOL
 from .formats import read_normalize
 from .structure import change as structure_change
 
@@ -526,7 +526,7 @@ def _load_block(f: h5py.File, path: str | os.PathLike, d: int, has_targets: bool
         raise InputError(f"'basis' has shape {A.shape} or is singular, expected an invertible ({d}, {d})", path)
     for name, M, rows in (("span_pairs", E, q), ("span_last", F, d)):
         if M.ndim != 2 or M.shape[0] != rows or M.shape[1] > rows or not np.isfinite(M).all() \
-                or np.abs(M.T @ M - np.eye(M.shape[1])).max() > 1e-8:
+                or np.abs(M.T @ M - np.eye(M.shape[1])).max() > ORTHONORMAL_TOL:
             raise InputError(f"'{name}' must have orthonormal columns of length {rows}, got shape {M.shape}", path)
     n = E.shape[1] * F.shape[1]
     gb = out["basis_gram"]

@@ -234,9 +234,9 @@ MAX_TOKEN_ABS = 1e40
 
 MAX_TARGET_ABS = 1e100
 
-# Largest integer magnitude float64 holds exactly for every integer up to it (2^53): int64 / uint64
-# tokens beyond it would be rounded when converted, so they are refused.
-MAX_EXACT_INT = 2**53
+# MAX_EXACT_INT (2^53, mhla_cli.numerics): int64 / uint64 tokens beyond it would be rounded when
+# converted to float64, so they are refused.
+from .numerics import MAX_EXACT_INT  # noqa: E402
 
 
 def check_exact_ints(arr: np.ndarray | None, offsets: np.ndarray, lo: int, path: str | os.PathLike | None,

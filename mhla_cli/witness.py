@@ -54,6 +54,7 @@ from .forward import predict_chunk
 from .solve import EPS, Certificate, certify, domain_map, fit, observed_bases, train_mse
 from .stream import Features, default_chunk_size, sequence_moments
 from .tokens import inspect_tokens, iter_chunks, require_square
+from .numerics import W_COEF_TOL
 
 ROUNDING = 4.0  # "at rounding level": within this many times the float64 resolution
 MIN_FUNCTION_CHANGE = 1e-3  # smallest relative p distance worth calling a different function
@@ -131,7 +132,7 @@ class Witness:
                 raise InputError(f"'{name}' has shape {arr.shape}, expected {shape}", path)
         scale = max(float(np.abs(coef_b).max()), 1e-300)
         if W_b is not None and (W_b.shape != (d * d, d * d)
-                                or not np.allclose(p_from_W(W_b), coef_b, rtol=0, atol=1e-8 * scale)):
+                                or not np.allclose(p_from_W(W_b), coef_b, rtol=0, atol=W_COEF_TOL * scale)):
             raise InputError("'W_b' and 'coef_b' describe different functions; the file is inconsistent", path)
         # the stored predictions must be those of the two models on the stored input
         off = np.array([0, tokens.shape[0]])

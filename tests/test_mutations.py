@@ -31,7 +31,7 @@ REVIEW = [
     ("S5 null_weight without its P_Z term", "mhla_cli/solve.py", '        weight += np.einsum("ij,ij->i", Z, Z)\n',
      "        pass\n"),
     ("S6 observed-span rule 1e-6", "mhla_cli/numerics.py",
-     "max(OBSERVED_SPAN_FACTOR * d * EPS * float(np.sqrt(max(count, 1))), d * eps_in**2)", "1e-6"),
+     "max(OBSERVED_SPAN_FACTOR * d * EPS * math.sqrt(max(count, 1)), d * eps_in**2)", "1e-6"),
     ("S7 MSE resolution x1e6", "mhla_cli/numerics.py", "return MSE_RESOLUTION_FACTOR * n_features",
      "return 1e6 * MSE_RESOLUTION_FACTOR * n_features"),
     ("S8 numerical tolerance x1e4", "mhla_cli/numerics.py", "return RANK_FACTOR * n * EPS * max(lambda_max, 0.0)",
@@ -54,7 +54,9 @@ REVIEW = [
 
 CONSTANTS = ["EPS", "RANK_FACTOR", "STRUCTURE_FACTOR", "OBSERVED_SPAN_FACTOR", "DETERMINED_TOL", "LANCZOS_TOL",
              "MSE_RESOLUTION_FACTOR", "SINGULAR_BASIS_COND", "SYMMETRY_TOL", "ORTHOGONAL_TOL", "DEAD_WEIGHT_TOL",
-             "NONZERO_REL", "REFINE_MAX_RHO"]
+             "NONZERO_REL", "REFINE_MAX_RHO", "UNRESOLVED_REL", "EQUILIBRATE_RATIO", "CANONICAL_TOL",
+             "CANONICAL_COEF_TOL", "W_COEF_TOL", "MAX_EXACT_INT", "SST_RESOLUTION", "RELIABLE_GAP", "ORTHONORMAL_TOL",
+             "FOLD_SUM_TOL"]
 
 # Changes that no test can see because they change no answer (they are reported, not asserted):
 EQUIVALENT = {
@@ -76,7 +78,9 @@ def _constant_mutations() -> list[tuple[str, str, str, str]]:
     src = (ROOT / "mhla_cli" / "numerics.py").read_text(encoding="utf-8")
     out = []
     for name in CONSTANTS:
-        line = re.search(rf"^{name} = (.+)$", src, flags=re.M)
+        # the value without its trailing comment (a comment inside the parentheses would be a syntax
+        # error: every test would "kill" the mutation)
+        line = re.search(rf"^{name} = ([^#\n]+?)[ \t]*(#[^\n]*)?$", src, flags=re.M)
         assert line, name
         for factor in ("1e4", "1e-4"):
             out.append((f"{name} x{factor}", "mhla_cli/numerics.py", line.group(0),

@@ -270,6 +270,14 @@ def test_old_homes_of_the_constants_still_import() -> None:
     assert solve.EPS == numerics.EPS and solve.numerical_tolerance is numerics.numerical_tolerance
     assert probes.DETERMINED_TOL == numerics.DETERMINED_TOL and factorization.LANCZOS_TOL == numerics.LANCZOS_TOL
     assert spectrum.NONZERO_REL == numerics.NONZERO_REL
+    from mhla_cli import model, scores, tokens
+    from mhla_cli.lowrank import _numerics
+
+    assert basis.UNRESOLVED_REL == numerics.UNRESOLVED_REL == numerics.EPS
+    assert basis.EQUILIBRATE_RATIO == numerics.EQUILIBRATE_RATIO and basis.CANONICAL_TOL == numerics.CANONICAL_TOL
+    assert model.CANONICAL_COEF_TOL == numerics.CANONICAL_COEF_TOL and tokens.MAX_EXACT_INT == numerics.MAX_EXACT_INT
+    assert scores.SST_RESOLUTION == numerics.SST_RESOLUTION and spectrum.RELIABLE_GAP == numerics.RELIABLE_GAP
+    assert scores.EPS == _numerics.EPS == numerics.EPS
 
 
 # --------------------------------------------------------------------------------------------
@@ -626,3 +634,223 @@ def test_cut_dead_and_listed_null_weights(case: str) -> None:
         assert idx[i] == pytest.approx(v, rel=1e-6, abs=1e-12)
     said = " ".join(c.reasons)
     assert ("6 single feature(s) are zero to within" in said) is (case == "dead"), said
+
+
+# --------------------------------------------------------------------------------------------
+# the cuts that moved into mhla_cli.numerics later (whitening, model files, integer tokens, R^2,
+# the head count of an unconverged W), each at 1e-2 x and 1e2 x of its documented value
+# --------------------------------------------------------------------------------------------
+
+
+def _rotated_gram(rng: np.random.Generator, w: list[float]) -> np.ndarray:
+    Q = np.linalg.qr(rng.standard_normal((len(w), len(w))))[0]
+    return (Q * np.asarray(w)) @ Q.T
+
+
+@pytest.mark.parametrize("factor", [1e2, 1e-2])
+def test_cut_unresolved_rel(factor: float) -> None:
+    """A rotated direction of the token Gram at factor x the cut d UNRESOLVED_REL of the largest: numpy's
+    matrix_rank (tolerance d eps s_max, the same rule at UNRESOLVED_REL = eps) counts it at 1e2 x and not
+    at 1e-2 x; whitening resolves it (A^T G A = I) exactly when it is counted."""
+    d = 3
+    G = _rotated_gram(np.random.default_rng(40), [1.0, 0.5, factor * d * DOC["UNRESOLVED_REL"]])
+    want = d - int(np.linalg.matrix_rank(G, tol=d * DOC["UNRESOLVED_REL"] * np.linalg.norm(G, 2)))
+    assert want == (0 if factor > 1 else 1)
+    assert basis.unresolved(G) == want
+    A = basis.whitening(G, 1.0, round32=False)
+    w = np.linalg.eigvalsh(A.T @ G @ A)
+    if want == 0:
+        np.testing.assert_allclose(w, 1.0, atol=0.05)
+    else:  # the unresolved direction keeps the scale of the largest one: it is not blown up to 1
+        assert w[0] < 1e-3 and np.allclose(w[1:], 1.0, atol=1e-6)
+
+
+@pytest.mark.parametrize("factor", [1e2, 1e-2])
+def test_cut_equilibrate_ratio(factor: float) -> None:
+    """G = D C D: a correlation C whose smallest eigenvalue c = 10 d eps is resolved, and a diagonal
+    D^2 = diag(1, 1, s) that hides it from the symmetric whitening (c / s < d eps). With s at 1e2 x
+    EQUILIBRATE_RATIO, G is equilibrated and the direction resolved (numpy: the rank of C); at 1e-2 x it
+    is not (numpy: the rank of G)."""
+    d, c = 3, 10 * 3 * EPS64
+    s = factor * DOC["EQUILIBRATE_RATIO"]
+    C = np.array([[1.0, 1.0 - c, 0.0], [1.0 - c, 1.0, 0.0], [0.0, 0.0, 1.0]])
+    D = np.diag([1.0, 1.0, np.sqrt(s)])
+    G = D @ C @ D
+    ref = C if s > DOC["EQUILIBRATE_RATIO"] else G
+    want = d - int(np.linalg.matrix_rank(ref, tol=d * EPS64 * np.linalg.norm(ref, 2)))
+    assert want == (0 if factor > 1 else 1)
+    assert basis.unresolved(G) == want
+
+
+@pytest.mark.parametrize("factor", [1e2, 1e-2])
+def test_cut_canonical_tol(factor: float) -> None:
+    """A basis whose token Gram is I up to factor x CANONICAL_TOL (numpy eigvalsh): at 1e-2 x it is the
+    whitening already (no change), at 1e2 x a change is made, and it whitens the Gram."""
+    delta = factor * DOC["CANONICAL_TOL"]
+    G = _rotated_gram(np.random.default_rng(41), [1.0 + delta, 1.0, 1.0 - delta / 2])
+    assert np.abs(np.linalg.eigvalsh(G) - 1.0).max() == pytest.approx(delta, rel=1e-3)
+    C, cond = basis.correction(G, 1.0)
+    if factor < 1:
+        assert C is None and cond == 1.0
+    else:
+        assert C is not None
+        np.testing.assert_allclose(C.T @ G @ C, np.eye(3), atol=1e-13)
+
+
+def _model_file(tmp_path: Path) -> Path:
+    ds, _ = synthetic.generate_teacher(3, 1, 200, "2:6", seed=42)
+    path = tmp_path / "m.h5"
+    fit(chunk_features(ds.tokens, ds.offsets, ds.targets, 3)).save(path)
+    return path
+
+
+@pytest.mark.parametrize("name", ["canonical_coef", "W"])
+def test_cut_model_file_agreement(name: str, tmp_path: Path) -> None:
+    """A model file whose canonical_coef (mapped back by the basis) or W (p(W)) differs from coef by
+    factor x CANONICAL_COEF_TOL / W_COEF_TOL of max |coef| (measured in numpy): loaded at 1e-2 x, refused
+    at 1e2 x."""
+    from mhla_cli.basis import coef_from_basis
+    from mhla_cli.errors import InputError
+    from mhla_cli.heads import p_from_W
+    from mhla_cli.model import Model
+
+    path = _model_file(tmp_path)
+    with h5py.File(path, "r") as f:
+        coef, A, pb, W = (np.array(f[k]) for k in ("coef", "canonical_basis", "canonical_coef", "W"))
+    tol = DOC["CANONICAL_COEF_TOL" if name == "canonical_coef" else "W_COEF_TOL"]
+    scale = np.abs(coef).max()
+    for factor in (1e-2, 1e2):
+        if name == "canonical_coef":
+            # move one canonical coefficient so that its image moves by factor x tol x scale
+            e = np.zeros_like(pb)
+            e[0, 0] = 1.0
+            step = np.abs(coef_from_basis(A, e)).max()
+            new = pb + e * factor * tol * scale / step
+            dev = np.abs(coef_from_basis(A, new) - coef).max() / scale
+        else:
+            new = W.copy()
+            new[0, 0] += factor * tol * scale
+            dev = np.abs(p_from_W(new) - coef).max() / scale
+        assert factor / 3 < dev / tol < 3 * factor
+        with h5py.File(path, "a") as f:
+            f[name][...] = new
+        if factor < 1:
+            Model.load(path)
+        else:
+            with pytest.raises(InputError, match="describe different functions"):
+                Model.load(path)
+
+
+def test_cut_max_exact_int(tmp_path: Path) -> None:
+    """int64 tokens up to 2^53 = MAX_EXACT_INT are accepted (float64 holds them exactly: numpy's round
+    trip), 2^53 + 2 (past the cut, though itself representable) is refused; so is -(2^53 + 2)."""
+    from mhla_cli.errors import InputError
+
+    cut = int(DOC["MAX_EXACT_INT"])
+    assert cut == 2**53 and int(np.float64(cut - 1)) == cut - 1 and int(np.float64(cut + 1)) != cut + 1
+    rng = np.random.default_rng(43)
+    for value, ok in ((cut, True), (-cut, True), (cut + 2, False), (-(cut + 2), False)):
+        X = rng.integers(0, 50, size=(30, 3, 2)).astype(np.int64)
+        X[5, 1, 0] = value
+        path = tmp_path / f"t{value}.h5"
+        with h5py.File(path, "w") as f:
+            f["tokens"], f["targets"] = X, rng.standard_normal((30, 2))
+        if ok:
+            assert featurize(path).n_samples == 30
+        else:
+            with pytest.raises(InputError, match=r"beyond 2\^53"):
+                featurize(path)
+
+
+@pytest.mark.parametrize("factor", [1e2, 1e-2])
+def test_cut_sst_resolution(factor: float) -> None:
+    """Targets c + delta z whose spread SST / energy (numpy) is factor x SST_RESOLUTION: R^2 is numpy's
+    1 - SSE / SST at 1e2 x, and None at 1e-2 x (from the rows and from the sums)."""
+    from mhla_cli import scores
+
+    rng = np.random.default_rng(44)
+    z = rng.standard_normal((500, 2))
+    delta = np.sqrt(factor * DOC["SST_RESOLUTION"] * 2 * 500 / np.sum((z - z.mean(0)) ** 2))
+    y = 1.0 + delta * z
+    sst, energy = float(np.sum((y - y.mean(0)) ** 2)), float(np.sum(y ** 2))
+    assert factor / 2 < sst / energy / DOC["SST_RESOLUTION"] < 2 * factor
+    pred = y.mean(0) + 0.5 * (y - y.mean(0))
+    want = 1 - float(np.sum((pred - y) ** 2)) / sst
+    got = scores.r2_of(pred, y)
+    s2, e2 = scores.sst_from_sums(y.T @ y, y.sum(0), 500.0)
+    from_sums = scores.r2(float(np.sum((pred - y) ** 2)), s2, e2)
+    if factor > 1:
+        assert got == pytest.approx(want, rel=1e-9) and want == pytest.approx(0.75, rel=1e-2)
+        assert from_sums == pytest.approx(want, rel=1e-2)
+    else:
+        assert got is None and from_sums is None
+
+
+@pytest.mark.parametrize("gap", [1e2, 0.2])
+def test_cut_reliable_gap(gap: float) -> None:
+    """An unconverged W's count of k outliers is kept when s_k / s_(k+1) is 1e2 x RELIABLE_GAP, not at
+    0.2 x (1e-2 x is below 1, where no sorted gap lies); a converged W's count is always kept."""
+    from mhla_cli.spectrum import count_reliability, outlier_gap
+
+    ratio = gap * DOC["RELIABLE_GAP"]
+    s = np.array([3.0, 2.0, 2.0 / ratio, 1.5 / ratio, 1.0 / ratio])
+    assert outlier_gap(s, 2) == pytest.approx(s[1] / s[2])
+    kept, reason = count_reliability(s, 2, converged=False)
+    assert kept is (gap > 1) and (reason is None) is (gap > 1)
+    assert count_reliability(s, 2, converged=True) == (True, None)
+
+
+def test_cut_orthonormal_spans_on_load(tmp_path: Path) -> None:
+    """A reduced features file whose stored span_last column is off unit length by factor x
+    ORTHONORMAL_TOL (|M^T M - I| in numpy): loaded at 1e-2 x, refused at 1e2 x."""
+    from mhla_cli.errors import InputError
+
+    X, off, y = _off_plane(np.random.default_rng(45), 300, 0.0)  # last tokens in a plane: reduced spans
+    src, path = tmp_path / "t.h5", tmp_path / "f.h5"
+    with h5py.File(src, "w") as f:
+        f["tokens"], f["offsets"], f["targets"] = X, off, y
+    red = featurize(src, spans="on")
+    assert red.reduced
+    red.save(path)
+    with h5py.File(path, "r") as f:
+        F0 = np.array(f["span_last"])
+    assert F0.shape == (3, 2)
+    for factor in (1e-2, 1e2):
+        F = F0.copy()
+        F[:, 0] *= np.sqrt(1 + factor * DOC["ORTHONORMAL_TOL"])
+        dev = np.abs(F.T @ F - np.eye(2)).max()
+        assert dev == pytest.approx(factor * DOC["ORTHONORMAL_TOL"], rel=1e-3)
+        with h5py.File(path, "a") as f:
+            f["span_last"][...] = F
+        if factor < 1:
+            Features.load(path)
+        else:
+            with pytest.raises(InputError, match="orthonormal columns"):
+                Features.load(path)
+
+
+def test_cut_fold_sums(tmp_path: Path) -> None:
+    """A features file whose fold grams (numpy's sum) miss its gram by factor x FOLD_SUM_TOL of max
+    |gram| on one diagonal entry: the folds load at 1e-2 x, and are refused at 1e2 x."""
+    from mhla_cli.errors import InputError
+    from mhla_cli.folds import featurize_folds, load_folds, save_with_folds
+
+    ds, _ = synthetic.generate_teacher(2, 1, 120, "2:5", seed=46)
+    data = tmp_path / "d.h5"
+    ds.save(data, dtype="float64")
+    total, folds = featurize_folds(data, 3)
+    path = tmp_path / "f.h5"
+    save_with_folds(total, folds, path)
+    with h5py.File(path, "r") as f:
+        g0 = np.array(f["fold_gram"])
+    scale = np.abs(g0.sum(axis=0)).max()
+    for factor in (1e-2, 1e2):
+        g = g0.copy()
+        g[0, 0, 0] += factor * DOC["FOLD_SUM_TOL"] * scale
+        with h5py.File(path, "a") as f:
+            f["fold_gram"][...] = g
+        if factor < 1:
+            assert len(load_folds(path)) == 3
+        else:
+            with pytest.raises(InputError, match="do not sum"):
+                load_folds(path)

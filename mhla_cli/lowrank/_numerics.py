@@ -9,7 +9,7 @@ from typing import Any
 import numpy as np
 from threadpoolctl import threadpool_limits
 
-EPS = float(np.finfo(np.float64).eps)
+from ..numerics import EPS  # noqa: E402  (one home: mhla_cli.numerics)
 
 
 def _serial_blas(fn: Callable) -> Callable:
