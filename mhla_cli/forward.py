@@ -97,16 +97,22 @@ def in_width(fn: np.ndarray | HeadsFn) -> int:
     return int(fn.shape[1]) if isinstance(fn, HeadsFn) else int(fn.shape[0])
 
 
-def heads_chunk(fn: HeadsFn, tokens: np.ndarray, offsets: np.ndarray, all_positions: bool = False,
-                normalize: str = "none") -> tuple[np.ndarray, np.ndarray | None]:
-    """`predict_chunk` of heads evaluated directly: last-token outputs (B, d_out), every position's (t, d_out)."""
-    V, Q = fn
-    d = Q.shape[1]
+def _chunk_moments(tokens: np.ndarray, offsets: np.ndarray, d: int, normalize: str) -> tuple[np.ndarray, np.ndarray]:
+    """(S (B, d, d), last tokens (B, d)) of a chunk for a model of width d (S / n with normalize="length")."""
     if tokens.shape[1] != d:
         raise InputError(f"the model has d = {d} but the data have d = {tokens.shape[1]}")
     S, last = sequence_moments(tokens, offsets)
     if normalize == "length":
         S /= np.diff(np.asarray(offsets, dtype=np.int64)).astype(np.float64)[:, None, None]
+    return S, last
+
+
+def heads_chunk(fn: HeadsFn, tokens: np.ndarray, offsets: np.ndarray, all_positions: bool = False,
+                normalize: str = "none") -> tuple[np.ndarray, np.ndarray | None]:
+    """`predict_chunk` of heads evaluated directly: last-token outputs (B, d_out), every position's (t, d_out)."""
+    V, Q = fn
+    d = Q.shape[1]
+    S, last = _chunk_moments(tokens, offsets, d, normalize)
     # sum_h V_h (S (Q_h x)): per head, matrix-vector products
     qx = np.einsum("hcl,bl->bhc", Q, last, optimize=True)
     sqx = np.einsum("bjc,bhc->bhj", S, qx, optimize=True)
@@ -158,11 +164,7 @@ def predict_chunk(coef: np.ndarray | HeadsFn, tokens: np.ndarray, offsets: np.nd
     if isinstance(coef, HeadsFn):
         return heads_chunk(coef, tokens, offsets, all_positions, normalize)
     d = coef.shape[0]
-    if tokens.shape[1] != d:
-        raise InputError(f"the model has d = {d} but the data have d = {tokens.shape[1]}")
-    S, last = sequence_moments(tokens, offsets)
-    if normalize == "length":
-        S /= np.diff(np.asarray(offsets, dtype=np.int64)).astype(np.float64)[:, None, None]
+    S, last = _chunk_moments(tokens, offsets, d, normalize)
     if device is not None:
         j, k = pair_index(d)
         pred = predict_last(coef, S[:, j, k], last, device)
