@@ -1,7 +1,7 @@
 """Choosing the ridge penalty by K-fold cross-validation on per-fold statistics (`mhla fit --ridge auto`).
 
 Fold k's training statistics are the total minus fold k (Features.__sub__), in their own canonical
-coordinates (solve.fit's: the whitening of the training tokens, Lambda~ = gram_b / N). One
+coordinates (solve.fit's: the whitening of the training tokens, Lambda~ = gram_b / sum w). One
 eigendecomposition Lambda~ = V diag(lambda) V^T per fold gives the ridge solution of every penalty r,
 p_b(r)^T = V diag(1 / (lambda + r)) V^T m~, with eigenvalues at or below the certificate's numerical
 tolerance taken as exact zeros (so r = 0 is the minimum-norm least-squares fit, solve.fit's). Each
@@ -47,7 +47,7 @@ def fold_path(train: Features, val: Features, grid: np.ndarray) -> np.ndarray:
     `train` is changed in place into its canonical basis; `val` is not changed.
     """
     A, _, _ = train.solver_stats()
-    N, psi = train.n_samples, train.n_features
+    N, psi = train.weight, train.n_features  # sum w: Lambda~ and m~ carry no units of the weights
     fac = solve.factorize(train, "full")
     st = fac.structure
     rhs = st.restrict(train.basis_moments / N)
@@ -83,10 +83,10 @@ def cv_ridge(total: Features, folds: list[Features], n_grid: int = N_GRID) -> di
         if fold.n_samples < 1 or fold.n_samples >= total.n_samples:
             raise InputError(f"fold {k} has {fold.n_samples} of the {total.n_samples} samples: every fold needs "
                              "samples, and so does the rest")
-        errs[:, k] = fold_path(total - fold, fold, grid) / (fold.n_samples * total.d)
+        errs[:, k] = fold_path(total - fold, fold, grid) / (fold.weight * total.d)  # weighted means
     mean = errs.mean(axis=1)
     se = errs.std(axis=1, ddof=1) / np.sqrt(len(folds))
-    floor = CV_FLOOR * float(np.trace(total.target_gram)) / (total.n_samples * total.d)
+    floor = CV_FLOOR * float(np.trace(total.target_gram)) / (total.weight * total.d)
     best = int(np.argmin(np.maximum(mean, floor)))  # the first (smallest ridge) of equals
     return {"chosen": float(grid[best]), "rule": "minimum", "lambda_max": float(lmax),
             "least_squares_cv_mse": float(mean[0]), "cv_mse": float(mean[best]), "n_folds": len(folds),

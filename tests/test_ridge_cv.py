@@ -176,3 +176,42 @@ def test_estimator_ridge_auto_refusals() -> None:
         MHLA(ridge="often").fit(seqs, Y)
     with pytest.raises(InputError, match="weight_decay"):
         MHLA(ridge="auto", heads=2).fit(seqs, Y)
+
+
+def _weighted_folds(X: np.ndarray, off: np.ndarray, Y: np.ndarray, w: np.ndarray, K: int) -> tuple[list, object]:
+    N = off.size - 1
+    cuts = np.linspace(0, N, K + 1).astype(int)
+    folds = [chunk_features(X[off[a]:off[b]], off[a:b + 1] - off[a], Y[a:b], X.shape[1], weights=w[a:b])
+             for a, b in zip(cuts[:-1], cuts[1:])]
+    total = folds[0]
+    for f in folds[1:]:
+        total = total + f
+    return folds, total
+
+
+def test_weights_carry_no_units_in_the_cv() -> None:
+    """Weighted CV: every weight times c gives the same curve and choice (Lambda~ = sum w Ht Ht^T / sum w,
+    weighted MSEs); integer weights give the curve of the data with each sample repeated w times."""
+    X, off, Y = _noisy(3, 40, 0.3, seed=11)
+    w = np.random.default_rng(11).integers(1, 4, size=40).astype(np.float64)
+    base = cv_ridge(*reversed(_weighted_folds(X, off, Y, w, 4)))
+    scaled = cv_ridge(*reversed(_weighted_folds(X, off, Y, 7.5 * w, 4)))
+    assert scaled["chosen"] == pytest.approx(base["chosen"], rel=1e-10)
+    for a, b in zip(base["table"], scaled["table"]):
+        assert b["ridge"] == pytest.approx(a["ridge"], rel=1e-10)
+        assert b["cv_mse"] == pytest.approx(a["cv_mse"], rel=1e-8)
+    # repeating each sample w times inside its own fold: the same folds' statistics, unweighted
+    seqs = [X[off[i]:off[i + 1]] for i in range(40)]
+    cuts = np.linspace(0, 40, 5).astype(int)
+    folds = []
+    for a, b in zip(cuts[:-1], cuts[1:]):
+        idx = np.repeat(np.arange(a, b), w[a:b].astype(int))
+        Xr = np.concatenate([seqs[i] for i in idx])
+        offr = np.concatenate([[0], np.cumsum([seqs[i].shape[0] for i in idx])]).astype(np.int64)
+        folds.append(chunk_features(Xr, offr, Y[idx], 3))
+    total = folds[0]
+    for f in folds[1:]:
+        total = total + f
+    rep = cv_ridge(total, folds)
+    for a, b in zip(base["table"], rep["table"]):
+        assert b["cv_mse"] == pytest.approx(a["cv_mse"], rel=1e-8)
