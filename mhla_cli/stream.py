@@ -295,11 +295,7 @@ class _Accumulator:
 
     def _buf_t(self, name: str, rows: int, cols: int) -> np.ndarray:
         """A reusable C-contiguous (rows, cols) float64 work array (cols = samples of the chunk)."""
-        size = rows * cols
-        buf = self._bufs.get(name)
-        if buf is None or buf.size < size:
-            buf = self._bufs[name] = np.empty(size)
-        return buf[:size].reshape(rows, cols)
+        return symgram.work_array(self._bufs, name, rows, cols)
 
     def _tokens(self, tokens: np.ndarray, check: Callable[[float], None] | None,
                 token_weights: np.ndarray | None, last_rows: np.ndarray | None,

@@ -79,6 +79,15 @@ def _pair_products(f: np.ndarray, out: np.ndarray) -> None:
         r += n - a
 
 
+def work_array(pool: dict[str, np.ndarray], name: str, rows: int, cols: int) -> np.ndarray:
+    """A reusable C-contiguous (rows, cols) float64 work array from `pool` (grown, never shrunk)."""
+    size = rows * cols
+    buf = pool.get(name)
+    if buf is None or buf.size < size:
+        buf = pool[name] = np.empty(size)
+    return buf[:size].reshape(rows, cols)
+
+
 class SymGram:
     """Running K, moments and target Gram of rows h_i = s_i (x) x_i (weights folded in by the caller:
     sqrt(w) x and sqrt(w) y give w h h^T).
@@ -98,11 +107,7 @@ class SymGram:
         self._work: dict[str, np.ndarray] = {}
 
     def _buf(self, name: str, rows: int, cols: int) -> np.ndarray:
-        size = rows * cols
-        buf = self._work.get(name)
-        if buf is None or buf.size < size:
-            buf = self._work[name] = np.empty(size)
-        return buf[:size].reshape(rows, cols)
+        return work_array(self._work, name, rows, cols)
 
     def add(self, s_t: np.ndarray, x_t: np.ndarray, y_t: np.ndarray | None = None, threads: int = 1) -> None:
         """Add the chunk's rows (module docstring); s_t (q, R), x_t (d, R), y_t (d, R) or None.
