@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import importlib.util
+import sys
 from pathlib import Path
+from types import ModuleType
 
 import h5py
 import numpy as np
@@ -27,6 +30,15 @@ def assert_same_stats(a: Features, b: Features, tol: float = 1e-12) -> None:
         assert relerr(getattr(a, k), getattr(b, k)) < tol, k
     wa, wb = (np.linalg.eigvalsh(f.solver_stats()[1] / f.n_samples) for f in (a, b))
     assert np.abs(wa - wb).max() <= 1e3 * tol * np.abs(wb).max()
+
+
+def load_example(path: Path, name: str) -> ModuleType:
+    """Import an example script (examples/*.py) as module `name`."""
+    spec = importlib.util.spec_from_file_location(name, path)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod  # its dataclasses look their module up there
+    spec.loader.exec_module(mod)
+    return mod
 
 
 def write_tokens(path: Path, tokens: np.ndarray, offsets: np.ndarray | None = None,

@@ -11,16 +11,15 @@ canonical features (tests/_reference.py) with the penalty the CV chose.
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 import io
 import math
 import re
-import sys
 from pathlib import Path
 
 import h5py
 import numpy as np
 import pytest
+from conftest import load_example
 
 pytest.importorskip("torch")
 pytest.importorskip("transformers")
@@ -40,11 +39,7 @@ pytestmark = pytest.mark.slow
 
 
 def _example():
-    spec = importlib.util.spec_from_file_location("head_survey_example", EXAMPLE)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod  # its dataclasses look their module up there
-    spec.loader.exec_module(mod)
-    return mod
+    return load_example(EXAMPLE, "head_survey_example")
 
 
 def _read(path: Path) -> tuple[list[np.ndarray], np.ndarray, np.ndarray, np.ndarray]:

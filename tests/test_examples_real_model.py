@@ -7,7 +7,6 @@ example and of mhla: plain numpy on the cubic features materialised from the tok
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import sys
 from pathlib import Path
@@ -15,6 +14,7 @@ from pathlib import Path
 import h5py
 import numpy as np
 import pytest
+from conftest import load_example
 
 pytest.importorskip("torch")
 pytest.importorskip("transformers")
@@ -25,11 +25,7 @@ LICENSES = Path("/usr/share/common-licenses")
 
 
 def _example():
-    spec = importlib.util.spec_from_file_location("real_model_example", EXAMPLE)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod  # its dataclasses look their module up there
-    spec.loader.exec_module(mod)
-    return mod
+    return load_example(EXAMPLE, "real_model_example")
 
 
 def _read(path: Path) -> tuple[list[np.ndarray], np.ndarray]:
