@@ -22,8 +22,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _common import OUT, machine, table  # noqa: E402
 from bench_gflops import dsyrk_gflops  # noqa: E402
 
-from mhla_cli.features import n_features  # noqa: E402
-from mhla_cli.stream import featurize  # noqa: E402
+from mhla_cli.feature_map import n_features  # noqa: E402
+from mhla_cli.statistics.stream import featurize  # noqa: E402
 
 
 def causal_file(N: int, n: int, d: int, seed: int = 0) -> str:

@@ -21,11 +21,12 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _common import machine  # noqa: E402
 
-from mhla_cli import fit, synthetic  # noqa: E402
-from mhla_cli.heads import p_from_heads  # noqa: E402
-from mhla_cli.lowrank import fewest_heads  # noqa: E402
-from mhla_cli.lowrank import generic_rank  # noqa: E402
-from mhla_cli.stream import chunk_features  # noqa: E402
+from mhla_cli.model import synthetic
+from mhla_cli import fit  # noqa: E402
+from mhla_cli.model.heads import p_from_heads  # noqa: E402
+from mhla_cli.solve.lowrank import fewest_heads  # noqa: E402
+from mhla_cli.solve.lowrank import generic_rank  # noqa: E402
+from mhla_cli.statistics.stream import chunk_features  # noqa: E402
 
 
 def main() -> None:

@@ -4,7 +4,7 @@ d = 16, N = 50000, n = 32, float32 tokens; flops counted as N * psi * (psi + 1) 
 N x psi feature matrix). Run: python benchmarks/bench_gflops.py [--n-samples N] [--repeat R]
 
 `--ratio D:N ...` (issue 24) instead prints same-run time ratios, in this process with all BLAS
-threads: featurize (the Gram's distinct entries K = U^T V, mhla_cli.symgram) and featurize with the
+threads: featurize (the Gram's distinct entries K = U^T V, mhla_cli.linalg.symgram) and featurize with the
 syrk of the materialised block forced (symgram.SYMGRAM_MIN_D raised), each over the time of a bare
 dsyrk of the materialised N x psi features (blocks of at most 4096 rows, timed and scaled to N).
 Example: python benchmarks/bench_gflops.py --ratio 16:12000 24:2000 --repeat 2
@@ -26,8 +26,8 @@ from threadpoolctl import threadpool_limits
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _common import OUT, best_of, machine, mhla_cmd, run_timed, table, tokens_file  # noqa: E402
 
-from mhla_cli.features import n_features  # noqa: E402
-from mhla_cli.stream import featurize  # noqa: E402
+from mhla_cli.feature_map import n_features  # noqa: E402
+from mhla_cli.statistics.stream import featurize  # noqa: E402
 
 
 def dsyrk_gflops(psi: int, rows: int = 4096, repeat: int = 5) -> tuple[float, float]:
@@ -70,7 +70,7 @@ def bare_dsyrk_seconds(psi: int, N: int, repeat: int = 3, rows: int = 4096) -> f
 
 def ratio_rows(points: list[tuple[int, int]], seq_len: int, repeat: int) -> list[list[object]]:
     """Rows of the same-run ratio table (`--ratio`): featurize with K and with the syrk, over a bare dsyrk."""
-    from mhla_cli import symgram
+    from mhla_cli.linalg import symgram
 
     rows = []
     for d, N in points:
@@ -93,7 +93,7 @@ def ratio_rows(points: list[tuple[int, int]], seq_len: int, repeat: int) -> list
 def kernel_rows(dims: list[int], rows: int, repeat: int) -> list[list[object]]:
     """Rows of `--kernel`: one chunk's update, one BLAS thread: the dsyrk of the materialised [H | Y]
     block against symgram.SymGram.add (K = U^T V, the moments and the target Gram), best of `repeat`."""
-    from mhla_cli import symgram
+    from mhla_cli.linalg import symgram
 
     out = []
     rng = np.random.default_rng(0)
@@ -125,7 +125,7 @@ def main() -> None:
     args = ap.parse_args()
     if args.kernel:
         print(f"## one chunk's update ({args.rows} rows, one BLAS thread, best of {args.repeat}): K = U^T V "
-              "(mhla_cli.symgram) against the dsyrk of the materialised block\n")
+              "(mhla_cli.linalg.symgram) against the dsyrk of the materialised block\n")
         print(machine() + "\n")
         print(table(["d", "psi", "rows", "dsyrk ms", "K ms", "K / dsyrk"],
                     kernel_rows(args.kernel, args.rows, max(args.repeat, 5))))

@@ -5,7 +5,7 @@ against the CPU path, all measured in the same run on the same machine (printed 
    moments on the host, the transfers, the device's GEMMs and the Gram's way back) at d = 32
    (psi = 16896, the features' Gram 2.3 GB) in GFLOP/s (N psi (psi + 1) / wall, the flops of the
    syrk of the N x psi feature matrix; the device
-   computes the lower triangle in mhla_cli.device.GRAM_PANELS row panels of GEMMs, (1 + 1/8) times
+   computes the lower triangle in mhla_cli.linalg.device.GRAM_PANELS row panels of GEMMs, (1 + 1/8) times
    those flops, so about 89 % of the matmul's rate is the ceiling), as a fraction of a bare float64
    torch matmul of the chunk's shape (rows x psi times its transpose). Goal: >= 70 % at d = 32.
    The whole `featurize` is timed too: after the pass it changes the sums exactly to the whitening of
@@ -58,7 +58,7 @@ def bare_matmul_gflops(torch, dev, rows: int, cols: int, repeat: int = 3) -> flo
 
 def solve_times(feats, where: str) -> dict:
     """certify then fit (which reuses certify's factorization) of fresh statistics on `where`."""
-    from mhla_cli import solve
+    from mhla_cli.solve import solve
 
     cert, tc = timed(lambda: solve.certify(feats, device=where))
     _, tf = timed(lambda: solve.fit(feats, device=where))
@@ -83,8 +83,9 @@ def main() -> int:
     except ImportError:
         print("bench_gpu: torch is not installed (the project's `gpu` extra): nothing measured")
         return 0
-    from mhla_cli import device as device_mod, stream
-    from mhla_cli.features import n_features
+    from mhla_cli.linalg import device as device_mod
+    from mhla_cli.statistics import stream
+    from mhla_cli.feature_map import n_features
     from mhla_cli.errors import InputError
 
     try:

@@ -17,8 +17,8 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _common import OUT, best_of, drop_cache_note, machine, mhla_cmd, run_timed, table, tokens_file  # noqa: E402
 
-from mhla_cli.stream import default_chunk_size, featurize  # noqa: E402
-from mhla_cli.tokens import inspect_tokens
+from mhla_cli.statistics.stream import default_chunk_size, featurize  # noqa: E402
+from mhla_cli.io.tokens import inspect_tokens
 
 
 def read_whole(path: str) -> None:

@@ -6,7 +6,7 @@ much less so).
 
 1. Dense Gaussian teachers, d = 24 (psi = 7200) and d = 32 (psi = 16896) by default: N = 9000
    sequences of 30 float32 Gaussian tokens, targets from a random d^2-head teacher (a generic, dense
-   W; mhla_cli.synthetic.generate_teacher). Each step is a FRESH process running the `mhla` CLI with
+   W; mhla_cli.model.synthetic.generate_teacher). Each step is a FRESH process running the `mhla` CLI with
    the default BLAS threads: `featurize`, `certify --json`, `fit --json -o model.h5`; its wall time and
    peak RSS (getrusage RUSAGE_CHILDREN in a wrapper process, as in bench_memory.py) are recorded. In
    the same run, each in a fresh process: a bare Cholesky (scipy.linalg.cho_factor, lower, of a random
@@ -70,14 +70,14 @@ import h5py
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _common import OUT, machine, mhla_cmd, table  # noqa: E402
 
-from mhla_cli import synthetic  # noqa: E402
-from mhla_cli.factorization import POTRF_THREADED_MAX  # noqa: E402
-from mhla_cli.features import n_features  # noqa: E402
-from mhla_cli.stream import default_chunk_size  # noqa: E402
-from mhla_cli.tokens import inspect_tokens  # noqa: E402
+from mhla_cli.model import synthetic  # noqa: E402
+from mhla_cli.linalg.factorization import POTRF_THREADED_MAX  # noqa: E402
+from mhla_cli.feature_map import n_features  # noqa: E402
+from mhla_cli.statistics.stream import default_chunk_size  # noqa: E402
+from mhla_cli.io.tokens import inspect_tokens  # noqa: E402
 
 try:
-    from mhla_cli.stream import MIN_THREADED_WIDTH
+    from mhla_cli.statistics.stream import MIN_THREADED_WIDTH
 except ImportError:  # pragma: no cover
     MIN_THREADED_WIDTH = 1024
 
@@ -115,13 +115,13 @@ with threadpool_limits(limits=threads or None):
 print(json.dumps({"seconds": times, "best": min(times), "gflops": rows * psi * (psi + 1) / min(times) / 1e9}))
 """
 
-# A bare Cholesky (scipy cho_factor, lower, as mhla_cli.factorization) of a random SPD matrix: argv psi repeat.
+# A bare Cholesky (scipy cho_factor, lower, as mhla_cli.linalg.factorization) of a random SPD matrix: argv psi repeat.
 # Only the lower triangle is read: entries in [0, 1) below a diagonal of psi + 1 make the symmetric
 # matrix it defines strictly diagonally dominant, hence SPD (and well conditioned).
 BARE_CHOL = """
 import json, sys, time
 import numpy as np, scipy.linalg as sl
-from mhla_cli.factorization import cholesky  # scipy's cho_factor, one BLAS thread where OpenBLAS's crashes
+from mhla_cli.linalg.factorization import cholesky  # scipy's cho_factor, one BLAS thread where OpenBLAS's crashes
 psi, repeat = map(int, sys.argv[1:3])
 M = np.random.default_rng(0).random((psi, psi))
 M[np.diag_indices(psi)] += psi + 1.0
@@ -218,7 +218,7 @@ def dense_point(d: int, N: int, n: int, repeat: int, workdir: Path) -> dict[str,
     rows = default_chunk_size(inspect_tokens(data))
     syrk_threads = 0 if psi + d >= MIN_THREADED_WIDTH else 1
     if psi > POTRF_THREADED_MAX:
-        # OpenBLAS's threaded syrk segfaults at this size (mhla_cli.factorization.POTRF_THREADED_MAX;
+        # OpenBLAS's threaded syrk segfaults at this size (mhla_cli.linalg.factorization.POTRF_THREADED_MAX;
         # featurize itself adds GEMM panels, which do not): the bare syrk runs on one thread
         syrk_threads = 1
     feats, model = workdir / f"feats_d{d}.h5", workdir / f"model_d{d}.h5"

@@ -31,11 +31,12 @@ import time
 import numpy as np
 from threadpoolctl import threadpool_limits
 
-from mhla_cli import lowrank, synthetic
-from mhla_cli.features import n_features
-from mhla_cli.forward import predict
-from mhla_cli.solve import fit
-from mhla_cli.stream import chunk_features
+from mhla_cli.solve import lowrank
+from mhla_cli.model import synthetic
+from mhla_cli.feature_map import n_features
+from mhla_cli.model.forward import predict
+from mhla_cli.solve.solve import fit
+from mhla_cli.statistics.stream import chunk_features
 
 SEQ = 20
 N_TEST = 2000

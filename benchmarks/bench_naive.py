@@ -22,7 +22,7 @@ NAIVE = r"""
 import json, resource, sys, time
 t = time.perf_counter()
 import h5py, numpy as np
-from mhla_cli.features import features_from_moments
+from mhla_cli.feature_map import features_from_moments
 with h5py.File(sys.argv[1], "r") as f:
     X = f["tokens"][()].astype(np.float64)
     Y = f["targets"][()]

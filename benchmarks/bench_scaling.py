@@ -14,8 +14,8 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _common import machine, table, tokens_file  # noqa: E402
 
-from mhla_cli.features import n_features  # noqa: E402
-from mhla_cli.stream import featurize  # noqa: E402
+from mhla_cli.feature_map import n_features  # noqa: E402
+from mhla_cli.statistics.stream import featurize  # noqa: E402
 
 
 def timed(path: str, **kw: object) -> float:

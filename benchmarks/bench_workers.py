@@ -13,7 +13,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _common import machine, table, tokens_file  # noqa: E402
 
-from mhla_cli.stream import featurize  # noqa: E402
+from mhla_cli.statistics.stream import featurize  # noqa: E402
 
 
 def main() -> None:

@@ -13,7 +13,7 @@ output that belong to the head), as in real_model.py; every head is checked agai
 recomputed from the layer's weights (real_model.check_head).
 
 Per layer the windows are written at the model's widths (train384_L{l}.h5, heldout384_L{l}.h5:
-384-dim tokens, the 12 heads' outputs side by side as 384-dim targets). mhla_cli.reduce accumulates
+384-dim tokens, the 12 heads' outputs side by side as 384-dim targets). mhla_cli.model.reduce accumulates
 their uncentered second moments in one streaming pass (`second_moments`, as `mhla reduce` does); the
 token map P is the top-d eigenvectors of the tokens' moment (one per layer: every head of a layer sees
 the same tokens), and head h's map U_h those of the 32 x 32 block of the targets' moment that is head
@@ -61,9 +61,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # examples/: real_mode
 from real_model import HELDOUT_TEXTS, LICENSES, TRAIN_TEXTS, check_head, load_model, read_texts, windows  # noqa: E402
 
 from mhla_cli import certify, fit, load_function, reduce_tokens, write_tokens  # noqa: E402
-from mhla_cli.folds import featurize_folds  # noqa: E402
-from mhla_cli.forward import predict_file  # noqa: E402
-from mhla_cli.reduce import Reduction, apply_reduction, second_moments, top_eigenvectors  # noqa: E402
+from mhla_cli.statistics.folds import featurize_folds  # noqa: E402
+from mhla_cli.model.forward import predict_file  # noqa: E402
+from mhla_cli.model.reduce import Reduction, apply_reduction, second_moments, top_eigenvectors  # noqa: E402
 
 # --quick: every QUICK_STRIDE-th word piece starts a window (about 1/10 of the default windows, from
 # every document of both splits).

@@ -16,8 +16,8 @@ if str(ROOT) not in sys.path:  # `python experiments/X.py` puts experiments/ fir
 
 OUT = ROOT / "experiments" / "out"
 
-from mhla_cli.stream import Features, chunk_features  # noqa: E402
-from mhla_cli.synthetic import Dataset  # noqa: E402
+from mhla_cli.statistics.stream import Features, chunk_features  # noqa: E402
+from mhla_cli.model.synthetic import Dataset  # noqa: E402
 
 
 def out_dir() -> Path:

@@ -38,9 +38,9 @@ from _common import (
 )
 
 from mhla_cli import certify, fit, n_features, p_from_heads
-from mhla_cli.forward import predict_causal
-from mhla_cli.stream import chunk_features
-from mhla_cli.synthetic import Dataset, generate_teacher
+from mhla_cli.model.forward import predict_causal
+from mhla_cli.statistics.stream import chunk_features
+from mhla_cli.model.synthetic import Dataset, generate_teacher
 
 SEQ_LEN = (5, 40)
 HEADS = 2

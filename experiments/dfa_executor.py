@@ -63,9 +63,9 @@ from _common import (
 )
 
 from mhla_cli import certify, featurize, fit, n_features
-from mhla_cli.forward import predict_file, snap_to
-from mhla_cli.probes import certify_probes
-from mhla_cli.synthetic import Dataset
+from mhla_cli.model.forward import predict_file, snap_to
+from mhla_cli.solve.probes import certify_probes
+from mhla_cli.model.synthetic import Dataset
 
 # Paper, Appendix G.4 / Fig. 4: a 4-layer, 16-head Llama-style Transformer (hidden 2048) trained with
 # cross-entropy needs about 2^10 (Q = 2) to beyond 2^15 (Q = 16) training tokens N*L to reach 99 %
@@ -141,7 +141,7 @@ def closed_loop(model: Any, delta: np.ndarray, words: np.ndarray) -> dict[str, A
     causal output at its last token is decoded to q_hat_t. One `predict_causal` per step on the
     growing dense array (O(L^2) in total; fine at these lengths).
     """
-    from mhla_cli.forward import predict_causal
+    from mhla_cli.model.forward import predict_causal
 
     n, Q, S = delta.shape
     L = words.shape[1]
@@ -245,7 +245,7 @@ def run_autonomous(Q: int, n_train: int, L: int, n_test: int, seed: int, workdir
     from prompts table + e_state(0) of n_test new maps for 4L steps; compare with the true orbit."""
     import h5py
 
-    from mhla_cli.forward import rollout_file
+    from mhla_cli.model.forward import rollout_file
 
     rng = np.random.default_rng(seed)
     f_tr = rng.integers(0, Q, size=(n_train, Q))

@@ -24,7 +24,8 @@ from typing import Any
 import numpy as np
 
 from _common import add_doc_image_flag, doc_images, Timer, env_note, features_of, fmt, limit_threads, markdown_table, savefig, write_json
-from mhla_cli import export_heads, fit, predict, synthetic
+from mhla_cli.model import synthetic
+from mhla_cli import export_heads, fit, predict
 
 SETUPS = ((2, 512), (4, 2048))
 PAPER = {  # what the paper's Fig. 1 shows (read off the plots; see docs/reproduction.md)
@@ -59,8 +60,8 @@ def closed_form(ds: synthetic.Dataset, teacher: synthetic.Heads | None = None,
     if teacher is not None:
         out["p_error"] = float(np.linalg.norm(model.coef - teacher.coef) / np.linalg.norm(teacher.coef))
     if fewest:
-        from mhla_cli.heads import p_from_heads
-        from mhla_cli.lowrank import fewest_heads
+        from mhla_cli.model.heads import p_from_heads
+        from mhla_cli.solve.lowrank import fewest_heads
 
         fh_heads = fewest_heads(model.coef)
         p_fh = p_from_heads(fh_heads.V, fh_heads.Q)

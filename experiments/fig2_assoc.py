@@ -1,6 +1,6 @@
 """Fig. 2 of the paper: associative memory, certificate vs distance to the true function.
 
-Data (mhla_cli.synthetic.generate_assoc): 4 key/value pairs of dimension 4 (token dimension d = 8),
+Data (mhla_cli.model.synthetic.generate_assoc): 4 key/value pairs of dimension 4 (token dimension d = 8),
 2^14 sequences of 5 tokens: rows (k_j, v_j), then the query (q, 0); target (0, sum_j <q,k_j> v_j), which
 is exactly the 1-head teacher V = [[0,0],[0,I]], Q = [[I,0],[0,0]]. A share f of the samples take keys
 and values from rows of random orthogonal matrices, the rest are Gaussian N(0, I/4).
@@ -35,10 +35,11 @@ from typing import Any
 import numpy as np
 
 from _common import add_doc_image_flag, doc_images, Timer, env_note, features_of, fmt, limit_threads, markdown_table, savefig, write_json
-from mhla_cli import certify, fit, predict, synthetic
-from mhla_cli.basis import pair_map
-from mhla_cli.solve import domain_map, observed_bases
-from mhla_cli.stream import Features
+from mhla_cli.model import synthetic
+from mhla_cli import certify, fit, predict
+from mhla_cli.statistics.basis import pair_map
+from mhla_cli.solve.solve import domain_map, observed_bases
+from mhla_cli.statistics.stream import Features
 
 KEYS = 4
 FRACTIONS = (0.95, 0.96, 0.97, 0.98, 0.99, 1.0)
@@ -69,7 +70,7 @@ def observed_feature_basis(B: np.ndarray, C: np.ndarray) -> np.ndarray:
 def observed_projector(feats: Features) -> np.ndarray:
     """Orthogonal projector (psi, psi) onto the features that inputs of the observed domain excite.
 
-    The observed domain is that of `certify --domain observed` (mhla_cli.solve.observed_bases): tokens
+    The observed domain is that of `certify --domain observed` (mhla_cli.solve.solve.observed_bases): tokens
     in U = span of all tokens, last tokens in U_n = span of all last tokens. Two functions agree on
     every such input iff (p1 - p2) @ P = 0; the observed distance is ||(p1 - p2) @ P||_F. (Not the row
     space of the map T to the reduced features: the two differ when U is a proper subspace of R^d.)
@@ -154,7 +155,7 @@ def convex_point(f: float, n_samples: int, seed: int) -> dict[str, Any]:
            "fit_distance": dist, "fit_distance_observed": dist_obs, "fit_distance_float32": dist32,
            "fit_train_mse": mse_on(model.coef, ds), "seconds": t.seconds, "p_true_norm": float(np.linalg.norm(p_true))}
     try:  # `mhla certify --witness` (full domain): min-norm fit + a null direction of Lambda_D
-        from mhla_cli.witness import make_witness
+        from mhla_cli.solve.witness import make_witness
 
         lw = make_witness(feats, cert=cert_full)
         ld, ld_obs = distances(lw.model_b.coef, p_true, P_obs)

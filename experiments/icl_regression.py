@@ -45,8 +45,8 @@ from _common import (
 )
 
 from mhla_cli import certify, featurize, fit, n_features
-from mhla_cli.forward import predict_causal
-from mhla_cli.synthetic import Dataset
+from mhla_cli.model.forward import predict_causal
+from mhla_cli.model.synthetic import Dataset
 
 
 def make_tasks(k: int, n_seq: int, n_ex: int, seed: int) -> tuple[Dataset, np.ndarray, np.ndarray]:

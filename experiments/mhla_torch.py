@@ -45,7 +45,7 @@ THRESHOLDS = (1e-4, 1e-8, 1e-12)
 
 def sequence_stats(tokens: np.ndarray, offsets: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
     """S = X^T X (N, d, d) and last tokens (N, d) in float64, from (N, n, d) or (T, d) + offsets."""
-    from mhla_cli.stream import sequence_moments
+    from mhla_cli.statistics.stream import sequence_moments
 
     tokens = np.asarray(tokens, dtype=np.float64)
     if tokens.ndim == 3:
@@ -121,7 +121,7 @@ def train_mhla(tokens: np.ndarray, targets: np.ndarray, n_heads: int, epochs: in
     `time_limit` seconds. `params` holds V, Q (m, d, d) as numpy arrays, `coef` the p (d, psi) of the
     learned function (comparable with mhla's fit).
     """
-    from mhla_cli.heads import p_from_heads
+    from mhla_cli.model.heads import p_from_heads
 
     S_np, last_np = sequence_stats(tokens, offsets)
     y_np = np.asarray(targets, dtype=np.float64)

@@ -24,7 +24,8 @@ from typing import Any
 import numpy as np
 
 from _common import add_doc_image_flag, doc_images, Timer, env_note, features_of, fmt, limit_threads, markdown_table, savefig, subset, write_json
-from mhla_cli import certify, fit, n_features, predict, synthetic
+from mhla_cli.model import synthetic
+from mhla_cli import certify, fit, n_features, predict
 
 DIMS = (2, 3, 4, 5, 6)
 RATIOS = (0.25, 0.5, 0.75, 0.9, 1.0, 1.1, 1.5, 2.0, 4.0, 8.0)

@@ -9,7 +9,7 @@ Library API (each CLI command is a thin layer over these):
     yhat = predict(heads, tokens)           # in-memory forward pass
     write_tokens("data.h5", sequences, targets=Y)  # a tokens file from arrays (convert_files: from files)
     red = reduce_tokens("wide.h5", "r8.h5", dim=8)   # Reduction: maps P, U of wide tokens / targets to d = 8
-    est = MHLA().fit(sequences, targets)    # scikit-learn-style estimator (mhla_cli.estimator)
+    est = MHLA().fit(sequences, targets)    # scikit-learn-style estimator (mhla_cli.api.estimator)
 """
 
 from __future__ import annotations
@@ -24,18 +24,18 @@ from .errors import InputError, MhlaError
 # (and so every `mhla` command, `--version` and `--help`) loads neither NumPy's friends SciPy and h5py
 # nor torch until a name that needs them is used.
 _EXPORTS = {
-    "convert_files": "convert", "write_tokens": "convert",
-    "cubic_features": "features", "feature_index": "features", "n_features": "features",
-    "forward_heads": "forward", "predict": "forward", "predict_file": "forward",
-    "Heads": "heads", "W_from_heads": "heads", "W_from_p": "heads", "heads_from_W": "heads",
-    "p_from_heads": "heads", "p_from_W": "heads",
-    "export_heads": "learn", "fit": "learn",
-    "Model": "model", "load_function": "model",
-    "Certificate": "solve", "certify": "solve",
-    "Reduction": "reduce", "load_reduction": "reduce", "reduce_tokens": "reduce",
-    "Features": "stream", "featurize": "stream", "load_features": "stream", "reduce_span": "stream",
-    "Dataset": "synthetic", "generate_assoc": "synthetic", "generate_teacher": "synthetic",
-    "MHLA": "estimator",
+    "convert_files": "io.convert", "write_tokens": "io.convert",
+    "cubic_features": "feature_map", "feature_index": "feature_map", "n_features": "feature_map",
+    "forward_heads": "model.forward", "predict": "model.forward", "predict_file": "model.forward",
+    "Heads": "model.heads", "W_from_heads": "model.heads", "W_from_p": "model.heads", "heads_from_W": "model.heads",
+    "p_from_heads": "model.heads", "p_from_W": "model.heads",
+    "export_heads": "api.learn", "fit": "api.learn",
+    "Model": "model.model", "load_function": "model.model",
+    "Certificate": "solve.solve", "certify": "solve.solve",
+    "Reduction": "model.reduce", "load_reduction": "model.reduce", "reduce_tokens": "model.reduce",
+    "Features": "statistics.stream", "featurize": "statistics.stream", "load_features": "statistics.stream", "reduce_span": "statistics.stream",
+    "Dataset": "model.synthetic", "generate_assoc": "model.synthetic", "generate_teacher": "model.synthetic",
+    "MHLA": "api.estimator",
 }
 
 
@@ -53,17 +53,17 @@ def __dir__() -> list[str]:
 
 
 if TYPE_CHECKING:  # the same names for type checkers and the layout test's re-export map
-    from .convert import convert_files, write_tokens
-    from .estimator import MHLA
-    from .features import cubic_features, feature_index, n_features
-    from .forward import forward_heads, predict, predict_file
-    from .heads import Heads, W_from_heads, W_from_p, heads_from_W, p_from_heads, p_from_W
-    from .learn import export_heads, fit
-    from .model import Model, load_function
-    from .reduce import Reduction, load_reduction, reduce_tokens
-    from .solve import Certificate, certify
-    from .stream import Features, featurize, load_features, reduce_span
-    from .synthetic import Dataset, generate_assoc, generate_teacher
+    from .io.convert import convert_files, write_tokens
+    from .api.estimator import MHLA
+    from .feature_map import cubic_features, feature_index, n_features
+    from .model.forward import forward_heads, predict, predict_file
+    from .model.heads import Heads, W_from_heads, W_from_p, heads_from_W, p_from_heads, p_from_W
+    from .api.learn import export_heads, fit
+    from .model.model import Model, load_function
+    from .model.reduce import Reduction, load_reduction, reduce_tokens
+    from .solve.solve import Certificate, certify
+    from .statistics.stream import Features, featurize, load_features, reduce_span
+    from .model.synthetic import Dataset, generate_assoc, generate_teacher
 
 __all__ = [
     "Certificate", "Dataset", "MHLA", "Features", "Heads", "InputError", "MhlaError", "Model", "Reduction", "W_from_heads",

@@ -18,7 +18,7 @@ EPS = sys.float_info.epsilon  # float64's machine epsilon (no NumPy at import: t
 # lambda_max are zero to float64 accumulation accuracy (numpy.linalg.matrix_rank's rule).
 RANK_FACTOR = 1.0
 
-# The structure cut (mhla_cli.structure.from_traces): a direction of the data's spans whose partial-trace
+# The structure cut (mhla_cli.statistics.structure.from_traces): a direction of the data's spans whose partial-trace
 # energy is at most STRUCTURE_FACTOR * psi * EPS * (a lower bound of lambda_max) is left out of the block,
 # i.e. the certificate's own rank cut, so dropping it changes no verdict.
 STRUCTURE_FACTOR = 1.0

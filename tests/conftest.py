@@ -11,8 +11,8 @@ import h5py
 import numpy as np
 import pytest
 
-from mhla_cli import synthetic
-from mhla_cli.stream import Features
+from mhla_cli.model import synthetic
+from mhla_cli.statistics.stream import Features
 
 STATS = ("gram", "moments", "target_gram", "token_gram", "last_token_gram")
 

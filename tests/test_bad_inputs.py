@@ -15,12 +15,12 @@ import h5py
 import numpy as np
 import pytest
 
-from mhla_cli import synthetic
+from mhla_cli.model import synthetic
 from mhla_cli.cli import run
-from mhla_cli.features import n_features
-from mhla_cli.heads import export_heads
-from mhla_cli.solve import fit
-from mhla_cli.stream import featurize
+from mhla_cli.feature_map import n_features
+from mhla_cli.model.heads import export_heads
+from mhla_cli.solve.solve import fit
+from mhla_cli.statistics.stream import featurize
 
 PREVIOUS = b"previous output, must survive\n" * 10
 
@@ -444,7 +444,7 @@ def test_locked_by_a_writer(base: Base, tmp_path: Path, monkeypatch: pytest.Monk
 def test_filesystem_without_locks_falls_back(base: Base, monkeypatch: pytest.MonkeyPatch, capsys) -> None:
     """Where flock is unsupported (ENOSYS, e.g. Lustre mounted without flock), reading goes on
     without a lock, unless HDF5_USE_FILE_LOCKING=TRUE demands one."""
-    from mhla_cli import formats
+    from mhla_cli.io import formats
 
     real = h5py.File
     calls = []
@@ -473,7 +473,8 @@ def test_filesystem_without_locks_falls_back(base: Base, monkeypatch: pytest.Mon
 def test_every_output_records_provenance(tmp_path: Path, capsys) -> None:
     import shlex
 
-    from mhla_cli import __version__, formats
+    from mhla_cli.io import formats
+    from mhla_cli import __version__
 
     p = {n: tmp_path / f"{n}.h5" for n in ("data", "feats", "model", "heads", "pred")}
     steps = [
@@ -503,7 +504,7 @@ def test_every_output_records_provenance(tmp_path: Path, capsys) -> None:
 
 
 def test_fingerprint_identifies_the_data(base: Base, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from mhla_cli import formats
+    from mhla_cli.io import formats
 
     same = h5(tmp_path / "same.h5", tokens=base.tokens, offsets=base.offsets, targets=base.targets)
     t = base.tokens.copy()
@@ -636,7 +637,7 @@ def test_safetensors_output_without_safetensors(base: Base, tmp_path: Path, monk
 
 def test_scheduler_without_dask(base: Base, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys) -> None:
     _without(monkeypatch, "dask", "dask.distributed", "distributed")
-    import mhla_cli.stream as stream_mod
+    import mhla_cli.statistics.stream as stream_mod
 
     def no_work(*a: object, **k: object) -> None:
         raise AssertionError("the pass started")

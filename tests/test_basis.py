@@ -1,7 +1,7 @@
-"""The canonical basis (mhla_cli.basis): exact maps, and certify / fit invariant to the token units.
+"""The canonical basis (mhla_cli.statistics.basis): exact maps, and certify / fit invariant to the token units.
 
 References are plain numpy on materialised features (`_features`, tests/_reference.py), never
-mhla_cli.features.
+mhla_cli.feature_map.
 """
 
 from __future__ import annotations
@@ -14,12 +14,14 @@ import numpy as np
 import pytest
 
 from _reference import canonical_features, teacher_p
-from mhla_cli import basis, formats, synthetic
+from mhla_cli.statistics import basis
+from mhla_cli.io import formats
+from mhla_cli.model import synthetic
 from mhla_cli.cli import run
-from mhla_cli.merge import merge_features
-from mhla_cli.forward import forward_heads
-from mhla_cli.solve import certify, fit
-from mhla_cli.stream import Features, featurize
+from mhla_cli.statistics.merge import merge_features
+from mhla_cli.model.forward import forward_heads
+from mhla_cli.solve.solve import certify, fit
+from mhla_cli.statistics.stream import Features, featurize
 
 
 def _features(X: np.ndarray) -> np.ndarray:
@@ -153,7 +155,7 @@ def test_lstsq_reference_agrees_on_the_issue_case(teacher_data) -> None:
     s = np.linalg.svd(F, compute_uv=False)
     assert s[-1] / s[0] < 1e-7  # the raw features really are badly conditioned
     p_lstsq = np.linalg.lstsq(F, ds.targets, rcond=None)[0].T
-    from mhla_cli.stream import chunk_features
+    from mhla_cli.statistics.stream import chunk_features
 
     p = fit(chunk_features(tokens, ds.offsets, ds.targets, 3)).coef
     assert np.linalg.norm(p - p_lstsq) <= 1e-6 * np.linalg.norm(p_lstsq)
@@ -304,7 +306,7 @@ def _gauss(seed: int, N: int = 260, d: int = 4):
     off = np.concatenate([[0], np.cumsum(rng.integers(2, 8, N))]).astype(np.int64)
     X = rng.standard_normal((int(off[-1]), d))
     teacher = synthetic.random_teacher(d, 2, rng)
-    from mhla_cli.forward import predict
+    from mhla_cli.model.forward import predict
 
     y = predict(teacher, X, off) + 1e-3 * rng.standard_normal((N, d))
     return X, off, y
@@ -316,8 +318,8 @@ def test_diagonal_scalings_up_to_1e12_change_no_number(s: float) -> None:
     reference on the unscaled X (the canonical numbers are unit-free), and the same fitted function on
     inputs scaled alike. Before equilibration the whitening's floor lost 22 directions at 1/s = 1e8."""
     from _reference import canonical
-    from mhla_cli.forward import predict
-    from mhla_cli.stream import chunk_features
+    from mhla_cli.model.forward import predict
+    from mhla_cli.statistics.stream import chunk_features
 
     X, off, y = _gauss(17)
     ref = canonical(X, off, y)
@@ -370,7 +372,7 @@ def test_rotated_directions_are_resolved_above_sqrt_d_eps_and_called_unresolvabl
     of the unrotated, unscaled data to 1e-6) while s^2 > d eps64 (s > 3e-8 at d = 4), and below it the
     certificate says the features along it are not resolvable in float64 (not "never excited")."""
     from _reference import canonical
-    from mhla_cli.stream import chunk_features
+    from mhla_cli.statistics.stream import chunk_features
 
     X, off, y = _gauss(31)
     w = canonical(X, off, y)["eigenvalues"]

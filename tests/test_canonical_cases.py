@@ -11,11 +11,13 @@ import numpy as np
 import pytest
 
 from _reference import canonical, min_norm_function, predict_own, ratio, teacher_p
-from mhla_cli import MHLA, basis, synthetic
+from mhla_cli.statistics import basis
+from mhla_cli.model import synthetic
+from mhla_cli import MHLA
 from mhla_cli.cli import run
-from mhla_cli.forward import forward_heads
-from mhla_cli.solve import certify, fit
-from mhla_cli.stream import chunk_features
+from mhla_cli.model.forward import forward_heads
+from mhla_cli.solve.solve import certify, fit
+from mhla_cli.statistics.stream import chunk_features
 
 
 def rotation(d: int, seed: int) -> np.ndarray:

@@ -1,7 +1,7 @@
 """Per-position (causal) data: statistics, fit, predict --causal, normalisation, against plain numpy.
 
 The references materialise the features of every prefix with explicit loops and einsum; they never
-call mhla_cli.features or mhla_cli.stream.
+call mhla_cli.feature_map or mhla_cli.statistics.stream.
 """
 
 from __future__ import annotations
@@ -13,10 +13,10 @@ import h5py
 import numpy as np
 import pytest
 
-from mhla_cli import synthetic
+from mhla_cli.model import synthetic
 from mhla_cli.cli import run
-from mhla_cli.heads import p_from_heads
-from mhla_cli.stream import Features, featurize
+from mhla_cli.model.heads import p_from_heads
+from mhla_cli.statistics.stream import Features, featurize
 
 
 def ref_H(X: np.ndarray, normalize: str = "none") -> np.ndarray:
@@ -169,7 +169,7 @@ def test_fit_recovers_causal_teacher_from_few_sequences(tmp_path: Path, capsys: 
     assert run(["certify", str(data), "-q"]) == 0
     model = tmp_path / "m.h5"
     assert run(["fit", str(data), "-o", str(model), "-q"]) == 0
-    from mhla_cli.model import Model
+    from mhla_cli.model.model import Model
 
     m = Model.load(model)
     assert np.linalg.norm(m.coef - p_true) / np.linalg.norm(p_true) < 1e-8
@@ -195,7 +195,7 @@ def test_predict_causal_matches_plain_loop(tmp_path: Path, capsys: pytest.Captur
     rng = np.random.default_rng(6)
     d, Hh = 3, 2
     V, Q = rng.standard_normal((Hh, d, d)), rng.standard_normal((Hh, d, d))
-    from mhla_cli.heads import Heads
+    from mhla_cli.model.heads import Heads
 
     heads = Heads(V=V, Q=Q, info={"normalize": normalize})
     hp = tmp_path / "h.h5"

@@ -13,11 +13,12 @@ import h5py
 import numpy as np
 import pytest
 
-from mhla_cli import __version__, formats
+from mhla_cli.io import formats
+from mhla_cli import __version__
 from mhla_cli.cli import run
 from mhla_cli.cli.console import SCHEMA_VERSION
-from mhla_cli.heads import Heads
-from mhla_cli.model import Model
+from mhla_cli.model.heads import Heads
+from mhla_cli.model.model import Model
 
 
 def cli_json(capsys: pytest.CaptureFixture[str], args: list[str], code: int = 0) -> dict:
@@ -76,7 +77,7 @@ def test_all_positions_outputs(tmp_path: Path, teacher_file) -> None:
     data, teacher, ds = teacher_file
     pred = tmp_path / "p.h5"
     assert run(["predict", str(teacher), str(data), "-o", str(pred), "--all-positions", "-q"]) == 0
-    from mhla_cli.forward import forward_heads
+    from mhla_cli.model.forward import forward_heads
 
     th = Heads.load(teacher)
     with h5py.File(pred) as f:
@@ -223,7 +224,7 @@ def test_featurize_progress_moves_within_large_chunks(tmp_path: Path, monkeypatc
     from contextlib import contextmanager
 
     import mhla_cli.cli.featurize as featurize_cli
-    from mhla_cli.stream import featurize
+    from mhla_cli.statistics.stream import featurize
 
     data = tmp_path / "d.h5"
     assert run(["generate", "teacher", "-o", str(data), "--dim", "4", "--heads", "1", "--n-samples", "4000",
@@ -295,8 +296,8 @@ def test_predict_causal_progress_moves_within_a_span(tmp_path: Path, monkeypatch
     from contextlib import contextmanager
 
     import mhla_cli.cli.predict as predict_cli
-    from mhla_cli.forward import predict_file
-    from mhla_cli.model import load_function
+    from mhla_cli.model.forward import predict_file
+    from mhla_cli.model.model import load_function
 
     data, model = tmp_path / "d.h5", tmp_path / "m.h5"
     assert run(["generate", "teacher", "-o", str(data), "--dim", "3", "--heads", "1", "--n-samples", "600",
@@ -355,11 +356,11 @@ def test_json_error_object_on_usage_errors_and_internal_errors(tmp_path: Path, c
     data = tmp_path / "d.h5"
     assert run(["generate", "teacher", "-o", str(data), "--dim", "2", "--heads", "1", "--n-samples", "40",
                 "--seq-len", "4", "-q"]) == 0
-    import mhla_cli.solve
+    import mhla_cli.solve.solve
 
     def boom(*a, **k):
         raise RuntimeError("a bug")
-    monkeypatch.setattr(mhla_cli.solve, "certify", boom)  # the command imports it when it runs
+    monkeypatch.setattr(mhla_cli.solve.solve, "certify", boom)  # the command imports it when it runs
     monkeypatch.delenv("MHLA_DEBUG", raising=False)
     obj = cli_json(capsys, ["certify", str(data), "--json"], code=3)
     assert obj["exit_code"] == 3 and "internal error: RuntimeError: a bug" in obj["error"]
@@ -399,7 +400,7 @@ def test_start_up_imports_only_what_the_command_needs() -> None:
                             "with contextlib.redirect_stdout(io.StringIO()): run(['certify', '--help'])")
     assert "typer" in loaded and not loaded & (heavy | {"numpy", "scipy"}), loaded
     # the low-rank solvers import SciPy's LAPACK when they run, not when fit / the estimator is imported
-    assert "scipy.linalg" not in _modules_after("import mhla_cli.learn, mhla_cli.estimator, mhla_cli.cli.fit")
+    assert "scipy.linalg" not in _modules_after("import mhla_cli.api.learn, mhla_cli.api.estimator, mhla_cli.cli.fit")
 
 
 def test_lazy_public_names_resolve() -> None:
@@ -408,7 +409,7 @@ def test_lazy_public_names_resolve() -> None:
     assert set(mhla_cli._EXPORTS) | {"InputError", "MhlaError", "__version__"} == set(mhla_cli.__all__)
     for name in mhla_cli.__all__:
         assert getattr(mhla_cli, name) is not None and name in dir(mhla_cli)
-    assert mhla_cli.fit.__module__ == "mhla_cli.learn" and mhla_cli.Model.__module__ == "mhla_cli.model"
+    assert mhla_cli.fit.__module__ == "mhla_cli.api.learn" and mhla_cli.Model.__module__ == "mhla_cli.model.model"
     with pytest.raises(AttributeError, match="no attribute 'nope'"):
         mhla_cli.nope  # noqa: B018
 

@@ -8,10 +8,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from mhla_cli import synthetic
+from mhla_cli.model import synthetic
 from mhla_cli.cli import run
-from mhla_cli.compare import compare
-from mhla_cli.heads import Heads
+from mhla_cli.model.compare import compare
+from mhla_cli.model.heads import Heads
 
 
 def test_model_vs_teacher_heads(teacher_file: tuple[Path, Path, synthetic.Dataset], tmp_path: Path,
@@ -57,9 +57,10 @@ def test_different_d_is_an_error(tmp_path: Path, capsys: pytest.CaptureFixture[s
 def test_rectangular_heads_compare_on_their_coef(wide: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     """V (H, d_out, d): the distance of the (d_out, psi) coefs, or (`wide`: no coef formed) of the
     d x d products (heads.coef_inner); reference: the coefs materialised in numpy."""
-    from mhla_cli import compare as compare_mod, forward
+    from mhla_cli.model import compare as compare_mod
+    from mhla_cli.model import forward
     from mhla_cli.errors import InputError
-    from mhla_cli.heads import coef_of_heads
+    from mhla_cli.model.heads import coef_of_heads
 
     rng = np.random.default_rng(3)
     a = Heads.from_arrays(rng.standard_normal((2, 2, 4)), rng.standard_normal((2, 4, 4)))

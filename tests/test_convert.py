@@ -18,10 +18,10 @@ import numpy as np
 import pytest
 
 import mhla_cli
-from mhla_cli import convert as convert_mod
+from mhla_cli.io import convert as convert_mod
 from mhla_cli.cli import run
 from mhla_cli.errors import InputError
-from mhla_cli.stream import featurize
+from mhla_cli.statistics.stream import featurize
 
 from conftest import STATS, write_tokens as h5_write_tokens
 
@@ -458,9 +458,9 @@ def test_large_input_converts_in_bounded_memory(tmp_path: Path, kind: str) -> No
 
 
 def test_not_hdf5_reason(tmp_path: Path) -> None:
-    from mhla_cli import formats
-    from mhla_cli.export import save_heads
-    from mhla_cli.heads import Heads
+    from mhla_cli.io import formats
+    from mhla_cli.model.export import save_heads
+    from mhla_cli.model.heads import Heads
 
     heads = Heads(V=np.eye(2)[None], Q=np.eye(2)[None])
     save_heads(heads, tmp_path / "h.npz")
@@ -533,7 +533,7 @@ def test_padded_tokens_with_an_attention_mask_become_the_unpadded_sequences(left
     assert run(["convert", str(tmp_path / "b.npz"), "-o", str(tmp_path / "b.h5"), "-q"]) == 0
     keep = mask == 1
     _same(tmp_path / "b.h5", tokens=np.concatenate(seqs), offsets=off, targets=Yp[keep], weights=Wp[keep])
-    info = mhla_cli.tokens.inspect_tokens(tmp_path / "b.h5")
+    info = mhla_cli.io.tokens.inspect_tokens(tmp_path / "b.h5")
     assert info.per_position and info.out_dim == 3
 
 

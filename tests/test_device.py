@@ -1,4 +1,4 @@
-"""The torch device path (mhla_cli.device) against the numpy path, on the CPU ("torch:cpu").
+"""The torch device path (mhla_cli.linalg.device) against the numpy path, on the CPU ("torch:cpu").
 
 "torch:cpu" runs the GPU path's code (features and Gram built by torch, factorizations by torch.linalg)
 on the CPU; every result must equal the numpy path's to 1e-12 relative: gram, moments, lambda_min,
@@ -15,11 +15,14 @@ import h5py
 import numpy as np
 import pytest
 
-from mhla_cli import device as device_mod
-from mhla_cli import factorization, forward, solve, stream
+from mhla_cli.linalg import device as device_mod
+from mhla_cli.linalg import factorization
+from mhla_cli.model import forward
+from mhla_cli.solve import solve
+from mhla_cli.statistics import stream
 from mhla_cli.cli import run as main
 from mhla_cli.errors import InputError
-from mhla_cli.estimator import MHLA
+from mhla_cli.api.estimator import MHLA
 
 from conftest import relerr
 

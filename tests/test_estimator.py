@@ -1,4 +1,4 @@
-"""mhla_cli.estimator.MHLA: the scikit-learn-style estimator against the CLI and plain numpy."""
+"""mhla_cli.api.estimator.MHLA: the scikit-learn-style estimator against the CLI and plain numpy."""
 
 from __future__ import annotations
 
@@ -9,10 +9,11 @@ import numpy as np
 import pytest
 from conftest import relerr, write_tokens
 
-from mhla_cli import MHLA, InputError, synthetic
+from mhla_cli.model import synthetic
+from mhla_cli import MHLA, InputError
 from mhla_cli.cli import run
-from mhla_cli.forward import forward_heads, predict, predict_causal
-from mhla_cli.model import Model
+from mhla_cli.model.forward import forward_heads, predict, predict_causal
+from mhla_cli.model.model import Model
 
 
 def _features(X: np.ndarray, normalize: str = "none") -> np.ndarray:
@@ -108,7 +109,7 @@ def test_predict_and_score(ragged: synthetic.Dataset) -> None:
     ref = np.array([forward_heads(est.heads_.V, est.heads_.Q, X) for X in seqs])
     assert relerr(pred, ref) < 1e-10
     y = ragged.targets
-    # R^2 over all outputs, SST about the mean vector (mhla_cli.scores; tests/test_scores.py)
+    # R^2 over all outputs, SST about the mean vector (mhla_cli.model.scores; tests/test_scores.py)
     r2 = 1 - ((y - pred) ** 2).sum() / ((y - y.mean(0)) ** 2).sum()
     assert abs(est.score(seqs, y) - r2) < 1e-12
     assert 0.5 < r2 < 1  # noisy labels: a good but imperfect fit
@@ -315,7 +316,7 @@ def test_mhla_does_not_import_sklearn() -> None:
     import subprocess
     import sys
 
-    code = ("import sys, numpy as np, mhla_cli; from mhla_cli import synthetic; "
+    code = ("import sys, numpy as np, mhla_cli; from mhla_cli.model import synthetic; "
             "ds, _ = synthetic.generate_teacher(2, 1, 30, seq_len=3, seed=1); "
             "mhla_cli.MHLA().fit(ds.tokens.reshape(30, 3, 2), ds.targets).score(ds.tokens.reshape(30, 3, 2), ds.targets); "
             "print(any(m == 'sklearn' or m.startswith('sklearn.') for m in sys.modules))")

@@ -1,4 +1,4 @@
-"""mhla_cli.export (heads as .h5 / .npz / .safetensors) and Heads.to_torch."""
+"""mhla_cli.model.export (heads as .h5 / .npz / .safetensors) and Heads.to_torch."""
 
 from __future__ import annotations
 
@@ -9,11 +9,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from mhla_cli import InputError, __version__, synthetic
+from mhla_cli.model import synthetic
+from mhla_cli import InputError, __version__
 from mhla_cli.cli import run
-from mhla_cli.export import load_heads, save_heads
-from mhla_cli.forward import forward_heads, predict
-from mhla_cli.heads import Heads
+from mhla_cli.model.export import load_heads, save_heads
+from mhla_cli.model.forward import forward_heads, predict
+from mhla_cli.model.heads import Heads
 
 
 def _heads(normalize: str = "none") -> Heads:
@@ -167,7 +168,7 @@ def test_predict_compare_inspect_read_exported_heads(tmp_path) -> None:
     import subprocess
     import sys
 
-    from mhla_cli import synthetic
+    from mhla_cli.model import synthetic
 
     ds, _ = synthetic.generate_teacher(3, 2, 120, "3:8", seed=4)
     data = tmp_path / "d.h5"
@@ -197,8 +198,8 @@ def test_predict_compare_inspect_read_exported_heads(tmp_path) -> None:
 @pytest.mark.parametrize("suffix", [".h5", ".npz", ".safetensors"])
 def test_rectangular_heads_round_trip(suffix: str, tmp_path: Path) -> None:
     """V (H, d_out, d) beside Q (H, d, d): every format keeps them exactly, with d_out in the metadata."""
-    from mhla_cli.export import load_heads, save_heads
-    from mhla_cli.heads import Heads
+    from mhla_cli.model.export import load_heads, save_heads
+    from mhla_cli.model.heads import Heads
 
     if suffix == ".safetensors":
         pytest.importorskip("safetensors")
@@ -213,8 +214,8 @@ def test_rectangular_heads_round_trip(suffix: str, tmp_path: Path) -> None:
 
 def test_to_torch_of_rectangular_heads(tmp_path: Path) -> None:
     torch = pytest.importorskip("torch")
-    from mhla_cli.forward import forward_heads
-    from mhla_cli.heads import Heads
+    from mhla_cli.model.forward import forward_heads
+    from mhla_cli.model.heads import Heads
 
     rng = np.random.default_rng(1)
     V, Q = rng.standard_normal((2, 3, 5)), rng.standard_normal((2, 5, 5))

@@ -1,4 +1,4 @@
-"""One factorization per statistics (mhla_cli.factorization): the Cholesky + Lanczos path gives the
+"""One factorization per statistics (mhla_cli.linalg.factorization): the Cholesky + Lanczos path gives the
 dense eigendecomposition's verdict, rank, lambda_min / lambda_max (1e-10 relative), p and probe
 verdicts, on identifiable, singular, observed-domain and near-threshold data; both equal plain numpy
 on the materialised canonical features (tests/_reference.py); the ridge is the spectral ridge for every
@@ -12,12 +12,13 @@ import h5py
 import numpy as np
 import pytest
 
-from mhla_cli import factorization, synthetic
+from mhla_cli.linalg import factorization
+from mhla_cli.model import synthetic
 
 import _reference
-from mhla_cli.probes import certify_probes
-from mhla_cli.solve import certify, factorize, fit
-from mhla_cli.stream import chunk_features
+from mhla_cli.solve.probes import certify_probes
+from mhla_cli.solve.solve import certify, factorize, fit
+from mhla_cli.statistics.stream import chunk_features
 
 
 def _cases() -> dict[str, tuple]:

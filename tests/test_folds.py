@@ -1,4 +1,4 @@
-"""Per-fold statistics for cross-validation (mhla_cli.folds) against plain-numpy sums over materialised features."""
+"""Per-fold statistics for cross-validation (mhla_cli.statistics.folds) against plain-numpy sums over materialised features."""
 
 from __future__ import annotations
 
@@ -9,11 +9,12 @@ import h5py
 import numpy as np
 import pytest
 
-from mhla_cli import formats, synthetic
+from mhla_cli.io import formats
+from mhla_cli.model import synthetic
 from mhla_cli.errors import InputError
-from mhla_cli.folds import featurize_folds, load_folds, load_for_cv, save_with_folds
-from mhla_cli.solve import fit
-from mhla_cli.stream import Features, featurize
+from mhla_cli.statistics.folds import featurize_folds, load_folds, load_for_cv, save_with_folds
+from mhla_cli.solve.solve import fit
+from mhla_cli.statistics.stream import Features, featurize
 
 
 def np_features(X: np.ndarray) -> np.ndarray:

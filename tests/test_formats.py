@@ -1,4 +1,4 @@
-"""HDF5 kinds, versions, provenance and atomic writes (mhla_cli.formats)."""
+"""HDF5 kinds, versions, provenance and atomic writes (mhla_cli.io.formats)."""
 
 from __future__ import annotations
 
@@ -11,11 +11,11 @@ import h5py
 import numpy as np
 import pytest
 
-from mhla_cli import formats
+from mhla_cli.io import formats
 from mhla_cli._version import __version__
 from mhla_cli.errors import InputError
-from mhla_cli.heads import Heads
-from mhla_cli.model import Model
+from mhla_cli.model.heads import Heads
+from mhla_cli.model.model import Model
 
 
 def _write(path: Path, attrs: dict | None = None, **data: np.ndarray) -> Path:
@@ -157,7 +157,8 @@ def test_library_hdf5_writers_refuse_other_suffixes(tmp_path) -> None:
     predict_file write HDF5 and refuse a NumPy, safetensors or text name (nothing written)."""
     import pytest
 
-    from mhla_cli import featurize, fit, predict_file, synthetic
+    from mhla_cli.model import synthetic
+    from mhla_cli import featurize, fit, predict_file
     from mhla_cli.errors import InputError
 
     ds, _ = synthetic.generate_teacher(2, 1, 40, 4, seed=0)

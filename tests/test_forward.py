@@ -1,4 +1,4 @@
-"""The forward pass (mhla_cli.forward): forward_heads, predict_chunk, snap_to, `mhla rollout` and the MSE of
+"""The forward pass (mhla_cli.model.forward): forward_heads, predict_chunk, snap_to, `mhla rollout` and the MSE of
 `mhla predict` against plain numpy loops."""
 
 from __future__ import annotations
@@ -12,11 +12,13 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from mhla_cli import features, forward, heads
+from mhla_cli import feature_map
+from mhla_cli.model import forward
+from mhla_cli.model import heads
 from mhla_cli.cli import run
 from mhla_cli.errors import InputError
-from mhla_cli.heads import Heads
-from mhla_cli.model import Model
+from mhla_cli.model.heads import Heads
+from mhla_cli.model.model import Model
 
 
 def write(path: Path, **data: np.ndarray) -> Path:
@@ -396,9 +398,9 @@ def test_fit_predicts_the_teacher_at_extreme_conditioning(tmp_path: Path, std: f
     features lose ~cond(A)^3 eps; predict evaluates the canonical ones, Model.evaluation), in memory,
     through a model file and through predict_file; the file keeps `coef` = p_b M_A for h5py users."""
     from _reference import canonical, min_norm_function, predict_canonical, ratio
-    from mhla_cli import synthetic
-    from mhla_cli.solve import certify, fit
-    from mhla_cli.stream import chunk_features
+    from mhla_cli.model import synthetic
+    from mhla_cli.solve.solve import certify, fit
+    from mhla_cli.statistics.stream import chunk_features
 
     rng = np.random.default_rng(41)
     d, N = 3, 420

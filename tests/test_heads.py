@@ -1,4 +1,4 @@
-"""W <-> p <-> heads (Algorithm 1, steps 2-3), head export and the heads file (mhla_cli.heads).
+"""W <-> p <-> heads (Algorithm 1, steps 2-3), head export and the heads file (mhla_cli.model.heads).
 
 References are written in plain numpy from the formulas of docs/formats.md:
   W[a*d+j, k*d+l] = sum_h V_h[a,j] Q_h[k,l]
@@ -13,10 +13,10 @@ import h5py
 import numpy as np
 import pytest
 
-from mhla_cli import heads
+from mhla_cli.model import heads
 from mhla_cli.errors import InputError
-from mhla_cli.heads import Heads
-from mhla_cli.model import Model
+from mhla_cli.model.heads import Heads
+from mhla_cli.model.model import Model
 
 
 def np_p_from_W(W: np.ndarray) -> np.ndarray:
@@ -229,7 +229,7 @@ def _rect(seed: int = 0, H: int = 2, d_out: int = 2, d: int = 3) -> tuple[np.nda
 
 
 def test_rectangular_heads_round_trip_and_have_no_square_coef(tmp_path: Path) -> None:
-    from mhla_cli.heads import coef_of_heads
+    from mhla_cli.model.heads import coef_of_heads
 
     V, Q = _rect()
     h = Heads.from_arrays(V, Q)
@@ -240,8 +240,8 @@ def test_rectangular_heads_round_trip_and_have_no_square_coef(tmp_path: Path) ->
     with pytest.raises(InputError, match="no coef"):
         back.coef
     # the (d_out, psi) coef computes sum_h V_h S Q_h x on the features (reference: forward_heads)
-    from mhla_cli.forward import forward_heads
-    from mhla_cli.features import cubic_features
+    from mhla_cli.model.forward import forward_heads
+    from mhla_cli.feature_map import cubic_features
 
     X = np.random.default_rng(1).standard_normal((5, 3))
     p = coef_of_heads(V, Q)
@@ -250,7 +250,7 @@ def test_rectangular_heads_round_trip_and_have_no_square_coef(tmp_path: Path) ->
 
 
 def test_coef_inner_is_the_frobenius_product_of_the_coefs() -> None:
-    from mhla_cli.heads import coef_inner, coef_of_heads
+    from mhla_cli.model.heads import coef_inner, coef_of_heads
 
     Va, Qa = _rect(0, H=3, d_out=2, d=4)
     Vb, Qb = _rect(1, H=2, d_out=2, d=4)

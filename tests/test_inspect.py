@@ -1,4 +1,4 @@
-"""`inspect_file` (mhla_cli.inspect): kinds, shapes and validity of every kind of mhla file."""
+"""`inspect_file` (mhla_cli.api.inspect): kinds, shapes and validity of every kind of mhla file."""
 
 from __future__ import annotations
 
@@ -8,11 +8,12 @@ import h5py
 import numpy as np
 import pytest
 
-from mhla_cli import certify, export_heads, featurize, fit, synthetic
-from mhla_cli.forward import predict_file
-from mhla_cli.inspect import inspect_file
-from mhla_cli.probes import certify_probes
-from mhla_cli.witness import make_witness
+from mhla_cli.model import synthetic
+from mhla_cli import certify, export_heads, featurize, fit
+from mhla_cli.model.forward import predict_file
+from mhla_cli.api.inspect import inspect_file
+from mhla_cli.solve.probes import certify_probes
+from mhla_cli.solve.witness import make_witness
 
 
 @pytest.fixture(scope="module")

@@ -38,7 +38,7 @@ ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = ROOT / "mhla_cli"
 
 # Library modules whose test file runs them through the CLI only, never importing them: test_probes.py
-# checks `mhla certify --on PROBES` against a numpy range test (a direct test of mhla_cli.probes is to do).
+# checks `mhla certify --on PROBES` against a numpy range test (a direct test of mhla_cli.solve.probes is to do).
 TESTED_THROUGH_CLI = {"probes"}
 
 
@@ -140,7 +140,7 @@ def _write_package(root: Path, files: dict[str, str]) -> Path:
 
 def test_no_import_cycles() -> None:
     edges = import_graph(PACKAGE)
-    assert "mhla_cli.stream" in edges and "mhla_cli.lowrank.fewest" in edges and "mhla_cli.cli.fit" in edges
+    assert "mhla_cli.statistics.stream" in edges and "mhla_cli.solve.lowrank.fewest" in edges and "mhla_cli.cli.fit" in edges
     assert sum(map(len, edges.values())) > 50  # the graph is not vacuous
     cycles = import_cycles(edges)
     assert not cycles, "import cycles: " + "; ".join(" <-> ".join(c) for c in cycles)
@@ -189,85 +189,150 @@ def test_relative_imports_and_packages_resolve(tmp_path: Path) -> None:
 # 2. one test module per library module
 
 
+# The layer subpackages, lowest first: a module imports only from its own layer or a lower one. The base is
+# the package's top-level modules (errors, numerics, signals, the cubic feature map); the package's own
+# `__init__` (the lazy public API) and `__main__` stand above every layer, with cli.
+LAYERS = ("linalg", "io", "statistics", "model", "solve", "api", "cli")
+
+
+def layer_of(module: str, package: str = "mhla_cli") -> int:
+    """0 for the base modules, 1 + the index in LAYERS for a layer's modules, len(LAYERS) + 1 for the top."""
+    parts = module.split(".")
+    if parts == [package] or parts[1:] == ["__main__"]:
+        return len(LAYERS) + 1
+    if len(parts) > 2 or parts[1] in LAYERS:
+        return 1 + LAYERS.index(parts[1])
+    return 0
+
+
+def upward_imports(edges: dict[str, set[str]]) -> list[str]:
+    """The imports that run from a lower layer to a higher one."""
+    return sorted(f"{a} -> {b}" for a, bs in edges.items() for b in bs if layer_of(b) > layer_of(a))
+
+
+def test_no_import_runs_up_the_layers() -> None:
+    edges = import_graph(PACKAGE)
+    assert {p.parent.name for p in PACKAGE.glob("*/__init__.py")} >= set(LAYERS), "a layer has no package"
+    layers_seen = {layer_of(m) for m in edges}
+    assert layers_seen == set(range(len(LAYERS) + 2)), layers_seen
+    bad = upward_imports(edges)
+    assert not bad, "imports from a lower layer to a higher one: " + "; ".join(bad)
+
+
+def test_upward_import_is_found() -> None:
+    assert upward_imports({"mhla_cli.io.formats": {"mhla_cli.model.heads", "mhla_cli.errors"}}) == [
+        "mhla_cli.io.formats -> mhla_cli.model.heads"]
+    assert upward_imports({"mhla_cli.errors": {"mhla_cli.linalg.device"}}) == ["mhla_cli.errors -> mhla_cli.linalg.device"]
+    assert upward_imports({"mhla_cli.solve.lowrank.cv": {"mhla_cli.solve.solve", "mhla_cli.model.heads"}}) == []
+    assert upward_imports({"mhla_cli.cli.fit": {"mhla_cli.api.learn"}, "mhla_cli": {"mhla_cli.cli"}}) == []
+
+
 def library_modules(package_dir: Path = PACKAGE) -> list[str]:
-    """The names that need a tests/test_<name>.py: public modules and subpackages, except cli."""
-    names = [p.stem for p in package_dir.glob("*.py") if not p.stem.startswith("_")]
-    names += [p.parent.name for p in package_dir.glob("*/__init__.py")
-              if p.parent.name != "cli" and not p.parent.name.startswith("_")]
-    return sorted(names)
+    """The dotted modules that need a tests/test_<leaf>.py: the public modules of the package and of its layer
+    subpackages; any other subpackage (e.g. solve/lowrank) is one module; cli is the command layer."""
+    pkg = package_dir.name
+
+    def collect(directory: Path, prefix: str, layered: bool) -> list[str]:
+        names = [f"{prefix}.{p.stem}" for p in directory.glob("*.py") if not p.stem.startswith("_")]
+        for sub in directory.glob("*/__init__.py"):
+            name = sub.parent.name
+            if name == "cli" or name.startswith("_"):
+                continue
+            if layered and name in LAYERS:
+                names += collect(sub.parent, f"{prefix}.{name}", False)
+            else:
+                names.append(f"{prefix}.{name}")
+        return names
+
+    return sorted(collect(package_dir, pkg, True))
 
 
 def _reexports(package_dir: Path) -> dict[str, str]:
-    """Name -> module for the names the package's __init__ imports from its own modules."""
+    """Name -> dotted module for the names the package's __init__ imports from its own modules."""
     out = {}
     tree = ast.parse((package_dir / "__init__.py").read_text(encoding="utf-8"))
     for node in ast.walk(tree):  # also the lazy names' imports under `if TYPE_CHECKING:`
         if isinstance(node, ast.ImportFrom) and node.level == 1 and node.module:
             for alias in node.names:
-                out[alias.asname or alias.name] = node.module.split(".")[0]
+                out[alias.asname or alias.name] = f"{package_dir.name}.{node.module}"
     return out
 
 
 def _modules_imported(test_file: Path, package: str, reexports: dict[str, str]) -> set[str]:
-    """The package's top-level modules a test file imports, directly or through a re-exported name."""
+    """The dotted names of the package a test file imports (a module, or the module that defines a name)."""
     found = set()
     tree = ast.parse(test_file.read_text(encoding="utf-8"))
     as_module = False  # `import mhla_cli`: then `mhla_cli.fit(...)` uses learn's fit
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
             for alias in node.names:
-                parts = alias.name.split(".")
-                if parts[0] == package and len(parts) > 1:
-                    found.add(parts[1])
+                if alias.name.split(".")[0] == package and alias.name != package:
+                    found.add(alias.name)
                 as_module |= alias.name == package and alias.asname is None
         elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
-            parts = node.module.split(".")
-            if parts[0] != package:
+            if node.module.split(".")[0] != package:
                 continue
-            if len(parts) > 1:
-                found.add(parts[1])
-            else:
-                for alias in node.names:
-                    found.add(reexports.get(alias.name, alias.name))
+            for alias in node.names:
+                if node.module == package:
+                    found.add(reexports.get(alias.name, f"{package}.{alias.name}"))
+                else:
+                    found.add(f"{node.module}.{alias.name}")  # a submodule, or a name: both lie under node.module
     if as_module:
-        found |= {reexports.get(node.attr, node.attr) for node in ast.walk(tree) if isinstance(node, ast.Attribute)
-                  and isinstance(node.value, ast.Name) and node.value.id == package}
+        found |= {reexports.get(node.attr, f"{package}.{node.attr}") for node in ast.walk(tree)
+                  if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == package}
     return found
+
+
+def _imports_module(found: set[str], module: str) -> bool:
+    return any(name == module or name.startswith(module + ".") for name in found)
 
 
 def test_one_test_module_per_library_module() -> None:
     modules = library_modules()
-    assert {"stream", "solve", "lowrank", "formats"} <= set(modules) and "cli" not in modules
+    leaves = [m.rpartition(".")[2] for m in modules]
+    assert {"mhla_cli.statistics.stream", "mhla_cli.solve.solve", "mhla_cli.solve.lowrank",
+            "mhla_cli.io.formats"} <= set(modules) and not any(".cli" in m for m in modules)
+    assert len(set(leaves)) == len(leaves), "two library modules share a name (their tests would share a file)"
     reexports = _reexports(PACKAGE)
     missing, not_importing = [], []
-    for name in modules:
+    for module, name in zip(modules, leaves):
         test_file = ROOT / "tests" / f"test_{name}.py"
         if not test_file.is_file():
             missing.append(f"tests/test_{name}.py")
-        elif name not in TESTED_THROUGH_CLI and name not in _modules_imported(test_file, "mhla_cli", reexports):
-            not_importing.append(f"tests/test_{name}.py (never imports mhla_cli.{name})")
+        elif name not in TESTED_THROUGH_CLI and not _imports_module(_modules_imported(test_file, "mhla_cli", reexports),
+                                                                    module):
+            not_importing.append(f"tests/test_{name}.py (never imports {module})")
     assert (ROOT / "tests" / "test_cli.py").is_file()
     assert not missing, "library modules without a test module: " + ", ".join(missing)
     assert not not_importing, ", ".join(not_importing)
-    stale = sorted(TESTED_THROUGH_CLI - set(modules))
+    stale = sorted(TESTED_THROUGH_CLI - set(leaves))
     assert not stale, f"TESTED_THROUGH_CLI names modules that no longer exist: {stale}"
 
 
 def test_library_modules_rule_on_a_synthetic_package(tmp_path: Path) -> None:
     pkg = _write_package(tmp_path, {
-        "pkg/__init__.py": "from .alpha import a\n", "pkg/__main__.py": "", "pkg/_private.py": "",
+        "pkg/__init__.py": "from .alpha import a\nfrom .io.fmt import w\n", "pkg/__main__.py": "", "pkg/_private.py": "",
         "pkg/alpha.py": "", "pkg/beta.py": "", "pkg/cli/__init__.py": "", "pkg/cli/opts.py": "",
         "pkg/sub/__init__.py": "", "pkg/sub/part.py": "", "pkg/_hidden/__init__.py": "",
+        "pkg/io/__init__.py": "", "pkg/io/fmt.py": "", "pkg/io/_raw.py": "", "pkg/io/inner/__init__.py": "",
+        "pkg/io/inner/x.py": "",
     })
-    assert library_modules(pkg) == ["alpha", "beta", "sub"]
+    assert library_modules(pkg) == ["pkg.alpha", "pkg.beta", "pkg.io.fmt", "pkg.io.inner", "pkg.sub"]
+    rx = _reexports(pkg)
+    assert rx == {"a": "pkg.alpha", "w": "pkg.io.fmt"}
     test = tmp_path / "test_alpha.py"
     test.write_text("import pkg.beta\nfrom pkg import a\nfrom pkg.sub.part import z\n\ndef f():\n"
                     "    from pkg import cli\n")
-    assert _modules_imported(test, "pkg", _reexports(pkg)) == {"alpha", "beta", "sub", "cli"}
-    test.write_text("import pkg\n\ndef test():\n    pkg.a()\n")
-    assert _modules_imported(test, "pkg", _reexports(pkg)) == {"alpha"}
+    found = _modules_imported(test, "pkg", rx)
+    assert found == {"pkg.alpha", "pkg.beta", "pkg.sub.part.z", "pkg.cli"}
+    assert _imports_module(found, "pkg.sub") and not _imports_module(found, "pkg.io.fmt")
+    test.write_text("import pkg\n\ndef test():\n    pkg.w()\n")
+    assert _imports_module(_modules_imported(test, "pkg", rx), "pkg.io.fmt")
+    test.write_text("from pkg.io import fmt\n")
+    assert _imports_module(_modules_imported(test, "pkg", rx), "pkg.io.fmt")
+    assert not _imports_module(_modules_imported(test, "pkg", rx), "pkg.io.inner")
     test.write_text("import numpy\nfrom pkg.cli import run\n\ndef test():\n    run(['beta'])\n")
-    assert _modules_imported(test, "pkg", _reexports(pkg)) == {"cli"}
+    assert _modules_imported(test, "pkg", rx) == {"pkg.cli.run"}
 
 
 # ---------------------------------------------------------------------------------------------------

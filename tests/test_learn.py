@@ -1,4 +1,4 @@
-"""The fit and head-export dispatch (mhla_cli.learn: `mhla_cli.fit`, `mhla_cli.export_heads`)."""
+"""The fit and head-export dispatch (mhla_cli.api.learn: `mhla_cli.fit`, `mhla_cli.export_heads`)."""
 
 from __future__ import annotations
 
@@ -8,9 +8,11 @@ import numpy as np
 import pytest
 
 import mhla_cli
-from mhla_cli import featurize, solve, synthetic
+from mhla_cli.solve import solve
+from mhla_cli.model import synthetic
+from mhla_cli import featurize
 from mhla_cli.errors import InputError
-from mhla_cli.stream import Features
+from mhla_cli.statistics.stream import Features
 
 
 def rel(a: np.ndarray, b: np.ndarray) -> float:

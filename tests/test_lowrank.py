@@ -8,14 +8,15 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from mhla_cli import lowrank, synthetic
+from mhla_cli.solve import lowrank
+from mhla_cli.model import synthetic
 from mhla_cli.cli import run
-from mhla_cli.features import n_features
-from mhla_cli.folds import load_folds
-from mhla_cli.heads import Heads, p_from_W
-from mhla_cli.model import Model
-from mhla_cli.solve import fit
-from mhla_cli.stream import Features, chunk_features
+from mhla_cli.feature_map import n_features
+from mhla_cli.statistics.folds import load_folds
+from mhla_cli.model.heads import Heads, p_from_W
+from mhla_cli.model.model import Model
+from mhla_cli.solve.solve import fit
+from mhla_cli.statistics.stream import Features, chunk_features
 
 
 def _np_features(X: np.ndarray) -> np.ndarray:
@@ -90,7 +91,7 @@ def test_min_nuclear_w_is_feasible_and_low_rank() -> None:
     assert _rel(p_from_W(W), t.coef) < 1e-13
     assert s[2] < 1e-9 * s[0]
     # never more nuclear norm than the teacher's own (rank-2) W nor the min-norm W
-    from mhla_cli.heads import W_from_heads, W_from_p
+    from mhla_cli.model.heads import W_from_heads, W_from_p
     assert s.sum() <= lowrank.nuclear_norm(W_from_heads(t.V, t.Q)) * (1 + 1e-9)
     assert s.sum() < lowrank.nuclear_norm(W_from_p(t.coef))
 

@@ -1,4 +1,4 @@
-"""The memory budget (mhla_cli.memory): each command's need, and refusals before any work."""
+"""The memory budget (mhla_cli.linalg.memory): each command's need, and refusals before any work."""
 
 from __future__ import annotations
 
@@ -8,11 +8,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from mhla_cli import memory, stream, synthetic
+from mhla_cli.linalg import memory
+from mhla_cli.statistics import stream
+from mhla_cli.model import synthetic
 from mhla_cli.cli import run
 from mhla_cli.errors import InputError
-from mhla_cli.features import n_features
-from mhla_cli.stats import Features
+from mhla_cli.feature_map import n_features
+from mhla_cli.statistics.stats import Features
 
 
 def test_check_memory_names_the_largest_d() -> None:
@@ -140,7 +142,7 @@ def test_a_job_that_fits_runs(files: tuple[Path, Path], monkeypatch: pytest.Monk
 
 def test_certify_and_fit_never_read_the_own_gram(files: tuple[Path, Path], tmp_path: Path,
                                                  monkeypatch: pytest.MonkeyPatch) -> None:
-    from mhla_cli import stats
+    from mhla_cli.statistics import stats
 
     _, feats = files
     def boom(self: object) -> None:
@@ -175,7 +177,8 @@ def test_the_stored_gram_is_read_when_used(files: tuple[Path, Path], tmp_path: P
 
 
 def test_featurize_derives_the_own_gram_when_used(files: tuple[Path, Path]) -> None:
-    from mhla_cli import basis, stats
+    from mhla_cli.statistics import basis
+    from mhla_cli.statistics import stats
 
     tokens, _ = files
     feats = stream.featurize(tokens)

@@ -1,4 +1,4 @@
-"""Shards and merge (mhla_cli.merge): the merged statistics equal a single pass; bad sets of parts are refused."""
+"""Shards and merge (mhla_cli.statistics.merge): the merged statistics equal a single pass; bad sets of parts are refused."""
 
 from __future__ import annotations
 
@@ -9,11 +9,11 @@ import h5py
 import pytest
 
 from conftest import assert_same_stats
-from mhla_cli import synthetic
+from mhla_cli.model import synthetic
 from mhla_cli.cli import run
 from mhla_cli.errors import InputError
-from mhla_cli.merge import merge_features
-from mhla_cli.stream import Features, featurize
+from mhla_cli.statistics.merge import merge_features
+from mhla_cli.statistics.stream import Features, featurize
 
 @pytest.fixture(scope="module")
 def data(tmp_path_factory: pytest.TempPathFactory) -> Path:
@@ -145,8 +145,8 @@ def test_zero_weight_sequences_and_scaled_weights_change_no_number(tmp_path: Pat
     import numpy as np
 
     from _reference import canonical, predict_canonical, predict_own, ratio, min_norm_function
-    from mhla_cli.folds import featurize_folds, load_folds, save_with_folds
-    from mhla_cli.solve import certify, fit
+    from mhla_cli.statistics.folds import featurize_folds, load_folds, save_with_folds
+    from mhla_cli.solve.solve import certify, fit
 
     rng = np.random.default_rng(23)
     d, N = 3, 80

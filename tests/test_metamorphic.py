@@ -19,11 +19,12 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from _reference import canonical, min_norm_function, predict_canonical, predict_own, ratio
-from mhla_cli import MHLA, synthetic
-from mhla_cli.merge import merge_features
-from mhla_cli.probes import certify_probes
-from mhla_cli.solve import certify, fit
-from mhla_cli.stream import chunk_features, featurize
+from mhla_cli.model import synthetic
+from mhla_cli import MHLA
+from mhla_cli.statistics.merge import merge_features
+from mhla_cli.solve.probes import certify_probes
+from mhla_cli.solve.solve import certify, fit
+from mhla_cli.statistics.stream import chunk_features, featurize
 
 SETTINGS = settings(max_examples=30, deadline=None, derandomize=True,
                     suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
@@ -83,7 +84,7 @@ def datasets(draw, min_n: int = 40, max_n: int = 70) -> Data:
     tokens = rng.standard_normal((int(offsets[-1]), d)).astype(dtype)
     teacher = synthetic.random_teacher(d, 2, rng)
     teacher.info["normalize"] = normalize
-    from mhla_cli.forward import predict, predict_causal
+    from mhla_cli.model.forward import predict, predict_causal
 
     X64 = tokens.astype(np.float64)
     y = np.asarray(predict_causal(teacher, X64, offsets) if per_position else predict(teacher, X64, offsets))
@@ -110,7 +111,7 @@ def probes(d: int, seed: int) -> list[np.ndarray]:
 
 def predict_model(model, Zs: list[np.ndarray]) -> np.ndarray:
     """mhla's predict of a fitted model on each input Z (its normalisation)."""
-    from mhla_cli.forward import predict
+    from mhla_cli.model.forward import predict
 
     return np.stack([predict(model, Z[None])[0] for Z in Zs])
 

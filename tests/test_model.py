@@ -1,4 +1,4 @@
-"""The Model (coef p and its min-norm W), its file, and loading a function (mhla_cli.model)."""
+"""The Model (coef p and its min-norm W), its file, and loading a function (mhla_cli.model.model)."""
 
 from __future__ import annotations
 
@@ -8,10 +8,10 @@ import h5py
 import numpy as np
 import pytest
 
-from mhla_cli import heads as heads_mod
+from mhla_cli.model import heads as heads_mod
 from mhla_cli.errors import InputError
-from mhla_cli.heads import Heads
-from mhla_cli.model import Model, coef_of, load_function, normalize_of
+from mhla_cli.model.heads import Heads
+from mhla_cli.model.model import Model, coef_of, load_function, normalize_of
 
 
 def _model(d: int = 2, seed: int = 0, **info) -> Model:
@@ -124,9 +124,9 @@ def test_model_repr_is_short_and_shows_no_arrays() -> None:
 def test_model_files_before_canonical_coef_are_read_and_broken_ones_refused(tmp_path: Path) -> None:
     """A model file without canonical_coef / canonical_basis (written before them) is read and predicts with coef; a file
     with only one of them, or with coef_b in basis disagreeing with coef, is refused."""
-    from mhla_cli import forward
-    from mhla_cli.solve import fit
-    from mhla_cli.stream import chunk_features
+    from mhla_cli.model import forward
+    from mhla_cli.solve.solve import fit
+    from mhla_cli.statistics.stream import chunk_features
 
     rng = np.random.default_rng(2)
     X = rng.standard_normal((60, 2)) * np.array([1.0, 30.0])

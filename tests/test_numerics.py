@@ -10,14 +10,15 @@ from pathlib import Path
 import h5py
 import numpy as np
 
-from mhla_cli import basis, factorization
+from mhla_cli.statistics import basis
+from mhla_cli.linalg import factorization
 import pytest
 
-from mhla_cli import synthetic
+from mhla_cli.model import synthetic
 from mhla_cli.cli import run
-from mhla_cli.solve import EPS, Certificate, certify, fit, numerical_tolerance
-from mhla_cli.stream import featurize
-from mhla_cli.stats import Features
+from mhla_cli.solve.solve import EPS, Certificate, certify, fit, numerical_tolerance
+from mhla_cli.statistics.stream import featurize
+from mhla_cli.statistics.stats import Features
 
 DTYPES = ["float32", "float64"]
 SCALES = [1e-3, 1.0, 1e3]
@@ -265,13 +266,19 @@ def test_the_help_quotes_the_constants(capsys) -> None:
 
 
 def test_old_homes_of_the_constants_still_import() -> None:
-    from mhla_cli import factorization, numerics, probes, solve, spectrum
+    from mhla_cli.linalg import factorization
+    from mhla_cli.solve import probes
+    from mhla_cli.solve import solve
+    from mhla_cli.solve import spectrum
+    from mhla_cli import numerics
 
     assert solve.EPS == numerics.EPS and solve.numerical_tolerance is numerics.numerical_tolerance
     assert probes.DETERMINED_TOL == numerics.DETERMINED_TOL and factorization.LANCZOS_TOL == numerics.LANCZOS_TOL
     assert spectrum.NONZERO_REL == numerics.NONZERO_REL
-    from mhla_cli import model, scores, tokens
-    from mhla_cli.lowrank import _numerics
+    from mhla_cli.model import model
+    from mhla_cli.model import scores
+    from mhla_cli.io import tokens
+    from mhla_cli.solve.lowrank import _numerics
 
     assert basis.UNRESOLVED_REL == numerics.UNRESOLVED_REL == numerics.EPS
     assert basis.EQUILIBRATE_RATIO == numerics.EQUILIBRATE_RATIO and basis.CANONICAL_TOL == numerics.CANONICAL_TOL
@@ -289,7 +296,7 @@ def test_old_homes_of_the_constants_still_import() -> None:
 import _reference  # noqa: E402
 
 from mhla_cli import numerics  # noqa: E402
-from mhla_cli.stream import chunk_features  # noqa: E402
+from mhla_cli.statistics.stream import chunk_features  # noqa: E402
 
 EPS64 = float(np.finfo(np.float64).eps)
 
@@ -383,7 +390,7 @@ def _null_component(ref: dict, Z: np.ndarray) -> float:
 
 
 def test_cut_probe_tolerance(tmp_path: Path) -> None:
-    from mhla_cli.probes import certify_probes
+    from mhla_cli.solve.probes import certify_probes
 
     rng = np.random.default_rng(23)
     X, off, y = _off_plane(rng, 400, 0.0)  # last tokens exactly in a plane: exact nulls
@@ -578,7 +585,7 @@ def test_cut_symmetry_on_load(tmp_path: Path) -> None:
 
 
 def test_cut_nonzero_singular_value() -> None:
-    from mhla_cli.spectrum import spectrum
+    from mhla_cli.solve.spectrum import spectrum
 
     rng = np.random.default_rng(32)
     d = 3
@@ -587,7 +594,7 @@ def test_cut_nonzero_singular_value() -> None:
     s = np.zeros(d * d)
     s[:3] = [1.0, 1e2 * DOC["NONZERO_REL"], 1e-2 * DOC["NONZERO_REL"]]
     W = (U * s) @ V.T
-    from mhla_cli.heads import p_from_W
+    from mhla_cli.model.heads import p_from_W
 
     spec = spectrum(p_from_W(W), W=W)
     assert spec["nonzero_rank"] == 2, spec["nonzero_rank"]
@@ -709,10 +716,10 @@ def test_cut_model_file_agreement(name: str, tmp_path: Path) -> None:
     """A model file whose canonical_coef (mapped back by the basis) or W (p(W)) differs from coef by
     factor x CANONICAL_COEF_TOL / W_COEF_TOL of max |coef| (measured in numpy): loaded at 1e-2 x, refused
     at 1e2 x."""
-    from mhla_cli.basis import coef_from_basis
+    from mhla_cli.statistics.basis import coef_from_basis
     from mhla_cli.errors import InputError
-    from mhla_cli.heads import p_from_W
-    from mhla_cli.model import Model
+    from mhla_cli.model.heads import p_from_W
+    from mhla_cli.model.model import Model
 
     path = _model_file(tmp_path)
     with h5py.File(path, "r") as f:
@@ -766,7 +773,7 @@ def test_cut_max_exact_int(tmp_path: Path) -> None:
 def test_cut_sst_resolution(factor: float) -> None:
     """Targets c + delta z whose spread SST / energy (numpy) is factor x SST_RESOLUTION: R^2 is numpy's
     1 - SSE / SST at 1e2 x, and None at 1e-2 x (from the rows and from the sums)."""
-    from mhla_cli import scores
+    from mhla_cli.model import scores
 
     rng = np.random.default_rng(44)
     z = rng.standard_normal((500, 2))
@@ -790,7 +797,7 @@ def test_cut_sst_resolution(factor: float) -> None:
 def test_cut_reliable_gap(gap: float) -> None:
     """An unconverged W's count of k outliers is kept when s_k / s_(k+1) is 1e2 x RELIABLE_GAP, not at
     0.2 x (1e-2 x is below 1, where no sorted gap lies); a converged W's count is always kept."""
-    from mhla_cli.spectrum import count_reliability, outlier_gap
+    from mhla_cli.solve.spectrum import count_reliability, outlier_gap
 
     ratio = gap * DOC["RELIABLE_GAP"]
     s = np.array([3.0, 2.0, 2.0 / ratio, 1.5 / ratio, 1.0 / ratio])
@@ -833,7 +840,7 @@ def test_cut_fold_sums(tmp_path: Path) -> None:
     """A features file whose fold grams (numpy's sum) miss its gram by factor x FOLD_SUM_TOL of max
     |gram| on one diagonal entry: the folds load at 1e-2 x, and are refused at 1e2 x."""
     from mhla_cli.errors import InputError
-    from mhla_cli.folds import featurize_folds, load_folds, save_with_folds
+    from mhla_cli.statistics.folds import featurize_folds, load_folds, save_with_folds
 
     ds, _ = synthetic.generate_teacher(2, 1, 120, "2:5", seed=46)
     data = tmp_path / "d.h5"

@@ -11,11 +11,14 @@ import numpy as np
 import pytest
 
 from conftest import assert_same_stats, relerr
-from mhla_cli import memory, parallel, stream, synthetic
+from mhla_cli.linalg import memory
+from mhla_cli.statistics import parallel
+from mhla_cli.statistics import stream
+from mhla_cli.model import synthetic
 from mhla_cli.cli import run
-from mhla_cli.forward import predict_file
-from mhla_cli.solve import fit
-from mhla_cli.stream import Features, featurize
+from mhla_cli.model.forward import predict_file
+from mhla_cli.solve.solve import fit
+from mhla_cli.statistics.stream import Features, featurize
 
 @pytest.fixture(scope="module")
 def data(tmp_path_factory: pytest.TempPathFactory) -> Path:

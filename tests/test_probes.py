@@ -78,8 +78,8 @@ def test_on_matches_numpy_range_test(tmp_path: Path, capsys: pytest.CaptureFixtu
     assert np.array_equal(und, np.flatnonzero(ref_und))
     # the residual values are relative components measured on the canonical features (as the
     # certificate): the same range test on the features of Z A in orthonormal coordinates
-    from mhla_cli.basis import feature_scale
-    from mhla_cli.stream import featurize
+    from mhla_cli.statistics.basis import feature_scale
+    from mhla_cli.statistics.stream import featurize
 
     A = featurize(train, normalize=normalize).basis
     D = feature_scale(d)

@@ -10,12 +10,12 @@ import numpy as np
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from mhla_cli.features import cubic_features, n_features
-from mhla_cli.heads import p_from_heads
-from mhla_cli.forward import predict
-from mhla_cli.solve import EPS, certify, fit
-from mhla_cli.stream import featurize
-from mhla_cli.synthetic import random_teacher
+from mhla_cli.feature_map import cubic_features, n_features
+from mhla_cli.model.heads import p_from_heads
+from mhla_cli.model.forward import predict
+from mhla_cli.solve.solve import EPS, certify, fit
+from mhla_cli.statistics.stream import featurize
+from mhla_cli.model.synthetic import random_teacher
 
 def np_features(X: np.ndarray) -> np.ndarray:
     """H(X) from its definition in plain numpy: S[j,k] * x_n[l], j <= k, l fastest."""

@@ -7,12 +7,13 @@ from pathlib import Path
 import numpy as np
 
 from _reference import canonical, predict_canonical, predict_own, ridge_function
-from mhla_cli import basis
+from mhla_cli.statistics import basis
 import pytest
 
 from conftest import write_tokens
-from mhla_cli import certify, export_heads, featurize, fit, predict, synthetic
-from mhla_cli.heads import p_from_heads
+from mhla_cli.model import synthetic
+from mhla_cli import certify, export_heads, featurize, fit, predict
+from mhla_cli.model.heads import p_from_heads
 
 
 def np_features(X: np.ndarray) -> np.ndarray:

@@ -1,4 +1,4 @@
-"""`mhla reduce` and mhla_cli.reduce: the maps against numpy's eigh on the materialised arrays, `--like`
+"""`mhla reduce` and mhla_cli.model.reduce: the maps against numpy's eigh on the materialised arrays, `--like`
 bit for bit, layouts (ragged, dense, per position, weights) and the refusals (exit 2, one line)."""
 
 from __future__ import annotations
@@ -10,7 +10,8 @@ import h5py
 import numpy as np
 import pytest
 
-from mhla_cli import reduce as reduce_mod, write_tokens
+from mhla_cli.model import reduce as reduce_mod
+from mhla_cli import write_tokens
 from mhla_cli.cli import run
 from mhla_cli.errors import InputError
 
@@ -211,7 +212,7 @@ def test_unreduced_heads_predict_U_times_the_reduced_predictions(data: tuple[Pat
                                                                  tmp_path: Path) -> None:
     """export-heads --unreduce: on the unreduced tokens, U times the reduced model's predictions (1e-10)."""
     from mhla_cli import load_function, predict_file
-    from mhla_cli.export import load_heads
+    from mhla_cli.model.export import load_heads
 
     path, seqs, _ = data
     red, model, heads = tmp_path / "r.h5", tmp_path / "m.h5", tmp_path / "h.h5"

@@ -1,4 +1,4 @@
-"""`--ridge auto` (mhla_cli.ridge_cv): K-fold CV of the ridge on per-fold statistics, against plain numpy CV on
+"""`--ridge auto` (mhla_cli.solve.ridge_cv): K-fold CV of the ridge on per-fold statistics, against plain numpy CV on
 materialised canonical features (tests/_reference.py), and its effect on held-out data."""
 
 from __future__ import annotations
@@ -12,12 +12,14 @@ import pytest
 
 from _reference import (canonical, canonical_features, inv_sqrt, min_norm_function, predict_canonical, ratio,
                         ridge_function)
-from mhla_cli import learn, ridge_cv, synthetic
-from mhla_cli.forward import predict
+from mhla_cli.api import learn
+from mhla_cli.solve import ridge_cv
+from mhla_cli.model import synthetic
+from mhla_cli.model.forward import predict
 from mhla_cli.cli import run
-from mhla_cli.estimator import MHLA
-from mhla_cli.ridge_cv import GRID_HI, GRID_LO, N_GRID, cv_ridge, ridge_grid
-from mhla_cli.stream import chunk_features
+from mhla_cli.api.estimator import MHLA
+from mhla_cli.solve.ridge_cv import GRID_HI, GRID_LO, N_GRID, cv_ridge, ridge_grid
+from mhla_cli.statistics.stream import chunk_features
 
 EPS = np.finfo(np.float64).eps
 

@@ -1,4 +1,4 @@
-"""R^2 wherever a fit is scored (mhla_cli.scores): `fit` (train, from the statistics), `predict` (human line
+"""R^2 wherever a fit is scored (mhla_cli.model.scores): `fit` (train, from the statistics), `predict` (human line
 and JSON) and `MHLA.score`, all 1 - SSE / SST over all outputs, SST about the weighted mean vector, against
 plain numpy on materialised features."""
 
@@ -11,11 +11,11 @@ import h5py
 import numpy as np
 import pytest
 
-from mhla_cli import scores
+from mhla_cli.model import scores
 from mhla_cli.cli import run
-from mhla_cli.estimator import MHLA
-from mhla_cli.scores import SST_RESOLUTION, Spread, r2, r2_of, sst_from_sums
-from mhla_cli.stream import Features
+from mhla_cli.api.estimator import MHLA
+from mhla_cli.model.scores import SST_RESOLUTION, Spread, r2, r2_of, sst_from_sums
+from mhla_cli.statistics.stream import Features
 
 
 def np_r2(pred: np.ndarray, y: np.ndarray, w: np.ndarray | None = None) -> float:
@@ -141,7 +141,7 @@ def test_features_target_sum_and_fit_train_r2(tmp_path: Path, capsys: pytest.Cap
 
 
 def test_target_sum_merges_and_subtracts(tmp_path: Path) -> None:
-    from mhla_cli.stream import chunk_features
+    from mhla_cli.statistics.stream import chunk_features
 
     rng = np.random.default_rng(4)
     X, off, _, Y = _data(rng, N=40)
@@ -175,7 +175,7 @@ def test_old_features_file_reports_r2_null(tmp_path: Path, capsys: pytest.Captur
 
 
 def test_causal_per_position_predict_r2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    from mhla_cli import synthetic
+    from mhla_cli.model import synthetic
 
     ds, _ = synthetic.generate_teacher(2, 1, 60, seq_len=(2, 6), seed=6, per_position=True, noise=0.3)
     data = tmp_path / "ar.h5"
@@ -189,8 +189,8 @@ def test_causal_per_position_predict_r2(tmp_path: Path, capsys: pytest.CaptureFi
 
 
 def forward_predict_file(model: Path, data: Path) -> dict:
-    from mhla_cli.forward import predict_file
-    from mhla_cli.model import load_function
+    from mhla_cli.model.forward import predict_file
+    from mhla_cli.model.model import load_function
 
     return predict_file(load_function(model), data, causal=True, chunk_size=11)
 

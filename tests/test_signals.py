@@ -14,11 +14,12 @@ import h5py
 import numpy as np
 import pytest
 
-from mhla_cli import formats, signals
+from mhla_cli.io import formats
+from mhla_cli import signals
 from mhla_cli.cli import run
-from mhla_cli.heads import W_from_p
-from mhla_cli.model import Model
-from mhla_cli.features import n_features
+from mhla_cli.model.heads import W_from_p
+from mhla_cli.model.model import Model
+from mhla_cli.feature_map import n_features
 
 PREVIOUS = b"an earlier result that must survive\n" * 20
 MHLA = [sys.executable, "-m", "mhla_cli"] if (Path(formats.__file__).parent / "__main__.py").exists() else ["mhla"]

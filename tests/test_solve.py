@@ -1,4 +1,4 @@
-"""Certificate verdicts (Lemma 2.3) on the full and the observed domain, and the least-squares fit (mhla_cli.solve)."""
+"""Certificate verdicts (Lemma 2.3) on the full and the observed domain, and the least-squares fit (mhla_cli.solve.solve)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,8 @@ import pytest
 
 from _reference import canonical, canonical_features, inv_sqrt
 from conftest import write_tokens
-from mhla_cli import certify, featurize, fit, synthetic
+from mhla_cli.model import synthetic
+from mhla_cli import certify, featurize, fit
 
 
 def feats_of(tmp_path: Path, ds: synthetic.Dataset, dtype: str = "float64", name: str = "d.h5"):

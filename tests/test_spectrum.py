@@ -9,13 +9,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from mhla_cli import synthetic
+from mhla_cli.model import synthetic
 from mhla_cli.cli import run
-from mhla_cli.heads import Heads
-from mhla_cli.solve import fit
-from mhla_cli.lowrank import generic_rank
-from mhla_cli.spectrum import RELIABLE_GAP, count_reliability, effective_rank, outlier_gap, spectrum
-from mhla_cli.stream import chunk_features
+from mhla_cli.model.heads import Heads
+from mhla_cli.solve.solve import fit
+from mhla_cli.solve.lowrank import generic_rank
+from mhla_cli.solve.spectrum import RELIABLE_GAP, count_reliability, effective_rank, outlier_gap, spectrum
+from mhla_cli.statistics.stream import chunk_features
 
 
 @pytest.fixture(scope="module")
@@ -179,7 +179,7 @@ def test_issue_three_head_teacher_d8_count_is_never_silently_wrong(tmp_path: Pat
 
 def test_max_heads_auto_reports_convergence(tmp_path: Path, capsys: pytest.CaptureFixture[str],
                                             monkeypatch: pytest.MonkeyPatch) -> None:
-    from mhla_cli import spectrum as spectrum_mod
+    from mhla_cli.solve import spectrum as spectrum_mod
 
     ds, _ = synthetic.generate_teacher(3, 1, 300, 8, noise=0.02, seed=1)
     model, h = tmp_path / "m.h5", tmp_path / "h.h5"

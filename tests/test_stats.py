@@ -1,4 +1,4 @@
-"""Features (mhla_cli.stats): the sums, their algebra across bases, their file and its refusals.
+"""Features (mhla_cli.statistics.stats): the sums, their algebra across bases, their file and its refusals.
 
 References: plain numpy on materialised canonical features (tests/_reference.py).
 """
@@ -12,10 +12,10 @@ import numpy as np
 import pytest
 
 from _reference import canonical, ratio
-from mhla_cli import basis
+from mhla_cli.statistics import basis
 from mhla_cli.errors import InputError
-from mhla_cli.stats import PAIRS_DATASET, PAIRS_FORMAT, Features
-from mhla_cli.stream import chunk_features
+from mhla_cli.statistics.stats import PAIRS_DATASET, PAIRS_FORMAT, Features
+from mhla_cli.statistics.stream import chunk_features
 
 
 def _data(seed: int, n: int = 60, d: int = 3, scale: np.ndarray | float = 1.0):
@@ -98,7 +98,7 @@ def test_load_refuses_a_version_3_file_without_its_basis_token_grams(tmp_path: P
 
 
 def test_repr_is_short_and_shows_no_arrays() -> None:
-    from mhla_cli.stream import featurize
+    from mhla_cli.statistics.stream import featurize
 
     feats = featurize(Path(__file__).resolve().parent.parent / "sample_data" / "teacher.h5")
     r = repr(feats)
@@ -251,7 +251,7 @@ def test_a_version_4_file_reads_as_before(tmp_path: Path) -> None:
 
 
 def test_a_compact_block_on_the_spans_reads_back(tmp_path: Path) -> None:
-    from mhla_cli.stream import featurize
+    from mhla_cli.statistics.stream import featurize
 
     rng = np.random.default_rng(3)
     off = np.concatenate([[0], np.cumsum(rng.integers(1, 8, size=50))])

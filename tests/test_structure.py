@@ -1,4 +1,4 @@
-"""The data's spans (mhla_cli.structure): the block on span{S_i} (x) U_n gives the plain dense
+"""The data's spans (mhla_cli.statistics.structure): the block on span{S_i} (x) U_n gives the plain dense
 eigendecomposition's verdict, rank, lambda_min / lambda_max (1e-10 of lambda_max), minimum-norm and
 ridge functions and probe verdicts, against plain numpy on the materialised canonical features
 (tests/_reference.py), on data where the reduction is large (one-hot, DFA traces, tokens in a
@@ -13,13 +13,14 @@ import numpy as np
 import pytest
 from _reference import canonical, min_norm_function, predict_canonical, predict_own, ratio, ridge_function
 
-from mhla_cli import factorization, synthetic
-from mhla_cli.basis import kron_apply
-from mhla_cli.features import n_features
-from mhla_cli.probes import certify_probes
-from mhla_cli.solve import _domain_map_b, certify, factorize, fit
-from mhla_cli.stream import chunk_features
-from mhla_cli.structure import Structure, find_structure, partial_traces
+from mhla_cli.linalg import factorization
+from mhla_cli.model import synthetic
+from mhla_cli.statistics.basis import kron_apply
+from mhla_cli.feature_map import n_features
+from mhla_cli.solve.probes import certify_probes
+from mhla_cli.solve.solve import _domain_map_b, certify, factorize, fit
+from mhla_cli.statistics.stream import chunk_features
+from mhla_cli.statistics.structure import Structure, find_structure, partial_traces
 
 EPS = float(np.finfo(np.float64).eps)
 
@@ -276,9 +277,9 @@ def _same(a: dict, b: dict) -> None:
                                   <= n_features(5) // 2])
 def test_featurize_on_the_spans_equals_the_full_statistics(name: str, tmp_path: Path,
                                                           monkeypatch: pytest.MonkeyPatch) -> None:
-    from mhla_cli import stream
-    from mhla_cli.stats import Features
-    from mhla_cli.stream import featurize
+    from mhla_cli.statistics import stream
+    from mhla_cli.statistics.stats import Features
+    from mhla_cli.statistics.stream import featurize
 
     monkeypatch.setattr(stream, "SPANS_MIN_FEATURES", 0)  # "auto" at these small psi too
 
@@ -315,8 +316,8 @@ def test_featurize_on_the_spans_equals_the_full_statistics(name: str, tmp_path: 
 
 
 def test_featurize_spans_with_workers_shards_and_a_redone_pass(tmp_path: Path) -> None:
-    from mhla_cli import basis
-    from mhla_cli.stream import featurize
+    from mhla_cli.statistics import basis
+    from mhla_cli.statistics.stream import featurize
 
     # tokens in a 3-d subspace of R^5, and a distribution shift the basis estimate's sample misses
     rng = np.random.default_rng(2)
@@ -344,7 +345,7 @@ def test_featurize_spans_with_workers_shards_and_a_redone_pass(tmp_path: Path) -
 
 def test_spans_option_is_validated(tmp_path: Path) -> None:
     from mhla_cli.errors import InputError
-    from mhla_cli.stream import featurize
+    from mhla_cli.statistics.stream import featurize
 
     data = _save(_cases()["one-hot tokens"], tmp_path / "d.h5")
     with pytest.raises(InputError, match="spans"):
@@ -378,7 +379,7 @@ def test_cli_featurize_spans(tmp_path: Path, capsys: pytest.CaptureFixture[str])
 def test_spans_are_basis_free(name: str, tmp_path: Path) -> None:
     """An invertible map of the token coordinates (cond up to 1e3), the order of the sequences and the
     chunk size change neither the spans found by featurize nor the certificate and the function."""
-    from mhla_cli.stream import featurize
+    from mhla_cli.statistics.stream import featurize
 
     case = _cases()[name]
     d = case["tokens"].shape[1]
@@ -428,7 +429,7 @@ def _replace(name: str, value: np.ndarray):
 def test_a_broken_block_file_is_refused(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """One refusal (exit 2, one line naming the file) per rule of a features file on the data's spans."""
     from mhla_cli.cli import run
-    from mhla_cli.stream import featurize
+    from mhla_cli.statistics.stream import featurize
 
     good = tmp_path / "f.h5"
     featurize(_save(_cases()["DFA traces Q=2 S=2"], tmp_path / "d.h5"), spans="on").save(good)
@@ -457,7 +458,7 @@ def test_a_broken_block_file_is_refused(tmp_path: Path, capsys: pytest.CaptureFi
 def test_a_certificate_of_changed_statistics_refuses_its_null_space(tmp_path: Path) -> None:
     """The null vectors are computed on first use: after the sums change they are refused, not wrong."""
     from mhla_cli.errors import InputError
-    from mhla_cli.witness import make_witness
+    from mhla_cli.solve.witness import make_witness
 
     case = _cases()["one-hot tokens"]
     feats = _feats(case)
@@ -466,7 +467,7 @@ def test_a_certificate_of_changed_statistics_refuses_its_null_space(tmp_path: Pa
     with pytest.raises(InputError, match="changed"):
         cert.null_vectors
     # a witness from statistics on the spans works on the expanded ones, with the same certificate's domain
-    from mhla_cli.stream import featurize
+    from mhla_cli.statistics.stream import featurize
 
     red = featurize(_save(case, tmp_path / "d.h5"), spans="on")
     wit = make_witness(red, cert=certify(red))

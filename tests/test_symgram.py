@@ -1,4 +1,4 @@
-"""The Gram from its distinct entries (mhla_cli.symgram): K = U^T V on every path of the reduction,
+"""The Gram from its distinct entries (mhla_cli.linalg.symgram): K = U^T V on every path of the reduction,
 against materialised features in plain numpy (tests/_reference.py)."""
 
 from __future__ import annotations
@@ -11,8 +11,10 @@ import pytest
 
 import _reference as ref
 from conftest import assert_same_stats, relerr, write_tokens
-from mhla_cli import featurize, stream, symgram
-from mhla_cli.tokens import inspect_tokens
+from mhla_cli.statistics import stream
+from mhla_cli.linalg import symgram
+from mhla_cli import featurize
+from mhla_cli.io.tokens import inspect_tokens
 
 # the gram derived from K against the materialised reference (issue 24)
 TOL = 1e-13

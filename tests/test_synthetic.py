@@ -1,4 +1,4 @@
-"""Synthetic data (mhla_cli.synthetic): teacher targets and the associative memory against plain numpy."""
+"""Synthetic data (mhla_cli.model.synthetic): teacher targets and the associative memory against plain numpy."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import h5py
 import numpy as np
 import pytest
 
-from mhla_cli import synthetic
+from mhla_cli.model import synthetic
 from mhla_cli.errors import InputError
 
 

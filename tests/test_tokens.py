@@ -1,4 +1,4 @@
-"""Tokens files (mhla_cli.tokens): the one chunk reader against plain h5py slicing, the file rules, spans.
+"""Tokens files (mhla_cli.io.tokens): the one chunk reader against plain h5py slicing, the file rules, spans.
 
 Rules already exercised through the CLI in test_bad_inputs.py (offsets[0] != 0, an empty sequence,
 offsets[N] != T, float offsets, targets (N, d) of the wrong shape, NaN) are not repeated here; this
@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 
 from mhla_cli.errors import InputError
-from mhla_cli.stream import featurize
-from mhla_cli.tokens import check_weights, inspect_tokens, iter_chunks, spans
+from mhla_cli.statistics.stream import featurize
+from mhla_cli.io.tokens import check_weights, inspect_tokens, iter_chunks, spans
 
 N, D = 23, 3
 
@@ -197,7 +197,7 @@ def test_integer_tokens_float64_cannot_hold_are_refused(tmp_path: Path, capsys: 
     sample; 2^53 itself (exact) is accepted."""
     from mhla_cli import MHLA
     from mhla_cli.cli import run
-    from mhla_cli.tokens import MAX_EXACT_INT
+    from mhla_cli.io.tokens import MAX_EXACT_INT
 
     rng = np.random.default_rng(4)
     X = rng.integers(0, 50, size=(40, 3, 2)).astype(dtype)

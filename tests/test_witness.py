@@ -15,11 +15,11 @@ from _reference import canonical
 import pytest
 from conftest import write_tokens
 
-from mhla_cli import synthetic
+from mhla_cli.model import synthetic
 from mhla_cli.cli import run
-from mhla_cli.forward import forward_heads
-from mhla_cli.model import Model
-from mhla_cli.witness import MIN_FUNCTION_CHANGE, ROUNDING, Witness
+from mhla_cli.model.forward import forward_heads
+from mhla_cli.model.model import Model
+from mhla_cli.solve.witness import MIN_FUNCTION_CHANGE, ROUNDING, Witness
 
 
 def np_features(X: np.ndarray) -> np.ndarray:
@@ -102,7 +102,7 @@ def test_indistinguishable_pair_for_non_identifiable_data(kind: str, tmp_path: P
     assert "random sequences of length" in wj["probe"]
     # Model.load gives A; the heads of B compute B's function (the witness is an MHLA, not just a coef)
     assert np.array_equal(Model.load(tmp_path / "w.h5").coef, wit.model_a.coef)
-    from mhla_cli.heads import heads_from_W
+    from mhla_cli.model.heads import heads_from_W
 
     hb, _ = heads_from_W(wit.model_b.W, tol=0)
     yb = wit.model_b.coef @ np_features(wit.tokens)
@@ -186,7 +186,7 @@ def test_observed_domain_witness_differs_on_observed_inputs(tmp_path: Path,
 def test_witness_failing_its_verification_is_not_written(tmp_path: Path, capsys: pytest.CaptureFixture[str],
                                                         monkeypatch: pytest.MonkeyPatch) -> None:
     """If a recomputation disagrees with the claim (here: a training MSE off by 1e-6), no file."""
-    from mhla_cli import witness
+    from mhla_cli.solve import witness
 
     real = witness.train_mse
     calls = {"n": 0}
@@ -215,7 +215,7 @@ def test_witness_failing_its_verification_is_not_written(tmp_path: Path, capsys:
 @pytest.fixture(scope="module")
 def witness_file(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Witness]:
     from mhla_cli import certify, featurize
-    from mhla_cli.witness import make_witness
+    from mhla_cli.solve.witness import make_witness
 
     tmp = tmp_path_factory.mktemp("witness")
     few, _ = synthetic.generate_teacher(2, 1, 3, 4, seed=3)  # 3 samples < psi = 6: not identifiable

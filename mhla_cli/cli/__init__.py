@@ -92,7 +92,7 @@ def _say_stderr(text: str) -> None:
 def main(argv: list[str] | None = None) -> int:
     """Console-script entry point; returns (and exits with) the exit code."""
     code = run(argv)
-    formats = sys.modules.get("mhla_cli.formats")  # not imported by `mhla --version`
+    formats = sys.modules.get("mhla_cli.io.formats")  # not imported by `mhla --version`
     if formats is not None and formats.hdf5_write_failed():
         # libhdf5 can crash at interpreter shutdown after a failed write (it retries the flush of
         # the already removed temporary file): the error is reported, so leave without teardown.

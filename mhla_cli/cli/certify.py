@@ -56,12 +56,12 @@ def certify_cmd(
     Example (a GPU): mhla certify feats.h5 --device cuda --json
     """
     # the library here, not at the top: `mhla certify --help` and completion load only the parser
-    from .. import formats
-    from ..device import check_device
-    from ..solve import certify, check_domain
-    from ..stream import check_solve_memory
-    from ..tokens import inspect_tokens
-    from ..witness import make_witness
+    from ..io import formats
+    from ..linalg.device import check_device
+    from ..solve.solve import certify, check_domain
+    from ..statistics.stream import check_solve_memory
+    from ..io.tokens import inspect_tokens
+    from ..solve.witness import make_witness
 
     check_domain(domain)
     dev = check_device(device, data)
@@ -127,10 +127,10 @@ certify_cmd.__doc__ = (certify_cmd.__doc__ or "").replace("{DETERMINED_TOL}", qu
 
 def _certify_on(data: Path, on: Path, report: Path | None, normalize: str | None, chunk_size: int | None,
                 json_out: bool, quiet: bool, device: str | None = None) -> None:
-    from ..probes import certify_probes, null_space
-    from ..solve import factorize
-    from ..stream import check_solve_memory
-    from ..tokens import inspect_tokens
+    from ..solve.probes import certify_probes, null_space
+    from ..solve.solve import factorize
+    from ..statistics.stream import check_solve_memory
+    from ..io.tokens import inspect_tokens
 
     check_solve_memory(data, "certify", chunk_size=chunk_size)
     feats, _, _ = load_with_progress(data, chunk_size, quiet, normalize, device)

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 from rich.console import Console
 
 if TYPE_CHECKING:
-    from ..stream import Features
+    from ..statistics.stream import Features
 
 err_console = Console(stderr=True, highlight=False, soft_wrap=True)
 
@@ -63,7 +63,7 @@ def start_json_run(args: list[str]) -> None:
 def command_started() -> None:
     """A command's body is about to run: record its command line for the provenance of what it writes
     (here, not at start-up, so that `--help` and completion do not load the file formats)."""
-    from .. import formats
+    from ..io import formats
 
     formats.set_command(_JSON["argv"])
 
@@ -137,9 +137,9 @@ def load_with_progress(path: Path, chunk_size: int | None, quiet: bool,
                        normalize: str | None = None, device: str | None = None) -> tuple[Features, str, dict[str, float]]:
     """Features of a features or tokens file (with a progress bar when featurizing), the file kind, and
     the seconds it took ({"pass": s} when a tokens file was featurized, else {"load": s})."""
-    from .. import formats
-    from ..stream import load_features
-    from ..tokens import inspect_tokens
+    from ..io import formats
+    from ..statistics.stream import load_features
+    from ..io.tokens import inspect_tokens
 
     kind = formats.kind_of(path)
     total = inspect_tokens(path).n_samples if kind == "tokens" else 0

@@ -6,7 +6,7 @@ from typing import Annotated
 
 import typer
 
-from .. import convert as convert_mod
+from ..io import convert as convert_mod
 from .console import emit_json, progress_bar, say
 from .options import ChunkOpt, JsonOpt, OutOpt, QuietOpt
 

@@ -7,14 +7,14 @@ from typing import Annotated, Literal
 
 import typer
 
-from ..device import check_device
+from ..linalg.device import check_device
 from ..errors import InputError
-from ..features import check_normalize
-from ..folds import featurize_folds, save_with_folds
-from ..merge import merge_features
-from ..parallel import make_map
-from ..stream import check_spans, featurize, shard_span
-from ..tokens import inspect_tokens
+from ..feature_map import check_normalize
+from ..statistics.folds import featurize_folds, save_with_folds
+from ..statistics.merge import merge_features
+from ..statistics.parallel import make_map
+from ..statistics.stream import check_spans, featurize, shard_span
+from ..io.tokens import inspect_tokens
 from .console import emit_json, fmt, progress_bar, say, warn
 from .options import (ChunkOpt, DeviceOpt, JsonOpt, NormalizeOpt, OutOpt, QuietOpt, check_hdf5_output, parse_shard,
                       require_optional)

@@ -8,17 +8,17 @@ from typing import Annotated
 
 import typer
 
-from .. import formats
-from ..device import check_device
+from ..io import formats
+from ..linalg.device import check_device
 from ..errors import InputError
-from ..folds import load_folds, load_for_cv
-from ..export import save_heads
-from ..learn import export_heads, fit, fit_warnings
-from ..lowrank import convergence_warning, fewest_message, hit_limit
-from ..model import Model, load_function
-from ..spectrum import UnreliableHeadCount, plot_spectrum, spectrum, text_histogram
-from ..stream import check_solve_memory
-from ..tokens import inspect_tokens
+from ..statistics.folds import load_folds, load_for_cv
+from ..model.export import save_heads
+from ..api.learn import export_heads, fit, fit_warnings
+from ..solve.lowrank import convergence_warning, fewest_message, hit_limit
+from ..model.model import Model, load_function
+from ..solve.spectrum import UnreliableHeadCount, plot_spectrum, spectrum, text_histogram
+from ..statistics.stream import check_solve_memory
+from ..io.tokens import inspect_tokens
 from .console import emit_json, fmt, load_with_progress, progress_bar, say, warn, working
 from .options import (ChunkOpt, DeviceOpt, about, JsonOpt, NormalizeOpt, OutOpt, QuietOpt, check_heads_output, check_hdf5_output,
                       parse_auto, require_optional)
@@ -148,7 +148,7 @@ def export_heads_cmd(
         raise InputError("--fewest and --max-heads cannot be combined")
     red = None
     if unreduce is not None:
-        from ..reduce import load_reduction
+        from ..model.reduce import load_reduction
 
         red = load_reduction(unreduce)  # before the work: a file without maps is refused first
     try:
@@ -160,7 +160,7 @@ def export_heads_cmd(
                        "reason": str(exc), "input": str(model_path)})
         raise typer.Exit(1) from None
     if red is not None:
-        from ..reduce import unreduce_heads
+        from ..model.reduce import unreduce_heads
 
         heads = unreduce_heads(heads, red, unreduce)
     save_heads(heads, output, inputs=(model_path,) + ((unreduce,) if unreduce is not None else ()))

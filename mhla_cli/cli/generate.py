@@ -7,10 +7,10 @@ from typing import Annotated, Literal
 
 import typer
 
-from .. import synthetic
+from ..model import synthetic
 from ..errors import InputError
-from ..export import save_heads
-from ..features import check_normalize
+from ..model.export import save_heads
+from ..feature_map import check_normalize
 from .console import emit_json, say
 from .help import HelpGroup
 from .options import JsonOpt, NormalizeOpt, OutOpt, QuietOpt, check_hdf5_output, check_heads_output

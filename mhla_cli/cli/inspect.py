@@ -8,7 +8,7 @@ from typing import Annotated
 
 import typer
 
-from ..inspect import inspect_file
+from ..api.inspect import inspect_file
 from .console import emit_json, say
 from .options import JsonOpt
 

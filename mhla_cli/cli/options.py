@@ -76,7 +76,7 @@ def parse_shard(shard: str | None) -> tuple[int, int] | None:
 def check_hdf5_output(path: Path, inputs: tuple[Path | None, ...] = (), what: str = "the output") -> Path:
     """An HDF5 output path, refused (InputError, exit 2) before any work when its suffix names another
     format (model.npz would be HDF5 under a NumPy name) or it cannot be written."""
-    from .. import formats
+    from ..io import formats
 
     formats.check_hdf5_suffix(path, what)
     return formats.check_output_path(path, tuple(i for i in inputs if i is not None))
@@ -85,12 +85,12 @@ def check_hdf5_output(path: Path, inputs: tuple[Path | None, ...] = (), what: st
 def check_heads_output(path: Path, inputs: tuple[Path | None, ...] = ()) -> str:
     """A heads output: its format by the suffix (HDF5, .npz, .safetensors; any other suffix refused), the
     optional package it needs, and a writable path; all before any work."""
-    from .. import formats
-    from ..export import heads_format
+    from ..io import formats
+    from ..model.export import heads_format
 
     fmt = heads_format(path)
     if fmt == "safetensors":
-        from ..export import _safetensors  # the library's own refusal, with its install hint
+        from ..model.export import _safetensors  # the library's own refusal, with its install hint
         require_optional("safetensors.numpy", _safetensors)
     formats.check_output_path(path, tuple(i for i in inputs if i is not None))
     return fmt

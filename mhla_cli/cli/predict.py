@@ -7,12 +7,12 @@ from typing import Annotated
 
 import typer
 
-from ..device import check_device
+from ..linalg.device import check_device
 from ..errors import InputError
-from ..forward import predict_file, rollout_file
-from ..model import load_function, normalize_of
-from ..compare import compare
-from ..tokens import inspect_tokens
+from ..model.forward import predict_file, rollout_file
+from ..model.model import load_function, normalize_of
+from ..model.compare import compare
+from ..io.tokens import inspect_tokens
 from .console import emit_json, fmt, progress_bar, say, warn
 from .options import ChunkOpt, DeviceOpt, JsonOpt, OutOpt, QuietOpt, check_hdf5_output
 

@@ -7,8 +7,8 @@ from typing import Annotated
 
 import typer
 
-from .. import reduce as reduce_mod
-from ..tokens import inspect_tokens
+from ..model import reduce as reduce_mod
+from ..io.tokens import inspect_tokens
 from .console import emit_json, progress_bar, say
 from .options import ChunkOpt, JsonOpt, OutOpt, QuietOpt
 

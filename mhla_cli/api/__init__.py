@@ -1,0 +1,5 @@
+"""Layer 6, api: the library's entry points above the solvers.
+
+learn (fit / export_heads as the commands run them), estimator (the scikit-learn-style MHLA), inspect
+(what a file holds).
+"""

@@ -1,0 +1,104 @@
+"""Do two models (or heads) compute the same function? Distance in p-space and on a dataset."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from ..errors import InputError
+from ..feature_map import n_features
+from .heads import Heads, coef_inner, coef_of_heads
+from .model import Model, coef_of, normalize_of
+from .forward import DIRECT_COEF_BYTES, direct, function_of, in_width, out_width, predict_chunk
+from ..statistics.stream import default_chunk_size
+from ..io.tokens import check_finite, inspect_tokens, iter_chunks
+
+
+def _heads_distance(a: Model | Heads | np.ndarray, b: Model | Heads | np.ndarray) -> dict[str, float]:
+    """function_distance of heads evaluated directly (forward.direct: rectangular, or too wide for a coef)."""
+    if not (isinstance(a, Heads) and isinstance(b, Heads)):
+        raise InputError("a model (d, psi) cannot be compared with heads too wide for a coef or with outputs of "
+                         "another width: export the model's heads first")
+    if (a.d_out, a.d) != (b.d_out, b.d):
+        raise InputError(f"the heads map d = {a.d} to {a.d_out} and d = {b.d} to {b.d_out}: nothing to compare")
+    if 8 * a.d_out * n_features(a.d) <= DIRECT_COEF_BYTES:
+        pa, pb = coef_of_heads(a.V, a.Q), coef_of_heads(b.V, b.Q)
+        return _distance(pa, pb)
+    # ||p_A - p_B||^2 of the heads (V_A, -V_B) (Q_A, Q_B), in products of d x d matrices
+    V = np.concatenate([a.V, -b.V])
+    Q = np.concatenate([a.Q, b.Q])
+    dist = float(np.sqrt(max(coef_inner(V, Q, V, Q), 0.0)))
+    na = float(np.sqrt(max(coef_inner(a.V, a.Q, a.V, a.Q), 0.0)))
+    nb = float(np.sqrt(max(coef_inner(b.V, b.Q, b.V, b.Q), 0.0)))
+    rel = dist / nb if nb > 0 else (0.0 if dist == 0 else float("inf"))
+    return {"distance": dist, "relative_distance": rel, "norm_a": na, "norm_b": nb}
+
+
+def _distance(pa: np.ndarray, pb: np.ndarray) -> dict[str, float]:
+    dist = float(np.linalg.norm(pa - pb))
+    nb = float(np.linalg.norm(pb))
+    rel = dist / nb if nb > 0 else (0.0 if dist == 0 else float("inf"))
+    return {"distance": dist, "relative_distance": rel, "norm_a": float(np.linalg.norm(pa)), "norm_b": nb}
+
+
+def function_distance(a: Model | Heads | np.ndarray, b: Model | Heads | np.ndarray) -> dict[str, float]:
+    """||p_A - p_B||_F and ||p_A - p_B||_F / ||p_B||_F (the paper's Fig. 2 metric).
+
+    Heads of outputs wider or narrower than their tokens (d_out != d) are compared on their
+    (d_out, psi) coef; heads too wide for one, through d x d products (heads.coef_inner)."""
+    if direct(a) is not None or direct(b) is not None:
+        return _heads_distance(a, b)
+    pa, pb = coef_of(a), coef_of(b)
+    if pa.shape != pb.shape:
+        raise InputError(f"the models have different d ({pa.shape[0]} and {pb.shape[0]}): nothing to compare")
+    dist = float(np.linalg.norm(pa - pb))
+    nb = float(np.linalg.norm(pb))
+    rel = dist / nb if nb > 0 else (0.0 if dist == 0 else float("inf"))
+    return {"distance": dist, "relative_distance": rel, "norm_a": float(np.linalg.norm(pa)), "norm_b": nb}
+
+
+def prediction_difference(a: Model | Heads | np.ndarray, b: Model | Heads | np.ndarray,
+                          data: str | os.PathLike, chunk_size: int | None = None,
+                          progress: Callable[[int], None] | None = None) -> dict[str, float]:
+    """RMS over the N*d outputs of (yhat_A - yhat_B) on a tokens file, streamed, and the RMS of yhat_B."""
+    pa, pb = function_of(a), function_of(b)
+    norm = normalize_of(a)
+    info = inspect_tokens(data)
+    if info.d != in_width(pa):
+        raise InputError(f"the data have d = {info.d} but the models have d = {in_width(pa)}", data)
+    size = chunk_size or default_chunk_size(info)
+    ss_diff = ss_b = 0.0
+    max_abs = 0.0
+    for lo, hi, tokens, offsets, _y in iter_chunks(info, (0, info.n_samples), size):
+        check_finite(tokens, offsets, None, lo, data)
+        ya, _ = predict_chunk(pa, tokens, offsets, normalize=norm)
+        yb, _ = predict_chunk(pb, tokens, offsets, normalize=norm)
+        diff = ya - yb
+        ss_diff += float((diff**2).sum())
+        ss_b += float((yb**2).sum())
+        max_abs = max(max_abs, float(np.abs(diff).max()))
+        if progress is not None:
+            progress(hi - lo)
+    n = info.n_samples * out_width(pa)
+    return {"rms_prediction_difference": float(np.sqrt(ss_diff / n)), "rms_prediction_b": float(np.sqrt(ss_b / n)),
+            "max_abs_prediction_difference": max_abs, "n_samples": info.n_samples}
+
+
+def compare(a: Model | Heads | np.ndarray, b: Model | Heads | np.ndarray, tol: float = 1e-6,
+            on: str | os.PathLike | None = None, chunk_size: int | None = None,
+            progress: Callable[[int], None] | None = None) -> dict[str, Any]:
+    """Distance between two functions; `same` is relative_distance <= tol."""
+    if not (tol >= 0 and np.isfinite(tol)):
+        raise InputError(f"tol must be a finite number >= 0, got {tol}")
+    if normalize_of(a) != normalize_of(b):
+        raise InputError(f"the models use different normalisations ({normalize_of(a)} and "
+                         f"{normalize_of(b)}): their coef act on different features, so they cannot be compared")
+    out: dict[str, Any] = dict(function_distance(a, b))
+    out["tol"] = tol
+    out["same"] = bool(out["relative_distance"] <= tol)
+    if on is not None:
+        out.update(prediction_difference(a, b, on, chunk_size, progress))
+    return out

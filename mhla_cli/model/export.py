@@ -1,0 +1,126 @@
+"""Heads files for other frameworks: HDF5 (mhla's own), .npz (numpy) and .safetensors, chosen by suffix.
+
+Every format holds V (H, d_out, d) and Q (H, d, d) float64 exactly as computed, plus metadata: format
+("mhla-heads"), mhla_version, d, n_heads, normalize (and d_out when it differs from d: heads put back
+in a model's coordinates by `mhla export-heads --unreduce`). Writes are atomic (a temporary file in the
+output's directory, renamed on success; nothing is left on failure).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import zipfile
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ..io import formats
+from .._version import __version__
+from ..errors import InputError
+from .heads import Heads
+
+# suffix -> format; a path without a suffix is an HDF5 heads file (the historic default)
+SUFFIXES = {".h5": "hdf5", ".hdf5": "hdf5", ".hdf": "hdf5", "": "hdf5", ".npz": "npz",
+            ".safetensors": "safetensors"}
+FORMAT_NAME = "mhla-heads"
+
+
+def heads_format(path: str | os.PathLike) -> str:
+    """"hdf5", "npz" or "safetensors" from the path's suffix; InputError for any other suffix."""
+    suffix = Path(path).suffix.lower()
+    if suffix not in SUFFIXES:
+        raise InputError(f"unknown heads format '{suffix}': use .h5 / .hdf5 (HDF5), .npz (numpy) or "
+                         ".safetensors", path)
+    return SUFFIXES[suffix]
+
+
+def _metadata(heads: Heads) -> dict[str, str]:
+    meta = {"format": FORMAT_NAME, "mhla_version": __version__, "d": str(heads.d), "n_heads": str(heads.n_heads),
+            "normalize": str(heads.info.get("normalize", "none"))}
+    if heads.d_out != heads.d:
+        meta["d_out"] = str(heads.d_out)
+    err = heads.info.get("relative_function_error")
+    if err is not None:
+        meta["relative_function_error"] = repr(float(err))
+    return meta
+
+
+def _safetensors() -> Any:
+    try:
+        import safetensors.numpy as st
+    except ImportError:
+        raise InputError("reading or writing .safetensors needs the optional package safetensors: "
+                         "pip install 'safetensors>=0.4' (mhla's [safetensors] extra)") from None
+    return st
+
+
+def save_heads(heads: Heads, path: str | os.PathLike, inputs: tuple[str | os.PathLike, ...] = ()) -> None:
+    """Write heads in the format named by the suffix of `path` (.h5/.hdf5, .npz, .safetensors), atomically.
+
+    `inputs` are recorded as provenance in HDF5 and safetensors files (names, sizes, fingerprints).
+    """
+    fmt = heads_format(path)
+    if fmt == "hdf5":
+        heads.save(path, inputs=inputs)
+        return
+    st = _safetensors() if fmt == "safetensors" else None
+    formats.check_output_path(path, inputs)
+    V = np.ascontiguousarray(heads.V, dtype=np.float64)
+    Q = np.ascontiguousarray(heads.Q, dtype=np.float64)
+    meta = _metadata(heads)
+    with formats.atomic_path(path) as tmp:
+        if fmt == "npz":
+            with open(tmp, "wb") as f:  # a file object: np.savez would append .npz to a name
+                np.savez(f, V=V, Q=Q, **{k: np.array(v) for k, v in meta.items()})
+        else:
+            if inputs:
+                meta["mhla_inputs"] = json.dumps([formats.source_identity(i) for i in inputs])
+            st.save_file({"V": V, "Q": Q}, str(tmp), metadata=meta)
+
+
+def _check_meta(meta: dict[str, str], path: str | os.PathLike) -> str:
+    if meta.get("format") != FORMAT_NAME:
+        raise InputError(f"not an mhla heads file (metadata 'format' is {meta.get('format')!r}, "
+                         f"expected '{FORMAT_NAME}')", path)
+    return meta.get("normalize", "none")
+
+
+def load_heads(path: str | os.PathLike) -> Heads:
+    """Read and validate heads written by `save_heads` (any of its formats, by suffix)."""
+    fmt = heads_format(path)
+    if fmt == "hdf5":
+        return Heads.load(path)
+    if not Path(path).is_file():
+        raise InputError("no such file", path)
+    if fmt == "npz":
+        if not zipfile.is_zipfile(path):
+            raise InputError("not a .npz archive (a zip file of arrays); the file may be truncated or corrupted", path)
+        try:
+            with np.load(path, allow_pickle=False) as z:
+                arrays = {k: z[k] for k in z.files}
+        except (OSError, ValueError, EOFError) as exc:
+            raise InputError(f"cannot read as .npz ({exc})", path) from None
+        meta = {k: str(v) for k, v in arrays.items() if k not in ("V", "Q") and v.ndim == 0}
+    else:
+        _safetensors()  # a clear message when the optional package is missing
+        try:
+            from safetensors import safe_open
+
+            with safe_open(str(path), framework="np") as f:
+                meta = dict(f.metadata() or {})
+                arrays = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 (not a dict)
+        except Exception as exc:  # noqa: BLE001 (safetensors raises its own error types)
+            raise InputError(f"cannot read as .safetensors ({exc})", path) from None
+    normalize = _check_meta(meta, path)
+    missing = [k for k in ("V", "Q") if k not in arrays]
+    if missing:
+        raise InputError(f"has no {' or '.join(repr(m) for m in missing)} array", path)
+    heads = Heads.from_arrays(arrays["V"], arrays["Q"], normalize, path)
+    for key, value in (("d", heads.d), ("n_heads", heads.n_heads), ("d_out", heads.d_out)):
+        if key in meta and meta[key] != str(value):
+            raise InputError(f"metadata '{key}' = {meta[key]} but the arrays have {key} = {value}", path)
+    if "relative_function_error" in meta:
+        heads.info["relative_function_error"] = float(meta["relative_function_error"])
+    return heads

@@ -1,0 +1,626 @@
+"""The MHLA forward pass: last-token and all-position outputs, from coef p or from heads."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import threading
+from collections.abc import Callable
+from functools import partial
+from typing import Any
+
+import h5py
+import numpy as np
+
+from ..io import formats
+from ..linalg.device import check_device, predict_last, worker_device
+from ..errors import InputError
+from ..feature_map import check_normalize, features_from_moments, pair_index
+from .heads import Heads
+from ..numerics import EPS
+from .model import Model, coef_of, evaluation_of, normalize_of
+from ..statistics.parallel import SerialMap, ThreadMap, make_map
+from .scores import Spread
+from ..statistics.stream import default_chunk_size, prefix_moments, sequence_moments
+from ..io.tokens import (
+    TokensInfo,
+    check_finite,
+    check_weights,
+    inspect_tokens,
+    iter_chunks,
+    spans,
+)
+
+
+def forward_heads(V: np.ndarray, Q: np.ndarray, X: np.ndarray, all_positions: bool = False,
+                  normalize: str = "none") -> np.ndarray:
+    """Reference forward pass of one sequence X (n, d): sum_h V_h X^T X Q_h x_t (t = n, or every t).
+
+    normalize="length" uses S = X^T X / n.
+    """
+    X = np.asarray(X, dtype=np.float64)
+    S = X.T @ X
+    if normalize == "length":
+        S = S / X.shape[0]
+    if all_positions:
+        return np.einsum("hab,bc,hcl,tl->ta", V, S, Q, X, optimize=True)
+    return np.einsum("hab,bc,hcl,l->a", V, S, Q, X[-1], optimize=True)
+
+
+class HeadsFn(tuple):
+    """Heads (V (H, d_out, d), Q (H, d, d)) evaluated directly, sum_h V_h S Q_h x (O(H d^2) per
+    sequence after S), instead of through coef (d_out, psi): for heads whose outputs have another
+    width than the tokens (mhla export-heads --unreduce), or whose coef would not fit (`direct`)."""
+
+    @property
+    def shape(self) -> tuple[int, int]:  # (outputs, tokens) widths, like coef's (d, psi) first axis
+        return int(self[0].shape[1]), int(self[0].shape[2])
+
+
+# Heads whose coef (d_out, psi) would exceed this are evaluated directly (HeadsFn).
+DIRECT_COEF_BYTES = 256 << 20
+# Bytes of the per-sequence S (B, d, d) of a chunk evaluated directly (predict_file's default chunk).
+DIRECT_CHUNK_BYTES = 32 << 20
+
+
+def direct(fn: Model | Heads | np.ndarray) -> HeadsFn | None:
+    """`fn` as a HeadsFn when it is heads that are rectangular (d_out != d) or too wide for a coef."""
+    if not isinstance(fn, Heads):
+        return None
+    V, Q = np.asarray(fn.V, dtype=np.float64), np.asarray(fn.Q, dtype=np.float64)
+    d_out, d = V.shape[1], Q.shape[1]
+    if d_out != d or 8 * d_out * (d * d * (d + 1) // 2) > DIRECT_COEF_BYTES:
+        return HeadsFn((V, Q))
+    return None
+
+
+def function_of(fn: Model | Heads | np.ndarray) -> np.ndarray | HeadsFn:
+    """What the chunk kernels evaluate: coef (d, psi), or the heads themselves (`direct`)."""
+    h = direct(fn)
+    return coef_of(fn) if h is None else h
+
+
+def evaluated(fn: Model | Heads | np.ndarray) -> tuple[np.ndarray | HeadsFn, np.ndarray | None]:
+    """(what the kernels evaluate, A): a model's canonical coef with its basis A (tokens X A;
+    Model.evaluation), or the heads themselves (`direct`, A None)."""
+    h = direct(fn)
+    return (h, None) if h is not None else evaluation_of(fn)
+
+
+def out_width(fn: np.ndarray | HeadsFn) -> int:
+    """Width of the outputs of a coef or HeadsFn."""
+    return int(fn.shape[0])
+
+
+def in_width(fn: np.ndarray | HeadsFn) -> int:
+    """Width of the tokens a coef or HeadsFn takes."""
+    return int(fn.shape[1]) if isinstance(fn, HeadsFn) else int(fn.shape[0])
+
+
+def _chunk_moments(tokens: np.ndarray, offsets: np.ndarray, d: int, normalize: str) -> tuple[np.ndarray, np.ndarray]:
+    """(S (B, d, d), last tokens (B, d)) of a chunk for a model of width d (S / n with normalize="length")."""
+    if tokens.shape[1] != d:
+        raise InputError(f"the model has d = {d} but the data have d = {tokens.shape[1]}")
+    S, last = sequence_moments(tokens, offsets)
+    if normalize == "length":
+        S /= np.diff(np.asarray(offsets, dtype=np.int64)).astype(np.float64)[:, None, None]
+    return S, last
+
+
+def heads_chunk(fn: HeadsFn, tokens: np.ndarray, offsets: np.ndarray, all_positions: bool = False,
+                normalize: str = "none") -> tuple[np.ndarray, np.ndarray | None]:
+    """`predict_chunk` of heads evaluated directly: last-token outputs (B, d_out), every position's (t, d_out)."""
+    V, Q = fn
+    d = Q.shape[1]
+    S, last = _chunk_moments(tokens, offsets, d, normalize)
+    # sum_h V_h (S (Q_h x)): per head, matrix-vector products
+    qx = np.einsum("hcl,bl->bhc", Q, last, optimize=True)
+    sqx = np.einsum("bjc,bhc->bhj", S, qx, optimize=True)
+    pred = np.einsum("haj,bhj->ba", V, sqx, optimize=True)
+    outputs = None
+    if all_positions:
+        M = np.einsum("haj,bjc,hcl->bal", V, S, Q, optimize=True)
+        lengths = np.diff(offsets)
+        seq = np.repeat(np.arange(lengths.size), lengths)
+        outputs = np.einsum("tal,tl->ta", M[seq], np.asarray(tokens, dtype=np.float64), optimize=True)
+    return pred, outputs
+
+
+def heads_causal_chunk(fn: HeadsFn, tokens: np.ndarray, offsets: np.ndarray, normalize: str = "none",
+                       progress: Callable[[int], None] | None = None) -> np.ndarray:
+    """`causal_chunk` of heads evaluated directly: out_t = sum_h V_h S_t Q_h x_t, by sequence
+    (S_t Q_h x_t = sum_{s<=t} x_s (x_s . Q_h x_t): an n x n masked score matrix per head)."""
+    V, Q = fn
+    d = Q.shape[1]
+    if tokens.shape[1] != d:
+        raise InputError(f"the model has d = {d} but the data have d = {tokens.shape[1]}")
+    offsets = np.asarray(offsets, dtype=np.int64)
+    out = np.empty((int(offsets[-1]), V.shape[1]))
+    for i in range(offsets.size - 1):
+        X = np.asarray(tokens[offsets[i]:offsets[i + 1]], dtype=np.float64)
+        n = X.shape[0]
+        mask = np.tril(np.ones((n, n)))  # [t, s]: s <= t
+        if normalize == "length":
+            mask /= np.arange(1, n + 1, dtype=np.float64)[:, None]
+        y = np.zeros((n, V.shape[1]))
+        for h in range(V.shape[0]):
+            qx = X @ Q[h].T  # row t: Q_h x_t
+            y += ((mask * (qx @ X.T)) @ X) @ V[h].T  # [t, s] = x_s . Q_h x_t
+        out[offsets[i]:offsets[i + 1]] = y
+        if progress is not None:
+            progress(i + 1)
+    return out
+
+
+def predict_chunk(coef: np.ndarray | HeadsFn, tokens: np.ndarray, offsets: np.ndarray,
+                  all_positions: bool = False, normalize: str = "none",
+                  device: str | None = None) -> tuple[np.ndarray, np.ndarray | None]:
+    """Predictions for a chunk: last-token outputs (B, d) and, if asked, every position's (t, d).
+
+    normalize="length" divides each sequence's S by its length (as the model was fitted). `device`
+    (mhla_cli.linalg.device): the last-token outputs computed there (every position's stay on the CPU).
+    `coef` may be a HeadsFn (heads evaluated directly, on the CPU: `heads_chunk`).
+    """
+    if isinstance(coef, HeadsFn):
+        return heads_chunk(coef, tokens, offsets, all_positions, normalize)
+    d = coef.shape[0]
+    S, last = _chunk_moments(tokens, offsets, d, normalize)
+    if device is not None:
+        j, k = pair_index(d)
+        pred = predict_last(coef, S[:, j, k], last, device)
+    else:
+        pred = features_from_moments(S, last) @ coef.T
+    outputs = None
+    if all_positions:
+        # Y_t = M_i x_t with M_i[a, l] = sum_{j<=k} p[a,(j,k,l)] S_i[j,k].
+        j, k = pair_index(d)
+        P = coef.reshape(d, j.size, d)
+        M = np.einsum("bp,apl->bal", S[:, j, k], P, optimize=True)
+        lengths = np.diff(offsets)
+        seq = np.repeat(np.arange(lengths.size), lengths)
+        X = np.asarray(tokens, dtype=np.float64)
+        outputs = np.einsum("tal,tl->ta", M[seq], X, optimize=True)
+    return pred, outputs
+
+
+def causal_chunk(coef: np.ndarray, tokens: np.ndarray, offsets: np.ndarray, normalize: str = "none",
+                 progress: Callable[[int], None] | None = None) -> np.ndarray:
+    """Causal outputs (t, d) of a chunk: row t is the last-token output p . H(X[:t]) of its prefix.
+
+    Computed from the running prefix Grams (stream.prefix_moments): out_t = M_t x_t with
+    M_t[a, l] = sum_{j<=k} p[a,(j,k,l)] S_t[j,k], in blocks of whole sequences (every row is its
+    own prefix's: the blocks change no value and bound the (t, d, d) work array). `progress(k)`, if
+    given, is told the number k of sequences done after each block. A HeadsFn: `heads_causal_chunk`.
+    """
+    if isinstance(coef, HeadsFn):
+        return heads_causal_chunk(coef, tokens, offsets, normalize, progress)
+    d = coef.shape[0]
+    if tokens.shape[1] != d:
+        raise InputError(f"the model has d = {d} but the data have d = {tokens.shape[1]}")
+    offsets = np.asarray(offsets, dtype=np.int64)
+    B = offsets.size - 1
+    npairs = d * (d + 1) // 2
+    P = np.asarray(coef, dtype=np.float64).reshape(d, npairs, d).transpose(1, 0, 2).reshape(npairs, d * d)
+    out = np.empty((int(offsets[-1]), d))
+    # about CAUSAL_BLOCKS blocks of sequences, each at most CAUSAL_BLOCK_ROWS positions (or one sequence)
+    ends = np.searchsorted(offsets, np.linspace(0, offsets[-1], CAUSAL_BLOCKS + 1)[1:-1], side="right") - 1
+    cut = [0]
+    for e in [*np.unique(ends[(ends > 0) & (ends < B)]).tolist(), B]:
+        while offsets[e] - offsets[cut[-1]] > CAUSAL_BLOCK_ROWS and cut[-1] + 1 < e:
+            nxt = int(np.searchsorted(offsets, offsets[cut[-1]] + CAUSAL_BLOCK_ROWS, side="right")) - 1
+            cut.append(max(nxt, cut[-1] + 1))
+        if e > cut[-1]:
+            cut.append(e)
+    for s, e in zip(cut[:-1], cut[1:]):
+        r0, r1 = int(offsets[s]), int(offsets[e])
+        upper, X = prefix_moments(tokens[r0:r1], offsets[s:e + 1] - r0, normalize)
+        M = (upper @ P).reshape(-1, d, d)
+        np.einsum("tal,tl->ta", M, X, out=out[r0:r1])
+        if progress is not None:
+            progress(e)
+    return out
+
+
+# causal_chunk's blocks: about this many per chunk (a progress bar's steps), and at most this many
+# positions each unless one sequence is longer (its (rows, d, d) work array: 32 MiB at d = 16)
+CAUSAL_BLOCKS = 16
+CAUSAL_BLOCK_ROWS = 1 << 14
+
+
+def as_ragged(tokens: np.ndarray, offsets: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """tokens (N, n, d) -> ((N n, d), offsets); tokens (T, d) need `offsets` (N+1,)."""
+    tokens = np.asarray(tokens)
+    if tokens.ndim == 3:
+        N, n, d = tokens.shape
+        return tokens.reshape(-1, d), np.arange(N + 1, dtype=np.int64) * n
+    if offsets is None:
+        raise InputError("tokens of shape (T, d) need offsets")
+    return tokens, np.asarray(offsets, dtype=np.int64)
+
+
+def predict_causal(fn: Model | Heads | np.ndarray, tokens: np.ndarray, offsets: np.ndarray | None = None
+                   ) -> np.ndarray:
+    """In-memory causal outputs (T, d) (tokens (N, n, d), or (T, d) with offsets); the model's normalisation."""
+    tokens, offsets = as_ragged(tokens, offsets)
+    coef, A = evaluated(fn)
+    return causal_chunk(coef, in_basis(tokens, A), offsets, normalize_of(fn))
+
+
+def predict(fn: Model | Heads | np.ndarray, tokens: np.ndarray, offsets: np.ndarray | None = None,
+            all_positions: bool = False, device: str | None = None) -> np.ndarray | tuple[np.ndarray, np.ndarray]:
+    """In-memory prediction. tokens (N, n, d), or (T, d) with offsets (N+1,); the model's normalisation.
+    `device` (mhla_cli.linalg.device): the last-token outputs computed there."""
+    coef, A = evaluated(fn)
+    tokens, offsets = as_ragged(tokens, offsets)
+    pred, outputs = predict_chunk(coef, in_basis(tokens, A), offsets, all_positions,
+                                  normalize_of(fn), device=check_device(device))
+    return (pred, outputs) if all_positions else pred
+
+
+def in_basis(tokens: np.ndarray, A: np.ndarray | None) -> np.ndarray:
+    """The tokens X A a model evaluates (Model.evaluation); X itself for A None."""
+    if A is None:
+        return tokens
+    return np.asarray(tokens, dtype=np.float64) @ A
+
+
+def weighted_sse(err: np.ndarray, weights: np.ndarray | None) -> tuple[float, int, float]:
+    """(sum_i w_i ||err_i||^2, #{i: w_i > 0}, sum_i w_i) over the rows of err (B, d); w_i = 1 without
+    weights."""
+    if weights is None:
+        return float((err**2).sum()), err.shape[0], float(err.shape[0])
+    return float(weights @ (err**2).sum(axis=1)), int((weights > 0).sum()), float(weights.sum())
+
+
+def causal_span(coef: np.ndarray, info: Any, normalize: str, span: tuple[int, int],
+                progress: Callable[[int], None] | None = None, basis: np.ndarray | None = None
+                ) -> tuple[np.ndarray, np.ndarray, np.ndarray, float, int, Spread]:
+    """Causal predictions of samples [lo, hi): (pred (B, d), outputs (t, d), offsets, weighted SSE,
+    count, the scored targets' Spread: their weight and spread, for the MSE and R^2).
+
+    The SSE is sum_t w_t ||out_t - y_t||^2 over positions with w_t > 0 (per-position targets) or
+    over sequences (last-token targets, pred vs y); count is the number of those samples, weight
+    the sum of their weights. `basis`: the tokens X basis are evaluated (Model.evaluation).
+    `progress(n)`, if given, is told the sequences done as the blocks of `causal_chunk` finish (they
+    sum to hi - lo).
+    """
+    done = [0]
+
+    def step(k: int) -> None:
+        progress(k - done[0])  # type: ignore[misc]
+        done[0] = k
+
+
+    lo, hi = span
+    for a, _b, tokens, offsets, targets, weights in iter_chunks(info, (lo, hi), hi - lo, prefetch=False,
+                                                                with_weights=True):
+        check_finite(tokens, offsets, targets, a, info.path)
+        check_weights(weights, offsets, a, info.per_position, info.path)
+        outputs = causal_chunk(coef, in_basis(tokens, basis), offsets, normalize,
+                               progress=None if progress is None else step)
+        pred = outputs[offsets[1:] - 1]
+        sse, count, spread = 0.0, 0, Spread()
+        if targets is not None:
+            sse, count, _ = weighted_sse((outputs if info.per_position else pred) - targets, weights)
+            spread = Spread.of(targets, weights)
+        return pred, outputs, offsets.copy(), sse, count, spread
+    raise ValueError("empty span")
+
+
+def _one_at_a_time(progress: Callable[[int], None]) -> Callable[[int], None]:
+    """`progress` for worker threads: one call at a time, and never again once it raised (an interrupt)."""
+    lock, raised = threading.Lock(), []
+
+    def call(n: int) -> None:
+        with lock:
+            if raised:
+                return
+            try:
+                progress(n)
+            except BaseException:
+                raised.append(True)
+                raise
+    return call
+
+
+def _function_and_data(fn: Model | Heads, data: str | os.PathLike
+                       ) -> tuple[np.ndarray | HeadsFn, str, TokensInfo]:
+    """coef (own coordinates; or a HeadsFn) and normalisation of `fn`, and the layout of the tokens file
+    `data` (same d checked, and the targets' width against the outputs')."""
+    coef = function_of(fn)
+    normalize = check_normalize(normalize_of(fn))
+    info = inspect_tokens(data)
+    if info.d != in_width(coef):
+        raise InputError(f"the data have d = {info.d} but the model has d = {in_width(coef)}", data)
+    if info.has_targets and info.out_dim != out_width(coef):
+        raise InputError(f"the targets are {info.out_dim} wide but the model's outputs {out_width(coef)}: map the "
+                         "targets as the model's were (mhla reduce --like)", data)
+    return coef, normalize, info
+
+
+def predict_file(fn: Model | Heads, data: str | os.PathLike, out: str | os.PathLike | None = None,
+                 all_positions: bool = False, chunk_size: int | None = None,
+                 progress: Callable[[int], None] | None = None,
+                 inputs: tuple[str | os.PathLike, ...] = (), workers: int = 1,
+                 map: Callable[..., Any] | None = None,  # noqa: A002
+                 causal: bool = False, device: str | None = None) -> dict[str, Any]:
+    """Stream predictions over a tokens file; write them to `out` (atomically) if given.
+
+    Returns a summary (n_samples, mse and r2 when the data have targets: mhla_cli.model.scores, weighted like
+    the MSE, None when the targets do not vary); without `out` the summary also
+    holds the `predictions` array (and `outputs`, `offsets` with `all_positions` or `causal`).
+    `workers=K` predicts chunks in K local workers (or pass any ordered `map`); the output is the
+    same as the serial one. The model's normalisation (attribute `normalize`) is applied.
+
+    `causal`: `outputs` (T, d) holds the last-token output of every prefix X[:t] and `predictions`
+    the one of every whole sequence; the MSE is over the weighted positions of per-position
+    targets (sum w ||e||^2 / (d sum w)), or over the sequences of last-token targets.
+    Last-token targets with `weights` (N,) give the same weighted MSE with or without `causal`:
+    sum_i w_i ||yhat_i - y_i||^2 / (d sum_i w_i) (fit's train_mse), `n_scored` = #{i: w_i > 0};
+    weight-0 sequences are predicted but not scored. Without `causal`, per-position targets give no
+    MSE (the predictions are per sequence; use `causal` to score every weighted position).
+    `device` (mhla_cli.linalg.device): the last-token predictions on a torch device (float64).
+    """
+    device = check_device(device, data)
+    if all_positions and causal:
+        raise InputError("causal and all_positions cannot be combined: causal is the masked (prefix) "
+                         "output at every position, all_positions the unmasked one")
+    _, normalize, info = _function_and_data(fn, data)
+    coef, A = evaluated(fn)  # evaluated where it was solved (Model.evaluation), or the heads directly
+    d = out_width(coef)
+    if info.per_position and not causal:
+        info = dataclasses.replace(info, has_targets=False)  # per-position targets: no per-sequence MSE
+    if isinstance(coef, HeadsFn):
+        device = None  # heads evaluated directly run on the CPU
+        mean_len = max(1.0, info.n_tokens / info.n_samples)
+        size = chunk_size or int(max(1, min(info.n_samples, DIRECT_CHUNK_BYTES // (8 * info.d * (info.d + mean_len)))))
+    else:
+        size = chunk_size or default_chunk_size(info)
+    sse, count, spread = 0.0, 0, Spread()
+    have_y = info.has_targets
+    with_outputs = all_positions or causal
+    result: dict[str, Any] = {"n_samples": info.n_samples, "d": d, "normalize": normalize}
+    store = None if out is not None else np.empty((info.n_samples, d))
+    store_out = None if out is not None or not with_outputs else np.empty((info.n_tokens, d))
+    store_off = None if out is not None or not with_outputs else np.zeros(info.n_samples + 1, dtype=np.int64)
+
+    def run(fout: h5py.File | None) -> None:
+        nonlocal sse, count, spread
+        if fout is not None:
+            dp = fout.create_dataset("predictions", (info.n_samples, d), dtype="f8")
+            if with_outputs:
+                do = fout.create_dataset("outputs", (info.n_tokens, d), dtype="f8")
+                doff = fout.create_dataset("offsets", (info.n_samples + 1,), dtype="i8")
+                doff[0] = 0
+        tok_pos = 0
+        todo = spans(0, info.n_samples, size)
+        with make_map(workers=workers, map=map) as pmap:
+            # workers open the file themselves: give them an absolute path
+            winfo = info if pmap.n_workers == 1 else dataclasses.replace(info, path=os.path.abspath(info.path))
+            # causal outputs take long per span: in this process (serial or threads) each span tells its
+            # blocks as they finish, one call at a time; otherwise each span is told when it comes back
+            ticks = causal and progress is not None and map is None and isinstance(pmap, (SerialMap, ThreadMap))
+            if causal:
+                task = partial(causal_span, coef, winfo, normalize, progress=_one_at_a_time(progress) if ticks
+                               else None, basis=A)
+            else:
+                task = partial(predict_span, coef, winfo, all_positions, normalize=normalize, device=device,
+                               basis=A)
+            for (a, b), (pred, outputs, offsets, part_sse, part_n, part_spread) in zip(todo, pmap(task, todo)):
+                sse += part_sse
+                count += part_n
+                spread = spread.merge(part_spread)
+                if fout is not None:
+                    dp[a:b] = pred
+                    if with_outputs:
+                        do[tok_pos:tok_pos + outputs.shape[0]] = outputs
+                        doff[a + 1:b + 1] = tok_pos + offsets[1:]
+                else:
+                    store[a:b] = pred
+                    if with_outputs:
+                        store_out[tok_pos:tok_pos + outputs.shape[0]] = outputs
+                        store_off[a + 1:b + 1] = tok_pos + offsets[1:]
+                tok_pos += int(offsets[-1])
+                if progress is not None and not ticks:
+                    progress(b - a)
+
+    if out is not None:
+        formats.check_hdf5_suffix(out, "a predictions file")
+        o = formats.check_output_path(out, (data, *inputs))
+        meta = {**formats.header("predictions", (data, *inputs)), "d": d, "n_samples": info.n_samples,
+                "normalize": normalize, "causal": int(causal)}
+        with formats.atomic_path(o) as tmp:
+            with formats.create_output(tmp) as fout:
+                for k, v in meta.items():
+                    fout.attrs[k] = v
+                run(fout)
+    else:
+        run(None)
+        result["predictions"] = store
+        if with_outputs:
+            result["outputs"], result["offsets"] = store_out, store_off
+    if have_y:
+        # weighted means over the scored samples' weights (sum w: units-free)
+        result["mse"] = sse / ((spread.weight if spread.weight > 0 else 1.0) * d)
+        result["r2"] = spread.r2(sse)  # None when the scored targets do not vary (mhla_cli.model.scores)
+        result["n_scored"] = count
+    return result
+
+
+# --------------------------------------------------------------------------------------------
+# rollout: autoregressive generation
+# --------------------------------------------------------------------------------------------
+
+
+def load_codebook(path: str | os.PathLike, d: int) -> np.ndarray:
+    """The dataset `codebook` (C, d) of an HDF5 file, float64, validated (C >= 1, finite, d matches)."""
+    with formats.open_input(path) as f:
+        if "codebook" not in f:
+            names = ", ".join(sorted(f.keys())) or "nothing"
+            raise InputError(f"missing dataset 'codebook' (C, d) of token embeddings; found {names}", path)
+        C = formats.read_array(f, "codebook", path, finite=False).astype(np.float64)
+    if C.ndim != 2 or C.shape[0] < 1 or C.shape[1] != d:
+        raise InputError(f"'codebook' has shape {C.shape}, expected (C, d) = (C, {d}) with C >= 1", path)
+    if not np.isfinite(C).all():
+        raise InputError("'codebook' contains NaN or Inf", path)
+    return C
+
+
+# Entries of the (rows of y) x (codebook rows) work arrays of `snap_to` per block (~8 MiB of float64).
+SNAP_BLOCK_ENTRIES = 1 << 20
+
+
+def snap_to(codebook: np.ndarray, y: np.ndarray, block: int = 4096) -> np.ndarray:
+    """Index of the nearest codebook row (Euclidean; the lowest index on ties) of every row of y (B, d).
+
+    Exact for any magnitudes: the expanded form |c|^2 - 2 y.c + |y|^2 (one matrix product, in
+    coordinates centred on the codebook's mean) only selects the candidates, the rows within twice
+    its rounding-error bound of the smallest; their distances are then recomputed directly as
+    ||y - c||^2. Works on blocks of at most `block` rows of y and SNAP_BLOCK_ENTRIES pairs.
+    """
+    C = np.asarray(codebook, dtype=np.float64)
+    y = np.asarray(y, dtype=np.float64)
+    n_c, d = C.shape
+    m = C.mean(axis=0)
+    Cc = C - m
+    c2 = np.einsum("ij,ij->i", Cc, Cc)
+    cmax = float(np.sqrt(c2.max()))
+    # |computed - exact| of the expanded form (the centring, three dot products and two sums) is
+    # below about (d + 4) eps / 2 (|y - m| + max |c - m|)^2; `rel` allows four times that
+    rel = 2.0 * (d + 8) * EPS
+    rows_per_block = max(1, min(block, SNAP_BLOCK_ENTRIES // n_c))
+    pairs_per_step = max(1, SNAP_BLOCK_ENTRIES // max(d, 1))
+    idx = np.empty(y.shape[0], dtype=np.int64)
+    for a in range(0, y.shape[0], rows_per_block):
+        yb = y[a:a + rows_per_block]
+        ybc = yb - m
+        y2 = np.einsum("ij,ij->i", ybc, ybc)
+        dist = c2[None, :] - 2.0 * (ybc @ Cc.T) + y2[:, None]
+        lo = dist.min(axis=1)
+        slack = rel * (np.sqrt(y2) + cmax) ** 2
+        ok = np.isfinite(lo) & np.isfinite(slack)
+        if not ok.all():  # non-finite outputs: keep the plain argmin (NaN -> the first NaN)
+            idx[a:a + yb.shape[0]][~ok] = np.argmin(dist[~ok], axis=1)
+        cand = (dist <= (lo + 2.0 * slack)[:, None]) & ok[:, None]
+        r, c = np.nonzero(cand)  # row-major: every row's candidates in increasing index
+        exact = np.empty(r.size)
+        for s in range(0, r.size, pairs_per_step):
+            diff = yb[r[s:s + pairs_per_step]] - C[c[s:s + pairs_per_step]]
+            exact[s:s + pairs_per_step] = np.einsum("ij,ij->i", diff, diff)
+        dist[ok] = np.inf
+        dist[r, c] = exact
+        idx[a:a + yb.shape[0]][ok] = np.argmin(dist[ok], axis=1)  # the first of equal distances
+    return idx
+
+
+def rollout_chunk(coef: np.ndarray, tokens: np.ndarray, offsets: np.ndarray, steps: int,
+                  normalize: str = "none", codebook: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """Append `steps` generated tokens to every sequence of a chunk: (tokens (t + B*steps, d), offsets).
+
+    Each new token is the last-token output of the sequence so far (S kept as a running sum, so a
+    step costs O(B d^3)); with `codebook` it is replaced by the nearest codebook row.
+    """
+    d = coef.shape[0]
+    if tokens.shape[1] != d:
+        raise InputError(f"the model has d = {d} but the data have d = {tokens.shape[1]}")
+    offsets = np.asarray(offsets, dtype=np.int64)
+    S, last = sequence_moments(tokens, offsets)
+    lengths = np.diff(offsets)
+    B = lengths.size
+    n = lengths.astype(np.float64)
+    gen = np.empty((B, steps, d))
+    for k in range(steps):
+        Sn = S / n[:, None, None] if normalize == "length" else S
+        y = features_from_moments(Sn, last) @ coef.T
+        if codebook is not None:
+            y = codebook[snap_to(codebook, y)]
+        gen[:, k] = y
+        S += y[:, :, None] * y[:, None, :]
+        n += 1.0
+        last = y
+    new_off = offsets + steps * np.arange(B + 1)
+    out = np.empty((int(new_off[-1]), d))
+    pos = np.arange(int(offsets[-1]))
+    seq = np.repeat(np.arange(B), lengths)
+    out[pos + steps * seq] = np.asarray(tokens, dtype=np.float64)
+    gen_rows = (new_off[:-1] + lengths)[:, None] + np.arange(steps)[None, :]
+    out[gen_rows.reshape(-1)] = gen.reshape(-1, d)
+    return out, new_off
+
+
+def rollout_file(fn: Model | Heads, data: str | os.PathLike, out: str | os.PathLike, steps: int,
+                 codebook: str | os.PathLike | None = None, chunk_size: int | None = None,
+                 progress: Callable[[int], None] | None = None,
+                 inputs: tuple[str | os.PathLike, ...] = ()) -> dict[str, Any]:
+    """Stream `rollout_chunk` over a tokens file; write a tokens file (tokens (T + N K, d) float64 + offsets).
+
+    Generated tokens that overflow float64 (a diverging rollout) are an InputError; nothing is written.
+    """
+    if steps < 1:
+        raise InputError(f"steps must be >= 1, got {steps}")
+    coef, normalize, info = _function_and_data(fn, data)
+    if isinstance(coef, HeadsFn):
+        if out_width(coef) != in_width(coef):
+            raise InputError(f"the heads map d = {in_width(coef)} tokens to {out_width(coef)}-dim outputs: a rollout "
+                             "appends outputs as tokens, so they need equal widths", data)
+        coef = coef_of(fn)
+    d = coef.shape[0]
+    C = None if codebook is None else load_codebook(codebook, d)
+    formats.check_hdf5_suffix(out, "a tokens file")
+    o = formats.check_output_path(out, (data, *inputs, *((codebook,) if codebook is not None else ())))
+    N = info.n_samples
+    total = info.n_tokens + N * steps
+    size = chunk_size or max(1, default_chunk_size(info) // max(1, (steps + 1) // 2))
+    meta = {**formats.header("tokens", (data, *inputs)), "generator": "rollout", "steps": steps,
+            "normalize": normalize, "snapped": int(C is not None)}
+
+
+    with formats.atomic_path(o) as tmp:
+        with formats.create_output(tmp) as fout:
+            for k, v in meta.items():
+                fout.attrs[k] = v
+            dt = fout.create_dataset("tokens", (total, d), dtype="f8")
+            doff = fout.create_dataset("offsets", (N + 1,), dtype="i8")
+            doff[0] = 0
+            pos = 0
+            for a, b, tokens, offsets, _y in iter_chunks(info, (0, N), size):
+                check_finite(tokens, offsets, None, a, data)
+                with np.errstate(over="ignore", invalid="ignore"):
+                    new_tok, new_off = rollout_chunk(coef, tokens, offsets, steps, normalize, C)
+                if not np.isfinite(new_tok).all():
+                    bad = int(np.searchsorted(new_off, np.flatnonzero(~np.isfinite(new_tok).all(axis=1))[0],
+                                              side="right") - 1)
+                    raise InputError(f"the rollout of sequence {a + bad} diverges: generated tokens overflow "
+                                     "float64 (use fewer steps or snap to a codebook); nothing was written",
+                                     data)
+                dt[pos:pos + new_tok.shape[0]] = new_tok
+                doff[a + 1:b + 1] = pos + new_off[1:]
+                pos += new_tok.shape[0]
+                if progress is not None:
+                    progress(b - a)
+    return {"output": str(out), "n_samples": N, "d": d, "steps": steps, "n_tokens": total,
+            "normalize": normalize, "snapped": C is not None}
+
+
+def predict_span(coef: np.ndarray, info: Any, all_positions: bool, span: tuple[int, int],
+                 normalize: str = "none", device: str | None = None, basis: np.ndarray | None = None
+                 ) -> tuple[np.ndarray, np.ndarray | None, np.ndarray, float, int, Spread]:
+    """Predictions for samples [lo, hi): (pred (B, d), outputs (t, d) or None, offsets, SSE, count, the
+    targets' Spread (their weight and spread: the MSE's and R^2's denominators)).
+
+    With last-token targets the SSE is sum_i w_i ||pred_i - y_i||^2, count #{i: w_i > 0} and weight
+    sum_i w_i (w_i = 1 without `weights`), as in `causal_span`; without targets (info.has_targets
+    false) all are 0. `basis`: the tokens X basis are evaluated (Model.evaluation).
+    """
+    lo, hi = span
+    for a, _b, tokens, offsets, targets, *w in iter_chunks(info, (lo, hi), hi - lo, prefetch=False,
+                                                            with_weights=info.has_targets):
+        weights = w[0] if w else None
+        check_finite(tokens, offsets, targets, a, info.path)
+        check_weights(weights, offsets, a, info.per_position, info.path)
+        pred, outputs = predict_chunk(coef, in_basis(tokens, basis), offsets, all_positions, normalize,
+                                      device=None if device is None else worker_device(device))
+        sse, count, _ = weighted_sse(pred - targets, weights) if targets is not None else (0.0, 0, 0.0)
+        spread = Spread.of(targets, weights) if targets is not None else Spread()
+        return pred, outputs, offsets.copy(), sse, count, spread
+    raise ValueError("empty span")

@@ -1,0 +1,221 @@
+"""Conversions W <-> p <-> heads (Algorithm 1, steps 2-3) and the heads file."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from ..io import formats
+from ..errors import InputError
+from ..feature_map import n_features, pair_index
+
+
+def _d_of_W(W: np.ndarray) -> int:
+    d = int(round(np.sqrt(W.shape[0])))
+    if W.shape != (d * d, d * d):
+        raise ValueError(f"W must have shape (d^2, d^2), got {W.shape}")
+    return d
+
+
+def p_from_W(W: np.ndarray) -> np.ndarray:
+    """coef p (d, psi): p[a,(j,k,l)] = W[a*d+j, k*d+l] + W[a*d+k, j*d+l] (j < k), W[a*d+j, j*d+l] (j = k)."""
+    d = _d_of_W(W)
+    W4 = np.asarray(W, dtype=np.float64).reshape(d, d, d, d)  # [a, j, k, l]
+    j, k = pair_index(d)
+    P = W4[:, j, k, :] + W4[:, k, j, :]
+    P[:, j == k, :] *= 0.5
+    return P.reshape(d, -1)
+
+
+def W_from_p(coef: np.ndarray) -> np.ndarray:
+    """The minimum-Frobenius-norm W with p(W) = coef: each off-diagonal coefficient split equally."""
+    coef = np.asarray(coef, dtype=np.float64)
+    d = coef.shape[0]
+    if coef.shape != (d, n_features(d)):
+        raise ValueError(f"coef must have shape (d, psi) = ({d}, {n_features(d)}), got {coef.shape}")
+    j, k = pair_index(d)
+    P = coef.reshape(d, j.size, d)
+    W4 = np.zeros((d, d, d, d))
+    half = np.where(j == k, 1.0, 0.5)[None, :, None] * P
+    W4[:, j, k, :] = half
+    W4[:, k, j, :] = half
+    return W4.reshape(d * d, d * d)
+
+
+def W_from_heads(V: np.ndarray, Q: np.ndarray) -> np.ndarray:
+    """W = sum_h vec(V_h) vec(Q_h)^T with row-major vec."""
+    H, d, _ = V.shape
+    return V.reshape(H, d * d).T @ Q.reshape(H, d * d)
+
+
+def p_from_heads(V: np.ndarray, Q: np.ndarray) -> np.ndarray:
+    """coef p of the function computed by heads (V, Q)."""
+    return p_from_W(W_from_heads(np.asarray(V, np.float64), np.asarray(Q, np.float64)))
+
+
+def coef_of_heads(V: np.ndarray, Q: np.ndarray) -> np.ndarray:
+    """coef p (d_out, psi) of heads V (H, d_out, d), Q (H, d, d), rectangular ones too (as p_from_W
+    on W4[a, j, k, l] = sum_h V_h[a, j] Q_h[k, l])."""
+    V, Q = np.asarray(V, dtype=np.float64), np.asarray(Q, dtype=np.float64)
+    d = Q.shape[1]
+    W4 = np.einsum("haj,hkl->ajkl", V, Q, optimize=True)
+    j, k = pair_index(d)
+    P = W4[:, j, k, :] + W4[:, k, j, :]
+    P[:, j == k, :] *= 0.5
+    return P.reshape(V.shape[1], -1)
+
+
+def coef_inner(Va: np.ndarray, Qa: np.ndarray, Vb: np.ndarray, Qb: np.ndarray) -> float:
+    """<p_A, p_B> (Frobenius) of the coef of two sets of heads, without forming either coef (psi
+    d_out entries): sum_{h,g} <Va_h, Vb_g> <Qa_h, Qb_g> + tr(M N) - sum_j M_jj N_jj with
+    M = Va_h^T Vb_g, N = Qa_h Qb_g^T (d x d). O(H_a H_b d^2 (d + d_out)); for heads too wide for a coef."""
+    total = 0.0
+    for h in range(Va.shape[0]):
+        M = np.einsum("aj,gak->gjk", Va[h], Vb, optimize=True)  # (Hb, d, d)
+        N = np.einsum("kl,gjl->gkj", Qa[h], Qb, optimize=True)  # N[g, k, j] = (Qa_h Qb_g^T)[k, j]
+        vv = np.einsum("aj,gaj->g", Va[h], Vb)
+        qq = np.einsum("kl,gkl->g", Qa[h], Qb)
+        total += float(vv @ qq) + float(np.einsum("gjk,gkj->", M, N)) - float(
+            np.einsum("gjj,gjj->", M, N))
+    return total
+
+
+@dataclass
+class Heads:
+    """An MHLA: value matrices V (H, d_out, d) and merged key-query matrices Q (H, d, d).
+
+    d_out = d for the heads mhla fits; d_out != d for heads put back in a model's coordinates
+    (`mhla export-heads --unreduce`: V_full = U V_h P^T). Such heads are evaluated directly
+    (forward.HeadsFn); they have no coef (d, psi).
+    """
+
+    V: np.ndarray
+    Q: np.ndarray
+    info: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def d(self) -> int:
+        """Width of the tokens."""
+        return int(self.Q.shape[1])
+
+    @property
+    def d_out(self) -> int:
+        """Width of the outputs (d unless the heads are rectangular)."""
+        return int(self.V.shape[1])
+
+    @property
+    def n_heads(self) -> int:
+        return int(self.V.shape[0])
+
+    def __repr__(self) -> str:  # the sizes, not V and Q
+        norm = self.info.get("normalize")
+        out = f", d_out={self.d_out}" if self.d_out != self.d else ""
+        return f"Heads(n_heads={self.n_heads}, d={self.d}{out}" + (f", normalize={norm!r})" if norm else ")")
+
+    @property
+    def coef(self) -> np.ndarray:
+        if self.d_out != self.d:
+            raise InputError(f"heads with {self.d_out}-dim outputs of {self.d}-dim tokens have no coef (d, psi) "
+                             "on d x d features; they are evaluated directly")
+        return p_from_heads(self.V, self.Q)
+
+    def save(self, path: str | os.PathLike, inputs: tuple[str | os.PathLike, ...] = ()) -> None:
+        """Write a heads file atomically."""
+        attrs = {"d": self.d, "n_heads": self.n_heads}
+        if self.d_out != self.d:
+            attrs["d_out"] = self.d_out
+        for k in ("relative_function_error", "tol", "max_heads", "normalize", "unreduced"):
+            if self.info.get(k) is not None:
+                attrs[k] = self.info[k]
+        formats.write_file(path, "heads", {"V": self.V, "Q": self.Q}, attrs, inputs)
+
+    @classmethod
+    def load(cls, path: str | os.PathLike) -> Heads:
+        """Read and validate a heads file."""
+        with formats.open_input(path) as f:
+            formats.expect_kind(f, path, "heads")
+            V = formats.read_array(f, "V", path).astype(np.float64)
+            Q = formats.read_array(f, "Q", path).astype(np.float64)
+            normalize = formats.read_normalize(f, path)
+        return cls.from_arrays(V, Q, normalize, path)
+
+    @classmethod
+    def from_arrays(cls, V: Any, Q: Any, normalize: str = "none", path: str | os.PathLike | None = None) -> Heads:
+        """Validated heads from arrays V (H, d_out, d), Q (H, d, d) (any real dtype; stored as float64)."""
+        V = np.asarray(V)
+        Q = np.asarray(Q)
+        for name, a in (("V", V), ("Q", Q)):
+            if not (np.issubdtype(a.dtype, np.floating) or np.issubdtype(a.dtype, np.integer)):
+                raise InputError(f"'{name}' has dtype {a.dtype}, expected real numbers", path)
+        V, Q = V.astype(np.float64), Q.astype(np.float64)
+        if V.ndim != 3:
+            raise InputError(f"'V' has shape {V.shape}, expected (H, d_out, d)", path)
+        if Q.ndim != 3 or Q.shape[1] != Q.shape[2]:
+            raise InputError(f"'Q' has shape {Q.shape}, expected (H, d, d)", path)
+        if V.ndim != 3 or V.shape[0] != Q.shape[0] or V.shape[2] != Q.shape[2]:
+            raise InputError(f"'Q' has shape {Q.shape} but 'V' has shape {V.shape}; expected V (H, d_out, d) "
+                             "beside Q (H, d, d)", path)
+        if V.shape[0] == 0:
+            raise InputError("no heads (H = 0)", path)
+        if not (np.isfinite(V).all() and np.isfinite(Q).all()):
+            raise InputError("'V' or 'Q' contains NaN or Inf", path)
+        if normalize not in ("none", "length"):
+            raise InputError(f"attribute 'normalize' is '{normalize}', expected none or length", path)
+        return cls(V=V, Q=Q, info={"normalize": normalize})
+
+    def to_torch(self, dtype: Any = None) -> Any:
+        """A `torch.nn.Module` computing these heads' function (V, Q as trainable parameters).
+
+        `module(X)` for X (B, n, d) or (n, d): last-token outputs (B, d) (or (d,));
+        `module(X, all_positions=True)`: sum_h V_h S Q_h x_t at every position (B, n, d);
+        `module(X, causal=True)`: the last-token output of every prefix X[:t] (B, n, d).
+        S = X^T X, divided by the (prefix) length when the heads were fitted with normalize="length".
+        Sequences of one batch have equal length (call it per sequence for ragged data).
+        `dtype` defaults to torch.float64. Needs torch >= 2.1 (mhla's [torch] extra).
+        """
+        try:
+            import torch
+        except ImportError:
+            raise ImportError("Heads.to_torch needs PyTorch: pip install 'torch>=2.1' (mhla's [torch] extra)") from None
+        from ._heads_module import HeadsModule
+
+        return HeadsModule(self.V, self.Q, str(self.info.get("normalize", "none")),
+                           torch.float64 if dtype is None else dtype)
+
+
+def heads_from_W(W: np.ndarray, tol: float = 1e-12, max_heads: int | None = None
+                 ) -> tuple[Heads, np.ndarray]:
+    """SVD of W into heads V_h = sqrt(s_h) U_h, Q_h = sqrt(s_h) V_h^T (reshaped d x d).
+
+    Keeps singular values s_h > tol * s_max, at most `max_heads` of them (always at least one).
+    Returns the heads and all singular values.
+    """
+    d = _d_of_W(W)
+    U, s, Vt = np.linalg.svd(W)
+    smax = float(s[0]) if s.size else 0.0
+    keep = int((s > tol * smax).sum()) if smax > 0 else 0
+    if max_heads is not None:
+        keep = min(keep, int(max_heads))
+    keep = max(keep, 1)
+    r = np.sqrt(s[:keep])
+    V = (U[:, :keep] * r).T.reshape(keep, d, d)
+    Q = (Vt[:keep].T * r).T.reshape(keep, d, d)
+    return Heads(V=V, Q=Q), s
+
+
+def export_heads(model: Any, tol: float = 1e-12, max_heads: int | None = None) -> Heads:
+    """Heads computing `model`'s function (Algorithm 1, step 3), with the relative function change."""
+    if max_heads is not None and max_heads < 1:
+        raise InputError(f"max_heads must be >= 1, got {max_heads}")
+    if not (0 <= tol < 1):
+        raise InputError(f"tol must be in [0, 1), got {tol}")
+    heads, s = heads_from_W(model.W, tol=tol, max_heads=max_heads)
+    p = model.coef
+    norm = float(np.linalg.norm(p))
+    err = float(np.linalg.norm(heads.coef - p)) / norm if norm > 0 else 0.0
+    heads.info = {"n_heads": heads.n_heads, "relative_function_error": err, "tol": tol,
+                  "max_heads": max_heads, "singular_values": s.tolist()}
+    return heads

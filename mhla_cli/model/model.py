@@ -1,0 +1,167 @@
+"""A fitted MHLA function: `Model` (coef p and its minimum-norm W) and its file; loading models or heads."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from ..io import formats
+from ..errors import InputError
+from ..feature_map import n_features
+from .export import load_heads
+from .heads import Heads, W_from_p, p_from_W
+from ..numerics import CANONICAL_COEF_TOL, W_COEF_TOL
+
+
+# Fit results kept as attributes of a model file.
+_SAVED_INFO = ("ridge", "train_mse", "train_r2", "lambda_min", "identifiable", "condition_number", "n_samples", "method",
+               "n_heads", "weight_decay", "nuclear_lambda", "objective", "normalize")
+
+
+@dataclass
+class Model:
+    """A fitted MHLA function: coef p (d, psi) and its minimum-Frobenius-norm W (d^2, d^2).
+
+    A least-squares fit (solve.fit) also keeps the coefficients it solved for, `coef_b` (d, psi) on
+    the canonical features Ht(X A) of the whitened tokens, and that basis A (d, d): predict evaluates
+    the function there (`evaluation`), which keeps its accuracy where p = p_b M_A would lose it (a
+    token direction far smaller than the others: M_A's condition number is cond(A)^3).
+    """
+
+    coef: np.ndarray
+    W: np.ndarray
+    d: int
+    info: dict[str, Any] = field(default_factory=dict)
+    coef_b: np.ndarray | None = None
+    basis: np.ndarray | None = None
+
+    def evaluation(self) -> tuple[np.ndarray, np.ndarray | None]:
+        """(c, A): the function is c . H(X A) on the tokens X (A None: c = coef on X itself).
+
+        With the canonical coefficients c = p_b D (Ht = D H, mhla_cli.statistics.basis), so that the forward
+        pass of the tokens X A with coefficients c is the fitted function, evaluated where it was solved.
+        """
+        if self.coef_b is None or self.basis is None:
+            return self.coef, None
+        from ..statistics.basis import feature_scale
+
+        return self.coef_b * feature_scale(self.d)[None, :], self.basis
+
+    def __repr__(self) -> str:  # what was fitted, not coef and W
+        shown = {k: self.info[k] for k in ("method", "n_heads", "ridge", "normalize", "train_mse")
+                 if self.info.get(k) is not None}
+        extra = "".join(f", {k}={v:.4g}" if isinstance(v, float) else f", {k}={v!r}" for k, v in shown.items())
+        return f"Model(d={self.d}, n_features={self.coef.shape[-1]}{extra})"
+
+    def save(self, path: str | os.PathLike, inputs: tuple[str | os.PathLike, ...] = ()) -> None:
+        """Write a model file atomically."""
+        attrs = {"d": self.d, "n_features": n_features(self.d)}
+        for k in _SAVED_INFO:
+            if k in self.info and self.info[k] is not None:
+                attrs[k] = self.info[k]
+        data = {"coef": self.coef, "W": self.W}
+        if self.coef_b is not None and self.basis is not None:
+            data.update(canonical_coef=self.coef_b, canonical_basis=self.basis)
+        formats.write_file(path, "model", data, attrs, inputs)
+
+    @classmethod
+    def load(cls, path: str | os.PathLike) -> Model:
+        """Read and validate a model file (coef and W must describe the same function)."""
+        with formats.open_input(path) as f:
+            formats.expect_kind(f, path, "model")
+            coef = formats.read_array(f, "coef", path).astype(np.float64)
+            if coef.ndim != 2:
+                raise InputError(f"'coef' has shape {coef.shape}, expected (d, psi)", path)
+            d = formats.d_from_psi_shape(coef.shape, path, "coef")
+            if coef.shape[0] != d:
+                raise InputError(f"'coef' has shape {coef.shape}, expected (d, psi) = ({d}, {n_features(d)})", path)
+            if not np.isfinite(coef).all():
+                raise InputError("'coef' contains NaN or Inf", path)
+            if "W" in f:
+                W = formats.read_array(f, "W", path).astype(np.float64)
+                if W.shape != (d * d, d * d):
+                    raise InputError(f"'W' has shape {W.shape}, expected (d^2, d^2) = ({d*d}, {d*d}) "
+                                     f"to match coef", path)
+                scale = max(float(np.abs(coef).max()), 1e-300)
+                if not np.allclose(p_from_W(W), coef, rtol=0, atol=W_COEF_TOL * scale):
+                    raise InputError("'W' and 'coef' describe different functions; the file is inconsistent", path)
+            else:
+                W = W_from_p(coef)
+            info = {k: (v.item() if hasattr(v, "item") else v) for k, v in f.attrs.items()
+                    if k in _SAVED_INFO}
+            coef_b, basis = _load_canonical(f, path, coef)
+        return cls(coef=coef, W=W, d=d, info=info, coef_b=coef_b, basis=basis)
+
+
+# CANONICAL_COEF_TOL (mhla_cli.numerics): coef and p_b M_A of a model file agree to it.
+
+
+def _load_canonical(f: Any, path: str | os.PathLike, coef: np.ndarray) -> tuple[np.ndarray | None, np.ndarray | None]:
+    """The optional `canonical_coef` (p_b) and `canonical_basis` (A) of a model file (files before them have
+    neither: coef is used)."""
+    have = [k for k in ("canonical_coef", "canonical_basis") if k in f]
+    if not have:
+        return None, None
+    if len(have) == 1:
+        missing = "canonical_basis" if have[0] == "canonical_coef" else "canonical_coef"
+        raise InputError(f"has '{have[0]}' but no '{missing}'; the file is incomplete", path)
+    d = coef.shape[0]
+    coef_b = formats.read_array(f, "canonical_coef", path).astype(np.float64)
+    basis = formats.read_array(f, "canonical_basis", path).astype(np.float64)
+    if coef_b.shape != coef.shape or not np.isfinite(coef_b).all():
+        raise InputError(f"'canonical_coef' has shape {coef_b.shape} or non-finite values, expected finite "
+                         f"{coef.shape}", path)
+    if basis.shape != (d, d) or not np.isfinite(basis).all() or not np.isfinite(np.linalg.cond(basis)):
+        raise InputError(f"'canonical_basis' has shape {basis.shape} or is singular, expected an invertible "
+                         f"({d}, {d})", path)
+    from ..statistics.basis import coef_from_basis
+
+    scale = max(float(np.abs(coef).max()), 1e-300)
+    with np.errstate(over="ignore", invalid="ignore"):
+        back = coef_from_basis(basis, coef_b)
+    if not (np.abs(back - coef) <= CANONICAL_COEF_TOL * scale).all():
+        raise InputError("'canonical_coef' in 'canonical_basis' and 'coef' describe different functions; the "
+                         "file is inconsistent", path)
+    return coef_b, basis
+
+
+def load_function(path: str | os.PathLike) -> Model | Heads:
+    """Load a model or heads file (HDF5; heads also from .npz or .safetensors, mhla_cli.model.export)."""
+    if Path(path).suffix.lower() in formats.FOREIGN_SUFFIXES:
+        return load_heads(path)
+    kind = formats.kind_of(path)
+    if kind == "model":
+        fn: Model | Heads = Model.load(path)
+    elif kind == "heads":
+        fn = Heads.load(path)
+    else:
+        raise InputError(f"is a {kind} file, expected a model or heads file", path)
+    norm = normalize_of(fn)
+    if norm not in ("none", "length"):
+        raise InputError(f"attribute 'normalize' is '{norm}', expected none or length", path)
+    return fn
+
+
+def evaluation_of(fn: Model | Heads | np.ndarray) -> tuple[np.ndarray, np.ndarray | None]:
+    """(c, A): predict evaluates c . H(X A) (A None: the tokens' own coordinates; Model.evaluation)."""
+    if isinstance(fn, Model):
+        return fn.evaluation()
+    return coef_of(fn), None
+
+
+def coef_of(fn: Model | Heads | np.ndarray) -> np.ndarray:
+    """The coef p (d, psi) of a model, heads or a p array."""
+    if isinstance(fn, np.ndarray):
+        return np.asarray(fn, dtype=np.float64)
+    return fn.coef
+
+
+def normalize_of(fn: Model | Heads | np.ndarray) -> str:
+    """The normalisation ("none" or "length") a model or heads file was fitted with."""
+    if isinstance(fn, np.ndarray):
+        return "none"
+    return str(fn.info.get("normalize", "none"))

@@ -1,0 +1,264 @@
+"""Wide tokens to d dimensions: `mhla reduce DATA -o OUT --dim d` (and `--like OUT` for held-out data).
+
+A transformer's hidden states are D = 384..4096 wide, and the MHLA's psi = d^2 (d + 1) / 2 features
+fit in memory only for d of a few dozen. One streaming pass accumulates the uncentered second moments
+of the tokens, sum x x^T (D x D, float64, every token), and of the targets, sum y y^T (D_out x D_out,
+every target row: per sequence or per position, as the file holds them); the maps P (D x d) and
+U (D_out x d) are their top-d eigenvectors (LAPACK's symmetric eigensolver, descending), each column
+signed so that its largest-magnitude entry (the first of equal ones) is positive. The output is a
+tokens file of the same layout, offsets and weights with tokens X P and targets Y U (float64), and it
+records both maps (datasets `reduce_P`, `reduce_U`) and the share of each second moment's trace that
+they keep. `reduce_tokens(..., like=OUT)` applies the maps stored in OUT, bit for bit, to other data
+(held-out texts), so that a head fitted on OUT is evaluated in the same coordinates.
+
+Uncentered on purpose: the MHLA is a homogeneous cubic in x, and x~ = P^T x keeps it one (a centring
+would add lower-degree terms). A head fitted in reduced coordinates is a head of the original widths,
+V_full = U V_h P^T and Q_full = P Q_h P^T (`unreduce_heads`, `mhla export-heads --unreduce`).
+Memory: one chunk of the input, the two second moments and their eigensolver copies:
+O(chunk + D^2 + D_out^2).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..io import formats
+from ..errors import InputError
+from .heads import Heads
+from ..io.tokens import TokensInfo, check_finite, check_weights, inspect_tokens, iter_chunks
+
+__all__ = ["Reduction", "fit_reduction", "load_reduction", "reduce_tokens", "second_moments", "top_eigenvectors",
+           "unreduce_heads"]
+
+# Bytes of token rows (float64) read per chunk of a reduction pass (at least one sequence).
+CHUNK_BYTES = 16 << 20
+# Rows of offsets / weights copied per block.
+_BLOCK = 1 << 20
+
+
+@dataclass(frozen=True)
+class Reduction:
+    """The maps of a reduction: tokens x -> P^T x (P: D x d), targets y -> U^T y (U: D_out x d; None
+    without targets), and the shares of the second moments' traces they keep (None: not known, e.g.
+    maps given by the caller)."""
+
+    P: np.ndarray
+    U: np.ndarray | None
+    token_share: float | None = None
+    target_share: float | None = None
+    source: str | None = None  # the file the maps were fitted on
+
+    @property
+    def dim(self) -> int:
+        """The reduced dimension d."""
+        return int(self.P.shape[1])
+
+    def __repr__(self) -> str:
+        u = "none" if self.U is None else f"{self.U.shape[0]} x {self.U.shape[1]}"
+        return (f"Reduction(P {self.P.shape[0]} x {self.P.shape[1]}, U {u}, token_share={self.token_share}, "
+                f"target_share={self.target_share})")
+
+
+def _chunk(info: TokensInfo, chunk_size: int | None) -> int:
+    """Sequences per chunk: about CHUNK_BYTES of float64 token rows (at least one sequence)."""
+    if chunk_size:
+        return int(chunk_size)
+    mean_len = max(1.0, info.n_tokens / max(1, info.n_samples))
+    return max(1, int(CHUNK_BYTES // (8 * mean_len * max(info.d, info.out_dim))))
+
+
+def second_moments(data: str | os.PathLike, chunk_size: int | None = None,
+                   progress: Callable[[int], None] | None = None
+                   ) -> tuple[np.ndarray, np.ndarray | None, TokensInfo]:
+    """(sum x x^T over every token (D, D), sum y y^T over every target row (D_out, D_out) or None,
+    the file's layout): one streaming pass in float64, validated chunk by chunk (NaN, Inf)."""
+    info = inspect_tokens(data)
+    Gx = np.zeros((info.d, info.d))
+    Gy = np.zeros((info.out_dim, info.out_dim)) if info.has_targets else None
+    for a, b, tokens, offsets, targets in iter_chunks(info, (0, info.n_samples), _chunk(info, chunk_size)):
+        check_finite(tokens, offsets, targets, a, data)
+        X = np.asarray(tokens, dtype=np.float64)
+        Gx += X.T @ X
+        if Gy is not None and targets is not None:
+            Y = np.asarray(targets, dtype=np.float64)
+            Gy += Y.T @ Y
+        if progress is not None:
+            progress(b - a)
+    return Gx, Gy, info
+
+
+def top_eigenvectors(G: np.ndarray, k: int) -> tuple[np.ndarray, float]:
+    """The top-k eigenvectors (columns, eigenvalues descending) of a symmetric positive semi-definite
+    G, each signed so that its largest-magnitude entry (the first of equal ones) is positive, and the
+    share of trace(G) their eigenvalues hold (1.0 for G = 0)."""
+    G = np.asarray(G, dtype=np.float64)
+    D = G.shape[0]
+    if not 1 <= k <= D:
+        raise InputError(f"cannot keep {k} of {D} dimensions")
+    w, V = np.linalg.eigh(0.5 * (G + G.T))  # LAPACK syevd, ascending
+    top = V[:, ::-1][:, :k]
+    rows = np.argmax(np.abs(top), axis=0)
+    signs = np.where(top[rows, np.arange(k)] < 0, -1.0, 1.0)
+    top = np.ascontiguousarray(top * signs)
+    total = float(np.clip(w, 0, None).sum())
+    share = 1.0 if total == 0 else float(np.clip(w[::-1][:k], 0, None).sum() / total)
+    return top, share
+
+
+def _check_dim(dim: int, info: TokensInfo, path: str | os.PathLike) -> None:
+    if dim < 1:
+        raise InputError(f"--dim must be >= 1, got {dim}")
+    if dim > info.d:
+        raise InputError(f"--dim {dim} is more than the tokens' width D = {info.d}: a reduction keeps at most D "
+                         "dimensions", path)
+    if info.has_targets and dim > info.out_dim:
+        raise InputError(f"--dim {dim} is more than the targets' width D_out = {info.out_dim}: the MHLA maps R^d "
+                         f"to R^d, so the targets need at least d dimensions (use --dim <= {info.out_dim})", path)
+
+
+def fit_reduction(data: str | os.PathLike, dim: int, chunk_size: int | None = None,
+                  progress: Callable[[int], None] | None = None) -> Reduction:
+    """The maps P, U of `data` to `dim` dimensions (top eigenvectors of the second moments)."""
+    info = inspect_tokens(data)
+    _check_dim(dim, info, data)
+    Gx, Gy, info = second_moments(data, chunk_size, progress)
+    P, ps = top_eigenvectors(Gx, dim)
+    U, us = (None, None) if Gy is None else top_eigenvectors(Gy, dim)
+    return Reduction(P, U, ps, us, str(data))
+
+
+def load_reduction(path: str | os.PathLike) -> Reduction:
+    """The maps recorded in a reduced tokens file (the output of `reduce_tokens`)."""
+    with formats.open_input(path) as f:
+        formats.expect_kind(f, path, "tokens")
+        if "reduce_P" not in f:
+            raise InputError("records no reduction (no dataset 'reduce_P'): give the output of mhla reduce", path)
+        P = formats.read_array(f, "reduce_P", path).astype(np.float64, copy=False)
+        U = formats.read_array(f, "reduce_U", path).astype(np.float64, copy=False) if "reduce_U" in f else None
+        ts = f.attrs.get("reduce_token_share")
+        us = f.attrs.get("reduce_target_share")
+        src = f.attrs.get("reduce_source")
+    if P.ndim != 2 or (U is not None and (U.ndim != 2 or U.shape[1] != P.shape[1])):
+        raise InputError(f"'reduce_P' {P.shape} and 'reduce_U' {None if U is None else U.shape} are not maps to one "
+                         "dimension d; the file is corrupted", path)
+    return Reduction(P, U, None if ts is None else float(ts), None if us is None else float(us),
+                     None if src is None else str(src))
+
+
+def _check_like(red: Reduction, info: TokensInfo, data: str | os.PathLike, like: str | os.PathLike) -> None:
+    if red.P.shape[0] != info.d:
+        raise InputError(f"the tokens have width D = {info.d} but the reduction of {like} maps D = {red.P.shape[0]}",
+                         data)
+    if info.has_targets:
+        if red.U is None:
+            raise InputError(f"the data have targets but the reduction of {like} has no targets' map", data)
+        if red.U.shape[0] != info.out_dim:
+            raise InputError(f"the targets have width D_out = {info.out_dim} but the reduction of {like} maps "
+                             f"D_out = {red.U.shape[0]}", data)
+
+
+def apply_reduction(red: Reduction, data: str | os.PathLike, out: str | os.PathLike, chunk_size: int | None = None,
+                    progress: Callable[[int], None] | None = None, like: str | os.PathLike | None = None
+                    ) -> TokensInfo:
+    """Write `out` (atomically): the tokens file `data` with tokens X P and targets Y U (float64), the
+    same layout, offsets and weights, recording the maps and their shares. Returns its layout."""
+    info = inspect_tokens(data)
+    _check_like(red, info, data, like or "the maps")
+    formats.check_hdf5_suffix(out, "a tokens file")
+    inputs = (data,) if like is None else (data, like)
+    o = formats.check_output_path(out, inputs)
+    d = red.dim
+    N, T = info.n_samples, info.n_tokens
+    dense = info.layout == "dense"
+    with formats.atomic_path(o) as tmp:
+        with formats.create_output(tmp) as fout, formats.open_input(data) as fin:
+            for k, v in formats.header("tokens", inputs).items():
+                fout.attrs[k] = v
+            fout.attrs["reduce_dim"] = d
+            fout.attrs["reduce_source"] = str(red.source if red.source is not None else data)
+            if red.token_share is not None:
+                fout.attrs["reduce_token_share"] = red.token_share
+            if red.target_share is not None:
+                fout.attrs["reduce_target_share"] = red.target_share
+            fout.create_dataset("reduce_P", data=red.P)
+            if red.U is not None:
+                fout.create_dataset("reduce_U", data=red.U)
+            n = int(info.seq_len) if dense else 0
+            dt = fout.create_dataset("tokens", (N, n, d) if dense else (T, d), dtype="f8")
+            dy = None
+            if info.has_targets:
+                shape = ((N, n, d) if dense else (T, d)) if info.per_position else (N, d)
+                dy = fout.create_dataset("targets", shape, dtype="f8")
+            for name in ("offsets", "weights"):
+                if name in fin:
+                    src = fin[name]
+                    dst = fout.create_dataset(name, src.shape, dtype=src.dtype)
+                    for a in range(0, src.shape[0], _BLOCK):
+                        dst[a:a + _BLOCK] = src[a:a + _BLOCK]
+            pos = 0
+            for a, b, tokens, offsets, targets, weights in iter_chunks(info, (0, N), _chunk(info, chunk_size),
+                                                                       with_weights=True):
+                check_finite(tokens, offsets, targets, a, data)
+                check_weights(weights, offsets, a, info.per_position, data)
+                Z = np.asarray(tokens, dtype=np.float64) @ red.P
+                t = Z.shape[0]
+                if dense:
+                    dt[a:b] = Z.reshape(b - a, n, d)
+                else:
+                    dt[pos:pos + t] = Z
+                if dy is not None and targets is not None:
+                    W = np.asarray(targets, dtype=np.float64) @ red.U
+                    if not info.per_position:
+                        dy[a:b] = W
+                    elif dense:
+                        dy[a:b] = W.reshape(b - a, n, d)
+                    else:
+                        dy[pos:pos + t] = W
+                pos += t
+                if progress is not None:
+                    progress(b - a)
+        written = inspect_tokens(tmp)
+    return dataclasses.replace(written, path=str(o))
+
+
+def reduce_tokens(data: str | os.PathLike, out: str | os.PathLike, dim: int | None = None,
+                  like: str | os.PathLike | None = None, chunk_size: int | None = None,
+                  progress: Callable[[int], None] | None = None) -> Reduction:
+    """`mhla reduce`: fit the maps of `data` to `dim` dimensions (or take those recorded in `like`,
+    a reduced tokens file) and write the reduced tokens file `out`. Returns the maps applied.
+
+    `progress(n)` is told the sequences of each chunk (two passes when fitting: moments, then output).
+    """
+    if (dim is None) == (like is None):
+        raise InputError("give exactly one of --dim (fit the maps on DATA) and --like (apply those of a reduced "
+                         "file)")
+    if like is not None:
+        red = load_reduction(like)
+    else:
+        assert dim is not None
+        formats.check_hdf5_suffix(out, "a tokens file")
+        formats.check_output_path(out, (data,))
+        red = fit_reduction(data, int(dim), chunk_size, progress)
+    apply_reduction(red, data, out, chunk_size, progress, like)
+    return red
+
+
+def unreduce_heads(heads: Heads, red: Reduction, path: str | os.PathLike | None = None) -> Heads:
+    """Heads of reduced coordinates as heads of the original widths: V_full = U V_h P^T (H, D_out, D)
+    and Q_full = P Q_h P^T (H, D, D), so that sum_h V_full X^T X Q_full x = U (the reduced heads'
+    output on X P) for every X (P^T P = I). `path`: the reduced file, for messages."""
+    if red.U is None:
+        raise InputError("records no targets' map 'reduce_U': the outputs cannot be mapped back", path)
+    d = red.dim
+    if heads.d != d or heads.d_out != d:
+        raise InputError(f"the heads have d = {heads.d} but the reduction maps to d = {d}", path)
+    Vf = np.einsum("ij,hjk,lk->hil", red.U, heads.V, red.P, optimize=True)
+    Qf = np.einsum("ij,hjk,lk->hil", red.P, heads.Q, red.P, optimize=True)
+    info = dict(heads.info)
+    info["unreduced"] = str(path) if path is not None else "yes"
+    return Heads(V=np.ascontiguousarray(Vf), Q=np.ascontiguousarray(Qf), info=info)

@@ -1,0 +1,6 @@
+"""Layer 5, solve: from statistics to a certificate and a fit.
+
+solve (the certificate and the least-squares fit), probes (certificates on probe sequences), witness
+(a counterexample pair of functions), ridge_cv (--ridge auto by K-fold CV), lowrank (few-head and nuclear
+fits), spectrum (the head count from W's spectrum).
+"""

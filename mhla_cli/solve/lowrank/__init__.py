@@ -1,0 +1,87 @@
+"""Low-rank MHLA: the fewest heads computing a function, and low-rank fits from few samples.
+
+Notation: A is the linear map W -> p (heads.p_from_W); its kernel is the part of W antisymmetric in
+(j, k), so {W : A(W) = p} is an affine set and every W in it computes the same function. A rank-H
+W = sum_h vec(V_h) vec(Q_h)^T is an H-head MHLA. Weight decay (||V||^2 + ||Q||^2) / 2 on the factors
+equals ||W||_* at the balanced optimum, so the nuclear-norm fit is the convex relaxation of the
+factorised one. Losses use the statistics only: sum_i ||p H_i - y_i||^2 = tr(p G p^T) - 2 tr(p M) +
+tr(T) with G = gram, M = moments, T = target_gram.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+# The package's modules, one job each; every name the single-module lowrank.py defined is re-exported
+# here, so `lowrank.<name>` and `from mhla_cli.solve.lowrank import <name>` keep working.
+from ...errors import InputError
+from ...feature_map import n_features, pair_index
+from ...model.heads import Heads, W_from_p, heads_from_W, p_from_W
+from ...model.model import Model
+from ..solve import fit, train_mse
+from ...statistics.stream import Features
+from ._gauss_newton import _damped_solve, _normal_parts, _structure
+from ._numerics import EPS, _serial_blas
+from ._params import _balance, _heads_from_svd, _jacobians, _p_of, _pack, _to_heads, _unpack
+from ._solver import convergence_warning, hit_limit, solver_info, solver_warnings
+from .affine import _check_coef, _p_index, min_nuclear_W, nuclear_norm, p_adjoint, project_affine, svt
+from .cv import _cv_floor, _cv_table, _minus, _pick, cv_heads, cv_nuclear
+from .factorised import _als_lm, _factorised_objective, _solve_psd, fit_factorised
+from .fewest import (_START_SCALES, _Metric, _random_start, _rel_err, fewest_heads, fewest_message, generic_rank,
+                     head_lower_bound, polish_heads)
+from .losses import _need_targets, mse, sse
+from .nuclear import _lipschitz, fit_nuclear, nuclear_lambda_max
+from .result import LowRankFit
+
+
+__all__ = [
+    "EPS", "Features", "Heads", "InputError", "LowRankFit", "Model", "W_from_p", "_Metric", "_START_SCALES",
+    "_als_lm", "_balance", "_check_coef", "_cv_floor", "_cv_table", "_damped_solve", "_factorised_objective",
+    "_heads_from_svd", "_jacobians", "_lipschitz", "_minus", "_need_targets", "_normal_parts", "_p_index",
+    "_p_of", "_pack", "_pick", "_random_start", "_rel_err", "_serial_blas", "_solve_psd", "_structure",
+    "_to_heads", "_unpack", "convergence_warning", "cv_heads", "cv_nuclear", "fewest_heads",
+    "fewest_message", "fit", "fit_factorised", "fit_model", "fit_nuclear", "generic_rank",
+    "head_lower_bound", "heads_from_W", "hit_limit", "min_nuclear_W", "mse", "n_features",
+    "nuclear_lambda_max", "nuclear_norm", "p_adjoint", "p_from_W", "pair_index", "polish_heads",
+    "project_affine", "solver_info", "solver_warnings", "sse", "svt", "train_mse"
+]  # every name the single-module lowrank had (public and private), re-exported
+
+
+def fit_model(feats: Features, heads: int | str | None = None, nuclear: float | str | None = None,
+              weight_decay: float = 0.0, restarts: int = 10, seed: int = 0,
+              folds: list[Features] | None = None) -> Any:
+    """A factorised (`heads`) or nuclear-norm (`nuclear`) fit as a solve.Model; 'auto' picks by K-fold CV.
+
+    The Model's W is the low-rank W found (rank <= H for the factorised fit), so export-heads
+    recovers the heads; info carries the base least-squares diagnostics plus the fit's own.
+    """
+    _need_targets(feats)
+    if (heads is None) == (nuclear is None):
+        raise InputError("give exactly one of heads and nuclear")
+    if "auto" in (heads, nuclear) and not folds:
+        raise InputError("'auto' needs per-fold statistics: pass folds, the statistics of K disjoint parts "
+                         "of the data (mhla_cli.statistics.folds)")
+    base = fit(feats)
+    info = dict(base.info)
+    cv = None
+    if heads is not None:
+        if heads == "auto":
+            cv = cv_heads(feats, folds, weight_decay=weight_decay, restarts=min(restarts, 2), seed=seed)
+            heads = cv["chosen"]
+        res = fit_factorised(feats, int(heads), weight_decay=weight_decay, restarts=restarts, seed=seed,
+                             init_coef=base.coef)
+    else:
+        if nuclear == "auto":
+            cv = cv_nuclear(feats, folds)
+            nuclear = cv["chosen"]
+        res = fit_nuclear(feats, float(nuclear))
+        res.info["n_heads"] = res.info["rank"]
+    info.update(res.info)
+    info["ridge"] = 0.0
+    info["mse_resolution"] = base.info.get("mse_resolution")
+    info["lstsq_train_mse"] = base.info["train_mse"]
+    if cv is not None:
+        info["cv"] = cv
+        info["n_folds"] = len(folds)
+    return Model(coef=res.coef, W=res.W, d=feats.d, info=info)
+

@@ -1,0 +1,176 @@
+"""Certificates on given inputs: are the model's outputs on these probes determined by the data?
+
+A model's output on an input Z is p . H(Z). Every zero-loss model (every least-squares solution)
+gives the same output at Z exactly when H(Z) lies in the range of gram (the span of the training
+features); a component in gram's null space is a direction along which two zero-loss models differ.
+`certify_probes` streams a tokens file of probes (every sequence, or every weighted position of
+per-position data), and measures for each the relative component of H(Z) in gram's numerical null
+space, ||Z0^T h|| / ||h|| with Z0 an orthonormal basis of that null space (eigenvalues of Lambda_D =
+gram / N at or below the certificate's threshold psi * eps * lambda_max). A probe is determined when
+it is <= DETERMINED_TOL. Like the certificate, this is measured on the canonical features h of the
+whitened probes Z A (mhla_cli.statistics.basis), so it does not depend on the units of the tokens.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from ..io import formats
+from ..errors import InputError
+from ..statistics.basis import pair_scale
+from ..feature_map import n_features
+from .solve import factorize, numerical_tolerance
+from ..statistics.structure import Structure
+from ..statistics.stream import Features, default_chunk_size, sample_rows
+from ..io.tokens import check_finite, check_weights, inspect_tokens, iter_chunks
+
+# A probe is determined when the relative component of its feature vector in gram's numerical
+# null space is at most DETERMINED_TOL (mhla_cli.numerics; the null space of the full-domain certificate).
+from ..numerics import DETERMINED_TOL  # noqa: E402  (importable from here, its old home)
+
+
+@dataclass
+class NullSpace:
+    """gram's numerical null space: the exact nulls outside the data's spans (`structure`,
+    mhla_cli.statistics.structure) and an orthonormal basis (n, k) of the null space of the block on them."""
+
+    basis: np.ndarray
+    lambda_max: float
+    threshold: float
+    token_basis: np.ndarray  # A: the null space is that of the canonical features of Z A
+    structure: Structure | None = None  # None: `basis` is in the canonical features themselves
+
+    @property
+    def dim(self) -> int:
+        outside = 0 if self.structure is None else self.structure.n_full - self.structure.n
+        return outside + int(self.basis.shape[1])
+
+
+def null_space(feats: Features) -> NullSpace:
+    """Numerical null space of Lambda_D = gram / N: eigenvectors with eigenvalue <= psi eps lambda_max.
+
+    The one place that decides which feature directions the data leave free; in the canonical basis
+    (the features of the tokens Z A, A = feats.basis), as the certificate.
+    """
+    A, _, _ = feats.solver_stats()
+    fac = factorize(feats, "full")  # shared with certify and fit
+    lmax = fac.lambda_max()
+    tol = numerical_tolerance(lmax, fac.n_full)
+    st = fac.structure
+    if not fac.dense and fac.proves_above(tol):  # positive definite block: no eigenvectors
+        return NullSpace(basis=np.zeros((fac.n, 0)), lambda_max=lmax, threshold=tol, token_basis=A, structure=st)
+    return NullSpace(basis=np.ascontiguousarray(fac.null_space(tol)[1]), lambda_max=lmax, threshold=tol,
+                     token_basis=A, structure=st)
+
+
+def probe_residuals(ns: NullSpace, upper: np.ndarray, last: np.ndarray) -> np.ndarray:
+    """Relative null-space component ||Z0^T h|| / ||h|| of the rows h = upper (x) last (0 for h = 0)."""
+    R = upper.shape[0]
+    d = last.shape[1]
+    assert upper.shape[1] * d == n_features(d)
+    st = ns.structure if ns.structure is not None else Structure.identity(upper.shape[1], d)
+    if ns.dim == 0 or R == 0:
+        return np.zeros(R)
+    # in-block coordinates of h, and the squared norm of its part outside the block (the exact nulls)
+    inside, outside, norm2 = st.split_rows(upper, last)
+    comp = inside @ ns.basis
+    num2 = outside + np.einsum("ij,ij->i", comp, comp)
+    return np.where(norm2 > 0, np.sqrt(num2 / np.where(norm2 > 0, norm2, 1.0)), 0.0)
+
+
+@dataclass
+class ProbeReport:
+    """Per-probe residuals and the verdict of `certify --on`."""
+
+    residual: np.ndarray
+    sequence: np.ndarray
+    position: np.ndarray | None
+    null_dim: int
+    threshold: float
+    lambda_max: float
+    normalize: str
+    per_position: bool
+    tol: float = DETERMINED_TOL
+    info: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def undetermined(self) -> np.ndarray:
+        return np.flatnonzero(~(self.residual <= self.tol))
+
+    @property
+    def n_probes(self) -> int:
+        return int(self.residual.size)
+
+    @property
+    def determined(self) -> bool:
+        return self.undetermined.size == 0
+
+    def to_dict(self) -> dict[str, Any]:
+        und = self.undetermined
+        return {"determined": self.determined, "n_probes": self.n_probes, "n_undetermined": int(und.size),
+                "tol": self.tol, "max_residual": float(self.residual.max()) if self.residual.size else 0.0,
+                "null_dim": self.null_dim, "threshold": self.threshold, "lambda_max": self.lambda_max,
+                "normalize": self.normalize, "per_position": self.per_position,
+                "first_undetermined": [int(i) for i in und[:10]]}
+
+    def save(self, path: str | os.PathLike, inputs: tuple[str | os.PathLike, ...] = ()) -> None:
+        """Write the report (kind "probes") atomically."""
+        attrs = {"n_probes": self.n_probes, "n_undetermined": int(self.undetermined.size),
+                 "determined": int(self.determined), "tol": self.tol, "null_dim": self.null_dim,
+                 "threshold": self.threshold, "normalize": self.normalize, "per_position": int(self.per_position)}
+        formats.write_file(path, "probes", {"residual": self.residual, "undetermined": self.undetermined,
+                                            "sequence": self.sequence, "position": self.position}, attrs, inputs)
+
+
+def certify_probes(feats: Features, probes: str | os.PathLike, chunk_size: int | None = None,
+                   progress: Callable[[int], None] | None = None) -> ProbeReport:
+    """Test every probe of the tokens file `probes` against the training statistics `feats`.
+
+    Probes are the sequences (last token) of the file, or every position with weight > 0 of
+    per-position data (targets (T, d) / weights per position); their features use the training
+    normalisation (feats.normalize). Streamed in chunks; memory O(chunk + psi^2).
+    """
+    info = inspect_tokens(probes)
+    if info.d != feats.d:
+        raise InputError(f"the probes have d = {info.d} but the training data have d = {feats.d}", probes)
+    ns = null_space(feats)
+    size = chunk_size or default_chunk_size(info)
+    res, seqs, poss = [], [], []
+    for a, b, tokens, offsets, _y, weights in iter_chunks(info, (0, info.n_samples), size, with_weights=True):
+        check_finite(tokens, offsets, None, a, probes)
+        check_weights(weights, offsets, a, info.per_position, probes)
+        with np.errstate(over="ignore", invalid="ignore"):
+            # the canonical features of Z A (mhla_cli.statistics.basis): transformed tokens, orthonormal coordinates
+            tokens = np.asarray(tokens, dtype=np.float64) @ ns.token_basis
+            upper, last = sample_rows(tokens, offsets, info.per_position, feats.normalize)
+            upper *= pair_scale(feats.d)
+        lengths = np.diff(offsets)
+        if info.per_position:
+            seq = np.repeat(np.arange(a, b), lengths)
+            pos = np.arange(int(offsets[-1])) - np.repeat(offsets[:-1], lengths)
+        else:
+            seq, pos = np.arange(a, b), None
+        if weights is not None:
+            keep = weights > 0
+            upper, last, seq = upper[keep], last[keep], seq[keep]
+            pos = None if pos is None else pos[keep]
+        r = probe_residuals(ns, upper, last)
+        if not np.isfinite(r).all():
+            raise InputError("the probe features overflow float64 (tokens too large); rescale the data", probes)
+        res.append(r)
+        seqs.append(seq)
+        if pos is not None:
+            poss.append(pos)
+        if progress is not None:
+            progress(b - a)
+    if not res or sum(x.size for x in res) == 0:
+        raise InputError("has no probe: every weight is 0", probes)
+    return ProbeReport(residual=np.concatenate(res), sequence=np.concatenate(seqs).astype(np.int64),
+                       position=np.concatenate(poss).astype(np.int64) if info.per_position else None,
+                       null_dim=ns.dim, threshold=ns.threshold, lambda_max=ns.lambda_max,
+                       normalize=feats.normalize, per_position=info.per_position)

@@ -1,0 +1,93 @@
+"""Choosing the ridge penalty by K-fold cross-validation on per-fold statistics (`mhla fit --ridge auto`).
+
+Fold k's training statistics are the total minus fold k (Features.__sub__), in their own canonical
+coordinates (solve.fit's: the whitening of the training tokens, Lambda~ = gram_b / sum w). One
+eigendecomposition Lambda~ = V diag(lambda) V^T per fold gives the ridge solution of every penalty r,
+p_b(r)^T = V diag(1 / (lambda + r)) V^T m~, with eigenvalues at or below the certificate's numerical
+tolerance taken as exact zeros (so r = 0 is the minimum-norm least-squares fit, solve.fit's). Each
+held-out error comes from the held-out fold's statistics in the same coordinates, never from features:
+SSE = tr(p_b G_val p_b^T) - 2 tr(p_b M_val) + tr(T_val).
+
+The grid: r = 0 (least squares) and N_GRID values log-spaced from GRID_LO to GRID_HI times the total's
+lambda_max (the certificate's; `--ridge` is in those units). The rule: the minimum of the mean
+held-out MSE over the folds (CV errors below the rounding floor count as equal, and the smallest
+ridge among equals wins), so the choice is never worse in CV error than least squares (r = 0).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from . import solve
+from ..errors import InputError
+from ..statistics.stats import Features
+
+# The grid: r = 0 and N_GRID penalties from GRID_LO to GRID_HI times lambda_max, log-spaced
+# (10 decades below lambda_max down to the rounding level of Lambda~, one decade above).
+N_GRID = 30
+GRID_LO = 1e-8
+GRID_HI = 1e1
+# Held-out MSEs at or below this times the mean target energy per output are rounding (an exact fit):
+# they count as equal (lowrank.cv's floor).
+CV_FLOOR = 1e-14
+
+
+def ridge_grid(lambda_max: float, n_grid: int = N_GRID, lo: float = GRID_LO, hi: float = GRID_HI) -> np.ndarray:
+    """[0, lo lambda_max, ..., hi lambda_max] (n_grid log-spaced penalties after the 0)."""
+    if not np.isfinite(lambda_max) or lambda_max <= 0:
+        return np.zeros(1)
+    return np.concatenate([[0.0], lambda_max * np.logspace(np.log10(lo), np.log10(hi), n_grid)])
+
+
+def fold_path(train: Features, val: Features, grid: np.ndarray) -> np.ndarray:
+    """Held-out SSE of every ridge in `grid` (fit on `train`, scored on `val`), from one eigendecomposition.
+
+    `train` is changed in place into its canonical basis; `val` is not changed.
+    """
+    A, _, _ = train.solver_stats()
+    N, psi = train.weight, train.n_features  # sum w: Lambda~ and m~ carry no units of the weights
+    fac = solve.factorize(train, "full")
+    st = fac.structure
+    rhs = st.restrict(train.basis_moments / N)
+    w, V = fac.eigh()  # of Lambda~ on the block of the data's spans (every other direction an exact null)
+    tol = solve.numerical_tolerance(fac.lambda_max(), psi)
+    keep = w > tol
+    w, V = w[keep], V[:, keep]
+    c = V.T @ rhs  # the moments in the eigenvectors' coordinates
+    v = val.copy().to_basis(A)  # the held-out sums in the training coordinates
+    G = st.compress(v.basis_gram)
+    M = st.restrict(v.basis_moments)
+    energy = float(np.trace(v.target_gram))
+    out = np.empty(grid.size)
+    for i, r in enumerate(grid):
+        sol = V @ (c / (w + r)[:, None])  # (n, d): p_b^T on the block
+        quad = float(np.sum((G @ sol) * sol))
+        out[i] = max(quad - 2.0 * float(np.sum(sol * M)) + energy, 0.0)
+    return out
+
+
+def cv_ridge(total: Features, folds: list[Features], n_grid: int = N_GRID) -> dict[str, Any]:
+    """The ridge by K-fold CV: the grid's held-out MSE (mean and standard error over the folds) and the
+    minimum (module docstring). Returns {"chosen", "rule", "lambda_max", "table": [{"ridge", "cv_mse",
+    "se"}], "least_squares_cv_mse", "n_folds"}."""
+    if len(folds) < 2:
+        raise InputError("cross-validation needs at least 2 folds")
+    if not total.has_targets or any(not f.has_targets for f in folds):
+        raise InputError("cross-validation needs targets in every fold")
+    lmax = solve.factorize(total, "full").lambda_max()
+    grid = ridge_grid(lmax, n_grid)
+    errs = np.empty((grid.size, len(folds)))
+    for k, fold in enumerate(folds):
+        if fold.n_samples < 1 or fold.n_samples >= total.n_samples:
+            raise InputError(f"fold {k} has {fold.n_samples} of the {total.n_samples} samples: every fold needs "
+                             "samples, and so does the rest")
+        errs[:, k] = fold_path(total - fold, fold, grid) / (fold.weight * total.d)  # weighted means
+    mean = errs.mean(axis=1)
+    se = errs.std(axis=1, ddof=1) / np.sqrt(len(folds))
+    floor = CV_FLOOR * float(np.trace(total.target_gram)) / (total.weight * total.d)
+    best = int(np.argmin(np.maximum(mean, floor)))  # the first (smallest ridge) of equals
+    return {"chosen": float(grid[best]), "rule": "minimum", "lambda_max": float(lmax),
+            "least_squares_cv_mse": float(mean[0]), "cv_mse": float(mean[best]), "n_folds": len(folds),
+            "table": [{"ridge": float(r), "cv_mse": float(m), "se": float(s)} for r, m, s in zip(grid, mean, se)]}

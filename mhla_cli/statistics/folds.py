@@ -1,0 +1,128 @@
+"""Per-fold sufficient statistics for K-fold cross-validation (``mhla featurize --folds K``).
+
+Fold k is the k-th contiguous sample range (stream.shard_range); its statistics are computed with
+stream.featurize(shard=(k, K)) and the folds sum to the whole-file statistics. A features file
+with folds holds, next to the usual datasets, fold_gram (K, psi, psi), fold_moments (K, psi, d),
+fold_target_gram (K, d, d), fold_token_gram (K, d, d), fold_last_token_gram (K, d, d),
+fold_n_samples (K,), fold_n_tokens (K,), fold_weight_sum (K,), fold_token_weight_sum (K,) (the weight
+totals, stats.Features) and fold_ranges (K, 2), plus the attribute n_folds.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from ..io import formats
+from ..errors import InputError
+from ..feature_map import n_features
+from ..numerics import FOLD_SUM_TOL
+from .stream import Features, featurize
+from ..io.tokens import inspect_tokens
+
+FOLD_DATASETS = (*(f"fold_{k}" for k in Features.SUMS), "fold_n_samples", "fold_n_tokens", "fold_ranges")
+# The per-fold weight totals (format version >= stats.WEIGHTS_FORMAT; older files: the counts).
+FOLD_WEIGHTS = ("fold_weight_sum", "fold_token_weight_sum")
+
+
+def featurize_folds(path: str | os.PathLike, n_folds: int, chunk_size: int | None = None,
+                    progress: Callable[[int], None] | None = None, **parallel: Any
+                    ) -> tuple[Features, list[Features]]:
+    """Statistics of each of `n_folds` contiguous sample ranges of a tokens file, and their sum.
+
+    Each fold is stream.featurize(shard=(k, n_folds)); `parallel` (workers, scheduler, map) is passed on.
+    """
+    info = inspect_tokens(path)
+    if n_folds < 2:
+        raise InputError(f"the number of folds must be >= 2, got {n_folds}")
+    if n_folds > info.n_samples:
+        raise InputError(f"{n_folds} folds are more than the {info.n_samples} samples", path)
+    if not info.has_targets:
+        raise InputError("folds need targets (cross-validation scores predictions)", path)
+    # every feature (spans="off"): folds are compared and summed feature by feature
+    folds = [featurize(path, chunk_size=chunk_size, shard=(k, n_folds), progress=progress, spans="off", **parallel)
+             for k in range(n_folds)]
+    total = folds[0]
+    for f in folds[1:]:
+        total = total + f
+    total.source = folds[0].source
+    total.sample_range = (0, info.n_samples)
+    total.extra_attrs = {}
+    return total, folds
+
+
+def save_with_folds(total: Features, folds: list[Features], path: str | os.PathLike,
+                    inputs: tuple[str | os.PathLike, ...] = ()) -> None:
+    """Write a features file (same layout as Features.save) with the per-fold datasets added."""
+    data = {f"fold_{k}": np.stack([getattr(f, k) for f in folds]) for k in Features.SUMS}
+    data.update(fold_n_samples=np.array([f.n_samples for f in folds], dtype=np.int64),
+                fold_n_tokens=np.array([f.n_tokens for f in folds], dtype=np.int64),
+                fold_ranges=np.array([f.sample_range or (0, 0) for f in folds], dtype=np.int64),
+                fold_weight_sum=np.array([f.weight for f in folds]),
+                fold_token_weight_sum=np.array([f.token_weight for f in folds]))
+    total.save(path, inputs, extra=data, extra_attrs={"n_folds": len(folds)})
+
+
+def load_folds(path: str | os.PathLike, total: Features | None = None) -> list[Features] | None:
+    """The per-fold statistics of a features file, or None when it has none; validated against the total."""
+    total = (Features.load(path) if total is None else total).expand()
+    d, psi = total.d, n_features(total.d)
+    with formats.open_input(path) as f:
+        if "fold_gram" not in f:
+            return None
+        arrs = {}
+        for name in FOLD_DATASETS:
+            arrs[name] = formats.read_array(f, name, path)
+        for name, counts in zip(FOLD_WEIGHTS, ("fold_n_samples", "fold_n_tokens")):
+            # a file before the weight totals: Features.load accepted it as unweighted last-token data
+            arrs[name] = formats.read_array(f, name, path) if name in f else arrs[counts].astype(np.float64)
+    K = arrs["fold_gram"].shape[0]
+    expect = {"fold_gram": (K, psi, psi), "fold_moments": (K, psi, d), "fold_target_gram": (K, d, d),
+              "fold_token_gram": (K, d, d), "fold_last_token_gram": (K, d, d), "fold_n_samples": (K,),
+              "fold_n_tokens": (K,), "fold_ranges": (K, 2), "fold_weight_sum": (K,), "fold_token_weight_sum": (K,)}
+    for name, shape in expect.items():
+        if arrs[name].shape != shape:
+            raise InputError(f"'{name}' has shape {arrs[name].shape}, expected {shape}", path)
+        if not np.isfinite(arrs[name]).all():
+            raise InputError(f"'{name}' contains NaN or Inf", path)
+    if K < 2:
+        raise InputError(f"{K} fold(s) stored; cross-validation needs >= 2", path)
+    n = arrs["fold_n_samples"].astype(np.int64)
+    if (n < 1).any() or int(n.sum()) != total.n_samples:
+        raise InputError(f"fold_n_samples {n.tolist()} do not sum to n_samples = {total.n_samples}", path)
+    for name in FOLD_WEIGHTS:
+        if (arrs[name] <= 0).any():
+            raise InputError(f"'{name}' {arrs[name].tolist()} must be > 0", path)
+    gsum = arrs["fold_gram"].sum(axis=0)
+    scale = max(float(np.abs(total.gram).max()), 1e-300)
+    if not np.allclose(gsum, total.gram, rtol=0, atol=FOLD_SUM_TOL * scale):
+        raise InputError("the fold grams do not sum to 'gram'; the file is inconsistent", path)
+    folds = []
+    for k in range(K):
+        folds.append(Features(d=d, n_samples=int(n[k]), n_tokens=int(arrs["fold_n_tokens"][k]),
+                              weight_sum=float(arrs["fold_weight_sum"][k]),
+                              token_weight_sum=float(arrs["fold_token_weight_sum"][k]),
+                              **{s: arrs[f"fold_{s}"][k].astype(np.float64) for s in Features.SUMS},
+                              token_dtype=total.token_dtype,
+                              sample_range=(int(arrs["fold_ranges"][k][0]), int(arrs["fold_ranges"][k][1])),
+                              per_position=total.per_position, normalize=total.normalize))
+    return folds
+
+
+def load_for_cv(path: str | os.PathLike, n_folds: int = 5, chunk_size: int | None = None,
+                progress: Callable[[int], None] | None = None) -> tuple[Features, list[Features]]:
+    """Whole-file and per-fold statistics: from a features file's stored folds, or computed from a tokens file."""
+    kind = formats.kind_of(path)
+    if kind == "features":
+        total = Features.load(path)
+        folds = load_folds(path, total)
+        if folds is None:
+            raise InputError("has no per-fold statistics, which 'auto' needs (write them with "
+                             "featurize_folds and save_with_folds)", path)
+        return total, folds
+    if kind == "tokens":
+        return featurize_folds(path, n_folds, chunk_size=chunk_size, progress=progress)
+    raise InputError(f"is a {kind} file, expected a tokens or features file", path)
