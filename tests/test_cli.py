@@ -399,6 +399,9 @@ def test_start_up_imports_only_what_the_command_needs() -> None:
     loaded = _modules_after("import io, contextlib\nfrom mhla_cli.cli import run\n"
                             "with contextlib.redirect_stdout(io.StringIO()): run(['certify', '--help'])")
     assert "typer" in loaded and not loaded & (heavy | {"numpy", "scipy"}), loaded
+    # nor pydantic: typer builds a pydantic validator for an option when it parses its value, and the
+    # root's flags (--help, completion: None when absent) need none (help._Option.get_runtime_param)
+    assert "pydantic" not in loaded, loaded
     # the low-rank solvers import SciPy's LAPACK when they run, not when fit / the estimator is imported
     assert "scipy.linalg" not in _modules_after("import mhla_cli.api.learn, mhla_cli.api.estimator, mhla_cli.cli.fit")
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from mhla_cli import feature_map
+from mhla_cli import feature_map as features
 
 
 def plain_features(X: np.ndarray) -> np.ndarray:

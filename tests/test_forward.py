@@ -12,7 +12,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from mhla_cli import feature_map
+from mhla_cli import feature_map as features
 from mhla_cli.model import forward
 from mhla_cli.model import heads
 from mhla_cli.cli import run

@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 from typer import _click
+from typer._coercion import PassThroughRuntimeParam
 from typer.core import TyperArgument, TyperGroup, TyperOption
 
 # annotation -> the value name shown after an option (click's names)
@@ -34,6 +35,16 @@ class _Argument(TyperArgument):
 
 
 class _Option(TyperOption):
+    def get_runtime_param(self) -> Any:
+        # A flag's value is a bool, or None when not given, and typer's coercion passes both through
+        # unchanged (RuntimeParam.coerce returns None for None; process_value skips bools): a flag needs no
+        # pydantic TypeAdapter. Building one imports typer._adapters and pydantic (~0.1-0.2 s), which the
+        # root's --help / completion flags (None when absent) would pay on every `mhla CMD --help`.
+        if self._runtime_param is None and self.is_flag and self.type_descriptor.annotation is bool:
+            self._runtime_param = PassThroughRuntimeParam(annotation=bool,
+                                                          parameter_info=self.type_descriptor.parameter_info)
+        return super().get_runtime_param()
+
     def display_type_rich(self, ctx: _click.Context) -> str | None:
         if self.is_flag or self.count:
             return None
