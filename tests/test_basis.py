@@ -191,7 +191,7 @@ def test_shards_merge_and_chunks_end_in_the_whitening_of_the_data(teacher_data, 
         part = featurize(data, shard=(i, 3), chunk_size=17)
         parts.append(tmp_path / f"p{i}.h5")
         part.save(parts[-1])
-    merged, _ = merge_features(parts)
+    merged = merge_features(parts).features
     for name in ("gram", "moments", "token_gram", "last_token_gram"):
         a, b = getattr(merged, name), getattr(whole, name)
         assert np.abs(a - b).max() <= 1e-9 * np.abs(b).max(), name
@@ -360,7 +360,7 @@ def test_scaled_tokens_through_files_shards_merge_and_partial_fit(tmp_path: Path
     est = MHLA()
     for a, b in ((0, 90), (90, 200), (200, 300)):
         est.partial_fit([Xs[off[i]:off[i + 1]] for i in range(a, b)], y[a:b])
-    for cert in (certify(whole), certify(merge_features(parts)[0]), certify(Features.load(parts[0]) + Features.load(parts[1])
+    for cert in (certify(whole), certify(merge_features(parts).features), certify(Features.load(parts[0]) + Features.load(parts[1])
                                                                              + Features.load(parts[2])),
                  est.certificate_):
         assert cert.identifiable and cert.rank == 40

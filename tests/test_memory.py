@@ -14,7 +14,7 @@ from mhla_cli.model import synthetic
 from mhla_cli.cli import run
 from mhla_cli.errors import InputError
 from mhla_cli.feature_map import n_features
-from mhla_cli.statistics.stats import Features
+from mhla_cli.statistics.features import Features
 
 
 def test_check_memory_names_the_largest_d() -> None:
@@ -142,15 +142,15 @@ def test_a_job_that_fits_runs(files: tuple[Path, Path], monkeypatch: pytest.Monk
 
 def test_certify_and_fit_never_read_the_own_gram(files: tuple[Path, Path], tmp_path: Path,
                                                  monkeypatch: pytest.MonkeyPatch) -> None:
-    from mhla_cli.statistics import stats
+    from mhla_cli.statistics import features_file
 
     _, feats = files
     def boom(self: object) -> None:
         raise AssertionError("the own gram was read")
 
-    monkeypatch.setattr(stats.StoredGram, "read", boom)
+    monkeypatch.setattr(features_file.StoredGram, "read", boom)
     loaded = Features.load(feats)
-    assert isinstance(loaded._gram_raw, stats.StoredGram)
+    assert isinstance(loaded._gram_raw, features_file.StoredGram)
     assert loaded.basis_gram.flags.c_contiguous and loaded.basis_gram.flags.writeable
     assert run(["certify", str(feats), "-q"]) in (0, 1)
     assert run(["fit", str(feats), "-o", str(tmp_path / "m.h5"), "-q"]) == 0
@@ -178,11 +178,11 @@ def test_the_stored_gram_is_read_when_used(files: tuple[Path, Path], tmp_path: P
 
 def test_featurize_derives_the_own_gram_when_used(files: tuple[Path, Path]) -> None:
     from mhla_cli.statistics import basis
-    from mhla_cli.statistics import stats
+    from mhla_cli.statistics import features_file
 
     tokens, _ = files
     feats = stream.featurize(tokens)
-    assert feats._gram_raw is stats._DERIVED and feats.moments is not None
+    assert feats._gram_raw is features_file._DERIVED and feats.moments is not None
     want = basis.gram_from_basis(feats.basis, feats.basis_gram)
     assert np.array_equal(feats.gram, want) and feats._gram_raw is feats.gram
 

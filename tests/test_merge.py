@@ -182,7 +182,7 @@ def test_zero_weight_sequences_and_scaled_weights_change_no_number(tmp_path: Pat
         for i in range(3):
             parts.append(tmp_path / f"{name}{i}.h5")
             featurize(path, shard=(i, 3), chunk_size=7).save(parts[-1])
-        for feats in (featurize(path), merge_features(parts)[0]):
+        for feats in (featurize(path), merge_features(parts).features):
             cert = certify(feats)
             assert abs(cert.lambda_min - ref["eigenvalues"][0]) <= 1e-10 * ref["eigenvalues"][0], name
             assert cert.identifiable and cert.n_samples == N

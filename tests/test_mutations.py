@@ -24,7 +24,7 @@ ROOT = Path(__file__).resolve().parent.parent
 REVIEW = [
     ("S1 structure cut x1e6", "mhla_cli/statistics/structure.py", "cut = STRUCTURE_FACTOR * psi * EPS * max(",
      "cut = 1e6 * STRUCTURE_FACTOR * psi * EPS * max("),
-    ("S2 change_basis keeps basis_last_token_gram", "mhla_cli/statistics/stats.py",
+    ("S2 change_basis keeps basis_last_token_gram", "mhla_cli/statistics/algebra.py",
      "        self.basis_last_token_gram = C.T @ self.basis_last_token_gram @ C\n", ""),
     ("S3 LANCZOS_TOL 1e-1", "mhla_cli/numerics.py", "LANCZOS_TOL = 1e-7", "LANCZOS_TOL = 1e-1"),
     ("S4 DETERMINED_TOL 1e-4", "mhla_cli/numerics.py", "DETERMINED_TOL = 1e-8", "DETERMINED_TOL = 1e-4"),

@@ -18,7 +18,7 @@ from mhla_cli.model import synthetic
 from mhla_cli.cli import run
 from mhla_cli.solve.solve import EPS, Certificate, certify, fit, numerical_tolerance
 from mhla_cli.statistics.stream import featurize
-from mhla_cli.statistics.stats import Features
+from mhla_cli.statistics.features import Features
 
 DTYPES = ["float32", "float64"]
 SCALES = [1e-3, 1.0, 1e3]

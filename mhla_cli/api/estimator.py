@@ -7,7 +7,7 @@ protocol (`__sklearn_tags__`, `n_features_in_`), so that scikit-learn's `clone`,
 arrays or an (N, n, d) array (what they slice); it pickles.
 The statistics are sums over samples, so `partial_fit` on chunks equals one `fit` on all of
 them: each chunk is featurized in the whitening of its own tokens, and the sum of the chunks is
-changed exactly to the whitening of all the tokens seen (mhla_cli.statistics.stats.add_into; each change is
+changed exactly to the whitening of all the tokens seen (mhla_cli.statistics.algebra.add_into; each change is
 well conditioned whatever the first chunk holds), where the canonical certificate and the fit are
 computed (`fit` is a reset and one `partial_fit`).
 """

@@ -15,7 +15,7 @@ from ..errors import InputError
 from ..model.export import load_heads
 from ..model.heads import Heads
 from ..model.model import Model
-from ..statistics.stats import PAIRS_DATASET
+from ..statistics.features_file import PAIRS_DATASET
 from ..statistics.stream import Features, default_chunk_size
 from ..io.tokens import TokensInfo, check_finite, check_weights, inspect_tokens, iter_chunks
 

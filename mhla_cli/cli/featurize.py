@@ -129,11 +129,10 @@ def merge_cmd(
     Example: mhla merge part_*.h5 -o feats.h5 --json
     """
     check_hdf5_output(output, tuple(parts), "a features file")
-    feats, report = merge_features(list(parts), allow_partial=allow_partial)
+    merged = merge_features(list(parts), allow_partial=allow_partial)
+    feats, report = merged.features, merged.report
     feats.save(output, inputs=tuple(parts))
-    out = {"output": str(output), "d": feats.d, "n_features": feats.n_features, "n_samples": feats.n_samples,
-           "n_tokens": feats.n_tokens, "has_targets": feats.has_targets,
-           "sample_range": list(feats.sample_range) if feats.sample_range else None, **report.to_dict()}
+    out = {"output": str(output), **merged.to_dict()}
     if report.partial:
         warn(f"partial merge: missing samples {', '.join(f'{a}..{b}' for a, b in report.missing)}")
     say(f"wrote {output}: {len(parts)} parts, N = {feats.n_samples} samples"

@@ -27,16 +27,15 @@ import numpy as np
 from .._version import __version__
 from ..errors import InputError
 from ..feature_map import NORMALIZATIONS
-from ..linalg.memory import SLACK_BYTES, check_memory, load_bytes
 from ..numerics import SYMMETRY_TOL
 from ..signals import check_interrupted, shield_signals
 from ..feature_map import n_features
 
 FORMAT_NAME = "mhla"
-# 5: features files hold the weight totals (stats.WEIGHTS_FORMAT) and may hold the canonical Gram as its
-# distinct entries (stats.PAIRS_FORMAT, --compact); model files the canonical coefficients
+# 5: features files hold the weight totals (features_file.WEIGHTS_FORMAT) and may hold the canonical Gram as its
+# distinct entries (features_file.PAIRS_FORMAT, --compact); model files the canonical coefficients
 FORMAT_VERSION = 5
-# The dataset of those distinct entries in a compact features file (mhla_cli.statistics.stats, docs/formats.md).
+# The dataset of those distinct entries in a compact features file (mhla_cli.statistics.features_file, docs/formats.md).
 PAIRS_DATASET = "basis_gram_pairs"
 KINDS = ("tokens", "features", "model", "heads", "predictions")
 
@@ -263,7 +262,7 @@ def all_finite(a: np.ndarray, block_bytes: int = 8 << 20) -> bool:
 
 def check_stored_symmetric(f: h5py.File, name: str, path: str | os.PathLike, tile: int = 1024) -> None:
     """A stored square dataset is finite and symmetric to SYMMETRY_TOL of its largest entry (the checks of
-    `read_array` and stats._is_symmetric), read tile by tile: nothing of its size is held."""
+    `read_array` and features_file._is_symmetric), read tile by tile: nothing of its size is held."""
     ds = dataset(f, name, path)
     n = int(ds.shape[0])
     a, b = np.empty(tile * tile), np.empty(tile * tile)
@@ -345,23 +344,12 @@ def kind_of(path: str | os.PathLike) -> str:
 def expect_kind(f: h5py.File, path: str | os.PathLike, *kinds: str) -> str:
     """The kind of an open file; an InputError unless it is one of `kinds`.
 
-    For a features file this also refuses up front a d whose psi x psi statistics cannot fit in
-    memory (memory.check_memory), before anything large is read.
+    (A features file's loader also refuses up front the statistics that cannot fit in memory:
+    mhla_cli.statistics.features_file.expect_features.)
     """
     kind = file_kind(f, path)
     if kind not in kinds:
         raise InputError(f"is a {kind} file, expected {' or '.join(kinds)}", path)
-    if kind == "features" and "d" in f.attrs:
-        d = read_attr_int(f, "d", path)
-        need = load_bytes
-        n = stored_block(f)
-        if n is not None:  # only the block on the data's spans is stored
-            need = lambda k: 8 * n * n + SLACK_BYTES if k == d else load_bytes(k)  # noqa: E731
-        if PAIRS_DATASET in f:  # a compact file: its distinct entries are read, then expanded
-            pairs = 8 * int(np.prod(f[PAIRS_DATASET].shape))
-            base = need
-            need = lambda k: base(k) + (pairs if k == d else 0)  # noqa: E731
-        check_memory(d, path=path, need=need, what="loading the statistics")
     return kind
 
 

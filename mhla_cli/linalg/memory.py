@@ -85,6 +85,24 @@ def load_bytes(d: int) -> int:
     return matrix_bytes(d) + SLACK_BYTES
 
 
+def check_load(d: int, block: int | None = None, pairs_bytes: int = 0,
+               path: str | os.PathLike | None = None) -> None:
+    """Refuse up front loading the statistics of a features file of `d` that cannot fit in memory,
+    before anything large is read: `load_bytes(d)`, or for a file that holds only the block on the
+    data's spans (`block` features) that n x n block; a compact file also holds its distinct entries
+    (`pairs_bytes`) while they are expanded."""
+    need = load_bytes
+    if block is not None:  # only the block on the data's spans is stored
+        def need(k: int) -> int:
+            return 8 * block * block + SLACK_BYTES if k == d else load_bytes(k)
+    if pairs_bytes:  # a compact file: its distinct entries are read, then expanded
+        base = need
+
+        def need(k: int) -> int:
+            return base(k) + (pairs_bytes if k == d else 0)
+    check_memory(d, path=path, need=need, what="loading the statistics")
+
+
 def solve_bytes(d: int, kind: str = "cholesky") -> int:
     """Peak of certify / fit on loaded statistics: basis_gram and the factorization's matrices."""
     return int((1 + SOLVE_COPIES[kind]) * matrix_bytes(d)) + SLACK_BYTES

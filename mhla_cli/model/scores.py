@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 if TYPE_CHECKING:
-    from ..statistics.stats import Features
+    from ..statistics.features import Features
 
 # SST at or below SST_RESOLUTION (mhla_cli.numerics) times the targets' energy sum w ||y||^2 is rounding
 # (of the sums, or of ||s||^2 / W against tr(target_gram)): R^2 is then not defined and reported as None.

@@ -22,7 +22,7 @@ import numpy as np
 
 from . import solve
 from ..errors import InputError
-from ..statistics.stats import Features
+from ..statistics.features import Features
 
 # The grid: r = 0 and N_GRID penalties from GRID_LO to GRID_HI times lambda_max, log-spaced
 # (10 decades below lambda_max down to the rounding level of Lambda~, one decade above).

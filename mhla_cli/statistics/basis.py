@@ -3,7 +3,7 @@
 The certificate's numbers belong to the data, not to the units of the tokens (BACKGROUND.md, "The
 canonical certificate"). Tokens are whitened, X -> X A with A^T G A = I and G = token_gram / n_tokens
 (the second moment of all the tokens of the data, each counted with the weights of the samples that
-contain it: stats.Features), and the features of X A are taken in orthonormal coordinates
+contain it: features.Features), and the features of X A are taken in orthonormal coordinates
 
     Ht(X) = D H(X),   D = 1 on the pairs j = k, sqrt 2 on the pairs j < k   (||Ht|| = ||S||_F ||x_n||),
 
@@ -91,7 +91,7 @@ def equilibrate(G: np.ndarray) -> np.ndarray:
 
 def whitening(token_gram: np.ndarray, n_tokens: float, round32: bool = True) -> np.ndarray:
     """A (d, d) with A^T (token_gram / n_tokens) A ~ I; `n_tokens` is the token weight sum w n
-    (stats.Features.token_weight), any positive number.
+    (features.Features.token_weight), any positive number.
 
     A is the symmetric inverse square root of G. Directions it does not resolve (eigenvalues <=
     d eps of the largest, UNRESOLVED_REL) keep the scale of the largest one; when there are such

@@ -5,7 +5,7 @@ stream.featurize(shard=(k, K)) and the folds sum to the whole-file statistics. A
 with folds holds, next to the usual datasets, fold_gram (K, psi, psi), fold_moments (K, psi, d),
 fold_target_gram (K, d, d), fold_token_gram (K, d, d), fold_last_token_gram (K, d, d),
 fold_n_samples (K,), fold_n_tokens (K,), fold_weight_sum (K,), fold_token_weight_sum (K,) (the weight
-totals, stats.Features) and fold_ranges (K, 2), plus the attribute n_folds.
+totals, features.Features) and fold_ranges (K, 2), plus the attribute n_folds.
 """
 
 from __future__ import annotations
@@ -20,11 +20,12 @@ from ..io import formats
 from ..errors import InputError
 from ..feature_map import n_features
 from ..numerics import FOLD_SUM_TOL
-from .stream import Features, featurize
+from .features import Features
+from .stream import featurize
 from ..io.tokens import inspect_tokens
 
 FOLD_DATASETS = (*(f"fold_{k}" for k in Features.SUMS), "fold_n_samples", "fold_n_tokens", "fold_ranges")
-# The per-fold weight totals (format version >= stats.WEIGHTS_FORMAT; older files: the counts).
+# The per-fold weight totals (format version >= features_file.WEIGHTS_FORMAT; older files: the counts).
 FOLD_WEIGHTS = ("fold_weight_sum", "fold_token_weight_sum")
 
 

@@ -16,7 +16,8 @@ from typing import Any
 from ..io import formats
 from ..errors import InputError
 from ..linalg.memory import SLACK_BYTES, check_memory, matrix_bytes
-from .stream import Features
+from .features import Features
+from .features_file import expect_features
 
 
 @dataclass
@@ -56,10 +57,25 @@ class MergeReport:
                 "missing": [list(r) for r in self.missing], "partial": self.partial}
 
 
+@dataclass
+class MergeResult:
+    """What `merge_features` returns: the summed statistics and the report of the parts."""
+
+    features: Features
+    report: MergeReport
+
+    def to_dict(self) -> dict[str, Any]:
+        """The summary of `mhla merge --json` (without the output path): counts, sample range and the report."""
+        f = self.features
+        return {"d": f.d, "n_features": f.n_features, "n_samples": f.n_samples, "n_tokens": f.n_tokens,
+                "has_targets": f.has_targets, "sample_range": list(f.sample_range) if f.sample_range else None,
+                **self.report.to_dict()}
+
+
 def read_part_info(path: str | os.PathLike) -> PartInfo:
     """The sample ranges and source of a features file, with a clear error if it has none."""
     with formats.open_input(path) as f:
-        formats.expect_kind(f, path, "features")
+        expect_features(f, path)
         d = formats.read_attr_int(f, "d", path)
         n = formats.read_attr_int(f, "n_samples", path)
         attrs = f.attrs
@@ -147,7 +163,7 @@ def _describe(src: dict[str, Any]) -> str:
             f"{str(src.get('fingerprint', '?'))[:12]}, N = {src.get('n_samples', '?')})")
 
 
-def merge_features(paths: list[str | os.PathLike], allow_partial: bool = False) -> tuple[Features, MergeReport]:
+def merge_features(paths: list[str | os.PathLike], allow_partial: bool = False) -> MergeResult:
     """Sum the parts after `plan_merge`; the result records the covered ranges and the source."""
     report = plan_merge(paths, allow_partial)
     # the sum and the part being added, each with basis_gram and the stored own gram
@@ -172,4 +188,4 @@ def merge_features(paths: list[str | os.PathLike], allow_partial: bool = False) 
     total.extra_attrs = {}
     if report.partial:
         total.extra_attrs = {"partial": 1, "sample_ranges": json.dumps([list(r) for r in report.covered])}
-    return total, report
+    return MergeResult(total, report)

@@ -39,7 +39,8 @@ from ..feature_map import check_normalize, n_features, pair_index
 from ..linalg.memory import (block_featurize_bytes, block_solve_bytes, check_floor, check_memory, featurize_bytes, solve_bytes,
                      solve_kind)
 from .parallel import CANCEL, Cancelled
-from .stats import Features, add_into, check_overflow
+from .algebra import add_into
+from .features import Features, check_overflow
 from ..io.tokens import (ReadBuffers, TokensInfo, check_chunk, check_weights, inspect_tokens, iter_chunks, read_chunk,
                      require_square)
 

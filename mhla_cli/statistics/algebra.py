@@ -1,0 +1,252 @@
+"""The algebra of `Features`: sums that add and subtract, and the change of basis of their canonical part.
+
+Every field of a Features is a sum over samples, so the statistics of disjoint parts add up
+(`add_into`, `a.add(b)`, `a + b`, `a - b`). The canonical sums live in a basis A (tokens X A,
+mhla_cli.statistics.basis); `change_basis` moves them to X A C exactly (up to rounding), `canonical`
+to the whitening of the data's own token Gram, and parts in different bases are added in the
+whitening of their sum. A block on the data's spans (`reduced`) changes by the spans' R factors and
+is `expand`ed when the spans of two parts differ. `FeaturesAlgebra` is mixed into
+mhla_cli.statistics.features.Features (which imports this module, so the annotations name `Features`
+without importing it).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from . import basis as basis_mod
+from ..errors import InputError
+from ..linalg.memory import check_memory
+from .features_file import BASIS_SUMS, StoredGram
+from .structure import change as structure_change
+
+
+class FeaturesAlgebra:
+    """The algebra of a `Features` record (mixed into it): the basis, sums and differences."""
+
+    def expand(self) -> Features:
+        """In place: the full psi x psi sums from the block on the data's spans (exact: the sums are
+        zero outside it), and the own-coordinate ones; for consumers that need every feature."""
+        if self.reduced:
+            check_memory(self.d)
+            E, F = self.span_pairs, self.span_last
+            self.basis_gram = basis_mod.kron_congruence(E, F, self.basis_gram)
+            if self.basis_moments is not None:
+                self.basis_moments = basis_mod.kron_apply(E, F, self.basis_moments)
+            self.span_pairs = self.span_last = None
+            self.factor_cache.clear()
+        return self.finalize()
+
+    def ensure_basis(self) -> Features:
+        """Give statistics known only on the own features the basis A = I (canonical coordinates)."""
+        if self.basis is None:
+            eye = np.eye(self.d)
+            self.basis = eye
+            self.basis_gram = basis_mod.gram_to_basis(eye, self.gram)
+            self.basis_moments = None if self.moments is None else basis_mod.features_to_basis(eye, self.moments)
+            self.basis_token_gram = self.token_gram.copy()
+            self.basis_last_token_gram = self.last_token_gram.copy()
+        return self
+
+    def change_basis(self, C: np.ndarray) -> Features:
+        """In place: the basis sums of X A -> of X A C (exact up to rounding; the own sums stay)."""
+        self.ensure_basis()
+        self.factor_cache.clear()
+        if self.reduced:
+            # s -> P_C s, x -> C^T x map span E to P_C E = U1 R1 and F to C^T F = U2 R2 (QR): the block
+            # coordinates change by R1 (x) R2 (mhla_cli.statistics.structure)
+            U1, U2, R1, R2 = structure_change(self.span_pairs, self.span_last, basis_mod.orth_pair_map(C), C.T)
+            self.basis_gram = basis_mod.kron_congruence(R1, R2, self.basis_gram)
+            if self.basis_moments is not None:
+                self.basis_moments = basis_mod.kron_apply(R1, R2, self.basis_moments)
+            self.span_pairs, self.span_last = U1, U2
+        else:
+            # in place: a Features owns its sums (`copy` makes new ones)
+            self.basis_gram, self.basis_moments = basis_mod.change_by(C, self.basis_gram, self.basis_moments,
+                                                                      overwrite=_writeable(self.basis_gram))
+        self.basis_token_gram = C.T @ self.basis_token_gram @ C
+        self.basis_last_token_gram = C.T @ self.basis_last_token_gram @ C
+        self.basis = self.basis @ C
+        return self
+
+    def to_basis(self, A: np.ndarray) -> Features:
+        """In place: the basis sums in basis A."""
+        self.ensure_basis()
+        if not basis_mod.same(self.basis, A):
+            self.change_basis(basis_mod.transition(self.basis, A))
+            self.basis = np.array(A, dtype=np.float64)
+        return self
+
+
+    def correction(self) -> tuple[np.ndarray | None, float]:
+        """(C, cond C) that makes the basis the whitening of the data (None: it already is)."""
+        self.ensure_basis()
+        return basis_mod.correction(self.basis_token_gram, self.token_weight)
+
+    def canonical(self) -> Features:
+        """In place: the basis becomes the whitening of this data's token Gram (A^T G A = I); returns self."""
+        C, _ = self.correction()
+        if C is not None:
+            self.change_basis(C)
+        return self
+
+    def solver_stats(self) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+        """(A, gram_b, moments_b): the canonical basis and the sums of the canonical features there."""
+        self.canonical()
+        return self.basis, self.basis_gram, self.basis_moments  # type: ignore[return-value]
+
+    def add(self, other: Features) -> Features:
+        """self += other (counts and every sum), in place; returns self."""
+        add_into(self, other)
+        return self
+
+    def __sub__(self, part: Features) -> Features:
+        """Statistics of the samples in `self` but not in `part` (every sum subtracts)."""
+        self.expand()
+        part.expand()
+        out = type(self)(d=self.d, n_samples=self.n_samples - part.n_samples, n_tokens=self.n_tokens - part.n_tokens,
+                         token_dtype=self.token_dtype, normalize=self.normalize, per_position=self.per_position,
+                         weight_sum=self.weight - part.weight, token_weight_sum=self.token_weight - part.token_weight,
+                         **{k: None if getattr(self, k) is None else getattr(self, k) - getattr(part, k)
+                            for k in self.SUMS})
+        if self.target_sum is not None and part.target_sum is not None:
+            out.target_sum = self.target_sum - part.target_sum
+        if self.basis is not None and part.basis is not None:
+            other = part.copy().to_basis(self.basis)
+            out.basis = self.basis
+            for k in self.BASIS_SUMS:
+                a, b = getattr(self, k), getattr(other, k)
+                setattr(out, k, None if a is None else a - b)
+        return out
+
+    def __add__(self, other: Features) -> Features:
+        total = type(self).zeros(self.d, self.has_targets,
+                                 self.token_dtype if self.token_dtype == other.token_dtype else "float64")
+        total.normalize, total.per_position = self.normalize, self.per_position
+        total.n_sequences = 0 if self.n_sequences is not None and other.n_sequences is not None else None
+        add_into(total, self)
+        add_into(total, other)
+        if self.sample_range and other.sample_range:
+            total.sample_range = (min(self.sample_range[0], other.sample_range[0]),
+                                  max(self.sample_range[1], other.sample_range[1]))
+        total.source = self.source
+        return total
+
+
+def add_into(acc: Features, part: Features) -> None:
+    """acc += part (counts and every sum), in place.
+
+    Parts in the same basis add exactly. Otherwise both are changed into the whitening of their sum
+    (each change is well conditioned: a part's basis suits its own data, and the sum's whitening
+    shrinks or grows a part's directions by at most the inverse of its share of the tokens); an
+    empty acc (Features.zeros) adopts the part's basis.
+    """
+    _check_addable(acc, part)
+    acc.n_sequences = None if acc.n_sequences is None or part.n_sequences is None \
+        else acc.n_sequences + part.n_sequences
+    acc.factor_cache.clear()
+    if acc.reduced or part.reduced:
+        part = _common_spans(acc, part)
+    part = _common_basis(acc, part)
+    if acc.basis is not None:
+        for k in BASIS_SUMS:
+            a = getattr(acc, k)
+            if a is not None:
+                a += getattr(part, k)
+    acc.n_samples += part.n_samples
+    acc.n_tokens += part.n_tokens
+    acc.weight_sum = acc.weight + part.weight
+    acc.token_weight_sum = acc.token_weight + part.token_weight
+    _add_own_sums(acc, part)
+
+
+def _check_addable(acc: Features, part: Features) -> None:
+    """Refuse to add statistics of different data shapes, targets, normalisations or modes."""
+    if part.d != acc.d:
+        raise InputError(f"cannot add statistics of d = {acc.d} and d = {part.d}")
+    if part.has_targets != acc.has_targets:
+        raise InputError("cannot add statistics with and without targets")
+    if part.normalize != acc.normalize:
+        raise InputError(f"cannot add statistics with different normalisations ({acc.normalize} and "
+                         f"{part.normalize}): featurize every part with the same normalisation")
+    if part.per_position != acc.per_position:
+        raise InputError("cannot add per-position (causal) statistics to last-token statistics")
+
+
+def _adopt_basis(acc: Features, part: Features) -> None:
+    """An empty acc takes the part's basis, with zero basis sums of the part's shapes."""
+    acc.basis = np.array(part.basis)
+    for k in BASIS_SUMS:
+        v = getattr(part, k)
+        setattr(acc, k, None if v is None else np.zeros_like(v))
+
+
+def _common_spans(acc: Features, part: Features) -> Features:
+    """Blocks on the data's spans (one or both reduced): the same spans add block by block; otherwise
+    acc is expanded, and the part returned expanded (a copy), so that the full sums add."""
+    if part.reduced and acc.basis is None and acc.n_samples == 0 and acc.n_tokens == 0:
+        # an empty sum (Features.zeros) adopts the part's spans, as it adopts its basis (_common_basis)
+        acc.span_pairs, acc.span_last = np.array(part.span_pairs), np.array(part.span_last)
+        acc.gram = acc.moments = None
+        _adopt_basis(acc, part)
+    same = (acc.reduced and part.reduced and basis_mod.same(acc.basis, part.basis)
+            and np.array_equal(acc.span_pairs, part.span_pairs) and np.array_equal(acc.span_last, part.span_last))
+    if not same:  # different spans: add the full sums (the union of the spans)
+        acc.expand()
+        if part.reduced:
+            part = part.copy().expand()
+    return part
+
+
+def _common_basis(acc: Features, part: Features) -> Features:
+    """Bring acc and the part to one basis (acc's, or the whitening of their sum); the part returned
+    (a copy when it had to change)."""
+    raw = acc._gram_raw
+    empty = acc.n_samples == 0 and acc.n_tokens == 0 and (not isinstance(raw, np.ndarray) or not raw.any())
+    if acc.basis is None and part.basis is None:
+        pass  # own sums only
+    elif empty and acc.basis is None:
+        _adopt_basis(acc, part)
+    else:
+        acc.ensure_basis()
+        if part.basis is None:
+            part = part.copy().ensure_basis()
+        if not basis_mod.same(acc.basis, part.basis):
+            part = part.copy()
+            # the token Gram of the sum in acc's basis (X A_acc = X A_part Cp), then its whitening A_acc C
+            Cp = basis_mod.transition(part.basis, acc.basis)
+            G = acc.basis_token_gram + Cp.T @ part.basis_token_gram @ Cp
+            C = basis_mod.whitening(G, acc.token_weight + part.token_weight, round32=False)
+            acc.change_basis(C)
+            part.to_basis(acc.basis)
+    return part
+
+
+def _add_own_sums(acc: Features, part: Features) -> None:
+    """acc's sums on the tokens' own features += the part's (a gram derived from the basis sums is
+    derived again for the sum, when both were finalized)."""
+    known = (np.ndarray, StoredGram)
+    ga, gp = acc._gram_raw, part._gram_raw
+    if isinstance(ga, known) and isinstance(gp, known):
+        acc.gram += part.gram  # both known (a stored one is read): the own sums add
+        if acc.moments is not None and part.moments is not None:
+            acc.moments += part.moments
+    else:  # derived from the basis sums by finalize()
+        acc.gram = acc.moments = None
+        if ga is not None and gp is not None:  # both were finalized (one lazily): so is the sum
+            acc.finalize()
+    acc.token_gram += part.token_gram
+    acc.last_token_gram += part.last_token_gram
+    if acc.target_gram is not None:
+        acc.target_gram += part.target_gram
+    if acc.target_sum is not None and part.target_sum is not None:
+        acc.target_sum = acc.target_sum + part.target_sum
+    else:
+        acc.target_sum = None
+
+
+def _writeable(a: np.ndarray | None) -> bool:
+    """An array the basis change may overwrite (float64, writeable, square)."""
+    return (a is not None and a.dtype == np.float64 and a.flags.writeable and a.ndim == 2
+            and a.shape[0] == a.shape[1])
+

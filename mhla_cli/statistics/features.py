@@ -1,0 +1,207 @@
+"""`Features`: the record of the sufficient statistics of a dataset (sums over samples).
+
+Every field is a sum over samples, so the statistics of disjoint parts add up (`add`, `+`, `-`).
+Beside the sums on the tokens' own features (`gram`, `moments`, ...) a Features holds the same sums
+on the canonical features of the whitened tokens X A (mhla_cli.statistics.basis): `basis_gram` =
+sum Ht Ht^T, `basis_moments` = sum Ht y^T, `basis_token_gram` = A^T token_gram A and
+`basis_last_token_gram` = A^T last_token_gram A, accumulated from the transformed tokens. The
+certificate and the fit read only these (`solver_stats`), after `canonical` has made A the
+whitening of the data's own token Gram (A^T G A = I, G = token_gram / token_weight_sum, the weight
+totals of `Features`).
+
+The record holds its fields, counts and the own `gram` (held, read from the file or derived from the
+basis sums when first used); its algebra (`add`, `+`, `-`, the change of basis) is
+mhla_cli.statistics.algebra and its file (`save`, `load`) mhla_cli.statistics.features_file, both
+mixed into the class.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from . import basis as basis_mod
+from ..io import formats
+from ..errors import InputError
+from ..feature_map import n_features
+from . import features_file
+from .algebra import FeaturesAlgebra
+from .features_file import _DERIVED, FeaturesFile, StoredGram
+
+
+class _OwnGram:
+    """The field `Features.gram` = sum_i H_i H_i^T on the tokens' own features (psi, psi): held, or
+    derived from the basis sums (`finalize`) or read from the file (`load`) when first used, so that
+    certify and fit hold one psi x psi array of statistics. Stored as `_gram` (`Features._gram_raw`)."""
+
+    def __get__(self, obj: Features | None, owner: type | None = None) -> np.ndarray | None:
+        if obj is None:  # no class-level value: the dataclass field has no default
+            raise AttributeError("gram")
+        g = obj.__dict__.get("_gram")
+        if isinstance(g, StoredGram):
+            g = obj.__dict__["_gram"] = g.read()
+        elif g is _DERIVED:
+            g = obj.__dict__["_gram"] = obj._derive_gram()
+        return g
+
+    def __set__(self, obj: Features, value: Any) -> None:
+        obj.__dict__["_gram"] = value
+
+
+@dataclass
+class Features(FeaturesAlgebra, FeaturesFile):
+    """Sufficient statistics of a dataset (sums over samples, float64).
+
+    gram = sum_i H_i H_i^T (psi, psi); moments = sum_i H_i y_i^T (psi, d); target_gram =
+    sum_i y_i y_i^T; token_gram = sum over samples of w S (for last-token data without weights: the
+    sum of x x^T over all tokens); last_token_gram = sum_i w_i x_n x_n^T. The basis_* sums are the
+    same on the canonical features of X A (module docstring).
+    """
+
+    d: int
+    n_samples: int
+    n_tokens: int
+    gram: np.ndarray | None = _OwnGram()  # type: ignore[assignment]  # not a default: a required field, read or derived when used
+    token_gram: np.ndarray
+    last_token_gram: np.ndarray
+    moments: np.ndarray | None = None
+    target_gram: np.ndarray | None = None
+    token_dtype: str = "float64"
+    sample_range: tuple[int, int] | None = None
+    source: dict[str, Any] | None = None
+    extra_attrs: dict[str, Any] = field(default_factory=dict)
+    # The basis A (tokens X A) and the sums of the canonical features there. None: only the own
+    # sums are known (format version 1, per-fold sums); `ensure_basis` then takes A = I.
+    basis: np.ndarray | None = None
+    basis_gram: np.ndarray | None = None
+    basis_moments: np.ndarray | None = None
+    basis_token_gram: np.ndarray | None = None
+    basis_last_token_gram: np.ndarray | None = None
+    # Causal mode: every weighted prefix X[:t] was a sample (docs/formats.md, "per-position data").
+    per_position: bool = False
+    # "none", or "length": S divided by the number of tokens of the prefix / sequence.
+    normalize: str = "none"
+    # Sequences read (the unit of sample ranges and shards); None when unknown (older files).
+    n_sequences: int | None = None
+    # The data's spans (mhla_cli.statistics.structure), when featurize accumulated only the block on them:
+    # orthonormal bases (q, a) of span{s_i} and (d, b) of span{x_n,i} in the canonical coordinates of
+    # `basis`; basis_gram (a b, a b) and basis_moments (a b, d) are then the sums of the block
+    # features (E^T s) (x) (F^T x_n), and gram / moments stay None until `expand`.
+    span_pairs: np.ndarray | None = None
+    span_last: np.ndarray | None = None
+    # Factorizations of the canonical Lambda~ by domain (mhla_cli.linalg.factorization, solve.factorize);
+    # emptied whenever the basis sums change.
+    factor_cache: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
+    # sum_i w_i y_i (d,) over the samples (with weight_sum below, the scored data's mean, for R^2:
+    # mhla_cli.model.scores); None when unknown (files written before it was accumulated)
+    target_sum: np.ndarray | None = None
+    # The weight totals (docs/formats.md, "Weights"): weight_sum = sum_i w_i over the samples and
+    # token_weight_sum = sum_i w_i n_i (n_i the sample's token count; for per-position data every
+    # prefix is a sample), so that G = token_gram / token_weight_sum and Lambda~ = basis_gram /
+    # weight_sum carry no units of the weights. None (the default): the counts n_samples and
+    # n_tokens, i.e. unweighted last-token data (`__post_init__`).
+    weight_sum: float | None = None
+    token_weight_sum: float | None = None
+
+    def __post_init__(self) -> None:
+        self.weight_sum = float(self.n_samples if self.weight_sum is None else self.weight_sum)
+        self.token_weight_sum = float(self.n_tokens if self.token_weight_sum is None else self.token_weight_sum)
+
+    # The sums on the tokens' own features (docs/formats.md), and those in the basis.
+    SUMS = features_file.SUMS
+    BASIS_SUMS = features_file.BASIS_SUMS
+
+    @property
+    def n_features(self) -> int:
+        return n_features(self.d)
+
+    def __repr__(self) -> str:  # the shapes and counts, not the psi x psi sums
+        return (f"Features(d={self.d}, n_features={self.n_features}, n_samples={self.n_samples}, "
+                f"n_tokens={self.n_tokens}, per_position={self.per_position}, normalize={self.normalize!r}, "
+                f"targets={self.moments is not None or self.basis_moments is not None})")
+
+    @property
+    def has_targets(self) -> bool:
+        return self.target_gram is not None
+
+    @property
+    def reduced(self) -> bool:
+        """Only the block on the data's spans is held (featurize --spans)."""
+        return self.span_pairs is not None
+
+    @property
+    def _gram_raw(self) -> Any:
+        """`gram` as held: an array, None (not derived yet), _DERIVED or a StoredGram (read when used)."""
+        return self.__dict__.get("_gram")
+
+    @property
+    def lambda_d(self) -> np.ndarray:
+        """Lambda_D = gram / sum w on the tokens' own features (the certificate uses `solver_stats`)."""
+        self.expand()
+        return self.gram / (self.weight if self.weight > 0 else 1.0)
+
+    @property
+    def weight(self) -> float:
+        """sum_i w_i over the samples: the normaliser of Lambda~ and of the mean squared error."""
+        return float(self.weight_sum)  # type: ignore[arg-type]
+
+    @property
+    def token_weight(self) -> float:
+        """sum_i w_i n_i: the normaliser of the token Gram, G = token_gram / token_weight."""
+        return float(self.token_weight_sum)  # type: ignore[arg-type]
+
+    def finalize(self) -> Features:
+        """Derive `moments` (tokens' own coordinates) from the basis sums, if not yet done; `gram` is
+        derived from them when first used (a psi x psi matrix that certify and fit never need);
+        not for a block on the data's spans (`expand` does)."""
+        if self._gram_raw is None and not self.reduced:
+            if self.basis_moments is not None:
+                with np.errstate(over="ignore", invalid="ignore"):
+                    self.moments = basis_mod.features_from_basis(self.basis, self.basis_moments)
+            self.gram = _DERIVED
+            check_overflow(self, "the data", None)
+        return self
+
+    def _derive_gram(self) -> np.ndarray:
+        """The own-coordinate gram from the basis sums (M_A^-1 gram_b M_A^-T; `finalize`)."""
+        with np.errstate(over="ignore", invalid="ignore"):
+            gram = basis_mod.gram_from_basis(self.basis, self.basis_gram)
+        if not formats.all_finite(gram):
+            raise InputError("the statistics of the data overflow float64 (tokens or targets too large); "
+                             "rescale the data")
+        return gram
+
+    def copy(self) -> Features:
+        """A deep copy of the sums (metadata shared)."""
+        arrays = {k: None if getattr(self, k) is None else np.array(getattr(self, k))
+                  for k in (*self.SUMS, "basis", *self.BASIS_SUMS, "span_pairs", "span_last") if k != "gram"}
+        raw = self._gram_raw
+        arrays["gram"] = np.array(raw) if isinstance(raw, np.ndarray) else raw  # a lazy gram stays lazy
+        return Features(d=self.d, n_samples=self.n_samples, n_tokens=self.n_tokens, token_dtype=self.token_dtype,
+                        sample_range=self.sample_range, source=self.source, extra_attrs=dict(self.extra_attrs),
+                        per_position=self.per_position, normalize=self.normalize, n_sequences=self.n_sequences,
+                        target_sum=None if self.target_sum is None else np.array(self.target_sum),
+                        weight_sum=self.weight_sum,
+                        token_weight_sum=self.token_weight_sum, **arrays)
+
+    @classmethod
+    def zeros(cls, d: int, has_targets: bool, token_dtype: str = "float64") -> Features:
+        psi = n_features(d)
+        return cls(d=d, n_samples=0, n_tokens=0, gram=np.zeros((psi, psi)),
+                   token_gram=np.zeros((d, d)), last_token_gram=np.zeros((d, d)),
+                   moments=np.zeros((psi, d)) if has_targets else None,
+                   target_gram=np.zeros((d, d)) if has_targets else None, token_dtype=token_dtype,
+                   target_sum=np.zeros(d) if has_targets else None)
+
+
+def check_overflow(feats: Features, what: str, path: str | os.PathLike | None) -> None:
+    """Refuse statistics that overflowed float64."""
+    raw = feats._gram_raw  # a gram not derived or read yet is checked when it is
+    arrays = [raw if isinstance(raw, np.ndarray) else None, feats.moments, feats.basis_gram, feats.basis_moments,
+              feats.target_gram]
+    if not all(a is None or formats.all_finite(a) for a in arrays):
+        raise InputError(f"the statistics of {what} overflow float64 (tokens or targets too large); "
+                         "rescale the data", path)

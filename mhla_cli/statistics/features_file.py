@@ -1,0 +1,389 @@
+"""The features file: `Features.save` / `Features.load` (formats 1-5, the compact form) and their refusals.
+
+docs/formats.md describes the file. `FeaturesFile` is mixed into mhla_cli.statistics.features.Features
+(which imports this module, so the annotations name `Features` without importing it): `datasets` and
+`file_attrs` lay the record out, `load` reads and validates a file of any format version (1: own sums
+only; 2: basis sums in upper-triangle coordinates, converted; 3: canonical basis sums; 4: may hold
+only the block on the data's spans; 5: the weight totals, and the compact form). The own psi x psi 'gram' of a file is validated
+on load and read when first used (`StoredGram`); `expect_features` refuses up front a file whose
+statistics cannot fit in memory (the policy: mhla_cli.linalg.memory.check_load).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+import h5py
+import numpy as np
+
+from . import basis as basis_mod
+from ..io import formats
+from ..linalg import symgram
+from ..linalg.memory import check_load
+from ..errors import InputError
+from ..feature_map import n_features
+from ..numerics import ORTHONORMAL_TOL, SINGULAR_BASIS_COND, SYMMETRY_TOL
+from ..io.formats import read_normalize
+
+# The sums on the tokens' own features (datasets of docs/formats.md), and those in the basis.
+SUMS = ("gram", "moments", "target_gram", "token_gram", "last_token_gram")
+BASIS_SUMS = ("basis_gram", "basis_moments", "basis_token_gram", "basis_last_token_gram")
+# Attributes of a features file kept in `Features.extra_attrs` when it is loaded: which shard of
+# the source it holds, for a partial merge the sample ranges it covers (JSON), and how featurize
+# reached the whitening of the data (passes over the tokens, cond of the estimate's correction), and
+# the passes spent finding the data's spans (stream.find_spans; 0: none).
+EXTRA_ATTRS = ("shard", "sample_ranges", "partial", "basis_passes", "basis_correction_cond", "span_passes")
+# mhla format version from which basis_gram / basis_moments are canonical (orthonormal coordinates,
+# basis = the whitening of the file's own token Gram); version 2 stored upper-triangle coordinates.
+CANONICAL_FORMAT = 3
+# mhla format version from which features files hold the weight totals (attributes weight_sum =
+# sum w and token_weight_sum = sum w n: Lambda~ and G carry no units of the weights).
+WEIGHTS_FORMAT = 5
+WEIGHT_ATTRS = ("weight_sum", "token_weight_sum")
+# mhla format version from which a features file may hold the canonical Gram as its distinct entries
+# only (`featurize --compact`: 'basis_gram_pairs', K of mhla_cli.linalg.symgram, and no 'gram' nor
+# 'basis_gram'; both are derived on load). Files of this version without it are as before.
+PAIRS_FORMAT = 5
+# The dataset of a compact features file (`Features.save(compact=True)`).
+PAIRS_DATASET = formats.PAIRS_DATASET
+
+
+class FeaturesFile:
+    """The file of a `Features` record (mixed into it): its layout, `save` and `load`."""
+
+    def datasets(self, compact: bool = False) -> dict[str, np.ndarray | None]:
+        """The datasets of a features file (docs/formats.md). `compact`: the canonical Gram as its
+        distinct entries only (PAIRS_DATASET), without 'gram' and 'basis_gram'."""
+        self.finalize()
+        self.canonical()
+        data = {"gram": None if compact else self.gram, "moments": self.moments, "target_gram": self.target_gram,
+                "token_gram": self.token_gram, "last_token_gram": self.last_token_gram}
+        data.update(basis=self.basis, **{k: getattr(self, k) for k in self.BASIS_SUMS})
+        if compact:
+            data["basis_gram"] = None
+            data[PAIRS_DATASET] = symgram.pairs_from_gram(self.basis_gram, *self.factor_sizes())
+        data.update(span_pairs=self.span_pairs, span_last=self.span_last)  # None (not written) unless reduced
+        data["target_sum"] = self.target_sum  # None (not written) when unknown
+        return data
+
+    def save(self, path: str | os.PathLike, inputs: tuple[str | os.PathLike, ...] = (),
+             extra: dict[str, np.ndarray] | None = None, extra_attrs: dict[str, Any] | None = None,
+             compact: bool = False) -> None:
+        """Write a features file atomically (`extra` datasets and attributes beside, e.g. per-fold sums);
+        `compact`: the Gram as its distinct entries only (`datasets`)."""
+        formats.write_file(path, "features", {**self.datasets(compact), **(extra or {})},
+                           {**self.file_attrs(), **(extra_attrs or {})}, inputs)
+
+    def factor_sizes(self) -> tuple[int, int]:
+        """(q, r): the lengths of the pair factor and of the token factor of the basis features
+        (d(d+1)/2 and d; the spans' widths for a block), for mhla_cli.linalg.symgram."""
+        if self.reduced:
+            return int(self.span_pairs.shape[1]), int(self.span_last.shape[1])
+        return n_features(self.d) // self.d, self.d
+
+    def file_attrs(self) -> dict[str, Any]:
+        """The attributes of a features file (docs/formats.md)."""
+        attrs: dict[str, Any] = {"d": self.d, "n_samples": self.n_samples, "n_tokens": self.n_tokens,
+                                 "n_features": self.n_features, "token_dtype": self.token_dtype,
+                                 "weight_sum": self.weight, "token_weight_sum": self.token_weight}
+        if self.sample_range is not None:
+            attrs["sample_lo"], attrs["sample_hi"] = self.sample_range
+        if self.source is not None:
+            attrs["source"] = json.dumps(self.source)
+        attrs["normalize"] = self.normalize
+        attrs["per_position"] = int(self.per_position)
+        if self.n_sequences is not None:
+            attrs["n_sequences"] = int(self.n_sequences)
+        attrs.update(self.extra_attrs)
+        return attrs
+
+    @classmethod
+    def load(cls, path: str | os.PathLike) -> Features:
+        """Read and validate a features file."""
+        with formats.open_input(path) as f:
+            expect_features(f, path)
+            d = formats.read_attr_int(f, "d", path)
+            n = formats.read_attr_int(f, "n_samples", path)
+            t = formats.read_attr_int(f, "n_tokens", path)
+            psi = n_features(d)
+            reduced = "span_pairs" in f or "span_last" in f  # only the block on the data's spans
+            # a compact file: the own gram is derived from the basis sums when used (`finalize`)
+            gram = None if reduced else _DERIVED if PAIRS_DATASET in f else _stored_gram(f, path, d, psi)
+            tg = formats.read_array(f, "token_gram", path).astype(np.float64)
+            lg = formats.read_array(f, "last_token_gram", path).astype(np.float64)
+            for name, arr in (("token_gram", tg), ("last_token_gram", lg)):
+                if arr.shape != (d, d):
+                    raise InputError(f"'{name}' has shape {arr.shape}, expected ({d}, {d})", path)
+            moments = target_gram = None
+            if "moments" in f and not reduced:
+                moments = formats.read_array(f, "moments", path).astype(np.float64, copy=False)
+                if moments.shape != (psi, d):
+                    raise InputError(f"'moments' has shape {moments.shape}, expected ({psi}, {d})", path)
+            has_targets = "basis_moments" in f if reduced else moments is not None
+            if has_targets:
+                if "target_gram" not in f:
+                    raise InputError("has moments but no 'target_gram'", path)
+                target_gram = formats.read_array(f, "target_gram", path).astype(np.float64)
+                if target_gram.shape != (d, d):
+                    raise InputError(f"'target_gram' has shape {target_gram.shape}, expected ({d}, {d})", path)
+            if n < 1:
+                raise InputError(f"n_samples = {n}: no samples", path)
+            rng = None
+            if "sample_lo" in f.attrs and "sample_hi" in f.attrs:
+                rng = (int(f.attrs["sample_lo"]), int(f.attrs["sample_hi"]))
+            source = json.loads(f.attrs["source"]) if "source" in f.attrs else None
+            sums = _load_basis(f, path, d, has_targets, tg, lg) if not reduced else _load_block(f, path, d, has_targets)
+            dtype = f.attrs.get("token_dtype", "float64")
+            dtype = dtype.decode() if isinstance(dtype, bytes) else str(dtype)
+            normalize = read_normalize(f, path)
+            per_position = bool(int(f.attrs.get("per_position", 0)))
+            n_seq = int(f.attrs["n_sequences"]) if "n_sequences" in f.attrs else None
+            t_sum = _load_target_sum(f, path, d) if has_targets else None
+            weights = _load_weights(f, path, n, t, per_position, n_seq)
+            extra = {}
+            for k in EXTRA_ATTRS:
+                if k in f.attrs:
+                    v = f.attrs[k]
+                    extra[k] = v.decode() if isinstance(v, bytes) else (v.item() if hasattr(v, "item") else v)
+        return cls(d=d, n_samples=n, n_tokens=t, gram=gram, token_gram=tg, last_token_gram=lg,
+                   moments=moments, target_gram=target_gram, token_dtype=dtype, sample_range=rng,
+                   source=source, extra_attrs=extra, per_position=per_position, normalize=normalize,
+                   n_sequences=n_seq, target_sum=t_sum, weight_sum=weights[0],
+                   token_weight_sum=weights[1], **sums)
+
+
+def expect_features(f: h5py.File, path: str | os.PathLike) -> None:
+    """An InputError unless `f` is a features file whose statistics fit in memory, checked before
+    anything large is read (what a load holds: mhla_cli.linalg.memory.check_load)."""
+    formats.expect_kind(f, path, "features")
+    if "d" in f.attrs:
+        d = formats.read_attr_int(f, "d", path)
+        # a compact file: its distinct entries are read, then expanded
+        pairs = 8 * int(np.prod(f[PAIRS_DATASET].shape)) if PAIRS_DATASET in f else 0
+        check_load(d, formats.stored_block(f), pairs, path)
+
+
+def _load_target_sum(f: h5py.File, path: str | os.PathLike, d: int) -> np.ndarray | None:
+    """target_sum (d,), validated; None in files without it."""
+    if "target_sum" not in f:
+        return None
+    s = formats.read_array(f, "target_sum", path).astype(np.float64)
+    if s.shape != (d,):
+        raise InputError(f"'target_sum' has shape {s.shape}, expected ({d},)", path)
+    if not np.isfinite(s).all():
+        raise InputError("'target_sum' contains NaN or Inf; the file is corrupted", path)
+    return s
+
+
+def _load_weights(f: h5py.File, path: str | os.PathLike, n: int, t: int, per_position: bool,
+                  n_seq: int | None) -> tuple[float, float]:
+    """(weight_sum, token_weight_sum) of a features file (format >= WEIGHTS_FORMAT), or of an older one
+    converted: unweighted last-token data have the counts; the others are refused (their totals
+    cannot be told from the file)."""
+    version = int(f.attrs.get("mhla_format_version", 2))
+    have = [k for k in WEIGHT_ATTRS if k in f.attrs]
+    if version < WEIGHTS_FORMAT and not have:
+        if per_position or (n_seq is not None and n_seq != n):
+            what = "per-position" if per_position else "weighted"
+            raise InputError(f"holds {what} statistics of format version {version}, before the weight totals "
+                             f"(version {WEIGHTS_FORMAT}); run `mhla featurize` on its tokens file again", path)
+        return float(n), float(t)
+    if len(have) < len(WEIGHT_ATTRS):
+        missing = [k for k in WEIGHT_ATTRS if k not in have]
+        raise InputError(f"has no attribute {', '.join(repr(k) for k in missing)}; the file is incomplete", path)
+    out = []
+    for k in WEIGHT_ATTRS:
+        v = f.attrs[k]
+        try:
+            x = float(np.asarray(v).reshape(()))
+        except (TypeError, ValueError):
+            raise InputError(f"attribute '{k}' = {v!r} is not a number", path) from None
+        if not np.isfinite(x) or x <= 0:
+            raise InputError(f"attribute '{k}' = {x!r}, expected a finite number > 0", path)
+        out.append(x)
+    return out[0], out[1]
+
+
+def _load_basis(f: h5py.File, path: str | os.PathLike, d: int, has_targets: bool, tg: np.ndarray,
+                lg: np.ndarray) -> dict[str, np.ndarray | None]:
+    """The basis and its canonical sums; {} for version-1 files (`ensure_basis` derives them).
+
+    Version-2 files stored basis_gram / basis_moments in upper-triangle coordinates and no basis token
+    Grams: they are converted here (D gram D, D moments; A^T G A).
+    """
+    names = [k for k in ("basis", *BASIS_SUMS) if k in f]
+    if not names:
+        return {}
+    version = int(f.attrs.get("mhla_format_version", 2))
+    if PAIRS_DATASET in f:
+        names.append(PAIRS_DATASET)
+    need = ["basis", PAIRS_DATASET if PAIRS_DATASET in f else "basis_gram"] + (["basis_moments"] if has_targets else [])
+    if version >= CANONICAL_FORMAT:
+        need += ["basis_token_gram", "basis_last_token_gram"]
+    missing = [k for k in need if k not in f]
+    if missing:
+        raise InputError(f"has {', '.join(names)} but no {', '.join(missing)}; the file is incomplete", path)
+    psi = n_features(d)
+    A = formats.read_array(f, "basis", path).astype(np.float64)
+    if A.shape != (d, d):
+        raise InputError(f"'basis' has shape {A.shape}, expected ({d}, {d})", path)
+    if not np.isfinite(A).all() or basis_mod.row_scaled_cond(A) > SINGULAR_BASIS_COND:
+        raise InputError("'basis' is singular; the file is corrupted", path)
+    if PAIRS_DATASET in f:
+        gb = _read_pairs(f, path, psi // d, d)
+    else:
+        gb = formats.read_matrix(f, "basis_gram", path)  # read in place: the one psi x psi array of a load
+        if gb.shape != (psi, psi):
+            raise InputError(f"'basis_gram' has shape {gb.shape}, expected ({psi}, {psi})", path)
+        if not _is_symmetric(gb):
+            raise InputError("'basis_gram' is not symmetric; the file is corrupted", path)
+    mb = None
+    if has_targets:
+        mb = formats.read_array(f, "basis_moments", path).astype(np.float64)
+        if mb.shape != (psi, d):
+            raise InputError(f"'basis_moments' has shape {mb.shape}, expected ({psi}, {d})", path)
+    if version < CANONICAL_FORMAT:
+        D = basis_mod.feature_scale(d)
+        gb *= D[:, None]
+        gb *= D[None, :]
+        mb = None if mb is None else mb * D[:, None]
+        btg, blg = A.T @ tg @ A, A.T @ lg @ A
+    else:
+        btg = formats.read_array(f, "basis_token_gram", path).astype(np.float64)
+        blg = formats.read_array(f, "basis_last_token_gram", path).astype(np.float64)
+        for name, arr in (("basis_token_gram", btg), ("basis_last_token_gram", blg)):
+            if arr.shape != (d, d) or not np.isfinite(arr).all():
+                raise InputError(f"'{name}' has shape {arr.shape} or non-finite values, expected finite ({d}, {d})",
+                                 path)
+    return {"basis": A, "basis_gram": gb, "basis_moments": mb, "basis_token_gram": btg,
+            "basis_last_token_gram": blg}
+
+
+def _load_block(f: h5py.File, path: str | os.PathLike, d: int, has_targets: bool) -> dict[str, np.ndarray | None]:
+    """The basis, the data's spans and the block sums of a file featurized on the spans (format >= 4)."""
+    compact = PAIRS_DATASET in f
+    need = ["basis", "span_pairs", "span_last", "basis_token_gram", "basis_last_token_gram"]
+    need += ["basis_moments"] if has_targets else []
+    missing = [k for k in [*need, PAIRS_DATASET if compact else "basis_gram"] if k not in f]
+    if missing:
+        raise InputError(f"holds the block on the data's spans but no {', '.join(missing)}; the file is "
+                         "incomplete", path)
+    q = d * (d + 1) // 2
+    out: dict[str, np.ndarray | None] = {k: formats.read_array(f, k, path).astype(np.float64) for k in need}
+    if compact:
+        E, F = out["span_pairs"], out["span_last"]
+        if E.ndim == 2 and F.ndim == 2:
+            out["basis_gram"] = _read_pairs(f, path, E.shape[1], F.shape[1])
+    else:
+        out["basis_gram"] = formats.read_array(f, "basis_gram", path).astype(np.float64)
+    out.setdefault("basis_moments", None)
+    A, E, F = out["basis"], out["span_pairs"], out["span_last"]
+    if A.shape != (d, d) or not np.isfinite(A).all() or basis_mod.row_scaled_cond(A) > SINGULAR_BASIS_COND:
+        raise InputError(f"'basis' has shape {A.shape} or is singular, expected an invertible ({d}, {d})", path)
+    for name, M, rows in (("span_pairs", E, q), ("span_last", F, d)):
+        if M.ndim != 2 or M.shape[0] != rows or M.shape[1] > rows or not np.isfinite(M).all() \
+                or np.abs(M.T @ M - np.eye(M.shape[1])).max() > ORTHONORMAL_TOL:
+            raise InputError(f"'{name}' must have orthonormal columns of length {rows}, got shape {M.shape}", path)
+    n = E.shape[1] * F.shape[1]
+    gb = out["basis_gram"]
+    if gb.shape != (n, n) or not np.isfinite(gb).all() or not _is_symmetric(gb):
+        raise InputError(f"'basis_gram' must be a finite symmetric ({n}, {n}) block, got shape {gb.shape}", path)
+    mb = out["basis_moments"]
+    if mb is not None and mb.shape != (n, d):
+        raise InputError(f"'basis_moments' has shape {mb.shape}, expected ({n}, {d})", path)
+    for name in ("basis_token_gram", "basis_last_token_gram"):
+        if out[name].shape != (d, d) or not np.isfinite(out[name]).all():
+            raise InputError(f"'{name}' has shape {out[name].shape} or non-finite values, expected finite ({d}, {d})",
+                             path)
+    return out
+
+
+def _read_pairs(f: h5py.File, path: str | os.PathLike, q: int, r: int) -> np.ndarray:
+    """The canonical Gram (q r, q r) of a compact file, from its distinct entries (PAIRS_DATASET:
+    (q(q+1)/2, r(r+1)/2), mhla_cli.linalg.symgram), validated: format version, no 'basis_gram' beside it,
+    shape, finite values."""
+    version = int(f.attrs.get("mhla_format_version", 2))
+    if version < PAIRS_FORMAT:
+        raise InputError(f"has '{PAIRS_DATASET}' but format version {version}: the compact form exists from "
+                         f"version {PAIRS_FORMAT} on; the file is corrupted", path)
+    if "basis_gram" in f:
+        raise InputError(f"has both 'basis_gram' and '{PAIRS_DATASET}'; the file is corrupted", path)
+    K = formats.read_matrix(f, PAIRS_DATASET, path)
+    if K.shape != symgram.pairs_shape(q, r):
+        raise InputError(f"'{PAIRS_DATASET}' has shape {K.shape}, expected {symgram.pairs_shape(q, r)} (the "
+                         f"distinct entries of a ({q * r}, {q * r}) Gram)", path)
+    if not formats.all_finite(K):
+        raise InputError(f"'{PAIRS_DATASET}' contains NaN or Inf; the file is corrupted", path)
+    return symgram.gram_from_pairs(K, q, r)
+
+
+def _is_symmetric(a: np.ndarray, tile: int = 512) -> bool:
+    """a == a.T up to SYMMETRY_TOL of its largest entry (checked tile by tile: no psi x psi temporaries)."""
+    if not a.size:
+        return True
+    n = a.shape[0]
+    top = diff = 0.0
+    for i0 in range(0, n, tile):
+        i1 = min(n, i0 + tile)
+        for j0 in range(i0, n, tile):
+            j1 = min(n, j0 + tile)
+            upper, lower = a[i0:i1, j0:j1], a[j0:j1, i0:i1]
+            top = max(top, float(np.abs(upper).max()), float(np.abs(lower).max()))
+            diff = max(diff, float(np.abs(upper - lower.T).max()))
+    return diff <= SYMMETRY_TOL * top
+
+class _Derived:
+    """`Features.gram` to be derived from the basis sums when first used (`Features.finalize`)."""
+
+    def __repr__(self) -> str:
+        return "<gram derived from the basis sums when used>"
+
+    def __reduce__(self) -> str:
+        return "_DERIVED"  # unpickled as the module's one instance (`_get_gram` tests identity)
+
+
+_DERIVED = _Derived()
+
+
+class StoredGram:
+    """The 'gram' dataset of a features file: validated when the file was loaded (tile by tile),
+    read when first used (certify and fit never need it)."""
+
+    def __init__(self, path: str | os.PathLike, psi: int) -> None:
+        self.path = str(path)
+        self.abspath = os.path.abspath(path)
+        self.psi = psi
+        self.stamp = _stamp(self.abspath)
+
+    def __repr__(self) -> str:
+        return f"<gram stored in {self.path}>"
+
+    def read(self) -> np.ndarray:
+        if _stamp(self.abspath) != self.stamp:
+            raise InputError("changed since its statistics were loaded (its 'gram' is read when first "
+                             "used); run the command again", self.path)
+        with formats.open_input(self.abspath) as f:
+            gram = formats.read_matrix(f, "gram", self.path)
+        if gram.shape != (self.psi, self.psi):
+            raise InputError(f"'gram' has shape {gram.shape}, expected ({self.psi}, {self.psi})", self.path)
+        return gram
+
+
+def _stamp(path: str) -> tuple[int, ...] | None:
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return (st.st_size, st.st_mtime_ns, st.st_ino, st.st_dev)
+
+
+def _stored_gram(f: h5py.File, path: str | os.PathLike, d: int, psi: int) -> StoredGram:
+    """Validate the stored own gram without holding it (shape, finite, symmetric); read when used."""
+    ds = formats.dataset(f, "gram", path)
+    if ds.shape != (psi, psi):
+        formats.read_array(f, "gram", path)  # its NaN / Inf are reported first, as they always were
+        raise InputError(f"'gram' has shape {ds.shape}, expected (psi, psi) = ({psi}, {psi}) for d = {d}", path)
+    formats.check_stored_symmetric(f, "gram", path)
+    return StoredGram(path, psi)
