@@ -137,6 +137,21 @@ def test_a_job_that_fits_runs(files: tuple[Path, Path], monkeypatch: pytest.Monk
     assert feats.d == 3 and np.isfinite(feats.gram).all()
 
 
+def test_loading_features_is_refused_up_front(files: tuple[Path, Path], monkeypatch: pytest.MonkeyPatch) -> None:
+    """memory.check_load (the policy features_file.expect_features applies before reading): the psi x psi
+    basis_gram, or only the stored block on the data's spans, plus a compact file's distinct entries."""
+    _, feats = files
+    monkeypatch.setattr(memory, "_available_memory", lambda: memory.load_bytes(2) + 1)
+    with pytest.raises(InputError, match=r"d = 3 needs psi = 18 features .* GiB for loading the statistics, "
+                                         r".*largest d that fits is 2") as exc:
+        Features.load(feats)
+    assert Path(exc.value.path) == feats
+    memory.check_load(3, block=4)  # a block of 4 features fits
+    with pytest.raises(InputError, match="for loading the statistics"):
+        memory.check_load(3, block=4, pairs_bytes=memory.load_bytes(3))
+    assert memory.merge_bytes(3) == 4 * memory.matrix_bytes(3) + memory.SLACK_BYTES
+
+
 # ------------------------------------------------------------- one psi x psi array per load
 
 

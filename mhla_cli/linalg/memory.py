@@ -10,7 +10,9 @@ pass ((psi + d)^2 with targets) and its chunk buffers, plus SLACK_BYTES for the 
 - certify / fit of a features file: `basis_gram` (the stored own `gram` is validated tile by tile
   and read only when a consumer needs it) plus what the factorization of Lambda~ holds
   (`SOLVE_COPIES`, measured on mhla_cli.solve.solve / factorization);
-- certify / fit of a tokens file: the larger of the pass and the solve.
+- certify / fit of a tokens file: the larger of the pass and the solve;
+- loading a features file (`check_load`): `basis_gram` (or the block on the data's spans) and, for a
+  compact file, its distinct entries; `mhla merge`: two such sums and their own grams (`merge_bytes`).
 
 Wide tokens (a transformer's hidden states, D = 384..4096) are refused before anything of their size
 is allocated, whatever path the job would take (`check_floor`): even the cheapest pass over them, the
@@ -83,6 +85,11 @@ def block_featurize_bytes(n: int, d: int, chunk_bytes: int = 0, workers: int = 1
 def load_bytes(d: int) -> int:
     """Peak of loading a features file (basis_gram read in place; gram validated tile by tile)."""
     return matrix_bytes(d) + SLACK_BYTES
+
+
+def merge_bytes(d: int) -> int:
+    """Peak of `mhla merge`: the sum and the part being added, each with basis_gram and the stored own gram."""
+    return 4 * matrix_bytes(d) + SLACK_BYTES
 
 
 def check_load(d: int, block: int | None = None, pairs_bytes: int = 0,

@@ -15,7 +15,7 @@ from typing import Any
 
 from ..io import formats
 from ..errors import InputError
-from ..linalg.memory import SLACK_BYTES, check_memory, matrix_bytes
+from ..linalg.memory import check_memory, merge_bytes
 from .features import Features
 from .features_file import expect_features
 
@@ -166,9 +166,7 @@ def _describe(src: dict[str, Any]) -> str:
 def merge_features(paths: list[str | os.PathLike], allow_partial: bool = False) -> MergeResult:
     """Sum the parts after `plan_merge`; the result records the covered ranges and the source."""
     report = plan_merge(paths, allow_partial)
-    # the sum and the part being added, each with basis_gram and the stored own gram
-    check_memory(report.parts[0].d, path=report.parts[0].path, need=lambda k: 4 * matrix_bytes(k) + SLACK_BYTES,
-                 what="merge")
+    check_memory(report.parts[0].d, path=report.parts[0].path, need=merge_bytes, what="merge")
     total: Features | None = None
     for part in report.parts:
         feats = Features.load(part.path)
