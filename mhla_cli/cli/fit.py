@@ -16,7 +16,7 @@ from ..model.export import save_heads
 from ..api.learn import export_heads, fit, fit_warnings
 from ..solve.lowrank import convergence_warning, fewest_message, hit_limit
 from ..model.model import Model, load_function
-from ..solve.spectrum import UnreliableHeadCount, plot_spectrum, spectrum, text_histogram
+from ..solve.spectrum import UnreliableHeadCount, plot_spectrum, pyplot, spectrum, text_histogram
 from ..statistics.stream import check_solve_memory
 from ..io.tokens import inspect_tokens
 from .console import emit_json, fmt, load_with_progress, progress_bar, say, warn, working
@@ -206,17 +206,16 @@ def spectrum_cmd(
         check_plot_output(plot, (model_path,))
     fn = load_function(model_path)
     spec = spectrum(fn, max_iter=max_iter)
-    out = {k: v for k, v in spec.items() if k != "W"}
-    out["input"] = str(model_path)
-    if not spec["count_reliable"]:  # one warning: no count (exit 1 below)
-        warn(f"{model_path}: {spec['reason']}")
-    elif spec["converged"] is False:  # one warning: the count stands on its gap
-        warn(convergence_warning(spec["solver"], "the minimum-nuclear-norm W") + f"; the head count is kept: its "
-             f"heads stand {fmt(spec['gap'])}x above the rest")
-    count = "no reliable count of" if spec["n_outliers"] is None else str(spec["n_outliers"])
-    say(f"{model_path}: {count} head(s) above the threshold {fmt(spec['threshold'])} "
-        f"({spec['threshold_method']}); {spec['nonzero_rank']} nonzero of {len(spec['singular_values'])} "
-        f"singular values, effective rank {fmt(spec['effective_rank'])}", quiet)
+    out = {**spec.to_dict(), "input": str(model_path)}
+    if not spec.count_reliable:  # one warning: no count (exit 1 below)
+        warn(f"{model_path}: {spec.reason}")
+    elif spec.converged is False:  # one warning: the count stands on its gap
+        warn(convergence_warning(spec.solver, "the minimum-nuclear-norm W") + f"; the head count is kept: its "
+             f"heads stand {fmt(spec.gap)}x above the rest")
+    count = "no reliable count of" if spec.n_outliers is None else str(spec.n_outliers)
+    say(f"{model_path}: {count} head(s) above the threshold {fmt(spec.threshold)} "
+        f"({spec.threshold_method}); {spec.nonzero_rank} nonzero of {len(spec.singular_values)} "
+        f"singular values, effective rank {fmt(spec.effective_rank)}", quiet)
     say(text_histogram(spec), quiet)
     if plot is not None:
         plot_spectrum(spec, plot)
@@ -224,7 +223,7 @@ def spectrum_cmd(
         say(f"wrote {plot}", quiet)
     if json_out:
         emit_json(out)
-    if not spec["count_reliable"]:
+    if not spec.count_reliable:
         raise typer.Exit(1)
 
 
@@ -233,8 +232,8 @@ def check_plot_output(plot: Path, inputs: tuple[Path, ...]) -> None:
     if plot.suffix.lower() != ".png":
         raise InputError(f"--plot writes a PNG image; the suffix '{plot.suffix}' names another format: "
                          "use .png", plot)
-    # without matplotlib, plot_spectrum raises the library's InputError (with its install hint) at once
-    require_optional("matplotlib", lambda: plot_spectrum({}, plot))  # not pyplot: it would pick a backend
+    # without matplotlib, pyplot raises the library's InputError (with its install hint) at once
+    require_optional("matplotlib", pyplot)  # matplotlib, not pyplot: it would pick a backend
     formats.check_output_path(plot, inputs)
 
 
