@@ -160,9 +160,9 @@ def survey_head(wd: Path, layer: int, head: int, normalize: str, n_folds: int) -
     pred_ls = predict_file(load_function(wd / f"model_L{layer}_h{head}.h5"), heldout)
     with h5py.File(train, "r") as f:
         share = float(f.attrs["reduce_target_share"])
-    return {"layer": layer, "head": head, "n_train": total.n_samples, "n_heldout": pred_cv["n_samples"],
+    return {"layer": layer, "head": head, "n_train": total.n_samples, "n_heldout": pred_cv.n_samples,
             "n_features": total.n_features,
-            "r2_heldout": pred_cv["r2"], "r2_heldout_lstsq": pred_ls["r2"],
+            "r2_heldout": pred_cv.r2, "r2_heldout_lstsq": pred_ls.r2,
             "r2_train": cv.info["train_r2"], "r2_train_lstsq": ls.info["train_r2"],
             "ridge": cv.info["ridge"], "certify_full": bool(cert.identifiable),
             "lambda_min": float(cert.lambda_min), "target_share": share}

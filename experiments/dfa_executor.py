@@ -198,8 +198,8 @@ def run_point(Q: int, S: int, n_train: int, L: int, n_test: int, seed: int, work
     return {
         "Q": Q, "S": S, "d": d, "psi": n_features(d), "n_train": n_train, "L": L, "L_test": 4 * L,
         "n_test": n_test, "train_tokens": n_train * L, "n_samples": feats.n_samples,
-        "train": position_metrics(tr["outputs"], train, Q, S), "train_mse": tr.get("mse"),
-        "heldout": position_metrics(te["outputs"], test, Q, S), "heldout_mse": te.get("mse"),
+        "train": position_metrics(tr.outputs, train, Q, S), "train_mse": tr.mse,
+        "heldout": position_metrics(te.outputs, test, Q, S), "heldout_mse": te.mse,
         "closed_loop": loop,
         "cert_full": {"identifiable": cert_full.identifiable, "rank": cert_full.rank, "n_features": cert_full.n_features,
                       "span_features": cert_full.span_features},

@@ -318,7 +318,7 @@ def test_predict_causal_progress_moves_within_a_span(tmp_path: Path, monkeypatch
     fn = load_function(model)
     a = predict_file(fn, data, causal=True, progress=lambda n: None)
     b = predict_file(fn, data, causal=True, chunk_size=7)  # the blocks change no value
-    assert np.array_equal(a["outputs"], b["outputs"]) and a["mse"] == pytest.approx(b["mse"], rel=1e-12)
+    assert np.array_equal(a.outputs, b.outputs) and a.mse == pytest.approx(b.mse, rel=1e-12)
 
 
 # Every command with --json, on a missing input (exit 2): one error object naming the input.

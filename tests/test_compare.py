@@ -10,7 +10,7 @@ import pytest
 
 from mhla_cli.model import synthetic
 from mhla_cli.cli import run
-from mhla_cli.model.compare import compare
+from mhla_cli.model.compare import Distance, compare, function_distance
 from mhla_cli.model.heads import Heads
 
 
@@ -75,3 +75,14 @@ def test_rectangular_heads_compare_on_their_coef(wide: bool, monkeypatch: pytest
     assert res["same"] is False and compare(a, a)["same"] is True
     with pytest.raises(InputError, match="nothing to compare"):
         compare(a, Heads.from_arrays(rng.standard_normal((1, 3, 4)), rng.standard_normal((1, 4, 4))))
+
+
+def test_function_distance_is_a_record() -> None:
+    """function_distance returns a Distance; its to_dict holds compare's first four keys."""
+    a, b = np.ones((2, 10)), np.zeros((2, 10))
+    dist = function_distance(a, 2 * a)
+    assert isinstance(dist, Distance) and dist.distance == pytest.approx(np.sqrt(20)) and dist.relative_distance == 0.5
+    assert list(dist.to_dict()) == ["distance", "relative_distance", "norm_a", "norm_b"]
+    assert dist.to_dict() == {k: v for k, v in compare(a, 2 * a).items() if k in dist.to_dict()}
+    assert function_distance(a, b).relative_distance == float("inf") and function_distance(b, b).relative_distance == 0
+    assert repr(dist).startswith("Distance(distance=4.472")

@@ -137,8 +137,8 @@ def test_workers_and_predict_on_device(tmp_path: Path) -> None:
     model = solve.fit(a)
     pa = forward.predict_file(model, path)
     pb = forward.predict_file(model, path, device=DEV, workers=2)
-    assert relerr(pb["predictions"], pa["predictions"]) < 1e-12
-    assert abs(pb["mse"] - pa["mse"]) <= 1e-12 * pa["mse"]
+    assert relerr(pb.predictions, pa.predictions) < 1e-12
+    assert abs(pb.mse - pa.mse) <= 1e-12 * pa.mse
 
 
 @needs_torch

@@ -160,6 +160,11 @@ def test_get_set_params() -> None:
     with pytest.raises(ValueError, match="unknown parameter.*alpha"):
         est.set_params(alpha=1.0)
     assert repr(est) == "MHLA(heads=3, domain='observed')"
+    # the constructor stores exactly its parameters, by name (scikit-learn's get_params / clone read them)
+    import inspect
+
+    assert tuple(inspect.signature(MHLA.__init__).parameters)[1:] == tuple(p)
+    assert vars(MHLA(seed=3, cv=4)) == {**MHLA().get_params(), "seed": 3, "cv": 4}
 
 
 def test_bad_inputs(ragged: synthetic.Dataset) -> None:

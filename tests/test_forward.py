@@ -429,7 +429,14 @@ def test_fit_predicts_the_teacher_at_extreme_conditioning(tmp_path: Path, std: f
     with h5py.File(data, "w") as f:
         f["tokens"], f["offsets"], f["targets"] = Z, zoff, want
     res = forward.predict_file(back, data)
-    assert ratio(res["predictions"], want) < 1e-8
+    assert ratio(res.predictions, want) < 1e-8
     causal = forward.predict_file(back, data, causal=True)
-    assert ratio(causal["outputs"], want) < 1e-8  # length 1: every prefix is the sequence
+    assert ratio(causal.outputs, want) < 1e-8  # length 1: every prefix is the sequence
+    # the record: the arrays only when nothing was written, the scores when the data have targets
+    assert list(res.to_dict()) == ["n_samples", "d", "normalize", "predictions", "mse", "r2", "n_scored"]
+    assert list(causal.to_dict())[3:6] == ["predictions", "outputs", "offsets"] and res.mse < 1e-12
+    written = forward.predict_file(back, data, tmp_path / "p.h5")
+    assert written.predictions is None and list(written.to_dict()) == ["n_samples", "d", "normalize", "mse", "r2",
+                                                                      "n_scored"]
+    assert repr(written).startswith("Predictions(n_samples=")
     assert ratio(forward.predict_causal(back, Z, zoff), want) < 1e-8

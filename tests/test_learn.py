@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import h5py
 import numpy as np
 import pytest
 
@@ -91,3 +92,50 @@ def test_normalisation_is_propagated(tmp_path: Path, normalize: str) -> None:
     h = mhla_cli.export_heads(model, fewest=True)
     yhat = mhla_cli.predict(h, ds.tokens, ds.offsets)
     assert rel(yhat, ds.targets) <= 1e-8
+
+
+def test_fit_and_export_rules_are_the_librarys(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """The rules of a fit / export request live in api.learn (RequestError and its `rule`); `mhla fit` and
+    `mhla export-heads` word them in their flags (cli.fit.FLAG_WORDS): one line, exit 2, no output."""
+    from mhla_cli.api.learn import (RULES, RequestError, check_export_options, check_fit_file, check_fit_options,
+                                    check_fit_targets, needs_folds)
+    from mhla_cli.cli import run
+    from mhla_cli.cli.fit import FLAG_WORDS
+
+    assert set(FLAG_WORDS) == set(RULES)
+    assert needs_folds(ridge="auto") and needs_folds(heads="auto") and not needs_folds(0.5, 2, None)
+    for kw in ({"ridge": 0.1, "heads": 1}, {"ridge": "auto", "nuclear": 1e-3}):
+        with pytest.raises(RequestError, match="ridge penalty") as exc:
+            check_fit_options(**kw)
+        assert exc.value.rule == "ridge_with_lowrank"
+    check_fit_options(ridge=0.0, heads=2)
+    with pytest.raises(RequestError) as exc:
+        check_export_options(max_heads=2, fewest=True)
+    assert exc.value.rule == "fewest_with_max_heads"
+    ds, _ = synthetic.generate_teacher(2, 1, 60, "2:6", seed=5)
+    data, bare, feats = tmp_path / "d.h5", tmp_path / "bare.h5", tmp_path / "f.h5"
+    ds.save(data, dtype="float64")
+    with h5py.File(bare, "w") as f:
+        f["tokens"], f["offsets"] = ds.tokens, ds.offsets
+    featurize(data).save(feats)
+    with pytest.raises(InputError, match="has no 'targets'"):
+        check_fit_targets(bare)
+    with pytest.raises(RequestError) as exc:
+        check_fit_file(feats, heads="auto")
+    assert exc.value.rule == "auto_without_folds" and exc.value.path == str(feats)
+    with pytest.raises(RequestError) as exc:
+        check_fit_file(data, ridge="auto", normalize="length")
+    assert exc.value.rule == "auto_with_normalize"
+    check_fit_file(data, ridge="auto")
+    out = tmp_path / "m.h5"
+    for args, rule, path in ((["fit", str(data), "--ridge", "1", "--heads", "2"], "ridge_with_lowrank", None),
+                             (["fit", str(feats), "--nuclear", "auto"], "auto_without_folds", feats),
+                             (["fit", str(data), "--heads", "auto", "--normalize", "length"], "auto_with_normalize",
+                              None),
+                             (["export-heads", str(data), "--fewest", "--max-heads", "2"], "fewest_with_max_heads",
+                              None)):
+        capsys.readouterr()
+        assert run([*args, "-o", str(out if args[0] == "fit" else tmp_path / "h.h5")]) == 2
+        want = FLAG_WORDS[rule] if path is None else f"{path}: {FLAG_WORDS[rule]}"
+        assert capsys.readouterr().err.strip() == f"mhla: error: {want}"
+        assert not out.exists()

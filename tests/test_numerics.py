@@ -597,7 +597,7 @@ def test_cut_nonzero_singular_value() -> None:
     from mhla_cli.model.heads import p_from_W
 
     spec = spectrum(p_from_W(W), W=W)
-    assert spec["nonzero_rank"] == 2, spec["nonzero_rank"]
+    assert spec.nonzero_rank == 2, spec.nonzero_rank
 
 
 def test_cut_refinement_of_the_proof_factor() -> None:

@@ -64,7 +64,7 @@ def test_predict_workers_equal_serial(data: Path, serial: Features, tmp_path: Pa
     model = fit(serial)
     a = predict_file(model, data, tmp_path / "a.h5", all_positions=True, chunk_size=30)
     b = predict_file(model, data, tmp_path / "b.h5", all_positions=True, chunk_size=30, workers=2)
-    assert a["mse"] == pytest.approx(b["mse"], rel=1e-12)
+    assert a.mse == pytest.approx(b.mse, rel=1e-12)
     with h5py.File(tmp_path / "a.h5") as fa, h5py.File(tmp_path / "b.h5") as fb:
         for name in ("predictions", "outputs"):
             assert relerr(fb[name][()], fa[name][()]) < 1e-12, name

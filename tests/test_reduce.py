@@ -224,15 +224,15 @@ def test_unreduced_heads_predict_U_times_the_reduced_predictions(data: tuple[Pat
     U = _read(red)["reduce_U"]
     small = predict_file(load_function(model), red)
     full = predict_file(h, path)
-    want = small["predictions"] @ U.T
+    want = small.predictions @ U.T
     scale = np.abs(want).max()
-    assert np.abs(full["predictions"] - want).max() <= 1e-10 * scale
+    assert np.abs(full.predictions - want).max() <= 1e-10 * scale
     # against the targets of the original width: an MSE (E wide)
-    assert "mse" in full and full["d"] == E
+    assert full.mse is not None and full.d == E
     # every position, and causal, the same way (the reduced model's outputs mapped by U)
     for kw in ({"all_positions": True}, {"causal": True}):
         a, b = predict_file(h, path, **kw), predict_file(load_function(model), red, **kw)
-        assert np.abs(a["outputs"] - b["outputs"] @ U.T).max() <= 1e-10 * np.abs(b["outputs"]).max()
+        assert np.abs(a.outputs - b.outputs @ U.T).max() <= 1e-10 * np.abs(b.outputs).max()
     # the exports of other frameworks hold the rectangular V too
     for suffix in (".npz",):
         out = tmp_path / f"h{suffix}"

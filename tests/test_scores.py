@@ -14,6 +14,7 @@ import pytest
 from mhla_cli.model import scores
 from mhla_cli.cli import run
 from mhla_cli.api.estimator import MHLA
+from mhla_cli.model.forward import Predictions
 from mhla_cli.model.scores import SST_RESOLUTION, Spread, r2, r2_of, sst_from_sums
 from mhla_cli.statistics.stream import Features
 
@@ -183,12 +184,12 @@ def test_causal_per_position_predict_r2(tmp_path: Path, capsys: pytest.CaptureFi
     model = tmp_path / "m.h5"
     fit = cli_json(capsys, "fit", str(data), "-o", str(model))
     res = forward_predict_file(model, data)
-    want = np_r2(res["outputs"], ds.targets)
-    assert res["r2"] == pytest.approx(want, rel=1e-12)
+    want = np_r2(res.outputs, ds.targets)
+    assert res.r2 == pytest.approx(want, rel=1e-12)
     assert fit["train_r2"] == pytest.approx(want, rel=1e-9)
 
 
-def forward_predict_file(model: Path, data: Path) -> dict:
+def forward_predict_file(model: Path, data: Path) -> Predictions:
     from mhla_cli.model.forward import predict_file
     from mhla_cli.model.model import load_function
 

@@ -68,10 +68,13 @@ def test_noise_free_teacher_is_exactly_low_rank() -> None:
     ds, teacher = synthetic.generate_teacher(4, 2, 200, 8, seed=2)
     m = fit(chunk_features(ds.tokens, ds.offsets, ds.targets, 4))
     sp = spectrum(m)
-    assert sp["threshold_method"] == "exact-low-rank"
-    assert sp["n_outliers"] == 2 and sp["nonzero_rank"] == 2
-    assert sp["relative_function_error"] < 1e-12
-    assert sp["nonzero_rank"] < generic_rank(4) == 7
+    assert sp.threshold_method == "exact-low-rank"
+    assert sp.n_outliers == 2 and sp.nonzero_rank == 2
+    assert sp.relative_function_error < 1e-12
+    assert sp.nonzero_rank < generic_rank(4) == 7
+    rec = sp.to_dict()  # the `mhla spectrum --json` record: every field but W
+    assert "W" not in rec and rec["n_outliers"] == 2 and rec["singular_values"] == sp.singular_values
+    assert repr(sp).startswith("Spectrum(d=4, n_outliers=2,") and "singular_values" not in repr(sp)
 
 
 def test_effective_rank() -> None:
@@ -154,7 +157,7 @@ def _never_a_wrong_count(model: Path, heads: int, tmp_path: Path, capsys: pytest
         assert code == 0 and out2["n_heads"] == heads == Heads.load(h).n_heads
     # with enough iterations the solver converges and the count is the teacher's
     spec = spectrum(__import__("mhla_cli").model.Model.load(model), max_iter=40000)
-    assert spec["converged"] is True and spec["n_outliers"] == heads
+    assert spec.converged is True and spec.n_outliers == heads
 
 
 def test_issue_two_head_teacher_d6_count_is_never_silently_wrong(tmp_path: Path,

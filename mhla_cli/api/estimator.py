@@ -132,18 +132,9 @@ class MHLA:
                  domain: str = "full", normalize: str = "none", per_position: bool = False,
                  weight_decay: float = 0.0, restarts: int = 10, seed: int = 0, min_eig: float = 0.0,
                  cv: int = 5, device: str = "cpu") -> None:
-        self.ridge = ridge
-        self.heads = heads
-        self.nuclear = nuclear
-        self.domain = domain
-        self.normalize = normalize
-        self.per_position = per_position
-        self.weight_decay = weight_decay
-        self.restarts = restarts
-        self.seed = seed
-        self.min_eig = min_eig
-        self.cv = cv
-        self.device = device
+        given = locals()
+        for name in _PARAMS:  # scikit-learn's convention: every parameter stored as given, under its name
+            setattr(self, name, given[name])
 
     # ------------------------------------------------------------------ parameters
     def get_params(self, deep: bool = True) -> dict[str, Any]:

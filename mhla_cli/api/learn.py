@@ -8,8 +8,11 @@ outliers (`max_heads="auto"`), or the fewest heads computing the same function (
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
+from ..io import formats
+from ..io.tokens import inspect_tokens
 from ..model import heads as heads_mod
 from ..solve import lowrank
 from ..solve import ridge_cv
@@ -19,7 +22,64 @@ from ..solve import spectrum
 from ..errors import InputError
 from ..model.heads import Heads
 from ..model.model import Model
-from ..statistics.stream import Features
+from ..statistics.folds import load_folds
+from ..statistics.stream import Features, check_solve_memory
+
+
+class RequestError(InputError):
+    """A request `fit` or `export_heads` refuses before any work; `rule` names the rule it breaks
+    (`RULES`), so that a caller can word it in its own options (the CLI in its flags)."""
+
+    def __init__(self, rule: str, path: str | os.PathLike | None = None) -> None:
+        super().__init__(RULES[rule], path)
+        self.rule = rule
+
+
+# The rules of a fit / export request, in the library's words (keyword names).
+RULES = {
+    "ridge_with_lowrank": "the ridge penalty applies to the least-squares fit; the low-rank fits take weight_decay",
+    "auto_without_folds": "has no per-fold statistics, which 'auto' needs (write them with featurize_folds and "
+                          "save_with_folds, or fit the tokens file directly)",
+    "auto_with_normalize": "'auto' with a normalisation: featurize the folds with it first (featurize_folds(..., "
+                           "normalize=...)), then fit those statistics",
+    "fewest_with_max_heads": "fewest and max_heads cannot be combined",
+}
+
+
+def needs_folds(ridge: float | str = 0.0, heads: int | str | None = None, nuclear: float | str | None = None
+                ) -> bool:
+    """Whether a fit chooses by cross-validation ('auto' anywhere): it needs per-fold statistics."""
+    return "auto" in (ridge, heads, nuclear)
+
+
+def check_fit_options(ridge: float | str = 0.0, heads: int | str | None = None,
+                      nuclear: float | str | None = None) -> None:
+    """The ridge penalty belongs to least squares: RequestError("ridge_with_lowrank") with heads or nuclear."""
+    if (heads is not None or nuclear is not None) and (ridge == "auto" or ridge > 0):
+        raise RequestError("ridge_with_lowrank")
+
+
+def check_fit_targets(data: str | os.PathLike) -> None:
+    """A tokens file must have targets to be fitted (a features file is checked by `fit`)."""
+    if formats.kind_of(data) == "tokens" and not inspect_tokens(data).has_targets:
+        raise InputError("has no 'targets': fit needs (X, y) pairs", data)
+
+
+def check_fit_file(data: str | os.PathLike, ridge: float | str = 0.0, heads: int | str | None = None,
+                   nuclear: float | str | None = None, normalize: str | None = None,
+                   chunk_size: int | None = None) -> None:
+    """Refuse before any work a fit of the file `data` that cannot run: the options (`check_fit_options`),
+    its memory (statistics.stream.check_solve_memory), and for 'auto' the folds it needs (a features file
+    without them) and a normalisation that only a featurize with folds can apply."""
+    check_fit_options(ridge, heads, nuclear)
+    # 'auto': the folds' eigendecompositions need about a ridge solve's memory
+    check_solve_memory(data, "fit", ridge=1.0 if ridge == "auto" else ridge,
+                       lowrank=heads is not None or nuclear is not None, chunk_size=chunk_size)
+    if needs_folds(ridge, heads, nuclear):
+        if formats.kind_of(data) == "features" and load_folds(data) is None:
+            raise RequestError("auto_without_folds", data)
+        if normalize not in (None, "none"):
+            raise RequestError("auto_with_normalize")
 
 
 def fit(feats: Features, ridge: float | str = 0.0, heads: int | str | None = None,
@@ -33,9 +93,7 @@ def fit(feats: Features, ridge: float | str = 0.0, heads: int | str | None = Non
     records the normalisation of the statistics. `device` (mhla_cli.linalg.device): where the least-squares
     factorization runs (the low-rank fits run on the CPU).
     """
-    if ridge == "auto" and (heads is not None or nuclear is not None):
-        raise InputError("the ridge penalty applies to the least-squares fit; the low-rank fits take "
-                         "weight_decay")
+    check_fit_options(ridge, heads, nuclear)
     if heads is None and nuclear is None:
         cv = None
         if ridge == "auto":
@@ -53,9 +111,6 @@ def fit(feats: Features, ridge: float | str = 0.0, heads: int | str | None = Non
             model.info["identifiable_observed"] = (min(B.shape[1], C.shape[1]) < feats.d
                                                    and solve.certify(feats, domain="observed", device=device).identifiable)
     else:
-        if ridge > 0:
-            raise InputError("the ridge penalty applies to the least-squares fit; the low-rank fits take "
-                             "weight_decay")
         model = lowrank.fit_model(feats, heads=heads, nuclear=nuclear, weight_decay=weight_decay,
                                   restarts=restarts, seed=seed, folds=folds)
     model.info["normalize"] = feats.normalize
@@ -97,6 +152,12 @@ def fit_warnings(info: dict[str, Any], ridge_name: str = "a ridge penalty") -> l
 ILL_CONDITIONED = 1e10
 
 
+def check_export_options(max_heads: int | str | None = None, fewest: bool = False) -> None:
+    """fewest=True finds its own count: RequestError("fewest_with_max_heads") with max_heads."""
+    if fewest and max_heads is not None:
+        raise RequestError("fewest_with_max_heads")
+
+
 def export_heads(model: Model, tol: float = 1e-12, max_heads: int | str | None = None,
                  fewest: bool = False) -> Heads:
     """Heads computing `model`'s function (or its strongest part).
@@ -105,8 +166,7 @@ def export_heads(model: Model, tol: float = 1e-12, max_heads: int | str | None =
     heads; max_heads="auto": the heads that stand out of the spectrum's noise; fewest=True: the fewest
     heads that compute the same function (verified to 1e-8; `info` says whether the count is proven).
     """
-    if fewest and max_heads is not None:
-        raise InputError("fewest and max_heads cannot be combined")
+    check_export_options(max_heads, fewest)
     if fewest:
         heads = lowrank.fewest_heads(model.coef)
     elif max_heads == "auto":

@@ -115,18 +115,12 @@ def run(argv: list[str] | None = None) -> int:
     """
     args = list(sys.argv[1:] if argv is None else argv)
     if args == ["--version"]:  # without typer, NumPy or h5py: paid by scripts that check the version
-        try:
-            sys.stdout.write(f"mhla {__version__}\n")
-            sys.stdout.flush()
-        except BrokenPipeError:
-            pass
-        return 0
+        return _print_version()
     import typer
 
     from ..errors import InputError
     from ..signals import Interrupted, check_interrupted, sigterm_as_exception
     from .console import emit_error_json, start_json_run
-    from .help import note_first_path
 
     start_json_run(args)  # and the command line for the outputs' provenance, set when a command runs
     try:
@@ -140,14 +134,9 @@ def run(argv: list[str] | None = None) -> int:
     except InputError as exc:
         return _error(str(exc), 2, exc.path)
     except Interrupted as exc:
-        msg = "interrupted" if exc.signum == signal.SIGINT else "terminated"
-        _say_stderr(f"mhla: {msg}")
-        emit_error_json(msg, 128 + int(exc.signum))
-        return 128 + int(exc.signum)
-    except KeyboardInterrupt:
-        _say_stderr("mhla: interrupted")
-        emit_error_json("interrupted", 130)
-        return 130
+        return _interrupted("interrupted" if exc.signum == signal.SIGINT else "terminated", 128 + int(exc.signum))
+    except (KeyboardInterrupt, typer.Abort):
+        return _interrupted("interrupted", 130)
     except MemoryError:
         return _error("out of memory: use a smaller --chunk-size or a machine with more memory")
     except BrokenPipeError:
@@ -157,27 +146,53 @@ def run(argv: list[str] | None = None) -> int:
         except OSError:
             pass
         return 0
-    except typer.Abort:
-        _say_stderr("mhla: interrupted")
-        emit_error_json("interrupted", 130)
-        return 130
     except Exception as exc:  # noqa: BLE001
-        # Usage errors from typer's parser carry exit_code and format_message (typer's bundled click).
-        if hasattr(exc, "format_message") and hasattr(exc, "exit_code"):
-            if type(exc).__name__ == "NoArgsIsHelpError":
-                emit_error_json("no arguments: the help was printed", 2)
-                return 2  # typer has already printed the help
-            msg = exc.format_message()
-            ctx = getattr(exc, "ctx", None)
-            note_first_path(ctx)  # the input parsed before the bad option, for the --json error object
-            if ctx is not None:
-                sub = ctx.command_path.replace("mhla", "", 1).strip()
-                msg = f"{sub}: {msg}" if sub else msg
-            return _error(msg, 2)
-        if os.environ.get("MHLA_DEBUG"):
-            raise
-        if isinstance(exc, OSError) and getattr(exc, "filename", None):
-            # An operating-system error on a named file (permissions, I/O error, ...).
-            return _error(f"{exc.filename}: {exc.strerror or exc}", 2, str(exc.filename))
-        return _error(f"internal error: {type(exc).__name__}: {exc} (set MHLA_DEBUG=1 for a traceback; "
-                      "please report it)", 3)
+        return _unexpected(exc)
+
+
+def _print_version() -> int:
+    """`mhla --version` on its own."""
+    try:
+        sys.stdout.write(f"mhla {__version__}\n")
+        sys.stdout.flush()
+    except BrokenPipeError:
+        pass
+    return 0
+
+
+def _interrupted(msg: str, code: int) -> int:
+    """A run ended by a signal: ``mhla: interrupted`` (or terminated) on stderr, the error object for --json."""
+    from .console import emit_error_json
+
+    _say_stderr(f"mhla: {msg}")
+    emit_error_json(msg, code)
+    return code
+
+
+def _unexpected(exc: Exception) -> int:
+    """The exit code of an exception no command mapped: typer's usage errors (2, with the command named), an
+    operating-system error on a named file (2), anything else an internal error (3; MHLA_DEBUG=1 raises it).
+    Called while `exc` is being handled."""
+    from .help import note_first_path
+
+    # Usage errors from typer's parser carry exit_code and format_message (typer's bundled click).
+    if hasattr(exc, "format_message") and hasattr(exc, "exit_code"):
+        if type(exc).__name__ == "NoArgsIsHelpError":
+            from .console import emit_error_json
+
+            emit_error_json("no arguments: the help was printed", 2)
+            return 2  # typer has already printed the help
+        msg = exc.format_message()
+        ctx = getattr(exc, "ctx", None)
+        note_first_path(ctx)  # the input parsed before the bad option, for the --json error object
+        if ctx is not None:
+            sub = ctx.command_path.replace("mhla", "", 1).strip()
+            msg = f"{sub}: {msg}" if sub else msg
+        return _error(msg, 2)
+    if os.environ.get("MHLA_DEBUG"):
+        raise exc
+    if isinstance(exc, OSError) and getattr(exc, "filename", None):
+        # An operating-system error on a named file (permissions, I/O error, ...).
+        return _error(f"{exc.filename}: {exc.strerror or exc}", 2, str(exc.filename))
+    return _error(f"internal error: {type(exc).__name__}: {exc} (set MHLA_DEBUG=1 for a traceback; "
+                  "please report it)", 3)

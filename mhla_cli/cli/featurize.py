@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 import typer
 
@@ -13,7 +13,7 @@ from ..feature_map import check_normalize
 from ..statistics.folds import featurize_folds, save_with_folds
 from ..statistics.merge import merge_features
 from ..statistics.parallel import make_map
-from ..statistics.stream import check_spans, featurize, shard_span
+from ..statistics.stream import Features, check_spans, featurize, shard_span
 from ..io.tokens import inspect_tokens
 from .console import emit_json, fmt, progress_bar, say, warn
 from .options import (ChunkOpt, DeviceOpt, JsonOpt, NormalizeOpt, OutOpt, QuietOpt, check_hdf5_output, parse_shard,
@@ -71,45 +71,59 @@ def featurize_cmd(
     check_hdf5_output(output, (data,), "a features file")
     if scheduler is not None:
         require_dask(scheduler)
-    info = inspect_tokens(data)
-    shard_t = parse_shard(shard)
-    lo, hi = shard_span(info.n_samples, shard_t, data)
-    total = hi - lo
-    with progress_bar("featurize", total, quiet) as advance:
-        if folds is not None:
-            if shard_t is not None:
-                raise InputError("--folds and --shard cannot be combined")
-            feats, fold_feats = featurize_folds(data, folds, chunk_size=chunk_size, progress=advance, **parallel)
-        else:
-            feats = featurize(data, chunk_size=chunk_size, shard=shard_t, progress=advance, spans=check_spans(spans),
-                              device=dev,
-                              **parallel)
-    if folds is not None:
+    feats, fold_feats = _featurize(data, shard, folds, chunk_size, spans, dev, parallel, quiet)
+    if fold_feats is not None:
         save_with_folds(feats, fold_feats, output, inputs=(data,))
     else:
         feats.save(output, inputs=(data,), compact=compact)
+    _say_featurize(feats, output, quiet)
+    if json_out:
+        emit_json(_featurize_record(feats, output, compact))
+
+
+def _featurize(data: Path, shard: str | None, folds: int | None, chunk_size: int | None, spans: str,
+               device: str | None, parallel: dict[str, Any], quiet: bool) -> tuple[Features, list[Features] | None]:
+    """The statistics of `data` (of its --shard i/M), with the per-fold statistics for --folds, under a
+    progress bar."""
+    info = inspect_tokens(data)
+    shard_t = parse_shard(shard)
+    lo, hi = shard_span(info.n_samples, shard_t, data)
+    with progress_bar("featurize", hi - lo, quiet) as advance:
+        if folds is None:
+            return featurize(data, chunk_size=chunk_size, shard=shard_t, progress=advance, spans=check_spans(spans),
+                             device=device, **parallel), None
+        if shard_t is not None:
+            raise InputError("--folds and --shard cannot be combined")
+        return featurize_folds(data, folds, chunk_size=chunk_size, progress=advance, **parallel)
+
+
+def _say_featurize(feats: Features, output: Path, quiet: bool) -> None:
+    """What `mhla featurize` says of the statistics it wrote (and of a redone pass, and of the spans' block)."""
     psi = feats.n_features
     say(f"wrote {output}: d = {feats.d}, psi = {psi} features, N = {feats.n_samples} "
         + ("positions (causal)" if feats.per_position else "samples") + f", {feats.n_tokens} tokens"
         + ("" if feats.has_targets else " (no targets)")
         + (", S normalised by length" if feats.normalize == "length" else ""), quiet)
-    passes = int(feats.extra_attrs.get("basis_passes", 1))
-    if passes > 1:
+    if int(feats.extra_attrs.get("basis_passes", 1)) > 1:
         say(f"  the basis estimated from a sample of the file did not whiten all its tokens (correction cond "
             f"{fmt(feats.extra_attrs['basis_correction_cond'])}): the pass was redone in the whitening of all "
             "the tokens", quiet)
-    block = feats.basis_gram.shape[0] if feats.reduced else psi
     if feats.reduced:
-        say(f"  only the block on the data's spans was accumulated: {block} of {psi} features (the S matrices span "
-            f"{feats.span_pairs.shape[1]} of {psi // feats.d} dimensions, the last tokens {feats.span_last.shape[1]} "
-            f"of {feats.d}; the other features are exact nulls; --spans off keeps them all)", quiet)
-    if json_out:
-        emit_json({"output": str(output), "d": feats.d, "n_features": psi, "span_features": block,
-                   "span_passes": int(feats.extra_attrs.get("span_passes", 0)), "n_samples": feats.n_samples,
-                   "n_tokens": feats.n_tokens, "has_targets": feats.has_targets,
-                   "per_position": feats.per_position, "normalize": feats.normalize,
-                   "n_sequences": feats.n_sequences, "basis_passes": passes, "compact": compact,
-                   "sample_range": list(feats.sample_range) if feats.sample_range else None})
+        say(f"  only the block on the data's spans was accumulated: {feats.basis_gram.shape[0]} of {psi} features (the "
+            f"S matrices span {feats.span_pairs.shape[1]} of {psi // feats.d} dimensions, the last tokens "
+            f"{feats.span_last.shape[1]} of {feats.d}; the other features are exact nulls; --spans off keeps them all)",
+            quiet)
+
+
+def _featurize_record(feats: Features, output: Path, compact: bool) -> dict[str, Any]:
+    """The `mhla featurize --json` record."""
+    return {"output": str(output), "d": feats.d, "n_features": feats.n_features,
+            "span_features": feats.basis_gram.shape[0] if feats.reduced else feats.n_features,
+            "span_passes": int(feats.extra_attrs.get("span_passes", 0)), "n_samples": feats.n_samples,
+            "n_tokens": feats.n_tokens, "has_targets": feats.has_targets,
+            "per_position": feats.per_position, "normalize": feats.normalize,
+            "n_sequences": feats.n_sequences, "basis_passes": int(feats.extra_attrs.get("basis_passes", 1)),
+            "compact": compact, "sample_range": list(feats.sample_range) if feats.sample_range else None}
 
 
 def merge_cmd(

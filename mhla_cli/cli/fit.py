@@ -2,22 +2,26 @@
 
 from __future__ import annotations
 
+import contextlib
 import time
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 
 from ..io import formats
 from ..linalg.device import check_device
 from ..errors import InputError
-from ..statistics.folds import load_folds, load_for_cv
+from ..statistics.folds import load_for_cv
 from ..model.export import save_heads
-from ..api.learn import export_heads, fit, fit_warnings
+from ..model.heads import Heads
+from ..api.learn import (RequestError, check_export_options, check_fit_file, check_fit_targets, export_heads, fit,
+                         fit_warnings, needs_folds)
 from ..solve.lowrank import convergence_warning, fewest_message, hit_limit
 from ..model.model import Model, load_function
-from ..solve.spectrum import UnreliableHeadCount, plot_spectrum, spectrum, text_histogram
-from ..statistics.stream import check_solve_memory
+from ..solve.spectrum import UnreliableHeadCount, plot_spectrum, pyplot, spectrum, text_histogram
+from ..statistics.stream import Features
 from ..io.tokens import inspect_tokens
 from .console import emit_json, fmt, load_with_progress, progress_bar, say, warn, working
 from .options import (ChunkOpt, DeviceOpt, about, JsonOpt, NormalizeOpt, OutOpt, QuietOpt, check_heads_output, check_hdf5_output,
@@ -59,31 +63,12 @@ def fit_cmd(
     """
     check_hdf5_output(output, (data,), "a model file")
     dev = check_device(device, data)
-    if formats.kind_of(data) == "tokens" and not inspect_tokens(data).has_targets:
-        raise InputError("has no 'targets': fit needs (X, y) pairs", data)
+    check_fit_targets(data)
     h, lam = parse_auto(heads, "--heads", int), parse_auto(nuclear, "--nuclear", float)
     r = parse_auto(ridge, "--ridge", float)
-    lowrank_fit = h is not None or lam is not None
-    if lowrank_fit and r != 0:
-        raise InputError("--ridge applies to the least-squares fit; use --weight-decay with --heads")
-    # 'auto': the folds' eigendecompositions need about a ridge solve's memory
-    check_solve_memory(data, "fit", ridge=1.0 if r == "auto" else r, lowrank=lowrank_fit, chunk_size=chunk_size)
-    if "auto" in (h, lam, r):
-        if formats.kind_of(data) == "features" and load_folds(data) is None:
-            raise InputError("has no per-fold statistics, which 'auto' needs: make them with "
-                             "`mhla featurize DATA -o FEATS --folds K`, or fit the tokens file directly", data)
-        if normalize not in (None, "none"):
-            raise InputError("'auto' with --normalize: featurize first, e.g. `mhla featurize DATA -o FEATS "
-                             "--folds 5 --normalize length`, then fit FEATS")
-
-        t0 = time.perf_counter()
-        with progress_bar("featurize", inspect_tokens(data).n_samples
-                          if formats.kind_of(data) == "tokens" else 0, quiet) as advance:
-            feats, fold_feats = load_for_cv(data, chunk_size=chunk_size, progress=advance)
-        load_seconds = {"load": time.perf_counter() - t0}
-    else:
-        feats, _, load_seconds = load_with_progress(data, chunk_size, quiet, normalize, dev)
-        fold_feats = None
+    with in_flags():
+        check_fit_file(data, ridge=r, heads=h, nuclear=lam, normalize=normalize, chunk_size=chunk_size)
+    feats, fold_feats, load_seconds = _load_for_fit(data, needs_folds(r, h, lam), chunk_size, quiet, normalize, dev)
     with working(f"fit: solving on the canonical Lambda~ ({feats.n_features} features)", quiet):
         with about(data):  # e.g. a features file without targets
             model = fit(feats, ridge=r, heads=h, nuclear=lam, weight_decay=weight_decay, restarts=restarts,
@@ -92,6 +77,48 @@ def fit_cmd(
     info = dict(model.info)
     info["output"] = str(output)
     info["seconds"] = {**load_seconds, **info.get("seconds", {})}
+    _say_fit(info, output, h is not None or lam is not None, quiet)
+    for w in fit_warnings(info, ridge_name="--ridge"):
+        warn(w)
+    if json_out:
+        emit_json(info)
+
+
+# The library's rules of a fit or export request (api.learn.RULES) in the words of the flags.
+FLAG_WORDS = {
+    "ridge_with_lowrank": "--ridge applies to the least-squares fit; use --weight-decay with --heads",
+    "auto_without_folds": "has no per-fold statistics, which 'auto' needs: make them with "
+                          "`mhla featurize DATA -o FEATS --folds K`, or fit the tokens file directly",
+    "auto_with_normalize": "'auto' with --normalize: featurize first, e.g. `mhla featurize DATA -o FEATS "
+                           "--folds 5 --normalize length`, then fit FEATS",
+    "fewest_with_max_heads": "--fewest and --max-heads cannot be combined",
+}
+
+
+@contextlib.contextmanager
+def in_flags() -> Iterator[None]:
+    """A RequestError of the library raised again in the words of the flags (FLAG_WORDS), same file."""
+    try:
+        yield
+    except RequestError as exc:
+        raise InputError(FLAG_WORDS[exc.rule], exc.path) from None
+
+
+def _load_for_fit(data: Path, folds: bool, chunk_size: int | None, quiet: bool, normalize: str | None,
+                  device: str | None) -> tuple[Features, list[Features] | None, dict[str, float]]:
+    """The statistics of `data`, with their per-fold statistics when `folds` ('auto'), and the seconds."""
+    if not folds:
+        feats, _, load_seconds = load_with_progress(data, chunk_size, quiet, normalize, device)
+        return feats, None, load_seconds
+    t0 = time.perf_counter()
+    with progress_bar("featurize", inspect_tokens(data).n_samples
+                      if formats.kind_of(data) == "tokens" else 0, quiet) as advance:
+        feats, fold_feats = load_for_cv(data, chunk_size=chunk_size, progress=advance)
+    return feats, fold_feats, {"load": time.perf_counter() - t0}
+
+
+def _say_fit(info: dict[str, Any], output: Path, lowrank_fit: bool, quiet: bool) -> None:
+    """What `mhla fit` says of the model it wrote: its train MSE and conditioning, the low-rank fit, the CV."""
     if info["train_mse"] <= info["mse_resolution"]:
         mse_text = (f"train MSE ~ 0 (below the {fmt(info['mse_resolution'])} float64 resolution of the "
                     "statistics; `mhla predict` gives the exact value)")
@@ -110,10 +137,6 @@ def fit_cmd(
         cv = info["ridge_cv"]
         say(f"  --ridge auto: {cv['n_folds']}-fold CV chose ridge {fmt(cv['chosen'])} (held-out MSE "
             f"{fmt(cv['cv_mse'])}; least squares {fmt(cv['least_squares_cv_mse'])})", quiet)
-    for w in fit_warnings(info, ridge_name="--ridge"):
-        warn(w)
-    if json_out:
-        emit_json(info)
 
 
 def export_heads_cmd(
@@ -144,8 +167,8 @@ def export_heads_cmd(
     """
     check_heads_output(output, (model_path,))  # the suffix names the format: an unknown one is refused
     mh = parse_auto(max_heads, "--max-heads", int)
-    if fewest and mh is not None:
-        raise InputError("--fewest and --max-heads cannot be combined")
+    with in_flags():
+        check_export_options(mh, fewest)
     red = None
     if unreduce is not None:
         from ..model.reduce import load_reduction
@@ -164,27 +187,40 @@ def export_heads_cmd(
 
         heads = unreduce_heads(heads, red, unreduce)
     save_heads(heads, output, inputs=(model_path,) + ((unreduce,) if unreduce is not None else ()))
+    out = _export_record(heads, output, unreduce, fewest, mh == "auto")
+    _say_export(heads, out, unreduce, fewest, mh == "auto", quiet)
+    if json_out:
+        emit_json(out)
+
+
+def _export_record(heads: Heads, output: Path, unreduce: Path | None, fewest: bool, auto: bool) -> dict[str, Any]:
+    """The `mhla export-heads --json` record of the heads written to `output` (with the search's or the
+    spectrum's numbers for --fewest / --max-heads auto)."""
     out = {"output": str(output), "n_heads": heads.n_heads, "d": heads.d, "d_out": heads.d_out,
            "unreduced": None if unreduce is None else str(unreduce),
            "relative_function_error": heads.info["relative_function_error"],
            "singular_values": heads.info["singular_values"]}
-    if fewest or mh == "auto":
+    if fewest or auto:
         keys = ("rel_error", "lower_bound", "proven_minimal", "starts_tried", "starts_per_head_count", "best_error",
                 "lower_bound_info") if fewest else ("threshold", "threshold_method")
         out.update({k: heads.info[k] for k in keys}, converged=(heads.info["solver"] or {}).get("converged"),
                    solver=heads.info["solver"])
+    return out
+
+
+def _say_export(heads: Heads, out: dict[str, Any], unreduce: Path | None, fewest: bool, auto: bool,
+                quiet: bool) -> None:
+    """What `mhla export-heads` says of the heads it wrote, and the warning of a solver at its limit."""
     shape = f"d = {heads.d}" if heads.d_out == heads.d else f"d = {heads.d} -> d_out = {heads.d_out}"
     back = f" (in the coordinates of {unreduce} before mhla reduce)" if unreduce is not None else ""
-    say(f"wrote {output}: {heads.n_heads} heads of {shape}{back}; relative function change "
+    say(f"wrote {out['output']}: {heads.n_heads} heads of {shape}{back}; relative function change "
         f"||p_kept - p|| / ||p|| = {fmt(out['relative_function_error'])}", quiet)
     if fewest:
         say(f"  {fewest_message(heads.info)}", quiet)
-    if (fewest or mh == "auto") and hit_limit(heads.info["solver"]):
+    if (fewest or auto) and hit_limit(heads.info["solver"]):
         warn(convergence_warning(heads.info["solver"], "the minimum-nuclear-norm W")
              + ("; it only seeds the search, the heads are verified" if fewest else
                 f"; the outlier count is kept: its heads stand {fmt(heads.info.get('gap'))}x above the rest"))
-    if json_out:
-        emit_json(out)
 
 
 def spectrum_cmd(
@@ -206,17 +242,16 @@ def spectrum_cmd(
         check_plot_output(plot, (model_path,))
     fn = load_function(model_path)
     spec = spectrum(fn, max_iter=max_iter)
-    out = {k: v for k, v in spec.items() if k != "W"}
-    out["input"] = str(model_path)
-    if not spec["count_reliable"]:  # one warning: no count (exit 1 below)
-        warn(f"{model_path}: {spec['reason']}")
-    elif spec["converged"] is False:  # one warning: the count stands on its gap
-        warn(convergence_warning(spec["solver"], "the minimum-nuclear-norm W") + f"; the head count is kept: its "
-             f"heads stand {fmt(spec['gap'])}x above the rest")
-    count = "no reliable count of" if spec["n_outliers"] is None else str(spec["n_outliers"])
-    say(f"{model_path}: {count} head(s) above the threshold {fmt(spec['threshold'])} "
-        f"({spec['threshold_method']}); {spec['nonzero_rank']} nonzero of {len(spec['singular_values'])} "
-        f"singular values, effective rank {fmt(spec['effective_rank'])}", quiet)
+    out = {**spec.to_dict(), "input": str(model_path)}
+    if not spec.count_reliable:  # one warning: no count (exit 1 below)
+        warn(f"{model_path}: {spec.reason}")
+    elif spec.converged is False:  # one warning: the count stands on its gap
+        warn(convergence_warning(spec.solver, "the minimum-nuclear-norm W") + f"; the head count is kept: its "
+             f"heads stand {fmt(spec.gap)}x above the rest")
+    count = "no reliable count of" if spec.n_outliers is None else str(spec.n_outliers)
+    say(f"{model_path}: {count} head(s) above the threshold {fmt(spec.threshold)} "
+        f"({spec.threshold_method}); {spec.nonzero_rank} nonzero of {len(spec.singular_values)} "
+        f"singular values, effective rank {fmt(spec.effective_rank)}", quiet)
     say(text_histogram(spec), quiet)
     if plot is not None:
         plot_spectrum(spec, plot)
@@ -224,7 +259,7 @@ def spectrum_cmd(
         say(f"wrote {plot}", quiet)
     if json_out:
         emit_json(out)
-    if not spec["count_reliable"]:
+    if not spec.count_reliable:
         raise typer.Exit(1)
 
 
@@ -233,8 +268,8 @@ def check_plot_output(plot: Path, inputs: tuple[Path, ...]) -> None:
     if plot.suffix.lower() != ".png":
         raise InputError(f"--plot writes a PNG image; the suffix '{plot.suffix}' names another format: "
                          "use .png", plot)
-    # without matplotlib, plot_spectrum raises the library's InputError (with its install hint) at once
-    require_optional("matplotlib", lambda: plot_spectrum({}, plot))  # not pyplot: it would pick a backend
+    # without matplotlib, pyplot raises the library's InputError (with its install hint) at once
+    require_optional("matplotlib", pyplot)  # matplotlib, not pyplot: it would pick a backend
     formats.check_output_path(plot, inputs)
 
 

@@ -58,18 +58,17 @@ def predict_cmd(
     with progress_bar("predict", info.n_samples, quiet) as advance:
         res = predict_file(fn, data, output, all_positions=all_positions, chunk_size=chunk_size,
                            progress=advance, inputs=(model_path,), workers=workers, causal=causal, device=dev)
-    res["output"] = str(output)
     if info.per_position and not causal:
         warn("the data have per-position targets: use --causal to score every prefix (no MSE computed)")
-    say(f"wrote {output}: {res['n_samples']} predictions"
+    say(f"wrote {output}: {res.n_samples} predictions"
         + (f", {info.n_tokens} causal outputs" if causal else "")
-        + (f"; MSE against targets = {fmt(res['mse'])} over {res['n_scored']} "
+        + (f"; MSE against targets = {fmt(res.mse)} over {res.n_scored} "
            + ("positions" if causal and info.per_position else "sequences")
            + (" of weight > 0" if info.has_weights else "")
-           + (f", R^2 = {fmt(res['r2'])}" if res["r2"] is not None else ", R^2 undefined (constant targets)")
-           if "mse" in res else ""), quiet)
+           + (f", R^2 = {fmt(res.r2)}" if res.r2 is not None else ", R^2 undefined (constant targets)")
+           if res.n_scored is not None else ""), quiet)
     if json_out:
-        emit_json(res)
+        emit_json({**res.to_dict(), "output": str(output)})
 
 
 def rollout_cmd(

@@ -8,8 +8,10 @@ import numpy as np
 import torch
 from torch import nn
 
+from ._head_shapes import HeadShapes
 
-class HeadsModule(nn.Module):
+
+class HeadsModule(nn.Module, HeadShapes):
     """sum_h V_h S Q_h x_t with S = X^T X (or the prefix Gram S_t); V (H, d_out, d), Q (H, d, d) are parameters.
 
     forward(X, all_positions=False, causal=False): X (B, n, d) or (n, d). Last-token output (B, d);
@@ -25,19 +27,8 @@ class HeadsModule(nn.Module):
         self.Q = nn.Parameter(torch.as_tensor(np.asarray(Q, dtype=np.float64)).to(dtype))
         self.normalize = normalize
 
-    @property
-    def d(self) -> int:
-        """Width of the tokens."""
-        return int(self.Q.shape[1])
-
-    @property
-    def d_out(self) -> int:
-        """Width of the outputs (d unless the heads are rectangular)."""
-        return int(self.V.shape[1])
-
     def extra_repr(self) -> str:
-        out = f", d_out={self.d_out}" if self.d_out != self.d else ""
-        return f"n_heads={self.V.shape[0]}, d={self.d}{out}, normalize={self.normalize!r}"
+        return f"{self._shape_repr()}, normalize={self.normalize!r}"
 
     def forward(self, X: torch.Tensor, all_positions: bool = False, causal: bool = False) -> torch.Tensor:
         if all_positions and causal:

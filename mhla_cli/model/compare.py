@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -17,7 +18,32 @@ from ..statistics.stream import default_chunk_size
 from ..io.tokens import check_finite, inspect_tokens, iter_chunks
 
 
-def _heads_distance(a: Model | Heads | np.ndarray, b: Model | Heads | np.ndarray) -> dict[str, float]:
+@dataclass
+class Distance:
+    """||p_A - p_B||_F, the same over ||p_B||_F (the paper's Fig. 2 metric) and the two norms
+    (`function_distance`)."""
+
+    distance: float
+    relative_distance: float  # inf when p_B = 0 != p_A, 0 when both are 0
+    norm_a: float
+    norm_b: float
+
+    def __repr__(self) -> str:
+        return (f"Distance(distance={self.distance:.4g}, relative_distance={self.relative_distance:.4g}, "
+                f"norm_a={self.norm_a:.4g}, norm_b={self.norm_b:.4g})")
+
+    def to_dict(self) -> dict[str, float]:
+        return {"distance": self.distance, "relative_distance": self.relative_distance, "norm_a": self.norm_a,
+                "norm_b": self.norm_b}
+
+    @classmethod
+    def of(cls, dist: float, norm_a: float, norm_b: float) -> Distance:
+        """The record of ||p_A - p_B|| = dist and the two norms (the relative distance derived)."""
+        rel = dist / norm_b if norm_b > 0 else (0.0 if dist == 0 else float("inf"))
+        return cls(distance=dist, relative_distance=rel, norm_a=norm_a, norm_b=norm_b)
+
+
+def _heads_distance(a: Model | Heads | np.ndarray, b: Model | Heads | np.ndarray) -> Distance:
     """function_distance of heads evaluated directly (forward.direct: rectangular, or too wide for a coef)."""
     if not (isinstance(a, Heads) and isinstance(b, Heads)):
         raise InputError("a model (d, psi) cannot be compared with heads too wide for a coef or with outputs of "
@@ -33,18 +59,14 @@ def _heads_distance(a: Model | Heads | np.ndarray, b: Model | Heads | np.ndarray
     dist = float(np.sqrt(max(coef_inner(V, Q, V, Q), 0.0)))
     na = float(np.sqrt(max(coef_inner(a.V, a.Q, a.V, a.Q), 0.0)))
     nb = float(np.sqrt(max(coef_inner(b.V, b.Q, b.V, b.Q), 0.0)))
-    rel = dist / nb if nb > 0 else (0.0 if dist == 0 else float("inf"))
-    return {"distance": dist, "relative_distance": rel, "norm_a": na, "norm_b": nb}
+    return Distance.of(dist, na, nb)
 
 
-def _distance(pa: np.ndarray, pb: np.ndarray) -> dict[str, float]:
-    dist = float(np.linalg.norm(pa - pb))
-    nb = float(np.linalg.norm(pb))
-    rel = dist / nb if nb > 0 else (0.0 if dist == 0 else float("inf"))
-    return {"distance": dist, "relative_distance": rel, "norm_a": float(np.linalg.norm(pa)), "norm_b": nb}
+def _distance(pa: np.ndarray, pb: np.ndarray) -> Distance:
+    return Distance.of(float(np.linalg.norm(pa - pb)), float(np.linalg.norm(pa)), float(np.linalg.norm(pb)))
 
 
-def function_distance(a: Model | Heads | np.ndarray, b: Model | Heads | np.ndarray) -> dict[str, float]:
+def function_distance(a: Model | Heads | np.ndarray, b: Model | Heads | np.ndarray) -> Distance:
     """||p_A - p_B||_F and ||p_A - p_B||_F / ||p_B||_F (the paper's Fig. 2 metric).
 
     Heads of outputs wider or narrower than their tokens (d_out != d) are compared on their
@@ -54,10 +76,7 @@ def function_distance(a: Model | Heads | np.ndarray, b: Model | Heads | np.ndarr
     pa, pb = coef_of(a), coef_of(b)
     if pa.shape != pb.shape:
         raise InputError(f"the models have different d ({pa.shape[0]} and {pb.shape[0]}): nothing to compare")
-    dist = float(np.linalg.norm(pa - pb))
-    nb = float(np.linalg.norm(pb))
-    rel = dist / nb if nb > 0 else (0.0 if dist == 0 else float("inf"))
-    return {"distance": dist, "relative_distance": rel, "norm_a": float(np.linalg.norm(pa)), "norm_b": nb}
+    return _distance(pa, pb)
 
 
 def prediction_difference(a: Model | Heads | np.ndarray, b: Model | Heads | np.ndarray,
@@ -96,7 +115,7 @@ def compare(a: Model | Heads | np.ndarray, b: Model | Heads | np.ndarray, tol: f
     if normalize_of(a) != normalize_of(b):
         raise InputError(f"the models use different normalisations ({normalize_of(a)} and "
                          f"{normalize_of(b)}): their coef act on different features, so they cannot be compared")
-    out: dict[str, Any] = dict(function_distance(a, b))
+    out: dict[str, Any] = function_distance(a, b).to_dict()
     out["tol"] = tol
     out["same"] = bool(out["relative_distance"] <= tol)
     if on is not None:

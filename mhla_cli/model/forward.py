@@ -338,12 +338,120 @@ def _function_and_data(fn: Model | Heads, data: str | os.PathLike
     return coef, normalize, info
 
 
+@dataclasses.dataclass
+class Predictions:
+    """What `predict_file` returns: the counts, and the MSE / R^2 when the data have targets it scores;
+    the arrays only when nothing was written (`out` None). `to_dict` is the `mhla predict --json` record
+    (without `output`)."""
+
+    n_samples: int
+    d: int
+    normalize: str
+    predictions: np.ndarray | None = dataclasses.field(default=None, repr=False)  # (N, d), without `out`
+    outputs: np.ndarray | None = dataclasses.field(default=None, repr=False)  # (T, d): all_positions / causal
+    offsets: np.ndarray | None = dataclasses.field(default=None, repr=False)  # (N + 1,) of `outputs`
+    mse: float | None = None
+    r2: float | None = None  # None also when the scored targets do not vary (mhla_cli.model.scores)
+    n_scored: int | None = None  # None: no targets scored (and no mse / r2)
+
+    def __repr__(self) -> str:
+        score = "" if self.n_scored is None else f", mse={self.mse:.4g}, r2={self.r2}, n_scored={self.n_scored}"
+        return f"Predictions(n_samples={self.n_samples}, d={self.d}, normalize={self.normalize!r}{score})"
+
+    def to_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"n_samples": self.n_samples, "d": self.d, "normalize": self.normalize}
+        if self.predictions is not None:
+            out["predictions"] = self.predictions
+        if self.outputs is not None:
+            out["outputs"], out["offsets"] = self.outputs, self.offsets
+        if self.n_scored is not None:
+            out.update(mse=self.mse, r2=self.r2, n_scored=self.n_scored)
+        return out
+
+
+def _predict_chunk_size(coef: np.ndarray | HeadsFn, info: TokensInfo, chunk_size: int | None) -> int:
+    """The chunk of `predict_file`: the streaming default, or for heads evaluated directly one whose
+    per-sequence S (B, d, d) and outputs stay within DIRECT_CHUNK_BYTES."""
+    if chunk_size:
+        return chunk_size
+    if isinstance(coef, HeadsFn):
+        mean_len = max(1.0, info.n_tokens / info.n_samples)
+        return int(max(1, min(info.n_samples, DIRECT_CHUNK_BYTES // (8 * info.d * (info.d + mean_len)))))
+    return default_chunk_size(info)
+
+
+def _sinks(target: h5py.File | None, info: TokensInfo, d: int, with_outputs: bool) -> tuple[Any, Any, Any]:
+    """Where the spans' (predictions, outputs, offsets) go: datasets of the output file `target`, or arrays
+    (None for the outputs without `with_outputs`); both take slice assignment."""
+    if target is None:
+        return (np.empty((info.n_samples, d)), np.empty((info.n_tokens, d)) if with_outputs else None,
+                np.zeros(info.n_samples + 1, dtype=np.int64) if with_outputs else None)
+    dp = target.create_dataset("predictions", (info.n_samples, d), dtype="f8")
+    if not with_outputs:
+        return dp, None, None
+    do = target.create_dataset("outputs", (info.n_tokens, d), dtype="f8")
+    doff = target.create_dataset("offsets", (info.n_samples + 1,), dtype="i8")
+    doff[0] = 0
+    return dp, do, doff
+
+
+def _predict_spans(task: Callable[[tuple[int, int]], tuple], todo: list[tuple[int, int]], pmap: Any,
+                   sinks: tuple[Any, Any, Any], progress: Callable[[int], None] | None
+                   ) -> tuple[float, int, Spread]:
+    """Run `task` over the spans `todo` with `pmap`, writing each span's rows into `sinks` in order
+    (`_sinks`); the summed SSE, count and merged Spread. `progress(n)` is told each span's samples."""
+    sse, count, spread = 0.0, 0, Spread()
+    dp, do, doff = sinks
+    tok_pos = 0
+    for (a, b), (pred, outputs, offsets, part_sse, part_n, part_spread) in zip(todo, pmap(task, todo)):
+        sse += part_sse
+        count += part_n
+        spread = spread.merge(part_spread)
+        dp[a:b] = pred
+        if do is not None:
+            do[tok_pos:tok_pos + outputs.shape[0]] = outputs
+            doff[a + 1:b + 1] = tok_pos + offsets[1:]
+        tok_pos += int(offsets[-1])
+        if progress is not None:
+            progress(b - a)
+    return sse, count, spread
+
+
+def _span_task(coef: np.ndarray | HeadsFn, info: TokensInfo, pmap: Any, normalize: str, all_positions: bool,
+               causal: bool, device: str | None, basis: np.ndarray | None,
+               progress: Callable[[int], None] | None) -> tuple[Callable[[tuple[int, int]], tuple], bool]:
+    """The per-span task of `predict_file` under `pmap`, and whether it tells `progress` itself (its
+    blocks as they finish) rather than `_predict_spans` each span as it comes back."""
+    # workers open the file themselves: give them an absolute path
+    winfo = info if pmap.n_workers == 1 else dataclasses.replace(info, path=os.path.abspath(info.path))
+    if not causal:
+        return partial(predict_span, coef, winfo, all_positions, normalize=normalize, device=device, basis=basis), False
+    # causal outputs take long per span: in this process (serial or threads; `progress` None for a caller's
+    # map) each span tells its blocks as they finish, one call at a time
+    ticks = progress is not None and isinstance(pmap, (SerialMap, ThreadMap))
+    return partial(causal_span, coef, winfo, normalize, progress=_one_at_a_time(progress) if ticks else None,
+                   basis=basis), ticks
+
+
+def _write_predictions(out: str | os.PathLike, inputs: tuple[str | os.PathLike, ...], meta: dict[str, Any],
+                       run: Callable[[h5py.File], Any]) -> Any:
+    """`run(file)` on a new predictions file written atomically at `out` (its header naming `inputs`,
+    the data first, and the attributes `meta`); what run returns."""
+    formats.check_hdf5_suffix(out, "a predictions file")
+    o = formats.check_output_path(out, inputs)
+    with formats.atomic_path(o) as tmp:
+        with formats.create_output(tmp) as fout:
+            for k, v in {**formats.header("predictions", inputs), **meta}.items():
+                fout.attrs[k] = v
+            return run(fout)
+
+
 def predict_file(fn: Model | Heads, data: str | os.PathLike, out: str | os.PathLike | None = None,
                  all_positions: bool = False, chunk_size: int | None = None,
                  progress: Callable[[int], None] | None = None,
                  inputs: tuple[str | os.PathLike, ...] = (), workers: int = 1,
                  map: Callable[..., Any] | None = None,  # noqa: A002
-                 causal: bool = False, device: str | None = None) -> dict[str, Any]:
+                 causal: bool = False, device: str | None = None) -> Predictions:
     """Stream predictions over a tokens file; write them to `out` (atomically) if given.
 
     Returns a summary (n_samples, mse and r2 when the data have targets: mhla_cli.model.scores, weighted like
@@ -372,78 +480,28 @@ def predict_file(fn: Model | Heads, data: str | os.PathLike, out: str | os.PathL
         info = dataclasses.replace(info, has_targets=False)  # per-position targets: no per-sequence MSE
     if isinstance(coef, HeadsFn):
         device = None  # heads evaluated directly run on the CPU
-        mean_len = max(1.0, info.n_tokens / info.n_samples)
-        size = chunk_size or int(max(1, min(info.n_samples, DIRECT_CHUNK_BYTES // (8 * info.d * (info.d + mean_len)))))
-    else:
-        size = chunk_size or default_chunk_size(info)
-    sse, count, spread = 0.0, 0, Spread()
-    have_y = info.has_targets
+    todo = spans(0, info.n_samples, _predict_chunk_size(coef, info, chunk_size))
     with_outputs = all_positions or causal
-    result: dict[str, Any] = {"n_samples": info.n_samples, "d": d, "normalize": normalize}
-    store = None if out is not None else np.empty((info.n_samples, d))
-    store_out = None if out is not None or not with_outputs else np.empty((info.n_tokens, d))
-    store_off = None if out is not None or not with_outputs else np.zeros(info.n_samples + 1, dtype=np.int64)
 
-    def run(fout: h5py.File | None) -> None:
-        nonlocal sse, count, spread
-        if fout is not None:
-            dp = fout.create_dataset("predictions", (info.n_samples, d), dtype="f8")
-            if with_outputs:
-                do = fout.create_dataset("outputs", (info.n_tokens, d), dtype="f8")
-                doff = fout.create_dataset("offsets", (info.n_samples + 1,), dtype="i8")
-                doff[0] = 0
-        tok_pos = 0
-        todo = spans(0, info.n_samples, size)
+    def run(target: h5py.File | None) -> tuple[tuple[Any, Any, Any], tuple[float, int, Spread]]:
+        sinks = _sinks(target, info, d, with_outputs)
         with make_map(workers=workers, map=map) as pmap:
-            # workers open the file themselves: give them an absolute path
-            winfo = info if pmap.n_workers == 1 else dataclasses.replace(info, path=os.path.abspath(info.path))
-            # causal outputs take long per span: in this process (serial or threads) each span tells its
-            # blocks as they finish, one call at a time; otherwise each span is told when it comes back
-            ticks = causal and progress is not None and map is None and isinstance(pmap, (SerialMap, ThreadMap))
-            if causal:
-                task = partial(causal_span, coef, winfo, normalize, progress=_one_at_a_time(progress) if ticks
-                               else None, basis=A)
-            else:
-                task = partial(predict_span, coef, winfo, all_positions, normalize=normalize, device=device,
-                               basis=A)
-            for (a, b), (pred, outputs, offsets, part_sse, part_n, part_spread) in zip(todo, pmap(task, todo)):
-                sse += part_sse
-                count += part_n
-                spread = spread.merge(part_spread)
-                if fout is not None:
-                    dp[a:b] = pred
-                    if with_outputs:
-                        do[tok_pos:tok_pos + outputs.shape[0]] = outputs
-                        doff[a + 1:b + 1] = tok_pos + offsets[1:]
-                else:
-                    store[a:b] = pred
-                    if with_outputs:
-                        store_out[tok_pos:tok_pos + outputs.shape[0]] = outputs
-                        store_off[a + 1:b + 1] = tok_pos + offsets[1:]
-                tok_pos += int(offsets[-1])
-                if progress is not None and not ticks:
-                    progress(b - a)
+            task, ticks = _span_task(coef, info, pmap, normalize, all_positions, causal, device, A,
+                                     progress if map is None else None)
+            return sinks, _predict_spans(task, todo, pmap, sinks, None if ticks else progress)
 
     if out is not None:
-        formats.check_hdf5_suffix(out, "a predictions file")
-        o = formats.check_output_path(out, (data, *inputs))
-        meta = {**formats.header("predictions", (data, *inputs)), "d": d, "n_samples": info.n_samples,
-                "normalize": normalize, "causal": int(causal)}
-        with formats.atomic_path(o) as tmp:
-            with formats.create_output(tmp) as fout:
-                for k, v in meta.items():
-                    fout.attrs[k] = v
-                run(fout)
+        meta = {"d": d, "n_samples": info.n_samples, "normalize": normalize, "causal": int(causal)}
+        _, (sse, count, spread) = _write_predictions(out, (data, *inputs), meta, run)
+        result = Predictions(info.n_samples, d, normalize)
     else:
-        run(None)
-        result["predictions"] = store
-        if with_outputs:
-            result["outputs"], result["offsets"] = store_out, store_off
-    if have_y:
+        (pred, outs, offs), (sse, count, spread) = run(None)
+        result = Predictions(info.n_samples, d, normalize, predictions=pred, outputs=outs, offsets=offs)
+    if info.has_targets:
         # weighted means over the scored samples' weights (sum w: units-free)
-        result["mse"] = sse / ((spread.weight if spread.weight > 0 else 1.0) * d)
-        result["r2"] = spread.r2(sse)  # None when the scored targets do not vary (mhla_cli.model.scores)
-        result["n_scored"] = count
+        result.mse = sse / ((spread.weight if spread.weight > 0 else 1.0) * d)
+        result.r2 = spread.r2(sse)  # None when the scored targets do not vary (mhla_cli.model.scores)
+        result.n_scored = count
     return result
 
 

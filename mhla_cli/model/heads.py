@@ -11,6 +11,7 @@ import numpy as np
 from ..io import formats
 from ..errors import InputError
 from ..feature_map import n_features, pair_index
+from ._head_shapes import HeadShapes
 
 
 def _d_of_W(W: np.ndarray) -> int:
@@ -84,7 +85,7 @@ def coef_inner(Va: np.ndarray, Qa: np.ndarray, Vb: np.ndarray, Qb: np.ndarray) -
 
 
 @dataclass
-class Heads:
+class Heads(HeadShapes):
     """An MHLA: value matrices V (H, d_out, d) and merged key-query matrices Q (H, d, d).
 
     d_out = d for the heads mhla fits; d_out != d for heads put back in a model's coordinates
@@ -97,23 +98,12 @@ class Heads:
     info: dict[str, Any] = field(default_factory=dict)
 
     @property
-    def d(self) -> int:
-        """Width of the tokens."""
-        return int(self.Q.shape[1])
-
-    @property
-    def d_out(self) -> int:
-        """Width of the outputs (d unless the heads are rectangular)."""
-        return int(self.V.shape[1])
-
-    @property
     def n_heads(self) -> int:
         return int(self.V.shape[0])
 
     def __repr__(self) -> str:  # the sizes, not V and Q
         norm = self.info.get("normalize")
-        out = f", d_out={self.d_out}" if self.d_out != self.d else ""
-        return f"Heads(n_heads={self.n_heads}, d={self.d}{out}" + (f", normalize={norm!r})" if norm else ")")
+        return f"Heads({self._shape_repr()}" + (f", normalize={norm!r})" if norm else ")")
 
     @property
     def coef(self) -> np.ndarray:

@@ -24,6 +24,7 @@ import dataclasses
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -31,6 +32,9 @@ from ..io import formats
 from ..errors import InputError
 from .heads import Heads
 from ..io.tokens import TokensInfo, check_finite, check_weights, inspect_tokens, iter_chunks
+
+if TYPE_CHECKING:
+    import h5py
 
 __all__ = ["Reduction", "fit_reduction", "load_reduction", "reduce_tokens", "second_moments", "top_eigenvectors",
            "unreduce_heads"]
@@ -177,17 +181,7 @@ def apply_reduction(red: Reduction, data: str | os.PathLike, out: str | os.PathL
     dense = info.layout == "dense"
     with formats.atomic_path(o) as tmp:
         with formats.create_output(tmp) as fout, formats.open_input(data) as fin:
-            for k, v in formats.header("tokens", inputs).items():
-                fout.attrs[k] = v
-            fout.attrs["reduce_dim"] = d
-            fout.attrs["reduce_source"] = str(red.source if red.source is not None else data)
-            if red.token_share is not None:
-                fout.attrs["reduce_token_share"] = red.token_share
-            if red.target_share is not None:
-                fout.attrs["reduce_target_share"] = red.target_share
-            fout.create_dataset("reduce_P", data=red.P)
-            if red.U is not None:
-                fout.create_dataset("reduce_U", data=red.U)
+            _write_maps(fout, red, inputs, data)
             n = int(info.seq_len) if dense else 0
             dt = fout.create_dataset("tokens", (N, n, d) if dense else (T, d), dtype="f8")
             dy = None
@@ -200,30 +194,54 @@ def apply_reduction(red: Reduction, data: str | os.PathLike, out: str | os.PathL
                     dst = fout.create_dataset(name, src.shape, dtype=src.dtype)
                     for a in range(0, src.shape[0], _BLOCK):
                         dst[a:a + _BLOCK] = src[a:a + _BLOCK]
-            pos = 0
-            for a, b, tokens, offsets, targets, weights in iter_chunks(info, (0, N), _chunk(info, chunk_size),
-                                                                       with_weights=True):
-                check_finite(tokens, offsets, targets, a, data)
-                check_weights(weights, offsets, a, info.per_position, data)
-                Z = np.asarray(tokens, dtype=np.float64) @ red.P
-                t = Z.shape[0]
-                if dense:
-                    dt[a:b] = Z.reshape(b - a, n, d)
-                else:
-                    dt[pos:pos + t] = Z
-                if dy is not None and targets is not None:
-                    W = np.asarray(targets, dtype=np.float64) @ red.U
-                    if not info.per_position:
-                        dy[a:b] = W
-                    elif dense:
-                        dy[a:b] = W.reshape(b - a, n, d)
-                    else:
-                        dy[pos:pos + t] = W
-                pos += t
-                if progress is not None:
-                    progress(b - a)
+            _reduce_chunks(red, info, data, dt, dy, _chunk(info, chunk_size), progress)
         written = inspect_tokens(tmp)
     return dataclasses.replace(written, path=str(o))
+
+
+def _write_maps(fout: h5py.File, red: Reduction, inputs: tuple[str | os.PathLike, ...],
+                data: str | os.PathLike) -> None:
+    """The header of a reduced tokens file: provenance, the dimension, the source, the shares and the maps."""
+    for k, v in formats.header("tokens", inputs).items():
+        fout.attrs[k] = v
+    fout.attrs["reduce_dim"] = red.dim
+    fout.attrs["reduce_source"] = str(red.source if red.source is not None else data)
+    if red.token_share is not None:
+        fout.attrs["reduce_token_share"] = red.token_share
+    if red.target_share is not None:
+        fout.attrs["reduce_target_share"] = red.target_share
+    fout.create_dataset("reduce_P", data=red.P)
+    if red.U is not None:
+        fout.create_dataset("reduce_U", data=red.U)
+
+
+def _reduce_chunks(red: Reduction, info: TokensInfo, data: str | os.PathLike, dt: Any, dy: Any, size: int,
+                   progress: Callable[[int], None] | None) -> None:
+    """Stream `data` in chunks of `size` sequences into the datasets dt (tokens X P) and dy (targets Y U,
+    None without targets), in the layout of the source (dense (N, n, d) or ragged (T, d))."""
+    dense, d = info.layout == "dense", red.dim
+    n = int(info.seq_len) if dense else 0
+    pos = 0
+    for a, b, tokens, offsets, targets, weights in iter_chunks(info, (0, info.n_samples), size, with_weights=True):
+        check_finite(tokens, offsets, targets, a, data)
+        check_weights(weights, offsets, a, info.per_position, data)
+        Z = np.asarray(tokens, dtype=np.float64) @ red.P
+        t = Z.shape[0]
+        if dense:
+            dt[a:b] = Z.reshape(b - a, n, d)
+        else:
+            dt[pos:pos + t] = Z
+        if dy is not None and targets is not None:
+            W = np.asarray(targets, dtype=np.float64) @ red.U
+            if not info.per_position:
+                dy[a:b] = W
+            elif dense:
+                dy[a:b] = W.reshape(b - a, n, d)
+            else:
+                dy[pos:pos + t] = W
+        pos += t
+        if progress is not None:
+            progress(b - a)
 
 
 def reduce_tokens(data: str | os.PathLike, out: str | os.PathLike, dim: int | None = None,

@@ -28,6 +28,7 @@ move with the bulk); otherwise there is no reliable count: `n_outliers` is None 
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -84,8 +85,42 @@ def effective_rank(s: np.ndarray) -> float:
     return float(np.exp(-(q * np.log(q)).sum()))
 
 
+@dataclass
+class Spectrum:
+    """The singular values of a function's minimum-nuclear-norm W and their split into heads and noise
+    (`spectrum`); `to_dict` is the `mhla spectrum --json` record, without W."""
+
+    d: int
+    singular_values: list[float]
+    n_outliers: int | None  # None: no reliable count (`reason` says why)
+    threshold: float
+    effective_rank: float
+    nonzero_rank: int
+    generic_rank: int
+    threshold_method: str
+    relative_function_error: float
+    count_reliable: bool
+    gap: float
+    reason: str | None
+    converged: bool | None  # whether min_nuclear_W met its tolerance (None for a given W)
+    solver: dict[str, Any] | None
+    W: np.ndarray = field(repr=False)
+
+    def __repr__(self) -> str:  # the count and its threshold, not the values
+        return (f"Spectrum(d={self.d}, n_outliers={self.n_outliers}, threshold={self.threshold:.4g}, "
+                f"threshold_method={self.threshold_method!r}, nonzero_rank={self.nonzero_rank}/"
+                f"{len(self.singular_values)}, converged={self.converged})")
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"d": self.d, "singular_values": list(self.singular_values), "n_outliers": self.n_outliers,
+                "threshold": self.threshold, "effective_rank": self.effective_rank, "nonzero_rank": self.nonzero_rank,
+                "generic_rank": self.generic_rank, "threshold_method": self.threshold_method,
+                "relative_function_error": self.relative_function_error, "count_reliable": self.count_reliable,
+                "gap": self.gap, "reason": self.reason, "converged": self.converged, "solver": self.solver}
+
+
 def spectrum(fn: Model | Heads | np.ndarray, W: np.ndarray | None = None, max_iter: int = 5000,
-             tol: float = 1e-11) -> dict[str, Any]:
+             tol: float = 1e-11) -> Spectrum:
     """Singular values of the min-nuclear-norm W of fn's function and their split into heads and noise.
 
     `converged` / `solver` say whether min_nuclear_W met its tolerance within max_iter; when it did not,
@@ -113,13 +148,13 @@ def spectrum(fn: Model | Heads | np.ndarray, W: np.ndarray | None = None, max_it
     reliable, reason = count_reliability(s, n_out, converged)
     pn = float(np.linalg.norm(coef))
     feas = float(np.linalg.norm(p_from_W(Wn) - coef)) / pn if pn > 0 else 0.0
-    return {"d": d, "singular_values": s.tolist(), "n_outliers": n_out if reliable else None, "threshold": tau,
-            "effective_rank": effective_rank(s), "nonzero_rank": r, "generic_rank": r_gen,
-            "threshold_method": method, "relative_function_error": feas, "count_reliable": reliable,
-            "gap": outlier_gap(s, n_out), "reason": reason, "converged": converged, "solver": solver, "W": Wn}
+    return Spectrum(d=d, singular_values=s.tolist(), n_outliers=n_out if reliable else None, threshold=tau,
+                    effective_rank=effective_rank(s), nonzero_rank=r, generic_rank=r_gen, threshold_method=method,
+                    relative_function_error=feas, count_reliable=reliable, gap=outlier_gap(s, n_out), reason=reason,
+                    converged=converged, solver=solver, W=Wn)
 
 
-def outlier_heads(fn: Model | Heads | np.ndarray, spec: dict[str, Any] | None = None,
+def outlier_heads(fn: Model | Heads | np.ndarray, spec: Spectrum | None = None,
                   max_iter: int = 5000) -> Heads:
     """Heads for the spectrum's outliers: top-k SVD of the min-nuclear W, polished towards p.
 
@@ -130,10 +165,10 @@ def outlier_heads(fn: Model | Heads | np.ndarray, spec: dict[str, Any] | None = 
     coef = np.asarray(fn if isinstance(fn, np.ndarray) else fn.coef, dtype=np.float64)
     d = coef.shape[0]
     spec = spectrum(coef, max_iter=max_iter) if spec is None else spec
-    if spec["n_outliers"] is None:
-        raise UnreliableHeadCount(spec["reason"])
-    k = max(1, int(spec["n_outliers"]))
-    U, s, Vt = np.linalg.svd(spec["W"])
+    if spec.n_outliers is None:
+        raise UnreliableHeadCount(spec.reason)
+    k = max(1, int(spec.n_outliers))
+    U, s, Vt = np.linalg.svd(spec.W)
     r = np.sqrt(s[:k])
     V0 = (U[:, :k] * r).T
     Q0 = (Vt[:k].T * r).T
@@ -147,24 +182,24 @@ def outlier_heads(fn: Model | Heads | np.ndarray, spec: dict[str, Any] | None = 
         V0, Q0 = V1, Q1
     heads = Heads(V=V0.reshape(k, d, d), Q=Q0.reshape(k, d, d))
     heads.info = {"n_heads": k, "relative_function_error": err(V0, Q0), "max_heads": k,
-                  "singular_values": spec["singular_values"], "threshold": spec["threshold"],
-                  "threshold_method": spec["threshold_method"], "converged": spec.get("converged"),
-                  "gap": spec.get("gap"), "solver": spec.get("solver")}
+                  "singular_values": spec.singular_values, "threshold": spec.threshold,
+                  "threshold_method": spec.threshold_method, "converged": spec.converged,
+                  "gap": spec.gap, "solver": spec.solver}
     return heads
 
 
-def text_histogram(spec: dict[str, Any], width: int = 40) -> str:
+def text_histogram(spec: Spectrum, width: int = 40) -> str:
     """Outliers as bars (linear in s / s_max), then a per-decade histogram of the other nonzero values."""
-    s = np.asarray(spec["singular_values"])
-    tau = spec["threshold"]
+    s = np.asarray(spec.singular_values)
+    tau = spec.threshold
     lines = []
     smax = float(s[0]) if s.size and s[0] > 0 else 1.0
     out = s[s > tau]
-    label = "head" if spec.get("count_reliable", True) else "  s_"  # no reliable count: values, not heads
+    label = "head" if spec.count_reliable else "  s_"  # no reliable count: values, not heads
     for i, v in enumerate(out):
         bar = "#" * max(1, int(round(width * v / smax)))
         lines.append(f"  {label} {i + 1:3d}  {v:10.4g}  {bar}")
-    lines.append(f"  ---- threshold {tau:.4g} ({spec['threshold_method']}) ----")
+    lines.append(f"  ---- threshold {tau:.4g} ({spec.threshold_method}) ----")
     rest = s[(s <= tau) & (s > NONZERO_REL * smax)]
     if rest.size:
         lo = int(np.floor(np.log10(rest.min())))
@@ -178,8 +213,8 @@ def text_histogram(spec: dict[str, Any], width: int = 40) -> str:
     return "\n".join(lines)
 
 
-def plot_spectrum(spec: dict[str, Any], path: str | os.PathLike) -> None:
-    """Write a PNG of the singular values (log scale) with the threshold; needs the `plot` extra."""
+def pyplot() -> Any:
+    """matplotlib.pyplot on the Agg backend; InputError (naming the `plot` extra) without matplotlib."""
     try:
         import matplotlib
 
@@ -187,15 +222,21 @@ def plot_spectrum(spec: dict[str, Any], path: str | os.PathLike) -> None:
         import matplotlib.pyplot as plt
     except ImportError:
         raise InputError("plotting needs matplotlib: pip install 'matplotlib>=3.6' (mhla's [plot] extra)") from None
-    s = np.asarray(spec["singular_values"])
+    return plt
+
+
+def plot_spectrum(spec: Spectrum, path: str | os.PathLike) -> None:
+    """Write a PNG of the singular values (log scale) with the threshold; needs the `plot` extra."""
+    plt = pyplot()
+    s = np.asarray(spec.singular_values)
     floor = max(float(s[0]) * 1e-17, 1e-300) if s.size else 1e-300
     fig, ax = plt.subplots(figsize=(6, 3.5))
     idx = np.arange(1, s.size + 1)
-    heads = s > spec["threshold"]
+    heads = s > spec.threshold
     ax.semilogy(idx[heads], np.maximum(s[heads], floor), "o", color="C3", label="heads (outliers)")
     ax.semilogy(idx[~heads], np.maximum(s[~heads], floor), ".", color="C0", label="bulk / zero")
-    if spec["threshold"] > 0:
-        ax.axhline(spec["threshold"], color="gray", ls="--", label=f"threshold ({spec['threshold_method']})")
+    if spec.threshold > 0:
+        ax.axhline(spec.threshold, color="gray", ls="--", label=f"threshold ({spec.threshold_method})")
     ax.set_xlabel("index")
     ax.set_ylabel("singular value of min-nuclear-norm W")
     ax.legend(fontsize=8)

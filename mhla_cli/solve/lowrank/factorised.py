@@ -38,23 +38,7 @@ def _als_lm(feats: Features, Vm: np.ndarray, Qm: np.ndarray, wd: float, als_swee
             max_iter: int, tol: float) -> tuple[np.ndarray, np.ndarray, float, int, dict[str, Any]]:
     """ALS sweeps (exact block solves, normal equations from gram/moments) then Levenberg-Marquardt."""
     feats.expand()  # every feature (a block on the data's spans is expanded)
-    H, dd = Vm.shape
-    d = int(round(np.sqrt(dd)))
-    nblk = H * dd
-    Mt = feats.moments.T
-    for _ in range(als_sweeps):
-        HVV, _, _, bV, _ = _normal_parts(feats, Vm, Qm, Mt)
-        Vm = _solve_psd(HVV + wd * np.eye(nblk), bV).reshape(H, dd)
-        _, HQQ, _, _, bQ = _normal_parts(feats, Vm, Qm, Mt)
-        Qm = _solve_psd(HQQ + wd * np.eye(nblk), bQ).reshape(H, dd)
-        Vm, Qm = _balance(Vm, Qm)
-
-    def system(Vm: np.ndarray, Qm: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        p = _p_of(Vm, Qm)
-        HVV, HQQ, HVQ, gV, gQ = _normal_parts(feats, Vm, Qm, p @ feats.gram - Mt)
-        Hs = np.block([[HVV, HVQ], [HVQ.T, HQQ]]) + wd * np.eye(2 * nblk)
-        return Hs, np.concatenate([gV, gQ]) + wd * _pack(Vm, Qm)
-
+    Vm, Qm = _als(feats, Vm, Qm, wd, als_sweeps)
     f = _factorised_objective(feats, Vm, Qm, wd)
     mu = 1e-4
     it = 0
@@ -62,23 +46,7 @@ def _als_lm(feats: Features, Vm: np.ndarray, Qm: np.ndarray, wd: float, als_swee
     stop = "max_iter"
     res = float("inf")
     for it in range(1, max_iter + 1):
-        x = _pack(Vm, Qm)
-        Hs, g = system(Vm, Qm)
-        scale = float(np.mean(np.diag(Hs))) or 1.0
-        accepted = False
-        df = 0.0
-        for _ in range(25):
-            step = _damped_solve(Hs + mu * scale * np.eye(Hs.shape[0]), -g)
-            V2, Q2 = _unpack(x + step, H, d)
-            f2 = _factorised_objective(feats, V2, Q2, wd)
-            if f2 <= f:
-                Vm, Qm = _balance(V2, Q2)
-                df = f - f2
-                f = _factorised_objective(feats, Vm, Qm, wd)
-                mu = max(mu / 3, 1e-12)
-                accepted = True
-                break
-            mu *= 4
+        Vm, Qm, f, mu, df, accepted = _lm_try(feats, Vm, Qm, f, mu, wd)
         # Stop when a step gains less than `tol` relative (statistically irrelevant), or at the
         # float64 resolution of the loss.
         res = df / max(f, f0 * 1e-12)
@@ -88,23 +56,75 @@ def _als_lm(feats: Features, Vm: np.ndarray, Qm: np.ndarray, wd: float, als_swee
         if res <= tol:
             stop = "tolerance"
             break
-    # Near an exact fit the loss itself only resolves ~eps * tr(T) (cancellation), so finish with
-    # Gauss-Newton steps accepted on the gradient norm, which has no such floor.
+    Vm, Qm, f = _gauss_newton_finish(feats, Vm, Qm, f, f0, wd)
+    info = solver_info("ALS + Levenberg-Marquardt (factorised fit)", stop != "max_iter", it, max_iter,
+                       res if np.isfinite(res) else 0.0,
+                       "relative objective decrease of the last Levenberg-Marquardt step", tol, stop=stop)
+    return Vm, Qm, f, it, info
+
+
+def _als(feats: Features, Vm: np.ndarray, Qm: np.ndarray, wd: float, sweeps: int) -> tuple[np.ndarray, np.ndarray]:
+    """`sweeps` alternating exact solves for V then Q (each a ridge-wd least squares), balanced after each."""
+    H, dd = Vm.shape
+    nblk = H * dd
+    Mt = feats.moments.T
+    for _ in range(sweeps):
+        HVV, _, _, bV, _ = _normal_parts(feats, Vm, Qm, Mt)
+        Vm = _solve_psd(HVV + wd * np.eye(nblk), bV).reshape(H, dd)
+        _, HQQ, _, _, bQ = _normal_parts(feats, Vm, Qm, Mt)
+        Qm = _solve_psd(HQQ + wd * np.eye(nblk), bQ).reshape(H, dd)
+        Vm, Qm = _balance(Vm, Qm)
+    return Vm, Qm
+
+
+def _system(feats: Features, Vm: np.ndarray, Qm: np.ndarray, wd: float) -> tuple[np.ndarray, np.ndarray]:
+    """The Gauss-Newton matrix (with the weight decay) and the gradient of the objective at (Vm, Qm)."""
+    nblk = Vm.size
+    p = _p_of(Vm, Qm)
+    HVV, HQQ, HVQ, gV, gQ = _normal_parts(feats, Vm, Qm, p @ feats.gram - feats.moments.T)
+    Hs = np.block([[HVV, HVQ], [HVQ.T, HQQ]]) + wd * np.eye(2 * nblk)
+    return Hs, np.concatenate([gV, gQ]) + wd * _pack(Vm, Qm)
+
+
+def _lm_try(feats: Features, Vm: np.ndarray, Qm: np.ndarray, f: float, mu: float, wd: float
+            ) -> tuple[np.ndarray, np.ndarray, float, float, float, bool]:
+    """One Levenberg-Marquardt iteration of `_als_lm`: up to 25 dampings; (V, Q, objective, next mu, the
+    decrease, whether a step was accepted)."""
+    H, dd = Vm.shape
+    d = int(round(np.sqrt(dd)))
+    x = _pack(Vm, Qm)
+    Hs, g = _system(feats, Vm, Qm, wd)
+    scale = float(np.mean(np.diag(Hs))) or 1.0
+    for _ in range(25):
+        step = _damped_solve(Hs + mu * scale * np.eye(Hs.shape[0]), -g)
+        V2, Q2 = _unpack(x + step, H, d)
+        f2 = _factorised_objective(feats, V2, Q2, wd)
+        if f2 <= f:
+            Vm, Qm = _balance(V2, Q2)
+            df = f - f2
+            return Vm, Qm, _factorised_objective(feats, Vm, Qm, wd), max(mu / 3, 1e-12), df, True
+        mu *= 4
+    return Vm, Qm, f, mu, 0.0, False
+
+
+def _gauss_newton_finish(feats: Features, Vm: np.ndarray, Qm: np.ndarray, f: float, f0: float, wd: float
+                         ) -> tuple[np.ndarray, np.ndarray, float]:
+    """Near an exact fit the loss itself only resolves ~eps * tr(T) (cancellation), so finish with
+    Gauss-Newton steps accepted on the gradient norm, which has no such floor (at most 20)."""
+    H, dd = Vm.shape
+    d = int(round(np.sqrt(dd)))
     for _ in range(20):
         x = _pack(Vm, Qm)
-        Hs, g = system(Vm, Qm)
+        Hs, g = _system(feats, Vm, Qm, wd)
         step = _damped_solve(Hs + 1e-12 * (float(np.mean(np.diag(Hs))) or 1.0) * np.eye(Hs.shape[0]), -g)
         V2, Q2 = _unpack(x + step, H, d)
-        _, g2 = system(V2, Q2)
+        _, g2 = _system(feats, V2, Q2, wd)
         f2 = _factorised_objective(feats, V2, Q2, wd)
         if not (np.linalg.norm(g2) < 0.5 * np.linalg.norm(g) and f2 <= f + 1e-12 * f0):
             break
         Vm, Qm = _balance(V2, Q2)
         f = _factorised_objective(feats, Vm, Qm, wd)
-    info = solver_info("ALS + Levenberg-Marquardt (factorised fit)", stop != "max_iter", it, max_iter,
-                       res if np.isfinite(res) else 0.0,
-                       "relative objective decrease of the last Levenberg-Marquardt step", tol, stop=stop)
-    return Vm, Qm, f, it, info
+    return Vm, Qm, f
 
 
 @_serial_blas

@@ -38,7 +38,6 @@ def polish_heads(coef: np.ndarray, Vm: np.ndarray, Qm: np.ndarray, tol: float = 
     """
     norm = float(np.linalg.norm(coef))
     target = coef.ravel() / norm
-    H = Vm.shape[0]
     d = coef.shape[0]
     Vm, Qm = _balance(Vm / np.sqrt(norm), Qm / np.sqrt(norm))
     r = _p_of(Vm, Qm).ravel() - target
@@ -57,33 +56,12 @@ def polish_heads(coef: np.ndarray, Vm: np.ndarray, Qm: np.ndarray, tol: float = 
                 and cost > 1e4 * tol * tol):
             stop = "stalled"
             break
-        # J^T J and J^T r from the structured blocks with an identity metric (no dense J).
-        HVV, HQQ, HVQ, gV, gQ = _normal_parts(metric, Vm, Qm, r.reshape(d, -1))
-        JtJ = np.block([[HVV, HVQ], [HVQ.T, HQQ]])
-        g = np.concatenate([gV, gQ])
-        scale = float(np.mean(np.diag(JtJ))) or 1.0
-        improved = False
-        for _ in range(30):
-            A = JtJ + (mu * scale) * np.eye(JtJ.shape[0])
-            try:
-                step = _damped_solve(A, -g)
-            except (np.linalg.LinAlgError, ValueError):
-                mu *= 10
-                continue
-            V2, Q2 = _unpack(_pack(Vm, Qm) + step, H, d)
-            r2 = _p_of(V2, Q2).ravel() - target
-            c2 = float(r2 @ r2)
-            if c2 < cost:
-                Vm, Qm = _balance(V2, Q2)
-                r, cost = r2, c2
-                history.append(cost)
-                mu = max(mu / 3, 1e-12)
-                improved = True
-                break
-            mu *= 4
-        if not improved:
+        step = _lm_step(metric, Vm, Qm, r, cost, mu, target, d)
+        if step is None:
             stop = "no-descent"
             break
+        Vm, Qm, r, cost, mu = step
+        history.append(cost)
     else:
         it = max_iter
         if np.sqrt(cost) <= tol:
@@ -95,6 +73,34 @@ def polish_heads(coef: np.ndarray, Vm: np.ndarray, Qm: np.ndarray, tol: float = 
     info = solver_info("Levenberg-Marquardt (heads)", stop == "tolerance", it, max_iter, err,
                        "||p(V, Q) - p|| / ||p||", tol, stop=stop)
     return Vm * s, Qm * s, err, info
+
+
+def _lm_step(metric: _Metric, Vm: np.ndarray, Qm: np.ndarray, r: np.ndarray, cost: float, mu: float,
+             target: np.ndarray, d: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, float, float] | None:
+    """One accepted Levenberg-Marquardt step of `polish_heads` from (Vm, Qm) with residual r and damping mu:
+    the balanced new factors, their residual and cost and the next damping; None when no damping of up to
+    30 tries decreases the cost."""
+    H = Vm.shape[0]
+    # J^T J and J^T r from the structured blocks with an identity metric (no dense J).
+    HVV, HQQ, HVQ, gV, gQ = _normal_parts(metric, Vm, Qm, r.reshape(d, -1))
+    JtJ = np.block([[HVV, HVQ], [HVQ.T, HQQ]])
+    g = np.concatenate([gV, gQ])
+    scale = float(np.mean(np.diag(JtJ))) or 1.0
+    for _ in range(30):
+        A = JtJ + (mu * scale) * np.eye(JtJ.shape[0])
+        try:
+            step = _damped_solve(A, -g)
+        except (np.linalg.LinAlgError, ValueError):
+            mu *= 10
+            continue
+        V2, Q2 = _unpack(_pack(Vm, Qm) + step, H, d)
+        r2 = _p_of(V2, Q2).ravel() - target
+        c2 = float(r2 @ r2)
+        if c2 < cost:
+            V2, Q2 = _balance(V2, Q2)
+            return V2, Q2, r2, c2, max(mu / 3, 1e-12)
+        mu *= 4
+    return None
 
 
 def _rel_err(coef: np.ndarray, Vm: np.ndarray, Qm: np.ndarray) -> float:
@@ -172,8 +178,7 @@ def fewest_heads(coef: np.ndarray, tol: float = 1e-8, W: np.ndarray | None = Non
         raise InputError(f"tolerance must be in (0, 1), got {tol}")
     if n_starts < 0:
         raise InputError(f"n_starts must be >= 0, got {n_starts}")
-    norm = float(np.linalg.norm(coef))
-    if norm == 0:
+    if float(np.linalg.norm(coef)) == 0:
         heads = Heads(V=np.zeros((1, d, d)), Q=np.zeros((1, d, d)))
         heads.info = {"n_heads": 1, "relative_function_error": 0.0, "rel_error": 0.0, "singular_values": [0.0],
                       "tol": tol, "lower_bound": 1, "proven_minimal": True, "starts_tried": {}, "best_error": {}}
@@ -182,74 +187,17 @@ def fewest_heads(coef: np.ndarray, tol: float = 1e-8, W: np.ndarray | None = Non
         Wn, nuc_info = min_nuclear_W(coef, return_info=True)
     else:
         Wn, nuc_info = W, None
-    W_mn = W_from_p(coef)
     s = np.linalg.svd(Wn, compute_uv=False)
     # The SVD of the (feasible) min-nuclear W with all its nonzero values is an exact fallback.
     r_max = max(1, int((s > 1e-10 * s[0]).sum()))
     bound = head_lower_bound(coef, tol=tol, seed=seed)
     L = min(bound["lower_bound"], r_max)
-    tried: dict[int, tuple[np.ndarray, np.ndarray, float]] = {}
-    n_tried: dict[int, int] = {}
-    budget: dict[int, int] = {}
-
-    def attempt(H: int, k: int = n_starts) -> tuple[np.ndarray, np.ndarray, float]:
-        if H in tried:
-            return tried[H]
-        rng = np.random.default_rng([seed, H])
-        best: tuple[np.ndarray, np.ndarray, float] | None = None
-        n = 0
-        for i in range(2 + k):
-            if i == 0:
-                V0, Q0 = _heads_from_svd(Wn, H)
-            elif i == 1:
-                V0, Q0 = _heads_from_svd(W_mn, H)
-            else:
-                V0, Q0 = _random_start(coef, W_mn, H, rng, _START_SCALES[(i - 2) % len(_START_SCALES)])
-            n += 1
-            err0 = _rel_err(coef, V0, Q0)
-            cand = (V0, Q0, err0)
-            if err0 > tol * 1e-2:
-                V1, Q1, _ = polish_heads(coef, V0, Q0, max_iter=max_iter)
-                err1 = _rel_err(coef, V1, Q1)
-                if err1 < err0:
-                    cand = (V1, Q1, err1)
-            if best is None or cand[2] < best[2]:
-                best = cand
-            if best[2] <= tol:
-                break
-        assert best is not None
-        tried[H], n_tried[H], budget[H] = best, n, 2 + k
-        return best
-
-    best_H = None
+    search = _HeadSearch(coef, Wn, W_from_p(coef), tol, seed, n_starts, max_iter)
     top = min(max(linear_upto, L), r_max)
-    for H in range(L, top + 1):
-        if attempt(H)[2] <= tol:
-            best_H = H
-            break
+    best_H = next((H for H in range(L, top + 1) if search.attempt(H)[2] <= tol), None)
     if best_H is None:
-        lo, hi = top, r_max  # lo fails (or equals hi); find the smallest success in (lo, hi]
-
-        # A generic p (e.g. a noisy fit) is typically reachable with generic_rank(d) heads: try it first.
-        r_gen = generic_rank(d)
-        if lo < r_gen < hi and attempt(r_gen, bisection_starts)[2] <= tol:
-            hi = r_gen
-        elif attempt(hi, bisection_starts)[2] > tol:
-            # Fallback: the min-norm SVD has at most d^2 heads and is exact.
-            hd, _ = heads_from_W(W_mn, tol=0.0)
-            V0, Q0 = hd.V.reshape(hd.n_heads, -1), hd.Q.reshape(hd.n_heads, -1)
-            hi = hd.n_heads
-            tried[hi] = (V0, Q0, _rel_err(coef, V0, Q0))
-            n_tried[hi] = n_tried.get(hi, 0) + 1
-            budget[hi] = budget.get(hi, 0) + 1
-        while hi - lo > 1:
-            mid = (lo + hi) // 2
-            if attempt(mid, bisection_starts)[2] <= tol:
-                hi = mid
-            else:
-                lo = mid
-        best_H = hi
-    Vm, Qm, err = tried[best_H]
+        best_H = search.bisect(top, r_max, bisection_starts)
+    Vm, Qm, err = search.tried[best_H]
     err = _rel_err(coef, Vm, Qm)  # re-verify on the final arrays
     if err > tol:
         raise RuntimeError(f"fewest_heads: no factorisation within {tol:g} (best {err:.3g})")
@@ -257,12 +205,85 @@ def fewest_heads(coef: np.ndarray, tol: float = 1e-8, W: np.ndarray | None = Non
     proven = heads.n_heads <= bound["lower_bound"]
     heads.info = {"n_heads": heads.n_heads, "relative_function_error": err, "rel_error": err, "tol": tol,
                   "lower_bound": bound["lower_bound"], "proven_minimal": bool(proven),
-                  "lower_bound_info": bound,
-                  "starts_tried": {int(h): n_tried[h] for h in sorted(n_tried)},
-                  "best_error": {int(h): float(tried[h][2]) for h in sorted(tried)},
-                  "starts_per_head_count": {int(h): budget[h] for h in sorted(budget)}, "seed": seed,
+                  "lower_bound_info": bound, **search.record(), "seed": seed,
                   "singular_values": s.tolist(), "nuclear_rank": r_max, "solver": nuc_info}
     return heads
+
+
+class _HeadSearch:
+    """The starts `fewest_heads` polishes for each head count H, and the best of each H tried."""
+
+    def __init__(self, coef: np.ndarray, Wn: np.ndarray, W_mn: np.ndarray, tol: float, seed: int, n_starts: int,
+                 max_iter: int) -> None:
+        self.coef, self.Wn, self.W_mn = coef, Wn, W_mn
+        self.tol, self.seed, self.n_starts, self.max_iter = tol, seed, n_starts, max_iter
+        self.tried: dict[int, tuple[np.ndarray, np.ndarray, float]] = {}  # H -> (V, Q, relative error)
+        self.n_tried: dict[int, int] = {}
+        self.budget: dict[int, int] = {}
+
+    def _start(self, H: int, i: int, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
+        """Start i: the top-H SVD of the min-nuclear-norm W, of the min-norm W, then random feasible points."""
+        if i == 0:
+            return _heads_from_svd(self.Wn, H)
+        if i == 1:
+            return _heads_from_svd(self.W_mn, H)
+        return _random_start(self.coef, self.W_mn, H, rng, _START_SCALES[(i - 2) % len(_START_SCALES)])
+
+    def attempt(self, H: int, k: int | None = None) -> tuple[np.ndarray, np.ndarray, float]:
+        """The best of up to 2 + k (default n_starts) polished starts with H heads; the first within tol ends."""
+        if H in self.tried:
+            return self.tried[H]
+        k = self.n_starts if k is None else k
+        rng = np.random.default_rng([self.seed, H])
+        best: tuple[np.ndarray, np.ndarray, float] | None = None
+        n = 0
+        for i in range(2 + k):
+            V0, Q0 = self._start(H, i, rng)
+            n += 1
+            err0 = _rel_err(self.coef, V0, Q0)
+            cand = (V0, Q0, err0)
+            if err0 > self.tol * 1e-2:
+                V1, Q1, _ = polish_heads(self.coef, V0, Q0, max_iter=self.max_iter)
+                err1 = _rel_err(self.coef, V1, Q1)
+                if err1 < err0:
+                    cand = (V1, Q1, err1)
+            if best is None or cand[2] < best[2]:
+                best = cand
+            if best[2] <= self.tol:
+                break
+        assert best is not None
+        self.tried[H], self.n_tried[H], self.budget[H] = best, n, 2 + k
+        return best
+
+    def bisect(self, lo: int, hi: int, starts: int) -> int:
+        """The smallest H in (lo, hi] found within tol (lo fails, or equals hi), by bisection with 2 + starts
+        starts per H; the exact min-norm SVD (at most d^2 heads) when even hi fails."""
+        tol = self.tol
+        # A generic p (e.g. a noisy fit) is typically reachable with generic_rank(d) heads: try it first.
+        r_gen = generic_rank(self.coef.shape[0])
+        if lo < r_gen < hi and self.attempt(r_gen, starts)[2] <= tol:
+            hi = r_gen
+        elif self.attempt(hi, starts)[2] > tol:
+            # Fallback: the min-norm SVD has at most d^2 heads and is exact.
+            hd, _ = heads_from_W(self.W_mn, tol=0.0)
+            V0, Q0 = hd.V.reshape(hd.n_heads, -1), hd.Q.reshape(hd.n_heads, -1)
+            hi = hd.n_heads
+            self.tried[hi] = (V0, Q0, _rel_err(self.coef, V0, Q0))
+            self.n_tried[hi] = self.n_tried.get(hi, 0) + 1
+            self.budget[hi] = self.budget.get(hi, 0) + 1
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            if self.attempt(mid, starts)[2] <= tol:
+                hi = mid
+            else:
+                lo = mid
+        return hi
+
+    def record(self) -> dict[str, dict[int, Any]]:
+        """starts_tried, best_error and starts_per_head_count for each H tried (fewest_heads' info)."""
+        return {"starts_tried": {int(h): self.n_tried[h] for h in sorted(self.n_tried)},
+                "best_error": {int(h): float(self.tried[h][2]) for h in sorted(self.tried)},
+                "starts_per_head_count": {int(h): self.budget[h] for h in sorted(self.budget)}}
 
 
 def fewest_message(info: dict[str, Any]) -> str:
