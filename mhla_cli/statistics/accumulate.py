@@ -23,7 +23,7 @@ from . import basis as basis_mod
 from ..linalg import device as device_mod
 from ..linalg import symgram
 from ..numerics import SINGULAR_BASIS_COND
-from ..linalg.factorization import POTRF_THREADED_MAX
+from ..linalg.backends import POTRF_THREADED_MAX, get_backend
 from ..errors import InputError
 from ..feature_map import check_normalize, n_features, pair_index
 from ..linalg.memory import check_floor
@@ -76,14 +76,17 @@ class _Accumulator:
         self.has_targets = has_targets
         self.width = self.nf + (d if has_targets else 0)
         self.G: np.ndarray | None = None
-        # device (mhla_cli.linalg.device): the features and their Gram on a torch device; the token-side
-        # work (S, the token Grams, the traces of a span pass) stays here
-        self.device = None if traces else device
-        self._dgram: Any = None
+        # the backend (mhla_cli.linalg.backends, resolved once from `device`): its own accumulator of the
+        # features' Gram (torch: device.DeviceGram / DevicePairs), or None: the host kernels below. The
+        # token-side work (S, the token Grams, the traces of a span pass) stays here
+        self.backend = get_backend(None if traces else device)
+        self.device = self.backend.device
+        self._factors = (self.psi // d, d) if spans is None else (self.spans[0].shape[1], self.spans[1].shape[1])
+        self._dgram: Any = self.backend.gram(*self._factors, d if has_targets else 0, self.width, self.nf,
+                                             self.spans)
         # the Gram's own symmetry (mhla_cli.linalg.symgram): on the host, K = U^T V of the distinct entries
         # instead of a syrk of the materialised block, when the factors are wide enough to gain
-        self._factors = (self.psi // d, d) if spans is None else (self.spans[0].shape[1], self.spans[1].shape[1])
-        self._pairs = None if traces or self.device is not None else symgram.accumulator(
+        self._pairs = None if traces or self._dgram is not None else symgram.accumulator(
             *self._factors, d if has_targets else 0)
         self._bufs: dict[str, np.ndarray] = {}
         j, k = pair_index(d)
@@ -331,15 +334,9 @@ class _Accumulator:
         """Add the rows' block [Ht | Y] to the Gram: upper_t (q, R) canonical S entries, last_t (d, R),
         targets_t (d, R) or None. On the host the block is built transposed, Ft = [Ht | Y]^T
         (psi + d, R), so that every elementwise loop runs over the R samples of the chunk (long,
-        contiguous) instead of over d, then one syrk; on a device (`device.DeviceGram`) it is built
-        there."""
-        if self.device is not None:
-            if self._dgram is None:
-                from ..linalg.device import DeviceGram, DevicePairs
-
-                q, r = self._factors
-                self._dgram = (DevicePairs(self.device, q, r, self.d if self.has_targets else 0, self.spans)
-                               if symgram.use_pairs(q, r) else DeviceGram(self.device, self.width, self.nf, self.spans))
+        contiguous) instead of over d, then one syrk; a backend's own Gram (`backends.Backend.gram`, e.g.
+        `device.DeviceGram`) builds it there."""
+        if self._dgram is not None:
             if self.width:
                 self._dgram.add(upper_t, last_t, targets_t)
             return
@@ -396,7 +393,7 @@ class _Accumulator:
                 if not np.shares_memory(out, self.G):  # a copy was made: keep its triangle
                     self.G[...] = np.tril(out.T)
                 return
-            # above it OpenBLAS's threaded syrk segfaults (factorization.POTRF_THREADED_MAX): GEMM panels
+            # above it OpenBLAS's threaded syrk segfaults (backends.POTRF_THREADED_MAX): GEMM panels
             rows = max(1, min(W, PANEL_BYTES // (8 * W)))
             work = self._buf_t("P", rows, W)
             for a in range(0, W, rows):

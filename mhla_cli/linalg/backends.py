@@ -1,0 +1,227 @@
+"""The backends of the psi x psi work, one class each, resolved once from a `device` spelling (`get_backend`).
+
+- `NumpyBackend` ("cpu" / None, the default): NumPy / SciPy on the host; its matrix is `HostMatrix`
+  (LAPACK's eigensolvers, Cholesky and triangular solves), and the reduction's Gram is accumulated by the
+  accumulator's own host kernels (mhla_cli.statistics.accumulate: one syrk per chunk, or the Gram's
+  distinct entries, mhla_cli.linalg.symgram);
+- `TorchBackend` ("cuda", "cuda:I", "torch:cpu"; mhla_cli.linalg.device): torch on a device; its matrix is
+  `device.DeviceMatrix`, its Gram `device.DeviceGram` / `device.DevicePairs`, its free memory torch's.
+
+What the factorization (mhla_cli.linalg.factorization) asks of a backend's matrix: eigvalsh, eigh, the
+selected eigenvectors below a threshold (`selects_eigenvectors`: the host's LAPACK dsyevr; torch has
+none, the factorization then takes every eigenvector once), matvec, a Cholesky factor of a shifted copy
+(whose `solve` and `inverse_matvec` are the triangular solves), the solve of a shifted system, and the
+Cholesky solve on the range (`solves_on_range`). Every result is float64 numpy on the host.
+A new backend (ROCm, MPS, CuPy) is one class here and its spelling in `get_backend`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from typing import Any
+
+import numpy as np
+
+from . import device as device_mod
+
+__all__ = ["Backend", "HostFactor", "HostMatrix", "NumpyBackend", "POTRF_THREADED_MAX", "TorchBackend", "cholesky",
+           "get_backend"]
+
+# OpenBLAS's threaded dsyrk and dpotrf (0.3.30 / 0.3.31 here) segfault for n >= ~16000 with 2 threads
+# (measured: n = 16896, a Cholesky even of the identity, and numpy's F.T @ F of a 2048 x 16896 F;
+# n = 12000 runs; OpenMathLib/OpenBLAS issues #1413, #2821 report the same crash in dpotrf_L_parallel /
+# dsyrk_thread): above this size every decomposition here runs on one BLAS thread.
+POTRF_THREADED_MAX = 12000
+
+
+def _scipy_linalg() -> Any:
+    import scipy.linalg  # imported here, not at start-up: it costs ~0.2 s
+
+    return scipy.linalg
+
+
+def _lapack_threads(n: int) -> Any:
+    """Context: one BLAS thread for a decomposition of order n > POTRF_THREADED_MAX, else nothing."""
+    if n <= POTRF_THREADED_MAX:
+        return contextlib.nullcontext()
+    from threadpoolctl import threadpool_limits
+
+    return threadpool_limits(limits=1, user_api="blas")
+
+
+def cholesky(a: np.ndarray, overwrite_a: bool = False) -> Any:
+    """scipy's cho_factor of a symmetric a (for cho_solve), on one BLAS thread above POTRF_THREADED_MAX;
+    LinAlgError when a is not numerically positive definite."""
+    # a is symmetric, so a C-ordered array's transpose (an F-ordered view) is the same matrix: LAPACK
+    # factors it as it lies (upper U, U^T U = a) instead of after a transposing copy
+    c_order = bool(a.flags.c_contiguous) and not a.flags.f_contiguous
+    with _lapack_threads(a.shape[0]):
+        return _scipy_linalg().cho_factor(a.T if c_order else a, lower=not c_order, overwrite_a=overwrite_a,
+                                          check_finite=False)
+
+
+def _inverse_matvec(factor: tuple[np.ndarray, bool]) -> Any:
+    """x -> lam^-1 x through a cho_factor result, as two triangular solves (BLAS dtrsv): about half the
+    time of cho_solve's dpotrs for one right-hand side (measured at n = 7200: 27 ms against 52 ms), and
+    Lanczos needs one per step."""
+    from scipy.linalg import blas
+
+    c, lower = factor
+    c = np.asfortranarray(c)
+    if lower:  # lam = L L^T
+        return lambda x: blas.dtrsv(c, blas.dtrsv(c, x, lower=1, trans=0), lower=1, trans=1)
+    return lambda x: blas.dtrsv(c, blas.dtrsv(c, x, lower=0, trans=1), lower=0, trans=0)  # lam = U^T U
+
+
+class HostFactor:
+    """A Cholesky factor on the host (scipy's cho_factor result `cf`): solves and inverse products."""
+
+    def __init__(self, cf: tuple[np.ndarray, bool]) -> None:
+        self.cf = cf
+        self._inv: Any = None
+
+    def solve(self, rhs: np.ndarray) -> np.ndarray:
+        """a^-1 rhs through the factor (LAPACK dpotrs)."""
+        return _scipy_linalg().cho_solve(self.cf, rhs, check_finite=False)
+
+    def inverse_matvec(self, x: np.ndarray) -> np.ndarray:
+        """a^-1 x by two triangular solves (Lanczos on the inverse; `_inverse_matvec`)."""
+        if self._inv is None:
+            self._inv = _inverse_matvec(self.cf)
+        return self._inv(x)
+
+
+class HostMatrix:
+    """A symmetric float64 matrix on the host (not copied, never written) and its LAPACK decompositions."""
+
+    selects_eigenvectors = True  # LAPACK dsyevr: only the eigenpairs below a threshold
+    solves_on_range = True  # a Cholesky of the matrix shifted on its null space (Factorization.range_solve)
+
+    def __init__(self, a: np.ndarray) -> None:
+        self.a = a
+
+    def eigvalsh(self) -> np.ndarray:
+        return _scipy_linalg().eigh(self.a, eigvals_only=True, check_finite=False)
+
+    def eigh(self) -> tuple[np.ndarray, np.ndarray]:
+        return _scipy_linalg().eigh(self.a, check_finite=False)
+
+    def eigh_below(self, upper: float) -> tuple[np.ndarray, np.ndarray]:
+        """The eigenpairs with eigenvalue <= upper (dsyevr over (-inf, upper]: only those vectors)."""
+        return _scipy_linalg().eigh(self.a, subset_by_value=(-np.inf, upper), check_finite=False)
+
+    def matvec(self, x: np.ndarray) -> np.ndarray:
+        return self.a @ x
+
+    def cholesky(self, shift: float = 0.0) -> HostFactor | None:
+        """The Cholesky factor of a - shift I (a copy of a when shift != 0: a is never written); None when
+        that matrix is not numerically positive definite."""
+        sl = _scipy_linalg()
+        try:
+            if shift == 0.0:
+                f = cholesky(self.a)
+            else:
+                m = np.array(self.a, dtype=np.float64, order="F")
+                m[np.diag_indices(m.shape[0])] -= shift
+                f = cholesky(m, overwrite_a=True)
+        except sl.LinAlgError:
+            return None
+        return HostFactor(f) if np.isfinite(f[0].diagonal()).all() else None
+
+    def shifted_solve(self, scale: float, shift: float, rhs: np.ndarray) -> np.ndarray | None:
+        """(scale a + shift I) x = rhs by a Cholesky of a new matrix; None when it is not numerically
+        positive definite."""
+        sl = _scipy_linalg()
+        system = self.a * scale
+        system[np.diag_indices(system.shape[0])] += shift
+        try:
+            return sl.cho_solve(cholesky(system, overwrite_a=True), rhs, check_finite=False)
+        except sl.LinAlgError:
+            return None
+
+    def range_solve(self, N: np.ndarray, c: float, scale: float, ridge: float, rhs: np.ndarray) -> np.ndarray | None:
+        """(scale a + ridge I)^-1 rhs on the range of a, N its (numerically) null eigenvectors: a Cholesky
+        of scale a + ridge I + c N N^T (same eigenvectors; eigenvalues lambda + ridge on the range, which
+        `c` >= lambda_max lifts the null space above), then the N part removed; None when it fails."""
+        sl = _scipy_linalg()
+        try:
+            # N @ (a copy of N^T): a GEMM (numpy turns N @ N.T into a syrk, see POTRF_THREADED_MAX)
+            shifted = N @ np.ascontiguousarray(N.T)
+            shifted *= c / scale
+            shifted += self.a
+            shifted[np.diag_indices(shifted.shape[0])] += ridge / scale
+            x = sl.cho_solve(cholesky(shifted, overwrite_a=True), rhs, check_finite=False) / scale
+            del shifted
+            return x - N @ (N.T @ x)
+        except sl.LinAlgError:
+            return None
+
+
+class Backend:
+    """Where the psi x psi work runs: a factorization's matrix, a reduction's Gram, the free memory."""
+
+    device: str | None = None  # the spelling it was resolved from (None: the host)
+
+    def matrix(self, a: np.ndarray) -> Any:
+        """The backend's copy of a symmetric float64 matrix (HostMatrix / device.DeviceMatrix interface)."""
+        raise NotImplementedError
+
+    def gram(self, q: int, r: int, n_targets: int, width: int, nf: int,
+             spans: tuple[np.ndarray, np.ndarray] | None = None) -> Any:
+        """An accumulator of a reduction's Gram on the backend (`add(upper_t, last_t, targets_t)`,
+        `result()`), or None: the accumulator's host kernels (mhla_cli.statistics.accumulate)."""
+        raise NotImplementedError
+
+    def free_bytes(self) -> int | None:
+        """The backend's free memory in bytes (None: the host's memory check applies)."""
+        return None
+
+    def check_memory(self, need: int, what: str, path: str | os.PathLike | None = None) -> None:
+        """Refuse up front a job whose arrays on the backend (`need` bytes) exceed its free memory."""
+        device_mod.check_device_memory(self.device, need, what, path)
+
+
+class NumpyBackend(Backend):
+    """NumPy / SciPy on the host (the default)."""
+
+    def matrix(self, a: np.ndarray) -> HostMatrix:
+        return HostMatrix(a)
+
+    def gram(self, q: int, r: int, n_targets: int, width: int, nf: int,
+             spans: tuple[np.ndarray, np.ndarray] | None = None) -> None:
+        return None  # the accumulator's host kernels: a syrk of the block, or symgram.SymGram
+
+
+class TorchBackend(Backend):
+    """torch on a device ("cuda", "cuda:I", "torch:cpu": mhla_cli.linalg.device), float64 throughout."""
+
+    def __init__(self, device: str) -> None:
+        self.device = device
+
+    def matrix(self, a: Any) -> Any:
+        return device_mod.DeviceMatrix(a, self.device)
+
+    def gram(self, q: int, r: int, n_targets: int, width: int, nf: int,
+             spans: tuple[np.ndarray, np.ndarray] | None = None) -> Any:
+        from .symgram import use_pairs
+
+        if use_pairs(q, r):
+            return device_mod.DevicePairs(self.device, q, r, n_targets, spans)
+        return device_mod.DeviceGram(self.device, width, nf, spans)
+
+    def free_bytes(self) -> int | None:
+        return device_mod.free_bytes(self.device)
+
+
+NUMPY = NumpyBackend()
+
+
+def get_backend(device: str | Backend | None) -> Backend:
+    """The backend of a checked `device` spelling (device.check_device): None / "cpu" numpy on the host,
+    any other torch there; a Backend is returned as it is."""
+    if isinstance(device, Backend):
+        return device
+    if device is None or device == "cpu":
+        return NUMPY
+    return TorchBackend(device)
