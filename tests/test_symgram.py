@@ -11,6 +11,7 @@ import pytest
 
 import _reference as ref
 from conftest import assert_same_stats, relerr, write_tokens
+from mhla_cli.linalg import backends
 from mhla_cli.statistics import accumulate, stream
 from mhla_cli.linalg import symgram
 from mhla_cli import featurize
@@ -209,7 +210,7 @@ def test_at_the_rule_width_without_forcing(tmp_path: Path) -> None:
     path = _write(tmp_path / "t.h5", {"tokens": X, "offsets": off, "targets": y, "weights": w})
     info = inspect_tokens(path)
     acc = accumulate._Accumulator(d, True)
-    assert acc._pairs is not None
+    assert acc._gram._pairs is not None
     G, M, n = _reference_gram(X, off, np.eye(d), False, w, "none", y)
     f = stream.reduce_span(info, (0, 40), 7, basis=np.eye(d), finalize=False)
     assert relerr(f.basis_gram, G) < TOL and relerr(f.basis_moments, M) < TOL and f.n_samples == n
@@ -271,7 +272,7 @@ def test_a_wide_block_with_threaded_panels_equals_the_syrk(tmp_path: Path, monke
     rng = np.random.default_rng(12)
     X, y = rng.standard_normal((150, 4, d)), rng.standard_normal((150, d))
     path = write_tokens(tmp_path / "w.h5", X, None, y)
-    monkeypatch.setattr(accumulate, "_blas_threads", lambda: 2)  # two threads even on a one-core runner
+    monkeypatch.setattr(backends, "_blas_threads", lambda: 2)  # two threads even on a one-core runner
     monkeypatch.setattr(symgram, "PAIRS_PANEL_BYTES", 8 * 150 * 2000)  # several panels per thread
     a = featurize(path, chunk_size=60, spans="off")
     monkeypatch.setattr(symgram, "SYMGRAM_MIN_D", 10**9)

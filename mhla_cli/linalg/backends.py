@@ -24,9 +24,10 @@ from typing import Any
 import numpy as np
 
 from . import device as device_mod
+from . import symgram
 
-__all__ = ["Backend", "HostFactor", "HostMatrix", "NumpyBackend", "POTRF_THREADED_MAX", "TorchBackend", "cholesky",
-           "get_backend"]
+__all__ = ["Backend", "HostFactor", "HostGram", "HostMatrix", "MIN_THREADED_WIDTH", "NumpyBackend", "PANEL_BYTES",
+           "POTRF_THREADED_MAX", "TorchBackend", "cholesky", "get_backend", "gram_parts"]
 
 # OpenBLAS's threaded dsyrk and dpotrf (0.3.30 / 0.3.31 here) segfault for n >= ~16000 with 2 threads
 # (measured: n = 16896, a Cholesky even of the identity, and numpy's F.T @ F of a 2048 x 16896 F;
@@ -158,6 +159,159 @@ class HostMatrix:
             return None
 
 
+# Narrower [H | Y] blocks use one BLAS thread: measured on 2 shared cores, OpenBLAS with 2 threads
+# took 397 ms for a (9500 x 44) syrk that one thread does in 1.6 ms, and 196 ms vs 41 ms at width
+# 520 (a thread waits for a core held by another process); wider blocks amortise the wait.
+MIN_THREADED_WIDTH = 1024
+# Work array of one panel of the accumulator's update (`_Accumulator._syrk`).
+PANEL_BYTES = 32 * 2**20
+
+_CONTROLLER: Any = None
+
+
+def _single_blas_thread() -> Any:
+    """Context limiting BLAS to one thread (tiny per-sequence products gain nothing from more)."""
+    global _CONTROLLER
+    if _CONTROLLER is None:
+        from threadpoolctl import ThreadpoolController
+
+        _CONTROLLER = ThreadpoolController()
+    return _CONTROLLER.limit(limits=1, user_api="blas")
+
+
+def _blas_threads() -> int:
+    """The number of threads BLAS uses now (threadpoolctl; 1 when unknown)."""
+    global _CONTROLLER
+    if _CONTROLLER is None:
+        from threadpoolctl import ThreadpoolController
+
+        _CONTROLLER = ThreadpoolController()
+    counts = [int(lib.num_threads) for lib in _CONTROLLER.select(user_api="blas").lib_controllers]
+    return max(1, min(counts)) if counts else 1
+
+
+class HostGram:
+    """The Gram of a reduction's [Ht | Y] block on the host, built chunk by chunk (the numpy backend's
+    `gram`): from symgram.SYMGRAM_MIN_D on the Gram's distinct entries K = U^T V of the two factors s and
+    x_n (mhla_cli.linalg.symgram.SymGram), else the block built transposed, Ft = [Ht | Y]^T (width, R), so
+    that every elementwise loop runs over the R samples of the chunk (long, contiguous) instead of over d,
+    then one syrk into G (lower triangle, mirrored in `gram_parts`)."""
+
+    def __init__(self, q: int, r: int, n_targets: int, width: int, nf: int,
+                 spans: tuple[np.ndarray, np.ndarray] | None = None) -> None:
+        self.width, self.nf, self.spans = int(width), int(nf), spans
+        self.G: np.ndarray | None = None
+        self._pairs = symgram.accumulator(q, r, n_targets)
+        self._bufs: dict[str, np.ndarray] = {}
+
+    def add(self, upper_t: np.ndarray, last_t: np.ndarray, targets_t: np.ndarray | None) -> None:
+        """Add the rows' block: upper_t (q, R) canonical S entries, last_t (d, R) (sqrt(w) x for weighted
+        rows), targets_t (d, R) or None (already weighted)."""
+        if self._pairs is not None:
+            if self.spans is not None:  # the block coordinates E^T s and F^T x_n
+                upper_t, last_t = self.spans[0].T @ upper_t, self.spans[1].T @ last_t
+            # a wide block shares its panels out over as many Python threads as BLAS has threads
+            # (each panel's GEMM on one BLAS thread: symgram.SymGram.add); a narrow one runs on one
+            wide = self.width >= MIN_THREADED_WIDTH
+            with contextlib.nullcontext() if wide else _single_blas_thread():
+                self._pairs.add(upper_t, last_t, targets_t, threads=_blas_threads() if wide else 1)
+            return
+        R = upper_t.shape[1]
+        with _single_blas_thread():  # elementwise work and small products
+            Ft = symgram.work_array(self._bufs, "F", self.width, R)
+            if self.spans is not None:  # the block coordinates E^T s and F^T x_n
+                upper_t, last_t = self.spans[0].T @ upper_t, self.spans[1].T @ last_t
+            H = Ft[:self.nf].reshape(upper_t.shape[0], last_t.shape[0], R)
+            # H_(j,k,l) = S[j,k] x_n[l] (BACKGROUND.md, "Why learning it is a linear regression")
+            np.multiply(upper_t[:, None, :], last_t[None, :, :], out=H)
+            if targets_t is not None:
+                Ft[self.nf:] = targets_t
+        self._syrk(Ft)  # with the BLAS threads a wide block pays for
+
+    def _syrk(self, Ft: np.ndarray) -> None:
+        """G += Ft Ft^T on the lower triangle (mirrored in `gram_parts`), in place: one BLAS dsyrk into G,
+        or (wider than POTRF_THREADED_MAX) panels of rows, each one GEMM Ft[a:b] Ft[:b]^T into a work
+        array of about PANEL_BYTES added to G[a:b, :b]: the flops of a syrk, and no psi x psi product
+        beside G. Several BLAS threads only pay off for a wide block.
+        """
+        W = self.width
+        if W == 0:
+            return
+        with contextlib.nullcontext() if W >= MIN_THREADED_WIDTH else _single_blas_thread():
+            if self.G is None:
+                self.G = np.zeros((W, W))
+            if W <= POTRF_THREADED_MAX:
+                # BLAS dsyrk straight into G (no work array): G's lower triangle (C order) is the upper
+                # triangle of the F-ordered G^T, and Ft Ft^T = (Ft^T)^T (Ft^T) with Ft^T F-ordered
+                from scipy.linalg import blas
+
+                out = blas.dsyrk(1.0, Ft.T, beta=1.0, c=self.G.T, trans=1, lower=0, overwrite_c=1)
+                if not np.shares_memory(out, self.G):  # a copy was made: keep its triangle
+                    self.G[...] = np.tril(out.T)
+                return
+            # above it OpenBLAS's threaded syrk segfaults (backends.POTRF_THREADED_MAX): GEMM panels
+            rows = max(1, min(W, PANEL_BYTES // (8 * W)))
+            work = symgram.work_array(self._bufs, "P", rows, W)
+            for a in range(0, W, rows):
+                b = min(W, a + rows)
+                w = work.reshape(-1)[:(b - a) * b].reshape(b - a, b)
+                np.matmul(Ft[a:b], Ft[:b].T, out=w)
+                self.G[a:b, :b] += w
+
+    def result(self) -> np.ndarray | symgram.SymGram | None:
+        """The sums: the SymGram of K, or G (its lower triangle; None when nothing was added); the work
+        buffers released."""
+        self._bufs.clear()
+        out = self._pairs if self._pairs is not None else self.G
+        self._pairs = self.G = None
+        return out
+
+
+def gram_parts(out: Any, width: int, nf: int, has_targets: bool
+               ) -> tuple[np.ndarray, np.ndarray | None, np.ndarray | None]:
+    """(gram of the nf features, their moments, the target Gram) from a backend Gram's result: a
+    symgram.SymGram (K expanded), or a (width, width) G of [Ht | Y] from its lower triangle (None: zeros),
+    which is mirrored and compacted in place so that the gram is a C-contiguous nf x nf array at its start
+    (moments and the target Gram are copied out first)."""
+    if isinstance(out, symgram.SymGram):  # the Gram from its distinct entries (mhla_cli.linalg.symgram)
+        out.release_work()
+        return out.gram(), out.moments(), out.target_gram()
+    G = out if out is not None else np.zeros((width, width))
+    _mirror_lower(G)
+    moments = G[:nf, nf:].copy() if has_targets else None
+    target_gram = G[nf:, nf:].copy() if has_targets else None
+    return _compact_leading(G, nf), moments, target_gram
+
+
+def _mirror_lower(G: np.ndarray, tile: int = 256) -> None:
+    """G[i, j] = G[j, i] for i < j, in place, tile by tile (G exactly symmetric from its lower triangle)."""
+    n = G.shape[0]
+    for i0 in range(0, n, tile):
+        i1 = min(n, i0 + tile)
+        D = G[i0:i1, i0:i1]
+        D[np.triu_indices(i1 - i0, 1)] = D.T[np.triu_indices(i1 - i0, 1)]
+        for j0 in range(i1, n, tile):
+            j1 = min(n, j0 + tile)
+            G[i0:i1, j0:j1] = G[j0:j1, i0:i1].T
+
+
+def _compact_leading(G: np.ndarray, n: int, rows: int = 256) -> np.ndarray:
+    """The leading n x n block of a C-contiguous square G, moved in place to G's first n^2 entries.
+
+    Returns a C-contiguous (n, n) view of G's memory (G's other entries are overwritten).
+    """
+    W = G.shape[0]
+    flat = G.reshape(-1)
+    if W == n:
+        return G
+    # row i moves from i W to i n <= i W: rows done in increasing order never overwrite a row still
+    # to be moved (numpy buffers the overlap within a block)
+    for a in range(0, n, rows):
+        b = min(n, a + rows)
+        flat[a * n:b * n].reshape(b - a, n)[...] = G[a:b, :n]
+    return flat[:n * n].reshape(n, n)
+
+
 class Backend:
     """Where the psi x psi work runs: a factorization's matrix, a reduction's Gram, the free memory."""
 
@@ -169,8 +323,8 @@ class Backend:
 
     def gram(self, q: int, r: int, n_targets: int, width: int, nf: int,
              spans: tuple[np.ndarray, np.ndarray] | None = None) -> Any:
-        """An accumulator of a reduction's Gram on the backend (`add(upper_t, last_t, targets_t)`,
-        `result()`), or None: the accumulator's host kernels (mhla_cli.statistics.accumulate)."""
+        """An accumulator of a reduction's Gram on the backend: `add(upper_t, last_t, targets_t)` per
+        chunk, `result()` a symgram.SymGram or G for `gram_parts` (HostGram, device.DeviceGram / DevicePairs)."""
         raise NotImplementedError
 
     def free_bytes(self) -> int | None:
@@ -189,8 +343,8 @@ class NumpyBackend(Backend):
         return HostMatrix(a)
 
     def gram(self, q: int, r: int, n_targets: int, width: int, nf: int,
-             spans: tuple[np.ndarray, np.ndarray] | None = None) -> None:
-        return None  # the accumulator's host kernels: a syrk of the block, or symgram.SymGram
+             spans: tuple[np.ndarray, np.ndarray] | None = None) -> HostGram:
+        return HostGram(q, r, n_targets, width, nf, spans)
 
 
 class TorchBackend(Backend):

@@ -202,7 +202,7 @@ class DeviceGram:
         t.mul(u[:, None, :], x[None, :, :], out=Ft[:self.nf].view(u.shape[0], x.shape[0], R))
         if y is not None:
             Ft[self.nf:] = y
-        # the lower triangle (mirrored on the host, stream._mirror_lower) in GRAM_PANELS row panels,
+        # the lower triangle (mirrored on the host, backends.gram_parts) in GRAM_PANELS row panels,
         # each one float64 GEMM G[a:b, :b] += Ft[a:b] Ft[:b]^T: torch has no syrk, and a whole GEMM
         # would do twice its flops; P panels do (1 + 1/P) times them
         W = self.width

@@ -4,14 +4,12 @@ the statistics of one in-memory chunk (`chunk_features`).
 Per chunk the tokens are transformed to the pass's basis (X A), the per-sequence (X A)^T (X A) are
 batched matmuls (mhla_cli.statistics.kernels), and the canonical sums are updated either by the Gram's
 distinct entries K = U^T V (mhla_cli.linalg.symgram: half the flops of a syrk, for d >=
-symgram.SYMGRAM_MIN_D) or by one syrk of the block [Ht | Y] (docs/performance.md); on a device the
-features and their Gram are built there (mhla_cli.linalg.device). Above ~500 lines: `_Accumulator` is one
-class (the host kernels of its update and its result), ~400 lines of it.
+symgram.SYMGRAM_MIN_D) or by one syrk of the block [Ht | Y] (docs/performance.md), by the backend of
+`device` (mhla_cli.linalg.backends: the host's HostGram, or torch's on a device).
 """
 
 from __future__ import annotations
 
-import contextlib
 import os
 import time
 from collections.abc import Callable
@@ -23,23 +21,14 @@ from . import basis as basis_mod
 from ..linalg import device as device_mod
 from ..linalg import symgram
 from ..numerics import SINGULAR_BASIS_COND
-from ..linalg.backends import POTRF_THREADED_MAX, get_backend
+from ..linalg.backends import MIN_THREADED_WIDTH, PANEL_BYTES, _single_blas_thread, get_backend, gram_parts
 from ..errors import InputError
 from ..feature_map import check_normalize, n_features, pair_index
 from ..linalg.memory import check_floor
-from .kernels import (_BLOCK_ELEMENTS, _blas_threads, _single_blas_thread, position_numbers, sample_rows,
-                      sequence_moments)
+from .kernels import _BLOCK_ELEMENTS, position_numbers, sample_rows, sequence_moments
 from .stats import Features, check_overflow
 
 __all__ = ["MIN_THREADED_WIDTH", "PANEL_BYTES", "chunk_features"]
-
-
-# Narrower [H | Y] blocks use one BLAS thread: measured on 2 shared cores, OpenBLAS with 2 threads
-# took 397 ms for a (9500 x 44) syrk that one thread does in 1.6 ms, and 196 ms vs 41 ms at width
-# 520 (a thread waits for a core held by another process); wider blocks amortise the wait.
-MIN_THREADED_WIDTH = 1024
-# Work array of one panel of the accumulator's update (`_Accumulator._syrk`).
-PANEL_BYTES = 32 * 2**20
 
 
 class _Accumulator:
@@ -49,8 +38,9 @@ class _Accumulator:
     "The canonical certificate", Numerics), the features are those of X A in canonical coordinates
     (mhla_cli.statistics.basis), and the Gram of the block [Ht | Y] (B x (psi + d)) holds basis_gram,
     basis_moments and target_gram at once, so each chunk costs one syrk (numpy's `Ft @ Ft.T` on the
-    transposed block); `G` accumulates it in float64. From symgram.SYMGRAM_MIN_D on (`_pairs`, or
-    device.DevicePairs on a device) the chunk instead adds the Gram's distinct entries K = U^T V of the
+    transposed block); the backend's Gram (`_gram`: backends.HostGram, device.DeviceGram) accumulates it in
+    float64. From symgram.SYMGRAM_MIN_D on (symgram.SymGram, or device.DevicePairs on a device) the chunk
+    instead adds the Gram's distinct entries K = U^T V of the
     two factors s and x_n (mhla_cli.linalg.symgram), and `result` expands K to basis_gram exactly. The token
     Grams are accumulated both on the tokens' own coordinates (exact zeros stay zeros) and on X A.
     """
@@ -75,19 +65,14 @@ class _Accumulator:
             self.nf, has_targets = 0, False
         self.has_targets = has_targets
         self.width = self.nf + (d if has_targets else 0)
-        self.G: np.ndarray | None = None
-        # the backend (mhla_cli.linalg.backends, resolved once from `device`): its own accumulator of the
-        # features' Gram (torch: device.DeviceGram / DevicePairs), or None: the host kernels below. The
-        # token-side work (S, the token Grams, the traces of a span pass) stays here
+        # the backend (mhla_cli.linalg.backends, resolved once from `device`) accumulates the features'
+        # Gram (host: backends.HostGram, a syrk or the Gram's distinct entries; torch: device.DeviceGram /
+        # DevicePairs); the token-side work (S, the token Grams, the traces of a span pass) stays here
         self.backend = get_backend(None if traces else device)
         self.device = self.backend.device
-        self._factors = (self.psi // d, d) if spans is None else (self.spans[0].shape[1], self.spans[1].shape[1])
-        self._dgram: Any = self.backend.gram(*self._factors, d if has_targets else 0, self.width, self.nf,
-                                             self.spans)
-        # the Gram's own symmetry (mhla_cli.linalg.symgram): on the host, K = U^T V of the distinct entries
-        # instead of a syrk of the materialised block, when the factors are wide enough to gain
-        self._pairs = None if traces or self._dgram is not None else symgram.accumulator(
-            *self._factors, d if has_targets else 0)
+        factors = (self.psi // d, d) if spans is None else (self.spans[0].shape[1], self.spans[1].shape[1])
+        self._gram: Any = None if traces else self.backend.gram(*factors, d if has_targets else 0, self.width,
+                                                               self.nf, self.spans)
         self._bufs: dict[str, np.ndarray] = {}
         j, k = pair_index(d)
         self._upper_idx = (j * d + k).astype(np.intp)
@@ -331,76 +316,18 @@ class _Accumulator:
         self.target_sum += y.sum(axis=0) if w is None else w @ y
 
     def _emit(self, upper_t: np.ndarray, last_t: np.ndarray, targets_t: np.ndarray | None) -> None:
-        """Add the rows' block [Ht | Y] to the Gram: upper_t (q, R) canonical S entries, last_t (d, R),
-        targets_t (d, R) or None. On the host the block is built transposed, Ft = [Ht | Y]^T
-        (psi + d, R), so that every elementwise loop runs over the R samples of the chunk (long,
-        contiguous) instead of over d, then one syrk; a backend's own Gram (`backends.Backend.gram`, e.g.
-        `device.DeviceGram`) builds it there."""
-        if self._dgram is not None:
-            if self.width:
-                self._dgram.add(upper_t, last_t, targets_t)
-            return
-        if self._pairs is not None:
-            if self.spans is not None:  # the block coordinates E^T s and F^T x_n
-                upper_t, last_t = self.spans[0].T @ upper_t, self.spans[1].T @ last_t
-            # a wide block shares its panels out over as many Python threads as BLAS has threads
-            # (each panel's GEMM on one BLAS thread: symgram.SymGram.add); a narrow one runs on one
-            wide = self.width >= MIN_THREADED_WIDTH
-            with contextlib.nullcontext() if wide else _single_blas_thread():
-                self._pairs.add(upper_t, last_t, targets_t, threads=_blas_threads() if wide else 1)
-            return
-        with _single_blas_thread():  # elementwise work and small products
-            Ft = self._buf_t("F", self.width, upper_t.shape[1])
-            self._fill(Ft, upper_t, last_t)
-            if targets_t is not None and self.traces is None:
-                Ft[self.nf:] = targets_t
-        if self.traces is None:
-            self._syrk(Ft)  # with the BLAS threads a wide block pays for
-
-    def _fill(self, Ft: np.ndarray, upper_t: np.ndarray, last_t: np.ndarray) -> None:
-        """Ft[:nf] = the features of the rows, transposed: upper_t (q, R) canonical, last_t (d, R)."""
-        R = upper_t.shape[1]
+        """Add the rows' block [Ht | Y] to the backend's Gram (`backends.HostGram`, `device.DeviceGram`, ...):
+        upper_t (q, R) canonical S entries, last_t (d, R), targets_t (d, R) or None; in a span pass, the
+        two partial traces instead."""
         if self.traces is not None:  # sum w ||x||^2 s s^T and sum w ||s||^2 x x^T (last_t holds sqrt(w) x)
-            nx = np.einsum("ij,ij->j", last_t, last_t)
-            ns = np.einsum("ij,ij->j", upper_t, upper_t)
-            self.traces[0][...] += (upper_t * nx) @ upper_t.T
-            self.traces[1][...] += (last_t * ns) @ last_t.T
+            with _single_blas_thread():
+                nx = np.einsum("ij,ij->j", last_t, last_t)
+                ns = np.einsum("ij,ij->j", upper_t, upper_t)
+                self.traces[0][...] += (upper_t * nx) @ upper_t.T
+                self.traces[1][...] += (last_t * ns) @ last_t.T
             return
-        if self.spans is not None:  # the block coordinates E^T s and F^T x_n
-            upper_t, last_t = self.spans[0].T @ upper_t, self.spans[1].T @ last_t
-        H = Ft[:self.nf].reshape(upper_t.shape[0], last_t.shape[0], R)
-        # H_(j,k,l) = S[j,k] x_n[l] (BACKGROUND.md, "Why learning it is a linear regression")
-        np.multiply(upper_t[:, None, :], last_t[None, :, :], out=H)
-
-    def _syrk(self, Ft: np.ndarray) -> None:
-        """G += Ft Ft^T on the lower triangle (mirrored in `result`), in place: one BLAS dsyrk into G,
-        or (wider than POTRF_THREADED_MAX) panels of rows, each one GEMM Ft[a:b] Ft[:b]^T into a work
-        array of about PANEL_BYTES added to G[a:b, :b]: the flops of a syrk, and no psi x psi product
-        beside G. Several BLAS threads only pay off for a wide block.
-        """
-        W = self.width
-        if W == 0:
-            return
-        with contextlib.nullcontext() if W >= MIN_THREADED_WIDTH else _single_blas_thread():
-            if self.G is None:
-                self.G = np.zeros((W, W))
-            if W <= POTRF_THREADED_MAX:
-                # BLAS dsyrk straight into G (no work array): G's lower triangle (C order) is the upper
-                # triangle of the F-ordered G^T, and Ft Ft^T = (Ft^T)^T (Ft^T) with Ft^T F-ordered
-                from scipy.linalg import blas
-
-                out = blas.dsyrk(1.0, Ft.T, beta=1.0, c=self.G.T, trans=1, lower=0, overwrite_c=1)
-                if not np.shares_memory(out, self.G):  # a copy was made: keep its triangle
-                    self.G[...] = np.tril(out.T)
-                return
-            # above it OpenBLAS's threaded syrk segfaults (backends.POTRF_THREADED_MAX): GEMM panels
-            rows = max(1, min(W, PANEL_BYTES // (8 * W)))
-            work = self._buf_t("P", rows, W)
-            for a in range(0, W, rows):
-                b = min(W, a + rows)
-                w = work.reshape(-1)[:(b - a) * b].reshape(b - a, b)
-                np.matmul(Ft[a:b], Ft[:b].T, out=w)
-                self.G[a:b, :b] += w
+        if self.width:
+            self._gram.add(upper_t, last_t, targets_t)
 
     def result(self, token_dtype: str = "float64") -> Features:
         """The statistics, in the accumulator's basis (the accumulator is spent: its work buffers are
@@ -411,24 +338,10 @@ class _Accumulator:
         `gram` and `moments` (own coordinates) are left to `Features.finalize`.
         """
         self._bufs.clear()
-        psi, d = self.nf, self.d  # the features accumulated (all psi, or the block on the spans)
-        if self._dgram is not None:
-            out, self._dgram = self._dgram.result(), None
-            if isinstance(out, symgram.SymGram):
-                self._pairs = out
-            else:
-                self.G = out
-        if self._pairs is not None:  # the Gram from its distinct entries (mhla_cli.linalg.symgram)
-            pairs, self._pairs = self._pairs, None
-            pairs.release_work()
-            gram_b, moments, target_gram = pairs.gram(), pairs.moments(), pairs.target_gram()
-        else:
-            G = self.G if self.G is not None else np.zeros((self.width, self.width))
-            self.G = None
-            _mirror_lower(G)
-            moments = G[:psi, psi:].copy() if self.has_targets else None
-            target_gram = G[psi:, psi:].copy() if self.has_targets else None
-            gram_b = _compact_leading(G, psi)
+        d = self.d
+        # the features accumulated: all psi, or the block on the spans (self.nf)
+        out, self._gram = (None if self._gram is None else self._gram.result()), None
+        gram_b, moments, target_gram = gram_parts(out, self.width, self.nf, self.has_targets)
         token_gram = self.token_gram + self._from_basis(self._derived_token_gram)
         out = Features(d=d, n_samples=self.n_samples, n_tokens=self.n_tokens, gram=None,
                        token_gram=token_gram, last_token_gram=self.last_token_gram,
@@ -441,35 +354,6 @@ class _Accumulator:
         if self.spans is not None:
             out.span_pairs, out.span_last = self.spans
         return out
-
-
-def _mirror_lower(G: np.ndarray, tile: int = 256) -> None:
-    """G[i, j] = G[j, i] for i < j, in place, tile by tile (G exactly symmetric from its lower triangle)."""
-    n = G.shape[0]
-    for i0 in range(0, n, tile):
-        i1 = min(n, i0 + tile)
-        D = G[i0:i1, i0:i1]
-        D[np.triu_indices(i1 - i0, 1)] = D.T[np.triu_indices(i1 - i0, 1)]
-        for j0 in range(i1, n, tile):
-            j1 = min(n, j0 + tile)
-            G[i0:i1, j0:j1] = G[j0:j1, i0:i1].T
-
-
-def _compact_leading(G: np.ndarray, n: int, rows: int = 256) -> np.ndarray:
-    """The leading n x n block of a C-contiguous square G, moved in place to G's first n^2 entries.
-
-    Returns a C-contiguous (n, n) view of G's memory (G's other entries are overwritten).
-    """
-    W = G.shape[0]
-    flat = G.reshape(-1)
-    if W == n:
-        return G
-    # row i moves from i W to i n <= i W: rows done in increasing order never overwrite a row still
-    # to be moved (numpy buffers the overlap within a block)
-    for a in range(0, n, rows):
-        b = min(n, a + rows)
-        flat[a * n:b * n].reshape(b - a, n)[...] = G[a:b, :n]
-    return flat[:n * n].reshape(n, n)
 
 
 def chunk_features(tokens: np.ndarray, offsets: np.ndarray, targets: np.ndarray | None, d: int,

@@ -1,5 +1,5 @@
 """Per-chunk kernels of the streaming reduction: the per-sequence moments S = X^T X, the prefix Grams
-of per-position data, the rows of a chunk's samples, and BLAS thread control for the small products.
+of per-position data and the rows of a chunk's samples.
 
 All float64, vectorised over a chunk (tokens of any real dtype are converted in cache-sized blocks).
 """
@@ -7,7 +7,6 @@ All float64, vectorised over a chunk (tokens of any real dtype are converted in 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
 
 import numpy as np
 
@@ -150,27 +149,3 @@ def sample_rows(tokens: np.ndarray, offsets: np.ndarray, per_position: bool, nor
 
 # float64 elements per conversion block in sequence_moments (512 KiB: stays in cache for the product)
 _BLOCK_ELEMENTS = 1 << 16
-
-
-_CONTROLLER: Any = None
-
-
-def _single_blas_thread() -> Any:
-    """Context limiting BLAS to one thread (tiny per-sequence products gain nothing from more)."""
-    global _CONTROLLER
-    if _CONTROLLER is None:
-        from threadpoolctl import ThreadpoolController
-
-        _CONTROLLER = ThreadpoolController()
-    return _CONTROLLER.limit(limits=1, user_api="blas")
-
-
-def _blas_threads() -> int:
-    """The number of threads BLAS uses now (threadpoolctl; 1 when unknown)."""
-    global _CONTROLLER
-    if _CONTROLLER is None:
-        from threadpoolctl import ThreadpoolController
-
-        _CONTROLLER = ThreadpoolController()
-    counts = [int(lib.num_threads) for lib in _CONTROLLER.select(user_api="blas").lib_controllers]
-    return max(1, min(counts)) if counts else 1
