@@ -36,8 +36,8 @@ def import_torch(what: str = "the device path", path: str | os.PathLike | None =
     try:
         import torch
     except ImportError:
-        raise InputError(f"{what} needs PyTorch, which is not installed: pip install 'torch>=2.1' "
-                         "(mhla's [gpu] extra)", path) from None
+        raise InputError(f"{what}: PyTorch is not installed; pip install 'torch>=2.1' (mhla's [gpu] extra)",
+                         path) from None
     return torch
 
 
