@@ -1,9 +1,8 @@
 """The backends of the psi x psi work, one class each, resolved once from a `device` spelling (`get_backend`).
 
 - `NumpyBackend` ("cpu" / None, the default): NumPy / SciPy on the host; its matrix is `HostMatrix`
-  (LAPACK's eigensolvers, Cholesky and triangular solves), and the reduction's Gram is accumulated by the
-  accumulator's own host kernels (mhla_cli.statistics.accumulate: one syrk per chunk, or the Gram's
-  distinct entries, mhla_cli.linalg.symgram);
+  (LAPACK's eigensolvers, Cholesky and triangular solves), its Gram `HostGram` (one syrk per chunk, or
+  the Gram's distinct entries, mhla_cli.linalg.symgram);
 - `TorchBackend` ("cuda", "cuda:I", "torch:cpu"; mhla_cli.linalg.device): torch on a device; its matrix is
   `device.DeviceMatrix`, its Gram `device.DeviceGram` / `device.DevicePairs`, its free memory torch's.
 
@@ -11,14 +10,15 @@ What the factorization (mhla_cli.linalg.factorization) asks of a backend's matri
 selected eigenvectors below a threshold (`selects_eigenvectors`: the host's LAPACK dsyevr; torch has
 none, the factorization then takes every eigenvector once), matvec, a Cholesky factor of a shifted copy
 (whose `solve` and `inverse_matvec` are the triangular solves), the solve of a shifted system, and the
-Cholesky solve on the range (`solves_on_range`). Every result is float64 numpy on the host.
+Cholesky solve on the range (`solves_on_range`). What the accumulator (mhla_cli.statistics.accumulate)
+asks: `gram(...)`, whose `add` takes a chunk's factors and whose result `gram_parts` turns into the
+Gram, moments and target Gram. Every result is float64 numpy on the host.
 A new backend (ROCm, MPS, CuPy) is one class here and its spelling in `get_backend`.
 """
 
 from __future__ import annotations
 
 import contextlib
-import os
 from typing import Any
 
 import numpy as np
@@ -103,9 +103,11 @@ class HostMatrix:
         self.a = a
 
     def eigvalsh(self) -> np.ndarray:
+        """Every eigenvalue, ascending (LAPACK, no vectors)."""
         return _scipy_linalg().eigh(self.a, eigvals_only=True, check_finite=False)
 
     def eigh(self) -> tuple[np.ndarray, np.ndarray]:
+        """Eigenvalues (ascending) and orthonormal eigenvectors."""
         return _scipy_linalg().eigh(self.a, check_finite=False)
 
     def eigh_below(self, upper: float) -> tuple[np.ndarray, np.ndarray]:
@@ -113,6 +115,7 @@ class HostMatrix:
         return _scipy_linalg().eigh(self.a, subset_by_value=(-np.inf, upper), check_finite=False)
 
     def matvec(self, x: np.ndarray) -> np.ndarray:
+        """a x."""
         return self.a @ x
 
     def cholesky(self, shift: float = 0.0) -> HostFactor | None:
@@ -331,15 +334,12 @@ class Backend:
         """The backend's free memory in bytes (None: the host's memory check applies)."""
         return None
 
-    def check_memory(self, need: int, what: str, path: str | os.PathLike | None = None) -> None:
-        """Refuse up front a job whose arrays on the backend (`need` bytes) exceed its free memory."""
-        device_mod.check_device_memory(self.device, need, what, path)
-
 
 class NumpyBackend(Backend):
     """NumPy / SciPy on the host (the default)."""
 
     def matrix(self, a: np.ndarray) -> HostMatrix:
+        """a itself, not copied (`HostMatrix`)."""
         return HostMatrix(a)
 
     def gram(self, q: int, r: int, n_targets: int, width: int, nf: int,
@@ -354,6 +354,7 @@ class TorchBackend(Backend):
         self.device = device
 
     def matrix(self, a: Any) -> Any:
+        """One copy of a on the device (`device.DeviceMatrix`)."""
         return device_mod.DeviceMatrix(a, self.device)
 
     def gram(self, q: int, r: int, n_targets: int, width: int, nf: int,
@@ -365,6 +366,7 @@ class TorchBackend(Backend):
         return device_mod.DeviceGram(self.device, width, nf, spans)
 
     def free_bytes(self) -> int | None:
+        """The GPU's free memory (None for torch on the CPU)."""
         return device_mod.free_bytes(self.device)
 
 
