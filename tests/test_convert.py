@@ -313,7 +313,7 @@ BAD = {
     "bad safetensors": (_file("in.safetensors", b"\x05\x00\x00\x00\x00\x00\x00\x00{bad}"), ".safetensors"),
     # without torch the refusal names the file and says what is missing
     "bad torch": (_file("in.pt", b"garbage"), "cannot read as a torch file" if HAVE_TORCH
-                  else "in.pt: reading torch .pt files needs PyTorch, which is not installed"),
+                  else "in.pt: reading torch .pt files: PyTorch is not installed"),
     "unknown suffix": (_file("in.csv", b"1,2\n"), "unknown input format"),
     "already HDF5": (_hdf5, "already an HDF5 file"),
     "missing": (lambda d: [str(d / "nope.npy")], "no such file"),

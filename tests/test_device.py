@@ -19,7 +19,7 @@ from mhla_cli.linalg import device as device_mod
 from mhla_cli.linalg import factorization
 from mhla_cli.model import forward
 from mhla_cli.solve import solve
-from mhla_cli.statistics import stream
+from mhla_cli.statistics import accumulate, stream
 from mhla_cli.cli import run as main
 from mhla_cli.errors import InputError
 from mhla_cli.api.estimator import MHLA
@@ -267,7 +267,7 @@ def test_device_equals_numpy_over_a_family() -> None:
         w = rng.uniform(0.5, 2.0, size=n_seq) if weighted else None
         parts = []
         for dev in (None, DEV):
-            acc = stream._Accumulator(d, True, np.eye(d), normalize=normalize, device=dev)
+            acc = accumulate._Accumulator(d, True, np.eye(d), normalize=normalize, device=dev)
             for a in range(0, n_seq, chunk):
                 b = min(n_seq, a + chunk)
                 acc.add(X[off[a]:off[b]], off[a:b + 1] - off[a], Y[a:b], weights=None if w is None else w[a:b])

@@ -42,14 +42,6 @@ def test_workers_equal_serial(data: Path, serial: Features, backend: str, monkey
     assert par.sample_range == (0, 211) and par.source == serial.source
 
 
-def test_work_is_split_into_spans() -> None:
-    # several spans per worker, covering the range exactly, each at least a chunk
-    sp = stream.work_spans(10, 1010, 50, 3)
-    assert len(sp) == 12 and sp[0][0] == 10 and sp[-1][1] == 1010
-    assert all(a[1] == b[0] for a, b in zip(sp, sp[1:]))
-    assert stream.work_spans(0, 30, 50, 4) == [(0, 30)]
-
-
 def test_cli_workers_file_equals_serial(data: Path, tmp_path: Path) -> None:
     a, b = tmp_path / "serial.h5", tmp_path / "pool.h5"
     assert run(["featurize", str(data), "-o", str(a), "-q", "--chunk-size", "20"]) == 0

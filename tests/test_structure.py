@@ -277,11 +277,11 @@ def _same(a: dict, b: dict) -> None:
                                   <= n_features(5) // 2])
 def test_featurize_on_the_spans_equals_the_full_statistics(name: str, tmp_path: Path,
                                                           monkeypatch: pytest.MonkeyPatch) -> None:
-    from mhla_cli.statistics import stream
+    from mhla_cli.statistics import spans
     from mhla_cli.statistics.features import Features
     from mhla_cli.statistics.stream import featurize
 
-    monkeypatch.setattr(stream, "SPANS_MIN_FEATURES", 0)  # "auto" at these small psi too
+    monkeypatch.setattr(spans, "SPANS_MIN_FEATURES", 0)  # "auto" at these small psi too
 
     case = _cases()[name]
     data = _save(case, tmp_path / "d.h5")

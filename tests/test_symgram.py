@@ -11,7 +11,8 @@ import pytest
 
 import _reference as ref
 from conftest import assert_same_stats, relerr, write_tokens
-from mhla_cli.statistics import stream
+from mhla_cli.linalg import backends
+from mhla_cli.statistics import accumulate, stream
 from mhla_cli.linalg import symgram
 from mhla_cli import featurize
 from mhla_cli.io.tokens import inspect_tokens
@@ -208,8 +209,8 @@ def test_at_the_rule_width_without_forcing(tmp_path: Path) -> None:
     w[::5] = 0.0
     path = _write(tmp_path / "t.h5", {"tokens": X, "offsets": off, "targets": y, "weights": w})
     info = inspect_tokens(path)
-    acc = stream._Accumulator(d, True)
-    assert acc._pairs is not None
+    acc = accumulate._Accumulator(d, True)
+    assert acc._gram._pairs is not None
     G, M, n = _reference_gram(X, off, np.eye(d), False, w, "none", y)
     f = stream.reduce_span(info, (0, 40), 7, basis=np.eye(d), finalize=False)
     assert relerr(f.basis_gram, G) < TOL and relerr(f.basis_moments, M) < TOL and f.n_samples == n
@@ -264,14 +265,14 @@ def test_device_reduction_equals_the_reference(tmp_path: Path, kernel: str, kind
 
 
 def test_a_wide_block_with_threaded_panels_equals_the_syrk(tmp_path: Path, monkeypatch) -> None:
-    """d = 13 (psi + d >= stream.MIN_THREADED_WIDTH): the panels go over Python threads; the statistics
+    """d = 13 (psi + d >= accumulate.MIN_THREADED_WIDTH): the panels go over Python threads; the statistics
     equal those of the syrk path."""
     d = 13
-    assert symgram.n_pairs(d) * d + d >= stream.MIN_THREADED_WIDTH
+    assert symgram.n_pairs(d) * d + d >= accumulate.MIN_THREADED_WIDTH
     rng = np.random.default_rng(12)
     X, y = rng.standard_normal((150, 4, d)), rng.standard_normal((150, d))
     path = write_tokens(tmp_path / "w.h5", X, None, y)
-    monkeypatch.setattr(stream, "_blas_threads", lambda: 2)  # two threads even on a one-core runner
+    monkeypatch.setattr(backends, "_blas_threads", lambda: 2)  # two threads even on a one-core runner
     monkeypatch.setattr(symgram, "PAIRS_PANEL_BYTES", 8 * 150 * 2000)  # several panels per thread
     a = featurize(path, chunk_size=60, spans="off")
     monkeypatch.setattr(symgram, "SYMGRAM_MIN_D", 10**9)

@@ -36,6 +36,7 @@ import numpy as np
 from . import formats
 from . import tokens as tokens_mod
 from ..errors import InputError
+from ..linalg.device import import_torch
 
 NAMES = ("tokens", "offsets", "targets", "weights")
 # Names of a model's activations read as the tokens when no array is named `tokens` (Hugging Face).
@@ -250,12 +251,8 @@ def _safetensors_sources(path: Path) -> list[_Source]:
 
 
 def _torch(path: str | os.PathLike | None = None) -> Any:
-    try:
-        import torch
-    except ImportError:
-        raise InputError("reading torch .pt files needs PyTorch, which is not installed: pip install "
-                         "'torch>=2.1' (mhla's [torch] extra)", path) from None
-    return torch
+    """torch for reading .pt files (the package's one import of it: linalg.device.import_torch)."""
+    return import_torch("reading torch .pt files", path)
 
 
 def _tensor_source(name: str, t: Any, label: str, release: _PageDropper | None = None) -> _Source:

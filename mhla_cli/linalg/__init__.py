@@ -1,6 +1,7 @@
 """Layer 1, linalg: the dense linear algebra every layer above runs on.
 
-device (the --device backends: host NumPy or torch), factorization (one Cholesky / eigendecomposition of a
-Gram, reused: certificate, proof, solves), symgram (the Gram's distinct entries K = U^T V), memory (what fits
-in memory: refused up front).
+backends (one class per --device backend, host NumPy or torch, resolved once: `get_backend`), device (the
+torch backend's Gram and matrix, device spellings, the one import of torch), factorization (one Cholesky /
+eigendecomposition of a Gram, reused: certificate, proof, solves), symgram (the Gram's distinct entries
+K = U^T V), memory (what fits in memory: refused up front).
 """

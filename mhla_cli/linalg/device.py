@@ -30,15 +30,20 @@ from ..errors import InputError
 DEVICES_HELP = "cpu (numpy, the default), cuda, cuda:I (torch on a GPU), torch:cpu (the torch path on the CPU)"
 
 
-def _torch(device: str | None = None, path: str | os.PathLike | None = None) -> Any:
-    """torch, or an InputError naming the file (`path`) and the device when it is not installed."""
+def import_torch(what: str = "the device path", path: str | os.PathLike | None = None) -> Any:
+    """torch, imported here for the whole package (the device backend, torch input files), or an
+    InputError naming the file (`path`) and what needs it (`what`) when it is not installed."""
     try:
         import torch
     except ImportError:
-        what = f"device {device!r}" if device else "the device path"
-        raise InputError(f"{what}: PyTorch is not installed; install the project's `gpu` extra "
-                         "(pip install -e '.[gpu]' from a clone) or torch itself", path) from None
+        raise InputError(f"{what}: PyTorch is not installed; pip install 'torch>=2.1' (mhla's [gpu] extra)",
+                         path) from None
     return torch
+
+
+def _torch(device: str | None = None, path: str | os.PathLike | None = None) -> Any:
+    """torch for the device `device` (`import_torch`)."""
+    return import_torch(f"device {device!r}" if device else "the device path", path)
 
 
 def check_device(device: str | None, path: str | os.PathLike | None = None) -> str | None:
@@ -197,7 +202,7 @@ class DeviceGram:
         t.mul(u[:, None, :], x[None, :, :], out=Ft[:self.nf].view(u.shape[0], x.shape[0], R))
         if y is not None:
             Ft[self.nf:] = y
-        # the lower triangle (mirrored on the host, stream._mirror_lower) in GRAM_PANELS row panels,
+        # the lower triangle (mirrored on the host, backends.gram_parts) in GRAM_PANELS row panels,
         # each one float64 GEMM G[a:b, :b] += Ft[a:b] Ft[:b]^T: torch has no syrk, and a whole GEMM
         # would do twice its flops; P panels do (1 + 1/P) times them
         W = self.width
@@ -276,7 +281,11 @@ class DevicePairs(DeviceGram):
 
 
 class DeviceMatrix:
-    """A symmetric float64 matrix on a device and the factorizations mhla_cli.linalg.factorization asks of it."""
+    """A symmetric float64 matrix on a device and the factorizations mhla_cli.linalg.factorization asks of it
+    (the torch backend's matrix: mhla_cli.linalg.backends)."""
+
+    selects_eigenvectors = False  # torch.linalg has no selected eigenvectors: the null space takes all
+    solves_on_range = False  # the range solve goes through the eigenvectors (Factorization.range_solve)
 
     def __init__(self, a: Any, device: str) -> None:
         torch = self._t = _torch()

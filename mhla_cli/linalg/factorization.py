@@ -17,13 +17,13 @@ cached on the Features object, which computes only what is asked, once:
   is needed;
 - the ridge (`ridge_solve`) is the spectral ridge solution for every r >= 0: a Cholesky of
   Lambda~ + r I when r exceeds the numerical tolerance, else a solve on the range of Lambda~;
-- on a device (`device=`, mhla_cli.linalg.device) the same decompositions run through torch.linalg on one
-  copy of the matrix there (the null space from every eigenvector: torch has no selected ones).
+- every decomposition runs on the backend of `device=` (mhla_cli.linalg.backends, resolved once): LAPACK on
+  the host, or torch.linalg on one copy of the matrix on a device (the null space from every
+  eigenvector there: torch has no selected ones).
 """
 
 from __future__ import annotations
 
-import contextlib
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -32,6 +32,9 @@ from typing import Any
 import numpy as np
 
 from ..numerics import EPS, LANCZOS_TOL, REFINE_MAX_RHO, numerical_tolerance
+from .backends import POTRF_THREADED_MAX, _lapack_threads, cholesky, get_backend
+
+__all__ = ["DENSE_MAX", "Factorization", "POTRF_THREADED_MAX", "cholesky"]
 
 # Matrices up to this size are decomposed densely: measured at psi = 2176 (d = 16 Gaussian data,
 # 2 cores), eigvalsh took 0.36 s, a Cholesky 0.11 s, and Lanczos on the inverse through it 0.65 s
@@ -39,12 +42,6 @@ from ..numerics import EPS, LANCZOS_TOL, REFINE_MAX_RHO, numerical_tolerance
 # below a few thousand features every eigenvalue is cheaper. Above it Lanczos (O(iterations n^2))
 # beats the O(n^3) eigenvalues, and the factorization's reuse avoids every repeated one.
 DENSE_MAX = 4096
-
-
-def _scipy_linalg() -> Any:
-    import scipy.linalg  # imported here, not at start-up: it costs ~0.2 s
-
-    return scipy.linalg
 
 
 class Factorization:
@@ -60,8 +57,9 @@ class Factorization:
                  device: str | None = None) -> None:
         self.lam = lam  # the matrix is scale * lam (lam may be the statistics' own array: never written)
         self.scale = float(scale)
-        # device (mhla_cli.linalg.device): the decompositions through torch.linalg there (lam copied once)
+        # device (mhla_cli.linalg.backends): where the decompositions run (on a device lam is copied once)
         self.device = device
+        self.backend = get_backend(device)
         self.n = int(lam.shape[0])
         self.n_full = self.n if n_full is None else int(n_full)
         self.structure: Any = None  # mhla_cli.statistics.structure.Structure of the block, set by solve.factorize
@@ -85,14 +83,10 @@ class Factorization:
         finally:
             self._c.seconds[what] = self._c.seconds.get(what, 0.0) + time.perf_counter() - t
 
-    def _on_device(self) -> Any:
-        """The device's copy of lam (device.DeviceMatrix), made once; None on the numpy path."""
-        if self.device is None:
-            return None
+    def _matrix(self) -> Any:
+        """The backend's matrix of lam (backends.HostMatrix, device.DeviceMatrix), made once."""
         if self._c._dm is None:
-            from .device import DeviceMatrix
-
-            self._c._dm = DeviceMatrix(self.lam, self.device)
+            self._c._dm = self.backend.matrix(self.lam)
         return self._c._dm
 
     @property
@@ -106,10 +100,7 @@ class Factorization:
             if self._c._we is not None:
                 return self._c._we
             with self._timed("eigenvalues"), _lapack_threads(self.n):
-                dm = self._on_device()
-                w = dm.eigvalsh() if dm is not None else _scipy_linalg().eigh(self.lam, eigvals_only=True,
-                                                                               check_finite=False)
-                self._c._w = w * self.scale
+                self._c._w = self._matrix().eigvalsh() * self.scale
         return self._c._w
 
     def known_eigenvalues(self) -> np.ndarray | None:
@@ -128,8 +119,7 @@ class Factorization:
         """Eigenvalues and orthonormal eigenvectors (computed once)."""
         if self._c._v is None:
             with self._timed("eigenvectors"), _lapack_threads(self.n):
-                dm = self._on_device()
-                w, self._c._v = dm.eigh() if dm is not None else _scipy_linalg().eigh(self.lam, check_finite=False)
+                w, self._c._v = self._matrix().eigh()
                 self._c._we = w * self.scale
         return self._c._we, self._c._v  # type: ignore[return-value]
 
@@ -143,7 +133,7 @@ class Factorization:
         if self.n == 0 or (self._c._lmin is not None and self._c._lmin > threshold) or (
                 self._c._w is not None and self._c._w[0] > threshold):
             return np.zeros(0), np.zeros((self.n, 0))  # the block is positive definite beyond threshold
-        if self.device is not None:  # torch.linalg has no selected eigenvectors: all of them, once
+        if not self._matrix().selects_eigenvectors:  # (torch.linalg has none): all of them, once
             w, v = self.eigh()
             keep = w <= threshold
             return w[keep], v[:, keep]
@@ -153,8 +143,7 @@ class Factorization:
             keep = w <= threshold
             return w[keep], v[:, keep]
         with self._timed("null space"), _lapack_threads(self.n):
-            w, v = _scipy_linalg().eigh(self.lam, subset_by_value=(-np.inf, threshold / self.scale),
-                                        check_finite=False)
+            w, v = self._matrix().eigh_below(threshold / self.scale)
             w = w * self.scale
         self._c._null[threshold] = (w, v)
         return w, v
@@ -170,24 +159,16 @@ class Factorization:
 
         A Cholesky solve of scale lam + ridge I + c N N^T (N: the eigenvectors <= tol, c = lambda_max),
         which has the same eigenvectors and eigenvalues lambda + ridge >= tol on the range, then the N
-        part removed; the full eigh when that Cholesky fails (and always on a device, whose null space
-        took every eigenvector already)."""
-        sl = _scipy_linalg()
+        part removed (backends.HostMatrix.range_solve); the full eigh when that Cholesky fails (and always
+        on a backend without it, e.g. torch, whose null space took every eigenvector already)."""
         _, N = self.null_space(tol)
         c = max(self.lambda_max(), tol, 1e-300)
-        if self.device is None:
+        m = self._matrix()
+        if m.solves_on_range:
             with self._timed("solve"):
-                try:
-                    # N @ (a copy of N^T): a GEMM (numpy turns N @ N.T into a syrk, see POTRF_THREADED_MAX)
-                    shifted = N @ np.ascontiguousarray(N.T)
-                    shifted *= c / self.scale
-                    shifted += self.lam
-                    shifted[np.diag_indices(self.n)] += ridge / self.scale
-                    x = sl.cho_solve(cholesky(shifted, overwrite_a=True), rhs, check_finite=False) / self.scale
-                    del shifted
-                    return x - N @ (N.T @ x)
-                except sl.LinAlgError:
-                    pass
+                x = m.range_solve(N, c, self.scale, ridge, rhs)
+            if x is not None:
+                return x
         w, v = self.eigh()
         keep = w > tol
         return v[:, keep] @ ((v[:, keep].T @ rhs) / (w[keep] + ridge)[:, None])
@@ -197,36 +178,18 @@ class Factorization:
             if self.dense or self._c._we is not None:
                 self._c._lmax = float(self.eigenvalues()[-1]) if self.n else 0.0
             else:
-                dm = self._on_device()
                 with self._timed("lanczos"):
-                    mv = dm.matvec if dm is not None else (lambda x: self.lam @ x)
-                    self._c._lmax = _lanczos_top(mv, self.n) * self.scale
+                    self._c._lmax = _lanczos_top(self._matrix().matvec, self.n) * self.scale
         return self._c._lmax
 
     def cholesky(self, shift: float = 0.0) -> Any:
         """The Cholesky factor of lam - (shift / scale) I, i.e. of the matrix scale * lam - shift I up to
-        the factor scale (scipy cho_factor, or a device.DeviceFactor), computed once per shift; None when
-        that matrix is not numerically positive definite."""
+        the factor scale (backends.HostFactor, or a device.DeviceFactor: `solve`, `inverse_matvec`), computed
+        once per shift; None when that matrix is not numerically positive definite."""
         shift = float(shift)
         if shift not in self._c._chol:
-            sl = _scipy_linalg()
-            dm = self._on_device()
             with self._timed("cholesky"):
-                if dm is not None:
-                    self._c._chol[shift] = dm.cholesky(shift / self.scale)
-                    return self._c._chol[shift]
-                try:
-                    if shift == 0.0:
-                        f = cholesky(self.lam)
-                    else:
-                        a = np.array(self.lam, dtype=np.float64, order="F")
-                        a[np.diag_indices(self.n)] -= shift / self.scale
-                        f = cholesky(a, overwrite_a=True)
-                    if not np.isfinite(f[0].diagonal()).all():
-                        f = None
-                except sl.LinAlgError:
-                    f = None
-                self._c._chol[shift] = f
+                self._c._chol[shift] = self._matrix().cholesky(shift / self.scale)
         return self._c._chol[shift]
 
     def proves_above(self, t: float) -> bool:
@@ -269,8 +232,7 @@ class Factorization:
                 s, chol = self._best_factor()
                 if chol is not None:
                     with self._timed("lanczos"):
-                        inv = chol.inverse_matvec if self.device is not None else _inverse_matvec(chol)
-                        top = _lanczos_top(inv, self.n)
+                        top = _lanczos_top(chol.inverse_matvec, self.n)
                     self._c._lmin = s + self.scale / top if top > 0 else float(self.eigh()[0][0])
                 else:
                     # not positive definite: the null space will be wanted too, and one eigh with vectors
@@ -289,9 +251,7 @@ class Factorization:
 
     def _cho_solve(self, chol: Any, rhs: np.ndarray) -> np.ndarray:
         """(lam - s I)^-1 rhs through a factor of `cholesky` (unscaled)."""
-        if self.device is not None:
-            return chol.solve(rhs)
-        return _scipy_linalg().cho_solve(chol, rhs, check_finite=False)
+        return chol.solve(rhs)
 
     def solve(self, rhs: np.ndarray) -> np.ndarray | None:
         """(scale lam)^-1 rhs through a Cholesky factor (None when lam is not positive definite).
@@ -309,8 +269,7 @@ class Factorization:
             return None
         x = self._cho_solve(c, rhs) / self.scale
         if s > 0:
-            dm = self._on_device()
-            mv = dm.matvec if dm is not None else (lambda v: self.lam @ v)
+            mv = self._matrix().matvec
             steps = int(min(60, np.ceil(np.log(EPS) / np.log(rho)))) if rho > 0 else 0
             for _ in range(steps):
                 x = x + self._cho_solve(c, rhs - self.scale * mv(x)) / self.scale
@@ -325,47 +284,10 @@ class Factorization:
         range (`range_solve`), so ridge -> 0 gives the minimum-norm solution (dividing rounding-level
         components of rhs by a tiny ridge is what a least-squares fallback with a default cutoff did)."""
         if ridge > tol:
-            dm = self._on_device()
-            if dm is not None:
-                x = dm.shifted_solve(self.scale, ridge, rhs)
-                if x is not None:
-                    return x
-            else:
-                sl = _scipy_linalg()
-                system = self.lam * self.scale
-                system[np.diag_indices(self.n)] += ridge
-                try:
-                    return sl.cho_solve(cholesky(system, overwrite_a=True), rhs, check_finite=False)
-                except sl.LinAlgError:
-                    pass
+            x = self._matrix().shifted_solve(self.scale, ridge, rhs)
+            if x is not None:
+                return x
         return self.range_solve(rhs, tol, ridge)
-
-
-# OpenBLAS's threaded dsyrk and dpotrf (0.3.30 / 0.3.31 here) segfault for n >= ~16000 with 2 threads
-# (measured: n = 16896, a Cholesky even of the identity, and numpy's F.T @ F of a 2048 x 16896 F;
-# n = 12000 runs; OpenMathLib/OpenBLAS issues #1413, #2821 report the same crash in dpotrf_L_parallel /
-# dsyrk_thread): above this size every decomposition here runs on one BLAS thread.
-POTRF_THREADED_MAX = 12000
-
-
-def _lapack_threads(n: int) -> Any:
-    """Context: one BLAS thread for a decomposition of order n > POTRF_THREADED_MAX, else nothing."""
-    if n <= POTRF_THREADED_MAX:
-        return contextlib.nullcontext()
-    from threadpoolctl import threadpool_limits
-
-    return threadpool_limits(limits=1, user_api="blas")
-
-
-def cholesky(a: np.ndarray, overwrite_a: bool = False) -> Any:
-    """scipy's cho_factor of a symmetric a (for cho_solve), on one BLAS thread above POTRF_THREADED_MAX;
-    LinAlgError when a is not numerically positive definite."""
-    # a is symmetric, so a C-ordered array's transpose (an F-ordered view) is the same matrix: LAPACK
-    # factors it as it lies (upper U, U^T U = a) instead of after a transposing copy
-    c_order = bool(a.flags.c_contiguous) and not a.flags.f_contiguous
-    with _lapack_threads(a.shape[0]):
-        return _scipy_linalg().cho_factor(a.T if c_order else a, lower=not c_order, overwrite_a=overwrite_a,
-                                          check_finite=False)
 
 
 class _Cache:
@@ -375,26 +297,13 @@ class _Cache:
         self._w: np.ndarray | None = None  # eigvalsh
         self._we: np.ndarray | None = None  # eigh: values and vectors
         self._v: np.ndarray | None = None
-        # shift -> cho_factor's (c, lower) of lam - (shift / scale) I, or a device.DeviceFactor; None: failed
+        # shift -> the factor of lam - (shift / scale) I (backends.HostFactor, device.DeviceFactor); None: failed
         self._chol: dict[float, Any] = {}
-        self._dm: Any = None  # device.DeviceMatrix of lam
+        self._dm: Any = None  # the backend's matrix of lam (backends.HostMatrix, device.DeviceMatrix)
         self._lmax: float | None = None
         self._lmin: float | None = None
         self._null: dict[float, tuple[np.ndarray, np.ndarray]] = {}  # threshold -> eigenpairs <= it
         self.seconds: dict[str, float] = {}
-
-
-def _inverse_matvec(factor: tuple[np.ndarray, bool]) -> Any:
-    """x -> lam^-1 x through a cho_factor result, as two triangular solves (BLAS dtrsv): about half the
-    time of cho_solve's dpotrs for one right-hand side (measured at n = 7200: 27 ms against 52 ms), and
-    Lanczos needs one per step."""
-    from scipy.linalg import blas
-
-    c, lower = factor
-    c = np.asfortranarray(c)
-    if lower:  # lam = L L^T
-        return lambda x: blas.dtrsv(c, blas.dtrsv(c, x, lower=1, trans=0), lower=1, trans=1)
-    return lambda x: blas.dtrsv(c, blas.dtrsv(c, x, lower=0, trans=1), lower=0, trans=0)  # lam = U^T U
 
 
 # ARPACK's residual tolerance: LANCZOS_TOL (mhla_cli.numerics; measured at psi = 7200, dense Gaussian

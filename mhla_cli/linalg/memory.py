@@ -133,6 +133,22 @@ def solve_kind(d: int, n_samples: int, ridge: float = 0.0, lowrank: bool = False
     return "fit-eigh" if command == "fit" else "eigh"
 
 
+def solve_need_of(d: int, n_samples: int, ridge: float = 0.0, lowrank: bool = False, command: str = "certify",
+                  block: int | None = None, pass_need: Callable[[int], int] | None = None) -> Callable[[int], int]:
+    """need(k): the peak bytes of certifying / fitting (`command`) statistics of n_samples samples with
+    their dimension set to k (for `check_memory`). `block`: at the statistics' own d only that block of
+    features is factorized (the data's spans; not for a low-rank fit); `pass_need`: the pass of a tokens
+    file featurized first (the peak is the larger of the two)."""
+    def solve(k: int) -> int:
+        return solve_bytes(k, solve_kind(k, n_samples, ridge, lowrank, command))
+    if block is not None and not lowrank:  # only the block on the data's spans is factorized
+        kind_b = solve_kind(d, n_samples, ridge, lowrank, command, n=block)
+        return lambda k: block_solve_bytes(block, kind_b) if k == d else solve(k)
+    if pass_need is not None:
+        return lambda k: max(pass_need(k), solve(k))
+    return solve
+
+
 def floor_bytes(d: int) -> int:
     """The least that any job building psi x psi statistics of d-dim tokens holds (`FLOOR_COPIES`
     q x q float64 matrices of the span pass, q = d (d + 1) / 2): below every command's own need."""

@@ -2,6 +2,8 @@
 
 basis (canonical coordinates: the whitening A), structure (the data's own symmetries that shrink psi), features
 (the Features record), algebra (its sums and change of basis), features_file (its file; stats re-exports the
-three), stream (the streaming reduction over chunk spans), parallel (worker pools), merge (shards -> one
-features file), folds (per-fold statistics for cross-validation).
+three), kernels (per-chunk moments), accumulate (the accumulator of one reduction), spans (chunk sizing, the
+reduction over sample spans, the span passes), shards (sample ranges of shards and workers), stream (featurize /
+load_features), parallel (worker pools), merge (shards -> one features file), folds (per-fold statistics for
+cross-validation).
 """

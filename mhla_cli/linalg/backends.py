@@ -1,0 +1,383 @@
+"""The backends of the psi x psi work, one class each, resolved once from a `device` spelling (`get_backend`).
+
+- `NumpyBackend` ("cpu" / None, the default): NumPy / SciPy on the host; its matrix is `HostMatrix`
+  (LAPACK's eigensolvers, Cholesky and triangular solves), its Gram `HostGram` (one syrk per chunk, or
+  the Gram's distinct entries, mhla_cli.linalg.symgram);
+- `TorchBackend` ("cuda", "cuda:I", "torch:cpu"; mhla_cli.linalg.device): torch on a device; its matrix is
+  `device.DeviceMatrix`, its Gram `device.DeviceGram` / `device.DevicePairs`, its free memory torch's.
+
+What the factorization (mhla_cli.linalg.factorization) asks of a backend's matrix: eigvalsh, eigh, the
+selected eigenvectors below a threshold (`selects_eigenvectors`: the host's LAPACK dsyevr; torch has
+none, the factorization then takes every eigenvector once), matvec, a Cholesky factor of a shifted copy
+(whose `solve` and `inverse_matvec` are the triangular solves), the solve of a shifted system, and the
+Cholesky solve on the range (`solves_on_range`). What the accumulator (mhla_cli.statistics.accumulate)
+asks: `gram(...)`, whose `add` takes a chunk's factors and whose result `gram_parts` turns into the
+Gram, moments and target Gram. Every result is float64 numpy on the host.
+A new backend (ROCm, MPS, CuPy) is one class here and its spelling in `get_backend`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+import numpy as np
+
+from . import device as device_mod
+from . import symgram
+
+__all__ = ["Backend", "HostFactor", "HostGram", "HostMatrix", "MIN_THREADED_WIDTH", "NumpyBackend", "PANEL_BYTES",
+           "POTRF_THREADED_MAX", "TorchBackend", "cholesky", "get_backend", "gram_parts"]
+
+# OpenBLAS's threaded dsyrk and dpotrf (0.3.30 / 0.3.31 here) segfault for n >= ~16000 with 2 threads
+# (measured: n = 16896, a Cholesky even of the identity, and numpy's F.T @ F of a 2048 x 16896 F;
+# n = 12000 runs; OpenMathLib/OpenBLAS issues #1413, #2821 report the same crash in dpotrf_L_parallel /
+# dsyrk_thread): above this size every decomposition here runs on one BLAS thread.
+POTRF_THREADED_MAX = 12000
+
+
+def _scipy_linalg() -> Any:
+    import scipy.linalg  # imported here, not at start-up: it costs ~0.2 s
+
+    return scipy.linalg
+
+
+def _lapack_threads(n: int) -> Any:
+    """Context: one BLAS thread for a decomposition of order n > POTRF_THREADED_MAX, else nothing."""
+    if n <= POTRF_THREADED_MAX:
+        return contextlib.nullcontext()
+    from threadpoolctl import threadpool_limits
+
+    return threadpool_limits(limits=1, user_api="blas")
+
+
+def cholesky(a: np.ndarray, overwrite_a: bool = False) -> Any:
+    """scipy's cho_factor of a symmetric a (for cho_solve), on one BLAS thread above POTRF_THREADED_MAX;
+    LinAlgError when a is not numerically positive definite."""
+    # a is symmetric, so a C-ordered array's transpose (an F-ordered view) is the same matrix: LAPACK
+    # factors it as it lies (upper U, U^T U = a) instead of after a transposing copy
+    c_order = bool(a.flags.c_contiguous) and not a.flags.f_contiguous
+    with _lapack_threads(a.shape[0]):
+        return _scipy_linalg().cho_factor(a.T if c_order else a, lower=not c_order, overwrite_a=overwrite_a,
+                                          check_finite=False)
+
+
+def _inverse_matvec(factor: tuple[np.ndarray, bool]) -> Any:
+    """x -> lam^-1 x through a cho_factor result, as two triangular solves (BLAS dtrsv): about half the
+    time of cho_solve's dpotrs for one right-hand side (measured at n = 7200: 27 ms against 52 ms), and
+    Lanczos needs one per step."""
+    from scipy.linalg import blas
+
+    c, lower = factor
+    c = np.asfortranarray(c)
+    if lower:  # lam = L L^T
+        return lambda x: blas.dtrsv(c, blas.dtrsv(c, x, lower=1, trans=0), lower=1, trans=1)
+    return lambda x: blas.dtrsv(c, blas.dtrsv(c, x, lower=0, trans=1), lower=0, trans=0)  # lam = U^T U
+
+
+class HostFactor:
+    """A Cholesky factor on the host (scipy's cho_factor result `cf`): solves and inverse products."""
+
+    def __init__(self, cf: tuple[np.ndarray, bool]) -> None:
+        self.cf = cf
+        self._inv: Any = None
+
+    def solve(self, rhs: np.ndarray) -> np.ndarray:
+        """a^-1 rhs through the factor (LAPACK dpotrs)."""
+        return _scipy_linalg().cho_solve(self.cf, rhs, check_finite=False)
+
+    def inverse_matvec(self, x: np.ndarray) -> np.ndarray:
+        """a^-1 x by two triangular solves (Lanczos on the inverse; `_inverse_matvec`)."""
+        if self._inv is None:
+            self._inv = _inverse_matvec(self.cf)
+        return self._inv(x)
+
+
+class HostMatrix:
+    """A symmetric float64 matrix on the host (not copied, never written) and its LAPACK decompositions."""
+
+    selects_eigenvectors = True  # LAPACK dsyevr: only the eigenpairs below a threshold
+    solves_on_range = True  # a Cholesky of the matrix shifted on its null space (Factorization.range_solve)
+
+    def __init__(self, a: np.ndarray) -> None:
+        self.a = a
+
+    def eigvalsh(self) -> np.ndarray:
+        """Every eigenvalue, ascending (LAPACK, no vectors)."""
+        return _scipy_linalg().eigh(self.a, eigvals_only=True, check_finite=False)
+
+    def eigh(self) -> tuple[np.ndarray, np.ndarray]:
+        """Eigenvalues (ascending) and orthonormal eigenvectors."""
+        return _scipy_linalg().eigh(self.a, check_finite=False)
+
+    def eigh_below(self, upper: float) -> tuple[np.ndarray, np.ndarray]:
+        """The eigenpairs with eigenvalue <= upper (dsyevr over (-inf, upper]: only those vectors)."""
+        return _scipy_linalg().eigh(self.a, subset_by_value=(-np.inf, upper), check_finite=False)
+
+    def matvec(self, x: np.ndarray) -> np.ndarray:
+        """a x."""
+        return self.a @ x
+
+    def cholesky(self, shift: float = 0.0) -> HostFactor | None:
+        """The Cholesky factor of a - shift I (a copy of a when shift != 0: a is never written); None when
+        that matrix is not numerically positive definite."""
+        sl = _scipy_linalg()
+        try:
+            if shift == 0.0:
+                f = cholesky(self.a)
+            else:
+                m = np.array(self.a, dtype=np.float64, order="F")
+                m[np.diag_indices(m.shape[0])] -= shift
+                f = cholesky(m, overwrite_a=True)
+        except sl.LinAlgError:
+            return None
+        return HostFactor(f) if np.isfinite(f[0].diagonal()).all() else None
+
+    def shifted_solve(self, scale: float, shift: float, rhs: np.ndarray) -> np.ndarray | None:
+        """(scale a + shift I) x = rhs by a Cholesky of a new matrix; None when it is not numerically
+        positive definite."""
+        sl = _scipy_linalg()
+        system = self.a * scale
+        system[np.diag_indices(system.shape[0])] += shift
+        try:
+            return sl.cho_solve(cholesky(system, overwrite_a=True), rhs, check_finite=False)
+        except sl.LinAlgError:
+            return None
+
+    def range_solve(self, N: np.ndarray, c: float, scale: float, ridge: float, rhs: np.ndarray) -> np.ndarray | None:
+        """(scale a + ridge I)^-1 rhs on the range of a, N its (numerically) null eigenvectors: a Cholesky
+        of scale a + ridge I + c N N^T (same eigenvectors; eigenvalues lambda + ridge on the range, which
+        `c` >= lambda_max lifts the null space above), then the N part removed; None when it fails."""
+        sl = _scipy_linalg()
+        try:
+            # N @ (a copy of N^T): a GEMM (numpy turns N @ N.T into a syrk, see POTRF_THREADED_MAX)
+            shifted = N @ np.ascontiguousarray(N.T)
+            shifted *= c / scale
+            shifted += self.a
+            shifted[np.diag_indices(shifted.shape[0])] += ridge / scale
+            x = sl.cho_solve(cholesky(shifted, overwrite_a=True), rhs, check_finite=False) / scale
+            del shifted
+            return x - N @ (N.T @ x)
+        except sl.LinAlgError:
+            return None
+
+
+# Narrower [H | Y] blocks use one BLAS thread: measured on 2 shared cores, OpenBLAS with 2 threads
+# took 397 ms for a (9500 x 44) syrk that one thread does in 1.6 ms, and 196 ms vs 41 ms at width
+# 520 (a thread waits for a core held by another process); wider blocks amortise the wait.
+MIN_THREADED_WIDTH = 1024
+# Work array of one panel of the accumulator's update (`_Accumulator._syrk`).
+PANEL_BYTES = 32 * 2**20
+
+_CONTROLLER: Any = None
+
+
+def _single_blas_thread() -> Any:
+    """Context limiting BLAS to one thread (tiny per-sequence products gain nothing from more)."""
+    global _CONTROLLER
+    if _CONTROLLER is None:
+        from threadpoolctl import ThreadpoolController
+
+        _CONTROLLER = ThreadpoolController()
+    return _CONTROLLER.limit(limits=1, user_api="blas")
+
+
+def _blas_threads() -> int:
+    """The number of threads BLAS uses now (threadpoolctl; 1 when unknown)."""
+    global _CONTROLLER
+    if _CONTROLLER is None:
+        from threadpoolctl import ThreadpoolController
+
+        _CONTROLLER = ThreadpoolController()
+    counts = [int(lib.num_threads) for lib in _CONTROLLER.select(user_api="blas").lib_controllers]
+    return max(1, min(counts)) if counts else 1
+
+
+class HostGram:
+    """The Gram of a reduction's [Ht | Y] block on the host, built chunk by chunk (the numpy backend's
+    `gram`): from symgram.SYMGRAM_MIN_D on the Gram's distinct entries K = U^T V of the two factors s and
+    x_n (mhla_cli.linalg.symgram.SymGram), else the block built transposed, Ft = [Ht | Y]^T (width, R), so
+    that every elementwise loop runs over the R samples of the chunk (long, contiguous) instead of over d,
+    then one syrk into G (lower triangle, mirrored in `gram_parts`)."""
+
+    def __init__(self, q: int, r: int, n_targets: int, width: int, nf: int,
+                 spans: tuple[np.ndarray, np.ndarray] | None = None) -> None:
+        self.width, self.nf, self.spans = int(width), int(nf), spans
+        self.G: np.ndarray | None = None
+        self._pairs = symgram.accumulator(q, r, n_targets)
+        self._bufs: dict[str, np.ndarray] = {}
+
+    def add(self, upper_t: np.ndarray, last_t: np.ndarray, targets_t: np.ndarray | None) -> None:
+        """Add the rows' block: upper_t (q, R) canonical S entries, last_t (d, R) (sqrt(w) x for weighted
+        rows), targets_t (d, R) or None (already weighted)."""
+        if self._pairs is not None:
+            if self.spans is not None:  # the block coordinates E^T s and F^T x_n
+                upper_t, last_t = self.spans[0].T @ upper_t, self.spans[1].T @ last_t
+            # a wide block shares its panels out over as many Python threads as BLAS has threads
+            # (each panel's GEMM on one BLAS thread: symgram.SymGram.add); a narrow one runs on one
+            wide = self.width >= MIN_THREADED_WIDTH
+            with contextlib.nullcontext() if wide else _single_blas_thread():
+                self._pairs.add(upper_t, last_t, targets_t, threads=_blas_threads() if wide else 1)
+            return
+        R = upper_t.shape[1]
+        with _single_blas_thread():  # elementwise work and small products
+            Ft = symgram.work_array(self._bufs, "F", self.width, R)
+            if self.spans is not None:  # the block coordinates E^T s and F^T x_n
+                upper_t, last_t = self.spans[0].T @ upper_t, self.spans[1].T @ last_t
+            H = Ft[:self.nf].reshape(upper_t.shape[0], last_t.shape[0], R)
+            # H_(j,k,l) = S[j,k] x_n[l] (BACKGROUND.md, "Why learning it is a linear regression")
+            np.multiply(upper_t[:, None, :], last_t[None, :, :], out=H)
+            if targets_t is not None:
+                Ft[self.nf:] = targets_t
+        self._syrk(Ft)  # with the BLAS threads a wide block pays for
+
+    def _syrk(self, Ft: np.ndarray) -> None:
+        """G += Ft Ft^T on the lower triangle (mirrored in `gram_parts`), in place: one BLAS dsyrk into G,
+        or (wider than POTRF_THREADED_MAX) panels of rows, each one GEMM Ft[a:b] Ft[:b]^T into a work
+        array of about PANEL_BYTES added to G[a:b, :b]: the flops of a syrk, and no psi x psi product
+        beside G. Several BLAS threads only pay off for a wide block.
+        """
+        W = self.width
+        if W == 0:
+            return
+        with contextlib.nullcontext() if W >= MIN_THREADED_WIDTH else _single_blas_thread():
+            if self.G is None:
+                self.G = np.zeros((W, W))
+            if W <= POTRF_THREADED_MAX:
+                # BLAS dsyrk straight into G (no work array): G's lower triangle (C order) is the upper
+                # triangle of the F-ordered G^T, and Ft Ft^T = (Ft^T)^T (Ft^T) with Ft^T F-ordered
+                from scipy.linalg import blas
+
+                out = blas.dsyrk(1.0, Ft.T, beta=1.0, c=self.G.T, trans=1, lower=0, overwrite_c=1)
+                if not np.shares_memory(out, self.G):  # a copy was made: keep its triangle
+                    self.G[...] = np.tril(out.T)
+                return
+            # above it OpenBLAS's threaded syrk segfaults (backends.POTRF_THREADED_MAX): GEMM panels
+            rows = max(1, min(W, PANEL_BYTES // (8 * W)))
+            work = symgram.work_array(self._bufs, "P", rows, W)
+            for a in range(0, W, rows):
+                b = min(W, a + rows)
+                w = work.reshape(-1)[:(b - a) * b].reshape(b - a, b)
+                np.matmul(Ft[a:b], Ft[:b].T, out=w)
+                self.G[a:b, :b] += w
+
+    def result(self) -> np.ndarray | symgram.SymGram | None:
+        """The sums: the SymGram of K, or G (its lower triangle; None when nothing was added); the work
+        buffers released."""
+        self._bufs.clear()
+        out = self._pairs if self._pairs is not None else self.G
+        self._pairs = self.G = None
+        return out
+
+
+def gram_parts(out: Any, width: int, nf: int, has_targets: bool
+               ) -> tuple[np.ndarray, np.ndarray | None, np.ndarray | None]:
+    """(gram of the nf features, their moments, the target Gram) from a backend Gram's result: a
+    symgram.SymGram (K expanded), or a (width, width) G of [Ht | Y] from its lower triangle (None: zeros),
+    which is mirrored and compacted in place so that the gram is a C-contiguous nf x nf array at its start
+    (moments and the target Gram are copied out first)."""
+    if isinstance(out, symgram.SymGram):  # the Gram from its distinct entries (mhla_cli.linalg.symgram)
+        out.release_work()
+        return out.gram(), out.moments(), out.target_gram()
+    G = out if out is not None else np.zeros((width, width))
+    _mirror_lower(G)
+    moments = G[:nf, nf:].copy() if has_targets else None
+    target_gram = G[nf:, nf:].copy() if has_targets else None
+    return _compact_leading(G, nf), moments, target_gram
+
+
+def _mirror_lower(G: np.ndarray, tile: int = 256) -> None:
+    """G[i, j] = G[j, i] for i < j, in place, tile by tile (G exactly symmetric from its lower triangle)."""
+    n = G.shape[0]
+    for i0 in range(0, n, tile):
+        i1 = min(n, i0 + tile)
+        D = G[i0:i1, i0:i1]
+        D[np.triu_indices(i1 - i0, 1)] = D.T[np.triu_indices(i1 - i0, 1)]
+        for j0 in range(i1, n, tile):
+            j1 = min(n, j0 + tile)
+            G[i0:i1, j0:j1] = G[j0:j1, i0:i1].T
+
+
+def _compact_leading(G: np.ndarray, n: int, rows: int = 256) -> np.ndarray:
+    """The leading n x n block of a C-contiguous square G, moved in place to G's first n^2 entries.
+
+    Returns a C-contiguous (n, n) view of G's memory (G's other entries are overwritten).
+    """
+    W = G.shape[0]
+    flat = G.reshape(-1)
+    if W == n:
+        return G
+    # row i moves from i W to i n <= i W: rows done in increasing order never overwrite a row still
+    # to be moved (numpy buffers the overlap within a block)
+    for a in range(0, n, rows):
+        b = min(n, a + rows)
+        flat[a * n:b * n].reshape(b - a, n)[...] = G[a:b, :n]
+    return flat[:n * n].reshape(n, n)
+
+
+class Backend:
+    """Where the psi x psi work runs: a factorization's matrix, a reduction's Gram, the free memory."""
+
+    device: str | None = None  # the spelling it was resolved from (None: the host)
+
+    def matrix(self, a: np.ndarray) -> Any:
+        """The backend's copy of a symmetric float64 matrix (HostMatrix / device.DeviceMatrix interface)."""
+        raise NotImplementedError
+
+    def gram(self, q: int, r: int, n_targets: int, width: int, nf: int,
+             spans: tuple[np.ndarray, np.ndarray] | None = None) -> Any:
+        """An accumulator of a reduction's Gram on the backend: `add(upper_t, last_t, targets_t)` per
+        chunk, `result()` a symgram.SymGram or G for `gram_parts` (HostGram, device.DeviceGram / DevicePairs)."""
+        raise NotImplementedError
+
+    def free_bytes(self) -> int | None:
+        """The backend's free memory in bytes (None: the host's memory check applies)."""
+        return None
+
+
+class NumpyBackend(Backend):
+    """NumPy / SciPy on the host (the default)."""
+
+    def matrix(self, a: np.ndarray) -> HostMatrix:
+        """a itself, not copied (`HostMatrix`)."""
+        return HostMatrix(a)
+
+    def gram(self, q: int, r: int, n_targets: int, width: int, nf: int,
+             spans: tuple[np.ndarray, np.ndarray] | None = None) -> HostGram:
+        return HostGram(q, r, n_targets, width, nf, spans)
+
+
+class TorchBackend(Backend):
+    """torch on a device ("cuda", "cuda:I", "torch:cpu": mhla_cli.linalg.device), float64 throughout."""
+
+    def __init__(self, device: str) -> None:
+        self.device = device
+
+    def matrix(self, a: Any) -> Any:
+        """One copy of a on the device (`device.DeviceMatrix`)."""
+        return device_mod.DeviceMatrix(a, self.device)
+
+    def gram(self, q: int, r: int, n_targets: int, width: int, nf: int,
+             spans: tuple[np.ndarray, np.ndarray] | None = None) -> Any:
+        from .symgram import use_pairs
+
+        if use_pairs(q, r):
+            return device_mod.DevicePairs(self.device, q, r, n_targets, spans)
+        return device_mod.DeviceGram(self.device, width, nf, spans)
+
+    def free_bytes(self) -> int | None:
+        """The GPU's free memory (None for torch on the CPU)."""
+        return device_mod.free_bytes(self.device)
+
+
+NUMPY = NumpyBackend()
+
+
+def get_backend(device: str | Backend | None) -> Backend:
+    """The backend of a checked `device` spelling (device.check_device): None / "cpu" numpy on the host,
+    any other torch there; a Backend is returned as it is."""
+    if isinstance(device, Backend):
+        return device
+    if device is None or device == "cpu":
+        return NUMPY
+    return TorchBackend(device)

@@ -1,0 +1,402 @@
+"""The accumulator of one reduction: running sums of a chunk stream in one basis (`_Accumulator`), and
+the statistics of one in-memory chunk (`chunk_features`).
+
+Per chunk the tokens are transformed to the pass's basis (X A), the per-sequence (X A)^T (X A) are
+batched matmuls (mhla_cli.statistics.kernels), and the canonical sums are updated either by the Gram's
+distinct entries K = U^T V (mhla_cli.linalg.symgram: half the flops of a syrk, for d >=
+symgram.SYMGRAM_MIN_D) or by one syrk of the block [Ht | Y] (docs/performance.md), by the backend of
+`device` (mhla_cli.linalg.backends: the host's HostGram, or torch's on a device).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from . import basis as basis_mod
+from ..linalg import device as device_mod
+from ..linalg import symgram
+from ..numerics import SINGULAR_BASIS_COND
+from ..linalg.backends import MIN_THREADED_WIDTH, PANEL_BYTES, _single_blas_thread, get_backend, gram_parts
+from ..errors import InputError
+from ..feature_map import check_normalize, n_features, pair_index
+from ..linalg.memory import check_floor
+from .kernels import _BLOCK_ELEMENTS, position_numbers, sample_rows, sequence_moments
+from .features import Features, check_overflow
+
+__all__ = ["MIN_THREADED_WIDTH", "PANEL_BYTES", "chunk_features"]
+
+
+class _Accumulator:
+    """Running sums of one reduction in one basis A, with reusable work buffers.
+
+    Per chunk the tokens are transformed first (X A, a d x d product per token: BACKGROUND.md,
+    "The canonical certificate", Numerics), the features are those of X A in canonical coordinates
+    (mhla_cli.statistics.basis), and the Gram of the block [Ht | Y] (B x (psi + d)) holds basis_gram,
+    basis_moments and target_gram at once, so each chunk costs one syrk (numpy's `Ft @ Ft.T` on the
+    transposed block); the backend's Gram (`_gram`: backends.HostGram, device.DeviceGram) accumulates it in
+    float64. From symgram.SYMGRAM_MIN_D on (symgram.SymGram, or device.DevicePairs on a device) the chunk
+    instead adds the Gram's distinct entries K = U^T V of the
+    two factors s and x_n (mhla_cli.linalg.symgram), and `result` expands K to basis_gram exactly. The token
+    Grams are accumulated both on the tokens' own coordinates (exact zeros stay zeros) and on X A.
+    """
+
+    def __init__(self, d: int, has_targets: bool, basis: np.ndarray | None = None, causal: bool = False,
+                 normalize: str = "none", spans: tuple[np.ndarray, np.ndarray] | None = None,
+                 traces: bool = False, device: str | None = None) -> None:
+        self.causal = causal  # per-position data: every prefix is a sample (see _add_rows)
+        self.normalize = normalize
+        self.n_sequences = 0
+        self.d = d
+        self.basis = np.eye(d) if basis is None else np.asarray(basis, dtype=np.float64)
+        self._transform = not basis_mod.same(self.basis, None)
+        self.psi = n_features(d)
+        # spans (E (q, a), F (d, b)): accumulate only the block features (E^T s) (x) (F^T x_n)
+        # (mhla_cli.statistics.structure); nf features in all
+        self.spans = None if spans is None else tuple(np.ascontiguousarray(m, dtype=np.float64) for m in spans)
+        self.nf = self.psi if spans is None else int(spans[0].shape[1] * spans[1].shape[1])
+        # traces: accumulate only the two partial traces of the canonical Gram (`find_spans`)
+        self.traces = (np.zeros((self.psi // d, self.psi // d)), np.zeros((d, d))) if traces else None
+        if traces:
+            self.nf, has_targets = 0, False
+        self.has_targets = has_targets
+        self.width = self.nf + (d if has_targets else 0)
+        # the backend (mhla_cli.linalg.backends, resolved once from `device`) accumulates the features'
+        # Gram (host: backends.HostGram, a syrk or the Gram's distinct entries; torch: device.DeviceGram /
+        # DevicePairs); the token-side work (S, the token Grams, the traces of a span pass) stays here
+        self.backend = get_backend(None if traces else device)
+        self.device = self.backend.device
+        factors = (self.psi // d, d) if spans is None else (self.spans[0].shape[1], self.spans[1].shape[1])
+        self._gram: Any = None if traces else self.backend.gram(*factors, d if has_targets else 0, self.width,
+                                                               self.nf, self.spans)
+        self._bufs: dict[str, np.ndarray] = {}
+        j, k = pair_index(d)
+        self._upper_idx = (j * d + k).astype(np.intp)
+        self._scale = np.ascontiguousarray(basis_mod.pair_scale(d))
+        self.token_gram = np.zeros((d, d))
+        self.last_token_gram = np.zeros((d, d))
+        self.basis_token_gram = np.zeros((d, d))
+        self.basis_last_token_gram = np.zeros((d, d))
+        self._derived_token_gram = np.zeros((d, d))  # basis token Gram whose own one is derived in result()
+        self._inv = None if not self._transform else np.linalg.inv(self.basis)
+        self.n_samples = 0
+        # sum w y over the samples with targets (Features.target_sum)
+        self.target_sum = np.zeros(d) if has_targets else None
+        self._moments_share: float | None = None  # of a chunk's time in `add`, for its progress ticks
+        self.n_tokens = 0
+        # the weight totals (stats.Features): sum w over the samples, sum w n over their tokens
+        self.weight_sum = 0.0
+        self.token_weight_sum = 0.0
+
+    def _buf(self, name: str, rows: int, shape: tuple[int, ...]) -> np.ndarray:
+        """A reusable (rows, *shape) float64 work array."""
+        buf = self._bufs.get(name)
+        if buf is None or buf.shape[0] < rows:
+            buf = self._bufs[name] = np.empty((rows, *shape))
+        return buf[:rows]
+
+    def _buf_t(self, name: str, rows: int, cols: int) -> np.ndarray:
+        """A reusable C-contiguous (rows, cols) float64 work array (cols = samples of the chunk)."""
+        return symgram.work_array(self._bufs, name, rows, cols)
+
+    def _tokens(self, tokens: np.ndarray, check: Callable[[float], None] | None,
+                token_weights: np.ndarray | None, last_rows: np.ndarray | None,
+                last_weights: np.ndarray | None) -> np.ndarray:
+        """Add the chunk's token Grams (own and basis; weighted per token) and return X A (float64).
+
+        token_gram += X^T diag(c) X (c: per-token weights, None = 1); last_token_gram += sum w x x^T
+        over the rows `last_rows` (None: every token) with weights `last_weights`.
+        """
+        X = np.asarray(tokens, dtype=np.float64)
+        t = X.shape[0]
+        Xw = X if token_weights is None else X * token_weights[:, None]
+        own = X.T @ Xw
+        if check is not None:  # the diagonal bounds every squared token entry (NaN stays NaN)
+            diag = np.diagonal(own) if token_weights is None else np.einsum("ij,ij->j", X, X)
+            check(float(np.max(diag)) if diag.size else 0.0)
+        if self._transform:
+            Xb = self._buf("Xb", t, (self.d,))
+            np.matmul(X, self.basis, out=Xb)
+        else:
+            Xb = X
+        self.token_gram += own
+        self.basis_token_gram += Xb.T @ (Xb if token_weights is None else Xb * token_weights[:, None])
+        for src, dst in ((X, self.last_token_gram), (Xb, self.basis_last_token_gram)):
+            L = src if last_rows is None else src[last_rows]
+            dst += L.T @ (L if last_weights is None else L * last_weights[:, None])
+        return Xb
+
+    def _from_basis(self, Gb: np.ndarray) -> np.ndarray:
+        """A^-T Gb A^-1: a token Gram of X A back in the tokens' own coordinates (symmetrised)."""
+        if self._inv is None:
+            return Gb.copy()
+        own = self._inv.T @ Gb @ self._inv
+        return 0.5 * (own + own.T)
+
+    def _equal_moments(self, tokens: np.ndarray, B: int, n: int, check: Callable[[float], None] | None,
+                       progress: Callable[[int], None] | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """`_tokens` + `sequence_moments` for B sequences of n tokens, fused in cache-sized blocks.
+
+        Per block of sequences: convert to float64, X A, and the batched (X A)^T (X A); the token
+        Grams follow from S (the own one derived, `_from_basis`). Returns S of X A (B, d, d) and the
+        last tokens of X A (B, d).
+        """
+        d = self.d
+        X = tokens.reshape(B, n, d)
+        S = self._buf("S", B, (d, d))
+        step = max(1, _BLOCK_ELEMENTS // (n * d))
+        work = self._buf("W", min(step, B) * n, (d,))
+        work_b = self._buf("Wb", min(step, B) * n, (d,)) if self._transform else work
+        for a in range(0, B, step):
+            b = min(B, a + step)
+            w = work[:(b - a) * n]
+            np.copyto(w, X[a:b].reshape(-1, d))
+            wb = work_b[:(b - a) * n]
+            if self._transform:
+                np.matmul(w, self.basis, out=wb)
+            w3 = wb.reshape(b - a, n, d)
+            np.matmul(w3.transpose(0, 2, 1), w3, out=S[a:b])
+            if progress is not None:
+                progress(b)  # sequences done
+        Gb = S.sum(axis=0)
+        # The own token Gram of these tokens is derived from that of X A (A^-T Gb A^-1, once per
+        # pass in `result`): a GEMM over every token less per chunk. Exact zeros stay exact
+        # (basis.whitening keeps a coordinate that is 0 in every token apart).
+        own = self._from_basis(Gb)
+        if check is not None:  # the diagonal bounds every squared token entry up to rounding (NaN stays NaN)
+            check(float(np.max(np.diagonal(own))) * (1.0 + 1e-6))
+        last_own = X[:, -1, :].astype(np.float64)
+        last = last_own @ self.basis if self._transform else last_own
+        self._derived_token_gram += Gb
+        self.basis_token_gram += Gb
+        self.last_token_gram += last_own.T @ last_own
+        self.basis_last_token_gram += last.T @ last
+        return S, last
+
+    def add(self, tokens: np.ndarray, offsets: np.ndarray, targets: np.ndarray | None,
+            check: Callable[[float], None] | None = None, weights: np.ndarray | None = None,
+            tick: Callable[[float], None] | None = None) -> None:
+        """Add one chunk: tokens (t, d) of any real dtype, offsets (B+1,) from 0, targets (B, d) or None.
+
+        `check(top)` may reject the chunk, given a bound on the largest squared token entry, before
+        anything is added. Causal mode, weights ((B,), or (t,) in causal mode) or a normalisation go
+        through `_add_rows`. `tick(f)`, if given, is told the share f in [0, 1) of the chunk's work done
+        while the per-sequence moments are computed (a progress bar inside a large chunk; the sums do
+        not depend on it); the syrk that follows is one BLAS call and reports nothing.
+        """
+        d, psi = self.d, self.psi
+        B = offsets.size - 1
+        if B == 0:
+            return
+        if self.causal or weights is not None or self.normalize != "none":
+            self._add_rows(tokens, offsets, targets, check, weights)
+            return
+        t0 = time.perf_counter()
+        # the moments' share of a chunk's time: measured on the previous chunk; for the first, a guess
+        # from the operation counts (the memory-bound moments cost ~30x a syrk flop)
+        share = self._moments_share
+        if share is None:
+            m, s = 30.0 * tokens.shape[0] * d * d, 0.5 * B * self.width ** 2
+            share = min(0.95, max(0.05, m / (m + s)))
+        moments_done = None if tick is None else (lambda k: tick(share * k / B))
+        # errstate: NaN / Inf tokens are reported by `check`, not as numpy warnings
+        with _single_blas_thread(), np.errstate(invalid="ignore", over="ignore"):
+            lengths = np.diff(offsets)
+            if (lengths == lengths[0]).all() and offsets[0] == 0 and tokens.shape[0] == offsets[-1]:
+                S, last = self._equal_moments(tokens, B, int(lengths[0]), check, moments_done)
+            else:
+                Xb = self._tokens(tokens, check, None, offsets[1:] - 1, None)
+                S, last = sequence_moments(Xb, offsets, out=self._buf("S", B, (d, d)), progress=moments_done)
+            # gather the distinct entries row-wise (contiguous), then transpose: ~10x faster than a
+            # strided gather from the transposed view
+            upper_rows = np.take(S.reshape(B, d * d), self._upper_idx, axis=1, out=self._buf("Ur", B, (psi // d,)))
+            upper = self._buf_t("U", psi // d, B)
+            np.multiply(upper_rows.T, self._scale[:, None], out=upper)  # canonical coordinates D upper(S)
+            last_t = self._buf_t("L", d, B)
+            last_t[...] = last.T
+        t1 = time.perf_counter()
+        self._add_target_sum(targets, None)
+        # outside the one-thread block: the syrk uses the BLAS threads (`_syrk`)
+        self._emit(upper, last_t, None if targets is None else targets.T)
+        t2 = time.perf_counter()
+        if t2 > t0:
+            self._moments_share = min(0.95, max(0.05, (t1 - t0) / (t2 - t0)))
+        self.n_sequences += B
+        self.n_samples += B
+        self.n_tokens += int(offsets[-1])
+        self.weight_sum += B
+        self.token_weight_sum += int(offsets[-1])
+
+    def _add_rows(self, tokens: np.ndarray, offsets: np.ndarray, targets: np.ndarray | None,
+                  check: Callable[[float], None] | None, weights: np.ndarray | None) -> None:
+        """Add a chunk sample by sample: rows = positions (causal) or sequences, each of weight w >= 0.
+
+        gram += sum w h h^T, moments += sum w h y^T, target_gram += sum w y y^T (one syrk of the block
+        sqrt(w) [H | Y] over the rows with w > 0); token_gram += sum w S (unnormalised S of each
+        sample), last_token_gram += sum w x x^T (x the sample's last token); n_samples += #{w > 0}.
+        """
+        B = offsets.size - 1
+        T = int(offsets[-1])
+        w_all, c, last_rows = self._token_weights(offsets, weights)
+        unit = weights is None and not self.causal
+        with _single_blas_thread(), np.errstate(invalid="ignore", over="ignore"):
+            Xb = self._tokens(tokens, check, None if unit else c, last_rows, None if unit else w_all)
+            upper, last = sample_rows(Xb, offsets, self.causal)  # unnormalised here
+            keep = None
+            if weights is not None:
+                keep = np.flatnonzero(weights > 0)
+                if keep.size == weights.size:
+                    keep = None
+            w = None if weights is None else (weights if keep is None else weights[keep])
+            if keep is not None:
+                upper, last = upper[keep], last[keep]
+                if targets is not None:
+                    targets = targets[keep]
+            R = upper.shape[0]
+            upper *= self._scale  # canonical coordinates
+            if self.normalize == "length":
+                lens = position_numbers(offsets) if self.causal else np.diff(offsets).astype(np.float64)
+                upper /= (lens if keep is None else lens[keep])[:, None]
+            if R:
+                block = self._transposed_rows(upper, last, targets, w)
+        if R:
+            self._add_target_sum(targets, w)
+            self._emit(*block)  # outside the one-thread block (the syrk's threads)
+        self.n_samples += R
+        self.n_tokens += T
+        self.n_sequences += B
+        # sum w over the samples, and sum w n = sum over the tokens of c (the weights of the samples
+        # that contain the token)
+        self.weight_sum += float(np.sum(w_all))
+        self.token_weight_sum += float(np.sum(c))
+
+    def _token_weights(self, offsets: np.ndarray, weights: np.ndarray | None
+                       ) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+        """(w per sample (all 1 for None), c per token, the rows of the samples' last tokens or None: every
+        token) of a chunk.
+
+        sum over samples of w S = sum over tokens of c x x^T: c = the weight of the sequence
+        (last-token data), or the sum of the weights of the prefixes containing the token (causal)."""
+        B = offsets.size - 1
+        lengths = np.diff(offsets)
+        w_all = np.ones(int(offsets[-1]) if self.causal else B) if weights is None else weights
+        if self.causal:
+            seq = np.repeat(np.arange(B), lengths)
+            tail = np.cumsum(w_all[::-1])[::-1]
+            ends = np.append(tail, 0.0)[offsets[1:]]
+            return w_all, tail - ends[seq], None
+        return w_all, np.repeat(w_all, lengths), offsets[1:] - 1
+
+    def _transposed_rows(self, upper: np.ndarray, last: np.ndarray, targets: np.ndarray | None,
+                         w: np.ndarray | None) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+        """The rows' factors transposed into the work buffers, weighted by sqrt(w) (w None: all 1):
+        (upper_t (q, R), last_t (d, R), targets_t (d, R) or None) for `_emit`."""
+        R = upper.shape[0]
+        sw = None if w is None else np.sqrt(w)
+        upper_t = self._buf_t("U", self.psi // self.d, R)
+        upper_t[...] = upper.T
+        last_t = self._buf_t("L", self.d, R)
+        last_t[...] = last.T
+        if sw is not None:
+            last_t *= sw  # sqrt(w) h = S (sqrt(w) x): the syrk then sums w h h^T
+        y_t = None
+        if targets is not None:
+            y_t = targets.T if sw is None else targets.T * sw
+        return upper_t, last_t, y_t
+
+    def _add_target_sum(self, targets: np.ndarray | None, w: np.ndarray | None) -> None:
+        """target_sum += sum w y over the rows added (w None: all 1)."""
+        if targets is None or self.target_sum is None or self.traces is not None:
+            return
+        y = np.asarray(targets, dtype=np.float64)
+        self.target_sum += y.sum(axis=0) if w is None else w @ y
+
+    def _emit(self, upper_t: np.ndarray, last_t: np.ndarray, targets_t: np.ndarray | None) -> None:
+        """Add the rows' block [Ht | Y] to the backend's Gram (`backends.HostGram`, `device.DeviceGram`, ...):
+        upper_t (q, R) canonical S entries, last_t (d, R), targets_t (d, R) or None; in a span pass, the
+        two partial traces instead."""
+        if self.traces is not None:  # sum w ||x||^2 s s^T and sum w ||s||^2 x x^T (last_t holds sqrt(w) x)
+            with _single_blas_thread():
+                nx = np.einsum("ij,ij->j", last_t, last_t)
+                ns = np.einsum("ij,ij->j", upper_t, upper_t)
+                self.traces[0][...] += (upper_t * nx) @ upper_t.T
+                self.traces[1][...] += (last_t * ns) @ last_t.T
+            return
+        if self.width:
+            self._gram.add(upper_t, last_t, targets_t)
+
+    def result(self, token_dtype: str = "float64") -> Features:
+        """The statistics, in the accumulator's basis (the accumulator is spent: its work buffers are
+        released and its Gram becomes the result's, in place).
+
+        G is mirrored from its lower triangle and compacted in place so that basis_gram is a
+        C-contiguous psi x psi array at its start (moments and the target Gram are copied out first).
+        `gram` and `moments` (own coordinates) are left to `Features.finalize`.
+        """
+        self._bufs.clear()
+        d = self.d
+        # the features accumulated: all psi, or the block on the spans (self.nf)
+        out, self._gram = (None if self._gram is None else self._gram.result()), None
+        gram_b, moments, target_gram = gram_parts(out, self.width, self.nf, self.has_targets)
+        token_gram = self.token_gram + self._from_basis(self._derived_token_gram)
+        out = Features(d=d, n_samples=self.n_samples, n_tokens=self.n_tokens, gram=None,
+                       token_gram=token_gram, last_token_gram=self.last_token_gram,
+                       target_gram=target_gram, token_dtype=token_dtype,
+                       basis=self.basis, basis_gram=gram_b, basis_moments=moments,
+                       basis_token_gram=self.basis_token_gram, basis_last_token_gram=self.basis_last_token_gram,
+                       per_position=self.causal, normalize=self.normalize, n_sequences=self.n_sequences,
+                       target_sum=self.target_sum,
+                       weight_sum=self.weight_sum, token_weight_sum=self.token_weight_sum)
+        if self.spans is not None:
+            out.span_pairs, out.span_last = self.spans
+        return out
+
+
+def chunk_features(tokens: np.ndarray, offsets: np.ndarray, targets: np.ndarray | None, d: int,
+                   weights: np.ndarray | None = None, per_position: bool = False,
+                   normalize: str = "none", basis: np.ndarray | str | None = "auto",
+                   device: str | None = None) -> Features:
+    """Statistics of one in-memory chunk (tokens (t, d), offsets from 0, targets (B, d) or None).
+
+    With `per_position` every prefix is a sample: targets (t, d), weights (t,); otherwise targets
+    (B, d), weights (B,). `normalize="length"` divides S by the prefix / sequence length.
+    `basis`: the basis accumulated in ("auto": the whitening of the chunk's own tokens; an array;
+    None or "identity": the tokens' own coordinates); the result is then changed exactly to the
+    whitening of the chunk's token Gram (`Features.canonical`). `device` (mhla_cli.linalg.device): where the
+    features and their Gram are built.
+    """
+    check_normalize(normalize)
+    check_floor(d, what="featurize")
+    device = device_mod.check_device(device)
+    tokens = np.asarray(tokens)
+    basis = _basis_option(basis, d, None)
+    if basis is None:
+        X = tokens.astype(np.float64)
+        basis = basis_mod.whitening(X.T @ X, X.shape[0])
+    acc = _Accumulator(d, targets is not None, basis, causal=per_position, normalize=normalize, device=device)
+    acc.add(tokens, np.asarray(offsets, dtype=np.int64),
+            None if targets is None else np.asarray(targets, dtype=np.float64),
+            weights=None if weights is None else np.asarray(weights, dtype=np.float64))
+    feats = acc.result(str(tokens.dtype))
+    check_overflow(feats, "the data", None)
+    return feats.canonical().finalize()
+
+
+def _basis_option(basis: np.ndarray | str | None, d: int, path: str | os.PathLike | None) -> np.ndarray | None:
+    """A `basis` argument -> the (d, d) array to accumulate in, or None for "auto" (estimate it)."""
+    if isinstance(basis, str):
+        if basis == "auto":
+            return None
+        if basis != "identity":
+            raise InputError(f"unknown basis '{basis}', expected auto, identity or a (d, d) array")
+        return np.eye(d)
+    if basis is None:
+        return np.eye(d)
+    A = np.asarray(basis, dtype=np.float64)
+    if A.shape != (d, d) or not np.isfinite(A).all() or basis_mod.row_scaled_cond(A) > SINGULAR_BASIS_COND:
+        raise InputError(f"the basis must be an invertible ({d}, {d}) array", path)
+    return A

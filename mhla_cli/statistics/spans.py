@@ -1,0 +1,308 @@
+"""The reduction over sample spans [lo, hi): chunk sizing, `reduce_span` (the one place the data are
+read), its sum over many spans (`reduce_spans`), the basis estimate, and the cheap passes that find the
+data's spans (mhla_cli.statistics.structure).
+
+Everything here is a sum over samples, so statistics of disjoint sample ranges add up
+(`Features.__add__`, mhla_cli.statistics.stats). `reduce_span` computes the statistics of one half-open
+range [lo, hi); the serial loop, worker pools (mhla_cli.statistics.parallel), shards and Dask all call it.
+Per chunk a reader thread fetches the next chunk in its stored dtype and the accumulator
+(mhla_cli.statistics.accumulate) adds it.
+"""
+
+from __future__ import annotations
+
+import builtins
+import math
+import threading
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import replace
+from functools import partial
+
+import numpy as np
+
+from . import basis as basis_mod
+from ..io import formats
+from . import parallel
+from . import structure as structure_mod
+from ..errors import InputError
+from ..feature_map import check_normalize, n_features
+from ..linalg import device as device_mod
+from ..linalg.memory import block_featurize_bytes, check_floor, featurize_bytes
+from .accumulate import PANEL_BYTES, _Accumulator
+from .parallel import CANCEL, Cancelled
+from .algebra import add_into
+from .features import Features, check_overflow
+from ..io.tokens import ReadBuffers, TokensInfo, check_chunk, check_weights, iter_chunks, read_chunk
+
+__all__ = ["SPANS", "SPANS_MIN_FEATURES", "SPANS_SHARE", "check_spans", "chunk_buffer_bytes", "default_chunk_size",
+           "device_pass_bytes", "estimate_basis", "featurize_need", "find_spans", "reduce_span", "reduce_spans",
+           "span_traces"]
+
+# Target size of the per-chunk work buffers; the default chunk size is derived from it.
+CHUNK_BYTES = 64 * 2**20
+# Rows per chunk at least, for wide blocks: as in the dsyrk baseline (4096 x psi) of benchmarks/.
+MIN_SYRK_ROWS = 4096
+
+
+def default_chunk_size(info: TokensInfo) -> int:
+    """Samples per chunk so that the chunk's buffers stay near CHUNK_BYTES."""
+    psi = n_features(info.d)
+    mean_len = max(1.0, info.n_tokens / info.n_samples)
+    rows = CHUNK_BYTES // _sample_bytes(info)
+    if psi + info.d >= 512:
+        # the per-chunk cost outside the syrk (adding the psi^2 product) shrinks as 1/rows
+        rows = max(rows, MIN_SYRK_ROWS if not getattr(info, "per_position", False)
+                   else math.ceil(MIN_SYRK_ROWS / mean_len))
+    return int(max(1, min(info.n_samples, rows)))
+
+
+def _sample_bytes(info: TokensInfo) -> int:
+    """Bytes of the chunk buffers per sample (sequence) of a chunk."""
+    psi, d = n_features(info.d), info.d
+    mean_len = max(1.0, info.n_tokens / info.n_samples)
+    # [H | Y] block + S + pair products, and two float64 read slots of tokens and targets
+    per_sample = 8 * (psi + d) + 8 * (d * d + psi // d) + 2 * 8 * d * (mean_len + 1)
+    if getattr(info, "per_position", False):
+        # every position is a row of the [H | Y] block, with its prefix Gram entries
+        per_sample = mean_len * (8 * (psi + d) + 3 * 8 * (psi // d) + 4 * 8 * d)
+    return int(per_sample)
+
+
+def chunk_buffer_bytes(info: TokensInfo, chunk_size: int | None = None) -> int:
+    """Bytes of one reduction's chunk buffers (mhla_cli.linalg.memory): the chunk's arrays and the panel."""
+    rows = min(chunk_size or default_chunk_size(info), info.n_samples)
+    W = n_features(info.d) + (info.d if info.has_targets else 0)
+    panel = 8 * W * max(1, min(W, PANEL_BYTES // (8 * W)))
+    return int(rows * _sample_bytes(info) * 1.25) + panel
+
+
+def device_pass_bytes(info: TokensInfo, chunk_size: int | None = None, block: int | None = None) -> int:
+    """Bytes a pass holds on a device (`device.DeviceGram`): the Gram of [Ht | Y] and a chunk's block."""
+    W = (n_features(info.d) if block is None else block) + (info.d if info.has_targets else 0)
+    rows = min(chunk_size or default_chunk_size(info), info.n_samples)
+    if getattr(info, "per_position", False):
+        rows = int(rows * max(1.0, info.n_tokens / info.n_samples))
+    return 8 * W * W + 2 * 8 * W * rows + 64 * 2**20
+
+
+def featurize_need(info: TokensInfo, chunk_size: int | None = None, workers: int = 1,
+                   derive: bool = True, block: int | None = None) -> Callable[[int], int]:
+    """need(d): the peak bytes of featurizing `info` with its dimension set to d (memory.check_memory).
+
+    `block`: at the file's own d only that many features are accumulated (the data's spans).
+    """
+    def need(d: int) -> int:
+        other = replace(info, d=d)
+        if block is not None and d == info.d:
+            return block_featurize_bytes(block, d, chunk_buffer_bytes(other, chunk_size), workers, info.has_targets)
+        return featurize_bytes(d, chunk_buffer_bytes(other, chunk_size), workers, info.has_targets, derive)
+    return need
+
+
+def _add_chunks(acc: _Accumulator, info: TokensInfo, span: tuple[int, int], chunk_size: int | None = None,
+                progress: Callable[[int], None] | None = None, prefetch: bool = True) -> None:
+    """Read samples [lo, hi) in chunks, validate each and add it to `acc`.
+
+    `progress(n)` gets the samples of every chunk, in up to PROGRESS_STEPS parts when the chunk reports
+    its work as it goes (`_Accumulator.add`'s tick), so that a bar moves within the large chunks of a
+    big file; the parts of a chunk sum to its samples, and nothing else depends on them.
+    """
+    per_position = getattr(info, "per_position", False)
+    for a, b, tokens, offsets, targets, weights in iter_chunks(info, span, chunk_size or default_chunk_size(info),
+                                                               prefetch, with_weights=True):
+        if CANCEL.is_set():
+            raise Cancelled("the reduction was cancelled")
+        check_weights(weights, offsets, a, per_position, info.path)
+        told = [0]  # samples of this chunk reported so far
+
+        def tick(f: float, n: int = b - a, told: list[int] = told) -> None:
+            k = min(n - 1, int(f * n))
+            if k - told[0] >= max(1, n // PROGRESS_STEPS):
+                progress(k - told[0])
+                told[0] = k
+        acc.add(tokens, offsets, targets if acc.has_targets else None,
+                check=lambda top, a=a, t=tokens, o=offsets, y=targets: check_chunk(info, a, t, o, y, top),
+                weights=weights, tick=None if progress is None else tick)
+        if progress is not None:
+            progress(b - a - told[0])
+
+
+# A chunk's progress is reported in at most this many parts (`_add_chunks`).
+PROGRESS_STEPS = 64
+
+
+def reduce_span(info: TokensInfo, span: tuple[int, int], chunk_size: int | None = None,
+                progress: Callable[[int], None] | None = None, prefetch: bool = True,
+                normalize: str = "none", basis: np.ndarray | None = None, finalize: bool = True,
+                spans: tuple[np.ndarray, np.ndarray] | None = None, device: str | None = None) -> Features:
+    """Statistics of samples [lo, hi) of the tokens file `info.path` (opened here, read in chunks).
+
+    This is the one chunk reduction of mhla: the serial loop, worker pools, Dask and shards all
+    call it. `progress(n)` is called after each chunk of n samples (sequences). Per-position data
+    (info.per_position) make every weighted prefix a sample; `normalize="length"` divides S by the
+    prefix (sequence) length. `basis` (d, d; None = the identity): accumulate the features of
+    X @ basis (mhla_cli.statistics.basis). `finalize=False` returns the sums of that basis as they are (partial
+    sums of a larger reduction add exactly); otherwise they are changed to the whitening of the
+    span's tokens and the own-coordinate sums derived. `spans` (E, F) in the canonical coordinates of
+    `basis`: accumulate only the block on the data's spans (mhla_cli.statistics.structure, `find_spans`).
+    `device` (mhla_cli.linalg.device): build the features and their Gram there ("cuda" in a worker process:
+    one GPU per worker); the result is the same float64 Features.
+    """
+    lo, hi = span
+    per_position = getattr(info, "per_position", False)
+    device = device_mod.worker_device(device)
+    acc = _Accumulator(info.d, info.has_targets, basis, causal=per_position, normalize=check_normalize(normalize),
+                       spans=spans, device=device)
+    _add_chunks(acc, info, span, chunk_size, progress, prefetch)
+    total = acc.result(info.dtype)
+    check_overflow(total, f"samples {lo}..{hi}", info.path)
+    if finalize:
+        total.canonical().finalize()
+        check_overflow(total, f"samples {lo}..{hi}", info.path)
+    total.sample_range = (lo, hi)
+    return total
+
+
+def estimate_basis(info: TokensInfo) -> np.ndarray:
+    """An estimate of the whitening of a tokens file, from a fixed sample (basis.sample_blocks).
+
+    Deterministic in the file's content (every shard, worker and machine gets the same basis, so
+    their sums add up exactly). It only has to be good enough to accumulate in: `featurize` checks it
+    against the token Gram of all the data at the end of the pass (basis.correction).
+    """
+    G = np.zeros((info.d, info.d))
+    count = 0
+    bufs = ReadBuffers()
+    with formats.open_input(info.path) as f, np.errstate(invalid="ignore", over="ignore"):
+        for a, b in basis_mod.sample_blocks(info.n_samples, info.n_tokens):
+            tokens, offsets, targets = read_chunk(f, info, a, b, bufs)
+            X = tokens.astype(np.float64)
+            top = float(np.max(X * X)) if X.size else 0.0
+            check_chunk(info, a, tokens, offsets, targets, top)
+            G += X.T @ X
+            count += X.shape[0]
+    return basis_mod.whitening(G, count)
+
+
+def reduce_spans(info: TokensInfo, span_list: Sequence[tuple[int, int]],
+                 map: Callable[..., Iterable[Features]] = builtins.map,  # noqa: A002 (like builtins.map)
+                 chunk_size: int | None = None,
+                 progress: Callable[[int], None] | None = None, normalize: str = "none",
+                 basis: np.ndarray | None = None, finalize: bool = True,
+                 spans: tuple[np.ndarray, np.ndarray] | None = None, device: str | None = None) -> Features:
+    """Sum of `reduce_span` over `span_list`, evaluated with `map` (builtin, a pool's, Dask's).
+
+    `map(fn, spans)` may also yield partial sums (Dask tree-reduces on the cluster); the parts are
+    added in the order they come, all in `basis`. `finalize` as in `reduce_span`. `progress` is told
+    each part's samples when it comes back, or, with worker threads of this process
+    (parallel.ThreadMap), each chunk's as the workers go (one call at a time).
+    """
+    total: Features | None = None
+    threads = progress is not None and isinstance(map, parallel.ThreadMap)
+    lock, raised = threading.Lock(), []
+
+    def locked(n: int) -> None:
+        with lock:
+            if raised:  # the callback raised (e.g. to interrupt): it is not called again
+                return
+            try:
+                progress(n)  # type: ignore[misc]
+            except BaseException:
+                raised.append(True)
+                raise
+    for part in map(partial(reduce_span, info, chunk_size=chunk_size, normalize=normalize, basis=basis,
+                            finalize=False, spans=spans, device=device, progress=locked if threads else None),
+                    span_list):
+        if total is None:
+            total = part  # each part is a fresh result: sum into it
+        else:
+            add_into(total, part)
+        if progress is not None and not threads:
+            progress(part.n_sequences if part.n_sequences is not None else part.n_samples)
+    if total is None:
+        total = _Accumulator(info.d, info.has_targets, basis, causal=getattr(info, "per_position", False),
+                             normalize=normalize, spans=spans).result(info.dtype)
+    if finalize:
+        total.canonical().finalize()
+    total.token_dtype = info.dtype
+    if span_list:
+        total.sample_range = (span_list[0][0], span_list[-1][1])
+    return total
+
+
+# "auto": featurize accumulates only the block on the data's spans when it holds at most this share
+# of the psi features (below it the block's factorization costs <= 1/8 of the full one, O(n^3)).
+SPANS_SHARE = 0.5
+# ... and psi is at least this (smaller statistics are cheap whole, and keep every feature for the
+# commands that need them: low-rank fits, the witness, folds).
+SPANS_MIN_FEATURES = 2048
+SPANS = ("auto", "on", "off")
+
+
+def check_spans(spans: str) -> str:
+    """Validate featurize's `spans` option."""
+    if spans not in SPANS:
+        raise InputError(f"unknown spans option '{spans}', expected auto, on or off")
+    return spans
+
+
+def span_traces(info: TokensInfo, span: tuple[int, int], A: np.ndarray, chunk_size: int | None = None,
+                normalize: str = "none") -> tuple[np.ndarray, np.ndarray, Features]:
+    """The two partial traces of the canonical Gram of samples [lo, hi) in basis A (tokens X A):
+    sum w ||x_n||^2 s s^T (q x q) and sum w ||s||^2 x_n x_n^T (d x d) (mhla_cli.statistics.structure), and the
+    token Grams of the same pass (a Features without feature sums, for `Features.correction`).
+
+    A cheap pass: O(q^2) per sample instead of the Gram's O(psi^2).
+    """
+    acc = _Accumulator(info.d, False, A, causal=getattr(info, "per_position", False),
+                       normalize=check_normalize(normalize), traces=True)
+    _add_chunks(acc, info, span, chunk_size)
+    tp, tl = acc.traces  # type: ignore[misc]
+    return 0.5 * (tp + tp.T), 0.5 * (tl + tl.T), acc.result(info.dtype)
+
+
+def find_spans(info: TokensInfo, A: np.ndarray, span: tuple[int, int], chunk_size: int,
+               normalize: str = "none", spans: str = "auto"
+               ) -> tuple[tuple[np.ndarray, np.ndarray] | None, np.ndarray, int]:
+    """((E, F) bases of the data's spans in the canonical coordinates of the returned basis, or None:
+    accumulate every feature; the basis to accumulate in; the passes over the data spent).
+
+    The spans are read off partial traces in a basis that whitens the data to within
+    basis.CHANGE_COND (else the pass is redone in the whitening it measured, which is then returned):
+    in a badly scaled basis the traces' small directions would fall under the cut. "auto" first looks
+    at the fixed sample of `estimate_basis` (its spans are within the data's): when they already hold
+    more than SPANS_SHARE of the features, no pass is spent.
+    """
+    if check_spans(spans) == "off":
+        return None, A, 0
+    check_floor(info.d, info.path, "featurize")
+    share = 1.0 if spans == "on" else SPANS_SHARE
+    psi = n_features(info.d)
+    if spans == "auto" and psi < SPANS_MIN_FEATURES:
+        return None, A, 0
+    if spans == "auto":
+        blocks = basis_mod.sample_blocks(info.n_samples, info.n_tokens)
+        tp, tl = np.zeros((psi // info.d, psi // info.d)), np.zeros((info.d, info.d))
+        for block in blocks:
+            a, b, _ = span_traces(info, block, A, chunk_size, normalize)
+            tp += a
+            tl += b
+        st = structure_mod.from_traces(tp, tl)
+        if not st.reduced or st.n > share * psi:
+            return None, A, 0
+    tp, tl, part = span_traces(info, span, A, chunk_size, normalize)
+    passes = 1
+    C, cond = part.correction()
+    if C is not None and cond > basis_mod.CHANGE_COND:
+        A = basis_mod.round32(part.basis @ C)
+        tp, tl, _ = span_traces(info, span, A, chunk_size, normalize)
+        passes = 2
+    st = structure_mod.from_traces(tp, tl)
+    if not st.reduced or st.n > share * psi:
+        return None, A, passes
+    return (np.ascontiguousarray(st.E), np.ascontiguousarray(st.F)), A, passes
+
+
+def _block(found: tuple[np.ndarray, np.ndarray] | None) -> int | None:
+    """Features of the block on the data's spans (None: all psi)."""
+    return None if found is None else int(found[0].shape[1] * found[1].shape[1])
