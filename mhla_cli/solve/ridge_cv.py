@@ -20,8 +20,9 @@ from typing import Any
 
 import numpy as np
 
-from . import solve
+from .domains import FULL
 from ..errors import InputError
+from ..numerics import numerical_tolerance
 from ..statistics.stats import Features
 
 # The grid: r = 0 and N_GRID penalties from GRID_LO to GRID_HI times lambda_max, log-spaced
@@ -48,11 +49,11 @@ def fold_path(train: Features, val: Features, grid: np.ndarray) -> np.ndarray:
     """
     A, _, _ = train.solver_stats()
     N, psi = train.weight, train.n_features  # sum w: Lambda~ and m~ carry no units of the weights
-    fac = solve.factorize(train, "full")
+    fac = FULL.factorize(train)
     st = fac.structure
     rhs = st.restrict(train.basis_moments / N)
     w, V = fac.eigh()  # of Lambda~ on the block of the data's spans (every other direction an exact null)
-    tol = solve.numerical_tolerance(fac.lambda_max(), psi)
+    tol = numerical_tolerance(fac.lambda_max(), psi)
     keep = w > tol
     w, V = w[keep], V[:, keep]
     c = V.T @ rhs  # the moments in the eigenvectors' coordinates
