@@ -338,3 +338,21 @@ def test_make_witness_leaves_the_callers_statistics_and_keeps_the_device(tmp_pat
     assert seen == [("certify", "cuda"), ("fit", "cuda")]
     assert red.reduced and np.array_equal(red.basis_gram, block) and red.factor_cache.get("full") is not None
     assert wit.info["verified"] and wit.info["kind"] in ("indistinguishable", "weakly_determined")
+
+
+def test_observed_witness_when_the_spans_are_all_of_r_d(tmp_path: Path) -> None:
+    """U = U_n = R^d: the observed domain is the full one, and its null vectors (canonical coordinates) are
+    mapped by T^T = M_A^T like any other; before, they were taken as own coordinates and the witness
+    was a wrong 'weakly_determined' one (v^T Lambda_D v = 6.3e3 here) whenever the basis A was not I."""
+    from mhla_cli import certify, featurize
+    from mhla_cli.solve.witness import make_witness
+
+    few, _ = synthetic.generate_teacher(2, 1, 4, 4, seed=3)  # N = 4 < psi = 6
+    few = synthetic.Dataset(few.tokens * np.array([1.0, 30.0]), few.offsets, few.targets)  # A far from I
+    few.save(tmp_path / "f.h5", dtype="float64")
+    feats = featurize(tmp_path / "f.h5")
+    cert = certify(feats, domain="observed")
+    assert (cert.dim_tokens, cert.dim_last_tokens) == (2, 2) and not cert.identifiable
+    wit = make_witness(feats, cert=cert)
+    v = wit.info["null_direction"]
+    assert wit.indistinguishable and abs(float(v @ feats.gram @ v)) <= 1e-10 * float(np.trace(feats.gram))
