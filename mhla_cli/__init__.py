@@ -31,7 +31,7 @@ _EXPORTS = {
     "p_from_heads": "model.heads", "p_from_W": "model.heads",
     "export_heads": "api.learn", "fit": "api.learn",
     "Model": "model.model", "load_function": "model.model",
-    "Certificate": "solve.solve", "certify": "solve.solve",
+    "Certificate": "solve.certificate", "certify": "solve.certificate",
     "Reduction": "model.reduce", "load_reduction": "model.reduce", "reduce_tokens": "model.reduce",
     "Features": "statistics.features", "featurize": "statistics.stream", "load_features": "statistics.stream", "reduce_span": "statistics.spans",
     "Dataset": "model.synthetic", "generate_assoc": "model.synthetic", "generate_teacher": "model.synthetic",
@@ -61,7 +61,7 @@ if TYPE_CHECKING:  # the same names for type checkers and the layout test's re-e
     from .api.learn import export_heads, fit
     from .model.model import Model, load_function
     from .model.reduce import Reduction, load_reduction, reduce_tokens
-    from .solve.solve import Certificate, certify
+    from .solve.certificate import Certificate, certify
     from .statistics.features import Features
     from .statistics.spans import reduce_span
     from .statistics.stream import featurize, load_features

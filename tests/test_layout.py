@@ -37,9 +37,9 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = ROOT / "mhla_cli"
 
-# Library modules whose test file runs them through the CLI only, never importing them: test_probes.py
-# checks `mhla certify --on PROBES` against a numpy range test (a direct test of mhla_cli.solve.probes is to do).
-TESTED_THROUGH_CLI = {"probes"}
+# Library modules whose test file runs them through the CLI only, never importing them (none today:
+# test_probes.py tests mhla_cli.solve.probes directly too).
+TESTED_THROUGH_CLI: set[str] = set()
 
 
 # ---------------------------------------------------------------------------------------------------

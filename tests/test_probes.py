@@ -137,3 +137,27 @@ def test_on_bad_inputs(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> No
         err = capsys.readouterr().err
         assert err.startswith("mhla: error:") and err.count("\n") == 1, err
         assert not rep.exists()
+
+
+def test_null_space_of_any_domain_gives_the_numpy_verdicts(tmp_path: Path) -> None:
+    """mhla_cli.solve.probes directly: the full and the observed domain's null spaces decide every probe as
+    the numpy range test does; a probe outside the observed domain counts its part outside as undetermined."""
+    from mhla_cli.solve.probes import certify_probes, null_space
+    from mhla_cli.statistics.stream import featurize
+
+    rng = np.random.default_rng(1)
+    d, n = 3, 5
+    Xtr = structured(rng, 300, n, d, dead=1)  # last-token data, coordinate 1 always 0: observed dim U = 2
+    Ytr = rng.standard_normal((300, d))
+    train = write(tmp_path / "train.h5", tokens=Xtr, targets=Ytr)
+    Xp = rng.standard_normal((12, n, d))
+    Xp[:6, :, 1] = 0.0  # half in the observed domain
+    probes = write(tmp_path / "probes.h5", tokens=Xp)
+    ref = range_residual(np.stack([ref_H(x) for x in Xtr]), np.stack([ref_H(x) for x in Xp])) > 1e-8
+    assert not ref[:6].any() and ref[6:].all()
+    feats = featurize(train)
+    assert null_space(feats, "observed").domain == "observed" and null_space(feats).row_maps is None
+    for domain in ("full", "observed"):
+        rep = certify_probes(feats, probes, domain=domain)
+        assert np.array_equal(rep.residual > rep.tol, ref), domain
+        assert rep.n_probes == 12 and not rep.determined

@@ -18,7 +18,8 @@ from mhla_cli.model import synthetic
 from mhla_cli.statistics.basis import kron_apply
 from mhla_cli.feature_map import n_features
 from mhla_cli.solve.probes import certify_probes
-from mhla_cli.solve.solve import _domain_map_b, certify, factorize, fit
+from mhla_cli.solve.solve import certify, factorize, fit
+from mhla_cli.solve.domains import OBSERVED
 from mhla_cli.statistics.stream import chunk_features
 from mhla_cli.statistics.structure import Structure, find_structure, partial_traces
 
@@ -164,7 +165,7 @@ def test_observed_domain_equals_the_restricted_dense_matrix(name: str) -> None:
     case = _cases()[name]
     feats = _feats(case)
     ref = _ref(case, own_basis=True)  # T is in mhla's canonical coordinates
-    T, r, s = _domain_map_b(feats, "observed")
+    T, (r, s) = OBSERVED.map_b(feats), OBSERVED.dims(feats)
     lam = ref["lambda"] if T is None else T @ ref["lambda"] @ T.T
     w = np.linalg.eigvalsh(lam)
     m = lam.shape[0]
@@ -466,9 +467,10 @@ def test_a_certificate_of_changed_statistics_refuses_its_null_space(tmp_path: Pa
     feats.add(_feats(case))
     with pytest.raises(InputError, match="changed"):
         cert.null_vectors
-    # a witness from statistics on the spans works on the expanded ones, with the same certificate's domain
+    # a witness from statistics on the spans works on expanded ones (a copy: the caller's stay on the
+    # spans), with the same certificate's domain
     from mhla_cli.statistics.stream import featurize
 
     red = featurize(_save(case, tmp_path / "d.h5"), spans="on")
     wit = make_witness(red, cert=certify(red))
-    assert red.reduced is False and wit.info["kind"] in ("indistinguishable", "weakly_determined")
+    assert red.reduced is True and wit.info["kind"] in ("indistinguishable", "weakly_determined")

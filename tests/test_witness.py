@@ -279,3 +279,80 @@ def test_bad_witness_files_are_refused(witness_file: tuple[Path, Witness], tmp_p
     for name, (changes, msg) in cases.items():
         with pytest.raises(InputError, match=msg):
             Witness.load(_rewrite(path, tmp_path / f"{name}.h5", **changes))
+
+
+# --------------------------------------------------------------------------------------------
+# the library's rules: what make_witness refuses, and what it leaves of the caller's objects
+# --------------------------------------------------------------------------------------------
+
+
+def test_the_library_refuses_what_the_witness_does_not_support(tmp_path: Path) -> None:
+    """The preconditions live in mhla_cli.solve.witness (the CLI words them for its options)."""
+    from mhla_cli import featurize
+    from mhla_cli.solve.witness import WitnessRefused, check_witness_features, check_witness_input, make_witness
+
+    few, _ = synthetic.generate_teacher(2, 1, 3, 4, seed=3)
+    untargeted = write_tokens(tmp_path / "x.h5", few.tokens, few.offsets)
+    with pytest.raises(WitnessRefused, match="a witness needs targets") as exc:
+        check_witness_input(untargeted)
+    assert exc.value.rule == "targets" and exc.value.path == str(untargeted)
+    causal, _ = synthetic.generate_teacher(2, 1, 10, "2:6", seed=8, per_position=True)
+    causal_file = tmp_path / "c.h5"
+    causal.save(causal_file)
+    with pytest.raises(WitnessRefused, match="per-position data") as exc:
+        check_witness_input(causal_file)
+    assert exc.value.rule == "per_position"
+    feats = featurize(causal_file)
+    with pytest.raises(WitnessRefused, match="without normalize") as exc:
+        make_witness(feats)  # a Python call is refused too, not only `mhla certify --witness`
+    assert exc.value.rule == "normalized"
+    normalized = featurize(write_tokens(tmp_path / "n.h5", few.tokens, few.offsets, few.targets), normalize="length")
+    with pytest.raises(WitnessRefused):
+        check_witness_features(normalized)
+
+
+def test_make_witness_leaves_the_callers_statistics_and_keeps_the_device(tmp_path: Path,
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Statistics on the data's spans are expanded in a copy; the re-certification and the fit run on the
+    certificate's device."""
+    from mhla_cli import certify, featurize
+    from mhla_cli.solve import witness
+
+    ds, _ = synthetic.generate_assoc(2, 300, orthogonal_fraction=1.0, seed=0)
+    data = write_tokens(tmp_path / "d.h5", ds.tokens, ds.offsets, ds.targets)
+    red = featurize(data, spans="on")
+    cert = certify(red)
+    block = red.basis_gram.copy()
+    seen = []
+
+    def spy(name: str, real):  # type: ignore[no-untyped-def]
+        def call(*a, **k):  # type: ignore[no-untyped-def]
+            seen.append((name, k.get("device")))
+            return real(*a, **{**k, "device": None})  # the device asked for is recorded, numpy runs
+        return call
+
+    monkeypatch.setattr(witness, "certify", spy("certify", witness.certify))
+    monkeypatch.setattr(witness, "fit", spy("fit", witness.fit))
+    cert.device = "cuda"  # as if certified there: the witness asks for that device
+    wit = witness.make_witness(red, data=data, cert=cert)
+    assert seen == [("certify", "cuda"), ("fit", "cuda")]
+    assert red.reduced and np.array_equal(red.basis_gram, block) and red.factor_cache.get("full") is not None
+    assert wit.info["verified"] and wit.info["kind"] in ("indistinguishable", "weakly_determined")
+
+
+def test_observed_witness_when_the_spans_are_all_of_r_d(tmp_path: Path) -> None:
+    """U = U_n = R^d: the observed domain is the full one, and its null vectors (canonical coordinates) are
+    mapped by T^T = M_A^T like any other; before, they were taken as own coordinates and the witness
+    was a wrong 'weakly_determined' one (v^T Lambda_D v = 6.3e3 here) whenever the basis A was not I."""
+    from mhla_cli import certify, featurize
+    from mhla_cli.solve.witness import make_witness
+
+    few, _ = synthetic.generate_teacher(2, 1, 4, 4, seed=3)  # N = 4 < psi = 6
+    few = synthetic.Dataset(few.tokens * np.array([1.0, 30.0]), few.offsets, few.targets)  # A far from I
+    few.save(tmp_path / "f.h5", dtype="float64")
+    feats = featurize(tmp_path / "f.h5")
+    cert = certify(feats, domain="observed")
+    assert (cert.dim_tokens, cert.dim_last_tokens) == (2, 2) and not cert.identifiable
+    wit = make_witness(feats, cert=cert)
+    v = wit.info["null_direction"]
+    assert wit.indistinguishable and abs(float(v @ feats.gram @ v)) <= 1e-10 * float(np.trace(feats.gram))

@@ -27,7 +27,7 @@ from ..feature_map import check_normalize
 from ..model.forward import predict as forward_predict
 from ..model.forward import predict_causal
 from ..model.model import Model
-from ..solve.solve import Certificate, certify
+from ..solve.certificate import Certificate, certify
 from ..statistics.stream import Features, chunk_features
 from ..io.tokens import MAX_EXACT_INT
 

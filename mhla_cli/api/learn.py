@@ -17,7 +17,7 @@ from ..model import heads as heads_mod
 from ..solve import lowrank
 from ..solve import ridge_cv
 from ..model import scores
-from ..solve import solve
+from ..solve import certificate, domains, lstsq
 from ..solve import spectrum
 from ..errors import InputError
 from ..model.heads import Heads
@@ -101,15 +101,15 @@ def fit(feats: Features, ridge: float | str = 0.0, heads: int | str | None = Non
                 raise InputError("ridge 'auto' needs per-fold statistics (cross-validation folds)")
             cv = ridge_cv.cv_ridge(feats, folds)
             ridge = cv["chosen"]
-        model = solve.fit(feats, ridge=float(ridge), device=device)
+        model = lstsq.fit(feats, ridge=float(ridge), device=device)
         if cv is not None:
             model.info["ridge_cv"] = cv
         if not model.info["identifiable"]:
             # the data may still determine the function on the inputs they span (`fit_warnings` says so);
             # when their tokens and last tokens span R^d the observed domain is the full one
-            B, C = solve.observed_bases(feats)
+            B, C = domains.observed_bases(feats)
             model.info["identifiable_observed"] = (min(B.shape[1], C.shape[1]) < feats.d
-                                                   and solve.certify(feats, domain="observed", device=device).identifiable)
+                                                   and certificate.certify(feats, domain="observed", device=device).identifiable)
     else:
         model = lowrank.fit_model(feats, heads=heads, nuclear=nuclear, weight_decay=weight_decay,
                                   restarts=restarts, seed=seed, folds=folds)

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 import typer
 
@@ -55,13 +56,12 @@ def certify_cmd(
 
     Example (a GPU): mhla certify feats.h5 --device cuda --json
     """
-    # the library here, not at the top: `mhla certify --help` and completion load only the parser
-    from ..io import formats
+    # over 60 lines for its option signature and help only: the body parses the option rules and calls
+    # _certify or _certify_on. The library here, not at the top: `mhla certify --help` and completion
+    # load only the parser
     from ..linalg.device import check_device
-    from ..solve.solve import certify, check_domain
-    from ..statistics.stream import check_solve_memory
+    from ..solve.domains import check_domain
     from ..io.tokens import inspect_tokens
-    from ..solve.witness import make_witness
 
     check_domain(domain)
     dev = check_device(device, data)
@@ -76,25 +76,44 @@ def certify_cmd(
         inspect_tokens(on)
         _certify_on(data, on, report, normalize, chunk_size, json_out, quiet, dev)
         return
+    _certify(data, min_eig, domain, witness, normalize, chunk_size, json_out, quiet, dev)
+
+
+# The witness's rules (mhla_cli.solve.witness.WitnessRefused.rule) in the words of the command's options.
+_WITNESS_TEXT = {
+    "per_position": "--witness supports last-token data only (this file has per-position data)",
+    "targets": "--witness needs targets: the two models are compared by their training loss",
+    "normalized": "--witness supports unweighted last-token data without --normalize only",
+}
+
+
+def _witness_rules(data: Path, check: Callable[[], None]) -> None:
+    """Run one of the library's witness checks; its refusal becomes the option's message about `data`."""
+    from ..solve.witness import WitnessRefused
+
+    try:
+        check()
+    except WitnessRefused as exc:
+        raise InputError(_WITNESS_TEXT[exc.rule], data) from None
+
+
+def _certify(data: Path, min_eig: float, domain: str, witness: Path | None, normalize: str | None,
+             chunk_size: int | None, json_out: bool, quiet: bool, device: str | None) -> None:
+    """The certificate of `data` (and --witness): its text, its JSON, exit 1 when not identifiable."""
+    from ..solve.certificate import certify
+    from ..solve.witness import check_witness_features, check_witness_input
+    from ..statistics.stream import check_solve_memory
+
     if witness is not None:
         check_hdf5_output(witness, (data,), "the witness file")
-        if formats.kind_of(data) == "tokens" and inspect_tokens(data).per_position:
-            raise InputError("--witness supports last-token data only (this file has per-position data)", data)
-        if formats.kind_of(data) == "tokens" and not inspect_tokens(data).has_targets:
-            raise InputError("--witness needs targets: the two models are compared by their training loss", data)
+        _witness_rules(data, lambda: check_witness_input(data))
     check_solve_memory(data, "certify", chunk_size=chunk_size)
-    feats, _, seconds = load_with_progress(data, chunk_size, quiet, normalize, dev)
-    if witness is not None and (feats.per_position or feats.normalize != "none"):
-        raise InputError("--witness supports unweighted last-token data without --normalize only", data)
+    feats, _, seconds = load_with_progress(data, chunk_size, quiet, normalize, device)
+    if witness is not None:
+        _witness_rules(data, lambda: check_witness_features(feats))
     with working(f"certify: factorizing the canonical Lambda~ ({feats.n_features} features)", quiet):
-        cert = certify(feats, min_eig=min_eig, domain=domain, device=dev)
-    out = cert.to_dict()
-    out["seconds"] = {**seconds, **cert.seconds}
-    out["input"] = str(data)
-    try:
-        out["input_identity"] = formats.source_identity(data)
-    except InputError:
-        pass
+        cert = certify(feats, min_eig=min_eig, domain=domain, device=device)
+    out = _cert_json(cert, data, seconds)
     verdict = "identifiable" if cert.identifiable else "NOT identifiable"
     say(f"{data}: {verdict} on the {domain} domain: lambda_min = {fmt(cert.lambda_min)}, "
         f"lambda_max = {fmt(cert.lambda_max)}, threshold = {fmt(cert.threshold)}, rank {cert.rank}/"
@@ -105,14 +124,7 @@ def certify_cmd(
     for r in cert.reasons:
         say(f"  - {r}", quiet)
     if witness is not None and not cert.identifiable:
-        with about(data):
-            wit = make_witness(feats, data=data, cert=cert, chunk_size=chunk_size)
-        wit.save(witness, inputs=(data,))
-        wi = wit.info
-        out["witness"] = {"output": str(witness), **wit.summary()}
-        say(f"  witness in {witness} ({wi['kind']}): {wi['message']}", quiet,
-            style="yellow" if wi["kind"] != "indistinguishable" else None)
-        say(f"  probe input: {wi['probe']}", quiet)
+        out["witness"] = _write_witness(feats, data, cert, witness, chunk_size, quiet)
     elif witness is not None:
         warn("the data certify: no witness to write")
     if json_out:
@@ -121,6 +133,34 @@ def certify_cmd(
         raise typer.Exit(1)
 
 
+def _cert_json(cert: Any, data: Path, seconds: dict[str, float]) -> dict[str, Any]:
+    """`certify --json`: the certificate's dict, the seconds of the pass and of the factorization, the input."""
+    from ..io import formats
+
+    out = cert.to_dict()
+    out["seconds"] = {**seconds, **cert.seconds}
+    out["input"] = str(data)
+    try:
+        out["input_identity"] = formats.source_identity(data)
+    except InputError:
+        pass
+    return out
+
+
+def _write_witness(feats: Any, data: Path, cert: Any, witness: Path, chunk_size: int | None, quiet: bool
+                   ) -> dict[str, Any]:
+    """Build, verify and write the witness; say what it shows; its summary for the JSON."""
+    from ..solve.witness import make_witness
+
+    with about(data):
+        wit = make_witness(feats, data=data, cert=cert, chunk_size=chunk_size)
+    wit.save(witness, inputs=(data,))
+    wi = wit.info
+    say(f"  witness in {witness} ({wi['kind']}): {wi['message']}", quiet,
+        style="yellow" if wi["kind"] != "indistinguishable" else None)
+    say(f"  probe input: {wi['probe']}", quiet)
+    return {"output": str(witness), **wit.summary()}
+
 
 # the help quotes the constants from the code (mhla_cli.numerics)
 certify_cmd.__doc__ = (certify_cmd.__doc__ or "").replace("{DETERMINED_TOL}", quote(DETERMINED_TOL))
@@ -128,7 +168,7 @@ certify_cmd.__doc__ = (certify_cmd.__doc__ or "").replace("{DETERMINED_TOL}", qu
 def _certify_on(data: Path, on: Path, report: Path | None, normalize: str | None, chunk_size: int | None,
                 json_out: bool, quiet: bool, device: str | None = None) -> None:
     from ..solve.probes import certify_probes, null_space
-    from ..solve.solve import factorize
+    from ..solve.domains import factorize
     from ..statistics.stream import check_solve_memory
     from ..io.tokens import inspect_tokens
 

@@ -24,7 +24,8 @@ from ..io import formats
 from ..errors import InputError
 from ..statistics.basis import pair_scale
 from ..feature_map import n_features
-from .solve import factorize, numerical_tolerance
+from ..numerics import numerical_tolerance
+from .domains import Domain, get_domain
 from ..statistics.structure import Structure
 from ..statistics.stream import Features, default_chunk_size, sample_rows
 from ..io.tokens import check_finite, check_weights, inspect_tokens, iter_chunks
@@ -44,6 +45,10 @@ class NullSpace:
     threshold: float
     token_basis: np.ndarray  # A: the null space is that of the canonical features of Z A
     structure: Structure | None = None  # None: `basis` is in the canonical features themselves
+    # the domain's map of canonical pair rows s and tokens x, (P, C): its features (P s) (x) (C^T x);
+    # None: the full domain (the canonical features themselves)
+    row_maps: tuple[np.ndarray, np.ndarray] | None = None
+    domain: str = "full"
 
     @property
     def dim(self) -> int:
@@ -51,36 +56,61 @@ class NullSpace:
         return outside + int(self.basis.shape[1])
 
 
-def null_space(feats: Features) -> NullSpace:
+def null_space(feats: Features, domain: str | Domain = "full") -> NullSpace:
     """Numerical null space of Lambda_D = gram / N: eigenvectors with eigenvalue <= psi eps lambda_max.
 
     The one place that decides which feature directions the data leave free; in the canonical basis
-    (the features of the tokens Z A, A = feats.basis), as the certificate.
+    (the features of the tokens Z A, A = feats.basis), as the certificate of `domain` (a name or a
+    mhla_cli.solve.domains.Domain): its features, and its factorization (shared with certify and fit).
     """
+    dom = get_domain(domain)
     A, _, _ = feats.solver_stats()
-    fac = factorize(feats, "full")  # shared with certify and fit
+    fac = dom.factorize(feats)  # shared with certify and fit
     lmax = fac.lambda_max()
     tol = numerical_tolerance(lmax, fac.n_full)
     st = fac.structure
     if not fac.dense and fac.proves_above(tol):  # positive definite block: no eigenvectors
-        return NullSpace(basis=np.zeros((fac.n, 0)), lambda_max=lmax, threshold=tol, token_basis=A, structure=st)
-    return NullSpace(basis=np.ascontiguousarray(fac.null_space(tol)[1]), lambda_max=lmax, threshold=tol,
-                     token_basis=A, structure=st)
+        basis = np.zeros((fac.n, 0))
+    else:
+        basis = np.ascontiguousarray(fac.null_space(tol)[1])
+    return NullSpace(basis=basis, lambda_max=lmax, threshold=tol, token_basis=A, structure=st,
+                     row_maps=dom.row_maps(feats), domain=dom.name)
 
 
 def probe_residuals(ns: NullSpace, upper: np.ndarray, last: np.ndarray) -> np.ndarray:
-    """Relative null-space component ||Z0^T h|| / ||h|| of the rows h = upper (x) last (0 for h = 0)."""
+    """Relative null-space component ||Z0^T h|| / ||h|| of the rows h = upper (x) last (0 for h = 0).
+
+    On a domain other than the full one (`ns.row_maps`), the part of h outside the domain's features
+    (h - T^T T h, T the domain's map with orthonormal rows) is an exact null direction of Lambda_D (no
+    training input has it), so it counts as undetermined.
+    """
     R = upper.shape[0]
     d = last.shape[1]
     assert upper.shape[1] * d == n_features(d)
-    st = ns.structure if ns.structure is not None else Structure.identity(upper.shape[1], d)
-    if ns.dim == 0 or R == 0:
+    off = np.zeros(R)
+    if ns.row_maps is not None:
+        upper, last, off = _domain_rows(ns.row_maps, upper, last)
+    st = ns.structure if ns.structure is not None else Structure.identity(upper.shape[1], last.shape[1])
+    if ns.dim == 0 and not off.any() or R == 0:
         return np.zeros(R)
     # in-block coordinates of h, and the squared norm of its part outside the block (the exact nulls)
     inside, outside, norm2 = st.split_rows(upper, last)
     comp = inside @ ns.basis
-    num2 = outside + np.einsum("ij,ij->i", comp, comp)
+    num2 = off + outside + np.einsum("ij,ij->i", comp, comp)
+    norm2 = norm2 + off
     return np.where(norm2 > 0, np.sqrt(num2 / np.where(norm2 > 0, norm2, 1.0)), 0.0)
+
+
+def _domain_rows(maps: tuple[np.ndarray, np.ndarray], s: np.ndarray, x: np.ndarray
+                 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(P s, C^T x) rows and ||h - T^T T h||^2 for h = s (x) x, T h = (P s) (x) (C^T x) (orthonormal rows
+    P, C^T): s_perp (x) x + s_par (x) x_perp, two orthogonal terms, each norm from its components."""
+    P, C = maps
+    sp, xp = s @ P.T, x @ C
+    s_perp, x_perp = s - sp @ P, x - xp @ C.T
+    ns_perp, nx = np.einsum("ij,ij->i", s_perp, s_perp), np.einsum("ij,ij->i", x, x)
+    ns_par, nx_perp = np.einsum("ij,ij->i", sp, sp), np.einsum("ij,ij->i", x_perp, x_perp)
+    return sp, xp, ns_perp * nx + ns_par * nx_perp
 
 
 @dataclass
@@ -128,17 +158,19 @@ class ProbeReport:
 
 
 def certify_probes(feats: Features, probes: str | os.PathLike, chunk_size: int | None = None,
-                   progress: Callable[[int], None] | None = None) -> ProbeReport:
+                   progress: Callable[[int], None] | None = None, domain: str | Domain = "full") -> ProbeReport:
     """Test every probe of the tokens file `probes` against the training statistics `feats`.
 
     Probes are the sequences (last token) of the file, or every position with weight > 0 of
     per-position data (targets (T, d) / weights per position); their features use the training
-    normalisation (feats.normalize). Streamed in chunks; memory O(chunk + psi^2).
+    normalisation (feats.normalize). Streamed in chunks; memory O(chunk + psi^2). `domain`: the
+    certificate domain whose null space is used (`null_space`); every domain gives the same verdict
+    in exact arithmetic (a probe outside the domain is undetermined along the directions it leaves).
     """
     info = inspect_tokens(probes)
     if info.d != feats.d:
         raise InputError(f"the probes have d = {info.d} but the training data have d = {feats.d}", probes)
-    ns = null_space(feats)
+    ns = null_space(feats, domain)
     size = chunk_size or default_chunk_size(info)
     res, seqs, poss = [], [], []
     for a, b, tokens, offsets, _y, weights in iter_chunks(info, (0, info.n_samples), size, with_weights=True):

@@ -1,10 +1,10 @@
 """Choosing the ridge penalty by K-fold cross-validation on per-fold statistics (`mhla fit --ridge auto`).
 
 Fold k's training statistics are the total minus fold k (Features.__sub__), in their own canonical
-coordinates (solve.fit's: the whitening of the training tokens, Lambda~ = gram_b / sum w). One
+coordinates (lstsq.fit's: the whitening of the training tokens, Lambda~ = gram_b / sum w). One
 eigendecomposition Lambda~ = V diag(lambda) V^T per fold gives the ridge solution of every penalty r,
 p_b(r)^T = V diag(1 / (lambda + r)) V^T m~, with eigenvalues at or below the certificate's numerical
-tolerance taken as exact zeros (so r = 0 is the minimum-norm least-squares fit, solve.fit's). Each
+tolerance taken as exact zeros (so r = 0 is the minimum-norm least-squares fit, lstsq.fit's). Each
 held-out error comes from the held-out fold's statistics in the same coordinates, never from features:
 SSE = tr(p_b G_val p_b^T) - 2 tr(p_b M_val) + tr(T_val).
 
@@ -20,8 +20,9 @@ from typing import Any
 
 import numpy as np
 
-from . import solve
+from .domains import FULL
 from ..errors import InputError
+from ..numerics import numerical_tolerance
 from ..statistics.features import Features
 
 # The grid: r = 0 and N_GRID penalties from GRID_LO to GRID_HI times lambda_max, log-spaced
@@ -48,11 +49,11 @@ def fold_path(train: Features, val: Features, grid: np.ndarray) -> np.ndarray:
     """
     A, _, _ = train.solver_stats()
     N, psi = train.weight, train.n_features  # sum w: Lambda~ and m~ carry no units of the weights
-    fac = solve.factorize(train, "full")
+    fac = FULL.factorize(train)
     st = fac.structure
     rhs = st.restrict(train.basis_moments / N)
     w, V = fac.eigh()  # of Lambda~ on the block of the data's spans (every other direction an exact null)
-    tol = solve.numerical_tolerance(fac.lambda_max(), psi)
+    tol = numerical_tolerance(fac.lambda_max(), psi)
     keep = w > tol
     w, V = w[keep], V[:, keep]
     c = V.T @ rhs  # the moments in the eigenvectors' coordinates
@@ -76,7 +77,7 @@ def cv_ridge(total: Features, folds: list[Features], n_grid: int = N_GRID) -> di
         raise InputError("cross-validation needs at least 2 folds")
     if not total.has_targets or any(not f.has_targets for f in folds):
         raise InputError("cross-validation needs targets in every fold")
-    lmax = solve.factorize(total, "full").lambda_max()
+    lmax = FULL.factorize(total).lambda_max()
     grid = ridge_grid(lmax, n_grid)
     errs = np.empty((grid.size, len(folds)))
     for k, fold in enumerate(folds):

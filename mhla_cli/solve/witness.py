@@ -13,11 +13,11 @@ v^T H(X) != 0 the predictions differ by c |v^T H(X)|.
 
 c is the largest value <= ||p_A||_F (a change as large as the function) whose Delta MSE stays at
 float64 rounding level (<= ROUNDING x `loss_resolution`, the resolution of the training MSEs from
-the statistics, solve.train_mse, plus the rounding of v^T gram v and of the cross term). The pair is
+the statistics, lstsq.train_mse, plus the rounding of v^T gram v and of the cross term). The pair is
 called **indistinguishable** when that c is >= MIN_FUNCTION_CHANGE ||p_A||_F; otherwise the data
 determine the function only **weakly** (e.g. full rank but below --min-eig) and B is written at
 c = ||p_A||_F, with the loss it costs. Before anything is returned the numbers are recomputed (the
-losses with solve.train_mse and, for a tokens file, on the data; the p distance; the predictions on
+losses with lstsq.train_mse and, for a tokens file, on the data; the p distance; the predictions on
 the probe input from the features): a witness that disagrees with itself raises WitnessError and
 is never written.
 
@@ -51,10 +51,12 @@ from ..feature_map import cubic_features, features_from_moments
 from ..model.heads import W_from_p, p_from_W
 from ..model.model import Model
 from ..model.forward import predict_chunk
-from .solve import EPS, Certificate, certify, domain_map, fit, observed_bases, train_mse
+from .certificate import Certificate, certify
+from .domains import Domain, get_domain
+from .lstsq import fit, train_mse
 from ..statistics.stream import Features, default_chunk_size, sequence_moments
 from ..io.tokens import inspect_tokens, iter_chunks, require_square
-from ..numerics import W_COEF_TOL
+from ..numerics import EPS, W_COEF_TOL
 
 ROUNDING = 4.0  # "at rounding level": within this many times the float64 resolution
 MIN_FUNCTION_CHANGE = 1e-3  # smallest relative p distance worth calling a different function
@@ -149,12 +151,7 @@ def _null_direction(feats: Features, cert: Certificate) -> np.ndarray:
     feats.expand()  # every feature (a block on the data's spans is expanded)
     null = np.asarray(cert.null_vectors, dtype=np.float64)
     psi = feats.n_features
-    if cert.domain == "observed" and null.shape[0] != psi:
-        # v' null for Lambda' = T Lambda_D T^T  =>  T^T v' is null for Lambda_D (PSD), and it changes
-        # the function on inputs of the observed domain (tokens in U, last token in U_n). (T is square
-        # only when U = U_n = R^d, and then it is the identity.)
-        T, _, _ = domain_map(feats, "observed")
-        null = T.T @ null
+    null = get_domain(cert.domain).to_features(feats, null)  # in the tokens' own feature coordinates
     if null.shape[0] != psi:
         raise WitnessError(f"null vectors of shape {null.shape} do not match psi = {psi}")
     Q, _ = np.linalg.qr(null)
@@ -164,22 +161,22 @@ def _null_direction(feats: Features, cert: Certificate) -> np.ndarray:
     return v / np.linalg.norm(v)
 
 
-def _probe(feats: Features, v: np.ndarray, observed: bool, n: int, seed: int) -> tuple[np.ndarray, str]:
-    """The best of N_PROBES Gaussian sequences for |v^T H(X)| / ||X||^3, and a description of it."""
+def _probe(feats: Features, v: np.ndarray, dom: Domain, n: int, seed: int) -> tuple[np.ndarray, str]:
+    """The best of N_PROBES Gaussian sequences of the domain's inputs for |v^T H(X)| / ||X||^3, and a
+    description of it."""
     d = feats.d
     rng = np.random.default_rng(seed)
-    basis = observed_bases(feats) if observed else None
+    basis = dom.inputs(feats)
     best, best_val = None, -1.0
     for _ in range(N_PROBES):
         X = rng.standard_normal((n, d))
-        if basis is not None:  # an input of the observed domain
+        if basis is not None:  # an input of the domain: tokens in span B, the last token in span C
             B, C = basis
             X = np.vstack([rng.standard_normal((n - 1, B.shape[1])) @ B.T, C @ rng.standard_normal(C.shape[1])])
         val = abs(float(v @ cubic_features(X))) / max(float(np.linalg.norm(X)), 1e-300) ** 3
         if val > best_val:
             best, best_val = X, val
-    where = ("tokens standard Gaussian in the span U of the data's tokens, last token in the span U_n of "
-             "their last tokens" if observed else "standard Gaussian tokens")
+    where = dom.probe_description()
     desc = (f"the one of {N_PROBES} random sequences of length {n} ({where}; numpy default_rng({seed})) with "
             f"the largest |v^T H(X)| / ||X||^3, stored as witness_tokens")
     return best, desc
@@ -268,35 +265,55 @@ def _data_check(data: str | os.PathLike, pa: np.ndarray, pb: np.ndarray, chunk_s
     return {"sse_a": sse_a, "dsse": dsse, "bound": bound, "max_diff": best, "max_round": best_round}
 
 
+class WitnessRefused(InputError):
+    """Data the witness does not support (its preconditions); `rule` names the one broken:
+    "per_position" (per-position data), "targets" (no targets) or "normalized" (--normalize / causal data)."""
+
+    def __init__(self, rule: str, message: str, path: str | os.PathLike | None = None) -> None:
+        self.rule = rule
+        super().__init__(message, None if path is None else str(path))
+
+
+def check_witness_input(data: str | os.PathLike) -> None:
+    """Refuse, before any work, a tokens file the witness does not support (WitnessRefused); other files pass."""
+    if formats.kind_of(data) != "tokens":
+        return
+    info = inspect_tokens(data)
+    if info.per_position:
+        raise WitnessRefused("per_position", "a witness supports last-token data only (this file has "
+                             "per-position data)", data)
+    if not info.has_targets:
+        raise WitnessRefused("targets", "a witness needs targets: the two models are compared by their "
+                             "training loss", data)
+
+
+def check_witness_features(feats: Features, path: str | os.PathLike | None = None) -> None:
+    """Refuse statistics the witness does not support: per-position or normalised ones (WitnessRefused)."""
+    if feats.per_position or feats.normalize != "none":
+        raise WitnessRefused("normalized", "a witness supports unweighted last-token data without normalize "
+                             "only", path)
+
+
 def make_witness(feats: Features, data: str | os.PathLike | None = None, cert: Certificate | None = None,
-                 seq_len: int | None = None, seed: int = 0, chunk_size: int | None = None) -> Witness:
+                 seq_len: int | None = None, seed: int = 0, chunk_size: int | None = None,
+                 device: str | None = None, domain: str | Domain = "full") -> Witness:
     """Build and verify a witness for data that do not certify; raise InputError if they do.
 
-    With an observed-domain certificate the two models differ on inputs of the observed domain.
-    `info["kind"]` is "indistinguishable" (training-loss gap at float64 rounding level, functions
-    >= MIN_FUNCTION_CHANGE apart) or "weakly_determined" (a change of the function costs a measurable
-    training loss; `message` gives the numbers). The loss terms are summed on the data when `data` is
-    a tokens file, otherwise taken from the statistics. Raises WitnessError when the witness fails
-    its own verification.
+    `cert`: the certificate to build on (None: certify on `domain`, a name or a
+    mhla_cli.solve.domains.Domain); with a certificate of a restricted domain (e.g. observed) the two
+    models differ on inputs of that domain. `info["kind"]` is "indistinguishable" (training-loss gap
+    at float64 rounding level, functions >= MIN_FUNCTION_CHANGE apart) or "weakly_determined" (a
+    change of the function costs a measurable training loss; `message` gives the numbers). The loss
+    terms are summed on the data when `data` is a tokens file, otherwise taken from the statistics.
+    `device`: where a factorization still to compute runs (None: the certificate's). `feats` is not
+    changed (statistics on the data's spans are expanded in a copy). Raises WitnessRefused for data
+    the witness does not support and WitnessError when it fails its own verification.
     """
-    if feats.reduced and cert is not None:  # every feature is needed: the same certificate, of the expanded sums
-        feats.expand()
-        cert = certify(feats, min_eig=cert.min_eig, domain=cert.domain)
-    feats.expand()  # every feature (a block on the data's spans is expanded)
-    if not feats.has_targets:
-        raise InputError("a witness needs targets: the two models are compared by their training loss")
-    cert = certify(feats) if cert is None else cert
-    if cert.identifiable:
-        raise InputError("the data certify (identifiable): no two different functions fit them equally; "
-                         "there is no witness")
-    if cert.null_vectors is None or cert.null_vectors.shape[1] == 0:
-        raise InputError(f"no null direction of gram on the {cert.domain} domain to build a witness from")
-    if not all(np.isfinite(x).all() for x in (feats.gram, feats.moments, feats.target_gram)):
-        raise InputError("the statistics are not finite (values too large for float64): no witness")
-    d, N = feats.d, feats.n_samples
-    W = feats.weight if feats.weight > 0 else 1.0  # sum w: the MSE's normaliser (solve.train_mse)
+    device = cert.device if device is None and cert is not None else device
+    feats, cert = _prepare(feats, data, cert, device, domain)
+    d, W = feats.d, (feats.weight if feats.weight > 0 else 1.0)  # sum w: the MSE's normaliser (lstsq.train_mse)
     Nd = W * d
-    model_a = fit(feats)
+    model_a = fit(feats, device=device)
     pa = model_a.coef
     v = _null_direction(feats, cert)
     u = np.zeros(d)
@@ -307,87 +324,140 @@ def make_witness(feats: Features, data: str | os.PathLike | None = None, cert: C
     st = _stats_terms(feats, pa, v, u)
     tokens_file = data is not None and formats.kind_of(data) == "tokens"
     terms = _data_terms(data, pa, v, u, chunk_size) if tokens_file else st
-    source = "data" if tokens_file else "statistics"
+    gap = _Gap(terms, res_a, Nd)
+    c_round = gap.largest_at_rounding(ref)
+    indistinguishable = c_round >= MIN_FUNCTION_CHANGE * ref
+    c = c_round if indistinguishable else ref
     sign = -1.0 if terms["b"] < 0 else 1.0  # B's loss is no lower than A's
+    pb = pa + sign * c * np.outer(u, v)
+    mse_b, res_b = train_mse(feats, pb)
+    claimed, res = gap.increase(c), gap.rounding(c) + res_b
+    problems: list[str] = []
+    dist = _stats_check(pa, pb, c, claimed, res, (mse_a, res_a, mse_b, res_b), st, Nd, problems)
+    X, probe = _probe(feats, v, get_domain(cert.domain), seq_len or max(2, d + 1), seed)
+    pred = _probe_check(pa, pb, X, c * abs(float(v @ cubic_features(X))), problems)
+    extra = _data_recheck(data, pa, pb, chunk_size, c, claimed, res, terms, Nd, problems) if tokens_file else {}
+    y2 = float(np.trace(feats.target_gram)) / Nd
+    loss_scale = y2 if y2 > 0 else max(mse_b, res)
+    info: dict[str, Any] = {
+        "scale": c, "loss_a": mse_a, "loss_b": mse_b, "loss_increase": claimed, "loss_resolution": res,
+        "loss_scale": loss_scale, "relative_loss_increase": claimed / loss_scale, "function_distance": dist,
+        "relative_function_distance": dist / ref, "largest_indistinguishable_change": c_round / ref,
+        "probe": probe, **pred, "null_eigenvalue": terms["g"] / W,
+        "loss_source": "data" if tokens_file else "statistics", "n_samples": feats.n_samples, **extra,
+        "null_direction": v, "output_direction": u,
+    }
+    numbers = [x for x in info.values() if isinstance(x, float)]
+    if not (np.isfinite(numbers).all() and np.isfinite(pb).all() and np.isfinite(info["pred_b"]).all()):
+        problems.append("a witness number is not finite")
+    if problems:
+        raise WitnessError("the witness failed its own verification and is not written: " + "; ".join(problems))
+    _describe(info, indistinguishable, tokens_file)
+    return Witness(model_a, Model(coef=pb, W=W_from_p(pb), d=d, info={"method": "witness"}), X, info)
 
-    def increase(c: float, t: dict[str, float] = terms) -> float:  # MSE_B - MSE_A (exact in exact arithmetic)
-        return (max(t["g"], 0.0) * c * c + 2 * abs(t["b"]) * c) / Nd
 
-    def rounding(c: float, t: dict[str, float] = terms) -> float:  # resolution of MSE_A and of the increase
-        return res_a + (t["g_round"] * c * c + 2 * t["b_round"] * c) / Nd
+def _prepare(feats: Features, data: str | os.PathLike | None, cert: Certificate | None, device: str | None,
+             domain: str | Domain) -> tuple[Features, Certificate]:
+    """The witness's preconditions; (statistics with every feature, their certificate)."""
+    check_witness_features(feats)
+    if data is not None:
+        check_witness_input(data)
+    if feats.reduced:
+        # every feature is needed: the sums on the data's spans expanded in a copy (the caller's stay
+        # as they are), and the same certificate of the expanded sums
+        feats = feats.copy().expand()
+        if cert is not None:
+            cert = certify(feats, min_eig=cert.min_eig, domain=cert.domain, device=device)
+    feats.expand()
+    if not feats.has_targets:
+        raise WitnessRefused("targets", "a witness needs targets: the two models are compared by their training loss")
+    cert = certify(feats, domain=domain, device=device) if cert is None else cert
+    if cert.identifiable:
+        raise InputError("the data certify (identifiable): no two different functions fit them equally; "
+                         "there is no witness")
+    if cert.null_vectors is None or cert.null_vectors.shape[1] == 0:
+        raise InputError(f"no null direction of gram on the {cert.domain} domain to build a witness from")
+    if not all(np.isfinite(x).all() for x in (feats.gram, feats.moments, feats.target_gram)):
+        raise InputError("the statistics are not finite (values too large for float64): no witness")
+    return feats, cert
 
-    # The largest c <= ref at rounding level. f(c) = increase - ROUNDING * rounding is a quadratic with
-    # f(0) < 0, so when f(ref) > 0 it has exactly one root in (0, ref): bisection.
-    if increase(ref) <= ROUNDING * rounding(ref):
-        c_round = ref
-    else:
+
+class _Gap:
+    """MSE_B - MSE_A at scale c (exact in exact arithmetic) and its float64 resolution, from the loss terms."""
+
+    def __init__(self, terms: dict[str, float], res_a: float, Nd: float) -> None:
+        self.t, self.res_a, self.Nd = terms, res_a, Nd
+
+    def increase(self, c: float) -> float:
+        return (max(self.t["g"], 0.0) * c * c + 2 * abs(self.t["b"]) * c) / self.Nd
+
+    def rounding(self, c: float) -> float:  # resolution of MSE_A and of the increase
+        return self.res_a + (self.t["g_round"] * c * c + 2 * self.t["b_round"] * c) / self.Nd
+
+    def largest_at_rounding(self, ref: float) -> float:
+        """The largest c <= ref at rounding level. f(c) = increase - ROUNDING * rounding is a quadratic
+        with f(0) < 0, so when f(ref) > 0 it has exactly one root in (0, ref): bisection."""
+        if self.increase(ref) <= ROUNDING * self.rounding(ref):
+            return ref
         lo, hi = 0.0, ref
         while hi - lo > 1e-6 * hi:
             mid = 0.5 * (lo + hi)
-            lo, hi = (mid, hi) if increase(mid) <= ROUNDING * rounding(mid) else (lo, mid)
-        c_round = lo
-    indistinguishable = c_round >= MIN_FUNCTION_CHANGE * ref
-    c = c_round if indistinguishable else ref
-    pb = pa + sign * c * np.outer(u, v)
-    model_b = Model(coef=pb, W=W_from_p(pb), d=d, info={"method": "witness"})
-    claimed = increase(c)
-    mse_b, res_b = train_mse(feats, pb)
-    res = rounding(c) + res_b
+            lo, hi = (mid, hi) if self.increase(mid) <= ROUNDING * self.rounding(mid) else (lo, mid)
+        return lo
 
-    # --- recompute what the witness claims, by other routes ---
-    problems = []
-    # (i) the statistics (solve.train_mse), to their own resolution
+
+def _stats_check(pa: np.ndarray, pb: np.ndarray, c: float, claimed: float, res: float,
+                 mses: tuple[float, float, float, float], st: dict[str, float], Nd: float, problems: list[str]
+                 ) -> float:
+    """(i) the loss increase from the statistics (lstsq.train_mse), to their own resolution, and (ii) the
+    distance between the two functions (returned)."""
+    mse_a, res_a, mse_b, res_b = mses
     res_stats = res_a + res_b + (st["g_round"] * c * c + 2 * st["b_round"] * c) / Nd
     if abs((mse_b - mse_a) - claimed) > ROUNDING * (res_stats + res):
         problems.append(f"training MSE increase {mse_b - mse_a:.3g} from the statistics, claimed {claimed:.3g} "
                         f"(resolution {res_stats:.3g})")
-    # (ii) the distance between the two functions
     dist = float(np.linalg.norm(pb - pa))
     if abs(dist - c) > 1e-12 * c:
         problems.append(f"||p_B - p_A|| = {dist:.17g}, claimed {c:.17g}")
-    # (iii) the predictions on the probe input, against c |v^T H(X)| from the features
-    n = seq_len or max(2, d + 1)
-    X, probe = _probe(feats, v, cert.domain == "observed", n, seed)
-    off = np.array([0, n])
+    return dist
+
+
+def _probe_check(pa: np.ndarray, pb: np.ndarray, X: np.ndarray, expect: float, problems: list[str]
+                 ) -> dict[str, Any]:
+    """(iii) the predictions on the probe input, against c |v^T H(X)| (`expect`) from the features."""
+    off = np.array([0, X.shape[0]])
     ya = predict_chunk(pa, X, off)[0][0]
     yb = predict_chunk(pb, X, off)[0][0]
     pdiff = float(np.linalg.norm(ya - yb))
-    expect = c * abs(float(v @ cubic_features(X)))
     if abs(pdiff - expect) > 1e-8 * (float(np.linalg.norm(ya)) + float(np.linalg.norm(yb)) + expect):
         problems.append(f"prediction difference on the probe {pdiff:.6g}, expected c |v^T H(X)| = {expect:.6g}")
-    extra: dict[str, Any] = {}
+    return {"prediction_difference": pdiff,
+            "relative_prediction_difference": pdiff / max(float(np.linalg.norm(ya)), 1e-300),
+            "pred_a": ya, "pred_b": yb}
+
+
+def _data_recheck(data: str | os.PathLike, pa: np.ndarray, pb: np.ndarray, chunk_size: int | None, c: float,
+                  claimed: float, res: float, terms: dict[str, float], Nd: float, problems: list[str]
+                  ) -> dict[str, Any]:
+    """(iv) on the data, with the two models' own predictions."""
+    chk = _data_check(data, pa, pb, chunk_size)
+    if abs(chk["dsse"] / Nd - claimed) > ROUNDING * (res + chk["bound"] / Nd):
+        problems.append(f"training MSE increase recomputed on the data {chk['dsse'] / Nd:.3g}, claimed "
+                        f"{claimed:.3g} (resolution {res:.3g} + {chk['bound'] / Nd:.3g})")
+    if abs(chk["max_diff"] - c * terms["max_t"]) > 1e-8 * chk["max_diff"] + ROUNDING * chk["max_round"]:
+        problems.append(f"largest prediction difference on the data {chk['max_diff']:.6g}, expected "
+                        f"{c * terms['max_t']:.6g}")
+    return {"loss_increase_data": chk["dsse"] / Nd, "max_train_prediction_difference": chk["max_diff"],
+            "max_train_prediction_sample": int(terms["max_sample"])}
+
+
+def _describe(info: dict[str, Any], indistinguishable: bool, tokens_file: bool) -> None:
+    """info's kind, message and verified (in place)."""
+    where = f"on the probe input by {info['prediction_difference']:.4g} ({info['relative_prediction_difference']:.3g} relative)"
     if tokens_file:
-        # (iv) on the data, with the two models' own predictions
-        chk = _data_check(data, pa, pb, chunk_size)
-        extra = {"loss_increase_data": chk["dsse"] / Nd, "max_train_prediction_difference": chk["max_diff"],
-                 "max_train_prediction_sample": int(terms["max_sample"])}
-        if abs(chk["dsse"] / Nd - claimed) > ROUNDING * (res + chk["bound"] / Nd):
-            problems.append(f"training MSE increase recomputed on the data {chk['dsse'] / Nd:.3g}, claimed "
-                            f"{claimed:.3g} (resolution {res:.3g} + {chk['bound'] / Nd:.3g})")
-        if abs(chk["max_diff"] - c * terms["max_t"]) > 1e-8 * chk["max_diff"] + ROUNDING * chk["max_round"]:
-            problems.append(f"largest prediction difference on the data {chk['max_diff']:.6g}, expected "
-                            f"{c * terms['max_t']:.6g}")
-    y2 = float(np.trace(feats.target_gram)) / Nd
-    loss_scale = y2 if y2 > 0 else max(mse_b, res)
-    rel_fn = dist / ref
-    info: dict[str, Any] = {
-        "scale": c, "loss_a": mse_a, "loss_b": mse_b, "loss_increase": claimed, "loss_resolution": res,
-        "loss_scale": loss_scale, "relative_loss_increase": claimed / loss_scale, "function_distance": dist,
-        "relative_function_distance": rel_fn, "largest_indistinguishable_change": c_round / ref, "probe": probe,
-        "prediction_difference": pdiff,
-        "relative_prediction_difference": pdiff / max(float(np.linalg.norm(ya)), 1e-300),
-        "null_eigenvalue": terms["g"] / W, "loss_source": source, "n_samples": N, **extra,
-        "null_direction": v, "output_direction": u, "pred_a": ya, "pred_b": yb,
-    }
-    numbers = [x for x in info.values() if isinstance(x, float)]
-    if not (np.isfinite(numbers).all() and np.isfinite(pb).all() and np.isfinite(yb).all()):
-        problems.append("a witness number is not finite")
-    if problems:
-        raise WitnessError("the witness failed its own verification and is not written: " + "; ".join(problems))
-    where = f"on the probe input by {pdiff:.4g} ({info['relative_prediction_difference']:.3g} relative)"
-    if tokens_file:
-        where += (f", on training sample {extra['max_train_prediction_sample']} by "
-                  f"{extra['max_train_prediction_difference']:.3g}")
+        where += (f", on training sample {info['max_train_prediction_sample']} by "
+                  f"{info['max_train_prediction_difference']:.3g}")
+    rel_fn, claimed, res = info["relative_function_distance"], info["loss_increase"], info["loss_resolution"]
     if indistinguishable:
         info["kind"] = "indistinguishable"
         info["message"] = (f"the data cannot tell apart two functions whose p differ by {rel_fn:.3g} x ||p_A|| "
@@ -396,9 +466,9 @@ def make_witness(feats: Features, data: str | os.PathLike | None = None, cert: C
     else:
         info["kind"] = "weakly_determined"
         info["message"] = (f"the data determine the function only weakly: changing p by {rel_fn:.3g} x ||p_A|| "
-                           f"(relative p distance) costs {claimed:.3g} in training MSE ({claimed / loss_scale:.3g} "
-                           f"of the mean y^2; resolution {res:.3g}); at rounding level p moves only "
-                           f"{c_round / ref:.3g} x ||p_A||, below the {MIN_FUNCTION_CHANGE:g} needed to call two "
-                           f"functions different; the predictions differ {where}")
+                           f"(relative p distance) costs {claimed:.3g} in training MSE "
+                           f"({info['relative_loss_increase']:.3g} of the mean y^2; resolution {res:.3g}); at "
+                           f"rounding level p moves only {info['largest_indistinguishable_change']:.3g} x ||p_A||, "
+                           f"below the {MIN_FUNCTION_CHANGE:g} needed to call two functions different; the "
+                           f"predictions differ {where}")
     info["verified"] = True
-    return Witness(model_a, model_b, X, info)

@@ -18,7 +18,7 @@ from ...errors import InputError
 from ...feature_map import n_features, pair_index
 from ...model.heads import Heads, W_from_p, heads_from_W, p_from_W
 from ...model.model import Model
-from ..solve import fit, train_mse
+from ..lstsq import fit, train_mse
 from ...statistics.stream import Features
 from ._gauss_newton import _damped_solve, _normal_parts, _structure
 from ._numerics import EPS, _serial_blas

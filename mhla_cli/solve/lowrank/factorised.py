@@ -8,7 +8,7 @@ import numpy as np
 
 from ...errors import InputError
 from ...model.heads import W_from_p, p_from_W
-from ..solve import fit
+from ..lstsq import fit
 from ...statistics.stream import Features
 from ._gauss_newton import _damped_solve, _normal_parts
 from ._numerics import EPS, _serial_blas

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from ...errors import InputError
-from ..solve import train_mse
+from ..lstsq import train_mse
 from ...statistics.stream import Features
 
 
