@@ -35,7 +35,7 @@ from mhla_cli.solve import lowrank
 from mhla_cli.model import synthetic
 from mhla_cli.feature_map import n_features
 from mhla_cli.model.forward import predict
-from mhla_cli.solve.solve import fit
+from mhla_cli.solve.lstsq import fit
 from mhla_cli.statistics.stream import chunk_features
 
 SEQ = 20

@@ -38,7 +38,7 @@ from _common import add_doc_image_flag, doc_images, Timer, env_note, features_of
 from mhla_cli.model import synthetic
 from mhla_cli import certify, fit, predict
 from mhla_cli.statistics.basis import pair_map
-from mhla_cli.solve.solve import domain_map, observed_bases
+from mhla_cli.solve.domains import domain_map, observed_bases
 from mhla_cli.statistics.stream import Features
 
 KEYS = 4
@@ -70,7 +70,7 @@ def observed_feature_basis(B: np.ndarray, C: np.ndarray) -> np.ndarray:
 def observed_projector(feats: Features) -> np.ndarray:
     """Orthogonal projector (psi, psi) onto the features that inputs of the observed domain excite.
 
-    The observed domain is that of `certify --domain observed` (mhla_cli.solve.solve.observed_bases): tokens
+    The observed domain is that of `certify --domain observed` (mhla_cli.solve.domains.observed_bases): tokens
     in U = span of all tokens, last tokens in U_n = span of all last tokens. Two functions agree on
     every such input iff (p1 - p2) @ P = 0; the observed distance is ||(p1 - p2) @ P||_F. (Not the row
     space of the map T to the reduced features: the two differ when U is a proper subspace of R^d.)

@@ -19,7 +19,7 @@ from mhla_cli.model import synthetic
 from mhla_cli.cli import run
 from mhla_cli.feature_map import n_features
 from mhla_cli.model.heads import export_heads
-from mhla_cli.solve.solve import fit
+from mhla_cli.solve.lstsq import fit
 from mhla_cli.statistics.stream import featurize
 
 PREVIOUS = b"previous output, must survive\n" * 10

@@ -18,7 +18,7 @@ import pytest
 from mhla_cli.linalg import device as device_mod
 from mhla_cli.linalg import factorization
 from mhla_cli.model import forward
-from mhla_cli.solve import solve
+from mhla_cli.solve import certificate, lstsq
 from mhla_cli.statistics import accumulate, stream
 from mhla_cli.cli import run as main
 from mhla_cli.errors import InputError
@@ -83,13 +83,13 @@ def test_featurize_certify_fit_equal_numpy(kind: str, tmp_path: Path) -> None:
     assert a.n_samples == b.n_samples and a.n_tokens == b.n_tokens
     for k in ("gram", "moments", "target_gram", "basis_gram", "basis_moments", "token_gram"):
         assert relerr(getattr(b, k), getattr(a, k)) < 1e-12, k
-    ca, cb = solve.certify(a), solve.certify(b, device=DEV)
+    ca, cb = certificate.certify(a), certificate.certify(b, device=DEV)
     assert ca.identifiable == cb.identifiable and ca.rank == cb.rank
     assert abs(ca.lambda_min - cb.lambda_min) <= 1e-12 * ca.lambda_max
     assert abs(ca.lambda_max - cb.lambda_max) <= 1e-12 * ca.lambda_max
-    ma, mb = solve.fit(a), solve.fit(b, device=DEV)
+    ma, mb = lstsq.fit(a), lstsq.fit(b, device=DEV)
     assert relerr(mb.coef, ma.coef) < 1e-10  # p: a solve with Lambda~'s condition (~1e2 here)
-    assert relerr(solve.fit(b, ridge=0.1, device=DEV).coef, solve.fit(a, ridge=0.1).coef) < 1e-12
+    assert relerr(lstsq.fit(b, ridge=0.1, device=DEV).coef, lstsq.fit(a, ridge=0.1).coef) < 1e-12
 
 
 @pytest.mark.parametrize("dense_max", [4096, 0], ids=["dense", "cholesky-lanczos"])
@@ -103,11 +103,11 @@ def test_factorization_paths_equal_numpy(dense_max: int, tmp_path: Path, monkeyp
     for n in (400, 20):  # identifiable; then N = 20 < psi = 40: singular
         a = stream.reduce_span(info, (0, n))
         b = stream.reduce_span(info, (0, n), device=DEV)
-        ca, cb = solve.certify(a), solve.certify(b, device=DEV)
+        ca, cb = certificate.certify(a), certificate.certify(b, device=DEV)
         assert ca.identifiable == cb.identifiable == (n == 400)
         assert ca.rank == cb.rank
         assert abs(ca.lambda_min - cb.lambda_min) <= 1e-12 * ca.lambda_max
-        ma, mb = solve.fit(a), solve.fit(b, device=DEV)
+        ma, mb = lstsq.fit(a), lstsq.fit(b, device=DEV)
         assert relerr(mb.coef, ma.coef) < 1e-10
 
 
@@ -123,7 +123,7 @@ def test_spans_block_on_device(tmp_path: Path) -> None:
     b = stream.featurize(path, spans="on", device=DEV)
     assert a.reduced and b.reduced
     assert relerr(b.basis_gram, a.basis_gram) < 1e-12
-    ca, cb = solve.certify(a), solve.certify(b, device=DEV)
+    ca, cb = certificate.certify(a), certificate.certify(b, device=DEV)
     assert ca.identifiable == cb.identifiable and ca.rank == cb.rank and ca.span_features == cb.span_features
     assert abs(ca.lambda_min - cb.lambda_min) <= 1e-12 * ca.lambda_max
 
@@ -134,7 +134,7 @@ def test_workers_and_predict_on_device(tmp_path: Path) -> None:
     a = stream.featurize(path)
     b = stream.featurize(path, workers=2, device=DEV)
     assert relerr(b.basis_gram, a.basis_gram) < 1e-12
-    model = solve.fit(a)
+    model = lstsq.fit(a)
     pa = forward.predict_file(model, path)
     pb = forward.predict_file(model, path, device=DEV, workers=2)
     assert relerr(pb.predictions, pa.predictions) < 1e-12
@@ -276,7 +276,7 @@ def test_device_equals_numpy_over_a_family() -> None:
         for k in ("basis_gram", "basis_moments", "target_gram", "basis_token_gram"):
             x, y = getattr(a, k), getattr(b, k)
             assert np.abs(x - y).max() <= 1e-12 * max(np.abs(x).max(), 1e-300), k
-        ca, cb = solve.certify(a.canonical()), solve.certify(b.canonical(), device=DEV)
+        ca, cb = certificate.certify(a.canonical()), certificate.certify(b.canonical(), device=DEV)
         assert ca.identifiable == cb.identifiable and ca.rank == cb.rank
         assert abs(ca.lambda_min - cb.lambda_min) <= 1e-10 * max(ca.lambda_max, 1e-300)
 
@@ -318,14 +318,14 @@ def test_device_certificates_equal_the_materialised_reference(kind: str, tmp_pat
     pp, w = kind == "per_position", extra.get("weights")
     ref = _reference.canonical(X, off, extra["targets"], per_position=pp, weights=w, normalize=normalize,
                                A=feats.basis)
-    full = solve.certify(feats, device=DEV)
+    full = certificate.certify(feats, device=DEV)
     wr = ref["eigenvalues"]
     tol = wr.size * np.finfo(np.float64).eps * wr[-1]
     # Lambda~ = sum w Ht Ht^T / sum w in both (weights without units): the same scale
     scale = full.lambda_max / wr[-1]
     assert abs(scale - 1) <= 1e-10
     assert not full.identifiable and full.rank == int((wr > tol).sum())
-    obs = solve.certify(feats, domain="observed", device=DEV)
+    obs = certificate.certify(feats, domain="observed", device=DEV)
     wo, r, s = _reference.observed_eigenvalues(X, off, feats.basis, per_position=pp, weights=w,
                                                normalize=normalize)
     assert (obs.dim_tokens, obs.dim_last_tokens, obs.n_features) == (r, s, wo.size) == (3, 2, 12)
@@ -333,7 +333,7 @@ def test_device_certificates_equal_the_materialised_reference(kind: str, tmp_pat
     assert abs(obs.lambda_min / obs.lambda_max - wo[0] / wo[-1]) <= 1e-9 * wo[0] / wo[-1]
     assert abs(obs.lambda_max / scale - wo[-1]) <= 1e-10 * wo[-1]
     # the fit on the device: the training predictions of the minimum-norm p against the reference's
-    m = solve.fit(feats, device=DEV)
+    m = lstsq.fit(feats, device=DEV)
     seqs = [s_ for s_, _, _ in _reference.samples(X, off, pp, w)]
     keep = np.array([wi > 0 for _, wi, _ in _reference.samples(X, off, pp, w)])
     got = _reference.predict_own(m.coef, [q for q, k in zip(seqs, keep) if k], normalize)
@@ -357,13 +357,13 @@ def test_device_verdict_is_proven_by_a_shifted_cholesky(dense_max: int, tmp_path
     w = _reference.canonical(X, off, y)["eigenvalues"]
     for factor in (0.5, 2.0):
         feats = stream.featurize(path, device=DEV)
-        c = solve.certify(feats, min_eig=factor * w[0], device=DEV)
+        c = certificate.certify(feats, min_eig=factor * w[0], device=DEV)
         assert c.identifiable is (factor < 1) and abs(c.lambda_min - w[0]) <= 1e-9 * w[0]
         assert c.proof == ("cholesky of Lambda~ - t I" if factor < 1 else "cholesky of Lambda~ - t I failed")
     # singular (N = 20 < psi = 40) with a ridge of 1e-30: the minimum-norm fit, not rounding / 1e-30
     n = 20
     feats = stream.reduce_span(stream.inspect_tokens(path), (0, n), device=DEV)
-    m = solve.fit(feats, ridge=1e-30, device=DEV)
+    m = lstsq.fit(feats, ridge=1e-30, device=DEV)
     ref = _reference.canonical(X[:off[n]], off[:n + 1], y[:n])
     seqs = [X[a:b] for a, b in zip(off[:n], off[1:n + 1])]
     want = _reference.predict_canonical(_reference.min_norm_function(ref), ref["A"], seqs)

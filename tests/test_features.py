@@ -61,3 +61,13 @@ def test_weight_totals_are_sums_that_add_subtract_and_round_trip(tmp_path: Path)
         assert float(fh.attrs["weight_sum"]) == a.weight and float(fh.attrs["token_weight_sum"]) == a.token_weight
     c = Features.load(path)
     assert c.weight == a.weight and c.token_weight == a.token_weight
+
+
+def test_the_record_has_its_algebra_and_its_file() -> None:
+    from mhla_cli import Features as public
+    from mhla_cli.statistics import algebra, features_file, stream
+
+    assert Features is public is stream.Features
+    assert issubclass(Features, algebra.FeaturesAlgebra) and issubclass(Features, features_file.FeaturesFile)
+    f = Features.zeros(2, True)
+    assert f.gram.shape == (f.n_features, f.n_features) and f._gram_raw is f.gram  # the field, held

@@ -13,7 +13,7 @@ from mhla_cli.io import formats
 from mhla_cli.model import synthetic
 from mhla_cli.errors import InputError
 from mhla_cli.statistics.folds import featurize_folds, load_folds, load_for_cv, save_with_folds
-from mhla_cli.solve.solve import fit
+from mhla_cli.solve.lstsq import fit
 from mhla_cli.statistics.stream import Features, featurize
 
 

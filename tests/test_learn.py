@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import mhla_cli
-from mhla_cli.solve import solve
+from mhla_cli.solve import certificate, lstsq
 from mhla_cli.model import synthetic
 from mhla_cli import featurize
 from mhla_cli.errors import InputError
@@ -31,10 +31,10 @@ def one_head(tmp_path_factory: pytest.TempPathFactory) -> tuple[Features, np.nda
 
 def test_fit_equals_solve_fit(one_head: tuple[Features, np.ndarray]) -> None:
     feats, p = one_head
-    a, b = mhla_cli.fit(feats), solve.fit(feats)
+    a, b = mhla_cli.fit(feats), lstsq.fit(feats)
     assert np.array_equal(a.coef, b.coef) and np.array_equal(a.W, b.W)
     assert rel(a.coef, p) <= 1e-8  # identifiable, realisable: the teacher's function
-    ar, br = mhla_cli.fit(feats, ridge=0.1), solve.fit(feats, ridge=0.1)
+    ar, br = mhla_cli.fit(feats, ridge=0.1), lstsq.fit(feats, ridge=0.1)
     assert np.array_equal(ar.coef, br.coef) and ar.info["ridge"] == 0.1
     assert rel(ar.coef, p) > 1e-6  # the ridge does change the answer
 

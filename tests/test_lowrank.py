@@ -15,7 +15,7 @@ from mhla_cli.feature_map import n_features
 from mhla_cli.statistics.folds import load_folds
 from mhla_cli.model.heads import Heads, p_from_W
 from mhla_cli.model.model import Model
-from mhla_cli.solve.solve import fit
+from mhla_cli.solve.lstsq import fit
 from mhla_cli.statistics.stream import Features, chunk_features
 
 

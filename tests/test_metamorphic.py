@@ -23,7 +23,8 @@ from mhla_cli.model import synthetic
 from mhla_cli import MHLA
 from mhla_cli.statistics.merge import merge_features
 from mhla_cli.solve.probes import certify_probes
-from mhla_cli.solve.solve import certify, fit
+from mhla_cli.solve.certificate import certify
+from mhla_cli.solve.lstsq import fit
 from mhla_cli.statistics.stream import chunk_features, featurize
 
 SETTINGS = settings(max_examples=30, deadline=None, derandomize=True,

@@ -125,7 +125,7 @@ def test_model_files_before_canonical_coef_are_read_and_broken_ones_refused(tmp_
     """A model file without canonical_coef / canonical_basis (written before them) is read and predicts with coef; a file
     with only one of them, or with coef_b in basis disagreeing with coef, is refused."""
     from mhla_cli.model import forward
-    from mhla_cli.solve.solve import fit
+    from mhla_cli.solve.lstsq import fit
     from mhla_cli.statistics.stream import chunk_features
 
     rng = np.random.default_rng(2)

@@ -16,7 +16,9 @@ import pytest
 
 from mhla_cli.model import synthetic
 from mhla_cli.cli import run
-from mhla_cli.solve.solve import EPS, Certificate, certify, fit, numerical_tolerance
+from mhla_cli.numerics import EPS, numerical_tolerance
+from mhla_cli.solve.certificate import Certificate, certify
+from mhla_cli.solve.lstsq import fit
 from mhla_cli.statistics.stream import featurize
 from mhla_cli.statistics.features import Features
 
@@ -268,11 +270,9 @@ def test_the_help_quotes_the_constants(capsys) -> None:
 def test_old_homes_of_the_constants_still_import() -> None:
     from mhla_cli.linalg import factorization
     from mhla_cli.solve import probes
-    from mhla_cli.solve import solve
     from mhla_cli.solve import spectrum
     from mhla_cli import numerics
 
-    assert solve.EPS == numerics.EPS and solve.numerical_tolerance is numerics.numerical_tolerance
     assert probes.DETERMINED_TOL == numerics.DETERMINED_TOL and factorization.LANCZOS_TOL == numerics.LANCZOS_TOL
     assert spectrum.NONZERO_REL == numerics.NONZERO_REL
     from mhla_cli.model import model

@@ -17,7 +17,7 @@ from mhla_cli.statistics import stream
 from mhla_cli.model import synthetic
 from mhla_cli.cli import run
 from mhla_cli.model.forward import predict_file
-from mhla_cli.solve.solve import fit
+from mhla_cli.solve.lstsq import fit
 from mhla_cli.statistics.stream import Features, featurize
 
 @pytest.fixture(scope="module")

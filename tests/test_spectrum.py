@@ -12,7 +12,7 @@ import pytest
 from mhla_cli.model import synthetic
 from mhla_cli.cli import run
 from mhla_cli.model.heads import Heads
-from mhla_cli.solve.solve import fit
+from mhla_cli.solve.lstsq import fit
 from mhla_cli.solve.lowrank import generic_rank
 from mhla_cli.solve.spectrum import RELIABLE_GAP, count_reliability, effective_rank, outlier_gap, spectrum
 from mhla_cli.statistics.stream import chunk_features

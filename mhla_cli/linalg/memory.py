@@ -9,7 +9,7 @@ pass ((psi + d)^2 with targets) and its chunk buffers, plus SLACK_BYTES for the 
   place, and the own-coordinate `gram` derived from it for the file (written without copies);
 - certify / fit of a features file: `basis_gram` (the stored own `gram` is validated tile by tile
   and read only when a consumer needs it) plus what the factorization of Lambda~ holds
-  (`SOLVE_COPIES`, measured on mhla_cli.solve.solve / factorization);
+  (`SOLVE_COPIES`, measured on mhla_cli.solve.domains / factorization);
 - certify / fit of a tokens file: the larger of the pass and the solve;
 - loading a features file (`check_load`): `basis_gram` (or the block on the data's spans) and, for a
   compact file, its distinct entries; `mhla merge`: two such sums and their own grams (`merge_bytes`).
@@ -31,7 +31,7 @@ from ..feature_map import n_features
 
 # Room for what the counts leave out: small work arrays and read buffers, allocator slack.
 SLACK_BYTES = 64 * 2**20
-# psi x psi matrices the solve holds besides basis_gram (mhla_cli.solve.solve.factorize / Factorization,
+# psi x psi matrices the solve holds besides basis_gram (mhla_cli.solve.domains.factorize / Factorization,
 # which holds Lambda~ as basis_gram and the scale 1 / N, no copy):
 # "cholesky": the Cholesky factor (an identifiable certificate, a fit);
 # "eigh": the eigensolver's copy and its eigenvectors, then the null space (N < psi: certainly

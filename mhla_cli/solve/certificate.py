@@ -17,7 +17,7 @@ from ..errors import InputError
 from ..linalg.factorization import Factorization
 from ..numerics import DEAD_WEIGHT_TOL, numerical_tolerance
 from ..statistics import basis as basis_mod
-from ..statistics.stats import Features
+from ..statistics.features import Features
 from .domains import Domain, get_domain
 
 

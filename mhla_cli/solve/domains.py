@@ -28,7 +28,7 @@ from ..numerics import EPS, ORTHOGONAL_TOL, observed_span_tol
 from ..statistics import basis as basis_mod
 from ..statistics import structure as structure_mod
 from ..statistics.basis import kron_congruence, orth_pair_map
-from ..statistics.stats import Features
+from ..statistics.features import Features
 from ..statistics.structure import find_structure
 
 # psi x psi float64 matrices a factorization holds on a device: the matrix, its Cholesky factor or

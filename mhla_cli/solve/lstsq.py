@@ -12,7 +12,7 @@ from ..model.heads import W_from_p
 from ..model.model import Model
 from ..numerics import mse_resolution, numerical_tolerance
 from ..statistics import basis as basis_mod
-from ..statistics.stats import Features
+from ..statistics.features import Features
 from .domains import FULL
 
 

@@ -1,9 +1,8 @@
 """Layer 3, statistics: the sufficient statistics of the data, streamed.
 
 basis (canonical coordinates: the whitening A), structure (the data's own symmetries that shrink psi), features
-(the Features record), algebra (its sums and change of basis), features_file (its file; stats re-exports the
-three), kernels (per-chunk moments), accumulate (the accumulator of one reduction), spans (chunk sizing, the
-reduction over sample spans, the span passes), shards (sample ranges of shards and workers), stream (featurize /
-load_features), parallel (worker pools), merge (shards -> one features file), folds (per-fold statistics for
-cross-validation).
+(the Features record), algebra (its sums and change of basis), features_file (its file), kernels (per-chunk
+moments), accumulate (the accumulator of one reduction), spans (chunk sizing, the reduction over sample spans,
+the span passes), shards (sample ranges of shards and workers), stream (featurize / load_features), parallel
+(worker pools), merge (shards -> one features file), folds (per-fold statistics for cross-validation).
 """

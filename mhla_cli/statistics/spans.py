@@ -3,7 +3,7 @@ read), its sum over many spans (`reduce_spans`), the basis estimate, and the che
 data's spans (mhla_cli.statistics.structure).
 
 Everything here is a sum over samples, so statistics of disjoint sample ranges add up
-(`Features.__add__`, mhla_cli.statistics.stats). `reduce_span` computes the statistics of one half-open
+(`Features.__add__`, mhla_cli.statistics.features). `reduce_span` computes the statistics of one half-open
 range [lo, hi); the serial loop, worker pools (mhla_cli.statistics.parallel), shards and Dask all call it.
 Per chunk a reader thread fetches the next chunk in its stored dtype and the accumulator
 (mhla_cli.statistics.accumulate) adds it.
