@@ -11,6 +11,9 @@ weights. A `.npy` holds the array named by its file stem (`tokens.npy`) or by `N
 single `.npy` holds the tokens. Contiguous data (.npy, uncompressed .npz members, safetensors) are
 read with plain file reads at their byte offsets, so the pages read are not held by this process;
 compressed .npz members are decompressed as a stream, in order; torch files are memory-mapped.
+
+Above ~500 lines because each input format (npy, npz, safetensors, torch, HDF5 activations with padding
+masks, several files in one output) is a reader of the same chunked copy and validation, kept beside it.
 """
 
 from __future__ import annotations

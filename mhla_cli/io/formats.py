@@ -2,6 +2,9 @@
 
 Every file mhla writes has root attributes ``mhla_kind``, ``mhla_format_version`` and
 ``mhla_version``; tokens files made by users need no attributes at all. See docs/formats.md.
+
+Above ~500 lines because it is the one place that knows every file kind's names and versions (the
+checks of docs/formats.md, one small function a rule) and the atomic-write protocol they share.
 """
 
 from __future__ import annotations

@@ -161,6 +161,9 @@ class Factorization:
         which has the same eigenvectors and eigenvalues lambda + ridge >= tol on the range, then the N
         part removed (backends.HostMatrix.range_solve); the full eigh when that Cholesky fails (and always
         on a backend without it, e.g. torch, whose null space took every eigenvector already)."""
+        rhs = np.asarray(rhs)
+        if rhs.ndim == 1:  # one right-hand side: as a column (the eigh path's division broadcasts by columns)
+            return self.range_solve(rhs[:, None], tol, ridge)[:, 0]
         _, N = self.null_space(tol)
         c = max(self.lambda_max(), tol, 1e-300)
         m = self._matrix()

@@ -1,4 +1,10 @@
-"""The MHLA forward pass: last-token and all-position outputs, from coef p or from heads."""
+"""The MHLA forward pass: last-token and all-position outputs, from coef p or from heads.
+
+Above ~500 lines because the in-memory pass and `predict_file` (the same pass streamed over a tokens
+file: chunks, workers, the device, the scores) are one job with one set of evaluation rules (the
+canonical coordinates, normalisation, causal outputs); split, each half would import the other's
+private helpers.
+"""
 
 from __future__ import annotations
 
