@@ -10,6 +10,7 @@ import importlib.util
 import numpy as np
 import pytest
 
+import _reference
 from conftest import relerr
 from mhla_cli.linalg import backends
 from mhla_cli.linalg.factorization import Factorization
@@ -100,3 +101,17 @@ def test_gram_accumulation_equals_the_numpy_backend(backend: backends.Backend, d
         parts.append(acc.result())
     for k in ("basis_gram", "basis_moments", "target_gram", "basis_token_gram"):
         assert relerr(getattr(parts[1], k), getattr(parts[0], k)) < 1e-12, k
+
+
+@pytest.mark.parametrize("d", [1, 3])
+def test_last_outputs_equal_the_materialised_features(backend: backends.Backend, d: int) -> None:
+    """p . H(X_i) on every backend against the materialised features of tests/_reference.py."""
+    rng = np.random.default_rng(d)
+    B, n = 7, 4
+    X = rng.standard_normal((B, n, d))
+    S, last = np.einsum("bta,btc->bac", X, X), X[:, -1]
+    psi = d * d * (d + 1) // 2
+    coef = rng.standard_normal((d, psi))
+    feats = np.stack([_reference.features(X[b]) for b in range(B)])  # materialised, plain numpy
+    out = backend.last_outputs(coef, S, last)
+    assert out.shape == (B, d) and relerr(out, feats @ coef.T) < 1e-12

@@ -24,6 +24,7 @@ from typing import Any
 import numpy as np
 
 from . import device as device_mod
+from ..feature_map import features_from_moments, pair_index
 from . import symgram
 
 __all__ = ["Backend", "HostFactor", "HostGram", "HostMatrix", "MIN_THREADED_WIDTH", "NumpyBackend", "PANEL_BYTES",
@@ -334,6 +335,11 @@ class Backend:
         """The backend's free memory in bytes (None: the host's memory check applies)."""
         return None
 
+    def last_outputs(self, coef: np.ndarray, S: np.ndarray, last: np.ndarray) -> np.ndarray:
+        """The last-token outputs (B, d_out) = Ht(S_i, x_i) . p of a chunk: S (B, d, d) the sequences'
+        X^T X (normalised as fitted), last (B, d) their last tokens, coef p (d_out, psi)."""
+        raise NotImplementedError
+
 
 class NumpyBackend(Backend):
     """NumPy / SciPy on the host (the default)."""
@@ -345,6 +351,10 @@ class NumpyBackend(Backend):
     def gram(self, q: int, r: int, n_targets: int, width: int, nf: int,
              spans: tuple[np.ndarray, np.ndarray] | None = None) -> HostGram:
         return HostGram(q, r, n_targets, width, nf, spans)
+
+    def last_outputs(self, coef: np.ndarray, S: np.ndarray, last: np.ndarray) -> np.ndarray:
+        """The chunk's features (B, psi) times p^T: one GEMM."""
+        return features_from_moments(S, last) @ coef.T
 
 
 class TorchBackend(Backend):
@@ -368,6 +378,11 @@ class TorchBackend(Backend):
     def free_bytes(self) -> int | None:
         """The GPU's free memory (None for torch on the CPU)."""
         return device_mod.free_bytes(self.device)
+
+    def last_outputs(self, coef: np.ndarray, S: np.ndarray, last: np.ndarray) -> np.ndarray:
+        """On the device from the pairs j <= k of S (`device.predict_last`), without the (B, psi) features."""
+        j, k = pair_index(last.shape[1])  # the pairs of the tokens' coordinates
+        return device_mod.predict_last(coef, S[:, j, k], last, self.device)
 
 
 NUMPY = NumpyBackend()

@@ -19,7 +19,8 @@ import h5py
 import numpy as np
 
 from ..io import formats
-from ..linalg.device import check_device, predict_last, worker_device
+from ..linalg.backends import get_backend
+from ..linalg.device import check_device, worker_device
 from ..errors import InputError
 from ..feature_map import check_normalize, features_from_moments, pair_index
 from .heads import Heads
@@ -171,11 +172,7 @@ def predict_chunk(coef: np.ndarray | HeadsFn, tokens: np.ndarray, offsets: np.nd
         return heads_chunk(coef, tokens, offsets, all_positions, normalize)
     d = coef.shape[0]
     S, last = _chunk_moments(tokens, offsets, d, normalize)
-    if device is not None:
-        j, k = pair_index(d)
-        pred = predict_last(coef, S[:, j, k], last, device)
-    else:
-        pred = features_from_moments(S, last) @ coef.T
+    pred = get_backend(device).last_outputs(coef, S, last)
     outputs = None
     if all_positions:
         # Y_t = M_i x_t with M_i[a, l] = sum_{j<=k} p[a,(j,k,l)] S_i[j,k].
