@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from _reference import canonical, ratio
+from _reference import canonical, features, ratio
+from conftest import relerr
 from _records import ragged_data
 from mhla_cli.statistics import basis
 from mhla_cli.statistics.algebra import add_into
@@ -66,3 +67,79 @@ def test_add_into_is_the_in_place_sum() -> None:
     assert np.array_equal(acc.token_gram, total.token_gram)
     assert ratio(acc.solver_stats()[1], total.solver_stats()[1]) < 1e-12
     assert ratio(a.copy().add(b).solver_stats()[1], total.solver_stats()[1]) < 1e-12
+
+
+# ---------------------------------------------------------------- the basis Gram held as its distinct entries
+
+
+def _held_and_expanded(monkeypatch, make):
+    """make() run with the reduction on K (the basis Gram held as symgram.Pairs) and on the syrk (arrays)."""
+    from mhla_cli.linalg import symgram
+
+    out = []
+    for rule in (1, 10**9):
+        monkeypatch.setattr(symgram, "SYMGRAM_MIN_D", rule)
+        out.append(make())
+    return out
+
+
+def test_a_held_basis_gram_changes_and_adds_as_the_expanded_one(monkeypatch) -> None:
+    """The change of basis on the two factors, the own gram derived from them, sums of parts in unlike
+    bases (both held, or one held and one expanded) and a copy: the same statistics as with arrays, and
+    the held form is kept through all of it (never expanded until read)."""
+    from conftest import assert_same_stats
+    from mhla_cli.linalg import symgram
+
+    X1, o1, y1 = ragged_data(1)
+    X2, o2, y2 = ragged_data(2, scale=np.array([1.0, 1e-3, 30.0]))
+    # accumulated in the tokens' own coordinates: the canonical change is far from the identity
+    held, plain = _held_and_expanded(monkeypatch, lambda: [chunk_features(X, o, y, 3, basis="identity")
+                                                           for X, o, y in ((X1, o1, y1), (X2, o2, y2))])
+    assert all(isinstance(f.basis_gram_held, symgram.Pairs) for f in held)
+    assert all(isinstance(f.basis_gram_held, np.ndarray) for f in plain)
+    total_held, total_plain = held[0] + held[1], plain[0] + plain[1]
+    assert isinstance(total_held.basis_gram_held, symgram.Pairs)
+    mixed = held[0].copy() + plain[1]  # one part held, one expanded
+    copy = held[1].copy()
+    assert isinstance(copy.basis_gram_held, symgram.Pairs) and copy.basis_gram_held.K is not held[1].basis_gram_held.K
+    for a, b in ((held[0], plain[0]), (held[1], plain[1]), (total_held, total_plain), (mixed, total_plain),
+                 (copy, plain[1])):
+        assert_same_stats(a, b)  # gram (derived on the factors), moments, ..., and Lambda~'s spectrum
+        assert relerr(a.basis_gram, b.basis_gram) < 1e-12 and np.array_equal(a.basis_gram, a.basis_gram.T)
+    # against the materialised reference: the sum's Lambda~ and the own gram of the whole data
+    X = np.concatenate([X1, X2])
+    off = np.concatenate([o1, o2[1:] + o1[-1]])
+    lam = total_held.solver_stats()[1] / total_held.n_samples
+    assert ratio(np.linalg.eigvalsh(lam), canonical(X, off, np.concatenate([y1, y2]))["eigenvalues"]) < 1e-9
+    H = np.stack([features(X[a:b]) for a, b in zip(off[:-1], off[1:])])
+    assert relerr(total_held.gram, H.T @ H) < 1e-12
+
+
+def test_a_held_block_on_the_spans_expands_as_the_expanded_one(monkeypatch) -> None:
+    """A block on the data's spans held as its distinct entries: its change of basis (by the spans' R
+    factors) and its expansion to all psi features, against the same with arrays."""
+    from conftest import assert_same_stats
+    from mhla_cli.linalg import symgram
+
+    X, o, y = ragged_data(3)
+    X[:, 2] = X[:, 0] - 2 * X[:, 1]  # tokens in a plane: the data have spans
+    E = np.linalg.qr(np.random.default_rng(0).standard_normal((6, 4)))[0]
+    F = np.linalg.qr(np.random.default_rng(1).standard_normal((3, 2)))[0]
+
+    held, plain = _held_and_expanded(monkeypatch, lambda: chunk_features(X, o, y, 3, basis="identity"))
+    for f in (held, plain):  # the block of the full sums on (E, F) (the sums are exact there), in each form
+        g = f.basis_gram_held
+        f.basis_gram = g.congruence(E.T, F.T) if isinstance(g, symgram.Pairs) else \
+            basis.kron_congruence(E.T, F.T, g)
+        f.basis_moments = basis.kron_apply(E.T, F.T, f.basis_moments)
+        f.span_pairs, f.span_last = E, F
+        f.gram = f.moments = None
+    assert isinstance(held.basis_gram_held, symgram.Pairs)
+    C = np.linalg.qr(np.random.default_rng(4).standard_normal((3, 3)))[0] * 2.0 + np.eye(3)
+    for f in (held, plain):
+        f.change_basis(C)
+    assert isinstance(held.basis_gram_held, symgram.Pairs) and held.reduced
+    assert relerr(held.basis_gram, plain.basis_gram) < 1e-12
+    held.expand(), plain.expand()
+    assert not held.reduced and held.basis_gram.shape == (18, 18)
+    assert_same_stats(held, plain)

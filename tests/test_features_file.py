@@ -135,6 +135,45 @@ def test_compact_file_holds_the_distinct_entries_and_reads_back_the_same(tmp_pat
     assert ratio(b.gram, feats.gram) < 1e-13
 
 
+@pytest.mark.parametrize("spans", ["off", "on"])
+def test_a_held_basis_gram_writes_the_same_files(tmp_path: Path, monkeypatch, spans: str) -> None:
+    """Statistics whose basis Gram is held as its distinct entries (symgram.Pairs: the reduction on K)
+    write the same full and compact files as those held as arrays (the syrk): the full file's psi x psi
+    datasets derived when written; the compact one holds the entries as they were; a compact file loads
+    them held, and they are expanded only when read."""
+    from mhla_cli.linalg import symgram
+    from mhla_cli.statistics.stream import featurize
+
+    rng = np.random.default_rng(7)
+    off = np.concatenate([[0], np.cumsum(rng.integers(1, 8, size=50))])
+    X = rng.standard_normal((int(off[-1]), 3)) * np.array([1.0, 30.0, 1e-2])
+    if spans == "on":
+        X[:, 2] = X[:, 0] + X[:, 1]
+    src = tmp_path / "t.h5"
+    with h5py.File(src, "w") as f:
+        f["tokens"], f["offsets"], f["targets"] = X, off, rng.standard_normal((50, 3))
+    files = {}
+    for rule in (1, 10**9):
+        monkeypatch.setattr(symgram, "SYMGRAM_MIN_D", rule)
+        feats = featurize(src, spans=spans)
+        assert isinstance(feats.basis_gram_held, symgram.Pairs) == (rule == 1) and feats.reduced == (spans == "on")
+        for compact in (False, True):
+            path = tmp_path / f"{rule}-{compact}.h5"
+            feats.save(path, compact=compact)
+            files[rule, compact] = path
+        assert isinstance(feats.basis_gram_held, symgram.Pairs) == (rule == 1)  # saving expanded nothing held
+    for compact in (False, True):
+        with h5py.File(files[1, compact], "r") as a, h5py.File(files[10**9, compact], "r") as b:
+            assert set(a) == set(b)
+            for name in a:
+                assert ratio(a[name][()], b[name][()]) < 1e-13, name
+    back = Features.load(files[1, True])
+    assert isinstance(back.basis_gram_held, symgram.Pairs)
+    with h5py.File(files[10**9, False], "r") as f:
+        assert ratio(back.basis_gram, f["basis_gram"][()]) < 1e-13
+    assert isinstance(back.basis_gram_held, np.ndarray)  # expanded once read, and kept
+
+
 def test_a_version_4_file_reads_as_before(tmp_path: Path) -> None:
     """Files of the format before the compact form (version 4: 'gram' and 'basis_gram') still read."""
     from conftest import assert_same_stats

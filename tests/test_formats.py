@@ -173,3 +173,22 @@ def test_library_hdf5_writers_refuse_other_suffixes(tmp_path) -> None:
             assert not (tmp_path / name).exists()
     for name in ("m.h5", "m.hdf5", "m.hdf", "m"):
         model.save(tmp_path / name)
+
+
+@pytest.mark.parametrize("size", [10, (formats.IN_MEMORY_WRITE_BYTES // 8) + 1])  # in memory, through libhdf5
+def test_a_deferred_dataset_is_made_when_written_and_counted_before(tmp_path: Path, monkeypatch, size: int) -> None:
+    """formats.Deferred: computed once, while the file is written (not before the free-space check, which
+    counts its declared bytes), and written like an array."""
+    made = []
+
+    def make() -> np.ndarray:
+        made.append(1)
+        return np.arange(size, dtype=np.float64)
+
+    seen = []
+    monkeypatch.setattr(formats, "_check_free_space", lambda o, need: seen.append((need, len(made))))
+    out = formats.write_file(tmp_path / "x.h5", "tokens", {"a": formats.Deferred(make, 8 * size),
+                                                           "b": np.zeros(3)})
+    assert made == [1] and seen == [(8 * size + 24 + (1 << 16), 0)]
+    with h5py.File(out, "r") as f:
+        assert np.array_equal(f["a"][()], np.arange(size)) and f["b"].shape == (3,)

@@ -130,9 +130,24 @@ def same_certificate(a, b, rel: float = 1e-6) -> None:
 # --------------------------------------------------------------------------------------------
 
 
+@pytest.fixture(params=["syrk", "pairs"])
+def kernel(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """The reduction's Gram as one syrk of the materialised rows ("syrk", the default below
+    symgram.SYMGRAM_MIN_D) or as its distinct entries held through every change of basis, sum and file
+    ("pairs", the default from SYMGRAM_MIN_D on), forced for the small d of these tests."""
+    from mhla_cli.linalg import symgram
+
+    if request.param == "pairs":
+        monkeypatch.setattr(symgram, "SYMGRAM_MIN_D", 1)
+    else:
+        monkeypatch.setattr(symgram, "SYMGRAM_MIN_D", 10**9)
+    return request.param
+
+
 @SETTINGS
 @given(data=datasets(), cond=st.sampled_from([1.0, 30.0, 1e3]), tseed=st.integers(0, 1000))
-def test_certificate_and_fit_are_unit_free_and_match_the_reference(data: Data, cond: float, tseed: int) -> None:
+def test_certificate_and_fit_are_unit_free_and_match_the_reference(data: Data, cond: float, tseed: int,
+                                                                    kernel: str) -> None:
     ref = canonical(data.tokens, data.offsets, data.targets, data.per_position, data.weights, data.normalize)
     feats = data.feats()
     cert = certify(feats)
@@ -226,7 +241,7 @@ def test_weights_carry_no_units(data: Data, n_zero: int, c: float, zseed: int) -
 @FILE_SETTINGS
 @given(data=datasets(), chunk=st.integers(1, 40), pseed=st.integers(0, 1000))
 def test_order_chunks_shards_workers_and_duplicates_do_not_change_the_answer(
-        data: Data, chunk: int, pseed: int, tmp_path_factory: pytest.TempPathFactory) -> None:
+        data: Data, chunk: int, pseed: int, tmp_path_factory: pytest.TempPathFactory, kernel: str) -> None:
     tmp = tmp_path_factory.mktemp("m")
     path = data.write(tmp / "d.h5")
     base = featurize(path, normalize=data.normalize)

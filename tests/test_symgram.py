@@ -8,6 +8,8 @@ from pathlib import Path
 import h5py
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import _reference as ref
 from conftest import assert_same_stats, relerr, write_tokens
@@ -278,3 +280,52 @@ def test_a_wide_block_with_threaded_panels_equals_the_syrk(tmp_path: Path, monke
     monkeypatch.setattr(symgram, "SYMGRAM_MIN_D", 10**9)
     b = featurize(path, chunk_size=60, spans="off")
     assert_same_stats(a, b)
+
+
+# ---------------------------------------------------------------- the held form (symgram.Pairs)
+
+
+def _rows_gram(rng: np.random.Generator, q: int, r: int, n: int = 17) -> tuple[np.ndarray, np.ndarray]:
+    """(s (x) x rows (n, q r), their Gram): materialised, in plain numpy."""
+    s, x = rng.standard_normal((n, q)), rng.standard_normal((n, r))
+    H = (s[:, :, None] * x[:, None, :]).reshape(n, q * r)
+    return H, H.T @ H
+
+
+@settings(max_examples=40, deadline=None)
+@given(q=st.integers(1, 7), r=st.integers(1, 5), q2=st.integers(1, 7), r2=st.integers(1, 5),
+       seed=st.integers(0, 2**16), small_blocks=st.booleans())
+def test_congruence_on_the_factors_equals_the_materialised_kron(q: int, r: int, q2: int, r2: int, seed: int,
+                                                                 small_blocks: bool) -> None:
+    """Pairs.congruence(P, R) is the K of kron(P, R) Gram kron(P, R)^T for every shape of the factors
+    (square, wider, narrower: a change of basis, a block's expansion onto its spans), in one block of
+    columns or in blocks of one column."""
+    rng = np.random.default_rng(seed)
+    H, G = _rows_gram(rng, q, r)
+    P, R = rng.standard_normal((q2, q)), rng.standard_normal((r2, r))
+    pairs = symgram.Pairs(symgram.pairs_from_gram(G, q, r), q, r)
+    with pytest.MonkeyPatch.context() as mp:
+        if small_blocks:
+            mp.setattr(symgram, "CONGRUENCE_BLOCK_BYTES", 1)  # one column per block
+        out = pairs.congruence(P, R)
+    Hc = H @ np.kron(P, R).T  # the rows in the new coordinates, materialised
+    assert (out.q, out.r) == (q2, r2) and out.shape == (q2 * r2, q2 * r2)
+    assert relerr(out.expand(), Hc.T @ Hc) < TOL
+    assert np.array_equal(pairs.K, symgram.pairs_from_gram(G, q, r))  # the input is not changed
+
+
+def test_token_pair_map_maps_the_upper_triangle() -> None:
+    rng = np.random.default_rng(2)
+    for r, r2 in ((1, 1), (3, 3), (4, 2), (2, 5)):
+        X = rng.standard_normal((r, r))
+        X = X + X.T
+        R = rng.standard_normal((r2, r))
+        assert relerr(symgram.token_pair_map(R) @ X[np.triu_indices(r)], (R @ X @ R.T)[np.triu_indices(r2)]) < TOL
+
+
+def test_pairs_refuse_wrong_shapes() -> None:
+    with pytest.raises(ValueError, match="expected"):
+        symgram.Pairs(np.zeros((3, 4)), 2, 2)
+    p = symgram.Pairs(np.zeros(symgram.pairs_shape(3, 2)), 3, 2)
+    with pytest.raises(ValueError, match="do not act"):
+        p.congruence(np.eye(2), np.eye(2))

@@ -20,7 +20,7 @@ import sys
 import tempfile
 import time
 import zipfile
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -654,8 +654,17 @@ IN_MEMORY_WRITE_BYTES = 64 << 20
 _BLOCK_WRITE_BYTES = 16 << 20
 
 
+class Deferred:
+    """A dataset computed only when `write_file` writes it, and released right after (so that a file of
+    several psi x psi datasets derived from one held form never holds them all at once)."""
+
+    def __init__(self, make: Callable[[], np.ndarray], nbytes: int) -> None:
+        self.make = make
+        self.nbytes = int(nbytes)  # the size, for the free-space check before anything is computed
+
+
 def _fill(f: h5py.File, meta: Mapping[str, Any], attrs: Mapping[str, Any] | None,
-          datasets: Mapping[str, np.ndarray | None], compression: str | None) -> None:
+          datasets: Mapping[str, np.ndarray | Deferred | None], compression: str | None) -> None:
     for k, v in meta.items():
         f.attrs[k] = v
     for k, v in (attrs or {}).items():
@@ -664,7 +673,7 @@ def _fill(f: h5py.File, meta: Mapping[str, Any], attrs: Mapping[str, Any] | None
     for name, arr in datasets.items():
         if arr is None:
             continue
-        arr = np.asarray(arr)
+        arr = np.asarray(arr.make() if isinstance(arr, Deferred) else arr)
         if compression and arr.size > 1024:
             f.create_dataset(name, data=arr, compression=compression, shuffle=True)
         elif arr.nbytes > _BLOCK_WRITE_BYTES and arr.ndim >= 1 and not arr.flags.c_contiguous:
@@ -693,11 +702,12 @@ def create_output(tmp: str | os.PathLike) -> h5py.File:
     return _h5_file(Path(tmp), "w", False)
 
 
-def write_file(out: str | os.PathLike, kind: str, datasets: Mapping[str, np.ndarray | None],
+def write_file(out: str | os.PathLike, kind: str, datasets: Mapping[str, np.ndarray | Deferred | None],
                attrs: Mapping[str, Any] | None = None, inputs: tuple[str | os.PathLike, ...] = (),
                compression: str | None = None) -> Path:
     """Write an mhla file of `kind` atomically (temp file + rename); None datasets are skipped.
 
+    A `Deferred` dataset is computed when it is written and released after it.
     Files up to IN_MEMORY_WRITE_BYTES are built in memory and written in one go (then fsync'ed),
     larger ones through libhdf5 from the arrays themselves (no copy of a psi x psi matrix); a write
     error leaves `out` untouched and raises an InputError.
@@ -705,7 +715,8 @@ def write_file(out: str | os.PathLike, kind: str, datasets: Mapping[str, np.ndar
     check_hdf5_suffix(out, f"a {kind} file")
     o = check_output_path(out, inputs)
     meta = header(kind, inputs)
-    raw = sum(np.asarray(a).nbytes for a in datasets.values() if a is not None) + (1 << 16)
+    raw = sum(a.nbytes if isinstance(a, Deferred) else np.asarray(a).nbytes
+              for a in datasets.values() if a is not None) + (1 << 16)
     if compression is None:
         _check_free_space(o, raw)
     with atomic_path(o) as tmp:

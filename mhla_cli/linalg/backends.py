@@ -272,14 +272,14 @@ class HostGram:
 
 
 def gram_parts(out: Any, width: int, nf: int, has_targets: bool
-               ) -> tuple[np.ndarray, np.ndarray | None, np.ndarray | None]:
+               ) -> tuple[np.ndarray | symgram.Pairs, np.ndarray | None, np.ndarray | None]:
     """(gram of the nf features, their moments, the target Gram) from a backend Gram's result: a
-    symgram.SymGram (K expanded), or a (width, width) G of [Ht | Y] from its lower triangle (None: zeros),
-    which is mirrored and compacted in place so that the gram is a C-contiguous nf x nf array at its start
-    (moments and the target Gram are copied out first)."""
-    if isinstance(out, symgram.SymGram):  # the Gram from its distinct entries (mhla_cli.linalg.symgram)
+    symgram.SymGram (the gram held as its distinct entries, symgram.Pairs), or a (width, width) G of
+    [Ht | Y] from its lower triangle (None: zeros), which is mirrored and compacted in place so that the
+    gram is a C-contiguous nf x nf array at its start (moments and the target Gram are copied out first)."""
+    if isinstance(out, symgram.SymGram):  # the Gram's distinct entries (mhla_cli.linalg.symgram)
         out.release_work()
-        return out.gram(), out.moments(), out.target_gram()
+        return symgram.Pairs(out.K, out.q, out.d), out.moments(), out.target_gram()
     G = out if out is not None else np.zeros((width, width))
     _mirror_lower(G)
     moments = G[:nf, nf:].copy() if has_targets else None

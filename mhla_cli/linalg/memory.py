@@ -56,7 +56,8 @@ def matrix_bytes(d: int) -> int:
 def accumulator_bytes(d: int, has_targets: bool = True) -> int:
     """Bytes of a pass's accumulator: the Gram of [Ht | Y], (psi + d)^2 float64 with targets; when the
     pass accumulates the Gram's distinct entries K instead (mhla_cli.linalg.symgram), at least K and the
-    psi x psi Gram expanded from it at the end of the pass."""
+    psi x psi Gram expanded from it (an upper bound: the statistics hold K, and a features file's two
+    psi x psi datasets are expanded one at a time when written, after the K of the own gram)."""
     w = n_features(d) + (d if has_targets else 0)
     if d < symgram.SYMGRAM_MIN_D:
         return 8 * w * w

@@ -15,6 +15,11 @@ formed panel by panel (the rows (a, b >= a) of U^T are the contiguous product s_
 reused buffer small enough to stay in cache. `gram_from_pairs` expands K to the (q d, q d) Gram
 (the diagonal pairs a = b and l = m included), `pairs_from_gram` takes it back. The moments
 sum_i w_i h_i y_i^T and the target Gram are accumulated beside K (`SymGram`).
+
+`Pairs` holds K in place of the Gram (mhla_cli.statistics.features.Features.basis_gram, expanded when
+first read): a change of basis h -> kron(P, R) h of the rows (s -> P s, x -> R x) acts on the two
+factors separately, K -> the K of kron(P, R) Gram kron(P, R)^T (`Pairs.congruence`), a quarter of the
+numbers and about half the flops of the same congruence on the expanded Gram.
 """
 
 from __future__ import annotations
@@ -23,7 +28,7 @@ from functools import lru_cache
 
 import numpy as np
 
-__all__ = ["SYMGRAM_MIN_D", "SymGram", "accumulator", "gram_from_pairs", "n_pairs", "pair_positions",
+__all__ = ["Pairs", "SYMGRAM_MIN_D", "SymGram", "accumulator", "gram_from_pairs", "n_pairs", "pair_positions",
            "pairs_from_gram", "pairs_shape", "use_pairs"]
 
 # Token dimension (the length of the token factor x; on the data's spans, both factors' widths) from
@@ -209,6 +214,75 @@ def pairs_from_gram(G: np.ndarray, q: int, d: int) -> np.ndarray:
         blocks = G4[a[r0:r1], :, b[r0:r1], :]  # (rows, d, d)
         K[r0:r1] = blocks[:, lo, mo]
     return K
+
+
+def token_pair_map(R: np.ndarray) -> np.ndarray:
+    """T (r'(r'+1)/2, r(r+1)/2) with upper(R X R^T) = T upper(X) for symmetric X (r x r), R (r', r): the
+    map of the token factor's pairs x_l x_m under x -> R x (pair order a, then b >= a)."""
+    R = np.asarray(R, dtype=np.float64)
+    lo, mo = np.triu_indices(R.shape[1])
+    l2, m2 = np.triu_indices(R.shape[0])
+    # (R X R^T)[l, m] = sum_{l' <= m'} X[l', m'] (R[l, l'] R[m, m'] + R[l, m'] R[m, l'] [l' < m'])
+    T = R[l2][:, lo] * R[m2][:, mo]
+    off = lo != mo
+    T[:, off] += R[l2][:, mo[off]] * R[m2][:, lo[off]]
+    return T
+
+
+# Bytes of the expanded (columns, q, q) block of `Pairs.congruence`'s pair-factor step.
+CONGRUENCE_BLOCK_BYTES = 16 * 2**20
+
+
+class Pairs:
+    """The distinct entries K (q(q+1)/2, r(r+1)/2) of a (q r, q r) Gram of rows s (x) x, held instead of
+    the Gram (`gram_from_pairs` expands it; `congruence` changes its basis on the factors)."""
+
+    def __init__(self, K: np.ndarray, q: int, r: int) -> None:
+        self.q, self.r = int(q), int(r)
+        if K.shape != pairs_shape(self.q, self.r):
+            raise ValueError(f"K has shape {K.shape}, expected {pairs_shape(self.q, self.r)}")
+        self.K = K
+
+    def __repr__(self) -> str:
+        return f"<Gram ({self.q * self.r}, {self.q * self.r}) held as its distinct entries {self.K.shape}>"
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        """The shape of the Gram."""
+        n = self.q * self.r
+        return n, n
+
+    def expand(self) -> np.ndarray:
+        """The (q r, q r) Gram (`gram_from_pairs`)."""
+        return gram_from_pairs(self.K, self.q, self.r)
+
+    def copy(self) -> Pairs:
+        return Pairs(np.array(self.K), self.q, self.r)
+
+    def congruence(self, P: np.ndarray, R: np.ndarray) -> Pairs:
+        """The K of kron(P, R) Gram kron(P, R)^T, for P (q', q) and R (r', r): the rows s (x) x become
+        (P s) (x) (R x), so the pairs of the token factor map by `token_pair_map(R)` (one GEMM) and those
+        of the pair factor by P M P^T of each column's symmetric (q, q) matrix M (two GEMMs per block of
+        columns of about CONGRUENCE_BLOCK_BYTES expanded)."""
+        P = np.asarray(P, dtype=np.float64)
+        R = np.asarray(R, dtype=np.float64)
+        if P.shape[1] != self.q or R.shape[1] != self.r:
+            raise ValueError(f"factors of shapes {P.shape}, {R.shape} do not act on pairs of lengths "
+                             f"{self.q}, {self.r}")
+        q, q2, r2 = self.q, P.shape[0], R.shape[0]
+        K1 = self.K @ token_pair_map(R).T  # (q(q+1)/2, r'(r'+1)/2): the token factor's pairs
+        Pq = pair_positions(q)
+        a2, b2 = np.triu_indices(q2)
+        out = np.empty((a2.size, K1.shape[1]))
+        cols = max(1, CONGRUENCE_BLOCK_BYTES // (8 * max(q, q2) ** 2))
+        for c0 in range(0, K1.shape[1], cols):
+            c = min(cols, K1.shape[1] - c0)
+            M = np.take(K1[:, c0:c0 + c], Pq, axis=0)  # (q, q, c): each column's symmetric matrix
+            Z = (P @ M.reshape(q, q * c)).reshape(q2, q, c)  # [a', b, j] = (P M_j)[a', b]
+            Z = np.ascontiguousarray(Z.transpose(1, 0, 2)).reshape(q, q2 * c)
+            Y = (P @ Z).reshape(q2, q2, c)  # [b', a', j] = (P M_j P^T)[a', b'], symmetric in a', b'
+            out[:, c0:c0 + c] = Y[a2, b2]
+        return Pairs(out, q2, r2)
 
 
 def use_pairs(q: int, d: int) -> bool:

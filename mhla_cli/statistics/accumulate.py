@@ -41,7 +41,8 @@ class _Accumulator:
     transposed block); the backend's Gram (`_gram`: backends.HostGram, device.DeviceGram) accumulates it in
     float64. From symgram.SYMGRAM_MIN_D on (symgram.SymGram, or device.DevicePairs on a device) the chunk
     instead adds the Gram's distinct entries K = U^T V of the
-    two factors s and x_n (mhla_cli.linalg.symgram), and `result` expands K to basis_gram exactly. The token
+    two factors s and x_n (mhla_cli.linalg.symgram), and `result` holds basis_gram as K (symgram.Pairs:
+    changed on the factors, expanded exactly when first read or written). The token
     Grams are accumulated both on the tokens' own coordinates (exact zeros stay zeros) and on X A.
     """
 

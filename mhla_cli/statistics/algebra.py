@@ -16,9 +16,13 @@ import numpy as np
 
 from . import basis as basis_mod
 from ..errors import InputError
+from ..linalg import symgram
 from ..linalg.memory import check_memory
 from .features_file import BASIS_SUMS, StoredGram
 from .structure import change as structure_change
+
+# The basis sums other than basis_gram (which may be held as its distinct entries: `_add_basis_gram`).
+_OTHER_BASIS_SUMS = tuple(k for k in BASIS_SUMS if k != "basis_gram")
 
 
 class FeaturesAlgebra:
@@ -30,7 +34,7 @@ class FeaturesAlgebra:
         if self.reduced:
             check_memory(self.d)
             E, F = self.span_pairs, self.span_last
-            self.basis_gram = basis_mod.kron_congruence(E, F, self.basis_gram)
+            self.basis_gram = _congruence(self, E, F)
             if self.basis_moments is not None:
                 self.basis_moments = basis_mod.kron_apply(E, F, self.basis_moments)
             self.span_pairs = self.span_last = None
@@ -56,10 +60,15 @@ class FeaturesAlgebra:
             # s -> P_C s, x -> C^T x map span E to P_C E = U1 R1 and F to C^T F = U2 R2 (QR): the block
             # coordinates change by R1 (x) R2 (mhla_cli.statistics.structure)
             U1, U2, R1, R2 = structure_change(self.span_pairs, self.span_last, basis_mod.orth_pair_map(C), C.T)
-            self.basis_gram = basis_mod.kron_congruence(R1, R2, self.basis_gram)
+            self.basis_gram = _congruence(self, R1, R2)
             if self.basis_moments is not None:
                 self.basis_moments = basis_mod.kron_apply(R1, R2, self.basis_moments)
             self.span_pairs, self.span_last = U1, U2
+        elif isinstance(self.basis_gram_held, symgram.Pairs):  # on the two factors (symgram.Pairs)
+            P, R = basis_mod.orth_pair_map(C), C.T
+            self.basis_gram = self.basis_gram_held.congruence(P, R)
+            if self.basis_moments is not None:
+                self.basis_moments = basis_mod.kron_apply(P, R, self.basis_moments)
         else:
             # in place: a Features owns its sums (`copy` makes new ones)
             self.basis_gram, self.basis_moments = basis_mod.change_by(C, self.basis_gram, self.basis_moments,
@@ -149,7 +158,8 @@ def add_into(acc: Features, part: Features) -> None:
         part = _common_spans(acc, part)
     part = _common_basis(acc, part)
     if acc.basis is not None:
-        for k in BASIS_SUMS:
+        _add_basis_gram(acc, part)
+        for k in _OTHER_BASIS_SUMS:
             a = getattr(acc, k)
             if a is not None:
                 a += getattr(part, k)
@@ -158,6 +168,26 @@ def add_into(acc: Features, part: Features) -> None:
     acc.weight_sum = acc.weight + part.weight
     acc.token_weight_sum = acc.token_weight + part.token_weight
     _add_own_sums(acc, part)
+
+
+def _add_basis_gram(acc: Features, part: Features) -> None:
+    """acc.basis_gram += part.basis_gram (same basis and block): as distinct entries when both are held
+    so (symgram.Pairs of the same factors), else as arrays."""
+    a, b = acc.basis_gram_held, part.basis_gram_held
+    if a is None:
+        return
+    if isinstance(a, symgram.Pairs) and isinstance(b, symgram.Pairs) and (a.q, a.r) == (b.q, b.r):
+        a.K += b.K
+    else:
+        acc.basis_gram += part.basis_gram
+
+
+def _congruence(feats: Features, P: np.ndarray, R: np.ndarray) -> np.ndarray | symgram.Pairs:
+    """kron(P, R) basis_gram kron(P, R)^T, on the two factors when it is held as its distinct entries."""
+    held = feats.basis_gram_held
+    if isinstance(held, symgram.Pairs):
+        return held.congruence(P, R)
+    return basis_mod.kron_congruence(P, R, feats.basis_gram)
 
 
 def _check_addable(acc: Features, part: Features) -> None:
@@ -176,7 +206,10 @@ def _check_addable(acc: Features, part: Features) -> None:
 def _adopt_basis(acc: Features, part: Features) -> None:
     """An empty acc takes the part's basis, with zero basis sums of the part's shapes."""
     acc.basis = np.array(part.basis)
-    for k in BASIS_SUMS:
+    held = part.basis_gram_held
+    acc.basis_gram = symgram.Pairs(np.zeros_like(held.K), held.q, held.r) if isinstance(held, symgram.Pairs) \
+        else None if held is None else np.zeros_like(held)
+    for k in _OTHER_BASIS_SUMS:
         v = getattr(part, k)
         setattr(acc, k, None if v is None else np.zeros_like(v))
 

@@ -27,6 +27,7 @@ from . import basis as basis_mod
 from ..io import formats
 from ..errors import InputError
 from ..feature_map import n_features
+from ..linalg import symgram
 from . import features_file
 from .algebra import FeaturesAlgebra
 from .features_file import _DERIVED, FeaturesFile, StoredGram
@@ -49,6 +50,24 @@ class _OwnGram:
 
     def __set__(self, obj: Features, value: Any) -> None:
         obj.__dict__["_gram"] = value
+
+
+class _BasisGram:
+    """The field `Features.basis_gram` = sum_i Ht_i Ht_i^T (psi, psi; the block on the data's spans when
+    reduced): an array, or its distinct entries (symgram.Pairs, from the reduction or a compact file),
+    expanded when first read. The algebra and the file use the held form (`Features.basis_gram_held`):
+    a change of basis of a Pairs acts on its two factors, and a compact file writes it as it is."""
+
+    def __get__(self, obj: Features | None, owner: type | None = None) -> np.ndarray | None:
+        if obj is None:  # the dataclass default
+            return None
+        g = obj.__dict__.get("_basis_gram")
+        if isinstance(g, symgram.Pairs):
+            g = obj.__dict__["_basis_gram"] = g.expand()
+        return g
+
+    def __set__(self, obj: Features, value: Any) -> None:
+        obj.__dict__["_basis_gram"] = value
 
 
 @dataclass
@@ -76,7 +95,8 @@ class Features(FeaturesAlgebra, FeaturesFile):
     # The basis A (tokens X A) and the sums of the canonical features there. None: only the own
     # sums are known (format version 1, per-fold sums); `ensure_basis` then takes A = I.
     basis: np.ndarray | None = None
-    basis_gram: np.ndarray | None = None
+    # default None; may be held as its distinct entries (symgram.Pairs: `basis_gram_held`)
+    basis_gram: np.ndarray | None = _BasisGram()  # type: ignore[assignment]
     basis_moments: np.ndarray | None = None
     basis_token_gram: np.ndarray | None = None
     basis_last_token_gram: np.ndarray | None = None
@@ -138,6 +158,11 @@ class Features(FeaturesAlgebra, FeaturesFile):
         return self.__dict__.get("_gram")
 
     @property
+    def basis_gram_held(self) -> np.ndarray | symgram.Pairs | None:
+        """`basis_gram` as held: an array, its distinct entries (symgram.Pairs, not expanded), or None."""
+        return self.__dict__.get("_basis_gram")
+
+    @property
     def lambda_d(self) -> np.ndarray:
         """Lambda_D = gram / sum w on the tokens' own features (the certificate uses `solver_stats`)."""
         self.expand()
@@ -166,9 +191,14 @@ class Features(FeaturesAlgebra, FeaturesFile):
         return self
 
     def _derive_gram(self) -> np.ndarray:
-        """The own-coordinate gram from the basis sums (M_A^-1 gram_b M_A^-T; `finalize`)."""
+        """The own-coordinate gram from the basis sums (M_A^-1 gram_b M_A^-T; `finalize`), on the two
+        factors when the basis Gram is held as its distinct entries."""
+        held = self.basis_gram_held
         with np.errstate(over="ignore", invalid="ignore"):
-            gram = basis_mod.gram_from_basis(self.basis, self.basis_gram)
+            if isinstance(held, symgram.Pairs):
+                gram = held.congruence(*basis_mod.from_basis_factors(self.basis)).expand()
+            else:
+                gram = basis_mod.gram_from_basis(self.basis, self.basis_gram)
         if not formats.all_finite(gram):
             raise InputError("the statistics of the data overflow float64 (tokens or targets too large); "
                              "rescale the data")
@@ -177,7 +207,11 @@ class Features(FeaturesAlgebra, FeaturesFile):
     def copy(self) -> Features:
         """A deep copy of the sums (metadata shared)."""
         arrays = {k: None if getattr(self, k) is None else np.array(getattr(self, k))
-                  for k in (*self.SUMS, "basis", *self.BASIS_SUMS, "span_pairs", "span_last") if k != "gram"}
+                  for k in (*self.SUMS, "basis", *self.BASIS_SUMS, "span_pairs", "span_last")
+                  if k not in ("gram", "basis_gram")}
+        held = self.basis_gram_held
+        arrays["basis_gram"] = held.copy() if isinstance(held, symgram.Pairs) else \
+            None if held is None else np.array(held)  # held as its distinct entries: stays so
         raw = self._gram_raw
         arrays["gram"] = np.array(raw) if isinstance(raw, np.ndarray) else raw  # a lazy gram stays lazy
         return Features(d=self.d, n_samples=self.n_samples, n_tokens=self.n_tokens, token_dtype=self.token_dtype,
@@ -200,8 +234,9 @@ class Features(FeaturesAlgebra, FeaturesFile):
 def check_overflow(feats: Features, what: str, path: str | os.PathLike | None) -> None:
     """Refuse statistics that overflowed float64."""
     raw = feats._gram_raw  # a gram not derived or read yet is checked when it is
-    arrays = [raw if isinstance(raw, np.ndarray) else None, feats.moments, feats.basis_gram, feats.basis_moments,
-              feats.target_gram]
+    held = feats.basis_gram_held
+    arrays = [raw if isinstance(raw, np.ndarray) else None, feats.moments,
+              held.K if isinstance(held, symgram.Pairs) else held, feats.basis_moments, feats.target_gram]
     if not all(a is None or formats.all_finite(a) for a in arrays):
         raise InputError(f"the statistics of {what} overflow float64 (tokens or targets too large); "
                          "rescale the data", path)

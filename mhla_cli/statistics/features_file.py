@@ -53,20 +53,34 @@ PAIRS_DATASET = formats.PAIRS_DATASET
 class FeaturesFile:
     """The file of a `Features` record (mixed into it): its layout, `save` and `load`."""
 
-    def datasets(self, compact: bool = False) -> dict[str, np.ndarray | None]:
+    def datasets(self, compact: bool = False) -> dict[str, np.ndarray | formats.Deferred | None]:
         """The datasets of a features file (docs/formats.md). `compact`: the canonical Gram as its
-        distinct entries only (PAIRS_DATASET), without 'gram' and 'basis_gram'."""
+        distinct entries only (PAIRS_DATASET), without 'gram' and 'basis_gram'. The psi x psi ones are
+        `formats.Deferred`: derived from the held form when written, one at a time, and not kept."""
         self.finalize()
         self.canonical()
-        data = {"gram": None if compact else self.gram, "moments": self.moments, "target_gram": self.target_gram,
+        own = self._gram_raw  # None for a block on the data's spans
+        own_bytes = 8 * self.n_features ** 2
+        data = {"gram": None if compact or own is None else own if isinstance(own, np.ndarray)
+                else formats.Deferred(self._own_gram_to_write, own_bytes),
+                "moments": self.moments, "target_gram": self.target_gram,
                 "token_gram": self.token_gram, "last_token_gram": self.last_token_gram}
-        data.update(basis=self.basis, **{k: getattr(self, k) for k in self.BASIS_SUMS})
+        data.update(basis=self.basis, **{k: getattr(self, k) for k in self.BASIS_SUMS if k != "basis_gram"})
+        held = self.basis_gram_held
+        pairs = isinstance(held, symgram.Pairs)
         if compact:
             data["basis_gram"] = None
-            data[PAIRS_DATASET] = symgram.pairs_from_gram(self.basis_gram, *self.factor_sizes())
+            data[PAIRS_DATASET] = held.K if pairs else symgram.pairs_from_gram(held, *self.factor_sizes())
+        else:
+            data["basis_gram"] = formats.Deferred(held.expand, 8 * held.shape[0] ** 2) if pairs else held
         data.update(span_pairs=self.span_pairs, span_last=self.span_last)  # None (not written) unless reduced
         data["target_sum"] = self.target_sum  # None (not written) when unknown
         return data
+
+    def _own_gram_to_write(self) -> np.ndarray:
+        """The own gram for the file: derived and not kept when it is to be derived, else as held (a
+        stored one is read)."""
+        return self._derive_gram() if self._gram_raw is _DERIVED else self.gram
 
     def save(self, path: str | os.PathLike, inputs: tuple[str | os.PathLike, ...] = (),
              extra: dict[str, np.ndarray] | None = None, extra_attrs: dict[str, Any] | None = None,
@@ -288,7 +302,9 @@ def _load_block(f: h5py.File, path: str | os.PathLike, d: int, has_targets: bool
             raise InputError(f"'{name}' must have orthonormal columns of length {rows}, got shape {M.shape}", path)
     n = E.shape[1] * F.shape[1]
     gb = out["basis_gram"]
-    if gb.shape != (n, n) or not np.isfinite(gb).all() or not _is_symmetric(gb):
+    if isinstance(gb, symgram.Pairs):
+        pass  # the distinct entries of a symmetric (n, n) block, validated by _read_pairs
+    elif gb.shape != (n, n) or not np.isfinite(gb).all() or not _is_symmetric(gb):
         raise InputError(f"'basis_gram' must be a finite symmetric ({n}, {n}) block, got shape {gb.shape}", path)
     mb = out["basis_moments"]
     if mb is not None and mb.shape != (n, d):
@@ -300,10 +316,10 @@ def _load_block(f: h5py.File, path: str | os.PathLike, d: int, has_targets: bool
     return out
 
 
-def _read_pairs(f: h5py.File, path: str | os.PathLike, q: int, r: int) -> np.ndarray:
-    """The canonical Gram (q r, q r) of a compact file, from its distinct entries (PAIRS_DATASET:
-    (q(q+1)/2, r(r+1)/2), mhla_cli.linalg.symgram), validated: format version, no 'basis_gram' beside it,
-    shape, finite values."""
+def _read_pairs(f: h5py.File, path: str | os.PathLike, q: int, r: int) -> symgram.Pairs:
+    """The canonical Gram (q r, q r) of a compact file as its distinct entries (PAIRS_DATASET:
+    (q(q+1)/2, r(r+1)/2), mhla_cli.linalg.symgram; expanded when first read), validated: format
+    version, no 'basis_gram' beside it, shape, finite values."""
     version = int(f.attrs.get("mhla_format_version", 2))
     if version < PAIRS_FORMAT:
         raise InputError(f"has '{PAIRS_DATASET}' but format version {version}: the compact form exists from "
@@ -316,7 +332,7 @@ def _read_pairs(f: h5py.File, path: str | os.PathLike, q: int, r: int) -> np.nda
                          f"distinct entries of a ({q * r}, {q * r}) Gram)", path)
     if not formats.all_finite(K):
         raise InputError(f"'{PAIRS_DATASET}' contains NaN or Inf; the file is corrupted", path)
-    return symgram.gram_from_pairs(K, q, r)
+    return symgram.Pairs(K, q, r)
 
 
 def _is_symmetric(a: np.ndarray, tile: int = 512) -> bool:
