@@ -1,0 +1,227 @@
+"""Issue 24 acceptance: featurize with the Gram's distinct entries (K = U^T V, mhla_cli.linalg.symgram)
+against a bare dsyrk, and against the code before it, back to back in one run.
+
+For each point D:N (dense float32 Gaussian tokens of n = --seq-len, noise targets; D:N:causal for
+per-position data, every prefix a sample) this script measures, in the same run on the same machine:
+
+- a bare float64 dsyrk (scipy) of the materialised features of the same N (blocks of at most 4096
+  rows, the best block time scaled to all rows), with all BLAS threads (one thread above
+  POTRF_THREADED_MAX, where OpenBLAS's threaded syrk crashes) and, with --one-thread-syrk (default for
+  d >= 32), also on one thread;
+- `mhla featurize DATA -o OUT.h5 -q` as a fresh process (start-up, reading, the pass, the exact
+  change to the whitening of the data and writing the file included): the current code, the current
+  code with --compact, and the code at --baseline-ref (default 96474f1, the commit before issue 24),
+  checked out with `git worktree add` into a temporary directory; the three alternate `--repeat`
+  times and the best of each is kept (peak RSS of that run too);
+- with --solve (the points with N >= psi): `mhla certify F --json` and `mhla fit F -o M.h5 --json` on
+  the current default file, the current compact file and the baseline's own file, against a bare
+  Cholesky (scipy cho_factor of a random SPD psi x psi matrix, best of --repeat, fresh process).
+
+Printed: the machine, one table per section with the ratios (time / bare dsyrk, time / Cholesky)
+and the targets of issue 24 (featurize <= 0.75x at d = 16 and d = 24 with N >= 36000, <= 1.0x at
+d = 24 below it, <= 0.9x causal, d >= 32 <= 0.5x a one-thread dsyrk; certify / fit <= 2x a
+Cholesky). JSON: benchmarks/out/bench_symgram.json (--json PATH). The script always exits 0.
+
+Run:
+    python benchmarks/bench_symgram.py                       # 16:200000 24:36000 24:9000 16:2048:causal, --solve at 24:9000
+    python benchmarks/bench_symgram.py --points 24:9000 --solve 24:9000 --repeat 3
+    python benchmarks/bench_symgram.py --points 32:6000 --repeat 1
+    python benchmarks/bench_symgram.py --baseline-ref none   # the current code only
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _common import OUT, machine, mhla_cmd, table, tokens_file  # noqa: E402
+from bench_causal import causal_file  # noqa: E402
+from bench_gflops import bare_dsyrk_seconds  # noqa: E402
+from bench_large import BARE_CHOL, last_json, python_snippet, worktree, wrapped  # noqa: E402
+
+from mhla_cli.feature_map import n_features  # noqa: E402
+from mhla_cli.linalg.backends import POTRF_THREADED_MAX  # noqa: E402
+
+BASELINE = "96474f1"  # the commit before issue 24 (the Gram by one syrk of the materialised block)
+POINTS = ["16:200000", "24:36000", "24:9000", "16:2048:causal"]
+
+
+def target(d: int, N: int, causal: bool) -> tuple[str, float]:
+    """(what the featurize ratio is taken against, the largest ratio issue 24 accepts)."""
+    if causal:
+        return "dsyrk", 0.9
+    if d >= 32:
+        return "one-thread dsyrk", 0.5
+    if d >= 24 and N < 36000:
+        return "dsyrk", 1.0
+    return "dsyrk", 0.75
+
+
+def run_cli(args: list[str], tree: Path | None) -> dict[str, Any]:
+    """`mhla ARGS` as a fresh process with the code of `tree` (None: the current one): wall, rc, peak RSS."""
+    env = dict(os.environ)
+    if tree is not None:
+        env["PYTHONPATH"] = os.pathsep.join([str(tree), *filter(None, [env.get("PYTHONPATH")])])
+    w = wrapped(mhla_cmd(*args), env=env, cwd=tree)
+    if w["rc"] not in (0, 1):
+        raise RuntimeError(f"mhla {' '.join(args)} failed (rc {w['rc']}): {w['stderr']}")
+    return w
+
+
+def check_tree(tree: Path) -> None:
+    """The baseline child really imports the baseline's mhla_cli (not the installed one)."""
+    env = dict(os.environ, PYTHONPATH=str(tree))
+    r = python_snippet("import json, mhla_cli; print(json.dumps({'file': mhla_cli.__file__}))", env=env, cwd=tree)
+    if not Path(r["file"]).resolve().is_relative_to(tree.resolve()):
+        raise RuntimeError(f"the baseline child imported {r['file']}, not the mhla_cli of {tree}")
+
+
+def featurize_point(spec: str, repeat: int, base: Path | None, work: Path, one_thread: bool | None,
+                    keep: bool) -> dict[str, Any]:
+    parts = spec.split(":")
+    d, N, causal = int(parts[0]), int(parts[1]), len(parts) > 2 and parts[2] == "causal"
+    psi = n_features(d)
+    n = 32 if d <= 16 else 30
+    data = Path(causal_file(N, n, d)) if causal else tokens_file(N, n, d)
+    rows = N * n if causal else N
+    print(f"# {spec}: psi = {psi}, {rows} samples: bare dsyrk ...", flush=True)
+    threads = 1 if psi > POTRF_THREADED_MAX else None
+    from threadpoolctl import threadpool_limits
+
+    with threadpool_limits(limits=threads):
+        t_syrk = bare_dsyrk_seconds(psi, rows, repeat=max(2, repeat))
+    one = one_thread if one_thread is not None else d >= 32
+    t_syrk1 = None
+    if one:
+        with threadpool_limits(limits=1):
+            t_syrk1 = bare_dsyrk_seconds(psi, rows, repeat=max(2, repeat))
+    outs = {"current": work / f"cur_{d}_{N}.h5", "compact": work / f"cmp_{d}_{N}.h5",
+            "baseline": work / f"base_{d}_{N}.h5"}
+    runs: dict[str, list[dict[str, Any]]] = {k: [] for k in outs}
+    run_cli(["featurize", str(data), "-o", str(outs["current"]), "-q"], None)  # warm the page cache
+    for i in range(repeat):
+        for name, out in outs.items():
+            if name == "baseline" and base is None:
+                continue
+            print(f"# {spec}: featurize ({name}, run {i + 1}/{repeat}) ...", flush=True)
+            args = ["featurize", str(data), "-o", str(out), "-q"] + (["--compact"] if name == "compact" else [])
+            runs[name].append(run_cli(args, base if name == "baseline" else None))
+    best = {k: min(v, key=lambda w: w["wall"]) for k, v in runs.items() if v}
+    against, limit = target(d, N, causal)
+    ref = t_syrk1 if against == "one-thread dsyrk" else t_syrk
+    r = {"spec": spec, "d": d, "psi": psi, "N": N, "n": n, "causal": causal, "rows": rows,
+         "dsyrk_s": t_syrk, "dsyrk_threads": "1 (threaded syrk crashes)" if threads else "all",
+         "dsyrk_one_thread_s": t_syrk1, "against": against, "target": limit,
+         "featurize": {k: {"wall": w["wall"], "maxrss_mib": w["maxrss_kib"] / 1024,
+                           "walls": [x["wall"] for x in runs[k]]} for k, w in best.items()},
+         "files": {k: str(p) for k, p in outs.items()}}
+    for k, w in r["featurize"].items():
+        w["ratio"] = w["wall"] / ref
+    if not keep:
+        for p in outs.values():
+            p.unlink(missing_ok=True)
+    return r
+
+
+def solve_point(r: dict[str, Any], repeat: int, base: Path | None, work: Path) -> dict[str, Any]:
+    """certify / fit on the files of a featurize point (kept), against a bare Cholesky."""
+    psi = r["psi"]
+    print(f"# {r['spec']}: bare Cholesky ({psi} x {psi}) ...", flush=True)
+    chol = python_snippet(BARE_CHOL, psi, max(2, repeat))["best"]
+    out: dict[str, Any] = {"cholesky_s": chol}
+    for step in ("certify", "fit"):
+        for name in ("current", "compact", "baseline"):
+            if name == "baseline" and base is None:
+                continue
+            f = r["files"][name]
+            args = [step, f, "--json", "-q"] + (["-o", str(work / f"m_{name}.h5")] if step == "fit" else [])
+            walls = []
+            for i in range(repeat):
+                print(f"# {r['spec']}: {step} ({name}, run {i + 1}/{repeat}) ...", flush=True)
+                walls.append(run_cli(args, base if name == "baseline" else None))
+            w = min(walls, key=lambda x: x["wall"])
+            rec = last_json(w["stdout"])
+            out[f"{step}_{name}"] = {"wall": w["wall"], "ratio": w["wall"] / chol, "maxrss_mib": w["maxrss_kib"] / 1024,
+                                     "seconds": rec.get("seconds", {}), "identifiable": rec.get("identifiable"),
+                                     "lambda_min": rec.get("lambda_min"), "lambda_max": rec.get("lambda_max")}
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--points", nargs="+", default=POINTS, metavar="D:N[:causal]")
+    ap.add_argument("--solve", nargs="*", default=["24:9000"], metavar="D:N",
+                    help="points whose files certify and fit are timed on (default 24:9000)")
+    ap.add_argument("--repeat", type=int, default=2)
+    ap.add_argument("--baseline-ref", default=BASELINE, help="the code before (a git ref; none: skip it)")
+    ap.add_argument("--one-thread-syrk", action="store_true", default=None,
+                    help="also time the bare dsyrk on one thread (default from d = 32 on)")
+    ap.add_argument("--json", type=Path, default=OUT / "bench_symgram.json")
+    args = ap.parse_args()
+    results: dict[str, Any] = {"machine": machine(), "points": []}
+    with contextlib.ExitStack() as stack:
+        base = sha = None
+        if args.baseline_ref != "none":
+            base, sha = stack.enter_context(worktree(args.baseline_ref))
+            check_tree(base)
+        results["baseline"] = sha
+        OUT.mkdir(parents=True, exist_ok=True)
+        work = Path(stack.enter_context(tempfile.TemporaryDirectory(dir=OUT, prefix="symgram_")))
+        for spec in args.points:
+            solve = spec in (args.solve or [])
+            r = featurize_point(spec, args.repeat, base, work, args.one_thread_syrk, keep=solve)
+            if solve:
+                r["solve"] = solve_point(r, args.repeat, base, work)
+                for p in r["files"].values():
+                    Path(p).unlink(missing_ok=True)
+            results["points"].append(r)
+    results["machine_after"] = machine()
+    print(f"\n## featurize with K = U^T V against a bare dsyrk and the code before (baseline {sha})\n")
+    print(results["machine"] + "\n")
+    rows = []
+    for r in results["points"]:
+        fz = r["featurize"]
+        ref = r["dsyrk_one_thread_s"] if r["against"] == "one-thread dsyrk" else r["dsyrk_s"]
+        cells = [r["spec"], r["psi"], r["rows"], f"{ref:.2f} ({r['against']})"]
+        for k in ("current", "compact", "baseline"):
+            cells.append(f"{fz[k]['wall']:.2f} / {fz[k]['ratio']:.2f}x" if k in fz else "-")
+        cur = fz["current"]["ratio"]
+        cells += [f"{fz['baseline']['wall'] / fz['current']['wall']:.2f}" if "baseline" in fz else "-",
+                  f"<= {r['target']}: {'PASS' if cur <= r['target'] else 'FAIL'}",
+                  " / ".join(f"{fz[k]['maxrss_mib']:.0f}" for k in ("current", "compact", "baseline") if k in fz)]
+        rows.append(cells)
+    print(table(["point", "psi", "samples", "bare dsyrk s", "featurize s / ratio", "--compact",
+                 "baseline", "baseline / current", "target (current)", "peak RSS MiB (cur / compact / base)"], rows))
+    srows = []
+    for r in results["points"]:
+        if "solve" not in r:
+            continue
+        s = r["solve"]
+        for step in ("certify", "fit"):
+            cells = [r["spec"], step, f"{s['cholesky_s']:.2f}"]
+            for k in ("current", "compact", "baseline"):
+                v = s.get(f"{step}_{k}")
+                cells.append("-" if v is None else f"{v['wall']:.2f} / {v['ratio']:.2f}x")
+            cur = s[f"{step}_current"]
+            cells += [f"<= 2: {'PASS' if cur['ratio'] <= 2 else 'FAIL'}",
+                      json.dumps({k: round(v, 3) for k, v in cur["seconds"].items()})]
+            srows.append(cells)
+    if srows:
+        print("\n## certify / fit against a bare Cholesky (whole processes)\n")
+        print(table(["point", "step", "Cholesky s", "current s / ratio", "on the --compact file", "baseline",
+                     "target (current)", "current `seconds`"], srows))
+    print("\n" + results["machine_after"])
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(json.dumps(results, indent=1))
+    print(f"\nwrote {args.json}")
+
+
+if __name__ == "__main__":
+    main()
