@@ -71,3 +71,20 @@ def test_the_record_has_its_algebra_and_its_file() -> None:
     assert issubclass(Features, algebra.FeaturesAlgebra) and issubclass(Features, features_file.FeaturesFile)
     f = Features.zeros(2, True)
     assert f.gram.shape == (f.n_features, f.n_features) and f._gram_raw is f.gram  # the field, held
+
+
+def test_expand_held_expands_a_held_basis_gram_once(monkeypatch) -> None:
+    """`expand_held` turns a basis Gram held as its distinct entries into the array it stands for (what
+    reading `basis_gram` does), and leaves an array as it is."""
+    from mhla_cli.linalg import symgram
+
+    X, off, y = ragged_data(4)
+    monkeypatch.setattr(symgram, "SYMGRAM_MIN_D", 1)
+    feats = chunk_features(X, off, y, 3)
+    held = feats.basis_gram_held
+    assert isinstance(held, symgram.Pairs)
+    assert feats.expand_held() is feats and isinstance(feats.basis_gram_held, np.ndarray)
+    assert np.array_equal(feats.basis_gram_held, held.expand())
+    same = feats.basis_gram_held
+    feats.expand_held()
+    assert feats.basis_gram_held is same

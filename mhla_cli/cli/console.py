@@ -146,4 +146,6 @@ def load_with_progress(path: Path, chunk_size: int | None, quiet: bool,
     t = time.perf_counter()
     with progress_bar("featurize", total, quiet) as advance:
         feats = load_features(path, chunk_size=chunk_size, normalize=normalize, progress=advance, device=device)
+        if kind == "features":
+            feats.expand_held()  # a compact file's Gram: expanded within the load's seconds
     return feats, kind, {"pass" if kind == "tokens" else "load": time.perf_counter() - t}

@@ -114,6 +114,7 @@ def _load_for_fit(data: Path, folds: bool, chunk_size: int | None, quiet: bool, 
     with progress_bar("featurize", inspect_tokens(data).n_samples
                       if formats.kind_of(data) == "tokens" else 0, quiet) as advance:
         feats, fold_feats = load_for_cv(data, chunk_size=chunk_size, progress=advance)
+        feats.expand_held()
     return feats, fold_feats, {"load": time.perf_counter() - t0}
 
 

@@ -162,6 +162,12 @@ class Features(FeaturesAlgebra, FeaturesFile):
         """`basis_gram` as held: an array, its distinct entries (symgram.Pairs, not expanded), or None."""
         return self.__dict__.get("_basis_gram")
 
+    def expand_held(self) -> Features:
+        """Expand a basis Gram held as its distinct entries now rather than when first read (so that a
+        command times it with the load); returns self."""
+        self.basis_gram  # noqa: B018  (the descriptor expands and keeps it)
+        return self
+
     @property
     def lambda_d(self) -> np.ndarray:
         """Lambda_D = gram / sum w on the tokens' own features (the certificate uses `solver_stats`)."""
