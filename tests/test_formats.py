@@ -192,3 +192,13 @@ def test_a_deferred_dataset_is_made_when_written_and_counted_before(tmp_path: Pa
     assert made == [1] and seen == [(8 * size + 24 + (1 << 16), 0)]
     with h5py.File(out, "r") as f:
         assert np.array_equal(f["a"][()], np.arange(size)) and f["b"].shape == (3,)
+
+
+def test_a_deferred_dataset_of_row_blocks_is_written_block_by_block(tmp_path: Path) -> None:
+    """formats.Deferred with a shape: the blocks (first row, rows) fill a float64 dataset of that shape."""
+    full = np.arange(35, dtype=np.float64).reshape(7, 5)
+    blocks = [(0, full[:3]), (3, full[3:6]), (6, full[6:])]
+    out = formats.write_file(tmp_path / "x.h5", "tokens", {"a": formats.Deferred(lambda: iter(blocks), full.nbytes,
+                                                                                 shape=full.shape)})
+    with h5py.File(out, "r") as f:
+        assert f["a"].dtype == np.float64 and np.array_equal(f["a"][()], full)

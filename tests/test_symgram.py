@@ -329,3 +329,16 @@ def test_pairs_refuse_wrong_shapes() -> None:
     p = symgram.Pairs(np.zeros(symgram.pairs_shape(3, 2)), 3, 2)
     with pytest.raises(ValueError, match="do not act"):
         p.congruence(np.eye(2), np.eye(2))
+
+
+@pytest.mark.parametrize("rows", [1, 5, 6, 10**6])  # one pair row per block, uneven blocks, the whole Gram
+def test_gram_rows_give_the_gram_block_by_block(rows: int) -> None:
+    rng = np.random.default_rng(rows)
+    q, r = 5, 3
+    _, G = _rows_gram(rng, q, r)
+    K = symgram.pairs_from_gram(G, q, r)
+    got = np.full_like(G, np.nan)
+    for r0, block in symgram.gram_rows(K, q, r, rows=rows):
+        assert block.shape[0] % r == 0 and block.shape[0] <= max(r, rows)
+        got[r0:r0 + block.shape[0]] = block
+    assert relerr(got, G) < TOL and np.array_equal(got, symgram.gram_from_pairs(K, q, r))

@@ -656,11 +656,15 @@ _BLOCK_WRITE_BYTES = 16 << 20
 
 class Deferred:
     """A dataset computed only when `write_file` writes it, and released right after (so that a file of
-    several psi x psi datasets derived from one held form never holds them all at once)."""
+    several psi x psi datasets derived from one held form never holds them all at once).
 
-    def __init__(self, make: Callable[[], np.ndarray], nbytes: int) -> None:
+    `make()` returns the array; or, with `shape` given, an iterable of (first row, block of rows) of a
+    float64 dataset of that shape, written block by block (the dataset is never held whole)."""
+
+    def __init__(self, make: Callable[[], Any], nbytes: int, shape: tuple[int, ...] | None = None) -> None:
         self.make = make
         self.nbytes = int(nbytes)  # the size, for the free-space check before anything is computed
+        self.shape = shape
 
 
 def _fill(f: h5py.File, meta: Mapping[str, Any], attrs: Mapping[str, Any] | None,
@@ -672,6 +676,11 @@ def _fill(f: h5py.File, meta: Mapping[str, Any], attrs: Mapping[str, Any] | None
             f.attrs[k] = v
     for name, arr in datasets.items():
         if arr is None:
+            continue
+        if isinstance(arr, Deferred) and arr.shape is not None:
+            ds = f.create_dataset(name, shape=arr.shape, dtype=np.float64)
+            for r0, block in arr.make():
+                ds[r0:r0 + block.shape[0]] = block
             continue
         arr = np.asarray(arr.make() if isinstance(arr, Deferred) else arr)
         if compression and arr.size > 1024:

@@ -24,6 +24,7 @@ numbers and about half the flops of the same congruence on the expanded Gram.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from functools import lru_cache
 
 import numpy as np
@@ -188,18 +189,34 @@ def gram_from_pairs(K: np.ndarray, q: int, d: int, out: np.ndarray | None = None
     """The (q d, q d) Gram from its distinct entries K (q(q+1)/2, d(d+1)/2): Gram[(a,l),(b,m)] =
     K[(min(a,b), max(a,b)), (min(l,m), max(l,m))], written one row block a at a time (no
     temporaries of the Gram's size). Exactly symmetric."""
+    n = q * d
+    G = np.empty((n, n)) if out is None else out
+    for _ in gram_rows(K, q, d, G):
+        pass
+    return G
+
+
+def gram_rows(K: np.ndarray, q: int, d: int, out: np.ndarray | None = None, rows: int = 1
+              ) -> Iterator[tuple[int, np.ndarray]]:
+    """The rows of the (q d, q d) Gram of `gram_from_pairs`, a block at a time: yields (first row,
+    block (k d, q d)) for consecutive pair indices a (k of them, k = max(1, rows // d)), written into
+    `out`'s rows (the whole Gram) or into one reused block (so that a writer never holds the Gram)."""
     K = np.asarray(K, dtype=np.float64)
     if K.shape != pairs_shape(q, d):
         raise ValueError(f"K has shape {K.shape}, expected {pairs_shape(q, d)}")
     n = q * d
-    G = np.empty((n, n)) if out is None else out
+    k = max(1, int(rows) // max(d, 1))
+    work = None if out is not None else np.empty((min(k, q) * d, n))
     Pq, Pd = pair_positions(q), pair_positions(d)
-    rows = np.empty((q, K.shape[1]))
-    for a in range(q):
-        np.take(K, Pq[a], axis=0, out=rows)  # (q, d(d+1)/2): the pairs (a, b) for every b, in cache
-        for l in range(d):  # row (a, l) of G, contiguous: G[(a,l), (b,m)] = rows[b, (l, m)]
-            np.take(rows, Pd[l], axis=1, out=G[a * d + l].reshape(q, d))
-    return G
+    pairs = np.empty((q, K.shape[1]))
+    for a0 in range(0, q, k):
+        a1 = min(q, a0 + k)
+        block = out[a0 * d:a1 * d] if out is not None else work[:(a1 - a0) * d]
+        for a in range(a0, a1):
+            np.take(K, Pq[a], axis=0, out=pairs)  # (q, d(d+1)/2): the pairs (a, b) for every b, in cache
+            for l in range(d):  # row (a, l), contiguous: G[(a,l), (b,m)] = pairs[b, (l, m)]
+                np.take(pairs, Pd[l], axis=1, out=block[(a - a0) * d + l].reshape(q, d))
+        yield a0 * d, block
 
 
 def pairs_from_gram(G: np.ndarray, q: int, d: int) -> np.ndarray:
@@ -229,6 +246,9 @@ def token_pair_map(R: np.ndarray) -> np.ndarray:
     return T
 
 
+# Bytes of one block of rows of the Gram written from K (`Pairs.rows`: a features file's psi x psi
+# datasets are written a block at a time, never held whole).
+ROW_BLOCK_BYTES = 16 * 2**20
 # Bytes of the expanded (columns, q, q) block of `Pairs.congruence`'s pair-factor step.
 CONGRUENCE_BLOCK_BYTES = 16 * 2**20
 
@@ -255,6 +275,11 @@ class Pairs:
     def expand(self) -> np.ndarray:
         """The (q r, q r) Gram (`gram_from_pairs`)."""
         return gram_from_pairs(self.K, self.q, self.r)
+
+    def rows(self, block_bytes: int = ROW_BLOCK_BYTES) -> Iterator[tuple[int, np.ndarray]]:
+        """The Gram's rows in blocks of about `block_bytes`, one reused block (`gram_rows`)."""
+        n = self.q * self.r
+        return gram_rows(self.K, self.q, self.r, rows=max(1, block_bytes // (8 * max(n, 1))))
 
     def copy(self) -> Pairs:
         return Pairs(np.array(self.K), self.q, self.r)

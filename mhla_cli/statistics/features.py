@@ -198,17 +198,20 @@ class Features(FeaturesAlgebra, FeaturesFile):
 
     def _derive_gram(self) -> np.ndarray:
         """The own-coordinate gram from the basis sums (M_A^-1 gram_b M_A^-T; `finalize`), on the two
-        factors when the basis Gram is held as its distinct entries."""
-        held = self.basis_gram_held
+        factors when the basis Gram is held as its distinct entries (`own_pairs`)."""
+        if isinstance(self.basis_gram_held, symgram.Pairs):
+            return self.own_pairs().expand()
         with np.errstate(over="ignore", invalid="ignore"):
-            if isinstance(held, symgram.Pairs):
-                gram = held.congruence(*basis_mod.from_basis_factors(self.basis)).expand()
-            else:
-                gram = basis_mod.gram_from_basis(self.basis, self.basis_gram)
-        if not formats.all_finite(gram):
-            raise InputError("the statistics of the data overflow float64 (tokens or targets too large); "
-                             "rescale the data")
-        return gram
+            gram = basis_mod.gram_from_basis(self.basis, self.basis_gram)
+        return _finite_own(gram)
+
+    def own_pairs(self) -> symgram.Pairs:
+        """The own-coordinate gram as its distinct entries, from a basis Gram held so (the congruence
+        by M_A^-1 on the two factors)."""
+        with np.errstate(over="ignore", invalid="ignore"):
+            own = self.basis_gram_held.congruence(*basis_mod.from_basis_factors(self.basis))
+        _finite_own(own.K)  # the Gram's entries are K's
+        return own
 
     def copy(self) -> Features:
         """A deep copy of the sums (metadata shared)."""
@@ -235,6 +238,14 @@ class Features(FeaturesAlgebra, FeaturesFile):
                    moments=np.zeros((psi, d)) if has_targets else None,
                    target_gram=np.zeros((d, d)) if has_targets else None, token_dtype=token_dtype,
                    target_sum=np.zeros(d) if has_targets else None)
+
+
+def _finite_own(a: np.ndarray) -> np.ndarray:
+    """a, refused (InputError) when the own-coordinate sums derived from the basis overflowed float64."""
+    if not formats.all_finite(a):
+        raise InputError("the statistics of the data overflow float64 (tokens or targets too large); "
+                         "rescale the data")
+    return a
 
 
 def check_overflow(feats: Features, what: str, path: str | os.PathLike | None) -> None:

@@ -60,9 +60,8 @@ class FeaturesFile:
         self.finalize()
         self.canonical()
         own = self._gram_raw  # None for a block on the data's spans
-        own_bytes = 8 * self.n_features ** 2
         data = {"gram": None if compact or own is None else own if isinstance(own, np.ndarray)
-                else formats.Deferred(self._own_gram_to_write, own_bytes),
+                else self._own_gram_to_write(),
                 "moments": self.moments, "target_gram": self.target_gram,
                 "token_gram": self.token_gram, "last_token_gram": self.last_token_gram}
         data.update(basis=self.basis, **{k: getattr(self, k) for k in self.BASIS_SUMS if k != "basis_gram"})
@@ -72,15 +71,19 @@ class FeaturesFile:
             data["basis_gram"] = None
             data[PAIRS_DATASET] = held.K if pairs else symgram.pairs_from_gram(held, *self.factor_sizes())
         else:
-            data["basis_gram"] = formats.Deferred(held.expand, 8 * held.shape[0] ** 2) if pairs else held
+            data["basis_gram"] = _rows_written(held) if pairs else held
         data.update(span_pairs=self.span_pairs, span_last=self.span_last)  # None (not written) unless reduced
         data["target_sum"] = self.target_sum  # None (not written) when unknown
         return data
 
-    def _own_gram_to_write(self) -> np.ndarray:
-        """The own gram for the file: derived and not kept when it is to be derived, else as held (a
-        stored one is read)."""
-        return self._derive_gram() if self._gram_raw is _DERIVED else self.gram
+    def _own_gram_to_write(self) -> formats.Deferred:
+        """The own gram for the file, made when written: from a basis Gram held as its distinct entries,
+        their congruence to the own coordinates (`own_pairs`) written a block of rows at a time (never
+        held whole); else derived (or read, if stored) and not kept."""
+        if self._gram_raw is _DERIVED and isinstance(self.basis_gram_held, symgram.Pairs):
+            return _rows_written(self.basis_gram_held, lambda: self.own_pairs())
+        n = self.n_features
+        return formats.Deferred(lambda: self._derive_gram() if self._gram_raw is _DERIVED else self.gram, 8 * n * n)
 
     def save(self, path: str | os.PathLike, inputs: tuple[str | os.PathLike, ...] = (),
              extra: dict[str, np.ndarray] | None = None, extra_attrs: dict[str, Any] | None = None,
@@ -314,6 +317,13 @@ def _load_block(f: h5py.File, path: str | os.PathLike, d: int, has_targets: bool
             raise InputError(f"'{name}' has shape {out[name].shape} or non-finite values, expected finite ({d}, {d})",
                              path)
     return out
+
+
+def _rows_written(held: symgram.Pairs, pairs: Any = None) -> formats.Deferred:
+    """The Gram of the distinct entries `pairs()` (default: `held` itself; of held's shape), written a
+    block of rows at a time (`formats.Deferred`)."""
+    n = held.shape[0]
+    return formats.Deferred(lambda: (held if pairs is None else pairs()).rows(), 8 * n * n, shape=(n, n))
 
 
 def _read_pairs(f: h5py.File, path: str | os.PathLike, q: int, r: int) -> symgram.Pairs:
