@@ -305,3 +305,32 @@ def test_lanczos_estimates_on_hard_spectra_equal_eigvalsh(name: str, monkeypatch
         bound_min = max(bound_min, n * np.finfo(np.float64).eps * w[-1] / w[0])
     assert abs(lmin - w[0]) <= bound_min * w[0], (lmin, w[0])
     assert abs(lmax - w[-1]) <= bound_max * w[-1], (lmax, w[-1])
+
+
+@pytest.mark.parametrize("side", [0.99, 1.01], ids=["rho just below sqrt(eps)", "rho just above sqrt(eps)"])
+def test_the_refinement_stops_when_rho_to_the_k_plus_1_is_below_eps(side: float,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """Factorization.solve through a factor of lam - s I: the first solve's error is rho = s / (lambda_min - s),
+    k refinement steps leave rho^(k+1), so it takes the fewest k with rho^(k+1) <= eps: one step just below
+    rho = sqrt(eps), two just above; the solution is numpy's to rounding either way."""
+    a = _spd_for_refinement()
+    w = np.linalg.eigvalsh(a)
+    rho = side * np.sqrt(np.finfo(np.float64).eps)
+    s = rho * w[0] / (1 + rho)  # rho = s / (lambda_min - s)
+    fac = factorization.Factorization(a)
+    assert fac.proves_above(s)
+    solves = []
+    real = factorization.Factorization._cho_solve
+    monkeypatch.setattr(factorization.Factorization, "_cho_solve",
+                        lambda self, c, r: solves.append(1) or real(self, c, r))
+    rhs = np.random.default_rng(41).standard_normal((a.shape[0], 2))
+    x = fac.solve(rhs)
+    assert len(solves) == 1 + (1 if side < 1 else 2)
+    ref = np.linalg.solve(a, rhs)
+    assert np.abs(x - ref).max() <= 1e-13 * np.abs(ref).max()
+
+
+def _spd_for_refinement(n: int = 60) -> np.ndarray:
+    rng = np.random.default_rng(42)
+    F = rng.standard_normal((3 * n, n))
+    return F.T @ F / (3 * n)
