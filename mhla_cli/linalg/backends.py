@@ -116,8 +116,8 @@ class HostMatrix:
         return _scipy_linalg().eigh(self.a, subset_by_value=(-np.inf, upper), check_finite=False)
 
     def matvec(self, x: np.ndarray) -> np.ndarray:
-        """a x: for a vector BLAS dsymv on the triangle the Cholesky reads (the lower one of a C-ordered a),
-        half the memory traffic of a GEMV (measured at n = 7200: 8 ms against 15 ms on one thread, 6 against
+        """a x: for a vector BLAS dsymv on a's lower triangle (the one the Cholesky reads), half the memory
+        traffic of a GEMV (measured at n = 7200: 8 ms against 15 ms on one thread, 6 against
         11 on two; Lanczos for lambda_max is ~31 of them); a block of vectors by GEMM (a dsymm took 79 ms
         against 47 ms for 24 columns)."""
         a = self.a
