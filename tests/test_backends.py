@@ -57,6 +57,58 @@ def test_matrix_decompositions_equal_numpy(backend: backends.Backend) -> None:
     np.testing.assert_array_equal(a, _spd())  # the matrix is never written
 
 
+@pytest.mark.parametrize("order", ["C", "F"])
+def test_a_shifted_cholesky_factors_one_copy_in_the_matrix_s_own_order(order: str,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """HostMatrix.cholesky(shift): one copy of a in a's memory order, factored in place (a C-ordered copy
+    through its transpose, an upper U^T U as the unshifted factor): no transposing copy (415 MB at
+    psi = 7200); the factor solves a - shift I (numpy), and a is not written."""
+    import scipy.linalg
+
+    a = np.asarray(_spd(), order=order)
+    seen = []
+    real = scipy.linalg.cho_factor
+
+    def spy(m, lower=False, overwrite_a=False, check_finite=True):
+        out = real(m, lower=lower, overwrite_a=overwrite_a, check_finite=check_finite)
+        seen.append((bool(m.flags.f_contiguous), bool(lower), bool(overwrite_a), bool(np.shares_memory(out[0], m))))
+        return out
+
+    monkeypatch.setattr(scipy.linalg, "cho_factor", spy)
+    m = backends.HostMatrix(a)
+    t = 0.5 * np.linalg.eigvalsh(a)[0]
+    f, f0 = m.cholesky(t), m.cholesky(0.0)
+    # the shifted copy handed to LAPACK as it lies (F-contiguous: a C copy's transpose) and overwritten
+    assert seen[0] == (True, order == "F", True, True), seen
+    assert seen[1][1] == seen[0][1]  # the same form as the unshifted factor
+    x = np.random.default_rng(4).standard_normal(a.shape[0])
+    assert relerr(f.solve(x), np.linalg.solve(a - t * np.eye(a.shape[0]), x)) < 1e-10
+    assert relerr(f.inverse_matvec(x), np.linalg.solve(a - t * np.eye(a.shape[0]), x)) < 1e-10
+    assert relerr(f0.solve(x), np.linalg.solve(a, x)) < 1e-10
+    np.testing.assert_array_equal(a, _spd())
+
+
+@pytest.mark.parametrize("order", ["C", "F"])
+def test_matvec_equals_numpy_and_reads_the_cholesky_s_triangle(order: str) -> None:
+    """HostMatrix.matvec: a x for vectors (BLAS dsymv on one triangle) and blocks (GEMM) in either memory
+    order; a vector's product reads the lower triangle, the one the Cholesky factors, so the fit's
+    refinement residual and its factor see the same matrix even when a is symmetric only to rounding."""
+    rng = np.random.default_rng(5)
+    a = _spd()
+    n = a.shape[0]
+    x, X = rng.standard_normal(n), rng.standard_normal((n, 3))
+    m = backends.HostMatrix(np.asarray(a, order=order))
+    assert relerr(m.matvec(x), a @ x) < 1e-14 and relerr(m.matvec(X), a @ X) < 1e-14
+    assert relerr(m.matvec(x[::2].repeat(2)), a @ x[::2].repeat(2)) < 1e-14
+    b = a.copy()
+    b[np.triu_indices(n, 1)] *= 1 + 1e-6  # the strict upper triangle off by 1e-6 relative
+    lower = np.tril(b) + np.tril(b, -1).T  # the matrix of b's lower triangle
+    mb = backends.HostMatrix(np.asarray(b, order=order))
+    assert relerr(mb.matvec(x), lower @ x) < 1e-14 and relerr(mb.matvec(x), b @ x) > 1e-9
+    t = 0.5 * np.linalg.eigvalsh(lower)[0]
+    assert relerr(mb.cholesky(t).solve(x), np.linalg.solve(lower - t * np.eye(n), x)) < 1e-10
+
+
 @pytest.mark.parametrize("dense_max", [4096, 0], ids=["dense", "cholesky-lanczos"])
 @pytest.mark.parametrize("rank", [None, 20], ids=["definite", "singular"])
 def test_factorization_equals_the_numpy_backend(backend: backends.Backend, dense_max: int, rank: int | None,

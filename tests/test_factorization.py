@@ -245,3 +245,92 @@ def test_a_singular_block_costs_one_failed_cholesky(monkeypatch: pytest.MonkeyPa
     c = certify(chunk_features(tokens, offsets, targets, 4))
     assert not c.identifiable and c.proof == "cholesky of Lambda~ - t I failed"
     assert calls["cho"] == 1
+
+
+# --------------------------------------------------------------------------------------------
+# the Lanczos estimates above DENSE_MAX on hard spectra, against numpy.linalg.eigvalsh
+# --------------------------------------------------------------------------------------------
+
+
+def _hard_spectra(n: int = 300) -> dict[str, tuple[np.ndarray, str]]:
+    """Symmetric PSD matrices with a hard bottom or top, and how close lambda_min / lambda_max must be."""
+    rng = np.random.default_rng(40)
+
+    def rotated(w: np.ndarray, seed: int) -> np.ndarray:
+        Q = np.linalg.qr(np.random.default_rng(seed).standard_normal((w.size, w.size)))[0]
+        a = (Q * w) @ Q.T
+        return (a + a.T) / 2
+
+    def bulk() -> np.ndarray:
+        return np.sort(rng.uniform(1.0, 10.0, n))
+
+    out = {}
+    w = bulk()
+    w[:4] = 0.5 * (1 + np.array([0.0, 1e-10, 2e-10, 3e-10]))  # unresolvable: within the cluster
+    out["bottom cluster 1e-10"] = (rotated(w, 1), "cluster")
+    w = bulk()
+    w[:4] = 0.5 * (1 + np.array([0.0, 1e-4, 2e-4, 3e-4]))  # resolved: to ~1e-14
+    out["bottom cluster 1e-4"] = (rotated(w, 2), "relative")
+    w = bulk()
+    w[-3:] = 20 * (1 + np.array([0.0, 1e-9, 2e-9]))
+    out["top cluster 1e-9"] = (rotated(w, 3), "cluster")
+    out["graded 1e-6..1"] = (rotated(np.logspace(-6, 0, n), 4), "absolute")
+    F = rng.standard_normal((2 * n, n))
+    F[:, :5] *= 1e-3  # five small-variance directions, rotated
+    F = F @ np.linalg.qr(rng.standard_normal((n, n)))[0]
+    out["rotated small-variance"] = (F.T @ F / (2 * n), "absolute")
+    return out
+
+
+@pytest.mark.parametrize("name", list(_hard_spectra()))
+def test_lanczos_estimates_on_hard_spectra_equal_eigvalsh(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """lambda_min (Lanczos on the inverse through the proof's factor) and lambda_max (Lanczos on the matrix):
+    to 1e-13 relative where the spectrum separates them (LANCZOS_TOL's ~1e-14), within the cluster's width
+    where it does not (a Ritz value of a cluster narrower than the residual is any of its members), and to
+    the reference's own accuracy n eps lambda_max on an ill-conditioned bottom."""
+    monkeypatch.setattr(factorization, "DENSE_MAX", 0)
+    a, kind = _hard_spectra()[name]
+    w = np.linalg.eigvalsh(a)
+    n, scale = a.shape[0], 1 / 7
+    fac = factorization.Factorization(a, scale=scale)
+    t = n * np.finfo(np.float64).eps * w[-1] * scale  # the certificate's threshold
+    assert fac.proves_above(t)
+    lmin, lmax = fac.lambda_min() / scale, fac.lambda_max() / scale
+    assert fac.known_eigenvalues() is None  # estimated, not the dense eigenvalues
+    bound_min = bound_max = 1e-13
+    if kind == "cluster":
+        bound_min = max(bound_min, (w[3] - w[0]) / w[0])
+        bound_max = max(bound_max, (w[-1] - w[-3]) / w[-1])
+    elif kind == "absolute":
+        bound_min = max(bound_min, n * np.finfo(np.float64).eps * w[-1] / w[0])
+    assert abs(lmin - w[0]) <= bound_min * w[0], (lmin, w[0])
+    assert abs(lmax - w[-1]) <= bound_max * w[-1], (lmax, w[-1])
+
+
+@pytest.mark.parametrize("side", [0.99, 1.01], ids=["rho just below sqrt(eps)", "rho just above sqrt(eps)"])
+def test_the_refinement_stops_when_rho_to_the_k_plus_1_is_below_eps(side: float,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """Factorization.solve through a factor of lam - s I: the first solve's error is rho = s / (lambda_min - s),
+    k refinement steps leave rho^(k+1), so it takes the fewest k with rho^(k+1) <= eps: one step just below
+    rho = sqrt(eps), two just above; the solution is numpy's to rounding either way."""
+    a = _spd_for_refinement()
+    w = np.linalg.eigvalsh(a)
+    rho = side * np.sqrt(np.finfo(np.float64).eps)
+    s = rho * w[0] / (1 + rho)  # rho = s / (lambda_min - s)
+    fac = factorization.Factorization(a)
+    assert fac.proves_above(s)
+    solves = []
+    real = factorization.Factorization._cho_solve
+    monkeypatch.setattr(factorization.Factorization, "_cho_solve",
+                        lambda self, c, r: solves.append(1) or real(self, c, r))
+    rhs = np.random.default_rng(41).standard_normal((a.shape[0], 2))
+    x = fac.solve(rhs)
+    assert len(solves) == 1 + (1 if side < 1 else 2)
+    ref = np.linalg.solve(a, rhs)
+    assert np.abs(x - ref).max() <= 1e-13 * np.abs(ref).max()
+
+
+def _spd_for_refinement(n: int = 60) -> np.ndarray:
+    rng = np.random.default_rng(42)
+    F = rng.standard_normal((3 * n, n))
+    return F.T @ F / (3 * n)
