@@ -71,7 +71,7 @@ class FeaturesFile:
             data["basis_gram"] = None
             data[PAIRS_DATASET] = held.K if pairs else symgram.pairs_from_gram(held, *self.factor_sizes())
         else:
-            data["basis_gram"] = _rows_written(held) if pairs else held
+            data["basis_gram"] = _rows_written(held.shape[0], lambda: held) if pairs else held
         data.update(span_pairs=self.span_pairs, span_last=self.span_last)  # None (not written) unless reduced
         data["target_sum"] = self.target_sum  # None (not written) when unknown
         return data
@@ -81,7 +81,7 @@ class FeaturesFile:
         their congruence to the own coordinates (`own_pairs`) written a block of rows at a time (never
         held whole); else derived (or read, if stored) and not kept."""
         if self._gram_raw is _DERIVED and isinstance(self.basis_gram_held, symgram.Pairs):
-            return _rows_written(self.basis_gram_held, lambda: self.own_pairs())
+            return _rows_written(self.n_features, self.own_pairs)
         n = self.n_features
         return formats.Deferred(lambda: self._derive_gram() if self._gram_raw is _DERIVED else self.gram, 8 * n * n)
 
@@ -319,11 +319,10 @@ def _load_block(f: h5py.File, path: str | os.PathLike, d: int, has_targets: bool
     return out
 
 
-def _rows_written(held: symgram.Pairs, pairs: Any = None) -> formats.Deferred:
-    """The Gram of the distinct entries `pairs()` (default: `held` itself; of held's shape), written a
+def _rows_written(n: int, pairs: Any) -> formats.Deferred:
+    """The (n, n) Gram of the distinct entries `pairs()` (a symgram.Pairs made when written), written a
     block of rows at a time (`formats.Deferred`)."""
-    n = held.shape[0]
-    return formats.Deferred(lambda: (held if pairs is None else pairs()).rows(), 8 * n * n, shape=(n, n))
+    return formats.Deferred(lambda: pairs().rows(), 8 * n * n, shape=(n, n))
 
 
 def _read_pairs(f: h5py.File, path: str | os.PathLike, q: int, r: int) -> symgram.Pairs:
