@@ -275,7 +275,8 @@ def test_order_chunks_shards_workers_and_duplicates_do_not_change_the_answer(
 @SETTINGS
 @given(data=datasets(), cuts=st.lists(st.integers(1, 39), min_size=1, max_size=4, unique=True),
        scale=st.sampled_from([1.0, 1e-4]))
-def test_partial_fit_equals_the_fit_of_the_concatenation(data: Data, cuts: list[int], scale: float) -> None:
+def test_partial_fit_equals_the_fit_of_the_concatenation(data: Data, cuts: list[int], scale: float,
+                                                         kernel: str) -> None:
     """Any chunking, whatever the first chunk holds (here optionally a tiny rotated direction)."""
     N = data.offsets.size - 1
     tokens = data.tokens.astype(np.float64).copy()
