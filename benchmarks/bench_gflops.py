@@ -8,8 +8,9 @@ threads: featurize (the Gram's distinct entries K = U^T V, mhla_cli.linalg.symgr
 syrk of the materialised block forced (symgram.SYMGRAM_MIN_D raised), each over the time of a bare
 dsyrk of the materialised N x psi features (blocks of at most 4096 rows, timed and scaled to N).
 Example: python benchmarks/bench_gflops.py --ratio 16:12000 24:2000 --repeat 2
-`--kernel D ...`: one chunk's update alone, K against the dsyrk, one BLAS thread (the rule
-symgram.SYMGRAM_MIN_D). Example: python benchmarks/bench_gflops.py --kernel 4 6 8 12 16
+`--kernel D ...`: one chunk's update alone, K against the dsyrk, one thread (the rule
+symgram.SYMGRAM_MIN_D) or `--threads T`. Example: python benchmarks/bench_gflops.py --kernel 4 6 8 12 16;
+python benchmarks/bench_gflops.py --kernel 16 24 --rows 4096 --threads 2
 """
 
 from __future__ import annotations
@@ -90,9 +91,10 @@ def ratio_rows(points: list[tuple[int, int]], seq_len: int, repeat: int) -> list
     return rows
 
 
-def kernel_rows(dims: list[int], rows: int, repeat: int) -> list[list[object]]:
-    """Rows of `--kernel`: one chunk's update, one BLAS thread: the dsyrk of the materialised [H | Y]
-    block against symgram.SymGram.add (K = U^T V, the moments and the target Gram), best of `repeat`."""
+def kernel_rows(dims: list[int], rows: int, repeat: int, threads: int = 1) -> list[list[object]]:
+    """Rows of `--kernel`: one chunk's update: the dsyrk of the materialised [H | Y] block on `threads`
+    BLAS threads against symgram.SymGram.add (K = U^T V, the moments and the target Gram; its panels over
+    `threads` Python threads of one BLAS thread each, as in a featurize pass), best of `repeat`."""
     from mhla_cli.linalg import symgram
 
     out = []
@@ -103,9 +105,10 @@ def kernel_rows(dims: list[int], rows: int, repeat: int) -> list[list[object]]:
         F = np.asfortranarray(np.vstack([(s[:, None, :] * x[None, :, :]).reshape(q * d, rows), y]).T)
         C = np.zeros((F.shape[1], F.shape[1]), order="F")
         sg = symgram.SymGram(q, d, d)
-        with threadpool_limits(limits=1):
+        with threadpool_limits(limits=threads):
             t_s = best_of(lambda: sblas.dsyrk(1.0, F, beta=1.0, c=C, trans=1, lower=0, overwrite_c=1), repeat)
-            t_k = best_of(lambda: sg.add(s, x, y), repeat)
+        with threadpool_limits(limits=1):
+            t_k = best_of(lambda: sg.add(s, x, y, threads=threads), repeat)
         out.append([d, q * d, rows, f"{t_s * 1e3:.2f}", f"{t_k * 1e3:.2f}", f"{t_k / t_s:.2f}"])
     return out
 
@@ -113,9 +116,11 @@ def kernel_rows(dims: list[int], rows: int, repeat: int) -> list[list[object]]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--kernel", nargs="+", type=int, metavar="D", default=None,
-                    help="one chunk's update at these d, one BLAS thread: K = U^T V against the dsyrk "
+                    help="one chunk's update at these d (one thread unless --threads): K = U^T V against the dsyrk "
                          "(the measurement behind symgram.SYMGRAM_MIN_D)")
     ap.add_argument("--rows", type=int, default=2048, help="rows of the chunk of --kernel")
+    ap.add_argument("--threads", type=int, default=1, help="threads of --kernel (BLAS threads of the dsyrk, "
+                                                            "Python threads of K's panels)")
     ap.add_argument("--ratio", nargs="+", metavar="D:N", default=None,
                     help="same-run time ratios featurize / bare dsyrk at these (d, N) instead (issue 24)")
     ap.add_argument("--n-samples", type=int, default=50000)
@@ -124,11 +129,11 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=3)
     args = ap.parse_args()
     if args.kernel:
-        print(f"## one chunk's update ({args.rows} rows, one BLAS thread, best of {args.repeat}): K = U^T V "
+        print(f"## one chunk's update ({args.rows} rows, {args.threads} thread(s), best of {args.repeat}): K = U^T V "
               "(mhla_cli.linalg.symgram) against the dsyrk of the materialised block\n")
         print(machine() + "\n")
         print(table(["d", "psi", "rows", "dsyrk ms", "K ms", "K / dsyrk"],
-                    kernel_rows(args.kernel, args.rows, max(args.repeat, 5))))
+                    kernel_rows(args.kernel, args.rows, max(args.repeat, 5), args.threads)))
         return
     if args.ratio:
         points = [tuple(int(v) for v in p.split(":")) for p in args.ratio]

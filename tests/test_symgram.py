@@ -294,24 +294,42 @@ def _rows_gram(rng: np.random.Generator, q: int, r: int, n: int = 17) -> tuple[n
 
 @settings(max_examples=40, deadline=None)
 @given(q=st.integers(1, 7), r=st.integers(1, 5), q2=st.integers(1, 7), r2=st.integers(1, 5),
-       seed=st.integers(0, 2**16), small_blocks=st.booleans())
+       seed=st.integers(0, 2**16), small_blocks=st.booleans(), overwrite=st.booleans(), square=st.booleans())
 def test_congruence_on_the_factors_equals_the_materialised_kron(q: int, r: int, q2: int, r2: int, seed: int,
-                                                                 small_blocks: bool) -> None:
+                                                                 small_blocks: bool, overwrite: bool,
+                                                                 square: bool) -> None:
     """Pairs.congruence(P, R) is the K of kron(P, R) Gram kron(P, R)^T for every shape of the factors
     (square, wider, narrower: a change of basis, a block's expansion onto its spans), in one block of
-    columns or in blocks of one column."""
+    columns or in blocks of one column (of rows, for the token step in place), over K or beside it."""
     rng = np.random.default_rng(seed)
+    if square:
+        q2, r2 = q, r
     H, G = _rows_gram(rng, q, r)
     P, R = rng.standard_normal((q2, q)), rng.standard_normal((r2, r))
-    pairs = symgram.Pairs(symgram.pairs_from_gram(G, q, r), q, r)
+    K0 = symgram.pairs_from_gram(G, q, r)
+    pairs = symgram.Pairs(K0.copy(), q, r)
     with pytest.MonkeyPatch.context() as mp:
         if small_blocks:
-            mp.setattr(symgram, "CONGRUENCE_BLOCK_BYTES", 1)  # one column per block
-        out = pairs.congruence(P, R)
+            mp.setattr(symgram, "CONGRUENCE_BLOCK_BYTES", 1)  # one column (row) per block
+        out = pairs.congruence(P, R, overwrite=overwrite)
     Hc = H @ np.kron(P, R).T  # the rows in the new coordinates, materialised
     assert (out.q, out.r) == (q2, r2) and out.shape == (q2 * r2, q2 * r2)
     assert relerr(out.expand(), Hc.T @ Hc) < TOL
-    assert np.array_equal(pairs.K, symgram.pairs_from_gram(G, q, r))  # the input is not changed
+    in_place = overwrite and (q2, r2) == (q, r)
+    assert np.shares_memory(out.K, pairs.K) == in_place  # over K exactly when asked and square
+    if not in_place:
+        assert np.array_equal(pairs.K, K0)  # the input is not changed
+
+
+def test_congruence_never_writes_over_a_read_only_k() -> None:
+    rng = np.random.default_rng(5)
+    _, G = _rows_gram(rng, 4, 3)
+    K = symgram.pairs_from_gram(G, 4, 3)
+    K.setflags(write=False)
+    P, R = rng.standard_normal((4, 4)), rng.standard_normal((3, 3))
+    out = symgram.Pairs(K, 4, 3).congruence(P, R, overwrite=True)
+    assert not np.shares_memory(out.K, K)
+    assert relerr(out.K, symgram.Pairs(K.copy(), 4, 3).congruence(P, R).K) < TOL
 
 
 def test_token_pair_map_maps_the_upper_triangle() -> None:

@@ -66,7 +66,8 @@ class FeaturesAlgebra:
             self.span_pairs, self.span_last = U1, U2
         elif isinstance(self.basis_gram_held, symgram.Pairs):  # on the two factors (symgram.Pairs)
             P, R = basis_mod.orth_pair_map(C), C.T
-            self.basis_gram = self.basis_gram_held.congruence(P, R)
+            # in place (a Features owns its sums): no array of K's size allocated
+            self.basis_gram = self.basis_gram_held.congruence(P, R, overwrite=True)
             if self.basis_moments is not None:
                 self.basis_moments = basis_mod.kron_apply(P, R, self.basis_moments)
         else:
@@ -183,10 +184,11 @@ def _add_basis_gram(acc: Features, part: Features) -> None:
 
 
 def _congruence(feats: Features, P: np.ndarray, R: np.ndarray) -> np.ndarray | symgram.Pairs:
-    """kron(P, R) basis_gram kron(P, R)^T, on the two factors when it is held as its distinct entries."""
+    """kron(P, R) basis_gram kron(P, R)^T, on the two factors (over the held K when P and R are square:
+    a Features owns its sums) when it is held as its distinct entries."""
     held = feats.basis_gram_held
     if isinstance(held, symgram.Pairs):
-        return held.congruence(P, R)
+        return held.congruence(P, R, overwrite=True)
     return basis_mod.kron_congruence(P, R, feats.basis_gram)
 
 
