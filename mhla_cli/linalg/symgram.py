@@ -118,10 +118,11 @@ class SymGram:
     def add(self, s_t: np.ndarray, x_t: np.ndarray, y_t: np.ndarray | None = None, threads: int = 1) -> None:
         """Add the chunk's rows (module docstring); s_t (q, R), x_t (d, R), y_t (d, R) or None.
 
-        `threads` > 1: the panels are shared out over that many Python threads, each forming its panels
-        in its own buffer and running their GEMMs on one BLAS thread (numpy and BLAS release the GIL):
-        the memory-bound formation of U runs in parallel too, and no BLAS call waits for a second core.
-        The sums do not depend on it (each panel is one GEMM into its own rows of K)."""
+        `threads` > 1: the panels and the moments are shared out over that many Python threads, each
+        forming its panels in its own buffer and running their GEMMs on one BLAS thread (numpy and BLAS
+        release the GIL): the memory-bound formation of U runs in parallel too, and no BLAS call waits
+        for a second core. The sums do not depend on it (each panel is one GEMM into its own rows of K;
+        the moments one GEMM)."""
         q, d = self.q, self.d
         R = s_t.shape[1]
         if R == 0 or q == 0 or d == 0:
@@ -143,10 +144,32 @@ class SymGram:
             row += rows
             a = a1
         n = max(1, min(int(threads), len(panels)))
+        with_moments = self.M is not None and y_t is not None
+        # the work of each thread: panels (and the moments, the GEMM of q x (d n_targets) columns, as
+        # many flops as a panel of q d n_targets / (d(d+1)/2) rows), largest first to the least loaded
+        # thread (the longest-processing-time rule: within one panel of even)
+        tasks = sorted(((rows, i) for i, (_, _, _, rows) in enumerate(panels)), reverse=True)
+        if with_moments:
+            tasks.append((q * d * self.t // max(Vt.shape[0], 1), -1))  # -1: the moments
+        load, share = [0] * n, [[] for _ in range(n)]
+        for cost, i in sorted(tasks, reverse=True):
+            k = load.index(min(load))
+            load[k] += cost
+            share[k].append(i)
+
+        def moments() -> None:
+            Z = self._buf("Z", d * self.t, R).reshape(d, self.t, R)
+            np.multiply(x_t[:, None, :], y_t[None, :, :], out=Z)
+            self.M += s_t @ Z.reshape(d * self.t, R).T
+            self.Y += y_t @ y_t.T
 
         def run(part: int) -> None:
             P0 = self._buf(f"U{part}", min(n_pairs(q), limit + q), R)
-            for a, a1, row, rows in panels[part::n]:
+            for i in share[part]:
+                if i < 0:
+                    moments()
+                    continue
+                a, a1, row, rows = panels[i]
                 P = P0[:rows]
                 r = 0
                 for c in range(a, a1):
@@ -165,13 +188,10 @@ class SymGram:
 
             from threadpoolctl import threadpool_limits
 
+            # every GEMM of the chunk on one BLAS thread, the moments' too: run after the pool with two
+            # BLAS threads it took 45 ms against 8 ms on one (d = 16, 4096 rows: a quarter of K's time)
             with threadpool_limits(limits=1, user_api="blas"), ThreadPoolExecutor(n) as pool:
                 list(pool.map(run, range(n)))
-        if self.M is not None and y_t is not None:
-            Z = self._buf("Z", d * self.t, R).reshape(d, self.t, R)
-            np.multiply(x_t[:, None, :], y_t[None, :, :], out=Z)
-            self.M += s_t @ Z.reshape(d * self.t, R).T
-            self.Y += y_t @ y_t.T
 
     def release_work(self) -> None:
         """Free the per-chunk work buffers (before the Gram is expanded)."""
