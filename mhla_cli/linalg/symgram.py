@@ -317,10 +317,10 @@ class Pairs:
 
         `overwrite` (square P and R, a writeable K): the result is written over this K, the pair step a
         block of columns and then the token step a block of rows at a time, so that nothing of K's size
-        is allocated. Otherwise each block of the result's columns is K T^T[:, block] and then its pair
-        step (K itself unchanged). Fresh arrays of K's size cost more than their flops on this machine
-        (the first touch of a page: ~1.1 s per 415 MB); at d = 24 the in-place form took 0.5-0.6 s
-        against 1.5-1.8 s for a K T^T of K's size then an output of K's size."""
+        is allocated (at d = 24 0.8-1.0 s against 1.5-1.8 s for the form below, in fresh processes).
+        Otherwise K T^T is one GEMM into a new array and the pair step runs over it in place (or into
+        a second array when q' != q); K itself is unchanged. (A K T^T per block of the result's columns
+        instead rereads all of K for every few columns: 15.8 s against ~7 s at d = 32.)"""
         P = np.asarray(P, dtype=np.float64)
         R = np.asarray(R, dtype=np.float64)
         if P.shape[1] != self.q or R.shape[1] != self.r:
@@ -342,10 +342,11 @@ class Pairs:
                 r1 = min(K.shape[0], r0 + rows)
                 K[r0:r1] = K[r0:r1] @ T.T
             return Pairs(K, q2, r2)
-        out = np.empty((n_pairs(q2), T.shape[0]))
+        K1 = self.K @ T.T  # (q(q+1)/2, r'(r'+1)/2): the token factor's pairs
+        out = K1 if q2 == q else np.empty((n_pairs(q2), T.shape[0]))
         for c0 in range(0, T.shape[0], cols):
             c1 = min(T.shape[0], c0 + cols)
-            out[:, c0:c1] = _pair_congruence(self.K @ T[c0:c1].T, P, work)
+            out[:, c0:c1] = _pair_congruence(K1[:, c0:c1], P, work)
         return Pairs(out, q2, r2)
 
 
