@@ -5,7 +5,7 @@ For each point D:N (dense float32 Gaussian tokens of n = --seq-len, noise target
 per-position data, every prefix a sample) this script measures, in the same run on the same machine:
 
 - a bare float64 dsyrk (scipy) of the materialised features of the same N (blocks of at most 4096
-  rows, the best block time scaled to all rows), with all BLAS threads (one thread above
+  rows, the best of at least 5 block times scaled to all rows), with all BLAS threads (one thread above
   POTRF_THREADED_MAX, where OpenBLAS's threaded syrk crashes) and, with --one-thread-syrk (default for
   d >= 32), also on one thread;
 - `mhla featurize DATA -o OUT.h5 -q` as a fresh process (start-up, reading, the pass, the exact
@@ -95,13 +95,17 @@ def featurize_point(spec: str, repeat: int, base: Path | None, work: Path, one_t
     threads = 1 if psi > POTRF_THREADED_MAX else None
     from threadpoolctl import threadpool_limits
 
+    # best of at least 5 blocks (3 on one thread): of 2, one run's best at 24:36000 was 1.8x the run before
     with threadpool_limits(limits=threads):
-        t_syrk = bare_dsyrk_seconds(psi, rows, repeat=max(2, repeat))
+        t_syrk = bare_dsyrk_seconds(psi, rows, repeat=max(3 if threads == 1 else 5, repeat))
     one = one_thread if one_thread is not None else d >= 32
     t_syrk1 = None
     if one:
-        with threadpool_limits(limits=1):
-            t_syrk1 = bare_dsyrk_seconds(psi, rows, repeat=max(2, repeat))
+        if threads == 1:  # the same measurement
+            t_syrk1 = t_syrk
+        else:
+            with threadpool_limits(limits=1):
+                t_syrk1 = bare_dsyrk_seconds(psi, rows, repeat=max(3, repeat))
     outs = {"current": work / f"cur_{d}_{N}.h5", "compact": work / f"cmp_{d}_{N}.h5",
             "baseline": work / f"base_{d}_{N}.h5"}
     runs: dict[str, list[dict[str, Any]]] = {k: [] for k in outs}
