@@ -147,8 +147,8 @@ class SymGram:
         with_moments = self.M is not None and y_t is not None
         # the work of each thread: panels (and the moments, the GEMM of q x (d n_targets) columns, as
         # many flops as a panel of q d n_targets / (d(d+1)/2) rows), largest first to the least loaded
-        # thread (the longest-processing-time rule: within one panel of even)
-        tasks = sorted(((rows, i) for i, (_, _, _, rows) in enumerate(panels)), reverse=True)
+        # thread (the longest-processing-time rule: the loads end within one panel of each other)
+        tasks = [(rows, i) for i, (_, _, _, rows) in enumerate(panels)]
         if with_moments:
             tasks.append((q * d * self.t // max(Vt.shape[0], 1), -1))  # -1: the moments
         load, share = [0] * n, [[] for _ in range(n)]
