@@ -332,22 +332,18 @@ class Pairs:
         work: dict[str, np.ndarray] = {}
         in_place = (overwrite and q2 == q and r2 == self.r and self.K.flags.writeable
                     and self.K.flags.c_contiguous and self.K.dtype == np.float64)
-        if in_place:
-            K = self.K
-            for c0 in range(0, K.shape[1], cols):
-                c1 = min(K.shape[1], c0 + cols)
-                K[:, c0:c1] = _pair_congruence(K[:, c0:c1], P, work)
+        # the pair step reads src and writes dst a block of columns at a time (dst may be src)
+        src = self.K if in_place else self.K @ T.T  # beside K: the token factor's pairs first, one GEMM
+        dst = src if q2 == q else np.empty((n_pairs(q2), src.shape[1]))
+        for c0 in range(0, src.shape[1], cols):
+            c1 = min(src.shape[1], c0 + cols)
+            dst[:, c0:c1] = _pair_congruence(src[:, c0:c1], P, work)
+        if in_place:  # then the token factor's pairs, a block of rows at a time
             rows = max(1, CONGRUENCE_BLOCK_BYTES // (8 * max(T.shape[0], 1)))
-            for r0 in range(0, K.shape[0], rows):
-                r1 = min(K.shape[0], r0 + rows)
-                K[r0:r1] = K[r0:r1] @ T.T
-            return Pairs(K, q2, r2)
-        K1 = self.K @ T.T  # (q(q+1)/2, r'(r'+1)/2): the token factor's pairs
-        out = K1 if q2 == q else np.empty((n_pairs(q2), T.shape[0]))
-        for c0 in range(0, T.shape[0], cols):
-            c1 = min(T.shape[0], c0 + cols)
-            out[:, c0:c1] = _pair_congruence(K1[:, c0:c1], P, work)
-        return Pairs(out, q2, r2)
+            for r0 in range(0, dst.shape[0], rows):
+                r1 = min(dst.shape[0], r0 + rows)
+                dst[r0:r1] = dst[r0:r1] @ T.T
+        return Pairs(dst, q2, r2)
 
 
 def _pair_congruence(block: np.ndarray, P: np.ndarray, work: dict[str, np.ndarray]) -> np.ndarray:
