@@ -52,6 +52,9 @@ def test_matrix_decompositions_equal_numpy(backend: backends.Backend) -> None:
     f = m.cholesky(0.5 * w_ref[0])
     ref = np.linalg.solve(a - 0.5 * w_ref[0] * np.eye(a.shape[0]), x)
     assert relerr(f.solve(x), ref) < 1e-10 and relerr(f.inverse_matvec(x), ref) < 1e-10
+    X = np.random.default_rng(2).standard_normal((a.shape[0], 8))
+    assert relerr(m.matmat(X), a @ X) < 1e-14  # blocks: block Lanczos (mhla_cli.linalg.krylov)
+    assert relerr(f.inverse_matmat(X), np.linalg.solve(a - 0.5 * w_ref[0] * np.eye(a.shape[0]), X)) < 1e-10
     assert m.cholesky(2.0 * w_ref[0]) is None  # an eigenvalue below the shift: not positive definite
     assert relerr(m.shifted_solve(0.5, 0.1, x), np.linalg.solve(0.5 * a + 0.1 * np.eye(a.shape[0]), x)) < 1e-10
     np.testing.assert_array_equal(a, _spd())  # the matrix is never written
@@ -85,6 +88,12 @@ def test_a_shifted_cholesky_factors_one_copy_in_the_matrix_s_own_order(order: st
     assert relerr(f.solve(x), np.linalg.solve(a - t * np.eye(a.shape[0]), x)) < 1e-10
     assert relerr(f.inverse_matvec(x), np.linalg.solve(a - t * np.eye(a.shape[0]), x)) < 1e-10
     assert relerr(f0.solve(x), np.linalg.solve(a, x)) < 1e-10
+    # block products in both factor forms (upper U^T U from a C-ordered a, lower L L^T from an F one),
+    # for C- and F-ordered blocks
+    X = np.random.default_rng(5).standard_normal((a.shape[0], 5))
+    for B in (X, np.asfortranarray(X)):
+        assert relerr(f.inverse_matmat(B), np.linalg.solve(a - t * np.eye(a.shape[0]), X)) < 1e-10
+        assert relerr(m.matmat(B), a @ X) < 1e-14
     np.testing.assert_array_equal(a, _spd())
 
 

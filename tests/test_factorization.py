@@ -122,8 +122,11 @@ def test_one_factorization_is_shared_and_dropped_when_the_sums_change(monkeypatc
         return real_cho(*a, **k)
 
     def eigh(*a, **k):
-        # the structure's partial traces (q x q, d x d) are small; count only psi x psi ones
-        calls["eigh"] += int(np.shape(a[0])[0] == feats.n_features)
+        # the structure's partial traces (q x q, d x d) are small, and block Lanczos asks only for the
+        # top pair of its projected matrix (psi x psi once its basis spans the whole space at this
+        # tiny psi): count only the psi x psi decompositions that want more
+        one_pair = k.get("subset_by_index") is not None and k["subset_by_index"][0] == k["subset_by_index"][1]
+        calls["eigh"] += int(np.shape(a[0])[0] == feats.n_features and not one_pair)
         return real_eigh(*a, **k)
 
     monkeypatch.setattr(scipy.linalg, "cho_factor", cho)
@@ -305,6 +308,45 @@ def test_lanczos_estimates_on_hard_spectra_equal_eigvalsh(name: str, monkeypatch
         bound_min = max(bound_min, n * np.finfo(np.float64).eps * w[-1] / w[0])
     assert abs(lmin - w[0]) <= bound_min * w[0], (lmin, w[0])
     assert abs(lmax - w[-1]) <= bound_max * w[-1], (lmax, w[-1])
+
+
+@pytest.mark.parametrize("cap", [None, 16], ids=["block Lanczos", "capped: ARPACK fallback"])
+def test_each_estimate_says_how_it_was_found(cap: int | None, monkeypatch: pytest.MonkeyPatch) -> None:
+    """lambda_min / lambda_max above DENSE_MAX: block Lanczos (krylov), or ARPACK when its basis cap
+    (MAX_BASIS_COLUMNS) is reached unconverged; either way the values equal eigvalsh's and the
+    certificate's `estimates` record the method, the products and that it converged."""
+    from mhla_cli.linalg import krylov
+
+    monkeypatch.setattr(factorization, "DENSE_MAX", 0)
+    if cap is not None:
+        monkeypatch.setattr(krylov, "MAX_BASIS_COLUMNS", cap)
+    a, _ = _hard_spectra()["bottom cluster 1e-4"]
+    w = np.linalg.eigvalsh(a)
+    fac = factorization.Factorization(a)
+    t = a.shape[0] * np.finfo(np.float64).eps * w[-1]
+    assert fac.proves_above(t)
+    assert abs(fac.lambda_min() - w[0]) <= 1e-13 * w[0] and abs(fac.lambda_max() - w[-1]) <= 1e-13 * w[-1]
+    for what in ("lambda_min", "lambda_max"):
+        rec = fac.iterations[what]
+        assert rec["converged"] is True
+        if cap is None:
+            assert rec["method"] == "block Lanczos" and rec["relative_residual"] <= rec["tolerance"]
+            assert rec["block"] == krylov.BLOCK and rec["products"] >= 1
+        else:
+            assert rec["method"].startswith("ARPACK") and rec["block_lanczos"]["converged"] is False
+            assert rec["block_lanczos"]["relative_residual"] > rec["tolerance"]
+
+
+def test_the_certificate_reports_its_estimates(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(factorization, "DENSE_MAX", 0)
+    tokens, offsets, targets = _cases()["identifiable"]
+    cert = certify(chunk_features(tokens, offsets, targets, 4))
+    assert set(cert.estimates) == set(cert.estimated) == {"lambda_min", "lambda_max"}
+    assert all(r["converged"] for r in cert.estimates.values())
+    assert cert.to_dict()["estimates"] == cert.estimates
+    monkeypatch.setattr(factorization, "DENSE_MAX", 4096)
+    cert = certify(chunk_features(tokens, offsets, targets, 4))
+    assert cert.estimated == [] and cert.estimates == {}
 
 
 @pytest.mark.parametrize("side", [0.99, 1.01], ids=["rho just below sqrt(eps)", "rho just above sqrt(eps)"])

@@ -274,6 +274,9 @@ def test_old_homes_of_the_constants_still_import() -> None:
     from mhla_cli import numerics
 
     assert probes.DETERMINED_TOL == numerics.DETERMINED_TOL and factorization.LANCZOS_TOL == numerics.LANCZOS_TOL
+    from mhla_cli.linalg import krylov
+
+    assert krylov.LANCZOS_TOL == numerics.LANCZOS_TOL
     assert spectrum.NONZERO_REL == numerics.NONZERO_REL
     from mhla_cli.model import model
     from mhla_cli.model import scores

@@ -2,6 +2,7 @@
 
 backends (one class per --device backend, host NumPy or torch, resolved once: `get_backend`), device (the
 torch backend's Gram and matrix, device spellings, the one import of torch), factorization (one Cholesky /
-eigendecomposition of a Gram, reused: certificate, proof, solves), symgram (the Gram's distinct entries
-K = U^T V), memory (what fits in memory: refused up front).
+eigendecomposition of a Gram, reused: certificate, proof, solves), krylov (block Lanczos: the top
+eigenvalue of an operator, several vectors a product), symgram (the Gram's distinct entries K = U^T V),
+memory (what fits in memory: refused up front).
 """

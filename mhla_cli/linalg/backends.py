@@ -76,12 +76,25 @@ def _inverse_matvec(factor: tuple[np.ndarray, bool]) -> Any:
     return lambda x: blas.dtrsv(c, blas.dtrsv(c, x, lower=0, trans=1), lower=0, trans=0)  # lam = U^T U
 
 
+def _inverse_matmat(factor: tuple[np.ndarray, bool]) -> Any:
+    """X -> lam^-1 X (X: n x k, F-ordered) through a cho_factor result, as two triangular solves (BLAS
+    dtrsm, scipy's OpenBLAS: the block Lanczos of mhla_cli.linalg.krylov runs on the same library)."""
+    from scipy.linalg import blas
+
+    c, lower = factor
+    c = np.asfortranarray(c)
+    if lower:  # lam = L L^T
+        return lambda X: blas.dtrsm(1.0, c, blas.dtrsm(1.0, c, X, lower=1, trans_a=0), lower=1, trans_a=1)
+    return lambda X: blas.dtrsm(1.0, c, blas.dtrsm(1.0, c, X, lower=0, trans_a=1), lower=0, trans_a=0)
+
+
 class HostFactor:
     """A Cholesky factor on the host (scipy's cho_factor result `cf`): solves and inverse products."""
 
     def __init__(self, cf: tuple[np.ndarray, bool]) -> None:
         self.cf = cf
         self._inv: Any = None
+        self._inv_block: Any = None
 
     def solve(self, rhs: np.ndarray) -> np.ndarray:
         """a^-1 rhs through the factor (LAPACK dpotrs)."""
@@ -92,6 +105,12 @@ class HostFactor:
         if self._inv is None:
             self._inv = _inverse_matvec(self.cf)
         return self._inv(x)
+
+    def inverse_matmat(self, X: np.ndarray) -> np.ndarray:
+        """a^-1 X for a block X (n x k) by two triangular solves (block Lanczos on the inverse)."""
+        if self._inv_block is None:
+            self._inv_block = _inverse_matmat(self.cf)
+        return self._inv_block(np.asfortranarray(X, dtype=np.float64))
 
 
 class HostMatrix:
@@ -129,6 +148,17 @@ class HostMatrix:
         # a C-ordered a is the F-ordered a^T (= a): its upper triangle is a's lower one
         c_order = bool(a.flags.c_contiguous) and not a.flags.f_contiguous
         return blas.dsymv(1.0, a.T if c_order else a, np.asarray(x, dtype=np.float64), lower=0 if c_order else 1)
+
+    def matmat(self, X: np.ndarray) -> np.ndarray:
+        """a X for a block X (n x k): scipy's dgemm on a as it lies (a C-ordered a is its F-ordered
+        transpose), the BLAS of the triangular solves (mhla_cli.linalg.krylov: one thread pool, not two)."""
+        a = self.a
+        if a.shape[0] == 0 or a.dtype != np.float64 or not (a.flags.c_contiguous or a.flags.f_contiguous):
+            return np.asarray(a @ X, dtype=np.float64)
+        from scipy.linalg import blas
+
+        c_order = bool(a.flags.c_contiguous) and not a.flags.f_contiguous
+        return blas.dgemm(1.0, a.T if c_order else a, np.asfortranarray(X, dtype=np.float64))
 
     def cholesky(self, shift: float = 0.0) -> HostFactor | None:
         """The Cholesky factor of a - shift I (a copy of a when shift != 0: a is never written); None when

@@ -304,6 +304,10 @@ class DeviceMatrix:
     def matvec(self, x: np.ndarray) -> np.ndarray:
         return (self.a @ self._t.from_numpy(np.ascontiguousarray(x, dtype=np.float64)).to(self.dev)).cpu().numpy()
 
+    def matmat(self, X: np.ndarray) -> np.ndarray:
+        """a X for a block X (n x k) on the device."""
+        return (self.a @ self._t.from_numpy(np.ascontiguousarray(X, dtype=np.float64)).to(self.dev)).cpu().numpy()
+
     def cholesky(self, shift: float = 0.0) -> DeviceFactor | None:
         """The Cholesky factor of a - shift I (a copy of a when shift != 0: a is never written); None when
         that matrix is not numerically positive definite."""
@@ -349,6 +353,13 @@ class DeviceFactor:
         b = t.from_numpy(np.ascontiguousarray(x, dtype=np.float64)).to(self.L.device)[:, None]
         z = t.linalg.solve_triangular(self.L, b, upper=False)
         return t.linalg.solve_triangular(self.L.T, z, upper=True)[:, 0].cpu().numpy()
+
+    def inverse_matmat(self, X: np.ndarray) -> np.ndarray:
+        """a^-1 X for a block X (n x k) by two triangular solves with the factor (block Lanczos)."""
+        t = self._t
+        b = t.from_numpy(np.ascontiguousarray(X, dtype=np.float64)).to(self.L.device)
+        z = t.linalg.solve_triangular(self.L, b, upper=False)
+        return t.linalg.solve_triangular(self.L.T, z, upper=True).cpu().numpy()
 
 
 def predict_last(coef: np.ndarray, upper: np.ndarray, last: np.ndarray, device: str) -> np.ndarray:

@@ -10,8 +10,9 @@ cached on the Features object, which computes only what is asked, once:
 - the verdict, on every path: a Cholesky of Lambda~ - t I (n^3 / 3 flops, t the certificate's
   threshold) that succeeds proves that no eigenvalue is at or below t (`proves_above`, Sylvester's
   inertia); the dense eigenvalues are only reported, never the proof;
-- large ones: lambda_max by Lanczos on Lambda~; lambda_min is Lanczos on (Lambda~ - t I)^-1 through
-  the proof's factor (tens of O(n^2) triangular solves), and fit is a solve with the same factor
+- large ones: lambda_max by block Lanczos on Lambda~ (mhla_cli.linalg.krylov: 8 vectors a product);
+  lambda_min is block Lanczos on (Lambda~ - t I)^-1 through the proof's factor (tens of block
+  triangular solves, each reading the factor once), and fit is a solve with the same factor
   (iterative refinement undoes the shift). The eigendecomposition (~9 n^3, BACKGROUND.md "Structure
   that shrinks psi exactly") is computed only when the data are not identifiable and the null space
   is needed;
@@ -32,6 +33,7 @@ from typing import Any
 import numpy as np
 
 from ..numerics import EPS, LANCZOS_TOL, REFINE_MAX_RHO, numerical_tolerance
+from . import krylov
 from .backends import POTRF_THREADED_MAX, _lapack_threads, cholesky, get_backend
 
 __all__ = ["DENSE_MAX", "Factorization", "POTRF_THREADED_MAX", "cholesky"]
@@ -65,6 +67,7 @@ class Factorization:
         self.structure: Any = None  # mhla_cli.statistics.structure.Structure of the block, set by solve.factorize
         self._c = _Cache()  # the decompositions, shared by `share`
         self.seconds = self._c.seconds  # wall time of each decomposition computed
+        self.iterations = self._c.iterations  # how each estimate was found (krylov.TopEigenvalue.record)
 
     def share(self, n_full: int, structure: Any) -> Factorization:
         """The same block (and its decompositions, computed once) inside another domain of n_full
@@ -73,6 +76,7 @@ class Factorization:
         out.structure = structure
         out._c = self._c
         out.seconds = self._c.seconds
+        out.iterations = self._c.iterations
         return out
 
     @contextmanager
@@ -181,9 +185,26 @@ class Factorization:
             if self.dense or self._c._we is not None:
                 self._c._lmax = float(self.eigenvalues()[-1]) if self.n else 0.0
             else:
-                with self._timed("lanczos"):
-                    self._c._lmax = _lanczos_top(self._matrix().matvec, self.n) * self.scale
+                m = self._matrix()
+                self._c._lmax = self._top("lambda_max", m.matmat, m.matvec) * self.scale
         return self._c._lmax
+
+    def _top(self, what: str, matmat: Any, matvec: Any) -> float:
+        """The top eigenvalue of an operator by block Lanczos (mhla_cli.linalg.krylov), ARPACK's restarted
+        Lanczos when that did not converge within its basis (which raises when it does not either);
+        how it was found is kept in `iterations[what]`."""
+        with self._timed("lanczos"):
+            top = krylov.top_eigenvalue(matmat, self.n)
+            rec: dict[str, Any] = top.record()
+            value = top.value
+            if not top.converged:
+                value = _lanczos_top(matvec, self.n)
+                # ARPACK raises when it does not converge: here it did, to LANCZOS_TOL
+                rec = {"method": "ARPACK Lanczos (block Lanczos did not converge within its basis)", "block": 1,
+                       "products": None, "relative_residual": None, "tolerance": LANCZOS_TOL, "converged": True,
+                       "block_lanczos": rec}
+        self._c.iterations[what] = rec
+        return value
 
     def cholesky(self, shift: float = 0.0) -> Any:
         """The Cholesky factor of lam - (shift / scale) I, i.e. of the matrix scale * lam - shift I up to
@@ -234,8 +255,7 @@ class Factorization:
             else:
                 s, chol = self._best_factor()
                 if chol is not None:
-                    with self._timed("lanczos"):
-                        top = _lanczos_top(chol.inverse_matvec, self.n)
+                    top = self._top("lambda_min", chol.inverse_matmat, chol.inverse_matvec)
                     self._c._lmin = s + self.scale / top if top > 0 else float(self.eigh()[0][0])
                 else:
                     # not positive definite: the null space will be wanted too, and one eigh with vectors
@@ -310,25 +330,19 @@ class _Cache:
         self._lmin: float | None = None
         self._null: dict[float, tuple[np.ndarray, np.ndarray]] = {}  # threshold -> eigenpairs <= it
         self.seconds: dict[str, float] = {}
+        self.iterations: dict[str, dict[str, Any]] = {}  # "lambda_max" / "lambda_min" -> how it was found
 
 
-# ARPACK's residual tolerance: LANCZOS_TOL (mhla_cli.numerics; measured at psi = 7200, dense Gaussian
-# data: 31 products for lambda_max and 51 solves for lambda_min, against 51 and 71 at 1e-12, the values
-# equal to 5e-15)
-#
-# Why one vector a step and not a block method (scipy's LOBPCG with block solves through the factor),
-# measured at psi = 7200 (the d = 24 teacher, N = 9000; 2 shared cores, load 1-2): a block of k
-# right-hand sides costs far more than one here (cho_solve's two dtrsm: k = 8 59-117 ms, k = 16
-# 75-124 ms, against 14-21 ms for the two dtrsv of one vector; a GEMM of 8 columns 52-60 ms against
-# 5-9 ms for a dsymv, 10-16 ms for a GEMV), and LOBPCG needs about as many steps: lambda_min took
-# ARPACK 51 solves (0.77-0.83 s), LOBPCG 56 steps at k = 1 (0.94 s), 44 at k = 8 (2.9 s; its top vector
-# alone converged after 27, 1.8 s) and 96 at k = 16 (5.9 s); lambda_max took ARPACK 31 products (0.18 s
-# with dsymv), LOBPCG 0.48-1.7 s for k = 1-16. ARPACK's ncv (20) is also the fewest products: 30, 40
-# and 60 took 46, 61 and 61 solves.
+# The fallback when block Lanczos (mhla_cli.linalg.krylov) does not converge within its basis: ARPACK's
+# restarted Lanczos, one vector a step, memory flat (ncv = 20), residual LANCZOS_TOL; it raises
+# ArpackNoConvergence when it does not converge either. The block method replaced it as the first
+# choice: the earlier measurement here that block solves of 8 vectors cost 3-5x one was taken beside
+# numpy GEMMs, whose OpenBLAS threads spun on the cores scipy's needed (krylov's docstring).
 
 
 def _lanczos_top(matvec: Any, n: int) -> float:
-    """The largest eigenvalue of a symmetric PSD operator (ARPACK Lanczos, residual LANCZOS_TOL)."""
+    """The largest eigenvalue of a symmetric PSD operator (ARPACK Lanczos, residual LANCZOS_TOL): the
+    fallback of `Factorization._top`."""
     from scipy.sparse.linalg import LinearOperator, eigsh
 
     op = LinearOperator((n, n), matvec=matvec, dtype=np.float64)

@@ -25,7 +25,7 @@ from __future__ import annotations
 import os
 from collections.abc import Callable
 
-from . import symgram
+from . import krylov, symgram
 from ..errors import InputError
 from ..feature_map import n_features
 
@@ -112,13 +112,14 @@ def check_load(d: int, block: int | None = None, pairs_bytes: int = 0,
 
 
 def solve_bytes(d: int, kind: str = "cholesky") -> int:
-    """Peak of certify / fit on loaded statistics: basis_gram and the factorization's matrices."""
-    return int((1 + SOLVE_COPIES[kind]) * matrix_bytes(d)) + SLACK_BYTES
+    """Peak of certify / fit on loaded statistics: basis_gram and the factorization's matrices (and the
+    basis of block Lanczos, krylov.basis_bytes)."""
+    return block_solve_bytes(n_features(d), kind)
 
 
 def block_solve_bytes(n: int, kind: str = "cholesky") -> int:
     """`solve_bytes` of statistics holding only a block of n features (the data's spans)."""
-    return int((1 + SOLVE_COPIES[kind]) * 8 * n * n) + SLACK_BYTES
+    return int((1 + SOLVE_COPIES[kind]) * 8 * n * n) + krylov.basis_bytes(n) + SLACK_BYTES
 
 
 def solve_kind(d: int, n_samples: int, ridge: float = 0.0, lowrank: bool = False, command: str = "certify",

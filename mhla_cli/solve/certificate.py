@@ -49,6 +49,8 @@ class Certificate:
     # what the verdict rests on (PROOFS) and which reported numbers are estimates (Lanczos Ritz values)
     proof: str = ""
     estimated: list[str] = field(default_factory=list)
+    # how each estimate was found (mhla_cli.linalg.krylov): method, products, relative residual, converged
+    estimates: dict[str, dict[str, Any]] = field(default_factory=dict)
     # where the factorization ran (mhla_cli.linalg.device; None: numpy): the witness's re-certification runs there too
     device: str | None = field(default=None, repr=False, compare=False)
     _null_fn: Callable[[], np.ndarray] | None = field(default=None, repr=False, compare=False)
@@ -81,7 +83,7 @@ class Certificate:
             "reasons": list(self.reasons), "null_features": list(self.null_features), "basis": self.basis,
             "span_features": self.span_features, "span_pairs": self.span_pairs,
             "span_last_tokens": self.span_last_tokens, "proof": self.proof, "estimated": list(self.estimated),
-            "seconds": dict(self.seconds),
+            "estimates": {k: dict(v) for k, v in self.estimates.items()}, "seconds": dict(self.seconds),
         }
 
 
@@ -124,6 +126,7 @@ def certify(feats: Features, min_eig: float = 0.0, domain: str | Domain = "full"
         weight, k = _null_weights(A, fac, threshold, dom)
         cert.reasons, cert.null_features = _explain(feats, cert, weight, k, dom)
     cert.seconds = dict(fac.seconds)
+    cert.estimates = {k: dict(v) for k, v in fac.iterations.items() if k in cert.estimated}
     return cert
 
 
