@@ -137,11 +137,11 @@ class HostMatrix:
     def matvec(self, x: np.ndarray) -> np.ndarray:
         """a x: for a vector BLAS dsymv on a's lower triangle (the one the Cholesky reads), half the memory
         traffic of a GEMV (measured at n = 7200: 8 ms against 15 ms on one thread, 6 against
-        11 on two; Lanczos for lambda_max is ~31 of them); a block of vectors by GEMM (a dsymm took 79 ms
-        against 47 ms for 24 columns)."""
+        11 on two); a block of vectors by GEMM (`matmat`: a dsymm took 79 ms against 47 ms for 24 columns)."""
         a = self.a
-        if x.ndim != 1 or a.shape[0] == 0 or a.dtype != np.float64 or not (
-                a.flags.c_contiguous or a.flags.f_contiguous):
+        if x.ndim != 1:
+            return self.matmat(x)
+        if a.shape[0] == 0 or a.dtype != np.float64 or not (a.flags.c_contiguous or a.flags.f_contiguous):
             return a @ x
         from scipy.linalg import blas
 
