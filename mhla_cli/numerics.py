@@ -33,8 +33,8 @@ OBSERVED_SPAN_FACTOR = 1.0
 # in the null space of Lambda~ is at most this.
 DETERMINED_TOL = 1e-8
 
-# ARPACK's relative residual tolerance for Lanczos (lambda_max, and lambda_min on the inverse through
-# the shifted Cholesky factor): the Ritz value's error is about tol^2 lambda / gap, so 1e-7 still gives
+# The relative residual tolerance of block Lanczos (mhla_cli.linalg.krylov) and of its ARPACK fallback
+# (lambda_max, and lambda_min on the inverse through the shifted Cholesky factor): the Ritz value's error is about tol^2 lambda / gap, so 1e-7 still gives
 # lambda to ~1e-14 relative (measured at psi = 7200, dense Gaussian data).
 LANCZOS_TOL = 1e-7
 
