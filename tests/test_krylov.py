@@ -156,3 +156,23 @@ def test_basis_bytes_bounds_what_it_holds() -> None:
     n = 7200
     assert krylov.basis_bytes(n) == 8 * n * (2 * krylov.MAX_BASIS_COLUMNS + krylov.BLOCK)
     assert krylov.basis_bytes(10) == 8 * 10 * (2 * 10 + krylov.BLOCK)
+
+
+@pytest.mark.parametrize("factor", [2.0, 0.5], ids=["just above BREAKDOWN: kept", "just below: replaced"])
+def test_a_new_column_is_replaced_just_below_the_breakdown_cut(factor: float) -> None:
+    """BREAKDOWN from both sides: a column of the new block (orthogonal to the basis) with norm factor *
+    BREAKDOWN * scale is kept (2x) or replaced by a random direction (0.5x); the result is orthonormal
+    and orthogonal to the basis either way."""
+    rng = np.random.default_rng(3)
+    n, scale = 40, 7.0
+    B = np.linalg.qr(rng.standard_normal((n, 7)))[0]
+    Q, D = B[:, :4], B[:, 4:]  # the basis and three directions orthogonal to it
+    Z = np.asfortranarray(D * np.array([scale, scale, factor * krylov.BREAKDOWN * scale]))
+    out = krylov._orthonormal_block(Z, Q, scale, np.random.default_rng(0))
+    full = np.hstack([Q, out])
+    assert np.abs(full.T @ full - np.eye(7)).max() <= 1e-13
+    third = np.linalg.norm(out.T @ D[:, 2])  # how much of the small direction the block keeps
+    if factor > 1:
+        assert third == pytest.approx(1.0, abs=1e-12)
+    else:
+        assert third < 0.9  # a random direction took its place

@@ -18,9 +18,10 @@ memory bounded: `basis_bytes`), and says which. By Rayleigh's principle theta <=
 some eigenvalue lies within the residual of theta.
 
 Every product and every small factorization goes through scipy's BLAS / LAPACK: numpy and scipy each
-bundle an OpenBLAS with its own thread pool, and a numpy GEMM between two scipy triangular solves left
-numpy's threads spinning on the cores that scipy's needed (measured: the eight-vector pair of solves
-took ~160 ms inside a loop that mixed both libraries, 52-66 ms alone).
+bundle an OpenBLAS with its own thread pool, and a numpy BLAS call (a GEMM, or the dot inside
+numpy.linalg.norm) between two scipy triangular solves left numpy's threads spinning on the cores that
+scipy's needed (measured: the eight-vector pair of solves took 120-160 ms inside a loop that mixed both
+libraries, 52-66 ms alone).
 """
 
 from __future__ import annotations
@@ -87,7 +88,8 @@ def top_eigenvalue(matmat: Callable[[np.ndarray], np.ndarray], n: int, block: in
     if n <= 0:
         return TopEigenvalue(0.0, 0.0, 0, 0, True, tol, 0)
     k = max(1, min(block, n))
-    cap = min(n, max(k, MAX_BASIS_COLUMNS if max_columns is None else max_columns))  # columns of the basis (the last block may be narrower)
+    # the basis's columns (the last block may be narrower)
+    cap = min(n, max(k, MAX_BASIS_COLUMNS if max_columns is None else max_columns))
     rng = np.random.default_rng(0)
     start = rng.standard_normal((n, k))
     start[:, 0] = 1.0 / np.sqrt(n)
