@@ -336,8 +336,8 @@ class _Cache:
 # The fallback when block Lanczos (mhla_cli.linalg.krylov) does not converge within its basis: ARPACK's
 # restarted Lanczos, one vector a step, memory flat (ncv = 20), residual LANCZOS_TOL; it raises
 # ArpackNoConvergence when it does not converge either. The block method replaced it as the first
-# choice: the earlier measurement here that block solves of 8 vectors cost 3-5x one was taken beside
-# numpy GEMMs, whose OpenBLAS threads spun on the cores scipy's needed (krylov's docstring).
+# choice: the earlier measurement here that block solves of 8 vectors cost 3-5x one was most likely
+# taken beside numpy GEMMs, whose OpenBLAS threads spin on the cores scipy's need (krylov's docstring).
 
 
 def _lanczos_top(matvec: Any, n: int) -> float:
