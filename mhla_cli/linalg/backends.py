@@ -52,15 +52,21 @@ def _lapack_threads(n: int) -> Any:
     return threadpool_limits(limits=1, user_api="blas")
 
 
+def _fortran_view(a: np.ndarray) -> tuple[np.ndarray, bool]:
+    """(a symmetric a as an F-ordered array without a copy, whether a was C-ordered): a C-ordered array's
+    transpose is an F-ordered view of the same matrix, whose upper triangle is a's lower one."""
+    c_order = bool(a.flags.c_contiguous) and not a.flags.f_contiguous
+    return (a.T if c_order else a), c_order
+
+
 def cholesky(a: np.ndarray, overwrite_a: bool = False) -> Any:
     """scipy's cho_factor of a symmetric a (for cho_solve), on one BLAS thread above POTRF_THREADED_MAX;
     LinAlgError when a is not numerically positive definite."""
-    # a is symmetric, so a C-ordered array's transpose (an F-ordered view) is the same matrix: LAPACK
-    # factors it as it lies (upper U, U^T U = a) instead of after a transposing copy
-    c_order = bool(a.flags.c_contiguous) and not a.flags.f_contiguous
+    # LAPACK factors a as it lies (a C-ordered a through its transpose: upper U, U^T U = a) instead of
+    # after a transposing copy
+    f, c_order = _fortran_view(a)
     with _lapack_threads(a.shape[0]):
-        return _scipy_linalg().cho_factor(a.T if c_order else a, lower=not c_order, overwrite_a=overwrite_a,
-                                          check_finite=False)
+        return _scipy_linalg().cho_factor(f, lower=not c_order, overwrite_a=overwrite_a, check_finite=False)
 
 
 def _inverse_matvec(factor: tuple[np.ndarray, bool]) -> Any:
@@ -145,9 +151,8 @@ class HostMatrix:
             return a @ x
         from scipy.linalg import blas
 
-        # a C-ordered a is the F-ordered a^T (= a): its upper triangle is a's lower one
-        c_order = bool(a.flags.c_contiguous) and not a.flags.f_contiguous
-        return blas.dsymv(1.0, a.T if c_order else a, np.asarray(x, dtype=np.float64), lower=0 if c_order else 1)
+        f, c_order = _fortran_view(a)  # a's lower triangle is the F view's upper one when a is C-ordered
+        return blas.dsymv(1.0, f, np.asarray(x, dtype=np.float64), lower=0 if c_order else 1)
 
     def matmat(self, X: np.ndarray) -> np.ndarray:
         """a X for a block X (n x k): scipy's dgemm on a as it lies (a C-ordered a is its F-ordered
@@ -157,8 +162,7 @@ class HostMatrix:
             return np.asarray(a @ X, dtype=np.float64)
         from scipy.linalg import blas
 
-        c_order = bool(a.flags.c_contiguous) and not a.flags.f_contiguous
-        return blas.dgemm(1.0, a.T if c_order else a, np.asfortranarray(X, dtype=np.float64))
+        return blas.dgemm(1.0, _fortran_view(a)[0], np.asfortranarray(X, dtype=np.float64))
 
     def cholesky(self, shift: float = 0.0) -> HostFactor | None:
         """The Cholesky factor of a - shift I (a copy of a when shift != 0: a is never written); None when

@@ -304,9 +304,7 @@ class DeviceMatrix:
     def matvec(self, x: np.ndarray) -> np.ndarray:
         return (self.a @ self._t.from_numpy(np.ascontiguousarray(x, dtype=np.float64)).to(self.dev)).cpu().numpy()
 
-    def matmat(self, X: np.ndarray) -> np.ndarray:
-        """a X for a block X (n x k) on the device."""
-        return (self.a @ self._t.from_numpy(np.ascontiguousarray(X, dtype=np.float64)).to(self.dev)).cpu().numpy()
+    matmat = matvec  # a X for a block X (n x k): the same product on the device
 
     def cholesky(self, shift: float = 0.0) -> DeviceFactor | None:
         """The Cholesky factor of a - shift I (a copy of a when shift != 0: a is never written); None when
@@ -348,11 +346,8 @@ class DeviceFactor:
         return (x[:, 0] if vec else x).cpu().numpy()
 
     def inverse_matvec(self, x: np.ndarray) -> np.ndarray:
-        """a^-1 x by two triangular solves with the factor (Lanczos on the inverse)."""
-        t = self._t
-        b = t.from_numpy(np.ascontiguousarray(x, dtype=np.float64)).to(self.L.device)[:, None]
-        z = t.linalg.solve_triangular(self.L, b, upper=False)
-        return t.linalg.solve_triangular(self.L.T, z, upper=True)[:, 0].cpu().numpy()
+        """a^-1 x by two triangular solves with the factor (the ARPACK fallback of Lanczos)."""
+        return self.inverse_matmat(np.asarray(x)[:, None])[:, 0]
 
     def inverse_matmat(self, X: np.ndarray) -> np.ndarray:
         """a^-1 X for a block X (n x k) by two triangular solves with the factor (block Lanczos)."""

@@ -68,10 +68,14 @@ class TopEigenvalue:
                 "converged": self.converged}
 
 
+def _columns(n: int, block: int, max_columns: int | None = None) -> int:
+    """The basis's columns for an n x n operator (its last block may be narrower than `block`)."""
+    return min(n, max(block, MAX_BASIS_COLUMNS if max_columns is None else max_columns))
+
+
 def basis_bytes(n: int, block: int = BLOCK) -> int:
     """Bytes `top_eigenvalue` holds for an n x n operator: the basis and the products."""
-    cols = min(n, max(block, MAX_BASIS_COLUMNS))
-    return 8 * n * (2 * cols + block)
+    return 8 * n * (2 * _columns(n, block) + block)
 
 
 def top_eigenvalue(matmat: Callable[[np.ndarray], np.ndarray], n: int, block: int = BLOCK,
@@ -88,8 +92,7 @@ def top_eigenvalue(matmat: Callable[[np.ndarray], np.ndarray], n: int, block: in
     if n <= 0:
         return TopEigenvalue(0.0, 0.0, 0, 0, True, tol, 0)
     k = max(1, min(block, n))
-    # the basis's columns (the last block may be narrower)
-    cap = min(n, max(k, MAX_BASIS_COLUMNS if max_columns is None else max_columns))
+    cap = _columns(n, k, max_columns)
     rng = np.random.default_rng(0)
     start = rng.standard_normal((n, k))
     start[:, 0] = 1.0 / np.sqrt(n)
