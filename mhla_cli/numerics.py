@@ -34,8 +34,9 @@ OBSERVED_SPAN_FACTOR = 1.0
 DETERMINED_TOL = 1e-8
 
 # The relative residual tolerance of block Lanczos (mhla_cli.linalg.krylov) and of its ARPACK fallback
-# (lambda_max, and lambda_min on the inverse through the shifted Cholesky factor): the Ritz value's error is about tol^2 lambda / gap, so 1e-7 still gives
-# lambda to ~1e-14 relative (measured at psi = 7200, dense Gaussian data).
+# (lambda_max, and lambda_min on the inverse through the shifted Cholesky factor): the Ritz value's
+# error is about tol^2 lambda / gap, so 1e-7 still gives lambda to ~1e-14 relative (measured at
+# psi = 7200, dense Gaussian data).
 LANCZOS_TOL = 1e-7
 
 # The train MSE from the sums cancels: its resolution is MSE_RESOLUTION_FACTOR * psi * EPS *
