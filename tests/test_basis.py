@@ -431,3 +431,31 @@ def test_round32_keeps_rows_far_outside_float32_range() -> None:
     assert np.isfinite(B).all() and np.all(np.abs(B - A) <= 2.0**-23 * np.abs(A).max(axis=1, keepdims=True))
     M = np.random.default_rng(1).standard_normal((3, 3))
     assert np.array_equal(basis.round32(M), M.astype(np.float32).astype(np.float64))
+
+
+def test_an_exactly_zero_coordinate_is_already_whitened() -> None:
+    """A token coordinate that is 0 in every token stays its own (whitening): correction() asks no
+    change for it, so canonicalising twice changes nothing; the live part is still cut at CANONICAL_TOL."""
+    from mhla_cli.numerics import CANONICAL_TOL
+
+    for live in (1.0, 1.0 + 0.5 * CANONICAL_TOL):
+        assert basis.correction(np.diag([live, 0.0, 1.0]) * 7.0, 7.0) == (None, 1.0)
+    C, cond = basis.correction(np.diag([1.0 + 2 * CANONICAL_TOL, 0.0, 1.0]), 1.0)
+    assert C is not None and C[1, 0] == C[1, 2] == C[0, 1] == C[2, 1] == 0.0 and cond > 1.0
+
+
+def test_canonical_is_idempotent_with_a_zero_coordinate(tmp_path) -> None:
+    from conftest import write_tokens
+
+    from mhla_cli import certify, featurize
+
+    rng = np.random.default_rng(5)
+    X = rng.standard_normal((300, 6, 3))
+    X[:, :, 1] = 0
+    feats = featurize(write_tokens(tmp_path / "z.h5", X, None, rng.standard_normal((300, 3))))
+    assert feats.correction() == (None, 1.0)
+    before = np.array(feats.basis_gram)
+    first = certify(feats)
+    feats.canonical()
+    assert np.array_equal(feats.basis_gram, before)
+    assert certify(feats).lambda_max == first.lambda_max

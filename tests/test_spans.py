@@ -29,3 +29,79 @@ def test_reduce_spans_adds_the_parts(ragged) -> None:
     assert relerr(parts.basis_gram, whole.basis_gram) < 1e-12
     assert relerr(parts.basis_moments, whole.basis_moments) < 1e-12
     assert spans.default_chunk_size(info) >= 1 and spans.check_spans("on") == "on"
+
+
+def _tokens_file(path, N=60, n=5, d=3, weights=False, per_position=False, seed=2):
+    import h5py
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    # rotated, graded coordinates: a whitening far from the identity
+    Q, _ = np.linalg.qr(rng.standard_normal((d, d)))
+    X = (rng.standard_normal((N, n, d)) * np.geomspace(1.0, 1e-2, d)) @ Q.T
+    with h5py.File(path, "w") as f:
+        f["tokens"] = X.astype(np.float32)
+        f["targets"] = rng.standard_normal((N, n, d) if per_position else (N, d))
+        if weights:
+            f["weights"] = rng.uniform(0.5, 2.0, size=(N, n) if per_position else N)
+    return path, X.astype(np.float32).astype(np.float64).reshape(-1, d)
+
+
+def test_exact_basis_only_for_a_whole_file_of_unit_weights(tmp_path) -> None:
+    """The sample holds every token of a small file: the whole file's basis is its exact whitening; a
+    shard, weights or per-position data keep the file's sample estimate."""
+    path, _ = _tokens_file(tmp_path / "t.h5")
+    info = inspect_tokens(path)
+    assert spans.exact_basis(info, (0, 60)) and not spans.exact_basis(info, (0, 30))
+    for kw in ({"weights": True}, {"per_position": True}, {"weights": True, "per_position": True}):
+        other = inspect_tokens(_tokens_file(tmp_path / "w.h5", **kw)[0])
+        assert not spans.exact_basis(other, (0, 60)), kw
+
+
+def test_exact_basis_cut_on_both_sides(tmp_path, monkeypatch) -> None:
+    """A sample of part of the file: every token is read exactly when the change's flops reach
+    EXACT_BASIS_FLOPS_PER_BYTE per byte of tokens, not a hair below."""
+    from mhla_cli.statistics import basis
+
+    path, _ = _tokens_file(tmp_path / "t.h5", N=400)
+    info = inspect_tokens(path)
+    monkeypatch.setattr(basis, "SAMPLE_TOKENS", 80)  # 8 blocks of 2 sequences: part of the file
+    assert basis.sample_blocks(info.n_samples, info.n_tokens) != [(0, 400)]
+    ratio = spans.change_flops(3) / (info.n_tokens * 3 * 4)
+    monkeypatch.setattr(spans, "EXACT_BASIS_FLOPS_PER_BYTE", ratio)
+    assert spans.exact_basis(info, (0, 400))
+    monkeypatch.setattr(spans, "EXACT_BASIS_FLOPS_PER_BYTE", ratio * (1 + 1e-9))
+    assert not spans.exact_basis(info, (0, 400))
+    # the change: about 3 q^4 on K from SYMGRAM_MIN_D, two Kronecker products on the Gram below it
+    assert spans.change_flops(24) == 3.0 * 300**4 and spans.change_flops(3) == 4.0 * 18**2 * 9
+
+
+def test_the_whole_file_is_featurized_in_its_own_whitening(tmp_path, monkeypatch) -> None:
+    """The exact basis (read in several blocks, rotated graded tokens) whitens the data to rounding
+    against plain numpy on the tokens, so the sums need no change after the pass; the result equals
+    that of a pass started in the tokens' own coordinates (the answer does not depend on the start)."""
+    import numpy as np
+
+    from mhla_cli.numerics import CANONICAL_TOL
+    from mhla_cli.statistics import basis
+
+    path, X = _tokens_file(tmp_path / "t.h5", N=400)
+    monkeypatch.setattr(basis, "SAMPLE_TOKENS", 80)
+    monkeypatch.setattr(spans, "EXACT_BASIS_FLOPS_PER_BYTE", 0.0)
+    feats = featurize(path, chunk_size=37)
+    A = feats.basis
+    G = X.T @ X / X.shape[0]
+    assert np.abs(A.T @ G @ A - np.eye(3)).max() < 1e-12
+    assert not np.array_equal(A, basis.round32(A))  # not rounded to float32 values
+    assert feats.extra_attrs["basis_correction_cond"] == 1.0 and feats.correction() == (None, 1.0)
+    assert np.abs(feats.basis_token_gram / feats.token_weight_sum - np.eye(3)).max() <= CANONICAL_TOL
+    start = featurize(path, chunk_size=37, basis="identity")
+    assert start.extra_attrs["basis_correction_cond"] > 10.0  # changed after its pass
+    # its basis is a whitening too (redone in a float32 one: X A M, M orthogonal): the same own sums and
+    # the same spectrum of the canonical Gram
+    for k in ("gram", "moments", "token_gram"):
+        assert relerr(getattr(start, k), getattr(feats, k)) < 1e-11, k
+    assert relerr(np.linalg.eigvalsh(start.basis_gram), np.linalg.eigvalsh(feats.basis_gram)) < 1e-11
+    # a shard keeps the file's sample estimate (float32 values) and is changed after its pass
+    shard = featurize(path, chunk_size=37, shard=(0, 2))
+    assert shard.extra_attrs["basis_correction_cond"] > 1.0

@@ -217,7 +217,10 @@ def correction(basis_token_gram: np.ndarray, n_tokens: float) -> tuple[np.ndarra
     G = 0.5 * (G + G.T)
     if not np.isfinite(G).all():
         return None, 1.0
-    w = np.linalg.eigvalsh(G)
+    # a coordinate that is exactly 0 in every token stays its own coordinate (`whitening`): its zero
+    # eigenvalue is no direction left to whiten (counted, it made every canonical() apply a change again)
+    nonzero = np.flatnonzero(np.diagonal(G) != 0.0)
+    w = np.linalg.eigvalsh(G[np.ix_(nonzero, nonzero)])
     top = float(w[-1]) if w.size else 0.0
     if top <= 0.0:
         return None, 1.0

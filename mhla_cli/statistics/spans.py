@@ -163,25 +163,74 @@ def reduce_span(info: TokensInfo, span: tuple[int, int], chunk_size: int | None 
     return total
 
 
-def estimate_basis(info: TokensInfo) -> np.ndarray:
-    """An estimate of the whitening of a tokens file, from a fixed sample (basis.sample_blocks).
+# featurize of a whole file starts in the whitening of its data itself (every token read once before the
+# pass, not rounded to float32) instead of the estimate of a fixed sample, when the sample holds every
+# token anyway, or when reading them costs little beside what it saves: the change of the sums to the
+# whitening after the pass (basis.correction then finds A^T G A = I to rounding, within CANONICAL_TOL),
+# about 3 q^4 flops on K (q = d(d+1)/2; `change_flops`). Taken when those flops are at least this many per
+# byte of tokens read. Measured on this machine (Intel Xeon, 2 cores, float32 tokens, sequences of 16; a
+# scratch script): the change took 0.83-1.0 s at d = 24 (2.4e10 flops, ~25-29 GFLOP/s) and 0.07-0.08 s
+# at d = 16 (1.0e9); reading and summing every token 0.08-0.24 s at d = 24, N = 36000 (55 MB: 440 flops
+# of change per byte) and 0.33-0.52 s at d = 16, N = 2e5 (205 MB: 5 flops per byte), 0.2-0.7 GB/s. The
+# break-even is near 50 flops a byte; from a cold disk reading is slower.
+EXACT_BASIS_FLOPS_PER_BYTE = 100.0
 
-    Deterministic in the file's content (every shard, worker and machine gets the same basis, so
-    their sums add up exactly). It only has to be good enough to accumulate in: `featurize` checks it
-    against the token Gram of all the data at the end of the pass (basis.correction).
+
+def change_flops(d: int) -> float:
+    """About the flops of changing the pass's sums to another basis of the tokens: on K (symgram.Pairs:
+    the pair step r(r+1)/2 x 4 q^3, the token step 2 (q(q+1)/2) (r(r+1)/2)^2, q = r(r+1)/2 = d(d+1)/2) or on
+    the Gram itself (two Kronecker products of 2 psi^2 (q + d) flops each)."""
+    from ..linalg import symgram
+
+    q = symgram.n_pairs(d)
+    if symgram.use_pairs(q, d):
+        return 3.0 * float(q) ** 4
+    return 4.0 * float(n_features(d)) ** 2 * (q + d)
+
+
+def exact_basis(info: TokensInfo, span: tuple[int, int]) -> bool:
+    """Whether `estimate_basis` of `span` reads every token of it (EXACT_BASIS_FLOPS_PER_BYTE): only for
+    the whole file of unit-weight data (the whitening of weighted or per-position data weights each
+    token by the samples that contain it; a shard's basis stays the file's sample estimate)."""
+    if getattr(info, "per_position", False) or getattr(info, "has_weights", False):
+        return False
+    if tuple(span) != (0, info.n_samples) or info.n_samples == 0:
+        return False
+    if basis_mod.sample_blocks(info.n_samples, info.n_tokens) == [(0, info.n_samples)]:
+        return True  # the sample is every token already
+    read = float(info.n_tokens) * info.d * np.dtype(info.dtype).itemsize
+    return change_flops(info.d) >= EXACT_BASIS_FLOPS_PER_BYTE * read
+
+
+def estimate_basis(info: TokensInfo, span: tuple[int, int] | None = None) -> np.ndarray:
+    """The basis a pass accumulates in: an estimate of the whitening of a tokens file from a fixed sample
+    (basis.sample_blocks), rounded to float32 values; or, when `exact_basis(info, span)`, the whitening
+    of every token of `span` (the samples the pass reads), not rounded.
+
+    The estimate is deterministic in the file's content (every shard, worker and machine gets the same
+    basis). It only has to be good enough to accumulate in: `featurize` checks it against the token
+    Gram of all the data at the end of the pass (basis.correction), and the exact one passes that
+    check, so that the sums need no change after the pass.
     """
+    exact = span is not None and exact_basis(info, span)
+    if exact:
+        lo, hi = span
+        per = max(1, int(basis_mod.SAMPLE_TOKENS / max(1.0, info.n_tokens / max(info.n_samples, 1))))
+        blocks = [(a, min(hi, a + per)) for a in range(lo, hi, per)]
+    else:
+        blocks = basis_mod.sample_blocks(info.n_samples, info.n_tokens)
     G = np.zeros((info.d, info.d))
     count = 0
     bufs = ReadBuffers()
     with formats.open_input(info.path) as f, np.errstate(invalid="ignore", over="ignore"):
-        for a, b in basis_mod.sample_blocks(info.n_samples, info.n_tokens):
+        for a, b in blocks:
             tokens, offsets, targets = read_chunk(f, info, a, b, bufs)
             X = tokens.astype(np.float64)
             top = float(np.max(X * X)) if X.size else 0.0
             check_chunk(info, a, tokens, offsets, targets, top)
             G += X.T @ X
             count += X.shape[0]
-    return basis_mod.whitening(G, count)
+    return basis_mod.whitening(G, count, round32=not exact)
 
 
 def reduce_spans(info: TokensInfo, span_list: Sequence[tuple[int, int]],

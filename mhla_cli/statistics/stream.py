@@ -72,8 +72,8 @@ def featurize(path: str | os.PathLike, chunk_size: int | None = None,
     if serial and whole:
         check_memory(info.d, path=path, need=featurize_need(info, chunk_size), what="featurize")
     A = _basis_option(basis, info.d, path)
-    A = spans_mod.estimate_basis(info) if A is None else A
     lo, hi = shard_span(info.n_samples, shard, path)
+    A = spans_mod.estimate_basis(info, (lo, hi) if shard is None else None) if A is None else A
     size = chunk_size or default_chunk_size(info)
     # the data's spans (a cheap pass; none spent when the basis sample already fills psi)
     found, A, span_passes = find_spans(info, A, (lo, hi), size, normalize, spans)
