@@ -202,3 +202,40 @@ def test_a_deferred_dataset_of_row_blocks_is_written_block_by_block(tmp_path: Pa
                                                                                  shape=full.shape)})
     with h5py.File(out, "r") as f:
         assert f["a"].dtype == np.float64 and np.array_equal(f["a"][()], full)
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
+@pytest.mark.parametrize("where", [(0, 0), (9, 1), (2, 8)])  # a diagonal tile, below it, above it
+def test_stored_symmetric_finds_every_non_finite_entry(tmp_path: Path, bad: float, where: tuple[int, int]) -> None:
+    """The tiled check (tiles of 4 over a 10 x 10 dataset: partial edge tiles) sees a NaN / Inf in any tile,
+    on one side of the diagonal only."""
+    rng = np.random.default_rng(0)
+    M = rng.standard_normal((10, 10))
+    M = M + M.T
+    M[where] = bad
+    with h5py.File(tmp_path / "g.h5", "w") as f:
+        f["g"] = M
+        with pytest.raises(InputError, match="'g' contains NaN or Inf"):
+            formats.check_stored_symmetric(f, "g", tmp_path / "g.h5", tile=4)
+
+
+def test_stored_symmetric_cut_on_both_sides(tmp_path: Path) -> None:
+    """Symmetric to SYMMETRY_TOL of the largest entry: an asymmetry just inside passes, just outside fails
+    (in a tile off the diagonal and in a diagonal one)."""
+    from mhla_cli.numerics import SYMMETRY_TOL
+
+    rng = np.random.default_rng(1)
+    M = rng.standard_normal((10, 10))
+    M = M + M.T
+    top = float(np.abs(M).max())
+    for i, j in ((9, 1), (5, 6)):
+        for factor, ok in ((0.5, True), (2.0, False)):
+            A = M.copy()
+            A[i, j] += factor * SYMMETRY_TOL * top
+            with h5py.File(tmp_path / "g.h5", "w") as f:
+                f["g"] = A
+                if ok:
+                    formats.check_stored_symmetric(f, "g", tmp_path / "g.h5", tile=4)
+                else:
+                    with pytest.raises(InputError, match="'g' is not symmetric"):
+                        formats.check_stored_symmetric(f, "g", tmp_path / "g.h5", tile=4)

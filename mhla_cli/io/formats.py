@@ -13,6 +13,7 @@ import contextlib
 import errno
 import hashlib
 import json
+import math
 import os
 import re
 import shlex
@@ -265,26 +266,39 @@ def all_finite(a: np.ndarray, block_bytes: int = 8 << 20) -> bool:
 
 def check_stored_symmetric(f: h5py.File, name: str, path: str | os.PathLike, tile: int = 1024) -> None:
     """A stored square dataset is finite and symmetric to SYMMETRY_TOL of its largest entry (the checks of
-    `read_array` and features_file._is_symmetric), read tile by tile: nothing of its size is held."""
+    `read_array` and features_file._is_symmetric), read tile by tile: nothing of its size is held.
+
+    Each tile is read once and passed over three times (its max and min, which are NaN or +-Inf exactly
+    when it holds one, and the difference to its mirror tile), not six: at psi = 7200 (d = 24) the check
+    took 0.52-0.56 s against 0.67-0.72 s for the isfinite / abs passes before (a scratch script, the file in
+    the page cache; the tiles' hyperslab reads are 0.3-0.4 s of it)."""
     ds = dataset(f, name, path)
     n = int(ds.shape[0])
-    a, b = np.empty(tile * tile), np.empty(tile * tile)
+    a, b, c = np.empty(tile * tile), np.empty(tile * tile), np.empty(tile * tile)
     top = diff = 0.0
+
+    def extent(x: np.ndarray) -> float:
+        hi, lo = float(x.max()), float(x.min())
+        if not (math.isfinite(hi) and math.isfinite(lo)):  # max / min propagate NaN; Inf is an extreme
+            raise InputError(f"'{name}' contains NaN or Inf; the file is corrupted", path)
+        return max(hi, -lo)
+
     for i0 in range(0, n, tile):
         i1 = min(n, i0 + tile)
         for j0 in range(i0, n, tile):
             j1 = min(n, j0 + tile)
             upper = a[:(i1 - i0) * (j1 - j0)].reshape(i1 - i0, j1 - j0)
             ds.read_direct(upper, np.s_[i0:i1, j0:j1])
+            top = max(top, extent(upper))
             if j0 == i0:
                 lower = upper
             else:
                 lower = b[:(j1 - j0) * (i1 - i0)].reshape(j1 - j0, i1 - i0)
                 ds.read_direct(lower, np.s_[j0:j1, i0:i1])
-            if not (np.isfinite(upper).all() and np.isfinite(lower).all()):
-                raise InputError(f"'{name}' contains NaN or Inf; the file is corrupted", path)
-            top = max(top, float(np.abs(upper).max()), float(np.abs(lower).max()))
-            diff = max(diff, float(np.abs(upper - lower.T).max()))
+                top = max(top, extent(lower))
+            gap = c[:upper.size].reshape(upper.shape)
+            np.subtract(upper, lower.T, out=gap)
+            diff = max(diff, float(gap.max()), -float(gap.min()))
     if diff > SYMMETRY_TOL * top:
         raise InputError(f"'{name}' is not symmetric; the file is corrupted", path)
 
