@@ -105,3 +105,23 @@ def test_the_whole_file_is_featurized_in_its_own_whitening(tmp_path, monkeypatch
     # a shard keeps the file's sample estimate (float32 values) and is changed after its pass
     shard = featurize(path, chunk_size=37, shard=(0, 2))
     assert shard.extra_attrs["basis_correction_cond"] > 1.0
+
+
+def test_the_exact_basis_limits_quoted_in_formats_md() -> None:
+    """docs/formats.md quotes the constant and where its cut falls for float32 sequences of 16 tokens."""
+    from pathlib import Path
+
+    from mhla_cli.io.tokens import TokensInfo
+
+    text = (Path(__file__).resolve().parent.parent / "docs" / "formats.md").read_text(encoding="utf-8")
+    text = " ".join(text.split())
+    assert f"`spans.EXACT_BASIS_FLOPS_PER_BYTE` = {spans.EXACT_BASIS_FLOPS_PER_BYTE:g} per byte" in text
+    assert "at d = 24 up to 158,000 float32 sequences of 16 tokens, at d = 16 only the 16,384" in text
+
+    def exact(d: int, N: int) -> bool:
+        info = TokensInfo(path="x.h5", layout="dense", n_samples=N, d=d, n_tokens=16 * N, dtype="float32",
+                          has_targets=True, seq_len=16)
+        return spans.exact_basis(info, (0, N))
+
+    assert exact(24, 158000) and not exact(24, 159000)
+    assert exact(16, 16384) and not exact(16, 16385)

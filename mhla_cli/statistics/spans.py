@@ -215,7 +215,9 @@ def estimate_basis(info: TokensInfo, span: tuple[int, int] | None = None) -> np.
     exact = span is not None and exact_basis(info, span)
     if exact:
         lo, hi = span
-        per = max(1, int(basis_mod.SAMPLE_TOKENS / max(1.0, info.n_tokens / max(info.n_samples, 1))))
+        # blocks of the sample's size (SAMPLE_TOKENS / SAMPLE_BLOCKS tokens): the read buffers stay small
+        per = max(1, int(basis_mod.SAMPLE_TOKENS / basis_mod.SAMPLE_BLOCKS
+                         / max(1.0, info.n_tokens / max(info.n_samples, 1))))
         blocks = [(a, min(hi, a + per)) for a in range(lo, hi, per)]
     else:
         blocks = basis_mod.sample_blocks(info.n_samples, info.n_tokens)
