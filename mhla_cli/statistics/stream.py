@@ -54,7 +54,8 @@ def featurize(path: str | os.PathLike, chunk_size: int | None = None,
     prefix with weight > 0 is a sample. `normalize="length"` divides S by the number of tokens.
 
     The basis: the pass accumulates in an estimate (`basis` "auto": `estimate_basis`, from the whole
-    file whatever the shard; a (d, d) array; None / "identity": the tokens' own coordinates), which
+    file whatever the shard, or for the whole file where `spans.exact_basis` says so the whitening of
+    every token itself; a (d, d) array; None / "identity": the tokens' own coordinates), which
     is then checked against the token Gram of all the data read (of the shard, for a shard): the
     sums are changed exactly to its whitening when that change is well conditioned
     (cond <= basis.CHANGE_COND), and otherwise the pass is redone in that whitening. The result is
