@@ -360,3 +360,25 @@ def test_gram_rows_give_the_gram_block_by_block(rows: int) -> None:
         assert block.shape[0] % r == 0 and block.shape[0] <= max(r, rows)
         got[r0:r0 + block.shape[0]] = block
     assert relerr(got, G) < TOL and np.array_equal(got, symgram.gram_from_pairs(K, q, r))
+
+
+@pytest.mark.parametrize("blocks", [1, 3, 4, 1000])
+@pytest.mark.parametrize("shape", [(7, 7), (5, 7), (9, 7)])
+def test_pair_step_triangle_blocks_match_plain_numpy(monkeypatch, blocks: int, shape: tuple[int, int]) -> None:
+    """The pair step's GEMM in PAIR_TRIANGLE_BLOCKS row blocks (from one block to one row each, more
+    blocks than rows, square and rectangular P) gives upper(P M_j P^T) of every column's symmetric M_j,
+    against plain numpy on the expanded matrices."""
+    monkeypatch.setattr(symgram, "PAIR_TRIANGLE_BLOCKS", blocks)
+    rng = np.random.default_rng(blocks)
+    q2, q = shape
+    P = rng.standard_normal((q2, q))
+    block = rng.standard_normal((symgram.n_pairs(q), 4))
+    got = symgram._pair_congruence(block, P, {})
+    a, b = np.triu_indices(q)
+    a2, b2 = np.triu_indices(q2)
+    for j in range(block.shape[1]):
+        M = np.zeros((q, q))
+        M[a, b] = block[:, j]
+        M[b, a] = block[:, j]
+        want = (P @ M @ P.T)[a2, b2]
+        assert np.abs(got[:, j] - want).max() <= 1e-13 * np.abs(want).max()
