@@ -280,7 +280,7 @@ CONGRUENCE_BLOCK_BYTES = 16 * 2**20
 # of each column's P M P^T): (1 + 1 / blocks) / 2 of that GEMM's flops, 62.5 % with 4. Measured on this
 # machine (a scratch script, `Pairs.congruence` of a random K, two runs each): 5.9-6.2 s against 6.1-6.7 s
 # with one block at d = 32, alike within the noise at d = 24 (0.89-0.94 against 0.71-0.96 s); 2, 8 and
-# 16 blocks of one pair step's block came out no better than 4.
+# 16 blocks came out alike within the noise (one pair step's block, three runs).
 PAIR_TRIANGLE_BLOCKS = 4
 
 
