@@ -167,24 +167,25 @@ def reduce_span(info: TokensInfo, span: tuple[int, int], chunk_size: int | None 
 # pass, not rounded to float32) instead of the estimate of a fixed sample, when the sample holds every
 # token anyway, or when reading them costs little beside what it saves: the change of the sums to the
 # whitening after the pass (basis.correction then finds A^T G A = I to rounding, within CANONICAL_TOL),
-# about 3 q^4 flops on K (q = d(d+1)/2; `change_flops`). Taken when those flops are at least this many per
-# byte of tokens read. Measured on this machine (Intel Xeon, 2 cores, float32 tokens, sequences of 16; a
-# scratch script): the change took 0.83-1.0 s at d = 24 (2.4e10 flops, ~25-29 GFLOP/s) and 0.07-0.08 s
-# at d = 16 (1.0e9); reading and summing every token 0.08-0.24 s at d = 24, N = 36000 (55 MB: 440 flops
-# of change per byte) and 0.33-0.52 s at d = 16, N = 2e5 (205 MB: 5 flops per byte), 0.2-0.7 GB/s. The
-# break-even is near 50 flops a byte; from a cold disk reading is slower.
+# about 4 q^4 flops on K (q = d(d+1)/2; `change_flops`). Taken when those flops are at least this many per
+# byte of tokens read. Measured on this machine (AMD EPYC, 2 cores, float32 tokens, sequences of 16; a
+# scratch script): the change took 0.83-1.0 s at d = 24 (3.2e10 flops, 32-39 GFLOP/s) and 0.07-0.08 s
+# at d = 16 (1.4e9); reading and summing every token 0.08-0.24 s at d = 24, N = 36000 (55 MB: 590 flops
+# of change per byte) and 0.33-0.52 s at d = 16, N = 2e5 (205 MB: 7 flops per byte), 0.2-0.7 GB/s. The
+# break-even is near 60 flops a byte; from a cold disk reading is slower.
 EXACT_BASIS_FLOPS_PER_BYTE = 100.0
 
 
 def change_flops(d: int) -> float:
-    """About the flops of changing the pass's sums to another basis of the tokens: on K (symgram.Pairs:
-    the pair step r(r+1)/2 x 4 q^3, the token step 2 (q(q+1)/2) (r(r+1)/2)^2, q = r(r+1)/2 = d(d+1)/2) or on
-    the Gram itself (two Kronecker products of 2 psi^2 (q + d) flops each)."""
+    """About the flops of changing the pass's sums to another basis of the tokens. On K (symgram.Pairs:
+    q(q+1)/2 rows, q columns, q = d(d+1)/2): per column the pair step's two GEMMs, 2 q^3 and the
+    triangle's (1 + 1 / PAIR_TRIANGLE_BLOCKS) q^3, and the token step K T^T, 2 q^2 per row: about 4 q^4
+    in all. On the Gram itself (below SYMGRAM_MIN_D): two Kronecker products of 2 psi^2 (q + d) each."""
     from ..linalg import symgram
 
     q = symgram.n_pairs(d)
     if symgram.use_pairs(q, d):
-        return 3.0 * float(q) ** 4
+        return 4.0 * float(q) ** 4
     return 4.0 * float(n_features(d)) ** 2 * (q + d)
 
 
