@@ -278,14 +278,35 @@ def test_weights_carry_no_units(data: Data, n_zero: int, c: float, zseed: int) -
 # --------------------------------------------------------------------------------------------
 
 
+@pytest.fixture(params=["exact", "estimate"])
+def start(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """The basis featurize starts in: the whitening of every token, read in many small blocks ("exact":
+    spans.exact_basis, forced), or the float32 estimate of a sample of part of the file, changed after
+    the pass ("estimate")."""
+    from mhla_cli.statistics import basis, spans
+
+    monkeypatch.setattr(basis, "SAMPLE_TOKENS", 64)  # 8 blocks of 8 tokens: part of these files
+    monkeypatch.setattr(spans, "EXACT_BASIS_FLOPS_PER_BYTE", 0.0 if request.param == "exact" else np.inf)
+    return request.param
+
+
 @FILE_SETTINGS
 @given(data=datasets(), chunk=st.integers(1, 40), pseed=st.integers(0, 1000))
 def test_order_chunks_shards_workers_and_duplicates_do_not_change_the_answer(
-        data: Data, chunk: int, pseed: int, tmp_path_factory: pytest.TempPathFactory, kernel: str) -> None:
+        data: Data, chunk: int, pseed: int, tmp_path_factory: pytest.TempPathFactory, kernel: str,
+        start: str) -> None:
     tmp = tmp_path_factory.mktemp("m")
     path = data.write(tmp / "d.h5")
     base = featurize(path, normalize=data.normalize)
     cert = certify(base)
+    # against the reference (plain numpy on the materialised canonical features), whichever start
+    w = canonical(data.tokens, data.offsets, data.targets, data.per_position, data.weights,
+                  data.normalize)["eigenvalues"]
+    assert abs(cert.lambda_max - w[-1]) <= 1e-9 * w[-1]
+    assert abs(cert.lambda_min - w[0]) <= 1e-9 * (abs(w[0]) if cert.identifiable else w[-1])
+    # exact: no change after the pass for unit-weight last-token data; an estimate is always changed
+    unit = data.weights is None and not data.per_position
+    assert (base.extra_attrs["basis_correction_cond"] == 1.0) == (start == "exact" and unit)
     Zs = probes(data.d, pseed)
     fn = predict_own(fit(base).coef, Zs, data.normalize)
     N = data.offsets.size - 1
