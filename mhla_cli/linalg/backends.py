@@ -59,6 +59,11 @@ def _fortran_view(a: np.ndarray) -> tuple[np.ndarray, bool]:
     return (a.T if c_order else a), c_order
 
 
+def _blas_ready(a: np.ndarray) -> bool:
+    """Whether scipy's BLAS takes a as it lies: a non-empty float64 array in C or F order."""
+    return a.shape[0] > 0 and a.dtype == np.float64 and bool(a.flags.c_contiguous or a.flags.f_contiguous)
+
+
 def cholesky(a: np.ndarray, overwrite_a: bool = False) -> Any:
     """scipy's cho_factor of a symmetric a (for cho_solve), on one BLAS thread above POTRF_THREADED_MAX;
     LinAlgError when a is not numerically positive definite."""
@@ -147,7 +152,7 @@ class HostMatrix:
         a = self.a
         if x.ndim != 1:
             return self.matmat(x)
-        if a.shape[0] == 0 or a.dtype != np.float64 or not (a.flags.c_contiguous or a.flags.f_contiguous):
+        if not _blas_ready(a):
             return a @ x
         from scipy.linalg import blas
 
@@ -158,7 +163,7 @@ class HostMatrix:
         """a X for a block X (n x k): scipy's dgemm on a as it lies (a C-ordered a is its F-ordered
         transpose), the BLAS of the triangular solves (mhla_cli.linalg.krylov: one thread pool, not two)."""
         a = self.a
-        if a.shape[0] == 0 or a.dtype != np.float64 or not (a.flags.c_contiguous or a.flags.f_contiguous):
+        if not _blas_ready(a):
             return np.asarray(a @ X, dtype=np.float64)
         from scipy.linalg import blas
 

@@ -413,11 +413,16 @@ SAMPLE_TOKENS = 1 << 18
 SAMPLE_BLOCKS = 8
 
 
+def block_samples(n_samples: int, n_tokens: int) -> int:
+    """Samples in one block of the estimate's sample: about SAMPLE_TOKENS / SAMPLE_BLOCKS tokens."""
+    mean_len = max(1.0, n_tokens / max(n_samples, 1))
+    return max(1, int(SAMPLE_TOKENS / mean_len / SAMPLE_BLOCKS))
+
+
 def sample_blocks(n_samples: int, n_tokens: int) -> list[tuple[int, int]]:
     """Disjoint sample ranges [a, b) of the estimate's sample (small files: read once, not per block)."""
     N = n_samples
-    mean_len = max(1.0, n_tokens / max(N, 1))
-    per_block = max(1, int(SAMPLE_TOKENS / mean_len / SAMPLE_BLOCKS))
+    per_block = block_samples(n_samples, n_tokens)
     blocks: list[tuple[int, int]] = []
     for a in sorted({(N * i) // SAMPLE_BLOCKS for i in range(SAMPLE_BLOCKS)}):
         b = min(N, a + per_block)

@@ -27,6 +27,7 @@ from . import structure as structure_mod
 from ..errors import InputError
 from ..feature_map import check_normalize, n_features
 from ..linalg import device as device_mod
+from ..linalg import symgram
 from ..linalg.memory import block_featurize_bytes, check_floor, featurize_bytes
 from .accumulate import PANEL_BYTES, _Accumulator
 from .parallel import CANCEL, Cancelled
@@ -181,8 +182,6 @@ def change_flops(d: int) -> float:
     q(q+1)/2 rows, q columns, q = d(d+1)/2): per column the pair step's two GEMMs, 2 q^3 and the
     triangle's (1 + 1 / PAIR_TRIANGLE_BLOCKS) q^3, and the token step K T^T, 2 q^2 per row: about 4 q^4
     in all. On the Gram itself (below SYMGRAM_MIN_D): two Kronecker products of 2 psi^2 (q + d) each."""
-    from ..linalg import symgram
-
     q = symgram.n_pairs(d)
     if symgram.use_pairs(q, d):
         return 4.0 * float(q) ** 4
@@ -216,9 +215,7 @@ def estimate_basis(info: TokensInfo, span: tuple[int, int] | None = None) -> np.
     exact = span is not None and exact_basis(info, span)
     if exact:
         lo, hi = span
-        # blocks of the sample's size (SAMPLE_TOKENS / SAMPLE_BLOCKS tokens): the read buffers stay small
-        per = max(1, int(basis_mod.SAMPLE_TOKENS / basis_mod.SAMPLE_BLOCKS
-                         / max(1.0, info.n_tokens / max(info.n_samples, 1))))
+        per = basis_mod.block_samples(info.n_samples, info.n_tokens)  # the sample's blocks: small buffers
         blocks = [(a, min(hi, a + per)) for a in range(lo, hi, per)]
     else:
         blocks = basis_mod.sample_blocks(info.n_samples, info.n_tokens)
