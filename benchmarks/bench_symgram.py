@@ -19,6 +19,18 @@ per-position data, every prefix a sample) this script measures, in the same run 
   the same commands on a d = 2 features file (start-up: interpreter, imports, the same code path), which
   the ratio "less start-up" subtracts (issue 24: "process start-up excluded").
 
+With --floors, what each target leaves this design, measured in the same run, each part in a fresh
+process: the start-up (featurize of a d = 2 tokens file), the raw read of the tokens file (h5py, every
+dataset, page cache warm), K's GEMM alone on U formed beforehand (numpy's BLAS, all threads, one
+panel of at most 4096 rows of U^T by one chunk of 2048 samples, the best of 15, scaled to all of U^T
+and all samples: the formation of U, the moments and the token sums left out), and the write of the
+file's large datasets through mhla's own writer (two psi x psi for the default file, K for --compact;
+fsync included). Their sum is a lower bound on that featurize: above the target, no work on the pass
+alone can meet it. For certify and fit: the bare Cholesky, lambda_max's and lambda_min's products
+(as many as the run's certify reported, each timed alone: a GEMM of krylov.BLOCK columns, a pair of
+triangular solves with them) and the raw read of the compact file; fit reports the same lambda_min
+and lambda_max (its solve is left out).
+
 Printed: the machine, one table per section with the ratios (time / bare dsyrk, time / Cholesky)
 and the targets of issue 24 (featurize <= 0.75x at d = 16 and d = 24 with N >= 36000, <= 1.0x at
 d = 24 below it, <= 0.9x causal, d >= 32 <= 0.5x a one-thread dsyrk; certify / fit <= 2x a
@@ -29,6 +41,7 @@ Run:
     python benchmarks/bench_symgram.py --points 24:9000 --solve 24:9000 --repeat 3
     python benchmarks/bench_symgram.py --points 32:6000 --repeat 1
     python benchmarks/bench_symgram.py --baseline-ref none   # the current code only
+    python benchmarks/bench_symgram.py --baseline-ref none --floors   # and what each target leaves
 """
 
 from __future__ import annotations
@@ -64,6 +77,115 @@ def target(d: int, N: int, causal: bool) -> tuple[str, float]:
     if d >= 24 and N < 36000:
         return "dsyrk", 1.0
     return "dsyrk", 0.75
+
+
+# --floors: one fresh process per point (module docstring). argv: d, samples, repeat, tokens file, a
+# directory for the write.
+FEATURIZE_FLOOR = """
+import json, os, sys, time
+import numpy as np, h5py
+from mhla_cli.io import formats
+from mhla_cli.linalg.symgram import ROW_BLOCK_BYTES, n_pairs, pairs_shape
+d, rows, repeat = map(int, sys.argv[1:4])
+data, outdir = sys.argv[4:6]
+q = n_pairs(d)
+psi = q * d
+def best(g, k=5):
+    return min(g() for _ in range(max(k, repeat)))
+def read():
+    t = time.perf_counter()
+    with h5py.File(data, "r") as f:
+        for k in f:
+            f[k][...]
+    return time.perf_counter() - t
+R, P = 2048, min(n_pairs(q), 4096)
+rng = np.random.default_rng(0)
+Ut = rng.standard_normal((P, R))
+Vt = rng.standard_normal((n_pairs(d), R))
+T = np.empty((n_pairs(d), P))
+def gemm():
+    t = time.perf_counter()
+    np.matmul(Vt, Ut.T, out=T)  # SymGram.add's orientation of K[panel] += U^T[panel] V
+    return time.perf_counter() - t
+K = np.ones(pairs_shape(q, d))
+k = max(1, ROW_BLOCK_BYTES // (8 * psi))
+block = np.ones((k, psi))
+def rows_of():
+    return ((r, block[:min(k, psi - r)]) for r in range(0, psi, k))
+def write(compact):
+    out = os.path.join(outdir, "floor_write.h5")
+    ds = {formats.PAIRS_DATASET: K} if compact else {
+        name: formats.Deferred(rows_of, 8 * psi * psi, shape=(psi, psi)) for name in ("gram", "basis_gram")}
+    t = time.perf_counter()
+    formats.write_file(out, "features", ds)
+    t = time.perf_counter() - t
+    os.unlink(out)
+    return t
+panel = best(gemm, 15)  # ~1 s: of 5, one run's best at 24:9000 came out 1.8x the others
+print(json.dumps({"read_s": best(read), "gemm_panel_s": panel, "gemm_s": panel * n_pairs(q) / P * rows / R,
+                  "write_default_s": min(write(False) for _ in range(max(2, repeat))),
+                  "write_compact_s": min(write(True) for _ in range(max(2, repeat)))}))
+"""
+# argv: psi, repeat, the compact features file (its raw read).
+SOLVE_FLOOR = """
+import json, sys, time
+import numpy as np, h5py
+from mhla_cli.linalg.backends import HostMatrix
+from mhla_cli.linalg.krylov import BLOCK
+psi, repeat = map(int, sys.argv[1:3])
+def read():
+    t = time.perf_counter()
+    with h5py.File(sys.argv[3], "r") as f:
+        for k in f:
+            f[k][...]
+    return time.perf_counter() - t
+rng = np.random.default_rng(0)
+M = rng.random((psi, psi))
+M += M.T
+M[np.diag_indices(psi)] += 2.0 * psi
+m = HostMatrix(M)
+f = m.cholesky(0.0)
+X = np.asfortranarray(rng.standard_normal((psi, BLOCK)))
+def best(g):
+    ts = []
+    for _ in range(max(5, repeat)):
+        t = time.perf_counter()
+        g(X)
+        ts.append(time.perf_counter() - t)
+    return min(ts)
+print(json.dumps({"product_s": best(m.matmat), "solve_pair_s": best(f.inverse_matmat), "block": BLOCK,
+                  "read_compact_s": min(read() for _ in range(max(2, repeat)))}))
+"""
+
+
+def featurize_floor(r: dict[str, Any], repeat: int, work: Path) -> dict[str, Any]:
+    """The floor parts of a featurize point (--floors, module docstring) and their sums."""
+    print(f"# {r['spec']}: floors (start-up, raw read, K's GEMM alone, the write) ...", flush=True)
+    tiny = tokens_file(200, 4, 2)
+    start = min(run_cli(["featurize", str(tiny), "-o", str(work / "tiny_floor.h5"), "-q"], None)["wall"]
+                for _ in range(max(2, repeat)))
+    parts = python_snippet(FEATURIZE_FLOOR, r["d"], r["rows"], repeat, r["data"], work)
+    out = {"startup_s": start, **{k: parts[k] for k in ("read_s", "gemm_s", "gemm_panel_s",
+                                                         "write_default_s", "write_compact_s")}}
+    ref = r["dsyrk_one_thread_s"] if r["against"] == "one-thread dsyrk" else r["dsyrk_s"]
+    for form, write in (("current", "write_default_s"), ("compact", "write_compact_s")):
+        floor = start + parts["read_s"] + parts["gemm_s"] + parts[write]
+        out[form] = {"floor_s": floor, "ratio": floor / ref, "attainable": floor / ref <= r["target"]}
+    return out
+
+
+def solve_floor(r: dict[str, Any], repeat: int) -> dict[str, Any]:
+    """The floor of certify / fit at a solve point (--floors): the Cholesky, lambda_max's and lambda_min's
+    products as many as the current certify reported, and the compact file's raw read."""
+    s = r["solve"]
+    print(f"# {r['spec']}: floors of certify / fit ...", flush=True)
+    parts = python_snippet(SOLVE_FLOOR, r["psi"], repeat, r["files"]["compact"])
+    est = s["certify_current"].get("estimates") or {}
+    n_max = int((est.get("lambda_max") or {}).get("products") or 0)
+    n_min = int((est.get("lambda_min") or {}).get("products") or 0)
+    floor = s["cholesky_s"] + n_max * parts["product_s"] + n_min * parts["solve_pair_s"] + parts["read_compact_s"]
+    return {**parts, "lambda_max_products": n_max, "lambda_min_products": n_min, "floor_s": floor,
+            "ratio": floor / s["cholesky_s"], "attainable": floor / s["cholesky_s"] <= 2.0}
 
 
 def run_cli(args: list[str], tree: Path | None) -> dict[str, Any]:
@@ -127,7 +249,7 @@ def featurize_point(spec: str, repeat: int, base: Path | None, work: Path, one_t
          "dsyrk_one_thread_s": t_syrk1, "against": against, "target": limit,
          "featurize": {k: {"wall": w["wall"], "maxrss_mib": w["maxrss_kib"] / 1024,
                            "walls": [x["wall"] for x in runs[k]]} for k, w in best.items()},
-         "files": {k: str(p) for k, p in outs.items()}}
+         "files": {k: str(p) for k, p in outs.items()}, "data": str(data)}
     for k, w in r["featurize"].items():
         w["ratio"] = w["wall"] / ref
     if not keep:
@@ -166,7 +288,8 @@ def solve_point(r: dict[str, Any], repeat: int, base: Path | None, work: Path) -
                                      "ratio_less_startup": (w["wall"] - out["startup_s"][step]) / chol,
                                      "maxrss_mib": w["maxrss_kib"] / 1024,
                                      "seconds": rec.get("seconds", {}), "identifiable": rec.get("identifiable"),
-                                     "lambda_min": rec.get("lambda_min"), "lambda_max": rec.get("lambda_max")}
+                                     "lambda_min": rec.get("lambda_min"), "lambda_max": rec.get("lambda_max"),
+                                     "estimates": rec.get("estimates")}
     return out
 
 
@@ -179,6 +302,8 @@ def main() -> None:
     ap.add_argument("--baseline-ref", default=BASELINE, help="the code before (a git ref; none: skip it)")
     ap.add_argument("--one-thread-syrk", action="store_true", default=None,
                     help="also time the bare dsyrk on one thread (default from d = 32 on)")
+    ap.add_argument("--floors", action="store_true",
+                    help="also measure what each target leaves this design (module docstring)")
     ap.add_argument("--json", type=Path, default=OUT / "bench_symgram.json")
     args = ap.parse_args()
     results: dict[str, Any] = {"machine": machine(), "points": []}
@@ -193,8 +318,12 @@ def main() -> None:
         for spec in args.points:
             solve = spec in (args.solve or [])
             r = featurize_point(spec, args.repeat, base, work, args.one_thread_syrk, keep=solve)
+            if args.floors:
+                r["floors"] = featurize_floor(r, args.repeat, work)
             if solve:
                 r["solve"] = solve_point(r, args.repeat, base, work)
+                if args.floors:
+                    r["solve"]["floors"] = solve_floor(r, args.repeat)
                 for p in r["files"].values():
                     Path(p).unlink(missing_ok=True)
             results["points"].append(r)
@@ -238,10 +367,56 @@ def main() -> None:
               "target is checked on the better of the current and --compact files, start-up excluded\n")
         print(table(["point", "step", "Cholesky s", "start-up s", "current", "on the --compact file", "baseline",
                      "target (current code)", "current `seconds`"], srows))
+    if args.floors:
+        print_floors(results["points"])
     print("\n" + results["machine_after"])
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(results, indent=1))
     print(f"\nwrote {args.json}")
+
+
+def print_floors(points: list[dict[str, Any]]) -> None:
+    """The --floors tables: featurize's, then certify / fit's."""
+    rows = []
+    for r in points:
+        f = r.get("floors")
+        if f is None:
+            continue
+        fz = r["featurize"]
+        ref = r["dsyrk_one_thread_s"] if r["against"] == "one-thread dsyrk" else r["dsyrk_s"]
+        cells = [r["spec"], f"{ref:.2f} ({r['against']})", f"{f['startup_s']:.2f}", f"{f['read_s']:.2f}",
+                 f"{f['gemm_s']:.2f}", f"{f['write_default_s']:.2f} / {f['write_compact_s']:.2f}"]
+        for k in ("current", "compact"):
+            cells.append(f"{f[k]['floor_s']:.2f} / {f[k]['ratio']:.2f}x / {fz[k]['ratio']:.2f}x")
+        cells.append(f"<= {r['target']}: " + " / ".join("yes" if f[k]["attainable"] else "no"
+                                                        for k in ("current", "compact")))
+        rows.append(cells)
+    if rows:
+        print("\n## what each featurize target leaves this design (lower bounds, same run)\n")
+        print("floor = start-up + raw read + K's GEMM alone (U formed beforehand, all BLAS threads) + the write "
+              "of the file's large datasets; cells: floor s / floor ratio / measured ratio\n")
+        print(table(["point", "reference s", "start-up s", "raw read s", "K GEMM s", "write s (default / compact)",
+                     "default file", "--compact", "target attainable (default / compact)"], rows))
+    srows = []
+    for r in points:
+        s = r.get("solve", {})
+        f = s.get("floors")
+        if f is None:
+            continue
+        for step in ("certify", "fit"):
+            start = s["startup_s"][step]
+            best = min(s[f"{step}_{k}"]["wall"] for k in ("current", "compact")) - start
+            srows.append([r["spec"], step, f"{s['cholesky_s']:.2f}",
+                          f"{f['lambda_max_products']} x {f['product_s'] * 1e3:.0f} ms",
+                          f"{f['lambda_min_products']} x {f['solve_pair_s'] * 1e3:.0f} ms",
+                          f"{f['read_compact_s']:.2f}",
+                          f"{f['floor_s']:.2f} / {f['ratio']:.2f}x", f"{best / s['cholesky_s']:.2f}x",
+                          f"<= 2: {'yes' if f['attainable'] else 'no'}"])
+    if srows:
+        print("\n## what the certify / fit target leaves this design (lower bounds, same run)\n")
+        print(table(["point", "step", "Cholesky s", "lambda_max products", "lambda_min products (solve pairs)",
+                     "raw read (compact) s", "floor s / ratio", "measured (best file, less start-up)",
+                     "target attainable"], srows))
 
 
 if __name__ == "__main__":
