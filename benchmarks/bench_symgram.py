@@ -79,34 +79,36 @@ def target(d: int, N: int, causal: bool) -> tuple[str, float]:
     return "dsyrk", 0.75
 
 
-# --floors: one fresh process per point (module docstring). argv: d, samples, repeat, tokens file, a
-# directory for the write.
-FEATURIZE_FLOOR = """
+# --floors: the helpers of both snippets below (each a fresh process; `repeat` set by the snippet).
+_FLOOR_HELPERS = """
 import json, os, sys, time
 import numpy as np, h5py
+def timed(f, *args):
+    t = time.perf_counter()
+    f(*args)
+    return time.perf_counter() - t
+def best(f, *args, k=5):
+    return min(timed(f, *args) for _ in range(max(k, repeat)))
+def read(path):  # the raw read: every dataset of the file into memory
+    with h5py.File(path, "r") as h:
+        for name in h:
+            h[name][...]
+"""
+# argv: d, samples, repeat, tokens file, a directory for the write.
+FEATURIZE_FLOOR = _FLOOR_HELPERS + """
 from mhla_cli.io import formats
 from mhla_cli.linalg.symgram import ROW_BLOCK_BYTES, n_pairs, pairs_shape
 d, rows, repeat = map(int, sys.argv[1:4])
 data, outdir = sys.argv[4:6]
 q = n_pairs(d)
 psi = q * d
-def best(g, k=5):
-    return min(g() for _ in range(max(k, repeat)))
-def read():
-    t = time.perf_counter()
-    with h5py.File(data, "r") as f:
-        for k in f:
-            f[k][...]
-    return time.perf_counter() - t
 R, P = 2048, min(n_pairs(q), 4096)
 rng = np.random.default_rng(0)
 Ut = rng.standard_normal((P, R))
 Vt = rng.standard_normal((n_pairs(d), R))
 T = np.empty((n_pairs(d), P))
 def gemm():
-    t = time.perf_counter()
     np.matmul(Vt, Ut.T, out=T)  # SymGram.add's orientation of K[panel] += U^T[panel] V
-    return time.perf_counter() - t
 K = np.ones(pairs_shape(q, d))
 k = max(1, ROW_BLOCK_BYTES // (8 * psi))
 block = np.ones((k, psi))
@@ -116,29 +118,19 @@ def write(compact):
     out = os.path.join(outdir, "floor_write.h5")
     ds = {formats.PAIRS_DATASET: K} if compact else {
         name: formats.Deferred(rows_of, 8 * psi * psi, shape=(psi, psi)) for name in ("gram", "basis_gram")}
-    t = time.perf_counter()
-    formats.write_file(out, "features", ds)
-    t = time.perf_counter() - t
+    t = timed(formats.write_file, out, "features", ds)
     os.unlink(out)
     return t
-panel = best(gemm, 15)  # ~1 s: of 5, one run's best at 24:9000 came out 1.8x the others
-print(json.dumps({"read_s": best(read), "gemm_panel_s": panel, "gemm_s": panel * n_pairs(q) / P * rows / R,
+panel = best(gemm, k=15)  # ~1 s: of 5, one run's best at 24:9000 came out 1.8x the others
+print(json.dumps({"read_s": best(read, data), "gemm_panel_s": panel, "gemm_s": panel * n_pairs(q) / P * rows / R,
                   "write_default_s": min(write(False) for _ in range(max(2, repeat))),
                   "write_compact_s": min(write(True) for _ in range(max(2, repeat)))}))
 """
 # argv: psi, repeat, the compact features file (its raw read).
-SOLVE_FLOOR = """
-import json, sys, time
-import numpy as np, h5py
+SOLVE_FLOOR = _FLOOR_HELPERS + """
 from mhla_cli.linalg.backends import HostMatrix
 from mhla_cli.linalg.krylov import BLOCK
 psi, repeat = map(int, sys.argv[1:3])
-def read():
-    t = time.perf_counter()
-    with h5py.File(sys.argv[3], "r") as f:
-        for k in f:
-            f[k][...]
-    return time.perf_counter() - t
 rng = np.random.default_rng(0)
 M = rng.random((psi, psi))
 M += M.T
@@ -146,16 +138,13 @@ M[np.diag_indices(psi)] += 2.0 * psi
 m = HostMatrix(M)
 f = m.cholesky(0.0)
 X = np.asfortranarray(rng.standard_normal((psi, BLOCK)))
-def best(g):
-    ts = []
-    for _ in range(max(5, repeat)):
-        t = time.perf_counter()
-        g(X)
-        ts.append(time.perf_counter() - t)
-    return min(ts)
-print(json.dumps({"product_s": best(m.matmat), "solve_pair_s": best(f.inverse_matmat), "block": BLOCK,
-                  "read_compact_s": min(read() for _ in range(max(2, repeat)))}))
+print(json.dumps({"product_s": best(m.matmat, X), "solve_pair_s": best(f.inverse_matmat, X), "block": BLOCK,
+                  "read_compact_s": best(read, sys.argv[3], k=2)}))
 """
+
+def reference_s(r: dict[str, Any]) -> float:
+    """The time a featurize point's ratio is taken against (`target`): the bare dsyrk, or on one thread."""
+    return r["dsyrk_one_thread_s"] if r["against"] == "one-thread dsyrk" else r["dsyrk_s"]
 
 
 def featurize_floor(r: dict[str, Any], repeat: int, work: Path) -> dict[str, Any]:
@@ -167,7 +156,7 @@ def featurize_floor(r: dict[str, Any], repeat: int, work: Path) -> dict[str, Any
     parts = python_snippet(FEATURIZE_FLOOR, r["d"], r["rows"], repeat, r["data"], work)
     out = {"startup_s": start, **{k: parts[k] for k in ("read_s", "gemm_s", "gemm_panel_s",
                                                          "write_default_s", "write_compact_s")}}
-    ref = r["dsyrk_one_thread_s"] if r["against"] == "one-thread dsyrk" else r["dsyrk_s"]
+    ref = reference_s(r)
     for form, write in (("current", "write_default_s"), ("compact", "write_compact_s")):
         floor = start + parts["read_s"] + parts["gemm_s"] + parts[write]
         out[form] = {"floor_s": floor, "ratio": floor / ref, "attainable": floor / ref <= r["target"]}
@@ -333,7 +322,7 @@ def main() -> None:
     rows = []
     for r in results["points"]:
         fz = r["featurize"]
-        ref = r["dsyrk_one_thread_s"] if r["against"] == "one-thread dsyrk" else r["dsyrk_s"]
+        ref = reference_s(r)
         cells = [r["spec"], r["psi"], r["rows"], f"{ref:.2f} ({r['against']})"]
         for k in ("current", "compact", "baseline"):
             cells.append(f"{fz[k]['wall']:.2f} / {fz[k]['ratio']:.2f}x" if k in fz else "-")
@@ -383,7 +372,7 @@ def print_floors(points: list[dict[str, Any]]) -> None:
         if f is None:
             continue
         fz = r["featurize"]
-        ref = r["dsyrk_one_thread_s"] if r["against"] == "one-thread dsyrk" else r["dsyrk_s"]
+        ref = reference_s(r)
         cells = [r["spec"], f"{ref:.2f} ({r['against']})", f"{f['startup_s']:.2f}", f"{f['read_s']:.2f}",
                  f"{f['gemm_s']:.2f}", f"{f['write_default_s']:.2f} / {f['write_compact_s']:.2f}"]
         for k in ("current", "compact"):
