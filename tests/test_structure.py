@@ -476,3 +476,23 @@ def test_a_certificate_of_changed_statistics_refuses_its_null_space(tmp_path: Pa
     red = featurize(_save(case, tmp_path / "d.h5"), spans="on")
     wit = make_witness(red, cert=certify(red))
     assert red.reduced is True and wit.info["kind"] in ("indistinguishable", "weakly_determined")
+
+
+@pytest.mark.parametrize("margin", [1.0, 1e6])
+def test_the_structure_cut_on_both_sides(margin: float) -> None:
+    """from_traces drops a direction whose partial-trace energy is at most margin * STRUCTURE_FACTOR *
+    psi * EPS * max(lambda_max(Tr_l) / d, lambda_max(Tr_s) / q), and keeps one a hair above."""
+    from mhla_cli.numerics import EPS, STRUCTURE_FACTOR
+    from mhla_cli.statistics.structure import from_traces
+
+    rng = np.random.default_rng(3)
+    q, d = 6, 3
+    cut = margin * STRUCTURE_FACTOR * q * d * EPS * max(2.0 / d, 1.0 / q)
+    # rotated (the cut is on eigenvalues, not entries) where the eigensolver's error, ~EPS lambda_max, is
+    # well inside the 1e-6 of the cut that the two cases leave; on the axes at the cut itself
+    Q = np.linalg.qr(rng.standard_normal((q, q)))[0] if margin > 1e3 else np.eye(q)
+    for e, kept in ((cut * (1 + 1e-6), q), (cut * (1 - 1e-6), q - 1)):
+        tp = Q @ np.diag([2.0, 1.0, 1.0, 1.0, 1.0, e]) @ Q.T
+        st = from_traces(tp, np.eye(d), margin)
+        assert (st.a, st.b) == (kept, d), (e, cut)
+        assert st.reduced == (kept < q)

@@ -75,6 +75,85 @@ def test_panels_over_python_threads_give_the_same_sums(monkeypatch) -> None:
     assert relerr(many.gram(), H @ H.T) < TOL
 
 
+def _blas_now() -> list[int]:
+    from threadpoolctl import threadpool_info
+
+    return [lib["num_threads"] for lib in threadpool_info() if lib["user_api"] == "blas"]
+
+
+def test_pipeline_gives_the_blocking_sums_bit_for_bit(monkeypatch) -> None:
+    """`pipeline`: chunks handed out while the caller overwrites its own buffers for the next one (as the
+    reduction does) give K, the moments and the target Gram of the blocking `add`, bit for bit, and BLAS
+    is back at its thread count after the block."""
+    monkeypatch.setattr(symgram, "PAIRS_PANEL_BYTES", 8 * 40 * 9)  # several panels for each thread
+    rng = np.random.default_rng(4)
+    q, d = 21, 6
+    chunks = [(rng.standard_normal((q, R)), rng.standard_normal((d, R)), rng.standard_normal((d, R)))
+              for R in (40, 3, 40, 17, 1)]
+    blocking = symgram.SymGram(q, d, d)
+    for s, x, y in chunks:
+        blocking.add(s, x, y, threads=3)
+    before = _blas_now()
+    piped = symgram.SymGram(q, d, d)
+    with piped.pipeline(3):
+        for s, x, y in chunks:
+            bufs = (s.copy(), x.copy(), y.copy())
+            piped.add(*bufs)
+            for b in bufs:  # the caller's next chunk goes into the same buffers at once
+                b[...] = np.nan
+        assert _blas_now() == [1] * len(before)  # one BLAS thread for every panel in the block
+    assert _blas_now() == before
+    assert np.array_equal(piped.K, blocking.K) and np.array_equal(piped.M, blocking.M)
+    assert np.array_equal(piped.target_gram(), blocking.target_gram())
+
+
+def test_pipeline_joins_and_restores_blas_on_an_error(monkeypatch) -> None:
+    """An error in the caller's loop: the chunk in flight is joined, BLAS gets its threads back, the
+    error is the caller's; an error in a panel's work is raised at the block's exit."""
+    rng = np.random.default_rng(5)
+    s, x = rng.standard_normal((21, 30)), rng.standard_normal((6, 30))
+    before = _blas_now()
+    sg = symgram.SymGram(21, 6)
+    with pytest.raises(KeyError, match="the caller's"):
+        with sg.pipeline(2):
+            sg.add(s, x)
+            raise KeyError("the caller's")
+    assert _blas_now() == before and sg._pending == [] and sg._pool is None
+    good = symgram.SymGram(21, 6)
+    good.add(s, x)
+    assert np.array_equal(sg.K, good.K)  # the chunk in flight was finished, not dropped
+    real = symgram.work_array
+
+    def broken(pool, name, rows, cols):
+        if name.startswith("T"):
+            raise MemoryError("a panel's block")
+        return real(pool, name, rows, cols)
+
+    monkeypatch.setattr(symgram, "work_array", broken)
+    bad = symgram.SymGram(21, 6)
+    with pytest.raises(MemoryError, match="a panel's block"):
+        with bad.pipeline(2):
+            bad.add(s, x)
+    assert _blas_now() == before and bad._pool is None
+
+
+def test_featurize_that_fails_in_a_late_chunk_gives_blas_back(tmp_path: Path, monkeypatch) -> None:
+    """A wide block in the pipeline (d = 13, two threads): a NaN in the last chunk is an input error and
+    leaves BLAS as it was."""
+    from mhla_cli.errors import InputError
+
+    d = 13
+    rng = np.random.default_rng(6)
+    X, y = rng.standard_normal((150, 4, d)), rng.standard_normal((150, d))
+    X[-1, 2, 3] = np.nan
+    path = write_tokens(tmp_path / "nan.h5", X, None, y)
+    monkeypatch.setattr(backends, "_blas_threads", lambda: 2)
+    before = _blas_now()
+    with pytest.raises(InputError):
+        featurize(path, chunk_size=60, spans="off", basis="identity")
+    assert _blas_now() == before
+
+
 def test_gram_from_pairs_refuses_a_wrong_shape() -> None:
     with pytest.raises(ValueError, match="shape"):
         symgram.gram_from_pairs(np.zeros((3, 4)), 2, 2)

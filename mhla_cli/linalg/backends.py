@@ -285,6 +285,14 @@ class HostGram:
                 Ft[self.nf:] = targets_t
         self._syrk(Ft)  # with the BLAS threads a wide block pays for
 
+    def pipeline(self) -> Any:
+        """The reduction's block around its loop over chunks (statistics.spans._add_chunks): a wide block
+        of K overlaps each chunk's GEMMs with the next chunk's preparation (symgram.SymGram.pipeline, on
+        the BLAS threads there are now); otherwise nothing."""
+        if self._pairs is None or self.width < MIN_THREADED_WIDTH:
+            return contextlib.nullcontext()
+        return self._pairs.pipeline(_blas_threads())
+
     def _syrk(self, Ft: np.ndarray) -> None:
         """G += Ft Ft^T on the lower triangle (mirrored in `gram_parts`), in place: one BLAS dsyrk into G,
         or (wider than POTRF_THREADED_MAX) panels of rows, each one GEMM Ft[a:b] Ft[:b]^T into a work
@@ -319,6 +327,8 @@ class HostGram:
         """The sums: the SymGram of K, or G (its lower triangle; None when nothing was added); the work
         buffers released."""
         self._bufs.clear()
+        if self._pairs is not None:
+            self._pairs.join()
         out = self._pairs if self._pairs is not None else self.G
         self._pairs = self.G = None
         return out

@@ -10,6 +10,7 @@ symgram.SYMGRAM_MIN_D) or by one syrk of the block [Ht | Y] (docs/performance.md
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 from collections.abc import Callable
@@ -329,6 +330,12 @@ class _Accumulator:
             return
         if self.width:
             self._gram.add(upper_t, last_t, targets_t)
+
+    def pipeline(self) -> Any:
+        """A block for the loop over a pass's chunks: the backend's (backends.HostGram.pipeline: a chunk's
+        GEMMs overlap the next chunk's preparation), or nothing."""
+        make = getattr(self._gram, "pipeline", None)
+        return contextlib.nullcontext() if make is None else make()
 
     def result(self, token_dtype: str = "float64") -> Features:
         """The statistics, in the accumulator's basis (the accumulator is spent: its work buffers are
