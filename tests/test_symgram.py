@@ -137,6 +137,31 @@ def test_pipeline_joins_and_restores_blas_on_an_error(monkeypatch) -> None:
     assert _blas_now() == before and bad._pool is None
 
 
+def test_the_pipeline_only_on_the_main_thread(monkeypatch) -> None:
+    """HostGram.pipeline opens SymGram's pipeline for a wide block on the main thread only (worker
+    threads of one process would set the process-wide BLAS limit over each other)."""
+    import threading
+
+    monkeypatch.setattr(backends, "_blas_threads", lambda: 2)
+    d = 13
+    q = symgram.n_pairs(d)
+    seen: dict[str, bool] = {}
+
+    def probe(name: str) -> None:
+        g = backends.HostGram(q, d, 0, q * d, q * d)
+        with g.pipeline():
+            seen[name] = g._pairs._pool is not None
+
+    probe("main")
+    t = threading.Thread(target=probe, args=("worker",))
+    t.start()
+    t.join()
+    assert seen == {"main": True, "worker": False}
+    narrow = backends.HostGram(symgram.n_pairs(12), 12, 0, 100, 100)  # below MIN_THREADED_WIDTH
+    with narrow.pipeline():
+        assert narrow._pairs._pool is None
+
+
 def test_featurize_that_fails_in_a_late_chunk_gives_blas_back(tmp_path: Path, monkeypatch) -> None:
     """A wide block in the pipeline (d = 13, two threads): a NaN in the last chunk is an input error and
     leaves BLAS as it was."""

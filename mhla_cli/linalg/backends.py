@@ -288,8 +288,13 @@ class HostGram:
     def pipeline(self) -> Any:
         """The reduction's block around its loop over chunks (statistics.spans._add_chunks): a wide block
         of K overlaps each chunk's GEMMs with the next chunk's preparation (symgram.SymGram.pipeline, on
-        the BLAS threads there are now); otherwise nothing."""
-        if self._pairs is None or self.width < MIN_THREADED_WIDTH:
+        the BLAS threads there are now); otherwise nothing. Only on the main thread: reductions on worker
+        threads of one process (a Dask client's threads) would set and restore the process-wide BLAS limit
+        over each other's pipelines."""
+        import threading
+
+        on_main = threading.current_thread() is threading.main_thread()
+        if self._pairs is None or self.width < MIN_THREADED_WIDTH or not on_main:
             return contextlib.nullcontext()
         return self._pairs.pipeline(_blas_threads())
 
