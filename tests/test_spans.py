@@ -158,7 +158,8 @@ def test_the_probe_lies_in_the_sample_and_holds_enough_samples() -> None:
         assert rows >= min(spans.SPANS_PROBE_PER_PAIR * q, N * (n if causal else 1))
 
     check()
-    # the sample of a small file is the whole file: no probe of a tenth of it at d = 24 (q = 300)
+    # a small file's sample is the whole file (4000 sequences); a probe of 8 x 300 of them would be more
+    # than half of it at d = 24 (q = 300): none
     small = TokensInfo(path="x.h5", layout="dense", n_samples=4000, d=24, n_tokens=4000 * 30, dtype="float32",
                        has_targets=True, seq_len=30)
     assert spans.probe_blocks(small) is None
