@@ -419,10 +419,12 @@ def block_samples(n_samples: int, n_tokens: int) -> int:
     return max(1, int(SAMPLE_TOKENS / mean_len / SAMPLE_BLOCKS))
 
 
-def sample_blocks(n_samples: int, n_tokens: int) -> list[tuple[int, int]]:
-    """Disjoint sample ranges [a, b) of the estimate's sample (small files: read once, not per block)."""
+def sample_blocks(n_samples: int, n_tokens: int, per_block: int | None = None) -> list[tuple[int, int]]:
+    """Disjoint sample ranges [a, b) of the estimate's sample (small files: read once, not per block);
+    `per_block` samples from each of the SAMPLE_BLOCKS starts instead of `block_samples` (a head of
+    each block: spans.probe_blocks)."""
     N = n_samples
-    per_block = block_samples(n_samples, n_tokens)
+    per_block = block_samples(n_samples, n_tokens) if per_block is None else int(per_block)
     blocks: list[tuple[int, int]] = []
     for a in sorted({(N * i) // SAMPLE_BLOCKS for i in range(SAMPLE_BLOCKS)}):
         b = min(N, a + per_block)

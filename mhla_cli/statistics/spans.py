@@ -381,13 +381,7 @@ def probe_blocks(info: TokensInfo) -> list[tuple[int, int]] | None:
     k = max(1, -(-int(SPANS_PROBE_PER_PAIR * q) // max(1, int(basis_mod.SAMPLE_BLOCKS * per))))
     if 2 * k > basis_mod.block_samples(N, info.n_tokens):
         return None
-    probe: list[tuple[int, int]] = []
-    for a in sorted({(N * i) // basis_mod.SAMPLE_BLOCKS for i in range(basis_mod.SAMPLE_BLOCKS)}):
-        b = min(N, a + k)  # within the sample's block that starts at a (k <= its length)
-        if probe and a <= probe[-1][1]:
-            probe[-1] = (probe[-1][0], max(b, probe[-1][1]))
-        else:
-            probe.append((a, b))
+    probe = basis_mod.sample_blocks(N, info.n_tokens, per_block=k)  # within the sample's blocks (k <= theirs)
     sample = basis_mod.sample_blocks(N, info.n_tokens)
     if 2 * sum(b - a for a, b in probe) > sum(b - a for a, b in sample):  # a small file's sample: itself
         return None
