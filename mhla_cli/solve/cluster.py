@@ -32,6 +32,7 @@ from ..errors import InputError
 from ..io import formats
 from ..linalg.factorization import Factorization
 from ..model.heads import W_from_p
+from ..model import scores
 from ..model.model import Model
 from ..numerics import mse_resolution, numerical_tolerance
 from ..statistics import basis as basis_mod
@@ -184,6 +185,7 @@ def _fit(stats: TiledStatistics, ridge: float, path: Any) -> Model:
         "estimated": ["lambda_min", "lambda_max"], "estimates": {k: dict(v) for k, v in fac.iterations.items()},
         "tasks": dict(stats.matrix.tasks),
     }
+    info["train_r2"] = scores.train_r2(feats, mse)
     return Model(coef=coef, W=W_from_p(coef), d=feats.d, info=info, coef_b=coef_b, basis=np.array(A))
 
 

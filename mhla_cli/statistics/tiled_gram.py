@@ -37,7 +37,7 @@ import numpy as np
 from . import basis as basis_mod
 from . import parallel
 from ..errors import InputError
-from ..feature_map import check_normalize, n_features
+from ..feature_map import check_normalize
 from ..io import formats
 from ..io.tokens import TokensInfo, inspect_tokens, iter_chunks, require_square
 from ..linalg import symgram
@@ -172,7 +172,6 @@ def _record(part: Features, info: TokensInfo, path: str | os.PathLike, span: tup
     feats.extra_attrs.update(basis_passes=passes, basis_correction_cond=float(cond), span_passes=0)
     if shard is not None:
         feats.extra_attrs["shard"] = f"{shard[0]}/{shard[1]}"
-    assert d == feats.d
     return feats
 
 
@@ -211,8 +210,10 @@ def _tiles(client: Any, info: TokensInfo, span: tuple[int, int], A: np.ndarray, 
     matrix = TiledMatrix(client, tiles, [k * d] * nb)
     matrix.tasks["accumulate"] = tasks + len(tiles) + len(moment_rows)
     moments = np.concatenate(client.gather(moment_rows), axis=0) if moment_rows else None
-    bad = client.gather(client.submit(_first_bad, list(tiles.values()), pure=False))
-    if bad is not None:
+    # one flag per tile comes back, not the tile
+    finite = client.gather([client.submit(formats.all_finite, t, key=f"mhla-tile-finite-{_token()}", pure=False)
+                            for t in tiles.values()])
+    if not all(finite):
         raise InputError("the statistics of the data overflow float64 (tokens or targets too large); "
                          "rescale the data", info.path)
     return matrix, k, moments
@@ -314,14 +315,3 @@ def _token_dim(pairs: int) -> int:
     return (math.isqrt(8 * pairs + 1) - 1) // 2
 
 
-def _first_bad(tiles: list[np.ndarray]) -> int | None:
-    """The index of the first tile with a NaN or Inf entry (float64 overflowed), else None."""
-    for n, t in enumerate(tiles):
-        if not formats.all_finite(t):
-            return n
-    return None
-
-
-def features_bytes(d: int) -> int:
-    """Bytes of the psi x psi canonical Gram of dimension d (what no process here ever holds)."""
-    return 8 * n_features(d) ** 2

@@ -43,7 +43,7 @@ from .features import Features
 from .features_file import EXTRA_ATTRS, WEIGHT_ATTRS
 from .tiled_gram import TiledStatistics
 
-__all__ = ["SUFFIX", "TILES", "check_output", "inspect", "is_store", "load_features", "load_tiled", "part_info",
+__all__ = ["SUFFIX", "TILES", "check_output", "dims", "inspect", "is_store", "load_features", "load_tiled", "part_info",
            "require_zarr", "save", "sum_stores"]
 
 SUFFIX = ".zarr"
@@ -346,6 +346,13 @@ def load_features(path: Any) -> Features:
     feats.basis_gram = gram
     feats.finalize()
     return feats
+
+
+def dims(path: Any) -> tuple[int, int]:
+    """(d, n_samples) of a store, from its attributes."""
+    url = _url(path)
+    attrs = _attrs(_open(url), url)
+    return int(attrs["d"]), int(attrs["n_samples"])
 
 
 def part_info(path: Any) -> tuple[int, int, list[tuple[int, int]], dict[str, Any], str | None, str, int]:
