@@ -153,6 +153,10 @@ def _trsm_left(l: np.ndarray, b: np.ndarray, transpose: bool) -> np.ndarray:
     return blas.dtrsm(1.0, l, np.array(b, dtype=np.float64, order="F"), lower=1, trans_a=1 if transpose else 0)
 
 
+def _block(x: np.ndarray) -> np.ndarray:
+    return x
+
+
 def _transpose(a: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(a.T)
 
@@ -196,11 +200,11 @@ class TiledMatrix:
         return self.client.submit(fn, *args, key=f"mhla-{kind}-{uuid.uuid4().hex}", priority=priority, pure=False)
 
     def blocks(self, X: np.ndarray) -> list[Any]:
-        """X (n x k) split into the tiles' row blocks, scattered to the cluster."""
+        """X (n x k) split into the tiles' row blocks, sent to the cluster as tasks that hold them (not
+        scattered: a block on a worker that dies is made again from its task, as every tile is)."""
         X = np.asarray(X, dtype=np.float64)
-        # hash=False: a fresh key per block (a block equal to one released meanwhile must not share its key)
-        return self.client.scatter([np.ascontiguousarray(X[a:b]) for a, b in zip(self.offsets[:-1], self.offsets[1:])],
-                                   hash=False)
+        return [self.submit("block", _block, np.ascontiguousarray(X[a:b]))
+                for a, b in zip(self.offsets[:-1], self.offsets[1:])]
 
     def gather(self, futures: list[Any]) -> np.ndarray:
         return np.concatenate(self.client.gather(futures), axis=0)

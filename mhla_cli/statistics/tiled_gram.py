@@ -187,14 +187,14 @@ def _tiles(client: Any, info: TokensInfo, span: tuple[int, int], A: np.ndarray, 
     n_tiles = nb * (nb + 1) // 2
     # enough parts of the data that every worker has a few tasks when the tiles are few
     spans = work_spans(*span, size, max(1, math.ceil(n_workers / n_tiles)), per_worker=2)
+    # A (d x d) travels inside every task (not scattered): a task lost with its worker runs again from its spec
     A = np.ascontiguousarray(A)
-    Af = client.scatter(A, broadcast=True, hash=False)
     tiles: dict[tuple[int, int], Any] = {}
     moment_rows: list[Any] = []
     tasks = 0
     for i in range(nb):
         for j in range(i + 1):
-            parts = [client.submit(_tile_part, info, s, Af, (i * k, (i + 1) * k), (j * k, (j + 1) * k), size,
+            parts = [client.submit(_tile_part, info, s, A, (i * k, (i + 1) * k), (j * k, (j + 1) * k), size,
                                    normalize, stamp, key=f"mhla-tile-{i}-{j}-{n}-{_token()}", pure=False)
                      for n, s in enumerate(spans)]
             tasks += len(parts)
