@@ -179,7 +179,8 @@ def _fit(stats: TiledStatistics, ridge: float, path: Any) -> Model:
         "identifiable": bool(block_pd and N >= psi),
         "condition_number": ((lmax + ridge) / (max(lmin, 0.0) + ridge) if ridge > 0
                              else (lmax / lmin) if lmin > tol else float("inf")),
-        "rank": psi if block_pd else None,  # counting the eigenvalues below t needs an eigendecomposition "n_features": psi, "n_samples": N, "method": "lstsq",
+        # counting the eigenvalues at or below t needs an eigendecomposition: no rank unless identifiable
+        "rank": psi if block_pd else None, "n_features": psi, "n_samples": N, "method": "lstsq",
         "basis": "canonical", "normalize": feats.normalize, "seconds": seconds,
         # the cluster's numbers: lambda_min and lambda_max are Lanczos estimates (their records)
         "estimated": ["lambda_min", "lambda_max"], "estimates": {k: dict(v) for k, v in fac.iterations.items()},

@@ -48,7 +48,7 @@ from .kernels import position_numbers, sample_rows
 from .shards import shard_span, work_spans
 from .spans import default_chunk_size, reduce_spans
 
-__all__ = ["BASIS_PASSES", "TILE_BYTES", "TiledStatistics", "accumulate", "tile_pairs"]
+__all__ = ["BASIS_PASSES", "BASIS_SPANS", "TILE_BYTES", "TiledStatistics", "accumulate", "tile_pairs"]
 
 # The tiles' size: about this many bytes each (float64), i.e. about 2048 features a side. A task holds
 # a few tiles (a tile, its distinct entries K and, in the Cholesky, up to four tiles) and one chunk's rows.
@@ -57,6 +57,10 @@ TILE_BYTES = 32 * 2**20
 # accumulated (`accumulate`): the first whitening is exact to rounding; a second is for data whose
 # token Gram float64 hardly resolves.
 BASIS_PASSES = 3
+# The whole-file passes that find the basis are cut into this many spans (at most; one chunk at least
+# each) whatever the cluster's size, so that the basis, summed in a fixed order, is the same bit for bit
+# on every cluster and for every shard of one file (their tiles then add: zarr_store.sum_stores).
+BASIS_SPANS = 64
 # Bytes of one panel of U (the pair products s_a s_b of an off-diagonal tile, for a chunk's rows).
 PANEL_BYTES = 32 * 2**20
 
@@ -128,8 +132,9 @@ def accumulate(path: str | os.PathLike, client: Any, chunk_size: int | None = No
     stamp = _stamp(winfo.path)
     with parallel.make_map(scheduler=client) as pmap:
         def small(A: np.ndarray | None, span: tuple[int, int]) -> Features:
-            return reduce_spans(winfo, work_spans(*span, size, pmap.n_workers), map=pmap, chunk_size=size,
-                                normalize=normalize, basis=A, finalize=False, spans=_zero_block(info.d))
+            return reduce_spans(winfo, work_spans(*span, size, BASIS_SPANS, per_worker=1), map=pmap,
+                                chunk_size=size, normalize=normalize, basis=A, finalize=False,
+                                spans=_zero_block(info.d))
         whole = small(None, (0, info.n_samples))
         A = basis_mod.whitening(whole.token_gram, whole.token_weight, round32=False)
         cond, passes = 1.0, 0

@@ -1,0 +1,224 @@
+"""certify and fit with the Gram tiled on a Dask cluster (mhla_cli.solve.cluster) against the single-machine
+path: the verdict, lambda_min, coef and the model file; not-identifiable data; the refusals; an unreachable
+scheduler; a worker killed in the middle."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+
+import h5py
+import numpy as np
+import pytest
+
+import _reference as ref
+from mhla_cli import fit as api_fit
+from mhla_cli.cli import run
+from mhla_cli.model import synthetic
+from mhla_cli.model.model import Model
+from mhla_cli.solve import cluster
+from mhla_cli.solve.certificate import certify
+from mhla_cli.solve.lstsq import fit as fit_one
+from mhla_cli.statistics import tiled_gram
+from mhla_cli.statistics.stream import featurize
+
+distributed = pytest.importorskip("dask.distributed")
+
+
+@pytest.fixture(scope="module")
+def local():
+    cluster_ = distributed.LocalCluster(n_workers=2, threads_per_worker=1, processes=False, dashboard_address=None)
+    client = distributed.Client(cluster_)
+    yield cluster_, client
+    client.close()
+    cluster_.close()
+
+
+def teacher(tmp_path: Path, d: int, n: int, seed: int = 0, name: str = "data.h5", **kw) -> Path:
+    ds, _ = synthetic.generate_teacher(d, 2, n, "3:8", seed=seed, **kw)
+    path = tmp_path / name
+    ds.save(path, dtype="float64")
+    return path
+
+
+def json_of(capsys: pytest.CaptureFixture[str]) -> dict:
+    return json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("d,n,tile", [(5, 200, 25), (12, 1200, 468)])
+def test_cluster_equals_one_machine(local, tmp_path: Path, capsys: pytest.CaptureFixture[str], d: int, n: int,
+                                    tile: int) -> None:
+    cl, client = local
+    path = teacher(tmp_path, d, n, seed=d)
+    with h5py.File(path) as f:
+        tokens = f["tokens"][...]
+        offsets = f["offsets"][...] if "offsets" in f else np.arange(n + 1) * tokens.shape[1]
+    one = featurize(path, spans="off")
+    c1 = certify(one)
+    stats = tiled_gram.accumulate(path, client, chunk_size=97, tile_features=tile)
+    assert stats.matrix.nb > 1
+    c2 = certify(stats)
+    # the dense reference on materialised features (tokens (N, n, d) or ragged)
+    lam = ref.canonical(tokens.reshape(-1, d), offsets, A=stats.sums.basis)["eigenvalues"]
+    assert c1.identifiable and c2.identifiable and c2.proof == "cholesky of Lambda~ - t I"
+    assert abs(c2.lambda_min - lam[0]) <= 1e-8 * lam[0] and abs(c2.lambda_min - c1.lambda_min) <= 1e-8 * c1.lambda_min
+    assert abs(c2.lambda_max - lam[-1]) <= 1e-7 * lam[-1]
+    assert c2.rank == c1.rank and c2.threshold == pytest.approx(c1.threshold, rel=1e-6)
+    assert set(c2.estimated) == {"lambda_min", "lambda_max"} and all(r["converged"] for r in c2.estimates.values())
+    m1, m2 = fit_one(one), cluster.fit(stats)
+    assert np.abs(m2.coef - m1.coef).max() <= 1e-10 * np.abs(m1.coef).max()
+    assert m2.info["identifiable"] and m2.info["rank"] == one.n_features
+    # the CLI: the same model file a single-machine fit writes (export-heads and predict read it)
+    out1, out2 = tmp_path / "m1.h5", tmp_path / "m2.h5"
+    assert run(["fit", str(path), "-o", str(out1), "-q"]) == 0
+    assert run(["fit", str(path), "--scheduler", cl.scheduler_address, "-o", str(out2), "-q", "--json"]) == 0
+    info = json_of(capsys)
+    assert info["identifiable"] and info["estimated"] == ["lambda_min", "lambda_max"]
+    a, b = Model.load(out1), Model.load(out2)
+    assert np.abs(b.coef - a.coef).max() <= 1e-10 * np.abs(a.coef).max()
+    assert np.abs(b.W - a.W).max() <= 1e-10 * np.abs(a.W).max()
+    with h5py.File(out1) as f1, h5py.File(out2) as f2:
+        assert set(f1.keys()) == set(f2.keys())
+    for cmd in (["export-heads", str(out2), "-o", str(tmp_path / "h.h5")],
+                ["predict", str(out2), str(path), "-o", str(tmp_path / "p2.h5")],
+                ["predict", str(out1), str(path), "-o", str(tmp_path / "p1.h5")]):
+        assert run(cmd + ["-q"]) == 0, cmd
+    with h5py.File(tmp_path / "p1.h5") as f1, h5py.File(tmp_path / "p2.h5") as f2:
+        assert np.abs(f1["predictions"][...] - f2["predictions"][...]).max() <= 1e-10
+    assert run(["certify", str(path), "--scheduler", cl.scheduler_address, "--json", "-q"]) == 0
+    out = json_of(capsys)
+    assert out["identifiable"] and abs(out["lambda_min"] - c1.lambda_min) <= 1e-8 * c1.lambda_min
+    assert out["tasks"]["potrf"] >= 1 and out["scheduler"] == cl.scheduler_address
+
+
+def singular(tmp_path: Path) -> Path:
+    """d = 4, N >= psi, the last token coordinate always 0: every feature with l = 3 vanishes."""
+    ds, _ = synthetic.generate_teacher(4, 2, 200, "3:8", seed=4)
+    ds.tokens[:, 3] = 0.0
+    path = tmp_path / "singular.h5"
+    ds.save(path, dtype="float64")
+    return path
+
+
+def test_not_identifiable_exits_1_on_both_paths(local, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    cl, _ = local
+    path = singular(tmp_path)
+    assert run(["certify", str(path), "-q"]) == 1
+    assert run(["certify", str(path), "--scheduler", cl.scheduler_address, "--json"]) == 1
+    out = json_of(capsys)
+    assert not out["identifiable"] and out["rank"] is None and out["proof"] == "cholesky of Lambda~ - t I failed"
+    assert any("over the tiles failed at feature" in r for r in out["reasons"])
+    assert abs(out["lambda_min"]) <= 1e-6 * out["lambda_max"] and out["estimates"]["lambda_min"]["converged"]
+    few = teacher(tmp_path, 4, 30, name="few.h5")  # N = 30 < psi = 40
+    assert run(["certify", str(few), "-q"]) == 1
+    assert run(["certify", str(few), "--scheduler", cl.scheduler_address, "--json"]) == 1
+    out = json_of(capsys)
+    assert not out["identifiable"] and out["proof"] == "N < psi samples"
+    assert any("N = 30 samples < 40 features" in r for r in out["reasons"])
+
+
+def test_singular_fit_is_refused_naming_ridge_and_ridge_fits(local, tmp_path: Path,
+                                                              capsys: pytest.CaptureFixture[str]) -> None:
+    cl, client = local
+    path = singular(tmp_path)
+    out = tmp_path / "m.h5"
+    assert run(["fit", str(path), "--scheduler", cl.scheduler_address, "-o", str(out)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--ridge" in err[0] and "minimum-norm" in err[0]
+    assert not out.exists()
+    assert run(["fit", str(path), "--scheduler", cl.scheduler_address, "-o", str(out), "--ridge", "1e-3", "-q"]) == 0
+    assert run(["fit", str(path), "-o", str(tmp_path / "m1.h5"), "--ridge", "1e-3", "-q"]) == 0
+    a, b = Model.load(tmp_path / "m1.h5"), Model.load(out)
+    assert np.abs(b.coef - a.coef).max() <= 1e-10 * np.abs(a.coef).max()
+    assert not b.info["identifiable"] and b.info.get("rank") is None
+    # the library: the same through mhla_cli.fit given the client
+    m = api_fit(str(path), ridge=1e-3, scheduler=client)
+    assert np.abs(m.coef - a.coef).max() <= 1e-10 * np.abs(a.coef).max()
+    with pytest.raises(cluster.ClusterRefused, match="ridge r > 0"):
+        api_fit(str(path), scheduler=client)
+
+
+def test_refusals_are_one_line_before_any_work(local, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    cl, _ = local
+    path = teacher(tmp_path, 3, 40)
+    addr = cl.scheduler_address
+    cases = [
+        (["certify", str(path), "--scheduler", addr, "--domain", "observed"], "cannot be combined"),
+        (["certify", str(path), "--scheduler", addr, "--witness", str(tmp_path / "w.h5")], "cannot be combined"),
+        (["fit", str(path), "--scheduler", addr, "-o", str(tmp_path / "m.h5"), "--heads", "2"], "cannot be combined"),
+        (["fit", str(path), "--scheduler", addr, "-o", str(tmp_path / "m.h5"), "--ridge", "auto"], "cannot be combined"),
+    ]
+    feats = tmp_path / "f.h5"
+    assert run(["featurize", str(path), "-o", str(feats), "-q"]) == 0
+    cases.append((["certify", str(feats), "--scheduler", addr], "single-machine form"))
+    for args, text in cases:
+        assert run(args) == 2, args
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and text in err[0], (args, err)
+    assert not (tmp_path / "m.h5").exists()
+
+
+def test_unreachable_scheduler_exits_2_and_writes_nothing(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    import dask
+
+    path = teacher(tmp_path, 3, 40)
+    with dask.config.set({"distributed.comm.timeouts.connect": "1s"}):
+        for args in (["certify", str(path)], ["fit", str(path), "-o", str(tmp_path / "m.h5")],
+                     ["featurize", str(path), "-o", str(tmp_path / "f.zarr")]):
+            assert run(args + ["--scheduler", "tcp://127.0.0.1:9"]) == 2, args
+            err = capsys.readouterr().err.strip().splitlines()
+            assert len(err) == 1 and "cannot connect to a Dask scheduler" in err[0], err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["data.h5"]
+
+
+def _kill_one_worker_when(client, prefix: str, count: int) -> threading.Thread:
+    """A thread that kills one worker process (SIGKILL; its nanny starts a new one) as soon as `count`
+    tasks whose key starts with `prefix` are in memory on the cluster."""
+    def watch() -> None:
+        pid = next(iter(client.run(os.getpid).values()))
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            done = client.run_on_scheduler(
+                lambda dask_scheduler, p=prefix: sum(1 for ts in dask_scheduler.tasks.values()
+                                                     if str(ts.key).startswith(p) and ts.state == "memory"))
+            if done >= count:
+                os.kill(pid, signal.SIGKILL)
+                return
+            time.sleep(0.005)
+    t = threading.Thread(target=watch, daemon=True)
+    t.start()
+    return t
+
+
+@pytest.mark.parametrize("when", [("mhla-tile-", 3), ("mhla-potrf-", 1)])
+def test_a_killed_worker_changes_nothing(tmp_path: Path, when: tuple[str, int]) -> None:
+    """A worker killed during the accumulation or the Cholesky: Dask runs its tasks again, and the
+    certificate and the fit equal an undisturbed run's."""
+    path = teacher(tmp_path, 5, 300, seed=7)
+    cl = distributed.LocalCluster(n_workers=2, threads_per_worker=1, processes=True, dashboard_address=None)
+    client = distributed.Client(cl)
+    try:
+        def run_once() -> tuple:
+            stats = tiled_gram.accumulate(path, client, chunk_size=20, tile_features=25)
+            cert = certify(stats)
+            model = cluster.fit(stats)
+            stats.release()
+            return cert, model
+        c0, m0 = run_once()
+        watcher = _kill_one_worker_when(client, *when)
+        c1, m1 = run_once()
+        watcher.join(timeout=1)
+        assert not watcher.is_alive()  # it did kill a worker
+        # the same answer; to rounding only (a task run again on another process may see its arrays aligned
+        # otherwise, and a BLAS kernel may then round in another order)
+        assert c1.identifiable == c0.identifiable and c1.proof == c0.proof
+        assert abs(c1.lambda_min - c0.lambda_min) <= 1e-13 * c0.lambda_min
+        assert abs(c1.lambda_max - c0.lambda_max) <= 1e-13 * c0.lambda_max
+        assert np.abs(m1.coef - m0.coef).max() <= 1e-13 * np.abs(m0.coef).max()
+    finally:
+        client.close()
+        cl.close()
