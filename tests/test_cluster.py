@@ -222,3 +222,50 @@ def test_a_killed_worker_changes_nothing(tmp_path: Path, when: tuple[str, int]) 
     finally:
         client.close()
         cl.close()
+
+
+def _peak_mib() -> float:
+    """This process's peak RSS (VmHWM), MiB."""
+    with open("/proc/self/status") as fh:
+        return next(int(line.split()[1]) / 1024 for line in fh if line.startswith("VmHWM:"))
+
+
+@pytest.mark.slow
+def test_above_psi_4096_with_workers_smaller_than_the_gram(tmp_path: Path) -> None:
+    """d = 24 (psi = 7200 > 4096, the Gram 415 MB) on two workers of 380 MB each, which spill to disk: the
+    verdict, lambda_min (1e-8 relative to the dense eigenvalue), coef (1e-10) and the model file equal the
+    single-machine path's, and no worker grew past its limit."""
+    import scipy.linalg
+
+    limit = 380 * 10**6
+    d, n = 24, 8000
+    assert 8 * (d * d * (d + 1) // 2) ** 2 > limit
+    ds, _ = synthetic.generate_teacher(d, 2, n, "4:8", seed=24)
+    path = tmp_path / "data.h5"
+    ds.save(path, dtype="float32")
+    cl = distributed.LocalCluster(n_workers=2, threads_per_worker=1, processes=True, dashboard_address=None,
+                                  memory_limit=limit)
+    client = distributed.Client(cl)
+    try:
+        stats = tiled_gram.accumulate(path, client)
+        assert stats.matrix.nb > 1
+        c2 = certify(stats)
+        m2 = cluster.fit(stats)
+        peaks = list(client.run(_peak_mib).values())
+        stats.release()
+    finally:
+        client.close()
+        cl.close()
+    one = featurize(path)
+    c1 = certify(one)
+    m1 = fit_one(one)
+    lam = one.solver_stats()[1] / one.weight
+    dense_min = float(scipy.linalg.eigh(lam, eigvals_only=True, subset_by_index=[0, 0], check_finite=False)[0])
+    assert c1.identifiable and c2.identifiable
+    assert abs(c2.lambda_min - dense_min) <= 1e-8 * dense_min
+    assert np.abs(m2.coef - m1.coef).max() <= 1e-10 * np.abs(m1.coef).max()
+    m1.save(tmp_path / "m1.h5")
+    m2.save(tmp_path / "m2.h5")
+    a, b = Model.load(tmp_path / "m1.h5"), Model.load(tmp_path / "m2.h5")
+    assert np.abs(a.W - b.W).max() <= 1e-10 * np.abs(a.W).max()
+    assert max(peaks) * 2**20 < limit, peaks
