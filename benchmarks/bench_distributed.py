@@ -17,9 +17,10 @@ Four parts, each printing markdown tables and writing benchmarks/out/bench_distr
             targets from a random 2-head teacher. Ratio cluster / one machine (goal <= 2), the verdicts,
             lambda_min and coef compared, each worker's peak RSS and this process's (the client's: it
             holds the psi x d moments and the Lanczos basis, never a tile).
-  largest   --d (40) on a LocalCluster whose workers have --memory-limit each and spill to disk: certify
-            and fit with the scheduler, wall time and each worker's peak RSS; the per-kind task times
-            (dask's task stream) for the cost model. --N defaults to 1.1 psi.
+  largest   --d (42) on a LocalCluster whose workers have --memory-limit (4 GiB) each and spill to disk:
+            the tiles accumulated once, certify and fit on them (the library: the fit reuses the
+            certificate's factor), wall time and each worker's peak RSS; the per-kind task times (dask's
+            task stream) for the cost model. --N defaults to 1.1 psi.
   model     The cost model (tiles, flops, bytes moved, tasks) with the rates measured by `largest` (or
             `ratio`) here, its check against the measured wall time, and its prediction for --predict-d
             (64) on --machines (16) machines of --cores (32) cores with --bandwidth (1.25 GB/s) each:
@@ -269,6 +270,36 @@ def bench_ratio(args: argparse.Namespace) -> None:
 # ------------------------------------------------------------------------------------ the largest d here
 
 
+def once_on_cluster(path: str, client: Any, tile: int | None) -> dict[str, Any]:
+    """One accumulation, then certify and fit on it (the library: the fit reuses the certificate's factor)."""
+    from distributed import get_task_stream
+
+    from mhla_cli.solve import cluster as cluster_mod
+    from mhla_cli.solve.certificate import certify
+    from mhla_cli.statistics import tiled_gram
+
+    out: dict[str, Any] = {}
+    reset_peaks(client)
+    with get_task_stream(client) as ts:
+        t = time.perf_counter()
+        stats = tiled_gram.accumulate(path, client, tile_features=tile)
+        out["accumulate_seconds"] = time.perf_counter() - t
+        t = time.perf_counter()
+        cert = certify(stats)
+        out["certify_seconds"] = time.perf_counter() - t
+        t = time.perf_counter()
+        model = cluster_mod.fit(stats)
+        out["fit_seconds"] = time.perf_counter() - t
+        stats.release()
+    out["worker_peak_mib"] = worker_peaks(client)
+    out["client_peak_mib"] = _peak()
+    out["task_times"] = task_times(ts.data)
+    out.update(identifiable=cert.identifiable, lambda_min=cert.lambda_min, lambda_max=cert.lambda_max,
+               seconds=cert.seconds, estimates=cert.estimates, tasks=cert.tasks, tile=stats.tile,
+               nb=stats.matrix.nb, train_mse=model.info["train_mse"])
+    return out
+
+
 def bench_largest(args: argparse.Namespace) -> None:
     d = args.d
     psi = n_features(d)
@@ -278,18 +309,22 @@ def bench_largest(args: argparse.Namespace) -> None:
     t0 = time.perf_counter()
     try:
         _reset_peak()
-        c = on_cluster(path, client, args.tile)
+        c = once_on_cluster(path, client, args.tile)
     finally:
         client.close()
         cl.close()
     wall = time.perf_counter() - t0
     print(f"## d = {d} (psi = {psi}, the Gram {8 * psi * psi / 2**30:.1f} GiB), N = {N}: a LocalCluster of "
           f"{args.workers} workers with {args.memory_limit} each, spilling to disk\n")
-    rows = [["certify (accumulation, Cholesky, Lanczos)", c["certify_seconds"]],
-            ["fit (accumulation, Cholesky, solves)", c["fit_seconds"]], ["both, with the cluster's start", wall]]
+    rows = [["accumulation of the tiles (one pass)", c["accumulate_seconds"]],
+            ["certify (Lanczos for lambda_max, the Cholesky, Lanczos for lambda_min)", c["certify_seconds"]],
+            ["fit (the triangular solves with the certificate's factor)", c["fit_seconds"]],
+            ["all, with the cluster's start and the data's check", wall]]
     print(table(["step", "seconds"], rows))
-    print(f"\nverdict {c['identifiable']}, lambda_min ~ {c['lambda_min']:.6g}, lambda_max ~ {c['lambda_max']:.6g}; "
-          f"tiles of {c['tile']} ({c['nb']} x {c['nb']}); tasks {c['tasks']}")
+    lanczos = ", ".join(f"{k} {v['products']} products, converged {v['converged']}" for k, v in c["estimates"].items())
+    print(f"\nverdict {c['identifiable']}, lambda_min ~ {c['lambda_min']:.6g}, lambda_max ~ {c['lambda_max']:.6g} "
+          f"(Lanczos: {lanczos}); tiles of {c['tile']} ({c['nb']} x {c['nb']}); tasks {c['tasks']}; "
+          f"seconds {c['seconds']}")
     print(f"peak RSS: workers {', '.join(f'{x:.0f}' for x in c['worker_peak_mib'])} MiB; client "
           f"{c['client_peak_mib']:.0f} MiB\n")
     print(table(["task kind", "tasks", "compute seconds"],
@@ -332,49 +367,69 @@ def bench_model(args: argparse.Namespace) -> None:
     times = c["task_times"]
     m = costs(d, N, c["tile"])
     # the measured rates (flops per compute second of each kind of task, on one core)
-    acc_s = sum(v["seconds"] for k, v in times.items() if k.startswith("tile"))
-    chol_s = sum(times.get(k, {"seconds": 0.0})["seconds"] for k in ("potrf", "trsm", "update"))
-    other_s = sum(v["seconds"] for k, v in times.items() if not k.startswith("tile") and k not in ("potrf", "trsm", "update"))
+    acc_kinds = [k for k in times if k.startswith("tile") or k == "moments"]
+    chol_kinds = ["potrf", "trsm", "update"]
+    lanczos_kinds = ["block", "product", "product-sum", "solve"]  # the products and solves of Lanczos and the fit
+    acc_s = sum(times[k]["seconds"] for k in acc_kinds)
+    chol_s = sum(times.get(k, {"seconds": 0.0})["seconds"] for k in chol_kinds)
+    other_s = sum(times.get(k, {"seconds": 0.0})["seconds"] for k in lanczos_kinds)
+    basis_s = sum(v["seconds"] for k, v in times.items() if k in ("reduce_span", "add"))  # the basis passes
     r_acc, r_chol = m["acc_flops"] / acc_s, m["chol_flops"] / chol_s
-    n_other = sum(v["tasks"] for k, v in times.items() if not k.startswith("tile") and k not in ("potrf", "trsm", "update"))
-    per_task = other_s / max(n_other, 1)  # the products and solves of Lanczos and the fit: per task
+    n_other = sum(times.get(k, {"tasks": 0})["tasks"] for k in lanczos_kinds)
+    per_task = other_s / max(n_other, 1)
+    r_basis = N * args.seq_len * d / max(basis_s, 1e-9)  # token entries read and summed per second, per core
     workers = rec.get("workers", 2)
-    # twice the Cholesky (certify and fit each factor) and twice the accumulation: as measured
-    model_here = 2 * (m["acc_flops"] / r_acc + m["chol_flops"] / r_chol) / workers + other_s / workers
-    measured = c["certify_seconds"] + c["fit_seconds"]
+    # one accumulation and one Cholesky (`largest`: the fit reuses the certificate's factor)
+    model_here = (m["acc_flops"] / r_acc + m["chol_flops"] / r_chol + other_s + basis_s) / workers
+    measured = c["accumulate_seconds"] + c["certify_seconds"] + c["fit_seconds"]
     print(f"## The cost model, fitted at d = {d} (psi = {m['psi']}), N = {N}, tiles of {c['tile']}\n")
     print(table(["kind", "tasks", "compute seconds", "flops", "GFLOP/s per core"],
                 [["accumulation (K GEMMs)", sum(v["tasks"] for k, v in times.items() if k.startswith("tile")), acc_s,
                   m["acc_flops"], r_acc / 1e9],
                  ["Cholesky (potrf, trsm, updates)", sum(times.get(k, {"tasks": 0})["tasks"] for k in ("potrf", "trsm", "update")),
                   chol_s, m["chol_flops"], r_chol / 1e9],
-                 ["products and solves", n_other, other_s, float("nan"), float("nan")]]))
+                 ["products and solves (Lanczos, the fit)", n_other, other_s, float("nan"), float("nan")],
+                 ["the basis passes (d x d sums)", sum(v["tasks"] for k, v in times.items() if k in ("reduce_span", "add")),
+                  basis_s, float("nan"), float("nan")]]))
     print(f"\nmodel here: {model_here:.0f} s of compute over {workers} workers against {measured:.0f} s measured "
-          f"(certify + fit; the rest is the scheduler, transfers and spilling)\n")
+          f"(accumulation, certify and fit; the rest is the scheduler, transfers and spilling)\n")
     # the prediction
     D, M, C, bw = args.predict_d, args.machines, args.cores, args.bandwidth
     Np = int(1.1 * n_features(D))
-    p = costs(D, Np, c["tile"] if c["tile"] % D == 0 else 2048)
-    p = costs(D, Np, D * max(1, round(2048 / D)))
+    from mhla_cli.statistics.tiled_gram import tile_pairs
+
+    p = costs(D, Np, D * tile_pairs(D))
     cores = M * C
-    acc_t = p["acc_flops"] / (r_acc * cores)
-    chol_t = max(p["chol_flops"] / (r_chol * cores), p["critical_path"] * 4 * p["ts"] ** 3 / r_chol)
-    move_t = p["chol_bytes"] * (M - 1) / M / (M * bw)
+    # the scheduler's time per task, measured as the wall time of the Lanczos products and the fit's solves
+    # (small tasks: their time is the scheduler's and the transfers') per task; one scheduler serves all
+    lanczos_tasks = sum(c["tasks"].get(k, 0) for k in lanczos_kinds)
+    lanczos_wall = c["certify_seconds"] - c["seconds"].get("cholesky", 0.0) + c["fit_seconds"]
+    t_task = lanczos_wall / max(lanczos_tasks, 1)
     nb_p = p["nb"]
-    prod_tasks = nb_p * (nb_p + 1) / 2 + 2 * nb_p * nb_p  # a product and the two solves of a Lanczos step
-    lanczos_t = 60 * (prod_tasks * per_task / cores + 2 * nb_p * per_task)  # ~60 blocks, the solves' chain
-    total = 2 * (acc_t + chol_t + move_t) + lanczos_t
+    acc_t = max(p["acc_flops"] / (r_acc * cores), p["tiles"] * t_task)
+    chol_t = max(p["chol_flops"] / (r_chol * cores), p["critical_path"] * 4 * p["ts"] ** 3 / r_chol,
+                 p["tasks_chol"] * t_task)
+    move_t = p["chol_bytes"] * (M - 1) / M / (M * bw)
+    # as many products as measured here; each a product (nb (nb + 1) / 2 tiles) or two solves (nb^2 tasks)
+    scale_tasks = (nb_p * (nb_p + 1) / 2 + 2 * nb_p * nb_p) / max(1, c["nb"] * (c["nb"] + 1) / 2 + 2 * c["nb"] ** 2)
+    lanczos_t = lanczos_tasks * scale_tasks * t_task
+    prod_tasks = lanczos_tasks * scale_tasks
+    basis_t = 4 * Np * args.seq_len * D / (r_basis * cores)  # up to 4 passes over the tokens
+    total = acc_t + chol_t + move_t + lanczos_t + basis_t
     print(f"## Prediction (not a measurement): d = {D} (psi = {p['psi']}, the Gram {8 * p['psi'] ** 2 / 2**30:.0f} GiB), "
           f"N = {Np}, on {M} machines of {C} cores, {bw / 1e9:.2f} GB/s each\n")
     print(table(["part", "model", "seconds"],
                 [["accumulation", f"{p['acc_flops']:.3g} flops / ({cores} cores x {r_acc / 1e9:.1f} GFLOP/s)", acc_t],
                  ["Cholesky", f"{p['chol_flops']:.3g} flops, {p['tasks_chol']:.0f} tasks, {nb_p} tile rows", chol_t],
                  ["tiles moved", f"{p['chol_bytes'] / 2**30:.0f} GiB ({(M - 1) / M:.2f} remote)", move_t],
-                 ["Lanczos and solves", f"~60 blocks of {prod_tasks:.0f} tasks at {per_task * 1e3:.1f} ms", lanczos_t],
-                 ["certify + fit", "2 x (accumulation + Cholesky + moves) + Lanczos", total]]))
+                 ["Lanczos and solves", f"{prod_tasks:.0f} tasks at {t_task * 1e3:.1f} ms (the scheduler's, measured)",
+                  lanczos_t],
+                 ["basis passes", f"4 passes over {Np * args.seq_len} tokens", basis_t],
+                 ["accumulation, certify and fit", "the sum (one accumulation, one Cholesky)", total]]))
     print(f"\nper worker: a few tiles of {p['tile_bytes'] / 2**20:.0f} MiB and {p['psi'] ** 2 * 8 / cores / 2**20:.0f} "
           f"MiB of the Gram's lower triangle and factor held\n")
-    save("model", {"fitted_at": {"d": d, "N": N}, "rates": {"acc": r_acc, "chol": r_chol, "per_task": per_task},
+    save("model", {"fitted_at": {"d": d, "N": N}, "rates": {"acc": r_acc, "chol": r_chol, "per_task": per_task,
+                                                             "scheduler_per_task": t_task},
                    "model_here": model_here, "measured_here": measured,
                    "prediction": {"d": D, "machines": M, "cores": C, "bandwidth": bw, "seconds": total,
                                   **{k: v for k, v in p.items()}}})
@@ -387,11 +442,11 @@ def main() -> None:
     ap.add_argument("--n", type=int, default=8192, help="cholesky: the matrix order")
     ap.add_argument("--tile", type=int, default=None, help="tile side (features; default from tiled_gram.TILE_BYTES; "
                                                           "cholesky: 1024)")
-    ap.add_argument("--d", type=int, default=None, help="ratio: 32; largest: 40")
+    ap.add_argument("--d", type=int, default=None, help="ratio: 32; largest: 42")
     ap.add_argument("--N", type=int, default=None, help="sequences (default 1.2 psi, largest 1.1 psi)")
     ap.add_argument("--seq-len", type=int, default=16)
-    ap.add_argument("--memory-limit", default="5GiB", help="largest: each worker's memory limit")
-    ap.add_argument("--source", default="largest", choices=("largest", "ratio"), help="model: the run to fit")
+    ap.add_argument("--memory-limit", default="4GiB", help="largest: each worker's memory limit")
+    ap.add_argument("--source", default="largest", choices=("largest",), help="model: the run to fit")
     ap.add_argument("--predict-d", type=int, default=64)
     ap.add_argument("--machines", type=int, default=16)
     ap.add_argument("--cores", type=int, default=32)
@@ -404,7 +459,7 @@ def main() -> None:
         args.d = args.d or 32
         bench_ratio(args)
     elif args.part == "largest":
-        args.d = args.d or 40
+        args.d = args.d or 42
         bench_largest(args)
     else:
         bench_model(args)

@@ -190,8 +190,8 @@ def _tiles(client: Any, info: TokensInfo, span: tuple[int, int], A: np.ndarray, 
     k = tile_pairs(d, tile_features)
     nb = q // k
     n_tiles = nb * (nb + 1) // 2
-    # enough parts of the data that every worker has a few tasks when the tiles are few
-    spans = work_spans(*span, size, max(1, math.ceil(n_workers / n_tiles)), per_worker=2)
+    # the data in one part per tile when the tiles give every worker a few tasks; in more when they are few
+    spans = work_spans(*span, size, max(1, math.ceil(2 * n_workers / n_tiles)), per_worker=1)
     # A (d x d) travels inside every task (not scattered): a task lost with its worker runs again from its spec
     A = np.ascontiguousarray(A)
     tiles: dict[tuple[int, int], Any] = {}
