@@ -376,7 +376,6 @@ def bench_model(args: argparse.Namespace) -> None:
     basis_s = sum(v["seconds"] for k, v in times.items() if k in ("reduce_span", "add"))  # the basis passes
     r_acc, r_chol = m["acc_flops"] / acc_s, m["chol_flops"] / chol_s
     n_other = sum(times.get(k, {"tasks": 0})["tasks"] for k in lanczos_kinds)
-    per_task = other_s / max(n_other, 1)
     r_basis = N * args.seq_len * d / max(basis_s, 1e-9)  # token entries read and summed per second, per core
     workers = rec.get("workers", 2)
     # one accumulation and one Cholesky (`largest`: the fit reuses the certificate's factor)
@@ -393,46 +392,88 @@ def bench_model(args: argparse.Namespace) -> None:
                   basis_s, float("nan"), float("nan")]]))
     print(f"\nmodel here: {model_here:.0f} s of compute over {workers} workers against {measured:.0f} s measured "
           f"(accumulation, certify and fit; the rest is the scheduler, transfers and spilling)\n")
-    # the prediction
-    D, M, C, bw = args.predict_d, args.machines, args.cores, args.bandwidth
-    Np = int(1.1 * n_features(D))
-    from mhla_cli.statistics.tiled_gram import tile_pairs
-
-    p = costs(D, Np, D * tile_pairs(D))
-    cores = M * C
-    # the scheduler's time per task, measured as the wall time of the Lanczos products and the fit's solves
-    # (small tasks: their time is the scheduler's and the transfers') per task; one scheduler serves all
+    # the per-task times: the scheduler's own (no-op tasks on a fresh LocalCluster here) and the workers'
+    # beside the compute (transfers, (de)serialisation, waiting), from the Lanczos and solve phase's wall time
+    t_s = scheduler_time(workers)
     lanczos_tasks = sum(c["tasks"].get(k, 0) for k in lanczos_kinds)
     lanczos_wall = c["certify_seconds"] - c["seconds"].get("cholesky", 0.0) + c["fit_seconds"]
-    t_task = lanczos_wall / max(lanczos_tasks, 1)
-    nb_p = p["nb"]
-    acc_t = max(p["acc_flops"] / (r_acc * cores), p["tiles"] * t_task)
-    chol_t = max(p["chol_flops"] / (r_chol * cores), p["critical_path"] * 4 * p["ts"] ** 3 / r_chol,
-                 p["tasks_chol"] * t_task)
-    move_t = p["chol_bytes"] * (M - 1) / M / (M * bw)
-    # as many products as measured here; each a product (nb (nb + 1) / 2 tiles) or two solves (nb^2 tasks)
-    scale_tasks = (nb_p * (nb_p + 1) / 2 + 2 * nb_p * nb_p) / max(1, c["nb"] * (c["nb"] + 1) / 2 + 2 * c["nb"] ** 2)
-    lanczos_t = lanczos_tasks * scale_tasks * t_task
-    prod_tasks = lanczos_tasks * scale_tasks
-    basis_t = 4 * Np * args.seq_len * D / (r_basis * cores)  # up to 4 passes over the tokens
-    total = acc_t + chol_t + move_t + lanczos_t + basis_t
-    print(f"## Prediction (not a measurement): d = {D} (psi = {p['psi']}, the Gram {8 * p['psi'] ** 2 / 2**30:.0f} GiB), "
-          f"N = {Np}, on {M} machines of {C} cores, {bw / 1e9:.2f} GB/s each\n")
+    t_w = max(0.0, (lanczos_wall * workers - other_s) / max(lanczos_tasks, 1))
+    products = sum(v["products"] for v in c["estimates"].values())
+    print(f"per task: the scheduler {t_s * 1e3:.2f} ms (no-op tasks), the workers beside the compute {t_w * 1e3:.1f} ms "
+          f"({lanczos_tasks} tasks of the Lanczos products and solves, {products} products)\n")
+    rates = {"acc": r_acc, "chol": r_chol, "t_s": t_s, "t_w": t_w, "basis": r_basis, "products": products,
+             "lanczos_tasks": lanczos_tasks, "lanczos_compute": other_s, "nb": c["nb"], "seq_len": args.seq_len,
+             "ts_here": m["ts"]}
+    # the model's check: this machine's run itself, and the next d here
+    here = []
+    for D in sorted({d, *args.here}):
+        q = predict(D, 1, workers, float("inf"), rates)
+        here.append([D, q["psi"], f"{8 * q['psi'] ** 2 / 2**30:.1f}", q["parts"]["accumulation"], q["parts"]["cholesky"],
+                     q["parts"]["lanczos"], q["seconds"] / 60, f"{measured / 60:.1f}" if D == d else "-"])
+    print(f"## The model on this machine ({workers} workers; N = 1.1 psi)\n")
+    print(table(["d", "psi", "Gram GiB", "accumulation s", "Cholesky s", "Lanczos and solves s", "total min",
+                 "measured min"], here))
+    D, M, C, bw = args.predict_d, args.machines, args.cores, args.bandwidth
+    q = predict(D, M, C, bw, rates)
+    pp = q["parts"]
+    print(f"\n## Prediction (not a measurement): d = {D} (psi = {q['psi']}, the Gram {8 * q['psi'] ** 2 / 2**30:.0f} GiB), "
+          f"N = {q['N']}, on {M} machines of {C} cores, {bw / 1e9:.2f} GB/s each (one Dask scheduler)\n")
     print(table(["part", "model", "seconds"],
-                [["accumulation", f"{p['acc_flops']:.3g} flops / ({cores} cores x {r_acc / 1e9:.1f} GFLOP/s)", acc_t],
-                 ["Cholesky", f"{p['chol_flops']:.3g} flops, {p['tasks_chol']:.0f} tasks, {nb_p} tile rows", chol_t],
-                 ["tiles moved", f"{p['chol_bytes'] / 2**30:.0f} GiB ({(M - 1) / M:.2f} remote)", move_t],
-                 ["Lanczos and solves", f"{prod_tasks:.0f} tasks at {t_task * 1e3:.1f} ms (the scheduler's, measured)",
-                  lanczos_t],
-                 ["basis passes", f"4 passes over {Np * args.seq_len} tokens", basis_t],
-                 ["accumulation, certify and fit", "the sum (one accumulation, one Cholesky)", total]]))
-    print(f"\nper worker: a few tiles of {p['tile_bytes'] / 2**20:.0f} MiB and {p['psi'] ** 2 * 8 / cores / 2**20:.0f} "
-          f"MiB of the Gram's lower triangle and factor held\n")
-    save("model", {"fitted_at": {"d": d, "N": N}, "rates": {"acc": r_acc, "chol": r_chol, "per_task": per_task,
-                                                             "scheduler_per_task": t_task},
-                   "model_here": model_here, "measured_here": measured,
-                   "prediction": {"d": D, "machines": M, "cores": C, "bandwidth": bw, "seconds": total,
-                                  **{k: v for k, v in p.items()}}})
+                [["accumulation", f"{q['acc_flops']:.3g} flops / ({M * C} cores x {r_acc / 1e9:.1f} GFLOP/s) + "
+                  f"{q['tiles']:.0f} tiles x the scheduler", pp["accumulation"]],
+                 ["Cholesky", f"{q['chol_flops']:.3g} flops at {r_chol / 1e9:.1f} GFLOP/s a core (or the critical path "
+                  f"of {q['nb']} tile rows) + {q['tasks_chol']:.0f} tasks x the scheduler", pp["cholesky"]],
+                 ["tiles moved", f"{q['chol_bytes'] / 2**30:.0f} GiB, {(M - 1) / M:.2f} of it between machines", pp["moves"]],
+                 ["Lanczos and solves", f"{q['tasks_lanczos']:.0f} tasks x the scheduler, their overhead over the cores, "
+                  f"and {products} x 4 x {q['nb']} chained steps", pp["lanczos"]],
+                 ["basis passes", f"4 passes over {q['N'] * args.seq_len} tokens", pp["basis"]],
+                 ["accumulation, certify and fit", "the sum (one accumulation, one Cholesky)", q["seconds"]]]))
+    print(f"\nper worker: a few tiles of {q['tile_bytes'] / 2**20:.0f} MiB at a time, and "
+          f"{q['psi'] ** 2 * 8 / (M * C) / 2**20:.0f} MiB of the Gram's lower triangle and its factor held (or spilled)\n")
+    save("model", {"fitted_at": {"d": d, "N": N}, "rates": rates, "model_here": model_here, "measured_here": measured,
+                   "here": here, "prediction": {"machines": M, "cores": C, "bandwidth": bw, **q}})
+
+
+def predict(D: int, M: int, C: int, bw: float, r: dict[str, Any]) -> dict[str, Any]:
+    """The cost model's seconds for accumulation, certify and fit (one accumulation, one Cholesky) at d = D on M
+    machines of C cores with the measured rates `r` (flops a core; the scheduler's and the workers' time a task)."""
+    from mhla_cli.statistics.tiled_gram import tile_pairs
+
+    Np = int(1.1 * n_features(D))
+    p = costs(D, Np, D * tile_pairs(D))
+    cores = M * C
+    nb = p["nb"]
+    acc = p["acc_flops"] / (r["acc"] * cores) + p["tiles"] * r["t_s"]
+    step = (p["ts"] ** 3 / 3 + 3 * p["ts"] ** 3) / r["chol"]  # potrf, trsm and an update in a row: the critical path
+    chol = max(p["chol_flops"] / (r["chol"] * cores), nb * step) + p["tasks_chol"] * r["t_s"]
+    moves = p["chol_bytes"] * (M - 1) / M / (M * bw) if M > 1 else 0.0
+    # as many products as measured; a product has nb (nb + 1) / 2 + 2 nb tasks, a lambda_min step two solves of
+    # nb^2 tasks each, whose chains are 2 nb steps (a task's overhead and a gemm of a tile by a block each)
+    scale = (nb * (nb + 1) / 2 + 2 * nb * nb) / max(1, r["nb"] * (r["nb"] + 1) / 2 + 2 * r["nb"] ** 2)
+    tasks_l = r["lanczos_tasks"] * scale
+    per_task = r["t_w"] + r["lanczos_compute"] / max(r["lanczos_tasks"], 1) * (p["ts"] / (r.get("ts_here") or p["ts"])) ** 2
+    chain = r["products"] * 4 * nb * (r["t_w"] + 2 * p["ts"] * p["ts"] * 8 / r["chol"])
+    lanczos = tasks_l * r["t_s"] + tasks_l * per_task / cores + chain
+    basis = 4 * Np * r["seq_len"] * D / (r["basis"] * cores) + 4 * 64 * r["t_s"]
+    parts = {"accumulation": acc, "cholesky": chol, "moves": moves, "lanczos": lanczos, "basis": basis}
+    return {**p, "N": Np, "tasks_lanczos": tasks_l, "parts": parts, "seconds": sum(parts.values())}
+
+
+def _noop(x: int) -> int:
+    return x
+
+
+def scheduler_time(workers: int, n: int = 4000) -> float:
+    """Seconds per task of the scheduler: n no-op tasks submitted at once on a LocalCluster of `workers`."""
+    cl, client = cluster(workers)
+    try:
+        client.gather(client.map(_noop, range(100)))  # warm
+        t = time.perf_counter()
+        client.gather(client.map(_noop, range(1000, 1000 + n)))
+        return (time.perf_counter() - t) / n
+    finally:
+        client.close()
+        cl.close()
 
 
 def main() -> None:
@@ -448,6 +489,7 @@ def main() -> None:
     ap.add_argument("--memory-limit", default="4GiB", help="largest: each worker's memory limit")
     ap.add_argument("--source", default="largest", choices=("largest",), help="model: the run to fit")
     ap.add_argument("--predict-d", type=int, default=64)
+    ap.add_argument("--here", type=int, nargs="*", default=[44, 46, 48], help="model: d to predict on this machine")
     ap.add_argument("--machines", type=int, default=16)
     ap.add_argument("--cores", type=int, default=32)
     ap.add_argument("--bandwidth", type=float, default=1.25e9, help="bytes/s per machine (10 Gbit/s)")

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from mhla_cli.linalg.factorization import Factorization, NoEigensolver
 from mhla_cli.linalg.tiled_matrix import TiledMatrix, cholesky_task_count, library_cholesky, tile_offsets
@@ -125,3 +127,21 @@ def test_library_cholesky_gives_the_same_factor(client) -> None:
         ref = np.tril(ref) if i == j else ref
         assert np.abs(fut.result() - ref).max() <= 1e-13
     assert tasks > sum(cholesky_task_count(3).values()) and off[-1] == 24
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(sizes=st.lists(st.integers(1, 9), min_size=1, max_size=4), seed=st.integers(0, 2**16),
+       side=st.sampled_from([-1, 1]))
+def test_any_tiling_proves_what_the_inertia_says(client, sizes: list[int], seed: int, side: int) -> None:
+    """Whatever the tiles, the blocked Cholesky of A - s I succeeds exactly when every eigenvalue of A
+    exceeds s (s just below or just above lambda_min), and its solve is numpy's."""
+    n = sum(sizes)
+    A = spd(n, seed, floor=0.1) if n > 1 else np.array([[0.7]])
+    lmin = float(np.linalg.eigvalsh(A)[0])
+    s = lmin * (1 - side * 1e-6)
+    f = tiled(client, A, sizes).cholesky(s)
+    assert (f is not None) == (side == 1)
+    if f is not None:
+        b = np.linspace(-1, 1, n)
+        x = np.linalg.solve(A - s * np.eye(n), b)
+        assert np.abs(f.solve(b) - x).max() <= 1e-6 * np.abs(x).max()  # A - s I is near singular: cond ~ 1e7
