@@ -19,6 +19,7 @@ import pytest
 
 import mhla_cli
 from mhla_cli.io import convert as convert_mod
+from mhla_cli.io.convert import _source, _writer
 from mhla_cli.cli import run
 from mhla_cli.errors import InputError
 from mhla_cli.statistics.stream import featurize
@@ -111,8 +112,8 @@ def test_chunking_does_not_change_the_file(tmp_path: Path, monkeypatch: pytest.M
     np.savez_compressed(tmp_path / "c.npz", tokens=tokens, offsets=offsets, targets=targets, weights=weights)
     # tiny chunks and offset blocks: many chunks, chunk plans across offset-block boundaries, one
     # sample per chunk where a sequence is longer than the chunk, and a compressed stream reopened
-    monkeypatch.setattr(convert_mod, "CHUNK_BYTES", 3 * 8 * 4)
-    monkeypatch.setattr(convert_mod, "_OFFSET_BLOCK", 7)
+    monkeypatch.setattr(_writer, "CHUNK_BYTES", 3 * 8 * 4)
+    monkeypatch.setattr(_writer, "_OFFSET_BLOCK", 7)
     for i, cs in enumerate((None, 1, 3, 1000)):
         convert_mod.convert_files([tmp_path / "c.npz"], tmp_path / f"o{i}.h5", chunk_size=cs)
         _same(tmp_path / f"o{i}.h5", tokens=tokens, offsets=offsets, targets=targets, weights=weights)
@@ -487,13 +488,13 @@ def test_dropped_pages_read_back_the_same_and_changed_pages_are_never_dropped(tm
     x = torch.randn(4096, 64, dtype=torch.float64)  # 2 MiB: many pages
     torch.save({"tokens": x}, tmp_path / "x.pt")
     t = torch.load(tmp_path / "x.pt", mmap=True, weights_only=True)["tokens"]
-    drop = convert_mod._PageDropper(tmp_path / "x.pt")
+    drop = _source._PageDropper(tmp_path / "x.pt")
     assert drop.ranges  # the file is mapped
     before = t.numpy().copy()
     drop(t.data_ptr(), t.numel() * t.element_size())
     assert np.array_equal(t.numpy(), before) and np.array_equal(before, x.numpy())
     t[0, 0] = 7.0  # a changed (copy-on-write) page: dropping it would bring back the file's bytes
-    assert convert_mod._PageDropper(tmp_path / "x.pt").ranges == []
+    assert _source._PageDropper(tmp_path / "x.pt").ranges == []
 
 
 # --------------------------------------------------------------------------------------------
