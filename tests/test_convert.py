@@ -145,7 +145,7 @@ def test_npy_dense_and_named(tmp_path: Path, capsys: pytest.CaptureFixture[str])
     np.save(tmp_path / "weights.npy", W)
     out = tmp_path / "o.h5"
     _convert([str(tmp_path / "X.npy"), f"targets={tmp_path / 'y.npy'}", str(tmp_path / "weights.npy"),
-              "-o", str(out)], capsys)
+              "-o", str(out), "--attention", "causal"], capsys)
     _same(out, tokens=X, targets=Y, weights=W)
     np.save(tmp_path / "F.npy", np.asfortranarray(X))  # column-major files are read too
     _convert([str(tmp_path / "F.npy"), "-o", str(tmp_path / "f.h5")], capsys)
@@ -176,7 +176,7 @@ def test_npz(tmp_path: Path, capsys: pytest.CaptureFixture[str], compressed: boo
     _same(tmp_path / "r.h5", tokens=tokens, offsets=offsets, targets=targets, weights=weights)
     X, Y, W = _dense()
     save(tmp_path / "d.npz", tokens=X, targets=Y, weights=W)
-    _convert([str(tmp_path / "d.npz"), "-o", str(tmp_path / "d.h5")], capsys)
+    _convert([str(tmp_path / "d.npz"), "-o", str(tmp_path / "d.h5"), "--attention", "causal"], capsys)
     _same(tmp_path / "d.h5", tokens=X, targets=Y, weights=W)
     with zipfile.ZipFile(tmp_path / "d.npz") as z:  # the archive really is (not) compressed
         assert {i.compress_type for i in z.infolist()} == {zipfile.ZIP_DEFLATED if compressed else zipfile.ZIP_STORED}
@@ -191,7 +191,7 @@ def test_safetensors(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None
     _same(tmp_path / "r.h5", tokens=tokens, offsets=offsets, targets=targets, weights=weights)
     X, Y, W = _dense()
     st.save_file({"tokens": X, "targets": Y, "weights": W}, str(tmp_path / "d.safetensors"))
-    _convert([str(tmp_path / "d.safetensors"), "-o", str(tmp_path / "d.h5")], capsys)
+    _convert([str(tmp_path / "d.safetensors"), "-o", str(tmp_path / "d.h5"), "--attention", "causal"], capsys)
     _same(tmp_path / "d.h5", tokens=X, targets=Y, weights=W)
 
 
@@ -222,7 +222,7 @@ def test_torch(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     X, Y, W = _dense()
     torch.save({"tokens": torch.tensor(X), "targets": torch.tensor(Y), "weights": torch.tensor(W)},
                tmp_path / "d.pt")
-    _convert([str(tmp_path / "d.pt"), "-o", str(tmp_path / "d.h5")], capsys)
+    _convert([str(tmp_path / "d.pt"), "-o", str(tmp_path / "d.h5"), "--attention", "causal"], capsys)
     _same(tmp_path / "d.h5", tokens=X, targets=Y, weights=W)
     torch.save(torch.tensor(X), tmp_path / "one.pt", _use_new_zipfile_serialization=False)  # legacy, one tensor
     _convert([str(tmp_path / "one.pt"), "-o", str(tmp_path / "one.h5")], capsys)
@@ -316,7 +316,7 @@ BAD = {
     "bad torch": (_file("in.pt", b"garbage"), "cannot read as a torch file" if HAVE_TORCH
                   else "in.pt: reading torch .pt files: PyTorch is not installed"),
     "unknown suffix": (_file("in.csv", b"1,2\n"), "unknown input format"),
-    "already HDF5": (_hdf5, "already an HDF5 file"),
+    "already a tokens file": (_hdf5, "is already a tokens file: mhla reads it as it is"),
     "missing": (lambda d: [str(d / "nope.npy")], "no such file"),
     "NAME= on an npz": (lambda d: [f"targets={_npz(tokens=_X)(d)[0]}"], "NAME=FILE names the array of a .npy"),
 }
@@ -531,7 +531,7 @@ def test_padded_tokens_with_an_attention_mask_become_the_unpadded_sequences(left
     _same(tmp_path / "a.h5", tokens=np.concatenate(seqs), offsets=off, targets=Y)
     # per-position targets and weights are masked alike; the last kept position is the query
     np.savez(tmp_path / "b.npz", tokens=X, attention_mask=mask, targets=Yp, weights=Wp)
-    assert run(["convert", str(tmp_path / "b.npz"), "-o", str(tmp_path / "b.h5"), "-q"]) == 0
+    assert run(["convert", str(tmp_path / "b.npz"), "-o", str(tmp_path / "b.h5"), "--attention", "causal", "-q"]) == 0
     keep = mask == 1
     _same(tmp_path / "b.h5", tokens=np.concatenate(seqs), offsets=off, targets=Yp[keep], weights=Wp[keep])
     info = mhla_cli.io.tokens.inspect_tokens(tmp_path / "b.h5")

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Literal
 
 import typer
 
@@ -24,6 +24,11 @@ def convert_cmd(
     key: Annotated[list[str] | None, typer.Option("--key", help="ROLE=NAME: read the array NAME as ROLE (tokens, "
                                                   "targets, weights, offsets, mask); repeatable.",
                                                   show_default=False)] = None,
+    attention: Annotated[Literal["causal", "bidirectional"] | None, typer.Option(
+        "--attention", help="How the model's attention ran, for per-position targets (required for them, refused "
+        "otherwise): causal (a decoder such as GPT-2: position t sees positions 1..t, every prefix is a sample) or "
+        "bidirectional (an encoder such as BERT: every position sees the whole window). Written as the file's "
+        "attribute 'attention'. Example: --attention bidirectional", show_default=False)] = None,
     chunk_size: ChunkOpt = None,
     json_out: JsonOpt = False,
     quiet: QuietOpt = False,
@@ -53,14 +58,14 @@ def convert_cmd(
     """
     with progress_bar("convert", None, quiet) as advance:  # type: ignore[arg-type]
         info = convert_mod.convert_files(inputs, output, chunk_size=chunk_size, progress=advance, mask=mask,
-                                         keys=key)
+                                         keys=key, attention=attention)
     summary = {"output": str(output),
                "inputs": [str(p) for _, p in map(convert_mod.parse_input, convert_mod.expand_inputs(inputs))],
                "layout": info.layout, "n_samples": info.n_samples, "d": info.d, "n_tokens": info.n_tokens,
                "dtype": info.dtype, "targets": info.has_targets, "per_position": info.per_position,
-               "weights": info.has_weights, "d_out": info.out_dim}
+               "weights": info.has_weights, "d_out": info.out_dim, "attention": attention}
     extras = [x for x, on in (("targets", info.has_targets), ("weights", info.has_weights),
-                              ("per position", info.per_position)) if on]
+                              ("per position", info.per_position), (f"attention {attention}", attention)) if on]
     say(f"wrote {output}: N = {info.n_samples} sequences ({info.layout}), d = {info.d}, {info.n_tokens} tokens "
         f"({info.dtype})" + (f"; {', '.join(extras)}" if extras else ""), quiet)
     if json_out:

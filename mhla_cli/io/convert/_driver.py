@@ -9,12 +9,10 @@ from collections.abc import Callable, Sequence
 from contextlib import ExitStack
 from pathlib import Path
 
-import h5py
-
 from ._join import _join, _part
 from ._masks import _apply_mask
 from ._readers import SUFFIXES, known, reader_for
-from ._roles import NAMES, _rename, parse_keys
+from ._roles import FILE_NAMES, _pick, parse_keys
 from ._source import _Source
 from ._writer import _write
 from .. import tokens as tokens_mod
@@ -22,10 +20,10 @@ from ...errors import InputError
 
 
 def parse_input(spec: str | os.PathLike) -> tuple[str | None, Path]:
-    """'NAME=FILE' -> (NAME, FILE); a plain path -> (None, path)."""
+    """'NAME=FILE' -> (NAME, FILE) (NAME a dataset or mask name); a plain path -> (None, path)."""
     s = str(spec)
     name, sep, rest = s.partition("=")
-    if sep and name in NAMES and not Path(s).exists():
+    if sep and name in FILE_NAMES and not Path(s).exists():
         return name, Path(rest)
     return None, Path(s)
 
@@ -63,50 +61,54 @@ def _file_sources(name: str | None, p: Path, stack: ExitStack) -> list[_Source]:
     if name is not None and not (reader is not None and reader.one_array):
         raise InputError("NAME=FILE names the array of a .npy file; the arrays of .npz, .safetensors and .pt "
                          "files are named inside them", p)
-    try:
-        is_hdf5 = h5py.is_hdf5(p)
-    except OSError:
-        is_hdf5 = False
-    if is_hdf5:
-        raise InputError("is already an HDF5 file: mhla reads it as it is", p)
     if reader is None:
         suffix = p.suffix.lower()
         text = " (text: load it with np.loadtxt and np.save it as .npy)" if suffix in (".csv", ".tsv", ".txt") else ""
         raise InputError(f"unknown input format '{suffix or p.name}': mhla convert reads {known()} files{text}", p)
     sources = reader.sources(p, stack)
     if reader.one_array:
-        sources = [dataclasses.replace(s, name=name or (p.stem if p.stem in NAMES else "tokens")) for s in sources]
+        sources = [dataclasses.replace(s, name=name or (p.stem if p.stem in FILE_NAMES else "tokens"))
+                   for s in sources]
     return sources
 
 
 def convert_files(inputs: Sequence[str | os.PathLike], output: str | os.PathLike, *,
                   chunk_size: int | None = None, progress: Callable[[int], None] | None = None,
-                  mask: str | None = None, keys: Sequence[str] | None = None) -> tokens_mod.TokensInfo:
-    """Write the arrays of `inputs` (.npy, .npz, .safetensors, .pt) as one tokens file `output`.
+                  mask: str | None = None, keys: Sequence[str] | None = None,
+                  attention: str | None = None) -> tokens_mod.TokensInfo:
+    """Write the arrays of `inputs` (the formats of `READERS`) as one tokens file `output`.
 
     A `.npy` input holds one array: the one named by `NAME=FILE` (e.g. `targets=y.npy`), else by its
-    stem when that is a dataset name (`offsets.npy`), else the tokens (allowed once). The others hold
-    arrays named as the datasets of a tokens file; a torch file may also hold a tensor (the tokens)
-    or a list of (n_i, d) tensors (ragged sequences). Validated and written as `write_tokens`.
+    stem when that is a dataset or mask name (`offsets.npy`), else the tokens (allowed once). The
+    others hold arrays named as the datasets of a tokens file; a torch file may also hold a tensor
+    (the tokens) or a list of (n_i, d) tensors (ragged sequences). Validated and written as
+    `write_tokens`.
 
     Activations as models write them: `last_hidden_state` or `hidden_states` are the tokens when no
-    array is named `tokens`; `keys` ("ROLE=NAME": tokens, targets, weights, offsets, mask) name any
-    array's role; padded tokens (N, n, d) with an `attention_mask` (N, n) of 0/1 or `lengths` (N,)
-    (or the array named by `mask`) become the unpadded sequences, the last kept position the query
-    (per-position targets and weights masked alike). When several files hold tokens (a directory or
-    a glob gives its files sorted), each is one part and they are joined in the order given; a file
-    of another d or layout is refused, naming it.
+    array is named `tokens`; `keys` ("ROLE=NAME": tokens, targets, weights, offsets, mask; NAME[h]
+    one head, NAME[sum] the sum over the heads) name any array's role, and hook points that no key
+    picks are left out; padded tokens (N, n, d) with an `attention_mask` (N, n) of 0/1 or `lengths`
+    (N,) (or the array named by `mask`) become the unpadded sequences, the last kept position the
+    query (per-position targets and weights masked alike). When several files hold tokens (a
+    directory or a glob gives its files sorted), each is one part and they are joined in the order
+    given; a file of another d or layout is refused, naming it.
+
+    Per-position targets need `attention` ("causal" or "bidirectional"), written as the file's
+    attribute `attention`; with other targets it is refused.
     """
     if not inputs:
         raise InputError("no input files")
     keymap = parse_keys(keys)
     specs = [parse_input(i) for i in expand_inputs(inputs)]
     with ExitStack() as stack:
-        plain = [p for n, p in specs if n is None and p.suffix.lower() == ".npy" and p.stem not in NAMES]
-        per_file: list[tuple[Path, list[_Source], str | None]] = []
-        for name, p in specs:
-            srcs, mask_name = _rename(_file_sources(name, p, stack), keymap, mask)
-            per_file.append((p, srcs, mask_name))
+        plain = [p for n, p in specs if n is None and p.suffix.lower() == ".npy" and p.stem not in FILE_NAMES]
+        raw = [(p, _file_sources(name, p, stack)) for name, p in specs]
+        held = {s.name for _, srcs in raw for s in srcs}
+        for pick in keymap.values():
+            if pick.name not in held:
+                listed = ", ".join(repr(n) for n in sorted(held)[:8]) + (", ..." if len(held) > 8 else "")
+                raise InputError(f"--key {pick}: no input holds an array '{pick.name}' (they hold {listed})")
+        per_file = [(p, *_pick(srcs, keymap, mask)) for p, srcs in raw]
         holders = [p for p, srcs, _ in per_file if any(s.name == "tokens" for s in srcs)]
         if len(holders) > 1 and not plain:
             parts = []
@@ -125,4 +127,5 @@ def convert_files(inputs: Sequence[str | os.PathLike], output: str | os.PathLike
             where = " + ".join(str(p) for p, _, _ in per_file)
             mask_name = next((m for _, _, m in per_file if m is not None), None)
             sources = _apply_mask(sources, mask_name, where, mask is not None)
-        return _write(output, sources, tuple(p for _, p in specs), chunk_size, progress)
+        return _write(output, sources, tuple(p for _, p in specs), chunk_size, progress, attention,
+                      require_attention=True)

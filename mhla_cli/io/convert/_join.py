@@ -43,8 +43,7 @@ class _Part:
 
 
 def _part(sources: list[_Source], label: str) -> _Part:
-    _check_names(sources, label)
-    src = {s.name: s for s in sources}
+    src = {s.name: s for s in _check_names(sources, label)}
     tok = src["tokens"]
     if len(tok.shape) == 3:
         return _Part(label, src, int(tok.shape[0]), int(tok.shape[1]))

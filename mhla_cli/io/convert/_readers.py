@@ -7,12 +7,14 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from ._arrow import ARROW
+from ._hdf5 import HDF5
 from ._numpy import NPY, NPZ
 from ._safetensors import SAFETENSORS
 from ._source import Reader
 from ._torch import TORCH
 
-READERS: tuple[Reader, ...] = (NPY, NPZ, SAFETENSORS, TORCH)
+READERS: tuple[Reader, ...] = (NPY, NPZ, SAFETENSORS, TORCH, HDF5, ARROW)
 
 # The file suffixes some reader reads (lower case).
 SUFFIXES = tuple(s for r in READERS for s in r.suffixes)

@@ -53,8 +53,7 @@ def _as_array(x: Any, name: str, label: str) -> np.ndarray:
             x = x.float()
         x = x.numpy()
     if isinstance(x, dict):
-        raise InputError(f"'{name}' is a dict of {len(x)} entries, expected an array (the arrays of nested dicts are "
-                         f"named by their dotted keys, e.g. '{name}.{next(iter(x), 'key')}')", label)
+        raise InputError(f"'{name}' is a dict of {len(x)} entries, expected an array", label)
     try:
         arr = np.asarray(x)
     except (ValueError, TypeError) as exc:

@@ -1,6 +1,12 @@
 """The tokens file written from sources: created, checked by the reader's own `inspect_tokens`, then
 copied chunk by chunk (NaN, Inf and bad weights refused as readers refuse them) and renamed into
-place; a bad input leaves nothing."""
+place; a bad input leaves nothing.
+
+A file with per-position targets records how the model's attention ran, the root attribute
+`attention`: "causal" (position t attends to positions 1..t: every prefix is a sample) or
+"bidirectional" (every position attends to the whole window, as in an encoder). A file without it
+is read as causal.
+"""
 
 from __future__ import annotations
 
@@ -22,7 +28,10 @@ from .. import tokens as tokens_mod
 from ...errors import InputError
 
 # Output suffixes that name another format (an output's suffix means its format).
-_OTHER_FORMATS = (*SUFFIXES, ".csv", ".tsv", ".txt", ".json", ".zip", ".pkl", ".pickle")
+_OTHER_FORMATS = tuple(s for s in (*SUFFIXES, ".csv", ".tsv", ".txt", ".json", ".zip", ".pkl", ".pickle")
+                       if s not in formats.HDF5_SUFFIXES)
+# Values of the `attention` attribute of a tokens file with per-position targets.
+ATTENTION = ("causal", "bidirectional")
 # Bytes of token (and per-position target) rows copied per chunk (at least one sample per chunk).
 CHUNK_BYTES = 16 << 20
 _OFFSET_BLOCK = 1 << 20
@@ -64,11 +73,30 @@ def _reopen(tmp: Path) -> h5py.File:
         return h5py.File(tmp, "r+")
 
 
+def _attention(info: tokens_mod.TokensInfo, attention: str | None, required: bool, where: str) -> str | None:
+    """The `attention` attribute to write: given for per-position targets (required there when
+    `required`), refused for any other file."""
+    per_position = info.has_targets and info.per_position
+    if attention is not None and attention not in ATTENTION:
+        raise InputError(f"attention '{attention}': expected causal or bidirectional")
+    if attention is not None and not per_position:
+        what = ("the targets are per sequence (N, e): the last position is the query" if info.has_targets
+                else "there are no targets")
+        raise InputError(f"--attention {attention} is for per-position targets, but {what}; drop --attention",
+                         where)
+    if attention is None and per_position and required:
+        raise InputError("the targets are per position: say how the model's attention ran, --attention causal (a "
+                         "decoder: position t sees positions 1..t) or --attention bidirectional (an encoder, "
+                         "BERT-style: every position sees the whole window)", where)
+    return attention
+
+
 def _write(out: str | os.PathLike, sources: list[_Source], inputs: tuple[str | os.PathLike, ...],
-           chunk_size: int | None, progress: Callable[[int], None] | None) -> tokens_mod.TokensInfo:
+           chunk_size: int | None, progress: Callable[[int], None] | None, attention: str | None = None,
+           require_attention: bool = False) -> tokens_mod.TokensInfo:
     labels = list(dict.fromkeys(s.label for s in sources))
     where = " + ".join(labels) if labels else "input"
-    _check_names(sources, where)
+    sources = _check_names(sources, where)
     src = {s.name: s for s in sources}
     for s in sources:
         formats.check_numeric(s, s.name, s.label)  # a duck-typed dataset: only its dtype is read
@@ -90,7 +118,10 @@ def _write(out: str | os.PathLike, sources: list[_Source], inputs: tuple[str | o
             info = tokens_mod.inspect_tokens(tmp)  # the reader's own checks of shapes and offsets
         except InputError as exc:
             raise _relabel(exc, tmp, where) from None
+        attention = _attention(info, attention, require_attention, where)
         with _reopen(tmp) as f:
+            if attention is not None:
+                f.attrs["attention"] = attention
             _copy(f, info, src, chunk_size, progress)
         with open(tmp, "rb") as fh:
             os.fsync(fh.fileno())
@@ -126,7 +157,8 @@ def _copy(f: h5py.File, info: tokens_mod.TokensInfo, src: dict[str, _Source], ch
 
 def write_tokens(path: str | os.PathLike, tokens: Any, offsets: Any = None, targets: Any = None,
                  weights: Any = None, *, chunk_size: int | None = None,
-                 progress: Callable[[int], None] | None = None) -> tokens_mod.TokensInfo:
+                 progress: Callable[[int], None] | None = None, attention: str | None = None
+                 ) -> tokens_mod.TokensInfo:
     """Write a tokens file (atomically) from arrays; returns the layout of the file written.
 
     `tokens`: a list of (n_i, d) sequences (written ragged, offsets from their lengths), a (T, d)
@@ -134,7 +166,9 @@ def write_tokens(path: str | os.PathLike, tokens: Any, offsets: Any = None, targ
     (N, n, d), and `weights` (N,) or (T,) / (N, n), may also be lists (one row or one block per
     sequence). Arrays may be numpy arrays, memory maps or torch tensors; they are copied in chunks.
     Refused (InputError, nothing written) as every reader refuses them: wrong shapes, offsets that do
-    not increase, NaN or Inf, negative weights.
+    not increase, NaN or Inf, negative weights. `attention` ("causal" or "bidirectional"; only with
+    per-position targets) is written as the file's attribute `attention`; without it the file is
+    read as causal, like a file written with h5py.
     """
     values = {"tokens": tokens, "offsets": offsets, "targets": targets, "weights": weights}
-    return _write(path, _value_sources(values, "input"), (), chunk_size, progress)
+    return _write(path, _value_sources(values, "input"), (), chunk_size, progress, attention)
