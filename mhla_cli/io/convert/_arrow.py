@@ -97,7 +97,7 @@ def _row_shape(pa: Any, col: Any) -> tuple[tuple[int, ...], Any] | None:
             shape.append(int(t.list_size))
         else:
             off = arr.offsets.to_numpy()
-            shape.append(int(off[-1] - off[0]))
+            shape.append(int(off[1] - off[0]))  # the first entry's length
         arr, t = arr.flatten(), t.value_type
     if not (pa.types.is_floating(t) or pa.types.is_integer(t) or pa.types.is_boolean(t)):
         return None

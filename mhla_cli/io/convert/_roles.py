@@ -1,9 +1,9 @@
 """The arrays' roles: the names of a tokens file's datasets, `--key ROLE=NAME[HEAD]`, and the check
 that what remains is a tokens file's arrays.
 
-`--key ROLE=NAME` reads the array NAME as ROLE. `NAME[h]` takes head h of an array whose
-second-to-last axis is the heads (TransformerLens's `blocks.L.attn.hook_result` [batch, pos, head,
-d_model], `hook_z`, `hook_attn_in`); `NAME[sum]` their sum over the heads (in float64). An array
+`--key ROLE=NAME` reads the array NAME as ROLE. `NAME[h]` takes head h of an array of 4 axes
+[batch, pos, head, d] (TransformerLens's `blocks.L.attn.hook_result`, `hook_z`, `hook_attn_in`);
+`NAME[sum]` their sum over the heads (in float64). An array
 picked by --key is used under its role only.
 
 Hook points (a name whose last dotted part starts with `hook_`, as in a TransformerLens cache) and
@@ -84,16 +84,16 @@ def is_spare(s: _Source) -> bool:
 
 
 def _head(s: _Source, pick: Pick) -> _Source:
-    """The array `s` under its role: whole, one head, or summed over the heads (axis -2)."""
+    """The array `s` under its role: whole, one head, or summed over the heads (axis 2 of 4)."""
     if pick.head is None:
         if len(s.shape) == 4 and pick.role in ("tokens", "targets"):
             raise InputError(f"'{s.name}' has shape {s.shape}, with an axis of {s.shape[-2]} heads: pick one head "
                              f"with --key {pick.role}={s.name}[h] (h = 0..{s.shape[-2] - 1}) or their sum with "
                              f"--key {pick.role}={s.name}[sum]", s.label)
         return dataclasses.replace(s, name=pick.role, spare=False)
-    if len(s.shape) < 3:
-        raise InputError(f"--key {pick}: '{s.name}' has shape {s.shape}; NAME[h] picks a head on the second-to-last "
-                         "axis of an array of 3 or more axes ([batch, pos, head, d])", s.label)
+    if len(s.shape) != 4:  # (N, n, d) has no head axis: its axis -2 is the positions
+        raise InputError(f"--key {pick}: '{s.name}' has shape {s.shape}; NAME[h] picks a head of an array of 4 axes "
+                         "[batch, pos, head, d]", s.label)
     H = s.shape[-2]
     if pick.head != "sum" and not int(pick.head) < H:  # type: ignore[arg-type]
         raise InputError(f"--key {pick}: '{s.name}' has {H} heads (shape {s.shape}): heads are 0..{H - 1}", s.label)
