@@ -142,6 +142,11 @@ def _check_names(sources: list[_Source], where: str) -> list[_Source]:
     spare = [s.name for s in sources if is_spare(s)]
     sources = [s for s in sources if not is_spare(s)]
     names = [s.name for s in sources]
+    if "tokens" not in names and spare:  # a store of hooks: say how to pick them before anything else
+        listed = ", ".join(repr(n) for n in spare[:4]) + (f", ... ({len(spare)} in all)" if len(spare) > 4 else "")
+        raise InputError(f"no 'tokens' array: pick the activations with --key tokens=NAME and --key targets=NAME "
+                         f"(NAME[h]: head h of a [batch, pos, head, d] hook; NAME[sum]: their sum) from {listed}",
+                         where)
     dup = sorted({n for n in names if names.count(n) > 1})
     if dup:
         raise InputError(f"more than one array named {', '.join(repr(d) for d in dup)}", where)
@@ -151,11 +156,6 @@ def _check_names(sources: list[_Source], where: str) -> list[_Source]:
                          "a tokens file holds only tokens, offsets, targets and weights (rename the arrays, map "
                          "them with --key ROLE=NAME, or name a .npy file NAME=FILE)", where)
     if "tokens" not in names:
-        if spare:
-            listed = ", ".join(repr(n) for n in spare[:4]) + (f", ... ({len(spare)} in all)" if len(spare) > 4 else "")
-            raise InputError(f"no 'tokens' array: pick the activations with --key tokens=NAME and --key targets=NAME "
-                             f"(NAME[h]: head h of a [batch, pos, head, d] hook; NAME[sum]: their sum) from {listed}",
-                             where)
         found = ", ".join(repr(n) for n in names) or "nothing"
         raise InputError(f"no 'tokens' array (found {found}; name one with --key tokens=NAME)", where)
     return sources

@@ -3,7 +3,7 @@ copied chunk by chunk (NaN, Inf and bad weights refused as readers refuse them) 
 place; a bad input leaves nothing.
 
 A file with per-position targets records how the model's attention ran, the root attribute
-`attention`: "causal" (position t attends to positions 1..t: every prefix is a sample) or
+`attention`: "causal" (position t attends to the positions up to t: every prefix is a sample) or
 "bidirectional" (every position attends to the whole window, as in an encoder). A file without it
 is read as causal.
 """
@@ -86,7 +86,7 @@ def _attention(info: tokens_mod.TokensInfo, attention: str | None, required: boo
                          where)
     if attention is None and per_position and required:
         raise InputError("the targets are per position: say how the model's attention ran, --attention causal (a "
-                         "decoder: position t sees positions 1..t) or --attention bidirectional (an encoder, "
+                         "decoder: position t sees the positions up to t) or --attention bidirectional (an encoder, "
                          "BERT-style: every position sees the whole window)", where)
     return attention
 
