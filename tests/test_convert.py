@@ -433,9 +433,9 @@ def _peak_rss_mib(args: list[str]) -> float:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("kind", ["npy", "pt"])
+@pytest.mark.parametrize("kind", ["npy", "pt", "arrow"])
 def test_large_input_converts_in_bounded_memory(tmp_path: Path, kind: str) -> None:
-    """A 2 GiB .npy (1 GiB torch file) converts with a peak RSS under 500 MB, into equal data."""
+    """A 2 GiB .npy (1 GiB torch or Arrow file) converts with a peak RSS under 500 MB, into equal data."""
     N, n, d = (2**15 if kind == "npy" else 2**14), 1024, 16  # float32: 2 GiB (1 GiB)
     big = np.lib.format.open_memmap(tmp_path / "big.npy", mode="w+", dtype=np.float32, shape=(N, n, d))
     rng = np.random.default_rng(0)
@@ -449,8 +449,20 @@ def test_large_input_converts_in_bounded_memory(tmp_path: Path, kind: str) -> No
         torch = pytest.importorskip("torch")
         inp = tmp_path / "big.pt"
         torch.save({"tokens": torch.from_numpy(np.array(src))}, inp)
+    keys = []
+    if kind == "arrow":  # one Array2D(n, d) column, as datasets writes it: list<list<float>>, batches of 1000 rows
+        pa = pytest.importorskip("pyarrow")
+        inp, keys = tmp_path / "big.arrow", ["--key", "tokens=blocks.0.hook_resid_pre"]
+        schema = pa.schema([pa.field("blocks.0.hook_resid_pre", pa.list_(pa.list_(pa.float32())))])
+        with pa.OSFile(str(inp), "wb") as sink, pa.ipc.new_stream(sink, schema) as w:
+            for a in range(0, N, 1000):
+                rows = np.ascontiguousarray(src[a:a + 1000])
+                inner = pa.ListArray.from_arrays(np.arange(0, rows.size + 1, d, dtype=np.int32),
+                                                 pa.array(rows.reshape(-1)))
+                outer = pa.ListArray.from_arrays(np.arange(0, len(rows) * n + 1, n, dtype=np.int32), inner)
+                w.write_batch(pa.record_batch([outer], schema=schema))
     out = tmp_path / "big.h5"
-    rss = _peak_rss_mib(["convert", str(inp), "-o", str(out), "-q"])
+    rss = _peak_rss_mib(["convert", str(inp), *keys, "-o", str(out), "-q"])
     assert rss < 500 * 1e6 / 2**20, f"peak RSS {rss:.0f} MiB"
     with h5py.File(out, "r") as f:
         assert f["tokens"].shape == (N, n, d)

@@ -104,8 +104,9 @@ def _row_shape(pa: Any, col: Any) -> tuple[tuple[int, ...], Any] | None:
     return tuple(shape), t
 
 
-def _rows(pa: Any, col: Any, shape: tuple[int, ...], name: str, label: str) -> np.ndarray:
-    """The rows of a column slice as one (rows, *shape) array (a view of the mapped file if it can)."""
+def _rows(pa: Any, col: Any, shape: tuple[int, ...], name: str, label: str, release: _PageDropper) -> np.ndarray:
+    """The rows of a column slice as one (rows, *shape) array (a view of the mapped file if it can);
+    the pages of the list offsets read are handed back."""
     arr = col
     for size in shape:
         if arr.null_count:
@@ -115,6 +116,7 @@ def _rows(pa: Any, col: Any, shape: tuple[int, ...], name: str, label: str) -> n
             if not np.all(np.diff(off) == size):
                 raise InputError(f"column '{name}' has rows of other shapes than its first row {shape}: mhla reads "
                                  "a column of one shape per row", label)
+            release(off.ctypes.data, off.nbytes)
         arr = arr.flatten()
     if arr.null_count:
         raise InputError(f"column '{name}' has missing (null) entries", label)
@@ -157,7 +159,7 @@ def arrow_sources(path: Path, stack: ExitStack) -> list[_Source]:
             while pos < b:
                 batch, release = batches[k]
                 lo, hi = pos - int(starts[k]), min(b, int(starts[k + 1])) - int(starts[k])
-                rows = _rows(pa, _storage(batch.column(j)).slice(lo, hi - lo), shape, name, label)
+                rows = _rows(pa, _storage(batch.column(j)).slice(lo, hi - lo), shape, name, label, release)
                 dest[pos - a:pos - a + hi - lo] = rows
                 release(rows.ctypes.data, rows.nbytes)  # only pages of the mapped file, once copied
                 pos, k = int(starts[k]) + hi, k + 1

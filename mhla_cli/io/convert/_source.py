@@ -97,8 +97,8 @@ class _PageDropper:
     MADV_DONTNEED; Linux), so that reading a file mapped into memory (torch.load(mmap=True), an
     Arrow memory map) does not grow the RSS.
 
-    Only whole pages inside a read-only use of a mapping of that very file (per /proc/self/maps) are
-    dropped: the next access reads them from the file again, so no data can change.
+    Only whole pages inside a mapping of that very file (per /proc/self/smaps) with no page changed
+    are dropped: the next access reads them from the file again, so no data can change.
     """
 
     def __init__(self, path: str | os.PathLike) -> None:
@@ -120,9 +120,11 @@ class _PageDropper:
                 if ours:
                     lo, hi = (int(x, 16) for x in fields[0].split("-"))
                     self.ranges.append((lo, hi))
-            elif ours and fields[0] == "Private_Dirty:" and int(fields[1]) > 0:
-                # the mapping's pages were changed (e.g. torch swapped the bytes of a big-endian file):
-                # dropping them would bring back the file's bytes, so drop nothing
+            elif ours and fields[0] == "Anonymous:" and int(fields[1]) > 0:
+                # pages of the mapping were changed (copied on write, e.g. torch swapped the bytes of a
+                # big-endian file): dropping them would bring back the file's bytes, so drop nothing.
+                # (Private_Dirty would also count the page-cache pages of a file just written, which
+                # hold the file's bytes and may be dropped.)
                 self.ranges = []
                 return
 
