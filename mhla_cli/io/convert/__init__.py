@@ -1,4 +1,5 @@
-"""Tokens files from other formats: NumPy .npy / .npz, safetensors, torch .pt, and in-memory arrays.
+"""Tokens files from other formats: NumPy .npy / .npz, safetensors, torch .pt, HDF5 activations,
+Hugging Face `datasets` directories (.arrow), and in-memory arrays.
 
 `write_tokens` writes arrays (a list of sequences, or tokens + offsets) as a tokens file and
 `convert_files` does the same for files. Both copy the data in chunks of samples into the HDF5
@@ -11,18 +12,21 @@ weights. The package, by job:
 
 - `_source`: `_Source`, what every reader returns (a name, a shape, a dtype and a reader of rows
   [a, b)), and `Reader`, one input format;
-- `_readers`: the registry of formats; one module per format: `_numpy` (.npy, .npz),
-  `_safetensors`, `_torch` (.pt; `_values`: tensors, arrays and lists of sequences in memory);
-- `_roles`: dataset names and `--key ROLE=NAME`; `_masks`: padded activations with a padding mask;
-  `_join`: several files as one;
-- `_writer`: the chunked copy and `write_tokens`; `_driver`: `convert_files`.
+- `_readers`: the registry of formats, one module per format: `_numpy` (.npy, .npz), `_safetensors`,
+  `_torch` (.pt; `_values`: tensors, arrays and lists of sequences in memory), `_hdf5`, `_arrow`
+  (datasets directories, SAELens caches). A new format is a module defining a `Reader` and its line
+  in `_readers.READERS`;
+- `_roles`: dataset names, `--key ROLE=NAME[h]` and the hooks left out; `_masks`: padded
+  activations with a padding mask; `_join`: several files as one;
+- `_writer`: the chunked copy, the `attention` attribute and `write_tokens`; `_driver`:
+  `convert_files`.
 """
 
 from ._driver import convert_files, expand_inputs, parse_input
 from ._readers import READERS, SUFFIXES
 from ._roles import MASK_NAMES, NAMES, ROLES, TOKEN_ALIASES, parse_keys
 from ._source import Reader
-from ._writer import CHUNK_BYTES, write_tokens
+from ._writer import ATTENTION, CHUNK_BYTES, write_tokens
 
-__all__ = ["CHUNK_BYTES", "MASK_NAMES", "NAMES", "READERS", "ROLES", "Reader", "SUFFIXES", "TOKEN_ALIASES",
+__all__ = ["ATTENTION", "CHUNK_BYTES", "MASK_NAMES", "NAMES", "READERS", "ROLES", "Reader", "SUFFIXES", "TOKEN_ALIASES",
            "convert_files", "expand_inputs", "parse_input", "parse_keys", "write_tokens"]

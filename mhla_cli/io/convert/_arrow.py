@@ -169,4 +169,4 @@ def arrow_sources(path: Path, stack: ExitStack) -> list[_Source]:
     return out
 
 
-ARROW = Reader("Hugging Face datasets (Arrow)", (".arrow",), arrow_sources, claims=is_dataset_dir, extra="arrow")
+ARROW = Reader("Hugging Face datasets (Arrow)", (".arrow",), arrow_sources, claims=is_dataset_dir)

@@ -57,7 +57,6 @@ class Reader:
     sources: Callable[[Path, ExitStack], list[_Source]]
     claims: Callable[[Path], bool] | None = None
     one_array: bool = False
-    extra: str | None = None  # the pyproject extra it needs, if any
 
 
 def _raw_reader(path: Path, offset: int, shape: tuple[int, ...], dtype: np.dtype) -> Callable[[int, int], np.ndarray]:

@@ -65,4 +65,4 @@ def torch_sources(path: Path, stack: ExitStack | None = None) -> list[_Source]:
                      "them", path)
 
 
-TORCH = Reader("PyTorch", (".pt", ".pth"), torch_sources, extra="torch")
+TORCH = Reader("PyTorch", (".pt", ".pth"), torch_sources)
