@@ -402,6 +402,12 @@ def test_datasets_directory_refusals(tmp_path: Path, capsys: pytest.CaptureFixtu
     (dd / "dataset_dict.json").write_text(json.dumps({"splits": ["train", "test"]}))
     _refused([str(dd)], capsys, f"is a DatasetDict of splits train, test: convert one split, e.g. mhla convert "
              f"{dd / 'train'}", out)
+    state = json.loads((ds / "state.json").read_text())
+    (ds / "state.json").write_text(json.dumps({**state, "_indices_data_files": [{"filename": "indices.arrow"}]}))
+    _refused([str(ds), "--key", "tokens=blocks.2.hook_resid_pre"], capsys, "holds an indices mapping", out)
+    (ds / "state.json").write_text(json.dumps({"_data_files": "data.arrow"}))
+    _refused([str(ds), "--key", "tokens=blocks.2.hook_resid_pre"], capsys, "does not list its data files", out)
+    (ds / "state.json").write_text(json.dumps(state))
     (ds / "data-00001-of-00002.arrow").unlink()
     _refused([str(ds), "--key", "tokens=blocks.2.hook_resid_pre"], capsys, "lists data files that are not there",
              out)

@@ -54,12 +54,13 @@ def _data_files(p: Path) -> list[Path]:
     if (p / "state.json").is_file():
         try:
             state = json.loads((p / "state.json").read_text())
-            if state.get("_indices_data_files"):
-                raise InputError("holds an indices mapping (a shuffled or filtered dataset saved by an old datasets): "
-                                 "save it again with ds.flatten_indices().save_to_disk(DIR)", p)
             files = [p / str(f["filename"]) for f in state["_data_files"]]
+            indices = state.get("_indices_data_files")
         except (ValueError, OSError, KeyError, TypeError, AttributeError):
             raise InputError("has a state.json that does not list its data files ('_data_files')", p) from None
+        if indices:
+            raise InputError("holds an indices mapping (a shuffled or filtered dataset saved by an old datasets): "
+                             "save it again with ds.flatten_indices().save_to_disk(DIR)", p)
     else:
         files = sorted(p.glob("data-*.arrow")) or sorted(p.glob("*.arrow"))
     missing = [f.name for f in files if not f.is_file()]
