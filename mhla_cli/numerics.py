@@ -105,6 +105,14 @@ ORTHONORMAL_TOL = 1e-8
 # sums in another order: they agree to rounding), else it is refused as inconsistent.
 FOLD_SUM_TOL = 1e-9
 
+# A features file whose folds hold only their own-coordinate sums (written before the folds' canonical
+# sums) is used for cross-validation only when the total's whitening A has a row-scaled condition number
+# (basis.row_scaled_cond: a rescaling of the token coordinates is exact) of at most OWN_FOLDS_COND: the
+# change of the own sums to canonical coordinates multiplies their rounding by about cond^6, and
+# 16^6 eps ~ 4e-9 keeps the held-out errors to far below the CV's own spread; beyond it the file is
+# refused (featurize --folds again writes the folds' canonical sums).
+OWN_FOLDS_COND = 16.0
+
 # spectrum: an unconverged W's head count is trusted when its k outliers stand this far above the
 # rest, s_k / s_(k+1) >= RELIABLE_GAP (the noisy examples' heads stand 100-1000x above their bulk, an
 # unconverged bulk cut by the threshold 1-1.5x).
@@ -151,5 +159,5 @@ QUOTED = {
     "UNRESOLVED_REL": UNRESOLVED_REL, "EQUILIBRATE_RATIO": EQUILIBRATE_RATIO, "CANONICAL_TOL": CANONICAL_TOL,
     "CANONICAL_COEF_TOL": CANONICAL_COEF_TOL, "W_COEF_TOL": W_COEF_TOL, "MAX_EXACT_INT": MAX_EXACT_INT,
     "SST_RESOLUTION": SST_RESOLUTION, "RELIABLE_GAP": RELIABLE_GAP, "ORTHONORMAL_TOL": ORTHONORMAL_TOL,
-    "FOLD_SUM_TOL": FOLD_SUM_TOL,
+    "FOLD_SUM_TOL": FOLD_SUM_TOL, "OWN_FOLDS_COND": OWN_FOLDS_COND,
 }
