@@ -33,6 +33,15 @@ OBSERVED_SPAN_FACTOR = 1.0
 # in the null space of Lambda~ is at most this.
 DETERMINED_TOL = 1e-8
 
+# `certify --on`: where the training data leave token directions that float64 does not resolve
+# (UNRESOLVED_REL: the whitening keeps them at the largest scale, their true scale is unknown), a probe
+# whose whitened tokens Z A have a component along them above UNRESOLVED_PROBE_FACTOR times the
+# rounding bound of that product, d eps (|| |z| |A| || + ||z A||) per token (the forward error of z A
+# and of the directions themselves), is "not resolvable in float64": its output depends on what the
+# data cannot show. Below it the component is the rounding of a probe that lies in the resolved
+# directions (measured: at most ~1x the bound).
+UNRESOLVED_PROBE_FACTOR = 16.0
+
 # The relative residual tolerance of block Lanczos (mhla_cli.linalg.krylov) and of its ARPACK fallback
 # (lambda_max, and lambda_min on the inverse through the shifted Cholesky factor): the Ritz value's
 # error is about tol^2 lambda / gap, so 1e-7 still gives lambda to ~1e-14 relative (measured at
@@ -153,7 +162,7 @@ def mse_resolution(n_features: int, scale: float, n_samples: int, d: int) -> flo
 # The constants that docs/formats.md quotes (tests/test_docs.py checks each quote against this table).
 QUOTED = {
     "RANK_FACTOR": RANK_FACTOR, "STRUCTURE_FACTOR": STRUCTURE_FACTOR, "OBSERVED_SPAN_FACTOR": OBSERVED_SPAN_FACTOR,
-    "DETERMINED_TOL": DETERMINED_TOL, "LANCZOS_TOL": LANCZOS_TOL, "MSE_RESOLUTION_FACTOR": MSE_RESOLUTION_FACTOR,
+    "DETERMINED_TOL": DETERMINED_TOL, "UNRESOLVED_PROBE_FACTOR": UNRESOLVED_PROBE_FACTOR, "LANCZOS_TOL": LANCZOS_TOL, "MSE_RESOLUTION_FACTOR": MSE_RESOLUTION_FACTOR,
     "SINGULAR_BASIS_COND": SINGULAR_BASIS_COND, "SYMMETRY_TOL": SYMMETRY_TOL, "ORTHOGONAL_TOL": ORTHOGONAL_TOL,
     "DEAD_WEIGHT_TOL": DEAD_WEIGHT_TOL, "NONZERO_REL": NONZERO_REL, "REFINE_MAX_RHO": REFINE_MAX_RHO,
     "UNRESOLVED_REL": UNRESOLVED_REL, "EQUILIBRATE_RATIO": EQUILIBRATE_RATIO, "CANONICAL_TOL": CANONICAL_TOL,

@@ -229,7 +229,7 @@ def test_folds_file_ridge_auto_in_rotated_units_of_condition_1e3(tmp_path: Path)
     np.testing.assert_allclose(outs[0][1], outs[1][1], rtol=0, atol=1e-9 * np.abs(outs[1][1]).max())
 
 
-@settings(max_examples=10, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow,
+@settings(max_examples=20, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow,
                                                                                    HealthCheck.function_scoped_fixture])
 @given(kind=st.sampled_from(["diagonal", "rotated"]), log_cond=st.floats(0.0, 12.0), seed=st.integers(0, 2**16),
        d=st.sampled_from([2, 3]))

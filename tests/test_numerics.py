@@ -421,6 +421,41 @@ def test_cut_probe_tolerance(tmp_path: Path) -> None:
     assert list(rep.undetermined) == [0]  # 1e2 x the tolerance: undetermined; 1e-2 x: determined
 
 
+@pytest.mark.parametrize("factor", [0.5, 2.0])
+def test_cut_unresolved_probe_factor(tmp_path: Path, factor: float) -> None:
+    """Training tokens exactly in a rotated plane (the normal direction is not resolvable in float64) and
+    a probe in the plane plus factor x UNRESOLVED_PROBE_FACTOR x the rounding bound d eps (|| |z| |A| ||
+    + ||z A||) along that direction (numpy's eigenvector of the canonical token Gram): determined at
+    0.5 x, not resolvable at 2 x."""
+    from mhla_cli.solve.probes import certify_probes
+
+    rng = np.random.default_rng(31)
+    d = 3
+    Q = np.linalg.qr(rng.standard_normal((d, d)))[0]
+    X = rng.standard_normal((1200, 2)) @ Q[:, :2].T
+    off = np.arange(401) * 3
+    feats = chunk_features(X, off, rng.standard_normal((400, d)), d)
+    A = feats.solver_stats()[0]
+    G = (X @ A).T @ (X @ A) / X.shape[0]  # the canonical token Gram, from the tokens (numpy)
+    u = np.linalg.eigh(G)[1][:, 0]  # the unresolved direction, canonical coordinates
+    w = np.linalg.solve(A.T, u)  # z = z0 + t w has z A = z0 A + t u
+    z = rng.standard_normal(2) @ Q[:, :2].T
+    zA = z @ A
+    assert abs(zA @ u) <= d * EPS64 * (np.linalg.norm(np.abs(z) @ np.abs(A)) + np.linalg.norm(zA))
+    t = factor * DOC["UNRESOLVED_PROBE_FACTOR"] * d * EPS64 * (np.linalg.norm(np.abs(z) @ np.abs(A))
+                                                             + np.linalg.norm(zA))
+    probe = np.stack([rng.standard_normal(2) @ Q[:, :2].T, z + t * w])
+    path = tmp_path / "p.h5"
+    with h5py.File(path, "w") as f:
+        f["tokens"], f["offsets"] = probe, np.array([0, 2])
+    rep = certify_probes(feats, path)
+    assert rep.unresolved_dim == 1
+    if factor < 1:
+        assert rep.determined and rep.unresolvable.size == 0
+    else:
+        assert list(rep.unresolvable) == [0] and not rep.determined
+
+
 def _threshold_case(s: float, seed: int = 24) -> tuple:
     return _off_plane(np.random.default_rng(seed), 300, s)
 
