@@ -52,6 +52,14 @@ LANCZOS_TOL = 1e-7
 # (tr(target_gram) + p Lambda p^T) / (N d); a train MSE below it is reported as ~ 0.
 MSE_RESOLUTION_FACTOR = 8.0
 
+# Sums of squares of targets hold their float64 precision while the targets' weighted mean square
+# tr(target_gram) / sum w is at least TARGET_SQUARES_FLOOR, the smallest normal number over EPS (~1e-292,
+# targets of RMS ~1e-146): below it the squares fall among the subnormal numbers (or to 0, targets of
+# 1e-170), so fit's train MSE and R^2 from the statistics are not resolved (R^2 is null, with that
+# reason, and the MSE's resolution is at least this over d); `mhla predict` scores such targets
+# scale-free (mhla_cli.model.scores.Spread). Not a tolerance: float64's range.
+TARGET_SQUARES_FLOOR = sys.float_info.min / EPS
+
 # A stored or given token basis A with condition number above this is refused as singular.
 SINGULAR_BASIS_COND = 1e12
 
@@ -155,8 +163,9 @@ def observed_span_tol(d: int, count: int, eps_in: float) -> float:
 
 
 def mse_resolution(n_features: int, scale: float, n_samples: int, d: int) -> float:
-    """The float64 resolution of the train MSE from the sums (see MSE_RESOLUTION_FACTOR)."""
-    return MSE_RESOLUTION_FACTOR * n_features * EPS * scale / (max(n_samples, 1) * d)
+    """The float64 resolution of the train MSE from the sums (see MSE_RESOLUTION_FACTOR), at least
+    TARGET_SQUARES_FLOOR / d (the squares' own floor)."""
+    return max(MSE_RESOLUTION_FACTOR * n_features * EPS * scale / (max(n_samples, 1) * d), TARGET_SQUARES_FLOOR / d)
 
 
 # The constants that docs/formats.md quotes (tests/test_docs.py checks each quote against this table).
@@ -167,6 +176,6 @@ QUOTED = {
     "DEAD_WEIGHT_TOL": DEAD_WEIGHT_TOL, "NONZERO_REL": NONZERO_REL, "REFINE_MAX_RHO": REFINE_MAX_RHO,
     "UNRESOLVED_REL": UNRESOLVED_REL, "EQUILIBRATE_RATIO": EQUILIBRATE_RATIO, "CANONICAL_TOL": CANONICAL_TOL,
     "CANONICAL_COEF_TOL": CANONICAL_COEF_TOL, "W_COEF_TOL": W_COEF_TOL, "MAX_EXACT_INT": MAX_EXACT_INT,
-    "SST_RESOLUTION": SST_RESOLUTION, "RELIABLE_GAP": RELIABLE_GAP, "ORTHONORMAL_TOL": ORTHONORMAL_TOL,
+    "SST_RESOLUTION": SST_RESOLUTION, "TARGET_SQUARES_FLOOR": TARGET_SQUARES_FLOOR, "RELIABLE_GAP": RELIABLE_GAP, "ORTHONORMAL_TOL": ORTHONORMAL_TOL,
     "FOLD_SUM_TOL": FOLD_SUM_TOL, "OWN_FOLDS_COND": OWN_FOLDS_COND,
 }

@@ -456,6 +456,27 @@ def test_cut_unresolved_probe_factor(tmp_path: Path, factor: float) -> None:
         assert list(rep.unresolvable) == [0] and not rep.determined
 
 
+@pytest.mark.parametrize("factor", [0.5, 2.0])
+def test_cut_target_squares_floor(factor: float) -> None:
+    """Targets scaled so that their weighted mean square tr(target_gram) / sum w is factor x
+    TARGET_SQUARES_FLOOR: fit's train R^2 is numpy's at 2 x, null (targets_underflow) at 0.5 x."""
+    from mhla_cli.api.learn import fit as learn_fit
+
+    ds, _ = synthetic.generate_teacher(2, 1, 120, "2:5", seed=47, noise=0.1)
+    y = ds.targets
+    c = np.sqrt(factor * DOC["TARGET_SQUARES_FLOOR"] / float((y**2).sum(1).mean()))
+    feats = chunk_features(ds.tokens, ds.offsets, y * c, 2)
+    assert float(np.trace(feats.target_gram)) / feats.weight == pytest.approx(factor * DOC["TARGET_SQUARES_FLOOR"],
+                                                                             rel=1e-6)
+    model = learn_fit(feats)
+    if factor > 1:
+        ref = learn_fit(chunk_features(ds.tokens, ds.offsets, y, 2))
+        assert model.info["train_r2"] == pytest.approx(ref.info["train_r2"], rel=1e-8)
+        assert "targets_underflow" not in model.info
+    else:
+        assert model.info["train_r2"] is None and model.info["targets_underflow"] is True
+
+
 def _threshold_case(s: float, seed: int = 24) -> tuple:
     return _off_plane(np.random.default_rng(seed), 300, s)
 
