@@ -84,6 +84,17 @@ def _as_tokens(sequences: Any, offsets: Any = None, what: str = "sequences") -> 
     return tokens, off
 
 
+def _check_normal_weights(w: np.ndarray) -> None:
+    """Positive weights below float64's smallest normal number are refused (io.tokens.check_weights)."""
+    from ..io.tokens import MIN_WEIGHT
+
+    tiny = (w > 0) & (w < MIN_WEIGHT)
+    if tiny.any():
+        raise InputError(f"sample_weight {float(w[tiny][0]):.3g} is below float64's smallest normal number "
+                         f"{MIN_WEIGHT:.3g} (its products in the sums would lose their digits); weights carry no "
+                         "units: multiply them all by the same factor")
+
+
 def _real(a: Any, what: str) -> np.ndarray:
     arr = np.asarray(a)
     if arr.dtype == object or not (np.issubdtype(arr.dtype, np.floating) or np.issubdtype(arr.dtype, np.integer)
@@ -225,6 +236,7 @@ class MHLA:
             if w.shape != (n_rows,) or not np.isfinite(w).all() or (w < 0).any():
                 raise InputError(f"sample_weight must be {n_rows} finite numbers >= 0 (one per "
                                  f"{'token' if per_pos else 'sequence'}), got shape {w.shape}")
+            _check_normal_weights(w)
         parts = self._featurize(tokens, off, y, w, d)
         total = self._total
         folds = None if not self._auto else list(self._folds or [None] * int(self.cv))
@@ -318,6 +330,8 @@ class MHLA:
         w = None if sample_weight is None else _real(sample_weight, "sample_weight").reshape(-1)
         if w is not None and (w.shape != (y.shape[0],) or not np.isfinite(w).all() or (w < 0).any()):
             raise InputError(f"sample_weight must be {y.shape[0]} finite numbers >= 0, got shape {w.shape}")
+        if w is not None:
+            _check_normal_weights(w)
         r2 = scores.r2_of(pred, y, w)
         if r2 is None:
             return 1.0 if np.array_equal(pred, y) else 0.0

@@ -39,7 +39,8 @@ def sst_from_sums(target_gram: np.ndarray, target_sum: np.ndarray, weight: float
     if weight <= 0:
         return 0.0, energy
     s = np.asarray(target_sum, dtype=np.float64)
-    return max(energy - float(s @ s) / float(weight), 0.0), energy
+    # (s / W) . s, not ||s||^2 / W: no overflow of the square for weights of any scale (they carry no units)
+    return max(energy - float((s / float(weight)) @ s), 0.0), energy
 
 
 def targets_underflow(feats: Features) -> bool:
