@@ -22,6 +22,7 @@ import numpy as np
 
 from . import learn
 from ..model import scores
+from ..io.formats import value_text
 from ..errors import InputError
 from ..feature_map import check_normalize
 from ..model.forward import predict as forward_predict
@@ -172,20 +173,20 @@ class MHLA:
             raise InputError("give at most one of heads= and nuclear=")
         if self.heads is not None and self.heads != "auto" and (
                 isinstance(self.heads, bool) or not isinstance(self.heads, (int, np.integer)) or self.heads < 1):
-            raise InputError(f"heads must be an integer >= 1, 'auto' or None, got {self.heads!r}")
+            raise InputError(f"heads must be an integer >= 1, 'auto' or None, got {value_text(self.heads)}")
         if self.nuclear is not None and self.nuclear != "auto" and (
                 isinstance(self.nuclear, (bool, str)) or not np.isfinite(self.nuclear) or self.nuclear < 0):
-            raise InputError(f"nuclear must be a finite number >= 0, 'auto' or None, got {self.nuclear!r}")
+            raise InputError(f"nuclear must be a finite number >= 0, 'auto' or None, got {value_text(self.nuclear)}")
         if (self.heads is not None or self.nuclear is not None) and self.ridge:
             raise InputError("ridge applies to the least-squares fit; with heads= use weight_decay=")
         if self.ridge != "auto" and (isinstance(self.ridge, (bool, str)) or not np.isfinite(self.ridge)
                                      or self.ridge < 0):
-            raise InputError(f"ridge must be a finite number >= 0 or 'auto', got {self.ridge!r}")
+            raise InputError(f"ridge must be a finite number >= 0 or 'auto', got {value_text(self.ridge)}")
         if self.domain not in ("full", "observed"):
-            raise InputError(f"unknown domain {self.domain!r}, expected 'full' or 'observed'")
+            raise InputError(f"unknown domain {value_text(self.domain)}, expected 'full' or 'observed'")
         check_normalize(self.normalize)
         if self._auto and (isinstance(self.cv, bool) or not isinstance(self.cv, (int, np.integer)) or self.cv < 2):
-            raise InputError(f"cv must be an integer >= 2 (folds for 'auto'), got {self.cv!r}")
+            raise InputError(f"cv must be an integer >= 2 (folds for 'auto'), got {value_text(self.cv)}")
 
     @property
     def _auto(self) -> bool:
