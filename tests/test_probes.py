@@ -242,6 +242,13 @@ def test_on_probes_in_the_resolved_directions_stay_determined(tmp_path: Path,
     assert out["determined"] and out["n_unresolvable"] == 0 and out["unresolved_token_directions"] == 1
     assert run(["certify", str(train), "--on", str(off_plane), "--json"]) == 1
     assert json.loads(capsys.readouterr().out)["n_unresolvable"] == 10
+    # per-position probes: a prefix is not resolvable from the first token off the plane on
+    toks = plane(12).reshape(2, 6, d)
+    toks[0, 3] = rng.standard_normal(d)
+    pp = write(tmp_path / "pp.h5", tokens=toks, weights=np.ones((2, 6)))
+    assert run(["certify", str(train), "--on", str(pp), "-o", str(tmp_path / "r.h5"), "--json"]) == 1
+    out = json.loads(capsys.readouterr().out)
+    assert out["n_probes"] == 12 and out["first_unresolvable"] == [3, 4, 5] and out["n_undetermined"] == 3
 
 
 @settings(max_examples=30, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow,
