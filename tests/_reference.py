@@ -138,3 +138,30 @@ def observed_eigenvalues(tokens: np.ndarray, offsets: np.ndarray, A: np.ndarray,
     H = np.array(rows)
     w = np.array([w for _, w in smp])
     return np.linalg.eigvalsh((H * w[:, None]).T @ H / w.sum()), r, C.shape[1]  # weights without units
+
+
+def ridge_cv_path(X: np.ndarray, off: np.ndarray, Y: np.ndarray, K: int, grid: np.ndarray) -> np.ndarray:
+    """Held-out MSE (grid, K) of K-fold CV of the ridge (contiguous folds, as `featurize --folds K`): the
+    spectral ridge fit on each fold's training samples in their own canonical coordinates (eigenvalues
+    at or below psi eps lambda_max dropped: r = 0 is the minimum-norm fit), scored on the held-out
+    samples' materialised features. Unweighted last-token data."""
+    eps = np.finfo(np.float64).eps
+    N, d = Y.shape
+    cuts = np.linspace(0, N, K + 1).astype(int)
+    seqs = [np.asarray(X[off[i]:off[i + 1]], dtype=np.float64) for i in range(N)]
+    out = np.empty((grid.size, K))
+    for k, (a, b) in enumerate(zip(cuts[:-1], cuts[1:])):
+        tr = [i for i in range(N) if not a <= i < b]
+        G = sum(seqs[i].T @ seqs[i] for i in tr) / sum(seqs[i].shape[0] for i in tr)
+        A = inv_sqrt(G)
+        Ht = np.stack([canonical_features(seqs[i] @ A) for i in tr])
+        lam = Ht.T @ Ht / len(tr)
+        m = Ht.T @ Y[tr] / len(tr)
+        w, V = np.linalg.eigh(lam)
+        keep = w > lam.shape[0] * eps * w[-1]
+        w, V = w[keep], V[:, keep]
+        Hv = np.stack([canonical_features(seqs[i] @ A) for i in range(a, b)])
+        for g, r in enumerate(grid):
+            pb = (V @ ((V.T @ m) / (w + r)[:, None])).T
+            out[g, k] = ((Hv @ pb.T - Y[a:b]) ** 2).sum() / ((b - a) * d)
+    return out

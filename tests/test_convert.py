@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import shlex
 import subprocess
 import sys
 import zipfile
@@ -407,13 +408,17 @@ def test_other_commands_name_mhla_convert(tmp_path: Path, capsys: pytest.Capture
             lines = capsys.readouterr().err.strip().splitlines()
             assert len(lines) == 1 and lines[0].startswith(f"mhla: error: {tmp_path / name}: "), lines
             assert what in lines[0] and "not an HDF5 file" in lines[0], lines[0]
-            if name != "x.csv":
-                assert f"mhla convert {name} -o" in lines[0], lines[0]
+            if name != "x.csv":  # the command names the file with its directory
+                assert f"mhla convert {tmp_path / name} -o {tmp_path / Path(name).stem}.h5" in lines[0], lines[0]
             assert not (tmp_path / "f.h5").exists() and not (tmp_path / "m.h5").exists()
-        # ... and the command it names works
+        # ... and the command it names works, as it is written (from any directory)
         if name != "x.csv":
-            assert run(["convert", str(tmp_path / name), "-o", str(tmp_path / f"{name}.h5"), "-q"]) == 0
-            _same(tmp_path / f"{name}.h5", tokens=_X)
+            named = shlex.split(lines[0].split("convert it with: ")[1])
+            assert named[:2] == ["mhla", "convert"]
+            if Path(named[4]).exists():
+                Path(named[4]).unlink()
+            assert run([*named[1:], "-q"]) == 0
+            _same(Path(named[4]), tokens=_X)
 
 
 # --------------------------------------------------------------------------------------------
@@ -597,6 +602,9 @@ def test_bad_masks_exit_2(case: str, pattern: str, tmp_path: Path, capsys: pytes
     assert run(["convert", str(tmp_path / "m.npz"), "-o", str(out), *extra]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and pattern in err[0], err
+    assert "np." not in err[0], err  # values as Python numbers, not NumPy reprs
+    if case in ("not 0/1", "bad length"):
+        assert " is 2:" in err[0] or " is 6:" in err[0], err
     assert not out.exists()
 
 

@@ -421,6 +421,62 @@ def test_cut_probe_tolerance(tmp_path: Path) -> None:
     assert list(rep.undetermined) == [0]  # 1e2 x the tolerance: undetermined; 1e-2 x: determined
 
 
+@pytest.mark.parametrize("factor", [0.5, 2.0])
+def test_cut_unresolved_probe_factor(tmp_path: Path, factor: float) -> None:
+    """Training tokens exactly in a rotated plane (the normal direction is not resolvable in float64) and
+    a probe in the plane plus factor x UNRESOLVED_PROBE_FACTOR x the rounding bound d eps (|| |z| |A| ||
+    + ||z A||) along that direction (numpy's eigenvector of the canonical token Gram): determined at
+    0.5 x, not resolvable at 2 x."""
+    from mhla_cli.solve.probes import certify_probes
+
+    rng = np.random.default_rng(31)
+    d = 3
+    Q = np.linalg.qr(rng.standard_normal((d, d)))[0]
+    X = rng.standard_normal((1200, 2)) @ Q[:, :2].T
+    off = np.arange(401) * 3
+    feats = chunk_features(X, off, rng.standard_normal((400, d)), d)
+    A = feats.solver_stats()[0]
+    G = (X @ A).T @ (X @ A) / X.shape[0]  # the canonical token Gram, from the tokens (numpy)
+    u = np.linalg.eigh(G)[1][:, 0]  # the unresolved direction, canonical coordinates
+    w = np.linalg.solve(A.T, u)  # z = z0 + t w has z A = z0 A + t u
+    z = rng.standard_normal(2) @ Q[:, :2].T
+    zA = z @ A
+    assert abs(zA @ u) <= d * EPS64 * (np.linalg.norm(np.abs(z) @ np.abs(A)) + np.linalg.norm(zA))
+    t = factor * DOC["UNRESOLVED_PROBE_FACTOR"] * d * EPS64 * (np.linalg.norm(np.abs(z) @ np.abs(A))
+                                                             + np.linalg.norm(zA))
+    probe = np.stack([rng.standard_normal(2) @ Q[:, :2].T, z + t * w])
+    path = tmp_path / "p.h5"
+    with h5py.File(path, "w") as f:
+        f["tokens"], f["offsets"] = probe, np.array([0, 2])
+    rep = certify_probes(feats, path)
+    assert rep.unresolved_dim == 1
+    if factor < 1:
+        assert rep.determined and rep.unresolvable.size == 0
+    else:
+        assert list(rep.unresolvable) == [0] and not rep.determined
+
+
+@pytest.mark.parametrize("factor", [0.5, 2.0])
+def test_cut_target_squares_floor(factor: float) -> None:
+    """Targets scaled so that their weighted mean square tr(target_gram) / sum w is factor x
+    TARGET_SQUARES_FLOOR: fit's train R^2 is numpy's at 2 x, null (targets_underflow) at 0.5 x."""
+    from mhla_cli.api.learn import fit as learn_fit
+
+    ds, _ = synthetic.generate_teacher(2, 1, 120, "2:5", seed=47, noise=0.1)
+    y = ds.targets
+    c = np.sqrt(factor * DOC["TARGET_SQUARES_FLOOR"] / float((y**2).sum(1).mean()))
+    feats = chunk_features(ds.tokens, ds.offsets, y * c, 2)
+    assert float(np.trace(feats.target_gram)) / feats.weight == pytest.approx(factor * DOC["TARGET_SQUARES_FLOOR"],
+                                                                             rel=1e-6)
+    model = learn_fit(feats)
+    if factor > 1:
+        ref = learn_fit(chunk_features(ds.tokens, ds.offsets, y, 2))
+        assert model.info["train_r2"] == pytest.approx(ref.info["train_r2"], rel=1e-8)
+        assert "targets_underflow" not in model.info
+    else:
+        assert model.info["train_r2"] is None and model.info["targets_underflow"] is True
+
+
 def _threshold_case(s: float, seed: int = 24) -> tuple:
     return _off_plane(np.random.default_rng(seed), 300, s)
 

@@ -22,6 +22,7 @@ import numpy as np
 
 from . import learn
 from ..model import scores
+from ..io.formats import value_text
 from ..errors import InputError
 from ..feature_map import check_normalize
 from ..model.forward import predict as forward_predict
@@ -82,6 +83,17 @@ def _as_tokens(sequences: Any, offsets: Any = None, what: str = "sequences") -> 
     if not np.isfinite(tokens).all():
         raise InputError(f"{what} contain NaN or Inf")
     return tokens, off
+
+
+def _check_normal_weights(w: np.ndarray) -> None:
+    """Positive weights below float64's smallest normal number are refused (io.tokens.check_weights)."""
+    from ..io.tokens import MIN_WEIGHT
+
+    tiny = (w > 0) & (w < MIN_WEIGHT)
+    if tiny.any():
+        raise InputError(f"sample_weight {float(w[tiny][0]):.3g} is below float64's smallest normal number "
+                         f"{MIN_WEIGHT:.3g} (its products in the sums would lose their digits); weights carry no "
+                         "units: multiply them all by the same factor")
 
 
 def _real(a: Any, what: str) -> np.ndarray:
@@ -161,20 +173,20 @@ class MHLA:
             raise InputError("give at most one of heads= and nuclear=")
         if self.heads is not None and self.heads != "auto" and (
                 isinstance(self.heads, bool) or not isinstance(self.heads, (int, np.integer)) or self.heads < 1):
-            raise InputError(f"heads must be an integer >= 1, 'auto' or None, got {self.heads!r}")
+            raise InputError(f"heads must be an integer >= 1, 'auto' or None, got {value_text(self.heads)}")
         if self.nuclear is not None and self.nuclear != "auto" and (
                 isinstance(self.nuclear, (bool, str)) or not np.isfinite(self.nuclear) or self.nuclear < 0):
-            raise InputError(f"nuclear must be a finite number >= 0, 'auto' or None, got {self.nuclear!r}")
+            raise InputError(f"nuclear must be a finite number >= 0, 'auto' or None, got {value_text(self.nuclear)}")
         if (self.heads is not None or self.nuclear is not None) and self.ridge:
             raise InputError("ridge applies to the least-squares fit; with heads= use weight_decay=")
         if self.ridge != "auto" and (isinstance(self.ridge, (bool, str)) or not np.isfinite(self.ridge)
                                      or self.ridge < 0):
-            raise InputError(f"ridge must be a finite number >= 0 or 'auto', got {self.ridge!r}")
+            raise InputError(f"ridge must be a finite number >= 0 or 'auto', got {value_text(self.ridge)}")
         if self.domain not in ("full", "observed"):
-            raise InputError(f"unknown domain {self.domain!r}, expected 'full' or 'observed'")
+            raise InputError(f"unknown domain {value_text(self.domain)}, expected 'full' or 'observed'")
         check_normalize(self.normalize)
         if self._auto and (isinstance(self.cv, bool) or not isinstance(self.cv, (int, np.integer)) or self.cv < 2):
-            raise InputError(f"cv must be an integer >= 2 (folds for 'auto'), got {self.cv!r}")
+            raise InputError(f"cv must be an integer >= 2 (folds for 'auto'), got {value_text(self.cv)}")
 
     @property
     def _auto(self) -> bool:
@@ -225,6 +237,7 @@ class MHLA:
             if w.shape != (n_rows,) or not np.isfinite(w).all() or (w < 0).any():
                 raise InputError(f"sample_weight must be {n_rows} finite numbers >= 0 (one per "
                                  f"{'token' if per_pos else 'sequence'}), got shape {w.shape}")
+            _check_normal_weights(w)
         parts = self._featurize(tokens, off, y, w, d)
         total = self._total
         folds = None if not self._auto else list(self._folds or [None] * int(self.cv))
@@ -318,6 +331,8 @@ class MHLA:
         w = None if sample_weight is None else _real(sample_weight, "sample_weight").reshape(-1)
         if w is not None and (w.shape != (y.shape[0],) or not np.isfinite(w).all() or (w < 0).any()):
             raise InputError(f"sample_weight must be {y.shape[0]} finite numbers >= 0, got shape {w.shape}")
+        if w is not None:
+            _check_normal_weights(w)
         r2 = scores.r2_of(pred, y, w)
         if r2 is None:
             return 1.0 if np.array_equal(pred, y) else 0.0

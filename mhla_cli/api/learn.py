@@ -20,6 +20,7 @@ from ..model import scores
 from ..solve import certificate, domains, lstsq
 from ..solve import spectrum
 from ..errors import InputError
+from ..numerics import TARGET_SQUARES_FLOOR
 from ..model.heads import Heads
 from ..model.model import Model
 from ..statistics.folds import load_folds
@@ -115,7 +116,31 @@ def fit(feats: Features, ridge: float | str = 0.0, heads: int | str | None = Non
                                   restarts=restarts, seed=seed, folds=folds)
     model.info["normalize"] = feats.normalize
     model.info["train_r2"] = scores.train_r2(feats, model.info["train_mse"])
+    if scores.targets_underflow(feats):
+        model.info["targets_underflow"] = True  # fit_warnings says why the train R^2 is null
+    check_representable(model, feats)
     return model
+
+
+def check_representable(model: Model, feats: Features) -> None:
+    """Refuse (InputError) a fitted model that no reader could load (Model.check_readable): above all
+    coefficients on the tokens' own features that overflow float64, where the message names the
+    tokens' scales and the remedy (a coefficient of S[j,k] x_n[l] scales as the targets over three token
+    scales: tokens of scale 1e-110 give ~1e330)."""
+    import numpy as np
+
+    try:
+        model.check_readable()
+    except InputError as exc:
+        if formats.all_finite(model.coef):
+            raise InputError(f"the fitted model would not be readable ({exc}); please report it") from None
+        G = np.diagonal(feats.token_gram) / (feats.token_weight if feats.token_weight > 0 else 1.0)
+        std = np.sqrt(G[G > 0]) if (G > 0).any() else np.ones(1)
+        raise InputError(
+            "the fitted function's coefficients on the tokens' own features overflow float64 (a coefficient of "
+            "S[j,k]*x_n[l] scales as the targets over the product of three token scales; the token coordinates "
+            f"have standard deviations from {float(std.min()):.3g} to {float(std.max()):.3g}): rescale the tokens "
+            "toward 1 (e.g. divide each coordinate by its standard deviation) and fit again") from None
 
 
 def fit_warnings(info: dict[str, Any], ridge_name: str = "a ridge penalty") -> list[str]:
@@ -125,8 +150,12 @@ def fit_warnings(info: dict[str, Any], ridge_name: str = "a ridge penalty") -> l
     (the minimum-norm or ridge solution was returned; named when they do determine it on the observed
     domain, info["identifiable_observed"]) and an ill-conditioned solve.
     """
+    small = ([f"the targets are too small for float64's sums of squares (mean square below "
+              f"{TARGET_SQUARES_FLOOR:.3g}: they underflow): the train MSE and R^2 from the statistics are not "
+              "resolved (R^2 null); `mhla predict` scores the data scale-free, or rescale the targets"]
+             if info.get("targets_underflow") else [])
     if info.get("method", "lstsq") != "lstsq":
-        return lowrank.solver_warnings(info)
+        return small + lowrank.solver_warnings(info)
     ridge = float(info.get("ridge", 0.0))
     if not info["identifiable"]:
         reason = (f"N = {info['n_samples']} < psi = {info['n_features']}" if info["n_samples"] < info["n_features"]
@@ -135,17 +164,17 @@ def fit_warnings(info: dict[str, Any], ridge_name: str = "a ridge penalty") -> l
                 + ("ridge-regularised" if ridge > 0 else "minimum-norm") + " solution")
         if info.get("identifiable_observed"):
             # every least-squares solution gives the same outputs on the observed domain
-            return [text + "; they do determine it on the observed domain (inputs whose tokens lie in the span of "
+            return small + [text + "; they do determine it on the observed domain (inputs whose tokens lie in the span of "
                     "the data's tokens and whose last token lies in that of their last tokens; `mhla certify "
                     "--domain observed`): " + (f"without {ridge_name}, its predictions there would be exact (those "
                                                "of every least-squares fit)" if ridge > 0 else
                                                "its predictions there are exact (those of every least-squares "
                                                "fit); elsewhere the minimum norm picks one of many")]
-        return [text + "; see `mhla certify`"]
+        return small + [text + "; see `mhla certify`"]
     if info["condition_number"] > ILL_CONDITIONED:
-        return [f"ill-conditioned solve (condition number {info['condition_number']:.4g})"
+        return small + [f"ill-conditioned solve (condition number {info['condition_number']:.4g})"
                 + ("" if ridge > 0 else f"; consider {ridge_name}")]
-    return []
+    return small
 
 
 # A least-squares solve whose condition number exceeds this is reported as ill-conditioned.

@@ -48,7 +48,9 @@ def certify_cmd(
     the units or the basis of the tokens (docs/formats.md, "The canonical certificate").
 
     With --on PROBES: whether every zero-loss model gives the same output on each probe input (its
-    feature vector in the range of gram: relative null-space component <= {DETERMINED_TOL}).
+    feature vector in the range of gram: relative null-space component <= {DETERMINED_TOL}); a probe with
+    a component along token directions of the data that float64 cannot resolve is reported as not
+    resolvable (exit 1), as the full certificate is.
 
     Example (a CI gate): mhla certify data.h5 --json > cert.json || exit 1;  mhla certify data.h5 --witness w.h5
 
@@ -192,9 +194,19 @@ def _certify_on(data: Path, on: Path, report: Path | None, normalize: str | None
             f"component {fmt(out['max_residual'])} <= {rep.tol:g}; null space of gram: {rep.null_dim} of "
             f"{feats.n_features} directions)", quiet, style="green")
     else:
-        say(f"{on}: {n_und} of {rep.n_probes} probe {unit} are NOT determined by {data}: zero-loss models "
-            f"differ there (relative null-space component > {rep.tol:g}; null space of gram: {rep.null_dim} "
-            f"of {feats.n_features} directions); first: {out['first_undetermined']}", quiet, style="red")
+        n_unres = out["n_unresolvable"]
+        if n_und > n_unres:
+            say(f"{on}: {n_und - n_unres} of {rep.n_probes} probe {unit} are NOT determined by {data}: zero-loss "
+                f"models differ there (relative null-space component > {rep.tol:g}; null space of gram: "
+                f"{rep.null_dim} of {feats.n_features} directions); first: "
+                f"{[i for i in out['first_undetermined'] if i not in set(rep.unresolvable.tolist())][:10]}",
+                quiet, style="red")
+        if n_unres:
+            say(f"{on}: {n_unres} of {rep.n_probes} probe {unit} are not resolvable in float64 by {data}: "
+                f"its tokens have {rep.unresolved_dim} direction(s) of variance at most {feats.d} eps64 of the "
+                "largest (too small for float64 to tell from rounding; the full certificate says so), and "
+                "these probes have a component along them, so whether the data determine them cannot be "
+                f"told; first: {out['first_unresolvable']}", quiet, style="red")
     if report is not None:
         say(f"  report in {report}", quiet)
     if json_out:

@@ -26,7 +26,9 @@ def featurize_cmd(
     chunk_size: ChunkOpt = None,
     shard: Annotated[str | None, typer.Option("--shard", help="Only the i-th of M contiguous sample ranges, as i/M (0-based).")] = None,
     folds: Annotated[int | None, typer.Option("--folds", min=2, help="Also store the statistics of K contiguous "
-                                              "folds (for `fit --heads auto` / `--nuclear auto`).")] = None,
+                                              "folds, each with its canonical sums (for `fit --ridge auto`, "
+                                              "`--heads auto`, `--nuclear auto`: the same choice as from the "
+                                              "tokens file, in any units).")] = None,
     workers: Annotated[int, typer.Option("--workers", "-j", min=0, help="Parallel local workers (0: one per "
                                          "core); the result equals the serial one up to summation order.")] = 1,
     scheduler: Annotated[str | None, typer.Option("--scheduler", help="Run on a Dask cluster: a scheduler address "

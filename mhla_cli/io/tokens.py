@@ -12,6 +12,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 import math
 import os
+import sys
 from typing import Any
 
 import h5py
@@ -177,15 +178,28 @@ def _check_weights_shape(w: Any, layout: str, N: int, T: int, seq_len: int | Non
 
 def check_weights(weights: np.ndarray | None, offsets: np.ndarray, lo: int, per_position: bool,
                   path: str | os.PathLike) -> None:
-    """Raise an InputError naming the first sample whose weight is negative, NaN or Inf."""
+    """Raise an InputError naming the first sample whose weight is negative, NaN or Inf, or positive but
+    subnormal (below float64's smallest normal number, MIN_WEIGHT: its products in the sums lose their
+    digits; the weights carry no units, so a common factor restores them)."""
     if weights is None or weights.size == 0:
         return
     bad = ~(np.isfinite(weights) & (weights >= 0))
-    if bad.any():
-        row = int(np.flatnonzero(bad)[0])
+    tiny = (weights > 0) & (weights < MIN_WEIGHT)
+    if bad.any() or tiny.any():
+        row = int(np.flatnonzero(bad | tiny)[0])
         i = lo + (int(np.searchsorted(offsets, row, side="right") - 1) if per_position else row)
         where = f"sample {i}" + (f", position {row - int(offsets[i - lo])}" if per_position else "")
-        raise InputError(f"weights of {where} is {float(weights[row])!r}: weights must be finite and >= 0", path)
+        w = float(weights[row])
+        if bad[row]:
+            raise InputError(f"weights of {where} is {w!r}: weights must be finite and >= 0", path)
+        raise InputError(f"weights of {where} is {w:.3g}, below float64's smallest normal number {MIN_WEIGHT:.3g} "
+                         "(its products in the sums would lose their digits); weights carry no units: multiply "
+                         "them all by the same factor (e.g. 1e300)", path)
+
+
+# The smallest positive weight accepted: float64's smallest normal number (not a tolerance: float64's
+# range; subnormal weights keep few or no digits in the weighted sums).
+MIN_WEIGHT = sys.float_info.min
 
 
 def _check_offsets(off: h5py.Dataset, T: int, path: str | os.PathLike) -> None:

@@ -267,19 +267,18 @@ def in_basis(tokens: np.ndarray, A: np.ndarray | None) -> np.ndarray:
     return np.asarray(tokens, dtype=np.float64) @ A
 
 
-def weighted_sse(err: np.ndarray, weights: np.ndarray | None) -> tuple[float, int, float]:
-    """(sum_i w_i ||err_i||^2, #{i: w_i > 0}, sum_i w_i) over the rows of err (B, d); w_i = 1 without
-    weights."""
-    if weights is None:
-        return float((err**2).sum()), err.shape[0], float(err.shape[0])
-    return float(weights @ (err**2).sum(axis=1)), int((weights > 0).sum()), float(weights.sum())
+def scored(pred: np.ndarray, targets: np.ndarray, weights: np.ndarray | None) -> tuple[int, Spread]:
+    """(#{i: w_i > 0}, the Spread of the targets with the squared error of `pred`: sum_i w_i ||pred_i -
+    y_i||^2, scale-free) over the rows (B, d); w_i = 1 without weights."""
+    count = targets.shape[0] if weights is None else int((weights > 0).sum())
+    return count, Spread.of(targets, weights, err=np.asarray(pred, dtype=np.float64) - targets)
 
 
 def causal_span(coef: np.ndarray, info: Any, normalize: str, span: tuple[int, int],
                 progress: Callable[[int], None] | None = None, basis: np.ndarray | None = None
-                ) -> tuple[np.ndarray, np.ndarray, np.ndarray, float, int, Spread]:
-    """Causal predictions of samples [lo, hi): (pred (B, d), outputs (t, d), offsets, weighted SSE,
-    count, the scored targets' Spread: their weight and spread, for the MSE and R^2).
+                ) -> tuple[np.ndarray, np.ndarray, np.ndarray, int, Spread]:
+    """Causal predictions of samples [lo, hi): (pred (B, d), outputs (t, d), offsets, count, the scored
+    targets' Spread: their weight, spread and weighted SSE, for the MSE and R^2).
 
     The SSE is sum_t w_t ||out_t - y_t||^2 over positions with w_t > 0 (per-position targets) or
     over sequences (last-token targets, pred vs y); count is the number of those samples, weight
@@ -302,11 +301,10 @@ def causal_span(coef: np.ndarray, info: Any, normalize: str, span: tuple[int, in
         outputs = causal_chunk(coef, in_basis(tokens, basis), offsets, normalize,
                                progress=None if progress is None else step)
         pred = outputs[offsets[1:] - 1]
-        sse, count, spread = 0.0, 0, Spread()
+        count, spread = 0, Spread()
         if targets is not None:
-            sse, count, _ = weighted_sse((outputs if info.per_position else pred) - targets, weights)
-            spread = Spread.of(targets, weights)
-        return pred, outputs, offsets.copy(), sse, count, spread
+            count, spread = scored((outputs if info.per_position else pred), targets, weights)
+        return pred, outputs, offsets.copy(), count, spread
     raise ValueError("empty span")
 
 
@@ -400,14 +398,13 @@ def _sinks(target: h5py.File | None, info: TokensInfo, d: int, with_outputs: boo
 
 def _predict_spans(task: Callable[[tuple[int, int]], tuple], todo: list[tuple[int, int]], pmap: Any,
                    sinks: tuple[Any, Any, Any], progress: Callable[[int], None] | None
-                   ) -> tuple[float, int, Spread]:
+                   ) -> tuple[int, Spread]:
     """Run `task` over the spans `todo` with `pmap`, writing each span's rows into `sinks` in order
-    (`_sinks`); the summed SSE, count and merged Spread. `progress(n)` is told each span's samples."""
-    sse, count, spread = 0.0, 0, Spread()
+    (`_sinks`); the summed count and merged Spread (with the SSE). `progress(n)` is told each span's samples."""
+    count, spread = 0, Spread()
     dp, do, doff = sinks
     tok_pos = 0
-    for (a, b), (pred, outputs, offsets, part_sse, part_n, part_spread) in zip(todo, pmap(task, todo)):
-        sse += part_sse
+    for (a, b), (pred, outputs, offsets, part_n, part_spread) in zip(todo, pmap(task, todo)):
         count += part_n
         spread = spread.merge(part_spread)
         dp[a:b] = pred
@@ -417,7 +414,7 @@ def _predict_spans(task: Callable[[tuple[int, int]], tuple], todo: list[tuple[in
         tok_pos += int(offsets[-1])
         if progress is not None:
             progress(b - a)
-    return sse, count, spread
+    return count, spread
 
 
 def _span_task(coef: np.ndarray | HeadsFn, info: TokensInfo, pmap: Any, normalize: str, all_positions: bool,
@@ -486,7 +483,7 @@ def predict_file(fn: Model | Heads, data: str | os.PathLike, out: str | os.PathL
     todo = spans(0, info.n_samples, _predict_chunk_size(coef, info, chunk_size))
     with_outputs = all_positions or causal
 
-    def run(target: h5py.File | None) -> tuple[tuple[Any, Any, Any], tuple[float, int, Spread]]:
+    def run(target: h5py.File | None) -> tuple[tuple[Any, Any, Any], tuple[int, Spread]]:
         sinks = _sinks(target, info, d, with_outputs)
         with make_map(workers=workers, map=map) as pmap:
             task, ticks = _span_task(coef, info, pmap, normalize, all_positions, causal, device, A,
@@ -495,15 +492,16 @@ def predict_file(fn: Model | Heads, data: str | os.PathLike, out: str | os.PathL
 
     if out is not None:
         meta = {"d": d, "n_samples": info.n_samples, "normalize": normalize, "causal": int(causal)}
-        _, (sse, count, spread) = _write_predictions(out, (data, *inputs), meta, run)
+        _, (count, spread) = _write_predictions(out, (data, *inputs), meta, run)
         result = Predictions(info.n_samples, d, normalize)
     else:
-        (pred, outs, offs), (sse, count, spread) = run(None)
+        (pred, outs, offs), (count, spread) = run(None)
         result = Predictions(info.n_samples, d, normalize, predictions=pred, outputs=outs, offsets=offs)
     if info.has_targets:
-        # weighted means over the scored samples' weights (sum w: units-free)
-        result.mse = sse / ((spread.weight if spread.weight > 0 else 1.0) * d)
-        result.r2 = spread.r2(sse)  # None when the scored targets do not vary (mhla_cli.model.scores)
+        # weighted means over the scored samples' weights (sum w: units-free), the squares in the targets'
+        # own scale (mhla_cli.model.scores.Spread: R^2 at any scale of the targets)
+        result.mse = spread.mse(d)
+        result.r2 = spread.r2()  # None when the scored targets do not vary (mhla_cli.model.scores)
         result.n_scored = count
     return result
 
@@ -665,9 +663,9 @@ def rollout_file(fn: Model | Heads, data: str | os.PathLike, out: str | os.PathL
 
 def predict_span(coef: np.ndarray, info: Any, all_positions: bool, span: tuple[int, int],
                  normalize: str = "none", device: str | None = None, basis: np.ndarray | None = None
-                 ) -> tuple[np.ndarray, np.ndarray | None, np.ndarray, float, int, Spread]:
-    """Predictions for samples [lo, hi): (pred (B, d), outputs (t, d) or None, offsets, SSE, count, the
-    targets' Spread (their weight and spread: the MSE's and R^2's denominators)).
+                 ) -> tuple[np.ndarray, np.ndarray | None, np.ndarray, int, Spread]:
+    """Predictions for samples [lo, hi): (pred (B, d), outputs (t, d) or None, offsets, count, the
+    targets' Spread (their weight, spread and weighted SSE: the MSE and R^2)).
 
     With last-token targets the SSE is sum_i w_i ||pred_i - y_i||^2, count #{i: w_i > 0} and weight
     sum_i w_i (w_i = 1 without `weights`), as in `causal_span`; without targets (info.has_targets
@@ -681,7 +679,6 @@ def predict_span(coef: np.ndarray, info: Any, all_positions: bool, span: tuple[i
         check_weights(weights, offsets, a, info.per_position, info.path)
         pred, outputs = predict_chunk(coef, in_basis(tokens, basis), offsets, all_positions, normalize,
                                       device=None if device is None else worker_device(device))
-        sse, count, _ = weighted_sse(pred - targets, weights) if targets is not None else (0.0, 0, 0.0)
-        spread = Spread.of(targets, weights) if targets is not None else Spread()
-        return pred, outputs, offsets.copy(), sse, count, spread
+        count, spread = scored(pred, targets, weights) if targets is not None else (0, Spread())
+        return pred, outputs, offsets.copy(), count, spread
     raise ValueError("empty span")

@@ -14,7 +14,7 @@ from ..errors import InputError
 from ..feature_map import n_features
 from .export import load_heads
 from .heads import Heads, W_from_p, p_from_W
-from ..numerics import CANONICAL_COEF_TOL, W_COEF_TOL
+from ..numerics import CANONICAL_COEF_TOL, SINGULAR_BASIS_COND, W_COEF_TOL
 
 
 # Fit results kept as attributes of a model file.
@@ -58,7 +58,9 @@ class Model:
         return f"Model(d={self.d}, n_features={self.coef.shape[-1]}{extra})"
 
     def save(self, path: str | os.PathLike, inputs: tuple[str | os.PathLike, ...] = ()) -> None:
-        """Write a model file atomically."""
+        """Write a model file atomically; refused (InputError, nothing written) when a reader would refuse
+        it (`check_readable`: the same checks as `load`)."""
+        self.check_readable()
         attrs = {"d": self.d, "n_features": n_features(self.d)}
         for k in _SAVED_INFO:
             if k in self.info and self.info[k] is not None:
@@ -67,6 +69,19 @@ class Model:
         if self.coef_b is not None and self.basis is not None:
             data.update(canonical_coef=self.coef_b, canonical_basis=self.basis)
         formats.write_file(path, "model", data, attrs, inputs)
+
+    def check_readable(self, path: str | os.PathLike | None = None) -> None:
+        """The checks `load` makes on a model file's arrays, on this model: finite coef and W describing
+        the same function, and, when present, a finite canonical_coef in an invertible canonical_basis
+        (row-scaled condition number <= SINGULAR_BASIS_COND, as features files) that is the same
+        function as coef. InputError naming what fails."""
+        if not formats.all_finite(self.coef):
+            raise InputError("'coef' contains NaN or Inf", path)
+        if not formats.all_finite(self.W):
+            raise InputError("'W' contains NaN or Inf", path)
+        _check_w(self.W, self.coef, path)
+        if self.coef_b is not None and self.basis is not None:
+            _check_canonical(self.coef, self.coef_b, self.basis, path)
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> Model:
@@ -86,9 +101,7 @@ class Model:
                 if W.shape != (d * d, d * d):
                     raise InputError(f"'W' has shape {W.shape}, expected (d^2, d^2) = ({d*d}, {d*d}) "
                                      f"to match coef", path)
-                scale = max(float(np.abs(coef).max()), 1e-300)
-                if not np.allclose(p_from_W(W), coef, rtol=0, atol=W_COEF_TOL * scale):
-                    raise InputError("'W' and 'coef' describe different functions; the file is inconsistent", path)
+                _check_w(W, coef, path)
             else:
                 W = W_from_p(coef)
             info = {k: (v.item() if hasattr(v, "item") else v) for k, v in f.attrs.items()
@@ -109,24 +122,39 @@ def _load_canonical(f: Any, path: str | os.PathLike, coef: np.ndarray) -> tuple[
     if len(have) == 1:
         missing = "canonical_basis" if have[0] == "canonical_coef" else "canonical_coef"
         raise InputError(f"has '{have[0]}' but no '{missing}'; the file is incomplete", path)
-    d = coef.shape[0]
     coef_b = formats.read_array(f, "canonical_coef", path).astype(np.float64)
     basis = formats.read_array(f, "canonical_basis", path).astype(np.float64)
+    _check_canonical(coef, coef_b, basis, path)
+    return coef_b, basis
+
+
+def _check_w(W: np.ndarray, coef: np.ndarray, path: str | os.PathLike | None) -> None:
+    """W and coef describe the same function (W_COEF_TOL of the largest coefficient)."""
+    scale = max(float(np.abs(coef).max()), 1e-300)
+    if not np.allclose(p_from_W(W), coef, rtol=0, atol=W_COEF_TOL * scale):
+        raise InputError("'W' and 'coef' describe different functions; the file is inconsistent", path)
+
+
+def _check_canonical(coef: np.ndarray, coef_b: np.ndarray, basis: np.ndarray, path: str | os.PathLike | None
+                     ) -> None:
+    """canonical_coef (finite, coef's shape) in canonical_basis (finite, row-scaled condition number <=
+    SINGULAR_BASIS_COND: a rescaling of the token coordinates, however large, is no singularity) is
+    the function coef (CANONICAL_COEF_TOL of its largest entry)."""
+    from ..statistics.basis import coef_from_basis, row_scaled_cond
+
+    d = coef.shape[0]
     if coef_b.shape != coef.shape or not np.isfinite(coef_b).all():
         raise InputError(f"'canonical_coef' has shape {coef_b.shape} or non-finite values, expected finite "
                          f"{coef.shape}", path)
-    if basis.shape != (d, d) or not np.isfinite(basis).all() or not np.isfinite(np.linalg.cond(basis)):
+    if basis.shape != (d, d) or not row_scaled_cond(basis) <= SINGULAR_BASIS_COND:
         raise InputError(f"'canonical_basis' has shape {basis.shape} or is singular, expected an invertible "
                          f"({d}, {d})", path)
-    from ..statistics.basis import coef_from_basis
-
     scale = max(float(np.abs(coef).max()), 1e-300)
     with np.errstate(over="ignore", invalid="ignore"):
         back = coef_from_basis(basis, coef_b)
     if not (np.abs(back - coef) <= CANONICAL_COEF_TOL * scale).all():
         raise InputError("'canonical_coef' in 'canonical_basis' and 'coef' describe different functions; the "
                          "file is inconsistent", path)
-    return coef_b, basis
 
 
 def load_function(path: str | os.PathLike) -> Model | Heads:

@@ -184,6 +184,27 @@ def unresolved(token_gram: np.ndarray) -> int:
     return lost
 
 
+def unresolved_directions(basis_token_gram: np.ndarray, k: int) -> np.ndarray:
+    """(d, k) orthonormal columns: in the canonical coordinates of a basis A (tokens X A), the k token
+    directions float64 does not resolve (`unresolved`: the whitening kept them at the largest scale,
+    so the canonical token Gram A^T G A is near 0 there and near 1 on the others), i.e. the
+    eigenvectors of its k smallest eigenvalues; coordinates that are exactly 0 in every token are no
+    such direction (they are not counted by `unresolved` either)."""
+    d = basis_token_gram.shape[0]
+    out = np.zeros((d, 0))
+    if k <= 0:
+        return out
+    G = 0.5 * (basis_token_gram + basis_token_gram.T)
+    live = np.flatnonzero(np.diagonal(G) != 0.0)
+    k = min(k, live.size)
+    if k == 0 or not np.isfinite(G).all():
+        return out
+    _, V = np.linalg.eigh(G[np.ix_(live, live)])
+    out = np.zeros((d, k))
+    out[live] = V[:, :k]
+    return out
+
+
 def round32(A: np.ndarray) -> np.ndarray:
     """A rounded to float32 values relative to each row's power-of-2 scale (so that rows far outside
     float32's range, tokens coordinates of scale 1e-40 or 1e40, round rather than overflow)."""

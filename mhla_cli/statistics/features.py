@@ -255,5 +255,6 @@ def check_overflow(feats: Features, what: str, path: str | os.PathLike | None) -
     arrays = [raw if isinstance(raw, np.ndarray) else None, feats.moments,
               held.K if isinstance(held, symgram.Pairs) else held, feats.basis_moments, feats.target_gram]
     if not all(a is None or formats.all_finite(a) for a in arrays):
-        raise InputError(f"the statistics of {what} overflow float64 (tokens or targets too large); "
+        raise InputError(f"the statistics of {what} overflow float64 (tokens, targets or weights too large; "
+                         "weights carry no units: any common factor gives the same fit); "
                          "rescale the data", path)

@@ -216,7 +216,7 @@ def _load_weights(f: h5py.File, path: str | os.PathLike, n: int, t: int, per_pos
         try:
             x = float(np.asarray(v).reshape(()))
         except (TypeError, ValueError):
-            raise InputError(f"attribute '{k}' = {v!r} is not a number", path) from None
+            raise InputError(f"attribute '{k}' = {formats.value_text(v)} is not a number", path) from None
         if not np.isfinite(x) or x <= 0:
             raise InputError(f"attribute '{k}' = {x!r}, expected a finite number > 0", path)
         out.append(x)

@@ -11,6 +11,7 @@ import numpy as np
 
 from ._roles import MASK_NAMES
 from ._source import _array_source, _Source
+from .. import formats
 from ...errors import InputError
 
 # Bytes of mask rows read at once while counting a padded file's lengths.
@@ -44,14 +45,14 @@ def _check_mask(mask: _Source, N: int, n: int, label: str) -> np.ndarray:
             bad = ~((m >= 1) & (m <= n) & (m == np.floor(m)))
             if bad.any():
                 i = a + int(np.flatnonzero(bad)[0])
-                raise InputError(f"'{mask.name}' of sequence {i} is {m[i - a]!r}: lengths must be whole numbers in "
+                raise InputError(f"'{mask.name}' of sequence {i} is {formats.value_text(m[i - a])}: lengths must be whole numbers in "
                                  f"1..{n} (the padded length)", label)
             lengths[a:b] = m.astype(np.int64)
         else:
             bad = ~((m == 0) | (m == 1))
             if bad.any():
                 i, t = (int(x[0]) for x in np.nonzero(bad))
-                raise InputError(f"'{mask.name}' of sequence {a + i}, position {t} is {m[i, t]!r}: an attention "
+                raise InputError(f"'{mask.name}' of sequence {a + i}, position {t} is {formats.value_text(m[i, t])}: an attention "
                                  "mask holds 0 (padding) or 1 (a token)", label)
             lengths[a:b] = (m != 0).sum(axis=1)
             empty = np.flatnonzero(lengths[a:b] == 0)
