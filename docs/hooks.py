@@ -1,0 +1,60 @@
+"""MkDocs hooks of the documentation site (mkdocs.yml).
+
+- The home page is README.md and the changelog page is CHANGELOG.md, each from its one source at the
+  repository root; their links are rewritten to the site's pages (`docs/x.md` -> `x.md`), and the docs'
+  links to them (`../README.md`, `../CHANGELOG.md`) to those pages.
+- The CLI reference (cli.md) is generated from the typer app by typer's own generator
+  (`typer.cli.get_docs_for_click`), on `mhla_cli.cli.full_app`: every command registered up front.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from mkdocs.structure.files import File
+
+ROOT = Path(__file__).resolve().parent.parent
+
+CLI_INTRO = """\
+Generated from the `mhla` application by typer's documentation generator: the same text as each
+command's `--help`. Human output and progress go to stderr, `--json` prints one object on stdout; exit
+codes: 0 ok, 1 a check failed, 2 a usage or input error ([Robustness](robustness.md#exit-codes)).
+
+"""
+
+
+def cli_reference() -> str:
+    """The CLI reference page, in Markdown, from the fully registered typer app."""
+    import typer
+    from typer.cli import get_docs_for_click
+
+    from mhla_cli.cli import full_app
+
+    command = typer.main.get_command(full_app)
+    ctx = typer.Context(command, info_name="mhla")
+    text = get_docs_for_click(obj=command, ctx=ctx, name="mhla", title="CLI reference")
+    head, _, rest = text.partition("\n\n")
+    return f"{head}\n\n{CLI_INTRO}{rest.strip()}\n"
+
+
+def on_files(files, config):  # noqa: ANN001, ANN201 (MkDocs' hook signature)
+    """Add the pages made from files outside docs/: the home page, the changelog, the CLI reference."""
+    pages = {
+        "index.md": (ROOT / "README.md").read_text(encoding="utf-8"),
+        "changelog.md": (ROOT / "CHANGELOG.md").read_text(encoding="utf-8"),
+        "cli.md": cli_reference(),
+    }
+    for name, content in pages.items():
+        files.append(File.generated(config, name, content=content))
+    return files
+
+
+def on_page_markdown(markdown, page, config, files):  # noqa: ANN001, ANN201
+    """Links written for the repository (GitHub's view) made links between the site's pages."""
+    if page.file.src_uri in ("index.md", "changelog.md"):
+        markdown = re.sub(r"\]\(docs/", "](", markdown)
+        markdown = markdown.replace("](CHANGELOG.md", "](changelog.md")
+    else:
+        markdown = markdown.replace("](../README.md", "](index.md").replace("](../CHANGELOG.md", "](changelog.md")
+    return markdown
