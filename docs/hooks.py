@@ -3,8 +3,9 @@
 - The home page is README.md and the changelog page is CHANGELOG.md, each from its one source at the
   repository root; their links are rewritten to the site's pages (`docs/x.md` -> `x.md`), and the docs'
   links to them (`../README.md`, `../CHANGELOG.md`) to those pages.
-- The CLI reference (cli.md) is generated from the typer app by typer's own generator
-  (`typer.cli.get_docs_for_click`), on `mhla_cli.cli.full_app`: every command registered up front.
+- The CLI reference replaces the body of docs/cli.md (a stub on GitHub): generated from the typer app by
+  typer's own generator (`typer.cli.get_docs_for_click`) on `mhla_cli.cli.full_app`, the application
+  with every command registered up front.
 """
 
 from __future__ import annotations
@@ -39,11 +40,10 @@ def cli_reference() -> str:
 
 
 def on_files(files, config):  # noqa: ANN001, ANN201 (MkDocs' hook signature)
-    """Add the pages made from files outside docs/: the home page, the changelog, the CLI reference."""
+    """Add the pages made from files outside docs/: the home page and the changelog."""
     pages = {
         "index.md": (ROOT / "README.md").read_text(encoding="utf-8"),
         "changelog.md": (ROOT / "CHANGELOG.md").read_text(encoding="utf-8"),
-        "cli.md": cli_reference(),
     }
     for name, content in pages.items():
         files.append(File.generated(config, name, content=content))
@@ -52,6 +52,8 @@ def on_files(files, config):  # noqa: ANN001, ANN201 (MkDocs' hook signature)
 
 def on_page_markdown(markdown, page, config, files):  # noqa: ANN001, ANN201
     """Links written for the repository (GitHub's view) made links between the site's pages."""
+    if page.file.src_uri == "cli.md":
+        return cli_reference()
     if page.file.src_uri in ("index.md", "changelog.md"):
         markdown = re.sub(r"\]\(docs/", "](", markdown)
         markdown = markdown.replace("](CHANGELOG.md", "](changelog.md")
