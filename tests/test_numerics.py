@@ -245,7 +245,7 @@ def test_fit_reports_condition_and_ridge(tmp_path: Path, capsys) -> None:
 def test_the_constants_quoted_in_formats_md_are_the_code_s() -> None:
     from mhla_cli import numerics
 
-    text = (Path(__file__).resolve().parent.parent / "docs" / "formats.md").read_text(encoding="utf-8")
+    text = (Path(__file__).resolve().parent.parent / "docs" / "certificate.md").read_text(encoding="utf-8")
     rows = _documented_constants()
     assert set(rows) == set(numerics.QUOTED), set(rows) ^ set(numerics.QUOTED)
     for name, value in rows.items():
@@ -305,9 +305,9 @@ EPS64 = float(np.finfo(np.float64).eps)
 
 
 def _documented_constants() -> dict[str, float]:
-    """The constants' values as docs/formats.md's table states them (the cases below sit at 1e-2 x and
+    """The constants' values as docs/certificate.md's table states them (the cases below sit at 1e-2 x and
     1e2 x of these, so that a changed constant in the code moves its cut away from its cases)."""
-    text = (Path(__file__).resolve().parent.parent / "docs" / "formats.md").read_text(encoding="utf-8")
+    text = (Path(__file__).resolve().parent.parent / "docs" / "certificate.md").read_text(encoding="utf-8")
     table = text[text.index("**The numerics' constants**"):]
     table = table[:table.index("\n\n", table.index("|---"))]
     return {k: float(v) for k, v in re.findall(r"^\| `([A-Z_]+)` \| ([^|]+?) \|", table, flags=re.M)}

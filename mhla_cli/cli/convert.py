@@ -31,7 +31,7 @@ def convert_cmd(
     """Convert arrays to a tokens file: (N, n, d) tokens, or (T, d) tokens with offsets; targets, weights.
 
     Arrays are named as the datasets of a tokens file (tokens, offsets, targets, weights; see
-    docs/formats.md): by their .npz, .safetensors or torch dict keys, or by the .npy rules of INPUTS.
+    docs/tokens.md): by their .npz, .safetensors or torch dict keys, or by the .npy rules of INPUTS.
     A torch file may also hold one tensor (the tokens) or a list of (n_i, d) tensors (ragged
     sequences); it needs the torch extra. Inputs are checked as every reader checks them (shapes,
     offsets, NaN/Inf, weights >= 0) and copied in chunks, so files larger than memory convert.

@@ -6,7 +6,7 @@ output, so inputs larger than memory convert in bounded memory, and both validat
 (`tokens.inspect_tokens` for shapes and offsets, `tokens.check_finite` and `tokens.check_weights` for
 the values, chunk by chunk) before the output is renamed into place: a bad input leaves nothing.
 
-Arrays are named as the datasets of a tokens file (docs/formats.md): tokens, offsets, targets,
+Arrays are named as the datasets of a tokens file (docs/tokens.md): tokens, offsets, targets,
 weights. A `.npy` holds the array named by its file stem (`tokens.npy`) or by `NAME=FILE`; any other
 single `.npy` holds the tokens. Contiguous data (.npy, uncompressed .npz members, safetensors) are
 read with plain file reads at their byte offsets, so the pages read are not held by this process;
