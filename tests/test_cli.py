@@ -475,7 +475,7 @@ def test_help_is_wrapped_by_the_console(capsys: pytest.CaptureFixture[str], monk
     assert run(["certify", "--help"]) == 0
     out = capsys.readouterr().out
     # the whole paragraph on one line at 300 columns (it was three ragged lines)
-    assert any("lambda_min / lambda_max are those of the canonical" in ln and "The canonical certificate" in ln
+    assert any("lambda_min / lambda_max are those of the canonical" in ln and "docs/certificate.md" in ln
                for ln in out.splitlines())
 
 
