@@ -1,6 +1,6 @@
-"""Fewest exact heads of a noisy fit (docs/beyond.md, section 1): a generic p needs ~r_gen(d) heads.
+"""Fewest exact heads of a noisy fit (docs/fewest_heads.md): a generic p needs ~r_gen(d) heads.
 
-The example of docs/beyond.md section 3 (and tests/test_spectrum.py): a 2-head random teacher, d = 6,
+The example of docs/spectrum.md (and tests/test_spectrum.py): a 2-head random teacher, d = 6,
 N = 3000 sequences of 20 tokens, label noise 0.02, seed 0; least-squares fit, then
 `lowrank.fewest_heads` (what `mhla export-heads --fewest` runs). Prints the head count, the relative
 function error, r_gen(d) and the wall time.

@@ -1,7 +1,7 @@
 """The numerics' constants: EPS once, and every tolerance of the certificate, the fit and the loaders.
 
 Each cut is a named constant here, documented with the reason for its value; the other modules import
-them (their old names stay importable there), the CLI help and docs/formats.md quote them from here
+them (their old names stay importable there), the CLI help and docs/certificate.md quote them from here
 (tests/test_docs.py checks the quotes), and tests/test_numerics.py puts a case at 1e-2 x and at 1e2 x
 of each cut against plain numpy on materialised features (tests/_reference.py).
 """
@@ -168,7 +168,7 @@ def mse_resolution(n_features: int, scale: float, n_samples: int, d: int) -> flo
     return max(MSE_RESOLUTION_FACTOR * n_features * EPS * scale / (max(n_samples, 1) * d), TARGET_SQUARES_FLOOR / d)
 
 
-# The constants that docs/formats.md quotes (tests/test_docs.py checks each quote against this table).
+# The constants that docs/certificate.md quotes (tests/test_docs.py checks each quote against this table).
 QUOTED = {
     "RANK_FACTOR": RANK_FACTOR, "STRUCTURE_FACTOR": STRUCTURE_FACTOR, "OBSERVED_SPAN_FACTOR": OBSERVED_SPAN_FACTOR,
     "DETERMINED_TOL": DETERMINED_TOL, "UNRESOLVED_PROBE_FACTOR": UNRESOLVED_PROBE_FACTOR, "LANCZOS_TOL": LANCZOS_TOL, "MSE_RESOLUTION_FACTOR": MSE_RESOLUTION_FACTOR,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -406,6 +407,30 @@ def test_start_up_imports_only_what_the_command_needs() -> None:
     assert "scipy.linalg" not in _modules_after("import mhla_cli.api.learn, mhla_cli.api.estimator, mhla_cli.cli.fit")
 
 
+def test_full_app_gives_typer_docs_every_command_and_help_stays_lazy() -> None:
+    """`mhla_cli.cli.full_app` registers every command up front, so typer's own documentation generator (what
+    the docs' CLI reference runs) documents all of them, each with its options; `mhla certify --help` still
+    loads no other command module."""
+    import typer
+    from typer.cli import get_docs_for_click
+
+    from mhla_cli.cli import full_app
+    from mhla_cli.cli.registry import COMMANDS
+
+    command = typer.main.get_command(full_app)
+    text = get_docs_for_click(obj=command, ctx=typer.Context(command, info_name="mhla"), name="mhla")
+    titles = re.findall(r"^#+ `mhla (.+)`$", text, flags=re.M)
+    assert titles == ["generate", "generate teacher", "generate assoc", *[c for c in COMMANDS if c != "generate"]]
+    assert "* `--ridge L|auto`: Ridge penalty" in text and "* `-o, --output PATH`: " in text
+    # `mhla certify --help` still loads only certify's command module
+    probe = ("import io, contextlib, sys\nfrom mhla_cli.cli import run\n"
+             "with contextlib.redirect_stdout(io.StringIO()): run(['certify', '--help'])\n"
+             "print(sorted(m for m in sys.modules if m.startswith('mhla_cli.cli.') and m.split('.')[-1] in "
+             f"{sorted(set(COMMANDS.values()))!r}))")
+    proc = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and proc.stdout.strip() == "['mhla_cli.cli.certify']", proc.stdout + proc.stderr
+
+
 def test_lazy_public_names_resolve() -> None:
     import mhla_cli
 
@@ -450,7 +475,7 @@ def test_help_is_wrapped_by_the_console(capsys: pytest.CaptureFixture[str], monk
     assert run(["certify", "--help"]) == 0
     out = capsys.readouterr().out
     # the whole paragraph on one line at 300 columns (it was three ragged lines)
-    assert any("lambda_min / lambda_max are those of the canonical" in ln and "The canonical certificate" in ln
+    assert any("lambda_min / lambda_max are those of the canonical" in ln and "docs/certificate.md" in ln
                for ln in out.splitlines())
 
 

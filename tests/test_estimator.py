@@ -17,7 +17,7 @@ from mhla_cli.model.model import Model
 
 
 def _features(X: np.ndarray, normalize: str = "none") -> np.ndarray:
-    """H(X) (psi,) by the definition (BACKGROUND.md): S[j,k] x_n[l], j <= k, l fastest; plain loops."""
+    """H(X) (psi,) by the definition (docs/formats.md, "Math"): S[j,k] x_n[l], j <= k, l fastest; plain loops."""
     S = X.T @ X / (X.shape[0] if normalize == "length" else 1)
     d = X.shape[1]
     return np.array([S[j, k] * X[-1, l] for j in range(d) for k in range(j, d) for l in range(d)])

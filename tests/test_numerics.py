@@ -23,14 +23,20 @@ from mhla_cli.statistics.stream import featurize
 from mhla_cli.statistics.features import Features
 
 DTYPES = ["float32", "float64"]
-SCALES = [1e-3, 1.0, 1e3]
+# One factor on every token, and a factor per coordinate (1e-3, 1, 1e3, ... over the d coordinates): a
+# certificate on the raw Gram with a relative threshold passes the first kind alone.
+SCALES = [1e-3, 1.0, 1e3, (1e-3, 1.0, 1e3)]
 
 
-def _certify(tmp: Path, tokens: np.ndarray, offsets: np.ndarray, dtype: str, scale: float = 1.0,
+def _scaled(tokens: np.ndarray, scale: float | tuple) -> np.ndarray:
+    return tokens * np.resize(np.asarray(scale, dtype=np.float64), tokens.shape[1])
+
+
+def _certify(tmp: Path, tokens: np.ndarray, offsets: np.ndarray, dtype: str, scale: float | tuple = 1.0,
              domain: str = "full", targets: np.ndarray | None = None) -> Certificate:
-    path = tmp / f"t_{dtype}_{scale:g}.h5"
+    path = tmp / f"t_{dtype}_{'_'.join(f'{x:g}' for x in np.atleast_1d(scale))}.h5"
     with h5py.File(path, "w") as f:
-        f["tokens"] = (tokens * scale).astype(dtype)
+        f["tokens"] = _scaled(tokens, scale).astype(dtype)
         f["offsets"] = offsets
         if targets is not None:
             f["targets"] = targets
@@ -122,12 +128,13 @@ def test_badly_conditioned_full_rank(dtype: str, scale: float, tmp_path: Path) -
     c = _certify(tmp_path, tokens, offsets, dtype, scale)
     _check(c, True)
     # independent reference: the raw features materialised in plain numpy
-    X = (tokens * scale).astype(dtype).astype(np.float64)
+    X = _scaled(tokens, scale).astype(dtype).astype(np.float64)
     iu = np.triu_indices(3)
     F = np.stack([np.einsum("p,l->pl", (X[a:b].T @ X[a:b])[iu], X[b - 1]).ravel()
                   for a, b in zip(offsets[:-1], offsets[1:])])
     raw = np.linalg.svd(F, compute_uv=False) ** 2
-    assert 1e-11 < raw[-1] / raw[0] < 1e-9, raw[-1] / raw[0]
+    # ~1e-10 for one factor on every token, ~1e-28 with the per-coordinate factors: far beyond float64
+    assert raw[-1] / raw[0] < 1e-9 and (np.ndim(scale) > 0 or raw[-1] / raw[0] > 1e-11), raw[-1] / raw[0]
     assert raw[-1] / raw[0] < np.sqrt(EPS) and raw[-1] / raw[0] < np.finfo(np.float32).eps
     ratio = c.lambda_min / c.lambda_max
     assert ratio > 1e-3 and c.basis == "canonical"
@@ -135,13 +142,14 @@ def test_badly_conditioned_full_rank(dtype: str, scale: float, tmp_path: Path) -
 
 
 def test_verdict_is_scale_invariant_at_every_margin(tmp_path: Path) -> None:
-    """Tokens scaled by c: the canonical lambda_min, lambda_max and threshold do not move at all."""
+    """Tokens scaled by c, or by a factor per coordinate: the canonical lambda_min, lambda_max and threshold
+    do not move at all."""
     tokens, offsets = _ragged(np.random.default_rng(5), 200, 2)
     rel = []
     for scale in SCALES:
         c = _certify(tmp_path, tokens, offsets, "float64", scale)
         rel.append((c.lambda_min, c.lambda_max, c.threshold))
-    np.testing.assert_allclose(rel, [rel[1]] * 3, rtol=1e-9)
+    np.testing.assert_allclose(rel, [rel[1]] * len(SCALES), rtol=1e-9)
 
 
 def test_observed_subspace_of_rank_3_float64(tmp_path: Path) -> None:
@@ -245,7 +253,7 @@ def test_fit_reports_condition_and_ridge(tmp_path: Path, capsys) -> None:
 def test_the_constants_quoted_in_formats_md_are_the_code_s() -> None:
     from mhla_cli import numerics
 
-    text = (Path(__file__).resolve().parent.parent / "docs" / "formats.md").read_text(encoding="utf-8")
+    text = (Path(__file__).resolve().parent.parent / "docs" / "certificate.md").read_text(encoding="utf-8")
     rows = _documented_constants()
     assert set(rows) == set(numerics.QUOTED), set(rows) ^ set(numerics.QUOTED)
     for name, value in rows.items():
@@ -305,9 +313,9 @@ EPS64 = float(np.finfo(np.float64).eps)
 
 
 def _documented_constants() -> dict[str, float]:
-    """The constants' values as docs/formats.md's table states them (the cases below sit at 1e-2 x and
+    """The constants' values as docs/certificate.md's table states them (the cases below sit at 1e-2 x and
     1e2 x of these, so that a changed constant in the code moves its cut away from its cases)."""
-    text = (Path(__file__).resolve().parent.parent / "docs" / "formats.md").read_text(encoding="utf-8")
+    text = (Path(__file__).resolve().parent.parent / "docs" / "certificate.md").read_text(encoding="utf-8")
     table = text[text.index("**The numerics' constants**"):]
     table = table[:table.index("\n\n", table.index("|---"))]
     return {k: float(v) for k, v in re.findall(r"^\| `([A-Z_]+)` \| ([^|]+?) \|", table, flags=re.M)}

@@ -109,12 +109,12 @@ def test_the_whole_file_is_featurized_in_its_own_whitening(tmp_path, monkeypatch
 
 
 def test_the_exact_basis_limits_quoted_in_formats_md() -> None:
-    """docs/formats.md quotes the constant and where its cut falls for float32 sequences of 16 tokens."""
+    """docs/formats_features.md quotes the constant and where its cut falls for float32 sequences of 16 tokens."""
     from pathlib import Path
 
     from mhla_cli.io.tokens import TokensInfo
 
-    text = (Path(__file__).resolve().parent.parent / "docs" / "formats.md").read_text(encoding="utf-8")
+    text = (Path(__file__).resolve().parent.parent / "docs" / "formats_features.md").read_text(encoding="utf-8")
     text = " ".join(text.split())
     assert f"`spans.EXACT_BASIS_FLOPS_PER_BYTE` = {spans.EXACT_BASIS_FLOPS_PER_BYTE:g} per byte" in text
     assert "at d = 24 up to 210,937 float32 sequences of 16 tokens, at d = 16 only the 16,384" in text
@@ -213,10 +213,10 @@ def test_auto_spans_stop_at_the_probe_only_with_room(tmp_path, monkeypatch, per_
 
 
 def test_the_probe_constants_quoted_in_formats_md() -> None:
-    """docs/formats.md quotes the probe's size and margin as the code has them."""
+    """docs/formats_features.md quotes the probe's size and margin as the code has them."""
     from pathlib import Path
 
-    text = (Path(__file__).resolve().parent.parent / "docs" / "formats.md").read_text(encoding="utf-8")
+    text = (Path(__file__).resolve().parent.parent / "docs" / "formats_features.md").read_text(encoding="utf-8")
     text = " ".join(text.split())
     assert f"`spans.SPANS_PROBE_PER_PAIR` = {spans.SPANS_PROBE_PER_PAIR} samples per pair coordinate" in text
     assert f"`spans.SPANS_PROBE_MARGIN` = {spans.SPANS_PROBE_MARGIN:g} times the cut" in text

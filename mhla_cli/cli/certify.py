@@ -45,7 +45,7 @@ def certify_cmd(
 
     lambda_min / lambda_max are those of the canonical Lambda~: the features of the whitened tokens
     (the second moment of all tokens made I) in orthonormal coordinates, so they do not change with
-    the units or the basis of the tokens (docs/formats.md, "The canonical certificate").
+    the units or the basis of the tokens (docs/certificate.md).
 
     With --on PROBES: whether every zero-loss model gives the same output on each probe input (its
     feature vector in the range of gram: relative null-space component <= {DETERMINED_TOL}); a probe with

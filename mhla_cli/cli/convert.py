@@ -38,7 +38,7 @@ def convert_cmd(
     """Convert arrays to a tokens file: (N, n, d) tokens, or (T, d) tokens with offsets; targets, weights.
 
     Arrays are named as the datasets of a tokens file (tokens, offsets, targets, weights; see
-    docs/formats.md): by their .npz, .safetensors, torch dict or HDF5 names, or by the .npy rules of
+    docs/tokens.md): by their .npz, .safetensors, torch dict or HDF5 names, or by the .npy rules of
     INPUTS; --key gives any array a role. A torch file may also hold one tensor (the tokens) or a list
     of (n_i, d) tensors (ragged sequences). Inputs are checked as every reader checks them (shapes,
     offsets, NaN/Inf, weights >= 0) and copied in chunks, so files larger than memory convert.

@@ -41,9 +41,9 @@ def featurize_cmd(
     device: DeviceOpt = "cpu",
     compact: Annotated[bool, typer.Option("--compact", help="Store the canonical Gram as its distinct entries "
                                           "only (about a quarter of the numbers; no 'gram' / 'basis_gram' "
-                                          "datasets: mhla derives them on read, docs/formats.md). From d = 24 "
-                                          "on the faster featurize, certify and fit (docs/performance.md, "
-                                          "section 11) when no reader needs 'gram' from h5py.")] = False,
+                                          "datasets: mhla derives them on read, docs/formats_features.md). From d = 24 "
+                                          "on the faster featurize, certify and fit "
+                                          "(docs/performance_symmetry.md) when no reader needs 'gram' from h5py.")] = False,
     json_out: JsonOpt = False,
     quiet: QuietOpt = False,
 ) -> None:

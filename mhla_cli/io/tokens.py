@@ -1,7 +1,7 @@
 """Tokens files: their layout and rules (validation), and the one chunk reader of mhla.
 
 A tokens file holds `tokens` (T, d) + `offsets` (N+1,), or `tokens` (N, n, d); optional `targets`
-and `weights` (docs/formats.md). `iter_chunks` reads half-open sample ranges [a, b) of it; every
+and `weights` (docs/tokens.md). `iter_chunks` reads half-open sample ranges [a, b) of it; every
 command that reads tokens (featurize, predict, compare, the witness, inspect, probes) goes through it.
 """
 

@@ -279,7 +279,7 @@ class HostGram:
             if self.spans is not None:  # the block coordinates E^T s and F^T x_n
                 upper_t, last_t = self.spans[0].T @ upper_t, self.spans[1].T @ last_t
             H = Ft[:self.nf].reshape(upper_t.shape[0], last_t.shape[0], R)
-            # H_(j,k,l) = S[j,k] x_n[l] (BACKGROUND.md, "Why learning it is a linear regression")
+            # H_(j,k,l) = S[j,k] x_n[l] (docs/formats.md, "Math")
             np.multiply(upper_t[:, None, :], last_t[None, :, :], out=H)
             if targets_t is not None:
                 Ft[self.nf:] = targets_t

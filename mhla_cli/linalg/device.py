@@ -142,7 +142,7 @@ class DeviceGram:
     Per chunk the host sends the transposed canonical S entries (q, R), last tokens (d, R) and targets
     (d, R) (through two alternating pinned buffers on a GPU, copied asynchronously, so that the host
     reads and prepares the next chunk while the device works); the device forms the features
-    H_(j,k,l) = S[j,k] x_n[l] (BACKGROUND.md, "Why learning it is a linear regression"), on the
+    H_(j,k,l) = S[j,k] x_n[l] (docs/formats.md, "Math"), on the
     data's spans E^T s (x) F^T x_n when given, and adds the lower triangle of Ft Ft^T with float64
     GEMMs (one per row panel).
     """

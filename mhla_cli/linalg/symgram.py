@@ -1,4 +1,4 @@
-"""The Gram of the cubic features from its distinct entries: K = U^T V (BACKGROUND.md, "The Gram's own symmetry").
+"""The Gram of the cubic features from its distinct entries: K = U^T V (docs/formats_features.md, "Compact features files").
 
 A feature vector is h = s (x) x (s: the q pair entries of S, scaled as the caller wants; x: the d
 entries of the last token), so

@@ -35,8 +35,7 @@ __all__ = ["MIN_THREADED_WIDTH", "PANEL_BYTES", "chunk_features"]
 class _Accumulator:
     """Running sums of one reduction in one basis A, with reusable work buffers.
 
-    Per chunk the tokens are transformed first (X A, a d x d product per token: BACKGROUND.md,
-    "The canonical certificate", Numerics), the features are those of X A in canonical coordinates
+    Per chunk the tokens are transformed first (X A, a d x d product per token: docs/certificate.md), the features are those of X A in canonical coordinates
     (mhla_cli.statistics.basis), and the Gram of the block [Ht | Y] (B x (psi + d)) holds basis_gram,
     basis_moments and target_gram at once, so each chunk costs one syrk (numpy's `Ft @ Ft.T` on the
     transposed block); the backend's Gram (`_gram`: backends.HostGram, device.DeviceGram) accumulates it in

@@ -1,7 +1,6 @@
 """The canonical token basis: the whitening of all tokens, its estimate, its verification, and its maps.
 
-The certificate's numbers belong to the data, not to the units of the tokens (BACKGROUND.md, "The
-canonical certificate"). Tokens are whitened, X -> X A with A^T G A = I and G = token_gram / n_tokens
+The certificate's numbers belong to the data, not to the units of the tokens (docs/certificate.md). Tokens are whitened, X -> X A with A^T G A = I and G = token_gram / n_tokens
 (the second moment of all the tokens of the data, each counted with the weights of the samples that
 contain it: features.Features), and the features of X A are taken in orthonormal coordinates
 

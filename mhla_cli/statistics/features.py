@@ -100,7 +100,7 @@ class Features(FeaturesAlgebra, FeaturesFile):
     basis_moments: np.ndarray | None = None
     basis_token_gram: np.ndarray | None = None
     basis_last_token_gram: np.ndarray | None = None
-    # Causal mode: every weighted prefix X[:t] was a sample (docs/formats.md, "per-position data").
+    # Causal mode: every weighted prefix X[:t] was a sample (docs/tokens.md, "Per-position data").
     per_position: bool = False
     # "none", or "length": S divided by the number of tokens of the prefix / sequence.
     normalize: str = "none"
@@ -118,7 +118,7 @@ class Features(FeaturesAlgebra, FeaturesFile):
     # sum_i w_i y_i (d,) over the samples (with weight_sum below, the scored data's mean, for R^2:
     # mhla_cli.model.scores); None when unknown (files written before it was accumulated)
     target_sum: np.ndarray | None = None
-    # The weight totals (docs/formats.md, "Weights"): weight_sum = sum_i w_i over the samples and
+    # The weight totals (docs/formats_features.md): weight_sum = sum_i w_i over the samples and
     # token_weight_sum = sum_i w_i n_i (n_i the sample's token count; for per-position data every
     # prefix is a sample), so that G = token_gram / token_weight_sum and Lambda~ = basis_gram /
     # weight_sum carry no units of the weights. None (the default): the counts n_samples and
@@ -130,7 +130,7 @@ class Features(FeaturesAlgebra, FeaturesFile):
         self.weight_sum = float(self.n_samples if self.weight_sum is None else self.weight_sum)
         self.token_weight_sum = float(self.n_tokens if self.token_weight_sum is None else self.token_weight_sum)
 
-    # The sums on the tokens' own features (docs/formats.md), and those in the basis.
+    # The sums on the tokens' own features (docs/formats_features.md), and those in the basis.
     SUMS = features_file.SUMS
     BASIS_SUMS = features_file.BASIS_SUMS
 

@@ -1,6 +1,6 @@
 """The features file: `Features.save` / `Features.load` (formats 1-5, the compact form) and their refusals.
 
-docs/formats.md describes the file. `FeaturesFile` is mixed into mhla_cli.statistics.features.Features
+docs/formats_features.md describes the file. `FeaturesFile` is mixed into mhla_cli.statistics.features.Features
 (which imports this module, so the annotations name `Features` without importing it): `datasets` and
 `file_attrs` lay the record out, `load` reads and validates a file of any format version (1: own sums
 only; 2: basis sums in upper-triangle coordinates, converted; 3: canonical basis sums; 4: may hold
@@ -27,7 +27,7 @@ from ..feature_map import n_features
 from ..numerics import ORTHONORMAL_TOL, SINGULAR_BASIS_COND, SYMMETRY_TOL
 from ..io.formats import read_normalize
 
-# The sums on the tokens' own features (datasets of docs/formats.md), and those in the basis.
+# The sums on the tokens' own features (datasets of docs/formats_features.md), and those in the basis.
 SUMS = ("gram", "moments", "target_gram", "token_gram", "last_token_gram")
 BASIS_SUMS = ("basis_gram", "basis_moments", "basis_token_gram", "basis_last_token_gram")
 # Attributes of a features file kept in `Features.extra_attrs` when it is loaded: which shard of
@@ -54,7 +54,7 @@ class FeaturesFile:
     """The file of a `Features` record (mixed into it): its layout, `save` and `load`."""
 
     def datasets(self, compact: bool = False) -> dict[str, np.ndarray | formats.Deferred | None]:
-        """The datasets of a features file (docs/formats.md). `compact`: the canonical Gram as its
+        """The datasets of a features file (docs/formats_features.md). `compact`: the canonical Gram as its
         distinct entries only (PAIRS_DATASET), without 'gram' and 'basis_gram'. The psi x psi ones are
         `formats.Deferred`: derived from the held form when written, one at a time, and not kept."""
         self.finalize()
@@ -101,7 +101,7 @@ class FeaturesFile:
         return n_features(self.d) // self.d, self.d
 
     def file_attrs(self) -> dict[str, Any]:
-        """The attributes of a features file (docs/formats.md)."""
+        """The attributes of a features file (docs/formats_features.md)."""
         attrs: dict[str, Any] = {"d": self.d, "n_samples": self.n_samples, "n_tokens": self.n_tokens,
                                  "n_features": self.n_features, "token_dtype": self.token_dtype,
                                  "weight_sum": self.weight, "token_weight_sum": self.token_weight}

@@ -7,7 +7,7 @@ output, so inputs larger than memory convert in bounded memory, and both validat
 (`tokens.inspect_tokens` for shapes and offsets, `tokens.check_finite` and `tokens.check_weights` for
 the values, chunk by chunk) before the output is renamed into place: a bad input leaves nothing.
 
-Arrays are named as the datasets of a tokens file (docs/formats.md): tokens, offsets, targets,
+Arrays are named as the datasets of a tokens file (docs/tokens.md): tokens, offsets, targets,
 weights. The package, by job:
 
 - `_source`: `_Source`, what every reader returns (a name, a shape, a dtype and a reader of rows
