@@ -445,12 +445,13 @@ def test_fit_predicts_the_teacher_at_extreme_conditioning(tmp_path: Path, std: f
 
 def test_formats_md_gives_one_weighted_mse_and_predict_follows_it(tmp_path: Path,
                                                                   capsys: pytest.CaptureFixture[str]) -> None:
-    """docs/formats.md gave two formulas for the weighted MSE (sum w r^2 / (d sum w) in "Weights",
-    / (#{w > 0} d) in "predictions"); every weighted MSE formula in it now divides by d sum w, and predict
+    """docs/ gave two formulas for the weighted MSE (sum w r^2 / (d sum w) in "Weights",
+    / (#{w > 0} d) in "predictions"); every weighted MSE formula in docs/ now divides by d sum w, and predict
     --causal on per-position weights follows it (numpy: sum_t w_t ||out_t - y_t||^2 / (d sum_t w_t))."""
     import re
 
-    text = (Path(__file__).resolve().parent.parent / "docs" / "formats.md").read_text(encoding="utf-8")
+    docs = Path(__file__).resolve().parent.parent / "docs"
+    text = "\n".join(p.read_text(encoding="utf-8") for p in sorted(docs.glob("*.md")))
     formulas = re.findall(r"sum_(\w) w_\1 \|\|[^|]*\|\|\^2\s*/\s*\(([^)]*)\)", text)
     assert len(formulas) >= 4, formulas
     for idx, denominator in formulas:
