@@ -7,6 +7,7 @@ from conftest import relerr
 from mhla_cli import featurize
 from mhla_cli.io.tokens import inspect_tokens
 from mhla_cli.statistics import spans
+from mhla_cli.samples import CAUSAL, LAST
 from test_stream import ragged  # noqa: F401 (the fixture)
 
 
@@ -143,7 +144,7 @@ def test_the_probe_lies_in_the_sample_and_holds_enough_samples() -> None:
     @given(N=st.integers(1, 400000), n=st.integers(1, 64), d=st.integers(1, 40), causal=st.booleans())
     def check(N: int, n: int, d: int, causal: bool) -> None:
         info = TokensInfo(path="x.h5", layout="dense", n_samples=N, d=d, n_tokens=n * N, dtype="float32",
-                          has_targets=True, seq_len=n, per_position=causal)
+                          has_targets=True, seq_len=n, samples=CAUSAL if causal else LAST)
         sample = basis.sample_blocks(N, n * N)
         probe = spans.probe_blocks(info)
         size = sum(b - a for a, b in sample)

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -27,8 +27,9 @@ from ..feature_map import n_features
 from ..numerics import numerical_tolerance
 from .domains import Domain, get_domain
 from ..statistics.structure import Structure
-from ..statistics.stream import Features, default_chunk_size, sample_rows
-from ..io.tokens import check_finite, check_weights, inspect_tokens, iter_chunks
+from ..statistics.stream import Features, default_chunk_size
+from ..io.tokens import TokensInfo, check_finite, check_weights, inspect_tokens, iter_chunks, read_as
+from ..samples import BIDIRECTIONAL, Samples
 
 # A probe is determined when the relative component of its feature vector in gram's numerical
 # null space is at most DETERMINED_TOL (mhla_cli.numerics; the null space of the full-domain certificate).
@@ -124,9 +125,13 @@ class ProbeReport:
     threshold: float
     lambda_max: float
     normalize: str
-    per_position: bool
+    samples: Samples  # the probes' layout (mhla_cli.samples)
     tol: float = DETERMINED_TOL
     info: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def per_position(self) -> bool:
+        return self.samples.per_position
 
     @property
     def undetermined(self) -> np.ndarray:
@@ -145,14 +150,14 @@ class ProbeReport:
         return {"determined": self.determined, "n_probes": self.n_probes, "n_undetermined": int(und.size),
                 "tol": self.tol, "max_residual": float(self.residual.max()) if self.residual.size else 0.0,
                 "null_dim": self.null_dim, "threshold": self.threshold, "lambda_max": self.lambda_max,
-                "normalize": self.normalize, "per_position": self.per_position,
+                "normalize": self.normalize, "per_position": self.per_position, "attention": self.samples.attention,
                 "first_undetermined": [int(i) for i in und[:10]]}
 
     def save(self, path: str | os.PathLike, inputs: tuple[str | os.PathLike, ...] = ()) -> None:
         """Write the report (kind "probes") atomically."""
         attrs = {"n_probes": self.n_probes, "n_undetermined": int(self.undetermined.size),
                  "determined": int(self.determined), "tol": self.tol, "null_dim": self.null_dim,
-                 "threshold": self.threshold, "normalize": self.normalize, "per_position": int(self.per_position)}
+                 "threshold": self.threshold, "normalize": self.normalize, **self.samples.attrs()}
         formats.write_file(path, "probes", {"residual": self.residual, "undetermined": self.undetermined,
                                             "sequence": self.sequence, "position": self.position}, attrs, inputs)
 
@@ -162,12 +167,13 @@ def certify_probes(feats: Features, probes: str | os.PathLike, chunk_size: int |
     """Test every probe of the tokens file `probes` against the training statistics `feats`.
 
     Probes are the sequences (last token) of the file, or every position with weight > 0 of
-    per-position data (targets (T, d) / weights per position); their features use the training
-    normalisation (feats.normalize). Streamed in chunks; memory O(chunk + psi^2). `domain`: the
+    per-position data (targets (T, d) / weights per position; `probe_samples`); their features use
+    the training normalisation (feats.normalize). Streamed in chunks; memory O(chunk + psi^2). `domain`: the
     certificate domain whose null space is used (`null_space`); every domain gives the same verdict
     in exact arithmetic (a probe outside the domain is undetermined along the directions it leaves).
     """
-    info = inspect_tokens(probes)
+    info = probe_samples(inspect_tokens(probes), feats)
+    samples = info.samples
     if info.d != feats.d:
         raise InputError(f"the probes have d = {info.d} but the training data have d = {feats.d}", probes)
     ns = null_space(feats, domain)
@@ -179,10 +185,10 @@ def certify_probes(feats: Features, probes: str | os.PathLike, chunk_size: int |
         with np.errstate(over="ignore", invalid="ignore"):
             # the canonical features of Z A (mhla_cli.statistics.basis): transformed tokens, orthonormal coordinates
             tokens = np.asarray(tokens, dtype=np.float64) @ ns.token_basis
-            upper, last = sample_rows(tokens, offsets, info.per_position, feats.normalize)
-            upper *= pair_scale(feats.d)
+            q = samples.queries(tokens, offsets, feats.normalize)
+            upper, last = q.sample_upper() * pair_scale(feats.d), q.x
         lengths = np.diff(offsets)
-        if info.per_position:
+        if samples.per_position:
             seq = np.repeat(np.arange(a, b), lengths)
             pos = np.arange(int(offsets[-1])) - np.repeat(offsets[:-1], lengths)
         else:
@@ -203,6 +209,21 @@ def certify_probes(feats: Features, probes: str | os.PathLike, chunk_size: int |
     if not res or sum(x.size for x in res) == 0:
         raise InputError("has no probe: every weight is 0", probes)
     return ProbeReport(residual=np.concatenate(res), sequence=np.concatenate(seqs).astype(np.int64),
-                       position=np.concatenate(poss).astype(np.int64) if info.per_position else None,
+                       position=np.concatenate(poss).astype(np.int64) if samples.per_position else None,
                        null_dim=ns.dim, threshold=ns.threshold, lambda_max=ns.lambda_max,
-                       normalize=feats.normalize, per_position=info.per_position)
+                       normalize=feats.normalize, samples=samples)
+
+
+def probe_samples(info: TokensInfo, feats: Features) -> TokensInfo:
+    """The probes file `info` read in the layout its probes have (mhla_cli.samples): its own, except for
+    bidirectional training statistics, whose outputs are at every position of a window: a per-position
+    probes file is read bidirectionally (its attribute must agree), and one without per-position data
+    gives every position of each window (per-sequence weights cannot mask positions: refused)."""
+    if feats.samples is not BIDIRECTIONAL or info.samples is BIDIRECTIONAL:
+        return info
+    if info.per_position:
+        return read_as(info, "bidirectional")
+    if info.has_weights:
+        raise InputError("the statistics are of bidirectional samples (every position of a window) but the probes' "
+                         "weights are per sequence: store one weight per position to mask positions", info.path)
+    return replace(info, samples=BIDIRECTIONAL, has_targets=False)

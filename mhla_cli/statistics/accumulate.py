@@ -26,7 +26,8 @@ from ..linalg.backends import MIN_THREADED_WIDTH, PANEL_BYTES, _single_blas_thre
 from ..errors import InputError
 from ..feature_map import check_normalize, n_features, pair_index
 from ..linalg.memory import check_floor
-from .kernels import _BLOCK_ELEMENTS, position_numbers, sample_rows, sequence_moments
+from ..kernels import _BLOCK_ELEMENTS, sequence_moments
+from ..samples import LAST, Samples, samples_of
 from .features import Features, check_overflow
 
 __all__ = ["MIN_THREADED_WIDTH", "PANEL_BYTES", "chunk_features"]
@@ -47,10 +48,10 @@ class _Accumulator:
     Grams are accumulated both on the tokens' own coordinates (exact zeros stay zeros) and on X A.
     """
 
-    def __init__(self, d: int, has_targets: bool, basis: np.ndarray | None = None, causal: bool = False,
+    def __init__(self, d: int, has_targets: bool, basis: np.ndarray | None = None, samples: Samples = LAST,
                  normalize: str = "none", spans: tuple[np.ndarray, np.ndarray] | None = None,
                  traces: bool = False, device: str | None = None) -> None:
-        self.causal = causal  # per-position data: every prefix is a sample (see _add_rows)
+        self.samples = samples  # what a sample is (mhla_cli.samples: its rows, see _add_rows)
         self.normalize = normalize
         self.n_sequences = 0
         self.d = d
@@ -74,7 +75,7 @@ class _Accumulator:
         self.device = self.backend.device
         factors = (self.psi // d, d) if spans is None else (self.spans[0].shape[1], self.spans[1].shape[1])
         self._gram: Any = None if traces else self.backend.gram(*factors, d if has_targets else 0, self.width,
-                                                               self.nf, self.spans)
+                                                               self.nf, self.spans, pairs=samples.window_rows)
         self._bufs: dict[str, np.ndarray] = {}
         j, k = pair_index(d)
         self._upper_idx = (j * d + k).astype(np.intp)
@@ -185,8 +186,8 @@ class _Accumulator:
         """Add one chunk: tokens (t, d) of any real dtype, offsets (B+1,) from 0, targets (B, d) or None.
 
         `check(top)` may reject the chunk, given a bound on the largest squared token entry, before
-        anything is added. Causal mode, weights ((B,), or (t,) in causal mode) or a normalisation go
-        through `_add_rows`. `tick(f)`, if given, is told the share f in [0, 1) of the chunk's work done
+        anything is added. Per-position samples (targets (t, d)), weights ((B,), or (t,) per position) or a
+        normalisation go through `_add_rows`. `tick(f)`, if given, is told the share f in [0, 1) of the chunk's work done
         while the per-sequence moments are computed (a progress bar inside a large chunk; the sums do
         not depend on it); the syrk that follows is one BLAS call and reports nothing.
         """
@@ -194,7 +195,7 @@ class _Accumulator:
         B = offsets.size - 1
         if B == 0:
             return
-        if self.causal or weights is not None or self.normalize != "none":
+        if self.samples.per_position or weights is not None or self.normalize != "none":
             self._add_rows(tokens, offsets, targets, check, weights)
             return
         t0 = time.perf_counter()
@@ -235,63 +236,38 @@ class _Accumulator:
 
     def _add_rows(self, tokens: np.ndarray, offsets: np.ndarray, targets: np.ndarray | None,
                   check: Callable[[float], None] | None, weights: np.ndarray | None) -> None:
-        """Add a chunk sample by sample: rows = positions (causal) or sequences, each of weight w >= 0.
+        """Add a chunk as its layout's rows (mhla_cli.samples: `Samples.rows`), every sample of weight w >= 0.
 
-        gram += sum w h h^T, moments += sum w h y^T, target_gram += sum w y y^T (one syrk of the block
-        sqrt(w) [H | Y] over the rows with w > 0); token_gram += sum w S (unnormalised S of each
-        sample), last_token_gram += sum w x x^T (x the sample's last token); n_samples += #{w > 0}.
+        A row of one sample: gram += w h h^T, moments += w h y^T, target_gram += w y y^T (one syrk of the
+        block sqrt(w) [H | Y], or K); a row of a window's samples (BIDIRECTIONAL): gram += (s s^T) (x)
+        (X^T W X), moments += s (x) (X^T W Y) (K). token_gram += sum w S (unnormalised S of each sample),
+        last_token_gram += sum w x x^T (x the sample's query token); n_samples += #{w > 0}.
         """
         B = offsets.size - 1
         T = int(offsets[-1])
-        w_all, c, last_rows = self._token_weights(offsets, weights)
-        unit = weights is None and not self.causal
+        c, query_rows, query_weights = self.samples.token_weights(offsets, weights)
         with _single_blas_thread(), np.errstate(invalid="ignore", over="ignore"):
-            Xb = self._tokens(tokens, check, None if unit else c, last_rows, None if unit else w_all)
-            upper, last = sample_rows(Xb, offsets, self.causal)  # unnormalised here
-            keep = None
-            if weights is not None:
-                keep = np.flatnonzero(weights > 0)
-                if keep.size == weights.size:
-                    keep = None
-            w = None if weights is None else (weights if keep is None else weights[keep])
-            if keep is not None:
-                upper, last = upper[keep], last[keep]
-                if targets is not None:
-                    targets = targets[keep]
-            R = upper.shape[0]
+            Xb = self._tokens(tokens, check, c, query_rows, query_weights)
+            rows = self.samples.rows(Xb, offsets, weights, targets)
+            upper = rows.upper
             upper *= self._scale  # canonical coordinates
             if self.normalize == "length":
-                lens = position_numbers(offsets) if self.causal else np.diff(offsets).astype(np.float64)
-                upper /= (lens if keep is None else lens[keep])[:, None]
-            if R:
-                block = self._transposed_rows(upper, last, targets, w)
-        if R:
-            self._add_target_sum(targets, w)
+                upper /= rows.lengths[:, None]
+            R = rows.n_rows
+            if R and rows.xx is None:
+                block = self._transposed_rows(upper, rows.x, rows.y, rows.w)
+        if R and rows.xx is None:
+            self._add_target_sum(rows.y, rows.w)
             self._emit(*block)  # outside the one-thread block (the syrk's threads)
-        self.n_samples += R
+        elif R:
+            self._emit_windows(upper, rows)
+        self.n_samples += rows.n_samples
         self.n_tokens += T
         self.n_sequences += B
         # sum w over the samples, and sum w n = sum over the tokens of c (the weights of the samples
         # that contain the token)
-        self.weight_sum += float(np.sum(w_all))
-        self.token_weight_sum += float(np.sum(c))
-
-    def _token_weights(self, offsets: np.ndarray, weights: np.ndarray | None
-                       ) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
-        """(w per sample (all 1 for None), c per token, the rows of the samples' last tokens or None: every
-        token) of a chunk.
-
-        sum over samples of w S = sum over tokens of c x x^T: c = the weight of the sequence
-        (last-token data), or the sum of the weights of the prefixes containing the token (causal)."""
-        B = offsets.size - 1
-        lengths = np.diff(offsets)
-        w_all = np.ones(int(offsets[-1]) if self.causal else B) if weights is None else weights
-        if self.causal:
-            seq = np.repeat(np.arange(B), lengths)
-            tail = np.cumsum(w_all[::-1])[::-1]
-            ends = np.append(tail, 0.0)[offsets[1:]]
-            return w_all, tail - ends[seq], None
-        return w_all, np.repeat(w_all, lengths), offsets[1:] - 1
+        self.weight_sum += float(np.sum(weights)) if weights is not None else float(self.samples.count(B, T))
+        self.token_weight_sum += float(np.sum(c)) if c is not None else float(T)
 
     def _transposed_rows(self, upper: np.ndarray, last: np.ndarray, targets: np.ndarray | None,
                          w: np.ndarray | None) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
@@ -331,6 +307,22 @@ class _Accumulator:
         if self.width:
             self._gram.add(upper_t, last_t, targets_t)
 
+    def _emit_windows(self, upper: np.ndarray, rows: Any) -> None:
+        """Add rows of several samples each (samples.Rows.xx: a window's X^T W X and X^T W Y) to the backend's
+        Gram; upper (R, q) canonical S entries. In a span pass the two partial traces instead:
+        sum tr(xx) s s^T and sum ||s||^2 xx."""
+        if self.traces is not None:
+            with _single_blas_thread():
+                tr = np.einsum("rii->r", rows.xx)
+                ns = np.einsum("ij,ij->i", upper, upper)
+                self.traces[0][...] += (upper.T * tr) @ upper
+                self.traces[1][...] += np.einsum("r,rlm->lm", ns, rows.xx)
+            return
+        if self.target_sum is not None and rows.y_sum is not None:
+            self.target_sum += rows.y_sum
+        if self.width:
+            self._gram.add_windows(np.ascontiguousarray(upper.T), rows.xx, rows.xy, rows.yy)
+
     def pipeline(self) -> Any:
         """A block for the loop over a pass's chunks: the backend's (backends.HostGram.pipeline: a chunk's
         GEMMs overlap the next chunk's preparation), or nothing."""
@@ -356,7 +348,7 @@ class _Accumulator:
                        target_gram=target_gram, token_dtype=token_dtype,
                        basis=self.basis, basis_gram=gram_b, basis_moments=moments,
                        basis_token_gram=self.basis_token_gram, basis_last_token_gram=self.basis_last_token_gram,
-                       per_position=self.causal, normalize=self.normalize, n_sequences=self.n_sequences,
+                       samples=self.samples, normalize=self.normalize, n_sequences=self.n_sequences,
                        target_sum=self.target_sum,
                        weight_sum=self.weight_sum, token_weight_sum=self.token_weight_sum)
         if self.spans is not None:
@@ -367,11 +359,12 @@ class _Accumulator:
 def chunk_features(tokens: np.ndarray, offsets: np.ndarray, targets: np.ndarray | None, d: int,
                    weights: np.ndarray | None = None, per_position: bool = False,
                    normalize: str = "none", basis: np.ndarray | str | None = "auto",
-                   device: str | None = None) -> Features:
+                   device: str | None = None, attention: str | None = None) -> Features:
     """Statistics of one in-memory chunk (tokens (t, d), offsets from 0, targets (B, d) or None).
 
-    With `per_position` every prefix is a sample: targets (t, d), weights (t,); otherwise targets
-    (B, d), weights (B,). `normalize="length"` divides S by the prefix / sequence length.
+    With `per_position` every position is a sample: targets (t, d), weights (t,) (mhla_cli.samples:
+    `attention` "causal", the default, reads S of the prefix X[:t], "bidirectional" of the whole window);
+    otherwise targets (B, d), weights (B,). `normalize="length"` divides S by its number of tokens.
     `basis`: the basis accumulated in ("auto": the whitening of the chunk's own tokens; an array;
     None or "identity": the tokens' own coordinates); the result is then changed exactly to the
     whitening of the chunk's token Gram (`Features.canonical`). `device` (mhla_cli.linalg.device): where the
@@ -385,7 +378,8 @@ def chunk_features(tokens: np.ndarray, offsets: np.ndarray, targets: np.ndarray 
     if basis is None:
         X = tokens.astype(np.float64)
         basis = basis_mod.whitening(X.T @ X, X.shape[0])
-    acc = _Accumulator(d, targets is not None, basis, causal=per_position, normalize=normalize, device=device)
+    samples = samples_of(per_position, attention)
+    acc = _Accumulator(d, targets is not None, basis, samples=samples, normalize=normalize, device=device)
     acc.add(tokens, np.asarray(offsets, dtype=np.int64),
             None if targets is None else np.asarray(targets, dtype=np.float64),
             weights=None if weights is None else np.asarray(weights, dtype=np.float64))
