@@ -298,7 +298,7 @@ class DevicePairs(DeviceGram):
             b = min(n, a + step)
             self.K[a:b].addmm_(u[self._ia[a:b]] * u[self._ib[a:b]], V.T)
         if z is not None:
-            self.M.addmm_(u, z.reshape(R, self.r * self.nt).T)
+            self.M.addmm_(u, z.reshape(R, self.r * self.nt))
             if yy is not None:
                 self.Y += t.as_tensor(np.asarray(yy, dtype=np.float64)).to(self.dev)
 

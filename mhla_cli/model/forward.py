@@ -22,7 +22,7 @@ from ..io import formats
 from ..linalg.backends import get_backend
 from ..linalg.device import check_device, worker_device
 from ..errors import InputError
-from ..feature_map import check_normalize, features_from_moments, pair_index
+from ..feature_map import check_normalize, features_from_moments
 from .heads import Heads
 from ..numerics import EPS
 from .model import Model, attention_of, coef_of, evaluation_of, normalize_of
