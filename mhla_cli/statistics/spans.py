@@ -193,10 +193,7 @@ def change_flops(d: int) -> float:
 
 def exact_basis(info: TokensInfo, span: tuple[int, int]) -> bool:
     """Whether `estimate_basis` of `span` reads every token of it (EXACT_BASIS_FLOPS_PER_BYTE): only for
-    the whole file of unit-weight data (the whitening of weighted or per-position data weights each
-    token by the samples that contain it; a shard's basis stays the file's sample estimate)."""
-    if info.per_position or info.has_weights:
-        return False
+    the whole file (a shard's basis stays the file's sample estimate, the same in every shard)."""
     if tuple(span) != (0, info.n_samples) or info.n_samples == 0:
         return False
     if basis_mod.sample_blocks(info.n_samples, info.n_tokens) == [(0, info.n_samples)]:
@@ -208,7 +205,9 @@ def exact_basis(info: TokensInfo, span: tuple[int, int]) -> bool:
 def estimate_basis(info: TokensInfo, span: tuple[int, int] | None = None) -> np.ndarray:
     """The basis a pass accumulates in: an estimate of the whitening of a tokens file from a fixed sample
     (basis.sample_blocks), rounded to float32 values; or, when `exact_basis(info, span)`, the whitening
-    of every token of `span` (the samples the pass reads), not rounded.
+    of every token of `span` (the samples the pass reads), not rounded: of the token Gram the pass
+    accumulates, sum c x x^T with c the weight of the samples that contain the token (the layout's
+    `token_weights`, mhla_cli.samples).
 
     The estimate is deterministic in the file's content (every shard, worker and machine gets the same
     basis). It only has to be good enough to accumulate in: `featurize` checks it against the token
@@ -227,12 +226,13 @@ def estimate_basis(info: TokensInfo, span: tuple[int, int] | None = None) -> np.
     bufs = ReadBuffers()
     with formats.open_input(info.path) as f, np.errstate(invalid="ignore", over="ignore"):
         for a, b in blocks:
-            tokens, offsets, targets = read_chunk(f, info, a, b, bufs)
+            tokens, offsets, targets, weights = read_chunk(f, info, a, b, bufs, with_weights=True)
             X = tokens.astype(np.float64)
             top = float(np.max(X * X)) if X.size else 0.0
             check_chunk(info, a, tokens, offsets, targets, top)
-            G += X.T @ X
-            count += X.shape[0]
+            c = info.samples.token_weights(offsets, weights)[0] if exact else None
+            G += X.T @ (X if c is None else X * c[:, None])
+            count += X.shape[0] if c is None else float(np.sum(c))
     return basis_mod.whitening(G, count, round32=not exact)
 
 
