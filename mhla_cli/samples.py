@@ -18,7 +18,10 @@ K = U^T V, mhla_cli.linalg.symgram), the weight each token carries in the token 
 `per_position` and `attention` (`attrs`, `from_attrs`); the reader, the accumulator, the forward
 pass, the files and the estimator ask the layout and pass it on.
 
-A new layout is one subclass here with its instance in `LAYOUTS` (its tests and docs/formats.md).
+A new layout is one subclass here with its instance in `LAYOUTS` (a per-position layout's `attention`, the
+files' attribute and the `--attention` value, is its name: add it to the option's choices in
+mhla_cli/cli/options.py), its reference in tests (tests/_reference.py, tests/test_samples.py) and its row in
+docs/formats.md.
 """
 
 from __future__ import annotations
@@ -35,8 +38,6 @@ from .kernels import position_numbers, prefix_moments, sequence_moments, window_
 __all__ = ["ATTENTIONS", "BIDIRECTIONAL", "CAUSAL", "LAST", "LAYOUTS", "Queries", "Rows", "Samples",
            "check_attention", "from_attrs", "named", "samples_of"]
 
-# The values of `--attention` / the files' `attention` attribute: how per-position samples are read.
-ATTENTIONS = ("causal", "bidirectional")
 
 
 @dataclass
@@ -73,6 +74,9 @@ class Rows:
     xy: np.ndarray | None = None  # (R, d, e): sum_t w_t x_t y_t^T
     yy: np.ndarray | None = None  # (e, e): sum w y y^T over every sample of the chunk
     y_sum: np.ndarray | None = None  # (e,): sum w y
+    # the chunk's token Grams when the rows give them for free (None: the reduction sums over the tokens):
+    # (sum w S over the samples, sum w x x^T over their query tokens, sum x x^T over every token)
+    token_grams: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
 
     @property
     def n_rows(self) -> int:
@@ -88,6 +92,9 @@ class Samples:
     # a Gram row is a whole window and its token factor a second moment (Rows.xx): the reduction
     # accumulates the Gram as its distinct entries K = U^T V whatever d (a syrk needs rank-one rows)
     window_rows: ClassVar[bool] = False
+    # `predict` of a model fitted on these samples writes and scores its outputs at every position
+    # without being asked (CAUSAL: only with --causal, as before the layouts existed)
+    predicts_every_position: ClassVar[bool] = False
     words: ClassVar[str] = ""  # what the samples are, in a user's words
 
     def __repr__(self) -> str:
@@ -205,6 +212,7 @@ class _Bidirectional(Samples):
     name = "bidirectional"
     attention = "bidirectional"
     window_rows = True
+    predicts_every_position = True
     words = "every position of the whole window (bidirectional: one sample per position t, S of all the window's tokens)"
 
     def queries(self, X: np.ndarray, offsets: np.ndarray, normalize: str = "none") -> Queries:
@@ -238,14 +246,16 @@ class _Bidirectional(Samples):
             w = np.asarray(weights, dtype=np.float64)
             Xw = X * w[:, None]
             xx, n = window_products(Xw, X, offsets), int((w > 0).sum())
-        out = Rows(upper=S[:, j, k], lengths=lengths, n_samples=n, xx=xx)
+        total = lengths if weights is None else np.add.reduceat(np.asarray(weights, dtype=np.float64), offsets[:-1])
+        out = Rows(upper=S[:, j, k], lengths=lengths, n_samples=n, xx=xx,
+                   token_grams=(np.einsum("i,ijk->jk", total, S), xx.sum(axis=0), S.sum(axis=0)))
         if targets is not None:
             Y = np.asarray(targets, dtype=np.float64)
             out.xy = window_products(Xw, Y, offsets)
             Yw = Y if weights is None else Y * np.asarray(weights, dtype=np.float64)[:, None]
             out.yy, out.y_sum = Yw.T @ Y, Yw.sum(axis=0)
         if weights is not None:  # windows whose every position weighs 0 add nothing
-            keep = np.flatnonzero(np.add.reduceat(np.asarray(weights, dtype=np.float64), offsets[:-1]) > 0)
+            keep = np.flatnonzero(total > 0)
             if keep.size < lengths.size:
                 out.upper, out.lengths, out.xx = out.upper[keep], lengths[keep], out.xx[keep]
                 out.xy = None if out.xy is None else out.xy[keep]
@@ -256,6 +266,8 @@ LAST: Samples = _Last()
 CAUSAL: Samples = _Causal()
 BIDIRECTIONAL: Samples = _Bidirectional()
 LAYOUTS: dict[str, Samples] = {s.name: s for s in (LAST, CAUSAL, BIDIRECTIONAL)}
+# The values of `--attention` / the files' `attention` attribute: how per-position samples are read.
+ATTENTIONS = tuple(s.attention for s in LAYOUTS.values() if s.attention is not None)
 
 
 def named(name: str) -> Samples:
@@ -266,21 +278,22 @@ def named(name: str) -> Samples:
         raise InputError(f"unknown sample layout {name!r}, expected one of {', '.join(LAYOUTS)}") from None
 
 
-def check_attention(attention: str | None, what: str = "attention") -> str | None:
-    """A valid `attention` value ("causal", "bidirectional") or None."""
+def check_attention(attention: str | None, what: str = "attention", path: Any = None) -> str | None:
+    """A valid `attention` value (`ATTENTIONS`: "causal", "bidirectional") or None; `what` and `path` name it in
+    the InputError."""
     if attention is not None and attention not in ATTENTIONS:
-        raise InputError(f"{what} is {attention!r}, expected causal or bidirectional")
+        raise InputError(f"{what} is {attention!r}, expected {' or '.join(ATTENTIONS)}", path)
     return attention
 
 
 def samples_of(per_position: bool, attention: str | None = None) -> Samples:
     """The layout of data with per-position targets or not, read with `attention` (None: causal)."""
     if not per_position:
-        if attention == "bidirectional":
-            raise InputError("attention 'bidirectional' applies to per-position samples (targets at every "
+        if attention not in (None, CAUSAL.attention):
+            raise InputError(f"attention {attention!r} applies to per-position samples (targets at every "
                              "position: per_position=True)")
         return LAST
-    return BIDIRECTIONAL if check_attention(attention) == "bidirectional" else CAUSAL
+    return LAYOUTS[check_attention(attention) or CAUSAL.name]
 
 
 def from_attrs(attrs: Any, path: Any = None) -> Samples:
@@ -291,9 +304,7 @@ def from_attrs(attrs: Any, path: Any = None) -> Samples:
     if isinstance(attention, bytes):
         attention = attention.decode()
     if attention is not None:
-        attention = str(attention)
-        if attention not in ATTENTIONS:
-            raise InputError(f"attribute 'attention' is {attention!r}, expected causal or bidirectional", path)
+        attention = check_attention(str(attention), "attribute 'attention'", path)
         if not per_position:
             raise InputError(f"attribute 'attention' is {attention!r} but 'per_position' is 0: attention applies "
                              "to per-position samples only; the file is inconsistent", path)

@@ -474,3 +474,19 @@ def test_heads_and_teachers_keep_the_attention(tmp_path: Path, capsys: pytest.Ca
     heads = Heads.load(tmp_path / "h.h5")
     res = predict_file(heads, g)
     assert res.n_scored == int(np.diff(h5py.File(g)["offsets"][()]).sum()) and res.mse < 1e-20
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf, 1e200])
+def test_bad_tokens_are_refused_even_in_a_masked_window(tmp_path: Path, bad: float) -> None:
+    """The token Grams of bidirectional rows come from the windows' S, not a pass over the tokens: NaN, Inf
+    and overflowing tokens are still refused, naming the sample, also where every position weighs 0."""
+    rng = np.random.default_rng(12)
+    X, off = windows(rng, 12, 3, 2, 6)
+    Y = rng.standard_normal((X.shape[0], 3))
+    w = np.ones(X.shape[0])
+    w[off[7]:off[8]] = 0.0  # window 7 is masked
+    X[off[7] + 1, 2] = bad
+    path = write(tmp_path / "bad.h5", tokens=X, offsets=off, targets=Y, weights=w)
+    for chunk in (4, None):
+        with pytest.raises(InputError, match="sample 7"):
+            featurize(path, chunk_size=chunk, spans="off", basis="identity")  # no basis sample read first

@@ -15,7 +15,6 @@ from ..model.compare import compare
 from ..io.tokens import inspect_tokens
 from .console import emit_json, fmt, progress_bar, say, warn
 from .options import ChunkOpt, DeviceOpt, JsonOpt, OutOpt, QuietOpt, check_hdf5_output
-from ..samples import BIDIRECTIONAL
 
 
 def predict_cmd(
@@ -60,17 +59,17 @@ def predict_cmd(
     dev = check_device(device, data)
     fn = load_function(model_path)
     info = inspect_tokens(data)
-    bidirectional = fitted_samples(fn) is BIDIRECTIONAL
+    every = fitted_samples(fn).predicts_every_position  # e.g. bidirectional: outputs at every position
     with progress_bar("predict", info.n_samples, quiet) as advance:
         res = predict_file(fn, data, output, all_positions=all_positions, chunk_size=chunk_size,
                            progress=advance, inputs=(model_path,), workers=workers, causal=causal, device=dev)
-    scored = causal or bidirectional  # per-position targets scored at every position
+    scored = causal or every  # per-position targets scored at every position
     if info.per_position and not scored:
         warn("the data have per-position targets: use --causal to score every prefix (no MSE computed)")
     say(f"wrote {output}: {res.n_samples} predictions"
         + (f", {info.n_tokens} causal outputs" if causal else "")
         + (f", {info.n_tokens} outputs at every position (bidirectional: S of the whole window)"
-           if bidirectional or all_positions else "")
+           if every or all_positions else "")
         + (f"; MSE against targets = {fmt(res.mse)} over {res.n_scored} "
            + ("positions" if scored and info.per_position else "sequences")
            + (" of weight > 0" if info.has_weights else "")

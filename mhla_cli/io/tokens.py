@@ -19,7 +19,7 @@ import numpy as np
 
 from . import formats
 from ..errors import InputError
-from ..samples import ATTENTIONS, LAST, Samples, check_attention, samples_of
+from ..samples import LAST, Samples, check_attention, samples_of
 from ..signals import check_interrupted
 
 
@@ -140,9 +140,7 @@ def _attention_attr(f: h5py.File, path: str | os.PathLike) -> str | None:
         return None
     v = f.attrs["attention"]
     v = v.decode() if isinstance(v, bytes) else str(v)
-    if v not in ATTENTIONS:
-        raise InputError(f"attribute 'attention' is {v!r}, expected causal or bidirectional", path)
-    return v
+    return check_attention(v, "attribute 'attention'", path)
 
 
 def read_as(info: TokensInfo, attention: str | None) -> TokensInfo:

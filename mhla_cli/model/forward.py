@@ -480,7 +480,8 @@ def predict_file(fn: Model | Heads, data: str | os.PathLike, out: str | os.PathL
     targets (sum w ||e||^2 / (d sum w)), or over the sequences of last-token targets. A model fitted
     on bidirectional samples (its `attention`, `fitted_samples`) writes `outputs` at every position
     with the whole window's S and scores them the same way (`causal` is then refused, and so are data
-    whose `attention` attribute says causal); `all_positions` writes those outputs for any model.
+    whose `attention` attribute says causal); `all_positions` writes those outputs for any model
+    (a model's own layout's, for a layout that `predicts_every_position`, mhla_cli.samples).
     Last-token targets with `weights` (N,) give the same weighted MSE with or without `causal`:
     sum_i w_i ||yhat_i - y_i||^2 / (d sum_i w_i) (fit's train_mse), `n_scored` = #{i: w_i > 0};
     weight-0 sequences are predicted but not scored. Without `causal`, per-position targets give no
@@ -492,16 +493,17 @@ def predict_file(fn: Model | Heads, data: str | os.PathLike, out: str | os.PathL
         raise InputError("causal and all_positions cannot be combined: causal is the masked (prefix) "
                          "output at every position, all_positions the unmasked one")
     fitted = fitted_samples(fn)
-    if causal and fitted is BIDIRECTIONAL:
-        raise InputError("the model was fitted on bidirectional samples (every position of the whole window): "
-                         "--causal would evaluate it on prefixes; its outputs at every position are written "
-                         "without --causal")
+    if causal and fitted.predicts_every_position:
+        raise InputError(f"the model was fitted on {fitted.name} samples ({fitted.words}): --causal would evaluate "
+                         "it on prefixes; its outputs at every position are written without --causal")
     _, normalize, info = _function_and_data(fn, data)
     coef, A = evaluated(fn)  # evaluated where it was solved (Model.evaluation), or the heads directly
     d = out_width(coef)
-    # the outputs at every position: of the prefixes (causal), or with the whole window's S
-    samples = CAUSAL if causal else BIDIRECTIONAL if all_positions or fitted is BIDIRECTIONAL else None
-    scored = causal or fitted is BIDIRECTIONAL  # per-position targets are scored against those outputs
+    # the outputs at every position: of the prefixes (causal), with the whole window's S (all_positions), or
+    # in the layout the model was fitted on
+    samples = (CAUSAL if causal else BIDIRECTIONAL if all_positions and not fitted.predicts_every_position
+               else fitted if fitted.predicts_every_position else None)
+    scored = causal or fitted.predicts_every_position  # per-position targets are scored against those outputs
     if info.per_position and scored:
         info = read_as(info, samples.attention)  # data marked with the other attention: refused
     elif info.per_position:

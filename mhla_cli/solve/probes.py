@@ -29,7 +29,7 @@ from .domains import Domain, get_domain
 from ..statistics.structure import Structure
 from ..statistics.stream import Features, default_chunk_size
 from ..io.tokens import TokensInfo, check_finite, check_weights, inspect_tokens, iter_chunks, read_as
-from ..samples import BIDIRECTIONAL, Samples
+from ..samples import Samples
 
 # A probe is determined when the relative component of its feature vector in gram's numerical
 # null space is at most DETERMINED_TOL (mhla_cli.numerics; the null space of the full-domain certificate).
@@ -216,14 +216,17 @@ def certify_probes(feats: Features, probes: str | os.PathLike, chunk_size: int |
 
 def probe_samples(info: TokensInfo, feats: Features) -> TokensInfo:
     """The probes file `info` read in the layout its probes have (mhla_cli.samples): its own, except for
-    bidirectional training statistics, whose outputs are at every position of a window: a per-position
-    probes file is read bidirectionally (its attribute must agree), and one without per-position data
-    gives every position of each window (per-sequence weights cannot mask positions: refused)."""
-    if feats.samples is not BIDIRECTIONAL or info.samples is BIDIRECTIONAL:
+    statistics whose model predicts every position (`Samples.predicts_every_position`: bidirectional
+    windows): a per-position probes file is read in their layout (its attribute must agree), and one
+    without per-position data gives every position of each window (per-sequence weights cannot mask
+    positions: refused)."""
+    samples = feats.samples
+    if not samples.predicts_every_position or info.samples is samples:
         return info
     if info.per_position:
-        return read_as(info, "bidirectional")
+        return read_as(info, samples.attention)
     if info.has_weights:
-        raise InputError("the statistics are of bidirectional samples (every position of a window) but the probes' "
-                         "weights are per sequence: store one weight per position to mask positions", info.path)
-    return replace(info, samples=BIDIRECTIONAL, has_targets=False)
+        raise InputError(f"the statistics are of {samples.name} samples (every position of a window) but the "
+                         "probes' weights are per sequence: store one weight per position to mask positions",
+                         info.path)
+    return replace(info, samples=samples, has_targets=False)

@@ -85,6 +85,7 @@ class _Accumulator:
         self.basis_token_gram = np.zeros((d, d))
         self.basis_last_token_gram = np.zeros((d, d))
         self._derived_token_gram = np.zeros((d, d))  # basis token Gram whose own one is derived in result()
+        self._derived_last_token_gram = np.zeros((d, d))  # the same for the query tokens' Gram
         self._inv = None if not self._transform else np.linalg.inv(self.basis)
         self.n_samples = 0
         # sum w y over the samples with targets (Features.target_sum)
@@ -106,32 +107,51 @@ class _Accumulator:
         """A reusable C-contiguous (rows, cols) float64 work array (cols = samples of the chunk)."""
         return symgram.work_array(self._bufs, name, rows, cols)
 
+    def _basis_tokens(self, tokens: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(X, X A) of a chunk's tokens, float64 (X A in a reused buffer; X itself without a basis)."""
+        X = np.asarray(tokens, dtype=np.float64)
+        if not self._transform:
+            return X, X
+        Xb = self._buf("Xb", X.shape[0], (self.d,))
+        np.matmul(X, self.basis, out=Xb)
+        return X, Xb
+
     def _tokens(self, tokens: np.ndarray, check: Callable[[float], None] | None,
                 token_weights: np.ndarray | None, last_rows: np.ndarray | None,
-                last_weights: np.ndarray | None) -> np.ndarray:
+                last_weights: np.ndarray | None, basis_tokens: tuple[np.ndarray, np.ndarray] | None = None
+                ) -> np.ndarray:
         """Add the chunk's token Grams (own and basis; weighted per token) and return X A (float64).
 
         token_gram += X^T diag(c) X (c: per-token weights, None = 1); last_token_gram += sum w x x^T
-        over the rows `last_rows` (None: every token) with weights `last_weights`.
+        over the rows `last_rows` (None: every token) with weights `last_weights`. `basis_tokens`: (X, X A)
+        already made (`_basis_tokens`).
         """
-        X = np.asarray(tokens, dtype=np.float64)
-        t = X.shape[0]
+        X = np.asarray(tokens, dtype=np.float64) if basis_tokens is None else basis_tokens[0]
         Xw = X if token_weights is None else X * token_weights[:, None]
         own = X.T @ Xw
         if check is not None:  # the diagonal bounds every squared token entry (NaN stays NaN)
             diag = np.diagonal(own) if token_weights is None else np.einsum("ij,ij->j", X, X)
             check(float(np.max(diag)) if diag.size else 0.0)
-        if self._transform:
-            Xb = self._buf("Xb", t, (self.d,))
-            np.matmul(X, self.basis, out=Xb)
-        else:
-            Xb = X
+        Xb = self._basis_tokens(X)[1] if basis_tokens is None else basis_tokens[1]
         self.token_gram += own
         self.basis_token_gram += Xb.T @ (Xb if token_weights is None else Xb * token_weights[:, None])
         for src, dst in ((X, self.last_token_gram), (Xb, self.basis_last_token_gram)):
             L = src if last_rows is None else src[last_rows]
             dst += L.T @ (L if last_weights is None else L * last_weights[:, None])
         return Xb
+
+    def _derived_grams(self, grams: tuple[np.ndarray, np.ndarray, np.ndarray],
+                       check: Callable[[float], None] | None) -> None:
+        """Add the token Grams a layout's rows carry (samples.Rows.token_grams, in the basis: sum w S, sum w x x^T
+        over the queries, and the plain sum of the tokens' x x^T, which bounds every squared token entry for
+        `check`); the own-coordinate ones are derived from them once per pass (`result`, `_from_basis`)."""
+        token_b, query_b, plain_b = grams
+        if check is not None:  # up to rounding (NaN stays NaN)
+            check(float(np.max(np.diagonal(self._from_basis(plain_b)))) * (1.0 + 1e-6))
+        self._derived_token_gram += token_b
+        self.basis_token_gram += token_b
+        self._derived_last_token_gram += query_b
+        self.basis_last_token_gram += query_b
 
     def _from_basis(self, Gb: np.ndarray) -> np.ndarray:
         """A^-T Gb A^-1: a token Gram of X A back in the tokens' own coordinates (symmetrised)."""
@@ -247,8 +267,12 @@ class _Accumulator:
         T = int(offsets[-1])
         c, query_rows, query_weights = self.samples.token_weights(offsets, weights)
         with _single_blas_thread(), np.errstate(invalid="ignore", over="ignore"):
-            Xb = self._tokens(tokens, check, c, query_rows, query_weights)
+            X, Xb = self._basis_tokens(tokens)
             rows = self.samples.rows(Xb, offsets, weights, targets)
+            if rows.token_grams is None:
+                self._tokens(X, check, c, query_rows, query_weights, (X, Xb))
+            else:  # the rows' own token Grams (a window's S): no pass over the tokens
+                self._derived_grams(rows.token_grams, check)
             upper = rows.upper
             upper *= self._scale  # canonical coordinates
             if self.normalize == "length":
@@ -343,6 +367,7 @@ class _Accumulator:
         out, self._gram = (None if self._gram is None else self._gram.result()), None
         gram_b, moments, target_gram = gram_parts(out, self.width, self.nf, self.has_targets)
         token_gram = self.token_gram + self._from_basis(self._derived_token_gram)
+        self.last_token_gram += self._from_basis(self._derived_last_token_gram)
         out = Features(d=d, n_samples=self.n_samples, n_tokens=self.n_tokens, gram=None,
                        token_gram=token_gram, last_token_gram=self.last_token_gram,
                        target_gram=target_gram, token_dtype=token_dtype,
