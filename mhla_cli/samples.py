@@ -167,8 +167,7 @@ class _Last(Samples):
 
     def queries(self, X: np.ndarray, offsets: np.ndarray, normalize: str = "none") -> Queries:
         S, last = sequence_moments(X, offsets)
-        j, k = pair_index(X.shape[1])
-        upper = S[:, j, k]
+        upper = _upper(S)
         if normalize == "length":
             upper /= self.lengths(offsets)[:, None]
         return Queries(upper, last)
@@ -217,8 +216,7 @@ class _Bidirectional(Samples):
 
     def queries(self, X: np.ndarray, offsets: np.ndarray, normalize: str = "none") -> Queries:
         S, _ = sequence_moments(X, offsets)
-        j, k = pair_index(X.shape[1])
-        upper = S[:, j, k]
+        upper = _upper(S)
         if normalize == "length":
             upper /= self.lengths(offsets)[:, None]
         lengths = np.diff(np.asarray(offsets, dtype=np.int64))
@@ -238,7 +236,6 @@ class _Bidirectional(Samples):
         X = np.asarray(X, dtype=np.float64)
         offsets = np.asarray(offsets, dtype=np.int64)
         S, _ = sequence_moments(X, offsets)
-        j, k = pair_index(X.shape[1])
         lengths = self.lengths(offsets)
         if weights is None:
             Xw, xx, n = X, S, int(X.shape[0])  # X^T W X of unit weights is S itself
@@ -247,7 +244,7 @@ class _Bidirectional(Samples):
             Xw = X * w[:, None]
             xx, n = window_products(Xw, X, offsets), int((w > 0).sum())
         total = lengths if weights is None else np.add.reduceat(np.asarray(weights, dtype=np.float64), offsets[:-1])
-        out = Rows(upper=S[:, j, k], lengths=lengths, n_samples=n, xx=xx,
+        out = Rows(upper=_upper(S), lengths=lengths, n_samples=n, xx=xx,
                    token_grams=(np.einsum("i,ijk->jk", total, S), xx.sum(axis=0), S.sum(axis=0)))
         if targets is not None:
             Y = np.asarray(targets, dtype=np.float64)
@@ -260,6 +257,14 @@ class _Bidirectional(Samples):
                 out.upper, out.lengths, out.xx = out.upper[keep], lengths[keep], out.xx[keep]
                 out.xy = None if out.xy is None else out.xy[keep]
         return out
+
+
+def _upper(S: np.ndarray) -> np.ndarray:
+    """(B, d(d+1)/2): the entries S[j, k], j <= k, of each (d, d) S in pair order (a contiguous take of the
+    flattened rows: several times faster than the fancy index S[:, j, k])."""
+    B, d = S.shape[0], S.shape[1]
+    j, k = pair_index(d)
+    return np.take(S.reshape(B, d * d), j * d + k, axis=1)
 
 
 LAST: Samples = _Last()

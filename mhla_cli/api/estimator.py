@@ -26,7 +26,7 @@ from ..errors import InputError
 from ..feature_map import check_normalize
 from ..model.forward import predict as forward_predict
 from ..model.forward import predict_samples
-from ..samples import check_attention, samples_of
+from ..samples import Samples, check_attention, samples_of
 from ..model.model import Model
 from ..solve.certificate import Certificate, certify
 from ..statistics.stream import Features, chunk_features
@@ -177,14 +177,12 @@ class MHLA:
             raise InputError(f"unknown domain {self.domain!r}, expected 'full' or 'observed'")
         check_normalize(self.normalize)
         check_attention(self.attention)
-        if self.attention is None or (self.attention == "bidirectional" and not self.per_position):
-            raise InputError(f"attention={self.attention!r}: 'causal' or 'bidirectional', and 'bidirectional' "
-                             "needs per_position=True (targets at every position)")
+        self._samples  # noqa: B018  (a per-position layout without per_position=True is refused)
         if self._auto and (isinstance(self.cv, bool) or not isinstance(self.cv, (int, np.integer)) or self.cv < 2):
             raise InputError(f"cv must be an integer >= 2 (folds for 'auto'), got {self.cv!r}")
 
     @property
-    def _samples(self) -> Any:
+    def _samples(self) -> Samples:
         """The sample layout of the parameters (mhla_cli.samples)."""
         return samples_of(bool(self.per_position), self.attention)
 
