@@ -422,8 +422,8 @@ def check_chunk(info: TokensInfo, a: int, tokens: np.ndarray, offsets: np.ndarra
         bad = not top <= MAX_TOKEN_ABS ** 2
     else:
         check_exact_ints(tokens, offsets, a, info.path)
-    if targets is not None and targets.size:
-        bad = bad or not float(np.max(np.abs(targets))) <= MAX_TARGET_ABS
+    if targets is not None and targets.size:  # max and -min: no |targets| array (per-position targets are large)
+        bad = bad or not max(float(targets.max()), -float(targets.min())) <= MAX_TARGET_ABS
     if bad:
         check_finite(tokens, offsets, targets, a, info.path)
 

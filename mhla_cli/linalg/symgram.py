@@ -211,7 +211,7 @@ class SymGram:
         s_t = np.ascontiguousarray(s_t, dtype=np.float64)
         il, im = np.triu_indices(d)  # the pair order of `_pair_products`
         Vt = self._buf("V", n_pairs(d), R)
-        np.copyto(Vt, np.asarray(xx, dtype=np.float64)[:, il, im].T)
+        np.copyto(Vt, np.take(np.asarray(xx, dtype=np.float64).reshape(R, d * d), il * d + im, axis=1).T)
         moments = None
         if self.M is not None and xy is not None:
             Zt = self._buf("Z", d * self.t, R)
