@@ -373,6 +373,9 @@ def test_the_option_the_attribute_and_the_default(tmp_path: Path, capsys: pytest
     assert a.samples is b.samples is BIDIRECTIONAL and relerr(a.gram, b.gram) < 1e-13
     with h5py.File(fa) as f:
         assert f.attrs["attention"] == "bidirectional" and f.attrs["per_position"] == 1
+    for p in (marked, fa):  # inspect says it
+        assert run(["inspect", str(p), "--json"]) == 0
+        assert json.loads(capsys.readouterr().out)["attention"] == "bidirectional"
     # no attribute and no option: causal, and the output says so (with the way to read it otherwise)
     assert run(["featurize", str(plain), "-o", str(tmp_path / "c.h5")]) == 0
     err = capsys.readouterr().err
