@@ -12,6 +12,7 @@ import numpy as np
 from ..io import formats
 from ..errors import InputError
 from ..feature_map import n_features
+from ..samples import check_attention
 from .export import load_heads
 from .heads import Heads, W_from_p, p_from_W
 from ..numerics import CANONICAL_COEF_TOL, W_COEF_TOL
@@ -143,9 +144,7 @@ def load_function(path: str | os.PathLike) -> Model | Heads:
     norm = normalize_of(fn)
     if norm not in ("none", "length"):
         raise InputError(f"attribute 'normalize' is '{norm}', expected none or length", path)
-    att = attention_of(fn)
-    if att not in (None, "causal", "bidirectional"):
-        raise InputError(f"attribute 'attention' is '{att}', expected causal or bidirectional", path)
+    check_attention(attention_of(fn), "attribute 'attention'", path)
     return fn
 
 

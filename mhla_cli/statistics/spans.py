@@ -230,6 +230,8 @@ def estimate_basis(info: TokensInfo, span: tuple[int, int] | None = None) -> np.
             X = tokens.astype(np.float64)
             top = float(np.max(X * X)) if X.size else 0.0
             check_chunk(info, a, tokens, offsets, targets, top)
+            if exact:  # weighted tokens: the weights checked as the pass checks them (one line naming the sample)
+                check_weights(weights, offsets, a, info.per_position, info.path)
             c = info.samples.token_weights(offsets, weights)[0] if exact else None
             G += X.T @ (X if c is None else X * c[:, None])
             count += X.shape[0] if c is None else float(np.sum(c))
