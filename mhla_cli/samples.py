@@ -166,10 +166,7 @@ class _Last(Samples):
     words = "last-token samples (one per sequence)"
 
     def queries(self, X: np.ndarray, offsets: np.ndarray, normalize: str = "none") -> Queries:
-        S, last = sequence_moments(X, offsets)
-        upper = _upper(S)
-        if normalize == "length":
-            upper /= self.lengths(offsets)[:, None]
+        upper, last = _windows(X, offsets, normalize)
         return Queries(upper, last)
 
     def token_weights(self, offsets: np.ndarray, weights: np.ndarray | None
@@ -215,10 +212,7 @@ class _Bidirectional(Samples):
     words = "every position of the whole window (bidirectional: one sample per position t, S of all the window's tokens)"
 
     def queries(self, X: np.ndarray, offsets: np.ndarray, normalize: str = "none") -> Queries:
-        S, _ = sequence_moments(X, offsets)
-        upper = _upper(S)
-        if normalize == "length":
-            upper /= self.lengths(offsets)[:, None]
+        upper, _ = _windows(X, offsets, normalize)
         lengths = np.diff(np.asarray(offsets, dtype=np.int64))
         return Queries(upper, np.asarray(X, dtype=np.float64), np.repeat(np.arange(lengths.size), lengths))
 
@@ -257,6 +251,16 @@ class _Bidirectional(Samples):
                 out.upper, out.lengths, out.xx = out.upper[keep], lengths[keep], out.xx[keep]
                 out.xy = None if out.xy is None else out.xy[keep]
         return out
+
+
+def _windows(X: np.ndarray, offsets: np.ndarray, normalize: str) -> tuple[np.ndarray, np.ndarray]:
+    """(the S entries of every whole sequence (B, d(d+1)/2), divided by its length with normalize="length";
+    its last tokens (B, d))."""
+    S, last = sequence_moments(X, offsets)
+    upper = _upper(S)
+    if normalize == "length":
+        upper /= np.diff(np.asarray(offsets, dtype=np.int64)).astype(np.float64)[:, None]
+    return upper, last
 
 
 def _upper(S: np.ndarray) -> np.ndarray:

@@ -8,11 +8,17 @@ from pathlib import Path
 
 import h5py
 import numpy as np
+from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 
 from _reference import canonical
 from mhla_cli.model import synthetic
 from mhla_cli.statistics.stream import chunk_features
+
+SETTINGS = settings(max_examples=30, deadline=None, derandomize=True,
+                    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+FILE_SETTINGS = settings(max_examples=8, deadline=None, derandomize=True,
+                         suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
 
 
 @dataclass
@@ -121,3 +127,74 @@ def same_certificate(a, b, rel: float = 1e-6) -> None:
     assert abs(a.lambda_max - b.lambda_max) <= rel * scale
     # lambda_min to `rel` of itself when the data certify, else to `rel` of lambda_max
     assert abs(a.lambda_min - b.lambda_min) <= rel * (abs(b.lambda_min) if b.identifiable else scale)
+
+
+def file_variants(data: Data, path: Path, tmp: Path, chunk: int, pseed: int) -> dict:
+    """The statistics of the tokens file `path` (written by `data.write`) after what cannot change the answer:
+    another order of the sequences, another chunk size, two workers, every sequence duplicated, and three
+    shards merged."""
+    from mhla_cli.statistics.merge import merge_features
+    from mhla_cli.statistics.stream import featurize
+
+    N = data.offsets.size - 1
+    variants = {
+        "order": featurize(data.write(tmp / "p.h5", order=np.random.default_rng(pseed).permutation(N)),
+                           normalize=data.normalize),
+        "chunk": featurize(path, chunk_size=chunk, normalize=data.normalize),
+        "workers": featurize(path, chunk_size=chunk, workers=2, normalize=data.normalize),
+        "duplicated": featurize(data.write(tmp / "dup.h5", order=np.repeat(np.arange(N), 2)),
+                                normalize=data.normalize),
+    }
+    parts = []
+    for i in range(3):
+        parts.append(tmp / f"s{i}.h5")
+        featurize(path, shard=(i, 3), chunk_size=chunk, normalize=data.normalize).save(parts[-1])
+    variants["shards"] = merge_features(parts).features
+    return variants
+
+
+def check_partial_fit(data: Data, cuts: list[int], scale: float = 1.0) -> None:
+    """MHLA.partial_fit over the chunks cut at `cuts` equals one fit of all the data (certificate and function);
+    `scale` != 1 squashes the first chunk along a rotated direction."""
+    from _reference import predict_own, ratio
+    from mhla_cli import MHLA
+
+    N = data.offsets.size - 1
+    tokens = data.tokens.astype(np.float64).copy()
+    first = sorted(cuts)[0]
+    if scale != 1.0:  # the first chunk squashed along a rotated direction
+        R = transform(data.d, 1.0, 5)
+        a = data.offsets[first]
+        Z = tokens[:a] @ R
+        Z[:, -1] *= scale
+        tokens[:a] = Z @ R.T
+    ts = np.asarray(data.targets)
+    kw = {"per_position": data.per_position, "normalize": data.normalize, "attention": data.attention}
+    one = MHLA(**kw).fit([tokens[a:b] for a, b in zip(data.offsets[:-1], data.offsets[1:])],
+                         _split(ts, data.offsets, data.per_position, 0, N),
+                         sample_weight=None if data.weights is None else data.weights)
+    est = MHLA(**kw)
+    bounds = [0, *sorted(c for c in cuts if c < N), N]
+    for lo, hi in zip(bounds[:-1], bounds[1:]):
+        if hi <= lo:
+            continue
+        seqs = [tokens[data.offsets[i]:data.offsets[i + 1]] for i in range(lo, hi)]
+        w = None
+        if data.weights is not None:
+            w = data.weights[data.offsets[lo]:data.offsets[hi]] if data.per_position else data.weights[lo:hi]
+            if not (w > 0).any() and est.__dict__.get("coef_") is None:
+                return  # a first chunk without samples is refused (and nothing is fitted)
+        try:
+            est.partial_fit(seqs, _split(ts, data.offsets, data.per_position, lo, hi), sample_weight=w)
+        except Exception as e:  # only a chunk whose weights are all 0 may be refused
+            assert "no sample" in str(e)
+            return
+    same_certificate(est.certificate_, one.certificate_, rel=1e-8)
+    Zs = probes(data.d, 3)
+    assert ratio(predict_own(est.coef_, Zs, data.normalize), predict_own(one.coef_, Zs, data.normalize)) < 1e-7
+
+
+def _split(y: np.ndarray, offsets: np.ndarray, per_position: bool, lo: int, hi: int):
+    if per_position:
+        return [y[offsets[i]:offsets[i + 1]] for i in range(lo, hi)]
+    return y[lo:hi]

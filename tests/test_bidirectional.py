@@ -20,9 +20,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import _reference as ref
-from _metamorphic import Data, datasets, predict_model, probes, same_certificate, transform
+from _metamorphic import (FILE_SETTINGS, SETTINGS, Data, check_partial_fit, datasets, file_variants, predict_model,
+                          probes, same_certificate, transform)
 from conftest import relerr
-from test_metamorphic import FILE_SETTINGS, SETTINGS
 from mhla_cli import MHLA
 from mhla_cli import fit as learn_fit
 from mhla_cli.cli import run
@@ -34,7 +34,6 @@ from mhla_cli.solve.certificate import certify
 from mhla_cli.solve.lstsq import fit
 from mhla_cli.solve.probes import certify_probes
 from mhla_cli.statistics.features import Features
-from mhla_cli.statistics.merge import merge_features
 from mhla_cli.statistics.stream import chunk_features, featurize
 from mhla_cli.errors import InputError
 
@@ -297,20 +296,7 @@ def test_order_chunks_shards_workers_and_duplicates_do_not_change_the_answer(
     assert abs(cert.lambda_min - w[0]) <= 1e-9 * (abs(w[0]) if cert.identifiable else w[-1])
     Zs = probes(data.d, pseed)
     fn = ref.predict_own(fit(base).coef, Zs, data.normalize)
-    N = data.offsets.size - 1
-    variants = {
-        "order": featurize(data.write(tmp / "p.h5", order=np.random.default_rng(pseed).permutation(N)),
-                           normalize=data.normalize),
-        "chunk": featurize(path, chunk_size=chunk, normalize=data.normalize),
-        "workers": featurize(path, chunk_size=chunk, workers=2, normalize=data.normalize),
-        "duplicated": featurize(data.write(tmp / "dup.h5", order=np.repeat(np.arange(N), 2)),
-                                normalize=data.normalize),
-    }
-    parts = []
-    for i in range(3):
-        parts.append(tmp / f"s{i}.h5")
-        featurize(path, shard=(i, 3), chunk_size=chunk, normalize=data.normalize).save(parts[-1])
-    variants["shards"] = merge_features(parts).features
+    variants = file_variants(data, path, tmp, chunk, pseed)
     for name, v in variants.items():
         assert v.samples is BIDIRECTIONAL, name
         same_certificate(certify(v), cert, rel=1e-8)
@@ -323,29 +309,15 @@ def test_order_chunks_shards_workers_and_duplicates_do_not_change_the_answer(
 @given(data=datasets(attention="bidirectional"), cuts=st.lists(st.integers(1, 39), min_size=1, max_size=3,
                                                                unique=True))
 def test_partial_fit_equals_the_fit_of_the_concatenation(data: Data, cuts: list[int]) -> None:
-    N = data.offsets.size - 1
-    X = data.tokens.astype(np.float64)
-    seqs = [X[a:b] for a, b in zip(data.offsets[:-1], data.offsets[1:])]
-    ys = [data.targets[a:b] for a, b in zip(data.offsets[:-1], data.offsets[1:])]
-    kw = {"per_position": True, "attention": "bidirectional", "normalize": data.normalize}
+    check_partial_fit(data, cuts)
     if data.weights is not None and not (data.weights > 0).any():
         return
-    one = MHLA(**kw).fit(seqs, ys, sample_weight=data.weights)
-    est = MHLA(**kw)
-    bounds = [0, *sorted(c for c in cuts if c < N), N]
-    for lo, hi in zip(bounds[:-1], bounds[1:]):
-        w = None if data.weights is None else data.weights[data.offsets[lo]:data.offsets[hi]]
-        try:
-            est.partial_fit(seqs[lo:hi], ys[lo:hi], sample_weight=w)
-        except InputError as e:  # only a first chunk whose weights are all 0 may be refused
-            assert "no sample" in str(e)
-            return
-    same_certificate(est.certificate_, one.certificate_, rel=1e-8)
-    Zs = probes(data.d, 3)
-    assert ref.ratio(ref.predict_own(est.coef_, Zs, data.normalize), ref.predict_own(one.coef_, Zs, data.normalize)) < 1e-7
     # predict: the output at every token, with the whole window's S
-    out = one.predict(seqs)
-    assert relerr(out, predict_samples(one.model_, X, data.offsets, BIDIRECTIONAL)) < 1e-12
+    X = data.tokens.astype(np.float64)
+    seqs = [X[a:b] for a, b in zip(data.offsets[:-1], data.offsets[1:])]
+    est = MHLA(per_position=True, attention="bidirectional", normalize=data.normalize).fit(
+        seqs, [data.targets[a:b] for a, b in zip(data.offsets[:-1], data.offsets[1:])], sample_weight=data.weights)
+    assert relerr(est.predict(seqs), predict_samples(est.model_, X, data.offsets, BIDIRECTIONAL)) < 1e-12
 
 
 # --------------------------------------------------------------------------------------------

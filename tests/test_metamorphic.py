@@ -9,27 +9,21 @@ certify, however their tokens are scaled or rotated.
 
 from __future__ import annotations
 
-from pathlib import Path
 
 import h5py
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, assume, given, settings
+from hypothesis import assume, given
 from hypothesis import strategies as st
 
-from _metamorphic import Data, datasets, predict_model, probes, same_certificate, transform
+from _metamorphic import (FILE_SETTINGS, SETTINGS, Data, check_partial_fit, datasets, file_variants, predict_model,
+                          probes, same_certificate, transform)
 from _reference import canonical, min_norm_function, predict_canonical, predict_own, ratio
-from mhla_cli import MHLA
-from mhla_cli.statistics.merge import merge_features
 from mhla_cli.solve.probes import certify_probes
 from mhla_cli.solve.certificate import certify
 from mhla_cli.solve.lstsq import fit
 from mhla_cli.statistics.stream import chunk_features, featurize
 
-SETTINGS = settings(max_examples=30, deadline=None, derandomize=True,
-                    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
-FILE_SETTINGS = settings(max_examples=8, deadline=None, derandomize=True,
-                         suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
 
 
 # --------------------------------------------------------------------------------------------
@@ -216,20 +210,7 @@ def test_order_chunks_shards_workers_and_duplicates_do_not_change_the_answer(
     assert (base.extra_attrs["basis_correction_cond"] == 1.0) == (start == "exact")
     Zs = probes(data.d, pseed)
     fn = predict_own(fit(base).coef, Zs, data.normalize)
-    N = data.offsets.size - 1
-    variants = {
-        "order": featurize(data.write(tmp / "p.h5", order=np.random.default_rng(pseed).permutation(N)),
-                           normalize=data.normalize),
-        "chunk": featurize(path, chunk_size=chunk, normalize=data.normalize),
-        "workers": featurize(path, chunk_size=chunk, workers=2, normalize=data.normalize),
-        "duplicated": featurize(data.write(tmp / "dup.h5", order=np.repeat(np.arange(N), 2)),
-                                normalize=data.normalize),
-    }
-    parts = []
-    for i in range(3):
-        parts.append(tmp / f"s{i}.h5")
-        featurize(path, shard=(i, 3), chunk_size=chunk, normalize=data.normalize).save(parts[-1])
-    variants["shards"] = merge_features(parts).features
+    variants = file_variants(data, path, tmp, chunk, pseed)
     for name, v in variants.items():
         same_certificate(certify(v), cert, rel=1e-8)
         assert ratio(predict_own(fit(v).coef, Zs, data.normalize), fn) < 1e-8, name
@@ -246,45 +227,7 @@ def test_order_chunks_shards_workers_and_duplicates_do_not_change_the_answer(
 def test_partial_fit_equals_the_fit_of_the_concatenation(data: Data, cuts: list[int], scale: float,
                                                          kernel: str) -> None:
     """Any chunking, whatever the first chunk holds (here optionally a tiny rotated direction)."""
-    N = data.offsets.size - 1
-    tokens = data.tokens.astype(np.float64).copy()
-    first = sorted(cuts)[0]
-    if scale != 1.0:  # the first chunk squashed along a rotated direction
-        R = transform(data.d, 1.0, 5)
-        a = data.offsets[first]
-        Z = tokens[:a] @ R
-        Z[:, -1] *= scale
-        tokens[:a] = Z @ R.T
-    ts = np.asarray(data.targets)
-    kw = {"per_position": data.per_position, "normalize": data.normalize}
-    one = MHLA(**kw).fit([tokens[a:b] for a, b in zip(data.offsets[:-1], data.offsets[1:])],
-                         _split(ts, data.offsets, data.per_position, 0, N),
-                         sample_weight=None if data.weights is None else data.weights)
-    est = MHLA(**kw)
-    bounds = [0, *sorted(c for c in cuts if c < N), N]
-    for lo, hi in zip(bounds[:-1], bounds[1:]):
-        if hi <= lo:
-            continue
-        seqs = [tokens[data.offsets[i]:data.offsets[i + 1]] for i in range(lo, hi)]
-        w = None
-        if data.weights is not None:
-            w = data.weights[data.offsets[lo]:data.offsets[hi]] if data.per_position else data.weights[lo:hi]
-            if not (w > 0).any() and est.__dict__.get("coef_") is None:
-                return  # a first chunk without samples is refused (and nothing is fitted)
-        try:
-            est.partial_fit(seqs, _split(ts, data.offsets, data.per_position, lo, hi), sample_weight=w)
-        except Exception as e:  # only a chunk whose weights are all 0 may be refused
-            assert "no sample" in str(e)
-            return
-    same_certificate(est.certificate_, one.certificate_, rel=1e-8)
-    Zs = probes(data.d, 3)
-    assert ratio(predict_own(est.coef_, Zs, data.normalize), predict_own(one.coef_, Zs, data.normalize)) < 1e-7
-
-
-def _split(y: np.ndarray, offsets: np.ndarray, per_position: bool, lo: int, hi: int):
-    if per_position:
-        return [y[offsets[i]:offsets[i + 1]] for i in range(lo, hi)]
-    return y[lo:hi]
+    check_partial_fit(data, cuts, scale)
 
 
 # --------------------------------------------------------------------------------------------
