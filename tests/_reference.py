@@ -2,7 +2,8 @@
 
 The canonical certificate (docs/formats.md, "The canonical certificate"): tokens whitened with
 G = sum_i w_i S_i / sum_i w_i n_i (S the sample's unnormalised X^T X, n_i its token count; for
-per-position data every prefix is a sample), features of the whitened tokens in orthonormal
+per-position data every prefix is a sample, or for bidirectional data every position with the whole
+window's S), features of the whitened tokens in orthonormal
 coordinates (sqrt 2 on S[j,k], j < k), Lambda~ = sum_i w_i Ht_i Ht_i^T / sum_i w_i.
 """
 
@@ -29,12 +30,18 @@ def canonical_features(X: np.ndarray, normalize: str = "none") -> np.ndarray:
 
 
 def samples(tokens: np.ndarray, offsets: np.ndarray, per_position: bool = False,
-            weights: np.ndarray | None = None) -> list[tuple[np.ndarray, float, int]]:
-    """Every sample as (its tokens X, its weight, its row in the targets)."""
+            weights: np.ndarray | None = None, attention: str = "causal") -> list[tuple[np.ndarray, float, int]]:
+    """Every sample as (its tokens X, its weight, its row in the targets). The features of a sample read
+    S = X^T X and the query X[-1]: a causal sample is the prefix X[:t]; a bidirectional one is the whole
+    window with position t moved last (S is a sum over the rows, so it is the window's)."""
     out = []
     row = 0
     for i, (a, b) in enumerate(zip(offsets[:-1], offsets[1:])):
-        if per_position:
+        if per_position and attention == "bidirectional":
+            for t in range(a, b):
+                X = np.concatenate([tokens[a:t], tokens[t + 1:b], tokens[t:t + 1]])
+                out.append((X, 1.0 if weights is None else float(weights[t]), t))
+        elif per_position:
             for t in range(a, b):
                 out.append((tokens[a:t + 1], 1.0 if weights is None else float(weights[t]), t))
         else:
@@ -51,14 +58,14 @@ def inv_sqrt(G: np.ndarray) -> np.ndarray:
 
 def canonical(tokens: np.ndarray, offsets: np.ndarray, targets: np.ndarray | None = None,
               per_position: bool = False, weights: np.ndarray | None = None,
-              normalize: str = "none", A: np.ndarray | None = None) -> dict[str, np.ndarray]:
+              normalize: str = "none", A: np.ndarray | None = None, attention: str = "causal") -> dict[str, np.ndarray]:
     """Lambda~, its eigenvalues, the canonical moments and the whitening A, materialised.
 
     `A` replaces the whitening where G is singular (tokens in a subspace), where the canonical basis
     is a convention (mhla keeps the unexcited directions at the scale of the largest one).
     """
     tokens = np.asarray(tokens, dtype=np.float64)
-    smp = samples(tokens, offsets, per_position, weights)
+    smp = samples(tokens, offsets, per_position, weights, attention)
     if A is None:
         G = sum(w * X.T @ X for X, w, _ in smp) / sum(w * X.shape[0] for X, w, _ in smp)
         A = inv_sqrt(G)
@@ -114,14 +121,14 @@ def teacher_p(teacher) -> np.ndarray:
 
 def observed_eigenvalues(tokens: np.ndarray, offsets: np.ndarray, A: np.ndarray, per_position: bool = False,
                          weights: np.ndarray | None = None, rel_tol: float = 1e-9,
-                         normalize: str = "none") -> tuple[np.ndarray, int, int]:
+                         normalize: str = "none", attention: str = "causal") -> tuple[np.ndarray, int, int]:
     """The observed-domain spectrum (docs/formats.md, "The observed domain"), materialised: orthonormal
     bases B, C of the whitened spans of all tokens and of the last tokens (singular values above rel_tol
     of the largest), the features upper(B^T S_A B) (sqrt 2 off the diagonal) (x) C^T A^T x_n of every
     sample of weight > 0 (S / n with normalize="length"), and the eigenvalues of sum w Ht' Ht'^T / sum w;
     with dim U and dim U_n."""
     tokens = np.asarray(tokens, dtype=np.float64)
-    smp = [(X @ A, w) for X, w, _ in samples(tokens, offsets, per_position, weights) if w > 0]
+    smp = [(X @ A, w) for X, w, _ in samples(tokens, offsets, per_position, weights, attention) if w > 0]
 
     def span(M: np.ndarray) -> np.ndarray:
         _, s, vt = np.linalg.svd(M, full_matrices=False)

@@ -26,14 +26,15 @@ from ..io.formats import value_text
 from ..errors import InputError
 from ..feature_map import check_normalize
 from ..model.forward import predict as forward_predict
-from ..model.forward import predict_causal
+from ..model.forward import predict_samples
+from ..samples import Samples, check_attention, samples_of
 from ..model.model import Model
 from ..solve.certificate import Certificate, certify
 from ..statistics.stream import Features, chunk_features
 from ..io.tokens import MAX_EXACT_INT
 
 _PARAMS = ("ridge", "heads", "nuclear", "domain", "normalize", "per_position", "weight_decay", "restarts", "seed",
-           "min_eig", "cv", "device")
+           "min_eig", "cv", "device", "attention")
 
 
 def _as_tokens(sequences: Any, offsets: Any = None, what: str = "sequences") -> tuple[np.ndarray, np.ndarray]:
@@ -129,7 +130,9 @@ class MHLA:
     Parameters: `ridge` (least-squares penalty, as `mhla fit --ridge`, or "auto" by cross-validation),
     `heads` (H: a factorised fit with H heads, or "auto" by cross-validation), `nuclear` (LAMBDA: a nuclear-norm fit, or "auto"),
     `domain` ("full" or "observed": the certificate's domain), `normalize` ("none" or "length"),
-    `per_position` (targets per token: every prefix is a sample), `weight_decay`, `restarts`, `seed`
+    `per_position` (targets per token: every position is a sample), `attention` (how per-position samples
+    read the window, mhla_cli.samples: "causal", the default, S of the prefix X[:t]; "bidirectional", S of
+    the whole window, an encoder's positions), `weight_decay`, `restarts`, `seed`
     (factorised fit), `min_eig` (certificate threshold), `cv` (folds for "auto": sample i of the
     data goes to fold i mod cv, counted across `partial_fit` calls), `device` ("cpu": numpy, the
     default; "cuda", "cuda:I" or "torch:cpu": the features, the factorization and the last-token
@@ -143,7 +146,7 @@ class MHLA:
     def __init__(self, ridge: float = 0.0, heads: int | str | None = None, nuclear: float | str | None = None,
                  domain: str = "full", normalize: str = "none", per_position: bool = False,
                  weight_decay: float = 0.0, restarts: int = 10, seed: int = 0, min_eig: float = 0.0,
-                 cv: int = 5, device: str = "cpu") -> None:
+                 cv: int = 5, device: str = "cpu", attention: str = "causal") -> None:
         given = locals()
         for name in _PARAMS:  # scikit-learn's convention: every parameter stored as given, under its name
             setattr(self, name, given[name])
@@ -185,8 +188,15 @@ class MHLA:
         if self.domain not in ("full", "observed"):
             raise InputError(f"unknown domain {value_text(self.domain)}, expected 'full' or 'observed'")
         check_normalize(self.normalize)
+        check_attention(self.attention)
+        self._samples  # noqa: B018  (a per-position layout without per_position=True is refused)
         if self._auto and (isinstance(self.cv, bool) or not isinstance(self.cv, (int, np.integer)) or self.cv < 2):
             raise InputError(f"cv must be an integer >= 2 (folds for 'auto'), got {value_text(self.cv)}")
+
+    @property
+    def _samples(self) -> Samples:
+        """The sample layout of the parameters (mhla_cli.samples)."""
+        return samples_of(bool(self.per_position), self.attention)
 
     @property
     def _auto(self) -> bool:
@@ -215,15 +225,15 @@ class MHLA:
 
         Several chunks give the same fit as one `fit` on their concatenation (the statistics are
         sums, in the whitening of all the tokens seen). Changing normalize,
-        per_position, heads/nuclear 'auto' or cv between chunks is refused: call `fit` to start over.
+        per_position, attention, heads/nuclear 'auto' or cv between chunks is refused: call `fit` to start over.
         """
         self._check_params()
         if getattr(self, "_total", None) is None:
             self._reset()
-        config = (self.normalize, bool(self.per_position), self._auto, self.cv if self._auto else None)
+        config = (self.normalize, self._samples, self._auto, self.cv if self._auto else None)
         if self._config is not None and config != self._config:
-            raise InputError("normalize, per_position, 'auto' or cv changed since the first chunk: call fit() "
-                             "to start over")
+            raise InputError("normalize, per_position, attention, 'auto' or cv changed since the first chunk: call "
+                             "fit() to start over")
         tokens, off = _as_tokens(sequences, offsets)
         d = tokens.shape[1]
         if getattr(self, "features_", None) is not None and d != self.features_.d:
@@ -258,7 +268,7 @@ class MHLA:
         """Features of the chunk, each part in its own whitening (one part; with 'auto', one part per CV
         fold: sequence i of all those seen -> fold i mod cv)."""
         kw: dict[str, Any] = {"per_position": bool(self.per_position), "normalize": self.normalize, "basis": "auto",
-                              "device": self.device}
+                              "device": self.device, "attention": self.attention if self.per_position else None}
         if not self._auto:
             return [(0, chunk_features(tokens, off, y, d, weights=w, **kw))]
         K = int(self.cv)
@@ -311,14 +321,15 @@ class MHLA:
         return model
 
     def predict(self, sequences: Any, offsets: Any = None) -> np.ndarray:
-        """Last-token outputs (N, d); with per_position=True the output at every token (T, d), each
-        the last-token output of its prefix (causal)."""
+        """Last-token outputs (N, d); with per_position=True the output at every token (T, d): the
+        last-token output of its prefix (attention="causal"), or the output there with the whole
+        window's S (attention="bidirectional")."""
         model = self._fitted()
         tokens, off = _as_tokens(sequences, offsets)
         if tokens.shape[1] != model.d:
             raise InputError(f"the sequences have d = {tokens.shape[1]} but the model has d = {model.d}")
         if self.per_position:
-            return predict_causal(model, tokens, off)
+            return predict_samples(model, tokens, off, self._samples)
         return forward_predict(model, tokens, off, device=self.device)  # type: ignore[return-value]
 
     def score(self, sequences: Any, targets: Any, offsets: Any = None, sample_weight: Any = None) -> float:

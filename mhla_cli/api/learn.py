@@ -68,14 +68,14 @@ def check_fit_targets(data: str | os.PathLike) -> None:
 
 def check_fit_file(data: str | os.PathLike, ridge: float | str = 0.0, heads: int | str | None = None,
                    nuclear: float | str | None = None, normalize: str | None = None,
-                   chunk_size: int | None = None) -> None:
+                   chunk_size: int | None = None, attention: str | None = None) -> None:
     """Refuse before any work a fit of the file `data` that cannot run: the options (`check_fit_options`),
     its memory (statistics.stream.check_solve_memory), and for 'auto' the folds it needs (a features file
     without them) and a normalisation that only a featurize with folds can apply."""
     check_fit_options(ridge, heads, nuclear)
     # 'auto': the folds' eigendecompositions need about a ridge solve's memory
     check_solve_memory(data, "fit", ridge=1.0 if ridge == "auto" else ridge,
-                       lowrank=heads is not None or nuclear is not None, chunk_size=chunk_size)
+                       lowrank=heads is not None or nuclear is not None, chunk_size=chunk_size, attention=attention)
     if needs_folds(ridge, heads, nuclear):
         if formats.kind_of(data) == "features" and load_folds(data) is None:
             raise RequestError("auto_without_folds", data)
@@ -115,6 +115,8 @@ def fit(feats: Features, ridge: float | str = 0.0, heads: int | str | None = Non
         model = lowrank.fit_model(feats, heads=heads, nuclear=nuclear, weight_decay=weight_decay,
                                   restarts=restarts, seed=seed, folds=folds)
     model.info["normalize"] = feats.normalize
+    if feats.samples.attention is not None:  # per-position samples: how they read the window
+        model.info["attention"] = feats.samples.attention
     model.info["train_r2"] = scores.train_r2(feats, model.info["train_mse"])
     if scores.targets_underflow(feats):
         model.info["targets_underflow"] = True  # fit_warnings says why the train R^2 is null
@@ -203,4 +205,6 @@ def export_heads(model: Model, tol: float = 1e-12, max_heads: int | str | None =
     else:
         heads = heads_mod.export_heads(model, tol=tol, max_heads=max_heads)
     heads.info["normalize"] = model.info.get("normalize", "none")
+    if model.info.get("attention") is not None:
+        heads.info["attention"] = model.info["attention"]
     return heads

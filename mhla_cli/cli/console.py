@@ -133,10 +133,26 @@ def fmt(x: float | None) -> str:
     return f"{x:.4g}"
 
 
+def say_samples(feats: Features, data: Path, attention: str | None, quiet: bool) -> None:
+    """Say what per-position samples were read as (nothing for last-token data), and when a tokens file
+    without an 'attention' attribute was read as causal by default, how to read it bidirectionally."""
+    if not feats.per_position:
+        return
+    from ..io import formats
+    from ..io.tokens import inspect_tokens
+
+    default = (attention is None and formats.kind_of(data) == "tokens" and inspect_tokens(data).attention is None)
+    say(f"  samples: {feats.samples.words}"
+        + ("; causal by default (the file has no 'attention' attribute): --attention bidirectional reads an "
+           "encoder's windows, every position with the whole window's S" if default else ""), quiet)
+
+
 def load_with_progress(path: Path, chunk_size: int | None, quiet: bool,
-                       normalize: str | None = None, device: str | None = None) -> tuple[Features, str, dict[str, float]]:
-    """Features of a features or tokens file (with a progress bar when featurizing), the file kind, and
-    the seconds it took ({"pass": s} when a tokens file was featurized, else {"load": s})."""
+                       normalize: str | None = None, device: str | None = None, attention: str | None = None
+                       ) -> tuple[Features, str, dict[str, float]]:
+    """Features of a features or tokens file (with a progress bar when featurizing; a tokens file's per-position
+    samples read with `attention`), the file kind, and the seconds it took ({"pass": s} when a tokens file was
+    featurized, else {"load": s}); says what the samples are (`say_samples`)."""
     from ..io import formats
     from ..statistics.stream import load_features
     from ..io.tokens import inspect_tokens
@@ -145,7 +161,9 @@ def load_with_progress(path: Path, chunk_size: int | None, quiet: bool,
     total = inspect_tokens(path).n_samples if kind == "tokens" else 0
     t = time.perf_counter()
     with progress_bar("featurize", total, quiet) as advance:
-        feats = load_features(path, chunk_size=chunk_size, normalize=normalize, progress=advance, device=device)
+        feats = load_features(path, chunk_size=chunk_size, normalize=normalize, progress=advance, device=device,
+                              attention=attention)
         if kind == "features":
             feats.expand_held()  # a compact file's Gram: expanded within the load's seconds
+    say_samples(feats, path, attention, quiet)
     return feats, kind, {"pass" if kind == "tokens" else "load": time.perf_counter() - t}

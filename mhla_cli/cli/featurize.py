@@ -15,9 +15,9 @@ from ..statistics.merge import merge_features
 from ..statistics.parallel import make_map
 from ..statistics.stream import Features, check_spans, featurize, shard_span
 from ..io.tokens import inspect_tokens
-from .console import emit_json, fmt, progress_bar, say, warn
-from .options import (ChunkOpt, DeviceOpt, JsonOpt, NormalizeOpt, OutOpt, QuietOpt, check_hdf5_output, parse_shard,
-                      require_optional)
+from .console import emit_json, fmt, progress_bar, say, say_samples, warn
+from .options import (AttentionOpt, ChunkOpt, DeviceOpt, JsonOpt, NormalizeOpt, OutOpt, QuietOpt, check_hdf5_output,
+                      parse_shard, require_optional)
 
 
 def featurize_cmd(
@@ -35,6 +35,7 @@ def featurize_cmd(
                                                   "(tcp://host:8786), a scheduler file (.json), or local / local:K "
                                                   "(needs the dask extra).")] = None,
     normalize: NormalizeOpt = None,
+    attention: AttentionOpt = None,
     spans: Annotated[Literal["auto", "on", "off"], typer.Option("--spans", help="Accumulate only the features on the data's spans "
                                        "span{S_i} (x) span{x_n} (the rest are exact nulls): auto (psi >= 2048 and "
                                        "they hold at most half the features; a cheap first pass finds them), on, off.")] = "auto",
@@ -49,8 +50,11 @@ def featurize_cmd(
 ) -> None:
     """Stream a tokens file into the feature statistics (gram, moments, ...), in float64.
 
-    Per-position data (targets (T, d), or (N, n, d) with dense tokens) are featurized causally: every
-    prefix X[:t] with weight > 0 is a sample (target y_t); optional `weights` weigh samples.
+    Per-position data (targets (T, d), or (N, n, d) with dense tokens): every position t with weight > 0
+    is a sample (target y_t), read with --attention: causal (the prefix X[:t], a decoder's), or
+    bidirectional (S of the whole window, an encoder's: at the cost of last-token data); default the
+    file's 'attention' attribute, causal without one. Optional `weights` weigh samples ((T,) or (N, n):
+    weight 0 masks a position, e.g. padding or a prompt).
 
     Memory is O(chunk + psi^2) whatever N is. For job arrays, run one --shard i/M per job and sum
     the parts with `mhla merge`.
@@ -63,10 +67,12 @@ def featurize_cmd(
     Example (a GPU): mhla featurize data.h5 -o feats.h5 --device cuda
     Example: mhla featurize data.h5 -o feats.h5 --workers 4
     Example (job array): mhla featurize data.h5 --shard 3/8 -o part_3.h5 && mhla merge part_*.h5 -o feats.h5
+    Example (an encoder's windows): mhla featurize bert_l1.h5 -o feats.h5 --attention bidirectional
     """
     if scheduler is not None and workers != 1:
         raise InputError("--workers and --scheduler cannot be combined (the Dask cluster sets the workers)")
-    parallel = {"workers": workers, "scheduler": scheduler, "normalize": check_normalize(normalize or "none")}
+    parallel = {"workers": workers, "scheduler": scheduler, "normalize": check_normalize(normalize or "none"),
+                "attention": attention}
     dev = check_device(device, data)
     if dev is not None and folds is not None:
         raise InputError("--folds runs on the CPU: featurize the folds without --device")
@@ -81,6 +87,7 @@ def featurize_cmd(
     else:
         feats.save(output, inputs=(data,), compact=compact)
     _say_featurize(feats, output, quiet)
+    say_samples(feats, data, attention, quiet)
     if json_out:
         emit_json(_featurize_record(feats, output, compact))
 
@@ -105,7 +112,7 @@ def _say_featurize(feats: Features, output: Path, quiet: bool) -> None:
     """What `mhla featurize` says of the statistics it wrote (and of a redone pass, and of the spans' block)."""
     psi = feats.n_features
     say(f"wrote {output}: d = {feats.d}, psi = {psi} features, N = {feats.n_samples} "
-        + ("positions (causal)" if feats.per_position else "samples") + f", {feats.n_tokens} tokens"
+        + ("positions" if feats.per_position else "samples") + f", {feats.n_tokens} tokens"
         + ("" if feats.has_targets else " (no targets)")
         + (", S normalised by length" if feats.normalize == "length" else ""), quiet)
     if int(feats.extra_attrs.get("basis_passes", 1)) > 1:
@@ -126,7 +133,7 @@ def _featurize_record(feats: Features, output: Path, compact: bool) -> dict[str,
             "span_features": feats.basis_gram_held.shape[0] if feats.reduced else feats.n_features,
             "span_passes": int(feats.extra_attrs.get("span_passes", 0)), "n_samples": feats.n_samples,
             "n_tokens": feats.n_tokens, "has_targets": feats.has_targets,
-            "per_position": feats.per_position, "normalize": feats.normalize,
+            "per_position": feats.per_position, "attention": feats.samples.attention, "normalize": feats.normalize,
             "n_sequences": feats.n_sequences, "basis_passes": int(feats.extra_attrs.get("basis_passes", 1)),
             "compact": compact, "sample_range": list(feats.sample_range) if feats.sample_range else None}
 

@@ -23,9 +23,9 @@ from ..model.model import Model, load_function
 from ..solve.spectrum import UnreliableHeadCount, plot_spectrum, pyplot, spectrum, text_histogram
 from ..statistics.stream import Features
 from ..io.tokens import inspect_tokens
-from .console import emit_json, fmt, load_with_progress, progress_bar, say, warn, working
-from .options import (ChunkOpt, DeviceOpt, about, JsonOpt, NormalizeOpt, OutOpt, QuietOpt, check_heads_output, check_hdf5_output,
-                      parse_auto, require_optional)
+from .console import emit_json, fmt, load_with_progress, progress_bar, say, say_samples, warn, working
+from .options import (AttentionOpt, ChunkOpt, DeviceOpt, about, JsonOpt, NormalizeOpt, OutOpt, QuietOpt, check_heads_output,
+                      check_hdf5_output, parse_auto, require_optional)
 
 
 def fit_cmd(
@@ -46,6 +46,7 @@ def fit_cmd(
                                           "(SVD of the least-squares W, then random); the best is kept.")] = 10,
     seed: Annotated[int, typer.Option("--seed", help="With --heads: seed of the random starts.")] = 0,
     normalize: NormalizeOpt = None,
+    attention: AttentionOpt = None,
     chunk_size: ChunkOpt = None,
     device: DeviceOpt = "cpu",
     json_out: JsonOpt = False,
@@ -60,6 +61,9 @@ def fit_cmd(
     Example: mhla fit feats.h5 -o model.h5 --json;  mhla fit data.h5 -o model.h5 --heads auto
 
     Example (a GPU): mhla fit feats.h5 -o model.h5 --device cuda
+
+    Example (an encoder's windows): mhla fit bert_l1.h5 -o model.h5 --attention bidirectional --ridge auto
+    (the model records the attention: `mhla predict` writes its output at every position)
     """
     check_hdf5_output(output, (data,), "a model file")
     dev = check_device(device, data)
@@ -67,8 +71,10 @@ def fit_cmd(
     h, lam = parse_auto(heads, "--heads", int), parse_auto(nuclear, "--nuclear", float)
     r = parse_auto(ridge, "--ridge", float)
     with in_flags():
-        check_fit_file(data, ridge=r, heads=h, nuclear=lam, normalize=normalize, chunk_size=chunk_size)
-    feats, fold_feats, load_seconds = _load_for_fit(data, needs_folds(r, h, lam), chunk_size, quiet, normalize, dev)
+        check_fit_file(data, ridge=r, heads=h, nuclear=lam, normalize=normalize, chunk_size=chunk_size,
+                       attention=attention)
+    feats, fold_feats, load_seconds = _load_for_fit(data, needs_folds(r, h, lam), chunk_size, quiet, normalize, dev,
+                                                    attention)
     with working(f"fit: solving on the canonical Lambda~ ({feats.n_features} features)", quiet):
         with about(data):  # e.g. a features file without targets
             model = fit(feats, ridge=r, heads=h, nuclear=lam, weight_decay=weight_decay, restarts=restarts,
@@ -105,16 +111,18 @@ def in_flags() -> Iterator[None]:
 
 
 def _load_for_fit(data: Path, folds: bool, chunk_size: int | None, quiet: bool, normalize: str | None,
-                  device: str | None) -> tuple[Features, list[Features] | None, dict[str, float]]:
+                  device: str | None, attention: str | None = None
+                  ) -> tuple[Features, list[Features] | None, dict[str, float]]:
     """The statistics of `data`, with their per-fold statistics when `folds` ('auto'), and the seconds."""
     if not folds:
-        feats, _, load_seconds = load_with_progress(data, chunk_size, quiet, normalize, device)
+        feats, _, load_seconds = load_with_progress(data, chunk_size, quiet, normalize, device, attention)
         return feats, None, load_seconds
     t0 = time.perf_counter()
     with progress_bar("featurize", inspect_tokens(data).n_samples
                       if formats.kind_of(data) == "tokens" else 0, quiet) as advance:
-        feats, fold_feats = load_for_cv(data, chunk_size=chunk_size, progress=advance)
+        feats, fold_feats = load_for_cv(data, chunk_size=chunk_size, progress=advance, attention=attention)
         feats.expand_held()
+    say_samples(feats, data, attention, quiet)
     return feats, fold_feats, {"load": time.perf_counter() - t0}
 
 

@@ -63,6 +63,14 @@ NormalizeOpt = Annotated[Normalize | None, typer.Option(
     "Example: --normalize length")]
 
 
+AttentionOpt = Annotated[Literal["causal", "bidirectional"] | None, typer.Option(
+    "--attention", help="How per-position targets are read (docs/bidirectional.md): causal, the default, a "
+    "decoder's prefixes (S of the tokens up to t); bidirectional, an encoder's positions (S of the whole window, "
+    "every position a sample). Default: the tokens file's 'attention' attribute, causal without one; an option "
+    "that contradicts the attribute is refused. Stored in the features and model files. Example: --attention "
+    "bidirectional")]
+
+
 def parse_shard(shard: str | None) -> tuple[int, int] | None:
     if shard is None:
         return None

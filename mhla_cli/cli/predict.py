@@ -9,7 +9,7 @@ import typer
 
 from ..linalg.device import check_device
 from ..errors import InputError
-from ..model.forward import predict_file, rollout_file
+from ..model.forward import fitted_samples, predict_file, rollout_file
 from ..model.model import load_function, normalize_of
 from ..model.compare import compare
 from ..io.tokens import inspect_tokens
@@ -36,7 +36,9 @@ def predict_cmd(
 ) -> None:
     """Last-token predictions (and, optionally, every position's output) of a model on a tokens file.
 
-    The model's normalisation (`--normalize` at fit time) is applied.
+    The model's normalisation (`--normalize` at fit time) is applied. A model fitted with --attention
+    bidirectional writes `outputs` (T, d) at every position (S of the whole window) and scores them
+    against per-position targets (weights per position mask positions).
 
     Weights (N,) of last-token targets weigh the MSE (fit's train_mse), with or without --causal.
     R^2 = 1 - SSE / SST over all outputs, SST about the scored targets' weighted mean (null when they
@@ -45,6 +47,8 @@ def predict_cmd(
     Example: mhla predict heads.h5 data.h5 -o pred.h5 --json --workers 2
 
     Example (autoregressive): mhla predict model.h5 ar.h5 -o pred.h5 --causal --json
+
+    Example (an encoder's windows, a bidirectional model): mhla predict model.h5 heldout.h5 -o pred.h5 --json
 
     Example (a GPU): mhla predict model.h5 data.h5 -o pred.h5 --device cuda
     """
@@ -55,15 +59,19 @@ def predict_cmd(
     dev = check_device(device, data)
     fn = load_function(model_path)
     info = inspect_tokens(data)
+    every = fitted_samples(fn).predicts_every_position  # e.g. bidirectional: outputs at every position
     with progress_bar("predict", info.n_samples, quiet) as advance:
         res = predict_file(fn, data, output, all_positions=all_positions, chunk_size=chunk_size,
                            progress=advance, inputs=(model_path,), workers=workers, causal=causal, device=dev)
-    if info.per_position and not causal:
+    scored = causal or every  # per-position targets scored at every position
+    if info.per_position and not scored:
         warn("the data have per-position targets: use --causal to score every prefix (no MSE computed)")
     say(f"wrote {output}: {res.n_samples} predictions"
         + (f", {info.n_tokens} causal outputs" if causal else "")
+        + (f", {info.n_tokens} outputs at every position (bidirectional: S of the whole window)"
+           if every or all_positions else "")
         + (f"; MSE against targets = {fmt(res.mse)} over {res.n_scored} "
-           + ("positions" if causal and info.per_position else "sequences")
+           + ("positions" if scored and info.per_position else "sequences")
            + (" of weight > 0" if info.has_weights else "")
            + (f", R^2 = {fmt(res.r2)}" if res.r2 is not None else ", R^2 undefined (constant targets)")
            if res.n_scored is not None else ""), quiet)

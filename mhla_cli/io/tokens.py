@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 import math
 import os
 import sys
@@ -20,6 +20,7 @@ import numpy as np
 
 from . import formats
 from ..errors import InputError
+from ..samples import LAST, Samples, check_attention, samples_of
 from ..signals import check_interrupted
 
 
@@ -39,13 +40,22 @@ class TokensInfo:
     dtype: str
     has_targets: bool
     seq_len: int | None  # for the dense layout
-    # Per-position (causal) data: every prefix X[:t] is a sample, targets (T, d) / (N, n, d).
-    per_position: bool = False
+    # What a sample is (mhla_cli.samples): LAST, or for per-position data (targets (T, d) / (N, n, d),
+    # weights per position) CAUSAL or BIDIRECTIONAL as the file's `attention` attribute says (causal
+    # without it; `read_as` applies an --attention option).
+    samples: Samples = LAST
     # Optional `weights`: (N,) for last-token data, (T,) or (N, n) for per-position data.
     has_weights: bool = False
     # Width of the targets when it differs from d (a head's output beside the hidden states);
     # None: the targets are d wide, or there are none (`out_dim`).
     d_out: int | None = None
+    # The file's root attribute `attention` ("causal" / "bidirectional"), None when it has none.
+    attention: str | None = None
+
+    @property
+    def per_position(self) -> bool:
+        """Targets and weights are stored per position (CAUSAL or BIDIRECTIONAL samples)."""
+        return self.samples.per_position
 
     @property
     def out_dim(self) -> int:
@@ -115,8 +125,38 @@ def _inspect_tokens_open(f: h5py.File, path: str | os.PathLike) -> TokensInfo:
     has_weights = "weights" in f
     if has_weights:
         per_position = _check_weights_shape(f["weights"], layout, N, T, seq_len, has_targets, per_position, path)
-    return TokensInfo(str(path), layout, N, d, T, str(tok.dtype), has_targets, seq_len, per_position, has_weights,
-                      d_out)
+    attention = _attention_attr(f, path)
+    if attention is not None and not per_position:
+        if (has_targets or has_weights) and N != T:
+            raise InputError(f"attribute 'attention' is {attention!r} but the targets / weights are per sequence: "
+                             "attention applies to per-position data; the file is inconsistent", path)
+        per_position = True  # no per-sequence data: every position is a sample, read as the attribute says
+    return TokensInfo(str(path), layout, N, d, T, str(tok.dtype), has_targets, seq_len,
+                      samples_of(per_position, attention), has_weights, d_out, attention)
+
+
+def _attention_attr(f: h5py.File, path: str | os.PathLike) -> str | None:
+    """The file's root attribute `attention`, validated; None when absent."""
+    if "attention" not in f.attrs:
+        return None
+    v = f.attrs["attention"]
+    v = v.decode() if isinstance(v, bytes) else str(v)
+    return check_attention(v, "attribute 'attention'", path)
+
+
+def read_as(info: TokensInfo, attention: str | None) -> TokensInfo:
+    """`info` with its per-position samples read with `attention` ("causal" / "bidirectional"; None: as the
+    file says, causal without its attribute). Refused: attention for data with one target per sequence,
+    and an attention that contradicts the file's attribute."""
+    if check_attention(attention) is None:
+        return info
+    if not info.per_position:
+        raise InputError(f"attention {attention!r} applies to per-position samples, but this file holds one "
+                         "target per sequence (last-token data)", info.path)
+    if info.attention is not None and info.attention != attention:
+        raise InputError(f"attention {attention!r} was asked but the file's attribute 'attention' is "
+                         f"{info.attention!r}", info.path)
+    return replace(info, samples=samples_of(True, attention))
 
 
 def require_square(info: TokensInfo, what: str) -> None:
@@ -396,8 +436,8 @@ def check_chunk(info: TokensInfo, a: int, tokens: np.ndarray, offsets: np.ndarra
         bad = not top <= MAX_TOKEN_ABS ** 2
     else:
         check_exact_ints(tokens, offsets, a, info.path)
-    if targets is not None and targets.size:
-        bad = bad or not float(np.max(np.abs(targets))) <= MAX_TARGET_ABS
+    if targets is not None and targets.size:  # max and -min: no |targets| array (per-position targets are large)
+        bad = bad or not max(float(targets.max()), -float(targets.min())) <= MAX_TARGET_ABS
     if bad:
         check_finite(tokens, offsets, targets, a, info.path)
 

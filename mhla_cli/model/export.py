@@ -41,6 +41,8 @@ def _metadata(heads: Heads) -> dict[str, str]:
             "normalize": str(heads.info.get("normalize", "none"))}
     if heads.d_out != heads.d:
         meta["d_out"] = str(heads.d_out)
+    if heads.info.get("attention") is not None:
+        meta["attention"] = str(heads.info["attention"])
     err = heads.info.get("relative_function_error")
     if err is not None:
         meta["relative_function_error"] = repr(float(err))
@@ -123,4 +125,6 @@ def load_heads(path: str | os.PathLike) -> Heads:
             raise InputError(f"metadata '{key}' = {meta[key]} but the arrays have {key} = {value}", path)
     if "relative_function_error" in meta:
         heads.info["relative_function_error"] = float(meta["relative_function_error"])
+    if "attention" in meta:
+        heads.info["attention"] = meta["attention"]
     return heads

@@ -22,19 +22,21 @@ from ..io import formats
 from ..linalg.backends import get_backend
 from ..linalg.device import check_device, worker_device
 from ..errors import InputError
-from ..feature_map import check_normalize, features_from_moments, pair_index
+from ..feature_map import check_normalize, features_from_moments
 from .heads import Heads
 from ..numerics import EPS
-from .model import Model, coef_of, evaluation_of, normalize_of
+from .model import Model, attention_of, coef_of, evaluation_of, normalize_of
 from ..statistics.parallel import SerialMap, ThreadMap, make_map
 from .scores import Spread
-from ..statistics.stream import default_chunk_size, prefix_moments, sequence_moments
+from ..samples import BIDIRECTIONAL, CAUSAL, LAST, Samples, samples_of
+from ..statistics.stream import default_chunk_size, sequence_moments
 from ..io.tokens import (
     TokensInfo,
     check_finite,
     check_weights,
     inspect_tokens,
     iter_chunks,
+    read_as,
     spans,
 )
 
@@ -124,39 +126,8 @@ def heads_chunk(fn: HeadsFn, tokens: np.ndarray, offsets: np.ndarray, all_positi
     qx = np.einsum("hcl,bl->bhc", Q, last, optimize=True)
     sqx = np.einsum("bjc,bhc->bhj", S, qx, optimize=True)
     pred = np.einsum("haj,bhj->ba", V, sqx, optimize=True)
-    outputs = None
-    if all_positions:
-        M = np.einsum("haj,bjc,hcl->bal", V, S, Q, optimize=True)
-        lengths = np.diff(offsets)
-        seq = np.repeat(np.arange(lengths.size), lengths)
-        outputs = np.einsum("tal,tl->ta", M[seq], np.asarray(tokens, dtype=np.float64), optimize=True)
+    outputs = sample_outputs(fn, tokens, offsets, BIDIRECTIONAL, normalize) if all_positions else None
     return pred, outputs
-
-
-def heads_causal_chunk(fn: HeadsFn, tokens: np.ndarray, offsets: np.ndarray, normalize: str = "none",
-                       progress: Callable[[int], None] | None = None) -> np.ndarray:
-    """`causal_chunk` of heads evaluated directly: out_t = sum_h V_h S_t Q_h x_t, by sequence
-    (S_t Q_h x_t = sum_{s<=t} x_s (x_s . Q_h x_t): an n x n masked score matrix per head)."""
-    V, Q = fn
-    d = Q.shape[1]
-    if tokens.shape[1] != d:
-        raise InputError(f"the model has d = {d} but the data have d = {tokens.shape[1]}")
-    offsets = np.asarray(offsets, dtype=np.int64)
-    out = np.empty((int(offsets[-1]), V.shape[1]))
-    for i in range(offsets.size - 1):
-        X = np.asarray(tokens[offsets[i]:offsets[i + 1]], dtype=np.float64)
-        n = X.shape[0]
-        mask = np.tril(np.ones((n, n)))  # [t, s]: s <= t
-        if normalize == "length":
-            mask /= np.arange(1, n + 1, dtype=np.float64)[:, None]
-        y = np.zeros((n, V.shape[1]))
-        for h in range(V.shape[0]):
-            qx = X @ Q[h].T  # row t: Q_h x_t
-            y += ((mask * (qx @ X.T)) @ X) @ V[h].T  # [t, s] = x_s . Q_h x_t
-        out[offsets[i]:offsets[i + 1]] = y
-        if progress is not None:
-            progress(i + 1)
-    return out
 
 
 def predict_chunk(coef: np.ndarray | HeadsFn, tokens: np.ndarray, offsets: np.ndarray,
@@ -173,61 +144,77 @@ def predict_chunk(coef: np.ndarray | HeadsFn, tokens: np.ndarray, offsets: np.nd
     d = coef.shape[0]
     S, last = _chunk_moments(tokens, offsets, d, normalize)
     pred = get_backend(device).last_outputs(coef, S, last)
-    outputs = None
-    if all_positions:
-        # Y_t = M_i x_t with M_i[a, l] = sum_{j<=k} p[a,(j,k,l)] S_i[j,k].
-        j, k = pair_index(d)
-        P = coef.reshape(d, j.size, d)
-        M = np.einsum("bp,apl->bal", S[:, j, k], P, optimize=True)
-        lengths = np.diff(offsets)
-        seq = np.repeat(np.arange(lengths.size), lengths)
-        X = np.asarray(tokens, dtype=np.float64)
-        outputs = np.einsum("tal,tl->ta", M[seq], X, optimize=True)
+    outputs = sample_outputs(coef, tokens, offsets, BIDIRECTIONAL, normalize) if all_positions else None
     return pred, outputs
 
 
-def causal_chunk(coef: np.ndarray, tokens: np.ndarray, offsets: np.ndarray, normalize: str = "none",
-                 progress: Callable[[int], None] | None = None) -> np.ndarray:
-    """Causal outputs (t, d) of a chunk: row t is the last-token output p . H(X[:t]) of its prefix.
+def sample_outputs(coef: np.ndarray | HeadsFn, tokens: np.ndarray, offsets: np.ndarray, samples: Samples,
+                   normalize: str = "none", progress: Callable[[int], None] | None = None) -> np.ndarray:
+    """The output at every sample of a chunk (R, d_out) for the layout `samples` (mhla_cli.samples): sample r
+    reads its (S, x) pair (`Samples.queries`) and outputs M(S) x, M(S)[a, l] = sum_{j<=k} p[a,(j,k,l)] S[j,k]
+    (heads: sum_h V_h S Q_h). CAUSAL: row t is the last-token output p . H(X[:t]) of its prefix;
+    BIDIRECTIONAL: the output at position t with the whole window's S; LAST: one row per sequence.
 
-    Computed from the running prefix Grams (stream.prefix_moments): out_t = M_t x_t with
-    M_t[a, l] = sum_{j<=k} p[a,(j,k,l)] S_t[j,k], in blocks of whole sequences (every row is its
-    own prefix's: the blocks change no value and bound the (t, d, d) work array). `progress(k)`, if
-    given, is told the number k of sequences done after each block. A HeadsFn: `heads_causal_chunk`.
-    """
-    if isinstance(coef, HeadsFn):
-        return heads_causal_chunk(coef, tokens, offsets, normalize, progress)
-    d = coef.shape[0]
+    In blocks of whole sequences (about OUTPUT_BLOCKS per chunk, at most OUTPUT_BLOCK_ROWS tokens each
+    unless one sequence is longer: every row is its own sample's, so the blocks change no value and bound
+    the (rows, d, d) work arrays). `progress(k)`, if given, is told the number k of sequences done after
+    each block."""
+    d = in_width(coef)
     if tokens.shape[1] != d:
         raise InputError(f"the model has d = {d} but the data have d = {tokens.shape[1]}")
     offsets = np.asarray(offsets, dtype=np.int64)
     B = offsets.size - 1
     npairs = d * (d + 1) // 2
-    P = np.asarray(coef, dtype=np.float64).reshape(d, npairs, d).transpose(1, 0, 2).reshape(npairs, d * d)
-    out = np.empty((int(offsets[-1]), d))
-    # about CAUSAL_BLOCKS blocks of sequences, each at most CAUSAL_BLOCK_ROWS positions (or one sequence)
-    ends = np.searchsorted(offsets, np.linspace(0, offsets[-1], CAUSAL_BLOCKS + 1)[1:-1], side="right") - 1
+    heads = isinstance(coef, HeadsFn)
+    if not heads:
+        P = np.asarray(coef, dtype=np.float64).reshape(d, npairs, d).transpose(1, 0, 2).reshape(npairs, d * d)
+    else:
+        from ..linalg.symgram import pair_positions
+
+        V, Q = coef
+        full = pair_positions(d)  # S[j, k] from its upper entries
+    outs = []
+    for s, e in _blocks(offsets):
+        r0, r1 = int(offsets[s]), int(offsets[e])
+        q = samples.queries(tokens[r0:r1], offsets[s:e + 1] - r0, normalize)
+        if heads:  # sum_h V_h (S (Q_h x)) row by row: no (rows, d_out, d) array
+            S = q.sample_upper()[:, full]
+            qx = np.einsum("hcl,rl->rhc", Q, q.x, optimize=True)
+            outs.append(np.einsum("haj,rhj->ra", V, np.einsum("rjc,rhc->rhj", S, qx, optimize=True), optimize=True))
+        else:
+            M = (q.upper @ P).reshape(-1, d, d)
+            outs.append(np.einsum("tal,tl->ta", M if q.group is None else M[q.group], q.x))
+        if progress is not None:
+            progress(e)
+    return np.concatenate(outs) if outs else np.empty((0, out_width(coef)))
+
+
+def _blocks(offsets: np.ndarray) -> list[tuple[int, int]]:
+    """`sample_outputs`'s blocks of whole sequences [s, e): about OUTPUT_BLOCKS, each at most
+    OUTPUT_BLOCK_ROWS tokens unless one sequence is longer."""
+    B = offsets.size - 1
+    ends = np.searchsorted(offsets, np.linspace(0, offsets[-1], OUTPUT_BLOCKS + 1)[1:-1], side="right") - 1
     cut = [0]
     for e in [*np.unique(ends[(ends > 0) & (ends < B)]).tolist(), B]:
-        while offsets[e] - offsets[cut[-1]] > CAUSAL_BLOCK_ROWS and cut[-1] + 1 < e:
-            nxt = int(np.searchsorted(offsets, offsets[cut[-1]] + CAUSAL_BLOCK_ROWS, side="right")) - 1
+        while offsets[e] - offsets[cut[-1]] > OUTPUT_BLOCK_ROWS and cut[-1] + 1 < e:
+            nxt = int(np.searchsorted(offsets, offsets[cut[-1]] + OUTPUT_BLOCK_ROWS, side="right")) - 1
             cut.append(max(nxt, cut[-1] + 1))
         if e > cut[-1]:
             cut.append(e)
-    for s, e in zip(cut[:-1], cut[1:]):
-        r0, r1 = int(offsets[s]), int(offsets[e])
-        upper, X = prefix_moments(tokens[r0:r1], offsets[s:e + 1] - r0, normalize)
-        M = (upper @ P).reshape(-1, d, d)
-        np.einsum("tal,tl->ta", M, X, out=out[r0:r1])
-        if progress is not None:
-            progress(e)
-    return out
+    return list(zip(cut[:-1], cut[1:]))
 
 
-# causal_chunk's blocks: about this many per chunk (a progress bar's steps), and at most this many
-# positions each unless one sequence is longer (its (rows, d, d) work array: 32 MiB at d = 16)
-CAUSAL_BLOCKS = 16
-CAUSAL_BLOCK_ROWS = 1 << 14
+def causal_chunk(coef: np.ndarray | HeadsFn, tokens: np.ndarray, offsets: np.ndarray, normalize: str = "none",
+                 progress: Callable[[int], None] | None = None) -> np.ndarray:
+    """Causal outputs (t, d) of a chunk: row t is the last-token output p . H(X[:t]) of its prefix
+    (`sample_outputs` of CAUSAL samples)."""
+    return sample_outputs(coef, tokens, offsets, CAUSAL, normalize, progress)
+
+
+# sample_outputs' blocks: about this many per chunk (a progress bar's steps), and at most this many
+# tokens each unless one sequence is longer (its (rows, d, d) work array: 32 MiB at d = 16)
+OUTPUT_BLOCKS = 16
+OUTPUT_BLOCK_ROWS = 1 << 14
 
 
 def as_ragged(tokens: np.ndarray, offsets: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
@@ -244,9 +231,24 @@ def as_ragged(tokens: np.ndarray, offsets: np.ndarray | None = None) -> tuple[np
 def predict_causal(fn: Model | Heads | np.ndarray, tokens: np.ndarray, offsets: np.ndarray | None = None
                    ) -> np.ndarray:
     """In-memory causal outputs (T, d) (tokens (N, n, d), or (T, d) with offsets); the model's normalisation."""
+    return predict_samples(fn, tokens, offsets, CAUSAL)
+
+
+def predict_samples(fn: Model | Heads | np.ndarray, tokens: np.ndarray, offsets: np.ndarray | None = None,
+                    samples: Samples | None = None) -> np.ndarray:
+    """In-memory outputs at every sample of `samples` (mhla_cli.samples; None: the layout `fn` was fitted on,
+    `fitted_samples`): (N, d) for LAST, (T, d) for CAUSAL and BIDIRECTIONAL (tokens (N, n, d), or (T, d)
+    with offsets); the model's normalisation."""
     tokens, offsets = as_ragged(tokens, offsets)
     coef, A = evaluated(fn)
-    return causal_chunk(coef, in_basis(tokens, A), offsets, normalize_of(fn))
+    return sample_outputs(coef, in_basis(tokens, A), offsets, samples or fitted_samples(fn), normalize_of(fn))
+
+
+def fitted_samples(fn: Model | Heads | np.ndarray) -> Samples:
+    """The layout a model or heads were fitted on, as their `attention` records it: BIDIRECTIONAL or CAUSAL
+    for per-position fits, LAST otherwise (files without it)."""
+    att = attention_of(fn)
+    return LAST if att is None else samples_of(True, att)
 
 
 def predict(fn: Model | Heads | np.ndarray, tokens: np.ndarray, offsets: np.ndarray | None = None,
@@ -274,16 +276,18 @@ def scored(pred: np.ndarray, targets: np.ndarray, weights: np.ndarray | None) ->
     return count, Spread.of(targets, weights, err=np.asarray(pred, dtype=np.float64) - targets)
 
 
-def causal_span(coef: np.ndarray, info: Any, normalize: str, span: tuple[int, int],
-                progress: Callable[[int], None] | None = None, basis: np.ndarray | None = None
-                ) -> tuple[np.ndarray, np.ndarray, np.ndarray, int, Spread]:
-    """Causal predictions of samples [lo, hi): (pred (B, d), outputs (t, d), offsets, count, the scored
-    targets' Spread: their weight, spread and weighted SSE, for the MSE and R^2).
+def positions_span(coef: np.ndarray | HeadsFn, info: Any, samples: Samples, normalize: str, span: tuple[int, int],
+                   progress: Callable[[int], None] | None = None, basis: np.ndarray | None = None
+                   ) -> tuple[np.ndarray, np.ndarray, np.ndarray, int, Spread]:
+    """Outputs at every position of samples [lo, hi) in the layout `samples` (CAUSAL or BIDIRECTIONAL:
+    `sample_outputs`): (pred (B, d), outputs (t, d), offsets, count, the scored targets' Spread: their
+    weight, spread and weighted SSE, for the MSE and R^2). pred is the output at each sequence's last
+    position (its last-token output in either layout).
 
     The SSE is sum_t w_t ||out_t - y_t||^2 over positions with w_t > 0 (per-position targets) or
     over sequences (last-token targets, pred vs y); count is the number of those samples, weight
     the sum of their weights. `basis`: the tokens X basis are evaluated (Model.evaluation).
-    `progress(n)`, if given, is told the sequences done as the blocks of `causal_chunk` finish (they
+    `progress(n)`, if given, is told the sequences done as the blocks of `sample_outputs` finish (they
     sum to hi - lo).
     """
     done = [0]
@@ -292,20 +296,26 @@ def causal_span(coef: np.ndarray, info: Any, normalize: str, span: tuple[int, in
         progress(k - done[0])  # type: ignore[misc]
         done[0] = k
 
-
     lo, hi = span
     for a, _b, tokens, offsets, targets, weights in iter_chunks(info, (lo, hi), hi - lo, prefetch=False,
                                                                 with_weights=True):
         check_finite(tokens, offsets, targets, a, info.path)
         check_weights(weights, offsets, a, info.per_position, info.path)
-        outputs = causal_chunk(coef, in_basis(tokens, basis), offsets, normalize,
-                               progress=None if progress is None else step)
+        outputs = sample_outputs(coef, in_basis(tokens, basis), offsets, samples, normalize,
+                                 progress=None if progress is None else step)
         pred = outputs[offsets[1:] - 1]
         count, spread = 0, Spread()
         if targets is not None:
             count, spread = scored((outputs if info.per_position else pred), targets, weights)
         return pred, outputs, offsets.copy(), count, spread
     raise ValueError("empty span")
+
+
+def causal_span(coef: np.ndarray | HeadsFn, info: Any, normalize: str, span: tuple[int, int],
+                progress: Callable[[int], None] | None = None, basis: np.ndarray | None = None
+                ) -> tuple[np.ndarray, np.ndarray, np.ndarray, int, Spread]:
+    """`positions_span` of CAUSAL samples (the prefix outputs of `predict --causal`)."""
+    return positions_span(coef, info, CAUSAL, normalize, span, progress, basis)
 
 
 def _one_at_a_time(progress: Callable[[int], None]) -> Callable[[int], None]:
@@ -417,20 +427,21 @@ def _predict_spans(task: Callable[[tuple[int, int]], tuple], todo: list[tuple[in
     return count, spread
 
 
-def _span_task(coef: np.ndarray | HeadsFn, info: TokensInfo, pmap: Any, normalize: str, all_positions: bool,
-               causal: bool, device: str | None, basis: np.ndarray | None,
+def _span_task(coef: np.ndarray | HeadsFn, info: TokensInfo, pmap: Any, normalize: str, samples: Samples | None,
+               device: str | None, basis: np.ndarray | None,
                progress: Callable[[int], None] | None) -> tuple[Callable[[tuple[int, int]], tuple], bool]:
-    """The per-span task of `predict_file` under `pmap`, and whether it tells `progress` itself (its
-    blocks as they finish) rather than `_predict_spans` each span as it comes back."""
+    """The per-span task of `predict_file` under `pmap` (outputs at every position of `samples`, or None:
+    the last-token predictions only), and whether it tells `progress` itself (its blocks as they finish)
+    rather than `_predict_spans` each span as it comes back."""
     # workers open the file themselves: give them an absolute path
     winfo = info if pmap.n_workers == 1 else dataclasses.replace(info, path=os.path.abspath(info.path))
-    if not causal:
-        return partial(predict_span, coef, winfo, all_positions, normalize=normalize, device=device, basis=basis), False
-    # causal outputs take long per span: in this process (serial or threads; `progress` None for a caller's
-    # map) each span tells its blocks as they finish, one call at a time
+    if samples is None:
+        return partial(predict_span, coef, winfo, False, normalize=normalize, device=device, basis=basis), False
+    # outputs at every position take long per span: in this process (serial or threads; `progress` None
+    # for a caller's map) each span tells its blocks as they finish, one call at a time
     ticks = progress is not None and isinstance(pmap, (SerialMap, ThreadMap))
-    return partial(causal_span, coef, winfo, normalize, progress=_one_at_a_time(progress) if ticks else None,
-                   basis=basis), ticks
+    return partial(positions_span, coef, winfo, samples, normalize,
+                   progress=_one_at_a_time(progress) if ticks else None, basis=basis), ticks
 
 
 def _write_predictions(out: str | os.PathLike, inputs: tuple[str | os.PathLike, ...], meta: dict[str, Any],
@@ -462,7 +473,11 @@ def predict_file(fn: Model | Heads, data: str | os.PathLike, out: str | os.PathL
 
     `causal`: `outputs` (T, d) holds the last-token output of every prefix X[:t] and `predictions`
     the one of every whole sequence; the MSE is over the weighted positions of per-position
-    targets (sum w ||e||^2 / (d sum w)), or over the sequences of last-token targets.
+    targets (sum w ||e||^2 / (d sum w)), or over the sequences of last-token targets. A model fitted
+    on bidirectional samples (its `attention`, `fitted_samples`) writes `outputs` at every position
+    with the whole window's S and scores them the same way (`causal` is then refused, and so are data
+    whose `attention` attribute says causal); `all_positions` writes those outputs for any model
+    (a model's own layout's, for a layout that `predicts_every_position`, mhla_cli.samples).
     Last-token targets with `weights` (N,) give the same weighted MSE with or without `causal`:
     sum_i w_i ||yhat_i - y_i||^2 / (d sum_i w_i) (fit's train_mse), `n_scored` = #{i: w_i > 0};
     weight-0 sequences are predicted but not scored. Without `causal`, per-position targets give no
@@ -473,25 +488,38 @@ def predict_file(fn: Model | Heads, data: str | os.PathLike, out: str | os.PathL
     if all_positions and causal:
         raise InputError("causal and all_positions cannot be combined: causal is the masked (prefix) "
                          "output at every position, all_positions the unmasked one")
+    fitted = fitted_samples(fn)
+    if causal and fitted.predicts_every_position:
+        raise InputError(f"the model was fitted on {fitted.name} samples ({fitted.words}): --causal would evaluate "
+                         "it on prefixes; its outputs at every position are written without --causal")
     _, normalize, info = _function_and_data(fn, data)
     coef, A = evaluated(fn)  # evaluated where it was solved (Model.evaluation), or the heads directly
     d = out_width(coef)
-    if info.per_position and not causal:
+    # the outputs at every position: of the prefixes (causal), with the whole window's S (all_positions), or
+    # in the layout the model was fitted on
+    samples = (CAUSAL if causal else BIDIRECTIONAL if all_positions and not fitted.predicts_every_position
+               else fitted if fitted.predicts_every_position else None)
+    scored = causal or fitted.predicts_every_position  # per-position targets are scored against those outputs
+    if info.per_position and scored:
+        info = read_as(info, samples.attention)  # data marked with the other attention: refused
+    elif info.per_position:
         info = dataclasses.replace(info, has_targets=False)  # per-position targets: no per-sequence MSE
     if isinstance(coef, HeadsFn):
         device = None  # heads evaluated directly run on the CPU
     todo = spans(0, info.n_samples, _predict_chunk_size(coef, info, chunk_size))
-    with_outputs = all_positions or causal
+    with_outputs = samples is not None
 
     def run(target: h5py.File | None) -> tuple[tuple[Any, Any, Any], tuple[int, Spread]]:
         sinks = _sinks(target, info, d, with_outputs)
         with make_map(workers=workers, map=map) as pmap:
-            task, ticks = _span_task(coef, info, pmap, normalize, all_positions, causal, device, A,
+            task, ticks = _span_task(coef, info, pmap, normalize, samples, device, A,
                                      progress if map is None else None)
             return sinks, _predict_spans(task, todo, pmap, sinks, None if ticks else progress)
 
     if out is not None:
         meta = {"d": d, "n_samples": info.n_samples, "normalize": normalize, "causal": int(causal)}
+        if samples is not None:
+            meta["attention"] = samples.attention  # what the outputs at every position are
         _, (count, spread) = _write_predictions(out, (data, *inputs), meta, run)
         result = Predictions(info.n_samples, d, normalize)
     else:

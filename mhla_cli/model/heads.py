@@ -117,7 +117,7 @@ class Heads(HeadShapes):
         attrs = {"d": self.d, "n_heads": self.n_heads}
         if self.d_out != self.d:
             attrs["d_out"] = self.d_out
-        for k in ("relative_function_error", "tol", "max_heads", "normalize", "unreduced"):
+        for k in ("relative_function_error", "tol", "max_heads", "normalize", "unreduced", "attention"):
             if self.info.get(k) is not None:
                 attrs[k] = self.info[k]
         formats.write_file(path, "heads", {"V": self.V, "Q": self.Q}, attrs, inputs)
@@ -130,7 +130,11 @@ class Heads(HeadShapes):
             V = formats.read_array(f, "V", path).astype(np.float64)
             Q = formats.read_array(f, "Q", path).astype(np.float64)
             normalize = formats.read_normalize(f, path)
-        return cls.from_arrays(V, Q, normalize, path)
+            attention = f.attrs.get("attention")
+        heads = cls.from_arrays(V, Q, normalize, path)
+        if attention is not None:  # the per-position samples fitted on (mhla_cli.samples)
+            heads.info["attention"] = attention.decode() if isinstance(attention, bytes) else str(attention)
+        return heads
 
     @classmethod
     def from_arrays(cls, V: Any, Q: Any, normalize: str = "none", path: str | os.PathLike | None = None) -> Heads:

@@ -12,6 +12,7 @@ import numpy as np
 from ..io import formats
 from ..errors import InputError
 from ..feature_map import n_features
+from ..samples import check_attention
 from .export import load_heads
 from .heads import Heads, W_from_p, p_from_W
 from ..numerics import CANONICAL_COEF_TOL, SINGULAR_BASIS_COND, W_COEF_TOL
@@ -19,7 +20,7 @@ from ..numerics import CANONICAL_COEF_TOL, SINGULAR_BASIS_COND, W_COEF_TOL
 
 # Fit results kept as attributes of a model file.
 _SAVED_INFO = ("ridge", "train_mse", "train_r2", "lambda_min", "identifiable", "condition_number", "n_samples", "method",
-               "n_heads", "weight_decay", "nuclear_lambda", "objective", "normalize")
+               "n_heads", "weight_decay", "nuclear_lambda", "objective", "normalize", "attention")
 
 
 @dataclass
@@ -171,6 +172,7 @@ def load_function(path: str | os.PathLike) -> Model | Heads:
     norm = normalize_of(fn)
     if norm not in ("none", "length"):
         raise InputError(f"attribute 'normalize' is '{norm}', expected none or length", path)
+    check_attention(attention_of(fn), "attribute 'attention'", path)
     return fn
 
 
@@ -186,6 +188,15 @@ def coef_of(fn: Model | Heads | np.ndarray) -> np.ndarray:
     if isinstance(fn, np.ndarray):
         return np.asarray(fn, dtype=np.float64)
     return fn.coef
+
+
+def attention_of(fn: Model | Heads | np.ndarray) -> str | None:
+    """The attention of the per-position samples a model or heads were fitted on ("causal" or
+    "bidirectional", mhla_cli.samples); None for last-token fits and files that do not record it."""
+    if isinstance(fn, np.ndarray):
+        return None
+    att = fn.info.get("attention")
+    return None if att is None else str(att.decode() if isinstance(att, bytes) else att)
 
 
 def normalize_of(fn: Model | Heads | np.ndarray) -> str:

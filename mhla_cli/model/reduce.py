@@ -182,6 +182,8 @@ def apply_reduction(red: Reduction, data: str | os.PathLike, out: str | os.PathL
     with formats.atomic_path(o) as tmp:
         with formats.create_output(tmp) as fout, formats.open_input(data) as fin:
             _write_maps(fout, red, inputs, data)
+            if info.attention is not None:  # how the per-position samples read the window: kept
+                fout.attrs["attention"] = info.attention
             n = int(info.seq_len) if dense else 0
             dt = fout.create_dataset("tokens", (N, n, d) if dense else (T, d), dtype="f8")
             dy = None

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -35,8 +35,9 @@ from ..feature_map import n_features
 from ..numerics import EPS, UNRESOLVED_PROBE_FACTOR, numerical_tolerance
 from .domains import Domain, get_domain
 from ..statistics.structure import Structure
-from ..statistics.stream import Features, default_chunk_size, sample_rows
-from ..io.tokens import check_finite, check_weights, inspect_tokens, iter_chunks
+from ..statistics.stream import Features, default_chunk_size
+from ..io.tokens import TokensInfo, check_finite, check_weights, inspect_tokens, iter_chunks, read_as
+from ..samples import Samples
 
 # A probe is determined when the relative component of its feature vector in gram's numerical
 # null space is at most DETERMINED_TOL (mhla_cli.numerics; the null space of the full-domain certificate).
@@ -104,13 +105,12 @@ def unresolved_tokens(ns: NullSpace, tokens: np.ndarray, tokens_b: np.ndarray) -
     return comp > UNRESOLVED_PROBE_FACTOR * bound
 
 
-def _per_sample(flags: np.ndarray, offsets: np.ndarray, per_position: bool) -> np.ndarray:
-    """Token flags -> per sample: any token of the sequence, or of the prefix X[:t+1] (per position)."""
-    counts = np.cumsum(flags.astype(np.int64))
-    before = np.concatenate([[0], counts])[offsets[:-1]]  # flagged tokens before each sequence
-    if per_position:
-        return (counts - np.repeat(before, np.diff(offsets))) > 0
-    return (counts[offsets[1:] - 1] - before) > 0
+def _per_sample(flags: np.ndarray, offsets: np.ndarray, samples: Samples) -> np.ndarray:
+    """Token flags -> per sample: a sample is flagged when a flagged token is among those its S sums
+    (the sequence, the prefix X[:t+1] or the whole window, as the layout says): the layout's own S of the
+    flags as a 1-wide token is their count there."""
+    q = samples.queries(flags.astype(np.float64)[:, None], offsets)
+    return q.sample_upper()[:, 0] > 0
 
 
 def probe_residuals(ns: NullSpace, upper: np.ndarray, last: np.ndarray) -> np.ndarray:
@@ -160,7 +160,7 @@ class ProbeReport:
     threshold: float
     lambda_max: float
     normalize: str
-    per_position: bool
+    samples: Samples  # the probes' layout (mhla_cli.samples)
     tol: float = DETERMINED_TOL
     info: dict[str, Any] = field(default_factory=dict)
     # per probe: its tokens touch token directions float64 does not resolve in the data (module
@@ -172,6 +172,10 @@ class ProbeReport:
     def unresolvable(self) -> np.ndarray:
         """Indices of the probes not resolvable in float64 (also in `undetermined`)."""
         return np.zeros(0, dtype=np.int64) if self.unresolved is None else np.flatnonzero(self.unresolved)
+
+    @property
+    def per_position(self) -> bool:
+        return self.samples.per_position
 
     @property
     def undetermined(self) -> np.ndarray:
@@ -194,7 +198,7 @@ class ProbeReport:
         return {"determined": self.determined, "n_probes": self.n_probes, "n_undetermined": int(und.size),
                 "tol": self.tol, "max_residual": float(self.residual.max()) if self.residual.size else 0.0,
                 "null_dim": self.null_dim, "threshold": self.threshold, "lambda_max": self.lambda_max,
-                "normalize": self.normalize, "per_position": self.per_position,
+                "normalize": self.normalize, "per_position": self.per_position, "attention": self.samples.attention,
                 "first_undetermined": [int(i) for i in und[:10]],
                 "n_unresolvable": int(self.unresolvable.size), "unresolved_token_directions": self.unresolved_dim,
                 "first_unresolvable": [int(i) for i in self.unresolvable[:10]]}
@@ -203,7 +207,7 @@ class ProbeReport:
         """Write the report (kind "probes") atomically."""
         attrs = {"n_probes": self.n_probes, "n_undetermined": int(self.undetermined.size),
                  "determined": int(self.determined), "tol": self.tol, "null_dim": self.null_dim,
-                 "threshold": self.threshold, "normalize": self.normalize, "per_position": int(self.per_position),
+                 "threshold": self.threshold, "normalize": self.normalize, **self.samples.attrs(),
                  "n_unresolvable": int(self.unresolvable.size), "unresolved_token_directions": self.unresolved_dim}
         formats.write_file(path, "probes", {"residual": self.residual, "undetermined": self.undetermined,
                                             "unresolvable": self.unresolvable, "sequence": self.sequence,
@@ -215,12 +219,13 @@ def certify_probes(feats: Features, probes: str | os.PathLike, chunk_size: int |
     """Test every probe of the tokens file `probes` against the training statistics `feats`.
 
     Probes are the sequences (last token) of the file, or every position with weight > 0 of
-    per-position data (targets (T, d) / weights per position); their features use the training
-    normalisation (feats.normalize). Streamed in chunks; memory O(chunk + psi^2). `domain`: the
+    per-position data (targets (T, d) / weights per position; `probe_samples`); their features use
+    the training normalisation (feats.normalize). Streamed in chunks; memory O(chunk + psi^2). `domain`: the
     certificate domain whose null space is used (`null_space`); every domain gives the same verdict
     in exact arithmetic (a probe outside the domain is undetermined along the directions it leaves).
     """
-    info = inspect_tokens(probes)
+    info = probe_samples(inspect_tokens(probes), feats)
+    samples = info.samples
     if info.d != feats.d:
         raise InputError(f"the probes have d = {info.d} but the training data have d = {feats.d}", probes)
     ns = null_space(feats, domain)
@@ -234,11 +239,11 @@ def certify_probes(feats: Features, probes: str | os.PathLike, chunk_size: int |
             raw = np.asarray(tokens, dtype=np.float64)
             tokens = raw @ ns.token_basis
             flags = unresolved_tokens(ns, raw, tokens)
-            upper, last = sample_rows(tokens, offsets, info.per_position, feats.normalize)
-            upper *= pair_scale(feats.d)
-        flagged = None if flags is None else _per_sample(flags, offsets, info.per_position)
+            q = samples.queries(tokens, offsets, feats.normalize)
+            upper, last = q.sample_upper() * pair_scale(feats.d), q.x
+        flagged = None if flags is None else _per_sample(flags, offsets, samples)
         lengths = np.diff(offsets)
-        if info.per_position:
+        if samples.per_position:
             seq = np.repeat(np.arange(a, b), lengths)
             pos = np.arange(int(offsets[-1])) - np.repeat(offsets[:-1], lengths)
         else:
@@ -262,8 +267,26 @@ def certify_probes(feats: Features, probes: str | os.PathLike, chunk_size: int |
     if not res or sum(x.size for x in res) == 0:
         raise InputError("has no probe: every weight is 0", probes)
     return ProbeReport(residual=np.concatenate(res), sequence=np.concatenate(seqs).astype(np.int64),
-                       position=np.concatenate(poss).astype(np.int64) if info.per_position else None,
+                       position=np.concatenate(poss).astype(np.int64) if samples.per_position else None,
                        null_dim=ns.dim, threshold=ns.threshold, lambda_max=ns.lambda_max,
-                       normalize=feats.normalize, per_position=info.per_position,
+                       normalize=feats.normalize, samples=samples,
                        unresolved=np.concatenate(unres) if unres else None,
                        unresolved_dim=int(ns.unresolved.shape[1]) if ns.unresolved is not None else 0)
+
+
+def probe_samples(info: TokensInfo, feats: Features) -> TokensInfo:
+    """The probes file `info` read in the layout its probes have (mhla_cli.samples): its own, except for
+    statistics whose model predicts every position (`Samples.predicts_every_position`: bidirectional
+    windows): a per-position probes file is read in their layout (its attribute must agree), and one
+    without per-position data gives every position of each window (per-sequence weights cannot mask
+    positions: refused)."""
+    samples = feats.samples
+    if not samples.predicts_every_position or info.samples is samples:
+        return info
+    if info.per_position:
+        return read_as(info, samples.attention)
+    if info.has_weights:
+        raise InputError(f"the statistics are of {samples.name} samples (every position of a window) but the "
+                         "probes' weights are per sequence: store one weight per position to mask positions",
+                         info.path)
+    return replace(info, samples=samples, has_targets=False)

@@ -115,7 +115,7 @@ class FeaturesAlgebra:
         self.expand()
         part.expand()
         out = type(self)(d=self.d, n_samples=self.n_samples - part.n_samples, n_tokens=self.n_tokens - part.n_tokens,
-                         token_dtype=self.token_dtype, normalize=self.normalize, per_position=self.per_position,
+                         token_dtype=self.token_dtype, normalize=self.normalize, samples=self.samples,
                          weight_sum=self.weight - part.weight, token_weight_sum=self.token_weight - part.token_weight,
                          **{k: None if getattr(self, k) is None else getattr(self, k) - getattr(part, k)
                             for k in self.SUMS})
@@ -132,7 +132,7 @@ class FeaturesAlgebra:
     def __add__(self, other: Features) -> Features:
         total = type(self).zeros(self.d, self.has_targets,
                                  self.token_dtype if self.token_dtype == other.token_dtype else "float64")
-        total.normalize, total.per_position = self.normalize, self.per_position
+        total.normalize, total.samples = self.normalize, self.samples
         total.n_sequences = 0 if self.n_sequences is not None and other.n_sequences is not None else None
         add_into(total, self)
         add_into(total, other)
@@ -201,8 +201,9 @@ def _check_addable(acc: Features, part: Features) -> None:
     if part.normalize != acc.normalize:
         raise InputError(f"cannot add statistics with different normalisations ({acc.normalize} and "
                          f"{part.normalize}): featurize every part with the same normalisation")
-    if part.per_position != acc.per_position:
-        raise InputError("cannot add per-position (causal) statistics to last-token statistics")
+    if part.samples is not acc.samples:
+        raise InputError(f"cannot add statistics of {part.samples.name} samples to statistics of {acc.samples.name} "
+                         "samples: featurize every part with the same --attention (and per-position targets or not)")
 
 
 def _adopt_basis(acc: Features, part: Features) -> None:

@@ -28,6 +28,7 @@ from ..io import formats
 from ..errors import InputError
 from ..feature_map import n_features
 from ..linalg import symgram
+from ..samples import LAST, Samples
 from . import features_file
 from .algebra import FeaturesAlgebra
 from .features_file import _DERIVED, FeaturesFile, StoredGram
@@ -100,8 +101,9 @@ class Features(FeaturesAlgebra, FeaturesFile):
     basis_moments: np.ndarray | None = None
     basis_token_gram: np.ndarray | None = None
     basis_last_token_gram: np.ndarray | None = None
-    # Causal mode: every weighted prefix X[:t] was a sample (docs/tokens.md, "Per-position data").
-    per_position: bool = False
+    # What a sample was (mhla_cli.samples): LAST, CAUSAL (every weighted prefix X[:t]) or BIDIRECTIONAL
+    # (every weighted position, S of the whole window); docs/tokens.md, "Per-position data".
+    samples: Samples = LAST
     # "none", or "length": S divided by the number of tokens of the prefix / sequence.
     normalize: str = "none"
     # Sequences read (the unit of sample ranges and shards); None when unknown (older files).
@@ -138,9 +140,14 @@ class Features(FeaturesAlgebra, FeaturesFile):
     def n_features(self) -> int:
         return n_features(self.d)
 
+    @property
+    def per_position(self) -> bool:
+        """The samples were positions (CAUSAL or BIDIRECTIONAL), not sequences."""
+        return self.samples.per_position
+
     def __repr__(self) -> str:  # the shapes and counts, not the psi x psi sums
         return (f"Features(d={self.d}, n_features={self.n_features}, n_samples={self.n_samples}, "
-                f"n_tokens={self.n_tokens}, per_position={self.per_position}, normalize={self.normalize!r}, "
+                f"n_tokens={self.n_tokens}, samples={self.samples.name!r}, normalize={self.normalize!r}, "
                 f"targets={self.moments is not None or self.basis_moments is not None})")
 
     @property
@@ -225,7 +232,7 @@ class Features(FeaturesAlgebra, FeaturesFile):
         arrays["gram"] = np.array(raw) if isinstance(raw, np.ndarray) else raw  # a lazy gram stays lazy
         return Features(d=self.d, n_samples=self.n_samples, n_tokens=self.n_tokens, token_dtype=self.token_dtype,
                         sample_range=self.sample_range, source=self.source, extra_attrs=dict(self.extra_attrs),
-                        per_position=self.per_position, normalize=self.normalize, n_sequences=self.n_sequences,
+                        samples=self.samples, normalize=self.normalize, n_sequences=self.n_sequences,
                         target_sum=None if self.target_sum is None else np.array(self.target_sum),
                         weight_sum=self.weight_sum,
                         token_weight_sum=self.token_weight_sum, **arrays)

@@ -26,6 +26,7 @@ from ..errors import InputError
 from ..feature_map import n_features
 from ..numerics import ORTHONORMAL_TOL, SINGULAR_BASIS_COND, SYMMETRY_TOL
 from ..io.formats import read_normalize
+from ..samples import from_attrs
 
 # The sums on the tokens' own features (datasets of docs/formats_features.md), and those in the basis.
 SUMS = ("gram", "moments", "target_gram", "token_gram", "last_token_gram")
@@ -110,7 +111,7 @@ class FeaturesFile:
         if self.source is not None:
             attrs["source"] = json.dumps(self.source)
         attrs["normalize"] = self.normalize
-        attrs["per_position"] = int(self.per_position)
+        attrs.update(self.samples.attrs())  # per_position, and attention for per-position samples
         if self.n_sequences is not None:
             attrs["n_sequences"] = int(self.n_sequences)
         attrs.update(self.extra_attrs)
@@ -155,10 +156,10 @@ class FeaturesFile:
             dtype = f.attrs.get("token_dtype", "float64")
             dtype = dtype.decode() if isinstance(dtype, bytes) else str(dtype)
             normalize = read_normalize(f, path)
-            per_position = bool(int(f.attrs.get("per_position", 0)))
+            samples = from_attrs(f.attrs, path)
             n_seq = int(f.attrs["n_sequences"]) if "n_sequences" in f.attrs else None
             t_sum = _load_target_sum(f, path, d) if has_targets else None
-            weights = _load_weights(f, path, n, t, per_position, n_seq)
+            weights = _load_weights(f, path, n, t, samples.per_position, n_seq)
             extra = {}
             for k in EXTRA_ATTRS:
                 if k in f.attrs:
@@ -166,7 +167,7 @@ class FeaturesFile:
                     extra[k] = v.decode() if isinstance(v, bytes) else (v.item() if hasattr(v, "item") else v)
         return cls(d=d, n_samples=n, n_tokens=t, gram=gram, token_gram=tg, last_token_gram=lg,
                    moments=moments, target_gram=target_gram, token_dtype=dtype, sample_range=rng,
-                   source=source, extra_attrs=extra, per_position=per_position, normalize=normalize,
+                   source=source, extra_attrs=extra, samples=samples, normalize=normalize,
                    n_sequences=n_seq, target_sum=t_sum, weight_sum=weights[0],
                    token_weight_sum=weights[1], **sums)
 

@@ -16,6 +16,7 @@ from typing import Any
 from ..io import formats
 from ..errors import InputError
 from ..linalg.memory import check_memory, merge_bytes
+from ..samples import LAST, Samples, from_attrs
 from .features import Features
 from .features_file import expect_features
 
@@ -31,6 +32,7 @@ class PartInfo:
     source: dict[str, Any]
     shard: str | None = None
     normalize: str = "none"
+    samples: Samples = LAST  # what a sample was (mhla_cli.samples)
 
     @property
     def label(self) -> str:
@@ -92,12 +94,13 @@ def read_part_info(path: str | os.PathLike) -> PartInfo:
             ranges = [(int(attrs["sample_lo"]), int(attrs["sample_hi"]))]
         shard = _text(attrs["shard"]) if "shard" in attrs else None
         normalize = formats.read_normalize(f, path)
+        samples = from_attrs(attrs, path)
         # per-position or weighted data count positions (weight > 0) as samples: ranges are of sequences
         n_seq = int(attrs["n_sequences"]) if "n_sequences" in attrs else n
     if sum(b - a for a, b in ranges) != n_seq:
         raise InputError(f"n_samples = {n_seq} does not match its sample ranges {ranges}; the file is corrupted",
                          path)
-    return PartInfo(str(path), d, n, ranges, source, shard, normalize)
+    return PartInfo(str(path), d, n, ranges, source, shard, normalize, samples)
 
 
 def _text(v: Any) -> str:
@@ -122,6 +125,10 @@ def plan_merge(paths: list[str | os.PathLike], allow_partial: bool = False) -> M
             raise InputError(f"was featurized with normalisation {p.normalize} but {first.path} with "
                              f"{first.normalize}: the statistics of different normalisations do not add up",
                              p.path)
+        if p.samples is not first.samples:
+            raise InputError(f"holds {p.samples.name} samples but {first.path} {first.samples.name} samples: the "
+                             "statistics of different sample layouts do not add up (featurize every shard with the "
+                             "same --attention)", p.path)
         if not _same_source(p.source, first.source):
             raise InputError(
                 f"comes from a different source than {first.path}: {_describe(p.source)} vs "

@@ -54,8 +54,7 @@ def default_chunk_size(info: TokensInfo) -> int:
     rows = CHUNK_BYTES // _sample_bytes(info)
     if psi + info.d >= 512:
         # the per-chunk cost outside the syrk (adding the psi^2 product) shrinks as 1/rows
-        rows = max(rows, MIN_SYRK_ROWS if not getattr(info, "per_position", False)
-                   else math.ceil(MIN_SYRK_ROWS / mean_len))
+        rows = max(rows, math.ceil(MIN_SYRK_ROWS / info.samples.rows_per_sequence(mean_len)))
     return int(max(1, min(info.n_samples, rows)))
 
 
@@ -63,11 +62,14 @@ def _sample_bytes(info: TokensInfo) -> int:
     """Bytes of the chunk buffers per sample (sequence) of a chunk."""
     psi, d = n_features(info.d), info.d
     mean_len = max(1.0, info.n_tokens / info.n_samples)
+    rows = info.samples.rows_per_sequence(mean_len)
+    if rows > 1:
+        # every row is a row of the [H | Y] block, with its prefix Gram entries
+        return int(rows * (8 * (psi + d) + 3 * 8 * (psi // d) + 4 * 8 * d))
     # [H | Y] block + S + pair products, and two float64 read slots of tokens and targets
     per_sample = 8 * (psi + d) + 8 * (d * d + psi // d) + 2 * 8 * d * (mean_len + 1)
-    if getattr(info, "per_position", False):
-        # every position is a row of the [H | Y] block, with its prefix Gram entries
-        per_sample = mean_len * (8 * (psi + d) + 3 * 8 * (psi // d) + 4 * 8 * d)
+    if info.per_position:  # per-position targets, the tokens weighted, X^T W X and X^T W Y of each window
+        per_sample += 3 * 8 * d * mean_len + 2 * 8 * d * d
     return int(per_sample)
 
 
@@ -83,8 +85,7 @@ def device_pass_bytes(info: TokensInfo, chunk_size: int | None = None, block: in
     """Bytes a pass holds on a device (`device.DeviceGram`): the Gram of [Ht | Y] and a chunk's block."""
     W = (n_features(info.d) if block is None else block) + (info.d if info.has_targets else 0)
     rows = min(chunk_size or default_chunk_size(info), info.n_samples)
-    if getattr(info, "per_position", False):
-        rows = int(rows * max(1.0, info.n_tokens / info.n_samples))
+    rows = int(rows * info.samples.rows_per_sequence(info.n_tokens / info.n_samples))
     return 8 * W * W + 2 * 8 * W * rows + 64 * 2**20
 
 
@@ -110,7 +111,7 @@ def _add_chunks(acc: _Accumulator, info: TokensInfo, span: tuple[int, int], chun
     its work as it goes (`_Accumulator.add`'s tick), so that a bar moves within the large chunks of a
     big file; the parts of a chunk sum to its samples, and nothing else depends on them.
     """
-    per_position = getattr(info, "per_position", False)
+    per_position = info.per_position
     with acc.pipeline():  # a chunk's GEMMs run while the next is read and prepared (HostGram.pipeline)
         for a, b, tokens, offsets, targets, weights in iter_chunks(info, span, chunk_size or default_chunk_size(info),
                                                                    prefetch, with_weights=True):
@@ -142,9 +143,9 @@ def reduce_span(info: TokensInfo, span: tuple[int, int], chunk_size: int | None 
     """Statistics of samples [lo, hi) of the tokens file `info.path` (opened here, read in chunks).
 
     This is the one chunk reduction of mhla: the serial loop, worker pools, Dask and shards all
-    call it. `progress(n)` is called after each chunk of n samples (sequences). Per-position data
-    (info.per_position) make every weighted prefix a sample; `normalize="length"` divides S by the
-    prefix (sequence) length. `basis` (d, d; None = the identity): accumulate the features of
+    call it. `progress(n)` is called after each chunk of n samples (sequences). The samples are
+    `info.samples` (mhla_cli.samples: per sequence, every weighted prefix, or every weighted position of
+    the whole window); `normalize="length"` divides S by its number of tokens. `basis` (d, d; None = the identity): accumulate the features of
     X @ basis (mhla_cli.statistics.basis). `finalize=False` returns the sums of that basis as they are (partial
     sums of a larger reduction add exactly); otherwise they are changed to the whitening of the
     span's tokens and the own-coordinate sums derived. `spans` (E, F) in the canonical coordinates of
@@ -153,9 +154,8 @@ def reduce_span(info: TokensInfo, span: tuple[int, int], chunk_size: int | None 
     one GPU per worker); the result is the same float64 Features.
     """
     lo, hi = span
-    per_position = getattr(info, "per_position", False)
     device = device_mod.worker_device(device)
-    acc = _Accumulator(info.d, info.has_targets, basis, causal=per_position, normalize=check_normalize(normalize),
+    acc = _Accumulator(info.d, info.has_targets, basis, samples=info.samples, normalize=check_normalize(normalize),
                        spans=spans, device=device)
     _add_chunks(acc, info, span, chunk_size, progress, prefetch)
     total = acc.result(info.dtype)
@@ -193,10 +193,7 @@ def change_flops(d: int) -> float:
 
 def exact_basis(info: TokensInfo, span: tuple[int, int]) -> bool:
     """Whether `estimate_basis` of `span` reads every token of it (EXACT_BASIS_FLOPS_PER_BYTE): only for
-    the whole file of unit-weight data (the whitening of weighted or per-position data weights each
-    token by the samples that contain it; a shard's basis stays the file's sample estimate)."""
-    if getattr(info, "per_position", False) or getattr(info, "has_weights", False):
-        return False
+    the whole file (a shard's basis stays the file's sample estimate, the same in every shard)."""
     if tuple(span) != (0, info.n_samples) or info.n_samples == 0:
         return False
     if basis_mod.sample_blocks(info.n_samples, info.n_tokens) == [(0, info.n_samples)]:
@@ -208,7 +205,9 @@ def exact_basis(info: TokensInfo, span: tuple[int, int]) -> bool:
 def estimate_basis(info: TokensInfo, span: tuple[int, int] | None = None) -> np.ndarray:
     """The basis a pass accumulates in: an estimate of the whitening of a tokens file from a fixed sample
     (basis.sample_blocks), rounded to float32 values; or, when `exact_basis(info, span)`, the whitening
-    of every token of `span` (the samples the pass reads), not rounded.
+    of every token of `span` (the samples the pass reads), not rounded: of the token Gram the pass
+    accumulates, sum c x x^T with c the weight of the samples that contain the token (the layout's
+    `token_weights`, mhla_cli.samples).
 
     The estimate is deterministic in the file's content (every shard, worker and machine gets the same
     basis). It only has to be good enough to accumulate in: `featurize` checks it against the token
@@ -227,12 +226,15 @@ def estimate_basis(info: TokensInfo, span: tuple[int, int] | None = None) -> np.
     bufs = ReadBuffers()
     with formats.open_input(info.path) as f, np.errstate(invalid="ignore", over="ignore"):
         for a, b in blocks:
-            tokens, offsets, targets = read_chunk(f, info, a, b, bufs)
+            tokens, offsets, targets, weights = read_chunk(f, info, a, b, bufs, with_weights=True)
             X = tokens.astype(np.float64)
             top = float(np.max(X * X)) if X.size else 0.0
             check_chunk(info, a, tokens, offsets, targets, top)
-            G += X.T @ X
-            count += X.shape[0]
+            if exact:  # weighted tokens: the weights checked as the pass checks them (one line naming the sample)
+                check_weights(weights, offsets, a, info.per_position, info.path)
+            c = info.samples.token_weights(offsets, weights)[0] if exact else None
+            G += X.T @ (X if c is None else X * c[:, None])
+            count += X.shape[0] if c is None else float(np.sum(c))
     return basis_mod.whitening(G, count, round32=not exact)
 
 
@@ -272,7 +274,7 @@ def reduce_spans(info: TokensInfo, span_list: Sequence[tuple[int, int]],
         if progress is not None and not threads:
             progress(part.n_sequences if part.n_sequences is not None else part.n_samples)
     if total is None:
-        total = _Accumulator(info.d, info.has_targets, basis, causal=getattr(info, "per_position", False),
+        total = _Accumulator(info.d, info.has_targets, basis, samples=info.samples,
                              normalize=normalize, spans=spans).result(info.dtype)
     if finalize:
         total.canonical().finalize()
@@ -317,8 +319,7 @@ def span_traces(info: TokensInfo, span: tuple[int, int], A: np.ndarray, chunk_si
 
     A cheap pass: O(q^2) per sample instead of the Gram's O(psi^2).
     """
-    acc = _Accumulator(info.d, False, A, causal=getattr(info, "per_position", False),
-                       normalize=check_normalize(normalize), traces=True)
+    acc = _Accumulator(info.d, False, A, samples=info.samples, normalize=check_normalize(normalize), traces=True)
     _add_chunks(acc, info, span, chunk_size)
     tp, tl = acc.traces  # type: ignore[misc]
     return 0.5 * (tp + tp.T), 0.5 * (tl + tl.T), acc.result(info.dtype)
@@ -377,7 +378,7 @@ def probe_blocks(info: TokensInfo) -> list[tuple[int, int]] | None:
     alone decides)."""
     N = info.n_samples
     q = n_features(info.d) // info.d
-    per = max(1.0, info.n_tokens / max(N, 1)) if getattr(info, "per_position", False) else 1.0
+    per = info.samples.rows_per_sequence(info.n_tokens / max(N, 1))
     k = max(1, -(-int(SPANS_PROBE_PER_PAIR * q) // max(1, int(basis_mod.SAMPLE_BLOCKS * per))))
     if 2 * k > basis_mod.block_samples(N, info.n_tokens):
         return None

@@ -25,18 +25,19 @@ from . import structure as structure_mod
 from ..errors import InputError
 from ..feature_map import check_normalize, n_features
 from ..linalg.memory import check_floor, check_memory, solve_need_of
+from ..samples import check_attention
 from .accumulate import MIN_THREADED_WIDTH, _basis_option, chunk_features
-from .kernels import position_numbers, prefix_moments, sample_rows, sequence_moments
+from ..kernels import position_numbers, prefix_moments, sequence_moments
 from .shards import shard_range, shard_span, work_spans
 from .spans import (_block, check_spans, default_chunk_size, device_pass_bytes, estimate_basis, featurize_need,
                     find_spans, reduce_span, reduce_spans)
 from .features import Features, check_overflow
-from ..io.tokens import TokensInfo, inspect_tokens, require_square
+from ..io.tokens import TokensInfo, inspect_tokens, read_as, require_square
 
 __all__ = ["Features", "MIN_THREADED_WIDTH", "check_solve_memory", "check_spans", "chunk_features",
            "default_chunk_size", "device_pass_bytes", "estimate_basis", "featurize", "featurize_need",
-           "find_spans", "load_features", "position_numbers", "prefix_moments", "reduce_span", "reduce_spans",
-           "sample_rows", "sequence_moments", "shard_range", "shard_span", "solve_need", "work_spans"]
+           "check_attention_of", "find_spans", "load_features", "position_numbers", "prefix_moments", "reduce_span", "reduce_spans",
+           "sequence_moments", "shard_range", "shard_span", "solve_need", "work_spans"]
 
 
 def featurize(path: str | os.PathLike, chunk_size: int | None = None,
@@ -44,14 +45,18 @@ def featurize(path: str | os.PathLike, chunk_size: int | None = None,
               map: Callable[..., Iterable[Features]] | None = None,  # noqa: A002
               progress: Callable[[int], None] | None = None,
               workers: int = 1, scheduler: str | None = None, normalize: str = "none",
-              basis: np.ndarray | str | None = "auto", spans: str = "auto", device: str | None = None) -> Features:
+              basis: np.ndarray | str | None = "auto", spans: str = "auto", device: str | None = None,
+              attention: str | None = None) -> Features:
     """Sufficient statistics of a tokens file, streamed in chunks of `chunk_size` samples.
 
     `shard=(i, M)` restricts to the i-th (0-based) of M contiguous sample ranges. Parallelism:
     `workers=K` (a local pool, see mhla_cli.statistics.parallel), `scheduler` (a Dask address, or "local" /
     "local:K"), or any `map` (builtin map, a pool's map, ...) over the spans; all call `reduce_span`.
-    Per-position data (targets (T, d) or weights per position) are featurized causally: every
-    prefix with weight > 0 is a sample. `normalize="length"` divides S by the number of tokens.
+    Per-position data (targets (T, d) or weights per position): every position with weight > 0 is a
+    sample, read with `attention` (mhla_cli.samples): "causal" (S of the prefix X[:t]) or
+    "bidirectional" (S of the whole window); None: as the file's `attention` attribute says, causal
+    without it (an `attention` that contradicts the attribute is an InputError). `normalize="length"`
+    divides S by its number of tokens.
 
     The basis: the pass accumulates in an estimate (`basis` "auto": `estimate_basis`, from the whole
     file whatever the shard, or for the whole file where `spans.exact_basis` says so the whitening of
@@ -65,7 +70,7 @@ def featurize(path: str | os.PathLike, chunk_size: int | None = None,
     and their Gram are built (with workers, "cuda" gives each worker one GPU in turn); its free memory
     is checked before the pass.
     """
-    info, device = _checked(path, normalize, spans, device)
+    info, device = _checked(path, normalize, spans, device, attention)
     serial = map is None and workers <= 1 and scheduler is None
     # every feature for sure: refused before any work (a pool's workers are counted once it is made);
     # otherwise after the cheap span pass, with the block it found
@@ -102,12 +107,14 @@ def featurize(path: str | os.PathLike, chunk_size: int | None = None,
     return _finished(feats, info, path, (lo, hi), shard)
 
 
-def _checked(path: str | os.PathLike, normalize: str, spans: str, device: str | None) -> tuple[TokensInfo, str | None]:
-    """featurize's options and file checked before any work: (the tokens file's info, the device)."""
+def _checked(path: str | os.PathLike, normalize: str, spans: str, device: str | None,
+             attention: str | None = None) -> tuple[TokensInfo, str | None]:
+    """featurize's options and file checked before any work: (the tokens file's info, read with `attention`;
+    the device)."""
     check_normalize(normalize)
     check_spans(spans)
     device = device_mod.check_device(device, path)
-    info = inspect_tokens(path)
+    info = read_as(inspect_tokens(path), attention)
     check_floor(info.d, path, "featurize")  # wide tokens: before anything of their size
     require_square(info, "featurize")
     return info, device
@@ -179,7 +186,8 @@ def _in_whitening(run: Callable[[np.ndarray], Features], A: np.ndarray) -> Featu
 
 
 def solve_need(path: str | os.PathLike, ridge: float = 0.0, lowrank: bool = False,
-               chunk_size: int | None = None, command: str = "certify") -> tuple[int, Callable[[int], int]] | None:
+               chunk_size: int | None = None, command: str = "certify", attention: str | None = None
+               ) -> tuple[int, Callable[[int], int]] | None:
     """(d, need(d)): the peak bytes of certifying / fitting (`command`) the statistics of a features or
     tokens file (a tokens file is featurized first), for memory.check_memory; None for other kinds.
 
@@ -193,30 +201,41 @@ def solve_need(path: str | os.PathLike, ridge: float = 0.0, lowrank: bool = Fals
             block = formats.stored_block(f)
         return d, solve_need_of(d, n, ridge, lowrank, command, block=block)
     if kind == "tokens":
-        info = inspect_tokens(path)
+        info = read_as(inspect_tokens(path), attention)
         check_floor(info.d, path, command)
         require_square(info, command)
         if n_features(info.d) >= spans_mod.SPANS_MIN_FEATURES and not lowrank:
             return None  # featurize may find a block on the data's spans: it checks its pass itself
-        n = info.n_tokens if info.per_position else info.n_samples
+        n = info.samples.count(info.n_samples, info.n_tokens)
         return info.d, solve_need_of(info.d, n, ridge, lowrank, command,
                                      pass_need=featurize_need(info, chunk_size, derive=False))
     return None
 
 
 def check_solve_memory(path: str | os.PathLike, what: str, ridge: float = 0.0, lowrank: bool = False,
-                       chunk_size: int | None = None) -> None:
+                       chunk_size: int | None = None, attention: str | None = None) -> None:
     """Refuse before any work a certify / fit of `path` that cannot fit in memory (`solve_need`)."""
-    job = solve_need(path, ridge, lowrank, chunk_size, command=what)
+    job = solve_need(path, ridge, lowrank, chunk_size, command=what, attention=attention)
     if job is not None:
         check_memory(job[0], path=path, need=job[1], what=what)
 
 
+def check_attention_of(feats: Features, attention: str | None, path: str | os.PathLike | None = None) -> None:
+    """Refuse an `attention` that the statistics' samples contradict (None: nothing asked)."""
+    if check_attention(attention) is None:
+        return
+    if feats.samples.attention != attention:
+        have = "last-token samples" if feats.samples.attention is None else f"attention '{feats.samples.attention}'"
+        raise InputError(f"attention '{attention}' was asked but the statistics were featurized with {have}; "
+                         "featurize the tokens file again with the attention wanted", path)
+
+
 def load_features(path: str | os.PathLike, chunk_size: int | None = None, normalize: str | None = None,
-                  progress: Callable[[int], None] | None = None, device: str | None = None) -> Features:
+                  progress: Callable[[int], None] | None = None, device: str | None = None,
+                  attention: str | None = None) -> Features:
     """The statistics of a features file, or of a tokens file (featurized here, streamed, on `device`).
 
-    `normalize` (if given) must match a features file's normalisation, and is applied to a tokens file.
+    `normalize` and `attention` (if given) must match a features file's, and are applied to a tokens file.
     """
     if normalize is not None:
         check_normalize(normalize)
@@ -226,8 +245,9 @@ def load_features(path: str | os.PathLike, chunk_size: int | None = None, normal
         if normalize is not None and normalize != feats.normalize:
             raise InputError(f"was featurized with normalisation '{feats.normalize}', not '{normalize}'; "
                              "featurize it again with the normalisation wanted", path)
+        check_attention_of(feats, attention, path)
         return feats
     if kind == "tokens":
         return featurize(path, chunk_size=chunk_size, progress=progress, normalize=normalize or "none",
-                         device=device)
+                         device=device, attention=attention)
     raise InputError(f"is a {kind} file, expected a tokens or features file", path)
