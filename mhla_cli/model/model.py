@@ -30,6 +30,11 @@ class Model:
     the canonical features Ht(X A) of the whitened tokens, and that basis A (d, d): predict evaluates
     the function there (`evaluation`), which keeps its accuracy where p = p_b M_A would lose it (a
     token direction far smaller than the others: M_A's condition number is cond(A)^3).
+
+    `gram_pairs`: the training data's Lambda~ on Ht(X A), as its distinct entries (symgram), with which
+    export-heads, spectrum and compare measure a change of the function on the data
+    (mhla_cli.model.canonical); `W_b`: a low-rank fit's W of the whitened tokens X A (the least-squares W
+    there is W_from_p(p_b D), not stored).
     """
 
     coef: np.ndarray
@@ -38,6 +43,8 @@ class Model:
     info: dict[str, Any] = field(default_factory=dict)
     coef_b: np.ndarray | None = None
     basis: np.ndarray | None = None
+    gram_pairs: np.ndarray | None = None
+    W_b: np.ndarray | None = None
 
     def evaluation(self) -> tuple[np.ndarray, np.ndarray | None]:
         """(c, A): the function is c . H(X A) on the tokens X (A None: c = coef on X itself).
@@ -66,6 +73,10 @@ class Model:
         data = {"coef": self.coef, "W": self.W}
         if self.coef_b is not None and self.basis is not None:
             data.update(canonical_coef=self.coef_b, canonical_basis=self.basis)
+            if self.gram_pairs is not None:
+                data["canonical_gram_pairs"] = self.gram_pairs
+            if self.W_b is not None:
+                data["canonical_W"] = self.W_b
         formats.write_file(path, "model", data, attrs, inputs)
 
     @classmethod
@@ -94,7 +105,8 @@ class Model:
             info = {k: (v.item() if hasattr(v, "item") else v) for k, v in f.attrs.items()
                     if k in _SAVED_INFO}
             coef_b, basis = _load_canonical(f, path, coef)
-        return cls(coef=coef, W=W, d=d, info=info, coef_b=coef_b, basis=basis)
+            gram_pairs, W_b = _load_data_gram(f, path, coef_b)
+        return cls(coef=coef, W=W, d=d, info=info, coef_b=coef_b, basis=basis, gram_pairs=gram_pairs, W_b=W_b)
 
 
 # CANONICAL_COEF_TOL (mhla_cli.numerics): coef and p_b M_A of a model file agree to it.
@@ -127,6 +139,39 @@ def _load_canonical(f: Any, path: str | os.PathLike, coef: np.ndarray) -> tuple[
         raise InputError("'canonical_coef' in 'canonical_basis' and 'coef' describe different functions; the "
                          "file is inconsistent", path)
     return coef_b, basis
+
+
+def _load_data_gram(f: Any, path: str | os.PathLike, coef_b: np.ndarray | None
+                    ) -> tuple[np.ndarray | None, np.ndarray | None]:
+    """The optional `canonical_gram_pairs` (Lambda~ of the training data on Ht(X A), distinct entries) and
+    `canonical_W` (a low-rank fit's W of X A) of a model file; both need the canonical coefficients."""
+    have = [k for k in ("canonical_gram_pairs", "canonical_W") if k in f]
+    if not have:
+        return None, None
+    if coef_b is None:
+        raise InputError(f"has '{have[0]}' but no 'canonical_coef' and 'canonical_basis'; the file is incomplete", path)
+    d = coef_b.shape[0]
+    q = d * (d + 1) // 2
+    pairs = W_b = None
+    if "canonical_gram_pairs" in f:
+        pairs = formats.read_array(f, "canonical_gram_pairs", path).astype(np.float64)
+        shape = (q * (q + 1) // 2, d * (d + 1) // 2)
+        if pairs.shape != shape or not np.isfinite(pairs).all():
+            raise InputError(f"'canonical_gram_pairs' has shape {pairs.shape} or non-finite values, expected finite "
+                             f"{shape}", path)
+    if "canonical_W" in f:
+        W_b = formats.read_array(f, "canonical_W", path).astype(np.float64)
+        if W_b.shape != (d * d, d * d) or not np.isfinite(W_b).all():
+            raise InputError(f"'canonical_W' has shape {W_b.shape} or non-finite values, expected finite "
+                             f"({d * d}, {d * d})", path)
+        from ..statistics.basis import feature_scale
+
+        c = coef_b * feature_scale(d)[None, :]
+        scale = max(float(np.abs(c).max()), 1e-300)
+        if not (np.abs(p_from_W(W_b) - c) <= W_COEF_TOL * scale).all():
+            raise InputError("'canonical_W' and 'canonical_coef' describe different functions; the file is "
+                             "inconsistent", path)
+    return pairs, W_b
 
 
 def load_function(path: str | os.PathLike) -> Model | Heads:
