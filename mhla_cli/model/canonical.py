@@ -37,40 +37,76 @@ from ..numerics import LAMBDA_FLOOR_FRACTION, numerical_tolerance
 from ..statistics.basis import feature_scale, kron_apply, orth_pair_map, transition
 from .heads import Heads, W_from_heads, W_from_p, coef_of_heads, heads_from_W, p_from_heads
 
-__all__ = ["CanonicalFunction", "DataGram", "canonical_function", "coef_in_basis", "gram_pairs_of",
+__all__ = ["CanonicalFunction", "DataGram", "canonical_function", "coef_in_basis", "data_gram", "gram_pairs_of",
            "heads_in_basis", "map_W", "truncated_heads"]
 
 
 @dataclass
 class DataGram:
-    """Lambda~ (psi, psi) of a model's training data on the canonical features Ht(X A), held as its
-    distinct entries K (symgram: Lambda~[(a,l),(b,m)] = K[(a<=b), (l<=m)]), expanded when first used."""
+    """Lambda~ of a model's training data on the canonical features Ht(X A), held as its distinct entries K
+    (symgram: Lambda~[(a,l),(b,m)] = K[(a<=b), (l<=m)]), expanded when first used.
+
+    With `span_pairs` E (q, a) and `span_last` F (d, b) (a fit on the data's spans, statistics.structure)
+    K is that of the block E^T (x) F^T Lambda~ E (x) F: Lambda~ is zero outside it, so a quadratic form
+    needs only the projection of the coefficients onto it (no psi x psi array)."""
 
     pairs: np.ndarray
     d: int
     lambda_min: float | None = None  # the fit's (a hint for `floor`; None: computed)
-    _full: np.ndarray | None = field(default=None, repr=False)
+    span_pairs: np.ndarray | None = None
+    span_last: np.ndarray | None = None
+    _block: np.ndarray | None = field(default=None, repr=False)
+
+    @property
+    def widths(self) -> tuple[int, int]:
+        """(a, b): the widths of the pair and token factors of the block (q, d without spans)."""
+        if self.span_pairs is None or self.span_last is None:
+            return self.d * (self.d + 1) // 2, self.d
+        return int(self.span_pairs.shape[1]), int(self.span_last.shape[1])
+
+    @property
+    def block(self) -> np.ndarray:
+        """Lambda~ on the block (psi x psi without spans)."""
+        if self._block is None:
+            self._block = symgram.gram_from_pairs(self.pairs, *self.widths)
+        return self._block
+
+    @property
+    def full(self) -> bool:
+        """Whether the block is every feature (no spans, or spans of full width)."""
+        return self.widths == (self.d * (self.d + 1) // 2, self.d)
+
+    def project(self, x_b: np.ndarray) -> np.ndarray:
+        """Coefficients x_b (m, psi) on Ht as coefficients on the block's features (m, a b)."""
+        x_b = np.asarray(x_b, dtype=np.float64)
+        if self.span_pairs is None or self.span_last is None:
+            return x_b
+        return kron_apply(self.span_pairs.T, self.span_last.T, np.ascontiguousarray(x_b.T)).T
 
     @property
     def matrix(self) -> np.ndarray:
-        """Lambda~ (psi, psi)."""
-        if self._full is None:
-            q = self.d * (self.d + 1) // 2
-            self._full = symgram.gram_from_pairs(self.pairs, q, self.d)
-        return self._full
+        """Lambda~ (psi, psi) on every feature (expanded from the block when the model has spans)."""
+        if self.span_pairs is None or self.span_last is None:
+            return self.block
+        E, F = self.span_pairs, self.span_last
+        half = kron_apply(E, F, self.block)  # (psi, ab)
+        return kron_apply(E, F, np.ascontiguousarray(half.T))
 
     def sq(self, x_b: np.ndarray) -> float:
         """sum_a x_a Lambda~ x_a^T for coefficients x_b (m, psi) on Ht: the mean squared output of x over
         the training inputs times m (>= 0; rounding below 0 is cut)."""
-        x_b = np.asarray(x_b, dtype=np.float64)
-        return max(float(np.sum((x_b @ self.matrix) * x_b)), 0.0)
+        y = self.project(x_b)
+        return max(float(np.sum((y @ self.block) * y)), 0.0)
 
     def floor(self) -> float:
-        """A proven t <= lambda_min(Lambda~) (0 when none above the rank cut is proven): t =
-        LAMBDA_FLOOR_FRACTION times the computed lambda_min, proven by a Cholesky of Lambda~ - t I."""
+        """A proven t <= lambda_min(Lambda~) (0 when none above the rank cut is proven, and for a block
+        narrower than every feature: Lambda~ is singular there): t = LAMBDA_FLOOR_FRACTION times the computed
+        lambda_min, proven by a Cholesky of Lambda~ - t I."""
         import scipy.linalg  # here, not at import (start-up)
 
-        lam = self.matrix
+        if not self.full:
+            return 0.0
+        lam = self.block
         psi = lam.shape[0]
         top = float(scipy.linalg.eigh(lam, eigvals_only=True, subset_by_index=[psi - 1, psi - 1])[0])
         low = self.lambda_min
@@ -86,20 +122,19 @@ class DataGram:
         return t
 
 
-def gram_pairs_of(feats: Any) -> np.ndarray:
-    """The distinct entries of Lambda~ = basis_gram / sum w of statistics in their canonical basis (after
-    `solver_stats`), the whole psi x psi Lambda~ also when only the block on the data's spans is held."""
+def gram_pairs_of(feats: Any) -> tuple[np.ndarray, np.ndarray | None, np.ndarray | None]:
+    """(K, E, F): the distinct entries of Lambda~ = basis_gram / sum w of statistics in their canonical basis
+    (after `solver_stats`), and the spans E, F of the block K is held on (None: every feature)."""
     d = feats.d
     q = d * (d + 1) // 2
     w = feats.weight if feats.weight > 0 else 1.0
     held = feats.basis_gram_held
+    E = F = None
     if feats.reduced:
-        E, F = feats.span_pairs, feats.span_last
-        K = held.K if isinstance(held, symgram.Pairs) else symgram.pairs_from_gram(held, E.shape[1], F.shape[1])
-        K = symgram.Pairs(np.asarray(K, dtype=np.float64), E.shape[1], F.shape[1]).congruence(E, F).K
-    else:
-        K = held.K if isinstance(held, symgram.Pairs) else symgram.pairs_from_gram(held, q, d)
-    return np.asarray(K, dtype=np.float64) / w
+        E, F = np.array(feats.span_pairs), np.array(feats.span_last)
+        q, d = E.shape[1], F.shape[1]
+    K = held.K if isinstance(held, symgram.Pairs) else symgram.pairs_from_gram(held, q, d)
+    return np.asarray(K, dtype=np.float64) / w, E, F
 
 
 def _pow2(x: float) -> float:
@@ -185,6 +220,15 @@ class CanonicalFunction:
     def coordinates(self) -> str:
         """"canonical" (the whitened tokens of the model's data) or "own" (the tokens' own coordinates)."""
         return "own" if self.basis is None else "canonical"
+
+    @property
+    def metric(self) -> np.ndarray | None:
+        """G (psi, psi) with sum_a c_a G c_a^T = ||c / D||_L^2 (Lambda~ on the coefficients c of H(Z)), or None
+        without Lambda~ (polish_heads' metric)."""
+        if self.gram is None:
+            return None
+        inv = 1.0 / feature_scale(self.d)
+        return self.gram.matrix * inv[:, None] * inv[None, :]  # psi x psi: for the d of a head search
 
     def _b(self, c: np.ndarray) -> np.ndarray:
         return np.asarray(c, dtype=np.float64) / feature_scale(self.d)[None, :]
@@ -272,9 +316,7 @@ def canonical_function(fn: Any) -> CanonicalFunction:
         basis = np.array(fn.basis, dtype=np.float64)
         c = fn.coef_b * feature_scale(fn.d)[None, :]
         W = fn.W_b if fn.W_b is not None else W_from_p(c)
-        if fn.gram_pairs is not None:
-            gram = DataGram(fn.gram_pairs, fn.d, _finite_or_none(fn.info.get("lambda_min"))
-                            if fn.info.get("identifiable") else None)
+        gram = data_gram(fn)
     elif isinstance(fn, Model):
         c, W = fn.coef, fn.W
     elif isinstance(fn, Heads):
@@ -294,6 +336,16 @@ def canonical_function(fn: Any) -> CanonicalFunction:
     scale = _pow2(float(np.max(np.abs(c)))) if c.size else 1.0
     return CanonicalFunction(coef=c / scale, W=np.asarray(W, dtype=np.float64) / scale, basis=basis, gram=gram,
                              scale=scale)
+
+
+def data_gram(model: Any) -> DataGram | None:
+    """The DataGram of a model that keeps its data's Lambda~ (None otherwise); the fit's lambda_min is its hint
+    when the data were identifiable."""
+    if model.gram_pairs is None:
+        return None
+    spans = model.gram_spans or (None, None)
+    hint = _finite_or_none(model.info.get("lambda_min")) if model.info.get("identifiable") else None
+    return DataGram(model.gram_pairs, model.d, hint, spans[0], spans[1])
 
 
 def _finite_or_none(x: Any) -> float | None:

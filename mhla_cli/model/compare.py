@@ -19,7 +19,7 @@ import numpy as np
 from ..errors import InputError
 from ..feature_map import n_features
 from .heads import Heads, coef_inner, coef_of_heads
-from .canonical import DataGram, coef_in_basis
+from .canonical import coef_in_basis, data_gram
 from .model import Model, coef_of, normalize_of
 from .forward import DIRECT_COEF_BYTES, direct, evaluated, in_basis, in_width, out_width, predict_chunk
 from ..statistics.stream import default_chunk_size
@@ -97,7 +97,7 @@ def training_data_change(a: Model | Heads | np.ndarray, b: Model | Heads | np.nd
                 xa, xb = coef_in_basis(a, ref.basis), coef_in_basis(b, ref.basis)
             except InputError:
                 break
-            gram = DataGram(ref.gram_pairs, ref.d)
+            gram = data_gram(ref)
             diff, base = gram.sq(xa - xb), gram.sq(xb)
             change = float(np.sqrt(diff / base)) if base > 0 else (0.0 if diff == 0 else float("inf"))
             return {"function_change": change, "measured_on": name}

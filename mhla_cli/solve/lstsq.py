@@ -61,8 +61,9 @@ def fit(feats: Features, ridge: float = 0.0, device: str | None = None) -> Model
     }
     # the canonical coefficients and their basis: predict evaluates the function there (Model.evaluation);
     # the data's Lambda~ measures a change of the function on them (mhla_cli.model.canonical)
+    K, E, F = gram_pairs_of(feats)
     return Model(coef=coef, W=W_from_p(coef), d=feats.d, info=info, coef_b=coef_b, basis=np.array(A),
-                 gram_pairs=gram_pairs_of(feats))
+                 gram_pairs=K, gram_spans=None if E is None else (E, F))
 
 
 def _solve(fac: Factorization, rhs: np.ndarray, ridge: float, tol: float, block_pd: bool) -> np.ndarray:

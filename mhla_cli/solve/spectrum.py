@@ -192,7 +192,7 @@ def outlier_heads(fn: Model | Heads | np.ndarray | CanonicalFunction, spec: Spec
     def change(V: np.ndarray, Q: np.ndarray) -> float:
         return cf.change(p_from_W(V.T @ Q))
 
-    V1, Q1, _ = polish_heads(coef, V0, Q0, max_iter=50)
+    V1, Q1, _ = polish_heads(coef, V0, Q0, max_iter=50, metric=cf.metric)  # towards the function on the data
     if change(V1, Q1) < change(V0, Q0):
         V0, Q0 = V1, Q1
     heads = cf.heads(V0, Q0)

@@ -94,4 +94,4 @@ def fit_model(feats: Features, heads: int | str | None = None, nuclear: float | 
         info["n_folds"] = len(folds)
     coef, W, coef_b = to_tokens(res.coef, res.W, A)
     return Model(coef=coef, W=W, d=feats.d, info=info, coef_b=coef_b, basis=A, gram_pairs=base.gram_pairs,
-                 W_b=res.W)
+                 gram_spans=base.gram_spans, W_b=res.W)

@@ -32,23 +32,31 @@ class _Metric:
 
 def polish_heads(coef: np.ndarray, Vm: np.ndarray, Qm: np.ndarray, tol: float = 1e-13,
                  max_iter: int = 200, stall_window: int = 40, stall_factor: float = 0.5,
-                 return_info: bool = False) -> tuple[Any, ...]:
-    """Levenberg-Marquardt on p(V, Q) = coef; returns V, Q (H, d^2) and ||p - coef|| / ||coef||.
+                 return_info: bool = False, metric: np.ndarray | None = None) -> tuple[Any, ...]:
+    """Levenberg-Marquardt on p(V, Q) = coef; returns V, Q (H, d^2) and ||p - coef||_G / ||coef||_G.
 
-    Stops when the relative error is <= tol (converged), when the cost fell by less than a factor
-    `stall_factor` over the last `stall_window` accepted steps (a plateau: a local minimum or too few
-    heads), when no damped step decreases the cost, or at max_iter. With return_info=True also
-    returns the `solver_info` record (stop reason in info["stop"], final_residual = relative p error).
+    ||x||_G^2 = sum_a x_a G x_a^T with `metric` G (psi, psi), by default D^-2 (the orthonormal pair
+    coordinates p_b = x / D, whose Frobenius norm an orthogonal change of the tokens keeps; statistics.basis).
+    CanonicalFunction.metric gives the data's Lambda~ there. Stops when the relative error is <= tol
+    (converged), when the cost fell by less than a factor `stall_factor` over the last `stall_window`
+    accepted steps (a plateau: a local minimum or too few heads), when no damped step decreases the
+    cost, or at max_iter. With return_info=True also returns the `solver_info` record (stop reason in
+    info["stop"], final_residual = the relative error).
     """
-    norm = float(np.linalg.norm(coef))
-    target = coef.ravel() / norm
     d = coef.shape[0]
+    G = np.diag(1.0 / feature_scale(d) ** 2) if metric is None else np.asarray(metric, dtype=np.float64)
+
+    def cost_of(r: np.ndarray) -> float:
+        return max(float(np.sum((r @ G) * r)), 0.0)
+
+    norm = float(np.sqrt(cost_of(coef))) or 1.0
+    target = coef / norm
     Vm, Qm = _balance(Vm / np.sqrt(norm), Qm / np.sqrt(norm))
-    r = _p_of(Vm, Qm).ravel() - target
-    cost = float(r @ r)
+    r = _p_of(Vm, Qm) - target
+    cost = cost_of(r)
     mu = 1e-3
     history = [cost]
-    metric = _Metric(gram=np.eye(n_features(d)), n_samples=2, weight=2.0)  # (2/N) G = I
+    lm = _Metric(gram=G, n_samples=2, weight=2.0)  # (2/N) G = G
     stop = "max_iter"
     it = 0
     for it in range(max_iter):
@@ -60,7 +68,7 @@ def polish_heads(coef: np.ndarray, Vm: np.ndarray, Qm: np.ndarray, tol: float = 
                 and cost > 1e4 * tol * tol):
             stop = "stalled"
             break
-        step = _lm_step(metric, Vm, Qm, r, cost, mu, target, d)
+        step = _lm_step(lm, Vm, Qm, r, cost, mu, target, cost_of)
         if step is None:
             stop = "no-descent"
             break
@@ -75,18 +83,19 @@ def polish_heads(coef: np.ndarray, Vm: np.ndarray, Qm: np.ndarray, tol: float = 
     if not return_info:
         return Vm * s, Qm * s, err
     info = solver_info("Levenberg-Marquardt (heads)", stop == "tolerance", it, max_iter, err,
-                       "||p(V, Q) - p|| / ||p||", tol, stop=stop)
+                       "||p(V, Q) - p||_G / ||p||_G", tol, stop=stop)
     return Vm * s, Qm * s, err, info
 
 
 def _lm_step(metric: _Metric, Vm: np.ndarray, Qm: np.ndarray, r: np.ndarray, cost: float, mu: float,
-             target: np.ndarray, d: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, float, float] | None:
-    """One accepted Levenberg-Marquardt step of `polish_heads` from (Vm, Qm) with residual r and damping mu:
-    the balanced new factors, their residual and cost and the next damping; None when no damping of up to
+             target: np.ndarray, cost_of: Callable[[np.ndarray], float]
+             ) -> tuple[np.ndarray, np.ndarray, np.ndarray, float, float] | None:
+    """One accepted Levenberg-Marquardt step of `polish_heads` from (Vm, Qm) with residual r (d, psi) and damping
+    mu: the balanced new factors, their residual and cost and the next damping; None when no damping of up to
     30 tries decreases the cost."""
-    H = Vm.shape[0]
-    # J^T J and J^T r from the structured blocks with an identity metric (no dense J).
-    HVV, HQQ, HVQ, gV, gQ = _normal_parts(metric, Vm, Qm, r.reshape(d, -1))
+    H, d = Vm.shape[0], r.shape[0]
+    # J^T G J and J^T G r from the structured blocks (no dense J).
+    HVV, HQQ, HVQ, gV, gQ = _normal_parts(metric, Vm, Qm, r @ metric.gram)
     JtJ = np.block([[HVV, HVQ], [HVQ.T, HQQ]])
     g = np.concatenate([gV, gQ])
     scale = float(np.mean(np.diag(JtJ))) or 1.0
@@ -98,8 +107,8 @@ def _lm_step(metric: _Metric, Vm: np.ndarray, Qm: np.ndarray, r: np.ndarray, cos
             mu *= 10
             continue
         V2, Q2 = _unpack(_pack(Vm, Qm) + step, H, d)
-        r2 = _p_of(V2, Q2).ravel() - target
-        c2 = float(r2 @ r2)
+        r2 = _p_of(V2, Q2) - target
+        c2 = cost_of(r2)
         if c2 < cost:
             V2, Q2 = _balance(V2, Q2)
             return V2, Q2, r2, c2, max(mu / 3, 1e-12)
