@@ -509,6 +509,35 @@ def test_fewest_tol_is_the_cut_on_the_function_change() -> None:
         matches_data(heads, model, sequences(X, offsets))
 
 
+def test_fewest_cuts_on_the_outputs_not_the_coefficients() -> None:
+    """A 2-head function plus a coefficient change along a feature the data barely excite (eigenvalue 1e-12 of
+    Lambda~ against 1): 1e-6 of the coefficients, 1e-12 of the outputs. Two heads compute it to the cut on
+    the data; judged by the coefficients it needs more."""
+    from mhla_cli.linalg import symgram
+    from mhla_cli.statistics.basis import coef_from_basis
+
+    d = 3
+    teacher = synthetic.random_teacher(d, 2, np.random.default_rng(11))
+    D = p_b_scale(d)
+    pb = teacher.coef / D
+    lam = np.ones(pb.shape[1])
+    lam[17] = 1e-12  # S[2,2] x_2
+    pb[0, 17] += 1e-6 * np.linalg.norm(pb)
+    from mhla_cli.model.heads import W_from_p
+
+    coef = coef_from_basis(np.eye(d), pb)
+    model = Model(coef=coef, W=W_from_p(coef), d=d, coef_b=pb, basis=np.eye(d),
+                  gram_pairs=symgram.pairs_from_gram(np.diag(lam), 6, 3))
+    heads = export_heads(model, fewest=True)
+    assert heads.n_heads == 2 and heads.info["function_change"] <= FEWEST_TOL < heads.info["coef_change"]
+    # the reported change is Lambda~'s: numpy on the heads' coefficients
+    c = np.einsum("haj,hkl->ajkl", heads.V, heads.Q)
+    ph = np.array([[c[a, j, k, l] + (c[a, k, j, l] if j < k else 0.0) for j in range(d) for k in range(j, d)
+                    for l in range(d)] for a in range(d)]) / D
+    want = np.sqrt(np.sum((ph - pb) ** 2 * lam) / np.sum(pb ** 2 * lam))
+    assert heads.info["function_change"] == pytest.approx(want, rel=1e-6, abs=1e-14)
+
+
 # --------------------------------------------------------------------------------------------
 # the SVD export on a given W (own coordinates: a model without its canonical basis)
 # --------------------------------------------------------------------------------------------

@@ -190,7 +190,8 @@ def fewest_heads(fn: np.ndarray | Any, tol: float = FEWEST_TOL, W: np.ndarray | 
     ... up to max(linear_upto, L) one by one, up to 2 + n_starts starts are polished by
     Levenberg-Marquardt: the top-H SVD of the min-nuclear-norm W, of the min-norm W, then n_starts
     top-H SVDs of random points of {W : p(W) = coef} (seeded by seed and H); the first start within
-    tol is accepted. Beyond that, bisection up to the rank of the min-nuclear-norm W (an exact H-head
+    tol is accepted (polished in the metric of the change: Lambda~ of the data, else the coefficients p_b).
+    Beyond that, bisection up to the rank of the min-nuclear-norm W (an exact H-head
     fit extends to H + 1 heads; generic_rank(d) is tried first) with 2 + bisection_starts
     starts per H (each start costs O((H d^2)^3) per step there). `info`: n_heads, lower_bound,
     proven_minimal (n_heads == lower_bound), starts_tried / starts_per_head_count / best_error per H
@@ -217,7 +218,7 @@ def fewest_heads(fn: np.ndarray | Any, tol: float = FEWEST_TOL, W: np.ndarray | 
     r_max = max(1, int((s > 1e-10 * s[0]).sum()))
     bound = head_lower_bound(coef, tol=tol, seed=seed, radius=cf.radius(tol))
     L = min(bound["lower_bound"], r_max)
-    search = _HeadSearch(coef, Wn, W_from_p(coef), tol, seed, n_starts, max_iter, cf.change)
+    search = _HeadSearch(coef, Wn, W_from_p(coef), tol, seed, n_starts, max_iter, cf.change, cf.metric)
     top = min(max(linear_upto, L), r_max)
     best_H = next((H for H in range(L, top + 1) if search.attempt(H)[2] <= tol), None)
     if best_H is None:
@@ -239,10 +240,12 @@ class _HeadSearch:
     """The starts `fewest_heads` polishes for each head count H, and the best of each H tried."""
 
     def __init__(self, coef: np.ndarray, Wn: np.ndarray, W_mn: np.ndarray, tol: float, seed: int, n_starts: int,
-                 max_iter: int, change: Callable[[np.ndarray], float]) -> None:
+                 max_iter: int, change: Callable[[np.ndarray], float], metric: np.ndarray | None = None) -> None:
         self.coef, self.Wn, self.W_mn = coef, Wn, W_mn
         self.tol, self.seed, self.n_starts, self.max_iter = tol, seed, n_starts, max_iter
-        self.change = change  # the measure a count is accepted on (CanonicalFunction.change)
+        # the measure a count is accepted on (CanonicalFunction.change) and the metric the starts are polished
+        # in (its Lambda~, CanonicalFunction.metric; None: the coefficients p_b)
+        self.change, self.metric = change, metric
         self.tried: dict[int, tuple[np.ndarray, np.ndarray, float]] = {}  # H -> (V, Q, relative error)
         self.n_tried: dict[int, int] = {}
         self.budget: dict[int, int] = {}
@@ -269,7 +272,7 @@ class _HeadSearch:
             err0 = self.change(_p_of(V0, Q0))
             cand = (V0, Q0, err0)
             if err0 > self.tol * 1e-2:
-                V1, Q1, _ = polish_heads(self.coef, V0, Q0, max_iter=self.max_iter)
+                V1, Q1, _ = polish_heads(self.coef, V0, Q0, max_iter=self.max_iter, metric=self.metric)
                 err1 = self.change(_p_of(V1, Q1))
                 if err1 < err0:
                     cand = (V1, Q1, err1)
