@@ -239,9 +239,9 @@ def change_text(rec: dict[str, Any]) -> str:
         return (f"function change on the training data (RMS output change / RMS output) = "
                 f"{fmt(rec['function_change'])}")
     where = ("canonical (whitened) coordinates" if rec.get("coordinates") == "canonical"
-             else "tokens' own coordinates, which depends on their units")
-    return (f"no function change on the data (the model holds no Lambda~ of its data: fit it again with this "
-            f"mhla); coefficient change ||p_b' - p_b|| / ||p_b|| in the {where} = {fmt(rec['coef_change'])}")
+             else "tokens' own coordinates, which depend on their units")
+    return (f"coefficient change ||p_b' - p_b|| / ||p_b|| = {fmt(rec['coef_change'])} in the {where} (no function "
+            "change on the data: the model keeps no Lambda~ of its data; fit it again with this mhla)")
 
 
 def spectrum_cmd(

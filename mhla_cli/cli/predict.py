@@ -142,20 +142,19 @@ def compare_cmd(
         res = compare(fa, fb, tol=tol)
     res["a"], res["b"] = str(a), str(b)
     verdict = "same function" if res["same"] else "different functions"
-    coefs = f"||p_A - p_B|| / ||p_B|| = {fmt(res['relative_distance'])} (coefficients, tokens' own coordinates)"
+    coefs = f"||p_A - p_B|| / ||p_B|| = {fmt(res['relative_distance'])}"
     if res["judged_by"] == "data":
-        text = (f"{verdict} on {on}: RMS prediction difference {fmt(res['rms_prediction_difference'])} / RMS "
-                f"prediction of B {fmt(res['rms_prediction_b'])} = {fmt(res['relative_rms_difference'])} (tol "
-                f"{fmt(tol)})")
+        text = (f"{verdict} on {on}: RMS prediction difference / RMS prediction of B = "
+                f"{fmt(res['relative_rms_difference'])} (tol {fmt(tol)})")
     elif res["judged_by"] == "training data":
         text = (f"{verdict} on the training data of {b if res['measured_on'] == 'b' else a}: RMS output difference / "
-                f"RMS output = {fmt(res['function_change'])} (tol {fmt(tol)})")
+                f"RMS output of B = {fmt(res['function_change'])} (tol {fmt(tol)})")
     else:
-        text = (f"{verdict} by coefficients: {coefs}, tol {fmt(tol)}; neither file keeps its data's Lambda~ "
-                "and this depends on the units of the tokens: give --on DATA to compare outputs")
+        text = (f"{verdict} by coefficients: {coefs} (tol {fmt(tol)}) in the tokens' own coordinates, which depend on "
+                "their units (neither file keeps its data's Lambda~: --on DATA compares outputs)")
     say(text, quiet, style="green" if res["same"] else "red")
     if res["judged_by"] != "coefficients":
-        say(f"  {coefs}", quiet)
+        say(f"  coefficients in the tokens' own coordinates: {coefs}", quiet)
     if json_out:
         emit_json(res)
     if not res["same"]:

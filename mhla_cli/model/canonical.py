@@ -41,6 +41,11 @@ __all__ = ["CanonicalFunction", "DataGram", "canonical_function", "coef_in_basis
            "heads_in_basis", "map_W", "truncated_heads"]
 
 
+# A Lambda~ (block) of at most this many features is expanded once and kept (36 MiB at d = 16); a wider one
+# is read from its distinct entries a block of rows at a time for each quadratic form.
+EXPAND_FEATURES = 2176
+
+
 @dataclass
 class DataGram:
     """Lambda~ of a model's training data on the canonical features Ht(X A), held as its distinct entries K
@@ -94,9 +99,16 @@ class DataGram:
 
     def sq(self, x_b: np.ndarray) -> float:
         """sum_a x_a Lambda~ x_a^T for coefficients x_b (m, psi) on Ht: the mean squared output of x over
-        the training inputs times m (>= 0; rounding below 0 is cut)."""
+        the training inputs times m (>= 0; rounding below 0 is cut). A block wider than EXPAND_FEATURES is
+        read from K a block of rows at a time (memory flat in psi^2)."""
         y = self.project(x_b)
-        return max(float(np.sum((y @ self.block) * y)), 0.0)
+        a, b = self.widths
+        if self._block is not None or a * b <= EXPAND_FEATURES:
+            return max(float(np.sum((y @ self.block) * y)), 0.0)
+        total = 0.0
+        for r0, rows in symgram.gram_rows(self.pairs, a, b, rows=max(1, (64 << 20) // (8 * a * b))):
+            total += float(np.sum(y[:, r0:r0 + rows.shape[0]] * (y @ rows.T)))
+        return max(total, 0.0)
 
     def floor(self) -> float:
         """A proven t <= lambda_min(Lambda~) (0 when none above the rank cut is proven, and for a block
