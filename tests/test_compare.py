@@ -126,3 +126,20 @@ def test_function_distance_is_a_record() -> None:
     assert dist.to_dict() == {k: v for k, v in compare(a, 2 * a).items() if k in dist.to_dict()}
     assert function_distance(a, b).relative_distance == float("inf") and function_distance(b, b).relative_distance == 0
     assert repr(dist).startswith("Distance(distance=4.472")
+
+
+def test_training_data_that_do_not_determine_the_function_are_said_so(tmp_path: Path,
+                                                                       capsys: pytest.CaptureFixture[str]) -> None:
+    """A minimum-norm fit of data that do not certify and the teacher agree on the training data (exit 0) but
+    not elsewhere: the verdict is on the training data, and a warning says those data leave room."""
+    data, th, m = tmp_path / "a.h5", tmp_path / "t.h5", tmp_path / "m.h5"
+    assert run(["generate", "assoc", "-o", str(data), "--keys", "2", "--n-samples", "500", "--orthogonal-fraction",
+                "1.0", "--dtype", "float64", "--teacher-out", str(th), "-q"]) == 0
+    assert run(["fit", str(data), "-o", str(m), "-q"]) == 0
+    capsys.readouterr()
+    assert run(["compare", str(m), str(th), "--json"]) == 0
+    cap = capsys.readouterr()
+    out = json.loads(cap.out)
+    assert out["judged_by"] == "training data" and out["measured_on"] == "a"
+    assert out["training_data_identifiable"] is False and out["function_change"] < 1e-10
+    assert out["relative_distance"] > 1e-2 and "do not determine the function" in cap.err

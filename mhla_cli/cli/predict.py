@@ -155,6 +155,9 @@ def compare_cmd(
     say(text, quiet, style="green" if res["same"] else "red")
     if res["judged_by"] != "coefficients":
         say(f"  coefficients in the tokens' own coordinates: {coefs}", quiet)
+    if res["judged_by"] == "training data" and res["same"] and res["training_data_identifiable"] is False:
+        warn(f"the training data of {b if res['measured_on'] == 'b' else a} do not determine the function (see "
+             "`mhla certify`): A and B agree there but may differ elsewhere; --on DATA compares them on other inputs")
     if json_out:
         emit_json(res)
     if not res["same"]:

@@ -89,8 +89,10 @@ def function_distance(a: Model | Heads | np.ndarray, b: Model | Heads | np.ndarr
 
 def training_data_change(a: Model | Heads | np.ndarray, b: Model | Heads | np.ndarray) -> dict[str, Any]:
     """The RMS difference of A's and B's outputs over the training inputs of B (or, when B keeps no Lambda~ of
-    its data, of A) relative to the RMS of B's outputs there: {"function_change", "measured_on": "b" | "a"},
-    both None when neither keeps one or a function has no coef on d x d features (wide heads)."""
+    its data, of A) relative to the RMS of B's outputs there: {"function_change", "measured_on": "b" | "a",
+    "training_data_identifiable": whether those data determine the function (the fit's certificate; when
+    not, functions that agree there may differ elsewhere)}, all None when neither keeps one or a function
+    has no coef on d x d features (wide heads)."""
     for name, ref in (("b", b), ("a", a)):
         if isinstance(ref, Model) and ref.gram_pairs is not None and ref.basis is not None:
             try:
@@ -100,8 +102,10 @@ def training_data_change(a: Model | Heads | np.ndarray, b: Model | Heads | np.nd
             gram = data_gram(ref)
             diff, base = gram.sq(xa - xb), gram.sq(xb)
             change = float(np.sqrt(diff / base)) if base > 0 else (0.0 if diff == 0 else float("inf"))
-            return {"function_change": change, "measured_on": name}
-    return {"function_change": None, "measured_on": None}
+            ident = ref.info.get("identifiable")
+            return {"function_change": change, "measured_on": name,
+                    "training_data_identifiable": None if ident is None else bool(ident)}
+    return {"function_change": None, "measured_on": None, "training_data_identifiable": None}
 
 
 def prediction_difference(a: Model | Heads | np.ndarray, b: Model | Heads | np.ndarray,
