@@ -1,6 +1,8 @@
 """The boundary tests see every cut: each mutation below, applied alone to a copy of the package, makes
 at least one of them fail (tests/test_numerics.py's `test_cut_*` and test_factorization's spectral
-ridge), run as the code review that listed S1-S11 ran them (code-review-96474f1).
+ridge), run as the code review that listed S1-S11 ran them (code-review-96474f1); and every check of
+export-heads, spectrum and compare made in the tokens' own coordinates fails tests/test_canonical.py or
+test_compare.py (`OWN_COORDINATES`, issue 36).
 
 The mutations: the review's S1-S11 adapted to the current code, the ridge's own rule, and a x1e4 and a
 x1e-4 change of each named constant of mhla_cli.numerics (EPS included). A cross-cutting test (like
@@ -57,7 +59,7 @@ CONSTANTS = ["EPS", "RANK_FACTOR", "STRUCTURE_FACTOR", "OBSERVED_SPAN_FACTOR", "
              "MSE_RESOLUTION_FACTOR", "SINGULAR_BASIS_COND", "SYMMETRY_TOL", "ORTHOGONAL_TOL", "DEAD_WEIGHT_TOL",
              "NONZERO_REL", "REFINE_MAX_RHO", "UNRESOLVED_REL", "EQUILIBRATE_RATIO", "CANONICAL_TOL",
              "CANONICAL_COEF_TOL", "W_COEF_TOL", "MAX_EXACT_INT", "SST_RESOLUTION", "RELIABLE_GAP", "ORTHONORMAL_TOL",
-             "FOLD_SUM_TOL"]
+             "FOLD_SUM_TOL", "FEWEST_TOL", "LAMBDA_FLOOR_FRACTION"]
 
 # Changes that no test can see because they change no answer (they are reported, not asserted):
 EQUIVALENT = {
@@ -92,16 +94,51 @@ def _constant_mutations() -> list[tuple[str, str, str, str]]:
 MUTATIONS = REVIEW + _constant_mutations()
 BOUNDARY = ["tests/test_numerics.py", "tests/test_factorization.py", "-k", "cut_ or spectral_ridge"]
 
+# Issue 36: every check of export-heads, spectrum and compare evaluated in the tokens' own coordinates (or on
+# the coefficients instead of the outputs), each of which tests/test_canonical.py or test_compare.py must see.
+OWN_COORDINATES = [
+    ("heads, spectrum and --fewest in the tokens' own coordinates", "mhla_cli/model/canonical.py",
+     "    if isinstance(fn, Model) and fn.coef_b is not None and fn.basis is not None:\n        basis = np.array(",
+     "    if isinstance(fn, Model) and fn.coef_b is not None and fn.basis is not None and False:\n"
+     "        basis = np.array("),
+    ("the spectrum of the own coefficients", "mhla_cli/solve/spectrum.py",
+     "    cf = _scaled(fn)\n    coef = cf.coef\n    d = coef.shape[0]\n    if W is None:",
+     "    cf = canonical_function(fn.coef if isinstance(fn, Model) else fn)\n    coef = cf.coef\n"
+     "    d = coef.shape[0]\n    if W is None:"),
+    ("the reported change on the coefficients", "mhla_cli/model/canonical.py",
+     '        return {"function_change": self.function_change(c_new),',
+     '        return {"function_change": self.coef_change(c_new),'),
+    ("--fewest cut on the coefficients", "mhla_cli/model/canonical.py",
+     "        f = self.function_change(c_new)\n        return self.coef_change(c_new) if f is None else f",
+     "        return self.coef_change(c_new)"),
+    ("--fewest's lower bound without the data", "mhla_cli/solve/lowrank/fewest.py", "radius=cf.radius(tol))",
+     "radius=None)"),
+    ("--max-heads auto polished in the coefficients of H(Z)", "mhla_cli/solve/spectrum.py",
+     "metric=cf.metric)", "metric=np.eye(cf.coef.shape[1]))"),
+    ("compare --on judged by the own-coordinate distance", "mhla_cli/model/compare.py",
+     '        out["judged_by"], rel = "data", out["relative_rms_difference"]',
+     '        out["judged_by"], rel = "data", out["relative_distance"]'),
+    ("compare judged by the own-coordinate distance on the training data", "mhla_cli/model/compare.py",
+     '        out["judged_by"], rel = "training data", out["function_change"]',
+     '        out["judged_by"], rel = "training data", out["relative_distance"]'),
+    ("compare --on evaluates a model's own coefficients", "mhla_cli/model/compare.py",
+     "    (pa, basis_a), (pb, basis_b) = evaluated(a), evaluated(b)",
+     "    (pa, basis_a), (pb, basis_b) = (coef_of(a), None), (coef_of(b), None)"),
+]
+CANONICAL = ["tests/test_canonical.py", "tests/test_compare.py"]
 
-def run_mutation(repo: Path, path: str, old: str, new: str) -> tuple[bool, str]:
-    """Apply one mutation to the copy `repo`, run the boundary tests, revert; (killed, pytest's last line)."""
+
+def run_mutation(repo: Path, path: str, old: str, new: str, tests: list[str] | None = None) -> tuple[bool, str]:
+    """Apply one mutation to the copy `repo`, run the boundary tests (or `tests`), revert; (killed, pytest's
+    last line)."""
     full = repo / path
     src = full.read_text(encoding="utf-8")
     assert src.count(old) == 1, (path, old, src.count(old))
     full.write_text(src.replace(old, new), encoding="utf-8")
     try:
         env = dict(os.environ, PYTHONPATH=str(repo), OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1")
-        r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", *BOUNDARY],
+        r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider",
+                            *(BOUNDARY if tests is None else tests)],
                            cwd=repo, env=env, capture_output=True, text=True, timeout=900)
         tail = (r.stdout.strip().splitlines() or ["?"])[-1]
         return r.returncode != 0, tail
@@ -130,6 +167,17 @@ def test_every_mutation_fails_a_boundary_test(tmp_path: Path) -> None:
     print("\n".join(lines))
     survivors = [n for n, k in killed.items() if not k and n not in EQUIVALENT]
     assert not survivors, "\n".join(lines)
+
+
+@pytest.mark.slow
+def test_every_own_coordinate_check_fails_a_test(tmp_path: Path) -> None:
+    repo = copy_repo(tmp_path / "repo")
+    lines = []
+    for name, path, old, new in OWN_COORDINATES:
+        k, tail = run_mutation(repo, path, old, new, CANONICAL)
+        lines.append(f"{name}: {'killed' if k else 'SURVIVED'} ({tail})")
+    print("\n".join(lines))
+    assert all(line.split(": ")[1].startswith("killed") for line in lines), "\n".join(lines)
 
 
 if __name__ == "__main__":  # the table: python tests/test_mutations.py [NAME ...]
