@@ -20,7 +20,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from _reference import canonical, canonical_features, min_norm_function
+from _reference import canonical, canonical_features
 from mhla_cli import export_heads
 from mhla_cli.cli import run
 from mhla_cli.errors import InputError
@@ -186,7 +186,7 @@ def _answers(model: Model) -> dict:
 @given(T=unit_maps())
 def test_heads_counts_and_changes_do_not_depend_on_the_units_and_match_the_data(
         T: np.ndarray, base: Base) -> None:
-    data, model, want = base
+    data, _, want = base
     model_T = data.fit(T)
     got = _answers(model_T)
     seqs = data.seqs(T)
@@ -596,3 +596,24 @@ def test_heads_map_in_and_out_of_the_basis() -> None:
     huge = canon.CanonicalFunction(coef=np.zeros((3, 18)), W=np.zeros((9, 9)), basis=np.eye(3) * 1e250)
     with pytest.raises(InputError, match="exceed float64"):
         huge.heads(Vc.reshape(2, -1), Qc.reshape(2, -1))
+
+
+def test_compare_models_in_different_bases() -> None:
+    """Two fits of the same data whose canonical bases differ (another, equally valid whitening): compare maps
+    A's canonical coefficients into B's basis and measures on B's training data (numpy: the outputs)."""
+    data = noisy_teacher(seed=9, n_seq=120)
+    feats = chunk_features(data.X, data.offsets, data.y, 3)
+    m1 = fit(feats)
+    feats2 = chunk_features(data.X, data.offsets, data.y, 3)
+    feats2.change_basis(rotated(3, 2.0, 4))  # then canonicalised again by the fit: another whitening
+    m2 = fit(feats2)
+    assert not np.array_equal(m1.basis, m2.basis)
+    res = compare(m1, m2)
+    assert res["judged_by"] == "training data" and res["function_change"] < 1e-10
+    pb = m1.coef_b.copy()
+    pb[1, 4] += 0.1 * np.abs(pb).max()
+    other = Model(coef=m1.coef, W=m1.W, d=3, coef_b=pb, basis=m1.basis)  # coef not checked in memory
+    seqs = data.seqs()
+    ya, yb = model_outputs(other, seqs), model_outputs(m2, seqs)
+    res = compare(other, m2)
+    assert res["function_change"] == pytest.approx(rms(ya - yb) / rms(yb), rel=1e-8)

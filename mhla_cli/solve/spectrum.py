@@ -179,7 +179,6 @@ def outlier_heads(fn: Model | Heads | np.ndarray | CanonicalFunction, spec: Spec
     """
     cf = _scaled(fn)
     coef = cf.coef
-    d = coef.shape[0]
     spec = spectrum(cf, max_iter=max_iter) if spec is None else spec
     if spec.n_outliers is None:
         raise UnreliableHeadCount(spec.reason)
