@@ -13,7 +13,7 @@ from typing import Any
 
 from ..io import formats
 from ..io.tokens import inspect_tokens
-from ..model import heads as heads_mod
+from ..model import canonical
 from ..solve import lowrank
 from ..solve import ridge_cv
 from ..model import scores
@@ -191,19 +191,23 @@ def check_export_options(max_heads: int | str | None = None, fewest: bool = Fals
 
 def export_heads(model: Model, tol: float = 1e-12, max_heads: int | str | None = None,
                  fewest: bool = False) -> Heads:
-    """Heads computing `model`'s function (or its strongest part).
+    """Heads computing `model`'s function (or its strongest part), found in the canonical coordinates of its
+    data and returned in the tokens' (mhla_cli.model.canonical).
 
-    Default: the SVD of W, dropping singular values <= tol * s_max and keeping at most `max_heads`
+    Default: the SVD of W there, dropping singular values <= tol * s_max and keeping at most `max_heads`
     heads; max_heads="auto": the heads that stand out of the spectrum's noise; fewest=True: the fewest
-    heads that compute the same function (verified to 1e-8; `info` says whether the count is proven).
+    heads that compute the same function (a change <= FEWEST_TOL, verified; `info` says whether the count
+    is proven). info["function_change"]: the RMS change of the outputs on the training data relative to
+    the RMS output (None for a model without its data's Lambda~: then info["coef_change"] is all there is).
     """
     check_export_options(max_heads, fewest)
+    fn = canonical.canonical_function(model)
     if fewest:
-        heads = lowrank.fewest_heads(model.coef)
+        heads = lowrank.fewest_heads(fn)
     elif max_heads == "auto":
-        heads = spectrum.outlier_heads(model)
+        heads = spectrum.outlier_heads(fn)
     else:
-        heads = heads_mod.export_heads(model, tol=tol, max_heads=max_heads)
+        heads = canonical.truncated_heads(fn, tol=tol, max_heads=max_heads)
     heads.info["normalize"] = model.info.get("normalize", "none")
     if model.info.get("attention") is not None:
         heads.info["attention"] = model.info["attention"]

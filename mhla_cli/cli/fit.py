@@ -11,6 +11,7 @@ from typing import Annotated, Any
 import typer
 
 from ..io import formats
+from ..numerics import FEWEST_TOL, quote
 from ..linalg.device import check_device
 from ..errors import InputError
 from ..statistics.folds import load_for_cv
@@ -155,9 +156,11 @@ def export_heads_cmd(
                                          "the safetensors extra); written atomically. Example: -o heads.npz")],
     max_heads: Annotated[str | None, typer.Option("--max-heads", help="Keep at most the H strongest heads; 'auto': "
                                                   "the spectrum's outliers (see `mhla spectrum`).")] = None,
-    tol: Annotated[float, typer.Option("--tol", min=0.0, help="Drop heads with s_h <= tol * s_max.")] = 1e-12,
-    fewest: Annotated[bool, typer.Option("--fewest", help="The fewest heads computing the same function "
-                                         "(relative function error <= 1e-8, verified).")] = False,
+    tol: Annotated[float, typer.Option("--tol", min=0.0, help="Drop heads with s_h <= tol * s_max (singular "
+                                       "values of W in the canonical coordinates of the model's data).")] = 1e-12,
+    fewest: Annotated[bool, typer.Option("--fewest", help=f"The fewest heads computing the same function: a "
+                                         f"function change on the training data <= {quote(FEWEST_TOL)}, verified "
+                                         "(the coefficient change for a model without its data's Lambda~).")] = False,
     unreduce: Annotated[Path | None, typer.Option("--unreduce", help="A tokens file written by `mhla reduce` (the "
                                                   "one MODEL was fitted on, or one --like it): write the heads in "
                                                   "its original widths, V = U V_h P^T (D_out x D), Q = P Q_h P^T "
@@ -165,7 +168,13 @@ def export_heads_cmd(
     json_out: JsonOpt = False,
     quiet: QuietOpt = False,
 ) -> None:
-    """SVD of W into heads V_h, Q_h (at most d^2), reporting the relative function change.
+    """SVD of W into heads V_h, Q_h (at most d^2), reporting the change of the function on the training data.
+
+    The heads are found in the canonical (whitened) coordinates of the model's data and written in the
+    tokens' own, so counts do not depend on the units of the tokens. The change reported (and cut on by
+    --fewest) is the RMS difference of the outputs over the training inputs relative to the RMS output,
+    from the data's Lambda~ that `mhla fit` stores in the model; for model files without it (written
+    before, or not by fit) only a coefficient change is given, named as such.
 
     With --unreduce REDUCED the heads are mapped back to the coordinates before `mhla reduce`: on the
     original tokens they compute U times the reduced model's outputs on the reduced tokens.
@@ -207,10 +216,10 @@ def _export_record(heads: Heads, output: Path, unreduce: Path | None, fewest: bo
     spectrum's numbers for --fewest / --max-heads auto)."""
     out = {"output": str(output), "n_heads": heads.n_heads, "d": heads.d, "d_out": heads.d_out,
            "unreduced": None if unreduce is None else str(unreduce),
-           "relative_function_error": heads.info["relative_function_error"],
-           "singular_values": heads.info["singular_values"]}
+           "function_change": heads.info["function_change"], "coef_change": heads.info["coef_change"],
+           "coordinates": heads.info["coordinates"], "singular_values": heads.info["singular_values"]}
     if fewest or auto:
-        keys = ("rel_error", "lower_bound", "proven_minimal", "starts_tried", "starts_per_head_count", "best_error",
+        keys = ("lower_bound", "proven_minimal", "starts_tried", "starts_per_head_count", "best_error",
                 "lower_bound_info") if fewest else ("threshold", "threshold_method")
         out.update({k: heads.info[k] for k in keys}, converged=(heads.info["solver"] or {}).get("converged"),
                    solver=heads.info["solver"])
@@ -222,14 +231,25 @@ def _say_export(heads: Heads, out: dict[str, Any], unreduce: Path | None, fewest
     """What `mhla export-heads` says of the heads it wrote, and the warning of a solver at its limit."""
     shape = f"d = {heads.d}" if heads.d_out == heads.d else f"d = {heads.d} -> d_out = {heads.d_out}"
     back = f" (in the coordinates of {unreduce} before mhla reduce)" if unreduce is not None else ""
-    say(f"wrote {out['output']}: {heads.n_heads} heads of {shape}{back}; relative function change "
-        f"||p_kept - p|| / ||p|| = {fmt(out['relative_function_error'])}", quiet)
+    say(f"wrote {out['output']}: {heads.n_heads} heads of {shape}{back}; {change_text(out)}", quiet)
     if fewest:
         say(f"  {fewest_message(heads.info)}", quiet)
     if (fewest or auto) and hit_limit(heads.info["solver"]):
         warn(convergence_warning(heads.info["solver"], "the minimum-nuclear-norm W")
              + ("; it only seeds the search, the heads are verified" if fewest else
                 f"; the outlier count is kept: its heads stand {fmt(heads.info.get('gap'))}x above the rest"))
+
+
+def change_text(rec: dict[str, Any]) -> str:
+    """The change of the function a head export or spectrum made, in words: on the training data when the model
+    keeps its data's Lambda~, else the coefficient change, named as such (mhla_cli.model.canonical)."""
+    if rec.get("function_change") is not None:
+        return (f"function change on the training data (RMS output change / RMS output) = "
+                f"{fmt(rec['function_change'])}")
+    where = ("canonical (whitened) coordinates" if rec.get("coordinates") == "canonical"
+             else "tokens' own coordinates, which depend on their units")
+    return (f"coefficient change ||p_b' - p_b|| / ||p_b|| = {fmt(rec['coef_change'])} in the {where} (no function "
+            "change on the data: the model keeps no Lambda~ of its data; fit it again with this mhla)")
 
 
 def spectrum_cmd(
@@ -244,6 +264,10 @@ def spectrum_cmd(
 ) -> None:
     """Head strengths: singular values of the minimum-nuclear-norm W of the model's function, split into
     heads (outliers) and a noise bulk by the Gavish-Donoho threshold on the nonzero values.
+
+    W is taken in the canonical (whitened) coordinates of the model's data, so the values and the count do
+    not depend on the units of the tokens; a heads file, or a model file without its canonical basis, is
+    taken in the tokens' own coordinates (JSON "coordinates" says which).
 
     Example: mhla spectrum model.h5 --plot spectrum.png --json
     """
@@ -260,7 +284,8 @@ def spectrum_cmd(
     count = "no reliable count of" if spec.n_outliers is None else str(spec.n_outliers)
     say(f"{model_path}: {count} head(s) above the threshold {fmt(spec.threshold)} "
         f"({spec.threshold_method}); {spec.nonzero_rank} nonzero of {len(spec.singular_values)} "
-        f"singular values, effective rank {fmt(spec.effective_rank)}", quiet)
+        f"singular values of W in the {spec.coordinates} coordinates, effective rank {fmt(spec.effective_rank)}",
+        quiet)
     say(text_histogram(spec), quiet)
     if plot is not None:
         plot_spectrum(spec, plot)

@@ -1,4 +1,11 @@
-"""Do two models (or heads) compute the same function? Distance in p-space and on a dataset."""
+"""Do two models (or heads) compute the same function? On a dataset, on the training data, and in p-space.
+
+The verdict is a change of outputs relative to the outputs of B (the reference): with `on` the RMS
+difference of the two functions' predictions on that tokens file over the RMS of B's; else, when A or
+B is a model that keeps its data's Lambda~ (mhla_cli.model.canonical), the same on that training data
+(B's data first); else, with no data at all, ||p_A - p_B|| / ||p_B|| in the tokens' own coordinates,
+which depends on their units and is named so (`judged_by`).
+"""
 
 from __future__ import annotations
 
@@ -12,8 +19,9 @@ import numpy as np
 from ..errors import InputError
 from ..feature_map import n_features
 from .heads import Heads, coef_inner, coef_of_heads
+from .canonical import coef_in_basis, data_gram
 from .model import Model, coef_of, normalize_of
-from .forward import DIRECT_COEF_BYTES, direct, function_of, in_width, out_width, predict_chunk
+from .forward import DIRECT_COEF_BYTES, direct, evaluated, in_basis, in_width, out_width, predict_chunk
 from ..statistics.stream import default_chunk_size
 from ..io.tokens import check_finite, inspect_tokens, iter_chunks
 
@@ -79,11 +87,33 @@ def function_distance(a: Model | Heads | np.ndarray, b: Model | Heads | np.ndarr
     return _distance(pa, pb)
 
 
+def training_data_change(a: Model | Heads | np.ndarray, b: Model | Heads | np.ndarray) -> dict[str, Any]:
+    """The RMS difference of A's and B's outputs over the training inputs of B (or, when B keeps no Lambda~ of
+    its data, of A) relative to the RMS of B's outputs there: {"function_change", "measured_on": "b" | "a",
+    "training_data_identifiable": whether those data determine the function (the fit's certificate; when
+    not, functions that agree there may differ elsewhere)}, all None when neither keeps one or a function
+    has no coef on d x d features (wide heads)."""
+    for name, ref in (("b", b), ("a", a)):
+        if isinstance(ref, Model) and ref.gram_pairs is not None and ref.basis is not None:
+            try:
+                xa, xb = coef_in_basis(a, ref.basis), coef_in_basis(b, ref.basis)
+            except InputError:
+                break
+            gram = data_gram(ref)
+            diff, base = gram.sq(xa - xb), gram.sq(xb)
+            change = float(np.sqrt(diff / base)) if base > 0 else (0.0 if diff == 0 else float("inf"))
+            ident = ref.info.get("identifiable")
+            return {"function_change": change, "measured_on": name,
+                    "training_data_identifiable": None if ident is None else bool(ident)}
+    return {"function_change": None, "measured_on": None, "training_data_identifiable": None}
+
+
 def prediction_difference(a: Model | Heads | np.ndarray, b: Model | Heads | np.ndarray,
                           data: str | os.PathLike, chunk_size: int | None = None,
                           progress: Callable[[int], None] | None = None) -> dict[str, float]:
-    """RMS over the N*d outputs of (yhat_A - yhat_B) on a tokens file, streamed, and the RMS of yhat_B."""
-    pa, pb = function_of(a), function_of(b)
+    """RMS over the N*d outputs of (yhat_A - yhat_B) on a tokens file, streamed, the RMS of yhat_B and their
+    ratio (`relative_rms_difference`); each model evaluated as `predict` evaluates it (Model.evaluation)."""
+    (pa, basis_a), (pb, basis_b) = evaluated(a), evaluated(b)
     norm = normalize_of(a)
     info = inspect_tokens(data)
     if info.d != in_width(pa):
@@ -93,8 +123,8 @@ def prediction_difference(a: Model | Heads | np.ndarray, b: Model | Heads | np.n
     max_abs = 0.0
     for lo, hi, tokens, offsets, _y in iter_chunks(info, (0, info.n_samples), size):
         check_finite(tokens, offsets, None, lo, data)
-        ya, _ = predict_chunk(pa, tokens, offsets, normalize=norm)
-        yb, _ = predict_chunk(pb, tokens, offsets, normalize=norm)
+        ya, _ = predict_chunk(pa, in_basis(tokens, basis_a), offsets, normalize=norm)
+        yb, _ = predict_chunk(pb, in_basis(tokens, basis_b), offsets, normalize=norm)
         diff = ya - yb
         ss_diff += float((diff**2).sum())
         ss_b += float((yb**2).sum())
@@ -102,22 +132,33 @@ def prediction_difference(a: Model | Heads | np.ndarray, b: Model | Heads | np.n
         if progress is not None:
             progress(hi - lo)
     n = info.n_samples * out_width(pa)
-    return {"rms_prediction_difference": float(np.sqrt(ss_diff / n)), "rms_prediction_b": float(np.sqrt(ss_b / n)),
+    rms_diff, rms_b = float(np.sqrt(ss_diff / n)), float(np.sqrt(ss_b / n))
+    rel = rms_diff / rms_b if rms_b > 0 else (0.0 if rms_diff == 0 else float("inf"))
+    return {"rms_prediction_difference": rms_diff, "rms_prediction_b": rms_b, "relative_rms_difference": rel,
             "max_abs_prediction_difference": max_abs, "n_samples": info.n_samples}
 
 
 def compare(a: Model | Heads | np.ndarray, b: Model | Heads | np.ndarray, tol: float = 1e-6,
             on: str | os.PathLike | None = None, chunk_size: int | None = None,
             progress: Callable[[int], None] | None = None) -> dict[str, Any]:
-    """Distance between two functions; `same` is relative_distance <= tol."""
+    """Distance between two functions and the verdict `same` (module docstring): the relative RMS prediction
+    difference on `on` <= tol; without `on`, the function change on the training data (`training_data_change`)
+    <= tol; with neither, relative_distance <= tol. `judged_by` says which ("data", "training data",
+    "coefficients")."""
     if not (tol >= 0 and np.isfinite(tol)):
         raise InputError(f"tol must be a finite number >= 0, got {tol}")
     if normalize_of(a) != normalize_of(b):
         raise InputError(f"the models use different normalisations ({normalize_of(a)} and "
                          f"{normalize_of(b)}): their coef act on different features, so they cannot be compared")
     out: dict[str, Any] = function_distance(a, b).to_dict()
+    out.update(training_data_change(a, b))
     out["tol"] = tol
-    out["same"] = bool(out["relative_distance"] <= tol)
     if on is not None:
         out.update(prediction_difference(a, b, on, chunk_size, progress))
+        out["judged_by"], rel = "data", out["relative_rms_difference"]
+    elif out["function_change"] is not None:
+        out["judged_by"], rel = "training data", out["function_change"]
+    else:
+        out["judged_by"], rel = "coefficients", out["relative_distance"]
+    out["same"] = bool(rel <= tol)
     return out

@@ -2,7 +2,8 @@
 
 Every format holds V (H, d_out, d) and Q (H, d, d) float64 exactly as computed, plus metadata: format
 ("mhla-heads"), mhla_version, d, n_heads, normalize (and d_out when it differs from d: heads put back
-in a model's coordinates by `mhla export-heads --unreduce`). Writes are atomic (a temporary file in the
+in a model's coordinates by `mhla export-heads --unreduce`), and what the export changed: function_change
+(on the training data), coef_change and coordinates (mhla_cli.model.canonical). Writes are atomic (a temporary file in the
 output's directory, renamed on success; nothing is left on failure).
 """
 
@@ -43,9 +44,11 @@ def _metadata(heads: Heads) -> dict[str, str]:
         meta["d_out"] = str(heads.d_out)
     if heads.info.get("attention") is not None:
         meta["attention"] = str(heads.info["attention"])
-    err = heads.info.get("relative_function_error")
-    if err is not None:
-        meta["relative_function_error"] = repr(float(err))
+    for key in ("function_change", "coef_change"):  # what the export changed (mhla_cli.model.canonical)
+        if heads.info.get(key) is not None:
+            meta[key] = repr(float(heads.info[key]))
+    if heads.info.get("coordinates") is not None:
+        meta["coordinates"] = str(heads.info["coordinates"])
     return meta
 
 
@@ -123,8 +126,11 @@ def load_heads(path: str | os.PathLike) -> Heads:
     for key, value in (("d", heads.d), ("n_heads", heads.n_heads), ("d_out", heads.d_out)):
         if key in meta and meta[key] != str(value):
             raise InputError(f"metadata '{key}' = {meta[key]} but the arrays have {key} = {value}", path)
-    if "relative_function_error" in meta:
-        heads.info["relative_function_error"] = float(meta["relative_function_error"])
+    for key in ("function_change", "coef_change"):
+        if key in meta:
+            heads.info[key] = float(meta[key])
+    if "coordinates" in meta:
+        heads.info["coordinates"] = meta["coordinates"]
     if "attention" in meta:
         heads.info["attention"] = meta["attention"]
     return heads

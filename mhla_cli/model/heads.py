@@ -117,7 +117,8 @@ class Heads(HeadShapes):
         attrs = {"d": self.d, "n_heads": self.n_heads}
         if self.d_out != self.d:
             attrs["d_out"] = self.d_out
-        for k in ("relative_function_error", "tol", "max_heads", "normalize", "unreduced", "attention"):
+        for k in ("function_change", "coef_change", "coordinates", "tol", "max_heads", "normalize", "unreduced",
+                  "attention"):
             if self.info.get(k) is not None:
                 attrs[k] = self.info[k]
         formats.write_file(path, "heads", {"V": self.V, "Q": self.Q}, attrs, inputs)
@@ -198,18 +199,3 @@ def heads_from_W(W: np.ndarray, tol: float = 1e-12, max_heads: int | None = None
     V = (U[:, :keep] * r).T.reshape(keep, d, d)
     Q = (Vt[:keep].T * r).T.reshape(keep, d, d)
     return Heads(V=V, Q=Q), s
-
-
-def export_heads(model: Any, tol: float = 1e-12, max_heads: int | None = None) -> Heads:
-    """Heads computing `model`'s function (Algorithm 1, step 3), with the relative function change."""
-    if max_heads is not None and max_heads < 1:
-        raise InputError(f"max_heads must be >= 1, got {max_heads}")
-    if not (0 <= tol < 1):
-        raise InputError(f"tol must be in [0, 1), got {tol}")
-    heads, s = heads_from_W(model.W, tol=tol, max_heads=max_heads)
-    p = model.coef
-    norm = float(np.linalg.norm(p))
-    err = float(np.linalg.norm(heads.coef - p)) / norm if norm > 0 else 0.0
-    heads.info = {"n_heads": heads.n_heads, "relative_function_error": err, "tol": tol,
-                  "max_heads": max_heads, "singular_values": s.tolist()}
-    return heads

@@ -9,6 +9,7 @@ import numpy as np
 from ..errors import InputError
 from ..linalg.factorization import Factorization
 from ..model.heads import W_from_p
+from ..model.canonical import gram_pairs_of
 from ..model.model import Model
 from ..numerics import mse_resolution, numerical_tolerance
 from ..statistics import basis as basis_mod
@@ -59,8 +60,11 @@ def fit(feats: Features, ridge: float = 0.0, device: str | None = None) -> Model
         "rank": fac.rank(tol), "n_features": psi, "n_samples": N, "method": "lstsq",
         "basis": "canonical", "normalize": getattr(feats, "normalize", "none"), "seconds": seconds,
     }
-    # the canonical coefficients and their basis: predict evaluates the function there (Model.evaluation)
-    return Model(coef=coef, W=W_from_p(coef), d=feats.d, info=info, coef_b=coef_b, basis=np.array(A))
+    # the canonical coefficients and their basis: predict evaluates the function there (Model.evaluation);
+    # the data's Lambda~ measures a change of the function on them (mhla_cli.model.canonical)
+    K, E, F = gram_pairs_of(feats)
+    return Model(coef=coef, W=W_from_p(coef), d=feats.d, info=info, coef_b=coef_b, basis=np.array(A),
+                 gram_pairs=K, gram_spans=None if E is None else (E, F))
 
 
 def _solve(fac: Factorization, rhs: np.ndarray, ridge: float, tol: float, block_pd: bool) -> np.ndarray:
