@@ -29,7 +29,7 @@ def whitened(feats: Features, A: np.ndarray) -> Features:
                     last_token_gram=np.array(feats.basis_last_token_gram),
                     moments=None if moments_b is None else moments_b * inv[:, None],
                     target_gram=None if feats.target_gram is None else np.array(feats.target_gram),
-                    token_dtype=feats.token_dtype, per_position=feats.per_position, normalize=feats.normalize,
+                    token_dtype=feats.token_dtype, samples=feats.samples, normalize=feats.normalize,
                     n_sequences=feats.n_sequences, basis=np.eye(feats.d), basis_gram=np.array(gram_b),
                     basis_moments=None if moments_b is None else np.array(moments_b),
                     basis_token_gram=np.array(feats.basis_token_gram),
