@@ -68,14 +68,15 @@ def check_fit_targets(data: str | os.PathLike) -> None:
 
 def check_fit_file(data: str | os.PathLike, ridge: float | str = 0.0, heads: int | str | None = None,
                    nuclear: float | str | None = None, normalize: str | None = None,
-                   chunk_size: int | None = None, attention: str | None = None) -> None:
+                   chunk_size: int | None = None, attention: str | None = None, bias_terms: bool = False) -> None:
     """Refuse before any work a fit of the file `data` that cannot run: the options (`check_fit_options`),
     its memory (statistics.stream.check_solve_memory), and for 'auto' the folds it needs (a features file
     without them) and a normalisation that only a featurize with folds can apply."""
     check_fit_options(ridge, heads, nuclear)
     # 'auto': the folds' eigendecompositions need about a ridge solve's memory
     check_solve_memory(data, "fit", ridge=1.0 if ridge == "auto" else ridge,
-                       lowrank=heads is not None or nuclear is not None, chunk_size=chunk_size, attention=attention)
+                       lowrank=heads is not None or nuclear is not None, chunk_size=chunk_size, attention=attention,
+                       bias_terms=bias_terms)
     if needs_folds(ridge, heads, nuclear):
         if formats.kind_of(data) == "features" and load_folds(data) is None:
             raise RequestError("auto_without_folds", data)
@@ -204,6 +205,8 @@ def export_heads(model: Model, tol: float = 1e-12, max_heads: int | str | None =
         heads = spectrum.outlier_heads(model)
     else:
         heads = heads_mod.export_heads(model, tol=tol, max_heads=max_heads)
+    if model.info.get("bias_terms"):  # heads of the tokens (x, 1): the heads of x and their bias terms
+        heads = heads_mod.with_bias_terms(heads)
     heads.info["normalize"] = model.info.get("normalize", "none")
     if model.info.get("attention") is not None:
         heads.info["attention"] = model.info["attention"]

@@ -24,7 +24,7 @@ from ..solve.spectrum import UnreliableHeadCount, plot_spectrum, pyplot, spectru
 from ..statistics.stream import Features
 from ..io.tokens import inspect_tokens
 from .console import emit_json, fmt, load_with_progress, progress_bar, say, say_samples, warn, working
-from .options import (AttentionOpt, ChunkOpt, DeviceOpt, about, JsonOpt, NormalizeOpt, OutOpt, QuietOpt, check_heads_output,
+from .options import (AttentionOpt, BiasTermsOpt, ChunkOpt, DeviceOpt, about, JsonOpt, NormalizeOpt, OutOpt, QuietOpt, check_heads_output,
                       check_hdf5_output, parse_auto, require_optional)
 
 
@@ -47,6 +47,7 @@ def fit_cmd(
     seed: Annotated[int, typer.Option("--seed", help="With --heads: seed of the random starts.")] = 0,
     normalize: NormalizeOpt = None,
     attention: AttentionOpt = None,
+    bias_terms: BiasTermsOpt = False,
     chunk_size: ChunkOpt = None,
     device: DeviceOpt = "cpu",
     json_out: JsonOpt = False,
@@ -64,6 +65,9 @@ def fit_cmd(
 
     Example (an encoder's windows): mhla fit bert_l1.h5 -o model.h5 --attention bidirectional --ridge auto
     (the model records the attention: `mhla predict` writes its output at every position)
+
+    Example (a head with biases): mhla fit enc.h5 -o model.h5 --bias-terms (then `mhla export-heads` writes the
+    heads and their bias terms)
     """
     check_hdf5_output(output, (data,), "a model file")
     dev = check_device(device, data)
@@ -72,9 +76,9 @@ def fit_cmd(
     r = parse_auto(ridge, "--ridge", float)
     with in_flags():
         check_fit_file(data, ridge=r, heads=h, nuclear=lam, normalize=normalize, chunk_size=chunk_size,
-                       attention=attention)
+                       attention=attention, bias_terms=bias_terms)
     feats, fold_feats, load_seconds = _load_for_fit(data, needs_folds(r, h, lam), chunk_size, quiet, normalize, dev,
-                                                    attention)
+                                                    attention, bias_terms)
     with working(f"fit: solving on the canonical Lambda~ ({feats.n_features} features)", quiet):
         with about(data):  # e.g. a features file without targets
             model = fit(feats, ridge=r, heads=h, nuclear=lam, weight_decay=weight_decay, restarts=restarts,
@@ -111,16 +115,18 @@ def in_flags() -> Iterator[None]:
 
 
 def _load_for_fit(data: Path, folds: bool, chunk_size: int | None, quiet: bool, normalize: str | None,
-                  device: str | None, attention: str | None = None
+                  device: str | None, attention: str | None = None, bias_terms: bool = False
                   ) -> tuple[Features, list[Features] | None, dict[str, float]]:
     """The statistics of `data`, with their per-fold statistics when `folds` ('auto'), and the seconds."""
     if not folds:
-        feats, _, load_seconds = load_with_progress(data, chunk_size, quiet, normalize, device, attention)
+        feats, _, load_seconds = load_with_progress(data, chunk_size, quiet, normalize, device, attention,
+                                                    bias_terms)
         return feats, None, load_seconds
     t0 = time.perf_counter()
     with progress_bar("featurize", inspect_tokens(data).n_samples
                       if formats.kind_of(data) == "tokens" else 0, quiet) as advance:
-        feats, fold_feats = load_for_cv(data, chunk_size=chunk_size, progress=advance, attention=attention)
+        feats, fold_feats = load_for_cv(data, chunk_size=chunk_size, progress=advance, attention=attention,
+                                        bias_terms=bias_terms)
         feats.expand_held()
     say_samples(feats, data, attention, quiet)
     return feats, fold_feats, {"load": time.perf_counter() - t0}

@@ -71,6 +71,13 @@ AttentionOpt = Annotated[Literal["causal", "bidirectional"] | None, typer.Option
     "bidirectional")]
 
 
+BiasTermsOpt = Annotated[bool, typer.Option(
+    "--bias-terms", help="Add the terms a head's biases add (docs/bias_terms.md): the features of the tokens (x, 1), "
+    "S (x) x_t and the lower-degree S, m (x) x_t, m, n x_t, n (m = sum_i x_i; / n with --normalize length), in the "
+    "same least squares and certificate. Stored in the features and model files; export-heads writes the bias "
+    "terms beside the heads. Example: --bias-terms")]
+
+
 def parse_shard(shard: str | None) -> tuple[int, int] | None:
     if shard is None:
         return None

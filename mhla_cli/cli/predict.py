@@ -10,7 +10,7 @@ import typer
 from ..linalg.device import check_device
 from ..errors import InputError
 from ..model.forward import fitted_samples, predict_file, rollout_file
-from ..model.model import load_function, normalize_of
+from ..model.model import load_function, normalize_of, token_dim
 from ..model.compare import compare
 from ..io.tokens import inspect_tokens
 from .console import emit_json, fmt, progress_bar, say, warn
@@ -127,8 +127,9 @@ def compare_cmd(
     Example (a CI gate): mhla compare retrained.h5 model.h5 --tol 1e-6 --on heldout.h5 --json
     """
     fa, fb = load_function(a), load_function(b)
-    if fa.d != fb.d:
-        raise InputError(f"the models have different d ({fa.d} here, {fb.d} in {b}): nothing to compare", a)
+    if token_dim(fa) != token_dim(fb):
+        raise InputError(f"the models have different d ({token_dim(fa)} here, {token_dim(fb)} in {b}): nothing to "
+                         "compare", a)
     if normalize_of(fa) != normalize_of(fb):
         raise InputError(f"the models use different normalisations ({normalize_of(fa)} here, {normalize_of(fb)} "
                          f"in {b}): their coef act on different features", a)

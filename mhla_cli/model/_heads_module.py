@@ -19,8 +19,11 @@ class HeadsModule(nn.Module, HeadShapes):
     output of the prefix X[:t]. normalize="length" divides S (S_t) by n (t).
     """
 
-    def __init__(self, V: np.ndarray, Q: np.ndarray, normalize: str = "none", dtype: Any = torch.float64) -> None:
+    def __init__(self, V: np.ndarray, Q: np.ndarray, normalize: str = "none", dtype: Any = torch.float64,
+                 constant: bool = False) -> None:
         super().__init__()
+        # the bias terms (mhla_cli.bias_terms): V, Q are heads of the tokens (x, 1), the constant appended here
+        self.constant = bool(constant)
         if normalize not in ("none", "length"):
             raise ValueError(f"normalize must be none or length, got {normalize!r}")
         self.V = nn.Parameter(torch.as_tensor(np.asarray(V, dtype=np.float64)).to(dtype))
@@ -28,7 +31,7 @@ class HeadsModule(nn.Module, HeadShapes):
         self.normalize = normalize
 
     def extra_repr(self) -> str:
-        return f"{self._shape_repr()}, normalize={self.normalize!r}"
+        return f"{self._shape_repr()}, normalize={self.normalize!r}" + (", bias_terms=True" if self.constant else "")
 
     def forward(self, X: torch.Tensor, all_positions: bool = False, causal: bool = False) -> torch.Tensor:
         if all_positions and causal:
@@ -36,10 +39,13 @@ class HeadsModule(nn.Module, HeadShapes):
         single = X.dim() == 2
         if single:
             X = X.unsqueeze(0)
-        if X.dim() != 3 or X.shape[-1] != self.d or X.shape[1] < 1:
-            raise ValueError(f"expected tokens (B, n, d) or (n, d) with d = {self.d} and n >= 1, "
+        width = self.d - int(self.constant)
+        if X.dim() != 3 or X.shape[-1] != width or X.shape[1] < 1:
+            raise ValueError(f"expected tokens (B, n, d) or (n, d) with d = {width} and n >= 1, "
                              f"got shape {tuple(X.shape)}")
         X = X.to(self.V.dtype)
+        if self.constant:  # the tokens (x, 1) of the bias terms
+            X = torch.cat([X, torch.ones(*X.shape[:-1], 1, dtype=X.dtype, device=X.device)], dim=-1)
         n = X.shape[1]
         if causal:
             # S_t = sum_{s<=t} x_s x_s^T (B, n, d, d), then M_t = sum_h V_h S_t Q_h and out_t = M_t x_t

@@ -12,10 +12,10 @@ import numpy as np
 from ..errors import InputError
 from ..feature_map import n_features
 from .heads import Heads, coef_inner, coef_of_heads
-from .model import Model, coef_of, normalize_of
+from .model import Model, bias_terms_of, coef_of, normalize_of
 from .forward import DIRECT_COEF_BYTES, direct, function_of, in_width, out_width, predict_chunk
 from ..statistics.stream import default_chunk_size
-from ..io.tokens import check_finite, inspect_tokens, iter_chunks
+from ..io.tokens import check_finite, inspect_tokens, iter_chunks, with_bias_terms
 
 
 @dataclass
@@ -50,15 +50,16 @@ def _heads_distance(a: Model | Heads | np.ndarray, b: Model | Heads | np.ndarray
                          "another width: export the model's heads first")
     if (a.d_out, a.d) != (b.d_out, b.d):
         raise InputError(f"the heads map d = {a.d} to {a.d_out} and d = {b.d} to {b.d_out}: nothing to compare")
-    if 8 * a.d_out * n_features(a.d) <= DIRECT_COEF_BYTES:
-        pa, pb = coef_of_heads(a.V, a.Q), coef_of_heads(b.V, b.Q)
+    (Va, Qa), (Vb, Qb) = a.augmented(), b.augmented()  # with the bias terms: the heads of the tokens (x, 1)
+    if 8 * a.d_out * n_features(Qa.shape[1]) <= DIRECT_COEF_BYTES:
+        pa, pb = coef_of_heads(Va, Qa), coef_of_heads(Vb, Qb)
         return _distance(pa, pb)
     # ||p_A - p_B||^2 of the heads (V_A, -V_B) (Q_A, Q_B), in products of d x d matrices
-    V = np.concatenate([a.V, -b.V])
-    Q = np.concatenate([a.Q, b.Q])
+    V = np.concatenate([Va, -Vb])
+    Q = np.concatenate([Qa, Qb])
     dist = float(np.sqrt(max(coef_inner(V, Q, V, Q), 0.0)))
-    na = float(np.sqrt(max(coef_inner(a.V, a.Q, a.V, a.Q), 0.0)))
-    nb = float(np.sqrt(max(coef_inner(b.V, b.Q, b.V, b.Q), 0.0)))
+    na = float(np.sqrt(max(coef_inner(Va, Qa, Va, Qa), 0.0)))
+    nb = float(np.sqrt(max(coef_inner(Vb, Qb, Vb, Qb), 0.0)))
     return Distance.of(dist, na, nb)
 
 
@@ -70,8 +71,13 @@ def function_distance(a: Model | Heads | np.ndarray, b: Model | Heads | np.ndarr
     """||p_A - p_B||_F and ||p_A - p_B||_F / ||p_B||_F (the paper's Fig. 2 metric).
 
     Heads of outputs wider or narrower than their tokens (d_out != d) are compared on their
-    (d_out, psi) coef; heads too wide for one, through d x d products (heads.coef_inner)."""
-    if direct(a) is not None or direct(b) is not None:
+    (d_out, psi) coef; heads too wide for one, through d x d products (heads.coef_inner). With the bias terms
+    (both or neither), the coef of the tokens (x, 1) (mhla_cli.bias_terms)."""
+    if bias_terms_of(a) != bias_terms_of(b):
+        raise InputError("one function has the bias terms and the other not: their coef act on different "
+                         "features, so they cannot be compared")
+    square = all(not isinstance(f, Heads) or f.d_out == f.d for f in (a, b))
+    if (direct(a) is not None or direct(b) is not None) and not (bias_terms_of(a) and square):
         return _heads_distance(a, b)
     pa, pb = coef_of(a), coef_of(b)
     if pa.shape != pb.shape:
@@ -86,6 +92,8 @@ def prediction_difference(a: Model | Heads | np.ndarray, b: Model | Heads | np.n
     pa, pb = function_of(a), function_of(b)
     norm = normalize_of(a)
     info = inspect_tokens(data)
+    if bias_terms_of(a):  # the functions of the tokens (x, 1): the reader appends the constant
+        info = with_bias_terms(info, pad_targets=False)
     if info.d != in_width(pa):
         raise InputError(f"the data have d = {info.d} but the models have d = {in_width(pa)}", data)
     size = chunk_size or default_chunk_size(info)

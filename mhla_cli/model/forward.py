@@ -22,10 +22,10 @@ from ..io import formats
 from ..linalg.backends import get_backend
 from ..linalg.device import check_device, worker_device
 from ..errors import InputError
-from ..feature_map import check_normalize, features_from_moments
+from ..feature_map import check_normalize, d_of_psi, features_from_moments
 from .heads import Heads
 from ..numerics import EPS
-from .model import Model, attention_of, coef_of, evaluation_of, normalize_of
+from .model import Model, attention_of, bias_terms_of, coef_of, evaluation_of, normalize_of
 from ..statistics.parallel import SerialMap, ThreadMap, make_map
 from .scores import Spread
 from ..samples import BIDIRECTIONAL, CAUSAL, LAST, Samples, samples_of
@@ -38,7 +38,9 @@ from ..io.tokens import (
     iter_chunks,
     read_as,
     spans,
+    with_bias_terms,
 )
+from ..bias_terms import with_constant
 
 
 def forward_heads(V: np.ndarray, Q: np.ndarray, X: np.ndarray, all_positions: bool = False,
@@ -76,24 +78,34 @@ def direct(fn: Model | Heads | np.ndarray) -> HeadsFn | None:
     """`fn` as a HeadsFn when it is heads that are rectangular (d_out != d) or too wide for a coef."""
     if not isinstance(fn, Heads):
         return None
-    V, Q = np.asarray(fn.V, dtype=np.float64), np.asarray(fn.Q, dtype=np.float64)
+    V, Q = (np.asarray(a, dtype=np.float64) for a in fn.augmented())  # with bias terms: of the tokens (x, 1)
     d_out, d = V.shape[1], Q.shape[1]
-    if d_out != d or 8 * d_out * (d * d * (d + 1) // 2) > DIRECT_COEF_BYTES:
+    if fn.bias_terms or d_out != d or 8 * d_out * (d * d * (d + 1) // 2) > DIRECT_COEF_BYTES:
         return HeadsFn((V, Q))
     return None
 
 
 def function_of(fn: Model | Heads | np.ndarray) -> np.ndarray | HeadsFn:
-    """What the chunk kernels evaluate: coef (d, psi), or the heads themselves (`direct`)."""
+    """What the chunk kernels evaluate: coef (d, psi), or the heads themselves (`direct`); with the bias
+    terms, of the tokens (x, 1) and without the padded output (`_outputs`)."""
     h = direct(fn)
-    return coef_of(fn) if h is None else h
+    return _outputs(fn, coef_of(fn)) if h is None else h
 
 
 def evaluated(fn: Model | Heads | np.ndarray) -> tuple[np.ndarray | HeadsFn, np.ndarray | None]:
     """(what the kernels evaluate, A): a model's canonical coef with its basis A (tokens X A;
     Model.evaluation), or the heads themselves (`direct`, A None)."""
     h = direct(fn)
-    return (h, None) if h is not None else evaluation_of(fn)
+    if h is not None:
+        return h, None
+    coef, A = evaluation_of(fn)
+    return _outputs(fn, coef), A
+
+
+def _outputs(fn: Model | Heads | np.ndarray, coef: np.ndarray) -> np.ndarray:
+    """coef without the bias terms' padded output (its last row, exactly 0: mhla_cli.bias_terms), for a model
+    fitted with them; coef itself otherwise."""
+    return coef[:-1] if bias_terms_of(fn) else coef
 
 
 def out_width(fn: np.ndarray | HeadsFn) -> int:
@@ -102,8 +114,8 @@ def out_width(fn: np.ndarray | HeadsFn) -> int:
 
 
 def in_width(fn: np.ndarray | HeadsFn) -> int:
-    """Width of the tokens a coef or HeadsFn takes."""
-    return int(fn.shape[1]) if isinstance(fn, HeadsFn) else int(fn.shape[0])
+    """Width of the tokens a coef (d_out, psi) or HeadsFn takes."""
+    return int(fn.shape[1]) if isinstance(fn, HeadsFn) else d_of_psi(int(fn.shape[1]))
 
 
 def _chunk_moments(tokens: np.ndarray, offsets: np.ndarray, d: int, normalize: str) -> tuple[np.ndarray, np.ndarray]:
@@ -141,8 +153,7 @@ def predict_chunk(coef: np.ndarray | HeadsFn, tokens: np.ndarray, offsets: np.nd
     """
     if isinstance(coef, HeadsFn):
         return heads_chunk(coef, tokens, offsets, all_positions, normalize)
-    d = coef.shape[0]
-    S, last = _chunk_moments(tokens, offsets, d, normalize)
+    S, last = _chunk_moments(tokens, offsets, in_width(coef), normalize)
     pred = get_backend(device).last_outputs(coef, S, last)
     outputs = sample_outputs(coef, tokens, offsets, BIDIRECTIONAL, normalize) if all_positions else None
     return pred, outputs
@@ -166,8 +177,9 @@ def sample_outputs(coef: np.ndarray | HeadsFn, tokens: np.ndarray, offsets: np.n
     B = offsets.size - 1
     npairs = d * (d + 1) // 2
     heads = isinstance(coef, HeadsFn)
+    d_out = out_width(coef)
     if not heads:
-        P = np.asarray(coef, dtype=np.float64).reshape(d, npairs, d).transpose(1, 0, 2).reshape(npairs, d * d)
+        P = np.asarray(coef, dtype=np.float64).reshape(d_out, npairs, d).transpose(1, 0, 2).reshape(npairs, d_out * d)
     else:
         from ..linalg.symgram import pair_positions
 
@@ -182,7 +194,7 @@ def sample_outputs(coef: np.ndarray | HeadsFn, tokens: np.ndarray, offsets: np.n
             qx = np.einsum("hcl,rl->rhc", Q, q.x, optimize=True)
             outs.append(np.einsum("haj,rhj->ra", V, np.einsum("rjc,rhc->rhj", S, qx, optimize=True), optimize=True))
         else:
-            M = (q.upper @ P).reshape(-1, d, d)
+            M = (q.upper @ P).reshape(-1, d_out, d)
             outs.append(np.einsum("tal,tl->ta", M if q.group is None else M[q.group], q.x))
         if progress is not None:
             progress(e)
@@ -239,9 +251,14 @@ def predict_samples(fn: Model | Heads | np.ndarray, tokens: np.ndarray, offsets:
     """In-memory outputs at every sample of `samples` (mhla_cli.samples; None: the layout `fn` was fitted on,
     `fitted_samples`): (N, d) for LAST, (T, d) for CAUSAL and BIDIRECTIONAL (tokens (N, n, d), or (T, d)
     with offsets); the model's normalisation."""
-    tokens, offsets = as_ragged(tokens, offsets)
+    tokens, offsets = as_ragged(_tokens_of(fn, tokens), offsets)
     coef, A = evaluated(fn)
     return sample_outputs(coef, in_basis(tokens, A), offsets, samples or fitted_samples(fn), normalize_of(fn))
+
+
+def _tokens_of(fn: Model | Heads | np.ndarray, tokens: np.ndarray) -> np.ndarray:
+    """The tokens `fn` evaluates: (x, 1) for a function with the bias terms (mhla_cli.bias_terms), else x."""
+    return with_constant(tokens) if bias_terms_of(fn) else np.asarray(tokens)
 
 
 def fitted_samples(fn: Model | Heads | np.ndarray) -> Samples:
@@ -256,7 +273,7 @@ def predict(fn: Model | Heads | np.ndarray, tokens: np.ndarray, offsets: np.ndar
     """In-memory prediction. tokens (N, n, d), or (T, d) with offsets (N+1,); the model's normalisation.
     `device` (mhla_cli.linalg.device): the last-token outputs computed there."""
     coef, A = evaluated(fn)
-    tokens, offsets = as_ragged(tokens, offsets)
+    tokens, offsets = as_ragged(_tokens_of(fn, tokens), offsets)
     pred, outputs = predict_chunk(coef, in_basis(tokens, A), offsets, all_positions,
                                   normalize_of(fn), device=check_device(device))
     return (pred, outputs) if all_positions else pred
@@ -341,6 +358,8 @@ def _function_and_data(fn: Model | Heads, data: str | os.PathLike
     coef = function_of(fn)
     normalize = check_normalize(normalize_of(fn))
     info = inspect_tokens(data)
+    if bias_terms_of(fn):  # the function of the tokens (x, 1): the reader appends the constant
+        info = with_bias_terms(info, pad_targets=False)
     if info.d != in_width(coef):
         raise InputError(f"the data have d = {info.d} but the model has d = {in_width(coef)}", data)
     if info.has_targets and info.out_dim != out_width(coef):
@@ -645,6 +664,9 @@ def rollout_file(fn: Model | Heads, data: str | os.PathLike, out: str | os.PathL
     """
     if steps < 1:
         raise InputError(f"steps must be >= 1, got {steps}")
+    if bias_terms_of(fn):
+        raise InputError("a rollout appends outputs as tokens; a function with the bias terms maps tokens x to "
+                         "outputs through (x, 1), which rollout does not support", data)
     coef, normalize, info = _function_and_data(fn, data)
     if isinstance(coef, HeadsFn):
         if out_width(coef) != in_width(coef):

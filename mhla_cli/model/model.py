@@ -20,7 +20,7 @@ from ..numerics import CANONICAL_COEF_TOL, SINGULAR_BASIS_COND, W_COEF_TOL
 
 # Fit results kept as attributes of a model file.
 _SAVED_INFO = ("ridge", "train_mse", "train_r2", "lambda_min", "identifiable", "condition_number", "n_samples", "method",
-               "n_heads", "weight_decay", "nuclear_lambda", "objective", "normalize", "attention")
+               "n_heads", "weight_decay", "nuclear_lambda", "objective", "normalize", "attention", "bias_terms")
 
 
 @dataclass
@@ -107,6 +107,10 @@ class Model:
                 W = W_from_p(coef)
             info = {k: (v.item() if hasattr(v, "item") else v) for k, v in f.attrs.items()
                     if k in _SAVED_INFO}
+            if formats.read_bias_terms(f.attrs, path):  # the function of the tokens (x, 1): mhla_cli.bias_terms
+                info["bias_terms"] = True
+            else:
+                info.pop("bias_terms", None)
             coef_b, basis = _load_canonical(f, path, coef)
         return cls(coef=coef, W=W, d=d, info=info, coef_b=coef_b, basis=basis)
 
@@ -197,6 +201,24 @@ def attention_of(fn: Model | Heads | np.ndarray) -> str | None:
         return None
     att = fn.info.get("attention")
     return None if att is None else str(att.decode() if isinstance(att, bytes) else att)
+
+
+def bias_terms_of(fn: Model | Heads | np.ndarray) -> bool:
+    """Whether a model or heads hold the bias terms (mhla_cli.bias_terms): a model's coef is then of the
+    tokens (x, 1) with the padded output last; heads carry their bias arrays."""
+    if isinstance(fn, np.ndarray):
+        return False
+    if isinstance(fn, Heads):
+        return fn.bias_terms
+    return bool(fn.info.get("bias_terms", False))
+
+
+def token_dim(fn: Model | Heads | np.ndarray) -> int:
+    """The width d of the tokens a model or heads take (a bias-terms model's coef is of the tokens (x, 1): d + 1
+    wide, mhla_cli.bias_terms)."""
+    if isinstance(fn, np.ndarray):
+        return int(fn.shape[0])
+    return int(fn.d) - int(isinstance(fn, Model) and bias_terms_of(fn))
 
 
 def normalize_of(fn: Model | Heads | np.ndarray) -> str:

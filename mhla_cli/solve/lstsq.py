@@ -60,6 +60,8 @@ def fit(feats: Features, ridge: float = 0.0, device: str | None = None) -> Model
         "basis": "canonical", "normalize": getattr(feats, "normalize", "none"), "seconds": seconds,
     }
     # the canonical coefficients and their basis: predict evaluates the function there (Model.evaluation)
+    if feats.bias_terms:
+        info["bias_terms"] = True
     return Model(coef=coef, W=W_from_p(coef), d=feats.d, info=info, coef_b=coef_b, basis=np.array(A))
 
 
@@ -96,7 +98,8 @@ def _train_mse_b(feats: Features, pb: np.ndarray) -> tuple[float, float]:
     With only the block on the data's spans held (gram_b = Q G_r Q^T, moments_b = Q M_r), p_b enters
     through p_b Q alone, exactly (mhla_cli.statistics.structure).
     """
-    N, d = (feats.weight if feats.weight > 0 else 1.0), feats.d  # sum w: the weighted mean
+    # sum w: the weighted mean; per output of the targets' own width (the bias terms' padded 0 is none)
+    N, d = (feats.weight if feats.weight > 0 else 1.0), feats.n_outputs
     _, gram_b, moments_b = feats.solver_stats()
     if feats.reduced:
         pb = basis_mod.kron_apply(feats.span_pairs.T, feats.span_last.T, np.ascontiguousarray(pb.T)).T

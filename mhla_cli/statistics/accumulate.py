@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 
 from . import basis as basis_mod
+from .. import bias_terms as bias_mod
 from ..linalg import device as device_mod
 from ..linalg import symgram
 from ..numerics import SINGULAR_BASIS_COND
@@ -383,7 +384,7 @@ class _Accumulator:
 def chunk_features(tokens: np.ndarray, offsets: np.ndarray, targets: np.ndarray | None, d: int,
                    weights: np.ndarray | None = None, per_position: bool = False,
                    normalize: str = "none", basis: np.ndarray | str | None = "auto",
-                   device: str | None = None, attention: str | None = None) -> Features:
+                   device: str | None = None, attention: str | None = None, bias_terms: bool = False) -> Features:
     """Statistics of one in-memory chunk (tokens (t, d), offsets from 0, targets (B, d) or None).
 
     With `per_position` every position is a sample: targets (t, d), weights (t,) (mhla_cli.samples:
@@ -392,12 +393,15 @@ def chunk_features(tokens: np.ndarray, offsets: np.ndarray, targets: np.ndarray 
     `basis`: the basis accumulated in ("auto": the whitening of the chunk's own tokens; an array;
     None or "identity": the tokens' own coordinates); the result is then changed exactly to the
     whitening of the chunk's token Gram (`Features.canonical`). `device` (mhla_cli.linalg.device): where the
-    features and their Gram are built.
+    features and their Gram are built. `bias_terms`: the statistics of the tokens (x, 1) and the targets (y, 0)
+    (docs/bias_terms.md; the result's d is d + 1).
     """
     check_normalize(normalize)
+    tokens = np.asarray(tokens)
+    if bias_terms:
+        tokens, targets, d = bias_mod.with_constant(tokens), bias_mod.pad_targets(targets), d + 1
     check_floor(d, what="featurize")
     device = device_mod.check_device(device)
-    tokens = np.asarray(tokens)
     basis = _basis_option(basis, d, None)
     if basis is None:
         X = tokens.astype(np.float64)
@@ -408,6 +412,7 @@ def chunk_features(tokens: np.ndarray, offsets: np.ndarray, targets: np.ndarray 
             None if targets is None else np.asarray(targets, dtype=np.float64),
             weights=None if weights is None else np.asarray(weights, dtype=np.float64))
     feats = acc.result(str(tokens.dtype))
+    feats.bias_terms = bias_terms
     check_overflow(feats, "the data", None)
     return feats.canonical().finalize()
 

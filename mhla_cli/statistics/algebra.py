@@ -116,6 +116,7 @@ class FeaturesAlgebra:
         part.expand()
         out = type(self)(d=self.d, n_samples=self.n_samples - part.n_samples, n_tokens=self.n_tokens - part.n_tokens,
                          token_dtype=self.token_dtype, normalize=self.normalize, samples=self.samples,
+                         bias_terms=self.bias_terms,
                          weight_sum=self.weight - part.weight, token_weight_sum=self.token_weight - part.token_weight,
                          **{k: None if getattr(self, k) is None else getattr(self, k) - getattr(part, k)
                             for k in self.SUMS})
@@ -132,7 +133,7 @@ class FeaturesAlgebra:
     def __add__(self, other: Features) -> Features:
         total = type(self).zeros(self.d, self.has_targets,
                                  self.token_dtype if self.token_dtype == other.token_dtype else "float64")
-        total.normalize, total.samples = self.normalize, self.samples
+        total.normalize, total.samples, total.bias_terms = self.normalize, self.samples, self.bias_terms
         total.n_sequences = 0 if self.n_sequences is not None and other.n_sequences is not None else None
         add_into(total, self)
         add_into(total, other)
@@ -194,6 +195,10 @@ def _congruence(feats: Features, P: np.ndarray, R: np.ndarray) -> np.ndarray | s
 
 def _check_addable(acc: Features, part: Features) -> None:
     """Refuse to add statistics of different data shapes, targets, normalisations or modes."""
+    if part.bias_terms != acc.bias_terms:
+        with_, without = ("the part", "the sum") if part.bias_terms else ("the sum", "the part")
+        raise InputError(f"cannot add statistics with and without the bias terms ({with_} has them, {without} "
+                         "not): featurize every part with the same --bias-terms")
     if part.d != acc.d:
         raise InputError(f"cannot add statistics of d = {acc.d} and d = {part.d}")
     if part.has_targets != acc.has_targets:

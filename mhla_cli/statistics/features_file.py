@@ -112,6 +112,8 @@ class FeaturesFile:
             attrs["source"] = json.dumps(self.source)
         attrs["normalize"] = self.normalize
         attrs.update(self.samples.attrs())  # per_position, and attention for per-position samples
+        if self.bias_terms:  # written only with them: files without are as before
+            attrs["bias_terms"] = 1
         if self.n_sequences is not None:
             attrs["n_sequences"] = int(self.n_sequences)
         attrs.update(self.extra_attrs)
@@ -157,6 +159,10 @@ class FeaturesFile:
             dtype = dtype.decode() if isinstance(dtype, bytes) else str(dtype)
             normalize = read_normalize(f, path)
             samples = from_attrs(f.attrs, path)
+            bias_terms = formats.read_bias_terms(f.attrs, path)
+            if bias_terms and d < 2:
+                raise InputError(f"attribute 'bias_terms' is 1 but d = {d}: the tokens (x, 1) are at least 2 wide; "
+                                 "the file is corrupted", path)
             n_seq = int(f.attrs["n_sequences"]) if "n_sequences" in f.attrs else None
             t_sum = _load_target_sum(f, path, d) if has_targets else None
             weights = _load_weights(f, path, n, t, samples.per_position, n_seq)
@@ -169,7 +175,7 @@ class FeaturesFile:
                    moments=moments, target_gram=target_gram, token_dtype=dtype, sample_range=rng,
                    source=source, extra_attrs=extra, samples=samples, normalize=normalize,
                    n_sequences=n_seq, target_sum=t_sum, weight_sum=weights[0],
-                   token_weight_sum=weights[1], **sums)
+                   token_weight_sum=weights[1], bias_terms=bias_terms, **sums)
 
 
 def expect_features(f: h5py.File, path: str | os.PathLike) -> None:

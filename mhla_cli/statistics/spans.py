@@ -164,6 +164,7 @@ def reduce_span(info: TokensInfo, span: tuple[int, int], chunk_size: int | None 
         total.canonical().finalize()
         check_overflow(total, f"samples {lo}..{hi}", info.path)
     total.sample_range = (lo, hi)
+    total.bias_terms = info.constant
     return total
 
 
@@ -279,6 +280,7 @@ def reduce_spans(info: TokensInfo, span_list: Sequence[tuple[int, int]],
     if finalize:
         total.canonical().finalize()
     total.token_dtype = info.dtype
+    total.bias_terms = info.constant
     if span_list:
         total.sample_range = (span_list[0][0], span_list[-1][1])
     return total
