@@ -140,6 +140,10 @@ def say_samples(feats: Features, data: Path, attention: str | None, quiet: bool)
     if feats.bias_terms:
         say(f"  bias terms: the features of the tokens (x, 1), {feats.d - 1} coordinates and the constant "
             "(docs/bias_terms.md)", quiet)
+    if feats.affine is not None:
+        src = (feats.affine.source or {}).get("name")
+        say(f"  affine block: the query's wide token (x_wide, 1), {feats.affine.width} coordinates and the constant"
+            + (f", of {src}" if src else "") + " (docs/bias_terms.md)", quiet)
     if not feats.per_position:
         return
     from ..io import formats
@@ -153,7 +157,8 @@ def say_samples(feats: Features, data: Path, attention: str | None, quiet: bool)
 
 def load_with_progress(path: Path, chunk_size: int | None, quiet: bool,
                        normalize: str | None = None, device: str | None = None, attention: str | None = None,
-                       bias_terms: bool = False) -> tuple[Features, str, dict[str, float]]:
+                       bias_terms: bool = False, affine_from: Path | None = None
+                       ) -> tuple[Features, str, dict[str, float]]:
     """Features of a features or tokens file (with a progress bar when featurizing; a tokens file's per-position
     samples read with `attention`), the file kind, and the seconds it took ({"pass": s} when a tokens file was
     featurized, else {"load": s}); says what the samples are (`say_samples`)."""
@@ -166,7 +171,7 @@ def load_with_progress(path: Path, chunk_size: int | None, quiet: bool,
     t = time.perf_counter()
     with progress_bar("featurize", total, quiet) as advance:
         feats = load_features(path, chunk_size=chunk_size, normalize=normalize, progress=advance, device=device,
-                              attention=attention, bias_terms=bias_terms)
+                              attention=attention, bias_terms=bias_terms, affine_from=affine_from)
         if kind == "features":
             feats.expand_held()  # a compact file's Gram: expanded within the load's seconds
     say_samples(feats, path, attention, quiet)

@@ -16,7 +16,7 @@ from ..statistics.parallel import make_map
 from ..statistics.stream import Features, check_spans, featurize, shard_span
 from ..io.tokens import inspect_tokens
 from .console import emit_json, fmt, progress_bar, say, say_samples, warn
-from .options import (AttentionOpt, BiasTermsOpt, ChunkOpt, DeviceOpt, JsonOpt, NormalizeOpt, OutOpt, QuietOpt, check_hdf5_output,
+from .options import (AffineFromOpt, AttentionOpt, BiasTermsOpt, ChunkOpt, DeviceOpt, JsonOpt, NormalizeOpt, OutOpt, QuietOpt, check_hdf5_output,
                       parse_shard, require_optional)
 
 
@@ -37,6 +37,7 @@ def featurize_cmd(
     normalize: NormalizeOpt = None,
     attention: AttentionOpt = None,
     bias_terms: BiasTermsOpt = False,
+    affine_from: AffineFromOpt = None,
     spans: Annotated[Literal["auto", "on", "off"], typer.Option("--spans", help="Accumulate only the features on the data's spans "
                                        "span{S_i} (x) span{x_n} (the rest are exact nulls): auto (psi >= 2048 and "
                                        "they hold at most half the features; a cheap first pass finds them), on, off.")] = "auto",
@@ -71,24 +72,31 @@ def featurize_cmd(
     Example (an encoder's windows): mhla featurize bert_l1.h5 -o feats.h5 --attention bidirectional
 
     Example (a head with biases): mhla featurize enc.h5 -o feats.h5 --bias-terms
+
+    Example (with the wide token's affine map): mhla featurize h8.h5 -o feats.h5 --affine-from hidden384.h5
     """
     if scheduler is not None and workers != 1:
         raise InputError("--workers and --scheduler cannot be combined (the Dask cluster sets the workers)")
     parallel = {"workers": workers, "scheduler": scheduler, "normalize": check_normalize(normalize or "none"),
                 "attention": attention, "bias_terms": bias_terms}
+    if affine_from is not None:
+        if folds is not None:
+            raise InputError("--affine-from and --folds cannot be combined (the affine block is fitted with a given "
+                             "--ridge)")
+        parallel["affine_from"] = affine_from
     dev = check_device(device, data)
     if dev is not None and folds is not None:
         raise InputError("--folds runs on the CPU: featurize the folds without --device")
     if compact and folds is not None:
         raise InputError("--compact and --folds cannot be combined (the folds' sums are stored whole)")
-    check_hdf5_output(output, (data,), "a features file")
+    check_hdf5_output(output, (data, affine_from), "a features file")
     if scheduler is not None:
         require_dask(scheduler)
     feats, fold_feats = _featurize(data, shard, folds, chunk_size, spans, dev, parallel, quiet)
     if fold_feats is not None:
         save_with_folds(feats, fold_feats, output, inputs=(data,))
     else:
-        feats.save(output, inputs=(data,), compact=compact)
+        feats.save(output, inputs=(data,) + ((affine_from,) if affine_from is not None else ()), compact=compact)
     _say_featurize(feats, output, quiet)
     say_samples(feats, data, attention, quiet)
     if json_out:
@@ -139,6 +147,7 @@ def _featurize_record(feats: Features, output: Path, compact: bool) -> dict[str,
             "n_tokens": feats.n_tokens, "has_targets": feats.has_targets,
             "per_position": feats.per_position, "attention": feats.samples.attention, "normalize": feats.normalize,
             "bias_terms": feats.bias_terms,
+            "affine_width": None if feats.affine is None else feats.affine.width,
             "n_sequences": feats.n_sequences, "basis_passes": int(feats.extra_attrs.get("basis_passes", 1)),
             "compact": compact, "sample_range": list(feats.sample_range) if feats.sample_range else None}
 

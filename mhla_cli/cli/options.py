@@ -78,6 +78,13 @@ BiasTermsOpt = Annotated[bool, typer.Option(
     "terms beside the heads. Example: --bias-terms")]
 
 
+AffineFromOpt = Annotated[Path | None, typer.Option(
+    "--affine-from", metavar="WIDE", help="Add the token-wise affine map of the UNREDUCED token (docs/bias_terms.md): "
+    "WIDE is the tokens file `mhla reduce` read to make DATA (checked by its fingerprint); its tokens (x_wide, 1) at "
+    "every sample's query are a block of D + 1 features beside the MHLA's, whitened by their own second moment. "
+    "Example: mhla fit h8.h5 -o m.h5 --affine-from hidden384.h5", show_default=False)]
+
+
 def parse_shard(shard: str | None) -> tuple[int, int] | None:
     if shard is None:
         return None

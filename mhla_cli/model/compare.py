@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -12,7 +13,7 @@ import numpy as np
 from ..errors import InputError
 from ..feature_map import n_features
 from .heads import Heads, coef_inner, coef_of_heads
-from .model import Model, bias_terms_of, coef_of, normalize_of
+from .model import Model, affine_of, bias_terms_of, coef_of, normalize_of
 from .forward import DIRECT_COEF_BYTES, direct, function_of, in_width, out_width, predict_chunk
 from ..statistics.stream import default_chunk_size
 from ..io.tokens import check_finite, inspect_tokens, iter_chunks, with_bias_terms
@@ -76,6 +77,15 @@ def function_distance(a: Model | Heads | np.ndarray, b: Model | Heads | np.ndarr
     if bias_terms_of(a) != bias_terms_of(b):
         raise InputError("one function has the bias terms and the other not: their coef act on different "
                          "features, so they cannot be compared")
+    fa, fb = affine_of(a), affine_of(b)
+    if fa is not None or fb is not None:  # the MHLA's coef and the affine map of the wide tokens, together
+        if fa is None or fb is None or fa.shape != fb.shape:
+            raise InputError("one function has an affine map of the wide tokens and the other not (or of another "
+                             "width): they cannot be compared")
+        core = function_distance(_without_affine(a), _without_affine(b))
+        dist = float(np.hypot(core.distance, np.linalg.norm(fa - fb)))
+        return Distance.of(dist, float(np.hypot(core.norm_a, np.linalg.norm(fa))),
+                           float(np.hypot(core.norm_b, np.linalg.norm(fb))))
     square = all(not isinstance(f, Heads) or f.d_out == f.d for f in (a, b))
     if (direct(a) is not None or direct(b) is not None) and not (bias_terms_of(a) and square):
         return _heads_distance(a, b)
@@ -85,10 +95,22 @@ def function_distance(a: Model | Heads | np.ndarray, b: Model | Heads | np.ndarr
     return _distance(pa, pb)
 
 
+def _without_affine(fn: Model | Heads | np.ndarray) -> Model | Heads | np.ndarray:
+    """fn without its affine map of the wide tokens (a copy)."""
+    if isinstance(fn, Model):
+        return dataclasses.replace(fn, affine_coef=None)
+    if isinstance(fn, Heads):
+        return dataclasses.replace(fn, affine_weight=None, affine_bias=None)
+    return fn
+
+
 def prediction_difference(a: Model | Heads | np.ndarray, b: Model | Heads | np.ndarray,
                           data: str | os.PathLike, chunk_size: int | None = None,
                           progress: Callable[[int], None] | None = None) -> dict[str, float]:
     """RMS over the N*d outputs of (yhat_A - yhat_B) on a tokens file, streamed, and the RMS of yhat_B."""
+    if affine_of(a) is not None or affine_of(b) is not None:
+        raise InputError("comparing predictions of functions with the affine map of the wide tokens needs the wide "
+                         "tokens: predict each (`mhla predict --affine-from`) and compare the outputs", data)
     pa, pb = function_of(a), function_of(b)
     norm = normalize_of(a)
     info = inspect_tokens(data)

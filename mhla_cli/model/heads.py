@@ -14,6 +14,9 @@ from ..feature_map import n_features, pair_index
 from ._head_shapes import HeadShapes
 from ..bias_terms import BIAS_ARRAYS, augmented_heads, split_heads
 
+# The arrays of the token-wise affine map of the wide tokens beside the heads (mhla_cli.solve.affine_block).
+AFFINE_ARRAYS = ("affine_weight", "affine_bias")
+
 
 def _d_of_W(W: np.ndarray) -> int:
     d = int(round(np.sqrt(W.shape[0])))
@@ -104,6 +107,12 @@ class Heads(HeadShapes):
     score_key: np.ndarray | None = None
     score_query: np.ndarray | None = None
     score_bias: np.ndarray | None = None
+    # The token-wise affine map of the wide tokens beside the heads (mhla_cli.solve.affine_block), both or none:
+    # the output gains affine_weight x_wide + affine_bias at every query, affine_weight (d_out, D), affine_bias
+    # (d_out,); x_wide the query's token in the model's own coordinates (the tokens themselves for heads put back
+    # there with --unreduce).
+    affine_weight: np.ndarray | None = None
+    affine_bias: np.ndarray | None = None
 
     @property
     def n_heads(self) -> int:
@@ -151,7 +160,16 @@ class Heads(HeadShapes):
                 attrs[k] = self.info[k]
         if self.bias_terms:
             attrs["bias_terms"] = 1
-        formats.write_file(path, "heads", {"V": self.V, "Q": self.Q, **self.bias_arrays()}, attrs, inputs)
+        if self.affine_weight is not None:
+            attrs["affine_width"] = int(self.affine_weight.shape[1])
+        formats.write_file(path, "heads", {"V": self.V, "Q": self.Q, **self.bias_arrays(), **self.affine_arrays()},
+                           attrs, inputs)
+
+    def affine_arrays(self) -> dict[str, np.ndarray]:
+        """The affine map's arrays by name ({} without it): affine_weight (d_out, D), affine_bias (d_out,)."""
+        if self.affine_weight is None:
+            return {}
+        return {"affine_weight": self.affine_weight, "affine_bias": self.affine_bias}
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> Heads:
@@ -164,16 +182,18 @@ class Heads(HeadShapes):
             attention = f.attrs.get("attention")
             bias = read_bias_arrays({k: formats.read_array(f, k, path) for k in BIAS_ARRAYS if k in f},
                                     formats.read_bias_terms(f.attrs, path), path)
-        heads = cls.from_arrays(V, Q, normalize, path, bias=bias)
+            affine = {k: formats.read_array(f, k, path) for k in AFFINE_ARRAYS if k in f}
+        heads = cls.from_arrays(V, Q, normalize, path, bias=bias, affine=affine or None)
         if attention is not None:  # the per-position samples fitted on (mhla_cli.samples)
             heads.info["attention"] = attention.decode() if isinstance(attention, bytes) else str(attention)
         return heads
 
     @classmethod
     def from_arrays(cls, V: Any, Q: Any, normalize: str = "none", path: str | os.PathLike | None = None,
-                    bias: dict[str, Any] | None = None) -> Heads:
-        """Validated heads from arrays V (H, d_out, d), Q (H, d, d) (any real dtype; stored as float64), and
-        `bias`, the bias terms' arrays by name (mhla_cli.bias_terms.BIAS_ARRAYS) or None."""
+                    bias: dict[str, Any] | None = None, affine: dict[str, Any] | None = None) -> Heads:
+        """Validated heads from arrays V (H, d_out, d), Q (H, d, d) (any real dtype; stored as float64),
+        `bias`, the bias terms' arrays by name (mhla_cli.bias_terms.BIAS_ARRAYS) or None, and `affine`, the
+        affine map's (AFFINE_ARRAYS) or None."""
         V = np.asarray(V)
         Q = np.asarray(Q)
         for name, a in (("V", V), ("Q", Q)):
@@ -207,6 +227,19 @@ class Heads(HeadShapes):
                 if not np.isfinite(a).all():
                     raise InputError(f"'{k}' contains NaN or Inf", path)
                 setattr(heads, k, a)
+        if affine:
+            missing = [k for k in AFFINE_ARRAYS if k not in affine]
+            if missing:
+                raise InputError(f"holds {', '.join(k for k in AFFINE_ARRAYS if k in affine)} but no "
+                                 f"{', '.join(repr(k) for k in missing)}; the file is incomplete", path)
+            Wa, ba = (np.asarray(affine[k]) for k in AFFINE_ARRAYS)
+            if Wa.ndim != 2 or Wa.shape[0] != V.shape[1] or ba.shape != (V.shape[1],):
+                raise InputError(f"'affine_weight' {Wa.shape} and 'affine_bias' {ba.shape} are not an affine map to the "
+                                 f"heads' {V.shape[1]} outputs", path)
+            Wa, ba = Wa.astype(np.float64), ba.astype(np.float64)
+            if not (np.isfinite(Wa).all() and np.isfinite(ba).all()):
+                raise InputError("'affine_weight' or 'affine_bias' contains NaN or Inf", path)
+            heads.affine_weight, heads.affine_bias = Wa, ba
         return heads
 
     def to_torch(self, dtype: Any = None) -> Any:
@@ -227,7 +260,8 @@ class Heads(HeadShapes):
 
         V, Q = self.augmented()  # with the bias terms: the heads of the tokens (x, 1)
         return HeadsModule(V, Q, str(self.info.get("normalize", "none")), torch.float64 if dtype is None else dtype,
-                           constant=self.bias_terms)
+                           constant=self.bias_terms, affine=None if self.affine_weight is None else
+                           (self.affine_weight, self.affine_bias))
 
 
 def heads_from_W(W: np.ndarray, tol: float = 1e-12, max_heads: int | None = None

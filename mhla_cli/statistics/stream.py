@@ -31,12 +31,13 @@ from ..kernels import position_numbers, prefix_moments, sequence_moments
 from .shards import shard_range, shard_span, work_spans
 from .spans import (_block, check_spans, default_chunk_size, device_pass_bytes, estimate_basis, featurize_need,
                     find_spans, reduce_span, reduce_spans)
+from .affine_sums import WideSource
 from .features import Features, check_overflow
 from ..io.tokens import TokensInfo, inspect_tokens, read_as, require_square, with_bias_terms
 
 __all__ = ["Features", "MIN_THREADED_WIDTH", "check_solve_memory", "check_spans", "chunk_features",
            "default_chunk_size", "device_pass_bytes", "estimate_basis", "featurize", "featurize_need",
-           "check_attention_of", "check_bias_terms_of", "find_spans", "tokens_info", "load_features", "position_numbers", "prefix_moments", "reduce_span", "reduce_spans",
+           "check_affine_of", "check_attention_of", "check_bias_terms_of", "find_spans", "tokens_info", "load_features", "position_numbers", "prefix_moments", "reduce_span", "reduce_spans",
            "sequence_moments", "shard_range", "shard_span", "solve_need", "work_spans"]
 
 
@@ -46,7 +47,8 @@ def featurize(path: str | os.PathLike, chunk_size: int | None = None,
               progress: Callable[[int], None] | None = None,
               workers: int = 1, scheduler: str | None = None, normalize: str = "none",
               basis: np.ndarray | str | None = "auto", spans: str = "auto", device: str | None = None,
-              attention: str | None = None, bias_terms: bool = False) -> Features:
+              attention: str | None = None, bias_terms: bool = False,
+              affine_from: str | os.PathLike | None = None) -> Features:
     """Sufficient statistics of a tokens file, streamed in chunks of `chunk_size` samples.
 
     `shard=(i, M)` restricts to the i-th (0-based) of M contiguous sample ranges. Parallelism:
@@ -71,9 +73,16 @@ def featurize(path: str | os.PathLike, chunk_size: int | None = None,
     is checked before the pass.
 
     `bias_terms`: the statistics of the tokens (x, 1) and the targets (y, 0), i.e. of the MHLA with the
-    terms a head's biases add (docs/bias_terms.md): `d` counts the constant coordinate.
+    terms a head's biases add (docs/bias_terms.md): `d` counts the constant coordinate. `affine_from`: the wide
+    tokens file that `mhla reduce` read to make `path`; the sums of the affine block of its tokens at every
+    sample's query are accumulated beside (mhla_cli.statistics.affine_sums, `Features.affine`).
     """
     info, device = _checked(path, normalize, spans, device, attention, bias_terms)
+    wide = None
+    if affine_from is not None:
+        if device is not None:
+            raise InputError("--affine-from accumulates on the CPU: featurize without --device", path)
+        wide = WideSource.open(affine_from, path)
     serial = map is None and workers <= 1 and scheduler is None
     # every feature for sure: refused before any work (a pool's workers are counted once it is made);
     # otherwise after the cheap span pass, with the block it found
@@ -83,7 +92,7 @@ def featurize(path: str | os.PathLike, chunk_size: int | None = None,
     A = _basis_option(basis, info.d, path)
     lo, hi = shard_span(info.n_samples, shard, path)
     A = spans_mod.estimate_basis(info, (lo, hi) if shard is None else None) if A is None else A
-    size = chunk_size or default_chunk_size(info)
+    size = chunk_size or default_chunk_size(info, 0 if wide is None else wide.width)
     # the data's spans (a cheap pass; none spent when the basis sample already fills psi)
     found, A, span_passes = find_spans(info, A, (lo, hi), size, normalize, spans)
     spans_in = partial(_spans_in, found, A)
@@ -92,7 +101,7 @@ def featurize(path: str | os.PathLike, chunk_size: int | None = None,
 
         def run(A: np.ndarray) -> Features:
             return spans_mod.reduce_span(info, (lo, hi), size, progress=progress, normalize=normalize, basis=A,
-                                         finalize=False, spans=spans_in(A), device=device)
+                                         finalize=False, spans=spans_in(A), device=device, wide=wide)
         feats = _in_whitening(run, A)
     else:
         with parallel.make_map(workers=workers, scheduler=scheduler, map=map) as pmap:
@@ -104,10 +113,17 @@ def featurize(path: str | os.PathLike, chunk_size: int | None = None,
             def run(A: np.ndarray) -> Features:
                 return reduce_spans(winfo, spans_, map=pmap, chunk_size=size, progress=progress,
                                     normalize=normalize, basis=A, finalize=False, spans=spans_in(A),
-                                    device=device)
+                                    device=device, wide=_absolute(wide))
             feats = _in_whitening(run, A)
     feats.extra_attrs["span_passes"] = span_passes
+    if feats.affine is not None:
+        feats.affine.source = wide.identity
     return _finished(feats, info, path, (lo, hi), shard)
+
+
+def _absolute(wide: WideSource | None) -> WideSource | None:
+    """The wide source with an absolute path (workers, possibly on other hosts, open it themselves)."""
+    return None if wide is None else replace(wide, info=replace(wide.info, path=os.path.abspath(wide.info.path)))
 
 
 def _checked(path: str | os.PathLike, normalize: str, spans: str, device: str | None,
@@ -248,9 +264,26 @@ def check_bias_terms_of(feats: Features, bias_terms: bool | None, path: str | os
                          "tokens file again with --bias-terms", path)
 
 
+def check_affine_of(feats: Features, affine_from: str | os.PathLike | None, path: str | os.PathLike | None = None
+                    ) -> None:
+    """Refuse a features file without the affine block when --affine-from is asked, or with the block of another
+    wide tokens file (its recorded fingerprint); None: nothing asked."""
+    if affine_from is None:
+        return
+    if feats.affine is None:
+        raise InputError("--affine-from was asked but the statistics were featurized without it; featurize the "
+                         "reduced tokens file again with --affine-from", path)
+    have = (feats.affine.source or {}).get("fingerprint")
+    ident = formats.source_identity(affine_from)
+    if have is not None and have != ident.get("fingerprint"):
+        raise InputError(f"holds the affine block of another wide tokens file (fingerprint {str(have)[:12]}), not of "
+                         f"{affine_from} ({str(ident.get('fingerprint'))[:12]})", path)
+
+
 def load_features(path: str | os.PathLike, chunk_size: int | None = None, normalize: str | None = None,
                   progress: Callable[[int], None] | None = None, device: str | None = None,
-                  attention: str | None = None, bias_terms: bool | None = None) -> Features:
+                  attention: str | None = None, bias_terms: bool | None = None,
+                  affine_from: str | os.PathLike | None = None) -> Features:
     """The statistics of a features file, or of a tokens file (featurized here, streamed, on `device`).
 
     `normalize`, `attention` and `bias_terms` (if given) must match a features file's, and are applied to a
@@ -266,8 +299,9 @@ def load_features(path: str | os.PathLike, chunk_size: int | None = None, normal
                              "featurize it again with the normalisation wanted", path)
         check_attention_of(feats, attention, path)
         check_bias_terms_of(feats, bias_terms, path)
+        check_affine_of(feats, affine_from, path)
         return feats
     if kind == "tokens":
         return featurize(path, chunk_size=chunk_size, progress=progress, normalize=normalize or "none",
-                         device=device, attention=attention, bias_terms=bool(bias_terms))
+                         device=device, attention=attention, bias_terms=bool(bias_terms), affine_from=affine_from)
     raise InputError(f"is a {kind} file, expected a tokens or features file", path)
