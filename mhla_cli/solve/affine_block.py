@@ -32,19 +32,18 @@ from ..statistics.features import Features
 from .certificate import Certificate
 from .domains import FULL
 
-__all__ = ["Extended", "affine_columns", "certify", "extended", "fit"]
+__all__ = ["Extended", "block_map", "certify", "extended", "fit", "held_elsewhere"]
 
 
 @dataclass
 class Extended:
     """The extended canonical Lambda~ (module docstring), factorized once per Features (cached on its
-    factor_cache): `fac` of the (n + k) block, the MHLA block's structure (`fac0.structure`), the wide block's
-    whitening `Af` (k, k) of the columns `keep` of f."""
+    factor_cache): `fac` of the (n + k) block, the MHLA block's structure (`fac0.structure`), and `B` (D + 1, k),
+    the map of the accumulated f_b to the affine block's features B^T f_b (`block_map`)."""
 
     fac: Factorization
     fac0: Factorization
-    Af: np.ndarray
-    keep: np.ndarray
+    B: np.ndarray
 
     @property
     def n(self) -> int:
@@ -54,14 +53,40 @@ class Extended:
     @property
     def n_full(self) -> int:
         """Every feature: psi of the MHLA and the affine block's k."""
-        return int(self.fac0.n_full + self.keep.size)
+        return int(self.fac0.n_full + self.B.shape[1])
 
 
-def affine_columns(feats: Features) -> np.ndarray:
-    """The columns of f = (x_wide, 1) in the extended features: all, or x_wide alone when the bias terms with
-    normalize="length" hold the constant already."""
-    a = feats.affine.width + 1
-    return np.arange(a - 1 if feats.bias_terms and feats.normalize == "length" else a)
+def held_elsewhere(feats: Features) -> np.ndarray | None:
+    """L (D + 1, r): the linear functions L^T f of f = (x_wide, 1) that the MHLA's block holds already, or None. With
+    the bias terms and normalize="length" its features n x_t / n and n / n are x_t = P^T x_wide (the reduced tokens
+    are x_wide P, `mhla reduce`) and 1: L = [[P, 0], [0, 1]] (the constant alone when P is unknown)."""
+    aff = feats.affine
+    if not (feats.bias_terms and feats.normalize == "length"):
+        return None
+    a = aff.width + 1
+    if aff.P is None:
+        return np.eye(a)[:, -1:]
+    L = np.zeros((a, aff.P.shape[1] + 1))
+    L[:-1, :-1], L[-1, -1] = aff.P, 1.0
+    return L
+
+
+def block_map(feats: Features, W: float) -> np.ndarray:
+    """B (D + 1, k): the affine block's features f~ = B^T f_b of the accumulated f_b = A_w^T f
+    (mhla_cli.statistics.affine_sums). B = A_f, the whitening of f_b's second moment (A_f^T (sum w f_b f_b^T / sum w)
+    A_f = I: well conditioned, A_w whitens f nearly), restricted to the orthogonal complement there of the functions
+    the MHLA's block holds already (`held_elsewhere`: no direction twice), so that f~ keeps the identity Gram and
+    changes orthogonally under an invertible affine map of the wide tokens (and a map of the reduced ones)."""
+    aff = feats.affine
+    Af = basis_mod.whitening(aff.gram, W, round32=False)
+    L = held_elsewhere(feats)
+    if L is None:
+        return Af
+    # the functions L^T f = (A_f^-1 A_w^-1 L)^T f~_all: their directions in the whitened coordinates, and the
+    # complement
+    U = np.linalg.solve(Af, np.linalg.solve(aff.f_basis, L))
+    Q = np.linalg.qr(U, mode="complete")[0][:, U.shape[1]:]
+    return Af @ Q
 
 
 def extended(feats: Features, device: str | None = None) -> Extended:
@@ -76,21 +101,19 @@ def extended(feats: Features, device: str | None = None) -> Extended:
     W = feats.weight if feats.weight > 0 else 1.0
     st = fac0.structure
     G = np.asarray(fac0.lam) * fac0.scale
-    keep = affine_columns(feats)
     aff = feats.affine
-    cross = aff.cross[:, keep] / W
-    C = cross if feats.reduced else st.restrict(cross)
-    Af = basis_mod.whitening(aff.gram[np.ix_(keep, keep)], W, round32=False)
-    Gf = Af.T @ (aff.gram[np.ix_(keep, keep)] / W) @ Af
-    CA = C @ Af
-    n, k = G.shape[0], keep.size
+    B = block_map(feats, W)
+    cross = aff.cross @ B / W
+    CA = cross if feats.reduced else st.restrict(cross)
+    Gf = B.T @ (aff.gram / W) @ B
+    n, k = G.shape[0], B.shape[1]
     M = np.empty((n + k, n + k))
     M[:n, :n] = G
     M[:n, n:] = CA
     M[n:, :n] = CA.T
     M[n:, n:] = 0.5 * (Gf + Gf.T)
     fac = Factorization(M, n + k, 1.0, device)
-    ext = Extended(fac, fac0, Af, keep)
+    ext = Extended(fac, fac0, B)
     feats.factor_cache["affine"] = ext
     return ext
 
@@ -101,7 +124,7 @@ def _rhs(feats: Features, ext: Extended) -> np.ndarray:
     _, _, moments_b = feats.solver_stats()
     st = ext.fac0.structure
     mc = moments_b / W if feats.reduced else st.restrict(moments_b / W)
-    mf = ext.Af.T @ (feats.affine.moments[ext.keep] / W)
+    mf = ext.B.T @ feats.affine.moments / W
     return np.vstack([mc, mf])
 
 
@@ -132,7 +155,7 @@ def certify(feats: Features, min_eig: float = 0.0, device: str | None = None) ->
     if w is not None and st.n < st.n_full:
         w = np.sort(np.concatenate([np.zeros(st.n_full - st.n), w]))
     cert = Certificate(identifiable, lmin, lmax, fac.rank(tol), m, feats.n_samples, threshold, tol, float(min_eig), "full", feats.d, feats.d, eigenvalues=w,
-                       span_features=st.n + ext.keep.size, span_pairs=st.a, span_last_tokens=st.b, proof=proof,
+                       span_features=st.n + ext.B.shape[1], span_pairs=st.a, span_last_tokens=st.b, proof=proof,
                        estimated=[] if fac.known_eigenvalues() is not None else ["lambda_min", "lambda_max"],
                        device=fac.device)
     if not identifiable:
@@ -192,8 +215,7 @@ def fit(feats: Features, ridge: float = 0.0, device: str | None = None) -> Model
     coef_b = st.embed(sol[:n]).T
     with np.errstate(over="ignore", invalid="ignore"):
         coef = basis_mod.coef_from_basis(A, coef_b)
-    affine_coef = np.zeros((coef.shape[0], feats.affine.width + 1))
-    affine_coef[:, ext.keep] = (ext.Af @ sol[n:]).T
+    affine_coef = (feats.affine.f_basis @ ext.B @ sol[n:]).T  # y = sol_f^T B^T A_w^T f
     # the train MSE on the extended sums: sol^T Lambda~ sol - 2 sol . rhs + tr(target_gram) / sum w
     W = feats.weight if feats.weight > 0 else 1.0
     quad = float(np.sum((sol.T @ np.asarray(fac.lam)) * sol.T)) * fac.scale

@@ -4,14 +4,21 @@ token (docs/bias_terms.md, "The affine map of the wide token").
 A fit in reduced coordinates sees the tokens x = P^T x_wide only through the MHLA's cubic features; the query's own
 D wide coordinates carry much of a head's output (a token-wise affine map of them is what "Neural Block
 Linearization" fits). `featurize(..., affine_from=WIDE)` reads the wide tokens file that `mhla reduce` read, in
-lockstep with the reduced one (the same chunks: `WideSource.chunks`), and appends f (D + 1 values, at the query
-of every sample: the last token, or every position) to the targets of the one reduction, so that its sums hold,
-beside the MHLA's (mhla_cli.statistics.accumulate):
+lockstep with the reduced one (the same chunks: `WideSource.chunks`), and appends f_b = A_w^T f (D + 1 values, at
+the query of every sample: the last token, or every position) to the targets of the one reduction, so that its sums
+hold, beside the MHLA's (mhla_cli.statistics.accumulate):
 
-    cross   = sum w Ht f^T   (nf, D + 1)  in the canonical coordinates of the MHLA's features (rows like basis_moments)
-    gram    = sum w f f^T    (D + 1, D + 1)
-    moments = sum w f y^T    (D + 1, e)   (None without targets)
-    total   = sum w f        (D + 1,)
+    cross   = sum w Ht f_b^T   (nf, D + 1)  in the canonical coordinates of the MHLA's features (rows like basis_moments)
+    gram    = sum w f_b f_b^T  (D + 1, D + 1)
+    moments = sum w f_b y^T    (D + 1, e)   (None without targets)
+    total   = sum w f_b        (D + 1,)
+
+A_w (`basis`) is an estimate of the whitening of f from a fixed sample of the wide file (`WideSource.estimate_basis`,
+as the tokens' basis is estimated: mhla_cli.statistics.basis): the sums are accumulated in nearly whitened
+coordinates, so that the certificate's whitening of the block afterwards (mhla_cli.solve.affine_block) is well
+conditioned whatever the scales of the wide coordinates (a hidden state's outlier dimensions): whitening the raw
+sums after the fact would multiply their rounding by cond(f)^2 and could lift an exact null direction above the
+threshold.
 
 `AffineSums` is that record: a sum over samples like every field of a Features (mhla_cli.statistics.features),
 whose rows change with the MHLA's basis (`map_rows`). The certificate and the fit of the extended features are
@@ -29,7 +36,9 @@ from typing import Any
 
 import numpy as np
 
+from . import basis as basis_mod
 from ..errors import InputError
+from ..numerics import SINGULAR_BASIS_COND
 from ..io import formats
 from ..io.tokens import TokensInfo, check_finite, inspect_tokens, iter_chunks
 from ..samples import LAST, Samples
@@ -51,15 +60,38 @@ class AffineSums:
     total: np.ndarray
     width: int
     source: dict[str, Any] | None = None
+    # the reduction's P (D, d) of the reduced tokens x = P^T x_wide (`mhla reduce`'s reduce_P), or None
+    P: np.ndarray | None = None
+    # the basis A_w (D + 1, D + 1) the sums are of (f_b = A_w^T f; module docstring); None: f itself
+    basis: np.ndarray | None = None
 
     def copy(self) -> AffineSums:
         return AffineSums(np.array(self.cross), np.array(self.gram), None if self.moments is None else np.array(self.moments),
-                          np.array(self.total), self.width, None if self.source is None else dict(self.source))
+                          np.array(self.total), self.width, None if self.source is None else dict(self.source),
+                          None if self.P is None else np.array(self.P), None if self.basis is None else np.array(self.basis))
 
     def zeros_like(self) -> AffineSums:
         return AffineSums(np.zeros_like(self.cross), np.zeros_like(self.gram),
                           None if self.moments is None else np.zeros_like(self.moments), np.zeros_like(self.total),
-                          self.width, self.source)
+                          self.width, self.source, self.P, self.basis)
+
+    @property
+    def f_basis(self) -> np.ndarray:
+        """A_w: the sums are of f_b = A_w^T f (the identity when accumulated on f itself)."""
+        return np.eye(self.width + 1) if self.basis is None else self.basis
+
+    def to_f_basis(self, A: np.ndarray) -> None:
+        """In place: the sums of f_b' = A^T f instead (exact up to rounding: f_b' = C^T f_b, C = A_w^-1 A)."""
+        if np.array_equal(self.f_basis, A):
+            return
+        C = np.linalg.solve(self.f_basis, A)
+        self.cross = self.cross @ C
+        self.gram = C.T @ self.gram @ C
+        self.gram = 0.5 * (self.gram + self.gram.T)
+        self.total = C.T @ self.total
+        if self.moments is not None:
+            self.moments = C.T @ self.moments
+        self.basis = np.array(A)
 
     def map_rows(self, fn: Callable[[np.ndarray], np.ndarray]) -> None:
         """In place: the cross sums' rows (the MHLA's features) through `fn`, as the MHLA's moments are changed
@@ -67,7 +99,11 @@ class AffineSums:
         self.cross = np.ascontiguousarray(fn(self.cross))
 
     def add(self, other: AffineSums, sign: float = 1.0) -> None:
-        """In place: self += sign * other (the same rows: one basis and block)."""
+        """In place: self += sign * other (the same rows: one basis and block of the MHLA's features; other's f
+        basis changed to self's when they differ)."""
+        if not np.array_equal(self.f_basis, other.f_basis):
+            other = other.copy()
+            other.to_f_basis(self.f_basis)
         self.cross += sign * other.cross
         self.gram += sign * other.gram
         self.total += sign * other.total
@@ -86,9 +122,9 @@ class AffineSums:
             raise InputError("cannot add affine blocks of different wide tokens files (their fingerprints differ)")
 
     def datasets(self) -> dict[str, np.ndarray | None]:
-        """The features file's datasets (AFFINE_DATASETS)."""
+        """The features file's datasets (AFFINE_DATASETS, and affine_reduce_P when known)."""
         return {"affine_cross": self.cross, "affine_gram": self.gram, "affine_moments": self.moments,
-                "affine_sum": self.total}
+                "affine_sum": self.total, "affine_reduce_P": self.P, "affine_basis": self.basis}
 
     def attrs(self) -> dict[str, Any]:
         out: dict[str, Any] = {"affine_width": int(self.width)}
@@ -117,6 +153,17 @@ def read_affine(f: Any, path: str | os.PathLike, nf: int, n_targets: int | None)
     for k, shape in shapes.items():
         if arrays[k].shape != shape:
             raise InputError(f"'{k}' has shape {arrays[k].shape}, expected {shape}", path)
+    P = None
+    if "affine_reduce_P" in f:
+        P = formats.read_array(f, "affine_reduce_P", path).astype(np.float64)
+        if P.ndim != 2 or P.shape[0] != D:
+            raise InputError(f"'affine_reduce_P' has shape {P.shape}, expected ({D}, d)", path)
+    basis = None
+    if "affine_basis" in f:
+        basis = formats.read_array(f, "affine_basis", path).astype(np.float64)
+        if basis.shape != (a, a) or not np.isfinite(basis).all() or np.linalg.cond(basis) > SINGULAR_BASIS_COND:
+            raise InputError(f"'affine_basis' has shape {basis.shape} or is singular, expected an invertible ({a}, {a})",
+                             path)
     source = None
     if "affine_source" in f.attrs:
         try:
@@ -124,7 +171,7 @@ def read_affine(f: Any, path: str | os.PathLike, nf: int, n_targets: int | None)
         except ValueError:
             raise InputError("attribute 'affine_source' is not valid JSON; the file is corrupted", path) from None
     return AffineSums(arrays["affine_cross"], arrays["affine_gram"], arrays.get("affine_moments"),
-                      arrays["affine_sum"], D, source)
+                      arrays["affine_sum"], D, source, P, basis)
 
 
 def _text(v: Any) -> str:
@@ -159,6 +206,8 @@ class WideSource:
 
     info: TokensInfo
     identity: dict[str, Any]
+    P: np.ndarray | None = None  # the reduction's map (D, d): the reduced tokens are x_wide P
+    basis: np.ndarray | None = None  # A_w (D + 1, D + 1): the rows f_b = A_w^T f (`estimate_basis`); None: f
 
     @property
     def width(self) -> int:
@@ -178,6 +227,7 @@ class WideSource:
                 inputs = json.loads(_text(f.attrs.get("mhla_inputs", "[]")))
             except ValueError:
                 inputs = []
+            P = formats.read_array(f, "reduce_P", reduced).astype(np.float64)
         ident = formats.source_identity(wide)
         made_from = inputs[0] if inputs and isinstance(inputs[0], dict) else {}
         keys = ("fingerprint", "fingerprint_scope")
@@ -191,7 +241,9 @@ class WideSource:
             raise InputError(f"has {info.n_samples} sequences of {info.n_tokens} tokens but {reduced} has "
                              f"{red.n_samples} of {red.n_tokens}", wide)
         # tokens only: its targets (a head's wide outputs) and weights are the reduced file's business
-        return cls(replace(info, has_targets=False, has_weights=False, samples=LAST, d_out=None), ident)
+        if P.ndim != 2 or P.shape[0] != info.d:
+            raise InputError(f"its reduction maps D = {P.shape[0]} but {wide} has tokens of width {info.d}", reduced)
+        return cls(replace(info, has_targets=False, has_weights=False, samples=LAST, d_out=None), ident, P)
 
     def chunks(self, span: tuple[int, int], chunk_size: int, prefetch: bool = True
                ) -> Iterator[tuple[int, int, np.ndarray, np.ndarray]]:
@@ -202,11 +254,26 @@ class WideSource:
             yield a, b, tokens, offsets
 
     def rows(self, chunk: tuple[int, int, np.ndarray, np.ndarray], a: int, offsets: np.ndarray,
-             samples: Samples) -> np.ndarray:
+             samples: Samples, raw: bool = False) -> np.ndarray:
         """`affine_rows` of the wide chunk that goes with the reduced chunk starting at sample `a` with `offsets`
-        (refused when the two files' sequences differ there)."""
+        (refused when the two files' sequences differ there), in the basis (f_b = A_w^T f) unless `raw`."""
         wa, _, wide, woff = chunk
         if wa != a or not np.array_equal(woff, offsets):
             raise InputError(f"its sequences differ from the reduced file's at samples from {a} on (offsets)",
                              self.info.path)
-        return affine_rows(wide, offsets, samples)
+        f = affine_rows(wide, offsets, samples)
+        return f if raw or self.basis is None else f @ self.basis
+
+    def estimate_basis(self, samples: Samples) -> np.ndarray:
+        """An estimate of the whitening of f = (x_wide, 1) at the samples' queries, from the fixed sample of the file
+        that the tokens' basis is estimated from (basis.sample_blocks: the same whatever the shard, chunk size or
+        worker count), rounded to float32 values: the sums are accumulated in it (module docstring)."""
+        info = self.info
+        G = np.zeros((info.d + 1, info.d + 1))
+        count = 0
+        for lo, hi in basis_mod.sample_blocks(info.n_samples, info.n_tokens):
+            for _, _, wide, off in self.chunks((lo, hi), hi - lo, prefetch=False):
+                f = affine_rows(wide, off, samples)
+                G += f.T @ f
+                count += f.shape[0]
+        return basis_mod.whitening(G, count, round32=True)

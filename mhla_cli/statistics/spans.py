@@ -176,6 +176,8 @@ def reduce_span(info: TokensInfo, span: tuple[int, int], chunk_size: int | None 
                        spans=spans, device=device, n_affine=0 if wide is None else wide.width + 1)
     _add_chunks(acc, info, span, chunk_size, progress, prefetch, wide)
     total = acc.result(info.dtype)
+    if wide is not None:  # the sums are of f_b = A_w^T f (mhla_cli.statistics.affine_sums)
+        total.affine.basis, total.affine.P, total.affine.source = wide.basis, wide.P, wide.identity or None
     check_overflow(total, f"samples {lo}..{hi}", info.path)
     if finalize:
         total.canonical().finalize()

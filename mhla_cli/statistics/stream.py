@@ -83,6 +83,7 @@ def featurize(path: str | os.PathLike, chunk_size: int | None = None,
         if device is not None:
             raise InputError("--affine-from accumulates on the CPU: featurize without --device", path)
         wide = WideSource.open(affine_from, path)
+        wide = replace(wide, basis=wide.estimate_basis(info.samples))  # the sums accumulated nearly whitened
     serial = map is None and workers <= 1 and scheduler is None
     # every feature for sure: refused before any work (a pool's workers are counted once it is made);
     # otherwise after the cheap span pass, with the block it found
@@ -117,7 +118,7 @@ def featurize(path: str | os.PathLike, chunk_size: int | None = None,
             feats = _in_whitening(run, A)
     feats.extra_attrs["span_passes"] = span_passes
     if feats.affine is not None:
-        feats.affine.source = wide.identity
+        feats.affine.source, feats.affine.P, feats.affine.basis = wide.identity, wide.P, wide.basis
     return _finished(feats, info, path, (lo, hi), shard)
 
 
