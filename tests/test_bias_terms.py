@@ -8,6 +8,7 @@ metamorphic tests (hypothesis: an invertible affine map of the tokens, the order
 
 from __future__ import annotations
 
+import importlib.util
 import json
 from pathlib import Path
 
@@ -146,7 +147,8 @@ def test_statistics_certificate_and_fit_match_numpy_on_the_expanded_features(
         # the own features of the tokens (x, 1) are the expanded ones, permuted; the padded target is 0
         assert relerr(f.gram, ex["gram"][np.ix_(P, P)]) < 1e-10
         assert relerr(f.moments[:, :d], ex["moments"][P]) < 1e-10 and not f.moments[:, d].any()
-        assert not f.target_gram[d].any() and relerr(f.target_gram[:d, :d], (ex["y"] * ex["w"][:, None]).T @ ex["y"]) < 1e-12
+        tg = (ex["y"] * ex["w"][:, None]).T @ ex["y"]
+        assert not f.target_gram[d].any() and relerr(f.target_gram[:d, :d], tg) < 1e-12
     # the canonical certificate: whitened tokens (x, 1), orthonormal features (the reference's own whitening)
     Xa = np.hstack([X, np.ones((X.shape[0], 1))])
     r = ref.canonical(Xa, off, None, layout != "last", w, normalize, attention=layout if layout != "last" else "causal")
@@ -228,7 +230,8 @@ def test_heads_and_their_bias_terms_reproduce_the_model(tmp_path: Path) -> None:
                                                   heads.score_query, heads.score_bias, Z[a:b], t - a, normalize)
                           for a, b in zip(zoff[:-1], zoff[1:]) for t in range(a, b)])
         assert relerr(loops, want) < 1e-9
-        for name in ("h.h5", "h.npz"):
+        names = ("h.h5", "h.npz") + (("h.safetensors",) if importlib.util.find_spec("safetensors") else ())
+        for name in names:
             save_heads(heads, tmp_path / name)
             back = load_heads(tmp_path / name)
             assert back.bias_terms and all(np.array_equal(getattr(back, k), getattr(heads, k))

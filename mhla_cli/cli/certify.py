@@ -11,7 +11,8 @@ import typer
 from ..errors import InputError
 from ..numerics import DETERMINED_TOL, EPS, RANK_RULE, quote
 from .console import emit_json, fmt, load_with_progress, progress_bar, say, warn, working
-from .options import AffineFromOpt, AttentionOpt, BiasTermsOpt, ChunkOpt, DeviceOpt, JsonOpt, NormalizeOpt, QuietOpt, about, check_hdf5_output
+from .options import (AffineFromOpt, AttentionOpt, BiasTermsOpt, ChunkOpt, DeviceOpt, JsonOpt, NormalizeOpt, QuietOpt,
+                      about, check_hdf5_output)
 
 
 def certify_cmd(

@@ -16,8 +16,8 @@ from ..statistics.parallel import make_map
 from ..statistics.stream import Features, check_spans, featurize, shard_span
 from ..io.tokens import inspect_tokens
 from .console import emit_json, fmt, progress_bar, say, say_samples, warn
-from .options import (AffineFromOpt, AttentionOpt, BiasTermsOpt, ChunkOpt, DeviceOpt, JsonOpt, NormalizeOpt, OutOpt, QuietOpt, check_hdf5_output,
-                      parse_shard, require_optional)
+from .options import (AffineFromOpt, AttentionOpt, BiasTermsOpt, ChunkOpt, DeviceOpt, JsonOpt, NormalizeOpt, OutOpt,
+                      QuietOpt, check_hdf5_output, parse_shard, require_optional)
 
 
 def featurize_cmd(

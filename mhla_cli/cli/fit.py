@@ -24,8 +24,8 @@ from ..solve.spectrum import UnreliableHeadCount, plot_spectrum, pyplot, spectru
 from ..statistics.stream import Features
 from ..io.tokens import inspect_tokens
 from .console import emit_json, fmt, load_with_progress, progress_bar, say, say_samples, warn, working
-from .options import (AffineFromOpt, AttentionOpt, BiasTermsOpt, ChunkOpt, DeviceOpt, about, JsonOpt, NormalizeOpt, OutOpt, QuietOpt, check_heads_output,
-                      check_hdf5_output, parse_auto, require_optional)
+from .options import (AffineFromOpt, AttentionOpt, BiasTermsOpt, ChunkOpt, DeviceOpt, about, JsonOpt, NormalizeOpt,
+                      OutOpt, QuietOpt, check_heads_output, check_hdf5_output, parse_auto, require_optional)
 
 
 def fit_cmd(

@@ -5,8 +5,8 @@ Every format holds V (H, d_out, d) and Q (H, d, d) float64 exactly as computed, 
 in a model's coordinates by `mhla export-heads --unreduce`). Heads with the bias terms (docs/bias_terms.md)
 also hold the arrays value_bias (H, d_out), score_key (H, d), score_query (H, d), score_bias (H,) and the
 metadata bias_terms = 1; heads with the token-wise affine map of the wide tokens (mhla_cli.solve.affine_block)
-hold affine_weight (d_out, D) and affine_bias (d_out,) and the metadata affine_width = D. Writes are atomic (a temporary file in the
-output's directory, renamed on success; nothing is left on failure).
+hold affine_weight (d_out, D) and affine_bias (d_out,) and the metadata affine_width = D. Writes are atomic (a
+temporary file in the output's directory, renamed on success; nothing is left on failure).
 """
 
 from __future__ import annotations

@@ -275,7 +275,8 @@ def _with_affine(fn: Model | Heads | np.ndarray, out: np.ndarray, wide: np.ndarr
     wide = np.asarray(wide, dtype=np.float64)
     wide = wide.reshape(-1, wide.shape[-1])
     if wide.shape != (int(offsets[-1]), affine.shape[1] - 1):
-        raise InputError(f"the wide tokens have shape {wide.shape}, expected ({int(offsets[-1])}, {affine.shape[1] - 1})")
+        raise InputError(f"the wide tokens have shape {wide.shape}, expected "
+                         f"({int(offsets[-1])}, {affine.shape[1] - 1})")
     return out + affine_rows(wide, offsets, CAUSAL if per_position else LAST) @ affine.T
 
 

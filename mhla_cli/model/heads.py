@@ -234,8 +234,8 @@ class Heads(HeadShapes):
                                  f"{', '.join(repr(k) for k in missing)}; the file is incomplete", path)
             Wa, ba = (np.asarray(affine[k]) for k in AFFINE_ARRAYS)
             if Wa.ndim != 2 or Wa.shape[0] != V.shape[1] or ba.shape != (V.shape[1],):
-                raise InputError(f"'affine_weight' {Wa.shape} and 'affine_bias' {ba.shape} are not an affine map to the "
-                                 f"heads' {V.shape[1]} outputs", path)
+                raise InputError(f"'affine_weight' {Wa.shape} and 'affine_bias' {ba.shape} are not an affine map to "
+                                 f"the heads' {V.shape[1]} outputs", path)
             Wa, ba = Wa.astype(np.float64), ba.astype(np.float64)
             if not (np.isfinite(Wa).all() and np.isfinite(ba).all()):
                 raise InputError("'affine_weight' or 'affine_bias' contains NaN or Inf", path)

@@ -154,7 +154,8 @@ def certify(feats: Features, min_eig: float = 0.0, device: str | None = None) ->
     w = fac.known_eigenvalues()
     if w is not None and st.n < st.n_full:
         w = np.sort(np.concatenate([np.zeros(st.n_full - st.n), w]))
-    cert = Certificate(identifiable, lmin, lmax, fac.rank(tol), m, feats.n_samples, threshold, tol, float(min_eig), "full", feats.d, feats.d, eigenvalues=w,
+    cert = Certificate(identifiable, lmin, lmax, fac.rank(tol), m, feats.n_samples, threshold, tol, float(min_eig),
+                       "full", feats.d, feats.d, eigenvalues=w,
                        span_features=st.n + ext.B.shape[1], span_pairs=st.a, span_last_tokens=st.b, proof=proof,
                        estimated=[] if fac.known_eigenvalues() is not None else ["lambda_min", "lambda_max"],
                        device=fac.device)
@@ -180,9 +181,9 @@ def _reasons(feats: Features, cert: Certificate, ext: Extended, threshold: float
             on_affine = float(np.einsum("ij,ij->", N[ext.n:], N[ext.n:])) / N.shape[1]
             reasons.append(f"{N.shape[1]} direction(s) of the extended features are excited less than the threshold "
                            f"{threshold:.3g}: {100 * (1 - on_affine):.3g} % of their weight on the MHLA's features, "
-                           f"{100 * on_affine:.3g} % on the affine block of the wide token"
-                           + (" (its coordinates are collinear in the data: e.g. a constraint such as a layer norm's, "
-                              "or a duplicate of the MHLA's terms)" if on_affine > 0.5 else ""))
+                           f"{100 * on_affine:.3g} % on the affine block of the wide token (weight there: its "
+                           "coordinates collinear in the data, e.g. under a layer norm's constraint, or with the MHLA's "
+                           "terms)")
         elif cert.proof == "cholesky of Lambda~ - t I failed":
             reasons.append(f"the Cholesky of Lambda~ - t I (t = {threshold:.3g}) failed although lambda_min = "
                            f"{cert.lambda_min:.3g}: the smallest eigenvalue is within rounding of the threshold")

@@ -8,7 +8,7 @@ lockstep with the reduced one (the same chunks: `WideSource.chunks`), and append
 the query of every sample: the last token, or every position) to the targets of the one reduction, so that its sums
 hold, beside the MHLA's (mhla_cli.statistics.accumulate):
 
-    cross   = sum w Ht f_b^T   (nf, D + 1)  in the canonical coordinates of the MHLA's features (rows like basis_moments)
+    cross   = sum w Ht f_b^T   (nf, D + 1)  rows in the MHLA's canonical coordinates (as basis_moments)
     gram    = sum w f_b f_b^T  (D + 1, D + 1)
     moments = sum w f_b y^T    (D + 1, e)   (None without targets)
     total   = sum w f_b        (D + 1,)
@@ -66,9 +66,11 @@ class AffineSums:
     basis: np.ndarray | None = None
 
     def copy(self) -> AffineSums:
-        return AffineSums(np.array(self.cross), np.array(self.gram), None if self.moments is None else np.array(self.moments),
-                          np.array(self.total), self.width, None if self.source is None else dict(self.source),
-                          None if self.P is None else np.array(self.P), None if self.basis is None else np.array(self.basis))
+        def opt(a: np.ndarray | None) -> np.ndarray | None:
+            return None if a is None else np.array(a)
+
+        return AffineSums(np.array(self.cross), np.array(self.gram), opt(self.moments), np.array(self.total),
+                          self.width, None if self.source is None else dict(self.source), opt(self.P), opt(self.basis))
 
     def zeros_like(self) -> AffineSums:
         return AffineSums(np.zeros_like(self.cross), np.zeros_like(self.gram),
@@ -162,8 +164,8 @@ def read_affine(f: Any, path: str | os.PathLike, nf: int, n_targets: int | None)
     if "affine_basis" in f:
         basis = formats.read_array(f, "affine_basis", path).astype(np.float64)
         if basis.shape != (a, a) or not np.isfinite(basis).all() or np.linalg.cond(basis) > SINGULAR_BASIS_COND:
-            raise InputError(f"'affine_basis' has shape {basis.shape} or is singular, expected an invertible ({a}, {a})",
-                             path)
+            raise InputError(f"'affine_basis' has shape {basis.shape} or is singular, expected an invertible "
+                             f"({a}, {a})", path)
     source = None
     if "affine_source" in f.attrs:
         try:

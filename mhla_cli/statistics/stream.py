@@ -37,7 +37,8 @@ from ..io.tokens import TokensInfo, inspect_tokens, read_as, require_square, wit
 
 __all__ = ["Features", "MIN_THREADED_WIDTH", "check_solve_memory", "check_spans", "chunk_features",
            "default_chunk_size", "device_pass_bytes", "estimate_basis", "featurize", "featurize_need",
-           "check_affine_of", "check_attention_of", "check_bias_terms_of", "find_spans", "tokens_info", "load_features", "position_numbers", "prefix_moments", "reduce_span", "reduce_spans",
+           "check_affine_of", "check_attention_of", "check_bias_terms_of", "find_spans", "tokens_info",
+           "load_features", "position_numbers", "prefix_moments", "reduce_span", "reduce_spans",
            "sequence_moments", "shard_range", "shard_span", "solve_need", "work_spans"]
 
 
