@@ -45,6 +45,8 @@ from ..samples import LAST, Samples
 
 __all__ = ["AFFINE_DATASETS", "AffineSums", "WideSource", "affine_rows", "read_affine", "split_targets"]
 
+# Bytes of the rows f (float64) read per chunk while the basis of f is estimated (`WideSource.estimate_basis`).
+ESTIMATE_CHUNK_BYTES = 16 << 20
 # The datasets of a features file with the affine block (docs/formats_features.md), and its attributes.
 AFFINE_DATASETS = ("affine_cross", "affine_gram", "affine_moments", "affine_sum")
 
@@ -271,11 +273,18 @@ class WideSource:
         that the tokens' basis is estimated from (basis.sample_blocks: the same whatever the shard, chunk size or
         worker count), rounded to float32 values: the sums are accumulated in it (module docstring)."""
         info = self.info
-        G = np.zeros((info.d + 1, info.d + 1))
+        D = info.d
+        G = np.zeros((D + 1, D + 1))
         count = 0
+        mean_len = max(1.0, info.n_tokens / max(info.n_samples, 1))
+        size = max(1, int(ESTIMATE_CHUNK_BYTES // (8 * (D + 1) * mean_len)))  # the rows of f in float64
         for lo, hi in basis_mod.sample_blocks(info.n_samples, info.n_tokens):
-            for _, _, wide, off in self.chunks((lo, hi), hi - lo, prefetch=False):
-                f = affine_rows(wide, off, samples)
-                G += f.T @ f
-                count += f.shape[0]
+            for _, _, wide, off in self.chunks((lo, hi), size, prefetch=False):
+                X = np.asarray(wide if samples.per_position else wide[off[1:] - 1], dtype=np.float64)
+                # sum f f^T of f = (x, 1), without forming f
+                G[:D, :D] += X.T @ X
+                G[:D, D] += X.sum(axis=0)
+                G[D, D] += X.shape[0]
+                count += X.shape[0]
+        G[D, :D] = G[:D, D]
         return basis_mod.whitening(G, count, round32=True)
