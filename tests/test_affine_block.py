@@ -397,3 +397,26 @@ def test_a_collinearity_across_the_blocks_never_certifies_however_the_wide_token
         # the exact null at rounding level, of either sign (a raw whitening put it at ~1e-12 of either sign here)
         assert not cert.identifiable and abs(cert.lambda_min) <= cert.threshold, (cond, cert)
         assert learn_certify(featurize(s["red"], bias_terms=True)).identifiable  # the bias terms alone certify
+
+
+def test_the_block_on_the_data_s_spans_gives_the_same_answer(tmp_path: Path) -> None:
+    """featurize --spans on: the MHLA's sums on the data's spans only (the cross sums' rows in the block's
+    coordinates); the extended certificate and fit are those of every feature."""
+    rng = np.random.default_rng(12)
+    off = windows(rng, 80, 2, 8)
+    X = np.zeros((int(off[-1]), 6))
+    X[:, :3] = wide_tokens(rng, int(off[-1]), 3)  # wide tokens of rank 3, reduced to d = 4: a coordinate 0
+    s = setup(tmp_path, "bidirectional", 1, D=6, d=4, X=X, off=off)
+    on = featurize(s["red"], affine_from=s["wide"], spans="on")
+    off_ = featurize(s["red"], affine_from=s["wide"], spans="off")
+    assert on.reduced and not off_.reduced
+    ca, cb = learn_certify(on), learn_certify(off_)
+    assert ca.identifiable == cb.identifiable
+    assert abs(ca.lambda_max - cb.lambda_max) <= 1e-9 * cb.lambda_max
+    Xh, Xrh, offh = held_out(s, "bidirectional", 3)
+    Xh[:, 3:] = 0.0
+    Xrh = Xh @ s["red_map"].P
+    smp = samples_of(True, "bidirectional")
+    pa = predict_samples(learn_fit(on), Xrh, offh, smp, wide=Xh)
+    pb = predict_samples(learn_fit(off_), Xrh, offh, smp, wide=Xh)
+    assert relerr(pa, pb) < 1e-8
