@@ -25,8 +25,8 @@ from ..solve.spectrum import UnreliableHeadCount, plot_spectrum, pyplot, spectru
 from ..statistics.stream import Features
 from ..io.tokens import inspect_tokens
 from .console import emit_json, fmt, load_with_progress, progress_bar, say, say_samples, warn, working
-from .options import (AttentionOpt, ChunkOpt, DeviceOpt, about, JsonOpt, NormalizeOpt, OutOpt, QuietOpt, check_heads_output,
-                      check_hdf5_output, parse_auto, require_optional)
+from .options import (AffineFromOpt, AttentionOpt, BiasTermsOpt, ChunkOpt, DeviceOpt, about, JsonOpt, NormalizeOpt,
+                      OutOpt, QuietOpt, check_heads_output, check_hdf5_output, parse_auto, require_optional)
 
 
 def fit_cmd(
@@ -48,6 +48,8 @@ def fit_cmd(
     seed: Annotated[int, typer.Option("--seed", help="With --heads: seed of the random starts.")] = 0,
     normalize: NormalizeOpt = None,
     attention: AttentionOpt = None,
+    bias_terms: BiasTermsOpt = False,
+    affine_from: AffineFromOpt = None,
     chunk_size: ChunkOpt = None,
     device: DeviceOpt = "cpu",
     json_out: JsonOpt = False,
@@ -65,22 +67,30 @@ def fit_cmd(
 
     Example (an encoder's windows): mhla fit bert_l1.h5 -o model.h5 --attention bidirectional --ridge auto
     (the model records the attention: `mhla predict` writes its output at every position)
+
+    Example (a head with biases): mhla fit enc.h5 -o model.h5 --bias-terms (then `mhla export-heads` writes the
+    heads and their bias terms)
+
+    Example (with the wide token's affine map): mhla fit h8.h5 -o model.h5 --affine-from hidden384.h5 --ridge 1e-6
+    (then `mhla predict model.h5 h8.h5 -o p.h5 --affine-from hidden384.h5`)
     """
-    check_hdf5_output(output, (data,), "a model file")
+    check_hdf5_output(output, (data, affine_from), "a model file")
+    if affine_from is not None and (heads is not None or nuclear is not None or ridge.strip().lower() == "auto"):
+        raise InputError(FLAG_WORDS["affine_least_squares"])
     dev = check_device(device, data)
     check_fit_targets(data)
     h, lam = parse_auto(heads, "--heads", int), parse_auto(nuclear, "--nuclear", float)
     r = parse_auto(ridge, "--ridge", float)
     with in_flags():
         check_fit_file(data, ridge=r, heads=h, nuclear=lam, normalize=normalize, chunk_size=chunk_size,
-                       attention=attention)
+                       attention=attention, bias_terms=bias_terms)
     feats, fold_feats, load_seconds = _load_for_fit(data, needs_folds(r, h, lam), chunk_size, quiet, normalize, dev,
-                                                    attention)
+                                                    attention, bias_terms, affine_from)
     with working(f"fit: solving on the canonical Lambda~ ({feats.n_features} features)", quiet):
         with about(data):  # e.g. a features file without targets
             model = fit(feats, ridge=r, heads=h, nuclear=lam, weight_decay=weight_decay, restarts=restarts,
                         seed=seed, folds=fold_feats, device=dev)
-    model.save(output, inputs=(data,))
+    model.save(output, inputs=(data,) + ((affine_from,) if affine_from is not None else ()))
     info = dict(model.info)
     info["output"] = str(output)
     info["seconds"] = {**load_seconds, **info.get("seconds", {})}
@@ -99,6 +109,8 @@ FLAG_WORDS = {
     "auto_with_normalize": "'auto' with --normalize: featurize first, e.g. `mhla featurize DATA -o FEATS "
                            "--folds 5 --normalize length`, then fit FEATS",
     "fewest_with_max_heads": "--fewest and --max-heads cannot be combined",
+    "affine_least_squares": "--affine-from is fitted by least squares with a given --ridge L (not auto, no --heads "
+                            "or --nuclear)",
 }
 
 
@@ -112,16 +124,18 @@ def in_flags() -> Iterator[None]:
 
 
 def _load_for_fit(data: Path, folds: bool, chunk_size: int | None, quiet: bool, normalize: str | None,
-                  device: str | None, attention: str | None = None
-                  ) -> tuple[Features, list[Features] | None, dict[str, float]]:
+                  device: str | None, attention: str | None = None, bias_terms: bool = False,
+                  affine_from: Path | None = None) -> tuple[Features, list[Features] | None, dict[str, float]]:
     """The statistics of `data`, with their per-fold statistics when `folds` ('auto'), and the seconds."""
     if not folds:
-        feats, _, load_seconds = load_with_progress(data, chunk_size, quiet, normalize, device, attention)
+        feats, _, load_seconds = load_with_progress(data, chunk_size, quiet, normalize, device, attention,
+                                                    bias_terms, affine_from)
         return feats, None, load_seconds
     t0 = time.perf_counter()
     with progress_bar("featurize", inspect_tokens(data).n_samples
                       if formats.kind_of(data) == "tokens" else 0, quiet) as advance:
-        feats, fold_feats = load_for_cv(data, chunk_size=chunk_size, progress=advance, attention=attention)
+        feats, fold_feats = load_for_cv(data, chunk_size=chunk_size, progress=advance, attention=attention,
+                                        bias_terms=bias_terms)
         feats.expand_held()
     say_samples(feats, data, attention, quiet)
     return feats, fold_feats, {"load": time.perf_counter() - t0}

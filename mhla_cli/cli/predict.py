@@ -10,7 +10,7 @@ import typer
 from ..linalg.device import check_device
 from ..errors import InputError
 from ..model.forward import fitted_samples, predict_file, rollout_file
-from ..model.model import load_function, normalize_of
+from ..model.model import load_function, normalize_of, token_dim
 from ..model.compare import compare
 from ..io.tokens import inspect_tokens
 from .console import emit_json, fmt, progress_bar, say, warn
@@ -31,6 +31,10 @@ def predict_cmd(
     workers: Annotated[int, typer.Option("--workers", "-j", min=0, help="Parallel local workers (0: one per "
                                          "core); the output equals the serial one.")] = 1,
     device: DeviceOpt = "cpu",
+    affine_from: Annotated[Path | None, typer.Option(
+        "--affine-from", metavar="WIDE", help="For a model fitted with --affine-from (or its heads): the tokens file "
+        "`mhla reduce` read to make DATA (held-out data reduced with `mhla reduce --like`), whose tokens the affine "
+        "map takes. Example: mhla predict m.h5 t8.h5 -o p.h5 --affine-from test384.h5", show_default=False)] = None,
     json_out: JsonOpt = False,
     quiet: QuietOpt = False,
 ) -> None:
@@ -52,7 +56,7 @@ def predict_cmd(
 
     Example (a GPU): mhla predict model.h5 data.h5 -o pred.h5 --device cuda
     """
-    check_hdf5_output(output, (model_path, data), "a predictions file")
+    check_hdf5_output(output, (model_path, data, affine_from), "a predictions file")
     if causal and all_positions:
         raise InputError("--causal and --all-positions cannot be combined: --causal outputs the masked "
                          "(prefix) output at every position, --all-positions the unmasked one")
@@ -62,7 +66,8 @@ def predict_cmd(
     every = fitted_samples(fn).predicts_every_position  # e.g. bidirectional: outputs at every position
     with progress_bar("predict", info.n_samples, quiet) as advance:
         res = predict_file(fn, data, output, all_positions=all_positions, chunk_size=chunk_size,
-                           progress=advance, inputs=(model_path,), workers=workers, causal=causal, device=dev)
+                           progress=advance, inputs=(model_path,) + ((affine_from,) if affine_from else ()),
+                           workers=workers, causal=causal, device=dev, affine_from=affine_from)
     scored = causal or every  # per-position targets scored at every position
     if info.per_position and not scored:
         warn("the data have per-position targets: use --causal to score every prefix (no MSE computed)")
@@ -137,8 +142,9 @@ def compare_cmd(
     Example (a CI gate): mhla compare retrained.h5 model.h5 --tol 1e-6 --on heldout.h5 --json
     """
     fa, fb = load_function(a), load_function(b)
-    if fa.d != fb.d:
-        raise InputError(f"the models have different d ({fa.d} here, {fb.d} in {b}): nothing to compare", a)
+    if token_dim(fa) != token_dim(fb):
+        raise InputError(f"the models have different d ({token_dim(fa)} here, {token_dim(fb)} in {b}): nothing to "
+                         "compare", a)
     if normalize_of(fa) != normalize_of(fb):
         raise InputError(f"the models use different normalisations ({normalize_of(fa)} here, {normalize_of(fb)} "
                          f"in {b}): their coef act on different features", a)

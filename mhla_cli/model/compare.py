@@ -9,6 +9,7 @@ which depends on their units and is named so (`judged_by`).
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -20,10 +21,10 @@ from ..errors import InputError
 from ..feature_map import n_features
 from .heads import Heads, coef_inner, coef_of_heads
 from .canonical import coef_in_basis, data_gram
-from .model import Model, coef_of, normalize_of
+from .model import Model, affine_of, bias_terms_of, coef_of, normalize_of
 from .forward import DIRECT_COEF_BYTES, direct, evaluated, in_basis, in_width, out_width, predict_chunk
 from ..statistics.stream import default_chunk_size
-from ..io.tokens import check_finite, inspect_tokens, iter_chunks
+from ..io.tokens import check_finite, inspect_tokens, iter_chunks, with_bias_terms
 
 
 @dataclass
@@ -58,15 +59,16 @@ def _heads_distance(a: Model | Heads | np.ndarray, b: Model | Heads | np.ndarray
                          "another width: export the model's heads first")
     if (a.d_out, a.d) != (b.d_out, b.d):
         raise InputError(f"the heads map d = {a.d} to {a.d_out} and d = {b.d} to {b.d_out}: nothing to compare")
-    if 8 * a.d_out * n_features(a.d) <= DIRECT_COEF_BYTES:
-        pa, pb = coef_of_heads(a.V, a.Q), coef_of_heads(b.V, b.Q)
+    (Va, Qa), (Vb, Qb) = a.augmented(), b.augmented()  # with the bias terms: the heads of the tokens (x, 1)
+    if 8 * a.d_out * n_features(Qa.shape[1]) <= DIRECT_COEF_BYTES:
+        pa, pb = coef_of_heads(Va, Qa), coef_of_heads(Vb, Qb)
         return _distance(pa, pb)
     # ||p_A - p_B||^2 of the heads (V_A, -V_B) (Q_A, Q_B), in products of d x d matrices
-    V = np.concatenate([a.V, -b.V])
-    Q = np.concatenate([a.Q, b.Q])
+    V = np.concatenate([Va, -Vb])
+    Q = np.concatenate([Qa, Qb])
     dist = float(np.sqrt(max(coef_inner(V, Q, V, Q), 0.0)))
-    na = float(np.sqrt(max(coef_inner(a.V, a.Q, a.V, a.Q), 0.0)))
-    nb = float(np.sqrt(max(coef_inner(b.V, b.Q, b.V, b.Q), 0.0)))
+    na = float(np.sqrt(max(coef_inner(Va, Qa, Va, Qa), 0.0)))
+    nb = float(np.sqrt(max(coef_inner(Vb, Qb, Vb, Qb), 0.0)))
     return Distance.of(dist, na, nb)
 
 
@@ -78,8 +80,22 @@ def function_distance(a: Model | Heads | np.ndarray, b: Model | Heads | np.ndarr
     """||p_A - p_B||_F and ||p_A - p_B||_F / ||p_B||_F (the paper's Fig. 2 metric).
 
     Heads of outputs wider or narrower than their tokens (d_out != d) are compared on their
-    (d_out, psi) coef; heads too wide for one, through d x d products (heads.coef_inner)."""
-    if direct(a) is not None or direct(b) is not None:
+    (d_out, psi) coef; heads too wide for one, through d x d products (heads.coef_inner). With the bias terms
+    (both or neither), the coef of the tokens (x, 1) (mhla_cli.bias_terms)."""
+    if bias_terms_of(a) != bias_terms_of(b):
+        raise InputError("one function has the bias terms and the other not: their coef act on different "
+                         "features, so they cannot be compared")
+    fa, fb = affine_of(a), affine_of(b)
+    if fa is not None or fb is not None:  # the MHLA's coef and the affine map of the wide tokens, together
+        if fa is None or fb is None or fa.shape != fb.shape:
+            raise InputError("one function has an affine map of the wide tokens and the other not (or of another "
+                             "width): they cannot be compared")
+        core = function_distance(_without_affine(a), _without_affine(b))
+        dist = float(np.hypot(core.distance, np.linalg.norm(fa - fb)))
+        return Distance.of(dist, float(np.hypot(core.norm_a, np.linalg.norm(fa))),
+                           float(np.hypot(core.norm_b, np.linalg.norm(fb))))
+    square = all(not isinstance(f, Heads) or f.d_out == f.d for f in (a, b))
+    if (direct(a) is not None or direct(b) is not None) and not (bias_terms_of(a) and square):
         return _heads_distance(a, b)
     pa, pb = coef_of(a), coef_of(b)
     if pa.shape != pb.shape:
@@ -108,14 +124,28 @@ def training_data_change(a: Model | Heads | np.ndarray, b: Model | Heads | np.nd
     return {"function_change": None, "measured_on": None, "training_data_identifiable": None}
 
 
+def _without_affine(fn: Model | Heads | np.ndarray) -> Model | Heads | np.ndarray:
+    """fn without its affine map of the wide tokens (a copy)."""
+    if isinstance(fn, Model):
+        return dataclasses.replace(fn, affine_coef=None)
+    if isinstance(fn, Heads):
+        return dataclasses.replace(fn, affine_weight=None, affine_bias=None)
+    return fn
+
+
 def prediction_difference(a: Model | Heads | np.ndarray, b: Model | Heads | np.ndarray,
                           data: str | os.PathLike, chunk_size: int | None = None,
                           progress: Callable[[int], None] | None = None) -> dict[str, float]:
     """RMS over the N*d outputs of (yhat_A - yhat_B) on a tokens file, streamed, the RMS of yhat_B and their
     ratio (`relative_rms_difference`); each model evaluated as `predict` evaluates it (Model.evaluation)."""
+    if affine_of(a) is not None or affine_of(b) is not None:
+        raise InputError("comparing predictions of functions with the affine map of the wide tokens needs the wide "
+                         "tokens: predict each (`mhla predict --affine-from`) and compare the outputs", data)
     (pa, basis_a), (pb, basis_b) = evaluated(a), evaluated(b)
     norm = normalize_of(a)
     info = inspect_tokens(data)
+    if bias_terms_of(a):  # the functions of the tokens (x, 1): the reader appends the constant
+        info = with_bias_terms(info, pad_targets=False)
     if info.d != in_width(pa):
         raise InputError(f"the data have d = {info.d} but the models have d = {in_width(pa)}", data)
     size = chunk_size or default_chunk_size(info)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import json
 import os
 from pathlib import Path
 from dataclasses import dataclass, field
@@ -20,7 +22,7 @@ from ..numerics import CANONICAL_COEF_TOL, ORTHONORMAL_TOL, SINGULAR_BASIS_COND,
 
 # Fit results kept as attributes of a model file.
 _SAVED_INFO = ("ridge", "train_mse", "train_r2", "lambda_min", "identifiable", "condition_number", "n_samples", "method",
-               "n_heads", "weight_decay", "nuclear_lambda", "objective", "normalize", "attention")
+               "n_heads", "weight_decay", "nuclear_lambda", "objective", "normalize", "attention", "bias_terms")
 
 
 @dataclass
@@ -48,6 +50,9 @@ class Model:
     gram_pairs: np.ndarray | None = None
     gram_spans: tuple[np.ndarray, np.ndarray] | None = None
     W_b: np.ndarray | None = None
+    # The token-wise affine map of the wide tokens (mhla_cli.solve.affine_block): y += affine_coef (x_wide, 1),
+    # (d, D + 1) beside coef's rows; None without the affine block.
+    affine_coef: np.ndarray | None = None
 
     def evaluation(self) -> tuple[np.ndarray, np.ndarray | None]:
         """(c, A): the function is c . H(X A) on the tokens X (A None: c = coef on X itself).
@@ -84,6 +89,11 @@ class Model:
                     data.update(canonical_span_pairs=self.gram_spans[0], canonical_span_last=self.gram_spans[1])
             if self.W_b is not None:
                 data["canonical_W"] = self.W_b
+        if self.affine_coef is not None:
+            data["affine_coef"] = self.affine_coef
+            attrs["affine_width"] = int(self.affine_coef.shape[1] - 1)
+            if self.info.get("affine_source") is not None:
+                attrs["affine_source"] = json.dumps(self.info["affine_source"])
         formats.write_file(path, "model", data, attrs, inputs)
 
     def check_readable(self, path: str | os.PathLike | None = None) -> None:
@@ -98,6 +108,11 @@ class Model:
         _check_w(self.W, self.coef, path)
         if self.coef_b is not None and self.basis is not None:
             _check_canonical(self.coef, self.coef_b, self.basis, path)
+        if self.affine_coef is not None:
+            a = self.affine_coef
+            if a.ndim != 2 or a.shape[0] != self.coef.shape[0] or a.shape[1] < 2 or not formats.all_finite(a):
+                raise InputError(f"'affine_coef' has shape {a.shape} or non-finite values, expected finite "
+                                 f"({self.coef.shape[0]}, D + 1)", path)
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> Model:
@@ -122,10 +137,25 @@ class Model:
                 W = W_from_p(coef)
             info = {k: (v.item() if hasattr(v, "item") else v) for k, v in f.attrs.items()
                     if k in _SAVED_INFO}
+            if formats.read_bias_terms(f.attrs, path):  # the function of the tokens (x, 1): mhla_cli.bias_terms
+                info["bias_terms"] = True
+            else:
+                info.pop("bias_terms", None)
             coef_b, basis = _load_canonical(f, path, coef)
             gram_pairs, spans, W_b = _load_data_gram(f, path, coef_b)
-        return cls(coef=coef, W=W, d=d, info=info, coef_b=coef_b, basis=basis, gram_pairs=gram_pairs,
-                   gram_spans=spans, W_b=W_b)
+            affine_coef = None
+            if "affine_coef" in f:
+                affine_coef = formats.read_array(f, "affine_coef", path).astype(np.float64)
+                info["affine_width"] = int(affine_coef.shape[-1] - 1) if affine_coef.ndim == 2 else 0
+                if "affine_source" in f.attrs:
+                    with contextlib.suppress(ValueError):
+                        src = f.attrs["affine_source"]
+                        info["affine_source"] = json.loads(src.decode() if isinstance(src, bytes) else str(src))
+        model = cls(coef=coef, W=W, d=d, info=info, coef_b=coef_b, basis=basis, gram_pairs=gram_pairs,
+                    gram_spans=spans, W_b=W_b, affine_coef=affine_coef)
+        if affine_coef is not None:
+            model.check_readable(path)
+        return model
 
 
 # CANONICAL_COEF_TOL (mhla_cli.numerics): coef and p_b M_A of a model file agree to it.
@@ -268,6 +298,35 @@ def attention_of(fn: Model | Heads | np.ndarray) -> str | None:
         return None
     att = fn.info.get("attention")
     return None if att is None else str(att.decode() if isinstance(att, bytes) else att)
+
+
+def bias_terms_of(fn: Model | Heads | np.ndarray) -> bool:
+    """Whether a model or heads hold the bias terms (mhla_cli.bias_terms): a model's coef is then of the
+    tokens (x, 1) with the padded output last; heads carry their bias arrays."""
+    if isinstance(fn, np.ndarray):
+        return False
+    if isinstance(fn, Heads):
+        return fn.bias_terms
+    return bool(fn.info.get("bias_terms", False))
+
+
+def token_dim(fn: Model | Heads | np.ndarray) -> int:
+    """The width d of the tokens a model or heads take (a bias-terms model's coef is of the tokens (x, 1): d + 1
+    wide, mhla_cli.bias_terms)."""
+    if isinstance(fn, np.ndarray):
+        return int(fn.shape[0])
+    return int(fn.d) - int(isinstance(fn, Model) and bias_terms_of(fn))
+
+
+def affine_of(fn: Model | Heads | np.ndarray) -> np.ndarray | None:
+    """The token-wise affine map of the wide tokens of a model or heads (mhla_cli.solve.affine_block): (d_out, D + 1)
+    on (x_wide, 1), without a bias-terms model's padded output; None without one."""
+    if isinstance(fn, Model):
+        a = fn.affine_coef
+        return None if a is None else (a[:-1] if bias_terms_of(fn) else a)
+    if isinstance(fn, Heads) and fn.affine_weight is not None:
+        return np.hstack([fn.affine_weight, fn.affine_bias[:, None]])
+    return None
 
 
 def normalize_of(fn: Model | Heads | np.ndarray) -> str:
