@@ -231,7 +231,8 @@ def _export_record(heads: Heads, output: Path, unreduce: Path | None, fewest: bo
     out = {"output": str(output), "n_heads": heads.n_heads, "d": heads.d, "d_out": heads.d_out,
            "unreduced": None if unreduce is None else str(unreduce),
            "function_change": heads.info["function_change"], "coef_change": heads.info["coef_change"],
-           "coordinates": heads.info["coordinates"], "singular_values": heads.info["singular_values"]}
+           "coordinates": heads.info["coordinates"], "singular_values": heads.info["singular_values"],
+           "affine_block": heads.affine_weight is not None}
     if fewest or auto:
         keys = ("lower_bound", "proven_minimal", "starts_tried", "starts_per_head_count", "best_error",
                 "lower_bound_info") if fewest else ("threshold", "threshold_method")
@@ -262,8 +263,10 @@ def change_text(rec: dict[str, Any]) -> str:
                 f"{fmt(rec['function_change'])}")
     where = ("canonical (whitened) coordinates" if rec.get("coordinates") == "canonical"
              else "tokens' own coordinates, which depend on their units")
+    why = ("a model with the affine map of the wide tokens keeps no Lambda~ of its data" if rec.get("affine_block")
+           else "the model keeps no Lambda~ of its data; fit it again with this mhla")
     return (f"coefficient change ||p_b' - p_b|| / ||p_b|| = {fmt(rec['coef_change'])} in the {where} (no function "
-            "change on the data: the model keeps no Lambda~ of its data; fit it again with this mhla)")
+            f"change on the data: {why})")
 
 
 def spectrum_cmd(
