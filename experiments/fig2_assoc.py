@@ -51,7 +51,7 @@ def observed_feature_basis(B: np.ndarray, C: np.ndarray) -> np.ndarray:
 
     For such X, S = X^T X = B S' B^T with S' any symmetric r x r matrix (r = dim U) and x_n = C c, so
     H(X) = u(S) (x) x_n ranges over span{u(B E B^T) : E symmetric} (x) range(C), with u(S) the distinct
-    entries S[j,k], j <= k (the feature order of BACKGROUND.md: (j,k) major, l fastest). Computed here
+    entries S[j,k], j <= k (the feature order of docs/formats.md: (j,k) major, l fastest). Computed here
     from that definition, independently of the library's map T.
     """
     d, r = B.shape

@@ -1,7 +1,7 @@
 """The numerics' constants: EPS once, and every tolerance of the certificate, the fit and the loaders.
 
 Each cut is a named constant here, documented with the reason for its value; the other modules import
-them (their old names stay importable there), the CLI help and docs/formats.md quote them from here
+them (their old names stay importable there), the CLI help and docs/certificate.md quote them from here
 (tests/test_docs.py checks the quotes), and tests/test_numerics.py puts a case at 1e-2 x and at 1e2 x
 of each cut against plain numpy on materialised features (tests/_reference.py).
 """
@@ -33,6 +33,15 @@ OBSERVED_SPAN_FACTOR = 1.0
 # in the null space of Lambda~ is at most this.
 DETERMINED_TOL = 1e-8
 
+# `certify --on`: where the training data leave token directions that float64 does not resolve
+# (UNRESOLVED_REL: the whitening keeps them at the largest scale, their true scale is unknown), a probe
+# whose whitened tokens Z A have a component along them above UNRESOLVED_PROBE_FACTOR times the
+# rounding bound of that product, d eps (|| |z| |A| || + ||z A||) per token (the forward error of z A
+# and of the directions themselves), is "not resolvable in float64": its output depends on what the
+# data cannot show. Below it the component is the rounding of a probe that lies in the resolved
+# directions (measured: at most ~1x the bound).
+UNRESOLVED_PROBE_FACTOR = 16.0
+
 # The relative residual tolerance of block Lanczos (mhla_cli.linalg.krylov) and of its ARPACK fallback
 # (lambda_max, and lambda_min on the inverse through the shifted Cholesky factor): the Ritz value's
 # error is about tol^2 lambda / gap, so 1e-7 still gives lambda to ~1e-14 relative (measured at
@@ -42,6 +51,14 @@ LANCZOS_TOL = 1e-7
 # The train MSE from the sums cancels: its resolution is MSE_RESOLUTION_FACTOR * psi * EPS *
 # (tr(target_gram) + p Lambda p^T) / (N d); a train MSE below it is reported as ~ 0.
 MSE_RESOLUTION_FACTOR = 8.0
+
+# Sums of squares of targets hold their float64 precision while the targets' weighted mean square
+# tr(target_gram) / sum w is at least TARGET_SQUARES_FLOOR, the smallest normal number over EPS (~1e-292,
+# targets of RMS ~1e-146): below it the squares fall among the subnormal numbers (or to 0, targets of
+# 1e-170), so fit's train MSE and R^2 from the statistics are not resolved (R^2 is null, with that
+# reason, and the MSE's resolution is at least this over d); `mhla predict` scores such targets
+# scale-free (mhla_cli.model.scores.Spread). Not a tolerance: float64's range.
+TARGET_SQUARES_FLOOR = sys.float_info.min / EPS
 
 # A stored or given token basis A with condition number above this is refused as singular.
 SINGULAR_BASIS_COND = 1e12
@@ -105,10 +122,29 @@ ORTHONORMAL_TOL = 1e-8
 # sums in another order: they agree to rounding), else it is refused as inconsistent.
 FOLD_SUM_TOL = 1e-9
 
+# A features file whose folds hold only their own-coordinate sums (written before the folds' canonical
+# sums) is used for cross-validation only when the total's whitening A has a row-scaled condition number
+# (basis.row_scaled_cond: a rescaling of the token coordinates is exact) of at most OWN_FOLDS_COND: the
+# change of the own sums to canonical coordinates multiplies their rounding by about cond^6, and
+# 16^6 eps ~ 4e-9 keeps the held-out errors to far below the CV's own spread; beyond it the file is
+# refused (featurize --folds again writes the folds' canonical sums).
+OWN_FOLDS_COND = 16.0
+
 # spectrum: an unconverged W's head count is trusted when its k outliers stand this far above the
 # rest, s_k / s_(k+1) >= RELIABLE_GAP (the noisy examples' heads stand 100-1000x above their bulk, an
 # unconverged bulk cut by the threshold 1-1.5x).
 RELIABLE_GAP = 10.0
+
+# export-heads --fewest: heads are accepted when the function changes by at most this (RMS output change
+# on the training data relative to the RMS output, mhla_cli.model.canonical; the coefficient change in
+# the coordinates at hand for a model without its data's Lambda~).
+FEWEST_TOL = 1e-8
+
+# The lower bound of --fewest needs a number t <= lambda_min(Lambda~) that a Cholesky of Lambda~ - t I
+# proves (it succeeds exactly when that matrix is positive definite): t = LAMBDA_FLOOR_FRACTION times the
+# computed lambda_min (rounding moves a computed eigenvalue by ~ psi eps lambda_max; a factor 2 below it
+# is proven whenever lambda_min is resolved at all, and weakens the bound's radius by sqrt 2 only).
+LAMBDA_FLOOR_FRACTION = 0.5
 
 
 def quote(x: float) -> str:
@@ -138,18 +174,20 @@ def observed_span_tol(d: int, count: int, eps_in: float) -> float:
 
 
 def mse_resolution(n_features: int, scale: float, n_samples: int, d: int) -> float:
-    """The float64 resolution of the train MSE from the sums (see MSE_RESOLUTION_FACTOR)."""
-    return MSE_RESOLUTION_FACTOR * n_features * EPS * scale / (max(n_samples, 1) * d)
+    """The float64 resolution of the train MSE from the sums (see MSE_RESOLUTION_FACTOR), at least
+    TARGET_SQUARES_FLOOR / d (the squares' own floor)."""
+    return max(MSE_RESOLUTION_FACTOR * n_features * EPS * scale / (max(n_samples, 1) * d), TARGET_SQUARES_FLOOR / d)
 
 
-# The constants that docs/formats.md quotes (tests/test_docs.py checks each quote against this table).
+# The constants that docs/certificate.md quotes (tests/test_docs.py checks each quote against this table).
 QUOTED = {
     "RANK_FACTOR": RANK_FACTOR, "STRUCTURE_FACTOR": STRUCTURE_FACTOR, "OBSERVED_SPAN_FACTOR": OBSERVED_SPAN_FACTOR,
-    "DETERMINED_TOL": DETERMINED_TOL, "LANCZOS_TOL": LANCZOS_TOL, "MSE_RESOLUTION_FACTOR": MSE_RESOLUTION_FACTOR,
+    "DETERMINED_TOL": DETERMINED_TOL, "UNRESOLVED_PROBE_FACTOR": UNRESOLVED_PROBE_FACTOR, "LANCZOS_TOL": LANCZOS_TOL, "MSE_RESOLUTION_FACTOR": MSE_RESOLUTION_FACTOR,
     "SINGULAR_BASIS_COND": SINGULAR_BASIS_COND, "SYMMETRY_TOL": SYMMETRY_TOL, "ORTHOGONAL_TOL": ORTHOGONAL_TOL,
     "DEAD_WEIGHT_TOL": DEAD_WEIGHT_TOL, "NONZERO_REL": NONZERO_REL, "REFINE_MAX_RHO": REFINE_MAX_RHO,
     "UNRESOLVED_REL": UNRESOLVED_REL, "EQUILIBRATE_RATIO": EQUILIBRATE_RATIO, "CANONICAL_TOL": CANONICAL_TOL,
     "CANONICAL_COEF_TOL": CANONICAL_COEF_TOL, "W_COEF_TOL": W_COEF_TOL, "MAX_EXACT_INT": MAX_EXACT_INT,
-    "SST_RESOLUTION": SST_RESOLUTION, "RELIABLE_GAP": RELIABLE_GAP, "ORTHONORMAL_TOL": ORTHONORMAL_TOL,
-    "FOLD_SUM_TOL": FOLD_SUM_TOL,
+    "SST_RESOLUTION": SST_RESOLUTION, "TARGET_SQUARES_FLOOR": TARGET_SQUARES_FLOOR, "RELIABLE_GAP": RELIABLE_GAP,
+    "ORTHONORMAL_TOL": ORTHONORMAL_TOL, "FOLD_SUM_TOL": FOLD_SUM_TOL, "OWN_FOLDS_COND": OWN_FOLDS_COND,
+    "FEWEST_TOL": FEWEST_TOL, "LAMBDA_FLOOR_FRACTION": LAMBDA_FLOOR_FRACTION,
 }

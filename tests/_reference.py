@@ -2,7 +2,8 @@
 
 The canonical certificate (docs/formats.md, "The canonical certificate"): tokens whitened with
 G = sum_i w_i S_i / sum_i w_i n_i (S the sample's unnormalised X^T X, n_i its token count; for
-per-position data every prefix is a sample), features of the whitened tokens in orthonormal
+per-position data every prefix is a sample, or for bidirectional data every position with the whole
+window's S), features of the whitened tokens in orthonormal
 coordinates (sqrt 2 on S[j,k], j < k), Lambda~ = sum_i w_i Ht_i Ht_i^T / sum_i w_i.
 """
 
@@ -29,12 +30,18 @@ def canonical_features(X: np.ndarray, normalize: str = "none") -> np.ndarray:
 
 
 def samples(tokens: np.ndarray, offsets: np.ndarray, per_position: bool = False,
-            weights: np.ndarray | None = None) -> list[tuple[np.ndarray, float, int]]:
-    """Every sample as (its tokens X, its weight, its row in the targets)."""
+            weights: np.ndarray | None = None, attention: str = "causal") -> list[tuple[np.ndarray, float, int]]:
+    """Every sample as (its tokens X, its weight, its row in the targets). The features of a sample read
+    S = X^T X and the query X[-1]: a causal sample is the prefix X[:t]; a bidirectional one is the whole
+    window with position t moved last (S is a sum over the rows, so it is the window's)."""
     out = []
     row = 0
     for i, (a, b) in enumerate(zip(offsets[:-1], offsets[1:])):
-        if per_position:
+        if per_position and attention == "bidirectional":
+            for t in range(a, b):
+                X = np.concatenate([tokens[a:t], tokens[t + 1:b], tokens[t:t + 1]])
+                out.append((X, 1.0 if weights is None else float(weights[t]), t))
+        elif per_position:
             for t in range(a, b):
                 out.append((tokens[a:t + 1], 1.0 if weights is None else float(weights[t]), t))
         else:
@@ -51,14 +58,14 @@ def inv_sqrt(G: np.ndarray) -> np.ndarray:
 
 def canonical(tokens: np.ndarray, offsets: np.ndarray, targets: np.ndarray | None = None,
               per_position: bool = False, weights: np.ndarray | None = None,
-              normalize: str = "none", A: np.ndarray | None = None) -> dict[str, np.ndarray]:
+              normalize: str = "none", A: np.ndarray | None = None, attention: str = "causal") -> dict[str, np.ndarray]:
     """Lambda~, its eigenvalues, the canonical moments and the whitening A, materialised.
 
     `A` replaces the whitening where G is singular (tokens in a subspace), where the canonical basis
     is a convention (mhla keeps the unexcited directions at the scale of the largest one).
     """
     tokens = np.asarray(tokens, dtype=np.float64)
-    smp = samples(tokens, offsets, per_position, weights)
+    smp = samples(tokens, offsets, per_position, weights, attention)
     if A is None:
         G = sum(w * X.T @ X for X, w, _ in smp) / sum(w * X.shape[0] for X, w, _ in smp)
         A = inv_sqrt(G)
@@ -114,14 +121,14 @@ def teacher_p(teacher) -> np.ndarray:
 
 def observed_eigenvalues(tokens: np.ndarray, offsets: np.ndarray, A: np.ndarray, per_position: bool = False,
                          weights: np.ndarray | None = None, rel_tol: float = 1e-9,
-                         normalize: str = "none") -> tuple[np.ndarray, int, int]:
+                         normalize: str = "none", attention: str = "causal") -> tuple[np.ndarray, int, int]:
     """The observed-domain spectrum (docs/formats.md, "The observed domain"), materialised: orthonormal
     bases B, C of the whitened spans of all tokens and of the last tokens (singular values above rel_tol
     of the largest), the features upper(B^T S_A B) (sqrt 2 off the diagonal) (x) C^T A^T x_n of every
     sample of weight > 0 (S / n with normalize="length"), and the eigenvalues of sum w Ht' Ht'^T / sum w;
     with dim U and dim U_n."""
     tokens = np.asarray(tokens, dtype=np.float64)
-    smp = [(X @ A, w) for X, w, _ in samples(tokens, offsets, per_position, weights) if w > 0]
+    smp = [(X @ A, w) for X, w, _ in samples(tokens, offsets, per_position, weights, attention) if w > 0]
 
     def span(M: np.ndarray) -> np.ndarray:
         _, s, vt = np.linalg.svd(M, full_matrices=False)
@@ -138,3 +145,78 @@ def observed_eigenvalues(tokens: np.ndarray, offsets: np.ndarray, A: np.ndarray,
     H = np.array(rows)
     w = np.array([w for _, w in smp])
     return np.linalg.eigvalsh((H * w[:, None]).T @ H / w.sum()), r, C.shape[1]  # weights without units
+
+
+def ridge_cv_path(X: np.ndarray, off: np.ndarray, Y: np.ndarray, K: int, grid: np.ndarray) -> np.ndarray:
+    """Held-out MSE (grid, K) of K-fold CV of the ridge (contiguous folds, as `featurize --folds K`): the
+    spectral ridge fit on each fold's training samples in their own canonical coordinates (eigenvalues
+    at or below psi eps lambda_max dropped: r = 0 is the minimum-norm fit), scored on the held-out
+    samples' materialised features. Unweighted last-token data."""
+    eps = np.finfo(np.float64).eps
+    N, d = Y.shape
+    cuts = np.linspace(0, N, K + 1).astype(int)
+    seqs = [np.asarray(X[off[i]:off[i + 1]], dtype=np.float64) for i in range(N)]
+    out = np.empty((grid.size, K))
+    for k, (a, b) in enumerate(zip(cuts[:-1], cuts[1:])):
+        tr = [i for i in range(N) if not a <= i < b]
+        G = sum(seqs[i].T @ seqs[i] for i in tr) / sum(seqs[i].shape[0] for i in tr)
+        A = inv_sqrt(G)
+        Ht = np.stack([canonical_features(seqs[i] @ A) for i in tr])
+        lam = Ht.T @ Ht / len(tr)
+        m = Ht.T @ Y[tr] / len(tr)
+        w, V = np.linalg.eigh(lam)
+        keep = w > lam.shape[0] * eps * w[-1]
+        w, V = w[keep], V[:, keep]
+        Hv = np.stack([canonical_features(seqs[i] @ A) for i in range(a, b)])
+        for g, r in enumerate(grid):
+            pb = (V @ ((V.T @ m) / (w + r)[:, None])).T
+            out[g, k] = ((Hv @ pb.T - Y[a:b]) ** 2).sum() / ((b - a) * d)
+    return out
+
+
+def expanded_features(X: np.ndarray, normalize: str = "none") -> tuple[np.ndarray, list[str]]:
+    """The features of a head with biases for the sample X (its query last), block by block as the expansion of
+    sum_i (V x_i + b_v)((K x_i + b_k)^T (Q x_t + b_q)) gives them (BACKGROUND.md, "The terms a head's biases
+    add"): S (x) x_t (j <= k, l), S (j <= k), m (x) x_t, m, n x_t, n with m = sum_i x_i; S, m and n divided by n
+    with normalize="length". Returns the values and their names."""
+    X = np.asarray(X, dtype=np.float64)
+    n, d = X.shape
+    c = float(n) if normalize == "length" else 1.0
+    S, m, nn, x = X.T @ X / c, X.sum(axis=0) / c, n / c, X[-1]
+    vals, names = [], []
+    for j in range(d):
+        for k in range(j, d):
+            for l in range(d):
+                vals.append(S[j, k] * x[l])
+                names.append(f"S[{j},{k}]*x_t[{l}]")
+    for j in range(d):
+        for k in range(j, d):
+            vals.append(S[j, k])
+            names.append(f"S[{j},{k}]")
+    for j in range(d):
+        for l in range(d):
+            vals.append(m[j] * x[l])
+            names.append(f"m[{j}]*x_t[{l}]")
+    for j in range(d):
+        vals.append(m[j])
+        names.append(f"m[{j}]")
+    for l in range(d):
+        vals.append(nn * x[l])
+        names.append(f"n*x_t[{l}]")
+    vals.append(nn)
+    names.append("n")
+    return np.array(vals), names
+
+
+def biased_heads_output(V: np.ndarray, Q: np.ndarray, value_bias: np.ndarray, score_key: np.ndarray,
+                        score_query: np.ndarray, score_bias: np.ndarray, X: np.ndarray, t: int,
+                        normalize: str = "none") -> np.ndarray:
+    """sum_h sum_i (V_h x_i + value_bias_h) (x_i^T Q_h x_t + score_key_h . x_i + score_query_h . x_t + score_bias_h),
+    / n with normalize="length", by loops over the tokens i of X (the whole window) for the query X[t]."""
+    X = np.asarray(X, dtype=np.float64)
+    out = np.zeros(V.shape[1])
+    for h in range(V.shape[0]):
+        for xi in X:
+            score = xi @ Q[h] @ X[t] + score_key[h] @ xi + score_query[h] @ X[t] + score_bias[h]
+            out += (V[h] @ xi + value_bias[h]) * score
+    return out / (X.shape[0] if normalize == "length" else 1.0)

@@ -87,13 +87,32 @@ def test_min_eig_demands_a_margin(tmp_path: Path) -> None:
     assert strict.margin == pytest.approx(-cert.lambda_min)
 
 
-def test_verdict_invariant_to_token_scale(tmp_path: Path) -> None:
+def _rotation(seed: int, d: int) -> np.ndarray:
+    return np.linalg.qr(np.random.default_rng(seed).standard_normal((d, d)))[0]
+
+
+@pytest.mark.parametrize("change", ["coordinate scales (1, 1e-6)", "coordinate scales (1e4, 1)",
+                                    "a rotation", "scales (1, 1e-3), then a rotation"])
+def test_verdict_invariant_to_token_scale(tmp_path: Path, change: str) -> None:
+    """Tokens X T for an invertible T (other units per coordinate, a rotation, both) give the certificate of
+    X: the same verdict and the same lambda_min / lambda_max, which equal plain numpy's on the whitened
+    features materialised (tests/_reference.py). One factor on every token would not tell: any relative
+    threshold passes that; the raw (unwhitened) Gram of tokens X diag(1, 1e-6) has lambda_min / lambda_max
+    ~ 1e-37 and is rejected, so certifying the raw Gram fails here."""
     ds, _ = synthetic.generate_teacher(2, 1, 100, "1:6", seed=4)
-    verdicts = []
-    for s in (1e-3, 1.0, 1e3):
-        scaled = synthetic.Dataset(ds.tokens * s, ds.offsets, ds.targets)
-        verdicts.append(certify(feats_of(tmp_path, scaled, name=f"s{s}.h5")).identifiable)
-    assert verdicts == [True, True, True]
+    T = {"coordinate scales (1, 1e-6)": np.diag([1.0, 1e-6]),
+         "coordinate scales (1e4, 1)": np.diag([1e4, 1.0]),
+         "a rotation": _rotation(1, 2),
+         "scales (1, 1e-3), then a rotation": np.diag([1.0, 1e-3]) @ _rotation(2, 2)}[change]
+    base = certify(feats_of(tmp_path, ds, name="base.h5"))
+    w = canonical(ds.tokens, ds.offsets)["eigenvalues"]
+    assert base.identifiable and base.lambda_min == pytest.approx(w[0], rel=1e-9)
+    changed = certify(feats_of(tmp_path, synthetic.Dataset(ds.tokens @ T, ds.offsets, ds.targets), name="T.h5"))
+    assert changed.identifiable and changed.rank == base.rank == 6
+    # whitening X T takes out T up to an orthogonal matrix: float64 keeps ~ eps * cond(T)^2 of it
+    rel = 1e-9 if change != "scales (1, 1e-3), then a rotation" else 1e-6
+    assert changed.lambda_min == pytest.approx(w[0], rel=rel)
+    assert changed.lambda_max == pytest.approx(w[-1], rel=rel)
 
 
 def _np_features(X: np.ndarray) -> np.ndarray:
@@ -145,14 +164,31 @@ def test_certificate_repr_is_short_and_shows_no_arrays(tmp_path: Path) -> None:
 
 
 def test_a_domain_object_certifies_as_its_name(tmp_path: Path) -> None:
-    """certify takes a domain by name or as the object (mhla_cli.solve.domains): the same certificate."""
+    """certify takes a domain by name or as the object (mhla_cli.solve.domains), and each gives its own
+    domain's certificate, checked against plain numpy: the observed domain's spectrum on the whitened spans
+    of the tokens (tests/_reference.py), the full domain's on all canonical features. The associative
+    memory's queries (q, 0) leave half of the full domain's features unexcited, so the two disagree."""
     from mhla_cli.solve.certificate import Certificate
-    from mhla_cli.solve.domains import OBSERVED
+    from mhla_cli.solve.domains import FULL, OBSERVED
+
+    from _reference import observed_eigenvalues
 
     ds, _ = synthetic.generate_assoc(3, 400, orthogonal_fraction=0.0, seed=0)
     feats = feats_of(tmp_path, ds)
-    by_name, by_object = certify(feats, domain="observed"), certify(feats, domain=OBSERVED)
-    assert isinstance(by_object, Certificate) and by_object.domain == "observed"
-    assert by_name.to_dict() == by_object.to_dict()
+    ref = canonical(ds.tokens, ds.offsets)
+    w_obs, dim_u, dim_un = observed_eigenvalues(ds.tokens, ds.offsets, ref["A"])
+    w_full = ref["eigenvalues"]
+    assert w_obs[0] > 1e-6 * w_obs[-1] and w_full[0] < 1e-12 * w_full[-1]  # the case tells the domains apart
+    for domain in ("observed", OBSERVED):
+        cert = certify(feats, domain=domain)
+        assert isinstance(cert, Certificate) and cert.domain == "observed" and cert.identifiable
+        assert (cert.dim_tokens, cert.dim_last_tokens, cert.n_features) == (dim_u, dim_un, w_obs.size)
+        assert cert.lambda_min == pytest.approx(w_obs[0], rel=1e-8)
+        assert cert.lambda_max == pytest.approx(w_obs[-1], rel=1e-10)
+    for domain in ("full", FULL):
+        cert = certify(feats, domain=domain)
+        assert cert.domain == "full" and not cert.identifiable and cert.n_features == w_full.size
+        assert cert.lambda_max == pytest.approx(w_full[-1], rel=1e-10)
+    by_object = certify(feats, domain=OBSERVED)
     assert by_object.device is None  # where the factorization ran (numpy), not in the JSON
     assert "device" not in by_object.to_dict()

@@ -82,7 +82,8 @@ def test_cluster_equals_one_machine(local, tmp_path: Path, capsys: pytest.Captur
     assert np.abs(b.coef - a.coef).max() <= 1e-10 * np.abs(a.coef).max()
     assert np.abs(b.W - a.W).max() <= 1e-10 * np.abs(a.W).max()
     with h5py.File(out1) as f1, h5py.File(out2) as f2:
-        assert set(f1.keys()) == set(f2.keys())
+        # the data's Lambda~ (psi^2 / 4 numbers, for measuring changes on the data) is not gathered off the cluster
+        assert set(f1.keys()) - {"canonical_gram_pairs"} == set(f2.keys())
     for cmd in (["export-heads", str(out2), "-o", str(tmp_path / "h.h5")],
                 ["predict", str(out2), str(path), "-o", str(tmp_path / "p2.h5")],
                 ["predict", str(out1), str(path), "-o", str(tmp_path / "p1.h5")]):
@@ -93,6 +94,53 @@ def test_cluster_equals_one_machine(local, tmp_path: Path, capsys: pytest.Captur
     out = json_of(capsys)
     assert out["identifiable"] and abs(out["lambda_min"] - c1.lambda_min) <= 1e-8 * c1.lambda_min
     assert out["tasks"]["potrf"] >= 1 and out["scheduler"] == cl.scheduler_address
+
+
+@pytest.mark.parametrize("attention,normalize,weighted,bias", [("bidirectional", "none", False, False),
+                                                               ("bidirectional", "length", True, True),
+                                                               ("causal", "none", True, False),
+                                                               ("causal", "length", False, True)])
+def test_per_position_layouts_equal_one_machine(local, tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                                attention: str, normalize: str, weighted: bool, bias: bool) -> None:
+    """Bidirectional and causal files (weights per position, --normalize length, --bias-terms): the tiled Gram,
+    the verdict, lambda_min and coef of the cluster are those of one machine, through the CLI's options."""
+    cl, client = local
+    ds, _ = synthetic.generate_teacher(4, 2, 150, "3:8", seed=7, per_position=True, attention=attention,
+                                       normalize=normalize, bias=bias)
+    if weighted:
+        ds.weights = np.random.default_rng(1).uniform(0.0, 2.0, ds.tokens.shape[0])
+        ds.weights[::5] = 0.0
+    path = tmp_path / "pp.h5"
+    ds.save(path, dtype="float64")
+    one = featurize(path, spans="off", normalize=normalize, bias_terms=bias)
+    stats = tiled_gram.accumulate(path, client, chunk_size=37, normalize=normalize, tile_features=2 * one.d,
+                                  bias_terms=bias)
+    assert stats.matrix.nb > 1 and stats.sums.samples is one.samples and stats.sums.bias_terms == bias
+    gram = np.zeros((stats.matrix.n, stats.matrix.n))
+    o = stats.matrix.offsets
+    for (i, j), f in stats.matrix.tiles.items():
+        gram[o[i]:o[i + 1], o[j]:o[j + 1]] = f.result()
+    # Lambda~ in two whitenings of the same tokens (an orthogonal map apart): the same spectrum
+    w1 = np.linalg.eigvalsh(one.basis_gram / one.weight)
+    w2 = np.linalg.eigvalsh(np.tril(gram) + np.tril(gram, -1).T) / stats.sums.weight
+    assert abs(stats.sums.weight - one.weight) <= 1e-12 * one.weight
+    assert np.abs(w2 - w1).max() <= 1e-10 * w1[-1]
+    c1, c2 = certify(one), certify(stats)
+    assert c1.identifiable and c2.identifiable
+    assert abs(c2.lambda_min - c1.lambda_min) <= 1e-8 * c1.lambda_min
+    m1, m2 = fit_one(one), cluster.fit(stats)
+    assert np.abs(m2.coef - m1.coef).max() <= 1e-10 * np.abs(m1.coef).max()
+    # the CLI with the options: the model records the layout and the bias terms as one machine's does
+    opts = ["--attention", attention, "--normalize", normalize] + (["--bias-terms"] if bias else [])
+    out1, out2 = tmp_path / "m1.h5", tmp_path / "m2.h5"
+    assert run(["fit", str(path), "-o", str(out1), "-q"] + opts) == 0
+    assert run(["fit", str(path), "--scheduler", cl.scheduler_address, "-o", str(out2), "-q"] + opts) == 0
+    a, b = Model.load(out1), Model.load(out2)
+    assert np.abs(b.coef - a.coef).max() <= 1e-10 * np.abs(a.coef).max()
+    for k in ("attention", "bias_terms", "normalize"):
+        assert a.info.get(k) == b.info.get(k), k
+    assert run(["certify", str(path), "--scheduler", cl.scheduler_address, "--json", "-q"] + opts) == 0
+    assert abs(json_of(capsys)["lambda_min"] - c1.lambda_min) <= 1e-8 * c1.lambda_min
 
 
 def singular(tmp_path: Path) -> Path:
@@ -151,6 +199,11 @@ def test_refusals_are_one_line_before_any_work(local, tmp_path: Path, capsys: py
         (["certify", str(path), "--scheduler", addr, "--witness", str(tmp_path / "w.h5")], "cannot be combined"),
         (["fit", str(path), "--scheduler", addr, "-o", str(tmp_path / "m.h5"), "--heads", "2"], "cannot be combined"),
         (["fit", str(path), "--scheduler", addr, "-o", str(tmp_path / "m.h5"), "--ridge", "auto"], "cannot be combined"),
+        (["fit", str(path), "--scheduler", addr, "-o", str(tmp_path / "m.h5"), "--affine-from", str(path)],
+         "--affine-from cannot run on a cluster"),
+        (["certify", str(path), "--scheduler", addr, "--affine-from", str(path)], "--affine-from cannot run on a cluster"),
+        (["featurize", str(path), "--scheduler", addr, "-o", str(tmp_path / "f.zarr"), "--affine-from", str(path)],
+         "--affine-from cannot run on a cluster"),
     ]
     feats = tmp_path / "f.h5"
     assert run(["featurize", str(path), "-o", str(feats), "-q"]) == 0

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import shlex
 import subprocess
 import sys
 import zipfile
@@ -19,6 +20,7 @@ import pytest
 
 import mhla_cli
 from mhla_cli.io import convert as convert_mod
+from mhla_cli.io.convert import _source, _writer
 from mhla_cli.cli import run
 from mhla_cli.errors import InputError
 from mhla_cli.statistics.stream import featurize
@@ -111,8 +113,8 @@ def test_chunking_does_not_change_the_file(tmp_path: Path, monkeypatch: pytest.M
     np.savez_compressed(tmp_path / "c.npz", tokens=tokens, offsets=offsets, targets=targets, weights=weights)
     # tiny chunks and offset blocks: many chunks, chunk plans across offset-block boundaries, one
     # sample per chunk where a sequence is longer than the chunk, and a compressed stream reopened
-    monkeypatch.setattr(convert_mod, "CHUNK_BYTES", 3 * 8 * 4)
-    monkeypatch.setattr(convert_mod, "_OFFSET_BLOCK", 7)
+    monkeypatch.setattr(_writer, "CHUNK_BYTES", 3 * 8 * 4)
+    monkeypatch.setattr(_writer, "_OFFSET_BLOCK", 7)
     for i, cs in enumerate((None, 1, 3, 1000)):
         convert_mod.convert_files([tmp_path / "c.npz"], tmp_path / f"o{i}.h5", chunk_size=cs)
         _same(tmp_path / f"o{i}.h5", tokens=tokens, offsets=offsets, targets=targets, weights=weights)
@@ -144,7 +146,7 @@ def test_npy_dense_and_named(tmp_path: Path, capsys: pytest.CaptureFixture[str])
     np.save(tmp_path / "weights.npy", W)
     out = tmp_path / "o.h5"
     _convert([str(tmp_path / "X.npy"), f"targets={tmp_path / 'y.npy'}", str(tmp_path / "weights.npy"),
-              "-o", str(out)], capsys)
+              "-o", str(out), "--attention", "causal"], capsys)
     _same(out, tokens=X, targets=Y, weights=W)
     np.save(tmp_path / "F.npy", np.asfortranarray(X))  # column-major files are read too
     _convert([str(tmp_path / "F.npy"), "-o", str(tmp_path / "f.h5")], capsys)
@@ -175,7 +177,7 @@ def test_npz(tmp_path: Path, capsys: pytest.CaptureFixture[str], compressed: boo
     _same(tmp_path / "r.h5", tokens=tokens, offsets=offsets, targets=targets, weights=weights)
     X, Y, W = _dense()
     save(tmp_path / "d.npz", tokens=X, targets=Y, weights=W)
-    _convert([str(tmp_path / "d.npz"), "-o", str(tmp_path / "d.h5")], capsys)
+    _convert([str(tmp_path / "d.npz"), "-o", str(tmp_path / "d.h5"), "--attention", "causal"], capsys)
     _same(tmp_path / "d.h5", tokens=X, targets=Y, weights=W)
     with zipfile.ZipFile(tmp_path / "d.npz") as z:  # the archive really is (not) compressed
         assert {i.compress_type for i in z.infolist()} == {zipfile.ZIP_DEFLATED if compressed else zipfile.ZIP_STORED}
@@ -190,7 +192,7 @@ def test_safetensors(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None
     _same(tmp_path / "r.h5", tokens=tokens, offsets=offsets, targets=targets, weights=weights)
     X, Y, W = _dense()
     st.save_file({"tokens": X, "targets": Y, "weights": W}, str(tmp_path / "d.safetensors"))
-    _convert([str(tmp_path / "d.safetensors"), "-o", str(tmp_path / "d.h5")], capsys)
+    _convert([str(tmp_path / "d.safetensors"), "-o", str(tmp_path / "d.h5"), "--attention", "causal"], capsys)
     _same(tmp_path / "d.h5", tokens=X, targets=Y, weights=W)
 
 
@@ -221,7 +223,7 @@ def test_torch(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     X, Y, W = _dense()
     torch.save({"tokens": torch.tensor(X), "targets": torch.tensor(Y), "weights": torch.tensor(W)},
                tmp_path / "d.pt")
-    _convert([str(tmp_path / "d.pt"), "-o", str(tmp_path / "d.h5")], capsys)
+    _convert([str(tmp_path / "d.pt"), "-o", str(tmp_path / "d.h5"), "--attention", "causal"], capsys)
     _same(tmp_path / "d.h5", tokens=X, targets=Y, weights=W)
     torch.save(torch.tensor(X), tmp_path / "one.pt", _use_new_zipfile_serialization=False)  # legacy, one tensor
     _convert([str(tmp_path / "one.pt"), "-o", str(tmp_path / "one.h5")], capsys)
@@ -315,7 +317,7 @@ BAD = {
     "bad torch": (_file("in.pt", b"garbage"), "cannot read as a torch file" if HAVE_TORCH
                   else "in.pt: reading torch .pt files: PyTorch is not installed"),
     "unknown suffix": (_file("in.csv", b"1,2\n"), "unknown input format"),
-    "already HDF5": (_hdf5, "already an HDF5 file"),
+    "already a tokens file": (_hdf5, "is already a tokens file: mhla reads it as it is"),
     "missing": (lambda d: [str(d / "nope.npy")], "no such file"),
     "NAME= on an npz": (lambda d: [f"targets={_npz(tokens=_X)(d)[0]}"], "NAME=FILE names the array of a .npy"),
 }
@@ -406,13 +408,17 @@ def test_other_commands_name_mhla_convert(tmp_path: Path, capsys: pytest.Capture
             lines = capsys.readouterr().err.strip().splitlines()
             assert len(lines) == 1 and lines[0].startswith(f"mhla: error: {tmp_path / name}: "), lines
             assert what in lines[0] and "not an HDF5 file" in lines[0], lines[0]
-            if name != "x.csv":
-                assert f"mhla convert {name} -o" in lines[0], lines[0]
+            if name != "x.csv":  # the command names the file with its directory
+                assert f"mhla convert {tmp_path / name} -o {tmp_path / Path(name).stem}.h5" in lines[0], lines[0]
             assert not (tmp_path / "f.h5").exists() and not (tmp_path / "m.h5").exists()
-        # ... and the command it names works
+        # ... and the command it names works, as it is written (from any directory)
         if name != "x.csv":
-            assert run(["convert", str(tmp_path / name), "-o", str(tmp_path / f"{name}.h5"), "-q"]) == 0
-            _same(tmp_path / f"{name}.h5", tokens=_X)
+            named = shlex.split(lines[0].split("convert it with: ")[1])
+            assert named[:2] == ["mhla", "convert"]
+            if Path(named[4]).exists():
+                Path(named[4]).unlink()
+            assert run([*named[1:], "-q"]) == 0
+            _same(Path(named[4]), tokens=_X)
 
 
 # --------------------------------------------------------------------------------------------
@@ -432,9 +438,9 @@ def _peak_rss_mib(args: list[str]) -> float:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("kind", ["npy", "pt"])
+@pytest.mark.parametrize("kind", ["npy", "pt", "arrow"])
 def test_large_input_converts_in_bounded_memory(tmp_path: Path, kind: str) -> None:
-    """A 2 GiB .npy (1 GiB torch file) converts with a peak RSS under 500 MB, into equal data."""
+    """A 2 GiB .npy (1 GiB torch or Arrow file) converts with a peak RSS under 500 MB, into equal data."""
     N, n, d = (2**15 if kind == "npy" else 2**14), 1024, 16  # float32: 2 GiB (1 GiB)
     big = np.lib.format.open_memmap(tmp_path / "big.npy", mode="w+", dtype=np.float32, shape=(N, n, d))
     rng = np.random.default_rng(0)
@@ -448,8 +454,20 @@ def test_large_input_converts_in_bounded_memory(tmp_path: Path, kind: str) -> No
         torch = pytest.importorskip("torch")
         inp = tmp_path / "big.pt"
         torch.save({"tokens": torch.from_numpy(np.array(src))}, inp)
+    keys = []
+    if kind == "arrow":  # one Array2D(n, d) column, as datasets writes it: list<list<float>>, batches of 1000 rows
+        pa = pytest.importorskip("pyarrow")
+        inp, keys = tmp_path / "big.arrow", ["--key", "tokens=blocks.0.hook_resid_pre"]
+        schema = pa.schema([pa.field("blocks.0.hook_resid_pre", pa.list_(pa.list_(pa.float32())))])
+        with pa.OSFile(str(inp), "wb") as sink, pa.ipc.new_stream(sink, schema) as w:
+            for a in range(0, N, 1000):
+                rows = np.ascontiguousarray(src[a:a + 1000])
+                inner = pa.ListArray.from_arrays(np.arange(0, rows.size + 1, d, dtype=np.int32),
+                                                 pa.array(rows.reshape(-1)))
+                outer = pa.ListArray.from_arrays(np.arange(0, len(rows) * n + 1, n, dtype=np.int32), inner)
+                w.write_batch(pa.record_batch([outer], schema=schema))
     out = tmp_path / "big.h5"
-    rss = _peak_rss_mib(["convert", str(inp), "-o", str(out), "-q"])
+    rss = _peak_rss_mib(["convert", str(inp), *keys, "-o", str(out), "-q"])
     assert rss < 500 * 1e6 / 2**20, f"peak RSS {rss:.0f} MiB"
     with h5py.File(out, "r") as f:
         assert f["tokens"].shape == (N, n, d)
@@ -487,13 +505,13 @@ def test_dropped_pages_read_back_the_same_and_changed_pages_are_never_dropped(tm
     x = torch.randn(4096, 64, dtype=torch.float64)  # 2 MiB: many pages
     torch.save({"tokens": x}, tmp_path / "x.pt")
     t = torch.load(tmp_path / "x.pt", mmap=True, weights_only=True)["tokens"]
-    drop = convert_mod._PageDropper(tmp_path / "x.pt")
+    drop = _source._PageDropper(tmp_path / "x.pt")
     assert drop.ranges  # the file is mapped
     before = t.numpy().copy()
     drop(t.data_ptr(), t.numel() * t.element_size())
     assert np.array_equal(t.numpy(), before) and np.array_equal(before, x.numpy())
     t[0, 0] = 7.0  # a changed (copy-on-write) page: dropping it would bring back the file's bytes
-    assert convert_mod._PageDropper(tmp_path / "x.pt").ranges == []
+    assert _source._PageDropper(tmp_path / "x.pt").ranges == []
 
 
 # --------------------------------------------------------------------------------------------
@@ -530,7 +548,7 @@ def test_padded_tokens_with_an_attention_mask_become_the_unpadded_sequences(left
     _same(tmp_path / "a.h5", tokens=np.concatenate(seqs), offsets=off, targets=Y)
     # per-position targets and weights are masked alike; the last kept position is the query
     np.savez(tmp_path / "b.npz", tokens=X, attention_mask=mask, targets=Yp, weights=Wp)
-    assert run(["convert", str(tmp_path / "b.npz"), "-o", str(tmp_path / "b.h5"), "-q"]) == 0
+    assert run(["convert", str(tmp_path / "b.npz"), "-o", str(tmp_path / "b.h5"), "--attention", "causal", "-q"]) == 0
     keep = mask == 1
     _same(tmp_path / "b.h5", tokens=np.concatenate(seqs), offsets=off, targets=Yp[keep], weights=Wp[keep])
     info = mhla_cli.io.tokens.inspect_tokens(tmp_path / "b.h5")
@@ -584,6 +602,9 @@ def test_bad_masks_exit_2(case: str, pattern: str, tmp_path: Path, capsys: pytes
     assert run(["convert", str(tmp_path / "m.npz"), "-o", str(out), *extra]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and pattern in err[0], err
+    assert "np." not in err[0], err  # values as Python numbers, not NumPy reprs
+    if case in ("not 0/1", "bad length"):
+        assert " is 2:" in err[0] or " is 6:" in err[0], err
     assert not out.exists()
 
 

@@ -17,7 +17,7 @@ from mhla_cli.model.model import Model
 
 
 def _features(X: np.ndarray, normalize: str = "none") -> np.ndarray:
-    """H(X) (psi,) by the definition (BACKGROUND.md): S[j,k] x_n[l], j <= k, l fastest; plain loops."""
+    """H(X) (psi,) by the definition (docs/formats.md, "Math"): S[j,k] x_n[l], j <= k, l fastest; plain loops."""
     S = X.T @ X / (X.shape[0] if normalize == "length" else 1)
     d = X.shape[1]
     return np.array([S[j, k] * X[-1, l] for j in range(d) for k in range(j, d) for l in range(d)])
@@ -327,3 +327,16 @@ def test_mhla_does_not_import_sklearn() -> None:
             "print(any(m == 'sklearn' or m.startswith('sklearn.') for m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "False"
+
+
+def test_bad_numpy_options_are_shown_as_numbers() -> None:
+    """An option given as a NumPy scalar is named as its number in the message (not np.int64(0))."""
+    import numpy as np
+
+    from mhla_cli import MHLA
+    from mhla_cli.errors import InputError
+
+    for kw, text in ((dict(heads=np.int64(0)), "got 0"), (dict(ridge=np.float32(-1.0)), "got -1.0")):
+        with pytest.raises(InputError, match=text) as err:
+            MHLA(**kw).fit([np.ones((2, 2))] * 3, np.ones((3, 2)))
+        assert "np." not in str(err.value)

@@ -102,7 +102,7 @@ def test_adamw_with_d2_heads_fits_and_one_head_cannot() -> None:
 
 
 def _features_numpy(X: np.ndarray) -> np.ndarray:
-    """H(X) in plain numpy: S[j,k] * x_n[l] for j <= k, l fastest (BACKGROUND.md order)."""
+    """H(X) in plain numpy: S[j,k] * x_n[l] for j <= k, l fastest (docs/formats.md, "Math")."""
     S = X.T @ X
     d = X.shape[1]
     return np.array([S[j, k] * X[-1, l] for j in range(d) for k in range(j, d) for l in range(d)])

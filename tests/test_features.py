@@ -21,7 +21,7 @@ def test_repr_is_short_and_shows_no_arrays() -> None:
 
     feats = featurize(Path(__file__).resolve().parent.parent / "sample_data" / "teacher.h5")
     r = repr(feats)
-    assert r == ("Features(d=4, n_features=40, n_samples=2048, n_tokens=204800, per_position=False, "
+    assert r == ("Features(d=4, n_features=40, n_samples=2048, n_tokens=204800, samples='last', "
                  "normalize='none', targets=True)")
 
 

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from mhla_cli.io import formats
+from mhla_cli.model import synthetic
 from mhla_cli._version import __version__
 from mhla_cli.errors import InputError
 from mhla_cli.model.heads import Heads
@@ -239,3 +240,39 @@ def test_stored_symmetric_cut_on_both_sides(tmp_path: Path) -> None:
                 else:
                     with pytest.raises(InputError, match="'g' is not symmetric"):
                         formats.check_stored_symmetric(f, "g", tmp_path / "g.h5", tile=4)
+
+
+def test_value_text_shows_numbers_not_numpy_reprs() -> None:
+    """Messages show values as Python numbers (the issue: `np.float32(-10000.0)` in an error line)."""
+    from mhla_cli.io.formats import value_text
+
+    assert value_text(np.float32(-10000.0)) == "-10000.0"
+    assert value_text(np.int64(6)) == "6" and value_text(np.array(2.5)) == "2.5"
+    assert value_text(np.array([1, 2])) == "[1, 2]" and value_text(np.bool_(True)) == "True"
+    assert value_text("abc") == "'abc'" and value_text(float("nan")) == "nan"
+
+
+def test_messages_keep_the_directory_and_show_no_numpy_reprs(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """A file in another directory: the convert hint names it with its directory (it dropped it), from any
+    working directory; a weight-total attribute that is not a number is shown as a Python value."""
+    from mhla_cli.cli import run
+
+    sub = tmp_path / "sub dir"
+    sub.mkdir()
+    np.save(sub / "x.npy", np.zeros((3, 2)))
+    monkeypatch.chdir(tmp_path)
+    capsys.readouterr()
+    assert run(["certify", "sub dir/x.npy"]) == 2
+    err = capsys.readouterr().err
+    assert "mhla convert 'sub dir/x.npy' -o 'sub dir/x.h5'" in err, err
+    feats = tmp_path / "f.h5"
+    ds, _ = synthetic.generate_teacher(2, 1, 20, "2:4", seed=1)
+    ds.save(tmp_path / "t.h5", dtype="float64")
+    assert run(["featurize", str(tmp_path / "t.h5"), "-o", str(feats), "-q"]) == 0
+    with h5py.File(feats, "a") as f:
+        f.attrs["weight_sum"] = np.array([np.float32(1.0), np.float32(2.0)])
+    capsys.readouterr()
+    assert run(["certify", str(feats)]) == 2
+    err = capsys.readouterr().err
+    assert "attribute 'weight_sum' = [1.0, 2.0] is not a number" in err and "np." not in err and "array(" not in err

@@ -441,3 +441,35 @@ def test_fit_predicts_the_teacher_at_extreme_conditioning(tmp_path: Path, std: f
                                                                       "n_scored"]
     assert repr(written).startswith("Predictions(n_samples=")
     assert ratio(forward.predict_causal(back, Z, zoff), want) < 1e-8
+
+
+def test_formats_md_gives_one_weighted_mse_and_predict_follows_it(tmp_path: Path,
+                                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    """docs/ gave two formulas for the weighted MSE (sum w r^2 / (d sum w) in "Weights",
+    / (#{w > 0} d) in "predictions"); every weighted MSE formula in docs/ now divides by d sum w, and predict
+    --causal on per-position weights follows it (numpy: sum_t w_t ||out_t - y_t||^2 / (d sum_t w_t))."""
+    import re
+
+    docs = Path(__file__).resolve().parent.parent / "docs"
+    text = "\n".join(p.read_text(encoding="utf-8") for p in sorted(docs.glob("*.md")))
+    formulas = re.findall(r"sum_(\w) w_\1 \|\|[^|]*\|\|\^2\s*/\s*\(([^)]*)\)", text)
+    assert len(formulas) >= 4, formulas
+    for idx, denominator in formulas:
+        assert re.sub(r"\s+", " ", denominator) == f"d sum_{idx} w_{idx}", denominator
+    assert "#{i: w_i > 0} d" not in text and "#{t: w_t > 0} d" not in text
+    rng = np.random.default_rng(5)
+    d, N, n = 2, 30, 5
+    X = rng.standard_normal((N * n, d))
+    Y = rng.standard_normal((N * n, d))
+    w = rng.random(N * n) * 2
+    w[::4] = 0.0
+    data = write(tmp_path / "x.h5", tokens=X, offsets=np.arange(N + 1) * n, targets=Y, weights=w)
+    coef = rng.standard_normal((d, features.n_features(d)))
+    model = tmp_path / "m.h5"
+    Model(coef=coef, W=heads.W_from_p(coef), d=d).save(model)
+    out = cli_json(capsys, "predict", str(model), str(data), "-o", str(tmp_path / "p.h5"), "--causal")
+    H = np.array([np_H(X[i * n:i * n + t + 1], "none") for i in range(N) for t in range(n)])
+    err = ((H @ coef.T - Y) ** 2).sum(axis=1)
+    want = float(w @ err / (d * w.sum()))
+    assert abs(out["mse"] - want) <= 1e-12 * want and out["n_scored"] == int((w > 0).sum())
+    assert abs(out["mse"] - float(w @ err) / (d * (w > 0).sum())) > 1e-3 * want  # not the other formula

@@ -204,3 +204,41 @@ def test_zero_weight_sequences_and_scaled_weights_change_no_number(tmp_path: Pat
         assert run(["certify", str(path), "--json"]) == 0
         got.append(json.loads(capsys.readouterr().out)["lambda_min"])
     assert max(got) - min(got) <= 1e-10 * got[0]
+
+
+@pytest.mark.parametrize("weak", [1.0, 1e-2, 1e-3])
+def test_what_merge_keeps_and_what_it_does_not(tmp_path: Path, weak: float) -> None:
+    """docs/cluster.md's promise, as tested: shards + merge give the single pass's own-coordinate sums to
+    1e-12; the canonical datasets are another whitening of the same data (A_merged = A_single M, M
+    orthogonal), so basis* may differ entry by entry, while the spectrum of Lambda~ agrees to 1e-12 of
+    lambda_max and the fitted function (coef, predictions) to eps64 times the condition number of Lambda~."""
+    import numpy as np
+
+    from mhla_cli.model.forward import predict
+    from mhla_cli.solve.lstsq import fit
+
+    rng = np.random.default_rng(7)
+    d, N = 3, 300
+    off = np.concatenate([[0], np.cumsum(rng.integers(1, 5, N))])
+    T = np.linalg.qr(rng.standard_normal((d, d)))[0] @ np.diag([1.0, 0.1, weak])
+    X = rng.standard_normal((int(off[-1]), d)) @ T
+    data = tmp_path / "d.h5"
+    with h5py.File(data, "w") as f:
+        f["tokens"], f["offsets"], f["targets"] = X, off, rng.standard_normal((N, d))
+    single = featurize(data)
+    merged = merge_features(make_parts(data, tmp_path, 4)).features
+    for k in Features.SUMS:
+        a, b = getattr(merged, k), getattr(single, k)
+        assert np.abs(a - b).max() <= 1e-12 * np.abs(b).max(), k
+    A, B = single.basis, merged.basis
+    M = np.linalg.solve(A, B)
+    assert np.abs(M.T @ M - np.eye(d)).max() <= 1e-12
+    ea = np.linalg.eigvalsh(single.basis_gram / single.weight)
+    eb = np.linalg.eigvalsh(merged.basis_gram / merged.weight)
+    assert np.abs(ea - eb).max() <= 1e-12 * ea[-1]
+    cond = ea[-1] / ea[0]
+    fa, fb = fit(single), fit(merged)
+    bound = 10 * np.finfo(float).eps * cond
+    assert np.abs(fb.coef - fa.coef).max() <= bound * np.abs(fa.coef).max(), (cond,)
+    pa, pb = predict(fa, X, off), predict(fb, X, off)
+    assert np.abs(pb - pa).max() <= bound * np.abs(pa).max()

@@ -160,3 +160,75 @@ def test_model_files_before_canonical_coef_are_read_and_broken_ones_refused(tmp_
                 g.attrs[k] = v
         with pytest.raises(InputError, match=match):
             Model.load(bad)
+
+
+# --------------------------------------------------------------------------------------------
+# No model that cannot be read: fit writes only what every reader accepts
+# --------------------------------------------------------------------------------------------
+
+
+def _teacher_file(path: Path, T: np.ndarray | None = None, target_scale: float = 1.0, N: int = 200):
+    from mhla_cli.model import synthetic
+
+    ds, _ = synthetic.generate_teacher(3, 2, N, seq_len=(2, 6), seed=3, noise=0.1)
+    X = ds.tokens if T is None else ds.tokens @ T
+    _write(path, {}, tokens=X, offsets=ds.offsets, targets=ds.targets * target_scale)
+    return ds
+
+
+def test_units_with_a_tiny_coordinate_give_a_readable_model(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """The issue's row: units diag(1, 1, 1e-20). fit said exit 0 and every reader refused the model's
+    canonical_basis (diag ~ (1, 1, 1e20)) as singular; the basis is checked by its row-scaled condition
+    number, as features files are, and predict gives numpy's least-squares predictions."""
+    from _reference import canonical, min_norm_function, predict_canonical
+    from mhla_cli.cli import run
+
+    T = np.diag([1.0, 1.0, 1e-20])
+    data = tmp_path / "t.h5"
+    ds = _teacher_file(data, T)
+    out = tmp_path / "m.h5"
+    assert run(["fit", str(data), "-o", str(out), "-q"]) == 0
+    model = Model.load(out)  # readable
+    assert np.linalg.cond(model.basis) > 1e19
+    pred = tmp_path / "p.h5"
+    assert run(["predict", str(out), str(data), "-o", str(pred), "-q"]) == 0
+    ref = canonical(ds.tokens, ds.offsets, ds.targets)  # units cannot change the fitted function
+    want = predict_canonical(min_norm_function(ref), ref["A"], [ds.sequence(i) for i in range(ds.n_samples)])
+    with h5py.File(pred) as f:
+        got = f["predictions"][()]
+    assert np.abs(got - want).max() <= 1e-8 * np.abs(want).max()
+    assert run(["export-heads", str(out), "-o", str(tmp_path / "h.h5"), "-q"]) == 0
+
+
+def test_fit_refuses_coefficients_that_overflow(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """The issue's row: tokens x 1e-110. The own-coordinate coefficients are ~1e330 (a coefficient scales as
+    the targets over three token scales): fit wrote inf and exit 0, every reader said "corrupted". Now fit
+    refuses, naming the tokens' scale and the remedy, and writes nothing; x 1e-100 (coefficients ~1e300)
+    is still fitted and read."""
+    from mhla_cli.cli import run
+
+    data = tmp_path / "t.h5"
+    _teacher_file(data, np.eye(3) * 1e-110)
+    out = tmp_path / "m.h5"
+    capsys.readouterr()
+    assert run(["fit", str(data), "-o", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "overflow float64" in err and "standard deviations from 9." in err
+    assert "e-111 to 1.0" in err and "rescale the tokens" in err and "RuntimeWarning" not in err
+    assert not out.exists()
+    _teacher_file(data, np.eye(3) * 1e-100)
+    assert run(["fit", str(data), "-o", str(out), "-q"]) == 0
+    assert np.abs(Model.load(out).coef).max() > 1e290
+
+
+def test_save_refuses_what_load_would_refuse(tmp_path: Path) -> None:
+    """Model.save runs load's checks first (check_readable): a non-finite coef or a singular basis is an
+    InputError and no file."""
+    m = _model(2)
+    bad = Model(coef=m.coef * np.inf, W=m.W, d=2)
+    with pytest.raises(InputError, match="'coef' contains NaN or Inf"):
+        bad.save(tmp_path / "a.h5")
+    assert not (tmp_path / "a.h5").exists()
+    sing = Model(coef=m.coef, W=m.W, d=2, coef_b=m.coef, basis=np.array([[1.0, 1.0], [1.0, 1.0]]))
+    with pytest.raises(InputError, match="singular"):
+        sing.save(tmp_path / "b.h5")

@@ -1,72 +1,235 @@
-"""The boundary tests see every cut: each mutation below, applied alone to a copy of the package, makes
-at least one of them fail (tests/test_numerics.py's `test_cut_*` and test_factorization's spectral
-ridge), run as the code review that listed S1-S11 ran them (code-review-96474f1).
+"""The tests see every cut: each mutant below, applied alone, makes at least one of its tests fail.
 
-The mutations: the review's S1-S11 adapted to the current code, the ridge's own rule, and a x1e4 and a
-x1e-4 change of each named constant of mhla_cli.numerics (EPS included). A cross-cutting test (like
-test_metamorphic): slow, one pytest run per mutation (`python -m pytest -m slow tests/test_mutations.py`).
+Two kinds of mutant, neither tied to the wording of the code:
+- a named constant (mhla_cli.numerics and the other modules' named tolerances) times 1e4 and 1e-4, set
+  on its module (`setattr`) in a fresh interpreter before any other module of the package is imported,
+  so that every `from ..numerics import X` binds the mutant; after the run, any module still holding the
+  old value is reported (a copy the mutation did not reach);
+- a structural mutant: one AST node of one function (by its qualified name), found by its shape and
+  replaced; the module is compiled from the mutated tree in that fresh interpreter (an import hook).
+A target that is missing, or found more than once, fails loudly: the test never passes by skipping.
+
+Each mutant runs its tests (`pytest -x`) in a subprocess: killed when pytest exits 1. The same tests
+first pass on the unmutated code (so a mutant applied to the code by hand fails this test too). The cut
+tests (tests/test_numerics.py `test_cut_*`) place cases at 1e-2 x and 1e2 x of each constant's value
+as docs/formats.md states it, against plain numpy (tests/_reference.py), so a changed constant moves
+its cut past one of them. A cross-cutting test: slow, run by .ci/run (`python -m pytest -q -m slow
+tests/test_mutations.py`); `python tests/test_mutations.py [NAME ...]` prints the table.
 """
 
 from __future__ import annotations
 
+import ast
+import importlib.abc
+import importlib.util
 import os
-import re
-import shutil
 import subprocess
 import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
+BOUNDARY = ("tests/test_numerics.py", "tests/test_factorization.py", "-k", "cut_ or spectral_ridge")
 
-# (name, file, old, new): `old` occurs exactly once in `file`
-REVIEW = [
-    ("S1 structure cut x1e6", "mhla_cli/statistics/structure.py", "cut = STRUCTURE_FACTOR * psi * EPS * max(",
-     "cut = 1e6 * STRUCTURE_FACTOR * psi * EPS * max("),
-    ("S2 change_basis keeps basis_last_token_gram", "mhla_cli/statistics/algebra.py",
-     "        self.basis_last_token_gram = C.T @ self.basis_last_token_gram @ C\n", ""),
-    ("S3 LANCZOS_TOL 1e-1", "mhla_cli/numerics.py", "LANCZOS_TOL = 1e-7", "LANCZOS_TOL = 1e-1"),
-    ("S4 DETERMINED_TOL 1e-4", "mhla_cli/numerics.py", "DETERMINED_TOL = 1e-8", "DETERMINED_TOL = 1e-4"),
-    ("S5 null_weight without its P_Z term", "mhla_cli/solve/certificate.py", '        weight += np.einsum("ij,ij->i", Z, Z)\n',
-     "        pass\n"),
-    ("S6 observed-span rule 1e-6", "mhla_cli/numerics.py",
-     "max(OBSERVED_SPAN_FACTOR * d * EPS * math.sqrt(max(count, 1)), d * eps_in**2)", "1e-6"),
-    ("S7 MSE resolution x1e6", "mhla_cli/numerics.py", "return MSE_RESOLUTION_FACTOR * n_features",
-     "return 1e6 * MSE_RESOLUTION_FACTOR * n_features"),
-    ("S8 numerical tolerance x1e4", "mhla_cli/numerics.py", "return RANK_FACTOR * n * EPS * max(lambda_max, 0.0)",
-     "return 1e4 * RANK_FACTOR * n * EPS * max(lambda_max, 0.0)"),
-    ("S9 certify's tolerance with the block's n", "mhla_cli/solve/certificate.py", "tol = numerical_tolerance(lmax, m)",
-     "tol = numerical_tolerance(lmax, fac.n)"),
-    ("S10 train MSE without tr(target_gram)", "mhla_cli/solve/lstsq.py",
-     'sse = quad - 2 * float(np.einsum("ij,ji->", pb, moments_b)) + float(np.trace(feats.target_gram))',
-     'sse = quad - 2 * float(np.einsum("ij,ji->", pb, moments_b))'),
-    ("S11 ridge in the wrong units", "mhla_cli/linalg/factorization.py",
-     "x = self._matrix().shifted_solve(self.scale, ridge, rhs)",
-     "x = self._matrix().shifted_solve(self.scale, ridge * self.scale, rhs)"),
-    ("ridge: a Cholesky for every r > 0", "mhla_cli/linalg/factorization.py", "        if ridge > tol:\n",
-     "        if ridge > 0:\n"),
-    ("ridge: the range solve keeps the null part", "mhla_cli/linalg/backends.py", "return x - N @ (N.T @ x)",
-     "return x"),
-    ("the verdict from lambda_min, not the proof", "mhla_cli/solve/certificate.py",
-     'identifiable = proof == "cholesky of Lambda~ - t I"',
-     'identifiable = proof in ("cholesky of Lambda~ - t I", "cholesky of Lambda~ - t I failed")'),
+
+# ---------------------------------------------------------------------------------------------
+# the mutants
+
+@dataclass(frozen=True)
+class Constant:
+    """`module.name` times `factor`."""
+    module: str
+    name: str
+    factor: float
+    tests: tuple[str, ...] = BOUNDARY
+
+    @property
+    def label(self) -> str:
+        return f"{self.name} x{self.factor:g}"
+
+
+@dataclass(frozen=True)
+class Structural:
+    """In `module`, inside the function `function` (qualified: Class.method), the one node for which
+    `match(node)` holds is replaced by `change(node)` (a node, or None to delete a statement)."""
+    label: str
+    module: str
+    function: str
+    match: Callable[[ast.AST], bool] = field(compare=False)
+    change: Callable[[ast.AST], ast.AST | None] = field(compare=False)
+    tests: tuple[str, ...] = BOUNDARY
+
+
+def _is_name(node: ast.AST, name: str) -> bool:
+    return isinstance(node, ast.Name) and node.id == name
+
+
+def _assigns(node: ast.AST, target: str) -> bool:
+    """`target = ...` (a name) or `self.target = ...` (an attribute)."""
+    if not isinstance(node, ast.Assign) or len(node.targets) != 1:
+        return False
+    t = node.targets[0]
+    return _is_name(t, target) or isinstance(t, ast.Attribute) and t.attr == target
+
+
+def _calls(node: ast.AST, func: str) -> bool:
+    """A call of `func` (a name or an attribute, e.g. argmin of np.argmin)."""
+    if not isinstance(node, ast.Call):
+        return False
+    f = node.func
+    return _is_name(f, func) or isinstance(f, ast.Attribute) and f.attr == func
+
+
+def _times(factor: float, node: ast.expr) -> ast.expr:
+    return ast.BinOp(ast.Constant(factor), ast.Mult(), node)
+
+
+def _replace_arg(node: ast.Call, i: int, new: ast.expr) -> ast.Call:
+    node.args[i] = new
+    return node
+
+
+def _expr(source: str) -> ast.expr:
+    return ast.parse(source, mode="eval").body
+
+
+def _returns_first(source: str) -> Callable[[ast.AST], ast.AST]:
+    """The function's body made `source; <the old body>` (an early return)."""
+    def change(fn: ast.AST) -> ast.AST:
+        fn.body = ast.parse(source).body + fn.body
+        return fn
+    return change
+
+
+STRUCTURAL = [
+    Structural("structure cut x1e6", "mhla_cli.statistics.structure", "from_traces",
+               lambda n: _assigns(n, "cut"), lambda n: ast.Assign(n.targets, _times(1e6, n.value))),
+    Structural("change_basis keeps basis_last_token_gram", "mhla_cli.statistics.algebra", "FeaturesAlgebra.change_basis",
+               lambda n: _assigns(n, "basis_last_token_gram"), lambda n: None),
+    Structural("null weight without its P_Z term", "mhla_cli.solve.certificate", "_null_weights",
+               lambda n: isinstance(n, ast.AugAssign) and _is_name(n.target, "weight"), lambda n: ast.Pass()),
+    Structural("observed-span rule 1e-6", "mhla_cli.numerics", "observed_span_tol",
+               lambda n: isinstance(n, ast.Return), lambda n: ast.Return(ast.Constant(1e-6))),
+    Structural("certify's tolerance with the block's n", "mhla_cli.solve.certificate", "certify",
+               lambda n: _calls(n, "numerical_tolerance") and len(n.args) == 2,
+               lambda n: _replace_arg(n, 1, _expr("fac.n"))),
+    Structural("the verdict from either proof string", "mhla_cli.solve.certificate", "certify",
+               lambda n: _assigns(n, "identifiable"), lambda n: ast.Assign(n.targets, _expr("proof.startswith('cholesky')"))),
+    Structural("train MSE without tr(target_gram)", "mhla_cli.solve.lstsq", "_train_mse_b",
+               lambda n: _assigns(n, "sse") and isinstance(n.value, ast.BinOp) and isinstance(n.value.op, ast.Add),
+               lambda n: ast.Assign(n.targets, n.value.left)),
+    Structural("ridge in the wrong units", "mhla_cli.linalg.factorization", "Factorization.ridge_solve",
+               lambda n: _calls(n, "shifted_solve"), lambda n: _replace_arg(n, 1, _expr("ridge * self.scale"))),
+    Structural("ridge: a Cholesky for every r > 0", "mhla_cli.linalg.factorization", "Factorization.ridge_solve",
+               lambda n: isinstance(n, ast.Compare) and _is_name(n.left, "ridge") and _is_name(n.comparators[0], "tol"),
+               lambda n: ast.Compare(n.left, n.ops, [ast.Constant(0)])),
+    Structural("ridge: the range solve keeps the null part", "mhla_cli.linalg.backends", "HostMatrix.range_solve",
+               lambda n: isinstance(n, ast.Return) and isinstance(n.value, ast.BinOp) and isinstance(n.value.op, ast.Sub),
+               lambda n: ast.Return(n.value.left)),
+    Structural("CV without its rounding floor", "mhla_cli.solve.ridge_cv", "cv_ridge",
+               lambda n: _calls(n, "argmin") and n.args and _calls(n.args[0], "maximum"),
+               lambda n: _replace_arg(n, 0, n.args[0].args[0]), tests=("tests/test_ridge_cv.py",)),
+    Structural("the certificate on the raw Gram (no whitening)", "mhla_cli.statistics.basis", "whitening",
+               lambda n: isinstance(n, ast.FunctionDef), _returns_first("return np.eye(token_gram.shape[0])"),
+               tests=("tests/test_certificate.py", "-k", "token_scale")),
+    Structural("the observed domain's map off by 2", "mhla_cli.solve.domains", "Observed._factorize",
+               lambda n: _calls(n, "orth_pair_map"), lambda n: _times(2.0, n),
+               tests=("tests/test_certificate.py", "-k", "domain_object")),
 ]
 
-CONSTANTS = ["EPS", "RANK_FACTOR", "STRUCTURE_FACTOR", "OBSERVED_SPAN_FACTOR", "DETERMINED_TOL", "LANCZOS_TOL",
-             "MSE_RESOLUTION_FACTOR", "SINGULAR_BASIS_COND", "SYMMETRY_TOL", "ORTHOGONAL_TOL", "DEAD_WEIGHT_TOL",
-             "NONZERO_REL", "REFINE_MAX_RHO", "UNRESOLVED_REL", "EQUILIBRATE_RATIO", "CANONICAL_TOL",
-             "CANONICAL_COEF_TOL", "W_COEF_TOL", "MAX_EXACT_INT", "SST_RESOLUTION", "RELIABLE_GAP", "ORTHONORMAL_TOL",
-             "FOLD_SUM_TOL"]
+# Every check of export-heads, spectrum and compare evaluated in the tokens' own coordinates (or on the
+# coefficients instead of the outputs on the data): tests/test_canonical.py or test_compare.py must see each.
+CANONICAL = ("tests/test_canonical.py", "tests/test_compare.py")
+
+
+def _sub_key(node: ast.AST, key: str) -> bool:
+    """`x["key"]`."""
+    return isinstance(node, ast.Subscript) and isinstance(node.slice, ast.Constant) and node.slice.value == key
+
+
+def _rekey(node: ast.Subscript, key: str) -> ast.Subscript:
+    node.slice = ast.Constant(key)
+    return node
+
+
+def _verdict(what: str) -> Callable[[ast.AST], bool]:
+    """`out["judged_by"], rel = what, out[...]` in compare."""
+    return lambda n: (isinstance(n, ast.Assign) and isinstance(n.value, ast.Tuple)
+                      and isinstance(n.value.elts[0], ast.Constant) and n.value.elts[0].value == what)
+
+
+def _verdict_on(key: str) -> Callable[[ast.AST], ast.AST]:
+    def change(n: ast.Assign) -> ast.Assign:
+        n.value.elts[1] = _rekey(n.value.elts[1], key)
+        return n
+    return change
+
+
+OWN_COORDINATES = [
+    Structural("heads, spectrum and --fewest in the tokens' own coordinates", "mhla_cli.model.canonical",
+               "canonical_function",
+               lambda n: isinstance(n, ast.If) and isinstance(n.test, ast.BoolOp) and _calls(n.test.values[0], "isinstance")
+               and "coef_b" in ast.unparse(n.test),
+               lambda n: ast.If(ast.BoolOp(ast.And(), [n.test, ast.Constant(False)]), n.body, n.orelse),
+               tests=CANONICAL),
+    Structural("the spectrum of the own coefficients", "mhla_cli.solve.spectrum", "spectrum",
+               lambda n: _assigns(n, "cf") and _calls(n.value, "_scaled"),
+               lambda n: ast.Assign(n.targets, _expr("canonical_function(fn.coef if isinstance(fn, Model) else fn)")),
+               tests=CANONICAL),
+    Structural("the reported change on the coefficients", "mhla_cli.model.canonical", "CanonicalFunction.record",
+               lambda n: _calls(n, "function_change"),
+               lambda n: ast.Call(ast.Attribute(n.func.value, "coef_change", ast.Load()), n.args, n.keywords),
+               tests=CANONICAL),
+    Structural("--fewest cut on the coefficients", "mhla_cli.model.canonical", "CanonicalFunction.change",
+               lambda n: isinstance(n, ast.FunctionDef), _returns_first("return self.coef_change(c_new)"),
+               tests=CANONICAL),
+    Structural("--fewest's lower bound without the data", "mhla_cli.solve.lowrank.fewest", "fewest_heads",
+               lambda n: isinstance(n, ast.keyword) and n.arg == "radius",
+               lambda n: ast.keyword("radius", ast.Constant(None)), tests=CANONICAL),
+    Structural("--max-heads auto polished in the coefficients of H(Z)", "mhla_cli.solve.spectrum", "outlier_heads",
+               lambda n: isinstance(n, ast.keyword) and n.arg == "metric",
+               lambda n: ast.keyword("metric", _expr("np.eye(cf.coef.shape[1])")), tests=CANONICAL),
+    Structural("compare --on judged by the own-coordinate distance", "mhla_cli.model.compare", "compare",
+               _verdict("data"), _verdict_on("relative_distance"), tests=CANONICAL),
+    Structural("compare judged by the own-coordinate distance on the training data", "mhla_cli.model.compare",
+               "compare", _verdict("training data"), _verdict_on("relative_distance"), tests=CANONICAL),
+    Structural("compare --on evaluates a model's own coefficients", "mhla_cli.model.compare", "prediction_difference",
+               lambda n: isinstance(n, ast.Assign) and isinstance(n.value, ast.Tuple)
+               and all(_calls(e, "evaluated") for e in n.value.elts),
+               lambda n: ast.Assign(n.targets, _expr("(coef_of(a), None), (coef_of(b), None)")), tests=CANONICAL),
+]
+
+def _quoted_constants() -> list[str]:
+    """EPS and every constant numerics.QUOTED lists (read from the source: a constant added there is a
+    mutant here without another edit)."""
+    tree = ast.parse((ROOT / "mhla_cli" / "numerics.py").read_text(encoding="utf-8"))
+    table = next(n.value for n in tree.body if isinstance(n, ast.Assign) and _is_name(n.targets[0], "QUOTED"))
+    return ["EPS", *(k.value for k in table.keys)]
+
+
+# the constants whose cut tests live beside their module rather than in tests/test_numerics.py
+CUT_TESTS = {"OWN_FOLDS_COND": ("tests/test_folds.py", "-k", "cut_")}
+# named tolerances outside numerics, each with the tests of its module
+OTHER_CONSTANTS = [("mhla_cli.solve.ridge_cv", "CV_FLOOR", ("tests/test_ridge_cv.py",)),
+                   ("mhla_cli.io.tokens", "MIN_WEIGHT", ("tests/test_tokens.py", "-k", "cut_"))]
+
+CONSTANTS = [Constant("mhla_cli.numerics", name, f, CUT_TESTS.get(name, BOUNDARY))
+             for name in _quoted_constants() for f in (1e4, 1e-4)] + \
+            [Constant(mod, name, f, tests) for mod, name, tests in OTHER_CONSTANTS for f in (1e4, 1e-4)]
+MUTANTS = CONSTANTS + STRUCTURAL + OWN_COORDINATES
 
 # Changes that no test can see because they change no answer (they are reported, not asserted):
 EQUIVALENT = {
-    "LANCZOS_TOL x1e-4": "a tighter Lanczos residual only costs iterations (lambda is already ~1e-14 relative)",
-    "REFINE_MAX_RHO x1e-4": "the fit then factors Lambda~ itself instead of refining with the proof's factor: "
-                            "the same answer, one more Cholesky",
-    "ORTHOGONAL_TOL x1e-4": "a change of coordinates orthogonal to 1e-16 is then factorized again rather than "
-                            "shared: the same spectrum",
-    "ORTHOGONAL_TOL x1e4": "the shared block's change of coordinates R is orthogonal to rounding or far from it",
+    "LANCZOS_TOL x0.0001": "a tighter Lanczos residual only costs iterations (lambda is already ~1e-14 relative)",
+    "REFINE_MAX_RHO x0.0001": "the fit then factors Lambda~ itself instead of refining with the proof's factor: "
+                              "the same answer, one more Cholesky",
+    "ORTHOGONAL_TOL x0.0001": "a change of coordinates orthogonal to 1e-16 is then factorized again rather than "
+                              "shared: the same spectrum",
+    "ORTHOGONAL_TOL x10000": "the shared block's change of coordinates R is orthogonal to rounding or far from it",
     "ridge: a Cholesky for every r > 0": "on exact nulls the Cholesky of Lambda~ + r I fails for r below rounding "
                                          "and the range solve answers; the guard r > tol is defence for "
                                          "eigenvalues within rounding of the tolerance",
@@ -75,72 +238,187 @@ EQUIVALENT = {
 }
 
 
-def _constant_mutations() -> list[tuple[str, str, str, str]]:
-    src = (ROOT / "mhla_cli" / "numerics.py").read_text(encoding="utf-8")
-    out = []
-    for name in CONSTANTS:
-        # the value without its trailing comment (a comment inside the parentheses would be a syntax
-        # error: every test would "kill" the mutation)
-        line = re.search(rf"^{name} = ([^#\n]+?)[ \t]*(#[^\n]*)?$", src, flags=re.M)
-        assert line, name
-        for factor in ("1e4", "1e-4"):
-            out.append((f"{name} x{factor}", "mhla_cli/numerics.py", line.group(0),
-                        f"{name} = ({line.group(1)}) * {factor}"))
-    return out
+# ---------------------------------------------------------------------------------------------
+# finding and applying a mutant
+
+class MutantMissing(AssertionError):
+    """The code no longer has the mutant's target (or has it more than once): update the mutant."""
 
 
-MUTATIONS = REVIEW + _constant_mutations()
-BOUNDARY = ["tests/test_numerics.py", "tests/test_factorization.py", "-k", "cut_ or spectral_ridge"]
+def _module_path(module: str) -> Path:
+    return ROOT / (module.replace(".", "/") + ".py")
 
 
-def run_mutation(repo: Path, path: str, old: str, new: str) -> tuple[bool, str]:
-    """Apply one mutation to the copy `repo`, run the boundary tests, revert; (killed, pytest's last line)."""
-    full = repo / path
-    src = full.read_text(encoding="utf-8")
-    assert src.count(old) == 1, (path, old, src.count(old))
-    full.write_text(src.replace(old, new), encoding="utf-8")
-    try:
-        env = dict(os.environ, PYTHONPATH=str(repo), OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1")
-        r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", *BOUNDARY],
-                           cwd=repo, env=env, capture_output=True, text=True, timeout=900)
-        tail = (r.stdout.strip().splitlines() or ["?"])[-1]
-        return r.returncode != 0, tail
-    finally:
-        full.write_text(src, encoding="utf-8")
+def _function(tree: ast.Module, qualname: str) -> ast.FunctionDef:
+    found = []
+
+    def walk(node: ast.AST, prefix: str) -> None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                name = f"{prefix}{child.name}"
+                if name == qualname and not isinstance(child, ast.ClassDef):
+                    found.append(child)
+                walk(child, name + ".")
+    walk(tree, "")
+    if len(found) != 1:
+        raise MutantMissing(f"{len(found)} functions named {qualname}")
+    return found[0]
 
 
-def copy_repo(dest: Path) -> Path:
-    """The package, its tests and docs (the boundary tests read docs/formats.md's table) in `dest`."""
-    for sub in ("mhla_cli", "tests", "docs"):
-        shutil.copytree(ROOT / sub, dest / sub, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
-    for f in ("pyproject.toml", "conftest.py"):
-        if (ROOT / f).exists():
-            shutil.copy(ROOT / f, dest / f)
-    return dest
+def mutated_tree(m: Structural) -> ast.Module:
+    """The module's tree with the mutant applied; MutantMissing unless exactly one node matches."""
+    tree = ast.parse(_module_path(m.module).read_text(encoding="utf-8"))
+    fn = _function(tree, m.function)
+    hits = [(parent, fname, node) for parent in ast.walk(fn) for fname, value in ast.iter_fields(parent)
+            for node in (value if isinstance(value, list) else [value])
+            if isinstance(node, ast.AST) and m.match(node)]
+    if m.match(fn):  # the function itself (a change of its whole body)
+        hits = [(None, None, fn)]
+    if len(hits) != 1:
+        raise MutantMissing(f"{m.label}: {len(hits)} nodes match in {m.module}.{m.function} (want exactly 1)")
+    parent, fname, node = hits[0]
+    new = m.change(node)
+    if parent is not None:
+        value = getattr(parent, fname)
+        if isinstance(value, list):
+            i = next(k for k, v in enumerate(value) if v is node)
+            value[i:i + 1] = [] if new is None else [new]
+            if not value:
+                value.append(ast.Pass())
+        else:
+            setattr(parent, fname, new)
+    return ast.fix_missing_locations(tree)
+
+
+def check_target(m: Constant | Structural) -> None:
+    """Raise MutantMissing unless the mutant's target exists once (no import of the package)."""
+    if isinstance(m, Structural):
+        mutated_tree(m)
+        return
+    tree = ast.parse(_module_path(m.module).read_text(encoding="utf-8"))
+    assigned = [n for n in tree.body if isinstance(n, (ast.Assign, ast.AnnAssign))
+                for t in (n.targets if isinstance(n, ast.Assign) else [n.target]) if _is_name(t, m.name)]
+    if len(assigned) != 1:
+        raise MutantMissing(f"{m.module}.{m.name}: assigned {len(assigned)} times at module level (want 1)")
+
+
+class _MutantLoader(importlib.abc.Loader):
+    def __init__(self, tree: ast.Module, path: Path) -> None:
+        self.tree, self.path = tree, path
+
+    def create_module(self, spec):  # noqa: ANN001, ANN201
+        return None
+
+    def exec_module(self, module) -> None:  # noqa: ANN001
+        exec(compile(self.tree, str(self.path), "exec"), module.__dict__)
+
+
+class _MutantFinder(importlib.abc.MetaPathFinder):
+    def __init__(self, name: str, tree: ast.Module, path: Path) -> None:
+        self.name, self.loader, self.path = name, _MutantLoader(tree, path), path
+
+    def find_spec(self, fullname, path=None, target=None):  # noqa: ANN001, ANN201
+        if fullname != self.name:
+            return None
+        return importlib.util.spec_from_file_location(fullname, self.path, loader=self.loader)
+
+
+def child(index: int, pytest_args: list[str]) -> int:
+    """In a fresh interpreter: apply mutant `index` (-1: none), run pytest; 1 when a test failed (killed),
+    0 when all passed, 97 when the mutant did not reach the code it targets."""
+    m = MUTANTS[index] if index >= 0 else None
+    if isinstance(m, Constant):
+        import importlib
+
+        mod = importlib.import_module(m.module)
+        old = getattr(mod, m.name)
+        new = type(old)(old * m.factor) if isinstance(old, float) else old * m.factor
+        setattr(mod, m.name, new)
+    elif isinstance(m, Structural):
+        if m.module in sys.modules:
+            print(f"mutation: {m.module} was imported before the mutant", flush=True)
+            return 97
+        sys.meta_path.insert(0, _MutantFinder(m.module, mutated_tree(m), _module_path(m.module)))
+    code = int(pytest.main(["-q", "-x", "-p", "no:cacheprovider", *pytest_args]))
+    if isinstance(m, Constant):
+        stale = [name for name, mod in list(sys.modules.items()) if name.startswith("mhla_cli")
+                 and getattr(mod, m.name, new) is not new and getattr(mod, m.name, new) == old]
+        if stale:
+            print(f"mutation: {m.name} kept its old value in {stale}", flush=True)
+            return 97
+    elif isinstance(m, Structural):
+        loaded = sys.modules.get(m.module)
+        if loaded is not None and not isinstance(getattr(loaded, "__loader__", None), _MutantLoader):
+            print(f"mutation: {m.module} was loaded without the mutant", flush=True)
+            return 97
+    return code
+
+
+def run_mutant(index: int, tests: tuple[str, ...]) -> tuple[int, str]:
+    """(pytest's exit code in the child, its last line) for mutant `index` (-1: the code as it is)."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1")
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), str(ROOT / "tests"), env.get("PYTHONPATH", "")])
+    code = (f"import sys; sys.path.insert(0, {str(ROOT / 'tests')!r}); import test_mutations as t; "
+            f"sys.exit(t.child({index}, {list(tests)!r}))")
+    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    lines = (r.stdout + r.stderr).strip().splitlines() or ["?"]
+    tail = next((ln for ln in reversed(lines) if ln.startswith("mutation:")), lines[-1])
+    return r.returncode, tail
+
+
+# ---------------------------------------------------------------------------------------------
+# tests
+
+@pytest.mark.parametrize("mutant", MUTANTS, ids=lambda m: m.label)
+def test_every_mutant_has_its_target(mutant: Constant | Structural) -> None:
+    """Each target exists exactly once (a rewording that loses it fails here, in the default suite)."""
+    check_target(mutant)
+
+
+def test_a_missing_target_fails_loudly() -> None:
+    gone = Structural("gone", "mhla_cli.solve.ridge_cv", "cv_ridge", lambda n: _calls(n, "no_such_call"), lambda n: n)
+    with pytest.raises(MutantMissing, match="0 nodes match"):
+        check_target(gone)
+    with pytest.raises(MutantMissing, match="0 functions"):
+        check_target(Structural("gone", "mhla_cli.solve.ridge_cv", "no_such_function", lambda n: True, lambda n: n))
+    with pytest.raises(MutantMissing, match="assigned 0 times"):
+        check_target(Constant("mhla_cli.numerics", "NO_SUCH_TOL", 1e4))
+
+
+def test_a_structural_mutant_changes_the_code() -> None:
+    """The applied tree differs from the code exactly where the mutant says (here: the CV floor)."""
+    m = next(s for s in STRUCTURAL if s.label == "CV without its rounding floor")
+    before = ast.unparse(ast.parse(_module_path(m.module).read_text(encoding="utf-8")))
+    after = ast.unparse(mutated_tree(m))
+    assert "np.argmin(np.maximum(mean, floor))" in before and "np.argmin(mean)" in after
+    assert "np.argmin(np.maximum(mean, floor))" not in after
 
 
 @pytest.mark.slow
-def test_every_mutation_fails_a_boundary_test(tmp_path: Path) -> None:
-    repo = copy_repo(tmp_path / "repo")
-    killed, lines = {}, []
-    for name, path, old, new in MUTATIONS:
-        k, tail = run_mutation(repo, path, old, new)
-        killed[name] = k
-        lines.append(f"{name}: {'killed' if k else 'SURVIVED'} ({tail})")
-    print("\n".join(lines))
+def test_every_mutation_fails_its_tests() -> None:
+    t0 = time.perf_counter()
+    for tests in dict.fromkeys(m.tests for m in MUTANTS):  # the unmutated code passes every selection
+        code, tail = run_mutant(-1, tests)
+        assert code == 0, f"the tests {tests} fail on the code as it is: {tail}"
+    killed, lines, broken = {}, [], []
+    for i, m in enumerate(MUTANTS):
+        check_target(m)
+        code, tail = run_mutant(i, m.tests)
+        if code not in (0, 1):
+            broken.append(f"{m.label}: exit {code} ({tail})")
+        killed[m.label] = code == 1
+        lines.append(f"{m.label}: {'killed' if code == 1 else 'SURVIVED'} ({tail})")
+    print("\n".join(lines) + f"\n{len(MUTANTS)} mutants in {time.perf_counter() - t0:.0f} s")
+    assert not broken, "\n".join(broken)
     survivors = [n for n, k in killed.items() if not k and n not in EQUIVALENT]
     assert not survivors, "\n".join(lines)
 
 
-if __name__ == "__main__":  # the table: python tests/test_mutations.py [NAME ...]
-    import tempfile
-
+if __name__ == "__main__":  # the table: python tests/test_mutations.py [LABEL ...]
     only = set(sys.argv[1:])
-    with tempfile.TemporaryDirectory() as tmp:
-        repo = copy_repo(Path(tmp) / "repo")
-        for name, path, old, new in MUTATIONS:
-            if only and name not in only:
-                continue
-            k, tail = run_mutation(repo, path, old, new)
-            note = "" if k or name not in EQUIVALENT else f" [equivalent: {EQUIVALENT[name]}]"
-            print(f"| {name} | {'killed' if k else 'SURVIVED'} | {tail}{note} |", flush=True)
+    for i, m in enumerate(MUTANTS):
+        if only and m.label not in only:
+            continue
+        code, tail = run_mutant(i, m.tests)
+        note = "" if code == 1 or m.label not in EQUIVALENT else f" [equivalent: {EQUIVALENT[m.label]}]"
+        print(f"| {m.label} | {'killed' if code == 1 else 'SURVIVED'} | {tail}{note} |", flush=True)

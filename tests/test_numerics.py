@@ -23,14 +23,20 @@ from mhla_cli.statistics.stream import featurize
 from mhla_cli.statistics.features import Features
 
 DTYPES = ["float32", "float64"]
-SCALES = [1e-3, 1.0, 1e3]
+# One factor on every token, and a factor per coordinate (1e-3, 1, 1e3, ... over the d coordinates): a
+# certificate on the raw Gram with a relative threshold passes the first kind alone.
+SCALES = [1e-3, 1.0, 1e3, (1e-3, 1.0, 1e3)]
 
 
-def _certify(tmp: Path, tokens: np.ndarray, offsets: np.ndarray, dtype: str, scale: float = 1.0,
+def _scaled(tokens: np.ndarray, scale: float | tuple) -> np.ndarray:
+    return tokens * np.resize(np.asarray(scale, dtype=np.float64), tokens.shape[1])
+
+
+def _certify(tmp: Path, tokens: np.ndarray, offsets: np.ndarray, dtype: str, scale: float | tuple = 1.0,
              domain: str = "full", targets: np.ndarray | None = None) -> Certificate:
-    path = tmp / f"t_{dtype}_{scale:g}.h5"
+    path = tmp / f"t_{dtype}_{'_'.join(f'{x:g}' for x in np.atleast_1d(scale))}.h5"
     with h5py.File(path, "w") as f:
-        f["tokens"] = (tokens * scale).astype(dtype)
+        f["tokens"] = _scaled(tokens, scale).astype(dtype)
         f["offsets"] = offsets
         if targets is not None:
             f["targets"] = targets
@@ -122,12 +128,13 @@ def test_badly_conditioned_full_rank(dtype: str, scale: float, tmp_path: Path) -
     c = _certify(tmp_path, tokens, offsets, dtype, scale)
     _check(c, True)
     # independent reference: the raw features materialised in plain numpy
-    X = (tokens * scale).astype(dtype).astype(np.float64)
+    X = _scaled(tokens, scale).astype(dtype).astype(np.float64)
     iu = np.triu_indices(3)
     F = np.stack([np.einsum("p,l->pl", (X[a:b].T @ X[a:b])[iu], X[b - 1]).ravel()
                   for a, b in zip(offsets[:-1], offsets[1:])])
     raw = np.linalg.svd(F, compute_uv=False) ** 2
-    assert 1e-11 < raw[-1] / raw[0] < 1e-9, raw[-1] / raw[0]
+    # ~1e-10 for one factor on every token, ~1e-28 with the per-coordinate factors: far beyond float64
+    assert raw[-1] / raw[0] < 1e-9 and (np.ndim(scale) > 0 or raw[-1] / raw[0] > 1e-11), raw[-1] / raw[0]
     assert raw[-1] / raw[0] < np.sqrt(EPS) and raw[-1] / raw[0] < np.finfo(np.float32).eps
     ratio = c.lambda_min / c.lambda_max
     assert ratio > 1e-3 and c.basis == "canonical"
@@ -135,13 +142,14 @@ def test_badly_conditioned_full_rank(dtype: str, scale: float, tmp_path: Path) -
 
 
 def test_verdict_is_scale_invariant_at_every_margin(tmp_path: Path) -> None:
-    """Tokens scaled by c: the canonical lambda_min, lambda_max and threshold do not move at all."""
+    """Tokens scaled by c, or by a factor per coordinate: the canonical lambda_min, lambda_max and threshold
+    do not move at all."""
     tokens, offsets = _ragged(np.random.default_rng(5), 200, 2)
     rel = []
     for scale in SCALES:
         c = _certify(tmp_path, tokens, offsets, "float64", scale)
         rel.append((c.lambda_min, c.lambda_max, c.threshold))
-    np.testing.assert_allclose(rel, [rel[1]] * 3, rtol=1e-9)
+    np.testing.assert_allclose(rel, [rel[1]] * len(SCALES), rtol=1e-9)
 
 
 def test_observed_subspace_of_rank_3_float64(tmp_path: Path) -> None:
@@ -245,7 +253,7 @@ def test_fit_reports_condition_and_ridge(tmp_path: Path, capsys) -> None:
 def test_the_constants_quoted_in_formats_md_are_the_code_s() -> None:
     from mhla_cli import numerics
 
-    text = (Path(__file__).resolve().parent.parent / "docs" / "formats.md").read_text(encoding="utf-8")
+    text = (Path(__file__).resolve().parent.parent / "docs" / "certificate.md").read_text(encoding="utf-8")
     rows = _documented_constants()
     assert set(rows) == set(numerics.QUOTED), set(rows) ^ set(numerics.QUOTED)
     for name, value in rows.items():
@@ -305,9 +313,9 @@ EPS64 = float(np.finfo(np.float64).eps)
 
 
 def _documented_constants() -> dict[str, float]:
-    """The constants' values as docs/formats.md's table states them (the cases below sit at 1e-2 x and
+    """The constants' values as docs/certificate.md's table states them (the cases below sit at 1e-2 x and
     1e2 x of these, so that a changed constant in the code moves its cut away from its cases)."""
-    text = (Path(__file__).resolve().parent.parent / "docs" / "formats.md").read_text(encoding="utf-8")
+    text = (Path(__file__).resolve().parent.parent / "docs" / "certificate.md").read_text(encoding="utf-8")
     table = text[text.index("**The numerics' constants**"):]
     table = table[:table.index("\n\n", table.index("|---"))]
     return {k: float(v) for k, v in re.findall(r"^\| `([A-Z_]+)` \| ([^|]+?) \|", table, flags=re.M)}
@@ -419,6 +427,62 @@ def test_cut_probe_tolerance(tmp_path: Path) -> None:
     rep = certify_probes(chunk_features(X, off, y, 3), path)
     assert rep.residual == pytest.approx(want, rel=1e-3, abs=0)
     assert list(rep.undetermined) == [0]  # 1e2 x the tolerance: undetermined; 1e-2 x: determined
+
+
+@pytest.mark.parametrize("factor", [0.5, 2.0])
+def test_cut_unresolved_probe_factor(tmp_path: Path, factor: float) -> None:
+    """Training tokens exactly in a rotated plane (the normal direction is not resolvable in float64) and
+    a probe in the plane plus factor x UNRESOLVED_PROBE_FACTOR x the rounding bound d eps (|| |z| |A| ||
+    + ||z A||) along that direction (numpy's eigenvector of the canonical token Gram): determined at
+    0.5 x, not resolvable at 2 x."""
+    from mhla_cli.solve.probes import certify_probes
+
+    rng = np.random.default_rng(31)
+    d = 3
+    Q = np.linalg.qr(rng.standard_normal((d, d)))[0]
+    X = rng.standard_normal((1200, 2)) @ Q[:, :2].T
+    off = np.arange(401) * 3
+    feats = chunk_features(X, off, rng.standard_normal((400, d)), d)
+    A = feats.solver_stats()[0]
+    G = (X @ A).T @ (X @ A) / X.shape[0]  # the canonical token Gram, from the tokens (numpy)
+    u = np.linalg.eigh(G)[1][:, 0]  # the unresolved direction, canonical coordinates
+    w = np.linalg.solve(A.T, u)  # z = z0 + t w has z A = z0 A + t u
+    z = rng.standard_normal(2) @ Q[:, :2].T
+    zA = z @ A
+    assert abs(zA @ u) <= d * EPS64 * (np.linalg.norm(np.abs(z) @ np.abs(A)) + np.linalg.norm(zA))
+    t = factor * DOC["UNRESOLVED_PROBE_FACTOR"] * d * EPS64 * (np.linalg.norm(np.abs(z) @ np.abs(A))
+                                                             + np.linalg.norm(zA))
+    probe = np.stack([rng.standard_normal(2) @ Q[:, :2].T, z + t * w])
+    path = tmp_path / "p.h5"
+    with h5py.File(path, "w") as f:
+        f["tokens"], f["offsets"] = probe, np.array([0, 2])
+    rep = certify_probes(feats, path)
+    assert rep.unresolved_dim == 1
+    if factor < 1:
+        assert rep.determined and rep.unresolvable.size == 0
+    else:
+        assert list(rep.unresolvable) == [0] and not rep.determined
+
+
+@pytest.mark.parametrize("factor", [0.5, 2.0])
+def test_cut_target_squares_floor(factor: float) -> None:
+    """Targets scaled so that their weighted mean square tr(target_gram) / sum w is factor x
+    TARGET_SQUARES_FLOOR: fit's train R^2 is numpy's at 2 x, null (targets_underflow) at 0.5 x."""
+    from mhla_cli.api.learn import fit as learn_fit
+
+    ds, _ = synthetic.generate_teacher(2, 1, 120, "2:5", seed=47, noise=0.1)
+    y = ds.targets
+    c = np.sqrt(factor * DOC["TARGET_SQUARES_FLOOR"] / float((y**2).sum(1).mean()))
+    feats = chunk_features(ds.tokens, ds.offsets, y * c, 2)
+    assert float(np.trace(feats.target_gram)) / feats.weight == pytest.approx(factor * DOC["TARGET_SQUARES_FLOOR"],
+                                                                             rel=1e-6)
+    model = learn_fit(feats)
+    if factor > 1:
+        ref = learn_fit(chunk_features(ds.tokens, ds.offsets, y, 2))
+        assert model.info["train_r2"] == pytest.approx(ref.info["train_r2"], rel=1e-8)
+        assert "targets_underflow" not in model.info
+    else:
+        assert model.info["train_r2"] is None and model.info["targets_underflow"] is True
 
 
 def _threshold_case(s: float, seed: int = 24) -> tuple:
@@ -864,3 +928,81 @@ def test_cut_fold_sums(tmp_path: Path) -> None:
         else:
             with pytest.raises(InputError, match="do not sum"):
                 load_folds(path)
+
+
+@pytest.mark.parametrize("factor,n_heads", [(1e-2, 2), (1e2, 3)])
+def test_cut_fewest_tol(factor: float, n_heads: int) -> None:
+    """--fewest's cut on the function change: a 2-head teacher plus a third head whose outputs on the data
+    are factor x FEWEST_TOL of the outputs (relative RMS) is fitted by 2 heads at 1e-2 x, needs 3 at 1e2 x;
+    the reported change is numpy's RMS difference of the heads' and the model's outputs."""
+    from mhla_cli import export_heads
+    from mhla_cli.model import synthetic
+    from mhla_cli.model.forward import predict
+    from mhla_cli.solve.lstsq import fit
+
+    rng = np.random.default_rng(8)
+    d, length, n_seq = 3, 6, 150
+    off = np.arange(0, n_seq * length + 1, length)
+    X = rng.standard_normal((n_seq * length, d))
+    y2 = np.asarray(predict(synthetic.random_teacher(d, 2, rng), X, off))
+    y1 = np.asarray(predict(synthetic.random_teacher(d, 1, rng), X, off))
+    eps = factor * DOC["FEWEST_TOL"] * np.sqrt(np.mean(y2**2) / np.mean(y1**2))
+    model = fit(chunk_features(X, off, y2 + eps * y1, d))
+    heads = export_heads(model, fewest=True)
+    assert heads.n_heads == n_heads
+    seqs = [X[a:b] for a, b in zip(off[:-1], off[1:])]
+    yh = np.stack([sum(heads.V[h] @ Z.T @ Z @ heads.Q[h] @ Z[-1] for h in range(heads.n_heads)) for Z in seqs])
+    ym = np.stack([model.coef_b @ _reference.canonical_features(Z @ model.basis) for Z in seqs])
+    ref = np.sqrt(np.mean((yh - ym) ** 2) / np.mean(ym**2))
+    assert heads.info["function_change"] <= DOC["FEWEST_TOL"]
+    assert abs(heads.info["function_change"] - ref) <= 1e-6 * ref + 1e-12
+
+
+def test_cut_lambda_floor_fraction() -> None:
+    """--fewest's lower bound proves t = LAMBDA_FLOOR_FRACTION x lambda_min (a Cholesky of Lambda~ - t I) and
+    counts the singular values of B(x) above tol ||p_b||_L / sqrt(t): a 3-head function whose third head's
+    singular values stand 10x above that radius gets the bound 3; with t 1e-4 x smaller (radius 100x)
+    they fall below it (bound 2), and at 1e4 x the Cholesky fails (no t: bound 1)."""
+    from mhla_cli.linalg import symgram
+    from mhla_cli.model.canonical import canonical_function
+    from mhla_cli.model.heads import W_from_p, coef_of_heads
+    from mhla_cli.model.model import Model
+    from mhla_cli.solve.lowrank import head_lower_bound
+
+    rng = np.random.default_rng(12)
+    d, psi, tol, lam0 = 3, 18, 1e-8, 0.1
+    D = np.repeat([1.0 if j == k else np.sqrt(2.0) for j in range(d) for k in range(j, d)], d)
+    lam = rng.uniform(0.5, 2.0, psi)
+    lam[0] = lam0
+    V, Q = rng.standard_normal((2, 3, d, d))
+    xs = [np.eye(d)[j] for j in range(d)]
+    xr = np.random.default_rng(0).standard_normal((4, d))  # head_lower_bound's directions (seed 0)
+    xs += [x / np.linalg.norm(x) for x in xr]
+
+    def model_of(e: float) -> Model:
+        c = coef_of_heads(V * np.array([1.0, 1.0, e])[:, None, None], Q)
+        return Model(coef=c, W=W_from_p(c), d=d, coef_b=c / D, basis=np.eye(d),
+                     gram_pairs=symgram.pairs_from_gram(np.diag(lam), 6, 3),
+                     info={"identifiable": True, "lambda_min": lam0})
+
+    def third(e: float) -> float:  # the largest third singular value of B(x) = sum_h (V_h x)(Q_h^T x)^T (numpy)
+        Ve = V * np.array([1.0, 1.0, e])[:, None, None]
+        return max(np.linalg.svd(sum(np.outer(Ve[h] @ x, Q[h].T @ x) for h in range(3)), compute_uv=False)[2]
+                   for x in xs)
+
+    e = 1.0
+    for _ in range(3):  # third(e) = 10 x the radius (the radius moves a little with e)
+        cf = canonical_function(model_of(e))
+        radius = cf.radius(tol) * cf.scale
+        e *= 10 * radius / third(e)
+    cf = canonical_function(model_of(e))
+    radius = cf.radius(tol) * cf.scale
+    assert third(e) == pytest.approx(10 * radius, rel=1e-3)
+    assert cf.gram.floor() == pytest.approx(DOC["LAMBDA_FLOOR_FRACTION"] * lam0, rel=1e-12)
+    pb_l = np.sqrt(np.sum((cf.coef * cf.scale / D) ** 2 * lam))  # ||p_b||_L, numpy
+    assert radius == pytest.approx(tol * pb_l / np.sqrt(DOC["LAMBDA_FLOOR_FRACTION"] * lam0), rel=1e-9)
+    c = cf.coef * cf.scale
+    assert head_lower_bound(c, radius=radius)["lower_bound"] == 3
+    assert head_lower_bound(c, radius=100 * radius)["lower_bound"] == 2  # t 1e-4 x smaller
+    with pytest.raises(np.linalg.LinAlgError):  # t 1e4 x larger: not proven
+        np.linalg.cholesky(np.diag(lam) - 1e4 * DOC["LAMBDA_FLOOR_FRACTION"] * lam0 * np.eye(psi))

@@ -182,3 +182,26 @@ def test_readme_quick_start_on_a_fresh_clone_without_torch(tmp_path: Path) -> No
     assert "identifiable on the full domain" in out and "same function" in out
     sh('python -m pytest -q -p no:cacheprovider tests/test_convert.py "tests/test_docs.py::test_doc[docs/gpu.md]"',
        timeout=600)
+
+
+def test_the_version_is_written_once() -> None:
+    """mhla_cli/_version.py is the one place: pyproject.toml reads it (dynamic), `mhla --version` prints it,
+    and it is the top release of CHANGELOG.md, under the `[Unreleased]` heading."""
+    import re
+
+    from mhla_cli import __version__
+
+    tomllib = pytest.importorskip("tomllib")  # Python >= 3.11
+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    assert "version" not in project["project"] and "version" in project["project"]["dynamic"]
+    assert project["tool"]["setuptools"]["dynamic"]["version"] == {"attr": "mhla_cli._version.__version__"}
+    written = [p for p in (ROOT / "mhla_cli").rglob("*.py") if re.search(r"^__version__ = ", p.read_text(), re.M)]
+    assert written == [ROOT / "mhla_cli" / "_version.py"]
+    proc = subprocess.run([sys.executable, "-m", "mhla_cli", "--version"], capture_output=True, text=True,
+                          cwd=ROOT, timeout=60)
+    assert proc.returncode == 0 and proc.stdout == f"mhla {__version__}\n"
+    headings = re.findall(r"^## \[([^\]]+)\](.*)$", (ROOT / "CHANGELOG.md").read_text(), flags=re.M)
+    assert headings[0] == ("Unreleased", "")
+    version, date = headings[1]
+    assert version == __version__ and re.fullmatch(r" - \d{4}-\d{2}-\d{2}", date), headings[1]

@@ -8,6 +8,8 @@ from pathlib import Path
 import h5py
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from mhla_cli.cli import run
 
@@ -161,3 +163,129 @@ def test_null_space_of_any_domain_gives_the_numpy_verdicts(tmp_path: Path) -> No
         rep = certify_probes(feats, probes, domain=domain)
         assert np.array_equal(rep.residual > rep.tol, ref), domain
         assert rep.n_probes == 12 and not rep.determined
+
+
+# --------------------------------------------------------------------------------------------
+# fail safe like the full certificate: token directions float64 does not resolve
+# --------------------------------------------------------------------------------------------
+
+
+def _truth(X: np.ndarray, off: np.ndarray, probes: list[np.ndarray]) -> np.ndarray:
+    """numpy's residuals on the data in units where every direction is resolved (X itself): the range test of
+    the probes' canonical features against the training ones (tests/_reference.py's whitening)."""
+    from _reference import canonical, canonical_features
+
+    ref = canonical(X, off)
+    w, V = np.linalg.eigh(ref["lambda"])
+    Z0 = V[:, w <= w.size * np.finfo(float).eps * w[-1]]
+    H = np.stack([canonical_features(Z @ ref["A"]) for Z in probes])
+    return np.linalg.norm(H @ Z0, axis=1) / np.linalg.norm(H, axis=1)
+
+
+def _units_with_small_direction(d: int, std: float, seed: int) -> np.ndarray:
+    """T = Q diag(1, .., 1, std) Q^T: a rotated token direction of relative standard deviation `std`."""
+    Q = np.linalg.qr(np.random.default_rng(seed).standard_normal((d, d)))[0]
+    return Q @ np.diag([1.0] * (d - 1) + [std]) @ Q.T
+
+
+def test_on_unresolvable_direction_is_not_determined(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """The issue's row: a token direction of relative std ~1e-9. Every probe was "determined" (its
+    component along the direction measured at the data's 1e-9 scale) while in units that resolve it
+    (numpy on X) half of them are not (residuals 0.1-1) and the full certificate says "not resolvable in
+    float64": now such probes are reported as not resolvable, exit 1."""
+    rng = np.random.default_rng(3)
+    d, N = 3, 15  # N < psi = 18: the data leave null directions
+    off = np.arange(N + 1) * 4
+    X0 = rng.standard_normal((4 * N, d))
+    T = _units_with_small_direction(d, 1e-9, seed=5)
+    seqs = [X0[off[i]:off[i + 1]] for i in range(N)]
+    probes = seqs[:5] + [rng.standard_normal((4, d)) for _ in range(5)]  # training inputs, then new ones
+    truth = _truth(X0, off, probes)
+    assert (truth[:5] < 1e-10).all() and (truth[5:] > 0.05).all()
+    train = write(tmp_path / "t.h5", tokens=X0 @ T, offsets=off, targets=rng.standard_normal((N, d)))
+    pfile = write(tmp_path / "p.h5", tokens=np.concatenate(probes) @ T, offsets=np.arange(11) * 4)
+    capsys.readouterr()
+    assert run(["certify", str(train), "--json"]) == 1
+    assert "not resolvable in float64" in json.dumps(json.loads(capsys.readouterr().out)["reasons"])
+    assert run(["certify", str(train), "--on", str(pfile), "--json", "-o", str(tmp_path / "r.h5")]) == 1
+    cap = capsys.readouterr()
+    out = json.loads(cap.out)
+    assert not out["determined"] and out["n_undetermined"] == 10 and out["n_unresolvable"] == 10
+    assert out["unresolved_token_directions"] == 1 and out["first_unresolvable"] == list(range(10))
+    assert out["max_residual"] < 1e-8  # what the data show at their own scale: why it looked determined
+    assert "10 of 10 probe sequences are not resolvable in float64" in cap.err
+    with h5py.File(tmp_path / "r.h5") as f:
+        assert list(f["unresolvable"][()]) == list(range(10)) and f.attrs["n_unresolvable"] == 10
+    # the same data in units that resolve the direction: numpy's verdicts, nothing unresolvable
+    train0 = write(tmp_path / "t0.h5", tokens=X0, offsets=off, targets=rng.standard_normal((N, d)))
+    p0 = write(tmp_path / "p0.h5", tokens=np.concatenate(probes), offsets=np.arange(11) * 4)
+    assert run(["certify", str(train0), "--on", str(p0), "--json"]) == 1
+    out = json.loads(capsys.readouterr().out)
+    assert out["n_unresolvable"] == 0 and out["first_undetermined"] == [5, 6, 7, 8, 9]
+
+
+def test_on_probes_in_the_resolved_directions_stay_determined(tmp_path: Path,
+                                                              capsys: pytest.CaptureFixture[str]) -> None:
+    """Training tokens exactly in a rotated plane (the third direction is rounding: unresolved) and probes
+    in that plane: determined, as before; probes off the plane are not resolvable."""
+    rng = np.random.default_rng(4)
+    d = 3
+    Q = np.linalg.qr(rng.standard_normal((d, d)))[0]
+    plane = lambda n: rng.standard_normal((n, 2)) @ Q[:, :2].T  # noqa: E731
+    train = write(tmp_path / "t.h5", tokens=plane(400 * 4), offsets=np.arange(401) * 4,
+                  targets=rng.standard_normal((400, d)))
+    inside = write(tmp_path / "in.h5", tokens=plane(30), offsets=np.arange(11) * 3)
+    off_plane = write(tmp_path / "off.h5", tokens=rng.standard_normal((30, d)), offsets=np.arange(11) * 3)
+    capsys.readouterr()
+    assert run(["certify", str(train), "--on", str(inside), "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["determined"] and out["n_unresolvable"] == 0 and out["unresolved_token_directions"] == 1
+    assert run(["certify", str(train), "--on", str(off_plane), "--json"]) == 1
+    assert json.loads(capsys.readouterr().out)["n_unresolvable"] == 10
+    # per-position probes: a prefix is not resolvable from the first token off the plane on
+    toks = plane(12).reshape(2, 6, d)
+    toks[0, 3] = rng.standard_normal(d)
+    pp = write(tmp_path / "pp.h5", tokens=toks, weights=np.ones((2, 6)))
+    assert run(["certify", str(train), "--on", str(pp), "-o", str(tmp_path / "r.h5"), "--json"]) == 1
+    out = json.loads(capsys.readouterr().out)
+    assert out["n_probes"] == 12 and out["first_unresolvable"] == [3, 4, 5] and out["n_undetermined"] == 3
+
+
+@settings(max_examples=30, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow,
+                                                                                   HealthCheck.function_scoped_fixture])
+@given(kind=st.sampled_from(["diagonal", "rotated", "unresolvable"]), log_c=st.floats(0.0, 1.0),
+       seed=st.integers(0, 2**16))
+def test_on_is_unit_free_or_fails_safe(tmp_path_factory: pytest.TempPathFactory, kind: str, log_c: float,
+                                       seed: int) -> None:
+    """Metamorphic: training tokens X T and probes Z T, T diagonal (scales 1e-6..1e6) or rotated
+    (condition up to 1e6): the residuals and verdicts of numpy on X and Z; T with a rotated direction of
+    relative std 1e-12..1e-9 (not resolvable): no probe is determined that numpy's truth does not determine,
+    and each is reported as not resolvable."""
+    from mhla_cli.solve.probes import certify_probes
+    from mhla_cli.statistics.stream import featurize
+
+    rng = np.random.default_rng(seed)
+    d, N = 3, int(rng.integers(12, 30))
+    off = np.arange(N + 1) * 4
+    X0 = rng.standard_normal((4 * N, d))
+    probes = [X0[off[i]:off[i + 1]] for i in range(4)] + [rng.standard_normal((int(n), d)) for n in (1, 2, 4, 6)]
+    Q = np.linalg.qr(rng.standard_normal((d, d)))[0]
+    if kind == "diagonal":
+        T = np.diag(rng.permutation(np.logspace(-6 * log_c, 6 * log_c, d)))
+    elif kind == "rotated":
+        T = Q @ np.diag(np.logspace(0, 6 * log_c, d)) @ np.linalg.qr(rng.standard_normal((d, d)))[0].T
+    else:
+        T = _units_with_small_direction(d, 10.0 ** (-9 - 3 * log_c), seed)
+    tmp = tmp_path_factory.mktemp("units")
+    train = write(tmp / "t.h5", tokens=X0 @ T, offsets=off, targets=rng.standard_normal((N, d)))
+    pfile = write(tmp / "p.h5", tokens=np.concatenate(probes) @ T,
+                  offsets=np.concatenate([[0], np.cumsum([len(p) for p in probes])]))
+    rep = certify_probes(featurize(train), pfile)
+    truth = _truth(X0, off, probes)
+    assert truth[:4].max() < 1e-10  # the training inputs: determined in truth
+    if kind == "unresolvable":
+        assert rep.unresolvable.size == rep.n_probes and rep.undetermined.size == rep.n_probes
+        return
+    assert rep.unresolvable.size == 0
+    assert np.all(np.abs(rep.residual - truth) <= 1e-6 * truth + 1e-9), np.abs(rep.residual - truth).max()
+    assert np.array_equal(rep.undetermined, np.flatnonzero(truth > 1e-8))

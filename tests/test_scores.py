@@ -10,8 +10,10 @@ from pathlib import Path
 import h5py
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from mhla_cli.model import scores
+from mhla_cli.model import scores, synthetic
 from mhla_cli.cli import run
 from mhla_cli.api.estimator import MHLA
 from mhla_cli.model.forward import Predictions
@@ -76,7 +78,7 @@ def test_spread_merges_exactly_and_r2_is_numpy() -> None:
     # the sums' form: tr(T) - ||s||^2 / W
     T = (w[:, None] * y).T @ y
     sst, energy = sst_from_sums(T, w @ y, float(w.sum()))
-    assert sst == pytest.approx(whole.m2, rel=1e-9) and energy == pytest.approx(whole.energy, rel=1e-12)
+    assert sst == pytest.approx(whole.sst, rel=1e-9) and energy == pytest.approx(whole.sum_squares, rel=1e-12)
 
 
 def test_scikit_learn_r2_is_the_variance_weighted_one() -> None:
@@ -223,3 +225,49 @@ def test_merged_shards_keep_target_sum(tmp_path: Path, capsys: pytest.CaptureFix
     a = cli_json(capsys, "fit", str(tmp_path / "m.h5"), "-o", str(tmp_path / "a.h5"))
     b = cli_json(capsys, "fit", str(data), "-o", str(tmp_path / "b.h5"))
     assert a["train_r2"] == pytest.approx(b["train_r2"], rel=1e-10)
+
+
+# ------------------------------------------------------------------------- R^2 at any scale of the targets
+@settings(max_examples=40, deadline=None, derandomize=True)
+@given(log_scale=st.floats(-300.0, 99.0), seed=st.integers(0, 2**16))
+def test_r2_is_scale_free(log_scale: float, seed: int) -> None:
+    """R^2 of predictions c yhat of targets c y is numpy's R^2 of yhat and y (targets up to 1e100, the
+    largest accepted, down to 1e-300, whose squares underflow float64), in one piece or merged."""
+    rng = np.random.default_rng(seed)
+    y = rng.standard_normal((60, 3)) + [2.0, 0.0, -1.0]
+    pred = y + 0.3 * rng.standard_normal(y.shape)
+    w = rng.random(60)
+    c = 10.0 ** log_scale
+    want = np_r2(pred, y, w)
+    assert r2_of(c * pred, c * y, w) == pytest.approx(want, rel=1e-10)
+    parts = Spread()
+    for a, b in ((0, 13), (13, 14), (14, 60)):
+        parts = parts.merge(Spread.of(c * y[a:b], w[a:b], err=c * (pred[a:b] - y[a:b])))
+    assert parts.r2() == pytest.approx(want, rel=1e-10)
+    assert parts.mse(3) == pytest.approx(c * c * float(w @ ((pred - y) ** 2).sum(1)) / (3 * w.sum()), rel=1e-10,
+                                         abs=1e-300)
+
+
+def test_tiny_targets_predict_and_fit(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """The issue's row: targets x 1e-170 (their squares underflow float64). predict's R^2 was null ("targets do
+    not vary") for numpy's 0.99: it is numpy's now. fit's statistics hold those squares as 0: its train R^2
+    is null with that reason (a warning), not "do not vary", and its MSE is not claimed below the floor."""
+    ds, _ = synthetic.generate_teacher(3, 2, 200, seq_len=(2, 6), seed=3, noise=0.1)
+    data, small = tmp_path / "t.h5", tmp_path / "s.h5"
+    for path, c in ((data, 1.0), (small, 1e-170)):
+        with h5py.File(path, "w") as f:
+            f["tokens"], f["offsets"], f["targets"] = ds.tokens, ds.offsets, ds.targets * c
+    outs = {}
+    for path in (data, small):
+        assert run(["fit", str(path), "-o", str(tmp_path / f"m_{path.stem}.h5"), "-q"]) == 0
+        capsys.readouterr()
+        assert run(["predict", str(tmp_path / f"m_{path.stem}.h5"), str(path), "-o", str(tmp_path / "p.h5"),
+                    "--json"]) == 0
+        outs[path.stem] = json.loads(capsys.readouterr().out)
+    assert outs["s"]["r2"] == pytest.approx(outs["t"]["r2"], rel=1e-12) and 0.9 < outs["t"]["r2"] < 1
+    assert run(["fit", str(small), "-o", str(tmp_path / "m2.h5"), "--json"]) == 0
+    cap = capsys.readouterr()
+    fit = json.loads(cap.out)
+    assert fit["train_r2"] is None and fit["targets_underflow"] is True
+    assert "too small for float64's sums of squares" in cap.err and "R^2 null" in cap.err
+    assert fit["mse_resolution"] >= 1e-293

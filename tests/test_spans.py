@@ -7,6 +7,7 @@ from conftest import relerr
 from mhla_cli import featurize
 from mhla_cli.io.tokens import inspect_tokens
 from mhla_cli.statistics import spans
+from mhla_cli.samples import CAUSAL, LAST
 from test_stream import ragged  # noqa: F401 (the fixture)
 
 
@@ -48,15 +49,27 @@ def _tokens_file(path, N=60, n=5, d=3, weights=False, per_position=False, seed=2
     return path, X.astype(np.float32).astype(np.float64).reshape(-1, d)
 
 
-def test_exact_basis_only_for_a_whole_file_of_unit_weights(tmp_path) -> None:
-    """The sample holds every token of a small file: the whole file's basis is its exact whitening; a
-    shard, weights or per-position data keep the file's sample estimate."""
+def test_exact_basis_for_a_whole_file_of_any_layout_and_weights(tmp_path) -> None:
+    """The sample holds every token of a small file: the whole file's basis is the exact whitening of the
+    token Gram the pass accumulates (each token weighted by the samples that contain it: weights, causal
+    prefixes, bidirectional windows), so its sums are not changed after the pass; a shard keeps the
+    file's sample estimate."""
+    import h5py
+
     path, _ = _tokens_file(tmp_path / "t.h5")
     info = inspect_tokens(path)
     assert spans.exact_basis(info, (0, 60)) and not spans.exact_basis(info, (0, 30))
-    for kw in ({"weights": True}, {"per_position": True}, {"weights": True, "per_position": True}):
-        other = inspect_tokens(_tokens_file(tmp_path / "w.h5", **kw)[0])
-        assert not spans.exact_basis(other, (0, 60)), kw
+    for i, kw in enumerate(({"weights": True}, {"per_position": True}, {"weights": True, "per_position": True},
+                            {"weights": True, "per_position": True, "attention": "bidirectional"})):
+        p = _tokens_file(tmp_path / f"w{i}.h5", **{k: v for k, v in kw.items() if k != "attention"})[0]
+        if "attention" in kw:
+            with h5py.File(p, "a") as f:
+                f.attrs["attention"] = kw["attention"]
+        other = inspect_tokens(p)
+        assert spans.exact_basis(other, (0, 60)) and not spans.exact_basis(other, (0, 30)), kw
+        feats = featurize(p, chunk_size=7)
+        assert feats.extra_attrs["basis_correction_cond"] == 1.0 and feats.correction() == (None, 1.0), kw
+        assert featurize(p, chunk_size=7, shard=(0, 2)).extra_attrs["basis_correction_cond"] > 1.0, kw
 
 
 def test_exact_basis_cut_on_both_sides(tmp_path, monkeypatch) -> None:
@@ -109,12 +122,12 @@ def test_the_whole_file_is_featurized_in_its_own_whitening(tmp_path, monkeypatch
 
 
 def test_the_exact_basis_limits_quoted_in_formats_md() -> None:
-    """docs/formats.md quotes the constant and where its cut falls for float32 sequences of 16 tokens."""
+    """docs/formats_features.md quotes the constant and where its cut falls for float32 sequences of 16 tokens."""
     from pathlib import Path
 
     from mhla_cli.io.tokens import TokensInfo
 
-    text = (Path(__file__).resolve().parent.parent / "docs" / "formats.md").read_text(encoding="utf-8")
+    text = (Path(__file__).resolve().parent.parent / "docs" / "formats_features.md").read_text(encoding="utf-8")
     text = " ".join(text.split())
     assert f"`spans.EXACT_BASIS_FLOPS_PER_BYTE` = {spans.EXACT_BASIS_FLOPS_PER_BYTE:g} per byte" in text
     assert "at d = 24 up to 210,937 float32 sequences of 16 tokens, at d = 16 only the 16,384" in text
@@ -143,7 +156,7 @@ def test_the_probe_lies_in_the_sample_and_holds_enough_samples() -> None:
     @given(N=st.integers(1, 400000), n=st.integers(1, 64), d=st.integers(1, 40), causal=st.booleans())
     def check(N: int, n: int, d: int, causal: bool) -> None:
         info = TokensInfo(path="x.h5", layout="dense", n_samples=N, d=d, n_tokens=n * N, dtype="float32",
-                          has_targets=True, seq_len=n, per_position=causal)
+                          has_targets=True, seq_len=n, samples=CAUSAL if causal else LAST)
         sample = basis.sample_blocks(N, n * N)
         probe = spans.probe_blocks(info)
         size = sum(b - a for a, b in sample)
@@ -213,10 +226,10 @@ def test_auto_spans_stop_at_the_probe_only_with_room(tmp_path, monkeypatch, per_
 
 
 def test_the_probe_constants_quoted_in_formats_md() -> None:
-    """docs/formats.md quotes the probe's size and margin as the code has them."""
+    """docs/formats_features.md quotes the probe's size and margin as the code has them."""
     from pathlib import Path
 
-    text = (Path(__file__).resolve().parent.parent / "docs" / "formats.md").read_text(encoding="utf-8")
+    text = (Path(__file__).resolve().parent.parent / "docs" / "formats_features.md").read_text(encoding="utf-8")
     text = " ".join(text.split())
     assert f"`spans.SPANS_PROBE_PER_PAIR` = {spans.SPANS_PROBE_PER_PAIR} samples per pair coordinate" in text
     assert f"`spans.SPANS_PROBE_MARGIN` = {spans.SPANS_PROBE_MARGIN:g} times the cut" in text

@@ -107,6 +107,47 @@ def test_pipeline_gives_the_blocking_sums_bit_for_bit(monkeypatch) -> None:
     assert np.array_equal(piped.target_gram(), blocking.target_gram())
 
 
+def test_window_rows_equal_the_rows_of_their_positions(monkeypatch) -> None:
+    """`add_windows`: a row (s, xx = sum_t x_t x_t^T, xy = sum_t x_t y_t^T) gives the K, moments and target Gram
+    of its positions' rank-one rows (s, x_t, y_t), blocking, over Python threads and in the pipeline (the
+    caller's arrays overwritten at once); and K expands to the materialised Gram."""
+    monkeypatch.setattr(symgram, "PAIRS_PANEL_BYTES", 8 * 12 * 9)  # several panels for each thread
+    rng = np.random.default_rng(6)
+    q, d = 21, 6
+    windows = []
+    for R in (12, 1, 7):
+        n = rng.integers(1, 5, size=R)
+        s = rng.standard_normal((q, R))
+        X = [rng.standard_normal((k, d)) for k in n]
+        Y = [rng.standard_normal((k, d)) for k in n]
+        windows.append((s, X, Y))
+    ranked = symgram.SymGram(q, d, d)
+    for s, X, Y in windows:
+        cols = np.repeat(np.arange(s.shape[1]), [len(x) for x in X])
+        ranked.add(s[:, cols], np.concatenate(X).T, np.concatenate(Y).T)
+    blocking, threaded, piped = (symgram.SymGram(q, d, d) for _ in range(3))
+
+    def parts(s, X, Y):
+        return (s.copy(), np.stack([x.T @ x for x in X]), np.stack([x.T @ y for x, y in zip(X, Y)]),
+                sum(y.T @ y for y in Y))
+    for w in windows:
+        blocking.add_windows(*parts(*w))
+        threaded.add_windows(*parts(*w), threads=3)
+    with piped.pipeline(3):
+        for w in windows:
+            bufs = parts(*w)
+            piped.add_windows(*bufs)
+            for b in bufs:
+                b[...] = np.nan
+    for g in (blocking, threaded, piped):
+        assert relerr(g.K, ranked.K) < TOL and relerr(g.M, ranked.M) < TOL
+        assert relerr(g.target_gram(), ranked.target_gram()) < TOL
+    assert np.array_equal(threaded.K, piped.K) and np.array_equal(threaded.M, piped.M)
+    H = np.concatenate([np.repeat(s, [len(x) for x in X], axis=1)[:, None, :] * np.concatenate(X).T[None]
+                        for s, X, _ in windows], axis=2).reshape(q * d, -1)
+    assert relerr(blocking.gram(), H @ H.T) < TOL
+
+
 def test_pipeline_joins_and_restores_blas_on_an_error(monkeypatch) -> None:
     """An error in the caller's loop: the chunk in flight is joined, BLAS gets its threads back, the
     error is the caller's; an error in a panel's work is raised at the block's exit."""

@@ -40,39 +40,60 @@ def dense(stats: tiled_gram.TiledStatistics) -> np.ndarray:
     return G
 
 
+# kind: (per-position layout's attention or None, normalize, weights, bias terms)
+KINDS = {"last": (None, "none", False, False), "causal": ("causal", "none", False, False),
+         "weighted": (None, "none", True, False), "length": (None, "length", False, False),
+         "bidirectional": ("bidirectional", "none", False, False),
+         "bidirectional-weighted-length": ("bidirectional", "length", True, False),
+         "causal-weighted-bias": ("causal", "none", True, True), "bidirectional-bias": ("bidirectional", "none", False, True)}
+
+
 def dataset(tmp_path: Path, kind: str, d: int = 4, n: int = 160, seed: int = 0) -> tuple[Path, synthetic.Dataset]:
+    attention, normalize, weighted, bias = KINDS[kind]
     rng = np.random.default_rng(seed)
-    ds, _ = synthetic.generate_teacher(d, 2, n, "2:7", seed=seed, per_position=kind == "causal",
-                                       normalize="length" if kind == "length" else "none")
-    if kind == "weighted":
-        ds.weights = rng.uniform(0.0, 2.0, n)
+    ds, _ = synthetic.generate_teacher(d, 2, n, "2:7", seed=seed, per_position=attention is not None,
+                                       attention=attention, normalize=normalize, bias=bias)
+    if weighted:  # per sequence, or per position for per-position data; some of them 0
+        ds.weights = rng.uniform(0.0, 2.0, n if attention is None else ds.tokens.shape[0])
         ds.weights[::7] = 0.0
     path = tmp_path / f"{kind}.h5"
     ds.save(path, dtype="float64")
     return path, ds
 
 
-@pytest.mark.parametrize("kind", ["last", "causal", "weighted", "length"])
+@pytest.mark.parametrize("kind", list(KINDS))
 def test_tiles_equal_materialised_canonical_features(client, tmp_path: Path, kind: str) -> None:
+    """Every sample layout (last, causal, bidirectional; weights, --normalize length) and the bias terms: the
+    tiles are the canonical Gram of the materialised features, the other sums those of one machine."""
+    attention, normalize, _, bias = KINDS[kind]
     path, ds = dataset(tmp_path, kind)
-    normalize = "length" if kind == "length" else "none"
-    stats = tiled_gram.accumulate(path, client, chunk_size=23, normalize=normalize, tile_features=8)
+    d = 4 + int(bias)
+    stats = tiled_gram.accumulate(path, client, chunk_size=23, normalize=normalize, tile_features=2 * d,
+                                  bias_terms=bias)
     feats = stats.sums
-    r = ref.canonical(ds.tokens, ds.offsets, ds.targets, per_position=kind == "causal", weights=ds.weights,
-                      normalize=normalize, A=feats.basis)
+    tokens, targets = ds.tokens, ds.targets
+    if bias:  # the reader's tokens (x, 1) and targets (y, 0) (docs/bias_terms.md)
+        tokens = np.hstack([tokens, np.ones((tokens.shape[0], 1))])
+        targets = np.hstack([targets, np.zeros((targets.shape[0], 1))])
+    r = ref.canonical(tokens, ds.offsets, targets, per_position=attention is not None, weights=ds.weights,
+                      normalize=normalize, A=feats.basis, attention=attention or "causal")
     G = dense(stats)
-    assert stats.matrix.nb == 5 and stats.tile == 8  # q = 10 pairs: 5 tiles of 2 pairs
+    q = d * (d + 1) // 2
+    k = tiled_gram.tile_pairs(d, 2 * d)  # 2 pairs a tile (q = 10), 3 with the bias terms (q = 15)
+    assert stats.matrix.nb == q // k > 1 and stats.tile == k * d
     assert np.abs(G - r["lambda"] * r["W"]).max() <= 1e-12 * np.abs(G).max()
     assert np.abs(feats.basis_moments - r["moments"] * r["W"]).max() <= 1e-12 * np.abs(feats.basis_moments).max()
     assert feats.n_samples == r["N"] and abs(feats.weight - r["W"]) <= 1e-12 * r["W"]
     # the basis whitens the data's tokens: the canonical token Gram is I
     G_tok = feats.basis_token_gram / feats.token_weight
-    assert np.abs(G_tok - np.eye(4)).max() <= 1e-9
+    assert np.abs(G_tok - np.eye(d)).max() <= 1e-9
     # the record's other sums are those of the single-machine featurize
-    one = featurize(path, normalize=normalize, spans="off")
+    one = featurize(path, normalize=normalize, spans="off", bias_terms=bias)
     for k in ("token_gram", "last_token_gram", "target_gram", "target_sum"):
         assert np.abs(getattr(feats, k) - getattr(one, k)).max() <= 1e-12 * np.abs(getattr(one, k)).max(), k
-    assert (feats.n_tokens, feats.n_sequences, feats.per_position) == (one.n_tokens, one.n_sequences, one.per_position)
+    assert (feats.n_tokens, feats.n_sequences, feats.samples, feats.bias_terms) == \
+        (one.n_tokens, one.n_sequences, one.samples, one.bias_terms)
+    assert feats.samples.attention == attention
 
 
 def test_chunks_tiles_and_order_change_nothing(client, tmp_path: Path) -> None:

@@ -221,3 +221,48 @@ def test_integer_tokens_float64_cannot_hold_are_refused(tmp_path: Path, capsys: 
         assert len(err) == 1 and err[0].startswith(f"mhla: error: {bad}: tokens of sample 23"), err
     with pytest.raises(InputError, match="beyond 2"):
         MHLA().fit(X, y)
+
+
+@pytest.mark.parametrize("factor", [0.5, 2.0])
+def test_cut_min_weight(factor: float) -> None:
+    """A positive weight at factor x float64's smallest normal number (MIN_WEIGHT): accepted at 2 x,
+    refused at 0.5 x (subnormal) naming the sample and the remedy; 0 is always a weight."""
+    from mhla_cli.io.tokens import MIN_WEIGHT
+
+    w = np.array([1.0, 0.0, factor * MIN_WEIGHT])
+    off = np.arange(4)
+    if factor > 1:
+        check_weights(w, off, 10, False, "f.h5")
+    else:
+        with pytest.raises(InputError, match=r"weights of sample 12 is 1.11e-308, below float64's smallest normal"):
+            check_weights(w, off, 10, False, "f.h5")
+
+
+def test_weights_of_any_normal_scale_give_the_same_answer(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """The issue's row: every weight x 1e-315 made certify and fit exit 3 ("eigenvalue bounds ... nan"): a
+    clear refusal now (exit 2, one line). Weights carry no units: x 1e-300 and x 1e300 give the numbers of
+    x 1 (certificate, fit, train R^2)."""
+    import json
+
+    from mhla_cli.cli import run
+    from mhla_cli.model import synthetic
+
+    ds, _ = synthetic.generate_teacher(3, 2, 200, seq_len=(2, 6), seed=3, noise=0.1)
+    w = np.random.default_rng(0).uniform(0.5, 2.0, 200)
+    out = {}
+    for c in (1.0, 1e-300, 1e300, 1e-315):
+        data = tmp_path / f"w{c:g}.h5"
+        with h5py.File(data, "w") as f:
+            f["tokens"], f["offsets"], f["targets"], f["weights"] = ds.tokens, ds.offsets, ds.targets, w * c
+        capsys.readouterr()
+        codes = (run(["certify", str(data), "--json"]), run(["fit", str(data), "-o", str(tmp_path / "m.h5"), "--json"]))
+        cap = capsys.readouterr()
+        if c == 1e-315:
+            assert codes == (2, 2) and cap.err.count("mhla: error:") == 2 and "smallest normal number" in cap.err
+            assert "internal error" not in cap.err
+            continue
+        assert codes == (0, 0)
+        cert, fit = (json.loads(line) for line in cap.out.strip().splitlines())
+        out[c] = (cert["lambda_min"], cert["lambda_max"], fit["train_mse"], fit["train_r2"])
+    for c in (1e-300, 1e300):
+        np.testing.assert_allclose(out[c], out[1.0], rtol=1e-10)

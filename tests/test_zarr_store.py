@@ -73,6 +73,28 @@ def test_store_round_trips(local, data: Path, tmp_path: Path, capsys: pytest.Cap
     assert abs(certify(back).lambda_min - certify(one).lambda_min) <= 1e-10 * certify(one).lambda_min
 
 
+def test_layout_and_bias_terms_round_trip_and_merge(local, tmp_path: Path) -> None:
+    """A bidirectional file with the bias terms: the store records the layout and the bias terms (as an HDF5
+    features file does), shards of it merge into the whole, and both read back as one machine's statistics."""
+    cl, _ = local
+    ds, _ = synthetic.generate_teacher(3, 2, 90, "2:6", seed=12, per_position=True, attention="bidirectional",
+                                       bias=True)
+    path = tmp_path / "enc.h5"
+    ds.save(path, dtype="float64")
+    opts = ["--scheduler", cl.scheduler_address, "--bias-terms", "--chunk-size", "17", "-q"]
+    for i in range(2):
+        assert run(["featurize", str(path), "-o", str(tmp_path / f"p{i}.zarr"), "--shard", f"{i}/2"] + opts) == 0
+    assert run(["merge", str(tmp_path / "p0.zarr"), str(tmp_path / "p1.zarr"), "-o", str(tmp_path / "m.zarr"),
+                "-q"]) == 0
+    one = featurize(path, spans="off", bias_terms=True)
+    back = load_features(tmp_path / "m.zarr")
+    assert back.samples is one.samples and back.samples.attention == "bidirectional" and back.bias_terms
+    w1, w2 = spectrum(one), spectrum(back)
+    assert np.abs(w1 - w2).max() <= 1e-12 * w1[-1]
+    for k in ("target_gram", "moments", "target_sum"):
+        assert np.abs(getattr(back, k) - getattr(one, k)).max() <= 1e-11 * np.abs(getattr(one, k)).max(), k
+
+
 def test_shards_merge_into_the_whole(local, data: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     cl, _ = local
     parts = [tmp_path / f"p{i}.zarr" for i in range(3)]

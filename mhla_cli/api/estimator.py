@@ -22,17 +22,19 @@ import numpy as np
 
 from . import learn
 from ..model import scores
+from ..io.formats import value_text
 from ..errors import InputError
 from ..feature_map import check_normalize
 from ..model.forward import predict as forward_predict
-from ..model.forward import predict_causal
-from ..model.model import Model
+from ..model.forward import predict_samples
+from ..samples import Samples, check_attention, samples_of
+from ..model.model import Model, token_dim
 from ..solve.certificate import Certificate, certify
 from ..statistics.stream import Features, chunk_features
 from ..io.tokens import MAX_EXACT_INT
 
 _PARAMS = ("ridge", "heads", "nuclear", "domain", "normalize", "per_position", "weight_decay", "restarts", "seed",
-           "min_eig", "cv", "device")
+           "min_eig", "cv", "device", "attention", "bias_terms")
 
 
 def _as_tokens(sequences: Any, offsets: Any = None, what: str = "sequences") -> tuple[np.ndarray, np.ndarray]:
@@ -84,6 +86,17 @@ def _as_tokens(sequences: Any, offsets: Any = None, what: str = "sequences") -> 
     return tokens, off
 
 
+def _check_normal_weights(w: np.ndarray) -> None:
+    """Positive weights below float64's smallest normal number are refused (io.tokens.check_weights)."""
+    from ..io.tokens import MIN_WEIGHT
+
+    tiny = (w > 0) & (w < MIN_WEIGHT)
+    if tiny.any():
+        raise InputError(f"sample_weight {float(w[tiny][0]):.3g} is below float64's smallest normal number "
+                         f"{MIN_WEIGHT:.3g} (its products in the sums would lose their digits); weights carry no "
+                         "units: multiply them all by the same factor")
+
+
 def _real(a: Any, what: str) -> np.ndarray:
     arr = np.asarray(a)
     if arr.dtype == object or not (np.issubdtype(arr.dtype, np.floating) or np.issubdtype(arr.dtype, np.integer)
@@ -117,11 +130,14 @@ class MHLA:
     Parameters: `ridge` (least-squares penalty, as `mhla fit --ridge`, or "auto" by cross-validation),
     `heads` (H: a factorised fit with H heads, or "auto" by cross-validation), `nuclear` (LAMBDA: a nuclear-norm fit, or "auto"),
     `domain` ("full" or "observed": the certificate's domain), `normalize` ("none" or "length"),
-    `per_position` (targets per token: every prefix is a sample), `weight_decay`, `restarts`, `seed`
+    `per_position` (targets per token: every position is a sample), `attention` (how per-position samples
+    read the window, mhla_cli.samples: "causal", the default, S of the prefix X[:t]; "bidirectional", S of
+    the whole window, an encoder's positions), `weight_decay`, `restarts`, `seed`
     (factorised fit), `min_eig` (certificate threshold), `cv` (folds for "auto": sample i of the
     data goes to fold i mod cv, counted across `partial_fit` calls), `device` ("cpu": numpy, the
     default; "cuda", "cuda:I" or "torch:cpu": the features, the factorization and the last-token
-    predictions through torch there, float64; mhla_cli.linalg.device).
+    predictions through torch there, float64; mhla_cli.linalg.device), `bias_terms` (the terms a head's
+    biases add, docs/bias_terms.md: the MHLA of the tokens (x, 1); `coef_` and `W_` are then of those tokens).
 
     Fitted attributes: `coef_` (d, psi), `W_` (d^2, d^2), `heads_` (Heads), `certificate_`
     (Certificate), `n_samples_`, `n_features_in_` (d), `features_` (the summed Features, in the
@@ -131,7 +147,7 @@ class MHLA:
     def __init__(self, ridge: float = 0.0, heads: int | str | None = None, nuclear: float | str | None = None,
                  domain: str = "full", normalize: str = "none", per_position: bool = False,
                  weight_decay: float = 0.0, restarts: int = 10, seed: int = 0, min_eig: float = 0.0,
-                 cv: int = 5, device: str = "cpu") -> None:
+                 cv: int = 5, device: str = "cpu", attention: str = "causal", bias_terms: bool = False) -> None:
         given = locals()
         for name in _PARAMS:  # scikit-learn's convention: every parameter stored as given, under its name
             setattr(self, name, given[name])
@@ -161,20 +177,27 @@ class MHLA:
             raise InputError("give at most one of heads= and nuclear=")
         if self.heads is not None and self.heads != "auto" and (
                 isinstance(self.heads, bool) or not isinstance(self.heads, (int, np.integer)) or self.heads < 1):
-            raise InputError(f"heads must be an integer >= 1, 'auto' or None, got {self.heads!r}")
+            raise InputError(f"heads must be an integer >= 1, 'auto' or None, got {value_text(self.heads)}")
         if self.nuclear is not None and self.nuclear != "auto" and (
                 isinstance(self.nuclear, (bool, str)) or not np.isfinite(self.nuclear) or self.nuclear < 0):
-            raise InputError(f"nuclear must be a finite number >= 0, 'auto' or None, got {self.nuclear!r}")
+            raise InputError(f"nuclear must be a finite number >= 0, 'auto' or None, got {value_text(self.nuclear)}")
         if (self.heads is not None or self.nuclear is not None) and self.ridge:
             raise InputError("ridge applies to the least-squares fit; with heads= use weight_decay=")
         if self.ridge != "auto" and (isinstance(self.ridge, (bool, str)) or not np.isfinite(self.ridge)
                                      or self.ridge < 0):
-            raise InputError(f"ridge must be a finite number >= 0 or 'auto', got {self.ridge!r}")
+            raise InputError(f"ridge must be a finite number >= 0 or 'auto', got {value_text(self.ridge)}")
         if self.domain not in ("full", "observed"):
-            raise InputError(f"unknown domain {self.domain!r}, expected 'full' or 'observed'")
+            raise InputError(f"unknown domain {value_text(self.domain)}, expected 'full' or 'observed'")
         check_normalize(self.normalize)
+        check_attention(self.attention)
+        self._samples  # noqa: B018  (a per-position layout without per_position=True is refused)
         if self._auto and (isinstance(self.cv, bool) or not isinstance(self.cv, (int, np.integer)) or self.cv < 2):
-            raise InputError(f"cv must be an integer >= 2 (folds for 'auto'), got {self.cv!r}")
+            raise InputError(f"cv must be an integer >= 2 (folds for 'auto'), got {value_text(self.cv)}")
+
+    @property
+    def _samples(self) -> Samples:
+        """The sample layout of the parameters (mhla_cli.samples)."""
+        return samples_of(bool(self.per_position), self.attention)
 
     @property
     def _auto(self) -> bool:
@@ -203,19 +226,20 @@ class MHLA:
 
         Several chunks give the same fit as one `fit` on their concatenation (the statistics are
         sums, in the whitening of all the tokens seen). Changing normalize,
-        per_position, heads/nuclear 'auto' or cv between chunks is refused: call `fit` to start over.
+        per_position, attention, heads/nuclear 'auto' or cv between chunks is refused: call `fit` to start over.
         """
         self._check_params()
         if getattr(self, "_total", None) is None:
             self._reset()
-        config = (self.normalize, bool(self.per_position), self._auto, self.cv if self._auto else None)
+        config = (self.normalize, self._samples, self._auto, self.cv if self._auto else None, bool(self.bias_terms))
         if self._config is not None and config != self._config:
-            raise InputError("normalize, per_position, 'auto' or cv changed since the first chunk: call fit() "
-                             "to start over")
+            raise InputError("normalize, per_position, attention, bias_terms, 'auto' or cv changed since the first "
+                             "chunk: call fit() to start over")
         tokens, off = _as_tokens(sequences, offsets)
         d = tokens.shape[1]
-        if getattr(self, "features_", None) is not None and d != self.features_.d:
-            raise InputError(f"this chunk has d = {d} but the earlier chunks have d = {self.features_.d}")
+        seen = getattr(self, "features_", None)
+        if seen is not None and d != seen.d - int(seen.bias_terms):
+            raise InputError(f"this chunk has d = {d} but the earlier chunks have d = {seen.d - int(seen.bias_terms)}")
         per_pos = bool(self.per_position)
         n_rows = tokens.shape[0] if per_pos else off.size - 1
         y = _as_targets(targets, n_rows, d, per_pos)
@@ -225,6 +249,7 @@ class MHLA:
             if w.shape != (n_rows,) or not np.isfinite(w).all() or (w < 0).any():
                 raise InputError(f"sample_weight must be {n_rows} finite numbers >= 0 (one per "
                                  f"{'token' if per_pos else 'sequence'}), got shape {w.shape}")
+            _check_normal_weights(w)
         parts = self._featurize(tokens, off, y, w, d)
         total = self._total
         folds = None if not self._auto else list(self._folds or [None] * int(self.cv))
@@ -245,7 +270,8 @@ class MHLA:
         """Features of the chunk, each part in its own whitening (one part; with 'auto', one part per CV
         fold: sequence i of all those seen -> fold i mod cv)."""
         kw: dict[str, Any] = {"per_position": bool(self.per_position), "normalize": self.normalize, "basis": "auto",
-                              "device": self.device}
+                              "device": self.device, "attention": self.attention if self.per_position else None,
+                              "bias_terms": bool(self.bias_terms)}
         if not self._auto:
             return [(0, chunk_features(tokens, off, y, d, weights=w, **kw))]
         K = int(self.cv)
@@ -288,7 +314,7 @@ class MHLA:
         self.certificate_: Certificate = certify(feats, min_eig=float(self.min_eig), domain=self.domain,
                                                       device=self.device)
         self.n_samples_ = int(feats.n_samples)
-        self.n_features_in_ = int(feats.d)  # scikit-learn's name: the token dimension d
+        self.n_features_in_ = int(feats.d) - int(feats.bias_terms)  # scikit-learn's name: the token dimension d
 
     # ------------------------------------------------------------------ prediction
     def _fitted(self) -> Model:
@@ -298,14 +324,15 @@ class MHLA:
         return model
 
     def predict(self, sequences: Any, offsets: Any = None) -> np.ndarray:
-        """Last-token outputs (N, d); with per_position=True the output at every token (T, d), each
-        the last-token output of its prefix (causal)."""
+        """Last-token outputs (N, d); with per_position=True the output at every token (T, d): the
+        last-token output of its prefix (attention="causal"), or the output there with the whole
+        window's S (attention="bidirectional")."""
         model = self._fitted()
         tokens, off = _as_tokens(sequences, offsets)
-        if tokens.shape[1] != model.d:
-            raise InputError(f"the sequences have d = {tokens.shape[1]} but the model has d = {model.d}")
+        if tokens.shape[1] != token_dim(model):
+            raise InputError(f"the sequences have d = {tokens.shape[1]} but the model has d = {token_dim(model)}")
         if self.per_position:
-            return predict_causal(model, tokens, off)
+            return predict_samples(model, tokens, off, self._samples)
         return forward_predict(model, tokens, off, device=self.device)  # type: ignore[return-value]
 
     def score(self, sequences: Any, targets: Any, offsets: Any = None, sample_weight: Any = None) -> float:
@@ -318,6 +345,8 @@ class MHLA:
         w = None if sample_weight is None else _real(sample_weight, "sample_weight").reshape(-1)
         if w is not None and (w.shape != (y.shape[0],) or not np.isfinite(w).all() or (w < 0).any()):
             raise InputError(f"sample_weight must be {y.shape[0]} finite numbers >= 0, got shape {w.shape}")
+        if w is not None:
+            _check_normal_weights(w)
         r2 = scores.r2_of(pred, y, w)
         if r2 is None:
             return 1.0 if np.array_equal(pred, y) else 0.0

@@ -105,17 +105,17 @@ def _validate(path: str | os.PathLike, kind: str) -> dict[str, Any]:
         _scan_finite(path, info)
         return {"layout": info.layout, "n_samples": info.n_samples, "d": info.d, "n_tokens": info.n_tokens,
                 "dtype": info.dtype, "has_targets": info.has_targets, "per_position": info.per_position,
-                "has_weights": info.has_weights, "d_out": info.out_dim}
+                "attention": info.attention, "has_weights": info.has_weights, "d_out": info.out_dim}
     if kind == "features":
         feats = Features.load(path)
         return {"d": feats.d, "n_samples": feats.n_samples, "n_features": feats.n_features,
                 "n_tokens": feats.n_tokens, "has_targets": feats.has_targets,
                 "sample_range": list(feats.sample_range) if feats.sample_range else None,
-                "per_position": feats.per_position, "normalize": feats.normalize,
+                "per_position": feats.per_position, "attention": feats.samples.attention, "normalize": feats.normalize,
                 "gram_form": gram_form(path)}
     if kind == "model":
         model = Model.load(path)
-        return {"d": model.d, "n_features": int(model.coef.shape[1])}
+        return {"d": model.d, "n_features": int(model.coef.shape[1]), "attention": model.info.get("attention")}
     if kind == "heads":
         heads = Heads.load(path)
         return {"d": heads.d, "d_out": heads.d_out, "n_heads": heads.n_heads}

@@ -11,17 +11,21 @@ from __future__ import annotations
 import os
 from typing import Any
 
+import numpy as np
+
 from ..io import formats
 from ..io.tokens import inspect_tokens
+from ..model import canonical
 from ..model import heads as heads_mod
 from ..solve import lowrank
 from ..solve import ridge_cv
 from ..model import scores
-from ..solve import certificate, cluster, domains, lstsq
+from ..solve import affine_block, certificate, cluster, domains, lstsq
 from ..solve import spectrum
 from ..errors import InputError
+from ..numerics import TARGET_SQUARES_FLOOR
 from ..model.heads import Heads
-from ..model.model import Model
+from ..model.model import Model, affine_of
 from ..statistics.folds import load_folds
 from ..statistics.stream import Features, check_solve_memory
 from ..statistics.tiled_gram import TiledStatistics
@@ -44,7 +48,21 @@ RULES = {
     "auto_with_normalize": "'auto' with a normalisation: featurize the folds with it first (featurize_folds(..., "
                            "normalize=...)), then fit those statistics",
     "fewest_with_max_heads": "fewest and max_heads cannot be combined",
+    "affine_least_squares": "the affine block of the wide tokens is fitted by least squares with a given ridge (not "
+                            "'auto', no heads or nuclear)",
 }
+
+
+def certify(feats: Features, min_eig: float = 0.0, domain: str = "full", device: str | None = None
+            ) -> certificate.Certificate:
+    """The certificate of the statistics (mhla_cli.solve.certificate), of the extended features when they hold the
+    affine block of the wide tokens (mhla_cli.solve.affine_block: the full domain only)."""
+    if feats.affine is None:
+        return certificate.certify(feats, min_eig=min_eig, domain=domain, device=device)
+    if domains.get_domain(domain).name != "full":
+        raise InputError("the certificate of the affine block of the wide tokens is of the full domain: certify "
+                         "without --domain")
+    return affine_block.certify(feats, min_eig=min_eig, device=device)
 
 
 def needs_folds(ridge: float | str = 0.0, heads: int | str | None = None, nuclear: float | str | None = None
@@ -68,14 +86,15 @@ def check_fit_targets(data: str | os.PathLike) -> None:
 
 def check_fit_file(data: str | os.PathLike, ridge: float | str = 0.0, heads: int | str | None = None,
                    nuclear: float | str | None = None, normalize: str | None = None,
-                   chunk_size: int | None = None) -> None:
+                   chunk_size: int | None = None, attention: str | None = None, bias_terms: bool = False) -> None:
     """Refuse before any work a fit of the file `data` that cannot run: the options (`check_fit_options`),
     its memory (statistics.stream.check_solve_memory), and for 'auto' the folds it needs (a features file
     without them) and a normalisation that only a featurize with folds can apply."""
     check_fit_options(ridge, heads, nuclear)
     # 'auto': the folds' eigendecompositions need about a ridge solve's memory
     check_solve_memory(data, "fit", ridge=1.0 if ridge == "auto" else ridge,
-                       lowrank=heads is not None or nuclear is not None, chunk_size=chunk_size)
+                       lowrank=heads is not None or nuclear is not None, chunk_size=chunk_size, attention=attention,
+                       bias_terms=bias_terms)
     if needs_folds(ridge, heads, nuclear):
         if formats.kind_of(data) == "features" and load_folds(data) is None:
             raise RequestError("auto_without_folds", data)
@@ -104,7 +123,11 @@ def fit(feats: Features | Any, ridge: float | str = 0.0, heads: int | str | None
             raise InputError("on a cluster the fit is least squares with a ridge >= 0 on the workers' CPUs: no "
                              "heads, nuclear, 'auto' or device")
         return cluster.fit(feats, scheduler, ridge=float(ridge))
-    if heads is None and nuclear is None:
+    if feats.affine is not None:  # the extended features (mhla_cli.solve.affine_block)
+        if heads is not None or nuclear is not None or ridge == "auto":
+            raise RequestError("affine_least_squares")
+        model = affine_block.fit(feats, ridge=float(ridge), device=device)
+    elif heads is None and nuclear is None:
         cv = None
         if ridge == "auto":
             if not folds:
@@ -124,8 +147,34 @@ def fit(feats: Features | Any, ridge: float | str = 0.0, heads: int | str | None
         model = lowrank.fit_model(feats, heads=heads, nuclear=nuclear, weight_decay=weight_decay,
                                   restarts=restarts, seed=seed, folds=folds)
     model.info["normalize"] = feats.normalize
+    if feats.samples.attention is not None:  # per-position samples: how they read the window
+        model.info["attention"] = feats.samples.attention
     model.info["train_r2"] = scores.train_r2(feats, model.info["train_mse"])
+    if scores.targets_underflow(feats):
+        model.info["targets_underflow"] = True  # fit_warnings says why the train R^2 is null
+    check_representable(model, feats)
     return model
+
+
+def check_representable(model: Model, feats: Features) -> None:
+    """Refuse (InputError) a fitted model that no reader could load (Model.check_readable): above all
+    coefficients on the tokens' own features that overflow float64, where the message names the
+    tokens' scales and the remedy (a coefficient of S[j,k] x_n[l] scales as the targets over three token
+    scales: tokens of scale 1e-110 give ~1e330)."""
+    import numpy as np
+
+    try:
+        model.check_readable()
+    except InputError as exc:
+        if formats.all_finite(model.coef):
+            raise InputError(f"the fitted model would not be readable ({exc}); please report it") from None
+        G = np.diagonal(feats.token_gram) / (feats.token_weight if feats.token_weight > 0 else 1.0)
+        std = np.sqrt(G[G > 0]) if (G > 0).any() else np.ones(1)
+        raise InputError(
+            "the fitted function's coefficients on the tokens' own features overflow float64 (a coefficient of "
+            "S[j,k]*x_n[l] scales as the targets over the product of three token scales; the token coordinates "
+            f"have standard deviations from {float(std.min()):.3g} to {float(std.max()):.3g}): rescale the tokens "
+            "toward 1 (e.g. divide each coordinate by its standard deviation) and fit again") from None
 
 
 def fit_warnings(info: dict[str, Any], ridge_name: str = "a ridge penalty") -> list[str]:
@@ -135,8 +184,12 @@ def fit_warnings(info: dict[str, Any], ridge_name: str = "a ridge penalty") -> l
     (the minimum-norm or ridge solution was returned; named when they do determine it on the observed
     domain, info["identifiable_observed"]) and an ill-conditioned solve.
     """
+    small = ([f"the targets are too small for float64's sums of squares (mean square below "
+              f"{TARGET_SQUARES_FLOOR:.3g}: they underflow): the train MSE and R^2 from the statistics are not "
+              "resolved (R^2 null); `mhla predict` scores the data scale-free, or rescale the targets"]
+             if info.get("targets_underflow") else [])
     if info.get("method", "lstsq") != "lstsq":
-        return lowrank.solver_warnings(info)
+        return small + lowrank.solver_warnings(info)
     ridge = float(info.get("ridge", 0.0))
     if not info["identifiable"]:
         reason = (f"N = {info['n_samples']} < psi = {info['n_features']}" if info["n_samples"] < info["n_features"]
@@ -145,17 +198,17 @@ def fit_warnings(info: dict[str, Any], ridge_name: str = "a ridge penalty") -> l
                 + ("ridge-regularised" if ridge > 0 else "minimum-norm") + " solution")
         if info.get("identifiable_observed"):
             # every least-squares solution gives the same outputs on the observed domain
-            return [text + "; they do determine it on the observed domain (inputs whose tokens lie in the span of "
+            return small + [text + "; they do determine it on the observed domain (inputs whose tokens lie in the span of "
                     "the data's tokens and whose last token lies in that of their last tokens; `mhla certify "
                     "--domain observed`): " + (f"without {ridge_name}, its predictions there would be exact (those "
                                                "of every least-squares fit)" if ridge > 0 else
                                                "its predictions there are exact (those of every least-squares "
                                                "fit); elsewhere the minimum norm picks one of many")]
-        return [text + "; see `mhla certify`"]
+        return small + [text + "; see `mhla certify`"]
     if info["condition_number"] > ILL_CONDITIONED:
-        return [f"ill-conditioned solve (condition number {info['condition_number']:.4g})"
+        return small + [f"ill-conditioned solve (condition number {info['condition_number']:.4g})"
                 + ("" if ridge > 0 else f"; consider {ridge_name}")]
-    return []
+    return small
 
 
 # A least-squares solve whose condition number exceeds this is reported as ill-conditioned.
@@ -170,18 +223,29 @@ def check_export_options(max_heads: int | str | None = None, fewest: bool = Fals
 
 def export_heads(model: Model, tol: float = 1e-12, max_heads: int | str | None = None,
                  fewest: bool = False) -> Heads:
-    """Heads computing `model`'s function (or its strongest part).
+    """Heads computing `model`'s function (or its strongest part), found in the canonical coordinates of its
+    data and returned in the tokens' (mhla_cli.model.canonical).
 
-    Default: the SVD of W, dropping singular values <= tol * s_max and keeping at most `max_heads`
+    Default: the SVD of W there, dropping singular values <= tol * s_max and keeping at most `max_heads`
     heads; max_heads="auto": the heads that stand out of the spectrum's noise; fewest=True: the fewest
-    heads that compute the same function (verified to 1e-8; `info` says whether the count is proven).
+    heads that compute the same function (a change <= FEWEST_TOL, verified; `info` says whether the count
+    is proven). info["function_change"]: the RMS change of the outputs on the training data relative to
+    the RMS output (None for a model without its data's Lambda~: then info["coef_change"] is all there is).
     """
     check_export_options(max_heads, fewest)
+    fn = canonical.canonical_function(model)
     if fewest:
-        heads = lowrank.fewest_heads(model.coef)
+        heads = lowrank.fewest_heads(fn)
     elif max_heads == "auto":
-        heads = spectrum.outlier_heads(model)
+        heads = spectrum.outlier_heads(fn)
     else:
-        heads = heads_mod.export_heads(model, tol=tol, max_heads=max_heads)
+        heads = canonical.truncated_heads(fn, tol=tol, max_heads=max_heads)
+    if model.info.get("bias_terms"):  # heads of the tokens (x, 1): the heads of x and their bias terms
+        heads = heads_mod.with_bias_terms(heads)
+    affine = affine_of(model)
+    if affine is not None:  # the token-wise affine map of the wide tokens beside them (solve.affine_block)
+        heads.affine_weight, heads.affine_bias = np.ascontiguousarray(affine[:, :-1]), np.array(affine[:, -1])
     heads.info["normalize"] = model.info.get("normalize", "none")
+    if model.info.get("attention") is not None:
+        heads.info["attention"] = model.info["attention"]
     return heads

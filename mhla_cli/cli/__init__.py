@@ -57,12 +57,20 @@ def _build_app() -> Any:
 
 
 def __getattr__(name: str) -> Any:
-    """`app`, the typer application, built on first use (not at import: start-up)."""
+    """`app`, the typer application, built on first use (not at import: start-up); its commands are
+    registered when one is asked for (`registry`). `full_app`: a new application with every command
+    registered up front, for tools that walk the commands (typer's `utils docs`, the docs' CLI reference)."""
     global _APP
     if name == "app":
         if _APP is None:
             _APP = _build_app()
         return _APP
+    if name == "full_app":
+        from .registry import register_all
+
+        full = _build_app()
+        register_all(full)
+        return full
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 

@@ -11,7 +11,8 @@ import typer
 from ..errors import InputError
 from ..numerics import DETERMINED_TOL, EPS, RANK_RULE, quote
 from .console import emit_json, fmt, load_with_progress, progress_bar, say, warn, working
-from .options import ChunkOpt, DeviceOpt, JsonOpt, NormalizeOpt, QuietOpt, about, check_hdf5_output
+from .options import (AffineFromOpt, AttentionOpt, BiasTermsOpt, ChunkOpt, DeviceOpt, JsonOpt, NormalizeOpt, QuietOpt,
+                      about, check_hdf5_output)
 
 
 def certify_cmd(
@@ -36,6 +37,9 @@ def certify_cmd(
                                                 "per-probe residuals and the undetermined probes to this HDF5 "
                                                 "file.")] = None,
     normalize: NormalizeOpt = None,
+    attention: AttentionOpt = None,
+    bias_terms: BiasTermsOpt = False,
+    affine_from: AffineFromOpt = None,
     chunk_size: ChunkOpt = None,
     device: DeviceOpt = "cpu",
     scheduler: Annotated[str | None, typer.Option(
@@ -51,16 +55,24 @@ def certify_cmd(
 
     lambda_min / lambda_max are those of the canonical Lambda~: the features of the whitened tokens
     (the second moment of all tokens made I) in orthonormal coordinates, so they do not change with
-    the units or the basis of the tokens (docs/formats.md, "The canonical certificate").
+    the units or the basis of the tokens (docs/certificate.md).
 
     With --on PROBES: whether every zero-loss model gives the same output on each probe input (its
-    feature vector in the range of gram: relative null-space component <= {DETERMINED_TOL}).
+    feature vector in the range of gram: relative null-space component <= {DETERMINED_TOL}); a probe with
+    a component along token directions of the data that float64 cannot resolve is reported as not
+    resolvable (exit 1), as the full certificate is.
 
     Example (a CI gate): mhla certify data.h5 --json > cert.json || exit 1;  mhla certify data.h5 --witness w.h5
 
     Example (given inputs): mhla certify train.h5 --on heldout.h5 -o report.h5 --json
 
     Example (a GPU): mhla certify feats.h5 --device cuda --json
+
+    Example (an encoder's windows, every position): mhla certify bert_l1.h5 --attention bidirectional
+
+    Example (with the terms a head's biases add): mhla certify enc.h5 --bias-terms
+
+    Example (with the wide token's affine map): mhla certify h8.h5 --affine-from hidden384.h5
 
     Example (a Dask cluster): mhla certify data.h5 --scheduler tcp://10.0.0.5:8786 --json
     """
@@ -74,14 +86,21 @@ def certify_cmd(
     check_domain(domain)
     dev = check_device(device, data)
     if scheduler is not None:
+        if affine_from is not None:
+            from ..solve.cluster import ClusterRefused
+
+            raise ClusterRefused("affine", affine_from)
         if witness is not None or on is not None or domain != "full" or dev is not None:
             raise InputError("--scheduler certifies the full domain on the cluster's CPUs: it cannot be combined "
                              "with --witness, --on, --domain observed or --device (they need an eigendecomposition "
                              "or one machine)")
-        _certify_cluster(data, scheduler, min_eig, normalize, chunk_size, json_out, quiet)
+        _certify_cluster(data, scheduler, min_eig, normalize, attention, bias_terms, chunk_size, json_out, quiet)
         return
     if on is None and report is not None:
         raise InputError("-o/--output REPORT is the report of --on PROBES; give --on")
+    if affine_from is not None and (on is not None or witness is not None or domain != "full"):
+        raise InputError("--affine-from certifies the extended features on the full domain: it cannot be combined "
+                         "with --on, --witness or --domain")
     if on is not None:
         if witness is not None or domain != "full" or min_eig > 0:
             raise InputError("--on tests the given probes: it cannot be combined with --witness, --domain "
@@ -89,9 +108,10 @@ def certify_cmd(
         if report is not None:
             check_hdf5_output(report, (data, on), "the report")
         inspect_tokens(on)
-        _certify_on(data, on, report, normalize, chunk_size, json_out, quiet, dev)
+        _certify_on(data, on, report, normalize, chunk_size, json_out, quiet, dev, attention, bias_terms)
         return
-    _certify(data, min_eig, domain, witness, normalize, chunk_size, json_out, quiet, dev)
+    _certify(data, min_eig, domain, witness, normalize, chunk_size, json_out, quiet, dev, attention, bias_terms,
+             affine_from)
 
 
 # The witness's rules (mhla_cli.solve.witness.WitnessRefused.rule) in the words of the command's options.
@@ -99,6 +119,7 @@ _WITNESS_TEXT = {
     "per_position": "--witness supports last-token data only (this file has per-position data)",
     "targets": "--witness needs targets: the two models are compared by their training loss",
     "normalized": "--witness supports unweighted last-token data without --normalize only",
+    "bias_terms": "--witness supports the MHLA's features only: certify without --bias-terms for a witness",
 }
 
 
@@ -113,22 +134,30 @@ def _witness_rules(data: Path, check: Callable[[], None]) -> None:
 
 
 def _certify(data: Path, min_eig: float, domain: str, witness: Path | None, normalize: str | None,
-             chunk_size: int | None, json_out: bool, quiet: bool, device: str | None) -> None:
+             chunk_size: int | None, json_out: bool, quiet: bool, device: str | None,
+             attention: str | None = None, bias_terms: bool = False, affine_from: Path | None = None) -> None:
     """The certificate of `data` (and --witness): its text, its JSON, exit 1 when not identifiable."""
-    from ..solve.certificate import certify
+    from ..api.learn import certify
     from ..solve.witness import check_witness_features, check_witness_input
     from ..statistics.stream import check_solve_memory
 
     if witness is not None:
         check_hdf5_output(witness, (data,), "the witness file")
         _witness_rules(data, lambda: check_witness_input(data))
-    check_solve_memory(data, "certify", chunk_size=chunk_size)
-    feats, _, seconds = load_with_progress(data, chunk_size, quiet, normalize, device)
+    check_solve_memory(data, "certify", chunk_size=chunk_size, attention=attention, bias_terms=bias_terms)
+    feats, _, seconds = load_with_progress(data, chunk_size, quiet, normalize, device, attention, bias_terms,
+                                           affine_from)
+    if feats.affine is not None and (witness is not None or domain != "full"):
+        raise InputError("the statistics hold the affine block of the wide tokens: certify them on the full domain, "
+                         "without --witness", data)
     if witness is not None:
         _witness_rules(data, lambda: check_witness_features(feats))
     with working(f"certify: factorizing the canonical Lambda~ ({feats.n_features} features)", quiet):
         cert = certify(feats, min_eig=min_eig, domain=domain, device=device)
     out = _cert_json(cert, data, seconds)
+    out["attention"] = feats.samples.attention  # per-position samples: how they read the window
+    out["bias_terms"] = feats.bias_terms
+    out["affine_width"] = None if feats.affine is None else feats.affine.width
     verdict = "identifiable" if cert.identifiable else "NOT identifiable"
     say(f"{data}: {verdict} on the {domain} domain: lambda_min = {fmt(cert.lambda_min)}, "
         f"lambda_max = {fmt(cert.lambda_max)}, threshold = {fmt(cert.threshold)}, rank {cert.rank}/"
@@ -148,8 +177,8 @@ def _certify(data: Path, min_eig: float, domain: str, witness: Path | None, norm
         raise typer.Exit(1)
 
 
-def _certify_cluster(data: Path, scheduler: str, min_eig: float, normalize: str | None, chunk_size: int | None,
-                     json_out: bool, quiet: bool) -> None:
+def _certify_cluster(data: Path, scheduler: str, min_eig: float, normalize: str | None, attention: str | None,
+                     bias_terms: bool, chunk_size: int | None, json_out: bool, quiet: bool) -> None:
     """`certify --scheduler`: the certificate with the Gram tiled on a Dask cluster (mhla_cli.solve.cluster)."""
     from ..solve.certificate import certify
     from ..solve.cluster import open_statistics
@@ -159,7 +188,8 @@ def _certify_cluster(data: Path, scheduler: str, min_eig: float, normalize: str 
     where = data_location(data)
     require_dask(scheduler)
     with working(f"certify on the cluster {scheduler}: the tiled Gram and its Cholesky", quiet):
-        with open_statistics(where, scheduler, chunk_size=chunk_size, normalize=normalize) as stats:
+        with open_statistics(where, scheduler, chunk_size=chunk_size, normalize=normalize, attention=attention,
+                             bias_terms=bias_terms) as stats:
             cert = certify(stats, min_eig=min_eig)
     out = _cert_json(cert, data, {})
     out["input"] = where
@@ -215,14 +245,18 @@ def _write_witness(feats: Any, data: Path, cert: Any, witness: Path, chunk_size:
 certify_cmd.__doc__ = (certify_cmd.__doc__ or "").replace("{DETERMINED_TOL}", quote(DETERMINED_TOL))
 
 def _certify_on(data: Path, on: Path, report: Path | None, normalize: str | None, chunk_size: int | None,
-                json_out: bool, quiet: bool, device: str | None = None) -> None:
+                json_out: bool, quiet: bool, device: str | None = None, attention: str | None = None,
+                bias_terms: bool = False) -> None:
     from ..solve.probes import certify_probes, null_space
     from ..solve.domains import factorize
     from ..statistics.stream import check_solve_memory
     from ..io.tokens import inspect_tokens
 
-    check_solve_memory(data, "certify", chunk_size=chunk_size)
-    feats, _, _ = load_with_progress(data, chunk_size, quiet, normalize, device)
+    check_solve_memory(data, "certify", chunk_size=chunk_size, attention=attention, bias_terms=bias_terms)
+    feats, _, _ = load_with_progress(data, chunk_size, quiet, normalize, device, attention, bias_terms)
+    if feats.affine is not None:
+        raise InputError("the statistics hold the affine block of the wide tokens: --on tests the MHLA's features "
+                         "only; certify without --on", data)
     # the factorization and the null space first (under a spinner: the eigendecomposition of a
     # singular Lambda~ can take a while); the probes reuse both (cached on feats)
     with working(f"certify --on: the null space of the canonical Lambda~ ({feats.n_features} features)", quiet):
@@ -241,9 +275,19 @@ def _certify_on(data: Path, on: Path, report: Path | None, normalize: str | None
             f"component {fmt(out['max_residual'])} <= {rep.tol:g}; null space of gram: {rep.null_dim} of "
             f"{feats.n_features} directions)", quiet, style="green")
     else:
-        say(f"{on}: {n_und} of {rep.n_probes} probe {unit} are NOT determined by {data}: zero-loss models "
-            f"differ there (relative null-space component > {rep.tol:g}; null space of gram: {rep.null_dim} "
-            f"of {feats.n_features} directions); first: {out['first_undetermined']}", quiet, style="red")
+        n_unres = out["n_unresolvable"]
+        if n_und > n_unres:
+            say(f"{on}: {n_und - n_unres} of {rep.n_probes} probe {unit} are NOT determined by {data}: zero-loss "
+                f"models differ there (relative null-space component > {rep.tol:g}; null space of gram: "
+                f"{rep.null_dim} of {feats.n_features} directions); first: "
+                f"{[i for i in out['first_undetermined'] if i not in set(rep.unresolvable.tolist())][:10]}",
+                quiet, style="red")
+        if n_unres:
+            say(f"{on}: {n_unres} of {rep.n_probes} probe {unit} are not resolvable in float64 by {data}: "
+                f"its tokens have {rep.unresolved_dim} direction(s) of variance at most {feats.d} eps64 of the "
+                "largest (too small for float64 to tell from rounding; the full certificate says so), and "
+                "these probes have a component along them, so whether the data determine them cannot be "
+                f"told; first: {out['first_unresolvable']}", quiet, style="red")
     if report is not None:
         say(f"  report in {report}", quiet)
     if json_out:

@@ -133,10 +133,35 @@ def fmt(x: float | None) -> str:
     return f"{x:.4g}"
 
 
+def say_samples(feats: Features, data: Path, attention: str | None, quiet: bool) -> None:
+    """Say what per-position samples were read as (nothing for last-token data), and when a tokens file
+    without an 'attention' attribute was read as causal by default, how to read it bidirectionally; and
+    that the statistics hold the bias terms."""
+    if feats.bias_terms:
+        say(f"  bias terms: the features of the tokens (x, 1), {feats.d - 1} coordinates and the constant "
+            "(docs/bias_terms.md)", quiet)
+    if feats.affine is not None:
+        src = (feats.affine.source or {}).get("name")
+        say(f"  affine block: the query's wide token (x_wide, 1), {feats.affine.width} coordinates and the constant"
+            + (f", of {src}" if src else "") + " (docs/bias_terms.md)", quiet)
+    if not feats.per_position:
+        return
+    from ..io import formats
+    from ..io.tokens import inspect_tokens
+
+    default = (attention is None and formats.kind_of(data) == "tokens" and inspect_tokens(data).attention is None)
+    say(f"  samples: {feats.samples.words}"
+        + ("; causal by default (the file has no 'attention' attribute): --attention bidirectional reads an "
+           "encoder's windows, every position with the whole window's S" if default else ""), quiet)
+
+
 def load_with_progress(path: Path, chunk_size: int | None, quiet: bool,
-                       normalize: str | None = None, device: str | None = None) -> tuple[Features, str, dict[str, float]]:
-    """Features of a features or tokens file (with a progress bar when featurizing), the file kind, and
-    the seconds it took ({"pass": s} when a tokens file was featurized, else {"load": s})."""
+                       normalize: str | None = None, device: str | None = None, attention: str | None = None,
+                       bias_terms: bool = False, affine_from: Path | None = None
+                       ) -> tuple[Features, str, dict[str, float]]:
+    """Features of a features or tokens file (with a progress bar when featurizing; a tokens file's per-position
+    samples read with `attention`), the file kind, and the seconds it took ({"pass": s} when a tokens file was
+    featurized, else {"load": s}); says what the samples are (`say_samples`)."""
     from ..io import formats
     from ..statistics.stream import load_features
     from ..io.tokens import inspect_tokens
@@ -147,7 +172,9 @@ def load_with_progress(path: Path, chunk_size: int | None, quiet: bool,
     total = inspect_tokens(path).n_samples if kind == "tokens" else 0
     t = time.perf_counter()
     with progress_bar("featurize", total, quiet) as advance:
-        feats = load_features(path, chunk_size=chunk_size, normalize=normalize, progress=advance, device=device)
+        feats = load_features(path, chunk_size=chunk_size, normalize=normalize, progress=advance, device=device,
+                              attention=attention, bias_terms=bias_terms, affine_from=affine_from)
         if kind == "features":
             feats.expand_held()  # a compact file's Gram: expanded within the load's seconds
+    say_samples(feats, path, attention, quiet)
     return feats, kind, {"pass" if kind == "tokens" else "load": time.perf_counter() - t}

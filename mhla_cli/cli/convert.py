@@ -1,8 +1,8 @@
-"""`mhla convert INPUT... -o TOKENS.h5`: tokens files from NumPy, safetensors and torch files."""
+"""`mhla convert INPUT... -o TOKENS.h5`: tokens files from NumPy, safetensors, torch, HDF5 and Arrow files."""
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Literal
 
 import typer
 
@@ -13,17 +13,24 @@ from .options import ChunkOpt, JsonOpt, OutOpt, QuietOpt
 
 def convert_cmd(
     inputs: Annotated[list[str], typer.Argument(
-        help="Input files: .npy, .npz, .safetensors, .pt/.pth. A .npy holds the array named by NAME=FILE "
-             "(tokens=X.npy, offsets=, targets=, weights=) or by its stem (targets.npy); any other single "
-             ".npy holds the tokens. Several files holding tokens (or a directory, or a glob) are joined in "
-             "the order given.", show_default=False)],
+        help="Input files: .npy, .npz, .safetensors, .pt/.pth (torch extra), HDF5 activations, a Hugging Face "
+             "datasets directory or .arrow file (SAELens caches; arrow extra). A .npy holds the array named by "
+             "NAME=FILE (tokens=X.npy, offsets=, targets=, weights=, attention_mask=) or by its stem "
+             "(targets.npy); any other single .npy holds the tokens. Several files holding tokens (or a "
+             "directory, or a glob) are joined in the order given.", show_default=False)],
     output: OutOpt,
     mask: Annotated[str | None, typer.Option("--mask", help="The padding mask's array name (default: "
                                              "attention_mask (N, n) of 0/1, or lengths (N,)).",
                                              show_default=False)] = None,
-    key: Annotated[list[str] | None, typer.Option("--key", help="ROLE=NAME: read the array NAME as ROLE (tokens, "
-                                                  "targets, weights, offsets, mask); repeatable.",
-                                                  show_default=False)] = None,
+    key: Annotated[list[str] | None, typer.Option(
+        "--key", help="ROLE=NAME: read the array NAME as ROLE (tokens, targets, weights, offsets, mask); "
+        "NAME\\[h] is head h of an array of 4 axes \\[batch, pos, head, d], NAME\\[sum] the sum over its heads; "
+        "nested keys are dotted (a.b). Repeatable. Example: --key tokens=hidden", show_default=False)] = None,
+    attention: Annotated[Literal["causal", "bidirectional"] | None, typer.Option(
+        "--attention", help="How the model's attention ran, for per-position targets (required for them, refused "
+        "otherwise): causal (a decoder such as GPT-2: position t sees the positions up to t, every prefix is a sample) or "
+        "bidirectional (an encoder such as BERT: every position sees the whole window). Written as the file's "
+        "attribute 'attention'. Example: --attention bidirectional", show_default=False)] = None,
     chunk_size: ChunkOpt = None,
     json_out: JsonOpt = False,
     quiet: QuietOpt = False,
@@ -31,15 +38,28 @@ def convert_cmd(
     """Convert arrays to a tokens file: (N, n, d) tokens, or (T, d) tokens with offsets; targets, weights.
 
     Arrays are named as the datasets of a tokens file (tokens, offsets, targets, weights; see
-    docs/formats.md): by their .npz, .safetensors or torch dict keys, or by the .npy rules of INPUTS.
-    A torch file may also hold one tensor (the tokens) or a list of (n_i, d) tensors (ragged
-    sequences); it needs the torch extra. Inputs are checked as every reader checks them (shapes,
+    docs/tokens.md): by their .npz, .safetensors, torch dict or HDF5 names, or by the .npy rules of
+    INPUTS; --key gives any array a role. A torch file may also hold one tensor (the tokens) or a list
+    of (n_i, d) tensors (ragged sequences). Inputs are checked as every reader checks them (shapes,
     offsets, NaN/Inf, weights >= 0) and copied in chunks, so files larger than memory convert.
 
-    Activations as models write them: `last_hidden_state` / `hidden_states` are read as the tokens;
-    padded tokens (N, n, d) with `attention_mask` (N, n) or `lengths` (N,) become the unpadded
-    sequences (the last kept position is the query); bfloat16 is widened exactly. Targets may be of
-    another width than the tokens (then `mhla reduce` them).
+    Activations as models and interpretability tools write them (docs/converting.md):
+    `last_hidden_state` / `hidden_states` are read as the tokens; padded tokens (N, n, d) with
+    `attention_mask` (N, n) or `lengths` (N,) become the unpadded sequences (the last kept position
+    is the query; per-position targets are masked alike); bfloat16 is widened exactly. Hook points
+    (a TransformerLens cache saved with torch.save(cache.cache_dict); the columns of a datasets
+    directory) that no --key picks are left out. Per-position targets (N, n, e) need --attention.
+    Targets may be of another width than the tokens (then `mhla reduce` them).
+
+    Example (TransformerLens, one head of a GPT-2 layer): mhla convert cache.pt --key
+    tokens=blocks.3.hook_resid_pre --key targets=blocks.3.attn.hook_result\\[5] --attention causal -o head.h5
+
+    Example (BERT, the whole attention layer, padded batch): mhla convert cache.pt attention_mask=mask.npy
+    --key tokens=blocks.1.hook_resid_pre --key targets=blocks.1.attn.hook_result\\[sum] --attention
+    bidirectional -o layer.h5
+
+    Example (SAELens cache of two hooks): mhla convert activations/ --key tokens=blocks.0.hook_resid_pre
+    --key targets=blocks.0.hook_attn_out --attention causal -o data.h5
 
     Example (Hugging Face): mhla convert acts.pt --key targets=head_out -o data.h5
 
@@ -53,14 +73,14 @@ def convert_cmd(
     """
     with progress_bar("convert", None, quiet) as advance:  # type: ignore[arg-type]
         info = convert_mod.convert_files(inputs, output, chunk_size=chunk_size, progress=advance, mask=mask,
-                                         keys=key)
+                                         keys=key, attention=attention)
     summary = {"output": str(output),
                "inputs": [str(p) for _, p in map(convert_mod.parse_input, convert_mod.expand_inputs(inputs))],
                "layout": info.layout, "n_samples": info.n_samples, "d": info.d, "n_tokens": info.n_tokens,
                "dtype": info.dtype, "targets": info.has_targets, "per_position": info.per_position,
-               "weights": info.has_weights, "d_out": info.out_dim}
+               "weights": info.has_weights, "d_out": info.out_dim, "attention": attention}
     extras = [x for x, on in (("targets", info.has_targets), ("weights", info.has_weights),
-                              ("per position", info.per_position)) if on]
+                              ("per position", info.per_position), (f"attention {attention}", attention)) if on]
     say(f"wrote {output}: N = {info.n_samples} sequences ({info.layout}), d = {info.d}, {info.n_tokens} tokens "
         f"({info.dtype})" + (f"; {', '.join(extras)}" if extras else ""), quiet)
     if json_out:

@@ -16,9 +16,9 @@ from ..statistics.parallel import make_map
 from ..statistics.stream import Features, check_spans, featurize, shard_span
 from ..io.tokens import inspect_tokens
 from ..statistics.zarr_store import is_store
-from .console import emit_json, fmt, progress_bar, say, warn, working
-from .options import (ChunkOpt, DeviceOpt, JsonOpt, NormalizeOpt, OutOpt, QuietOpt, check_hdf5_output, data_location,
-                      parse_shard, require_optional)
+from .console import emit_json, fmt, progress_bar, say, say_samples, warn, working
+from .options import (AffineFromOpt, AttentionOpt, BiasTermsOpt, ChunkOpt, DeviceOpt, JsonOpt, NormalizeOpt, OutOpt,
+                      QuietOpt, check_hdf5_output, data_location, parse_shard, require_optional)
 
 
 def featurize_cmd(
@@ -27,7 +27,9 @@ def featurize_cmd(
     chunk_size: ChunkOpt = None,
     shard: Annotated[str | None, typer.Option("--shard", help="Only the i-th of M contiguous sample ranges, as i/M (0-based).")] = None,
     folds: Annotated[int | None, typer.Option("--folds", min=2, help="Also store the statistics of K contiguous "
-                                              "folds (for `fit --heads auto` / `--nuclear auto`).")] = None,
+                                              "folds, each with its canonical sums (for `fit --ridge auto`, "
+                                              "`--heads auto`, `--nuclear auto`: the same choice as from the "
+                                              "tokens file, in any units).")] = None,
     workers: Annotated[int, typer.Option("--workers", "-j", min=0, help="Parallel local workers (0: one per "
                                          "core); the result equals the serial one up to summation order.")] = 1,
     scheduler: Annotated[str | None, typer.Option("--scheduler", help="Run on a Dask cluster: a scheduler address "
@@ -36,22 +38,28 @@ def featurize_cmd(
                                                   "the Gram stays tiled on the workers, which write it into the "
                                                   "Zarr store: for a Gram larger than one machine (docs/cluster.md).")] = None,
     normalize: NormalizeOpt = None,
+    attention: AttentionOpt = None,
+    bias_terms: BiasTermsOpt = False,
+    affine_from: AffineFromOpt = None,
     spans: Annotated[Literal["auto", "on", "off"], typer.Option("--spans", help="Accumulate only the features on the data's spans "
                                        "span{S_i} (x) span{x_n} (the rest are exact nulls): auto (psi >= 2048 and "
                                        "they hold at most half the features; a cheap first pass finds them), on, off.")] = "auto",
     device: DeviceOpt = "cpu",
     compact: Annotated[bool, typer.Option("--compact", help="Store the canonical Gram as its distinct entries "
                                           "only (about a quarter of the numbers; no 'gram' / 'basis_gram' "
-                                          "datasets: mhla derives them on read, docs/formats.md). From d = 24 "
-                                          "on the faster featurize, certify and fit (docs/performance.md, "
-                                          "section 11) when no reader needs 'gram' from h5py.")] = False,
+                                          "datasets: mhla derives them on read, docs/formats_features.md). From d = 24 "
+                                          "on the faster featurize, certify and fit "
+                                          "(docs/performance_symmetry.md) when no reader needs 'gram' from h5py.")] = False,
     json_out: JsonOpt = False,
     quiet: QuietOpt = False,
 ) -> None:
     """Stream a tokens file into the feature statistics (gram, moments, ...), in float64.
 
-    Per-position data (targets (T, d), or (N, n, d) with dense tokens) are featurized causally: every
-    prefix X[:t] with weight > 0 is a sample (target y_t); optional `weights` weigh samples.
+    Per-position data (targets (T, d), or (N, n, d) with dense tokens): every position t with weight > 0
+    is a sample (target y_t), read with --attention: causal (the prefix X[:t], a decoder's), or
+    bidirectional (S of the whole window, an encoder's: at the cost of last-token data); default the
+    file's 'attention' attribute, causal without one. Optional `weights` weigh samples ((T,) or (N, n):
+    weight 0 masks a position, e.g. padding or a prompt).
 
     Memory is O(chunk + psi^2) whatever N is. For job arrays, run one --shard i/M per job and sum
     the parts with `mhla merge`.
@@ -68,6 +76,12 @@ def featurize_cmd(
     Example (a GPU): mhla featurize data.h5 -o feats.h5 --device cuda
     Example: mhla featurize data.h5 -o feats.h5 --workers 4
     Example (job array): mhla featurize data.h5 --shard 3/8 -o part_3.h5 && mhla merge part_*.h5 -o feats.h5
+    Example (an encoder's windows): mhla featurize bert_l1.h5 -o feats.h5 --attention bidirectional
+
+    Example (a head with biases): mhla featurize enc.h5 -o feats.h5 --bias-terms
+
+    Example (with the wide token's affine map): mhla featurize h8.h5 -o feats.h5 --affine-from hidden384.h5
+
     Example (a Dask cluster): mhla featurize data.h5 --scheduler tcp://10.0.0.5:8786 -o s3://bucket/feats.zarr
     """
     if scheduler is not None and workers != 1:
@@ -79,30 +93,41 @@ def featurize_cmd(
         if folds is not None or compact or device != "cpu" or spans == "on":
             raise InputError("a Zarr store holds every feature, tiled: it cannot be combined with --folds, "
                              "--compact, --device or --spans on", output)
+        if affine_from is not None:
+            from ..solve.cluster import ClusterRefused
+
+            raise ClusterRefused("affine", affine_from)
         _featurize_store(data, data_location(output), scheduler, shard, chunk_size,
-                         check_normalize(normalize or "none"), json_out, quiet)
+                         check_normalize(normalize or "none"), attention, bias_terms, json_out, quiet)
         return
-    parallel = {"workers": workers, "scheduler": scheduler, "normalize": check_normalize(normalize or "none")}
+    parallel = {"workers": workers, "scheduler": scheduler, "normalize": check_normalize(normalize or "none"),
+                "attention": attention, "bias_terms": bias_terms}
+    if affine_from is not None:
+        if folds is not None:
+            raise InputError("--affine-from and --folds cannot be combined (the affine block is fitted with a given "
+                             "--ridge)")
+        parallel["affine_from"] = affine_from
     dev = check_device(device, data)
     if dev is not None and folds is not None:
         raise InputError("--folds runs on the CPU: featurize the folds without --device")
     if compact and folds is not None:
         raise InputError("--compact and --folds cannot be combined (the folds' sums are stored whole)")
-    check_hdf5_output(output, (data,), "a features file")
+    check_hdf5_output(output, (data, affine_from), "a features file")
     if scheduler is not None:
         require_dask(scheduler)
     feats, fold_feats = _featurize(data, shard, folds, chunk_size, spans, dev, parallel, quiet)
     if fold_feats is not None:
         save_with_folds(feats, fold_feats, output, inputs=(data,))
     else:
-        feats.save(output, inputs=(data,), compact=compact)
+        feats.save(output, inputs=(data,) + ((affine_from,) if affine_from is not None else ()), compact=compact)
     _say_featurize(feats, output, quiet)
+    say_samples(feats, data, attention, quiet)
     if json_out:
         emit_json(_featurize_record(feats, output, compact))
 
 
 def _featurize_store(data: Path, out: str, scheduler: str, shard: str | None, chunk_size: int | None,
-                     normalize: str, json_out: bool, quiet: bool) -> None:
+                     normalize: str, attention: str | None, bias_terms: bool, json_out: bool, quiet: bool) -> None:
     """`featurize --scheduler -o FEATS.zarr`: the statistics accumulated with the Gram tiled on the cluster
     (mhla_cli.statistics.tiled_gram), each tile written into the store by its worker."""
     from ..statistics import tiled_gram, zarr_store
@@ -111,15 +136,16 @@ def _featurize_store(data: Path, out: str, scheduler: str, shard: str | None, ch
     require_dask(scheduler)
     with make_map(scheduler=scheduler) as pmap, working(f"featurize on the cluster {scheduler}: the tiled Gram", quiet):
         stats = tiled_gram.accumulate(data, pmap.client, chunk_size=chunk_size, normalize=normalize,
-                                      shard=parse_shard(shard))
+                                      shard=parse_shard(shard), attention=attention, bias_terms=bias_terms)
         try:
             zarr_store.save(stats, out, inputs=(data,))
         finally:
             stats.release()
     feats = stats.sums
     say(f"wrote {out}: d = {feats.d}, psi = {feats.n_features} features in tiles of {stats.tile}, N = "
-        f"{feats.n_samples} " + ("positions (causal)" if feats.per_position else "samples")
-        + f", {feats.n_tokens} tokens" + ("" if feats.has_targets else " (no targets)"), quiet)
+        f"{feats.n_samples} {feats.samples.unit('samples')}, {feats.n_tokens} tokens"
+        + ("" if feats.has_targets else " (no targets)"), quiet)
+    say_samples(feats, data, attention, quiet)
     if json_out:
         rec = _featurize_record(feats, Path(out), False)
         rec.update(output=out, span_features=feats.n_features, gram_storage="tiles", tile_features=stats.tile,
@@ -146,8 +172,9 @@ def _featurize(data: Path, shard: str | None, folds: int | None, chunk_size: int
 def _say_featurize(feats: Features, output: Path, quiet: bool) -> None:
     """What `mhla featurize` says of the statistics it wrote (and of a redone pass, and of the spans' block)."""
     psi = feats.n_features
-    say(f"wrote {output}: d = {feats.d}, psi = {psi} features, N = {feats.n_samples} "
-        + ("positions (causal)" if feats.per_position else "samples") + f", {feats.n_tokens} tokens"
+    dim = f"{feats.d - 1} + the constant (bias terms)" if feats.bias_terms else str(feats.d)
+    say(f"wrote {output}: d = {dim}, psi = {psi} features, N = {feats.n_samples} "
+        + ("positions" if feats.per_position else "samples") + f", {feats.n_tokens} tokens"
         + ("" if feats.has_targets else " (no targets)")
         + (", S normalised by length" if feats.normalize == "length" else ""), quiet)
     if int(feats.extra_attrs.get("basis_passes", 1)) > 1:
@@ -168,7 +195,9 @@ def _featurize_record(feats: Features, output: Path, compact: bool) -> dict[str,
             "span_features": feats.basis_gram_held.shape[0] if feats.reduced else feats.n_features,
             "span_passes": int(feats.extra_attrs.get("span_passes", 0)), "n_samples": feats.n_samples,
             "n_tokens": feats.n_tokens, "has_targets": feats.has_targets,
-            "per_position": feats.per_position, "normalize": feats.normalize,
+            "per_position": feats.per_position, "attention": feats.samples.attention, "normalize": feats.normalize,
+            "bias_terms": feats.bias_terms,
+            "affine_width": None if feats.affine is None else feats.affine.width,
             "n_sequences": feats.n_sequences, "basis_passes": int(feats.extra_attrs.get("basis_passes", 1)),
             "compact": compact, "sample_range": list(feats.sample_range) if feats.sample_range else None}
 

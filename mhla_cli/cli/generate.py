@@ -13,7 +13,7 @@ from ..model.export import save_heads
 from ..feature_map import check_normalize
 from .console import emit_json, say
 from .help import HelpGroup
-from .options import JsonOpt, NormalizeOpt, OutOpt, QuietOpt, check_hdf5_output, check_heads_output
+from .options import AttentionOpt, JsonOpt, NormalizeOpt, OutOpt, QuietOpt, check_hdf5_output, check_heads_output
 
 
 generate_app = typer.Typer(help="Make synthetic datasets (tokens files with targets).", no_args_is_help=True,
@@ -33,8 +33,14 @@ def generate_teacher_cmd(
                                               "(HDF5, or .npz / .safetensors by the suffix, as export-heads).")] = None,
     dtype: Annotated[Literal["float32", "float64"], typer.Option("--dtype", help="Stored dtype.")] = "float32",
     per_position: Annotated[bool, typer.Option("--per-position", help="Targets at every position (T, d): the "
-                                               "teacher's output on every prefix (autoregressive data).")] = False,
+                                               "teacher's output on every prefix (autoregressive data), or with "
+                                               "--attention bidirectional at every position with the whole "
+                                               "sequence's S (an encoder's).")] = False,
     normalize: NormalizeOpt = None,
+    attention: AttentionOpt = None,
+    bias: Annotated[bool, typer.Option("--bias", help="A teacher whose heads have biases (docs/bias_terms.md): head h "
+                                       "outputs sum_i (V_h x_i + b_v) (x_i^T Q_h x_t + c . x_i + r . x_t + z); "
+                                       "`--bias-terms` fits it exactly, the MHLA alone does not.")] = False,
     json_out: JsonOpt = False,
     quiet: QuietOpt = False,
 ) -> None:
@@ -43,7 +49,14 @@ def generate_teacher_cmd(
     Example: mhla generate teacher -o data.h5 --dim 4 --heads 2 --n-samples 2048 --seq-len 100 --teacher-out teacher.h5
 
     Example (causal): mhla generate teacher -o ar.h5 --dim 3 --heads 2 --n-samples 10 --seq-len 5:40 --per-position
+
+    Example (bidirectional): mhla generate teacher -o enc.h5 --dim 3 --heads 2 --n-samples 50 --seq-len 4:12
+    --per-position --attention bidirectional
+
+    Example (heads with biases): mhla generate teacher -o b.h5 --dim 3 --heads 2 --n-samples 400 --seq-len 2:9 --bias
     """
+    if attention is not None and not per_position:
+        raise InputError("--attention applies to per-position targets: add --per-position")
     if dtype not in ("float32", "float64"):
         raise InputError(f"--dtype must be float32 or float64, got {dtype}")
     normalize = check_normalize(normalize or "none")
@@ -53,17 +66,21 @@ def generate_teacher_cmd(
         if Path(teacher_out).resolve() == Path(output).resolve():
             raise InputError("--teacher-out must differ from -o", teacher_out)
     ds, teacher = synthetic.generate_teacher(dim, heads, n_samples, seq_len, noise, seed, dtype=dtype,
-                                             per_position=per_position, normalize=normalize)
+                                             per_position=per_position, normalize=normalize, attention=attention,
+                                             bias=bias)
     attrs = {"generator": "teacher", "seed": seed, "noise": noise, "n_heads": heads,
              "per_position": int(per_position), "normalize": normalize}
+    if bias:
+        attrs["bias"] = 1
     ds.save(output, dtype=dtype, attrs=attrs)
     if teacher_out is not None:
         save_heads(teacher, teacher_out)  # HDF5, .npz or .safetensors by the suffix
     summary = {"output": str(output), "n_samples": ds.n_samples, "d": dim, "n_tokens": int(ds.offsets[-1]),
                "n_heads": heads, "teacher": str(teacher_out) if teacher_out else None,
-               "per_position": per_position, "normalize": normalize}
+               "per_position": per_position, "attention": ds.attention, "normalize": normalize, "bias": bias}
     say(f"wrote {output}: N = {ds.n_samples} sequences, d = {dim}, {summary['n_tokens']} tokens"
-        + (f"; teacher ({heads} heads) in {teacher_out}" if teacher_out else ""), quiet)
+        + (f"; teacher ({heads} heads" + (" with biases" if bias else "") + f") in {teacher_out}"
+           if teacher_out else ""), quiet)
     if json_out:
         emit_json(summary)
 

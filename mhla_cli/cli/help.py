@@ -130,6 +130,12 @@ def note_first_path(ctx: Any) -> None:
             return
 
 
+def _is_root(group: Any, ctx: _click.Context) -> bool:
+    """Whether `group` is the `mhla` group itself in `ctx` (its commands load on demand), not a sub-group
+    (`generate`) walked in the root's context by a documentation tool."""
+    return ctx.parent is None and ctx.command is group
+
+
 class HelpGroup(TyperGroup):
     """A typer group whose help pages (its own and its commands') show no type placeholders."""
 
@@ -142,15 +148,16 @@ class HelpGroup(TyperGroup):
         return params
 
     def list_commands(self, ctx: _click.Context) -> list[str]:
-        names = list(super().list_commands(ctx))
-        if ctx.parent is None:  # the root: also the commands not loaded yet, in their order
-            from .registry import COMMANDS
+        from .registry import COMMANDS
 
-            names = list(COMMANDS) + [n for n in names if n not in COMMANDS]
-        return names
+        names = list(super().list_commands(ctx))
+        # the registry's order; at the root also the commands not loaded yet (a fully registered app, or a
+        # group walked from another tool's context, lists what it holds)
+        known = [n for n in COMMANDS if _is_root(self, ctx) or n in names]
+        return known + [n for n in names if n not in COMMANDS]
 
     def get_command(self, ctx: _click.Context, cmd_name: str) -> Any:
-        if cmd_name not in self.commands and ctx.parent is None:
+        if cmd_name not in self.commands and _is_root(self, ctx):
             self._load(cmd_name)
         cmd = super().get_command(ctx, cmd_name)
         if cmd is not None:

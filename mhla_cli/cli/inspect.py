@@ -34,7 +34,8 @@ def inspect_cmd(
     else:
         say(escape(f"{path}: {rep['kind'] or 'unknown'} file, {'valid' if rep['valid'] else 'INVALID'}"))
         for key in ("layout", "d", "d_out", "n_features", "n_samples", "n_tokens", "n_heads", "dtype", "has_targets",
-                    "per_position", "has_weights", "normalize", "gram_form", "tile_features", "n_undetermined"):
+                    "per_position", "attention", "has_weights", "normalize", "gram_form", "tile_features",
+                    "n_undetermined"):
             if rep.get(key) is not None and not (key == "d_out" and rep[key] == rep.get("d")):
                 say(escape(f"  {key} = {rep[key]}"))
         for name, ds in rep["datasets"].items():

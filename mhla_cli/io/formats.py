@@ -152,7 +152,7 @@ def not_hdf5_reason(p: Path) -> str:
             head = fh.read(4096)
     except OSError:
         head, size = b"", 0
-    convert = f"convert it with: mhla convert {shlex.quote(p.name)} -o {shlex.quote(p.stem + '.h5')}"
+    convert = f"convert it with: mhla convert {shlex.quote(str(p))} -o {shlex.quote(str(p.with_suffix('.h5')))}"
     what = None
     if not head:
         return "is empty, not an HDF5 file"
@@ -254,6 +254,16 @@ def read_matrix(f: h5py.File, name: str, path: str | os.PathLike) -> np.ndarray:
     if not all_finite(out):
         raise InputError(f"'{name}' contains NaN or Inf; the file is corrupted", path)
     return out
+
+
+def value_text(x: Any) -> str:
+    """A value as a message shows it: a NumPy scalar or array as the Python number or list it holds
+    (-10000.0, [1, 2]; never np.float32(-10000.0)), anything else as its repr."""
+    if isinstance(x, np.generic) or (isinstance(x, np.ndarray) and x.ndim == 0):
+        return repr(x.item())
+    if isinstance(x, np.ndarray):
+        return repr(x.tolist())
+    return repr(x)
 
 
 def all_finite(a: np.ndarray, block_bytes: int = 8 << 20) -> bool:
@@ -791,3 +801,16 @@ def read_normalize(f: Any, path: str | os.PathLike) -> str:
     if v not in NORMALIZATIONS:
         raise InputError(f"attribute 'normalize' is '{v}', expected none or length", path)
     return v
+
+
+def read_bias_terms(attrs: Any, path: str | os.PathLike | None) -> bool:
+    """The `bias_terms` attribute of a features, model or heads file (0 / 1; False when absent: files
+    before the bias terms, or without them)."""
+    v = attrs.get("bias_terms", 0)
+    try:
+        x = int(np.asarray(v).reshape(()))
+    except (TypeError, ValueError):
+        raise InputError(f"attribute 'bias_terms' = {value_text(v)} is not 0 or 1", path) from None
+    if x not in (0, 1):
+        raise InputError(f"attribute 'bias_terms' = {x}, expected 0 or 1", path)
+    return bool(x)

@@ -1,7 +1,7 @@
 """Tokens files: their layout and rules (validation), and the one chunk reader of mhla.
 
 A tokens file holds `tokens` (T, d) + `offsets` (N+1,), or `tokens` (N, n, d); optional `targets`
-and `weights` (docs/formats.md). `iter_chunks` reads half-open sample ranges [a, b) of it; every
+and `weights` (docs/tokens.md). `iter_chunks` reads half-open sample ranges [a, b) of it; every
 command that reads tokens (featurize, predict, compare, the witness, inspect, probes) goes through it.
 """
 
@@ -9,9 +9,10 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 import math
 import os
+import sys
 from typing import Any
 
 import h5py
@@ -19,6 +20,7 @@ import numpy as np
 
 from . import formats
 from ..errors import InputError
+from ..samples import LAST, Samples, check_attention, samples_of
 from ..signals import check_interrupted
 
 
@@ -38,18 +40,36 @@ class TokensInfo:
     dtype: str
     has_targets: bool
     seq_len: int | None  # for the dense layout
-    # Per-position (causal) data: every prefix X[:t] is a sample, targets (T, d) / (N, n, d).
-    per_position: bool = False
+    # What a sample is (mhla_cli.samples): LAST, or for per-position data (targets (T, d) / (N, n, d),
+    # weights per position) CAUSAL or BIDIRECTIONAL as the file's `attention` attribute says (causal
+    # without it; `read_as` applies an --attention option).
+    samples: Samples = LAST
     # Optional `weights`: (N,) for last-token data, (T,) or (N, n) for per-position data.
     has_weights: bool = False
     # Width of the targets when it differs from d (a head's output beside the hidden states);
     # None: the targets are d wide, or there are none (`out_dim`).
     d_out: int | None = None
+    # The file's root attribute `attention` ("causal" / "bidirectional"), None when it has none.
+    attention: str | None = None
+    # The bias terms (docs/bias_terms.md, `with_bias_terms`): the reader appends a constant coordinate 1 to
+    # every token (`d` counts it) and, with `target_pad`, a coordinate 0 to every target (`out_dim` counts it).
+    constant: bool = False
+    target_pad: bool = False
+
+    @property
+    def per_position(self) -> bool:
+        """Targets and weights are stored per position (CAUSAL or BIDIRECTIONAL samples)."""
+        return self.samples.per_position
 
     @property
     def out_dim(self) -> int:
         """Width of the targets (d unless the file says otherwise)."""
         return self.d if self.d_out is None else int(self.d_out)
+
+    @property
+    def stored_d(self) -> int:
+        """Width of the tokens as stored (`d` less the appended constant coordinate)."""
+        return self.d - int(self.constant)
 
     def sample_tokens(self, lo: int, hi: int, offsets: np.ndarray | None = None) -> int:
         """Number of tokens of samples [lo, hi)."""
@@ -114,8 +134,50 @@ def _inspect_tokens_open(f: h5py.File, path: str | os.PathLike) -> TokensInfo:
     has_weights = "weights" in f
     if has_weights:
         per_position = _check_weights_shape(f["weights"], layout, N, T, seq_len, has_targets, per_position, path)
-    return TokensInfo(str(path), layout, N, d, T, str(tok.dtype), has_targets, seq_len, per_position, has_weights,
-                      d_out)
+    attention = _attention_attr(f, path)
+    if attention is not None and not per_position:
+        if (has_targets or has_weights) and N != T:
+            raise InputError(f"attribute 'attention' is {attention!r} but the targets / weights are per sequence: "
+                             "attention applies to per-position data; the file is inconsistent", path)
+        per_position = True  # no per-sequence data: every position is a sample, read as the attribute says
+    return TokensInfo(str(path), layout, N, d, T, str(tok.dtype), has_targets, seq_len,
+                      samples_of(per_position, attention), has_weights, d_out, attention)
+
+
+def _attention_attr(f: h5py.File, path: str | os.PathLike) -> str | None:
+    """The file's root attribute `attention`, validated; None when absent."""
+    if "attention" not in f.attrs:
+        return None
+    v = f.attrs["attention"]
+    v = v.decode() if isinstance(v, bytes) else str(v)
+    return check_attention(v, "attribute 'attention'", path)
+
+
+def read_as(info: TokensInfo, attention: str | None) -> TokensInfo:
+    """`info` with its per-position samples read with `attention` ("causal" / "bidirectional"; None: as the
+    file says, causal without its attribute). Refused: attention for data with one target per sequence,
+    and an attention that contradicts the file's attribute."""
+    if check_attention(attention) is None:
+        return info
+    if not info.per_position:
+        raise InputError(f"attention {attention!r} applies to per-position samples, but this file holds one "
+                         "target per sequence (last-token data)", info.path)
+    if info.attention is not None and info.attention != attention:
+        raise InputError(f"attention {attention!r} was asked but the file's attribute 'attention' is "
+                         f"{info.attention!r}", info.path)
+    return replace(info, samples=samples_of(True, attention))
+
+
+def with_bias_terms(info: TokensInfo, pad_targets: bool = True) -> TokensInfo:
+    """`info` read with the bias terms (docs/bias_terms.md): every token x becomes (x, 1), so that the MHLA of
+    these tokens holds the terms a head's biases add; with `pad_targets` every target y becomes (y, 0) (the
+    statistics of a fit keep the MHLA's square shape: the padded output's coefficients are exactly 0)."""
+    if info.constant:
+        return info
+    out = info.out_dim
+    pad = bool(pad_targets and info.has_targets)
+    d_out = None if not info.has_targets or out + int(pad) == info.d + 1 else out + int(pad)
+    return replace(info, d=info.d + 1, constant=True, target_pad=pad, d_out=d_out)
 
 
 def require_square(info: TokensInfo, what: str) -> None:
@@ -177,15 +239,28 @@ def _check_weights_shape(w: Any, layout: str, N: int, T: int, seq_len: int | Non
 
 def check_weights(weights: np.ndarray | None, offsets: np.ndarray, lo: int, per_position: bool,
                   path: str | os.PathLike) -> None:
-    """Raise an InputError naming the first sample whose weight is negative, NaN or Inf."""
+    """Raise an InputError naming the first sample whose weight is negative, NaN or Inf, or positive but
+    subnormal (below float64's smallest normal number, MIN_WEIGHT: its products in the sums lose their
+    digits; the weights carry no units, so a common factor restores them)."""
     if weights is None or weights.size == 0:
         return
     bad = ~(np.isfinite(weights) & (weights >= 0))
-    if bad.any():
-        row = int(np.flatnonzero(bad)[0])
+    tiny = (weights > 0) & (weights < MIN_WEIGHT)
+    if bad.any() or tiny.any():
+        row = int(np.flatnonzero(bad | tiny)[0])
         i = lo + (int(np.searchsorted(offsets, row, side="right") - 1) if per_position else row)
         where = f"sample {i}" + (f", position {row - int(offsets[i - lo])}" if per_position else "")
-        raise InputError(f"weights of {where} is {float(weights[row])!r}: weights must be finite and >= 0", path)
+        w = float(weights[row])
+        if bad[row]:
+            raise InputError(f"weights of {where} is {w!r}: weights must be finite and >= 0", path)
+        raise InputError(f"weights of {where} is {w:.3g}, below float64's smallest normal number {MIN_WEIGHT:.3g} "
+                         "(its products in the sums would lose their digits); weights carry no units: multiply "
+                         "them all by the same factor (e.g. 1e300)", path)
+
+
+# The smallest positive weight accepted: float64's smallest normal number (not a tolerance: float64's
+# range; subnormal weights keep few or no digits in the weighted sums).
+MIN_WEIGHT = sys.float_info.min
 
 
 def _check_offsets(off: h5py.Dataset, T: int, path: str | os.PathLike) -> None:
@@ -304,7 +379,7 @@ def read_chunk(f: h5py.File, info: TokensInfo, a: int, b: int, bufs: ReadBuffers
     Tokens keep their stored dtype (half the bytes of float64 for float32); `sequence_moments`
     converts them block by block. Unusual dtypes (float16, big-endian, ...) are read as float64.
     """
-    d = info.d
+    d = info.stored_d
     dt = np.dtype(info.dtype)
     tok_dtype = dt if dt.isnative and dt in (np.float32, np.float64, np.int32, np.int64, np.int16,
                                               np.int8, np.uint8, np.uint16, np.uint32) else np.float64
@@ -325,10 +400,12 @@ def read_chunk(f: h5py.File, info: TokensInfo, a: int, b: int, bufs: ReadBuffers
         if t1 > t0:
             f["tokens"].read_direct(tokens, np.s_[t0:t1])
         offsets -= t0
+    if info.constant:
+        tokens = _with_constant(tokens, bufs)
     targets = None
     if info.has_targets and getattr(info, "per_position", False):
         # per-position targets (t, d): rows of the chunk's tokens
-        e = info.out_dim
+        e = info.out_dim - int(info.target_pad)
         targets = bufs.get("targets", (int(offsets[-1]), e))
         if b > a:
             if info.layout == "dense":
@@ -337,12 +414,25 @@ def read_chunk(f: h5py.File, info: TokensInfo, a: int, b: int, bufs: ReadBuffers
                 t0 = int(f["offsets"][a])
                 f["targets"].read_direct(targets, np.s_[t0:t0 + int(offsets[-1])])
     elif info.has_targets:
-        targets = bufs.get("targets", (b - a, info.out_dim))
+        targets = bufs.get("targets", (b - a, info.out_dim - int(info.target_pad)))
         if b > a:
             f["targets"].read_direct(targets, np.s_[a:b])
+    if targets is not None and info.target_pad:
+        padded = bufs.get("targets_padded", (targets.shape[0], targets.shape[1] + 1))
+        padded[:, :-1] = targets
+        padded[:, -1] = 0.0
+        targets = padded
     if with_weights:
         return tokens, offsets, targets, read_weights_span(f, info, a, b, offsets)
     return tokens, offsets, targets
+
+
+def _with_constant(tokens: np.ndarray, bufs: ReadBuffers) -> np.ndarray:
+    """(t, d + 1): the tokens with a constant coordinate 1 appended (the bias terms), in their dtype."""
+    out = bufs.get("tokens_constant", (tokens.shape[0], tokens.shape[1] + 1), tokens.dtype)
+    out[:, :-1] = tokens
+    out[:, -1] = 1
+    return out
 
 
 def iter_chunks(info: TokensInfo, span: tuple[int, int], chunk_size: int,
@@ -382,8 +472,8 @@ def check_chunk(info: TokensInfo, a: int, tokens: np.ndarray, offsets: np.ndarra
         bad = not top <= MAX_TOKEN_ABS ** 2
     else:
         check_exact_ints(tokens, offsets, a, info.path)
-    if targets is not None and targets.size:
-        bad = bad or not float(np.max(np.abs(targets))) <= MAX_TARGET_ABS
+    if targets is not None and targets.size:  # max and -min: no |targets| array (per-position targets are large)
+        bad = bad or not max(float(targets.max()), -float(targets.min())) <= MAX_TARGET_ABS
     if bad:
         check_finite(tokens, offsets, targets, a, info.path)
 

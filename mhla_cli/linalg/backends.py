@@ -304,10 +304,10 @@ class HostGram:
     then one syrk into G (lower triangle, mirrored in `gram_parts`)."""
 
     def __init__(self, q: int, r: int, n_targets: int, width: int, nf: int,
-                 spans: tuple[np.ndarray, np.ndarray] | None = None) -> None:
+                 spans: tuple[np.ndarray, np.ndarray] | None = None, pairs: bool = False) -> None:
         self.width, self.nf, self.spans = int(width), int(nf), spans
         self.G: np.ndarray | None = None
-        self._pairs = symgram.accumulator(q, r, n_targets)
+        self._pairs = symgram.accumulator(q, r, n_targets, pairs)
         self._bufs: dict[str, np.ndarray] = {}
 
     def add(self, upper_t: np.ndarray, last_t: np.ndarray, targets_t: np.ndarray | None) -> None:
@@ -328,11 +328,25 @@ class HostGram:
             if self.spans is not None:  # the block coordinates E^T s and F^T x_n
                 upper_t, last_t = self.spans[0].T @ upper_t, self.spans[1].T @ last_t
             H = Ft[:self.nf].reshape(upper_t.shape[0], last_t.shape[0], R)
-            # H_(j,k,l) = S[j,k] x_n[l] (BACKGROUND.md, "Why learning it is a linear regression")
+            # H_(j,k,l) = S[j,k] x_n[l] (docs/formats.md, "Math")
             np.multiply(upper_t[:, None, :], last_t[None, :, :], out=H)
             if targets_t is not None:
                 Ft[self.nf:] = targets_t
         self._syrk(Ft)  # with the BLAS threads a wide block pays for
+
+    def add_windows(self, upper_t: np.ndarray, xx: np.ndarray, xy: np.ndarray | None, yy: np.ndarray | None) -> None:
+        """Add rows whose token factor is a second moment (a window's X^T W X and X^T W Y: samples.Rows.xx):
+        upper_t (q, R) canonical S entries, xx (R, d, d), xy (R, d, n_targets) or None, yy the rows' target
+        Gram or None; always into the Gram's distinct entries (made with `pairs`: symgram.SymGram.add_windows)."""
+        if self._pairs is None:
+            raise ValueError("rows with second-moment token factors need a HostGram made with pairs=True")
+        if self.spans is not None:  # the block coordinates E^T s, F^T xx F and F^T xy
+            E, F = self.spans
+            upper_t, xx = E.T @ upper_t, F.T @ xx @ F
+            xy = None if xy is None else F.T @ xy
+        wide = self.width >= MIN_THREADED_WIDTH
+        with contextlib.nullcontext() if wide else _single_blas_thread():
+            self._pairs.add_windows(upper_t, xx, xy, yy, threads=_blas_threads() if wide else 1)
 
     def pipeline(self) -> Any:
         """The reduction's block around its loop over chunks (statistics.spans._add_chunks): a wide block
@@ -443,9 +457,11 @@ class Backend:
         raise NotImplementedError
 
     def gram(self, q: int, r: int, n_targets: int, width: int, nf: int,
-             spans: tuple[np.ndarray, np.ndarray] | None = None) -> Any:
+             spans: tuple[np.ndarray, np.ndarray] | None = None, pairs: bool = False) -> Any:
         """An accumulator of a reduction's Gram on the backend: `add(upper_t, last_t, targets_t)` per
-        chunk, `result()` a symgram.SymGram or G for `gram_parts` (HostGram, device.DeviceGram / DevicePairs)."""
+        chunk (and, made with `pairs`, `add_windows(upper_t, xx, xy, yy)`: rows whose token factor is a
+        second moment), `result()` a symgram.SymGram or G for `gram_parts` (HostGram, device.DeviceGram /
+        DevicePairs)."""
         raise NotImplementedError
 
     def free_bytes(self) -> int | None:
@@ -466,8 +482,8 @@ class NumpyBackend(Backend):
         return HostMatrix(a)
 
     def gram(self, q: int, r: int, n_targets: int, width: int, nf: int,
-             spans: tuple[np.ndarray, np.ndarray] | None = None) -> HostGram:
-        return HostGram(q, r, n_targets, width, nf, spans)
+             spans: tuple[np.ndarray, np.ndarray] | None = None, pairs: bool = False) -> HostGram:
+        return HostGram(q, r, n_targets, width, nf, spans, pairs)
 
     def last_outputs(self, coef: np.ndarray, S: np.ndarray, last: np.ndarray) -> np.ndarray:
         """The chunk's features (B, psi) times p^T: one GEMM."""
@@ -485,10 +501,10 @@ class TorchBackend(Backend):
         return device_mod.DeviceMatrix(a, self.device)
 
     def gram(self, q: int, r: int, n_targets: int, width: int, nf: int,
-             spans: tuple[np.ndarray, np.ndarray] | None = None) -> Any:
+             spans: tuple[np.ndarray, np.ndarray] | None = None, pairs: bool = False) -> Any:
         from .symgram import use_pairs
 
-        if use_pairs(q, r):
+        if pairs or use_pairs(q, r):
             return device_mod.DevicePairs(self.device, q, r, n_targets, spans)
         return device_mod.DeviceGram(self.device, width, nf, spans)
 

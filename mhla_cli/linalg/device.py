@@ -142,7 +142,7 @@ class DeviceGram:
     Per chunk the host sends the transposed canonical S entries (q, R), last tokens (d, R) and targets
     (d, R) (through two alternating pinned buffers on a GPU, copied asynchronously, so that the host
     reads and prepares the next chunk while the device works); the device forms the features
-    H_(j,k,l) = S[j,k] x_n[l] (BACKGROUND.md, "Why learning it is a linear regression"), on the
+    H_(j,k,l) = S[j,k] x_n[l] (docs/formats.md, "Math"), on the
     data's spans E^T s (x) F^T x_n when given, and adds the lower triangle of Ft Ft^T with float64
     GEMMs (one per row panel).
     """
@@ -267,6 +267,40 @@ class DevicePairs(DeviceGram):
             Z = (x[:, None, :] * y[None, :, :]).reshape(self.r * self.nt, R)
             self.M.addmm_(u, Z.T)
             self.Y.addmm_(y, y.T)
+
+    def add_windows(self, upper_t: np.ndarray, xx: np.ndarray, xy: np.ndarray | None, yy: np.ndarray | None) -> None:
+        """K += U^T V (and the moments, the target Gram) for rows whose token factor is a second moment
+        (samples.Rows.xx: V from the pairs l <= m of xx (R, d, d), the moments from xy (R, d, n_targets));
+        the host's `backends.HostGram.add_windows` on the device."""
+        R = upper_t.shape[1]
+        if R == 0:
+            return
+        t = self._t
+        k = self._turn
+        self._turn = 1 - k
+        if self._events[k] is not None:
+            self._events[k].synchronize()
+        slot = self._slots[k]
+        u = self._send(slot, "u", upper_t)
+        m = self._send(slot, "x", np.asarray(xx, dtype=np.float64))
+        z = None if xy is None or self.M is None else self._send(slot, "y", np.asarray(xy, dtype=np.float64))
+        if self._pin:
+            self._events[k] = t.cuda.Event()
+            self._events[k].record()
+        if self.spans is not None:  # E^T s, F^T xx F, F^T xy
+            E, F = self.spans
+            u, m = E.T @ u, F.T @ m @ F
+            z = None if z is None else F.T @ z
+        V = m[:, self._il, self._im].T  # (r(r+1)/2, R)
+        n = self._ia.numel()
+        step = max(1, PAIRS_PANEL_ELEMENTS // R)
+        for a in range(0, n, step):
+            b = min(n, a + step)
+            self.K[a:b].addmm_(u[self._ia[a:b]] * u[self._ib[a:b]], V.T)
+        if z is not None:
+            self.M.addmm_(u, z.reshape(R, self.r * self.nt))
+            if yy is not None:
+                self.Y += t.as_tensor(np.asarray(yy, dtype=np.float64)).to(self.dev)
 
     def result(self) -> Any:  # a symgram.SymGram on the host
         """The sums as a host `symgram.SymGram` (the device's copies released)."""

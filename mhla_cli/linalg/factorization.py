@@ -13,8 +13,8 @@ cached on the Features object, which computes only what is asked, once:
 - large ones: lambda_max by block Lanczos on Lambda~ (mhla_cli.linalg.krylov: 8 vectors a product);
   lambda_min is block Lanczos on (Lambda~ - t I)^-1 through the proof's factor (tens of block
   triangular solves, each reading the factor once), and fit is a solve with the same factor
-  (iterative refinement undoes the shift). The eigendecomposition (~9 n^3, BACKGROUND.md "Structure
-  that shrinks psi exactly") is computed only when the data are not identifiable and the null space
+  (iterative refinement undoes the shift). The eigendecomposition (~9 n^3; the block on the data's spans,
+  docs/formats_features.md) is computed only when the data are not identifiable and the null space
   is needed;
 - the ridge (`ridge_solve`) is the spectral ridge solution for every r >= 0: a Cholesky of
   Lambda~ + r I when r exceeds the numerical tolerance, else a solve on the range of Lambda~;

@@ -1,4 +1,4 @@
-"""The Gram of the cubic features from its distinct entries: K = U^T V (BACKGROUND.md, "The Gram's own symmetry").
+"""The Gram of the cubic features from its distinct entries: K = U^T V (docs/formats_features.md, "Compact features files").
 
 A feature vector is h = s (x) x (s: the q pair entries of S, scaled as the caller wants; x: the d
 entries of the last token), so
@@ -179,7 +179,6 @@ class SymGram:
             return
         self.join()  # the chunk in flight reads the work buffers below
         if self._pool is not None:  # the caller reuses its buffers while this chunk's GEMMs run
-            threads = self._threads
             s_t = _copy_into(self._buf("s_in", q, R), s_t)
             x_t = _copy_into(self._buf("x_in", d, R), x_t)
             if y_t is not None:
@@ -188,6 +187,54 @@ class SymGram:
         x_t = np.ascontiguousarray(x_t, dtype=np.float64)
         Vt = self._buf("V", n_pairs(d), R)
         _pair_products(x_t, Vt)
+
+        def moments() -> None:
+            Z = self._buf("Z", d * self.t, R).reshape(d, self.t, R)
+            np.multiply(x_t[:, None, :], y_t[None, :, :], out=Z)
+            self.M += s_t @ Z.reshape(d * self.t, R).T
+            self.Y += y_t @ y_t.T
+        self._add_factors(s_t, Vt, moments if self.M is not None and y_t is not None else None, threads)
+
+    def add_windows(self, s_t: np.ndarray, xx: np.ndarray, xy: np.ndarray | None = None, yy: np.ndarray | None = None,
+                    threads: int = 1) -> None:
+        """Add rows whose token factor is a second moment rather than x x^T: row i adds (s_i s_i^T) (x) xx_i
+        to the Gram and s_i (x) xy_i to the moments (a window of an encoder: xx = X^T W X, xy = X^T W Y over
+        its positions, mhla_cli.samples.Rows), and yy to the target Gram. s_t (q, R), xx (R, d, d) symmetric,
+        xy (R, d, n_targets) or None, yy (n_targets, n_targets) or None; the panels as in `add`."""
+        q, d = self.q, self.d
+        R = s_t.shape[1]
+        if R == 0:
+            return
+        if q == 0 or d == 0:  # a block of no features (a pass of the sums only): the targets' Gram still adds
+            if self.Y is not None and yy is not None:
+                self.join()
+                self.Y += yy
+            return
+        self.join()
+        if self._pool is not None:
+            s_t = _copy_into(self._buf("s_in", q, R), s_t)
+        s_t = np.ascontiguousarray(s_t, dtype=np.float64)
+        il, im = np.triu_indices(d)  # the pair order of `_pair_products`
+        Vt = self._buf("V", n_pairs(d), R)
+        np.copyto(Vt, np.take(np.asarray(xx, dtype=np.float64).reshape(R, d * d), il * d + im, axis=1).T)
+        moments = None
+        if self.M is not None and xy is not None:
+            Zt = self._buf("Z", d * self.t, R)
+            np.copyto(Zt, np.asarray(xy, dtype=np.float64).reshape(R, d * self.t).T)
+            yy_sum = np.array(yy, dtype=np.float64) if yy is not None else None
+
+            def moments() -> None:
+                self.M += s_t @ Zt.T
+                if yy_sum is not None:
+                    self.Y += yy_sum
+        self._add_factors(s_t, Vt, moments, threads)
+
+    def _add_factors(self, s_t: np.ndarray, Vt: np.ndarray, moments: Any, threads: int) -> None:
+        """K += U^T V for the pair factor s_t (q, R) and the token factor's pairs Vt (d(d+1)/2, R), panel by
+        panel, and `moments()` (None: none) beside them, on `threads` Python threads (`add`)."""
+        q, R = self.q, s_t.shape[1]
+        if self._pool is not None:
+            threads = self._threads
         # panels of the rows (a, b >= a) of U^T: whole a-blocks, merged up to about PAIRS_PANEL_BYTES
         limit = max(1, PAIRS_PANEL_BYTES // (8 * R))
         panels = []  # (a, a1, first row of K, rows)
@@ -201,24 +248,17 @@ class SymGram:
             row += rows
             a = a1
         n = max(1, min(int(threads), len(panels)))
-        with_moments = self.M is not None and y_t is not None
         # the work of each thread: panels (and the moments, the GEMM of q x (d n_targets) columns, as
         # many flops as a panel of q d n_targets / (d(d+1)/2) rows), largest first to the least loaded
         # thread (the longest-processing-time rule: the loads end within one panel of each other)
         tasks = [(rows, i) for i, (_, _, _, rows) in enumerate(panels)]
-        if with_moments:
-            tasks.append((q * d * self.t // max(Vt.shape[0], 1), -1))  # -1: the moments
+        if moments is not None:
+            tasks.append((q * self.d * self.t // max(Vt.shape[0], 1), -1))  # -1: the moments
         load, share = [0] * n, [[] for _ in range(n)]
         for cost, i in sorted(tasks, reverse=True):
             k = load.index(min(load))
             load[k] += cost
             share[k].append(i)
-
-        def moments() -> None:
-            Z = self._buf("Z", d * self.t, R).reshape(d, self.t, R)
-            np.multiply(x_t[:, None, :], y_t[None, :, :], out=Z)
-            self.M += s_t @ Z.reshape(d * self.t, R).T
-            self.Y += y_t @ y_t.T
 
         def run(part: int) -> None:
             P0 = self._buf(f"U{part}", min(n_pairs(q), limit + q), R)
@@ -451,6 +491,7 @@ def use_pairs(q: int, d: int) -> bool:
     return min(q, d) >= SYMGRAM_MIN_D
 
 
-def accumulator(q: int, d: int, n_targets: int = 0) -> SymGram | None:
-    """A SymGram for factors of lengths q and d when `use_pairs` says it gains, else None (syrk)."""
-    return SymGram(q, d, n_targets) if use_pairs(q, d) else None
+def accumulator(q: int, d: int, n_targets: int = 0, pairs: bool = False) -> SymGram | None:
+    """A SymGram for factors of lengths q and d when `use_pairs` says it gains or `pairs` asks for one (rows
+    whose token factor is a second moment: `SymGram.add_windows`), else None (syrk)."""
+    return SymGram(q, d, n_targets) if pairs or use_pairs(q, d) else None

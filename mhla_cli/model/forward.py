@@ -22,21 +22,26 @@ from ..io import formats
 from ..linalg.backends import get_backend
 from ..linalg.device import check_device, worker_device
 from ..errors import InputError
-from ..feature_map import check_normalize, features_from_moments, pair_index
+from ..feature_map import check_normalize, d_of_psi, features_from_moments
 from .heads import Heads
 from ..numerics import EPS
-from .model import Model, coef_of, evaluation_of, normalize_of
+from .model import Model, affine_of, attention_of, bias_terms_of, coef_of, evaluation_of, normalize_of
+from ..statistics.affine_sums import WideSource, affine_rows
 from ..statistics.parallel import SerialMap, ThreadMap, make_map
 from .scores import Spread
-from ..statistics.stream import default_chunk_size, prefix_moments, sequence_moments
+from ..samples import BIDIRECTIONAL, CAUSAL, LAST, Samples, samples_of
+from ..statistics.stream import default_chunk_size, sequence_moments
 from ..io.tokens import (
     TokensInfo,
     check_finite,
     check_weights,
     inspect_tokens,
     iter_chunks,
+    read_as,
     spans,
+    with_bias_terms,
 )
+from ..bias_terms import with_constant
 
 
 def forward_heads(V: np.ndarray, Q: np.ndarray, X: np.ndarray, all_positions: bool = False,
@@ -74,24 +79,34 @@ def direct(fn: Model | Heads | np.ndarray) -> HeadsFn | None:
     """`fn` as a HeadsFn when it is heads that are rectangular (d_out != d) or too wide for a coef."""
     if not isinstance(fn, Heads):
         return None
-    V, Q = np.asarray(fn.V, dtype=np.float64), np.asarray(fn.Q, dtype=np.float64)
+    V, Q = (np.asarray(a, dtype=np.float64) for a in fn.augmented())  # with bias terms: of the tokens (x, 1)
     d_out, d = V.shape[1], Q.shape[1]
-    if d_out != d or 8 * d_out * (d * d * (d + 1) // 2) > DIRECT_COEF_BYTES:
+    if fn.bias_terms or d_out != d or 8 * d_out * (d * d * (d + 1) // 2) > DIRECT_COEF_BYTES:
         return HeadsFn((V, Q))
     return None
 
 
 def function_of(fn: Model | Heads | np.ndarray) -> np.ndarray | HeadsFn:
-    """What the chunk kernels evaluate: coef (d, psi), or the heads themselves (`direct`)."""
+    """What the chunk kernels evaluate: coef (d, psi), or the heads themselves (`direct`); with the bias
+    terms, of the tokens (x, 1) and without the padded output (`_outputs`)."""
     h = direct(fn)
-    return coef_of(fn) if h is None else h
+    return _outputs(fn, coef_of(fn)) if h is None else h
 
 
 def evaluated(fn: Model | Heads | np.ndarray) -> tuple[np.ndarray | HeadsFn, np.ndarray | None]:
     """(what the kernels evaluate, A): a model's canonical coef with its basis A (tokens X A;
     Model.evaluation), or the heads themselves (`direct`, A None)."""
     h = direct(fn)
-    return (h, None) if h is not None else evaluation_of(fn)
+    if h is not None:
+        return h, None
+    coef, A = evaluation_of(fn)
+    return _outputs(fn, coef), A
+
+
+def _outputs(fn: Model | Heads | np.ndarray, coef: np.ndarray) -> np.ndarray:
+    """coef without the bias terms' padded output (its last row, exactly 0: mhla_cli.bias_terms), for a model
+    fitted with them; coef itself otherwise."""
+    return coef[:-1] if bias_terms_of(fn) else coef
 
 
 def out_width(fn: np.ndarray | HeadsFn) -> int:
@@ -100,8 +115,8 @@ def out_width(fn: np.ndarray | HeadsFn) -> int:
 
 
 def in_width(fn: np.ndarray | HeadsFn) -> int:
-    """Width of the tokens a coef or HeadsFn takes."""
-    return int(fn.shape[1]) if isinstance(fn, HeadsFn) else int(fn.shape[0])
+    """Width of the tokens a coef (d_out, psi) or HeadsFn takes."""
+    return int(fn.shape[1]) if isinstance(fn, HeadsFn) else d_of_psi(int(fn.shape[1]))
 
 
 def _chunk_moments(tokens: np.ndarray, offsets: np.ndarray, d: int, normalize: str) -> tuple[np.ndarray, np.ndarray]:
@@ -124,39 +139,8 @@ def heads_chunk(fn: HeadsFn, tokens: np.ndarray, offsets: np.ndarray, all_positi
     qx = np.einsum("hcl,bl->bhc", Q, last, optimize=True)
     sqx = np.einsum("bjc,bhc->bhj", S, qx, optimize=True)
     pred = np.einsum("haj,bhj->ba", V, sqx, optimize=True)
-    outputs = None
-    if all_positions:
-        M = np.einsum("haj,bjc,hcl->bal", V, S, Q, optimize=True)
-        lengths = np.diff(offsets)
-        seq = np.repeat(np.arange(lengths.size), lengths)
-        outputs = np.einsum("tal,tl->ta", M[seq], np.asarray(tokens, dtype=np.float64), optimize=True)
+    outputs = sample_outputs(fn, tokens, offsets, BIDIRECTIONAL, normalize) if all_positions else None
     return pred, outputs
-
-
-def heads_causal_chunk(fn: HeadsFn, tokens: np.ndarray, offsets: np.ndarray, normalize: str = "none",
-                       progress: Callable[[int], None] | None = None) -> np.ndarray:
-    """`causal_chunk` of heads evaluated directly: out_t = sum_h V_h S_t Q_h x_t, by sequence
-    (S_t Q_h x_t = sum_{s<=t} x_s (x_s . Q_h x_t): an n x n masked score matrix per head)."""
-    V, Q = fn
-    d = Q.shape[1]
-    if tokens.shape[1] != d:
-        raise InputError(f"the model has d = {d} but the data have d = {tokens.shape[1]}")
-    offsets = np.asarray(offsets, dtype=np.int64)
-    out = np.empty((int(offsets[-1]), V.shape[1]))
-    for i in range(offsets.size - 1):
-        X = np.asarray(tokens[offsets[i]:offsets[i + 1]], dtype=np.float64)
-        n = X.shape[0]
-        mask = np.tril(np.ones((n, n)))  # [t, s]: s <= t
-        if normalize == "length":
-            mask /= np.arange(1, n + 1, dtype=np.float64)[:, None]
-        y = np.zeros((n, V.shape[1]))
-        for h in range(V.shape[0]):
-            qx = X @ Q[h].T  # row t: Q_h x_t
-            y += ((mask * (qx @ X.T)) @ X) @ V[h].T  # [t, s] = x_s . Q_h x_t
-        out[offsets[i]:offsets[i + 1]] = y
-        if progress is not None:
-            progress(i + 1)
-    return out
 
 
 def predict_chunk(coef: np.ndarray | HeadsFn, tokens: np.ndarray, offsets: np.ndarray,
@@ -170,64 +154,80 @@ def predict_chunk(coef: np.ndarray | HeadsFn, tokens: np.ndarray, offsets: np.nd
     """
     if isinstance(coef, HeadsFn):
         return heads_chunk(coef, tokens, offsets, all_positions, normalize)
-    d = coef.shape[0]
-    S, last = _chunk_moments(tokens, offsets, d, normalize)
+    S, last = _chunk_moments(tokens, offsets, in_width(coef), normalize)
     pred = get_backend(device).last_outputs(coef, S, last)
-    outputs = None
-    if all_positions:
-        # Y_t = M_i x_t with M_i[a, l] = sum_{j<=k} p[a,(j,k,l)] S_i[j,k].
-        j, k = pair_index(d)
-        P = coef.reshape(d, j.size, d)
-        M = np.einsum("bp,apl->bal", S[:, j, k], P, optimize=True)
-        lengths = np.diff(offsets)
-        seq = np.repeat(np.arange(lengths.size), lengths)
-        X = np.asarray(tokens, dtype=np.float64)
-        outputs = np.einsum("tal,tl->ta", M[seq], X, optimize=True)
+    outputs = sample_outputs(coef, tokens, offsets, BIDIRECTIONAL, normalize) if all_positions else None
     return pred, outputs
 
 
-def causal_chunk(coef: np.ndarray, tokens: np.ndarray, offsets: np.ndarray, normalize: str = "none",
-                 progress: Callable[[int], None] | None = None) -> np.ndarray:
-    """Causal outputs (t, d) of a chunk: row t is the last-token output p . H(X[:t]) of its prefix.
+def sample_outputs(coef: np.ndarray | HeadsFn, tokens: np.ndarray, offsets: np.ndarray, samples: Samples,
+                   normalize: str = "none", progress: Callable[[int], None] | None = None) -> np.ndarray:
+    """The output at every sample of a chunk (R, d_out) for the layout `samples` (mhla_cli.samples): sample r
+    reads its (S, x) pair (`Samples.queries`) and outputs M(S) x, M(S)[a, l] = sum_{j<=k} p[a,(j,k,l)] S[j,k]
+    (heads: sum_h V_h S Q_h). CAUSAL: row t is the last-token output p . H(X[:t]) of its prefix;
+    BIDIRECTIONAL: the output at position t with the whole window's S; LAST: one row per sequence.
 
-    Computed from the running prefix Grams (stream.prefix_moments): out_t = M_t x_t with
-    M_t[a, l] = sum_{j<=k} p[a,(j,k,l)] S_t[j,k], in blocks of whole sequences (every row is its
-    own prefix's: the blocks change no value and bound the (t, d, d) work array). `progress(k)`, if
-    given, is told the number k of sequences done after each block. A HeadsFn: `heads_causal_chunk`.
-    """
-    if isinstance(coef, HeadsFn):
-        return heads_causal_chunk(coef, tokens, offsets, normalize, progress)
-    d = coef.shape[0]
+    In blocks of whole sequences (about OUTPUT_BLOCKS per chunk, at most OUTPUT_BLOCK_ROWS tokens each
+    unless one sequence is longer: every row is its own sample's, so the blocks change no value and bound
+    the (rows, d, d) work arrays). `progress(k)`, if given, is told the number k of sequences done after
+    each block."""
+    d = in_width(coef)
     if tokens.shape[1] != d:
         raise InputError(f"the model has d = {d} but the data have d = {tokens.shape[1]}")
     offsets = np.asarray(offsets, dtype=np.int64)
     B = offsets.size - 1
     npairs = d * (d + 1) // 2
-    P = np.asarray(coef, dtype=np.float64).reshape(d, npairs, d).transpose(1, 0, 2).reshape(npairs, d * d)
-    out = np.empty((int(offsets[-1]), d))
-    # about CAUSAL_BLOCKS blocks of sequences, each at most CAUSAL_BLOCK_ROWS positions (or one sequence)
-    ends = np.searchsorted(offsets, np.linspace(0, offsets[-1], CAUSAL_BLOCKS + 1)[1:-1], side="right") - 1
+    heads = isinstance(coef, HeadsFn)
+    d_out = out_width(coef)
+    if not heads:
+        P = np.asarray(coef, dtype=np.float64).reshape(d_out, npairs, d).transpose(1, 0, 2).reshape(npairs, d_out * d)
+    else:
+        from ..linalg.symgram import pair_positions
+
+        V, Q = coef
+        full = pair_positions(d)  # S[j, k] from its upper entries
+    outs = []
+    for s, e in _blocks(offsets):
+        r0, r1 = int(offsets[s]), int(offsets[e])
+        q = samples.queries(tokens[r0:r1], offsets[s:e + 1] - r0, normalize)
+        if heads:  # sum_h V_h (S (Q_h x)) row by row: no (rows, d_out, d) array
+            S = q.sample_upper()[:, full]
+            qx = np.einsum("hcl,rl->rhc", Q, q.x, optimize=True)
+            outs.append(np.einsum("haj,rhj->ra", V, np.einsum("rjc,rhc->rhj", S, qx, optimize=True), optimize=True))
+        else:
+            M = (q.upper @ P).reshape(-1, d_out, d)
+            outs.append(np.einsum("tal,tl->ta", M if q.group is None else M[q.group], q.x))
+        if progress is not None:
+            progress(e)
+    return np.concatenate(outs) if outs else np.empty((0, out_width(coef)))
+
+
+def _blocks(offsets: np.ndarray) -> list[tuple[int, int]]:
+    """`sample_outputs`'s blocks of whole sequences [s, e): about OUTPUT_BLOCKS, each at most
+    OUTPUT_BLOCK_ROWS tokens unless one sequence is longer."""
+    B = offsets.size - 1
+    ends = np.searchsorted(offsets, np.linspace(0, offsets[-1], OUTPUT_BLOCKS + 1)[1:-1], side="right") - 1
     cut = [0]
     for e in [*np.unique(ends[(ends > 0) & (ends < B)]).tolist(), B]:
-        while offsets[e] - offsets[cut[-1]] > CAUSAL_BLOCK_ROWS and cut[-1] + 1 < e:
-            nxt = int(np.searchsorted(offsets, offsets[cut[-1]] + CAUSAL_BLOCK_ROWS, side="right")) - 1
+        while offsets[e] - offsets[cut[-1]] > OUTPUT_BLOCK_ROWS and cut[-1] + 1 < e:
+            nxt = int(np.searchsorted(offsets, offsets[cut[-1]] + OUTPUT_BLOCK_ROWS, side="right")) - 1
             cut.append(max(nxt, cut[-1] + 1))
         if e > cut[-1]:
             cut.append(e)
-    for s, e in zip(cut[:-1], cut[1:]):
-        r0, r1 = int(offsets[s]), int(offsets[e])
-        upper, X = prefix_moments(tokens[r0:r1], offsets[s:e + 1] - r0, normalize)
-        M = (upper @ P).reshape(-1, d, d)
-        np.einsum("tal,tl->ta", M, X, out=out[r0:r1])
-        if progress is not None:
-            progress(e)
-    return out
+    return list(zip(cut[:-1], cut[1:]))
 
 
-# causal_chunk's blocks: about this many per chunk (a progress bar's steps), and at most this many
-# positions each unless one sequence is longer (its (rows, d, d) work array: 32 MiB at d = 16)
-CAUSAL_BLOCKS = 16
-CAUSAL_BLOCK_ROWS = 1 << 14
+def causal_chunk(coef: np.ndarray | HeadsFn, tokens: np.ndarray, offsets: np.ndarray, normalize: str = "none",
+                 progress: Callable[[int], None] | None = None) -> np.ndarray:
+    """Causal outputs (t, d) of a chunk: row t is the last-token output p . H(X[:t]) of its prefix
+    (`sample_outputs` of CAUSAL samples)."""
+    return sample_outputs(coef, tokens, offsets, CAUSAL, normalize, progress)
+
+
+# sample_outputs' blocks: about this many per chunk (a progress bar's steps), and at most this many
+# tokens each unless one sequence is longer (its (rows, d, d) work array: 32 MiB at d = 16)
+OUTPUT_BLOCKS = 16
+OUTPUT_BLOCK_ROWS = 1 << 14
 
 
 def as_ragged(tokens: np.ndarray, offsets: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
@@ -244,19 +244,67 @@ def as_ragged(tokens: np.ndarray, offsets: np.ndarray | None = None) -> tuple[np
 def predict_causal(fn: Model | Heads | np.ndarray, tokens: np.ndarray, offsets: np.ndarray | None = None
                    ) -> np.ndarray:
     """In-memory causal outputs (T, d) (tokens (N, n, d), or (T, d) with offsets); the model's normalisation."""
-    tokens, offsets = as_ragged(tokens, offsets)
+    return predict_samples(fn, tokens, offsets, CAUSAL)
+
+
+def predict_samples(fn: Model | Heads | np.ndarray, tokens: np.ndarray, offsets: np.ndarray | None = None,
+                    samples: Samples | None = None, wide: np.ndarray | None = None) -> np.ndarray:
+    """In-memory outputs at every sample of `samples` (mhla_cli.samples; None: the layout `fn` was fitted on,
+    `fitted_samples`): (N, d) for LAST, (T, d) for CAUSAL and BIDIRECTIONAL (tokens (N, n, d), or (T, d)
+    with offsets); the model's normalisation. `wide`: the wide tokens (T, D) (or (N, n, D)) of a function with
+    the token-wise affine map of them (mhla_cli.solve.affine_block)."""
+    tokens, offsets = as_ragged(_tokens_of(fn, tokens), offsets)
     coef, A = evaluated(fn)
-    return causal_chunk(coef, in_basis(tokens, A), offsets, normalize_of(fn))
+    samples = samples or fitted_samples(fn)
+    out = sample_outputs(coef, in_basis(tokens, A), offsets, samples, normalize_of(fn))
+    return _with_affine(fn, out, wide, offsets, samples.per_position)
+
+
+def _with_affine(fn: Model | Heads | np.ndarray, out: np.ndarray, wide: np.ndarray | None, offsets: np.ndarray,
+                 per_position: bool) -> np.ndarray:
+    """out plus the token-wise affine map of the wide tokens `wide` at every row's query (every token, or the last
+    of each sequence), for a function that has one (`affine_of`); out itself otherwise (`wide` refused then)."""
+    affine = affine_of(fn)
+    if affine is None:
+        if wide is not None:
+            raise InputError("wide tokens were given but the function has no affine map of them")
+        return out
+    if wide is None:
+        raise InputError(f"the function adds an affine map of the wide tokens (width {affine.shape[1] - 1}): give them "
+                         "(wide=, or --affine-from)")
+    wide = np.asarray(wide, dtype=np.float64)
+    wide = wide.reshape(-1, wide.shape[-1])
+    if wide.shape != (int(offsets[-1]), affine.shape[1] - 1):
+        raise InputError(f"the wide tokens have shape {wide.shape}, expected "
+                         f"({int(offsets[-1])}, {affine.shape[1] - 1})")
+    return out + affine_rows(wide, offsets, CAUSAL if per_position else LAST) @ affine.T
+
+
+def _tokens_of(fn: Model | Heads | np.ndarray, tokens: np.ndarray) -> np.ndarray:
+    """The tokens `fn` evaluates: (x, 1) for a function with the bias terms (mhla_cli.bias_terms), else x."""
+    return with_constant(tokens) if bias_terms_of(fn) else np.asarray(tokens)
+
+
+def fitted_samples(fn: Model | Heads | np.ndarray) -> Samples:
+    """The layout a model or heads were fitted on, as their `attention` records it: BIDIRECTIONAL or CAUSAL
+    for per-position fits, LAST otherwise (files without it)."""
+    att = attention_of(fn)
+    return LAST if att is None else samples_of(True, att)
 
 
 def predict(fn: Model | Heads | np.ndarray, tokens: np.ndarray, offsets: np.ndarray | None = None,
-            all_positions: bool = False, device: str | None = None) -> np.ndarray | tuple[np.ndarray, np.ndarray]:
+            all_positions: bool = False, device: str | None = None, wide: np.ndarray | None = None
+            ) -> np.ndarray | tuple[np.ndarray, np.ndarray]:
     """In-memory prediction. tokens (N, n, d), or (T, d) with offsets (N+1,); the model's normalisation.
-    `device` (mhla_cli.linalg.device): the last-token outputs computed there."""
+    `device` (mhla_cli.linalg.device): the last-token outputs computed there. `wide`: the wide tokens of a function
+    with the affine map of them (`predict_samples`)."""
     coef, A = evaluated(fn)
-    tokens, offsets = as_ragged(tokens, offsets)
+    tokens, offsets = as_ragged(_tokens_of(fn, tokens), offsets)
     pred, outputs = predict_chunk(coef, in_basis(tokens, A), offsets, all_positions,
                                   normalize_of(fn), device=check_device(device))
+    pred = _with_affine(fn, pred, wide, offsets, False)
+    if outputs is not None:
+        outputs = _with_affine(fn, outputs, wide, offsets, True)
     return (pred, outputs) if all_positions else pred
 
 
@@ -267,24 +315,26 @@ def in_basis(tokens: np.ndarray, A: np.ndarray | None) -> np.ndarray:
     return np.asarray(tokens, dtype=np.float64) @ A
 
 
-def weighted_sse(err: np.ndarray, weights: np.ndarray | None) -> tuple[float, int, float]:
-    """(sum_i w_i ||err_i||^2, #{i: w_i > 0}, sum_i w_i) over the rows of err (B, d); w_i = 1 without
-    weights."""
-    if weights is None:
-        return float((err**2).sum()), err.shape[0], float(err.shape[0])
-    return float(weights @ (err**2).sum(axis=1)), int((weights > 0).sum()), float(weights.sum())
+def scored(pred: np.ndarray, targets: np.ndarray, weights: np.ndarray | None) -> tuple[int, Spread]:
+    """(#{i: w_i > 0}, the Spread of the targets with the squared error of `pred`: sum_i w_i ||pred_i -
+    y_i||^2, scale-free) over the rows (B, d); w_i = 1 without weights."""
+    count = targets.shape[0] if weights is None else int((weights > 0).sum())
+    return count, Spread.of(targets, weights, err=np.asarray(pred, dtype=np.float64) - targets)
 
 
-def causal_span(coef: np.ndarray, info: Any, normalize: str, span: tuple[int, int],
-                progress: Callable[[int], None] | None = None, basis: np.ndarray | None = None
-                ) -> tuple[np.ndarray, np.ndarray, np.ndarray, float, int, Spread]:
-    """Causal predictions of samples [lo, hi): (pred (B, d), outputs (t, d), offsets, weighted SSE,
-    count, the scored targets' Spread: their weight and spread, for the MSE and R^2).
+def positions_span(coef: np.ndarray | HeadsFn, info: Any, samples: Samples, normalize: str, span: tuple[int, int],
+                   progress: Callable[[int], None] | None = None, basis: np.ndarray | None = None,
+                   affine: tuple[WideSource, np.ndarray] | None = None
+                   ) -> tuple[np.ndarray, np.ndarray, np.ndarray, int, Spread]:
+    """Outputs at every position of samples [lo, hi) in the layout `samples` (CAUSAL or BIDIRECTIONAL:
+    `sample_outputs`): (pred (B, d), outputs (t, d), offsets, count, the scored targets' Spread: their
+    weight, spread and weighted SSE, for the MSE and R^2). pred is the output at each sequence's last
+    position (its last-token output in either layout).
 
     The SSE is sum_t w_t ||out_t - y_t||^2 over positions with w_t > 0 (per-position targets) or
     over sequences (last-token targets, pred vs y); count is the number of those samples, weight
     the sum of their weights. `basis`: the tokens X basis are evaluated (Model.evaluation).
-    `progress(n)`, if given, is told the sequences done as the blocks of `causal_chunk` finish (they
+    `progress(n)`, if given, is told the sequences done as the blocks of `sample_outputs` finish (they
     sum to hi - lo).
     """
     done = [0]
@@ -293,21 +343,37 @@ def causal_span(coef: np.ndarray, info: Any, normalize: str, span: tuple[int, in
         progress(k - done[0])  # type: ignore[misc]
         done[0] = k
 
-
     lo, hi = span
     for a, _b, tokens, offsets, targets, weights in iter_chunks(info, (lo, hi), hi - lo, prefetch=False,
                                                                 with_weights=True):
         check_finite(tokens, offsets, targets, a, info.path)
         check_weights(weights, offsets, a, info.per_position, info.path)
-        outputs = causal_chunk(coef, in_basis(tokens, basis), offsets, normalize,
-                               progress=None if progress is None else step)
+        outputs = sample_outputs(coef, in_basis(tokens, basis), offsets, samples, normalize,
+                                 progress=None if progress is None else step)
+        if affine is not None:  # the affine map of the wide tokens at every position
+            outputs = outputs + _affine_span(affine, a, offsets)
         pred = outputs[offsets[1:] - 1]
-        sse, count, spread = 0.0, 0, Spread()
+        count, spread = 0, Spread()
         if targets is not None:
-            sse, count, _ = weighted_sse((outputs if info.per_position else pred) - targets, weights)
-            spread = Spread.of(targets, weights)
-        return pred, outputs, offsets.copy(), sse, count, spread
+            count, spread = scored((outputs if info.per_position else pred), targets, weights)
+        return pred, outputs, offsets.copy(), count, spread
     raise ValueError("empty span")
+
+
+def _affine_span(affine: tuple[WideSource, np.ndarray], a: int, offsets: np.ndarray) -> np.ndarray:
+    """The affine map (d_out, D + 1) of the wide tokens at every token of the span starting at sample `a` with
+    `offsets` (T, d_out), read from the wide source in lockstep."""
+    wide, C = affine
+    span = (a, a + offsets.size - 1)
+    chunk = next(wide.chunks(span, span[1] - span[0], prefetch=False))
+    return wide.rows(chunk, a, offsets, CAUSAL) @ C.T
+
+
+def causal_span(coef: np.ndarray | HeadsFn, info: Any, normalize: str, span: tuple[int, int],
+                progress: Callable[[int], None] | None = None, basis: np.ndarray | None = None
+                ) -> tuple[np.ndarray, np.ndarray, np.ndarray, int, Spread]:
+    """`positions_span` of CAUSAL samples (the prefix outputs of `predict --causal`)."""
+    return positions_span(coef, info, CAUSAL, normalize, span, progress, basis)
 
 
 def _one_at_a_time(progress: Callable[[int], None]) -> Callable[[int], None]:
@@ -333,6 +399,8 @@ def _function_and_data(fn: Model | Heads, data: str | os.PathLike
     coef = function_of(fn)
     normalize = check_normalize(normalize_of(fn))
     info = inspect_tokens(data)
+    if bias_terms_of(fn):  # the function of the tokens (x, 1): the reader appends the constant
+        info = with_bias_terms(info, pad_targets=False)
     if info.d != in_width(coef):
         raise InputError(f"the data have d = {info.d} but the model has d = {in_width(coef)}", data)
     if info.has_targets and info.out_dim != out_width(coef):
@@ -400,14 +468,13 @@ def _sinks(target: h5py.File | None, info: TokensInfo, d: int, with_outputs: boo
 
 def _predict_spans(task: Callable[[tuple[int, int]], tuple], todo: list[tuple[int, int]], pmap: Any,
                    sinks: tuple[Any, Any, Any], progress: Callable[[int], None] | None
-                   ) -> tuple[float, int, Spread]:
+                   ) -> tuple[int, Spread]:
     """Run `task` over the spans `todo` with `pmap`, writing each span's rows into `sinks` in order
-    (`_sinks`); the summed SSE, count and merged Spread. `progress(n)` is told each span's samples."""
-    sse, count, spread = 0.0, 0, Spread()
+    (`_sinks`); the summed count and merged Spread (with the SSE). `progress(n)` is told each span's samples."""
+    count, spread = 0, Spread()
     dp, do, doff = sinks
     tok_pos = 0
-    for (a, b), (pred, outputs, offsets, part_sse, part_n, part_spread) in zip(todo, pmap(task, todo)):
-        sse += part_sse
+    for (a, b), (pred, outputs, offsets, part_n, part_spread) in zip(todo, pmap(task, todo)):
         count += part_n
         spread = spread.merge(part_spread)
         dp[a:b] = pred
@@ -417,23 +484,30 @@ def _predict_spans(task: Callable[[tuple[int, int]], tuple], todo: list[tuple[in
         tok_pos += int(offsets[-1])
         if progress is not None:
             progress(b - a)
-    return sse, count, spread
+    return count, spread
 
 
-def _span_task(coef: np.ndarray | HeadsFn, info: TokensInfo, pmap: Any, normalize: str, all_positions: bool,
-               causal: bool, device: str | None, basis: np.ndarray | None,
-               progress: Callable[[int], None] | None) -> tuple[Callable[[tuple[int, int]], tuple], bool]:
-    """The per-span task of `predict_file` under `pmap`, and whether it tells `progress` itself (its
-    blocks as they finish) rather than `_predict_spans` each span as it comes back."""
+def _span_task(coef: np.ndarray | HeadsFn, info: TokensInfo, pmap: Any, normalize: str, samples: Samples | None,
+               device: str | None, basis: np.ndarray | None,
+               progress: Callable[[int], None] | None, affine: tuple[WideSource, np.ndarray] | None = None
+               ) -> tuple[Callable[[tuple[int, int]], tuple], bool]:
+    """The per-span task of `predict_file` under `pmap` (outputs at every position of `samples`, or None:
+    the last-token predictions only), and whether it tells `progress` itself (its blocks as they finish)
+    rather than `_predict_spans` each span as it comes back."""
     # workers open the file themselves: give them an absolute path
     winfo = info if pmap.n_workers == 1 else dataclasses.replace(info, path=os.path.abspath(info.path))
-    if not causal:
-        return partial(predict_span, coef, winfo, all_positions, normalize=normalize, device=device, basis=basis), False
-    # causal outputs take long per span: in this process (serial or threads; `progress` None for a caller's
-    # map) each span tells its blocks as they finish, one call at a time
+    if affine is not None and pmap.n_workers > 1:
+        w = affine[0]
+        affine = (dataclasses.replace(w, info=dataclasses.replace(w.info, path=os.path.abspath(w.info.path))),
+                  affine[1])
+    if samples is None:
+        return partial(predict_span, coef, winfo, False, normalize=normalize, device=device, basis=basis,
+                       affine=affine), False
+    # outputs at every position take long per span: in this process (serial or threads; `progress` None
+    # for a caller's map) each span tells its blocks as they finish, one call at a time
     ticks = progress is not None and isinstance(pmap, (SerialMap, ThreadMap))
-    return partial(causal_span, coef, winfo, normalize, progress=_one_at_a_time(progress) if ticks else None,
-                   basis=basis), ticks
+    return partial(positions_span, coef, winfo, samples, normalize,
+                   progress=_one_at_a_time(progress) if ticks else None, basis=basis, affine=affine), ticks
 
 
 def _write_predictions(out: str | os.PathLike, inputs: tuple[str | os.PathLike, ...], meta: dict[str, Any],
@@ -454,7 +528,8 @@ def predict_file(fn: Model | Heads, data: str | os.PathLike, out: str | os.PathL
                  progress: Callable[[int], None] | None = None,
                  inputs: tuple[str | os.PathLike, ...] = (), workers: int = 1,
                  map: Callable[..., Any] | None = None,  # noqa: A002
-                 causal: bool = False, device: str | None = None) -> Predictions:
+                 causal: bool = False, device: str | None = None,
+                 affine_from: str | os.PathLike | None = None) -> Predictions:
     """Stream predictions over a tokens file; write them to `out` (atomically) if given.
 
     Returns a summary (n_samples, mse and r2 when the data have targets: mhla_cli.model.scores, weighted like
@@ -465,47 +540,92 @@ def predict_file(fn: Model | Heads, data: str | os.PathLike, out: str | os.PathL
 
     `causal`: `outputs` (T, d) holds the last-token output of every prefix X[:t] and `predictions`
     the one of every whole sequence; the MSE is over the weighted positions of per-position
-    targets (sum w ||e||^2 / (d sum w)), or over the sequences of last-token targets.
+    targets (sum w ||e||^2 / (d sum w)), or over the sequences of last-token targets. A model fitted
+    on bidirectional samples (its `attention`, `fitted_samples`) writes `outputs` at every position
+    with the whole window's S and scores them the same way (`causal` is then refused, and so are data
+    whose `attention` attribute says causal); `all_positions` writes those outputs for any model
+    (a model's own layout's, for a layout that `predicts_every_position`, mhla_cli.samples).
     Last-token targets with `weights` (N,) give the same weighted MSE with or without `causal`:
     sum_i w_i ||yhat_i - y_i||^2 / (d sum_i w_i) (fit's train_mse), `n_scored` = #{i: w_i > 0};
     weight-0 sequences are predicted but not scored. Without `causal`, per-position targets give no
     MSE (the predictions are per sequence; use `causal` to score every weighted position).
     `device` (mhla_cli.linalg.device): the last-token predictions on a torch device (float64).
+    A function with the token-wise affine map of the wide tokens (mhla_cli.solve.affine_block) reads them from
+    `affine_from`, the tokens file `mhla reduce` read to make `data` (checked), or from `data` itself when its
+    tokens are that wide (heads put back in the model's coordinates by `export-heads --unreduce`).
     """
     device = check_device(device, data)
+    affine = _affine_source(fn, data, affine_from)
     if all_positions and causal:
         raise InputError("causal and all_positions cannot be combined: causal is the masked (prefix) "
                          "output at every position, all_positions the unmasked one")
+    fitted = fitted_samples(fn)
+    if causal and fitted.predicts_every_position:
+        raise InputError(f"the model was fitted on {fitted.name} samples ({fitted.words}): --causal would evaluate "
+                         "it on prefixes; its outputs at every position are written without --causal")
     _, normalize, info = _function_and_data(fn, data)
     coef, A = evaluated(fn)  # evaluated where it was solved (Model.evaluation), or the heads directly
     d = out_width(coef)
-    if info.per_position and not causal:
+    # the outputs at every position: of the prefixes (causal), with the whole window's S (all_positions), or
+    # in the layout the model was fitted on
+    samples = (CAUSAL if causal else BIDIRECTIONAL if all_positions and not fitted.predicts_every_position
+               else fitted if fitted.predicts_every_position else None)
+    scored = causal or fitted.predicts_every_position  # per-position targets are scored against those outputs
+    if info.per_position and scored:
+        info = read_as(info, samples.attention)  # data marked with the other attention: refused
+    elif info.per_position:
         info = dataclasses.replace(info, has_targets=False)  # per-position targets: no per-sequence MSE
     if isinstance(coef, HeadsFn):
         device = None  # heads evaluated directly run on the CPU
     todo = spans(0, info.n_samples, _predict_chunk_size(coef, info, chunk_size))
-    with_outputs = all_positions or causal
+    with_outputs = samples is not None
 
-    def run(target: h5py.File | None) -> tuple[tuple[Any, Any, Any], tuple[float, int, Spread]]:
+    def run(target: h5py.File | None) -> tuple[tuple[Any, Any, Any], tuple[int, Spread]]:
         sinks = _sinks(target, info, d, with_outputs)
         with make_map(workers=workers, map=map) as pmap:
-            task, ticks = _span_task(coef, info, pmap, normalize, all_positions, causal, device, A,
-                                     progress if map is None else None)
+            task, ticks = _span_task(coef, info, pmap, normalize, samples, device, A,
+                                     progress if map is None else None, affine)
             return sinks, _predict_spans(task, todo, pmap, sinks, None if ticks else progress)
 
     if out is not None:
         meta = {"d": d, "n_samples": info.n_samples, "normalize": normalize, "causal": int(causal)}
-        _, (sse, count, spread) = _write_predictions(out, (data, *inputs), meta, run)
+        if samples is not None:
+            meta["attention"] = samples.attention  # what the outputs at every position are
+        _, (count, spread) = _write_predictions(out, (data, *inputs), meta, run)
         result = Predictions(info.n_samples, d, normalize)
     else:
-        (pred, outs, offs), (sse, count, spread) = run(None)
+        (pred, outs, offs), (count, spread) = run(None)
         result = Predictions(info.n_samples, d, normalize, predictions=pred, outputs=outs, offsets=offs)
     if info.has_targets:
-        # weighted means over the scored samples' weights (sum w: units-free)
-        result.mse = sse / ((spread.weight if spread.weight > 0 else 1.0) * d)
-        result.r2 = spread.r2(sse)  # None when the scored targets do not vary (mhla_cli.model.scores)
+        # weighted means over the scored samples' weights (sum w: units-free), the squares in the targets'
+        # own scale (mhla_cli.model.scores.Spread: R^2 at any scale of the targets)
+        result.mse = spread.mse(d)
+        result.r2 = spread.r2()  # None when the scored targets do not vary (mhla_cli.model.scores)
         result.n_scored = count
     return result
+
+
+def _affine_source(fn: Model | Heads, data: str | os.PathLike, affine_from: str | os.PathLike | None
+                   ) -> tuple[WideSource, np.ndarray] | None:
+    """(the wide tokens' source, the affine map (d_out, D + 1)) of a function with the affine map of the wide tokens,
+    or None; a file given to a function without one, or none to one with it, is refused."""
+    affine = affine_of(fn)
+    if affine is None:
+        if affine_from is not None:
+            raise InputError("--affine-from was given but the function has no affine map of the wide tokens", data)
+        return None
+    D = affine.shape[1] - 1
+    if affine_from is not None:
+        wide = WideSource.open(affine_from, data)
+    else:
+        info = inspect_tokens(data)
+        if info.d != D:
+            raise InputError(f"the function adds an affine map of the wide tokens (width {D}): give the tokens file "
+                             "that mhla reduce read to make this one (--affine-from WIDE.h5)", data)
+        wide = WideSource(dataclasses.replace(info, has_targets=False, has_weights=False, samples=LAST, d_out=None), {})
+    if wide.width != D:
+        raise InputError(f"the wide tokens are {wide.width} wide but the function's affine map takes {D}", affine_from)
+    return wide, affine
 
 
 # --------------------------------------------------------------------------------------------
@@ -619,6 +739,12 @@ def rollout_file(fn: Model | Heads, data: str | os.PathLike, out: str | os.PathL
     """
     if steps < 1:
         raise InputError(f"steps must be >= 1, got {steps}")
+    if bias_terms_of(fn):
+        raise InputError("a rollout appends outputs as tokens; a function with the bias terms maps tokens x to "
+                         "outputs through (x, 1), which rollout does not support", data)
+    if affine_of(fn) is not None:
+        raise InputError("a rollout appends outputs as tokens; a function with the affine map of the wide tokens "
+                         "needs wide tokens the rollout does not make", data)
     coef, normalize, info = _function_and_data(fn, data)
     if isinstance(coef, HeadsFn):
         if out_width(coef) != in_width(coef):
@@ -664,10 +790,11 @@ def rollout_file(fn: Model | Heads, data: str | os.PathLike, out: str | os.PathL
 
 
 def predict_span(coef: np.ndarray, info: Any, all_positions: bool, span: tuple[int, int],
-                 normalize: str = "none", device: str | None = None, basis: np.ndarray | None = None
-                 ) -> tuple[np.ndarray, np.ndarray | None, np.ndarray, float, int, Spread]:
-    """Predictions for samples [lo, hi): (pred (B, d), outputs (t, d) or None, offsets, SSE, count, the
-    targets' Spread (their weight and spread: the MSE's and R^2's denominators)).
+                 normalize: str = "none", device: str | None = None, basis: np.ndarray | None = None,
+                 affine: tuple[WideSource, np.ndarray] | None = None
+                 ) -> tuple[np.ndarray, np.ndarray | None, np.ndarray, int, Spread]:
+    """Predictions for samples [lo, hi): (pred (B, d), outputs (t, d) or None, offsets, count, the
+    targets' Spread (their weight, spread and weighted SSE: the MSE and R^2)).
 
     With last-token targets the SSE is sum_i w_i ||pred_i - y_i||^2, count #{i: w_i > 0} and weight
     sum_i w_i (w_i = 1 without `weights`), as in `causal_span`; without targets (info.has_targets
@@ -681,7 +808,10 @@ def predict_span(coef: np.ndarray, info: Any, all_positions: bool, span: tuple[i
         check_weights(weights, offsets, a, info.per_position, info.path)
         pred, outputs = predict_chunk(coef, in_basis(tokens, basis), offsets, all_positions, normalize,
                                       device=None if device is None else worker_device(device))
-        sse, count, _ = weighted_sse(pred - targets, weights) if targets is not None else (0.0, 0, 0.0)
-        spread = Spread.of(targets, weights) if targets is not None else Spread()
-        return pred, outputs, offsets.copy(), sse, count, spread
+        if affine is not None:  # the affine map of the wide tokens at the last token (and every position)
+            aff = _affine_span(affine, a, offsets)
+            pred = pred + aff[offsets[1:] - 1]
+            outputs = None if outputs is None else outputs + aff
+        count, spread = scored(pred, targets, weights) if targets is not None else (0, Spread())
+        return pred, outputs, offsets.copy(), count, spread
     raise ValueError("empty span")

@@ -11,20 +11,24 @@ from ..io import formats
 from ..errors import InputError
 from .heads import Heads
 from ..feature_map import check_normalize
-from .forward import predict, predict_causal
+from .forward import predict, predict_samples
+from ..samples import samples_of
 
 
 @dataclass
 class Dataset:
     """In-memory tokens in the ragged layout: tokens (T, d), offsets (N+1,), targets (N, d).
 
-    Per-position data have targets (T, d) (one per prefix); optional weights (N,) or (T,).
+    Per-position data have targets (T, d) (one per position); optional weights (N,) or (T,);
+    `attention` ("causal" / "bidirectional") says how per-position targets read the window (the
+    tokens file's attribute, mhla_cli.samples).
     """
 
     tokens: np.ndarray
     offsets: np.ndarray
     targets: np.ndarray
     weights: np.ndarray | None = None
+    attention: str | None = None
 
     @property
     def per_position(self) -> bool:
@@ -57,6 +61,8 @@ class Dataset:
         else:
             data["tokens"] = tok
             data["offsets"] = self.offsets.astype(np.int64)
+        if self.attention is not None:
+            attrs = {**(attrs or {}), "attention": self.attention}
         formats.write_file(path, "tokens", data, attrs, compression=compression)
 
 
@@ -77,48 +83,61 @@ def parse_seq_len(spec: str | int) -> tuple[int, int]:
     return lo, hi
 
 
-def random_teacher(d: int, n_heads: int, rng: np.random.Generator) -> Heads:
-    """A random H-head MHLA with Gaussian V_h, Q_h of entry variance 1/d (rescaled by the caller)."""
+def random_teacher(d: int, n_heads: int, rng: np.random.Generator, bias: bool = False) -> Heads:
+    """A random H-head MHLA with Gaussian V_h, Q_h of entry variance 1/d (rescaled by the caller); with `bias`
+    also its bias terms (mhla_cli.bias_terms), standard Gaussian (drawn after V and Q: the same V, Q as
+    without them for a seed)."""
     V = rng.standard_normal((n_heads, d, d)) / np.sqrt(d)
     Q = rng.standard_normal((n_heads, d, d)) / np.sqrt(d)
-    return Heads(V=V, Q=Q)
+    if not bias:
+        return Heads(V=V, Q=Q)
+    return Heads(V=V, Q=Q, value_bias=rng.standard_normal((n_heads, d)), score_key=rng.standard_normal((n_heads, d)),
+                 score_query=rng.standard_normal((n_heads, d)), score_bias=rng.standard_normal(n_heads))
 
 
 def generate_teacher(d: int, n_heads: int, n_samples: int, seq_len: str | int | tuple[int, int] = 100,
                      noise: float = 0.0, seed: int = 0, dtype: str = "float64", per_position: bool = False,
-                     normalize: str = "none") -> tuple[Dataset, Heads]:
+                     normalize: str = "none", attention: str | None = None, bias: bool = False
+                     ) -> tuple[Dataset, Heads]:
     """Gaussian tokens N(0, I), targets from a random H-head teacher scaled so outputs have RMS 1.
 
     Tokens are rounded to `dtype` before the targets are computed, so that data stored in that
-    dtype are exactly realisable. `per_position`: targets (T, d), the teacher's last-token output
-    of every prefix (an autoregressive teacher). `normalize="length"`: the teacher divides S by the
-    number of tokens (recorded in the teacher's heads).
+    dtype are exactly realisable. `per_position`: targets (T, d), the teacher's output at every
+    position: of every prefix (`attention` "causal", the default: an autoregressive teacher), or with
+    the whole sequence's S ("bidirectional": an encoder's teacher); the dataset records the attention.
+    `normalize="length"`: the teacher divides S by the number of tokens (recorded in the teacher's heads).
+    `bias`: a teacher with bias terms (docs/bias_terms.md): head h outputs sum_i (V_h x_i + value_bias_h)
+    (x_i^T Q_h x_t + score_key_h . x_i + score_query_h . x_t + score_bias_h), which `--bias-terms` fits exactly.
     """
     check_normalize(normalize)
+    samples = samples_of(per_position, attention)
     if d < 1 or n_heads < 1 or n_samples < 1:
         raise InputError("dim, heads and n_samples must be >= 1")
     if noise < 0:
         raise InputError("noise must be >= 0")
     lo, hi = seq_len if isinstance(seq_len, tuple) else parse_seq_len(seq_len)
     rng = np.random.default_rng(seed)
-    teacher = random_teacher(d, n_heads, rng)
+    teacher = random_teacher(d, n_heads, rng, bias)
     lengths = rng.integers(lo, hi + 1, size=n_samples)
     offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
     tokens = rng.standard_normal((int(offsets[-1]), d)).astype(dtype).astype(np.float64)
     teacher.info["normalize"] = normalize
     if per_position:
-        y = predict_causal(teacher, tokens, offsets)
+        y = predict_samples(teacher, tokens, offsets, samples)
     else:
         y = np.asarray(predict(teacher, tokens, offsets))
     rms = float(np.sqrt(np.mean(y**2)))
     if rms > 0:
         # Scale V and Q by rms^-1/2 each: the output is bilinear in (V, Q).
         c = 1.0 / np.sqrt(rms)
-        teacher = Heads(V=teacher.V * c, Q=teacher.Q * c, info={"normalize": normalize})
+        teacher = Heads(V=teacher.V * c, Q=teacher.Q * c, info={"normalize": normalize},
+                        **{k: v * c for k, v in teacher.bias_arrays().items()})  # both sides of the bilinear form
         y = y / rms
+    if samples.attention is not None:  # the teacher's outputs are per position, read so
+        teacher.info["attention"] = samples.attention
     if noise > 0:
         y = y + noise * rng.standard_normal(y.shape)
-    return Dataset(tokens, offsets, y), teacher
+    return Dataset(tokens, offsets, y, attention=samples.attention), teacher
 
 
 def assoc_teacher(keys: int) -> Heads:

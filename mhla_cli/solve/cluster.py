@@ -66,16 +66,20 @@ RULES = {
                      "(featurize --scheduler ... -o FEATS.zarr)",
     "kind": "is not a tokens file or a Zarr features store",
     "targets": "the data have no 'targets': fit needs (X, y) pairs",
+    "affine": "--affine-from cannot run on a cluster: the affine block of the wide tokens is accumulated and "
+              "solved beside the Gram in one process, not tiled; featurize, certify and fit it without --scheduler",
 }
 
 
 @contextlib.contextmanager
 def open_statistics(data: Any, scheduler: Any = None, chunk_size: int | None = None,
-                    normalize: str | None = None, tile_features: int | None = None) -> Iterator[TiledStatistics]:
+                    normalize: str | None = None, tile_features: int | None = None, attention: str | None = None,
+                    bias_terms: bool = False) -> Iterator[TiledStatistics]:
     """The tiled statistics of `data` on the cluster of `scheduler` (an address, "local[:K]", a scheduler
     file or a dask.distributed Client: parallel.DaskMap), freed and the connection closed on exit:
-    `data` a tokens file (accumulated on the cluster), a Zarr features store (its tiles read by the
-    workers), or TiledStatistics already on a cluster (used as they are)."""
+    `data` a tokens file (accumulated on the cluster, its samples read with `attention` and `bias_terms` as
+    featurize reads them), a Zarr features store (its tiles read by the workers), or TiledStatistics
+    already on a cluster (used as they are)."""
     if isinstance(data, TiledStatistics):
         yield data
         return
@@ -96,9 +100,14 @@ def open_statistics(data: Any, scheduler: Any = None, chunk_size: int | None = N
             if normalize is not None and normalize != stats.sums.normalize:
                 raise InputError(f"was featurized with normalisation '{stats.sums.normalize}', not '{normalize}'; "
                                  "featurize it again with the normalisation wanted", data)
+            if attention is not None and attention != (stats.sums.samples.attention or attention):
+                raise InputError(f"holds {stats.sums.samples.words}, not attention '{attention}'; featurize it again "
+                                 "with the attention wanted", data)
+            if bias_terms and not stats.sums.bias_terms:
+                raise InputError("was featurized without --bias-terms; featurize it again with them", data)
         else:
             stats = tiled_gram.accumulate(data, client, chunk_size=chunk_size, normalize=normalize or "none",
-                                          tile_features=tile_features)
+                                          tile_features=tile_features, attention=attention, bias_terms=bias_terms)
         try:
             yield stats
         finally:
@@ -142,14 +151,15 @@ def failure_reason(fac: Factorization, threshold: float, below_margin: bool = Fa
 
 
 def fit(data: Any, scheduler: Any = None, ridge: float = 0.0, chunk_size: int | None = None,
-        normalize: str | None = None, tile_features: int | None = None) -> Model:
+        normalize: str | None = None, tile_features: int | None = None, attention: str | None = None,
+        bias_terms: bool = False) -> Model:
     """Least squares over p (Algorithm 1, step 1) with the Gram tiled on a cluster: the model a
     single-machine fit (solve.lstsq.fit) makes, from a Cholesky of Lambda~ - t I (the verdict, reused
     with iterative refinement) or of Lambda~ + ridge I; `data` and `scheduler` as in `open_statistics`.
     The minimum-norm fit of data that do not determine the function is refused (ClusterRefused)."""
     if not np.isfinite(ridge) or ridge < 0:
         raise InputError(f"ridge must be a finite number >= 0, got {ridge}")
-    with open_statistics(data, scheduler, chunk_size, normalize, tile_features) as stats:
+    with open_statistics(data, scheduler, chunk_size, normalize, tile_features, attention, bias_terms) as stats:
         return _fit(stats, float(ridge), data if isinstance(data, (str, os.PathLike)) else None)
 
 
@@ -186,6 +196,10 @@ def _fit(stats: TiledStatistics, ridge: float, path: Any) -> Model:
         "estimated": ["lambda_min", "lambda_max"], "estimates": {k: dict(v) for k, v in fac.iterations.items()},
         "tasks": dict(stats.matrix.tasks),
     }
+    if feats.bias_terms:
+        info["bias_terms"] = True
+    if feats.samples.attention is not None:  # per-position samples: how they read the window
+        info["attention"] = feats.samples.attention
     info["train_r2"] = scores.train_r2(feats, mse)
     return Model(coef=coef, W=W_from_p(coef), d=feats.d, info=info, coef_b=coef_b, basis=np.array(A))
 

@@ -9,26 +9,35 @@ space, ||Z0^T h|| / ||h|| with Z0 an orthonormal basis of that null space (eigen
 gram / N at or below the certificate's threshold psi * eps * lambda_max). A probe is determined when
 it is <= DETERMINED_TOL. Like the certificate, this is measured on the canonical features h of the
 whitened probes Z A (mhla_cli.statistics.basis), so it does not depend on the units of the tokens.
+
+It fails safe like the certificate: where the training tokens have directions float64 does not
+resolve (basis.unresolved: the full certificate then says "not resolvable in float64"), the whitening
+keeps them at the largest scale and a probe's component along them is measured at the data's unknown
+small scale, not the unit-free one. A probe whose whitened tokens have a component along them above
+the rounding of Z A (UNRESOLVED_PROBE_FACTOR) is reported as not resolvable (and not determined),
+whatever its residual.
 """
 
 from __future__ import annotations
 
 import os
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
 
 from ..io import formats
 from ..errors import InputError
+from ..statistics import basis as basis_mod
 from ..statistics.basis import pair_scale
 from ..feature_map import n_features
-from ..numerics import numerical_tolerance
+from ..numerics import EPS, UNRESOLVED_PROBE_FACTOR, numerical_tolerance
 from .domains import Domain, get_domain
 from ..statistics.structure import Structure
-from ..statistics.stream import Features, default_chunk_size, sample_rows
-from ..io.tokens import check_finite, check_weights, inspect_tokens, iter_chunks
+from ..statistics.stream import Features, default_chunk_size
+from ..io.tokens import TokensInfo, check_finite, check_weights, inspect_tokens, iter_chunks, read_as, with_bias_terms
+from ..samples import Samples
 
 # A probe is determined when the relative component of its feature vector in gram's numerical
 # null space is at most DETERMINED_TOL (mhla_cli.numerics; the null space of the full-domain certificate).
@@ -49,6 +58,9 @@ class NullSpace:
     # None: the full domain (the canonical features themselves)
     row_maps: tuple[np.ndarray, np.ndarray] | None = None
     domain: str = "full"
+    # (d, k) orthonormal: the token directions float64 does not resolve in the data, in the canonical
+    # coordinates of token_basis (basis.unresolved_directions; k = 0: none)
+    unresolved: np.ndarray | None = None
 
     @property
     def dim(self) -> int:
@@ -73,8 +85,32 @@ def null_space(feats: Features, domain: str | Domain = "full") -> NullSpace:
         basis = np.zeros((fac.n, 0))
     else:
         basis = np.ascontiguousarray(fac.null_space(tol)[1])
+    # a property of the data's tokens, whatever the domain: the whitening could not scale them
+    unresolved = basis_mod.unresolved_directions(feats.basis_token_gram, basis_mod.unresolved(feats.token_gram))
     return NullSpace(basis=basis, lambda_max=lmax, threshold=tol, token_basis=A, structure=st,
-                     row_maps=dom.row_maps(feats), domain=dom.name)
+                     row_maps=dom.row_maps(feats), domain=dom.name, unresolved=unresolved)
+
+
+def unresolved_tokens(ns: NullSpace, tokens: np.ndarray, tokens_b: np.ndarray) -> np.ndarray | None:
+    """Per token row: whether its whitened z A (`tokens_b`, of the rows `tokens` z) has a component along
+    the data's unresolved directions above UNRESOLVED_PROBE_FACTOR times the rounding bound
+    d eps (|| |z| |A| || + ||z A||); None when the data leave no such direction."""
+    U = ns.unresolved
+    if U is None or U.shape[1] == 0:
+        return None
+    d = tokens.shape[1]
+    comp = np.linalg.norm(tokens_b @ U, axis=1)
+    bound = d * EPS * (np.linalg.norm(np.abs(tokens) @ np.abs(ns.token_basis), axis=1)
+                       + np.linalg.norm(tokens_b, axis=1))
+    return comp > UNRESOLVED_PROBE_FACTOR * bound
+
+
+def _per_sample(flags: np.ndarray, offsets: np.ndarray, samples: Samples) -> np.ndarray:
+    """Token flags -> per sample: a sample is flagged when a flagged token is among those its S sums
+    (the sequence, the prefix X[:t+1] or the whole window, as the layout says): the layout's own S of the
+    flags as a 1-wide token is their count there."""
+    q = samples.queries(flags.astype(np.float64)[:, None], offsets)
+    return q.sample_upper()[:, 0] > 0
 
 
 def probe_residuals(ns: NullSpace, upper: np.ndarray, last: np.ndarray) -> np.ndarray:
@@ -124,13 +160,30 @@ class ProbeReport:
     threshold: float
     lambda_max: float
     normalize: str
-    per_position: bool
+    samples: Samples  # the probes' layout (mhla_cli.samples)
     tol: float = DETERMINED_TOL
     info: dict[str, Any] = field(default_factory=dict)
+    # per probe: its tokens touch token directions float64 does not resolve in the data (module
+    # docstring); None: the data leave none
+    unresolved: np.ndarray | None = None
+    unresolved_dim: int = 0  # how many such token directions the data have
+
+    @property
+    def unresolvable(self) -> np.ndarray:
+        """Indices of the probes not resolvable in float64 (also in `undetermined`)."""
+        return np.zeros(0, dtype=np.int64) if self.unresolved is None else np.flatnonzero(self.unresolved)
+
+    @property
+    def per_position(self) -> bool:
+        return self.samples.per_position
 
     @property
     def undetermined(self) -> np.ndarray:
-        return np.flatnonzero(~(self.residual <= self.tol))
+        """Indices of the probes not determined: residual > tol, or not resolvable in float64."""
+        bad = ~(self.residual <= self.tol)
+        if self.unresolved is not None:
+            bad |= self.unresolved
+        return np.flatnonzero(bad)
 
     @property
     def n_probes(self) -> int:
@@ -145,16 +198,20 @@ class ProbeReport:
         return {"determined": self.determined, "n_probes": self.n_probes, "n_undetermined": int(und.size),
                 "tol": self.tol, "max_residual": float(self.residual.max()) if self.residual.size else 0.0,
                 "null_dim": self.null_dim, "threshold": self.threshold, "lambda_max": self.lambda_max,
-                "normalize": self.normalize, "per_position": self.per_position,
-                "first_undetermined": [int(i) for i in und[:10]]}
+                "normalize": self.normalize, "per_position": self.per_position, "attention": self.samples.attention,
+                "first_undetermined": [int(i) for i in und[:10]],
+                "n_unresolvable": int(self.unresolvable.size), "unresolved_token_directions": self.unresolved_dim,
+                "first_unresolvable": [int(i) for i in self.unresolvable[:10]]}
 
     def save(self, path: str | os.PathLike, inputs: tuple[str | os.PathLike, ...] = ()) -> None:
         """Write the report (kind "probes") atomically."""
         attrs = {"n_probes": self.n_probes, "n_undetermined": int(self.undetermined.size),
                  "determined": int(self.determined), "tol": self.tol, "null_dim": self.null_dim,
-                 "threshold": self.threshold, "normalize": self.normalize, "per_position": int(self.per_position)}
+                 "threshold": self.threshold, "normalize": self.normalize, **self.samples.attrs(),
+                 "n_unresolvable": int(self.unresolvable.size), "unresolved_token_directions": self.unresolved_dim}
         formats.write_file(path, "probes", {"residual": self.residual, "undetermined": self.undetermined,
-                                            "sequence": self.sequence, "position": self.position}, attrs, inputs)
+                                            "unresolvable": self.unresolvable, "sequence": self.sequence,
+                                            "position": self.position}, attrs, inputs)
 
 
 def certify_probes(feats: Features, probes: str | os.PathLike, chunk_size: int | None = None,
@@ -162,27 +219,33 @@ def certify_probes(feats: Features, probes: str | os.PathLike, chunk_size: int |
     """Test every probe of the tokens file `probes` against the training statistics `feats`.
 
     Probes are the sequences (last token) of the file, or every position with weight > 0 of
-    per-position data (targets (T, d) / weights per position); their features use the training
-    normalisation (feats.normalize). Streamed in chunks; memory O(chunk + psi^2). `domain`: the
+    per-position data (targets (T, d) / weights per position; `probe_samples`); their features use
+    the training normalisation (feats.normalize). Streamed in chunks; memory O(chunk + psi^2). `domain`: the
     certificate domain whose null space is used (`null_space`); every domain gives the same verdict
     in exact arithmetic (a probe outside the domain is undetermined along the directions it leaves).
     """
-    info = inspect_tokens(probes)
+    info = probe_samples(inspect_tokens(probes), feats)
+    if feats.bias_terms:  # the statistics of the tokens (x, 1): so are the probes' features
+        info = with_bias_terms(info, pad_targets=False)
+    samples = info.samples
     if info.d != feats.d:
         raise InputError(f"the probes have d = {info.d} but the training data have d = {feats.d}", probes)
     ns = null_space(feats, domain)
     size = chunk_size or default_chunk_size(info)
-    res, seqs, poss = [], [], []
+    res, seqs, poss, unres = [], [], [], []
     for a, b, tokens, offsets, _y, weights in iter_chunks(info, (0, info.n_samples), size, with_weights=True):
         check_finite(tokens, offsets, None, a, probes)
         check_weights(weights, offsets, a, info.per_position, probes)
         with np.errstate(over="ignore", invalid="ignore"):
             # the canonical features of Z A (mhla_cli.statistics.basis): transformed tokens, orthonormal coordinates
-            tokens = np.asarray(tokens, dtype=np.float64) @ ns.token_basis
-            upper, last = sample_rows(tokens, offsets, info.per_position, feats.normalize)
-            upper *= pair_scale(feats.d)
+            raw = np.asarray(tokens, dtype=np.float64)
+            tokens = raw @ ns.token_basis
+            flags = unresolved_tokens(ns, raw, tokens)
+            q = samples.queries(tokens, offsets, feats.normalize)
+            upper, last = q.sample_upper() * pair_scale(feats.d), q.x
+        flagged = None if flags is None else _per_sample(flags, offsets, samples)
         lengths = np.diff(offsets)
-        if info.per_position:
+        if samples.per_position:
             seq = np.repeat(np.arange(a, b), lengths)
             pos = np.arange(int(offsets[-1])) - np.repeat(offsets[:-1], lengths)
         else:
@@ -191,11 +254,14 @@ def certify_probes(feats: Features, probes: str | os.PathLike, chunk_size: int |
             keep = weights > 0
             upper, last, seq = upper[keep], last[keep], seq[keep]
             pos = None if pos is None else pos[keep]
+            flagged = None if flagged is None else flagged[keep]
         r = probe_residuals(ns, upper, last)
         if not np.isfinite(r).all():
             raise InputError("the probe features overflow float64 (tokens too large); rescale the data", probes)
         res.append(r)
         seqs.append(seq)
+        if flagged is not None:
+            unres.append(flagged)
         if pos is not None:
             poss.append(pos)
         if progress is not None:
@@ -203,6 +269,26 @@ def certify_probes(feats: Features, probes: str | os.PathLike, chunk_size: int |
     if not res or sum(x.size for x in res) == 0:
         raise InputError("has no probe: every weight is 0", probes)
     return ProbeReport(residual=np.concatenate(res), sequence=np.concatenate(seqs).astype(np.int64),
-                       position=np.concatenate(poss).astype(np.int64) if info.per_position else None,
+                       position=np.concatenate(poss).astype(np.int64) if samples.per_position else None,
                        null_dim=ns.dim, threshold=ns.threshold, lambda_max=ns.lambda_max,
-                       normalize=feats.normalize, per_position=info.per_position)
+                       normalize=feats.normalize, samples=samples,
+                       unresolved=np.concatenate(unres) if unres else None,
+                       unresolved_dim=int(ns.unresolved.shape[1]) if ns.unresolved is not None else 0)
+
+
+def probe_samples(info: TokensInfo, feats: Features) -> TokensInfo:
+    """The probes file `info` read in the layout its probes have (mhla_cli.samples): its own, except for
+    statistics whose model predicts every position (`Samples.predicts_every_position`: bidirectional
+    windows): a per-position probes file is read in their layout (its attribute must agree), and one
+    without per-position data gives every position of each window (per-sequence weights cannot mask
+    positions: refused)."""
+    samples = feats.samples
+    if not samples.predicts_every_position or info.samples is samples:
+        return info
+    if info.per_position:
+        return read_as(info, samples.attention)
+    if info.has_weights:
+        raise InputError(f"the statistics are of {samples.name} samples (every position of a window) but the "
+                         "probes' weights are per sequence: store one weight per position to mask positions",
+                         info.path)
+    return replace(info, samples=samples, has_targets=False)

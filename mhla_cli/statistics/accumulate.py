@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 
 from . import basis as basis_mod
+from .. import bias_terms as bias_mod
 from ..linalg import device as device_mod
 from ..linalg import symgram
 from ..numerics import SINGULAR_BASIS_COND
@@ -26,7 +27,9 @@ from ..linalg.backends import MIN_THREADED_WIDTH, PANEL_BYTES, _single_blas_thre
 from ..errors import InputError
 from ..feature_map import check_normalize, n_features, pair_index
 from ..linalg.memory import check_floor
-from .kernels import _BLOCK_ELEMENTS, position_numbers, sample_rows, sequence_moments
+from ..kernels import _BLOCK_ELEMENTS, sequence_moments
+from ..samples import LAST, Samples, samples_of
+from .affine_sums import AffineSums, split_targets
 from .features import Features, check_overflow
 
 __all__ = ["MIN_THREADED_WIDTH", "PANEL_BYTES", "chunk_features"]
@@ -35,8 +38,7 @@ __all__ = ["MIN_THREADED_WIDTH", "PANEL_BYTES", "chunk_features"]
 class _Accumulator:
     """Running sums of one reduction in one basis A, with reusable work buffers.
 
-    Per chunk the tokens are transformed first (X A, a d x d product per token: BACKGROUND.md,
-    "The canonical certificate", Numerics), the features are those of X A in canonical coordinates
+    Per chunk the tokens are transformed first (X A, a d x d product per token: docs/certificate.md), the features are those of X A in canonical coordinates
     (mhla_cli.statistics.basis), and the Gram of the block [Ht | Y] (B x (psi + d)) holds basis_gram,
     basis_moments and target_gram at once, so each chunk costs one syrk (numpy's `Ft @ Ft.T` on the
     transposed block); the backend's Gram (`_gram`: backends.HostGram, device.DeviceGram) accumulates it in
@@ -47,10 +49,10 @@ class _Accumulator:
     Grams are accumulated both on the tokens' own coordinates (exact zeros stay zeros) and on X A.
     """
 
-    def __init__(self, d: int, has_targets: bool, basis: np.ndarray | None = None, causal: bool = False,
+    def __init__(self, d: int, has_targets: bool, basis: np.ndarray | None = None, samples: Samples = LAST,
                  normalize: str = "none", spans: tuple[np.ndarray, np.ndarray] | None = None,
-                 traces: bool = False, device: str | None = None) -> None:
-        self.causal = causal  # per-position data: every prefix is a sample (see _add_rows)
+                 traces: bool = False, device: str | None = None, n_affine: int = 0) -> None:
+        self.samples = samples  # what a sample is (mhla_cli.samples: its rows, see _add_rows)
         self.normalize = normalize
         self.n_sequences = 0
         self.d = d
@@ -64,17 +66,21 @@ class _Accumulator:
         # traces: accumulate only the two partial traces of the canonical Gram (`find_spans`)
         self.traces = (np.zeros((self.psi // d, self.psi // d)), np.zeros((d, d))) if traces else None
         if traces:
-            self.nf, has_targets = 0, False
+            self.nf, has_targets, n_affine = 0, False, 0
         self.has_targets = has_targets
-        self.width = self.nf + (d if has_targets else 0)
+        # the affine block (mhla_cli.statistics.affine_sums): its n_affine features f ride beside the targets,
+        # [y, f], so that the one Gram of [Ht | y | f] holds its sums too; `result` splits them off
+        self.n_affine = int(n_affine)
+        self.n_targets = (d if has_targets else 0) + self.n_affine
+        self.width = self.nf + self.n_targets
         # the backend (mhla_cli.linalg.backends, resolved once from `device`) accumulates the features'
         # Gram (host: backends.HostGram, a syrk or the Gram's distinct entries; torch: device.DeviceGram /
         # DevicePairs); the token-side work (S, the token Grams, the traces of a span pass) stays here
         self.backend = get_backend(None if traces else device)
         self.device = self.backend.device
         factors = (self.psi // d, d) if spans is None else (self.spans[0].shape[1], self.spans[1].shape[1])
-        self._gram: Any = None if traces else self.backend.gram(*factors, d if has_targets else 0, self.width,
-                                                               self.nf, self.spans)
+        self._gram: Any = None if traces else self.backend.gram(*factors, self.n_targets, self.width,
+                                                               self.nf, self.spans, pairs=samples.window_rows)
         self._bufs: dict[str, np.ndarray] = {}
         j, k = pair_index(d)
         self._upper_idx = (j * d + k).astype(np.intp)
@@ -84,10 +90,11 @@ class _Accumulator:
         self.basis_token_gram = np.zeros((d, d))
         self.basis_last_token_gram = np.zeros((d, d))
         self._derived_token_gram = np.zeros((d, d))  # basis token Gram whose own one is derived in result()
+        self._derived_last_token_gram = np.zeros((d, d))  # the same for the query tokens' Gram
         self._inv = None if not self._transform else np.linalg.inv(self.basis)
         self.n_samples = 0
-        # sum w y over the samples with targets (Features.target_sum)
-        self.target_sum = np.zeros(d) if has_targets else None
+        # sum w y over the samples with targets (Features.target_sum; and sum w f of the affine block)
+        self.target_sum = np.zeros(self.n_targets) if self.n_targets else None
         self._moments_share: float | None = None  # of a chunk's time in `add`, for its progress ticks
         self.n_tokens = 0
         # the weight totals (stats.Features): sum w over the samples, sum w n over their tokens
@@ -105,32 +112,51 @@ class _Accumulator:
         """A reusable C-contiguous (rows, cols) float64 work array (cols = samples of the chunk)."""
         return symgram.work_array(self._bufs, name, rows, cols)
 
+    def _basis_tokens(self, tokens: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(X, X A) of a chunk's tokens, float64 (X A in a reused buffer; X itself without a basis)."""
+        X = np.asarray(tokens, dtype=np.float64)
+        if not self._transform:
+            return X, X
+        Xb = self._buf("Xb", X.shape[0], (self.d,))
+        np.matmul(X, self.basis, out=Xb)
+        return X, Xb
+
     def _tokens(self, tokens: np.ndarray, check: Callable[[float], None] | None,
                 token_weights: np.ndarray | None, last_rows: np.ndarray | None,
-                last_weights: np.ndarray | None) -> np.ndarray:
+                last_weights: np.ndarray | None, basis_tokens: tuple[np.ndarray, np.ndarray] | None = None
+                ) -> np.ndarray:
         """Add the chunk's token Grams (own and basis; weighted per token) and return X A (float64).
 
         token_gram += X^T diag(c) X (c: per-token weights, None = 1); last_token_gram += sum w x x^T
-        over the rows `last_rows` (None: every token) with weights `last_weights`.
+        over the rows `last_rows` (None: every token) with weights `last_weights`. `basis_tokens`: (X, X A)
+        already made (`_basis_tokens`).
         """
-        X = np.asarray(tokens, dtype=np.float64)
-        t = X.shape[0]
+        X = np.asarray(tokens, dtype=np.float64) if basis_tokens is None else basis_tokens[0]
         Xw = X if token_weights is None else X * token_weights[:, None]
         own = X.T @ Xw
         if check is not None:  # the diagonal bounds every squared token entry (NaN stays NaN)
             diag = np.diagonal(own) if token_weights is None else np.einsum("ij,ij->j", X, X)
             check(float(np.max(diag)) if diag.size else 0.0)
-        if self._transform:
-            Xb = self._buf("Xb", t, (self.d,))
-            np.matmul(X, self.basis, out=Xb)
-        else:
-            Xb = X
+        Xb = self._basis_tokens(X)[1] if basis_tokens is None else basis_tokens[1]
         self.token_gram += own
         self.basis_token_gram += Xb.T @ (Xb if token_weights is None else Xb * token_weights[:, None])
         for src, dst in ((X, self.last_token_gram), (Xb, self.basis_last_token_gram)):
             L = src if last_rows is None else src[last_rows]
             dst += L.T @ (L if last_weights is None else L * last_weights[:, None])
         return Xb
+
+    def _derived_grams(self, grams: tuple[np.ndarray, np.ndarray, np.ndarray],
+                       check: Callable[[float], None] | None) -> None:
+        """Add the token Grams a layout's rows carry (samples.Rows.token_grams, in the basis: sum w S, sum w x x^T
+        over the queries, and the plain sum of the tokens' x x^T, which bounds every squared token entry for
+        `check`); the own-coordinate ones are derived from them once per pass (`result`, `_from_basis`)."""
+        token_b, query_b, plain_b = grams
+        if check is not None:  # up to rounding (NaN stays NaN)
+            check(float(np.max(np.diagonal(self._from_basis(plain_b)))) * (1.0 + 1e-6))
+        self._derived_token_gram += token_b
+        self.basis_token_gram += token_b
+        self._derived_last_token_gram += query_b
+        self.basis_last_token_gram += query_b
 
     def _from_basis(self, Gb: np.ndarray) -> np.ndarray:
         """A^-T Gb A^-1: a token Gram of X A back in the tokens' own coordinates (symmetrised)."""
@@ -185,8 +211,8 @@ class _Accumulator:
         """Add one chunk: tokens (t, d) of any real dtype, offsets (B+1,) from 0, targets (B, d) or None.
 
         `check(top)` may reject the chunk, given a bound on the largest squared token entry, before
-        anything is added. Causal mode, weights ((B,), or (t,) in causal mode) or a normalisation go
-        through `_add_rows`. `tick(f)`, if given, is told the share f in [0, 1) of the chunk's work done
+        anything is added. Per-position samples (targets (t, d)), weights ((B,), or (t,) per position) or a
+        normalisation go through `_add_rows`. `tick(f)`, if given, is told the share f in [0, 1) of the chunk's work done
         while the per-sequence moments are computed (a progress bar inside a large chunk; the sums do
         not depend on it); the syrk that follows is one BLAS call and reports nothing.
         """
@@ -194,7 +220,7 @@ class _Accumulator:
         B = offsets.size - 1
         if B == 0:
             return
-        if self.causal or weights is not None or self.normalize != "none":
+        if self.samples.per_position or weights is not None or self.normalize != "none":
             self._add_rows(tokens, offsets, targets, check, weights)
             return
         t0 = time.perf_counter()
@@ -235,63 +261,42 @@ class _Accumulator:
 
     def _add_rows(self, tokens: np.ndarray, offsets: np.ndarray, targets: np.ndarray | None,
                   check: Callable[[float], None] | None, weights: np.ndarray | None) -> None:
-        """Add a chunk sample by sample: rows = positions (causal) or sequences, each of weight w >= 0.
+        """Add a chunk as its layout's rows (mhla_cli.samples: `Samples.rows`), every sample of weight w >= 0.
 
-        gram += sum w h h^T, moments += sum w h y^T, target_gram += sum w y y^T (one syrk of the block
-        sqrt(w) [H | Y] over the rows with w > 0); token_gram += sum w S (unnormalised S of each
-        sample), last_token_gram += sum w x x^T (x the sample's last token); n_samples += #{w > 0}.
+        A row of one sample: gram += w h h^T, moments += w h y^T, target_gram += w y y^T (one syrk of the
+        block sqrt(w) [H | Y], or K); a row of a window's samples (BIDIRECTIONAL): gram += (s s^T) (x)
+        (X^T W X), moments += s (x) (X^T W Y) (K). token_gram += sum w S (unnormalised S of each sample),
+        last_token_gram += sum w x x^T (x the sample's query token); n_samples += #{w > 0}.
         """
         B = offsets.size - 1
         T = int(offsets[-1])
-        w_all, c, last_rows = self._token_weights(offsets, weights)
-        unit = weights is None and not self.causal
+        c, query_rows, query_weights = self.samples.token_weights(offsets, weights)
         with _single_blas_thread(), np.errstate(invalid="ignore", over="ignore"):
-            Xb = self._tokens(tokens, check, None if unit else c, last_rows, None if unit else w_all)
-            upper, last = sample_rows(Xb, offsets, self.causal)  # unnormalised here
-            keep = None
-            if weights is not None:
-                keep = np.flatnonzero(weights > 0)
-                if keep.size == weights.size:
-                    keep = None
-            w = None if weights is None else (weights if keep is None else weights[keep])
-            if keep is not None:
-                upper, last = upper[keep], last[keep]
-                if targets is not None:
-                    targets = targets[keep]
-            R = upper.shape[0]
+            X, Xb = self._basis_tokens(tokens)
+            rows = self.samples.rows(Xb, offsets, weights, targets)
+            if rows.token_grams is None:
+                self._tokens(X, check, c, query_rows, query_weights, (X, Xb))
+            else:  # the rows' own token Grams (a window's S): no pass over the tokens
+                self._derived_grams(rows.token_grams, check)
+            upper = rows.upper
             upper *= self._scale  # canonical coordinates
             if self.normalize == "length":
-                lens = position_numbers(offsets) if self.causal else np.diff(offsets).astype(np.float64)
-                upper /= (lens if keep is None else lens[keep])[:, None]
-            if R:
-                block = self._transposed_rows(upper, last, targets, w)
-        if R:
-            self._add_target_sum(targets, w)
+                upper /= rows.lengths[:, None]
+            R = rows.n_rows
+            if R and rows.xx is None:
+                block = self._transposed_rows(upper, rows.x, rows.y, rows.w)
+        if R and rows.xx is None:
+            self._add_target_sum(rows.y, rows.w)
             self._emit(*block)  # outside the one-thread block (the syrk's threads)
-        self.n_samples += R
+        elif R:
+            self._emit_windows(upper, rows)
+        self.n_samples += rows.n_samples
         self.n_tokens += T
         self.n_sequences += B
         # sum w over the samples, and sum w n = sum over the tokens of c (the weights of the samples
         # that contain the token)
-        self.weight_sum += float(np.sum(w_all))
-        self.token_weight_sum += float(np.sum(c))
-
-    def _token_weights(self, offsets: np.ndarray, weights: np.ndarray | None
-                       ) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
-        """(w per sample (all 1 for None), c per token, the rows of the samples' last tokens or None: every
-        token) of a chunk.
-
-        sum over samples of w S = sum over tokens of c x x^T: c = the weight of the sequence
-        (last-token data), or the sum of the weights of the prefixes containing the token (causal)."""
-        B = offsets.size - 1
-        lengths = np.diff(offsets)
-        w_all = np.ones(int(offsets[-1]) if self.causal else B) if weights is None else weights
-        if self.causal:
-            seq = np.repeat(np.arange(B), lengths)
-            tail = np.cumsum(w_all[::-1])[::-1]
-            ends = np.append(tail, 0.0)[offsets[1:]]
-            return w_all, tail - ends[seq], None
-        return w_all, np.repeat(w_all, lengths), offsets[1:] - 1
+        self.weight_sum += float(np.sum(weights)) if weights is not None else float(self.samples.count(B, T))
+        self.token_weight_sum += float(np.sum(c)) if c is not None else float(T)
 
     def _transposed_rows(self, upper: np.ndarray, last: np.ndarray, targets: np.ndarray | None,
                          w: np.ndarray | None) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
@@ -331,6 +336,22 @@ class _Accumulator:
         if self.width:
             self._gram.add(upper_t, last_t, targets_t)
 
+    def _emit_windows(self, upper: np.ndarray, rows: Any) -> None:
+        """Add rows of several samples each (samples.Rows.xx: a window's X^T W X and X^T W Y) to the backend's
+        Gram; upper (R, q) canonical S entries. In a span pass the two partial traces instead:
+        sum tr(xx) s s^T and sum ||s||^2 xx."""
+        if self.traces is not None:
+            with _single_blas_thread():
+                tr = np.einsum("rii->r", rows.xx)
+                ns = np.einsum("ij,ij->i", upper, upper)
+                self.traces[0][...] += (upper.T * tr) @ upper
+                self.traces[1][...] += np.einsum("r,rlm->lm", ns, rows.xx)
+            return
+        if self.target_sum is not None and rows.y_sum is not None:
+            self.target_sum += rows.y_sum
+        if self.width:
+            self._gram.add_windows(np.ascontiguousarray(upper.T), rows.xx, rows.xy, rows.yy)
+
     def pipeline(self) -> Any:
         """A block for the loop over a pass's chunks: the backend's (backends.HostGram.pipeline: a chunk's
         GEMMs overlap the next chunk's preparation), or nothing."""
@@ -349,16 +370,22 @@ class _Accumulator:
         d = self.d
         # the features accumulated: all psi, or the block on the spans (self.nf)
         out, self._gram = (None if self._gram is None else self._gram.result()), None
-        gram_b, moments, target_gram = gram_parts(out, self.width, self.nf, self.has_targets)
+        gram_b, moments, target_gram = gram_parts(out, self.width, self.nf, self.n_targets > 0)
+        target_sum, affine = self.target_sum, None
+        if self.n_affine:  # [y, f] -> y's sums and the affine block's (mhla_cli.statistics.affine_sums)
+            moments, target_gram, target_sum, parts = split_targets(moments, target_gram, target_sum, d,
+                                                                    self.has_targets)
+            affine = AffineSums(*parts, width=self.n_affine - 1)
         token_gram = self.token_gram + self._from_basis(self._derived_token_gram)
+        self.last_token_gram += self._from_basis(self._derived_last_token_gram)
         out = Features(d=d, n_samples=self.n_samples, n_tokens=self.n_tokens, gram=None,
                        token_gram=token_gram, last_token_gram=self.last_token_gram,
                        target_gram=target_gram, token_dtype=token_dtype,
                        basis=self.basis, basis_gram=gram_b, basis_moments=moments,
                        basis_token_gram=self.basis_token_gram, basis_last_token_gram=self.basis_last_token_gram,
-                       per_position=self.causal, normalize=self.normalize, n_sequences=self.n_sequences,
-                       target_sum=self.target_sum,
-                       weight_sum=self.weight_sum, token_weight_sum=self.token_weight_sum)
+                       samples=self.samples, normalize=self.normalize, n_sequences=self.n_sequences,
+                       target_sum=target_sum,
+                       weight_sum=self.weight_sum, token_weight_sum=self.token_weight_sum, affine=affine)
         if self.spans is not None:
             out.span_pairs, out.span_last = self.spans
         return out
@@ -367,29 +394,35 @@ class _Accumulator:
 def chunk_features(tokens: np.ndarray, offsets: np.ndarray, targets: np.ndarray | None, d: int,
                    weights: np.ndarray | None = None, per_position: bool = False,
                    normalize: str = "none", basis: np.ndarray | str | None = "auto",
-                   device: str | None = None) -> Features:
+                   device: str | None = None, attention: str | None = None, bias_terms: bool = False) -> Features:
     """Statistics of one in-memory chunk (tokens (t, d), offsets from 0, targets (B, d) or None).
 
-    With `per_position` every prefix is a sample: targets (t, d), weights (t,); otherwise targets
-    (B, d), weights (B,). `normalize="length"` divides S by the prefix / sequence length.
+    With `per_position` every position is a sample: targets (t, d), weights (t,) (mhla_cli.samples:
+    `attention` "causal", the default, reads S of the prefix X[:t], "bidirectional" of the whole window);
+    otherwise targets (B, d), weights (B,). `normalize="length"` divides S by its number of tokens.
     `basis`: the basis accumulated in ("auto": the whitening of the chunk's own tokens; an array;
     None or "identity": the tokens' own coordinates); the result is then changed exactly to the
     whitening of the chunk's token Gram (`Features.canonical`). `device` (mhla_cli.linalg.device): where the
-    features and their Gram are built.
+    features and their Gram are built. `bias_terms`: the statistics of the tokens (x, 1) and the targets (y, 0)
+    (docs/bias_terms.md; the result's d is d + 1).
     """
     check_normalize(normalize)
+    tokens = np.asarray(tokens)
+    if bias_terms:
+        tokens, targets, d = bias_mod.with_constant(tokens), bias_mod.pad_targets(targets), d + 1
     check_floor(d, what="featurize")
     device = device_mod.check_device(device)
-    tokens = np.asarray(tokens)
     basis = _basis_option(basis, d, None)
     if basis is None:
         X = tokens.astype(np.float64)
         basis = basis_mod.whitening(X.T @ X, X.shape[0])
-    acc = _Accumulator(d, targets is not None, basis, causal=per_position, normalize=normalize, device=device)
+    samples = samples_of(per_position, attention)
+    acc = _Accumulator(d, targets is not None, basis, samples=samples, normalize=normalize, device=device)
     acc.add(tokens, np.asarray(offsets, dtype=np.int64),
             None if targets is None else np.asarray(targets, dtype=np.float64),
             weights=None if weights is None else np.asarray(weights, dtype=np.float64))
     feats = acc.result(str(tokens.dtype))
+    feats.bias_terms = bias_terms
     check_overflow(feats, "the data", None)
     return feats.canonical().finalize()
 

@@ -1,7 +1,6 @@
 """The canonical token basis: the whitening of all tokens, its estimate, its verification, and its maps.
 
-The certificate's numbers belong to the data, not to the units of the tokens (BACKGROUND.md, "The
-canonical certificate"). Tokens are whitened, X -> X A with A^T G A = I and G = token_gram / n_tokens
+The certificate's numbers belong to the data, not to the units of the tokens (docs/certificate.md). Tokens are whitened, X -> X A with A^T G A = I and G = token_gram / n_tokens
 (the second moment of all the tokens of the data, each counted with the weights of the samples that
 contain it: features.Features), and the features of X A are taken in orthonormal coordinates
 
@@ -182,6 +181,27 @@ def unresolved(token_gram: np.ndarray) -> int:
         w = np.linalg.eigvalsh(Gl * r[:, None] * r[None, :])
         lost = min(lost, int((w <= UNRESOLVED_REL * d * max(float(w[-1]), 0.0)).sum()))
     return lost
+
+
+def unresolved_directions(basis_token_gram: np.ndarray, k: int) -> np.ndarray:
+    """(d, k) orthonormal columns: in the canonical coordinates of a basis A (tokens X A), the k token
+    directions float64 does not resolve (`unresolved`: the whitening kept them at the largest scale,
+    so the canonical token Gram A^T G A is near 0 there and near 1 on the others), i.e. the
+    eigenvectors of its k smallest eigenvalues; coordinates that are exactly 0 in every token are no
+    such direction (they are not counted by `unresolved` either)."""
+    d = basis_token_gram.shape[0]
+    out = np.zeros((d, 0))
+    if k <= 0:
+        return out
+    G = 0.5 * (basis_token_gram + basis_token_gram.T)
+    live = np.flatnonzero(np.diagonal(G) != 0.0)
+    k = min(k, live.size)
+    if k == 0 or not np.isfinite(G).all():
+        return out
+    _, V = np.linalg.eigh(G[np.ix_(live, live)])
+    out = np.zeros((d, k))
+    out[live] = V[:, :k]
+    return out
 
 
 def round32(A: np.ndarray) -> np.ndarray:

@@ -28,7 +28,9 @@ from ..io import formats
 from ..errors import InputError
 from ..feature_map import n_features
 from ..linalg import symgram
+from ..samples import LAST, Samples
 from . import features_file
+from .affine_sums import AffineSums
 from .algebra import FeaturesAlgebra
 from .features_file import _DERIVED, FeaturesFile, StoredGram
 
@@ -100,8 +102,9 @@ class Features(FeaturesAlgebra, FeaturesFile):
     basis_moments: np.ndarray | None = None
     basis_token_gram: np.ndarray | None = None
     basis_last_token_gram: np.ndarray | None = None
-    # Causal mode: every weighted prefix X[:t] was a sample (docs/formats.md, "per-position data").
-    per_position: bool = False
+    # What a sample was (mhla_cli.samples): LAST, CAUSAL (every weighted prefix X[:t]) or BIDIRECTIONAL
+    # (every weighted position, S of the whole window); docs/tokens.md, "Per-position data".
+    samples: Samples = LAST
     # "none", or "length": S divided by the number of tokens of the prefix / sequence.
     normalize: str = "none"
     # Sequences read (the unit of sample ranges and shards); None when unknown (older files).
@@ -118,19 +121,25 @@ class Features(FeaturesAlgebra, FeaturesFile):
     # sum_i w_i y_i (d,) over the samples (with weight_sum below, the scored data's mean, for R^2:
     # mhla_cli.model.scores); None when unknown (files written before it was accumulated)
     target_sum: np.ndarray | None = None
-    # The weight totals (docs/formats.md, "Weights"): weight_sum = sum_i w_i over the samples and
+    # The weight totals (docs/formats_features.md): weight_sum = sum_i w_i over the samples and
     # token_weight_sum = sum_i w_i n_i (n_i the sample's token count; for per-position data every
     # prefix is a sample), so that G = token_gram / token_weight_sum and Lambda~ = basis_gram /
     # weight_sum carry no units of the weights. None (the default): the counts n_samples and
     # n_tokens, i.e. unweighted last-token data (`__post_init__`).
     weight_sum: float | None = None
     token_weight_sum: float | None = None
+    # The bias terms (docs/bias_terms.md): the statistics are those of the tokens (x, 1) and the targets
+    # (y, 0), so that `d` counts the constant coordinate and the last target is the padded 0.
+    bias_terms: bool = False
+    # The token-wise affine block of the wide tokens (mhla_cli.statistics.affine_sums: `featurize --affine-from`),
+    # its cross sums' rows in the coordinates of basis_moments; None without it.
+    affine: AffineSums | None = None
 
     def __post_init__(self) -> None:
         self.weight_sum = float(self.n_samples if self.weight_sum is None else self.weight_sum)
         self.token_weight_sum = float(self.n_tokens if self.token_weight_sum is None else self.token_weight_sum)
 
-    # The sums on the tokens' own features (docs/formats.md), and those in the basis.
+    # The sums on the tokens' own features (docs/formats_features.md), and those in the basis.
     SUMS = features_file.SUMS
     BASIS_SUMS = features_file.BASIS_SUMS
 
@@ -138,14 +147,26 @@ class Features(FeaturesAlgebra, FeaturesFile):
     def n_features(self) -> int:
         return n_features(self.d)
 
+    @property
+    def per_position(self) -> bool:
+        """The samples were positions (CAUSAL or BIDIRECTIONAL), not sequences."""
+        return self.samples.per_position
+
     def __repr__(self) -> str:  # the shapes and counts, not the psi x psi sums
         return (f"Features(d={self.d}, n_features={self.n_features}, n_samples={self.n_samples}, "
-                f"n_tokens={self.n_tokens}, per_position={self.per_position}, normalize={self.normalize!r}, "
+                f"n_tokens={self.n_tokens}, samples={self.samples.name!r}, normalize={self.normalize!r}, "
+                + ("bias_terms=True, " if self.bias_terms else "")
+                + (f"affine_width={self.affine.width}, " if self.affine is not None else "") +
                 f"targets={self.moments is not None or self.basis_moments is not None})")
 
     @property
     def has_targets(self) -> bool:
         return self.target_gram is not None
+
+    @property
+    def n_outputs(self) -> int:
+        """The targets' own width: d, or d - 1 with the bias terms (the padded 0 is not an output)."""
+        return self.d - int(self.bias_terms)
 
     @property
     def reduced(self) -> bool:
@@ -225,10 +246,11 @@ class Features(FeaturesAlgebra, FeaturesFile):
         arrays["gram"] = np.array(raw) if isinstance(raw, np.ndarray) else raw  # a lazy gram stays lazy
         return Features(d=self.d, n_samples=self.n_samples, n_tokens=self.n_tokens, token_dtype=self.token_dtype,
                         sample_range=self.sample_range, source=self.source, extra_attrs=dict(self.extra_attrs),
-                        per_position=self.per_position, normalize=self.normalize, n_sequences=self.n_sequences,
+                        samples=self.samples, normalize=self.normalize, n_sequences=self.n_sequences,
                         target_sum=None if self.target_sum is None else np.array(self.target_sum),
                         weight_sum=self.weight_sum,
-                        token_weight_sum=self.token_weight_sum, **arrays)
+                        token_weight_sum=self.token_weight_sum, bias_terms=self.bias_terms,
+                        affine=None if self.affine is None else self.affine.copy(), **arrays)
 
     @classmethod
     def zeros(cls, d: int, has_targets: bool, token_dtype: str = "float64") -> Features:
@@ -255,5 +277,6 @@ def check_overflow(feats: Features, what: str, path: str | os.PathLike | None) -
     arrays = [raw if isinstance(raw, np.ndarray) else None, feats.moments,
               held.K if isinstance(held, symgram.Pairs) else held, feats.basis_moments, feats.target_gram]
     if not all(a is None or formats.all_finite(a) for a in arrays):
-        raise InputError(f"the statistics of {what} overflow float64 (tokens or targets too large); "
+        raise InputError(f"the statistics of {what} overflow float64 (tokens, targets or weights too large; "
+                         "weights carry no units: any common factor gives the same fit); "
                          "rescale the data", path)

@@ -1,6 +1,6 @@
 """The features file: `Features.save` / `Features.load` (formats 1-5, the compact form) and their refusals.
 
-docs/formats.md describes the file. `FeaturesFile` is mixed into mhla_cli.statistics.features.Features
+docs/formats_features.md describes the file. `FeaturesFile` is mixed into mhla_cli.statistics.features.Features
 (which imports this module, so the annotations name `Features` without importing it): `datasets` and
 `file_attrs` lay the record out, `load` reads and validates a file of any format version (1: own sums
 only; 2: basis sums in upper-triangle coordinates, converted; 3: canonical basis sums; 4: may hold
@@ -26,8 +26,10 @@ from ..errors import InputError
 from ..feature_map import n_features
 from ..numerics import ORTHONORMAL_TOL, SINGULAR_BASIS_COND, SYMMETRY_TOL
 from ..io.formats import read_normalize
+from ..samples import from_attrs
+from .affine_sums import read_affine
 
-# The sums on the tokens' own features (datasets of docs/formats.md), and those in the basis.
+# The sums on the tokens' own features (datasets of docs/formats_features.md), and those in the basis.
 SUMS = ("gram", "moments", "target_gram", "token_gram", "last_token_gram")
 BASIS_SUMS = ("basis_gram", "basis_moments", "basis_token_gram", "basis_last_token_gram")
 # Attributes of a features file kept in `Features.extra_attrs` when it is loaded: which shard of
@@ -54,7 +56,7 @@ class FeaturesFile:
     """The file of a `Features` record (mixed into it): its layout, `save` and `load`."""
 
     def datasets(self, compact: bool = False) -> dict[str, np.ndarray | formats.Deferred | None]:
-        """The datasets of a features file (docs/formats.md). `compact`: the canonical Gram as its
+        """The datasets of a features file (docs/formats_features.md). `compact`: the canonical Gram as its
         distinct entries only (PAIRS_DATASET), without 'gram' and 'basis_gram'. The psi x psi ones are
         `formats.Deferred`: derived from the held form when written, one at a time, and not kept."""
         self.finalize()
@@ -74,6 +76,8 @@ class FeaturesFile:
             data["basis_gram"] = _rows_written(held.shape[0], lambda: held) if pairs else held
         data.update(span_pairs=self.span_pairs, span_last=self.span_last)  # None (not written) unless reduced
         data["target_sum"] = self.target_sum  # None (not written) when unknown
+        if self.affine is not None:  # the affine block (mhla_cli.statistics.affine_sums)
+            data.update(self.affine.datasets())
         return data
 
     def _own_gram_to_write(self) -> formats.Deferred:
@@ -101,7 +105,7 @@ class FeaturesFile:
         return n_features(self.d) // self.d, self.d
 
     def file_attrs(self) -> dict[str, Any]:
-        """The attributes of a features file (docs/formats.md)."""
+        """The attributes of a features file (docs/formats_features.md)."""
         attrs: dict[str, Any] = {"d": self.d, "n_samples": self.n_samples, "n_tokens": self.n_tokens,
                                  "n_features": self.n_features, "token_dtype": self.token_dtype,
                                  "weight_sum": self.weight, "token_weight_sum": self.token_weight}
@@ -110,7 +114,11 @@ class FeaturesFile:
         if self.source is not None:
             attrs["source"] = json.dumps(self.source)
         attrs["normalize"] = self.normalize
-        attrs["per_position"] = int(self.per_position)
+        attrs.update(self.samples.attrs())  # per_position, and attention for per-position samples
+        if self.bias_terms:  # written only with them: files without are as before
+            attrs["bias_terms"] = 1
+        if self.affine is not None:
+            attrs.update(self.affine.attrs())
         if self.n_sequences is not None:
             attrs["n_sequences"] = int(self.n_sequences)
         attrs.update(self.extra_attrs)
@@ -155,10 +163,18 @@ class FeaturesFile:
             dtype = f.attrs.get("token_dtype", "float64")
             dtype = dtype.decode() if isinstance(dtype, bytes) else str(dtype)
             normalize = read_normalize(f, path)
-            per_position = bool(int(f.attrs.get("per_position", 0)))
+            samples = from_attrs(f.attrs, path)
+            bias_terms = formats.read_bias_terms(f.attrs, path)
+            if bias_terms and d < 2:
+                raise InputError(f"attribute 'bias_terms' is 1 but d = {d}: the tokens (x, 1) are at least 2 wide; "
+                                 "the file is corrupted", path)
             n_seq = int(f.attrs["n_sequences"]) if "n_sequences" in f.attrs else None
+            spans = [f[k].shape for k in ("span_pairs", "span_last") if k in f]
+            nf = int(spans[0][1] * spans[1][1]) if reduced and len(spans) == 2 and all(len(s) == 2 for s in spans) \
+                else psi
+            affine = read_affine(f, path, nf, d if has_targets else None)
             t_sum = _load_target_sum(f, path, d) if has_targets else None
-            weights = _load_weights(f, path, n, t, per_position, n_seq)
+            weights = _load_weights(f, path, n, t, samples.per_position, n_seq)
             extra = {}
             for k in EXTRA_ATTRS:
                 if k in f.attrs:
@@ -166,9 +182,9 @@ class FeaturesFile:
                     extra[k] = v.decode() if isinstance(v, bytes) else (v.item() if hasattr(v, "item") else v)
         return cls(d=d, n_samples=n, n_tokens=t, gram=gram, token_gram=tg, last_token_gram=lg,
                    moments=moments, target_gram=target_gram, token_dtype=dtype, sample_range=rng,
-                   source=source, extra_attrs=extra, per_position=per_position, normalize=normalize,
+                   source=source, extra_attrs=extra, samples=samples, normalize=normalize,
                    n_sequences=n_seq, target_sum=t_sum, weight_sum=weights[0],
-                   token_weight_sum=weights[1], **sums)
+                   token_weight_sum=weights[1], bias_terms=bias_terms, affine=affine, **sums)
 
 
 def expect_features(f: h5py.File, path: str | os.PathLike) -> None:
@@ -216,7 +232,7 @@ def _load_weights(f: h5py.File, path: str | os.PathLike, n: int, t: int, per_pos
         try:
             x = float(np.asarray(v).reshape(()))
         except (TypeError, ValueError):
-            raise InputError(f"attribute '{k}' = {v!r} is not a number", path) from None
+            raise InputError(f"attribute '{k}' = {formats.value_text(v)} is not a number", path) from None
         if not np.isfinite(x) or x <= 0:
             raise InputError(f"attribute '{k}' = {x!r}, expected a finite number > 0", path)
         out.append(x)

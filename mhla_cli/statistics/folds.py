@@ -6,6 +6,15 @@ with folds holds, next to the usual datasets, fold_gram (K, psi, psi), fold_mome
 fold_target_gram (K, d, d), fold_token_gram (K, d, d), fold_last_token_gram (K, d, d),
 fold_n_samples (K,), fold_n_tokens (K,), fold_weight_sum (K,), fold_token_weight_sum (K,) (the weight
 totals, features.Features) and fold_ranges (K, 2), plus the attribute n_folds.
+
+Each fold's canonical sums are stored as featurize computed them, in the fold's own whitening:
+fold_basis (K, d, d), fold_basis_gram (K, psi, psi), fold_basis_moments (K, psi, d),
+fold_basis_token_gram and fold_basis_last_token_gram (K, d, d) (FOLD_BASIS). Cross-validation trains on
+total - fold k; those sums change to the total's basis by a well-conditioned change (both bases whiten
+the same data), so a folds file gives the folds' canonical statistics exactly as the tokens file does,
+in any units of the tokens. The own-coordinate fold sums alone (files written before FOLD_BASIS) are
+accepted only where the change from them is itself well conditioned (`check_own_folds`,
+numerics.OWN_FOLDS_COND).
 """
 
 from __future__ import annotations
@@ -19,14 +28,18 @@ import numpy as np
 from ..io import formats
 from ..errors import InputError
 from ..feature_map import n_features
-from ..numerics import FOLD_SUM_TOL
+from ..numerics import FOLD_SUM_TOL, OWN_FOLDS_COND, SINGULAR_BASIS_COND
+from . import basis as basis_mod
+from .features_file import _is_symmetric
 from .features import Features
-from .stream import featurize
+from .stream import check_attention_of, check_bias_terms_of, featurize
 from ..io.tokens import inspect_tokens
 
 FOLD_DATASETS = (*(f"fold_{k}" for k in Features.SUMS), "fold_n_samples", "fold_n_tokens", "fold_ranges")
 # The per-fold weight totals (format version >= features_file.WEIGHTS_FORMAT; older files: the counts).
 FOLD_WEIGHTS = ("fold_weight_sum", "fold_token_weight_sum")
+# Each fold's canonical sums and their basis (written by save_with_folds; older files lack them).
+FOLD_BASIS = ("fold_basis", *(f"fold_{k}" for k in Features.BASIS_SUMS))
 
 
 def featurize_folds(path: str | os.PathLike, n_folds: int, chunk_size: int | None = None,
@@ -64,11 +77,18 @@ def save_with_folds(total: Features, folds: list[Features], path: str | os.PathL
                 fold_ranges=np.array([f.sample_range or (0, 0) for f in folds], dtype=np.int64),
                 fold_weight_sum=np.array([f.weight for f in folds]),
                 fold_token_weight_sum=np.array([f.token_weight for f in folds]))
+    canon = [f.canonical() if not f.reduced else f.copy().expand().canonical() for f in folds]
+    data["fold_basis"] = np.stack([f.basis for f in canon])
+    data.update({f"fold_{k}": np.stack([getattr(f, k) for f in canon]) for k in Features.BASIS_SUMS})
     total.save(path, inputs, extra=data, extra_attrs={"n_folds": len(folds)})
 
 
 def load_folds(path: str | os.PathLike, total: Features | None = None) -> list[Features] | None:
-    """The per-fold statistics of a features file, or None when it has none; validated against the total."""
+    """The per-fold statistics of a features file, or None when it has none; validated against the total.
+
+    With the folds' canonical sums (FOLD_BASIS) each fold is the record featurize made; without them
+    (older files) the own-coordinate sums, where `check_own_folds` allows them.
+    """
     total = (Features.load(path) if total is None else total).expand()
     d, psi = total.d, n_features(total.d)
     with formats.open_input(path) as f:
@@ -80,11 +100,24 @@ def load_folds(path: str | os.PathLike, total: Features | None = None) -> list[F
         for name, counts in zip(FOLD_WEIGHTS, ("fold_n_samples", "fold_n_tokens")):
             # a file before the weight totals: Features.load accepted it as unweighted last-token data
             arrs[name] = formats.read_array(f, name, path) if name in f else arrs[counts].astype(np.float64)
+        present = [k for k in FOLD_BASIS if k in f]
+        if present and len(present) < len(FOLD_BASIS):
+            missing = [k for k in FOLD_BASIS if k not in f]
+            raise InputError(f"has {', '.join(present)} but no {', '.join(missing)}; the file is incomplete", path)
+        for name in present:
+            if name == "fold_basis_moments" and not total.has_targets:
+                continue
+            arrs[name] = formats.read_array(f, name, path)
     K = arrs["fold_gram"].shape[0]
     expect = {"fold_gram": (K, psi, psi), "fold_moments": (K, psi, d), "fold_target_gram": (K, d, d),
               "fold_token_gram": (K, d, d), "fold_last_token_gram": (K, d, d), "fold_n_samples": (K,),
               "fold_n_tokens": (K,), "fold_ranges": (K, 2), "fold_weight_sum": (K,), "fold_token_weight_sum": (K,)}
+    if present:
+        expect.update(fold_basis=(K, d, d), fold_basis_gram=(K, psi, psi), fold_basis_moments=(K, psi, d),
+                      fold_basis_token_gram=(K, d, d), fold_basis_last_token_gram=(K, d, d))
     for name, shape in expect.items():
+        if name not in arrs:
+            continue
         if arrs[name].shape != shape:
             raise InputError(f"'{name}' has shape {arrs[name].shape}, expected {shape}", path)
         if not np.isfinite(arrs[name]).all():
@@ -101,29 +134,77 @@ def load_folds(path: str | os.PathLike, total: Features | None = None) -> list[F
     scale = max(float(np.abs(total.gram).max()), 1e-300)
     if not np.allclose(gsum, total.gram, rtol=0, atol=FOLD_SUM_TOL * scale):
         raise InputError("the fold grams do not sum to 'gram'; the file is inconsistent", path)
+    if present:
+        _check_fold_bases(arrs, total, path)
+    else:
+        check_own_folds(total, path)
     folds = []
     for k in range(K):
+        canonical = {} if not present else {
+            "basis": arrs["fold_basis"][k].astype(np.float64),
+            **{s: arrs[f"fold_{s}"][k].astype(np.float64) if f"fold_{s}" in arrs else None
+               for s in Features.BASIS_SUMS}}
         folds.append(Features(d=d, n_samples=int(n[k]), n_tokens=int(arrs["fold_n_tokens"][k]),
                               weight_sum=float(arrs["fold_weight_sum"][k]),
                               token_weight_sum=float(arrs["fold_token_weight_sum"][k]),
                               **{s: arrs[f"fold_{s}"][k].astype(np.float64) for s in Features.SUMS},
                               token_dtype=total.token_dtype,
                               sample_range=(int(arrs["fold_ranges"][k][0]), int(arrs["fold_ranges"][k][1])),
-                              per_position=total.per_position, normalize=total.normalize))
+                              samples=total.samples, normalize=total.normalize, bias_terms=total.bias_terms,
+                              **canonical))
     return folds
 
 
+def _check_fold_bases(arrs: dict[str, np.ndarray], total: Features, path: str | os.PathLike) -> None:
+    """The folds' canonical sums: invertible bases, symmetric Grams, and token Grams that, changed to the
+    total's basis, sum to the total's (FOLD_SUM_TOL of its largest entry)."""
+    total.ensure_basis()
+    acc = np.zeros((total.d, total.d))
+    for k, A in enumerate(arrs["fold_basis"]):
+        if basis_mod.row_scaled_cond(A) > SINGULAR_BASIS_COND:
+            raise InputError(f"'fold_basis' of fold {k} is singular; the file is corrupted", path)
+        if not _is_symmetric(arrs["fold_basis_gram"][k]):
+            raise InputError(f"'fold_basis_gram' of fold {k} is not symmetric; the file is corrupted", path)
+        C = basis_mod.transition(A, total.basis)
+        acc += C.T @ arrs["fold_basis_token_gram"][k] @ C
+    want = total.basis_token_gram
+    if not np.abs(acc - want).max() <= FOLD_SUM_TOL * max(float(np.abs(want).max()), 1e-300):
+        raise InputError("the folds' 'fold_basis_token_gram' do not sum to 'basis_token_gram'; the file is "
+                         "inconsistent", path)
+
+
+def check_own_folds(total: Features, path: str | os.PathLike | None = None) -> None:
+    """Folds known only by their own-coordinate sums (files written before FOLD_BASIS): their canonical
+    sums come from a change of basis to the total's whitening A, which multiplies the sums' rounding by
+    about cond^6 of its row-scaled condition number (a rescaling of the token coordinates is exact).
+    Accepted up to OWN_FOLDS_COND (mhla_cli.numerics), else refused: such units need the folds'
+    canonical sums, which `featurize --folds` writes."""
+    total.ensure_basis()
+    cond = basis_mod.row_scaled_cond(total.basis)
+    if not cond <= OWN_FOLDS_COND:
+        raise InputError(f"holds the folds' sums in the tokens' own coordinates only (written before the folds' "
+                         f"canonical sums): in these token units (whitening of condition {cond:.3g} > "
+                         f"{OWN_FOLDS_COND:g}, rows scaled alike) they cannot give each fold's canonical "
+                         "statistics exactly; run `mhla featurize DATA -o FEATS --folds K` again", path)
+
+
 def load_for_cv(path: str | os.PathLike, n_folds: int = 5, chunk_size: int | None = None,
-                progress: Callable[[int], None] | None = None) -> tuple[Features, list[Features]]:
-    """Whole-file and per-fold statistics: from a features file's stored folds, or computed from a tokens file."""
+                progress: Callable[[int], None] | None = None, attention: str | None = None,
+                bias_terms: bool = False) -> tuple[Features, list[Features]]:
+    """Whole-file and per-fold statistics: from a features file's stored folds, or computed from a tokens file
+    (its per-position samples read with `attention`, which a features file's must match; with the bias terms
+    when asked, which a features file must hold)."""
     kind = formats.kind_of(path)
     if kind == "features":
         total = Features.load(path)
+        check_attention_of(total, attention, path)
+        check_bias_terms_of(total, bias_terms, path)
         folds = load_folds(path, total)
         if folds is None:
             raise InputError("has no per-fold statistics, which 'auto' needs (write them with "
                              "featurize_folds and save_with_folds)", path)
         return total, folds
     if kind == "tokens":
-        return featurize_folds(path, n_folds, chunk_size=chunk_size, progress=progress)
+        return featurize_folds(path, n_folds, chunk_size=chunk_size, progress=progress, attention=attention,
+                               bias_terms=bias_terms)
     raise InputError(f"is a {kind} file, expected a tokens or features file", path)

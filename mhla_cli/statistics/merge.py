@@ -16,6 +16,7 @@ from typing import Any
 from ..io import formats
 from ..errors import InputError
 from ..linalg.memory import check_memory, merge_bytes
+from ..samples import LAST, Samples, from_attrs
 from .features import Features
 from . import zarr_store
 from .features_file import expect_features
@@ -32,6 +33,8 @@ class PartInfo:
     source: dict[str, Any]
     shard: str | None = None
     normalize: str = "none"
+    samples: Samples = LAST  # what a sample was (mhla_cli.samples)
+    bias_terms: bool = False  # the statistics of the tokens (x, 1) (docs/bias_terms.md)
 
     @property
     def label(self) -> str:
@@ -77,9 +80,9 @@ def read_part_info(path: str | os.PathLike) -> PartInfo:
     """The sample ranges and source of a features file (or Zarr features store), with a clear error if it
     has none."""
     if zarr_store.is_store(path):
-        d, n, ranges, source, shard, normalize, n_seq = zarr_store.part_info(path)
+        d, n, ranges, source, shard, normalize, n_seq, samples, bias_terms = zarr_store.part_info(path)
         _check_ranges(ranges, n_seq, path)
-        return PartInfo(str(path), d, n, ranges, source, shard, normalize)
+        return PartInfo(str(path), d, n, ranges, source, shard, normalize, samples, bias_terms)
     with formats.open_input(path) as f:
         expect_features(f, path)
         d = formats.read_attr_int(f, "d", path)
@@ -98,10 +101,12 @@ def read_part_info(path: str | os.PathLike) -> PartInfo:
             ranges = [(int(attrs["sample_lo"]), int(attrs["sample_hi"]))]
         shard = _text(attrs["shard"]) if "shard" in attrs else None
         normalize = formats.read_normalize(f, path)
+        samples = from_attrs(attrs, path)
+        bias_terms = formats.read_bias_terms(attrs, path)
         # per-position or weighted data count positions (weight > 0) as samples: ranges are of sequences
         n_seq = int(attrs["n_sequences"]) if "n_sequences" in attrs else n
     _check_ranges(ranges, n_seq, path)
-    return PartInfo(str(path), d, n, ranges, source, shard, normalize)
+    return PartInfo(str(path), d, n, ranges, source, shard, normalize, samples, bias_terms)
 
 
 def _check_ranges(ranges: list[tuple[int, int]], n_seq: int, path: str | os.PathLike) -> None:
@@ -126,12 +131,20 @@ def plan_merge(paths: list[str | os.PathLike], allow_partial: bool = False) -> M
     parts = [read_part_info(p) for p in paths]
     first = parts[0]
     for p in parts[1:]:
+        if p.bias_terms != first.bias_terms:
+            raise InputError(f"was featurized {'with' if p.bias_terms else 'without'} --bias-terms but {first.path} "
+                             f"{'without' if p.bias_terms else 'with'}: the statistics do not add up (featurize every "
+                             "shard with the same --bias-terms)", p.path)
         if p.d != first.d:
             raise InputError(f"has d = {p.d} but {first.path} has d = {first.d}: parts of different data", p.path)
         if p.normalize != first.normalize:
             raise InputError(f"was featurized with normalisation {p.normalize} but {first.path} with "
                              f"{first.normalize}: the statistics of different normalisations do not add up",
                              p.path)
+        if p.samples is not first.samples:
+            raise InputError(f"holds {p.samples.name} samples but {first.path} {first.samples.name} samples: the "
+                             "statistics of different sample layouts do not add up (featurize every shard with the "
+                             "same --attention)", p.path)
         if not _same_source(p.source, first.source):
             raise InputError(
                 f"comes from a different source than {first.path}: {_describe(p.source)} vs "

@@ -32,6 +32,7 @@ from ..linalg.memory import block_featurize_bytes, check_floor, featurize_bytes
 from .accumulate import PANEL_BYTES, _Accumulator
 from .parallel import CANCEL, Cancelled
 from .algebra import add_into
+from .affine_sums import WideSource
 from .features import Features, check_overflow
 from ..io.tokens import ReadBuffers, TokensInfo, check_chunk, check_weights, iter_chunks, read_chunk
 
@@ -47,15 +48,19 @@ CHUNK_BYTES = 64 * 2**20
 MIN_SYRK_ROWS = 4096
 
 
-def default_chunk_size(info: TokensInfo) -> int:
-    """Samples per chunk so that the chunk's buffers stay near CHUNK_BYTES."""
+def default_chunk_size(info: TokensInfo, affine_width: int = 0) -> int:
+    """Samples per chunk so that the chunk's buffers stay near CHUNK_BYTES (with the affine block of wide tokens of
+    `affine_width` coordinates: their read buffers and the rows f beside the targets too)."""
     psi = n_features(info.d)
     mean_len = max(1.0, info.n_tokens / info.n_samples)
-    rows = CHUNK_BYTES // _sample_bytes(info)
+    extra = 0
+    if affine_width:
+        per_seq = info.samples.rows_per_sequence(mean_len)
+        extra = int(3 * 8 * (affine_width + 1) * (per_seq + mean_len) + 2 * 8 * affine_width * mean_len)
+    rows = CHUNK_BYTES // (_sample_bytes(info) + extra)
     if psi + info.d >= 512:
         # the per-chunk cost outside the syrk (adding the psi^2 product) shrinks as 1/rows
-        rows = max(rows, MIN_SYRK_ROWS if not getattr(info, "per_position", False)
-                   else math.ceil(MIN_SYRK_ROWS / mean_len))
+        rows = max(rows, math.ceil(MIN_SYRK_ROWS / info.samples.rows_per_sequence(mean_len)))
     return int(max(1, min(info.n_samples, rows)))
 
 
@@ -63,11 +68,14 @@ def _sample_bytes(info: TokensInfo) -> int:
     """Bytes of the chunk buffers per sample (sequence) of a chunk."""
     psi, d = n_features(info.d), info.d
     mean_len = max(1.0, info.n_tokens / info.n_samples)
+    rows = info.samples.rows_per_sequence(mean_len)
+    if rows > 1:
+        # every row is a row of the [H | Y] block, with its prefix Gram entries
+        return int(rows * (8 * (psi + d) + 3 * 8 * (psi // d) + 4 * 8 * d))
     # [H | Y] block + S + pair products, and two float64 read slots of tokens and targets
     per_sample = 8 * (psi + d) + 8 * (d * d + psi // d) + 2 * 8 * d * (mean_len + 1)
-    if getattr(info, "per_position", False):
-        # every position is a row of the [H | Y] block, with its prefix Gram entries
-        per_sample = mean_len * (8 * (psi + d) + 3 * 8 * (psi // d) + 4 * 8 * d)
+    if info.per_position:  # per-position targets, the tokens weighted, X^T W X and X^T W Y of each window
+        per_sample += 3 * 8 * d * mean_len + 2 * 8 * d * d
     return int(per_sample)
 
 
@@ -83,8 +91,7 @@ def device_pass_bytes(info: TokensInfo, chunk_size: int | None = None, block: in
     """Bytes a pass holds on a device (`device.DeviceGram`): the Gram of [Ht | Y] and a chunk's block."""
     W = (n_features(info.d) if block is None else block) + (info.d if info.has_targets else 0)
     rows = min(chunk_size or default_chunk_size(info), info.n_samples)
-    if getattr(info, "per_position", False):
-        rows = int(rows * max(1.0, info.n_tokens / info.n_samples))
+    rows = int(rows * info.samples.rows_per_sequence(info.n_tokens / info.n_samples))
     return 8 * W * W + 2 * 8 * W * rows + 64 * 2**20
 
 
@@ -103,20 +110,29 @@ def featurize_need(info: TokensInfo, chunk_size: int | None = None, workers: int
 
 
 def _add_chunks(acc: _Accumulator, info: TokensInfo, span: tuple[int, int], chunk_size: int | None = None,
-                progress: Callable[[int], None] | None = None, prefetch: bool = True) -> None:
+                progress: Callable[[int], None] | None = None, prefetch: bool = True,
+                wide: WideSource | None = None) -> None:
     """Read samples [lo, hi) in chunks, validate each and add it to `acc`.
 
     `progress(n)` gets the samples of every chunk, in up to PROGRESS_STEPS parts when the chunk reports
     its work as it goes (`_Accumulator.add`'s tick), so that a bar moves within the large chunks of a
     big file; the parts of a chunk sum to its samples, and nothing else depends on them.
+    `wide`: the wide tokens read in lockstep, whose rows f = (x_wide, 1) at every sample's query go beside the
+    targets (mhla_cli.statistics.affine_sums).
     """
-    per_position = getattr(info, "per_position", False)
+    per_position = info.per_position
+    size = chunk_size or default_chunk_size(info)
+    wide_chunks = None if wide is None else wide.chunks(span, size, prefetch)
     with acc.pipeline():  # a chunk's GEMMs run while the next is read and prepared (HostGram.pipeline)
-        for a, b, tokens, offsets, targets, weights in iter_chunks(info, span, chunk_size or default_chunk_size(info),
-                                                                   prefetch, with_weights=True):
+        for a, b, tokens, offsets, targets, weights in iter_chunks(info, span, size, prefetch, with_weights=True):
             if CANCEL.is_set():
                 raise Cancelled("the reduction was cancelled")
             check_weights(weights, offsets, a, per_position, info.path)
+            if wide_chunks is not None:  # [y, f]: the affine block rides beside the targets
+                f = wide.rows(next(wide_chunks), a, offsets, info.samples)
+                targets = f if not acc.has_targets else np.hstack([targets, f])
+            elif not acc.has_targets:
+                targets = None
             told = [0]  # samples of this chunk reported so far
 
             def tick(f: float, n: int = b - a, told: list[int] = told) -> None:
@@ -124,7 +140,7 @@ def _add_chunks(acc: _Accumulator, info: TokensInfo, span: tuple[int, int], chun
                 if k - told[0] >= max(1, n // PROGRESS_STEPS):
                     progress(k - told[0])
                     told[0] = k
-            acc.add(tokens, offsets, targets if acc.has_targets else None,
+            acc.add(tokens, offsets, targets,
                     check=lambda top, a=a, t=tokens, o=offsets, y=targets: check_chunk(info, a, t, o, y, top),
                     weights=weights, tick=None if progress is None else tick)
             if progress is not None:
@@ -138,32 +154,36 @@ PROGRESS_STEPS = 64
 def reduce_span(info: TokensInfo, span: tuple[int, int], chunk_size: int | None = None,
                 progress: Callable[[int], None] | None = None, prefetch: bool = True,
                 normalize: str = "none", basis: np.ndarray | None = None, finalize: bool = True,
-                spans: tuple[np.ndarray, np.ndarray] | None = None, device: str | None = None) -> Features:
+                spans: tuple[np.ndarray, np.ndarray] | None = None, device: str | None = None,
+                wide: WideSource | None = None) -> Features:
     """Statistics of samples [lo, hi) of the tokens file `info.path` (opened here, read in chunks).
 
     This is the one chunk reduction of mhla: the serial loop, worker pools, Dask and shards all
-    call it. `progress(n)` is called after each chunk of n samples (sequences). Per-position data
-    (info.per_position) make every weighted prefix a sample; `normalize="length"` divides S by the
-    prefix (sequence) length. `basis` (d, d; None = the identity): accumulate the features of
+    call it. `progress(n)` is called after each chunk of n samples (sequences). The samples are
+    `info.samples` (mhla_cli.samples: per sequence, every weighted prefix, or every weighted position of
+    the whole window); `normalize="length"` divides S by its number of tokens. `basis` (d, d; None = the identity): accumulate the features of
     X @ basis (mhla_cli.statistics.basis). `finalize=False` returns the sums of that basis as they are (partial
     sums of a larger reduction add exactly); otherwise they are changed to the whitening of the
     span's tokens and the own-coordinate sums derived. `spans` (E, F) in the canonical coordinates of
     `basis`: accumulate only the block on the data's spans (mhla_cli.statistics.structure, `find_spans`).
     `device` (mhla_cli.linalg.device): build the features and their Gram there ("cuda" in a worker process:
-    one GPU per worker); the result is the same float64 Features.
+    one GPU per worker); the result is the same float64 Features. `wide`: the wide tokens of the affine block
+    (mhla_cli.statistics.affine_sums), read in lockstep.
     """
     lo, hi = span
-    per_position = getattr(info, "per_position", False)
     device = device_mod.worker_device(device)
-    acc = _Accumulator(info.d, info.has_targets, basis, causal=per_position, normalize=check_normalize(normalize),
-                       spans=spans, device=device)
-    _add_chunks(acc, info, span, chunk_size, progress, prefetch)
+    acc = _Accumulator(info.d, info.has_targets, basis, samples=info.samples, normalize=check_normalize(normalize),
+                       spans=spans, device=device, n_affine=0 if wide is None else wide.width + 1)
+    _add_chunks(acc, info, span, chunk_size, progress, prefetch, wide)
     total = acc.result(info.dtype)
+    if wide is not None:  # the sums are of f_b = A_w^T f (mhla_cli.statistics.affine_sums)
+        total.affine.basis, total.affine.P, total.affine.source = wide.basis, wide.P, wide.identity or None
     check_overflow(total, f"samples {lo}..{hi}", info.path)
     if finalize:
         total.canonical().finalize()
         check_overflow(total, f"samples {lo}..{hi}", info.path)
     total.sample_range = (lo, hi)
+    total.bias_terms = info.constant
     return total
 
 
@@ -193,10 +213,7 @@ def change_flops(d: int) -> float:
 
 def exact_basis(info: TokensInfo, span: tuple[int, int]) -> bool:
     """Whether `estimate_basis` of `span` reads every token of it (EXACT_BASIS_FLOPS_PER_BYTE): only for
-    the whole file of unit-weight data (the whitening of weighted or per-position data weights each
-    token by the samples that contain it; a shard's basis stays the file's sample estimate)."""
-    if getattr(info, "per_position", False) or getattr(info, "has_weights", False):
-        return False
+    the whole file (a shard's basis stays the file's sample estimate, the same in every shard)."""
     if tuple(span) != (0, info.n_samples) or info.n_samples == 0:
         return False
     if basis_mod.sample_blocks(info.n_samples, info.n_tokens) == [(0, info.n_samples)]:
@@ -208,7 +225,9 @@ def exact_basis(info: TokensInfo, span: tuple[int, int]) -> bool:
 def estimate_basis(info: TokensInfo, span: tuple[int, int] | None = None) -> np.ndarray:
     """The basis a pass accumulates in: an estimate of the whitening of a tokens file from a fixed sample
     (basis.sample_blocks), rounded to float32 values; or, when `exact_basis(info, span)`, the whitening
-    of every token of `span` (the samples the pass reads), not rounded.
+    of every token of `span` (the samples the pass reads), not rounded: of the token Gram the pass
+    accumulates, sum c x x^T with c the weight of the samples that contain the token (the layout's
+    `token_weights`, mhla_cli.samples).
 
     The estimate is deterministic in the file's content (every shard, worker and machine gets the same
     basis). It only has to be good enough to accumulate in: `featurize` checks it against the token
@@ -227,12 +246,15 @@ def estimate_basis(info: TokensInfo, span: tuple[int, int] | None = None) -> np.
     bufs = ReadBuffers()
     with formats.open_input(info.path) as f, np.errstate(invalid="ignore", over="ignore"):
         for a, b in blocks:
-            tokens, offsets, targets = read_chunk(f, info, a, b, bufs)
+            tokens, offsets, targets, weights = read_chunk(f, info, a, b, bufs, with_weights=True)
             X = tokens.astype(np.float64)
             top = float(np.max(X * X)) if X.size else 0.0
             check_chunk(info, a, tokens, offsets, targets, top)
-            G += X.T @ X
-            count += X.shape[0]
+            if exact:  # weighted tokens: the weights checked as the pass checks them (one line naming the sample)
+                check_weights(weights, offsets, a, info.per_position, info.path)
+            c = info.samples.token_weights(offsets, weights)[0] if exact else None
+            G += X.T @ (X if c is None else X * c[:, None])
+            count += X.shape[0] if c is None else float(np.sum(c))
     return basis_mod.whitening(G, count, round32=not exact)
 
 
@@ -241,7 +263,8 @@ def reduce_spans(info: TokensInfo, span_list: Sequence[tuple[int, int]],
                  chunk_size: int | None = None,
                  progress: Callable[[int], None] | None = None, normalize: str = "none",
                  basis: np.ndarray | None = None, finalize: bool = True,
-                 spans: tuple[np.ndarray, np.ndarray] | None = None, device: str | None = None) -> Features:
+                 spans: tuple[np.ndarray, np.ndarray] | None = None, device: str | None = None,
+                 wide: WideSource | None = None) -> Features:
     """Sum of `reduce_span` over `span_list`, evaluated with `map` (builtin, a pool's, Dask's).
 
     `map(fn, spans)` may also yield partial sums (Dask tree-reduces on the cluster); the parts are
@@ -263,7 +286,8 @@ def reduce_spans(info: TokensInfo, span_list: Sequence[tuple[int, int]],
                 raised.append(True)
                 raise
     for part in map(partial(reduce_span, info, chunk_size=chunk_size, normalize=normalize, basis=basis,
-                            finalize=False, spans=spans, device=device, progress=locked if threads else None),
+                            finalize=False, spans=spans, device=device, progress=locked if threads else None,
+                            wide=wide),
                     span_list):
         if total is None:
             total = part  # each part is a fresh result: sum into it
@@ -272,11 +296,12 @@ def reduce_spans(info: TokensInfo, span_list: Sequence[tuple[int, int]],
         if progress is not None and not threads:
             progress(part.n_sequences if part.n_sequences is not None else part.n_samples)
     if total is None:
-        total = _Accumulator(info.d, info.has_targets, basis, causal=getattr(info, "per_position", False),
-                             normalize=normalize, spans=spans).result(info.dtype)
+        total = _Accumulator(info.d, info.has_targets, basis, samples=info.samples, normalize=normalize, spans=spans,
+                             n_affine=0 if wide is None else wide.width + 1).result(info.dtype)
     if finalize:
         total.canonical().finalize()
     total.token_dtype = info.dtype
+    total.bias_terms = info.constant
     if span_list:
         total.sample_range = (span_list[0][0], span_list[-1][1])
     return total
@@ -317,8 +342,7 @@ def span_traces(info: TokensInfo, span: tuple[int, int], A: np.ndarray, chunk_si
 
     A cheap pass: O(q^2) per sample instead of the Gram's O(psi^2).
     """
-    acc = _Accumulator(info.d, False, A, causal=getattr(info, "per_position", False),
-                       normalize=check_normalize(normalize), traces=True)
+    acc = _Accumulator(info.d, False, A, samples=info.samples, normalize=check_normalize(normalize), traces=True)
     _add_chunks(acc, info, span, chunk_size)
     tp, tl = acc.traces  # type: ignore[misc]
     return 0.5 * (tp + tp.T), 0.5 * (tl + tl.T), acc.result(info.dtype)
@@ -377,7 +401,7 @@ def probe_blocks(info: TokensInfo) -> list[tuple[int, int]] | None:
     alone decides)."""
     N = info.n_samples
     q = n_features(info.d) // info.d
-    per = max(1.0, info.n_tokens / max(N, 1)) if getattr(info, "per_position", False) else 1.0
+    per = info.samples.rows_per_sequence(info.n_tokens / max(N, 1))
     k = max(1, -(-int(SPANS_PROBE_PER_PAIR * q) // max(1, int(basis_mod.SAMPLE_BLOCKS * per))))
     if 2 * k > basis_mod.block_samples(N, info.n_tokens):
         return None

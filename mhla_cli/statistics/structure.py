@@ -3,7 +3,7 @@
 Every feature vector is a Kronecker product h = s (x) x_n (s = the distinct entries of S in
 orthonormal pair coordinates, x_n the last token; features pair-major, l fastest), so the Gram
 Lambda = (1/N) sum w h h^T has its range in P (x) U_n, P = span{s_i}, U_n = span{x_n,i}
-(BACKGROUND.md, "Structure that shrinks psi exactly"). Both spans are read off the two partial
+(docs/formats_features.md, "Features on the data's spans"). Both spans are read off the two partial
 traces of Lambda, a q x q and a d x d matrix (q = d(d+1)/2):
 
     Tr_l Lambda = (1/N) sum w ||x_n||^2 s s^T,     Tr_s Lambda = (1/N) sum w ||s||^2 x_n x_n^T.

@@ -20,9 +20,12 @@
    the parts of a tile from different spans are summed pairwise on the workers.
 
 The client receives the d x d sums, the moments (psi x d) and nothing of the Gram; the tiles are
-futures of a mhla_cli.linalg.tiled_matrix.TiledMatrix. Last-token and per-position (causal) data:
-the samples' rows are those of kernels.sample_rows, the per-sample token factor V = w x x^T of the
-sample's query token (`_rows`; the per-sample V of another layout takes its place there).
+futures of a mhla_cli.linalg.tiled_matrix.TiledMatrix. Every sample layout (mhla_cli.samples: last
+token, causal prefixes, every position of a bidirectional window; weights, --normalize length) and the
+bias terms (the reader's constant coordinate) give their rows as on one machine (`Samples.rows`, in the
+accumulator's order: canonical scale, then the length): one sample per row (K's token factor the pairs
+of sqrt(w) x) or a window per row (its X^T W X, symgram.SymGram.add_windows). The affine block of
+--affine-from is not tiled: it is refused on a cluster (solve.cluster.RULES).
 """
 
 from __future__ import annotations
@@ -39,12 +42,11 @@ from . import parallel
 from ..errors import InputError
 from ..feature_map import check_normalize
 from ..io import formats
-from ..io.tokens import TokensInfo, inspect_tokens, iter_chunks, require_square
+from ..io.tokens import TokensInfo, inspect_tokens, iter_chunks, read_as, require_square, with_bias_terms
 from ..linalg import symgram
 from ..linalg.memory import check_floor
 from ..linalg.tiled_matrix import TiledMatrix
 from .features import Features
-from .kernels import position_numbers, sample_rows
 from .shards import shard_span, work_spans
 from .spans import default_chunk_size, reduce_spans
 
@@ -118,12 +120,16 @@ def _stamp(path: str) -> tuple[int, int]:
 
 
 def accumulate(path: str | os.PathLike, client: Any, chunk_size: int | None = None, normalize: str = "none",
-               shard: tuple[int, int] | None = None, tile_features: int | None = None) -> TiledStatistics:
+               shard: tuple[int, int] | None = None, tile_features: int | None = None, attention: str | None = None,
+               bias_terms: bool = False) -> TiledStatistics:
     """The statistics of the tokens file `path` (of its --shard i/M) on the Dask `client`'s cluster
-    (module docstring). The basis is the whitening of the whole file's tokens, so that every shard of
-    one file is accumulated in the same basis and their tiles add (`zarr_store.merge`)."""
+    (module docstring), its samples read with `attention` and `bias_terms` as statistics.stream.featurize
+    reads them. The basis is the whitening of the whole file's tokens, so that every shard of one file is
+    accumulated in the same basis and their tiles add (`zarr_store.merge`)."""
     check_normalize(normalize)
-    info = inspect_tokens(path)
+    info = read_as(inspect_tokens(path), attention)
+    if bias_terms:
+        info = with_bias_terms(info)
     check_floor(info.d, path, "featurize")
     require_square(info, "featurize")
     lo, hi = shard_span(info.n_samples, shard, path)
@@ -170,9 +176,9 @@ def _record(part: Features, info: TokensInfo, path: str | os.PathLike, span: tup
                      last_token_gram=part.last_token_gram, moments=own, target_gram=part.target_gram,
                      token_dtype=info.dtype, sample_range=span, basis=np.array(A),
                      basis_moments=moments, basis_token_gram=part.basis_token_gram,
-                     basis_last_token_gram=part.basis_last_token_gram, per_position=part.per_position,
+                     basis_last_token_gram=part.basis_last_token_gram, samples=part.samples,
                      normalize=part.normalize, n_sequences=part.n_sequences, target_sum=part.target_sum,
-                     weight_sum=part.weight, token_weight_sum=part.token_weight)
+                     weight_sum=part.weight, token_weight_sum=part.token_weight, bias_terms=info.constant)
     feats.source = dict(formats.source_identity(path), n_samples=info.n_samples)
     feats.extra_attrs.update(basis_passes=passes, basis_correction_cond=float(cond), span_passes=0)
     if shard is not None:
@@ -236,24 +242,24 @@ def _token() -> str:
 
 
 def _rows(tokens: np.ndarray, offsets: np.ndarray, targets: np.ndarray | None, weights: np.ndarray | None,
-          A: np.ndarray, per_position: bool, normalize: str) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
-    """The chunk's samples as factors of their canonical features: (s_t (q, R): D upper(S) of X A,
-    divided by the length with normalize="length"; x_t (d, R): sqrt(w) times the query token of X A, so
-    that the token factor sum w x x^T of a Gram is the products of x_t; y_t (d, R) sqrt(w) y or None)."""
+          A: np.ndarray, info: TokensInfo, normalize: str) -> tuple[np.ndarray, np.ndarray, Any]:
+    """The chunk's rows as factors of the canonical features, as statistics.accumulate adds them (the layout's
+    `Samples.rows` of X A): (s_t (q, R): D upper(S), divided by the length with normalize="length"; V (d (d + 1)
+    / 2, R): the pairs l <= m of the token factor, x_l x_m of sqrt(w) x for one sample per row, (X^T W X)_lm
+    for a window per row; the Rows themselves, whose targets give the moments)."""
     X = np.asarray(tokens, dtype=np.float64) @ A
-    upper, last = sample_rows(X, offsets, per_position)
+    rows = info.samples.rows(X, offsets, weights, targets)
     d = A.shape[0]
-    upper *= basis_mod.pair_scale(d)
+    upper = rows.upper * basis_mod.pair_scale(d)
     if normalize == "length":
-        lens = position_numbers(offsets) if per_position else np.diff(offsets).astype(np.float64)
-        upper /= lens[:, None]
-    y = None if targets is None else np.asarray(targets, dtype=np.float64)
-    if weights is not None:
-        sw = np.sqrt(np.asarray(weights, dtype=np.float64))
-        last = last * sw[:, None]
-        y = None if y is None else y * sw[:, None]
-    return (np.ascontiguousarray(upper.T), np.ascontiguousarray(last.T),
-            None if y is None else np.ascontiguousarray(y.T))
+        upper /= rows.lengths[:, None]
+    jl, jm = np.triu_indices(d)  # the token pairs l <= m, in the order of symgram.pair_positions
+    if rows.xx is not None:
+        V = np.take(rows.xx.reshape(rows.n_rows, d * d), jl * d + jm, axis=1).T
+    else:
+        x = rows.x if rows.w is None else rows.x * np.sqrt(rows.w)[:, None]
+        V = (x[:, jl] * x[:, jm]).T
+    return np.ascontiguousarray(upper.T), np.ascontiguousarray(V), rows
 
 
 def _tile_part(info: TokensInfo, span: tuple[int, int], A: np.ndarray, rows_i: tuple[int, int],
@@ -267,16 +273,22 @@ def _tile_part(info: TokensInfo, span: tuple[int, int], A: np.ndarray, rows_i: t
     a0, a1 = rows_i
     b0, b1 = rows_j
     diagonal = rows_i == rows_j
-    jl, jm = np.triu_indices(d)  # the token pairs l <= m, in the order of symgram.pair_positions
-    part: Any = symgram.SymGram(a1 - a0, d, d if info.has_targets else 0) if diagonal else \
-        np.zeros(((a1 - a0) * (b1 - b0), jl.size))
+    part: Any = symgram.SymGram(a1 - a0, d, info.out_dim if info.has_targets else 0) if diagonal else \
+        np.zeros(((a1 - a0) * (b1 - b0), d * (d + 1) // 2))
     for _, _, tokens, offsets, targets, weights in iter_chunks(info, span, chunk_size, with_weights=True):
-        s_t, x_t, y_t = _rows(tokens, offsets, targets if info.has_targets else None, weights, A,
-                              info.per_position, normalize)
-        if diagonal:
-            part.add(np.ascontiguousarray(s_t[a0:a1]), x_t, y_t)
+        s_t, V, rows = _rows(tokens, offsets, targets if info.has_targets else None, weights, A, info, normalize)
+        if rows.n_rows == 0:
             continue
-        V = x_t[jl] * x_t[jm]  # (d (d + 1) / 2, R)
+        if diagonal:
+            s_block = np.ascontiguousarray(s_t[a0:a1])
+            if rows.xx is not None:
+                part.add_windows(s_block, rows.xx, rows.xy, rows.yy)
+            else:
+                sw = None if rows.w is None else np.sqrt(rows.w)
+                x_t = rows.x.T if sw is None else (rows.x * sw[:, None]).T
+                y_t = None if rows.y is None else (rows.y.T if sw is None else (rows.y * sw[:, None]).T)
+                part.add(s_block, np.ascontiguousarray(x_t), None if y_t is None else np.ascontiguousarray(y_t))
+            continue
         si, sj = s_t[a0:a1], s_t[b0:b1]
         R = s_t.shape[1]
         per = max(1, PANEL_BYTES // (8 * max(1, (b1 - b0) * R)))  # pair rows a of U per panel

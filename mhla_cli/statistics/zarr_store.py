@@ -39,6 +39,7 @@ from ..io import formats
 from ..linalg.memory import check_load
 from ..linalg.tiled_matrix import TiledMatrix
 from ..numerics import SINGULAR_BASIS_COND
+from ..samples import Samples, from_attrs
 from .features import Features
 from .features_file import EXTRA_ATTRS, WEIGHT_ATTRS
 from .tiled_gram import TiledStatistics
@@ -276,7 +277,7 @@ def _sums(g: Any, attrs: dict[str, Any], url: str) -> tuple[Features, int]:
                      source=json.loads(attrs["source"]) if "source" in attrs else None, extra_attrs=extra,
                      basis=A, basis_moments=arrays["basis_moments"], basis_token_gram=arrays["basis_token_gram"],
                      basis_last_token_gram=arrays["basis_last_token_gram"],
-                     per_position=bool(int(attrs.get("per_position", 0))),
+                     samples=from_attrs(attrs, url), bias_terms=formats.read_bias_terms(attrs, url),
                      normalize=formats.read_normalize(_Attrs(attrs), url),
                      n_sequences=int(attrs["n_sequences"]) if "n_sequences" in attrs else None,
                      target_sum=arrays["target_sum"], weight_sum=weights[0], token_weight_sum=weights[1])
@@ -355,9 +356,10 @@ def dims(path: Any) -> tuple[int, int]:
     return int(attrs["d"]), int(attrs["n_samples"])
 
 
-def part_info(path: Any) -> tuple[int, int, list[tuple[int, int]], dict[str, Any], str | None, str, int]:
+def part_info(path: Any) -> tuple[int, int, list[tuple[int, int]], dict[str, Any], str | None, str, int, Samples,
+                                   bool]:
     """What a store says about itself for `mhla merge` (statistics.merge.read_part_info): (d, n_samples,
-    sample ranges, source, shard, normalize, n_sequences)."""
+    sample ranges, source, shard, normalize, n_sequences, samples, bias_terms)."""
     url = _url(path)
     attrs = _attrs(_open(url), url)
     if "source" not in attrs or "sample_lo" not in attrs or "sample_hi" not in attrs:
@@ -367,7 +369,8 @@ def part_info(path: Any) -> tuple[int, int, list[tuple[int, int]], dict[str, Any
               else [(int(attrs["sample_lo"]), int(attrs["sample_hi"]))])
     n = int(attrs["n_samples"])
     return (int(attrs["d"]), n, ranges, json.loads(attrs["source"]), attrs.get("shard"),
-            formats.read_normalize(_Attrs(attrs), url), int(attrs.get("n_sequences", n)))
+            formats.read_normalize(_Attrs(attrs), url), int(attrs.get("n_sequences", n)), from_attrs(attrs, url),
+            formats.read_bias_terms(attrs, url))
 
 
 def sum_stores(paths: list[Any], out: Any, extra_attrs: dict[str, Any], source: dict[str, Any],
@@ -456,7 +459,8 @@ def inspect(path: Any) -> dict[str, Any]:
         rep.update(d=feats.d, n_samples=feats.n_samples, n_features=psi, n_tokens=feats.n_tokens,
                    has_targets=feats.has_targets,
                    sample_range=list(feats.sample_range) if feats.sample_range else None,
-                   per_position=feats.per_position, normalize=feats.normalize, gram_form="tiles",
+                   per_position=feats.per_position, attention=feats.samples.attention, normalize=feats.normalize,
+                   gram_form="tiles",
                    tile_features=side, valid=True)
     except InputError as exc:
         rep["error"] = str(exc)

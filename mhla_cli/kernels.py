@@ -1,18 +1,20 @@
-"""Per-chunk kernels of the streaming reduction: the per-sequence moments S = X^T X, the prefix Grams
-of per-position data and the rows of a chunk's samples.
+"""Per-chunk kernels: the per-sequence moments S = X^T X (and X^T Y), the prefix Grams of every position.
+
+The sample layouts (mhla_cli.samples) build their rows from them; the streaming reduction, the forward pass
+and the probes call them through the layouts.
 
 All float64, vectorised over a chunk (tokens of any real dtype are converted in cache-sized blocks).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import numpy as np
 
-from ..feature_map import pair_index
+from .feature_map import pair_index
 
-__all__ = ["position_numbers", "prefix_moments", "sample_rows", "sequence_moments"]
+__all__ = ["length_groups", "position_numbers", "prefix_moments", "sequence_moments", "window_products"]
 
 
 def sequence_moments(tokens: np.ndarray, offsets: np.ndarray, out: np.ndarray | None = None,
@@ -55,22 +57,10 @@ def _sequence_moments(tokens: np.ndarray, offsets: np.ndarray, out: np.ndarray |
                     progress(b)
         return S, X[:, -1, :].astype(np.float64)
     last = tokens[offsets[1:] - 1].astype(np.float64)
-    order = np.argsort(lengths, kind="stable")
-    sorted_len = lengths[order]
-    start = 0
-    while start < B:
-        lo_len = int(sorted_len[start])
-        limit = lo_len + lo_len // 4 + 4  # pad by at most ~25 % (+4 rows) within a group
-        stop = int(np.searchsorted(sorted_len, limit, side="right"))
-        idx = order[start:stop]
-        L = int(sorted_len[stop - 1])
-        ar = np.arange(L)
-        valid = ar[None, :] < lengths[idx][:, None]
-        rows = np.where(valid, offsets[idx][:, None] + ar[None, :], 0)
+    for idx, rows, valid, stop in length_groups(offsets):
         X = tokens[rows].astype(np.float64, copy=False)
         X[~valid] = 0.0
         S[idx] = np.matmul(X.transpose(0, 2, 1), X)
-        start = stop
         if progress is not None:
             progress(stop)
     return S, last
@@ -101,24 +91,59 @@ def prefix_moments(tokens: np.ndarray, offsets: np.ndarray, normalize: str = "no
             n = int(lengths[0])
             np.cumsum(P.reshape(B, n, -1), axis=1, out=P.reshape(B, n, -1))
         else:
-            order = np.argsort(lengths, kind="stable")
-            sorted_len = lengths[order]
-            start = 0
-            while start < B:
-                lo_len = int(sorted_len[start])
-                stop = int(np.searchsorted(sorted_len, lo_len + lo_len // 4 + 4, side="right"))
-                idx = order[start:stop]
-                L = int(sorted_len[stop - 1])
-                ar = np.arange(L)
-                valid = ar[None, :] < lengths[idx][:, None]
-                rows = np.minimum(offsets[idx][:, None] + ar[None, :], T - 1)
+            for _idx, rows, valid, _stop in length_groups(offsets):
                 block = P[rows]  # rows past a sequence's end are padding after its valid prefix
                 np.cumsum(block, axis=1, out=block)
                 P[rows[valid]] = block[valid]
-                start = stop
         if normalize == "length":
             P /= position_numbers(offsets)[:, None]
         return P, X
+
+
+def window_products(X: np.ndarray, Y: np.ndarray, offsets: np.ndarray) -> np.ndarray:
+    """X_i^T Y_i (B, d, e) of every sequence i, float64: X (T, d) and Y (T, e) rows of the same tokens.
+
+    Equal lengths are one batched matmul; ragged chunks are grouped by length (`length_groups`: padding
+    rows are zero in X, so they add nothing)."""
+    X = np.asarray(X, dtype=np.float64)
+    Y = np.asarray(Y, dtype=np.float64)
+    offsets = np.asarray(offsets, dtype=np.int64)
+    lengths = np.diff(offsets)
+    B, d, e = lengths.size, X.shape[1], Y.shape[1]
+    out = np.empty((B, d, e))
+    if B == 0:
+        return out
+    if (lengths == lengths[0]).all() and offsets[0] == 0 and X.shape[0] == offsets[-1]:
+        n = int(lengths[0])
+        return np.matmul(X.reshape(B, n, d).transpose(0, 2, 1), Y.reshape(B, n, e), out=out)
+    for idx, rows, valid, _stop in length_groups(offsets):
+        Xg = X[rows]
+        Xg[~valid] = 0.0
+        out[idx] = np.matmul(Xg.transpose(0, 2, 1), Y[rows])
+    return out
+
+
+def length_groups(offsets: np.ndarray) -> Iterator[tuple[np.ndarray, np.ndarray, np.ndarray, int]]:
+    """Ragged sequences grouped by length for batched products: (idx, rows, valid, stop) per group, idx the
+    group's sequences, rows (k, L) their token rows padded to the group's longest with row offsets[0]
+    (`valid` (k, L) marks the real ones), stop the number of sequences done after the group. Lengths are
+    sorted; a group pads by at most ~25 % (+4 rows)."""
+    offsets = np.asarray(offsets, dtype=np.int64)
+    lengths = np.diff(offsets)
+    B = lengths.size
+    order = np.argsort(lengths, kind="stable")
+    sorted_len = lengths[order]
+    start = 0
+    while start < B:
+        lo_len = int(sorted_len[start])
+        stop = int(np.searchsorted(sorted_len, lo_len + lo_len // 4 + 4, side="right"))
+        idx = order[start:stop]
+        L = int(sorted_len[stop - 1])
+        ar = np.arange(L)
+        valid = ar[None, :] < lengths[idx][:, None]
+        rows = np.where(valid, offsets[idx][:, None] + ar[None, :], offsets[0])
+        yield idx, rows, valid, stop
+        start = stop
 
 
 def position_numbers(offsets: np.ndarray) -> np.ndarray:
@@ -127,24 +152,6 @@ def position_numbers(offsets: np.ndarray) -> np.ndarray:
     lengths = np.diff(offsets)
     T = int(offsets[-1] - offsets[0])
     return (np.arange(T) - np.repeat(offsets[:-1] - offsets[0], lengths) + 1).astype(np.float64)
-
-
-def sample_rows(tokens: np.ndarray, offsets: np.ndarray, per_position: bool, normalize: str = "none"
-                ) -> tuple[np.ndarray, np.ndarray]:
-    """(upper entries of S (R, npairs), last tokens (R, d)) of every sample of a chunk, float64.
-
-    Per-position data: one row per position (prefix_moments); last-token data: one row per
-    sequence (S = X^T X, divided by the length with normalize="length").
-    """
-    if per_position:
-        return prefix_moments(tokens, offsets, normalize)
-    d = tokens.shape[1]
-    S, last = sequence_moments(tokens, offsets)
-    j, k = pair_index(d)
-    upper = S[:, j, k]
-    if normalize == "length":
-        upper /= np.diff(np.asarray(offsets, dtype=np.int64)).astype(np.float64)[:, None]
-    return upper, last
 
 
 # float64 elements per conversion block in sequence_moments (512 KiB: stays in cache for the product)

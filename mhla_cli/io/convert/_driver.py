@@ -1,0 +1,131 @@
+"""`convert_files`: the inputs (files, directories, patterns) read by their readers, named, unpadded,
+joined and written as one tokens file."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Callable, Sequence
+from contextlib import ExitStack
+from pathlib import Path
+
+from ._join import _join, _part
+from ._masks import _apply_mask
+from ._readers import SUFFIXES, known, reader_for
+from ._roles import FILE_NAMES, _pick, parse_keys
+from ._source import _Source
+from ._writer import _write
+from .. import tokens as tokens_mod
+from ...errors import InputError
+
+
+def parse_input(spec: str | os.PathLike) -> tuple[str | None, Path]:
+    """'NAME=FILE' -> (NAME, FILE) (NAME a dataset or mask name); a plain path -> (None, path)."""
+    s = str(spec)
+    name, sep, rest = s.partition("=")
+    if sep and name in FILE_NAMES and not Path(s).exists():
+        return name, Path(rest)
+    return None, Path(s)
+
+
+def expand_inputs(inputs: Sequence[str | os.PathLike]) -> list[str]:
+    """Inputs with directories replaced by their files of a known suffix (sorted by name) and
+    unexpanded shell patterns (*, ?, [) by their matches (sorted)."""
+    import glob
+
+    out: list[str] = []
+    for spec in inputs:
+        s = str(spec)
+        name, p = parse_input(s)
+        if name is None and p.is_dir() and reader_for(p) is None:
+            files = sorted(str(q) for q in p.iterdir() if q.is_file() and q.suffix.lower() in SUFFIXES)
+            if not files:
+                raise InputError(f"is a directory with no {known('or')} file", p)
+            out += files
+        elif name is None and not p.exists() and any(c in s for c in "*?["):
+            files = sorted(glob.glob(s))
+            if not files:
+                raise InputError("matches no file", s)
+            out += files
+        else:
+            out.append(s)
+    return out
+
+
+def _file_sources(name: str | None, p: Path, stack: ExitStack) -> list[_Source]:
+    if not p.exists():
+        raise InputError("no such file", p)
+    reader = reader_for(p)
+    if reader is None and p.is_dir():
+        raise InputError(f"is a directory, expected a {known('or')} file", p)
+    if name is not None and not (reader is not None and reader.one_array):
+        raise InputError("NAME=FILE names the array of a .npy file; the arrays of .npz, .safetensors and .pt "
+                         "files are named inside them", p)
+    if reader is None:
+        suffix = p.suffix.lower()
+        text = " (text: load it with np.loadtxt and np.save it as .npy)" if suffix in (".csv", ".tsv", ".txt") else ""
+        raise InputError(f"unknown input format '{suffix or p.name}': mhla convert reads {known()} files{text}", p)
+    sources = reader.sources(p, stack)
+    if reader.one_array:
+        sources = [dataclasses.replace(s, name=name or (p.stem if p.stem in FILE_NAMES else "tokens"))
+                   for s in sources]
+    return sources
+
+
+def convert_files(inputs: Sequence[str | os.PathLike], output: str | os.PathLike, *,
+                  chunk_size: int | None = None, progress: Callable[[int], None] | None = None,
+                  mask: str | None = None, keys: Sequence[str] | None = None,
+                  attention: str | None = None) -> tokens_mod.TokensInfo:
+    """Write the arrays of `inputs` (the formats of `READERS`) as one tokens file `output`.
+
+    A `.npy` input holds one array: the one named by `NAME=FILE` (e.g. `targets=y.npy`), else by its
+    stem when that is a dataset or mask name (`offsets.npy`), else the tokens (allowed once). The
+    others hold arrays named as the datasets of a tokens file; a torch file may also hold a tensor
+    (the tokens) or a list of (n_i, d) tensors (ragged sequences). Validated and written as
+    `write_tokens`.
+
+    Activations as models write them: `last_hidden_state` or `hidden_states` are the tokens when no
+    array is named `tokens`; `keys` ("ROLE=NAME": tokens, targets, weights, offsets, mask; NAME[h]
+    one head, NAME[sum] the sum over the heads) name any array's role, and hook points that no key
+    picks are left out; padded tokens (N, n, d) with an `attention_mask` (N, n) of 0/1 or `lengths`
+    (N,) (or the array named by `mask`) become the unpadded sequences, the last kept position the
+    query (per-position targets and weights masked alike). When several files hold tokens (a
+    directory or a glob gives its files sorted), each is one part and they are joined in the order
+    given; a file of another d or layout is refused, naming it.
+
+    Per-position targets need `attention` ("causal" or "bidirectional"), written as the file's
+    attribute `attention`; with other targets it is refused.
+    """
+    if not inputs:
+        raise InputError("no input files")
+    keymap = parse_keys(keys)
+    specs = [parse_input(i) for i in expand_inputs(inputs)]
+    with ExitStack() as stack:
+        plain = [p for n, p in specs if n is None and p.suffix.lower() == ".npy" and p.stem not in FILE_NAMES]
+        raw = [(p, _file_sources(name, p, stack)) for name, p in specs]
+        held = {s.name for _, srcs in raw for s in srcs}
+        for pick in keymap.values():
+            if pick.name not in held:
+                listed = ", ".join(repr(n) for n in sorted(held)[:8]) + (", ..." if len(held) > 8 else "")
+                raise InputError(f"--key {pick}: no input holds an array '{pick.name}' (they hold {listed})")
+        per_file = [(p, *_pick(srcs, keymap, mask)) for p, srcs in raw]
+        holders = [p for p, srcs, _ in per_file if any(s.name == "tokens" for s in srcs)]
+        if len(holders) > 1 and not plain:
+            parts = []
+            for p, srcs, mask_name in per_file:
+                if not any(s.name == "tokens" for s in srcs):
+                    raise InputError("holds no tokens: when several files hold tokens each file is one part to "
+                                     "join, with its own targets and weights", p)
+                parts.append(_part(_apply_mask(srcs, mask_name, str(p), mask is not None), str(p)))
+            sources = _join(parts)
+        else:
+            if len(plain) > 1:
+                raise InputError(f"cannot tell which array each of {', '.join(p.name for p in plain)} holds: name "
+                                 "the files tokens.npy, offsets.npy, targets.npy, weights.npy, or write NAME=FILE "
+                                 "(e.g. targets=y.npy)")
+            sources = [s for _, srcs, _ in per_file for s in srcs]
+            where = " + ".join(str(p) for p, _, _ in per_file)
+            mask_name = next((m for _, _, m in per_file if m is not None), None)
+            sources = _apply_mask(sources, mask_name, where, mask is not None)
+        return _write(output, sources, tuple(p for _, p in specs), chunk_size, progress, attention,
+                      require_attention=True)
