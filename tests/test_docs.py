@@ -725,5 +725,65 @@ def test_linked_images_exist_and_are_small() -> None:
             assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) < 100_000, (doc, link, len(data))
             shown.setdefault(doc, set()).add(path.name)
     assert {"fig1_teacher.png", "fig2_assoc.png", "sample_complexity.png"} <= shown.get("docs/reproduction.md", set())
-    assert "dfa_executor.png" in shown.get("docs/autoregressive.md", set())
+    assert "dfa_executor.png" in shown.get("docs/dfa_executor.md", set())
     assert "spectrum.png" in shown.get("docs/spectrum.md", set())
+
+
+LINK = re.compile(r"\[([^\]]+)\]\(([^)\s#]+)(?:#([^)\s]+))?\)")
+
+
+def _slug(heading: str) -> str:
+    """The anchor MkDocs (and GitHub) give a heading: lower case, punctuation dropped, spaces to dashes."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def performance_figures(readme: str) -> list[tuple[str, str, str | None, list[float]]]:
+    """(figure cell, linked page, anchor, numbers) of each row of the README's Performance table: the
+    numbers are those of the figure cell and the decimals of the baseline cell (`python -c pass`: 0.038 s)."""
+    section = readme.split("\n## Performance", 1)[1].split("\n## ", 1)[0]
+    rows = []
+    for line in section.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) != 4 or cells[0] in ("measure", "---"):
+            continue
+        link = LINK.search(cells[1])
+        numbers = [float(x) for x in re.findall(r"\d+(?:\.\d+)?", LINK.sub(r"\1", cells[1]))]
+        numbers += [float(x) for x in re.findall(r"(?<![\w.])\d+\.\d+", cells[2])]
+        rows.append((cells[1], link[2] if link else None, link[3] if link else None, numbers))
+    return rows
+
+
+def check_performance_figures(readme: str, pages: dict[str, str]) -> list[str]:
+    """Why the README's performance figures are not quotes of the performance pages they link to: a row
+    without a link, a link to no such page or heading, or a number that no table or text of that page
+    prints. The pages hold each figure where its benchmark's output stands; the README quotes it."""
+    bad = []
+    rows = performance_figures(readme)
+    if not rows:
+        return ["README.md: no Performance table"]
+    for cell, page, anchor, numbers in rows:
+        if page is None:
+            bad.append(f"{cell}: no link to the page that holds the figure")
+            continue
+        text = pages.get(page)
+        if text is None:
+            bad.append(f"{cell}: {page} does not exist")
+            continue
+        if anchor and anchor not in {_slug(h) for h in re.findall(r"^#+ (.+)$", text, re.M)}:
+            bad.append(f"{cell}: {page} has no heading #{anchor}")
+        printed = {float(x) for x in re.findall(r"(?<![\w.])\d+(?:\.\d+)?", text)}
+        bad += [f"{cell}: {x:g} is not on {page}" for x in numbers if x not in printed]
+    return bad
+
+
+def test_readme_performance_figures_quote_their_pages() -> None:
+    """Each figure of the README's Performance table links to the performance page whose table prints it,
+    and that page holds the same number (so the two cannot drift apart); an edited figure or link fails."""
+    readme = (ROOT / "README.md").read_text()
+    pages = {p: (ROOT / p).read_text() for p in all_docs() if p.startswith("docs/performance")}
+    assert check_performance_figures(readme, pages) == []
+    first = performance_figures(readme)[0][0]
+    number = re.search(r"\d+\.\d+", first)[0]
+    assert check_performance_figures(readme.replace(first, first.replace(number, number + "7")), pages)
+    assert check_performance_figures(readme.replace(first, re.sub(r"\]\([^)]*\)", "]", first)), pages)
+    assert check_performance_figures(readme.replace("#small-d-is-io-bound", "#small-d"), pages)
