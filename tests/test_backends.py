@@ -12,6 +12,7 @@ import pytest
 
 import _reference
 from conftest import relerr
+from mhla_cli.errors import InputError
 from mhla_cli.linalg import backends
 from mhla_cli.linalg.factorization import Factorization
 from mhla_cli.statistics.accumulate import _Accumulator
@@ -176,3 +177,18 @@ def test_last_outputs_equal_the_materialised_features(backend: backends.Backend,
     feats = np.stack([_reference.features(X[b]) for b in range(B)])  # materialised, plain numpy
     out = backend.last_outputs(coef, S, last)
     assert out.shape == (B, d) and relerr(out, feats @ coef.T) < 1e-12
+
+
+def test_lapack_indexing_is_checked_above_46340() -> None:
+    """A Cholesky of n > 46340 (n^2 >= 2^31) needs 64-bit indexing: an LP64 LAPACK behind a SciPy before
+    1.13 is refused (one line naming --scheduler), an ILP64 one or a newer SciPy is not; n <= 46340 never."""
+    n = backends.LP64_MAX_N
+    assert n * n < 2**31 <= (n + 1) ** 2
+    old = {"scipy": "1.12.0", "ilp64": False, "library": "scipy-openblas 0.3.21"}
+    backends.check_lapack_indexing(n, old)
+    with pytest.raises(InputError, match=r"n = 46341 > 46340 needs 64-bit indexing.*--scheduler \(docs/cluster.md\)"):
+        backends.check_lapack_indexing(n + 1, old)
+    backends.check_lapack_indexing(n + 1, {**old, "ilp64": True})
+    backends.check_lapack_indexing(n + 1, {**old, "scipy": "1.13.0"})
+    info = backends.lapack_indexing()  # this machine's, as scipy and numpy report it
+    assert set(info) == {"scipy", "ilp64", "library", "numpy_ilp64"} and info["scipy"]

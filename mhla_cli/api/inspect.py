@@ -15,6 +15,7 @@ from ..errors import InputError
 from ..model.export import load_heads
 from ..model.heads import Heads
 from ..model.model import Model
+from ..statistics import zarr_store
 from ..statistics.features_file import PAIRS_DATASET
 from ..statistics.stream import Features, default_chunk_size
 from ..io.tokens import TokensInfo, check_finite, check_weights, inspect_tokens, iter_chunks
@@ -37,6 +38,12 @@ def inspect_file(path: str | os.PathLike) -> dict[str, Any]:
     plus kind-specific fields (d, n_samples, ...); `error` is the message the commands would give
     (``<path>: <what is wrong>``) and `valid` is False when there is one.
     """
+    if zarr_store.is_store(path):  # a features store tiled by a cluster
+        try:
+            zarr_store.require_zarr()
+        except InputError as exc:
+            return {"path": str(path), "kind": None, "valid": False, "datasets": {}, "attrs": {}, "error": str(exc)}
+        return zarr_store.inspect(path)
     rep: dict[str, Any] = {"path": str(path), "kind": None, "valid": False, "datasets": {}, "attrs": {},
                            "error": None}
     if Path(path).suffix.lower() in formats.FOREIGN_SUFFIXES:  # heads exported for other frameworks

@@ -20,7 +20,7 @@ from ..model import heads as heads_mod
 from ..solve import lowrank
 from ..solve import ridge_cv
 from ..model import scores
-from ..solve import affine_block, certificate, domains, lstsq
+from ..solve import affine_block, certificate, cluster, domains, lstsq
 from ..solve import spectrum
 from ..errors import InputError
 from ..numerics import TARGET_SQUARES_FLOOR
@@ -28,6 +28,7 @@ from ..model.heads import Heads
 from ..model.model import Model, affine_of
 from ..statistics.folds import load_folds
 from ..statistics.stream import Features, check_solve_memory
+from ..statistics.tiled_gram import TiledStatistics
 
 
 class RequestError(InputError):
@@ -101,9 +102,9 @@ def check_fit_file(data: str | os.PathLike, ridge: float | str = 0.0, heads: int
             raise RequestError("auto_with_normalize")
 
 
-def fit(feats: Features, ridge: float | str = 0.0, heads: int | str | None = None,
+def fit(feats: Features | Any, ridge: float | str = 0.0, heads: int | str | None = None,
         nuclear: float | str | None = None, weight_decay: float = 0.0, restarts: int = 10, seed: int = 0,
-        folds: list[Features] | None = None, device: str | None = None) -> Model:
+        folds: list[Features] | None = None, device: str | None = None, scheduler: Any = None) -> Model:
     """Fit a model from the statistics `feats`.
 
     heads=H (or "auto") and nuclear=LAMBDA (or "auto") select the low-rank fits (mhla_cli.solve.lowrank);
@@ -111,8 +112,17 @@ def fit(feats: Features, ridge: float | str = 0.0, heads: int | str | None = Non
     "auto" needs `folds`, the statistics of K disjoint parts of the data (mhla_cli.statistics.folds). The model
     records the normalisation of the statistics. `device` (mhla_cli.linalg.device): where the least-squares
     factorization runs (the low-rank fits run on the CPU).
+
+    `scheduler` (a Dask scheduler address, "local[:K]" or a dask.distributed Client): least squares on that
+    cluster with the Gram tiled on its workers (mhla_cli.solve.cluster.fit; a ridge > 0 or none), `feats`
+    then a tokens file, a Zarr features store or statistics tiled there (statistics.tiled_gram).
     """
     check_fit_options(ridge, heads, nuclear)
+    if scheduler is not None or isinstance(feats, TiledStatistics):
+        if heads is not None or nuclear is not None or ridge == "auto" or device is not None:
+            raise InputError("on a cluster the fit is least squares with a ridge >= 0 on the workers' CPUs: no "
+                             "heads, nuclear, 'auto' or device")
+        return cluster.fit(feats, scheduler, ridge=float(ridge))
     if feats.affine is not None:  # the extended features (mhla_cli.solve.affine_block)
         if heads is not None or nuclear is not None or ridge == "auto":
             raise RequestError("affine_least_squares")

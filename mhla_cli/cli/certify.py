@@ -42,6 +42,12 @@ def certify_cmd(
     affine_from: AffineFromOpt = None,
     chunk_size: ChunkOpt = None,
     device: DeviceOpt = "cpu",
+    scheduler: Annotated[str | None, typer.Option(
+        "--scheduler", metavar="ADDRESS", help="Certify on a Dask cluster, the Gram tiled on its workers and never "
+        "gathered: a scheduler address (tcp://host:8786), a scheduler file (.json), or local / local:K (the cluster "
+        "extra). DATA is then a tokens file or a Zarr features store (featurize --scheduler -o FEATS.zarr); the "
+        "verdict is a Cholesky of Lambda~ - t I over the tiles, lambda_min and lambda_max Lanczos estimates "
+        "(docs/cluster.md). Example: --scheduler local:4")] = None,
     json_out: JsonOpt = False,
     quiet: QuietOpt = False,
 ) -> None:
@@ -67,6 +73,8 @@ def certify_cmd(
     Example (with the terms a head's biases add): mhla certify enc.h5 --bias-terms
 
     Example (with the wide token's affine map): mhla certify h8.h5 --affine-from hidden384.h5
+
+    Example (a Dask cluster): mhla certify data.h5 --scheduler tcp://10.0.0.5:8786 --json
     """
     # over 60 lines for its option signature and help only: the body parses the option rules and calls
     # _certify or _certify_on. The library here, not at the top: `mhla certify --help` and completion
@@ -77,6 +85,17 @@ def certify_cmd(
 
     check_domain(domain)
     dev = check_device(device, data)
+    if scheduler is not None:
+        if affine_from is not None:
+            from ..solve.cluster import ClusterRefused
+
+            raise ClusterRefused("affine", affine_from)
+        if witness is not None or on is not None or domain != "full" or dev is not None:
+            raise InputError("--scheduler certifies the full domain on the cluster's CPUs: it cannot be combined "
+                             "with --witness, --on, --domain observed or --device (they need an eigendecomposition "
+                             "or one machine)")
+        _certify_cluster(data, scheduler, min_eig, normalize, attention, bias_terms, chunk_size, json_out, quiet)
+        return
     if on is None and report is not None:
         raise InputError("-o/--output REPORT is the report of --on PROBES; give --on")
     if affine_from is not None and (on is not None or witness is not None or domain != "full"):
@@ -152,6 +171,41 @@ def _certify(data: Path, min_eig: float, domain: str, witness: Path | None, norm
         out["witness"] = _write_witness(feats, data, cert, witness, chunk_size, quiet)
     elif witness is not None:
         warn("the data certify: no witness to write")
+    if json_out:
+        emit_json(out)
+    if not cert.identifiable:
+        raise typer.Exit(1)
+
+
+def _certify_cluster(data: Path, scheduler: str, min_eig: float, normalize: str | None, attention: str | None,
+                     bias_terms: bool, chunk_size: int | None, json_out: bool, quiet: bool) -> None:
+    """`certify --scheduler`: the certificate with the Gram tiled on a Dask cluster (mhla_cli.solve.cluster)."""
+    from ..solve.certificate import certify
+    from ..solve.cluster import open_statistics
+    from .featurize import require_dask
+    from .options import data_location
+
+    where = data_location(data)
+    require_dask(scheduler)
+    with working(f"certify on the cluster {scheduler}: the tiled Gram and its Cholesky", quiet):
+        with open_statistics(where, scheduler, chunk_size=chunk_size, normalize=normalize, attention=attention,
+                             bias_terms=bias_terms) as stats:
+            cert = certify(stats, min_eig=min_eig)
+    out = _cert_json(cert, data, {})
+    out["input"] = where
+    out["scheduler"] = scheduler
+    verdict = "identifiable" if cert.identifiable else "NOT identifiable"
+    rank = f"rank {cert.rank}/{cert.n_features}" if cert.rank is not None else \
+        f"rank not counted (an eigendecomposition) of {cert.n_features}"
+    say(f"{where}: {verdict} on the full domain (on the cluster): lambda_min ~ {fmt(cert.lambda_min)}, "
+        f"lambda_max ~ {fmt(cert.lambda_max)} (Lanczos estimates), threshold = {fmt(cert.threshold)}, {rank}, "
+        f"N = {cert.n_samples}", quiet, style="green" if cert.identifiable else "red")
+    for name, rec in cert.estimates.items():
+        if not rec.get("converged", True):
+            warn(f"the Lanczos estimate of {name} did not converge (relative residual "
+                 f"{fmt(rec.get('relative_residual'))}); the verdict is the Cholesky's and stands")
+    for r in cert.reasons:
+        say(f"  - {r}", quiet)
     if json_out:
         emit_json(out)
     if not cert.identifiable:

@@ -166,7 +166,9 @@ def load_with_progress(path: Path, chunk_size: int | None, quiet: bool,
     from ..statistics.stream import load_features
     from ..io.tokens import inspect_tokens
 
-    kind = formats.kind_of(path)
+    from ..statistics.zarr_store import is_store
+
+    kind = "features" if is_store(path) else formats.kind_of(path)
     total = inspect_tokens(path).n_samples if kind == "tokens" else 0
     t = time.perf_counter()
     with progress_bar("featurize", total, quiet) as advance:

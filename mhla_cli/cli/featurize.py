@@ -15,9 +15,10 @@ from ..statistics.merge import merge_features
 from ..statistics.parallel import make_map
 from ..statistics.stream import Features, check_spans, featurize, shard_span
 from ..io.tokens import inspect_tokens
-from .console import emit_json, fmt, progress_bar, say, say_samples, warn
+from ..statistics.zarr_store import is_store
+from .console import emit_json, fmt, progress_bar, say, say_samples, warn, working
 from .options import (AffineFromOpt, AttentionOpt, BiasTermsOpt, ChunkOpt, DeviceOpt, JsonOpt, NormalizeOpt, OutOpt,
-                      QuietOpt, check_hdf5_output, parse_shard, require_optional)
+                      QuietOpt, check_hdf5_output, data_location, parse_shard, require_optional)
 
 
 def featurize_cmd(
@@ -33,7 +34,9 @@ def featurize_cmd(
                                          "core); the result equals the serial one up to summation order.")] = 1,
     scheduler: Annotated[str | None, typer.Option("--scheduler", help="Run on a Dask cluster: a scheduler address "
                                                   "(tcp://host:8786), a scheduler file (.json), or local / local:K "
-                                                  "(needs the dask extra).")] = None,
+                                                  "(needs the dask extra). With -o FEATS.zarr (the cluster extra) "
+                                                  "the Gram stays tiled on the workers, which write it into the "
+                                                  "Zarr store: for a Gram larger than one machine (docs/cluster.md).")] = None,
     normalize: NormalizeOpt = None,
     attention: AttentionOpt = None,
     bias_terms: BiasTermsOpt = False,
@@ -66,6 +69,10 @@ def featurize_cmd(
     them (--spans), so memory and time go with the block, not psi. certify, fit and certify --on
     use the block directly; commands that need every feature expand it.
 
+    With --scheduler and -o FEATS.zarr the Gram stays tiled on the cluster's workers, each writing its
+    tiles into the Zarr store (a directory or an fsspec URL the workers reach), which certify, fit,
+    merge and inspect read (docs/cluster.md).
+
     Example (a GPU): mhla featurize data.h5 -o feats.h5 --device cuda
     Example: mhla featurize data.h5 -o feats.h5 --workers 4
     Example (job array): mhla featurize data.h5 --shard 3/8 -o part_3.h5 && mhla merge part_*.h5 -o feats.h5
@@ -74,9 +81,25 @@ def featurize_cmd(
     Example (a head with biases): mhla featurize enc.h5 -o feats.h5 --bias-terms
 
     Example (with the wide token's affine map): mhla featurize h8.h5 -o feats.h5 --affine-from hidden384.h5
+
+    Example (a Dask cluster): mhla featurize data.h5 --scheduler tcp://10.0.0.5:8786 -o s3://bucket/feats.zarr
     """
     if scheduler is not None and workers != 1:
         raise InputError("--workers and --scheduler cannot be combined (the Dask cluster sets the workers)")
+    if is_store(data_location(output)):
+        if scheduler is None:
+            raise InputError("a Zarr store is written by the workers of a Dask cluster: give --scheduler (or write "
+                             "-o FEATS.h5 on one machine)", output)
+        if folds is not None or compact or device != "cpu" or spans == "on":
+            raise InputError("a Zarr store holds every feature, tiled: it cannot be combined with --folds, "
+                             "--compact, --device or --spans on", output)
+        if affine_from is not None:
+            from ..solve.cluster import ClusterRefused
+
+            raise ClusterRefused("affine", affine_from)
+        _featurize_store(data, data_location(output), scheduler, shard, chunk_size,
+                         check_normalize(normalize or "none"), attention, bias_terms, json_out, quiet)
+        return
     parallel = {"workers": workers, "scheduler": scheduler, "normalize": check_normalize(normalize or "none"),
                 "attention": attention, "bias_terms": bias_terms}
     if affine_from is not None:
@@ -101,6 +124,33 @@ def featurize_cmd(
     say_samples(feats, data, attention, quiet)
     if json_out:
         emit_json(_featurize_record(feats, output, compact))
+
+
+def _featurize_store(data: Path, out: str, scheduler: str, shard: str | None, chunk_size: int | None,
+                     normalize: str, attention: str | None, bias_terms: bool, json_out: bool, quiet: bool) -> None:
+    """`featurize --scheduler -o FEATS.zarr`: the statistics accumulated with the Gram tiled on the cluster
+    (mhla_cli.statistics.tiled_gram), each tile written into the store by its worker."""
+    from ..statistics import tiled_gram, zarr_store
+
+    zarr_store.check_output(out, (data,))
+    require_dask(scheduler)
+    with make_map(scheduler=scheduler) as pmap, working(f"featurize on the cluster {scheduler}: the tiled Gram", quiet):
+        stats = tiled_gram.accumulate(data, pmap.client, chunk_size=chunk_size, normalize=normalize,
+                                      shard=parse_shard(shard), attention=attention, bias_terms=bias_terms)
+        try:
+            zarr_store.save(stats, out, inputs=(data,))
+        finally:
+            stats.release()
+    feats = stats.sums
+    say(f"wrote {out}: d = {feats.d}, psi = {feats.n_features} features in tiles of {stats.tile}, N = "
+        f"{feats.n_samples} {feats.samples.unit('samples')}, {feats.n_tokens} tokens"
+        + ("" if feats.has_targets else " (no targets)"), quiet)
+    say_samples(feats, data, attention, quiet)
+    if json_out:
+        rec = _featurize_record(feats, Path(out), False)
+        rec.update(output=out, span_features=feats.n_features, gram_storage="tiles", tile_features=stats.tile,
+                   tasks=dict(stats.matrix.tasks))
+        emit_json(rec)
 
 
 def _featurize(data: Path, shard: str | None, folds: int | None, chunk_size: int | None, spans: str,
@@ -166,8 +216,18 @@ def merge_cmd(
     Refuses (exit 2) parts of different sources, overlapping sample ranges, and missing ranges
     (unless --allow-partial).
 
+    Zarr stores of shards (featurize --scheduler --shard i/M -o part_i.zarr) are summed tile by tile
+    into a store (-o FEATS.zarr).
+
     Example: mhla merge part_*.h5 -o feats.h5 --json
     """
+    stores = [is_store(data_location(p)) for p in parts]
+    if any(stores) or is_store(data_location(output)):
+        if not all(stores) or not is_store(data_location(output)):
+            raise InputError("Zarr stores merge into a Zarr store, HDF5 files into an HDF5 file: give parts and -o "
+                             "of one form", output)
+        _merge_stores(parts, data_location(output), allow_partial, json_out, quiet)
+        return
     check_hdf5_output(output, tuple(parts), "a features file")
     merged = merge_features(list(parts), allow_partial=allow_partial)
     feats, report = merged.features, merged.report
@@ -180,6 +240,23 @@ def merge_cmd(
         + f", d = {feats.d}", quiet)
     if json_out:
         emit_json(out)
+
+
+def _merge_stores(parts: list[Path], out: str, allow_partial: bool, json_out: bool, quiet: bool) -> None:
+    """`mhla merge` of Zarr stores (statistics.merge.merge_stores)."""
+    from ..statistics import zarr_store
+    from ..statistics.merge import merge_stores
+
+    zarr_store.check_output(out, tuple(parts))
+    merged = merge_stores([data_location(p) for p in parts], out, allow_partial=allow_partial)
+    feats, report = merged.features, merged.report
+    if report.partial:
+        warn(f"partial merge: missing samples {', '.join(f'{a}..{b}' for a, b in report.missing)}")
+    say(f"wrote {out}: {len(parts)} parts, N = {feats.n_samples} samples"
+        + (f" of {report.n_samples_source}" if report.n_samples_source is not None else "") + f", d = {feats.d}",
+        quiet)
+    if json_out:
+        emit_json({"output": out, **merged.to_dict()})
 
 
 def require_dask(scheduler: str) -> None:

@@ -52,6 +52,12 @@ def fit_cmd(
     affine_from: AffineFromOpt = None,
     chunk_size: ChunkOpt = None,
     device: DeviceOpt = "cpu",
+    scheduler: Annotated[str | None, typer.Option(
+        "--scheduler", metavar="ADDRESS", help="Fit on a Dask cluster, the Gram tiled on its workers and never "
+        "gathered: a scheduler address (tcp://host:8786), a scheduler file (.json), or local / local:K (the cluster "
+        "extra). DATA is then a tokens file or a Zarr features store; coef comes from two distributed triangular "
+        "solves with the Cholesky factor of Lambda~ - t I (or of Lambda~ + l I with --ridge l), and MODEL is the "
+        "file a fit on one machine writes. Data that do not determine the function need --ridge there (docs/cluster.md).")] = None,
     json_out: JsonOpt = False,
     quiet: QuietOpt = False,
 ) -> None:
@@ -73,11 +79,24 @@ def fit_cmd(
 
     Example (with the wide token's affine map): mhla fit h8.h5 -o model.h5 --affine-from hidden384.h5 --ridge 1e-6
     (then `mhla predict model.h5 h8.h5 -o p.h5 --affine-from hidden384.h5`)
+
+    Example (a Dask cluster): mhla fit data.h5 --scheduler tcp://10.0.0.5:8786 -o model.h5 --ridge 1e-6
     """
     check_hdf5_output(output, (data, affine_from), "a model file")
+    if scheduler is not None and affine_from is not None:
+        from ..solve.cluster import ClusterRefused
+
+        raise ClusterRefused("affine", affine_from)
     if affine_from is not None and (heads is not None or nuclear is not None or ridge.strip().lower() == "auto"):
         raise InputError(FLAG_WORDS["affine_least_squares"])
     dev = check_device(device, data)
+    if scheduler is not None:
+        if heads is not None or nuclear is not None or ridge.strip().lower() == "auto" or dev is not None:
+            raise InputError("--scheduler fits least squares (with a --ridge l > 0, or none) on the cluster's CPUs: "
+                             "it cannot be combined with --heads, --nuclear, --ridge auto or --device")
+        _fit_cluster(data, output, scheduler, parse_auto(ridge, "--ridge", float), normalize, attention, bias_terms,
+                     chunk_size, json_out, quiet)
+        return
     check_fit_targets(data)
     h, lam = parse_auto(heads, "--heads", int), parse_auto(nuclear, "--nuclear", float)
     r = parse_auto(ridge, "--ridge", float)
@@ -95,6 +114,49 @@ def fit_cmd(
     info["output"] = str(output)
     info["seconds"] = {**load_seconds, **info.get("seconds", {})}
     _say_fit(info, output, h is not None or lam is not None, quiet)
+    for w in fit_warnings(info, ridge_name="--ridge"):
+        warn(w)
+    if json_out:
+        emit_json(info)
+
+
+# The cluster's refusals (mhla_cli.solve.cluster.RULES) in the words of the flags.
+CLUSTER_WORDS = {
+    "minimum_norm": "the data do not determine the function (the Cholesky of Lambda~ - t I over the tiles failed): "
+                    "their minimum-norm fit needs an eigendecomposition, which has no distributed form; fit with "
+                    "--ridge L (L > 0: a Cholesky of Lambda~ + L I on the cluster), or without --scheduler",
+    "small_ridge": "--ridge at or below the numerical tolerance is the minimum-norm fit, which needs an "
+                   "eigendecomposition: with --scheduler give a larger --ridge, or fit without --scheduler",
+}
+
+
+def _fit_cluster(data: Path, output: Path, scheduler: str, ridge: Any, normalize: str | None, attention: str | None,
+                 bias_terms: bool, chunk_size: int | None, json_out: bool, quiet: bool) -> None:
+    """`fit --scheduler`: least squares with the Gram tiled on a Dask cluster (mhla_cli.solve.cluster); the
+    model file is written only when the fit succeeded."""
+    from ..solve.cluster import ClusterRefused, fit as fit_on_cluster
+    from ..statistics.zarr_store import is_store
+    from .featurize import require_dask
+    from .options import data_location
+
+    where = data_location(data)
+    require_dask(scheduler)
+    if not is_store(where):
+        check_fit_targets(data)
+    with working(f"fit on the cluster {scheduler}: the tiled Gram, its Cholesky and the triangular solves", quiet):
+        try:
+            model = fit_on_cluster(where, scheduler, ridge=float(ridge), chunk_size=chunk_size, normalize=normalize,
+                                   attention=attention, bias_terms=bias_terms)
+        except ClusterRefused as exc:
+            if exc.rule in CLUSTER_WORDS:
+                raise InputError(CLUSTER_WORDS[exc.rule], where) from None
+            raise
+    model.save(output, inputs=(data,))
+    info = dict(model.info)
+    info["output"] = str(output)
+    info["input"] = where
+    info["scheduler"] = scheduler
+    _say_fit(info, output, False, quiet)
     for w in fit_warnings(info, ridge_name="--ridge"):
         warn(w)
     if json_out:

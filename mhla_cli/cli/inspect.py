@@ -14,7 +14,8 @@ from .options import JsonOpt
 
 
 def inspect_cmd(
-    path: Annotated[Path, typer.Argument(help="Any mhla file (tokens, features, model, heads, predictions).")],
+    path: Annotated[Path, typer.Argument(help="Any mhla file (tokens, features, model, heads, predictions), or a Zarr features "
+                                                 "store (.zarr).")],
     json_out: JsonOpt = False,
 ) -> None:
     """Say what kind of mhla file this is, its shapes and attributes, and whether it is valid.
@@ -22,7 +23,10 @@ def inspect_cmd(
     Exit 0 when valid, 2 otherwise. Example: mhla inspect feats.h5 --json
     """
     from rich.markup import escape
-    rep = inspect_file(path)
+
+    from .options import data_location
+
+    rep = inspect_file(data_location(path))
     if not rep["valid"]:
         rep["exit_code"] = 2
     if json_out:
@@ -30,7 +34,8 @@ def inspect_cmd(
     else:
         say(escape(f"{path}: {rep['kind'] or 'unknown'} file, {'valid' if rep['valid'] else 'INVALID'}"))
         for key in ("layout", "d", "d_out", "n_features", "n_samples", "n_tokens", "n_heads", "dtype", "has_targets",
-                    "per_position", "attention", "has_weights", "normalize", "gram_form", "n_undetermined"):
+                    "per_position", "attention", "has_weights", "normalize", "gram_form", "tile_features",
+                    "n_undetermined"):
             if rep.get(key) is not None and not (key == "d_out" and rep[key] == rep.get("d")):
                 say(escape(f"  {key} = {rep[key]}"))
         for name, ds in rep["datasets"].items():

@@ -63,6 +63,18 @@ NormalizeOpt = Annotated[Normalize | None, typer.Option(
     "Example: --normalize length")]
 
 
+def data_location(path: Path) -> str:
+    """A command's file argument as a location: the path, or the fsspec URL (s3://bucket/feats.zarr) that
+    pathlib turned into scheme:/bucket/... (a Zarr store may be anywhere the Dask workers reach)."""
+    import re
+
+    text = str(path)
+    m = re.match(r"^([a-z][a-z0-9+.-]+):/(?!/)", text)
+    if m and m.group(1) != "file":
+        return f"{m.group(1)}://{text[m.end():]}"
+    return text
+
+
 AttentionOpt = Annotated[Literal["causal", "bidirectional"] | None, typer.Option(
     "--attention", help="How per-position targets are read (docs/bidirectional.md): causal, the default, a "
     "decoder's prefixes (S of the tokens up to t); bidirectional, an encoder's positions (S of the whole window, "

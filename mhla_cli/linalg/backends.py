@@ -19,16 +19,19 @@ A new backend (ROCm, MPS, CuPy) is one class here and its spelling in `get_backe
 from __future__ import annotations
 
 import contextlib
+import re
 from typing import Any
 
 import numpy as np
 
+from ..errors import InputError
 from . import device as device_mod
 from ..feature_map import features_from_moments, pair_index
 from . import symgram
 
-__all__ = ["Backend", "HostFactor", "HostGram", "HostMatrix", "MIN_THREADED_WIDTH", "NumpyBackend", "PANEL_BYTES",
-           "POTRF_THREADED_MAX", "TorchBackend", "cholesky", "get_backend", "gram_parts"]
+__all__ = ["Backend", "HostFactor", "HostGram", "HostMatrix", "LP64_MAX_N", "MIN_THREADED_WIDTH", "NumpyBackend",
+           "PANEL_BYTES", "POTRF_THREADED_MAX", "SCIPY_LARGE_POTRF", "TorchBackend", "check_lapack_indexing", "cholesky",
+           "get_backend", "gram_parts", "lapack_indexing"]
 
 # OpenBLAS's threaded dsyrk and dpotrf (0.3.30 / 0.3.31 here) segfault for n >= ~16000 with 2 threads
 # (measured: n = 16896, a Cholesky even of the identity, and numpy's F.T @ F of a 2048 x 16896 F;
@@ -64,9 +67,55 @@ def _blas_ready(a: np.ndarray) -> bool:
     return a.shape[0] > 0 and a.dtype == np.float64 and bool(a.flags.c_contiguous or a.flags.f_contiguous)
 
 
+# The largest order n whose n x n matrix 32-bit integers index (46340^2 < 2^31 <= 46341^2): a larger
+# Cholesky needs an LAPACK with 64-bit indexing (ILP64), or SciPy's LP64 wrappers from SCIPY_LARGE_POTRF
+# on, which index the factor in 64 bits (their flat indexing overflowed before: scipy/scipy#17436,
+# fixed by #20229 in SciPy 1.13).
+LP64_MAX_N = 46340
+SCIPY_LARGE_POTRF = (1, 13)
+
+
+def lapack_indexing() -> dict[str, Any]:
+    """What the LAPACK that scipy loads indexes with: {"scipy": its version, "ilp64": whether its LAPACK
+    has 64-bit integers (scipy.show_config's "has ilp64"), "library": its name and version, "numpy_ilp64":
+    the same of numpy's (USE64BITINT in its OpenBLAS configuration)}; None where a build does not say."""
+    import scipy
+
+    def deps(mod: Any) -> dict[str, Any]:
+        try:
+            return mod.show_config(mode="dicts").get("Build Dependencies", {}).get("lapack", {}) or {}
+        except Exception:  # noqa: BLE001 (a build without the dict form: nothing is known)
+            return {}
+
+    sp, npy = deps(scipy), deps(np)
+    conf = str(npy.get("openblas configuration", ""))
+    return {"scipy": scipy.__version__, "ilp64": sp.get("has ilp64"),
+            "library": f"{sp.get('name', '?')} {sp.get('version', '')}".strip(),
+            "numpy_ilp64": ("USE64BITINT" in conf) if conf else None}
+
+
+def check_lapack_indexing(n: int, info: dict[str, Any] | None = None) -> None:
+    """Refuse (InputError) a Cholesky of order n > LP64_MAX_N that SciPy's LAPACK cannot index: an LP64
+    LAPACK behind SciPy before SCIPY_LARGE_POTRF (32-bit flat indexing crashed there)."""
+    if n <= LP64_MAX_N:
+        return
+    info = lapack_indexing() if info is None else info
+    if info.get("ilp64"):
+        return
+    version = tuple(int(x) for x in re.findall(r"\d+", str(info.get("scipy", "0")))[:2])
+    if version >= SCIPY_LARGE_POTRF:
+        return
+    raise InputError(f"a Cholesky of order n = {n} > {LP64_MAX_N} needs 64-bit indexing, which SciPy "
+                     f"{info.get('scipy')} with an LP64 LAPACK ({info.get('library')}) lacks (its Cholesky crashed "
+                     "there before SciPy 1.13); upgrade SciPy, or keep the Gram tiled on a Dask cluster's workers: "
+                     "--scheduler (docs/cluster.md)")
+
+
 def cholesky(a: np.ndarray, overwrite_a: bool = False) -> Any:
     """scipy's cho_factor of a symmetric a (for cho_solve), on one BLAS thread above POTRF_THREADED_MAX;
-    LinAlgError when a is not numerically positive definite."""
+    LinAlgError when a is not numerically positive definite; above LP64_MAX_N only with an LAPACK that
+    indexes it (`check_lapack_indexing`)."""
+    check_lapack_indexing(a.shape[0])
     # LAPACK factors a as it lies (a C-ordered a through its transpose: upper U, U^T U = a) instead of
     # after a transposing copy
     f, c_order = _fortran_view(a)

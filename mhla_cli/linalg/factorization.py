@@ -32,11 +32,12 @@ from typing import Any
 
 import numpy as np
 
+from ..errors import InputError
 from ..numerics import EPS, LANCZOS_TOL, REFINE_MAX_RHO, numerical_tolerance
 from . import krylov
 from .backends import POTRF_THREADED_MAX, _lapack_threads, cholesky, get_backend
 
-__all__ = ["DENSE_MAX", "Factorization", "POTRF_THREADED_MAX", "cholesky"]
+__all__ = ["DENSE_MAX", "Factorization", "NoEigensolver", "POTRF_THREADED_MAX", "cholesky"]
 
 # Matrices up to this size are decomposed densely: measured at psi = 2176 (d = 16 Gaussian data,
 # 2 cores), eigvalsh took 0.36 s, a Cholesky 0.11 s, and Lanczos on the inverse through it 0.65 s
@@ -46,33 +47,57 @@ __all__ = ["DENSE_MAX", "Factorization", "POTRF_THREADED_MAX", "cholesky"]
 DENSE_MAX = 4096
 
 
+class NoEigensolver(InputError):
+    """What needs an eigendecomposition, asked of a matrix whose backend has none (a matrix on a Dask
+    cluster: mhla_cli.linalg.tiled_matrix); `what` names it."""
+
+    def __init__(self, what: str) -> None:
+        super().__init__(f"{what} needs an eigendecomposition of Lambda~, which has no distributed form; "
+                         "run it on one machine (without --scheduler)")
+        self.what = what
+
+
 class Factorization:
     """Lazily computed, cached decompositions of one symmetric PSD matrix scale * lam (lam not copied,
     never written: it may be the statistics' own sums, scale = 1 / N); every eigenvalue, solve and
     lambda reported is of scale * lam.
 
     `lam` is the block of a (n_full x n_full) matrix outside which every direction is an exact null
-    direction (n_full = n when there is no such structure).
+    direction (n_full = n when there is no such structure). `matrix`: a backend matrix made already
+    (e.g. mhla_cli.linalg.tiled_matrix.TiledMatrix, whose tiles live on a cluster) in place of `lam`; one
+    without an eigensolver (`eigensolver = False`) takes the identifiable path only (NoEigensolver).
     """
 
-    def __init__(self, lam: np.ndarray, n_full: int | None = None, scale: float = 1.0,
-                 device: str | None = None) -> None:
+    def __init__(self, lam: np.ndarray | None, n_full: int | None = None, scale: float = 1.0,
+                 device: str | None = None, matrix: Any = None) -> None:
         self.lam = lam  # the matrix is scale * lam (lam may be the statistics' own array: never written)
         self.scale = float(scale)
         # device (mhla_cli.linalg.backends): where the decompositions run (on a device lam is copied once)
         self.device = device
         self.backend = get_backend(device)
-        self.n = int(lam.shape[0])
+        self.n = int((lam if matrix is None else matrix).shape[0])
         self.n_full = self.n if n_full is None else int(n_full)
         self.structure: Any = None  # mhla_cli.statistics.structure.Structure of the block, set by solve.factorize
         self._c = _Cache()  # the decompositions, shared by `share`
+        self._c._dm = matrix
         self.seconds = self._c.seconds  # wall time of each decomposition computed
         self.iterations = self._c.iterations  # how each estimate was found (krylov.TopEigenvalue.record)
+
+    @property
+    def has_eigensolver(self) -> bool:
+        """Whether the backend's matrix can be eigendecomposed (not one on a cluster; a matrix made from
+        `lam` by the backend always can)."""
+        return getattr(self._c._dm, "eigensolver", True)
+
+    def _eigensolver(self, what: str) -> None:
+        """Refuse `what` (NoEigensolver) on a matrix without an eigensolver."""
+        if not self.has_eigensolver:
+            raise NoEigensolver(what)
 
     def share(self, n_full: int, structure: Any) -> Factorization:
         """The same block (and its decompositions, computed once) inside another domain of n_full
         features, whose coordinates `structure` maps it to (an orthogonal change of the block's)."""
-        out = Factorization(self.lam, n_full, self.scale, self.device)
+        out = Factorization(self.lam, n_full, self.scale, self.device, matrix=self._c._dm if self.lam is None else None)
         out.structure = structure
         out._c = self._c
         out.seconds = self._c.seconds
@@ -96,13 +121,14 @@ class Factorization:
     @property
     def dense(self) -> bool:
         # ARPACK needs room for its Krylov basis: tiny matrices are always decomposed densely
-        return self.n <= DENSE_MAX or self.n < 32
+        return (self.n <= DENSE_MAX or self.n < 32) and self.has_eigensolver
 
     def eigenvalues(self) -> np.ndarray:
         """Every eigenvalue, ascending: eigvalsh, computed once (those of `eigh` if it came first)."""
         if self._c._w is None:
             if self._c._we is not None:
                 return self._c._we
+            self._eigensolver("every eigenvalue")
             with self._timed("eigenvalues"), _lapack_threads(self.n):
                 self._c._w = self._matrix().eigvalsh() * self.scale
         return self._c._w
@@ -122,6 +148,7 @@ class Factorization:
     def eigh(self) -> tuple[np.ndarray, np.ndarray]:
         """Eigenvalues and orthonormal eigenvectors (computed once)."""
         if self._c._v is None:
+            self._eigensolver("the eigenvectors")
             with self._timed("eigenvectors"), _lapack_threads(self.n):
                 w, self._c._v = self._matrix().eigh()
                 self._c._we = w * self.scale
@@ -137,6 +164,7 @@ class Factorization:
         if self.n == 0 or (self._c._lmin is not None and self._c._lmin > threshold) or (
                 self._c._w is not None and self._c._w[0] > threshold):
             return np.zeros(0), np.zeros((self.n, 0))  # the block is positive definite beyond threshold
+        self._eigensolver("the null space")
         if not self._matrix().selects_eigenvectors:  # (torch.linalg has none): all of them, once
             w, v = self.eigh()
             keep = w <= threshold
@@ -257,12 +285,23 @@ class Factorization:
                 if chol is not None:
                     top = self._top("lambda_min", chol.inverse_matmat, chol.inverse_matvec)
                     self._c._lmin = s + self.scale / top if top > 0 else float(self.eigh()[0][0])
+                elif not self.has_eigensolver:
+                    self._c._lmin = self._bottom()
                 else:
                     # not positive definite: the null space will be wanted too, and one eigh with vectors
                     # (divide and conquer) costs less than the eigenvalues and then the selected vectors
                     # (measured at n = 3150, 1 thread: 5.4 s against 3.0 + 3.7 s)
                     self._c._lmin = float(self.eigh()[0][0])
         return self._c._lmin
+
+    def _bottom(self) -> float:
+        """lambda_min without a factor or an eigensolver: c - the top eigenvalue of c I - scale lam by
+        block Lanczos (c = lambda_max, so that the operator is PSD); an estimate, its record kept as
+        `iterations["lambda_min"]` (its residual is relative to lambda_max - lambda_min, not to lambda_min)."""
+        c = self.lambda_max() / self.scale
+        m = self._matrix()
+        top = self._top("lambda_min", lambda X: c * X - m.matmat(X), lambda x: c * x - m.matvec(x))
+        return self.scale * (c - top)
 
     def rank(self, tol: float) -> int:
         """Eigenvalues above `tol` (none outside the block): all of the block's when its lambda_min > tol,

@@ -17,7 +17,9 @@ pass ((psi + d)^2 with targets) and its chunk buffers, plus SLACK_BYTES for the 
 Wide tokens (a transformer's hidden states, D = 384..4096) are refused before anything of their size
 is allocated, whatever path the job would take (`check_floor`): even the cheapest pass over them, the
 partial traces of the data's spans, needs `floor_bytes(d)`; the refusal names the largest d whose
-featurize fits this machine and `mhla reduce`, which maps the tokens to that many dimensions.
+featurize fits this machine and `mhla reduce`, which maps the tokens to that many dimensions. Every
+other refusal (`check_memory`) also names `--scheduler`: on a Dask cluster the Gram stays tiled on the
+workers (docs/cluster.md).
 """
 
 from __future__ import annotations
@@ -175,6 +177,11 @@ def reduce_hint(fits: int, tokens: str | os.PathLike | None = None) -> str:
     return f"; map the tokens to fewer dimensions first: mhla reduce {tokens or 'TOKENS'} -o REDUCED.h5 --dim {fits}"
 
 
+# The advice of every refusal of a psi x psi job that would exceed this machine: the cluster path, whose
+# Gram stays tiled on the workers (mhla_cli.solve.cluster).
+CLUSTER_HINT = "; or keep the Gram tiled on a Dask cluster's workers: --scheduler (docs/cluster.md)"
+
+
 def check_floor(d: int, path: str | os.PathLike | None = None, what: str = "the psi x psi statistics",
                 budget_bytes: int | None = None) -> None:
     """Refuse up front tokens too wide for any job on psi x psi statistics (`floor_bytes`), before a
@@ -213,7 +220,8 @@ def check_memory(d: int, budget_bytes: int | None = None, copies: int = 1,
         raise InputError(
             f"d = {d} needs psi = {n_features(d)} features and about {total / 2**30:.1f} GiB for {what}{who}, "
             f"more than the {budget_bytes / 2**30:.1f} GiB of memory available; "
-            + (f"the largest d that fits is {fits}" if fits else "not even d = 1 fits") + reduce_hint(fits), path)
+            + (f"the largest d that fits is {fits}" if fits else "not even d = 1 fits") + reduce_hint(fits)
+            + CLUSTER_HINT, path)
 
 
 def _available_memory() -> int:

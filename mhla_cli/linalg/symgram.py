@@ -203,7 +203,12 @@ class SymGram:
         xy (R, d, n_targets) or None, yy (n_targets, n_targets) or None; the panels as in `add`."""
         q, d = self.q, self.d
         R = s_t.shape[1]
-        if R == 0 or q == 0 or d == 0:
+        if R == 0:
+            return
+        if q == 0 or d == 0:  # a block of no features (a pass of the sums only): the targets' Gram still adds
+            if self.Y is not None and yy is not None:
+                self.join()
+                self.Y += yy
             return
         self.join()
         if self._pool is not None:

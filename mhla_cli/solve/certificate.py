@@ -18,6 +18,8 @@ from ..linalg.factorization import Factorization
 from ..numerics import DEAD_WEIGHT_TOL, numerical_tolerance
 from ..statistics import basis as basis_mod
 from ..statistics.features import Features
+from ..statistics.tiled_gram import TiledStatistics
+from . import cluster
 from .domains import Domain, get_domain
 
 
@@ -28,7 +30,7 @@ class Certificate:
     identifiable: bool
     lambda_min: float
     lambda_max: float
-    rank: int
+    rank: int | None  # None on a cluster when not identifiable (solve.cluster)
     n_features: int
     n_samples: int
     threshold: float
@@ -55,6 +57,9 @@ class Certificate:
     device: str | None = field(default=None, repr=False, compare=False)
     _null_fn: Callable[[], np.ndarray] | None = field(default=None, repr=False, compare=False)
     _null: np.ndarray | None = field(default=None, repr=False, compare=False)
+    # on a cluster (mhla_cli.solve.cluster): the tasks submitted by kind (the rank is then None unless
+    # identifiable: counting the eigenvalues at or below t needs an eigendecomposition)
+    tasks: dict[str, int] = field(default_factory=dict)
 
     @property
     def null_vectors(self) -> np.ndarray | None:
@@ -84,11 +89,12 @@ class Certificate:
             "span_features": self.span_features, "span_pairs": self.span_pairs,
             "span_last_tokens": self.span_last_tokens, "proof": self.proof, "estimated": list(self.estimated),
             "estimates": {k: dict(v) for k, v in self.estimates.items()}, "seconds": dict(self.seconds),
+            **({"tasks": dict(self.tasks)} if self.tasks else {}),
         }
 
 
-def certify(feats: Features, min_eig: float = 0.0, domain: str | Domain = "full", device: str | None = None
-            ) -> Certificate:
+def certify(feats: Features | Any, min_eig: float = 0.0, domain: str | Domain = "full", device: str | None = None,
+            scheduler: Any = None) -> Certificate:
     """Certify that the data determine the learned function (on R^d, or on the observed subspaces).
 
     The eigenvalues are those of the canonical Lambda~ = sum w Ht Ht^T / sum w: the features of the
@@ -101,9 +107,15 @@ def certify(feats: Features, min_eig: float = 0.0, domain: str | Domain = "full"
     `null_vectors` span the null space: for the full domain in the tokens' own feature coordinates
     (orthonormal columns), for the observed domain in the observed-domain coordinates (map them with
     `domain_map(feats, "observed")[0].T`). `device`: where the factorization runs (mhla_cli.linalg.device).
+
+    `scheduler` (a Dask scheduler address, "local[:K]" or a dask.distributed Client): certify on that
+    cluster, the Gram tiled on its workers (mhla_cli.solve.cluster); `feats` is then a tokens file, a Zarr
+    features store or statistics already tiled there (mhla_cli.statistics.tiled_gram.TiledStatistics).
     """
     if min_eig < 0 or not np.isfinite(min_eig):
         raise InputError(f"min_eig must be a finite number >= 0, got {min_eig}")
+    if scheduler is not None or isinstance(feats, TiledStatistics):
+        return _certify_tiled(feats, float(min_eig), domain, device, scheduler)
     if feats.affine is not None:  # a certificate of the MHLA's features alone would leave the block out
         raise InputError("the statistics hold the affine block of the wide tokens: certify the extended features "
                          "(mhla_cli.solve.affine_block.certify, `mhla certify`)")
@@ -131,6 +143,36 @@ def certify(feats: Features, min_eig: float = 0.0, domain: str | Domain = "full"
     cert.seconds = dict(fac.seconds)
     cert.estimates = {k: dict(v) for k, v in fac.iterations.items() if k in cert.estimated}
     return cert
+
+
+def _certify_tiled(data: Any, min_eig: float, domain: str | Domain, device: str | None, scheduler: Any
+                   ) -> Certificate:
+    """`certify` on a cluster (mhla_cli.solve.cluster): the verdict by a Cholesky of Lambda~ - t I over the
+    tiles, lambda_min and lambda_max estimated by Lanczos; the explanation of a failure is its column."""
+    if get_domain(domain).name != "full":
+        raise cluster.ClusterRefused("domain")
+    if device is not None:
+        raise InputError("on a cluster the factorization runs on the workers' CPUs: give no device")
+    with cluster.open_statistics(data, scheduler) as stats:
+        feats = stats.sums
+        fac = cluster.factorization(stats)
+        d, m = feats.d, fac.n_full
+        lmax, tol, threshold = cluster.threshold_of(fac, min_eig)
+        proof = _proof(feats, fac, lmax, threshold)
+        identifiable = proof == "cholesky of Lambda~ - t I"
+        lmin = fac.lambda_min()
+        cert = Certificate(identifiable, lmin, lmax, m if identifiable else None, m, feats.n_samples, threshold, tol, min_eig, "full", d, d, span_features=m, span_pairs=m // d, span_last_tokens=d,
+                           proof=proof, estimated=["lambda_min", "lambda_max"])
+        if not identifiable:
+            cert.reasons = _count_reasons(feats, cert, 0)
+            if proof == "cholesky of Lambda~ - t I failed":
+                cert.reasons.append(cluster.failure_reason(fac, threshold, below_margin=threshold > tol and lmin > tol))
+            elif proof == "all features are zero":
+                cert.reasons = ["all features are zero: the data carry no information"]
+        cert.seconds = {**fac.seconds, **stats.matrix.seconds}
+        cert.estimates = {k: dict(v) for k, v in fac.iterations.items() if k in cert.estimated}
+        cert.tasks = dict(stats.matrix.tasks)
+        return cert
 
 
 def _proof(feats: Features, fac: Factorization, lmax: float, threshold: float) -> str:

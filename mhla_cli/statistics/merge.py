@@ -18,6 +18,7 @@ from ..errors import InputError
 from ..linalg.memory import check_memory, merge_bytes
 from ..samples import LAST, Samples, from_attrs
 from .features import Features
+from . import zarr_store
 from .features_file import expect_features
 
 
@@ -76,7 +77,12 @@ class MergeResult:
 
 
 def read_part_info(path: str | os.PathLike) -> PartInfo:
-    """The sample ranges and source of a features file, with a clear error if it has none."""
+    """The sample ranges and source of a features file (or Zarr features store), with a clear error if it
+    has none."""
+    if zarr_store.is_store(path):
+        d, n, ranges, source, shard, normalize, n_seq, samples, bias_terms = zarr_store.part_info(path)
+        _check_ranges(ranges, n_seq, path)
+        return PartInfo(str(path), d, n, ranges, source, shard, normalize, samples, bias_terms)
     with formats.open_input(path) as f:
         expect_features(f, path)
         d = formats.read_attr_int(f, "d", path)
@@ -99,10 +105,14 @@ def read_part_info(path: str | os.PathLike) -> PartInfo:
         bias_terms = formats.read_bias_terms(attrs, path)
         # per-position or weighted data count positions (weight > 0) as samples: ranges are of sequences
         n_seq = int(attrs["n_sequences"]) if "n_sequences" in attrs else n
+    _check_ranges(ranges, n_seq, path)
+    return PartInfo(str(path), d, n, ranges, source, shard, normalize, samples, bias_terms)
+
+
+def _check_ranges(ranges: list[tuple[int, int]], n_seq: int, path: str | os.PathLike) -> None:
     if sum(b - a for a, b in ranges) != n_seq:
         raise InputError(f"n_samples = {n_seq} does not match its sample ranges {ranges}; the file is corrupted",
                          path)
-    return PartInfo(str(path), d, n, ranges, source, shard, normalize, samples, bias_terms)
 
 
 def _text(v: Any) -> str:
@@ -199,4 +209,14 @@ def merge_features(paths: list[str | os.PathLike], allow_partial: bool = False) 
     total.extra_attrs = {}
     if report.partial:
         total.extra_attrs = {"partial": 1, "sample_ranges": json.dumps([list(r) for r in report.covered])}
+    return MergeResult(total, report)
+
+
+def merge_stores(paths: list[str], out: str, allow_partial: bool = False) -> MergeResult:
+    """Sum Zarr features stores of shards into the store `out` after `plan_merge`, tile by tile
+    (zarr_store.sum_stores: two tiles in memory, whatever psi)."""
+    report = plan_merge(list(paths), allow_partial)
+    extra = {"partial": 1, "sample_ranges": json.dumps([list(r) for r in report.covered])} if report.partial else {}
+    total = zarr_store.sum_stores([p.path for p in report.parts], out, extra, report.parts[0].source,
+                                  (report.covered[0][0], report.covered[-1][1]))
     return MergeResult(total, report)

@@ -192,6 +192,12 @@ class DaskMap:
         self.n_workers = max(1, len(self._client.scheduler_info().get("workers", {})))
         return self
 
+    @property
+    def client(self) -> Any:
+        """The dask.distributed Client (while the map is open): for work other than a map (the tiles of
+        mhla_cli.statistics.tiled_gram)."""
+        return self._client
+
     def __exit__(self, *exc: Any) -> None:
         if self._own_client:
             with contextlib.suppress(Exception):

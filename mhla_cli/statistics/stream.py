@@ -22,6 +22,7 @@ from ..io import formats
 from . import parallel
 from . import spans as spans_mod
 from . import structure as structure_mod
+from . import zarr_store
 from ..errors import InputError
 from ..feature_map import check_normalize, n_features
 from ..linalg.memory import check_floor, check_memory, solve_need_of
@@ -221,6 +222,9 @@ def solve_need(path: str | os.PathLike, ridge: float = 0.0, lowrank: bool = Fals
 
     The file's facts are read here; the policy is mhla_cli.linalg.memory.solve_need_of (the linalg layer
     reads no files: io and the featurize pass's own need sit above it)."""
+    if zarr_store.is_store(path):  # read whole on one machine (zarr_store.load_features)
+        d, n = zarr_store.dims(path)
+        return d, solve_need_of(d, n, ridge, lowrank, command)
     kind = formats.kind_of(path)
     if kind == "features":
         with formats.open_input(path) as f:
@@ -293,9 +297,10 @@ def load_features(path: str | os.PathLike, chunk_size: int | None = None, normal
     """
     if normalize is not None:
         check_normalize(normalize)
-    kind = formats.kind_of(path)
+    store = zarr_store.is_store(path)
+    kind = "features" if store else formats.kind_of(path)
     if kind == "features":
-        feats = Features.load(path)
+        feats = zarr_store.load_features(path) if store else Features.load(path)
         if normalize is not None and normalize != feats.normalize:
             raise InputError(f"was featurized with normalisation '{feats.normalize}', not '{normalize}'; "
                              "featurize it again with the normalisation wanted", path)

@@ -1,0 +1,360 @@
+"""A symmetric matrix held as its lower tiles on a Dask cluster, and its blocked Cholesky factor.
+
+`TiledMatrix` is a backend matrix of mhla_cli.linalg.factorization (the protocol of
+backends.HostMatrix): products (`matvec`, `matmat`), a Cholesky factor of a shifted copy
+(`cholesky`, `TiledFactor`: `solve`, `inverse_matvec`, `inverse_matmat`) and the solve of a shifted
+system (`shifted_solve`). It has no eigensolver (`eigensolver = False`: dask.array.linalg has none),
+so a Factorization over it takes the identifiable path only: the verdict by a Cholesky of
+Lambda~ - t I, lambda_max and lambda_min by block Lanczos (krylov), the fit by triangular solves;
+whatever needs eigenvectors raises factorization.NoEigensolver.
+
+The tiles are futures of a dask.distributed client: tile (i, j), i >= j, is the block of rows
+`offsets[i]..offsets[i+1]` and columns `offsets[j]..` (the upper tiles are their transposes and are
+never formed). Every task reads and writes a few tiles:
+
+- the Cholesky is the right-looking blocked algorithm, one task per tile operation: potrf of the
+  diagonal tile, trsm of the tiles below it, then syrk / gemm updates of the trailing lower tiles
+  (nb potrf, nb (nb - 1) / 2 trsm and about nb^3 / 6 updates for nb tile rows; each update reads its
+  tile and two factor tiles and writes a new tile, so a worker holds at most four tiles per task).
+  A failed potrf (LAPACK's info > 0) is the proof that the matrix is not positive definite: it raises
+  `NotPositiveDefinite` in the task, and `cholesky` returns None with the column where it failed.
+  dask.array.linalg.cholesky (`library_cholesky`, kept for the measurement in
+  benchmarks/bench_distributed.py) reads the upper tiles too, forms every product L_ip L_kp^T of a
+  tile's update as its own tile and sums them in one task (up to nb + 1 tiles held at once), and
+  writes the transposed factor beside the factor: docs/cluster.md gives the measurement;
+- a product Lambda X reads each lower tile once for both of its blocks (A_ij X_j and A_ij^T X_i);
+- a triangular solve with the factor is a chain of small gemm tasks down the tile rows and a trsm
+  on each diagonal tile, forward and then backward.
+
+Only blocks of n x k vectors (k = the Lanczos block, or d right-hand sides) travel to and from the
+client: it never holds a tile.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+import uuid
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+__all__ = ["NotPositiveDefinite", "TiledFactor", "TiledMatrix", "cholesky_task_count", "library_cholesky",
+           "tile_offsets"]
+
+
+class NotPositiveDefinite(ArithmeticError):
+    """A potrf of a diagonal tile failed: the leading minor of order `column` + 1 of the shifted matrix
+    is not positive (LAPACK's info > 0), so the matrix has an eigenvalue at or below the shift."""
+
+    def __init__(self, column: int, tile: int = -1) -> None:
+        super().__init__(column, tile)
+        self.column = int(column)
+        self.tile = int(tile)
+
+    def __str__(self) -> str:
+        return f"the Cholesky failed at column {self.column} (tile row {self.tile})"
+
+
+def tile_offsets(sizes: Sequence[int]) -> np.ndarray:
+    """The first row of every tile and n at the end: (nb + 1,) int64."""
+    return np.concatenate([[0], np.cumsum(np.asarray(sizes, dtype=np.int64))])
+
+
+def cholesky_task_count(nb: int) -> dict[str, int]:
+    """Tasks of the blocked Cholesky of nb tile rows: potrf, trsm and the trailing updates."""
+    return {"potrf": nb, "trsm": nb * (nb - 1) // 2, "update": sum((nb - k - 1) * (nb - k) // 2 for k in range(nb))}
+
+
+# --------------------------------------------------------------------------------------------
+# tasks (run on the workers; module-level so that they pickle by reference)
+# --------------------------------------------------------------------------------------------
+
+
+def _shifted(a: np.ndarray, shift: float) -> np.ndarray:
+    """A new F-ordered float64 copy of the tile a with `shift` subtracted from its diagonal."""
+    out = np.array(a, dtype=np.float64, order="F")
+    if shift:
+        out[np.diag_indices(out.shape[0])] -= shift
+    return out
+
+
+def _potrf(a: Any, shift: float, column0: int, tile: int) -> Any:
+    """The lower Cholesky factor of the diagonal tile a - shift I (upper part zero); a NotPositiveDefinite
+    (returned, not raised: the outcome of a proof, not an error) with the global column where LAPACK's
+    dpotrf stopped, or the one of an earlier tile passed on."""
+    from scipy.linalg import lapack
+
+    if isinstance(a, NotPositiveDefinite):
+        return a
+    c, info = lapack.dpotrf(_shifted(a, shift), lower=1, clean=1, overwrite_a=1)
+    if info < 0:
+        raise ValueError(f"dpotrf: argument {-info} is invalid")
+    if info > 0 or not np.isfinite(np.diagonal(c)).all():
+        return NotPositiveDefinite(column0 + max(int(info), 1) - 1, tile)
+    return c
+
+
+def _trsm(lkk: Any, a: Any) -> Any:
+    """L_ik = A_ik L_kk^-T (BLAS dtrsm from the right); a failure passed on."""
+    from scipy.linalg import blas
+
+    if isinstance(lkk, NotPositiveDefinite):
+        return lkk
+    return blas.dtrsm(1.0, lkk, np.array(a, dtype=np.float64, order="F"), side=1, lower=1, trans_a=1)
+
+
+def _update(c: Any, li: Any, lj: Any, diagonal: bool, shift: float) -> Any:
+    """The tile C - shift I - L_i L_j^T, a new array: dsyrk on a diagonal tile (its lower triangle, the
+    one potrf reads), dgemm elsewhere; a failure passed on."""
+    from scipy.linalg import blas
+
+    for x in (c, li, lj):
+        if isinstance(x, NotPositiveDefinite):
+            return x
+    out = _shifted(c, shift)
+    if diagonal:
+        return blas.dsyrk(-1.0, li, beta=1.0, c=out, lower=1, overwrite_c=1)
+    return blas.dgemm(-1.0, li, lj, beta=1.0, c=out, trans_b=1, overwrite_c=1)
+
+
+def _failure(lkk: Any) -> NotPositiveDefinite | None:
+    """The failure a diagonal factor tile holds, else None (gathered instead of the tile)."""
+    return lkk if isinstance(lkk, NotPositiveDefinite) else None
+
+
+def _tile_products(a: np.ndarray, xi: np.ndarray, xj: np.ndarray, diagonal: bool) -> tuple[np.ndarray, np.ndarray | None]:
+    """(A_ij X_j, A_ij^T X_i) of a lower tile (the second None on the diagonal): one read of the tile
+    for both blocks of the symmetric product."""
+    if diagonal:
+        return a @ xj, None
+    return a @ xj, a.T @ xi
+
+
+def _row_sum(parts: list[tuple[np.ndarray, np.ndarray | None]], sides: list[int]) -> np.ndarray:
+    """The sum of the contributions to one block row: parts[k][sides[k]]."""
+    total = None
+    for part, side in zip(parts, sides):
+        block = part[side]
+        total = np.array(block) if total is None else total + block
+    return total
+
+
+def _gemm_sub(acc: np.ndarray, l: np.ndarray, y: np.ndarray, transpose: bool) -> np.ndarray:
+    """acc - L y (or acc - L^T y): one step of a blocked triangular solve."""
+    return acc - (l.T @ y if transpose else l @ y)
+
+
+def _trsm_left(l: np.ndarray, b: np.ndarray, transpose: bool) -> np.ndarray:
+    """L^-1 b (or L^-T b) on a diagonal factor tile (BLAS dtrsm from the left)."""
+    from scipy.linalg import blas
+
+    return blas.dtrsm(1.0, l, np.array(b, dtype=np.float64, order="F"), lower=1, trans_a=1 if transpose else 0)
+
+
+def _block(x: np.ndarray) -> np.ndarray:
+    return x
+
+
+def _transpose(a: np.ndarray) -> np.ndarray:
+    return np.ascontiguousarray(a.T)
+
+
+# --------------------------------------------------------------------------------------------
+# the matrix and its factor (client side)
+# --------------------------------------------------------------------------------------------
+
+
+class TiledMatrix:
+    """A symmetric n x n matrix as its lower tiles on a Dask cluster (module docstring): a backend matrix
+    of mhla_cli.linalg.factorization without an eigensolver.
+
+    `tiles[(i, j)]` (i >= j) are futures of `client` holding float64 arrays; `sizes` the tile sides.
+    `tasks` counts the tasks submitted by kind; `failures[shift]` the NotPositiveDefinite of a
+    Cholesky that failed."""
+
+    eigensolver = False  # the factorization takes the identifiable path only (factorization.NoEigensolver)
+    selects_eigenvectors = False
+    solves_on_range = False
+
+    def __init__(self, client: Any, tiles: dict[tuple[int, int], Any], sizes: Sequence[int]) -> None:
+        self.client = client
+        self.tiles = dict(tiles)
+        self.sizes = [int(s) for s in sizes]
+        self.offsets = tile_offsets(self.sizes)
+        self.nb = len(self.sizes)
+        self.n = int(self.offsets[-1])
+        self.shape = (self.n, self.n)
+        self.tasks: dict[str, int] = {}
+        self.failures: dict[float, NotPositiveDefinite] = {}
+        self.seconds: dict[str, float] = {}
+        missing = [(i, j) for i in range(self.nb) for j in range(i + 1) if (i, j) not in self.tiles]
+        if missing:
+            raise ValueError(f"tiles {missing[:3]} of the lower triangle are missing")
+
+    # ------------------------------------------------------------------ tasks
+    def submit(self, kind: str, fn: Callable[..., Any], *args: Any, priority: int = 0) -> Any:
+        """One task on the cluster, counted under `kind`."""
+        self.tasks[kind] = self.tasks.get(kind, 0) + 1
+        return self.client.submit(fn, *args, key=f"mhla-{kind}-{uuid.uuid4().hex}", priority=priority, pure=False)
+
+    def blocks(self, X: np.ndarray) -> list[Any]:
+        """X (n x k) split into the tiles' row blocks, sent to the cluster as tasks that hold them (not
+        scattered: a block on a worker that dies is made again from its task, as every tile is)."""
+        X = np.asarray(X, dtype=np.float64)
+        return [self.submit("block", _block, np.ascontiguousarray(X[a:b]))
+                for a, b in zip(self.offsets[:-1], self.offsets[1:])]
+
+    def gather(self, futures: list[Any]) -> np.ndarray:
+        return np.concatenate(self.client.gather(futures), axis=0)
+
+    # ------------------------------------------------------------------ products
+    def matmat(self, X: np.ndarray) -> np.ndarray:
+        """A X for a block X (n x k): every lower tile read once (`_tile_products`), then a sum per block row."""
+        X = np.asarray(X, dtype=np.float64)
+        vec = X.ndim == 1
+        Xb = self.blocks(X[:, None] if vec else X)
+        parts: dict[int, list[tuple[Any, int]]] = {i: [] for i in range(self.nb)}
+        for (i, j), tile in self.tiles.items():
+            p = self.submit("product", _tile_products, tile, Xb[i], Xb[j], i == j)
+            parts[i].append((p, 0))
+            if i != j:
+                parts[j].append((p, 1))
+        rows = [self.submit("product-sum", _row_sum, [p for p, _ in parts[i]], [s for _, s in parts[i]])
+                for i in range(self.nb)]
+        Y = self.gather(rows)
+        return Y[:, 0] if vec else Y
+
+    def matvec(self, x: np.ndarray) -> np.ndarray:
+        return self.matmat(x)
+
+    # ------------------------------------------------------------------ factorizations
+    def cholesky(self, shift: float = 0.0) -> TiledFactor | None:
+        """The blocked Cholesky factor of the matrix - shift I (module docstring), its tiles left on the
+        cluster; None when a potrf fails (the reason kept in `failures[shift]`)."""
+        from distributed import wait
+
+        t0 = time.perf_counter()
+        A = dict(self.tiles)
+        fresh = set(A)  # tiles not updated yet: the shift is applied at their first touch
+        L: dict[tuple[int, int], Any] = {}
+        nb = self.nb
+        for k in range(nb):
+            s = shift if (k, k) in fresh else 0.0
+            L[k, k] = self.submit("potrf", _potrf, A[k, k], s, int(self.offsets[k]), k, priority=3 * (nb - k))
+            for i in range(k + 1, nb):
+                L[i, k] = self.submit("trsm", _trsm, L[k, k], A[i, k], priority=3 * (nb - k) - 1)
+            for j in range(k + 1, nb):
+                for i in range(j, nb):
+                    s = shift if (i == j and (i, j) in fresh) else 0.0
+                    # the next panel's tiles first: they are on the critical path
+                    pr = 3 * (nb - k) - 2 if j == k + 1 else 0
+                    A[i, j] = self.submit("update", _update, A[i, j], L[i, k], L[j, k], i == j, s, priority=pr)
+                    fresh.discard((i, j))
+            for i in range(k, nb):
+                del A[i, k]  # the consumed versions: the scheduler frees them when their tasks end
+        # the factor's tiles stay on the cluster: only whether each diagonal tile failed comes back
+        failures = self.client.gather([self.client.submit(_failure, L[k, k], pure=False) for k in range(nb)])
+        wait(list(L.values()))
+        self.seconds["cholesky"] = self.seconds.get("cholesky", 0.0) + time.perf_counter() - t0
+        failed = [f for f in failures if f is not None]
+        if failed:
+            self.failures[float(shift)] = min(failed, key=lambda f: f.column)
+            for f in L.values():
+                f.release()
+            return None
+        return TiledFactor(self, L)
+
+    def shifted_solve(self, scale: float, shift: float, rhs: np.ndarray) -> np.ndarray | None:
+        """(scale A + shift I) x = rhs by a Cholesky of A + (shift / scale) I (released after the solve);
+        None when that matrix is not numerically positive definite."""
+        f = self.cholesky(-shift / scale)
+        if f is None:
+            return None
+        try:
+            return f.solve(rhs) / scale
+        finally:
+            f.release()
+
+    def eigvalsh(self) -> np.ndarray:
+        from .factorization import NoEigensolver
+
+        raise NoEigensolver("the eigenvalues")
+
+    eigh = eigh_below = eigvalsh
+
+    def release(self) -> None:
+        """Drop the client's references to the tiles (the cluster frees them)."""
+        for f in self.tiles.values():
+            f.release()
+        self.tiles = {}
+
+
+class TiledFactor:
+    """The lower Cholesky factor of a TiledMatrix (minus a shift): its tiles on the cluster, and the
+    blocked triangular solves with it (module docstring)."""
+
+    def __init__(self, matrix: TiledMatrix, tiles: dict[tuple[int, int], Any]) -> None:
+        self.matrix = matrix
+        self.tiles = tiles
+
+    def _forward(self, B: list[Any]) -> list[Any]:
+        """y with L y = b, block by block down the rows."""
+        m, Y = self.matrix, []
+        for i in range(m.nb):
+            acc = B[i]
+            for j in range(i):
+                acc = m.submit("solve", _gemm_sub, acc, self.tiles[i, j], Y[j], False)
+            Y.append(m.submit("solve", _trsm_left, self.tiles[i, i], acc, False))
+        return Y
+
+    def _backward(self, Y: list[Any]) -> list[Any]:
+        """x with L^T x = y, block by block up the rows."""
+        m = self.matrix
+        X: list[Any] = [None] * m.nb
+        for i in reversed(range(m.nb)):
+            acc = Y[i]
+            for j in range(i + 1, m.nb):
+                acc = m.submit("solve", _gemm_sub, acc, self.tiles[j, i], X[j], True)
+            X[i] = m.submit("solve", _trsm_left, self.tiles[i, i], acc, True)
+        return X
+
+    def solve(self, rhs: np.ndarray) -> np.ndarray:
+        """(L L^T)^-1 rhs: the shifted matrix's inverse applied to rhs (n or n x k)."""
+        rhs = np.asarray(rhs, dtype=np.float64)
+        vec = rhs.ndim == 1
+        x = self.matrix.gather(self._backward(self._forward(self.matrix.blocks(rhs[:, None] if vec else rhs))))
+        return x[:, 0] if vec else x
+
+    inverse_matmat = inverse_matvec = solve
+
+    def release(self) -> None:
+        for f in self.tiles.values():
+            f.release()
+        self.tiles = {}
+
+
+def library_cholesky(matrix: TiledMatrix, shift: float = 0.0) -> tuple[Any, int]:
+    """dask.array.linalg.cholesky of the matrix - shift I (for the measurement of benchmarks/
+    bench_distributed.py): the symmetric matrix as a dask array (upper tiles the transposes of the lower
+    ones), the lower factor persisted; (its futures by tile, the graph's task count)."""
+    import dask.array as da
+    from dask.highlevelgraph import HighLevelGraph
+    from distributed import futures_of, wait
+
+    name = f"mhla-symmetric-{uuid.uuid4().hex}"
+    nb, sizes = matrix.nb, matrix.sizes
+    dsk: dict[Any, Any] = {}
+    for i, j in itertools.product(range(nb), repeat=2):
+        dsk[name, i, j] = matrix.tiles[i, j] if i >= j else (_transpose, matrix.tiles[j, i])
+    a = da.Array(HighLevelGraph.from_collections(name, dsk, dependencies=[]), name,
+                 chunks=(tuple(sizes), tuple(sizes)), dtype=np.float64)
+    if shift:
+        a = a - shift * da.eye(matrix.n, chunks=sizes[0], dtype=np.float64)
+    lower = da.linalg.cholesky(a, lower=True)
+    tasks = len(dict(lower.__dask_graph__()))
+    lower = matrix.client.persist(lower)
+    wait(lower)
+    futures = futures_of(lower)
+    return {(int(f.key[1]), int(f.key[2])): f for f in futures if int(f.key[1]) >= int(f.key[2])}, tasks

@@ -1,0 +1,215 @@
+"""Certify and fit with the canonical Gram tiled on a Dask cluster: the identifiable path of the solve.
+
+The statistics come from mhla_cli.statistics.tiled_gram (a tokens file accumulated on the cluster) or
+mhla_cli.statistics.zarr_store (a features store whose tiles the workers read); the client holds
+their d x d sums and the psi x d moments, the tiles stay on the workers. The factorization is the
+single-machine one (mhla_cli.linalg.factorization) over a linalg.tiled_matrix.TiledMatrix:
+
+- the verdict is the Cholesky of Lambda~ - t I over the tiles, t the certificate's threshold
+  (certificate.certify), proven by inertia as on one machine; when it fails the data are not
+  identifiable, and the column where it failed is the reason;
+- lambda_max is block Lanczos on Lambda~, lambda_min block Lanczos on (Lambda~ - t I)^-1 through the
+  distributed factor (or, when the Cholesky failed, on lambda_max I - Lambda~): estimates, with their
+  convergence records, as on the single-machine Lanczos path;
+- the fit is two distributed triangular solves against the moments with the same factor (and
+  iterative refinement), or with the factor of Lambda~ + r I for a ridge r; coef (d x psi) is
+  gathered and the model is the one a single-machine fit makes;
+- nothing needs an eigendecomposition, which has no distributed form: the minimum-norm fit of
+  singular data, the null space and the observed domain are refused (`ClusterRefused`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+
+from ..errors import InputError
+from ..io import formats
+from ..linalg.factorization import Factorization
+from ..model.heads import W_from_p
+from ..model import scores
+from ..model.model import Model
+from ..numerics import mse_resolution, numerical_tolerance
+from ..statistics import basis as basis_mod
+from ..statistics import parallel
+from ..statistics import structure as structure_mod
+from ..statistics import tiled_gram, zarr_store
+from ..statistics.tiled_gram import TiledStatistics
+
+__all__ = ["ClusterRefused", "factorization", "fit", "open_statistics"]
+
+
+class ClusterRefused(InputError):
+    """What the cluster's solve does not do (it needs an eigendecomposition); `rule` names it so that a
+    caller can word it in its own options (`RULES`)."""
+
+    def __init__(self, rule: str, path: str | os.PathLike | None = None) -> None:
+        super().__init__(RULES[rule], path)
+        self.rule = rule
+
+
+RULES = {
+    "minimum_norm": "the data do not determine the function (the Cholesky of Lambda~ - t I failed): their "
+                    "minimum-norm fit needs an eigendecomposition, which has no distributed form; fit with a "
+                    "ridge r > 0 (a Cholesky of Lambda~ + r I) on the cluster, or without a scheduler on one machine",
+    "small_ridge": "a ridge at or below the numerical tolerance is the minimum-norm fit, which needs an "
+                   "eigendecomposition; on the cluster the ridge must exceed the tolerance",
+    "domain": "the observed domain needs the spans of the tokens and a change of the tiles' coordinates; "
+              "certify it on one machine",
+    "hdf5_features": "an HDF5 features file is the single-machine form of the statistics: certify or fit it "
+                     "without a scheduler, or featurize the tokens on the cluster into a Zarr store "
+                     "(featurize --scheduler ... -o FEATS.zarr)",
+    "kind": "is not a tokens file or a Zarr features store",
+    "targets": "the data have no 'targets': fit needs (X, y) pairs",
+    "affine": "--affine-from cannot run on a cluster: the affine block of the wide tokens is accumulated and "
+              "solved beside the Gram in one process, not tiled; featurize, certify and fit it without --scheduler",
+}
+
+
+@contextlib.contextmanager
+def open_statistics(data: Any, scheduler: Any = None, chunk_size: int | None = None,
+                    normalize: str | None = None, tile_features: int | None = None, attention: str | None = None,
+                    bias_terms: bool = False) -> Iterator[TiledStatistics]:
+    """The tiled statistics of `data` on the cluster of `scheduler` (an address, "local[:K]", a scheduler
+    file or a dask.distributed Client: parallel.DaskMap), freed and the connection closed on exit:
+    `data` a tokens file (accumulated on the cluster, its samples read with `attention` and `bias_terms` as
+    featurize reads them), a Zarr features store (its tiles read by the workers), or TiledStatistics
+    already on a cluster (used as they are)."""
+    if isinstance(data, TiledStatistics):
+        yield data
+        return
+    if scheduler is None:
+        raise InputError("the statistics of a file on a cluster need a scheduler (an address, local or a Client)")
+    store = zarr_store.is_store(data)
+    kind = "features" if store else formats.kind_of(data)
+    if kind == "features" and not store:
+        raise ClusterRefused("hdf5_features", data)
+    if kind not in ("tokens", "features"):
+        raise ClusterRefused("kind", data)
+    if store:
+        zarr_store.require_zarr()
+    with parallel.make_map(scheduler=scheduler) as pmap:
+        client = pmap.client
+        if store:
+            stats = zarr_store.load_tiled(data, client)
+            if normalize is not None and normalize != stats.sums.normalize:
+                raise InputError(f"was featurized with normalisation '{stats.sums.normalize}', not '{normalize}'; "
+                                 "featurize it again with the normalisation wanted", data)
+            if attention is not None and attention != (stats.sums.samples.attention or attention):
+                raise InputError(f"holds {stats.sums.samples.words}, not attention '{attention}'; featurize it again "
+                                 "with the attention wanted", data)
+            if bias_terms and not stats.sums.bias_terms:
+                raise InputError("was featurized without --bias-terms; featurize it again with them", data)
+        else:
+            stats = tiled_gram.accumulate(data, client, chunk_size=chunk_size, normalize=normalize or "none",
+                                          tile_features=tile_features, attention=attention, bias_terms=bias_terms)
+        try:
+            yield stats
+        finally:
+            with contextlib.suppress(Exception):
+                stats.release()
+
+
+def factorization(stats: TiledStatistics) -> Factorization:
+    """The factorization of the canonical Lambda~ = basis_gram / sum w over the tiles (no structure: every
+    feature is in the block), cached on the statistics."""
+    fac = getattr(stats, "_factorization", None)
+    if fac is None:
+        d = stats.d
+        fac = Factorization(None, stats.n_features, 1.0 / (stats.sums.weight or 1.0), matrix=stats.matrix)
+        fac.structure = structure_mod.Structure.identity(d * (d + 1) // 2, d)
+        stats._factorization = fac  # type: ignore[attr-defined]
+    return fac
+
+
+def threshold_of(fac: Factorization, min_eig: float = 0.0) -> tuple[float, float, float]:
+    """(lambda_max, the numerical tolerance, the threshold t = the larger of it and min_eig) as
+    certificate.certify takes them."""
+    lmax = fac.lambda_max()
+    tol = numerical_tolerance(lmax, fac.n_full)
+    return lmax, tol, max(tol, float(min_eig))
+
+
+def failure_reason(fac: Factorization, threshold: float, below_margin: bool = False) -> str:
+    """The reason a Cholesky of Lambda~ - t I over the tiles failed: the column and tile row where it did,
+    and what it means (`below_margin`: t is a demanded margin above the numerical tolerance, and the
+    estimated lambda_min lies above the tolerance)."""
+    m = fac._matrix()
+    exc = m.failures.get(float(threshold) / fac.scale)  # by the shift of the tiles' own matrix (t / scale)
+    where = "" if exc is None else f" at feature {exc.column} (tile row {exc.tile} of {m.nb})"
+    text = (f"the Cholesky of Lambda~ - t I (t = {threshold:.3g}) over the tiles failed{where}: Lambda~ has an "
+            "eigenvalue at or below t")
+    if below_margin:
+        return text + f"; lambda_min ~ {fac.lambda_min():.3g} is above the numerical tolerance: below the demanded margin"
+    return (text + ", so the data do not determine the function; which features its null space holds needs an "
+            "eigendecomposition: certify on one machine to see them")
+
+
+def fit(data: Any, scheduler: Any = None, ridge: float = 0.0, chunk_size: int | None = None,
+        normalize: str | None = None, tile_features: int | None = None, attention: str | None = None,
+        bias_terms: bool = False) -> Model:
+    """Least squares over p (Algorithm 1, step 1) with the Gram tiled on a cluster: the model a
+    single-machine fit (solve.lstsq.fit) makes, from a Cholesky of Lambda~ - t I (the verdict, reused
+    with iterative refinement) or of Lambda~ + ridge I; `data` and `scheduler` as in `open_statistics`.
+    The minimum-norm fit of data that do not determine the function is refused (ClusterRefused)."""
+    if not np.isfinite(ridge) or ridge < 0:
+        raise InputError(f"ridge must be a finite number >= 0, got {ridge}")
+    with open_statistics(data, scheduler, chunk_size, normalize, tile_features, attention, bias_terms) as stats:
+        return _fit(stats, float(ridge), data if isinstance(data, (str, os.PathLike)) else None)
+
+
+def _fit(stats: TiledStatistics, ridge: float, path: Any) -> Model:
+    feats = stats.sums
+    if feats.target_gram is None or feats.basis_moments is None:
+        raise ClusterRefused("targets", path)
+    A, psi, N = feats.basis, feats.n_features, feats.n_samples
+    W = feats.weight or 1.0
+    fac = factorization(stats)
+    lmax, tol, _ = threshold_of(fac)
+    block_pd = lmax > 0 and fac.proves_above(tol)
+    if not block_pd and ridge == 0.0:
+        raise ClusterRefused("minimum_norm", path)
+    if 0.0 < ridge <= tol:
+        raise ClusterRefused("small_ridge", path)
+    lmin = fac.lambda_min()
+    rhs = feats.basis_moments / W
+    t0 = time.perf_counter()
+    sol = fac.ridge_solve(rhs, ridge, tol) if ridge > 0 else fac.solve(rhs)
+    coef_b = sol.T
+    coef = basis_mod.coef_from_basis(A, coef_b)
+    seconds = {**fac.seconds, **stats.matrix.seconds, "solve": time.perf_counter() - t0}
+    mse, resolution = _train_mse(stats, coef_b)
+    info = {
+        "ridge": ridge, "train_mse": mse, "mse_resolution": resolution, "lambda_min": lmin, "lambda_max": lmax,
+        "identifiable": bool(block_pd and N >= psi),
+        "condition_number": ((lmax + ridge) / (max(lmin, 0.0) + ridge) if ridge > 0
+                             else (lmax / lmin) if lmin > tol else float("inf")),
+        # counting the eigenvalues at or below t needs an eigendecomposition: no rank unless identifiable
+        "rank": psi if block_pd else None, "n_features": psi, "n_samples": N, "method": "lstsq",
+        "basis": "canonical", "normalize": feats.normalize, "seconds": seconds,
+        # the cluster's numbers: lambda_min and lambda_max are Lanczos estimates (their records)
+        "estimated": ["lambda_min", "lambda_max"], "estimates": {k: dict(v) for k, v in fac.iterations.items()},
+        "tasks": dict(stats.matrix.tasks),
+    }
+    if feats.bias_terms:
+        info["bias_terms"] = True
+    if feats.samples.attention is not None:  # per-position samples: how they read the window
+        info["attention"] = feats.samples.attention
+    info["train_r2"] = scores.train_r2(feats, mse)
+    return Model(coef=coef, W=W_from_p(coef), d=feats.d, info=info, coef_b=coef_b, basis=np.array(A))
+
+
+def _train_mse(stats: TiledStatistics, pb: np.ndarray) -> tuple[float, float]:
+    """solve.lstsq.train_mse on the tiles: sum w ||p H - y||^2 = tr(p_b G p_b^T) - 2 tr(p_b M) + tr(Y),
+    G p_b^T one distributed product."""
+    feats = stats.sums
+    N, d = feats.weight or 1.0, feats.d
+    quad = float(np.sum(stats.matrix.matmat(np.ascontiguousarray(pb.T)) * pb.T))
+    sse = quad - 2 * float(np.einsum("ij,ji->", pb, feats.basis_moments)) + float(np.trace(feats.target_gram))
+    scale = float(np.trace(feats.target_gram)) + quad
+    return max(sse, 0.0) / (N * d), mse_resolution(feats.n_features, scale, N, d)

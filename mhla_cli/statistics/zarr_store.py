@@ -1,0 +1,470 @@
+"""The Zarr features store: statistics whose Gram is tiled, written by many workers at once.
+
+`featurize --scheduler ... -o FEATS.zarr` writes the statistics accumulated on a cluster
+(mhla_cli.statistics.tiled_gram) as a Zarr store, a directory or any fsspec URL the workers reach
+(s3://..., gs://...; the suffix .zarr names the format). HDF5 stays the single-machine form.
+
+Layout (docs/formats.md, "The Zarr features store"): the root group's attributes are those of an
+HDF5 features file (mhla_kind = "features", the format version, the provenance: command, inputs,
+version, time; d, n_samples, n_tokens, n_features, weight totals, normalize, per_position, source,
+sample range, shard, ...) plus `gram_storage` = "tiles" and `tile_features` (the side of a tile). Its
+arrays: the small sums of the HDF5 file (`basis`, `basis_moments`, `basis_token_gram`,
+`basis_last_token_gram`, `token_gram`, `last_token_gram`, `moments`, `target_gram`, `target_sum`),
+and `basis_gram_lower`: the canonical Gram sum w Ht Ht^T (psi x psi), chunked by tiles, of which only
+the lower tiles (i >= j) are written, each by the worker that holds it (the upper chunks are absent:
+read the Gram as the lower tiles and their transposes).
+
+The store is written under a temporary name next to the target and renamed when complete, so that a
+failed or interrupted featurize leaves nothing (on object stores the rename is a copy: there a reader
+may see the store before the copy ends). A store is read back as tiles on a cluster (`load_tiled`: every
+worker reads its tiles itself), or whole on one machine (`load_features`, refused up front when the
+Gram cannot fit). `merge` sums stores of shards of one tokens file tile by tile.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import uuid
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from . import basis as basis_mod
+from ..errors import InputError
+from ..feature_map import n_features
+from ..io import formats
+from ..linalg.memory import check_load
+from ..linalg.tiled_matrix import TiledMatrix
+from ..numerics import SINGULAR_BASIS_COND
+from ..samples import Samples, from_attrs
+from .features import Features
+from .features_file import EXTRA_ATTRS, WEIGHT_ATTRS
+from .tiled_gram import TiledStatistics
+
+__all__ = ["SUFFIX", "TILES", "check_output", "dims", "inspect", "is_store", "load_features", "load_tiled", "part_info",
+           "require_zarr", "save", "sum_stores"]
+
+SUFFIX = ".zarr"
+# The array of the Gram's lower tiles.
+TILES = "basis_gram_lower"
+# The small sums (a few d x d or psi x d arrays), written and read by the client.
+SMALL = ("basis", "basis_moments", "basis_token_gram", "basis_last_token_gram", "token_gram", "last_token_gram",
+         "moments", "target_gram", "target_sum")
+
+
+def is_store(path: Any) -> bool:
+    """Whether `path` names a Zarr store (its suffix .zarr: a directory or an fsspec URL)."""
+    return isinstance(path, (str, os.PathLike)) and str(path).rstrip("/").lower().endswith(SUFFIX)
+
+
+def require_zarr() -> Any:
+    """The zarr module, or an InputError with its install hint."""
+    try:
+        import zarr
+    except ImportError:
+        raise InputError("a Zarr store needs zarr, an optional dependency: "
+                         "pip install 'zarr>=3' (mhla's [cluster] extra)") from None
+    return zarr
+
+
+def _url(path: Any) -> str:
+    return str(path).rstrip("/")
+
+
+def _is_local(url: str) -> bool:
+    return "://" not in url or url.startswith("file://")
+
+
+def _local(url: str) -> Path:
+    return Path(url[len("file://"):] if url.startswith("file://") else url)
+
+
+def check_output(out: Any, inputs: tuple[Any, ...] = ()) -> str:
+    """A store to write: the suffix .zarr, zarr installed, and (a local one) a writable parent directory,
+    no file in its place and no input of the same path; refused (InputError) before any work."""
+    url = _url(out)
+    if not is_store(url):
+        raise InputError(f"a Zarr store is named by the suffix {SUFFIX}", out)
+    require_zarr()
+    if _is_local(url):
+        o = _local(url)
+        if o.exists() and not o.is_dir():
+            raise InputError("output path exists and is not a Zarr store (a directory)", out)
+        parent = o.parent if str(o.parent) else Path(".")
+        if not parent.is_dir():
+            raise InputError(f"output directory '{parent}' does not exist", out)
+        if not os.access(parent, os.W_OK | os.X_OK):
+            raise InputError(f"output directory '{parent}' is not writable", out)
+        for i in inputs:
+            if i is not None and Path(str(i)).resolve() == o.resolve():
+                raise InputError("output would overwrite an input; choose another -o path", out)
+    return url
+
+
+def _json(v: Any) -> Any:
+    """An attribute value as JSON (numpy scalars and arrays as Python numbers and lists)."""
+    if isinstance(v, np.generic):
+        return v.item()
+    if isinstance(v, np.ndarray):
+        return v.tolist()
+    if isinstance(v, bytes):
+        return v.decode()
+    return v
+
+
+def _temporary(url: str) -> str:
+    """A sibling of the target to write into (renamed by `_commit`)."""
+    head, _, name = url.rpartition("/")
+    tmp = f".{name}.{uuid.uuid4().hex[:12]}.tmp-mhla{SUFFIX}"
+    return f"{head}/{tmp}" if head else tmp
+
+
+def _fs(url: str) -> Any:
+    import fsspec
+
+    return fsspec.core.url_to_fs(url)[0]
+
+
+def _commit(tmp: str, url: str) -> None:
+    """Rename the written store `tmp` to `url` (replacing an earlier store there)."""
+    if _is_local(url):
+        target, src = _local(url), _local(tmp)
+        old = None
+        if target.exists():
+            old = target.with_name(f".{target.name}.{uuid.uuid4().hex[:12]}.old-mhla")
+            os.replace(target, old)
+        os.replace(src, target)
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+        return
+    fs = _fs(url)
+    if fs.exists(url):
+        fs.rm(url, recursive=True)
+    fs.mv(tmp, url, recursive=True)
+
+
+def _remove(url: str) -> None:
+    try:
+        if _is_local(url):
+            shutil.rmtree(_local(url), ignore_errors=True)
+        else:
+            fs = _fs(url)
+            if fs.exists(url):
+                fs.rm(url, recursive=True)
+    except Exception:  # noqa: BLE001 (cleaning up after a failure: the failure is what is reported)
+        pass
+
+
+def _write_tile(url: str, i: int, j: int, side: int, tile: np.ndarray) -> None:
+    """Task: write the lower tile (i, j) of the Gram into the store (run by the worker that holds it)."""
+    import zarr
+
+    arr = zarr.open_array(store=url, path=TILES, mode="r+")
+    arr[i * side:i * side + tile.shape[0], j * side:j * side + tile.shape[1]] = tile
+
+
+def _read_tile(url: str, i: int, j: int, side: int) -> np.ndarray:
+    """Task: the lower tile (i, j) of the Gram read from the store, refused when it is not finite."""
+    import zarr
+
+    arr = zarr.open_array(store=url, path=TILES, mode="r")
+    tile = np.ascontiguousarray(arr[i * side:(i + 1) * side, j * side:(j + 1) * side], dtype=np.float64)
+    if not formats.all_finite(tile):
+        raise InputError(f"'{TILES}' tile ({i}, {j}) contains NaN or Inf; the store is corrupted", url)
+    return tile
+
+
+def save(stats: TiledStatistics, out: Any, inputs: tuple[Any, ...] = ()) -> str:
+    """Write tiled statistics as a Zarr store (module docstring): the small sums by this process, each
+    lower tile by the worker that holds it; under a temporary name, renamed when complete."""
+    zarr = require_zarr()
+    url = _url(out)
+    tmp = _temporary(url)
+    feats = stats.sums
+    psi, side = feats.n_features, stats.tile
+    try:
+        g = zarr.open_group(store=tmp, mode="w")
+        attrs = {**formats.header("features", inputs), **feats.file_attrs(), "gram_storage": "tiles",
+                 "tile_features": side}
+        g.attrs.update({k: _json(v) for k, v in attrs.items() if v is not None})
+        for name in SMALL:
+            a = getattr(feats, name)
+            if a is not None:
+                g.create_array(name, shape=a.shape, dtype="f8", chunks=a.shape or None)[...] = a
+        g.create_array(TILES, shape=(psi, psi), chunks=(side, side), dtype="f8", fill_value=0.0)
+        client = stats.matrix.client
+        client.gather([client.submit(_write_tile, tmp, i, j, side, f, pure=False)
+                       for (i, j), f in stats.matrix.tiles.items()])
+        _commit(tmp, url)
+    except BaseException:
+        _remove(tmp)
+        raise
+    return url
+
+
+def _open(url: str) -> Any:
+    """The store's root group, opened to read; an InputError when it is none."""
+    zarr = require_zarr()
+    try:
+        return zarr.open_group(store=url, mode="r")
+    except (FileNotFoundError, KeyError, ValueError, OSError) as exc:
+        raise InputError(f"not a Zarr store ({' '.join(str(exc).split()) or type(exc).__name__})", url) from None
+
+
+def _attrs(g: Any, url: str) -> dict[str, Any]:
+    """The root attributes, checked: an mhla features store of a format this mhla reads, tiled."""
+    attrs = dict(g.attrs)
+    version = attrs.get("mhla_format_version")
+    if version is not None and int(version) > formats.FORMAT_VERSION:
+        raise InputError(f"written with mhla format version {int(version)}, this mhla reads version "
+                         f"{formats.FORMAT_VERSION}; upgrade mhla", url)
+    if attrs.get("mhla_kind") != "features":
+        raise InputError(f"is a Zarr store but not an mhla features store (mhla_kind = {attrs.get('mhla_kind')!r})",
+                         url)
+    if attrs.get("gram_storage") != "tiles":
+        raise InputError(f"gram_storage = {attrs.get('gram_storage')!r}, expected 'tiles'", url)
+    for k in ("d", "n_samples", "n_tokens", "tile_features", *WEIGHT_ATTRS):
+        if k not in attrs:
+            raise InputError(f"has no attribute '{k}'; the store is incomplete", url)
+    return attrs
+
+
+def _array(g: Any, name: str, shape: tuple[int, ...], url: str, required: bool = True) -> np.ndarray | None:
+    if name not in g:
+        if required:
+            raise InputError(f"has no array '{name}'; the store is incomplete", url)
+        return None
+    a = np.asarray(g[name][...], dtype=np.float64)
+    if a.shape != shape:
+        raise InputError(f"'{name}' has shape {a.shape}, expected {shape}", url)
+    if not formats.all_finite(a):
+        raise InputError(f"'{name}' contains NaN or Inf; the store is corrupted", url)
+    return a
+
+
+def _sums(g: Any, attrs: dict[str, Any], url: str) -> tuple[Features, int]:
+    """The small sums of a store as a Features record without its Gram, and the tile side."""
+    d = int(attrs["d"])
+    psi = n_features(d)
+    side = int(attrs["tile_features"])
+    if side < d or side % d or (psi // d) % (side // d):
+        raise InputError(f"tile_features = {side} does not divide the {psi} features into tiles of whole pairs", url)
+    has_targets = "basis_moments" in g
+    dd = (d, d)
+    arrays = {name: _array(g, name, shape, url, required)
+              for name, shape, required in (("basis", dd, True), ("basis_token_gram", dd, True),
+                                            ("basis_last_token_gram", dd, True), ("token_gram", dd, True),
+                                            ("last_token_gram", dd, True), ("basis_moments", (psi, d), has_targets),
+                                            ("moments", (psi, d), False), ("target_gram", dd, has_targets),
+                                            ("target_sum", (d,), False))}
+    A = arrays["basis"]
+    if basis_mod.row_scaled_cond(A) > SINGULAR_BASIS_COND:
+        raise InputError("'basis' is singular; the store is corrupted", url)
+    n, t = int(attrs["n_samples"]), int(attrs["n_tokens"])
+    if n < 1:
+        raise InputError(f"n_samples = {n}: no samples", url)
+    weights = [float(attrs[k]) for k in WEIGHT_ATTRS]
+    if not all(np.isfinite(w) and w > 0 for w in weights):
+        raise InputError(f"weight totals {weights}: expected finite numbers > 0", url)
+    extra = {k: attrs[k] for k in EXTRA_ATTRS if k in attrs}
+    feats = Features(d=d, n_samples=n, n_tokens=t, gram=None, moments=arrays["moments"],
+                     target_gram=arrays["target_gram"], token_gram=arrays["token_gram"],
+                     last_token_gram=arrays["last_token_gram"], token_dtype=str(attrs.get("token_dtype", "float64")),
+                     sample_range=(int(attrs["sample_lo"]), int(attrs["sample_hi"])) if "sample_lo" in attrs else None,
+                     source=json.loads(attrs["source"]) if "source" in attrs else None, extra_attrs=extra,
+                     basis=A, basis_moments=arrays["basis_moments"], basis_token_gram=arrays["basis_token_gram"],
+                     basis_last_token_gram=arrays["basis_last_token_gram"],
+                     samples=from_attrs(attrs, url), bias_terms=formats.read_bias_terms(attrs, url),
+                     normalize=formats.read_normalize(_Attrs(attrs), url),
+                     n_sequences=int(attrs["n_sequences"]) if "n_sequences" in attrs else None,
+                     target_sum=arrays["target_sum"], weight_sum=weights[0], token_weight_sum=weights[1])
+    if feats.moments is None and feats.basis_moments is not None:
+        feats.moments = basis_mod.features_from_basis(A, feats.basis_moments)
+    return feats, side
+
+
+class _Attrs:
+    """`attrs` as formats.read_normalize reads them (an object with .attrs)."""
+
+    def __init__(self, attrs: dict[str, Any]) -> None:
+        self.attrs = attrs
+
+
+def _tiles_array(g: Any, psi: int, side: int, url: str) -> Any:
+    if TILES not in g:
+        raise InputError(f"has no array '{TILES}'; the store is incomplete", url)
+    arr = g[TILES]
+    if tuple(arr.shape) != (psi, psi) or tuple(arr.chunks) != (side, side):
+        raise InputError(f"'{TILES}' has shape {tuple(arr.shape)} and tiles {tuple(arr.chunks)}, expected "
+                         f"({psi}, {psi}) in tiles ({side}, {side})", url)
+    return arr
+
+
+def load_tiled(path: Any, client: Any) -> TiledStatistics:
+    """The statistics of a store on the cluster of `client`: the small sums here, each lower tile read by
+    a worker (checked finite there). Refused when the sums are not in the whitening of their own data
+    (a partial merge): changing the tiles' basis is not done on the cluster."""
+    url = _url(path)
+    g = _open(url)
+    attrs = _attrs(g, url)
+    feats, side = _sums(g, attrs, url)
+    psi = feats.n_features
+    _tiles_array(g, psi, side, url)
+    C, _ = feats.correction()
+    if C is not None:
+        raise InputError("its sums are not in the whitening of their own tokens (a partial merge of shards): "
+                         "certify or fit it on one machine (without --scheduler), or merge every shard", url)
+    nb = psi // side
+    tiles = {(i, j): client.submit(_read_tile, url, i, j, side, key=f"mhla-read-tile-{i}-{j}-{uuid.uuid4().hex}",
+                                   pure=False)
+             for i in range(nb) for j in range(i + 1)}
+    return TiledStatistics(feats, TiledMatrix(client, tiles, [side] * nb), side // feats.d)
+
+
+def load_features(path: Any) -> Features:
+    """The statistics of a store whole, on one machine (the Gram from its lower tiles, refused up front when
+    it cannot fit in memory): the Features record a features file gives."""
+    url = _url(path)
+    g = _open(url)
+    attrs = _attrs(g, url)
+    check_load(int(attrs["d"]), path=url)
+    feats, side = _sums(g, attrs, url)
+    psi = feats.n_features
+    arr = _tiles_array(g, psi, side, url)
+    gram = np.empty((psi, psi))
+    for i0 in range(0, psi, side):
+        for j0 in range(0, i0 + 1, side):
+            tile = np.asarray(arr[i0:i0 + side, j0:j0 + side], dtype=np.float64)
+            if not formats.all_finite(tile):
+                raise InputError(f"'{TILES}' tile ({i0 // side}, {j0 // side}) contains NaN or Inf; the store is "
+                                 "corrupted", url)
+            gram[i0:i0 + side, j0:j0 + side] = tile
+            if j0 != i0:
+                gram[j0:j0 + side, i0:i0 + side] = tile.T
+    feats.basis_gram = gram
+    feats.finalize()
+    return feats
+
+
+def dims(path: Any) -> tuple[int, int]:
+    """(d, n_samples) of a store, from its attributes."""
+    url = _url(path)
+    attrs = _attrs(_open(url), url)
+    return int(attrs["d"]), int(attrs["n_samples"])
+
+
+def part_info(path: Any) -> tuple[int, int, list[tuple[int, int]], dict[str, Any], str | None, str, int, Samples,
+                                   bool]:
+    """What a store says about itself for `mhla merge` (statistics.merge.read_part_info): (d, n_samples,
+    sample ranges, source, shard, normalize, n_sequences, samples, bias_terms)."""
+    url = _url(path)
+    attrs = _attrs(_open(url), url)
+    if "source" not in attrs or "sample_lo" not in attrs or "sample_hi" not in attrs:
+        raise InputError("records no source or sample range, so it cannot be checked against the other parts; "
+                         "make parts as shards of one tokens file", url)
+    ranges = ([(int(a), int(b)) for a, b in json.loads(attrs["sample_ranges"])] if "sample_ranges" in attrs
+              else [(int(attrs["sample_lo"]), int(attrs["sample_hi"]))])
+    n = int(attrs["n_samples"])
+    return (int(attrs["d"]), n, ranges, json.loads(attrs["source"]), attrs.get("shard"),
+            formats.read_normalize(_Attrs(attrs), url), int(attrs.get("n_sequences", n)), from_attrs(attrs, url),
+            formats.read_bias_terms(attrs, url))
+
+
+def sum_stores(paths: list[Any], out: Any, extra_attrs: dict[str, Any], source: dict[str, Any],
+               sample_range: tuple[int, int]) -> Features:
+    """Write the sum of the stores `paths` (shards of one tokens file, checked by statistics.merge.plan_merge)
+    to the store `out`, tile by tile (two tiles in memory); the parts must share their basis and tiles
+    (stores of one file featurized on a cluster do: tiled_gram.accumulate whitens every shard with the
+    whole file's tokens). Returns the summed small sums."""
+    zarr = require_zarr()
+    opened = [(_url(p), _open(_url(p))) for p in paths]
+    parts = [(url, g, *_sums(g, _attrs(g, url), url)) for url, g in opened]
+    url0, _, total, side = parts[0]
+    for url, _, feats, s in parts[1:]:
+        if feats.d != total.d or s != side:
+            raise InputError(f"has d = {feats.d} and tiles of {s} features, but {url0} d = {total.d} and {side}: "
+                             "parts of different data", url)
+        if not np.array_equal(feats.basis, total.basis):
+            raise InputError(f"is in another basis than {url0}: stores add tile by tile only in one basis; featurize "
+                             "the shards of one tokens file on a cluster (they share the file's whitening)", url)
+        if feats.has_targets != total.has_targets:
+            raise InputError(f"{'has' if feats.has_targets else 'has no'} targets but {url0} "
+                             f"{'has not' if feats.has_targets else 'has'}", url)
+    for _, _, feats, _ in parts[1:]:
+        total.add(feats)
+    if total.basis_moments is not None:
+        total.moments = basis_mod.features_from_basis(total.basis, total.basis_moments)
+    total.source, total.sample_range, total.extra_attrs = source, sample_range, dict(extra_attrs)
+    psi = total.n_features
+    target = _url(out)
+    tmp = _temporary(target)
+    try:
+        g = zarr.open_group(store=tmp, mode="w")
+        attrs = {**formats.header("features", tuple(paths)), **total.file_attrs(), "gram_storage": "tiles",
+                 "tile_features": side}
+        g.attrs.update({k: _json(v) for k, v in attrs.items() if v is not None})
+        for name in SMALL:
+            a = getattr(total, name)
+            if a is not None:
+                g.create_array(name, shape=a.shape, dtype="f8", chunks=a.shape or None)[...] = a
+        dst = g.create_array(TILES, shape=(psi, psi), chunks=(side, side), dtype="f8", fill_value=0.0)
+        srcs = [_tiles_array(pg, psi, side, u) for u, pg, _, _ in parts]
+        for i0 in range(0, psi, side):
+            for j0 in range(0, i0 + 1, side):
+                acc = None
+                for src in srcs:
+                    tile = np.asarray(src[i0:i0 + side, j0:j0 + side], dtype=np.float64)
+                    acc = tile if acc is None else acc + tile
+                if not formats.all_finite(acc):
+                    raise InputError(f"the sum of tile ({i0 // side}, {j0 // side}) is not finite; a part is "
+                                     "corrupted or the sums overflow float64")
+                dst[i0:i0 + side, j0:j0 + side] = acc
+        _commit(tmp, target)
+    except BaseException:
+        _remove(tmp)
+        raise
+    return total
+
+
+def inspect(path: Any) -> dict[str, Any]:
+    """`mhla inspect` of a store: its arrays and attributes, validated as certify and fit read it (every
+    tile read once, checked finite)."""
+    url = _url(path)
+    rep: dict[str, Any] = {"path": str(path), "kind": None, "valid": False, "datasets": {}, "attrs": {},
+                           "error": None}
+    try:
+        g = _open(url)
+        rep["attrs"] = {k: _json(v) for k, v in dict(g.attrs).items()}
+        for name in sorted(g.array_keys()):
+            arr = g[name]
+            rep["datasets"][name] = {"shape": list(arr.shape), "dtype": str(arr.dtype)}
+        rep["kind"] = "features"
+        attrs = _attrs(g, url)
+        feats, side = _sums(g, attrs, url)
+        psi = feats.n_features
+        arr = _tiles_array(g, psi, side, url)
+        for i0 in range(0, psi, side):
+            for j0 in range(0, i0 + 1, side):
+                if not formats.all_finite(np.asarray(arr[i0:i0 + side, j0:j0 + side], dtype=np.float64)):
+                    raise InputError(f"'{TILES}' tile ({i0 // side}, {j0 // side}) contains NaN or Inf; the store "
+                                     "is corrupted", url)
+        if isinstance(rep["attrs"].get("mhla_inputs"), str):
+            rep["provenance"] = {"inputs": json.loads(rep["attrs"]["mhla_inputs"]),
+                                 "command": rep["attrs"].get("mhla_command"),
+                                 "mhla_version": rep["attrs"].get("mhla_version"),
+                                 "created": rep["attrs"].get("mhla_created")}
+        rep.update(d=feats.d, n_samples=feats.n_samples, n_features=psi, n_tokens=feats.n_tokens,
+                   has_targets=feats.has_targets,
+                   sample_range=list(feats.sample_range) if feats.sample_range else None,
+                   per_position=feats.per_position, attention=feats.samples.attention, normalize=feats.normalize,
+                   gram_form="tiles",
+                   tile_features=side, valid=True)
+    except InputError as exc:
+        rep["error"] = str(exc)
+    except (OSError, KeyError, ValueError, TypeError) as exc:
+        rep["error"] = str(InputError(f"cannot read ({' '.join(str(exc).split())}); the store may be incomplete "
+                                      "or corrupted", url))
+    return rep
