@@ -637,11 +637,11 @@ def test_safetensors_output_without_safetensors(base: Base, tmp_path: Path, monk
 
 def test_scheduler_without_dask(base: Base, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys) -> None:
     _without(monkeypatch, "dask", "dask.distributed", "distributed")
-    import mhla_cli.statistics.spans as spans_mod
+    import mhla_cli.statistics.ranges as ranges_mod
 
     def no_work(*a: object, **k: object) -> None:
         raise AssertionError("the pass started")
-    monkeypatch.setattr(spans_mod, "estimate_basis", no_work)
+    monkeypatch.setattr(ranges_mod, "estimate_basis", no_work)
     out = tmp_path / "f.h5"
     run_bad(capsys, ["featurize", str(base.data), "-o", str(out), "--scheduler", "local:1"], None,
             r"a Dask scheduler needs Dask", out)

@@ -300,7 +300,7 @@ class HostGram:
             self._pairs.add_windows(upper_t, xx, xy, yy, threads=_blas_threads() if wide else 1)
 
     def pipeline(self) -> Any:
-        """The reduction's block around its loop over chunks (statistics.spans._add_chunks): a wide block
+        """The reduction's block around its loop over chunks (statistics.ranges._add_chunks): a wide block
         of K overlaps each chunk's GEMMs with the next chunk's preparation (symgram.SymGram.pipeline, on
         the BLAS threads there are now); otherwise nothing. Only on the main thread: reductions on worker
         threads of one process (a Dask client's threads) would set and restore the process-wide BLAS limit

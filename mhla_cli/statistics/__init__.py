@@ -2,7 +2,7 @@
 
 basis (canonical coordinates: the whitening A), structure (the data's own symmetries that shrink psi), features
 (the Features record), algebra (its sums and change of basis), features_file (its file), kernels (per-chunk
-moments), accumulate (the accumulator of one reduction), spans (chunk sizing, the reduction over sample spans,
-the span passes), shards (sample ranges of shards and workers), stream (featurize / load_features), parallel
+moments), accumulate (the accumulator of one reduction), ranges (chunk sizing, the accumulation over sample ranges,
+the basis estimate), spans (the passes that find the data's spans), shards (sample ranges of shards and workers), stream (featurize / load_features), parallel
 (worker pools), merge (shards -> one features file), folds (per-fold statistics for cross-validation).
 """

@@ -20,6 +20,7 @@ from . import basis as basis_mod
 from ..linalg import device as device_mod
 from ..io import formats
 from . import parallel
+from . import ranges as ranges_mod
 from . import spans as spans_mod
 from . import structure as structure_mod
 from ..errors import InputError
@@ -29,8 +30,8 @@ from ..samples import check_attention
 from .accumulate import MIN_THREADED_WIDTH, _basis_option, chunk_features
 from ..kernels import position_numbers, prefix_moments, sequence_moments
 from .shards import shard_range, shard_span, work_spans
-from .spans import (_block, check_spans, default_chunk_size, device_pass_bytes, estimate_basis, featurize_need,
-                    find_spans, reduce_span, reduce_spans)
+from .ranges import default_chunk_size, device_pass_bytes, estimate_basis, featurize_need, reduce_span, reduce_spans
+from .spans import _block, check_spans, find_spans
 from .affine_sums import WideSource
 from .features import Features, check_overflow
 from ..io.tokens import TokensInfo, inspect_tokens, read_as, require_square, with_bias_terms
@@ -62,7 +63,7 @@ def featurize(path: str | os.PathLike, chunk_size: int | None = None,
     divides S by its number of tokens.
 
     The basis: the pass accumulates in an estimate (`basis` "auto": `estimate_basis`, from the whole
-    file whatever the shard, or for the whole file where `spans.exact_basis` says so the whitening of
+    file whatever the shard, or for the whole file where `ranges.exact_basis` says so the whitening of
     every token itself; a (d, d) array; None / "identity": the tokens' own coordinates), which
     is then checked against the token Gram of all the data read (of the shard, for a shard): the
     sums are changed exactly to its whitening when that change is well conditioned
@@ -93,7 +94,7 @@ def featurize(path: str | os.PathLike, chunk_size: int | None = None,
         check_memory(info.d, path=path, need=featurize_need(info, chunk_size), what="featurize")
     A = _basis_option(basis, info.d, path)
     lo, hi = shard_span(info.n_samples, shard, path)
-    A = spans_mod.estimate_basis(info, (lo, hi) if shard is None else None) if A is None else A
+    A = ranges_mod.estimate_basis(info, (lo, hi) if shard is None else None) if A is None else A
     size = chunk_size or default_chunk_size(info, 0 if wide is None else wide.width)
     # the data's spans (a cheap pass; none spent when the basis sample already fills psi)
     found, A, span_passes = find_spans(info, A, (lo, hi), size, normalize, spans)
@@ -102,7 +103,7 @@ def featurize(path: str | os.PathLike, chunk_size: int | None = None,
         _check_serial_memory(info, path, chunk_size, size, _block(found), device, host=not whole)
 
         def run(A: np.ndarray) -> Features:
-            return spans_mod.reduce_span(info, (lo, hi), size, progress=progress, normalize=normalize, basis=A,
+            return ranges_mod.reduce_span(info, (lo, hi), size, progress=progress, normalize=normalize, basis=A,
                                          finalize=False, spans=spans_in(A), device=device, wide=wide)
         feats = _in_whitening(run, A)
     else:
