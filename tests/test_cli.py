@@ -293,7 +293,7 @@ def test_teacher_out_writes_the_format_of_its_suffix(tmp_path: Path, capsys) -> 
     assert st.read_bytes()[8:9] == b"{"  # safetensors: an 8-byte header length, then JSON
 
 
-def test_predict_causal_progress_moves_within_a_span(tmp_path: Path, monkeypatch, capsys) -> None:
+def test_predict_causal_progress_moves_within_a_range(tmp_path: Path, monkeypatch, capsys) -> None:
     from contextlib import contextmanager
 
     import mhla_cli.cli.predict as predict_cli

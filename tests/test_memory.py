@@ -63,7 +63,7 @@ def _no_work(monkeypatch: pytest.MonkeyPatch) -> None:
         raise AssertionError("work started before the memory check")
 
     monkeypatch.setattr(ranges, "estimate_basis", boom)
-    monkeypatch.setattr(ranges, "reduce_span", boom)
+    monkeypatch.setattr(ranges, "accumulate_range", boom)
     monkeypatch.setattr(Features, "load", classmethod(boom))
 
 

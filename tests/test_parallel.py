@@ -190,7 +190,7 @@ def test_interrupt_stops_thread_workers(data: Path, serial: Features, monkeypatc
     parallel.CANCEL.set()
     try:
         with pytest.raises(parallel.Cancelled):
-            stream.reduce_span(stream.inspect_tokens(data), (0, 211), 10)
+            stream.accumulate_range(stream.inspect_tokens(data), (0, 211), 10)
     finally:
         parallel.CANCEL.clear()
     assert_same_stats(featurize(data, chunk_size=13, workers=2), serial)

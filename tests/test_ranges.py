@@ -19,12 +19,12 @@ def test_chunk_size_invariance(ragged) -> None:
             assert relerr(getattr(other, k), getattr(results[0], k)) < 1e-12, k
 
 
-def test_reduce_spans_adds_the_parts(ragged) -> None:
+def test_accumulate_ranges_adds_the_parts(ragged) -> None:
     path, tokens, offsets, y = ragged
     info = inspect_tokens(path)
     A = ranges.estimate_basis(info)
-    whole = ranges.reduce_span(info, (0, info.n_samples), 10, basis=A, finalize=False)
-    parts = ranges.reduce_spans(info, [(0, 40), (40, 41), (41, info.n_samples)], chunk_size=7, basis=A,
+    whole = ranges.accumulate_range(info, (0, info.n_samples), 10, basis=A, finalize=False)
+    parts = ranges.accumulate_ranges(info, [(0, 40), (40, 41), (41, info.n_samples)], chunk_size=7, basis=A,
                                finalize=False)
     assert parts.n_samples == whole.n_samples == info.n_samples
     assert relerr(parts.basis_gram, whole.basis_gram) < 1e-12

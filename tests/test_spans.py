@@ -62,9 +62,9 @@ def test_auto_spans_stop_at_the_probe_only_with_room(tmp_path, monkeypatch, per_
     read: list[tuple[int, int]] = []
     traces = spans.span_traces
 
-    def recording(info, span, *args, **kwargs):
-        read.append(span)
-        return traces(info, span, *args, **kwargs)
+    def recording(info, sample_range, *args, **kwargs):
+        read.append(sample_range)
+        return traces(info, sample_range, *args, **kwargs)
 
     monkeypatch.setattr(spans, "span_traces", recording)
     info = inspect_tokens(path)

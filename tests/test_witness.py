@@ -336,7 +336,7 @@ def test_make_witness_leaves_the_callers_statistics_and_keeps_the_device(tmp_pat
     cert.device = "cuda"  # as if certified there: the witness asks for that device
     wit = witness.make_witness(red, data=data, cert=cert)
     assert seen == [("certify", "cuda"), ("fit", "cuda")]
-    assert red.reduced and np.array_equal(red.basis_gram, block) and red.factor_cache.get("full") is not None
+    assert red.on_spans and np.array_equal(red.basis_gram, block) and red.factor_cache.get("full") is not None
     assert wit.info["verified"] and wit.info["kind"] in ("indistinguishable", "weakly_determined")
 
 

@@ -249,11 +249,11 @@ class WideSource:
             raise InputError(f"its reduction maps D = {P.shape[0]} but {wide} has tokens of width {info.d}", reduced)
         return cls(replace(info, has_targets=False, has_weights=False, samples=LAST, d_out=None), ident, P)
 
-    def chunks(self, span: tuple[int, int], chunk_size: int, prefetch: bool = True
+    def chunks(self, sample_range: tuple[int, int], chunk_size: int, prefetch: bool = True
                ) -> Iterator[tuple[int, int, np.ndarray, np.ndarray]]:
         """(a, b, wide tokens, offsets) of the chunks of samples [lo, hi), the chunks `iter_chunks` gives the reduced
         file for the same span and size; the tokens checked for NaN, Inf and overflow."""
-        for a, b, tokens, offsets, _ in iter_chunks(self.info, span, chunk_size, prefetch):
+        for a, b, tokens, offsets, _ in iter_chunks(self.info, sample_range, chunk_size, prefetch):
             check_finite(tokens, offsets, None, a, self.info.path)
             yield a, b, tokens, offsets
 

@@ -100,7 +100,7 @@ class FeaturesFile:
     def factor_sizes(self) -> tuple[int, int]:
         """(q, r): the lengths of the pair factor and of the token factor of the basis features
         (d(d+1)/2 and d; the spans' widths for a block), for mhla_cli.linalg.symgram."""
-        if self.reduced:
+        if self.on_spans:
             return int(self.span_pairs.shape[1]), int(self.span_last.shape[1])
         return n_features(self.d) // self.d, self.d
 

@@ -2,7 +2,7 @@
 
 Every backend is a `map(fn, items)` returning results in order, plus two attributes used to plan
 the work: `n_workers` (how many spans to cut) and `local_copies` (how many psi x psi accumulators
-live in this machine's memory at once). The function mapped is always `stream.reduce_span` (or a
+live in this machine's memory at once). The function mapped is always `stream.accumulate_range` (or a
 prediction span); workers open the HDF5 file themselves from its path, never an h5py handle.
 
 Local pools use threads by default (MHLA_PARALLEL_BACKEND=process switches to processes): measured
@@ -149,7 +149,7 @@ class DaskMap:
     `scheduler` is a scheduler address (tcp://host:8786), a path to a scheduler file (JSON written
     by `dask scheduler --scheduler-file`), "local" (a LocalCluster with one single-threaded worker
     process per core) or "local:K" (K workers), or an existing `distributed.Client`. Calling the map
-    yields one item: the sum of fn over all items (so it fits `stream.reduce_spans`).
+    yields one item: the sum of fn over all items (so it fits `stream.accumulate_ranges`).
     """
 
     local_copies = 1  # partial sums live on the workers; only the total comes back
@@ -267,7 +267,7 @@ def make_map(workers: int = 1, scheduler: Any = None, map: Callable[..., Iterabl
 
 
 class Cancelled(Exception):
-    """Raised by `reduce_span` in worker threads once `CANCEL` is set (the caller is stopping)."""
+    """Raised by `accumulate_range` in worker threads once `CANCEL` is set (the caller is stopping)."""
 
 
 # Set by a thread pool that is shutting down after an error or an interrupt, so that its running

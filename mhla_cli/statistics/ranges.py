@@ -1,8 +1,8 @@
-"""The accumulation over sample ranges [lo, hi): chunk sizing, `reduce_span` (the one place the data are
-read), its sum over many ranges (`reduce_spans`), and the basis a pass accumulates in (`estimate_basis`).
+"""The accumulation over sample ranges [lo, hi): chunk sizing, `accumulate_range` (the one place the data are
+read), its sum over many ranges (`accumulate_ranges`), and the basis a pass accumulates in (`estimate_basis`).
 
 Everything here is a sum over samples, so statistics of disjoint sample ranges add up
-(`Features.__add__`, mhla_cli.statistics.features). `reduce_span` computes the statistics of one half-open
+(`Features.__add__`, mhla_cli.statistics.features). `accumulate_range` computes the statistics of one half-open
 range [lo, hi); the serial loop, worker pools (mhla_cli.statistics.parallel), shards and Dask all call it.
 Per chunk a reader thread fetches the next chunk in its stored dtype and the accumulator
 (mhla_cli.statistics.accumulate) adds it.
@@ -34,7 +34,7 @@ from .features import Features, check_overflow
 from ..io.tokens import ReadBuffers, TokensInfo, check_chunk, check_weights, iter_chunks, read_chunk
 
 __all__ = ["chunk_buffer_bytes", "default_chunk_size", "device_pass_bytes", "estimate_basis", "featurize_need",
-           "reduce_span", "reduce_spans"]
+           "accumulate_range", "accumulate_ranges"]
 
 # Target size of the per-chunk work buffers; the default chunk size is derived from it.
 CHUNK_BYTES = 64 * 2**20
@@ -103,7 +103,7 @@ def featurize_need(info: TokensInfo, chunk_size: int | None = None, workers: int
     return need
 
 
-def _add_chunks(acc: _Accumulator, info: TokensInfo, span: tuple[int, int], chunk_size: int | None = None,
+def _add_chunks(acc: _Accumulator, info: TokensInfo, sample_range: tuple[int, int], chunk_size: int | None = None,
                 progress: Callable[[int], None] | None = None, prefetch: bool = True,
                 wide: WideSource | None = None) -> None:
     """Read samples [lo, hi) in chunks, validate each and add it to `acc`.
@@ -116,9 +116,9 @@ def _add_chunks(acc: _Accumulator, info: TokensInfo, span: tuple[int, int], chun
     """
     per_position = info.per_position
     size = chunk_size or default_chunk_size(info)
-    wide_chunks = None if wide is None else wide.chunks(span, size, prefetch)
+    wide_chunks = None if wide is None else wide.chunks(sample_range, size, prefetch)
     with acc.pipeline():  # a chunk's GEMMs run while the next is read and prepared (HostGram.pipeline)
-        for a, b, tokens, offsets, targets, weights in iter_chunks(info, span, size, prefetch, with_weights=True):
+        for a, b, tokens, offsets, targets, weights in iter_chunks(info, sample_range, size, prefetch, with_weights=True):
             if CANCEL.is_set():
                 raise Cancelled("the reduction was cancelled")
             check_weights(weights, offsets, a, per_position, info.path)
@@ -145,7 +145,7 @@ def _add_chunks(acc: _Accumulator, info: TokensInfo, span: tuple[int, int], chun
 PROGRESS_STEPS = 64
 
 
-def reduce_span(info: TokensInfo, span: tuple[int, int], chunk_size: int | None = None,
+def accumulate_range(info: TokensInfo, sample_range: tuple[int, int], chunk_size: int | None = None,
                 progress: Callable[[int], None] | None = None, prefetch: bool = True,
                 normalize: str = "none", basis: np.ndarray | None = None, finalize: bool = True,
                 spans: tuple[np.ndarray, np.ndarray] | None = None, device: str | None = None,
@@ -164,11 +164,11 @@ def reduce_span(info: TokensInfo, span: tuple[int, int], chunk_size: int | None 
     one GPU per worker); the result is the same float64 Features. `wide`: the wide tokens of the affine block
     (mhla_cli.statistics.affine_sums), read in lockstep.
     """
-    lo, hi = span
+    lo, hi = sample_range
     device = device_mod.worker_device(device)
     acc = _Accumulator(info.d, info.has_targets, basis, samples=info.samples, normalize=check_normalize(normalize),
                        spans=spans, device=device, n_affine=0 if wide is None else wide.width + 1)
-    _add_chunks(acc, info, span, chunk_size, progress, prefetch, wide)
+    _add_chunks(acc, info, sample_range, chunk_size, progress, prefetch, wide)
     total = acc.result(info.dtype)
     if wide is not None:  # the sums are of f_b = A_w^T f (mhla_cli.statistics.affine_sums)
         total.affine.basis, total.affine.P, total.affine.source = wide.basis, wide.P, wide.identity or None
@@ -205,10 +205,10 @@ def change_flops(d: int) -> float:
     return 4.0 * float(n_features(d)) ** 2 * (q + d)
 
 
-def exact_basis(info: TokensInfo, span: tuple[int, int]) -> bool:
+def exact_basis(info: TokensInfo, sample_range: tuple[int, int]) -> bool:
     """Whether `estimate_basis` of `span` reads every token of it (EXACT_BASIS_FLOPS_PER_BYTE): only for
     the whole file (a shard's basis stays the file's sample estimate, the same in every shard)."""
-    if tuple(span) != (0, info.n_samples) or info.n_samples == 0:
+    if tuple(sample_range) != (0, info.n_samples) or info.n_samples == 0:
         return False
     if basis_mod.sample_blocks(info.n_samples, info.n_tokens) == [(0, info.n_samples)]:
         return True  # the sample is every token already
@@ -216,7 +216,7 @@ def exact_basis(info: TokensInfo, span: tuple[int, int]) -> bool:
     return change_flops(info.d) >= EXACT_BASIS_FLOPS_PER_BYTE * read
 
 
-def estimate_basis(info: TokensInfo, span: tuple[int, int] | None = None) -> np.ndarray:
+def estimate_basis(info: TokensInfo, sample_range: tuple[int, int] | None = None) -> np.ndarray:
     """The basis a pass accumulates in: an estimate of the whitening of a tokens file from a fixed sample
     (basis.sample_blocks), rounded to float32 values; or, when `exact_basis(info, span)`, the whitening
     of every token of `span` (the samples the pass reads), not rounded: of the token Gram the pass
@@ -228,9 +228,9 @@ def estimate_basis(info: TokensInfo, span: tuple[int, int] | None = None) -> np.
     Gram of all the data at the end of the pass (basis.correction), and the exact one passes that
     check, so that the sums need no change after the pass.
     """
-    exact = span is not None and exact_basis(info, span)
+    exact = sample_range is not None and exact_basis(info, sample_range)
     if exact:
-        lo, hi = span
+        lo, hi = sample_range
         per = basis_mod.block_samples(info.n_samples, info.n_tokens)  # the sample's blocks: small buffers
         blocks = [(a, min(hi, a + per)) for a in range(lo, hi, per)]
     else:
@@ -252,17 +252,17 @@ def estimate_basis(info: TokensInfo, span: tuple[int, int] | None = None) -> np.
     return basis_mod.whitening(G, count, round32=not exact)
 
 
-def reduce_spans(info: TokensInfo, span_list: Sequence[tuple[int, int]],
+def accumulate_ranges(info: TokensInfo, sample_ranges: Sequence[tuple[int, int]],
                  map: Callable[..., Iterable[Features]] = builtins.map,  # noqa: A002 (like builtins.map)
                  chunk_size: int | None = None,
                  progress: Callable[[int], None] | None = None, normalize: str = "none",
                  basis: np.ndarray | None = None, finalize: bool = True,
                  spans: tuple[np.ndarray, np.ndarray] | None = None, device: str | None = None,
                  wide: WideSource | None = None) -> Features:
-    """Sum of `reduce_span` over `span_list`, evaluated with `map` (builtin, a pool's, Dask's).
+    """Sum of `accumulate_range` over `sample_ranges`, evaluated with `map` (builtin, a pool's, Dask's).
 
     `map(fn, spans)` may also yield partial sums (Dask tree-reduces on the cluster); the parts are
-    added in the order they come, all in `basis`. `finalize` as in `reduce_span`. `progress` is told
+    added in the order they come, all in `basis`. `finalize` as in `accumulate_range`. `progress` is told
     each part's samples when it comes back, or, with worker threads of this process
     (parallel.ThreadMap), each chunk's as the workers go (one call at a time).
     """
@@ -279,10 +279,10 @@ def reduce_spans(info: TokensInfo, span_list: Sequence[tuple[int, int]],
             except BaseException:
                 raised.append(True)
                 raise
-    for part in map(partial(reduce_span, info, chunk_size=chunk_size, normalize=normalize, basis=basis,
+    for part in map(partial(accumulate_range, info, chunk_size=chunk_size, normalize=normalize, basis=basis,
                             finalize=False, spans=spans, device=device, progress=locked if threads else None,
                             wide=wide),
-                    span_list):
+                    sample_ranges):
         if total is None:
             total = part  # each part is a fresh result: sum into it
         else:
@@ -296,6 +296,6 @@ def reduce_spans(info: TokensInfo, span_list: Sequence[tuple[int, int]],
         total.canonical().finalize()
     total.token_dtype = info.dtype
     total.bias_terms = info.constant
-    if span_list:
-        total.sample_range = (span_list[0][0], span_list[-1][1])
+    if sample_ranges:
+        total.sample_range = (sample_ranges[0][0], sample_ranges[-1][1])
     return total

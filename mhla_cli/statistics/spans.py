@@ -47,7 +47,7 @@ def check_spans(spans: str) -> str:
     return spans
 
 
-def span_traces(info: TokensInfo, span: tuple[int, int], A: np.ndarray, chunk_size: int | None = None,
+def span_traces(info: TokensInfo, sample_range: tuple[int, int], A: np.ndarray, chunk_size: int | None = None,
                 normalize: str = "none") -> tuple[np.ndarray, np.ndarray, Features]:
     """The two partial traces of the canonical Gram of samples [lo, hi) in basis A (tokens X A):
     sum w ||x_n||^2 s s^T (q x q) and sum w ||s||^2 x_n x_n^T (d x d) (mhla_cli.statistics.structure), and the
@@ -56,12 +56,12 @@ def span_traces(info: TokensInfo, span: tuple[int, int], A: np.ndarray, chunk_si
     A cheap pass: O(q^2) per sample instead of the Gram's O(psi^2).
     """
     acc = _Accumulator(info.d, False, A, samples=info.samples, normalize=check_normalize(normalize), traces=True)
-    _add_chunks(acc, info, span, chunk_size)
+    _add_chunks(acc, info, sample_range, chunk_size)
     tp, tl = acc.traces  # type: ignore[misc]
     return 0.5 * (tp + tp.T), 0.5 * (tl + tl.T), acc.result(info.dtype)
 
 
-def find_spans(info: TokensInfo, A: np.ndarray, span: tuple[int, int], chunk_size: int,
+def find_spans(info: TokensInfo, A: np.ndarray, sample_range: tuple[int, int], chunk_size: int,
                normalize: str = "none", spans: str = "auto"
                ) -> tuple[tuple[np.ndarray, np.ndarray] | None, np.ndarray, int]:
     """((E, F) bases of the data's spans in the canonical coordinates of the returned basis, or None:
@@ -92,17 +92,17 @@ def find_spans(info: TokensInfo, A: np.ndarray, span: tuple[int, int], chunk_siz
                 tp += a
                 tl += b
             st = structure_mod.from_traces(tp, tl, margin)
-            if not st.reduced or st.n > share * psi:
+            if not st.on_spans or st.n > share * psi:
                 return None, A, 0
-    tp, tl, part = span_traces(info, span, A, chunk_size, normalize)
+    tp, tl, part = span_traces(info, sample_range, A, chunk_size, normalize)
     passes = 1
     C, cond = part.correction()
     if C is not None and cond > basis_mod.CHANGE_COND:
         A = basis_mod.round32(part.basis @ C)
-        tp, tl, _ = span_traces(info, span, A, chunk_size, normalize)
+        tp, tl, _ = span_traces(info, sample_range, A, chunk_size, normalize)
         passes = 2
     st = structure_mod.from_traces(tp, tl)
-    if not st.reduced or st.n > share * psi:
+    if not st.on_spans or st.n > share * psi:
         return None, A, passes
     return (np.ascontiguousarray(st.E), np.ascontiguousarray(st.F)), A, passes
 

@@ -55,7 +55,7 @@ class Structure:
         return self.a * self.b
 
     @property
-    def reduced(self) -> bool:
+    def on_spans(self) -> bool:
         return self.n < self.n_full
 
     @property
