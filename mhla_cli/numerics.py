@@ -39,13 +39,13 @@ DETERMINED_TOL = 1e-8
 # rounding bound of that product, d eps (|| |z| |A| || + ||z A||) per token (the forward error of z A
 # and of the directions themselves), is "not resolvable in float64": its output depends on what the
 # data cannot show. Below it the component is the rounding of a probe that lies in the resolved
-# directions (measured: at most ~1x the bound).
+# directions (about 1x the bound at most).
 UNRESOLVED_PROBE_FACTOR = 16.0
 
 # The relative residual tolerance of block Lanczos (mhla_cli.linalg.krylov) and of its ARPACK fallback
 # (lambda_max, and lambda_min on the inverse through the shifted Cholesky factor): the Ritz value's
-# error is about tol^2 lambda / gap, so 1e-7 still gives lambda to ~1e-14 relative (measured at
-# psi = 7200, dense Gaussian data).
+# error is about tol^2 lambda / gap, so 1e-7 still gives lambda to ~1e-14 relative when the gap is
+# of the order of lambda.
 LANCZOS_TOL = 1e-7
 
 # The train MSE from the sums cancels: its resolution is MSE_RESOLUTION_FACTOR * psi * EPS *

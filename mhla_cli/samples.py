@@ -93,7 +93,7 @@ class Samples:
     # accumulates the Gram as its distinct entries K = U^T V whatever d (a syrk needs rank-one rows)
     window_rows: ClassVar[bool] = False
     # `predict` of a model fitted on these samples writes and scores its outputs at every position
-    # without being asked (CAUSAL: only with --causal, as before the layouts existed)
+    # without being asked (CAUSAL: only with --causal)
     predicts_every_position: ClassVar[bool] = False
     words: ClassVar[str] = ""  # what the samples are, in a user's words
 

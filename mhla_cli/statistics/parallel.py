@@ -5,9 +5,9 @@ the work: `n_workers` (how many spans to cut) and `local_copies` (how many psi x
 live in this machine's memory at once). The function mapped is always `stream.accumulate_range` (or a
 prediction span); workers open the HDF5 file themselves from its path, never an h5py handle.
 
-Local pools use threads by default (MHLA_PARALLEL_BACKEND=process switches to processes): measured
-on 2 cores (docs/performance.md), threads with BLAS pinned to one thread each matched or beat
-processes (numpy releases the GIL in BLAS and in the large ufuncs of the hot path), with no worker
+Local pools use threads by default (MHLA_PARALLEL_BACKEND=process switches to processes): threads with
+BLAS pinned to one thread each match or beat processes (numpy releases the GIL in BLAS and in the
+large ufuncs of the hot path; benchmarks/bench_workers.py, docs/performance.md), with no worker
 start-up and no copies of the psi x psi partial sums between processes.
 """
 

@@ -186,11 +186,8 @@ def accumulate_range(info: TokensInfo, sample_range: tuple[int, int], chunk_size
 # token anyway, or when reading them costs little beside what it saves: the change of the sums to the
 # whitening after the pass (basis.correction then finds A^T G A = I to rounding, within CANONICAL_TOL),
 # about 4 q^4 flops on K (q = d(d+1)/2; `change_flops`). Taken when those flops are at least this many per
-# byte of tokens read. Measured on this machine (AMD EPYC, 2 cores, float32 tokens, sequences of 16; a
-# scratch script): the change took 0.83-1.0 s at d = 24 (3.2e10 flops, 32-39 GFLOP/s) and 0.07-0.08 s
-# at d = 16 (1.4e9); reading and summing every token 0.08-0.24 s at d = 24, N = 36000 (55 MB: 590 flops
-# of change per byte) and 0.33-0.52 s at d = 16, N = 2e5 (205 MB: 7 flops per byte), 0.2-0.7 GB/s. The
-# break-even is near 60 flops a byte; from a cold disk reading is slower.
+# byte of tokens read: the change runs at tens of GFLOP/s and reading and summing the tokens at a few
+# tenths of a GB/s, so the break-even is some tens of flops a byte; the cut leaves room for a cold disk.
 EXACT_BASIS_FLOPS_PER_BYTE = 100.0
 
 

@@ -31,10 +31,7 @@ SPANS_MIN_FEATURES = 2048
 # direction within SPANS_PROBE_MARGIN times the structure cut, nothing is dropped from the sample
 # either (its traces are the probe's plus PSD terms; only a sample whose lambda_max is SPANS_PROBE_MARGIN
 # times the probe's could put a direction under its own cut) and no more is read; otherwise the sample
-# decides as before. Measured on this machine (one process, a scratch timing): find_spans 0.019 s for
-# d = 16 causal (N = 2048 x 32), 0.044 s at d = 24 (N = 9000), 0.015 s at d = 16 (N = 2e5), against
-# 0.39, 0.42 and 0.29 s before in a profile (the sample's traces 0.20, 0.18 and 0.08 s of them; the rest
-# scipy.linalg's import, which structure._eig_desc no longer needs).
+# decides. The probe is at most half the sample (`probe_blocks`).
 SPANS_PROBE_PER_PAIR = 8
 SPANS_PROBE_MARGIN = 1e6
 SPANS = ("auto", "on", "off")
