@@ -23,7 +23,7 @@ RANK_FACTOR = 1.0
 # i.e. the certificate's own rank cut, so dropping it changes no verdict.
 STRUCTURE_FACTOR = 1.0
 
-# The observed-span rule (solve._observed_bases_b): a direction of the canonical token Gram (or the
+# The observed-span rule (solve.domains._observed_bases_b): a direction of the canonical token Gram (or the
 # last-token Gram) of `count` summed outer products is in the observed span when its eigenvalue exceeds
 # OBSERVED_SPAN_FACTOR * d * EPS * sqrt(count) of the largest (float64 rounding adds like a random walk),
 # or d * eps_in^2 for tokens stored at precision eps_in.

@@ -1,7 +1,7 @@
 """One factorization of the certificate's matrix, computed once per statistics and reused.
 
 certify (full and observed domains), fit, `certify --on` and the witness all need the spectrum or a
-factor of the same canonical Lambda~ (mhla_cli.statistics.basis). `solve.factorize` returns a `Factorization`
+factor of the same canonical Lambda~ (mhla_cli.statistics.basis). `solve.domains.factorize` returns a `Factorization`
 cached on the Features object, which computes only what is asked, once:
 
 - small matrices (n <= DENSE_MAX): LAPACK's eigenvalues (eigvalsh), the vectors only when asked;
@@ -63,7 +63,7 @@ class Factorization:
         self.backend = get_backend(device)
         self.n = int(lam.shape[0])
         self.n_full = self.n if n_full is None else int(n_full)
-        self.structure: Any = None  # mhla_cli.statistics.structure.Structure of the block, set by solve.factorize
+        self.structure: Any = None  # mhla_cli.statistics.structure.Structure of the block, set by solve.domains.factorize
         self._c = _Cache()  # the decompositions, shared by `share`
         self.seconds = self._c.seconds  # wall time of each decomposition computed
         self.iterations = self._c.iterations  # how each estimate was found (krylov.TopEigenvalue.record)

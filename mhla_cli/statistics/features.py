@@ -115,7 +115,7 @@ class Features(FeaturesAlgebra, FeaturesFile):
     # features (E^T s) (x) (F^T x_n), and gram / moments stay None until `expand`.
     span_pairs: np.ndarray | None = None
     span_last: np.ndarray | None = None
-    # Factorizations of the canonical Lambda~ by domain (mhla_cli.linalg.factorization, solve.factorize);
+    # Factorizations of the canonical Lambda~ by domain (mhla_cli.linalg.factorization, solve.domains.factorize);
     # emptied whenever the basis sums change.
     factor_cache: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
     # sum_i w_i y_i (d,) over the samples (with weight_sum below, the scored data's mean, for R^2:

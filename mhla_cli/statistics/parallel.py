@@ -262,7 +262,7 @@ def make_map(workers: int = 1, scheduler: Any = None, map: Callable[..., Iterabl
 
 
 # --------------------------------------------------------------------------------------------
-# prediction spans (streamed by model.predict_file)
+# prediction ranges (streamed by model.forward.predict_file)
 # --------------------------------------------------------------------------------------------
 
 
