@@ -252,7 +252,7 @@ class WideSource:
     def chunks(self, sample_range: tuple[int, int], chunk_size: int, prefetch: bool = True
                ) -> Iterator[tuple[int, int, np.ndarray, np.ndarray]]:
         """(a, b, wide tokens, offsets) of the chunks of samples [lo, hi), the chunks `iter_chunks` gives the reduced
-        file for the same span and size; the tokens checked for NaN, Inf and overflow."""
+        file for the same sample range and size; the tokens checked for NaN, Inf and overflow."""
         for a, b, tokens, offsets, _ in iter_chunks(self.info, sample_range, chunk_size, prefetch):
             check_finite(tokens, offsets, None, a, self.info.path)
             yield a, b, tokens, offsets

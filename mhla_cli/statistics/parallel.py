@@ -1,9 +1,9 @@
 """Parallel and distributed evaluation of the chunk reduction: local worker pools and Dask.
 
 Every backend is a `map(fn, items)` returning results in order, plus two attributes used to plan
-the work: `n_workers` (how many spans to cut) and `local_copies` (how many psi x psi accumulators
-live in this machine's memory at once). The function mapped is always `stream.accumulate_range` (or a
-prediction span); workers open the HDF5 file themselves from its path, never an h5py handle.
+the work: `n_workers` (how many sample ranges to cut) and `local_copies` (how many psi x psi accumulators
+live in this machine's memory at once). The function mapped is always `stream.accumulate_range` (or the
+prediction of a sample range); workers open the HDF5 file themselves from its path, never an h5py handle.
 
 Local pools use threads by default (MHLA_PARALLEL_BACKEND=process switches to processes): threads with
 BLAS pinned to one thread each match or beat processes (numpy releases the GIL in BLAS and in the
@@ -242,7 +242,7 @@ def make_map(workers: int = 1, scheduler: Any = None, map: Callable[..., Iterabl
     `backend` is "thread" or "process" (default: MHLA_PARALLEL_BACKEND, else thread).
     """
     if map is not None:
-        # a user's map (e.g. a pool's): cut a few spans per core, its workers are unknown
+        # a user's map (e.g. a pool's): cut a few sample ranges per core, its workers are unknown
         yield map if hasattr(map, "n_workers") else SerialMap(map, n_workers=os.cpu_count() or 1)
         return
     if scheduler is not None:
@@ -271,5 +271,5 @@ class Cancelled(Exception):
 
 
 # Set by a thread pool that is shutting down after an error or an interrupt, so that its running
-# reductions stop at the next chunk instead of finishing their spans.
+# reductions stop at the next chunk instead of finishing their sample ranges.
 CANCEL = threading.Event()

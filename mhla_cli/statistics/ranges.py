@@ -158,7 +158,7 @@ def accumulate_range(info: TokensInfo, sample_range: tuple[int, int], chunk_size
     the whole window); `normalize="length"` divides S by its number of tokens. `basis` (d, d; None = the identity): accumulate the features of
     X @ basis (mhla_cli.statistics.basis). `finalize=False` returns the sums of that basis as they are (partial
     sums of a larger reduction add exactly); otherwise they are changed to the whitening of the
-    span's tokens and the own-coordinate sums derived. `spans` (E, F) in the canonical coordinates of
+    range's tokens and the own-coordinate sums derived. `spans` (E, F) in the canonical coordinates of
     `basis`: accumulate only the block on the data's spans (mhla_cli.statistics.structure, `find_spans`).
     `device` (mhla_cli.linalg.device): build the features and their Gram there ("cuda" in a worker process:
     one GPU per worker); the result is the same float64 Features. `wide`: the wide tokens of the affine block
@@ -203,7 +203,7 @@ def change_flops(d: int) -> float:
 
 
 def exact_basis(info: TokensInfo, sample_range: tuple[int, int]) -> bool:
-    """Whether `estimate_basis` of `span` reads every token of it (EXACT_BASIS_FLOPS_PER_BYTE): only for
+    """Whether `estimate_basis` of `sample_range` reads every token of it (EXACT_BASIS_FLOPS_PER_BYTE): only for
     the whole file (a shard's basis stays the file's sample estimate, the same in every shard)."""
     if tuple(sample_range) != (0, info.n_samples) or info.n_samples == 0:
         return False
@@ -215,10 +215,10 @@ def exact_basis(info: TokensInfo, sample_range: tuple[int, int]) -> bool:
 
 def estimate_basis(info: TokensInfo, sample_range: tuple[int, int] | None = None) -> np.ndarray:
     """The basis a pass accumulates in: an estimate of the whitening of a tokens file from a fixed sample
-    (basis.sample_blocks), rounded to float32 values; or, when `exact_basis(info, span)`, the whitening
-    of every token of `span` (the samples the pass reads), not rounded: of the token Gram the pass
-    accumulates, sum c x x^T with c the weight of the samples that contain the token (the layout's
-    `token_weights`, mhla_cli.samples).
+    (basis.sample_blocks), rounded to float32 values; or, when `exact_basis(info, sample_range)`, the
+    whitening of every token of `sample_range` (the samples the pass reads), not rounded: of the token
+    Gram the pass accumulates, sum c x x^T with c the weight of the samples that contain the token (the
+    layout's `token_weights`, mhla_cli.samples).
 
     The estimate is deterministic in the file's content (every shard, worker and machine gets the same
     basis). It only has to be good enough to accumulate in: `featurize` checks it against the token

@@ -55,7 +55,7 @@ def featurize(path: str | os.PathLike, chunk_size: int | None = None,
 
     `shard=(i, M)` restricts to the i-th (0-based) of M contiguous sample ranges. Parallelism:
     `workers=K` (a local pool, see mhla_cli.statistics.parallel), `scheduler` (a Dask address, or "local" /
-    "local:K"), or any `map` (builtin map, a pool's map, ...) over the spans; all call `accumulate_range`.
+    "local:K"), or any `map` (builtin map, a pool's map, ...) over the sample ranges; all call `accumulate_range`.
     Per-position data (targets (T, d) or weights per position): every position with weight > 0 is a
     sample, read with `attention` (mhla_cli.samples): "causal" (S of the prefix X[:t]) or
     "bidirectional" (S of the whole window); None: as the file's `attention` attribute says, causal
