@@ -1,6 +1,6 @@
 """Per-chunk kernels: the per-sequence moments S = X^T X (and X^T Y), the prefix Grams of every position.
 
-The sample layouts (mhla_cli.samples) build their rows from them; the streaming reduction, the forward pass
+The sample layouts (mhla_cli.samples) build their rows from them; the streaming accumulation, the forward pass
 and the probes call them through the layouts.
 
 All float64, vectorised over a chunk (tokens of any real dtype are converted in cache-sized blocks).

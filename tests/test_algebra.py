@@ -73,7 +73,7 @@ def test_add_into_is_the_in_place_sum() -> None:
 
 
 def _held_and_expanded(monkeypatch, make):
-    """make() run with the reduction on K (the basis Gram held as symgram.Pairs) and on the syrk (arrays)."""
+    """make() run with the accumulation on K (the basis Gram held as symgram.Pairs) and on the syrk (arrays)."""
     from mhla_cli.linalg import symgram
 
     out = []

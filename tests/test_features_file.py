@@ -137,7 +137,7 @@ def test_compact_file_holds_the_distinct_entries_and_reads_back_the_same(tmp_pat
 
 @pytest.mark.parametrize("spans", ["off", "on"])
 def test_a_held_basis_gram_writes_the_same_files(tmp_path: Path, monkeypatch, spans: str) -> None:
-    """Statistics whose basis Gram is held as its distinct entries (symgram.Pairs: the reduction on K)
+    """Statistics whose basis Gram is held as its distinct entries (symgram.Pairs: the accumulation on K)
     write the same full and compact files as those held as arrays (the syrk): the full file's psi x psi
     datasets derived when written; the compact one holds the entries as they were; a compact file loads
     them held, and they are expanded only when read."""

@@ -33,7 +33,7 @@ from mhla_cli.statistics.stream import chunk_features, featurize
 
 @pytest.fixture(params=["syrk", "pairs"])
 def kernel(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
-    """The reduction's Gram as one syrk of the materialised rows ("syrk", the default below
+    """The pass's Gram as one syrk of the materialised rows ("syrk", the default below
     symgram.SYMGRAM_MIN_D) or as its distinct entries held through every change of basis, sum and file
     ("pairs", the default from SYMGRAM_MIN_D on), forced for the small d of these tests."""
     from mhla_cli.linalg import symgram
@@ -175,7 +175,7 @@ def test_weights_carry_no_units(data: Data, n_zero: int, c: float, zseed: int) -
 
 
 # --------------------------------------------------------------------------------------------
-# what the reduction cannot see: order, chunks, shards, workers, partial_fit, duplicates
+# what the accumulation cannot see: order, chunks, shards, workers, partial_fit, duplicates
 # --------------------------------------------------------------------------------------------
 
 

@@ -1,8 +1,8 @@
 """The data's spans (mhla_cli.statistics.structure): the block on span{S_i} (x) U_n gives the plain dense
 eigendecomposition's verdict, rank, lambda_min / lambda_max (1e-10 of lambda_max), minimum-norm and
 ridge functions and probe verdicts, against plain numpy on the materialised canonical features
-(tests/_reference.py), on data where the reduction is large (one-hot, DFA traces, tokens in a
-subspace, a dead coordinate) and where it is nothing (dense Gaussian, length-1 sequences)."""
+(tests/_reference.py), on data whose spans hold a small block (one-hot, DFA traces, tokens in a
+subspace, a dead coordinate) and where they hold every feature (dense Gaussian, length-1 sequences)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The Gram from its distinct entries (mhla_cli.linalg.symgram): K = U^T V on every path of the reduction,
+"""The Gram from its distinct entries (mhla_cli.linalg.symgram): K = U^T V on every path of the accumulation,
 against materialised features in plain numpy (tests/_reference.py)."""
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ TOL = 1e-13
 
 @pytest.fixture(params=["pairs", "syrk"])
 def kernel(request, monkeypatch) -> str:
-    """Run a test with the reduction on K for every d ("pairs") and on the syrk for every d."""
+    """Run a test with the accumulation on K for every d ("pairs") and on the syrk for every d."""
     monkeypatch.setattr(symgram, "SYMGRAM_MIN_D", 1 if request.param == "pairs" else 10**9)
     return request.param
 
@@ -83,7 +83,7 @@ def _blas_now() -> list[int]:
 
 def test_pipeline_gives_the_blocking_sums_bit_for_bit(monkeypatch) -> None:
     """`pipeline`: chunks handed out while the caller overwrites its own buffers for the next one (as the
-    reduction does) give K, the moments and the target Gram of the blocking `add`, bit for bit, and BLAS
+    accumulation does) give K, the moments and the target Gram of the blocking `add`, bit for bit, and BLAS
     is back at its thread count after the block."""
     monkeypatch.setattr(symgram, "PAIRS_PANEL_BYTES", 8 * 40 * 9)  # several panels for each thread
     rng = np.random.default_rng(4)
@@ -238,7 +238,7 @@ def test_rule_uses_pairs_from_the_measured_width() -> None:
     assert isinstance(symgram.accumulator(m * (m + 1) // 2, m, m), symgram.SymGram)
 
 
-# ---------------------------------------------------------------- the reduction against the reference
+# ---------------------------------------------------------------- the accumulation against the reference
 
 
 def _reference_gram(X: np.ndarray, off: np.ndarray, A: np.ndarray, per_position: bool, w: np.ndarray | None,
@@ -262,7 +262,7 @@ def _reference_gram(X: np.ndarray, off: np.ndarray, A: np.ndarray, per_position:
 
 
 def _data(kind: str, d: int, rng: np.random.Generator) -> dict[str, np.ndarray]:
-    """Tokens files of every kind the reduction reads."""
+    """Tokens files of every kind the accumulation reads."""
     if kind == "dense":
         return {"tokens": rng.standard_normal((23, 4, d)), "targets": rng.standard_normal((23, d))}
     if kind == "single":

@@ -246,7 +246,7 @@ def _blas_threads() -> int:
 
 
 class HostGram:
-    """The Gram of a reduction's [Ht | Y] block on the host, built chunk by chunk (the numpy backend's
+    """The Gram of a pass's [Ht | Y] block on the host, built chunk by chunk (the numpy backend's
     `gram`): from symgram.SYMGRAM_MIN_D on the Gram's distinct entries K = U^T V of the two factors s and
     x_n (mhla_cli.linalg.symgram.SymGram), else the block built transposed, Ft = [Ht | Y]^T (width, R), so
     that every elementwise loop runs over the R samples of the chunk (long, contiguous) instead of over d,
@@ -298,9 +298,9 @@ class HostGram:
             self._pairs.add_windows(upper_t, xx, xy, yy, threads=_blas_threads() if wide else 1)
 
     def pipeline(self) -> Any:
-        """The reduction's block around its loop over chunks (statistics.ranges._add_chunks): a wide block
+        """The pass's block around its loop over chunks (statistics.ranges._add_chunks): a wide block
         of K overlaps each chunk's GEMMs with the next chunk's preparation (symgram.SymGram.pipeline, on
-        the BLAS threads there are now); otherwise nothing. Only on the main thread: reductions on worker
+        the BLAS threads there are now); otherwise nothing. Only on the main thread: passes on worker
         threads of one process (a Dask client's threads) would set and restore the process-wide BLAS limit
         over each other's pipelines."""
         import threading
@@ -397,7 +397,7 @@ def _compact_leading(G: np.ndarray, n: int, rows: int = 256) -> np.ndarray:
 
 
 class Backend:
-    """Where the psi x psi work runs: a factorization's matrix, a reduction's Gram, the free memory."""
+    """Where the psi x psi work runs: a factorization's matrix, a pass's Gram, the free memory."""
 
     device: str | None = None  # the spelling it was resolved from (None: the host)
 
@@ -407,7 +407,7 @@ class Backend:
 
     def gram(self, q: int, r: int, n_targets: int, width: int, nf: int,
              spans: tuple[np.ndarray, np.ndarray] | None = None, pairs: bool = False) -> Any:
-        """An accumulator of a reduction's Gram on the backend: `add(upper_t, last_t, targets_t)` per
+        """An accumulator of a pass's Gram on the backend: `add(upper_t, last_t, targets_t)` per
         chunk (and, made with `pairs`, `add_windows(upper_t, xx, xy, yy)`: rows whose token factor is a
         second moment), `result()` a symgram.SymGram or G for `gram_parts` (HostGram, device.DeviceGram /
         DevicePairs)."""

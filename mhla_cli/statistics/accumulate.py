@@ -1,4 +1,4 @@
-"""The accumulator of one reduction: running sums of a chunk stream in one basis (`_Accumulator`), and
+"""The accumulator of one pass: running sums of a chunk stream in one basis (`_Accumulator`), and
 the statistics of one in-memory chunk (`chunk_features`).
 
 Per chunk the tokens are transformed to the pass's basis (X A), the per-sequence (X A)^T (X A) are
@@ -36,7 +36,7 @@ __all__ = ["MIN_THREADED_WIDTH", "PANEL_BYTES", "chunk_features"]
 
 
 class _Accumulator:
-    """Running sums of one reduction in one basis A, with reusable work buffers.
+    """Running sums of one pass in one basis A, with reusable work buffers.
 
     Per chunk the tokens are transformed first (X A, a d x d product per token: docs/certificate.md), the features are those of X A in canonical coordinates
     (mhla_cli.statistics.basis), and the Gram of the block [Ht | Y] (B x (psi + d)) holds basis_gram,

@@ -1,4 +1,4 @@
-"""Parallel and distributed evaluation of the chunk reduction: local worker pools and Dask.
+"""Parallel and distributed evaluation of the chunk accumulation: local worker pools and Dask.
 
 Every backend is a `map(fn, items)` returning results in order, plus two attributes used to plan
 the work: `n_workers` (how many sample ranges to cut) and `local_copies` (how many psi x psi accumulators
@@ -124,7 +124,7 @@ class ThreadMap:
     def __exit__(self, exc_type: Any, *rest: Any) -> None:
         assert self._pool is not None
         if exc_type is not None:
-            CANCEL.set()  # running reductions stop at their next chunk
+            CANCEL.set()  # running passes stop at their next chunk
         try:
             self._pool.shutdown(wait=True, cancel_futures=exc_type is not None)
         finally:
@@ -237,7 +237,7 @@ def resolve_workers(workers: int) -> int:
 @contextlib.contextmanager
 def make_map(workers: int = 1, scheduler: Any = None, map: Callable[..., Iterable[Any]] | None = None,  # noqa: A002
              backend: str | None = None) -> Iterator[Any]:
-    """The map to evaluate reductions with: Dask if `scheduler`, a local pool if workers > 1.
+    """The map to evaluate passes with: Dask if `scheduler`, a local pool if workers > 1.
 
     `backend` is "thread" or "process" (default: MHLA_PARALLEL_BACKEND, else thread).
     """
@@ -271,5 +271,5 @@ class Cancelled(Exception):
 
 
 # Set by a thread pool that is shutting down after an error or an interrupt, so that its running
-# reductions stop at the next chunk instead of finishing their sample ranges.
+# passes stop at the next chunk instead of finishing their sample ranges.
 CANCEL = threading.Event()

@@ -74,7 +74,7 @@ def _sample_bytes(info: TokensInfo) -> int:
 
 
 def chunk_buffer_bytes(info: TokensInfo, chunk_size: int | None = None) -> int:
-    """Bytes of one reduction's chunk buffers (mhla_cli.linalg.memory): the chunk's arrays and the panel."""
+    """Bytes of one pass's chunk buffers (mhla_cli.linalg.memory): the chunk's arrays and the panel."""
     rows = min(chunk_size or default_chunk_size(info), info.n_samples)
     W = n_features(info.d) + (info.d if info.has_targets else 0)
     panel = 8 * W * max(1, min(W, PANEL_BYTES // (8 * W)))
@@ -152,12 +152,12 @@ def accumulate_range(info: TokensInfo, sample_range: tuple[int, int], chunk_size
                 wide: WideSource | None = None) -> Features:
     """Statistics of samples [lo, hi) of the tokens file `info.path` (opened here, read in chunks).
 
-    This is the one chunk reduction of mhla: the serial loop, worker pools, Dask and shards all
+    This is the one chunk accumulation of mhla: the serial loop, worker pools, Dask and shards all
     call it. `progress(n)` is called after each chunk of n samples (sequences). The samples are
     `info.samples` (mhla_cli.samples: per sequence, every weighted prefix, or every weighted position of
     the whole window); `normalize="length"` divides S by its number of tokens. `basis` (d, d; None = the identity): accumulate the features of
     X @ basis (mhla_cli.statistics.basis). `finalize=False` returns the sums of that basis as they are (partial
-    sums of a larger reduction add exactly); otherwise they are changed to the whitening of the
+    sums of a larger accumulation add exactly); otherwise they are changed to the whitening of the
     range's tokens and the own-coordinate sums derived. `spans` (E, F) in the canonical coordinates of
     `basis`: accumulate only the block on the data's spans (mhla_cli.statistics.structure, `find_spans`).
     `device` (mhla_cli.linalg.device): build the features and their Gram there ("cuda" in a worker process:

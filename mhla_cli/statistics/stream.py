@@ -1,7 +1,7 @@
 """Featurize a tokens file, load a features file: the streaming statistics' entry points.
 
 `featurize` checks memory, estimates the basis, finds the data's spans (mhla_cli.statistics.spans), runs the
-one reduction `accumulate_range` serially or over workers (mhla_cli.statistics.parallel), and ends in the
+one accumulation `accumulate_range` serially or over workers (mhla_cli.statistics.parallel), and ends in the
 whitening of all the data read (mhla_cli.statistics.basis). The jobs live in their own modules: per-chunk
 kernels (kernels), the accumulator (accumulate), chunk sizing and the span passes (spans), shards
 (shards); their names used elsewhere are re-exported here.
