@@ -373,7 +373,7 @@ def bench_model(args: argparse.Namespace) -> None:
     acc_s = sum(times[k]["seconds"] for k in acc_kinds)
     chol_s = sum(times.get(k, {"seconds": 0.0})["seconds"] for k in chol_kinds)
     other_s = sum(times.get(k, {"seconds": 0.0})["seconds"] for k in lanczos_kinds)
-    basis_s = sum(v["seconds"] for k, v in times.items() if k in ("reduce_span", "add"))  # the basis passes
+    basis_s = sum(v["seconds"] for k, v in times.items() if k in ("accumulate_range", "add"))  # the basis passes
     r_acc, r_chol = m["acc_flops"] / acc_s, m["chol_flops"] / chol_s
     n_other = sum(times.get(k, {"tasks": 0})["tasks"] for k in lanczos_kinds)
     r_basis = N * args.seq_len * d / max(basis_s, 1e-9)  # token entries read and summed per second, per core
@@ -388,7 +388,7 @@ def bench_model(args: argparse.Namespace) -> None:
                  ["Cholesky (potrf, trsm, updates)", sum(times.get(k, {"tasks": 0})["tasks"] for k in ("potrf", "trsm", "update")),
                   chol_s, m["chol_flops"], r_chol / 1e9],
                  ["products and solves (Lanczos, the fit)", n_other, other_s, float("nan"), float("nan")],
-                 ["the basis passes (d x d sums)", sum(v["tasks"] for k, v in times.items() if k in ("reduce_span", "add")),
+                 ["the basis passes (d x d sums)", sum(v["tasks"] for k, v in times.items() if k in ("accumulate_range", "add")),
                   basis_s, float("nan"), float("nan")]]))
     print(f"\nmodel here: {model_here:.0f} s of compute over {workers} workers against {measured:.0f} s measured "
           f"(accumulation, certify and fit; the rest is the scheduler, transfers and spilling)\n")

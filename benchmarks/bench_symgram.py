@@ -208,7 +208,7 @@ def featurize_point(spec: str, repeat: int, base: Path | None, work: Path, one_t
     threads = 1 if psi > POTRF_THREADED_MAX else None
     from threadpoolctl import threadpool_limits
 
-    # best of at least 5 blocks (3 on one thread): of 2, one run's best at 24:36000 was 1.8x the run before
+    # best of at least 5 blocks (3 on one thread): the best of 2 varies too much between runs on shared cores
     with threadpool_limits(limits=threads):
         t_syrk = bare_dsyrk_seconds(psi, rows, repeat=max(3 if threads == 1 else 5, repeat))
     one = one_thread if one_thread is not None else d >= 32

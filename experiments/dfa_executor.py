@@ -203,7 +203,7 @@ def run_point(Q: int, S: int, n_train: int, L: int, n_test: int, seed: int, work
         "closed_loop": loop,
         "cert_full": {"identifiable": cert_full.identifiable, "rank": cert_full.rank, "n_features": cert_full.n_features,
                       "span_features": cert_full.span_features},
-        "reduced": bool(feats.reduced),
+        "reduced": bool(feats.on_spans),
         "cert_observed": {"identifiable": cert_obs.identifiable, "rank": cert_obs.rank,
                           "n_features": cert_obs.n_features},
         "probes": {"n_probes": probes.n_probes, "n_undetermined": int(probes.undetermined.size),

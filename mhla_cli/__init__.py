@@ -33,7 +33,7 @@ _EXPORTS = {
     "Model": "model.model", "load_function": "model.model",
     "Certificate": "solve.certificate", "certify": "solve.certificate",
     "Reduction": "model.reduce", "load_reduction": "model.reduce", "reduce_tokens": "model.reduce",
-    "Features": "statistics.features", "featurize": "statistics.stream", "load_features": "statistics.stream", "reduce_span": "statistics.spans",
+    "Features": "statistics.features", "featurize": "statistics.stream", "load_features": "statistics.stream", "accumulate_range": "statistics.ranges",
     "Dataset": "model.synthetic", "generate_assoc": "model.synthetic", "generate_teacher": "model.synthetic",
     "MHLA": "api.estimator",
 }
@@ -63,7 +63,7 @@ if TYPE_CHECKING:  # the same names for type checkers and the layout test's re-e
     from .model.reduce import Reduction, load_reduction, reduce_tokens
     from .solve.certificate import Certificate, certify
     from .statistics.features import Features
-    from .statistics.spans import reduce_span
+    from .statistics.ranges import accumulate_range
     from .statistics.stream import featurize, load_features
     from .model.synthetic import Dataset, generate_assoc, generate_teacher
 
@@ -71,5 +71,5 @@ __all__ = [
     "Certificate", "Dataset", "MHLA", "Features", "Heads", "InputError", "MhlaError", "Model", "Reduction", "W_from_heads",
     "W_from_p", "__version__", "certify", "convert_files", "cubic_features", "export_heads", "feature_index", "featurize",
     "fit", "forward_heads", "generate_assoc", "generate_teacher", "heads_from_W", "load_features", "load_function",
-    "load_reduction", "n_features", "p_from_W", "p_from_heads", "predict", "predict_file", "reduce_span", "reduce_tokens", "write_tokens",
+    "load_reduction", "n_features", "p_from_W", "p_from_heads", "predict", "predict_file", "accumulate_range", "reduce_tokens", "write_tokens",
 ]

@@ -1,6 +1,6 @@
 """Per-chunk kernels: the per-sequence moments S = X^T X (and X^T Y), the prefix Grams of every position.
 
-The sample layouts (mhla_cli.samples) build their rows from them; the streaming reduction, the forward pass
+The sample layouts (mhla_cli.samples) build their rows from them; the streaming accumulation, the forward pass
 and the probes call them through the layouts.
 
 All float64, vectorised over a chunk (tokens of any real dtype are converted in cache-sized blocks).
@@ -71,7 +71,7 @@ def prefix_moments(tokens: np.ndarray, offsets: np.ndarray, normalize: str = "no
     """Distinct entries of the prefix Grams S_t = sum_{s<=t} x_s x_s^T of every position, vectorised.
 
     tokens (T, d) of any real dtype, offsets (B+1,) from 0. Returns `upper` (T, d(d+1)/2) float64,
-    the entries S_t[j, k], j <= k, in feature pair order (features.pair_index), and the tokens
+    the entries S_t[j, k], j <= k, in feature pair order (feature_map.pair_index), and the tokens
     themselves (T, d) float64 (the last token x_t of each prefix). With normalize="length" S_t is
     divided by t (the 1-based position in its sequence). S_t is a running sum: a cumsum of the
     per-token outer products within each sequence (equal lengths: one batched cumsum; ragged:

@@ -23,7 +23,7 @@ RANK_FACTOR = 1.0
 # i.e. the certificate's own rank cut, so dropping it changes no verdict.
 STRUCTURE_FACTOR = 1.0
 
-# The observed-span rule (solve._observed_bases_b): a direction of the canonical token Gram (or the
+# The observed-span rule (solve.domains._observed_bases_b): a direction of the canonical token Gram (or the
 # last-token Gram) of `count` summed outer products is in the observed span when its eigenvalue exceeds
 # OBSERVED_SPAN_FACTOR * d * EPS * sqrt(count) of the largest (float64 rounding adds like a random walk),
 # or d * eps_in^2 for tokens stored at precision eps_in.
@@ -39,13 +39,13 @@ DETERMINED_TOL = 1e-8
 # rounding bound of that product, d eps (|| |z| |A| || + ||z A||) per token (the forward error of z A
 # and of the directions themselves), is "not resolvable in float64": its output depends on what the
 # data cannot show. Below it the component is the rounding of a probe that lies in the resolved
-# directions (measured: at most ~1x the bound).
+# directions (about 1x the bound at most).
 UNRESOLVED_PROBE_FACTOR = 16.0
 
 # The relative residual tolerance of block Lanczos (mhla_cli.linalg.krylov) and of its ARPACK fallback
 # (lambda_max, and lambda_min on the inverse through the shifted Cholesky factor): the Ritz value's
-# error is about tol^2 lambda / gap, so 1e-7 still gives lambda to ~1e-14 relative (measured at
-# psi = 7200, dense Gaussian data).
+# error is about tol^2 lambda / gap, so 1e-7 still gives lambda to ~1e-14 relative when the gap is
+# of the order of lambda.
 LANCZOS_TOL = 1e-7
 
 # The train MSE from the sums cancels: its resolution is MSE_RESOLUTION_FACTOR * psi * EPS *

@@ -74,7 +74,7 @@ class Rows:
     xy: np.ndarray | None = None  # (R, d, e): sum_t w_t x_t y_t^T
     yy: np.ndarray | None = None  # (e, e): sum w y y^T over every sample of the chunk
     y_sum: np.ndarray | None = None  # (e,): sum w y
-    # the chunk's token Grams when the rows give them for free (None: the reduction sums over the tokens):
+    # the chunk's token Grams when the rows give them for free (None: the accumulation sums over the tokens):
     # (sum w S over the samples, sum w x x^T over their query tokens, sum x x^T over every token)
     token_grams: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
 
@@ -89,11 +89,11 @@ class Samples:
     name: ClassVar[str] = ""
     attention: ClassVar[str | None] = None  # the `attention` attribute of per-position files
     per_position: ClassVar[bool] = True  # targets and weights are stored per position
-    # a Gram row is a whole window and its token factor a second moment (Rows.xx): the reduction
+    # a Gram row is a whole window and its token factor a second moment (Rows.xx): the accumulation
     # accumulates the Gram as its distinct entries K = U^T V whatever d (a syrk needs rank-one rows)
     window_rows: ClassVar[bool] = False
     # `predict` of a model fitted on these samples writes and scores its outputs at every position
-    # without being asked (CAUSAL: only with --causal, as before the layouts existed)
+    # without being asked (CAUSAL: only with --causal)
     predicts_every_position: ClassVar[bool] = False
     words: ClassVar[str] = ""  # what the samples are, in a user's words
 

@@ -35,7 +35,7 @@ from mhla_cli.solve import affine_block
 from mhla_cli.solve.certificate import certify as mhla_certify
 from mhla_cli.solve.lstsq import fit as lstsq_fit
 from mhla_cli.statistics.affine_sums import WideSource
-from mhla_cli.statistics.spans import estimate_basis, reduce_span
+from mhla_cli.statistics.ranges import estimate_basis, accumulate_range
 from mhla_cli.statistics.stream import featurize, tokens_info
 
 LAYOUTS = ("last", "causal", "bidirectional")
@@ -345,7 +345,7 @@ def extended_features(red: Path, wide: Path, normalize: str, P: np.ndarray, bias
     A = estimate_basis(info, (0, info.n_samples))  # featurize's: accumulated in the whitening of the tokens
     src = WideSource(winfo, {}, P)
     src = replace(src, basis=src.estimate_basis(info.samples))
-    f = reduce_span(info, (0, info.n_samples), 7, normalize=normalize, basis=A, wide=src)
+    f = accumulate_range(info, (0, info.n_samples), 7, normalize=normalize, basis=A, wide=src)
     f.affine.P, f.affine.basis = P, src.basis
     f.bias_terms = bias_terms
     return f
@@ -409,7 +409,7 @@ def test_the_block_on_the_data_s_spans_gives_the_same_answer(tmp_path: Path) -> 
     s = setup(tmp_path, "bidirectional", 1, D=6, d=4, X=X, off=off)
     on = featurize(s["red"], affine_from=s["wide"], spans="on")
     off_ = featurize(s["red"], affine_from=s["wide"], spans="off")
-    assert on.reduced and not off_.reduced
+    assert on.on_spans and not off_.on_spans
     ca, cb = learn_certify(on), learn_certify(off_)
     assert ca.identifiable == cb.identifiable
     assert abs(ca.lambda_max - cb.lambda_max) <= 1e-9 * cb.lambda_max

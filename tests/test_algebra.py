@@ -73,7 +73,7 @@ def test_add_into_is_the_in_place_sum() -> None:
 
 
 def _held_and_expanded(monkeypatch, make):
-    """make() run with the reduction on K (the basis Gram held as symgram.Pairs) and on the syrk (arrays)."""
+    """make() run with the accumulation on K (the basis Gram held as symgram.Pairs) and on the syrk (arrays)."""
     from mhla_cli.linalg import symgram
 
     out = []
@@ -138,8 +138,8 @@ def test_a_held_block_on_the_spans_expands_as_the_expanded_one(monkeypatch) -> N
     C = np.linalg.qr(np.random.default_rng(4).standard_normal((3, 3)))[0] * 2.0 + np.eye(3)
     for f in (held, plain):
         f.change_basis(C)
-    assert isinstance(held.basis_gram_held, symgram.Pairs) and held.reduced
+    assert isinstance(held.basis_gram_held, symgram.Pairs) and held.on_spans
     assert relerr(held.basis_gram, plain.basis_gram) < 1e-12
     held.expand(), plain.expand()
-    assert not held.reduced and held.basis_gram.shape == (18, 18)
+    assert not held.on_spans and held.basis_gram.shape == (18, 18)
     assert_same_stats(held, plain)

@@ -1,6 +1,6 @@
 """The backends (mhla_cli.linalg.backends): the same cases over every installed backend (numpy always,
 torch on the CPU when it is importable): the matrix's decompositions equal NumPy's, a Cholesky of a
-matrix that is not positive definite is refused, the factorization and the reduction's Gram give the
+matrix that is not positive definite is refused, the factorization and the pass's Gram give the
 numpy backend's numbers."""
 
 from __future__ import annotations

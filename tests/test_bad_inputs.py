@@ -584,7 +584,7 @@ def _suffix_cases(base: Base, d: Path) -> list[tuple[list[str], Path, str]]:
 
 
 def test_output_suffix_must_name_its_format(base: Base, tmp_path: Path, capsys) -> None:
-    # `mhla fit data.h5 -o model.npz` used to exit 0 with HDF5 under the .npz name
+    # `mhla fit data.h5 -o model.npz` must not exit 0 with HDF5 under the .npz name
     cases = _suffix_cases(base, tmp_path)
     for argv, out, pattern in cases:
         run_bad(capsys, argv, out, pattern, out)  # the pre-existing file at the bad name survives
@@ -593,7 +593,7 @@ def test_output_suffix_must_name_its_format(base: Base, tmp_path: Path, capsys) 
 
 
 def test_output_suffix_is_refused_before_any_work(base: Base, tmp_path: Path, capsys) -> None:
-    # with a missing input, the suffix is what is reported: it was checked before the input was read
+    # with a missing input, the suffix is what is reported: it is checked before the input is read
     missing = tmp_path / "missing.h5"
     for argv, out, pattern in _suffix_cases(base, tmp_path):
         argv = [str(missing) if a in (str(base.data), str(base.feats), str(base.model), str(base.heads)) else a
@@ -616,7 +616,7 @@ def _without(monkeypatch: pytest.MonkeyPatch, *modules: str) -> None:
 
 def test_spectrum_plot_without_matplotlib(base: Base, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                           capsys) -> None:
-    # refused before the spectrum is computed or printed (it used to print everything, then fail)
+    # refused before the spectrum is computed or printed (not printed in full, then failed)
     _without(monkeypatch, "matplotlib", "matplotlib.pyplot")
     png = tmp_path / "s.png"
     run_bad(capsys, ["spectrum", str(base.model), "--plot", str(png), "--json"], None,
@@ -637,11 +637,11 @@ def test_safetensors_output_without_safetensors(base: Base, tmp_path: Path, monk
 
 def test_scheduler_without_dask(base: Base, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys) -> None:
     _without(monkeypatch, "dask", "dask.distributed", "distributed")
-    import mhla_cli.statistics.spans as spans_mod
+    import mhla_cli.statistics.ranges as ranges_mod
 
     def no_work(*a: object, **k: object) -> None:
         raise AssertionError("the pass started")
-    monkeypatch.setattr(spans_mod, "estimate_basis", no_work)
+    monkeypatch.setattr(ranges_mod, "estimate_basis", no_work)
     out = tmp_path / "f.h5"
     run_bad(capsys, ["featurize", str(base.data), "-o", str(out), "--scheduler", "local:1"], None,
             r"a Dask scheduler needs Dask", out)

@@ -148,7 +148,7 @@ def test_certify_and_fit_do_not_depend_on_token_units(name: str, teacher_data, t
 
 def test_lstsq_reference_agrees_on_the_issue_case(teacher_data) -> None:
     """The issue's reproduction: coordinate 3 scaled by 1/300; plain lstsq on materialised features
-    and mhla's fit agree with the teacher (the old Gram solve was 7e-2 off)."""
+    and mhla's fit agree with the teacher."""
     ds, teacher = teacher_data
     A0 = np.diag([1.0, 1.0, 1 / 300])
     tokens = ds.tokens @ A0

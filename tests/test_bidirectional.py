@@ -192,7 +192,7 @@ def test_spans_chunks_device_and_a_wide_window(tmp_path: Path) -> None:
     G, M, TG, n, _, _ = ref_stats(X, off, Y, w, "length")
     base = featurize(path, normalize="length", spans="off")
     block = featurize(path, normalize="length", spans="on")
-    assert block.reduced and block.basis_gram_held.shape[0] < base.n_features
+    assert block.on_spans and block.basis_gram_held.shape[0] < base.n_features
     dev = featurize(path, normalize="length", chunk_size=7, device="torch:cpu")
     dev_block = featurize(path, normalize="length", spans="on", device="torch:cpu")
     for f in (base, block.expand(), dev, dev_block.expand()):

@@ -265,8 +265,8 @@ def test_row2_and_row4_fewest_is_right_on_the_data_in_any_units() -> None:
 
 
 def test_row3_compare_judges_by_the_outputs(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    """compare said 'same function, 2.9e-11' while its own RMS difference was 0.78 of 3.26: a change the
-    own-coordinate coefficients do not see (along the small token direction) is judged by the outputs."""
+    """A change the own-coordinate coefficients hardly see (along the small token direction) while it moves
+    the outputs by a sizeable share of their RMS is judged by the outputs: not the same function."""
     data = noisy_teacher(seed=1)
     T = np.diag([1e-3, 1.0, 1e3])
     model = data.fit(T)

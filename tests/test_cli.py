@@ -221,7 +221,7 @@ def test_shell_completion(tmp_path: Path) -> None:
 
 
 def test_featurize_progress_moves_within_large_chunks(tmp_path: Path, monkeypatch, capsys) -> None:
-    # 4000 sequences of 50 tokens (2e5 tokens) in one or two chunks: the bar used to jump from 0 to done
+    # 4000 sequences of 50 tokens (2e5 tokens) in one or two chunks: the bar must move within a chunk, not jump from 0 to done
     from contextlib import contextmanager
 
     import mhla_cli.cli.featurize as featurize_cli
@@ -281,7 +281,7 @@ def test_teacher_out_writes_the_format_of_its_suffix(tmp_path: Path, capsys) -> 
     data, teacher = tmp_path / "d.h5", tmp_path / "teacher.npz"
     assert run(["generate", "teacher", "-o", str(data), "--dim", "2", "--heads", "1", "--n-samples", "50",
                 "--seq-len", "3:8", "--dtype", "float64", "--teacher-out", str(teacher), "-q"]) == 0
-    with np.load(teacher) as z:  # a real .npz archive (it used to be HDF5 under any name)
+    with np.load(teacher) as z:  # a real .npz archive (not HDF5 under that name)
         assert z["V"].shape == (1, 2, 2) and z["Q"].shape == (1, 2, 2)
     p = cli_json(capsys, ["predict", str(teacher), str(data), "-o", str(tmp_path / "p.h5"), "--json", "-q"])
     assert p["mse"] < 1e-25
@@ -293,7 +293,7 @@ def test_teacher_out_writes_the_format_of_its_suffix(tmp_path: Path, capsys) -> 
     assert st.read_bytes()[8:9] == b"{"  # safetensors: an 8-byte header length, then JSON
 
 
-def test_predict_causal_progress_moves_within_a_span(tmp_path: Path, monkeypatch, capsys) -> None:
+def test_predict_causal_progress_moves_within_a_range(tmp_path: Path, monkeypatch, capsys) -> None:
     from contextlib import contextmanager
 
     import mhla_cli.cli.predict as predict_cli

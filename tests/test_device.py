@@ -101,8 +101,8 @@ def test_factorization_paths_equal_numpy(dense_max: int, tmp_path: Path, monkeyp
     path, _ = _data("ragged", tmp_path)
     info = stream.inspect_tokens(path)
     for n in (400, 20):  # identifiable; then N = 20 < psi = 40: singular
-        a = stream.reduce_span(info, (0, n))
-        b = stream.reduce_span(info, (0, n), device=DEV)
+        a = stream.accumulate_range(info, (0, n))
+        b = stream.accumulate_range(info, (0, n), device=DEV)
         ca, cb = certificate.certify(a), certificate.certify(b, device=DEV)
         assert ca.identifiable == cb.identifiable == (n == 400)
         assert ca.rank == cb.rank
@@ -121,7 +121,7 @@ def test_spans_block_on_device(tmp_path: Path) -> None:
     path = _write(tmp_path / "onehot.h5", tokens=X, targets=rng.standard_normal((800, d)))
     a = stream.featurize(path, spans="on")
     b = stream.featurize(path, spans="on", device=DEV)
-    assert a.reduced and b.reduced
+    assert a.on_spans and b.on_spans
     assert relerr(b.basis_gram, a.basis_gram) < 1e-12
     ca, cb = certificate.certify(a), certificate.certify(b, device=DEV)
     assert ca.identifiable == cb.identifiable and ca.rank == cb.rank and ca.span_features == cb.span_features
@@ -362,7 +362,7 @@ def test_device_verdict_is_proven_by_a_shifted_cholesky(dense_max: int, tmp_path
         assert c.proof == ("cholesky of Lambda~ - t I" if factor < 1 else "cholesky of Lambda~ - t I failed")
     # singular (N = 20 < psi = 40) with a ridge of 1e-30: the minimum-norm fit, not rounding / 1e-30
     n = 20
-    feats = stream.reduce_span(stream.inspect_tokens(path), (0, n), device=DEV)
+    feats = stream.accumulate_range(stream.inspect_tokens(path), (0, n), device=DEV)
     m = lstsq.fit(feats, ridge=1e-30, device=DEV)
     ref = _reference.canonical(X[:off[n]], off[:n + 1], y[:n])
     seqs = [X[a:b] for a, b in zip(off[:n], off[1:n + 1])]

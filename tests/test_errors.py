@@ -58,7 +58,7 @@ def test_errors_about_a_file_name_it(tmp_path: Path, capsys: pytest.CaptureFixtu
         f["tokens"] = rng.standard_normal((3, 4, 2))
     feats = tmp_path / "f.h5"
     assert run(["featurize", str(untargeted), "-o", str(feats), "-q"]) == 0
-    # these used to print "mhla: error: the data have no 'targets'" / "the models have different d"
+    # each line names the file and what the command needs (not a bare "the data have no 'targets'")
     line = _one_error(capsys, ["fit", str(untargeted), "-o", str(tmp_path / "m.h5")])
     assert line == f"mhla: error: {untargeted}: has no 'targets': fit needs (X, y) pairs"
     assert not (tmp_path / "m.h5").exists()

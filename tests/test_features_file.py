@@ -137,7 +137,7 @@ def test_compact_file_holds_the_distinct_entries_and_reads_back_the_same(tmp_pat
 
 @pytest.mark.parametrize("spans", ["off", "on"])
 def test_a_held_basis_gram_writes_the_same_files(tmp_path: Path, monkeypatch, spans: str) -> None:
-    """Statistics whose basis Gram is held as its distinct entries (symgram.Pairs: the reduction on K)
+    """Statistics whose basis Gram is held as its distinct entries (symgram.Pairs: the accumulation on K)
     write the same full and compact files as those held as arrays (the syrk): the full file's psi x psi
     datasets derived when written; the compact one holds the entries as they were; a compact file loads
     them held, and they are expanded only when read."""
@@ -156,7 +156,7 @@ def test_a_held_basis_gram_writes_the_same_files(tmp_path: Path, monkeypatch, sp
     for rule in (1, 10**9):
         monkeypatch.setattr(symgram, "SYMGRAM_MIN_D", rule)
         feats = featurize(src, spans=spans)
-        assert isinstance(feats.basis_gram_held, symgram.Pairs) == (rule == 1) and feats.reduced == (spans == "on")
+        assert isinstance(feats.basis_gram_held, symgram.Pairs) == (rule == 1) and feats.on_spans == (spans == "on")
         for compact in (False, True):
             path = tmp_path / f"{rule}-{compact}.h5"
             feats.save(path, compact=compact)
@@ -195,10 +195,10 @@ def test_a_compact_block_on_the_spans_reads_back(tmp_path: Path) -> None:
     with h5py.File(src, "w") as f:
         f["tokens"], f["offsets"], f["targets"] = X, off, rng.standard_normal((50, 3))
     red = featurize(src, spans="on")
-    assert red.reduced
+    assert red.on_spans
     red.save(tmp_path / "b.h5", compact=True)
     back = Features.load(tmp_path / "b.h5")
-    assert back.reduced and ratio(back.basis_gram, red.basis_gram) < 1e-15
+    assert back.on_spans and ratio(back.basis_gram, red.basis_gram) < 1e-15
     assert ratio(back.basis_moments, red.basis_moments) < 1e-15
 
 

@@ -1,4 +1,4 @@
-"""The repository's layout rules, as tests (formerly a script outside the repository).
+"""The repository's layout rules, as tests.
 
 1. No import cycles among the modules of `mhla_cli`, counting imports made inside functions (a lazy
    import still runs the imported module's top level, and one added later at the top turns the cycle

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from mhla_cli.linalg import memory
-from mhla_cli.statistics import spans, stream
+from mhla_cli.statistics import ranges, stream
 from mhla_cli.model import synthetic
 from mhla_cli.cli import run
 from mhla_cli.errors import InputError
@@ -64,8 +64,8 @@ def _no_work(monkeypatch: pytest.MonkeyPatch) -> None:
     def boom(*a: object, **k: object) -> None:
         raise AssertionError("work started before the memory check")
 
-    monkeypatch.setattr(spans, "estimate_basis", boom)
-    monkeypatch.setattr(spans, "reduce_span", boom)
+    monkeypatch.setattr(ranges, "estimate_basis", boom)
+    monkeypatch.setattr(ranges, "accumulate_range", boom)
     monkeypatch.setattr(Features, "load", classmethod(boom))
 
 

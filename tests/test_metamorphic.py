@@ -33,7 +33,7 @@ from mhla_cli.statistics.stream import chunk_features, featurize
 
 @pytest.fixture(params=["syrk", "pairs"])
 def kernel(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
-    """The reduction's Gram as one syrk of the materialised rows ("syrk", the default below
+    """The pass's Gram as one syrk of the materialised rows ("syrk", the default below
     symgram.SYMGRAM_MIN_D) or as its distinct entries held through every change of basis, sum and file
     ("pairs", the default from SYMGRAM_MIN_D on), forced for the small d of these tests."""
     from mhla_cli.linalg import symgram
@@ -175,19 +175,19 @@ def test_weights_carry_no_units(data: Data, n_zero: int, c: float, zseed: int) -
 
 
 # --------------------------------------------------------------------------------------------
-# what the reduction cannot see: order, chunks, shards, workers, partial_fit, duplicates
+# what the accumulation cannot see: order, chunks, shards, workers, partial_fit, duplicates
 # --------------------------------------------------------------------------------------------
 
 
 @pytest.fixture(params=["exact", "estimate"])
 def start(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
     """The basis featurize starts in: the whitening of every token, read in many small blocks ("exact":
-    spans.exact_basis, forced), or the float32 estimate of a sample of part of the file, changed after
+    ranges.exact_basis, forced), or the float32 estimate of a sample of part of the file, changed after
     the pass ("estimate")."""
-    from mhla_cli.statistics import basis, spans
+    from mhla_cli.statistics import basis, ranges
 
     monkeypatch.setattr(basis, "SAMPLE_TOKENS", 64)  # 8 blocks of 8 tokens: part of these files
-    monkeypatch.setattr(spans, "EXACT_BASIS_FLOPS_PER_BYTE", 0.0 if request.param == "exact" else np.inf)
+    monkeypatch.setattr(ranges, "EXACT_BASIS_FLOPS_PER_BYTE", 0.0 if request.param == "exact" else np.inf)
     return request.param
 
 

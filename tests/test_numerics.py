@@ -884,7 +884,7 @@ def test_cut_orthonormal_spans_on_load(tmp_path: Path) -> None:
     with h5py.File(src, "w") as f:
         f["tokens"], f["offsets"], f["targets"] = X, off, y
     red = featurize(src, spans="on")
-    assert red.reduced
+    assert red.on_spans
     red.save(path)
     with h5py.File(path, "r") as f:
         F0 = np.array(f["span_last"])

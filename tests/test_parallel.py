@@ -186,11 +186,11 @@ def test_interrupt_stops_thread_workers(data: Path, serial: Features, monkeypatc
     with pytest.raises(KeyboardInterrupt):
         featurize(data, chunk_size=3, workers=2, progress=progress)
     assert len(seen) == 1 and not parallel.CANCEL.is_set()
-    # a cancelled reduction stops at its next chunk; the flag does not leak into later runs
+    # a cancelled pass stops at its next chunk; the flag does not leak into later runs
     parallel.CANCEL.set()
     try:
         with pytest.raises(parallel.Cancelled):
-            stream.reduce_span(stream.inspect_tokens(data), (0, 211), 10)
+            stream.accumulate_range(stream.inspect_tokens(data), (0, 211), 10)
     finally:
         parallel.CANCEL.clear()
     assert_same_stats(featurize(data, chunk_size=13, workers=2), serial)

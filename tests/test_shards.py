@@ -24,16 +24,16 @@ def test_shards_add_up(ragged) -> None:
 def test_shard_ranges_cover_the_samples() -> None:
     parts = [shards.shard_range(97, i, 3) for i in range(3)]
     assert parts == [(0, 32), (32, 64), (64, 97)]
-    assert shards.shard_span(97, None) == (0, 97) and shards.shard_span(97, (2, 3)) == (64, 97)
+    assert shards.shard_samples(97, None) == (0, 97) and shards.shard_samples(97, (2, 3)) == (64, 97)
     with pytest.raises(InputError, match="need 0 <= i < M"):
-        shards.shard_span(97, (3, 3))
+        shards.shard_samples(97, (3, 3))
     with pytest.raises(InputError, match="is empty"):
-        shards.shard_span(2, (0, 3))
+        shards.shard_samples(2, (0, 3))
 
 
-def test_work_is_split_into_spans() -> None:
+def test_work_is_split_into_ranges() -> None:
     # several spans per worker, covering the range exactly, each at least a chunk
-    sp = shards.work_spans(10, 1010, 50, 3)
+    sp = shards.work_ranges(10, 1010, 50, 3)
     assert len(sp) == 12 and sp[0][0] == 10 and sp[-1][1] == 1010
     assert all(a[1] == b[0] for a, b in zip(sp, sp[1:]))
-    assert shards.work_spans(0, 30, 50, 4) == [(0, 30)]
+    assert shards.work_ranges(0, 30, 50, 4) == [(0, 30)]

@@ -1,8 +1,8 @@
 """The data's spans (mhla_cli.statistics.structure): the block on span{S_i} (x) U_n gives the plain dense
 eigendecomposition's verdict, rank, lambda_min / lambda_max (1e-10 of lambda_max), minimum-norm and
 ridge functions and probe verdicts, against plain numpy on the materialised canonical features
-(tests/_reference.py), on data where the reduction is large (one-hot, DFA traces, tokens in a
-subspace, a dead coordinate) and where it is nothing (dense Gaussian, length-1 sequences)."""
+(tests/_reference.py), on data whose spans hold a small block (one-hot, DFA traces, tokens in a
+subspace, a dead coordinate) and where they hold every feature (dense Gaussian, length-1 sequences)."""
 
 from __future__ import annotations
 
@@ -297,16 +297,16 @@ def test_featurize_on_the_spans_equals_the_full_statistics(name: str, tmp_path: 
         f["tokens"] = np.concatenate(toks)
         f["offsets"] = np.concatenate([[0], np.cumsum([len(t) for t in toks])])
     full = featurize(data, spans="off")
-    assert not full.reduced
+    assert not full.on_spans
     want = _summary(full, probes)
     for spans, chunk in (("auto", None), ("on", 7)):
         red = featurize(data, spans=spans, chunk_size=chunk)
-        assert red.reduced and red.basis_gram.shape[0] < n_features(d)
+        assert red.on_spans and red.basis_gram.shape[0] < n_features(d)
         _same(_summary(red, probes), want)
     red = featurize(data, spans="on")
     red.save(tmp_path / "f.h5")
     back = Features.load(tmp_path / "f.h5")
-    assert back.reduced
+    assert back.on_spans
     with h5py.File(tmp_path / "f.h5") as f:
         assert "gram" not in f and "span_pairs" in f
     _same(_summary(back, probes), want)
@@ -337,7 +337,7 @@ def test_featurize_spans_with_workers_shards_and_a_redone_pass(tmp_path: Path) -
     want = _summary(featurize(data, spans="off"))
     red = featurize(data, spans="on")
     # the spans were found in the whitening of all the tokens (the span pass redone), not in the estimate
-    assert red.reduced and red.basis_gram.shape[0] == 18
+    assert red.on_spans and red.basis_gram.shape[0] == 18
     assert red.extra_attrs["span_passes"] == 2 and red.extra_attrs["basis_passes"] == 1
     _same(_summary(red), want)
     _same(_summary(featurize(data, spans="on", workers=2, chunk_size=5000)), want)
@@ -353,9 +353,9 @@ def test_spans_option_is_validated(tmp_path: Path) -> None:
     data = _save(_cases()["one-hot tokens"], tmp_path / "d.h5")
     with pytest.raises(InputError, match="spans"):
         featurize(data, spans="sometimes")
-    assert not featurize(data).reduced  # psi = 75 < SPANS_MIN_FEATURES: every feature, as before
-    assert featurize(data, spans="on").reduced
-    assert not featurize(_save(_cases()["dense gaussian (nothing reduced)"], tmp_path / "g.h5"), spans="on").reduced
+    assert not featurize(data).on_spans  # psi = 75 < SPANS_MIN_FEATURES: every feature, as before
+    assert featurize(data, spans="on").on_spans
+    assert not featurize(_save(_cases()["dense gaussian (nothing reduced)"], tmp_path / "g.h5"), spans="on").on_spans
 
 
 def test_cli_featurize_spans(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -475,7 +475,7 @@ def test_a_certificate_of_changed_statistics_refuses_its_null_space(tmp_path: Pa
 
     red = featurize(_save(case, tmp_path / "d.h5"), spans="on")
     wit = make_witness(red, cert=certify(red))
-    assert red.reduced is True and wit.info["kind"] in ("indistinguishable", "weakly_determined")
+    assert red.on_spans is True and wit.info["kind"] in ("indistinguishable", "weakly_determined")
 
 
 @pytest.mark.parametrize("margin", [1.0, 1e6])
@@ -495,4 +495,4 @@ def test_the_structure_cut_on_both_sides(margin: float) -> None:
         tp = Q @ np.diag([2.0, 1.0, 1.0, 1.0, 1.0, e]) @ Q.T
         st = from_traces(tp, np.eye(d), margin)
         assert (st.a, st.b) == (kept, d), (e, cut)
-        assert st.reduced == (kept < q)
+        assert st.on_spans == (kept < q)

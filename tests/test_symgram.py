@@ -1,4 +1,4 @@
-"""The Gram from its distinct entries (mhla_cli.linalg.symgram): K = U^T V on every path of the reduction,
+"""The Gram from its distinct entries (mhla_cli.linalg.symgram): K = U^T V on every path of the accumulation,
 against materialised features in plain numpy (tests/_reference.py)."""
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ TOL = 1e-13
 
 @pytest.fixture(params=["pairs", "syrk"])
 def kernel(request, monkeypatch) -> str:
-    """Run a test with the reduction on K for every d ("pairs") and on the syrk for every d."""
+    """Run a test with the accumulation on K for every d ("pairs") and on the syrk for every d."""
     monkeypatch.setattr(symgram, "SYMGRAM_MIN_D", 1 if request.param == "pairs" else 10**9)
     return request.param
 
@@ -83,7 +83,7 @@ def _blas_now() -> list[int]:
 
 def test_pipeline_gives_the_blocking_sums_bit_for_bit(monkeypatch) -> None:
     """`pipeline`: chunks handed out while the caller overwrites its own buffers for the next one (as the
-    reduction does) give K, the moments and the target Gram of the blocking `add`, bit for bit, and BLAS
+    accumulation does) give K, the moments and the target Gram of the blocking `add`, bit for bit, and BLAS
     is back at its thread count after the block."""
     monkeypatch.setattr(symgram, "PAIRS_PANEL_BYTES", 8 * 40 * 9)  # several panels for each thread
     rng = np.random.default_rng(4)
@@ -238,7 +238,7 @@ def test_rule_uses_pairs_from_the_measured_width() -> None:
     assert isinstance(symgram.accumulator(m * (m + 1) // 2, m, m), symgram.SymGram)
 
 
-# ---------------------------------------------------------------- the reduction against the reference
+# ---------------------------------------------------------------- the accumulation against the reference
 
 
 def _reference_gram(X: np.ndarray, off: np.ndarray, A: np.ndarray, per_position: bool, w: np.ndarray | None,
@@ -262,7 +262,7 @@ def _reference_gram(X: np.ndarray, off: np.ndarray, A: np.ndarray, per_position:
 
 
 def _data(kind: str, d: int, rng: np.random.Generator) -> dict[str, np.ndarray]:
-    """Tokens files of every kind the reduction reads."""
+    """Tokens files of every kind the accumulation reads."""
     if kind == "dense":
         return {"tokens": rng.standard_normal((23, 4, d)), "targets": rng.standard_normal((23, d))}
     if kind == "single":
@@ -311,7 +311,7 @@ def test_reduction_equals_the_reference(tmp_path: Path, kernel: str, kind: str, 
     y = data["targets"].reshape(-1, d)
     G, M, n = _reference_gram(X, off, A, info.per_position, data.get("weights"), normalize, y)
     for chunk in (3, None):  # several chunks (the empty chunks of zero weights among them), one chunk
-        f = stream.reduce_span(info, (0, info.n_samples), chunk, normalize=normalize, basis=A, finalize=False)
+        f = stream.accumulate_range(info, (0, info.n_samples), chunk, normalize=normalize, basis=A, finalize=False)
         assert f.n_samples == n
         assert relerr(f.basis_gram, G) < TOL and relerr(f.basis_moments, M) < TOL
         assert np.array_equal(f.basis_gram, f.basis_gram.T)
@@ -328,18 +328,18 @@ def test_reduction_on_spans_equals_the_reference(tmp_path: Path, kernel: str, ki
     X = data["tokens"].astype(np.float64)
     G, M, n = _reference_gram(X, data["offsets"], np.eye(d), info.per_position, data.get("weights"), "none",
                               data["targets"], spans=(E, F))
-    f = stream.reduce_span(info, (0, info.n_samples), 4, basis=np.eye(d), finalize=False, spans=(E, F))
-    assert f.reduced and f.n_samples == n
+    f = stream.accumulate_range(info, (0, info.n_samples), 4, basis=np.eye(d), finalize=False, spans=(E, F))
+    assert f.on_spans and f.n_samples == n
     assert relerr(f.basis_gram, G) < TOL and relerr(f.basis_moments, M) < TOL
 
 
-def test_empty_span_and_all_zero_weights(tmp_path: Path, kernel: str) -> None:
+def test_empty_range_and_all_zero_weights(tmp_path: Path, kernel: str) -> None:
     rng = np.random.default_rng(8)
     data = _data("weighted", 2, rng)
     data["weights"][:10] = 0.0
     info = inspect_tokens(_write(tmp_path / "t.h5", data))
-    empty = stream.reduce_span(info, (4, 4), basis=np.eye(2), finalize=False)
-    zero = stream.reduce_span(info, (0, 10), 3, basis=np.eye(2), finalize=False)  # every weight 0
+    empty = stream.accumulate_range(info, (4, 4), basis=np.eye(2), finalize=False)
+    zero = stream.accumulate_range(info, (0, 10), 3, basis=np.eye(2), finalize=False)  # every weight 0
     for f in (empty, zero):
         assert f.n_samples == 0 and not f.basis_gram.any() and not f.basis_moments.any()
         assert f.basis_gram.shape == (6, 6)  # psi = d^2 (d + 1) / 2
@@ -359,7 +359,7 @@ def test_at_the_rule_width_without_forcing(tmp_path: Path) -> None:
     acc = accumulate._Accumulator(d, True)
     assert acc._gram._pairs is not None
     G, M, n = _reference_gram(X, off, np.eye(d), False, w, "none", y)
-    f = stream.reduce_span(info, (0, 40), 7, basis=np.eye(d), finalize=False)
+    f = stream.accumulate_range(info, (0, 40), 7, basis=np.eye(d), finalize=False)
     assert relerr(f.basis_gram, G) < TOL and relerr(f.basis_moments, M) < TOL and f.n_samples == n
 
 
@@ -380,7 +380,7 @@ def test_featurize_paths_equal_the_syrk(tmp_path: Path, monkeypatch) -> None:
         on_spans = featurize(path, spans="on", chunk_size=9)
         runs[rule] = (serial, sharded, pooled, on_spans)
     for a, b in zip(*runs.values()):
-        if a.reduced:
+        if a.on_spans:
             assert relerr(a.basis_gram, b.basis_gram) < 1e-12
         else:
             assert_same_stats(a, b)
@@ -399,14 +399,14 @@ def test_device_reduction_equals_the_reference(tmp_path: Path, kernel: str, kind
                                                                        if data["tokens"].ndim == 3 else 1))
     G, M, n = _reference_gram(X, off, np.eye(d), info.per_position, data.get("weights"), "length",
                               data["targets"].reshape(-1, d))
-    f = stream.reduce_span(info, (0, info.n_samples), 5, normalize="length", basis=np.eye(d), finalize=False,
+    f = stream.accumulate_range(info, (0, info.n_samples), 5, normalize="length", basis=np.eye(d), finalize=False,
                            device="torch:cpu")
     assert f.n_samples == n and relerr(f.basis_gram, G) < TOL and relerr(f.basis_moments, M) < TOL
     E = np.linalg.qr(rng.standard_normal((6, 3)))[0]
     F = np.linalg.qr(rng.standard_normal((3, 2)))[0]
     Gs, Ms, _ = _reference_gram(X, off, np.eye(d), info.per_position, data.get("weights"), "none",
                                 data["targets"].reshape(-1, d), spans=(E, F))
-    g = stream.reduce_span(info, (0, info.n_samples), 5, basis=np.eye(d), finalize=False, spans=(E, F),
+    g = stream.accumulate_range(info, (0, info.n_samples), 5, basis=np.eye(d), finalize=False, spans=(E, F),
                            device="torch:cpu")
     assert relerr(g.basis_gram, Gs) < TOL and relerr(g.basis_moments, Ms) < TOL
 

@@ -15,7 +15,7 @@ import pytest
 
 from mhla_cli.errors import InputError
 from mhla_cli.statistics.stream import featurize
-from mhla_cli.io.tokens import check_weights, inspect_tokens, iter_chunks, spans
+from mhla_cli.io.tokens import check_weights, inspect_tokens, iter_chunks, chunk_ranges
 
 N, D = 23, 3
 
@@ -84,10 +84,10 @@ def test_iter_chunks_equals_plain_h5py(tmp_path: Path, layout: str, target_kind:
     assert info.has_targets == (target_kind != "none") and info.has_weights == (weight_kind != "none")
     assert info.per_position == ("pos" in (target_kind, weight_kind))
     with h5py.File(path, "r") as f:
-        for span, size, prefetch in (((0, N), 1, True), ((0, N), 7, True), ((0, N), N, True),
+        for sample_range, size, prefetch in (((0, N), 1, True), ((0, N), 7, True), ((0, N), N, True),
                                      ((3, N - 2), 7, False), ((3, N - 2), 4, True)):
             seen = []
-            for a, b, tok, off, tg, w in iter_chunks(info, span, size, prefetch=prefetch, with_weights=True):
+            for a, b, tok, off, tg, w in iter_chunks(info, sample_range, size, prefetch=prefetch, with_weights=True):
                 seen.append((a, b))
                 ptok, poff, ptg, pw = _plain_chunk(f, a, b, layout, target_kind, weight_kind)
                 assert tok.dtype == np.float32
@@ -102,15 +102,15 @@ def test_iter_chunks_equals_plain_h5py(tmp_path: Path, layout: str, target_kind:
                     assert w is None
                 else:
                     np.testing.assert_array_equal(w, pw)
-            assert seen == spans(*span, size)
+            assert seen == chunk_ranges(*sample_range, size)
         items = list(iter_chunks(info, (0, N), 5, prefetch=False))
         assert all(len(it) == 5 for it in items)  # (a, b, tokens, offsets, targets) without weights
 
 
 @pytest.mark.parametrize("lo,hi,size", [(0, 10, 1), (0, 10, 3), (0, 10, 10), (0, 10, 100), (4, 9, 2),
                                         (5, 5, 3), (0, 7, 0)])
-def test_spans_cover_the_range_exactly(lo: int, hi: int, size: int) -> None:
-    s = spans(lo, hi, size)
+def test_chunk_ranges_cover_the_range_exactly(lo: int, hi: int, size: int) -> None:
+    s = chunk_ranges(lo, hi, size)
     covered = [i for a, b in s for i in range(a, b)]
     assert covered == list(range(lo, hi))  # every sample once, in order
     assert all(0 < b - a <= max(1, size) for a, b in s)

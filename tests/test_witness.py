@@ -336,14 +336,14 @@ def test_make_witness_leaves_the_callers_statistics_and_keeps_the_device(tmp_pat
     cert.device = "cuda"  # as if certified there: the witness asks for that device
     wit = witness.make_witness(red, data=data, cert=cert)
     assert seen == [("certify", "cuda"), ("fit", "cuda")]
-    assert red.reduced and np.array_equal(red.basis_gram, block) and red.factor_cache.get("full") is not None
+    assert red.on_spans and np.array_equal(red.basis_gram, block) and red.factor_cache.get("full") is not None
     assert wit.info["verified"] and wit.info["kind"] in ("indistinguishable", "weakly_determined")
 
 
 def test_observed_witness_when_the_spans_are_all_of_r_d(tmp_path: Path) -> None:
     """U = U_n = R^d: the observed domain is the full one, and its null vectors (canonical coordinates) are
-    mapped by T^T = M_A^T like any other; before, they were taken as own coordinates and the witness
-    was a wrong 'weakly_determined' one (v^T Lambda_D v = 6.3e3 here) whenever the basis A was not I."""
+    mapped by T^T = M_A^T like any other; taken as own coordinates they would give a wrong
+    'weakly_determined' witness (v^T Lambda_D v = 6.3e3 here) whenever the basis A is not I."""
     from mhla_cli import certify, featurize
     from mhla_cli.solve.witness import make_witness
 

@@ -13,7 +13,7 @@ from ..feature_map import check_normalize
 from ..statistics.folds import featurize_folds, save_with_folds
 from ..statistics.merge import merge_features
 from ..statistics.parallel import make_map
-from ..statistics.stream import Features, check_spans, featurize, shard_span
+from ..statistics.stream import Features, check_spans, featurize, shard_samples
 from ..io.tokens import inspect_tokens
 from ..statistics.zarr_store import is_store
 from .console import emit_json, fmt, progress_bar, say, say_samples, warn, working
@@ -159,7 +159,7 @@ def _featurize(data: Path, shard: str | None, folds: int | None, chunk_size: int
     progress bar."""
     info = inspect_tokens(data)
     shard_t = parse_shard(shard)
-    lo, hi = shard_span(info.n_samples, shard_t, data)
+    lo, hi = shard_samples(info.n_samples, shard_t, data)
     with progress_bar("featurize", hi - lo, quiet) as advance:
         if folds is None:
             return featurize(data, chunk_size=chunk_size, shard=shard_t, progress=advance, spans=check_spans(spans),
@@ -181,7 +181,7 @@ def _say_featurize(feats: Features, output: Path, quiet: bool) -> None:
         say(f"  the basis estimated from a sample of the file did not whiten all its tokens (correction cond "
             f"{fmt(feats.extra_attrs['basis_correction_cond'])}): the pass was redone in the whitening of all "
             "the tokens", quiet)
-    if feats.reduced:
+    if feats.on_spans:
         block = feats.basis_gram_held.shape[0]
         say(f"  only the block on the data's spans was accumulated: {block} of {psi} features (the "
             f"S matrices span {feats.span_pairs.shape[1]} of {psi // feats.d} dimensions, the last tokens "
@@ -192,7 +192,7 @@ def _say_featurize(feats: Features, output: Path, quiet: bool) -> None:
 def _featurize_record(feats: Features, output: Path, compact: bool) -> dict[str, Any]:
     """The `mhla featurize --json` record."""
     return {"output": str(output), "d": feats.d, "n_features": feats.n_features,
-            "span_features": feats.basis_gram_held.shape[0] if feats.reduced else feats.n_features,
+            "span_features": feats.basis_gram_held.shape[0] if feats.on_spans else feats.n_features,
             "span_passes": int(feats.extra_attrs.get("span_passes", 0)), "n_samples": feats.n_samples,
             "n_tokens": feats.n_tokens, "has_targets": feats.has_targets,
             "per_position": feats.per_position, "attention": feats.samples.attention, "normalize": feats.normalize,

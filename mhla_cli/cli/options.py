@@ -166,7 +166,7 @@ def check_common_params(ctx: Any) -> None:
     """The checks every command gets before its body runs, from its parsed parameters:
 
     - a path given as '-' (standard input / output, by convention) is refused: mhla reads and writes files
-      (HDF5 with random access, written atomically), so `-o -` used to write a file named '-';
+      (HDF5 with random access, written atomically), and `-o -` would otherwise write a file named '-';
     - `--workers` above the cores available is noted on stderr (one line; the run goes on).
     """
     from .console import warn

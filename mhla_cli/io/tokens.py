@@ -292,7 +292,7 @@ def _read_positions(f: h5py.File, name: str, info: TokensInfo, lo: int, hi: int,
     return np.asarray(ds[t0:t0 + int(offsets[-1])])
 
 
-def read_weights_span(f: h5py.File, info: TokensInfo, lo: int, hi: int, offsets: np.ndarray
+def read_weights(f: h5py.File, info: TokensInfo, lo: int, hi: int, offsets: np.ndarray
                       ) -> np.ndarray | None:
     """float64 weights of samples [lo, hi): (hi-lo,) per sequence or (t,) per position; None if absent."""
     if not info.has_weights:
@@ -423,7 +423,7 @@ def read_chunk(f: h5py.File, info: TokensInfo, a: int, b: int, bufs: ReadBuffers
         padded[:, -1] = 0.0
         targets = padded
     if with_weights:
-        return tokens, offsets, targets, read_weights_span(f, info, a, b, offsets)
+        return tokens, offsets, targets, read_weights(f, info, a, b, offsets)
     return tokens, offsets, targets
 
 
@@ -435,7 +435,7 @@ def _with_constant(tokens: np.ndarray, bufs: ReadBuffers) -> np.ndarray:
     return out
 
 
-def iter_chunks(info: TokensInfo, span: tuple[int, int], chunk_size: int,
+def iter_chunks(info: TokensInfo, sample_range: tuple[int, int], chunk_size: int,
                 prefetch: bool = True, with_weights: bool = False) -> Iterator[tuple[Any, ...]]:
     """Yield (a, b, tokens, offsets, targets) for the chunks of samples [lo, hi) (see read_chunk).
 
@@ -445,8 +445,8 @@ def iter_chunks(info: TokensInfo, span: tuple[int, int], chunk_size: int,
     The arrays are reused: each is valid until the next item is requested. With `prefetch` a
     reader thread reads the next chunk while the caller computes on this one.
     """
-    lo, hi = span
-    todo = spans(lo, hi, chunk_size)
+    lo, hi = sample_range
+    todo = chunk_ranges(lo, hi, chunk_size)
     slots = (ReadBuffers(), ReadBuffers())
     with formats.open_input(info.path) as f:
         if not prefetch or len(todo) < 2:
@@ -478,7 +478,7 @@ def check_chunk(info: TokensInfo, a: int, tokens: np.ndarray, offsets: np.ndarra
         check_finite(tokens, offsets, targets, a, info.path)
 
 
-def spans(lo: int, hi: int, size: int) -> list[tuple[int, int]]:
+def chunk_ranges(lo: int, hi: int, size: int) -> list[tuple[int, int]]:
     """Half-open ranges [a, b) of at most `size` samples covering [lo, hi)."""
     size = max(1, int(size))
     return [(a, min(a + size, hi)) for a in range(lo, hi, size)]

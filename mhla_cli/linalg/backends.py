@@ -33,10 +33,10 @@ __all__ = ["Backend", "HostFactor", "HostGram", "HostMatrix", "LP64_MAX_N", "MIN
            "PANEL_BYTES", "POTRF_THREADED_MAX", "SCIPY_LARGE_POTRF", "TorchBackend", "check_lapack_indexing", "cholesky",
            "get_backend", "gram_parts", "lapack_indexing"]
 
-# OpenBLAS's threaded dsyrk and dpotrf (0.3.30 / 0.3.31 here) segfault for n >= ~16000 with 2 threads
-# (measured: n = 16896, a Cholesky even of the identity, and numpy's F.T @ F of a 2048 x 16896 F;
-# n = 12000 runs; OpenMathLib/OpenBLAS issues #1413, #2821 report the same crash in dpotrf_L_parallel /
-# dsyrk_thread): above this size every decomposition here runs on one BLAS thread.
+# OpenBLAS's threaded dsyrk and dpotrf (0.3.30 / 0.3.31) segfault for n >= ~16000 with 2 threads (a
+# Cholesky even of the identity at n = 16896 crashes, n = 12000 does not; OpenMathLib/OpenBLAS issues
+# #1413, #2821 report the crash in dpotrf_L_parallel / dsyrk_thread): above this size every
+# decomposition here runs on one BLAS thread.
 POTRF_THREADED_MAX = 12000
 
 
@@ -124,9 +124,8 @@ def cholesky(a: np.ndarray, overwrite_a: bool = False) -> Any:
 
 
 def _inverse_matvec(factor: tuple[np.ndarray, bool]) -> Any:
-    """x -> lam^-1 x through a cho_factor result, as two triangular solves (BLAS dtrsv): about half the
-    time of cho_solve's dpotrs for one right-hand side (measured at n = 7200: 27 ms against 52 ms), and
-    Lanczos needs one per step."""
+    """x -> lam^-1 x through a cho_factor result, as two triangular solves (BLAS dtrsv), which for one
+    right-hand side cost less than cho_solve's dpotrs; Lanczos needs one per step."""
     from scipy.linalg import blas
 
     c, lower = factor
@@ -196,8 +195,7 @@ class HostMatrix:
 
     def matvec(self, x: np.ndarray) -> np.ndarray:
         """a x: for a vector BLAS dsymv on a's lower triangle (the one the Cholesky reads), half the memory
-        traffic of a GEMV (measured at n = 7200: 8 ms against 15 ms on one thread, 6 against
-        11 on two); a block of vectors by GEMM (`matmat`: a dsymm took 79 ms against 47 ms for 24 columns)."""
+        traffic of a GEMV; a block of vectors by GEMM (`matmat`; dsymm is slower than GEMM for a block)."""
         a = self.a
         if x.ndim != 1:
             return self.matmat(x)
@@ -227,8 +225,8 @@ class HostMatrix:
                 f = cholesky(self.a)
             else:
                 # a copy in a's own memory order (`cholesky` factors a C-ordered one through its transpose,
-                # in place): an F-ordered copy of a C-ordered a is a transposing copy, measured at n = 7200
-                # in fresh processes at 0.36-1.2 s against 0.04-0.18 s (the Cholesky itself 1.3 s)
+                # in place): an F-ordered copy of a C-ordered a would be a transposing copy, several times
+                # slower than a plain one
                 m = np.array(self.a, dtype=np.float64)
                 m[np.diag_indices(m.shape[0])] -= shift
                 f = cholesky(m, overwrite_a=True)
@@ -265,9 +263,9 @@ class HostMatrix:
             return None
 
 
-# Narrower [H | Y] blocks use one BLAS thread: measured on 2 shared cores, OpenBLAS with 2 threads
-# took 397 ms for a (9500 x 44) syrk that one thread does in 1.6 ms, and 196 ms vs 41 ms at width
-# 520 (a thread waits for a core held by another process); wider blocks amortise the wait.
+# Narrower [H | Y] blocks use one BLAS thread: on shared cores a second OpenBLAS thread waits for a core
+# held by another process, which costs a narrow syrk far more than its flops; wider blocks amortise
+# the wait.
 MIN_THREADED_WIDTH = 1024
 # Work array of one panel of the accumulator's update (`_Accumulator._syrk`).
 PANEL_BYTES = 32 * 2**20
@@ -297,7 +295,7 @@ def _blas_threads() -> int:
 
 
 class HostGram:
-    """The Gram of a reduction's [Ht | Y] block on the host, built chunk by chunk (the numpy backend's
+    """The Gram of a pass's [Ht | Y] block on the host, built chunk by chunk (the numpy backend's
     `gram`): from symgram.SYMGRAM_MIN_D on the Gram's distinct entries K = U^T V of the two factors s and
     x_n (mhla_cli.linalg.symgram.SymGram), else the block built transposed, Ft = [Ht | Y]^T (width, R), so
     that every elementwise loop runs over the R samples of the chunk (long, contiguous) instead of over d,
@@ -349,9 +347,9 @@ class HostGram:
             self._pairs.add_windows(upper_t, xx, xy, yy, threads=_blas_threads() if wide else 1)
 
     def pipeline(self) -> Any:
-        """The reduction's block around its loop over chunks (statistics.spans._add_chunks): a wide block
+        """The pass's block around its loop over chunks (statistics.ranges._add_chunks): a wide block
         of K overlaps each chunk's GEMMs with the next chunk's preparation (symgram.SymGram.pipeline, on
-        the BLAS threads there are now); otherwise nothing. Only on the main thread: reductions on worker
+        the BLAS threads there are now); otherwise nothing. Only on the main thread: passes on worker
         threads of one process (a Dask client's threads) would set and restore the process-wide BLAS limit
         over each other's pipelines."""
         import threading
@@ -448,7 +446,7 @@ def _compact_leading(G: np.ndarray, n: int, rows: int = 256) -> np.ndarray:
 
 
 class Backend:
-    """Where the psi x psi work runs: a factorization's matrix, a reduction's Gram, the free memory."""
+    """Where the psi x psi work runs: a factorization's matrix, a pass's Gram, the free memory."""
 
     device: str | None = None  # the spelling it was resolved from (None: the host)
 
@@ -458,7 +456,7 @@ class Backend:
 
     def gram(self, q: int, r: int, n_targets: int, width: int, nf: int,
              spans: tuple[np.ndarray, np.ndarray] | None = None, pairs: bool = False) -> Any:
-        """An accumulator of a reduction's Gram on the backend: `add(upper_t, last_t, targets_t)` per
+        """An accumulator of a pass's Gram on the backend: `add(upper_t, last_t, targets_t)` per
         chunk (and, made with `pairs`, `add_windows(upper_t, xx, xy, yy)`: rows whose token factor is a
         second moment), `result()` a symgram.SymGram or G for `gram_parts` (HostGram, device.DeviceGram /
         DevicePairs)."""

@@ -12,7 +12,7 @@ precision only ever apply to float32 / half inputs, and none reach the device), 
 torch.linalg's float64 ones, and every result comes back as float64 numpy, the same `Features`,
 eigenvalues and solutions as the numpy path.
 
-The device holds the reduction's Gram (`DeviceGram`: features built from each chunk's S entries and
+The device holds the pass's Gram (`DeviceGram`: features built from each chunk's S entries and
 last tokens on the device, one GEMM per chunk) and the factorization's matrix (`DeviceMatrix`).
 """
 
@@ -137,7 +137,7 @@ GRAM_PANELS = 8
 
 
 class DeviceGram:
-    """The Gram of a reduction's [Ht | Y] block on a device, built chunk by chunk.
+    """The Gram of a pass's [Ht | Y] block on a device, built chunk by chunk.
 
     Per chunk the host sends the transposed canonical S entries (q, R), last tokens (d, R) and targets
     (d, R) (through two alternating pinned buffers on a GPU, copied asynchronously, so that the host
@@ -223,7 +223,7 @@ PAIRS_PANEL_ELEMENTS = 1 << 23
 
 
 class DevicePairs(DeviceGram):
-    """The distinct entries K = U^T V of the Gram of a reduction's features on a device (mhla_cli.linalg.symgram),
+    """The distinct entries K = U^T V of the Gram of a pass's features on a device (mhla_cli.linalg.symgram),
     with the moments and the target Gram beside, built chunk by chunk as `DeviceGram` (same staging).
 
     Per chunk: V^T = the pair products x_l x_m (l <= m) of the token factor, then panels of rows of

@@ -1,7 +1,7 @@
 """One factorization of the certificate's matrix, computed once per statistics and reused.
 
 certify (full and observed domains), fit, `certify --on` and the witness all need the spectrum or a
-factor of the same canonical Lambda~ (mhla_cli.statistics.basis). `solve.factorize` returns a `Factorization`
+factor of the same canonical Lambda~ (mhla_cli.statistics.basis). `solve.domains.factorize` returns a `Factorization`
 cached on the Features object, which computes only what is asked, once:
 
 - small matrices (n <= DENSE_MAX): LAPACK's eigenvalues (eigvalsh), the vectors only when asked;
@@ -39,11 +39,10 @@ from .backends import POTRF_THREADED_MAX, _lapack_threads, cholesky, get_backend
 
 __all__ = ["DENSE_MAX", "Factorization", "NoEigensolver", "POTRF_THREADED_MAX", "cholesky"]
 
-# Matrices up to this size are decomposed densely: measured at psi = 2176 (d = 16 Gaussian data,
-# 2 cores), eigvalsh took 0.36 s, a Cholesky 0.11 s, and Lanczos on the inverse through it 0.65 s
-# (~80 triangular solves, memory-bound; lambda_min's gap to the next eigenvalue was 0.7 %), so
-# below a few thousand features every eigenvalue is cheaper. Above it Lanczos (O(iterations n^2))
-# beats the O(n^3) eigenvalues, and the factorization's reuse avoids every repeated one.
+# Matrices up to this size are decomposed densely: below a few thousand features all the eigenvalues
+# (eigvalsh) cost less than Lanczos on the inverse through the Cholesky factor, whose ~80 triangular
+# solves are memory-bound. Above it Lanczos (O(iterations n^2)) beats the O(n^3) eigenvalues, and the
+# factorization's reuse avoids every repeated one.
 DENSE_MAX = 4096
 
 
@@ -77,7 +76,7 @@ class Factorization:
         self.backend = get_backend(device)
         self.n = int((lam if matrix is None else matrix).shape[0])
         self.n_full = self.n if n_full is None else int(n_full)
-        self.structure: Any = None  # mhla_cli.statistics.structure.Structure of the block, set by solve.factorize
+        self.structure: Any = None  # mhla_cli.statistics.structure.Structure of the block, set by solve.domains.factorize
         self._c = _Cache()  # the decompositions, shared by `share`
         self._c._dm = matrix
         self.seconds = self._c.seconds  # wall time of each decomposition computed
@@ -290,7 +289,6 @@ class Factorization:
                 else:
                     # not positive definite: the null space will be wanted too, and one eigh with vectors
                     # (divide and conquer) costs less than the eigenvalues and then the selected vectors
-                    # (measured at n = 3150, 1 thread: 5.4 s against 3.0 + 3.7 s)
                     self._c._lmin = float(self.eigh()[0][0])
         return self._c._lmin
 

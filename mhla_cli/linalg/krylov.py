@@ -4,9 +4,7 @@ The certificate's lambda_max is the top eigenvalue of Lambda~ and its lambda_min
 eigenvalue of (Lambda~ - s I)^-1 through the proof's Cholesky factor (mhla_cli.linalg.factorization).
 Both products are memory-bound at the sizes where they are estimated (psi > DENSE_MAX): a product with
 a block of BLOCK vectors reads the matrix or the factor once, as one vector does, and costs little more
-(measured at psi = 7200, all through scipy's OpenBLAS: a pair of triangular solves 40-48 ms for one
-vector, 52-66 ms for eight; a GEMM of eight columns 33-40 ms against 11-12 ms for a dsymv), while the
-block Krylov space converges to the top eigenvalue in far fewer products when the top of the spectrum
+(a few times one vector's product, not BLOCK times), while the block Krylov space converges to the top eigenvalue in far fewer products when the top of the spectrum
 is clustered (its rate is set by the gap to the (BLOCK + 1)-th eigenvalue, not to the second).
 
 `top_eigenvalue` is Rayleigh-Ritz on the block Krylov space span{Q0, op Q0, op^2 Q0, ...}: every block
@@ -19,9 +17,8 @@ some eigenvalue lies within the residual of theta.
 
 Every product and every small factorization goes through scipy's BLAS / LAPACK: numpy and scipy each
 bundle an OpenBLAS with its own thread pool, and a numpy BLAS call (a GEMM, or the dot inside
-numpy.linalg.norm) between two scipy triangular solves left numpy's threads spinning on the cores that
-scipy's needed (measured: the eight-vector pair of solves took 120-160 ms inside a loop that mixed both
-libraries, 52-66 ms alone).
+numpy.linalg.norm) between two scipy triangular solves leaves numpy's threads spinning on the cores that
+scipy's need, which slows the solves by a factor of two or more.
 """
 
 from __future__ import annotations
@@ -35,12 +32,12 @@ from ..numerics import LANCZOS_TOL
 
 __all__ = ["BLOCK", "MAX_BASIS_COLUMNS", "TopEigenvalue", "basis_bytes", "top_eigenvalue"]
 
-# Vectors per product: measured at psi = 7200 (d = 24 Gaussian data, N = 9000) lambda_min took 23 products
-# of 8 vectors (1.4-1.5 s) against ARPACK's 71 of one (2.8-3.0 s); 16 and 24 vectors took 19 and 16
-# products but no less time (1.4-1.5 s); lambda_max 8 products of 8 (0.28-0.33 s) against 41 (0.47 s).
+# Vectors per product: with 8, lambda_min and lambda_max of a dense Gram take a third or less of the
+# products ARPACK's single vectors take, in about half the time or less; 16 or 24 vectors take fewer products
+# but no less time.
 BLOCK = 8
 # The basis holds at most this many columns (and the products as many): 2 * 8 * n * 512 bytes, 59 MB at
-# n = 7200; the hardest spectrum measured needed 184 (23 blocks of 8).
+# n = 7200; the clustered spectra of dense Grams converge in under half of it.
 MAX_BASIS_COLUMNS = 512
 # A new block's column whose norm after orthogonalisation is at most this times the block's product
 # norm lies (to rounding) in the space already spanned: it is replaced by a random direction.

@@ -9,7 +9,7 @@ pass ((psi + d)^2 with targets) and its chunk buffers, plus SLACK_BYTES for the 
   place, and the own-coordinate `gram` derived from it for the file (written without copies);
 - certify / fit of a features file: `basis_gram` (the stored own `gram` is validated tile by tile
   and read only when a consumer needs it) plus what the factorization of Lambda~ holds
-  (`SOLVE_COPIES`, measured on mhla_cli.solve.domains / factorization);
+  (`SOLVE_COPIES`, of mhla_cli.solve.domains / mhla_cli.linalg.factorization);
 - certify / fit of a tokens file: the larger of the pass and the solve;
 - loading a features file (`check_load`): `basis_gram` (or the block on the data's spans) and, for a
   compact file, its distinct entries; `mhla merge`: two such sums and their own grams (`merge_bytes`).
@@ -38,9 +38,8 @@ SLACK_BYTES = 64 * 2**20
 # "cholesky": the Cholesky factor (an identifiable certificate, a fit);
 # "eigh": the eigensolver's copy and its eigenvectors, then the null space (N < psi: certainly
 # singular); "ridge": the system (Lambda~ + l I) and its factor; "lowrank": the own gram too.
-# Measured at d = 24 (psi = 7200, N = 9000; peak RSS less the ~82 MiB of a bare process): certify /
-# fit 2.0 / 2.1 copies in all, fit --ridge 3.0 (before the scale: 3.1 / 3.1 and 5.1; 4.9 / 5.4 at
-# N = 5000 < psi, one copy less now).
+# With the matrix itself, these copies cover the peak RSS of certify and fit at d = 24 (psi = 7200; less
+# the RSS of a bare process), with a little room.
 SOLVE_COPIES = {"cholesky": 1.2, "eigh": 3, "fit-eigh": 3.5, "ridge": 2.2, "lowrank": 4}
 
 

@@ -35,23 +35,16 @@ __all__ = ["Pairs", "SYMGRAM_MIN_D", "SymGram", "accumulator", "gram_from_pairs"
            "pairs_from_gram", "pairs_shape", "use_pairs"]
 
 # Token dimension (the length of the token factor x; on the data's spans, both factors' widths) from
-# which the reduction accumulates K rather than one dsyrk of the materialised [H | Y] block.
-# Measured on this machine (AMD EPYC, 2 cores shared with other jobs, load average 6-8; one chunk of
-# 2048 rows, one BLAS thread; `python benchmarks/bench_gflops.py --kernel 6 8 10 12 16`, five runs
-# with panels of 256 KiB .. 32 MiB): K / dsyrk = 1.45-2.03 at d = 6, 0.98-1.92 at d = 8, 0.88-1.21 at
-# d = 10, 0.83-1.22 (median 0.99) at d = 12, 0.58-0.76 at d = 16; a sixth run at load 2.2
-# (`--kernel 8 10 12 16 24 --repeat 5`): 1.07, 1.00, 0.82, 0.70 and 0.59 at d = 24. Below d = 12
-# the loop over the panels, the separate moments GEMM and the formation of U cost more than the
-# syrk flops they save.
+# which the accumulation builds K rather than one dsyrk of the materialised [H | Y] block: the time
+# ratio K / dsyrk (`python benchmarks/bench_gflops.py --kernel 6 8 10 12 16 24`) crosses 1 near d = 12.
+# Below it the loop over the panels, the separate moments GEMM and the formation of U cost more than
+# the syrk flops they save.
 SYMGRAM_MIN_D = 12
 # Bytes of one panel of U^T (the rows (a, b >= a) of consecutive a, merged until the panel holds
 # about this much): one GEMM per panel. Large panels, because every BLAS call with several threads
-# pays a wait for the cores when the machine is shared: measured on 2 shared cores (load 7-8, d = 16,
-# N = 6000, featurize in-process, 2 BLAS threads) one panel per a-block (136 GEMMs per chunk of 4096
-# rows) took 24-26 s against 3.1-4.7 s with 1024-4096 rows per panel; with one thread panels of
-# 256 KiB .. 32 MiB were alike (the spread between runs was larger than the differences). A wide
-# block's panels then go over Python threads, one BLAS thread each (`SymGram.add`'s `threads`): at
-# d = 24, N = 2000 the update took 1.7-2.5 s against 5.4-5.6 s for the syrk of the same run.
+# pays a wait for the cores when the machine is shared (one small GEMM per a-block pays it over a
+# hundred times per chunk); with one BLAS thread the panel size hardly matters. A wide block's panels
+# go over Python threads, one BLAS thread each (`SymGram.add`'s `threads`).
 PAIRS_PANEL_BYTES = 32 * 2**20
 
 
@@ -386,10 +379,8 @@ ROW_BLOCK_BYTES = 16 * 2**20
 # Bytes of the expanded (columns, q, q) block of `Pairs.congruence`'s pair-factor step.
 CONGRUENCE_BLOCK_BYTES = 16 * 2**20
 # Row blocks of the pair step's second GEMM, each computed only from its diagonal on (the upper triangle
-# of each column's P M P^T): (1 + 1 / blocks) / 2 of that GEMM's flops, 62.5 % with 4. Measured on this
-# machine (a scratch script, `Pairs.congruence` of a random K, two runs each): 5.9-6.2 s against 6.1-6.7 s
-# with one block at d = 32, alike within the noise at d = 24 (0.89-0.94 against 0.71-0.96 s); 2, 8 and
-# 16 blocks came out alike within the noise (one pair step's block, three runs).
+# of each column's P M P^T): (1 + 1 / blocks) / 2 of that GEMM's flops, 62.5 % with 4. The saving shows
+# at d >= 32 only, and 2 to 16 blocks take about the same time.
 PAIR_TRIANGLE_BLOCKS = 4
 
 

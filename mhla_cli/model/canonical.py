@@ -142,7 +142,7 @@ def gram_pairs_of(feats: Any) -> tuple[np.ndarray, np.ndarray | None, np.ndarray
     w = feats.weight if feats.weight > 0 else 1.0
     held = feats.basis_gram_held
     E = F = None
-    if feats.reduced:
+    if feats.on_spans:
         E, F = np.array(feats.span_pairs), np.array(feats.span_last)
         q, d = E.shape[1], F.shape[1]
     K = held.K if isinstance(held, symgram.Pairs) else symgram.pairs_from_gram(held, q, d)

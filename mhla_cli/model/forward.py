@@ -38,7 +38,7 @@ from ..io.tokens import (
     inspect_tokens,
     iter_chunks,
     read_as,
-    spans,
+    chunk_ranges,
     with_bias_terms,
 )
 from ..bias_terms import with_constant
@@ -322,7 +322,7 @@ def scored(pred: np.ndarray, targets: np.ndarray, weights: np.ndarray | None) ->
     return count, Spread.of(targets, weights, err=np.asarray(pred, dtype=np.float64) - targets)
 
 
-def positions_span(coef: np.ndarray | HeadsFn, info: Any, samples: Samples, normalize: str, span: tuple[int, int],
+def positions_range(coef: np.ndarray | HeadsFn, info: Any, samples: Samples, normalize: str, sample_range: tuple[int, int],
                    progress: Callable[[int], None] | None = None, basis: np.ndarray | None = None,
                    affine: tuple[WideSource, np.ndarray] | None = None
                    ) -> tuple[np.ndarray, np.ndarray, np.ndarray, int, Spread]:
@@ -343,7 +343,7 @@ def positions_span(coef: np.ndarray | HeadsFn, info: Any, samples: Samples, norm
         progress(k - done[0])  # type: ignore[misc]
         done[0] = k
 
-    lo, hi = span
+    lo, hi = sample_range
     for a, _b, tokens, offsets, targets, weights in iter_chunks(info, (lo, hi), hi - lo, prefetch=False,
                                                                 with_weights=True):
         check_finite(tokens, offsets, targets, a, info.path)
@@ -351,29 +351,29 @@ def positions_span(coef: np.ndarray | HeadsFn, info: Any, samples: Samples, norm
         outputs = sample_outputs(coef, in_basis(tokens, basis), offsets, samples, normalize,
                                  progress=None if progress is None else step)
         if affine is not None:  # the affine map of the wide tokens at every position
-            outputs = outputs + _affine_span(affine, a, offsets)
+            outputs = outputs + _affine_range(affine, a, offsets)
         pred = outputs[offsets[1:] - 1]
         count, spread = 0, Spread()
         if targets is not None:
             count, spread = scored((outputs if info.per_position else pred), targets, weights)
         return pred, outputs, offsets.copy(), count, spread
-    raise ValueError("empty span")
+    raise ValueError("empty sample range")
 
 
-def _affine_span(affine: tuple[WideSource, np.ndarray], a: int, offsets: np.ndarray) -> np.ndarray:
-    """The affine map (d_out, D + 1) of the wide tokens at every token of the span starting at sample `a` with
+def _affine_range(affine: tuple[WideSource, np.ndarray], a: int, offsets: np.ndarray) -> np.ndarray:
+    """The affine map (d_out, D + 1) of the wide tokens at every token of the range starting at sample `a` with
     `offsets` (T, d_out), read from the wide source in lockstep."""
     wide, C = affine
-    span = (a, a + offsets.size - 1)
-    chunk = next(wide.chunks(span, span[1] - span[0], prefetch=False))
+    sample_range = (a, a + offsets.size - 1)
+    chunk = next(wide.chunks(sample_range, sample_range[1] - sample_range[0], prefetch=False))
     return wide.rows(chunk, a, offsets, CAUSAL) @ C.T
 
 
-def causal_span(coef: np.ndarray | HeadsFn, info: Any, normalize: str, span: tuple[int, int],
+def causal_range(coef: np.ndarray | HeadsFn, info: Any, normalize: str, sample_range: tuple[int, int],
                 progress: Callable[[int], None] | None = None, basis: np.ndarray | None = None
                 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, int, Spread]:
-    """`positions_span` of CAUSAL samples (the prefix outputs of `predict --causal`)."""
-    return positions_span(coef, info, CAUSAL, normalize, span, progress, basis)
+    """`positions_range` of CAUSAL samples (the prefix outputs of `predict --causal`)."""
+    return positions_range(coef, info, CAUSAL, normalize, sample_range, progress, basis)
 
 
 def _one_at_a_time(progress: Callable[[int], None]) -> Callable[[int], None]:
@@ -452,7 +452,7 @@ def _predict_chunk_size(coef: np.ndarray | HeadsFn, info: TokensInfo, chunk_size
 
 
 def _sinks(target: h5py.File | None, info: TokensInfo, d: int, with_outputs: bool) -> tuple[Any, Any, Any]:
-    """Where the spans' (predictions, outputs, offsets) go: datasets of the output file `target`, or arrays
+    """Where the ranges' (predictions, outputs, offsets) go: datasets of the output file `target`, or arrays
     (None for the outputs without `with_outputs`); both take slice assignment."""
     if target is None:
         return (np.empty((info.n_samples, d)), np.empty((info.n_tokens, d)) if with_outputs else None,
@@ -466,11 +466,11 @@ def _sinks(target: h5py.File | None, info: TokensInfo, d: int, with_outputs: boo
     return dp, do, doff
 
 
-def _predict_spans(task: Callable[[tuple[int, int]], tuple], todo: list[tuple[int, int]], pmap: Any,
+def _predict_ranges(task: Callable[[tuple[int, int]], tuple], todo: list[tuple[int, int]], pmap: Any,
                    sinks: tuple[Any, Any, Any], progress: Callable[[int], None] | None
                    ) -> tuple[int, Spread]:
-    """Run `task` over the spans `todo` with `pmap`, writing each span's rows into `sinks` in order
-    (`_sinks`); the summed count and merged Spread (with the SSE). `progress(n)` is told each span's samples."""
+    """Run `task` over the sample ranges `todo` with `pmap`, writing each range's rows into `sinks` in order
+    (`_sinks`); the summed count and merged Spread (with the SSE). `progress(n)` is told each range's samples."""
     count, spread = 0, Spread()
     dp, do, doff = sinks
     tok_pos = 0
@@ -487,13 +487,13 @@ def _predict_spans(task: Callable[[tuple[int, int]], tuple], todo: list[tuple[in
     return count, spread
 
 
-def _span_task(coef: np.ndarray | HeadsFn, info: TokensInfo, pmap: Any, normalize: str, samples: Samples | None,
+def _range_task(coef: np.ndarray | HeadsFn, info: TokensInfo, pmap: Any, normalize: str, samples: Samples | None,
                device: str | None, basis: np.ndarray | None,
                progress: Callable[[int], None] | None, affine: tuple[WideSource, np.ndarray] | None = None
                ) -> tuple[Callable[[tuple[int, int]], tuple], bool]:
-    """The per-span task of `predict_file` under `pmap` (outputs at every position of `samples`, or None:
+    """The per-range task of `predict_file` under `pmap` (outputs at every position of `samples`, or None:
     the last-token predictions only), and whether it tells `progress` itself (its blocks as they finish)
-    rather than `_predict_spans` each span as it comes back."""
+    rather than `_predict_ranges` each range as it comes back."""
     # workers open the file themselves: give them an absolute path
     winfo = info if pmap.n_workers == 1 else dataclasses.replace(info, path=os.path.abspath(info.path))
     if affine is not None and pmap.n_workers > 1:
@@ -501,12 +501,12 @@ def _span_task(coef: np.ndarray | HeadsFn, info: TokensInfo, pmap: Any, normaliz
         affine = (dataclasses.replace(w, info=dataclasses.replace(w.info, path=os.path.abspath(w.info.path))),
                   affine[1])
     if samples is None:
-        return partial(predict_span, coef, winfo, False, normalize=normalize, device=device, basis=basis,
+        return partial(predict_range, coef, winfo, False, normalize=normalize, device=device, basis=basis,
                        affine=affine), False
-    # outputs at every position take long per span: in this process (serial or threads; `progress` None
-    # for a caller's map) each span tells its blocks as they finish, one call at a time
+    # outputs at every position take long per range: in this process (serial or threads; `progress` None
+    # for a caller's map) each range tells its blocks as they finish, one call at a time
     ticks = progress is not None and isinstance(pmap, (SerialMap, ThreadMap))
-    return partial(positions_span, coef, winfo, samples, normalize,
+    return partial(positions_range, coef, winfo, samples, normalize,
                    progress=_one_at_a_time(progress) if ticks else None, basis=basis, affine=affine), ticks
 
 
@@ -577,15 +577,15 @@ def predict_file(fn: Model | Heads, data: str | os.PathLike, out: str | os.PathL
         info = dataclasses.replace(info, has_targets=False)  # per-position targets: no per-sequence MSE
     if isinstance(coef, HeadsFn):
         device = None  # heads evaluated directly run on the CPU
-    todo = spans(0, info.n_samples, _predict_chunk_size(coef, info, chunk_size))
+    todo = chunk_ranges(0, info.n_samples, _predict_chunk_size(coef, info, chunk_size))
     with_outputs = samples is not None
 
     def run(target: h5py.File | None) -> tuple[tuple[Any, Any, Any], tuple[int, Spread]]:
         sinks = _sinks(target, info, d, with_outputs)
         with make_map(workers=workers, map=map) as pmap:
-            task, ticks = _span_task(coef, info, pmap, normalize, samples, device, A,
+            task, ticks = _range_task(coef, info, pmap, normalize, samples, device, A,
                                      progress if map is None else None, affine)
-            return sinks, _predict_spans(task, todo, pmap, sinks, None if ticks else progress)
+            return sinks, _predict_ranges(task, todo, pmap, sinks, None if ticks else progress)
 
     if out is not None:
         meta = {"d": d, "n_samples": info.n_samples, "normalize": normalize, "causal": int(causal)}
@@ -789,7 +789,7 @@ def rollout_file(fn: Model | Heads, data: str | os.PathLike, out: str | os.PathL
             "normalize": normalize, "snapped": C is not None}
 
 
-def predict_span(coef: np.ndarray, info: Any, all_positions: bool, span: tuple[int, int],
+def predict_range(coef: np.ndarray, info: Any, all_positions: bool, sample_range: tuple[int, int],
                  normalize: str = "none", device: str | None = None, basis: np.ndarray | None = None,
                  affine: tuple[WideSource, np.ndarray] | None = None
                  ) -> tuple[np.ndarray, np.ndarray | None, np.ndarray, int, Spread]:
@@ -797,10 +797,10 @@ def predict_span(coef: np.ndarray, info: Any, all_positions: bool, span: tuple[i
     targets' Spread (their weight, spread and weighted SSE: the MSE and R^2)).
 
     With last-token targets the SSE is sum_i w_i ||pred_i - y_i||^2, count #{i: w_i > 0} and weight
-    sum_i w_i (w_i = 1 without `weights`), as in `causal_span`; without targets (info.has_targets
+    sum_i w_i (w_i = 1 without `weights`), as in `causal_range`; without targets (info.has_targets
     false) all are 0. `basis`: the tokens X basis are evaluated (Model.evaluation).
     """
-    lo, hi = span
+    lo, hi = sample_range
     for a, _b, tokens, offsets, targets, *w in iter_chunks(info, (lo, hi), hi - lo, prefetch=False,
                                                             with_weights=info.has_targets):
         weights = w[0] if w else None
@@ -809,9 +809,9 @@ def predict_span(coef: np.ndarray, info: Any, all_positions: bool, span: tuple[i
         pred, outputs = predict_chunk(coef, in_basis(tokens, basis), offsets, all_positions, normalize,
                                       device=None if device is None else worker_device(device))
         if affine is not None:  # the affine map of the wide tokens at the last token (and every position)
-            aff = _affine_span(affine, a, offsets)
+            aff = _affine_range(affine, a, offsets)
             pred = pred + aff[offsets[1:] - 1]
             outputs = None if outputs is None else outputs + aff
         count, spread = scored(pred, targets, weights) if targets is not None else (0, Spread())
         return pred, outputs, offsets.copy(), count, spread
-    raise ValueError("empty span")
+    raise ValueError("empty sample range")

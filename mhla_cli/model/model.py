@@ -29,7 +29,7 @@ _SAVED_INFO = ("ridge", "train_mse", "train_r2", "lambda_min", "identifiable", "
 class Model:
     """A fitted MHLA function: coef p (d, psi) and its minimum-Frobenius-norm W (d^2, d^2).
 
-    A least-squares fit (solve.fit) also keeps the coefficients it solved for, `coef_b` (d, psi) on
+    A least-squares fit (solve.lstsq.fit) also keeps the coefficients it solved for, `coef_b` (d, psi) on
     the canonical features Ht(X A) of the whitened tokens, and that basis A (d, d): predict evaluates
     the function there (`evaluation`), which keeps its accuracy where p = p_b M_A would lose it (a
     token direction far smaller than the others: M_A's condition number is cond(A)^3).

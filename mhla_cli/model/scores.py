@@ -57,7 +57,7 @@ def targets_underflow(feats: Features) -> bool:
 
 
 def train_r2(feats: Features, train_mse: float) -> float | None:
-    """R^2 of a fit on its statistics from its train MSE (solve.train_mse: SSE / (d sum_i w_i)); None
+    """R^2 of a fit on its statistics from its train MSE (solve.lstsq.train_mse: SSE / (d sum_i w_i)); None
     when the statistics hold no target_sum (files written before it was accumulated), the targets
     do not vary, or their squares underflow float64 (`targets_underflow`)."""
     if feats.target_sum is None or feats.target_gram is None or targets_underflow(feats):

@@ -104,7 +104,7 @@ def extended(feats: Features, device: str | None = None) -> Extended:
     aff = feats.affine
     B = block_map(feats, W)
     cross = aff.cross @ B / W
-    CA = cross if feats.reduced else st.restrict(cross)
+    CA = cross if feats.on_spans else st.restrict(cross)
     Gf = B.T @ (aff.gram / W) @ B
     n, k = G.shape[0], B.shape[1]
     M = np.empty((n + k, n + k))
@@ -123,7 +123,7 @@ def _rhs(feats: Features, ext: Extended) -> np.ndarray:
     W = feats.weight if feats.weight > 0 else 1.0
     _, _, moments_b = feats.solver_stats()
     st = ext.fac0.structure
-    mc = moments_b / W if feats.reduced else st.restrict(moments_b / W)
+    mc = moments_b / W if feats.on_spans else st.restrict(moments_b / W)
     mf = ext.B.T @ feats.affine.moments / W
     return np.vstack([mc, mf])
 

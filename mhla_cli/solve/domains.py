@@ -134,7 +134,7 @@ class Full(Domain):
     def _factorize(self, feats: Features, device: str | None) -> Factorization:
         # Lambda~ = basis_gram / sum w, held as the sums and the scale 1 / sum w (no psi x psi copy)
         gram_b, scale = feats.basis_gram, 1.0 / (feats.weight if feats.weight > 0 else 1.0)
-        if feats.reduced:  # featurize held only the block on the data's spans
+        if feats.on_spans:  # featurize held only the block on the data's spans
             st = structure_mod.Structure(_complete(feats.span_pairs), _complete(feats.span_last),
                                          feats.span_pairs.shape[1], feats.span_last.shape[1])
             fac = Factorization(gram_b, st.n_full, scale, device)

@@ -41,7 +41,7 @@ def fit(feats: Features, ridge: float = 0.0, device: str | None = None) -> Model
     fac = FULL.factorize(feats, device)
     st = fac.structure
     # the factorized block on the data's spans (mhla_cli.statistics.structure): the moments lie in its range
-    rhs = moments_b / W if feats.reduced else st.restrict(moments_b / W)
+    rhs = moments_b / W if feats.on_spans else st.restrict(moments_b / W)
     lmax = fac.lambda_max()
     tol = numerical_tolerance(lmax, psi)
     # proven as the certificate's: a Cholesky of the block's Lambda~ - tol I (reused by the solve)
@@ -108,7 +108,7 @@ def _train_mse_b(feats: Features, pb: np.ndarray) -> tuple[float, float]:
     # sum w: the weighted mean; per output of the targets' own width (the bias terms' padded 0 is none)
     N, d = (feats.weight if feats.weight > 0 else 1.0), feats.n_outputs
     _, gram_b, moments_b = feats.solver_stats()
-    if feats.reduced:
+    if feats.on_spans:
         pb = basis_mod.kron_apply(feats.span_pairs.T, feats.span_last.T, np.ascontiguousarray(pb.T)).T
     quad = float(np.sum((pb @ gram_b) * pb))
     sse = quad - 2 * float(np.einsum("ij,ji->", pb, moments_b)) + float(np.trace(feats.target_gram))

@@ -365,7 +365,7 @@ def _prepare(feats: Features, data: str | os.PathLike | None, cert: Certificate 
     check_witness_features(feats)
     if data is not None:
         check_witness_input(data)
-    if feats.reduced:
+    if feats.on_spans:
         # every feature is needed: the sums on the data's spans expanded in a copy (the caller's stay
         # as they are), and the same certificate of the expanded sums
         feats = feats.copy().expand()

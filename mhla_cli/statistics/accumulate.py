@@ -1,8 +1,8 @@
-"""The accumulator of one reduction: running sums of a chunk stream in one basis (`_Accumulator`), and
+"""The accumulator of one pass: running sums of a chunk stream in one basis (`_Accumulator`), and
 the statistics of one in-memory chunk (`chunk_features`).
 
 Per chunk the tokens are transformed to the pass's basis (X A), the per-sequence (X A)^T (X A) are
-batched matmuls (mhla_cli.statistics.kernels), and the canonical sums are updated either by the Gram's
+batched matmuls (mhla_cli.kernels), and the canonical sums are updated either by the Gram's
 distinct entries K = U^T V (mhla_cli.linalg.symgram: half the flops of a syrk, for d >=
 symgram.SYMGRAM_MIN_D) or by one syrk of the block [Ht | Y] (docs/performance.md), by the backend of
 `device` (mhla_cli.linalg.backends: the host's HostGram, or torch's on a device).
@@ -36,7 +36,7 @@ __all__ = ["MIN_THREADED_WIDTH", "PANEL_BYTES", "chunk_features"]
 
 
 class _Accumulator:
-    """Running sums of one reduction in one basis A, with reusable work buffers.
+    """Running sums of one pass in one basis A, with reusable work buffers.
 
     Per chunk the tokens are transformed first (X A, a d x d product per token: docs/certificate.md), the features are those of X A in canonical coordinates
     (mhla_cli.statistics.basis), and the Gram of the block [Ht | Y] (B x (psi + d)) holds basis_gram,
@@ -97,7 +97,7 @@ class _Accumulator:
         self.target_sum = np.zeros(self.n_targets) if self.n_targets else None
         self._moments_share: float | None = None  # of a chunk's time in `add`, for its progress ticks
         self.n_tokens = 0
-        # the weight totals (stats.Features): sum w over the samples, sum w n over their tokens
+        # the weight totals (Features): sum w over the samples, sum w n over their tokens
         self.weight_sum = 0.0
         self.token_weight_sum = 0.0
 

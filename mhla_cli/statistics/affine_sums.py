@@ -5,7 +5,7 @@ A fit in reduced coordinates sees the tokens x = P^T x_wide only through the MHL
 D wide coordinates carry much of a head's output (a token-wise affine map of them is what "Neural Block
 Linearization" fits). `featurize(..., affine_from=WIDE)` reads the wide tokens file that `mhla reduce` read, in
 lockstep with the reduced one (the same chunks: `WideSource.chunks`), and appends f_b = A_w^T f (D + 1 values, at
-the query of every sample: the last token, or every position) to the targets of the one reduction, so that its sums
+the query of every sample: the last token, or every position) to the targets of the one pass, so that its sums
 hold, beside the MHLA's (mhla_cli.statistics.accumulate):
 
     cross   = sum w Ht f_b^T   (nf, D + 1)  rows in the MHLA's canonical coordinates (as basis_moments)
@@ -193,7 +193,7 @@ def affine_rows(wide: np.ndarray, offsets: np.ndarray, samples: Samples) -> np.n
 
 def split_targets(moments: np.ndarray | None, target_gram: np.ndarray | None, target_sum: np.ndarray | None,
                   n_targets: int, has_targets: bool) -> tuple[Any, Any, Any, tuple[np.ndarray, ...]]:
-    """The sums of a reduction whose targets were [y, f] split into those of y (moments, target_gram,
+    """The sums of a pass whose targets were [y, f] split into those of y (moments, target_gram,
     target_sum; None without targets) and the affine block's (cross, gram, moments (a, e) or None, total)."""
     e = n_targets
     cross, gram, total = moments[:, e:], target_gram[e:, e:], target_sum[e:]
@@ -249,11 +249,11 @@ class WideSource:
             raise InputError(f"its reduction maps D = {P.shape[0]} but {wide} has tokens of width {info.d}", reduced)
         return cls(replace(info, has_targets=False, has_weights=False, samples=LAST, d_out=None), ident, P)
 
-    def chunks(self, span: tuple[int, int], chunk_size: int, prefetch: bool = True
+    def chunks(self, sample_range: tuple[int, int], chunk_size: int, prefetch: bool = True
                ) -> Iterator[tuple[int, int, np.ndarray, np.ndarray]]:
         """(a, b, wide tokens, offsets) of the chunks of samples [lo, hi), the chunks `iter_chunks` gives the reduced
-        file for the same span and size; the tokens checked for NaN, Inf and overflow."""
-        for a, b, tokens, offsets, _ in iter_chunks(self.info, span, chunk_size, prefetch):
+        file for the same sample range and size; the tokens checked for NaN, Inf and overflow."""
+        for a, b, tokens, offsets, _ in iter_chunks(self.info, sample_range, chunk_size, prefetch):
             check_finite(tokens, offsets, None, a, self.info.path)
             yield a, b, tokens, offsets
 

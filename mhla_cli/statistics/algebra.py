@@ -4,7 +4,7 @@ Every field of a Features is a sum over samples, so the statistics of disjoint p
 (`add_into`, `a.add(b)`, `a + b`, `a - b`). The canonical sums live in a basis A (tokens X A,
 mhla_cli.statistics.basis); `change_basis` moves them to X A C exactly (up to rounding), `canonical`
 to the whitening of the data's own token Gram, and parts in different bases are added in the
-whitening of their sum. A block on the data's spans (`reduced`) changes by the spans' R factors and
+whitening of their sum. A block on the data's spans (`on_spans`) changes by the spans' R factors and
 is `expand`ed when the spans of two parts differ. `FeaturesAlgebra` is mixed into
 mhla_cli.statistics.features.Features (which imports this module, so the annotations name `Features`
 without importing it).
@@ -33,7 +33,7 @@ class FeaturesAlgebra:
     def expand(self) -> Features:
         """In place: the full psi x psi sums from the block on the data's spans (exact: the sums are
         zero outside it), and the own-coordinate ones; for consumers that need every feature."""
-        if self.reduced:
+        if self.on_spans:
             check_memory(self.d)
             E, F = self.span_pairs, self.span_last
             self.basis_gram = _congruence(self, E, F)
@@ -57,7 +57,7 @@ class FeaturesAlgebra:
         """In place: the basis sums of X A -> of X A C (exact up to rounding; the own sums stay)."""
         self.ensure_basis()
         self.factor_cache.clear()
-        if self.reduced:
+        if self.on_spans:
             # s -> P_C s, x -> C^T x map span E to P_C E = U1 R1 and F to C^T F = U2 R2 (QR): the block
             # coordinates change by R1 (x) R2 (mhla_cli.statistics.structure)
             U1, U2, R1, R2 = structure_change(self.span_pairs, self.span_last, basis_mod.orth_pair_map(C), C.T)
@@ -162,7 +162,7 @@ def add_into(acc: Features, part: Features) -> None:
     acc.n_sequences = None if acc.n_sequences is None or part.n_sequences is None \
         else acc.n_sequences + part.n_sequences
     acc.factor_cache.clear()
-    if acc.reduced or part.reduced:
+    if acc.on_spans or part.on_spans:
         part = _common_spans(acc, part)
     part = _common_basis(acc, part)
     if acc.basis is not None:
@@ -249,16 +249,16 @@ def _adopt_basis(acc: Features, part: Features) -> None:
 def _common_spans(acc: Features, part: Features) -> Features:
     """Blocks on the data's spans (one or both reduced): the same spans add block by block; otherwise
     acc is expanded, and the part returned expanded (a copy), so that the full sums add."""
-    if part.reduced and acc.basis is None and acc.n_samples == 0 and acc.n_tokens == 0:
+    if part.on_spans and acc.basis is None and acc.n_samples == 0 and acc.n_tokens == 0:
         # an empty sum (Features.zeros) adopts the part's spans, as it adopts its basis (_common_basis)
         acc.span_pairs, acc.span_last = np.array(part.span_pairs), np.array(part.span_last)
         acc.gram = acc.moments = None
         _adopt_basis(acc, part)
-    same = (acc.reduced and part.reduced and basis_mod.same(acc.basis, part.basis)
+    same = (acc.on_spans and part.on_spans and basis_mod.same(acc.basis, part.basis)
             and np.array_equal(acc.span_pairs, part.span_pairs) and np.array_equal(acc.span_last, part.span_last))
     if not same:  # different spans: add the full sums (the union of the spans)
         acc.expand()
-        if part.reduced:
+        if part.on_spans:
             part = part.copy().expand()
     return part
 

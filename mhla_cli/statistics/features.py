@@ -115,7 +115,7 @@ class Features(FeaturesAlgebra, FeaturesFile):
     # features (E^T s) (x) (F^T x_n), and gram / moments stay None until `expand`.
     span_pairs: np.ndarray | None = None
     span_last: np.ndarray | None = None
-    # Factorizations of the canonical Lambda~ by domain (mhla_cli.linalg.factorization, solve.factorize);
+    # Factorizations of the canonical Lambda~ by domain (mhla_cli.linalg.factorization, solve.domains.factorize);
     # emptied whenever the basis sums change.
     factor_cache: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
     # sum_i w_i y_i (d,) over the samples (with weight_sum below, the scored data's mean, for R^2:
@@ -169,7 +169,7 @@ class Features(FeaturesAlgebra, FeaturesFile):
         return self.d - int(self.bias_terms)
 
     @property
-    def reduced(self) -> bool:
+    def on_spans(self) -> bool:
         """Only the block on the data's spans is held (featurize --spans)."""
         return self.span_pairs is not None
 
@@ -209,7 +209,7 @@ class Features(FeaturesAlgebra, FeaturesFile):
         """Derive `moments` (tokens' own coordinates) from the basis sums, if not yet done; `gram` is
         derived from them when first used (a psi x psi matrix that certify and fit never need);
         not for a block on the data's spans (`expand` does)."""
-        if self._gram_raw is None and not self.reduced:
+        if self._gram_raw is None and not self.on_spans:
             if self.basis_moments is not None:
                 with np.errstate(over="ignore", invalid="ignore"):
                     self.moments = basis_mod.features_from_basis(self.basis, self.basis_moments)

@@ -46,7 +46,7 @@ WEIGHTS_FORMAT = 5
 WEIGHT_ATTRS = ("weight_sum", "token_weight_sum")
 # mhla format version from which a features file may hold the canonical Gram as its distinct entries
 # only (`featurize --compact`: 'basis_gram_pairs', K of mhla_cli.linalg.symgram, and no 'gram' nor
-# 'basis_gram'; both are derived on load). Files of this version without it are as before.
+# 'basis_gram'; both are derived on load). Files of this version without it hold 'gram' and 'basis_gram'.
 PAIRS_FORMAT = 5
 # The dataset of a compact features file (`Features.save(compact=True)`).
 PAIRS_DATASET = formats.PAIRS_DATASET
@@ -100,7 +100,7 @@ class FeaturesFile:
     def factor_sizes(self) -> tuple[int, int]:
         """(q, r): the lengths of the pair factor and of the token factor of the basis features
         (d(d+1)/2 and d; the spans' widths for a block), for mhla_cli.linalg.symgram."""
-        if self.reduced:
+        if self.on_spans:
             return int(self.span_pairs.shape[1]), int(self.span_last.shape[1])
         return n_features(self.d) // self.d, self.d
 
@@ -115,7 +115,7 @@ class FeaturesFile:
             attrs["source"] = json.dumps(self.source)
         attrs["normalize"] = self.normalize
         attrs.update(self.samples.attrs())  # per_position, and attention for per-position samples
-        if self.bias_terms:  # written only with them: files without are as before
+        if self.bias_terms:  # written only with them (absent: the tokens without a constant coordinate)
             attrs["bias_terms"] = 1
         if self.affine is not None:
             attrs.update(self.affine.attrs())

@@ -1,13 +1,13 @@
-"""Parallel and distributed evaluation of the chunk reduction: local worker pools and Dask.
+"""Parallel and distributed evaluation of the chunk accumulation: local worker pools and Dask.
 
 Every backend is a `map(fn, items)` returning results in order, plus two attributes used to plan
-the work: `n_workers` (how many spans to cut) and `local_copies` (how many psi x psi accumulators
-live in this machine's memory at once). The function mapped is always `stream.reduce_span` (or a
-prediction span); workers open the HDF5 file themselves from its path, never an h5py handle.
+the work: `n_workers` (how many sample ranges to cut) and `local_copies` (how many psi x psi accumulators
+live in this machine's memory at once). The function mapped is always `stream.accumulate_range` (or the
+prediction of a sample range); workers open the HDF5 file themselves from its path, never an h5py handle.
 
-Local pools use threads by default (MHLA_PARALLEL_BACKEND=process switches to processes): measured
-on 2 cores (docs/performance.md), threads with BLAS pinned to one thread each matched or beat
-processes (numpy releases the GIL in BLAS and in the large ufuncs of the hot path), with no worker
+Local pools use threads by default (MHLA_PARALLEL_BACKEND=process switches to processes): threads with
+BLAS pinned to one thread each match or beat processes (numpy releases the GIL in BLAS and in the
+large ufuncs of the hot path; benchmarks/bench_workers.py, docs/performance.md), with no worker
 start-up and no copies of the psi x psi partial sums between processes.
 """
 
@@ -124,7 +124,7 @@ class ThreadMap:
     def __exit__(self, exc_type: Any, *rest: Any) -> None:
         assert self._pool is not None
         if exc_type is not None:
-            CANCEL.set()  # running reductions stop at their next chunk
+            CANCEL.set()  # running passes stop at their next chunk
         try:
             self._pool.shutdown(wait=True, cancel_futures=exc_type is not None)
         finally:
@@ -149,7 +149,7 @@ class DaskMap:
     `scheduler` is a scheduler address (tcp://host:8786), a path to a scheduler file (JSON written
     by `dask scheduler --scheduler-file`), "local" (a LocalCluster with one single-threaded worker
     process per core) or "local:K" (K workers), or an existing `distributed.Client`. Calling the map
-    yields one item: the sum of fn over all items (so it fits `stream.reduce_spans`).
+    yields one item: the sum of fn over all items (so it fits `stream.accumulate_ranges`).
     """
 
     local_copies = 1  # partial sums live on the workers; only the total comes back
@@ -243,12 +243,12 @@ def resolve_workers(workers: int) -> int:
 @contextlib.contextmanager
 def make_map(workers: int = 1, scheduler: Any = None, map: Callable[..., Iterable[Any]] | None = None,  # noqa: A002
              backend: str | None = None) -> Iterator[Any]:
-    """The map to evaluate reductions with: Dask if `scheduler`, a local pool if workers > 1.
+    """The map to evaluate passes with: Dask if `scheduler`, a local pool if workers > 1.
 
     `backend` is "thread" or "process" (default: MHLA_PARALLEL_BACKEND, else thread).
     """
     if map is not None:
-        # a user's map (e.g. a pool's): cut a few spans per core, its workers are unknown
+        # a user's map (e.g. a pool's): cut a few sample ranges per core, its workers are unknown
         yield map if hasattr(map, "n_workers") else SerialMap(map, n_workers=os.cpu_count() or 1)
         return
     if scheduler is not None:
@@ -268,14 +268,14 @@ def make_map(workers: int = 1, scheduler: Any = None, map: Callable[..., Iterabl
 
 
 # --------------------------------------------------------------------------------------------
-# prediction spans (streamed by model.predict_file)
+# prediction ranges (streamed by model.forward.predict_file)
 # --------------------------------------------------------------------------------------------
 
 
 class Cancelled(Exception):
-    """Raised by `reduce_span` in worker threads once `CANCEL` is set (the caller is stopping)."""
+    """Raised by `accumulate_range` in worker threads once `CANCEL` is set (the caller is stopping)."""
 
 
 # Set by a thread pool that is shutting down after an error or an interrupt, so that its running
-# reductions stop at the next chunk instead of finishing their spans.
+# passes stop at the next chunk instead of finishing their sample ranges.
 CANCEL = threading.Event()

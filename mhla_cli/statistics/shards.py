@@ -1,4 +1,4 @@
-"""Shards and work spans: the contiguous sample ranges that shards (`--shard i/M`), folds and workers take."""
+"""Shards and work ranges: the contiguous sample ranges that shards (`--shard i/M`), folds and workers take."""
 
 from __future__ import annotations
 
@@ -7,17 +7,17 @@ import os
 
 from ..errors import InputError
 
-__all__ = ["shard_range", "shard_span", "work_spans"]
+__all__ = ["shard_range", "shard_samples", "work_ranges"]
 
 
-def work_spans(lo: int, hi: int, chunk_size: int, n_workers: int, per_worker: int = 4) -> list[tuple[int, int]]:
-    """About `per_worker` spans per worker (for load balance), each at least one chunk long."""
+def work_ranges(lo: int, hi: int, chunk_size: int, n_workers: int, per_worker: int = 4) -> list[tuple[int, int]]:
+    """About `per_worker` sample ranges per worker (for load balance), each at least one chunk long."""
     n = hi - lo
     parts = max(1, min(math.ceil(n / max(1, chunk_size)), per_worker * max(1, n_workers)))
     return [(lo + (n * i) // parts, lo + (n * (i + 1)) // parts) for i in range(parts)]
 
 
-def shard_span(n: int, shard: tuple[int, int] | None, path: str | os.PathLike | None = None) -> tuple[int, int]:
+def shard_samples(n: int, shard: tuple[int, int] | None, path: str | os.PathLike | None = None) -> tuple[int, int]:
     """The sample range [lo, hi) of shard (i, M) of n samples (all of them for None); validated here."""
     if shard is None:
         return 0, n

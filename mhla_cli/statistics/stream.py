@@ -1,7 +1,7 @@
 """Featurize a tokens file, load a features file: the streaming statistics' entry points.
 
 `featurize` checks memory, estimates the basis, finds the data's spans (mhla_cli.statistics.spans), runs the
-one reduction `reduce_span` serially or over workers (mhla_cli.statistics.parallel), and ends in the
+one accumulation `accumulate_range` serially or over workers (mhla_cli.statistics.parallel), and ends in the
 whitening of all the data read (mhla_cli.statistics.basis). The jobs live in their own modules: per-chunk
 kernels (kernels), the accumulator (accumulate), chunk sizing and the span passes (spans), shards
 (shards); their names used elsewhere are re-exported here.
@@ -20,6 +20,7 @@ from . import basis as basis_mod
 from ..linalg import device as device_mod
 from ..io import formats
 from . import parallel
+from . import ranges as ranges_mod
 from . import spans as spans_mod
 from . import structure as structure_mod
 from . import zarr_store
@@ -29,9 +30,9 @@ from ..linalg.memory import check_floor, check_memory, solve_need_of
 from ..samples import check_attention
 from .accumulate import MIN_THREADED_WIDTH, _basis_option, chunk_features
 from ..kernels import position_numbers, prefix_moments, sequence_moments
-from .shards import shard_range, shard_span, work_spans
-from .spans import (_block, check_spans, default_chunk_size, device_pass_bytes, estimate_basis, featurize_need,
-                    find_spans, reduce_span, reduce_spans)
+from .shards import shard_range, shard_samples, work_ranges
+from .ranges import default_chunk_size, device_pass_bytes, estimate_basis, featurize_need, accumulate_range, accumulate_ranges
+from .spans import _block, check_spans, find_spans
 from .affine_sums import WideSource
 from .features import Features, check_overflow
 from ..io.tokens import TokensInfo, inspect_tokens, read_as, require_square, with_bias_terms
@@ -39,8 +40,8 @@ from ..io.tokens import TokensInfo, inspect_tokens, read_as, require_square, wit
 __all__ = ["Features", "MIN_THREADED_WIDTH", "check_solve_memory", "check_spans", "chunk_features",
            "default_chunk_size", "device_pass_bytes", "estimate_basis", "featurize", "featurize_need",
            "check_affine_of", "check_attention_of", "check_bias_terms_of", "find_spans", "tokens_info",
-           "load_features", "position_numbers", "prefix_moments", "reduce_span", "reduce_spans",
-           "sequence_moments", "shard_range", "shard_span", "solve_need", "work_spans"]
+           "load_features", "position_numbers", "prefix_moments", "accumulate_range", "accumulate_ranges",
+           "sequence_moments", "shard_range", "shard_samples", "solve_need", "work_ranges"]
 
 
 def featurize(path: str | os.PathLike, chunk_size: int | None = None,
@@ -55,7 +56,7 @@ def featurize(path: str | os.PathLike, chunk_size: int | None = None,
 
     `shard=(i, M)` restricts to the i-th (0-based) of M contiguous sample ranges. Parallelism:
     `workers=K` (a local pool, see mhla_cli.statistics.parallel), `scheduler` (a Dask address, or "local" /
-    "local:K"), or any `map` (builtin map, a pool's map, ...) over the spans; all call `reduce_span`.
+    "local:K"), or any `map` (builtin map, a pool's map, ...) over the sample ranges; all call `accumulate_range`.
     Per-position data (targets (T, d) or weights per position): every position with weight > 0 is a
     sample, read with `attention` (mhla_cli.samples): "causal" (S of the prefix X[:t]) or
     "bidirectional" (S of the whole window); None: as the file's `attention` attribute says, causal
@@ -63,7 +64,7 @@ def featurize(path: str | os.PathLike, chunk_size: int | None = None,
     divides S by its number of tokens.
 
     The basis: the pass accumulates in an estimate (`basis` "auto": `estimate_basis`, from the whole
-    file whatever the shard, or for the whole file where `spans.exact_basis` says so the whitening of
+    file whatever the shard, or for the whole file where `ranges.exact_basis` says so the whitening of
     every token itself; a (d, d) array; None / "identity": the tokens' own coordinates), which
     is then checked against the token Gram of all the data read (of the shard, for a shard): the
     sums are changed exactly to its whitening when that change is well conditioned
@@ -93,8 +94,8 @@ def featurize(path: str | os.PathLike, chunk_size: int | None = None,
     if serial and whole:
         check_memory(info.d, path=path, need=featurize_need(info, chunk_size), what="featurize")
     A = _basis_option(basis, info.d, path)
-    lo, hi = shard_span(info.n_samples, shard, path)
-    A = spans_mod.estimate_basis(info, (lo, hi) if shard is None else None) if A is None else A
+    lo, hi = shard_samples(info.n_samples, shard, path)
+    A = ranges_mod.estimate_basis(info, (lo, hi) if shard is None else None) if A is None else A
     size = chunk_size or default_chunk_size(info, 0 if wide is None else wide.width)
     # the data's spans (a cheap pass; none spent when the basis sample already fills psi)
     found, A, span_passes = find_spans(info, A, (lo, hi), size, normalize, spans)
@@ -103,7 +104,7 @@ def featurize(path: str | os.PathLike, chunk_size: int | None = None,
         _check_serial_memory(info, path, chunk_size, size, _block(found), device, host=not whole)
 
         def run(A: np.ndarray) -> Features:
-            return spans_mod.reduce_span(info, (lo, hi), size, progress=progress, normalize=normalize, basis=A,
+            return ranges_mod.accumulate_range(info, (lo, hi), size, progress=progress, normalize=normalize, basis=A,
                                          finalize=False, spans=spans_in(A), device=device, wide=wide)
         feats = _in_whitening(run, A)
     else:
@@ -111,10 +112,10 @@ def featurize(path: str | os.PathLike, chunk_size: int | None = None,
             _check_workers_memory(info, path, chunk_size, size, pmap.local_copies, _block(found), device)
             # workers (possibly on other hosts) open the file themselves: give them an absolute path
             winfo = replace(info, path=os.path.abspath(info.path))
-            spans_ = work_spans(lo, hi, size, pmap.n_workers)
+            sample_ranges = work_ranges(lo, hi, size, pmap.n_workers)
 
             def run(A: np.ndarray) -> Features:
-                return reduce_spans(winfo, spans_, map=pmap, chunk_size=size, progress=progress,
+                return accumulate_ranges(winfo, sample_ranges, map=pmap, chunk_size=size, progress=progress,
                                     normalize=normalize, basis=A, finalize=False, spans=spans_in(A),
                                     device=device, wide=_absolute(wide))
             feats = _in_whitening(run, A)
@@ -173,10 +174,10 @@ def _check_workers_memory(info: TokensInfo, path: str | os.PathLike, chunk_size:
         f"featurize ({copies} workers)", path)
 
 
-def _finished(feats: Features, info: TokensInfo, path: str | os.PathLike, span: tuple[int, int],
+def _finished(feats: Features, info: TokensInfo, path: str | os.PathLike, sample_range: tuple[int, int],
               shard: tuple[int, int] | None) -> Features:
     """The pass's statistics finalized and checked, with their sample range, token dtype and source."""
-    lo, hi = span
+    lo, hi = sample_range
     if feats.n_samples == 0:
         raise InputError(f"every weight of samples {lo}..{hi} is 0: there is no sample to learn from", path)
     feats.finalize()

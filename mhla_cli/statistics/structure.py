@@ -55,7 +55,7 @@ class Structure:
         return self.a * self.b
 
     @property
-    def reduced(self) -> bool:
+    def on_spans(self) -> bool:
         return self.n < self.n_full
 
     @property
@@ -145,7 +145,7 @@ def from_traces(tp: np.ndarray, tl: np.ndarray, margin: float = 1.0) -> Structur
 
     A direction is dropped when its partial-trace energy is at most psi eps lambda_max(lam) (bounded
     below by lambda_max(Tr) / (number of blocks summed)), the certificate's numerical tolerance
-    (solve.numerical_tolerance): the features it spans have Rayleigh quotients the certificate already
+    (numerics.numerical_tolerance): the features it spans have Rayleigh quotients the certificate already
     counts as zero, so dropping them changes no verdict. Exact nulls sit ~q times below that cut.
     `margin` multiplies the cut (a probe of part of the data asks for room: spans.SPANS_PROBE_MARGIN).
     """

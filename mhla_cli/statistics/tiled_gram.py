@@ -3,21 +3,21 @@
 `accumulate(path, client)` is the cluster's featurize (BACKGROUND.md, "A Gram on a cluster"):
 
 1. the canonical whitening first: the d x d token Gram of the data, summed on the workers by the one
-   chunk reduction of mhla (spans.reduce_spans over parallel.DaskMap, accumulating a block of zero
+   chunk reduction of mhla (ranges.accumulate_ranges over parallel.DaskMap, accumulating a block of zero
    features: only the token Grams, counts and weight totals), A = its whitening (basis.whitening, not
    rounded); then the same sums in basis A (and every sum the record holds but the Gram: the
    targets' Gram and sum), until A is the whitening of the data to basis.correction's tolerance
    (the first pass already is, but for data whose directions float64 hardly resolves);
 2. the tiles of the canonical Gram sum_i w_i Ht_i Ht_i^T: tile (I, J) holds the features of the
    pair block I times those of J (every token coordinate l: a tile is |I| d x |J| d, `tile_pairs`),
-   and each task reads its share of the tokens file itself (`_tile_part`: a span of samples, its
+   and each task reads its share of the tokens file itself (`_tile_part`: a range of samples, its
    chunks read by io.tokens.iter_chunks and turned into the samples' rows by kernels.sample_rows on
    X A), computing only the distinct entries of the symmetric form (linalg.symgram: the Gram is
    symmetric in the pairs (a, b) and in the token coordinates (l, m) separately): on a diagonal tile
    the K = U^T V of symgram.SymGram (which also gives the tile rows' moments), elsewhere
    K_IJ[(a, b), (l <= m)] = sum_i w_i s_ia s_ib x_il x_im for every a in I, b in J, one GEMM per
    panel of U; each tile is expanded from its K on the worker. Only the lower tiles (I >= J) exist;
-   the parts of a tile from different spans are summed pairwise on the workers.
+   the parts of a tile from different sample ranges are summed pairwise on the workers.
 
 The client receives the d x d sums, the moments (psi x d) and nothing of the Gram; the tiles are
 futures of a mhla_cli.linalg.tiled_matrix.TiledMatrix. Every sample layout (mhla_cli.samples: last
@@ -47,10 +47,10 @@ from ..linalg import symgram
 from ..linalg.memory import check_floor
 from ..linalg.tiled_matrix import TiledMatrix
 from .features import Features
-from .shards import shard_span, work_spans
-from .spans import default_chunk_size, reduce_spans
+from .shards import shard_samples, work_ranges
+from .ranges import default_chunk_size, accumulate_ranges
 
-__all__ = ["BASIS_PASSES", "BASIS_SPANS", "TILE_BYTES", "TiledStatistics", "accumulate", "tile_pairs"]
+__all__ = ["BASIS_PASSES", "BASIS_RANGES", "TILE_BYTES", "TiledStatistics", "accumulate", "tile_pairs"]
 
 # The tiles' size: about this many bytes each (float64), i.e. about 2048 features a side. A task holds
 # a few tiles (a tile, its distinct entries K and, in the Cholesky, up to four tiles) and one chunk's rows.
@@ -59,10 +59,10 @@ TILE_BYTES = 32 * 2**20
 # accumulated (`accumulate`): the first whitening is exact to rounding; a second is for data whose
 # token Gram float64 hardly resolves.
 BASIS_PASSES = 3
-# The whole-file passes that find the basis are cut into this many spans (at most; one chunk at least
+# The whole-file passes that find the basis are cut into this many sample ranges (at most; one chunk at least
 # each) whatever the cluster's size, so that the basis, summed in a fixed order, is the same bit for bit
 # on every cluster and for every shard of one file (their tiles then add: zarr_store.sum_stores).
-BASIS_SPANS = 64
+BASIS_RANGES = 64
 # Bytes of one panel of U (the pair products s_a s_b of an off-diagonal tile, for a chunk's rows).
 PANEL_BYTES = 32 * 2**20
 
@@ -108,7 +108,7 @@ class TiledStatistics:
 
 
 def _zero_block(d: int) -> tuple[np.ndarray, np.ndarray]:
-    """Spans of zero width (statistics.spans.reduce_span): the pass accumulates no feature, only the
+    """Spans of zero width (statistics.ranges.accumulate_range): the pass accumulates no feature, only the
     token Grams, the targets' Gram and sum, the counts and the weight totals."""
     return np.zeros((d * (d + 1) // 2, 0)), np.zeros((d, 0))
 
@@ -132,13 +132,13 @@ def accumulate(path: str | os.PathLike, client: Any, chunk_size: int | None = No
         info = with_bias_terms(info)
     check_floor(info.d, path, "featurize")
     require_square(info, "featurize")
-    lo, hi = shard_span(info.n_samples, shard, path)
+    lo, hi = shard_samples(info.n_samples, shard, path)
     winfo = replace(info, path=os.path.abspath(info.path))  # the workers open the file themselves
     size = chunk_size or default_chunk_size(info)
     stamp = _stamp(winfo.path)
     with parallel.make_map(scheduler=client) as pmap:
-        def small(A: np.ndarray | None, span: tuple[int, int]) -> Features:
-            return reduce_spans(winfo, work_spans(*span, size, BASIS_SPANS, per_worker=1), map=pmap,
+        def small(A: np.ndarray | None, sample_range: tuple[int, int]) -> Features:
+            return accumulate_ranges(winfo, work_ranges(*sample_range, size, BASIS_RANGES, per_worker=1), map=pmap,
                                 chunk_size=size, normalize=normalize, basis=A, finalize=False,
                                 spans=_zero_block(info.d))
         whole = small(None, (0, info.n_samples))
@@ -161,7 +161,7 @@ def accumulate(path: str | os.PathLike, client: Any, chunk_size: int | None = No
     return TiledStatistics(_record(sums, info, path, (lo, hi), shard, A, moments, passes, cond), matrix, pairs)
 
 
-def _record(part: Features, info: TokensInfo, path: str | os.PathLike, span: tuple[int, int],
+def _record(part: Features, info: TokensInfo, path: str | os.PathLike, sample_range: tuple[int, int],
             shard: tuple[int, int] | None, A: np.ndarray, moments: np.ndarray | None, passes: int,
             cond: float) -> Features:
     """The Features record of the sums (no Gram), with the provenance of a features file."""
@@ -174,7 +174,7 @@ def _record(part: Features, info: TokensInfo, path: str | os.PathLike, span: tup
                              "rescale the data", path)
     feats = Features(d=d, n_samples=part.n_samples, n_tokens=part.n_tokens, gram=None, token_gram=part.token_gram,
                      last_token_gram=part.last_token_gram, moments=own, target_gram=part.target_gram,
-                     token_dtype=info.dtype, sample_range=span, basis=np.array(A),
+                     token_dtype=info.dtype, sample_range=sample_range, basis=np.array(A),
                      basis_moments=moments, basis_token_gram=part.basis_token_gram,
                      basis_last_token_gram=part.basis_last_token_gram, samples=part.samples,
                      normalize=part.normalize, n_sequences=part.n_sequences, target_sum=part.target_sum,
@@ -186,10 +186,10 @@ def _record(part: Features, info: TokensInfo, path: str | os.PathLike, span: tup
     return feats
 
 
-def _tiles(client: Any, info: TokensInfo, span: tuple[int, int], A: np.ndarray, size: int, normalize: str,
+def _tiles(client: Any, info: TokensInfo, sample_range: tuple[int, int], A: np.ndarray, size: int, normalize: str,
            stamp: tuple[int, int], tile_features: int | None, n_workers: int
            ) -> tuple[TiledMatrix, int, np.ndarray | None]:
-    """The lower tiles of the canonical Gram of samples `span` (futures, summed over the spans on the
+    """The lower tiles of the canonical Gram of samples `sample_range` (futures, summed over the sample ranges on the
     workers) and the canonical moments (gathered: psi x d)."""
     d = info.d
     q = d * (d + 1) // 2
@@ -197,7 +197,7 @@ def _tiles(client: Any, info: TokensInfo, span: tuple[int, int], A: np.ndarray, 
     nb = q // k
     n_tiles = nb * (nb + 1) // 2
     # the data in one part per tile when the tiles give every worker a few tasks; in more when they are few
-    spans = work_spans(*span, size, max(1, math.ceil(2 * n_workers / n_tiles)), per_worker=1)
+    ranges = work_ranges(*sample_range, size, max(1, math.ceil(2 * n_workers / n_tiles)), per_worker=1)
     # A (d x d) travels inside every task (not scattered): a task lost with its worker runs again from its spec
     A = np.ascontiguousarray(A)
     tiles: dict[tuple[int, int], Any] = {}
@@ -207,7 +207,7 @@ def _tiles(client: Any, info: TokensInfo, span: tuple[int, int], A: np.ndarray, 
         for j in range(i + 1):
             parts = [client.submit(_tile_part, info, s, A, (i * k, (i + 1) * k), (j * k, (j + 1) * k), size,
                                    normalize, stamp, key=f"mhla-tile-{i}-{j}-{n}-{_token()}", pure=False)
-                     for n, s in enumerate(spans)]
+                     for n, s in enumerate(ranges)]
             tasks += len(parts)
             while len(parts) > 1:  # pairwise sums on the workers: a task holds two parts
                 nxt = [client.submit(_add_parts, a, b, key=f"mhla-tile-sum-{i}-{j}-{_token()}", pure=False)
@@ -262,9 +262,9 @@ def _rows(tokens: np.ndarray, offsets: np.ndarray, targets: np.ndarray | None, w
     return np.ascontiguousarray(upper.T), np.ascontiguousarray(V), rows
 
 
-def _tile_part(info: TokensInfo, span: tuple[int, int], A: np.ndarray, rows_i: tuple[int, int],
+def _tile_part(info: TokensInfo, sample_range: tuple[int, int], A: np.ndarray, rows_i: tuple[int, int],
                rows_j: tuple[int, int], chunk_size: int, normalize: str, stamp: tuple[int, int]) -> Any:
-    """The part of samples `span` of the tile (pair block rows_i x pair block rows_j): on a diagonal tile
+    """The part of samples `sample_range` of the tile (pair block rows_i x pair block rows_j): on a diagonal tile
     the symgram.SymGram of the block (K, the moments, the targets' Gram); elsewhere K_IJ (module docstring).
     The tokens file is read here, chunk by chunk."""
     if _stamp(info.path) != stamp:
@@ -275,7 +275,7 @@ def _tile_part(info: TokensInfo, span: tuple[int, int], A: np.ndarray, rows_i: t
     diagonal = rows_i == rows_j
     part: Any = symgram.SymGram(a1 - a0, d, info.out_dim if info.has_targets else 0) if diagonal else \
         np.zeros(((a1 - a0) * (b1 - b0), d * (d + 1) // 2))
-    for _, _, tokens, offsets, targets, weights in iter_chunks(info, span, chunk_size, with_weights=True):
+    for _, _, tokens, offsets, targets, weights in iter_chunks(info, sample_range, chunk_size, with_weights=True):
         s_t, V, rows = _rows(tokens, offsets, targets if info.has_targets else None, weights, A, info, normalize)
         if rows.n_rows == 0:
             continue
@@ -303,7 +303,7 @@ def _tile_part(info: TokensInfo, span: tuple[int, int], A: np.ndarray, rows_i: t
 
 
 def _add_parts(a: Any, b: Any) -> Any:
-    """The sum of two parts of one tile (from disjoint spans of samples)."""
+    """The sum of two parts of one tile (from disjoint sample ranges)."""
     if a[0] == "diagonal":
         return ("diagonal", a[1] + b[1], None if a[2] is None else a[2] + b[2], a[3])
     return ("off", a[1] + b[1], a[2], a[3])

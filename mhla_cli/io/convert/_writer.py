@@ -51,7 +51,7 @@ def _plan(f: h5py.File, info: tokens_mod.TokensInfo, rows: int, chunk_size: int 
     if info.layout == "dense":
         n = int(info.seq_len)
         step = chunk_size or max(1, rows // n)
-        for a, b in tokens_mod.spans(0, N, step):
+        for a, b in tokens_mod.chunk_ranges(0, N, step):
             yield a, b, np.arange(a, b + 1, dtype=np.int64) * n
         return
     for s in range(0, N, _OFFSET_BLOCK):
@@ -112,7 +112,7 @@ def _write(out: str | os.PathLike, sources: list[_Source], inputs: tuple[str | o
                 f.create_dataset(s.name, shape=s.shape, dtype=s.dtype)
             if "offsets" in src and src["offsets"].shape:
                 off = src["offsets"]
-                for a, b in tokens_mod.spans(0, off.shape[0], _OFFSET_BLOCK):
+                for a, b in tokens_mod.chunk_ranges(0, off.shape[0], _OFFSET_BLOCK):
                     f["offsets"][a:b] = off.read(a, b)
         try:
             info = tokens_mod.inspect_tokens(tmp)  # the reader's own checks of shapes and offsets

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 from typing import Any
 
-# The package's modules, one job each; every name the single-module lowrank.py defined is re-exported
-# here, so `lowrank.<name>` and `from mhla_cli.solve.lowrank import <name>` keep working.
+# The package's modules, one job each; their public names are re-exported here, so that callers use
+# `lowrank.<name>` or `from mhla_cli.solve.lowrank import <name>` whichever module defines it.
 from ...errors import InputError
 from ...feature_map import n_features, pair_index
 from ...model.heads import Heads, W_from_p, heads_from_W, p_from_W
@@ -52,7 +52,7 @@ __all__ = [
 def fit_model(feats: Features, heads: int | str | None = None, nuclear: float | str | None = None,
               weight_decay: float = 0.0, restarts: int = 10, seed: int = 0,
               folds: list[Features] | None = None) -> Any:
-    """A factorised (`heads`) or nuclear-norm (`nuclear`) fit as a solve.Model; 'auto' picks by K-fold CV.
+    """A factorised (`heads`) or nuclear-norm (`nuclear`) fit as a model.Model; 'auto' picks by K-fold CV.
 
     The fits run on the statistics of the whitened tokens X A (A the canonical basis of the least-squares
     fit; `_whitened`), so that they do not inherit the conditioning of the tokens' units, and the model

@@ -57,7 +57,7 @@ def _normal_parts(feats: Features, Vm: np.ndarray, Qm: np.ndarray, Rp: np.ndarra
     d = int(round(np.sqrt(dd)))
     npair = d * (d + 1) // 2
     psi = npair * d
-    c = 2.0 / feats.weight  # sum w (stats.Features): the mean loss
+    c = 2.0 / feats.weight  # sum w (Features.weight): the mean loss
     P, R = _structure(Vm, Qm)
     Rf = R.transpose(1, 2, 0, 3).reshape(psi, H * d)  # rows (i, l), cols (h, j')
     GR = (feats.gram @ Rf).reshape(npair, d, H, d)  # [i', l', h, j]

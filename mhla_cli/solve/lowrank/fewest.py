@@ -27,7 +27,7 @@ class _Metric:
 
     gram: np.ndarray
     n_samples: int
-    weight: float  # sum w, the normaliser of the loss (stats.Features.weight)
+    weight: float  # sum w, the normaliser of the loss (Features.weight)
 
 
 def polish_heads(coef: np.ndarray, Vm: np.ndarray, Qm: np.ndarray, tol: float = 1e-13,

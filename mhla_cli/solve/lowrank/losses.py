@@ -10,12 +10,12 @@ from ...statistics.stream import Features
 
 
 def sse(feats: Features, coef: np.ndarray) -> float:
-    """sum_i ||p H_i - y_i||^2 from the statistics (solve.train_mse, the one training error)."""
+    """sum_i ||p H_i - y_i||^2 from the statistics (solve.lstsq.train_mse, the one training error)."""
     return train_mse(feats, coef)[0] * feats.weight * feats.n_outputs
 
 
 def mse(feats: Features, coef: np.ndarray) -> float:
-    """Mean squared error per output, sum_i ||p H_i - y_i||^2 / (N d) (solve.train_mse)."""
+    """Mean squared error per output, sum_i ||p H_i - y_i||^2 / (N d) (solve.lstsq.train_mse)."""
     return train_mse(feats, coef)[0]
 
 

@@ -53,7 +53,7 @@ def fit_nuclear(feats: Features, lam: float, max_iter: int = 5000, tol: float = 
     if lam < 0 or not np.isfinite(lam):
         raise InputError(f"the nuclear-norm weight must be a finite number >= 0, got {lam}")
     d = feats.d
-    N = feats.weight  # sum w (stats.Features): the mean loss
+    N = feats.weight  # sum w (Features.weight): the mean loss
     G, Mt = feats.gram, feats.moments.T
     L = _lipschitz(G, d) * 2.0 / N
     W = np.zeros((d * d, d * d)) if W0 is None else np.array(W0, dtype=np.float64)
