@@ -422,6 +422,36 @@ def _hash_dataset(h: Any, ds: h5py.Dataset, full: bool) -> None:
 FOREIGN_SUFFIXES = (".npz", ".safetensors")
 
 
+def _reduction_identity(dsets: Mapping[str, h5py.Dataset]) -> dict[str, Any] | None:
+    """{"maps": fingerprint, "dim": d} of the maps `reduce_P` (and `reduce_U`) that `mhla reduce` records in its
+    output (None for a file without them): a SHA-256 (first 32 hex digits) of their shapes and float64 values, the
+    same for every file reduced with the same maps (`mhla reduce --like` copies them bit for bit), different for
+    another reduction."""
+    if "reduce_P" not in dsets:
+        return None
+    h = hashlib.sha256()
+    dim = None
+    for name in ("reduce_P", "reduce_U"):
+        if name in dsets:
+            a = np.ascontiguousarray(dsets[name][()], dtype="<f8")
+            h.update(f"{name}:{a.shape};".encode())
+            h.update(a.tobytes())
+            dim = int(a.shape[-1]) if a.ndim == 2 else dim
+    return {"maps": h.hexdigest()[:32], "dim": dim}
+
+
+def recorded_inputs(path: str | os.PathLike) -> list[dict[str, Any]]:
+    """The inputs an mhla file records in its provenance (`mhla_inputs`: path, name, size, fingerprint of each);
+    [] when it records none or cannot be read."""
+    try:
+        with open_input(path) as f:
+            raw = f.attrs.get("mhla_inputs", "[]")
+        out = json.loads(raw.decode() if isinstance(raw, bytes) else str(raw))
+    except (InputError, OSError, ValueError):
+        return []
+    return [i for i in out if isinstance(i, dict)] if isinstance(out, list) else []
+
+
 def source_identity(path: str | os.PathLike, full: bool | None = None) -> dict[str, Any]:
     """Name, size and content fingerprint of an input file, for provenance.
 
@@ -431,6 +461,7 @@ def source_identity(path: str | os.PathLike, full: bool | None = None) -> dict[s
     gives the same fingerprint). Files with more than
     FULL_FINGERPRINT_BYTES of data are fingerprinted over their shapes, every offset and a fixed
     sample of row blocks (`fingerprint_scope` says which); `full=True` forces a hash of everything.
+    A file written by `mhla reduce` also gets `reduction`, the fingerprint of its maps (`_reduction_identity`).
     """
     p = Path(path)
     try:
@@ -459,6 +490,7 @@ def source_identity(path: str | os.PathLike, full: bool | None = None) -> dict[s
     with open_input(p) as f:
         dsets = {k: v for k, v in f.items() if isinstance(v, h5py.Dataset)}
         total = sum(int(ds.size) * ds.dtype.itemsize for ds in dsets.values())
+        reduction = _reduction_identity(dsets)
         whole = bool(full) if full is not None else total <= FULL_FINGERPRINT_BYTES
         for k in sorted(f.attrs.keys()):
             if not k.startswith("mhla_"):  # format and provenance metadata are not data
@@ -470,6 +502,8 @@ def source_identity(path: str | os.PathLike, full: bool | None = None) -> dict[s
             _hash_dataset(h, ds, whole or name == "offsets")
     ident = {"path": str(p), "name": p.name, "size": st.st_size, "fingerprint": h.hexdigest()[:32],
              "fingerprint_scope": "all data" if whole else "shapes, offsets and sampled rows"}
+    if reduction is not None:
+        ident["reduction"] = reduction
     _identity_cache[key] = ident
     return dict(ident)
 

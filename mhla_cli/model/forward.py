@@ -60,13 +60,33 @@ def forward_heads(V: np.ndarray, Q: np.ndarray, X: np.ndarray, all_positions: bo
 
 
 class HeadsFn(tuple):
-    """Heads (V (H, d_out, d), Q (H, d, d)) evaluated directly, sum_h V_h S Q_h x (O(H d^2) per
+    """Heads (V (H, r_out, r), Q (H, r, r), P, U) evaluated directly, sum_h V_h S Q_h x (O(H r^2) per
     sequence after S), instead of through coef (d_out, psi): for heads whose outputs have another
-    width than the tokens (mhla export-heads --unreduce), or whose coef would not fit (`direct`)."""
+    width than the tokens, whose coef would not fit (`direct`), or factored heads (mhla export-heads
+    --unreduce): P (d, r) and U (d_out, r_out) their maps (None for the others), the tokens taken to x~ = X P
+    and the outputs back to y~ U^T, so that the heads work in r dimensions whatever d."""
+
+    def __new__(cls, V: np.ndarray, Q: np.ndarray, P: np.ndarray | None = None,
+                U: np.ndarray | None = None) -> HeadsFn:
+        return super().__new__(cls, (V, Q, P, U))
+
+    def __getnewargs__(self) -> tuple[Any, ...]:  # pickled to process workers as the four arrays
+        return tuple(self)
 
     @property
     def shape(self) -> tuple[int, int]:  # (outputs, tokens) widths, like coef's (d, psi) first axis
-        return int(self[0].shape[1]), int(self[0].shape[2])
+        V, Q, P, U = self
+        return int(V.shape[1] if U is None else U.shape[0]), int(Q.shape[1] if P is None else P.shape[0])
+
+    def reduce(self, tokens: np.ndarray) -> np.ndarray:
+        """The tokens the heads themselves take: X P of factored heads, X otherwise."""
+        P = self[2]
+        return tokens if P is None else np.asarray(tokens, dtype=np.float64) @ P
+
+    def back(self, out: np.ndarray) -> np.ndarray:
+        """The heads' outputs in the function's coordinates: y~ U^T of factored heads, y~ otherwise."""
+        U = self[3]
+        return out if U is None else out @ U.T
 
 
 # Heads whose coef (d_out, psi) would exceed this are evaluated directly (HeadsFn).
@@ -76,13 +96,16 @@ DIRECT_CHUNK_BYTES = 32 << 20
 
 
 def direct(fn: Model | Heads | np.ndarray) -> HeadsFn | None:
-    """`fn` as a HeadsFn when it is heads that are rectangular (d_out != d) or too wide for a coef."""
+    """`fn` as a HeadsFn when it is heads that are factored, rectangular (d_out != d) or too wide for a coef."""
     if not isinstance(fn, Heads):
         return None
     V, Q = (np.asarray(a, dtype=np.float64) for a in fn.augmented())  # with bias terms: of the tokens (x, 1)
+    maps = fn.augmented_maps()
+    if maps is not None:
+        return HeadsFn(V, Q, *maps)
     d_out, d = V.shape[1], Q.shape[1]
     if fn.bias_terms or d_out != d or 8 * d_out * (d * d * (d + 1) // 2) > DIRECT_COEF_BYTES:
-        return HeadsFn((V, Q))
+        return HeadsFn(V, Q)
     return None
 
 
@@ -132,13 +155,15 @@ def _chunk_moments(tokens: np.ndarray, offsets: np.ndarray, d: int, normalize: s
 def heads_chunk(fn: HeadsFn, tokens: np.ndarray, offsets: np.ndarray, all_positions: bool = False,
                 normalize: str = "none") -> tuple[np.ndarray, np.ndarray | None]:
     """`predict_chunk` of heads evaluated directly: last-token outputs (B, d_out), every position's (t, d_out)."""
-    V, Q = fn
-    d = Q.shape[1]
-    S, last = _chunk_moments(tokens, offsets, d, normalize)
+    V, Q = fn[0], fn[1]
+    if tokens.shape[1] != in_width(fn):
+        raise InputError(f"the model has d = {in_width(fn)} but the data have d = {tokens.shape[1]}")
+    Z = fn.reduce(tokens)
+    S, last = _chunk_moments(Z, offsets, Q.shape[1], normalize)
     # sum_h V_h (S (Q_h x)): per head, matrix-vector products
     qx = np.einsum("hcl,bl->bhc", Q, last, optimize=True)
     sqx = np.einsum("bjc,bhc->bhj", S, qx, optimize=True)
-    pred = np.einsum("haj,bhj->ba", V, sqx, optimize=True)
+    pred = fn.back(np.einsum("haj,bhj->ba", V, sqx, optimize=True))
     outputs = sample_outputs(fn, tokens, offsets, BIDIRECTIONAL, normalize) if all_positions else None
     return pred, outputs
 
@@ -184,17 +209,19 @@ def sample_outputs(coef: np.ndarray | HeadsFn, tokens: np.ndarray, offsets: np.n
     else:
         from ..linalg.symgram import pair_positions
 
-        V, Q = coef
-        full = pair_positions(d)  # S[j, k] from its upper entries
+        V, Q = coef[0], coef[1]
+        full = pair_positions(Q.shape[1])  # S[j, k] from its upper entries (of the reduced tokens: factored heads)
     outs = []
     for s, e in _blocks(offsets):
         r0, r1 = int(offsets[s]), int(offsets[e])
-        q = samples.queries(tokens[r0:r1], offsets[s:e + 1] - r0, normalize)
-        if heads:  # sum_h V_h (S (Q_h x)) row by row: no (rows, d_out, d) array
+        if heads:  # sum_h V_h (S (Q_h x)) row by row: no (rows, d_out, d) array; factored: of x~ = P^T x, then U
+            q = samples.queries(coef.reduce(tokens[r0:r1]), offsets[s:e + 1] - r0, normalize)
             S = q.sample_upper()[:, full]
             qx = np.einsum("hcl,rl->rhc", Q, q.x, optimize=True)
-            outs.append(np.einsum("haj,rhj->ra", V, np.einsum("rjc,rhc->rhj", S, qx, optimize=True), optimize=True))
+            outs.append(coef.back(np.einsum("haj,rhj->ra", V, np.einsum("rjc,rhc->rhj", S, qx, optimize=True),
+                                            optimize=True)))
         else:
+            q = samples.queries(tokens[r0:r1], offsets[s:e + 1] - r0, normalize)
             M = (q.upper @ P).reshape(-1, d_out, d)
             outs.append(np.einsum("tal,tl->ta", M if q.group is None else M[q.group], q.x))
         if progress is not None:
@@ -446,8 +473,13 @@ def _predict_chunk_size(coef: np.ndarray | HeadsFn, info: TokensInfo, chunk_size
     if chunk_size:
         return chunk_size
     if isinstance(coef, HeadsFn):
+        # per sequence: its S (r, r) and reduced tokens (r each), its tokens as read and its outputs (factored
+        # heads: the wide tokens, the reduced ones and the outputs of both widths)
         mean_len = max(1.0, info.n_tokens / info.n_samples)
-        return int(max(1, min(info.n_samples, DIRECT_CHUNK_BYTES // (8 * info.d * (info.d + mean_len)))))
+        r, r_out = int(coef[1].shape[1]), int(coef[0].shape[1])
+        wide = 0 if coef[2] is None else in_width(coef) + out_width(coef)
+        per_seq = 8 * (r * (r + mean_len) + mean_len * (r_out + wide))
+        return int(max(1, min(info.n_samples, DIRECT_CHUNK_BYTES // per_seq)))
     return default_chunk_size(info)
 
 
