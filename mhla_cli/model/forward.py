@@ -451,6 +451,9 @@ class Predictions:
     mse: float | None = None
     r2: float | None = None  # None also when the scored targets do not vary (mhla_cli.model.scores)
     n_scored: int | None = None  # None: no targets scored (and no mse / r2)
+    # what was scored: "sequences" (last-token targets), or the per-position targets as "causal" (every prefix's
+    # output) or "bidirectional" (every position's with the whole window's S); None with n_scored
+    scored_as: str | None = None
 
     def __repr__(self) -> str:
         score = "" if self.n_scored is None else f", mse={self.mse:.4g}, r2={self.r2}, n_scored={self.n_scored}"
@@ -463,7 +466,7 @@ class Predictions:
         if self.outputs is not None:
             out["outputs"], out["offsets"] = self.outputs, self.offsets
         if self.n_scored is not None:
-            out.update(mse=self.mse, r2=self.r2, n_scored=self.n_scored)
+            out.update(mse=self.mse, r2=self.r2, n_scored=self.n_scored, scored_as=self.scored_as)
         return out
 
 
@@ -576,11 +579,14 @@ def predict_file(fn: Model | Heads, data: str | os.PathLike, out: str | os.PathL
     on bidirectional samples (its `attention`, `fitted_samples`) writes `outputs` at every position
     with the whole window's S and scores them the same way (`causal` is then refused, and so are data
     whose `attention` attribute says causal); `all_positions` writes those outputs for any model
-    (a model's own layout's, for a layout that `predicts_every_position`, mhla_cli.samples).
+    (a model's own layout's, for a layout that `predicts_every_position`, mhla_cli.samples) and scores
+    them against per-position targets of an encoder's windows (the file's `attention` bidirectional, or
+    no attribute), not against those marked causal (every prefix's output: `causal` scores them).
     Last-token targets with `weights` (N,) give the same weighted MSE with or without `causal`:
     sum_i w_i ||yhat_i - y_i||^2 / (d sum_i w_i) (fit's train_mse), `n_scored` = #{i: w_i > 0};
-    weight-0 sequences are predicted but not scored. Without `causal`, per-position targets give no
-    MSE (the predictions are per sequence; use `causal` to score every weighted position).
+    weight-0 sequences are predicted but not scored. Per-position targets of a last-token (or causal) model
+    without `causal` or `all_positions` give no MSE (the predictions are per sequence). `scored_as` says
+    what was scored.
     `device` (mhla_cli.linalg.device): the last-token predictions on a torch device (float64).
     A function with the token-wise affine map of the wide tokens (mhla_cli.solve.affine_block) reads them from
     `affine_from`, the tokens file `mhla reduce` read to make `data` (checked), or from `data` itself when its
@@ -602,9 +608,14 @@ def predict_file(fn: Model | Heads, data: str | os.PathLike, out: str | os.PathL
     # in the layout the model was fitted on
     samples = (CAUSAL if causal else BIDIRECTIONAL if all_positions and not fitted.predicts_every_position
                else fitted if fitted.predicts_every_position else None)
-    scored = causal or fitted.predicts_every_position  # per-position targets are scored against those outputs
-    if info.per_position and scored:
-        info = read_as(info, samples.attention)  # data marked with the other attention: refused
+    # per-position targets are scored against those outputs: always in the layout asked (--causal) or fitted on
+    # (data marked with the other attention: refused); with --all-positions when the targets are of an encoder's
+    # window (the file's attribute bidirectional, or none), not against a decoder's prefixes (attribute causal)
+    scored_as = None
+    if info.per_position and samples is not None and (
+            causal or fitted.predicts_every_position or info.attention in (None, samples.attention)):
+        scored_as = samples.attention
+        info = read_as(info, samples.attention)
     elif info.per_position:
         info = dataclasses.replace(info, has_targets=False)  # per-position targets: no per-sequence MSE
     if isinstance(coef, HeadsFn):
@@ -629,6 +640,7 @@ def predict_file(fn: Model | Heads, data: str | os.PathLike, out: str | os.PathL
         (pred, outs, offs), (count, spread) = run(None)
         result = Predictions(info.n_samples, d, normalize, predictions=pred, outputs=outs, offsets=offs)
     if info.has_targets:
+        result.scored_as = scored_as or "sequences"
         # weighted means over the scored samples' weights (sum w: units-free), the squares in the targets'
         # own scale (mhla_cli.model.scores.Spread: R^2 at any scale of the targets)
         result.mse = spread.mse(d)
