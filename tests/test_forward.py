@@ -360,7 +360,7 @@ def test_wide_square_heads_are_evaluated_directly_as_the_coef_would(monkeypatch:
     assert forward.direct(h) is None  # small: through the coef
     want, want_all = forward.predict_chunk(h.coef, X, off, all_positions=True)
     want_causal = forward.causal_chunk(h.coef, X, off)
-    monkeypatch.setattr(forward, "DIRECT_COEF_BYTES", 0)
+    monkeypatch.setattr(forward.evaluate, "DIRECT_COEF_BYTES", 0)
     fn = forward.direct(h)
     assert fn is not None
     got, got_all = forward.predict_chunk(fn, X, off, all_positions=True)
