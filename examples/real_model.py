@@ -39,7 +39,8 @@ of the same reduced data.
 
 Back into the transformer (the case with the best held-out R^2, or --replace-d / --replace-normalize):
 `mhla export-heads model.h5 -o heads384.h5 --unreduce train_d{d}.h5` writes the fitted heads in the
-model's coordinates (V = U V_h P^T: 32 x 384, Q = P Q_h P^T: 384 x 384); a forward hook then replaces
+model's coordinates, factored (the d x d heads and the maps P, U: the function of V = U V_h P^T: 32 x 384,
+Q = P Q_h P^T: 384 x 384, at the cost of the reduced heads); a forward hook then replaces
 the chosen head's output at every position by the MHLA's (all-positions output, the window's whole
 S, as BERT attends both ways), and the script reports on the held-out windows the mean cosine of the
 sentence embeddings (mean pooling, as sentence-transformers) to the original model's, beside the head

@@ -456,7 +456,7 @@ def test_filesystem_without_locks_falls_back(base: Base, monkeypatch: pytest.Mon
                               "error message = 'Function not implemented')")
         return real(name, mode, *args, **({} if locking is None else {"locking": locking}), **kwargs)
 
-    monkeypatch.setattr(formats.h5py, "File", no_flock)
+    monkeypatch.setattr(formats.reading.h5py, "File", no_flock)
     monkeypatch.delenv("HDF5_USE_FILE_LOCKING", raising=False)
     assert run(["certify", str(base.data), "-q"]) == 0
     assert False in calls
@@ -515,8 +515,8 @@ def test_fingerprint_identifies_the_data(base: Base, tmp_path: Path, monkeypatch
     assert formats.source_identity(same)["fingerprint"] == ref["fingerprint"]  # same data, other file
     assert formats.source_identity(changed)["fingerprint"] != ref["fingerprint"]
     # big files: shapes, all offsets and sampled rows (a cheap identity, not a full hash)
-    monkeypatch.setattr(formats, "FULL_FINGERPRINT_BYTES", 100)
-    monkeypatch.setattr(formats, "_BLOCK_BYTES", 64)
+    monkeypatch.setattr(formats.identity, "FULL_FINGERPRINT_BYTES", 100)
+    monkeypatch.setattr(formats.identity, "_BLOCK_BYTES", 64)
     big = formats.source_identity(same)
     assert big["fingerprint_scope"] == "shapes, offsets and sampled rows"
     t2 = base.tokens.copy()

@@ -254,15 +254,20 @@ def test_unreduced_heads_carry_their_bias_terms_to_the_wide_coordinates() -> Non
     P = np.linalg.qr(rng.standard_normal((D, d)))[0]
     U = np.linalg.qr(rng.standard_normal((D + 1, d)))[0]
     small = synthetic.random_teacher(d, H, rng, bias=True)
-    wide = unreduce_heads(small, Reduction(P, U))
-    assert wide.bias_terms and wide.d == D and wide.d_out == D + 1
+    factored = unreduce_heads(small, Reduction(P, U))
+    wide = factored.dense()  # the d x d matrices (H, D + 1, D), (H, D, D) and the bias terms mapped back
+    assert factored.factored and not wide.factored
+    assert wide.bias_terms and wide.d == D and wide.d_out == D + 1 and (factored.d, factored.d_out) == (D, D + 1)
+    assert wide.V.shape == (H, D + 1, D) and factored.V.shape == (H, d, d)
     X = rng.standard_normal((6, D))
+    got_all = predict(factored, X[None], all_positions=True)[1]  # the factored heads evaluated by mhla
     for t in range(6):
         got = ref.biased_heads_output(wide.V, wide.Q, wide.value_bias, wide.score_key, wide.score_query,
                                       wide.score_bias, X, t)
         want = U @ ref.biased_heads_output(small.V, small.Q, small.value_bias, small.score_key, small.score_query,
                                            small.score_bias, X @ P, t)
         assert relerr(got, want) < 1e-12
+        assert relerr(got_all[t], want) < 1e-12
 
 
 # --------------------------------------------------------------------------------------------

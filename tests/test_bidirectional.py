@@ -353,9 +353,11 @@ def test_the_option_the_attribute_and_the_default(tmp_path: Path, capsys: pytest
     err = capsys.readouterr().err
     assert "causal prefixes" in err and "by default" in err and "--attention bidirectional" in err
     assert Features.load(tmp_path / "c.h5").samples is CAUSAL
-    for cmd in (["fit", str(plain), "-o", str(tmp_path / "m.h5")], ["certify", str(plain)]):
+    for cmd in (["fit", str(plain), "-o", str(tmp_path / "m.h5")], ["certify", str(plain)],
+                ["featurize", str(plain), "-o", str(tmp_path / "q.h5"), "-q"], ["fit", str(plain), "-o",
+                                                                              str(tmp_path / "mq.h5"), "-q"]):
         run(cmd)
-        assert "by default" in capsys.readouterr().err, cmd
+        assert "warning" in (err := capsys.readouterr().err) and "by default" in err, cmd  # also with -q
     # an option that contradicts the attribute: exit 2, one line naming both
     for cmd in (["featurize", str(marked), "-o", str(tmp_path / "x.h5"), "--attention", "causal"],
                 ["fit", str(marked), "-o", str(tmp_path / "x.h5"), "--attention", "causal"],

@@ -333,7 +333,9 @@ def test_row5_unreduced_fewest_heads_predict_the_reduced_model(tmp_path: Path, s
         yw = f["predictions"][...]
     want = model_outputs(model, sequences(Xr, offsets)) @ U.T  # numpy: U times the reduced model
     heads = Heads.load(h)
-    _, bound = heads_outputs(heads.V, heads.Q, sequences(h5py.File(wide)["tokens"][...], offsets))
+    assert heads.factored  # the reduced heads and the maps P, U; their d x d matrices for the numpy reference
+    dense = heads.dense()
+    _, bound = heads_outputs(dense.V, dense.Q, sequences(h5py.File(wide)["tokens"][...], offsets))
     assert rms(yw - want) / rms(want) <= FEWEST_TOL + rms(bound) / rms(want)
 
 

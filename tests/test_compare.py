@@ -107,7 +107,7 @@ def test_rectangular_heads_compare_on_their_coef(wide: bool, monkeypatch: pytest
     b = Heads.from_arrays(a.V + 1e-3 * rng.standard_normal(a.V.shape), a.Q)
     if wide:
         monkeypatch.setattr(compare_mod, "DIRECT_COEF_BYTES", 0)
-        monkeypatch.setattr(forward, "DIRECT_COEF_BYTES", 0)
+        monkeypatch.setattr(forward.evaluate, "DIRECT_COEF_BYTES", 0)
     pa, pb = coef_of_heads(a.V, a.Q), coef_of_heads(b.V, b.Q)
     res = compare(a, b, tol=1e-6)
     assert res["distance"] == pytest.approx(float(np.linalg.norm(pa - pb)), rel=1e-6)

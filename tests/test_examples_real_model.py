@@ -63,8 +63,10 @@ def test_real_model_r2_is_numpy_least_squares(tmp_path, capsys):
     # back into the transformer: heads of the model's widths, the head replaced through a hook
     rep = printed["replaced"]
     assert rep["n_windows"] == 40 and rep["unreduce_max_rel_error"] <= 1e-10
-    with h5py.File(tmp_path / rep["heads_file"], "r") as f:
-        assert f["V"].shape[1:] == (32, 384) and f["Q"].shape[1:] == (384, 384)
+    with h5py.File(tmp_path / rep["heads_file"], "r") as f:  # factored: the reduced heads and the maps
+        assert f["V"].shape[1:] == (3, 3) and f["Q"].shape[1:] == (3, 3)
+        assert f["reduce_P"].shape == (384, 3) and f["reduce_U"].shape == (32, 3)
+        assert (f.attrs["d"], f.attrs["d_out"], f.attrs["reduced_dim"]) == (384, 32, 3)
     for kind in ("mhla", "mean", "zero"):
         assert -1 <= rep[kind]["min_cosine"] <= rep[kind]["mean_cosine"] <= 1 + 1e-12
     train, train_y = _read(tmp_path / "train_d3.h5")

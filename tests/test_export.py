@@ -227,3 +227,65 @@ def test_to_torch_of_rectangular_heads(tmp_path: Path) -> None:
         causal = m(torch.from_numpy(X), causal=True).numpy()
     assert np.allclose(last, forward_heads(V, Q, X), rtol=1e-12, atol=1e-12)
     assert np.allclose(causal[1], forward_heads(V, Q, X[:2]), rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("suffix", [".h5", ".npz", ".safetensors", ".pt"])
+def test_factored_heads_round_trip(suffix: str, tmp_path: Path) -> None:
+    """Factored heads (export-heads --unreduce: the reduced heads with their bias terms and the maps reduce_P,
+    reduce_U) come back bit for bit from .h5 / .npz / .safetensors, and a torch module's state_dict (the maps
+    are buffers) loads into the module of the same heads; the widths stated beside the arrays are checked."""
+    from mhla_cli.model.reduce import Reduction, unreduce_heads
+
+    rng = np.random.default_rng(5)
+    P = np.linalg.qr(rng.standard_normal((6, 2)))[0]
+    U = np.linalg.qr(rng.standard_normal((4, 2)))[0]
+    h = unreduce_heads(synthetic.random_teacher(2, 2, rng, bias=True), Reduction(P, U))
+    h.info["normalize"] = "length"
+    if suffix == ".pt":
+        torch = pytest.importorskip("torch")
+        m = h.to_torch()
+        torch.save(m.state_dict(), tmp_path / "h.pt")
+        other = Heads(V=np.zeros_like(h.V), Q=np.zeros_like(h.Q), info=dict(h.info), P=np.zeros_like(P),
+                      U=np.zeros_like(U), **{k: np.zeros_like(v) for k, v in h.bias_arrays().items()}).to_torch()
+        other.load_state_dict(torch.load(tmp_path / "h.pt"))
+        X = torch.from_numpy(rng.standard_normal((3, 5, 6)))
+        with torch.no_grad():
+            assert torch.equal(other(X, all_positions=True), m(X, all_positions=True))
+        assert torch.equal(other.P, m.P) and torch.equal(other.U, m.U)
+        return
+    if suffix == ".safetensors":
+        pytest.importorskip("safetensors")
+    out = tmp_path / f"h{suffix}"
+    save_heads(h, out)
+    g = load_heads(out)
+    assert g.factored and (g.d, g.d_out, g.reduced_dim) == (6, 4, 2) and g.info["normalize"] == "length"
+    for k in ("V", "Q", "P", "U", "value_bias", "score_key", "score_query", "score_bias"):
+        assert np.array_equal(getattr(g, k), getattr(h, k)), k
+    X = rng.standard_normal((2, 4, 6))
+    assert np.array_equal(predict(g, X), predict(h, X))
+
+
+def test_factored_heads_files_refuse_inconsistent_widths(tmp_path: Path) -> None:
+    """A heads file whose maps do not fit V, or whose metadata d contradicts reduce_P, is refused (one line)."""
+    import h5py
+
+    rng = np.random.default_rng(6)
+    good = Heads(V=rng.standard_normal((1, 2, 2)), Q=rng.standard_normal((1, 2, 2)), info={"normalize": "none"},
+                 P=rng.standard_normal((5, 2)), U=rng.standard_normal((3, 2)))
+    save_heads(good, tmp_path / "h.npz")
+    with np.load(tmp_path / "h.npz") as z:
+        arrays = dict(z)
+    np.savez(tmp_path / "bad.npz", **{**arrays, "reduce_P": rng.standard_normal((5, 3))})
+    with pytest.raises(InputError, match="'reduce_P' has shape"):
+        load_heads(tmp_path / "bad.npz")
+    np.savez(tmp_path / "half.npz", **{k: v for k, v in arrays.items() if k != "reduce_U"})
+    with pytest.raises(InputError, match="no 'reduce_U'"):
+        load_heads(tmp_path / "half.npz")
+    np.savez(tmp_path / "d.npz", **{**arrays, "d": np.array("7")})
+    with pytest.raises(InputError, match="metadata 'd' = 7"):
+        load_heads(tmp_path / "d.npz")
+    save_heads(good, tmp_path / "h.h5")
+    with h5py.File(tmp_path / "h.h5", "a") as f:
+        f.attrs["d"] = 9
+    with pytest.raises(InputError, match="metadata 'd' = 9"):
+        load_heads(tmp_path / "h.h5")

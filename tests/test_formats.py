@@ -36,13 +36,13 @@ def test_failed_write_leaves_no_temp_file_and_keeps_the_output(tmp_path: Path, e
                                                                monkeypatch: pytest.MonkeyPatch) -> None:
     out = tmp_path / "out.h5"
     during: list[str] = []
-    fill = formats._fill
+    fill = formats.writing._fill
 
     def spy(*args, **kwargs):  # what the directory holds while the file is being written
         during.extend(os.listdir(tmp_path))
         return fill(*args, **kwargs)
 
-    monkeypatch.setattr(formats, "_fill", spy)
+    monkeypatch.setattr(formats.writing, "_fill", spy)
     if existing:
         _write(out, {"marker": 7}, old=np.arange(5))
         before = out.read_bytes()
@@ -187,7 +187,7 @@ def test_a_deferred_dataset_is_made_when_written_and_counted_before(tmp_path: Pa
         return np.arange(size, dtype=np.float64)
 
     seen = []
-    monkeypatch.setattr(formats, "_check_free_space", lambda o, need: seen.append((need, len(made))))
+    monkeypatch.setattr(formats.writing, "_check_free_space", lambda o, need: seen.append((need, len(made))))
     out = formats.write_file(tmp_path / "x.h5", "tokens", {"a": formats.Deferred(make, 8 * size),
                                                            "b": np.zeros(3)})
     assert made == [1] and seen == [(8 * size + 24 + (1 << 16), 0)]

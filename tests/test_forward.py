@@ -360,7 +360,7 @@ def test_wide_square_heads_are_evaluated_directly_as_the_coef_would(monkeypatch:
     assert forward.direct(h) is None  # small: through the coef
     want, want_all = forward.predict_chunk(h.coef, X, off, all_positions=True)
     want_causal = forward.causal_chunk(h.coef, X, off)
-    monkeypatch.setattr(forward, "DIRECT_COEF_BYTES", 0)
+    monkeypatch.setattr(forward.evaluate, "DIRECT_COEF_BYTES", 0)
     fn = forward.direct(h)
     assert fn is not None
     got, got_all = forward.predict_chunk(fn, X, off, all_positions=True)
@@ -434,11 +434,11 @@ def test_fit_predicts_the_teacher_at_extreme_conditioning(tmp_path: Path, std: f
     causal = forward.predict_file(back, data, causal=True)
     assert ratio(causal.outputs, want) < 1e-8  # length 1: every prefix is the sequence
     # the record: the arrays only when nothing was written, the scores when the data have targets
-    assert list(res.to_dict()) == ["n_samples", "d", "normalize", "predictions", "mse", "r2", "n_scored"]
+    assert list(res.to_dict()) == ["n_samples", "d", "normalize", "predictions", "mse", "r2", "n_scored", "scored_as"]
     assert list(causal.to_dict())[3:6] == ["predictions", "outputs", "offsets"] and res.mse < 1e-12
     written = forward.predict_file(back, data, tmp_path / "p.h5")
     assert written.predictions is None and list(written.to_dict()) == ["n_samples", "d", "normalize", "mse", "r2",
-                                                                      "n_scored"]
+                                                                      "n_scored", "scored_as"]
     assert repr(written).startswith("Predictions(n_samples=")
     assert ratio(forward.predict_causal(back, Z, zoff), want) < 1e-8
 
@@ -473,3 +473,61 @@ def test_formats_md_gives_one_weighted_mse_and_predict_follows_it(tmp_path: Path
     want = float(w @ err / (d * w.sum()))
     assert abs(out["mse"] - want) <= 1e-12 * want and out["n_scored"] == int((w > 0).sum())
     assert abs(out["mse"] - float(w @ err) / (d * (w > 0).sum())) > 1e-3 * want  # not the other formula
+
+
+# Relative error of the scores of one function summed in different orders (float64).
+SCORE_ROUNDING = 1e-10
+
+
+@pytest.mark.parametrize("attention", ["bidirectional", None, "causal"])
+def test_all_positions_scores_per_position_targets(attention: str | None, tmp_path: Path,
+                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    """predict --all-positions of a last-token function scores its outputs (the whole window's S) against
+    per-position targets: MSE and R^2 of numpy on the windows (weighted positions, one masked out), for targets
+    marked bidirectional or unmarked (then said so on stderr); targets marked causal are a decoder's prefixes:
+    not scored, and the message names --causal. Without --all-positions nothing is scored and the message names
+    the option that scores."""
+    from mhla_cli import write_tokens
+    from mhla_cli.model import synthetic
+
+    rng = np.random.default_rng(11)
+    d, lens = 3, [4, 2, 5]
+    teacher = synthetic.random_teacher(d, 2, rng)
+    fn = Heads(V=teacher.V + 0.1 * rng.standard_normal(teacher.V.shape), Q=teacher.Q, info={"normalize": "none"})
+    wins = [rng.standard_normal((k, d)) for k in lens]
+
+    def outputs(h: Heads, X: np.ndarray) -> np.ndarray:  # numpy: sum_h V_h X^T X Q_h x_t at every t
+        return np.stack([sum(h.V[g] @ X.T @ X @ h.Q[g] @ x for g in range(h.V.shape[0])) for x in X])
+
+    Y = np.concatenate([outputs(teacher, X) for X in wins]) + 0.05 * rng.standard_normal((sum(lens), d))
+    w = rng.uniform(0.5, 2.0, sum(lens))
+    w[3] = 0.0
+    data = tmp_path / "d.h5"
+    write_tokens(data, wins, targets=np.split(Y, np.cumsum(lens)[:-1]), weights=np.split(w, np.cumsum(lens)[:-1]),
+                 attention=attention)
+    hp = tmp_path / "h.h5"
+    fn.save(hp)
+    res = forward.predict_file(fn, data, all_positions=True)
+    P = np.concatenate([outputs(fn, X) for X in wins])
+    assert np.abs(res.outputs - P).max() <= SCORE_ROUNDING * np.abs(P).max()
+    if attention == "causal":
+        assert res.n_scored is None and res.mse is None
+    else:
+        mean = (w @ Y) / w.sum()
+        sse, sst = float(w @ ((P - Y) ** 2).sum(1)), float(w @ ((Y - mean) ** 2).sum(1))
+        assert res.n_scored == len(w) - 1 and res.scored_as == "bidirectional"
+        assert res.mse == pytest.approx(sse / (d * w.sum()), rel=SCORE_ROUNDING)
+        assert res.r2 == pytest.approx(1 - sse / sst, rel=SCORE_ROUNDING)
+    capsys.readouterr()
+    assert run(["predict", str(hp), str(data), "-o", str(tmp_path / "p.h5"), "--all-positions", "--json"]) == 0
+    cap = capsys.readouterr()
+    rec = json.loads(cap.out)
+    if attention == "causal":
+        assert "mse" not in rec and "--causal scores every prefix" in cap.err
+    else:
+        assert rec["mse"] == res.mse and rec["r2"] == res.r2 and rec["scored_as"] == "bidirectional"
+        assert ("has no 'attention' attribute" in cap.err) == (attention is None)
+    assert run(["predict", str(hp), str(data), "-o", str(tmp_path / "p2.h5"), "--json"]) == 0
+    cap = capsys.readouterr()
+    assert "mse" not in json.loads(cap.out)
+    assert ("--causal" if attention == "causal" else "--all-positions") in cap.err

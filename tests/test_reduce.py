@@ -14,6 +14,9 @@ from mhla_cli.model import reduce as reduce_mod
 from mhla_cli import write_tokens
 from mhla_cli.cli import run
 from mhla_cli.errors import InputError
+from mhla_cli.api.learn import export_heads
+from mhla_cli.model.model import Model
+from mhla_cli.model.reduce import unreduce_heads
 
 D, E, N = 24, 6, 30
 
@@ -220,8 +223,13 @@ def test_unreduced_heads_predict_U_times_the_reduced_predictions(data: tuple[Pat
     assert run(["fit", str(red), "-o", str(model), "-q"]) == 0
     assert run(["export-heads", str(model), "-o", str(heads), "--unreduce", str(red), "-q"]) == 0
     h = load_function(heads)
-    assert h.V.shape[1:] == (E, D) and h.Q.shape[1:] == (D, D) and (h.d, h.d_out) == (D, E)
-    U = _read(red)["reduce_U"]
+    # factored: the reduced heads (3 x 3) and the maps of the reduction; the function of D-dim tokens to E-dim outputs
+    assert h.factored and h.V.shape[1:] == (3, 3) and h.Q.shape[1:] == (3, 3) and (h.d, h.d_out) == (D, E)
+    maps = _read(red)
+    assert np.array_equal(h.P, maps["reduce_P"]) and np.array_equal(h.U, maps["reduce_U"])
+    dense = h.dense()
+    assert dense.V.shape[1:] == (E, D) and dense.Q.shape[1:] == (D, D) and not dense.factored
+    U = maps["reduce_U"]
     small = predict_file(load_function(model), red)
     full = predict_file(h, path)
     want = small.predictions @ U.T
@@ -233,12 +241,13 @@ def test_unreduced_heads_predict_U_times_the_reduced_predictions(data: tuple[Pat
     for kw in ({"all_positions": True}, {"causal": True}):
         a, b = predict_file(h, path, **kw), predict_file(load_function(model), red, **kw)
         assert np.abs(a.outputs - b.outputs @ U.T).max() <= 1e-10 * np.abs(b.outputs).max()
-    # the exports of other frameworks hold the rectangular V too
+    # the exports of other frameworks hold the factored heads too
     for suffix in (".npz",):
         out = tmp_path / f"h{suffix}"
         assert run(["export-heads", str(model), "-o", str(out), "--unreduce", str(red), "-q"]) == 0
         back = load_heads(out)
-        assert np.array_equal(back.V, h.V) and np.array_equal(back.Q, h.Q)
+        assert np.array_equal(back.V, h.V) and np.array_equal(back.Q, h.Q) and np.array_equal(back.P, h.P)
+        assert np.array_equal(back.U, h.U)
     # compare: the file against itself, and the --on check on the original tokens
     assert run(["compare", str(heads), str(tmp_path / "h.npz"), "--on", str(path), "-q"]) == 0
 
@@ -258,6 +267,66 @@ def test_unreduce_refusals(data: tuple[Path, list[np.ndarray], np.ndarray], tmp_
     assert run(["export-heads", str(model), "-o", str(tmp_path / "h.h5"), "--unreduce", str(path)]) == 2
     assert "records no reduction" in capsys.readouterr().err
     assert not (tmp_path / "h.h5").exists()
+
+
+def test_unreduce_checks_the_maps_against_the_models_data(data: tuple[Path, list[np.ndarray], np.ndarray],
+                                                          tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """The model records its training data's identity with the fingerprint of their reduction's maps: --unreduce
+    takes that reduction or a file reduced --like it (fit on tokens or on a features file, --ridge auto), and
+    refuses another reduce run of the same d (other data: other maps) with one line, exit 2, no file; a model
+    fitted on data mhla reduce did not write is refused; a model without the record is warned about."""
+    import h5py as h5
+
+    path, _, _ = data
+    seqs_b, Y_b = _data(seed=1)
+    other = tmp_path / "other.h5"
+    write_tokens(other, seqs_b, targets=Y_b)
+    ra, rb, like = tmp_path / "ra.h5", tmp_path / "rb.h5", tmp_path / "like.h5"
+    assert run(["reduce", str(path), "-o", str(ra), "--dim", "3", "-q"]) == 0
+    assert run(["reduce", str(other), "-o", str(rb), "--dim", "3", "-q"]) == 0
+    assert run(["reduce", str(other), "--like", str(ra), "-o", str(like), "-q"]) == 0
+    m, feats, m2, m3 = (tmp_path / f"{n}.h5" for n in ("m", "f", "m2", "m3"))
+    assert run(["fit", str(ra), "-o", str(m), "-q"]) == 0
+    assert run(["featurize", str(ra), "-o", str(feats), "-q"]) == 0
+    assert run(["fit", str(feats), "-o", str(m2), "-q"]) == 0
+    assert run(["fit", str(ra), "-o", str(m3), "--ridge", "auto", "-q"]) == 0
+    out = tmp_path / "h.h5"
+    for model in (m, m2, m3):
+        for good in (ra, like):
+            capsys.readouterr()
+            assert run(["export-heads", str(model), "-o", str(out), "--unreduce", str(good), "-q"]) == 0, (model, good)
+            assert capsys.readouterr().err == ""
+        out.unlink()
+        assert run(["export-heads", str(model), "-o", str(out), "--unreduce", str(rb)]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith(f"mhla: error: {rb}: holds other maps") and "ra.h5" in err[0], err
+        assert not out.exists()
+    # what the check prevents: the heads put back with the other run's maps are another function
+    from mhla_cli import load_function, predict_file
+
+    heads = export_heads(Model.load(m))
+    right = predict_file(unreduce_heads(heads, reduce_mod.load_reduction(ra)), path)
+    wrong = predict_file(unreduce_heads(heads, reduce_mod.load_reduction(rb)), path)
+    assert wrong.mse > 2 * right.mse
+    # a model fitted on data that mhla reduce did not write
+    with h5.File(ra) as f:
+        toks, offs, ys = f["tokens"][()], f["offsets"][()], f["targets"][()]
+    plain, mp = tmp_path / "plain.h5", tmp_path / "mp.h5"
+    write_tokens(plain, toks, offsets=offs, targets=ys)
+    assert run(["fit", str(plain), "-o", str(mp), "-q"]) == 0
+    capsys.readouterr()
+    assert run(["export-heads", str(mp), "-o", str(out), "--unreduce", str(ra)]) == 2
+    assert "which mhla reduce did not write" in capsys.readouterr().err
+    # a model without the record (an older mhla's): its recorded input confirms the file itself; any other file
+    # is exported with a warning that it could not be checked
+    with h5.File(m, "a") as f:
+        del f.attrs["data_source"]
+    assert load_function(m).info.get("data_source") is None
+    capsys.readouterr()
+    assert run(["export-heads", str(m), "-o", str(out), "--unreduce", str(ra), "-q"]) == 0
+    assert capsys.readouterr().err == ""
+    assert run(["export-heads", str(m), "-o", str(tmp_path / "h2.h5"), "--unreduce", str(like), "-q"]) == 0
+    assert "does not record which reduction" in capsys.readouterr().err
 
 
 @pytest.mark.slow

@@ -160,13 +160,13 @@ def test_interrupt_while_writing(exc: BaseException, code: int, small: Path, tmp
                                  monkeypatch: pytest.MonkeyPatch, capsys) -> None:
     out = tmp_path / "feats.h5"
     out.write_bytes(PREVIOUS)
-    real_fill = formats._fill
+    real_fill = formats.writing._fill
 
     def fill_then_fail(f, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003
         real_fill(f, *args, **kwargs)
         raise exc
 
-    monkeypatch.setattr(formats, "_fill", fill_then_fail)
+    monkeypatch.setattr(formats.writing, "_fill", fill_then_fail)
     assert run(["featurize", str(small), "-o", str(out), "-q"]) == code
     err = capsys.readouterr().err
     assert "Traceback" not in err and len(err.strip().splitlines()) <= 1
@@ -187,7 +187,7 @@ def test_not_enough_disk_space_is_refused_up_front(small: Path, tmp_path: Path,
         def __init__(self, st: os.statvfs_result) -> None:
             self.f_frsize, self.f_bavail = st.f_frsize, 1
 
-    monkeypatch.setattr(formats.os, "statvfs", lambda p: Tiny(real(p)))
+    monkeypatch.setattr(formats.writing.os, "statvfs", lambda p: Tiny(real(p)))
     assert run(["featurize", str(small), "-o", str(out), "-q"]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith(f"mhla: error: {out}: not enough disk space: the output needs about ")
@@ -214,7 +214,7 @@ def test_swallowed_signal_still_stops_the_output(small: Path, tmp_path: Path, mo
     """A SIGTERM whose exception is swallowed (raised inside a destructor, say) must still end the
     run with 143 and commit nothing."""
     out = tmp_path / "feats.h5"
-    real_fill = formats._fill
+    real_fill = formats.writing._fill
 
     def fill_and_swallow(*args, **kwargs):  # noqa: ANN002, ANN003
         real_fill(*args, **kwargs)
@@ -224,7 +224,7 @@ def test_swallowed_signal_still_stops_the_output(small: Path, tmp_path: Path, mo
         except signals.Interrupted:
             pass  # e.g. Python printing "Exception ignored in __del__" and going on
 
-    monkeypatch.setattr(formats, "_fill", fill_and_swallow)
+    monkeypatch.setattr(formats.writing, "_fill", fill_and_swallow)
     assert run(["featurize", str(small), "-o", str(out), "-q"]) == 143
     assert capsys.readouterr().err.strip() == "mhla: terminated"
     assert not out.exists() and not _temps(out)

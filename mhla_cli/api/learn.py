@@ -149,6 +149,8 @@ def fit(feats: Features | Any, ridge: float | str = 0.0, heads: int | str | None
     model.info["normalize"] = feats.normalize
     if feats.samples.attention is not None:  # per-position samples: how they read the window
         model.info["attention"] = feats.samples.attention
+    if feats.source is not None:  # the data's identity (with their reduction's maps: export-heads --unreduce)
+        model.info["data_source"] = dict(feats.source)
     model.info["train_r2"] = scores.train_r2(feats, model.info["train_mse"])
     if scores.targets_underflow(feats):
         model.info["targets_underflow"] = True  # fit_warnings says why the train R^2 is null

@@ -134,9 +134,9 @@ def fmt(x: float | None) -> str:
 
 
 def say_samples(feats: Features, data: Path, attention: str | None, quiet: bool) -> None:
-    """Say what per-position samples were read as (nothing for last-token data), and when a tokens file
-    without an 'attention' attribute was read as causal by default, how to read it bidirectionally; and
-    that the statistics hold the bias terms."""
+    """Say what per-position samples were read as (nothing for last-token data), and warn (also with --quiet)
+    when a tokens file without an 'attention' attribute was read as causal by default, saying how to read it
+    bidirectionally; and that the statistics hold the bias terms."""
     if feats.bias_terms:
         say(f"  bias terms: the features of the tokens (x, 1), {feats.d - 1} coordinates and the constant "
             "(docs/bias_terms.md)", quiet)
@@ -150,9 +150,11 @@ def say_samples(feats: Features, data: Path, attention: str | None, quiet: bool)
     from ..io.tokens import inspect_tokens
 
     default = (attention is None and formats.kind_of(data) == "tokens" and inspect_tokens(data).attention is None)
-    say(f"  samples: {feats.samples.words}"
-        + ("; causal by default (the file has no 'attention' attribute): --attention bidirectional reads an "
-           "encoder's windows, every position with the whole window's S" if default else ""), quiet)
+    say(f"  samples: {feats.samples.words}", quiet)
+    if default:  # shown with --quiet too: the layout decides what the model is
+        warn(f"{data} has per-position targets and no 'attention' attribute: read as causal by default (a "
+             "decoder's prefixes, S of the tokens up to t); --attention bidirectional reads an encoder's windows "
+             "(every position with the whole window's S)")
 
 
 def load_with_progress(path: Path, chunk_size: int | None, quiet: bool,

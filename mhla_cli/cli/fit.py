@@ -238,9 +238,11 @@ def export_heads_cmd(
                                          f"function change on the training data <= {quote(FEWEST_TOL)}, verified "
                                          "(the coefficient change for a model without its data's Lambda~).")] = False,
     unreduce: Annotated[Path | None, typer.Option("--unreduce", help="A tokens file written by `mhla reduce` (the "
-                                                  "one MODEL was fitted on, or one --like it): write the heads in "
-                                                  "its original widths, V = U V_h P^T (D_out x D), Q = P Q_h P^T "
-                                                  "(D x D).", show_default=False)] = None,
+                                                  "one MODEL was fitted on, or one --like it; checked against the "
+                                                  "model's record of its data): write the heads of its original "
+                                                  "widths, kept factored as the reduced heads V_h, Q_h and the maps "
+                                                  "P (D x d), U (D_out x d), the function U V_h P^T x ... at the cost "
+                                                  "of the reduced heads.", show_default=False)] = None,
     json_out: JsonOpt = False,
     quiet: QuietOpt = False,
 ) -> None:
@@ -253,7 +255,11 @@ def export_heads_cmd(
     before, or not by fit) only a coefficient change is given, named as such.
 
     With --unreduce REDUCED the heads are mapped back to the coordinates before `mhla reduce`: on the
-    original tokens they compute U times the reduced model's outputs on the reduced tokens.
+    original tokens they compute U times the reduced model's outputs on the reduced tokens. They are written
+    factored (V_h, Q_h of the reduced coordinates and the maps reduce_P, reduce_U): `mhla predict`, `compare`
+    and `Heads.to_torch()` evaluate them at the cost of the reduced heads; `Heads.dense()` gives the D x D
+    matrices V = U V_h P^T, Q = P Q_h P^T. REDUCED must hold the maps the model's training data were made
+    with (another `mhla reduce` run of the same d is refused).
 
     Example: mhla export-heads model.h5 -o heads.h5 --max-heads 4;  mhla export-heads model.h5 -o heads.h5 --fewest --json
 
@@ -264,12 +270,16 @@ def export_heads_cmd(
     with in_flags():
         check_export_options(mh, fewest)
     red = None
+    model = Model.load(model_path)
     if unreduce is not None:
-        from ..model.reduce import load_reduction
+        from ..model.reduce import check_unreduce, load_reduction
 
         red = load_reduction(unreduce)  # before the work: a file without maps is refused first
+        unchecked = check_unreduce(model, unreduce, model_path)  # the maps the model's data were made with
+        if unchecked is not None:
+            warn(unchecked)
     try:
-        heads = export_heads(Model.load(model_path), tol=tol, max_heads=mh, fewest=fewest)
+        heads = export_heads(model, tol=tol, max_heads=mh, fewest=fewest)
     except UnreliableHeadCount as exc:  # --max-heads auto without a reliable count: a failed check, no file
         warn(f"{model_path}: {exc}")
         if json_out:

@@ -22,7 +22,10 @@ def predict_cmd(
     data: Annotated[Path, typer.Argument(help="Tokens file.")],
     output: OutOpt,
     all_positions: Annotated[bool, typer.Option("--all-positions", help="Also write the unmasked output at every "
-                                                "position (S over the whole sequence).")] = False,
+                                                "position (S over the whole sequence) and score it against "
+                                                "per-position targets of an encoder's windows (attribute "
+                                                "'attention' bidirectional, or none). Example: mhla predict "
+                                                "model.h5 heldout.h5 -o pred.h5 --all-positions --json")] = False,
     causal: Annotated[bool, typer.Option("--causal", help="Also write `outputs` (T, d): the last-token output of "
                                          "every prefix X[:t] (autoregressive); MSE over the weighted positions of "
                                          "per-position targets. Example: mhla predict model.h5 ar.h5 -o pred.h5 "
@@ -42,7 +45,8 @@ def predict_cmd(
 
     The model's normalisation (`--normalize` at fit time) is applied. A model fitted with --attention
     bidirectional writes `outputs` (T, d) at every position (S of the whole window) and scores them
-    against per-position targets (weights per position mask positions).
+    against per-position targets (weights per position mask positions). --all-positions does the same for any
+    model (e.g. one fitted at the last position, scored at every position of an encoder's windows).
 
     Weights (N,) of last-token targets weigh the MSE (fit's train_mse), with or without --causal.
     R^2 = 1 - SSE / SST over all outputs, SST about the scored targets' weighted mean (null when they
@@ -53,6 +57,9 @@ def predict_cmd(
     Example (autoregressive): mhla predict model.h5 ar.h5 -o pred.h5 --causal --json
 
     Example (an encoder's windows, a bidirectional model): mhla predict model.h5 heldout.h5 -o pred.h5 --json
+
+    Example (a last-token model at every position of held-out windows): mhla predict model.h5 heldout.h5 -o
+    pred.h5 --all-positions --json
 
     Example (a GPU): mhla predict model.h5 data.h5 -o pred.h5 --device cuda
     """
@@ -68,20 +75,36 @@ def predict_cmd(
         res = predict_file(fn, data, output, all_positions=all_positions, chunk_size=chunk_size,
                            progress=advance, inputs=(model_path,) + ((affine_from,) if affine_from else ()),
                            workers=workers, causal=causal, device=dev, affine_from=affine_from)
-    scored = causal or every  # per-position targets scored at every position
-    if info.per_position and not scored:
-        warn("the data have per-position targets: use --causal to score every prefix (no MSE computed)")
+    if info.per_position and info.has_targets and res.n_scored is None:
+        warn(_unscored(info.attention, all_positions))
+    assumed = (res.scored_as == "bidirectional" and info.attention is None and not every)
     say(f"wrote {output}: {res.n_samples} predictions"
         + (f", {info.n_tokens} causal outputs" if causal else "")
         + (f", {info.n_tokens} outputs at every position (bidirectional: S of the whole window)"
            if every or all_positions else "")
         + (f"; MSE against targets = {fmt(res.mse)} over {res.n_scored} "
-           + ("positions" if scored and info.per_position else "sequences")
+           + ("sequences" if res.scored_as == "sequences" else "positions")
            + (" of weight > 0" if info.has_weights else "")
            + (f", R^2 = {fmt(res.r2)}" if res.r2 is not None else ", R^2 undefined (constant targets)")
            if res.n_scored is not None else ""), quiet)
+    if assumed:
+        warn(f"{data} has no 'attention' attribute: its per-position targets were scored as an encoder's (every "
+             "position with the whole window's S); --causal scores them as a decoder's prefixes")
     if json_out:
         emit_json({**res.to_dict(), "output": str(output)})
+
+
+def _unscored(attention: str | None, all_positions: bool) -> str:
+    """Why per-position targets got no MSE, and the option that scores them."""
+    if attention == "causal":
+        return ("the data's per-position targets are a decoder's (attribute 'attention' causal): --causal scores "
+                "every prefix" + ("; the outputs of --all-positions use the whole window's S" if all_positions
+                                  else "") + " (no MSE computed)")
+    if attention == "bidirectional":
+        return ("the data's per-position targets are an encoder's (attribute 'attention' bidirectional): "
+                "--all-positions scores every position (no MSE computed)")
+    return ("the data have per-position targets: --all-positions scores every position with the whole window's S "
+            "(an encoder's), --causal every prefix (a decoder's) (no MSE computed)")
 
 
 def rollout_cmd(

@@ -199,9 +199,8 @@ def coef_in_basis(fn: Any, A: np.ndarray) -> np.ndarray:
         Ci = np.linalg.inv(transition(fn.basis, A))
         return kron_apply(orth_pair_map(Ci).T, Ci, np.ascontiguousarray(fn.coef_b.T)).T
     if isinstance(fn, Heads):
-        if fn.d_out != fn.d:
-            raise InputError(f"heads with {fn.d_out}-dim outputs of {fn.d}-dim tokens have no coef on "
-                             "d x d features")
+        if fn.factored or fn.d_out != fn.d:
+            raise InputError(_no_coef(fn) + " on d x d features")
         Vc, Qc = heads_in_basis(fn.V, fn.Q, A)
         return coef_of_heads(Vc, Qc) / D
     from ..statistics.basis import coef_to_basis
@@ -332,9 +331,8 @@ def canonical_function(fn: Any) -> CanonicalFunction:
     elif isinstance(fn, Model):
         c, W = fn.coef, fn.W
     elif isinstance(fn, Heads):
-        if fn.d_out != fn.d:
-            raise InputError(f"heads with {fn.d_out}-dim outputs of {fn.d}-dim tokens have no coef (d, psi) on d x d "
-                             "features; they are evaluated directly")
+        if fn.factored or fn.d_out != fn.d:
+            raise InputError(_no_coef(fn) + " (d, psi) on d x d features; they are evaluated directly")
         c, W = fn.coef, W_from_heads(fn.V, fn.Q)
     else:
         c = np.asarray(fn, dtype=np.float64)
@@ -348,6 +346,14 @@ def canonical_function(fn: Any) -> CanonicalFunction:
     scale = _pow2(float(np.max(np.abs(c)))) if c.size else 1.0
     return CanonicalFunction(coef=c / scale, W=np.asarray(W, dtype=np.float64) / scale, basis=basis, gram=gram,
                              scale=scale)
+
+
+def _no_coef(heads: Heads) -> str:
+    """The words for heads without a coef: factored ones (export-heads --unreduce) or rectangular ones."""
+    if heads.factored:
+        return (f"factored heads ({heads.d}-dim tokens through {heads.reduced_dim} coordinates, mhla export-heads "
+                "--unreduce; the model they were exported from has it) have no coef")
+    return f"heads with {heads.d_out}-dim outputs of {heads.d}-dim tokens have no coef"
 
 
 def data_gram(model: Any) -> DataGram | None:

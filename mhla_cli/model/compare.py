@@ -60,6 +60,8 @@ def _heads_distance(a: Model | Heads | np.ndarray, b: Model | Heads | np.ndarray
     if (a.d_out, a.d) != (b.d_out, b.d):
         raise InputError(f"the heads map d = {a.d} to {a.d_out} and d = {b.d} to {b.d_out}: nothing to compare")
     (Va, Qa), (Vb, Qb) = a.augmented(), b.augmented()  # with the bias terms: the heads of the tokens (x, 1)
+    if a.factored or b.factored:
+        return _factored_distance(a, b)
     if 8 * a.d_out * n_features(Qa.shape[1]) <= DIRECT_COEF_BYTES:
         pa, pb = coef_of_heads(Va, Qa), coef_of_heads(Vb, Qb)
         return _distance(pa, pb)
@@ -69,6 +71,42 @@ def _heads_distance(a: Model | Heads | np.ndarray, b: Model | Heads | np.ndarray
     dist = float(np.sqrt(max(coef_inner(V, Q, V, Q), 0.0)))
     na = float(np.sqrt(max(coef_inner(Va, Qa, Va, Qa), 0.0)))
     nb = float(np.sqrt(max(coef_inner(Vb, Qb, Vb, Qb), 0.0)))
+    return Distance.of(dist, na, nb)
+
+
+def _factors(h: Heads) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """(V, Q, P, U) of heads with their bias terms (the heads of the tokens (x, 1)): the maps of factored heads,
+    identities for the others."""
+    V, Q = h.augmented()
+    maps = h.augmented_maps()
+    P, U = maps if maps is not None else (np.eye(Q.shape[1]), np.eye(V.shape[1]))
+    return V, Q, P, U
+
+
+def _factored_distance(a: Heads, b: Heads) -> Distance:
+    """function_distance of factored heads (`mhla export-heads --unreduce`), in products of the reduced widths
+    (heads.coef_inner with the maps). A - B is itself factored. With shared maps its W = sum_h vec(V_h) vec(Q_h)^T
+    is W_A - W_B of the reduced heads, taken apart into heads again by a QR of each factor and an SVD of the small
+    core (no head of A cancels one of B inside coef_inner: a difference far below the norms is resolved). With
+    other maps the maps stand side by side ([P_A P_B], [U_A U_B]) and the heads in their blocks."""
+    Va, Qa, Pa, Ua = _factors(a)
+    Vb, Qb, Pb, Ub = _factors(b)
+    na = float(np.sqrt(max(coef_inner(Va, Qa, Va, Qa, (Pa, Ua), (Pa, Ua)), 0.0)))
+    nb = float(np.sqrt(max(coef_inner(Vb, Qb, Vb, Qb, (Pb, Ub), (Pb, Ub)), 0.0)))
+    if Pa.shape == Pb.shape and Ua.shape == Ub.shape and np.array_equal(Pa, Pb) and np.array_equal(Ua, Ub):
+        K, (ro, r) = Va.shape[0] + Vb.shape[0], Va.shape[1:]
+        qa, ra = np.linalg.qr(np.concatenate([Va, -Vb]).reshape(K, -1).T)  # W_A - W_B = (qa ra) (qb rb)^T
+        qb, rb = np.linalg.qr(np.concatenate([Qa, Qb]).reshape(K, -1).T)
+        u, sv, vt = np.linalg.svd(ra @ rb.T)
+        V, Q, maps = ((qa @ u) * sv).T.reshape(-1, ro, r), (qb @ vt.T).T.reshape(-1, r, r), (Pa, Ua)
+    else:
+        (Ha, oa, ra), (Hb, ob, rb) = Va.shape, Vb.shape
+        V = np.zeros((Ha + Hb, oa + ob, ra + rb))
+        Q = np.zeros((Ha + Hb, ra + rb, ra + rb))
+        V[:Ha, :oa, :ra], V[Ha:, oa:, ra:] = Va, -Vb
+        Q[:Ha, :ra, :ra], Q[Ha:, ra:, ra:] = Qa, Qb
+        maps = (np.hstack([Pa, Pb]), np.hstack([Ua, Ub]))
+    dist = float(np.sqrt(max(coef_inner(V, Q, V, Q, maps, maps), 0.0)))
     return Distance.of(dist, na, nb)
 
 

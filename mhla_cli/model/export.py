@@ -7,8 +7,10 @@ in a model's coordinates by `mhla export-heads --unreduce`), and what the export
 (docs/bias_terms.md) also hold the arrays value_bias (H, d_out), score_key (H, d), score_query (H, d),
 score_bias (H,) and the metadata bias_terms = 1; heads with the token-wise affine map of the wide tokens
 (mhla_cli.solve.affine_block) hold affine_weight (d_out, D) and affine_bias (d_out,) and the metadata
-affine_width = D. Writes are atomic (a temporary file in the output's directory, renamed on success; nothing
-is left on failure).
+affine_width = D. Factored heads (`mhla export-heads --unreduce`: mhla_cli.model.heads.Heads) hold V (H, r, r) and
+Q (H, r, r) of the reduced coordinates and the maps reduce_P (d, r), reduce_U (d_out, r), with the metadata
+reduced_dim = r (d and d_out the widths of the tokens and outputs the function takes and gives). Writes are
+atomic (a temporary file in the output's directory, renamed on success; nothing is left on failure).
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from ..io import formats
 from .._version import __version__
 from ..errors import InputError
 from ..bias_terms import BIAS_ARRAYS
-from .heads import AFFINE_ARRAYS, Heads, read_bias_arrays
+from .heads import AFFINE_ARRAYS, MAP_ARRAYS, Heads, check_widths, read_bias_arrays
 
 # suffix -> format; a path without a suffix is an HDF5 heads file (the historic default)
 SUFFIXES = {".h5": "hdf5", ".hdf5": "hdf5", ".hdf": "hdf5", "": "hdf5", ".npz": "npz",
@@ -47,6 +49,8 @@ def _metadata(heads: Heads) -> dict[str, str]:
             "normalize": str(heads.info.get("normalize", "none"))}
     if heads.d_out != heads.d:
         meta["d_out"] = str(heads.d_out)
+    if heads.factored:
+        meta["reduced_dim"] = str(heads.reduced_dim)
     if heads.info.get("attention") is not None:
         meta["attention"] = str(heads.info["attention"])
     for key in ("function_change", "coef_change"):  # what the export changed (mhla_cli.model.canonical)
@@ -82,7 +86,8 @@ def save_heads(heads: Heads, path: str | os.PathLike, inputs: tuple[str | os.Pat
     st = _safetensors() if fmt == "safetensors" else None
     formats.check_output_path(path, inputs)
     arrays = {k: np.ascontiguousarray(v, dtype=np.float64)
-              for k, v in {"V": heads.V, "Q": heads.Q, **heads.bias_arrays(), **heads.affine_arrays()}.items()}
+              for k, v in {"V": heads.V, "Q": heads.Q, **heads.bias_arrays(), **heads.affine_arrays(),
+                           **heads.map_arrays()}.items()}
     meta = _metadata(heads)
     with formats.atomic_path(path) as tmp:
         if fmt == "npz":
@@ -117,7 +122,7 @@ def load_heads(path: str | os.PathLike) -> Heads:
         except (OSError, ValueError, EOFError) as exc:
             raise InputError(f"cannot read as .npz ({exc})", path) from None
         meta = {k: str(v) for k, v in arrays.items()
-                if k not in ("V", "Q", *BIAS_ARRAYS, *AFFINE_ARRAYS) and v.ndim == 0}
+                if k not in ("V", "Q", *BIAS_ARRAYS, *AFFINE_ARRAYS, *MAP_ARRAYS) and v.ndim == 0}
     else:
         _safetensors()  # a clear message when the optional package is missing
         try:
@@ -136,8 +141,14 @@ def load_heads(path: str | os.PathLike) -> Heads:
         raise InputError(f"metadata 'bias_terms' = {meta['bias_terms']}, expected 0 or 1", path)
     bias = read_bias_arrays(arrays, meta.get("bias_terms") == "1", path)
     affine = {k: arrays[k] for k in AFFINE_ARRAYS if k in arrays}
-    heads = Heads.from_arrays(arrays["V"], arrays["Q"], normalize, path, bias=bias, affine=affine or None)
-    for key, value in (("d", heads.d), ("n_heads", heads.n_heads), ("d_out", heads.d_out)):
+    maps = {k: arrays[k] for k in MAP_ARRAYS if k in arrays}
+    heads = Heads.from_arrays(arrays["V"], arrays["Q"], normalize, path, bias=bias, affine=affine or None,
+                              maps=maps or None)
+    for key in ("d", "n_heads", "d_out", "reduced_dim"):
+        if key in meta and not meta[key].isdigit():
+            raise InputError(f"metadata '{key}' = {meta[key]}, expected a whole number", path)
+    check_widths(heads, {k: int(meta[k]) for k in ("d", "d_out") if k in meta}, path)
+    for key, value in (("n_heads", heads.n_heads), ("reduced_dim", heads.reduced_dim if heads.factored else None)):
         if key in meta and meta[key] != str(value):
             raise InputError(f"metadata '{key}' = {meta[key]} but the arrays have {key} = {value}", path)
     for key in ("function_change", "coef_change"):

@@ -73,36 +73,67 @@ def coef_of_heads(V: np.ndarray, Q: np.ndarray) -> np.ndarray:
     return P.reshape(V.shape[1], -1)
 
 
-def coef_inner(Va: np.ndarray, Qa: np.ndarray, Vb: np.ndarray, Qb: np.ndarray) -> float:
+def coef_inner(Va: np.ndarray, Qa: np.ndarray, Vb: np.ndarray, Qb: np.ndarray,
+               maps_a: tuple[np.ndarray, np.ndarray] | None = None,
+               maps_b: tuple[np.ndarray, np.ndarray] | None = None) -> float:
     """<p_A, p_B> (Frobenius) of the coef of two sets of heads, without forming either coef (psi
     d_out entries): sum_{h,g} <Va_h, Vb_g> <Qa_h, Qb_g> + tr(M N) - sum_j M_jj N_jj with
-    M = Va_h^T Vb_g, N = Qa_h Qb_g^T (d x d). O(H_a H_b d^2 (d + d_out)); for heads too wide for a coef."""
+    M = Va_h^T Vb_g, N = Qa_h Qb_g^T (d x d). O(H_a H_b d^2 (d + d_out)); for heads too wide for a coef.
+
+    `maps_a`, `maps_b`: (P, U) of factored heads (the heads U V_h P^T, P Q_h P^T; None: the heads themselves).
+    Every product is then taken through the reduced widths r: with C_P = P_a^T P_b and C_U = U_a^T U_b,
+    M = P_a X P_b^T (X = Va_h^T C_U Vb_g) and N = P_a Y P_b^T (Y = Qa_h C_P Qb_g^T), so tr(M N) =
+    tr(X C_P^T Y C_P^T) and the diagonals are row sums of (P_a X) * P_b: O(H_a H_b r^2 (r + d)) instead of
+    O(H_a H_b d^3)."""
+    if maps_a is None and maps_b is None:
+        total = 0.0
+        for h in range(Va.shape[0]):
+            M = np.einsum("aj,gak->gjk", Va[h], Vb, optimize=True)  # (Hb, d, d)
+            N = np.einsum("kl,gjl->gkj", Qa[h], Qb, optimize=True)  # N[g, k, j] = (Qa_h Qb_g^T)[k, j]
+            vv = np.einsum("aj,gaj->g", Va[h], Vb)
+            qq = np.einsum("kl,gkl->g", Qa[h], Qb)
+            total += float(vv @ qq) + float(np.einsum("gjk,gkj->", M, N)) - float(
+                np.einsum("gjj,gjj->", M, N))
+        return total
+    Pa, Ua = maps_a if maps_a is not None else (np.eye(Qa.shape[1]), np.eye(Va.shape[1]))
+    Pb, Ub = maps_b if maps_b is not None else (np.eye(Qb.shape[1]), np.eye(Vb.shape[1]))
+    CP, CU = Pa.T @ Pb, Ua.T @ Ub
     total = 0.0
     for h in range(Va.shape[0]):
-        M = np.einsum("aj,gak->gjk", Va[h], Vb, optimize=True)  # (Hb, d, d)
-        N = np.einsum("kl,gjl->gkj", Qa[h], Qb, optimize=True)  # N[g, k, j] = (Qa_h Qb_g^T)[k, j]
-        vv = np.einsum("aj,gaj->g", Va[h], Vb)
-        qq = np.einsum("kl,gkl->g", Qa[h], Qb)
-        total += float(vv @ qq) + float(np.einsum("gjk,gkj->", M, N)) - float(
-            np.einsum("gjj,gjj->", M, N))
+        X = np.einsum("aj,ab,gbk->gjk", Va[h], CU, Vb, optimize=True)  # Va_h^T C_U Vb_g (Hb, ra, rb)
+        Y = np.einsum("jk,kl,gml->gjm", Qa[h], CP, Qb, optimize=True)  # Qa_h C_P Qb_g^T (Hb, ra, rb)
+        vv = np.einsum("gjk,jk->g", X, CP)  # tr(Va_h^T C_U Vb_g C_P^T)
+        qq = np.einsum("jk,jm,gmn,kn->g", Qa[h], CP, Qb, CP, optimize=True)  # tr(Qa_h^T C_P Qb_g C_P^T)
+        trace = np.einsum("gjk,lk,glm,jm->g", X, CP, Y, CP, optimize=True)
+        dM = np.einsum("Dj,gjk,Dk->gD", Pa, X, Pb, optimize=True)
+        dN = np.einsum("Dj,gjk,Dk->gD", Pa, Y, Pb, optimize=True)
+        total += float(vv @ qq) + float(trace.sum()) - float(np.einsum("gD,gD->", dM, dN))
     return total
+
+
+# The datasets of factored heads' maps (`mhla export-heads --unreduce`): the names the reduced tokens file uses.
+MAP_ARRAYS = ("reduce_P", "reduce_U")
 
 
 @dataclass
 class Heads(HeadShapes):
     """An MHLA: value matrices V (H, d_out, d) and merged key-query matrices Q (H, d, d).
 
-    d_out = d for the heads mhla fits; d_out != d for heads put back in a model's coordinates
-    (`mhla export-heads --unreduce`: V_full = U V_h P^T). Such heads are evaluated directly
-    (forward.HeadsFn); they have no coef (d, psi).
+    d_out = d for the heads mhla fits; d_out != d for heads put back in a model's coordinates. Heads put back
+    there by `mhla export-heads --unreduce` are **factored**: V (H, r, r) and Q (H, r, r) are the heads fitted in
+    reduced coordinates and P (d, r), U (d_out, r) the maps of `mhla reduce`; the function is y = U (sum_h V_h
+    S~ Q_h x~_t) of the reduced tokens x~ = P^T x (S~ = P^T S P), evaluated at the cost of the reduced heads
+    (`dense()` gives the d x d matrices V = U V_h P^T, Q = P Q_h P^T of the same function). Rectangular and
+    factored heads are evaluated directly (forward.HeadsFn); they have no coef (d, psi).
     """
 
     V: np.ndarray
     Q: np.ndarray
     info: dict[str, Any] = field(default_factory=dict)
-    # The bias terms (mhla_cli.bias_terms, docs/bias_terms.md), all four or none: value_bias (H, d_out),
-    # score_key (H, d), score_query (H, d), score_bias (H,); head h outputs at t
-    # sum_i (V_h x_i + value_bias_h) (x_i^T Q_h x_t + score_key_h . x_i + score_query_h . x_t + score_bias_h).
+    # The bias terms (mhla_cli.bias_terms, docs/bias_terms.md), all four or none: value_bias (H, d_out), score_key
+    # (H, d), score_query (H, d), score_bias (H,) (widths of V and Q: the reduced ones of factored heads); head h
+    # outputs at t sum_i (V_h x_i + value_bias_h) (x_i^T Q_h x_t + score_key_h . x_i + score_query_h . x_t +
+    # score_bias_h).
     value_bias: np.ndarray | None = None
     score_key: np.ndarray | None = None
     score_query: np.ndarray | None = None
@@ -113,6 +144,10 @@ class Heads(HeadShapes):
     # there with --unreduce).
     affine_weight: np.ndarray | None = None
     affine_bias: np.ndarray | None = None
+    # The maps of factored heads, both or none: P (d, r) takes the tokens to the heads' r coordinates (x~ = P^T x),
+    # U (d_out, r_out) their outputs back (y = U y~).
+    P: np.ndarray | None = None
+    U: np.ndarray | None = None
 
     @property
     def n_heads(self) -> int:
@@ -129,12 +164,49 @@ class Heads(HeadShapes):
             return {}
         return {k: getattr(self, k) for k in BIAS_ARRAYS}
 
+    def map_arrays(self) -> dict[str, np.ndarray]:
+        """The maps of factored heads by name (`MAP_ARRAYS`: reduce_P (d, r), reduce_U (d_out, r_out)); {} for
+        heads that are not factored."""
+        if self.P is None:
+            return {}
+        return {"reduce_P": self.P, "reduce_U": self.U}
+
     def augmented(self) -> tuple[np.ndarray, np.ndarray]:
         """(V~ (H, d_out, d + 1), Q~ (H, d + 1, d + 1)): the heads of the tokens (x, 1) that compute these heads
-        with their bias terms (mhla_cli.bias_terms); (V, Q) without them."""
+        with their bias terms (mhla_cli.bias_terms); (V, Q) without them. Of the reduced tokens for factored
+        heads (`augmented_maps`)."""
         if not self.bias_terms:
             return self.V, self.Q
         return augmented_heads(self.V, self.Q, **self.bias_arrays())
+
+    def augmented_maps(self) -> tuple[np.ndarray, np.ndarray] | None:
+        """The maps (P~, U) of the `augmented` heads of factored heads: P~ = [[P, 0], [0, 1]] takes the tokens
+        (x, 1) to (P^T x, 1) with the bias terms, P itself without; None for heads that are not factored."""
+        if self.P is None:
+            return None
+        if not self.bias_terms:
+            return self.P, self.U
+        D, r = self.P.shape
+        Pa = np.zeros((D + 1, r + 1))
+        Pa[:D, :r], Pa[D, r] = self.P, 1.0
+        return Pa, self.U
+
+    def dense(self) -> Heads:
+        """These heads with d x d matrices: factored heads as V = U V_h P^T (H, d_out, d), Q = P Q_h P^T (H, d, d)
+        and their bias terms value_bias -> U b_v, score_key -> P c, score_query -> P r (the same function; d^2
+        numbers a head instead of r^2, and evaluating them costs d / r times more per token and (d / r)^2 per
+        window); the heads themselves when they are not factored."""
+        if self.P is None:
+            return self
+        P, U = self.P, self.U
+        bias = {}
+        if self.bias_terms:
+            bias = {"value_bias": self.value_bias @ U.T, "score_key": self.score_key @ P.T,
+                    "score_query": self.score_query @ P.T, "score_bias": np.array(self.score_bias)}
+        return Heads(V=np.ascontiguousarray(np.einsum("ij,hjk,lk->hil", U, self.V, P, optimize=True)),
+                     Q=np.ascontiguousarray(np.einsum("ij,hjk,lk->hil", P, self.Q, P, optimize=True)),
+                     info=dict(self.info), affine_weight=self.affine_weight, affine_bias=self.affine_bias,
+                     **{k: np.ascontiguousarray(v) for k, v in bias.items()})
 
     def __repr__(self) -> str:  # the sizes, not V and Q
         norm = self.info.get("normalize")
@@ -142,6 +214,9 @@ class Heads(HeadShapes):
 
     @property
     def coef(self) -> np.ndarray:
+        if self.P is not None:
+            raise InputError(f"factored heads (d = {self.d} tokens through d = {self.reduced_dim}, mhla export-heads "
+                             "--unreduce) have no coef (d, psi); they are evaluated directly")
         if self.d_out != self.d:
             raise InputError(f"heads with {self.d_out}-dim outputs of {self.d}-dim tokens have no coef (d, psi) "
                              "on d x d features; they are evaluated directly")
@@ -155,6 +230,8 @@ class Heads(HeadShapes):
         attrs = {"d": self.d, "n_heads": self.n_heads}
         if self.d_out != self.d:
             attrs["d_out"] = self.d_out
+        if self.P is not None:
+            attrs["reduced_dim"] = self.reduced_dim
         for k in ("function_change", "coef_change", "coordinates", "tol", "max_heads", "normalize", "unreduced",
                   "attention"):
             if self.info.get(k) is not None:
@@ -163,8 +240,8 @@ class Heads(HeadShapes):
             attrs["bias_terms"] = 1
         if self.affine_weight is not None:
             attrs["affine_width"] = int(self.affine_weight.shape[1])
-        formats.write_file(path, "heads", {"V": self.V, "Q": self.Q, **self.bias_arrays(), **self.affine_arrays()},
-                           attrs, inputs)
+        formats.write_file(path, "heads", {"V": self.V, "Q": self.Q, **self.bias_arrays(), **self.affine_arrays(),
+                                           **self.map_arrays()}, attrs, inputs)
 
     def affine_arrays(self) -> dict[str, np.ndarray]:
         """The affine map's arrays by name ({} without it): affine_weight (d_out, D), affine_bias (d_out,)."""
@@ -184,17 +261,22 @@ class Heads(HeadShapes):
             bias = read_bias_arrays({k: formats.read_array(f, k, path) for k in BIAS_ARRAYS if k in f},
                                     formats.read_bias_terms(f.attrs, path), path)
             affine = {k: formats.read_array(f, k, path) for k in AFFINE_ARRAYS if k in f}
-        heads = cls.from_arrays(V, Q, normalize, path, bias=bias, affine=affine or None)
+            maps = {k: formats.read_array(f, k, path) for k in MAP_ARRAYS if k in f}
+            widths = {k: int(f.attrs[k]) for k in ("d", "d_out") if k in f.attrs}
+        heads = cls.from_arrays(V, Q, normalize, path, bias=bias, affine=affine or None, maps=maps or None)
+        check_widths(heads, widths, path)
         if attention is not None:  # the per-position samples fitted on (mhla_cli.samples)
             heads.info["attention"] = attention.decode() if isinstance(attention, bytes) else str(attention)
         return heads
 
     @classmethod
     def from_arrays(cls, V: Any, Q: Any, normalize: str = "none", path: str | os.PathLike | None = None,
-                    bias: dict[str, Any] | None = None, affine: dict[str, Any] | None = None) -> Heads:
+                    bias: dict[str, Any] | None = None, affine: dict[str, Any] | None = None,
+                    maps: dict[str, Any] | None = None) -> Heads:
         """Validated heads from arrays V (H, d_out, d), Q (H, d, d) (any real dtype; stored as float64),
-        `bias`, the bias terms' arrays by name (mhla_cli.bias_terms.BIAS_ARRAYS) or None, and `affine`, the
-        affine map's (AFFINE_ARRAYS) or None."""
+        `bias`, the bias terms' arrays by name (mhla_cli.bias_terms.BIAS_ARRAYS) or None, `affine`, the
+        affine map's (AFFINE_ARRAYS) or None, and `maps`, the maps of factored heads (MAP_ARRAYS: reduce_P
+        (D, d), reduce_U (D_out, d_out)) or None."""
         V = np.asarray(V)
         Q = np.asarray(Q)
         for name, a in (("V", V), ("Q", Q)):
@@ -215,6 +297,8 @@ class Heads(HeadShapes):
         if normalize not in ("none", "length"):
             raise InputError(f"attribute 'normalize' is '{normalize}', expected none or length", path)
         heads = cls(V=V, Q=Q, info={"normalize": normalize})
+        if maps:
+            heads.P, heads.U = _read_maps(maps, V.shape, path)
         if bias:
             H, d_out, d = V.shape
             shapes = {"value_bias": (H, d_out), "score_key": (H, d), "score_query": (H, d), "score_bias": (H,)}
@@ -234,9 +318,13 @@ class Heads(HeadShapes):
                 raise InputError(f"holds {', '.join(k for k in AFFINE_ARRAYS if k in affine)} but no "
                                  f"{', '.join(repr(k) for k in missing)}; the file is incomplete", path)
             Wa, ba = (np.asarray(affine[k]) for k in AFFINE_ARRAYS)
-            if Wa.ndim != 2 or Wa.shape[0] != V.shape[1] or ba.shape != (V.shape[1],):
+            d_out = heads.d_out
+            if Wa.ndim != 2 or Wa.shape[0] != d_out or ba.shape != (d_out,):
                 raise InputError(f"'affine_weight' {Wa.shape} and 'affine_bias' {ba.shape} are not an affine map to "
-                                 f"the heads' {V.shape[1]} outputs", path)
+                                 f"the heads' {d_out} outputs", path)
+            if heads.P is not None and Wa.shape[1] != heads.d:
+                raise InputError(f"'affine_weight' {Wa.shape} takes {Wa.shape[1]}-dim tokens but the factored heads "
+                                 f"take {heads.d}-dim ones (their affine map acts on the tokens themselves)", path)
             Wa, ba = Wa.astype(np.float64), ba.astype(np.float64)
             if not (np.isfinite(Wa).all() and np.isfinite(ba).all()):
                 raise InputError("'affine_weight' or 'affine_bias' contains NaN or Inf", path)
@@ -244,13 +332,17 @@ class Heads(HeadShapes):
         return heads
 
     def to_torch(self, dtype: Any = None) -> Any:
-        """A `torch.nn.Module` computing these heads' function (V, Q as trainable parameters).
+        """A `torch.nn.Module` computing these heads' function (V, Q as trainable parameters; the maps P, U of
+        factored heads as buffers, evaluated as x~ = P^T x and y = U y~: the cost of the reduced heads).
 
-        `module(X)` for X (B, n, d) or (n, d): last-token outputs (B, d) (or (d,));
-        `module(X, all_positions=True)`: sum_h V_h S Q_h x_t at every position (B, n, d);
-        `module(X, causal=True)`: the last-token output of every prefix X[:t] (B, n, d).
+        `module(X)` for X (B, n, d) or (n, d): last-token outputs (B, d_out) (or (d_out,));
+        `module(X, all_positions=True)`: sum_h V_h S Q_h x_t at every position (B, n, d_out);
+        `module(X, causal=True)`: the last-token output of every prefix X[:t] (B, n, d_out).
         S = X^T X, divided by the (prefix) length when the heads were fitted with normalize="length".
-        Sequences of one batch have equal length (call it per sequence for ragged data).
+        Padded batches: `attention_mask=` (B, n) of 0/1 (left, right or any padding) or `lengths=` (B,) (the first
+        lengths[b] positions, right padding): a masked position is neither a token of S nor counted in the length;
+        the last-token output is the one at the last unmasked position, and outputs at masked positions are 0.
+        `wide=` the wide tokens of heads with the affine map of them (the tokens themselves for factored heads).
         `dtype` defaults to torch.float64. Needs torch >= 2.1 (mhla's [torch] extra).
         """
         try:
@@ -262,7 +354,36 @@ class Heads(HeadShapes):
         V, Q = self.augmented()  # with the bias terms: the heads of the tokens (x, 1)
         return HeadsModule(V, Q, str(self.info.get("normalize", "none")), torch.float64 if dtype is None else dtype,
                            constant=self.bias_terms, affine=None if self.affine_weight is None else
-                           (self.affine_weight, self.affine_bias))
+                           (self.affine_weight, self.affine_bias),
+                           maps=None if self.P is None else (self.P, self.U))
+
+
+def _read_maps(maps: dict[str, Any], shape: tuple[int, ...], path: str | os.PathLike | None
+               ) -> tuple[np.ndarray, np.ndarray]:
+    """(P (D, r), U (D_out, r_out)) of factored heads V (H, r_out, r), validated (both present, real, finite)."""
+    missing = [k for k in MAP_ARRAYS if k not in maps]
+    if missing:
+        raise InputError(f"holds {', '.join(k for k in MAP_ARRAYS if k in maps)} but no "
+                         f"{', '.join(repr(k) for k in missing)}; the factored heads are incomplete", path)
+    out = []
+    for k, r in zip(MAP_ARRAYS, (shape[2], shape[1])):
+        a = np.asarray(maps[k])
+        if not (np.issubdtype(a.dtype, np.floating) or np.issubdtype(a.dtype, np.integer)):
+            raise InputError(f"'{k}' has dtype {a.dtype}, expected real numbers", path)
+        if a.ndim != 2 or a.shape[1] != r or a.shape[0] < 1:
+            raise InputError(f"'{k}' has shape {a.shape}, expected (D, {r}) beside V {tuple(shape)}", path)
+        a = a.astype(np.float64)
+        if not np.isfinite(a).all():
+            raise InputError(f"'{k}' contains NaN or Inf", path)
+        out.append(a)
+    return out[0], out[1]
+
+
+def check_widths(heads: Heads, widths: dict[str, int], path: str | os.PathLike | None) -> None:
+    """The widths a heads file's metadata states ({"d": ..., "d_out": ...}, those present) are the arrays'."""
+    for key, value in (("d", heads.d), ("d_out", heads.d_out)):
+        if key in widths and int(widths[key]) != value:
+            raise InputError(f"metadata '{key}' = {widths[key]} but the arrays have {key} = {value}", path)
 
 
 def heads_from_W(W: np.ndarray, tol: float = 1e-12, max_heads: int | None = None

@@ -94,6 +94,8 @@ class Model:
             attrs["affine_width"] = int(self.affine_coef.shape[1] - 1)
             if self.info.get("affine_source") is not None:
                 attrs["affine_source"] = json.dumps(self.info["affine_source"])
+        if self.info.get("data_source") is not None:  # the training data's identity (formats.source_identity)
+            attrs["data_source"] = json.dumps(self.info["data_source"])
         formats.write_file(path, "model", data, attrs, inputs)
 
     def check_readable(self, path: str | os.PathLike | None = None) -> None:
@@ -151,6 +153,10 @@ class Model:
                     with contextlib.suppress(ValueError):
                         src = f.attrs["affine_source"]
                         info["affine_source"] = json.loads(src.decode() if isinstance(src, bytes) else str(src))
+            if "data_source" in f.attrs:
+                with contextlib.suppress(ValueError):
+                    src = f.attrs["data_source"]
+                    info["data_source"] = json.loads(src.decode() if isinstance(src, bytes) else str(src))
         model = cls(coef=coef, W=W, d=d, info=info, coef_b=coef_b, basis=basis, gram_pairs=gram_pairs,
                     gram_spans=spans, W_b=W_b, affine_coef=affine_coef)
         if affine_coef is not None:

@@ -13,7 +13,8 @@ they keep. `reduce_tokens(..., like=OUT)` applies the maps stored in OUT, bit fo
 
 Uncentered on purpose: the MHLA is a homogeneous cubic in x, and x~ = P^T x keeps it one (a centring
 would add lower-degree terms). A head fitted in reduced coordinates is a head of the original widths,
-V_full = U V_h P^T and Q_full = P Q_h P^T (`unreduce_heads`, `mhla export-heads --unreduce`).
+V_full = U V_h P^T and Q_full = P Q_h P^T (`unreduce_heads`, `mhla export-heads --unreduce`), kept factored as
+the reduced heads and the maps P, U so that evaluating them costs what the reduced heads cost.
 Memory: one chunk of the input, the two second moments and their eigensolver copies:
 O(chunk + D^2 + D_out^2).
 """
@@ -36,8 +37,8 @@ from ..io.tokens import TokensInfo, check_finite, check_weights, inspect_tokens,
 if TYPE_CHECKING:
     import h5py
 
-__all__ = ["Reduction", "fit_reduction", "load_reduction", "reduce_tokens", "second_moments", "top_eigenvectors",
-           "unreduce_heads"]
+__all__ = ["Reduction", "check_unreduce", "fit_reduction", "load_reduction", "reduce_tokens", "second_moments",
+           "top_eigenvectors", "unreduce_heads"]
 
 # Bytes of token rows (float64) read per chunk of a reduction pass (at least one sequence).
 CHUNK_BYTES = 16 << 20
@@ -268,24 +269,60 @@ def reduce_tokens(data: str | os.PathLike, out: str | os.PathLike, dim: int | No
     return red
 
 
-def unreduce_heads(heads: Heads, red: Reduction, path: str | os.PathLike | None = None) -> Heads:
-    """Heads of reduced coordinates as heads of the original widths: V_full = U V_h P^T (H, D_out, D)
-    and Q_full = P Q_h P^T (H, D, D), so that sum_h V_full X^T X Q_full x = U (the reduced heads'
-    output on X P) for every X (P^T P = I). `path`: the reduced file, for messages."""
+def unreduce_heads(heads: Heads, red: Reduction, path: str | os.PathLike | None = None, dense: bool = False
+                   ) -> Heads:
+    """Heads of reduced coordinates as heads of the original widths: factored heads (the heads themselves and the
+    maps P, U: `Heads.P`, `Heads.U`) computing y = U (the reduced heads' output on x~ = P^T x), so that on the
+    original tokens X they give U (the reduced heads' output on X P) at the cost of the reduced heads. Their
+    bias terms stay those of the reduced heads; the affine map of the wide tokens is mapped back, U
+    affine_weight (D_out, D). `dense`: the same function as d x d matrices, V_full = U V_h P^T (H, D_out, D)
+    and Q_full = P Q_h P^T (H, D, D) (`Heads.dense`). `path`: the reduced file, for messages."""
     if red.U is None:
         raise InputError("records no targets' map 'reduce_U': the outputs cannot be mapped back", path)
     d = red.dim
-    if heads.d != d or heads.d_out != d:
+    if heads.factored or heads.d != d or heads.d_out != d:
         raise InputError(f"the heads have d = {heads.d} but the reduction maps to d = {d}", path)
-    Vf = np.einsum("ij,hjk,lk->hil", red.U, heads.V, red.P, optimize=True)
-    Qf = np.einsum("ij,hjk,lk->hil", red.P, heads.Q, red.P, optimize=True)
     info = dict(heads.info)
     info["unreduced"] = str(path) if path is not None else "yes"
-    bias = {}
-    if heads.bias_terms:  # value_bias -> U b_v; the score's linear terms act on x~ = P^T x: P c (mhla_cli.bias_terms)
-        bias = {"value_bias": heads.value_bias @ red.U.T, "score_key": heads.score_key @ red.P.T,
-                "score_query": heads.score_query @ red.P.T, "score_bias": np.array(heads.score_bias)}
+    affine = {}
     if heads.affine_weight is not None:  # the affine map of the wide tokens: its outputs mapped back by U
-        bias.update(affine_weight=red.U @ heads.affine_weight, affine_bias=red.U @ heads.affine_bias)
-    return Heads(V=np.ascontiguousarray(Vf), Q=np.ascontiguousarray(Qf), info=info,
-                 **{k: np.ascontiguousarray(v) for k, v in bias.items()})
+        affine = {"affine_weight": np.ascontiguousarray(red.U @ heads.affine_weight),
+                  "affine_bias": np.ascontiguousarray(red.U @ heads.affine_bias)}
+    out = Heads(V=np.array(heads.V), Q=np.array(heads.Q), info=info, P=np.ascontiguousarray(red.P),
+                U=np.ascontiguousarray(red.U), **heads.bias_arrays(), **affine)
+    return out.dense() if dense else out
+
+
+def check_unreduce(model: Any, reduced: str | os.PathLike, model_path: str | os.PathLike) -> str | None:
+    """Are the maps recorded in `reduced` the ones `model`'s training data were made with? The model records its
+    data's identity (`Model.info["data_source"]`, with the fingerprint and width of the maps of the reduction that
+    wrote them: formats.source_identity); a reduced file of another width, or with other maps (another `mhla reduce`
+    run of the same d), is an InputError naming both files, and so is a model fitted on data that mhla reduce did
+    not write. A model that records no data identity (an older mhla's, or fitted on statistics made in memory)
+    cannot tell unless its recorded input is `reduced` itself: the warning text is returned (None when the maps are
+    confirmed)."""
+    ident = formats.source_identity(reduced)
+    have = ident.get("reduction") or {}
+    source = model.info.get("data_source")
+    if isinstance(source, dict):
+        fitted = source.get("reduction") or {}
+        name = source.get("name", "?")
+        if fitted.get("maps") is None:
+            raise InputError(f"{model_path} was fitted on {name}, which mhla reduce did not write (it records no "
+                             f"maps): its heads are not in the coordinates of {reduced}; --unreduce takes the file "
+                             "mhla reduce wrote for the model's training data", reduced)
+        if fitted.get("dim") is not None and have.get("dim") is not None and fitted["dim"] != have["dim"]:
+            raise InputError(f"the heads have d = {fitted['dim']} but the reduction maps to d = {have['dim']}",
+                             reduced)
+        if fitted["maps"] != have.get("maps"):
+            raise InputError(f"holds other maps (reduce_P, reduce_U: {str(have.get('maps'))[:12]}) than the reduction "
+                             f"of {name} that {model_path} was fitted on ({fitted['maps'][:12]}): give --unreduce "
+                             f"{name}, or a file reduced with `mhla reduce ... --like` it", reduced)
+        return None
+    first = (formats.recorded_inputs(model_path)[:1] or [{}])[0]
+    if first.get("fingerprint") and first.get("fingerprint") == ident.get("fingerprint"):
+        return None  # an older model fitted on this very file
+    return (f"{model_path} does not record which reduction its training data came from (a model of an older mhla, "
+            f"or fitted on statistics made in memory): cannot check that {reduced} holds the maps it was fitted in; "
+            "the heads of another mhla reduce run of the same d are wrong with no error (fit the model again with "
+            "this mhla to have it checked)")
