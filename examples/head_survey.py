@@ -66,8 +66,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # examples/: real_mode
 from real_model import (  # noqa: E402
     HELDOUT_TEXTS, LICENSES, N_FOLDS, QUICK_STRIDE, REPLACE_ROWS, TRAIN_TEXTS, FoldStats, Linear, accumulate,
     affine_features, affine_fn, attention_output, check_head, const_fn, head_hook, last_text, layer_hook,
-    length_batches, load_model, mhla_fn, predict_rows, r2, read_texts, replace, replacement_table,
-    replacement_windows, ridge_cv, sentence_embeddings, text_windows)
+    length_batches, load_model, mhla_fn, predict_rows, r2, read_texts, replace,
+    replacement_windows, ridge_cv, save_png, sentence_embeddings, text_windows)
 
 from mhla_cli import certify, fit, load_function, reduce_tokens, write_tokens  # noqa: E402
 from mhla_cli.model.forward import predict_file  # noqa: E402
@@ -350,14 +350,7 @@ def heatmap(rows: list[dict], layers: list[dict], n_layers: int, n_heads: int, p
         ax.set_title(name, fontsize=9)
     fig.colorbar(im, ax=list(axes), label="held-out R$^2$, every position", shrink=0.9)
     fig.suptitle(title, fontsize=9)
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp.png")
-    try:
-        fig.savefig(tmp, dpi=80, metadata={"Software": None})
-        os.replace(tmp, path)
-    finally:
-        plt.close(fig)
-        tmp.unlink(missing_ok=True)
+    save_png(fig, path, dpi=80)
 
 
 def main(argv: list[str] | None = None) -> dict:

@@ -15,8 +15,8 @@ from the layer's own weights (numpy softmax at every position).
 
 The windows are written as tokens files of the model's widths with per-position targets and the
 root attribute attention = "bidirectional" (train384.h5, heldout384.h5; train384_last.h5 is the
-training file with weight 1 at the last text token and 0 elsewhere: the fit of today's last-token
-tables, every token still in S), and reduced to d dimensions with the maps fitted on the training
+training file with weight 1 at the last text token and 0 elsewhere: the fit of a last-token
+table, every token still in S), and reduced to d dimensions with the maps fitted on the training
 windows (the top d eigenvectors of the tokens' and of the outputs' uncentered second moments):
 
     mhla reduce train384.h5 -o train_d{d}.h5 --dim d
@@ -335,8 +335,9 @@ class Linear:
 def ridge_cv(st: FoldStats, cols: np.ndarray | None = None, T: np.ndarray | None = None) -> Linear:
     """Least squares of the targets mapped by T (e x e') on the feature columns `cols`, the ridge chosen
     by K-fold CV (the lowest mean held-out MSE over 0 and mhla's grid of 30 penalties from 1e-8 to 10
-    times lambda_max). Columns are scaled to unit root mean square first; eigenvalues at or below
-    p eps lambda_max count as 0, so ridge 0 is the minimum-norm least-squares fit."""
+    times lambda_max). Columns are scaled to unit root mean square first; eigenvalues at or below mhla's
+    numerical tolerance (p eps lambda_max) count as 0, so ridge 0 is the minimum-norm least-squares fit."""
+    from mhla_cli.numerics import numerical_tolerance
     from mhla_cli.solve.ridge_cv import ridge_grid
 
     p_all = st.G.shape[1]
@@ -355,7 +356,7 @@ def ridge_cv(st: FoldStats, cols: np.ndarray | None = None, T: np.ndarray | None
 
     def path(Gtr: np.ndarray, Mtr: np.ndarray) -> Callable[[float], np.ndarray]:
         w, V = np.linalg.eigh(0.5 * (Gtr + Gtr.T))
-        keep = w > len(w) * np.finfo(float).eps * max(w[-1], 0.0)
+        keep = w > numerical_tolerance(float(w[-1]), len(w))
         w, V = w[keep], V[:, keep]
         c = V.T @ Mtr
         return lambda r: V @ (c / (w + r)[:, None])
@@ -408,7 +409,6 @@ def bias_block(X: np.ndarray, normalize: str) -> np.ndarray:
                       (n / c) * ones])
 
 
-BLOCKS = ("mhla", "bias", "affine")
 # The feature sets of the "what each adds" table, by block.
 ADDS = (("MHLA", ("mhla",)), ("MHLA + bias terms", ("mhla", "bias")), ("affine map", ("affine",)),
         ("MHLA + affine map", ("mhla", "affine")), ("MHLA + bias terms + affine map", ("mhla", "bias", "affine")))
@@ -463,7 +463,7 @@ def run_case(run: Runner, d: int, normalize: str, red: Reduced, test_out: np.nda
     pred = run("predict", f"model_{tag}.h5", test_h5, "-o", f"pred_{tag}.h5")
     pred_cv = run("predict", f"model_cv_{tag}.h5", test_h5, "-o", f"pred_cv_{tag}.h5")
     spec = run("spectrum", f"model_{tag}.h5", ok=(0, 1))
-    # the fit of today's last-token tables: the same windows, weight 1 at the last text token only
+    # the fit of a last-token table: the same windows, weight 1 at the last text token only
     run("featurize", f"train_last_d{d}.h5", "-o", f"folds_last_{tag}.h5", "--folds", str(N_FOLDS), *norm)
     fit_last = run("fit", f"folds_last_{tag}.h5", "-o", f"model_last_{tag}.h5", "--ridge", "auto")
     run("predict", f"model_last_{tag}.h5", test_h5, "-o", f"pred_last_{tag}.h5")
@@ -751,10 +751,17 @@ def figure(result: dict, path: Path) -> None:
         ax.set_title("what each block of features adds (numpy least squares)", fontsize=9)
         ax.legend(fontsize=7, loc="lower right")
     fig.tight_layout()
+    save_png(fig, path, dpi=90)
+
+
+def save_png(fig, path: Path, dpi: int) -> None:
+    """Write a matplotlib figure as a PNG atomically (a temporary file renamed), and close it."""
+    import matplotlib.pyplot as plt
+
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp.png")
     try:
-        fig.savefig(tmp, dpi=90, metadata={"Software": None})
+        fig.savefig(tmp, dpi=dpi, metadata={"Software": None})
         os.replace(tmp, path)
     finally:
         plt.close(fig)
