@@ -46,7 +46,8 @@ def closed_form(ds: synthetic.Dataset, teacher: synthetic.Heads | None = None,
     """Algorithm 1 in-process: statistics, least squares, heads; MSE of the exported heads on the data.
 
     With the teacher: `p_error` = ||coef - p_teacher||_F / ||p_teacher||_F. With `fewest`: the head
-    count and relative function error of `lowrank.fewest_heads` on the fitted coef (not timed).
+    count of `lowrank.fewest_heads` on the fitted model and its function change on the training data
+    (RMS output change / RMS output; not timed).
     """
     with Timer() as t:
         feats = features_of(ds)
@@ -60,13 +61,11 @@ def closed_form(ds: synthetic.Dataset, teacher: synthetic.Heads | None = None,
     if teacher is not None:
         out["p_error"] = float(np.linalg.norm(model.coef - teacher.coef) / np.linalg.norm(teacher.coef))
     if fewest:
-        from mhla_cli.model.heads import p_from_heads
         from mhla_cli.solve.lowrank import fewest_heads
 
-        fh_heads = fewest_heads(model.coef)
-        p_fh = p_from_heads(fh_heads.V, fh_heads.Q)
+        fh_heads = fewest_heads(model)
         out["fewest_n_heads"] = int(fh_heads.n_heads)
-        out["fewest_error"] = float(np.linalg.norm(p_fh - model.coef) / np.linalg.norm(model.coef))
+        out["fewest_error"] = float(fh_heads.info["function_change"])
     return out
 
 
@@ -158,7 +157,7 @@ def closed_form_lines(all_res: list[dict[str, Any]]) -> list[str]:
         fw = [(c["fewest_n_heads"], c["fewest_error"]) for c in cf if "fewest_n_heads" in c]
         if fw:
             line += ("; lowrank.fewest_heads on the fit (export-heads --fewest): "
-                     + ", ".join(f"{h} heads (rel. function error {fmt(e)})" for h, e in fw))
+                     + ", ".join(f"{h} heads (function change {fmt(e)})" for h, e in fw))
         lines.append(line)
     return lines
 

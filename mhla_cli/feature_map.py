@@ -17,6 +17,16 @@ def n_features(d: int) -> int:
     return d * d * (d + 1) // 2
 
 
+def d_of_psi(psi: int) -> int:
+    """The token width d of psi = d^2 (d + 1) / 2 features (ValueError when psi is no such count)."""
+    d = 1
+    while n_features(d) < psi:
+        d += 1
+    if n_features(d) != psi:
+        raise ValueError(f"{psi} is not d^2 (d + 1) / 2 for any d")
+    return d
+
+
 @lru_cache(maxsize=64)
 def pair_index(d: int) -> tuple[np.ndarray, np.ndarray]:
     """Row/column indices (j, k), j <= k, of the upper triangle in feature order."""

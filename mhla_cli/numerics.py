@@ -135,6 +135,17 @@ OWN_FOLDS_COND = 16.0
 # unconverged bulk cut by the threshold 1-1.5x).
 RELIABLE_GAP = 10.0
 
+# export-heads --fewest: heads are accepted when the function changes by at most this (RMS output change
+# on the training data relative to the RMS output, mhla_cli.model.canonical; the coefficient change in
+# the coordinates at hand for a model without its data's Lambda~).
+FEWEST_TOL = 1e-8
+
+# The lower bound of --fewest needs a number t <= lambda_min(Lambda~) that a Cholesky of Lambda~ - t I
+# proves (it succeeds exactly when that matrix is positive definite): t = LAMBDA_FLOOR_FRACTION times the
+# computed lambda_min (rounding moves a computed eigenvalue by ~ psi eps lambda_max; a factor 2 below it
+# is proven whenever lambda_min is resolved at all, and weakens the bound's radius by sqrt 2 only).
+LAMBDA_FLOOR_FRACTION = 0.5
+
 
 def quote(x: float) -> str:
     """A constant as the help and the docs write it: 1e-8, 1e12, 0.5, 8."""
@@ -176,6 +187,7 @@ QUOTED = {
     "DEAD_WEIGHT_TOL": DEAD_WEIGHT_TOL, "NONZERO_REL": NONZERO_REL, "REFINE_MAX_RHO": REFINE_MAX_RHO,
     "UNRESOLVED_REL": UNRESOLVED_REL, "EQUILIBRATE_RATIO": EQUILIBRATE_RATIO, "CANONICAL_TOL": CANONICAL_TOL,
     "CANONICAL_COEF_TOL": CANONICAL_COEF_TOL, "W_COEF_TOL": W_COEF_TOL, "MAX_EXACT_INT": MAX_EXACT_INT,
-    "SST_RESOLUTION": SST_RESOLUTION, "TARGET_SQUARES_FLOOR": TARGET_SQUARES_FLOOR, "RELIABLE_GAP": RELIABLE_GAP, "ORTHONORMAL_TOL": ORTHONORMAL_TOL,
-    "FOLD_SUM_TOL": FOLD_SUM_TOL, "OWN_FOLDS_COND": OWN_FOLDS_COND,
+    "SST_RESOLUTION": SST_RESOLUTION, "TARGET_SQUARES_FLOOR": TARGET_SQUARES_FLOOR, "RELIABLE_GAP": RELIABLE_GAP,
+    "ORTHONORMAL_TOL": ORTHONORMAL_TOL, "FOLD_SUM_TOL": FOLD_SUM_TOL, "OWN_FOLDS_COND": OWN_FOLDS_COND,
+    "FEWEST_TOL": FEWEST_TOL, "LAMBDA_FLOOR_FRACTION": LAMBDA_FLOOR_FRACTION,
 }

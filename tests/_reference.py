@@ -172,3 +172,51 @@ def ridge_cv_path(X: np.ndarray, off: np.ndarray, Y: np.ndarray, K: int, grid: n
             pb = (V @ ((V.T @ m) / (w + r)[:, None])).T
             out[g, k] = ((Hv @ pb.T - Y[a:b]) ** 2).sum() / ((b - a) * d)
     return out
+
+
+def expanded_features(X: np.ndarray, normalize: str = "none") -> tuple[np.ndarray, list[str]]:
+    """The features of a head with biases for the sample X (its query last), block by block as the expansion of
+    sum_i (V x_i + b_v)((K x_i + b_k)^T (Q x_t + b_q)) gives them (BACKGROUND.md, "The terms a head's biases
+    add"): S (x) x_t (j <= k, l), S (j <= k), m (x) x_t, m, n x_t, n with m = sum_i x_i; S, m and n divided by n
+    with normalize="length". Returns the values and their names."""
+    X = np.asarray(X, dtype=np.float64)
+    n, d = X.shape
+    c = float(n) if normalize == "length" else 1.0
+    S, m, nn, x = X.T @ X / c, X.sum(axis=0) / c, n / c, X[-1]
+    vals, names = [], []
+    for j in range(d):
+        for k in range(j, d):
+            for l in range(d):
+                vals.append(S[j, k] * x[l])
+                names.append(f"S[{j},{k}]*x_t[{l}]")
+    for j in range(d):
+        for k in range(j, d):
+            vals.append(S[j, k])
+            names.append(f"S[{j},{k}]")
+    for j in range(d):
+        for l in range(d):
+            vals.append(m[j] * x[l])
+            names.append(f"m[{j}]*x_t[{l}]")
+    for j in range(d):
+        vals.append(m[j])
+        names.append(f"m[{j}]")
+    for l in range(d):
+        vals.append(nn * x[l])
+        names.append(f"n*x_t[{l}]")
+    vals.append(nn)
+    names.append("n")
+    return np.array(vals), names
+
+
+def biased_heads_output(V: np.ndarray, Q: np.ndarray, value_bias: np.ndarray, score_key: np.ndarray,
+                        score_query: np.ndarray, score_bias: np.ndarray, X: np.ndarray, t: int,
+                        normalize: str = "none") -> np.ndarray:
+    """sum_h sum_i (V_h x_i + value_bias_h) (x_i^T Q_h x_t + score_key_h . x_i + score_query_h . x_t + score_bias_h),
+    / n with normalize="length", by loops over the tokens i of X (the whole window) for the query X[t]."""
+    X = np.asarray(X, dtype=np.float64)
+    out = np.zeros(V.shape[1])
+    for h in range(V.shape[0]):
+        for xi in X:
+            score = xi @ Q[h] @ X[t] + score_key[h] @ xi + score_query[h] @ X[t] + score_bias[h]
+            out += (V[h] @ xi + value_bias[h]) * score
+    return out / (X.shape[0] if normalize == "length" else 1.0)

@@ -18,7 +18,7 @@ import pytest
 from mhla_cli.model import synthetic
 from mhla_cli.cli import run
 from mhla_cli.feature_map import n_features
-from mhla_cli.model.heads import export_heads
+from mhla_cli import export_heads
 from mhla_cli.solve.lstsq import fit
 from mhla_cli.statistics.stream import featurize
 

@@ -1,4 +1,4 @@
-"""`mhla compare`: same function or not, in p-space and on data (issue 5, item 4)."""
+"""`mhla compare`: same function or not, on data, on the training data and in p-space (issues 5 and 36)."""
 
 from __future__ import annotations
 
@@ -31,7 +31,47 @@ def test_model_vs_teacher_heads(teacher_file: tuple[Path, Path, synthetic.Datase
     assert run(["compare", str(other), str(th), "--tol", "1e-3", "--json", "-q"]) == 1
     out = json.loads(capsys.readouterr().out)
     assert out["relative_distance"] == pytest.approx(0.01, rel=1e-9)
-    assert out["same"] is False
+    assert out["same"] is False and out["judged_by"] == "coefficients"  # two heads files: no data
+    # a model and heads: judged on the model's training data (its Lambda~), and --on by the outputs there
+    capsys.readouterr()
+    assert run(["compare", str(other), str(m), "--tol", "1e-3", "--json", "-q"]) == 1
+    out = json.loads(capsys.readouterr().out)
+    assert out["judged_by"] == "training data" and out["measured_on"] == "b" and out["function_change"] > 1e-3
+    assert run(["compare", str(other), str(m), "--tol", "1e-3", "--on", str(data), "--json", "-q"]) == 1
+    on = json.loads(capsys.readouterr().out)
+    assert on["judged_by"] == "data" and on["relative_rms_difference"] == pytest.approx(out["function_change"],
+                                                                                      rel=1e-9)
+
+
+def test_compare_on_data_evaluates_a_model_where_it_was_solved(tmp_path: Path) -> None:
+    """Length-1 sequences with a rotated direction of std 1e-6 (tests/test_forward.py's extreme case): the
+    model's coefficients on the tokens' own features lose ~cond(A)^3 eps, so compare --on evaluates it in its
+    canonical coordinates, as predict does: it equals the teacher there to 1e-8."""
+    from mhla_cli.model.forward import predict
+    from mhla_cli.solve.lstsq import fit
+    from mhla_cli.statistics.stream import chunk_features
+
+    rng = np.random.default_rng(41)
+    d, N = 3, 420
+    R = np.linalg.qr(rng.standard_normal((d, d)))[0]
+
+    def squashed(n: int) -> np.ndarray:
+        Z = rng.standard_normal((n, d))
+        Z[:, -1] *= 1e-6
+        return Z @ R.T
+
+    X = squashed(N)
+    off = np.arange(N + 1)
+    teacher = synthetic.random_teacher(d, 2, rng)
+    model = fit(chunk_features(X, off, predict(teacher, X, off), d))
+    Z = squashed(40)
+    path = tmp_path / "z.h5"
+    import h5py
+
+    with h5py.File(path, "w") as f:
+        f["tokens"], f["offsets"] = Z, np.arange(41)
+    res = compare(model, teacher, tol=1e-8, on=path)
+    assert res["same"] and res["relative_rms_difference"] < 1e-8
 
 
 def test_gauge_invariance() -> None:
@@ -86,3 +126,20 @@ def test_function_distance_is_a_record() -> None:
     assert dist.to_dict() == {k: v for k, v in compare(a, 2 * a).items() if k in dist.to_dict()}
     assert function_distance(a, b).relative_distance == float("inf") and function_distance(b, b).relative_distance == 0
     assert repr(dist).startswith("Distance(distance=4.472")
+
+
+def test_training_data_that_do_not_determine_the_function_are_said_so(tmp_path: Path,
+                                                                       capsys: pytest.CaptureFixture[str]) -> None:
+    """A minimum-norm fit of data that do not certify and the teacher agree on the training data (exit 0) but
+    not elsewhere: the verdict is on the training data, and a warning says those data leave room."""
+    data, th, m = tmp_path / "a.h5", tmp_path / "t.h5", tmp_path / "m.h5"
+    assert run(["generate", "assoc", "-o", str(data), "--keys", "2", "--n-samples", "500", "--orthogonal-fraction",
+                "1.0", "--dtype", "float64", "--teacher-out", str(th), "-q"]) == 0
+    assert run(["fit", str(data), "-o", str(m), "-q"]) == 0
+    capsys.readouterr()
+    assert run(["compare", str(m), str(th), "--json"]) == 0
+    cap = capsys.readouterr()
+    out = json.loads(cap.out)
+    assert out["judged_by"] == "training data" and out["measured_on"] == "a"
+    assert out["training_data_identifiable"] is False and out["function_change"] < 1e-10
+    assert out["relative_distance"] > 1e-2 and "do not determine the function" in cap.err

@@ -1,4 +1,4 @@
-"""W <-> p <-> heads (Algorithm 1, steps 2-3), head export and the heads file (mhla_cli.model.heads).
+"""W <-> p <-> heads (Algorithm 1, steps 2-3) and the heads file (mhla_cli.model.heads).
 
 References are written in plain numpy from the formulas of docs/formats.md:
   W[a*d+j, k*d+l] = sum_h V_h[a,j] Q_h[k,l]
@@ -16,7 +16,6 @@ import pytest
 from mhla_cli.model import heads
 from mhla_cli.errors import InputError
 from mhla_cli.model.heads import Heads
-from mhla_cli.model.model import Model
 
 
 def np_p_from_W(W: np.ndarray) -> np.ndarray:
@@ -122,51 +121,11 @@ def test_shape_errors() -> None:
         heads.W_from_p(np.zeros((2, 5)))  # psi(2) = 6
 
 
-def _designed_model(d: int, s: np.ndarray, seed: int) -> tuple[Model, np.ndarray, np.ndarray, np.ndarray]:
-    """A Model whose W has singular values s (W need not be the min-norm one: p_from_W(W) = coef)."""
-    rng = np.random.default_rng(seed)
-    U = np.linalg.qr(rng.standard_normal((d * d, d * d)))[0]
-    Vt = np.linalg.qr(rng.standard_normal((d * d, d * d)))[0].T
-    full = np.zeros(d * d)
-    full[:s.size] = s
-    W = (U * full) @ Vt
-    return Model(coef=np_p_from_W(W), W=W, d=d), U, full, Vt
-
-
-@pytest.mark.parametrize("kw,n_heads", [({"max_heads": 2}, 2), ({"tol": 1e-3}, 2), ({"tol": 1e-5}, 3),
-                                        ({"tol": 1e-10}, 3), ({"max_heads": 1, "tol": 1e-10}, 1),
-                                        ({"tol": 0.9}, 1)])
-def test_export_heads_truncation_and_reported_error(kw: dict, n_heads: int) -> None:
-    d = 3
-    model, U, s, Vt = _designed_model(d, np.array([10.0, 5.0, 1e-3]), seed=4)
-    h = heads.export_heads(model, **kw)
-    assert h.n_heads == n_heads
-    # numpy recomputation: the function of the rank-n_heads truncated SVD against the model's
-    Wk = (U[:, :n_heads] * s[:n_heads]) @ Vt[:n_heads]
-    err = rel(np_p_from_W(Wk), model.coef)
-    assert h.info["relative_function_error"] == pytest.approx(err, rel=1e-6, abs=1e-14)
-    assert rel(np_W_from_heads(h.V, h.Q), Wk) <= 1e-12
-    np.testing.assert_allclose(h.info["singular_values"][:3], s[:3], rtol=1e-12)
-    if n_heads == 3:
-        assert h.info["relative_function_error"] <= 1e-13
-    else:
-        assert h.info["relative_function_error"] > 1e-5
-
-
-def test_export_heads_bad_arguments() -> None:
-    model, *_ = _designed_model(2, np.array([1.0]), seed=0)
-    for kw in ({"max_heads": 0}, {"tol": 1.0}, {"tol": -1e-3}):
-        with pytest.raises(InputError):
-            heads.export_heads(model, **kw)
-    zero = Model(coef=np.zeros((2, 6)), W=np.zeros((4, 4)), d=2)
-    h = heads.export_heads(zero)  # always at least one head; the zero function is exact
-    assert h.n_heads == 1 and h.info["relative_function_error"] == 0.0 and not h.coef.any()
-
-
 def test_heads_file_round_trip(tmp_path: Path) -> None:
     rng = np.random.default_rng(1)
     V, Q = rng.standard_normal((2, 3, 2, 2))
-    h = Heads(V=V, Q=Q, info={"normalize": "length", "relative_function_error": 0.25, "tol": 1e-9, "max_heads": 3})
+    h = Heads(V=V, Q=Q, info={"normalize": "length", "function_change": 0.25, "coef_change": 0.5,
+                              "coordinates": "canonical", "tol": 1e-9, "max_heads": 3})
     path = tmp_path / "h.h5"
     h.save(path)
     back = Heads.load(path)
@@ -174,7 +133,8 @@ def test_heads_file_round_trip(tmp_path: Path) -> None:
     assert back.info["normalize"] == "length"
     with h5py.File(path, "r") as f:
         assert f.attrs["mhla_kind"] == "heads" and int(f.attrs["n_heads"]) == 3 and int(f.attrs["d"]) == 2
-        assert float(f.attrs["relative_function_error"]) == 0.25 and int(f.attrs["max_heads"]) == 3
+        assert float(f.attrs["function_change"]) == 0.25 and int(f.attrs["max_heads"]) == 3
+        assert float(f.attrs["coef_change"]) == 0.5 and f.attrs["coordinates"] == "canonical"
 
 
 def _write(path: Path, attrs: dict | None = None, **data: np.ndarray) -> Path:

@@ -34,6 +34,14 @@ def _rel(a: np.ndarray, b: np.ndarray) -> float:
     return float(np.linalg.norm(a - b) / np.linalg.norm(b))
 
 
+def _rel_b(a: np.ndarray, b: np.ndarray) -> float:
+    """_rel in the orthonormal pair coordinates p / D (D = 1 on S[j,j], sqrt 2 on S[j,k], j < k): the
+    coefficient change that fewest_heads reports for a bare coef (mhla_cli.model.canonical)."""
+    d = b.shape[0]
+    D = np.repeat([1.0 if j == k else np.sqrt(2.0) for j in range(d) for k in range(j, d)], d)
+    return _rel(a / D, b / D)
+
+
 def test_adjoint_and_projection() -> None:
     rng = np.random.default_rng(0)
     d = 4
@@ -79,8 +87,12 @@ def test_fit_then_fewest_heads_recovers_teacher(d: int, H: int) -> None:
     heads = lowrank.fewest_heads(model.coef)
     assert heads.n_heads <= H
     assert _rel(heads.coef, teacher.coef) <= 1e-8
-    assert heads.info["relative_function_error"] <= 1e-8
-    assert abs(heads.info["relative_function_error"] - _rel(heads.coef, model.coef)) < 1e-12
+    assert heads.info["coef_change"] <= 1e-8 and heads.info["coordinates"] == "own"
+    assert abs(heads.info["coef_change"] - _rel_b(heads.coef, model.coef)) < 1e-12
+    # the model itself (its data's Lambda~): the change of the outputs on the training data
+    on_data = lowrank.fewest_heads(model)
+    assert on_data.n_heads <= H and on_data.info["function_change"] <= 1e-8
+    assert on_data.info["coordinates"] == "canonical"
 
 
 def test_min_nuclear_w_is_feasible_and_low_rank() -> None:
@@ -142,7 +154,7 @@ def test_cli_fit_heads_fewest_export(tmp_path: Path, capsys: pytest.CaptureFixtu
     h = tmp_path / "h.h5"
     assert run(["export-heads", str(m), "-o", str(h), "--fewest", "--json", "-q"]) == 0
     out = json.loads(capsys.readouterr().out)
-    assert out["n_heads"] == 1 and out["relative_function_error"] <= 1e-8
+    assert out["n_heads"] == 1 and out["function_change"] <= 1e-8
     assert run(["fit", str(data), "-o", str(tmp_path / "x.h5"), "--heads", "two"]) == 2
     assert run(["fit", str(data), "-o", str(tmp_path / "x.h5"), "--heads", "1", "--nuclear", "1"]) == 2
 
@@ -179,7 +191,7 @@ def _check_fewest(coef: np.ndarray, n_heads: int, proven: bool) -> Heads:
     assert heads.n_heads == n_heads
     # verified independently: the heads' own p (p_from_W of sum_h vec(V_h) vec(Q_h)^T) against coef
     assert _rel(heads.coef, coef) <= 1e-8
-    assert heads.info["rel_error"] == heads.info["relative_function_error"] <= 1e-8
+    assert heads.info["coef_change"] <= 1e-8 and heads.info["function_change"] is None
     assert heads.info["proven_minimal"] is proven
     assert heads.info["proven_minimal"] == (heads.info["lower_bound"] == n_heads)
     return heads
@@ -327,7 +339,7 @@ def test_cli_fewest_json_and_message(tmp_path: Path, capsys: pytest.CaptureFixtu
     cap = capsys.readouterr()
     out = json.loads(cap.out)
     assert out["n_heads"] == 2 == out["lower_bound"] and out["proven_minimal"] is True
-    assert out["rel_error"] <= 1e-8 and out["starts_tried"]["2"] >= 1 and out["converged"] is True
+    assert out["function_change"] <= 1e-8 and out["starts_tried"]["2"] >= 1 and out["converged"] is True
     assert "proven minimal" in cap.err and "did not converge" not in cap.err
     assert _rel(Heads.load(tmp_path / "h.h5").coef, Model.load(m).coef) <= 1e-8
     # an unconverged min-nuclear W only seeds the search: warned, and the heads are still verified
@@ -336,5 +348,5 @@ def test_cli_fewest_json_and_message(tmp_path: Path, capsys: pytest.CaptureFixtu
     assert run(["export-heads", str(m), "-o", str(tmp_path / "h2.h5"), "--fewest", "--json", "-q"]) == 0
     cap = capsys.readouterr()
     out = json.loads(cap.out)
-    assert out["converged"] is False and out["n_heads"] == 2 and out["rel_error"] <= 1e-8
+    assert out["converged"] is False and out["n_heads"] == 2 and out["function_change"] <= 1e-8
     assert "did not converge after 2 iterations" in cap.err

@@ -141,17 +141,86 @@ STRUCTURAL = [
                tests=("tests/test_certificate.py", "-k", "domain_object")),
 ]
 
-NUMERICS = ["EPS", "RANK_FACTOR", "STRUCTURE_FACTOR", "OBSERVED_SPAN_FACTOR", "DETERMINED_TOL", "LANCZOS_TOL",
-            "MSE_RESOLUTION_FACTOR", "SINGULAR_BASIS_COND", "SYMMETRY_TOL", "ORTHOGONAL_TOL", "DEAD_WEIGHT_TOL",
-            "NONZERO_REL", "REFINE_MAX_RHO", "UNRESOLVED_REL", "EQUILIBRATE_RATIO", "CANONICAL_TOL",
-            "CANONICAL_COEF_TOL", "W_COEF_TOL", "MAX_EXACT_INT", "SST_RESOLUTION", "RELIABLE_GAP", "ORTHONORMAL_TOL",
-            "FOLD_SUM_TOL"]
-# named tolerances outside numerics, each with the tests of its module
-OTHER_CONSTANTS = [("mhla_cli.solve.ridge_cv", "CV_FLOOR", ("tests/test_ridge_cv.py",))]
+# Every check of export-heads, spectrum and compare evaluated in the tokens' own coordinates (or on the
+# coefficients instead of the outputs on the data): tests/test_canonical.py or test_compare.py must see each.
+CANONICAL = ("tests/test_canonical.py", "tests/test_compare.py")
 
-CONSTANTS = [Constant("mhla_cli.numerics", name, f) for name in NUMERICS for f in (1e4, 1e-4)] + \
+
+def _sub_key(node: ast.AST, key: str) -> bool:
+    """`x["key"]`."""
+    return isinstance(node, ast.Subscript) and isinstance(node.slice, ast.Constant) and node.slice.value == key
+
+
+def _rekey(node: ast.Subscript, key: str) -> ast.Subscript:
+    node.slice = ast.Constant(key)
+    return node
+
+
+def _verdict(what: str) -> Callable[[ast.AST], bool]:
+    """`out["judged_by"], rel = what, out[...]` in compare."""
+    return lambda n: (isinstance(n, ast.Assign) and isinstance(n.value, ast.Tuple)
+                      and isinstance(n.value.elts[0], ast.Constant) and n.value.elts[0].value == what)
+
+
+def _verdict_on(key: str) -> Callable[[ast.AST], ast.AST]:
+    def change(n: ast.Assign) -> ast.Assign:
+        n.value.elts[1] = _rekey(n.value.elts[1], key)
+        return n
+    return change
+
+
+OWN_COORDINATES = [
+    Structural("heads, spectrum and --fewest in the tokens' own coordinates", "mhla_cli.model.canonical",
+               "canonical_function",
+               lambda n: isinstance(n, ast.If) and isinstance(n.test, ast.BoolOp) and _calls(n.test.values[0], "isinstance")
+               and "coef_b" in ast.unparse(n.test),
+               lambda n: ast.If(ast.BoolOp(ast.And(), [n.test, ast.Constant(False)]), n.body, n.orelse),
+               tests=CANONICAL),
+    Structural("the spectrum of the own coefficients", "mhla_cli.solve.spectrum", "spectrum",
+               lambda n: _assigns(n, "cf") and _calls(n.value, "_scaled"),
+               lambda n: ast.Assign(n.targets, _expr("canonical_function(fn.coef if isinstance(fn, Model) else fn)")),
+               tests=CANONICAL),
+    Structural("the reported change on the coefficients", "mhla_cli.model.canonical", "CanonicalFunction.record",
+               lambda n: _calls(n, "function_change"),
+               lambda n: ast.Call(ast.Attribute(n.func.value, "coef_change", ast.Load()), n.args, n.keywords),
+               tests=CANONICAL),
+    Structural("--fewest cut on the coefficients", "mhla_cli.model.canonical", "CanonicalFunction.change",
+               lambda n: isinstance(n, ast.FunctionDef), _returns_first("return self.coef_change(c_new)"),
+               tests=CANONICAL),
+    Structural("--fewest's lower bound without the data", "mhla_cli.solve.lowrank.fewest", "fewest_heads",
+               lambda n: isinstance(n, ast.keyword) and n.arg == "radius",
+               lambda n: ast.keyword("radius", ast.Constant(None)), tests=CANONICAL),
+    Structural("--max-heads auto polished in the coefficients of H(Z)", "mhla_cli.solve.spectrum", "outlier_heads",
+               lambda n: isinstance(n, ast.keyword) and n.arg == "metric",
+               lambda n: ast.keyword("metric", _expr("np.eye(cf.coef.shape[1])")), tests=CANONICAL),
+    Structural("compare --on judged by the own-coordinate distance", "mhla_cli.model.compare", "compare",
+               _verdict("data"), _verdict_on("relative_distance"), tests=CANONICAL),
+    Structural("compare judged by the own-coordinate distance on the training data", "mhla_cli.model.compare",
+               "compare", _verdict("training data"), _verdict_on("relative_distance"), tests=CANONICAL),
+    Structural("compare --on evaluates a model's own coefficients", "mhla_cli.model.compare", "prediction_difference",
+               lambda n: isinstance(n, ast.Assign) and isinstance(n.value, ast.Tuple)
+               and all(_calls(e, "evaluated") for e in n.value.elts),
+               lambda n: ast.Assign(n.targets, _expr("(coef_of(a), None), (coef_of(b), None)")), tests=CANONICAL),
+]
+
+def _quoted_constants() -> list[str]:
+    """EPS and every constant numerics.QUOTED lists (read from the source: a constant added there is a
+    mutant here without another edit)."""
+    tree = ast.parse((ROOT / "mhla_cli" / "numerics.py").read_text(encoding="utf-8"))
+    table = next(n.value for n in tree.body if isinstance(n, ast.Assign) and _is_name(n.targets[0], "QUOTED"))
+    return ["EPS", *(k.value for k in table.keys)]
+
+
+# the constants whose cut tests live beside their module rather than in tests/test_numerics.py
+CUT_TESTS = {"OWN_FOLDS_COND": ("tests/test_folds.py", "-k", "cut_")}
+# named tolerances outside numerics, each with the tests of its module
+OTHER_CONSTANTS = [("mhla_cli.solve.ridge_cv", "CV_FLOOR", ("tests/test_ridge_cv.py",)),
+                   ("mhla_cli.io.tokens", "MIN_WEIGHT", ("tests/test_tokens.py", "-k", "cut_"))]
+
+CONSTANTS = [Constant("mhla_cli.numerics", name, f, CUT_TESTS.get(name, BOUNDARY))
+             for name in _quoted_constants() for f in (1e4, 1e-4)] + \
             [Constant(mod, name, f, tests) for mod, name, tests in OTHER_CONSTANTS for f in (1e4, 1e-4)]
-MUTANTS = CONSTANTS + STRUCTURAL
+MUTANTS = CONSTANTS + STRUCTURAL + OWN_COORDINATES
 
 # Changes that no test can see because they change no answer (they are reported, not asserted):
 EQUIVALENT = {

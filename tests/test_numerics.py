@@ -928,3 +928,81 @@ def test_cut_fold_sums(tmp_path: Path) -> None:
         else:
             with pytest.raises(InputError, match="do not sum"):
                 load_folds(path)
+
+
+@pytest.mark.parametrize("factor,n_heads", [(1e-2, 2), (1e2, 3)])
+def test_cut_fewest_tol(factor: float, n_heads: int) -> None:
+    """--fewest's cut on the function change: a 2-head teacher plus a third head whose outputs on the data
+    are factor x FEWEST_TOL of the outputs (relative RMS) is fitted by 2 heads at 1e-2 x, needs 3 at 1e2 x;
+    the reported change is numpy's RMS difference of the heads' and the model's outputs."""
+    from mhla_cli import export_heads
+    from mhla_cli.model import synthetic
+    from mhla_cli.model.forward import predict
+    from mhla_cli.solve.lstsq import fit
+
+    rng = np.random.default_rng(8)
+    d, length, n_seq = 3, 6, 150
+    off = np.arange(0, n_seq * length + 1, length)
+    X = rng.standard_normal((n_seq * length, d))
+    y2 = np.asarray(predict(synthetic.random_teacher(d, 2, rng), X, off))
+    y1 = np.asarray(predict(synthetic.random_teacher(d, 1, rng), X, off))
+    eps = factor * DOC["FEWEST_TOL"] * np.sqrt(np.mean(y2**2) / np.mean(y1**2))
+    model = fit(chunk_features(X, off, y2 + eps * y1, d))
+    heads = export_heads(model, fewest=True)
+    assert heads.n_heads == n_heads
+    seqs = [X[a:b] for a, b in zip(off[:-1], off[1:])]
+    yh = np.stack([sum(heads.V[h] @ Z.T @ Z @ heads.Q[h] @ Z[-1] for h in range(heads.n_heads)) for Z in seqs])
+    ym = np.stack([model.coef_b @ _reference.canonical_features(Z @ model.basis) for Z in seqs])
+    ref = np.sqrt(np.mean((yh - ym) ** 2) / np.mean(ym**2))
+    assert heads.info["function_change"] <= DOC["FEWEST_TOL"]
+    assert abs(heads.info["function_change"] - ref) <= 1e-6 * ref + 1e-12
+
+
+def test_cut_lambda_floor_fraction() -> None:
+    """--fewest's lower bound proves t = LAMBDA_FLOOR_FRACTION x lambda_min (a Cholesky of Lambda~ - t I) and
+    counts the singular values of B(x) above tol ||p_b||_L / sqrt(t): a 3-head function whose third head's
+    singular values stand 10x above that radius gets the bound 3; with t 1e-4 x smaller (radius 100x)
+    they fall below it (bound 2), and at 1e4 x the Cholesky fails (no t: bound 1)."""
+    from mhla_cli.linalg import symgram
+    from mhla_cli.model.canonical import canonical_function
+    from mhla_cli.model.heads import W_from_p, coef_of_heads
+    from mhla_cli.model.model import Model
+    from mhla_cli.solve.lowrank import head_lower_bound
+
+    rng = np.random.default_rng(12)
+    d, psi, tol, lam0 = 3, 18, 1e-8, 0.1
+    D = np.repeat([1.0 if j == k else np.sqrt(2.0) for j in range(d) for k in range(j, d)], d)
+    lam = rng.uniform(0.5, 2.0, psi)
+    lam[0] = lam0
+    V, Q = rng.standard_normal((2, 3, d, d))
+    xs = [np.eye(d)[j] for j in range(d)]
+    xr = np.random.default_rng(0).standard_normal((4, d))  # head_lower_bound's directions (seed 0)
+    xs += [x / np.linalg.norm(x) for x in xr]
+
+    def model_of(e: float) -> Model:
+        c = coef_of_heads(V * np.array([1.0, 1.0, e])[:, None, None], Q)
+        return Model(coef=c, W=W_from_p(c), d=d, coef_b=c / D, basis=np.eye(d),
+                     gram_pairs=symgram.pairs_from_gram(np.diag(lam), 6, 3),
+                     info={"identifiable": True, "lambda_min": lam0})
+
+    def third(e: float) -> float:  # the largest third singular value of B(x) = sum_h (V_h x)(Q_h^T x)^T (numpy)
+        Ve = V * np.array([1.0, 1.0, e])[:, None, None]
+        return max(np.linalg.svd(sum(np.outer(Ve[h] @ x, Q[h].T @ x) for h in range(3)), compute_uv=False)[2]
+                   for x in xs)
+
+    e = 1.0
+    for _ in range(3):  # third(e) = 10 x the radius (the radius moves a little with e)
+        cf = canonical_function(model_of(e))
+        radius = cf.radius(tol) * cf.scale
+        e *= 10 * radius / third(e)
+    cf = canonical_function(model_of(e))
+    radius = cf.radius(tol) * cf.scale
+    assert third(e) == pytest.approx(10 * radius, rel=1e-3)
+    assert cf.gram.floor() == pytest.approx(DOC["LAMBDA_FLOOR_FRACTION"] * lam0, rel=1e-12)
+    pb_l = np.sqrt(np.sum((cf.coef * cf.scale / D) ** 2 * lam))  # ||p_b||_L, numpy
+    assert radius == pytest.approx(tol * pb_l / np.sqrt(DOC["LAMBDA_FLOOR_FRACTION"] * lam0), rel=1e-9)
+    c = cf.coef * cf.scale
+    assert head_lower_bound(c, radius=radius)["lower_bound"] == 3
+    assert head_lower_bound(c, radius=100 * radius)["lower_bound"] == 2  # t 1e-4 x smaller
+    with pytest.raises(np.linalg.LinAlgError):  # t 1e4 x larger: not proven
+        np.linalg.cholesky(np.diag(lam) - 1e4 * DOC["LAMBDA_FLOOR_FRACTION"] * lam0 * np.eye(psi))

@@ -28,13 +28,13 @@ from ..feature_map import check_normalize
 from ..model.forward import predict as forward_predict
 from ..model.forward import predict_samples
 from ..samples import Samples, check_attention, samples_of
-from ..model.model import Model
+from ..model.model import Model, token_dim
 from ..solve.certificate import Certificate, certify
 from ..statistics.stream import Features, chunk_features
 from ..io.tokens import MAX_EXACT_INT
 
 _PARAMS = ("ridge", "heads", "nuclear", "domain", "normalize", "per_position", "weight_decay", "restarts", "seed",
-           "min_eig", "cv", "device", "attention")
+           "min_eig", "cv", "device", "attention", "bias_terms")
 
 
 def _as_tokens(sequences: Any, offsets: Any = None, what: str = "sequences") -> tuple[np.ndarray, np.ndarray]:
@@ -136,7 +136,8 @@ class MHLA:
     (factorised fit), `min_eig` (certificate threshold), `cv` (folds for "auto": sample i of the
     data goes to fold i mod cv, counted across `partial_fit` calls), `device` ("cpu": numpy, the
     default; "cuda", "cuda:I" or "torch:cpu": the features, the factorization and the last-token
-    predictions through torch there, float64; mhla_cli.linalg.device).
+    predictions through torch there, float64; mhla_cli.linalg.device), `bias_terms` (the terms a head's
+    biases add, docs/bias_terms.md: the MHLA of the tokens (x, 1); `coef_` and `W_` are then of those tokens).
 
     Fitted attributes: `coef_` (d, psi), `W_` (d^2, d^2), `heads_` (Heads), `certificate_`
     (Certificate), `n_samples_`, `n_features_in_` (d), `features_` (the summed Features, in the
@@ -146,7 +147,7 @@ class MHLA:
     def __init__(self, ridge: float = 0.0, heads: int | str | None = None, nuclear: float | str | None = None,
                  domain: str = "full", normalize: str = "none", per_position: bool = False,
                  weight_decay: float = 0.0, restarts: int = 10, seed: int = 0, min_eig: float = 0.0,
-                 cv: int = 5, device: str = "cpu", attention: str = "causal") -> None:
+                 cv: int = 5, device: str = "cpu", attention: str = "causal", bias_terms: bool = False) -> None:
         given = locals()
         for name in _PARAMS:  # scikit-learn's convention: every parameter stored as given, under its name
             setattr(self, name, given[name])
@@ -230,14 +231,15 @@ class MHLA:
         self._check_params()
         if getattr(self, "_total", None) is None:
             self._reset()
-        config = (self.normalize, self._samples, self._auto, self.cv if self._auto else None)
+        config = (self.normalize, self._samples, self._auto, self.cv if self._auto else None, bool(self.bias_terms))
         if self._config is not None and config != self._config:
-            raise InputError("normalize, per_position, attention, 'auto' or cv changed since the first chunk: call "
-                             "fit() to start over")
+            raise InputError("normalize, per_position, attention, bias_terms, 'auto' or cv changed since the first "
+                             "chunk: call fit() to start over")
         tokens, off = _as_tokens(sequences, offsets)
         d = tokens.shape[1]
-        if getattr(self, "features_", None) is not None and d != self.features_.d:
-            raise InputError(f"this chunk has d = {d} but the earlier chunks have d = {self.features_.d}")
+        seen = getattr(self, "features_", None)
+        if seen is not None and d != seen.d - int(seen.bias_terms):
+            raise InputError(f"this chunk has d = {d} but the earlier chunks have d = {seen.d - int(seen.bias_terms)}")
         per_pos = bool(self.per_position)
         n_rows = tokens.shape[0] if per_pos else off.size - 1
         y = _as_targets(targets, n_rows, d, per_pos)
@@ -268,7 +270,8 @@ class MHLA:
         """Features of the chunk, each part in its own whitening (one part; with 'auto', one part per CV
         fold: sequence i of all those seen -> fold i mod cv)."""
         kw: dict[str, Any] = {"per_position": bool(self.per_position), "normalize": self.normalize, "basis": "auto",
-                              "device": self.device, "attention": self.attention if self.per_position else None}
+                              "device": self.device, "attention": self.attention if self.per_position else None,
+                              "bias_terms": bool(self.bias_terms)}
         if not self._auto:
             return [(0, chunk_features(tokens, off, y, d, weights=w, **kw))]
         K = int(self.cv)
@@ -311,7 +314,7 @@ class MHLA:
         self.certificate_: Certificate = certify(feats, min_eig=float(self.min_eig), domain=self.domain,
                                                       device=self.device)
         self.n_samples_ = int(feats.n_samples)
-        self.n_features_in_ = int(feats.d)  # scikit-learn's name: the token dimension d
+        self.n_features_in_ = int(feats.d) - int(feats.bias_terms)  # scikit-learn's name: the token dimension d
 
     # ------------------------------------------------------------------ prediction
     def _fitted(self) -> Model:
@@ -326,8 +329,8 @@ class MHLA:
         window's S (attention="bidirectional")."""
         model = self._fitted()
         tokens, off = _as_tokens(sequences, offsets)
-        if tokens.shape[1] != model.d:
-            raise InputError(f"the sequences have d = {tokens.shape[1]} but the model has d = {model.d}")
+        if tokens.shape[1] != token_dim(model):
+            raise InputError(f"the sequences have d = {tokens.shape[1]} but the model has d = {token_dim(model)}")
         if self.per_position:
             return predict_samples(model, tokens, off, self._samples)
         return forward_predict(model, tokens, off, device=self.device)  # type: ignore[return-value]

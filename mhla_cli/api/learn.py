@@ -11,18 +11,21 @@ from __future__ import annotations
 import os
 from typing import Any
 
+import numpy as np
+
 from ..io import formats
 from ..io.tokens import inspect_tokens
+from ..model import canonical
 from ..model import heads as heads_mod
 from ..solve import lowrank
 from ..solve import ridge_cv
 from ..model import scores
-from ..solve import certificate, domains, lstsq
+from ..solve import affine_block, certificate, domains, lstsq
 from ..solve import spectrum
 from ..errors import InputError
 from ..numerics import TARGET_SQUARES_FLOOR
 from ..model.heads import Heads
-from ..model.model import Model
+from ..model.model import Model, affine_of
 from ..statistics.folds import load_folds
 from ..statistics.stream import Features, check_solve_memory
 
@@ -44,7 +47,21 @@ RULES = {
     "auto_with_normalize": "'auto' with a normalisation: featurize the folds with it first (featurize_folds(..., "
                            "normalize=...)), then fit those statistics",
     "fewest_with_max_heads": "fewest and max_heads cannot be combined",
+    "affine_least_squares": "the affine block of the wide tokens is fitted by least squares with a given ridge (not "
+                            "'auto', no heads or nuclear)",
 }
+
+
+def certify(feats: Features, min_eig: float = 0.0, domain: str = "full", device: str | None = None
+            ) -> certificate.Certificate:
+    """The certificate of the statistics (mhla_cli.solve.certificate), of the extended features when they hold the
+    affine block of the wide tokens (mhla_cli.solve.affine_block: the full domain only)."""
+    if feats.affine is None:
+        return certificate.certify(feats, min_eig=min_eig, domain=domain, device=device)
+    if domains.get_domain(domain).name != "full":
+        raise InputError("the certificate of the affine block of the wide tokens is of the full domain: certify "
+                         "without --domain")
+    return affine_block.certify(feats, min_eig=min_eig, device=device)
 
 
 def needs_folds(ridge: float | str = 0.0, heads: int | str | None = None, nuclear: float | str | None = None
@@ -68,14 +85,15 @@ def check_fit_targets(data: str | os.PathLike) -> None:
 
 def check_fit_file(data: str | os.PathLike, ridge: float | str = 0.0, heads: int | str | None = None,
                    nuclear: float | str | None = None, normalize: str | None = None,
-                   chunk_size: int | None = None, attention: str | None = None) -> None:
+                   chunk_size: int | None = None, attention: str | None = None, bias_terms: bool = False) -> None:
     """Refuse before any work a fit of the file `data` that cannot run: the options (`check_fit_options`),
     its memory (statistics.stream.check_solve_memory), and for 'auto' the folds it needs (a features file
     without them) and a normalisation that only a featurize with folds can apply."""
     check_fit_options(ridge, heads, nuclear)
     # 'auto': the folds' eigendecompositions need about a ridge solve's memory
     check_solve_memory(data, "fit", ridge=1.0 if ridge == "auto" else ridge,
-                       lowrank=heads is not None or nuclear is not None, chunk_size=chunk_size, attention=attention)
+                       lowrank=heads is not None or nuclear is not None, chunk_size=chunk_size, attention=attention,
+                       bias_terms=bias_terms)
     if needs_folds(ridge, heads, nuclear):
         if formats.kind_of(data) == "features" and load_folds(data) is None:
             raise RequestError("auto_without_folds", data)
@@ -95,7 +113,11 @@ def fit(feats: Features, ridge: float | str = 0.0, heads: int | str | None = Non
     factorization runs (the low-rank fits run on the CPU).
     """
     check_fit_options(ridge, heads, nuclear)
-    if heads is None and nuclear is None:
+    if feats.affine is not None:  # the extended features (mhla_cli.solve.affine_block)
+        if heads is not None or nuclear is not None or ridge == "auto":
+            raise RequestError("affine_least_squares")
+        model = affine_block.fit(feats, ridge=float(ridge), device=device)
+    elif heads is None and nuclear is None:
         cv = None
         if ridge == "auto":
             if not folds:
@@ -191,19 +213,28 @@ def check_export_options(max_heads: int | str | None = None, fewest: bool = Fals
 
 def export_heads(model: Model, tol: float = 1e-12, max_heads: int | str | None = None,
                  fewest: bool = False) -> Heads:
-    """Heads computing `model`'s function (or its strongest part).
+    """Heads computing `model`'s function (or its strongest part), found in the canonical coordinates of its
+    data and returned in the tokens' (mhla_cli.model.canonical).
 
-    Default: the SVD of W, dropping singular values <= tol * s_max and keeping at most `max_heads`
+    Default: the SVD of W there, dropping singular values <= tol * s_max and keeping at most `max_heads`
     heads; max_heads="auto": the heads that stand out of the spectrum's noise; fewest=True: the fewest
-    heads that compute the same function (verified to 1e-8; `info` says whether the count is proven).
+    heads that compute the same function (a change <= FEWEST_TOL, verified; `info` says whether the count
+    is proven). info["function_change"]: the RMS change of the outputs on the training data relative to
+    the RMS output (None for a model without its data's Lambda~: then info["coef_change"] is all there is).
     """
     check_export_options(max_heads, fewest)
+    fn = canonical.canonical_function(model)
     if fewest:
-        heads = lowrank.fewest_heads(model.coef)
+        heads = lowrank.fewest_heads(fn)
     elif max_heads == "auto":
-        heads = spectrum.outlier_heads(model)
+        heads = spectrum.outlier_heads(fn)
     else:
-        heads = heads_mod.export_heads(model, tol=tol, max_heads=max_heads)
+        heads = canonical.truncated_heads(fn, tol=tol, max_heads=max_heads)
+    if model.info.get("bias_terms"):  # heads of the tokens (x, 1): the heads of x and their bias terms
+        heads = heads_mod.with_bias_terms(heads)
+    affine = affine_of(model)
+    if affine is not None:  # the token-wise affine map of the wide tokens beside them (solve.affine_block)
+        heads.affine_weight, heads.affine_bias = np.ascontiguousarray(affine[:, :-1]), np.array(affine[:, -1])
     heads.info["normalize"] = model.info.get("normalize", "none")
     if model.info.get("attention") is not None:
         heads.info["attention"] = model.info["attention"]

@@ -11,7 +11,8 @@ import typer
 from ..errors import InputError
 from ..numerics import DETERMINED_TOL, EPS, RANK_RULE, quote
 from .console import emit_json, fmt, load_with_progress, progress_bar, say, warn, working
-from .options import AttentionOpt, ChunkOpt, DeviceOpt, JsonOpt, NormalizeOpt, QuietOpt, about, check_hdf5_output
+from .options import (AffineFromOpt, AttentionOpt, BiasTermsOpt, ChunkOpt, DeviceOpt, JsonOpt, NormalizeOpt, QuietOpt,
+                      about, check_hdf5_output)
 
 
 def certify_cmd(
@@ -37,6 +38,8 @@ def certify_cmd(
                                                 "file.")] = None,
     normalize: NormalizeOpt = None,
     attention: AttentionOpt = None,
+    bias_terms: BiasTermsOpt = False,
+    affine_from: AffineFromOpt = None,
     chunk_size: ChunkOpt = None,
     device: DeviceOpt = "cpu",
     json_out: JsonOpt = False,
@@ -60,6 +63,10 @@ def certify_cmd(
     Example (a GPU): mhla certify feats.h5 --device cuda --json
 
     Example (an encoder's windows, every position): mhla certify bert_l1.h5 --attention bidirectional
+
+    Example (with the terms a head's biases add): mhla certify enc.h5 --bias-terms
+
+    Example (with the wide token's affine map): mhla certify h8.h5 --affine-from hidden384.h5
     """
     # over 60 lines for its option signature and help only: the body parses the option rules and calls
     # _certify or _certify_on. The library here, not at the top: `mhla certify --help` and completion
@@ -72,6 +79,9 @@ def certify_cmd(
     dev = check_device(device, data)
     if on is None and report is not None:
         raise InputError("-o/--output REPORT is the report of --on PROBES; give --on")
+    if affine_from is not None and (on is not None or witness is not None or domain != "full"):
+        raise InputError("--affine-from certifies the extended features on the full domain: it cannot be combined "
+                         "with --on, --witness or --domain")
     if on is not None:
         if witness is not None or domain != "full" or min_eig > 0:
             raise InputError("--on tests the given probes: it cannot be combined with --witness, --domain "
@@ -79,9 +89,10 @@ def certify_cmd(
         if report is not None:
             check_hdf5_output(report, (data, on), "the report")
         inspect_tokens(on)
-        _certify_on(data, on, report, normalize, chunk_size, json_out, quiet, dev, attention)
+        _certify_on(data, on, report, normalize, chunk_size, json_out, quiet, dev, attention, bias_terms)
         return
-    _certify(data, min_eig, domain, witness, normalize, chunk_size, json_out, quiet, dev, attention)
+    _certify(data, min_eig, domain, witness, normalize, chunk_size, json_out, quiet, dev, attention, bias_terms,
+             affine_from)
 
 
 # The witness's rules (mhla_cli.solve.witness.WitnessRefused.rule) in the words of the command's options.
@@ -89,6 +100,7 @@ _WITNESS_TEXT = {
     "per_position": "--witness supports last-token data only (this file has per-position data)",
     "targets": "--witness needs targets: the two models are compared by their training loss",
     "normalized": "--witness supports unweighted last-token data without --normalize only",
+    "bias_terms": "--witness supports the MHLA's features only: certify without --bias-terms for a witness",
 }
 
 
@@ -104,23 +116,29 @@ def _witness_rules(data: Path, check: Callable[[], None]) -> None:
 
 def _certify(data: Path, min_eig: float, domain: str, witness: Path | None, normalize: str | None,
              chunk_size: int | None, json_out: bool, quiet: bool, device: str | None,
-             attention: str | None = None) -> None:
+             attention: str | None = None, bias_terms: bool = False, affine_from: Path | None = None) -> None:
     """The certificate of `data` (and --witness): its text, its JSON, exit 1 when not identifiable."""
-    from ..solve.certificate import certify
+    from ..api.learn import certify
     from ..solve.witness import check_witness_features, check_witness_input
     from ..statistics.stream import check_solve_memory
 
     if witness is not None:
         check_hdf5_output(witness, (data,), "the witness file")
         _witness_rules(data, lambda: check_witness_input(data))
-    check_solve_memory(data, "certify", chunk_size=chunk_size, attention=attention)
-    feats, _, seconds = load_with_progress(data, chunk_size, quiet, normalize, device, attention)
+    check_solve_memory(data, "certify", chunk_size=chunk_size, attention=attention, bias_terms=bias_terms)
+    feats, _, seconds = load_with_progress(data, chunk_size, quiet, normalize, device, attention, bias_terms,
+                                           affine_from)
+    if feats.affine is not None and (witness is not None or domain != "full"):
+        raise InputError("the statistics hold the affine block of the wide tokens: certify them on the full domain, "
+                         "without --witness", data)
     if witness is not None:
         _witness_rules(data, lambda: check_witness_features(feats))
     with working(f"certify: factorizing the canonical Lambda~ ({feats.n_features} features)", quiet):
         cert = certify(feats, min_eig=min_eig, domain=domain, device=device)
     out = _cert_json(cert, data, seconds)
     out["attention"] = feats.samples.attention  # per-position samples: how they read the window
+    out["bias_terms"] = feats.bias_terms
+    out["affine_width"] = None if feats.affine is None else feats.affine.width
     verdict = "identifiable" if cert.identifiable else "NOT identifiable"
     say(f"{data}: {verdict} on the {domain} domain: lambda_min = {fmt(cert.lambda_min)}, "
         f"lambda_max = {fmt(cert.lambda_max)}, threshold = {fmt(cert.threshold)}, rank {cert.rank}/"
@@ -173,14 +191,18 @@ def _write_witness(feats: Any, data: Path, cert: Any, witness: Path, chunk_size:
 certify_cmd.__doc__ = (certify_cmd.__doc__ or "").replace("{DETERMINED_TOL}", quote(DETERMINED_TOL))
 
 def _certify_on(data: Path, on: Path, report: Path | None, normalize: str | None, chunk_size: int | None,
-                json_out: bool, quiet: bool, device: str | None = None, attention: str | None = None) -> None:
+                json_out: bool, quiet: bool, device: str | None = None, attention: str | None = None,
+                bias_terms: bool = False) -> None:
     from ..solve.probes import certify_probes, null_space
     from ..solve.domains import factorize
     from ..statistics.stream import check_solve_memory
     from ..io.tokens import inspect_tokens
 
-    check_solve_memory(data, "certify", chunk_size=chunk_size, attention=attention)
-    feats, _, _ = load_with_progress(data, chunk_size, quiet, normalize, device, attention)
+    check_solve_memory(data, "certify", chunk_size=chunk_size, attention=attention, bias_terms=bias_terms)
+    feats, _, _ = load_with_progress(data, chunk_size, quiet, normalize, device, attention, bias_terms)
+    if feats.affine is not None:
+        raise InputError("the statistics hold the affine block of the wide tokens: --on tests the MHLA's features "
+                         "only; certify without --on", data)
     # the factorization and the null space first (under a spinner: the eigendecomposition of a
     # singular Lambda~ can take a while); the probes reuse both (cached on feats)
     with working(f"certify --on: the null space of the canonical Lambda~ ({feats.n_features} features)", quiet):

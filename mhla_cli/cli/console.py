@@ -135,7 +135,15 @@ def fmt(x: float | None) -> str:
 
 def say_samples(feats: Features, data: Path, attention: str | None, quiet: bool) -> None:
     """Say what per-position samples were read as (nothing for last-token data), and when a tokens file
-    without an 'attention' attribute was read as causal by default, how to read it bidirectionally."""
+    without an 'attention' attribute was read as causal by default, how to read it bidirectionally; and
+    that the statistics hold the bias terms."""
+    if feats.bias_terms:
+        say(f"  bias terms: the features of the tokens (x, 1), {feats.d - 1} coordinates and the constant "
+            "(docs/bias_terms.md)", quiet)
+    if feats.affine is not None:
+        src = (feats.affine.source or {}).get("name")
+        say(f"  affine block: the query's wide token (x_wide, 1), {feats.affine.width} coordinates and the constant"
+            + (f", of {src}" if src else "") + " (docs/bias_terms.md)", quiet)
     if not feats.per_position:
         return
     from ..io import formats
@@ -148,7 +156,8 @@ def say_samples(feats: Features, data: Path, attention: str | None, quiet: bool)
 
 
 def load_with_progress(path: Path, chunk_size: int | None, quiet: bool,
-                       normalize: str | None = None, device: str | None = None, attention: str | None = None
+                       normalize: str | None = None, device: str | None = None, attention: str | None = None,
+                       bias_terms: bool = False, affine_from: Path | None = None
                        ) -> tuple[Features, str, dict[str, float]]:
     """Features of a features or tokens file (with a progress bar when featurizing; a tokens file's per-position
     samples read with `attention`), the file kind, and the seconds it took ({"pass": s} when a tokens file was
@@ -162,7 +171,7 @@ def load_with_progress(path: Path, chunk_size: int | None, quiet: bool,
     t = time.perf_counter()
     with progress_bar("featurize", total, quiet) as advance:
         feats = load_features(path, chunk_size=chunk_size, normalize=normalize, progress=advance, device=device,
-                              attention=attention)
+                              attention=attention, bias_terms=bias_terms, affine_from=affine_from)
         if kind == "features":
             feats.expand_held()  # a compact file's Gram: expanded within the load's seconds
     say_samples(feats, path, attention, quiet)

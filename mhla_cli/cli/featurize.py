@@ -16,8 +16,8 @@ from ..statistics.parallel import make_map
 from ..statistics.stream import Features, check_spans, featurize, shard_span
 from ..io.tokens import inspect_tokens
 from .console import emit_json, fmt, progress_bar, say, say_samples, warn
-from .options import (AttentionOpt, ChunkOpt, DeviceOpt, JsonOpt, NormalizeOpt, OutOpt, QuietOpt, check_hdf5_output,
-                      parse_shard, require_optional)
+from .options import (AffineFromOpt, AttentionOpt, BiasTermsOpt, ChunkOpt, DeviceOpt, JsonOpt, NormalizeOpt, OutOpt,
+                      QuietOpt, check_hdf5_output, parse_shard, require_optional)
 
 
 def featurize_cmd(
@@ -36,6 +36,8 @@ def featurize_cmd(
                                                   "(needs the dask extra).")] = None,
     normalize: NormalizeOpt = None,
     attention: AttentionOpt = None,
+    bias_terms: BiasTermsOpt = False,
+    affine_from: AffineFromOpt = None,
     spans: Annotated[Literal["auto", "on", "off"], typer.Option("--spans", help="Accumulate only the features on the data's spans "
                                        "span{S_i} (x) span{x_n} (the rest are exact nulls): auto (psi >= 2048 and "
                                        "they hold at most half the features; a cheap first pass finds them), on, off.")] = "auto",
@@ -68,24 +70,33 @@ def featurize_cmd(
     Example: mhla featurize data.h5 -o feats.h5 --workers 4
     Example (job array): mhla featurize data.h5 --shard 3/8 -o part_3.h5 && mhla merge part_*.h5 -o feats.h5
     Example (an encoder's windows): mhla featurize bert_l1.h5 -o feats.h5 --attention bidirectional
+
+    Example (a head with biases): mhla featurize enc.h5 -o feats.h5 --bias-terms
+
+    Example (with the wide token's affine map): mhla featurize h8.h5 -o feats.h5 --affine-from hidden384.h5
     """
     if scheduler is not None and workers != 1:
         raise InputError("--workers and --scheduler cannot be combined (the Dask cluster sets the workers)")
     parallel = {"workers": workers, "scheduler": scheduler, "normalize": check_normalize(normalize or "none"),
-                "attention": attention}
+                "attention": attention, "bias_terms": bias_terms}
+    if affine_from is not None:
+        if folds is not None:
+            raise InputError("--affine-from and --folds cannot be combined (the affine block is fitted with a given "
+                             "--ridge)")
+        parallel["affine_from"] = affine_from
     dev = check_device(device, data)
     if dev is not None and folds is not None:
         raise InputError("--folds runs on the CPU: featurize the folds without --device")
     if compact and folds is not None:
         raise InputError("--compact and --folds cannot be combined (the folds' sums are stored whole)")
-    check_hdf5_output(output, (data,), "a features file")
+    check_hdf5_output(output, (data, affine_from), "a features file")
     if scheduler is not None:
         require_dask(scheduler)
     feats, fold_feats = _featurize(data, shard, folds, chunk_size, spans, dev, parallel, quiet)
     if fold_feats is not None:
         save_with_folds(feats, fold_feats, output, inputs=(data,))
     else:
-        feats.save(output, inputs=(data,), compact=compact)
+        feats.save(output, inputs=(data,) + ((affine_from,) if affine_from is not None else ()), compact=compact)
     _say_featurize(feats, output, quiet)
     say_samples(feats, data, attention, quiet)
     if json_out:
@@ -111,7 +122,8 @@ def _featurize(data: Path, shard: str | None, folds: int | None, chunk_size: int
 def _say_featurize(feats: Features, output: Path, quiet: bool) -> None:
     """What `mhla featurize` says of the statistics it wrote (and of a redone pass, and of the spans' block)."""
     psi = feats.n_features
-    say(f"wrote {output}: d = {feats.d}, psi = {psi} features, N = {feats.n_samples} "
+    dim = f"{feats.d - 1} + the constant (bias terms)" if feats.bias_terms else str(feats.d)
+    say(f"wrote {output}: d = {dim}, psi = {psi} features, N = {feats.n_samples} "
         + ("positions" if feats.per_position else "samples") + f", {feats.n_tokens} tokens"
         + ("" if feats.has_targets else " (no targets)")
         + (", S normalised by length" if feats.normalize == "length" else ""), quiet)
@@ -134,6 +146,8 @@ def _featurize_record(feats: Features, output: Path, compact: bool) -> dict[str,
             "span_passes": int(feats.extra_attrs.get("span_passes", 0)), "n_samples": feats.n_samples,
             "n_tokens": feats.n_tokens, "has_targets": feats.has_targets,
             "per_position": feats.per_position, "attention": feats.samples.attention, "normalize": feats.normalize,
+            "bias_terms": feats.bias_terms,
+            "affine_width": None if feats.affine is None else feats.affine.width,
             "n_sequences": feats.n_sequences, "basis_passes": int(feats.extra_attrs.get("basis_passes", 1)),
             "compact": compact, "sample_range": list(feats.sample_range) if feats.sample_range else None}
 

@@ -11,6 +11,7 @@ from typing import Annotated, Any
 import typer
 
 from ..io import formats
+from ..numerics import FEWEST_TOL, quote
 from ..linalg.device import check_device
 from ..errors import InputError
 from ..statistics.folds import load_for_cv
@@ -24,8 +25,8 @@ from ..solve.spectrum import UnreliableHeadCount, plot_spectrum, pyplot, spectru
 from ..statistics.stream import Features
 from ..io.tokens import inspect_tokens
 from .console import emit_json, fmt, load_with_progress, progress_bar, say, say_samples, warn, working
-from .options import (AttentionOpt, ChunkOpt, DeviceOpt, about, JsonOpt, NormalizeOpt, OutOpt, QuietOpt, check_heads_output,
-                      check_hdf5_output, parse_auto, require_optional)
+from .options import (AffineFromOpt, AttentionOpt, BiasTermsOpt, ChunkOpt, DeviceOpt, about, JsonOpt, NormalizeOpt,
+                      OutOpt, QuietOpt, check_heads_output, check_hdf5_output, parse_auto, require_optional)
 
 
 def fit_cmd(
@@ -47,6 +48,8 @@ def fit_cmd(
     seed: Annotated[int, typer.Option("--seed", help="With --heads: seed of the random starts.")] = 0,
     normalize: NormalizeOpt = None,
     attention: AttentionOpt = None,
+    bias_terms: BiasTermsOpt = False,
+    affine_from: AffineFromOpt = None,
     chunk_size: ChunkOpt = None,
     device: DeviceOpt = "cpu",
     json_out: JsonOpt = False,
@@ -64,22 +67,30 @@ def fit_cmd(
 
     Example (an encoder's windows): mhla fit bert_l1.h5 -o model.h5 --attention bidirectional --ridge auto
     (the model records the attention: `mhla predict` writes its output at every position)
+
+    Example (a head with biases): mhla fit enc.h5 -o model.h5 --bias-terms (then `mhla export-heads` writes the
+    heads and their bias terms)
+
+    Example (with the wide token's affine map): mhla fit h8.h5 -o model.h5 --affine-from hidden384.h5 --ridge 1e-6
+    (then `mhla predict model.h5 h8.h5 -o p.h5 --affine-from hidden384.h5`)
     """
-    check_hdf5_output(output, (data,), "a model file")
+    check_hdf5_output(output, (data, affine_from), "a model file")
+    if affine_from is not None and (heads is not None or nuclear is not None or ridge.strip().lower() == "auto"):
+        raise InputError(FLAG_WORDS["affine_least_squares"])
     dev = check_device(device, data)
     check_fit_targets(data)
     h, lam = parse_auto(heads, "--heads", int), parse_auto(nuclear, "--nuclear", float)
     r = parse_auto(ridge, "--ridge", float)
     with in_flags():
         check_fit_file(data, ridge=r, heads=h, nuclear=lam, normalize=normalize, chunk_size=chunk_size,
-                       attention=attention)
+                       attention=attention, bias_terms=bias_terms)
     feats, fold_feats, load_seconds = _load_for_fit(data, needs_folds(r, h, lam), chunk_size, quiet, normalize, dev,
-                                                    attention)
+                                                    attention, bias_terms, affine_from)
     with working(f"fit: solving on the canonical Lambda~ ({feats.n_features} features)", quiet):
         with about(data):  # e.g. a features file without targets
             model = fit(feats, ridge=r, heads=h, nuclear=lam, weight_decay=weight_decay, restarts=restarts,
                         seed=seed, folds=fold_feats, device=dev)
-    model.save(output, inputs=(data,))
+    model.save(output, inputs=(data,) + ((affine_from,) if affine_from is not None else ()))
     info = dict(model.info)
     info["output"] = str(output)
     info["seconds"] = {**load_seconds, **info.get("seconds", {})}
@@ -98,6 +109,8 @@ FLAG_WORDS = {
     "auto_with_normalize": "'auto' with --normalize: featurize first, e.g. `mhla featurize DATA -o FEATS "
                            "--folds 5 --normalize length`, then fit FEATS",
     "fewest_with_max_heads": "--fewest and --max-heads cannot be combined",
+    "affine_least_squares": "--affine-from is fitted by least squares with a given --ridge L (not auto, no --heads "
+                            "or --nuclear)",
 }
 
 
@@ -111,16 +124,18 @@ def in_flags() -> Iterator[None]:
 
 
 def _load_for_fit(data: Path, folds: bool, chunk_size: int | None, quiet: bool, normalize: str | None,
-                  device: str | None, attention: str | None = None
-                  ) -> tuple[Features, list[Features] | None, dict[str, float]]:
+                  device: str | None, attention: str | None = None, bias_terms: bool = False,
+                  affine_from: Path | None = None) -> tuple[Features, list[Features] | None, dict[str, float]]:
     """The statistics of `data`, with their per-fold statistics when `folds` ('auto'), and the seconds."""
     if not folds:
-        feats, _, load_seconds = load_with_progress(data, chunk_size, quiet, normalize, device, attention)
+        feats, _, load_seconds = load_with_progress(data, chunk_size, quiet, normalize, device, attention,
+                                                    bias_terms, affine_from)
         return feats, None, load_seconds
     t0 = time.perf_counter()
     with progress_bar("featurize", inspect_tokens(data).n_samples
                       if formats.kind_of(data) == "tokens" else 0, quiet) as advance:
-        feats, fold_feats = load_for_cv(data, chunk_size=chunk_size, progress=advance, attention=attention)
+        feats, fold_feats = load_for_cv(data, chunk_size=chunk_size, progress=advance, attention=attention,
+                                        bias_terms=bias_terms)
         feats.expand_held()
     say_samples(feats, data, attention, quiet)
     return feats, fold_feats, {"load": time.perf_counter() - t0}
@@ -155,9 +170,11 @@ def export_heads_cmd(
                                          "the safetensors extra); written atomically. Example: -o heads.npz")],
     max_heads: Annotated[str | None, typer.Option("--max-heads", help="Keep at most the H strongest heads; 'auto': "
                                                   "the spectrum's outliers (see `mhla spectrum`).")] = None,
-    tol: Annotated[float, typer.Option("--tol", min=0.0, help="Drop heads with s_h <= tol * s_max.")] = 1e-12,
-    fewest: Annotated[bool, typer.Option("--fewest", help="The fewest heads computing the same function "
-                                         "(relative function error <= 1e-8, verified).")] = False,
+    tol: Annotated[float, typer.Option("--tol", min=0.0, help="Drop heads with s_h <= tol * s_max (singular "
+                                       "values of W in the canonical coordinates of the model's data).")] = 1e-12,
+    fewest: Annotated[bool, typer.Option("--fewest", help=f"The fewest heads computing the same function: a "
+                                         f"function change on the training data <= {quote(FEWEST_TOL)}, verified "
+                                         "(the coefficient change for a model without its data's Lambda~).")] = False,
     unreduce: Annotated[Path | None, typer.Option("--unreduce", help="A tokens file written by `mhla reduce` (the "
                                                   "one MODEL was fitted on, or one --like it): write the heads in "
                                                   "its original widths, V = U V_h P^T (D_out x D), Q = P Q_h P^T "
@@ -165,7 +182,13 @@ def export_heads_cmd(
     json_out: JsonOpt = False,
     quiet: QuietOpt = False,
 ) -> None:
-    """SVD of W into heads V_h, Q_h (at most d^2), reporting the relative function change.
+    """SVD of W into heads V_h, Q_h (at most d^2), reporting the change of the function on the training data.
+
+    The heads are found in the canonical (whitened) coordinates of the model's data and written in the
+    tokens' own, so counts do not depend on the units of the tokens. The change reported (and cut on by
+    --fewest) is the RMS difference of the outputs over the training inputs relative to the RMS output,
+    from the data's Lambda~ that `mhla fit` stores in the model; for model files without it (written
+    before, or not by fit) only a coefficient change is given, named as such.
 
     With --unreduce REDUCED the heads are mapped back to the coordinates before `mhla reduce`: on the
     original tokens they compute U times the reduced model's outputs on the reduced tokens.
@@ -207,10 +230,11 @@ def _export_record(heads: Heads, output: Path, unreduce: Path | None, fewest: bo
     spectrum's numbers for --fewest / --max-heads auto)."""
     out = {"output": str(output), "n_heads": heads.n_heads, "d": heads.d, "d_out": heads.d_out,
            "unreduced": None if unreduce is None else str(unreduce),
-           "relative_function_error": heads.info["relative_function_error"],
-           "singular_values": heads.info["singular_values"]}
+           "function_change": heads.info["function_change"], "coef_change": heads.info["coef_change"],
+           "coordinates": heads.info["coordinates"], "singular_values": heads.info["singular_values"],
+           "affine_block": heads.affine_weight is not None}
     if fewest or auto:
-        keys = ("rel_error", "lower_bound", "proven_minimal", "starts_tried", "starts_per_head_count", "best_error",
+        keys = ("lower_bound", "proven_minimal", "starts_tried", "starts_per_head_count", "best_error",
                 "lower_bound_info") if fewest else ("threshold", "threshold_method")
         out.update({k: heads.info[k] for k in keys}, converged=(heads.info["solver"] or {}).get("converged"),
                    solver=heads.info["solver"])
@@ -222,14 +246,27 @@ def _say_export(heads: Heads, out: dict[str, Any], unreduce: Path | None, fewest
     """What `mhla export-heads` says of the heads it wrote, and the warning of a solver at its limit."""
     shape = f"d = {heads.d}" if heads.d_out == heads.d else f"d = {heads.d} -> d_out = {heads.d_out}"
     back = f" (in the coordinates of {unreduce} before mhla reduce)" if unreduce is not None else ""
-    say(f"wrote {out['output']}: {heads.n_heads} heads of {shape}{back}; relative function change "
-        f"||p_kept - p|| / ||p|| = {fmt(out['relative_function_error'])}", quiet)
+    say(f"wrote {out['output']}: {heads.n_heads} heads of {shape}{back}; {change_text(out)}", quiet)
     if fewest:
         say(f"  {fewest_message(heads.info)}", quiet)
     if (fewest or auto) and hit_limit(heads.info["solver"]):
         warn(convergence_warning(heads.info["solver"], "the minimum-nuclear-norm W")
              + ("; it only seeds the search, the heads are verified" if fewest else
                 f"; the outlier count is kept: its heads stand {fmt(heads.info.get('gap'))}x above the rest"))
+
+
+def change_text(rec: dict[str, Any]) -> str:
+    """The change of the function a head export or spectrum made, in words: on the training data when the model
+    keeps its data's Lambda~, else the coefficient change, named as such (mhla_cli.model.canonical)."""
+    if rec.get("function_change") is not None:
+        return (f"function change on the training data (RMS output change / RMS output) = "
+                f"{fmt(rec['function_change'])}")
+    where = ("canonical (whitened) coordinates" if rec.get("coordinates") == "canonical"
+             else "tokens' own coordinates, which depend on their units")
+    why = ("a model with the affine map of the wide tokens keeps no Lambda~ of its data" if rec.get("affine_block")
+           else "the model keeps no Lambda~ of its data; fit it again with this mhla")
+    return (f"coefficient change ||p_b' - p_b|| / ||p_b|| = {fmt(rec['coef_change'])} in the {where} (no function "
+            f"change on the data: {why})")
 
 
 def spectrum_cmd(
@@ -244,6 +281,10 @@ def spectrum_cmd(
 ) -> None:
     """Head strengths: singular values of the minimum-nuclear-norm W of the model's function, split into
     heads (outliers) and a noise bulk by the Gavish-Donoho threshold on the nonzero values.
+
+    W is taken in the canonical (whitened) coordinates of the model's data, so the values and the count do
+    not depend on the units of the tokens; a heads file, or a model file without its canonical basis, is
+    taken in the tokens' own coordinates (JSON "coordinates" says which).
 
     Example: mhla spectrum model.h5 --plot spectrum.png --json
     """
@@ -260,7 +301,8 @@ def spectrum_cmd(
     count = "no reliable count of" if spec.n_outliers is None else str(spec.n_outliers)
     say(f"{model_path}: {count} head(s) above the threshold {fmt(spec.threshold)} "
         f"({spec.threshold_method}); {spec.nonzero_rank} nonzero of {len(spec.singular_values)} "
-        f"singular values, effective rank {fmt(spec.effective_rank)}", quiet)
+        f"singular values of W in the {spec.coordinates} coordinates, effective rank {fmt(spec.effective_rank)}",
+        quiet)
     say(text_histogram(spec), quiet)
     if plot is not None:
         plot_spectrum(spec, plot)

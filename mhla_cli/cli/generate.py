@@ -38,6 +38,9 @@ def generate_teacher_cmd(
                                                "sequence's S (an encoder's).")] = False,
     normalize: NormalizeOpt = None,
     attention: AttentionOpt = None,
+    bias: Annotated[bool, typer.Option("--bias", help="A teacher whose heads have biases (docs/bias_terms.md): head h "
+                                       "outputs sum_i (V_h x_i + b_v) (x_i^T Q_h x_t + c . x_i + r . x_t + z); "
+                                       "`--bias-terms` fits it exactly, the MHLA alone does not.")] = False,
     json_out: JsonOpt = False,
     quiet: QuietOpt = False,
 ) -> None:
@@ -49,6 +52,8 @@ def generate_teacher_cmd(
 
     Example (bidirectional): mhla generate teacher -o enc.h5 --dim 3 --heads 2 --n-samples 50 --seq-len 4:12
     --per-position --attention bidirectional
+
+    Example (heads with biases): mhla generate teacher -o b.h5 --dim 3 --heads 2 --n-samples 400 --seq-len 2:9 --bias
     """
     if attention is not None and not per_position:
         raise InputError("--attention applies to per-position targets: add --per-position")
@@ -61,17 +66,21 @@ def generate_teacher_cmd(
         if Path(teacher_out).resolve() == Path(output).resolve():
             raise InputError("--teacher-out must differ from -o", teacher_out)
     ds, teacher = synthetic.generate_teacher(dim, heads, n_samples, seq_len, noise, seed, dtype=dtype,
-                                             per_position=per_position, normalize=normalize, attention=attention)
+                                             per_position=per_position, normalize=normalize, attention=attention,
+                                             bias=bias)
     attrs = {"generator": "teacher", "seed": seed, "noise": noise, "n_heads": heads,
              "per_position": int(per_position), "normalize": normalize}
+    if bias:
+        attrs["bias"] = 1
     ds.save(output, dtype=dtype, attrs=attrs)
     if teacher_out is not None:
         save_heads(teacher, teacher_out)  # HDF5, .npz or .safetensors by the suffix
     summary = {"output": str(output), "n_samples": ds.n_samples, "d": dim, "n_tokens": int(ds.offsets[-1]),
                "n_heads": heads, "teacher": str(teacher_out) if teacher_out else None,
-               "per_position": per_position, "attention": ds.attention, "normalize": normalize}
+               "per_position": per_position, "attention": ds.attention, "normalize": normalize, "bias": bias}
     say(f"wrote {output}: N = {ds.n_samples} sequences, d = {dim}, {summary['n_tokens']} tokens"
-        + (f"; teacher ({heads} heads) in {teacher_out}" if teacher_out else ""), quiet)
+        + (f"; teacher ({heads} heads" + (" with biases" if bias else "") + f") in {teacher_out}"
+           if teacher_out else ""), quiet)
     if json_out:
         emit_json(summary)
 

@@ -71,6 +71,20 @@ AttentionOpt = Annotated[Literal["causal", "bidirectional"] | None, typer.Option
     "bidirectional")]
 
 
+BiasTermsOpt = Annotated[bool, typer.Option(
+    "--bias-terms", help="Add the terms a head's biases add (docs/bias_terms.md): the features of the tokens (x, 1), "
+    "S (x) x_t and the lower-degree S, m (x) x_t, m, n x_t, n (m = sum_i x_i; / n with --normalize length), in the "
+    "same least squares and certificate. Stored in the features and model files; export-heads writes the bias "
+    "terms beside the heads. Example: --bias-terms")]
+
+
+AffineFromOpt = Annotated[Path | None, typer.Option(
+    "--affine-from", metavar="WIDE", help="Add the token-wise affine map of the UNREDUCED token (docs/bias_terms.md): "
+    "WIDE is the tokens file `mhla reduce` read to make DATA (checked by its fingerprint); its tokens (x_wide, 1) at "
+    "every sample's query are a block of D + 1 features beside the MHLA's, whitened by their own second moment. "
+    "Example: mhla fit h8.h5 -o m.h5 --affine-from hidden384.h5", show_default=False)]
+
+
 def parse_shard(shard: str | None) -> tuple[int, int] | None:
     if shard is None:
         return None

@@ -10,7 +10,7 @@ import typer
 from ..linalg.device import check_device
 from ..errors import InputError
 from ..model.forward import fitted_samples, predict_file, rollout_file
-from ..model.model import load_function, normalize_of
+from ..model.model import load_function, normalize_of, token_dim
 from ..model.compare import compare
 from ..io.tokens import inspect_tokens
 from .console import emit_json, fmt, progress_bar, say, warn
@@ -31,6 +31,10 @@ def predict_cmd(
     workers: Annotated[int, typer.Option("--workers", "-j", min=0, help="Parallel local workers (0: one per "
                                          "core); the output equals the serial one.")] = 1,
     device: DeviceOpt = "cpu",
+    affine_from: Annotated[Path | None, typer.Option(
+        "--affine-from", metavar="WIDE", help="For a model fitted with --affine-from (or its heads): the tokens file "
+        "`mhla reduce` read to make DATA (held-out data reduced with `mhla reduce --like`), whose tokens the affine "
+        "map takes. Example: mhla predict m.h5 t8.h5 -o p.h5 --affine-from test384.h5", show_default=False)] = None,
     json_out: JsonOpt = False,
     quiet: QuietOpt = False,
 ) -> None:
@@ -52,7 +56,7 @@ def predict_cmd(
 
     Example (a GPU): mhla predict model.h5 data.h5 -o pred.h5 --device cuda
     """
-    check_hdf5_output(output, (model_path, data), "a predictions file")
+    check_hdf5_output(output, (model_path, data, affine_from), "a predictions file")
     if causal and all_positions:
         raise InputError("--causal and --all-positions cannot be combined: --causal outputs the masked "
                          "(prefix) output at every position, --all-positions the unmasked one")
@@ -62,7 +66,8 @@ def predict_cmd(
     every = fitted_samples(fn).predicts_every_position  # e.g. bidirectional: outputs at every position
     with progress_bar("predict", info.n_samples, quiet) as advance:
         res = predict_file(fn, data, output, all_positions=all_positions, chunk_size=chunk_size,
-                           progress=advance, inputs=(model_path,), workers=workers, causal=causal, device=dev)
+                           progress=advance, inputs=(model_path,) + ((affine_from,) if affine_from else ()),
+                           workers=workers, causal=causal, device=dev, affine_from=affine_from)
     scored = causal or every  # per-position targets scored at every position
     if info.per_position and not scored:
         warn("the data have per-position targets: use --causal to score every prefix (no MSE computed)")
@@ -115,20 +120,31 @@ def rollout_cmd(
 def compare_cmd(
     a: Annotated[Path, typer.Argument(metavar="A", help="Model or heads file.")],
     b: Annotated[Path, typer.Argument(metavar="B", help="Model or heads file (the reference).")],
-    tol: Annotated[float, typer.Option("--tol", min=0.0, help="Pass when ||p_A - p_B|| / ||p_B|| <= tol.")] = 1e-6,
-    on: Annotated[Path | None, typer.Option("--on", help="Tokens file: also report the RMS difference "
-                                            "of the two models' predictions on it.")] = None,
+    tol: Annotated[float, typer.Option("--tol", min=0.0, help="Pass when the outputs differ by at most tol relative to "
+                                       "B's: the RMS prediction difference on --on DATA over B's RMS prediction; "
+                                       "without --on, the same on the training data of B (or A) when its model "
+                                       "file keeps that data's Lambda~; with neither, ||p_A - p_B|| / ||p_B|| in "
+                                       "the tokens' own coordinates.")] = 1e-6,
+    on: Annotated[Path | None, typer.Option("--on", help="Tokens file: judge the two functions by the RMS difference "
+                                            "of their predictions on it, relative to the RMS of B's.")] = None,
     chunk_size: ChunkOpt = None,
     json_out: JsonOpt = False,
     quiet: QuietOpt = False,
 ) -> None:
-    """Do A and B compute the same function? Exit 0 if the relative p-distance <= tol, 1 if not, 2 on error.
+    """Do A and B compute the same function? Exit 0 if their outputs differ by at most tol (relative), 1 if not,
+    2 on error.
+
+    Without --on the outputs are compared on the training data of B (or of A): a model file from `mhla fit`
+    keeps that data's Lambda~, so the RMS difference there needs no data file. Two heads files or older model
+    files have none: they are compared by their coefficients in the tokens' own coordinates, which depend
+    on the units of the tokens (the message says so; give --on DATA).
 
     Example (a CI gate): mhla compare retrained.h5 model.h5 --tol 1e-6 --on heldout.h5 --json
     """
     fa, fb = load_function(a), load_function(b)
-    if fa.d != fb.d:
-        raise InputError(f"the models have different d ({fa.d} here, {fb.d} in {b}): nothing to compare", a)
+    if token_dim(fa) != token_dim(fb):
+        raise InputError(f"the models have different d ({token_dim(fa)} here, {token_dim(fb)} in {b}): nothing to "
+                         "compare", a)
     if normalize_of(fa) != normalize_of(fb):
         raise InputError(f"the models use different normalisations ({normalize_of(fa)} here, {normalize_of(fb)} "
                          f"in {b}): their coef act on different features", a)
@@ -140,9 +156,22 @@ def compare_cmd(
         res = compare(fa, fb, tol=tol)
     res["a"], res["b"] = str(a), str(b)
     verdict = "same function" if res["same"] else "different functions"
-    say(f"{verdict}: ||p_A - p_B|| = {fmt(res['distance'])}, relative {fmt(res['relative_distance'])} "
-        f"(tol {fmt(tol)})" + (f"; RMS prediction difference on {on} = {fmt(res['rms_prediction_difference'])}"
-                               if on is not None else ""), quiet, style="green" if res["same"] else "red")
+    coefs = f"||p_A - p_B|| / ||p_B|| = {fmt(res['relative_distance'])}"
+    if res["judged_by"] == "data":
+        text = (f"{verdict} on {on}: RMS prediction difference / RMS prediction of B = "
+                f"{fmt(res['relative_rms_difference'])} (tol {fmt(tol)})")
+    elif res["judged_by"] == "training data":
+        text = (f"{verdict} on the training data of {b if res['measured_on'] == 'b' else a}: RMS output difference / "
+                f"RMS output of B = {fmt(res['function_change'])} (tol {fmt(tol)})")
+    else:
+        text = (f"{verdict} by coefficients: {coefs} (tol {fmt(tol)}) in the tokens' own coordinates, which depend on "
+                "their units (neither file keeps its data's Lambda~: --on DATA compares outputs)")
+    say(text, quiet, style="green" if res["same"] else "red")
+    if res["judged_by"] != "coefficients":
+        say(f"  coefficients in the tokens' own coordinates: {coefs}", quiet)
+    if res["judged_by"] == "training data" and res["same"] and res["training_data_identifiable"] is False:
+        warn(f"the training data of {b if res['measured_on'] == 'b' else a} do not determine the function (see "
+             "`mhla certify`): A and B agree there but may differ elsewhere; --on DATA compares them on other inputs")
     if json_out:
         emit_json(res)
     if not res["same"]:

@@ -801,3 +801,16 @@ def read_normalize(f: Any, path: str | os.PathLike) -> str:
     if v not in NORMALIZATIONS:
         raise InputError(f"attribute 'normalize' is '{v}', expected none or length", path)
     return v
+
+
+def read_bias_terms(attrs: Any, path: str | os.PathLike | None) -> bool:
+    """The `bias_terms` attribute of a features, model or heads file (0 / 1; False when absent: files
+    before the bias terms, or without them)."""
+    v = attrs.get("bias_terms", 0)
+    try:
+        x = int(np.asarray(v).reshape(()))
+    except (TypeError, ValueError):
+        raise InputError(f"attribute 'bias_terms' = {value_text(v)} is not 0 or 1", path) from None
+    if x not in (0, 1):
+        raise InputError(f"attribute 'bias_terms' = {x}, expected 0 or 1", path)
+    return bool(x)

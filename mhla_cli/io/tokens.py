@@ -51,6 +51,10 @@ class TokensInfo:
     d_out: int | None = None
     # The file's root attribute `attention` ("causal" / "bidirectional"), None when it has none.
     attention: str | None = None
+    # The bias terms (docs/bias_terms.md, `with_bias_terms`): the reader appends a constant coordinate 1 to
+    # every token (`d` counts it) and, with `target_pad`, a coordinate 0 to every target (`out_dim` counts it).
+    constant: bool = False
+    target_pad: bool = False
 
     @property
     def per_position(self) -> bool:
@@ -61,6 +65,11 @@ class TokensInfo:
     def out_dim(self) -> int:
         """Width of the targets (d unless the file says otherwise)."""
         return self.d if self.d_out is None else int(self.d_out)
+
+    @property
+    def stored_d(self) -> int:
+        """Width of the tokens as stored (`d` less the appended constant coordinate)."""
+        return self.d - int(self.constant)
 
     def sample_tokens(self, lo: int, hi: int, offsets: np.ndarray | None = None) -> int:
         """Number of tokens of samples [lo, hi)."""
@@ -157,6 +166,18 @@ def read_as(info: TokensInfo, attention: str | None) -> TokensInfo:
         raise InputError(f"attention {attention!r} was asked but the file's attribute 'attention' is "
                          f"{info.attention!r}", info.path)
     return replace(info, samples=samples_of(True, attention))
+
+
+def with_bias_terms(info: TokensInfo, pad_targets: bool = True) -> TokensInfo:
+    """`info` read with the bias terms (docs/bias_terms.md): every token x becomes (x, 1), so that the MHLA of
+    these tokens holds the terms a head's biases add; with `pad_targets` every target y becomes (y, 0) (the
+    statistics of a fit keep the MHLA's square shape: the padded output's coefficients are exactly 0)."""
+    if info.constant:
+        return info
+    out = info.out_dim
+    pad = bool(pad_targets and info.has_targets)
+    d_out = None if not info.has_targets or out + int(pad) == info.d + 1 else out + int(pad)
+    return replace(info, d=info.d + 1, constant=True, target_pad=pad, d_out=d_out)
 
 
 def require_square(info: TokensInfo, what: str) -> None:
@@ -358,7 +379,7 @@ def read_chunk(f: h5py.File, info: TokensInfo, a: int, b: int, bufs: ReadBuffers
     Tokens keep their stored dtype (half the bytes of float64 for float32); `sequence_moments`
     converts them block by block. Unusual dtypes (float16, big-endian, ...) are read as float64.
     """
-    d = info.d
+    d = info.stored_d
     dt = np.dtype(info.dtype)
     tok_dtype = dt if dt.isnative and dt in (np.float32, np.float64, np.int32, np.int64, np.int16,
                                               np.int8, np.uint8, np.uint16, np.uint32) else np.float64
@@ -379,10 +400,12 @@ def read_chunk(f: h5py.File, info: TokensInfo, a: int, b: int, bufs: ReadBuffers
         if t1 > t0:
             f["tokens"].read_direct(tokens, np.s_[t0:t1])
         offsets -= t0
+    if info.constant:
+        tokens = _with_constant(tokens, bufs)
     targets = None
     if info.has_targets and getattr(info, "per_position", False):
         # per-position targets (t, d): rows of the chunk's tokens
-        e = info.out_dim
+        e = info.out_dim - int(info.target_pad)
         targets = bufs.get("targets", (int(offsets[-1]), e))
         if b > a:
             if info.layout == "dense":
@@ -391,12 +414,25 @@ def read_chunk(f: h5py.File, info: TokensInfo, a: int, b: int, bufs: ReadBuffers
                 t0 = int(f["offsets"][a])
                 f["targets"].read_direct(targets, np.s_[t0:t0 + int(offsets[-1])])
     elif info.has_targets:
-        targets = bufs.get("targets", (b - a, info.out_dim))
+        targets = bufs.get("targets", (b - a, info.out_dim - int(info.target_pad)))
         if b > a:
             f["targets"].read_direct(targets, np.s_[a:b])
+    if targets is not None and info.target_pad:
+        padded = bufs.get("targets_padded", (targets.shape[0], targets.shape[1] + 1))
+        padded[:, :-1] = targets
+        padded[:, -1] = 0.0
+        targets = padded
     if with_weights:
         return tokens, offsets, targets, read_weights_span(f, info, a, b, offsets)
     return tokens, offsets, targets
+
+
+def _with_constant(tokens: np.ndarray, bufs: ReadBuffers) -> np.ndarray:
+    """(t, d + 1): the tokens with a constant coordinate 1 appended (the bias terms), in their dtype."""
+    out = bufs.get("tokens_constant", (tokens.shape[0], tokens.shape[1] + 1), tokens.dtype)
+    out[:, :-1] = tokens
+    out[:, -1] = 1
+    return out
 
 
 def iter_chunks(info: TokensInfo, span: tuple[int, int], chunk_size: int,

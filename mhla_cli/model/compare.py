@@ -1,7 +1,15 @@
-"""Do two models (or heads) compute the same function? Distance in p-space and on a dataset."""
+"""Do two models (or heads) compute the same function? On a dataset, on the training data, and in p-space.
+
+The verdict is a change of outputs relative to the outputs of B (the reference): with `on` the RMS
+difference of the two functions' predictions on that tokens file over the RMS of B's; else, when A or
+B is a model that keeps its data's Lambda~ (mhla_cli.model.canonical), the same on that training data
+(B's data first); else, with no data at all, ||p_A - p_B|| / ||p_B|| in the tokens' own coordinates,
+which depends on their units and is named so (`judged_by`).
+"""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -12,10 +20,11 @@ import numpy as np
 from ..errors import InputError
 from ..feature_map import n_features
 from .heads import Heads, coef_inner, coef_of_heads
-from .model import Model, coef_of, normalize_of
-from .forward import DIRECT_COEF_BYTES, direct, function_of, in_width, out_width, predict_chunk
+from .canonical import coef_in_basis, data_gram
+from .model import Model, affine_of, bias_terms_of, coef_of, normalize_of
+from .forward import DIRECT_COEF_BYTES, direct, evaluated, in_basis, in_width, out_width, predict_chunk
 from ..statistics.stream import default_chunk_size
-from ..io.tokens import check_finite, inspect_tokens, iter_chunks
+from ..io.tokens import check_finite, inspect_tokens, iter_chunks, with_bias_terms
 
 
 @dataclass
@@ -50,15 +59,16 @@ def _heads_distance(a: Model | Heads | np.ndarray, b: Model | Heads | np.ndarray
                          "another width: export the model's heads first")
     if (a.d_out, a.d) != (b.d_out, b.d):
         raise InputError(f"the heads map d = {a.d} to {a.d_out} and d = {b.d} to {b.d_out}: nothing to compare")
-    if 8 * a.d_out * n_features(a.d) <= DIRECT_COEF_BYTES:
-        pa, pb = coef_of_heads(a.V, a.Q), coef_of_heads(b.V, b.Q)
+    (Va, Qa), (Vb, Qb) = a.augmented(), b.augmented()  # with the bias terms: the heads of the tokens (x, 1)
+    if 8 * a.d_out * n_features(Qa.shape[1]) <= DIRECT_COEF_BYTES:
+        pa, pb = coef_of_heads(Va, Qa), coef_of_heads(Vb, Qb)
         return _distance(pa, pb)
     # ||p_A - p_B||^2 of the heads (V_A, -V_B) (Q_A, Q_B), in products of d x d matrices
-    V = np.concatenate([a.V, -b.V])
-    Q = np.concatenate([a.Q, b.Q])
+    V = np.concatenate([Va, -Vb])
+    Q = np.concatenate([Qa, Qb])
     dist = float(np.sqrt(max(coef_inner(V, Q, V, Q), 0.0)))
-    na = float(np.sqrt(max(coef_inner(a.V, a.Q, a.V, a.Q), 0.0)))
-    nb = float(np.sqrt(max(coef_inner(b.V, b.Q, b.V, b.Q), 0.0)))
+    na = float(np.sqrt(max(coef_inner(Va, Qa, Va, Qa), 0.0)))
+    nb = float(np.sqrt(max(coef_inner(Vb, Qb, Vb, Qb), 0.0)))
     return Distance.of(dist, na, nb)
 
 
@@ -70,8 +80,22 @@ def function_distance(a: Model | Heads | np.ndarray, b: Model | Heads | np.ndarr
     """||p_A - p_B||_F and ||p_A - p_B||_F / ||p_B||_F (the paper's Fig. 2 metric).
 
     Heads of outputs wider or narrower than their tokens (d_out != d) are compared on their
-    (d_out, psi) coef; heads too wide for one, through d x d products (heads.coef_inner)."""
-    if direct(a) is not None or direct(b) is not None:
+    (d_out, psi) coef; heads too wide for one, through d x d products (heads.coef_inner). With the bias terms
+    (both or neither), the coef of the tokens (x, 1) (mhla_cli.bias_terms)."""
+    if bias_terms_of(a) != bias_terms_of(b):
+        raise InputError("one function has the bias terms and the other not: their coef act on different "
+                         "features, so they cannot be compared")
+    fa, fb = affine_of(a), affine_of(b)
+    if fa is not None or fb is not None:  # the MHLA's coef and the affine map of the wide tokens, together
+        if fa is None or fb is None or fa.shape != fb.shape:
+            raise InputError("one function has an affine map of the wide tokens and the other not (or of another "
+                             "width): they cannot be compared")
+        core = function_distance(_without_affine(a), _without_affine(b))
+        dist = float(np.hypot(core.distance, np.linalg.norm(fa - fb)))
+        return Distance.of(dist, float(np.hypot(core.norm_a, np.linalg.norm(fa))),
+                           float(np.hypot(core.norm_b, np.linalg.norm(fb))))
+    square = all(not isinstance(f, Heads) or f.d_out == f.d for f in (a, b))
+    if (direct(a) is not None or direct(b) is not None) and not (bias_terms_of(a) and square):
         return _heads_distance(a, b)
     pa, pb = coef_of(a), coef_of(b)
     if pa.shape != pb.shape:
@@ -79,13 +103,49 @@ def function_distance(a: Model | Heads | np.ndarray, b: Model | Heads | np.ndarr
     return _distance(pa, pb)
 
 
+def training_data_change(a: Model | Heads | np.ndarray, b: Model | Heads | np.ndarray) -> dict[str, Any]:
+    """The RMS difference of A's and B's outputs over the training inputs of B (or, when B keeps no Lambda~ of
+    its data, of A) relative to the RMS of B's outputs there: {"function_change", "measured_on": "b" | "a",
+    "training_data_identifiable": whether those data determine the function (the fit's certificate; when
+    not, functions that agree there may differ elsewhere)}, all None when neither keeps one or a function
+    has no coef on d x d features (wide heads)."""
+    for name, ref in (("b", b), ("a", a)):
+        if isinstance(ref, Model) and ref.gram_pairs is not None and ref.basis is not None:
+            try:
+                xa, xb = coef_in_basis(a, ref.basis), coef_in_basis(b, ref.basis)
+            except InputError:
+                break
+            gram = data_gram(ref)
+            diff, base = gram.sq(xa - xb), gram.sq(xb)
+            change = float(np.sqrt(diff / base)) if base > 0 else (0.0 if diff == 0 else float("inf"))
+            ident = ref.info.get("identifiable")
+            return {"function_change": change, "measured_on": name,
+                    "training_data_identifiable": None if ident is None else bool(ident)}
+    return {"function_change": None, "measured_on": None, "training_data_identifiable": None}
+
+
+def _without_affine(fn: Model | Heads | np.ndarray) -> Model | Heads | np.ndarray:
+    """fn without its affine map of the wide tokens (a copy)."""
+    if isinstance(fn, Model):
+        return dataclasses.replace(fn, affine_coef=None)
+    if isinstance(fn, Heads):
+        return dataclasses.replace(fn, affine_weight=None, affine_bias=None)
+    return fn
+
+
 def prediction_difference(a: Model | Heads | np.ndarray, b: Model | Heads | np.ndarray,
                           data: str | os.PathLike, chunk_size: int | None = None,
                           progress: Callable[[int], None] | None = None) -> dict[str, float]:
-    """RMS over the N*d outputs of (yhat_A - yhat_B) on a tokens file, streamed, and the RMS of yhat_B."""
-    pa, pb = function_of(a), function_of(b)
+    """RMS over the N*d outputs of (yhat_A - yhat_B) on a tokens file, streamed, the RMS of yhat_B and their
+    ratio (`relative_rms_difference`); each model evaluated as `predict` evaluates it (Model.evaluation)."""
+    if affine_of(a) is not None or affine_of(b) is not None:
+        raise InputError("comparing predictions of functions with the affine map of the wide tokens needs the wide "
+                         "tokens: predict each (`mhla predict --affine-from`) and compare the outputs", data)
+    (pa, basis_a), (pb, basis_b) = evaluated(a), evaluated(b)
     norm = normalize_of(a)
     info = inspect_tokens(data)
+    if bias_terms_of(a):  # the functions of the tokens (x, 1): the reader appends the constant
+        info = with_bias_terms(info, pad_targets=False)
     if info.d != in_width(pa):
         raise InputError(f"the data have d = {info.d} but the models have d = {in_width(pa)}", data)
     size = chunk_size or default_chunk_size(info)
@@ -93,8 +153,8 @@ def prediction_difference(a: Model | Heads | np.ndarray, b: Model | Heads | np.n
     max_abs = 0.0
     for lo, hi, tokens, offsets, _y in iter_chunks(info, (0, info.n_samples), size):
         check_finite(tokens, offsets, None, lo, data)
-        ya, _ = predict_chunk(pa, tokens, offsets, normalize=norm)
-        yb, _ = predict_chunk(pb, tokens, offsets, normalize=norm)
+        ya, _ = predict_chunk(pa, in_basis(tokens, basis_a), offsets, normalize=norm)
+        yb, _ = predict_chunk(pb, in_basis(tokens, basis_b), offsets, normalize=norm)
         diff = ya - yb
         ss_diff += float((diff**2).sum())
         ss_b += float((yb**2).sum())
@@ -102,22 +162,33 @@ def prediction_difference(a: Model | Heads | np.ndarray, b: Model | Heads | np.n
         if progress is not None:
             progress(hi - lo)
     n = info.n_samples * out_width(pa)
-    return {"rms_prediction_difference": float(np.sqrt(ss_diff / n)), "rms_prediction_b": float(np.sqrt(ss_b / n)),
+    rms_diff, rms_b = float(np.sqrt(ss_diff / n)), float(np.sqrt(ss_b / n))
+    rel = rms_diff / rms_b if rms_b > 0 else (0.0 if rms_diff == 0 else float("inf"))
+    return {"rms_prediction_difference": rms_diff, "rms_prediction_b": rms_b, "relative_rms_difference": rel,
             "max_abs_prediction_difference": max_abs, "n_samples": info.n_samples}
 
 
 def compare(a: Model | Heads | np.ndarray, b: Model | Heads | np.ndarray, tol: float = 1e-6,
             on: str | os.PathLike | None = None, chunk_size: int | None = None,
             progress: Callable[[int], None] | None = None) -> dict[str, Any]:
-    """Distance between two functions; `same` is relative_distance <= tol."""
+    """Distance between two functions and the verdict `same` (module docstring): the relative RMS prediction
+    difference on `on` <= tol; without `on`, the function change on the training data (`training_data_change`)
+    <= tol; with neither, relative_distance <= tol. `judged_by` says which ("data", "training data",
+    "coefficients")."""
     if not (tol >= 0 and np.isfinite(tol)):
         raise InputError(f"tol must be a finite number >= 0, got {tol}")
     if normalize_of(a) != normalize_of(b):
         raise InputError(f"the models use different normalisations ({normalize_of(a)} and "
                          f"{normalize_of(b)}): their coef act on different features, so they cannot be compared")
     out: dict[str, Any] = function_distance(a, b).to_dict()
+    out.update(training_data_change(a, b))
     out["tol"] = tol
-    out["same"] = bool(out["relative_distance"] <= tol)
     if on is not None:
         out.update(prediction_difference(a, b, on, chunk_size, progress))
+        out["judged_by"], rel = "data", out["relative_rms_difference"]
+    elif out["function_change"] is not None:
+        out["judged_by"], rel = "training data", out["function_change"]
+    else:
+        out["judged_by"], rel = "coefficients", out["relative_distance"]
+    out["same"] = bool(rel <= tol)
     return out

@@ -2,8 +2,13 @@
 
 Every format holds V (H, d_out, d) and Q (H, d, d) float64 exactly as computed, plus metadata: format
 ("mhla-heads"), mhla_version, d, n_heads, normalize (and d_out when it differs from d: heads put back
-in a model's coordinates by `mhla export-heads --unreduce`). Writes are atomic (a temporary file in the
-output's directory, renamed on success; nothing is left on failure).
+in a model's coordinates by `mhla export-heads --unreduce`), and what the export changed: function_change
+(on the training data), coef_change and coordinates (mhla_cli.model.canonical). Heads with the bias terms
+(docs/bias_terms.md) also hold the arrays value_bias (H, d_out), score_key (H, d), score_query (H, d),
+score_bias (H,) and the metadata bias_terms = 1; heads with the token-wise affine map of the wide tokens
+(mhla_cli.solve.affine_block) hold affine_weight (d_out, D) and affine_bias (d_out,) and the metadata
+affine_width = D. Writes are atomic (a temporary file in the output's directory, renamed on success; nothing
+is left on failure).
 """
 
 from __future__ import annotations
@@ -19,7 +24,8 @@ import numpy as np
 from ..io import formats
 from .._version import __version__
 from ..errors import InputError
-from .heads import Heads
+from ..bias_terms import BIAS_ARRAYS
+from .heads import AFFINE_ARRAYS, Heads, read_bias_arrays
 
 # suffix -> format; a path without a suffix is an HDF5 heads file (the historic default)
 SUFFIXES = {".h5": "hdf5", ".hdf5": "hdf5", ".hdf": "hdf5", "": "hdf5", ".npz": "npz",
@@ -43,9 +49,15 @@ def _metadata(heads: Heads) -> dict[str, str]:
         meta["d_out"] = str(heads.d_out)
     if heads.info.get("attention") is not None:
         meta["attention"] = str(heads.info["attention"])
-    err = heads.info.get("relative_function_error")
-    if err is not None:
-        meta["relative_function_error"] = repr(float(err))
+    for key in ("function_change", "coef_change"):  # what the export changed (mhla_cli.model.canonical)
+        if heads.info.get(key) is not None:
+            meta[key] = repr(float(heads.info[key]))
+    if heads.info.get("coordinates") is not None:
+        meta["coordinates"] = str(heads.info["coordinates"])
+    if heads.bias_terms:
+        meta["bias_terms"] = "1"
+    if heads.affine_weight is not None:
+        meta["affine_width"] = str(heads.affine_weight.shape[1])
     return meta
 
 
@@ -69,17 +81,17 @@ def save_heads(heads: Heads, path: str | os.PathLike, inputs: tuple[str | os.Pat
         return
     st = _safetensors() if fmt == "safetensors" else None
     formats.check_output_path(path, inputs)
-    V = np.ascontiguousarray(heads.V, dtype=np.float64)
-    Q = np.ascontiguousarray(heads.Q, dtype=np.float64)
+    arrays = {k: np.ascontiguousarray(v, dtype=np.float64)
+              for k, v in {"V": heads.V, "Q": heads.Q, **heads.bias_arrays(), **heads.affine_arrays()}.items()}
     meta = _metadata(heads)
     with formats.atomic_path(path) as tmp:
         if fmt == "npz":
             with open(tmp, "wb") as f:  # a file object: np.savez would append .npz to a name
-                np.savez(f, V=V, Q=Q, **{k: np.array(v) for k, v in meta.items()})
+                np.savez(f, **arrays, **{k: np.array(v) for k, v in meta.items()})
         else:
             if inputs:
                 meta["mhla_inputs"] = json.dumps([formats.source_identity(i) for i in inputs])
-            st.save_file({"V": V, "Q": Q}, str(tmp), metadata=meta)
+            st.save_file(arrays, str(tmp), metadata=meta)
 
 
 def _check_meta(meta: dict[str, str], path: str | os.PathLike) -> str:
@@ -104,7 +116,8 @@ def load_heads(path: str | os.PathLike) -> Heads:
                 arrays = {k: z[k] for k in z.files}
         except (OSError, ValueError, EOFError) as exc:
             raise InputError(f"cannot read as .npz ({exc})", path) from None
-        meta = {k: str(v) for k, v in arrays.items() if k not in ("V", "Q") and v.ndim == 0}
+        meta = {k: str(v) for k, v in arrays.items()
+                if k not in ("V", "Q", *BIAS_ARRAYS, *AFFINE_ARRAYS) and v.ndim == 0}
     else:
         _safetensors()  # a clear message when the optional package is missing
         try:
@@ -119,12 +132,19 @@ def load_heads(path: str | os.PathLike) -> Heads:
     missing = [k for k in ("V", "Q") if k not in arrays]
     if missing:
         raise InputError(f"has no {' or '.join(repr(m) for m in missing)} array", path)
-    heads = Heads.from_arrays(arrays["V"], arrays["Q"], normalize, path)
+    if meta.get("bias_terms", "0") not in ("0", "1"):
+        raise InputError(f"metadata 'bias_terms' = {meta['bias_terms']}, expected 0 or 1", path)
+    bias = read_bias_arrays(arrays, meta.get("bias_terms") == "1", path)
+    affine = {k: arrays[k] for k in AFFINE_ARRAYS if k in arrays}
+    heads = Heads.from_arrays(arrays["V"], arrays["Q"], normalize, path, bias=bias, affine=affine or None)
     for key, value in (("d", heads.d), ("n_heads", heads.n_heads), ("d_out", heads.d_out)):
         if key in meta and meta[key] != str(value):
             raise InputError(f"metadata '{key}' = {meta[key]} but the arrays have {key} = {value}", path)
-    if "relative_function_error" in meta:
-        heads.info["relative_function_error"] = float(meta["relative_function_error"])
+    for key in ("function_change", "coef_change"):
+        if key in meta:
+            heads.info[key] = float(meta[key])
+    if "coordinates" in meta:
+        heads.info["coordinates"] = meta["coordinates"]
     if "attention" in meta:
         heads.info["attention"] = meta["attention"]
     return heads

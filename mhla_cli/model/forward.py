@@ -22,10 +22,11 @@ from ..io import formats
 from ..linalg.backends import get_backend
 from ..linalg.device import check_device, worker_device
 from ..errors import InputError
-from ..feature_map import check_normalize, features_from_moments
+from ..feature_map import check_normalize, d_of_psi, features_from_moments
 from .heads import Heads
 from ..numerics import EPS
-from .model import Model, attention_of, coef_of, evaluation_of, normalize_of
+from .model import Model, affine_of, attention_of, bias_terms_of, coef_of, evaluation_of, normalize_of
+from ..statistics.affine_sums import WideSource, affine_rows
 from ..statistics.parallel import SerialMap, ThreadMap, make_map
 from .scores import Spread
 from ..samples import BIDIRECTIONAL, CAUSAL, LAST, Samples, samples_of
@@ -38,7 +39,9 @@ from ..io.tokens import (
     iter_chunks,
     read_as,
     spans,
+    with_bias_terms,
 )
+from ..bias_terms import with_constant
 
 
 def forward_heads(V: np.ndarray, Q: np.ndarray, X: np.ndarray, all_positions: bool = False,
@@ -76,24 +79,34 @@ def direct(fn: Model | Heads | np.ndarray) -> HeadsFn | None:
     """`fn` as a HeadsFn when it is heads that are rectangular (d_out != d) or too wide for a coef."""
     if not isinstance(fn, Heads):
         return None
-    V, Q = np.asarray(fn.V, dtype=np.float64), np.asarray(fn.Q, dtype=np.float64)
+    V, Q = (np.asarray(a, dtype=np.float64) for a in fn.augmented())  # with bias terms: of the tokens (x, 1)
     d_out, d = V.shape[1], Q.shape[1]
-    if d_out != d or 8 * d_out * (d * d * (d + 1) // 2) > DIRECT_COEF_BYTES:
+    if fn.bias_terms or d_out != d or 8 * d_out * (d * d * (d + 1) // 2) > DIRECT_COEF_BYTES:
         return HeadsFn((V, Q))
     return None
 
 
 def function_of(fn: Model | Heads | np.ndarray) -> np.ndarray | HeadsFn:
-    """What the chunk kernels evaluate: coef (d, psi), or the heads themselves (`direct`)."""
+    """What the chunk kernels evaluate: coef (d, psi), or the heads themselves (`direct`); with the bias
+    terms, of the tokens (x, 1) and without the padded output (`_outputs`)."""
     h = direct(fn)
-    return coef_of(fn) if h is None else h
+    return _outputs(fn, coef_of(fn)) if h is None else h
 
 
 def evaluated(fn: Model | Heads | np.ndarray) -> tuple[np.ndarray | HeadsFn, np.ndarray | None]:
     """(what the kernels evaluate, A): a model's canonical coef with its basis A (tokens X A;
     Model.evaluation), or the heads themselves (`direct`, A None)."""
     h = direct(fn)
-    return (h, None) if h is not None else evaluation_of(fn)
+    if h is not None:
+        return h, None
+    coef, A = evaluation_of(fn)
+    return _outputs(fn, coef), A
+
+
+def _outputs(fn: Model | Heads | np.ndarray, coef: np.ndarray) -> np.ndarray:
+    """coef without the bias terms' padded output (its last row, exactly 0: mhla_cli.bias_terms), for a model
+    fitted with them; coef itself otherwise."""
+    return coef[:-1] if bias_terms_of(fn) else coef
 
 
 def out_width(fn: np.ndarray | HeadsFn) -> int:
@@ -102,8 +115,8 @@ def out_width(fn: np.ndarray | HeadsFn) -> int:
 
 
 def in_width(fn: np.ndarray | HeadsFn) -> int:
-    """Width of the tokens a coef or HeadsFn takes."""
-    return int(fn.shape[1]) if isinstance(fn, HeadsFn) else int(fn.shape[0])
+    """Width of the tokens a coef (d_out, psi) or HeadsFn takes."""
+    return int(fn.shape[1]) if isinstance(fn, HeadsFn) else d_of_psi(int(fn.shape[1]))
 
 
 def _chunk_moments(tokens: np.ndarray, offsets: np.ndarray, d: int, normalize: str) -> tuple[np.ndarray, np.ndarray]:
@@ -141,8 +154,7 @@ def predict_chunk(coef: np.ndarray | HeadsFn, tokens: np.ndarray, offsets: np.nd
     """
     if isinstance(coef, HeadsFn):
         return heads_chunk(coef, tokens, offsets, all_positions, normalize)
-    d = coef.shape[0]
-    S, last = _chunk_moments(tokens, offsets, d, normalize)
+    S, last = _chunk_moments(tokens, offsets, in_width(coef), normalize)
     pred = get_backend(device).last_outputs(coef, S, last)
     outputs = sample_outputs(coef, tokens, offsets, BIDIRECTIONAL, normalize) if all_positions else None
     return pred, outputs
@@ -166,8 +178,9 @@ def sample_outputs(coef: np.ndarray | HeadsFn, tokens: np.ndarray, offsets: np.n
     B = offsets.size - 1
     npairs = d * (d + 1) // 2
     heads = isinstance(coef, HeadsFn)
+    d_out = out_width(coef)
     if not heads:
-        P = np.asarray(coef, dtype=np.float64).reshape(d, npairs, d).transpose(1, 0, 2).reshape(npairs, d * d)
+        P = np.asarray(coef, dtype=np.float64).reshape(d_out, npairs, d).transpose(1, 0, 2).reshape(npairs, d_out * d)
     else:
         from ..linalg.symgram import pair_positions
 
@@ -182,7 +195,7 @@ def sample_outputs(coef: np.ndarray | HeadsFn, tokens: np.ndarray, offsets: np.n
             qx = np.einsum("hcl,rl->rhc", Q, q.x, optimize=True)
             outs.append(np.einsum("haj,rhj->ra", V, np.einsum("rjc,rhc->rhj", S, qx, optimize=True), optimize=True))
         else:
-            M = (q.upper @ P).reshape(-1, d, d)
+            M = (q.upper @ P).reshape(-1, d_out, d)
             outs.append(np.einsum("tal,tl->ta", M if q.group is None else M[q.group], q.x))
         if progress is not None:
             progress(e)
@@ -235,13 +248,41 @@ def predict_causal(fn: Model | Heads | np.ndarray, tokens: np.ndarray, offsets: 
 
 
 def predict_samples(fn: Model | Heads | np.ndarray, tokens: np.ndarray, offsets: np.ndarray | None = None,
-                    samples: Samples | None = None) -> np.ndarray:
+                    samples: Samples | None = None, wide: np.ndarray | None = None) -> np.ndarray:
     """In-memory outputs at every sample of `samples` (mhla_cli.samples; None: the layout `fn` was fitted on,
     `fitted_samples`): (N, d) for LAST, (T, d) for CAUSAL and BIDIRECTIONAL (tokens (N, n, d), or (T, d)
-    with offsets); the model's normalisation."""
-    tokens, offsets = as_ragged(tokens, offsets)
+    with offsets); the model's normalisation. `wide`: the wide tokens (T, D) (or (N, n, D)) of a function with
+    the token-wise affine map of them (mhla_cli.solve.affine_block)."""
+    tokens, offsets = as_ragged(_tokens_of(fn, tokens), offsets)
     coef, A = evaluated(fn)
-    return sample_outputs(coef, in_basis(tokens, A), offsets, samples or fitted_samples(fn), normalize_of(fn))
+    samples = samples or fitted_samples(fn)
+    out = sample_outputs(coef, in_basis(tokens, A), offsets, samples, normalize_of(fn))
+    return _with_affine(fn, out, wide, offsets, samples.per_position)
+
+
+def _with_affine(fn: Model | Heads | np.ndarray, out: np.ndarray, wide: np.ndarray | None, offsets: np.ndarray,
+                 per_position: bool) -> np.ndarray:
+    """out plus the token-wise affine map of the wide tokens `wide` at every row's query (every token, or the last
+    of each sequence), for a function that has one (`affine_of`); out itself otherwise (`wide` refused then)."""
+    affine = affine_of(fn)
+    if affine is None:
+        if wide is not None:
+            raise InputError("wide tokens were given but the function has no affine map of them")
+        return out
+    if wide is None:
+        raise InputError(f"the function adds an affine map of the wide tokens (width {affine.shape[1] - 1}): give them "
+                         "(wide=, or --affine-from)")
+    wide = np.asarray(wide, dtype=np.float64)
+    wide = wide.reshape(-1, wide.shape[-1])
+    if wide.shape != (int(offsets[-1]), affine.shape[1] - 1):
+        raise InputError(f"the wide tokens have shape {wide.shape}, expected "
+                         f"({int(offsets[-1])}, {affine.shape[1] - 1})")
+    return out + affine_rows(wide, offsets, CAUSAL if per_position else LAST) @ affine.T
+
+
+def _tokens_of(fn: Model | Heads | np.ndarray, tokens: np.ndarray) -> np.ndarray:
+    """The tokens `fn` evaluates: (x, 1) for a function with the bias terms (mhla_cli.bias_terms), else x."""
+    return with_constant(tokens) if bias_terms_of(fn) else np.asarray(tokens)
 
 
 def fitted_samples(fn: Model | Heads | np.ndarray) -> Samples:
@@ -252,13 +293,18 @@ def fitted_samples(fn: Model | Heads | np.ndarray) -> Samples:
 
 
 def predict(fn: Model | Heads | np.ndarray, tokens: np.ndarray, offsets: np.ndarray | None = None,
-            all_positions: bool = False, device: str | None = None) -> np.ndarray | tuple[np.ndarray, np.ndarray]:
+            all_positions: bool = False, device: str | None = None, wide: np.ndarray | None = None
+            ) -> np.ndarray | tuple[np.ndarray, np.ndarray]:
     """In-memory prediction. tokens (N, n, d), or (T, d) with offsets (N+1,); the model's normalisation.
-    `device` (mhla_cli.linalg.device): the last-token outputs computed there."""
+    `device` (mhla_cli.linalg.device): the last-token outputs computed there. `wide`: the wide tokens of a function
+    with the affine map of them (`predict_samples`)."""
     coef, A = evaluated(fn)
-    tokens, offsets = as_ragged(tokens, offsets)
+    tokens, offsets = as_ragged(_tokens_of(fn, tokens), offsets)
     pred, outputs = predict_chunk(coef, in_basis(tokens, A), offsets, all_positions,
                                   normalize_of(fn), device=check_device(device))
+    pred = _with_affine(fn, pred, wide, offsets, False)
+    if outputs is not None:
+        outputs = _with_affine(fn, outputs, wide, offsets, True)
     return (pred, outputs) if all_positions else pred
 
 
@@ -277,7 +323,8 @@ def scored(pred: np.ndarray, targets: np.ndarray, weights: np.ndarray | None) ->
 
 
 def positions_span(coef: np.ndarray | HeadsFn, info: Any, samples: Samples, normalize: str, span: tuple[int, int],
-                   progress: Callable[[int], None] | None = None, basis: np.ndarray | None = None
+                   progress: Callable[[int], None] | None = None, basis: np.ndarray | None = None,
+                   affine: tuple[WideSource, np.ndarray] | None = None
                    ) -> tuple[np.ndarray, np.ndarray, np.ndarray, int, Spread]:
     """Outputs at every position of samples [lo, hi) in the layout `samples` (CAUSAL or BIDIRECTIONAL:
     `sample_outputs`): (pred (B, d), outputs (t, d), offsets, count, the scored targets' Spread: their
@@ -303,12 +350,23 @@ def positions_span(coef: np.ndarray | HeadsFn, info: Any, samples: Samples, norm
         check_weights(weights, offsets, a, info.per_position, info.path)
         outputs = sample_outputs(coef, in_basis(tokens, basis), offsets, samples, normalize,
                                  progress=None if progress is None else step)
+        if affine is not None:  # the affine map of the wide tokens at every position
+            outputs = outputs + _affine_span(affine, a, offsets)
         pred = outputs[offsets[1:] - 1]
         count, spread = 0, Spread()
         if targets is not None:
             count, spread = scored((outputs if info.per_position else pred), targets, weights)
         return pred, outputs, offsets.copy(), count, spread
     raise ValueError("empty span")
+
+
+def _affine_span(affine: tuple[WideSource, np.ndarray], a: int, offsets: np.ndarray) -> np.ndarray:
+    """The affine map (d_out, D + 1) of the wide tokens at every token of the span starting at sample `a` with
+    `offsets` (T, d_out), read from the wide source in lockstep."""
+    wide, C = affine
+    span = (a, a + offsets.size - 1)
+    chunk = next(wide.chunks(span, span[1] - span[0], prefetch=False))
+    return wide.rows(chunk, a, offsets, CAUSAL) @ C.T
 
 
 def causal_span(coef: np.ndarray | HeadsFn, info: Any, normalize: str, span: tuple[int, int],
@@ -341,6 +399,8 @@ def _function_and_data(fn: Model | Heads, data: str | os.PathLike
     coef = function_of(fn)
     normalize = check_normalize(normalize_of(fn))
     info = inspect_tokens(data)
+    if bias_terms_of(fn):  # the function of the tokens (x, 1): the reader appends the constant
+        info = with_bias_terms(info, pad_targets=False)
     if info.d != in_width(coef):
         raise InputError(f"the data have d = {info.d} but the model has d = {in_width(coef)}", data)
     if info.has_targets and info.out_dim != out_width(coef):
@@ -429,19 +489,25 @@ def _predict_spans(task: Callable[[tuple[int, int]], tuple], todo: list[tuple[in
 
 def _span_task(coef: np.ndarray | HeadsFn, info: TokensInfo, pmap: Any, normalize: str, samples: Samples | None,
                device: str | None, basis: np.ndarray | None,
-               progress: Callable[[int], None] | None) -> tuple[Callable[[tuple[int, int]], tuple], bool]:
+               progress: Callable[[int], None] | None, affine: tuple[WideSource, np.ndarray] | None = None
+               ) -> tuple[Callable[[tuple[int, int]], tuple], bool]:
     """The per-span task of `predict_file` under `pmap` (outputs at every position of `samples`, or None:
     the last-token predictions only), and whether it tells `progress` itself (its blocks as they finish)
     rather than `_predict_spans` each span as it comes back."""
     # workers open the file themselves: give them an absolute path
     winfo = info if pmap.n_workers == 1 else dataclasses.replace(info, path=os.path.abspath(info.path))
+    if affine is not None and pmap.n_workers > 1:
+        w = affine[0]
+        affine = (dataclasses.replace(w, info=dataclasses.replace(w.info, path=os.path.abspath(w.info.path))),
+                  affine[1])
     if samples is None:
-        return partial(predict_span, coef, winfo, False, normalize=normalize, device=device, basis=basis), False
+        return partial(predict_span, coef, winfo, False, normalize=normalize, device=device, basis=basis,
+                       affine=affine), False
     # outputs at every position take long per span: in this process (serial or threads; `progress` None
     # for a caller's map) each span tells its blocks as they finish, one call at a time
     ticks = progress is not None and isinstance(pmap, (SerialMap, ThreadMap))
     return partial(positions_span, coef, winfo, samples, normalize,
-                   progress=_one_at_a_time(progress) if ticks else None, basis=basis), ticks
+                   progress=_one_at_a_time(progress) if ticks else None, basis=basis, affine=affine), ticks
 
 
 def _write_predictions(out: str | os.PathLike, inputs: tuple[str | os.PathLike, ...], meta: dict[str, Any],
@@ -462,7 +528,8 @@ def predict_file(fn: Model | Heads, data: str | os.PathLike, out: str | os.PathL
                  progress: Callable[[int], None] | None = None,
                  inputs: tuple[str | os.PathLike, ...] = (), workers: int = 1,
                  map: Callable[..., Any] | None = None,  # noqa: A002
-                 causal: bool = False, device: str | None = None) -> Predictions:
+                 causal: bool = False, device: str | None = None,
+                 affine_from: str | os.PathLike | None = None) -> Predictions:
     """Stream predictions over a tokens file; write them to `out` (atomically) if given.
 
     Returns a summary (n_samples, mse and r2 when the data have targets: mhla_cli.model.scores, weighted like
@@ -483,8 +550,12 @@ def predict_file(fn: Model | Heads, data: str | os.PathLike, out: str | os.PathL
     weight-0 sequences are predicted but not scored. Without `causal`, per-position targets give no
     MSE (the predictions are per sequence; use `causal` to score every weighted position).
     `device` (mhla_cli.linalg.device): the last-token predictions on a torch device (float64).
+    A function with the token-wise affine map of the wide tokens (mhla_cli.solve.affine_block) reads them from
+    `affine_from`, the tokens file `mhla reduce` read to make `data` (checked), or from `data` itself when its
+    tokens are that wide (heads put back in the model's coordinates by `export-heads --unreduce`).
     """
     device = check_device(device, data)
+    affine = _affine_source(fn, data, affine_from)
     if all_positions and causal:
         raise InputError("causal and all_positions cannot be combined: causal is the masked (prefix) "
                          "output at every position, all_positions the unmasked one")
@@ -513,7 +584,7 @@ def predict_file(fn: Model | Heads, data: str | os.PathLike, out: str | os.PathL
         sinks = _sinks(target, info, d, with_outputs)
         with make_map(workers=workers, map=map) as pmap:
             task, ticks = _span_task(coef, info, pmap, normalize, samples, device, A,
-                                     progress if map is None else None)
+                                     progress if map is None else None, affine)
             return sinks, _predict_spans(task, todo, pmap, sinks, None if ticks else progress)
 
     if out is not None:
@@ -532,6 +603,29 @@ def predict_file(fn: Model | Heads, data: str | os.PathLike, out: str | os.PathL
         result.r2 = spread.r2()  # None when the scored targets do not vary (mhla_cli.model.scores)
         result.n_scored = count
     return result
+
+
+def _affine_source(fn: Model | Heads, data: str | os.PathLike, affine_from: str | os.PathLike | None
+                   ) -> tuple[WideSource, np.ndarray] | None:
+    """(the wide tokens' source, the affine map (d_out, D + 1)) of a function with the affine map of the wide tokens,
+    or None; a file given to a function without one, or none to one with it, is refused."""
+    affine = affine_of(fn)
+    if affine is None:
+        if affine_from is not None:
+            raise InputError("--affine-from was given but the function has no affine map of the wide tokens", data)
+        return None
+    D = affine.shape[1] - 1
+    if affine_from is not None:
+        wide = WideSource.open(affine_from, data)
+    else:
+        info = inspect_tokens(data)
+        if info.d != D:
+            raise InputError(f"the function adds an affine map of the wide tokens (width {D}): give the tokens file "
+                             "that mhla reduce read to make this one (--affine-from WIDE.h5)", data)
+        wide = WideSource(dataclasses.replace(info, has_targets=False, has_weights=False, samples=LAST, d_out=None), {})
+    if wide.width != D:
+        raise InputError(f"the wide tokens are {wide.width} wide but the function's affine map takes {D}", affine_from)
+    return wide, affine
 
 
 # --------------------------------------------------------------------------------------------
@@ -645,6 +739,12 @@ def rollout_file(fn: Model | Heads, data: str | os.PathLike, out: str | os.PathL
     """
     if steps < 1:
         raise InputError(f"steps must be >= 1, got {steps}")
+    if bias_terms_of(fn):
+        raise InputError("a rollout appends outputs as tokens; a function with the bias terms maps tokens x to "
+                         "outputs through (x, 1), which rollout does not support", data)
+    if affine_of(fn) is not None:
+        raise InputError("a rollout appends outputs as tokens; a function with the affine map of the wide tokens "
+                         "needs wide tokens the rollout does not make", data)
     coef, normalize, info = _function_and_data(fn, data)
     if isinstance(coef, HeadsFn):
         if out_width(coef) != in_width(coef):
@@ -690,7 +790,8 @@ def rollout_file(fn: Model | Heads, data: str | os.PathLike, out: str | os.PathL
 
 
 def predict_span(coef: np.ndarray, info: Any, all_positions: bool, span: tuple[int, int],
-                 normalize: str = "none", device: str | None = None, basis: np.ndarray | None = None
+                 normalize: str = "none", device: str | None = None, basis: np.ndarray | None = None,
+                 affine: tuple[WideSource, np.ndarray] | None = None
                  ) -> tuple[np.ndarray, np.ndarray | None, np.ndarray, int, Spread]:
     """Predictions for samples [lo, hi): (pred (B, d), outputs (t, d) or None, offsets, count, the
     targets' Spread (their weight, spread and weighted SSE: the MSE and R^2)).
@@ -707,6 +808,10 @@ def predict_span(coef: np.ndarray, info: Any, all_positions: bool, span: tuple[i
         check_weights(weights, offsets, a, info.per_position, info.path)
         pred, outputs = predict_chunk(coef, in_basis(tokens, basis), offsets, all_positions, normalize,
                                       device=None if device is None else worker_device(device))
+        if affine is not None:  # the affine map of the wide tokens at the last token (and every position)
+            aff = _affine_span(affine, a, offsets)
+            pred = pred + aff[offsets[1:] - 1]
+            outputs = None if outputs is None else outputs + aff
         count, spread = scored(pred, targets, weights) if targets is not None else (0, Spread())
         return pred, outputs, offsets.copy(), count, spread
     raise ValueError("empty span")

@@ -12,6 +12,10 @@ from ..io import formats
 from ..errors import InputError
 from ..feature_map import n_features, pair_index
 from ._head_shapes import HeadShapes
+from ..bias_terms import BIAS_ARRAYS, augmented_heads, split_heads
+
+# The arrays of the token-wise affine map of the wide tokens beside the heads (mhla_cli.solve.affine_block).
+AFFINE_ARRAYS = ("affine_weight", "affine_bias")
 
 
 def _d_of_W(W: np.ndarray) -> int:
@@ -96,10 +100,41 @@ class Heads(HeadShapes):
     V: np.ndarray
     Q: np.ndarray
     info: dict[str, Any] = field(default_factory=dict)
+    # The bias terms (mhla_cli.bias_terms, docs/bias_terms.md), all four or none: value_bias (H, d_out),
+    # score_key (H, d), score_query (H, d), score_bias (H,); head h outputs at t
+    # sum_i (V_h x_i + value_bias_h) (x_i^T Q_h x_t + score_key_h . x_i + score_query_h . x_t + score_bias_h).
+    value_bias: np.ndarray | None = None
+    score_key: np.ndarray | None = None
+    score_query: np.ndarray | None = None
+    score_bias: np.ndarray | None = None
+    # The token-wise affine map of the wide tokens beside the heads (mhla_cli.solve.affine_block), both or none:
+    # the output gains affine_weight x_wide + affine_bias at every query, affine_weight (d_out, D), affine_bias
+    # (d_out,); x_wide the query's token in the model's own coordinates (the tokens themselves for heads put back
+    # there with --unreduce).
+    affine_weight: np.ndarray | None = None
+    affine_bias: np.ndarray | None = None
 
     @property
     def n_heads(self) -> int:
         return int(self.V.shape[0])
+
+    @property
+    def bias_terms(self) -> bool:
+        """Whether the heads carry the bias terms (their arrays are set)."""
+        return self.value_bias is not None
+
+    def bias_arrays(self) -> dict[str, np.ndarray]:
+        """The bias terms' arrays by name (mhla_cli.bias_terms.BIAS_ARRAYS; {} without them)."""
+        if not self.bias_terms:
+            return {}
+        return {k: getattr(self, k) for k in BIAS_ARRAYS}
+
+    def augmented(self) -> tuple[np.ndarray, np.ndarray]:
+        """(V~ (H, d_out, d + 1), Q~ (H, d + 1, d + 1)): the heads of the tokens (x, 1) that compute these heads
+        with their bias terms (mhla_cli.bias_terms); (V, Q) without them."""
+        if not self.bias_terms:
+            return self.V, self.Q
+        return augmented_heads(self.V, self.Q, **self.bias_arrays())
 
     def __repr__(self) -> str:  # the sizes, not V and Q
         norm = self.info.get("normalize")
@@ -110,6 +145,9 @@ class Heads(HeadShapes):
         if self.d_out != self.d:
             raise InputError(f"heads with {self.d_out}-dim outputs of {self.d}-dim tokens have no coef (d, psi) "
                              "on d x d features; they are evaluated directly")
+        if self.bias_terms:  # the coef of a model with the bias terms: of the tokens (x, 1), the padded output 0
+            p = coef_of_heads(*self.augmented())
+            return np.vstack([p, np.zeros((1, p.shape[1]))])
         return p_from_heads(self.V, self.Q)
 
     def save(self, path: str | os.PathLike, inputs: tuple[str | os.PathLike, ...] = ()) -> None:
@@ -117,10 +155,22 @@ class Heads(HeadShapes):
         attrs = {"d": self.d, "n_heads": self.n_heads}
         if self.d_out != self.d:
             attrs["d_out"] = self.d_out
-        for k in ("relative_function_error", "tol", "max_heads", "normalize", "unreduced", "attention"):
+        for k in ("function_change", "coef_change", "coordinates", "tol", "max_heads", "normalize", "unreduced",
+                  "attention"):
             if self.info.get(k) is not None:
                 attrs[k] = self.info[k]
-        formats.write_file(path, "heads", {"V": self.V, "Q": self.Q}, attrs, inputs)
+        if self.bias_terms:
+            attrs["bias_terms"] = 1
+        if self.affine_weight is not None:
+            attrs["affine_width"] = int(self.affine_weight.shape[1])
+        formats.write_file(path, "heads", {"V": self.V, "Q": self.Q, **self.bias_arrays(), **self.affine_arrays()},
+                           attrs, inputs)
+
+    def affine_arrays(self) -> dict[str, np.ndarray]:
+        """The affine map's arrays by name ({} without it): affine_weight (d_out, D), affine_bias (d_out,)."""
+        if self.affine_weight is None:
+            return {}
+        return {"affine_weight": self.affine_weight, "affine_bias": self.affine_bias}
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> Heads:
@@ -131,14 +181,20 @@ class Heads(HeadShapes):
             Q = formats.read_array(f, "Q", path).astype(np.float64)
             normalize = formats.read_normalize(f, path)
             attention = f.attrs.get("attention")
-        heads = cls.from_arrays(V, Q, normalize, path)
+            bias = read_bias_arrays({k: formats.read_array(f, k, path) for k in BIAS_ARRAYS if k in f},
+                                    formats.read_bias_terms(f.attrs, path), path)
+            affine = {k: formats.read_array(f, k, path) for k in AFFINE_ARRAYS if k in f}
+        heads = cls.from_arrays(V, Q, normalize, path, bias=bias, affine=affine or None)
         if attention is not None:  # the per-position samples fitted on (mhla_cli.samples)
             heads.info["attention"] = attention.decode() if isinstance(attention, bytes) else str(attention)
         return heads
 
     @classmethod
-    def from_arrays(cls, V: Any, Q: Any, normalize: str = "none", path: str | os.PathLike | None = None) -> Heads:
-        """Validated heads from arrays V (H, d_out, d), Q (H, d, d) (any real dtype; stored as float64)."""
+    def from_arrays(cls, V: Any, Q: Any, normalize: str = "none", path: str | os.PathLike | None = None,
+                    bias: dict[str, Any] | None = None, affine: dict[str, Any] | None = None) -> Heads:
+        """Validated heads from arrays V (H, d_out, d), Q (H, d, d) (any real dtype; stored as float64),
+        `bias`, the bias terms' arrays by name (mhla_cli.bias_terms.BIAS_ARRAYS) or None, and `affine`, the
+        affine map's (AFFINE_ARRAYS) or None."""
         V = np.asarray(V)
         Q = np.asarray(Q)
         for name, a in (("V", V), ("Q", Q)):
@@ -158,7 +214,34 @@ class Heads(HeadShapes):
             raise InputError("'V' or 'Q' contains NaN or Inf", path)
         if normalize not in ("none", "length"):
             raise InputError(f"attribute 'normalize' is '{normalize}', expected none or length", path)
-        return cls(V=V, Q=Q, info={"normalize": normalize})
+        heads = cls(V=V, Q=Q, info={"normalize": normalize})
+        if bias:
+            H, d_out, d = V.shape
+            shapes = {"value_bias": (H, d_out), "score_key": (H, d), "score_query": (H, d), "score_bias": (H,)}
+            for k, shape in shapes.items():
+                a = np.asarray(bias[k])
+                if not (np.issubdtype(a.dtype, np.floating) or np.issubdtype(a.dtype, np.integer)):
+                    raise InputError(f"'{k}' has dtype {a.dtype}, expected real numbers", path)
+                if a.shape != shape:
+                    raise InputError(f"'{k}' has shape {a.shape}, expected {shape} beside V {V.shape}", path)
+                a = a.astype(np.float64)
+                if not np.isfinite(a).all():
+                    raise InputError(f"'{k}' contains NaN or Inf", path)
+                setattr(heads, k, a)
+        if affine:
+            missing = [k for k in AFFINE_ARRAYS if k not in affine]
+            if missing:
+                raise InputError(f"holds {', '.join(k for k in AFFINE_ARRAYS if k in affine)} but no "
+                                 f"{', '.join(repr(k) for k in missing)}; the file is incomplete", path)
+            Wa, ba = (np.asarray(affine[k]) for k in AFFINE_ARRAYS)
+            if Wa.ndim != 2 or Wa.shape[0] != V.shape[1] or ba.shape != (V.shape[1],):
+                raise InputError(f"'affine_weight' {Wa.shape} and 'affine_bias' {ba.shape} are not an affine map to "
+                                 f"the heads' {V.shape[1]} outputs", path)
+            Wa, ba = Wa.astype(np.float64), ba.astype(np.float64)
+            if not (np.isfinite(Wa).all() and np.isfinite(ba).all()):
+                raise InputError("'affine_weight' or 'affine_bias' contains NaN or Inf", path)
+            heads.affine_weight, heads.affine_bias = Wa, ba
+        return heads
 
     def to_torch(self, dtype: Any = None) -> Any:
         """A `torch.nn.Module` computing these heads' function (V, Q as trainable parameters).
@@ -176,8 +259,10 @@ class Heads(HeadShapes):
             raise ImportError("Heads.to_torch needs PyTorch: pip install 'torch>=2.1' (mhla's [torch] extra)") from None
         from ._heads_module import HeadsModule
 
-        return HeadsModule(self.V, self.Q, str(self.info.get("normalize", "none")),
-                           torch.float64 if dtype is None else dtype)
+        V, Q = self.augmented()  # with the bias terms: the heads of the tokens (x, 1)
+        return HeadsModule(V, Q, str(self.info.get("normalize", "none")), torch.float64 if dtype is None else dtype,
+                           constant=self.bias_terms, affine=None if self.affine_weight is None else
+                           (self.affine_weight, self.affine_bias))
 
 
 def heads_from_W(W: np.ndarray, tol: float = 1e-12, max_heads: int | None = None
@@ -200,16 +285,27 @@ def heads_from_W(W: np.ndarray, tol: float = 1e-12, max_heads: int | None = None
     return Heads(V=V, Q=Q), s
 
 
-def export_heads(model: Any, tol: float = 1e-12, max_heads: int | None = None) -> Heads:
-    """Heads computing `model`'s function (Algorithm 1, step 3), with the relative function change."""
-    if max_heads is not None and max_heads < 1:
-        raise InputError(f"max_heads must be >= 1, got {max_heads}")
-    if not (0 <= tol < 1):
-        raise InputError(f"tol must be in [0, 1), got {tol}")
-    heads, s = heads_from_W(model.W, tol=tol, max_heads=max_heads)
-    p = model.coef
-    norm = float(np.linalg.norm(p))
-    err = float(np.linalg.norm(heads.coef - p)) / norm if norm > 0 else 0.0
-    heads.info = {"n_heads": heads.n_heads, "relative_function_error": err, "tol": tol,
-                  "max_heads": max_heads, "singular_values": s.tolist()}
-    return heads
+def read_bias_arrays(arrays: dict[str, Any], flagged: bool, path: str | os.PathLike | None = None
+                     ) -> dict[str, Any] | None:
+    """The bias terms' arrays of a heads file (mhla_cli.bias_terms.BIAS_ARRAYS): all four, with the file's
+    `bias_terms` flag, or none; None without them. InputError for a partial set or a flag without them."""
+    have = [k for k in BIAS_ARRAYS if k in arrays]
+    if not have and not flagged:
+        return None
+    missing = [k for k in BIAS_ARRAYS if k not in arrays]
+    if missing:
+        raise InputError(f"holds the bias terms ({', '.join(have) or 'bias_terms = 1'}) but no "
+                         f"{', '.join(repr(k) for k in missing)}; the file is incomplete", path)
+    return {k: arrays[k] for k in BIAS_ARRAYS}
+
+
+def with_bias_terms(heads: Heads) -> Heads:
+    """Heads of the tokens (x, 1) with the padded output (V (H, d + 1, d + 1), Q (H, d + 1, d + 1): the SVD of
+    a bias-terms model's W) as heads of the tokens with their bias terms (mhla_cli.bias_terms.split_heads),
+    the padded output dropped; info kept."""
+    V = heads.V[:, :-1, :] if heads.V.shape[1] == heads.V.shape[2] else heads.V
+    parts = split_heads(V, heads.Q)
+    out = Heads(V=parts.pop("V"), Q=parts.pop("Q"), info=dict(heads.info), **parts)
+    out.info["bias_terms"] = True
+    return out
+

@@ -281,4 +281,11 @@ def unreduce_heads(heads: Heads, red: Reduction, path: str | os.PathLike | None 
     Qf = np.einsum("ij,hjk,lk->hil", red.P, heads.Q, red.P, optimize=True)
     info = dict(heads.info)
     info["unreduced"] = str(path) if path is not None else "yes"
-    return Heads(V=np.ascontiguousarray(Vf), Q=np.ascontiguousarray(Qf), info=info)
+    bias = {}
+    if heads.bias_terms:  # value_bias -> U b_v; the score's linear terms act on x~ = P^T x: P c (mhla_cli.bias_terms)
+        bias = {"value_bias": heads.value_bias @ red.U.T, "score_key": heads.score_key @ red.P.T,
+                "score_query": heads.score_query @ red.P.T, "score_bias": np.array(heads.score_bias)}
+    if heads.affine_weight is not None:  # the affine map of the wide tokens: its outputs mapped back by U
+        bias.update(affine_weight=red.U @ heads.affine_weight, affine_bias=red.U @ heads.affine_bias)
+    return Heads(V=np.ascontiguousarray(Vf), Q=np.ascontiguousarray(Qf), info=info,
+                 **{k: np.ascontiguousarray(v) for k, v in bias.items()})

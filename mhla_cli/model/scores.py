@@ -63,7 +63,7 @@ def train_r2(feats: Features, train_mse: float) -> float | None:
     if feats.target_sum is None or feats.target_gram is None or targets_underflow(feats):
         return None
     sst, energy = sst_from_sums(feats.target_gram, feats.target_sum, feats.weight)
-    return r2(float(train_mse) * feats.weight * feats.d, sst, energy)
+    return r2(float(train_mse) * feats.weight * feats.n_outputs, sst, energy)
 
 
 @dataclass

@@ -83,16 +83,22 @@ def parse_seq_len(spec: str | int) -> tuple[int, int]:
     return lo, hi
 
 
-def random_teacher(d: int, n_heads: int, rng: np.random.Generator) -> Heads:
-    """A random H-head MHLA with Gaussian V_h, Q_h of entry variance 1/d (rescaled by the caller)."""
+def random_teacher(d: int, n_heads: int, rng: np.random.Generator, bias: bool = False) -> Heads:
+    """A random H-head MHLA with Gaussian V_h, Q_h of entry variance 1/d (rescaled by the caller); with `bias`
+    also its bias terms (mhla_cli.bias_terms), standard Gaussian (drawn after V and Q: the same V, Q as
+    without them for a seed)."""
     V = rng.standard_normal((n_heads, d, d)) / np.sqrt(d)
     Q = rng.standard_normal((n_heads, d, d)) / np.sqrt(d)
-    return Heads(V=V, Q=Q)
+    if not bias:
+        return Heads(V=V, Q=Q)
+    return Heads(V=V, Q=Q, value_bias=rng.standard_normal((n_heads, d)), score_key=rng.standard_normal((n_heads, d)),
+                 score_query=rng.standard_normal((n_heads, d)), score_bias=rng.standard_normal(n_heads))
 
 
 def generate_teacher(d: int, n_heads: int, n_samples: int, seq_len: str | int | tuple[int, int] = 100,
                      noise: float = 0.0, seed: int = 0, dtype: str = "float64", per_position: bool = False,
-                     normalize: str = "none", attention: str | None = None) -> tuple[Dataset, Heads]:
+                     normalize: str = "none", attention: str | None = None, bias: bool = False
+                     ) -> tuple[Dataset, Heads]:
     """Gaussian tokens N(0, I), targets from a random H-head teacher scaled so outputs have RMS 1.
 
     Tokens are rounded to `dtype` before the targets are computed, so that data stored in that
@@ -100,6 +106,8 @@ def generate_teacher(d: int, n_heads: int, n_samples: int, seq_len: str | int | 
     position: of every prefix (`attention` "causal", the default: an autoregressive teacher), or with
     the whole sequence's S ("bidirectional": an encoder's teacher); the dataset records the attention.
     `normalize="length"`: the teacher divides S by the number of tokens (recorded in the teacher's heads).
+    `bias`: a teacher with bias terms (docs/bias_terms.md): head h outputs sum_i (V_h x_i + value_bias_h)
+    (x_i^T Q_h x_t + score_key_h . x_i + score_query_h . x_t + score_bias_h), which `--bias-terms` fits exactly.
     """
     check_normalize(normalize)
     samples = samples_of(per_position, attention)
@@ -109,7 +117,7 @@ def generate_teacher(d: int, n_heads: int, n_samples: int, seq_len: str | int | 
         raise InputError("noise must be >= 0")
     lo, hi = seq_len if isinstance(seq_len, tuple) else parse_seq_len(seq_len)
     rng = np.random.default_rng(seed)
-    teacher = random_teacher(d, n_heads, rng)
+    teacher = random_teacher(d, n_heads, rng, bias)
     lengths = rng.integers(lo, hi + 1, size=n_samples)
     offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
     tokens = rng.standard_normal((int(offsets[-1]), d)).astype(dtype).astype(np.float64)
@@ -122,7 +130,8 @@ def generate_teacher(d: int, n_heads: int, n_samples: int, seq_len: str | int | 
     if rms > 0:
         # Scale V and Q by rms^-1/2 each: the output is bilinear in (V, Q).
         c = 1.0 / np.sqrt(rms)
-        teacher = Heads(V=teacher.V * c, Q=teacher.Q * c, info={"normalize": normalize})
+        teacher = Heads(V=teacher.V * c, Q=teacher.Q * c, info={"normalize": normalize},
+                        **{k: v * c for k, v in teacher.bias_arrays().items()})  # both sides of the bilinear form
         y = y / rms
     if samples.attention is not None:  # the teacher's outputs are per position, read so
         teacher.info["attention"] = samples.attention

@@ -104,6 +104,9 @@ def certify(feats: Features, min_eig: float = 0.0, domain: str | Domain = "full"
     """
     if min_eig < 0 or not np.isfinite(min_eig):
         raise InputError(f"min_eig must be a finite number >= 0, got {min_eig}")
+    if feats.affine is not None:  # a certificate of the MHLA's features alone would leave the block out
+        raise InputError("the statistics hold the affine block of the wide tokens: certify the extended features "
+                         "(mhla_cli.solve.affine_block.certify, `mhla certify`)")
     dom = get_domain(domain)
     A, _, _ = feats.solver_stats()
     fac = dom.factorize(feats, device)

@@ -20,6 +20,7 @@ from typing import Any, ClassVar
 
 import numpy as np
 
+from .. import bias_terms as bias_mod
 from ..errors import InputError
 from ..feature_map import feature_index, pair_index
 from ..linalg import device as device_mod
@@ -145,6 +146,8 @@ class Full(Domain):
         return fac
 
     def feature_names(self, feats: Features, r: int, s: int) -> list[str]:
+        if feats.bias_terms:  # the tokens (x, 1): S, m = sum_i x_i and n by name (mhla_cli.bias_terms)
+            return bias_mod.feature_names(feats.d - 1)
         return [f"S[{j},{k}]*x_n[{l}]" for j, k, l in feature_index(feats.d)]
 
     def null_vectors(self, A: np.ndarray, fac: Factorization, threshold: float) -> np.ndarray:

@@ -9,6 +9,7 @@ import numpy as np
 from ..errors import InputError
 from ..linalg.factorization import Factorization
 from ..model.heads import W_from_p
+from ..model.canonical import gram_pairs_of
 from ..model.model import Model
 from ..numerics import mse_resolution, numerical_tolerance
 from ..statistics import basis as basis_mod
@@ -30,6 +31,9 @@ def fit(feats: Features, ridge: float = 0.0, device: str | None = None) -> Model
         raise InputError("the data have no 'targets': fit needs (X, y) pairs")
     if ridge < 0 or not np.isfinite(ridge):
         raise InputError(f"ridge must be a finite number >= 0, got {ridge}")
+    if feats.affine is not None:  # a fit of the MHLA's features alone would leave the block out
+        raise InputError("the statistics hold the affine block of the wide tokens: fit the extended features "
+                         "(mhla_cli.solve.affine_block.fit, `mhla fit`)")
     A, _, moments_b = feats.solver_stats()
     N = feats.n_samples
     W = feats.weight if feats.weight > 0 else 1.0  # sum w: the normaliser of Lambda~ and m~
@@ -59,8 +63,13 @@ def fit(feats: Features, ridge: float = 0.0, device: str | None = None) -> Model
         "rank": fac.rank(tol), "n_features": psi, "n_samples": N, "method": "lstsq",
         "basis": "canonical", "normalize": getattr(feats, "normalize", "none"), "seconds": seconds,
     }
-    # the canonical coefficients and their basis: predict evaluates the function there (Model.evaluation)
-    return Model(coef=coef, W=W_from_p(coef), d=feats.d, info=info, coef_b=coef_b, basis=np.array(A))
+    # the canonical coefficients and their basis: predict evaluates the function there (Model.evaluation);
+    # the data's Lambda~ measures a change of the function on them (mhla_cli.model.canonical)
+    if feats.bias_terms:
+        info["bias_terms"] = True
+    K, E, F = gram_pairs_of(feats)
+    return Model(coef=coef, W=W_from_p(coef), d=feats.d, info=info, coef_b=coef_b, basis=np.array(A),
+                 gram_pairs=K, gram_spans=None if E is None else (E, F))
 
 
 def _solve(fac: Factorization, rhs: np.ndarray, ridge: float, tol: float, block_pd: bool) -> np.ndarray:
@@ -96,7 +105,8 @@ def _train_mse_b(feats: Features, pb: np.ndarray) -> tuple[float, float]:
     With only the block on the data's spans held (gram_b = Q G_r Q^T, moments_b = Q M_r), p_b enters
     through p_b Q alone, exactly (mhla_cli.statistics.structure).
     """
-    N, d = (feats.weight if feats.weight > 0 else 1.0), feats.d  # sum w: the weighted mean
+    # sum w: the weighted mean; per output of the targets' own width (the bias terms' padded 0 is none)
+    N, d = (feats.weight if feats.weight > 0 else 1.0), feats.n_outputs
     _, gram_b, moments_b = feats.solver_stats()
     if feats.reduced:
         pb = basis_mod.kron_apply(feats.span_pairs.T, feats.span_last.T, np.ascontiguousarray(pb.T)).T

@@ -36,7 +36,7 @@ from ..numerics import EPS, UNRESOLVED_PROBE_FACTOR, numerical_tolerance
 from .domains import Domain, get_domain
 from ..statistics.structure import Structure
 from ..statistics.stream import Features, default_chunk_size
-from ..io.tokens import TokensInfo, check_finite, check_weights, inspect_tokens, iter_chunks, read_as
+from ..io.tokens import TokensInfo, check_finite, check_weights, inspect_tokens, iter_chunks, read_as, with_bias_terms
 from ..samples import Samples
 
 # A probe is determined when the relative component of its feature vector in gram's numerical
@@ -225,6 +225,8 @@ def certify_probes(feats: Features, probes: str | os.PathLike, chunk_size: int |
     in exact arithmetic (a probe outside the domain is undetermined along the directions it leaves).
     """
     info = probe_samples(inspect_tokens(probes), feats)
+    if feats.bias_terms:  # the statistics of the tokens (x, 1): so are the probes' features
+        info = with_bias_terms(info, pad_targets=False)
     samples = info.samples
     if info.d != feats.d:
         raise InputError(f"the probes have d = {info.d} but the training data have d = {feats.d}", probes)

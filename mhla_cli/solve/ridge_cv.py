@@ -84,10 +84,10 @@ def cv_ridge(total: Features, folds: list[Features], n_grid: int = N_GRID) -> di
         if fold.n_samples < 1 or fold.n_samples >= total.n_samples:
             raise InputError(f"fold {k} has {fold.n_samples} of the {total.n_samples} samples: every fold needs "
                              "samples, and so does the rest")
-        errs[:, k] = fold_path(total - fold, fold, grid) / (fold.weight * total.d)  # weighted means
+        errs[:, k] = fold_path(total - fold, fold, grid) / (fold.weight * total.n_outputs)  # weighted means
     mean = errs.mean(axis=1)
     se = errs.std(axis=1, ddof=1) / np.sqrt(len(folds))
-    floor = CV_FLOOR * float(np.trace(total.target_gram)) / (total.weight * total.d)
+    floor = CV_FLOOR * float(np.trace(total.target_gram)) / (total.weight * total.n_outputs)
     best = int(np.argmin(np.maximum(mean, floor)))  # the first (smallest ridge) of equals
     return {"chosen": float(grid[best]), "rule": "minimum", "lambda_max": float(lmax),
             "least_squares_cv_mse": float(mean[0]), "cv_mse": float(mean[best]), "n_folds": len(folds),

@@ -1,7 +1,9 @@
 """Spectrum of a learned function: head strengths, real heads vs a noise bulk.
 
 The spectrum is that of the minimum-nuclear-norm W among all W with the model's p (lowrank.min_nuclear_W),
-not of the minimum-norm W, whose (j, k) symmetrisation mixes the heads and leaves no gap.
+not of the minimum-norm W, whose (j, k) symmetrisation mixes the heads and leaves no gap. It is taken
+in the canonical coordinates of the model's data (the whitened tokens, mhla_cli.model.canonical), where
+a change of the tokens' units moves W by an orthogonal map: the values and the count are unit-free.
 
 Threshold. The nuclear minimisation makes W exactly low rank: noise directions are not a full
 bulk but a set of small NONZERO values next to exact zeros. So:
@@ -35,6 +37,7 @@ import numpy as np
 
 from ..io import formats
 from ..errors import InputError, MhlaError
+from ..model.canonical import CanonicalFunction, canonical_function
 from ..model.heads import Heads, p_from_W
 from .lowrank import generic_rank, min_nuclear_W, polish_heads
 from ..model.model import Model
@@ -87,8 +90,8 @@ def effective_rank(s: np.ndarray) -> float:
 
 @dataclass
 class Spectrum:
-    """The singular values of a function's minimum-nuclear-norm W and their split into heads and noise
-    (`spectrum`); `to_dict` is the `mhla spectrum --json` record, without W."""
+    """The singular values of a function's minimum-nuclear-norm W in the canonical coordinates and their split
+    into heads and noise (`spectrum`); `to_dict` is the `mhla spectrum --json` record, without W."""
 
     d: int
     singular_values: list[float]
@@ -98,40 +101,51 @@ class Spectrum:
     nonzero_rank: int
     generic_rank: int
     threshold_method: str
-    relative_function_error: float
+    function_change: float | None  # of p(W) against the function (None: no Lambda~ of the data)
+    coef_change: float
+    coordinates: str  # "canonical" or "own" (mhla_cli.model.canonical)
     count_reliable: bool
     gap: float
     reason: str | None
     converged: bool | None  # whether min_nuclear_W met its tolerance (None for a given W)
     solver: dict[str, Any] | None
-    W: np.ndarray = field(repr=False)
+    W: np.ndarray = field(repr=False)  # in the coordinates `coordinates` (times the function's scale)
 
     def __repr__(self) -> str:  # the count and its threshold, not the values
         return (f"Spectrum(d={self.d}, n_outliers={self.n_outliers}, threshold={self.threshold:.4g}, "
                 f"threshold_method={self.threshold_method!r}, nonzero_rank={self.nonzero_rank}/"
-                f"{len(self.singular_values)}, converged={self.converged})")
+                f"{len(self.singular_values)}, coordinates={self.coordinates!r}, converged={self.converged})")
 
     def to_dict(self) -> dict[str, Any]:
         return {"d": self.d, "singular_values": list(self.singular_values), "n_outliers": self.n_outliers,
                 "threshold": self.threshold, "effective_rank": self.effective_rank, "nonzero_rank": self.nonzero_rank,
                 "generic_rank": self.generic_rank, "threshold_method": self.threshold_method,
-                "relative_function_error": self.relative_function_error, "count_reliable": self.count_reliable,
+                "function_change": self.function_change, "coef_change": self.coef_change,
+                "coordinates": self.coordinates, "count_reliable": self.count_reliable,
                 "gap": self.gap, "reason": self.reason, "converged": self.converged, "solver": self.solver}
 
 
-def spectrum(fn: Model | Heads | np.ndarray, W: np.ndarray | None = None, max_iter: int = 5000,
-             tol: float = 1e-11) -> Spectrum:
+def _scaled(fn: Model | Heads | np.ndarray | CanonicalFunction) -> CanonicalFunction:
+    return fn if isinstance(fn, CanonicalFunction) else canonical_function(fn)
+
+
+def spectrum(fn: Model | Heads | np.ndarray | CanonicalFunction, W: np.ndarray | None = None,
+             max_iter: int = 5000, tol: float = 1e-11) -> Spectrum:
     """Singular values of the min-nuclear-norm W of fn's function and their split into heads and noise.
 
+    W is that of the function in the canonical coordinates of its data (mhla_cli.model.canonical: a model
+    with its canonical basis; the tokens' own coordinates otherwise), so that the values and the count do
+    not depend on the units of the tokens. A given `W` is in those coordinates.
     `converged` / `solver` say whether min_nuclear_W met its tolerance within max_iter; when it did not,
     the zeros of the spectrum (and so the head count) are not to be trusted. With a given W, both are None.
     """
-    coef = np.asarray(fn if isinstance(fn, np.ndarray) else fn.coef, dtype=np.float64)
+    cf = _scaled(fn)
+    coef = cf.coef
     d = coef.shape[0]
     if W is None:
         Wn, solver = min_nuclear_W(coef, tol=tol, max_iter=max_iter, return_info=True)
     else:
-        Wn, solver = W, None
+        Wn, solver = np.asarray(W, dtype=np.float64) / cf.scale, None
     s = np.linalg.svd(Wn, compute_uv=False)
     smax = float(s[0]) if s.size else 0.0
     nz = s[s > NONZERO_REL * smax] if smax > 0 else s[:0]
@@ -146,42 +160,42 @@ def spectrum(fn: Model | Heads | np.ndarray, W: np.ndarray | None = None, max_it
     n_out = int((s > tau).sum()) if smax > 0 else 0
     converged = None if solver is None else bool(solver["converged"])
     reliable, reason = count_reliability(s, n_out, converged)
-    pn = float(np.linalg.norm(coef))
-    feas = float(np.linalg.norm(p_from_W(Wn) - coef)) / pn if pn > 0 else 0.0
-    return Spectrum(d=d, singular_values=s.tolist(), n_outliers=n_out if reliable else None, threshold=tau,
-                    effective_rank=effective_rank(s), nonzero_rank=r, generic_rank=r_gen, threshold_method=method,
-                    relative_function_error=feas, count_reliable=reliable, gap=outlier_gap(s, n_out), reason=reason,
-                    converged=converged, solver=solver, W=Wn)
+    rec = cf.record(p_from_W(Wn))
+    return Spectrum(d=d, singular_values=(s * cf.scale).tolist(), n_outliers=n_out if reliable else None,
+                    threshold=tau * cf.scale, effective_rank=effective_rank(s), nonzero_rank=r, generic_rank=r_gen,
+                    threshold_method=method, function_change=rec["function_change"], coef_change=rec["coef_change"],
+                    coordinates=rec["coordinates"], count_reliable=reliable, gap=outlier_gap(s, n_out), reason=reason,
+                    converged=converged, solver=solver, W=Wn * cf.scale)
 
 
-def outlier_heads(fn: Model | Heads | np.ndarray, spec: Spectrum | None = None,
+def outlier_heads(fn: Model | Heads | np.ndarray | CanonicalFunction, spec: Spectrum | None = None,
                   max_iter: int = 5000) -> Heads:
-    """Heads for the spectrum's outliers: top-k SVD of the min-nuclear W, polished towards p.
+    """Heads for the spectrum's outliers: top-k SVD of the min-nuclear W, polished towards the function, in
+    the canonical coordinates, then mapped to the tokens' (CanonicalFunction.heads).
 
-    The dropped bulk changes the function: info holds relative_function_error ||p_heads - p|| / ||p||,
-    and `converged` / `solver` of the min-nuclear W the count k came from. UnreliableHeadCount when the
-    spectrum has no reliable count (module docstring).
+    The dropped bulk changes the function: info holds its change (function_change on the training data,
+    coef_change, coordinates: CanonicalFunction.record), and `converged` / `solver` of the min-nuclear W
+    the count k came from. UnreliableHeadCount when the spectrum has no reliable count (module docstring).
     """
-    coef = np.asarray(fn if isinstance(fn, np.ndarray) else fn.coef, dtype=np.float64)
-    d = coef.shape[0]
-    spec = spectrum(coef, max_iter=max_iter) if spec is None else spec
+    cf = _scaled(fn)
+    coef = cf.coef
+    spec = spectrum(cf, max_iter=max_iter) if spec is None else spec
     if spec.n_outliers is None:
         raise UnreliableHeadCount(spec.reason)
     k = max(1, int(spec.n_outliers))
-    U, s, Vt = np.linalg.svd(spec.W)
+    U, s, Vt = np.linalg.svd(spec.W / cf.scale)
     r = np.sqrt(s[:k])
     V0 = (U[:, :k] * r).T
     Q0 = (Vt[:k].T * r).T
-    pn = float(np.linalg.norm(coef))
 
-    def err(V: np.ndarray, Q: np.ndarray) -> float:
-        return float(np.linalg.norm(p_from_W(V.T @ Q) - coef)) / pn if pn > 0 else 0.0
+    def change(V: np.ndarray, Q: np.ndarray) -> float:
+        return cf.change(p_from_W(V.T @ Q))
 
-    V1, Q1, _ = polish_heads(coef, V0, Q0, max_iter=50)
-    if err(V1, Q1) < err(V0, Q0):
+    V1, Q1, _ = polish_heads(coef, V0, Q0, max_iter=50, metric=cf.metric)  # towards the function on the data
+    if change(V1, Q1) < change(V0, Q0):
         V0, Q0 = V1, Q1
-    heads = Heads(V=V0.reshape(k, d, d), Q=Q0.reshape(k, d, d))
-    heads.info = {"n_heads": k, "relative_function_error": err(V0, Q0), "max_heads": k,
+    heads = cf.heads(V0, Q0)
+    heads.info = {"n_heads": k, **cf.record(p_from_W(V0.T @ Q0)), "max_heads": k,
                   "singular_values": spec.singular_values, "threshold": spec.threshold,
                   "threshold_method": spec.threshold_method, "converged": spec.converged,
                   "gap": spec.gap, "solver": spec.solver}

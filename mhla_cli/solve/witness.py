@@ -267,7 +267,8 @@ def _data_check(data: str | os.PathLike, pa: np.ndarray, pb: np.ndarray, chunk_s
 
 class WitnessRefused(InputError):
     """Data the witness does not support (its preconditions); `rule` names the one broken:
-    "per_position" (per-position data), "targets" (no targets) or "normalized" (--normalize / causal data)."""
+    "per_position" (per-position data), "targets" (no targets), "normalized" (--normalize / causal data) or
+    "bias_terms" (statistics with the bias terms)."""
 
     def __init__(self, rule: str, message: str, path: str | os.PathLike | None = None) -> None:
         self.rule = rule
@@ -292,6 +293,8 @@ def check_witness_features(feats: Features, path: str | os.PathLike | None = Non
     if feats.per_position or feats.normalize != "none":
         raise WitnessRefused("normalized", "a witness supports unweighted last-token data without normalize "
                              "only", path)
+    if feats.bias_terms:  # its probe input would be tokens of d + 1 free coordinates, not (x, 1)
+        raise WitnessRefused("bias_terms", "a witness supports the MHLA's features only, not the bias terms", path)
 
 
 def make_witness(feats: Features, data: str | os.PathLike | None = None, cert: Certificate | None = None,

@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 
 from . import basis as basis_mod
+from .. import bias_terms as bias_mod
 from ..linalg import device as device_mod
 from ..linalg import symgram
 from ..numerics import SINGULAR_BASIS_COND
@@ -28,6 +29,7 @@ from ..feature_map import check_normalize, n_features, pair_index
 from ..linalg.memory import check_floor
 from ..kernels import _BLOCK_ELEMENTS, sequence_moments
 from ..samples import LAST, Samples, samples_of
+from .affine_sums import AffineSums, split_targets
 from .features import Features, check_overflow
 
 __all__ = ["MIN_THREADED_WIDTH", "PANEL_BYTES", "chunk_features"]
@@ -49,7 +51,7 @@ class _Accumulator:
 
     def __init__(self, d: int, has_targets: bool, basis: np.ndarray | None = None, samples: Samples = LAST,
                  normalize: str = "none", spans: tuple[np.ndarray, np.ndarray] | None = None,
-                 traces: bool = False, device: str | None = None) -> None:
+                 traces: bool = False, device: str | None = None, n_affine: int = 0) -> None:
         self.samples = samples  # what a sample is (mhla_cli.samples: its rows, see _add_rows)
         self.normalize = normalize
         self.n_sequences = 0
@@ -64,16 +66,20 @@ class _Accumulator:
         # traces: accumulate only the two partial traces of the canonical Gram (`find_spans`)
         self.traces = (np.zeros((self.psi // d, self.psi // d)), np.zeros((d, d))) if traces else None
         if traces:
-            self.nf, has_targets = 0, False
+            self.nf, has_targets, n_affine = 0, False, 0
         self.has_targets = has_targets
-        self.width = self.nf + (d if has_targets else 0)
+        # the affine block (mhla_cli.statistics.affine_sums): its n_affine features f ride beside the targets,
+        # [y, f], so that the one Gram of [Ht | y | f] holds its sums too; `result` splits them off
+        self.n_affine = int(n_affine)
+        self.n_targets = (d if has_targets else 0) + self.n_affine
+        self.width = self.nf + self.n_targets
         # the backend (mhla_cli.linalg.backends, resolved once from `device`) accumulates the features'
         # Gram (host: backends.HostGram, a syrk or the Gram's distinct entries; torch: device.DeviceGram /
         # DevicePairs); the token-side work (S, the token Grams, the traces of a span pass) stays here
         self.backend = get_backend(None if traces else device)
         self.device = self.backend.device
         factors = (self.psi // d, d) if spans is None else (self.spans[0].shape[1], self.spans[1].shape[1])
-        self._gram: Any = None if traces else self.backend.gram(*factors, d if has_targets else 0, self.width,
+        self._gram: Any = None if traces else self.backend.gram(*factors, self.n_targets, self.width,
                                                                self.nf, self.spans, pairs=samples.window_rows)
         self._bufs: dict[str, np.ndarray] = {}
         j, k = pair_index(d)
@@ -87,8 +93,8 @@ class _Accumulator:
         self._derived_last_token_gram = np.zeros((d, d))  # the same for the query tokens' Gram
         self._inv = None if not self._transform else np.linalg.inv(self.basis)
         self.n_samples = 0
-        # sum w y over the samples with targets (Features.target_sum)
-        self.target_sum = np.zeros(d) if has_targets else None
+        # sum w y over the samples with targets (Features.target_sum; and sum w f of the affine block)
+        self.target_sum = np.zeros(self.n_targets) if self.n_targets else None
         self._moments_share: float | None = None  # of a chunk's time in `add`, for its progress ticks
         self.n_tokens = 0
         # the weight totals (stats.Features): sum w over the samples, sum w n over their tokens
@@ -364,7 +370,12 @@ class _Accumulator:
         d = self.d
         # the features accumulated: all psi, or the block on the spans (self.nf)
         out, self._gram = (None if self._gram is None else self._gram.result()), None
-        gram_b, moments, target_gram = gram_parts(out, self.width, self.nf, self.has_targets)
+        gram_b, moments, target_gram = gram_parts(out, self.width, self.nf, self.n_targets > 0)
+        target_sum, affine = self.target_sum, None
+        if self.n_affine:  # [y, f] -> y's sums and the affine block's (mhla_cli.statistics.affine_sums)
+            moments, target_gram, target_sum, parts = split_targets(moments, target_gram, target_sum, d,
+                                                                    self.has_targets)
+            affine = AffineSums(*parts, width=self.n_affine - 1)
         token_gram = self.token_gram + self._from_basis(self._derived_token_gram)
         self.last_token_gram += self._from_basis(self._derived_last_token_gram)
         out = Features(d=d, n_samples=self.n_samples, n_tokens=self.n_tokens, gram=None,
@@ -373,8 +384,8 @@ class _Accumulator:
                        basis=self.basis, basis_gram=gram_b, basis_moments=moments,
                        basis_token_gram=self.basis_token_gram, basis_last_token_gram=self.basis_last_token_gram,
                        samples=self.samples, normalize=self.normalize, n_sequences=self.n_sequences,
-                       target_sum=self.target_sum,
-                       weight_sum=self.weight_sum, token_weight_sum=self.token_weight_sum)
+                       target_sum=target_sum,
+                       weight_sum=self.weight_sum, token_weight_sum=self.token_weight_sum, affine=affine)
         if self.spans is not None:
             out.span_pairs, out.span_last = self.spans
         return out
@@ -383,7 +394,7 @@ class _Accumulator:
 def chunk_features(tokens: np.ndarray, offsets: np.ndarray, targets: np.ndarray | None, d: int,
                    weights: np.ndarray | None = None, per_position: bool = False,
                    normalize: str = "none", basis: np.ndarray | str | None = "auto",
-                   device: str | None = None, attention: str | None = None) -> Features:
+                   device: str | None = None, attention: str | None = None, bias_terms: bool = False) -> Features:
     """Statistics of one in-memory chunk (tokens (t, d), offsets from 0, targets (B, d) or None).
 
     With `per_position` every position is a sample: targets (t, d), weights (t,) (mhla_cli.samples:
@@ -392,12 +403,15 @@ def chunk_features(tokens: np.ndarray, offsets: np.ndarray, targets: np.ndarray 
     `basis`: the basis accumulated in ("auto": the whitening of the chunk's own tokens; an array;
     None or "identity": the tokens' own coordinates); the result is then changed exactly to the
     whitening of the chunk's token Gram (`Features.canonical`). `device` (mhla_cli.linalg.device): where the
-    features and their Gram are built.
+    features and their Gram are built. `bias_terms`: the statistics of the tokens (x, 1) and the targets (y, 0)
+    (docs/bias_terms.md; the result's d is d + 1).
     """
     check_normalize(normalize)
+    tokens = np.asarray(tokens)
+    if bias_terms:
+        tokens, targets, d = bias_mod.with_constant(tokens), bias_mod.pad_targets(targets), d + 1
     check_floor(d, what="featurize")
     device = device_mod.check_device(device)
-    tokens = np.asarray(tokens)
     basis = _basis_option(basis, d, None)
     if basis is None:
         X = tokens.astype(np.float64)
@@ -408,6 +422,7 @@ def chunk_features(tokens: np.ndarray, offsets: np.ndarray, targets: np.ndarray 
             None if targets is None else np.asarray(targets, dtype=np.float64),
             weights=None if weights is None else np.asarray(weights, dtype=np.float64))
     feats = acc.result(str(tokens.dtype))
+    feats.bias_terms = bias_terms
     check_overflow(feats, "the data", None)
     return feats.canonical().finalize()
 

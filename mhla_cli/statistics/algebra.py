@@ -12,6 +12,8 @@ without importing it).
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 
 from . import basis as basis_mod
@@ -35,8 +37,7 @@ class FeaturesAlgebra:
             check_memory(self.d)
             E, F = self.span_pairs, self.span_last
             self.basis_gram = _congruence(self, E, F)
-            if self.basis_moments is not None:
-                self.basis_moments = basis_mod.kron_apply(E, F, self.basis_moments)
+            _map_rows(self, lambda m: basis_mod.kron_apply(E, F, m))
             self.span_pairs = self.span_last = None
             self.factor_cache.clear()
         return self.finalize()
@@ -61,19 +62,20 @@ class FeaturesAlgebra:
             # coordinates change by R1 (x) R2 (mhla_cli.statistics.structure)
             U1, U2, R1, R2 = structure_change(self.span_pairs, self.span_last, basis_mod.orth_pair_map(C), C.T)
             self.basis_gram = _congruence(self, R1, R2)
-            if self.basis_moments is not None:
-                self.basis_moments = basis_mod.kron_apply(R1, R2, self.basis_moments)
+            _map_rows(self, lambda m: basis_mod.kron_apply(R1, R2, m))
             self.span_pairs, self.span_last = U1, U2
         elif isinstance(self.basis_gram_held, symgram.Pairs):  # on the two factors (symgram.Pairs)
             P, R = basis_mod.orth_pair_map(C), C.T
             # in place (a Features owns its sums): no array of K's size allocated
             self.basis_gram = self.basis_gram_held.congruence(P, R, overwrite=True)
-            if self.basis_moments is not None:
-                self.basis_moments = basis_mod.kron_apply(P, R, self.basis_moments)
+            _map_rows(self, lambda m: basis_mod.kron_apply(P, R, m))
         else:
             # in place: a Features owns its sums (`copy` makes new ones)
             self.basis_gram, self.basis_moments = basis_mod.change_by(C, self.basis_gram, self.basis_moments,
                                                                       overwrite=_writeable(self.basis_gram))
+            if self.affine is not None:  # its rows as the moments' (basis.change_by)
+                P, R = basis_mod.orth_pair_map(C), C.T
+                self.affine.map_rows(lambda m: basis_mod.kron_apply(P, R, m))
         self.basis_token_gram = C.T @ self.basis_token_gram @ C
         self.basis_last_token_gram = C.T @ self.basis_last_token_gram @ C
         self.basis = self.basis @ C
@@ -116,6 +118,7 @@ class FeaturesAlgebra:
         part.expand()
         out = type(self)(d=self.d, n_samples=self.n_samples - part.n_samples, n_tokens=self.n_tokens - part.n_tokens,
                          token_dtype=self.token_dtype, normalize=self.normalize, samples=self.samples,
+                         bias_terms=self.bias_terms,
                          weight_sum=self.weight - part.weight, token_weight_sum=self.token_weight - part.token_weight,
                          **{k: None if getattr(self, k) is None else getattr(self, k) - getattr(part, k)
                             for k in self.SUMS})
@@ -127,12 +130,16 @@ class FeaturesAlgebra:
             for k in self.BASIS_SUMS:
                 a, b = getattr(self, k), getattr(other, k)
                 setattr(out, k, None if a is None else a - b)
+            if self.affine is not None:
+                self.affine.check_addable(other.affine)
+                out.affine = self.affine.copy()
+                out.affine.add(other.affine, -1.0)
         return out
 
     def __add__(self, other: Features) -> Features:
         total = type(self).zeros(self.d, self.has_targets,
                                  self.token_dtype if self.token_dtype == other.token_dtype else "float64")
-        total.normalize, total.samples = self.normalize, self.samples
+        total.normalize, total.samples, total.bias_terms = self.normalize, self.samples, self.bias_terms
         total.n_sequences = 0 if self.n_sequences is not None and other.n_sequences is not None else None
         add_into(total, self)
         add_into(total, other)
@@ -164,6 +171,8 @@ def add_into(acc: Features, part: Features) -> None:
             a = getattr(acc, k)
             if a is not None:
                 a += getattr(part, k)
+        if acc.affine is not None:
+            acc.affine.add(part.affine)
     acc.n_samples += part.n_samples
     acc.n_tokens += part.n_tokens
     acc.weight_sum = acc.weight + part.weight
@@ -183,6 +192,15 @@ def _add_basis_gram(acc: Features, part: Features) -> None:
         acc.basis_gram += part.basis_gram
 
 
+def _map_rows(feats: Features, fn: Any) -> None:
+    """In place: the rows of the sums on the MHLA's features (basis_moments, and the affine block's cross sums,
+    mhla_cli.statistics.affine_sums) through `fn`, the map of their coordinates."""
+    if feats.basis_moments is not None:
+        feats.basis_moments = fn(feats.basis_moments)
+    if feats.affine is not None:
+        feats.affine.map_rows(fn)
+
+
 def _congruence(feats: Features, P: np.ndarray, R: np.ndarray) -> np.ndarray | symgram.Pairs:
     """kron(P, R) basis_gram kron(P, R)^T, on the two factors (over the held K when P and R are square:
     a Features owns its sums) when it is held as its distinct entries."""
@@ -194,6 +212,10 @@ def _congruence(feats: Features, P: np.ndarray, R: np.ndarray) -> np.ndarray | s
 
 def _check_addable(acc: Features, part: Features) -> None:
     """Refuse to add statistics of different data shapes, targets, normalisations or modes."""
+    if part.bias_terms != acc.bias_terms:
+        with_, without = ("the part", "the sum") if part.bias_terms else ("the sum", "the part")
+        raise InputError(f"cannot add statistics with and without the bias terms ({with_} has them, {without} "
+                         "not): featurize every part with the same --bias-terms")
     if part.d != acc.d:
         raise InputError(f"cannot add statistics of d = {acc.d} and d = {part.d}")
     if part.has_targets != acc.has_targets:
@@ -201,6 +223,12 @@ def _check_addable(acc: Features, part: Features) -> None:
     if part.normalize != acc.normalize:
         raise InputError(f"cannot add statistics with different normalisations ({acc.normalize} and "
                          f"{part.normalize}): featurize every part with the same normalisation")
+    empty = acc.n_samples == 0 and acc.n_tokens == 0 and acc.basis is None
+    if (part.affine is None) != (acc.affine is None) and not (empty and acc.affine is None):
+        raise InputError("cannot add statistics with and without the affine block (--affine-from): featurize every "
+                         "part with the same --affine-from")
+    if part.affine is not None and acc.affine is not None:
+        acc.affine.check_addable(part.affine)
     if part.samples is not acc.samples:
         raise InputError(f"cannot add statistics of {part.samples.name} samples to statistics of {acc.samples.name} "
                          "samples: featurize every part with the same --attention (and per-position targets or not)")
@@ -209,6 +237,7 @@ def _check_addable(acc: Features, part: Features) -> None:
 def _adopt_basis(acc: Features, part: Features) -> None:
     """An empty acc takes the part's basis, with zero basis sums of the part's shapes."""
     acc.basis = np.array(part.basis)
+    acc.affine = None if part.affine is None else part.affine.zeros_like()
     held = part.basis_gram_held
     acc.basis_gram = symgram.Pairs(np.zeros_like(held.K), held.q, held.r) if isinstance(held, symgram.Pairs) \
         else None if held is None else np.zeros_like(held)

@@ -30,6 +30,7 @@ from ..feature_map import n_features
 from ..linalg import symgram
 from ..samples import LAST, Samples
 from . import features_file
+from .affine_sums import AffineSums
 from .algebra import FeaturesAlgebra
 from .features_file import _DERIVED, FeaturesFile, StoredGram
 
@@ -127,6 +128,12 @@ class Features(FeaturesAlgebra, FeaturesFile):
     # n_tokens, i.e. unweighted last-token data (`__post_init__`).
     weight_sum: float | None = None
     token_weight_sum: float | None = None
+    # The bias terms (docs/bias_terms.md): the statistics are those of the tokens (x, 1) and the targets
+    # (y, 0), so that `d` counts the constant coordinate and the last target is the padded 0.
+    bias_terms: bool = False
+    # The token-wise affine block of the wide tokens (mhla_cli.statistics.affine_sums: `featurize --affine-from`),
+    # its cross sums' rows in the coordinates of basis_moments; None without it.
+    affine: AffineSums | None = None
 
     def __post_init__(self) -> None:
         self.weight_sum = float(self.n_samples if self.weight_sum is None else self.weight_sum)
@@ -148,11 +155,18 @@ class Features(FeaturesAlgebra, FeaturesFile):
     def __repr__(self) -> str:  # the shapes and counts, not the psi x psi sums
         return (f"Features(d={self.d}, n_features={self.n_features}, n_samples={self.n_samples}, "
                 f"n_tokens={self.n_tokens}, samples={self.samples.name!r}, normalize={self.normalize!r}, "
+                + ("bias_terms=True, " if self.bias_terms else "")
+                + (f"affine_width={self.affine.width}, " if self.affine is not None else "") +
                 f"targets={self.moments is not None or self.basis_moments is not None})")
 
     @property
     def has_targets(self) -> bool:
         return self.target_gram is not None
+
+    @property
+    def n_outputs(self) -> int:
+        """The targets' own width: d, or d - 1 with the bias terms (the padded 0 is not an output)."""
+        return self.d - int(self.bias_terms)
 
     @property
     def reduced(self) -> bool:
@@ -235,7 +249,8 @@ class Features(FeaturesAlgebra, FeaturesFile):
                         samples=self.samples, normalize=self.normalize, n_sequences=self.n_sequences,
                         target_sum=None if self.target_sum is None else np.array(self.target_sum),
                         weight_sum=self.weight_sum,
-                        token_weight_sum=self.token_weight_sum, **arrays)
+                        token_weight_sum=self.token_weight_sum, bias_terms=self.bias_terms,
+                        affine=None if self.affine is None else self.affine.copy(), **arrays)
 
     @classmethod
     def zeros(cls, d: int, has_targets: bool, token_dtype: str = "float64") -> Features:

@@ -27,6 +27,7 @@ from ..feature_map import n_features
 from ..numerics import ORTHONORMAL_TOL, SINGULAR_BASIS_COND, SYMMETRY_TOL
 from ..io.formats import read_normalize
 from ..samples import from_attrs
+from .affine_sums import read_affine
 
 # The sums on the tokens' own features (datasets of docs/formats_features.md), and those in the basis.
 SUMS = ("gram", "moments", "target_gram", "token_gram", "last_token_gram")
@@ -75,6 +76,8 @@ class FeaturesFile:
             data["basis_gram"] = _rows_written(held.shape[0], lambda: held) if pairs else held
         data.update(span_pairs=self.span_pairs, span_last=self.span_last)  # None (not written) unless reduced
         data["target_sum"] = self.target_sum  # None (not written) when unknown
+        if self.affine is not None:  # the affine block (mhla_cli.statistics.affine_sums)
+            data.update(self.affine.datasets())
         return data
 
     def _own_gram_to_write(self) -> formats.Deferred:
@@ -112,6 +115,10 @@ class FeaturesFile:
             attrs["source"] = json.dumps(self.source)
         attrs["normalize"] = self.normalize
         attrs.update(self.samples.attrs())  # per_position, and attention for per-position samples
+        if self.bias_terms:  # written only with them: files without are as before
+            attrs["bias_terms"] = 1
+        if self.affine is not None:
+            attrs.update(self.affine.attrs())
         if self.n_sequences is not None:
             attrs["n_sequences"] = int(self.n_sequences)
         attrs.update(self.extra_attrs)
@@ -157,7 +164,15 @@ class FeaturesFile:
             dtype = dtype.decode() if isinstance(dtype, bytes) else str(dtype)
             normalize = read_normalize(f, path)
             samples = from_attrs(f.attrs, path)
+            bias_terms = formats.read_bias_terms(f.attrs, path)
+            if bias_terms and d < 2:
+                raise InputError(f"attribute 'bias_terms' is 1 but d = {d}: the tokens (x, 1) are at least 2 wide; "
+                                 "the file is corrupted", path)
             n_seq = int(f.attrs["n_sequences"]) if "n_sequences" in f.attrs else None
+            spans = [f[k].shape for k in ("span_pairs", "span_last") if k in f]
+            nf = int(spans[0][1] * spans[1][1]) if reduced and len(spans) == 2 and all(len(s) == 2 for s in spans) \
+                else psi
+            affine = read_affine(f, path, nf, d if has_targets else None)
             t_sum = _load_target_sum(f, path, d) if has_targets else None
             weights = _load_weights(f, path, n, t, samples.per_position, n_seq)
             extra = {}
@@ -169,7 +184,7 @@ class FeaturesFile:
                    moments=moments, target_gram=target_gram, token_dtype=dtype, sample_range=rng,
                    source=source, extra_attrs=extra, samples=samples, normalize=normalize,
                    n_sequences=n_seq, target_sum=t_sum, weight_sum=weights[0],
-                   token_weight_sum=weights[1], **sums)
+                   token_weight_sum=weights[1], bias_terms=bias_terms, affine=affine, **sums)
 
 
 def expect_features(f: h5py.File, path: str | os.PathLike) -> None:

@@ -32,7 +32,7 @@ from ..numerics import FOLD_SUM_TOL, OWN_FOLDS_COND, SINGULAR_BASIS_COND
 from . import basis as basis_mod
 from .features_file import _is_symmetric
 from .features import Features
-from .stream import check_attention_of, featurize
+from .stream import check_attention_of, check_bias_terms_of, featurize
 from ..io.tokens import inspect_tokens
 
 FOLD_DATASETS = (*(f"fold_{k}" for k in Features.SUMS), "fold_n_samples", "fold_n_tokens", "fold_ranges")
@@ -150,7 +150,8 @@ def load_folds(path: str | os.PathLike, total: Features | None = None) -> list[F
                               **{s: arrs[f"fold_{s}"][k].astype(np.float64) for s in Features.SUMS},
                               token_dtype=total.token_dtype,
                               sample_range=(int(arrs["fold_ranges"][k][0]), int(arrs["fold_ranges"][k][1])),
-                              samples=total.samples, normalize=total.normalize, **canonical))
+                              samples=total.samples, normalize=total.normalize, bias_terms=total.bias_terms,
+                              **canonical))
     return folds
 
 
@@ -188,19 +189,22 @@ def check_own_folds(total: Features, path: str | os.PathLike | None = None) -> N
 
 
 def load_for_cv(path: str | os.PathLike, n_folds: int = 5, chunk_size: int | None = None,
-                progress: Callable[[int], None] | None = None, attention: str | None = None
-                ) -> tuple[Features, list[Features]]:
+                progress: Callable[[int], None] | None = None, attention: str | None = None,
+                bias_terms: bool = False) -> tuple[Features, list[Features]]:
     """Whole-file and per-fold statistics: from a features file's stored folds, or computed from a tokens file
-    (its per-position samples read with `attention`, which a features file's must match)."""
+    (its per-position samples read with `attention`, which a features file's must match; with the bias terms
+    when asked, which a features file must hold)."""
     kind = formats.kind_of(path)
     if kind == "features":
         total = Features.load(path)
         check_attention_of(total, attention, path)
+        check_bias_terms_of(total, bias_terms, path)
         folds = load_folds(path, total)
         if folds is None:
             raise InputError("has no per-fold statistics, which 'auto' needs (write them with "
                              "featurize_folds and save_with_folds)", path)
         return total, folds
     if kind == "tokens":
-        return featurize_folds(path, n_folds, chunk_size=chunk_size, progress=progress, attention=attention)
+        return featurize_folds(path, n_folds, chunk_size=chunk_size, progress=progress, attention=attention,
+                               bias_terms=bias_terms)
     raise InputError(f"is a {kind} file, expected a tokens or features file", path)

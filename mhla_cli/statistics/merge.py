@@ -33,6 +33,7 @@ class PartInfo:
     shard: str | None = None
     normalize: str = "none"
     samples: Samples = LAST  # what a sample was (mhla_cli.samples)
+    bias_terms: bool = False  # the statistics of the tokens (x, 1) (docs/bias_terms.md)
 
     @property
     def label(self) -> str:
@@ -95,12 +96,13 @@ def read_part_info(path: str | os.PathLike) -> PartInfo:
         shard = _text(attrs["shard"]) if "shard" in attrs else None
         normalize = formats.read_normalize(f, path)
         samples = from_attrs(attrs, path)
+        bias_terms = formats.read_bias_terms(attrs, path)
         # per-position or weighted data count positions (weight > 0) as samples: ranges are of sequences
         n_seq = int(attrs["n_sequences"]) if "n_sequences" in attrs else n
     if sum(b - a for a, b in ranges) != n_seq:
         raise InputError(f"n_samples = {n_seq} does not match its sample ranges {ranges}; the file is corrupted",
                          path)
-    return PartInfo(str(path), d, n, ranges, source, shard, normalize, samples)
+    return PartInfo(str(path), d, n, ranges, source, shard, normalize, samples, bias_terms)
 
 
 def _text(v: Any) -> str:
@@ -119,6 +121,10 @@ def plan_merge(paths: list[str | os.PathLike], allow_partial: bool = False) -> M
     parts = [read_part_info(p) for p in paths]
     first = parts[0]
     for p in parts[1:]:
+        if p.bias_terms != first.bias_terms:
+            raise InputError(f"was featurized {'with' if p.bias_terms else 'without'} --bias-terms but {first.path} "
+                             f"{'without' if p.bias_terms else 'with'}: the statistics do not add up (featurize every "
+                             "shard with the same --bias-terms)", p.path)
         if p.d != first.d:
             raise InputError(f"has d = {p.d} but {first.path} has d = {first.d}: parts of different data", p.path)
         if p.normalize != first.normalize:

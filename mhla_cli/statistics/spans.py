@@ -32,6 +32,7 @@ from ..linalg.memory import block_featurize_bytes, check_floor, featurize_bytes
 from .accumulate import PANEL_BYTES, _Accumulator
 from .parallel import CANCEL, Cancelled
 from .algebra import add_into
+from .affine_sums import WideSource
 from .features import Features, check_overflow
 from ..io.tokens import ReadBuffers, TokensInfo, check_chunk, check_weights, iter_chunks, read_chunk
 
@@ -47,11 +48,16 @@ CHUNK_BYTES = 64 * 2**20
 MIN_SYRK_ROWS = 4096
 
 
-def default_chunk_size(info: TokensInfo) -> int:
-    """Samples per chunk so that the chunk's buffers stay near CHUNK_BYTES."""
+def default_chunk_size(info: TokensInfo, affine_width: int = 0) -> int:
+    """Samples per chunk so that the chunk's buffers stay near CHUNK_BYTES (with the affine block of wide tokens of
+    `affine_width` coordinates: their read buffers and the rows f beside the targets too)."""
     psi = n_features(info.d)
     mean_len = max(1.0, info.n_tokens / info.n_samples)
-    rows = CHUNK_BYTES // _sample_bytes(info)
+    extra = 0
+    if affine_width:
+        per_seq = info.samples.rows_per_sequence(mean_len)
+        extra = int(3 * 8 * (affine_width + 1) * (per_seq + mean_len) + 2 * 8 * affine_width * mean_len)
+    rows = CHUNK_BYTES // (_sample_bytes(info) + extra)
     if psi + info.d >= 512:
         # the per-chunk cost outside the syrk (adding the psi^2 product) shrinks as 1/rows
         rows = max(rows, math.ceil(MIN_SYRK_ROWS / info.samples.rows_per_sequence(mean_len)))
@@ -104,20 +110,29 @@ def featurize_need(info: TokensInfo, chunk_size: int | None = None, workers: int
 
 
 def _add_chunks(acc: _Accumulator, info: TokensInfo, span: tuple[int, int], chunk_size: int | None = None,
-                progress: Callable[[int], None] | None = None, prefetch: bool = True) -> None:
+                progress: Callable[[int], None] | None = None, prefetch: bool = True,
+                wide: WideSource | None = None) -> None:
     """Read samples [lo, hi) in chunks, validate each and add it to `acc`.
 
     `progress(n)` gets the samples of every chunk, in up to PROGRESS_STEPS parts when the chunk reports
     its work as it goes (`_Accumulator.add`'s tick), so that a bar moves within the large chunks of a
     big file; the parts of a chunk sum to its samples, and nothing else depends on them.
+    `wide`: the wide tokens read in lockstep, whose rows f = (x_wide, 1) at every sample's query go beside the
+    targets (mhla_cli.statistics.affine_sums).
     """
     per_position = info.per_position
+    size = chunk_size or default_chunk_size(info)
+    wide_chunks = None if wide is None else wide.chunks(span, size, prefetch)
     with acc.pipeline():  # a chunk's GEMMs run while the next is read and prepared (HostGram.pipeline)
-        for a, b, tokens, offsets, targets, weights in iter_chunks(info, span, chunk_size or default_chunk_size(info),
-                                                                   prefetch, with_weights=True):
+        for a, b, tokens, offsets, targets, weights in iter_chunks(info, span, size, prefetch, with_weights=True):
             if CANCEL.is_set():
                 raise Cancelled("the reduction was cancelled")
             check_weights(weights, offsets, a, per_position, info.path)
+            if wide_chunks is not None:  # [y, f]: the affine block rides beside the targets
+                f = wide.rows(next(wide_chunks), a, offsets, info.samples)
+                targets = f if not acc.has_targets else np.hstack([targets, f])
+            elif not acc.has_targets:
+                targets = None
             told = [0]  # samples of this chunk reported so far
 
             def tick(f: float, n: int = b - a, told: list[int] = told) -> None:
@@ -125,7 +140,7 @@ def _add_chunks(acc: _Accumulator, info: TokensInfo, span: tuple[int, int], chun
                 if k - told[0] >= max(1, n // PROGRESS_STEPS):
                     progress(k - told[0])
                     told[0] = k
-            acc.add(tokens, offsets, targets if acc.has_targets else None,
+            acc.add(tokens, offsets, targets,
                     check=lambda top, a=a, t=tokens, o=offsets, y=targets: check_chunk(info, a, t, o, y, top),
                     weights=weights, tick=None if progress is None else tick)
             if progress is not None:
@@ -139,7 +154,8 @@ PROGRESS_STEPS = 64
 def reduce_span(info: TokensInfo, span: tuple[int, int], chunk_size: int | None = None,
                 progress: Callable[[int], None] | None = None, prefetch: bool = True,
                 normalize: str = "none", basis: np.ndarray | None = None, finalize: bool = True,
-                spans: tuple[np.ndarray, np.ndarray] | None = None, device: str | None = None) -> Features:
+                spans: tuple[np.ndarray, np.ndarray] | None = None, device: str | None = None,
+                wide: WideSource | None = None) -> Features:
     """Statistics of samples [lo, hi) of the tokens file `info.path` (opened here, read in chunks).
 
     This is the one chunk reduction of mhla: the serial loop, worker pools, Dask and shards all
@@ -151,19 +167,23 @@ def reduce_span(info: TokensInfo, span: tuple[int, int], chunk_size: int | None 
     span's tokens and the own-coordinate sums derived. `spans` (E, F) in the canonical coordinates of
     `basis`: accumulate only the block on the data's spans (mhla_cli.statistics.structure, `find_spans`).
     `device` (mhla_cli.linalg.device): build the features and their Gram there ("cuda" in a worker process:
-    one GPU per worker); the result is the same float64 Features.
+    one GPU per worker); the result is the same float64 Features. `wide`: the wide tokens of the affine block
+    (mhla_cli.statistics.affine_sums), read in lockstep.
     """
     lo, hi = span
     device = device_mod.worker_device(device)
     acc = _Accumulator(info.d, info.has_targets, basis, samples=info.samples, normalize=check_normalize(normalize),
-                       spans=spans, device=device)
-    _add_chunks(acc, info, span, chunk_size, progress, prefetch)
+                       spans=spans, device=device, n_affine=0 if wide is None else wide.width + 1)
+    _add_chunks(acc, info, span, chunk_size, progress, prefetch, wide)
     total = acc.result(info.dtype)
+    if wide is not None:  # the sums are of f_b = A_w^T f (mhla_cli.statistics.affine_sums)
+        total.affine.basis, total.affine.P, total.affine.source = wide.basis, wide.P, wide.identity or None
     check_overflow(total, f"samples {lo}..{hi}", info.path)
     if finalize:
         total.canonical().finalize()
         check_overflow(total, f"samples {lo}..{hi}", info.path)
     total.sample_range = (lo, hi)
+    total.bias_terms = info.constant
     return total
 
 
@@ -243,7 +263,8 @@ def reduce_spans(info: TokensInfo, span_list: Sequence[tuple[int, int]],
                  chunk_size: int | None = None,
                  progress: Callable[[int], None] | None = None, normalize: str = "none",
                  basis: np.ndarray | None = None, finalize: bool = True,
-                 spans: tuple[np.ndarray, np.ndarray] | None = None, device: str | None = None) -> Features:
+                 spans: tuple[np.ndarray, np.ndarray] | None = None, device: str | None = None,
+                 wide: WideSource | None = None) -> Features:
     """Sum of `reduce_span` over `span_list`, evaluated with `map` (builtin, a pool's, Dask's).
 
     `map(fn, spans)` may also yield partial sums (Dask tree-reduces on the cluster); the parts are
@@ -265,7 +286,8 @@ def reduce_spans(info: TokensInfo, span_list: Sequence[tuple[int, int]],
                 raised.append(True)
                 raise
     for part in map(partial(reduce_span, info, chunk_size=chunk_size, normalize=normalize, basis=basis,
-                            finalize=False, spans=spans, device=device, progress=locked if threads else None),
+                            finalize=False, spans=spans, device=device, progress=locked if threads else None,
+                            wide=wide),
                     span_list):
         if total is None:
             total = part  # each part is a fresh result: sum into it
@@ -274,11 +296,12 @@ def reduce_spans(info: TokensInfo, span_list: Sequence[tuple[int, int]],
         if progress is not None and not threads:
             progress(part.n_sequences if part.n_sequences is not None else part.n_samples)
     if total is None:
-        total = _Accumulator(info.d, info.has_targets, basis, samples=info.samples,
-                             normalize=normalize, spans=spans).result(info.dtype)
+        total = _Accumulator(info.d, info.has_targets, basis, samples=info.samples, normalize=normalize, spans=spans,
+                             n_affine=0 if wide is None else wide.width + 1).result(info.dtype)
     if finalize:
         total.canonical().finalize()
     total.token_dtype = info.dtype
+    total.bias_terms = info.constant
     if span_list:
         total.sample_range = (span_list[0][0], span_list[-1][1])
     return total

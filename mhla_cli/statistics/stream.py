@@ -31,12 +31,14 @@ from ..kernels import position_numbers, prefix_moments, sequence_moments
 from .shards import shard_range, shard_span, work_spans
 from .spans import (_block, check_spans, default_chunk_size, device_pass_bytes, estimate_basis, featurize_need,
                     find_spans, reduce_span, reduce_spans)
+from .affine_sums import WideSource
 from .features import Features, check_overflow
-from ..io.tokens import TokensInfo, inspect_tokens, read_as, require_square
+from ..io.tokens import TokensInfo, inspect_tokens, read_as, require_square, with_bias_terms
 
 __all__ = ["Features", "MIN_THREADED_WIDTH", "check_solve_memory", "check_spans", "chunk_features",
            "default_chunk_size", "device_pass_bytes", "estimate_basis", "featurize", "featurize_need",
-           "check_attention_of", "find_spans", "load_features", "position_numbers", "prefix_moments", "reduce_span", "reduce_spans",
+           "check_affine_of", "check_attention_of", "check_bias_terms_of", "find_spans", "tokens_info",
+           "load_features", "position_numbers", "prefix_moments", "reduce_span", "reduce_spans",
            "sequence_moments", "shard_range", "shard_span", "solve_need", "work_spans"]
 
 
@@ -46,7 +48,8 @@ def featurize(path: str | os.PathLike, chunk_size: int | None = None,
               progress: Callable[[int], None] | None = None,
               workers: int = 1, scheduler: str | None = None, normalize: str = "none",
               basis: np.ndarray | str | None = "auto", spans: str = "auto", device: str | None = None,
-              attention: str | None = None) -> Features:
+              attention: str | None = None, bias_terms: bool = False,
+              affine_from: str | os.PathLike | None = None) -> Features:
     """Sufficient statistics of a tokens file, streamed in chunks of `chunk_size` samples.
 
     `shard=(i, M)` restricts to the i-th (0-based) of M contiguous sample ranges. Parallelism:
@@ -69,8 +72,19 @@ def featurize(path: str | os.PathLike, chunk_size: int | None = None,
     `device` (mhla_cli.linalg.device: "cpu" / None numpy, "cuda", "cuda:I", "torch:cpu"): where the features
     and their Gram are built (with workers, "cuda" gives each worker one GPU in turn); its free memory
     is checked before the pass.
+
+    `bias_terms`: the statistics of the tokens (x, 1) and the targets (y, 0), i.e. of the MHLA with the
+    terms a head's biases add (docs/bias_terms.md): `d` counts the constant coordinate. `affine_from`: the wide
+    tokens file that `mhla reduce` read to make `path`; the sums of the affine block of its tokens at every
+    sample's query are accumulated beside (mhla_cli.statistics.affine_sums, `Features.affine`).
     """
-    info, device = _checked(path, normalize, spans, device, attention)
+    info, device = _checked(path, normalize, spans, device, attention, bias_terms)
+    wide = None
+    if affine_from is not None:
+        if device is not None:
+            raise InputError("--affine-from accumulates on the CPU: featurize without --device", path)
+        wide = WideSource.open(affine_from, path)
+        wide = replace(wide, basis=wide.estimate_basis(info.samples))  # the sums accumulated nearly whitened
     serial = map is None and workers <= 1 and scheduler is None
     # every feature for sure: refused before any work (a pool's workers are counted once it is made);
     # otherwise after the cheap span pass, with the block it found
@@ -80,7 +94,7 @@ def featurize(path: str | os.PathLike, chunk_size: int | None = None,
     A = _basis_option(basis, info.d, path)
     lo, hi = shard_span(info.n_samples, shard, path)
     A = spans_mod.estimate_basis(info, (lo, hi) if shard is None else None) if A is None else A
-    size = chunk_size or default_chunk_size(info)
+    size = chunk_size or default_chunk_size(info, 0 if wide is None else wide.width)
     # the data's spans (a cheap pass; none spent when the basis sample already fills psi)
     found, A, span_passes = find_spans(info, A, (lo, hi), size, normalize, spans)
     spans_in = partial(_spans_in, found, A)
@@ -89,7 +103,7 @@ def featurize(path: str | os.PathLike, chunk_size: int | None = None,
 
         def run(A: np.ndarray) -> Features:
             return spans_mod.reduce_span(info, (lo, hi), size, progress=progress, normalize=normalize, basis=A,
-                                         finalize=False, spans=spans_in(A), device=device)
+                                         finalize=False, spans=spans_in(A), device=device, wide=wide)
         feats = _in_whitening(run, A)
     else:
         with parallel.make_map(workers=workers, scheduler=scheduler, map=map) as pmap:
@@ -101,20 +115,27 @@ def featurize(path: str | os.PathLike, chunk_size: int | None = None,
             def run(A: np.ndarray) -> Features:
                 return reduce_spans(winfo, spans_, map=pmap, chunk_size=size, progress=progress,
                                     normalize=normalize, basis=A, finalize=False, spans=spans_in(A),
-                                    device=device)
+                                    device=device, wide=_absolute(wide))
             feats = _in_whitening(run, A)
     feats.extra_attrs["span_passes"] = span_passes
+    if feats.affine is not None:
+        feats.affine.source, feats.affine.P, feats.affine.basis = wide.identity, wide.P, wide.basis
     return _finished(feats, info, path, (lo, hi), shard)
 
 
+def _absolute(wide: WideSource | None) -> WideSource | None:
+    """The wide source with an absolute path (workers, possibly on other hosts, open it themselves)."""
+    return None if wide is None else replace(wide, info=replace(wide.info, path=os.path.abspath(wide.info.path)))
+
+
 def _checked(path: str | os.PathLike, normalize: str, spans: str, device: str | None,
-             attention: str | None = None) -> tuple[TokensInfo, str | None]:
-    """featurize's options and file checked before any work: (the tokens file's info, read with `attention`;
-    the device)."""
+             attention: str | None = None, bias_terms: bool = False) -> tuple[TokensInfo, str | None]:
+    """featurize's options and file checked before any work: (the tokens file's info, read with `attention`
+    and the bias terms; the device)."""
     check_normalize(normalize)
     check_spans(spans)
     device = device_mod.check_device(device, path)
-    info = read_as(inspect_tokens(path), attention)
+    info = tokens_info(path, attention, bias_terms)
     check_floor(info.d, path, "featurize")  # wide tokens: before anything of their size
     require_square(info, "featurize")
     return info, device
@@ -185,9 +206,16 @@ def _in_whitening(run: Callable[[np.ndarray], Features], A: np.ndarray) -> Featu
     return feats.canonical()
 
 
+def tokens_info(path: str | os.PathLike, attention: str | None = None, bias_terms: bool = False) -> TokensInfo:
+    """The layout of a tokens file as featurize reads it: per-position samples with `attention`, and the
+    tokens (x, 1) and targets (y, 0) with `bias_terms` (io.tokens.with_bias_terms)."""
+    info = read_as(inspect_tokens(path), attention)
+    return with_bias_terms(info) if bias_terms else info
+
+
 def solve_need(path: str | os.PathLike, ridge: float = 0.0, lowrank: bool = False,
-               chunk_size: int | None = None, command: str = "certify", attention: str | None = None
-               ) -> tuple[int, Callable[[int], int]] | None:
+               chunk_size: int | None = None, command: str = "certify", attention: str | None = None,
+               bias_terms: bool = False) -> tuple[int, Callable[[int], int]] | None:
     """(d, need(d)): the peak bytes of certifying / fitting (`command`) the statistics of a features or
     tokens file (a tokens file is featurized first), for memory.check_memory; None for other kinds.
 
@@ -201,7 +229,7 @@ def solve_need(path: str | os.PathLike, ridge: float = 0.0, lowrank: bool = Fals
             block = formats.stored_block(f)
         return d, solve_need_of(d, n, ridge, lowrank, command, block=block)
     if kind == "tokens":
-        info = read_as(inspect_tokens(path), attention)
+        info = tokens_info(path, attention, bias_terms)
         check_floor(info.d, path, command)
         require_square(info, command)
         if n_features(info.d) >= spans_mod.SPANS_MIN_FEATURES and not lowrank:
@@ -213,9 +241,9 @@ def solve_need(path: str | os.PathLike, ridge: float = 0.0, lowrank: bool = Fals
 
 
 def check_solve_memory(path: str | os.PathLike, what: str, ridge: float = 0.0, lowrank: bool = False,
-                       chunk_size: int | None = None, attention: str | None = None) -> None:
+                       chunk_size: int | None = None, attention: str | None = None, bias_terms: bool = False) -> None:
     """Refuse before any work a certify / fit of `path` that cannot fit in memory (`solve_need`)."""
-    job = solve_need(path, ridge, lowrank, chunk_size, command=what, attention=attention)
+    job = solve_need(path, ridge, lowrank, chunk_size, command=what, attention=attention, bias_terms=bias_terms)
     if job is not None:
         check_memory(job[0], path=path, need=job[1], what=what)
 
@@ -230,12 +258,38 @@ def check_attention_of(feats: Features, attention: str | None, path: str | os.Pa
                          "featurize the tokens file again with the attention wanted", path)
 
 
+def check_bias_terms_of(feats: Features, bias_terms: bool | None, path: str | os.PathLike | None = None) -> None:
+    """Refuse a features file featurized without the bias terms when they are asked (None / False: nothing
+    asked; a file with them is read as it is)."""
+    if bias_terms and not feats.bias_terms:
+        raise InputError("--bias-terms was asked but the statistics were featurized without them; featurize the "
+                         "tokens file again with --bias-terms", path)
+
+
+def check_affine_of(feats: Features, affine_from: str | os.PathLike | None, path: str | os.PathLike | None = None
+                    ) -> None:
+    """Refuse a features file without the affine block when --affine-from is asked, or with the block of another
+    wide tokens file (its recorded fingerprint); None: nothing asked."""
+    if affine_from is None:
+        return
+    if feats.affine is None:
+        raise InputError("--affine-from was asked but the statistics were featurized without it; featurize the "
+                         "reduced tokens file again with --affine-from", path)
+    have = (feats.affine.source or {}).get("fingerprint")
+    ident = formats.source_identity(affine_from)
+    if have is not None and have != ident.get("fingerprint"):
+        raise InputError(f"holds the affine block of another wide tokens file (fingerprint {str(have)[:12]}), not of "
+                         f"{affine_from} ({str(ident.get('fingerprint'))[:12]})", path)
+
+
 def load_features(path: str | os.PathLike, chunk_size: int | None = None, normalize: str | None = None,
                   progress: Callable[[int], None] | None = None, device: str | None = None,
-                  attention: str | None = None) -> Features:
+                  attention: str | None = None, bias_terms: bool | None = None,
+                  affine_from: str | os.PathLike | None = None) -> Features:
     """The statistics of a features file, or of a tokens file (featurized here, streamed, on `device`).
 
-    `normalize` and `attention` (if given) must match a features file's, and are applied to a tokens file.
+    `normalize`, `attention` and `bias_terms` (if given) must match a features file's, and are applied to a
+    tokens file.
     """
     if normalize is not None:
         check_normalize(normalize)
@@ -246,8 +300,10 @@ def load_features(path: str | os.PathLike, chunk_size: int | None = None, normal
             raise InputError(f"was featurized with normalisation '{feats.normalize}', not '{normalize}'; "
                              "featurize it again with the normalisation wanted", path)
         check_attention_of(feats, attention, path)
+        check_bias_terms_of(feats, bias_terms, path)
+        check_affine_of(feats, affine_from, path)
         return feats
     if kind == "tokens":
         return featurize(path, chunk_size=chunk_size, progress=progress, normalize=normalize or "none",
-                         device=device, attention=attention)
+                         device=device, attention=attention, bias_terms=bool(bias_terms), affine_from=affine_from)
     raise InputError(f"is a {kind} file, expected a tokens or features file", path)

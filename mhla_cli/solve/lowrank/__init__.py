@@ -21,6 +21,8 @@ from ...model.model import Model
 from ..lstsq import fit, train_mse
 from ...statistics.stream import Features
 from ._gauss_newton import _damped_solve, _normal_parts, _structure
+from ._whitened import to_tokens, whitened
+from ...statistics.basis import feature_scale
 from ._numerics import EPS, _serial_blas
 from ._params import _balance, _heads_from_svd, _jacobians, _p_of, _pack, _to_heads, _unpack
 from ._solver import convergence_warning, hit_limit, solver_info, solver_warnings
@@ -52,8 +54,11 @@ def fit_model(feats: Features, heads: int | str | None = None, nuclear: float | 
               folds: list[Features] | None = None) -> Any:
     """A factorised (`heads`) or nuclear-norm (`nuclear`) fit as a solve.Model; 'auto' picks by K-fold CV.
 
-    The Model's W is the low-rank W found (rank <= H for the factorised fit), so export-heads
-    recovers the heads; info carries the base least-squares diagnostics plus the fit's own.
+    The fits run on the statistics of the whitened tokens X A (A the canonical basis of the least-squares
+    fit; `_whitened`), so that they do not inherit the conditioning of the tokens' units, and the model
+    keeps A, its canonical coefficients, the data's Lambda~ and the fit's W on X A (`W_b`; export-heads
+    recovers the heads from it). Its W on the tokens has rank <= H for the factorised fit, up to rounding;
+    info carries the base least-squares diagnostics plus the fit's own.
     """
     _need_targets(feats)
     if (heads is None) == (nuclear is None):
@@ -62,26 +67,31 @@ def fit_model(feats: Features, heads: int | str | None = None, nuclear: float | 
         raise InputError("'auto' needs per-fold statistics: pass folds, the statistics of K disjoint parts "
                          "of the data (mhla_cli.statistics.folds)")
     base = fit(feats)
+    A = base.basis
+    wfeats = whitened(feats, A)
+    wfolds = None if not folds else [whitened(f.copy(), A) for f in folds]
     info = dict(base.info)
     cv = None
     if heads is not None:
         if heads == "auto":
-            cv = cv_heads(feats, folds, weight_decay=weight_decay, restarts=min(restarts, 2), seed=seed)
+            cv = cv_heads(wfeats, wfolds, weight_decay=weight_decay, restarts=min(restarts, 2), seed=seed)
             heads = cv["chosen"]
-        res = fit_factorised(feats, int(heads), weight_decay=weight_decay, restarts=restarts, seed=seed,
-                             init_coef=base.coef)
+        res = fit_factorised(wfeats, int(heads), weight_decay=weight_decay, restarts=restarts, seed=seed,
+                             init_coef=base.coef_b * feature_scale(feats.d)[None, :])
     else:
         if nuclear == "auto":
-            cv = cv_nuclear(feats, folds)
+            cv = cv_nuclear(wfeats, wfolds)
             nuclear = cv["chosen"]
-        res = fit_nuclear(feats, float(nuclear))
+        res = fit_nuclear(wfeats, float(nuclear))
         res.info["n_heads"] = res.info["rank"]
     info.update(res.info)
     info["ridge"] = 0.0
     info["mse_resolution"] = base.info.get("mse_resolution")
     info["lstsq_train_mse"] = base.info["train_mse"]
+    info["basis"] = "canonical"
     if cv is not None:
         info["cv"] = cv
         info["n_folds"] = len(folds)
-    return Model(coef=res.coef, W=res.W, d=feats.d, info=info)
-
+    coef, W, coef_b = to_tokens(res.coef, res.W, A)
+    return Model(coef=coef, W=W, d=feats.d, info=info, coef_b=coef_b, basis=A, gram_pairs=base.gram_pairs,
+                 gram_spans=base.gram_spans, W_b=res.W)

@@ -28,7 +28,7 @@ def _pick(scores: list[tuple[float, float, float]], prefer_last: bool, floor: fl
 
 def _cv_floor(total: Features) -> float:
     """Validation MSE indistinguishable from 0: 1e-14 of the mean target energy per output."""
-    return 1e-14 * float(np.trace(total.target_gram)) / (total.weight * total.d)
+    return 1e-14 * float(np.trace(total.target_gram)) / (total.weight * total.n_outputs)
 
 
 def _cv_table(params: list[float], errs: np.ndarray) -> list[tuple[float, float, float]]:

@@ -96,7 +96,11 @@ def _lm_try(feats: Features, Vm: np.ndarray, Qm: np.ndarray, f: float, mu: float
     Hs, g = _system(feats, Vm, Qm, wd)
     scale = float(np.mean(np.diag(Hs))) or 1.0
     for _ in range(25):
-        step = _damped_solve(Hs + mu * scale * np.eye(Hs.shape[0]), -g)
+        try:
+            step = _damped_solve(Hs + mu * scale * np.eye(Hs.shape[0]), -g)
+        except (np.linalg.LinAlgError, ValueError):  # not positive definite to rounding: damp more
+            mu *= 4
+            continue
         V2, Q2 = _unpack(x + step, H, d)
         f2 = _factorised_objective(feats, V2, Q2, wd)
         if f2 <= f:
@@ -116,7 +120,10 @@ def _gauss_newton_finish(feats: Features, Vm: np.ndarray, Qm: np.ndarray, f: flo
     for _ in range(20):
         x = _pack(Vm, Qm)
         Hs, g = _system(feats, Vm, Qm, wd)
-        step = _damped_solve(Hs + 1e-12 * (float(np.mean(np.diag(Hs))) or 1.0) * np.eye(Hs.shape[0]), -g)
+        try:
+            step = _damped_solve(Hs + 1e-12 * (float(np.mean(np.diag(Hs))) or 1.0) * np.eye(Hs.shape[0]), -g)
+        except (np.linalg.LinAlgError, ValueError):  # singular to rounding: the finish stops here
+            break
         V2, Q2 = _unpack(x + step, H, d)
         _, g2 = _system(feats, V2, Q2, wd)
         f2 = _factorised_objective(feats, V2, Q2, wd)

@@ -11,7 +11,7 @@ from ...statistics.stream import Features
 
 def sse(feats: Features, coef: np.ndarray) -> float:
     """sum_i ||p H_i - y_i||^2 from the statistics (solve.train_mse, the one training error)."""
-    return train_mse(feats, coef)[0] * feats.weight * feats.d
+    return train_mse(feats, coef)[0] * feats.weight * feats.n_outputs
 
 
 def mse(feats: Features, coef: np.ndarray) -> float:
