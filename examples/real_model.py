@@ -36,9 +36,20 @@ Then the mhla commands, for each d and normalisation:
 
 Beside each fit, computed here in numpy (closed form, the same 5 contiguous folds of training
 windows choose the ridge): the token-wise affine map of the full 384-dim token [x_t, 1] (what
-"Neural Block Linearization" fits), the head's mean output and zero. And, as a numpy reference
-until mhla fits them itself, what each block of features adds to the MHLA: the terms a head's biases
-add (S, m (x) x_t, m, n x_t, n; divided by n with --normalize length) and the affine map.
+"Neural Block Linearization" fits), the head's mean output and zero. And what each block of features
+adds to the MHLA, fitted by mhla (library calls; the commands in brackets):
+
+    featurize_folds(train_d{d}.h5, 5, bias_terms=True)   (featurize --folds 5 --bias-terms)
+    fit(total, ridge="auto", folds=folds)                (fit --ridge auto)
+    featurize_folds(train_d{d}.h5, 5, affine_from="train384.h5" [, bias_terms=True])
+    fit(total, ridge=r)                                  (fit --affine-from train384.h5 --ridge r)
+    predict_file(model, heldout_d{d}.h5 [, affine_from="heldout384.h5"])
+
+the terms a head's biases add (S, m (x) x_t, m, n x_t, n: the MHLA of the tokens (x, 1)) and the
+affine map of the query's 384-dim token beside the reduced cubic features. mhla chooses no ridge for
+the affine block (`--ridge auto` is refused there); the example chooses it as `--ridge auto` does: on
+the same 5 contiguous folds, each fold's statistics subtracted from the total, `fit` at 0 and 12
+penalties from 1e-8 to 10 times lambda_max, `predict` on the fold's windows, the lowest mean MSE.
 
 Back into the transformer (the CV-ridge case with the best held-out R^2 at every position, or
 --replace-d / --replace-normalize): a forward hook on the layer's BertSelfOutput replaces the head's
@@ -388,50 +399,95 @@ def affine_features(tokens: Sequence[np.ndarray]) -> Callable[[int, int], np.nda
     return rows
 
 
-def cubic_block(X: np.ndarray, normalize: str) -> np.ndarray:
-    """upper(S) (x) x_t at every position t of one window (n, psi): S[j,k] x_t[l], j <= k, l fastest,
-    S = X^T X of the whole window (divided by n with normalize="length")."""
-    n, d = X.shape
-    j, k = np.triu_indices(d)
-    s = (X.T @ X)[j, k] / (n if normalize == "length" else 1.0)
-    return (s[None, :, None] * X[:, None, :]).reshape(n, -1)
+# The rows of the "what each adds" table: a name and (bias terms, affine block of the wide token). The affine
+# map alone is the numpy baseline above (mhla fits the affine block beside the MHLA, not alone).
+ADDS = (("MHLA", (False, False)), ("MHLA + bias terms", (True, False)), ("affine map", None),
+        ("MHLA + affine map", (False, True)), ("MHLA + bias terms + affine map", (True, True)))
+# Penalties tried for the fits with the affine block (mhla's `fit` takes a given ridge there): 0 and this many
+# log-spaced from 1e-8 to 10 times lambda_max (mhla's ridge_grid), chosen by the same contiguous folds.
+AFFINE_GRID = 12
 
 
-def bias_block(X: np.ndarray, normalize: str) -> np.ndarray:
-    """The terms a head's biases add at every position t of one window (BACKGROUND.md): upper(S),
-    m (x) x_t, m, n x_t, n with m = sum_i x_i (each divided by n with normalize="length")."""
-    n, d = X.shape
-    c = float(n) if normalize == "length" else 1.0
-    j, k = np.triu_indices(d)
-    s, m = (X.T @ X)[j, k] / c, X.sum(axis=0) / c
-    ones = np.ones((n, 1))
-    return np.hstack([ones * s, (m[None, :, None] * X[:, None, :]).reshape(n, -1), ones * m, (n / c) * X,
-                      (n / c) * ones])
+@dataclass
+class Windows:
+    """Windows a..b of a reduced tokens file and its wide tokens file, in memory (for the held-out folds)."""
+    tokens: np.ndarray   # (T, d) reduced tokens
+    wide: np.ndarray     # (T, D) the tokens mhla reduce read
+    offsets: np.ndarray  # (n + 1,) from 0
+    targets: np.ndarray  # (T, d) reduced targets
+
+    @classmethod
+    def read(cls, reduced: Path, wide: Path, a: int, b: int) -> Windows:
+        tok, off, y, _ = read_tokens(reduced)
+        lo, hi = int(off[a]), int(off[b])
+        with h5py.File(wide, "r") as f:
+            W = f["tokens"][lo:hi].astype(np.float64)
+        return cls(tok[lo:hi], W, off[a:b + 1] - lo, y[lo:hi].astype(np.float64))
 
 
-# The feature sets of the "what each adds" table, by block.
-ADDS = (("MHLA", ("mhla",)), ("MHLA + bias terms", ("mhla", "bias")), ("affine map", ("affine",)),
-        ("MHLA + affine map", ("mhla", "affine")), ("MHLA + bias terms + affine map", ("mhla", "bias", "affine")))
+def affine_ridge_cv(total, folds, reduced: Path, wide: Path) -> tuple[float, np.ndarray]:
+    """The ridge of mhla's extended fit (the MHLA's features beside the affine block of the wide token) chosen
+    by K-fold CV on the training windows, as `fit --ridge auto` chooses it for the MHLA alone: each fold's
+    statistics subtracted from the total, `fit` at every penalty, `predict` on that fold's windows, the lowest
+    mean held-out MSE. Returns the ridge and the errors (grid, K)."""
+    from mhla_cli import fit, predict
+    from mhla_cli.solve.ridge_cv import ridge_grid
+
+    grid = ridge_grid(fit(total).info["lambda_max"], n_grid=AFFINE_GRID)
+    err = np.zeros((grid.size, len(folds)))
+    for k, fold in enumerate(folds):
+        train = total - fold
+        a, b = fold.sample_range
+        win = Windows.read(reduced, wide, a, b)
+        for i, r in enumerate(grid):
+            _, out = predict(fit(train, ridge=float(r)), win.tokens, win.offsets, all_positions=True, wide=win.wide)
+            err[i, k] = float(((out - win.targets) ** 2).mean())
+    return float(grid[int(np.argmin(err.mean(axis=1)))]), err
 
 
-def block_features(reduced: np.ndarray, wide: Sequence[np.ndarray], offsets: np.ndarray, normalize: str
-                   ) -> tuple[Callable[[int, int], np.ndarray], dict[str, np.ndarray]]:
-    """Every position's [cubic | bias terms | affine] features (reduced tokens (T, d) for the first two,
-    the wide tokens for the affine map), and each block's columns."""
-    aff = affine_features(wide)
+def what_each_adds(wd: Path, row: dict, base: dict, d: int, normalize: str, last: np.ndarray) -> list[dict]:
+    """Held-out R^2 at every position of mhla's fits with the terms a head's biases add (`--bias-terms`) and the
+    affine map of the full token beside the MHLA (`--affine-from train384.h5`), library calls as a user makes
+    them; the MHLA row is the CV-ridge case of the first table, the affine map the numpy baseline."""
+    from mhla_cli import fit, predict_file
+    from mhla_cli.statistics.folds import featurize_folds
 
-    def rows(a: int, b: int) -> np.ndarray:
-        parts = []
-        for i in range(a, b):
-            X = reduced[offsets[i]:offsets[i + 1]]
-            parts.append(np.hstack([cubic_block(X, normalize), bias_block(X, normalize)]))
-        return np.hstack([np.concatenate(parts), aff(a, b)])
-
-    d = reduced.shape[1]
-    psi, q = d * d * (d + 1) // 2, d * (d + 1) // 2 + d * d + 2 * d + 1
-    D = np.asarray(wide[0]).shape[1] + 1
-    cols = {"mhla": np.arange(psi), "bias": psi + np.arange(q), "affine": psi + q + np.arange(D)}
-    return rows, cols
+    train_h5, test_h5 = wd / f"train_d{d}.h5", wd / f"heldout_d{d}.h5"
+    _, _, y, _ = read_tokens(test_h5)
+    out = []
+    for name, blocks in ADDS:
+        entry = {"d": d, "normalize": normalize, "features": name}
+        if blocks is None:
+            out.append({**entry, "n_features": int(base["affine_features"]), "ridge": base["affine_ridge"],
+                        "ridge_by": "numpy", "r2": base["affine"], "r2_last": base["affine_last"],
+                        "r2_lstsq": None, "r2_train_lstsq": None})
+            continue
+        bias, affine = blocks
+        if not bias and not affine:
+            out.append({**entry, "n_features": row["n_features"], "ridge": row["ridge_cv"] / row["lambda_max_cv"],
+                        "ridge_by": "mhla",
+                        "r2": row["r2_heldout_cv"], "r2_last": row["r2_heldout_cv_last"],
+                        "r2_lstsq": row["r2_heldout"], "r2_train_lstsq": row["r2_train"]})
+            continue
+        wide = {"affine_from": wd / "train384.h5"} if affine else {}
+        total, folds = featurize_folds(train_h5, N_FOLDS, normalize=normalize, bias_terms=bias, **wide)
+        if affine:
+            ridge, _ = affine_ridge_cv(total, folds, train_h5, wd / "train384.h5")
+            model = fit(total, ridge=ridge)
+        else:
+            model = fit(total, ridge="auto", folds=folds)
+        lstsq = fit(total)
+        held = {"affine_from": wd / "heldout384.h5"} if affine else {}
+        pred = predict_file(model, test_h5, **held)
+        pred_ls = predict_file(lstsq, test_h5, **held)
+        outputs = pred.outputs
+        out.append({**entry, "n_features": int(model.info["n_features"]),
+                    "ridge": float(model.info["ridge"]) / float(model.info["lambda_max"]),
+                    "ridge_by": "mhla" if not affine else "example", "r2": float(pred.r2),
+                    "r2_last": r2(y[last], outputs[last]), "r2_check": r2(y, outputs),
+                    "r2_lstsq": float(pred_ls.r2), "r2_train_lstsq": float(lstsq.info["train_r2"]),
+                    "identifiable": bool(lstsq.info["identifiable"])})
+    return out
 
 
 # --------------------------------------------------------------------------------------------------
@@ -482,7 +538,7 @@ def run_case(run: Runner, d: int, normalize: str, red: Reduced, test_out: np.nda
         "heldout_determined": on["n_probes"] - on["n_undetermined"], "heldout_probes": on["n_probes"],
         "lambda_min": full["lambda_min"],
         "heads": spec["n_outliers"], "spectrum_converged": bool(spec["converged"]),
-        "ridge_cv": fit_cv["ridge"], "r2_heldout_cv": pred_cv["r2"], "r2_heldout_cv_last": r2(y[last], out_cv[last]),
+        "ridge_cv": fit_cv["ridge"], "lambda_max_cv": fit_cv["lambda_max"], "r2_heldout_cv": pred_cv["r2"], "r2_heldout_cv_last": r2(y[last], out_cv[last]),
         "ridge_last": fit_last["ridge"], "r2_last_fit": r2(y, out_last), "r2_last_fit_last": r2(y[last], out_last[last]),
     }
 
@@ -692,12 +748,13 @@ def baselines_table(rows: list[dict], base: dict) -> str:
 
 
 def adds_table(adds: list[dict]) -> str:
-    head = ("d", "normalize", "features", "number", "ridge", "R2 every position", "R2 last text token")
+    head = ("d", "normalize", "features", "number", "ridge / lambda_max", "R2 every position", "R2 last text token",
+            "R2 every position, least squares")
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for a in adds:
         ridge = f"{a['ridge']:.1e}" if a["ridge"] > 0 else "0"
         lines.append(f"| {a['d']} | {a['normalize']} | {a['features']} | {a['n_features']} | {ridge} | "
-                     f"{fmt(a['r2'])} | {fmt(a['r2_last'])} |")
+                     f"{fmt(a['r2'])} | {fmt(a['r2_last'])} | {fmt(a['r2_lstsq'])} |")
     return "\n".join(lines)
 
 
@@ -748,7 +805,7 @@ def figure(result: dict, path: Path) -> None:
         ax.set_xticklabels(["MHLA", "+ bias\nterms", "affine\nmap", "MHLA\n+ affine", "MHLA + bias\n+ affine"],
                            fontsize=7)
         ax.set_ylabel("held-out R$^2$, every position")
-        ax.set_title("what each block of features adds (numpy least squares)", fontsize=9)
+        ax.set_title("what each block of features adds (held-out, CV ridge)", fontsize=9)
         ax.legend(fontsize=7, loc="lower right")
     fig.tight_layout()
     save_png(fig, path, dpi=90)
@@ -793,32 +850,12 @@ def baselines(train: Captured, test: Captured, reduced: dict[int, Reduced]) -> t
         y = red.test_y
         zero = np.zeros_like(y)
         out[d] = {"affine": r2(y, pred), "affine_last": r2(y[last], pred[last]), "affine_ridge": lin.ridge,
+                  "affine_features": lin.n_features,
                   "mean": r2(y, mean + zero), "mean_last": r2(y[last], mean + zero[last]),
                   "zero": r2(y, zero), "zero_last": r2(y[last], zero[last])}
         maps[d] = lin
     maps["all"] = ridge_cv(st)  # every output of the head (the model's coordinates)
     return out, maps
-
-
-def what_each_adds(wd: Path, train: Captured, test: Captured, red: Reduced, d: int, normalize: str) -> list[dict]:
-    """Held-out R^2 of least squares (ridge by CV) on each set of feature blocks: cubic MHLA features, the
-    bias terms, the affine map of the full token (numpy reference on materialised features)."""
-    tr, toff, _, _ = read_tokens(wd / f"train_d{d}.h5")
-    te, soff, _, _ = read_tokens(wd / f"heldout_d{d}.h5")
-    Y = np.concatenate(train.outputs).astype(np.float64)
-    rows_tr, cols = block_features(tr, train.tokens, toff, normalize)
-    rows_te, _ = block_features(te, test.tokens, soff, normalize)
-    st = accumulate(rows_tr, Y, toff)
-    y = np.concatenate(test.outputs).astype(np.float64) @ red.U
-    last = last_text(soff)
-    out = []
-    for name, blocks in ADDS:
-        c = np.concatenate([cols[b] for b in blocks])
-        lin = ridge_cv(st, c, red.U)
-        pred = predict_rows(lin, rows_te, len(soff) - 1)
-        out.append({"d": d, "normalize": normalize, "features": name, "n_features": int(c.size),
-                    "ridge": lin.ridge, "r2": r2(y, pred), "r2_last": r2(y[last], pred[last])})
-    return out
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -901,8 +938,12 @@ def main(argv: list[str] | None = None) -> dict:
                 run.show = False  # the commands of the first case show the pattern
         t1 = time.perf_counter()
         base, affine_maps = baselines(train, test, reduced)
-        adds = [a for d in adds_d for n in args.normalize for a in what_each_adds(wd, train, test, reduced[d], d, n)]
         t_numpy = time.perf_counter() - t1
+        t2 = time.perf_counter()
+        adds = [a for d in adds_d for n in args.normalize
+                for a in what_each_adds(wd, next(r for r in rows if (r["d"], r["normalize"]) == (d, n)), base[d], d, n,
+                                        last)]
+        t_adds = time.perf_counter() - t2
         replaced = None
         if not args.no_replace:
             best = max(rows, key=lambda r: r["r2_heldout_cv"])
@@ -917,7 +958,7 @@ def main(argv: list[str] | None = None) -> dict:
     result = {"layer": args.layer, "head": args.head, "stride": stride, "n_train": len(train.tokens),
               "n_heldout": len(test.tokens), "n_train_positions": n_pos, "n_heldout_positions": n_pos_test,
               "rows": rows, "baselines": {str(d): v for d, v in base.items()}, "adds": adds, "replaced": replaced,
-              "seconds": seconds, "seconds_numpy": t_numpy}
+              "seconds": seconds, "seconds_numpy": t_numpy, "seconds_adds": t_adds}
     if args.png is not None:
         figure({**result, "baselines": base}, args.png)
     if args.json:
@@ -935,8 +976,8 @@ def main(argv: list[str] | None = None) -> dict:
         print(baselines_table(rows, base))
         if adds:
             print()
-            print(f"what each block of features adds (numpy least squares on the materialised features, ridge by "
-                  f"{N_FOLDS}-fold CV on the training windows; held-out R^2)")
+            print(f"what each block of features adds (mhla fit --bias-terms / --affine-from train384.h5, the "
+                  f"ridge by {N_FOLDS}-fold CV on the training windows; the affine map alone: numpy; held-out R^2)")
             print(adds_table(adds))
         if replaced is not None:
             print()
@@ -945,7 +986,7 @@ def main(argv: list[str] | None = None) -> dict:
                   f"{replaced['normalize']}, CV ridge, {replaced['n_heads']} heads; in the model's coordinates "
                   f"they match the reduced model to {replaced['unreduce_max_rel_error']:.1e})")
             print(replacement_table(replaced))
-        print(f"\n{seconds:.0f} s ({t_numpy:.0f} s of numpy baselines)")
+        print(f"\n{seconds:.0f} s ({t_numpy:.0f} s of numpy baselines, {t_adds:.0f} s of the blocks' fits)")
     return result
 
 

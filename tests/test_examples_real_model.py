@@ -28,6 +28,10 @@ EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "real_model.py"
 LICENSES = Path("/usr/share/common-licenses")
 # R^2 of the example against numpy's on the same data
 R2_TOL = 1e-6
+# the reference's rank cut (singular values relative to the largest, columns scaled to unit root mean square): a
+# layer norm's outputs lie on a hyperplane, so (x_wide, 1) has one direction null up to the float32 rounding of
+# the tokens (about 3e-8 here; the next is above 1e-3), which mhla's numerical tolerance cuts too
+RANK_CUT = 1e-6
 # embeddings of the model with a head / layer replaced by its own exact output (float32 model)
 SAME_EMBEDDING_TOL = 1e-5
 
@@ -190,72 +194,87 @@ def test_affine_map_is_the_cv_ridge_of_numpy(run):
     assert abs(base["zero"] - _r2(y, np.zeros_like(y))) <= R2_TOL
 
 
-def _bias_terms(X: np.ndarray, t: int, normalize: str) -> np.ndarray:
-    """S, m (x) x_t, m, n x_t, n at position t (BACKGROUND.md, "The terms a head's biases add"), written out."""
-    n, d = X.shape
-    c = n if normalize == "length" else 1.0
-    S, m = X.T @ X / c, X.sum(axis=0) / c
-    return np.array([S[j, k] for j in range(d) for k in range(j, d)] + [m[j] * X[t, l] for j in range(d)
-                     for l in range(d)] + list(m) + list(n / c * X[t]) + [n / c])
+def _expanded(tokens: np.ndarray, offsets: np.ndarray, normalize: str) -> np.ndarray:
+    """Every position t of every window: S (x) x_t, S, m (x) x_t, m, n x_t, n (tests/_reference.py, the query
+    X[t], S and m of the WHOLE window: the window reordered so that X[t] is its last token)."""
+    rows = []
+    for a, b in zip(offsets[:-1], offsets[1:]):
+        X = tokens[a:b]
+        for t in range(b - a):
+            rows.append(ref.expanded_features(np.vstack([np.delete(X, t, axis=0), X[t]]), normalize)[0])
+    return np.array(rows)
+
+
+def _lstsq_r2(F: np.ndarray, Y: np.ndarray, Ft: np.ndarray, Yt: np.ndarray) -> tuple[float, float]:
+    """Train and held-out R^2 of numpy's minimum-norm least squares on the materialised features (columns scaled to
+    unit root mean square, singular values below RANK_CUT of the largest cut; the cut must not be borderline)."""
+    scale = np.sqrt((F ** 2).mean(axis=0))
+    sv = np.linalg.svd(F / scale, compute_uv=False)
+    kept = sv[sv > RANK_CUT * sv[0]]
+    assert kept[-1] > 100 * RANK_CUT * sv[0] and (len(kept) == len(sv) or sv[len(kept)] < RANK_CUT * sv[0] / 10)
+    coef, *_ = np.linalg.lstsq(F / scale, Y, rcond=RANK_CUT)
+    return _r2(Y, F / scale @ coef), _r2(Yt, Ft / scale @ coef)
 
 
 @pytest.mark.slow
-def test_what_each_adds_is_numpy_least_squares(run):
-    mod, wd, result, _ = run
-    adds = [a for a in result["adds"] if a["normalize"] == "length"]
-    assert [a["features"] for a in adds] == [name for name, _ in mod.ADDS]
-    assert [a["n_features"] for a in adds] == [18, 18 + 22, 385, 18 + 385, 18 + 22 + 385]
-    tr, toff, _, _ = _read(wd / "train_d3.h5")
-    te, soff, _, _ = _read(wd / "heldout_d3.h5")
-    wide, _, ty, _ = _read(wd / "train384.h5")
-    wte, _, sy, _ = _read(wd / "heldout384.h5")
-    with h5py.File(wd / "train_d3.h5", "r") as f:
-        U = f["reduce_U"][...]
-
-    def rows(tok, off, W):
-        cub = _positions(tok, off, "length")
-        bias = np.array([_bias_terms(tok[a:b], t, "length") for a, b in zip(off[:-1], off[1:]) for t in range(b - a)])
-        return np.hstack([cub, bias, W, np.ones((len(W), 1))])
-
-    F, Ft = rows(tr, toff, wide), rows(te, soff, wte)
-    full = adds[-1]
-    scale = np.sqrt((F ** 2).mean(axis=0))
-    A = F / scale
-    lmax = float(np.linalg.eigvalsh(A.T @ A / len(A))[-1])
-    r = full["ridge"] * lmax
-    B = np.linalg.solve(A.T @ A / len(A) + r * np.eye(A.shape[1]), A.T @ (ty @ U) / len(A)) if r > 0 else \
-        np.linalg.lstsq(A, ty @ U, rcond=None)[0]
-    pred = Ft / scale @ B
-    assert abs(full["r2"] - _r2(sy @ U, pred)) <= 1e-5
-
-
 @pytest.mark.parametrize("normalize", ["none", "length"])
-def test_bias_terms_fit_a_head_with_biases_exactly(normalize):
-    """The cubic features with the bias terms represent sum_i (V x_i + b_v)((K x_i + b_k)^T (Q x_t + b_q))
-    (divided by n with normalize="length") exactly at every position; the cubic features alone do not."""
-    mod = _example()
-    rng = np.random.default_rng(0)
-    d = 3
-    V, K, Q = (rng.normal(size=(d, d)) for _ in range(3))
-    bv, bk, bq = (rng.normal(size=d) for _ in range(3))
-    wins = [rng.normal(size=(n, d)) for n in rng.integers(2, 9, size=80)]
-    F, Y = [], []
-    for X in wins:
-        c = len(X) if normalize == "length" else 1.0
-        vals = X @ V.T + bv
-        keys = X @ K.T + bk
-        Y.append(((Q @ X.T).T + bq) @ keys.T @ vals / c)  # (n, d): every position t
-        F.append(np.hstack([mod.cubic_block(X, normalize), mod.bias_block(X, normalize)]))
-    F, Y = np.concatenate(F), np.concatenate(Y)
-    psi = d * d * (d + 1) // 2
-    for cols, exact in ((slice(None), True), (slice(0, psi), False)):
-        coef, *_ = np.linalg.lstsq(F[:, cols], Y, rcond=None)
-        rel = np.abs(F[:, cols] @ coef - Y).max() / np.abs(Y).max()
-        assert (rel <= 1e-10) == exact, rel
-    # the cubic block is the materialised feature map of docs/formats.md at every position
-    X = wins[0]
-    assert np.allclose(mod.cubic_block(X, normalize), _positions(X, np.array([0, len(X)]), normalize), rtol=0,
-                       atol=1e-12 * np.abs(X).max() ** 3 * len(X))
+def test_what_each_adds_is_numpy_least_squares(run, normalize):
+    """mhla's --bias-terms and --affine-from fits (least squares) are numpy's lstsq on the expanded features of
+    every position, [S (x) x_t | the bias terms | x_wide, 1]."""
+    mod, wd, result, _ = run
+    adds = [a for a in result["adds"] if a["normalize"] == normalize]
+    assert [a["features"] for a in adds] == [name for name, _ in mod.ADDS]
+    tr, toff, ty, _ = _read(wd / "train_d3.h5")
+    te, soff, sy, _ = _read(wd / "heldout_d3.h5")
+    wide, _, _, _ = _read(wd / "train384.h5")
+    wte, _, _, _ = _read(wd / "heldout384.h5")
+    ones, ones_t = np.ones((len(wide), 1)), np.ones((len(wte), 1))
+    E, Et = _expanded(tr, toff, normalize), _expanded(te, soff, normalize)
+    psi = 18
+    blocks = {"MHLA": (E[:, :psi], Et[:, :psi]), "MHLA + bias terms": (E, Et),
+              "MHLA + affine map": (np.hstack([E[:, :psi], wide, ones]), np.hstack([Et[:, :psi], wte, ones_t])),
+              "MHLA + bias terms + affine map": (np.hstack([E, wide, ones]), np.hstack([Et, wte, ones_t]))}
+    assert E.shape[1] == 40  # psi of the tokens (x, 1): (d+1)^2 (d+2) / 2
+    for a in adds:
+        if a["features"] == "affine map":
+            assert a["r2_lstsq"] is None and a["r2"] == result["baselines"]["3"]["affine"]
+            continue
+        F, Ft = blocks[a["features"]]
+        train_r2, held_r2 = _lstsq_r2(F, ty, Ft, sy)
+        assert abs(a["r2_train_lstsq"] - train_r2) <= R2_TOL, a
+        assert abs(a["r2_lstsq"] - held_r2) <= R2_TOL, a
+        if a["features"] != "MHLA":
+            assert abs(a["r2_check"] - a["r2"]) <= R2_TOL  # the outputs mhla wrote, scored here: its R^2
+    # the bias terms add to the MHLA on the training data (a superset of features)
+    assert adds[1]["r2_train_lstsq"] > adds[0]["r2_train_lstsq"]
+
+
+@pytest.mark.slow
+def test_affine_ridge_cv_folds_are_numpy_least_squares(run):
+    """The CV of the fits with the affine block: at ridge 0 each fold's held-out MSE is numpy's lstsq fitted on
+    the other windows' expanded rows; the chosen ridge is the grid's lowest mean error."""
+    from mhla_cli import fit
+    from mhla_cli.solve.ridge_cv import ridge_grid
+    from mhla_cli.statistics.folds import featurize_folds
+
+    mod, wd, _, _ = run
+    tr, toff, ty, _ = _read(wd / "train_d3.h5")
+    wide, _, _, _ = _read(wd / "train384.h5")
+    total, folds = featurize_folds(wd / "train_d3.h5", 5, affine_from=wd / "train384.h5")
+    ridge, err = mod.affine_ridge_cv(total, folds, wd / "train_d3.h5", wd / "train384.h5")
+    assert err.shape == (mod.AFFINE_GRID + 1, 5)
+    F = np.hstack([_positions(tr, toff, "none"), wide, np.ones((len(wide), 1))])
+    F /= np.sqrt((F ** 2).mean(axis=0))
+    cuts = [f.sample_range for f in folds]
+    assert cuts[0][0] == 0 and cuts[-1][1] == 250 and all(a[1] == b[0] for a, b in zip(cuts, cuts[1:]))
+    for k, (a, b) in enumerate(cuts):
+        val = np.zeros(len(F), bool)
+        val[toff[a]:toff[b]] = True
+        coef, *_ = np.linalg.lstsq(F[~val], ty[~val], rcond=RANK_CUT)
+        mse = float(((F[val] @ coef - ty[val]) ** 2).mean())
+        assert abs(err[0, k] - mse) <= R2_TOL * mse, (k, err[0, k], mse)
+    grid = ridge_grid(fit(total).info["lambda_max"], n_grid=mod.AFFINE_GRID)
+    assert grid[0] == 0 and ridge == grid[np.argmin(err.mean(axis=1))] and np.isfinite(err).all()
 
 
 def test_spearman_and_pairs_against_numpy():
