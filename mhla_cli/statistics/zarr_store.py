@@ -93,11 +93,7 @@ def check_output(out: Any, inputs: tuple[Any, ...] = ()) -> str:
         o = _local(url)
         if o.exists() and not o.is_dir():
             raise InputError("output path exists and is not a Zarr store (a directory)", out)
-        parent = o.parent if str(o.parent) else Path(".")
-        if not parent.is_dir():
-            raise InputError(f"output directory '{parent}' does not exist", out)
-        if not os.access(parent, os.W_OK | os.X_OK):
-            raise InputError(f"output directory '{parent}' is not writable", out)
+        formats.check_output_directory(o)
         for i in inputs:
             if i is not None and Path(str(i)).resolve() == o.resolve():
                 raise InputError("output would overwrite an input; choose another -o path", out)

@@ -34,6 +34,15 @@ def check_hdf5_suffix(out: str | os.PathLike, what: str = "the output") -> Path:
     return o
 
 
+def check_output_directory(out: Path) -> None:
+    """Refuse (InputError) an output whose directory does not exist or cannot be written."""
+    parent = out.parent if str(out.parent) else Path(".")
+    if not parent.is_dir():
+        raise InputError(f"output directory '{parent}' does not exist", out)
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise InputError(f"output directory '{parent}' is not writable", out)
+
+
 def check_output_path(out: str | os.PathLike, inputs: tuple[str | os.PathLike, ...] = ()) -> Path:
     """Reject an output path that cannot be written or that names one of the inputs."""
     o = Path(out)
@@ -42,11 +51,7 @@ def check_output_path(out: str | os.PathLike, inputs: tuple[str | os.PathLike, .
     if o.exists() and not o.is_file():
         raise InputError("output path exists and is not a regular file (a device, pipe or socket); "
                          "give a file name", o)
-    parent = o.parent if str(o.parent) else Path(".")
-    if not parent.is_dir():
-        raise InputError(f"output directory '{parent}' does not exist", o)
-    if not os.access(parent, os.W_OK | os.X_OK):
-        raise InputError(f"output directory '{parent}' is not writable", o)
+    check_output_directory(o)
     for i in inputs:
         if i is None:
             continue
