@@ -69,7 +69,7 @@ PANEL_BYTES = 32 * 2**20
 
 def tile_pairs(d: int, tile_features: int | None = None) -> int:
     """Pairs per tile: the divisor of q = d (d + 1) / 2 nearest to tile_features / d (default from
-    TILE_BYTES), so that every tile has the same side (dask.array.linalg.cholesky needs that)."""
+    TILE_BYTES), so that every tile has the same side (as the blocked Cholesky and dask.array take them)."""
     q = d * (d + 1) // 2
     target = (math.isqrt(TILE_BYTES // 8) if tile_features is None else int(tile_features)) / d
     divisors = [k for k in range(1, q + 1) if q % k == 0]
