@@ -182,7 +182,7 @@ def _say_featurize(feats: Features, output: Path, quiet: bool) -> None:
             f"{fmt(feats.extra_attrs['basis_correction_cond'])}): the pass was redone in the whitening of all "
             "the tokens", quiet)
     if feats.on_spans:
-        block = feats.basis_gram_held.shape[0]
+        block = feats.gram_storage.n
         say(f"  only the block on the data's spans was accumulated: {block} of {psi} features (the "
             f"S matrices span {feats.span_pairs.shape[1]} of {psi // feats.d} dimensions, the last tokens "
             f"{feats.span_last.shape[1]} of {feats.d}; the other features are exact nulls; --spans off keeps them all)",
@@ -192,7 +192,7 @@ def _say_featurize(feats: Features, output: Path, quiet: bool) -> None:
 def _featurize_record(feats: Features, output: Path, compact: bool) -> dict[str, Any]:
     """The `mhla featurize --json` record."""
     return {"output": str(output), "d": feats.d, "n_features": feats.n_features,
-            "span_features": feats.basis_gram_held.shape[0] if feats.on_spans else feats.n_features,
+            "span_features": feats.gram_storage.n if feats.on_spans else feats.n_features,
             "span_passes": int(feats.extra_attrs.get("span_passes", 0)), "n_samples": feats.n_samples,
             "n_tokens": feats.n_tokens, "has_targets": feats.has_targets,
             "per_position": feats.per_position, "attention": feats.samples.attention, "normalize": feats.normalize,

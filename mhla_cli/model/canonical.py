@@ -140,12 +140,11 @@ def gram_pairs_of(feats: Any) -> tuple[np.ndarray, np.ndarray | None, np.ndarray
     d = feats.d
     q = d * (d + 1) // 2
     w = feats.weight if feats.weight > 0 else 1.0
-    held = feats.basis_gram_held
     E = F = None
     if feats.on_spans:
         E, F = np.array(feats.span_pairs), np.array(feats.span_last)
         q, d = E.shape[1], F.shape[1]
-    K = held.K if isinstance(held, symgram.Pairs) else symgram.pairs_from_gram(held, q, d)
+    K = feats.gram_storage.pairs(q, d)  # as held, or from the array (mhla_cli.statistics.gram_storage)
     return np.asarray(K, dtype=np.float64) / w, E, F
 
 

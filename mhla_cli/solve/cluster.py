@@ -121,7 +121,7 @@ def factorization(stats: TiledStatistics) -> Factorization:
     fac = getattr(stats, "_factorization", None)
     if fac is None:
         d = stats.d
-        fac = Factorization(None, stats.n_features, 1.0 / (stats.sums.weight or 1.0), matrix=stats.matrix)
+        fac = stats.gram.factorization(1.0 / (stats.sums.weight or 1.0), stats.n_features)
         fac.structure = structure_mod.Structure.identity(d * (d + 1) // 2, d)
         stats._factorization = fac  # type: ignore[attr-defined]
     return fac

@@ -18,12 +18,11 @@ import numpy as np
 
 from . import basis as basis_mod
 from ..errors import InputError
-from ..linalg import symgram
 from ..linalg.memory import check_memory
 from .features_file import BASIS_SUMS, StoredGram
 from .structure import change as structure_change
 
-# The basis sums other than basis_gram (which may be held as its distinct entries: `_add_basis_gram`).
+# The basis sums other than basis_gram (held by its storage, mhla_cli.statistics.gram_storage: `_add_basis_gram`).
 _OTHER_BASIS_SUMS = tuple(k for k in BASIS_SUMS if k != "basis_gram")
 
 
@@ -36,7 +35,7 @@ class FeaturesAlgebra:
         if self.on_spans:
             check_memory(self.d)
             E, F = self.span_pairs, self.span_last
-            self.basis_gram = _congruence(self, E, F)
+            self.basis_gram = self.gram_storage.congruence(E, F, overwrite=True)
             _map_rows(self, lambda m: basis_mod.kron_apply(E, F, m))
             self.span_pairs = self.span_last = None
             self.factor_cache.clear()
@@ -61,21 +60,15 @@ class FeaturesAlgebra:
             # s -> P_C s, x -> C^T x map span E to P_C E = U1 R1 and F to C^T F = U2 R2 (QR): the block
             # coordinates change by R1 (x) R2 (mhla_cli.statistics.structure)
             U1, U2, R1, R2 = structure_change(self.span_pairs, self.span_last, basis_mod.orth_pair_map(C), C.T)
-            self.basis_gram = _congruence(self, R1, R2)
+            self.basis_gram = self.gram_storage.congruence(R1, R2, overwrite=True)
             _map_rows(self, lambda m: basis_mod.kron_apply(R1, R2, m))
             self.span_pairs, self.span_last = U1, U2
-        elif isinstance(self.basis_gram_held, symgram.Pairs):  # on the two factors (symgram.Pairs)
-            P, R = basis_mod.orth_pair_map(C), C.T
-            # in place (a Features owns its sums): no array of K's size allocated
-            self.basis_gram = self.basis_gram_held.congruence(P, R, overwrite=True)
-            _map_rows(self, lambda m: basis_mod.kron_apply(P, R, m))
         else:
-            # in place: a Features owns its sums (`copy` makes new ones)
-            self.basis_gram, self.basis_moments = basis_mod.change_by(C, self.basis_gram, self.basis_moments,
-                                                                      overwrite=_writeable(self.basis_gram))
-            if self.affine is not None:  # its rows as the moments' (basis.change_by)
-                P, R = basis_mod.orth_pair_map(C), C.T
-                self.affine.map_rows(lambda m: basis_mod.kron_apply(P, R, m))
+            # through the Gram's storage, in place where it may be (a Features owns its sums: `copy` makes new ones)
+            P, R = basis_mod.orth_pair_map(C), C.T
+            if self.gram_storage is not None:
+                self.basis_gram = self.gram_storage.congruence(P, R, overwrite=True)
+            _map_rows(self, lambda m: basis_mod.kron_apply(P, R, m))
         self.basis_token_gram = C.T @ self.basis_token_gram @ C
         self.basis_last_token_gram = C.T @ self.basis_last_token_gram @ C
         self.basis = self.basis @ C
@@ -181,15 +174,10 @@ def add_into(acc: Features, part: Features) -> None:
 
 
 def _add_basis_gram(acc: Features, part: Features) -> None:
-    """acc.basis_gram += part.basis_gram (same basis and block): as distinct entries when both are held
-    so (symgram.Pairs of the same factors), else as arrays."""
-    a, b = acc.basis_gram_held, part.basis_gram_held
-    if a is None:
-        return
-    if isinstance(a, symgram.Pairs) and isinstance(b, symgram.Pairs) and (a.q, a.r) == (b.q, b.r):
-        a.K += b.K
-    else:
-        acc.basis_gram += part.basis_gram
+    """acc.basis_gram += part.basis_gram (same basis and block), through the Gram's storage (as distinct
+    entries when both are held so, else as arrays; tile by tile on a cluster)."""
+    if acc.gram_storage is not None:
+        acc.basis_gram = acc.gram_storage.add(part.gram_storage)
 
 
 def _map_rows(feats: Features, fn: Any) -> None:
@@ -199,15 +187,6 @@ def _map_rows(feats: Features, fn: Any) -> None:
         feats.basis_moments = fn(feats.basis_moments)
     if feats.affine is not None:
         feats.affine.map_rows(fn)
-
-
-def _congruence(feats: Features, P: np.ndarray, R: np.ndarray) -> np.ndarray | symgram.Pairs:
-    """kron(P, R) basis_gram kron(P, R)^T, on the two factors (over the held K when P and R are square:
-    a Features owns its sums) when it is held as its distinct entries."""
-    held = feats.basis_gram_held
-    if isinstance(held, symgram.Pairs):
-        return held.congruence(P, R, overwrite=True)
-    return basis_mod.kron_congruence(P, R, feats.basis_gram)
 
 
 def _check_addable(acc: Features, part: Features) -> None:
@@ -238,9 +217,8 @@ def _adopt_basis(acc: Features, part: Features) -> None:
     """An empty acc takes the part's basis, with zero basis sums of the part's shapes."""
     acc.basis = np.array(part.basis)
     acc.affine = None if part.affine is None else part.affine.zeros_like()
-    held = part.basis_gram_held
-    acc.basis_gram = symgram.Pairs(np.zeros_like(held.K), held.q, held.r) if isinstance(held, symgram.Pairs) \
-        else None if held is None else np.zeros_like(held)
+    held = part.gram_storage
+    acc.basis_gram = None if held is None else held.zeros_like()
     for k in _OTHER_BASIS_SUMS:
         v = getattr(part, k)
         setattr(acc, k, None if v is None else np.zeros_like(v))
@@ -308,10 +286,3 @@ def _add_own_sums(acc: Features, part: Features) -> None:
         acc.target_sum = acc.target_sum + part.target_sum
     else:
         acc.target_sum = None
-
-
-def _writeable(a: np.ndarray | None) -> bool:
-    """An array the basis change may overwrite (float64, writeable, square)."""
-    return (a is not None and a.dtype == np.float64 and a.flags.writeable and a.ndim == 2
-            and a.shape[0] == a.shape[1])
-

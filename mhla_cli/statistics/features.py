@@ -10,7 +10,8 @@ whitening of the data's own token Gram (A^T G A = I, G = token_gram / token_weig
 totals of `Features`).
 
 The record holds its fields, counts and the own `gram` (held, read from the file or derived from the
-basis sums when first used); its algebra (`add`, `+`, `-`, the change of basis) is
+basis sums when first used); where `basis_gram` lives (an array, its distinct entries, tiles on a
+cluster) is its storage's business (`gram_storage`, mhla_cli.statistics.gram_storage); its algebra (`add`, `+`, `-`, the change of basis) is
 mhla_cli.statistics.algebra and its file (`save`, `load`) mhla_cli.statistics.features_file, both
 mixed into the class.
 """
@@ -27,12 +28,12 @@ from . import basis as basis_mod
 from ..io import formats
 from ..errors import InputError
 from ..feature_map import n_features
-from ..linalg import symgram
 from ..samples import LAST, Samples
-from . import features_file
+from . import features_file, gram_storage
 from .affine_sums import AffineSums
 from .algebra import FeaturesAlgebra
 from .features_file import _DERIVED, FeaturesFile, StoredGram
+from . import gram_dense, gram_pairs  # noqa: F401  (the storages a record holds in one process: registered)
 
 
 class _OwnGram:
@@ -56,20 +57,24 @@ class _OwnGram:
 
 class _BasisGram:
     """The field `Features.basis_gram` = sum_i Ht_i Ht_i^T (psi, psi; the block on the data's spans when
-    reduced): an array, or its distinct entries (symgram.Pairs, from the reduction or a compact file),
-    expanded when first read. The algebra and the file use the held form (`Features.basis_gram_held`):
-    a change of basis of a Pairs acts on its two factors, and a compact file writes it as it is."""
+    reduced), held by a Gram storage (mhla_cli.statistics.gram_storage: an array, its distinct entries,
+    tiles on a cluster; `Features.gram_storage`). Read, it is the array: a storage held in another form
+    is expanded when first read, and kept so. Set, the value (an array, a symgram.Pairs, a storage, ...)
+    is wrapped in its storage. The algebra and the file ask the storage (`gram_storage`)."""
 
     def __get__(self, obj: Features | None, owner: type | None = None) -> np.ndarray | None:
         if obj is None:  # the dataclass default
             return None
-        g = obj.__dict__.get("_basis_gram")
-        if isinstance(g, symgram.Pairs):
-            g = obj.__dict__["_basis_gram"] = g.expand()
+        storage = obj.__dict__.get("_basis_gram")
+        if storage is None:
+            return None
+        g = storage.expand()
+        if g is not storage.held:  # held in another form: expanded once, and kept
+            obj.__dict__["_basis_gram"] = gram_storage.wrap(g)
         return g
 
     def __set__(self, obj: Features, value: Any) -> None:
-        obj.__dict__["_basis_gram"] = value
+        obj.__dict__["_basis_gram"] = gram_storage.wrap(value)
 
 
 @dataclass
@@ -97,7 +102,7 @@ class Features(FeaturesAlgebra, FeaturesFile):
     # The basis A (tokens X A) and the sums of the canonical features there. None: only the own
     # sums are known (format version 1, per-fold sums); `ensure_basis` then takes A = I.
     basis: np.ndarray | None = None
-    # default None; may be held as its distinct entries (symgram.Pairs: `basis_gram_held`)
+    # default None; held by a Gram storage (`gram_storage`: an array, its distinct entries, tiles)
     basis_gram: np.ndarray | None = _BasisGram()  # type: ignore[assignment]
     basis_moments: np.ndarray | None = None
     basis_token_gram: np.ndarray | None = None
@@ -179,13 +184,20 @@ class Features(FeaturesAlgebra, FeaturesFile):
         return self.__dict__.get("_gram")
 
     @property
-    def basis_gram_held(self) -> np.ndarray | symgram.Pairs | None:
-        """`basis_gram` as held: an array, its distinct entries (symgram.Pairs, not expanded), or None."""
+    def gram_storage(self) -> gram_storage.GramStorage | None:
+        """Where `basis_gram` lives (mhla_cli.statistics.gram_storage), or None."""
         return self.__dict__.get("_basis_gram")
 
+    @property
+    def basis_gram_held(self) -> Any:
+        """`basis_gram` as held by its storage: an array, its distinct entries (symgram.Pairs, not
+        expanded), the tiles on a cluster, or None."""
+        storage = self.gram_storage
+        return None if storage is None else storage.held
+
     def expand_held(self) -> Features:
-        """Expand a basis Gram held as its distinct entries now rather than when first read (so that a
-        command times it with the load); returns self."""
+        """Expand a basis Gram held in another form than an array now rather than when first read (so
+        that a command times it with the load); returns self."""
         self.basis_gram  # noqa: B018  (the descriptor expands and keeps it)
         return self
 
@@ -218,30 +230,21 @@ class Features(FeaturesAlgebra, FeaturesFile):
         return self
 
     def _derive_gram(self) -> np.ndarray:
-        """The own-coordinate gram from the basis sums (M_A^-1 gram_b M_A^-T; `finalize`), on the two
-        factors when the basis Gram is held as its distinct entries (`own_pairs`)."""
-        if isinstance(self.basis_gram_held, symgram.Pairs):
-            return self.own_pairs().expand()
-        with np.errstate(over="ignore", invalid="ignore"):
-            gram = basis_mod.gram_from_basis(self.basis, self.basis_gram)
-        return _finite_own(gram)
+        """The own-coordinate gram from the basis sums (M_A^-1 gram_b M_A^-T; `finalize`), through the
+        storage (on the two factors when the basis Gram is held as its distinct entries)."""
+        return self.own_storage().expand()
 
-    def own_pairs(self) -> symgram.Pairs:
-        """The own-coordinate gram as its distinct entries, from a basis Gram held so (the congruence
-        by M_A^-1 on the two factors)."""
-        with np.errstate(over="ignore", invalid="ignore"):
-            own = self.basis_gram_held.congruence(*basis_mod.from_basis_factors(self.basis))
-        _finite_own(own.K)  # the Gram's entries are K's
-        return own
+    def own_storage(self) -> gram_storage.GramStorage:
+        """The own-coordinate gram in the form the basis Gram is held in (the congruence by M_A^-1)."""
+        return gram_storage.own_of(self.gram_storage, self.basis)
 
     def copy(self) -> Features:
         """A deep copy of the sums (metadata shared)."""
         arrays = {k: None if getattr(self, k) is None else np.array(getattr(self, k))
                   for k in (*self.SUMS, "basis", *self.BASIS_SUMS, "span_pairs", "span_last")
                   if k not in ("gram", "basis_gram")}
-        held = self.basis_gram_held
-        arrays["basis_gram"] = held.copy() if isinstance(held, symgram.Pairs) else \
-            None if held is None else np.array(held)  # held as its distinct entries: stays so
+        storage = self.gram_storage
+        arrays["basis_gram"] = None if storage is None else storage.copy()  # in the form it is held in
         raw = self._gram_raw
         arrays["gram"] = np.array(raw) if isinstance(raw, np.ndarray) else raw  # a lazy gram stays lazy
         return Features(d=self.d, n_samples=self.n_samples, n_tokens=self.n_tokens, token_dtype=self.token_dtype,
@@ -262,21 +265,12 @@ class Features(FeaturesAlgebra, FeaturesFile):
                    target_sum=np.zeros(d) if has_targets else None)
 
 
-def _finite_own(a: np.ndarray) -> np.ndarray:
-    """a, refused (InputError) when the own-coordinate sums derived from the basis overflowed float64."""
-    if not formats.all_finite(a):
-        raise InputError("the statistics of the data overflow float64 (tokens or targets too large); "
-                         "rescale the data")
-    return a
-
-
 def check_overflow(feats: Features, what: str, path: str | os.PathLike | None) -> None:
     """Refuse statistics that overflowed float64."""
     raw = feats._gram_raw  # a gram not derived or read yet is checked when it is
-    held = feats.basis_gram_held
-    arrays = [raw if isinstance(raw, np.ndarray) else None, feats.moments,
-              held.K if isinstance(held, symgram.Pairs) else held, feats.basis_moments, feats.target_gram]
-    if not all(a is None or formats.all_finite(a) for a in arrays):
+    storage = feats.gram_storage
+    arrays = [raw if isinstance(raw, np.ndarray) else None, feats.moments, feats.basis_moments, feats.target_gram]
+    if not all(a is None or formats.all_finite(a) for a in arrays) or not (storage is None or storage.all_finite()):
         raise InputError(f"the statistics of {what} overflow float64 (tokens, targets or weights too large; "
                          "weights carry no units: any common factor gives the same fit); "
                          "rescale the data", path)

@@ -20,14 +20,15 @@ import numpy as np
 
 from . import basis as basis_mod
 from ..io import formats
-from ..linalg import symgram
 from ..linalg.memory import check_load
 from ..errors import InputError
 from ..feature_map import n_features
 from ..numerics import ORTHONORMAL_TOL, SINGULAR_BASIS_COND, SYMMETRY_TOL
 from ..io.formats import read_normalize
 from ..samples import from_attrs
+from . import gram_storage
 from .affine_sums import read_affine
+from .gram_pairs import PAIRS_FORMAT
 
 # The sums on the tokens' own features (datasets of docs/formats_features.md), and those in the basis.
 SUMS = ("gram", "moments", "target_gram", "token_gram", "last_token_gram")
@@ -44,10 +45,9 @@ CANONICAL_FORMAT = 3
 # sum w and token_weight_sum = sum w n: Lambda~ and G carry no units of the weights).
 WEIGHTS_FORMAT = 5
 WEIGHT_ATTRS = ("weight_sum", "token_weight_sum")
-# mhla format version from which a features file may hold the canonical Gram as its distinct entries
-# only (`featurize --compact`: 'basis_gram_pairs', K of mhla_cli.linalg.symgram, and no 'gram' nor
-# 'basis_gram'; both are derived on load). Files of this version without it hold 'gram' and 'basis_gram'.
-PAIRS_FORMAT = 5
+# PAIRS_FORMAT (mhla_cli.statistics.gram_pairs): the format version from which a features file may hold the
+# canonical Gram as its distinct entries only (`featurize --compact`: 'basis_gram_pairs', K of
+# mhla_cli.linalg.symgram, and no 'gram' nor 'basis_gram'; both are derived on load).
 # The dataset of a compact features file (`Features.save(compact=True)`).
 PAIRS_DATASET = formats.PAIRS_DATASET
 
@@ -67,13 +67,12 @@ class FeaturesFile:
                 "moments": self.moments, "target_gram": self.target_gram,
                 "token_gram": self.token_gram, "last_token_gram": self.last_token_gram}
         data.update(basis=self.basis, **{k: getattr(self, k) for k in self.BASIS_SUMS if k != "basis_gram"})
-        held = self.basis_gram_held
-        pairs = isinstance(held, symgram.Pairs)
+        storage = self.gram_storage  # the basis Gram as its storage writes it (mhla_cli.statistics.gram_storage)
         if compact:
             data["basis_gram"] = None
-            data[PAIRS_DATASET] = held.K if pairs else symgram.pairs_from_gram(held, *self.factor_sizes())
+            data[PAIRS_DATASET] = None if storage is None else storage.pairs(*self.factor_sizes())
         else:
-            data["basis_gram"] = _rows_written(held.shape[0], lambda: held) if pairs else held
+            data["basis_gram"] = None if storage is None else storage.written()
         data.update(span_pairs=self.span_pairs, span_last=self.span_last)  # None (not written) unless reduced
         data["target_sum"] = self.target_sum  # None (not written) when unknown
         if self.affine is not None:  # the affine block (mhla_cli.statistics.affine_sums)
@@ -81,13 +80,12 @@ class FeaturesFile:
         return data
 
     def _own_gram_to_write(self) -> formats.Deferred:
-        """The own gram for the file, made when written: from a basis Gram held as its distinct entries,
-        their congruence to the own coordinates (`own_pairs`) written a block of rows at a time (never
-        held whole); else derived (or read, if stored) and not kept."""
-        if self._gram_raw is _DERIVED and isinstance(self.basis_gram_held, symgram.Pairs):
-            return _rows_written(self.n_features, self.own_pairs)
+        """The own gram for the file, made when written: derived from the basis Gram through its storage
+        (from distinct entries a block of rows at a time, never held whole), or read if stored; not kept."""
+        if self._gram_raw is _DERIVED:
+            return self.gram_storage.written(lambda g: gram_storage.own_of(g, self.basis))
         n = self.n_features
-        return formats.Deferred(lambda: self._derive_gram() if self._gram_raw is _DERIVED else self.gram, 8 * n * n)
+        return formats.Deferred(lambda: self.gram, 8 * n * n)
 
     def save(self, path: str | os.PathLike, inputs: tuple[str | os.PathLike, ...] = (),
              extra: dict[str, np.ndarray] | None = None, extra_attrs: dict[str, Any] | None = None,
@@ -250,9 +248,10 @@ def _load_basis(f: h5py.File, path: str | os.PathLike, d: int, has_targets: bool
     if not names:
         return {}
     version = int(f.attrs.get("mhla_format_version", 2))
-    if PAIRS_DATASET in f:
-        names.append(PAIRS_DATASET)
-    need = ["basis", PAIRS_DATASET if PAIRS_DATASET in f else "basis_gram"] + (["basis_moments"] if has_targets else [])
+    stored = _gram_storage_of(f, path)
+    if stored is not None and stored.dataset not in names:
+        names.append(stored.dataset)
+    need = ["basis", "basis_gram" if stored is None else stored.dataset] + (["basis_moments"] if has_targets else [])
     if version >= CANONICAL_FORMAT:
         need += ["basis_token_gram", "basis_last_token_gram"]
     missing = [k for k in need if k not in f]
@@ -264,14 +263,7 @@ def _load_basis(f: h5py.File, path: str | os.PathLike, d: int, has_targets: bool
         raise InputError(f"'basis' has shape {A.shape}, expected ({d}, {d})", path)
     if not np.isfinite(A).all() or basis_mod.row_scaled_cond(A) > SINGULAR_BASIS_COND:
         raise InputError("'basis' is singular; the file is corrupted", path)
-    if PAIRS_DATASET in f:
-        gb = _read_pairs(f, path, psi // d, d)
-    else:
-        gb = formats.read_matrix(f, "basis_gram", path)  # read in place: the one psi x psi array of a load
-        if gb.shape != (psi, psi):
-            raise InputError(f"'basis_gram' has shape {gb.shape}, expected ({psi}, {psi})", path)
-        if not _is_symmetric(gb):
-            raise InputError("'basis_gram' is not symmetric; the file is corrupted", path)
+    gb = stored.read(f, path, psi // d, d)  # validated by its storage
     mb = None
     if has_targets:
         mb = formats.read_array(f, "basis_moments", path).astype(np.float64)
@@ -279,8 +271,9 @@ def _load_basis(f: h5py.File, path: str | os.PathLike, d: int, has_targets: bool
             raise InputError(f"'basis_moments' has shape {mb.shape}, expected ({psi}, {d})", path)
     if version < CANONICAL_FORMAT:
         D = basis_mod.feature_scale(d)
-        gb *= D[:, None]
-        gb *= D[None, :]
+        g = gb.expand()  # held dense: a file of this version has no other form
+        g *= D[:, None]
+        g *= D[None, :]
         mb = None if mb is None else mb * D[:, None]
         btg, blg = A.T @ tg @ A, A.T @ lg @ A
     else:
@@ -296,21 +289,15 @@ def _load_basis(f: h5py.File, path: str | os.PathLike, d: int, has_targets: bool
 
 def _load_block(f: h5py.File, path: str | os.PathLike, d: int, has_targets: bool) -> dict[str, np.ndarray | None]:
     """The basis, the data's spans and the block sums of a file featurized on the spans (format >= 4)."""
-    compact = PAIRS_DATASET in f
+    stored = _gram_storage_of(f, path)
     need = ["basis", "span_pairs", "span_last", "basis_token_gram", "basis_last_token_gram"]
     need += ["basis_moments"] if has_targets else []
-    missing = [k for k in [*need, PAIRS_DATASET if compact else "basis_gram"] if k not in f]
+    missing = [k for k in [*need, "basis_gram" if stored is None else stored.dataset] if k not in f]
     if missing:
         raise InputError(f"holds the block on the data's spans but no {', '.join(missing)}; the file is "
                          "incomplete", path)
     q = d * (d + 1) // 2
     out: dict[str, np.ndarray | None] = {k: formats.read_array(f, k, path).astype(np.float64) for k in need}
-    if compact:
-        E, F = out["span_pairs"], out["span_last"]
-        if E.ndim == 2 and F.ndim == 2:
-            out["basis_gram"] = _read_pairs(f, path, E.shape[1], F.shape[1])
-    else:
-        out["basis_gram"] = formats.read_array(f, "basis_gram", path).astype(np.float64)
     out.setdefault("basis_moments", None)
     A, E, F = out["basis"], out["span_pairs"], out["span_last"]
     if A.shape != (d, d) or not np.isfinite(A).all() or basis_mod.row_scaled_cond(A) > SINGULAR_BASIS_COND:
@@ -320,11 +307,7 @@ def _load_block(f: h5py.File, path: str | os.PathLike, d: int, has_targets: bool
                 or np.abs(M.T @ M - np.eye(M.shape[1])).max() > ORTHONORMAL_TOL:
             raise InputError(f"'{name}' must have orthonormal columns of length {rows}, got shape {M.shape}", path)
     n = E.shape[1] * F.shape[1]
-    gb = out["basis_gram"]
-    if isinstance(gb, symgram.Pairs):
-        pass  # the distinct entries of a symmetric (n, n) block, validated by _read_pairs
-    elif gb.shape != (n, n) or not np.isfinite(gb).all() or not _is_symmetric(gb):
-        raise InputError(f"'basis_gram' must be a finite symmetric ({n}, {n}) block, got shape {gb.shape}", path)
+    out["basis_gram"] = stored.read(f, path, E.shape[1], F.shape[1], block=True)  # validated by its storage
     mb = out["basis_moments"]
     if mb is not None and mb.shape != (n, d):
         raise InputError(f"'basis_moments' has shape {mb.shape}, expected ({n}, {d})", path)
@@ -335,45 +318,14 @@ def _load_block(f: h5py.File, path: str | os.PathLike, d: int, has_targets: bool
     return out
 
 
-def _rows_written(n: int, pairs: Any) -> formats.Deferred:
-    """The (n, n) Gram of the distinct entries `pairs()` (a symgram.Pairs made when written), written a
-    block of rows at a time (`formats.Deferred`)."""
-    return formats.Deferred(lambda: pairs().rows(), 8 * n * n, shape=(n, n))
+def _gram_storage_of(f: h5py.File, path: str | os.PathLike) -> type[gram_storage.GramStorage] | None:
+    """The storage of the canonical Gram of a features file (by its dataset), None when it has none; a file
+    with two forms of it is refused."""
+    found = gram_storage.file_storages(f)
+    if len(found) > 1:
+        raise InputError(f"has both {' and '.join(sorted(repr(c.dataset) for c in found))}; the file is corrupted", path)
+    return found[0] if found else None
 
-
-def _read_pairs(f: h5py.File, path: str | os.PathLike, q: int, r: int) -> symgram.Pairs:
-    """The canonical Gram (q r, q r) of a compact file as its distinct entries (PAIRS_DATASET:
-    (q(q+1)/2, r(r+1)/2), mhla_cli.linalg.symgram; expanded when first read), validated: format
-    version, no 'basis_gram' beside it, shape, finite values."""
-    version = int(f.attrs.get("mhla_format_version", 2))
-    if version < PAIRS_FORMAT:
-        raise InputError(f"has '{PAIRS_DATASET}' but format version {version}: the compact form exists from "
-                         f"version {PAIRS_FORMAT} on; the file is corrupted", path)
-    if "basis_gram" in f:
-        raise InputError(f"has both 'basis_gram' and '{PAIRS_DATASET}'; the file is corrupted", path)
-    K = formats.read_matrix(f, PAIRS_DATASET, path)
-    if K.shape != symgram.pairs_shape(q, r):
-        raise InputError(f"'{PAIRS_DATASET}' has shape {K.shape}, expected {symgram.pairs_shape(q, r)} (the "
-                         f"distinct entries of a ({q * r}, {q * r}) Gram)", path)
-    if not formats.all_finite(K):
-        raise InputError(f"'{PAIRS_DATASET}' contains NaN or Inf; the file is corrupted", path)
-    return symgram.Pairs(K, q, r)
-
-
-def _is_symmetric(a: np.ndarray, tile: int = 512) -> bool:
-    """a == a.T up to SYMMETRY_TOL of its largest entry (checked tile by tile: no psi x psi temporaries)."""
-    if not a.size:
-        return True
-    n = a.shape[0]
-    top = diff = 0.0
-    for i0 in range(0, n, tile):
-        i1 = min(n, i0 + tile)
-        for j0 in range(i0, n, tile):
-            j1 = min(n, j0 + tile)
-            upper, lower = a[i0:i1, j0:j1], a[j0:j1, i0:i1]
-            top = max(top, float(np.abs(upper).max()), float(np.abs(lower).max()))
-            diff = max(diff, float(np.abs(upper - lower.T).max()))
-    return diff <= SYMMETRY_TOL * top
 
 class _Derived:
     """`Features.gram` to be derived from the basis sums when first used (`Features.finalize`)."""

@@ -30,7 +30,7 @@ from ..errors import InputError
 from ..feature_map import n_features
 from ..numerics import FOLD_SUM_TOL, OWN_FOLDS_COND, SINGULAR_BASIS_COND
 from . import basis as basis_mod
-from .features_file import _is_symmetric
+from .gram_dense import is_symmetric as _is_symmetric
 from .features import Features
 from .stream import check_attention_of, check_bias_terms_of, featurize
 from ..io.tokens import inspect_tokens

@@ -46,6 +46,7 @@ from ..io.tokens import TokensInfo, inspect_tokens, iter_chunks, read_as, requir
 from ..linalg import symgram
 from ..linalg.memory import check_floor
 from ..linalg.tiled_matrix import TiledMatrix
+from .gram_tiled import TiledGram
 from .features import Features
 from .shards import shard_samples, work_ranges
 from .ranges import default_chunk_size, accumulate_ranges
@@ -88,6 +89,12 @@ class TiledStatistics:
     sums: Features
     matrix: TiledMatrix
     pairs: int
+
+    @property
+    def gram(self) -> TiledGram:
+        """The tiles as a Gram storage (mhla_cli.statistics.gram_storage): the algebra and the factorization
+        over them, never gathered."""
+        return TiledGram(self.matrix)
 
     @property
     def d(self) -> int:

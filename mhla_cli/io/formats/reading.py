@@ -265,7 +265,7 @@ def all_finite(a: np.ndarray, block_bytes: int = 8 << 20) -> bool:
 
 def check_stored_symmetric(f: h5py.File, name: str, path: str | os.PathLike, tile: int = 1024) -> None:
     """A stored square dataset is finite and symmetric to SYMMETRY_TOL of its largest entry (the checks of
-    `read_array` and features_file._is_symmetric), read tile by tile: nothing of its size is held.
+    `read_array` and gram_dense.is_symmetric), read tile by tile: nothing of its size is held.
 
     Each tile is read once and passed over three times (its max and min, which are NaN or +-Inf exactly
     when it holds one, and the difference to its mirror tile), not six: at psi = 7200 (d = 24) the check

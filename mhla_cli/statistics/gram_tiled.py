@@ -1,0 +1,94 @@
+"""The canonical Gram as tiles on a Dask cluster (mhla_cli.linalg.tiled_matrix.TiledMatrix: the lower
+tiles are futures on the workers), a `GramStorage` (mhla_cli.statistics.gram_storage).
+
+Nothing here gathers the Gram into one process: sums and copies are tasks on the tiles, and the
+factorization runs over them (the identifiable path: mhla_cli.linalg.factorization.NoEigensolver).
+What would need the whole Gram in one process (`expand`, `pairs`, an HDF5 features file) or a change
+of basis that mixes the tiles (`congruence`: the tiles are accumulated in the canonical basis
+already, mhla_cli.statistics.tiled_gram) is refused with one line. The store of a tiled Gram is a
+Zarr store (mhla_cli.statistics.zarr_store), not an HDF5 dataset.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Callable
+from typing import Any, NoReturn
+
+import numpy as np
+
+from ..errors import InputError
+from ..io import formats
+from ..linalg.factorization import Factorization
+from ..linalg.tiled_matrix import TiledMatrix
+from .gram_storage import GramStorage, register
+
+__all__ = ["TiledGram"]
+
+
+@register
+class TiledGram(GramStorage):
+    """The Gram as the lower tiles of a TiledMatrix (`held`); tiles are never changed in place."""
+
+    dataset = None  # written as a Zarr store (zarr_store.save), not to a features file
+
+    @classmethod
+    def holds(cls, obj: Any) -> bool:
+        return isinstance(obj, TiledMatrix)
+
+    def _map(self, kind: str, fn: Callable[..., Any], *others: TiledGram) -> TiledGram:
+        """A TiledMatrix of fn(tile, other tiles...) per tile, as tasks on the cluster."""
+        m = self.held
+        for o in others:
+            if o.held.sizes != m.sizes:
+                raise InputError(f"cannot add Grams tiled differently (tile sides {m.sizes[:1]} and "
+                                 f"{o.held.sizes[:1]}, {m.nb} and {o.held.nb} tiles)")
+        tiles = {ij: m.client.submit(fn, t, *(o.held.tiles[ij] for o in others),
+                                     key=f"mhla-{kind}-{uuid.uuid4().hex}", pure=False)
+                 for ij, t in m.tiles.items()}
+        out = TiledMatrix(m.client, tiles, m.sizes)
+        out.tasks[kind] = len(tiles)
+        return TiledGram(out)
+
+    def all_finite(self) -> bool:
+        m = self.held
+        # one flag per tile comes back, not the tile
+        return all(m.client.gather([m.client.submit(formats.all_finite, t, key=f"mhla-finite-{uuid.uuid4().hex}",
+                                                    pure=False) for t in m.tiles.values()]))
+
+    def copy(self) -> TiledGram:
+        return TiledGram(TiledMatrix(self.held.client, self.held.tiles, self.held.sizes))  # tiles are immutable
+
+    def zeros_like(self) -> TiledGram:
+        return self._map("zeros", np.zeros_like)
+
+    def add(self, other: GramStorage) -> TiledGram:
+        if not isinstance(other, TiledGram):
+            raise InputError("cannot add a Gram held in one process to one tiled on a cluster: accumulate both "
+                             "on the cluster (--scheduler)")
+        return self._map("add", np.add, other)
+
+    def congruence(self, P: np.ndarray, R: np.ndarray, overwrite: bool = False) -> NoReturn:
+        raise InputError("a change of basis of a Gram tiled on a cluster is not supported: its tiles are "
+                         "accumulated in the canonical basis of the data")
+
+    def expand(self) -> NoReturn:
+        _refuse_gather("the Gram as one array")
+
+    def pairs(self, q: int, r: int) -> NoReturn:
+        _refuse_gather("the Gram's distinct entries")
+
+    def factorization(self, scale: float = 1.0, n_full: int | None = None, device: str | None = None
+                      ) -> Factorization:
+        if device not in (None, "cpu"):
+            raise InputError(f"--device {device}: a Gram tiled on a cluster is factorized on the workers")
+        return Factorization(None, n_full, scale, matrix=self.held)
+
+    def written(self, transform: Callable[[GramStorage], GramStorage] | None = None) -> NoReturn:
+        raise InputError("a Gram tiled on a cluster is written as a Zarr store (featurize --scheduler ... "
+                         "-o FEATS.zarr), not to an HDF5 features file")
+
+
+def _refuse_gather(what: str) -> NoReturn:
+    raise InputError(f"{what} would be gathered into one process from the tiles on the cluster; the cluster "
+                     "path never does (certify and fit run over the tiles)")
