@@ -31,8 +31,13 @@ N_GRID = 30
 GRID_LO = 1e-8
 GRID_HI = 1e1
 # Held-out MSEs at or below this times the mean target energy per output are rounding (an exact fit):
-# they count as equal (lowrank.cv's floor).
+# they count as equal (`cv_floor`; also the floor of lowrank.cv's choices).
 CV_FLOOR = 1e-14
+
+
+def cv_floor(total: Features) -> float:
+    """The held-out MSE indistinguishable from 0: CV_FLOOR times the mean target energy per output."""
+    return CV_FLOOR * float(np.trace(total.target_gram)) / (total.weight * total.n_outputs)
 
 
 def ridge_grid(lambda_max: float, n_grid: int = N_GRID, lo: float = GRID_LO, hi: float = GRID_HI) -> np.ndarray:
@@ -87,7 +92,7 @@ def cv_ridge(total: Features, folds: list[Features], n_grid: int = N_GRID) -> di
         errs[:, k] = fold_path(total - fold, fold, grid) / (fold.weight * total.n_outputs)  # weighted means
     mean = errs.mean(axis=1)
     se = errs.std(axis=1, ddof=1) / np.sqrt(len(folds))
-    floor = CV_FLOOR * float(np.trace(total.target_gram)) / (total.weight * total.n_outputs)
+    floor = cv_floor(total)
     best = int(np.argmin(np.maximum(mean, floor)))  # the first (smallest ridge) of equals
     return {"chosen": float(grid[best]), "rule": "minimum", "lambda_max": float(lmax),
             "least_squares_cv_mse": float(mean[0]), "cv_mse": float(mean[best]), "n_folds": len(folds),

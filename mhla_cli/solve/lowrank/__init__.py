@@ -27,7 +27,7 @@ from ._numerics import EPS, _serial_blas
 from ._params import _balance, _heads_from_svd, _jacobians, _p_of, _pack, _to_heads, _unpack
 from ._solver import convergence_warning, hit_limit, solver_info, solver_warnings
 from .affine import _check_coef, _p_index, min_nuclear_W, nuclear_norm, p_adjoint, project_affine, svt
-from .cv import _cv_floor, _cv_table, _minus, _pick, cv_heads, cv_nuclear
+from .cv import _cv_table, _minus, _pick, cv_heads, cv_nuclear
 from .factorised import _als_lm, _factorised_objective, _solve_psd, fit_factorised
 from .fewest import (_START_SCALES, _Metric, _random_start, _rel_err, fewest_heads, fewest_message, generic_rank,
                      head_lower_bound, polish_heads)
@@ -38,7 +38,7 @@ from .result import LowRankFit
 
 __all__ = [
     "EPS", "Features", "Heads", "InputError", "LowRankFit", "Model", "W_from_p", "_Metric", "_START_SCALES",
-    "_als_lm", "_balance", "_check_coef", "_cv_floor", "_cv_table", "_damped_solve", "_factorised_objective",
+    "_als_lm", "_balance", "_check_coef", "_cv_table", "_damped_solve", "_factorised_objective",
     "_heads_from_svd", "_jacobians", "_lipschitz", "_minus", "_need_targets", "_normal_parts", "_p_index",
     "_p_of", "_pack", "_pick", "_random_start", "_rel_err", "_serial_blas", "_solve_psd", "_structure",
     "_to_heads", "_unpack", "convergence_warning", "cv_heads", "cv_nuclear", "fewest_heads",

@@ -8,6 +8,7 @@ import numpy as np
 
 from ...errors import InputError
 from ...statistics.stream import Features
+from ..ridge_cv import cv_floor
 from ._numerics import _serial_blas
 from .factorised import fit_factorised
 from .losses import mse
@@ -24,11 +25,6 @@ def _pick(scores: list[tuple[float, float, float]], prefer_last: bool, floor: fl
     bound = means[best] + scores[best][2]
     ok = [i for i, m in enumerate(means) if m <= bound]
     return max(ok) if prefer_last else min(ok)
-
-
-def _cv_floor(total: Features) -> float:
-    """Validation MSE indistinguishable from 0: 1e-14 of the mean target energy per output."""
-    return 1e-14 * float(np.trace(total.target_gram)) / (total.weight * total.n_outputs)
 
 
 def _cv_table(params: list[float], errs: np.ndarray) -> list[tuple[float, float, float]]:
@@ -64,7 +60,7 @@ def cv_heads(total: Features, folds: list[Features], candidates: list[int] | Non
             errs.append(mse(fold, res.coef))
         rows.append(np.array(errs))
         used.append(H)
-        m = max(float(np.mean(errs)), _cv_floor(total))
+        m = max(float(np.mean(errs)), cv_floor(total))
         if m < best * (1 - 1e-9):
             best, worse = m, 0
         else:
@@ -72,7 +68,7 @@ def cv_heads(total: Features, folds: list[Features], candidates: list[int] | Non
             if worse >= 2:
                 break
     table = _cv_table(used, np.array(rows))
-    i = _pick(table, prefer_last=False, floor=_cv_floor(total))
+    i = _pick(table, prefer_last=False, floor=cv_floor(total))
     return {"chosen": int(used[i]), "table": [{"heads": int(p), "cv_mse": m, "se": s} for p, m, s in table],
             "fits": len(used) * len(folds), "unconverged_fits": int(unconverged)}
 
@@ -99,7 +95,7 @@ def cv_nuclear(total: Features, folds: list[Features], n_grid: int = 10, decades
             W0 = res.W
             errs[i, k] = mse(fold, res.coef)
     table = _cv_table(grid, errs)
-    i = _pick(table, prefer_last=True, floor=_cv_floor(total))
+    i = _pick(table, prefer_last=True, floor=cv_floor(total))
     return {"chosen": float(grid[i]), "lambda_max": lmax,
             "table": [{"lambda": p, "cv_mse": m, "se": s} for p, m, s in table],
             "fits": len(grid) * len(folds), "unconverged_fits": int(unconverged)}
