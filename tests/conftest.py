@@ -32,6 +32,36 @@ def assert_same_stats(a: Features, b: Features, tol: float = 1e-12) -> None:
     assert np.abs(wa - wb).max() <= 1e3 * tol * np.abs(wb).max()
 
 
+@pytest.fixture(scope="module")
+def local():
+    """(LocalCluster, Client): two single-threaded in-process Dask workers for a test module; skipped
+    without dask.distributed."""
+    distributed = pytest.importorskip("dask.distributed")
+    cluster = distributed.LocalCluster(n_workers=2, threads_per_worker=1, processes=False, dashboard_address=None)
+    client = distributed.Client(cluster)
+    yield cluster, client
+    client.close()
+    cluster.close()
+
+
+@pytest.fixture(scope="module")
+def client(local):
+    """The Client of `local`."""
+    return local[1]
+
+
+def gather_tiles(m) -> np.ndarray:
+    """The lower tiles of a linalg.tiled_matrix.TiledMatrix gathered into the dense symmetric matrix (what
+    the cluster path never does; tests only)."""
+    G = np.zeros((m.n, m.n))
+    o = m.offsets
+    for (i, j), f in m.tiles.items():
+        t = f.result()
+        G[o[i]:o[i + 1], o[j]:o[j + 1]] = t
+        G[o[j]:o[j + 1], o[i]:o[i + 1]] = t.T
+    return G
+
+
 def load_example(path: Path, name: str) -> ModuleType:
     """Import an example script (examples/*.py) as module `name`."""
     spec = importlib.util.spec_from_file_location(name, path)

@@ -29,15 +29,6 @@ from mhla_cli.statistics.stream import featurize
 distributed = pytest.importorskip("dask.distributed")
 
 
-@pytest.fixture(scope="module")
-def local():
-    cluster_ = distributed.LocalCluster(n_workers=2, threads_per_worker=1, processes=False, dashboard_address=None)
-    client = distributed.Client(cluster_)
-    yield cluster_, client
-    client.close()
-    cluster_.close()
-
-
 def teacher(tmp_path: Path, d: int, n: int, seed: int = 0, name: str = "data.h5", **kw) -> Path:
     ds, _ = synthetic.generate_teacher(d, 2, n, "3:8", seed=seed, **kw)
     path = tmp_path / name

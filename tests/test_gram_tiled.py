@@ -15,19 +15,11 @@ from mhla_cli.errors import InputError
 from mhla_cli.linalg.tiled_matrix import TiledMatrix, tile_offsets
 from mhla_cli.statistics import gram_storage
 from mhla_cli.statistics.gram_tiled import TiledGram
+from conftest import gather_tiles
 
 distributed = pytest.importorskip("dask.distributed")
 
 SIZES = [6, 6, 6]  # d = 3: q = 6 pairs, psi = 18, 2 pairs a tile
-
-
-@pytest.fixture(scope="module")
-def client():
-    cluster = distributed.LocalCluster(n_workers=2, threads_per_worker=1, processes=False, dashboard_address=None)
-    c = distributed.Client(cluster)
-    yield c
-    c.close()
-    cluster.close()
 
 
 def gram(seed: int) -> np.ndarray:
@@ -50,14 +42,7 @@ def tiled(client, G: np.ndarray) -> TiledGram:
 
 def gathered(s: TiledGram) -> np.ndarray:
     """The tiles gathered (the test's only gather)."""
-    m = s.held
-    G = np.zeros((m.n, m.n))
-    o = m.offsets
-    for (i, j), f in m.tiles.items():
-        t = f.result()
-        G[o[i]:o[i + 1], o[j]:o[j + 1]] = t
-        G[o[j]:o[j + 1], o[i]:o[i + 1]] = t.T
-    return G
+    return gather_tiles(s.held)
 
 
 def test_sum_copy_and_zeros_run_on_the_tiles(client) -> None:

@@ -15,29 +15,14 @@ from mhla_cli.io.tokens import inspect_tokens
 from mhla_cli.model import synthetic
 from mhla_cli.statistics import tiled_gram
 from mhla_cli.statistics.stream import featurize
+from conftest import gather_tiles
 
 distributed = pytest.importorskip("dask.distributed")
 
 
-@pytest.fixture(scope="module")
-def client():
-    cluster = distributed.LocalCluster(n_workers=2, threads_per_worker=1, processes=False, dashboard_address=None)
-    c = distributed.Client(cluster)
-    yield c
-    c.close()
-    cluster.close()
-
-
 def dense(stats: tiled_gram.TiledStatistics) -> np.ndarray:
-    """The tiles gathered into the dense canonical Gram (what the cluster path never does; tests only)."""
-    m = stats.matrix
-    G = np.zeros((m.n, m.n))
-    o = m.offsets
-    for (i, j), f in m.tiles.items():
-        t = f.result()
-        G[o[i]:o[i + 1], o[j]:o[j + 1]] = t
-        G[o[j]:o[j + 1], o[i]:o[i + 1]] = t.T
-    return G
+    """The tiles gathered into the dense canonical Gram."""
+    return gather_tiles(stats.matrix)
 
 
 # kind: (per-position layout's attention or None, normalize, weights, bias terms)

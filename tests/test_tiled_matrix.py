@@ -15,15 +15,6 @@ from mhla_cli.linalg.tiled_matrix import TiledMatrix, cholesky_task_count, libra
 distributed = pytest.importorskip("dask.distributed")
 
 
-@pytest.fixture(scope="module")
-def client():
-    cluster = distributed.LocalCluster(n_workers=2, threads_per_worker=1, processes=False, dashboard_address=None)
-    c = distributed.Client(cluster)
-    yield c
-    c.close()
-    cluster.close()
-
-
 def spd(n: int, seed: int = 0, floor: float = 0.0) -> np.ndarray:
     """A symmetric positive semidefinite matrix with a spread spectrum (eigenvalues from `floor` up)."""
     rng = np.random.default_rng(seed)

@@ -20,15 +20,6 @@ distributed = pytest.importorskip("dask.distributed")
 zarr = pytest.importorskip("zarr")
 
 
-@pytest.fixture(scope="module")
-def local():
-    cl = distributed.LocalCluster(n_workers=2, threads_per_worker=1, processes=False, dashboard_address=None)
-    client = distributed.Client(cl)
-    yield cl, client
-    client.close()
-    cl.close()
-
-
 @pytest.fixture
 def data(tmp_path: Path) -> Path:
     ds, _ = synthetic.generate_teacher(4, 2, 150, "2:7", seed=11)
