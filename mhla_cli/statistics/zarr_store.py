@@ -173,24 +173,30 @@ def _read_tile(url: str, i: int, j: int, side: int) -> np.ndarray:
     return tile
 
 
+def _create(zarr: Any, tmp: str, feats: Features, inputs: tuple[Any, ...], side: int) -> Any:
+    """A new store at `tmp`: the header and the record's attributes, its small sums, and the empty psi x psi
+    array of tiles of `side` features (returned), which the caller fills."""
+    g = zarr.open_group(store=tmp, mode="w")
+    attrs = {**formats.header("features", inputs), **feats.file_attrs(), "gram_storage": "tiles",
+             "tile_features": side}
+    g.attrs.update({k: _json(v) for k, v in attrs.items() if v is not None})
+    for name in SMALL:
+        a = getattr(feats, name)
+        if a is not None:
+            g.create_array(name, shape=a.shape, dtype="f8", chunks=a.shape or None)[...] = a
+    psi = feats.n_features
+    return g.create_array(TILES, shape=(psi, psi), chunks=(side, side), dtype="f8", fill_value=0.0)
+
+
 def save(stats: TiledStatistics, out: Any, inputs: tuple[Any, ...] = ()) -> str:
     """Write tiled statistics as a Zarr store (module docstring): the small sums by this process, each
     lower tile by the worker that holds it; under a temporary name, renamed when complete."""
     zarr = require_zarr()
     url = _url(out)
     tmp = _temporary(url)
-    feats = stats.sums
-    psi, side = feats.n_features, stats.tile
+    feats, side = stats.sums, stats.tile
     try:
-        g = zarr.open_group(store=tmp, mode="w")
-        attrs = {**formats.header("features", inputs), **feats.file_attrs(), "gram_storage": "tiles",
-                 "tile_features": side}
-        g.attrs.update({k: _json(v) for k, v in attrs.items() if v is not None})
-        for name in SMALL:
-            a = getattr(feats, name)
-            if a is not None:
-                g.create_array(name, shape=a.shape, dtype="f8", chunks=a.shape or None)[...] = a
-        g.create_array(TILES, shape=(psi, psi), chunks=(side, side), dtype="f8", fill_value=0.0)
+        _create(zarr, tmp, feats, tuple(inputs), side)
         client = stats.matrix.client
         client.gather([client.submit(_write_tile, tmp, i, j, side, f, pure=False)
                        for (i, j), f in stats.matrix.tiles.items()])
@@ -398,15 +404,7 @@ def sum_stores(paths: list[Any], out: Any, extra_attrs: dict[str, Any], source: 
     target = _url(out)
     tmp = _temporary(target)
     try:
-        g = zarr.open_group(store=tmp, mode="w")
-        attrs = {**formats.header("features", tuple(paths)), **total.file_attrs(), "gram_storage": "tiles",
-                 "tile_features": side}
-        g.attrs.update({k: _json(v) for k, v in attrs.items() if v is not None})
-        for name in SMALL:
-            a = getattr(total, name)
-            if a is not None:
-                g.create_array(name, shape=a.shape, dtype="f8", chunks=a.shape or None)[...] = a
-        dst = g.create_array(TILES, shape=(psi, psi), chunks=(side, side), dtype="f8", fill_value=0.0)
+        dst = _create(zarr, tmp, total, tuple(paths), side)
         srcs = [_tiles_array(pg, psi, side, u) for u, pg, _, _ in parts]
         for i0 in range(0, psi, side):
             for j0 in range(0, i0 + 1, side):
