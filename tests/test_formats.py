@@ -14,10 +14,11 @@ import pytest
 from mhla_cli.io import formats
 from mhla_cli.model import synthetic
 from mhla_cli._version import __version__
-from mhla_cli.errors import InputError
+from mhla_cli.errors import InputError, UnverifiedFileWarning
 from mhla_cli.model.heads import Heads
 from mhla_cli.model.model import Model
 
+from conftest import unseal
 
 def _write(path: Path, attrs: dict | None = None, **data: np.ndarray) -> Path:
     with h5py.File(path, "w") as f:
@@ -89,7 +90,12 @@ def test_newer_format_version_is_refused(tmp_path: Path) -> None:
             read(newer)
     same = _write(tmp_path / "same.h5", {"mhla_kind": "model", "mhla_format_version": formats.FORMAT_VERSION},
                   coef=coef)
-    assert formats.kind_of(same) == "model"
+    with pytest.raises(InputError, match="corrupted: it has no manifest"):  # this format's files carry one
+        formats.kind_of(same)
+    prev = _write(tmp_path / "prev.h5", {"mhla_kind": "model", "mhla_format_version": formats.MANIFEST_FORMAT - 1},
+                  coef=coef)
+    with pytest.warns(UnverifiedFileWarning, match="no manifest"):
+        assert formats.kind_of(prev) == "model"
     older = _write(tmp_path / "old.h5", {"mhla_kind": "model", "mhla_format_version": 1}, coef=coef)
     assert Model.load(older).d == 2
 
@@ -271,6 +277,7 @@ def test_messages_keep_the_directory_and_show_no_numpy_reprs(tmp_path: Path, cap
     ds.save(tmp_path / "t.h5", dtype="float64")
     assert run(["featurize", str(tmp_path / "t.h5"), "-o", str(feats), "-q"]) == 0
     with h5py.File(feats, "a") as f:
+        unseal(f)  # an edited file of format 6 is refused as corrupted first (tests/test_corruption.py)
         f.attrs["weight_sum"] = np.array([np.float32(1.0), np.float32(2.0)])
     capsys.readouterr()
     assert run(["certify", str(feats)]) == 2
