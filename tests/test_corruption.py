@@ -219,7 +219,7 @@ def _mutate_store_attrs(store: Path, what: str, key: str) -> None:
         del attrs[key]
     else:
         v = _edited(attrs[key])
-        attrs[key] = v.tolist() if isinstance(v, np.ndarray) else v
+        attrs[key] = v.tolist() if hasattr(v, "tolist") else v
     (store / "zarr.json").write_text(json.dumps(meta))
 
 

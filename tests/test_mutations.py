@@ -139,6 +139,19 @@ STRUCTURAL = [
     Structural("the observed domain's map off by 2", "mhla_cli.solve.domains", "Observed._factorize",
                lambda n: _calls(n, "orth_pair_map"), lambda n: _times(2.0, n),
                tests=("tests/test_certificate.py", "-k", "domain_object")),
+    # the manifest (mhla_cli.io.formats.manifest): each comparison removed, a damaged file must be refused anyway
+    Structural("an HDF5 dataset read without its checksum", "mhla_cli.io.formats.reading", "_check_data",
+               lambda n: isinstance(n, ast.Expr) and _calls(n.value, "check_array"), lambda n: None,
+               tests=("tests/test_corruption.py", "-k", "damaged_file and edit")),
+    Structural("a header read without its checksum", "mhla_cli.io.formats.manifest", "load",
+               lambda n: isinstance(n, ast.If) and isinstance(n.test, ast.Compare) and _calls(n.test.left, "attrs_digest"),
+               lambda n: None, tests=("tests/test_corruption.py", "-k", "edit-attr")),
+    Structural("a store's tile read without its checksum", "mhla_cli.io.formats.manifest", "check_tile",
+               lambda n: isinstance(n, ast.If), lambda n: None, tests=("tests/test_corruption.py", "-k", "chunk")),
+    Structural("a deleted manifest taken for an old file", "mhla_cli.io.formats.manifest", "load",
+               lambda n: isinstance(n, ast.If) and isinstance(n.test, ast.BoolOp)
+               and any(_is_name(getattr(v, "comparators", [None])[0], "MANIFEST_FORMAT") for v in n.test.values),
+               lambda n: None, tests=("tests/test_corruption.py", "-k", "merge_check_every_tile")),
 ]
 
 # Every check of export-heads, spectrum and compare evaluated in the tokens' own coordinates (or on the
