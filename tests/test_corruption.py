@@ -301,6 +301,13 @@ def test_a_store_and_a_merge_check_every_tile(local, files: dict[str, Path], tmp
     assert run(["merge", *map(str, parts), "-o", str(tmp_path / "m2.zarr")]) == 2
     err = capsys.readouterr().err
     assert "p1.zarr: the store is corrupted: tile (1, 0)" in err and not (tmp_path / "m2.zarr").exists()
+    shutil.copytree(whole, tmp_path / "w2.zarr")
+    (tmp_path / "w2.zarr" / "basis_gram_lower" / "c" / "1" / "1").unlink()
+    for args in (["fit", str(tmp_path / "w2.zarr"), "--scheduler", local[0].scheduler_address, "-o",
+                  str(tmp_path / "m.h5")], ["inspect", str(tmp_path / "w2.zarr")]):
+        assert run(args) == 2, args
+        assert "the store is corrupted: tile (1, 1)" in capsys.readouterr().err, args
+    assert not (tmp_path / "m.h5").exists()
     meta = json.loads((whole / "zarr.json").read_text())
     del meta["attributes"]["mhla_manifest"]
     (whole / "zarr.json").write_text(json.dumps(meta))
