@@ -247,7 +247,8 @@ def test_a_damaged_chunk_of_a_store_is_refused(local, store: Path, what: str, tm
     chunks = _zarr_pieces(store)
     assert len([c for c in chunks if "basis_gram_lower" in c.parts]) == 3  # 2 x 2 tiles, the lower three
     wrong = []
-    for k, chunk in enumerate(chunks):
+    meta = sorted(p for p in store.glob("*/zarr.json")) if what == "delete" else []  # an array's metadata
+    for k, chunk in enumerate(chunks + meta):
         bad = tmp_path / f"b{k}.zarr"
         shutil.copytree(store, bad)
         _mutate_chunk(bad / chunk.relative_to(store), what, [bad / c.relative_to(store) for c in chunks])
