@@ -6,8 +6,9 @@ corrupted: <what>", never numbers read as if mhla had written them.
 The checksum of an array is the SHA-256 of its shape and its bytes in C order, as float64 for floating-point data
 and int64 for integers and booleans (so it is the same whether a dataset is read in its stored type or as
 float64); rows may be fed in blocks (`Hasher`). The header's is the SHA-256 of the canonical JSON of every root
-attribute but the manifest. Files of a format before MANIFEST_FORMAT have none: they are read with an
-`UnverifiedFileWarning`; a file that claims MANIFEST_FORMAT or later and has none is refused.
+attribute but the manifest. Files mhla wrote in a format before MANIFEST_FORMAT have none: they are read with an
+`UnverifiedFileWarning`; a file that claims MANIFEST_FORMAT or later and has none is refused; a file the user made
+(no `mhla_format_version`, e.g. a heads file of V and Q) has none and needs none.
 """
 
 from __future__ import annotations
@@ -122,6 +123,8 @@ def load(attrs: Mapping[str, Any], kind: str | None, path: str | os.PathLike | N
             version = None if version is None else int(np.asarray(version).reshape(()))
         except (TypeError, ValueError):
             version = None
+        if version is None and not store:  # a file the user made (no mhla attributes): nothing to check it against
+            return None
         if version is not None and version >= MANIFEST_FORMAT:
             raise corrupted(f"it has no manifest ('{MANIFEST_ATTR}'), which every file of format version "
                             f"{MANIFEST_FORMAT} or later has", path, store)
