@@ -22,7 +22,7 @@ from ..api.learn import (RequestError, check_export_options, check_fit_file, che
 from ..solve.lowrank import convergence_warning, fewest_message, hit_limit
 from ..model.model import Model, load_function
 from ..solve.spectrum import UnreliableHeadCount, plot_spectrum, pyplot, spectrum, text_histogram
-from ..statistics.stream import Features
+from ..statistics.stream import Features, data_kind
 from ..io.tokens import inspect_tokens
 from .console import emit_json, fmt, load_with_progress, progress_bar, say, say_samples, warn, working
 from .options import (AffineFromOpt, AttentionOpt, BiasTermsOpt, ChunkOpt, DeviceOpt, about, JsonOpt, NormalizeOpt,
@@ -195,7 +195,7 @@ def _load_for_fit(data: Path, folds: bool, chunk_size: int | None, quiet: bool, 
         return feats, None, load_seconds
     t0 = time.perf_counter()
     with progress_bar("featurize", inspect_tokens(data).n_samples
-                      if formats.kind_of(data) == "tokens" else 0, quiet) as advance:
+                      if data_kind(data) == "tokens" else 0, quiet) as advance:
         feats, fold_feats = load_for_cv(data, chunk_size=chunk_size, progress=advance, attention=attention,
                                         bias_terms=bias_terms)
         feats.expand_held()

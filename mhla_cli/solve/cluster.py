@@ -206,9 +206,10 @@ def _fit(stats: TiledStatistics, ridge: float, path: Any) -> Model:
 
 def _train_mse(stats: TiledStatistics, pb: np.ndarray) -> tuple[float, float]:
     """solve.lstsq.train_mse on the tiles: sum w ||p H - y||^2 = tr(p_b G p_b^T) - 2 tr(p_b M) + tr(Y),
-    G p_b^T one distributed product."""
+    G p_b^T one distributed product; per output of the targets' own width (the bias terms' padded target 0
+    is no output: the mean is over n_outputs = d - 1 of them), as one machine's."""
     feats = stats.sums
-    N, d = feats.weight or 1.0, feats.d
+    N, d = (feats.weight if feats.weight > 0 else 1.0), feats.n_outputs
     quad = float(np.sum(stats.matrix.matmat(np.ascontiguousarray(pb.T)) * pb.T))
     sse = quad - 2 * float(np.einsum("ij,ji->", pb, feats.basis_moments)) + float(np.trace(feats.target_gram))
     scale = float(np.trace(feats.target_gram)) + quad
