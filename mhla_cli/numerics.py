@@ -167,6 +167,23 @@ def numerical_tolerance(lambda_max: float, n: int) -> float:
     return RANK_FACTOR * n * EPS * max(lambda_max, 0.0)
 
 
+def lambda_min_of_verdict(estimate: float, threshold: float, proven_above: bool) -> tuple[float, str | None]:
+    """(lambda_min as reported beside a verdict, the bound it is): the estimate (dense eigenvalues or Lanczos)
+    where it agrees with the verdict, else the threshold t with the bound the verdict proves.
+
+    The verdict is proven (a Cholesky of Lambda~ - t I, or a count: N < psi, exact nulls); the estimate is
+    not. A passing verdict proves every eigenvalue > t: an estimate at or below t is reported as t, a lower
+    bound ("above"). A failing one proves an eigenvalue at or below t: an estimate above t (Lanczos or
+    rounding near t) is reported as t, an upper bound ("at_most"). None: the estimate agrees and stands.
+    """
+    estimate, threshold = float(estimate), float(threshold)
+    if proven_above and not estimate > threshold:
+        return threshold, "above"
+    if not proven_above and estimate > threshold:
+        return threshold, "at_most"
+    return estimate, None
+
+
 def observed_span_tol(d: int, count: int, eps_in: float) -> float:
     """The relative eigenvalue cut of the observed spans: OBSERVED_SPAN_FACTOR * d * EPS * sqrt(count),
     at least d * eps_in^2 (see OBSERVED_SPAN_FACTOR)."""

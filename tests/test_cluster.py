@@ -20,6 +20,7 @@ from mhla_cli import fit as api_fit
 from mhla_cli.cli import run
 from mhla_cli.model import synthetic
 from mhla_cli.model.model import Model
+from mhla_cli.numerics import numerical_tolerance
 from mhla_cli.solve import cluster
 from mhla_cli.solve.certificate import certify
 from mhla_cli.solve.lstsq import fit as fit_one
@@ -230,6 +231,37 @@ def test_not_identifiable_exits_1_on_both_paths(local, tmp_path: Path, capsys: p
     out = json_of(capsys)
     assert not out["identifiable"] and out["proof"] == "N < psi samples"
     assert any("N = 30 samples < 40 features" in r for r in out["reasons"])
+
+
+def test_lambda_min_on_the_cluster_never_contradicts_the_verdict(local, tmp_path: Path,
+                                                                capsys: pytest.CaptureFixture[str],
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """The Lanczos estimate of lambda_min beside the Cholesky's verdict: with --min-eig swept across it, and with an
+    estimate above the threshold of failing data (issue 43: 3.68e-13 above 3.24e-13 beside "NOT identifiable"),
+    the reported lambda_min is never above the threshold when the verdict fails, never below it when it passes."""
+    cl, client = local
+    stats = tiled_gram.accumulate(teacher(tmp_path, 3, 120, seed=5), client, tile_features=9)
+    try:
+        lmin = certify(stats).lambda_min
+        for k in range(-4, 5):
+            c = certify(stats, min_eig=lmin * (1 + k * 1e-9))
+            assert (c.lambda_min >= c.threshold) if c.identifiable else (c.lambda_min <= c.threshold), (k, c)
+    finally:
+        stats.release()
+    path = singular(tmp_path)
+    from mhla_cli.linalg.factorization import Factorization
+
+    monkeypatch.setattr(Factorization, "lambda_min", lambda self: 1.13 * numerical_tolerance(self.lambda_max(),
+                                                                                             self.n_full))
+    assert run(["certify", str(path), "--scheduler", cl.scheduler_address, "--json"]) == 1
+    out = json_of(capsys)
+    assert not out["identifiable"] and out["lambda_min"] == out["threshold"] and out["margin"] <= 0
+    assert out["lambda_min_bound"] == "at_most" and out["lambda_min_estimate"] > out["threshold"]
+    assert run(["fit", str(path), "--scheduler", cl.scheduler_address, "-o", str(tmp_path / "m.h5"), "--ridge",
+                "1e-3", "--json", "-q"]) == 0
+    info = json_of(capsys)
+    assert not info["identifiable"] and info["lambda_min_bound"] == "at_most"
+    assert info["lambda_min"] == numerical_tolerance(info["lambda_max"], info["n_features"])
 
 
 def test_singular_fit_is_refused_naming_ridge_and_ridge_fits(local, tmp_path: Path,

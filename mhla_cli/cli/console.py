@@ -157,6 +157,10 @@ def say_samples(feats: Features, data: Path, attention: str | None, quiet: bool)
              "(every position with the whole window's S)")
 
 
+# How lambda_min is written where its estimate contradicted the proven verdict (numerics.lambda_min_of_verdict).
+BOUND_SIGNS = {"at_most": "<=", "above": ">"}
+
+
 def load_with_progress(path: Path, chunk_size: int | None, quiet: bool,
                        normalize: str | None = None, device: str | None = None, attention: str | None = None,
                        bias_terms: bool = False, affine_from: Path | None = None

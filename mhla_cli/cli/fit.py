@@ -24,7 +24,7 @@ from ..model.model import Model, load_function
 from ..solve.spectrum import UnreliableHeadCount, plot_spectrum, pyplot, spectrum, text_histogram
 from ..statistics.stream import Features, data_kind
 from ..io.tokens import inspect_tokens
-from .console import emit_json, fmt, load_with_progress, progress_bar, say, say_samples, warn, working
+from .console import BOUND_SIGNS, emit_json, fmt, load_with_progress, progress_bar, say, say_samples, warn, working
 from .options import (AffineFromOpt, AttentionOpt, BiasTermsOpt, ChunkOpt, DeviceOpt, about, JsonOpt, NormalizeOpt,
                       OutOpt, QuietOpt, check_heads_output, check_hdf5_output, parse_auto, require_optional)
 
@@ -212,7 +212,8 @@ def _say_fit(info: dict[str, Any], output: Path, lowrank_fit: bool, quiet: bool)
         mse_text = f"train MSE = {fmt(info['train_mse'])}"
     if info.get("train_r2") is not None:
         mse_text += f", train R^2 = {fmt(info['train_r2'])}"
-    say(f"wrote {output}: {mse_text}, lambda_min = {fmt(info['lambda_min'])}, "
+    lmin = f"{BOUND_SIGNS.get(info.get('lambda_min_bound'), '=')} {fmt(info['lambda_min'])}"
+    say(f"wrote {output}: {mse_text}, lambda_min {lmin}, "
         f"condition number = {fmt(info['condition_number'])}", quiet)
     if lowrank_fit:
         say(f"  {info['method']} fit: {info['n_heads']} head(s), final objective {fmt(info['objective'])}"

@@ -34,7 +34,7 @@ from ..linalg.factorization import Factorization
 from ..model.heads import W_from_p
 from ..model import scores
 from ..model.model import Model
-from ..numerics import mse_resolution, numerical_tolerance
+from ..numerics import lambda_min_of_verdict, mse_resolution, numerical_tolerance
 from ..statistics import basis as basis_mod
 from ..statistics import parallel
 from ..statistics import structure as structure_mod
@@ -176,7 +176,8 @@ def _fit(stats: TiledStatistics, ridge: float, path: Any) -> Model:
         raise ClusterRefused("minimum_norm", path)
     if 0.0 < ridge <= tol:
         raise ClusterRefused("small_ridge", path)
-    lmin = fac.lambda_min()
+    identifiable = bool(block_pd and N >= psi)
+    lmin, bound = lambda_min_of_verdict(fac.lambda_min(), tol, identifiable)  # never contradicting the verdict
     rhs = feats.basis_moments / W
     t0 = time.perf_counter()
     sol = fac.ridge_solve(rhs, ridge, tol) if ridge > 0 else fac.solve(rhs)
@@ -186,7 +187,7 @@ def _fit(stats: TiledStatistics, ridge: float, path: Any) -> Model:
     mse, resolution = _train_mse(stats, coef_b)
     info = {
         "ridge": ridge, "train_mse": mse, "mse_resolution": resolution, "lambda_min": lmin, "lambda_max": lmax,
-        "identifiable": bool(block_pd and N >= psi),
+        "identifiable": identifiable,
         "condition_number": ((lmax + ridge) / (max(lmin, 0.0) + ridge) if ridge > 0
                              else (lmax / lmin) if lmin > tol else float("inf")),
         # counting the eigenvalues at or below t needs an eigendecomposition: no rank unless identifiable
@@ -196,6 +197,8 @@ def _fit(stats: TiledStatistics, ridge: float, path: Any) -> Model:
         "estimated": ["lambda_min", "lambda_max"], "estimates": {k: dict(v) for k, v in fac.iterations.items()},
         "tasks": dict(stats.matrix.tasks),
     }
+    if bound is not None:
+        info["lambda_min_bound"] = bound
     if feats.bias_terms:
         info["bias_terms"] = True
     if feats.samples.attention is not None:  # per-position samples: how they read the window
