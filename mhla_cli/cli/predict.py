@@ -141,7 +141,7 @@ def rollout_cmd(
 
 
 # What `compare --on` scored, per layout (mhla_cli.model.compare.scored_layouts).
-SCORED_WORDS = {"last": "the last token of each window", "causal": "every prefix of each window",
+SCORED_WORDS = {"last": "the last tokens", "causal": "every prefix of each window",
                 "bidirectional": "every position of each window"}
 
 
@@ -188,9 +188,10 @@ def compare_cmd(
     verdict = "same function" if res["same"] else "different functions"
     coefs = f"||p_A - p_B|| / ||p_B|| = {fmt(res['relative_distance'])}"
     if res["judged_by"] == "data":
-        where = " and ".join(SCORED_WORDS[name] for name in res["scored_as"])
-        text = (f"{verdict} on {on} ({res['n_scored']} samples: {where}): RMS prediction difference / RMS "
-                f"prediction of B = {fmt(res['relative_rms_difference'])} (tol {fmt(tol)})")
+        where = ("" if res["scored_as"] == ["last"] else  # per-position models: the positions their layouts score
+                 f" ({res['n_scored']} samples: {' and '.join(SCORED_WORDS[n] for n in res['scored_as'])})")
+        text = (f"{verdict} on {on}{where}: RMS prediction difference / RMS prediction of B = "
+                f"{fmt(res['relative_rms_difference'])} (tol {fmt(tol)})")
     elif res["judged_by"] == "training data":
         text = (f"{verdict} on the training data of {b if res['measured_on'] == 'b' else a}: RMS output difference / "
                 f"RMS output of B = {fmt(res['function_change'])} (tol {fmt(tol)})")
