@@ -35,11 +35,11 @@ DETERMINED_TOL = 1e-8
 
 # `certify --on`: where the training data leave token directions that float64 does not resolve
 # (UNRESOLVED_REL: the whitening keeps them at the largest scale, their true scale is unknown), a probe
-# whose whitened tokens Z A have a component along them above UNRESOLVED_PROBE_FACTOR times the
-# rounding bound of that product, d eps (|| |z| |A| || + ||z A||) per token (the forward error of z A
-# and of the directions themselves), is "not resolvable in float64": its output depends on what the
-# data cannot show. Below it the component is the rounding of a probe that lies in the resolved
-# directions (about 1x the bound at most).
+# whose whitened tokens have a component z (A U) along them (U: those directions in the canonical
+# coordinates) above UNRESOLVED_PROBE_FACTOR times its rounding bound d eps (|| |z| |A U| || + ||z A||)
+# per token (the rounding of z along U and of the directions themselves), is "not resolvable in
+# float64": its output depends on what the data cannot show. Below it the component is the rounding of
+# a probe that lies in the resolved directions (about 1x the bound at most).
 UNRESOLVED_PROBE_FACTOR = 16.0
 
 # The relative residual tolerance of block Lanczos (mhla_cli.linalg.krylov) and of its ARPACK fallback

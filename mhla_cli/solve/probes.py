@@ -11,11 +11,12 @@ it is <= DETERMINED_TOL. Like the certificate, this is measured on the canonical
 whitened probes Z A (mhla_cli.statistics.basis), so it does not depend on the units of the tokens.
 
 It fails safe like the certificate: where the training tokens have directions float64 does not
-resolve (basis.unresolved: the full certificate then says "not resolvable in float64"), the whitening
-keeps them at the largest scale and a probe's component along them is measured at the data's unknown
-small scale, not the unit-free one. A probe whose whitened tokens have a component along them above
-the rounding of Z A (UNRESOLVED_PROBE_FACTOR) is reported as not resolvable (and not determined),
-whatever its residual.
+resolve (the full certificate then says "not resolvable in float64"), the whitening keeps them at the
+largest scale and a probe's component along them is measured at the data's unknown small scale, not
+the unit-free one. Those directions are found where the whitening left them, in the canonical
+coordinates (basis.unresolved_canonical), and a probe whose whitened tokens have a component along them
+above its rounding (UNRESOLVED_PROBE_FACTOR, `unresolved_tokens`) is reported as not resolvable (and
+not determined), whatever its residual: no cut in the tokens' own units decides.
 """
 
 from __future__ import annotations
