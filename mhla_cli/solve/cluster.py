@@ -145,7 +145,8 @@ def failure_reason(fac: Factorization, threshold: float, below_margin: bool = Fa
     text = (f"the Cholesky of Lambda~ - t I (t = {threshold:.3g}) over the tiles failed{where}: Lambda~ has an "
             "eigenvalue at or below t")
     if below_margin:
-        return text + f"; lambda_min ~ {fac.lambda_min():.3g} is above the numerical tolerance: below the demanded margin"
+        lmin, _ = lambda_min_of_verdict(fac.lambda_min(), threshold, False)  # at most t: the Cholesky failed
+        return text + f"; lambda_min ~ {lmin:.3g} is above the numerical tolerance: below the demanded margin"
     return (text + ", so the data do not determine the function; which features its null space holds needs an "
             "eigendecomposition: certify on one machine to see them")
 
