@@ -1,6 +1,6 @@
 """The statistics of a tokens file accumulated on a Dask cluster, the Gram as tiles that stay on the workers.
 
-`accumulate(path, client)` is the cluster's featurize (BACKGROUND.md, "A Gram on a cluster"):
+`accumulate(path, client)` is the cluster's featurize (docs/cluster.md, "The Gram on the cluster"):
 
 1. the canonical whitening first: the d x d token Gram of the data, summed on the workers by the one
    chunk reduction of mhla (ranges.accumulate_ranges over parallel.DaskMap, accumulating a block of zero
