@@ -158,6 +158,22 @@ def fit(feats: Features | Any, ridge: float | str = 0.0, heads: int | str | None
     return model
 
 
+def score_on_data(model: Model, data: str | os.PathLike, chunk_size: int | None = None,
+                  affine_from: str | os.PathLike | None = None) -> dict[str, Any]:
+    """The train R^2 and MSE of `model` scored on its tokens file `data` by one prediction pass (predict's
+    mhla_cli.model.scores.Spread: resolved at any scale of the targets), for statistics whose targets' squares
+    underflow float64 (scores.targets_underflow); {"train_r2", "train_mse", "train_scored_on": "data"}, or {} when
+    the pass scores nothing (no targets). The samples scored are those of the fit (its layout, weights)."""
+    from ..model.forward import fitted_samples, predict_file
+    from ..samples import CAUSAL
+
+    res = predict_file(model, data, chunk_size=chunk_size, causal=fitted_samples(model) is CAUSAL,
+                       affine_from=affine_from)
+    if res.n_scored is None or res.mse is None:
+        return {}
+    return {"train_r2": res.r2, "train_mse": float(res.mse), "train_scored_on": "data"}
+
+
 def check_representable(model: Model, feats: Features) -> None:
     """Refuse (InputError) a fitted model that no reader could load (Model.check_readable): above all
     coefficients on the tokens' own features that overflow float64, where the message names the
@@ -189,7 +205,7 @@ def fit_warnings(info: dict[str, Any], ridge_name: str = "a ridge penalty") -> l
     small = ([f"the targets are too small for float64's sums of squares (mean square below "
               f"{TARGET_SQUARES_FLOOR:.3g}: they underflow): the train MSE and R^2 from the statistics are not "
               "resolved (R^2 null); `mhla predict` scores the data scale-free, or rescale the targets"]
-             if info.get("targets_underflow") else [])
+             if info.get("targets_underflow") and info.get("train_scored_on") != "data" else [])
     if info.get("method", "lstsq") != "lstsq":
         return small + lowrank.solver_warnings(info)
     ridge = float(info.get("ridge", 0.0))
