@@ -118,6 +118,12 @@ def fit(feats: Features | Any, ridge: float | str = 0.0, heads: int | str | None
     then a tokens file, a Zarr features store or statistics tiled there (statistics.tiled_gram).
     """
     check_fit_options(ridge, heads, nuclear)
+    skipped: list[int] = []
+    if folds:  # folds of no weight (every weight 0) are skipped: they hold no held-out error
+        folds, skipped = ridge_cv.weighted_folds(folds)
+        if len(folds) < 2:
+            raise InputError(f"cross-validation needs at least 2 folds that hold samples; {len(skipped)} of the "
+                             f"{len(folds) + len(skipped)} folds have every weight 0")
     if scheduler is not None or isinstance(feats, TiledStatistics):
         if heads is not None or nuclear is not None or ridge == "auto" or device is not None:
             raise InputError("on a cluster the fit is least squares with a ridge >= 0 on the workers' CPUs: no "
@@ -152,6 +158,8 @@ def fit(feats: Features | Any, ridge: float | str = 0.0, heads: int | str | None
     if feats.source is not None:  # the data's identity (with their reduction's maps: export-heads --unreduce)
         model.info["data_source"] = dict(feats.source)
     model.info["train_r2"] = scores.train_r2(feats, model.info["train_mse"])
+    if skipped:
+        model.info["skipped_folds"] = skipped  # fit_warnings says so
     if scores.targets_underflow(feats):
         model.info["targets_underflow"] = True  # fit_warnings says why the train R^2 is null
     check_representable(model, feats)
@@ -206,6 +214,9 @@ def fit_warnings(info: dict[str, Any], ridge_name: str = "a ridge penalty") -> l
               f"{TARGET_SQUARES_FLOOR:.3g}: they underflow): the train MSE and R^2 from the statistics are not "
               "resolved (R^2 null); `mhla predict` scores the data scale-free, or rescale the targets"]
              if info.get("targets_underflow") and info.get("train_scored_on") != "data" else [])
+    if info.get("skipped_folds"):
+        small.append(f"fold(s) {', '.join(str(k) for k in info['skipped_folds'])} (0-based) have every weight 0: "
+                     "the cross-validation skipped them")
     if info.get("method", "lstsq") != "lstsq":
         return small + lowrank.solver_warnings(info)
     ridge = float(info.get("ridge", 0.0))
