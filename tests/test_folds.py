@@ -128,7 +128,8 @@ def test_load_folds_refuses_inconsistent_folds(data: tuple[Path, synthetic.Datas
     cases = {
         "gram_sum": ("fold_gram", bump, "do not sum to 'gram'"),
         "n_sum": ("fold_n_samples", lambda n: n + np.array([1, 0, 0]), "do not sum to n_samples"),
-        "n_zero": ("fold_n_samples", lambda n: np.array([n[0] + n[1], 0, n[2]]), "do not sum to n_samples"),
+        # a fold of no sample with weight: an empty fold has weight totals 0
+        "n_zero": ("fold_n_samples", lambda n: np.array([n[0] + n[1], 0, n[2]]), r"0 for a fold of no sample"),
         "shape": ("fold_moments", lambda m: m[:2], r"'fold_moments' has shape"),
         "nan": ("fold_token_gram", lambda t: t * np.nan, "NaN"),
         "one_fold": (None, None, "needs >= 2"),
