@@ -24,7 +24,9 @@ from ..solve import affine_block, certificate, cluster, domains, lstsq
 from ..solve import spectrum
 from ..errors import InputError
 from ..numerics import TARGET_SQUARES_FLOOR
+from ..bias_terms import token_mean
 from ..model.heads import Heads
+from ..statistics.basis import feature_scale
 from ..model.model import Model, affine_of
 from ..statistics.folds import load_folds
 from ..statistics.stream import Features, check_solve_memory
@@ -263,14 +265,20 @@ def export_heads(model: Model, tol: float = 1e-12, max_heads: int | str | None =
     """
     check_export_options(max_heads, fewest)
     fn = canonical.canonical_function(model)
+    bias = bool(model.info.get("bias_terms"))
+    if bias and fn.basis is not None:  # centred heads: float64 accuracy however far the tokens are from 0
+        fn.centre = token_mean(fn.basis)
     if fewest:
         heads = lowrank.fewest_heads(fn)
     elif max_heads == "auto":
         heads = spectrum.outlier_heads(fn)
     else:
         heads = canonical.truncated_heads(fn, tol=tol, max_heads=max_heads)
-    if model.info.get("bias_terms"):  # heads of the tokens (x, 1): the heads of x and their bias terms
-        heads = heads_mod.with_bias_terms(heads)
+    if bias:  # heads of the tokens (x, 1): the heads of x and their bias terms
+        heads = heads_mod.with_bias_terms(heads, centre=fn.centre)
+        # the change of the function measured on the heads as written (the arrays, in the form predict evaluates)
+        c = canonical.coef_in_basis(heads, fn.basis) * feature_scale(fn.d)[None, :] / fn.scale
+        heads.info.update(fn.record(c))
     affine = affine_of(model)
     if affine is not None:  # the token-wise affine map of the wide tokens beside them (solve.affine_block)
         heads.affine_weight, heads.affine_bias = np.ascontiguousarray(affine[:, :-1]), np.array(affine[:, -1])
