@@ -31,7 +31,8 @@ from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["BIAS_ARRAYS", "CENTRE_ARRAY", "augmented_heads", "centred_basis", "centring", "token_mean", "feature_names", "pad_targets", "split_heads", "with_constant"]
+__all__ = ["BIAS_ARRAYS", "CENTRE_ARRAY", "augmented_heads", "centred_basis", "centring", "feature_names",
+           "pad_targets", "split_heads", "token_mean", "with_constant"]
 
 # The arrays of the bias terms of H heads, beside V (H, d_out, d) and Q (H, d, d), and their shapes.
 BIAS_ARRAYS = ("value_bias", "score_key", "score_query", "score_bias")
