@@ -286,6 +286,8 @@ def test_an_empty_shard_adds_nothing(tmp_path: Path, capsys: pytest.CaptureFixtu
     for k in ("gram", "moments", "token_gram", "last_token_gram", "target_gram", "target_sum"):
         assert np.array_equal(getattr(p, k), getattr(m, k)), k
     capsys.readouterr()
+    assert run(["inspect", str(parts[1]), "--json"]) == 0  # a valid file: an empty part
+    assert json.loads(capsys.readouterr().out)["n_samples"] == 0
     for argv in (["certify", str(parts[1])], ["fit", str(parts[1]), "-o", str(tmp_path / "m.h5")],
                  ["merge", str(parts[1]), "-o", str(tmp_path / "e.h5"), "--allow-partial"]):
         assert run(argv) == 2, argv
