@@ -145,6 +145,12 @@ STRUCTURAL = [
     Structural("--affine-from takes a sampled fingerprint without window digests", "mhla_cli.statistics.affine_sums",
                "WideSource.open", lambda n: isinstance(n, ast.If) and "COMPLETE_SCOPES" in ast.unparse(n.test),
                lambda n: None, tests=("tests/test_affine_sums.py", "-k", "without_window")),
+    Structural("heads of bias terms written uncentred", "mhla_cli.api.learn", "export_heads",
+               lambda n: _assigns(n, "centre"), lambda n: ast.Pass(),
+               tests=("tests/test_bias_terms.py", "-k", "far_from")),
+    Structural("fit's R^2 without the scoring pass", "mhla_cli.cli.fit", "fit_cmd",
+               lambda n: isinstance(n, ast.If) and "targets_underflow" in ast.unparse(n.test),
+               lambda n: None, tests=("tests/test_scores.py", "-k", "any_target_scale")),
 ]
 
 # Every check of export-heads, spectrum and compare evaluated in the tokens' own coordinates (or on the
