@@ -139,6 +139,18 @@ STRUCTURAL = [
     Structural("the observed domain's map off by 2", "mhla_cli.solve.domains", "Observed._factorize",
                lambda n: _calls(n, "orth_pair_map"), lambda n: _times(2.0, n),
                tests=("tests/test_certificate.py", "-k", "domain_object")),
+    Structural("--affine-from without the window fingerprint check", "mhla_cli.statistics.affine_sums",
+               "WideSource.chunks", lambda n: isinstance(n, ast.Expr) and _calls(n.value, "_check_windows"),
+               lambda n: ast.Pass(), tests=("tests/test_affine_sums.py", "-k", "every_window")),
+    Structural("--affine-from takes a sampled fingerprint without window digests", "mhla_cli.statistics.affine_sums",
+               "WideSource.open", lambda n: isinstance(n, ast.If) and "COMPLETE_SCOPES" in ast.unparse(n.test),
+               lambda n: None, tests=("tests/test_affine_sums.py", "-k", "without_window")),
+    Structural("heads of bias terms written uncentred", "mhla_cli.api.learn", "export_heads",
+               lambda n: _assigns(n, "centre"), lambda n: ast.Pass(),
+               tests=("tests/test_bias_terms.py", "-k", "far_from")),
+    Structural("fit's R^2 without the scoring pass", "mhla_cli.cli.fit", "fit_cmd",
+               lambda n: isinstance(n, ast.If) and "targets_underflow" in ast.unparse(n.test),
+               lambda n: None, tests=("tests/test_scores.py", "-k", "any_target_scale")),
 ]
 
 # Every check of export-heads, spectrum and compare evaluated in the tokens' own coordinates (or on the
