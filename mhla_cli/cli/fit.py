@@ -18,7 +18,7 @@ from ..statistics.folds import load_for_cv
 from ..model.export import save_heads
 from ..model.heads import Heads
 from ..api.learn import (RequestError, check_export_options, check_fit_file, check_fit_targets, export_heads, fit,
-                         fit_warnings, needs_folds)
+                         fit_warnings, needs_folds, score_on_data)
 from ..solve.lowrank import convergence_warning, fewest_message, hit_limit
 from ..model.model import Model, load_function
 from ..solve.spectrum import UnreliableHeadCount, plot_spectrum, pyplot, spectrum, text_histogram
@@ -109,6 +109,10 @@ def fit_cmd(
         with about(data):  # e.g. a features file without targets
             model = fit(feats, ridge=r, heads=h, nuclear=lam, weight_decay=weight_decay, restarts=restarts,
                         seed=seed, folds=fold_feats, device=dev)
+    if model.info.get("targets_underflow") and formats.kind_of(data) == "tokens":
+        # the statistics' squares underflow: R^2 and the MSE from a scoring pass over the data, as predict does
+        with working("fit: scoring the data (the targets' squares underflow the statistics)", quiet):
+            model.info.update(score_on_data(model, data, chunk_size, affine_from))
     model.save(output, inputs=(data,) + ((affine_from,) if affine_from is not None else ()))
     info = dict(model.info)
     info["output"] = str(output)

@@ -65,8 +65,8 @@ def _heads_distance(a: Model | Heads | np.ndarray, b: Model | Heads | np.ndarray
     if (a.d_out, a.d) != (b.d_out, b.d):
         raise InputError(f"the heads map d = {a.d} to {a.d_out} and d = {b.d} to {b.d_out}: nothing to compare")
     (Va, Qa), (Vb, Qb) = a.augmented(), b.augmented()  # with the bias terms: the heads of the tokens (x, 1)
-    if a.factored or b.factored:
-        return _factored_distance(a, b)
+    if a.factored or b.factored or a.token_centre is not None or b.token_centre is not None:
+        return _factored_distance(a, b)  # centred heads too: through their maps (x, 1) -> (x - c, 1)
     if 8 * a.d_out * n_features(Qa.shape[1]) <= DIRECT_COEF_BYTES:
         pa, pb = coef_of_heads(Va, Qa), coef_of_heads(Vb, Qb)
         return _distance(pa, pb)
@@ -82,10 +82,10 @@ def _heads_distance(a: Model | Heads | np.ndarray, b: Model | Heads | np.ndarray
 def _factors(h: Heads) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """(V, Q, P, U) of heads with their bias terms (the heads of the tokens (x, 1)): the maps of factored heads,
     identities for the others."""
-    V, Q = h.augmented()
+    V, Q = h.augmented_centred()
     maps = h.augmented_maps()
-    P, U = maps if maps is not None else (np.eye(Q.shape[1]), np.eye(V.shape[1]))
-    return V, Q, P, U
+    P, U = maps if maps is not None else (np.eye(Q.shape[1]), None)
+    return V, Q, P, np.eye(V.shape[1]) if U is None else U
 
 
 def _factored_distance(a: Heads, b: Heads) -> Distance:

@@ -176,9 +176,10 @@ def _check_workers_memory(info: TokensInfo, path: str | os.PathLike, chunk_size:
 
 def _finished(feats: Features, info: TokensInfo, path: str | os.PathLike, sample_range: tuple[int, int],
               shard: tuple[int, int] | None) -> Features:
-    """The pass's statistics finalized and checked, with their sample range, token dtype and source."""
+    """The pass's statistics finalized and checked, with their sample range, token dtype and source. A shard
+    whose weights are all 0 is an empty part (zero sums that add: `merge`); the whole file's, no sample."""
     lo, hi = sample_range
-    if feats.n_samples == 0:
+    if feats.n_samples == 0 and shard is None:
         raise InputError(f"every weight of samples {lo}..{hi} is 0: there is no sample to learn from", path)
     feats.finalize()
     check_overflow(feats, f"samples {lo}..{hi}", path)
