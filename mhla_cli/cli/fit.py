@@ -109,7 +109,7 @@ def fit_cmd(
         with about(data):  # e.g. a features file without targets
             model = fit(feats, ridge=r, heads=h, nuclear=lam, weight_decay=weight_decay, restarts=restarts,
                         seed=seed, folds=fold_feats, device=dev)
-    if model.info.get("targets_underflow") and formats.kind_of(data) == "tokens":
+    if model.info.get("targets_underflow") and data_kind(data) == "tokens":
         # the statistics' squares underflow: R^2 and the MSE from a scoring pass over the data, as predict does
         with working("fit: scoring the data (the targets' squares underflow the statistics)", quiet):
             model.info.update(score_on_data(model, data, chunk_size, affine_from))
