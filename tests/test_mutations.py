@@ -151,6 +151,31 @@ STRUCTURAL = [
     Structural("fit's R^2 without the scoring pass", "mhla_cli.cli.fit", "fit_cmd",
                lambda n: isinstance(n, ast.If) and "targets_underflow" in ast.unparse(n.test),
                lambda n: None, tests=("tests/test_scores.py", "-k", "any_target_scale")),
+    # issue 43, items 4 and 5: the cluster reports what one machine reports; compare and probes at every position
+    Structural("cluster train MSE per d, not per output", "mhla_cli.solve.cluster", "_train_mse",
+               lambda n: isinstance(n, ast.Attribute) and n.attr == "n_outputs",
+               lambda n: ast.Attribute(n.value, "d", ast.Load()),
+               tests=("tests/test_cluster.py", "-k", "bias_terms_train")),
+    Structural("a Zarr store read as an HDF5 file", "mhla_cli.statistics.stream", "data_kind",
+               lambda n: isinstance(n, ast.Return), lambda n: ast.Return(_expr("formats.kind_of(path)")),
+               tests=("tests/test_cluster.py", "-k", "bias_terms_train")),
+    Structural("lambda_min reported against the verdict", "mhla_cli.numerics", "lambda_min_of_verdict",
+               lambda n: isinstance(n, ast.FunctionDef), _returns_first("return float(estimate), None"),
+               tests=("tests/test_numerics.py", "-k", "verdict or contradict")),
+    Structural("compare --on scores the last tokens only", "mhla_cli.model.compare", "scored_layouts",
+               lambda n: isinstance(n, ast.FunctionDef), _returns_first("return (LAST,)"),
+               tests=("tests/test_compare.py", "-k", "every_position")),
+    Structural("compare's verdict ignores its function change", "mhla_cli.model.compare", "compare",
+               lambda n: isinstance(n, ast.Assign) and isinstance(n.targets[0], ast.Subscript)
+               and isinstance(n.targets[0].slice, ast.Constant) and n.targets[0].slice.value == "same",
+               lambda n: ast.Assign(n.targets, _expr("bool(rel <= tol)")),
+               tests=("tests/test_compare.py", "-k", "never_contradicts")),
+    Structural("probes' unresolved directions counted in own units", "mhla_cli.solve.probes", "null_space",
+               lambda n: _calls(n, "unresolved_canonical"), lambda n: _expr("basis_mod.unresolved(feats.token_gram)"),
+               tests=("tests/test_probes.py", "-k", "never_move or unit_free_over")),
+    Structural("a probe's unresolved component cut by the own-unit rounding of z A", "mhla_cli.solve.probes",
+               "unresolved_tokens", lambda n: _calls(n, "abs") and _is_name(n.args[0], "AU"),
+               lambda n: _expr("np.abs(ns.token_basis)"), tests=("tests/test_probes.py", "-k", "never_move or unit_free_over")),
 ]
 
 # Every check of export-heads, spectrum and compare evaluated in the tokens' own coordinates (or on the

@@ -29,8 +29,9 @@ from ..model.heads import Heads
 from ..statistics.basis import feature_scale
 from ..model.model import Model, affine_of
 from ..statistics.folds import load_folds
-from ..statistics.stream import Features, check_solve_memory
+from ..statistics.stream import Features, check_solve_memory, data_kind
 from ..statistics.tiled_gram import TiledStatistics
+from ..statistics.zarr_store import is_store
 
 
 class RequestError(InputError):
@@ -81,8 +82,8 @@ def check_fit_options(ridge: float | str = 0.0, heads: int | str | None = None,
 
 
 def check_fit_targets(data: str | os.PathLike) -> None:
-    """A tokens file must have targets to be fitted (a features file is checked by `fit`)."""
-    if formats.kind_of(data) == "tokens" and not inspect_tokens(data).has_targets:
+    """A tokens file must have targets to be fitted (a features file or Zarr store is checked by `fit`)."""
+    if data_kind(data) == "tokens" and not inspect_tokens(data).has_targets:
         raise InputError("has no 'targets': fit needs (X, y) pairs", data)
 
 
@@ -98,7 +99,8 @@ def check_fit_file(data: str | os.PathLike, ridge: float | str = 0.0, heads: int
                        lowrank=heads is not None or nuclear is not None, chunk_size=chunk_size, attention=attention,
                        bias_terms=bias_terms)
     if needs_folds(ridge, heads, nuclear):
-        if formats.kind_of(data) == "features" and load_folds(data) is None:
+        # a Zarr store holds no per-fold statistics (featurize --folds writes an HDF5 features file)
+        if data_kind(data) == "features" and (is_store(data) or load_folds(data) is None):
             raise RequestError("auto_without_folds", data)
         if normalize not in (None, "none"):
             raise RequestError("auto_with_normalize")
