@@ -19,8 +19,8 @@ from .reading import (
     read_attr_int, read_bias_terms, read_matrix, read_normalize, stored_block, value_text,
 )
 from .identity import (
-    FOREIGN_SUFFIXES, FULL_FINGERPRINT_BYTES, command_line, provenance, recorded_inputs, set_command,
-    source_identity,
+    FOREIGN_SUFFIXES, FULL_FINGERPRINT_BYTES, REDUCE_DIGESTS, command_line, provenance, recorded_inputs,
+    set_command, source_identity, window_digests,
 )
 from .manifest import MANIFEST_ATTR, MANIFEST_FORMAT, MANIFEST_KINDS
 from .writing import (
@@ -30,10 +30,10 @@ from .writing import (
 
 __all__ = [
     "Deferred", "FOREIGN_SUFFIXES", "FORMAT_NAME", "FORMAT_VERSION", "FULL_FINGERPRINT_BYTES", "HDF5_SUFFIXES",
-    "IN_MEMORY_WRITE_BYTES", "KINDS", "MANIFEST_ATTR", "MANIFEST_FORMAT", "MANIFEST_KINDS", "PAIRS_DATASET", "all_finite", "atomic_path", "check_hdf5_suffix",
+    "IN_MEMORY_WRITE_BYTES", "KINDS", "MANIFEST_ATTR", "MANIFEST_FORMAT", "MANIFEST_KINDS", "PAIRS_DATASET", "REDUCE_DIGESTS", "all_finite", "atomic_path", "check_hdf5_suffix",
     "check_numeric", "check_output_directory", "check_output_path", "check_stored_symmetric", "command_line", "create_output",
     "d_from_psi_shape", "dataset", "expect_kind", "file_kind", "hdf5_write_failed", "header", "kind_of",
     "not_hdf5_reason", "open_input", "provenance", "read_array", "read_attr_int", "read_bias_terms",
     "read_matrix", "read_normalize", "recorded_inputs", "set_command", "source_identity", "stored_block",
-    "value_text", "write_file",
+    "value_text", "window_digests", "write_file",
 ]
