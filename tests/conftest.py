@@ -17,6 +17,16 @@ from mhla_cli.statistics.stream import Features
 STATS = ("gram", "moments", "target_gram", "token_gram", "last_token_gram")
 
 
+def unseal(f: h5py.File) -> None:
+    """Make an open mhla file (mode "a") one written before manifests (format 5, no 'mhla_manifest'), so that a
+    test may edit it and reach the checks of what it holds (a file of format 6 with an edit is refused as
+    corrupted first: tests/test_corruption.py)."""
+    if "mhla_manifest" in f.attrs:
+        del f.attrs["mhla_manifest"]
+    if int(f.attrs.get("mhla_format_version", 0)) >= 6:
+        f.attrs["mhla_format_version"] = 5
+
+
 def relerr(a: np.ndarray, b: np.ndarray) -> float:
     """Largest absolute difference relative to the largest entry of b."""
     return float(np.abs(a - b).max() / np.abs(b).max())

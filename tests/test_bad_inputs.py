@@ -21,6 +21,7 @@ from mhla_cli.feature_map import n_features
 from mhla_cli import export_heads
 from mhla_cli.solve.lstsq import fit
 from mhla_cli.statistics.stream import featurize
+from conftest import unseal
 
 PREVIOUS = b"previous output, must survive\n" * 10
 
@@ -68,6 +69,7 @@ def h5(path: Path, **datasets: object) -> Path:
 def copy_with(src: Path, dst: Path, edit: Callable[[h5py.File], None]) -> Path:
     shutil.copy(src, dst)
     with h5py.File(dst, "r+") as f:
+        unseal(f)
         edit(f)
     return dst
 

@@ -176,6 +176,19 @@ STRUCTURAL = [
     Structural("a probe's unresolved component cut by the own-unit rounding of z A", "mhla_cli.solve.probes",
                "unresolved_tokens", lambda n: _calls(n, "abs") and _is_name(n.args[0], "AU"),
                lambda n: _expr("np.abs(ns.token_basis)"), tests=("tests/test_probes.py", "-k", "never_move or unit_free_over")),
+    # the manifest (mhla_cli.io.formats.manifest): each comparison removed, a damaged file must be refused anyway
+    Structural("an HDF5 dataset read without its checksum", "mhla_cli.io.formats.reading", "_check_data",
+               lambda n: isinstance(n, ast.Expr) and _calls(n.value, "check_array"), lambda n: None,
+               tests=("tests/test_corruption.py", "-k", "damaged_file and edit")),
+    Structural("a header read without its checksum", "mhla_cli.io.formats.manifest", "load",
+               lambda n: isinstance(n, ast.If) and isinstance(n.test, ast.Compare) and _calls(n.test.left, "attrs_digest"),
+               lambda n: None, tests=("tests/test_corruption.py", "-k", "edit-attr")),
+    Structural("a store's tile read without its checksum", "mhla_cli.io.formats.manifest", "check_tile",
+               lambda n: isinstance(n, ast.If), lambda n: None, tests=("tests/test_corruption.py", "-k", "chunk")),
+    Structural("a deleted manifest taken for an old file", "mhla_cli.io.formats.manifest", "load",
+               lambda n: isinstance(n, ast.If) and isinstance(n.test, ast.BoolOp)
+               and any(_is_name(getattr(v, "comparators", [None])[0], "MANIFEST_FORMAT") for v in n.test.values),
+               lambda n: None, tests=("tests/test_corruption.py", "-k", "merge_check_every_tile")),
 ]
 
 # Every check of export-heads, spectrum and compare evaluated in the tokens' own coordinates (or on the

@@ -17,6 +17,7 @@ import numpy as np
 
 from ...errors import InputError
 from ...signals import check_interrupted, shield_signals
+from . import manifest
 from .identity import provenance
 from .reading import FORMAT_VERSION, KINDS, _h5_file, _h5_reason, _is_write_error
 
@@ -204,29 +205,42 @@ class Deferred:
 
 def _fill(f: h5py.File, meta: Mapping[str, Any], attrs: Mapping[str, Any] | None,
           datasets: Mapping[str, np.ndarray | Deferred | None], compression: str | None) -> None:
+    """Write the attributes and datasets, and for the kinds that carry one the manifest (manifest.seal: the
+    checksum of every dataset, taken from the array as it is written, and of the attributes as read back)."""
     for k, v in meta.items():
         f.attrs[k] = v
     for k, v in (attrs or {}).items():
         if v is not None:
             f.attrs[k] = v
+    sums: dict[str, tuple[tuple[int, ...], str]] = {}
     for name, arr in datasets.items():
         if arr is None:
             continue
         if isinstance(arr, Deferred) and arr.shape is not None:
             ds = f.create_dataset(name, shape=arr.shape, dtype=np.float64)
+            h = manifest.Hasher(arr.shape)
             for r0, block in arr.make():
                 ds[r0:r0 + block.shape[0]] = block
+                h.update(block)
+            sums[name] = (tuple(arr.shape), h.hexdigest())
             continue
         arr = np.asarray(arr.make() if isinstance(arr, Deferred) else arr)
-        if compression and arr.size > 1024:
-            f.create_dataset(name, data=arr, compression=compression, shuffle=True)
-        elif arr.nbytes > _BLOCK_WRITE_BYTES and arr.ndim >= 1 and not arr.flags.c_contiguous:
-            ds = f.create_dataset(name, shape=arr.shape, dtype=arr.dtype)
-            rows = max(1, _BLOCK_WRITE_BYTES // max(1, arr[:1].nbytes))
-            for a in range(0, arr.shape[0], rows):
-                ds[a:a + rows] = arr[a:a + rows]
-        else:
-            f.create_dataset(name, data=arr)
+        sums[name] = (tuple(arr.shape), manifest.digest(arr))
+        _put(f, name, arr, compression)
+    if meta.get("mhla_kind") in manifest.MANIFEST_KINDS:
+        f.attrs[manifest.MANIFEST_ATTR] = manifest.seal({k: f.attrs[k] for k in f.attrs.keys()}, sums)
+
+
+def _put(f: h5py.File, name: str, arr: np.ndarray, compression: str | None) -> None:
+    if compression and arr.size > 1024:
+        f.create_dataset(name, data=arr, compression=compression, shuffle=True)
+    elif arr.nbytes > _BLOCK_WRITE_BYTES and arr.ndim >= 1 and not arr.flags.c_contiguous:
+        ds = f.create_dataset(name, shape=arr.shape, dtype=arr.dtype)
+        rows = max(1, _BLOCK_WRITE_BYTES // max(1, arr[:1].nbytes))
+        for a in range(0, arr.shape[0], rows):
+            ds[a:a + rows] = arr[a:a + rows]
+    else:
+        f.create_dataset(name, data=arr)
 
 
 def _check_free_space(o: Path, need: int) -> None:
