@@ -96,6 +96,7 @@ def open_statistics(data: Any, scheduler: Any = None, chunk_size: int | None = N
     with parallel.make_map(scheduler=scheduler) as pmap:
         client = pmap.client
         if store:
+            parallel.check_worker_memory(client, zarr_store.tile_bytes(data))
             stats = zarr_store.load_tiled(data, client)
             if normalize is not None and normalize != stats.sums.normalize:
                 raise InputError(f"was featurized with normalisation '{stats.sums.normalize}', not '{normalize}'; "

@@ -144,6 +144,8 @@ def accumulate(path: str | os.PathLike, client: Any, chunk_size: int | None = No
     size = chunk_size or default_chunk_size(info)
     stamp = _stamp(winfo.path)
     with parallel.make_map(scheduler=client) as pmap:
+        parallel.check_worker_memory(pmap.client, 8 * (tile_pairs(info.d, tile_features) * info.d) ** 2)
+
         def small(A: np.ndarray | None, sample_range: tuple[int, int]) -> Features:
             return accumulate_ranges(winfo, work_ranges(*sample_range, size, BASIS_RANGES, per_worker=1), map=pmap,
                                 chunk_size=size, normalize=normalize, basis=A, finalize=False,

@@ -45,7 +45,7 @@ from .features_file import EXTRA_ATTRS, WEIGHT_ATTRS
 from .tiled_gram import TiledStatistics
 
 __all__ = ["SUFFIX", "TILES", "check_output", "dims", "inspect", "is_store", "load_features", "load_tiled", "part_info",
-           "require_zarr", "save", "sum_stores"]
+           "require_zarr", "save", "sum_stores", "tile_bytes"]
 
 SUFFIX = ".zarr"
 # The array of the Gram's lower tiles.
@@ -356,6 +356,12 @@ def dims(path: Any) -> tuple[int, int]:
     url = _url(path)
     attrs = _attrs(_open(url), url)
     return int(attrs["d"]), int(attrs["n_samples"])
+
+
+def tile_bytes(path: Any) -> int:
+    """The bytes of one tile of a store's Gram (float64, `tile_features` a side), from its attributes."""
+    url = _url(path)
+    return 8 * int(_attrs(_open(url), url)["tile_features"]) ** 2
 
 
 def part_info(path: Any) -> tuple[int, int, list[tuple[int, int]], dict[str, Any], str | None, str, int, Samples,
