@@ -109,7 +109,7 @@ def certify_cmd(
             raise InputError("--on tests the given probes: it cannot be combined with --witness, --domain "
                              "or --min-eig")
         if report is not None:
-            check_hdf5_output(report, (data, on), "the report")
+            check_hdf5_output(report, (data, on), "the report", "probes")
         inspect_tokens(on)
         _certify_on(data, on, report, normalize, chunk_size, json_out, quiet, dev, attention, bias_terms)
         return
@@ -145,7 +145,7 @@ def _certify(data: Path, min_eig: float, domain: str, witness: Path | None, norm
     from ..statistics.stream import check_solve_memory
 
     if witness is not None:
-        check_hdf5_output(witness, (data,), "the witness file")
+        check_hdf5_output(witness, (data,), "the witness file", "model")
         _witness_rules(data, lambda: check_witness_input(data))
     check_solve_memory(data, "certify", chunk_size=chunk_size, attention=attention, bias_terms=bias_terms)
     feats, _, seconds = load_with_progress(data, chunk_size, quiet, normalize, device, attention, bias_terms,

@@ -115,7 +115,7 @@ def featurize_cmd(
         raise InputError("--folds runs on the CPU: featurize the folds without --device")
     if compact and folds is not None:
         raise InputError("--compact and --folds cannot be combined (the folds' sums are stored whole)")
-    check_hdf5_output(output, (data, affine_from), "a features file")
+    check_hdf5_output(output, (data, affine_from), "a features file", "features")
     if scheduler is not None:
         require_dask(scheduler)
     with on_cluster(scheduler, scheduler_timeout, data):
@@ -232,7 +232,7 @@ def merge_cmd(
                              "of one form", output)
         _merge_stores(parts, data_location(output), allow_partial, json_out, quiet)
         return
-    check_hdf5_output(output, tuple(parts), "a features file")
+    check_hdf5_output(output, tuple(parts), "a features file", "features")
     merged = merge_features(list(parts), allow_partial=allow_partial)
     feats, report = merged.features, merged.report
     feats.save(output, inputs=tuple(parts))

@@ -84,7 +84,7 @@ def fit_cmd(
 
     Example (a Dask cluster): mhla fit data.h5 --scheduler tcp://10.0.0.5:8786 -o model.h5 --ridge 1e-6
     """
-    check_hdf5_output(output, (data, affine_from), "a model file")
+    check_hdf5_output(output, (data, affine_from), "a model file", "model")
     if scheduler is not None and affine_from is not None:
         from ..solve.cluster import ClusterRefused
 
@@ -397,7 +397,7 @@ def check_plot_output(plot: Path, inputs: tuple[Path, ...]) -> None:
                          "use .png", plot)
     # without matplotlib, pyplot raises the library's InputError (with its install hint) at once
     require_optional("matplotlib", pyplot)  # matplotlib, not pyplot: it would pick a backend
-    formats.check_output_path(plot, inputs)
+    formats.check_output_path(plot, inputs, "plot")
 
 
 def register(app: typer.Typer) -> None:

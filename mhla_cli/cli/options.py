@@ -156,13 +156,15 @@ def parse_shard(shard: str | None) -> tuple[int, int] | None:
     return i, m
 
 
-def check_hdf5_output(path: Path, inputs: tuple[Path | None, ...] = (), what: str = "the output") -> Path:
+def check_hdf5_output(path: Path, inputs: tuple[Path | None, ...] = (), what: str = "the output",
+                      kind: str | None = None) -> Path:
     """An HDF5 output path, refused (InputError, exit 2) before any work when its suffix names another
-    format (model.npz would be HDF5 under a NumPy name) or it cannot be written."""
+    format (model.npz would be HDF5 under a NumPy name), it cannot be written, or it holds a file that is not
+    mhla's file of `kind` (formats.check_replaceable)."""
     from ..io import formats
 
     formats.check_hdf5_suffix(path, what)
-    return formats.check_output_path(path, tuple(i for i in inputs if i is not None))
+    return formats.check_output_path(path, tuple(i for i in inputs if i is not None), kind)
 
 
 def check_heads_output(path: Path, inputs: tuple[Path | None, ...] = ()) -> str:
@@ -175,7 +177,7 @@ def check_heads_output(path: Path, inputs: tuple[Path | None, ...] = ()) -> str:
     if fmt == "safetensors":
         from ..model.export import _safetensors  # the library's own refusal, with its install hint
         require_optional("safetensors.numpy", _safetensors)
-    formats.check_output_path(path, tuple(i for i in inputs if i is not None))
+    formats.check_output_path(path, tuple(i for i in inputs if i is not None), "heads")
     return fmt
 
 
