@@ -417,25 +417,6 @@ def test_workers_that_cannot_hold_a_tile_exit_2_naming_the_memory_needed(tmp_pat
         cl.close()
 
 
-def test_the_worker_memory_cut(client) -> None:
-    """A worker whose limit is exactly what TILES_PER_TASK tiles per thread need beside what it holds, within
-    WORKER_MEMORY_FRACTION of it, passes; a byte less is refused; a worker without a limit is not counted."""
-    from mhla_cli.statistics import parallel
-
-    tile, used = 2**20, 10 * 2**20
-    need = parallel.tile_memory_needed(tile, 2, used)
-    assert need == pytest.approx((used + 2 * parallel.TILES_PER_TASK * tile) / parallel.WORKER_MEMORY_FRACTION)
-    def worker(limit: float) -> dict:
-        return {"memory_limit": limit, "nthreads": 2, "metrics": {"memory": used}}
-    assert parallel.short_workers({"a": worker(need)}, tile) == []
-    assert parallel.short_workers({"a": worker(need - 1), "b": worker(0), "c": worker(need)}, tile) == \
-        [("a", need - 1, need)]
-    parallel.check_worker_memory(client, 8)  # the fixture's workers: limits far above a tile of one number
-    limit = max(w["memory_limit"] for w in client.scheduler_info()["workers"].values())
-    with pytest.raises(parallel.SchedulerError, match=r"cannot hold a tile of the Gram .* needs 4 tiles per thread"):
-        parallel.check_worker_memory(client, limit)
-
-
 def test_a_scheduler_file_naming_a_dead_address_is_the_dead_address(tmp_path: Path,
                                                                     capsys: pytest.CaptureFixture[str]) -> None:
     path = teacher(tmp_path, 3, 40)
@@ -452,22 +433,6 @@ def test_a_scheduler_file_naming_a_dead_address_is_the_dead_address(tmp_path: Pa
     _one_line(capsys, "none.json: no such scheduler file")
     assert run(["certify", str(path), "--scheduler-timeout", "3"]) == 2
     _one_line(capsys, "--scheduler-timeout bounds the waits on a Dask cluster: give --scheduler")
-
-
-def test_failures_on_the_cluster_are_input_errors() -> None:
-    """KilledWorker, a lost scheduler and a chunk its codec cannot decode: exit-2 errors with the reason."""
-    from distributed.scheduler import KilledWorker
-
-    from mhla_cli.statistics import parallel
-
-    from types import SimpleNamespace
-
-    killed = parallel.cluster_error(KilledWorker("mhla-potrf-1", SimpleNamespace(address="tcp://10.0.0.1:1"), 3))
-    assert isinstance(killed, parallel.SchedulerError) and killed.cause == "killed"
-    assert "ran out of memory or crashed" in str(killed)
-    codec = parallel.cluster_error(RuntimeError("Zstd decompression error: invalid input data"))
-    assert isinstance(codec, InputError) and "the store is corrupted" in str(codec)
-    assert parallel.cluster_error(ZeroDivisionError("ours")) is None
 
 
 def test_a_store_is_replaced_whole_and_a_broken_chunk_is_exit_2(local, tmp_path: Path,

@@ -154,16 +154,19 @@ STRUCTURAL = [
     Structural("commit without putting the old store back", "mhla_cli.statistics.store_location", "commit",
                lambda n: isinstance(n, ast.ExceptHandler), lambda n: ast.ExceptHandler(n.type, n.name, [ast.Raise()]),
                tests=("tests/test_store_location.py",)),
-    Structural("no bound on the wait for a worker", "mhla_cli.statistics.parallel", "wait_for_workers",
+    Structural("no bound on the wait for a worker", "mhla_cli.statistics.scheduler", "wait_for_workers",
                lambda n: isinstance(n, ast.keyword) and n.arg == "timeout",
                lambda n: ast.keyword("timeout", ast.Constant(None)),
                tests=("tests/test_cluster.py", "-k", "without_workers")),
-    Structural("no bound on the scheduler's answer", "mhla_cli.statistics.parallel", "probe",
+    Structural("no bound on the scheduler's answer", "mhla_cli.statistics.scheduler", "probe",
                lambda n: _calls(n, "wait_for"), lambda n: _replace_arg(n, 1, ast.Constant(None)),
                tests=("tests/test_cluster.py", "-k", "never_answers")),
-    Structural("no check of the workers' memory", "mhla_cli.statistics.parallel", "check_worker_memory",
+    Structural("no check of the workers' memory", "mhla_cli.statistics.scheduler", "check_worker_memory",
                lambda n: isinstance(n, ast.FunctionDef), _returns_first("return None"),
-               tests=("tests/test_cluster.py", "-k", "memory_cut or cannot_hold")),
+               tests=("tests/test_scheduler.py", "-k", "memory_cut")),
+    Structural("no watch of the running workers", "mhla_cli.statistics.scheduler", "Watch._run",
+               lambda n: isinstance(n, ast.Compare) and "self.timeout" in ast.unparse(n),
+               lambda n: ast.Constant(False), tests=("tests/test_scheduler.py", "-k", "stop_running")),
 ]
 
 # Every check of export-heads, spectrum and compare evaluated in the tokens' own coordinates (or on the

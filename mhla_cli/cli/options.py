@@ -37,11 +37,11 @@ OutOpt = Annotated[Path, typer.Option("--output", "-o", help="Output HDF5 file (
 
 SchedulerTimeoutOpt = Annotated[float | None, typer.Option(
     "--scheduler-timeout", metavar="SECONDS", help="With --scheduler: how long the scheduler has to answer and to "
-    "have a running worker (default 60 s: statistics.parallel.SCHEDULER_TIMEOUT); a cluster that does neither, or "
+    "have a running worker (default 60 s: statistics.scheduler.SCHEDULER_TIMEOUT); a cluster that does neither, or "
     "whose workers' memory cannot hold a tile of the Gram, is refused (exit 2) naming the cause "
     "(docs/cluster.md). Example: --scheduler-timeout 300", show_default=False)]
 
-# The remedy the CLI adds to a cluster's refusal (statistics.parallel.SchedulerError), by its cause.
+# The remedy the CLI adds to a cluster's refusal (statistics.scheduler.SchedulerError), by its cause.
 CLUSTER_REMEDIES = {
     "connect": "check the address, that the scheduler runs and that this machine reaches it",
     "answer": "check that the address is a Dask scheduler's (not another service's); a busy one may need longer: "
@@ -65,13 +65,13 @@ def check_scheduler_timeout(scheduler: str | None, timeout: float | None) -> Non
 @contextmanager
 def on_cluster(scheduler: str | None, timeout: float | None, data: Any = None) -> Iterator[None]:
     """A command's work on the cluster of --scheduler, its waits bounded by --scheduler-timeout: a refusal of
-    the cluster (statistics.parallel.SchedulerError) gains its remedy (`CLUSTER_REMEDIES`), and an error that
+    the cluster (statistics.scheduler.SchedulerError) gains its remedy (`CLUSTER_REMEDIES`), and an error that
     names no file (a store's chunk that cannot be decoded) names `data`. Without a scheduler: nothing."""
     check_scheduler_timeout(scheduler, timeout)
     if scheduler is None:
         yield
         return
-    from ..statistics.parallel import SchedulerError, scheduler_timeout
+    from ..statistics.scheduler import SchedulerError, scheduler_timeout
 
     with scheduler_timeout(timeout) as t:
         try:
