@@ -24,7 +24,7 @@ from typing import Any
 
 from ..errors import InputError
 
-__all__ = ["SCHEDULER_TIMEOUT", "TILES_PER_TASK", "WATCH_INTERVAL", "WORKER_MEMORY_FRACTION", "SchedulerError", "Watch",
+__all__ = ["SCHEDULER_TIMEOUT", "TILES_PER_TASK", "WAIT_POLL", "WATCH_INTERVAL", "WORKER_MEMORY_FRACTION", "SchedulerError", "Watch",
            "check_worker_memory", "cluster_error", "connect", "current_timeout", "probe", "scheduler_address",
            "scheduler_timeout", "short_workers", "tile_memory_needed", "wait_for_workers", "watch"]
 
@@ -37,8 +37,10 @@ TILES_PER_TASK = 4
 # The share of a worker's memory limit its tasks may fill: Dask pauses a worker at 80 % of its limit by
 # default (distributed.worker.memory.pause), and a paused worker runs nothing.
 WORKER_MEMORY_FRACTION = 0.8
-# How often (seconds) an open Dask map asks the scheduler whether a worker still runs (`Watch`).
+# How often (seconds) an open Dask map asks the scheduler whether a worker still runs (`Watch`), and how often the
+# wait for a first worker asks it (`wait_for_workers`).
 WATCH_INTERVAL = 1.0
+WAIT_POLL = 0.1
 
 
 class SchedulerError(InputError):
@@ -154,22 +156,39 @@ def connect(spec: str, timeout: float) -> Any:
                              f"({' '.join(str(exc).split())})", "connect", where) from None
 
 
+def _starved(w: dict[str, Any]) -> bool:
+    """Whether a worker record (Client.scheduler_info) is paused, or holds more than WORKER_MEMORY_FRACTION of its
+    memory limit (Dask pauses it, or its nanny restarts it over and over)."""
+    limit = float(w.get("memory_limit") or 0)
+    used = float((w.get("metrics") or {}).get("memory") or 0)
+    return w.get("status") == "paused" or (limit > 0 and used > WORKER_MEMORY_FRACTION * limit)
+
+
 def wait_for_workers(client: Any, timeout: float, name: str) -> None:
-    """Wait at most `timeout` seconds for a running worker; SchedulerError "workers" when none comes."""
-    try:
-        client.wait_for_workers(1, timeout=timeout)
-    except (OSError, TimeoutError) as exc:
-        workers = client.scheduler_info().get("workers", {})
-        paused = [(a, w) for a, w in workers.items() if w.get("status") == "paused"]
-        if paused and len(paused) == len(workers):
-            address, w = paused[0]
-            used = float((w.get("metrics") or {}).get("memory") or 0)
-            raise SchedulerError(f"scheduler {name}: its {len(workers)} worker(s) are paused, their memory over "
-                                 f"Dask's pause threshold (e.g. {address}: {used / 2**20:.0f} MiB used of a "
-                                 f"{float(w.get('memory_limit') or 0) / 2**20:.0f} MiB limit), so they can hold no "
-                                 "tile and would run nothing", "memory") from None
-        raise SchedulerError(f"scheduler {name}: no running worker within {timeout:g} s "
-                             f"({' '.join(str(exc).split())})", "workers") from None
+    """Wait at most `timeout` seconds for a running worker (asking the scheduler every WAIT_POLL seconds);
+    SchedulerError "memory" when the workers seen meanwhile were all starved of memory (`_starved`: paused, or
+    restarted by their nanny as they start), else "workers"."""
+    deadline = time.monotonic() + timeout
+    starved = None
+    while True:
+        try:
+            workers = client.scheduler_info().get("workers", {})
+        except (OSError, TimeoutError):
+            workers = {}
+        if any(w.get("status", "running") == "running" and not _starved(w) for w in workers.values()):
+            return
+        starved = next(((a, w) for a, w in workers.items() if _starved(w)), starved)
+        if time.monotonic() >= deadline:
+            break
+        time.sleep(min(WAIT_POLL, max(0.0, deadline - time.monotonic())))
+    if starved is not None:
+        address, w = starved
+        used = float((w.get("metrics") or {}).get("memory") or 0)
+        raise SchedulerError(f"scheduler {name}: no worker could run within {timeout:g} s: their memory is over "
+                             f"Dask's limits (e.g. {address}: {used / 2**20:.0f} MiB used of a "
+                             f"{float(w.get('memory_limit') or 0) / 2**20:.0f} MiB limit), so Dask pauses or restarts "
+                             "them and they can hold no tile", "memory")
+    raise SchedulerError(f"scheduler {name}: no running worker within {timeout:g} s", "workers")
 
 
 def tile_memory_needed(tile_bytes: int, nthreads: int, used: float) -> float:
