@@ -20,16 +20,24 @@ Q = Q~[:d, :d] and the bias terms (`BIAS_ARRAYS`):
 
 so that the head's output at t is sum_i (V x_i + value_bias) (x_i^T Q x_t + score_key . x_i +
 score_query . x_t + score_bias), the sum over i divided by n with normalize="length".
+
+Heads exported from a model are written **centred** (`CENTRE_ARRAY` token_centre, c (d,): the mean token of the
+training data): V, Q and the bias terms are those of the tokens x - c, so that tokens far from the origin (a
+shift of 1e6) lose no accuracy to the cancellation of the uncentred terms (score_bias ~ |c|^2 |Q| otherwise).
+`centring(c)` is the map (x, 1) -> (x - c, 1); the uncentred heads of (x, 1) are V~ T^T, T Q~ T^T.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["BIAS_ARRAYS", "augmented_heads", "feature_names", "pad_targets", "split_heads", "with_constant"]
+__all__ = ["BIAS_ARRAYS", "CENTRE_ARRAY", "augmented_heads", "centred_basis", "centring", "feature_names",
+           "pad_targets", "split_heads", "token_mean", "with_constant"]
 
 # The arrays of the bias terms of H heads, beside V (H, d_out, d) and Q (H, d, d), and their shapes.
 BIAS_ARRAYS = ("value_bias", "score_key", "score_query", "score_bias")
+# The optional centre c (d,) of heads with the bias terms: they are the heads of the tokens x - c.
+CENTRE_ARRAY = "token_centre"
 
 
 def with_constant(tokens: np.ndarray) -> np.ndarray:
@@ -86,3 +94,32 @@ def augmented_heads(V: np.ndarray, Q: np.ndarray, value_bias: np.ndarray, score_
     Qt = np.empty((H, d + 1, d + 1))
     Qt[:, :d, :d], Qt[:, :d, d], Qt[:, d, :d], Qt[:, d, d] = Q, score_key, score_query, score_bias
     return Vt, Qt
+
+
+def centring(c: np.ndarray, P: np.ndarray | None = None) -> np.ndarray:
+    """T with (x, 1) T = (x P - c, 1) (P None: the identity): the tokens of heads centred at c (d,) (of factored
+    heads: in their reduced coordinates). (D + 1, d + 1)."""
+    c = np.asarray(c, dtype=np.float64)
+    d = c.size
+    D = d if P is None else P.shape[0]
+    T = np.zeros((D + 1, d + 1))
+    T[:D, :d] = np.eye(d) if P is None else P
+    T[D, :d], T[D, d] = -c, 1.0
+    return T
+
+
+def token_mean(A: np.ndarray) -> np.ndarray:
+    """The training tokens' weighted mean (d,) from A (d + 1, d + 1), the whitening of the tokens (x, 1) (A^T G A = I
+    with G = E[(x, 1) (x, 1)^T]: G = A^-T A^-1, mean = G[:d, d] / G[d, d])."""
+    B = np.linalg.inv(np.asarray(A, dtype=np.float64))
+    G = B.T @ B
+    return G[:-1, -1] / G[-1, -1]
+
+
+def centred_basis(A: np.ndarray, c: np.ndarray) -> np.ndarray:
+    """A_c = [[I, 0], [c, 1]] A: the whitened tokens Z = (x, 1) A = (x - c, 1) A_c, so that heads (V', Q') of
+    the centred tokens are the heads V' A_c^-T, A_c^-1 Q' A_c^-T of Z (no term of the size of c)."""
+    A = np.asarray(A, dtype=np.float64)
+    out = np.array(A)
+    out[-1] = np.asarray(c, dtype=np.float64) @ A[:-1] + A[-1]
+    return out

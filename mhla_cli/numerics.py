@@ -35,11 +35,11 @@ DETERMINED_TOL = 1e-8
 
 # `certify --on`: where the training data leave token directions that float64 does not resolve
 # (UNRESOLVED_REL: the whitening keeps them at the largest scale, their true scale is unknown), a probe
-# whose whitened tokens Z A have a component along them above UNRESOLVED_PROBE_FACTOR times the
-# rounding bound of that product, d eps (|| |z| |A| || + ||z A||) per token (the forward error of z A
-# and of the directions themselves), is "not resolvable in float64": its output depends on what the
-# data cannot show. Below it the component is the rounding of a probe that lies in the resolved
-# directions (about 1x the bound at most).
+# whose whitened tokens have a component z (A U) along them (U: those directions in the canonical
+# coordinates) above UNRESOLVED_PROBE_FACTOR times its rounding bound d eps (|| |z| |A U| || + ||z A||)
+# per token (the rounding of z along U and of the directions themselves), is "not resolvable in
+# float64": its output depends on what the data cannot show. Below it the component is the rounding of
+# a probe that lies in the resolved directions (about 1x the bound at most).
 UNRESOLVED_PROBE_FACTOR = 16.0
 
 # The relative residual tolerance of block Lanczos (mhla_cli.linalg.krylov) and of its ARPACK fallback
@@ -165,6 +165,23 @@ def numerical_tolerance(lambda_max: float, n: int) -> float:
     lambda_min / lambda_max down to ~1e-10 stay far above it.
     """
     return RANK_FACTOR * n * EPS * max(lambda_max, 0.0)
+
+
+def lambda_min_of_verdict(estimate: float, threshold: float, proven_above: bool) -> tuple[float, str | None]:
+    """(lambda_min as reported beside a verdict, the bound it is): the estimate (dense eigenvalues or Lanczos)
+    where it agrees with the verdict, else the threshold t with the bound the verdict proves.
+
+    The verdict is proven (a Cholesky of Lambda~ - t I, or a count: N < psi, exact nulls); the estimate is
+    not. A passing verdict proves every eigenvalue > t: an estimate at or below t is reported as t, a lower
+    bound ("above"). A failing one proves an eigenvalue at or below t: an estimate above t (Lanczos or
+    rounding near t) is reported as t, an upper bound ("at_most"). None: the estimate agrees and stands.
+    """
+    estimate, threshold = float(estimate), float(threshold)
+    if proven_above and not estimate > threshold:
+        return threshold, "above"
+    if not proven_above and estimate > threshold:
+        return threshold, "at_most"
+    return estimate, None
 
 
 def observed_span_tol(d: int, count: int, eps_in: float) -> float:

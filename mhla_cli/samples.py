@@ -1,8 +1,7 @@
 """What one sample of a tokens file is: the sample layouts, one class each (`Samples`).
 
 A sample is a pair (S, x): the Gram S of the tokens a query attends to and the query token x; its
-features are upper(S) (x) x and the model's output there is p . H (BACKGROUND.md, "Every position of
-an encoder window"). A tokens file's sequences X (n x d) give samples in one of three layouts:
+features are upper(S) (x) x and the model's output there is p . H (docs/bidirectional.md). A tokens file's sequences X (n x d) give samples in one of three layouts:
 
 - `LAST` ("last"): one sample per sequence, S = X^T X and x = x_n; targets (N, d), weights (N,).
 - `CAUSAL` ("causal"): one sample per position t, S_t = X[:t]^T X[:t] and x = x_t (a decoder's
@@ -226,7 +225,7 @@ class _Bidirectional(Samples):
     def rows(self, X: np.ndarray, offsets: np.ndarray, weights: np.ndarray | None,
              targets: np.ndarray | None) -> Rows:
         """One row per window: s = upper(X^T X) and the second moments X^T W X, X^T W Y of its positions
-        (BACKGROUND.md: the Gram (s s^T) (x) (X^T W X), the moments s (x) (X^T W Y))."""
+        (docs/bidirectional.md: the Gram (s s^T) (x) (X^T W X), the moments s (x) (X^T W Y))."""
         X = np.asarray(X, dtype=np.float64)
         offsets = np.asarray(offsets, dtype=np.int64)
         S, _ = sequence_moments(X, offsets)

@@ -176,8 +176,8 @@ def ridge_cv_path(X: np.ndarray, off: np.ndarray, Y: np.ndarray, K: int, grid: n
 
 def expanded_features(X: np.ndarray, normalize: str = "none") -> tuple[np.ndarray, list[str]]:
     """The features of a head with biases for the sample X (its query last), block by block as the expansion of
-    sum_i (V x_i + b_v)((K x_i + b_k)^T (Q x_t + b_q)) gives them (BACKGROUND.md, "The terms a head's biases
-    add"): S (x) x_t (j <= k, l), S (j <= k), m (x) x_t, m, n x_t, n with m = sum_i x_i; S, m and n divided by n
+    sum_i (V x_i + b_v)((K x_i + b_k)^T (Q x_t + b_q)) gives them (docs/bias_terms.md, "The terms a
+    head's biases add"): S (x) x_t (j <= k, l), S (j <= k), m (x) x_t, m, n x_t, n with m = sum_i x_i; S, m and n divided by n
     with normalize="length". Returns the values and their names."""
     X = np.asarray(X, dtype=np.float64)
     n, d = X.shape

@@ -16,6 +16,8 @@ import _reference as ref
 from conftest import relerr
 from mhla_cli.cli import run
 from mhla_cli.errors import InputError
+from mhla_cli.io import formats
+from mhla_cli.io.formats import identity
 from mhla_cli.model.reduce import reduce_tokens
 from mhla_cli.samples import CAUSAL, LAST
 from mhla_cli.statistics.affine_sums import WideSource, affine_rows
@@ -178,3 +180,67 @@ def test_affine_rows_take_the_query() -> None:
     off = np.array([0, 2, 6])
     np.testing.assert_array_equal(affine_rows(X, off, LAST), [[2.0, 3.0, 1.0], [10.0, 11.0, 1.0]])
     assert affine_rows(X, off, CAUSAL).shape == (6, 3)
+
+
+def _unsampled_pair(off: np.ndarray) -> tuple[int, int]:
+    """Two windows of the same length none of whose token rows the sampled fingerprint reads
+    (identity._hash_dataset's blocks of one row with the constants the test sets)."""
+    n = int(off[-1])
+    seen = {0, n - 1, *(int(s) for s in np.linspace(0, n - 1, identity._SAMPLED_BLOCKS))}
+    free: dict[int, int] = {}
+    for i in range(off.size - 1):
+        if not seen.intersection(range(off[i], off[i + 1])):
+            L = int(off[i + 1] - off[i])
+            if L in free:
+                return free[L], i
+            free[L] = i
+    raise AssertionError("no two unsampled windows of one length")
+
+
+@pytest.mark.parametrize("layout", ["last", "bidirectional"])
+def test_every_window_of_the_wide_file_is_checked_at_any_size(tmp_path: Path, layout: str,
+                                                              monkeypatch: pytest.MonkeyPatch,
+                                                              capsys: pytest.CaptureFixture[str]) -> None:
+    """The issue's row: a wide file above the fingerprint's sampling cut (the cut lowered here) with windows swapped
+    outside the sampled rows has the recorded (sampled) fingerprint, yet fit and predict refuse it (exit 2): every
+    window is checked against its digest as the pass reads it. The right file fits and predicts as before."""
+    monkeypatch.setattr(identity, "FULL_FINGERPRINT_BYTES", 1024)
+    monkeypatch.setattr(identity, "_BLOCK_BYTES", 40 * 16)  # rows of D = 5 float64: sampled blocks of one row
+    wide, red, dat = reduced(tmp_path, layout, 11, n_seq=400)
+    assert formats.source_identity(wide)["fingerprint_scope"] == "shapes, offsets and sampled rows"
+    m = tmp_path / "m.h5"
+    assert run(["fit", str(red), "-o", str(m), "--affine-from", str(wide), "--ridge", "1e-8", "-q"]) == 0
+    assert run(["predict", str(m), str(red), "-o", str(tmp_path / "p.h5"), "--affine-from", str(wide), "-q"]) == 0
+    capsys.readouterr()
+    i, j = _unsampled_pair(dat["off"])
+    before = formats.source_identity(wide)["fingerprint"]
+    with h5py.File(wide, "r+") as f:
+        X = f["tokens"][...]
+        a, b = slice(dat["off"][i], dat["off"][i + 1]), slice(dat["off"][j], dat["off"][j + 1])
+        X[a], X[b] = X[b].copy(), X[a].copy()
+        f["tokens"][...] = X
+    assert formats.source_identity(wide)["fingerprint"] == before  # the sampled fingerprint cannot see it
+    for argv in (["fit", str(red), "-o", str(tmp_path / "m2.h5"), "--affine-from", str(wide), "--ridge", "1e-8"],
+                 ["predict", str(m), str(red), "-o", str(tmp_path / "p2.h5"), "--affine-from", str(wide)],
+                 ["featurize", str(red), "-o", str(tmp_path / "f.h5"), "--affine-from", str(wide), "--shard",
+                  f"{i * 4 // 400}/4"]):
+        assert run(argv) == 2, argv[0]
+        err = capsys.readouterr().err
+        assert f"window {min(i, j) if argv[0] != 'featurize' else i}" in err and err.count("\n") == 1, err
+    assert not (tmp_path / "m2.h5").exists() and not (tmp_path / "p2.h5").exists()
+
+
+def test_a_reduced_file_without_window_digests(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An older mhla reduce's file (no digests): taken when its recorded fingerprint covers all data, refused
+    (with the remedy) when it was sampled."""
+    wide, red, _ = reduced(tmp_path, "last", 12)
+    with h5py.File(red, "r+") as f:
+        del f[formats.REDUCE_DIGESTS]
+    assert featurize(red, affine_from=wide).affine.width == 5
+    monkeypatch.setattr(identity, "FULL_FINGERPRINT_BYTES", 1024)
+    wide, red, _ = reduced(tmp_path, "last", 13, n_seq=400)
+    assert WideSource.open(wide, red).digests is not None
+    with h5py.File(red, "r+") as f:
+        del f[formats.REDUCE_DIGESTS]
+    with pytest.raises(InputError, match="--like"):
+        WideSource.open(wide, red)

@@ -397,6 +397,26 @@ def test_rotated_directions_are_resolved_above_sqrt_d_eps_and_called_unresolvabl
     assert basis.unresolved(f.token_gram) == 0 and "always 0" in " ".join(certify(f).reasons)
 
 
+def test_unresolved_canonical_counts_where_the_whitening_left_directions() -> None:
+    """The count in the canonical coordinates: an eigenvalue of A^T G A just inside UNRESOLVED_CANONICAL (of the
+    largest) is an unresolved direction, just outside it is none; exact-zero coordinates are none; and on data it
+    agrees with the whitening's own count (basis.unresolved) where that count is not flaky."""
+    R = np.linalg.qr(np.random.default_rng(3).standard_normal((3, 3)))[0]
+    cut = basis.UNRESOLVED_CANONICAL
+    for w3, k in ((0.99 * cut, 1), (1.01 * cut, 0), (0.0, 1), (1e-17, 1), (0.5, 0)):
+        G = R @ np.diag([1.0, 1.0, w3]) @ R.T
+        assert basis.unresolved_canonical(7.0 * G) == k, w3
+    Z = np.diag([1.0, 0.0, 1e-20])  # coordinate 1 exactly zero: not counted; coordinate 2 unresolved
+    assert basis.unresolved_canonical(Z) == 1 and basis.unresolved_canonical(np.zeros((3, 3))) == 0
+    X, off, y = _gauss(31)
+    from mhla_cli.statistics.stream import chunk_features
+
+    R4 = np.linalg.qr(np.random.default_rng(8).standard_normal((4, 4)))[0]
+    for s, k in ((1e-6, 0), (1e-10, 1)):
+        f = chunk_features((X * np.array([1.0, 1.0, 1.0, s])) @ R4, off, y, 4)
+        assert basis.unresolved_canonical(f.basis_token_gram) == basis.unresolved(f.token_gram) == k, s
+
+
 def test_equilibrated_whitening_and_transition_are_exact_for_scaled_grams() -> None:
     """whitening takes a diagonal scaling out exactly (A^T G A = I to 1e-12 at scales 1e-12..1e12, A
     float32-valued after its power-of-2 scaling); a well-scaled G keeps the symmetric inverse square

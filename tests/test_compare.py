@@ -143,3 +143,107 @@ def test_training_data_that_do_not_determine_the_function_are_said_so(tmp_path: 
     assert out["judged_by"] == "training data" and out["measured_on"] == "a"
     assert out["training_data_identifiable"] is False and out["function_change"] < 1e-10
     assert out["relative_distance"] > 1e-2 and "do not determine the function" in cap.err
+
+
+def _windows(rng: np.random.Generator, n_seq: int, d: int) -> tuple[np.ndarray, np.ndarray]:
+    off = np.concatenate([[0], np.cumsum(rng.integers(3, 7, size=n_seq))]).astype(np.int64)
+    return rng.standard_normal((int(off[-1]), d)), off
+
+
+def _write(path: Path, X: np.ndarray, off: np.ndarray, Y: np.ndarray, attention: str | None = None) -> Path:
+    import h5py
+
+    with h5py.File(path, "w") as f:
+        f["tokens"], f["offsets"], f["targets"] = X, off, Y
+        if attention is not None:
+            f.attrs["attention"] = attention
+    return path
+
+
+def _numpy_outputs(coef: np.ndarray, X: np.ndarray, off: np.ndarray, layout: str) -> np.ndarray:
+    """coef . H(S, x) at every sample of `layout` on materialised features (tests/_reference.py)."""
+    import _reference as ref
+
+    pp = layout != "last"
+    return np.stack([coef @ ref.features(Xs) for Xs, _, _ in ref.samples(X, off, pp, None,
+                                                                         attention=layout if pp else "causal")])
+
+
+@pytest.mark.parametrize("layout", ["bidirectional", "causal"])
+def test_compare_on_scores_every_position_of_a_per_position_model(tmp_path: Path, layout: str,
+                                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    """Issue 43: A fitted at every position (an encoder's windows, or a decoder's prefixes), B at the last position
+    only, on 12 windows it interpolates (N < psi): they agree at the last positions of those windows and nowhere
+    else. `compare --on` scores the positions A's layout scores: the relative RMS difference there is numpy's on
+    the materialised features, the verdict "different" (exit 1), and it agrees with the function change."""
+    from mhla_cli.model.forward import predict_samples
+    from mhla_cli.model.model import Model
+    from mhla_cli.samples import LAST, named
+
+    rng = np.random.default_rng(43)
+    d = 3
+    teacher = synthetic.random_teacher(d, 2, rng)
+    X, off = _windows(rng, 60, d)
+    big = _write(tmp_path / "big.h5", X, off, predict_samples(teacher, X, off, named(layout)), layout)
+    Z, zoff = _windows(rng, 12, d)
+    small = _write(tmp_path / "small.h5", Z, zoff, predict_samples(teacher, Z, zoff, LAST))
+    a, b = tmp_path / "a.h5", tmp_path / "b.h5"
+    assert run(["fit", str(big), "-o", str(a), "-q"]) == 0
+    assert run(["fit", str(small), "-o", str(b), "-q"]) == 0
+    capsys.readouterr()
+    ma, mb = Model.load(a), Model.load(b)
+    ya, yb = _numpy_outputs(ma.coef, Z, zoff, layout), _numpy_outputs(mb.coef, Z, zoff, layout)
+    want = np.sqrt(np.mean((ya - yb) ** 2)) / np.sqrt(np.mean(yb ** 2))
+    last = zoff[1:] - 1
+    assert np.abs(ya[last] - yb[last]).max() <= 1e-9 * np.abs(yb).max() and want > 0.05  # agree at the last only
+    for first, second in ((b, a), (a, b)):
+        assert run(["compare", str(first), str(second), "--on", str(small), "--json"]) == 1
+        cap = capsys.readouterr()
+        res = json.loads(cap.out)
+        assert res["same"] is False and res["judged_by"] == "data" and res["scored_as"] == [layout]
+        assert res["n_scored"] == int(zoff[-1]) and res["n_samples"] == 12
+        yref = yb if second == b else ya
+        rel = np.sqrt(np.mean((ya - yb) ** 2)) / np.sqrt(np.mean(yref ** 2))
+        assert abs(res["relative_rms_difference"] - rel) <= 1e-9 * rel
+        assert "different functions" in cap.err and "every" in cap.err
+    # two last-token models score the last tokens: B against itself refitted, the same function
+    assert run(["compare", str(b), str(b), "--on", str(small), "--json", "-q"]) == 0
+    res = json.loads(capsys.readouterr().out)
+    assert res["scored_as"] == ["last"] and res["n_scored"] == 12 and res["relative_rms_difference"] == 0
+
+
+def test_the_verdict_never_contradicts_the_function_change(tmp_path: Path, capsys: pytest.CaptureFixture[str]
+                                                           ) -> None:
+    """A and B differ only on features that --on DATA never excite (its tokens' last coordinate is 0): equal
+    outputs there, but a function change of 0.3 on B's training data. The verdict is "different" (exit 1) and
+    says why; the data's own numbers are kept."""
+    from mhla_cli.model.model import Model
+    from mhla_cli.model.heads import W_from_p
+
+    rng = np.random.default_rng(7)
+    d = 2
+    X, off = _windows(rng, 80, d)
+    data = _write(tmp_path / "d.h5", X, off, rng.standard_normal((80, d)))
+    b = tmp_path / "b.h5"
+    assert run(["fit", str(data), "-o", str(b), "-q"]) == 0
+    mb = Model.load(b)
+    k = 2 * d + 1  # S[1,1] x_1 (pairs (0,0), (0,1), (1,1), l fastest): zero where x[:, 1] = 0
+    coef = mb.coef.copy()
+    coef[:, k] += 0.5 * np.abs(coef).max()
+    import dataclasses
+
+    ma = dataclasses.replace(mb, coef=coef, W=W_from_p(coef), coef_b=None, basis=None)
+    a = tmp_path / "a.h5"
+    ma.save(a)
+    Z, zoff = _windows(rng, 10, d)
+    Z[:, 1] = 0.0
+    on = _write(tmp_path / "z.h5", Z, zoff, np.zeros((10, d)))
+    capsys.readouterr()
+    assert run(["compare", str(a), str(b), "--on", str(on), "--json"]) == 1
+    cap = capsys.readouterr()
+    res = json.loads(cap.out)
+    assert res["relative_rms_difference"] <= 1e-12 and res["function_change"] > 1e-2
+    assert res["same"] is False and res["training_data_differ"] is True and "differ by" in cap.err
+    # the data and the training data agree: the same
+    assert run(["compare", str(b), str(b), "--on", str(on), "--json", "-q"]) == 0
+    assert json.loads(capsys.readouterr().out)["training_data_differ"] is False

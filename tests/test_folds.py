@@ -128,7 +128,8 @@ def test_load_folds_refuses_inconsistent_folds(data: tuple[Path, synthetic.Datas
     cases = {
         "gram_sum": ("fold_gram", bump, "do not sum to 'gram'"),
         "n_sum": ("fold_n_samples", lambda n: n + np.array([1, 0, 0]), "do not sum to n_samples"),
-        "n_zero": ("fold_n_samples", lambda n: np.array([n[0] + n[1], 0, n[2]]), "do not sum to n_samples"),
+        # a fold of no sample with weight: an empty fold has weight totals 0
+        "n_zero": ("fold_n_samples", lambda n: np.array([n[0] + n[1], 0, n[2]]), r"0 for a fold of no sample"),
         "shape": ("fold_moments", lambda m: m[:2], r"'fold_moments' has shape"),
         "nan": ("fold_token_gram", lambda t: t * np.nan, "NaN"),
         "one_fold": (None, None, "needs >= 2"),
@@ -318,3 +319,43 @@ def test_load_folds_refuses_inconsistent_fold_bases(data: tuple[Path, synthetic.
         del f["fold_basis_gram"]
     with pytest.raises(InputError, match="incomplete"):
         load_folds(partial)
+
+
+def test_an_empty_fold_is_skipped_and_said(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Issue 43 row 8: fold 1 of 5 holds only weight-0 samples. `featurize --folds 5` writes it (zero sums), and
+    `fit --ridge auto` (from the folds file and from the tokens file) skips it with a warning: its CV path is
+    numpy's 4-fold CV of the data without those samples (the same four folds)."""
+    import json
+
+    from _reference import ridge_cv_path
+    from mhla_cli.cli import run
+
+    ds = _noisy_teacher(2, 100, 41)
+    w = np.ones(100)
+    w[20:40] = 0.0
+    data = tmp_path / "t.h5"
+    with h5py.File(data, "w") as f:
+        f["tokens"], f["offsets"], f["targets"], f["weights"] = ds.tokens, ds.offsets, ds.targets, w
+    feats = tmp_path / "f.h5"
+    assert run(["featurize", str(data), "--folds", "5", "-o", str(feats), "-q"]) == 0
+    folds = load_folds(feats)
+    assert [f.n_samples for f in folds] == [20, 0, 20, 20, 20] and folds[1].weight == 0
+    keep = np.r_[0:20, 40:100]
+    seqs = [ds.tokens[ds.offsets[i]:ds.offsets[i + 1]] for i in keep]
+    off = np.concatenate([[0], np.cumsum([len(s) for s in seqs])]).astype(np.int64)
+    for src in (feats, data):
+        capsys.readouterr()
+        assert run(["fit", str(src), "--ridge", "auto", "-o", str(tmp_path / "m.h5"), "--json"]) == 0
+        out = capsys.readouterr()
+        cv = json.loads(out.out)
+        assert cv["skipped_folds"] == [1] and cv["ridge_cv"]["n_folds"] == 4
+        assert "fold(s) 1 (0-based) have every weight 0" in out.err
+        grid = np.array([row["ridge"] for row in cv["ridge_cv"]["table"]])
+        ref = ridge_cv_path(np.concatenate(seqs), off, ds.targets[keep], 4, grid).mean(axis=1)
+        _same_choice(cv["ridge_cv"], ref, 1e-8)
+    # folds of which fewer than 2 hold samples: refused (exit 2)
+    w[20:] = 0.0
+    with h5py.File(data, "r+") as f:
+        f["weights"][...] = w
+    assert run(["fit", str(data), "--ridge", "auto", "-o", str(tmp_path / "m2.h5")]) == 2
+    assert "at least 2 folds that hold samples" in capsys.readouterr().err

@@ -374,6 +374,38 @@ def test_docs_links_stay_inside_the_repository() -> None:
     assert not bad, "; ".join(bad)
 
 
+# a markdown file named in code or a comment: docs/x.md, README.md, CHANGELOG.md, or a bare NAME.md
+_MD_NAME = re.compile(r"(?<![\w/.-])((?:[\w-]+/)*[\w-]+\.md)\b")
+
+
+def missing_markdown(py: Path, root: Path = ROOT) -> list[str]:
+    """The markdown files a Python file names that the repository does not hold (a bare name is looked for at
+    the root and in docs/)."""
+    bad = []
+    for name in sorted(set(_MD_NAME.findall(py.read_text(encoding="utf-8")))):
+        places = [root / name] if "/" in name else [root / name, root / "docs" / name]
+        if not any(p.exists() for p in places):
+            bad.append(f"{py.relative_to(root)}: {name}")
+    return bad
+
+
+def test_code_cites_only_files_of_the_repository() -> None:
+    synthetic = {"test_layout.py", "test_docs.py"}  # they name files of the trees they build
+    files = [p for folder in ("mhla_cli", "tests", "benchmarks", "examples", "experiments")
+             for p in sorted((ROOT / folder).rglob("*.py")) if p.name not in synthetic]
+    bad = [b for py in files for b in missing_markdown(py)]
+    assert not bad, "; ".join(bad)
+
+
+def test_missing_markdown_on_a_synthetic_tree(tmp_path: Path) -> None:
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "docs" / "a.md").write_text("x")
+    (tmp_path / "README.md").write_text("x")
+    py = tmp_path / "m.py"
+    py.write_text('"""See docs/a.md, a.md, README.md, docs/b.md and NOTES.md."""\n')
+    assert missing_markdown(py, tmp_path) == ["m.py: NOTES.md", "m.py: docs/b.md"]
+
+
 def test_outside_references_on_a_synthetic_tree(tmp_path: Path) -> None:
     (tmp_path / "docs").mkdir()
     (tmp_path / "docs" / "a.md").write_text("x")

@@ -242,3 +242,57 @@ def test_what_merge_keeps_and_what_it_does_not(tmp_path: Path, weak: float) -> N
     assert np.abs(fb.coef - fa.coef).max() <= bound * np.abs(fa.coef).max(), (cond,)
     pa, pb = predict(fa, X, off), predict(fb, X, off)
     assert np.abs(pb - pa).max() <= bound * np.abs(pa).max()
+
+
+def _with_empty_block(path: Path, lo: int, hi: int, N: int = 100, seed: int = 31) -> tuple:
+    """A weighted last-token file whose samples lo..hi all have weight 0 (a contiguous block: a whole shard)."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    off = np.concatenate([[0], np.cumsum(rng.integers(2, 7, N))]).astype(np.int64)
+    X = rng.standard_normal((int(off[-1]), 2)) + 0.3
+    y = rng.standard_normal((N, 2))
+    w = rng.uniform(0.5, 2.0, N)
+    w[lo:hi] = 0.0
+    with h5py.File(path, "w") as f:
+        f["tokens"], f["offsets"], f["targets"], f["weights"] = X, off, y, w
+    return X, off, y, w
+
+
+def test_an_empty_shard_adds_nothing(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Issue 43 row 8: a shard whose weights are all 0 is written (exit 0, zero sums) and merges; the merge of all
+    shards (with or without --allow-partial) is the whole file's statistics (numpy's sums of the materialised
+    features) and bitwise the partial merge of the non-empty shards; the empty shard alone is no data to certify
+    or fit (exit 2), and neither is a merge of empty shards only."""
+    import numpy as np
+
+    data = tmp_path / "t.h5"
+    X, off, y, w = _with_empty_block(data, 25, 50)
+    parts = make_parts(data, tmp_path, 4)  # shard 1/4 is samples 25..50: every weight 0
+    empty = Features.load(parts[1], part=True)
+    assert empty.n_samples == 0 and empty.weight == 0 and not np.any(empty.gram) and not np.any(empty.moments)
+    H = np.stack([np.concatenate([[X[a:b].T @ X[a:b]][0][np.triu_indices(2)][:, None] * X[b - 1][None, :]]).ravel()
+                  for a, b in zip(off[:-1], off[1:])])
+    merged = tmp_path / "all.h5"
+    for extra in ([], ["--allow-partial"]):
+        assert run(["merge", *map(str, parts), "-o", str(merged), "-q", *extra]) == 0
+        m = Features.load(merged)
+        assert m.n_samples == 75 and m.weight == pytest.approx(w.sum(), rel=1e-15)
+        np.testing.assert_allclose(m.gram, (H * w[:, None]).T @ H, rtol=0, atol=1e-12 * np.abs(H).max() ** 2 * w.sum())
+        np.testing.assert_allclose(m.moments, (H * w[:, None]).T @ y, rtol=0, atol=1e-12 * np.abs(H).max() * w.sum())
+        assert_same_stats(m, featurize(data))
+    assert run(["merge", *map(str, parts[:1] + parts[2:]), "-o", str(tmp_path / "p.h5"), "-q", "--allow-partial"]) == 0
+    p = Features.load(tmp_path / "p.h5")
+    for k in ("gram", "moments", "token_gram", "last_token_gram", "target_gram", "target_sum"):
+        assert np.array_equal(getattr(p, k), getattr(m, k)), k
+    capsys.readouterr()
+    assert run(["inspect", str(parts[1]), "--json"]) == 0  # a valid file: an empty part
+    assert json.loads(capsys.readouterr().out)["n_samples"] == 0
+    for argv in (["certify", str(parts[1])], ["fit", str(parts[1]), "-o", str(tmp_path / "m.h5")],
+                 ["merge", str(parts[1]), "-o", str(tmp_path / "e.h5"), "--allow-partial"]):
+        assert run(argv) == 2, argv
+        assert "no sample" in capsys.readouterr().err
+    whole = tmp_path / "z.h5"
+    _with_empty_block(whole, 0, 100)
+    assert run(["featurize", str(whole), "-o", str(tmp_path / "zf.h5")]) == 2  # a whole file of no weight
+    assert "no sample" in capsys.readouterr().err

@@ -16,7 +16,7 @@ import pytest
 
 from mhla_cli.model import synthetic
 from mhla_cli.cli import run
-from mhla_cli.numerics import EPS, numerical_tolerance
+from mhla_cli.numerics import EPS, lambda_min_of_verdict, numerical_tolerance
 from mhla_cli.solve.certificate import Certificate, certify
 from mhla_cli.solve.lstsq import fit
 from mhla_cli.statistics.stream import featurize
@@ -168,6 +168,91 @@ def test_observed_subspace_of_rank_3_float64(tmp_path: Path) -> None:
 def test_numerical_tolerance_rule() -> None:
     assert numerical_tolerance(2.0, 10) == 10 * EPS * 2.0
     assert numerical_tolerance(-1.0, 10) == 0.0
+
+
+def test_lambda_min_of_verdict_cuts_at_the_threshold() -> None:
+    """The estimate stands where it agrees with the proven verdict; just across the threshold it is the bound."""
+    t = 3.24e-13
+    above, below = np.nextafter(t, np.inf), np.nextafter(t, -np.inf)
+    assert lambda_min_of_verdict(above, t, True) == (above, None)  # just inside: a passing verdict, above t
+    assert lambda_min_of_verdict(t, t, True) == (t, "above")  # just outside: at t is no value of a passing one
+    assert lambda_min_of_verdict(below, t, True) == (t, "above")
+    assert lambda_min_of_verdict(t, t, False) == (t, None)  # just inside: at t agrees with a failing verdict
+    assert lambda_min_of_verdict(above, t, False) == (t, "at_most")  # just outside
+    assert lambda_min_of_verdict(3.68e-13, t, False) == (t, "at_most")  # the cluster's case of issue 43
+    assert lambda_min_of_verdict(-1e-14, t, False) == (-1e-14, None)
+    assert lambda_min_of_verdict(float("nan"), t, True) == (t, "above")
+
+
+def _check_consistent(rep: dict) -> None:
+    """lambda_min beside a failing verdict is never above the threshold, beside a passing one never below."""
+    if rep["identifiable"]:
+        assert rep["lambda_min"] >= rep["threshold"] and rep["margin"] >= 0, rep
+    else:
+        assert rep["lambda_min"] <= rep["threshold"] and rep["margin"] <= 0, rep
+    assert (rep["lambda_min_bound"] is None) == ("lambda_min_estimate" not in rep)
+    if rep["lambda_min_bound"] is not None:
+        assert rep["lambda_min"] == rep["threshold"]
+        assert rep["lambda_min_bound"] == ("above" if rep["identifiable"] else "at_most")
+        assert (rep["lambda_min_estimate"] > rep["threshold"]) != rep["identifiable"]
+
+
+def test_lambda_min_never_contradicts_the_verdict_at_the_threshold(tmp_path: Path, capsys) -> None:
+    """--min-eig at the computed lambda_min, a few ulps either side: the Cholesky of Lambda~ - t I decides, the
+    dense eigenvalue may fall on the other side of t; the reported lambda_min always agrees with the verdict
+    (library and CLI), and the estimate is kept beside the bound."""
+    tokens, offsets = _ragged(np.random.default_rng(5), 200, 3)
+    path = tmp_path / "d.h5"
+    with h5py.File(path, "w") as f:
+        f["tokens"], f["offsets"] = tokens, offsets
+    feats = featurize(path)
+    lmin = certify(feats).lambda_min
+    bounds = set()
+    for k in range(-12, 13):
+        t = lmin * (1 + k * EPS)
+        cert = certify(feats, min_eig=t)
+        rep = cert.to_dict()
+        _check_consistent(rep)
+        bounds.add(rep["lambda_min_bound"])
+        assert run(["certify", str(path), "--json", "-q", "--min-eig", repr(t)]) == (0 if cert.identifiable else 1)
+        _check_consistent(json.loads(capsys.readouterr().out))
+    # the sweep crosses the threshold: both verdicts occur
+    assert certify(feats, min_eig=lmin * (1 - 64 * EPS)).identifiable
+    assert not certify(feats, min_eig=lmin * (1 + 64 * EPS)).identifiable
+
+
+def test_a_contradicting_estimate_is_reported_as_the_bound(tmp_path: Path, capsys, monkeypatch) -> None:
+    """An estimate on the wrong side of the threshold (as Lanczos near 0 gave on a cluster, issue 43): certify and
+    fit report the threshold with the bound the verdict proves, the text says so, the JSON keeps the estimate."""
+    tokens, offsets = _ragged(np.random.default_rng(2), 300, 3)
+    tokens[:, 2] = 0
+    path = tmp_path / "bad.h5"
+    with h5py.File(path, "w") as f:
+        f["tokens"], f["offsets"], f["targets"] = tokens, offsets, np.ones((len(offsets) - 1, 3))
+    cert = certify(featurize(path))
+    assert not cert.identifiable and cert.lambda_min_bound is None and cert.lambda_min <= cert.threshold
+    wrong = 1.1 * cert.threshold
+    monkeypatch.setattr(factorization.Factorization, "lambda_min", lambda self: wrong)
+    assert run(["certify", str(path), "--json"]) == 1
+    out, err = capsys.readouterr()
+    rep = json.loads(out.strip().splitlines()[-1])
+    _check_consistent(rep)
+    assert rep["lambda_min_bound"] == "at_most" and rep["lambda_min_estimate"] == wrong
+    assert "lambda_min <= " in err and "is not resolved against the threshold" in err
+    assert run(["fit", str(path), "-o", str(tmp_path / "m.h5"), "--json"]) == 0
+    out, err = capsys.readouterr()
+    info = json.loads(out.strip().splitlines()[-1])
+    assert not info["identifiable"] and info["lambda_min_bound"] == "at_most" and "lambda_min <=" in err
+    assert info["lambda_min"] == pytest.approx(info["n_features"] * EPS * info["lambda_max"], rel=1e-12)
+    good = tmp_path / "good.h5"
+    tokens[:, 2] = np.random.default_rng(3).standard_normal(len(tokens))
+    with h5py.File(good, "w") as f:
+        f["tokens"], f["offsets"] = tokens, offsets
+    monkeypatch.setattr(factorization.Factorization, "lambda_min", lambda self: -1.0)
+    assert run(["certify", str(good), "--json", "-q"]) == 0
+    rep = json.loads(capsys.readouterr().out)
+    _check_consistent(rep)
+    assert rep["lambda_min_bound"] == "above" and rep["lambda_min"] == rep["threshold"]
 
 
 # --------------------------------------------------------------------------------------------

@@ -13,6 +13,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import _reference as ref
 from mhla_cli.model import scores, synthetic
 from mhla_cli.cli import run
 from mhla_cli.api.estimator import MHLA
@@ -265,9 +266,47 @@ def test_tiny_targets_predict_and_fit(tmp_path: Path, capsys: pytest.CaptureFixt
                     "--json"]) == 0
         outs[path.stem] = json.loads(capsys.readouterr().out)
     assert outs["s"]["r2"] == pytest.approx(outs["t"]["r2"], rel=1e-12) and 0.9 < outs["t"]["r2"] < 1
-    assert run(["fit", str(small), "-o", str(tmp_path / "m2.h5"), "--json"]) == 0
+    # a features file holds those squares as 0: its train R^2 is null with that reason (a warning)
+    assert run(["featurize", str(small), "-o", str(tmp_path / "fs.h5"), "-q"]) == 0
+    assert run(["fit", str(tmp_path / "fs.h5"), "-o", str(tmp_path / "m2.h5"), "--json"]) == 0
     cap = capsys.readouterr()
     fit = json.loads(cap.out)
     assert fit["train_r2"] is None and fit["targets_underflow"] is True
     assert "too small for float64's sums of squares" in cap.err and "R^2 null" in cap.err
     assert fit["mse_resolution"] >= 1e-293
+    # fit on the tokens file scores them as predict does (issue 43 row 9): predict's R^2, no warning
+    assert run(["fit", str(small), "-o", str(tmp_path / "m3.h5"), "--json"]) == 0
+    cap = capsys.readouterr()
+    fit = json.loads(cap.out)
+    assert fit["train_r2"] == pytest.approx(outs["t"]["r2"], rel=1e-10) and fit["train_scored_on"] == "data"
+    assert "too small" not in cap.err
+
+
+@pytest.mark.parametrize("scale", [1e-160, 1.0, 1e98])  # 1e98: targets below the 1e100 mhla accepts
+@pytest.mark.parametrize("layout", ["last", "causal"])
+def test_fit_r2_at_any_target_scale(tmp_path: Path, capsys: pytest.CaptureFixture[str], scale: float,
+                                    layout: str) -> None:
+    """Issue 43 row 9: `fit --json`'s train R^2 is numpy's R^2 of the written model's outputs at targets x 1e-160
+    (whose squares underflow the statistics: scored on the data), x 1 and x 1e98 (targets above 1e100 are refused),
+    weighted, last-token and
+    per-position (causal) samples."""
+    rng = np.random.default_rng(9)
+    lengths = rng.integers(2, 6, 150)
+    off = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+    X = rng.standard_normal((int(off[-1]), 2)) + 0.2
+    per = layout == "causal"
+    smp = ref.samples(X, off, per_position=per)
+    H = np.stack([np_H(Z) for Z, _, _ in smp])
+    Y = (H @ rng.standard_normal((H.shape[1], 2)) * 0.3 + rng.standard_normal((H.shape[0], 2))) * scale
+    w = rng.uniform(0.2, 2.0, H.shape[0])
+    data = tmp_path / "x.h5"
+    with h5py.File(data, "w") as f:
+        f["tokens"], f["offsets"], f["targets"], f["weights"] = X, off, Y, w
+        if per:
+            f.attrs["attention"] = "causal"
+    fit = cli_json(capsys, "fit", str(data), "-o", str(tmp_path / "m.h5"))
+    with h5py.File(tmp_path / "m.h5") as f:
+        coef = f["coef"][()]
+    want = np_r2(H @ coef.T / scale, Y / scale, w)  # in units of the scale: numpy's squares do not underflow
+    assert 0.5 < want < 0.99
+    assert fit["train_r2"] == pytest.approx(want, rel=1e-9)

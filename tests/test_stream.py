@@ -59,3 +59,21 @@ def test_without_targets(tmp_path: Path) -> None:
     feats = featurize(write_tokens(tmp_path / "nt.h5", X))
     assert not feats.has_targets and feats.moments is None
     assert feats.gram.shape == (6, 6)
+
+
+def test_data_kind_routes_a_store_and_files(tmp_path: Path) -> None:
+    """A Zarr store (by its suffix, a directory) is features data, read on one machine by load_features (fit and
+    certify without --scheduler); an HDF5 file is its own kind; a plain directory is refused as before."""
+    from mhla_cli.errors import InputError
+    from mhla_cli.statistics.stream import data_kind
+
+    (tmp_path / "f.zarr").mkdir()
+    assert data_kind(tmp_path / "f.zarr") == "features" and data_kind(str(tmp_path / "f.zarr") + "/") == "features"
+    rng = np.random.default_rng(0)
+    tokens = write_tokens(tmp_path / "t.h5", rng.standard_normal((5, 3, 2)))
+    assert data_kind(tokens) == "tokens"
+    featurize(tokens).save(tmp_path / "f.h5")
+    assert data_kind(tmp_path / "f.h5") == "features"
+    (tmp_path / "plain").mkdir()
+    with pytest.raises(InputError, match="is a directory"):
+        data_kind(tmp_path / "plain")

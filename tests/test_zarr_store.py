@@ -180,3 +180,35 @@ def test_a_store_at_an_fsspec_url(local, data: Path) -> None:
     back = load_features(url)
     assert np.abs(spectrum(back) - spectrum(featurize(data, spans="off"))).max() <= 1e-12 * spectrum(back)[-1]
     assert zarr_store.is_store(url) and not zarr_store.is_store("feats.h5")
+
+
+def test_an_empty_shard_merges(local, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Issue 43 row 8 on a cluster: a shard whose weights are all 0 is a store of zero sums (exit 0) that merges;
+    the merge of the shards is the whole file's statistics; the empty store alone is no data (exit 2)."""
+    import h5py
+
+    cl, _ = local
+    ds, _ = synthetic.generate_teacher(3, 2, 90, "2:6", seed=12)
+    path = tmp_path / "w.h5"
+    ds.save(path, dtype="float64")
+    with h5py.File(path, "r+") as f:
+        w = np.ones(90)
+        w[30:60] = 0.0
+        if "weights" in f:
+            del f["weights"]
+        f["weights"] = w
+    parts = [tmp_path / f"p{i}.zarr" for i in range(3)]
+    for i, p in enumerate(parts):
+        assert run(["featurize", str(path), "--scheduler", cl.scheduler_address, "--shard", f"{i}/3", "-o", str(p),
+                    "-q"]) == 0
+    merged = tmp_path / "m.zarr"
+    assert run(["merge", *map(str, parts), "-o", str(merged), "-q"]) == 0
+    a, b = load_features(merged), featurize(path)
+    a.to_basis(b.basis)
+    assert a.n_samples == b.n_samples == 60 and a.weight == b.weight
+    assert np.abs(a.basis_gram - b.basis_gram).max() <= 1e-12 * np.abs(b.basis_gram).max()
+    capsys.readouterr()
+    assert run(["certify", str(parts[1])]) == 2
+    assert "no samples" in capsys.readouterr().err
+    assert run(["merge", str(parts[1]), "-o", str(tmp_path / "e.zarr"), "--allow-partial", "-q"]) == 2
+    assert "no sample" in capsys.readouterr().err

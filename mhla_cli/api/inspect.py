@@ -107,7 +107,7 @@ def _validate(path: str | os.PathLike, kind: str) -> dict[str, Any]:
                 "dtype": info.dtype, "has_targets": info.has_targets, "per_position": info.per_position,
                 "attention": info.attention, "has_weights": info.has_weights, "d_out": info.out_dim}
     if kind == "features":
-        feats = Features.load(path)
+        feats = Features.load(path, part=True)  # an empty part (a shard of no weight) is a valid file
         return {"d": feats.d, "n_samples": feats.n_samples, "n_features": feats.n_features,
                 "n_tokens": feats.n_tokens, "has_targets": feats.has_targets,
                 "sample_range": list(feats.sample_range) if feats.sample_range else None,

@@ -24,11 +24,14 @@ from ..solve import affine_block, certificate, cluster, domains, lstsq
 from ..solve import spectrum
 from ..errors import InputError
 from ..numerics import TARGET_SQUARES_FLOOR
+from ..bias_terms import token_mean
 from ..model.heads import Heads
+from ..statistics.basis import feature_scale
 from ..model.model import Model, affine_of
 from ..statistics.folds import load_folds
-from ..statistics.stream import Features, check_solve_memory
+from ..statistics.stream import Features, check_solve_memory, data_kind
 from ..statistics.tiled_gram import TiledStatistics
+from ..statistics.zarr_store import is_store
 
 
 class RequestError(InputError):
@@ -79,8 +82,8 @@ def check_fit_options(ridge: float | str = 0.0, heads: int | str | None = None,
 
 
 def check_fit_targets(data: str | os.PathLike) -> None:
-    """A tokens file must have targets to be fitted (a features file is checked by `fit`)."""
-    if formats.kind_of(data) == "tokens" and not inspect_tokens(data).has_targets:
+    """A tokens file must have targets to be fitted (a features file or Zarr store is checked by `fit`)."""
+    if data_kind(data) == "tokens" and not inspect_tokens(data).has_targets:
         raise InputError("has no 'targets': fit needs (X, y) pairs", data)
 
 
@@ -96,7 +99,8 @@ def check_fit_file(data: str | os.PathLike, ridge: float | str = 0.0, heads: int
                        lowrank=heads is not None or nuclear is not None, chunk_size=chunk_size, attention=attention,
                        bias_terms=bias_terms)
     if needs_folds(ridge, heads, nuclear):
-        if formats.kind_of(data) == "features" and load_folds(data) is None:
+        # a Zarr store holds no per-fold statistics (featurize --folds writes an HDF5 features file)
+        if data_kind(data) == "features" and (is_store(data) or load_folds(data) is None):
             raise RequestError("auto_without_folds", data)
         if normalize not in (None, "none"):
             raise RequestError("auto_with_normalize")
@@ -118,6 +122,12 @@ def fit(feats: Features | Any, ridge: float | str = 0.0, heads: int | str | None
     then a tokens file, a Zarr features store or statistics tiled there (statistics.tiled_gram).
     """
     check_fit_options(ridge, heads, nuclear)
+    skipped: list[int] = []
+    if folds:  # folds of no weight (every weight 0) are skipped: they hold no held-out error
+        folds, skipped = ridge_cv.weighted_folds(folds)
+        if len(folds) < 2:
+            raise InputError(f"cross-validation needs at least 2 folds that hold samples; {len(skipped)} of the "
+                             f"{len(folds) + len(skipped)} folds have every weight 0")
     if scheduler is not None or isinstance(feats, TiledStatistics):
         if heads is not None or nuclear is not None or ridge == "auto" or device is not None:
             raise InputError("on a cluster the fit is least squares with a ridge >= 0 on the workers' CPUs: no "
@@ -152,10 +162,28 @@ def fit(feats: Features | Any, ridge: float | str = 0.0, heads: int | str | None
     if feats.source is not None:  # the data's identity (with their reduction's maps: export-heads --unreduce)
         model.info["data_source"] = dict(feats.source)
     model.info["train_r2"] = scores.train_r2(feats, model.info["train_mse"])
+    if skipped:
+        model.info["skipped_folds"] = skipped  # fit_warnings says so
     if scores.targets_underflow(feats):
         model.info["targets_underflow"] = True  # fit_warnings says why the train R^2 is null
     check_representable(model, feats)
     return model
+
+
+def score_on_data(model: Model, data: str | os.PathLike, chunk_size: int | None = None,
+                  affine_from: str | os.PathLike | None = None) -> dict[str, Any]:
+    """The train R^2 and MSE of `model` scored on its tokens file `data` by one prediction pass (predict's
+    mhla_cli.model.scores.Spread: resolved at any scale of the targets), for statistics whose targets' squares
+    underflow float64 (scores.targets_underflow); {"train_r2", "train_mse", "train_scored_on": "data"}, or {} when
+    the pass scores nothing (no targets). The samples scored are those of the fit (its layout, weights)."""
+    from ..model.forward import fitted_samples, predict_file
+    from ..samples import CAUSAL
+
+    res = predict_file(model, data, chunk_size=chunk_size, causal=fitted_samples(model) is CAUSAL,
+                       affine_from=affine_from)
+    if res.n_scored is None or res.mse is None:
+        return {}
+    return {"train_r2": res.r2, "train_mse": float(res.mse), "train_scored_on": "data"}
 
 
 def check_representable(model: Model, feats: Features) -> None:
@@ -189,7 +217,10 @@ def fit_warnings(info: dict[str, Any], ridge_name: str = "a ridge penalty") -> l
     small = ([f"the targets are too small for float64's sums of squares (mean square below "
               f"{TARGET_SQUARES_FLOOR:.3g}: they underflow): the train MSE and R^2 from the statistics are not "
               "resolved (R^2 null); `mhla predict` scores the data scale-free, or rescale the targets"]
-             if info.get("targets_underflow") else [])
+             if info.get("targets_underflow") and info.get("train_scored_on") != "data" else [])
+    if info.get("skipped_folds"):
+        small.append(f"fold(s) {', '.join(str(k) for k in info['skipped_folds'])} (0-based) have every weight 0: "
+                     "the cross-validation skipped them")
     if info.get("method", "lstsq") != "lstsq":
         return small + lowrank.solver_warnings(info)
     ridge = float(info.get("ridge", 0.0))
@@ -236,14 +267,20 @@ def export_heads(model: Model, tol: float = 1e-12, max_heads: int | str | None =
     """
     check_export_options(max_heads, fewest)
     fn = canonical.canonical_function(model)
+    bias = bool(model.info.get("bias_terms"))
+    if bias and fn.basis is not None:  # centred heads: float64 accuracy however far the tokens are from 0
+        fn.centre = token_mean(fn.basis)
     if fewest:
         heads = lowrank.fewest_heads(fn)
     elif max_heads == "auto":
         heads = spectrum.outlier_heads(fn)
     else:
         heads = canonical.truncated_heads(fn, tol=tol, max_heads=max_heads)
-    if model.info.get("bias_terms"):  # heads of the tokens (x, 1): the heads of x and their bias terms
-        heads = heads_mod.with_bias_terms(heads)
+    if bias:  # heads of the tokens (x, 1): the heads of x and their bias terms
+        heads = heads_mod.with_bias_terms(heads, centre=fn.centre)
+        # the change of the function measured on the heads as written (the arrays, in the form predict evaluates)
+        c = canonical.coef_in_basis(heads, fn.basis) * feature_scale(fn.d)[None, :] / fn.scale
+        heads.info.update(fn.record(c))
     affine = affine_of(model)
     if affine is not None:  # the token-wise affine map of the wide tokens beside them (solve.affine_block)
         heads.affine_weight, heads.affine_bias = np.ascontiguousarray(affine[:, :-1]), np.array(affine[:, -1])

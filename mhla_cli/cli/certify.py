@@ -10,7 +10,7 @@ import typer
 
 from ..errors import InputError
 from ..numerics import DETERMINED_TOL, EPS, RANK_RULE, quote
-from .console import emit_json, fmt, load_with_progress, progress_bar, say, warn, working
+from .console import BOUND_SIGNS, emit_json, fmt, load_with_progress, progress_bar, say, warn, working
 from .options import (AffineFromOpt, AttentionOpt, BiasTermsOpt, ChunkOpt, DeviceOpt, JsonOpt, NormalizeOpt, QuietOpt,
                       SchedulerTimeoutOpt, about, check_hdf5_output, check_scheduler_timeout, on_cluster)
 
@@ -162,7 +162,7 @@ def _certify(data: Path, min_eig: float, domain: str, witness: Path | None, norm
     out["bias_terms"] = feats.bias_terms
     out["affine_width"] = None if feats.affine is None else feats.affine.width
     verdict = "identifiable" if cert.identifiable else "NOT identifiable"
-    say(f"{data}: {verdict} on the {domain} domain: lambda_min = {fmt(cert.lambda_min)}, "
+    say(f"{data}: {verdict} on the {domain} domain: {lambda_min_text(cert, '=')}, "
         f"lambda_max = {fmt(cert.lambda_max)}, threshold = {fmt(cert.threshold)}, rank {cert.rank}/"
         f"{cert.n_features}, N = {cert.n_samples}", quiet, style="green" if cert.identifiable else "red")
     if domain == "observed":
@@ -178,6 +178,15 @@ def _certify(data: Path, min_eig: float, domain: str, witness: Path | None, norm
         emit_json(out)
     if not cert.identifiable:
         raise typer.Exit(1)
+
+
+def lambda_min_text(cert: Any, sign: str) -> str:
+    """'lambda_min = x' (sign '=' or '~'), or, where the estimate contradicted the proven verdict, the bound
+    the verdict proves with the estimate beside it: 'lambda_min <= t (the estimate x is not resolved ...)'."""
+    if cert.lambda_min_bound is None:
+        return f"lambda_min {sign} {fmt(cert.lambda_min)}"
+    return (f"lambda_min {BOUND_SIGNS[cert.lambda_min_bound]} {fmt(cert.lambda_min)} (the estimate "
+            f"{fmt(cert.lambda_min_estimate)} is not resolved against the threshold; the proven verdict stands)")
 
 
 def _certify_cluster(data: Path, scheduler: str, min_eig: float, normalize: str | None, attention: str | None,
@@ -200,7 +209,7 @@ def _certify_cluster(data: Path, scheduler: str, min_eig: float, normalize: str 
     verdict = "identifiable" if cert.identifiable else "NOT identifiable"
     rank = f"rank {cert.rank}/{cert.n_features}" if cert.rank is not None else \
         f"rank not counted (an eigendecomposition) of {cert.n_features}"
-    say(f"{where}: {verdict} on the full domain (on the cluster): lambda_min ~ {fmt(cert.lambda_min)}, "
+    say(f"{where}: {verdict} on the full domain (on the cluster): {lambda_min_text(cert, '~')}, "
         f"lambda_max ~ {fmt(cert.lambda_max)} (Lanczos estimates), threshold = {fmt(cert.threshold)}, {rank}, "
         f"N = {cert.n_samples}", quiet, style="green" if cert.identifiable else "red")
     for name, rec in cert.estimates.items():

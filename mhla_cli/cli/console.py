@@ -146,15 +146,19 @@ def say_samples(feats: Features, data: Path, attention: str | None, quiet: bool)
             + (f", of {src}" if src else "") + " (docs/bias_terms.md)", quiet)
     if not feats.per_position:
         return
-    from ..io import formats
     from ..io.tokens import inspect_tokens
+    from ..statistics.stream import data_kind
 
-    default = (attention is None and formats.kind_of(data) == "tokens" and inspect_tokens(data).attention is None)
+    default = (attention is None and data_kind(data) == "tokens" and inspect_tokens(data).attention is None)
     say(f"  samples: {feats.samples.words}", quiet)
     if default:  # shown with --quiet too: the layout decides what the model is
         warn(f"{data} has per-position targets and no 'attention' attribute: read as causal by default (a "
              "decoder's prefixes, S of the tokens up to t); --attention bidirectional reads an encoder's windows "
              "(every position with the whole window's S)")
+
+
+# How lambda_min is written where its estimate contradicted the proven verdict (numerics.lambda_min_of_verdict).
+BOUND_SIGNS = {"at_most": "<=", "above": ">"}
 
 
 def load_with_progress(path: Path, chunk_size: int | None, quiet: bool,
@@ -164,13 +168,10 @@ def load_with_progress(path: Path, chunk_size: int | None, quiet: bool,
     """Features of a features or tokens file (with a progress bar when featurizing; a tokens file's per-position
     samples read with `attention`), the file kind, and the seconds it took ({"pass": s} when a tokens file was
     featurized, else {"load": s}); says what the samples are (`say_samples`)."""
-    from ..io import formats
-    from ..statistics.stream import load_features
+    from ..statistics.stream import data_kind, load_features
     from ..io.tokens import inspect_tokens
 
-    from ..statistics.zarr_store import is_store
-
-    kind = "features" if is_store(path) else formats.kind_of(path)
+    kind = data_kind(path)
     total = inspect_tokens(path).n_samples if kind == "tokens" else 0
     t = time.perf_counter()
     with progress_bar("featurize", total, quiet) as advance:

@@ -18,13 +18,13 @@ from ..statistics.folds import load_for_cv
 from ..model.export import save_heads
 from ..model.heads import Heads
 from ..api.learn import (RequestError, check_export_options, check_fit_file, check_fit_targets, export_heads, fit,
-                         fit_warnings, needs_folds)
+                         fit_warnings, needs_folds, score_on_data)
 from ..solve.lowrank import convergence_warning, fewest_message, hit_limit
 from ..model.model import Model, load_function
 from ..solve.spectrum import UnreliableHeadCount, plot_spectrum, pyplot, spectrum, text_histogram
-from ..statistics.stream import Features
+from ..statistics.stream import Features, data_kind
 from ..io.tokens import inspect_tokens
-from .console import emit_json, fmt, load_with_progress, progress_bar, say, say_samples, warn, working
+from .console import BOUND_SIGNS, emit_json, fmt, load_with_progress, progress_bar, say, say_samples, warn, working
 from .options import (AffineFromOpt, AttentionOpt, BiasTermsOpt, ChunkOpt, DeviceOpt, about, JsonOpt, NormalizeOpt,
                       OutOpt, QuietOpt, SchedulerTimeoutOpt, check_heads_output, check_hdf5_output, check_scheduler_timeout,
                       on_cluster, parse_auto, require_optional)
@@ -113,6 +113,10 @@ def fit_cmd(
         with about(data):  # e.g. a features file without targets
             model = fit(feats, ridge=r, heads=h, nuclear=lam, weight_decay=weight_decay, restarts=restarts,
                         seed=seed, folds=fold_feats, device=dev)
+    if model.info.get("targets_underflow") and data_kind(data) == "tokens":
+        # the statistics' squares underflow: R^2 and the MSE from a scoring pass over the data, as predict does
+        with working("fit: scoring the data (the targets' squares underflow the statistics)", quiet):
+            model.info.update(score_on_data(model, data, chunk_size, affine_from))
     model.save(output, inputs=(data,) + ((affine_from,) if affine_from is not None else ()))
     info = dict(model.info)
     info["output"] = str(output)
@@ -199,7 +203,7 @@ def _load_for_fit(data: Path, folds: bool, chunk_size: int | None, quiet: bool, 
         return feats, None, load_seconds
     t0 = time.perf_counter()
     with progress_bar("featurize", inspect_tokens(data).n_samples
-                      if formats.kind_of(data) == "tokens" else 0, quiet) as advance:
+                      if data_kind(data) == "tokens" else 0, quiet) as advance:
         feats, fold_feats = load_for_cv(data, chunk_size=chunk_size, progress=advance, attention=attention,
                                         bias_terms=bias_terms)
         feats.expand_held()
@@ -216,7 +220,8 @@ def _say_fit(info: dict[str, Any], output: Path, lowrank_fit: bool, quiet: bool)
         mse_text = f"train MSE = {fmt(info['train_mse'])}"
     if info.get("train_r2") is not None:
         mse_text += f", train R^2 = {fmt(info['train_r2'])}"
-    say(f"wrote {output}: {mse_text}, lambda_min = {fmt(info['lambda_min'])}, "
+    lmin = f"{BOUND_SIGNS.get(info.get('lambda_min_bound'), '=')} {fmt(info['lambda_min'])}"
+    say(f"wrote {output}: {mse_text}, lambda_min {lmin}, "
         f"condition number = {fmt(info['condition_number'])}", quiet)
     if lowrank_fit:
         say(f"  {info['method']} fit: {info['n_heads']} head(s), final objective {fmt(info['objective'])}"

@@ -140,6 +140,11 @@ def rollout_cmd(
         emit_json(res)
 
 
+# What `compare --on` scored, per layout (mhla_cli.model.compare.scored_layouts).
+SCORED_WORDS = {"last": "the last tokens", "causal": "every prefix of each window",
+                "bidirectional": "every position of each window"}
+
+
 def compare_cmd(
     a: Annotated[Path, typer.Argument(metavar="A", help="Model or heads file.")],
     b: Annotated[Path, typer.Argument(metavar="B", help="Model or heads file (the reference).")],
@@ -149,7 +154,9 @@ def compare_cmd(
                                        "file keeps that data's Lambda~; with neither, ||p_A - p_B|| / ||p_B|| in "
                                        "the tokens' own coordinates.")] = 1e-6,
     on: Annotated[Path | None, typer.Option("--on", help="Tokens file: judge the two functions by the RMS difference "
-                                            "of their predictions on it, relative to the RMS of B's.")] = None,
+                                            "of their predictions on it, relative to the RMS of B's, at the "
+                                            "positions their layouts score (every position of a bidirectional "
+                                            "model, every prefix of a causal one).")] = None,
     chunk_size: ChunkOpt = None,
     json_out: JsonOpt = False,
     quiet: QuietOpt = False,
@@ -181,7 +188,9 @@ def compare_cmd(
     verdict = "same function" if res["same"] else "different functions"
     coefs = f"||p_A - p_B|| / ||p_B|| = {fmt(res['relative_distance'])}"
     if res["judged_by"] == "data":
-        text = (f"{verdict} on {on}: RMS prediction difference / RMS prediction of B = "
+        where = ("" if res["scored_as"] == ["last"] else  # per-position models: the positions their layouts score
+                 f" ({res['n_scored']} samples: {' and '.join(SCORED_WORDS[n] for n in res['scored_as'])})")
+        text = (f"{verdict} on {on}{where}: RMS prediction difference / RMS prediction of B = "
                 f"{fmt(res['relative_rms_difference'])} (tol {fmt(tol)})")
     elif res["judged_by"] == "training data":
         text = (f"{verdict} on the training data of {b if res['measured_on'] == 'b' else a}: RMS output difference / "
@@ -192,6 +201,9 @@ def compare_cmd(
     say(text, quiet, style="green" if res["same"] else "red")
     if res["judged_by"] != "coefficients":
         say(f"  coefficients in the tokens' own coordinates: {coefs}", quiet)
+    if res["training_data_differ"] and res["judged_by"] != "training data":
+        say(f"  the outputs on the training data of {b if res['measured_on'] == 'b' else a} differ by "
+            f"{fmt(res['function_change'])} relative (above tol): different functions", quiet)
     if res["judged_by"] == "training data" and res["same"] and res["training_data_identifiable"] is False:
         warn(f"the training data of {b if res['measured_on'] == 'b' else a} do not determine the function (see "
              "`mhla certify`): A and B agree there but may differ elsewhere; --on DATA compares them on other inputs")

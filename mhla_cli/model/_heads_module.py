@@ -35,7 +35,7 @@ class HeadsModule(nn.Module, HeadShapes):
 
     def __init__(self, V: np.ndarray, Q: np.ndarray, normalize: str = "none", dtype: Any = torch.float64,
                  constant: bool = False, affine: tuple[np.ndarray, np.ndarray] | None = None,
-                 maps: tuple[np.ndarray, np.ndarray] | None = None) -> None:
+                 maps: tuple[np.ndarray, np.ndarray] | None = None, centre: np.ndarray | None = None) -> None:
         super().__init__()
         # the token-wise affine map of the wide tokens (mhla_cli.solve.affine_block): weight (d_out, D), bias
         self.affine_weight = self.affine_bias = None
@@ -51,6 +51,8 @@ class HeadsModule(nn.Module, HeadShapes):
         # factored heads: the maps of mhla reduce, fixed (buffers: they move with .to() and are saved, not trained)
         self.register_buffer("P", None if maps is None else _tensor(maps[0], dtype))
         self.register_buffer("U", None if maps is None else _tensor(maps[1], dtype))
+        # centred heads (mhla_cli.bias_terms): the tokens x - centre (of the heads' own coordinates), fixed
+        self.register_buffer("centre", None if centre is None else _tensor(centre, dtype))
         self.normalize = normalize
 
     def extra_repr(self) -> str:
@@ -120,6 +122,8 @@ class HeadsModule(nn.Module, HeadShapes):
         Z = X.to(self.V.dtype)
         if self.P is not None:  # factored heads: the reduced tokens x~ = P^T x
             Z = Z @ self.P
+        if self.centre is not None:  # centred heads: of the tokens x - c
+            Z = Z - self.centre
         if self.constant:  # the tokens (x, 1) of the bias terms
             Z = torch.cat([Z, torch.ones(*Z.shape[:-1], 1, dtype=Z.dtype, device=Z.device)], dim=-1)
         if mask is not None:  # masked positions: no tokens (their constant too)

@@ -30,6 +30,7 @@ from typing import Any
 
 import numpy as np
 
+from ..bias_terms import centred_basis
 from ..errors import InputError
 from ..feature_map import n_features
 from ..linalg import symgram
@@ -200,6 +201,14 @@ def coef_in_basis(fn: Any, A: np.ndarray) -> np.ndarray:
     if isinstance(fn, Heads):
         if fn.factored or fn.d_out != fn.d:
             raise InputError(_no_coef(fn) + " on d x d features")
+        if fn.bias_terms:  # the heads of the tokens (x, 1) (centred: of (x - c, 1), Z = (x - c, 1) A_c)
+            if A.shape[0] != fn.d + 1:
+                raise InputError(f"heads with the bias terms take the tokens (x, 1) of width {fn.d + 1}, not "
+                                 f"{A.shape[0]}: compare them with a model fitted with --bias-terms")
+            Ac = A if fn.token_centre is None else centred_basis(A, fn.token_centre)
+            Vc, Qc = heads_in_basis(*fn.augmented_centred(), Ac)
+            p = coef_of_heads(Vc, Qc) / D
+            return np.vstack([p, np.zeros((1, p.shape[1]))])  # the padded output, exactly 0
         Vc, Qc = heads_in_basis(fn.V, fn.Q, A)
         return coef_of_heads(Vc, Qc) / D
     from ..statistics.basis import coef_to_basis
@@ -221,6 +230,9 @@ class CanonicalFunction:
     gram: DataGram | None = None
     scale: float = 1.0
     _ref: float | None = field(default=None, repr=False)
+    # the heads of a bias-terms function are given of the tokens (x - centre, 1) (mhla_cli.bias_terms: centred
+    # heads keep float64 accuracy far from the origin); None: of (x, 1) itself
+    centre: np.ndarray | None = None
 
     @property
     def d(self) -> int:
@@ -292,8 +304,9 @@ class CanonicalFunction:
         Q = np.array(Qm, dtype=np.float64).reshape(H, d, d)
         e = 0  # the exponent of 2 the heads' product carries beyond V, Q
         if self.basis is not None:
-            alpha = _pow2(float(np.max(np.abs(self.basis))))
-            Ah = self.basis / alpha  # exact
+            basis = self.basis if self.centre is None else centred_basis(self.basis, self.centre)
+            alpha = _pow2(float(np.max(np.abs(basis))))
+            Ah = basis / alpha  # exact
             V = V @ Ah.T
             Q = np.einsum("ij,hjk,lk->hil", Ah, Q, Ah, optimize=True)
             e += 3 * round(math.log2(alpha))

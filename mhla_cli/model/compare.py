@@ -1,10 +1,13 @@
 """Do two models (or heads) compute the same function? On a dataset, on the training data, and in p-space.
 
 The verdict is a change of outputs relative to the outputs of B (the reference): with `on` the RMS
-difference of the two functions' predictions on that tokens file over the RMS of B's; else, when A or
+difference of the two functions' predictions on that tokens file over the RMS of B's, at the samples the
+models' layouts score (every position of a bidirectional model, every prefix of a causal one, the last
+token of last-token ones: `scored_layouts`); else, when A or
 B is a model that keeps its data's Lambda~ (mhla_cli.model.canonical), the same on that training data
 (B's data first); else, with no data at all, ||p_A - p_B|| / ||p_B|| in the tokens' own coordinates,
-which depends on their units and is named so (`judged_by`).
+which depends on their units and is named so (`judged_by`). Whatever judges, a function change on
+the training data above the tolerance makes the functions different: the verdict never contradicts it.
 """
 
 from __future__ import annotations
@@ -22,9 +25,11 @@ from ..feature_map import n_features
 from .heads import Heads, coef_inner, coef_of_heads
 from .canonical import coef_in_basis, data_gram
 from .model import Model, affine_of, bias_terms_of, coef_of, normalize_of
-from .forward import DIRECT_COEF_BYTES, direct, evaluated, in_basis, in_width, out_width, predict_chunk
+from .forward import (DIRECT_COEF_BYTES, direct, evaluated, fitted_samples, in_basis, in_width, out_width,
+                      predict_chunk, sample_outputs)
 from ..statistics.stream import default_chunk_size
 from ..io.tokens import check_finite, inspect_tokens, iter_chunks, with_bias_terms
+from ..samples import LAST, LAYOUTS, Samples
 
 
 @dataclass
@@ -60,8 +65,8 @@ def _heads_distance(a: Model | Heads | np.ndarray, b: Model | Heads | np.ndarray
     if (a.d_out, a.d) != (b.d_out, b.d):
         raise InputError(f"the heads map d = {a.d} to {a.d_out} and d = {b.d} to {b.d_out}: nothing to compare")
     (Va, Qa), (Vb, Qb) = a.augmented(), b.augmented()  # with the bias terms: the heads of the tokens (x, 1)
-    if a.factored or b.factored:
-        return _factored_distance(a, b)
+    if a.factored or b.factored or a.token_centre is not None or b.token_centre is not None:
+        return _factored_distance(a, b)  # centred heads too: through their maps (x, 1) -> (x - c, 1)
     if 8 * a.d_out * n_features(Qa.shape[1]) <= DIRECT_COEF_BYTES:
         pa, pb = coef_of_heads(Va, Qa), coef_of_heads(Vb, Qb)
         return _distance(pa, pb)
@@ -77,10 +82,10 @@ def _heads_distance(a: Model | Heads | np.ndarray, b: Model | Heads | np.ndarray
 def _factors(h: Heads) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """(V, Q, P, U) of heads with their bias terms (the heads of the tokens (x, 1)): the maps of factored heads,
     identities for the others."""
-    V, Q = h.augmented()
+    V, Q = h.augmented_centred()
     maps = h.augmented_maps()
-    P, U = maps if maps is not None else (np.eye(Q.shape[1]), np.eye(V.shape[1]))
-    return V, Q, P, U
+    P, U = maps if maps is not None else (np.eye(Q.shape[1]), None)
+    return V, Q, P, np.eye(V.shape[1]) if U is None else U
 
 
 def _factored_distance(a: Heads, b: Heads) -> Distance:
@@ -171,16 +176,28 @@ def _without_affine(fn: Model | Heads | np.ndarray) -> Model | Heads | np.ndarra
     return fn
 
 
+def scored_layouts(a: Model | Heads | np.ndarray, b: Model | Heads | np.ndarray) -> tuple[Samples, ...]:
+    """The sample layouts `compare --on` scores: those A and B were fitted on (`fitted_samples`), every position
+    of a bidirectional model and every prefix of a causal one; LAST only when both are last-token functions (a
+    per-position layout's last row of a window is the last-token sample: it holds LAST's)."""
+    layouts = {fitted_samples(a), fitted_samples(b)}
+    per_position = [s for s in LAYOUTS.values() if s in layouts and s.per_position]
+    return tuple(per_position) if per_position else (LAST,)
+
+
 def prediction_difference(a: Model | Heads | np.ndarray, b: Model | Heads | np.ndarray,
                           data: str | os.PathLike, chunk_size: int | None = None,
-                          progress: Callable[[int], None] | None = None) -> dict[str, float]:
-    """RMS over the N*d outputs of (yhat_A - yhat_B) on a tokens file, streamed, the RMS of yhat_B and their
-    ratio (`relative_rms_difference`); each model evaluated as `predict` evaluates it (Model.evaluation)."""
+                          progress: Callable[[int], None] | None = None) -> dict[str, Any]:
+    """RMS over the outputs of (yhat_A - yhat_B) on a tokens file, streamed, the RMS of yhat_B and their
+    ratio (`relative_rms_difference`), at every sample of the layouts the models score (`scored_layouts`:
+    `scored_as`, `n_scored` rows of d_out outputs); each model evaluated as `predict` evaluates it
+    (Model.evaluation)."""
     if affine_of(a) is not None or affine_of(b) is not None:
         raise InputError("comparing predictions of functions with the affine map of the wide tokens needs the wide "
                          "tokens: predict each (`mhla predict --affine-from`) and compare the outputs", data)
     (pa, basis_a), (pb, basis_b) = evaluated(a), evaluated(b)
     norm = normalize_of(a)
+    layouts = scored_layouts(a, b)
     info = inspect_tokens(data)
     if bias_terms_of(a):  # the functions of the tokens (x, 1): the reader appends the constant
         info = with_bias_terms(info, pad_targets=False)
@@ -189,30 +206,40 @@ def prediction_difference(a: Model | Heads | np.ndarray, b: Model | Heads | np.n
     size = chunk_size or default_chunk_size(info)
     ss_diff = ss_b = 0.0
     max_abs = 0.0
+    rows = 0
     for lo, hi, tokens, offsets, _y in iter_chunks(info, (0, info.n_samples), size):
         check_finite(tokens, offsets, None, lo, data)
-        ya, _ = predict_chunk(pa, in_basis(tokens, basis_a), offsets, normalize=norm)
-        yb, _ = predict_chunk(pb, in_basis(tokens, basis_b), offsets, normalize=norm)
-        diff = ya - yb
-        ss_diff += float((diff**2).sum())
-        ss_b += float((yb**2).sum())
-        max_abs = max(max_abs, float(np.abs(diff).max()))
+        ta, tb = in_basis(tokens, basis_a), in_basis(tokens, basis_b)
+        for samples in layouts:
+            if samples is LAST:
+                ya, _ = predict_chunk(pa, ta, offsets, normalize=norm)
+                yb, _ = predict_chunk(pb, tb, offsets, normalize=norm)
+            else:  # every position (bidirectional) or every prefix (causal) of each window
+                ya = sample_outputs(pa, ta, offsets, samples, norm)
+                yb = sample_outputs(pb, tb, offsets, samples, norm)
+            diff = ya - yb
+            ss_diff += float((diff**2).sum())
+            ss_b += float((yb**2).sum())
+            max_abs = max(max_abs, float(np.abs(diff).max(initial=0.0)))
+            rows += diff.shape[0]
         if progress is not None:
             progress(hi - lo)
-    n = info.n_samples * out_width(pa)
+    n = max(rows, 1) * out_width(pa)
     rms_diff, rms_b = float(np.sqrt(ss_diff / n)), float(np.sqrt(ss_b / n))
     rel = rms_diff / rms_b if rms_b > 0 else (0.0 if rms_diff == 0 else float("inf"))
     return {"rms_prediction_difference": rms_diff, "rms_prediction_b": rms_b, "relative_rms_difference": rel,
-            "max_abs_prediction_difference": max_abs, "n_samples": info.n_samples}
+            "max_abs_prediction_difference": max_abs, "n_samples": info.n_samples,
+            "scored_as": [s.name for s in layouts], "n_scored": rows}
 
 
 def compare(a: Model | Heads | np.ndarray, b: Model | Heads | np.ndarray, tol: float = 1e-6,
             on: str | os.PathLike | None = None, chunk_size: int | None = None,
             progress: Callable[[int], None] | None = None) -> dict[str, Any]:
     """Distance between two functions and the verdict `same` (module docstring): the relative RMS prediction
-    difference on `on` <= tol; without `on`, the function change on the training data (`training_data_change`)
-    <= tol; with neither, relative_distance <= tol. `judged_by` says which ("data", "training data",
-    "coefficients")."""
+    difference on `on` <= tol (at every sample of the layouts the models score: `prediction_difference`);
+    without `on`, the function change on the training data (`training_data_change`) <= tol; with neither,
+    relative_distance <= tol. `judged_by` says which ("data", "training data", "coefficients"). A function
+    change on the training data above tol makes them different in every case (`training_data_differ`)."""
     if not (tol >= 0 and np.isfinite(tol)):
         raise InputError(f"tol must be a finite number >= 0, got {tol}")
     if normalize_of(a) != normalize_of(b):
@@ -228,5 +255,8 @@ def compare(a: Model | Heads | np.ndarray, b: Model | Heads | np.ndarray, tol: f
         out["judged_by"], rel = "training data", out["function_change"]
     else:
         out["judged_by"], rel = "coefficients", out["relative_distance"]
-    out["same"] = bool(rel <= tol)
+    # the verdict never contradicts the function change it reports: functions whose outputs differ beyond tol on
+    # the training data are different, whatever the data given did not excite
+    out["training_data_differ"] = bool(out["function_change"] is not None and not out["function_change"] <= tol)
+    out["same"] = bool(rel <= tol and not out["training_data_differ"])
     return out

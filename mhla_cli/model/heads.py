@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass, field
 from typing import Any
@@ -12,7 +13,7 @@ from ..io import formats
 from ..errors import InputError
 from ..feature_map import n_features, pair_index
 from ._head_shapes import HeadShapes
-from ..bias_terms import BIAS_ARRAYS, augmented_heads, split_heads
+from ..bias_terms import BIAS_ARRAYS, CENTRE_ARRAY, augmented_heads, centring, split_heads
 
 # The arrays of the token-wise affine map of the wide tokens beside the heads (mhla_cli.solve.affine_block).
 AFFINE_ARRAYS = ("affine_weight", "affine_bias")
@@ -138,6 +139,9 @@ class Heads(HeadShapes):
     score_key: np.ndarray | None = None
     score_query: np.ndarray | None = None
     score_bias: np.ndarray | None = None
+    # Centred heads (mhla_cli.bias_terms, `export-heads` writes them so): V, Q and the bias terms are of the tokens
+    # x - token_centre (d,) (of the heads' own, reduced, coordinates for factored heads); None: of x itself.
+    token_centre: np.ndarray | None = None
     # The token-wise affine map of the wide tokens beside the heads (mhla_cli.solve.affine_block), both or none:
     # the output gains affine_weight x_wide + affine_bias at every query, affine_weight (d_out, D), affine_bias
     # (d_out,); x_wide the query's token in the model's own coordinates (the tokens themselves for heads put back
@@ -162,7 +166,8 @@ class Heads(HeadShapes):
         """The bias terms' arrays by name (mhla_cli.bias_terms.BIAS_ARRAYS; {} without them)."""
         if not self.bias_terms:
             return {}
-        return {k: getattr(self, k) for k in BIAS_ARRAYS}
+        centre = {} if self.token_centre is None else {CENTRE_ARRAY: self.token_centre}
+        return {**{k: getattr(self, k) for k in BIAS_ARRAYS}, **centre}
 
     def map_arrays(self) -> dict[str, np.ndarray]:
         """The maps of factored heads by name (`MAP_ARRAYS`: reduce_P (d, r), reduce_U (d_out, r_out)); {} for
@@ -175,13 +180,33 @@ class Heads(HeadShapes):
         """(V~ (H, d_out, d + 1), Q~ (H, d + 1, d + 1)): the heads of the tokens (x, 1) that compute these heads
         with their bias terms (mhla_cli.bias_terms); (V, Q) without them. Of the reduced tokens for factored
         heads (`augmented_maps`)."""
+        V, Q = self.augmented_centred()
+        if self.token_centre is None:
+            return V, Q
+        T = centring(self.token_centre)  # the heads of x~ = (x, 1): of x~ T = (x - c, 1)
+        return np.einsum("hak,jk->haj", V, T, optimize=True), np.einsum("ij,hjk,lk->hil", T, Q, T, optimize=True)
+
+    def augmented_centred(self) -> tuple[np.ndarray, np.ndarray]:
+        """`augmented` of the centred tokens (x - token_centre, 1) (the arrays themselves; no term of the size
+        of the centre): what `augmented_maps` takes the tokens (x, 1) to."""
         if not self.bias_terms:
             return self.V, self.Q
-        return augmented_heads(self.V, self.Q, **self.bias_arrays())
+        return augmented_heads(self.V, self.Q, **{k: getattr(self, k) for k in BIAS_ARRAYS})
+
+    def uncentred(self) -> Heads:
+        """These heads with their bias terms of the tokens x themselves (token_centre folded in: exact up to the
+        rounding of terms of the size of the centre)."""
+        if self.token_centre is None:
+            return self
+        V, Q = self.augmented()
+        parts = split_heads(V, Q)
+        return dataclasses.replace(self, V=parts.pop("V"), Q=parts.pop("Q"), token_centre=None, **parts)
 
     def augmented_maps(self) -> tuple[np.ndarray, np.ndarray] | None:
         """The maps (P~, U) of the `augmented` heads of factored heads: P~ = [[P, 0], [0, 1]] takes the tokens
         (x, 1) to (P^T x, 1) with the bias terms, P itself without; None for heads that are not factored."""
+        if self.token_centre is not None:  # (x, 1) -> (x P - c, 1): the tokens of `augmented_centred`
+            return centring(self.token_centre, self.P), self.U
         if self.P is None:
             return None
         if not self.bias_terms:
@@ -198,6 +223,8 @@ class Heads(HeadShapes):
         window); the heads themselves when they are not factored."""
         if self.P is None:
             return self
+        if self.token_centre is not None:
+            return self.uncentred().dense()
         P, U = self.P, self.U
         bias = {}
         if self.bias_terms:
@@ -258,7 +285,7 @@ class Heads(HeadShapes):
             Q = formats.read_array(f, "Q", path).astype(np.float64)
             normalize = formats.read_normalize(f, path)
             attention = f.attrs.get("attention")
-            bias = read_bias_arrays({k: formats.read_array(f, k, path) for k in BIAS_ARRAYS if k in f},
+            bias = read_bias_arrays({k: formats.read_array(f, k, path) for k in (*BIAS_ARRAYS, CENTRE_ARRAY) if k in f},
                                     formats.read_bias_terms(f.attrs, path), path)
             affine = {k: formats.read_array(f, k, path) for k in AFFINE_ARRAYS if k in f}
             maps = {k: formats.read_array(f, k, path) for k in MAP_ARRAYS if k in f}
@@ -312,6 +339,14 @@ class Heads(HeadShapes):
                 if not np.isfinite(a).all():
                     raise InputError(f"'{k}' contains NaN or Inf", path)
                 setattr(heads, k, a)
+            if bias.get(CENTRE_ARRAY) is not None:
+                c = np.asarray(bias[CENTRE_ARRAY])
+                if c.shape != (d,) or not np.issubdtype(c.dtype, np.floating) or not np.isfinite(c).all():
+                    raise InputError(f"'{CENTRE_ARRAY}' has shape {c.shape} or is not finite, expected ({d},) finite "
+                                     "real numbers", path)
+                heads.token_centre = c.astype(np.float64)
+        elif CENTRE_ARRAY in (bias or {}):
+            raise InputError(f"holds '{CENTRE_ARRAY}' but no bias terms", path)
         if affine:
             missing = [k for k in AFFINE_ARRAYS if k not in affine]
             if missing:
@@ -351,11 +386,11 @@ class Heads(HeadShapes):
             raise ImportError("Heads.to_torch needs PyTorch: pip install 'torch>=2.1' (mhla's [torch] extra)") from None
         from ._heads_module import HeadsModule
 
-        V, Q = self.augmented()  # with the bias terms: the heads of the tokens (x, 1)
+        V, Q = self.augmented_centred()  # with the bias terms: the heads of the tokens (x - c, 1)
         return HeadsModule(V, Q, str(self.info.get("normalize", "none")), torch.float64 if dtype is None else dtype,
                            constant=self.bias_terms, affine=None if self.affine_weight is None else
                            (self.affine_weight, self.affine_bias),
-                           maps=None if self.P is None else (self.P, self.U))
+                           maps=None if self.P is None else (self.P, self.U), centre=self.token_centre)
 
 
 def _read_maps(maps: dict[str, Any], shape: tuple[int, ...], path: str | os.PathLike | None
@@ -412,21 +447,24 @@ def read_bias_arrays(arrays: dict[str, Any], flagged: bool, path: str | os.PathL
     `bias_terms` flag, or none; None without them. InputError for a partial set or a flag without them."""
     have = [k for k in BIAS_ARRAYS if k in arrays]
     if not have and not flagged:
+        if CENTRE_ARRAY in arrays:
+            raise InputError(f"holds '{CENTRE_ARRAY}' but no bias terms", path)
         return None
     missing = [k for k in BIAS_ARRAYS if k not in arrays]
     if missing:
         raise InputError(f"holds the bias terms ({', '.join(have) or 'bias_terms = 1'}) but no "
                          f"{', '.join(repr(k) for k in missing)}; the file is incomplete", path)
-    return {k: arrays[k] for k in BIAS_ARRAYS}
+    return {k: arrays[k] for k in (*BIAS_ARRAYS, CENTRE_ARRAY) if k in arrays}
 
 
-def with_bias_terms(heads: Heads) -> Heads:
+def with_bias_terms(heads: Heads, centre: np.ndarray | None = None) -> Heads:
     """Heads of the tokens (x, 1) with the padded output (V (H, d + 1, d + 1), Q (H, d + 1, d + 1): the SVD of
     a bias-terms model's W) as heads of the tokens with their bias terms (mhla_cli.bias_terms.split_heads),
-    the padded output dropped; info kept."""
+    the padded output dropped; info kept. `centre`: the heads are of the tokens (x - centre, 1) (centred heads)."""
     V = heads.V[:, :-1, :] if heads.V.shape[1] == heads.V.shape[2] else heads.V
     parts = split_heads(V, heads.Q)
-    out = Heads(V=parts.pop("V"), Q=parts.pop("Q"), info=dict(heads.info), **parts)
+    out = Heads(V=parts.pop("V"), Q=parts.pop("Q"), info=dict(heads.info), **parts,
+                token_centre=None if centre is None else np.array(centre, dtype=np.float64))
     out.info["bias_terms"] = True
     return out
 

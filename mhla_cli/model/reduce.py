@@ -197,7 +197,8 @@ def apply_reduction(red: Reduction, data: str | os.PathLike, out: str | os.PathL
                     dst = fout.create_dataset(name, src.shape, dtype=src.dtype)
                     for a in range(0, src.shape[0], _BLOCK):
                         dst[a:a + _BLOCK] = src[a:a + _BLOCK]
-            _reduce_chunks(red, info, data, dt, dy, _chunk(info, chunk_size), progress)
+            digests = fout.create_dataset(formats.REDUCE_DIGESTS, (N, 2), dtype="<u8")
+            _reduce_chunks(red, info, data, dt, dy, _chunk(info, chunk_size), progress, digests)
         written = inspect_tokens(tmp)
     return dataclasses.replace(written, path=str(o))
 
@@ -219,9 +220,10 @@ def _write_maps(fout: h5py.File, red: Reduction, inputs: tuple[str | os.PathLike
 
 
 def _reduce_chunks(red: Reduction, info: TokensInfo, data: str | os.PathLike, dt: Any, dy: Any, size: int,
-                   progress: Callable[[int], None] | None) -> None:
+                   progress: Callable[[int], None] | None, digests: Any = None) -> None:
     """Stream `data` in chunks of `size` sequences into the datasets dt (tokens X P) and dy (targets Y U,
-    None without targets), in the layout of the source (dense (N, n, d) or ragged (T, d))."""
+    None without targets), in the layout of the source (dense (N, n, d) or ragged (T, d)), and `digests` (N, 2)
+    the fingerprint of every window of `data` read (formats.window_digests: --affine-from checks each)."""
     dense, d = info.layout == "dense", red.dim
     n = int(info.seq_len) if dense else 0
     pos = 0
@@ -229,6 +231,8 @@ def _reduce_chunks(red: Reduction, info: TokensInfo, data: str | os.PathLike, dt
         check_finite(tokens, offsets, targets, a, data)
         check_weights(weights, offsets, a, info.per_position, data)
         Z = np.asarray(tokens, dtype=np.float64) @ red.P
+        if digests is not None:
+            digests[a:b] = formats.window_digests(tokens, offsets)
         t = Z.shape[0]
         if dense:
             dt[a:b] = Z.reshape(b - a, n, d)

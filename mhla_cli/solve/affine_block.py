@@ -26,7 +26,7 @@ from ..errors import InputError
 from ..linalg.factorization import Factorization
 from ..model.heads import W_from_p
 from ..model.model import Model
-from ..numerics import mse_resolution, numerical_tolerance
+from ..numerics import lambda_min_of_verdict, mse_resolution, numerical_tolerance
 from ..statistics import basis as basis_mod
 from ..statistics.features import Features
 from .certificate import Certificate
@@ -158,7 +158,7 @@ def certify(feats: Features, min_eig: float = 0.0, device: str | None = None) ->
                        "full", feats.d, feats.d, eigenvalues=w,
                        span_features=st.n + ext.B.shape[1], span_pairs=st.a, span_last_tokens=st.b, proof=proof,
                        estimated=[] if fac.known_eigenvalues() is not None else ["lambda_min", "lambda_max"],
-                       device=fac.device)
+                       device=fac.device).bound_lambda_min()
     if not identifiable:
         cert.reasons = _reasons(feats, cert, ext, threshold)
     cert.seconds = dict(fac.seconds)
@@ -185,8 +185,9 @@ def _reasons(feats: Features, cert: Certificate, ext: Extended, threshold: float
                            "coordinates collinear in the data, e.g. under a layer norm's constraint, or with the MHLA's "
                            "terms)")
         elif cert.proof == "cholesky of Lambda~ - t I failed":
-            reasons.append(f"the Cholesky of Lambda~ - t I (t = {threshold:.3g}) failed although lambda_min = "
-                           f"{cert.lambda_min:.3g}: the smallest eigenvalue is within rounding of the threshold")
+            est = cert.lambda_min if cert.lambda_min_estimate is None else cert.lambda_min_estimate
+            reasons.append(f"the Cholesky of Lambda~ - t I (t = {threshold:.3g}) failed although lambda_min is "
+                           f"estimated at {est:.3g}: the smallest eigenvalue is within rounding of the threshold")
     return reasons
 
 
@@ -223,6 +224,7 @@ def fit(feats: Features, ridge: float = 0.0, device: str | None = None) -> Model
     sse = quad - 2 * float(np.sum(sol * rhs)) + float(np.trace(feats.target_gram)) / W
     d_out = feats.n_outputs
     identifiable = bool(pd and st.n == st.n_full and feats.n_samples >= m)
+    lmin, bound = lambda_min_of_verdict(lmin, tol, identifiable)  # never contradicting the verdict
     info = {
         "ridge": float(ridge), "train_mse": max(sse, 0.0) / d_out,
         "mse_resolution": mse_resolution(m, float(np.trace(feats.target_gram)) + quad * W, W, d_out),
@@ -233,6 +235,8 @@ def fit(feats: Features, ridge: float = 0.0, device: str | None = None) -> Model
         "basis": "canonical", "normalize": feats.normalize, "seconds": seconds,
         "affine_width": int(feats.affine.width),
     }
+    if bound is not None:
+        info["lambda_min_bound"] = bound
     if feats.bias_terms:
         info["bias_terms"] = True
     if feats.affine.source is not None:

@@ -15,7 +15,7 @@ import numpy as np
 
 from ..errors import InputError
 from ..linalg.factorization import Factorization
-from ..numerics import DEAD_WEIGHT_TOL, numerical_tolerance
+from ..numerics import DEAD_WEIGHT_TOL, lambda_min_of_verdict, numerical_tolerance
 from ..statistics import basis as basis_mod
 from ..statistics.features import Features
 from ..statistics.tiled_gram import TiledStatistics
@@ -60,6 +60,11 @@ class Certificate:
     # on a cluster (mhla_cli.solve.cluster): the tasks submitted by kind (the rank is then None unless
     # identifiable: counting the eigenvalues at or below t needs an eigendecomposition)
     tasks: dict[str, int] = field(default_factory=dict)
+    # lambda_min where its estimate contradicted the proven verdict (numerics.lambda_min_of_verdict): the
+    # threshold as the bound the verdict proves ("at_most" when it failed, "above" when it passed; None: the
+    # estimate agrees and is lambda_min), and the estimate itself
+    lambda_min_bound: str | None = None
+    lambda_min_estimate: float | None = None
 
     @property
     def null_vectors(self) -> np.ndarray | None:
@@ -89,8 +94,17 @@ class Certificate:
             "span_features": self.span_features, "span_pairs": self.span_pairs,
             "span_last_tokens": self.span_last_tokens, "proof": self.proof, "estimated": list(self.estimated),
             "estimates": {k: dict(v) for k, v in self.estimates.items()}, "seconds": dict(self.seconds),
+            "lambda_min_bound": self.lambda_min_bound,
+            **({"lambda_min_estimate": self.lambda_min_estimate} if self.lambda_min_bound else {}),
             **({"tasks": dict(self.tasks)} if self.tasks else {}),
         }
+
+    def bound_lambda_min(self) -> Certificate:
+        """Make lambda_min agree with the verdict (numerics.lambda_min_of_verdict); returns self."""
+        value, bound = lambda_min_of_verdict(self.lambda_min, self.threshold, self.identifiable)
+        if bound is not None:
+            self.lambda_min_estimate, self.lambda_min, self.lambda_min_bound = self.lambda_min, value, bound
+        return self
 
 
 def certify(feats: Features | Any, min_eig: float = 0.0, domain: str | Domain = "full", device: str | None = None,
@@ -135,7 +149,7 @@ def certify(feats: Features | Any, min_eig: float = 0.0, domain: str | Domain = 
                        dom.name, r, s, eigenvalues=fac.full_eigenvalues(), span_features=fac.n,
                        span_pairs=fac.structure.a, span_last_tokens=fac.structure.b, proof=proof,
                        estimated=[] if fac.known_eigenvalues() is not None else ["lambda_min", "lambda_max"],
-                       device=fac.device)
+                       device=fac.device).bound_lambda_min()
     if not identifiable:
         cert._null_fn = lambda: dom.null_vectors(A, _current(feats, dom.name, fac), threshold)
         weight, k = _null_weights(A, fac, threshold, dom)
@@ -162,7 +176,7 @@ def _certify_tiled(data: Any, min_eig: float, domain: str | Domain, device: str 
         identifiable = proof == "cholesky of Lambda~ - t I"
         lmin = fac.lambda_min()
         cert = Certificate(identifiable, lmin, lmax, m if identifiable else None, m, feats.n_samples, threshold, tol, min_eig, "full", d, d, span_features=m, span_pairs=m // d, span_last_tokens=d,
-                           proof=proof, estimated=["lambda_min", "lambda_max"])
+                           proof=proof, estimated=["lambda_min", "lambda_max"]).bound_lambda_min()
         if not identifiable:
             cert.reasons = _count_reasons(feats, cert, 0)
             if proof == "cholesky of Lambda~ - t I failed":
@@ -249,8 +263,9 @@ def _explain(feats: Features, cert: Certificate, weight: np.ndarray, k: int, dom
     if k:
         reasons.append(_null_reason(feats, cert, k, dom, names, dead, zero, mixed))
     elif cert.proof == "cholesky of Lambda~ - t I failed":
-        reasons.append(f"the Cholesky of Lambda~ - t I (t = {cert.threshold:.3g}) failed although lambda_min = "
-                       f"{cert.lambda_min:.3g}: the smallest eigenvalue is within rounding of the threshold")
+        est = cert.lambda_min if cert.lambda_min_estimate is None else cert.lambda_min_estimate
+        reasons.append(f"the Cholesky of Lambda~ - t I (t = {cert.threshold:.3g}) failed although lambda_min is "
+                       f"estimated at {est:.3g}: the smallest eigenvalue is within rounding of the threshold")
     return reasons, top
 
 

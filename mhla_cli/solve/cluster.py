@@ -34,7 +34,7 @@ from ..linalg.factorization import Factorization
 from ..model.heads import W_from_p
 from ..model import scores
 from ..model.model import Model
-from ..numerics import mse_resolution, numerical_tolerance
+from ..numerics import lambda_min_of_verdict, mse_resolution, numerical_tolerance
 from ..statistics import basis as basis_mod
 from ..statistics import parallel
 from ..statistics import structure as structure_mod
@@ -147,7 +147,8 @@ def failure_reason(fac: Factorization, threshold: float, below_margin: bool = Fa
     text = (f"the Cholesky of Lambda~ - t I (t = {threshold:.3g}) over the tiles failed{where}: Lambda~ has an "
             "eigenvalue at or below t")
     if below_margin:
-        return text + f"; lambda_min ~ {fac.lambda_min():.3g} is above the numerical tolerance: below the demanded margin"
+        lmin, _ = lambda_min_of_verdict(fac.lambda_min(), threshold, False)  # at most t: the Cholesky failed
+        return text + f"; lambda_min ~ {lmin:.3g} is above the numerical tolerance: below the demanded margin"
     return (text + ", so the data do not determine the function; which features its null space holds needs an "
             "eigendecomposition: certify on one machine to see them")
 
@@ -178,7 +179,8 @@ def _fit(stats: TiledStatistics, ridge: float, path: Any) -> Model:
         raise ClusterRefused("minimum_norm", path)
     if 0.0 < ridge <= tol:
         raise ClusterRefused("small_ridge", path)
-    lmin = fac.lambda_min()
+    identifiable = bool(block_pd and N >= psi)
+    lmin, bound = lambda_min_of_verdict(fac.lambda_min(), tol, identifiable)  # never contradicting the verdict
     rhs = feats.basis_moments / W
     t0 = time.perf_counter()
     sol = fac.ridge_solve(rhs, ridge, tol) if ridge > 0 else fac.solve(rhs)
@@ -188,7 +190,7 @@ def _fit(stats: TiledStatistics, ridge: float, path: Any) -> Model:
     mse, resolution = _train_mse(stats, coef_b)
     info = {
         "ridge": ridge, "train_mse": mse, "mse_resolution": resolution, "lambda_min": lmin, "lambda_max": lmax,
-        "identifiable": bool(block_pd and N >= psi),
+        "identifiable": identifiable,
         "condition_number": ((lmax + ridge) / (max(lmin, 0.0) + ridge) if ridge > 0
                              else (lmax / lmin) if lmin > tol else float("inf")),
         # counting the eigenvalues at or below t needs an eigendecomposition: no rank unless identifiable
@@ -198,6 +200,8 @@ def _fit(stats: TiledStatistics, ridge: float, path: Any) -> Model:
         "estimated": ["lambda_min", "lambda_max"], "estimates": {k: dict(v) for k, v in fac.iterations.items()},
         "tasks": dict(stats.matrix.tasks),
     }
+    if bound is not None:
+        info["lambda_min_bound"] = bound
     if feats.bias_terms:
         info["bias_terms"] = True
     if feats.samples.attention is not None:  # per-position samples: how they read the window
@@ -208,9 +212,10 @@ def _fit(stats: TiledStatistics, ridge: float, path: Any) -> Model:
 
 def _train_mse(stats: TiledStatistics, pb: np.ndarray) -> tuple[float, float]:
     """solve.lstsq.train_mse on the tiles: sum w ||p H - y||^2 = tr(p_b G p_b^T) - 2 tr(p_b M) + tr(Y),
-    G p_b^T one distributed product."""
+    G p_b^T one distributed product; per output of the targets' own width (the bias terms' padded target 0
+    is no output: the mean is over n_outputs = d - 1 of them), as one machine's."""
     feats = stats.sums
-    N, d = feats.weight or 1.0, feats.d
+    N, d = (feats.weight if feats.weight > 0 else 1.0), feats.n_outputs
     quad = float(np.sum(stats.matrix.matmat(np.ascontiguousarray(pb.T)) * pb.T))
     sse = quad - 2 * float(np.einsum("ij,ji->", pb, feats.basis_moments)) + float(np.trace(feats.target_gram))
     scale = float(np.trace(feats.target_gram)) + quad

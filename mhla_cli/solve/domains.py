@@ -184,7 +184,8 @@ class Full(Domain):
         return reasons, exactly_zero
 
     def unresolved(self, feats: Features) -> int:
-        return basis_mod.unresolved(feats.token_gram)
+        # counted where the whitening left them, in the canonical coordinates (as certify --on counts them)
+        return basis_mod.unresolved_canonical(feats.basis_token_gram)
 
 
 class Observed(Domain):

@@ -11,7 +11,7 @@ from ..linalg.factorization import Factorization
 from ..model.heads import W_from_p
 from ..model.canonical import gram_pairs_of
 from ..model.model import Model
-from ..numerics import mse_resolution, numerical_tolerance
+from ..numerics import lambda_min_of_verdict, mse_resolution, numerical_tolerance
 from ..statistics import basis as basis_mod
 from ..statistics.features import Features
 from .domains import FULL
@@ -53,6 +53,7 @@ def fit(feats: Features, ridge: float = 0.0, device: str | None = None) -> Model
         coef = basis_mod.coef_from_basis(A, coef_b)
     seconds = {**fac.seconds, "solve": time.perf_counter() - t_solve}
     identifiable = bool(block_pd and fac.n == psi and N >= psi)
+    lmin, bound = lambda_min_of_verdict(lmin, tol, identifiable)  # never contradicting the verdict
     mse, resolution = _train_mse_b(feats, coef_b)
     info = {
         "ridge": float(ridge), "train_mse": mse, "mse_resolution": resolution, "lambda_min": lmin,
@@ -65,6 +66,8 @@ def fit(feats: Features, ridge: float = 0.0, device: str | None = None) -> Model
     }
     # the canonical coefficients and their basis: predict evaluates the function there (Model.evaluation);
     # the data's Lambda~ measures a change of the function on them (mhla_cli.model.canonical)
+    if bound is not None:
+        info["lambda_min_bound"] = bound
     if feats.bias_terms:
         info["bias_terms"] = True
     K, E, F = gram_pairs_of(feats)

@@ -11,11 +11,12 @@ it is <= DETERMINED_TOL. Like the certificate, this is measured on the canonical
 whitened probes Z A (mhla_cli.statistics.basis), so it does not depend on the units of the tokens.
 
 It fails safe like the certificate: where the training tokens have directions float64 does not
-resolve (basis.unresolved: the full certificate then says "not resolvable in float64"), the whitening
-keeps them at the largest scale and a probe's component along them is measured at the data's unknown
-small scale, not the unit-free one. A probe whose whitened tokens have a component along them above
-the rounding of Z A (UNRESOLVED_PROBE_FACTOR) is reported as not resolvable (and not determined),
-whatever its residual.
+resolve (the full certificate then says "not resolvable in float64"), the whitening keeps them at the
+largest scale and a probe's component along them is measured at the data's unknown small scale, not
+the unit-free one. Those directions are found where the whitening left them, in the canonical
+coordinates (basis.unresolved_canonical), and a probe whose whitened tokens have a component along them
+above its rounding (UNRESOLVED_PROBE_FACTOR, `unresolved_tokens`) is reported as not resolvable (and
+not determined), whatever its residual: no cut in the tokens' own units decides.
 """
 
 from __future__ import annotations
@@ -86,22 +87,31 @@ def null_space(feats: Features, domain: str | Domain = "full") -> NullSpace:
     else:
         basis = np.ascontiguousarray(fac.null_space(tol)[1])
     # a property of the data's tokens, whatever the domain: the whitening could not scale them
-    unresolved = basis_mod.unresolved_directions(feats.basis_token_gram, basis_mod.unresolved(feats.token_gram))
+    # counted in the canonical coordinates, where the whitening left them (basis.unresolved_canonical)
+    Gb = feats.basis_token_gram
+    unresolved = basis_mod.unresolved_directions(Gb, basis_mod.unresolved_canonical(Gb))
     return NullSpace(basis=basis, lambda_max=lmax, threshold=tol, token_basis=A, structure=st,
                      row_maps=dom.row_maps(feats), domain=dom.name, unresolved=unresolved)
 
 
 def unresolved_tokens(ns: NullSpace, tokens: np.ndarray, tokens_b: np.ndarray) -> np.ndarray | None:
     """Per token row: whether its whitened z A (`tokens_b`, of the rows `tokens` z) has a component along
-    the data's unresolved directions above UNRESOLVED_PROBE_FACTOR times the rounding bound
-    d eps (|| |z| |A| || + ||z A||); None when the data leave no such direction."""
+    the data's unresolved directions U (canonical coordinates) above UNRESOLVED_PROBE_FACTOR times its
+    rounding bound d eps (|| |z| |A U| || + ||z A||); None when the data leave no such direction.
+
+    The component is z (A U): the canonical coordinates along U taken from z directly through the
+    covectors A U, not as (z A) U, whose rounding d eps |z| |A| is that of the largest own-unit scale
+    (a token of scale c along a resolved direction hides a component of c eps along U, 1e-10 at c = 1e6:
+    a probe off the data's plane looked determined). The bound is the rounding of z itself along U
+    (|z| |A U|: invariant to a diagonal change of units) and of U (||z A||: U is orthonormal to eps in the
+    canonical coordinates), so the verdict is the canonical one at any scale of the units."""
     U = ns.unresolved
     if U is None or U.shape[1] == 0:
         return None
     d = tokens.shape[1]
-    comp = np.linalg.norm(tokens_b @ U, axis=1)
-    bound = d * EPS * (np.linalg.norm(np.abs(tokens) @ np.abs(ns.token_basis), axis=1)
-                       + np.linalg.norm(tokens_b, axis=1))
+    AU = ns.token_basis @ U  # (d, k): the covectors of the unresolved canonical directions, in own units
+    comp = np.linalg.norm(tokens @ AU, axis=1)
+    bound = d * EPS * (np.linalg.norm(np.abs(tokens) @ np.abs(AU), axis=1) + np.linalg.norm(tokens_b, axis=1))
     return comp > UNRESOLVED_PROBE_FACTOR * bound
 
 

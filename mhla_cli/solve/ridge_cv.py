@@ -74,6 +74,13 @@ def fold_path(train: Features, val: Features, grid: np.ndarray) -> np.ndarray:
     return out
 
 
+def weighted_folds(folds: list[Features]) -> tuple[list[Features], list[int]]:
+    """(the folds that hold samples, the indices of those that hold none): a fold whose weights are all 0 holds
+    no held-out error to measure and changes no training sum, so cross-validation skips it (and says so)."""
+    kept = [f for f in folds if f.n_samples > 0 and f.weight > 0]
+    return kept, [k for k, f in enumerate(folds) if not (f.n_samples > 0 and f.weight > 0)]
+
+
 def cv_ridge(total: Features, folds: list[Features], n_grid: int = N_GRID) -> dict[str, Any]:
     """The ridge by K-fold CV: the grid's held-out MSE (mean and standard error over the folds) and the
     minimum (module docstring). Returns {"chosen", "rule", "lambda_max", "table": [{"ridge", "cv_mse",

@@ -54,7 +54,7 @@ from ..model.forward import predict_chunk
 from .certificate import Certificate, certify
 from .domains import Domain, get_domain
 from .lstsq import fit, train_mse
-from ..statistics.stream import Features, default_chunk_size, sequence_moments
+from ..statistics.stream import Features, data_kind, default_chunk_size, sequence_moments
 from ..io.tokens import inspect_tokens, iter_chunks, require_square
 from ..numerics import EPS, W_COEF_TOL
 
@@ -277,7 +277,7 @@ class WitnessRefused(InputError):
 
 def check_witness_input(data: str | os.PathLike) -> None:
     """Refuse, before any work, a tokens file the witness does not support (WitnessRefused); other files pass."""
-    if formats.kind_of(data) != "tokens":
+    if data_kind(data) != "tokens":
         return
     info = inspect_tokens(data)
     if info.per_position:
@@ -325,7 +325,7 @@ def make_witness(feats: Features, data: str | os.PathLike | None = None, cert: C
     ref = norm_a if norm_a > 0 else 1.0
     mse_a, res_a = train_mse(feats, pa)
     st = _stats_terms(feats, pa, v, u)
-    tokens_file = data is not None and formats.kind_of(data) == "tokens"
+    tokens_file = data is not None and data_kind(data) == "tokens"
     terms = _data_terms(data, pa, v, u, chunk_size) if tokens_file else st
     gap = _Gap(terms, res_a, Nd)
     c_round = gap.largest_at_rounding(ref)

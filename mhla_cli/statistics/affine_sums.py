@@ -23,11 +23,14 @@ threshold.
 `AffineSums` is that record: a sum over samples like every field of a Features (mhla_cli.statistics.features),
 whose rows change with the MHLA's basis (`map_rows`). The certificate and the fit of the extended features are
 mhla_cli.solve.affine_block. The wide tokens' file must be the one the reduced file was made from: `WideSource`
-checks the reduced file's provenance (its recorded input's content fingerprint, `mhla reduce`) and its layout.
+checks the reduced file's provenance (its recorded input's content fingerprint, `mhla reduce`) and its layout, and
+every wide window as the pass reads it against the fingerprint of that window `mhla reduce` recorded
+(formats.window_digests): a file edited, permuted or replaced anywhere is refused, whatever its size.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from collections.abc import Callable, Iterator
@@ -49,6 +52,8 @@ __all__ = ["AFFINE_DATASETS", "AffineSums", "WideSource", "affine_rows", "read_a
 ESTIMATE_CHUNK_BYTES = 16 << 20
 # The datasets of a features file with the affine block (docs/formats_features.md), and its attributes.
 AFFINE_DATASETS = ("affine_cross", "affine_gram", "affine_moments", "affine_sum")
+# The scopes of a recorded fingerprint (formats.source_identity) that cover all of a file's data.
+COMPLETE_SCOPES = ("all data", "all bytes")
 
 
 @dataclass
@@ -212,6 +217,9 @@ class WideSource:
     identity: dict[str, Any]
     P: np.ndarray | None = None  # the reduction's map (D, d): the reduced tokens are x_wide P
     basis: np.ndarray | None = None  # A_w (D + 1, D + 1): the rows f_b = A_w^T f (`estimate_basis`); None: f
+    # the reduced tokens file recording the digest of every wide window (formats.REDUCE_DIGESTS), checked by
+    # `chunks`; None: nothing to check (the data's own tokens, or a reduced file fingerprinted over all data)
+    digests: str | None = None
 
     @property
     def width(self) -> int:
@@ -221,7 +229,9 @@ class WideSource:
     def open(cls, wide: str | os.PathLike, reduced: str | os.PathLike) -> WideSource:
         """The wide tokens file `wide` of the reduced tokens file `reduced`: refused (InputError, one line) unless
         `reduced` was written by `mhla reduce` from it (the content fingerprint of its recorded input) with the same
-        sequences."""
+        sequences. Every window is then checked as it is read (`chunks`: the digests `mhla reduce` recorded of
+        each window it read); a reduced file that records none (an older mhla) is taken only when its recorded
+        fingerprint covers all of the wide file's data."""
         red = inspect_tokens(reduced)
         with formats.open_input(reduced) as f:
             if "reduce_P" not in f:
@@ -232,6 +242,8 @@ class WideSource:
             except ValueError:
                 inputs = []
             P = formats.read_array(f, "reduce_P", reduced).astype(np.float64)
+            digests = f.get(formats.REDUCE_DIGESTS)
+            has_digests = digests is not None and tuple(digests.shape) == (red.n_samples, 2)
         ident = formats.source_identity(wide)
         made_from = inputs[0] if inputs and isinstance(inputs[0], dict) else {}
         keys = ("fingerprint", "fingerprint_scope")
@@ -240,6 +252,10 @@ class WideSource:
                              f"{str(made_from.get('fingerprint', '?'))[:12]}), not from {wide} (fingerprint "
                              f"{str(ident['fingerprint'])[:12]}): --affine-from takes the tokens file mhla reduce read",
                              reduced)
+        if not has_digests and made_from.get("fingerprint_scope") not in COMPLETE_SCOPES:
+            raise InputError(f"records only a sampled fingerprint of {made_from.get('name', '?')} (an older mhla "
+                             "reduce) and no fingerprint of each of its windows: make it again with `mhla reduce "
+                             f"{wide} --like {reduced} -o NEW.h5` and use NEW.h5", reduced)
         info = inspect_tokens(wide)
         if (info.n_samples, info.n_tokens) != (red.n_samples, red.n_tokens):
             raise InputError(f"has {info.n_samples} sequences of {info.n_tokens} tokens but {reduced} has "
@@ -247,15 +263,32 @@ class WideSource:
         # tokens only: its targets (a head's wide outputs) and weights are the reduced file's business
         if P.ndim != 2 or P.shape[0] != info.d:
             raise InputError(f"its reduction maps D = {P.shape[0]} but {wide} has tokens of width {info.d}", reduced)
-        return cls(replace(info, has_targets=False, has_weights=False, samples=LAST, d_out=None), ident, P)
+        return cls(replace(info, has_targets=False, has_weights=False, samples=LAST, d_out=None), ident, P,
+                   digests=os.path.abspath(reduced) if has_digests else None)
 
     def chunks(self, sample_range: tuple[int, int], chunk_size: int, prefetch: bool = True
                ) -> Iterator[tuple[int, int, np.ndarray, np.ndarray]]:
         """(a, b, wide tokens, offsets) of the chunks of samples [lo, hi), the chunks `iter_chunks` gives the reduced
-        file for the same sample range and size; the tokens checked for NaN, Inf and overflow."""
-        for a, b, tokens, offsets, _ in iter_chunks(self.info, sample_range, chunk_size, prefetch):
-            check_finite(tokens, offsets, None, a, self.info.path)
-            yield a, b, tokens, offsets
+        file for the same sample range and size; the tokens checked for NaN, Inf and overflow, and every window
+        against the digest `mhla reduce` recorded of it (`digests`), in this one pass."""
+        with contextlib.ExitStack() as stack:
+            recorded = None
+            if self.digests is not None:
+                recorded = stack.enter_context(formats.open_input(self.digests))[formats.REDUCE_DIGESTS]
+            for a, b, tokens, offsets, _ in iter_chunks(self.info, sample_range, chunk_size, prefetch):
+                check_finite(tokens, offsets, None, a, self.info.path)
+                if recorded is not None:
+                    self._check_windows(a, formats.window_digests(tokens, offsets), recorded[a:b])
+                yield a, b, tokens, offsets
+
+    def _check_windows(self, a: int, have: np.ndarray, want: np.ndarray) -> None:
+        """Refuse wide windows whose digests differ from those `mhla reduce` recorded (first one named)."""
+        bad = np.flatnonzero((have != want).any(axis=1))
+        if bad.size:
+            raise InputError(f"window {a + int(bad[0])} (and {bad.size - 1} more of samples {a}..{a + len(have) - 1})"
+                             f" is not the window mhla reduce read to make {self.digests} (its content fingerprint "
+                             "differs): --affine-from takes the tokens file mhla reduce read, unchanged",
+                             self.info.path)
 
     def rows(self, chunk: tuple[int, int, np.ndarray, np.ndarray], a: int, offsets: np.ndarray,
              samples: Samples, raw: bool = False) -> np.ndarray:

@@ -152,8 +152,19 @@ def add_into(acc: Features, part: Features) -> None:
     empty acc (Features.zeros) adopts the part's basis.
     """
     _check_addable(acc, part)
-    acc.n_sequences = None if acc.n_sequences is None or part.n_sequences is None \
+    n_sequences = None if acc.n_sequences is None or part.n_sequences is None \
         else acc.n_sequences + part.n_sequences
+    if is_empty(part):  # a part whose weights are all 0: zero sums, nothing to add in any basis
+        acc.n_sequences = n_sequences
+        return
+    if is_empty(acc) and acc.basis is not None:  # an empty part first: the sum is the other part's
+        keep = {k: getattr(acc, k) for k in ("sample_range", "source", "extra_attrs", "token_dtype")}
+        acc.__dict__.update(part.copy().__dict__)
+        acc.__dict__.update(keep)
+        acc.factor_cache.clear()
+        acc.n_sequences = n_sequences
+        return
+    acc.n_sequences = n_sequences
     acc.factor_cache.clear()
     if acc.on_spans or part.on_spans:
         part = _common_spans(acc, part)
@@ -171,6 +182,11 @@ def add_into(acc: Features, part: Features) -> None:
     acc.weight_sum = acc.weight + part.weight
     acc.token_weight_sum = acc.token_weight + part.token_weight
     _add_own_sums(acc, part)
+
+
+def is_empty(feats: Features) -> bool:
+    """Statistics of no sample (a shard, fold or chunk whose weights are all 0): their sums are all 0."""
+    return feats.n_samples == 0 and feats.n_tokens == 0 and feats.weight == 0 and feats.token_weight == 0
 
 
 def _add_basis_gram(acc: Features, part: Features) -> None:

@@ -183,6 +183,28 @@ def unresolved(token_gram: np.ndarray) -> int:
     return lost
 
 
+# `unresolved_canonical`: in the canonical coordinates the whitening brings every direction it resolves to a
+# variance of ~1 (A^T G A = I, to the basis's own accuracy) and keeps those it does not at the largest scale,
+# where their variance is at most d UNRESOLVED_REL of it (~1e-15): an eigenvalue of the canonical token Gram at
+# or below this fraction of its largest is a direction the whitening did not resolve (1e-8: the geometric
+# middle of the two, far from both).
+UNRESOLVED_CANONICAL = 1e-8
+
+
+def unresolved_canonical(basis_token_gram: np.ndarray) -> int:
+    """How many token directions the whitening of the data did not resolve, counted in the canonical
+    coordinates (unit-free: not a cut in the tokens' own units, whose rounding depends on their scales):
+    eigenvalues of the canonical token Gram A^T G A at or below UNRESOLVED_CANONICAL of its largest;
+    coordinates that are exactly 0 in every token are none (the certificate calls them zero)."""
+    G = np.asarray(basis_token_gram, dtype=np.float64)
+    G = 0.5 * (G + G.T)
+    live = np.flatnonzero(np.diagonal(G) != 0.0)
+    if live.size == 0 or not np.isfinite(G).all():
+        return 0
+    w = np.linalg.eigvalsh(G[np.ix_(live, live)])
+    return int((w <= UNRESOLVED_CANONICAL * max(float(w[-1]), 0.0)).sum())
+
+
 def unresolved_directions(basis_token_gram: np.ndarray, k: int) -> np.ndarray:
     """(d, k) orthonormal columns: in the canonical coordinates of a basis A (tokens X A), the k token
     directions float64 does not resolve (`unresolved`: the whitening kept them at the largest scale,

@@ -123,8 +123,9 @@ class FeaturesFile:
         return attrs
 
     @classmethod
-    def load(cls, path: str | os.PathLike) -> Features:
-        """Read and validate a features file."""
+    def load(cls, path: str | os.PathLike, part: bool = False) -> Features:
+        """Read and validate a features file. `part`: it may be an empty part (a shard or fold whose weights are
+        all 0: no samples, zero sums), which adds nothing (`merge`); otherwise a file without samples is refused."""
         with formats.open_input(path) as f:
             expect_features(f, path)
             d = formats.read_attr_int(f, "d", path)
@@ -151,7 +152,7 @@ class FeaturesFile:
                 target_gram = formats.read_array(f, "target_gram", path).astype(np.float64)
                 if target_gram.shape != (d, d):
                     raise InputError(f"'target_gram' has shape {target_gram.shape}, expected ({d}, {d})", path)
-            if n < 1:
+            if n < 1 and not (part and n == 0):
                 raise InputError(f"n_samples = {n}: no samples", path)
             rng = None
             if "sample_lo" in f.attrs and "sample_hi" in f.attrs:
@@ -172,7 +173,7 @@ class FeaturesFile:
                 else psi
             affine = read_affine(f, path, nf, d if has_targets else None)
             t_sum = _load_target_sum(f, path, d) if has_targets else None
-            weights = _load_weights(f, path, n, t, samples.per_position, n_seq)
+            weights = _load_weights(f, path, n, t, samples.per_position, n_seq, empty=n == 0)
             extra = {}
             for k in EXTRA_ATTRS:
                 if k in f.attrs:
@@ -209,10 +210,10 @@ def _load_target_sum(f: h5py.File, path: str | os.PathLike, d: int) -> np.ndarra
 
 
 def _load_weights(f: h5py.File, path: str | os.PathLike, n: int, t: int, per_position: bool,
-                  n_seq: int | None) -> tuple[float, float]:
+                  n_seq: int | None, empty: bool = False) -> tuple[float, float]:
     """(weight_sum, token_weight_sum) of a features file (format >= WEIGHTS_FORMAT), or of an older one
     converted: unweighted last-token data have the counts; the others are refused (their totals
-    cannot be told from the file)."""
+    cannot be told from the file). `empty`: a part without samples, whose totals are 0."""
     version = int(f.attrs.get("mhla_format_version", 2))
     have = [k for k in WEIGHT_ATTRS if k in f.attrs]
     if version < WEIGHTS_FORMAT and not have:
@@ -231,7 +232,9 @@ def _load_weights(f: h5py.File, path: str | os.PathLike, n: int, t: int, per_pos
             x = float(np.asarray(v).reshape(()))
         except (TypeError, ValueError):
             raise InputError(f"attribute '{k}' = {formats.value_text(v)} is not a number", path) from None
-        if not np.isfinite(x) or x <= 0:
+        if empty and x != 0:
+            raise InputError(f"attribute '{k}' = {x!r} but n_samples = 0: expected 0; the file is corrupted", path)
+        if not np.isfinite(x) or x <= 0 and not empty:
             raise InputError(f"attribute '{k}' = {x!r}, expected a finite number > 0", path)
         out.append(x)
     return out[0], out[1]

@@ -62,6 +62,8 @@ def featurize_folds(path: str | os.PathLike, n_folds: int, chunk_size: int | Non
     total = folds[0]
     for f in folds[1:]:
         total = total + f
+    if total.n_samples == 0:
+        raise InputError(f"every weight of samples 0..{info.n_samples} is 0: there is no sample to learn from", path)
     total.source = folds[0].source
     total.sample_range = (0, info.n_samples)
     total.extra_attrs = {}
@@ -125,11 +127,12 @@ def load_folds(path: str | os.PathLike, total: Features | None = None) -> list[F
     if K < 2:
         raise InputError(f"{K} fold(s) stored; cross-validation needs >= 2", path)
     n = arrs["fold_n_samples"].astype(np.int64)
-    if (n < 1).any() or int(n.sum()) != total.n_samples:
+    if (n < 0).any() or int(n.sum()) != total.n_samples:
         raise InputError(f"fold_n_samples {n.tolist()} do not sum to n_samples = {total.n_samples}", path)
-    for name in FOLD_WEIGHTS:
-        if (arrs[name] <= 0).any():
-            raise InputError(f"'{name}' {arrs[name].tolist()} must be > 0", path)
+    for name in FOLD_WEIGHTS:  # > 0, or 0 for a fold without samples (its weights all 0: an empty fold)
+        if ((arrs[name] < 0) | ((arrs[name] == 0) != (n == 0))).any():
+            raise InputError(f"'{name}' {arrs[name].tolist()} must be > 0 (0 for a fold of no sample, "
+                             f"fold_n_samples {n.tolist()})", path)
     gsum = arrs["fold_gram"].sum(axis=0)
     scale = max(float(np.abs(total.gram).max()), 1e-300)
     if not np.allclose(gsum, total.gram, rtol=0, atol=FOLD_SUM_TOL * scale):

@@ -192,7 +192,7 @@ def merge_features(paths: list[str | os.PathLike], allow_partial: bool = False) 
     check_memory(report.parts[0].d, path=report.parts[0].path, need=merge_bytes, what="merge")
     total: Features | None = None
     for part in report.parts:
-        feats = Features.load(part.path)
+        feats = Features.load(part.path, part=True)  # an empty shard adds nothing
         if total is None:
             total = feats
         else:
@@ -204,6 +204,9 @@ def merge_features(paths: list[str | os.PathLike], allow_partial: bool = False) 
             if feats.token_dtype != total.token_dtype:
                 total.token_dtype = "float64"
     assert total is not None
+    if total.n_samples == 0:
+        raise InputError("every weight of every part is 0: there is no sample to learn from",
+                         report.parts[0].path)
     total.source = report.parts[0].source
     total.sample_range = (report.covered[0][0], report.covered[-1][1])
     total.extra_attrs = {}

@@ -39,7 +39,7 @@ from ..io.tokens import TokensInfo, inspect_tokens, read_as, require_square, wit
 
 __all__ = ["Features", "MIN_THREADED_WIDTH", "check_solve_memory", "check_spans", "chunk_features",
            "default_chunk_size", "device_pass_bytes", "estimate_basis", "featurize", "featurize_need",
-           "check_affine_of", "check_attention_of", "check_bias_terms_of", "find_spans", "tokens_info",
+           "check_affine_of", "check_attention_of", "check_bias_terms_of", "data_kind", "find_spans", "tokens_info",
            "load_features", "position_numbers", "prefix_moments", "accumulate_range", "accumulate_ranges",
            "sequence_moments", "shard_range", "shard_samples", "solve_need", "work_ranges"]
 
@@ -176,9 +176,10 @@ def _check_workers_memory(info: TokensInfo, path: str | os.PathLike, chunk_size:
 
 def _finished(feats: Features, info: TokensInfo, path: str | os.PathLike, sample_range: tuple[int, int],
               shard: tuple[int, int] | None) -> Features:
-    """The pass's statistics finalized and checked, with their sample range, token dtype and source."""
+    """The pass's statistics finalized and checked, with their sample range, token dtype and source. A shard
+    whose weights are all 0 is an empty part (zero sums that add: `merge`); the whole file's, no sample."""
     lo, hi = sample_range
-    if feats.n_samples == 0:
+    if feats.n_samples == 0 and shard is None:
         raise InputError(f"every weight of samples {lo}..{hi} is 0: there is no sample to learn from", path)
     feats.finalize()
     check_overflow(feats, f"samples {lo}..{hi}", path)
@@ -206,6 +207,12 @@ def _in_whitening(run: Callable[[np.ndarray], Features], A: np.ndarray) -> Featu
         passes = 2
     feats.extra_attrs.update(basis_passes=passes, basis_correction_cond=float(cond))
     return feats.canonical()
+
+
+def data_kind(path: str | os.PathLike) -> str:
+    """The kind of a data argument: "features" for a Zarr features store (read whole on one machine by
+    `load_features`, or tiled on a cluster), else the HDF5 file's kind (io.formats.kind_of)."""
+    return "features" if zarr_store.is_store(path) else formats.kind_of(path)
 
 
 def tokens_info(path: str | os.PathLike, attention: str | None = None, bias_terms: bool = False) -> TokensInfo:
@@ -299,7 +306,7 @@ def load_features(path: str | os.PathLike, chunk_size: int | None = None, normal
     if normalize is not None:
         check_normalize(normalize)
     store = zarr_store.is_store(path)
-    kind = "features" if store else formats.kind_of(path)
+    kind = data_kind(path)
     if kind == "features":
         feats = zarr_store.load_features(path) if store else Features.load(path)
         if normalize is not None and normalize != feats.normalize:

@@ -1,6 +1,6 @@
 """The statistics of a tokens file accumulated on a Dask cluster, the Gram as tiles that stay on the workers.
 
-`accumulate(path, client)` is the cluster's featurize (BACKGROUND.md, "A Gram on a cluster"):
+`accumulate(path, client)` is the cluster's featurize (docs/cluster.md, "The Gram on the cluster"):
 
 1. the canonical whitening first: the d x d token Gram of the data, summed on the workers by the one
    chunk reduction of mhla (ranges.accumulate_ranges over parallel.DaskMap, accumulating a block of zero
@@ -162,7 +162,7 @@ def accumulate(path: str | os.PathLike, client: Any, chunk_size: int | None = No
                 break
             A = A @ C
         sums = whole if (lo, hi) == (0, info.n_samples) else small(A, (lo, hi))
-        if sums.n_samples == 0:
+        if sums.n_samples == 0 and shard is None:  # a shard of no weight is an empty part: zero sums that add
             raise InputError(f"every weight of samples {lo}..{hi} is 0: there is no sample to learn from", path)
         matrix, pairs, moments = _tiles(client, winfo, (lo, hi), A, size, normalize, stamp, tile_features,
                                         pmap.n_workers)

@@ -16,9 +16,9 @@ read the Gram as the lower tiles and their transposes).
 
 The store is written under a temporary name next to the target and moved in when complete and verified,
 so that a failed or interrupted featurize leaves nothing, and an earlier store is removed only after
-(mhla_cli.statistics.store_location: what an output may replace, the commit). A store is read back as tiles on a cluster (`load_tiled`: every
-worker reads its tiles itself), or whole on one machine (`load_features`, refused up front when the
-Gram cannot fit). `merge` sums stores of shards of one tokens file tile by tile.
+(mhla_cli.statistics.store_location: what an output may replace, the commit). A store is read back as
+tiles on a cluster (`load_tiled`: every worker reads its tiles itself), or whole on one machine
+(`load_features`, refused up front when the Gram cannot fit). `merge` sums stores of shards of one tokens file tile by tile.
 """
 
 from __future__ import annotations
@@ -177,7 +177,7 @@ def _array(g: Any, name: str, shape: tuple[int, ...], url: str, required: bool =
     return a
 
 
-def _sums(g: Any, attrs: dict[str, Any], url: str) -> tuple[Features, int]:
+def _sums(g: Any, attrs: dict[str, Any], url: str, part: bool = False) -> tuple[Features, int]:
     """The small sums of a store as a Features record without its Gram, and the tile side."""
     d = int(attrs["d"])
     psi = n_features(d)
@@ -196,11 +196,11 @@ def _sums(g: Any, attrs: dict[str, Any], url: str) -> tuple[Features, int]:
     if basis_mod.row_scaled_cond(A) > SINGULAR_BASIS_COND:
         raise InputError("'basis' is singular; the store is corrupted", url)
     n, t = int(attrs["n_samples"]), int(attrs["n_tokens"])
-    if n < 1:
+    if n < 1 and not (part and n == 0):  # `part`: an empty shard (every weight 0) may be merged
         raise InputError(f"n_samples = {n}: no samples", url)
     weights = [float(attrs[k]) for k in WEIGHT_ATTRS]
-    if not all(np.isfinite(w) and w > 0 for w in weights):
-        raise InputError(f"weight totals {weights}: expected finite numbers > 0", url)
+    if not all(np.isfinite(w) and (w > 0 if n > 0 else w == 0) for w in weights):
+        raise InputError(f"weight totals {weights}: expected finite numbers > 0 (0 with no sample)", url)
     extra = {k: attrs[k] for k in EXTRA_ATTRS if k in attrs}
     feats = Features(d=d, n_samples=n, n_tokens=t, gram=None, moments=arrays["moments"],
                      target_gram=arrays["target_gram"], token_gram=arrays["token_gram"],
@@ -319,7 +319,7 @@ def sum_stores(paths: list[Any], out: Any, extra_attrs: dict[str, Any], source: 
     whole file's tokens). Returns the summed small sums."""
     zarr = require_zarr()
     opened = [(_url(p), _open(_url(p))) for p in paths]
-    parts = [(url, g, *_sums(g, _attrs(g, url), url)) for url, g in opened]
+    parts = [(url, g, *_sums(g, _attrs(g, url), url, part=True)) for url, g in opened]
     url0, _, total, side = parts[0]
     for url, _, feats, s in parts[1:]:
         if feats.d != total.d or s != side:
@@ -333,6 +333,8 @@ def sum_stores(paths: list[Any], out: Any, extra_attrs: dict[str, Any], source: 
                              f"{'has not' if feats.has_targets else 'has'}", url)
     for _, _, feats, _ in parts[1:]:
         total.add(feats)
+    if total.n_samples == 0:
+        raise InputError("every weight of every part is 0: there is no sample to learn from", url0)
     if total.basis_moments is not None:
         total.moments = basis_mod.features_from_basis(total.basis, total.basis_moments)
     total.source, total.sample_range, total.extra_attrs = source, sample_range, dict(extra_attrs)

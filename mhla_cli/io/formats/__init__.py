@@ -18,8 +18,8 @@ from .reading import (
     read_attr_int, read_bias_terms, read_matrix, read_normalize, stored_block, value_text,
 )
 from .identity import (
-    FOREIGN_SUFFIXES, FULL_FINGERPRINT_BYTES, command_line, provenance, recorded_inputs, set_command,
-    source_identity,
+    FOREIGN_SUFFIXES, FULL_FINGERPRINT_BYTES, REDUCE_DIGESTS, command_line, provenance, recorded_inputs,
+    set_command, source_identity, window_digests,
 )
 from .writing import (
     Deferred, HDF5_SUFFIXES, IN_MEMORY_WRITE_BYTES, PNG_SOFTWARE, atomic_path, check_hdf5_suffix,
@@ -29,10 +29,11 @@ from .writing import (
 
 __all__ = [
     "Deferred", "FOREIGN_SUFFIXES", "FORMAT_NAME", "FORMAT_VERSION", "FULL_FINGERPRINT_BYTES", "HDF5_SUFFIXES",
-    "IN_MEMORY_WRITE_BYTES", "KINDS", "PAIRS_DATASET", "PNG_SOFTWARE", "all_finite", "atomic_path", "check_hdf5_suffix",
-    "check_numeric", "check_output_directory", "check_output_path", "check_replaceable", "check_stored_symmetric", "command_line", "create_output",
+    "IN_MEMORY_WRITE_BYTES", "KINDS", "PAIRS_DATASET", "PNG_SOFTWARE", "REDUCE_DIGESTS", "all_finite", "atomic_path",
+    "check_hdf5_suffix", "check_numeric", "check_output_directory", "check_output_path", "check_replaceable",
+    "check_stored_symmetric", "command_line", "create_output",
     "d_from_psi_shape", "dataset", "expect_kind", "file_kind", "hdf5_write_failed", "header", "kind_of",
     "not_hdf5_reason", "open_input", "overlaps", "provenance", "read_array", "read_attr_int", "read_bias_terms",
     "read_matrix", "read_normalize", "recorded_inputs", "set_command", "source_identity", "stored_block",
-    "value_text", "write_file", "written_kind",
+    "value_text", "window_digests", "write_file", "written_kind",
 ]

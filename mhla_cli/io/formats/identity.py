@@ -51,6 +51,23 @@ def _hash_dataset(h: Any, ds: h5py.Dataset, full: bool) -> None:
         h.update(np.ascontiguousarray(ds[lo:min(n, lo + rows)]).tobytes())
 
 
+def window_digests(tokens: np.ndarray, offsets: np.ndarray) -> np.ndarray:
+    """The content fingerprint of every window of a chunk of tokens (t, D) with local `offsets` (n + 1,): a
+    SHA-256 of the window's float64 values (little-endian, row-major; the first 16 bytes as 2 uint64), the same
+    whatever the file's dtype, chunking or storage. `mhla reduce` records the digests of every window it reads
+    (`REDUCE_DIGESTS`) so that a pass reading the wide tokens again can tell each of its windows from another's."""
+    X = np.ascontiguousarray(tokens, dtype="<f8")
+    off = np.asarray(offsets, dtype=np.int64)
+    out = np.empty((off.size - 1, 2), dtype=np.uint64)
+    for i in range(off.size - 1):
+        out[i] = np.frombuffer(hashlib.sha256(X[off[i]:off[i + 1]].tobytes()).digest()[:16], dtype="<u8")
+    return out
+
+
+# The dataset of a reduced tokens file holding the digests (N, 2) of the wide windows it was made from.
+REDUCE_DIGESTS = "reduce_window_digests"
+
+
 # Files mhla reads that are not HDF5: heads exported for other frameworks (mhla_cli.model.export).
 FOREIGN_SUFFIXES = (".npz", ".safetensors")
 

@@ -77,7 +77,8 @@ def direct(fn: Model | Heads | np.ndarray) -> HeadsFn | None:
     """`fn` as a HeadsFn when it is heads that are factored, rectangular (d_out != d) or too wide for a coef."""
     if not isinstance(fn, Heads):
         return None
-    V, Q = (np.asarray(a, dtype=np.float64) for a in fn.augmented())  # with bias terms: of the tokens (x, 1)
+    # with bias terms: of the tokens (x, 1), centred heads through the map (x, 1) -> (x - c, 1)
+    V, Q = (np.asarray(a, dtype=np.float64) for a in fn.augmented_centred())
     maps = fn.augmented_maps()
     if maps is not None:
         return HeadsFn(V, Q, *maps)
