@@ -67,11 +67,14 @@ def _json(v: Any) -> Any:
 
 def _verify(url: str) -> None:
     """Refuse (InputError) a written store that does not open as a complete mhla features store: its header,
-    small sums and array of tiles (the tiles' numbers are read by their readers)."""
+    the small sums every store has and the array of tiles (their numbers are checked by their readers; a store
+    of no samples, an empty shard, is complete)."""
     g = _open(url)
     attrs = _attrs(g, url)
-    feats, side = _sums(g, attrs, url)
-    _tiles_array(g, feats.n_features, side, url)
+    for name in ("basis", "basis_token_gram", "basis_last_token_gram", "token_gram", "last_token_gram"):
+        if name not in g:
+            raise InputError(f"has no array '{name}'; the store is incomplete", url)
+    _tiles_array(g, n_features(int(attrs["d"])), int(attrs["tile_features"]), url)
 
 
 def _commit(tmp: str, url: str) -> None:
