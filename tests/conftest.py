@@ -81,6 +81,22 @@ def load_example(path: Path, name: str) -> ModuleType:
     return mod
 
 
+# The kind of file each command writes at -o (an earlier output of that kind is what an output may replace).
+OUTPUT_KINDS = {"featurize": "features", "merge": "features", "fit": "model", "export-heads": "heads",
+                "predict": "predictions", "rollout": "tokens", "generate": "tokens", "convert": "tokens",
+                "reduce": "tokens", "certify": "probes"}
+
+
+def previous_output(path: Path, kind: str) -> bytes:
+    """Write at `path` a small HDF5 file of mhla's `kind` (what an earlier run left at an output: the only
+    file an output may replace), and return its bytes (to check that it survives)."""
+    with h5py.File(path, "w") as f:
+        f.attrs["mhla_kind"] = kind
+        f.attrs["mhla_format_version"] = 1
+        f["previous"] = np.arange(5.0)
+    return path.read_bytes()
+
+
 def write_tokens(path: Path, tokens: np.ndarray, offsets: np.ndarray | None = None,
                  targets: np.ndarray | None = None) -> Path:
     """Write a tokens file the way a user would with plain h5py (no attributes)."""

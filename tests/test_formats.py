@@ -47,7 +47,7 @@ def test_failed_write_leaves_no_temp_file_and_keeps_the_output(tmp_path: Path, e
 
     monkeypatch.setattr(formats.writing, "_fill", spy)
     if existing:
-        _write(out, {"marker": 7}, old=np.arange(5))
+        _write(out, {"marker": 7, "mhla_kind": "model"}, old=np.arange(5))  # an earlier model: replaceable
         before = out.read_bytes()
     listing = sorted(os.listdir(tmp_path))
     with pytest.raises(TypeError, match="Object dtype"):  # raised inside the write, after the temp file exists
@@ -63,7 +63,7 @@ def test_failed_write_leaves_no_temp_file_and_keeps_the_output(tmp_path: Path, e
 
 
 def test_successful_write_replaces_the_output(tmp_path: Path) -> None:
-    out = _write(tmp_path / "out.h5", {"marker": 7}, old=np.arange(5))
+    out = _write(tmp_path / "out.h5", {"marker": 7, "mhla_kind": "model"}, old=np.arange(5))
     formats.write_file(out, "model", {"coef": np.ones((2, 6)), "skipped": None}, {"d": 2, "none_attr": None})
     with h5py.File(out, "r") as f:
         assert sorted(f) == ["coef"] and "marker" not in f.attrs and "none_attr" not in f.attrs
@@ -81,6 +81,34 @@ def test_output_path_rules(tmp_path: Path) -> None:
         formats.write_file(tmp_path, "model", {"coef": np.ones((2, 6))})
     with pytest.raises(ValueError):
         formats.write_file(tmp_path / "o.h5", "nonsense", {"x": np.ones(2)})
+
+
+def test_an_output_replaces_only_an_earlier_output_of_its_kind(tmp_path: Path) -> None:
+    """written_kind by format (HDF5's mhla_kind, heads' "mhla-heads" metadata in .npz / .safetensors, a PNG's
+    Software chunk) and check_replaceable: a user's file or another kind is refused, untouched."""
+    users = _write(tmp_path / "users.h5", {}, tokens=np.ones((2, 3, 2)))  # no mhla_kind
+    model = _write(tmp_path / "model.h5", {"mhla_kind": "model"}, coef=np.ones((2, 6)))
+    np.savez(tmp_path / "h.npz", V=np.ones(2), format=np.array("mhla-heads"))
+    np.savez(tmp_path / "other.npz", V=np.ones(2), format=np.array("mhla-headz"))
+    (tmp_path / "s.png").write_bytes(b"\x89PNG\r\n\x1a\n" + b"\0" * 20 + b"tEXtSoftware\x00mhla 1.0" + b"\0" * 9)
+    (tmp_path / "t.png").write_bytes(b"\x89PNG\r\n\x1a\n" + b"\0" * 20 + b"tEXtSoftware\x00Matplotlib" + b"\0" * 9)
+    header = b'{"__metadata__": {"format": "mhla-heads"}}'
+    (tmp_path / "h.safetensors").write_bytes(len(header).to_bytes(8, "little") + header)
+    (tmp_path / "notes.txt").write_text("mine")
+    kinds = {p.name: formats.written_kind(p) for p in sorted(tmp_path.iterdir())}
+    assert kinds == {"h.npz": "heads", "h.safetensors": "heads", "model.h5": "model", "notes.txt": None,
+                     "other.npz": None, "s.png": "plot", "t.png": None, "users.h5": None}
+    formats.check_replaceable(model, "model")
+    formats.check_replaceable(tmp_path / "h.npz", "heads")
+    formats.check_replaceable(tmp_path / "absent.h5", "model")
+    with pytest.raises(InputError, match="is an mhla model file, not a features file"):
+        formats.write_file(model, "features", {"gram": np.ones((2, 2))})
+    before = users.read_bytes()
+    with pytest.raises(InputError, match="not a file mhla wrote; it is left as it is"):
+        formats.write_file(users, "tokens", {"tokens": np.ones((2, 3, 2))})
+    assert users.read_bytes() == before
+    with pytest.raises(InputError, match="overwrite an input"):  # an input inside a directory named as output
+        formats.check_output_path(tmp_path / "new.h5", (tmp_path / "new.h5" / "inner.h5",))
 
 
 def test_newer_format_version_is_refused(tmp_path: Path) -> None:

@@ -176,7 +176,7 @@ def apply_reduction(red: Reduction, data: str | os.PathLike, out: str | os.PathL
     _check_like(red, info, data, like or "the maps")
     formats.check_hdf5_suffix(out, "a tokens file")
     inputs = (data,) if like is None else (data, like)
-    o = formats.check_output_path(out, inputs)
+    o = formats.check_output_path(out, inputs, "tokens")
     d = red.dim
     N, T = info.n_samples, info.n_tokens
     dense = info.layout == "dense"
@@ -267,7 +267,7 @@ def reduce_tokens(data: str | os.PathLike, out: str | os.PathLike, dim: int | No
     else:
         assert dim is not None
         formats.check_hdf5_suffix(out, "a tokens file")
-        formats.check_output_path(out, (data,))
+        formats.check_output_path(out, (data,), "tokens")
         red = fit_reduction(data, int(dim), chunk_size, progress)
     apply_reduction(red, data, out, chunk_size, progress, like)
     return red

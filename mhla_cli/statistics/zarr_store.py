@@ -14,25 +14,25 @@ and `basis_gram_lower`: the canonical Gram sum w Ht Ht^T (psi x psi), chunked by
 the lower tiles (i >= j) are written, each by the worker that holds it (the upper chunks are absent:
 read the Gram as the lower tiles and their transposes).
 
-The store is written under a temporary name next to the target and renamed when complete, so that a
-failed or interrupted featurize leaves nothing (on object stores the rename is a copy: there a reader
-may see the store before the copy ends). A store is read back as tiles on a cluster (`load_tiled`: every
-worker reads its tiles itself), or whole on one machine (`load_features`, refused up front when the
-Gram cannot fit). `merge` sums stores of shards of one tokens file tile by tile.
+The store is written under a temporary name next to the target and moved in when complete and verified,
+so that a failed or interrupted featurize leaves nothing, and an earlier store is removed only after
+(mhla_cli.statistics.store_location: what an output may replace, the commit). A store is read back as
+tiles on a cluster (`load_tiled`: every worker reads its tiles itself), or whole on one machine
+(`load_features`, refused up front when the Gram cannot fit). `merge` sums stores of shards of one tokens file tile by tile.
 """
 
 from __future__ import annotations
 
 import json
-import os
-import shutil
 import uuid
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from . import basis as basis_mod
+from . import store_location
+from .store_location import SUFFIX, check_output, is_store, require_zarr, store_kind
+from .store_location import location as _url, temporary as _temporary
 from ..errors import InputError
 from ..feature_map import n_features
 from ..io import formats
@@ -46,59 +46,13 @@ from .features_file import EXTRA_ATTRS, WEIGHT_ATTRS
 from .tiled_gram import TiledStatistics
 
 __all__ = ["SUFFIX", "TILES", "check_output", "dims", "inspect", "is_store", "load_features", "load_tiled", "part_info",
-           "require_zarr", "save", "sum_stores"]
+           "require_zarr", "save", "store_kind", "sum_stores", "tile_bytes"]
 
-SUFFIX = ".zarr"
 # The array of the Gram's lower tiles.
 TILES = "basis_gram_lower"
 # The small sums (a few d x d or psi x d arrays), written and read by the client.
 SMALL = ("basis", "basis_moments", "basis_token_gram", "basis_last_token_gram", "token_gram", "last_token_gram",
          "moments", "target_gram", "target_sum")
-
-
-def is_store(path: Any) -> bool:
-    """Whether `path` names a Zarr store (its suffix .zarr: a directory or an fsspec URL)."""
-    return isinstance(path, (str, os.PathLike)) and str(path).rstrip("/").lower().endswith(SUFFIX)
-
-
-def require_zarr() -> Any:
-    """The zarr module, or an InputError with its install hint."""
-    try:
-        import zarr
-    except ImportError:
-        raise InputError("a Zarr store needs zarr, an optional dependency: "
-                         "pip install 'zarr>=3' (mhla's [cluster] extra)") from None
-    return zarr
-
-
-def _url(path: Any) -> str:
-    return str(path).rstrip("/")
-
-
-def _is_local(url: str) -> bool:
-    return "://" not in url or url.startswith("file://")
-
-
-def _local(url: str) -> Path:
-    return Path(url[len("file://"):] if url.startswith("file://") else url)
-
-
-def check_output(out: Any, inputs: tuple[Any, ...] = ()) -> str:
-    """A store to write: the suffix .zarr, zarr installed, and (a local one) a writable parent directory,
-    no file in its place and no input of the same path; refused (InputError) before any work."""
-    url = _url(out)
-    if not is_store(url):
-        raise InputError(f"a Zarr store is named by the suffix {SUFFIX}", out)
-    require_zarr()
-    if _is_local(url):
-        o = _local(url)
-        if o.exists() and not o.is_dir():
-            raise InputError("output path exists and is not a Zarr store (a directory)", out)
-        formats.check_output_directory(o)
-        for i in inputs:
-            if i is not None and Path(str(i)).resolve() == o.resolve():
-                raise InputError("output would overwrite an input; choose another -o path", out)
-    return url
 
 
 def _json(v: Any) -> Any:
@@ -112,47 +66,26 @@ def _json(v: Any) -> Any:
     return v
 
 
-def _temporary(url: str) -> str:
-    """A sibling of the target to write into (renamed by `_commit`)."""
-    head, _, name = url.rpartition("/")
-    tmp = f".{name}.{uuid.uuid4().hex[:12]}.tmp-mhla{SUFFIX}"
-    return f"{head}/{tmp}" if head else tmp
-
-
-def _fs(url: str) -> Any:
-    import fsspec
-
-    return fsspec.core.url_to_fs(url)[0]
+def _verify(url: str) -> None:
+    """Refuse (InputError) a written store that does not open as a complete mhla features store: its header,
+    the small sums every store has and the array of tiles (their numbers are checked by their readers; a store
+    of no samples, an empty shard, is complete)."""
+    g = _open(url)
+    attrs = _attrs(g, url)
+    for name in ("basis", "basis_token_gram", "basis_last_token_gram", "token_gram", "last_token_gram"):
+        if name not in g:
+            raise InputError(f"has no array '{name}'; the store is incomplete", url)
+    _tiles_array(g, n_features(int(attrs["d"])), int(attrs["tile_features"]), url)
 
 
 def _commit(tmp: str, url: str) -> None:
-    """Rename the written store `tmp` to `url` (replacing an earlier store there)."""
-    if _is_local(url):
-        target, src = _local(url), _local(tmp)
-        old = None
-        if target.exists():
-            old = target.with_name(f".{target.name}.{uuid.uuid4().hex[:12]}.old-mhla")
-            os.replace(target, old)
-        os.replace(src, target)
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
-        return
-    fs = _fs(url)
-    if fs.exists(url):
-        fs.rm(url, recursive=True)
-    fs.mv(tmp, url, recursive=True)
+    """Put the written store `tmp` at `url`, verified (`_verify`) before an earlier store there is removed
+    (store_location.commit)."""
+    store_location.commit(tmp, url, _verify)
 
 
 def _remove(url: str) -> None:
-    try:
-        if _is_local(url):
-            shutil.rmtree(_local(url), ignore_errors=True)
-        else:
-            fs = _fs(url)
-            if fs.exists(url):
-                fs.rm(url, recursive=True)
-    except Exception:  # noqa: BLE001 (cleaning up after a failure: the failure is what is reported)
-        pass
+    store_location.remove(url)
 
 
 def _write_tile(url: str, i: int, j: int, side: int, tile: np.ndarray) -> str:
@@ -389,6 +322,12 @@ def dims(path: Any) -> tuple[int, int]:
     url = _url(path)
     attrs = _attrs(_open(url), url)
     return int(attrs["d"]), int(attrs["n_samples"])
+
+
+def tile_bytes(path: Any) -> int:
+    """The bytes of one tile of a store's Gram (float64, `tile_features` a side), from its attributes."""
+    url = _url(path)
+    return 8 * int(_attrs(_open(url), url)["tile_features"]) ** 2
 
 
 def part_info(path: Any) -> tuple[int, int, list[tuple[int, int]], dict[str, Any], str | None, str, int, Samples,
