@@ -20,7 +20,7 @@ from mhla_cli.io import formats
 from mhla_cli.io.formats import identity
 from mhla_cli.model.reduce import reduce_tokens
 from mhla_cli.samples import CAUSAL, LAST
-from mhla_cli.statistics.affine_sums import WideSource, affine_rows
+from mhla_cli.statistics.affine_sums import AffineSums, WideSource, affine_rows
 from mhla_cli.statistics.features import Features
 from mhla_cli.statistics.merge import merge_features
 from mhla_cli.statistics.stream import featurize
@@ -133,6 +133,39 @@ def test_shards_merge_workers_and_the_file(tmp_path: Path) -> None:
     # statistics with and without the block do not add up
     with pytest.raises(InputError, match="affine block"):
         one + featurize(red)
+
+
+def test_the_sums_in_another_basis_of_f_and_of_two_parts_are_numpy_s() -> None:
+    """AffineSums.to_f_basis and add against the sums written out: the rows Ht, f = (x, 1), targets y and weights w
+    of two parts, their sums in one basis A (f_b = A^T f) moved to another, and the parts in different bases added."""
+    rng = np.random.default_rng(9)
+    D, nf, e = 3, 5, 2
+
+    def part(m: int) -> tuple[np.ndarray, ...]:
+        F = np.hstack([rng.standard_normal((m, D)) * [1.0, 3.0, 0.2] + 0.5, np.ones((m, 1))])
+        return rng.standard_normal((m, nf)), F, rng.standard_normal((m, e)), rng.uniform(0.2, 2.0, m)
+
+    def sums(H: np.ndarray, F: np.ndarray, y: np.ndarray, w: np.ndarray, A: np.ndarray) -> AffineSums:
+        Fb = F @ A
+        return AffineSums(H.T @ (w[:, None] * Fb), Fb.T @ (w[:, None] * Fb), Fb.T @ (w[:, None] * y), Fb.T @ w, D,
+                          basis=A)
+
+    A1, A2 = (rng.standard_normal((D + 1, D + 1)) + 2 * np.eye(D + 1) for _ in range(2))
+    p, q = part(23), part(17)
+    moved = sums(*p, A1)
+    moved.to_f_basis(A2)
+    want = sums(*p, A2)
+    for k in ("cross", "gram", "moments", "total"):
+        assert relerr(getattr(moved, k), getattr(want, k)) < 1e-12, k
+    np.testing.assert_array_equal(moved.f_basis, A2)
+    both = sums(*p, A1)
+    both.add(sums(*q, A2))  # the other part's basis changed to this one's
+    want = sums(*(np.concatenate([a, b]) for a, b in zip(p, q)), A1)
+    for k in ("cross", "gram", "moments", "total"):
+        assert relerr(getattr(both, k), getattr(want, k)) < 1e-12, k
+    both.add(sums(*q, A1), sign=-1.0)  # a part taken away again
+    for k in ("cross", "gram", "moments", "total"):
+        assert relerr(getattr(both, k), getattr(sums(*p, A1), k)) < 1e-12, k
 
 
 def test_the_wide_file_must_be_the_one_reduce_read(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

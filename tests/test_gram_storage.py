@@ -116,6 +116,22 @@ def test_factorization_of_each_storage_is_of_its_gram() -> None:
         assert rel(fac.eigenvalues(), want) < 1e-12, name
 
 
+def test_the_own_gram_is_the_gram_of_the_own_features_and_overflow_is_refused() -> None:
+    """own_of: from the canonical Gram of the tokens X A back to the Gram of the features of X (materialised,
+    tests/_reference.py), in each storage's form; a basis whose inverse overflows the Gram is refused."""
+    X, off, _ = ragged_data(6, n=40, d=D)
+    A = np.linalg.qr(np.random.default_rng(6).standard_normal((D, D)))[0] * np.array([0.5, 2.0, 3.0])
+    seqs = [X[a:b] for a, b in zip(off[:-1], off[1:])]
+    Ht = np.stack([ref.canonical_features(z @ A) for z in seqs])
+    H = np.stack([ref.features(z) for z in seqs])
+    Gb = Ht.T @ Ht
+    for s in (gram_storage.wrap(Gb), gram_storage.wrap(symgram.Pairs(symgram.pairs_from_gram(Gb, Q, D), Q, D))):
+        own = gram_storage.own_of(s, A)
+        assert type(own) is type(s) and rel(own.expand(), H.T @ H) < 1e-11, type(s).__name__
+        with pytest.raises(InputError, match="overflow float64"):
+            gram_storage.own_of(s, 1e-120 * np.eye(D))
+
+
 @pytest.mark.parametrize("accumulate_on_k", [True, False])
 @pytest.mark.parametrize("compact", [True, False])
 def test_features_file_round_trip_in_each_form(monkeypatch, tmp_path: Path, accumulate_on_k: bool,

@@ -281,6 +281,185 @@ OWN_COORDINATES = [
                lambda n: ast.Assign(n.targets, _expr("(coef_of(a), None), (coef_of(b), None)")), tests=CANONICAL),
 ]
 
+# ---------------------------------------------------------------------------------------------
+# issue 44: nets over the new code
+# The sample layouts, the kernels, the bias terms, the accumulator, every Gram storage, the tiled Cholesky, the
+# affine block and the forward pass: a sign, an index, a transposition, a dropped term or check, an off-by-one,
+# each against the narrowest tests that compare with plain numpy (tests/_reference.py or a loop written out).
+
+def _src(text: str, statement: bool) -> Callable[[ast.AST], bool]:
+    """The statement (or expression) whose source (ast.unparse: its shape, not its layout) is `text`."""
+    kind = ast.stmt if statement else ast.expr
+    return lambda n: isinstance(n, kind) and ast.unparse(n) == text
+
+
+def _to(text: str) -> Callable[[ast.AST], ast.AST]:
+    """Replace the node by `text`: a statement for a statement, an expression for an expression."""
+    return lambda n: ast.parse(text).body[0] if isinstance(n, ast.stmt) else _expr(text)
+
+
+def _drop(n: ast.AST) -> ast.AST:
+    return ast.Pass()
+
+
+def _net(label: str, module: str, function: str, old: str, new: str | None, tests: tuple[str, ...]) -> Structural:
+    """A mutant of the new code: in `module.function`, the one node `old` (its source) made `new` (None: the
+    statement dropped)."""
+    statement = new is None or not isinstance(ast.parse(old).body[0], ast.Expr)
+    return Structural(label, f"mhla_cli.{module}", function, _src(old, statement), _drop if new is None else _to(new),
+                      tests)
+
+
+SAMPLES_TESTS = ("tests/test_samples.py",)
+KERNELS_TESTS = ("tests/test_kernels.py", "tests/test_samples.py")
+BIAS_TESTS = ("tests/test_bias_terms.py", "-k", "heads_and_their or unreduced or far_from or names_of")
+ACCUMULATE_TESTS = ("tests/test_accumulate.py", "tests/test_stream.py", "tests/test_bidirectional.py",
+                    "tests/test_causal.py", "-k", "materialised or reference or in_memory or equals_featurize")
+GRAM_TESTS = ("tests/test_gram_storage.py", "tests/test_gram_dense.py", "tests/test_gram_pairs.py")
+TILED_TESTS = ("tests/test_tiled_matrix.py", "-k", "blocked_cholesky or fails_exactly")
+GRAM_TILED_TESTS = ("tests/test_gram_tiled.py", "-k", "sum_copy or factorization_over or what_would")
+AFFINE_TESTS = ("tests/test_affine_sums.py", "tests/test_affine_block.py", "-k",
+                "match_numpy or take_the_query or another_basis or fitted_exactly or hold_the_reduced or predict_files")
+FORWARD_TESTS = ("tests/test_forward.py", "-k", "reproduces or matches_reference or layouts_and or every_prefix or "
+                 "rectangular_heads or wide_square or rollout_equals")
+
+NEW_CODE = [
+    # mhla_cli/samples.py: each layout's queries, token weights and rows
+    _net("causal token weights: a prefix sum for the suffix sum", "samples", "_Causal.token_weights",
+         "tail = np.cumsum(w[::-1])[::-1]", "tail = np.cumsum(w)", SAMPLES_TESTS),
+    _net("last-token query rows: the first token for the last", "samples", "_Last.token_weights",
+         "np.asarray(offsets[1:]) - 1", "np.asarray(offsets[:-1])", SAMPLES_TESTS),
+    _net("bidirectional queries read the previous token", "samples", "_Bidirectional.queries",
+         "np.asarray(X, dtype=np.float64)", "np.roll(np.asarray(X, dtype=np.float64), 1, axis=0)", SAMPLES_TESTS),
+    _net("bidirectional token weights ignore the weights", "samples", "_Bidirectional.rows",
+         "total = lengths if weights is None else np.add.reduceat(np.asarray(weights, dtype=np.float64), offsets[:-1])",
+         "total = lengths", SAMPLES_TESTS),
+    _net("bidirectional window moments X^T X for X^T W X", "samples", "_Bidirectional.rows",
+         "window_products(Xw, X, offsets)", "window_products(X, X, offsets)", SAMPLES_TESTS),
+    _net("rows keep the samples of weight 0", "samples", "Samples.rows",
+         "np.flatnonzero(w > 0)", "np.flatnonzero(w >= 0)", SAMPLES_TESTS),
+    _net("last-token and bidirectional S not divided by the length", "samples", "_windows",
+         "upper /= np.diff(np.asarray(offsets, dtype=np.int64)).astype(np.float64)[:, None]", None, SAMPLES_TESTS),
+    # mhla_cli/kernels.py
+    _net("sequence moments: padding rows not zeroed", "kernels", "_sequence_moments", "X[~valid] = 0.0", None,
+         KERNELS_TESTS),
+    _net("sequence moments of equal lengths: the first token for the last", "kernels", "_sequence_moments",
+         "X[:, -1, :]", "X[:, 0, :]", KERNELS_TESTS),
+    _net("prefix moments of ragged chunks without the running sum", "kernels", "prefix_moments",
+         "np.cumsum(block, axis=1, out=block)", None, KERNELS_TESTS),
+    _net("position numbers 0-based", "kernels", "position_numbers",
+         "np.arange(T) - np.repeat(offsets[:-1] - offsets[0], lengths) + 1",
+         "np.arange(T) - np.repeat(offsets[:-1] - offsets[0], lengths)", KERNELS_TESTS),
+    _net("length groups padded to their shortest sequence", "kernels", "length_groups",
+         "L = int(sorted_len[stop - 1])", "L = int(sorted_len[start])", KERNELS_TESTS),
+    _net("window products: padding rows not zeroed", "kernels", "window_products", "Xg[~valid] = 0.0", None,
+         KERNELS_TESTS),
+    # mhla_cli/bias_terms.py
+    _net("split heads: score_key read from Q's last row", "bias_terms", "split_heads",
+         "np.ascontiguousarray(Q[:, :d, d])", "np.ascontiguousarray(Q[:, d, :d])", BIAS_TESTS),
+    _net("augmented heads: score_key and score_query transposed", "bias_terms", "augmented_heads",
+         "Qt[:, :d, :d], Qt[:, :d, d], Qt[:, d, :d], Qt[:, d, d] = (Q, score_key, score_query, score_bias)",
+         "Qt[:, :d, :d], Qt[:, d, :d], Qt[:, :d, d], Qt[:, d, d] = (Q, score_key, score_query, score_bias)",
+         BIAS_TESTS),
+    _net("centring: + c for - c", "bias_terms", "centring", "T[D, :d], T[D, d] = (-c, 1.0)",
+         "T[D, :d], T[D, d] = (c, 1.0)", BIAS_TESTS),
+    _net("centred basis: - c for + c", "bias_terms", "centred_basis",
+         "out[-1] = np.asarray(c, dtype=np.float64) @ A[:-1] + A[-1]",
+         "out[-1] = A[-1] - np.asarray(c, dtype=np.float64) @ A[:-1]", BIAS_TESTS),
+    # mhla_cli/statistics/accumulate.py
+    _net("accumulate: the query tokens' Gram unweighted", "statistics.accumulate", "_Accumulator._tokens",
+         "L.T @ (L if last_weights is None else L * last_weights[:, None])", "L.T @ L", ACCUMULATE_TESTS),
+    _net("accumulate: rows not divided by their length", "statistics.accumulate", "_Accumulator._add_rows",
+         "upper /= rows.lengths[:, None]", None, ACCUMULATE_TESTS),
+    _net("accumulate: rows without sqrt(w) on the query", "statistics.accumulate", "_Accumulator._transposed_rows",
+         "last_t *= sw", None, ACCUMULATE_TESTS),
+    _net("accumulate: equal lengths without the basis", "statistics.accumulate", "_Accumulator._equal_moments",
+         "np.matmul(w, self.basis, out=wb)", "np.copyto(wb, w)", ACCUMULATE_TESTS),
+    _net("accumulate: the derived token Gram dropped", "statistics.accumulate", "_Accumulator.result",
+         "token_gram = self.token_gram + self._from_basis(self._derived_token_gram)",
+         "token_gram = self.token_gram", ACCUMULATE_TESTS),
+    _net("accumulate: a window's query Gram not in the basis sums", "statistics.accumulate",
+         "_Accumulator._derived_grams", "self.basis_last_token_gram += query_b", None, ACCUMULATE_TESTS),
+    _net("accumulate: weight total by count", "statistics.accumulate", "_Accumulator._add_rows",
+         "self.weight_sum += float(np.sum(weights)) if weights is not None else float(self.samples.count(B, T))",
+         "self.weight_sum += float(self.samples.count(B, T))", ACCUMULATE_TESTS),
+    # the Gram storages: mhla_cli/statistics/gram_storage.py, gram_dense.py, gram_pairs.py, gram_tiled.py
+    _net("dense Gram: a sum subtracts", "statistics.gram_dense", "DenseGram.add",
+         "self.held += other.expand()", "self.held -= other.expand()", GRAM_TESTS),
+    _net("dense Gram: overwrites a read-only array", "statistics.gram_dense", "DenseGram.congruence",
+         "overwrite and _writeable(self.held)", "overwrite", GRAM_TESTS),
+    _net("symmetry check: a tile against itself, not its mirror", "statistics.gram_dense", "is_symmetric",
+         "upper - lower.T", "upper - lower", GRAM_TESTS),
+    _net("symmetry check skips the diagonal tiles", "statistics.gram_dense", "is_symmetric",
+         "range(i0, n, tile)", "range(i0 + tile, n, tile)", GRAM_TESTS),
+    _net("pairs Gram: a sum keeps only the other's entries", "statistics.gram_pairs", "PairsGram.add",
+         "self.held.K += other.held.K", "self.held.K = other.held.K", GRAM_TESTS),
+    _net("pairs Gram: the dataset's shape not checked", "statistics.gram_pairs", "PairsGram.read",
+         "K.shape != symgram.pairs_shape(q, r)", "False", GRAM_TESTS),
+    _net("own Gram: overflow not refused", "statistics.gram_storage", "own_of", "not own.all_finite()", "False",
+         GRAM_TESTS),
+    _net("tiled Gram: a sum subtracts", "statistics.gram_tiled", "TiledGram.add",
+         "self._map('add', np.add, other)", "self._map('add', np.subtract, other)", GRAM_TILED_TESTS),
+    _net("tiled Gram: Grams tiled differently added", "statistics.gram_tiled", "TiledGram._map",
+         "o.held.sizes != m.sizes", "False", GRAM_TILED_TESTS),
+    _net("wrap: a storage wrapped again", "statistics.gram_storage", "wrap",
+         "obj is None or isinstance(obj, GramStorage)", "obj is None", GRAM_TESTS),
+    # the tiled Cholesky: mhla_cli/linalg/tiled_matrix.py (its tasks and the blocked loop)
+    _net("tiled Cholesky: the shift at potrf again on an updated tile", "linalg.tiled_matrix", "TiledMatrix.cholesky",
+         "s = shift if (k, k) in fresh else 0.0", "s = shift", TILED_TESTS),
+    _net("tiled Cholesky: the update adds L_i L_j^T on the diagonal", "linalg.tiled_matrix", "_update",
+         "blas.dsyrk(-1.0, li, beta=1.0, c=out, lower=1, overwrite_c=1)",
+         "blas.dsyrk(1.0, li, beta=1.0, c=out, lower=1, overwrite_c=1)", TILED_TESTS),
+    _net("tiled Cholesky: trsm with L_kk for L_kk^T", "linalg.tiled_matrix", "_trsm",
+         "blas.dtrsm(1.0, lkk, np.array(a, dtype=np.float64, order='F'), side=1, lower=1, trans_a=1)",
+         "blas.dtrsm(1.0, lkk, np.array(a, dtype=np.float64, order='F'), side=1, lower=1, trans_a=0)",
+         TILED_TESTS),
+    _net("tiled Cholesky: the failing column off by one", "linalg.tiled_matrix", "_potrf",
+         "column0 + max(int(info), 1) - 1", "column0 + max(int(info), 1)", TILED_TESTS),
+    _net("tiled Cholesky: the diagonal tiles never updated", "linalg.tiled_matrix", "TiledMatrix.cholesky",
+         "range(j, nb)", "range(j + 1, nb)", TILED_TESTS),
+    _net("tiled solve: the backward sweep with L for L^T", "linalg.tiled_matrix", "TiledFactor._backward",
+         "m.submit('solve', _gemm_sub, acc, self.tiles[j, i], X[j], True)",
+         "m.submit('solve', _gemm_sub, acc, self.tiles[j, i], X[j], False)",
+         TILED_TESTS),
+    _net("tiled product without the upper tiles", "linalg.tiled_matrix", "TiledMatrix.matmat",
+         "parts[j].append((p, 1))", None, TILED_TESTS),
+    # the affine block: mhla_cli/solve/affine_block.py, mhla_cli/statistics/affine_sums.py
+    _net("affine block: cross sums not divided by the weight", "solve.affine_block", "extended",
+         "aff.cross @ B / W", "aff.cross @ B", AFFINE_TESTS),
+    _net("affine block: its moments not divided by the weight", "solve.affine_block", "_rhs",
+         "ext.B.T @ feats.affine.moments / W", "ext.B.T @ feats.affine.moments", AFFINE_TESTS),
+    _net("affine block: the map without the wide basis", "solve.affine_block", "fit",
+         "feats.affine.f_basis @ ext.B @ sol[n:]", "ext.B @ sol[n:]", AFFINE_TESTS),
+    _net("affine block: what the MHLA holds counted twice", "solve.affine_block", "block_map", "Af @ Q", "Af",
+         AFFINE_TESTS),
+    _net("affine rows of last-token samples: the first token for the last", "statistics.affine_sums", "affine_rows",
+         "np.asarray(offsets[1:], dtype=np.int64) - 1", "np.asarray(offsets[:-1], dtype=np.int64)", AFFINE_TESTS),
+    _net("affine sums: the total not changed with the basis", "statistics.affine_sums", "AffineSums.to_f_basis",
+         "self.total = C.T @ self.total", None, AFFINE_TESTS),
+    _net("affine sums: the cross sums subtracted", "statistics.affine_sums", "AffineSums.add",
+         "self.cross += sign * other.cross", "self.cross -= sign * other.cross", AFFINE_TESTS),
+    # the forward pass: mhla_cli/model/forward/*.py
+    _net("heads evaluated with Q transposed", "model.forward.evaluate", "heads_chunk",
+         "np.einsum('hcl,bl->bhc', Q, last, optimize=True)", "np.einsum('hlc,bl->bhc', Q, last, optimize=True)",
+         FORWARD_TESTS),
+    _net("coef outputs: the output and token axes transposed", "model.forward.evaluate", "sample_outputs",
+         "np.asarray(coef, dtype=np.float64).reshape(d_out, npairs, d).transpose(1, 0, 2)",
+         "np.asarray(coef, dtype=np.float64).reshape(d_out, npairs, d).transpose(1, 2, 0)", FORWARD_TESTS),
+    _net("last-token outputs not divided by the length", "model.forward.evaluate", "_chunk_moments",
+         "S /= np.diff(np.asarray(offsets, dtype=np.int64)).astype(np.float64)[:, None, None]", None, FORWARD_TESTS),
+    _net("the affine map of the wide tokens subtracted", "model.forward.evaluate", "_with_affine",
+         "out + affine_rows(wide, offsets, CAUSAL if per_position else LAST) @ affine.T",
+         "out - affine_rows(wide, offsets, CAUSAL if per_position else LAST) @ affine.T", AFFINE_TESTS),
+    _net("rollout: the length not counting the generated tokens", "model.forward.rollout", "rollout_chunk",
+         "n += 1.0", None, FORWARD_TESTS),
+    _net("rollout: the running S without the generated token", "model.forward.rollout", "rollout_chunk",
+         "S += y[:, :, None] * y[:, None, :]", None, FORWARD_TESTS),
+    _net("predict on a file: the wide tokens' map not added", "model.forward.stream", "positions_range",
+         "outputs = outputs + _affine_range(affine, a, offsets)", None, AFFINE_TESTS),
+]
+
+
 def _quoted_constants() -> list[str]:
     """EPS and every constant numerics.QUOTED lists (read from the source: a constant added there is a
     mutant here without another edit)."""
@@ -298,7 +477,7 @@ OTHER_CONSTANTS = [("mhla_cli.solve.ridge_cv", "CV_FLOOR", ("tests/test_ridge_cv
 CONSTANTS = [Constant("mhla_cli.numerics", name, f, CUT_TESTS.get(name, BOUNDARY))
              for name in _quoted_constants() for f in (1e4, 1e-4)] + \
             [Constant(mod, name, f, tests) for mod, name, tests in OTHER_CONSTANTS for f in (1e4, 1e-4)]
-MUTANTS = CONSTANTS + STRUCTURAL + OWN_COORDINATES
+MUTANTS = CONSTANTS + STRUCTURAL + OWN_COORDINATES + NEW_CODE
 
 # Changes that no test can see because they change no answer (they are reported, not asserted):
 EQUIVALENT = {

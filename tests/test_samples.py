@@ -94,6 +94,11 @@ def test_token_weights_and_rows_sum_to_the_samples(name: str, weighted: bool) ->
     assert relerr(Gr, G) < 1e-12 and relerr(Mr, M) < 1e-12
     if rw.xx is not None:  # the target sums of a window's samples
         assert relerr(rw.yy, np.einsum("t,te,tf->ef", ws, Y, Y)) < 1e-13 and relerr(rw.y_sum, ws @ Y) < 1e-13
+    if rw.token_grams is not None:  # the token Grams the rows carry: sum w S, sum w x x^T, sum x x^T
+        tg, qg, plain = rw.token_grams
+        assert relerr(tg, sum(ws[i] * S for i, (S, _, _, _) in enumerate(want))) < 1e-13
+        assert relerr(qg, sum(ws[i] * np.outer(x, x) for i, (_, x, _, _) in enumerate(want))) < 1e-13
+        assert relerr(plain, X.T @ X) < 1e-13
 
 
 def test_layouts_as_file_attributes_and_across_processes() -> None:
