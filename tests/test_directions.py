@@ -175,3 +175,16 @@ def test_weights_file_suffix_and_missing(tmp_path: Path) -> None:
         directions.load_read_weights(tmp_path / "w.pt", 8)
     with pytest.raises(InputError, match="no such file"):
         directions.load_read_weights(tmp_path / "w.npz", 8)
+
+
+def test_weights_of_fewer_rows_than_d_are_completed_like_supervised() -> None:
+    """W of 2 rows and d = 4: W's rows, then the principal directions of the residual (the reference's)."""
+    rng = np.random.default_rng(7)
+    X = _tokens(rng, 300, 8)
+    W = rng.standard_normal((2, 8))
+    P, share = directions.weight_directions(W, X.T @ X / 300, 4)
+    assert share == pytest.approx(1.0, abs=1e-12)
+    assert np.max(subspace_angles(P[:, :2], W.T)) <= ANGLE_TOL
+    # the same span as supervised's completion of the targets y = W x (whose read is W's rows)
+    ref = _ref_supervised(X, X @ W.T, np.ones(300), 4)
+    assert np.max(subspace_angles(P, ref)) <= ANGLE_TOL
