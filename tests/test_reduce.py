@@ -292,6 +292,9 @@ def test_weights_method_against_numpy(tmp_path: Path) -> None:
     Vt = np.linalg.svd(np.vstack([Wq, Wk]) @ L)[2]
     assert np.max(subspace_angles(red.P, np.linalg.solve(L.T, Vt[:3].T))) <= ANGLE_TOL
     assert red.method == "weights" and red.weights == str(wfile)
+    with h5py.File(out) as f:  # the --weights file among the recorded inputs, after the data (--affine-from's)
+        inputs = json.loads(f.attrs["mhla_inputs"])
+        assert inputs[0]["name"] == "w.h5" and inputs[1]["name"] == "qkv.npz" and inputs[1]["fingerprint"]
     s = np.linalg.svd(np.vstack([Wq, Wk]) @ L, compute_uv=False)
     assert red.token_share == pytest.approx((s[:3] ** 2).sum() / (s ** 2).sum(), rel=1e-10)
 

@@ -25,10 +25,12 @@ def reduce_cmd(
         "--method", help="How the token map P is chosen (default pca): pca (the tokens' top principal directions), "
         "supervised (the top input directions of the token-wise least-squares map to the targets, in the tokens' "
         "whitened metric: needs targets), weights (the directions that keep W x in mean square over the tokens: "
-        "needs --weights).", show_default=False)] = None,
+        "needs --weights). Recorded in OUT with the share of what P keeps. Example: --method supervised",
+        show_default=False)] = None,
     weights: Annotated[Path | None, typer.Option(
         "--weights", help="With --method weights: a .npz or .safetensors file of the matrices the head reads the "
-        "token through, named W, W_Q, W_K or W_V, each (k, D) (rows read the token: W x) or stacked (m, k, D).",
+        "token through, named W, W_Q, W_K or W_V, each (k, D) (rows read the token: W x) or stacked (m, k, D). "
+        "Example: --method weights --weights qkv.npz",
         show_default=False)] = None,
     chunk_size: ChunkOpt = None,
     json_out: JsonOpt = False,

@@ -247,6 +247,8 @@ def apply_reduction(red: Reduction, data: str | os.PathLike, out: str | os.PathL
     _check_like(red, info, data, like or "the maps")
     formats.check_hdf5_suffix(out, "a tokens file")
     inputs = (data,) if like is None else (data, like)
+    if like is None and red.weights is not None:  # the --weights file: recorded with its fingerprint
+        inputs += (red.weights,)
     o = formats.check_output_path(out, inputs)
     d = red.dim
     N, T = info.n_samples, info.n_tokens
