@@ -259,8 +259,7 @@ def test_supervised_finds_a_low_variance_direction_pca_does_not(tmp_path: Path) 
     assert reduce_mod.load_reduction(tmp_path / "s.h5").method == "supervised"
 
 
-def test_supervised_scores_the_last_tokens_of_last_token_data(data: tuple[Path, list[np.ndarray], np.ndarray],
-                                                              tmp_path: Path) -> None:
+def test_supervised_scores_the_last_tokens_of_last_token_data(tmp_path: Path) -> None:
     """Last-token targets: the scored samples are each sequence's last token, with its weight."""
     from scipy.linalg import subspace_angles
 

@@ -179,12 +179,12 @@ def fit_reduction(data: str | os.PathLike, dim: int, chunk_size: int | None = No
     _check_method(method, weights)
     _check_dim(dim, info, data)
     if method == "supervised":
-        Cxx, Cxy, wsum, Gy, info = scored_moments(data, chunk_size, progress)
+        Cxx, Cxy, wsum, Gt, info = scored_moments(data, chunk_size, progress)
         if not wsum > 0:
             raise InputError("every sample weighs 0: --method supervised has no scored sample", data)
         P, ps = directions.supervised(Cxx / wsum, Cxy / wsum, dim, data)
-        U, us = top_eigenvectors(Gy, dim)
-        return Reduction(P, U, ps, us, str(data), method)
+        Ut, uts = top_eigenvectors(Gt, dim)
+        return Reduction(P, Ut, ps, uts, str(data), method)
     W = None if weights is None else directions.load_read_weights(weights, info.d)
     Gx, Gy, info = second_moments(data, chunk_size, progress)
     if W is None:
@@ -246,7 +246,7 @@ def apply_reduction(red: Reduction, data: str | os.PathLike, out: str | os.PathL
     info = inspect_tokens(data)
     _check_like(red, info, data, like or "the maps")
     formats.check_hdf5_suffix(out, "a tokens file")
-    inputs = (data,) if like is None else (data, like)
+    inputs: tuple[str | os.PathLike, ...] = (data,) if like is None else (data, like)
     if like is None and red.weights is not None:  # the --weights file: recorded with its fingerprint
         inputs += (red.weights,)
     o = formats.check_output_path(out, inputs)
