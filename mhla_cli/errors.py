@@ -18,3 +18,8 @@ class InputError(MhlaError, ValueError):
     def __init__(self, message: str, path: str | None = None) -> None:
         self.path = None if path is None else str(path)
         super().__init__(f"{self.path}: {message}" if self.path else message)
+
+
+class UnverifiedFileWarning(UserWarning):
+    """An input read without a check of its integrity: a file written before mhla's manifests
+    (mhla_cli.io.formats.manifest); the CLI prints it as one line ``mhla: warning: ...``."""

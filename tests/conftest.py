@@ -17,6 +17,16 @@ from mhla_cli.statistics.stream import Features
 STATS = ("gram", "moments", "target_gram", "token_gram", "last_token_gram")
 
 
+def unseal(f: h5py.File) -> None:
+    """Make an open mhla file (mode "a") one written before manifests (format 5, no 'mhla_manifest'), so that a
+    test may edit it and reach the checks of what it holds (a file of format 6 with an edit is refused as
+    corrupted first: tests/test_corruption.py)."""
+    if "mhla_manifest" in f.attrs:
+        del f.attrs["mhla_manifest"]
+    if int(f.attrs.get("mhla_format_version", 0)) >= 6:
+        f.attrs["mhla_format_version"] = 5
+
+
 def relerr(a: np.ndarray, b: np.ndarray) -> float:
     """Largest absolute difference relative to the largest entry of b."""
     return float(np.abs(a - b).max() / np.abs(b).max())
@@ -69,6 +79,22 @@ def load_example(path: Path, name: str) -> ModuleType:
     sys.modules[spec.name] = mod  # its dataclasses look their module up there
     spec.loader.exec_module(mod)
     return mod
+
+
+# The kind of file each command writes at -o (an earlier output of that kind is what an output may replace).
+OUTPUT_KINDS = {"featurize": "features", "merge": "features", "fit": "model", "export-heads": "heads",
+                "predict": "predictions", "rollout": "tokens", "generate": "tokens", "convert": "tokens",
+                "reduce": "tokens", "certify": "probes"}
+
+
+def previous_output(path: Path, kind: str) -> bytes:
+    """Write at `path` a small HDF5 file of mhla's `kind` (what an earlier run left at an output: the only
+    file an output may replace), and return its bytes (to check that it survives)."""
+    with h5py.File(path, "w") as f:
+        f.attrs["mhla_kind"] = kind
+        f.attrs["mhla_format_version"] = 1
+        f["previous"] = np.arange(5.0)
+    return path.read_bytes()
 
 
 def write_tokens(path: Path, tokens: np.ndarray, offsets: np.ndarray | None = None,

@@ -3,6 +3,7 @@ nothing is written at -o (an existing file there stays byte-identical)."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import re
@@ -21,6 +22,9 @@ from mhla_cli.feature_map import n_features
 from mhla_cli import export_heads
 from mhla_cli.solve.lstsq import fit
 from mhla_cli.statistics.stream import featurize
+from conftest import unseal
+
+from conftest import OUTPUT_KINDS, previous_output
 
 PREVIOUS = b"previous output, must survive\n" * 10
 
@@ -68,6 +72,7 @@ def h5(path: Path, **datasets: object) -> Path:
 def copy_with(src: Path, dst: Path, edit: Callable[[h5py.File], None]) -> Path:
     shutil.copy(src, dst)
     with h5py.File(dst, "r+") as f:
+        unseal(f)
         edit(f)
     return dst
 
@@ -219,10 +224,15 @@ HEADS_CASES = {
 
 def run_bad(capsys: pytest.CaptureFixture[str], argv: list[str], blamed: Path | None, pattern: str,
             out: Path | None) -> None:
-    """Run twice (no file at -o, then a pre-existing one) and check exit 2, the message, no output."""
+    """Run twice (no file at -o, then an earlier output of the command's kind) and check exit 2, the message,
+    no output."""
     for previous in (None, PREVIOUS) if out is not None else (None,):
         if out is not None and previous is not None:
-            out.write_bytes(previous)
+            kind = "model" if "--witness" in argv else OUTPUT_KINDS.get(argv[0])
+            if kind is not None and out.suffix in ("", ".h5", ".hdf5", ".hdf"):
+                previous = previous_output(out, kind)
+            if previous is PREVIOUS:
+                out.write_bytes(previous)
         elif out is not None and out.is_file():
             out.unlink()
         capsys.readouterr()
@@ -645,3 +655,137 @@ def test_scheduler_without_dask(base: Base, tmp_path: Path, monkeypatch: pytest.
     out = tmp_path / "f.h5"
     run_bad(capsys, ["featurize", str(base.data), "-o", str(out), "--scheduler", "local:1"], None,
             r"a Dask scheduler needs Dask", out)
+
+
+# --------------------------------------------------------------------------------------------
+# nothing lost: an output replaces only an earlier output of its own kind, never an input
+# --------------------------------------------------------------------------------------------
+
+NOT_MHLAS = r"output path exists and is not a file mhla wrote; it is left as it is"
+
+
+def _outputs(base: Base, d: Path) -> list[tuple[list[str], Path, str]]:
+    """(argv, the output, the kind it writes) for every output option of every command (HDF5 and the other
+    formats), each output in `d`."""
+    gen = ["--dim", "2", "--heads", "1", "--n-samples", "5"]
+    np.save(d / "x.npy", np.random.default_rng(0).standard_normal((6, 3, 2)))
+    o = {name: d / name for name in ("f.h5", "m.h5", "model.h5", "h.h5", "h.npz", "h.safetensors", "p.h5", "r.h5",
+                                     "t.h5", "teacher.h5", "a.h5", "w.h5", "rep.h5", "s.png", "c.h5", "red.h5")}
+    cases = [
+        (["featurize", str(base.data), "-o", str(o["f.h5"])], o["f.h5"], "features"),
+        (["merge", str(base.feats), "-o", str(o["m.h5"])], o["m.h5"], "features"),
+        (["fit", str(base.feats), "-o", str(o["model.h5"])], o["model.h5"], "model"),
+        (["export-heads", str(base.model), "-o", str(o["h.h5"])], o["h.h5"], "heads"),
+        (["export-heads", str(base.model), "-o", str(o["h.npz"])], o["h.npz"], "heads"),
+        (["predict", str(base.heads), str(base.data), "-o", str(o["p.h5"])], o["p.h5"], "predictions"),
+        (["rollout", str(base.model), str(base.data), "-k", "1", "-o", str(o["r.h5"])], o["r.h5"], "tokens"),
+        (["generate", "teacher", "-o", str(o["t.h5"]), *gen], o["t.h5"], "tokens"),
+        (["generate", "teacher", "-o", str(d / "t2.h5"), *gen, "--teacher-out", str(o["teacher.h5"])],
+         o["teacher.h5"], "heads"),
+        (["generate", "assoc", "-o", str(o["a.h5"]), "--keys", "1", "--n-samples", "4"], o["a.h5"], "tokens"),
+        (["certify", str(base.data), "--witness", str(o["w.h5"])], o["w.h5"], "model"),
+        (["certify", str(base.data), "--on", str(base.data), "-o", str(o["rep.h5"])], o["rep.h5"], "probes"),
+        (["convert", str(d / "x.npy"), "-o", str(o["c.h5"])], o["c.h5"], "tokens"),
+        (["reduce", str(base.data), "--dim", "1", "-o", str(o["red.h5"])], o["red.h5"], "tokens"),
+    ]
+    if importlib.util.find_spec("safetensors") is not None:
+        cases.append((["export-heads", str(base.model), "-o", str(o["h.safetensors"])], o["h.safetensors"], "heads"))
+    if importlib.util.find_spec("matplotlib") is not None:
+        cases.append((["spectrum", str(base.model), "--plot", str(o["s.png"])], o["s.png"], "plot"))
+    return cases
+
+
+def _refused_intact(capsys: pytest.CaptureFixture[str], argv: list[str], out: Path, pattern: str) -> None:
+    """Exit 2, one line matching `pattern`, the file at `out` byte for byte as it was, no temporary left."""
+    before = out.read_bytes()
+    capsys.readouterr()
+    assert run(argv) == 2, argv
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and re.search(pattern, lines[0]), (argv, lines)
+    assert out.read_bytes() == before
+    assert not list(out.parent.glob(f".{out.name}.*tmp-mhla*"))
+
+
+def test_a_users_file_at_any_output_is_refused_and_kept(base: Base, tmp_path: Path, capsys) -> None:
+    """`-o notes.h5` over a file mhla did not write (text, a user's HDF5 tokens without mhla_kind, a zip, a
+    PNG of another program): exit 2, the file intact, at every output of every command."""
+    users = [b"my notes, not mhla's\n", None, b"PK\x03\x04 a zip", b"\x89PNG\r\n\x1a\n" + b"\0" * 64]
+    for argv, out, _ in _outputs(base, tmp_path):
+        for content in users:
+            if content is None:
+                with h5py.File(out, "w") as f:  # a tokens file as a user writes it: no mhla attributes
+                    f["tokens"] = base.tokens
+                    f["offsets"] = base.offsets
+            else:
+                out.write_bytes(content)
+            _refused_intact(capsys, argv, out, f"mhla: error: {re.escape(str(out))}: {NOT_MHLAS}")
+            out.unlink()
+
+
+def test_an_mhla_file_of_another_kind_is_refused_and_kept(base: Base, tmp_path: Path, capsys) -> None:
+    for argv, out, kind in _outputs(base, tmp_path):
+        if out.suffix not in (".h5",):
+            continue
+        other = "features" if kind != "features" else "model"
+        previous_output(out, other)
+        _refused_intact(capsys, argv, out, rf"is an mhla {other} file, not a {kind} file; it is left as it is")
+        out.unlink()
+
+
+def test_an_earlier_output_of_the_same_kind_is_replaced(base: Base, tmp_path: Path, capsys) -> None:
+    """The one file an output replaces: what an earlier run of the command wrote there (every format)."""
+    for argv, out, kind in _outputs(base, tmp_path):
+        if "--witness" in argv or "teacher.h5" == out.name:
+            continue  # identifiable data write no witness; --teacher-out: covered by export-heads' heads
+        assert run(argv + ["-q"]) in (0, 1), (argv, capsys.readouterr().err)
+        first = out.read_bytes()
+        capsys.readouterr()
+        assert run(argv + ["-q"]) in (0, 1), (argv, capsys.readouterr().err)
+        assert out.exists() and out.read_bytes()[:8] == first[:8]
+
+
+def test_an_input_inside_or_around_the_output_is_refused(base: Base, tmp_path: Path, capsys) -> None:
+    """An output at an input's path through a symbolic link, or in a directory an input is (a store's
+    directory): exit 2, the input intact."""
+    data = tmp_path / "data.h5"
+    shutil.copy(base.data, data)
+    alias = tmp_path / "alias.h5"
+    alias.symlink_to(data)
+    _refused_intact(capsys, ["featurize", str(data), "-o", str(alias)], data, "output would overwrite an input")
+    _refused_intact(capsys, ["fit", str(alias), "-o", str(data)], data, "output would overwrite an input")
+
+
+def test_stores_never_replace_a_users_directory_an_input_or_a_part(base: Base, tmp_path: Path, capsys) -> None:
+    """featurize --scheduler -o DIR.zarr over a user's directory, an input inside the output store, merge
+    parts inside the output: exit 2 before the cluster is asked anything, every file intact."""
+    pytest.importorskip("zarr")
+    results = tmp_path / "results.zarr"
+    results.mkdir()
+    (results / "notes.txt").write_text("my notes")
+    work = tmp_path / "work.zarr"
+    work.mkdir()
+    shutil.copy(base.data, work / "data.h5")
+    out = tmp_path / "out.zarr"
+    (out / "p0.zarr").mkdir(parents=True)
+    (out / "p1.zarr").mkdir()
+    (out / "p0.zarr" / "zarr.json").write_text('{"attributes": {"mhla_kind": "features"}}')
+    (out / "zarr.json").write_text('{"attributes": {"mhla_kind": "features"}}')
+    other = tmp_path / "other.zarr"
+    other.mkdir()
+    (other / "zarr.json").write_text('{"zarr_format": 3, "node_type": "group", "attributes": {"mhla_kind": "model"}}')
+    dead = ["--scheduler", "tcp://127.0.0.1:9"]  # never contacted: refused before
+    cases = [
+        (["featurize", str(base.data), *dead, "-o", str(results)], results / "notes.txt",
+         "output path exists and is not an mhla features store"),
+        (["featurize", str(base.data), *dead, "-o", str(other)], other / "zarr.json", "is not an mhla features store"),
+        (["featurize", str(work / "data.h5"), *dead, "-o", str(work)], work / "data.h5",
+         "output would overwrite an input"),
+        (["merge", str(out / "p0.zarr"), str(out / "p1.zarr"), "-o", str(out)], out / "p0.zarr" / "zarr.json",
+         "output would overwrite an input"),
+        (["merge", str(out), str(tmp_path / "p1.zarr"), "-o", str(out / "p0.zarr")], out / "zarr.json",
+         "output would overwrite an input"),
+    ]
+    for argv, kept, pattern in cases:
+        _refused_intact(capsys, argv, kept, pattern)
+    assert (results / "notes.txt").read_text() == "my notes" and sorted(p.name for p in out.iterdir()) == [
+        "p0.zarr", "p1.zarr", "zarr.json"]

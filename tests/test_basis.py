@@ -23,6 +23,7 @@ from mhla_cli.model.forward import forward_heads
 from mhla_cli.solve.certificate import certify
 from mhla_cli.solve.lstsq import fit
 from mhla_cli.statistics.stream import Features, featurize
+from conftest import unseal
 
 
 def _features(X: np.ndarray) -> np.ndarray:
@@ -234,6 +235,7 @@ def test_features_file_round_trip_and_version_1(teacher_data, tmp_path: Path) ->
         g["basis_moments"][...] = f["basis_moments"][()] / D[:, None]
         for k, v in f.attrs.items():
             g.attrs[k] = v
+        unseal(g)
         g.attrs["mhla_format_version"] = 2
     c2, c3 = certify(Features.load(v2)), certify(feats)
     assert abs(c2.lambda_min - c3.lambda_min) <= 1e-9 * c3.lambda_min
@@ -244,6 +246,7 @@ def test_features_file_round_trip_and_version_1(teacher_data, tmp_path: Path) ->
             g[k] = f[k][()]
         for k, v in f.attrs.items():
             g.attrs[k] = v
+        unseal(g)
         g.attrs["mhla_format_version"] = 1
     v1 = Features.load(old)
     assert v1.basis is None and certify(v1).basis == "canonical"
@@ -257,6 +260,7 @@ def test_features_file_round_trip_and_version_1(teacher_data, tmp_path: Path) ->
                 g[k] = f[k][()]
         for k, v in f.attrs.items():
             g.attrs[k] = v
+        unseal(g)
     assert run(["certify", str(bad)]) == 2
 
 

@@ -34,6 +34,7 @@ from mhla_cli.numerics import EPS, FEWEST_TOL, LAMBDA_FLOOR_FRACTION
 from mhla_cli.solve.lstsq import fit
 from mhla_cli.solve.spectrum import spectrum
 from mhla_cli.statistics.stream import chunk_features
+from conftest import unseal
 
 # Two reported relative changes agree when within CHANGE_AGREE of each other (relative), or when both are
 # below CHANGE_ROUNDING: a change computed from coefficients that agree to rounding (exact heads: ~1e-15 in
@@ -443,6 +444,7 @@ def test_model_files_with_broken_or_without_lambda(tmp_path: Path, capsys: pytes
         bad = tmp_path / f"{name}.h5"
         bad.write_bytes(m.read_bytes())
         with h5py.File(bad, "a") as f:
+            unseal(f)
             edit(f)
         with pytest.raises(InputError, match="canonical_gram_pairs"):
             Model.load(bad)
@@ -455,6 +457,7 @@ def test_model_files_with_broken_or_without_lambda(tmp_path: Path, capsys: pytes
     old = tmp_path / "old.h5"
     old.write_bytes(m.read_bytes())
     with h5py.File(old, "a") as f:
+        unseal(f)
         del f["canonical_gram_pairs"]
     capsys.readouterr()
     assert run(["export-heads", str(old), "-o", str(tmp_path / "h.h5"), "--max-heads", "2", "--json"]) == 0

@@ -18,6 +18,7 @@ import pytest
 import _reference as ref
 from mhla_cli import fit as api_fit
 from mhla_cli.cli import run
+from mhla_cli.errors import InputError
 from mhla_cli.model import synthetic
 from mhla_cli.model.model import Model
 from mhla_cli.numerics import numerical_tolerance
@@ -421,3 +422,137 @@ def test_above_psi_4096_with_workers_smaller_than_the_gram(tmp_path: Path) -> No
     a, b = Model.load(tmp_path / "m1.h5"), Model.load(tmp_path / "m2.h5")
     assert np.abs(a.W - b.W).max() <= 1e-10 * np.abs(a.W).max()
     assert max(peaks) * 2**20 < limit, peaks
+
+
+# --------------------------------------------------------------------------------------------
+# a cluster that cannot do the work: exit 2 within --scheduler-timeout, naming the cause and the remedy
+# --------------------------------------------------------------------------------------------
+
+TIMEOUT = 3.0  # the --scheduler-timeout of these tests (seconds)
+SLACK = 20.0  # what a loaded test machine may add to it (start-up of the command, the client's close)
+
+
+def _bounded_run(args: list[str], limit: float = TIMEOUT + SLACK) -> tuple[int, float]:
+    """(exit code, seconds) of `mhla ARGS` run in a thread; the test fails (not hangs) past `limit`."""
+    box: dict[str, int] = {}
+    t0 = time.monotonic()
+    worker = threading.Thread(target=lambda: box.setdefault("code", run(args)), daemon=True)
+    worker.start()
+    worker.join(limit)
+    assert not worker.is_alive(), f"mhla {' '.join(args)} still runs after {limit:g} s"
+    return box["code"], time.monotonic() - t0
+
+
+def _black_hole(lifetime: float = 60.0) -> tuple[str, threading.Event]:
+    """A TCP server on 127.0.0.1 that accepts connections and never answers (a thread that stops after
+    `lifetime` seconds or when the event returned is set); its address."""
+    import socket
+
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen(16)
+    server.settimeout(0.2)
+    stop = threading.Event()
+
+    def serve() -> None:
+        held, end = [], time.monotonic() + lifetime
+        while not stop.is_set() and time.monotonic() < end:
+            try:
+                held.append(server.accept()[0])
+            except OSError:
+                pass
+        for c in held:
+            c.close()
+        server.close()
+    threading.Thread(target=serve, daemon=True).start()
+    return f"tcp://127.0.0.1:{server.getsockname()[1]}", stop
+
+
+def _one_line(capsys: pytest.CaptureFixture[str], *texts: str) -> str:
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("mhla: error: "), err
+    assert all(t in err[0] for t in texts), (texts, err[0])
+    return err[0]
+
+
+def test_a_scheduler_that_never_answers_exits_2_within_the_timeout(tmp_path: Path,
+                                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    path = teacher(tmp_path, 3, 40)
+    address, stop = _black_hole()
+    try:
+        for args in (["certify", str(path)], ["fit", str(path), "-o", str(tmp_path / "m.h5")]):
+            code, seconds = _bounded_run(args + ["--scheduler", address, "--scheduler-timeout", f"{TIMEOUT:g}"])
+            assert code == 2 and seconds >= TIMEOUT * 0.9, (code, seconds)
+            _one_line(capsys, f"scheduler {address}: it accepts connections, but no Dask scheduler answered within "
+                      f"{TIMEOUT:g} s", "--scheduler-timeout SECONDS (now 3)")
+    finally:
+        stop.set()
+    assert not (tmp_path / "m.h5").exists()
+
+
+def test_a_scheduler_without_workers_exits_2_within_the_timeout(tmp_path: Path,
+                                                                capsys: pytest.CaptureFixture[str]) -> None:
+    path = teacher(tmp_path, 3, 40)
+    cl = distributed.LocalCluster(n_workers=0, processes=False, dashboard_address=None)
+    try:
+        for args in (["certify", str(path)], ["fit", str(path), "-o", str(tmp_path / "m.h5")]):
+            code, _ = _bounded_run(args + ["--scheduler", cl.scheduler_address, "--scheduler-timeout",
+                                           f"{TIMEOUT:g}"])
+            assert code == 2
+            _one_line(capsys, f"no running worker within {TIMEOUT:g} s", "start workers for it")
+    finally:
+        cl.close()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["data.h5"]
+
+
+def test_workers_that_cannot_hold_a_tile_exit_2_naming_the_memory_needed(tmp_path: Path,
+                                                                        capsys: pytest.CaptureFixture[str]) -> None:
+    """Workers of 40 MB in this process (which holds far more: Dask pauses them, or they cannot hold a tile
+    beside it): refused, naming the memory, before any task runs."""
+    path = teacher(tmp_path, 3, 40)
+    cl = distributed.LocalCluster(n_workers=1, threads_per_worker=1, processes=False, dashboard_address=None,
+                                  memory_limit=40 * 10**6)
+    try:
+        code, _ = _bounded_run(["certify", str(path), "--scheduler", cl.scheduler_address, "--scheduler-timeout",
+                                f"{TIMEOUT:g}"])
+        assert code == 2
+        _one_line(capsys, "MiB", "start the workers with a larger memory limit")
+    finally:
+        cl.close()
+
+
+def test_a_scheduler_file_naming_a_dead_address_is_the_dead_address(tmp_path: Path,
+                                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    path = teacher(tmp_path, 3, 40)
+    sched = tmp_path / "scheduler.json"
+    sched.write_text(json.dumps({"address": "tcp://127.0.0.1:9", "type": "Scheduler"}))
+    code, _ = _bounded_run(["certify", str(path), "--scheduler", str(sched)])
+    assert code == 2
+    by_file = _one_line(capsys, "cannot connect to a Dask scheduler")
+    code, _ = _bounded_run(["certify", str(path), "--scheduler", "tcp://127.0.0.1:9"])
+    assert code == 2
+    by_address = _one_line(capsys, "cannot connect to a Dask scheduler")
+    assert by_file == by_address.replace("mhla: error: ", f"mhla: error: {sched}: ")
+    assert run(["certify", str(path), "--scheduler", str(tmp_path / "none.json")]) == 2
+    _one_line(capsys, "none.json: no such scheduler file")
+    assert run(["certify", str(path), "--scheduler-timeout", "3"]) == 2
+    _one_line(capsys, "--scheduler-timeout bounds the waits on a Dask cluster: give --scheduler")
+
+
+def test_a_store_is_replaced_whole_and_a_broken_chunk_is_exit_2(local, tmp_path: Path,
+                                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    """featurize -o S.zarr over an earlier store replaces it (nothing left beside it); a tile's chunk cut to half
+    its bytes is exit 2 "the store is corrupted" on the cluster, not an internal error."""
+    pytest.importorskip("zarr")
+    cl, _ = local
+    a, b = teacher(tmp_path, 3, 60, seed=1, name="a.h5"), teacher(tmp_path, 3, 90, seed=2, name="b.h5")
+    store = tmp_path / "s.zarr"
+    for data, n in ((a, 60), (b, 90)):
+        assert run(["featurize", str(data), "--scheduler", cl.scheduler_address, "-o", str(store), "-q"]) == 0
+        assert json.loads((store / "zarr.json").read_text())["attributes"]["n_samples"] == n
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.h5", "b.h5", "s.zarr"]
+    chunk = next(p for p in sorted((store / "basis_gram_lower").rglob("*")) if p.is_file() and p.name != "zarr.json")
+    chunk.write_bytes(chunk.read_bytes()[: chunk.stat().st_size // 2])
+    capsys.readouterr()
+    assert run(["certify", str(store), "--scheduler", cl.scheduler_address]) == 2
+    _one_line(capsys, f"{store}: ", "the store is corrupted")

@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 
 import mhla_cli
+from conftest import previous_output
 from mhla_cli.io import convert as convert_mod
 from mhla_cli.io.convert import _source, _writer
 from mhla_cli.cli import run
@@ -29,7 +30,6 @@ from conftest import STATS, write_tokens as h5_write_tokens
 
 HAVE_TORCH = importlib.util.find_spec("torch") is not None
 
-PREVIOUS = b"previous output, must survive\n" * 10
 
 
 def _read(path: Path) -> dict[str, np.ndarray]:
@@ -329,7 +329,7 @@ def test_bad_input_exits_2_and_writes_nothing(tmp_path: Path, capsys: pytest.Cap
     args = make(tmp_path)
     for out, existed in ((tmp_path / "out.h5", False), (tmp_path / "prev.h5", True)):
         if existed:
-            out.write_bytes(PREVIOUS)
+            previous = previous_output(out, "tokens")
         before = set(os.listdir(tmp_path))
         assert run(["convert", *args, "-o", str(out)]) == 2
         err = capsys.readouterr().err
@@ -338,7 +338,7 @@ def test_bad_input_exits_2_and_writes_nothing(tmp_path: Path, capsys: pytest.Cap
         assert expected in lines[0], lines[0]
         assert "Traceback" not in err
         assert set(os.listdir(tmp_path)) == before  # no output, no temporary file
-        assert out.read_bytes() == PREVIOUS if existed else not out.exists()
+        assert out.read_bytes() == previous if existed else not out.exists()
 
 
 def test_bad_torch_content(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -22,12 +22,12 @@ import numpy as np
 import pytest
 
 import mhla_cli
+from conftest import previous_output
 from mhla_cli.cli import run
 from mhla_cli.errors import InputError
 from mhla_cli.io import convert as convert_mod
 from mhla_cli.io.convert import _roles, _writer
 
-PREVIOUS = b"previous output, must survive\n" * 10
 
 
 def _read(path: Path) -> tuple[dict[str, np.ndarray], dict[str, object]]:
@@ -46,13 +46,13 @@ def _ok(args: list[str], capsys: pytest.CaptureFixture[str]) -> str:
 def _refused(args: list[str], capsys: pytest.CaptureFixture[str], pattern: str, out: Path) -> str:
     """Exit 2 with one line holding `pattern`; nothing written at `out` (a previous file kept byte for byte)."""
     capsys.readouterr()
-    out.write_bytes(PREVIOUS)
+    previous = previous_output(out, "tokens")
     before = set(os.listdir(out.parent))
     assert run(["convert", *args, "-o", str(out)]) == 2
     lines = capsys.readouterr().err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("mhla: error: "), lines
     assert pattern in lines[0], lines[0]
-    assert set(os.listdir(out.parent)) == before and out.read_bytes() == PREVIOUS
+    assert set(os.listdir(out.parent)) == before and out.read_bytes() == previous
     out.unlink()
     return lines[0]
 

@@ -15,6 +15,7 @@ from mhla_cli.cli import run
 from mhla_cli.model.export import load_heads, save_heads
 from mhla_cli.model.forward import forward_heads, predict
 from mhla_cli.model.heads import Heads
+from conftest import unseal
 
 
 def _heads(normalize: str = "none") -> Heads:
@@ -286,6 +287,7 @@ def test_factored_heads_files_refuse_inconsistent_widths(tmp_path: Path) -> None
         load_heads(tmp_path / "d.npz")
     save_heads(good, tmp_path / "h.h5")
     with h5py.File(tmp_path / "h.h5", "a") as f:
+        unseal(f)
         f.attrs["d"] = 9
     with pytest.raises(InputError, match="metadata 'd' = 9"):
         load_heads(tmp_path / "h.h5")

@@ -13,6 +13,7 @@ import pytest
 
 from _reference import ratio
 from _records import ragged_data, weighted_features
+from conftest import unseal
 from mhla_cli.errors import InputError
 from mhla_cli.statistics.features import Features
 from mhla_cli.statistics.features_file import PAIRS_DATASET, PAIRS_FORMAT
@@ -59,6 +60,7 @@ def _as_version_4(path: Path) -> None:
     """A features file as format version 4 wrote it (no weight totals)."""
     with h5py.File(path, "r+") as f:
         del f.attrs["weight_sum"], f.attrs["token_weight_sum"]
+        unseal(f)
         f.attrs["mhla_format_version"] = 4
 
 
@@ -180,6 +182,7 @@ def test_a_version_4_file_reads_as_before(tmp_path: Path) -> None:
 
     feats, full, _ = _compact_pair(tmp_path)
     with h5py.File(full, "r+") as f:
+        unseal(f)
         f.attrs["mhla_format_version"] = PAIRS_FORMAT - 1
     assert_same_stats(Features.load(full), feats, tol=1e-13)
 

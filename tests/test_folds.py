@@ -17,6 +17,7 @@ from mhla_cli.errors import InputError
 from mhla_cli.statistics.folds import featurize_folds, load_folds, load_for_cv, save_with_folds
 from mhla_cli.solve.lstsq import fit
 from mhla_cli.statistics.stream import Features, featurize
+from conftest import unseal
 
 
 def np_features(X: np.ndarray) -> np.ndarray:
@@ -108,6 +109,7 @@ def test_folds_file_keeps_the_solver_basis_and_fits_the_same(data: tuple[Path, s
 def _corrupt(src: Path, dst: Path, name: str, fn) -> Path:
     shutil.copy(src, dst)
     with h5py.File(dst, "r+") as f:
+        unseal(f)
         arr = fn(f[name][()])
         del f[name]
         f[name] = arr
@@ -253,6 +255,8 @@ def _strip_fold_bases(path: Path) -> Path:
     from mhla_cli.statistics.folds import FOLD_BASIS
 
     with h5py.File(path, "a") as f:
+
+        unseal(f)
         for name in FOLD_BASIS:
             del f[name]
     return path
@@ -316,6 +320,7 @@ def test_load_folds_refuses_inconsistent_fold_bases(data: tuple[Path, synthetic.
             load_folds(_corrupt(good, tmp_path / f"{name}.h5", ds, fn))
     partial = _corrupt(good, tmp_path / "partial.h5", "fold_basis", lambda a: a)
     with h5py.File(partial, "a") as f:
+        unseal(f)
         del f["fold_basis_gram"]
     with pytest.raises(InputError, match="incomplete"):
         load_folds(partial)

@@ -14,9 +14,12 @@ import pytest
 from mhla_cli.io import formats
 from mhla_cli.model import synthetic
 from mhla_cli._version import __version__
-from mhla_cli.errors import InputError
+from mhla_cli.errors import InputError, UnverifiedFileWarning
 from mhla_cli.model.heads import Heads
 from mhla_cli.model.model import Model
+from mhla_cli.cli import run
+
+from conftest import unseal
 
 
 def _write(path: Path, attrs: dict | None = None, **data: np.ndarray) -> Path:
@@ -44,7 +47,7 @@ def test_failed_write_leaves_no_temp_file_and_keeps_the_output(tmp_path: Path, e
 
     monkeypatch.setattr(formats.writing, "_fill", spy)
     if existing:
-        _write(out, {"marker": 7}, old=np.arange(5))
+        _write(out, {"marker": 7, "mhla_kind": "model"}, old=np.arange(5))  # an earlier model: replaceable
         before = out.read_bytes()
     listing = sorted(os.listdir(tmp_path))
     with pytest.raises(TypeError, match="Object dtype"):  # raised inside the write, after the temp file exists
@@ -60,7 +63,7 @@ def test_failed_write_leaves_no_temp_file_and_keeps_the_output(tmp_path: Path, e
 
 
 def test_successful_write_replaces_the_output(tmp_path: Path) -> None:
-    out = _write(tmp_path / "out.h5", {"marker": 7}, old=np.arange(5))
+    out = _write(tmp_path / "out.h5", {"marker": 7, "mhla_kind": "model"}, old=np.arange(5))
     formats.write_file(out, "model", {"coef": np.ones((2, 6)), "skipped": None}, {"d": 2, "none_attr": None})
     with h5py.File(out, "r") as f:
         assert sorted(f) == ["coef"] and "marker" not in f.attrs and "none_attr" not in f.attrs
@@ -80,6 +83,34 @@ def test_output_path_rules(tmp_path: Path) -> None:
         formats.write_file(tmp_path / "o.h5", "nonsense", {"x": np.ones(2)})
 
 
+def test_an_output_replaces_only_an_earlier_output_of_its_kind(tmp_path: Path) -> None:
+    """written_kind by format (HDF5's mhla_kind, heads' "mhla-heads" metadata in .npz / .safetensors, a PNG's
+    Software chunk) and check_replaceable: a user's file or another kind is refused, untouched."""
+    users = _write(tmp_path / "users.h5", {}, tokens=np.ones((2, 3, 2)))  # no mhla_kind
+    model = _write(tmp_path / "model.h5", {"mhla_kind": "model"}, coef=np.ones((2, 6)))
+    np.savez(tmp_path / "h.npz", V=np.ones(2), format=np.array("mhla-heads"))
+    np.savez(tmp_path / "other.npz", V=np.ones(2), format=np.array("mhla-headz"))
+    (tmp_path / "s.png").write_bytes(b"\x89PNG\r\n\x1a\n" + b"\0" * 20 + b"tEXtSoftware\x00mhla 1.0" + b"\0" * 9)
+    (tmp_path / "t.png").write_bytes(b"\x89PNG\r\n\x1a\n" + b"\0" * 20 + b"tEXtSoftware\x00Matplotlib" + b"\0" * 9)
+    header = b'{"__metadata__": {"format": "mhla-heads"}}'
+    (tmp_path / "h.safetensors").write_bytes(len(header).to_bytes(8, "little") + header)
+    (tmp_path / "notes.txt").write_text("mine")
+    kinds = {p.name: formats.written_kind(p) for p in sorted(tmp_path.iterdir())}
+    assert kinds == {"h.npz": "heads", "h.safetensors": "heads", "model.h5": "model", "notes.txt": None,
+                     "other.npz": None, "s.png": "plot", "t.png": None, "users.h5": None}
+    formats.check_replaceable(model, "model")
+    formats.check_replaceable(tmp_path / "h.npz", "heads")
+    formats.check_replaceable(tmp_path / "absent.h5", "model")
+    with pytest.raises(InputError, match="is an mhla model file, not a features file"):
+        formats.write_file(model, "features", {"gram": np.ones((2, 2))})
+    before = users.read_bytes()
+    with pytest.raises(InputError, match="not a file mhla wrote; it is left as it is"):
+        formats.write_file(users, "tokens", {"tokens": np.ones((2, 3, 2))})
+    assert users.read_bytes() == before
+    with pytest.raises(InputError, match="overwrite an input"):  # an input inside a directory named as output
+        formats.check_output_path(tmp_path / "new.h5", (tmp_path / "new.h5" / "inner.h5",))
+
+
 def test_newer_format_version_is_refused(tmp_path: Path) -> None:
     coef = np.zeros((2, 6))
     newer = _write(tmp_path / "new.h5", {"mhla_kind": "model", "mhla_format_version": formats.FORMAT_VERSION + 1},
@@ -90,6 +121,12 @@ def test_newer_format_version_is_refused(tmp_path: Path) -> None:
     same = _write(tmp_path / "same.h5", {"mhla_kind": "model", "mhla_format_version": formats.FORMAT_VERSION},
                   coef=coef)
     assert formats.kind_of(same) == "model"
+    with pytest.raises(InputError, match="corrupted: it has no manifest"):  # this format's files carry one
+        Model.load(same)
+    prev = _write(tmp_path / "prev.h5", {"mhla_kind": "model", "mhla_format_version": formats.MANIFEST_FORMAT - 1},
+                  coef=coef)
+    with pytest.warns(UnverifiedFileWarning, match="no manifest"):
+        assert Model.load(prev).d == 2
     older = _write(tmp_path / "old.h5", {"mhla_kind": "model", "mhla_format_version": 1}, coef=coef)
     assert Model.load(older).d == 2
 
@@ -271,8 +308,106 @@ def test_messages_keep_the_directory_and_show_no_numpy_reprs(tmp_path: Path, cap
     ds.save(tmp_path / "t.h5", dtype="float64")
     assert run(["featurize", str(tmp_path / "t.h5"), "-o", str(feats), "-q"]) == 0
     with h5py.File(feats, "a") as f:
+        unseal(f)  # an edited file of format 6 is refused as corrupted first (tests/test_corruption.py)
         f.attrs["weight_sum"] = np.array([np.float32(1.0), np.float32(2.0)])
     capsys.readouterr()
     assert run(["certify", str(feats)]) == 2
     err = capsys.readouterr().err
     assert "attribute 'weight_sum' = [1.0, 2.0] is not a number" in err and "np." not in err and "array(" not in err
+
+
+# ---------------------------------------------------------------------------------------------
+# the manifest (mhla_cli.io.formats.manifest)
+
+def test_an_array_checksum_is_of_its_shape_and_values_in_any_layout() -> None:
+    from mhla_cli.io.formats import manifest
+
+    rng = np.random.default_rng(0)
+    a = rng.standard_normal((7, 5))
+    h = manifest.digest(a)
+    assert manifest.digest(np.asfortranarray(a)) == h and manifest.digest(a.astype(">f8")) == h
+    blocks = manifest.Hasher(a.shape)
+    for r0 in (0, 1, 4):  # rows in blocks of any sizes, first row first
+        blocks.update(a[r0:{0: 1, 1: 4, 4: 7}[r0]])
+    assert blocks.hexdigest() == h
+    assert manifest.digest(a.reshape(5, 7)) != h  # the same bytes in another shape
+    b = a.copy()
+    b[3, 2] = np.nextafter(b[3, 2], np.inf)  # one ulp
+    assert manifest.digest(b) != h
+    f32 = a.astype(np.float32)
+    assert manifest.digest(f32) == manifest.digest(f32.astype(np.float64))  # stored or read as float64
+    ints = np.arange(6).reshape(2, 3)
+    assert manifest.digest(ints.astype(np.int32)) == manifest.digest(ints) != manifest.digest(ints.astype(float))
+    big = rng.standard_normal((3 * manifest.HASH_BLOCK_BYTES // 800 + 1, 100))  # hashed in blocks of rows
+    whole = manifest.Hasher(big.shape)
+    whole.update(big)
+    assert manifest.digest(big) == whole.hexdigest()
+
+
+def test_the_header_checksum_is_of_every_attribute_but_the_manifest() -> None:
+    from mhla_cli.io.formats import manifest
+
+    attrs = {"d": np.int64(3), "weight_sum": np.float64(2.5), "normalize": "none", "r": np.array([1, 2]),
+             "b": b"x"}
+    h = manifest.attrs_digest(attrs)
+    assert manifest.attrs_digest({"d": 3, "weight_sum": 2.5, "normalize": "none", "r": [1, 2], "b": "x"}) == h
+    assert manifest.attrs_digest({**attrs, manifest.MANIFEST_ATTR: "{}"}) == h
+    for k, v in (("d", 4), ("weight_sum", 2.5 * (1 + 2**-52)), ("normalize", "length"), ("extra", 0)):
+        assert manifest.attrs_digest({**attrs, k: v}) != h, k
+    assert manifest.attrs_digest({k: v for k, v in attrs.items() if k != "b"}) != h
+
+
+def test_a_written_file_is_sealed_and_each_damage_named(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from mhla_cli.io.formats import manifest
+
+    coef = np.random.default_rng(1).standard_normal((2, 6))
+    path = tmp_path / "m.h5"
+    formats.write_file(path, "model", {"coef": coef})
+    with h5py.File(path, "r") as f:
+        man = json.loads(f.attrs[manifest.MANIFEST_ATTR])
+        assert man["datasets"] == {"coef": {"shape": [2, 6], "digest": manifest.digest(coef)}}
+        assert man["attrs"] == manifest.attrs_digest(dict(f.attrs)) and man["hash"] == "sha256"
+    assert np.array_equal(Model.load(path).coef, coef)
+    cases = {
+        "edited": (lambda f: f["coef"].__setitem__((0, 0), coef[0, 0] + 1e-12), "'coef' differs from what was written"),
+        "foreign": (lambda f: f.create_dataset("notes", data=np.eye(4)), "'notes' is not in its manifest"),
+        "missing": (lambda f: f.__delitem__("coef"), None),  # the loader's own refusal comes first
+        "header": (lambda f: f.attrs.__setitem__("mhla_command", "mhla fit other.h5"), "attributes differ"),
+        "manifest": (lambda f: f.attrs.__setitem__(manifest.MANIFEST_ATTR, "{"), "manifest .* is not readable"),
+        "no manifest": (lambda f: f.attrs.__delitem__(manifest.MANIFEST_ATTR), "has no manifest"),
+    }
+    for name, (edit, match) in cases.items():
+        bad = tmp_path / f"{name}.h5"
+        bad.write_bytes(path.read_bytes())
+        with h5py.File(bad, "a") as f:
+            edit(f)
+        with pytest.raises(InputError, match=f"the file is corrupted: .*{match}" if match else "'coef'"):
+            Model.load(bad)
+        capsys.readouterr()
+        assert run(["predict", str(bad), str(tmp_path / "none.h5"), "-o", str(tmp_path / "p.h5")]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith("mhla: error:"), (name, err)
+    # a dataset written in blocks (Deferred with a shape) is hashed as its blocks are written
+    rows = np.arange(40.0).reshape(8, 5)
+    blocks = formats.Deferred(lambda: ((r0, rows[r0:r0 + 3]) for r0 in range(0, 8, 3)), rows.nbytes, rows.shape)
+    formats.write_file(tmp_path / "b.h5", "model", {"coef": np.ones((2, 6)), "extra": blocks})
+    with h5py.File(tmp_path / "b.h5", "r") as f:
+        assert json.loads(f.attrs[manifest.MANIFEST_ATTR])["datasets"]["extra"]["digest"] == manifest.digest(rows)
+
+
+def test_an_older_file_reads_with_one_warning_line_after_the_output(tmp_path: Path,
+                                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    ds, teacher = synthetic.generate_teacher(2, 1, 30, "2:4", seed=2)
+    ds.save(tmp_path / "t.h5", dtype="float64")
+    h = tmp_path / "h.h5"
+    teacher.save(h)
+    with h5py.File(h, "a") as f:
+        unseal(f)
+    capsys.readouterr()
+    assert run(["predict", str(h), str(tmp_path / "t.h5"), "-o", str(tmp_path / "p.h5")]) == 0
+    err = capsys.readouterr().err.strip().splitlines()
+    warned = [e for e in err if "no manifest" in e]
+    assert len(warned) == 1 and warned[0] == err[-1] and warned[0].startswith(f"mhla: warning: {h}: written before")
+    assert run(["predict", str(h), str(tmp_path / "none.h5"), "-o", str(tmp_path / "p.h5")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()  # an error stays one line
+    assert len(err) == 1 and err[0].startswith("mhla: error:"), err

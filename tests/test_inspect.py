@@ -14,6 +14,7 @@ from mhla_cli.model.forward import predict_file
 from mhla_cli.api.inspect import inspect_file
 from mhla_cli.solve.probes import certify_probes
 from mhla_cli.solve.witness import make_witness
+from conftest import unseal
 
 
 @pytest.fixture(scope="module")
@@ -86,6 +87,7 @@ def _copy_with(src: Path, dst: Path, **changes: np.ndarray | None) -> Path:
     with h5py.File(src, "r") as f, h5py.File(dst, "w") as g:
         for k, v in f.attrs.items():
             g.attrs[k] = v
+        unseal(g)  # an edited file of format 6 is refused as corrupted first (tests/test_corruption.py)
         for k in f:
             if k not in changes:
                 g[k] = f[k][()]

@@ -12,6 +12,7 @@ from mhla_cli.model import heads as heads_mod
 from mhla_cli.errors import InputError
 from mhla_cli.model.heads import Heads
 from mhla_cli.model.model import Model, coef_of, load_function, normalize_of
+from conftest import unseal
 
 
 def _model(d: int = 2, seed: int = 0, **info) -> Model:
@@ -141,6 +142,7 @@ def test_model_files_before_canonical_coef_are_read_and_broken_ones_refused(tmp_
             g[k] = f[k][()]
         for k, v in f.attrs.items():
             g.attrs[k] = v
+        unseal(g)
     m_old = Model.load(old)
     assert m_old.coef_b is None and m_old.evaluation()[1] is None
     Z = rng.standard_normal((12, 2))
@@ -158,6 +160,7 @@ def test_model_files_before_canonical_coef_are_read_and_broken_ones_refused(tmp_
                 g[k] = change(f[k][()]) if k == name else f[k][()]
             for k, v in f.attrs.items():
                 g.attrs[k] = v
+            unseal(g)
         with pytest.raises(InputError, match=match):
             Model.load(bad)
 

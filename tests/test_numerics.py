@@ -393,6 +393,7 @@ import _reference  # noqa: E402
 
 from mhla_cli import numerics  # noqa: E402
 from mhla_cli.statistics.stream import chunk_features  # noqa: E402
+from conftest import unseal
 
 EPS64 = float(np.finfo(np.float64).eps)
 
@@ -705,6 +706,7 @@ def test_cut_singular_basis_cond(tmp_path: Path) -> None:
     chunk_features(ds.tokens, ds.offsets, ds.targets, 3).save(path)
     for factor in (1e-2, 1e2):
         with h5py.File(path, "a") as f:
+            unseal(f)
             B = np.array(f["basis"])
             u, sv, vt = np.linalg.svd(B)
             sv[-1] = sv[0] / (factor * DOC["SINGULAR_BASIS_COND"])
@@ -728,6 +730,7 @@ def test_cut_symmetry_on_load(tmp_path: Path) -> None:
         g = g0.copy()
         g[0, 1] += factor * DOC["SYMMETRY_TOL"] * np.abs(g0).max()
         with h5py.File(path, "a") as f:
+            unseal(f)
             f["basis_gram"][...] = g
         if factor < 1:
             Features.load(path)
@@ -892,6 +895,7 @@ def test_cut_model_file_agreement(name: str, tmp_path: Path) -> None:
             dev = np.abs(p_from_W(new) - coef).max() / scale
         assert factor / 3 < dev / tol < 3 * factor
         with h5py.File(path, "a") as f:
+            unseal(f)
             f[name][...] = new
         if factor < 1:
             Model.load(path)
@@ -980,6 +984,7 @@ def test_cut_orthonormal_spans_on_load(tmp_path: Path) -> None:
         dev = np.abs(F.T @ F - np.eye(2)).max()
         assert dev == pytest.approx(factor * DOC["ORTHONORMAL_TOL"], rel=1e-3)
         with h5py.File(path, "a") as f:
+            unseal(f)
             f["span_last"][...] = F
         if factor < 1:
             Features.load(path)
@@ -1007,6 +1012,7 @@ def test_cut_fold_sums(tmp_path: Path) -> None:
         g = g0.copy()
         g[0, 0, 0] += factor * DOC["FOLD_SUM_TOL"] * scale
         with h5py.File(path, "a") as f:
+            unseal(f)
             f["fold_gram"][...] = g
         if factor < 1:
             assert len(load_folds(path)) == 3

@@ -17,6 +17,7 @@ import _reference as ref
 from mhla_cli.model import scores, synthetic
 from mhla_cli.cli import run
 from mhla_cli.api.estimator import MHLA
+from conftest import unseal
 from mhla_cli.model.forward import Predictions
 from mhla_cli.model.scores import SST_RESOLUTION, Spread, r2, r2_of, sst_from_sums
 from mhla_cli.statistics.stream import Features
@@ -170,10 +171,12 @@ def test_old_features_file_reports_r2_null(tmp_path: Path, capsys: pytest.Captur
     fp = tmp_path / "f.h5"
     assert run(["featurize", str(data), "-o", str(fp), "-q"]) == 0
     with h5py.File(fp, "a") as f:  # a file written before target_sum was accumulated
+        unseal(f)
         del f["target_sum"]
     fit = cli_json(capsys, "fit", str(fp), "-o", str(tmp_path / "m.h5"))
     assert fit["train_r2"] is None and fit["train_mse"] > 0
     with h5py.File(fp, "a") as f:  # a target_sum that is not finite is refused
+        unseal(f)
         f["target_sum"] = np.full(Y.shape[1], np.nan)
     assert run(["fit", str(fp), "-o", str(tmp_path / "m2.h5"), "-q"]) == 2
 

@@ -14,6 +14,7 @@ import h5py
 import numpy as np
 import pytest
 
+from conftest import OUTPUT_KINDS, previous_output
 from mhla_cli.io import formats
 from mhla_cli import signals
 from mhla_cli.cli import run
@@ -21,7 +22,6 @@ from mhla_cli.model.heads import W_from_p
 from mhla_cli.model.model import Model
 from mhla_cli.feature_map import n_features
 
-PREVIOUS = b"an earlier result that must survive\n" * 20
 MHLA = [sys.executable, "-m", "mhla_cli"] if (Path(formats.__file__).parent / "__main__.py").exists() else ["mhla"]
 
 pytestmark = pytest.mark.skipif(not Path("/proc/self/fd").is_dir(), reason="needs Linux /proc")
@@ -76,7 +76,7 @@ def test_interrupt_real_run(command: str, sig: int, existing: bool, big: tuple[P
     data, model = big
     out = tmp_path / "out.h5"
     if existing:
-        out.write_bytes(PREVIOUS)
+        previous = previous_output(out, OUTPUT_KINDS[command])
     argv = (["featurize", str(data), "-o", str(out), "--chunk-size", "2000"] if command == "featurize" else
             ["predict", str(model), str(data), "-o", str(out), "--all-positions", "--chunk-size", "2000"])
     proc = subprocess.Popen([*MHLA, *argv], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -97,7 +97,7 @@ def test_interrupt_real_run(command: str, sig: int, existing: bool, big: tuple[P
     assert err.strip() == ("mhla: interrupted" if sig == signal.SIGINT else "mhla: terminated")
     assert not _temps(out)
     if existing:
-        assert out.read_bytes() == PREVIOUS
+        assert out.read_bytes() == previous
     else:
         assert not out.exists()
 
@@ -125,7 +125,7 @@ def test_write_error_is_clean(existing: bool, tmp_path: Path) -> None:
                  ["predict", str(model), str(data), "-o", "{out}", "--all-positions"]):
         out = tmp_path / f"{argv[0]}.h5"
         if existing:
-            out.write_bytes(PREVIOUS)
+            previous = previous_output(out, OUTPUT_KINDS[argv[0]])
         args = [a.format(out=out) for a in argv]
         r = subprocess.run([*MHLA, *args], capture_output=True, text=True, preexec_fn=_limit_file_size(12_000),
                            timeout=60)
@@ -133,7 +133,7 @@ def test_write_error_is_clean(existing: bool, tmp_path: Path) -> None:
         assert r.stderr.strip() == f"mhla: error: {out}: cannot write output (File too large); nothing was written"
         assert not _temps(out)
         if existing:
-            assert out.read_bytes() == PREVIOUS
+            assert out.read_bytes() == previous
         else:
             assert not out.exists()
 
@@ -159,7 +159,7 @@ def small(tmp_path: Path) -> Path:
 def test_interrupt_while_writing(exc: BaseException, code: int, small: Path, tmp_path: Path,
                                  monkeypatch: pytest.MonkeyPatch, capsys) -> None:
     out = tmp_path / "feats.h5"
-    out.write_bytes(PREVIOUS)
+    previous = previous_output(out, "features")
     real_fill = formats.writing._fill
 
     def fill_then_fail(f, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003
@@ -174,7 +174,7 @@ def test_interrupt_while_writing(exc: BaseException, code: int, small: Path, tmp
         assert err.strip() == ("mhla: interrupted" if code == 130 else "mhla: terminated")
     if code == 2:
         assert err.strip() == f"mhla: error: {out}: cannot write output (No space left on device); nothing was written"
-    assert out.read_bytes() == PREVIOUS
+    assert out.read_bytes() == previous
     assert not _temps(out)
 
 

@@ -24,6 +24,7 @@ from mhla_cli.solve.lstsq import fit
 from mhla_cli.solve.domains import OBSERVED
 from mhla_cli.statistics.stream import chunk_features
 from mhla_cli.statistics.structure import Structure, find_structure, partial_traces
+from conftest import unseal
 
 EPS = float(np.finfo(np.float64).eps)
 
@@ -418,6 +419,7 @@ def _rewrite(src: Path, dst: Path, edit) -> Path:
 
     shutil.copy(src, dst)
     with h5py.File(dst, "r+") as f:
+        unseal(f)
         edit(f)
     return dst
 

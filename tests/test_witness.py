@@ -13,7 +13,7 @@ import numpy as np
 
 from _reference import canonical
 import pytest
-from conftest import write_tokens
+from conftest import write_tokens, unseal
 
 from mhla_cli.model import synthetic
 from mhla_cli.cli import run
@@ -233,6 +233,7 @@ def _rewrite(src: Path, dst: Path, **changes: np.ndarray | None) -> Path:
     with h5py.File(src, "r") as f, h5py.File(dst, "w") as g:
         for k, v in f.attrs.items():
             g.attrs[k] = v
+        unseal(g)
         for k in f:
             if k not in changes:
                 g[k] = f[k][()]

@@ -11,6 +11,7 @@ import pytest
 
 from mhla_cli.cli import run
 from mhla_cli.errors import InputError
+from mhla_cli.io.formats import manifest
 from mhla_cli.model import synthetic
 from mhla_cli.solve.certificate import certify
 from mhla_cli.statistics import tiled_gram, zarr_store
@@ -122,6 +123,14 @@ def test_parts_in_other_bases_are_refused(local, data: Path, tmp_path: Path) -> 
                     str(tmp_path / f"p{i}.zarr"), "-q"]) == 0
     g = zarr.open_group(str(tmp_path / "p1.zarr"), mode="r+")
     g["basis"][0, 0] = g["basis"][0, 0] * (1 + 1e-15) + 1e-15
+    with pytest.raises(InputError, match="store is corrupted: 'basis' differs from what was written"):
+        zarr_store.sum_stores([str(tmp_path / "p0.zarr"), str(tmp_path / "p1.zarr")], str(tmp_path / "m.zarr"),
+                              {}, {}, (0, 150))
+    man = json.loads(g.attrs[manifest.MANIFEST_ATTR])  # a part sealed in another basis
+    man["datasets"]["basis"]["digest"] = manifest.digest(np.asarray(g["basis"][...]))
+    g.attrs[manifest.MANIFEST_ATTR] = json.dumps(man)
+    man["attrs"] = manifest.attrs_digest(dict(g.attrs))
+    g.attrs[manifest.MANIFEST_ATTR] = json.dumps(man)
     with pytest.raises(InputError, match="another basis"):
         zarr_store.sum_stores([str(tmp_path / "p0.zarr"), str(tmp_path / "p1.zarr")], str(tmp_path / "m.zarr"),
                               {}, {}, (0, 150))

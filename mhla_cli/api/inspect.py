@@ -11,6 +11,7 @@ import h5py
 import numpy as np
 
 from ..io import formats
+from ..io.formats import manifest
 from ..errors import InputError
 from ..model.export import load_heads
 from ..model.heads import Heads
@@ -69,7 +70,7 @@ def inspect_file(path: str | os.PathLike) -> dict[str, Any]:
                     rep["attrs"][k] = _attr_value(f.attrs[k])
                 except (OSError, TypeError, ValueError) as exc:  # unreadable attribute type
                     rep["attrs"][k] = f"<unreadable: {exc}>"
-            rep["kind"] = formats.file_kind(f, path)
+            rep["kind"] = formats.file_kind(f, path, check=False)
         if isinstance(rep["attrs"].get("mhla_inputs"), str):
             try:
                 rep["provenance"] = {"inputs": json.loads(rep["attrs"]["mhla_inputs"]),
@@ -79,6 +80,9 @@ def inspect_file(path: str | os.PathLike) -> dict[str, Any]:
             except ValueError:
                 pass
         rep.update(_validate(path, rep["kind"]))
+        with formats.open_input(path) as f:
+            formats.file_kind(f, path)  # the header and the datasets' names and shapes
+            manifest.verify_file(f, path)  # every dataset as written, also those no command reads
         rep["valid"] = True
     except InputError as exc:
         rep["error"] = str(exc)

@@ -6,9 +6,11 @@ Exit codes: 0 ok; 1 a check failed (certify); 2 usage or input error (one line `
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import sys
+from collections.abc import Iterator
 from typing import Annotated, Any
 
 from .._version import __version__
@@ -132,10 +134,12 @@ def run(argv: list[str] | None = None) -> int:
 
     start_json_run(args)  # and the command line for the outputs' provenance, set when a command runs
     try:
-        with sigterm_as_exception():
+        with sigterm_as_exception(), _file_warnings() as unverified:
             rv = __getattr__("app")(args=args, prog_name="mhla", standalone_mode=False)
             check_interrupted()  # a signal whose exception was swallowed still ends the run
         code = rv if isinstance(rv, int) else 0
+        for line in unverified if code != 2 else ():
+            _say_stderr(line)
         if code:
             emit_error_json(f"exit code {code}", code)
         return code
@@ -156,6 +160,30 @@ def run(argv: list[str] | None = None) -> int:
         return 0
     except Exception as exc:  # noqa: BLE001
         return _unexpected(exc)
+
+
+@contextlib.contextmanager
+def _file_warnings() -> Iterator[list[str]]:
+    """Collect the inputs read without an integrity check (errors.UnverifiedFileWarning), once each, as lines
+    ``mhla: warning: ...`` that `run` prints when the command ends without an error (an error stays one line);
+    other warnings are shown as Python shows them."""
+    import warnings
+
+    from ..errors import UnverifiedFileWarning
+
+    said: list[str] = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("once", UnverifiedFileWarning)
+        shown = warnings.showwarning
+
+        def show(message: Any, category: Any, *args: Any, **kwargs: Any) -> None:
+            if issubclass(category, UnverifiedFileWarning):
+                said.append(f"mhla: warning: {message}")
+            else:
+                shown(message, category, *args, **kwargs)
+
+        warnings.showwarning = show
+        yield said
 
 
 def _print_version() -> int:

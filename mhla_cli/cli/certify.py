@@ -12,7 +12,7 @@ from ..errors import InputError
 from ..numerics import DETERMINED_TOL, EPS, RANK_RULE, quote
 from .console import BOUND_SIGNS, emit_json, fmt, load_with_progress, progress_bar, say, warn, working
 from .options import (AffineFromOpt, AttentionOpt, BiasTermsOpt, ChunkOpt, DeviceOpt, JsonOpt, NormalizeOpt, QuietOpt,
-                      about, check_hdf5_output)
+                      SchedulerTimeoutOpt, about, check_hdf5_output, check_scheduler_timeout, on_cluster)
 
 
 def certify_cmd(
@@ -48,6 +48,7 @@ def certify_cmd(
         "extra). DATA is then a tokens file or a Zarr features store (featurize --scheduler -o FEATS.zarr); the "
         "verdict is a Cholesky of Lambda~ - t I over the tiles, lambda_min and lambda_max Lanczos estimates "
         "(docs/cluster.md). Example: --scheduler local:4")] = None,
+    scheduler_timeout: SchedulerTimeoutOpt = None,
     json_out: JsonOpt = False,
     quiet: QuietOpt = False,
 ) -> None:
@@ -94,8 +95,10 @@ def certify_cmd(
             raise InputError("--scheduler certifies the full domain on the cluster's CPUs: it cannot be combined "
                              "with --witness, --on, --domain observed or --device (they need an eigendecomposition "
                              "or one machine)")
-        _certify_cluster(data, scheduler, min_eig, normalize, attention, bias_terms, chunk_size, json_out, quiet)
+        with on_cluster(scheduler, scheduler_timeout, data):
+            _certify_cluster(data, scheduler, min_eig, normalize, attention, bias_terms, chunk_size, json_out, quiet)
         return
+    check_scheduler_timeout(scheduler, scheduler_timeout)
     if on is None and report is not None:
         raise InputError("-o/--output REPORT is the report of --on PROBES; give --on")
     if affine_from is not None and (on is not None or witness is not None or domain != "full"):
@@ -106,7 +109,7 @@ def certify_cmd(
             raise InputError("--on tests the given probes: it cannot be combined with --witness, --domain "
                              "or --min-eig")
         if report is not None:
-            check_hdf5_output(report, (data, on), "the report")
+            check_hdf5_output(report, (data, on), "the report", "probes")
         inspect_tokens(on)
         _certify_on(data, on, report, normalize, chunk_size, json_out, quiet, dev, attention, bias_terms)
         return
@@ -142,7 +145,7 @@ def _certify(data: Path, min_eig: float, domain: str, witness: Path | None, norm
     from ..statistics.stream import check_solve_memory
 
     if witness is not None:
-        check_hdf5_output(witness, (data,), "the witness file")
+        check_hdf5_output(witness, (data,), "the witness file", "model")
         _witness_rules(data, lambda: check_witness_input(data))
     check_solve_memory(data, "certify", chunk_size=chunk_size, attention=attention, bias_terms=bias_terms)
     feats, _, seconds = load_with_progress(data, chunk_size, quiet, normalize, device, attention, bias_terms,

@@ -18,7 +18,8 @@ from ..io.tokens import inspect_tokens
 from ..statistics.zarr_store import is_store
 from .console import emit_json, fmt, progress_bar, say, say_samples, warn, working
 from .options import (AffineFromOpt, AttentionOpt, BiasTermsOpt, ChunkOpt, DeviceOpt, JsonOpt, NormalizeOpt, OutOpt,
-                      QuietOpt, check_hdf5_output, data_location, parse_shard, require_optional)
+                      QuietOpt, SchedulerTimeoutOpt, check_hdf5_output, data_location, on_cluster, parse_shard,
+                      require_optional)
 
 
 def featurize_cmd(
@@ -37,6 +38,7 @@ def featurize_cmd(
                                                   "(needs the dask extra). With -o FEATS.zarr (the cluster extra) "
                                                   "the Gram stays tiled on the workers, which write it into the "
                                                   "Zarr store: for a Gram larger than one machine (docs/cluster.md).")] = None,
+    scheduler_timeout: SchedulerTimeoutOpt = None,
     normalize: NormalizeOpt = None,
     attention: AttentionOpt = None,
     bias_terms: BiasTermsOpt = False,
@@ -97,8 +99,9 @@ def featurize_cmd(
             from ..solve.cluster import ClusterRefused
 
             raise ClusterRefused("affine", affine_from)
-        _featurize_store(data, data_location(output), scheduler, shard, chunk_size,
-                         check_normalize(normalize or "none"), attention, bias_terms, json_out, quiet)
+        with on_cluster(scheduler, scheduler_timeout, data):
+            _featurize_store(data, data_location(output), scheduler, shard, chunk_size,
+                             check_normalize(normalize or "none"), attention, bias_terms, json_out, quiet)
         return
     parallel = {"workers": workers, "scheduler": scheduler, "normalize": check_normalize(normalize or "none"),
                 "attention": attention, "bias_terms": bias_terms}
@@ -112,10 +115,11 @@ def featurize_cmd(
         raise InputError("--folds runs on the CPU: featurize the folds without --device")
     if compact and folds is not None:
         raise InputError("--compact and --folds cannot be combined (the folds' sums are stored whole)")
-    check_hdf5_output(output, (data, affine_from), "a features file")
+    check_hdf5_output(output, (data, affine_from), "a features file", "features")
     if scheduler is not None:
         require_dask(scheduler)
-    feats, fold_feats = _featurize(data, shard, folds, chunk_size, spans, dev, parallel, quiet)
+    with on_cluster(scheduler, scheduler_timeout, data):
+        feats, fold_feats = _featurize(data, shard, folds, chunk_size, spans, dev, parallel, quiet)
     if fold_feats is not None:
         save_with_folds(feats, fold_feats, output, inputs=(data,))
     else:
@@ -228,7 +232,7 @@ def merge_cmd(
                              "of one form", output)
         _merge_stores(parts, data_location(output), allow_partial, json_out, quiet)
         return
-    check_hdf5_output(output, tuple(parts), "a features file")
+    check_hdf5_output(output, tuple(parts), "a features file", "features")
     merged = merge_features(list(parts), allow_partial=allow_partial)
     feats, report = merged.features, merged.report
     feats.save(output, inputs=tuple(parts))

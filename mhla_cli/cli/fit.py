@@ -26,7 +26,8 @@ from ..statistics.stream import Features, data_kind
 from ..io.tokens import inspect_tokens
 from .console import BOUND_SIGNS, emit_json, fmt, load_with_progress, progress_bar, say, say_samples, warn, working
 from .options import (AffineFromOpt, AttentionOpt, BiasTermsOpt, ChunkOpt, DeviceOpt, about, JsonOpt, NormalizeOpt,
-                      OutOpt, QuietOpt, check_heads_output, check_hdf5_output, parse_auto, require_optional)
+                      OutOpt, QuietOpt, SchedulerTimeoutOpt, check_heads_output, check_hdf5_output, check_scheduler_timeout,
+                      on_cluster, parse_auto, require_optional)
 
 
 def fit_cmd(
@@ -58,6 +59,7 @@ def fit_cmd(
         "extra). DATA is then a tokens file or a Zarr features store; coef comes from two distributed triangular "
         "solves with the Cholesky factor of Lambda~ - t I (or of Lambda~ + l I with --ridge l), and MODEL is the "
         "file a fit on one machine writes. Data that do not determine the function need --ridge there (docs/cluster.md).")] = None,
+    scheduler_timeout: SchedulerTimeoutOpt = None,
     json_out: JsonOpt = False,
     quiet: QuietOpt = False,
 ) -> None:
@@ -82,7 +84,7 @@ def fit_cmd(
 
     Example (a Dask cluster): mhla fit data.h5 --scheduler tcp://10.0.0.5:8786 -o model.h5 --ridge 1e-6
     """
-    check_hdf5_output(output, (data, affine_from), "a model file")
+    check_hdf5_output(output, (data, affine_from), "a model file", "model")
     if scheduler is not None and affine_from is not None:
         from ..solve.cluster import ClusterRefused
 
@@ -94,9 +96,11 @@ def fit_cmd(
         if heads is not None or nuclear is not None or ridge.strip().lower() == "auto" or dev is not None:
             raise InputError("--scheduler fits least squares (with a --ridge l > 0, or none) on the cluster's CPUs: "
                              "it cannot be combined with --heads, --nuclear, --ridge auto or --device")
-        _fit_cluster(data, output, scheduler, parse_auto(ridge, "--ridge", float), normalize, attention, bias_terms,
-                     chunk_size, json_out, quiet)
+        with on_cluster(scheduler, scheduler_timeout, data):
+            _fit_cluster(data, output, scheduler, parse_auto(ridge, "--ridge", float), normalize, attention,
+                         bias_terms, chunk_size, json_out, quiet)
         return
+    check_scheduler_timeout(scheduler, scheduler_timeout)
     check_fit_targets(data)
     h, lam = parse_auto(heads, "--heads", int), parse_auto(nuclear, "--nuclear", float)
     r = parse_auto(ridge, "--ridge", float)
@@ -398,7 +402,7 @@ def check_plot_output(plot: Path, inputs: tuple[Path, ...]) -> None:
                          "use .png", plot)
     # without matplotlib, pyplot raises the library's InputError (with its install hint) at once
     require_optional("matplotlib", pyplot)  # matplotlib, not pyplot: it would pick a backend
-    formats.check_output_path(plot, inputs)
+    formats.check_output_path(plot, inputs, "plot")
 
 
 def register(app: typer.Typer) -> None:

@@ -60,7 +60,7 @@ def generate_teacher_cmd(
     if dtype not in ("float32", "float64"):
         raise InputError(f"--dtype must be float32 or float64, got {dtype}")
     normalize = check_normalize(normalize or "none")
-    check_hdf5_output(output, (), "a tokens file")
+    check_hdf5_output(output, (), "a tokens file", "tokens")
     if teacher_out is not None:
         check_heads_output(teacher_out)
         if Path(teacher_out).resolve() == Path(output).resolve():
@@ -105,7 +105,7 @@ def generate_assoc_cmd(
     """
     if dtype not in ("float32", "float64"):
         raise InputError(f"--dtype must be float32 or float64, got {dtype}")
-    check_hdf5_output(output, (), "a tokens file")
+    check_hdf5_output(output, (), "a tokens file", "tokens")
     if teacher_out is not None:
         check_heads_output(teacher_out)
         if Path(teacher_out).resolve() == Path(output).resolve():

@@ -35,6 +35,55 @@ OutOpt = Annotated[Path, typer.Option("--output", "-o", help="Output HDF5 file (
                                       "atomically).", dir_okay=True, resolve_path=False)]
 
 
+SchedulerTimeoutOpt = Annotated[float | None, typer.Option(
+    "--scheduler-timeout", metavar="SECONDS", help="With --scheduler: how long the scheduler has to answer and to "
+    "have a running worker (default 60 s: statistics.scheduler.SCHEDULER_TIMEOUT); a cluster that does neither, or "
+    "whose workers' memory cannot hold a tile of the Gram, is refused (exit 2) naming the cause "
+    "(docs/cluster.md). Example: --scheduler-timeout 300", show_default=False)]
+
+# The remedy the CLI adds to a cluster's refusal (statistics.scheduler.SchedulerError), by its cause.
+CLUSTER_REMEDIES = {
+    "connect": "check the address, that the scheduler runs and that this machine reaches it",
+    "answer": "check that the address is a Dask scheduler's (not another service's); a busy one may need longer: "
+              "--scheduler-timeout SECONDS (now {t:g})",
+    "workers": "start workers for it (dask worker ADDRESS), or wait longer for them: --scheduler-timeout SECONDS "
+               "(now {t:g})",
+    "memory": "start the workers with a larger memory limit (dask worker --memory-limit) or fewer threads each",
+    "killed": "give the workers more memory (dask worker --memory-limit), or see why they crash in their logs",
+    "lost": "check that the scheduler still runs, and run the command again",
+}
+
+
+def check_scheduler_timeout(scheduler: str | None, timeout: float | None) -> None:
+    """--scheduler-timeout: a finite number of seconds > 0, and only with --scheduler (before any work)."""
+    if timeout is not None and scheduler is None:
+        raise InputError("--scheduler-timeout bounds the waits on a Dask cluster: give --scheduler")
+    if timeout is not None and not (0 < timeout < math.inf):
+        raise InputError(f"--scheduler-timeout must be a finite number of seconds > 0, got {timeout}")
+
+
+@contextmanager
+def on_cluster(scheduler: str | None, timeout: float | None, data: Any = None) -> Iterator[None]:
+    """A command's work on the cluster of --scheduler, its waits bounded by --scheduler-timeout: a refusal of
+    the cluster (statistics.scheduler.SchedulerError) gains its remedy (`CLUSTER_REMEDIES`), and an error that
+    names no file (a store's chunk that cannot be decoded) names `data`. Without a scheduler: nothing."""
+    check_scheduler_timeout(scheduler, timeout)
+    if scheduler is None:
+        yield
+        return
+    from ..statistics.scheduler import SchedulerError, scheduler_timeout
+
+    with scheduler_timeout(timeout) as t:
+        try:
+            yield
+        except SchedulerError as exc:
+            raise InputError(f"{exc}; {CLUSTER_REMEDIES[exc.cause].format(t=t)}") from None
+        except InputError as exc:
+            if exc.path is None and data is not None:
+                raise InputError(str(exc), data) from None
+            raise
+
+
 ChunkOpt = Annotated[int | None, typer.Option("--chunk-size", min=1,
                                               help="Samples per chunk (default: sized to ~64 MiB of buffers).")]
 
@@ -107,13 +156,15 @@ def parse_shard(shard: str | None) -> tuple[int, int] | None:
     return i, m
 
 
-def check_hdf5_output(path: Path, inputs: tuple[Path | None, ...] = (), what: str = "the output") -> Path:
+def check_hdf5_output(path: Path, inputs: tuple[Path | None, ...] = (), what: str = "the output",
+                      kind: str | None = None) -> Path:
     """An HDF5 output path, refused (InputError, exit 2) before any work when its suffix names another
-    format (model.npz would be HDF5 under a NumPy name) or it cannot be written."""
+    format (model.npz would be HDF5 under a NumPy name), it cannot be written, or it holds a file that is not
+    mhla's file of `kind` (formats.check_replaceable)."""
     from ..io import formats
 
     formats.check_hdf5_suffix(path, what)
-    return formats.check_output_path(path, tuple(i for i in inputs if i is not None))
+    return formats.check_output_path(path, tuple(i for i in inputs if i is not None), kind)
 
 
 def check_heads_output(path: Path, inputs: tuple[Path | None, ...] = ()) -> str:
@@ -126,7 +177,7 @@ def check_heads_output(path: Path, inputs: tuple[Path | None, ...] = ()) -> str:
     if fmt == "safetensors":
         from ..model.export import _safetensors  # the library's own refusal, with its install hint
         require_optional("safetensors.numpy", _safetensors)
-    formats.check_output_path(path, tuple(i for i in inputs if i is not None))
+    formats.check_output_path(path, tuple(i for i in inputs if i is not None), "heads")
     return fmt
 
 

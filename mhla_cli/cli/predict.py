@@ -63,7 +63,7 @@ def predict_cmd(
 
     Example (a GPU): mhla predict model.h5 data.h5 -o pred.h5 --device cuda
     """
-    check_hdf5_output(output, (model_path, data, affine_from), "a predictions file")
+    check_hdf5_output(output, (model_path, data, affine_from), "a predictions file", "predictions")
     if causal and all_positions:
         raise InputError("--causal and --all-positions cannot be combined: --causal outputs the masked "
                          "(prefix) output at every position, --all-positions the unmasked one")
@@ -128,7 +128,7 @@ def rollout_cmd(
 
     Example (symbols): mhla rollout heads.h5 prompts.h5 --steps 24 --snap vocab.h5 -o traces.h5 --json
     """
-    check_hdf5_output(output, (model_path, data, snap), "a tokens file")
+    check_hdf5_output(output, (model_path, data, snap), "a tokens file", "tokens")
     fn = load_function(model_path)
     info = inspect_tokens(data)
     with progress_bar("rollout", info.n_samples, quiet) as advance:

@@ -84,7 +84,7 @@ def save_heads(heads: Heads, path: str | os.PathLike, inputs: tuple[str | os.Pat
         heads.save(path, inputs=inputs)
         return
     st = _safetensors() if fmt == "safetensors" else None
-    formats.check_output_path(path, inputs)
+    formats.check_output_path(path, inputs, "heads")
     arrays = {k: np.ascontiguousarray(v, dtype=np.float64)
               for k, v in {"V": heads.V, "Q": heads.Q, **heads.bias_arrays(), **heads.affine_arrays(),
                            **heads.map_arrays()}.items()}

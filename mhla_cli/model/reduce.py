@@ -249,7 +249,7 @@ def apply_reduction(red: Reduction, data: str | os.PathLike, out: str | os.PathL
     inputs: tuple[str | os.PathLike, ...] = (data,) if like is None else (data, like)
     if like is None and red.weights is not None:  # the --weights file: recorded with its fingerprint
         inputs += (red.weights,)
-    o = formats.check_output_path(out, inputs)
+    o = formats.check_output_path(out, inputs, "tokens")
     d = red.dim
     N, T = info.n_samples, info.n_tokens
     dense = info.layout == "dense"
@@ -350,7 +350,7 @@ def reduce_tokens(data: str | os.PathLike, out: str | os.PathLike, dim: int | No
         assert dim is not None
         _check_method(method or "pca", weights)
         formats.check_hdf5_suffix(out, "a tokens file")
-        formats.check_output_path(out, (data,))
+        formats.check_output_path(out, (data,), "tokens")
         red = fit_reduction(data, int(dim), chunk_size, progress, method or "pca", weights)
     apply_reduction(red, data, out, chunk_size, progress, like)
     return red

@@ -39,6 +39,7 @@ from ..statistics import basis as basis_mod
 from ..statistics import parallel
 from ..statistics import structure as structure_mod
 from ..statistics import tiled_gram, zarr_store
+from ..statistics.scheduler import check_worker_memory
 from ..statistics.tiled_gram import TiledStatistics
 
 __all__ = ["ClusterRefused", "factorization", "fit", "open_statistics"]
@@ -96,6 +97,7 @@ def open_statistics(data: Any, scheduler: Any = None, chunk_size: int | None = N
     with parallel.make_map(scheduler=scheduler) as pmap:
         client = pmap.client
         if store:
+            check_worker_memory(client, zarr_store.tile_bytes(data))
             stats = zarr_store.load_tiled(data, client)
             if normalize is not None and normalize != stats.sums.normalize:
                 raise InputError(f"was featurized with normalisation '{stats.sums.normalize}', not '{normalize}'; "

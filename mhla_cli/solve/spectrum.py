@@ -35,6 +35,7 @@ from typing import Any
 
 import numpy as np
 
+from .._version import __version__
 from ..io import formats
 from ..errors import InputError, MhlaError
 from ..model.canonical import CanonicalFunction, canonical_function
@@ -255,7 +256,7 @@ def plot_spectrum(spec: Spectrum, path: str | os.PathLike) -> None:
     ax.set_ylabel("singular value of min-nuclear-norm W")
     ax.legend(fontsize=8)
     fig.tight_layout()
-    out = formats.check_output_path(path)
+    out = formats.check_output_path(path, kind="plot")
     with formats.atomic_path(out) as tmp:
-        fig.savefig(tmp, format="png", dpi=120)
+        fig.savefig(tmp, format="png", dpi=120, metadata={"Software": f"{formats.PNG_SOFTWARE} {__version__}"})
     plt.close(fig)

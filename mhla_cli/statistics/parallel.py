@@ -27,6 +27,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from ..errors import InputError
+from .scheduler import SchedulerError, Watch, cluster_error, connect, current_timeout, wait_for_workers, watch
 
 BACKENDS = ("process", "thread")
 DEFAULT_BACKEND = "thread"
@@ -154,12 +155,14 @@ class DaskMap:
 
     local_copies = 1  # partial sums live on the workers; only the total comes back
 
-    def __init__(self, scheduler: Any) -> None:
+    def __init__(self, scheduler: Any, timeout: float | None = None) -> None:
         self.scheduler = scheduler
+        self.timeout = current_timeout() if timeout is None else float(timeout)
         self.n_workers = 1
         self._client: Any = None
         self._cluster: Any = None
         self._own_client = False
+        self.watch: Watch | None = None
 
     def __enter__(self) -> DaskMap:
         if isinstance(self.scheduler, str) and (self.scheduler == "local" or self.scheduler.startswith("local:")):
@@ -181,15 +184,17 @@ class DaskMap:
                     self._cluster = LocalCluster(n_workers=k, threads_per_worker=1, processes=True,
                                                  dashboard_address=None, silence_logs=logging.ERROR)
                 self._client = Client(self._cluster)
-            elif sched.endswith(".json") and os.path.exists(sched):
-                self._client = Client(scheduler_file=sched)
             else:
-                try:
-                    self._client = Client(sched)  # timeout: distributed.comm.timeouts.connect
-                except (OSError, TimeoutError, ValueError) as exc:
-                    raise InputError(f"scheduler {sched}: cannot connect to a Dask scheduler ({exc})") from None
+                self._client = connect(sched, self.timeout)
             self._own_client = True
+        name = str(self.scheduler) if isinstance(self.scheduler, str) else str(self._client.scheduler.address)
+        try:
+            wait_for_workers(self._client, self.timeout, name)
+        except BaseException:
+            self.__exit__()
+            raise
         self.n_workers = max(1, len(self._client.scheduler_info().get("workers", {})))
+        self.watch = watch(self._client, self.timeout, name)
         return self
 
     @property
@@ -199,6 +204,8 @@ class DaskMap:
         return self._client
 
     def __exit__(self, *exc: Any) -> None:
+        if self.watch is not None:
+            self.watch.stop()
         if self._own_client:
             with contextlib.suppress(Exception):
                 self._client.close()
@@ -242,8 +249,10 @@ def resolve_workers(workers: int) -> int:
 
 @contextlib.contextmanager
 def make_map(workers: int = 1, scheduler: Any = None, map: Callable[..., Iterable[Any]] | None = None,  # noqa: A002
-             backend: str | None = None) -> Iterator[Any]:
-    """The map to evaluate passes with: Dask if `scheduler`, a local pool if workers > 1.
+             backend: str | None = None, timeout: float | None = None) -> Iterator[Any]:
+    """The map to evaluate passes with: Dask if `scheduler` (refused within `timeout` seconds, default the one
+    in force: `scheduler_timeout`, when it does not answer or has no running worker; the cluster's failures
+    raised in the block become InputErrors: `cluster_error`), a local pool if workers > 1.
 
     `backend` is "thread" or "process" (default: MHLA_PARALLEL_BACKEND, else thread).
     """
@@ -252,8 +261,18 @@ def make_map(workers: int = 1, scheduler: Any = None, map: Callable[..., Iterabl
         yield map if hasattr(map, "n_workers") else SerialMap(map, n_workers=os.cpu_count() or 1)
         return
     if scheduler is not None:
-        with DaskMap(scheduler) as dm:
-            yield dm
+        with DaskMap(scheduler, timeout) as dm:
+            try:
+                yield dm
+            except BaseException as exc:
+                if dm.watch is not None and dm.watch.fired is not None:
+                    raise SchedulerError(dm.watch.fired, "workers") from None
+                if isinstance(exc, InputError) or not isinstance(exc, Exception):
+                    raise
+                mapped = cluster_error(exc)
+                if mapped is None:
+                    raise
+                raise mapped from exc
         return
     k = resolve_workers(workers)
     if k == 1:

@@ -47,6 +47,7 @@ from ..linalg import symgram
 from ..linalg.memory import check_floor
 from ..linalg.tiled_matrix import TiledMatrix
 from .gram_tiled import TiledGram
+from .scheduler import check_worker_memory
 from .features import Features
 from .shards import shard_samples, work_ranges
 from .ranges import default_chunk_size, accumulate_ranges
@@ -144,6 +145,8 @@ def accumulate(path: str | os.PathLike, client: Any, chunk_size: int | None = No
     size = chunk_size or default_chunk_size(info)
     stamp = _stamp(winfo.path)
     with parallel.make_map(scheduler=client) as pmap:
+        check_worker_memory(pmap.client, 8 * (tile_pairs(info.d, tile_features) * info.d) ** 2)
+
         def small(A: np.ndarray | None, sample_range: tuple[int, int]) -> Features:
             return accumulate_ranges(winfo, work_ranges(*sample_range, size, BASIS_RANGES, per_worker=1), map=pmap,
                                 chunk_size=size, normalize=normalize, basis=A, finalize=False,

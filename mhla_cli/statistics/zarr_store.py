@@ -14,28 +14,29 @@ and `basis_gram_lower`: the canonical Gram sum w Ht Ht^T (psi x psi), chunked by
 the lower tiles (i >= j) are written, each by the worker that holds it (the upper chunks are absent:
 read the Gram as the lower tiles and their transposes).
 
-The store is written under a temporary name next to the target and renamed when complete, so that a
-failed or interrupted featurize leaves nothing (on object stores the rename is a copy: there a reader
-may see the store before the copy ends). A store is read back as tiles on a cluster (`load_tiled`: every
-worker reads its tiles itself), or whole on one machine (`load_features`, refused up front when the
-Gram cannot fit). `merge` sums stores of shards of one tokens file tile by tile.
+The store is written under a temporary name next to the target and moved in when complete and verified,
+so that a failed or interrupted featurize leaves nothing, and an earlier store is removed only after
+(mhla_cli.statistics.store_location: what an output may replace, the commit). A store is read back as
+tiles on a cluster (`load_tiled`: every worker reads its tiles itself), or whole on one machine
+(`load_features`, refused up front when the Gram cannot fit). `merge` sums stores of shards of one tokens file tile by tile.
 """
 
 from __future__ import annotations
 
 import json
-import os
-import shutil
 import uuid
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from . import basis as basis_mod
+from . import store_location
+from .store_location import SUFFIX, check_output, is_store, require_zarr, store_kind
+from .store_location import location as _url, temporary as _temporary
 from ..errors import InputError
 from ..feature_map import n_features
 from ..io import formats
+from ..io.formats import manifest
 from ..linalg.memory import check_load
 from ..linalg.tiled_matrix import TiledMatrix
 from ..numerics import SINGULAR_BASIS_COND
@@ -45,59 +46,13 @@ from .features_file import EXTRA_ATTRS, WEIGHT_ATTRS
 from .tiled_gram import TiledStatistics
 
 __all__ = ["SUFFIX", "TILES", "check_output", "dims", "inspect", "is_store", "load_features", "load_tiled", "part_info",
-           "require_zarr", "save", "sum_stores"]
+           "require_zarr", "save", "store_kind", "sum_stores", "tile_bytes"]
 
-SUFFIX = ".zarr"
 # The array of the Gram's lower tiles.
 TILES = "basis_gram_lower"
 # The small sums (a few d x d or psi x d arrays), written and read by the client.
 SMALL = ("basis", "basis_moments", "basis_token_gram", "basis_last_token_gram", "token_gram", "last_token_gram",
          "moments", "target_gram", "target_sum")
-
-
-def is_store(path: Any) -> bool:
-    """Whether `path` names a Zarr store (its suffix .zarr: a directory or an fsspec URL)."""
-    return isinstance(path, (str, os.PathLike)) and str(path).rstrip("/").lower().endswith(SUFFIX)
-
-
-def require_zarr() -> Any:
-    """The zarr module, or an InputError with its install hint."""
-    try:
-        import zarr
-    except ImportError:
-        raise InputError("a Zarr store needs zarr, an optional dependency: "
-                         "pip install 'zarr>=3' (mhla's [cluster] extra)") from None
-    return zarr
-
-
-def _url(path: Any) -> str:
-    return str(path).rstrip("/")
-
-
-def _is_local(url: str) -> bool:
-    return "://" not in url or url.startswith("file://")
-
-
-def _local(url: str) -> Path:
-    return Path(url[len("file://"):] if url.startswith("file://") else url)
-
-
-def check_output(out: Any, inputs: tuple[Any, ...] = ()) -> str:
-    """A store to write: the suffix .zarr, zarr installed, and (a local one) a writable parent directory,
-    no file in its place and no input of the same path; refused (InputError) before any work."""
-    url = _url(out)
-    if not is_store(url):
-        raise InputError(f"a Zarr store is named by the suffix {SUFFIX}", out)
-    require_zarr()
-    if _is_local(url):
-        o = _local(url)
-        if o.exists() and not o.is_dir():
-            raise InputError("output path exists and is not a Zarr store (a directory)", out)
-        formats.check_output_directory(o)
-        for i in inputs:
-            if i is not None and Path(str(i)).resolve() == o.resolve():
-                raise InputError("output would overwrite an input; choose another -o path", out)
-    return url
 
 
 def _json(v: Any) -> Any:
@@ -111,66 +66,65 @@ def _json(v: Any) -> Any:
     return v
 
 
-def _temporary(url: str) -> str:
-    """A sibling of the target to write into (renamed by `_commit`)."""
-    head, _, name = url.rpartition("/")
-    tmp = f".{name}.{uuid.uuid4().hex[:12]}.tmp-mhla{SUFFIX}"
-    return f"{head}/{tmp}" if head else tmp
-
-
-def _fs(url: str) -> Any:
-    import fsspec
-
-    return fsspec.core.url_to_fs(url)[0]
+def _verify(url: str) -> None:
+    """Refuse (InputError) a written store that does not open as a complete mhla features store: its header,
+    the small sums every store has and the array of tiles (their numbers are checked by their readers; a store
+    of no samples, an empty shard, is complete)."""
+    g = _open(url)
+    attrs = _attrs(g, url)
+    for name in ("basis", "basis_token_gram", "basis_last_token_gram", "token_gram", "last_token_gram"):
+        if name not in g:
+            raise InputError(f"has no array '{name}'; the store is incomplete", url)
+    _tiles_array(g, n_features(int(attrs["d"])), int(attrs["tile_features"]), url)
 
 
 def _commit(tmp: str, url: str) -> None:
-    """Rename the written store `tmp` to `url` (replacing an earlier store there)."""
-    if _is_local(url):
-        target, src = _local(url), _local(tmp)
-        old = None
-        if target.exists():
-            old = target.with_name(f".{target.name}.{uuid.uuid4().hex[:12]}.old-mhla")
-            os.replace(target, old)
-        os.replace(src, target)
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
-        return
-    fs = _fs(url)
-    if fs.exists(url):
-        fs.rm(url, recursive=True)
-    fs.mv(tmp, url, recursive=True)
+    """Put the written store `tmp` at `url`, verified (`_verify`) before an earlier store there is removed
+    (store_location.commit)."""
+    store_location.commit(tmp, url, _verify)
 
 
 def _remove(url: str) -> None:
-    try:
-        if _is_local(url):
-            shutil.rmtree(_local(url), ignore_errors=True)
-        else:
-            fs = _fs(url)
-            if fs.exists(url):
-                fs.rm(url, recursive=True)
-    except Exception:  # noqa: BLE001 (cleaning up after a failure: the failure is what is reported)
-        pass
+    store_location.remove(url)
 
 
-def _write_tile(url: str, i: int, j: int, side: int, tile: np.ndarray) -> None:
-    """Task: write the lower tile (i, j) of the Gram into the store (run by the worker that holds it)."""
+def _write_tile(url: str, i: int, j: int, side: int, tile: np.ndarray) -> str:
+    """Task: write the lower tile (i, j) of the Gram into the store (run by the worker that holds it); its
+    checksum for the manifest."""
     import zarr
 
     arr = zarr.open_array(store=url, path=TILES, mode="r+")
     arr[i * side:i * side + tile.shape[0], j * side:j * side + tile.shape[1]] = tile
+    return manifest.digest(tile)
 
 
-def _read_tile(url: str, i: int, j: int, side: int) -> np.ndarray:
-    """Task: the lower tile (i, j) of the Gram read from the store, refused when it is not finite."""
-    import zarr
-
-    arr = zarr.open_array(store=url, path=TILES, mode="r")
-    tile = np.ascontiguousarray(arr[i * side:(i + 1) * side, j * side:(j + 1) * side], dtype=np.float64)
+def _tile(arr: Any, i: int, j: int, side: int, expected: str | None, url: str) -> np.ndarray:
+    """The lower tile (i, j) of the Gram array `arr`, refused when it cannot be read (a truncated chunk), is not
+    finite, or is not the tile written (`expected`: its checksum in the manifest; None: a store without one)."""
+    try:
+        tile = np.ascontiguousarray(arr[i * side:(i + 1) * side, j * side:(j + 1) * side], dtype=np.float64)
+    except Exception as exc:  # noqa: BLE001 (zarr and its codecs raise many types for a damaged chunk)
+        raise manifest.corrupted(f"tile ({i}, {j}) of the Gram cannot be read ({type(exc).__name__}: "
+                                 f"{' '.join(str(exc).split())[:200]})", url, store=True) from None
     if not formats.all_finite(tile):
         raise InputError(f"'{TILES}' tile ({i}, {j}) contains NaN or Inf; the store is corrupted", url)
+    manifest.check_tile(expected, i, j, tile, url)
     return tile
+
+
+def _read_tile(url: str, i: int, j: int, side: int, expected: str | None = None) -> np.ndarray:
+    """Task: the lower tile (i, j) of the Gram read from the store and checked (`_tile`)."""
+    import zarr
+
+    return _tile(zarr.open_array(store=url, path=TILES, mode="r"), i, j, side, expected, url)
+
+
+def _seal(zarr: Any, tmp: str, tiles: dict[str, str]) -> None:
+    """Write the manifest of the complete store at `tmp`: its small arrays' and tiles' checksums, its header's."""
+    g = zarr.open_group(store=tmp, mode="r+")
+    arrays = {name: (tuple(g[name].shape), manifest.digest(np.asarray(g[name][...], dtype=np.float64)))
+              for name in g.array_keys() if name != TILES}
+    g.attrs[manifest.MANIFEST_ATTR] = manifest.seal(dict(g.attrs), arrays, tiles)
 
 
 def _create(zarr: Any, tmp: str, feats: Features, inputs: tuple[Any, ...], side: int) -> Any:
@@ -198,8 +152,10 @@ def save(stats: TiledStatistics, out: Any, inputs: tuple[Any, ...] = ()) -> str:
     try:
         _create(zarr, tmp, feats, tuple(inputs), side)
         client = stats.matrix.client
-        client.gather([client.submit(_write_tile, tmp, i, j, side, f, pure=False)
-                       for (i, j), f in stats.matrix.tiles.items()])
+        keys = list(stats.matrix.tiles)
+        sums = client.gather([client.submit(_write_tile, tmp, i, j, side, stats.matrix.tiles[i, j], pure=False)
+                              for i, j in keys])
+        _seal(zarr, tmp, {f"{i},{j}": h for (i, j), h in zip(keys, sums)})
         _commit(tmp, url)
     except BaseException:
         _remove(tmp)
@@ -228,22 +184,29 @@ def _attrs(g: Any, url: str) -> dict[str, Any]:
                          url)
     if attrs.get("gram_storage") != "tiles":
         raise InputError(f"gram_storage = {attrs.get('gram_storage')!r}, expected 'tiles'", url)
+    attrs[manifest.MANIFEST_ATTR] = manifest.load(attrs, "features", url, store=True)  # the header checked
     for k in ("d", "n_samples", "n_tokens", "tile_features", *WEIGHT_ATTRS):
         if k not in attrs:
             raise InputError(f"has no attribute '{k}'; the store is incomplete", url)
     return attrs
 
 
-def _array(g: Any, name: str, shape: tuple[int, ...], url: str, required: bool = True) -> np.ndarray | None:
+def _array(g: Any, name: str, shape: tuple[int, ...], url: str, required: bool = True,
+           man: dict[str, Any] | None = None) -> np.ndarray | None:
     if name not in g:
         if required:
             raise InputError(f"has no array '{name}'; the store is incomplete", url)
         return None
-    a = np.asarray(g[name][...], dtype=np.float64)
+    try:
+        a = np.asarray(g[name][...], dtype=np.float64)
+    except Exception as exc:  # noqa: BLE001 (as `_tile`)
+        raise manifest.corrupted(f"'{name}' cannot be read ({type(exc).__name__}: {' '.join(str(exc).split())[:200]})",
+                                 url, store=True) from None
     if a.shape != shape:
         raise InputError(f"'{name}' has shape {a.shape}, expected {shape}", url)
     if not formats.all_finite(a):
         raise InputError(f"'{name}' contains NaN or Inf; the store is corrupted", url)
+    manifest.check_array(man, name, a, url, store=True)
     return a
 
 
@@ -254,9 +217,12 @@ def _sums(g: Any, attrs: dict[str, Any], url: str, part: bool = False) -> tuple[
     side = int(attrs["tile_features"])
     if side < d or side % d or (psi // d) % (side // d):
         raise InputError(f"tile_features = {side} does not divide the {psi} features into tiles of whole pairs", url)
+    man = attrs[manifest.MANIFEST_ATTR]
+    if man is not None:
+        manifest.check_names(man, {k: tuple(g[k].shape) for k in g.array_keys() if k != TILES}, url, store=True)
     has_targets = "basis_moments" in g
     dd = (d, d)
-    arrays = {name: _array(g, name, shape, url, required)
+    arrays = {name: _array(g, name, shape, url, required, man)
               for name, shape, required in (("basis", dd, True), ("basis_token_gram", dd, True),
                                             ("basis_last_token_gram", dd, True), ("token_gram", dd, True),
                                             ("last_token_gram", dd, True), ("basis_moments", (psi, d), has_targets),
@@ -320,8 +286,9 @@ def load_tiled(path: Any, client: Any) -> TiledStatistics:
         raise InputError("its sums are not in the whitening of their own tokens (a partial merge of shards): "
                          "certify or fit it on one machine (without --scheduler), or merge every shard", url)
     nb = psi // side
-    tiles = {(i, j): client.submit(_read_tile, url, i, j, side, key=f"mhla-read-tile-{i}-{j}-{uuid.uuid4().hex}",
-                                   pure=False)
+    man = attrs[manifest.MANIFEST_ATTR]
+    tiles = {(i, j): client.submit(_read_tile, url, i, j, side, manifest.tile_digest(man, i, j),
+                                   key=f"mhla-read-tile-{i}-{j}-{uuid.uuid4().hex}", pure=False)
              for i in range(nb) for j in range(i + 1)}
     return TiledStatistics(feats, TiledMatrix(client, tiles, [side] * nb), side // feats.d)
 
@@ -337,12 +304,11 @@ def load_features(path: Any) -> Features:
     psi = feats.n_features
     arr = _tiles_array(g, psi, side, url)
     gram = np.empty((psi, psi))
+    man = attrs[manifest.MANIFEST_ATTR]
     for i0 in range(0, psi, side):
         for j0 in range(0, i0 + 1, side):
-            tile = np.asarray(arr[i0:i0 + side, j0:j0 + side], dtype=np.float64)
-            if not formats.all_finite(tile):
-                raise InputError(f"'{TILES}' tile ({i0 // side}, {j0 // side}) contains NaN or Inf; the store is "
-                                 "corrupted", url)
+            i, j = i0 // side, j0 // side
+            tile = _tile(arr, i, j, side, manifest.tile_digest(man, i, j), url)
             gram[i0:i0 + side, j0:j0 + side] = tile
             if j0 != i0:
                 gram[j0:j0 + side, i0:i0 + side] = tile.T
@@ -356,6 +322,12 @@ def dims(path: Any) -> tuple[int, int]:
     url = _url(path)
     attrs = _attrs(_open(url), url)
     return int(attrs["d"]), int(attrs["n_samples"])
+
+
+def tile_bytes(path: Any) -> int:
+    """The bytes of one tile of a store's Gram (float64, `tile_features` a side), from its attributes."""
+    url = _url(path)
+    return 8 * int(_attrs(_open(url), url)["tile_features"]) ** 2
 
 
 def part_info(path: Any) -> tuple[int, int, list[tuple[int, int]], dict[str, Any], str | None, str, int, Samples,
@@ -384,6 +356,7 @@ def sum_stores(paths: list[Any], out: Any, extra_attrs: dict[str, Any], source: 
     zarr = require_zarr()
     opened = [(_url(p), _open(_url(p))) for p in paths]
     parts = [(url, g, *_sums(g, _attrs(g, url), url, part=True)) for url, g in opened]
+    mans = [_attrs(g, url)[manifest.MANIFEST_ATTR] for url, g in opened]
     url0, _, total, side = parts[0]
     for url, _, feats, s in parts[1:]:
         if feats.d != total.d or s != side:
@@ -407,17 +380,21 @@ def sum_stores(paths: list[Any], out: Any, extra_attrs: dict[str, Any], source: 
     tmp = _temporary(target)
     try:
         dst = _create(zarr, tmp, total, tuple(paths), side)
-        srcs = [_tiles_array(pg, psi, side, u) for u, pg, _, _ in parts]
+        srcs = [(_tiles_array(pg, psi, side, u), u, m) for (u, pg, _, _), m in zip(parts, mans)]
+        sums = {}
         for i0 in range(0, psi, side):
             for j0 in range(0, i0 + 1, side):
+                i, j = i0 // side, j0 // side
                 acc = None
-                for src in srcs:
-                    tile = np.asarray(src[i0:i0 + side, j0:j0 + side], dtype=np.float64)
+                for src, u, m in srcs:
+                    tile = _tile(src, i, j, side, manifest.tile_digest(m, i, j), u)
                     acc = tile if acc is None else acc + tile
                 if not formats.all_finite(acc):
-                    raise InputError(f"the sum of tile ({i0 // side}, {j0 // side}) is not finite; a part is "
+                    raise InputError(f"the sum of tile ({i}, {j}) is not finite; a part is "
                                      "corrupted or the sums overflow float64")
                 dst[i0:i0 + side, j0:j0 + side] = acc
+                sums[f"{i},{j}"] = manifest.digest(acc)
+        _seal(zarr, tmp, sums)
         _commit(tmp, target)
     except BaseException:
         _remove(tmp)
@@ -442,11 +419,9 @@ def inspect(path: Any) -> dict[str, Any]:
         feats, side = _sums(g, attrs, url)
         psi = feats.n_features
         arr = _tiles_array(g, psi, side, url)
-        for i0 in range(0, psi, side):
-            for j0 in range(0, i0 + 1, side):
-                if not formats.all_finite(np.asarray(arr[i0:i0 + side, j0:j0 + side], dtype=np.float64)):
-                    raise InputError(f"'{TILES}' tile ({i0 // side}, {j0 // side}) contains NaN or Inf; the store "
-                                     "is corrupted", url)
+        for i in range(psi // side):
+            for j in range(i + 1):
+                _tile(arr, i, j, side, manifest.tile_digest(attrs[manifest.MANIFEST_ATTR], i, j), url)
         if isinstance(rep["attrs"].get("mhla_inputs"), str):
             rep["provenance"] = {"inputs": json.loads(rep["attrs"]["mhla_inputs"]),
                                  "command": rep["attrs"].get("mhla_command"),

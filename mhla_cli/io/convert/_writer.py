@@ -103,7 +103,7 @@ def _write(out: str | os.PathLike, sources: list[_Source], inputs: tuple[str | o
     suffix = Path(out).suffix.lower()
     if suffix in _OTHER_FORMATS:
         raise InputError(f"the output is an HDF5 tokens file: give it a .h5 name, not {suffix}", out)
-    o = formats.check_output_path(out, inputs)
+    o = formats.check_output_path(out, inputs, "tokens")
     with formats.atomic_path(o) as tmp:
         with formats.create_output(tmp) as f:
             for k, v in formats.header("tokens", inputs).items():

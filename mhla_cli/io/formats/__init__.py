@@ -9,6 +9,7 @@ The package, by job (every name is re-exported here: ``formats.<name>`` is the o
   and attributes, the schema checks of the files mhla writes;
 - `identity`: an input's identity (fingerprint; the maps of the reduction that wrote it) and the
   attributes saying which mhla, command and inputs made a file;
+- `manifest`: the checksums of what a file holds, written with it and compared as it is read;
 - `writing`: output paths, the atomic-write protocol, the header and `write_file`.
 """
 
@@ -21,17 +22,21 @@ from .identity import (
     FOREIGN_SUFFIXES, FULL_FINGERPRINT_BYTES, REDUCE_DIGESTS, command_line, provenance, recorded_inputs,
     set_command, source_identity, window_digests,
 )
+from .manifest import MANIFEST_ATTR, MANIFEST_FORMAT, MANIFEST_KINDS
 from .writing import (
-    Deferred, HDF5_SUFFIXES, IN_MEMORY_WRITE_BYTES, atomic_path, check_hdf5_suffix, check_output_directory,
-    check_output_path, create_output, hdf5_write_failed, header, write_file,
+    Deferred, HDF5_SUFFIXES, IN_MEMORY_WRITE_BYTES, PNG_SOFTWARE, atomic_path, check_hdf5_suffix,
+    check_output_directory, check_output_path, check_replaceable, create_output, hdf5_write_failed, header, overlaps,
+    write_file, written_kind,
 )
 
 __all__ = [
     "Deferred", "FOREIGN_SUFFIXES", "FORMAT_NAME", "FORMAT_VERSION", "FULL_FINGERPRINT_BYTES", "HDF5_SUFFIXES",
-    "IN_MEMORY_WRITE_BYTES", "KINDS", "PAIRS_DATASET", "REDUCE_DIGESTS", "all_finite", "atomic_path", "check_hdf5_suffix",
-    "check_numeric", "check_output_directory", "check_output_path", "check_stored_symmetric", "command_line", "create_output",
+    "IN_MEMORY_WRITE_BYTES", "KINDS", "MANIFEST_ATTR", "MANIFEST_FORMAT", "MANIFEST_KINDS", "PAIRS_DATASET",
+    "PNG_SOFTWARE", "REDUCE_DIGESTS", "all_finite", "atomic_path", "check_hdf5_suffix", "check_numeric",
+    "check_output_directory", "check_output_path", "check_replaceable", "check_stored_symmetric", "command_line",
+    "create_output",
     "d_from_psi_shape", "dataset", "expect_kind", "file_kind", "hdf5_write_failed", "header", "kind_of",
-    "not_hdf5_reason", "open_input", "provenance", "read_array", "read_attr_int", "read_bias_terms",
+    "not_hdf5_reason", "open_input", "overlaps", "provenance", "read_array", "read_attr_int", "read_bias_terms",
     "read_matrix", "read_normalize", "recorded_inputs", "set_command", "source_identity", "stored_block",
-    "value_text", "window_digests", "write_file",
+    "value_text", "window_digests", "write_file", "written_kind",
 ]

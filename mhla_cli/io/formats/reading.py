@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import json
 import math
 import os
 import re
@@ -23,11 +24,13 @@ from ...errors import InputError
 from ...feature_map import NORMALIZATIONS, n_features
 from ...numerics import SYMMETRY_TOL
 from ...signals import check_interrupted
+from . import manifest
 
 FORMAT_NAME = "mhla"
 # 5: features files hold the weight totals (features_file.WEIGHTS_FORMAT) and may hold the canonical Gram as its
 # distinct entries (features_file.PAIRS_FORMAT, --compact); model files the canonical coefficients
-FORMAT_VERSION = 5
+# 6: features, model, heads and probes files and Zarr stores carry a manifest (manifest.MANIFEST_FORMAT)
+FORMAT_VERSION = 6
 # The dataset of those distinct entries in a compact features file (mhla_cli.statistics.features_file, docs/formats.md).
 PAIRS_DATASET = "basis_gram_pairs"
 KINDS = ("tokens", "features", "model", "heads", "predictions")
@@ -202,8 +205,19 @@ def open_input(path: str | os.PathLike, locking: bool | None = None) -> Iterator
     except OSError as exc:
         raise InputError(
             f"cannot open HDF5 file ({_h5_reason(exc)}); it may be truncated or corrupted", p) from None
+    key = id(f)
+    _PENDING[key] = []
     try:
-        yield f
+        try:
+            yield f
+        except InputError:
+            raise
+        except Exception:
+            if _PENDING.get(key):  # what failed read a piece that is not what mhla wrote: say that
+                raise _PENDING[key][0] from None
+            raise
+        if _PENDING.get(key):
+            raise _PENDING[key][0]
     except (OSError, KeyError, RuntimeError) as exc:
         if _is_write_error(exc):
             raise  # an output being written inside this block failed: not this input's fault
@@ -211,8 +225,68 @@ def open_input(path: str | os.PathLike, locking: bool | None = None) -> Iterator
         raise InputError(f"cannot read data ({_h5_reason(exc)}); the file may be truncated or corrupted",
                          p) from None
     finally:
+        _PENDING.pop(key, None)
+        _MANIFESTS.pop(key, None)
         with contextlib.suppress(Exception):
             f.close()
+
+
+# The pieces of each open input (by the id of its h5py File) found not to be what mhla wrote: reported when the
+# input is closed, unless a check of what they hold said why first (so a damaged file is refused once, by its most
+# specific reason); and each open input's manifest, read with its header (`file_kind`).
+_PENDING: dict[int, list[InputError]] = {}
+_MANIFESTS: dict[int, dict[str, Any] | None] = {}
+
+
+def _defer(f: h5py.File, exc: InputError) -> None:
+    """Report a corrupted piece of `f`: when `f` is closed by `open_input` (now, for a file opened otherwise)."""
+    pending = _PENDING.get(id(f))
+    if pending is None:
+        raise exc
+    pending.append(exc)
+
+
+def _dataset_shapes(f: h5py.File) -> dict[str, tuple[int, ...]]:
+    found: dict[str, tuple[int, ...]] = {}
+    f.visititems(lambda name, obj: found.__setitem__(name, tuple(obj.shape)) if isinstance(obj, h5py.Dataset)
+                 else None)
+    return found
+
+
+def _check_header(f: h5py.File, path: str | os.PathLike, kind: str) -> None:
+    """The manifest of `f` read and its header and datasets' names and shapes checked (manifest.load)."""
+    man = None
+    try:
+        try:
+            attrs = {k: f.attrs[k] for k in f.attrs.keys()}
+        except (OSError, TypeError, ValueError) as exc:
+            raise manifest.corrupted(f"its attributes cannot be read ({_h5_reason(exc)})", path) from None
+        man = manifest.load(attrs, kind, path)
+        if man is not None:
+            manifest.check_names(man, _dataset_shapes(f), path)
+    except InputError as exc:
+        _defer(f, exc)
+    if id(f) in _PENDING:
+        _MANIFESTS[id(f)] = man
+
+
+def _check_data(f: h5py.File, name: str, arr: np.ndarray, path: str | os.PathLike) -> None:
+    """A dataset as read equals what was written, by the file's manifest (none: nothing to check)."""
+    try:
+        if id(f) in _MANIFESTS:
+            man = _MANIFESTS[id(f)]
+        else:
+            raw = f.attrs.get(manifest.MANIFEST_ATTR)
+            if raw is None:
+                return
+            try:
+                man = json.loads(raw.decode() if isinstance(raw, bytes) else str(raw))
+                man["datasets"]
+            except (ValueError, TypeError, KeyError):
+                raise manifest.corrupted(f"its manifest ('{manifest.MANIFEST_ATTR}') is not readable", path) from None
+        manifest.check_array(man, name, arr, path)
+    except InputError as exc:
+        _defer(f, exc)
 
 
 def read_array(f: h5py.File, name: str, path: str | os.PathLike, finite: bool = True) -> np.ndarray:
@@ -220,6 +294,7 @@ def read_array(f: h5py.File, name: str, path: str | os.PathLike, finite: bool = 
     arr = np.asarray(dataset(f, name, path)[()])
     if finite and arr.dtype.kind == "f" and not np.isfinite(arr).all():
         raise InputError(f"'{name}' contains NaN or Inf; the file is corrupted", path)
+    _check_data(f, name, arr, path)
     return arr
 
 
@@ -242,6 +317,7 @@ def read_matrix(f: h5py.File, name: str, path: str | os.PathLike) -> np.ndarray:
         ds.read_direct(out)
     if not all_finite(out):
         raise InputError(f"'{name}' contains NaN or Inf; the file is corrupted", path)
+    _check_data(f, name, out if ds.dtype.kind == "f" else out.astype(np.int64), path)
     return out
 
 
@@ -312,8 +388,10 @@ def check_numeric(ds: h5py.Dataset, name: str, path: str | os.PathLike) -> None:
         )
 
 
-def file_kind(f: h5py.File, path: str | os.PathLike) -> str:
-    """The mhla kind of an open file: from its attributes, or guessed from its datasets."""
+def file_kind(f: h5py.File, path: str | os.PathLike, check: bool = True) -> str:
+    """The mhla kind of an open file: from its attributes, or guessed from its datasets; `check`: its manifest
+    read and its header checked (`_check_header`; what is wrong is reported when `f` is closed, after the checks of
+    what the loader reads)."""
     attrs = f.attrs
     version = attrs.get("mhla_format_version")
     if version is not None and int(version) > FORMAT_VERSION:
@@ -327,10 +405,14 @@ def file_kind(f: h5py.File, path: str | os.PathLike) -> str:
         kind = kind.decode() if isinstance(kind, bytes) else str(kind)
         if kind not in KINDS:
             raise InputError(f"unknown mhla_kind '{kind}'", path)
+        if check:
+            _check_header(f, path, kind)
         return kind
     for name, k in (("gram", "features"), ("coef", "model"), ("V", "heads"), ("tokens", "tokens"),
                     ("predictions", "predictions")):
         if name in f:
+            if check:
+                _check_header(f, path, k)
             return k
     names = ", ".join(sorted(f.keys())) or "nothing"
     raise InputError(
@@ -352,9 +434,9 @@ def stored_block(f: h5py.File) -> int | None:
 
 
 def kind_of(path: str | os.PathLike) -> str:
-    """The mhla kind of the file at `path` (see `file_kind`)."""
+    """The mhla kind of the file at `path` (see `file_kind`; its manifest is checked by the loader that reads it)."""
     with open_input(path) as f:
-        return file_kind(f, path)
+        return file_kind(f, path, check=False)
 
 
 def expect_kind(f: h5py.File, path: str | os.PathLike, *kinds: str) -> str:

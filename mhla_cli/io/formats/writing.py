@@ -8,6 +8,7 @@ import contextlib
 import os
 import sys
 import tempfile
+import zipfile
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -17,6 +18,7 @@ import numpy as np
 
 from ...errors import InputError
 from ...signals import check_interrupted, shield_signals
+from . import manifest
 from .identity import provenance
 from .reading import FORMAT_VERSION, KINDS, _h5_file, _h5_reason, _is_write_error
 
@@ -43,8 +45,65 @@ def check_output_directory(out: Path) -> None:
         raise InputError(f"output directory '{parent}' is not writable", out)
 
 
-def check_output_path(out: str | os.PathLike, inputs: tuple[str | os.PathLike, ...] = ()) -> Path:
-    """Reject an output path that cannot be written or that names one of the inputs."""
+def overlaps(a: str | os.PathLike, b: str | os.PathLike) -> bool:
+    """Whether the paths `a` and `b` (resolved: symbolic links followed) are one, or one lies inside the other."""
+    ra, rb = Path(a).resolve(), Path(b).resolve()
+    return ra == rb or ra in rb.parents or rb in ra.parents
+
+
+# What marks a file mhla wrote, besides an HDF5 file's root attribute mhla_kind: heads in .npz or .safetensors
+# form carry the metadata format = "mhla-heads" (model.export.FORMAT_NAME); a PNG mhla drew, the text chunk
+# Software = "mhla ..." (PNG_SOFTWARE, solve.spectrum.plot_spectrum). The first MARK_BYTES of a file are read.
+HEADS_MARK = "mhla-heads"
+PNG_SOFTWARE = "mhla"
+MARK_BYTES = 1 << 16
+
+
+def written_kind(path: str | os.PathLike) -> str | None:
+    """The kind of the existing file `path` when mhla wrote it (its mhla_kind; "heads" for heads in .npz or
+    .safetensors form; "plot" for a PNG it drew), else None (a user's file, or unreadable)."""
+    p = Path(path)
+    try:
+        if h5py.is_hdf5(p):
+            with _h5_file(p, "r", False) as f:
+                kind = f.attrs.get("mhla_kind")
+            return None if kind is None else kind.decode() if isinstance(kind, bytes) else str(kind)
+        with open(p, "rb") as fh:
+            head = fh.read(MARK_BYTES)
+    except (OSError, ValueError, RuntimeError):
+        return None
+    if head.startswith(b"PK\x03\x04"):
+        try:
+            with zipfile.ZipFile(p) as z, z.open("format.npy") as fh:
+                return "heads" if str(np.load(fh, allow_pickle=False)) == HEADS_MARK else None
+        except (zipfile.BadZipFile, OSError, KeyError, ValueError):
+            return None
+    if len(head) > 8 and head[8:9] == b"{" and f'"{HEADS_MARK}"'.encode() in head[8:8 + int.from_bytes(head[:8], "little")]:
+        return "heads"
+    if head.startswith(b"\x89PNG") and b"tEXtSoftware\x00" + PNG_SOFTWARE.encode() in head:
+        return "plot"
+    return None
+
+
+def check_replaceable(out: str | os.PathLike, kind: str | None = None) -> None:
+    """Refuse (InputError) to replace an existing file that mhla did not write, or (`kind` given) one of another
+    kind: an output replaces only what an earlier run of the same command wrote."""
+    o = Path(out)
+    if not o.exists():
+        return
+    found = written_kind(o)
+    if found is None:
+        raise InputError("output path exists and is not a file mhla wrote; it is left as it is: remove it or "
+                         "choose another -o path", o)
+    if kind is not None and found != kind:
+        raise InputError(f"output path exists and is an mhla {found} file, not a {kind} file; it is left as it is: "
+                         "remove it or choose another -o path", o)
+
+
+def check_output_path(out: str | os.PathLike, inputs: tuple[str | os.PathLike, ...] = (),
+                      kind: str | None = None) -> Path:
+    """Reject an output path that cannot be written, that names or lies inside one of the inputs (or holds one),
+    or that holds a file mhla did not write, or one of another kind than `kind` (`check_replaceable`)."""
     o = Path(out)
     if o.is_dir():
         raise InputError("output path is a directory; give a file name", o)
@@ -60,8 +119,9 @@ def check_output_path(out: str | os.PathLike, inputs: tuple[str | os.PathLike, .
             same = ip.exists() and o.exists() and os.path.samefile(ip, o)
         except OSError:
             same = False
-        if same or ip.resolve() == o.resolve():
+        if same or overlaps(ip, o):
             raise InputError("output would overwrite an input file; choose another -o path", o)
+    check_replaceable(o, kind)
     return o
 
 
@@ -204,29 +264,42 @@ class Deferred:
 
 def _fill(f: h5py.File, meta: Mapping[str, Any], attrs: Mapping[str, Any] | None,
           datasets: Mapping[str, np.ndarray | Deferred | None], compression: str | None) -> None:
+    """Write the attributes and datasets, and for the kinds that carry one the manifest (manifest.seal: the
+    checksum of every dataset, taken from the array as it is written, and of the attributes as read back)."""
     for k, v in meta.items():
         f.attrs[k] = v
     for k, v in (attrs or {}).items():
         if v is not None:
             f.attrs[k] = v
+    sums: dict[str, tuple[tuple[int, ...], str]] = {}
     for name, arr in datasets.items():
         if arr is None:
             continue
         if isinstance(arr, Deferred) and arr.shape is not None:
             ds = f.create_dataset(name, shape=arr.shape, dtype=np.float64)
+            h = manifest.Hasher(arr.shape)
             for r0, block in arr.make():
                 ds[r0:r0 + block.shape[0]] = block
+                h.update(block)
+            sums[name] = (tuple(arr.shape), h.hexdigest())
             continue
         arr = np.asarray(arr.make() if isinstance(arr, Deferred) else arr)
-        if compression and arr.size > 1024:
-            f.create_dataset(name, data=arr, compression=compression, shuffle=True)
-        elif arr.nbytes > _BLOCK_WRITE_BYTES and arr.ndim >= 1 and not arr.flags.c_contiguous:
-            ds = f.create_dataset(name, shape=arr.shape, dtype=arr.dtype)
-            rows = max(1, _BLOCK_WRITE_BYTES // max(1, arr[:1].nbytes))
-            for a in range(0, arr.shape[0], rows):
-                ds[a:a + rows] = arr[a:a + rows]
-        else:
-            f.create_dataset(name, data=arr)
+        sums[name] = (tuple(arr.shape), manifest.digest(arr))
+        _put(f, name, arr, compression)
+    if meta.get("mhla_kind") in manifest.MANIFEST_KINDS:
+        f.attrs[manifest.MANIFEST_ATTR] = manifest.seal({k: f.attrs[k] for k in f.attrs.keys()}, sums)
+
+
+def _put(f: h5py.File, name: str, arr: np.ndarray, compression: str | None) -> None:
+    if compression and arr.size > 1024:
+        f.create_dataset(name, data=arr, compression=compression, shuffle=True)
+    elif arr.nbytes > _BLOCK_WRITE_BYTES and arr.ndim >= 1 and not arr.flags.c_contiguous:
+        ds = f.create_dataset(name, shape=arr.shape, dtype=arr.dtype)
+        rows = max(1, _BLOCK_WRITE_BYTES // max(1, arr[:1].nbytes))
+        for a in range(0, arr.shape[0], rows):
+            ds[a:a + rows] = arr[a:a + rows]
+    else:
+        f.create_dataset(name, data=arr)
 
 
 def _check_free_space(o: Path, need: int) -> None:
@@ -257,7 +330,7 @@ def write_file(out: str | os.PathLike, kind: str, datasets: Mapping[str, np.ndar
     error leaves `out` untouched and raises an InputError.
     """
     check_hdf5_suffix(out, f"a {kind} file")
-    o = check_output_path(out, inputs)
+    o = check_output_path(out, inputs, kind)
     meta = header(kind, inputs)
     raw = sum(a.nbytes if isinstance(a, Deferred) else np.asarray(a).nbytes
               for a in datasets.values() if a is not None) + (1 << 16)

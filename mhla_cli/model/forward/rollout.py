@@ -146,7 +146,7 @@ def rollout_file(fn: Model | Heads, data: str | os.PathLike, out: str | os.PathL
     d = coef.shape[0]
     C = None if codebook is None else load_codebook(codebook, d)
     formats.check_hdf5_suffix(out, "a tokens file")
-    o = formats.check_output_path(out, (data, *inputs, *((codebook,) if codebook is not None else ())))
+    o = formats.check_output_path(out, (data, *inputs, *((codebook,) if codebook is not None else ())), "tokens")
     N = info.n_samples
     total = info.n_tokens + N * steps
     size = chunk_size or max(1, default_chunk_size(info) // max(1, (steps + 1) // 2))

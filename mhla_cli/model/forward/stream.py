@@ -248,7 +248,7 @@ def _write_predictions(out: str | os.PathLike, inputs: tuple[str | os.PathLike, 
     """`run(file)` on a new predictions file written atomically at `out` (its header naming `inputs`,
     the data first, and the attributes `meta`); what run returns."""
     formats.check_hdf5_suffix(out, "a predictions file")
-    o = formats.check_output_path(out, inputs)
+    o = formats.check_output_path(out, inputs, "predictions")
     with formats.atomic_path(o) as tmp:
         with formats.create_output(tmp) as fout:
             for k, v in {**formats.header("predictions", inputs), **meta}.items():
