@@ -209,18 +209,204 @@ def test_library_errors() -> None:
         reduce_mod.top_eigenvectors(np.eye(3), 4)
 
 
+# ------------------------------------------------------------- --method supervised | weights
+
+ANGLE_TOL = 1e-8  # the acceptance's bound on the principal angles between a map's span and numpy's
+
+
+def _low_variance_data(seed: int = 0, n_seq: int = 60, D_: int = 8, E_: int = 3
+                       ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Bidirectional windows (dense (N, 6, D)) whose targets at every position depend on two token directions of
+    low variance (the last two coordinates, rotated): (tokens, targets, weights, the two directions (D, 2))."""
+    rng = np.random.default_rng(seed)
+    scale = np.ones(D_)
+    scale[-2:] = 0.05
+    R = np.linalg.qr(rng.standard_normal((D_, D_)))[0]
+    X = (rng.standard_normal((n_seq, 6, D_)) * scale) @ R.T
+    low = R[:, -2:]
+    Y = np.tanh(X @ low @ rng.standard_normal((2, E_)) * 10) + 0.01 * rng.standard_normal((n_seq, 6, E_))
+    return X, Y, rng.uniform(0.5, 1.5, (n_seq, 6)), low
+
+
+def _ref_supervised_file(Xq: np.ndarray, Y: np.ndarray, w: np.ndarray, d: int) -> np.ndarray:
+    """Reduced-rank regression on the materialised scored samples, by a Cholesky factor: C = L L^T,
+    L^T B = U S W^T, P = L^-T U_d (B = numpy's weighted lstsq)."""
+    sw = np.sqrt(w)[:, None]
+    B = np.linalg.lstsq(sw * Xq, sw * Y, rcond=None)[0]
+    L = np.linalg.cholesky((Xq * w[:, None]).T @ Xq)
+    U = np.linalg.svd(L.T @ B)[0]
+    return np.linalg.solve(L.T, U[:, :d])
+
+
+def test_supervised_finds_a_low_variance_direction_pca_does_not(tmp_path: Path) -> None:
+    """Targets of two low-variance token directions: supervised spans them (and numpy's reduced-rank regression,
+    every position weighted), the tokens' PCA is nearly orthogonal to them."""
+    from scipy.linalg import subspace_angles
+
+    X, Y, w, low = _low_variance_data()
+    path = tmp_path / "w.h5"
+    write_tokens(path, X, targets=Y, weights=w, attention="bidirectional")
+    sup = reduce_mod.reduce_tokens(path, tmp_path / "s.h5", dim=2, method="supervised")
+    pca = reduce_mod.reduce_tokens(path, tmp_path / "p.h5", dim=2)
+    Xq, Yq, wq = X.reshape(-1, X.shape[2]), Y.reshape(-1, Y.shape[2]), w.reshape(-1)
+    assert np.max(subspace_angles(sup.P, _ref_supervised_file(Xq, Yq, wq, 2))) <= ANGLE_TOL
+    assert np.max(subspace_angles(sup.P, low)) < 0.05  # the noise's share only
+    assert np.min(subspace_angles(pca.P, low)) > 1.4  # nearly orthogonal: PCA keeps what varies most
+    got = _read(tmp_path / "s.h5")
+    assert np.abs(got["tokens"] - X @ sup.P).max() < 1e-12 * np.abs(X @ sup.P).max()
+    with h5py.File(tmp_path / "s.h5") as f:
+        assert f.attrs["reduce_method"] == "supervised" and "linear read" in f.attrs["reduce_share_of"]
+        assert f.attrs["reduce_token_share"] == sup.token_share and 0.99 < sup.token_share <= 1.0
+    assert reduce_mod.load_reduction(tmp_path / "s.h5").method == "supervised"
+
+
+def test_supervised_scores_the_last_tokens_of_last_token_data(tmp_path: Path) -> None:
+    """Last-token targets: the scored samples are each sequence's last token, with its weight."""
+    from scipy.linalg import subspace_angles
+
+    seqs, Y = _data(n_max=4)
+    w = np.random.default_rng(3).uniform(0.5, 2.0, N)
+    path = tmp_path / "last.h5"
+    write_tokens(path, seqs, targets=Y, weights=w)
+    red = reduce_mod.fit_reduction(path, 4, method="supervised", chunk_size=7)
+    last = np.stack([s[-1] for s in seqs])
+    assert np.max(subspace_angles(red.P, _ref_supervised_file(last, Y, w, 4))) <= ANGLE_TOL
+
+
+def test_weights_method_against_numpy(tmp_path: Path) -> None:
+    """--method weights: P = C^-1/2 V_d, V_d the top right singular vectors of W C^(1/2) (C over every token)."""
+    from scipy.linalg import subspace_angles
+
+    X, Y, _, _ = _low_variance_data(seed=1)
+    path, wfile = tmp_path / "w.h5", tmp_path / "qkv.npz"
+    write_tokens(path, X, targets=Y, attention="bidirectional")
+    rng = np.random.default_rng(7)
+    Wq, Wk = rng.standard_normal((2, 8)), rng.standard_normal((2, 8))
+    np.savez(wfile, W_Q=Wq, W_K=Wk)
+    out = tmp_path / "r.h5"
+    assert run(["reduce", str(path), "-o", str(out), "--dim", "3", "--method", "weights", "--weights", str(wfile),
+                "-q"]) == 0
+    red = reduce_mod.load_reduction(out)
+    Xa = X.reshape(-1, 8)
+    L = np.linalg.cholesky(Xa.T @ Xa)
+    Vt = np.linalg.svd(np.vstack([Wq, Wk]) @ L)[2]
+    assert np.max(subspace_angles(red.P, np.linalg.solve(L.T, Vt[:3].T))) <= ANGLE_TOL
+    assert red.method == "weights" and red.weights == str(wfile)
+    with h5py.File(out) as f:  # the --weights file among the recorded inputs, after the data (--affine-from's)
+        inputs = json.loads(f.attrs["mhla_inputs"])
+        assert inputs[0]["name"] == "w.h5" and inputs[1]["name"] == "qkv.npz" and inputs[1]["fingerprint"]
+    s = np.linalg.svd(np.vstack([Wq, Wk]) @ L, compute_uv=False)
+    assert red.token_share == pytest.approx((s[:3] ** 2).sum() / (s ** 2).sum(), rel=1e-10)
+
+
+def test_pca_is_the_default_bit_for_bit(data: tuple[Path, list[np.ndarray], np.ndarray], tmp_path: Path) -> None:
+    path, _, _ = data
+    a, b = tmp_path / "a.h5", tmp_path / "b.h5"
+    assert run(["reduce", str(path), "-o", str(a), "--dim", "4", "-q"]) == 0
+    assert run(["reduce", str(path), "-o", str(b), "--dim", "4", "--method", "pca", "-q"]) == 0
+    ga, gb = _read(a), _read(b)
+    for k in ga:
+        assert np.array_equal(ga[k], gb[k]), k
+    with h5py.File(a) as f:
+        assert f.attrs["reduce_method"] == "pca" and f.attrs["reduce_share_of"] == "the tokens' second moment"
+
+
+@pytest.mark.parametrize("method", ["supervised", "weights"])
+def test_like_applies_a_whitened_reduction_bit_for_bit(method: str, tmp_path: Path) -> None:
+    X, Y, w, _ = _low_variance_data()
+    path, out, again = tmp_path / "w.h5", tmp_path / "r.h5", tmp_path / "again.h5"
+    write_tokens(path, X, targets=Y, weights=w, attention="bidirectional")
+    np.savez(tmp_path / "W.npz", W=np.random.default_rng(0).standard_normal((4, 8)))
+    extra = ["--weights", str(tmp_path / "W.npz")] if method == "weights" else []
+    assert run(["reduce", str(path), "-o", str(out), "--dim", "3", "--method", method, *extra, "-q"]) == 0
+    assert run(["reduce", str(path), "--like", str(out), "-o", str(again), "-q"]) == 0
+    a, b = _read(out), _read(again)
+    for k in ("reduce_P", "reduce_U", "tokens", "targets"):
+        assert np.array_equal(a[k], b[k]), k
+    assert reduce_mod.load_reduction(again).method == method
+
+
+@pytest.mark.parametrize("method", ["supervised", "weights", "pca"])
+def test_the_fitted_function_is_unit_free(method: str, tmp_path: Path) -> None:
+    """x -> A^T x (A invertible; W -> W A^-T): reduce -> featurize -> fit -> predict gives the same predictions
+    (pca, which is not unit-free, is the control: the same test tells them apart)."""
+    from mhla_cli import load_function, predict_file
+
+    X, Y, _, _ = _low_variance_data(seed=2, n_seq=120)
+    rng = np.random.default_rng(11)
+    A = rng.standard_normal((8, 8)) + 4 * np.eye(8)
+    W = rng.standard_normal((6, 8))
+    preds = []
+    for name, Xm, Wm in (("plain", X, W), ("mapped", X @ A, W @ np.linalg.inv(A).T)):
+        path, red, feats, model = (tmp_path / f"{name}_{k}.h5" for k in ("w", "r", "f", "m"))
+        write_tokens(path, Xm, targets=Y, attention="bidirectional")
+        np.savez(tmp_path / f"{name}_W.npz", W=Wm)
+        extra = ["--weights", str(tmp_path / f"{name}_W.npz")] if method == "weights" else []
+        assert run(["reduce", str(path), "-o", str(red), "--dim", "3", "--method", method, *extra, "-q"]) == 0
+        assert run(["featurize", str(red), "-o", str(feats), "-q"]) == 0
+        assert run(["fit", str(feats), "-o", str(model), "-q"]) == 0
+        preds.append(predict_file(load_function(model), red, all_positions=True).outputs)
+    scale = np.abs(preds[0]).max()
+    if method == "pca":
+        assert np.abs(preds[0] - preds[1]).max() > 1e-2 * scale
+    else:
+        assert np.abs(preds[0] - preds[1]).max() <= 1e-8 * scale
+
+
+@pytest.mark.parametrize("argv, pattern", [
+    (["--dim", "3", "--method", "weights"], "--method weights needs --weights FILE"),
+    (["--dim", "3", "--weights", "W.npz"], "--weights goes with --method weights, not --method pca"),
+    (["--like", "r.h5", "--method", "supervised"], "--method and --weights choose the maps fitted on DATA"),
+    (["--dim", "3", "--method", "weights", "--weights", "bad.npz"], r"--weights array 'W' has shape \(4, 5\)"),
+    (["--dim", "25", "--method", "supervised"], r"--dim 25 is more than the tokens' width"),
+])
+def test_method_refusals_exit_2(argv: list[str], pattern: str, data: tuple[Path, list[np.ndarray], np.ndarray],
+                                tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+                                ) -> None:
+    import re
+
+    path, _, _ = data
+    monkeypatch.chdir(tmp_path)
+    np.savez(tmp_path / "W.npz", W=np.ones((2, D)))
+    np.savez(tmp_path / "bad.npz", W=np.ones((4, 5)))
+    assert run(["reduce", str(path), "-o", "r.h5", "--dim", "2", "-q"]) == 0
+    capsys.readouterr()
+    assert run(["reduce", str(path), "-o", "out.h5", *argv]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("mhla: error: ") and re.search(pattern, err[0]), err
+    assert not (tmp_path / "out.h5").exists()
+
+
+def test_supervised_needs_targets_and_a_scored_sample(tmp_path: Path) -> None:
+    seqs, Y = _data()
+    path = tmp_path / "x.h5"
+    write_tokens(path, seqs)
+    with pytest.raises(InputError, match="--method supervised needs targets"):
+        reduce_mod.reduce_tokens(path, tmp_path / "r.h5", dim=2, method="supervised")
+    zero = tmp_path / "zero.h5"
+    write_tokens(zero, seqs, targets=Y, weights=np.zeros(N))
+    with pytest.raises(InputError):  # every weight 0: refused (by the file's rules, or as no scored sample)
+        reduce_mod.reduce_tokens(zero, tmp_path / "r.h5", dim=2, method="supervised")
+    assert not (tmp_path / "r.h5").exists()
+
+
 # ------------------------------------------------------------- heads back in the original widths
 
 
+@pytest.mark.parametrize("method", ["pca", "supervised", "weights"])
 def test_unreduced_heads_predict_U_times_the_reduced_predictions(data: tuple[Path, list[np.ndarray], np.ndarray],
-                                                                 tmp_path: Path) -> None:
-    """export-heads --unreduce: on the unreduced tokens, U times the reduced model's predictions (1e-10)."""
+                                                                 tmp_path: Path, method: str) -> None:
+    """export-heads --unreduce: on the unreduced tokens, U times the reduced model's predictions (1e-10), whatever
+    the method (the whitened methods' P is not orthonormal: V = U V_h P^T, Q = P Q_h P^T hold for any P)."""
     from mhla_cli import load_function, predict_file
     from mhla_cli.model.export import load_heads
 
     path, seqs, _ = data
     red, model, heads = tmp_path / "r.h5", tmp_path / "m.h5", tmp_path / "h.h5"
-    assert run(["reduce", str(path), "-o", str(red), "--dim", "3", "-q"]) == 0
+    np.savez(tmp_path / "W.npz", W_Q=np.random.default_rng(8).standard_normal((5, D)))
+    extra = {"pca": [], "supervised": ["--method", "supervised"],
+             "weights": ["--method", "weights", "--weights", str(tmp_path / "W.npz")]}[method]
+    assert run(["reduce", str(path), "-o", str(red), "--dim", "3", *extra, "-q"]) == 0
     assert run(["fit", str(red), "-o", str(model), "-q"]) == 0
     assert run(["export-heads", str(model), "-o", str(heads), "--unreduce", str(red), "-q"]) == 0
     h = load_function(heads)

@@ -17,6 +17,14 @@ V_full = U V_h P^T and Q_full = P Q_h P^T (`unreduce_heads`, `mhla export-heads 
 the reduced heads and the maps P, U so that evaluating them costs what the reduced heads cost.
 Memory: one chunk of the input, the two second moments and their eigensolver copies:
 O(chunk + D^2 + D_out^2).
+
+`--method` chooses P (U is the targets' top eigenvectors whatever the method): `pca` (the default, above),
+`supervised` (the top-d input directions of the token-wise least-squares map from the tokens to the targets in the
+tokens' whitened metric, from sum w x x^T and sum w x y^T over the scored samples: `scored_moments`) and `weights`
+(the directions that keep W x in mean square over every token, W the matrices a head reads the token through);
+mhla_cli.model.directions has their math. Their P is not orthonormal (P^T C P = I instead): the reduced tokens are
+still z = P^T x, and the heads put back (V = U V_h P^T, Q = P Q_h P^T) compute on x what the reduced heads compute
+on z, whatever P. The method and what its share is a share of are recorded (`reduce_method`, `reduce_share_of`).
 """
 
 from __future__ import annotations
@@ -31,19 +39,24 @@ import numpy as np
 
 from ..io import formats
 from ..errors import InputError
+from . import directions
 from .heads import Heads
 from ..io.tokens import TokensInfo, check_finite, check_weights, inspect_tokens, iter_chunks
 
 if TYPE_CHECKING:
     import h5py
 
-__all__ = ["Reduction", "check_unreduce", "fit_reduction", "load_reduction", "reduce_tokens", "second_moments",
-           "top_eigenvectors", "unreduce_heads"]
+__all__ = ["METHODS", "Reduction", "check_unreduce", "fit_reduction", "load_reduction", "reduce_tokens",
+           "scored_moments", "second_moments", "top_eigenvectors", "unreduce_heads"]
 
 # Bytes of token rows (float64) read per chunk of a reduction pass (at least one sequence).
 CHUNK_BYTES = 16 << 20
 # Rows of offsets / weights copied per block.
 _BLOCK = 1 << 20
+# The methods of `mhla reduce --method` and what the share each records (`reduce_token_share`) is a share of.
+METHODS = {"pca": "the tokens' second moment",
+           "supervised": "the mean square of the linear read's prediction of the targets",
+           "weights": "the mean square of W x over the tokens"}
 
 
 @dataclass(frozen=True)
@@ -57,6 +70,8 @@ class Reduction:
     token_share: float | None = None
     target_share: float | None = None
     source: str | None = None  # the file the maps were fitted on
+    method: str = "pca"  # how P was chosen (METHODS); token_share is a share of METHODS[method]
+    weights: str | None = None  # the --weights file of method "weights"
 
     @property
     def dim(self) -> int:
@@ -65,8 +80,8 @@ class Reduction:
 
     def __repr__(self) -> str:
         u = "none" if self.U is None else f"{self.U.shape[0]} x {self.U.shape[1]}"
-        return (f"Reduction(P {self.P.shape[0]} x {self.P.shape[1]}, U {u}, token_share={self.token_share}, "
-                f"target_share={self.target_share})")
+        return (f"Reduction(P {self.P.shape[0]} x {self.P.shape[1]}, U {u}, method={self.method}, "
+                f"token_share={self.token_share}, target_share={self.target_share})")
 
 
 def _chunk(info: TokensInfo, chunk_size: int | None) -> int:
@@ -95,6 +110,35 @@ def second_moments(data: str | os.PathLike, chunk_size: int | None = None,
         if progress is not None:
             progress(b - a)
     return Gx, Gy, info
+
+
+def scored_moments(data: str | os.PathLike, chunk_size: int | None = None,
+                   progress: Callable[[int], None] | None = None
+                   ) -> tuple[np.ndarray, np.ndarray, float, np.ndarray, TokensInfo]:
+    """(sum w x x^T (D, D) and sum w x y^T (D, D_out) over the scored samples: the query token x, target y and weight
+    w of every sample of the file's layout (the last token of each sequence, or every position); the sum of their
+    weights; sum y y^T over every target row as `second_moments`; the file's layout): one streaming pass, float64."""
+    info = inspect_tokens(data)
+    if not info.has_targets:
+        raise InputError("--method supervised needs targets (the directions of the tokens that predict them): the "
+                         "file has none; use --method pca or --method weights", data)
+    Cxx, Cxy = np.zeros((info.d, info.d)), np.zeros((info.d, info.out_dim))
+    Gy, wsum = np.zeros((info.out_dim, info.out_dim)), 0.0
+    for a, b, tokens, offsets, targets, weights in iter_chunks(info, (0, info.n_samples), _chunk(info, chunk_size),
+                                                               with_weights=True):
+        check_finite(tokens, offsets, targets, a, data)
+        check_weights(weights, offsets, a, info.per_position, data)
+        X, Y = np.asarray(tokens, dtype=np.float64), np.asarray(targets, dtype=np.float64)
+        _, rows, w = info.samples.token_weights(offsets, weights)
+        Xq = X if rows is None else X[rows]
+        Xw = Xq if w is None else Xq * w[:, None]
+        Cxx += Xw.T @ Xq
+        Cxy += Xw.T @ Y
+        Gy += Y.T @ Y
+        wsum += float(Xq.shape[0] if w is None else w.sum())
+        if progress is not None:
+            progress(b - a)
+    return Cxx, Cxy, wsum, Gy, info
 
 
 def top_eigenvectors(G: np.ndarray, k: int) -> tuple[np.ndarray, float]:
@@ -127,14 +171,36 @@ def _check_dim(dim: int, info: TokensInfo, path: str | os.PathLike) -> None:
 
 
 def fit_reduction(data: str | os.PathLike, dim: int, chunk_size: int | None = None,
-                  progress: Callable[[int], None] | None = None) -> Reduction:
-    """The maps P, U of `data` to `dim` dimensions (top eigenvectors of the second moments)."""
+                  progress: Callable[[int], None] | None = None, method: str = "pca",
+                  weights: str | os.PathLike | None = None) -> Reduction:
+    """The maps P, U of `data` to `dim` dimensions: U the targets' top eigenvectors, P by `method` (METHODS: the
+    tokens' top eigenvectors; `supervised`; `weights`, reading the matrices of the file `weights`)."""
     info = inspect_tokens(data)
+    _check_method(method, weights)
     _check_dim(dim, info, data)
+    if method == "supervised":
+        Cxx, Cxy, wsum, Gt, info = scored_moments(data, chunk_size, progress)
+        if not wsum > 0:
+            raise InputError("every sample weighs 0: --method supervised has no scored sample", data)
+        P, ps = directions.supervised(Cxx / wsum, Cxy / wsum, dim, data)
+        Ut, uts = top_eigenvectors(Gt, dim)
+        return Reduction(P, Ut, ps, uts, str(data), method)
+    W = None if weights is None else directions.load_read_weights(weights, info.d)
     Gx, Gy, info = second_moments(data, chunk_size, progress)
-    P, ps = top_eigenvectors(Gx, dim)
+    if W is None:
+        P, ps = top_eigenvectors(Gx, dim)
+    else:
+        P, ps = directions.weight_directions(W, Gx / max(1, info.n_tokens), dim, data)
     U, us = (None, None) if Gy is None else top_eigenvectors(Gy, dim)
-    return Reduction(P, U, ps, us, str(data))
+    return Reduction(P, U, ps, us, str(data), method, None if weights is None else str(weights))
+
+
+def _check_method(method: str, weights: str | os.PathLike | None) -> None:
+    if method not in METHODS:
+        raise InputError(f"--method {method!r}: expected one of {', '.join(METHODS)}")
+    if (method == "weights") != (weights is not None):
+        raise InputError("--method weights needs --weights FILE (the matrices the head reads the token through)"
+                         if weights is None else f"--weights goes with --method weights, not --method {method}")
 
 
 def load_reduction(path: str | os.PathLike) -> Reduction:
@@ -145,14 +211,19 @@ def load_reduction(path: str | os.PathLike) -> Reduction:
             raise InputError("records no reduction (no dataset 'reduce_P'): give the output of mhla reduce", path)
         P = formats.read_array(f, "reduce_P", path).astype(np.float64, copy=False)
         U = formats.read_array(f, "reduce_U", path).astype(np.float64, copy=False) if "reduce_U" in f else None
+        method = f.attrs.get("reduce_method", "pca")
+        method = method.decode() if isinstance(method, bytes) else str(method)
+        wsrc = f.attrs.get("reduce_weights")
         ts = f.attrs.get("reduce_token_share")
         us = f.attrs.get("reduce_target_share")
         src = f.attrs.get("reduce_source")
     if P.ndim != 2 or (U is not None and (U.ndim != 2 or U.shape[1] != P.shape[1])):
         raise InputError(f"'reduce_P' {P.shape} and 'reduce_U' {None if U is None else U.shape} are not maps to one "
                          "dimension d; the file is corrupted", path)
+    if method not in METHODS:
+        raise InputError(f"attribute 'reduce_method' is {method!r}, expected one of {', '.join(METHODS)}", path)
     return Reduction(P, U, None if ts is None else float(ts), None if us is None else float(us),
-                     None if src is None else str(src))
+                     None if src is None else str(src), method, None if wsrc is None else str(wsrc))
 
 
 def _check_like(red: Reduction, info: TokensInfo, data: str | os.PathLike, like: str | os.PathLike) -> None:
@@ -175,7 +246,9 @@ def apply_reduction(red: Reduction, data: str | os.PathLike, out: str | os.PathL
     info = inspect_tokens(data)
     _check_like(red, info, data, like or "the maps")
     formats.check_hdf5_suffix(out, "a tokens file")
-    inputs = (data,) if like is None else (data, like)
+    inputs: tuple[str | os.PathLike, ...] = (data,) if like is None else (data, like)
+    if like is None and red.weights is not None:  # the --weights file: recorded with its fingerprint
+        inputs += (red.weights,)
     o = formats.check_output_path(out, inputs, "tokens")
     d = red.dim
     N, T = info.n_samples, info.n_tokens
@@ -210,6 +283,10 @@ def _write_maps(fout: h5py.File, red: Reduction, inputs: tuple[str | os.PathLike
         fout.attrs[k] = v
     fout.attrs["reduce_dim"] = red.dim
     fout.attrs["reduce_source"] = str(red.source if red.source is not None else data)
+    fout.attrs["reduce_method"] = red.method
+    fout.attrs["reduce_share_of"] = METHODS[red.method]
+    if red.weights is not None:
+        fout.attrs["reduce_weights"] = red.weights
     if red.token_share is not None:
         fout.attrs["reduce_token_share"] = red.token_share
     if red.target_share is not None:
@@ -253,9 +330,11 @@ def _reduce_chunks(red: Reduction, info: TokensInfo, data: str | os.PathLike, dt
 
 def reduce_tokens(data: str | os.PathLike, out: str | os.PathLike, dim: int | None = None,
                   like: str | os.PathLike | None = None, chunk_size: int | None = None,
-                  progress: Callable[[int], None] | None = None) -> Reduction:
-    """`mhla reduce`: fit the maps of `data` to `dim` dimensions (or take those recorded in `like`,
-    a reduced tokens file) and write the reduced tokens file `out`. Returns the maps applied.
+                  progress: Callable[[int], None] | None = None, method: str | None = None,
+                  weights: str | os.PathLike | None = None) -> Reduction:
+    """`mhla reduce`: fit the maps of `data` to `dim` dimensions by `method` (METHODS; None: "pca"; "weights" reads
+    the matrices of the file `weights`), or take those recorded in `like`, a reduced tokens file, and write the
+    reduced tokens file `out`. Returns the maps applied.
 
     `progress(n)` is told the sequences of each chunk (two passes when fitting: moments, then output).
     """
@@ -263,12 +342,16 @@ def reduce_tokens(data: str | os.PathLike, out: str | os.PathLike, dim: int | No
         raise InputError("give exactly one of --dim (fit the maps on DATA) and --like (apply those of a reduced "
                          "file)")
     if like is not None:
+        if method is not None or weights is not None:
+            raise InputError("--method and --weights choose the maps fitted on DATA; --like applies those of a "
+                             "reduced file (its method is recorded there): give one or the other")
         red = load_reduction(like)
     else:
         assert dim is not None
+        _check_method(method or "pca", weights)
         formats.check_hdf5_suffix(out, "a tokens file")
         formats.check_output_path(out, (data,), "tokens")
-        red = fit_reduction(data, int(dim), chunk_size, progress)
+        red = fit_reduction(data, int(dim), chunk_size, progress, method or "pca", weights)
     apply_reduction(red, data, out, chunk_size, progress, like)
     return red
 
