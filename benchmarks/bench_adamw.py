@@ -28,7 +28,7 @@ sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.dirname(HERE))
 from _common import OUT, best_of, machine, table  # noqa: E402
 
-from mhla_cli.model import synthetic
+from mhla_cli.model import synthetic  # noqa: E402
 from mhla_cli import export_heads, featurize, fit, predict  # noqa: E402
 
 SETUPS = ((2, 512), (4, 2048))

@@ -18,7 +18,6 @@ import pytest
 import _reference as ref
 from mhla_cli import fit as api_fit
 from mhla_cli.cli import run
-from mhla_cli.errors import InputError
 from mhla_cli.model import synthetic
 from mhla_cli.model.model import Model
 from mhla_cli.numerics import numerical_tolerance

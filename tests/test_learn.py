@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import mhla_cli
-from mhla_cli.solve import certificate, lstsq
+from mhla_cli.solve import lstsq
 from mhla_cli.model import synthetic
 from mhla_cli import featurize
 from mhla_cli.errors import InputError

@@ -391,9 +391,9 @@ def test_old_homes_of_the_constants_still_import() -> None:
 
 import _reference  # noqa: E402
 
-from mhla_cli import numerics  # noqa: E402
+from mhla_cli import numerics  # noqa: E402, F401
 from mhla_cli.statistics.stream import chunk_features  # noqa: E402
-from conftest import unseal
+from conftest import unseal  # noqa: E402
 
 EPS64 = float(np.finfo(np.float64).eps)
 

@@ -300,8 +300,8 @@ def test_featurize_on_the_spans_equals_the_full_statistics(name: str, tmp_path: 
     full = featurize(data, spans="off")
     assert not full.on_spans
     want = _summary(full, probes)
-    for spans, chunk in (("auto", None), ("on", 7)):
-        red = featurize(data, spans=spans, chunk_size=chunk)
+    for spans_opt, chunk in (("auto", None), ("on", 7)):
+        red = featurize(data, spans=spans_opt, chunk_size=chunk)
         assert red.on_spans and red.basis_gram.shape[0] < n_features(d)
         _same(_summary(red, probes), want)
     red = featurize(data, spans="on")

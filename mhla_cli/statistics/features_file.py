@@ -23,12 +23,12 @@ from ..io import formats
 from ..linalg.memory import check_load
 from ..errors import InputError
 from ..feature_map import n_features
-from ..numerics import ORTHONORMAL_TOL, SINGULAR_BASIS_COND, SYMMETRY_TOL
+from ..numerics import ORTHONORMAL_TOL, SINGULAR_BASIS_COND
 from ..io.formats import read_normalize
 from ..samples import from_attrs
 from . import gram_storage
 from .affine_sums import read_affine
-from .gram_pairs import PAIRS_FORMAT
+from .gram_pairs import PAIRS_FORMAT  # noqa: F401  (tests read the format of the pairs dataset here)
 
 # The sums on the tokens' own features (datasets of docs/formats_features.md), and those in the basis.
 SUMS = ("gram", "moments", "target_gram", "token_gram", "last_token_gram")

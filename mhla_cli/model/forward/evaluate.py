@@ -179,7 +179,6 @@ def sample_outputs(coef: np.ndarray | HeadsFn, tokens: np.ndarray, offsets: np.n
     if tokens.shape[1] != d:
         raise InputError(f"the model has d = {d} but the data have d = {tokens.shape[1]}")
     offsets = np.asarray(offsets, dtype=np.int64)
-    B = offsets.size - 1
     npairs = d * (d + 1) // 2
     heads = isinstance(coef, HeadsFn)
     d_out = out_width(coef)

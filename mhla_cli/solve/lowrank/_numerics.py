@@ -6,10 +6,9 @@ import functools
 from collections.abc import Callable
 from typing import Any
 
-import numpy as np
 from threadpoolctl import threadpool_limits
 
-from ...numerics import EPS  # noqa: E402  (one home: mhla_cli.numerics)
+from ...numerics import EPS  # noqa: F401  (one home: mhla_cli.numerics; lowrank modules import it here)
 
 
 def _serial_blas(fn: Callable) -> Callable:
