@@ -7,6 +7,8 @@ as one line ``mhla: error: ...`` and exits with status 2. Library users can catc
 
 from __future__ import annotations
 
+import os
+
 
 class MhlaError(Exception):
     """Base class of all mhla errors."""
@@ -15,7 +17,7 @@ class MhlaError(Exception):
 class InputError(MhlaError, ValueError):
     """Invalid input: a bad file, a bad shape, an inconsistent option."""
 
-    def __init__(self, message: str, path: str | None = None) -> None:
+    def __init__(self, message: str, path: str | os.PathLike[str] | None = None) -> None:
         self.path = None if path is None else str(path)
         super().__init__(f"{self.path}: {message}" if self.path else message)
 
