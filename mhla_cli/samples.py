@@ -264,7 +264,7 @@ def _windows(X: np.ndarray, offsets: np.ndarray, normalize: str) -> tuple[np.nda
 
 def _upper(S: np.ndarray) -> np.ndarray:
     """(B, d(d+1)/2): the entries S[j, k], j <= k, of each (d, d) S in pair order (a contiguous take of the
-    flattened rows: several times faster than the fancy index S[:, j, k])."""
+    flattened rows, not the fancy index S[:, j, k], which gathers through two index arrays)."""
     B, d = S.shape[0], S.shape[1]
     j, k = pair_index(d)
     return np.take(S.reshape(B, d * d), j * d + k, axis=1)

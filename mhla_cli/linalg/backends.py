@@ -41,7 +41,7 @@ POTRF_THREADED_MAX = 12000
 
 
 def _scipy_linalg() -> Any:
-    import scipy.linalg  # imported here, not at start-up: it costs ~0.2 s
+    import scipy.linalg  # imported here, not at start-up (docs/performance_startup.md)
 
     return scipy.linalg
 
