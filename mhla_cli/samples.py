@@ -306,7 +306,7 @@ def samples_of(per_position: bool, attention: str | None = None) -> Samples:
 
 def from_attrs(attrs: Any, path: Any = None) -> Samples:
     """The layout recorded in a file's attributes (`Samples.attrs`): `per_position` (0/1) and `attention`;
-    files without `attention` are causal when per-position (before bidirectional data existed)."""
+    files without `attention` are causal when per-position (the attribute is optional; causal is its default)."""
     per_position = bool(int(attrs.get("per_position", 0)))
     attention = attrs.get("attention")
     if isinstance(attention, bytes):
