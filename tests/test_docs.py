@@ -825,5 +825,6 @@ def test_table_cell_problems_at_the_limit() -> None:
     assert table_cell_problems(table + row) == []
     assert table_cell_problems(table + row.replace("x", "xx", 1)) == [
         f"docs/api.md:3: a cell of {API_CELL_MAX + 1} characters (> {API_CELL_MAX}): {'x' * 60}..."]
-    assert table_cell_problems(table + "| `f` | the norm ||p|| |\n") == ["docs/api.md:3: 6 cells in a table of 2 columns"]
+    assert table_cell_problems(table + "| `f` | the norm ||p|| |\n") == [
+        "docs/api.md:3: 6 cells in a table of 2 columns"]
     assert table_cell_problems(table + "| `f` | the norm \\|\\|p\\|\\| |\n\ntext\n\n| a |\n|---|\n| b |\n") == []

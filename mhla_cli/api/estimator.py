@@ -226,8 +226,9 @@ class MHLA:
 
         Several chunks give the same fit as one `fit` on their concatenation, to rounding, whatever the
         first chunk holds (the statistics are sums: each chunk is featurized in the whitening of its own
-        tokens and the running sum is changed exactly into the whitening of all the tokens seen). Changing normalize,
-        per_position, attention, heads/nuclear 'auto' or cv between chunks is refused: call `fit` to start over.
+        tokens and the running sum is changed exactly into the whitening of all the tokens seen).
+        Changing normalize, per_position, attention, heads/nuclear 'auto' or cv between chunks is refused:
+        call `fit` to start over.
         """
         self._check_params()
         if getattr(self, "_total", None) is None:

@@ -345,8 +345,7 @@ def check_stored_symmetric(f: h5py.File, name: str, path: str | os.PathLike, til
 
     Each tile is read once and passed over three times (its max and min, which are NaN or +-Inf exactly
     when it holds one, and the difference to its mirror tile), not six (separate isfinite and abs passes):
-    half the passes over memory; the reads of the tiles are the rest (docs/performance_symmetry.md, "certify
-    and fit")."""
+    half the passes over memory (the timing: docs/performance_symmetry.md, "certify and fit")."""
     ds = dataset(f, name, path)
     n = int(ds.shape[0])
     a, b, c = np.empty(tile * tile), np.empty(tile * tile), np.empty(tile * tile)
