@@ -10,6 +10,25 @@ Library API (each CLI command is a thin layer over these):
     write_tokens("data.h5", sequences, targets=Y)  # a tokens file from arrays (convert_files: from files)
     red = reduce_tokens("wide.h5", "r8.h5", dim=8)   # Reduction: maps P, U of wide tokens / targets to d = 8
     est = MHLA().fit(sequences, targets)    # scikit-learn-style estimator (mhla_cli.api.estimator)
+
+The package, by layer (lowest first; a module imports only from its own layer or a lower one, and each
+subpackage's docstring maps its modules):
+
+- `errors`: the exceptions of the library;
+- `numerics`: EPS and every named tolerance;
+- `signals`: SIGINT / SIGTERM / SIGHUP as an exception, so that outputs are cleaned up;
+- `feature_map`: the cubic map H(X), its indices and sizes;
+- `kernels`: per-chunk moments S = X^T X, X^T Y, the prefix Grams of every position;
+- `samples`: the sample layouts (each one's rows, queries, token weights, divisor);
+- `bias_terms`: the terms a head's biases add (the tokens (x, 1));
+- `_version`: the version, written once;
+- `linalg`: the dense linear algebra, its backends and the tiled matrix;
+- `io`: files in and out (HDF5 formats, tokens files, conversion);
+- `statistics`: the sufficient statistics, their storages and files, featurize;
+- `model`: the learned function and what evaluates it;
+- `solve`: from statistics to a certificate and a fit;
+- `api`: the entry points above the solvers (fit, export, the estimator, inspect);
+- `cli`: the `mhla` command line.
 """
 
 from __future__ import annotations

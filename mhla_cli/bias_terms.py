@@ -55,11 +55,6 @@ def pad_targets(targets: np.ndarray | None) -> np.ndarray | None:
     return np.concatenate([targets, np.zeros((*targets.shape[:-1], 1))], axis=-1)
 
 
-def token_name(i: int, d: int) -> str:
-    """The name of coordinate i of the tokens (x, 1) of width d + 1 (d: the tokens' own width)."""
-    return "1" if i == d else f"x[{i}]"
-
-
 def feature_names(d: int) -> list[str]:
     """The names of the features upper(S~) (x) x~_t of the tokens x~ = (x, 1), d the tokens' own width:
     S[j,k]*x_t[l] (the MHLA), S[j,k] (S), m[j]*x_t[l], m[j] (m = sum_i x_i), n*x_t[l] and n, in the

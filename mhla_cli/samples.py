@@ -264,7 +264,7 @@ def _windows(X: np.ndarray, offsets: np.ndarray, normalize: str) -> tuple[np.nda
 
 def _upper(S: np.ndarray) -> np.ndarray:
     """(B, d(d+1)/2): the entries S[j, k], j <= k, of each (d, d) S in pair order (a contiguous take of the
-    flattened rows: several times faster than the fancy index S[:, j, k])."""
+    flattened rows, not the fancy index S[:, j, k], which gathers through two index arrays)."""
     B, d = S.shape[0], S.shape[1]
     j, k = pair_index(d)
     return np.take(S.reshape(B, d * d), j * d + k, axis=1)
@@ -306,7 +306,7 @@ def samples_of(per_position: bool, attention: str | None = None) -> Samples:
 
 def from_attrs(attrs: Any, path: Any = None) -> Samples:
     """The layout recorded in a file's attributes (`Samples.attrs`): `per_position` (0/1) and `attention`;
-    files without `attention` are causal when per-position (before bidirectional data existed)."""
+    files without `attention` are causal when per-position (the attribute is optional; causal is its default)."""
     per_position = bool(int(attrs.get("per_position", 0)))
     attention = attrs.get("attention")
     if isinstance(attention, bytes):

@@ -787,3 +787,44 @@ def test_readme_performance_figures_quote_their_pages() -> None:
     assert check_performance_figures(readme.replace(first, first.replace(number, number + "7")), pages)
     assert check_performance_figures(readme.replace(first, re.sub(r"\]\([^)]*\)", "]", first)), pages)
     assert check_performance_figures(readme.replace("#small-d-is-io-bound", "#small-d"), pages)
+
+
+# The longest table cell of docs/api.md: a table says what a name is and links the API reference, which
+# renders the docstring that carries the detail (docs/api_reference.md).
+API_CELL_MAX = 250
+_CELL_SPLIT = re.compile(r"(?<!\\)\|")  # GitHub and MkDocs split a row at every unescaped pipe, in code too
+
+
+def table_cell_problems(text: str, limit: int = API_CELL_MAX, name: str = "docs/api.md") -> list[str]:
+    """The cells of a markdown page's tables longer than `limit` characters, and the rows whose cell count
+    is not their header's (an unescaped `|` in a cell, e.g. a norm ||x||, splits it)."""
+    problems, header = [], None
+    for number, line in enumerate(text.splitlines(), 1):
+        if not line.startswith("|"):
+            header = None
+            continue
+        cells = [c.strip() for c in _CELL_SPLIT.split(line.strip())[1:-1]]
+        if header is None:
+            header = len(cells)
+        elif len(cells) != header:
+            problems.append(f"{name}:{number}: {len(cells)} cells in a table of {header} columns")
+        problems += [f"{name}:{number}: a cell of {len(c)} characters (> {limit}): {c[:60]}..."
+                     for c in cells if len(c) > limit]
+    return problems
+
+
+def test_api_table_cells_stay_short() -> None:
+    text = (ROOT / "docs" / "api.md").read_text()
+    assert text.count("\n| ") >= 50  # the tables are there
+    assert table_cell_problems(text) == []
+
+
+def test_table_cell_problems_at_the_limit() -> None:
+    row = "| name | " + "x" * API_CELL_MAX + " |\n"
+    table = "| name | what |\n|---|---|\n"
+    assert table_cell_problems(table + row) == []
+    assert table_cell_problems(table + row.replace("x", "xx", 1)) == [
+        f"docs/api.md:3: a cell of {API_CELL_MAX + 1} characters (> {API_CELL_MAX}): {'x' * 60}..."]
+    assert table_cell_problems(table + "| `f` | the norm ||p|| |\n") == [
+        "docs/api.md:3: 6 cells in a table of 2 columns"]
+    assert table_cell_problems(table + "| `f` | the norm \\|\\|p\\|\\| |\n\ntext\n\n| a |\n|---|\n| b |\n") == []

@@ -23,6 +23,9 @@
 4. No install instruction (README, docs, error hints, scripts) tells users to `pip install mhla`
    from a package index while no release is published; the library's hints name the optional package
    itself, with the same requirement as pyproject's extra.
+5. Every package's `__init__` docstring maps its modules: one line ``- `name`: what it does`` for each
+   module and subpackage in its directory (private ones too; not `__init__` / `__main__`), and no line
+   for a name that is not there.
 """
 
 from __future__ import annotations
@@ -473,3 +476,59 @@ def test_library_hints_name_the_extras_requirements() -> None:
             seen += 1
             assert req in extras.get(extra, []), f"{path.name}: {req!r} is not in the [{extra}] extra"
     assert seen >= 4  # safetensors, plot, torch, dask
+
+
+# ---------------------------------------------------------------------------------------------------
+# 5. every package's docstring maps its modules
+
+
+_MAP_LINE = re.compile(r"^- `(\w+)`:", re.MULTILINE)
+
+
+def package_map(init: Path) -> list[str]:
+    """The modules a package's docstring names in its map: its lines ``- `name`: what it does``."""
+    return _MAP_LINE.findall(ast.get_docstring(ast.parse(init.read_text(encoding="utf-8"))) or "")
+
+
+def package_contents(package: Path) -> set[str]:
+    """The modules (`name.py`, not `__init__` / `__main__`) and the subpackages of a package directory."""
+    return ({p.stem for p in package.glob("*.py") if not (p.stem.startswith("__") and p.stem.endswith("__"))}
+            | {p.parent.name for p in package.glob("*/__init__.py")})
+
+
+def map_errors(package_dir: Path = PACKAGE) -> list[str]:
+    """Where a package's map and its directory disagree: a module it does not name, a name it maps that is
+    not on disk, a name mapped twice."""
+    errors = []
+    for init in sorted(package_dir.rglob("__init__.py")):
+        where = init.relative_to(package_dir.parent).as_posix()
+        named, on_disk = package_map(init), package_contents(init.parent)
+        errors += [f"{where}: the map does not name `{m}`" for m in sorted(on_disk - set(named))]
+        errors += [f"{where}: the map names `{m}`, which is not in the package" for m in sorted(set(named) - on_disk)]
+        errors += [f"{where}: the map names `{m}` twice" for m in sorted({m for m in named if named.count(m) > 1})]
+    return errors
+
+
+def test_every_package_maps_its_modules() -> None:
+    assert len(package_map(PACKAGE / "statistics" / "__init__.py")) >= 20
+    errors = map_errors()
+    assert not errors, "package maps (a line '- `module`: what it does' each in the __init__ docstring):\n" + \
+        "\n".join(errors)
+
+
+def test_map_errors_on_a_synthetic_package(tmp_path: Path) -> None:
+    doc = '"""The package.\n\n- `alpha`: one job;\n- `_raw`: another;\n- `sub`: a subpackage.\n"""\n'
+    pkg = _write_package(tmp_path, {
+        "pkg/__init__.py": doc, "pkg/__main__.py": "", "pkg/alpha.py": "", "pkg/_raw.py": "",
+        "pkg/sub/__init__.py": '"""Sub.\n\n- `x`: x.\n"""\n', "pkg/sub/x.py": "", "pkg/data/table.csv": "",
+    })
+    assert package_map(pkg / "__init__.py") == ["alpha", "_raw", "sub"]
+    assert map_errors(pkg) == []
+    (pkg / "beta.py").write_text("")  # a new module nobody mapped
+    (pkg / "sub" / "__init__.py").write_text('"""Sub.\n\n- `x`: x.\n- `y`: gone.\n- `x`: again.\n"""\n')
+    assert map_errors(pkg) == ["pkg/__init__.py: the map does not name `beta`",
+                               "pkg/sub/__init__.py: the map names `y`, which is not in the package",
+                               "pkg/sub/__init__.py: the map names `x` twice"]
+    (pkg / "beta.py").unlink()
+    (pkg / "sub" / "__init__.py").write_text('"""Sub: x does its job."""\n')  # named in prose, not in the map
+    assert map_errors(pkg) == ["pkg/sub/__init__.py: the map does not name `x`"]

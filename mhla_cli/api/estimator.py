@@ -224,9 +224,11 @@ class MHLA:
     def partial_fit(self, sequences: Any, targets: Any, offsets: Any = None, sample_weight: Any = None) -> MHLA:
         """Add a chunk of data to the statistics and refit on everything seen so far. Returns self.
 
-        Several chunks give the same fit as one `fit` on their concatenation (the statistics are
-        sums, in the whitening of all the tokens seen). Changing normalize,
-        per_position, attention, heads/nuclear 'auto' or cv between chunks is refused: call `fit` to start over.
+        Several chunks give the same fit as one `fit` on their concatenation, to rounding, whatever the
+        first chunk holds (the statistics are sums: each chunk is featurized in the whitening of its own
+        tokens and the running sum is changed exactly into the whitening of all the tokens seen).
+        Changing normalize, per_position, attention, heads/nuclear 'auto' or cv between chunks is refused:
+        call `fit` to start over.
         """
         self._check_params()
         if getattr(self, "_total", None) is None:
@@ -356,7 +358,9 @@ class MHLA:
     def __sklearn_tags__(self) -> Any:
         """scikit-learn's estimator tags (a multi-output regressor on sequences: lists of (n_i, d) arrays
         or (N, n, d) arrays); sklearn.utils.Tags when scikit-learn is importable, else the same as a dict.
-        mhla does not import scikit-learn otherwise."""
+        mhla does not import scikit-learn otherwise. With these tags scikit-learn's `clone`,
+        `cross_val_score`, `GridSearchCV` and `Pipeline` (as the last step) take `MHLA`, and it pickles
+        (`pip install -e ".[sklearn]"` for those tools)."""
         fields = {"estimator_type": "regressor", "requires_fit": True, "non_deterministic": False}
         target = {"required": True, "two_d_labels": True, "multi_output": True, "single_output": False}
         inputs = {"two_d_array": False, "three_d_array": True}

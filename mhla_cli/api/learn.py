@@ -119,7 +119,13 @@ def fit(feats: Features | Any, ridge: float | str = 0.0, heads: int | str | None
 
     `scheduler` (a Dask scheduler address, "local[:K]" or a dask.distributed Client): least squares on that
     cluster with the Gram tiled on its workers (mhla_cli.solve.cluster.fit; a ridge > 0 or none), `feats`
-    then a tokens file, a Zarr features store or statistics tiled there (statistics.tiled_gram).
+    then a tokens file, a Zarr features store or statistics tiled there (statistics.tiled_gram); data that
+    do not determine the function raise mhla_cli.solve.cluster.ClusterRefused there without a ridge.
+
+    Least squares (the default) is solved in the canonical coordinates: the minimum-norm solution of
+    singular data and `ridge`, in the units of the certificate's `lambda_max`, are unit-free. Returns a
+    `Model` (`coef` (d, psi) on the tokens' own features, `W` (d^2, d^2), `info`: "basis": "canonical" for
+    least squares). It does not warn: `mhla fit` and `MHLA` turn `info` into warnings (`fit_warnings`).
     """
     check_fit_options(ridge, heads, nuclear)
     skipped: list[int] = []
@@ -263,7 +269,8 @@ def export_heads(model: Model, tol: float = 1e-12, max_heads: int | str | None =
     heads; max_heads="auto": the heads that stand out of the spectrum's noise; fewest=True: the fewest
     heads that compute the same function (a change <= FEWEST_TOL, verified; `info` says whether the count
     is proven). info["function_change"]: the RMS change of the outputs on the training data relative to
-    the RMS output (None for a model without its data's Lambda~: then info["coef_change"] is all there is).
+    the RMS output (None for a model without its data's Lambda~: then info["coef_change"] is all there is);
+    info["coordinates"]: where the heads were found. Returns `Heads` (`V`, `Q` (H, d, d), `coef`).
     """
     check_export_options(max_heads, fewest)
     fn = canonical.canonical_function(model)

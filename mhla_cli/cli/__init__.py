@@ -2,6 +2,21 @@
 
 Exit codes: 0 ok; 1 a check failed (certify); 2 usage or input error (one line ``mhla: error: ...``);
 3 internal error; 130 / 143 interrupted by SIGINT / SIGTERM.
+
+The package, by job (a command module parses options, calls the library and formats output):
+
+- `registry`: the commands, in the order of `mhla --help`, and the module that registers each;
+- `options`: option types shared by the commands, the parsing of option strings;
+- `console`: human messages and warnings on stderr, JSON on stdout, progress bars;
+- `help`: help pages without type placeholders;
+- `convert`: `mhla convert`;
+- `reduce`: `mhla reduce`;
+- `generate`: `mhla generate teacher | assoc`;
+- `featurize`: `mhla featurize` and `mhla merge`;
+- `certify`: `mhla certify` (the witness, certificates on given inputs);
+- `fit`: `mhla fit`, `mhla export-heads` and `mhla spectrum`;
+- `predict`: `mhla predict`, `mhla rollout` and `mhla compare`;
+- `inspect`: `mhla inspect`.
 """
 
 from __future__ import annotations

@@ -71,13 +71,6 @@ class TokensInfo:
         """Width of the tokens as stored (`d` less the appended constant coordinate)."""
         return self.d - int(self.constant)
 
-    def sample_tokens(self, lo: int, hi: int, offsets: np.ndarray | None = None) -> int:
-        """Number of tokens of samples [lo, hi)."""
-        if self.layout == "dense":
-            return (hi - lo) * int(self.seq_len)
-        assert offsets is not None
-        return int(offsets[hi] - offsets[lo])
-
 
 def inspect_tokens(path: str | os.PathLike) -> TokensInfo:
     """Validate the structure of a tokens file (shapes, dtypes, offsets) and describe it."""

@@ -41,7 +41,7 @@ POTRF_THREADED_MAX = 12000
 
 
 def _scipy_linalg() -> Any:
-    import scipy.linalg  # imported here, not at start-up: it costs ~0.2 s
+    import scipy.linalg  # imported here, not at start-up (docs/performance_startup.md)
 
     return scipy.linalg
 
@@ -521,7 +521,11 @@ NUMPY = NumpyBackend()
 
 def get_backend(device: str | Backend | None) -> Backend:
     """The backend of a checked `device` spelling (device.check_device): None / "cpu" numpy on the host,
-    any other torch there; a Backend is returned as it is."""
+    any other torch there; a Backend is returned as it is.
+
+    A backend gives `matrix(a)` (eigvalsh, eigh, Cholesky and triangular solves, products: what
+    mhla_cli.linalg.factorization.Factorization asks), `gram(...)` (the pass's Gram there: `HostGram`, a
+    syrk or the Gram's distinct entries; device.DeviceGram / DevicePairs) and `free_bytes()`."""
     if isinstance(device, Backend):
         return device
     if device is None or device == "cpu":

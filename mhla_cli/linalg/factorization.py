@@ -331,8 +331,8 @@ class Factorization:
         if s > 0:
             mv = self._matrix().matvec
             # the first solve's error is rho (relative), k steps leave rho^(k+1): the fewest k with
-            # rho^(k+1) <= eps (one solve and one product fewer than the k with rho^k <= eps: at psi = 7200,
-            # rho = 6e-8, 2 steps instead of 3, ~0.2 s of the fit, the same error 3e-13 against the exact x)
+            # rho^(k+1) <= eps (one solve and one product fewer than the k with rho^k <= eps, at the same
+            # accuracy: rho = 6e-8 takes 2 steps instead of 3)
             steps = int(min(60, max(0.0, np.ceil(np.log(EPS) / np.log(rho)) - 1))) if rho > 0 else 0
             for _ in range(steps):
                 x = x + self._cho_solve(c, rhs - self.scale * mv(x)) / self.scale

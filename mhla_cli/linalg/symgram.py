@@ -266,8 +266,7 @@ class SymGram:
                     np.multiply(s_t[c], s_t[c:], out=P[r:r + q - c])
                     r += q - c
                 # K[panel]^T = V^T U[panel] into a small block, added transposed: this orientation of the
-                # same GEMM took 0.89-0.98x the time of K[panel] += U^T[panel] V on this machine (one
-                # chunk, d = 16, 24, 32, one and two threads; a scratch script, back to back, not kept)
+                # same GEMM is the faster of the two (docs/performance_symmetry.md, "Where the time goes")
                 T = self._buf(f"T{part}", Vt.shape[0], rows)
                 np.matmul(Vt, P.T, out=T)
                 self.K[row:row + rows] += T.T
@@ -280,8 +279,9 @@ class SymGram:
 
             from threadpoolctl import threadpool_limits
 
-            # every GEMM of the chunk on one BLAS thread, the moments' too: run after the pool with two
-            # BLAS threads it took 45 ms against 8 ms on one (d = 16, 4096 rows: a quarter of K's time)
+            # every GEMM of the chunk on one BLAS thread, the moments' too: the pool's threads already
+            # hold the cores, and BLAS threads on top of them wait for one another (docs/performance.md,
+            # "BLAS threads"; docs/performance_symmetry.md, "Where the time goes")
             with threadpool_limits(limits=1, user_api="blas"), ThreadPoolExecutor(n) as pool:
                 list(pool.map(run, range(n)))
 
@@ -423,10 +423,11 @@ class Pairs:
 
         `overwrite` (square P and R, a writeable K): the result is written over this K, the pair step a
         block of columns and then the token step a block of rows at a time, so that nothing of K's size
-        is allocated (d = 24, the first call of a fresh process: 0.8-1.1 s against 1.3 s for the form below).
+        is allocated (also the faster form in a fresh process).
         Otherwise K T^T is one GEMM into a new array and the pair step runs over it in place (or into
         a second array when q' != q); K itself is unchanged. (A K T^T per block of the result's columns
-        instead rereads all of K for every few columns: 15.8 s against ~7 s at d = 32.)"""
+        instead would reread all of K for every few columns.) The timings: docs/performance_symmetry.md,
+        "Where the time goes"."""
         P = np.asarray(P, dtype=np.float64)
         R = np.asarray(R, dtype=np.float64)
         if P.shape[1] != self.q or R.shape[1] != self.r:

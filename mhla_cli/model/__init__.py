@@ -1,7 +1,18 @@
 """Layer 4, model: the learned function and what evaluates it.
 
-heads (V, Q heads <-> coef p <-> W), model (a fitted Model and its file), export (heads to npz / torch /
-safetensors), forward (the forward pass, predict over files), scores (MSE, R^2), reduce (wide tokens ->
-d by their second moments), synthetic (teachers and data), compare (distance between two functions),
-canonical (a function in the canonical coordinates of its data: heads found there, changes measured on it).
+The package, by job:
+
+- `heads`: V, Q heads <-> coef p <-> W;
+- `_head_shapes`: the widths of a set of heads, shared by `heads` and `_heads_module`;
+- `_heads_module`: the PyTorch module of an MHLA (optional: torch);
+- `model`: a fitted `Model` and its file;
+- `export`: heads to HDF5 / npz / safetensors files;
+- `forward`: the forward pass, predict over files, rollout;
+- `scores`: MSE, R^2;
+- `reduce`: wide tokens -> d (`mhla reduce`: the maps, the pass, the reduced file);
+- `directions`: the token directions of `reduce --method` (PCA, supervised, weights) from second moments;
+- `synthetic`: teachers and data;
+- `compare`: the distance between two functions;
+- `canonical`: a function in the canonical coordinates of its data (heads found there, changes measured
+  on it).
 """

@@ -63,7 +63,8 @@ METHODS = {"pca": "the tokens' second moment",
 class Reduction:
     """The maps of a reduction: tokens x -> P^T x (P: D x d), targets y -> U^T y (U: D_out x d; None
     without targets), and the shares of the second moments' traces they keep (None: not known, e.g.
-    maps given by the caller)."""
+    maps given by the caller). `dim`: the reduced dimension d. `load_reduction` reads them from a reduced
+    file; `unreduce_heads` gives heads of the reduced tokens in the original widths."""
 
     P: np.ndarray
     U: np.ndarray | None
@@ -336,6 +337,12 @@ def reduce_tokens(data: str | os.PathLike, out: str | os.PathLike, dim: int | No
     the matrices of the file `weights`), or take those recorded in `like`, a reduced tokens file, and write the
     reduced tokens file `out`. Returns the maps applied.
 
+    One streaming pass accumulates the uncentered second moments of the tokens (D x D) and of the targets
+    (D_out x D_out), float64; their top-`dim` eigenvectors (LAPACK eigh, each signed so that its largest
+    entry is positive) are the maps P (D x d) and U (D_out x d). `out` holds the tokens X P, the targets Y U
+    and both maps (`reduce_P`, `reduce_U`, with the shares of the second moments they keep); `like=` a
+    reduced file applies its maps bit for bit (held-out data).
+
     `progress(n)` is told the sequences of each chunk (two passes when fitting: moments, then output).
     """
     if (dim is None) == (like is None):
@@ -363,7 +370,8 @@ def unreduce_heads(heads: Heads, red: Reduction, path: str | os.PathLike | None 
     original tokens X they give U (the reduced heads' output on X P) at the cost of the reduced heads. Their
     bias terms stay those of the reduced heads; the affine map of the wide tokens is mapped back, U
     affine_weight (D_out, D). `dense`: the same function as d x d matrices, V_full = U V_h P^T (H, D_out, D)
-    and Q_full = P Q_h P^T (H, D, D) (`Heads.dense`). `path`: the reduced file, for messages."""
+    and Q_full = P Q_h P^T (H, D, D) (`Heads.dense`). `path`: the reduced file, for messages. `predict`,
+    `compare`, `save_heads` and `to_torch` take the factored heads."""
     if red.U is None:
         raise InputError("records no targets' map 'reduce_U': the outputs cannot be mapped back", path)
     d = red.dim

@@ -137,11 +137,6 @@ class Spread:
         """The energy sum w ||y||^2 in the targets' own units."""
         return float(np.ldexp(self.energy, 2 * self.exp))
 
-    @property
-    def sum_squared_error(self) -> float:
-        """sum w ||yhat - y||^2 in the targets' own units (0 where it underflows float64)."""
-        return float(np.ldexp(self.sse, 2 * self.exp))
-
     def mse(self, d: int) -> float:
         """The weighted MSE per output, sum w ||yhat - y||^2 / (d sum w)."""
         return float(np.ldexp(self.sse / ((self.weight if self.weight > 0 else 1.0) * d), 2 * self.exp))

@@ -25,7 +25,12 @@ from .domains import Domain, get_domain
 
 @dataclass
 class Certificate:
-    """Identifiability certificate (Lemma 2.3): lambda_min(Lambda_D) > threshold."""
+    """Identifiability certificate (Lemma 2.3): lambda_min(Lambda_D) > threshold.
+
+    `identifiable`, `lambda_min`, `lambda_max`, `rank` and `reasons` are the verdict and its numbers, of the
+    canonical Lambda~ (`basis` and `to_dict()["basis"]` are "canonical"); `span_features`: the size of the
+    block on the data's spans that is factorized (the other features are exact nulls); `null_vectors`: the
+    null space, computed on first use."""
 
     identifiable: bool
     lambda_min: float
@@ -124,7 +129,13 @@ def certify(feats: Features | Any, min_eig: float = 0.0, domain: str | Domain = 
 
     `scheduler` (a Dask scheduler address, "local[:K]" or a dask.distributed Client): certify on that
     cluster, the Gram tiled on its workers (mhla_cli.solve.cluster); `feats` is then a tokens file, a Zarr
-    features store or statistics already tiled there (mhla_cli.statistics.tiled_gram.TiledStatistics).
+    features store or statistics already tiled there (mhla_cli.statistics.tiled_gram.TiledStatistics;
+    docs/cluster.md, "The Gram on the cluster"): the certificate's `rank` is then None unless identifiable,
+    and `tasks` holds the tasks submitted, by kind.
+
+    Returns a `Certificate`: `identifiable`, `lambda_min`, `lambda_max` (the eigenvalues of the canonical
+    Lambda~, the same for tokens in any units: docs/certificate.md), `rank`, `reasons`, `to_dict()`;
+    `min_eig` is in the same units.
     """
     if min_eig < 0 or not np.isfinite(min_eig):
         raise InputError(f"min_eig must be a finite number >= 0, got {min_eig}")

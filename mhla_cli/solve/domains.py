@@ -281,7 +281,7 @@ def factorize(feats: Features, domain: str | Domain = "full", device: str | None
 
 
 def _eigh(a: np.ndarray, vectors: bool = True) -> Any:
-    """LAPACK symmetric eigensolver (scipy is imported here, not at start-up: it costs ~0.2 s)."""
+    """LAPACK symmetric eigensolver (scipy is imported here, not at start-up: docs/performance_startup.md)."""
     import scipy.linalg
 
     return scipy.linalg.eigh(a, eigvals_only=not vectors)

@@ -92,7 +92,10 @@ def effective_rank(s: np.ndarray) -> float:
 @dataclass
 class Spectrum:
     """The singular values of a function's minimum-nuclear-norm W in the canonical coordinates and their split
-    into heads and noise (`spectrum`); `to_dict` is the `mhla spectrum --json` record, without W."""
+    into heads and noise (`spectrum`); `to_dict` is the `mhla spectrum --json` record, without W.
+
+    `n_outliers`: the heads that stand out of the noise above `threshold` (None when the count is not
+    reliable, e.g. an unconverged W: `reason`); `singular_values`; `W`."""
 
     d: int
     singular_values: list[float]

@@ -309,8 +309,9 @@ def make_witness(feats: Features, data: str | os.PathLike | None = None, cert: C
     change of the function costs a measurable training loss; `message` gives the numbers). The loss
     terms are summed on the data when `data` is a tokens file, otherwise taken from the statistics.
     `device`: where a factorization still to compute runs (None: the certificate's). `feats` is not
-    changed (statistics on the data's spans are expanded in a copy). Raises WitnessRefused for data
-    the witness does not support and WitnessError when it fails its own verification.
+    changed (statistics on the data's spans are expanded in a copy). Raises WitnessRefused (an InputError
+    with its `rule`) for data the witness does not support (per-position, untargeted or normalised data,
+    statistics with the bias terms) and WitnessError when it fails its own verification.
     """
     device = cert.device if device is None and cert is not None else device
     feats, cert = _prepare(feats, data, cert, device, domain)

@@ -239,8 +239,8 @@ class _Accumulator:
             else:
                 Xb = self._tokens(tokens, check, None, offsets[1:] - 1, None)
                 S, last = sequence_moments(Xb, offsets, out=self._buf("S", B, (d, d)), progress=moments_done)
-            # gather the distinct entries row-wise (contiguous), then transpose: ~10x faster than a
-            # strided gather from the transposed view
+            # gather the distinct entries row-wise (contiguous reads), then transpose, not a strided
+            # gather from the transposed view (one cache line per entry)
             upper_rows = np.take(S.reshape(B, d * d), self._upper_idx, axis=1, out=self._buf("Ur", B, (psi // d,)))
             upper = self._buf_t("U", psi // d, B)
             np.multiply(upper_rows.T, self._scale[:, None], out=upper)  # canonical coordinates D upper(S)

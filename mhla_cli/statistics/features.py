@@ -84,7 +84,14 @@ class Features(FeaturesAlgebra, FeaturesFile):
     gram = sum_i H_i H_i^T (psi, psi); moments = sum_i H_i y_i^T (psi, d); target_gram =
     sum_i y_i y_i^T; token_gram = sum over samples of w S (for last-token data without weights: the
     sum of x x^T over all tokens); last_token_gram = sum_i w_i x_n x_n^T. The basis_* sums are the
-    same on the canonical features of X A (module docstring).
+    same on the canonical features of X A (module docstring): `basis` A, the whitening of the data's own
+    tokens; `basis_gram`, `basis_moments`, `basis_token_gram`, `basis_last_token_gram` (docs/formats.md).
+
+    `a + b` and `a.add(b)` sum two records (parts in other bases are changed into the whitening of their
+    sum: mhla_cli.statistics.algebra); `save` writes a features file (format version 6; `compact=True`: the
+    Gram as its distinct entries) and `load` reads versions 1-6 (mhla_cli.statistics.features_file);
+    `on_spans`: only the block on the data's spans is held (`span_pairs`, `span_last`, no `gram` /
+    `moments`), which `expand()` turns into every feature. `mhla_cli.Features` is this class.
     """
 
     d: int

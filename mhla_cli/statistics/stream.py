@@ -79,6 +79,10 @@ def featurize(path: str | os.PathLike, chunk_size: int | None = None,
     terms a head's biases add (docs/bias_terms.md): `d` counts the constant coordinate. `affine_from`: the wide
     tokens file that `mhla reduce` read to make `path`; the sums of the affine block of its tokens at every
     sample's query are accumulated beside (mhla_cli.statistics.affine_sums, `Features.affine`).
+
+    `spans` ("auto", "on", "off"): statistics of only the block on the data's spans span{S_i} (x) span{x_n}
+    (`Features.on_spans`; docs/formats_features.md, "Features on the data's spans"); "auto" looks for the
+    spans from statistics.spans.SPANS_MIN_FEATURES features on.
     """
     info, device = _checked(path, normalize, spans, device, attention, bias_terms)
     wide = None

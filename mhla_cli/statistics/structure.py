@@ -127,8 +127,8 @@ def _eig_desc(t: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Eigenvalues (descending) and eigenvectors (an orthogonal matrix) of a symmetric matrix.
 
     numpy's LAPACK (dsyevd), not scipy's: featurize on K (from symgram.SYMGRAM_MIN_D) needs nothing
-    else of scipy.linalg, whose import took 0.18-0.21 s of a 3-4 s featurize (d = 16 causal, d = 24;
-    a profile)."""
+    else of scipy.linalg, so it does not pay that import (docs/performance_symmetry.md, "Where the time
+    goes")."""
     w, v = np.linalg.eigh((t + t.T) / 2)
     return w[::-1], np.ascontiguousarray(v[:, ::-1])
 

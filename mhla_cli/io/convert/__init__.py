@@ -12,14 +12,19 @@ weights. The package, by job:
 
 - `_source`: `_Source`, what every reader returns (a name, a shape, a dtype and a reader of rows
   [a, b)), and `Reader`, one input format;
-- `_readers`: the registry of formats, one module per format: `_numpy` (.npy, .npz), `_safetensors`,
-  `_torch` (.pt; `_values`: tensors, arrays and lists of sequences in memory), `_hdf5`, `_arrow`
-  (datasets directories, SAELens caches). A new format is a module defining a `Reader` and its line
-  in `_readers.READERS`;
-- `_roles`: dataset names, `--key ROLE=NAME[h]` and the hooks left out; `_masks`: padded
-  activations with a padding mask; `_join`: several files as one;
-- `_writer`: the chunked copy, the `attention` attribute and `write_tokens`; `_driver`:
-  `convert_files`.
+- `_readers`: the registry of formats, one module per format below. A new format is a module
+  defining a `Reader` and its line in `_readers.READERS`;
+- `_numpy`: .npy, .npz;
+- `_safetensors`: .safetensors;
+- `_torch`: .pt;
+- `_values`: tensors, arrays and lists of sequences in memory (of .pt files and `write_tokens`);
+- `_hdf5`: HDF5 activations;
+- `_arrow`: datasets directories, SAELens caches;
+- `_roles`: dataset names, `--key ROLE=NAME[h]` and the hooks left out;
+- `_masks`: padded activations with a padding mask;
+- `_join`: several files as one;
+- `_writer`: the chunked copy, the `attention` attribute and `write_tokens`;
+- `_driver`: `convert_files`.
 """
 
 from ._driver import convert_files, expand_inputs, parse_input

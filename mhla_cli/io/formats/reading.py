@@ -344,9 +344,8 @@ def check_stored_symmetric(f: h5py.File, name: str, path: str | os.PathLike, til
     `read_array` and gram_dense.is_symmetric), read tile by tile: nothing of its size is held.
 
     Each tile is read once and passed over three times (its max and min, which are NaN or +-Inf exactly
-    when it holds one, and the difference to its mirror tile), not six: at psi = 7200 (d = 24) the check
-    took 0.52-0.56 s against 0.67-0.72 s for the isfinite / abs passes before (a scratch script, the file in
-    the page cache; the tiles' hyperslab reads are 0.3-0.4 s of it)."""
+    when it holds one, and the difference to its mirror tile), not six (separate isfinite and abs passes):
+    half the passes over memory (the timing: docs/performance_symmetry.md, "certify and fit")."""
     ds = dataset(f, name, path)
     n = int(ds.shape[0])
     a, b, c = np.empty(tile * tile), np.empty(tile * tile), np.empty(tile * tile)

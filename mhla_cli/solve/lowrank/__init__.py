@@ -6,6 +6,21 @@ W = sum_h vec(V_h) vec(Q_h)^T is an H-head MHLA. Weight decay (||V||^2 + ||Q||^2
 equals ||W||_* at the balanced optimum, so the nuclear-norm fit is the convex relaxation of the
 factorised one. Losses use the statistics only: sum_i ||p H_i - y_i||^2 = tr(p G p^T) - 2 tr(p M) +
 tr(T) with G = gram, M = moments, T = target_gram.
+
+The package, by job:
+
+- `affine`: the map A, its adjoint, the projection onto {W : A(W) = p}, the minimum-nuclear-norm W;
+- `losses`: the losses on the statistics;
+- `factorised`: the fit of H heads by ALS then Levenberg-Marquardt;
+- `nuclear`: the nuclear-norm fit (FISTA with singular-value thresholding);
+- `cv`: H or LAMBDA by K-fold cross-validation;
+- `fewest`: the fewest heads computing a p, a proven lower bound;
+- `result`: the result of a factorised or nuclear-norm fit;
+- `_params`: heads <-> parameters, p(V, Q) and its Jacobians;
+- `_gauss_newton`: the Gauss-Newton normal equations and their damped solve;
+- `_whitened`: the statistics of the whitened tokens, in which the fits run;
+- `_solver`: the record every iterative solver returns, and its warning texts;
+- `_numerics`: float64 epsilon and one BLAS thread for small solves.
 """
 
 from __future__ import annotations
