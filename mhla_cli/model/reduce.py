@@ -339,7 +339,10 @@ def reduce_tokens(data: str | os.PathLike, out: str | os.PathLike, dim: int | No
 
     One streaming pass accumulates the uncentered second moments of the tokens (D x D) and of the targets
     (D_out x D_out), float64; their top-`dim` eigenvectors (LAPACK eigh, each signed so that its largest
-    entry is positive) are the maps P (D x d) and U (D_out x d). `out` holds the tokens X P, the targets Y U
+    entry is positive) are the maps P (D x d) and U (D_out x d) of "pca". "supervised" takes P from the
+    token-wise least-squares map to the targets in the tokens' whitened metric (reduced-rank regression, from
+    sum w x x^T and sum w x y^T over the scored samples), "weights" the directions that keep W x in mean
+    square (docs/tokens.md, "Which token directions"; the math in `mhla_cli.model.directions`). `out` holds the tokens X P, the targets Y U
     and both maps (`reduce_P`, `reduce_U`, with the shares of the second moments they keep); `like=` a
     reduced file applies its maps bit for bit (held-out data).
 
