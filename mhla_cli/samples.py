@@ -17,16 +17,19 @@ K = U^T V, mhla_cli.linalg.symgram), the weight each token carries in the token 
 `per_position` and `attention` (`attrs`, `from_attrs`); the reader, the accumulator, the forward
 pass, the files and the estimator ask the layout and pass it on.
 
-A new layout is one subclass here with its instance in `LAYOUTS` (a per-position layout's `attention`, the
-files' attribute and the `--attention` value, is its name: add it to the option's choices in
-mhla_cli/cli/options.py), its reference in tests (tests/_reference.py, tests/test_samples.py) and its row in
-docs/formats.md.
+A layout is a frozen dataclass: layouts compare and pickle by value, and its fields are its parameters (a
+sliding window's width), recorded in the files beside its name (`attrs`, `from_attrs`). A new layout is one
+subclass, here or anywhere, registered with `register` (a per-position layout's name is its `attention`: the
+files' attribute and the `--attention` value, whose choices are the registered names); the built-in ones
+have their references in tests (tests/_reference.py, tests/test_samples.py) and their rows in docs/formats.md.
+A `ReadSpec` is how a tokens file is read: the layout, the normalisation of S and the bias terms, one value.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any, ClassVar, TypeVar
 
 import numpy as np
 
@@ -34,9 +37,13 @@ from .errors import InputError
 from .feature_map import pair_index
 from .kernels import position_numbers, prefix_moments, sequence_moments, window_products
 
-__all__ = ["ATTENTIONS", "BIDIRECTIONAL", "CAUSAL", "LAST", "LAYOUTS", "Queries", "Rows", "Samples",
-           "check_attention", "from_attrs", "named", "samples_of"]
+__all__ = ["BIDIRECTIONAL", "CAUSAL", "LAST", "LAYOUTS", "NORMALIZE", "Queries", "ReadSpec", "Rows", "Samples",
+           "attentions", "check_attention", "from_attrs", "named", "register", "samples_of"]
 
+# The values of `normalize`: S as summed, or divided by the tokens it sums (`Samples.lengths`).
+NORMALIZE = ("none", "length")
+# A layout's parameter p is the file attribute ATTRS_PREFIX + p (`Samples.attrs`).
+ATTRS_PREFIX = "attention_"
 
 
 @dataclass
@@ -82,11 +89,12 @@ class Rows:
         return int(self.upper.shape[0])
 
 
+@dataclass(frozen=True)
 class Samples:
-    """A sample layout (module docstring). Instances are the singletons of `LAYOUTS`: compare with `is`."""
+    """A sample layout (module docstring): a frozen dataclass whose fields are its parameters; layouts compare,
+    hash and pickle by value (and `named`, `from_attrs` and unpickling give one instance per value)."""
 
     name: ClassVar[str] = ""
-    attention: ClassVar[str | None] = None  # the `attention` attribute of per-position files
     per_position: ClassVar[bool] = True  # targets and weights are stored per position
     # a Gram row is a whole window and its token factor a second moment (Rows.xx): the accumulation
     # accumulates the Gram as its distinct entries K = U^T V whatever d (a syrk needs rank-one rows)
@@ -95,12 +103,28 @@ class Samples:
     # without being asked (CAUSAL: only with --causal)
     predicts_every_position: ClassVar[bool] = False
     words: ClassVar[str] = ""  # what the samples are, in a user's words
+    scored_words: ClassVar[str] = ""  # what `predict` scores in this layout, in a user's words
 
     def __repr__(self) -> str:
-        return f"<samples {self.name}>"
+        params = ", ".join(f"{k}={v!r}" for k, v in self.params().items())
+        return f"<samples {self.name}{' ' + params if params else ''}>"
 
-    def __reduce__(self) -> tuple[Any, tuple[str]]:  # the same singleton in another process
-        return named, (self.name,)
+    def __reduce__(self) -> tuple[Any, tuple[Any, dict[str, Any]]]:  # by value: the class and its parameters
+        return _interned, (type(self), self.params())
+
+    @property
+    def attention(self) -> str | None:
+        """The `attention` attribute of per-position files and the `--attention` value: the name (None: LAST)."""
+        return self.name if self.per_position else None
+
+    def params(self) -> dict[str, Any]:
+        """The layout's parameters (its dataclass fields), by name."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+
+    def spans(self, n: int) -> tuple[np.ndarray, np.ndarray]:
+        """(start, stop) (n,) int64 of a per-position layout: the query at position t of a window of n positions
+        reads S of the positions start[t] <= s < stop[t] (the torch module: mhla_cli.model._heads_module)."""
+        raise NotImplementedError(f"the {self.name} layout gives no spans (a per-position layout does)")
 
     # ------------------------------------------------------------------ counts and sizing
     def count(self, n_sequences: int, n_tokens: int) -> int:
@@ -154,15 +178,44 @@ class Samples:
         out: dict[str, Any] = {"per_position": int(self.per_position)}
         if self.attention is not None:
             out["attention"] = self.attention
+        out.update({ATTRS_PREFIX + k: v for k, v in self.params().items()})
         return out
 
 
+@dataclass(frozen=True)
+class ReadSpec:
+    """How a tokens file's samples are read: the layout (None: as the file's attributes say, `from_attrs`), the
+    normalisation of S (`NORMALIZE`) and the bias terms (mhla_cli.bias_terms)."""
+
+    layout: Samples | None = None
+    normalize: str = "none"
+    bias_terms: bool = False
+
+    def __post_init__(self) -> None:
+        if self.normalize not in NORMALIZE:
+            raise InputError(f"normalize is {self.normalize!r}, expected {' or '.join(NORMALIZE)}")
+        object.__setattr__(self, "bias_terms", bool(self.bias_terms))
+
+    @classmethod
+    def of(cls, attention: str | Samples | None = None, normalize: str = "none", bias_terms: bool = False,
+           per_position: bool = True) -> ReadSpec:
+        """The spec of the keyword arguments of the public functions (`attention` a name, a layout or None)."""
+        return cls(None if attention is None else samples_of(per_position, attention), normalize, bias_terms)
+
+    @property
+    def attention(self) -> str | None:
+        """The layout's `attention` (None: as the file says)."""
+        return None if self.layout is None else self.layout.attention
+
+
+@dataclass(frozen=True)
 class _Last(Samples):
     """One sample per sequence: its Gram and its last token."""
 
     name = "last"
     per_position = False
     words = "last-token samples (one per sequence)"
+    scored_words = "the last tokens"
 
     def queries(self, X: np.ndarray, offsets: np.ndarray, normalize: str = "none") -> Queries:
         upper, last = _windows(X, offsets, normalize)
@@ -174,12 +227,16 @@ class _Last(Samples):
         return c, np.asarray(offsets[1:]) - 1, weights
 
 
+@dataclass(frozen=True)
 class _Causal(Samples):
     """One sample per position: the prefix X[:t] (a decoder's causal attention)."""
 
     name = "causal"
-    attention = "causal"
     words = "causal prefixes (one sample per position t, S of the tokens up to t)"
+    scored_words = "every prefix of each window"
+
+    def spans(self, n: int) -> tuple[np.ndarray, np.ndarray]:
+        return np.zeros(n, dtype=np.int64), np.arange(1, n + 1, dtype=np.int64)
 
     def rows_per_sequence(self, mean_len: float) -> float:
         return max(1.0, float(mean_len))
@@ -201,14 +258,18 @@ class _Causal(Samples):
         return tail - ends[seq], None, weights
 
 
+@dataclass(frozen=True)
 class _Bidirectional(Samples):
     """One sample per position, every one reading the whole window's S (an encoder's attention)."""
 
     name = "bidirectional"
-    attention = "bidirectional"
     window_rows = True
     predicts_every_position = True
     words = "every position of the whole window (bidirectional: one sample per position t, S of all the window's tokens)"
+    scored_words = "every position of each window"
+
+    def spans(self, n: int) -> tuple[np.ndarray, np.ndarray]:
+        return np.zeros(n, dtype=np.int64), np.full(n, n, dtype=np.int64)
 
     def queries(self, X: np.ndarray, offsets: np.ndarray, normalize: str = "none") -> Queries:
         upper, _ = _windows(X, offsets, normalize)
@@ -270,50 +331,102 @@ def _upper(S: np.ndarray) -> np.ndarray:
     return np.take(S.reshape(B, d * d), j * d + k, axis=1)
 
 
-LAST: Samples = _Last()
-CAUSAL: Samples = _Causal()
-BIDIRECTIONAL: Samples = _Bidirectional()
+_CLASSES: dict[str, type[Samples]] = {}  # the registry: a layout's name -> its class
+_INTERNED: dict[Samples, Samples] = {}  # one instance per value
+_S = TypeVar("_S", bound=type[Samples])
+
+
+def register(cls: _S) -> _S:
+    """Register a layout class under its `name` (a new name; the same class again is a no-op); returns it."""
+    if not (isinstance(cls, type) and issubclass(cls, Samples) and dataclasses.is_dataclass(cls) and cls.name):
+        raise TypeError(f"a layout is a dataclass subclass of Samples with a name, got {cls!r}")
+    if _CLASSES.setdefault(cls.name, cls) is not cls:
+        raise ValueError(f"a layout named {cls.name!r} is registered already")
+    return cls
+
+
+def _interned(cls: type[Samples], params: dict[str, Any]) -> Samples:
+    """The one instance of the layout `cls(**params)`."""
+    layout = cls(**params)
+    return _INTERNED.setdefault(layout, layout)
+
+
+def attentions() -> tuple[str, ...]:
+    """The registered per-position layouts' names: the values of `--attention` and the files' `attention`."""
+    return tuple(c.name for c in _CLASSES.values() if c.per_position)
+
+
+for _cls in (_Last, _Causal, _Bidirectional):
+    register(_cls)
+LAST: Samples = _interned(_Last, {})
+CAUSAL: Samples = _interned(_Causal, {})
+BIDIRECTIONAL: Samples = _interned(_Bidirectional, {})
+# the built-in layouts by name (a registered class with parameters is made by `named(name, **params)`)
 LAYOUTS: dict[str, Samples] = {s.name: s for s in (LAST, CAUSAL, BIDIRECTIONAL)}
-# The values of `--attention` / the files' `attention` attribute: how per-position samples are read.
-ATTENTIONS = tuple(s.attention for s in LAYOUTS.values() if s.attention is not None)
 
 
-def named(name: str) -> Samples:
-    """The layout of a name ("last", "causal", "bidirectional")."""
+def named(name: str, **params: Any) -> Samples:
+    """The layout of a registered name (and its parameters, if it has any)."""
     try:
-        return LAYOUTS[name]
+        cls = _CLASSES[name]
     except KeyError:
-        raise InputError(f"unknown sample layout {name!r}, expected one of {', '.join(LAYOUTS)}") from None
+        raise InputError(f"unknown sample layout {name!r}, expected one of {', '.join(_CLASSES)}") from None
+    try:
+        return _interned(cls, params)
+    except TypeError as e:
+        raise InputError(f"the sample layout {name!r} takes the parameters "
+                         f"{', '.join(f.name for f in dataclasses.fields(cls)) or 'none'}: {e}") from None
 
 
-def check_attention(attention: str | None, what: str = "attention", path: Any = None) -> str | None:
-    """A valid `attention` value (`ATTENTIONS`: "causal", "bidirectional") or None; `what` and `path` name it in
+def check_attention(attention: str | Samples | None, what: str = "attention", path: Any = None) -> str | None:
+    """A valid `attention` value (`attentions()`, or a per-position layout's) or None; `what` and `path` name it in
     the InputError."""
-    if attention is not None and attention not in ATTENTIONS:
-        raise InputError(f"{what} is {attention!r}, expected {' or '.join(ATTENTIONS)}", path)
+    if isinstance(attention, Samples):
+        attention = attention.attention
+        if attention is None:
+            raise InputError(f"{what}: the {LAST.name} layout is not a per-position attention", path)
+    if attention is not None and attention not in attentions():
+        raise InputError(f"{what} is {attention!r}, expected {' or '.join(attentions())}", path)
     return attention
 
 
-def samples_of(per_position: bool, attention: str | None = None) -> Samples:
+def samples_of(per_position: bool, attention: str | Samples | None = None) -> Samples:
     """The layout of data with per-position targets or not, read with `attention` (None: causal)."""
     if not per_position:
-        if attention not in (None, CAUSAL.attention):
-            raise InputError(f"attention {attention!r} applies to per-position samples (targets at every "
-                             "position: per_position=True)")
+        if attention not in (None, CAUSAL.attention, CAUSAL, LAST):
+            raise InputError(f"attention {getattr(attention, 'attention', attention)!r} applies to per-position "
+                             "samples (targets at every position: per_position=True)")
         return LAST
-    return LAYOUTS[check_attention(attention) or CAUSAL.name]
+    if isinstance(attention, Samples):
+        check_attention(attention)
+        return _INTERNED.setdefault(attention, attention)
+    return named(check_attention(attention) or CAUSAL.name)
 
 
 def from_attrs(attrs: Any, path: Any = None) -> Samples:
-    """The layout recorded in a file's attributes (`Samples.attrs`): `per_position` (0/1) and `attention`;
-    files without `attention` are causal when per-position (before bidirectional data existed)."""
+    """The layout recorded in a file's attributes (`Samples.attrs`): `per_position` (0/1), `attention` and the
+    layout's parameters; files without `attention` are causal when per-position (before bidirectional data existed)."""
     per_position = bool(int(attrs.get("per_position", 0)))
-    attention = attrs.get("attention")
-    if isinstance(attention, bytes):
-        attention = attention.decode()
-    if attention is not None:
-        attention = check_attention(str(attention), "attribute 'attention'", path)
-        if not per_position:
-            raise InputError(f"attribute 'attention' is {attention!r} but 'per_position' is 0: attention applies "
-                             "to per-position samples only; the file is inconsistent", path)
-    return samples_of(per_position, attention)
+    attention = _text(attrs.get("attention"))
+    if attention is None:
+        return samples_of(per_position)
+    attention = check_attention(attention, "attribute 'attention'", path)
+    if not per_position:
+        raise InputError(f"attribute 'attention' is {attention!r} but 'per_position' is 0: attention applies "
+                         "to per-position samples only; the file is inconsistent", path)
+    cls = _CLASSES[str(attention)]
+    params = {}
+    for f in dataclasses.fields(cls):
+        key = ATTRS_PREFIX + f.name
+        if key not in attrs:
+            raise InputError(f"the {attention} layout needs the attribute {key!r}; the file has none", path)
+        v = attrs[key]
+        params[f.name] = _text(v.item() if hasattr(v, "item") else v)
+    try:
+        return _interned(cls, params)
+    except (TypeError, ValueError) as e:
+        raise InputError(f"the attributes of the {attention} layout are invalid: {e}", path) from None
+
+
+def _text(v: Any) -> Any:
+    return v.decode() if isinstance(v, bytes) else v
