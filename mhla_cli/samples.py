@@ -38,7 +38,7 @@ from .feature_map import pair_index
 from .kernels import position_numbers, prefix_moments, sequence_moments, window_products
 
 __all__ = ["BIDIRECTIONAL", "CAUSAL", "LAST", "LAYOUTS", "NORMALIZE", "Queries", "ReadSpec", "Rows", "Samples",
-           "attentions", "check_attention", "from_attrs", "named", "register", "samples_of"]
+           "attentions", "check_attention", "fitted_layout", "from_attrs", "layout_class", "layout_info", "named", "register", "samples_of"]
 
 # The values of `normalize`: S as summed, or divided by the tokens it sums (`Samples.lengths`).
 NORMALIZE = ("none", "length")
@@ -180,6 +180,11 @@ class Samples:
             out["attention"] = self.attention
         out.update({ATTRS_PREFIX + k: v for k, v in self.params().items()})
         return out
+
+    def fit_attrs(self) -> dict[str, Any]:
+        """The attributes that record the layout a model or heads were fitted on (`attrs` less per_position;
+        {} for LAST): read back by `fitted_layout`."""
+        return {k: v for k, v in self.attrs().items() if k != "per_position"}
 
 
 @dataclass(frozen=True)
@@ -351,6 +356,14 @@ def _interned(cls: type[Samples], params: dict[str, Any]) -> Samples:
     return _INTERNED.setdefault(layout, layout)
 
 
+def layout_class(name: str) -> type[Samples]:
+    """The registered layout class of a name (`register`)."""
+    try:
+        return _CLASSES[name]
+    except KeyError:
+        raise InputError(f"unknown sample layout {name!r}, expected one of {', '.join(_CLASSES)}") from None
+
+
 def attentions() -> tuple[str, ...]:
     """The registered per-position layouts' names: the values of `--attention` and the files' `attention`."""
     return tuple(c.name for c in _CLASSES.values() if c.per_position)
@@ -367,10 +380,7 @@ LAYOUTS: dict[str, Samples] = {s.name: s for s in (LAST, CAUSAL, BIDIRECTIONAL)}
 
 def named(name: str, **params: Any) -> Samples:
     """The layout of a registered name (and its parameters, if it has any)."""
-    try:
-        cls = _CLASSES[name]
-    except KeyError:
-        raise InputError(f"unknown sample layout {name!r}, expected one of {', '.join(_CLASSES)}") from None
+    cls = layout_class(name)
     try:
         return _interned(cls, params)
     except TypeError as e:
@@ -426,6 +436,18 @@ def from_attrs(attrs: Any, path: Any = None) -> Samples:
         return _interned(cls, params)
     except (TypeError, ValueError) as e:
         raise InputError(f"the attributes of the {attention} layout are invalid: {e}", path) from None
+
+
+def layout_info(info: Any) -> dict[str, Any]:
+    """The entries of a model's or heads' info (or a file's attributes) that record a fitted layout (`fit_attrs`)."""
+    return {k: _text(v) for k, v in info.items() if k == "attention" or str(k).startswith(ATTRS_PREFIX)}
+
+
+def fitted_layout(info: Any, path: Any = None) -> Samples:
+    """The layout a model or heads were fitted on, as their info records it (`fit_attrs`; LAST without it)."""
+    if info.get("attention") is None:
+        return LAST
+    return from_attrs({**layout_info(info), "per_position": 1}, path)
 
 
 def _text(v: Any) -> Any:

@@ -28,6 +28,7 @@ from ..bias_terms import token_mean
 from ..model.heads import Heads
 from ..statistics.basis import feature_scale
 from ..model.model import Model, affine_of
+from ..samples import layout_info
 from ..statistics.folds import load_folds
 from ..statistics.stream import Features, check_solve_memory, data_kind
 from ..statistics.tiled_gram import TiledStatistics
@@ -157,8 +158,7 @@ def fit(feats: Features | Any, ridge: float | str = 0.0, heads: int | str | None
         model = lowrank.fit_model(feats, heads=heads, nuclear=nuclear, weight_decay=weight_decay,
                                   restarts=restarts, seed=seed, folds=folds)
     model.info["normalize"] = feats.normalize
-    if feats.samples.attention is not None:  # per-position samples: how they read the window
-        model.info["attention"] = feats.samples.attention
+    model.info.update(feats.samples.fit_attrs())  # per-position samples: how they read the window
     if feats.source is not None:  # the data's identity (with their reduction's maps: export-heads --unreduce)
         model.info["data_source"] = dict(feats.source)
     model.info["train_r2"] = scores.train_r2(feats, model.info["train_mse"])
@@ -177,9 +177,9 @@ def score_on_data(model: Model, data: str | os.PathLike, chunk_size: int | None 
     underflow float64 (scores.targets_underflow); {"train_r2", "train_mse", "train_scored_on": "data"}, or {} when
     the pass scores nothing (no targets). The samples scored are those of the fit (its layout, weights)."""
     from ..model.forward import fitted_samples, predict_file
-    from ..samples import CAUSAL
 
-    res = predict_file(model, data, chunk_size=chunk_size, causal=fitted_samples(model) is CAUSAL,
+    fitted = fitted_samples(model)
+    res = predict_file(model, data, chunk_size=chunk_size, layout=fitted if fitted.per_position else None,
                        affine_from=affine_from)
     if res.n_scored is None or res.mse is None:
         return {}
@@ -285,6 +285,5 @@ def export_heads(model: Model, tol: float = 1e-12, max_heads: int | str | None =
     if affine is not None:  # the token-wise affine map of the wide tokens beside them (solve.affine_block)
         heads.affine_weight, heads.affine_bias = np.ascontiguousarray(affine[:, :-1]), np.array(affine[:, -1])
     heads.info["normalize"] = model.info.get("normalize", "none")
-    if model.info.get("attention") is not None:
-        heads.info["attention"] = model.info["attention"]
+    heads.info.update(layout_info(model.info))
     return heads

@@ -133,13 +133,13 @@ def layout_name(value: str | None) -> str | None:
     return value
 
 
-def _complete_layout(ctx: Any, param: Any, incomplete: str) -> list[str]:
+def _complete_layout(incomplete: str) -> list[str]:
     return [a for a in attentions() if a.startswith(incomplete)]
 
 
 # the keywords of an --attention option (the layout's name)
 LAYOUT_OPTION: dict[str, Any] = {"parser": layout_name, "metavar": "[" + "|".join(attentions()) + "]",
-                                 "shell_complete": _complete_layout}
+                                 "autocompletion": _complete_layout}
 
 
 AttentionOpt = Annotated[str | None, typer.Option(
