@@ -37,7 +37,7 @@ from .errors import InputError
 from .feature_map import pair_index
 from .kernels import position_numbers, prefix_moments, sequence_moments, window_products
 
-__all__ = ["BIDIRECTIONAL", "CAUSAL", "LAST", "LAYOUTS", "NORMALIZE", "Queries", "ReadSpec", "Rows", "Samples",
+__all__ = ["BIDIRECTIONAL", "CAUSAL", "LAST", "LAYOUTS", "NORMALIZE", "Queries", "ReadSpec", "Rows", "Samples", "SpanSamples",
            "attentions", "check_attention", "fitted_layout", "from_attrs", "layout_class", "layout_info", "named", "register", "samples_of"]
 
 # The values of `normalize`: S as summed, or divided by the tokens it sums (`Samples.lengths`).
@@ -104,6 +104,10 @@ class Samples:
     predicts_every_position: ClassVar[bool] = False
     words: ClassVar[str] = ""  # what the samples are, in a user's words
     scored_words: ClassVar[str] = ""  # what `predict` scores in this layout, in a user's words
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        cls.__repr__ = Samples.__repr__  # type: ignore[method-assign]  # kept by @dataclass (it is in the class)
 
     def __repr__(self) -> str:
         params = ", ".join(f"{k}={v!r}" for k, v in self.params().items())
@@ -185,6 +189,55 @@ class Samples:
         """The attributes that record the layout a model or heads were fitted on (`attrs` less per_position;
         {} for LAST): read back by `fitted_layout`."""
         return {k: v for k, v in self.attrs().items() if k != "per_position"}
+
+
+@dataclass(frozen=True)
+class SpanSamples(Samples):
+    """A per-position layout whose query at position t reads S of a contiguous span of its window (`spans`): the
+    rest (its (S, x) pairs, token weights, divisors) follows here, S from each window's prefix sums of x x^T (the
+    error of an entry is eps times the window's prefix sums, not its span's). A subclass gives `spans` (and may
+    give faster kernels, as CAUSAL does)."""
+
+    def rows_per_sequence(self, mean_len: float) -> float:
+        return max(1.0, float(mean_len))
+
+    def _bounds(self, offsets: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(start, stop) (T,): every sample's span as rows of the chunk."""
+        offsets = np.asarray(offsets, dtype=np.int64)
+        start, stop = np.empty(int(offsets[-1]), np.int64), np.empty(int(offsets[-1]), np.int64)
+        for a, b in zip(offsets[:-1].tolist(), offsets[1:].tolist()):
+            s, e = self.spans(b - a)
+            if not (np.all(0 <= s) and np.all(s < e) and np.all(e <= b - a)):
+                raise ValueError(f"the {self.name} layout's spans of {b - a} positions are not within them")
+            start[a:b], stop[a:b] = a + s, a + e
+        return start, stop
+
+    def lengths(self, offsets: np.ndarray) -> np.ndarray:
+        start, stop = self._bounds(offsets)
+        return (stop - start).astype(np.float64)
+
+    def queries(self, X: np.ndarray, offsets: np.ndarray, normalize: str = "none") -> Queries:
+        X = np.asarray(X, dtype=np.float64)
+        offsets = np.asarray(offsets, dtype=np.int64)
+        start, stop = self._bounds(offsets)
+        U = _upper(X[:, :, None] * X[:, None, :])
+        upper = np.empty_like(U)
+        for a, b in zip(offsets[:-1].tolist(), offsets[1:].tolist()):  # each window's prefix sums
+            C = np.concatenate([np.zeros((1, U.shape[1])), np.cumsum(U[a:b], axis=0)])
+            upper[a:b] = C[stop[a:b] - a] - C[start[a:b] - a]
+        if normalize == "length":
+            upper /= (stop - start).astype(np.float64)[:, None]
+        return Queries(upper, X)
+
+    def token_weights(self, offsets: np.ndarray, weights: np.ndarray | None
+                      ) -> tuple[np.ndarray | None, np.ndarray | None, np.ndarray | None]:
+        # c_s = the weights of the samples whose span holds token s: a difference array over the spans
+        start, stop = self._bounds(offsets)
+        w = np.ones(start.size) if weights is None else np.asarray(weights, dtype=np.float64)
+        D = np.zeros(start.size + 1)
+        np.add.at(D, start, w)
+        np.add.at(D, stop, -w)
+        return np.cumsum(D)[:-1], None, weights
 
 
 @dataclass(frozen=True)
