@@ -37,8 +37,9 @@ from .errors import InputError
 from .feature_map import pair_index
 from .kernels import position_numbers, prefix_moments, sequence_moments, window_products
 
-__all__ = ["BIDIRECTIONAL", "CAUSAL", "LAST", "LAYOUTS", "NORMALIZE", "Queries", "ReadSpec", "Rows", "Samples", "SpanSamples",
-           "attentions", "check_attention", "fitted_layout", "from_attrs", "layout_class", "layout_info", "named", "register", "samples_of"]
+__all__ = ["BIDIRECTIONAL", "CAUSAL", "LAST", "LAYOUTS", "NORMALIZE", "Queries", "ReadSpec", "Rows", "Samples",
+           "SpanSamples", "attentions", "check_attention", "fitted_layout", "from_attrs", "layout_class",
+           "layout_info", "named", "register", "samples_of"]
 
 # The values of `normalize`: S as summed, or divided by the tokens it sums (`Samples.lengths`).
 NORMALIZE = ("none", "length")
