@@ -34,15 +34,13 @@ from typing import Any, ClassVar, TypeVar
 import numpy as np
 
 from .errors import InputError
-from .feature_map import pair_index
+from .feature_map import check_normalize, pair_index
 from .kernels import position_numbers, prefix_moments, sequence_moments, window_products
 
-__all__ = ["BIDIRECTIONAL", "CAUSAL", "LAST", "LAYOUTS", "NORMALIZE", "Queries", "ReadSpec", "Rows", "Samples",
+__all__ = ["BIDIRECTIONAL", "CAUSAL", "LAST", "LAYOUTS", "Queries", "ReadSpec", "Rows", "Samples",
            "SpanSamples", "attentions", "check_attention", "fitted_layout", "from_attrs", "layout_class",
            "layout_info", "named", "register", "samples_of"]
 
-# The values of `normalize`: S as summed, or divided by the tokens it sums (`Samples.lengths`).
-NORMALIZE = ("none", "length")
 # A layout's parameter p is the file attribute ATTRS_PREFIX + p (`Samples.attrs`).
 ATTRS_PREFIX = "attention_"
 
@@ -243,28 +241,26 @@ class SpanSamples(Samples):
 
 @dataclass(frozen=True)
 class ReadSpec:
-    """How a tokens file's samples are read: the layout (None: as the file's attributes say, `from_attrs`), the
-    normalisation of S (`NORMALIZE`) and the bias terms (mhla_cli.bias_terms)."""
+    """How a tokens file's samples are read, one value from the options to the accumulation: the per-position
+    layout (a layout, or a registered name whose parameters the file's attributes give; None: as the file's
+    attributes say, `from_attrs`), the normalisation of S (mhla_cli.feature_map.NORMALIZATIONS; None: as the data say, "none" for a
+    tokens file) and the bias terms (mhla_cli.bias_terms)."""
 
-    layout: Samples | None = None
-    normalize: str = "none"
+    layout: Samples | str | None = None
+    normalize: str | None = "none"
     bias_terms: bool = False
 
     def __post_init__(self) -> None:
-        if self.normalize not in NORMALIZE:
-            raise InputError(f"normalize is {self.normalize!r}, expected {' or '.join(NORMALIZE)}")
+        if self.normalize is not None:
+            check_normalize(self.normalize)
+        if not (isinstance(self.layout, Samples) and not self.layout.per_position):  # LAST: last-token data
+            check_attention(self.layout)
         object.__setattr__(self, "bias_terms", bool(self.bias_terms))
-
-    @classmethod
-    def of(cls, attention: str | Samples | None = None, normalize: str = "none", bias_terms: bool = False,
-           per_position: bool = True) -> ReadSpec:
-        """The spec of the keyword arguments of the public functions (`attention` a name, a layout or None)."""
-        return cls(None if attention is None else samples_of(per_position, attention), normalize, bias_terms)
 
     @property
     def attention(self) -> str | None:
-        """The layout's `attention` (None: as the file says)."""
-        return None if self.layout is None else self.layout.attention
+        """The per-position layout's name, the `attention` asked (None: as the file says, or LAST)."""
+        return self.layout.attention if isinstance(self.layout, Samples) else self.layout
 
 
 @dataclass(frozen=True)

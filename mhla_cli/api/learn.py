@@ -28,7 +28,7 @@ from ..bias_terms import token_mean
 from ..model.heads import Heads
 from ..statistics.basis import feature_scale
 from ..model.model import Model, affine_of
-from ..samples import layout_info
+from ..samples import ReadSpec, layout_info
 from ..statistics.folds import load_folds
 from ..statistics.stream import Features, check_solve_memory, data_kind
 from ..statistics.tiled_gram import TiledStatistics
@@ -97,8 +97,8 @@ def check_fit_file(data: str | os.PathLike, ridge: float | str = 0.0, heads: int
     check_fit_options(ridge, heads, nuclear)
     # 'auto': the folds' eigendecompositions need about a ridge solve's memory
     check_solve_memory(data, "fit", ridge=1.0 if ridge == "auto" else ridge,
-                       lowrank=heads is not None or nuclear is not None, chunk_size=chunk_size, attention=attention,
-                       bias_terms=bias_terms)
+                       lowrank=heads is not None or nuclear is not None, chunk_size=chunk_size,
+                       read=ReadSpec(attention, normalize, bias_terms))
     if needs_folds(ridge, heads, nuclear):
         # a Zarr store holds no per-fold statistics (featurize --folds writes an HDF5 features file)
         if data_kind(data) == "features" and (is_store(data) or load_folds(data) is None):

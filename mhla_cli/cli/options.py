@@ -13,7 +13,6 @@ import math
 import typer
 
 from ..errors import InputError
-from ..samples import attentions
 
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print one JSON object on stdout.")]
 
@@ -127,18 +126,23 @@ def data_location(path: Path) -> str:
 
 def layout_name(value: str | None) -> str | None:
     """The value of --attention: a registered per-position layout's name (mhla_cli.samples.attentions, read when
-    the option is parsed: a layout registered after this import is a choice too)."""
+    the option is parsed: a layout registered after this import is a choice too; the import of the layouts, and
+    so of NumPy, waits until then: `--help` needs none)."""
+    from ..samples import attentions
+
     if value is not None and value not in attentions():
         raise typer.BadParameter(f"{value!r} is not one of {', '.join(repr(a) for a in attentions())}.")
     return value
 
 
 def _complete_layout(incomplete: str) -> list[str]:
+    from ..samples import attentions
+
     return [a for a in attentions() if a.startswith(incomplete)]
 
 
 # the keywords of an --attention option (the layout's name)
-LAYOUT_OPTION: dict[str, Any] = {"parser": layout_name, "metavar": "[" + "|".join(attentions()) + "]",
+LAYOUT_OPTION: dict[str, Any] = {"parser": layout_name, "metavar": "LAYOUT",
                                  "autocompletion": _complete_layout}
 
 

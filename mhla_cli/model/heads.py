@@ -374,6 +374,8 @@ class Heads(HeadShapes):
         `module(X)` for X (B, n, d) or (n, d): last-token outputs (B, d_out) (or (d_out,));
         `module(X, all_positions=True)`: sum_h V_h S Q_h x_t at every position (B, n, d_out);
         `module(X, causal=True)`: the last-token output of every prefix X[:t] (B, n, d_out).
+        `module(X, layout=L)`: the output at every position in a per-position layout L (mhla_cli.samples: S_t of the
+        positions its query at t reads, `Samples.spans`) (B, n, d_out).
         S = X^T X, divided by the (prefix) length when the heads were fitted with normalize="length".
         Padded batches: `attention_mask=` (B, n) of 0/1 (left, right or any padding) or `lengths=` (B,) (the first
         lengths[b] positions, right padding): a masked position is neither a token of S nor counted in the length;
