@@ -12,19 +12,26 @@ import pickle
 from dataclasses import dataclass
 from pathlib import Path
 
+import _reference as ref
 import h5py
 import numpy as np
 import pytest
-
-import _reference as ref
 from conftest import relerr
+
 from mhla_cli import fit as learn_fit
 from mhla_cli.cli import run
 from mhla_cli.errors import InputError
 from mhla_cli.model import synthetic
 from mhla_cli.model.forward import forward_heads, predict_file, predict_samples
 from mhla_cli.model.model import Model
-from mhla_cli.samples import LAYOUTS, SpanSamples, attentions, from_attrs, named, register
+from mhla_cli.samples import (
+    LAYOUTS,
+    SpanSamples,
+    attentions,
+    from_attrs,
+    named,
+    register,
+)
 from mhla_cli.solve.certificate import certify
 from mhla_cli.statistics.stream import featurize
 
