@@ -17,26 +17,32 @@ K = U^T V, mhla_cli.linalg.symgram), the weight each token carries in the token 
 `per_position` and `attention` (`attrs`, `from_attrs`); the reader, the accumulator, the forward
 pass, the files and the estimator ask the layout and pass it on.
 
-A new layout is one subclass here with its instance in `LAYOUTS` (a per-position layout's `attention`, the
-files' attribute and the `--attention` value, is its name: add it to the option's choices in
-mhla_cli/cli/options.py), its reference in tests (tests/_reference.py, tests/test_samples.py) and its row in
-docs/formats.md.
+A layout is a frozen dataclass: layouts compare and pickle by value, and its fields are its parameters (a
+sliding window's width), recorded in the files beside its name (`attrs`, `from_attrs`). A new layout is one
+subclass, here or anywhere, registered with `register` (a per-position layout's name is its `attention`: the
+files' attribute and the `--attention` value, whose choices are the registered names); the built-in ones
+have their references in tests (tests/_reference.py, tests/test_samples.py) and their rows in docs/formats.md.
+A `ReadSpec` is how a tokens file is read: the layout, the normalisation of S and the bias terms, one value.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any, ClassVar, TypeVar
 
 import numpy as np
 
 from .errors import InputError
-from .feature_map import pair_index
+from .feature_map import check_normalize, pair_index
 from .kernels import position_numbers, prefix_moments, sequence_moments, window_products
 
-__all__ = ["ATTENTIONS", "BIDIRECTIONAL", "CAUSAL", "LAST", "LAYOUTS", "Queries", "Rows", "Samples",
-           "check_attention", "from_attrs", "named", "samples_of"]
+__all__ = ["BIDIRECTIONAL", "CAUSAL", "LAST", "LAYOUTS", "Queries", "ReadSpec", "Rows", "Samples",
+           "SpanSamples", "attentions", "check_attention", "fitted_layout", "from_attrs", "layout_class",
+           "layout_info", "named", "register", "samples_of"]
 
+# A layout's parameter p is the file attribute ATTRS_PREFIX + p (`Samples.attrs`).
+ATTRS_PREFIX = "attention_"
 
 
 @dataclass
@@ -82,11 +88,12 @@ class Rows:
         return int(self.upper.shape[0])
 
 
+@dataclass(frozen=True)
 class Samples:
-    """A sample layout (module docstring). Instances are the singletons of `LAYOUTS`: compare with `is`."""
+    """A sample layout (module docstring): a frozen dataclass whose fields are its parameters; layouts compare,
+    hash and pickle by value (and `named`, `from_attrs` and unpickling give one instance per value)."""
 
     name: ClassVar[str] = ""
-    attention: ClassVar[str | None] = None  # the `attention` attribute of per-position files
     per_position: ClassVar[bool] = True  # targets and weights are stored per position
     # a Gram row is a whole window and its token factor a second moment (Rows.xx): the accumulation
     # accumulates the Gram as its distinct entries K = U^T V whatever d (a syrk needs rank-one rows)
@@ -95,12 +102,32 @@ class Samples:
     # without being asked (CAUSAL: only with --causal)
     predicts_every_position: ClassVar[bool] = False
     words: ClassVar[str] = ""  # what the samples are, in a user's words
+    scored_words: ClassVar[str] = ""  # what `predict` scores in this layout, in a user's words
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        cls.__repr__ = Samples.__repr__  # type: ignore[method-assign]  # kept by @dataclass (it is in the class)
 
     def __repr__(self) -> str:
-        return f"<samples {self.name}>"
+        params = ", ".join(f"{k}={v!r}" for k, v in self.params().items())
+        return f"<samples {self.name}{' ' + params if params else ''}>"
 
-    def __reduce__(self) -> tuple[Any, tuple[str]]:  # the same singleton in another process
-        return named, (self.name,)
+    def __reduce__(self) -> tuple[Any, tuple[Any, dict[str, Any]]]:  # by value: the class and its parameters
+        return _interned, (type(self), self.params())
+
+    @property
+    def attention(self) -> str | None:
+        """The `attention` attribute of per-position files and the `--attention` value: the name (None: LAST)."""
+        return self.name if self.per_position else None
+
+    def params(self) -> dict[str, Any]:
+        """The layout's parameters (its dataclass fields), by name."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+
+    def spans(self, n: int) -> tuple[np.ndarray, np.ndarray]:
+        """(start, stop) (n,) int64 of a per-position layout: the query at position t of a window of n positions
+        reads S of the positions start[t] <= s < stop[t] (the torch module: mhla_cli.model._heads_module)."""
+        raise NotImplementedError(f"the {self.name} layout gives no spans (a per-position layout does)")
 
     # ------------------------------------------------------------------ counts and sizing
     def count(self, n_sequences: int, n_tokens: int) -> int:
@@ -154,15 +181,96 @@ class Samples:
         out: dict[str, Any] = {"per_position": int(self.per_position)}
         if self.attention is not None:
             out["attention"] = self.attention
+        out.update({ATTRS_PREFIX + k: v for k, v in self.params().items()})
         return out
 
+    def fit_attrs(self) -> dict[str, Any]:
+        """The attributes that record the layout a model or heads were fitted on (`attrs` less per_position;
+        {} for LAST): read back by `fitted_layout`."""
+        return {k: v for k, v in self.attrs().items() if k != "per_position"}
 
+
+@dataclass(frozen=True)
+class SpanSamples(Samples):
+    """A per-position layout whose query at position t reads S of a contiguous span of its window (`spans`): the
+    rest (its (S, x) pairs, token weights, divisors) follows here, S from each window's prefix sums of x x^T (the
+    error of an entry is eps times the window's prefix sums, not its span's). A subclass gives `spans` (and may
+    give faster kernels, as CAUSAL does)."""
+
+    def rows_per_sequence(self, mean_len: float) -> float:
+        return max(1.0, float(mean_len))
+
+    def _bounds(self, offsets: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(start, stop) (T,): every sample's span as rows of the chunk."""
+        offsets = np.asarray(offsets, dtype=np.int64)
+        start, stop = np.empty(int(offsets[-1]), np.int64), np.empty(int(offsets[-1]), np.int64)
+        for a, b in zip(offsets[:-1].tolist(), offsets[1:].tolist()):
+            s, e = self.spans(b - a)
+            if not (np.all(0 <= s) and np.all(s < e) and np.all(e <= b - a)):
+                raise ValueError(f"the {self.name} layout's spans of {b - a} positions are not within them")
+            start[a:b], stop[a:b] = a + s, a + e
+        return start, stop
+
+    def lengths(self, offsets: np.ndarray) -> np.ndarray:
+        start, stop = self._bounds(offsets)
+        return (stop - start).astype(np.float64)
+
+    def queries(self, X: np.ndarray, offsets: np.ndarray, normalize: str = "none") -> Queries:
+        X = np.asarray(X, dtype=np.float64)
+        offsets = np.asarray(offsets, dtype=np.int64)
+        start, stop = self._bounds(offsets)
+        U = _upper(X[:, :, None] * X[:, None, :])
+        upper = np.empty_like(U)
+        for a, b in zip(offsets[:-1].tolist(), offsets[1:].tolist()):  # each window's prefix sums
+            C = np.concatenate([np.zeros((1, U.shape[1])), np.cumsum(U[a:b], axis=0)])
+            upper[a:b] = C[stop[a:b] - a] - C[start[a:b] - a]
+        if normalize == "length":
+            upper /= (stop - start).astype(np.float64)[:, None]
+        return Queries(upper, X)
+
+    def token_weights(self, offsets: np.ndarray, weights: np.ndarray | None
+                      ) -> tuple[np.ndarray | None, np.ndarray | None, np.ndarray | None]:
+        # c_s = the weights of the samples whose span holds token s: a difference array over the spans
+        start, stop = self._bounds(offsets)
+        w = np.ones(start.size) if weights is None else np.asarray(weights, dtype=np.float64)
+        D = np.zeros(start.size + 1)
+        np.add.at(D, start, w)
+        np.add.at(D, stop, -w)
+        return np.cumsum(D)[:-1], None, weights
+
+
+@dataclass(frozen=True)
+class ReadSpec:
+    """How a tokens file's samples are read, one value from the options to the accumulation: the per-position
+    layout (a layout, or a registered name whose parameters the file's attributes give; None: as the file's
+    attributes say, `from_attrs`), the normalisation of S (mhla_cli.feature_map.NORMALIZATIONS; None: as the data say, "none" for a
+    tokens file) and the bias terms (mhla_cli.bias_terms)."""
+
+    layout: Samples | str | None = None
+    normalize: str | None = "none"
+    bias_terms: bool = False
+
+    def __post_init__(self) -> None:
+        if self.normalize is not None:
+            check_normalize(self.normalize)
+        if not (isinstance(self.layout, Samples) and not self.layout.per_position):  # LAST: last-token data
+            check_attention(self.layout)
+        object.__setattr__(self, "bias_terms", bool(self.bias_terms))
+
+    @property
+    def attention(self) -> str | None:
+        """The per-position layout's name, the `attention` asked (None: as the file says, or LAST)."""
+        return self.layout.attention if isinstance(self.layout, Samples) else self.layout
+
+
+@dataclass(frozen=True)
 class _Last(Samples):
     """One sample per sequence: its Gram and its last token."""
 
     name = "last"
     per_position = False
     words = "last-token samples (one per sequence)"
+    scored_words = "the last tokens"
 
     def queries(self, X: np.ndarray, offsets: np.ndarray, normalize: str = "none") -> Queries:
         upper, last = _windows(X, offsets, normalize)
@@ -174,12 +282,16 @@ class _Last(Samples):
         return c, np.asarray(offsets[1:]) - 1, weights
 
 
+@dataclass(frozen=True)
 class _Causal(Samples):
     """One sample per position: the prefix X[:t] (a decoder's causal attention)."""
 
     name = "causal"
-    attention = "causal"
     words = "causal prefixes (one sample per position t, S of the tokens up to t)"
+    scored_words = "every prefix of each window"
+
+    def spans(self, n: int) -> tuple[np.ndarray, np.ndarray]:
+        return np.zeros(n, dtype=np.int64), np.arange(1, n + 1, dtype=np.int64)
 
     def rows_per_sequence(self, mean_len: float) -> float:
         return max(1.0, float(mean_len))
@@ -201,14 +313,18 @@ class _Causal(Samples):
         return tail - ends[seq], None, weights
 
 
+@dataclass(frozen=True)
 class _Bidirectional(Samples):
     """One sample per position, every one reading the whole window's S (an encoder's attention)."""
 
     name = "bidirectional"
-    attention = "bidirectional"
     window_rows = True
     predicts_every_position = True
     words = "every position of the whole window (bidirectional: one sample per position t, S of all the window's tokens)"
+    scored_words = "every position of each window"
+
+    def spans(self, n: int) -> tuple[np.ndarray, np.ndarray]:
+        return np.zeros(n, dtype=np.int64), np.full(n, n, dtype=np.int64)
 
     def queries(self, X: np.ndarray, offsets: np.ndarray, normalize: str = "none") -> Queries:
         upper, _ = _windows(X, offsets, normalize)
@@ -270,50 +386,119 @@ def _upper(S: np.ndarray) -> np.ndarray:
     return np.take(S.reshape(B, d * d), j * d + k, axis=1)
 
 
-LAST: Samples = _Last()
-CAUSAL: Samples = _Causal()
-BIDIRECTIONAL: Samples = _Bidirectional()
-LAYOUTS: dict[str, Samples] = {s.name: s for s in (LAST, CAUSAL, BIDIRECTIONAL)}
-# The values of `--attention` / the files' `attention` attribute: how per-position samples are read.
-ATTENTIONS = tuple(s.attention for s in LAYOUTS.values() if s.attention is not None)
+_CLASSES: dict[str, type[Samples]] = {}  # the registry: a layout's name -> its class
+_INTERNED: dict[Samples, Samples] = {}  # one instance per value
+_S = TypeVar("_S", bound=type[Samples])
 
 
-def named(name: str) -> Samples:
-    """The layout of a name ("last", "causal", "bidirectional")."""
+def register(cls: _S) -> _S:
+    """Register a layout class under its `name` (a new name; the same class again is a no-op); returns it."""
+    if not (isinstance(cls, type) and issubclass(cls, Samples) and dataclasses.is_dataclass(cls) and cls.name):
+        raise TypeError(f"a layout is a dataclass subclass of Samples with a name, got {cls!r}")
+    if _CLASSES.setdefault(cls.name, cls) is not cls:
+        raise ValueError(f"a layout named {cls.name!r} is registered already")
+    return cls
+
+
+def _interned(cls: type[Samples], params: dict[str, Any]) -> Samples:
+    """The one instance of the layout `cls(**params)`."""
+    layout = cls(**params)
+    return _INTERNED.setdefault(layout, layout)
+
+
+def layout_class(name: str) -> type[Samples]:
+    """The registered layout class of a name (`register`)."""
     try:
-        return LAYOUTS[name]
+        return _CLASSES[name]
     except KeyError:
-        raise InputError(f"unknown sample layout {name!r}, expected one of {', '.join(LAYOUTS)}") from None
+        raise InputError(f"unknown sample layout {name!r}, expected one of {', '.join(_CLASSES)}") from None
 
 
-def check_attention(attention: str | None, what: str = "attention", path: Any = None) -> str | None:
-    """A valid `attention` value (`ATTENTIONS`: "causal", "bidirectional") or None; `what` and `path` name it in
+def attentions() -> tuple[str, ...]:
+    """The registered per-position layouts' names: the values of `--attention` and the files' `attention`."""
+    return tuple(c.name for c in _CLASSES.values() if c.per_position)
+
+
+for _cls in (_Last, _Causal, _Bidirectional):
+    register(_cls)
+LAST: Samples = _interned(_Last, {})
+CAUSAL: Samples = _interned(_Causal, {})
+BIDIRECTIONAL: Samples = _interned(_Bidirectional, {})
+# the built-in layouts by name (a registered class with parameters is made by `named(name, **params)`)
+LAYOUTS: dict[str, Samples] = {s.name: s for s in (LAST, CAUSAL, BIDIRECTIONAL)}
+
+
+def named(name: str, **params: Any) -> Samples:
+    """The layout of a registered name (and its parameters, if it has any)."""
+    cls = layout_class(name)
+    try:
+        return _interned(cls, params)
+    except TypeError as e:
+        raise InputError(f"the sample layout {name!r} takes the parameters "
+                         f"{', '.join(f.name for f in dataclasses.fields(cls)) or 'none'}: {e}") from None
+
+
+def check_attention(attention: str | Samples | None, what: str = "attention", path: Any = None) -> str | None:
+    """A valid `attention` value (`attentions()`, or a per-position layout's) or None; `what` and `path` name it in
     the InputError."""
-    if attention is not None and attention not in ATTENTIONS:
-        raise InputError(f"{what} is {attention!r}, expected {' or '.join(ATTENTIONS)}", path)
+    if isinstance(attention, Samples):
+        attention = attention.attention
+        if attention is None:
+            raise InputError(f"{what}: the {LAST.name} layout is not a per-position attention", path)
+    if attention is not None and attention not in attentions():
+        raise InputError(f"{what} is {attention!r}, expected {' or '.join(attentions())}", path)
     return attention
 
 
-def samples_of(per_position: bool, attention: str | None = None) -> Samples:
+def samples_of(per_position: bool, attention: str | Samples | None = None) -> Samples:
     """The layout of data with per-position targets or not, read with `attention` (None: causal)."""
     if not per_position:
-        if attention not in (None, CAUSAL.attention):
-            raise InputError(f"attention {attention!r} applies to per-position samples (targets at every "
-                             "position: per_position=True)")
+        if attention not in (None, CAUSAL.attention, CAUSAL, LAST):
+            raise InputError(f"attention {getattr(attention, 'attention', attention)!r} applies to per-position "
+                             "samples (targets at every position: per_position=True)")
         return LAST
-    return LAYOUTS[check_attention(attention) or CAUSAL.name]
+    if isinstance(attention, Samples):
+        check_attention(attention)
+        return _INTERNED.setdefault(attention, attention)
+    return named(check_attention(attention) or CAUSAL.name)
 
 
 def from_attrs(attrs: Any, path: Any = None) -> Samples:
-    """The layout recorded in a file's attributes (`Samples.attrs`): `per_position` (0/1) and `attention`;
-    files without `attention` are causal when per-position (the attribute is optional; causal is its default)."""
+    """The layout recorded in a file's attributes (`Samples.attrs`): `per_position` (0/1), `attention` and the
+    layout's parameters; files without `attention` are causal when per-position (the attribute is optional; causal is its default)."""
     per_position = bool(int(attrs.get("per_position", 0)))
-    attention = attrs.get("attention")
-    if isinstance(attention, bytes):
-        attention = attention.decode()
-    if attention is not None:
-        attention = check_attention(str(attention), "attribute 'attention'", path)
-        if not per_position:
-            raise InputError(f"attribute 'attention' is {attention!r} but 'per_position' is 0: attention applies "
-                             "to per-position samples only; the file is inconsistent", path)
-    return samples_of(per_position, attention)
+    attention = _text(attrs.get("attention"))
+    if attention is None:
+        return samples_of(per_position)
+    attention = check_attention(attention, "attribute 'attention'", path)
+    if not per_position:
+        raise InputError(f"attribute 'attention' is {attention!r} but 'per_position' is 0: attention applies "
+                         "to per-position samples only; the file is inconsistent", path)
+    cls = _CLASSES[str(attention)]
+    params = {}
+    for f in dataclasses.fields(cls):
+        key = ATTRS_PREFIX + f.name
+        if key not in attrs:
+            raise InputError(f"the {attention} layout needs the attribute {key!r}; the file has none", path)
+        v = attrs[key]
+        params[f.name] = _text(v.item() if hasattr(v, "item") else v)
+    try:
+        return _interned(cls, params)
+    except (TypeError, ValueError) as e:
+        raise InputError(f"the attributes of the {attention} layout are invalid: {e}", path) from None
+
+
+def layout_info(info: Any) -> dict[str, Any]:
+    """The entries of a model's or heads' info (or a file's attributes) that record a fitted layout (`fit_attrs`)."""
+    return {k: _text(v) for k, v in info.items() if k == "attention" or str(k).startswith(ATTRS_PREFIX)}
+
+
+def fitted_layout(info: Any, path: Any = None) -> Samples:
+    """The layout a model or heads were fitted on, as their info records it (`fit_attrs`; LAST without it)."""
+    if info.get("attention") is None:
+        return LAST
+    return from_attrs({**layout_info(info), "per_position": 1}, path)
+
+
+def _text(v: Any) -> Any:
+    return v.decode() if isinstance(v, bytes) else v

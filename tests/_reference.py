@@ -30,14 +30,19 @@ def canonical_features(X: np.ndarray, normalize: str = "none") -> np.ndarray:
 
 
 def samples(tokens: np.ndarray, offsets: np.ndarray, per_position: bool = False,
-            weights: np.ndarray | None = None, attention: str = "causal") -> list[tuple[np.ndarray, float, int]]:
+            weights: np.ndarray | None = None, attention: str = "causal", width: int | None = None
+            ) -> list[tuple[np.ndarray, float, int]]:
     """Every sample as (its tokens X, its weight, its row in the targets). The features of a sample read
     S = X^T X and the query X[-1]: a causal sample is the prefix X[:t]; a bidirectional one is the whole
-    window with position t moved last (S is a sum over the rows, so it is the window's)."""
+    window with position t moved last (S is a sum over the rows, so it is the window's); with `width` (any
+    other attention: a sliding window, tests/test_toy_layout.py) the tokens X[t-width+1..t] of its window."""
     out = []
     row = 0
     for i, (a, b) in enumerate(zip(offsets[:-1], offsets[1:])):
-        if per_position and attention == "bidirectional":
+        if per_position and width is not None:
+            for t in range(a, b):
+                out.append((tokens[max(a, t - width + 1):t + 1], 1.0 if weights is None else float(weights[t]), t))
+        elif per_position and attention == "bidirectional":
             for t in range(a, b):
                 X = np.concatenate([tokens[a:t], tokens[t + 1:b], tokens[t:t + 1]])
                 out.append((X, 1.0 if weights is None else float(weights[t]), t))
@@ -58,14 +63,15 @@ def inv_sqrt(G: np.ndarray) -> np.ndarray:
 
 def canonical(tokens: np.ndarray, offsets: np.ndarray, targets: np.ndarray | None = None,
               per_position: bool = False, weights: np.ndarray | None = None,
-              normalize: str = "none", A: np.ndarray | None = None, attention: str = "causal") -> dict[str, np.ndarray]:
+              normalize: str = "none", A: np.ndarray | None = None, attention: str = "causal",
+              width: int | None = None) -> dict[str, np.ndarray]:
     """Lambda~, its eigenvalues, the canonical moments and the whitening A, materialised.
 
     `A` replaces the whitening where G is singular (tokens in a subspace), where the canonical basis
     is a convention (mhla keeps the unexcited directions at the scale of the largest one).
     """
     tokens = np.asarray(tokens, dtype=np.float64)
-    smp = samples(tokens, offsets, per_position, weights, attention)
+    smp = samples(tokens, offsets, per_position, weights, attention, width)
     if A is None:
         G = sum(w * X.T @ X for X, w, _ in smp) / sum(w * X.shape[0] for X, w, _ in smp)
         A = inv_sqrt(G)

@@ -30,7 +30,7 @@ from mhla_cli.model.export import load_heads, save_heads
 from mhla_cli.model.forward import predict_file, predict_samples
 from mhla_cli.model.model import Model
 from mhla_cli.model.reduce import load_reduction, reduce_tokens, unreduce_heads
-from mhla_cli.samples import LAST, samples_of
+from mhla_cli.samples import LAST, ReadSpec, samples_of
 from mhla_cli.solve import affine_block
 from mhla_cli.solve.certificate import certify as mhla_certify
 from mhla_cli.solve.lstsq import fit as lstsq_fit
@@ -340,7 +340,7 @@ def test_the_cli(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
 def extended_features(red: Path, wide: Path, normalize: str, P: np.ndarray, bias_terms: bool = False):
     """The statistics of a reduced file with the affine block of `wide`, read in lockstep without the provenance
     check (a map of the wide tokens is another file: the reduced file was not made from it)."""
-    info = tokens_info(red, bias_terms=bias_terms)
+    info = tokens_info(red, ReadSpec(bias_terms=bias_terms))
     winfo = replace(inspect_tokens(wide), has_targets=False, has_weights=False, samples=LAST, d_out=None)
     A = estimate_basis(info, (0, info.n_samples))  # featurize's: accumulated in the whitening of the tokens
     src = WideSource(winfo, {}, P)

@@ -19,6 +19,7 @@ from mhla_cli.cli import run
 from mhla_cli.errors import InputError
 from mhla_cli.model.heads import Heads
 from mhla_cli.model.model import Model
+from mhla_cli.samples import BIDIRECTIONAL
 
 
 def write(path: Path, **data: np.ndarray) -> Path:
@@ -137,7 +138,7 @@ def test_predict_chunk_all_positions_matches_reference() -> None:
     lengths = np.array([1, 5, 2, 9])
     offsets = np.concatenate([[0], np.cumsum(lengths)])
     tokens = rng.standard_normal((offsets[-1], d))
-    pred, outputs = forward.predict_chunk(heads.p_from_heads(V, Q), tokens, offsets, all_positions=True)
+    pred, outputs = forward.predict_chunk(heads.p_from_heads(V, Q), tokens, offsets, BIDIRECTIONAL)
     assert pred.shape == (lengths.size, d) and outputs.shape == (offsets[-1], d)
     for i in range(lengths.size):
         X = tokens[offsets[i]:offsets[i + 1]]
@@ -339,7 +340,7 @@ def test_rectangular_heads_against_the_reference_forward_pass(normalize: str) ->
     h = Heads.from_arrays(V, Q, normalize)
     fn = forward.direct(h)
     assert isinstance(fn, forward.HeadsFn) and fn.shape == (2, 5)
-    pred, outs = forward.predict_chunk(fn, X, off, all_positions=True, normalize=normalize)
+    pred, outs = forward.predict_chunk(fn, X, off, BIDIRECTIONAL, normalize=normalize)
     causal = forward.causal_chunk(fn, X, off, normalize=normalize)
     for i in range(off.size - 1):
         Xi = X[off[i]:off[i + 1]]
@@ -358,12 +359,12 @@ def test_wide_square_heads_are_evaluated_directly_as_the_coef_would(monkeypatch:
     X, off = _ragged(rng, 4, (3, 1, 5))
     h = Heads.from_arrays(V, Q)
     assert forward.direct(h) is None  # small: through the coef
-    want, want_all = forward.predict_chunk(h.coef, X, off, all_positions=True)
+    want, want_all = forward.predict_chunk(h.coef, X, off, BIDIRECTIONAL)
     want_causal = forward.causal_chunk(h.coef, X, off)
     monkeypatch.setattr(forward.evaluate, "DIRECT_COEF_BYTES", 0)
     fn = forward.direct(h)
     assert fn is not None
-    got, got_all = forward.predict_chunk(fn, X, off, all_positions=True)
+    got, got_all = forward.predict_chunk(fn, X, off, BIDIRECTIONAL)
     assert np.allclose(got, want, rtol=1e-12, atol=1e-12) and np.allclose(got_all, want_all, rtol=1e-12, atol=1e-12)
     assert np.allclose(forward.causal_chunk(fn, X, off), want_causal, rtol=1e-12, atol=1e-12)
 

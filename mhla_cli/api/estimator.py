@@ -27,7 +27,7 @@ from ..errors import InputError
 from ..feature_map import check_normalize
 from ..model.forward import predict as forward_predict
 from ..model.forward import predict_samples
-from ..samples import Samples, check_attention, samples_of
+from ..samples import CAUSAL, Samples, check_attention, samples_of
 from ..model.model import Model, token_dim
 from ..solve.certificate import Certificate, certify
 from ..statistics.stream import Features, chunk_features
@@ -147,7 +147,8 @@ class MHLA:
     def __init__(self, ridge: float = 0.0, heads: int | str | None = None, nuclear: float | str | None = None,
                  domain: str = "full", normalize: str = "none", per_position: bool = False,
                  weight_decay: float = 0.0, restarts: int = 10, seed: int = 0, min_eig: float = 0.0,
-                 cv: int = 5, device: str = "cpu", attention: str = "causal", bias_terms: bool = False) -> None:
+                 cv: int = 5, device: str = "cpu", attention: str | Samples = CAUSAL.name,
+                 bias_terms: bool = False) -> None:
         given = locals()
         for name in _PARAMS:  # scikit-learn's convention: every parameter stored as given, under its name
             setattr(self, name, given[name])

@@ -28,6 +28,7 @@ from ..bias_terms import token_mean
 from ..model.heads import Heads
 from ..statistics.basis import feature_scale
 from ..model.model import Model, affine_of
+from ..samples import ReadSpec, layout_info
 from ..statistics.folds import load_folds
 from ..statistics.stream import Features, check_solve_memory, data_kind
 from ..statistics.tiled_gram import TiledStatistics
@@ -96,8 +97,8 @@ def check_fit_file(data: str | os.PathLike, ridge: float | str = 0.0, heads: int
     check_fit_options(ridge, heads, nuclear)
     # 'auto': the folds' eigendecompositions need about a ridge solve's memory
     check_solve_memory(data, "fit", ridge=1.0 if ridge == "auto" else ridge,
-                       lowrank=heads is not None or nuclear is not None, chunk_size=chunk_size, attention=attention,
-                       bias_terms=bias_terms)
+                       lowrank=heads is not None or nuclear is not None, chunk_size=chunk_size,
+                       read=ReadSpec(attention, normalize, bias_terms))
     if needs_folds(ridge, heads, nuclear):
         # a Zarr store holds no per-fold statistics (featurize --folds writes an HDF5 features file)
         if data_kind(data) == "features" and (is_store(data) or load_folds(data) is None):
@@ -163,8 +164,7 @@ def fit(feats: Features | Any, ridge: float | str = 0.0, heads: int | str | None
         model = lowrank.fit_model(feats, heads=heads, nuclear=nuclear, weight_decay=weight_decay,
                                   restarts=restarts, seed=seed, folds=folds)
     model.info["normalize"] = feats.normalize
-    if feats.samples.attention is not None:  # per-position samples: how they read the window
-        model.info["attention"] = feats.samples.attention
+    model.info.update(feats.samples.fit_attrs())  # per-position samples: how they read the window
     if feats.source is not None:  # the data's identity (with their reduction's maps: export-heads --unreduce)
         model.info["data_source"] = dict(feats.source)
     model.info["train_r2"] = scores.train_r2(feats, model.info["train_mse"])
@@ -183,9 +183,9 @@ def score_on_data(model: Model, data: str | os.PathLike, chunk_size: int | None 
     underflow float64 (scores.targets_underflow); {"train_r2", "train_mse", "train_scored_on": "data"}, or {} when
     the pass scores nothing (no targets). The samples scored are those of the fit (its layout, weights)."""
     from ..model.forward import fitted_samples, predict_file
-    from ..samples import CAUSAL
 
-    res = predict_file(model, data, chunk_size=chunk_size, causal=fitted_samples(model) is CAUSAL,
+    fitted = fitted_samples(model)
+    res = predict_file(model, data, chunk_size=chunk_size, layout=fitted if fitted.per_position else None,
                        affine_from=affine_from)
     if res.n_scored is None or res.mse is None:
         return {}
@@ -292,6 +292,5 @@ def export_heads(model: Model, tol: float = 1e-12, max_heads: int | str | None =
     if affine is not None:  # the token-wise affine map of the wide tokens beside them (solve.affine_block)
         heads.affine_weight, heads.affine_bias = np.ascontiguousarray(affine[:, :-1]), np.array(affine[:, -1])
     heads.info["normalize"] = model.info.get("normalize", "none")
-    if model.info.get("attention") is not None:
-        heads.info["attention"] = model.info["attention"]
+    heads.info.update(layout_info(model.info))
     return heads

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 import typer
 
@@ -13,6 +13,9 @@ from ..numerics import DETERMINED_TOL, EPS, RANK_RULE, quote
 from .console import BOUND_SIGNS, emit_json, fmt, load_with_progress, progress_bar, say, warn, working
 from .options import (AffineFromOpt, AttentionOpt, BiasTermsOpt, ChunkOpt, DeviceOpt, JsonOpt, NormalizeOpt, QuietOpt,
                       SchedulerTimeoutOpt, about, check_hdf5_output, check_scheduler_timeout, on_cluster)
+
+if TYPE_CHECKING:
+    from ..samples import ReadSpec
 
 
 def certify_cmd(
@@ -86,6 +89,9 @@ def certify_cmd(
 
     check_domain(domain)
     dev = check_device(device, data)
+    from ..samples import ReadSpec  # the layouts need NumPy: not for --help
+
+    read = ReadSpec(attention, normalize, bias_terms)  # how a tokens file is read (None: as the data say)
     if scheduler is not None:
         if affine_from is not None:
             from ..solve.cluster import ClusterRefused
@@ -96,7 +102,7 @@ def certify_cmd(
                              "with --witness, --on, --domain observed or --device (they need an eigendecomposition "
                              "or one machine)")
         with on_cluster(scheduler, scheduler_timeout, data):
-            _certify_cluster(data, scheduler, min_eig, normalize, attention, bias_terms, chunk_size, json_out, quiet)
+            _certify_cluster(data, scheduler, min_eig, read, chunk_size, json_out, quiet)
         return
     check_scheduler_timeout(scheduler, scheduler_timeout)
     if on is None and report is not None:
@@ -111,10 +117,9 @@ def certify_cmd(
         if report is not None:
             check_hdf5_output(report, (data, on), "the report", "probes")
         inspect_tokens(on)
-        _certify_on(data, on, report, normalize, chunk_size, json_out, quiet, dev, attention, bias_terms)
+        _certify_on(data, on, report, read, chunk_size, json_out, quiet, dev)
         return
-    _certify(data, min_eig, domain, witness, normalize, chunk_size, json_out, quiet, dev, attention, bias_terms,
-             affine_from)
+    _certify(data, min_eig, domain, witness, read, chunk_size, json_out, quiet, dev, affine_from)
 
 
 # The witness's rules (mhla_cli.solve.witness.WitnessRefused.rule) in the words of the command's options.
@@ -136,9 +141,9 @@ def _witness_rules(data: Path, check: Callable[[], None]) -> None:
         raise InputError(_WITNESS_TEXT[exc.rule], data) from None
 
 
-def _certify(data: Path, min_eig: float, domain: str, witness: Path | None, normalize: str | None,
+def _certify(data: Path, min_eig: float, domain: str, witness: Path | None, read: ReadSpec,
              chunk_size: int | None, json_out: bool, quiet: bool, device: str | None,
-             attention: str | None = None, bias_terms: bool = False, affine_from: Path | None = None) -> None:
+             affine_from: Path | None = None) -> None:
     """The certificate of `data` (and --witness): its text, its JSON, exit 1 when not identifiable."""
     from ..api.learn import certify
     from ..solve.witness import check_witness_features, check_witness_input
@@ -147,9 +152,8 @@ def _certify(data: Path, min_eig: float, domain: str, witness: Path | None, norm
     if witness is not None:
         check_hdf5_output(witness, (data,), "the witness file", "model")
         _witness_rules(data, lambda: check_witness_input(data))
-    check_solve_memory(data, "certify", chunk_size=chunk_size, attention=attention, bias_terms=bias_terms)
-    feats, _, seconds = load_with_progress(data, chunk_size, quiet, normalize, device, attention, bias_terms,
-                                           affine_from)
+    check_solve_memory(data, "certify", chunk_size=chunk_size, read=read)
+    feats, _, seconds = load_with_progress(data, chunk_size, quiet, read, device, affine_from)
     if feats.affine is not None and (witness is not None or domain != "full"):
         raise InputError("the statistics hold the affine block of the wide tokens: certify them on the full domain, "
                          "without --witness", data)
@@ -189,8 +193,8 @@ def lambda_min_text(cert: Any, sign: str) -> str:
             f"{fmt(cert.lambda_min_estimate)} is not resolved against the threshold; the proven verdict stands)")
 
 
-def _certify_cluster(data: Path, scheduler: str, min_eig: float, normalize: str | None, attention: str | None,
-                     bias_terms: bool, chunk_size: int | None, json_out: bool, quiet: bool) -> None:
+def _certify_cluster(data: Path, scheduler: str, min_eig: float, read: ReadSpec, chunk_size: int | None,
+                     json_out: bool, quiet: bool) -> None:
     """`certify --scheduler`: the certificate with the Gram tiled on a Dask cluster (mhla_cli.solve.cluster)."""
     from ..solve.certificate import certify
     from ..solve.cluster import open_statistics
@@ -200,8 +204,8 @@ def _certify_cluster(data: Path, scheduler: str, min_eig: float, normalize: str 
     where = data_location(data)
     require_dask(scheduler)
     with working(f"certify on the cluster {scheduler}: the tiled Gram and its Cholesky", quiet):
-        with open_statistics(where, scheduler, chunk_size=chunk_size, normalize=normalize, attention=attention,
-                             bias_terms=bias_terms) as stats:
+        with open_statistics(where, scheduler, chunk_size=chunk_size, normalize=read.normalize,
+                             attention=read.attention, bias_terms=read.bias_terms) as stats:
             cert = certify(stats, min_eig=min_eig)
     out = _cert_json(cert, data, {})
     out["input"] = where
@@ -256,16 +260,15 @@ def _write_witness(feats: Any, data: Path, cert: Any, witness: Path, chunk_size:
 # the help quotes the constants from the code (mhla_cli.numerics)
 certify_cmd.__doc__ = (certify_cmd.__doc__ or "").replace("{DETERMINED_TOL}", quote(DETERMINED_TOL))
 
-def _certify_on(data: Path, on: Path, report: Path | None, normalize: str | None, chunk_size: int | None,
-                json_out: bool, quiet: bool, device: str | None = None, attention: str | None = None,
-                bias_terms: bool = False) -> None:
+def _certify_on(data: Path, on: Path, report: Path | None, read: ReadSpec, chunk_size: int | None,
+                json_out: bool, quiet: bool, device: str | None = None) -> None:
     from ..solve.probes import certify_probes, null_space
     from ..solve.domains import factorize
     from ..statistics.stream import check_solve_memory
     from ..io.tokens import inspect_tokens
 
-    check_solve_memory(data, "certify", chunk_size=chunk_size, attention=attention, bias_terms=bias_terms)
-    feats, _, _ = load_with_progress(data, chunk_size, quiet, normalize, device, attention, bias_terms)
+    check_solve_memory(data, "certify", chunk_size=chunk_size, read=read)
+    feats, _, _ = load_with_progress(data, chunk_size, quiet, read, device)
     if feats.affine is not None:
         raise InputError("the statistics hold the affine block of the wide tokens: --on tests the MHLA's features "
                          "only; certify without --on", data)

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 from rich.console import Console
 
 if TYPE_CHECKING:
+    from ..samples import ReadSpec
     from ..statistics.stream import Features
 
 err_console = Console(stderr=True, highlight=False, soft_wrap=True)
@@ -161,13 +162,13 @@ def say_samples(feats: Features, data: Path, attention: str | None, quiet: bool)
 BOUND_SIGNS = {"at_most": "<=", "above": ">"}
 
 
-def load_with_progress(path: Path, chunk_size: int | None, quiet: bool,
-                       normalize: str | None = None, device: str | None = None, attention: str | None = None,
-                       bias_terms: bool = False, affine_from: Path | None = None
+def load_with_progress(path: Path, chunk_size: int | None, quiet: bool, read: ReadSpec | None = None,
+                       device: str | None = None, affine_from: Path | None = None
                        ) -> tuple[Features, str, dict[str, float]]:
-    """Features of a features or tokens file (with a progress bar when featurizing; a tokens file's per-position
-    samples read with `attention`), the file kind, and the seconds it took ({"pass": s} when a tokens file was
-    featurized, else {"load": s}); says what the samples are (`say_samples`)."""
+    """Features of a features or tokens file (with a progress bar when featurizing; a tokens file read as `read`
+    says, mhla_cli.samples.ReadSpec, which a features file must match), the file kind, and the seconds it took
+    ({"pass": s} when a tokens file was featurized, else {"load": s}); says what the samples are (`say_samples`)."""
+    from ..samples import ReadSpec
     from ..statistics.stream import data_kind, load_features
     from ..io.tokens import inspect_tokens
 
@@ -175,9 +176,9 @@ def load_with_progress(path: Path, chunk_size: int | None, quiet: bool,
     total = inspect_tokens(path).n_samples if kind == "tokens" else 0
     t = time.perf_counter()
     with progress_bar("featurize", total, quiet) as advance:
-        feats = load_features(path, chunk_size=chunk_size, normalize=normalize, progress=advance, device=device,
-                              attention=attention, bias_terms=bias_terms, affine_from=affine_from)
+        feats = load_features(path, chunk_size=chunk_size, progress=advance, device=device, affine_from=affine_from,
+                              read=read or ReadSpec(normalize=None))
         if kind == "features":
             feats.expand_held()  # a compact file's Gram: expanded within the load's seconds
-    say_samples(feats, path, attention, quiet)
+    say_samples(feats, path, None if read is None else read.attention, quiet)
     return feats, kind, {"pass" if kind == "tokens" else "load": time.perf_counter() - t}

@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated
 
 import typer
 
 from ..io import convert as convert_mod
 from .console import emit_json, progress_bar, say
-from .options import ChunkOpt, JsonOpt, OutOpt, QuietOpt
+from .options import LAYOUT_OPTION, ChunkOpt, JsonOpt, OutOpt, QuietOpt
 
 
 def convert_cmd(
@@ -26,8 +26,8 @@ def convert_cmd(
         "--key", help="ROLE=NAME: read the array NAME as ROLE (tokens, targets, weights, offsets, mask); "
         "NAME\\[h] is head h of an array of 4 axes \\[batch, pos, head, d], NAME\\[sum] the sum over its heads; "
         "nested keys are dotted (a.b). Repeatable. Example: --key tokens=hidden", show_default=False)] = None,
-    attention: Annotated[Literal["causal", "bidirectional"] | None, typer.Option(
-        "--attention", help="How the model's attention ran, for per-position targets (required for them, refused "
+    attention: Annotated[str | None, typer.Option(
+        "--attention", **LAYOUT_OPTION, help="How the model's attention ran, for per-position targets (required for them, refused "
         "otherwise): causal (a decoder such as GPT-2: position t sees the positions up to t, every prefix is a sample) or "
         "bidirectional (an encoder such as BERT: every position sees the whole window). Written as the file's "
         "attribute 'attention'. Example: --attention bidirectional", show_default=False)] = None,

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 import typer
 
@@ -20,6 +20,9 @@ from .console import emit_json, fmt, progress_bar, say, say_samples, warn, worki
 from .options import (AffineFromOpt, AttentionOpt, BiasTermsOpt, ChunkOpt, DeviceOpt, JsonOpt, NormalizeOpt, OutOpt,
                       QuietOpt, SchedulerTimeoutOpt, check_hdf5_output, data_location, on_cluster, parse_shard,
                       require_optional)
+
+if TYPE_CHECKING:
+    from ..samples import ReadSpec
 
 
 def featurize_cmd(
@@ -88,6 +91,9 @@ def featurize_cmd(
     """
     if scheduler is not None and workers != 1:
         raise InputError("--workers and --scheduler cannot be combined (the Dask cluster sets the workers)")
+    from ..samples import ReadSpec  # the layouts need NumPy: not for --help
+
+    read = ReadSpec(attention, check_normalize(normalize or "none"), bias_terms)  # how the tokens file is read
     if is_store(data_location(output)):
         if scheduler is None:
             raise InputError("a Zarr store is written by the workers of a Dask cluster: give --scheduler (or write "
@@ -100,16 +106,15 @@ def featurize_cmd(
 
             raise ClusterRefused("affine", affine_from)
         with on_cluster(scheduler, scheduler_timeout, data):
-            _featurize_store(data, data_location(output), scheduler, shard, chunk_size,
-                             check_normalize(normalize or "none"), attention, bias_terms, json_out, quiet)
+            _featurize_store(data, data_location(output), scheduler, shard, chunk_size, read, json_out, quiet)
         return
-    parallel = {"workers": workers, "scheduler": scheduler, "normalize": check_normalize(normalize or "none"),
-                "attention": attention, "bias_terms": bias_terms}
+    # the pool (workers or a scheduler) and the wide tokens of the affine block, beside the ReadSpec
+    pool: dict[str, Any] = {"workers": workers, "scheduler": scheduler}
     if affine_from is not None:
         if folds is not None:
             raise InputError("--affine-from and --folds cannot be combined (the affine block is fitted with a given "
                              "--ridge)")
-        parallel["affine_from"] = affine_from
+        pool["affine_from"] = affine_from
     dev = check_device(device, data)
     if dev is not None and folds is not None:
         raise InputError("--folds runs on the CPU: featurize the folds without --device")
@@ -119,7 +124,7 @@ def featurize_cmd(
     if scheduler is not None:
         require_dask(scheduler)
     with on_cluster(scheduler, scheduler_timeout, data):
-        feats, fold_feats = _featurize(data, shard, folds, chunk_size, spans, dev, parallel, quiet)
+        feats, fold_feats = _featurize(data, shard, folds, chunk_size, spans, dev, read, pool, quiet)
     if fold_feats is not None:
         save_with_folds(feats, fold_feats, output, inputs=(data,))
     else:
@@ -131,7 +136,7 @@ def featurize_cmd(
 
 
 def _featurize_store(data: Path, out: str, scheduler: str, shard: str | None, chunk_size: int | None,
-                     normalize: str, attention: str | None, bias_terms: bool, json_out: bool, quiet: bool) -> None:
+                     read: ReadSpec, json_out: bool, quiet: bool) -> None:
     """`featurize --scheduler -o FEATS.zarr`: the statistics accumulated with the Gram tiled on the cluster
     (mhla_cli.statistics.tiled_gram), each tile written into the store by its worker."""
     from ..statistics import tiled_gram, zarr_store
@@ -139,8 +144,8 @@ def _featurize_store(data: Path, out: str, scheduler: str, shard: str | None, ch
     zarr_store.check_output(out, (data,))
     require_dask(scheduler)
     with make_map(scheduler=scheduler) as pmap, working(f"featurize on the cluster {scheduler}: the tiled Gram", quiet):
-        stats = tiled_gram.accumulate(data, pmap.client, chunk_size=chunk_size, normalize=normalize,
-                                      shard=parse_shard(shard), attention=attention, bias_terms=bias_terms)
+        stats = tiled_gram.accumulate(data, pmap.client, chunk_size=chunk_size, normalize=read.normalize,
+                                      shard=parse_shard(shard), attention=read.layout, bias_terms=read.bias_terms)
         try:
             zarr_store.save(stats, out, inputs=(data,))
         finally:
@@ -149,7 +154,7 @@ def _featurize_store(data: Path, out: str, scheduler: str, shard: str | None, ch
     say(f"wrote {out}: d = {feats.d}, psi = {feats.n_features} features in tiles of {stats.tile}, N = "
         f"{feats.n_samples} {feats.samples.unit('samples')}, {feats.n_tokens} tokens"
         + ("" if feats.has_targets else " (no targets)"), quiet)
-    say_samples(feats, data, attention, quiet)
+    say_samples(feats, data, read.attention, quiet)
     if json_out:
         rec = _featurize_record(feats, Path(out), False)
         rec.update(output=out, span_features=feats.n_features, gram_storage="tiles", tile_features=stats.tile,
@@ -158,19 +163,20 @@ def _featurize_store(data: Path, out: str, scheduler: str, shard: str | None, ch
 
 
 def _featurize(data: Path, shard: str | None, folds: int | None, chunk_size: int | None, spans: str,
-               device: str | None, parallel: dict[str, Any], quiet: bool) -> tuple[Features, list[Features] | None]:
-    """The statistics of `data` (of its --shard i/M), with the per-fold statistics for --folds, under a
-    progress bar."""
+               device: str | None, read: ReadSpec, pool: dict[str, Any], quiet: bool
+               ) -> tuple[Features, list[Features] | None]:
+    """The statistics of `data` (of its --shard i/M) read as `read` says, in the `pool` (workers, scheduler; and
+    affine_from), with the per-fold statistics for --folds, under a progress bar."""
     info = inspect_tokens(data)
     shard_t = parse_shard(shard)
     lo, hi = shard_samples(info.n_samples, shard_t, data)
     with progress_bar("featurize", hi - lo, quiet) as advance:
         if folds is None:
             return featurize(data, chunk_size=chunk_size, shard=shard_t, progress=advance, spans=check_spans(spans),
-                             device=device, **parallel), None
+                             device=device, read=read, **pool), None
         if shard_t is not None:
             raise InputError("--folds and --shard cannot be combined")
-        return featurize_folds(data, folds, chunk_size=chunk_size, progress=advance, **parallel)
+        return featurize_folds(data, folds, chunk_size=chunk_size, progress=advance, read=read, **pool)
 
 
 def _say_featurize(feats: Features, output: Path, quiet: bool) -> None:

@@ -6,7 +6,7 @@ import contextlib
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
@@ -28,6 +28,9 @@ from .console import BOUND_SIGNS, emit_json, fmt, load_with_progress, progress_b
 from .options import (AffineFromOpt, AttentionOpt, BiasTermsOpt, ChunkOpt, DeviceOpt, about, JsonOpt, NormalizeOpt,
                       OutOpt, QuietOpt, SchedulerTimeoutOpt, check_heads_output, check_hdf5_output, check_scheduler_timeout,
                       on_cluster, parse_auto, require_optional)
+
+if TYPE_CHECKING:
+    from ..samples import ReadSpec
 
 
 def fit_cmd(
@@ -92,13 +95,16 @@ def fit_cmd(
     if affine_from is not None and (heads is not None or nuclear is not None or ridge.strip().lower() == "auto"):
         raise InputError(FLAG_WORDS["affine_least_squares"])
     dev = check_device(device, data)
+    from ..samples import ReadSpec  # the layouts need NumPy: not for --help
+
+    read = ReadSpec(attention, normalize, bias_terms)  # how a tokens file is read (None: as the data say)
     if scheduler is not None:
         if heads is not None or nuclear is not None or ridge.strip().lower() == "auto" or dev is not None:
             raise InputError("--scheduler fits least squares (with a --ridge l > 0, or none) on the cluster's CPUs: "
                              "it cannot be combined with --heads, --nuclear, --ridge auto or --device")
         with on_cluster(scheduler, scheduler_timeout, data):
-            _fit_cluster(data, output, scheduler, parse_auto(ridge, "--ridge", float), normalize, attention,
-                         bias_terms, chunk_size, json_out, quiet)
+            _fit_cluster(data, output, scheduler, parse_auto(ridge, "--ridge", float), read, chunk_size, json_out,
+                         quiet)
         return
     check_scheduler_timeout(scheduler, scheduler_timeout)
     check_fit_targets(data)
@@ -107,8 +113,8 @@ def fit_cmd(
     with in_flags():
         check_fit_file(data, ridge=r, heads=h, nuclear=lam, normalize=normalize, chunk_size=chunk_size,
                        attention=attention, bias_terms=bias_terms)
-    feats, fold_feats, load_seconds = _load_for_fit(data, needs_folds(r, h, lam), chunk_size, quiet, normalize, dev,
-                                                    attention, bias_terms, affine_from)
+    feats, fold_feats, load_seconds = _load_for_fit(data, needs_folds(r, h, lam), chunk_size, quiet, read, dev,
+                                                    affine_from)
     with working(f"fit: solving on the canonical Lambda~ ({feats.n_features} features)", quiet):
         with about(data):  # e.g. a features file without targets
             model = fit(feats, ridge=r, heads=h, nuclear=lam, weight_decay=weight_decay, restarts=restarts,
@@ -138,8 +144,8 @@ CLUSTER_WORDS = {
 }
 
 
-def _fit_cluster(data: Path, output: Path, scheduler: str, ridge: Any, normalize: str | None, attention: str | None,
-                 bias_terms: bool, chunk_size: int | None, json_out: bool, quiet: bool) -> None:
+def _fit_cluster(data: Path, output: Path, scheduler: str, ridge: Any, read: ReadSpec, chunk_size: int | None,
+                 json_out: bool, quiet: bool) -> None:
     """`fit --scheduler`: least squares with the Gram tiled on a Dask cluster (mhla_cli.solve.cluster); the
     model file is written only when the fit succeeded."""
     from ..solve.cluster import ClusterRefused, fit as fit_on_cluster
@@ -153,8 +159,8 @@ def _fit_cluster(data: Path, output: Path, scheduler: str, ridge: Any, normalize
         check_fit_targets(data)
     with working(f"fit on the cluster {scheduler}: the tiled Gram, its Cholesky and the triangular solves", quiet):
         try:
-            model = fit_on_cluster(where, scheduler, ridge=float(ridge), chunk_size=chunk_size, normalize=normalize,
-                                   attention=attention, bias_terms=bias_terms)
+            model = fit_on_cluster(where, scheduler, ridge=float(ridge), chunk_size=chunk_size,
+                                   normalize=read.normalize, attention=read.attention, bias_terms=read.bias_terms)
         except ClusterRefused as exc:
             if exc.rule in CLUSTER_WORDS:
                 raise InputError(CLUSTER_WORDS[exc.rule], where) from None
@@ -193,21 +199,20 @@ def in_flags() -> Iterator[None]:
         raise InputError(FLAG_WORDS[exc.rule], exc.path) from None
 
 
-def _load_for_fit(data: Path, folds: bool, chunk_size: int | None, quiet: bool, normalize: str | None,
-                  device: str | None, attention: str | None = None, bias_terms: bool = False,
-                  affine_from: Path | None = None) -> tuple[Features, list[Features] | None, dict[str, float]]:
-    """The statistics of `data`, with their per-fold statistics when `folds` ('auto'), and the seconds."""
+def _load_for_fit(data: Path, folds: bool, chunk_size: int | None, quiet: bool, read: ReadSpec,
+                  device: str | None, affine_from: Path | None = None
+                  ) -> tuple[Features, list[Features] | None, dict[str, float]]:
+    """The statistics of `data` read as `read` says, with their per-fold statistics when `folds` ('auto'), and the
+    seconds."""
     if not folds:
-        feats, _, load_seconds = load_with_progress(data, chunk_size, quiet, normalize, device, attention,
-                                                    bias_terms, affine_from)
+        feats, _, load_seconds = load_with_progress(data, chunk_size, quiet, read, device, affine_from)
         return feats, None, load_seconds
     t0 = time.perf_counter()
     with progress_bar("featurize", inspect_tokens(data).n_samples
                       if data_kind(data) == "tokens" else 0, quiet) as advance:
-        feats, fold_feats = load_for_cv(data, chunk_size=chunk_size, progress=advance, attention=attention,
-                                        bias_terms=bias_terms)
+        feats, fold_feats = load_for_cv(data, chunk_size=chunk_size, progress=advance, read=read)
         feats.expand_held()
-    say_samples(feats, data, attention, quiet)
+    say_samples(feats, data, read.attention, quiet)
     return feats, fold_feats, {"load": time.perf_counter() - t0}
 
 

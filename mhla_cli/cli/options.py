@@ -124,8 +124,30 @@ def data_location(path: Path) -> str:
     return text
 
 
-AttentionOpt = Annotated[Literal["causal", "bidirectional"] | None, typer.Option(
-    "--attention", help="How per-position targets are read (docs/bidirectional.md): causal, the default, a "
+def layout_name(value: str | None) -> str | None:
+    """The value of --attention: a registered per-position layout's name (mhla_cli.samples.attentions, read when
+    the option is parsed: a layout registered after this import is a choice too; the import of the layouts, and
+    so of NumPy, waits until then: `--help` needs none)."""
+    from ..samples import attentions
+
+    if value is not None and value not in attentions():
+        raise typer.BadParameter(f"{value!r} is not one of {', '.join(repr(a) for a in attentions())}.")
+    return value
+
+
+def _complete_layout(incomplete: str) -> list[str]:
+    from ..samples import attentions
+
+    return [a for a in attentions() if a.startswith(incomplete)]
+
+
+# the keywords of an --attention option (the layout's name)
+LAYOUT_OPTION: dict[str, Any] = {"parser": layout_name, "metavar": "LAYOUT",
+                                 "autocompletion": _complete_layout}
+
+
+AttentionOpt = Annotated[str | None, typer.Option(
+    "--attention", **LAYOUT_OPTION, help="How per-position targets are read (docs/bidirectional.md): causal, the default, a "
     "decoder's prefixes (S of the tokens up to t); bidirectional, an encoder's positions (S of the whole window, "
     "every position a sample). Default: the tokens file's 'attention' attribute, causal without one; an option "
     "that contradicts the attribute is refused. Stored in the features and model files. Example: --attention "

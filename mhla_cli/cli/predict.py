@@ -13,6 +13,7 @@ from ..model.forward import fitted_samples, predict_file, rollout_file
 from ..model.model import load_function, normalize_of, token_dim
 from ..model.compare import compare
 from ..io.tokens import inspect_tokens
+from ..samples import BIDIRECTIONAL, CAUSAL, LAST, layout_class
 from .console import emit_json, fmt, progress_bar, say, warn
 from .options import ChunkOpt, DeviceOpt, JsonOpt, OutOpt, QuietOpt, check_hdf5_output
 
@@ -74,12 +75,12 @@ def predict_cmd(
     with progress_bar("predict", info.n_samples, quiet) as advance:
         res = predict_file(fn, data, output, all_positions=all_positions, chunk_size=chunk_size,
                            progress=advance, inputs=(model_path,) + ((affine_from,) if affine_from else ()),
-                           workers=workers, causal=causal, device=dev, affine_from=affine_from)
+                           workers=workers, device=dev, affine_from=affine_from, layout=CAUSAL if causal else None)
     if info.per_position and info.has_targets and res.n_scored is None:
         warn(_unscored(info.attention, all_positions))
-    assumed = (res.scored_as == "bidirectional" and info.attention is None and not every)
+    assumed = (res.scored_as == BIDIRECTIONAL.attention and info.attention is None and not every)
     say(f"wrote {output}: {res.n_samples} predictions"
-        + (f", {info.n_tokens} causal outputs" if causal else "")
+        + (f", {info.n_tokens} {CAUSAL.name} outputs" if causal else "")
         + (f", {info.n_tokens} outputs at every position (bidirectional: S of the whole window)"
            if every or all_positions else "")
         + (f"; MSE against targets = {fmt(res.mse)} over {res.n_scored} "
@@ -96,11 +97,11 @@ def predict_cmd(
 
 def _unscored(attention: str | None, all_positions: bool) -> str:
     """Why per-position targets got no MSE, and the option that scores them."""
-    if attention == "causal":
+    if attention == CAUSAL.attention:
         return ("the data's per-position targets are a decoder's (attribute 'attention' causal): --causal scores "
                 "every prefix" + ("; the outputs of --all-positions use the whole window's S" if all_positions
                                   else "") + " (no MSE computed)")
-    if attention == "bidirectional":
+    if attention == BIDIRECTIONAL.attention:
         return ("the data's per-position targets are an encoder's (attribute 'attention' bidirectional): "
                 "--all-positions scores every position (no MSE computed)")
     return ("the data have per-position targets: --all-positions scores every position with the whole window's S "
@@ -138,11 +139,6 @@ def rollout_cmd(
         + (f" (snapped to {snap})" if snap is not None else ""), quiet)
     if json_out:
         emit_json(res)
-
-
-# What `compare --on` scored, per layout (mhla_cli.model.compare.scored_layouts).
-SCORED_WORDS = {"last": "the last tokens", "causal": "every prefix of each window",
-                "bidirectional": "every position of each window"}
 
 
 def compare_cmd(
@@ -188,8 +184,8 @@ def compare_cmd(
     verdict = "same function" if res["same"] else "different functions"
     coefs = f"||p_A - p_B|| / ||p_B|| = {fmt(res['relative_distance'])}"
     if res["judged_by"] == "data":
-        where = ("" if res["scored_as"] == ["last"] else  # per-position models: the positions their layouts score
-                 f" ({res['n_scored']} samples: {' and '.join(SCORED_WORDS[n] for n in res['scored_as'])})")
+        where = ("" if res["scored_as"] == [LAST.name] else  # per-position models: the positions their layouts score
+                 f" ({res['n_scored']} samples: {' and '.join(layout_class(n).scored_words for n in res['scored_as'])})")
         text = (f"{verdict} on {on}{where}: RMS prediction difference / RMS prediction of B = "
                 f"{fmt(res['relative_rms_difference'])} (tol {fmt(tol)})")
     elif res["judged_by"] == "training data":

@@ -20,7 +20,7 @@ import numpy as np
 
 from . import formats
 from ..errors import InputError
-from ..samples import LAST, Samples, check_attention, samples_of
+from ..samples import LAST, Samples, check_attention, from_attrs, samples_of
 from ..signals import check_interrupted
 
 
@@ -133,8 +133,9 @@ def _inspect_tokens_open(f: h5py.File, path: str | os.PathLike) -> TokensInfo:
             raise InputError(f"attribute 'attention' is {attention!r} but the targets / weights are per sequence: "
                              "attention applies to per-position data; the file is inconsistent", path)
         per_position = True  # no per-sequence data: every position is a sample, read as the attribute says
+    samples = samples_of(per_position) if attention is None else from_attrs({**f.attrs, "per_position": 1}, path)
     return TokensInfo(str(path), layout, N, d, T, str(tok.dtype), has_targets, seq_len,
-                      samples_of(per_position, attention), has_weights, d_out, attention)
+                      samples, has_weights, d_out, attention)
 
 
 def _attention_attr(f: h5py.File, path: str | os.PathLike) -> str | None:
@@ -146,19 +147,26 @@ def _attention_attr(f: h5py.File, path: str | os.PathLike) -> str | None:
     return check_attention(v, "attribute 'attention'", path)
 
 
-def read_as(info: TokensInfo, attention: str | None) -> TokensInfo:
-    """`info` with its per-position samples read with `attention` ("causal" / "bidirectional"; None: as the
-    file says, causal without its attribute). Refused: attention for data with one target per sequence,
-    and an attention that contradicts the file's attribute."""
-    if check_attention(attention) is None:
+def read_as(info: TokensInfo, attention: str | Samples | None) -> TokensInfo:
+    """`info` with its per-position samples read with `attention` (a per-position layout or its name, mhla_cli.samples;
+    None: as the file says, causal without its attribute). Refused: attention for data with one target per
+    sequence, and an attention that contradicts the file's attribute (its layout's name or parameters)."""
+    name = check_attention(attention)
+    if name is None:
         return info
     if not info.per_position:
-        raise InputError(f"attention {attention!r} applies to per-position samples, but this file holds one "
+        raise InputError(f"attention {name!r} applies to per-position samples, but this file holds one "
                          "target per sequence (last-token data)", info.path)
-    if info.attention is not None and info.attention != attention:
-        raise InputError(f"attention {attention!r} was asked but the file's attribute 'attention' is "
+    if info.attention is not None and info.attention != name:
+        raise InputError(f"attention {name!r} was asked but the file's attribute 'attention' is "
                          f"{info.attention!r}", info.path)
-    return replace(info, samples=samples_of(True, attention))
+    if isinstance(attention, Samples):
+        samples = samples_of(True, attention)
+        if info.attention is not None and samples != info.samples:
+            raise InputError(f"the layout {samples} was asked but the file's is {info.samples}", info.path)
+    else:
+        samples = info.samples if info.attention is not None else samples_of(True, name)
+    return replace(info, samples=samples)
 
 
 def with_bias_terms(info: TokensInfo, pad_targets: bool = True) -> TokensInfo:

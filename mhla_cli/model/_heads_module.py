@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from ._head_shapes import HeadShapes
+from ..samples import BIDIRECTIONAL, CAUSAL, Samples
 
 
 def _tensor(a: Any, dtype: Any) -> torch.Tensor:
@@ -18,9 +19,11 @@ def _tensor(a: Any, dtype: Any) -> torch.Tensor:
 class HeadsModule(nn.Module, HeadShapes):
     """sum_h V_h S Q_h x_t with S = X^T X (or the prefix Gram S_t); V (H, d_out, d), Q (H, d, d) are parameters.
 
-    forward(X, all_positions=False, causal=False, wide=None, attention_mask=None, lengths=None): X (B, n, d) or
-    (n, d). Last-token output (B, d_out); all_positions: (B, n, d_out) with the whole sequence's S; causal:
-    (B, n, d_out), row t the last-token output of the prefix X[:t]. normalize="length" divides S (S_t) by n (t).
+    forward(X, all_positions=False, causal=False, wide=None, attention_mask=None, lengths=None, layout=None): X
+    (B, n, d) or (n, d). Last-token output (B, d_out); with a per-position `layout` (mhla_cli.samples) (B, n, d_out),
+    row t the output at t with S_t of the positions the layout's query at t reads (`Samples.spans`): all_positions
+    is BIDIRECTIONAL (the whole sequence's S), causal CAUSAL (row t the last-token output of the prefix X[:t]).
+    normalize="length" divides S (S_t) by the tokens it sums.
 
     A mask (attention_mask (B, n) of 0/1, any padding; or lengths (B,), the first lengths[b] positions) takes the
     masked positions out: they are no tokens of S or S_t and not counted in n or t (the tokens are multiplied by
@@ -60,9 +63,12 @@ class HeadsModule(nn.Module, HeadShapes):
 
     def forward(self, X: torch.Tensor, all_positions: bool = False, causal: bool = False,
                 wide: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None,
-                lengths: torch.Tensor | None = None) -> torch.Tensor:
-        if all_positions and causal:
-            raise ValueError("give at most one of all_positions and causal")
+                lengths: torch.Tensor | None = None, layout: Samples | None = None) -> torch.Tensor:
+        if int(all_positions) + int(causal) + int(layout is not None) > 1:
+            raise ValueError("give at most one of all_positions, causal and layout")
+        layout = BIDIRECTIONAL if all_positions else CAUSAL if causal else layout
+        if layout is not None and not layout.per_position:
+            layout = None  # the last-token output
         single = X.dim() == 2
         if single:
             X = X.unsqueeze(0)
@@ -77,7 +83,7 @@ class HeadsModule(nn.Module, HeadShapes):
         n = X.shape[1]
         pos = torch.arange(n, device=X.device)
         last = torch.where(mask > 0, pos, torch.full_like(pos, -1)).amax(dim=1) if mask is not None else None
-        out = self._heads(X, mask, all_positions, causal, last)
+        out = self._heads(X, mask, layout, last)
         if self.affine_weight is not None:
             D = self.affine_weight.shape[1]
             if wide is None:
@@ -89,7 +95,7 @@ class HeadsModule(nn.Module, HeadShapes):
             aff = wide.to(self.affine_weight.dtype) @ self.affine_weight.T + self.affine_bias
             if mask is not None:
                 aff = aff * mask.unsqueeze(-1)
-            if not (all_positions or causal):
+            if layout is None:
                 aff = aff[:, -1] if last is None else _at(aff, last)
             out = out + aff
         return out[0] if single else out
@@ -116,9 +122,9 @@ class HeadsModule(nn.Module, HeadShapes):
             raise ValueError("attention_mask must hold 0 (padding) and 1 (a token) only")
         return m
 
-    def _heads(self, X: torch.Tensor, mask: torch.Tensor | None, all_positions: bool, causal: bool,
+    def _heads(self, X: torch.Tensor, mask: torch.Tensor | None, layout: Samples | None,
                last: torch.Tensor | None) -> torch.Tensor:
-        """The heads' outputs of a batch X (B, n, d): (B, d_out), or (B, n, d_out) with all_positions / causal."""
+        """The heads' outputs of a batch X (B, n, d): (B, d_out), or (B, n, d_out) with a per-position layout."""
         Z = X.to(self.V.dtype)
         if self.P is not None:  # factored heads: the reduced tokens x~ = P^T x
             Z = Z @ self.P
@@ -129,12 +135,16 @@ class HeadsModule(nn.Module, HeadShapes):
         if mask is not None:  # masked positions: no tokens (their constant too)
             Z = Z * mask.unsqueeze(-1)
         n = Z.shape[1]
-        if causal:
-            # S_t = sum_{s<=t} z_s z_s^T (B, n, r, r), then M_t = sum_h V_h S_t Q_h and out_t = M_t z_t
-            S = torch.cumsum(Z.unsqueeze(-1) * Z.unsqueeze(-2), dim=1)
+        spans = None if layout is None else [torch.as_tensor(np.asarray(v, dtype=np.int64), device=Z.device)
+                                             for v in layout.spans(n)]
+        if spans is not None and not bool((spans[0] == 0).all() and (spans[1] == n).all()):
+            # S_t = sum_{start_t <= s < stop_t} z_s z_s^T (B, n, r, r) from the prefix sums, then M_t = sum_h V_h
+            # S_t Q_h and out_t = M_t z_t
+            start, stop = spans
+            S = _span_sums(torch.cumsum(Z.unsqueeze(-1) * Z.unsqueeze(-2), dim=1), start, stop)
             if self.normalize == "length":
-                count = (torch.arange(1, n + 1, dtype=Z.dtype, device=Z.device).expand(Z.shape[0], n)
-                         if mask is None else torch.cumsum(mask, dim=1))
+                count = _span_sums(torch.arange(1, n + 1, dtype=Z.dtype, device=Z.device).expand(Z.shape[0], n)
+                                   if mask is None else torch.cumsum(mask, dim=1), start, stop)
                 S = S / count.clamp(min=1.0).view(*count.shape, 1, 1)
             out = torch.einsum("hab,Btbc,hcl,Btl->Bta", self.V, S, self.Q, Z)  # a: outputs, b, c, l: tokens
         else:
@@ -144,7 +154,7 @@ class HeadsModule(nn.Module, HeadShapes):
                     else mask.sum(dim=1)
                 S = S / count.clamp(min=1.0).view(-1, 1, 1)
             M = torch.einsum("hab,Bbc,hcl->Bal", self.V, S, self.Q)
-            if all_positions:
+            if spans is not None:  # every position reads the whole sequence's S
                 out = torch.einsum("Bal,Btl->Bta", M, Z)
             else:
                 query = Z[:, -1] if last is None else _at(Z, last)
@@ -152,6 +162,17 @@ class HeadsModule(nn.Module, HeadShapes):
         if self.U is not None:  # factored heads: the outputs in the model's coordinates, y = U y~
             out = out @ self.U.T
         return out
+
+
+def _span_sums(C: torch.Tensor, start: torch.Tensor, stop: torch.Tensor) -> torch.Tensor:
+    """The sums over s in [start_t, stop_t) (B, n, ...) from the prefix sums C (B, n, ...) (C[:, t] = the sum over
+    s <= t): C[:, stop_t - 1] less C[:, start_t - 1] where start_t > 0."""
+    S = C[:, stop - 1]
+    if bool((start > 0).any()):
+        before = C[:, (start - 1).clamp(min=0)]
+        keep = (start > 0).to(C.dtype).view(1, -1, *([1] * (C.dim() - 2)))
+        S = S - before * keep
+    return S
 
 
 def _at(A: torch.Tensor, index: torch.Tensor) -> torch.Tensor:

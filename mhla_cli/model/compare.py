@@ -211,7 +211,7 @@ def prediction_difference(a: Model | Heads | np.ndarray, b: Model | Heads | np.n
         check_finite(tokens, offsets, None, lo, data)
         ta, tb = in_basis(tokens, basis_a), in_basis(tokens, basis_b)
         for samples in layouts:
-            if samples is LAST:
+            if samples == LAST:
                 ya, _ = predict_chunk(pa, ta, offsets, normalize=norm)
                 yb, _ = predict_chunk(pb, tb, offsets, normalize=norm)
             else:  # every position (bidirectional) or every prefix (causal) of each window

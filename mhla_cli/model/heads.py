@@ -14,6 +14,7 @@ from ..errors import InputError
 from ..feature_map import n_features, pair_index
 from ._head_shapes import HeadShapes
 from ..bias_terms import BIAS_ARRAYS, CENTRE_ARRAY, augmented_heads, centring, split_heads
+from ..samples import layout_info
 
 # The arrays of the token-wise affine map of the wide tokens beside the heads (mhla_cli.solve.affine_block).
 AFFINE_ARRAYS = ("affine_weight", "affine_bias")
@@ -259,10 +260,10 @@ class Heads(HeadShapes):
             attrs["d_out"] = self.d_out
         if self.P is not None:
             attrs["reduced_dim"] = self.reduced_dim
-        for k in ("function_change", "coef_change", "coordinates", "tol", "max_heads", "normalize", "unreduced",
-                  "attention"):
+        for k in ("function_change", "coef_change", "coordinates", "tol", "max_heads", "normalize", "unreduced"):
             if self.info.get(k) is not None:
                 attrs[k] = self.info[k]
+        attrs.update(layout_info(self.info))  # the layout fitted on, with its parameters (mhla_cli.samples)
         if self.bias_terms:
             attrs["bias_terms"] = 1
         if self.affine_weight is not None:
@@ -284,7 +285,7 @@ class Heads(HeadShapes):
             V = formats.read_array(f, "V", path).astype(np.float64)
             Q = formats.read_array(f, "Q", path).astype(np.float64)
             normalize = formats.read_normalize(f, path)
-            attention = f.attrs.get("attention")
+            fitted = layout_info(f.attrs)
             bias = read_bias_arrays({k: formats.read_array(f, k, path) for k in (*BIAS_ARRAYS, CENTRE_ARRAY) if k in f},
                                     formats.read_bias_terms(f.attrs, path), path)
             affine = {k: formats.read_array(f, k, path) for k in AFFINE_ARRAYS if k in f}
@@ -292,8 +293,8 @@ class Heads(HeadShapes):
             widths = {k: int(f.attrs[k]) for k in ("d", "d_out") if k in f.attrs}
         heads = cls.from_arrays(V, Q, normalize, path, bias=bias, affine=affine or None, maps=maps or None)
         check_widths(heads, widths, path)
-        if attention is not None:  # the per-position samples fitted on (mhla_cli.samples)
-            heads.info["attention"] = attention.decode() if isinstance(attention, bytes) else str(attention)
+        if fitted.get("attention") is not None:  # the per-position samples fitted on (mhla_cli.samples)
+            heads.info.update({k: v.item() if hasattr(v, "item") else v for k, v in fitted.items()})
         return heads
 
     @classmethod
@@ -373,6 +374,8 @@ class Heads(HeadShapes):
         `module(X)` for X (B, n, d) or (n, d): last-token outputs (B, d_out) (or (d_out,));
         `module(X, all_positions=True)`: sum_h V_h S Q_h x_t at every position (B, n, d_out);
         `module(X, causal=True)`: the last-token output of every prefix X[:t] (B, n, d_out).
+        `module(X, layout=L)`: the output at every position in a per-position layout L (mhla_cli.samples: S_t of the
+        positions its query at t reads, `Samples.spans`) (B, n, d_out).
         S = X^T X, divided by the (prefix) length when the heads were fitted with normalize="length".
         Padded batches: `attention_mask=` (B, n) of 0/1 (left, right or any padding) or `lengths=` (B,) (the first
         lengths[b] positions, right padding): a masked position is neither a token of S nor counted in the length;

@@ -14,7 +14,7 @@ import numpy as np
 from ..io import formats
 from ..errors import InputError
 from ..feature_map import n_features
-from ..samples import check_attention
+from ..samples import check_attention, layout_info
 from .export import load_heads
 from .heads import Heads, W_from_p, p_from_W
 from ..numerics import CANONICAL_COEF_TOL, ORTHONORMAL_TOL, SINGULAR_BASIS_COND, W_COEF_TOL
@@ -80,6 +80,7 @@ class Model:
         for k in _SAVED_INFO:
             if k in self.info and self.info[k] is not None:
                 attrs[k] = self.info[k]
+        attrs.update(layout_info(self.info))  # the layout fitted on, with its parameters (mhla_cli.samples)
         data = {"coef": self.coef, "W": self.W}
         if self.coef_b is not None and self.basis is not None:
             data.update(canonical_coef=self.coef_b, canonical_basis=self.basis)
@@ -139,6 +140,7 @@ class Model:
                 W = W_from_p(coef)
             info = {k: (v.item() if hasattr(v, "item") else v) for k, v in f.attrs.items()
                     if k in _SAVED_INFO}
+            info.update(layout_info(f.attrs))
             if formats.read_bias_terms(f.attrs, path):  # the function of the tokens (x, 1): mhla_cli.bias_terms
                 info["bias_terms"] = True
             else:

@@ -134,7 +134,7 @@ def generate_teacher(d: int, n_heads: int, n_samples: int, seq_len: str | int | 
                         **{k: v * c for k, v in teacher.bias_arrays().items()})  # both sides of the bilinear form
         y = y / rms
     if samples.attention is not None:  # the teacher's outputs are per position, read so
-        teacher.info["attention"] = samples.attention
+        teacher.info.update(samples.fit_attrs())
     if noise > 0:
         y = y + noise * rng.standard_normal(y.shape)
     return Dataset(tokens, offsets, y, attention=samples.attention), teacher

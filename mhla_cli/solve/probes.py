@@ -293,10 +293,10 @@ def probe_samples(info: TokensInfo, feats: Features) -> TokensInfo:
     without per-position data gives every position of each window (per-sequence weights cannot mask
     positions: refused)."""
     samples = feats.samples
-    if not samples.predicts_every_position or info.samples is samples:
+    if not samples.predicts_every_position or info.samples == samples:
         return info
     if info.per_position:
-        return read_as(info, samples.attention)
+        return read_as(info, samples)
     if info.has_weights:
         raise InputError(f"the statistics are of {samples.name} samples (every position of a window) but the "
                          "probes' weights are per sequence: store one weight per position to mask positions",

@@ -224,7 +224,7 @@ def _check_addable(acc: Features, part: Features) -> None:
                          "part with the same --affine-from")
     if part.affine is not None and acc.affine is not None:
         acc.affine.check_addable(part.affine)
-    if part.samples is not acc.samples:
+    if part.samples != acc.samples:
         raise InputError(f"cannot add statistics of {part.samples.name} samples to statistics of {acc.samples.name} "
                          "samples: featurize every part with the same --attention (and per-position targets or not)")
 

@@ -28,7 +28,7 @@ from . import basis as basis_mod
 from ..io import formats
 from ..errors import InputError
 from ..feature_map import n_features
-from ..samples import LAST, Samples
+from ..samples import LAST, ReadSpec, Samples
 from . import features_file, gram_storage
 from .affine_sums import AffineSums
 from .algebra import FeaturesAlgebra
@@ -163,6 +163,11 @@ class Features(FeaturesAlgebra, FeaturesFile):
     def per_position(self) -> bool:
         """The samples were positions (CAUSAL or BIDIRECTIONAL), not sequences."""
         return self.samples.per_position
+
+    @property
+    def read(self) -> ReadSpec:
+        """How the tokens were read (mhla_cli.samples.ReadSpec): the layout, the normalisation, the bias terms."""
+        return ReadSpec(self.samples, self.normalize, self.bias_terms)
 
     def __repr__(self) -> str:  # the shapes and counts, not the psi x psi sums
         return (f"Features(d={self.d}, n_features={self.n_features}, n_samples={self.n_samples}, "

@@ -27,6 +27,7 @@ import numpy as np
 
 from ..io import formats
 from ..errors import InputError
+from ..samples import ReadSpec, Samples
 from ..feature_map import n_features
 from ..numerics import FOLD_SUM_TOL, OWN_FOLDS_COND, SINGULAR_BASIS_COND
 from . import basis as basis_mod
@@ -192,11 +193,14 @@ def check_own_folds(total: Features, path: str | os.PathLike | None = None) -> N
 
 
 def load_for_cv(path: str | os.PathLike, n_folds: int = 5, chunk_size: int | None = None,
-                progress: Callable[[int], None] | None = None, attention: str | None = None,
-                bias_terms: bool = False) -> tuple[Features, list[Features]]:
+                progress: Callable[[int], None] | None = None, attention: str | Samples | None = None,
+                bias_terms: bool = False, read: ReadSpec | None = None) -> tuple[Features, list[Features]]:
     """Whole-file and per-fold statistics: from a features file's stored folds, or computed from a tokens file
     (its per-position samples read with `attention`, which a features file's must match; with the bias terms
-    when asked, which a features file must hold)."""
+    when asked, which a features file must hold). `read` (mhla_cli.samples.ReadSpec), given, replaces `attention`
+    and `bias_terms` (its normalisation is not applied here)."""
+    if read is not None:
+        attention, bias_terms = read.layout, read.bias_terms
     kind = formats.kind_of(path)
     if kind == "features":
         total = Features.load(path)
@@ -208,6 +212,6 @@ def load_for_cv(path: str | os.PathLike, n_folds: int = 5, chunk_size: int | Non
                              "featurize_folds and save_with_folds)", path)
         return total, folds
     if kind == "tokens":
-        return featurize_folds(path, n_folds, chunk_size=chunk_size, progress=progress, attention=attention,
-                               bias_terms=bias_terms)
+        return featurize_folds(path, n_folds, chunk_size=chunk_size, progress=progress,
+                               read=ReadSpec(attention, "none", bias_terms))
     raise InputError(f"is a {kind} file, expected a tokens or features file", path)

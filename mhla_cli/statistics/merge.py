@@ -141,7 +141,7 @@ def plan_merge(paths: list[str | os.PathLike], allow_partial: bool = False) -> M
             raise InputError(f"was featurized with normalisation {p.normalize} but {first.path} with "
                              f"{first.normalize}: the statistics of different normalisations do not add up",
                              p.path)
-        if p.samples is not first.samples:
+        if p.samples != first.samples:
             raise InputError(f"holds {p.samples.name} samples but {first.path} {first.samples.name} samples: the "
                              "statistics of different sample layouts do not add up (featurize every shard with the "
                              "same --attention)", p.path)

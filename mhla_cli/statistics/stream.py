@@ -27,7 +27,7 @@ from . import zarr_store
 from ..errors import InputError
 from ..feature_map import check_normalize, n_features
 from ..linalg.memory import check_floor, check_memory, solve_need_of
-from ..samples import check_attention
+from ..samples import ReadSpec, Samples, check_attention
 from .accumulate import MIN_THREADED_WIDTH, _basis_option, chunk_features
 from ..kernels import position_numbers, prefix_moments, sequence_moments
 from .shards import shard_range, shard_samples, work_ranges
@@ -50,8 +50,8 @@ def featurize(path: str | os.PathLike, chunk_size: int | None = None,
               progress: Callable[[int], None] | None = None,
               workers: int = 1, scheduler: str | None = None, normalize: str = "none",
               basis: np.ndarray | str | None = "auto", spans: str = "auto", device: str | None = None,
-              attention: str | None = None, bias_terms: bool = False,
-              affine_from: str | os.PathLike | None = None) -> Features:
+              attention: str | Samples | None = None, bias_terms: bool = False,
+              affine_from: str | os.PathLike | None = None, read: ReadSpec | None = None) -> Features:
     """Sufficient statistics of a tokens file, streamed in chunks of `chunk_size` samples.
 
     `shard=(i, M)` restricts to the i-th (0-based) of M contiguous sample ranges. Parallelism:
@@ -78,13 +78,15 @@ def featurize(path: str | os.PathLike, chunk_size: int | None = None,
     `bias_terms`: the statistics of the tokens (x, 1) and the targets (y, 0), i.e. of the MHLA with the
     terms a head's biases add (docs/bias_terms.md): `d` counts the constant coordinate. `affine_from`: the wide
     tokens file that `mhla reduce` read to make `path`; the sums of the affine block of its tokens at every
-    sample's query are accumulated beside (mhla_cli.statistics.affine_sums, `Features.affine`).
+    sample's query are accumulated beside (mhla_cli.statistics.affine_sums, `Features.affine`). `read`
+    (mhla_cli.samples.ReadSpec), given, replaces `attention`, `normalize` and `bias_terms` (the three as one value).
 
     `spans` ("auto", "on", "off"): statistics of only the block on the data's spans span{S_i} (x) span{x_n}
     (`Features.on_spans`; docs/formats_features.md, "Features on the data's spans"); "auto" looks for the
     spans from statistics.spans.SPANS_MIN_FEATURES features on.
     """
-    info, device = _checked(path, normalize, spans, device, attention, bias_terms)
+    normalize = (read := read or ReadSpec(attention, normalize, bias_terms)).normalize or "none"
+    info, device = _checked(path, read, spans, device)
     wide = None
     if affine_from is not None:
         if device is not None:
@@ -134,14 +136,14 @@ def _absolute(wide: WideSource | None) -> WideSource | None:
     return None if wide is None else replace(wide, info=replace(wide.info, path=os.path.abspath(wide.info.path)))
 
 
-def _checked(path: str | os.PathLike, normalize: str, spans: str, device: str | None,
-             attention: str | None = None, bias_terms: bool = False) -> tuple[TokensInfo, str | None]:
-    """featurize's options and file checked before any work: (the tokens file's info, read with `attention`
-    and the bias terms; the device)."""
-    check_normalize(normalize)
+def _checked(path: str | os.PathLike, read: ReadSpec, spans: str, device: str | None
+             ) -> tuple[TokensInfo, str | None]:
+    """featurize's options and file checked before any work: (the tokens file's info, read as `read` says; the
+    device)."""
+    check_normalize(read.normalize or "none")
     check_spans(spans)
     device = device_mod.check_device(device, path)
-    info = tokens_info(path, attention, bias_terms)
+    info = tokens_info(path, read)
     check_floor(info.d, path, "featurize")  # wide tokens: before anything of their size
     require_square(info, "featurize")
     return info, device
@@ -219,16 +221,17 @@ def data_kind(path: str | os.PathLike) -> str:
     return "features" if zarr_store.is_store(path) else formats.kind_of(path)
 
 
-def tokens_info(path: str | os.PathLike, attention: str | None = None, bias_terms: bool = False) -> TokensInfo:
-    """The layout of a tokens file as featurize reads it: per-position samples with `attention`, and the
-    tokens (x, 1) and targets (y, 0) with `bias_terms` (io.tokens.with_bias_terms)."""
-    info = read_as(inspect_tokens(path), attention)
-    return with_bias_terms(info) if bias_terms else info
+def tokens_info(path: str | os.PathLike, read: ReadSpec | None = None) -> TokensInfo:
+    """The layout of a tokens file as featurize reads it (`read`, mhla_cli.samples.ReadSpec): per-position samples
+    in its layout, and the tokens (x, 1) and targets (y, 0) with its bias terms (io.tokens.with_bias_terms)."""
+    read = read or ReadSpec()
+    info = read_as(inspect_tokens(path), read.layout if read.attention is not None else None)
+    return with_bias_terms(info) if read.bias_terms else info
 
 
 def solve_need(path: str | os.PathLike, ridge: float = 0.0, lowrank: bool = False,
-               chunk_size: int | None = None, command: str = "certify", attention: str | None = None,
-               bias_terms: bool = False) -> tuple[int, Callable[[int], int]] | None:
+               chunk_size: int | None = None, command: str = "certify", read: ReadSpec | None = None
+               ) -> tuple[int, Callable[[int], int]] | None:
     """(d, need(d)): the peak bytes of certifying / fitting (`command`) the statistics of a features or
     tokens file (a tokens file is featurized first), for memory.check_memory; None for other kinds.
 
@@ -245,7 +248,7 @@ def solve_need(path: str | os.PathLike, ridge: float = 0.0, lowrank: bool = Fals
             block = formats.stored_block(f)
         return d, solve_need_of(d, n, ridge, lowrank, command, block=block)
     if kind == "tokens":
-        info = tokens_info(path, attention, bias_terms)
+        info = tokens_info(path, read)
         check_floor(info.d, path, command)
         require_square(info, command)
         if n_features(info.d) >= spans_mod.SPANS_MIN_FEATURES and not lowrank:
@@ -257,18 +260,23 @@ def solve_need(path: str | os.PathLike, ridge: float = 0.0, lowrank: bool = Fals
 
 
 def check_solve_memory(path: str | os.PathLike, what: str, ridge: float = 0.0, lowrank: bool = False,
-                       chunk_size: int | None = None, attention: str | None = None, bias_terms: bool = False) -> None:
-    """Refuse before any work a certify / fit of `path` that cannot fit in memory (`solve_need`)."""
-    job = solve_need(path, ridge, lowrank, chunk_size, command=what, attention=attention, bias_terms=bias_terms)
+                       chunk_size: int | None = None, read: ReadSpec | None = None) -> None:
+    """Refuse before any work a certify / fit of `path` that cannot fit in memory (`solve_need`; `read`: how a
+    tokens file is read)."""
+    job = solve_need(path, ridge, lowrank, chunk_size, command=what, read=read)
     if job is not None:
         check_memory(job[0], path=path, need=job[1], what=what)
 
 
-def check_attention_of(feats: Features, attention: str | None, path: str | os.PathLike | None = None) -> None:
-    """Refuse an `attention` that the statistics' samples contradict (None: nothing asked)."""
-    if check_attention(attention) is None:
+def check_attention_of(feats: Features, attention: str | Samples | None, path: str | os.PathLike | None = None
+                       ) -> None:
+    """Refuse an `attention` (a per-position layout or its name) that the statistics' samples contradict (None:
+    nothing asked)."""
+    name = check_attention(attention)
+    if name is None:
         return
-    if feats.samples.attention != attention:
+    if feats.samples.attention != name or (isinstance(attention, Samples) and feats.samples != attention):
+        attention = str(attention) if isinstance(attention, Samples) else name
         have = "last-token samples" if feats.samples.attention is None else f"attention '{feats.samples.attention}'"
         raise InputError(f"attention '{attention}' was asked but the statistics were featurized with {have}; "
                          "featurize the tokens file again with the attention wanted", path)
@@ -300,13 +308,15 @@ def check_affine_of(feats: Features, affine_from: str | os.PathLike | None, path
 
 def load_features(path: str | os.PathLike, chunk_size: int | None = None, normalize: str | None = None,
                   progress: Callable[[int], None] | None = None, device: str | None = None,
-                  attention: str | None = None, bias_terms: bool | None = None,
-                  affine_from: str | os.PathLike | None = None) -> Features:
+                  attention: str | Samples | None = None, bias_terms: bool | None = None,
+                  affine_from: str | os.PathLike | None = None, read: ReadSpec | None = None) -> Features:
     """The statistics of a features file, or of a tokens file (featurized here, streamed, on `device`).
 
-    `normalize`, `attention` and `bias_terms` (if given) must match a features file's, and are applied to a
-    tokens file.
+    `normalize`, `attention` and `bias_terms` (if given; or `read`, mhla_cli.samples.ReadSpec, the three as one
+    value) must match a features file's, and are applied to a tokens file.
     """
+    if read is not None:
+        attention, normalize, bias_terms = read.layout, read.normalize, read.bias_terms
     if normalize is not None:
         check_normalize(normalize)
     store = zarr_store.is_store(path)
@@ -321,6 +331,6 @@ def load_features(path: str | os.PathLike, chunk_size: int | None = None, normal
         check_affine_of(feats, affine_from, path)
         return feats
     if kind == "tokens":
-        return featurize(path, chunk_size=chunk_size, progress=progress, normalize=normalize or "none",
-                         device=device, attention=attention, bias_terms=bool(bias_terms), affine_from=affine_from)
+        return featurize(path, chunk_size=chunk_size, progress=progress, device=device, affine_from=affine_from,
+                         read=ReadSpec(attention, normalize or "none", bool(bias_terms)))
     raise InputError(f"is a {kind} file, expected a tokens or features file", path)

@@ -31,7 +31,7 @@ from ._driver import convert_files, expand_inputs, parse_input
 from ._readers import READERS, SUFFIXES
 from ._roles import MASK_NAMES, NAMES, ROLES, TOKEN_ALIASES, parse_keys
 from ._source import Reader
-from ._writer import ATTENTION, CHUNK_BYTES, write_tokens
+from ._writer import CHUNK_BYTES, write_tokens
 
-__all__ = ["ATTENTION", "CHUNK_BYTES", "MASK_NAMES", "NAMES", "READERS", "ROLES", "Reader", "SUFFIXES", "TOKEN_ALIASES",
+__all__ = ["CHUNK_BYTES", "MASK_NAMES", "NAMES", "READERS", "ROLES", "Reader", "SUFFIXES", "TOKEN_ALIASES",
            "convert_files", "expand_inputs", "parse_input", "parse_keys", "write_tokens"]

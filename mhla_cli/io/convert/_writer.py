@@ -26,12 +26,11 @@ from ._values import _value_sources
 from .. import formats
 from .. import tokens as tokens_mod
 from ...errors import InputError
+from ...samples import attentions
 
 # Output suffixes that name another format (an output's suffix means its format).
 _OTHER_FORMATS = tuple(s for s in (*SUFFIXES, ".csv", ".tsv", ".txt", ".json", ".zip", ".pkl", ".pickle")
                        if s not in formats.HDF5_SUFFIXES)
-# Values of the `attention` attribute of a tokens file with per-position targets.
-ATTENTION = ("causal", "bidirectional")
 # Bytes of token (and per-position target) rows copied per chunk (at least one sample per chunk).
 CHUNK_BYTES = 16 << 20
 _OFFSET_BLOCK = 1 << 20
@@ -77,8 +76,8 @@ def _attention(info: tokens_mod.TokensInfo, attention: str | None, required: boo
     """The `attention` attribute to write: given for per-position targets (required there when
     `required`), refused for any other file."""
     per_position = info.has_targets and info.per_position
-    if attention is not None and attention not in ATTENTION:
-        raise InputError(f"attention '{attention}': expected causal or bidirectional")
+    if attention is not None and attention not in attentions():
+        raise InputError(f"attention '{attention}': expected {' or '.join(attentions())}")
     if attention is not None and not per_position:
         what = ("the targets are per sequence (N, e): the last position is the query" if info.has_targets
                 else "there are no targets")

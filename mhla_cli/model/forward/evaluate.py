@@ -14,26 +14,34 @@ from ...linalg.device import check_device
 from ...errors import InputError
 from ...feature_map import d_of_psi
 from ..heads import Heads
-from ..model import Model, affine_of, attention_of, bias_terms_of, coef_of, evaluation_of, normalize_of
+from ..model import Model, affine_of, bias_terms_of, coef_of, evaluation_of, normalize_of
 from ...statistics.affine_sums import affine_rows
-from ...samples import BIDIRECTIONAL, CAUSAL, LAST, Samples, samples_of
+from ...samples import BIDIRECTIONAL, CAUSAL, LAST, Samples, fitted_layout
 from ...statistics.stream import sequence_moments
 from ...bias_terms import with_constant
 
 
 
 def forward_heads(V: np.ndarray, Q: np.ndarray, X: np.ndarray, all_positions: bool = False,
-                  normalize: str = "none") -> np.ndarray:
-    """Reference forward pass of one sequence X (n, d): sum_h V_h X^T X Q_h x_t (t = n, or every t).
+                  normalize: str = "none", layout: Samples | None = None) -> np.ndarray:
+    """Reference forward pass of one sequence X (n, d): sum_h V_h S Q_h x_t, S = X^T X and t = n (the last
+    token); with a per-position `layout` (mhla_cli.samples) at every t with S_t of the positions its query
+    reads (`Samples.spans`); `all_positions` is layout=BIDIRECTIONAL (every t with the whole S).
 
-    normalize="length" uses S = X^T X / n.
+    normalize="length" divides S by the tokens it sums.
     """
     X = np.asarray(X, dtype=np.float64)
+    layout = BIDIRECTIONAL if layout is None and all_positions else layout
+    if layout is not None and layout.per_position:
+        start, stop = layout.spans(X.shape[0])
+        out = np.empty((X.shape[0], V.shape[1]))
+        for t, (a, b) in enumerate(zip(start.tolist(), stop.tolist())):
+            S = X[a:b].T @ X[a:b] / ((b - a) if normalize == "length" else 1)
+            out[t] = np.einsum("hab,bc,hcl,l->a", V, S, Q, X[t], optimize=True)
+        return out
     S = X.T @ X
     if normalize == "length":
         S = S / X.shape[0]
-    if all_positions:
-        return np.einsum("hab,bc,hcl,tl->ta", V, S, Q, X, optimize=True)
     return np.einsum("hab,bc,hcl,l->a", V, S, Q, X[-1], optimize=True)
 
 
@@ -131,9 +139,9 @@ def _chunk_moments(tokens: np.ndarray, offsets: np.ndarray, d: int, normalize: s
     return S, last
 
 
-def heads_chunk(fn: HeadsFn, tokens: np.ndarray, offsets: np.ndarray, all_positions: bool = False,
+def heads_chunk(fn: HeadsFn, tokens: np.ndarray, offsets: np.ndarray, layout: Samples | None = None,
                 normalize: str = "none") -> tuple[np.ndarray, np.ndarray | None]:
-    """`predict_chunk` of heads evaluated directly: last-token outputs (B, d_out), every position's (t, d_out)."""
+    """`predict_chunk` of heads evaluated directly: last-token outputs (B, d_out), every sample's (R, d_out)."""
     V, Q = fn[0], fn[1]
     if tokens.shape[1] != in_width(fn):
         raise InputError(f"the model has d = {in_width(fn)} but the data have d = {tokens.shape[1]}")
@@ -143,24 +151,25 @@ def heads_chunk(fn: HeadsFn, tokens: np.ndarray, offsets: np.ndarray, all_positi
     qx = np.einsum("hcl,bl->bhc", Q, last, optimize=True)
     sqx = np.einsum("bjc,bhc->bhj", S, qx, optimize=True)
     pred = fn.back(np.einsum("haj,bhj->ba", V, sqx, optimize=True))
-    outputs = sample_outputs(fn, tokens, offsets, BIDIRECTIONAL, normalize) if all_positions else None
+    outputs = None if layout is None else sample_outputs(fn, tokens, offsets, layout, normalize)
     return pred, outputs
 
 
 def predict_chunk(coef: np.ndarray | HeadsFn, tokens: np.ndarray, offsets: np.ndarray,
-                  all_positions: bool = False, normalize: str = "none",
+                  layout: Samples | None = None, normalize: str = "none",
                   device: str | None = None) -> tuple[np.ndarray, np.ndarray | None]:
-    """Predictions for a chunk: last-token outputs (B, d) and, if asked, every position's (t, d).
+    """Predictions for a chunk: last-token outputs (B, d) and, with a `layout` (mhla_cli.samples), the outputs at
+    every sample of that layout (`sample_outputs`; None: none).
 
     normalize="length" divides each sequence's S by its length (as the model was fitted). `device`
     (mhla_cli.linalg.device): the last-token outputs computed there (every position's stay on the CPU).
     `coef` may be a HeadsFn (heads evaluated directly, on the CPU: `heads_chunk`).
     """
     if isinstance(coef, HeadsFn):
-        return heads_chunk(coef, tokens, offsets, all_positions, normalize)
+        return heads_chunk(coef, tokens, offsets, layout, normalize)
     S, last = _chunk_moments(tokens, offsets, in_width(coef), normalize)
     pred = get_backend(device).last_outputs(coef, S, last)
-    outputs = sample_outputs(coef, tokens, offsets, BIDIRECTIONAL, normalize) if all_positions else None
+    outputs = None if layout is None else sample_outputs(coef, tokens, offsets, layout, normalize)
     return pred, outputs
 
 
@@ -293,24 +302,25 @@ def _tokens_of(fn: Model | Heads | np.ndarray, tokens: np.ndarray) -> np.ndarray
 def fitted_samples(fn: Model | Heads | np.ndarray) -> Samples:
     """The layout a model or heads were fitted on, as their `attention` records it: BIDIRECTIONAL or CAUSAL
     for per-position fits, LAST otherwise (files without it)."""
-    att = attention_of(fn)
-    return LAST if att is None else samples_of(True, att)
+    return LAST if isinstance(fn, np.ndarray) else fitted_layout(fn.info)
 
 
 def predict(fn: Model | Heads | np.ndarray, tokens: np.ndarray, offsets: np.ndarray | None = None,
-            all_positions: bool = False, device: str | None = None, wide: np.ndarray | None = None
-            ) -> np.ndarray | tuple[np.ndarray, np.ndarray]:
+            all_positions: bool = False, device: str | None = None, wide: np.ndarray | None = None,
+            layout: Samples | None = None) -> np.ndarray | tuple[np.ndarray, np.ndarray]:
     """In-memory prediction. tokens (N, n, d), or (T, d) with offsets (N+1,); the model's normalisation.
     `device` (mhla_cli.linalg.device): the last-token outputs computed there. `wide`: the wide tokens of a function
-    with the affine map of them (`predict_samples`)."""
+    with the affine map of them (`predict_samples`). With a per-position `layout` (mhla_cli.samples; `all_positions`:
+    BIDIRECTIONAL, the whole window's S) (the last-token outputs, the outputs at every sample of that layout)."""
     coef, A = evaluated(fn)
     tokens, offsets = as_ragged(_tokens_of(fn, tokens), offsets)
-    pred, outputs = predict_chunk(coef, in_basis(tokens, A), offsets, all_positions,
+    layout = BIDIRECTIONAL if layout is None and all_positions else layout
+    pred, outputs = predict_chunk(coef, in_basis(tokens, A), offsets, layout,
                                   normalize_of(fn), device=check_device(device))
     pred = _with_affine(fn, pred, wide, offsets, False)
     if outputs is not None:
-        outputs = _with_affine(fn, outputs, wide, offsets, True)
-    return (pred, outputs) if all_positions else pred
+        outputs = _with_affine(fn, outputs, wide, offsets, layout.per_position)
+    return pred if layout is None else (pred, outputs)
 
 
 def in_basis(tokens: np.ndarray, A: np.ndarray | None) -> np.ndarray:

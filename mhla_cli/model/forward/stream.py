@@ -234,7 +234,7 @@ def _range_task(coef: np.ndarray | HeadsFn, info: TokensInfo, pmap: Any, normali
         affine = (dataclasses.replace(w, info=dataclasses.replace(w.info, path=os.path.abspath(w.info.path))),
                   affine[1])
     if samples is None:
-        return partial(predict_range, coef, winfo, False, normalize=normalize, device=device, basis=basis,
+        return partial(predict_range, coef, winfo, None, normalize=normalize, device=device, basis=basis,
                        affine=affine), False
     # outputs at every position take long per range: in this process (serial or threads; `progress` None
     # for a caller's map) each range tells its blocks as they finish, one call at a time
@@ -262,7 +262,7 @@ def predict_file(fn: Model | Heads, data: str | os.PathLike, out: str | os.PathL
                  inputs: tuple[str | os.PathLike, ...] = (), workers: int = 1,
                  map: Callable[..., Any] | None = None,  # noqa: A002
                  causal: bool = False, device: str | None = None,
-                 affine_from: str | os.PathLike | None = None) -> Predictions:
+                 affine_from: str | os.PathLike | None = None, layout: Samples | None = None) -> Predictions:
     """Stream predictions over a tokens file; write them to `out` (atomically) if given.
 
     Returns a summary (n_samples, mse and r2 when the data have targets: mhla_cli.model.scores, weighted like
@@ -271,7 +271,10 @@ def predict_file(fn: Model | Heads, data: str | os.PathLike, out: str | os.PathL
     `workers=K` predicts chunks in K local workers (or pass any ordered `map`); the output is the
     same as the serial one. The model's normalisation (attribute `normalize`) is applied.
 
-    `causal`: `outputs` (T, d) holds the last-token output of every prefix X[:t] and `predictions`
+    `layout` (a per-position layout, mhla_cli.samples): `outputs` holds the output at every sample of that layout,
+    scored against per-position targets (data whose `attention` attribute says another layout are refused); a model
+    fitted on a layout that `predicts_every_position` takes no other. `causal` is layout=CAUSAL:
+    `outputs` (T, d) holds the last-token output of every prefix X[:t] and `predictions`
     the one of every whole sequence; the MSE is over the weighted positions of per-position
     targets (sum w ||e||^2 / (d sum w)), or over the sequences of last-token targets. A model fitted
     on bidirectional samples (its `attention`, `fitted_samples`) writes `outputs` at every position
@@ -295,25 +298,31 @@ def predict_file(fn: Model | Heads, data: str | os.PathLike, out: str | os.PathL
     if all_positions and causal:
         raise InputError("causal and all_positions cannot be combined: causal is the masked (prefix) "
                          "output at every position, all_positions the unmasked one")
+    if (causal or all_positions) and layout not in (None, CAUSAL if causal else BIDIRECTIONAL):
+        raise InputError(f"the layout {layout} was asked beside causal or all_positions: give one of them")
+    layout = CAUSAL if causal else layout
+    if layout is not None and not layout.per_position:
+        layout = None  # the last-token outputs: the predictions themselves
     fitted = fitted_samples(fn)
-    if causal and fitted.predicts_every_position:
-        raise InputError(f"the model was fitted on {fitted.name} samples ({fitted.words}): --causal would evaluate "
-                         "it on prefixes; its outputs at every position are written without --causal")
+    if layout is not None and fitted.predicts_every_position and layout != fitted:
+        raise InputError(f"the model was fitted on {fitted.name} samples ({fitted.words}): "
+                         f"{'--causal' if layout == CAUSAL else layout.name} would evaluate it on {layout.words}; "
+                         f"its outputs at every position are written without {'--causal' if causal else 'a layout'}")
     _, normalize, info = _function_and_data(fn, data)
     coef, A = evaluated(fn)  # evaluated where it was solved (Model.evaluation), or the heads directly
     d = out_width(coef)
-    # the outputs at every position: of the prefixes (causal), with the whole window's S (all_positions), or
-    # in the layout the model was fitted on
-    samples = (CAUSAL if causal else BIDIRECTIONAL if all_positions and not fitted.predicts_every_position
+    # the outputs at every position: in the layout asked (of the prefixes with causal), with the whole window's S
+    # (all_positions), or in the layout the model was fitted on
+    samples = (layout if layout is not None else BIDIRECTIONAL if all_positions and not fitted.predicts_every_position
                else fitted if fitted.predicts_every_position else None)
-    # per-position targets are scored against those outputs: always in the layout asked (--causal) or fitted on
-    # (data marked with the other attention: refused); with --all-positions when the targets are of an encoder's
-    # window (the file's attribute bidirectional, or none), not against a decoder's prefixes (attribute causal)
+    # per-position targets are scored against those outputs: always in the layout asked or fitted on (data marked
+    # with another attention: refused); with all_positions when the targets are of an encoder's window (the
+    # file's attribute that layout's, or none), not against a decoder's prefixes (another attribute)
     scored_as = None
     if info.per_position and samples is not None and (
-            causal or fitted.predicts_every_position or info.attention in (None, samples.attention)):
+            layout is not None or fitted.predicts_every_position or info.attention in (None, samples.attention)):
         scored_as = samples.attention
-        info = read_as(info, samples.attention)
+        info = read_as(info, samples)
     elif info.per_position:
         info = dataclasses.replace(info, has_targets=False)  # per-position targets: no per-sequence MSE
     if isinstance(coef, HeadsFn):
@@ -329,9 +338,9 @@ def predict_file(fn: Model | Heads, data: str | os.PathLike, out: str | os.PathL
             return sinks, _predict_ranges(task, todo, pmap, sinks, None if ticks else progress)
 
     if out is not None:
-        meta = {"d": d, "n_samples": info.n_samples, "normalize": normalize, "causal": int(causal)}
+        meta = {"d": d, "n_samples": info.n_samples, "normalize": normalize, CAUSAL.name: int(layout == CAUSAL)}
         if samples is not None:
-            meta["attention"] = samples.attention  # what the outputs at every position are
+            meta.update(samples.fit_attrs())  # what the outputs at every position are
         _, (count, spread) = _write_predictions(out, (data, *inputs), meta, run)
         result = Predictions(info.n_samples, d, normalize)
     else:
@@ -371,7 +380,7 @@ def _affine_source(fn: Model | Heads, data: str | os.PathLike, affine_from: str 
 
 
 
-def predict_range(coef: np.ndarray, info: Any, all_positions: bool, sample_range: tuple[int, int],
+def predict_range(coef: np.ndarray, info: Any, layout: Samples | None, sample_range: tuple[int, int],
                  normalize: str = "none", device: str | None = None, basis: np.ndarray | None = None,
                  affine: tuple[WideSource, np.ndarray] | None = None
                  ) -> tuple[np.ndarray, np.ndarray | None, np.ndarray, int, Spread]:
@@ -388,7 +397,7 @@ def predict_range(coef: np.ndarray, info: Any, all_positions: bool, sample_range
         weights = w[0] if w else None
         check_finite(tokens, offsets, targets, a, info.path)
         check_weights(weights, offsets, a, info.per_position, info.path)
-        pred, outputs = predict_chunk(coef, in_basis(tokens, basis), offsets, all_positions, normalize,
+        pred, outputs = predict_chunk(coef, in_basis(tokens, basis), offsets, layout, normalize,
                                       device=None if device is None else worker_device(device))
         if affine is not None:  # the affine map of the wide tokens at the last token (and every position)
             aff = _affine_range(affine, a, offsets)
