@@ -579,6 +579,9 @@ def test_lengths_mask_name_and_keys(tmp_path: Path) -> None:
     ("ragged tokens", "masks padded tokens"),
     ("no such mask", "no array 'nope' to use as the padding mask"),
     ("bad key", "--key foo=bar: expected ROLE=NAME"),
+    # an array given the mask role (--key mask=NAME) is named as the mask in every refusal
+    ("key mask shape", "the mask 'keep' has shape (6, 6), expected (N, n) = (6, 5)"),
+    ("key mask not 0/1", "the mask 'blocks.0.hook_keep' of sequence 0, position 0 is 2"),
 ])
 def test_bad_masks_exit_2(case: str, pattern: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     X, mask, _ = _padded()
@@ -596,6 +599,11 @@ def test_bad_masks_exit_2(case: str, pattern: str, tmp_path: Path, capsys: pytes
         extra = ["--mask", "nope"]
     if case == "bad key":
         extra = ["--key", "foo=bar"]
+    if case == "key mask shape":
+        arrays, extra = {"tokens": X, "keep": np.ones((X.shape[0], X.shape[1] + 1))}, ["--key", "mask=keep"]
+    if case == "key mask not 0/1":
+        arrays = {"tokens": X, "blocks.0.hook_keep": mask * 2}
+        extra = ["--key", "mask=blocks.0.hook_keep"]
     np.savez(tmp_path / "m.npz", **arrays)
     out = tmp_path / "m.h5"
     capsys.readouterr()
@@ -603,6 +611,8 @@ def test_bad_masks_exit_2(case: str, pattern: str, tmp_path: Path, capsys: pytes
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and pattern in err[0], err
     assert "np." not in err[0], err  # values as Python numbers, not NumPy reprs
+    if case in ("not 0/1", "all 0", "bad length", "ragged tokens"):
+        assert "mask '" in err[0], err  # the array named as the mask
     if case in ("not 0/1", "bad length"):
         assert " is 2:" in err[0] or " is 6:" in err[0], err
     assert not out.exists()
