@@ -787,3 +787,45 @@ def test_readme_performance_figures_quote_their_pages() -> None:
     assert check_performance_figures(readme.replace(first, first.replace(number, number + "7")), pages)
     assert check_performance_figures(readme.replace(first, re.sub(r"\]\([^)]*\)", "]", first)), pages)
     assert check_performance_figures(readme.replace("#small-d-is-io-bound", "#small-d"), pages)
+
+
+# Columns a table of real_model.md may have: more hide behind a sideways scroll on the site's page.
+MAX_TABLE_COLUMNS = 9
+
+
+def test_real_model_tables_fit_the_page_and_are_the_example_s_own() -> None:
+    """real_model.md's tables have at most MAX_TABLE_COLUMNS columns; the first two are what the example's
+    `table` prints from their rows (so the slow run's comparison holds), and the quotes of the text find their
+    numbers in that output."""
+    from conftest import load_example
+
+    path = ROOT / "docs" / "real_model.md"
+    text = path.read_text()
+    widths = [line.count("|") - 1 for line in text.splitlines() if line.startswith("|---")]
+    assert widths and max(widths) <= MAX_TABLE_COLUMNS, widths
+    doc = parse(str(path), text)
+    tables = [q for q in doc.quotes if q.kind == "table" and q.block == "real"]
+    heads = [[c.strip() for c in q.paragraph.strip().splitlines()[0].strip("|").split("|")] for q in tables]
+    ex = load_example(ROOT / "examples" / "real_model.py", "real_model_tables")
+    first, second = (tables[heads.index(list(h))] for h in ex.TABLE_HEADS)
+    rows = []
+    for a, b in zip(*(q.paragraph.strip().splitlines()[2:] for q in (first, second))):
+        ca, cb = ([c.strip() for c in r.strip().strip("|").split("|")] for r in (a, b))
+        assert ca[:3] == cb[:3]
+        rows.append({"d": int(ca[0]), "normalize": ca[1], "n_features": int(ca[2]), "r2_train": float(ca[3]),
+                     "r2_heldout": float(ca[4]), "r2_heldout_last": float(ca[5]), "r2_head": float(ca[6]),
+                     "r2_reduction": float(ca[7]), "heads": int(ca[8].rstrip("*")),
+                     "spectrum_converged": not ca[8].endswith("*"), "certify_full": cb[3] == "yes",
+                     "certify_observed": cb[4] == "yes", "heldout_determined": int(cb[5].split("/")[0]),
+                     "heldout_probes": int(cb[5].split("/")[1]), "ridge_cv": float(cb[6]),
+                     "r2_heldout_cv": float(cb[7]), "r2_heldout_cv_last": float(cb[8])})
+    out = ex.table(rows)
+    for q in (first, second):
+        assert compare_output(q.paragraph, out, q.tols, search=True) == []
+    # the text's quotes of these two tables (a row of d and normalize, or of d, normalize and psi) find their number
+    quoted = [(lit, rx) for q in doc.quotes if q.kind == "quote" and q.block == "real" for lit, _, rx in q.claims
+              if re.match(r"\\\| \d+ \\\| (none|length) \\\|", rx) and "MHLA" not in rx and "affine" not in rx]
+    assert len(quoted) >= 7, quoted
+    for lit, rx in quoted:
+        m = re.search(rx, out)
+        assert m and float(m.group(1)) == float(lit), (lit, rx)
