@@ -212,6 +212,14 @@ def test_predict_files_heads_unreduce_and_torch(tmp_path: Path, capsys: pytest.C
         save_heads(heads, tmp_path / name)
         h = load_heads(tmp_path / name)
         assert relerr(predict_samples(h, Xrh, offh, samples_of(True, layout), wide=Xh), want) < 1e-10
+    # heads put back into the wide coordinates (--unreduce) on the reduced file: refused, the wide file named,
+    # with or without --affine-from
+    save_heads(unreduce_heads(heads, s["red_map"]), tmp_path / "hu.h5")
+    for extra in ([], ["--affine-from", str(hw)]):
+        assert run(["predict", str(tmp_path / "hu.h5"), str(hr), "-o", str(tmp_path / "p.h5"), *extra]) == 2
+        err = capsys.readouterr().err
+        assert "put back into the" in err and f"({hw.name}, the file mhla reduce read" in err, err
+        assert "but the model has d" not in err
     torch = pytest.importorskip("torch")
     module = heads.to_torch()
     a, b = offh[0], offh[1]

@@ -330,6 +330,13 @@ def test_files_record_the_bias_terms_and_old_files_read_as_before(tmp_path: Path
     res = predict_file(m, path)
     assert res.d == 2 and res.predictions.shape == (60, 2)
     assert relerr(res.predictions, predict(m, X, off)) < 1e-12  # in memory: the tokens x, the constant appended
+    # tokens of another width: the message gives the widths the user knows (the constant coordinate not counted)
+    X3, off3, Y3, _ = data("last", 9, 3, n_seq=5, lo=2)
+    path3 = write(tmp_path / "l3.h5", "last", X3, off3, Y3)
+    save_heads(export_heads(m), tmp_path / "hb.npz")
+    for fn in ("m.h5", "hb.npz"):
+        assert run(["predict", str(tmp_path / fn), str(path3), "-o", str(tmp_path / "p3.h5")]) == 2
+        assert "the data have d = 3 but the model has d = 2" in capsys.readouterr().err
     # a heads file with some of the bias arrays only: refused
     heads = export_heads(m)
     save_heads(heads, tmp_path / "h.h5")

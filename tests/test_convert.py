@@ -426,13 +426,14 @@ def test_other_commands_name_mhla_convert(tmp_path: Path, capsys: pytest.Capture
 # --------------------------------------------------------------------------------------------
 
 
-def _peak_rss_mib(args: list[str]) -> float:
+def _peak_rss_mib(args: list[str], env: dict[str, str] | None = None) -> float:
     """Peak RSS (MiB) of a fresh `mhla` process, measured by a wrapper whose only child it is."""
     wrapper = ("import resource, subprocess, sys\n"
                "r = subprocess.run([sys.executable, '-m', 'mhla_cli', *sys.argv[1:]])\n"
                "print(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024)\n"
                "sys.exit(r.returncode)\n")
-    r = subprocess.run([sys.executable, "-c", wrapper, *args], capture_output=True, text=True)
+    r = subprocess.run([sys.executable, "-c", wrapper, *args], capture_output=True, text=True,
+                       env=None if env is None else {**os.environ, **env})
     assert r.returncode == 0, r.stderr
     return float(r.stdout.strip().splitlines()[-1])
 
@@ -473,6 +474,64 @@ def test_large_input_converts_in_bounded_memory(tmp_path: Path, kind: str) -> No
         assert f["tokens"].shape == (N, n, d)
         for a in range(0, N, 2048):
             assert np.array_equal(f["tokens"][a:a + 2048], src[a:a + 2048])
+
+
+def test_a_folder_of_torch_files_converts_in_memory_flat_in_their_number(tmp_path: Path) -> None:
+    """16 torch files of strided tensors (one hook's slice, as a capture saves it) convert with a peak RSS within
+    3 files' size of the peak for 4 of them (more than one chunk of the copy: CHUNK_BYTES); reading them all at once
+    held every file's pages, 12 files' size more. glibc's mmap threshold is fixed for the measure: its dynamic
+    threshold keeps freed chunk buffers in the heap, a few tens of MB whatever the number of files."""
+    torch = pytest.importorskip("torch")
+    rng = np.random.default_rng(3)
+    folder, n_files, parts = tmp_path / "acts", 16, []
+    folder.mkdir()
+    for i in range(n_files):
+        wide = torch.from_numpy(rng.standard_normal((40, 96, 520), dtype=np.float32))  # 8 MB
+        parts.append(wide[:, :, :512].numpy().copy())
+        torch.save({"tokens": wide[:, :, :512]}, folder / f"p{i:02d}.pt")  # saves the whole storage
+    file_mib = (folder / "p00.pt").stat().st_size / 2**20
+    assert 4 * file_mib * 2**20 > convert_mod.CHUNK_BYTES
+    env = {"MALLOC_MMAP_THRESHOLD_": str(1 << 20)}
+    four = _peak_rss_mib(["convert", *(str(folder / f"p{i:02d}.pt") for i in range(4)), "-o", str(tmp_path / "t.h5"),
+                          "-q"], env)
+    every = _peak_rss_mib(["convert", str(folder), "-o", str(tmp_path / "all.h5"), "-q"], env)
+    assert every - four < 3 * file_mib, (four, every, file_mib)
+    with h5py.File(tmp_path / "all.h5", "r") as f:
+        assert np.array_equal(f["tokens"][()], np.concatenate(parts))
+
+
+def test_several_files_are_read_one_or_two_at_a_time(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """convert_files holds at most OPEN_FILES inputs open (their readers' objects), whatever their number, and
+    writes the same file as when they were all held."""
+    from mhla_cli.io.convert import _driver
+
+    rng = np.random.default_rng(4)
+    X = [rng.standard_normal((3, 4, 2)) for _ in range(9)]
+    M = [np.ones((3, 4)) for _ in range(9)]
+    for k, m in enumerate(M):
+        m[k % 3, 2 + k % 2:] = 0
+    for k, (x, m) in enumerate(zip(X, M)):  # padded activations with their mask and per-position targets
+        with h5py.File(tmp_path / f"p{k}.h5", "w") as f:
+            f["tokens"], f["attention_mask"], f["targets"] = x, m, x[..., ::-1] * 2
+    live, peak, opened = [0], [0], [0]
+    plain = _driver._file_sources
+
+    def counted(name, p, stack):  # type: ignore[no-untyped-def]
+        live[0] += 1
+        opened[0] += 1
+        peak[0] = max(peak[0], live[0])
+        stack.callback(lambda: live.__setitem__(0, live[0] - 1))
+        return plain(name, p, stack)
+
+    monkeypatch.setattr(_driver, "_file_sources", counted)
+    files = [str(tmp_path / f"p{k}.h5") for k in range(9)]
+    convert_mod.convert_files(files, tmp_path / "o.h5", chunk_size=2, attention="causal")
+    assert peak[0] == _driver.OPEN_FILES and live[0] == 0 and opened[0] >= 9
+    keep = np.concatenate(M).reshape(-1) != 0
+    lengths = np.concatenate(M).sum(axis=1).astype(np.int64)
+    _same(tmp_path / "o.h5", tokens=np.concatenate(X).reshape(-1, 2)[keep],
+          offsets=np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64),
+          targets=(np.concatenate(X).reshape(-1, 2)[:, ::-1] * 2)[keep])
 
 
 def test_not_hdf5_reason(tmp_path: Path) -> None:
@@ -579,6 +638,9 @@ def test_lengths_mask_name_and_keys(tmp_path: Path) -> None:
     ("ragged tokens", "masks padded tokens"),
     ("no such mask", "no array 'nope' to use as the padding mask"),
     ("bad key", "--key foo=bar: expected ROLE=NAME"),
+    # an array given the mask role (--key mask=NAME) is named as the mask in every refusal
+    ("key mask shape", "the mask 'keep' has shape (6, 6), expected (N, n) = (6, 5)"),
+    ("key mask not 0/1", "the mask 'blocks.0.hook_keep' of sequence 0, position 0 is 2"),
 ])
 def test_bad_masks_exit_2(case: str, pattern: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     X, mask, _ = _padded()
@@ -596,6 +658,11 @@ def test_bad_masks_exit_2(case: str, pattern: str, tmp_path: Path, capsys: pytes
         extra = ["--mask", "nope"]
     if case == "bad key":
         extra = ["--key", "foo=bar"]
+    if case == "key mask shape":
+        arrays, extra = {"tokens": X, "keep": np.ones((X.shape[0], X.shape[1] + 1))}, ["--key", "mask=keep"]
+    if case == "key mask not 0/1":
+        arrays = {"tokens": X, "blocks.0.hook_keep": mask * 2}
+        extra = ["--key", "mask=blocks.0.hook_keep"]
     np.savez(tmp_path / "m.npz", **arrays)
     out = tmp_path / "m.h5"
     capsys.readouterr()
@@ -603,6 +670,8 @@ def test_bad_masks_exit_2(case: str, pattern: str, tmp_path: Path, capsys: pytes
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and pattern in err[0], err
     assert "np." not in err[0], err  # values as Python numbers, not NumPy reprs
+    if case in ("not 0/1", "all 0", "bad length", "ragged tokens"):
+        assert "mask '" in err[0], err  # the array named as the mask
     if case in ("not 0/1", "bad length"):
         assert " is 2:" in err[0] or " is 6:" in err[0], err
     assert not out.exists()

@@ -454,6 +454,33 @@ def test_no_install_from_an_index() -> None:
     assert not hits, "install instructions that need a published mhla:\n" + "\n".join(hits)
 
 
+# An index named by pip's --index-url / --extra-index-url, and a repository named by `git clone`.
+_INDEX_URL = re.compile(r"--(?:extra-)?index-url[ =]+['\"]?([^'\"\s]+)")
+_CLONE = re.compile(r"git clone\b[^\n]*?((?:https?|git|ssh|file)://[^'\"\s]+|git@[^'\"\s]+|$)")
+
+
+def test_install_lines_name_real_addresses() -> None:
+    """Install lines work as written: an index is a concrete https address (no placeholder such as
+    "$PYTORCH_CPU_INDEX"), and a `git clone` only of an address pyproject.toml records in [project.urls]
+    (none is recorded while no public address is known: the docs say "from a checkout"); every address there is
+    an absolute https URL."""
+    tomllib = pytest.importorskip("tomllib")
+    urls = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"].get("urls", {})
+    assert all(re.fullmatch(r"https://[\w.-]+\.[a-z]{2,}(/\S*)?", u) for u in urls.values()), urls
+    known = {u.rstrip("/").removesuffix(".git") for u in urls.values()}
+    bad = []
+    for path in _texts():
+        for n, line in enumerate(path.read_text(encoding="utf-8", errors="replace").splitlines(), 1):
+            where = f"{path.relative_to(ROOT)}:{n}: {line.strip()[:100]}"
+            bad += [where for u in _INDEX_URL.findall(line) if not re.fullmatch(r"https://[\w.-]+\.[a-z]{2,}/\S*", u)]
+            bad += [where for u in _CLONE.findall(line) if u.rstrip("/").removesuffix(".git") not in known]
+    assert not bad, "install lines with an address that is not a real one:\n" + "\n".join(bad)
+    assert _INDEX_URL.findall('pip install "torch==2.13.0" --index-url "$PYTORCH_CPU_INDEX"') == ["$PYTORCH_CPU_INDEX"]
+    assert _CLONE.findall("git clone --depth 1 https://github.com/mhla-dev/mhla.git") == [
+        "https://github.com/mhla-dev/mhla.git"]
+    assert _CLONE.findall("git clone <the repository's address>") == [""]  # a placeholder: no address
+
+
 def test_install_pattern() -> None:
     for line in ["pip install mhla", "pip install 'mhla[dask]'", 'pip install -U "mhla[plot]"', "- run: pip install mhla"]:
         assert _FROM_INDEX.search(line), line

@@ -222,7 +222,16 @@ def test_floor_cut_and_message() -> None:
     assert memory.featurize_bytes(fits) <= need - 1 < memory.featurize_bytes(fits + 1)
     assert f"d = {d} needs psi = {n_features(d)} features and at least {need / 2**30:.1f} GiB for featurize" in msg
     assert f"the largest d that fits is {fits}" in msg
-    assert msg.endswith(f"mhla reduce t.h5 -o REDUCED.h5 --dim {fits}")
+    # the remedy first, with a sensible d (SUGGESTED_DIM; fewer when memory takes fewer), the memory fact after
+    assert fits > memory.SUGGESTED_DIM
+    assert msg.startswith(f"t.h5: the tokens are too wide (d = {d}): map them to a few dimensions first: mhla reduce t.h5 "
+                          f"-o REDUCED.h5 --dim {memory.SUGGESTED_DIM} ")
+    assert msg.index("mhla reduce") < msg.index("GiB")
+    small = memory.floor_bytes(memory.SUGGESTED_DIM + 5)
+    with pytest.raises(InputError, match=r"--dim (\d+) ") as exc:
+        memory.check_floor(d, "t.h5", budget_bytes=small)
+    k = memory.largest_d(small, below=d)
+    assert k < memory.SUGGESTED_DIM and f"--dim {k} " in str(exc.value)
     # below every command's own need: the floor never refuses what the full check lets through
     for k in (3, 8, 16, 24):
         assert memory.floor_bytes(k) <= memory.featurize_bytes(k)
@@ -272,9 +281,11 @@ def test_wide_tokens_refused_in_one_line_with_a_small_peak(command: str, wide: P
     err = r.stderr.strip().splitlines()
     assert len(err) == 1, err
     line = err[0]
-    assert line.startswith(f"mhla: error: {wide}: d = 384 needs psi = 28385280 features and at least "), line
+    # the remedy first (mhla reduce to a sensible d, not the largest that memory allows), the memory fact after
+    assert line.startswith(f"mhla: error: {wide}: the tokens are too wide (d = 384): map them to a few dimensions "
+                           f"first: mhla reduce {wide} -o REDUCED.h5 --dim {memory.SUGGESTED_DIM} "), line
+    assert "; d = 384 needs psi = 28385280 features and at least " in line, line
     assert f"GiB for {command}," in line and "the largest d that fits is " in line, line
-    assert f"mhla reduce {wide} -o REDUCED.h5 --dim " in line, line
     rss = float(r.stdout.strip().splitlines()[-1])
     assert rss < 300 * 1e6 / 2**20, f"peak RSS {rss:.0f} MiB"
     assert not out.exists()

@@ -279,6 +279,14 @@ OWN_COORDINATES = [
                lambda n: isinstance(n, ast.Assign) and isinstance(n.value, ast.Tuple)
                and all(_calls(e, "evaluated") for e in n.value.elts),
                lambda n: ast.Assign(n.targets, _expr("(coef_of(a), None), (coef_of(b), None)")), tests=CANONICAL),
+    Structural("unreduced heads on the reduced file not refused", "mhla_cli.model.forward.stream", "_check_not_reduced",
+               lambda n: isinstance(n, ast.FunctionDef), _returns_first("return None"),
+               tests=("tests/test_affine_block.py", "-k", "unreduce_and_torch")),
+    Structural("convert holds every input file open", "mhla_cli.io.convert._driver", "_OneAtATime._sources",
+               lambda n: isinstance(n, ast.While), lambda n: ast.Pass(),
+               tests=("tests/test_convert.py", "-k", "one_or_two_at_a_time")),
+    Structural("too wide tokens: reduce to the largest d memory allows", "mhla_cli.linalg.memory", "check_floor",
+               lambda n: _calls(n, "min"), lambda n: _expr("fits"), tests=("tests/test_memory.py", "-k", "floor")),
 ]
 
 # ---------------------------------------------------------------------------------------------

@@ -169,6 +169,11 @@ def largest_d(budget_bytes: int, need: Callable[[int], int] | None = None, below
     return fits
 
 
+# The dimension the refusal of too wide tokens suggests for `mhla reduce` (`check_floor`): docs/real_model.md fits a
+# transformer's heads at d = 4 to 16 in minutes; the largest d memory allows (39 on 16 GiB) is a limit, not a choice.
+SUGGESTED_DIM = 8
+
+
 def reduce_hint(fits: int, tokens: str | os.PathLike | None = None) -> str:
     """The advice of a refusal for too wide tokens: map them (the file `tokens`) to `fits` dimensions."""
     if not fits:
@@ -184,18 +189,23 @@ CLUSTER_HINT = "; or keep the Gram tiled on a Dask cluster's workers: --schedule
 def check_floor(d: int, path: str | os.PathLike | None = None, what: str = "the psi x psi statistics",
                 budget_bytes: int | None = None) -> None:
     """Refuse up front tokens too wide for any job on psi x psi statistics (`floor_bytes`), before a
-    byte of their size is allocated: one InputError naming d, psi, the memory needed, the largest d
-    whose featurize fits, and `mhla reduce`. Cheap: call it first in every such command."""
+    byte of their size is allocated: one InputError leading with the remedy, `mhla reduce` to
+    `SUGGESTED_DIM` dimensions (fewer if the machine takes fewer), then the memory fact (d, psi, the
+    memory needed, the largest d whose featurize fits). Cheap: call it first in every such command."""
     if budget_bytes is None:
         budget_bytes = _available_memory()
     total = floor_bytes(d)
     if total <= budget_bytes:
         return
     fits = largest_d(budget_bytes, below=d)
+    fact = (f"d = {d} needs psi = {n_features(d)} features and at least {total / 2**30:.1f} GiB for {what}, more "
+            f"than the {budget_bytes / 2**30:.1f} GiB of memory available")
+    if not fits:
+        raise InputError(f"{fact}; not even d = 1 fits", path)
     raise InputError(
-        f"d = {d} needs psi = {n_features(d)} features and at least {total / 2**30:.1f} GiB for {what}, "
-        f"more than the {budget_bytes / 2**30:.1f} GiB of memory available; "
-        + (f"the largest d that fits is {fits}" if fits else "not even d = 1 fits") + reduce_hint(fits, path), path)
+        f"the tokens are too wide (d = {d}): map them to a few dimensions first: mhla reduce {path or 'TOKENS'} -o "
+        f"REDUCED.h5 --dim {min(SUGGESTED_DIM, fits)} (a transformer's heads are fitted at d = 4 to 16: "
+        f"docs/real_model.md); {fact} (the largest d that fits is {fits}, a memory limit, not a sensible d)", path)
 
 
 def check_memory(d: int, budget_bytes: int | None = None, copies: int = 1,

@@ -5,9 +5,12 @@ from __future__ import annotations
 
 import dataclasses
 import os
+from functools import partial
 from collections.abc import Callable, Sequence
 from contextlib import ExitStack
 from pathlib import Path
+
+import numpy as np
 
 from ._join import _join, _part
 from ._masks import _apply_mask
@@ -72,6 +75,56 @@ def _file_sources(name: str | None, p: Path, stack: ExitStack) -> list[_Source]:
     return sources
 
 
+# Input files whose reader's objects (memory maps, tensors loaded) are held at once while several files are read:
+# a chunk of the output that spans two files reads each array from both (`_OneAtATime`).
+OPEN_FILES = 2
+
+
+class _OneAtATime:
+    """The inputs' arrays read file by file: a file is opened (its reader's objects: memory maps, a torch file
+    loaded) to list its arrays, and again when its rows are read, with at most `OPEN_FILES` files open (the
+    least recently read is closed first), so the peak memory of several files is that of one or two, not
+    their sum. Rows read are copies (a view into a file that is closed later would dangle)."""
+
+    def __init__(self) -> None:
+        self.specs: list[tuple[str | None, Path]] = []
+        self.open: dict[int, tuple[list[_Source], ExitStack]] = {}  # in the order of their last read
+
+    def add(self, name: str | None, p: Path) -> list[_Source]:
+        """The arrays of the input `p` (NAME=FILE: `name`), whose rows are read from the file opened again."""
+        k = len(self.specs)
+        self.specs.append((name, p))
+        return [dataclasses.replace(s, read=partial(self._read, k, i)) for i, s in enumerate(self._sources(k))]
+
+    def _sources(self, k: int) -> list[_Source]:
+        if k in self.open:
+            self.open[k] = self.open.pop(k)  # the most recently read last
+            return self.open[k][0]
+        while len(self.open) >= OPEN_FILES:
+            self._close(next(iter(self.open)))
+        stack = ExitStack()
+        try:
+            sources = _file_sources(*self.specs[k], stack)
+        except BaseException:
+            stack.close()
+            raise
+        self.open[k] = (sources, stack)
+        return sources
+
+    def _read(self, k: int, i: int, a: int, b: int) -> np.ndarray:
+        rows = np.asarray(self._sources(k)[i].read(a, b))
+        return rows if rows.base is None and rows.flags.owndata else rows.copy()
+
+    def _close(self, k: int) -> None:
+        _, stack = self.open.pop(k)
+        stack.close()
+
+    def close(self) -> None:
+        """Close every file still open."""
+        while self.open:
+            self._close(next(iter(self.open)))
+
+
 def convert_files(inputs: Sequence[str | os.PathLike], output: str | os.PathLike, *,
                   chunk_size: int | None = None, progress: Callable[[int], None] | None = None,
                   mask: str | None = None, keys: Sequence[str] | None = None,
@@ -100,9 +153,11 @@ def convert_files(inputs: Sequence[str | os.PathLike], output: str | os.PathLike
         raise InputError("no input files")
     keymap = parse_keys(keys)
     specs = [parse_input(i) for i in expand_inputs(inputs)]
+    files = _OneAtATime()
     with ExitStack() as stack:
+        stack.callback(files.close)
         plain = [p for n, p in specs if n is None and p.suffix.lower() == ".npy" and p.stem not in FILE_NAMES]
-        raw = [(p, _file_sources(name, p, stack)) for name, p in specs]
+        raw = [(p, files.add(name, p)) for name, p in specs]
         held = {s.name for _, srcs in raw for s in srcs}
         for pick in keymap.values():
             if pick.name not in held:

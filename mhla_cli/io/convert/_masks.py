@@ -35,7 +35,7 @@ def _check_mask(mask: _Source, N: int, n: int, label: str) -> np.ndarray:
     """The offsets (N+1,) of the kept tokens; refuses a mask of another shape, values other than 0/1
     (lengths outside 1..n) and sequences with no token kept."""
     if mask.dtype.kind not in "biuf":
-        raise InputError(f"'{mask.name}' has dtype {mask.dtype}, expected 0/1 numbers (or integer lengths)", label)
+        raise InputError(f"the mask '{mask.name}' has dtype {mask.dtype}, expected 0/1 numbers (or integer lengths)", label)
     lengths = np.empty(N, dtype=np.int64)
     step = max(1, _MASK_BYTES // max(1, n * max(1, mask.dtype.itemsize)))
     for a in range(0, N, step):
@@ -45,19 +45,19 @@ def _check_mask(mask: _Source, N: int, n: int, label: str) -> np.ndarray:
             bad = ~((m >= 1) & (m <= n) & (m == np.floor(m)))
             if bad.any():
                 i = a + int(np.flatnonzero(bad)[0])
-                raise InputError(f"'{mask.name}' of sequence {i} is {formats.value_text(m[i - a])}: lengths must be whole numbers in "
+                raise InputError(f"the mask '{mask.name}' (lengths) of sequence {i} is {formats.value_text(m[i - a])}: lengths must be whole numbers in "
                                  f"1..{n} (the padded length)", label)
             lengths[a:b] = m.astype(np.int64)
         else:
             bad = ~((m == 0) | (m == 1))
             if bad.any():
                 i, t = (int(x[0]) for x in np.nonzero(bad))
-                raise InputError(f"'{mask.name}' of sequence {a + i}, position {t} is {formats.value_text(m[i, t])}: an attention "
+                raise InputError(f"the mask '{mask.name}' of sequence {a + i}, position {t} is {formats.value_text(m[i, t])}: an attention "
                                  "mask holds 0 (padding) or 1 (a token)", label)
             lengths[a:b] = (m != 0).sum(axis=1)
             empty = np.flatnonzero(lengths[a:b] == 0)
             if empty.size:
-                raise InputError(f"sequence {a + int(empty[0])} has no token: its '{mask.name}' is all 0", label)
+                raise InputError(f"sequence {a + int(empty[0])} has no token: its mask '{mask.name}' is all 0", label)
     return np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
 
 
@@ -99,13 +99,13 @@ def _apply_mask(sources: list[_Source], mask_name: str | None, label: str, expli
     if tok is None:
         return sources  # the missing tokens are reported by the writer
     if len(tok.shape) != 3:
-        raise InputError(f"'{mask_name}' masks padded tokens (N, n, d), but 'tokens' has shape {tok.shape}", label)
+        raise InputError(f"the mask '{mask_name}' masks padded tokens (N, n, d), but 'tokens' has shape {tok.shape}", label)
     if "offsets" in by:
-        raise InputError(f"give either '{mask_name}' (padded tokens) or 'offsets' (ragged tokens), not both", label)
+        raise InputError(f"give either the mask '{mask_name}' (padded tokens) or 'offsets' (ragged tokens), not both", label)
     N, n = tok.shape[0], tok.shape[1]
     want = (N,) if len(mask.shape) == 1 else (N, n)
     if mask.shape != want:
-        raise InputError(f"'{mask_name}' has shape {mask.shape}, expected (N, n) = ({N}, {n}) (0/1 per position) "
+        raise InputError(f"the mask '{mask_name}' has shape {mask.shape}, expected (N, n) = ({N}, {n}) (0/1 per position) "
                          f"or (N,) = ({N},) (lengths)", label)
     offsets = _check_mask(mask, N, n, label)
     keep = _mask_rows(mask, n)

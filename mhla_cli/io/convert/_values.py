@@ -39,8 +39,11 @@ def _tensor_source(name: str, t: Any, label: str, release: _PageDropper | None =
     def read(a: int, b: int) -> np.ndarray:
         rows = t[a:b]
         out = rows.float().numpy() if widen else np.array(rows.numpy())
-        if release is not None and rows.is_contiguous():
-            release(rows.data_ptr(), rows.numel() * rows.element_size())
+        if release is not None and rows.numel():
+            # the bytes the rows span in the file (all of them for a strided view, e.g. one head of a hook saved
+            # as a slice: the pages dropped that other rows share are read from the file again when needed)
+            span = 1 + sum((n - 1) * st for n, st in zip(rows.shape, rows.stride()))
+            release(rows.data_ptr(), span * rows.element_size())
         return out
 
     return _Source(name, tuple(int(s) for s in t.shape), dtype, read, label)

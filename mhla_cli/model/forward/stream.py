@@ -124,10 +124,12 @@ def _function_and_data(fn: Model | Heads, data: str | os.PathLike
     coef = function_of(fn)
     normalize = check_normalize(normalize_of(fn))
     info = inspect_tokens(data)
+    _check_not_reduced(fn, info.d, data)
     if bias_terms_of(fn):  # the function of the tokens (x, 1): the reader appends the constant
         info = with_bias_terms(info, pad_targets=False)
-    if info.d != in_width(coef):
-        raise InputError(f"the data have d = {info.d} but the model has d = {in_width(coef)}", data)
+    if info.d != in_width(coef):  # the widths the user knows: the bias terms' constant coordinate not counted
+        raise InputError(f"the data have d = {info.stored_d} but the model has d = "
+                         f"{in_width(coef) - int(info.constant)}", data)
     if info.has_targets and info.out_dim != out_width(coef):
         raise InputError(f"the targets are {info.out_dim} wide but the model's outputs {out_width(coef)}: map the "
                          "targets as the model's were (mhla reduce --like)", data)
@@ -361,6 +363,8 @@ def _affine_source(fn: Model | Heads, data: str | os.PathLike, affine_from: str 
     """(the wide tokens' source, the affine map (d_out, D + 1)) of a function with the affine map of the wide tokens,
     or None; a file given to a function without one, or none to one with it, is refused."""
     affine = affine_of(fn)
+    if affine is not None or affine_from is not None:
+        _check_not_reduced(fn, inspect_tokens(data).d, data)
     if affine is None:
         if affine_from is not None:
             raise InputError("--affine-from was given but the function has no affine map of the wide tokens", data)
@@ -378,6 +382,18 @@ def _affine_source(fn: Model | Heads, data: str | os.PathLike, affine_from: str 
         raise InputError(f"the wide tokens are {wide.width} wide but the function's affine map takes {D}", affine_from)
     return wide, affine
 
+
+
+def _check_not_reduced(fn: Model | Heads, d: int, data: str | os.PathLike) -> None:
+    """Refuse heads put back into the wide coordinates (`export-heads --unreduce`) on the reduced tokens (d = their
+    reduced width): name the wide tokens file to give instead (the one `mhla reduce` read, when `data` records it)."""
+    if not isinstance(fn, Heads) or fn.P is None or fn.P.shape[0] == d or fn.P.shape[1] != d:
+        return
+    made_from = [i.get("name") for i in formats.recorded_inputs(data) if i.get("name")]
+    wide = f"{made_from[0]}, the file mhla reduce read to make this one" if made_from else "the file mhla reduce read"
+    raise InputError(f"these heads were put back into the {fn.P.shape[0]}-wide coordinates (export-heads --unreduce) "
+                     f"but the tokens are the {d}-wide reduced ones: predict the {fn.P.shape[0]}-wide tokens file "
+                     f"({wide}), with no --affine-from", data)
 
 
 def predict_range(coef: np.ndarray, info: Any, layout: Samples | None, sample_range: tuple[int, int],
