@@ -24,6 +24,7 @@ tiles on a cluster (`load_tiled`: every worker reads its tiles itself), or whole
 from __future__ import annotations
 
 import json
+import os
 import uuid
 from typing import Any
 
@@ -38,6 +39,7 @@ from ..feature_map import n_features
 from ..io import formats
 from ..io.formats import manifest
 from ..linalg.memory import check_load
+from ..linalg.task_graph import Stored
 from ..linalg.tiled_matrix import TiledMatrix
 from ..numerics import SINGULAR_BASIS_COND
 from ..samples import Samples, from_attrs
@@ -271,10 +273,13 @@ def _tiles_array(g: Any, psi: int, side: int, url: str) -> Any:
     return arr
 
 
-def load_tiled(path: Any, client: Any) -> TiledStatistics:
-    """The statistics of a store on the cluster of `client`: the small sums here, each lower tile read by
-    a worker (checked finite there). Refused when the sums are not in the whitening of their own data
-    (a partial merge): changing the tiles' basis is not done on the cluster."""
+def load_tiled(path: Any, client: Any = None, spill: str | os.PathLike | None = None) -> TiledStatistics:
+    """The statistics of a store with the Gram as tiles: the small sums here, and each lower tile read by a
+    worker of `client` (checked finite there), or, with `client` None, left in the store as references that
+    the tasks of dask's threaded scheduler read when they need the tile (the out-of-core path of one
+    machine; `spill`: a local directory for the tiles the factorization makes, linalg.tiled_matrix).
+    Refused when the sums are not in the whitening of their own data (a partial merge): changing the
+    tiles' basis is not done over the tiles."""
     url = _url(path)
     g = _open(url)
     attrs = _attrs(g, url)
@@ -287,10 +292,14 @@ def load_tiled(path: Any, client: Any) -> TiledStatistics:
                          "certify or fit it on one machine (without --scheduler), or merge every shard", url)
     nb = psi // side
     man = attrs[manifest.MANIFEST_ATTR]
-    tiles = {(i, j): client.submit(_read_tile, url, i, j, side, manifest.tile_digest(man, i, j),
-                                   key=f"mhla-read-tile-{i}-{j}-{uuid.uuid4().hex}", pure=False)
-             for i in range(nb) for j in range(i + 1)}
-    return TiledStatistics(feats, TiledMatrix(client, tiles, [side] * nb), side // feats.d)
+    if client is None:
+        tiles = {(i, j): Stored(_read_tile, (url, i, j, side, manifest.tile_digest(man, i, j)))
+                 for i in range(nb) for j in range(i + 1)}
+    else:
+        tiles = {(i, j): client.submit(_read_tile, url, i, j, side, manifest.tile_digest(man, i, j),
+                                       key=f"mhla-read-tile-{i}-{j}-{uuid.uuid4().hex}", pure=False)
+                 for i in range(nb) for j in range(i + 1)}
+    return TiledStatistics(feats, TiledMatrix(client, tiles, [side] * nb, spill), side // feats.d)
 
 
 def load_features(path: Any) -> Features:
