@@ -237,10 +237,11 @@ class TiledMatrix:
         _, handles = self.run(g, [], keys)
         return TiledMatrix(self.client, dict(zip(ijs, handles)), self.sizes, self.spill)
 
-    def per_tile(self, kind: str, fn: Callable[[np.ndarray], Any]) -> list[Any]:
-        """fn of every tile (a small result each: only those come back, not the tiles)."""
-        g, T = self.graph(kind)
-        return self.run(g, [g.submit(kind, fn, t, at=ij) for ij, t in sorted(T.items())])[0]
+    def per_tile(self, kind: str, fn: Callable[..., Any], *args: Any, index: bool = False) -> list[Any]:
+        """fn(*args, tile), or fn(*args, i, j, tile) with `index`, of every tile (i, j) in sorted order: a
+        small result each (only those come back, not the tiles)."""
+        g, T = self.graph(kind, *args)
+        return self.run(g, [g.submit(kind, fn, *args, *(ij if index else ()), t, at=ij) for ij, t in sorted(T.items())])[0]
 
     # ------------------------------------------------------------------ products
     def matmat(self, X: np.ndarray) -> np.ndarray:

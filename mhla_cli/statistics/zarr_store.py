@@ -17,7 +17,8 @@ read the Gram as the lower tiles and their transposes).
 The store is written under a temporary name next to the target and moved in when complete and verified,
 so that a failed or interrupted featurize leaves nothing, and an earlier store is removed only after
 (mhla_cli.statistics.store_location: what an output may replace, the commit). A store is read back as
-tiles on a cluster (`load_tiled`: every worker reads its tiles itself), or whole on one machine
+tiles on a cluster (`load_tiled`: every worker reads its tiles itself) or on one machine out of core
+(`load_tiled` without a client: the tasks of dask's threaded scheduler read the tiles they need), or whole on one machine
 (`load_features`, refused up front when the Gram cannot fit). `merge` sums stores of shards of one tokens file tile by tile.
 """
 
@@ -100,6 +101,11 @@ def _write_tile(url: str, i: int, j: int, side: int, tile: np.ndarray) -> str:
     return manifest.digest(tile)
 
 
+def _write_tile_at(url: str, side: int, i: int, j: int, tile: np.ndarray) -> str:
+    """Task: `_write_tile` with the arguments in the order TiledMatrix.per_tile passes them."""
+    return _write_tile(url, i, j, side, tile)
+
+
 def _tile(arr: Any, i: int, j: int, side: int, expected: str | None, url: str) -> np.ndarray:
     """The lower tile (i, j) of the Gram array `arr`, refused when it cannot be read (a truncated chunk), is not
     finite, or is not the tile written (`expected`: its checksum in the manifest; None: a store without one)."""
@@ -146,17 +152,16 @@ def _create(zarr: Any, tmp: str, feats: Features, inputs: tuple[Any, ...], side:
 
 def save(stats: TiledStatistics, out: Any, inputs: tuple[Any, ...] = ()) -> str:
     """Write tiled statistics as a Zarr store (module docstring): the small sums by this process, each
-    lower tile by the worker that holds it; under a temporary name, renamed when complete."""
+    lower tile by the task that holds it (a worker's, or a thread's); under a temporary name, renamed when
+    complete."""
     zarr = require_zarr()
     url = _url(out)
     tmp = _temporary(url)
     feats, side = stats.sums, stats.tile
     try:
         _create(zarr, tmp, feats, tuple(inputs), side)
-        client = stats.matrix.client
-        keys = list(stats.matrix.tiles)
-        sums = client.gather([client.submit(_write_tile, tmp, i, j, side, stats.matrix.tiles[i, j], pure=False)
-                              for i, j in keys])
+        keys = sorted(stats.matrix.tiles)
+        sums = stats.matrix.per_tile("write-tile", _write_tile_at, tmp, side, index=True)
         _seal(zarr, tmp, {f"{i},{j}": h for (i, j), h in zip(keys, sums)})
         _commit(tmp, url)
     except BaseException:
