@@ -6,6 +6,7 @@ the same factor, verdict and certificate as one machine's dense path."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import numpy as np
@@ -86,7 +87,10 @@ def test_the_verdict_is_the_inertia_just_inside_and_outside(tmp_path: Path, spil
 def test_keys_are_a_function_of_the_inputs() -> None:
     n = sum(SIZES)
     A = spd(n, 4, 0.1)
-    keys = lambda B, sizes, s: set(TiledMatrix(None, lower_tiles(B, sizes), sizes).cholesky_graph(s)[0].dsk)  # noqa: E731
+
+    def keys(B: np.ndarray, sizes: list[int], s: float) -> set:
+        return set(TiledMatrix(None, lower_tiles(B, sizes), sizes).cholesky_graph(s)[0].dsk)
+
     same = keys(A.copy(), SIZES, 0.01)
     assert same == keys(A, SIZES, 0.01)  # the same inputs, a copy: the same keys
     B = A.copy()
@@ -94,10 +98,13 @@ def test_keys_are_a_function_of_the_inputs() -> None:
     for other in (keys(B, SIZES, 0.01), keys(A, [6, 6, 6, 6], 0.01)):
         assert not other & same  # another matrix: every key differs
     # another shift of the same matrix: the same keys for its tiles, others for every task
-    assert {k for k in keys(A, SIZES, 0.02) & same} == {k for k in same if k[0].startswith("mhla-tile-")}
-    # every key names its kind and tile: ("mhla-<kind>-<token>", *indices)
-    assert {k[0].split("-")[1] for k in same} == {"tile", "potrf", "trsm", "update", "failure"}
-    assert ("potrf", (0,)) in {(k[0].split("-")[1], k[1:]) for k in same}
+    assert {k for k in keys(A, SIZES, 0.02) & same} == {k for k in same if k.startswith("mhla-input-")}
+    # every key names its kind, the token and the tile: "mhla-<kind>-<token>-<indices>"
+    parts = [re.fullmatch(r"mhla-([a-z]+)-([0-9a-f]{32})((?:-\d+)+)", k) for k in same]
+    assert all(parts) and {p[1] for p in parts} == {"input", "potrf", "trsm", "update", "failure"}
+    assert sorted(p[3] for p in parts if p[1] == "potrf") == ["-0", "-1", "-2", "-3"]
+    assert sorted(p[3] for p in parts if p[1] == "update") == sorted(
+        f"-{i}-{j}-{k}" for k in range(4) for j in range(k + 1, 4) for i in range(j, 4))
 
 
 def test_a_graph_runs_on_any_dask_get() -> None:

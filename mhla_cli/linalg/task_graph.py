@@ -4,9 +4,9 @@ The tiled algorithms of mhla_cli.linalg.tiled_matrix are written as plain dict g
 format: a key maps to a literal or to a task tuple `(function, *arguments)`, arguments that are keys
 replaced by their values) and handed to a scheduler, never run by one of ours:
 
-- a key is `("mhla-<kind>-<token>", *indices)`: the token is dask.base.tokenize of the inputs (the
-  tiles' own tokens, the shift, the right-hand sides), the indices the tile's (or a running count per
-  kind), so the same inputs give the same keys and different inputs different ones;
+- a key is the string "mhla-<kind>-<token>-<indices>": the token is dask.base.tokenize of the inputs
+  (the tiles' own tokens, the shift, the right-hand sides), the indices the tile's (or a running count
+  per kind), so the same inputs give the same keys and different inputs different ones;
 - `run` takes the graph to the scheduler: None runs it on dask's threaded local scheduler
   (dask.threaded.get), a function with dask's `get(dsk, keys)` signature runs it there (e.g.
   dask.local.get_sync), and a dask.distributed Client on its cluster (`Client.get`), the results kept
@@ -94,26 +94,30 @@ class TaskGraph:
         self.counts: dict[str, int] = {}
         self.spill = None if spill is None else os.path.join(os.fspath(spill), token)
 
-    def literal(self, kind: str, value: Any, *at: int, token: str | None = None) -> tuple[Any, ...]:
-        """The key of a value (a tile's handle, a block of vectors): ("mhla-<kind>-<token>", *at)."""
-        key = (f"mhla-{kind}-{token or self.token}", *at)
+    def literal(self, kind: str, value: Any, *at: int, token: str | None = None) -> str:
+        """The key of a value (a tile's handle, a block of vectors): "mhla-<kind>-<token>-<at...>"."""
+        key = _key(kind, token or self.token, at)
         self.dsk[key] = value
         return key
 
     def submit(self, kind: str, fn: Callable[..., Any], *args: Any, at: Sequence[int] | None = None,
-               tile: str | None = None, raw: bool = False) -> tuple[Any, ...]:
-        """One task fn(*args) (keys among args replaced by their values), its key ("mhla-<kind>-<token>",
-        *at) or a running count of the kind. `tile`: the task makes a tile, written under that name in the
+               tile: str | None = None, raw: bool = False) -> str:
+        """One task fn(*args) (keys among args replaced by their values), its key "mhla-<kind>-<token>-<at>"
+        (the indices `at`, or a running count of the kind). `tile`: the task makes a tile, written under that name in the
         spill directory when the graph has one; `raw`: fn gets the arguments as they are (no reads)."""
         n = self.counts.get(kind, 0)
         self.counts[kind] = n + 1
-        key = (f"mhla-{kind}-{self.token}", *(tuple(int(i) for i in at) if at is not None else (n,)))
+        key = _key(kind, self.token, (n,) if at is None else at)
         if raw:
             self.dsk[key] = (fn, *args)
         else:
             out = Spill(os.path.join(self.spill, tile)) if tile is not None and self.spill is not None else None
             self.dsk[key] = (_call, fn, out, *args)
         return key
+
+
+def _key(kind: str, token: str, at: Sequence[int]) -> str:
+    return "-".join([f"mhla-{kind}-{token}", *(str(int(i)) for i in at)])
 
 
 def _is_client(scheduler: Any) -> bool:

@@ -1,23 +1,26 @@
-"""A symmetric matrix held as its lower tiles on a Dask cluster, and its blocked Cholesky factor.
+"""A symmetric matrix held as its lower tiles, and its blocked Cholesky factor, as Dask task graphs.
 
 `TiledMatrix` is a backend matrix of mhla_cli.linalg.factorization (the protocol of
-backends.HostMatrix): products (`matvec`, `matmat`), a Cholesky factor of a shifted copy
-(`cholesky`, `TiledFactor`: `solve`, `inverse_matvec`, `inverse_matmat`) and the solve of a shifted
-system (`shifted_solve`). It has no eigensolver (`eigensolver = False`: dask.array.linalg has none),
-so a Factorization over it takes the identifiable path only: the verdict by a Cholesky of
-Lambda~ - t I, lambda_max and lambda_min by block Lanczos (krylov), the fit by triangular solves;
-whatever needs eigenvectors raises factorization.NoEigensolver.
+backends.HostMatrix): products (`matmat`, `matvec`), a Cholesky factor of a shifted copy
+(`cholesky`, `TiledFactor`: `solve`, `inverse_matvec`, `inverse_matmat`), the solve of a shifted
+system (`shifted_solve`) and where a Cholesky failed (`failure`). It has no eigensolver
+(`eigensolver = False`: dask.array.linalg has none), so a Factorization over it takes the identifiable
+path only: the verdict by a Cholesky of Lambda~ - t I, lambda_max and lambda_min by block Lanczos
+(krylov), the fit by triangular solves; whatever needs eigenvectors raises factorization.NoEigensolver.
 
-The tiles are futures of a dask.distributed client: tile (i, j), i >= j, is the block of rows
-`offsets[i]..offsets[i+1]` and columns `offsets[j]..` (the upper tiles are their transposes and are
-never formed). Every task reads and writes a few tiles:
+Tile (i, j), i >= j, is the block of rows `offsets[i]..offsets[i+1]` and columns `offsets[j]..` (the
+upper tiles are their transposes and are never formed). Every operation is a dict graph with
+deterministic keys (mhla_cli.linalg.task_graph: the token of the tiles, the shift or the vectors, and
+the tile indices) run by a Dask scheduler: a dask.distributed Client (the tiles futures on its workers,
+the factor's tiles left there), or on one machine dask's threaded scheduler (the tiles arrays, or
+references to a Zarr store that the tasks read). Every task reads and writes a few tiles:
 
-- the Cholesky is the right-looking blocked algorithm, one task per tile operation: potrf of the
-  diagonal tile, trsm of the tiles below it, then syrk / gemm updates of the trailing lower tiles
-  (nb potrf, nb (nb - 1) / 2 trsm and about nb^3 / 6 updates for nb tile rows; each update reads its
-  tile and two factor tiles and writes a new tile, so a worker holds at most four tiles per task).
-  A failed potrf (LAPACK's info > 0) is the proof that the matrix is not positive definite: it raises
-  `NotPositiveDefinite` in the task, and `cholesky` returns None with the column where it failed.
+- the Cholesky (`cholesky_graph`) is the right-looking blocked algorithm, one task per tile operation:
+  potrf of the diagonal tile, trsm of the tiles below it, then syrk / gemm updates of the trailing lower
+  tiles (nb potrf, nb (nb - 1) / 2 trsm and about nb^3 / 6 updates for nb tile rows; an update reads
+  its tile and two factor tiles and makes a new tile). A failed potrf (LAPACK's info > 0) is the proof
+  that the matrix is not positive definite: the task returns `NotPositiveDefinite`, passed on by the
+  tasks after it, and `cholesky` returns None with the column where it failed.
   dask.array.linalg.cholesky (`library_cholesky`, kept for the measurement in
   benchmarks/bench_distributed.py) reads the upper tiles too, forms every product L_ip L_kp^T of a
   tile's update as its own tile and sums them in one task (up to nb + 1 tiles held at once), and
@@ -26,8 +29,13 @@ never formed). Every task reads and writes a few tiles:
 - a triangular solve with the factor is a chain of small gemm tasks down the tile rows and a trsm
   on each diagonal tile, forward and then backward.
 
-Only blocks of n x k vectors (k = the Lanczos block, or d right-hand sides) travel to and from the
-client: it never holds a tile.
+Out of core (`spill`, a local directory): every tile a task makes is written to its own Zarr array
+there and only its reference travels (the trailing tiles' working copies in place, removed after the
+Cholesky; the factor's kept until the directory is removed), and input tiles in a store are read by the
+task that needs them. A task then holds at most five tiles (three read, the shifted copy, the result),
+so dask's threaded scheduler with T threads holds about 5 T tiles of side s (40 T s^2 bytes) whatever
+the order n; the disk holds the lower triangle twice (working copies and factor). Only blocks of n x k
+vectors (k = the Lanczos block, or d right-hand sides) come back to the caller: it never holds a tile.
 """
 
 from __future__ import annotations
@@ -214,7 +222,7 @@ class TiledMatrix:
         from dask.base import tokenize
 
         g = task_graph.TaskGraph(tokenize(self.token, kind, *inputs), self.spill)
-        return g, {ij: g.literal("tile", h, *ij, token=self.token) for ij, h in self.tiles.items()}
+        return g, {ij: g.literal("input", h, *ij, token=self.token) for ij, h in self.tiles.items()}
 
     def blocks(self, g: task_graph.TaskGraph, X: np.ndarray) -> list[Any]:
         """X (n x k) split into the tiles' row blocks, as values in the graph."""
@@ -231,7 +239,7 @@ class TiledMatrix:
     def tilewise(self, kind: str, fn: Callable[..., Any], *others: TiledMatrix) -> TiledMatrix:
         """The matrix of fn(tile, the other matrices' tiles...) per tile (tiled alike)."""
         g, T = self.graph(kind, *(o.token for o in others))
-        ins = [{ij: g.literal("tile", h, *ij, token=o.token) for ij, h in o.tiles.items()} for o in others]
+        ins = [{ij: g.literal("input", h, *ij, token=o.token) for ij, h in o.tiles.items()} for o in others]
         ijs = sorted(T)
         keys = [g.submit(kind, fn, T[ij], *(x[ij] for x in ins), at=ij, tile=f"{kind}-{ij[0]}-{ij[1]}") for ij in ijs]
         _, handles = self.run(g, [], keys)
