@@ -32,9 +32,10 @@ references to a Zarr store that the tasks read). Every task reads and writes a f
 Out of core (`spill`, a local directory): every tile a task makes is written to its own Zarr array
 there and only its reference travels (the trailing tiles' working copies in place, removed after the
 Cholesky; the factor's kept until the directory is removed), and input tiles in a store are read by the
-task that needs them. A task then holds at most five tiles (three read, the shifted copy, the result),
-so dask's threaded scheduler with T threads holds about 5 T tiles of side s (40 T s^2 bytes) whatever
-the order n; the disk holds the lower triangle twice (working copies and factor). Only blocks of n x k
+task that needs them. A task then holds a few tiles (three read, BLAS's Fortran-ordered copies of them,
+the shifted copy, the result), so dask's threaded scheduler holds a number of tiles per thread whatever
+the order n (docs/cluster.md gives the measurement); the disk holds the lower triangle about twice
+(working copies and factor). Only blocks of n x k
 vectors (k = the Lanczos block, or d right-hand sides) come back to the caller: it never holds a tile.
 """
 
