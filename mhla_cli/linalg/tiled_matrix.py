@@ -231,7 +231,8 @@ class TiledMatrix:
         return [g.literal("block", np.ascontiguousarray(X[a:b]), i)
                 for i, (a, b) in enumerate(zip(self.offsets[:-1], self.offsets[1:]))]
 
-    def run(self, g: task_graph.TaskGraph, gather: list[Any], keep: list[Any] = ()) -> tuple[list[Any], list[Any]]:
+    def run(self, g: task_graph.TaskGraph, gather: Sequence[Any], keep: Sequence[Any] = ()
+            ) -> tuple[list[Any], list[Any]]:
         """The graph run on the matrix's scheduler (task_graph.run), its tasks counted."""
         for kind, n in g.counts.items():
             self.tasks[kind] = self.tasks.get(kind, 0) + n
