@@ -32,9 +32,13 @@ def gram(seed: int) -> np.ndarray:
 
 
 def tiled(client, G: np.ndarray) -> TiledGram:
+    """The Gram's lower tiles as a TiledGram: futures of `client`, or arrays run on dask's threaded
+    scheduler when `client` is None (the storage is the same over both: mhla_cli.linalg.task_graph)."""
     o = tile_offsets(SIZES)
-    tiles = {(i, j): client.scatter(np.ascontiguousarray(G[o[i]:o[i + 1], o[j]:o[j + 1]]))
+    tiles = {(i, j): np.ascontiguousarray(G[o[i]:o[i + 1], o[j]:o[j + 1]])
              for i in range(len(SIZES)) for j in range(i + 1)}
+    if client is not None:
+        tiles = {ij: client.scatter(t) for ij, t in tiles.items()}
     s = gram_storage.wrap(TiledMatrix(client, tiles, SIZES))
     assert isinstance(s, TiledGram)
     return s
@@ -45,7 +49,8 @@ def gathered(s: TiledGram) -> np.ndarray:
     return gather_tiles(s.held)
 
 
-def test_sum_copy_and_zeros_run_on_the_tiles(client) -> None:
+def test_sum_copy_and_zeros_run_on_the_tiles() -> None:
+    client = None  # dask's threaded scheduler
     G1, G2 = gram(1), gram(2)
     a, b = tiled(client, G1), tiled(client, G2)
     total = a.add(b)
@@ -59,7 +64,8 @@ def test_sum_copy_and_zeros_run_on_the_tiles(client) -> None:
     assert not tiled(client, bad).all_finite()
 
 
-def test_factorization_over_the_tiles_is_of_the_gram(client) -> None:
+def test_factorization_over_the_tiles_is_of_the_gram() -> None:
+    client = None  # dask's threaded scheduler
     G = gram(3)
     fac = tiled(client, G).factorization(scale=1.0 / 40)
     w = np.linalg.eigvalsh(G / 40)
@@ -68,7 +74,8 @@ def test_factorization_over_the_tiles_is_of_the_gram(client) -> None:
     assert fac.proves_above(0.5 * w[0]) and not fac.proves_above(2.0 * w[0])
 
 
-def test_what_would_gather_or_mix_the_tiles_is_refused(client) -> None:
+def test_what_would_gather_or_mix_the_tiles_is_refused() -> None:
+    client = None  # dask's threaded scheduler
     s = tiled(client, gram(4))
     for call, match in ((s.expand, "gathered into one process"), (lambda: s.pairs(6, 3), "gathered"),
                         (lambda: s.congruence(np.eye(6), np.eye(3)), "change of basis"),
@@ -77,7 +84,7 @@ def test_what_would_gather_or_mix_the_tiles_is_refused(client) -> None:
                         (lambda: s.factorization(device="cuda"), "on the workers")):
         with pytest.raises(InputError, match=match):
             call()
-    other = TiledMatrix(client, {(0, 0): client.scatter(gram(4))}, [18])
+    other = TiledMatrix(client, {(0, 0): gram(4)}, [18])
     with pytest.raises(InputError, match="tiled differently"):
         s.add(TiledGram(other))
 

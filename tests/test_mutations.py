@@ -217,6 +217,14 @@ STRUCTURAL = [
     Structural("no watch of the running workers", "mhla_cli.statistics.scheduler", "Watch._run",
                lambda n: isinstance(n, ast.Compare) and "self.timeout" in ast.unparse(n),
                lambda n: ast.Constant(False), tests=("tests/test_scheduler.py", "-k", "stop_running")),
+    # issue 44, item 4: the tiled factorization as a task graph whose keys are a function of its inputs (on a
+    # cluster, equal keys are equal results: a key that misses an input hands back another graph's result)
+    Structural("tiled graph keys without the shift or the vectors", "mhla_cli.linalg.tiled_matrix", "TiledMatrix.graph",
+               lambda n: _calls(n, "tokenize") and any(isinstance(a, ast.Starred) for a in n.args),
+               lambda n: (setattr(n, "args", n.args[:2]), n)[1], tests=("tests/test_task_graph.py", "-k", "keys")),
+    Structural("tiled graph keys without the tiles' contents", "mhla_cli.linalg.task_graph", "handle_token",
+               lambda n: isinstance(n, ast.Return) and _calls(n.value, "tokenize"),
+               lambda n: ast.Return(ast.Constant(0)), tests=("tests/test_task_graph.py", "-k", "keys")),
 ]
 
 # Every check of export-heads, spectrum and compare evaluated in the tokens' own coordinates (or on the

@@ -243,6 +243,13 @@ class Factorization:
                 self._c._chol[shift] = self._matrix().cholesky(shift / self.scale)
         return self._c._chol[shift]
 
+    def cholesky_failure(self, shift: float) -> Any:
+        """Where the Cholesky of scale lam - shift I failed, as the backend's matrix reports it (its
+        `failure`: a tiled_matrix.NotPositiveDefinite, with the column and the tile row), else None (it did
+        not fail, was not tried, or the backend does not say)."""
+        report = getattr(self._matrix(), "failure", None)
+        return None if report is None else report(float(shift) / self.scale)
+
     def proves_above(self, t: float) -> bool:
         """Proof by inertia that every eigenvalue of the block exceeds t: a Cholesky of scale lam - t I
         that succeeds (Sylvester: no eigenvalue at or below t). One already tried is reused: a success

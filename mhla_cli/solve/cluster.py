@@ -37,7 +37,6 @@ from ..model.model import Model
 from ..numerics import lambda_min_of_verdict, mse_resolution, numerical_tolerance
 from ..statistics import basis as basis_mod
 from ..statistics import parallel
-from ..statistics import structure as structure_mod
 from ..statistics import tiled_gram, zarr_store
 from ..statistics.scheduler import check_worker_memory
 from ..statistics.tiled_gram import TiledStatistics
@@ -118,15 +117,9 @@ def open_statistics(data: Any, scheduler: Any = None, chunk_size: int | None = N
 
 
 def factorization(stats: TiledStatistics) -> Factorization:
-    """The factorization of the canonical Lambda~ = basis_gram / sum w over the tiles (no structure: every
-    feature is in the block), cached on the statistics."""
-    fac = getattr(stats, "_factorization", None)
-    if fac is None:
-        d = stats.d
-        fac = stats.gram.factorization(1.0 / (stats.sums.weight or 1.0), stats.n_features)
-        fac.structure = structure_mod.Structure.identity(d * (d + 1) // 2, d)
-        stats._factorization = fac  # type: ignore[attr-defined]
-    return fac
+    """The factorization of the canonical Lambda~ over the tiles, made once per statistics
+    (TiledStatistics.factorization)."""
+    return stats.factorization()
 
 
 def threshold_of(fac: Factorization, min_eig: float = 0.0) -> tuple[float, float, float]:
@@ -141,9 +134,8 @@ def failure_reason(fac: Factorization, threshold: float, below_margin: bool = Fa
     """The reason a Cholesky of Lambda~ - t I over the tiles failed: the column and tile row where it did,
     and what it means (`below_margin`: t is a demanded margin above the numerical tolerance, and the
     estimated lambda_min lies above the tolerance)."""
-    m = fac._matrix()
-    exc = m.failures.get(float(threshold) / fac.scale)  # by the shift of the tiles' own matrix (t / scale)
-    where = "" if exc is None else f" at feature {exc.column} (tile row {exc.tile} of {m.nb})"
+    exc = fac.cholesky_failure(threshold)
+    where = "" if exc is None else f" at feature {exc.column} (tile row {exc.tile} of {exc.of})"
     text = (f"the Cholesky of Lambda~ - t I (t = {threshold:.3g}) over the tiles failed{where}: Lambda~ has an "
             "eigenvalue at or below t")
     if below_margin:

@@ -11,7 +11,6 @@ Zarr store (mhla_cli.statistics.zarr_store), not an HDF5 dataset.
 
 from __future__ import annotations
 
-import uuid
 from collections.abc import Callable
 from typing import Any, NoReturn
 
@@ -37,27 +36,24 @@ class TiledGram(GramStorage):
         return isinstance(obj, TiledMatrix)
 
     def _map(self, kind: str, fn: Callable[..., Any], *others: TiledGram) -> TiledGram:
-        """A TiledMatrix of fn(tile, other tiles...) per tile, as tasks on the cluster."""
+        """A TiledMatrix of fn(tile, other tiles...) per tile, one task each (TiledMatrix.tilewise)."""
         m = self.held
         for o in others:
             if o.held.sizes != m.sizes:
                 raise InputError(f"cannot add Grams tiled differently (tile sides {m.sizes[:1]} and "
                                  f"{o.held.sizes[:1]}, {m.nb} and {o.held.nb} tiles)")
-        tiles = {ij: m.client.submit(fn, t, *(o.held.tiles[ij] for o in others),
-                                     key=f"mhla-{kind}-{uuid.uuid4().hex}", pure=False)
-                 for ij, t in m.tiles.items()}
-        out = TiledMatrix(m.client, tiles, m.sizes)
-        out.tasks[kind] = len(tiles)
+        out = m.tilewise(kind, fn, *(o.held for o in others))
+        out.tasks[kind] = len(out.tiles)
         return TiledGram(out)
 
     def all_finite(self) -> bool:
         m = self.held
         # one flag per tile comes back, not the tile
-        return all(m.client.gather([m.client.submit(formats.all_finite, t, key=f"mhla-finite-{uuid.uuid4().hex}",
-                                                    pure=False) for t in m.tiles.values()]))
+        return all(m.per_tile("finite", formats.all_finite))
 
     def copy(self) -> TiledGram:
-        return TiledGram(TiledMatrix(self.held.client, self.held.tiles, self.held.sizes))  # tiles are immutable
+        m = self.held
+        return TiledGram(TiledMatrix(m.client, m.tiles, m.sizes, m.spill))  # tiles are immutable
 
     def zeros_like(self) -> TiledGram:
         return self._map("zeros", np.zeros_like)

@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import math
 import os
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -45,11 +45,13 @@ from ..io import formats
 from ..io.tokens import TokensInfo, inspect_tokens, iter_chunks, read_as, require_square, with_bias_terms
 from ..linalg import symgram
 from ..linalg.memory import check_floor
+from ..linalg.factorization import Factorization
 from ..linalg.tiled_matrix import TiledMatrix
 from .gram_tiled import TiledGram
 from .scheduler import check_worker_memory
 from .features import Features
 from .shards import shard_samples, work_ranges
+from .structure import Structure
 from .ranges import default_chunk_size, accumulate_ranges
 
 __all__ = ["BASIS_PASSES", "BASIS_RANGES", "TILE_BYTES", "TiledStatistics", "accumulate", "tile_pairs"]
@@ -90,6 +92,17 @@ class TiledStatistics:
     sums: Features
     matrix: TiledMatrix
     pairs: int
+    _factorization: Factorization | None = field(default=None, init=False, repr=False, compare=False)
+
+    def factorization(self) -> Factorization:
+        """The factorization of the canonical Lambda~ = basis_gram / sum w over the tiles (no structure:
+        every feature is in the block), made once and reused by certify and fit."""
+        if self._factorization is None:
+            d = self.d
+            fac = self.gram.factorization(1.0 / (self.sums.weight or 1.0), self.n_features)
+            fac.structure = Structure.identity(d * (d + 1) // 2, d)
+            self._factorization = fac
+        return self._factorization
 
     @property
     def gram(self) -> TiledGram:

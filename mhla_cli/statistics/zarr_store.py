@@ -17,13 +17,15 @@ read the Gram as the lower tiles and their transposes).
 The store is written under a temporary name next to the target and moved in when complete and verified,
 so that a failed or interrupted featurize leaves nothing, and an earlier store is removed only after
 (mhla_cli.statistics.store_location: what an output may replace, the commit). A store is read back as
-tiles on a cluster (`load_tiled`: every worker reads its tiles itself), or whole on one machine
+tiles on a cluster (`load_tiled`: every worker reads its tiles itself) or on one machine out of core
+(`load_tiled` without a client: the tasks of dask's threaded scheduler read the tiles they need), or whole on one machine
 (`load_features`, refused up front when the Gram cannot fit). `merge` sums stores of shards of one tokens file tile by tile.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import uuid
 from typing import Any
 
@@ -38,6 +40,7 @@ from ..feature_map import n_features
 from ..io import formats
 from ..io.formats import manifest
 from ..linalg.memory import check_load
+from ..linalg.task_graph import Stored
 from ..linalg.tiled_matrix import TiledMatrix
 from ..numerics import SINGULAR_BASIS_COND
 from ..samples import Samples, from_attrs
@@ -98,6 +101,11 @@ def _write_tile(url: str, i: int, j: int, side: int, tile: np.ndarray) -> str:
     return manifest.digest(tile)
 
 
+def _write_tile_at(url: str, side: int, i: int, j: int, tile: np.ndarray) -> str:
+    """Task: `_write_tile` with the arguments in the order TiledMatrix.per_tile passes them."""
+    return _write_tile(url, i, j, side, tile)
+
+
 def _tile(arr: Any, i: int, j: int, side: int, expected: str | None, url: str) -> np.ndarray:
     """The lower tile (i, j) of the Gram array `arr`, refused when it cannot be read (a truncated chunk), is not
     finite, or is not the tile written (`expected`: its checksum in the manifest; None: a store without one)."""
@@ -144,17 +152,16 @@ def _create(zarr: Any, tmp: str, feats: Features, inputs: tuple[Any, ...], side:
 
 def save(stats: TiledStatistics, out: Any, inputs: tuple[Any, ...] = ()) -> str:
     """Write tiled statistics as a Zarr store (module docstring): the small sums by this process, each
-    lower tile by the worker that holds it; under a temporary name, renamed when complete."""
+    lower tile by the task that holds it (a worker's, or a thread's); under a temporary name, renamed when
+    complete."""
     zarr = require_zarr()
     url = _url(out)
     tmp = _temporary(url)
     feats, side = stats.sums, stats.tile
     try:
         _create(zarr, tmp, feats, tuple(inputs), side)
-        client = stats.matrix.client
-        keys = list(stats.matrix.tiles)
-        sums = client.gather([client.submit(_write_tile, tmp, i, j, side, stats.matrix.tiles[i, j], pure=False)
-                              for i, j in keys])
+        keys = sorted(stats.matrix.tiles)
+        sums = stats.matrix.per_tile("write-tile", _write_tile_at, tmp, side, index=True)
         _seal(zarr, tmp, {f"{i},{j}": h for (i, j), h in zip(keys, sums)})
         _commit(tmp, url)
     except BaseException:
@@ -271,10 +278,13 @@ def _tiles_array(g: Any, psi: int, side: int, url: str) -> Any:
     return arr
 
 
-def load_tiled(path: Any, client: Any) -> TiledStatistics:
-    """The statistics of a store on the cluster of `client`: the small sums here, each lower tile read by
-    a worker (checked finite there). Refused when the sums are not in the whitening of their own data
-    (a partial merge): changing the tiles' basis is not done on the cluster."""
+def load_tiled(path: Any, client: Any = None, spill: str | os.PathLike | None = None) -> TiledStatistics:
+    """The statistics of a store with the Gram as tiles: the small sums here, and each lower tile read by a
+    worker of `client` (checked finite there), or, with `client` None, left in the store as references that
+    the tasks of dask's threaded scheduler read when they need the tile (the out-of-core path of one
+    machine; `spill`: a local directory for the tiles the factorization makes, linalg.tiled_matrix).
+    Refused when the sums are not in the whitening of their own data (a partial merge): changing the
+    tiles' basis is not done over the tiles."""
     url = _url(path)
     g = _open(url)
     attrs = _attrs(g, url)
@@ -287,10 +297,14 @@ def load_tiled(path: Any, client: Any) -> TiledStatistics:
                          "certify or fit it on one machine (without --scheduler), or merge every shard", url)
     nb = psi // side
     man = attrs[manifest.MANIFEST_ATTR]
-    tiles = {(i, j): client.submit(_read_tile, url, i, j, side, manifest.tile_digest(man, i, j),
-                                   key=f"mhla-read-tile-{i}-{j}-{uuid.uuid4().hex}", pure=False)
-             for i in range(nb) for j in range(i + 1)}
-    return TiledStatistics(feats, TiledMatrix(client, tiles, [side] * nb), side // feats.d)
+    if client is None:
+        tiles = {(i, j): Stored(_read_tile, (url, i, j, side, manifest.tile_digest(man, i, j)))
+                 for i in range(nb) for j in range(i + 1)}
+    else:
+        tiles = {(i, j): client.submit(_read_tile, url, i, j, side, manifest.tile_digest(man, i, j),
+                                       key=f"mhla-read-tile-{i}-{j}-{uuid.uuid4().hex}", pure=False)
+                 for i in range(nb) for j in range(i + 1)}
+    return TiledStatistics(feats, TiledMatrix(client, tiles, [side] * nb, spill), side // feats.d)
 
 
 def load_features(path: Any) -> Features:
