@@ -7,6 +7,7 @@ The package, by job:
 - `factorization`: one Cholesky / eigendecomposition of a Gram, reused (certificate, proof, solves);
 - `krylov`: block Lanczos, the top eigenvalue of an operator, several vectors a product;
 - `symgram`: the Gram's distinct entries K = U^T V;
-- `tiled_matrix`: a symmetric matrix as lower tiles on a Dask cluster, and its blocked Cholesky;
+- `tiled_matrix`: a symmetric matrix as lower tiles (on a Dask cluster or in a local store), its blocked Cholesky;
+- `task_graph`: Dask task graphs with deterministic keys, run on any Dask scheduler (threads or a cluster);
 - `memory`: what fits in memory, refused up front.
 """
