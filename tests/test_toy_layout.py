@@ -182,3 +182,25 @@ def test_layout_names_live_in_samples_py_only() -> None:
              for hit in _layout_literals(p)]
     assert not found, "layout names outside samples.py:\n" + "\n".join(found)
     assert _layout_literals(PACKAGE / "samples.py")  # the rule sees them where they live
+
+
+@pytest.mark.parametrize("suffix", [".h5", ".npz", ".safetensors"])
+def test_heads_of_a_toy_layout_keep_its_width_in_every_heads_format(tmp_path: Path, suffix: str) -> None:
+    """Exported heads carry the layout and its parameters (not only its name) in every format, and predict through
+    them reads every sliding window again."""
+    if suffix == ".safetensors":
+        pytest.importorskip("safetensors")
+    from mhla_cli import export_heads
+    from mhla_cli.model.export import load_heads, save_heads
+
+    rng = np.random.default_rng(8)
+    X, off = _data(9, 3, 12)
+    teacher = synthetic.random_teacher(3, 2, rng)
+    Y = _teacher_outputs(teacher.V, teacher.Q, X, off, "none")
+    path = _write(tmp_path / "t.h5", tokens=X, offsets=off, targets=Y)
+    heads = export_heads(learn_fit(featurize(path)))
+    save_heads(heads, tmp_path / f"h{suffix}")
+    back = load_heads(tmp_path / f"h{suffix}")
+    assert back.info["attention"] == "toy_window" and back.info["attention_width"] == W
+    res = predict_file(back, path)
+    assert res.scored_as == "toy_window" and relerr(res.outputs, Y) < 1e-8

@@ -26,6 +26,7 @@ import numpy as np
 from ..io import formats
 from .._version import __version__
 from ..errors import InputError
+from ..samples import layout_info
 from ..bias_terms import BIAS_ARRAYS
 from .heads import AFFINE_ARRAYS, MAP_ARRAYS, Heads, check_widths, read_bias_arrays
 
@@ -51,8 +52,8 @@ def _metadata(heads: Heads) -> dict[str, str]:
         meta["d_out"] = str(heads.d_out)
     if heads.factored:
         meta["reduced_dim"] = str(heads.reduced_dim)
-    if heads.info.get("attention") is not None:
-        meta["attention"] = str(heads.info["attention"])
+    if heads.info.get("attention") is not None:  # the layout, and its parameters as JSON (samples.layout_info)
+        meta.update({k: str(v) if k == "attention" else json.dumps(v) for k, v in layout_info(heads.info).items()})
     for key in ("function_change", "coef_change"):  # what the export changed (mhla_cli.model.canonical)
         if heads.info.get(key) is not None:
             meta[key] = repr(float(heads.info[key]))
@@ -157,5 +158,8 @@ def load_heads(path: str | os.PathLike) -> Heads:
     if "coordinates" in meta:
         heads.info["coordinates"] = meta["coordinates"]
     if "attention" in meta:
-        heads.info["attention"] = meta["attention"]
+        try:
+            heads.info.update({k: v if k == "attention" else json.loads(v) for k, v in layout_info(meta).items()})
+        except json.JSONDecodeError:
+            raise InputError("metadata of the heads' layout parameters is not JSON", path) from None
     return heads

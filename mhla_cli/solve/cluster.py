@@ -196,8 +196,7 @@ def _fit(stats: TiledStatistics, ridge: float, path: Any) -> Model:
         info["lambda_min_bound"] = bound
     if feats.bias_terms:
         info["bias_terms"] = True
-    if feats.samples.attention is not None:  # per-position samples: how they read the window
-        info["attention"] = feats.samples.attention
+    info.update(feats.samples.fit_attrs())  # per-position samples: how they read the window, with its parameters
     info["train_r2"] = scores.train_r2(feats, mse)
     return Model(coef=coef, W=W_from_p(coef), d=feats.d, info=info, coef_b=coef_b, basis=np.array(A))
 
