@@ -81,6 +81,17 @@ def gather_tiles(m) -> np.ndarray:
     return G
 
 
+def gather_factor(f, sizes: list[int]) -> np.ndarray:
+    """A tiled Cholesky factor's tiles (of the tile sizes `sizes`) gathered into the dense lower-triangular
+    matrix (tests only)."""
+    off = np.concatenate([[0], np.cumsum(sizes)]).astype(int)
+    L = np.zeros((off[-1], off[-1]))
+    for (i, j), h in f.tiles.items():
+        t = tile_value(h)
+        L[off[i]:off[i + 1], off[j]:off[j + 1]] = np.tril(t) if i == j else t
+    return L
+
+
 def load_example(path: Path, name: str) -> ModuleType:
     """Import an example script (examples/*.py) as module `name`."""
     spec = importlib.util.spec_from_file_location(name, path)

@@ -16,7 +16,7 @@ from mhla_cli.linalg import task_graph
 from mhla_cli.linalg.factorization import Factorization
 from mhla_cli.linalg.task_graph import Stored, TaskGraph
 from mhla_cli.linalg.tiled_matrix import TiledMatrix, tile_offsets
-from conftest import tile_value
+from conftest import gather_factor as dense_factor
 
 pytest.importorskip("dask")
 
@@ -34,15 +34,6 @@ def spd(n: int, seed: int, floor: float) -> np.ndarray:
 def lower_tiles(A: np.ndarray, sizes: list[int]) -> dict[tuple[int, int], np.ndarray]:
     o = tile_offsets(sizes)
     return {(i, j): np.ascontiguousarray(A[o[i]:o[i + 1], o[j]:o[j + 1]]) for i in range(len(sizes)) for j in range(i + 1)}
-
-
-def dense_factor(f, sizes: list[int]) -> np.ndarray:
-    o = tile_offsets(sizes)
-    L = np.zeros((o[-1], o[-1]))
-    for (i, j), h in f.tiles.items():
-        t = tile_value(h)
-        L[o[i]:o[i + 1], o[j]:o[j + 1]] = np.tril(t) if i == j else t
-    return L
 
 
 @pytest.mark.parametrize("spill", [False, True])

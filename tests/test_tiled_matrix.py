@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from mhla_cli.linalg.factorization import Factorization, NoEigensolver
 from mhla_cli.linalg.tiled_matrix import TiledMatrix, cholesky_task_count, library_cholesky, tile_offsets
-from conftest import tile_value
+from conftest import gather_factor as factor_dense
 
 pytest.importorskip("dask")
 
@@ -33,16 +33,6 @@ def tiled(client, A: np.ndarray, sizes: list[int]) -> TiledMatrix:
     if client is not None:
         tiles = {ij: client.scatter(t) for ij, t in tiles.items()}
     return TiledMatrix(client, tiles, sizes)
-
-
-def factor_dense(f, sizes: list[int]) -> np.ndarray:
-    """The factor's tiles gathered into a dense lower-triangular matrix (the test's only gather)."""
-    off = tile_offsets(sizes)
-    L = np.zeros((off[-1], off[-1]))
-    for (i, j), fut in f.tiles.items():
-        t = tile_value(fut)
-        L[off[i]:off[i + 1], off[j]:off[j + 1]] = np.tril(t) if i == j else t
-    return L
 
 
 @pytest.mark.parametrize("sizes", [[40], [10, 10, 10, 10], [13, 7, 11, 9]])
