@@ -559,3 +559,13 @@ def test_map_errors_on_a_synthetic_package(tmp_path: Path) -> None:
     (pkg / "beta.py").unlink()
     (pkg / "sub" / "__init__.py").write_text('"""Sub: x does its job."""\n')  # named in prose, not in the map
     assert map_errors(pkg) == ["pkg/sub/__init__.py: the map does not name `x`"]
+
+
+# A module longer than this is more than one job (docs/development.md): split it by job.
+MAX_MODULE_LINES = 530
+
+
+def test_no_module_is_longer_than_the_limit() -> None:
+    long = [f"{p.relative_to(ROOT)}: {n} lines" for p in sorted(PACKAGE.rglob("*.py"))
+            if (n := len(p.read_text(encoding="utf-8").splitlines())) > MAX_MODULE_LINES]
+    assert not long, long

@@ -521,11 +521,8 @@ NUMPY = NumpyBackend()
 
 def get_backend(device: str | Backend | None) -> Backend:
     """The backend of a checked `device` spelling (device.check_device): None / "cpu" numpy on the host,
-    any other torch there; a Backend is returned as it is.
-
-    A backend gives `matrix(a)` (eigvalsh, eigh, Cholesky and triangular solves, products: what
-    mhla_cli.linalg.factorization.Factorization asks), `gram(...)` (the pass's Gram there: `HostGram`, a
-    syrk or the Gram's distinct entries; device.DeviceGram / DevicePairs) and `free_bytes()`."""
+    any other torch there; a Backend is returned as it is. A backend gives `matrix(a)` (what Factorization
+    asks: eigenvalues, Cholesky, solves, products), `gram(...)` (the pass's Gram there) and `free_bytes()`."""
     if isinstance(device, Backend):
         return device
     if device is None or device == "cpu":
