@@ -128,3 +128,18 @@ def test_invalid_files_of_other_kinds(files: dict[str, Path], tmp_path: Path) ->
     (tmp_path / "junk.h5").write_bytes(b"\x89HDF\r\n\x1a\n" + b"\0" * 64)
     rep = inspect_file(tmp_path / "junk.h5")
     assert rep["valid"] is False and rep["error"]
+
+
+def test_the_manifest_is_said_in_a_few_words(tmp_path, capsys) -> None:
+    """`mhla inspect` names the manifest's hash and what it covers in one short line; --json keeps the checksums."""
+    import json as _json
+
+    from mhla_cli.cli import run
+
+    path = Path(__file__).resolve().parent.parent / "sample_data" / "teacher_heads.h5"
+    assert run(["inspect", str(path)]) == 0
+    line = [x for x in capsys.readouterr().err.splitlines() if "@mhla_manifest" in x]
+    assert line == ["  @mhla_manifest = sha256 of 2 datasets and the header (--json: the checksums)"]
+    assert run(["inspect", str(path), "--json"]) == 0
+    attrs = _json.loads(capsys.readouterr().out)["attrs"]
+    assert len(_json.loads(attrs["mhla_manifest"])["datasets"]) == 2

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 from typing import Annotated
@@ -9,6 +10,7 @@ from typing import Annotated
 import typer
 
 from ..api.inspect import inspect_file
+from ..io.formats import MANIFEST_ATTR
 from .console import emit_json, say
 from .options import JsonOpt
 
@@ -44,11 +46,21 @@ def inspect_cmd(
             else:
                 say(escape(f"  {name}: group"))
         for k, v in rep["attrs"].items():
-            say(escape(f"  @{k} = {v}"))
+            say(escape(f"  @{k} = {_manifest_words(v) if k == MANIFEST_ATTR else v}"))
     if not rep["valid"]:
         # The same one-line error the other commands print (stderr), after the report.
         sys.stderr.write(f"mhla: error: {' '.join(str(rep['error']).split())}\n")
         raise typer.Exit(2)
+
+
+def _manifest_words(value: object) -> str:
+    """The manifest in a few words (its checksums are in --json)."""
+    try:
+        m = json.loads(value) if isinstance(value, str) else dict(value)  # type: ignore[call-overload]
+        return (f"{m.get('hash', '?')} of {len(m.get('datasets', {}))} datasets"
+                + (f", {len(m['tiles'])} tiles" if m.get("tiles") else "") + " and the header (--json: the checksums)")
+    except (TypeError, ValueError):
+        return str(value)
 
 
 def register(app: typer.Typer) -> None:
