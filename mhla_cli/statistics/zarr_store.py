@@ -58,17 +58,6 @@ SMALL = ("basis", "basis_moments", "basis_token_gram", "basis_last_token_gram", 
          "moments", "target_gram", "target_sum")
 
 
-def _json(v: Any) -> Any:
-    """An attribute value as JSON (numpy scalars and arrays as Python numbers and lists)."""
-    if isinstance(v, np.generic):
-        return v.item()
-    if isinstance(v, np.ndarray):
-        return v.tolist()
-    if isinstance(v, bytes):
-        return v.decode()
-    return v
-
-
 def _verify(url: str) -> None:
     """Refuse (InputError) a written store that does not open as a complete mhla features store: its header,
     the small sums every store has and the array of tiles (their numbers are checked by their readers; a store
@@ -141,7 +130,7 @@ def _create(zarr: Any, tmp: str, feats: Features, inputs: tuple[Any, ...], side:
     g = zarr.open_group(store=tmp, mode="w")
     attrs = {**formats.header("features", inputs), **feats.file_attrs(), "gram_storage": "tiles",
              "tile_features": side}
-    g.attrs.update({k: _json(v) for k, v in attrs.items() if v is not None})
+    g.attrs.update({k: manifest.plain(v) for k, v in attrs.items() if v is not None})
     for name in SMALL:
         a = getattr(feats, name)
         if a is not None:
@@ -424,7 +413,7 @@ def inspect(path: Any) -> dict[str, Any]:
                            "error": None}
     try:
         g = _open(url)
-        rep["attrs"] = {k: _json(v) for k, v in dict(g.attrs).items()}
+        rep["attrs"] = {k: manifest.plain(v) for k, v in dict(g.attrs).items()}
         for name in sorted(g.array_keys()):
             arr = g[name]
             rep["datasets"][name] = {"shape": list(arr.shape), "dtype": str(arr.dtype)}

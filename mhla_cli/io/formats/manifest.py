@@ -72,14 +72,14 @@ def digest(a: np.ndarray) -> str:
     return h.hexdigest()
 
 
-def _plain(v: Any) -> Any:
+def plain(v: Any) -> Any:
     """An attribute value as JSON: NumPy scalars and arrays as Python numbers and lists, bytes as text."""
     if isinstance(v, np.generic):
         v = v.item()
     if isinstance(v, np.ndarray):
-        return [_plain(x) for x in v.tolist()] if v.ndim else _plain(v.item())
+        return [plain(x) for x in v.tolist()] if v.ndim else plain(v.item())
     if isinstance(v, (list, tuple)):
-        return [_plain(x) for x in v]
+        return [plain(x) for x in v]
     if isinstance(v, bytes):
         return v.decode("utf-8", "replace")
     return v
@@ -87,8 +87,8 @@ def _plain(v: Any) -> Any:
 
 def attrs_digest(attrs: Mapping[str, Any]) -> str:
     """The checksum of the header: every attribute but the manifest, as canonical JSON."""
-    plain = {str(k): _plain(v) for k, v in attrs.items() if k != MANIFEST_ATTR}
-    text = json.dumps(plain, sort_keys=True, separators=(",", ":"), allow_nan=True)
+    values = {str(k): plain(v) for k, v in attrs.items() if k != MANIFEST_ATTR}
+    text = json.dumps(values, sort_keys=True, separators=(",", ":"), allow_nan=True)
     return hashlib.new(HASH, text.encode()).hexdigest()
 
 
