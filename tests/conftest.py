@@ -81,6 +81,19 @@ def gather_tiles(m) -> np.ndarray:
     return G
 
 
+def write_windows(path: Path, layout: str, X: np.ndarray, off: np.ndarray, Y: np.ndarray,
+                  w: np.ndarray | None = None) -> Path:
+    """A tokens file of windows as a user writes it with h5py: tokens, offsets, targets, weights, and (per
+    position) the layout's `attention`."""
+    with h5py.File(path, "w") as f:
+        f["tokens"], f["offsets"], f["targets"] = X, off, Y
+        if w is not None:
+            f["weights"] = w
+        if layout != "last":
+            f.attrs["attention"] = layout
+    return path
+
+
 def gather_factor(f, sizes: list[int]) -> np.ndarray:
     """A tiled Cholesky factor's tiles (of the tile sizes `sizes`) gathered into the dense lower-triangular
     matrix (tests only)."""

@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 
 import _reference as ref
 from _metamorphic import FILE_SETTINGS, transform
-from conftest import relerr
+from conftest import relerr, write_windows as write
 from mhla_cli.api.learn import certify as learn_certify, export_heads, fit as learn_fit
 from mhla_cli.cli import run
 from mhla_cli.errors import InputError
@@ -47,17 +47,6 @@ def windows(rng: np.random.Generator, n_seq: int, lo: int = 1, hi: int = 7) -> n
 
 def wide_tokens(rng: np.random.Generator, T: int, D: int) -> np.ndarray:
     return rng.standard_normal((T, D)) @ rng.standard_normal((D, D)) / np.sqrt(D) + 0.3
-
-
-def write(path: Path, layout: str, X: np.ndarray, off: np.ndarray, Y: np.ndarray, w: np.ndarray | None = None
-          ) -> Path:
-    with h5py.File(path, "w") as f:
-        f["tokens"], f["offsets"], f["targets"] = X, off, Y
-        if w is not None:
-            f["weights"] = w
-        if layout != "last":
-            f.attrs["attention"] = layout
-    return path
 
 
 def setup(tmp: Path, layout: str, seed: int, D: int = 5, d: int = 2, n_seq: int = 60, weighted: bool = False,

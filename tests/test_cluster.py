@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 
 import _reference as ref
+from conftest import write_windows
 from mhla_cli import fit as api_fit
 from mhla_cli.cli import run
 from mhla_cli.model import synthetic
@@ -148,14 +149,7 @@ def random_windows(tmp_path: Path, layout: str, weighted: bool, seed: int, d: in
     if weighted:
         w = rng.uniform(0.3, 2.0, rows)
         w[rng.random(rows) < 0.2] = 0.0
-    path = tmp_path / f"{layout}.h5"
-    with h5py.File(path, "w") as f:
-        f["tokens"], f["offsets"], f["targets"] = X, off, Y
-        if w is not None:
-            f["weights"] = w
-        if layout != "last":
-            f.attrs["attention"] = layout
-    return path, X, off, Y, w
+    return write_windows(tmp_path / f"{layout}.h5", layout, X, off, Y, w), X, off, Y, w
 
 
 def numpy_train_scores(X: np.ndarray, off: np.ndarray, Y: np.ndarray, w: np.ndarray | None, layout: str,
