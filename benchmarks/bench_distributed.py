@@ -275,13 +275,13 @@ def once_on_cluster(path: str, client: Any, tile: int | None) -> dict[str, Any]:
 
     from mhla_cli.solve import cluster as cluster_mod
     from mhla_cli.solve.certificate import certify
-    from mhla_cli.statistics import tiled_gram
+    from mhla_cli.statistics.distributed import tiled_statistics
 
     out: dict[str, Any] = {}
     reset_peaks(client)
     with get_task_stream(client) as ts:
         t = time.perf_counter()
-        stats = tiled_gram.accumulate(path, client, tile_features=tile)
+        stats = tiled_statistics.accumulate(path, client, tile_features=tile)
         out["accumulate_seconds"] = time.perf_counter() - t
         t = time.perf_counter()
         cert = certify(stats)
@@ -436,7 +436,7 @@ def bench_model(args: argparse.Namespace) -> None:
 def predict(D: int, M: int, C: int, bw: float, r: dict[str, Any]) -> dict[str, Any]:
     """The cost model's seconds for accumulation, certify and fit (one accumulation, one Cholesky) at d = D on M
     machines of C cores with the measured rates `r` (flops a core; the scheduler's and the workers' time a task)."""
-    from mhla_cli.statistics.tiled_gram import tile_pairs
+    from mhla_cli.statistics.distributed.tiled_statistics import tile_pairs
 
     Np = int(1.1 * n_features(D))
     p = costs(D, Np, D * tile_pairs(D))
@@ -480,7 +480,7 @@ def main() -> None:
     ap.add_argument("part", choices=("cholesky", "ratio", "largest", "model"))
     ap.add_argument("--workers", type=int, default=os.cpu_count() or 1, help="LocalCluster workers (one per core)")
     ap.add_argument("--n", type=int, default=8192, help="cholesky: the matrix order")
-    ap.add_argument("--tile", type=int, default=None, help="tile side (features; default from tiled_gram.TILE_BYTES; "
+    ap.add_argument("--tile", type=int, default=None, help="tile side (features; default from tiled_statistics.TILE_BYTES; "
                                                           "cholesky: 1024)")
     ap.add_argument("--d", type=int, default=None, help="ratio: 32; largest: 42")
     ap.add_argument("--N", type=int, default=None, help="sequences (default 1.2 psi, largest 1.1 psi)")

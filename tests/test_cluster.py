@@ -26,7 +26,7 @@ from mhla_cli.numerics import numerical_tolerance
 from mhla_cli.solve import cluster
 from mhla_cli.solve.certificate import certify
 from mhla_cli.solve.lstsq import fit as fit_one
-from mhla_cli.statistics import tiled_gram
+from mhla_cli.statistics.distributed import tiled_statistics
 from mhla_cli.statistics.stream import featurize
 
 distributed = pytest.importorskip("dask.distributed")
@@ -53,7 +53,7 @@ def test_cluster_equals_one_machine(local, tmp_path: Path, capsys: pytest.Captur
         offsets = f["offsets"][...] if "offsets" in f else np.arange(n + 1) * tokens.shape[1]
     one = featurize(path, spans="off")
     c1 = certify(one)
-    stats = tiled_gram.accumulate(path, client, chunk_size=97, tile_features=tile)
+    stats = tiled_statistics.accumulate(path, client, chunk_size=97, tile_features=tile)
     assert stats.matrix.nb > 1
     c2 = certify(stats)
     # the dense reference on materialised features (tokens (N, n, d) or ragged)
@@ -107,7 +107,7 @@ def test_per_position_layouts_equal_one_machine(local, tmp_path: Path, capsys: p
     path = tmp_path / "pp.h5"
     ds.save(path, dtype="float64")
     one = featurize(path, spans="off", normalize=normalize, bias_terms=bias)
-    stats = tiled_gram.accumulate(path, client, chunk_size=37, normalize=normalize, tile_features=2 * one.d,
+    stats = tiled_statistics.accumulate(path, client, chunk_size=37, normalize=normalize, tile_features=2 * one.d,
                                   bias_terms=bias)
     assert stats.matrix.nb > 1 and stats.sums.samples is one.samples and stats.sums.bias_terms == bias
     gram = np.zeros((stats.matrix.n, stats.matrix.n))
@@ -237,7 +237,7 @@ def test_lambda_min_on_the_cluster_never_contradicts_the_verdict(local, tmp_path
     estimate above the threshold of failing data (issue 43: 3.68e-13 above 3.24e-13 beside "NOT identifiable"),
     the reported lambda_min is never above the threshold when the verdict fails, never below it when it passes."""
     cl, client = local
-    stats = tiled_gram.accumulate(teacher(tmp_path, 3, 120, seed=5), client, tile_features=9)
+    stats = tiled_statistics.accumulate(teacher(tmp_path, 3, 120, seed=5), client, tile_features=9)
     try:
         lmin = certify(stats).lambda_min
         for k in range(-4, 5):
@@ -352,7 +352,7 @@ def test_a_killed_worker_changes_nothing(tmp_path: Path, when: tuple[str, int]) 
     client = distributed.Client(cl)
     try:
         def run_once() -> tuple:
-            stats = tiled_gram.accumulate(path, client, chunk_size=20, tile_features=25)
+            stats = tiled_statistics.accumulate(path, client, chunk_size=20, tile_features=25)
             cert = certify(stats)
             model = cluster.fit(stats)
             stats.release()
@@ -396,7 +396,7 @@ def test_above_psi_4096_with_workers_smaller_than_the_gram(tmp_path: Path) -> No
                                   memory_limit=limit)
     client = distributed.Client(cl)
     try:
-        stats = tiled_gram.accumulate(path, client)
+        stats = tiled_statistics.accumulate(path, client)
         assert stats.matrix.nb > 1
         c2 = certify(stats)
         m2 = cluster.fit(stats)

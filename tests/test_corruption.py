@@ -225,10 +225,11 @@ def _mutate_store_attrs(store: Path, what: str, key: str) -> None:
 @pytest.fixture(scope="module")
 def store(local, files: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> Path:
     pytest.importorskip("zarr")
-    from mhla_cli.statistics import tiled_gram, zarr_store
+    from mhla_cli.statistics.distributed import tiled_statistics
+    from mhla_cli.statistics.files import zarr_store
 
     out = tmp_path_factory.mktemp("store") / "s.zarr"
-    zarr_store.save(tiled_gram.accumulate(files["tokens"], local[1], tile_features=3 * D), out)
+    zarr_store.save(tiled_statistics.accumulate(files["tokens"], local[1], tile_features=3 * D), out)
     return out
 
 
@@ -284,15 +285,16 @@ def test_a_store_and_a_merge_check_every_tile(local, files: dict[str, Path], tmp
     """A part with a deleted tile is refused by merge (nothing written); a clean merge is sealed anew and reads
     back as the whole; a store without its manifest but of format 5 reads with one warning line."""
     pytest.importorskip("zarr")
-    from mhla_cli.statistics import tiled_gram, zarr_store
+    from mhla_cli.statistics.distributed import tiled_statistics
+    from mhla_cli.statistics.files import zarr_store
 
     client = local[1]
     parts = [tmp_path / f"p{i}.zarr" for i in range(2)]
     for i, p in enumerate(parts):
-        zarr_store.save(tiled_gram.accumulate(files["tokens"], client, shard=(i, 2), tile_features=3 * D), p)
+        zarr_store.save(tiled_statistics.accumulate(files["tokens"], client, shard=(i, 2), tile_features=3 * D), p)
     assert run(["merge", *map(str, parts), "-o", str(tmp_path / "m.zarr"), "-q"]) == 0
     whole = tmp_path / "w.zarr"
-    zarr_store.save(tiled_gram.accumulate(files["tokens"], client, tile_features=3 * D), whole)
+    zarr_store.save(tiled_statistics.accumulate(files["tokens"], client, tile_features=3 * D), whole)
     code_m, m = _store_answer(tmp_path / "m.zarr", None, capsys)
     code_w, w = _store_answer(whole, None, capsys)
     assert code_m == code_w == 0 and abs(m[1] - w[1]) <= 1e-10 * w[1]

@@ -65,7 +65,8 @@ def test_weight_totals_are_sums_that_add_subtract_and_round_trip(tmp_path: Path)
 
 def test_the_record_has_its_algebra_and_its_file() -> None:
     from mhla_cli import Features as public
-    from mhla_cli.statistics import algebra, features_file, stream
+    from mhla_cli.statistics import algebra, stream
+    from mhla_cli.statistics.files import features_file
 
     assert Features is public is stream.Features
     assert issubclass(Features, algebra.FeaturesAlgebra) and issubclass(Features, features_file.FeaturesFile)

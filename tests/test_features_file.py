@@ -1,4 +1,4 @@
-"""The features file (mhla_cli.statistics.features_file): format versions 3-5, the compact form, the refusals.
+"""The features file (mhla_cli.statistics.files.features_file): format versions 3-5, the compact form, the refusals.
 
 References: plain numpy on materialised canonical features (tests/_reference.py).
 """
@@ -16,7 +16,7 @@ from _records import ragged_data, weighted_features
 from conftest import unseal
 from mhla_cli.errors import InputError
 from mhla_cli.statistics.features import Features
-from mhla_cli.statistics.features_file import PAIRS_DATASET, PAIRS_FORMAT
+from mhla_cli.statistics.files.features_file import PAIRS_DATASET, PAIRS_FORMAT
 from mhla_cli.statistics.stream import chunk_features
 
 

@@ -1,4 +1,4 @@
-"""The Gram dense in memory (mhla_cli.statistics.gram_dense): its symmetry check at the tolerance's cut,
+"""The Gram dense in memory (mhla_cli.statistics.storage.gram_dense): its symmetry check at the tolerance's cut,
 its congruence in place only where it may write, and the refusals of its features-file dataset."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import pytest
 
 from mhla_cli.errors import InputError
 from mhla_cli.numerics import SYMMETRY_TOL
-from mhla_cli.statistics.gram_dense import DenseGram, is_symmetric
+from mhla_cli.statistics.storage.gram_dense import DenseGram, is_symmetric
 
 
 def spd(n: int, seed: int = 0) -> np.ndarray:

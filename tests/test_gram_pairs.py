@@ -1,4 +1,4 @@
-"""The Gram held as its distinct entries (mhla_cli.statistics.gram_pairs): its pairs, its sum with another
+"""The Gram held as its distinct entries (mhla_cli.statistics.storage.gram_pairs): its pairs, its sum with another
 form, its rows as written, and the refusals of its features-file dataset (format version, shape, NaN)."""
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ import pytest
 from mhla_cli.errors import InputError
 from mhla_cli.io import formats
 from mhla_cli.linalg import symgram
-from mhla_cli.statistics.gram_dense import DenseGram
-from mhla_cli.statistics.gram_pairs import PAIRS_FORMAT, PairsGram
+from mhla_cli.statistics.storage.gram_dense import DenseGram
+from mhla_cli.statistics.storage.gram_pairs import PAIRS_FORMAT, PairsGram
 
 
 def pairs_gram(q: int = 3, r: int = 2, seed: int = 0) -> tuple[PairsGram, np.ndarray]:

@@ -1,4 +1,4 @@
-"""The Gram's storages behind one interface (mhla_cli.statistics.gram_storage): each one against the dense
+"""The Gram's storages behind one interface (mhla_cli.statistics.storage.gram_storage): each one against the dense
 numpy Gram of materialised features (tests/_reference.py), their algebra (sum, change of basis) equal across
 storages, a features file round trip in each form, and a storage added as one module (a toy one, here)."""
 
@@ -13,10 +13,10 @@ import _reference as ref
 from _records import ragged_data
 from mhla_cli.errors import InputError
 from mhla_cli.linalg import symgram
-from mhla_cli.statistics import gram_storage
+from mhla_cli.statistics.storage import gram_storage
 from mhla_cli.statistics.features import Features
-from mhla_cli.statistics.gram_dense import DenseGram
-from mhla_cli.statistics.gram_pairs import PairsGram
+from mhla_cli.statistics.storage.gram_dense import DenseGram
+from mhla_cli.statistics.storage.gram_pairs import PairsGram
 from mhla_cli.statistics.stream import chunk_features
 
 D = 3

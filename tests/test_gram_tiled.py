@@ -1,4 +1,4 @@
-"""The Gram as tiles on a Dask cluster (mhla_cli.statistics.gram_tiled): the storage interface over the
+"""The Gram as tiles on a Dask cluster (mhla_cli.statistics.storage.gram_tiled): the storage interface over the
 tiles, against numpy on the dense Gram of materialised features; nothing gathers the Gram (what would is
 refused with one line), and the statistics accumulated on a cluster hand their tiles to the factorization
 through it."""
@@ -13,8 +13,8 @@ import pytest
 from _records import ragged_data
 from mhla_cli.errors import InputError
 from mhla_cli.linalg.tiled_matrix import TiledMatrix, tile_offsets
-from mhla_cli.statistics import gram_storage
-from mhla_cli.statistics.gram_tiled import TiledGram
+from mhla_cli.statistics.storage import gram_storage
+from mhla_cli.statistics.storage.gram_tiled import TiledGram
 from conftest import gather_tiles
 
 distributed = pytest.importorskip("dask.distributed")
@@ -90,15 +90,15 @@ def test_what_would_gather_or_mix_the_tiles_is_refused() -> None:
 
 
 def test_accumulated_statistics_hand_their_tiles_over(client, tmp_path: Path) -> None:
-    """statistics.tiled_gram.accumulate: its `gram` is this storage over the same tiles, and the cluster
+    """statistics.distributed.tiled_statistics.accumulate: its `gram` is this storage over the same tiles, and the cluster
     factorization (solve.cluster) is that storage's."""
     from mhla_cli.model import synthetic
     from mhla_cli.solve import cluster
-    from mhla_cli.statistics import tiled_gram
+    from mhla_cli.statistics.distributed import tiled_statistics
 
     ds, _ = synthetic.generate_teacher(3, 2, 120, "2:7", seed=0)
     ds.save(tmp_path / "t.h5", dtype="float64")
-    stats = tiled_gram.accumulate(tmp_path / "t.h5", client, chunk_size=31, tile_features=6)
+    stats = tiled_statistics.accumulate(tmp_path / "t.h5", client, chunk_size=31, tile_features=6)
     try:
         assert isinstance(stats.gram, TiledGram) and stats.gram.held is stats.matrix
         fac = cluster.factorization(stats)

@@ -161,7 +161,7 @@ def test_loading_features_is_refused_up_front(files: tuple[Path, Path], monkeypa
 
 def test_certify_and_fit_never_read_the_own_gram(files: tuple[Path, Path], tmp_path: Path,
                                                  monkeypatch: pytest.MonkeyPatch) -> None:
-    from mhla_cli.statistics import features_file
+    from mhla_cli.statistics.files import features_file
 
     _, feats = files
     def boom(self: object) -> None:
@@ -197,7 +197,7 @@ def test_the_stored_gram_is_read_when_used(files: tuple[Path, Path], tmp_path: P
 
 def test_featurize_derives_the_own_gram_when_used(files: tuple[Path, Path]) -> None:
     from mhla_cli.statistics import basis
-    from mhla_cli.statistics import features_file
+    from mhla_cli.statistics.files import features_file
 
     tokens, _ = files
     feats = stream.featurize(tokens)

@@ -12,7 +12,7 @@ import pytest
 
 from conftest import assert_same_stats, relerr
 from mhla_cli.linalg import memory
-from mhla_cli.statistics import parallel
+from mhla_cli.statistics.distributed import parallel
 from mhla_cli.statistics import stream
 from mhla_cli.model import synthetic
 from mhla_cli.cli import run

@@ -1,4 +1,4 @@
-"""A Dask scheduler and the bounds on every wait on it (mhla_cli.statistics.scheduler): the worker-memory cut
+"""A Dask scheduler and the bounds on every wait on it (mhla_cli.statistics.distributed.scheduler): the worker-memory cut
 just inside and outside, what the cluster's failures mean, a scheduler file, the probe of an address that
 never answers and the watch of a cluster whose workers stop running. The commands' lines and exit codes:
 tests/test_cluster.py."""
@@ -15,7 +15,7 @@ from types import SimpleNamespace
 import pytest
 
 from mhla_cli.errors import InputError
-from mhla_cli.statistics import scheduler
+from mhla_cli.statistics.distributed import scheduler
 
 distributed = pytest.importorskip("dask.distributed")
 from distributed.scheduler import KilledWorker  # noqa: E402 (after the skip)
@@ -88,7 +88,7 @@ def test_a_cluster_whose_workers_stop_running_is_refused_within_the_timeout(tmp_
     from distributed.core import Status
 
     from mhla_cli.model import synthetic
-    from mhla_cli.statistics import tiled_gram
+    from mhla_cli.statistics.distributed import tiled_statistics
 
     ds, _ = synthetic.generate_teacher(3, 2, 3000, "3:8", seed=0)
     ds.save(tmp_path / "data.h5", dtype="float64")
@@ -114,7 +114,7 @@ def test_a_cluster_whose_workers_stop_running_is_refused_within_the_timeout(tmp_
         pauser.start()
         with scheduler.scheduler_timeout(2.0), pytest.raises(scheduler.SchedulerError,
                                                               match="no running worker for 2 s") as exc:
-            tiled_gram.accumulate(tmp_path / "data.h5", client, chunk_size=5)
+            tiled_statistics.accumulate(tmp_path / "data.h5", client, chunk_size=5)
         assert exc.value.cause == "workers" and time.monotonic() - t0 < 2.0 + 20
     finally:
         done.set()

@@ -1,4 +1,4 @@
-"""Where a Zarr store is written (mhla_cli.statistics.store_location): what an output may replace, inputs
+"""Where a Zarr store is written (mhla_cli.statistics.files.store_location): what an output may replace, inputs
 inside or around it, and the commit that removes an earlier store only after the new one is in place and
 verified (and puts it back on any failure)."""
 
@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from mhla_cli.errors import InputError
-from mhla_cli.statistics import store_location as loc
+from mhla_cli.statistics.files import store_location as loc
 
 pytest.importorskip("zarr")
 

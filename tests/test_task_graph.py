@@ -127,9 +127,9 @@ def test_a_store_factors_out_of_core(tmp_path: Path) -> None:
     pytest.importorskip("zarr")
     from mhla_cli.model import synthetic
     from mhla_cli.solve.certificate import certify
-    from mhla_cli.statistics import zarr_store
+    from mhla_cli.statistics.files import zarr_store
     from mhla_cli.statistics.stream import featurize
-    from mhla_cli.statistics.tiled_gram import TiledStatistics
+    from mhla_cli.statistics.distributed.tiled_statistics import TiledStatistics
 
     ds, _ = synthetic.generate_teacher(3, 2, 120, "2:6", seed=7)
     ds.save(tmp_path / "data.h5", dtype="float64")

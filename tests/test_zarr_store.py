@@ -1,4 +1,4 @@
-"""The Zarr features store (mhla_cli.statistics.zarr_store): written by the workers, read back whole or as
+"""The Zarr features store (mhla_cli.statistics.files.zarr_store): written by the workers, read back whole or as
 tiles, merged from shards, inspected; its provenance and refusals are those of the HDF5 features file."""
 
 from __future__ import annotations
@@ -14,7 +14,8 @@ from mhla_cli.errors import InputError
 from mhla_cli.io.formats import manifest
 from mhla_cli.model import synthetic
 from mhla_cli.solve.certificate import certify
-from mhla_cli.statistics import tiled_gram, zarr_store
+from mhla_cli.statistics.distributed import tiled_statistics
+from mhla_cli.statistics.files import zarr_store
 from mhla_cli.statistics.stream import featurize, load_features
 
 distributed = pytest.importorskip("dask.distributed")
@@ -52,7 +53,7 @@ def test_store_round_trips(local, data: Path, tmp_path: Path, capsys: pytest.Cap
     assert "--scheduler" in attrs["mhla_command"] and json.loads(attrs["mhla_inputs"])[0]["fingerprint"]
     # tiles on the cluster equal the tiles accumulated there
     stats = zarr_store.load_tiled(out, client)
-    fresh = tiled_gram.accumulate(data, client, chunk_size=31)
+    fresh = tiled_statistics.accumulate(data, client, chunk_size=31)
     for key, f in stats.matrix.tiles.items():
         assert np.array_equal(f.result(), fresh.matrix.tiles[key].result())
     # certify reads it with and without a scheduler; inspect says what it is
@@ -174,7 +175,7 @@ def test_output_rules(local, data: Path, tmp_path: Path, capsys: pytest.CaptureF
         raise OSError("disk full")
     monkeypatch.setattr(zarr_store, "_commit", fail)
     with pytest.raises(OSError):
-        stats = tiled_gram.accumulate(data, local[1])
+        stats = tiled_statistics.accumulate(data, local[1])
         zarr_store.save(stats, tmp_path / "f.zarr")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["data.h5"]
 
@@ -183,7 +184,7 @@ def test_a_store_at_an_fsspec_url(local, data: Path) -> None:
     """memory:// (the in-process cluster's workers share this process's memory filesystem)."""
     _, client = local
     pytest.importorskip("fsspec")
-    stats = tiled_gram.accumulate(data, client)
+    stats = tiled_statistics.accumulate(data, client)
     url = "memory://mhla-test/feats.zarr"
     zarr_store.save(stats, url)
     back = load_features(url)

@@ -10,16 +10,16 @@ from typing import Any
 import h5py
 import numpy as np
 
-from ..io import formats
-from ..io.formats import manifest
-from ..errors import InputError
-from ..model.export import load_heads
-from ..model.heads import Heads
-from ..model.model import Model
-from ..statistics import zarr_store
-from ..statistics.features_file import PAIRS_DATASET
-from ..statistics.stream import Features, default_chunk_size
-from ..io.tokens import TokensInfo, check_finite, check_weights, inspect_tokens, iter_chunks
+from mhla_cli.io import formats
+from mhla_cli.io.formats import manifest
+from mhla_cli.errors import InputError
+from mhla_cli.model.export import load_heads
+from mhla_cli.model.heads import Heads
+from mhla_cli.model.model import Model
+from mhla_cli.statistics.files import zarr_store
+from mhla_cli.statistics.files.features_file import PAIRS_DATASET
+from mhla_cli.statistics.stream import Features, default_chunk_size
+from mhla_cli.io.tokens import TokensInfo, check_finite, check_weights, inspect_tokens, iter_chunks
 
 
 def _attr_value(v: Any) -> Any:

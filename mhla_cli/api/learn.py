@@ -13,26 +13,26 @@ from typing import Any
 
 import numpy as np
 
-from ..io import formats
-from ..io.tokens import inspect_tokens
-from ..model import canonical
-from ..model import heads as heads_mod
-from ..solve import lowrank
-from ..solve import ridge_cv
-from ..model import scores
-from ..solve import affine_block, certificate, cluster, domains, lstsq
-from ..solve import spectrum
-from ..errors import InputError
-from ..numerics import TARGET_SQUARES_FLOOR
-from ..bias_terms import token_mean
-from ..model.heads import Heads
-from ..statistics.basis import feature_scale
-from ..model.model import Model, affine_of
-from ..samples import ReadSpec, layout_info
-from ..statistics.folds import load_folds
-from ..statistics.stream import Features, check_solve_memory, data_kind
-from ..statistics.tiled_gram import TiledStatistics
-from ..statistics.zarr_store import is_store
+from mhla_cli.io import formats
+from mhla_cli.io.tokens import inspect_tokens
+from mhla_cli.model import canonical
+from mhla_cli.model import heads as heads_mod
+from mhla_cli.solve import lowrank
+from mhla_cli.solve import ridge_cv
+from mhla_cli.model import scores
+from mhla_cli.solve import affine_block, certificate, cluster, domains, lstsq
+from mhla_cli.solve import spectrum
+from mhla_cli.errors import InputError
+from mhla_cli.numerics import TARGET_SQUARES_FLOOR
+from mhla_cli.bias_terms import token_mean
+from mhla_cli.model.heads import Heads
+from mhla_cli.statistics.basis import feature_scale
+from mhla_cli.model.model import Model, affine_of
+from mhla_cli.samples import ReadSpec, layout_info
+from mhla_cli.statistics.folds import load_folds
+from mhla_cli.statistics.stream import Features, check_solve_memory, data_kind
+from mhla_cli.statistics.distributed.tiled_statistics import TiledStatistics
+from mhla_cli.statistics.files.zarr_store import is_store
 
 
 class RequestError(InputError):
@@ -120,7 +120,7 @@ def fit(feats: Features | Any, ridge: float | str = 0.0, heads: int | str | None
 
     `scheduler` (a Dask scheduler address, "local[:K]" or a dask.distributed Client): least squares on that
     cluster with the Gram tiled on its workers (mhla_cli.solve.cluster.fit; a ridge > 0 or none), `feats`
-    then a tokens file, a Zarr features store or statistics tiled there (statistics.tiled_gram); data that
+    then a tokens file, a Zarr features store or statistics tiled there (statistics.distributed.tiled_statistics); data that
     do not determine the function raise mhla_cli.solve.cluster.ClusterRefused there without a ridge.
 
     Least squares (the default) is solved in the canonical coordinates: the minimum-norm solution of
@@ -182,7 +182,7 @@ def score_on_data(model: Model, data: str | os.PathLike, chunk_size: int | None 
     mhla_cli.model.scores.Spread: resolved at any scale of the targets), for statistics whose targets' squares
     underflow float64 (scores.targets_underflow); {"train_r2", "train_mse", "train_scored_on": "data"}, or {} when
     the pass scores nothing (no targets). The samples scored are those of the fit (its layout, weights)."""
-    from ..model.forward import fitted_samples, predict_file
+    from mhla_cli.model.forward import fitted_samples, predict_file
 
     fitted = fitted_samples(model)
     res = predict_file(model, data, chunk_size=chunk_size, layout=fitted if fitted.per_position else None,

@@ -7,22 +7,20 @@ from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 import typer
 
-from ..linalg.device import check_device
-from ..errors import InputError
-from ..feature_map import check_normalize
-from ..statistics.folds import featurize_folds, save_with_folds
-from ..statistics.merge import merge_features
-from ..statistics.parallel import make_map
-from ..statistics.stream import Features, check_spans, featurize, shard_samples
-from ..io.tokens import inspect_tokens
-from ..statistics.zarr_store import is_store
-from .console import emit_json, fmt, progress_bar, say, say_samples, warn, working
-from .options import (AffineFromOpt, AttentionOpt, BiasTermsOpt, ChunkOpt, DeviceOpt, JsonOpt, NormalizeOpt, OutOpt,
-                      QuietOpt, SchedulerTimeoutOpt, check_hdf5_output, data_location, on_cluster, parse_shard,
-                      require_optional)
+from mhla_cli.linalg.device import check_device
+from mhla_cli.errors import InputError
+from mhla_cli.feature_map import check_normalize
+from mhla_cli.statistics.folds import featurize_folds, save_with_folds
+from mhla_cli.statistics.merge import merge_features
+from mhla_cli.statistics.distributed.parallel import make_map
+from mhla_cli.statistics.stream import Features, check_spans, featurize, shard_samples
+from mhla_cli.io.tokens import inspect_tokens
+from mhla_cli.statistics.files.zarr_store import is_store
+from mhla_cli.cli.console import emit_json, fmt, progress_bar, say, say_samples, warn, working
+from mhla_cli.cli.options import AffineFromOpt, AttentionOpt, BiasTermsOpt, ChunkOpt, DeviceOpt, JsonOpt, NormalizeOpt, OutOpt, QuietOpt, SchedulerTimeoutOpt, check_hdf5_output, data_location, on_cluster, parse_shard, require_optional
 
 if TYPE_CHECKING:
-    from ..samples import ReadSpec
+    from mhla_cli.samples import ReadSpec
 
 
 def featurize_cmd(
@@ -91,7 +89,7 @@ def featurize_cmd(
     """
     if scheduler is not None and workers != 1:
         raise InputError("--workers and --scheduler cannot be combined (the Dask cluster sets the workers)")
-    from ..samples import ReadSpec  # the layouts need NumPy: not for --help
+    from mhla_cli.samples import ReadSpec  # the layouts need NumPy: not for --help
 
     read = ReadSpec(attention, check_normalize(normalize or "none"), bias_terms)  # how the tokens file is read
     if is_store(data_location(output)):
@@ -102,7 +100,7 @@ def featurize_cmd(
             raise InputError("a Zarr store holds every feature, tiled: it cannot be combined with --folds, "
                              "--compact, --device or --spans on", output)
         if affine_from is not None:
-            from ..solve.cluster import ClusterRefused
+            from mhla_cli.solve.cluster import ClusterRefused
 
             raise ClusterRefused("affine", affine_from)
         with on_cluster(scheduler, scheduler_timeout, data):
@@ -138,13 +136,14 @@ def featurize_cmd(
 def _featurize_store(data: Path, out: str, scheduler: str, shard: str | None, chunk_size: int | None,
                      read: ReadSpec, json_out: bool, quiet: bool) -> None:
     """`featurize --scheduler -o FEATS.zarr`: the statistics accumulated with the Gram tiled on the cluster
-    (mhla_cli.statistics.tiled_gram), each tile written into the store by its worker."""
-    from ..statistics import tiled_gram, zarr_store
+    (mhla_cli.statistics.distributed.tiled_statistics), each tile written into the store by its worker."""
+    from mhla_cli.statistics.distributed import tiled_statistics
+    from mhla_cli.statistics.files import zarr_store
 
     zarr_store.check_output(out, (data,))
     require_dask(scheduler)
     with make_map(scheduler=scheduler) as pmap, working(f"featurize on the cluster {scheduler}: the tiled Gram", quiet):
-        stats = tiled_gram.accumulate(data, pmap.client, chunk_size=chunk_size, normalize=read.normalize,
+        stats = tiled_statistics.accumulate(data, pmap.client, chunk_size=chunk_size, normalize=read.normalize,
                                       shard=parse_shard(shard), attention=read.layout, bias_terms=read.bias_terms)
         try:
             zarr_store.save(stats, out, inputs=(data,))
@@ -254,8 +253,8 @@ def merge_cmd(
 
 def _merge_stores(parts: list[Path], out: str, allow_partial: bool, json_out: bool, quiet: bool) -> None:
     """`mhla merge` of Zarr stores (statistics.merge.merge_stores)."""
-    from ..statistics import zarr_store
-    from ..statistics.merge import merge_stores
+    from mhla_cli.statistics.files import zarr_store
+    from mhla_cli.statistics.merge import merge_stores
 
     zarr_store.check_output(out, tuple(parts))
     merged = merge_stores([data_location(p) for p in parts], out, allow_partial=allow_partial)

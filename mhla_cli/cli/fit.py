@@ -10,27 +10,24 @@ from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
-from ..io import formats
-from ..numerics import FEWEST_TOL, quote
-from ..linalg.device import check_device
-from ..errors import InputError
-from ..statistics.folds import load_for_cv
-from ..model.export import save_heads
-from ..model.heads import Heads
-from ..api.learn import (RequestError, check_export_options, check_fit_file, check_fit_targets, export_heads, fit,
-                         fit_warnings, needs_folds, score_on_data)
-from ..solve.lowrank import convergence_warning, fewest_message, hit_limit
-from ..model.model import Model, load_function
-from ..solve.spectrum import UnreliableHeadCount, plot_spectrum, pyplot, spectrum, text_histogram
-from ..statistics.stream import Features, data_kind
-from ..io.tokens import inspect_tokens
-from .console import BOUND_SIGNS, emit_json, fmt, load_with_progress, progress_bar, say, say_samples, warn, working
-from .options import (AffineFromOpt, AttentionOpt, BiasTermsOpt, ChunkOpt, DeviceOpt, about, JsonOpt, NormalizeOpt,
-                      OutOpt, QuietOpt, SchedulerTimeoutOpt, check_heads_output, check_hdf5_output, check_scheduler_timeout,
-                      on_cluster, parse_auto, require_optional)
+from mhla_cli.io import formats
+from mhla_cli.numerics import FEWEST_TOL, quote
+from mhla_cli.linalg.device import check_device
+from mhla_cli.errors import InputError
+from mhla_cli.statistics.folds import load_for_cv
+from mhla_cli.model.export import save_heads
+from mhla_cli.model.heads import Heads
+from mhla_cli.api.learn import RequestError, check_export_options, check_fit_file, check_fit_targets, export_heads, fit, fit_warnings, needs_folds, score_on_data
+from mhla_cli.solve.lowrank import convergence_warning, fewest_message, hit_limit
+from mhla_cli.model.model import Model, load_function
+from mhla_cli.solve.spectrum import UnreliableHeadCount, plot_spectrum, pyplot, spectrum, text_histogram
+from mhla_cli.statistics.stream import Features, data_kind
+from mhla_cli.io.tokens import inspect_tokens
+from mhla_cli.cli.console import BOUND_SIGNS, emit_json, fmt, load_with_progress, progress_bar, say, say_samples, warn, working
+from mhla_cli.cli.options import AffineFromOpt, AttentionOpt, BiasTermsOpt, ChunkOpt, DeviceOpt, about, JsonOpt, NormalizeOpt, OutOpt, QuietOpt, SchedulerTimeoutOpt, check_heads_output, check_hdf5_output, check_scheduler_timeout, on_cluster, parse_auto, require_optional
 
 if TYPE_CHECKING:
-    from ..samples import ReadSpec
+    from mhla_cli.samples import ReadSpec
 
 
 def fit_cmd(
@@ -89,13 +86,13 @@ def fit_cmd(
     """
     check_hdf5_output(output, (data, affine_from), "a model file", "model")
     if scheduler is not None and affine_from is not None:
-        from ..solve.cluster import ClusterRefused
+        from mhla_cli.solve.cluster import ClusterRefused
 
         raise ClusterRefused("affine", affine_from)
     if affine_from is not None and (heads is not None or nuclear is not None or ridge.strip().lower() == "auto"):
         raise InputError(FLAG_WORDS["affine_least_squares"])
     dev = check_device(device, data)
-    from ..samples import ReadSpec  # the layouts need NumPy: not for --help
+    from mhla_cli.samples import ReadSpec  # the layouts need NumPy: not for --help
 
     read = ReadSpec(attention, normalize, bias_terms)  # how a tokens file is read (None: as the data say)
     if scheduler is not None:
@@ -148,10 +145,10 @@ def _fit_cluster(data: Path, output: Path, scheduler: str, ridge: Any, read: Rea
                  json_out: bool, quiet: bool) -> None:
     """`fit --scheduler`: least squares with the Gram tiled on a Dask cluster (mhla_cli.solve.cluster); the
     model file is written only when the fit succeeded."""
-    from ..solve.cluster import ClusterRefused, fit as fit_on_cluster
-    from ..statistics.zarr_store import is_store
-    from .featurize import require_dask
-    from .options import data_location
+    from mhla_cli.solve.cluster import ClusterRefused, fit as fit_on_cluster
+    from mhla_cli.statistics.files.zarr_store import is_store
+    from mhla_cli.cli.featurize import require_dask
+    from mhla_cli.cli.options import data_location
 
     where = data_location(data)
     require_dask(scheduler)
@@ -286,7 +283,7 @@ def export_heads_cmd(
     red = None
     model = Model.load(model_path)
     if unreduce is not None:
-        from ..model.reduce import check_unreduce, load_reduction
+        from mhla_cli.model.reduce import check_unreduce, load_reduction
 
         red = load_reduction(unreduce)  # before the work: a file without maps is refused first
         unchecked = check_unreduce(model, unreduce, model_path)  # the maps the model's data were made with
@@ -301,7 +298,7 @@ def export_heads_cmd(
                        "reason": str(exc), "input": str(model_path)})
         raise typer.Exit(1) from None
     if red is not None:
-        from ..model.reduce import unreduce_heads
+        from mhla_cli.model.reduce import unreduce_heads
 
         heads = unreduce_heads(heads, red, unreduce)
     save_heads(heads, output, inputs=(model_path,) + ((unreduce,) if unreduce is not None else ()))

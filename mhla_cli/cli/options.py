@@ -12,7 +12,7 @@ import math
 
 import typer
 
-from ..errors import InputError
+from mhla_cli.errors import InputError
 
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print one JSON object on stdout.")]
 
@@ -37,11 +37,11 @@ OutOpt = Annotated[Path, typer.Option("--output", "-o", help="Output HDF5 file (
 
 SchedulerTimeoutOpt = Annotated[float | None, typer.Option(
     "--scheduler-timeout", metavar="SECONDS", help="With --scheduler: how long the scheduler has to answer and to "
-    "have a running worker (default 60 s: statistics.scheduler.SCHEDULER_TIMEOUT); a cluster that does neither, or "
+    "have a running worker (default 60 s: statistics.distributed.scheduler.SCHEDULER_TIMEOUT); a cluster that does neither, or "
     "whose workers' memory cannot hold a tile of the Gram, is refused (exit 2) naming the cause "
     "(docs/cluster.md). Example: --scheduler-timeout 300", show_default=False)]
 
-# The remedy the CLI adds to a cluster's refusal (statistics.scheduler.SchedulerError), by its cause.
+# The remedy the CLI adds to a cluster's refusal (statistics.distributed.scheduler.SchedulerError), by its cause.
 CLUSTER_REMEDIES = {
     "connect": "check the address, that the scheduler runs and that this machine reaches it",
     "answer": "check that the address is a Dask scheduler's (not another service's); a busy one may need longer: "
@@ -65,13 +65,13 @@ def check_scheduler_timeout(scheduler: str | None, timeout: float | None) -> Non
 @contextmanager
 def on_cluster(scheduler: str | None, timeout: float | None, data: Any = None) -> Iterator[None]:
     """A command's work on the cluster of --scheduler, its waits bounded by --scheduler-timeout: a refusal of
-    the cluster (statistics.scheduler.SchedulerError) gains its remedy (`CLUSTER_REMEDIES`), and an error that
+    the cluster (statistics.distributed.scheduler.SchedulerError) gains its remedy (`CLUSTER_REMEDIES`), and an error that
     names no file (a store's chunk that cannot be decoded) names `data`. Without a scheduler: nothing."""
     check_scheduler_timeout(scheduler, timeout)
     if scheduler is None:
         yield
         return
-    from ..statistics.scheduler import SchedulerError, scheduler_timeout
+    from mhla_cli.statistics.distributed.scheduler import SchedulerError, scheduler_timeout
 
     with scheduler_timeout(timeout) as t:
         try:
@@ -128,7 +128,7 @@ def layout_name(value: str | None) -> str | None:
     """The value of --attention: a registered per-position layout's name (mhla_cli.samples.attentions, read when
     the option is parsed: a layout registered after this import is a choice too; the import of the layouts, and
     so of NumPy, waits until then: `--help` needs none)."""
-    from ..samples import attentions
+    from mhla_cli.samples import attentions
 
     if value is not None and value not in attentions():
         raise typer.BadParameter(f"{value!r} is not one of {', '.join(repr(a) for a in attentions())}.")
@@ -136,7 +136,7 @@ def layout_name(value: str | None) -> str | None:
 
 
 def _complete_layout(incomplete: str) -> list[str]:
-    from ..samples import attentions
+    from mhla_cli.samples import attentions
 
     return [a for a in attentions() if a.startswith(incomplete)]
 
@@ -183,7 +183,7 @@ def check_hdf5_output(path: Path, inputs: tuple[Path | None, ...] = (), what: st
     """An HDF5 output path, refused (InputError, exit 2) before any work when its suffix names another
     format (model.npz would be HDF5 under a NumPy name), it cannot be written, or it holds a file that is not
     mhla's file of `kind` (formats.check_replaceable)."""
-    from ..io import formats
+    from mhla_cli.io import formats
 
     formats.check_hdf5_suffix(path, what)
     return formats.check_output_path(path, tuple(i for i in inputs if i is not None), kind)
@@ -192,12 +192,12 @@ def check_hdf5_output(path: Path, inputs: tuple[Path | None, ...] = (), what: st
 def check_heads_output(path: Path, inputs: tuple[Path | None, ...] = ()) -> str:
     """A heads output: its format by the suffix (HDF5, .npz, .safetensors; any other suffix refused), the
     optional package it needs, and a writable path; all before any work."""
-    from ..io import formats
-    from ..model.export import heads_format
+    from mhla_cli.io import formats
+    from mhla_cli.model.export import heads_format
 
     fmt = heads_format(path)
     if fmt == "safetensors":
-        from ..model.export import _safetensors  # the library's own refusal, with its install hint
+        from mhla_cli.model.export import _safetensors  # the library's own refusal, with its install hint
         require_optional("safetensors.numpy", _safetensors)
     formats.check_output_path(path, tuple(i for i in inputs if i is not None), "heads")
     return fmt
@@ -242,7 +242,7 @@ def check_common_params(ctx: Any) -> None:
       (HDF5 with random access, written atomically), and `-o -` would otherwise write a file named '-';
     - `--workers` above the cores available is noted on stderr (one line; the run goes on).
     """
-    from .console import warn
+    from mhla_cli.cli.console import warn
 
     for p in getattr(ctx.command, "params", ()):
         value = ctx.params.get(p.name)

@@ -145,7 +145,7 @@ def gram_pairs_of(feats: Any) -> tuple[np.ndarray, np.ndarray | None, np.ndarray
     if feats.on_spans:
         E, F = np.array(feats.span_pairs), np.array(feats.span_last)
         q, d = E.shape[1], F.shape[1]
-    K = feats.gram_storage.pairs(q, d)  # as held, or from the array (mhla_cli.statistics.gram_storage)
+    K = feats.gram_storage.pairs(q, d)  # as held, or from the array (mhla_cli.statistics.storage.gram_storage)
     return np.asarray(K, dtype=np.float64) / w, E, F
 
 

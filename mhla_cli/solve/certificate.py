@@ -13,14 +13,14 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import InputError
-from ..linalg.factorization import Factorization
-from ..numerics import DEAD_WEIGHT_TOL, lambda_min_of_verdict, numerical_tolerance
-from ..statistics import basis as basis_mod
-from ..statistics.features import Features
-from ..statistics.tiled_gram import TiledStatistics
-from . import cluster
-from .domains import Domain, get_domain
+from mhla_cli.errors import InputError
+from mhla_cli.linalg.factorization import Factorization
+from mhla_cli.numerics import DEAD_WEIGHT_TOL, lambda_min_of_verdict, numerical_tolerance
+from mhla_cli.statistics import basis as basis_mod
+from mhla_cli.statistics.features import Features
+from mhla_cli.statistics.distributed.tiled_statistics import TiledStatistics
+from mhla_cli.solve import cluster
+from mhla_cli.solve.domains import Domain, get_domain
 
 
 @dataclass
@@ -129,7 +129,7 @@ def certify(feats: Features | Any, min_eig: float = 0.0, domain: str | Domain = 
 
     `scheduler` (a Dask scheduler address, "local[:K]" or a dask.distributed Client): certify on that
     cluster, the Gram tiled on its workers (mhla_cli.solve.cluster); `feats` is then a tokens file, a Zarr
-    features store or statistics already tiled there (mhla_cli.statistics.tiled_gram.TiledStatistics;
+    features store or statistics already tiled there (mhla_cli.statistics.distributed.tiled_statistics.TiledStatistics;
     docs/cluster.md, "The Gram on the cluster"): the certificate's `rank` is then None unless identifiable,
     and `tasks` holds the tasks submitted, by kind.
 

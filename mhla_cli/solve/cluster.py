@@ -1,7 +1,7 @@
 """Certify and fit with the canonical Gram tiled on a Dask cluster: the identifiable path of the solve.
 
-The statistics come from mhla_cli.statistics.tiled_gram (a tokens file accumulated on the cluster) or
-mhla_cli.statistics.zarr_store (a features store whose tiles the workers read); the client holds
+The statistics come from mhla_cli.statistics.distributed.tiled_statistics (a tokens file accumulated on the cluster) or
+mhla_cli.statistics.files.zarr_store (a features store whose tiles the workers read); the client holds
 their d x d sums and the psi x d moments, the tiles stay on the workers. The factorization is the
 single-machine one (mhla_cli.linalg.factorization) over a linalg.tiled_matrix.TiledMatrix:
 
@@ -28,18 +28,19 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import InputError
-from ..io import formats
-from ..linalg.factorization import Factorization
-from ..model.heads import W_from_p
-from ..model import scores
-from ..model.model import Model
-from ..numerics import lambda_min_of_verdict, mse_resolution, numerical_tolerance
-from ..statistics import basis as basis_mod
-from ..statistics import parallel
-from ..statistics import tiled_gram, zarr_store
-from ..statistics.scheduler import check_worker_memory
-from ..statistics.tiled_gram import TiledStatistics
+from mhla_cli.errors import InputError
+from mhla_cli.io import formats
+from mhla_cli.linalg.factorization import Factorization
+from mhla_cli.model.heads import W_from_p
+from mhla_cli.model import scores
+from mhla_cli.model.model import Model
+from mhla_cli.numerics import lambda_min_of_verdict, mse_resolution, numerical_tolerance
+from mhla_cli.statistics import basis as basis_mod
+from mhla_cli.statistics.distributed import parallel
+from mhla_cli.statistics.distributed import tiled_statistics
+from mhla_cli.statistics.files import zarr_store
+from mhla_cli.statistics.distributed.scheduler import check_worker_memory
+from mhla_cli.statistics.distributed.tiled_statistics import TiledStatistics
 
 __all__ = ["ClusterRefused", "factorization", "fit", "open_statistics"]
 
@@ -107,7 +108,7 @@ def open_statistics(data: Any, scheduler: Any = None, chunk_size: int | None = N
             if bias_terms and not stats.sums.bias_terms:
                 raise InputError("was featurized without --bias-terms; featurize it again with them", data)
         else:
-            stats = tiled_gram.accumulate(data, client, chunk_size=chunk_size, normalize=normalize or "none",
+            stats = tiled_statistics.accumulate(data, client, chunk_size=chunk_size, normalize=normalize or "none",
                                           tile_features=tile_features, attention=attention, bias_terms=bias_terms)
         try:
             yield stats

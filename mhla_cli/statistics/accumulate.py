@@ -18,19 +18,19 @@ from typing import Any
 
 import numpy as np
 
-from . import basis as basis_mod
-from .. import bias_terms as bias_mod
-from ..linalg import device as device_mod
-from ..linalg import symgram
-from ..numerics import SINGULAR_BASIS_COND
-from ..linalg.backends import MIN_THREADED_WIDTH, PANEL_BYTES, _single_blas_thread, get_backend, gram_parts
-from ..errors import InputError
-from ..feature_map import check_normalize, n_features, pair_index
-from ..linalg.memory import check_floor
-from ..kernels import _BLOCK_ELEMENTS, sequence_moments
-from ..samples import LAST, Samples, samples_of
-from .affine_sums import AffineSums, split_targets
-from .features import Features, check_overflow
+from mhla_cli.statistics import basis as basis_mod
+from mhla_cli import bias_terms as bias_mod
+from mhla_cli.linalg import device as device_mod
+from mhla_cli.linalg import symgram
+from mhla_cli.numerics import SINGULAR_BASIS_COND
+from mhla_cli.linalg.backends import MIN_THREADED_WIDTH, PANEL_BYTES, _single_blas_thread, get_backend, gram_parts
+from mhla_cli.errors import InputError
+from mhla_cli.feature_map import check_normalize, n_features, pair_index
+from mhla_cli.linalg.memory import check_floor
+from mhla_cli.kernels import _BLOCK_ELEMENTS, sequence_moments
+from mhla_cli.samples import LAST, Samples, samples_of
+from mhla_cli.statistics.affine_sums import AffineSums, split_targets
+from mhla_cli.statistics.features import Features, check_overflow
 
 __all__ = ["MIN_THREADED_WIDTH", "PANEL_BYTES", "chunk_features"]
 

@@ -39,12 +39,12 @@ from typing import Any
 
 import numpy as np
 
-from . import basis as basis_mod
-from ..errors import InputError
-from ..numerics import SINGULAR_BASIS_COND
-from ..io import formats
-from ..io.tokens import TokensInfo, check_finite, inspect_tokens, iter_chunks
-from ..samples import LAST, Samples
+from mhla_cli.statistics import basis as basis_mod
+from mhla_cli.errors import InputError
+from mhla_cli.numerics import SINGULAR_BASIS_COND
+from mhla_cli.io import formats
+from mhla_cli.io.tokens import TokensInfo, check_finite, inspect_tokens, iter_chunks
+from mhla_cli.samples import LAST, Samples
 
 __all__ = ["AFFINE_DATASETS", "AffineSums", "WideSource", "affine_rows", "read_affine", "split_targets"]
 

@@ -16,13 +16,13 @@ from typing import Any
 
 import numpy as np
 
-from . import basis as basis_mod
-from ..errors import InputError
-from ..linalg.memory import check_memory
-from .features_file import BASIS_SUMS, StoredGram
-from .structure import change as structure_change
+from mhla_cli.statistics import basis as basis_mod
+from mhla_cli.errors import InputError
+from mhla_cli.linalg.memory import check_memory
+from mhla_cli.statistics.files.features_file import BASIS_SUMS, StoredGram
+from mhla_cli.statistics.structure import change as structure_change
 
-# The basis sums other than basis_gram (held by its storage, mhla_cli.statistics.gram_storage: `_add_basis_gram`).
+# The basis sums other than basis_gram (held by its storage, mhla_cli.statistics.storage.gram_storage: `_add_basis_gram`).
 _OTHER_BASIS_SUMS = tuple(k for k in BASIS_SUMS if k != "basis_gram")
 
 

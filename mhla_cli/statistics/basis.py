@@ -25,9 +25,9 @@ from functools import lru_cache
 
 import numpy as np
 
-from ..feature_map import pair_index
+from mhla_cli.feature_map import pair_index
 
-from ..numerics import CANONICAL_TOL, EPS, EQUILIBRATE_RATIO, UNRESOLVED_REL  # noqa: F401  (old homes)
+from mhla_cli.numerics import CANONICAL_TOL, EPS, EQUILIBRATE_RATIO, UNRESOLVED_REL  # noqa: F401  (old homes)
 
 # A basis change of the sums by C amplifies their rounding by about cond(C)^6 (the features are
 # cubic, the Gram quadratic in them): up to this condition number (4^6 ~ 4e3 -> ~1e-12 relative) the

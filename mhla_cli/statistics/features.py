@@ -11,8 +11,8 @@ totals of `Features`).
 
 The record holds its fields, counts and the own `gram` (held, read from the file or derived from the
 basis sums when first used); where `basis_gram` lives (an array, its distinct entries, tiles on a
-cluster) is its storage's business (`gram_storage`, mhla_cli.statistics.gram_storage); its algebra (`add`, `+`, `-`, the change of basis) is
-mhla_cli.statistics.algebra and its file (`save`, `load`) mhla_cli.statistics.features_file, both
+cluster) is its storage's business (`gram_storage`, mhla_cli.statistics.storage.gram_storage); its algebra (`add`, `+`, `-`, the change of basis) is
+mhla_cli.statistics.algebra and its file (`save`, `load`) mhla_cli.statistics.files.features_file, both
 mixed into the class.
 """
 
@@ -24,16 +24,18 @@ from typing import Any
 
 import numpy as np
 
-from . import basis as basis_mod
-from ..io import formats
-from ..errors import InputError
-from ..feature_map import n_features
-from ..samples import LAST, ReadSpec, Samples
-from . import features_file, gram_storage
-from .affine_sums import AffineSums
-from .algebra import FeaturesAlgebra
-from .features_file import _DERIVED, FeaturesFile, StoredGram
-from . import gram_dense, gram_pairs  # noqa: F401  (the storages a record holds in one process: registered)
+from mhla_cli.statistics import basis as basis_mod
+from mhla_cli.io import formats
+from mhla_cli.errors import InputError
+from mhla_cli.feature_map import n_features
+from mhla_cli.samples import LAST, ReadSpec, Samples
+from mhla_cli.statistics.files import features_file
+from mhla_cli.statistics.storage import gram_storage
+from mhla_cli.statistics.affine_sums import AffineSums
+from mhla_cli.statistics.algebra import FeaturesAlgebra
+from mhla_cli.statistics.files.features_file import _DERIVED, FeaturesFile, StoredGram
+from mhla_cli.statistics.storage import gram_dense  # noqa: F401
+from mhla_cli.statistics.storage import gram_pairs  # noqa: F401  (the storages a record holds in one process: registered)
 
 
 class _OwnGram:
@@ -57,7 +59,7 @@ class _OwnGram:
 
 class _BasisGram:
     """The field `Features.basis_gram` = sum_i Ht_i Ht_i^T (psi, psi; the block on the data's spans when
-    reduced), held by a Gram storage (mhla_cli.statistics.gram_storage: an array, its distinct entries,
+    reduced), held by a Gram storage (mhla_cli.statistics.storage.gram_storage: an array, its distinct entries,
     tiles on a cluster; `Features.gram_storage`). Read, it is the array: a storage held in another form
     is expanded when first read, and kept so. Set, the value (an array, a symgram.Pairs, a storage, ...)
     is wrapped in its storage. The algebra and the file ask the storage (`gram_storage`)."""
@@ -89,7 +91,7 @@ class Features(FeaturesAlgebra, FeaturesFile):
 
     `a + b` and `a.add(b)` sum two records (parts in other bases are changed into the whitening of their
     sum: mhla_cli.statistics.algebra); `save` writes a features file (format version 6; `compact=True`: the
-    Gram as its distinct entries) and `load` reads versions 1-6 (mhla_cli.statistics.features_file);
+    Gram as its distinct entries) and `load` reads versions 1-6 (mhla_cli.statistics.files.features_file);
     `on_spans`: only the block on the data's spans is held (`span_pairs`, `span_last`, no `gram` /
     `moments`), which `expand()` turns into every feature. `mhla_cli.Features` is this class.
     """
@@ -197,7 +199,7 @@ class Features(FeaturesAlgebra, FeaturesFile):
 
     @property
     def gram_storage(self) -> gram_storage.GramStorage | None:
-        """Where `basis_gram` lives (mhla_cli.statistics.gram_storage), or None."""
+        """Where `basis_gram` lives (mhla_cli.statistics.storage.gram_storage), or None."""
         return self.__dict__.get("_basis_gram")
 
     @property

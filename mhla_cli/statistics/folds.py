@@ -25,16 +25,16 @@ from typing import Any
 
 import numpy as np
 
-from ..io import formats
-from ..errors import InputError
-from ..samples import ReadSpec, Samples
-from ..feature_map import n_features
-from ..numerics import FOLD_SUM_TOL, OWN_FOLDS_COND, SINGULAR_BASIS_COND
-from . import basis as basis_mod
-from .gram_dense import is_symmetric as _is_symmetric
-from .features import Features
-from .stream import check_attention_of, check_bias_terms_of, featurize
-from ..io.tokens import inspect_tokens
+from mhla_cli.io import formats
+from mhla_cli.errors import InputError
+from mhla_cli.samples import ReadSpec, Samples
+from mhla_cli.feature_map import n_features
+from mhla_cli.numerics import FOLD_SUM_TOL, OWN_FOLDS_COND, SINGULAR_BASIS_COND
+from mhla_cli.statistics import basis as basis_mod
+from mhla_cli.statistics.storage.gram_dense import is_symmetric as _is_symmetric
+from mhla_cli.statistics.features import Features
+from mhla_cli.statistics.stream import check_attention_of, check_bias_terms_of, featurize
+from mhla_cli.io.tokens import inspect_tokens
 
 FOLD_DATASETS = (*(f"fold_{k}" for k in Features.SUMS), "fold_n_samples", "fold_n_tokens", "fold_ranges")
 # The per-fold weight totals (format version >= features_file.WEIGHTS_FORMAT; older files: the counts).

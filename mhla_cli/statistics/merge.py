@@ -13,13 +13,13 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..io import formats
-from ..errors import InputError
-from ..linalg.memory import check_memory, merge_bytes
-from ..samples import LAST, Samples, from_attrs
-from .features import Features
-from . import zarr_store
-from .features_file import expect_features
+from mhla_cli.io import formats
+from mhla_cli.errors import InputError
+from mhla_cli.linalg.memory import check_memory, merge_bytes
+from mhla_cli.samples import LAST, Samples, from_attrs
+from mhla_cli.statistics.features import Features
+from mhla_cli.statistics.files import zarr_store
+from mhla_cli.statistics.files.features_file import expect_features
 
 
 @dataclass

@@ -3,7 +3,7 @@ read), its sum over many ranges (`accumulate_ranges`), and the basis a pass accu
 
 Everything here is a sum over samples, so statistics of disjoint sample ranges add up
 (`Features.__add__`, mhla_cli.statistics.features). `accumulate_range` computes the statistics of one half-open
-range [lo, hi); the serial loop, worker pools (mhla_cli.statistics.parallel), shards and Dask all call it.
+range [lo, hi); the serial loop, worker pools (mhla_cli.statistics.distributed.parallel), shards and Dask all call it.
 Per chunk a reader thread fetches the next chunk in its stored dtype and the accumulator
 (mhla_cli.statistics.accumulate) adds it.
 """
@@ -19,19 +19,19 @@ from functools import partial
 
 import numpy as np
 
-from . import basis as basis_mod
-from ..io import formats
-from . import parallel
-from ..feature_map import check_normalize, n_features
-from ..linalg import device as device_mod
-from ..linalg import symgram
-from ..linalg.memory import block_featurize_bytes, featurize_bytes
-from .accumulate import PANEL_BYTES, _Accumulator
-from .parallel import CANCEL, Cancelled
-from .algebra import add_into
-from .affine_sums import WideSource
-from .features import Features, check_overflow
-from ..io.tokens import ReadBuffers, TokensInfo, check_chunk, check_weights, iter_chunks, read_chunk
+from mhla_cli.statistics import basis as basis_mod
+from mhla_cli.io import formats
+from mhla_cli.statistics.distributed import parallel
+from mhla_cli.feature_map import check_normalize, n_features
+from mhla_cli.linalg import device as device_mod
+from mhla_cli.linalg import symgram
+from mhla_cli.linalg.memory import block_featurize_bytes, featurize_bytes
+from mhla_cli.statistics.accumulate import PANEL_BYTES, _Accumulator
+from mhla_cli.statistics.distributed.parallel import CANCEL, Cancelled
+from mhla_cli.statistics.algebra import add_into
+from mhla_cli.statistics.affine_sums import WideSource
+from mhla_cli.statistics.features import Features, check_overflow
+from mhla_cli.io.tokens import ReadBuffers, TokensInfo, check_chunk, check_weights, iter_chunks, read_chunk
 
 __all__ = ["chunk_buffer_bytes", "default_chunk_size", "device_pass_bytes", "estimate_basis", "featurize_need",
            "accumulate_range", "accumulate_ranges"]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 import os
 
-from ..errors import InputError
+from mhla_cli.errors import InputError
 
 __all__ = ["shard_range", "shard_samples", "work_ranges"]
 

@@ -7,15 +7,15 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import basis as basis_mod
-from . import structure as structure_mod
-from ..errors import InputError
-from ..feature_map import check_normalize, n_features
-from ..linalg.memory import check_floor
-from .accumulate import _Accumulator
-from .features import Features
-from .ranges import _add_chunks
-from ..io.tokens import TokensInfo
+from mhla_cli.statistics import basis as basis_mod
+from mhla_cli.statistics import structure as structure_mod
+from mhla_cli.errors import InputError
+from mhla_cli.feature_map import check_normalize, n_features
+from mhla_cli.linalg.memory import check_floor
+from mhla_cli.statistics.accumulate import _Accumulator
+from mhla_cli.statistics.features import Features
+from mhla_cli.statistics.ranges import _add_chunks
+from mhla_cli.io.tokens import TokensInfo
 
 __all__ = ["SPANS", "SPANS_MIN_FEATURES", "SPANS_PROBE_MARGIN", "SPANS_PROBE_PER_PAIR", "SPANS_SHARE",
            "check_spans", "find_spans", "probe_blocks", "span_traces"]

@@ -1,7 +1,7 @@
 """Featurize a tokens file, load a features file: the streaming statistics' entry points.
 
 `featurize` checks memory, estimates the basis, finds the data's spans (mhla_cli.statistics.spans), runs the
-one accumulation `accumulate_range` serially or over workers (mhla_cli.statistics.parallel), and ends in the
+one accumulation `accumulate_range` serially or over workers (mhla_cli.statistics.distributed.parallel), and ends in the
 whitening of all the data read (mhla_cli.statistics.basis). The jobs live in their own modules: per-chunk
 kernels (kernels), the accumulator (accumulate), chunk sizing and the span passes (spans), shards
 (shards); their names used elsewhere are re-exported here.
@@ -16,26 +16,26 @@ from functools import partial
 
 import numpy as np
 
-from . import basis as basis_mod
-from ..linalg import device as device_mod
-from ..io import formats
-from . import parallel
-from . import ranges as ranges_mod
-from . import spans as spans_mod
-from . import structure as structure_mod
-from . import zarr_store
-from ..errors import InputError
-from ..feature_map import check_normalize, n_features
-from ..linalg.memory import check_floor, check_memory, solve_need_of
-from ..samples import ReadSpec, Samples, check_attention
-from .accumulate import MIN_THREADED_WIDTH, _basis_option, chunk_features
-from ..kernels import position_numbers, prefix_moments, sequence_moments
-from .shards import shard_range, shard_samples, work_ranges
-from .ranges import default_chunk_size, device_pass_bytes, estimate_basis, featurize_need, accumulate_range, accumulate_ranges
-from .spans import _block, check_spans, find_spans
-from .affine_sums import WideSource
-from .features import Features, check_overflow
-from ..io.tokens import TokensInfo, inspect_tokens, read_as, require_square, with_bias_terms
+from mhla_cli.statistics import basis as basis_mod
+from mhla_cli.linalg import device as device_mod
+from mhla_cli.io import formats
+from mhla_cli.statistics.distributed import parallel
+from mhla_cli.statistics import ranges as ranges_mod
+from mhla_cli.statistics import spans as spans_mod
+from mhla_cli.statistics import structure as structure_mod
+from mhla_cli.statistics.files import zarr_store
+from mhla_cli.errors import InputError
+from mhla_cli.feature_map import check_normalize, n_features
+from mhla_cli.linalg.memory import check_floor, check_memory, solve_need_of
+from mhla_cli.samples import ReadSpec, Samples, check_attention
+from mhla_cli.statistics.accumulate import MIN_THREADED_WIDTH, _basis_option, chunk_features
+from mhla_cli.kernels import position_numbers, prefix_moments, sequence_moments
+from mhla_cli.statistics.shards import shard_range, shard_samples, work_ranges
+from mhla_cli.statistics.ranges import default_chunk_size, device_pass_bytes, estimate_basis, featurize_need, accumulate_range, accumulate_ranges
+from mhla_cli.statistics.spans import _block, check_spans, find_spans
+from mhla_cli.statistics.affine_sums import WideSource
+from mhla_cli.statistics.features import Features, check_overflow
+from mhla_cli.io.tokens import TokensInfo, inspect_tokens, read_as, require_square, with_bias_terms
 
 __all__ = ["Features", "MIN_THREADED_WIDTH", "check_solve_memory", "check_spans", "chunk_features",
            "default_chunk_size", "device_pass_bytes", "estimate_basis", "featurize", "featurize_need",
@@ -55,7 +55,7 @@ def featurize(path: str | os.PathLike, chunk_size: int | None = None,
     """Sufficient statistics of a tokens file, streamed in chunks of `chunk_size` samples.
 
     `shard=(i, M)` restricts to the i-th (0-based) of M contiguous sample ranges. Parallelism:
-    `workers=K` (a local pool, see mhla_cli.statistics.parallel), `scheduler` (a Dask address, or "local" /
+    `workers=K` (a local pool, see mhla_cli.statistics.distributed.parallel), `scheduler` (a Dask address, or "local" /
     "local:K"), or any `map` (builtin map, a pool's map, ...) over the sample ranges; all call `accumulate_range`.
     Per-position data (targets (T, d) or weights per position): every position with weight > 0 is a
     sample, read with `attention` (mhla_cli.samples): "causal" (S of the prefix X[:t]) or

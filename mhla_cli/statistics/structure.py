@@ -25,9 +25,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .basis import kron_apply, kron_congruence
+from mhla_cli.statistics.basis import kron_apply, kron_congruence
 
-from ..numerics import EPS, STRUCTURE_FACTOR
+from mhla_cli.numerics import EPS, STRUCTURE_FACTOR
 
 
 @dataclass

@@ -31,7 +31,7 @@ FORMAT_NAME = "mhla"
 # distinct entries (features_file.PAIRS_FORMAT, --compact); model files the canonical coefficients
 # 6: features, model, heads and probes files and Zarr stores carry a manifest (manifest.MANIFEST_FORMAT)
 FORMAT_VERSION = 6
-# The dataset of those distinct entries in a compact features file (mhla_cli.statistics.features_file, docs/formats.md).
+# The dataset of those distinct entries in a compact features file (mhla_cli.statistics.files.features_file, docs/formats.md).
 PAIRS_DATASET = "basis_gram_pairs"
 KINDS = ("tokens", "features", "model", "heads", "predictions")
 
@@ -442,7 +442,7 @@ def expect_kind(f: h5py.File, path: str | os.PathLike, *kinds: str) -> str:
     """The kind of an open file; an InputError unless it is one of `kinds`.
 
     (A features file's loader also refuses up front the statistics that cannot fit in memory:
-    mhla_cli.statistics.features_file.expect_features.)
+    mhla_cli.statistics.files.features_file.expect_features.)
     """
     kind = file_kind(f, path)
     if kind not in kinds:

@@ -14,29 +14,19 @@ from typing import Any
 import h5py
 import numpy as np
 
-from ...io import formats
-from ...linalg.device import check_device, worker_device
-from ...errors import InputError
-from ...feature_map import check_normalize
-from ..heads import Heads
-from ..model import Model, affine_of, bias_terms_of, normalize_of
-from ...statistics.affine_sums import WideSource
-from ...statistics.parallel import SerialMap, ThreadMap, make_map
-from ..scores import Spread
-from ...samples import BIDIRECTIONAL, CAUSAL, LAST, Samples
-from ...statistics.stream import default_chunk_size
-from ...io.tokens import (
-    TokensInfo,
-    check_finite,
-    check_weights,
-    inspect_tokens,
-    iter_chunks,
-    read_as,
-    chunk_ranges,
-    with_bias_terms,
-)
-from .evaluate import (DIRECT_CHUNK_BYTES, HeadsFn, evaluated, fitted_samples, function_of, in_basis, in_width,
-                       out_width, predict_chunk, sample_outputs)
+from mhla_cli.io import formats
+from mhla_cli.linalg.device import check_device, worker_device
+from mhla_cli.errors import InputError
+from mhla_cli.feature_map import check_normalize
+from mhla_cli.model.heads import Heads
+from mhla_cli.model.model import Model, affine_of, bias_terms_of, normalize_of
+from mhla_cli.statistics.affine_sums import WideSource
+from mhla_cli.statistics.distributed.parallel import SerialMap, ThreadMap, make_map
+from mhla_cli.model.scores import Spread
+from mhla_cli.samples import BIDIRECTIONAL, CAUSAL, LAST, Samples
+from mhla_cli.statistics.stream import default_chunk_size
+from mhla_cli.io.tokens import TokensInfo, check_finite, check_weights, inspect_tokens, iter_chunks, read_as, chunk_ranges, with_bias_terms
+from mhla_cli.model.forward.evaluate import DIRECT_CHUNK_BYTES, HeadsFn, evaluated, fitted_samples, function_of, in_basis, in_width, out_width, predict_chunk, sample_outputs
 
 
 

@@ -18,17 +18,17 @@ from typing import Any
 import h5py
 import numpy as np
 
-from . import basis as basis_mod
-from ..io import formats
-from ..linalg.memory import check_load
-from ..errors import InputError
-from ..feature_map import n_features
-from ..numerics import ORTHONORMAL_TOL, SINGULAR_BASIS_COND
-from ..io.formats import read_normalize
-from ..samples import from_attrs
-from . import gram_storage
-from .affine_sums import read_affine
-from .gram_pairs import PAIRS_FORMAT  # noqa: F401  (tests read the format of the pairs dataset here)
+from mhla_cli.statistics import basis as basis_mod
+from mhla_cli.io import formats
+from mhla_cli.linalg.memory import check_load
+from mhla_cli.errors import InputError
+from mhla_cli.feature_map import n_features
+from mhla_cli.numerics import ORTHONORMAL_TOL, SINGULAR_BASIS_COND
+from mhla_cli.io.formats import read_normalize
+from mhla_cli.samples import from_attrs
+from mhla_cli.statistics.storage import gram_storage
+from mhla_cli.statistics.affine_sums import read_affine
+from mhla_cli.statistics.storage.gram_pairs import PAIRS_FORMAT  # noqa: F401  (tests read the format of the pairs dataset here)
 
 # The sums on the tokens' own features (datasets of docs/formats_features.md), and those in the basis.
 SUMS = ("gram", "moments", "target_gram", "token_gram", "last_token_gram")
@@ -45,7 +45,7 @@ CANONICAL_FORMAT = 3
 # sum w and token_weight_sum = sum w n: Lambda~ and G carry no units of the weights).
 WEIGHTS_FORMAT = 5
 WEIGHT_ATTRS = ("weight_sum", "token_weight_sum")
-# PAIRS_FORMAT (mhla_cli.statistics.gram_pairs): the format version from which a features file may hold the
+# PAIRS_FORMAT (mhla_cli.statistics.storage.gram_pairs): the format version from which a features file may hold the
 # canonical Gram as its distinct entries only (`featurize --compact`: 'basis_gram_pairs', K of
 # mhla_cli.linalg.symgram, and no 'gram' nor 'basis_gram'; both are derived on load).
 # The dataset of a compact features file (`Features.save(compact=True)`).
@@ -67,7 +67,7 @@ class FeaturesFile:
                 "moments": self.moments, "target_gram": self.target_gram,
                 "token_gram": self.token_gram, "last_token_gram": self.last_token_gram}
         data.update(basis=self.basis, **{k: getattr(self, k) for k in self.BASIS_SUMS if k != "basis_gram"})
-        storage = self.gram_storage  # the basis Gram as its storage writes it (mhla_cli.statistics.gram_storage)
+        storage = self.gram_storage  # the basis Gram as its storage writes it (mhla_cli.statistics.storage.gram_storage)
         if compact:
             data["basis_gram"] = None
             data[PAIRS_DATASET] = None if storage is None else storage.pairs(*self.factor_sizes())

@@ -1,12 +1,12 @@
 """The canonical Gram as tiles on a Dask cluster (mhla_cli.linalg.tiled_matrix.TiledMatrix: the lower
-tiles are futures on the workers), a `GramStorage` (mhla_cli.statistics.gram_storage).
+tiles are futures on the workers), a `GramStorage` (mhla_cli.statistics.storage.gram_storage).
 
 Nothing here gathers the Gram into one process: sums and copies are tasks on the tiles, and the
 factorization runs over them (the identifiable path: mhla_cli.linalg.factorization.NoEigensolver).
 What would need the whole Gram in one process (`expand`, `pairs`, an HDF5 features file) or a change
 of basis that mixes the tiles (`congruence`: the tiles are accumulated in the canonical basis
-already, mhla_cli.statistics.tiled_gram) is refused with one line. The store of a tiled Gram is a
-Zarr store (mhla_cli.statistics.zarr_store), not an HDF5 dataset.
+already, mhla_cli.statistics.distributed.tiled_statistics) is refused with one line. The store of a tiled Gram is a
+Zarr store (mhla_cli.statistics.files.zarr_store), not an HDF5 dataset.
 """
 
 from __future__ import annotations
@@ -16,11 +16,11 @@ from typing import Any, NoReturn
 
 import numpy as np
 
-from ..errors import InputError
-from ..io import formats
-from ..linalg.factorization import Factorization
-from ..linalg.tiled_matrix import TiledMatrix
-from .gram_storage import GramStorage, register
+from mhla_cli.errors import InputError
+from mhla_cli.io import formats
+from mhla_cli.linalg.factorization import Factorization
+from mhla_cli.linalg.tiled_matrix import TiledMatrix
+from mhla_cli.statistics.storage.gram_storage import GramStorage, register
 
 __all__ = ["TiledGram"]
 

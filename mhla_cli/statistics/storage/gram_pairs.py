@@ -1,6 +1,6 @@
 """The canonical Gram as its distinct entries: K (q(q+1)/2, r(r+1)/2) of a Gram of rows s (x) x
 (mhla_cli.linalg.symgram.Pairs; about a quarter of the numbers), a `GramStorage`
-(mhla_cli.statistics.gram_storage). The 'basis_gram_pairs' dataset of a compact features file."""
+(mhla_cli.statistics.storage.gram_storage). The 'basis_gram_pairs' dataset of a compact features file."""
 
 from __future__ import annotations
 
@@ -10,10 +10,10 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ..errors import InputError
-from ..io import formats
-from ..linalg import symgram
-from .gram_storage import GramStorage, register, wrap
+from mhla_cli.errors import InputError
+from mhla_cli.io import formats
+from mhla_cli.linalg import symgram
+from mhla_cli.statistics.storage.gram_storage import GramStorage, register, wrap
 
 if TYPE_CHECKING:
     import h5py

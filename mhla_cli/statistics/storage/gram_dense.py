@@ -1,5 +1,5 @@
 """The canonical Gram dense in memory: one float64 n x n array (a `GramStorage`,
-mhla_cli.statistics.gram_storage), the 'basis_gram' dataset of a features file."""
+mhla_cli.statistics.storage.gram_storage), the 'basis_gram' dataset of a features file."""
 
 from __future__ import annotations
 
@@ -9,12 +9,12 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ..errors import InputError
-from ..io import formats
-from ..linalg import symgram
-from ..numerics import SYMMETRY_TOL
-from . import basis as basis_mod
-from .gram_storage import GramStorage, register
+from mhla_cli.errors import InputError
+from mhla_cli.io import formats
+from mhla_cli.linalg import symgram
+from mhla_cli.numerics import SYMMETRY_TOL
+from mhla_cli.statistics import basis as basis_mod
+from mhla_cli.statistics.storage.gram_storage import GramStorage, register
 
 if TYPE_CHECKING:
     import h5py

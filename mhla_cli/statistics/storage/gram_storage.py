@@ -2,9 +2,9 @@
 
 The canonical Gram sum_i w_i Ht_i Ht_i^T (n x n, n = psi or the block on the data's spans) of a
 `Features` record (mhla_cli.statistics.features) is held by a `GramStorage`: dense in memory
-(mhla_cli.statistics.gram_dense), as its distinct entries (mhla_cli.statistics.gram_pairs:
+(mhla_cli.statistics.storage.gram_dense), as its distinct entries (mhla_cli.statistics.storage.gram_pairs:
 symgram.Pairs, K = U^T V of the Gram's symmetry), or as tiles on a Dask cluster
-(mhla_cli.statistics.gram_tiled). The record, its algebra and its file ask the storage, never
+(mhla_cli.statistics.storage.gram_tiled). The record, its algebra and its file ask the storage, never
 its type:
 
 - `n`, `held` (the object held), `all_finite`, `copy`, `zeros_like`;
@@ -30,10 +30,10 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 
-from ..errors import InputError
-from ..io import formats
-from ..linalg.factorization import Factorization
-from . import basis as basis_mod
+from mhla_cli.errors import InputError
+from mhla_cli.io import formats
+from mhla_cli.linalg.factorization import Factorization
+from mhla_cli.statistics import basis as basis_mod
 
 if TYPE_CHECKING:
     import h5py

@@ -1,7 +1,7 @@
 """Where a Zarr store is written: the output's checks, the temporary sibling it is written into, and the
 commit that replaces an earlier store only once the new one is complete and verified.
 
-A store (mhla_cli.statistics.zarr_store) is a directory or any fsspec URL with the suffix .zarr. An output
+A store (mhla_cli.statistics.files.zarr_store) is a directory or any fsspec URL with the suffix .zarr. An output
 store may replace only an mhla features store (the root metadata's mhla_kind = "features": `store_kind`),
 never a user's directory or file, an input, or a directory holding an input or held by one (`check_output`).
 `commit` moves the written store in: the new store is verified first, the earlier one moved aside, the new
@@ -19,9 +19,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from ..errors import InputError
-from ..io import formats
-from ..signals import shield_signals
+from mhla_cli.errors import InputError
+from mhla_cli.io import formats
+from mhla_cli.signals import shield_signals
 
 __all__ = ["SUFFIX", "check_output", "commit", "inside", "is_store", "remove", "require_zarr", "store_kind",
            "temporary"]

@@ -37,22 +37,22 @@ from typing import Any
 
 import numpy as np
 
-from . import basis as basis_mod
-from . import parallel
-from ..errors import InputError
-from ..feature_map import check_normalize
-from ..io import formats
-from ..io.tokens import TokensInfo, inspect_tokens, iter_chunks, read_as, require_square, with_bias_terms
-from ..linalg import symgram
-from ..linalg.memory import check_floor
-from ..linalg.factorization import Factorization
-from ..linalg.tiled_matrix import TiledMatrix
-from .gram_tiled import TiledGram
-from .scheduler import check_worker_memory
-from .features import Features
-from .shards import shard_samples, work_ranges
-from .structure import Structure
-from .ranges import default_chunk_size, accumulate_ranges
+from mhla_cli.statistics import basis as basis_mod
+from mhla_cli.statistics.distributed import parallel
+from mhla_cli.errors import InputError
+from mhla_cli.feature_map import check_normalize
+from mhla_cli.io import formats
+from mhla_cli.io.tokens import TokensInfo, inspect_tokens, iter_chunks, read_as, require_square, with_bias_terms
+from mhla_cli.linalg import symgram
+from mhla_cli.linalg.memory import check_floor
+from mhla_cli.linalg.factorization import Factorization
+from mhla_cli.linalg.tiled_matrix import TiledMatrix
+from mhla_cli.statistics.storage.gram_tiled import TiledGram
+from mhla_cli.statistics.distributed.scheduler import check_worker_memory
+from mhla_cli.statistics.features import Features
+from mhla_cli.statistics.shards import shard_samples, work_ranges
+from mhla_cli.statistics.structure import Structure
+from mhla_cli.statistics.ranges import default_chunk_size, accumulate_ranges
 
 __all__ = ["BASIS_PASSES", "BASIS_RANGES", "TILE_BYTES", "TiledStatistics", "accumulate", "tile_pairs"]
 
@@ -106,7 +106,7 @@ class TiledStatistics:
 
     @property
     def gram(self) -> TiledGram:
-        """The tiles as a Gram storage (mhla_cli.statistics.gram_storage): the algebra and the factorization
+        """The tiles as a Gram storage (mhla_cli.statistics.storage.gram_storage): the algebra and the factorization
         over them, never gathered."""
         return TiledGram(self.matrix)
 

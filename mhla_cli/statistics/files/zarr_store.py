@@ -1,7 +1,7 @@
 """The Zarr features store: statistics whose Gram is tiled, written by many workers at once.
 
 `featurize --scheduler ... -o FEATS.zarr` writes the statistics accumulated on a cluster
-(mhla_cli.statistics.tiled_gram) as a Zarr store, a directory or any fsspec URL the workers reach
+(mhla_cli.statistics.distributed.tiled_statistics) as a Zarr store, a directory or any fsspec URL the workers reach
 (s3://..., gs://...; the suffix .zarr names the format). HDF5 stays the single-machine form.
 
 Layout (docs/formats.md, "The Zarr features store"): the root group's attributes are those of an
@@ -16,7 +16,7 @@ read the Gram as the lower tiles and their transposes).
 
 The store is written under a temporary name next to the target and moved in when complete and verified,
 so that a failed or interrupted featurize leaves nothing, and an earlier store is removed only after
-(mhla_cli.statistics.store_location: what an output may replace, the commit). A store is read back as
+(mhla_cli.statistics.files.store_location: what an output may replace, the commit). A store is read back as
 tiles on a cluster (`load_tiled`: every worker reads its tiles itself) or on one machine out of core
 (`load_tiled` without a client: the tasks of dask's threaded scheduler read the tiles they need), or whole on one machine
 (`load_features`, refused up front when the Gram cannot fit). `merge` sums stores of shards of one tokens file tile by tile.
@@ -31,22 +31,22 @@ from typing import Any
 
 import numpy as np
 
-from . import basis as basis_mod
-from . import store_location
-from .store_location import SUFFIX, check_output, is_store, require_zarr, store_kind
-from .store_location import location as _url, temporary as _temporary
-from ..errors import InputError
-from ..feature_map import n_features
-from ..io import formats
-from ..io.formats import manifest
-from ..linalg.memory import check_load
-from ..linalg.task_graph import Stored
-from ..linalg.tiled_matrix import TiledMatrix
-from ..numerics import SINGULAR_BASIS_COND
-from ..samples import Samples, from_attrs
-from .features import Features
-from .features_file import EXTRA_ATTRS, WEIGHT_ATTRS
-from .tiled_gram import TiledStatistics
+from mhla_cli.statistics import basis as basis_mod
+from mhla_cli.statistics.files import store_location
+from mhla_cli.statistics.files.store_location import SUFFIX, check_output, is_store, require_zarr, store_kind
+from mhla_cli.statistics.files.store_location import location as _url, temporary as _temporary
+from mhla_cli.errors import InputError
+from mhla_cli.feature_map import n_features
+from mhla_cli.io import formats
+from mhla_cli.io.formats import manifest
+from mhla_cli.linalg.memory import check_load
+from mhla_cli.linalg.task_graph import Stored
+from mhla_cli.linalg.tiled_matrix import TiledMatrix
+from mhla_cli.numerics import SINGULAR_BASIS_COND
+from mhla_cli.samples import Samples, from_attrs
+from mhla_cli.statistics.features import Features
+from mhla_cli.statistics.files.features_file import EXTRA_ATTRS, WEIGHT_ATTRS
+from mhla_cli.statistics.distributed.tiled_statistics import TiledStatistics
 
 __all__ = ["SUFFIX", "TILES", "check_output", "dims", "inspect", "is_store", "load_features", "load_tiled", "part_info",
            "require_zarr", "save", "store_kind", "sum_stores", "tile_bytes"]
@@ -354,7 +354,7 @@ def sum_stores(paths: list[Any], out: Any, extra_attrs: dict[str, Any], source: 
                sample_range: tuple[int, int]) -> Features:
     """Write the sum of the stores `paths` (shards of one tokens file, checked by statistics.merge.plan_merge)
     to the store `out`, tile by tile (two tiles in memory); the parts must share their basis and tiles
-    (stores of one file featurized on a cluster do: tiled_gram.accumulate whitens every shard with the
+    (stores of one file featurized on a cluster do: tiled_statistics.accumulate whitens every shard with the
     whole file's tokens). Returns the summed small sums."""
     zarr = require_zarr()
     opened = [(_url(p), _open(_url(p))) for p in paths]

@@ -1,4 +1,4 @@
-"""The statistics accumulated on a Dask cluster with the Gram as tiles (mhla_cli.statistics.tiled_gram),
+"""The statistics accumulated on a Dask cluster with the Gram as tiles (mhla_cli.statistics.distributed.tiled_statistics),
 against plain numpy on materialised canonical features (tests/_reference.py), and metamorphic: the
 chunk size, the tiles, the order of the sequences, the units of the tokens and the shards change nothing."""
 
@@ -13,14 +13,14 @@ import _reference as ref
 from mhla_cli.errors import InputError
 from mhla_cli.io.tokens import inspect_tokens
 from mhla_cli.model import synthetic
-from mhla_cli.statistics import tiled_gram
+from mhla_cli.statistics.distributed import tiled_statistics
 from mhla_cli.statistics.stream import featurize
 from conftest import gather_tiles
 
 distributed = pytest.importorskip("dask.distributed")
 
 
-def dense(stats: tiled_gram.TiledStatistics) -> np.ndarray:
+def dense(stats: tiled_statistics.TiledStatistics) -> np.ndarray:
     """The tiles gathered into the dense canonical Gram."""
     return gather_tiles(stats.matrix)
 
@@ -53,7 +53,7 @@ def test_tiles_equal_materialised_canonical_features(client, tmp_path: Path, kin
     attention, normalize, _, bias = KINDS[kind]
     path, ds = dataset(tmp_path, kind)
     d = 4 + int(bias)
-    stats = tiled_gram.accumulate(path, client, chunk_size=23, normalize=normalize, tile_features=2 * d,
+    stats = tiled_statistics.accumulate(path, client, chunk_size=23, normalize=normalize, tile_features=2 * d,
                                   bias_terms=bias)
     feats = stats.sums
     tokens, targets = ds.tokens, ds.targets
@@ -64,7 +64,7 @@ def test_tiles_equal_materialised_canonical_features(client, tmp_path: Path, kin
                       normalize=normalize, A=feats.basis, attention=attention or "causal")
     G = dense(stats)
     q = d * (d + 1) // 2
-    k = tiled_gram.tile_pairs(d, 2 * d)  # 2 pairs a tile (q = 10), 3 with the bias terms (q = 15)
+    k = tiled_statistics.tile_pairs(d, 2 * d)  # 2 pairs a tile (q = 10), 3 with the bias terms (q = 15)
     assert stats.matrix.nb == q // k > 1 and stats.tile == k * d
     assert np.abs(G - r["lambda"] * r["W"]).max() <= 1e-12 * np.abs(G).max()
     assert np.abs(feats.basis_moments - r["moments"] * r["W"]).max() <= 1e-12 * np.abs(feats.basis_moments).max()
@@ -83,11 +83,11 @@ def test_tiles_equal_materialised_canonical_features(client, tmp_path: Path, kin
 
 def test_chunks_tiles_and_order_change_nothing(client, tmp_path: Path) -> None:
     path, ds = dataset(tmp_path, "last", d=5, n=200, seed=1)
-    base = tiled_gram.accumulate(path, client, chunk_size=200, tile_features=75)
+    base = tiled_statistics.accumulate(path, client, chunk_size=200, tile_features=75)
     G0 = dense(base) / base.sums.weight
     w0 = np.linalg.eigvalsh(G0)
     for chunk, tile in ((7, 5), (31, 15), (64, 25)):
-        other = tiled_gram.accumulate(path, client, chunk_size=chunk, tile_features=tile)
+        other = tiled_statistics.accumulate(path, client, chunk_size=chunk, tile_features=tile)
         # another chunk size sums the tokens in another order: the same basis up to rounding
         assert np.abs(other.sums.basis - base.sums.basis).max() <= 1e-13
         assert np.abs(dense(other) / other.sums.weight - G0).max() <= 1e-12 * w0[-1], (chunk, tile)
@@ -97,7 +97,7 @@ def test_chunks_tiles_and_order_change_nothing(client, tmp_path: Path) -> None:
     rev = synthetic.Dataset(np.concatenate(seqs), np.concatenate([[0], np.cumsum([len(s) for s in seqs])]),
                             ds.targets[order])
     rev.save(tmp_path / "rev.h5", dtype="float64")
-    other = tiled_gram.accumulate(tmp_path / "rev.h5", client, chunk_size=13, tile_features=25)
+    other = tiled_statistics.accumulate(tmp_path / "rev.h5", client, chunk_size=13, tile_features=25)
     assert np.abs(np.linalg.eigvalsh(dense(other) / other.sums.weight) - w0).max() <= 1e-12 * w0[-1]
 
 
@@ -108,8 +108,8 @@ def test_units_of_the_tokens_do_not_move_the_spectrum(client, tmp_path: Path) ->
     T = np.linalg.qr(rng.standard_normal((4, 4)))[0] @ np.diag([1e-3, 1.0, 10.0, 1e3])
     moved = synthetic.Dataset(ds.tokens @ T, ds.offsets, ds.targets)
     moved.save(tmp_path / "moved.h5", dtype="float64")
-    a = tiled_gram.accumulate(path, client, chunk_size=40, tile_features=8)
-    b = tiled_gram.accumulate(tmp_path / "moved.h5", client, chunk_size=40, tile_features=8)
+    a = tiled_statistics.accumulate(path, client, chunk_size=40, tile_features=8)
+    b = tiled_statistics.accumulate(tmp_path / "moved.h5", client, chunk_size=40, tile_features=8)
     wa = np.linalg.eigvalsh(dense(a) / a.sums.weight)
     wb = np.linalg.eigvalsh(dense(b) / b.sums.weight)
     assert np.abs(wa - wb).max() <= 1e-9 * wa[-1]
@@ -117,8 +117,8 @@ def test_units_of_the_tokens_do_not_move_the_spectrum(client, tmp_path: Path) ->
 
 def test_shards_share_the_files_basis_and_add_up(client, tmp_path: Path) -> None:
     path, _ = dataset(tmp_path, "last", d=4, n=120, seed=3)
-    whole = tiled_gram.accumulate(path, client, chunk_size=17, tile_features=8)
-    parts = [tiled_gram.accumulate(path, client, chunk_size=17, tile_features=8, shard=(i, 3)) for i in range(3)]
+    whole = tiled_statistics.accumulate(path, client, chunk_size=17, tile_features=8)
+    parts = [tiled_statistics.accumulate(path, client, chunk_size=17, tile_features=8, shard=(i, 3)) for i in range(3)]
     for p in parts:
         assert np.array_equal(p.sums.basis, whole.sums.basis)
     assert [p.sums.sample_range for p in parts] == [(0, 40), (40, 80), (80, 120)]
@@ -131,16 +131,16 @@ def test_shards_share_the_files_basis_and_add_up(client, tmp_path: Path) -> None
 def test_tile_pairs_divide_the_pairs_evenly() -> None:
     for d in (4, 6, 12, 20, 32, 48, 64):
         q = d * (d + 1) // 2
-        k = tiled_gram.tile_pairs(d)
+        k = tiled_statistics.tile_pairs(d)
         assert q % k == 0 and 0.5 <= k * d / 2048 <= 2.0 or q < 2048 // d, (d, k)
-    assert tiled_gram.tile_pairs(4, 8) == 2 and tiled_gram.tile_pairs(4, 10**6) == 10
+    assert tiled_statistics.tile_pairs(4, 8) == 2 and tiled_statistics.tile_pairs(4, 10**6) == 10
 
 
 def test_a_file_changed_between_passes_is_refused(tmp_path: Path) -> None:
     path, _ = dataset(tmp_path, "last", d=3, n=20)
     info = inspect_tokens(path)
     with pytest.raises(InputError, match="changed while it was read"):
-        tiled_gram._tile_part(info, (0, 20), np.eye(3), (0, 2), (0, 2), 10, "none", (0, 0))
+        tiled_statistics._tile_part(info, (0, 20), np.eye(3), (0, 2), (0, 2), 10, "none", (0, 0))
 
 
 def test_no_sample_left_is_refused(client, tmp_path: Path) -> None:
@@ -148,4 +148,4 @@ def test_no_sample_left_is_refused(client, tmp_path: Path) -> None:
     ds.weights[:] = 0.0
     ds.save(path, dtype="float64")
     with pytest.raises(InputError, match="every weight"):
-        tiled_gram.accumulate(path, client)
+        tiled_statistics.accumulate(path, client)

@@ -26,8 +26,8 @@ from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from ..errors import InputError
-from .scheduler import SchedulerError, Watch, cluster_error, connect, current_timeout, wait_for_workers, watch
+from mhla_cli.errors import InputError
+from mhla_cli.statistics.distributed.scheduler import SchedulerError, Watch, cluster_error, connect, current_timeout, wait_for_workers, watch
 
 BACKENDS = ("process", "thread")
 DEFAULT_BACKEND = "thread"
@@ -200,7 +200,7 @@ class DaskMap:
     @property
     def client(self) -> Any:
         """The dask.distributed Client (while the map is open): for work other than a map (the tiles of
-        mhla_cli.statistics.tiled_gram)."""
+        mhla_cli.statistics.distributed.tiled_statistics)."""
         return self._client
 
     def __exit__(self, *exc: Any) -> None:

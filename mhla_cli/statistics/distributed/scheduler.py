@@ -4,7 +4,7 @@ a running worker, workers that can hold a tile of the Gram, and results while no
 A cluster that cannot do the work is refused within the scheduler timeout (`scheduler_timeout`, default
 SCHEDULER_TIMEOUT; the CLI's --scheduler-timeout) by a `SchedulerError` that names the cause; failures that
 surface from the cluster during the work (a task whose workers all died, a lost scheduler, a chunk its codec
-cannot decode) become InputErrors (`cluster_error`). Used by statistics.parallel.DaskMap, statistics.tiled_gram
+cannot decode) become InputErrors (`cluster_error`). Used by statistics.distributed.parallel.DaskMap, statistics.distributed.tiled_statistics
 and solve.cluster.
 """
 
@@ -22,7 +22,7 @@ from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from ..errors import InputError
+from mhla_cli.errors import InputError
 
 __all__ = ["SCHEDULER_TIMEOUT", "TILES_PER_TASK", "WAIT_POLL", "WATCH_INTERVAL", "WORKER_MEMORY_FRACTION", "SchedulerError", "Watch",
            "check_worker_memory", "cluster_error", "connect", "current_timeout", "probe", "scheduler_address",

@@ -1,0 +1,7 @@
+"""Where the canonical Gram lives: one interface and one module per storage.
+
+- `gram_storage`: the interface every storage implements, its registry (`register`, `wrap`);
+- `gram_dense`: the Gram dense in memory;
+- `gram_pairs`: the Gram as its distinct entries (a compact features file);
+- `gram_tiled`: the Gram as tiles of a Zarr store, factored by a task graph.
+"""
