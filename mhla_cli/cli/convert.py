@@ -92,7 +92,7 @@ def convert_cmd(
                "layout": info.layout, "n_samples": info.n_samples, "d": info.d, "n_tokens": info.n_tokens,
                "dtype": info.dtype, "targets": info.has_targets, "per_position": info.per_position,
                "weights": info.has_weights, "d_out": info.out_dim, "attention": attention,
-               "compatibility_mode": _compat_attr(output)}
+               "compatibility_mode": convert_mod.recorded_compatibility_mode(output)}
     mode = summary["compatibility_mode"]
     extras = [x for x, on in (("targets", info.has_targets), ("weights", info.has_weights),
                               ("per position", info.per_position), (f"attention {attention}", attention),
@@ -101,15 +101,6 @@ def convert_cmd(
         f"({info.dtype})" + (f"; {', '.join(extras)}" if extras else ""), quiet)
     if json_out:
         emit_json(summary)
-
-
-def _compat_attr(path: object) -> str | None:
-    """The tokens file's record of TransformerLens's compatibility mode ("on" / "off"), None without one."""
-    import h5py
-
-    with h5py.File(str(path), "r") as f:
-        v = f.attrs.get(convert_mod.COMPAT_ATTR)
-    return None if v is None else str(v.decode() if isinstance(v, bytes) else v)
 
 
 def register(app: typer.Typer) -> None:
