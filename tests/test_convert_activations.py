@@ -616,3 +616,30 @@ def test_nnsight_saved_tensors_convert_to_their_values(tmp_path: Path, capsys: p
     assert convert_mod.COMPAT_ATTR not in attrs
     assert np.array_equal(got["tokens"], hidden.detach().numpy()[keep])  # saved with requires_grad: detached
     assert np.array_equal(got["targets"], heads.detach().numpy()[:, :, 3, :][keep])
+
+
+def test_compatibility_mode_is_checked_where_a_model_is_applied(tmp_path: Path,
+                                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    """The record travels with the data (reduce keeps it; the model's data identity holds it) and predict refuses
+    a model fitted on one mode on tokens of the other; tokens of the same mode, or without a record, are read."""
+    torch = pytest.importorskip("torch")
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(30, 4, 3, generator=g, dtype=torch.float64)
+    y = torch.randn(30, 4, 3, generator=g, dtype=torch.float64)
+    for mode, record in (("on", True), ("off", False), ("none", None)):
+        cache = {"blocks.0.hook_resid_pre": x, "blocks.0.attn.hook_z": y[:, :, None, :]}
+        torch.save(cache if record is None else {**cache, "compatibility_mode": record}, tmp_path / f"{mode}.pt")
+        _ok([str(tmp_path / f"{mode}.pt"), "--key", "tokens=blocks.0.hook_resid_pre", "--key",
+             "targets=blocks.0.attn.hook_z[0]", "--attention", "causal", "-o", str(tmp_path / f"{mode}.h5"), "-q"],
+            capsys)
+    assert run(["reduce", str(tmp_path / "on.h5"), "--dim", "2", "-o", str(tmp_path / "r.h5"), "-q"]) == 0
+    assert _read(tmp_path / "r.h5")[1][convert_mod.COMPAT_ATTR] == "on"
+    assert run(["fit", str(tmp_path / "on.h5"), "-o", str(tmp_path / "m.h5"), "-q"]) == 0
+    for mode in ("on", "none"):
+        assert run(["predict", str(tmp_path / "m.h5"), str(tmp_path / f"{mode}.h5"), "-o",
+                    str(tmp_path / f"p-{mode}.h5"), "-q"]) == 0
+    capsys.readouterr()
+    assert run(["predict", str(tmp_path / "m.h5"), str(tmp_path / "off.h5"), "-o", str(tmp_path / "p.h5")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "compatibility mode on (on.h5), these with it off" in err[0], err
+    assert not (tmp_path / "p.h5").exists()

@@ -24,16 +24,16 @@ weights. The package, by job:
   compatibility mode;
 - `_masks`: padded activations with a padding mask;
 - `_join`: several files as one;
-- `_writer`: the chunked copy, the `attention` attribute, `write_tokens` and the record of the compatibility mode
-  read back;
+- `_writer`: the chunked copy, the `attention` attribute and `write_tokens`;
 - `_driver`: `convert_files`.
 """
 
 from ._driver import convert_files, expand_inputs, parse_input
 from ._readers import READERS, SUFFIXES
-from ._roles import COMPAT_ATTR, COMPAT_KEY, MASK_NAMES, NAMES, ROLES, TOKEN_ALIASES, parse_keys
+from ..formats import COMPAT_ATTR, recorded_compatibility_mode
+from ._roles import COMPAT_KEY, MASK_NAMES, NAMES, ROLES, TOKEN_ALIASES, parse_keys
 from ._source import Reader
-from ._writer import CHUNK_BYTES, recorded_compatibility_mode, write_tokens
+from ._writer import CHUNK_BYTES, write_tokens
 
 __all__ = ["CHUNK_BYTES", "COMPAT_ATTR", "COMPAT_KEY", "MASK_NAMES", "NAMES", "READERS", "ROLES", "Reader", "SUFFIXES", "TOKEN_ALIASES",
            "convert_files", "expand_inputs", "parse_input", "parse_keys", "recorded_compatibility_mode",

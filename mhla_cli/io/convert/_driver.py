@@ -15,7 +15,8 @@ import numpy as np
 from ._join import _join, _part
 from ._masks import _apply_mask
 from ._readers import SUFFIXES, known, reader_for
-from ._roles import COMPAT_ATTR, COMPAT_KEY, FILE_NAMES, _pick, compat_record, parse_keys
+from ._roles import COMPAT_KEY, FILE_NAMES, _pick, compat_record, parse_keys
+from ..formats import COMPAT_ATTR
 from ._source import _Source
 from ._writer import _write
 from .. import tokens as tokens_mod

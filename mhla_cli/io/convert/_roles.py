@@ -10,7 +10,7 @@ A TransformerLens 4 `TransformerBridge` computes Hugging Face's numerics, or, af
 `enable_compatibility_mode()`, those of HookedTransformer's processed weights (LayerNorm folded, writing
 weights centred, value biases folded: `hook_z` differs by the value bias); its keys are the same either way.
 `compat_record` takes the record of which (the dict entry `COMPAT_KEY`, or `--compatibility-mode`),
-written as the tokens file's attribute `COMPAT_ATTR`; a bridge cache (`BRIDGE_HOOK`) without it is refused.
+written as the tokens file's attribute `formats.COMPAT_ATTR`; a bridge cache (`BRIDGE_HOOK`) without it is refused.
 
 Hook points (a name whose last dotted part starts with `hook_`, as in a TransformerLens cache) and
 the columns of a datasets directory are a store of many activations: those no --key picks are left
@@ -42,8 +42,6 @@ ROLES = ("tokens", "targets", "weights", "offsets", "mask")
 _HEAD_BYTES = 16 << 20
 # The dict entry of a torch file that records whether compatibility mode was on (bridge.compatibility_mode).
 COMPAT_KEY = "compatibility_mode"
-# The tokens file's root attribute that holds it: "on" or "off".
-COMPAT_ATTR = "transformer_lens_compatibility_mode"
 # Hook names of a TransformerLens 4 TransformerBridge cache that a HookedTransformer / HookedEncoder (2.x) lacks.
 BRIDGE_HOOK = re.compile(r"^blocks\.\d+\.(hook_in|hook_out|(attn|mlp)\.hook_(in|out)|attn\.[qkvo]\.hook_(in|out))$")
 _SELECTOR = re.compile(r"^(?P<name>.+)\[(?P<sel>[^\[\]]*)\]$")

@@ -20,7 +20,7 @@ import h5py
 import numpy as np
 
 from ._readers import SUFFIXES
-from ._roles import COMPAT_ATTR, _check_names
+from ._roles import _check_names
 from ._source import _Source
 from ._values import _value_sources
 from .. import formats
@@ -154,13 +154,6 @@ def _copy(f: h5py.File, info: tokens_mod.TokensInfo, src: dict[str, _Source], ch
                 f[name][lo:hi] = arr
         if progress is not None:
             progress(b - a)
-
-
-def recorded_compatibility_mode(path: str | os.PathLike) -> str | None:
-    """The tokens file's record of TransformerLens's compatibility mode ("on" / "off"), None without one."""
-    with h5py.File(path, "r") as f:
-        v = f.attrs.get(COMPAT_ATTR)
-    return None if v is None else str(v.decode() if isinstance(v, bytes) else v)
 
 
 def write_tokens(path: str | os.PathLike, tokens: Any, offsets: Any = None, targets: Any = None,

@@ -117,6 +117,18 @@ def _one_at_a_time(progress: Callable[[int], None]) -> Callable[[int], None]:
     return call
 
 
+def _check_capture(fn: Model | Heads, data: str | os.PathLike) -> None:
+    """A model fitted on activations captured with TransformerLens's compatibility mode on (its data's identity
+    records it: formats.source_identity) is refused on tokens recorded with it off, and the reverse."""
+    source = fn.info.get("data_source")
+    fitted = source.get("compatibility_mode") if isinstance(source, dict) else None
+    have = formats.recorded_compatibility_mode(data) if fitted is not None else None
+    if have is not None and have != fitted:
+        raise InputError(f"the model was fitted on activations captured with TransformerLens's compatibility mode "
+                         f"{fitted} ({source.get('name', '?')}), these with it {have}: the two modes' activations "
+                         "differ (hook_z by the value bias); capture them the same way", data)
+
+
 def _function_and_data(fn: Model | Heads, data: str | os.PathLike
                        ) -> tuple[np.ndarray | HeadsFn, str, TokensInfo]:
     """coef (own coordinates; or a HeadsFn) and normalisation of `fn`, and the layout of the tokens file
@@ -124,6 +136,7 @@ def _function_and_data(fn: Model | Heads, data: str | os.PathLike
     coef = function_of(fn)
     normalize = check_normalize(normalize_of(fn))
     info = inspect_tokens(data)
+    _check_capture(fn, data)
     _check_not_reduced(fn, info.d, data)
     if bias_terms_of(fn):  # the function of the tokens (x, 1): the reader appends the constant
         info = with_bias_terms(info, pad_targets=False)
