@@ -620,8 +620,9 @@ def test_nnsight_saved_tensors_convert_to_their_values(tmp_path: Path, capsys: p
 
 def test_compatibility_mode_is_checked_where_a_model_is_applied(tmp_path: Path,
                                                                  capsys: pytest.CaptureFixture[str]) -> None:
-    """The record travels with the data (reduce keeps it; the model's data identity holds it) and predict refuses
-    a model fitted on one mode on tokens of the other; tokens of the same mode, or without a record, are read."""
+    """The record travels with the data (reduce keeps it; the model's data identity and the heads exported from it
+    hold it) and predict refuses a model or heads fitted on one mode on tokens of the other; tokens of the same
+    mode, or without a record, are read."""
     torch = pytest.importorskip("torch")
     g = torch.Generator().manual_seed(0)
     x = torch.randn(30, 4, 3, generator=g, dtype=torch.float64)
@@ -635,11 +636,18 @@ def test_compatibility_mode_is_checked_where_a_model_is_applied(tmp_path: Path,
     assert run(["reduce", str(tmp_path / "on.h5"), "--dim", "2", "-o", str(tmp_path / "r.h5"), "-q"]) == 0
     assert _read(tmp_path / "r.h5")[1][convert_mod.COMPAT_ATTR] == "on"
     assert run(["fit", str(tmp_path / "on.h5"), "-o", str(tmp_path / "m.h5"), "-q"]) == 0
-    for mode in ("on", "none"):
-        assert run(["predict", str(tmp_path / "m.h5"), str(tmp_path / f"{mode}.h5"), "-o",
-                    str(tmp_path / f"p-{mode}.h5"), "-q"]) == 0
-    capsys.readouterr()
-    assert run(["predict", str(tmp_path / "m.h5"), str(tmp_path / "off.h5"), "-o", str(tmp_path / "p.h5")]) == 2
-    err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "compatibility mode on (on.h5), these with it off" in err[0], err
-    assert not (tmp_path / "p.h5").exists()
+    assert run(["export-heads", str(tmp_path / "m.h5"), "-o", str(tmp_path / "h.h5"), "-q"]) == 0
+    with h5py.File(tmp_path / "h.h5", "r") as f:
+        assert f.attrs[convert_mod.COMPAT_ATTR] == "on"
+    for fn, said in (("m.h5", "the model was fitted on activations captured with TransformerLens's compatibility "
+                               "mode on (on.h5), these with it off"),
+                     ("h.h5", "the heads were fitted on activations captured with TransformerLens's compatibility "
+                              "mode on, these with it off")):
+        for mode in ("on", "none"):
+            assert run(["predict", str(tmp_path / fn), str(tmp_path / f"{mode}.h5"), "-o",
+                        str(tmp_path / f"p-{mode}.h5"), "-q"]) == 0
+        capsys.readouterr()
+        assert run(["predict", str(tmp_path / fn), str(tmp_path / "off.h5"), "-o", str(tmp_path / "p.h5")]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and said in err[0], err
+        assert not (tmp_path / "p.h5").exists()

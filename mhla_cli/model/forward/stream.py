@@ -118,15 +118,18 @@ def _one_at_a_time(progress: Callable[[int], None]) -> Callable[[int], None]:
 
 
 def _check_capture(fn: Model | Heads, data: str | os.PathLike) -> None:
-    """A model fitted on activations captured with TransformerLens's compatibility mode on (its data's identity
-    records it: formats.source_identity) is refused on tokens recorded with it off, and the reverse."""
+    """A model or heads fitted on activations captured with TransformerLens's compatibility mode on (a model's data
+    identity records it, formats.source_identity; heads their attribute formats.COMPAT_ATTR) are refused on tokens
+    recorded with it off, and the reverse."""
     source = fn.info.get("data_source")
-    fitted = source.get("compatibility_mode") if isinstance(source, dict) else None
+    fitted = source.get("compatibility_mode") if isinstance(source, dict) else fn.info.get(formats.COMPAT_ATTR)
     have = formats.recorded_compatibility_mode(data) if fitted is not None else None
     if have is not None and have != fitted:
-        raise InputError(f"the model was fitted on activations captured with TransformerLens's compatibility mode "
-                         f"{fitted} ({source.get('name', '?')}), these with it {have}: the two modes' activations "
-                         "differ (hook_z by the value bias); capture them the same way", data)
+        where = f" ({source.get('name', '?')})" if isinstance(source, dict) else ""
+        raise InputError(f"the {'model was' if isinstance(fn, Model) else 'heads were'} fitted on activations "
+                         f"captured with TransformerLens's compatibility mode {fitted}{where}, these with it {have}: "
+                         "the two modes' activations differ (hook_z by the value bias); capture them the same way",
+                         data)
 
 
 def _function_and_data(fn: Model | Heads, data: str | os.PathLike
