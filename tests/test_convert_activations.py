@@ -438,3 +438,216 @@ def test_registry_lists_every_reader_once() -> None:
     suffixes = [s for r in convert_mod.READERS for s in r.suffixes]
     assert len(suffixes) == len(set(suffixes)) and tuple(suffixes) == convert_mod.SUFFIXES
     assert {".npy", ".npz", ".safetensors", ".pt", ".pth", ".h5", ".arrow"} <= set(suffixes)
+
+
+# --------------------------------------------------------------------------------------------
+# TransformerLens 4 (TransformerBridge) and nnsight, as they are installed today, on a tiny random BERT
+# --------------------------------------------------------------------------------------------
+
+TINY = {"vocab_size": 40, "hidden_size": 16, "num_hidden_layers": 2, "num_attention_heads": 4,
+        "intermediate_size": 32, "max_position_embeddings": 32}
+
+
+def _tiny_bert(path: Path) -> Path:
+    """A randomly initialised 2-layer BERT (4 heads of 4, d_model 16) and a tokenizer, saved for an offline boot."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    model = transformers.BertForMaskedLM(transformers.BertConfig(**TINY)).eval()
+    with torch.no_grad():  # biases of a trained model (BERT starts them at 0): folding the value bias then shows
+        for name, p in model.named_parameters():
+            if name.endswith("bias"):
+                p.normal_(0.0, 0.5)
+    model.save_pretrained(path)
+    (path / "vocab.txt").write_text("\n".join(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *"abcdefgh"]) + "\n")
+    transformers.BertTokenizerFast(str(path / "vocab.txt")).save_pretrained(path)
+    return path
+
+
+def _batch() -> tuple[object, object]:
+    """Token ids (3, 7) and their attention mask, one window right-padded to 5 tokens."""
+    torch = pytest.importorskip("torch")
+    gen = torch.Generator().manual_seed(1)
+    ids = torch.randint(5, 13, (3, 7), generator=gen)
+    mask = torch.ones(3, 7, dtype=torch.long)
+    mask[1, 5:] = 0
+    return ids, mask
+
+
+@pytest.fixture(scope="module")
+def bridge_caches(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, np.ndarray]]:
+    """The cache of TransformerLens 4's TransformerBridge over the tiny BERT, compatibility mode off and on."""
+    pytest.importorskip("transformer_lens")
+    bridge_mod = pytest.importorskip("transformer_lens.model_bridge")
+    torch = pytest.importorskip("torch")
+    bridge = bridge_mod.TransformerBridge.boot_transformers(str(_tiny_bert(tmp_path_factory.mktemp("bert"))),
+                                                          device="cpu")
+    ids, mask = _batch()
+    out = {}
+    for mode in ("off", "on"):
+        if mode == "on":
+            bridge.enable_compatibility_mode(disable_warnings=True)
+        assert bridge.compatibility_mode == (mode == "on")
+        with torch.no_grad():
+            _, cache = bridge.run_with_cache(ids, attention_mask=mask)
+        out[mode] = {**cache.cache_dict, "attention_mask": mask, "compatibility_mode": bridge.compatibility_mode}
+    return out
+
+
+def test_transformerlens4_bridge_cache_converts_to_its_tensors(bridge_caches: dict, tmp_path: Path,
+                                                               capsys: pytest.CaptureFixture[str]) -> None:
+    """hook_z[h] (a head before W_O) and hook_attn_out as targets, hook_resid_pre and ln1.hook_normalized as
+    tokens, unpadded; the file records the mode, and the modes' hook_z differ (why the record is kept)."""
+    torch = pytest.importorskip("torch")
+    keep = bridge_caches["off"]["attention_mask"].numpy() == 1
+    for mode, cache in bridge_caches.items():
+        torch.save(cache, tmp_path / f"{mode}.pt")
+        for tokens, targets, want in (("blocks.1.hook_resid_pre", "blocks.1.attn.hook_z[2]", "blocks.1.attn.hook_z"),
+                                      ("blocks.0.ln1.hook_normalized", "blocks.0.hook_attn_out",
+                                       "blocks.0.hook_attn_out")):
+            out = tmp_path / f"{mode}-{tokens}.h5"
+            err = _ok([str(tmp_path / f"{mode}.pt"), "--key", f"tokens={tokens}", "--key", f"targets={targets}",
+                       "--attention", "bidirectional", "-o", str(out)], capsys)
+            assert f"TransformerLens compatibility mode {mode}" in err
+            got, attrs = _read(out)
+            assert attrs[convert_mod.COMPAT_ATTR] == mode and attrs["attention"] == "bidirectional"
+            assert np.array_equal(got["offsets"], _offsets(keep.astype(np.int64)))
+            assert np.array_equal(got["tokens"], cache[tokens].numpy()[keep])
+            head = cache[want].numpy()
+            assert np.array_equal(got["targets"], (head[:, :, 2, :] if head.ndim == 4 else head)[keep])
+    z = {m: c["blocks.1.attn.hook_z"].numpy()[keep] for m, c in bridge_caches.items()}
+    assert np.abs(z["on"] - z["off"]).max() > 1e-3
+
+
+def test_transformerlens4_bridge_cannot_give_hook_result_for_bert(bridge_caches: dict) -> None:
+    """Why hook_z, not hook_result, is the head's target for BERT in TransformerLens 4."""
+    assert not any(k.endswith("attn.hook_result") for k in bridge_caches["off"])
+
+
+def _bridge_like(compat: object = None) -> dict[str, object]:
+    """A dict with a TransformerBridge cache's names (hook_in / hook_out of the blocks) and, maybe, its record."""
+    torch = pytest.importorskip("torch")
+    g = torch.Generator().manual_seed(5)
+    c: dict[str, object] = {"blocks.0.hook_in": torch.randn(4, 3, 6, generator=g),
+                            "blocks.0.hook_resid_pre": torch.randn(4, 3, 6, generator=g),
+                            "blocks.0.attn.hook_z": torch.randn(4, 3, 2, 3, generator=g)}
+    return c if compat is None else {**c, "compatibility_mode": compat}
+
+
+BRIDGE_KEYS = ["--key", "tokens=blocks.0.hook_resid_pre", "--key", "targets=blocks.0.attn.hook_z[1]",
+               "--attention", "causal"]
+
+
+@pytest.mark.parametrize("record, option, want", [(True, None, "on"), (False, None, "off"), (None, "on", "on"),
+                                                  (None, "off", "off"), (True, "on", "on"),
+                                                  (torch_true := "tensor", None, "on")])
+def test_compatibility_mode_record_is_written(record: object, option: str | None, want: str, tmp_path: Path,
+                                              capsys: pytest.CaptureFixture[str]) -> None:
+    torch = pytest.importorskip("torch")
+    torch.save(_bridge_like(torch.tensor(True) if record == torch_true else record), tmp_path / "c.pt")
+    _ok([str(tmp_path / "c.pt"), *BRIDGE_KEYS, *(["--compatibility-mode", option] if option else []),
+         "-o", str(tmp_path / "o.h5"), "-q"], capsys)
+    _, attrs = _read(tmp_path / "o.h5")
+    assert attrs[convert_mod.COMPAT_ATTR] == want
+    assert f"@{convert_mod.COMPAT_ATTR} = {want}" in _inspect(tmp_path / "o.h5", capsys)
+
+
+def _inspect(path: Path, capsys: pytest.CaptureFixture[str]) -> str:
+    assert run(["inspect", str(path)]) == 0
+    got = capsys.readouterr()
+    return got.out + got.err
+
+
+def test_compatibility_mode_refusals(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A bridge cache without the record, records that disagree (two files, or a file and the option), a record
+    that is not a bool: exit 2, nothing written."""
+    torch = pytest.importorskip("torch")
+    for name, record in (("none.pt", None), ("on.pt", True), ("off.pt", False), ("bad.pt", "yes"), ("two.pt", 2)):
+        torch.save(_bridge_like(record), tmp_path / name)
+    out = tmp_path / "o.h5"
+    _refused([str(tmp_path / "none.pt"), *BRIDGE_KEYS], capsys, "without a record of whether compatibility mode", out)
+    _refused([str(tmp_path / "on.pt"), *BRIDGE_KEYS, "--compatibility-mode", "off"], capsys,
+             "compatibility mode disagree", out)
+    _refused([str(tmp_path / "on.pt"), str(tmp_path / "off.pt"), *BRIDGE_KEYS], capsys,
+             "compatibility mode disagree", out)
+    _refused([str(tmp_path / "bad.pt"), *BRIDGE_KEYS], capsys, "records whether TransformerLens's compatibility", out)
+    _refused([str(tmp_path / "two.pt"), *BRIDGE_KEYS], capsys, "records whether TransformerLens's compatibility", out)
+    _refused([str(tmp_path / "on.pt"), *BRIDGE_KEYS, "--compatibility-mode", "yes"], capsys, "expected on or off",
+             out)
+
+
+def test_a_2x_cache_needs_no_compatibility_record(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """HookedTransformer / HookedEncoder (2.x) names have no bridge hook: converted without a record, as before."""
+    pt = _save_cache(tmp_path / "cache.pt", _cache())
+    _ok([str(pt), "--key", "tokens=blocks.1.hook_resid_pre", "--key", "targets=blocks.1.attn.hook_z[1]",
+         "--attention", "causal", "-o", str(tmp_path / "o.h5"), "-q"], capsys)
+    got, attrs = _read(tmp_path / "o.h5")
+    assert convert_mod.COMPAT_ATTR not in attrs
+    assert np.array_equal(got["targets"], _cache()["blocks.1.attn.hook_z"][:, :, 1, :])
+
+
+def test_convert_help_names_hook_z_not_hook_result(capsys: pytest.CaptureFixture[str]) -> None:
+    """TransformerLens 4 gives no hook_result for BERT (set_use_attn_result raises): the help names hook_z."""
+    assert run(["convert", "--help"]) == 0
+    text = " ".join(capsys.readouterr().out.split())
+    assert "hook_z" in text and "hook_result" not in text and "--compatibility-mode" in text
+
+
+def test_nnsight_saved_tensors_convert_to_their_values(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """nnsight 0.8: the `.save()`d values of a trace are tensors after it; a dict of them, the per-head outputs
+    before W_O viewed as [batch, pos, head, d_head], converts to those tensors."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    nnsight = pytest.importorskip("nnsight")
+    torch.manual_seed(0)
+    model = nnsight.NNsight(transformers.BertModel(transformers.BertConfig(**TINY)).eval())
+    ids, mask = _batch()
+    layer = model.encoder.layer[1]
+    with model.trace(input_ids=ids, attention_mask=mask):
+        hidden = layer.input.save()
+        z = layer.attention.self.output[0].save()
+    assert isinstance(z, torch.Tensor) and isinstance(hidden, torch.Tensor)
+    heads = z.reshape(*z.shape[:2], TINY["num_attention_heads"], -1)
+    torch.save({"hidden": hidden, "z": heads, "attention_mask": mask}, tmp_path / "nns.pt")
+    _ok([str(tmp_path / "nns.pt"), "--key", "tokens=hidden", "--key", "targets=z[3]", "--attention",
+         "bidirectional", "-o", str(tmp_path / "o.h5"), "-q"], capsys)
+    got, attrs = _read(tmp_path / "o.h5")
+    keep = mask.numpy() == 1
+    assert convert_mod.COMPAT_ATTR not in attrs
+    assert np.array_equal(got["tokens"], hidden.detach().numpy()[keep])  # saved with requires_grad: detached
+    assert np.array_equal(got["targets"], heads.detach().numpy()[:, :, 3, :][keep])
+
+
+def test_compatibility_mode_is_checked_where_a_model_is_applied(tmp_path: Path,
+                                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    """The record travels with the data (reduce keeps it; the model's data identity and the heads exported from it
+    hold it) and predict refuses a model or heads fitted on one mode on tokens of the other; tokens of the same
+    mode, or without a record, are read."""
+    torch = pytest.importorskip("torch")
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(30, 4, 3, generator=g, dtype=torch.float64)
+    y = torch.randn(30, 4, 3, generator=g, dtype=torch.float64)
+    for mode, record in (("on", True), ("off", False), ("none", None)):
+        cache = {"blocks.0.hook_resid_pre": x, "blocks.0.attn.hook_z": y[:, :, None, :]}
+        torch.save(cache if record is None else {**cache, "compatibility_mode": record}, tmp_path / f"{mode}.pt")
+        _ok([str(tmp_path / f"{mode}.pt"), "--key", "tokens=blocks.0.hook_resid_pre", "--key",
+             "targets=blocks.0.attn.hook_z[0]", "--attention", "causal", "-o", str(tmp_path / f"{mode}.h5"), "-q"],
+            capsys)
+    assert run(["reduce", str(tmp_path / "on.h5"), "--dim", "2", "-o", str(tmp_path / "r.h5"), "-q"]) == 0
+    assert _read(tmp_path / "r.h5")[1][convert_mod.COMPAT_ATTR] == "on"
+    assert run(["fit", str(tmp_path / "on.h5"), "-o", str(tmp_path / "m.h5"), "-q"]) == 0
+    assert run(["export-heads", str(tmp_path / "m.h5"), "-o", str(tmp_path / "h.h5"), "-q"]) == 0
+    with h5py.File(tmp_path / "h.h5", "r") as f:
+        assert f.attrs[convert_mod.COMPAT_ATTR] == "on"
+    for fn, said in (("m.h5", "the model was fitted on activations captured with TransformerLens's compatibility "
+                               "mode on (on.h5), these with it off"),
+                     ("h.h5", "the heads were fitted on activations captured with TransformerLens's compatibility "
+                              "mode on, these with it off")):
+        for mode in ("on", "none"):
+            assert run(["predict", str(tmp_path / fn), str(tmp_path / f"{mode}.h5"), "-o",
+                        str(tmp_path / f"p-{mode}.h5"), "-q"]) == 0
+        capsys.readouterr()
+        assert run(["predict", str(tmp_path / fn), str(tmp_path / "off.h5"), "-o", str(tmp_path / "p.h5")]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and said in err[0], err
+        assert not (tmp_path / "p.h5").exists()

@@ -225,6 +225,28 @@ STRUCTURAL = [
     Structural("tiled graph keys without the tiles' contents", "mhla_cli.linalg.task_graph", "handle_token",
                lambda n: isinstance(n, ast.Return) and _calls(n.value, "tokenize"),
                lambda n: ast.Return(ast.Constant(0)), tests=("tests/test_task_graph.py", "-k", "keys")),
+    # issue 46, item 1: a TransformerLens 4 bridge cache records whether compatibility mode was on (hook_z differ)
+    Structural("bridge cache without a compatibility record not refused", "mhla_cli.io.convert._roles",
+               "compat_record", lambda n: isinstance(n, ast.Compare) and ast.unparse(n) == "bridge is not None",
+               lambda n: ast.Constant(False), tests=("tests/test_convert_activations.py", "-k", "compatibility")),
+    Structural("compatibility records that disagree not refused", "mhla_cli.io.convert._roles", "compat_record",
+               lambda n: isinstance(n, ast.Compare) and ast.unparse(n) == "len(values) > 1",
+               lambda n: ast.Constant(False), tests=("tests/test_convert_activations.py", "-k", "compatibility")),
+    Structural("compatibility record not written", "mhla_cli.io.convert._writer", "_write",
+               lambda n: isinstance(n, ast.For) and "attrs or {}" in ast.unparse(n.iter), lambda n: ast.Pass(),
+               tests=("tests/test_convert_activations.py", "-k", "compatibility")),
+    Structural("a model applied to activations of the other compatibility mode", "mhla_cli.model.forward.stream",
+               "_function_and_data", lambda n: isinstance(n, ast.Expr) and _calls(n.value, "_check_capture"),
+               lambda n: ast.Pass(), tests=("tests/test_convert_activations.py", "-k", "where_a_model")),
+    Structural("exported heads drop the compatibility record", "mhla_cli.api.learn", "export_heads",
+               lambda n: isinstance(n, ast.If) and "compatibility_mode" in ast.unparse(n.test), lambda n: ast.Pass(),
+               tests=("tests/test_convert_activations.py", "-k", "where_a_model")),
+    Structural("heads read without their compatibility record", "mhla_cli.model.heads", "Heads.load",
+               lambda n: isinstance(n, ast.Compare) and ast.unparse(n) == "compat is not None",
+               lambda n: ast.Constant(False), tests=("tests/test_convert_activations.py", "-k", "where_a_model")),
+    Structural("reduce drops the compatibility record", "mhla_cli.model.reduce", "apply_reduction",
+               lambda n: isinstance(n, ast.If) and "COMPAT_ATTR" in ast.unparse(n.test), lambda n: ast.Pass(),
+               tests=("tests/test_convert_activations.py", "-k", "where_a_model")),
 ]
 
 # Every check of export-heads, spectrum and compare evaluated in the tokens' own coordinates (or on the

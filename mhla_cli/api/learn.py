@@ -293,4 +293,7 @@ def export_heads(model: Model, tol: float = 1e-12, max_heads: int | str | None =
         heads.affine_weight, heads.affine_bias = np.ascontiguousarray(affine[:, :-1]), np.array(affine[:, -1])
     heads.info["normalize"] = model.info.get("normalize", "none")
     heads.info.update(layout_info(model.info))
+    source = model.info.get("data_source")
+    if isinstance(source, dict) and source.get("compatibility_mode") is not None:  # TransformerLens's mode: kept
+        heads.info[formats.COMPAT_ATTR] = source["compatibility_mode"]
     return heads

@@ -6,6 +6,7 @@ from typing import Annotated
 
 import typer
 
+from ..errors import InputError
 from ..io import convert as convert_mod
 from .console import emit_json, progress_bar, say
 from .options import LAYOUT_OPTION, ChunkOpt, JsonOpt, OutOpt, QuietOpt
@@ -31,6 +32,12 @@ def convert_cmd(
         "otherwise): causal (a decoder such as GPT-2: position t sees the positions up to t, every prefix is a sample) or "
         "bidirectional (an encoder such as BERT: every position sees the whole window). Written as the file's "
         "attribute 'attention'. Example: --attention bidirectional", show_default=False)] = None,
+    compat: Annotated[str | None, typer.Option(
+        "--compatibility-mode", metavar="on|off", help="For a TransformerLens 4 "
+        "TransformerBridge cache: whether bridge.enable_compatibility_mode() was on (LayerNorm folded, weights centred, "
+        "value biases folded) or off (Hugging Face's numerics), when the cache does not record it as its "
+        "'compatibility_mode' entry. Written as the attribute transformer_lens_compatibility_mode: heads fitted "
+        "on one are wrong on the other.", show_default=False)] = None,
     chunk_size: ChunkOpt = None,
     json_out: JsonOpt = False,
     quiet: QuietOpt = False,
@@ -51,12 +58,15 @@ def convert_cmd(
     directory) that no --key picks are left out. Per-position targets (N, n, e) need --attention.
     Targets may be of another width than the tokens (then `mhla reduce` them).
 
-    Example (TransformerLens, one head of a GPT-2 layer): mhla convert cache.pt --key
-    tokens=blocks.3.hook_resid_pre --key targets=blocks.3.attn.hook_result\\[5] --attention causal -o head.h5
+    A TransformerLens 4 TransformerBridge cache records whether compatibility mode was on (its
+    'compatibility_mode' entry, or --compatibility-mode): heads fitted on one mode are wrong on the other.
+
+    Example (TransformerLens, head 5 of a GPT-2 layer before W_O): mhla convert cache.pt --key
+    tokens=blocks.3.hook_resid_pre --key targets=blocks.3.attn.hook_z\\[5] --attention causal -o head.h5
 
     Example (BERT, the whole attention layer, padded batch): mhla convert cache.pt attention_mask=mask.npy
-    --key tokens=blocks.1.hook_resid_pre --key targets=blocks.1.attn.hook_result\\[sum] --attention
-    bidirectional -o layer.h5
+    --key tokens=blocks.1.hook_resid_pre --key targets=blocks.1.hook_attn_out --attention bidirectional -o
+    layer.h5
 
     Example (SAELens cache of two hooks): mhla convert activations/ --key tokens=blocks.0.hook_resid_pre
     --key targets=blocks.0.hook_attn_out --attention causal -o data.h5
@@ -71,16 +81,22 @@ def convert_cmd(
 
     Example: mhla convert data.npz -o data.h5 && mhla certify data.h5
     """
+    if compat not in (None, "on", "off"):
+        raise InputError(f"--compatibility-mode {compat}: expected on or off")
     with progress_bar("convert", None, quiet) as advance:  # type: ignore[arg-type]
         info = convert_mod.convert_files(inputs, output, chunk_size=chunk_size, progress=advance, mask=mask,
-                                         keys=key, attention=attention)
+                                         keys=key, attention=attention,
+                                         compatibility_mode=None if compat is None else compat == "on")
     summary = {"output": str(output),
                "inputs": [str(p) for _, p in map(convert_mod.parse_input, convert_mod.expand_inputs(inputs))],
                "layout": info.layout, "n_samples": info.n_samples, "d": info.d, "n_tokens": info.n_tokens,
                "dtype": info.dtype, "targets": info.has_targets, "per_position": info.per_position,
-               "weights": info.has_weights, "d_out": info.out_dim, "attention": attention}
+               "weights": info.has_weights, "d_out": info.out_dim, "attention": attention,
+               "compatibility_mode": convert_mod.recorded_compatibility_mode(output)}
+    mode = summary["compatibility_mode"]
     extras = [x for x, on in (("targets", info.has_targets), ("weights", info.has_weights),
-                              ("per position", info.per_position), (f"attention {attention}", attention)) if on]
+                              ("per position", info.per_position), (f"attention {attention}", attention),
+                              (f"TransformerLens compatibility mode {mode}", mode)) if on]
     say(f"wrote {output}: N = {info.n_samples} sequences ({info.layout}), d = {info.d}, {info.n_tokens} tokens "
         f"({info.dtype})" + (f"; {', '.join(extras)}" if extras else ""), quiet)
     if json_out:

@@ -260,7 +260,8 @@ class Heads(HeadShapes):
             attrs["d_out"] = self.d_out
         if self.P is not None:
             attrs["reduced_dim"] = self.reduced_dim
-        for k in ("function_change", "coef_change", "coordinates", "tol", "max_heads", "normalize", "unreduced"):
+        for k in ("function_change", "coef_change", "coordinates", "tol", "max_heads", "normalize", "unreduced",
+                  formats.COMPAT_ATTR):
             if self.info.get(k) is not None:
                 attrs[k] = self.info[k]
         attrs.update(layout_info(self.info))  # the layout fitted on, with its parameters (mhla_cli.samples)
@@ -291,10 +292,13 @@ class Heads(HeadShapes):
             affine = {k: formats.read_array(f, k, path) for k in AFFINE_ARRAYS if k in f}
             maps = {k: formats.read_array(f, k, path) for k in MAP_ARRAYS if k in f}
             widths = {k: int(f.attrs[k]) for k in ("d", "d_out") if k in f.attrs}
+            compat = f.attrs.get(formats.COMPAT_ATTR)  # "on" / "off" (a str, or bytes as h5py may give it)
         heads = cls.from_arrays(V, Q, normalize, path, bias=bias, affine=affine or None, maps=maps or None)
         check_widths(heads, widths, path)
         if fitted.get("attention") is not None:  # the per-position samples fitted on (mhla_cli.samples)
             heads.info.update({k: v.item() if hasattr(v, "item") else v for k, v in fitted.items()})
+        if compat is not None:  # the TransformerLens compatibility mode of the activations fitted on
+            heads.info[formats.COMPAT_ATTR] = compat.decode() if isinstance(compat, bytes) else str(compat)
         return heads
 
     @classmethod

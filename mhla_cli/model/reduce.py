@@ -259,6 +259,8 @@ def apply_reduction(red: Reduction, data: str | os.PathLike, out: str | os.PathL
             _write_maps(fout, red, inputs, data)
             if info.attention is not None:  # how the per-position samples read the window: kept
                 fout.attrs["attention"] = info.attention
+            if formats.COMPAT_ATTR in fin.attrs:  # the TransformerLens mode the activations were captured in: kept
+                fout.attrs[formats.COMPAT_ATTR] = fin.attrs[formats.COMPAT_ATTR]
             n = int(info.seq_len) if dense else 0
             dt = fout.create_dataset("tokens", (N, n, d) if dense else (T, d), dtype="f8")
             dy = None

@@ -20,7 +20,8 @@ weights. The package, by job:
 - `_values`: tensors, arrays and lists of sequences in memory (of .pt files and `write_tokens`);
 - `_hdf5`: HDF5 activations;
 - `_arrow`: datasets directories, SAELens caches;
-- `_roles`: dataset names, `--key ROLE=NAME[h]` and the hooks left out;
+- `_roles`: dataset names, `--key ROLE=NAME[h]`, the hooks left out and the record of TransformerLens's
+  compatibility mode;
 - `_masks`: padded activations with a padding mask;
 - `_join`: several files as one;
 - `_writer`: the chunked copy, the `attention` attribute and `write_tokens`;
@@ -29,9 +30,11 @@ weights. The package, by job:
 
 from ._driver import convert_files, expand_inputs, parse_input
 from ._readers import READERS, SUFFIXES
-from ._roles import MASK_NAMES, NAMES, ROLES, TOKEN_ALIASES, parse_keys
+from ..formats import COMPAT_ATTR, recorded_compatibility_mode
+from ._roles import COMPAT_KEY, MASK_NAMES, NAMES, ROLES, TOKEN_ALIASES, parse_keys
 from ._source import Reader
 from ._writer import CHUNK_BYTES, write_tokens
 
-__all__ = ["CHUNK_BYTES", "MASK_NAMES", "NAMES", "READERS", "ROLES", "Reader", "SUFFIXES", "TOKEN_ALIASES",
-           "convert_files", "expand_inputs", "parse_input", "parse_keys", "write_tokens"]
+__all__ = ["CHUNK_BYTES", "COMPAT_ATTR", "COMPAT_KEY", "MASK_NAMES", "NAMES", "READERS", "ROLES", "Reader", "SUFFIXES", "TOKEN_ALIASES",
+           "convert_files", "expand_inputs", "parse_input", "parse_keys", "recorded_compatibility_mode",
+           "write_tokens"]

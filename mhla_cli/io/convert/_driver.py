@@ -15,7 +15,8 @@ import numpy as np
 from ._join import _join, _part
 from ._masks import _apply_mask
 from ._readers import SUFFIXES, known, reader_for
-from ._roles import FILE_NAMES, _pick, parse_keys
+from ._roles import COMPAT_KEY, FILE_NAMES, _pick, compat_record, parse_keys
+from ..formats import COMPAT_ATTR
 from ._source import _Source
 from ._writer import _write
 from .. import tokens as tokens_mod
@@ -128,7 +129,7 @@ class _OneAtATime:
 def convert_files(inputs: Sequence[str | os.PathLike], output: str | os.PathLike, *,
                   chunk_size: int | None = None, progress: Callable[[int], None] | None = None,
                   mask: str | None = None, keys: Sequence[str] | None = None,
-                  attention: str | None = None) -> tokens_mod.TokensInfo:
+                  attention: str | None = None, compatibility_mode: bool | None = None) -> tokens_mod.TokensInfo:
     """Write the arrays of `inputs` (the formats of `READERS`) as one tokens file `output`.
 
     A `.npy` input holds one array: the one named by `NAME=FILE` (e.g. `targets=y.npy`), else by its
@@ -148,6 +149,10 @@ def convert_files(inputs: Sequence[str | os.PathLike], output: str | os.PathLike
 
     Per-position targets need `attention` ("causal" or "bidirectional"), written as the file's
     attribute `attention`; with other targets it is refused.
+
+    Whether TransformerLens 4's compatibility mode was on (a torch dict's `compatibility_mode` entry, or
+    `compatibility_mode`) is written as the attribute `transformer_lens_compatibility_mode` ("on" / "off"); a
+    TransformerBridge cache without that record is refused (its activations differ in the two modes).
     """
     if not inputs:
         raise InputError("no input files")
@@ -158,6 +163,9 @@ def convert_files(inputs: Sequence[str | os.PathLike], output: str | os.PathLike
         stack.callback(files.close)
         plain = [p for n, p in specs if n is None and p.suffix.lower() == ".npy" and p.stem not in FILE_NAMES]
         raw = [(p, files.add(name, p)) for name, p in specs]
+        compat = compat_record([s for _, srcs in raw for s in srcs], compatibility_mode,
+                               " + ".join(str(p) for _, p in specs))
+        raw = [(p, [s for s in srcs if s.name != COMPAT_KEY]) for p, srcs in raw]
         held = {s.name for _, srcs in raw for s in srcs}
         for pick in keymap.values():
             if pick.name not in held:
@@ -183,4 +191,4 @@ def convert_files(inputs: Sequence[str | os.PathLike], output: str | os.PathLike
             mask_name = next((m for _, _, m in per_file if m is not None), None)
             sources = _apply_mask(sources, mask_name, where, mask is not None)
         return _write(output, sources, tuple(p for _, p in specs), chunk_size, progress, attention,
-                      require_attention=True)
+                      require_attention=True, attrs=None if compat is None else {COMPAT_ATTR: compat})

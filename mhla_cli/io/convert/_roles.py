@@ -6,6 +6,12 @@ that what remains is a tokens file's arrays.
 `NAME[sum]` their sum over the heads (in float64). An array
 picked by --key is used under its role only.
 
+A TransformerLens 4 `TransformerBridge` computes Hugging Face's numerics, or, after
+`enable_compatibility_mode()`, those of HookedTransformer's processed weights (LayerNorm folded, writing
+weights centred, value biases folded: `hook_z` differs by the value bias); its keys are the same either way.
+`compat_record` takes the record of which (the dict entry `COMPAT_KEY`, or `--compatibility-mode`),
+written as the tokens file's attribute `formats.COMPAT_ATTR`; a bridge cache (`BRIDGE_HOOK`) without it is refused.
+
 Hook points (a name whose last dotted part starts with `hook_`, as in a TransformerLens cache) and
 the columns of a datasets directory are a store of many activations: those no --key picks are left
 out; any other array must be named as a dataset of a tokens file.
@@ -34,6 +40,10 @@ FILE_NAMES = NAMES + MASK_NAMES
 ROLES = ("tokens", "targets", "weights", "offsets", "mask")
 # Bytes of input rows read at once while one head (or the sum over heads) is taken from them.
 _HEAD_BYTES = 16 << 20
+# The dict entry of a torch file that records whether compatibility mode was on (bridge.compatibility_mode).
+COMPAT_KEY = "compatibility_mode"
+# Hook names of a TransformerLens 4 TransformerBridge cache that a HookedTransformer / HookedEncoder (2.x) lacks.
+BRIDGE_HOOK = re.compile(r"^blocks\.\d+\.(hook_in|hook_out|(attn|mlp)\.hook_(in|out)|attn\.[qkvo]\.hook_(in|out))$")
 _SELECTOR = re.compile(r"^(?P<name>.+)\[(?P<sel>[^\[\]]*)\]$")
 
 
@@ -159,3 +169,25 @@ def _check_names(sources: list[_Source], where: str) -> list[_Source]:
         found = ", ".join(repr(n) for n in names) or "nothing"
         raise InputError(f"no 'tokens' array (found {found}; name one with --key tokens=NAME)", where)
     return sources
+
+
+def compat_record(sources: list[_Source], option: bool | None, where: str) -> str | None:
+    """Whether TransformerLens's compatibility mode was on ("on" / "off"), as the inputs' `COMPAT_KEY`
+    entries and `option` (--compatibility-mode) say; None for other inputs. Refused: records that
+    disagree, and a TransformerBridge cache (a hook only it names) without a record."""
+    said = {s.label: bool(np.asarray(s.read(0, 1)).reshape(-1)[0]) for s in sources if s.name == COMPAT_KEY}
+    values = set(said.values()) | ({option} if option is not None else set())
+    if len(values) > 1:
+        told = [f"{label}: {'on' if v else 'off'}" for label, v in said.items()]
+        told += [f"--compatibility-mode {'on' if option else 'off'}"] if option is not None else []
+        raise InputError(f"the records of TransformerLens's compatibility mode disagree ({'; '.join(told)}): "
+                         "activations of both kinds differ (hook_z by the value bias) and cannot be one file", where)
+    if values:
+        return "on" if values.pop() else "off"
+    bridge = next((s.name for s in sources if BRIDGE_HOOK.match(s.name)), None)
+    if bridge is not None:
+        raise InputError(f"a TransformerLens 4 TransformerBridge cache ('{bridge}'), without a record of whether "
+                         f"compatibility mode was on (its hook_z differ by the value bias): save "
+                         f"'{COMPAT_KEY}': bridge.compatibility_mode in the dict, or give --compatibility-mode on|off",
+                         where)
+    return None

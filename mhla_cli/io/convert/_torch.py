@@ -4,15 +4,21 @@ On Linux the pages copied are handed back to the kernel as the copy proceeds (`_
 
 The entries of nested dicts are named by their dotted keys ({"acts": {"x": t}} holds 'acts.x'), the
 spelling of a TransformerLens cache (`torch.save(cache.cache_dict)`: 'blocks.3.hook_resid_pre').
+Its entry `compatibility_mode` (a bool: `bridge.compatibility_mode` of TransformerLens 4) is the record
+`_roles.compat_record` reads, not an array.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
-from ._source import Reader, _PageDropper, _Source
+import numpy as np
+
+from ._roles import COMPAT_KEY
+from ._source import Reader, _PageDropper, _Source, _array_source
 from ._values import _check_sequence_list, _tensor_source, _torch, _value_sources
 from ...errors import InputError
 
@@ -29,6 +35,15 @@ def _flatten(obj: dict[Any, Any], path: Path, prefix: str = "") -> dict[str, Any
         else:
             out[prefix + k] = v
     return out
+
+
+def _compat(value: Any, path: Path) -> _Source:
+    """The `compatibility_mode` entry (a bool, 0 / 1, or a tensor of one of them) as a spare array of one value."""
+    v = value.item() if hasattr(value, "item") and getattr(value, "numel", lambda: 0)() == 1 else value
+    if isinstance(v, bool) or (isinstance(v, int) and v in (0, 1)):
+        return dataclasses.replace(_array_source(COMPAT_KEY, np.array([int(v)]), str(path)), spare=True)
+    raise InputError(f"'{COMPAT_KEY}' is {str(value)[:60]!r}: it records whether TransformerLens's compatibility "
+                     "mode was on, True or False (bridge.compatibility_mode)", path)
 
 
 def torch_sources(path: Path, stack: ExitStack | None = None) -> list[_Source]:
@@ -60,7 +75,9 @@ def torch_sources(path: Path, stack: ExitStack | None = None) -> list[_Source]:
         _check_sequence_list(obj, "the file", path)
         return _value_sources({"tokens": obj}, label, release)
     if isinstance(obj, dict):
-        return _value_sources(_flatten(obj, path), label, release)
+        flat = _flatten(obj, path)
+        record = [_compat(flat.pop(COMPAT_KEY), path)] if COMPAT_KEY in flat else []
+        return _value_sources(flat, label, release) + record
     raise InputError(f"holds a {type(obj).__name__}; mhla reads a tensor, a list of (n_i, d) tensors or a dict of "
                      "them", path)
 

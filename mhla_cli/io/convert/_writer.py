@@ -92,7 +92,7 @@ def _attention(info: tokens_mod.TokensInfo, attention: str | None, required: boo
 
 def _write(out: str | os.PathLike, sources: list[_Source], inputs: tuple[str | os.PathLike, ...],
            chunk_size: int | None, progress: Callable[[int], None] | None, attention: str | None = None,
-           require_attention: bool = False) -> tokens_mod.TokensInfo:
+           require_attention: bool = False, attrs: dict[str, str] | None = None) -> tokens_mod.TokensInfo:
     labels = list(dict.fromkeys(s.label for s in sources))
     where = " + ".join(labels) if labels else "input"
     sources = _check_names(sources, where)
@@ -121,6 +121,8 @@ def _write(out: str | os.PathLike, sources: list[_Source], inputs: tuple[str | o
         with _reopen(tmp) as f:
             if attention is not None:
                 f.attrs["attention"] = attention
+            for k, v in (attrs or {}).items():
+                f.attrs[k] = v
             _copy(f, info, src, chunk_size, progress)
         with open(tmp, "rb") as fh:
             os.fsync(fh.fileno())

@@ -19,7 +19,8 @@ from .reading import (
     read_attr_int, read_bias_terms, read_matrix, read_normalize, stored_block, value_text,
 )
 from .identity import (
-    FOREIGN_SUFFIXES, FULL_FINGERPRINT_BYTES, REDUCE_DIGESTS, command_line, provenance, recorded_inputs,
+    COMPAT_ATTR, FOREIGN_SUFFIXES, FULL_FINGERPRINT_BYTES, REDUCE_DIGESTS, command_line, provenance, recorded_compatibility_mode,
+    recorded_inputs,
     set_command, source_identity, window_digests,
 )
 from .manifest import MANIFEST_ATTR, MANIFEST_FORMAT, MANIFEST_KINDS
@@ -30,9 +31,9 @@ from .writing import (
 )
 
 __all__ = [
-    "Deferred", "FOREIGN_SUFFIXES", "FORMAT_NAME", "FORMAT_VERSION", "FULL_FINGERPRINT_BYTES", "HDF5_SUFFIXES",
+    "COMPAT_ATTR", "Deferred", "FOREIGN_SUFFIXES", "FORMAT_NAME", "FORMAT_VERSION", "FULL_FINGERPRINT_BYTES", "HDF5_SUFFIXES",
     "IN_MEMORY_WRITE_BYTES", "KINDS", "MANIFEST_ATTR", "MANIFEST_FORMAT", "MANIFEST_KINDS", "PAIRS_DATASET",
-    "PNG_SOFTWARE", "REDUCE_DIGESTS", "all_finite", "atomic_path", "check_hdf5_suffix", "check_numeric",
+    "PNG_SOFTWARE", "REDUCE_DIGESTS", "all_finite", "atomic_path", "check_hdf5_suffix", "check_numeric", "recorded_compatibility_mode",
     "check_output_directory", "check_output_path", "check_replaceable", "check_stored_symmetric", "command_line",
     "create_output",
     "d_from_psi_shape", "dataset", "expect_kind", "file_kind", "hdf5_write_failed", "header", "kind_of",

@@ -64,6 +64,10 @@ def window_digests(tokens: np.ndarray, offsets: np.ndarray) -> np.ndarray:
     return out
 
 
+# The tokens file's root attribute recording whether TransformerLens's compatibility mode was on ("on" / "off",
+# written by mhla convert): part of the data's identity (`source_identity`'s `compatibility_mode`).
+COMPAT_ATTR = "transformer_lens_compatibility_mode"
+
 # The dataset of a reduced tokens file holding the digests (N, 2) of the wide windows it was made from.
 REDUCE_DIGESTS = "reduce_window_digests"
 
@@ -111,7 +115,8 @@ def source_identity(path: str | os.PathLike, full: bool | None = None) -> dict[s
     gives the same fingerprint). Files with more than
     FULL_FINGERPRINT_BYTES of data are fingerprinted over their shapes, every offset and a fixed
     sample of row blocks (`fingerprint_scope` says which); `full=True` forces a hash of everything.
-    A file written by `mhla reduce` also gets `reduction`, the fingerprint of its maps (`_reduction_identity`).
+    A file written by `mhla reduce` also gets `reduction`, the fingerprint of its maps (`_reduction_identity`), and a
+    tokens file that records TransformerLens's compatibility mode (`COMPAT_ATTR`) `compatibility_mode`.
     """
     p = Path(path)
     try:
@@ -141,6 +146,7 @@ def source_identity(path: str | os.PathLike, full: bool | None = None) -> dict[s
         dsets = {k: v for k, v in f.items() if isinstance(v, h5py.Dataset)}
         total = sum(int(ds.size) * ds.dtype.itemsize for ds in dsets.values())
         reduction = _reduction_identity(dsets)
+        compat = _compat_of(f)
         whole = bool(full) if full is not None else total <= FULL_FINGERPRINT_BYTES
         for k in sorted(f.attrs.keys()):
             if not k.startswith("mhla_"):  # format and provenance metadata are not data
@@ -154,8 +160,22 @@ def source_identity(path: str | os.PathLike, full: bool | None = None) -> dict[s
              "fingerprint_scope": "all data" if whole else "shapes, offsets and sampled rows"}
     if reduction is not None:
         ident["reduction"] = reduction
+    if compat is not None:
+        ident["compatibility_mode"] = compat
     _identity_cache[key] = ident
     return dict(ident)
+
+def _compat_of(f: h5py.File) -> str | None:
+    v = f.attrs.get(COMPAT_ATTR)
+    return None if v is None else str(v.decode() if isinstance(v, bytes) else v)
+
+
+def recorded_compatibility_mode(path: str | os.PathLike) -> str | None:
+    """A tokens file's record of TransformerLens's compatibility mode (`COMPAT_ATTR`: "on" / "off"), None without
+    one."""
+    with open_input(path) as f:
+        return _compat_of(f)
+
 
 _command: list[str] | None = None
 

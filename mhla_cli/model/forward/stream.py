@@ -107,6 +107,21 @@ def _one_at_a_time(progress: Callable[[int], None]) -> Callable[[int], None]:
     return call
 
 
+def _check_capture(fn: Model | Heads, data: str | os.PathLike) -> None:
+    """A model or heads fitted on activations captured with TransformerLens's compatibility mode on (a model's data
+    identity records it, formats.source_identity; heads their attribute formats.COMPAT_ATTR) are refused on tokens
+    recorded with it off, and the reverse."""
+    source = fn.info.get("data_source")
+    fitted = source.get("compatibility_mode") if isinstance(source, dict) else fn.info.get(formats.COMPAT_ATTR)
+    have = formats.recorded_compatibility_mode(data) if fitted is not None else None
+    if have is not None and have != fitted:
+        where = f" ({source.get('name', '?')})" if isinstance(source, dict) else ""
+        raise InputError(f"the {'model was' if isinstance(fn, Model) else 'heads were'} fitted on activations "
+                         f"captured with TransformerLens's compatibility mode {fitted}{where}, these with it {have}: "
+                         "the two modes' activations differ (hook_z by the value bias); capture them the same way",
+                         data)
+
+
 def _function_and_data(fn: Model | Heads, data: str | os.PathLike
                        ) -> tuple[np.ndarray | HeadsFn, str, TokensInfo]:
     """coef (own coordinates; or a HeadsFn) and normalisation of `fn`, and the layout of the tokens file
@@ -114,6 +129,7 @@ def _function_and_data(fn: Model | Heads, data: str | os.PathLike
     coef = function_of(fn)
     normalize = check_normalize(normalize_of(fn))
     info = inspect_tokens(data)
+    _check_capture(fn, data)
     _check_not_reduced(fn, info.d, data)
     if bias_terms_of(fn):  # the function of the tokens (x, 1): the reader appends the constant
         info = with_bias_terms(info, pad_targets=False)
