@@ -410,7 +410,7 @@ NEW_CODE = [
          "range(i0, n, tile)", "range(i0 + tile, n, tile)", GRAM_TESTS),
     _net("pairs Gram: a sum keeps only the other's entries", "statistics.storage.gram_pairs", "PairsGram.add",
          "self.held.K += other.held.K", "self.held.K = other.held.K", GRAM_TESTS),
-    _net("pairs Gram: the dataset's shape not checked", "statistics.storage.gram_pairs", "PairsGram.read",
+    _net("pairs Gram: the dataset's shape not checked", "statistics.storage.gram_pairs", "PairsGram.from_file",
          "K.shape != symgram.pairs_shape(q, r)", "False", GRAM_TESTS),
     _net("own Gram: overflow not refused", "statistics.storage.gram_storage", "own_of", "not own.all_finite()", "False",
          GRAM_TESTS),

@@ -34,8 +34,6 @@ from mhla_cli.statistics.storage import gram_storage
 from mhla_cli.statistics.affine_sums import AffineSums
 from mhla_cli.statistics.algebra import FeaturesAlgebra
 from mhla_cli.statistics.files.features_file import _DERIVED, FeaturesFile, StoredGram
-from mhla_cli.statistics.storage import gram_dense  # noqa: F401
-from mhla_cli.statistics.storage import gram_pairs  # noqa: F401  (the storages a record holds in one process: registered)
 
 
 class _OwnGram:

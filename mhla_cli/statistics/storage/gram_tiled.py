@@ -20,16 +20,14 @@ from mhla_cli.errors import InputError
 from mhla_cli.io import formats
 from mhla_cli.linalg.factorization import Factorization
 from mhla_cli.linalg.tiled_matrix import TiledMatrix
-from mhla_cli.statistics.storage.gram_storage import GramStorage, register
+from mhla_cli.statistics.storage.gram_storage import GramStorage
 
 __all__ = ["TiledGram"]
 
 
-@register
 class TiledGram(GramStorage):
-    """The Gram as the lower tiles of a TiledMatrix (`held`); tiles are never changed in place."""
-
-    dataset = None  # written as a Zarr store (zarr_store.save), not to a features file
+    """The Gram as the lower tiles of a TiledMatrix (`held`); tiles are never changed in place. No form of a
+    features file: written as a Zarr store (zarr_store.save)."""
 
     @classmethod
     def holds(cls, obj: Any) -> bool:
