@@ -225,6 +225,22 @@ STRUCTURAL = [
     Structural("tiled graph keys without the tiles' contents", "mhla_cli.linalg.task_graph", "handle_token",
                lambda n: isinstance(n, ast.Return) and _calls(n.value, "tokenize"),
                lambda n: ast.Return(ast.Constant(0)), tests=("tests/test_task_graph.py", "-k", "keys")),
+    # issue 44, item 3: a storage writes and reads its own datasets of a features file (the file asks the storage)
+    Structural("storage dispatch: a form's datasets written but claimed by no storage on load",
+               "mhla_cli.statistics.storage.gram_storage", "file_storages", lambda n: _calls(n, "any"),
+               lambda n: ast.Constant(False), tests=("tests/test_gram_storage.py",)),
+    Structural("storage dispatch: the Gram written in the full form whatever the form asked",
+               "mhla_cli.statistics.files.features_file", "FeaturesFile.datasets", lambda n: _calls(n, "file_form"),
+               lambda n: _replace_arg(n, 0, _expr("FULL_FORM")), tests=("tests/test_gram_storage.py",)),
+    Structural("storage dispatch: the own gram written by every form", "mhla_cli.statistics.files.features_file",
+               "FeaturesFile.datasets", lambda n: isinstance(n, ast.Attribute) and n.attr == "own_gram_in_file",
+               lambda n: ast.Constant(True), tests=("tests/test_gram_storage.py",)),
+    Structural("storage dispatch: a form's datasets not counted before a load", "mhla_cli.statistics.files.features_file",
+               "expect_features", lambda n: _calls(n, "load_bytes"), lambda n: ast.Constant(0),
+               tests=("tests/test_gram_storage.py",)),
+    Structural("storage dispatch: the full form's Gram not written", "mhla_cli.statistics.storage.gram_dense",
+               "DenseGram.file_data", lambda n: isinstance(n, ast.Return), lambda n: ast.Return(_expr("{}")),
+               tests=("tests/test_gram_storage.py",)),
 ]
 
 # Every check of export-heads, spectrum and compare evaluated in the tokens' own coordinates (or on the

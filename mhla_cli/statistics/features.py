@@ -89,7 +89,7 @@ class Features(FeaturesAlgebra, FeaturesFile):
 
     `a + b` and `a.add(b)` sum two records (parts in other bases are changed into the whitening of their
     sum: mhla_cli.statistics.algebra); `save` writes a features file (format version 6; `compact=True`: the
-    Gram as its distinct entries) and `load` reads versions 1-6 (mhla_cli.statistics.files.features_file);
+    Gram as its distinct entries; `form=`: a registered storage's form) and `load` reads versions 1-6 (mhla_cli.statistics.files.features_file);
     `on_spans`: only the block on the data's spans is held (`span_pairs`, `span_last`, no `gram` /
     `moments`), which `expand()` turns into every feature. `mhla_cli.Features` is this class.
     """

@@ -34,6 +34,10 @@ class DenseGram(GramStorage):
     def holds(cls, obj: Any) -> bool:
         return isinstance(obj, np.ndarray)
 
+    @classmethod
+    def of_array(cls, G: np.ndarray, q: int, r: int) -> DenseGram:
+        return DenseGram(np.array(G, dtype=np.float64))
+
     def all_finite(self) -> bool:
         return formats.all_finite(self.held)
 

@@ -36,6 +36,10 @@ class PairsGram(GramStorage):
     def holds(cls, obj: Any) -> bool:
         return isinstance(obj, symgram.Pairs)
 
+    @classmethod
+    def of_array(cls, G: np.ndarray, q: int, r: int) -> PairsGram:
+        return PairsGram(symgram.Pairs(symgram.pairs_from_gram(np.asarray(G, dtype=np.float64), q, r), q, r))
+
     def all_finite(self) -> bool:
         return formats.all_finite(self.held.K)  # the Gram's entries are K's
 

@@ -7,7 +7,8 @@ symgram.Pairs, K = U^T V of the Gram's symmetry), or as tiles on a Dask cluster
 (mhla_cli.statistics.storage.gram_tiled). The record, its algebra and its file ask the storage, never
 its type:
 
-- `n`, `held` (the object held), `all_finite`, `copy`, `zeros_like`;
+- `n`, `held` (the object held), `all_finite`, `copy`, `zeros_like`, and the class's `of_array` (a
+  dense Gram converted into the storage's form);
 - the algebra: `add` (the sum of two Grams of the same features) and `congruence` (the change of
   basis kron(P, R) G kron(P, R)^T of rows s (x) x, acting on the two factors);
 - `expand` (the n x n array, when a consumer asks for one) and `pairs` (the distinct entries);
@@ -75,6 +76,11 @@ class GramStorage(ABC):
     @abstractmethod
     def holds(cls, obj: Any) -> bool:
         """Whether `obj` is what this storage wraps."""
+
+    @classmethod
+    @abstractmethod
+    def of_array(cls, G: np.ndarray, q: int, r: int) -> GramStorage:
+        """The symmetric n x n Gram `G` (n = q r) held in this storage's form (a conversion)."""
 
     @property
     def n(self) -> int:
