@@ -28,7 +28,7 @@ from mhla_cli.errors import InputError
 from mhla_cli.feature_map import check_normalize, n_features, pair_index
 from mhla_cli.linalg.memory import check_floor
 from mhla_cli.kernels import _BLOCK_ELEMENTS, sequence_moments
-from mhla_cli.samples import LAST, Samples, samples_of
+from mhla_cli.samples import LAST, ReadSpec, Samples, samples_of
 from mhla_cli.statistics.affine_sums import AffineSums, split_targets
 from mhla_cli.statistics.features import Features, check_overflow
 
@@ -383,7 +383,7 @@ class _Accumulator:
                        target_gram=target_gram, token_dtype=token_dtype,
                        basis=self.basis, basis_gram=gram_b, basis_moments=moments,
                        basis_token_gram=self.basis_token_gram, basis_last_token_gram=self.basis_last_token_gram,
-                       samples=self.samples, normalize=self.normalize, n_sequences=self.n_sequences,
+                       read=ReadSpec(self.samples, self.normalize), n_sequences=self.n_sequences,
                        target_sum=target_sum,
                        weight_sum=self.weight_sum, token_weight_sum=self.token_weight_sum, affine=affine)
         if self.spans is not None:

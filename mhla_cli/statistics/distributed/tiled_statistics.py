@@ -49,6 +49,7 @@ from mhla_cli.linalg.factorization import Factorization
 from mhla_cli.linalg.tiled_matrix import TiledMatrix
 from mhla_cli.statistics.storage.gram_tiled import TiledGram
 from mhla_cli.statistics.distributed.scheduler import check_worker_memory
+from mhla_cli.samples import ReadSpec
 from mhla_cli.statistics.features import Features
 from mhla_cli.statistics.shards import shard_samples, work_ranges
 from mhla_cli.statistics.structure import Structure
@@ -199,9 +200,9 @@ def _record(part: Features, info: TokensInfo, path: str | os.PathLike, sample_ra
                      last_token_gram=part.last_token_gram, moments=own, target_gram=part.target_gram,
                      token_dtype=info.dtype, sample_range=sample_range, basis=np.array(A),
                      basis_moments=moments, basis_token_gram=part.basis_token_gram,
-                     basis_last_token_gram=part.basis_last_token_gram, samples=part.samples,
-                     normalize=part.normalize, n_sequences=part.n_sequences, target_sum=part.target_sum,
-                     weight_sum=part.weight, token_weight_sum=part.token_weight, bias_terms=info.constant)
+                     basis_last_token_gram=part.basis_last_token_gram,
+                     read=ReadSpec(part.samples, part.normalize, info.constant), n_sequences=part.n_sequences,
+                     target_sum=part.target_sum, weight_sum=part.weight, token_weight_sum=part.token_weight)
     feats.source = dict(formats.source_identity(path), n_samples=info.n_samples)
     feats.extra_attrs.update(basis_passes=passes, basis_correction_cond=float(cond), span_passes=0)
     if shard is not None:

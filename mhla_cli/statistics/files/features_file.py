@@ -25,7 +25,7 @@ from mhla_cli.errors import InputError
 from mhla_cli.feature_map import n_features
 from mhla_cli.numerics import ORTHONORMAL_TOL, SINGULAR_BASIS_COND
 from mhla_cli.io.formats import read_normalize
-from mhla_cli.samples import from_attrs
+from mhla_cli.samples import ReadSpec, from_attrs
 from mhla_cli.statistics.storage import gram_storage
 from mhla_cli.statistics.affine_sums import read_affine
 
@@ -186,9 +186,9 @@ class FeaturesFile:
                     extra[k] = v.decode() if isinstance(v, bytes) else (v.item() if hasattr(v, "item") else v)
         return cls(d=d, n_samples=n, n_tokens=t, gram=gram, token_gram=tg, last_token_gram=lg,
                    moments=moments, target_gram=target_gram, token_dtype=dtype, sample_range=rng,
-                   source=source, extra_attrs=extra, samples=samples, normalize=normalize,
+                   source=source, extra_attrs=extra, read=ReadSpec(samples, normalize, bias_terms),
                    n_sequences=n_seq, target_sum=t_sum, weight_sum=weights[0],
-                   token_weight_sum=weights[1], bias_terms=bias_terms, affine=affine, **sums)
+                   token_weight_sum=weights[1], affine=affine, **sums)
 
 
 def expect_features(f: h5py.File, path: str | os.PathLike) -> None:
