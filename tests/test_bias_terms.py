@@ -36,6 +36,7 @@ from mhla_cli.solve.certificate import certify
 from mhla_cli.statistics.features import Features
 from mhla_cli.statistics.merge import merge_features
 from mhla_cli.statistics.stream import chunk_features, featurize
+from mhla_cli.samples import ReadSpec, samples_of
 
 LAYOUTS = ("last", "causal", "bidirectional")
 
@@ -396,8 +397,8 @@ def test_an_invertible_affine_map_of_the_tokens_changes_no_certificate_and_no_fu
     X, off, Y, w = data(layout, seed % 1000, d, n_seq=40, weighted=bool(seed % 2))
     T = transform(d, cond, seed % 97)
     c = shift * np.random.default_rng(seed).standard_normal(d)
-    kw = {"per_position": layout != "last", "attention": None if layout == "last" else layout, "weights": w,
-          "normalize": normalize, "bias_terms": True}
+    kw = {"read": ReadSpec(samples_of(layout != "last", None if layout == "last" else layout), normalize, True),
+          "weights": w}
     a = chunk_features(X, off, Y, d, **kw)
     b = chunk_features(X @ T + c, off, Y, d, **kw)
     ca, cb = certify(a), certify(b)

@@ -23,6 +23,7 @@ from mhla_cli.cli import run
 from mhla_cli.model import synthetic
 from mhla_cli.model.model import Model
 from mhla_cli.numerics import numerical_tolerance
+from mhla_cli.samples import ReadSpec
 from mhla_cli.solve import cluster
 from mhla_cli.solve.certificate import certify
 from mhla_cli.solve.lstsq import fit as fit_one
@@ -107,8 +108,8 @@ def test_per_position_layouts_equal_one_machine(local, tmp_path: Path, capsys: p
     path = tmp_path / "pp.h5"
     ds.save(path, dtype="float64")
     one = featurize(path, spans="off", normalize=normalize, bias_terms=bias)
-    stats = tiled_statistics.accumulate(path, client, chunk_size=37, normalize=normalize, tile_features=2 * one.d,
-                                  bias_terms=bias)
+    stats = tiled_statistics.accumulate(path, client, chunk_size=37, read=ReadSpec(normalize=normalize, bias_terms=bias),
+                                        tile_features=2 * one.d)
     assert stats.matrix.nb > 1 and stats.sums.samples is one.samples and stats.sums.bias_terms == bias
     gram = np.zeros((stats.matrix.n, stats.matrix.n))
     o = stats.matrix.offsets

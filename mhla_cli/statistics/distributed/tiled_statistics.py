@@ -40,7 +40,6 @@ import numpy as np
 from mhla_cli.statistics import basis as basis_mod
 from mhla_cli.statistics.distributed import parallel
 from mhla_cli.errors import InputError
-from mhla_cli.feature_map import check_normalize
 from mhla_cli.io import formats
 from mhla_cli.io.tokens import TokensInfo, inspect_tokens, iter_chunks, read_as, require_square, with_bias_terms
 from mhla_cli.linalg import symgram
@@ -141,16 +140,17 @@ def _stamp(path: str) -> tuple[int, int]:
     return st.st_size, st.st_mtime_ns
 
 
-def accumulate(path: str | os.PathLike, client: Any, chunk_size: int | None = None, normalize: str = "none",
-               shard: tuple[int, int] | None = None, tile_features: int | None = None, attention: str | None = None,
-               bias_terms: bool = False) -> TiledStatistics:
+def accumulate(path: str | os.PathLike, client: Any, chunk_size: int | None = None, read: ReadSpec | None = None,
+               shard: tuple[int, int] | None = None, tile_features: int | None = None) -> TiledStatistics:
     """The statistics of the tokens file `path` (of its --shard i/M) on the Dask `client`'s cluster
-    (module docstring), its samples read with `attention` and `bias_terms` as statistics.stream.featurize
-    reads them. The basis is the whitening of the whole file's tokens, so that every shard of one file is
-    accumulated in the same basis and their tiles add (`zarr_store.merge`)."""
-    check_normalize(normalize)
-    info = read_as(inspect_tokens(path), attention)
-    if bias_terms:
+    (module docstring), its samples read as `read` says (mhla_cli.samples.ReadSpec: the layout, the
+    normalisation, the bias terms; None: as the file says, S not normalised, no bias terms) as
+    statistics.stream.featurize reads them. The basis is the whitening of the whole file's tokens, so that
+    every shard of one file is accumulated in the same basis and their tiles add (`zarr_store.merge`)."""
+    read = ReadSpec() if read is None else read
+    normalize = read.normalize or "none"
+    info = read_as(inspect_tokens(path), read.layout)
+    if read.bias_terms:
         info = with_bias_terms(info)
     check_floor(info.d, path, "featurize")
     require_square(info, "featurize")
