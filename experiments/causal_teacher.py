@@ -41,6 +41,7 @@ from mhla_cli import certify, fit, n_features, p_from_heads
 from mhla_cli.model.forward import predict_causal
 from mhla_cli.statistics.stream import chunk_features
 from mhla_cli.model.synthetic import Dataset, generate_teacher
+from mhla_cli.samples import CAUSAL, ReadSpec
 
 SEQ_LEN = (5, 40)
 HEADS = 2
@@ -51,7 +52,7 @@ def causal_features(ds: Dataset, n: int, normalize: str):
     """Per-position statistics of the first n sequences (what `mhla featurize` computes)."""
     b = int(ds.offsets[n])
     return chunk_features(ds.tokens[:b], ds.offsets[:n + 1], ds.targets[:b], ds.tokens.shape[1],
-                          per_position=True, normalize=normalize)
+                          read=ReadSpec(CAUSAL, normalize))
 
 
 def last_token_features(ds: Dataset, n: int):

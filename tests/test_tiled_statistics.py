@@ -13,6 +13,7 @@ import _reference as ref
 from mhla_cli.errors import InputError
 from mhla_cli.io.tokens import inspect_tokens
 from mhla_cli.model import synthetic
+from mhla_cli.samples import ReadSpec
 from mhla_cli.statistics.distributed import tiled_statistics
 from mhla_cli.statistics.stream import featurize
 from conftest import gather_tiles
@@ -53,8 +54,8 @@ def test_tiles_equal_materialised_canonical_features(client, tmp_path: Path, kin
     attention, normalize, _, bias = KINDS[kind]
     path, ds = dataset(tmp_path, kind)
     d = 4 + int(bias)
-    stats = tiled_statistics.accumulate(path, client, chunk_size=23, normalize=normalize, tile_features=2 * d,
-                                  bias_terms=bias)
+    stats = tiled_statistics.accumulate(path, client, chunk_size=23, read=ReadSpec(normalize=normalize, bias_terms=bias),
+                                        tile_features=2 * d)
     feats = stats.sums
     tokens, targets = ds.tokens, ds.targets
     if bias:  # the reader's tokens (x, 1) and targets (y, 0) (docs/bias_terms.md)
