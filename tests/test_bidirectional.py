@@ -327,7 +327,7 @@ def test_partial_fit_equals_the_fit_of_the_concatenation(data: Data, cuts: list[
 
 
 def _teacher_file(tmp_path: Path, name: str, attention: str | None, n: int = 40, seed: int = 1) -> Path:
-    ds, _ = synthetic.generate_teacher(3, 2, n, "2:8", seed=seed, per_position=True, attention="bidirectional")
+    ds, _ = synthetic.generate_teacher(3, 2, n, "2:8", seed=seed, read=ReadSpec(samples_of(True, "bidirectional")))
     return write(tmp_path / name, attention=attention, tokens=ds.tokens, offsets=ds.offsets, targets=ds.targets)
 
 
