@@ -41,6 +41,7 @@ from mhla_cli import certify, fit, n_features, p_from_heads
 from mhla_cli.model.forward import predict_causal
 from mhla_cli.statistics.stream import chunk_features
 from mhla_cli.model.synthetic import Dataset, generate_teacher
+from mhla_cli.samples import CAUSAL, ReadSpec, samples_of
 
 SEQ_LEN = (5, 40)
 HEADS = 2
@@ -51,7 +52,7 @@ def causal_features(ds: Dataset, n: int, normalize: str):
     """Per-position statistics of the first n sequences (what `mhla featurize` computes)."""
     b = int(ds.offsets[n])
     return chunk_features(ds.tokens[:b], ds.offsets[:n + 1], ds.targets[:b], ds.tokens.shape[1],
-                          per_position=True, normalize=normalize)
+                          read=ReadSpec(CAUSAL, normalize))
 
 
 def last_token_features(ds: Dataset, n: int):
@@ -63,7 +64,8 @@ def last_token_features(ds: Dataset, n: int):
 
 def run_dim(d: int, seed: int, normalize: str, n_max: int = 64) -> dict[str, Any]:
     psi = n_features(d)
-    ds, teacher = generate_teacher(d, HEADS, n_max, SEQ_LEN, seed=seed, per_position=True, normalize=normalize)
+    ds, teacher = generate_teacher(d, HEADS, n_max, SEQ_LEN, seed=seed,
+                                   read=ReadSpec(samples_of(True), normalize=normalize))
     p_true = p_from_heads(teacher.V, teacher.Q)
     n_min, feats, cert = None, None, None
     for n in range(1, n_max + 1):

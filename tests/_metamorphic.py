@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 from _reference import canonical
 from mhla_cli.model import synthetic
 from mhla_cli.statistics.stream import chunk_features
+from mhla_cli.samples import ReadSpec, samples_of
 
 SETTINGS = settings(max_examples=30, deadline=None, derandomize=True,
                     suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
@@ -33,8 +34,8 @@ class Data:
     attention: str = "causal"  # how per-position samples read the window (mhla_cli.samples)
 
     def kw(self) -> dict:
-        return {"weights": self.weights, "per_position": self.per_position, "normalize": self.normalize,
-                "attention": self.attention if self.per_position else None}
+        return {"weights": self.weights, "read": ReadSpec(samples_of(self.per_position, self.attention if
+                                                                     self.per_position else None), self.normalize)}
 
     def reference(self) -> dict:
         """The materialised canonical statistics of the data (tests/_reference.py)."""

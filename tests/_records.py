@@ -7,6 +7,7 @@ import numpy as np
 
 from mhla_cli.statistics.features import Features
 from mhla_cli.statistics.stream import chunk_features
+from mhla_cli.samples import ReadSpec, samples_of
 
 
 def ragged_data(seed: int, n: int = 60, d: int = 3, scale: np.ndarray | float = 1.0):
@@ -25,4 +26,4 @@ def weighted_features(seed: int, per_position: bool = False) -> Features:
         y = rng.standard_normal((rows, 3))
     w = rng.uniform(0.0, 3.0, rows)
     w[::5] = 0.0
-    return chunk_features(X, off, y, 3, weights=w, per_position=per_position)
+    return chunk_features(X, off, y, 3, weights=w, read=ReadSpec(samples_of(per_position)))

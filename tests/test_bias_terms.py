@@ -36,6 +36,7 @@ from mhla_cli.solve.certificate import certify
 from mhla_cli.statistics.features import Features
 from mhla_cli.statistics.merge import merge_features
 from mhla_cli.statistics.stream import chunk_features, featurize
+from mhla_cli.samples import ReadSpec, samples_of
 
 LAYOUTS = ("last", "causal", "bidirectional")
 
@@ -177,8 +178,9 @@ def test_a_teacher_with_biases_is_fitted_exactly_with_the_bias_terms_and_not_wit
     held-out R^2 = 1, the fewest heads recover the teacher's function) and not by the MHLA alone."""
     d = 3
     pp = layout != "last"
-    ds, teacher = synthetic.generate_teacher(d, 2, 150, "2:8", seed=4, dtype="float64", per_position=pp,
-                                             normalize=normalize, attention=layout if pp else None, bias=True)
+    ds, teacher = synthetic.generate_teacher(d, 2, 150, "2:8", seed=4, dtype="float64",
+                                             read=ReadSpec(samples_of(pp, layout if pp else None),
+                                                           normalize=normalize, bias_terms=True))
     assert teacher.bias_terms
     path = tmp_path / "t.h5"
     ds.save(path, dtype="float64")
@@ -368,7 +370,7 @@ def test_the_cli_from_the_generator_to_the_heads(tmp_path: Path, capsys: pytest.
 
 
 def test_the_estimator_takes_the_bias_terms() -> None:
-    ds, teacher = synthetic.generate_teacher(2, 2, 120, "2:7", seed=6, dtype="float64", bias=True)
+    ds, teacher = synthetic.generate_teacher(2, 2, 120, "2:7", seed=6, dtype="float64", read=ReadSpec(bias_terms=True))
     seqs = [ds.sequence(i) for i in range(ds.n_samples)]
     est = MHLA(bias_terms=True).fit(seqs, ds.targets)
     assert est.certificate_.identifiable and est.n_features_in_ == 2 and est.heads_.bias_terms
@@ -396,8 +398,8 @@ def test_an_invertible_affine_map_of_the_tokens_changes_no_certificate_and_no_fu
     X, off, Y, w = data(layout, seed % 1000, d, n_seq=40, weighted=bool(seed % 2))
     T = transform(d, cond, seed % 97)
     c = shift * np.random.default_rng(seed).standard_normal(d)
-    kw = {"per_position": layout != "last", "attention": None if layout == "last" else layout, "weights": w,
-          "normalize": normalize, "bias_terms": True}
+    kw = {"read": ReadSpec(samples_of(layout != "last", None if layout == "last" else layout), normalize, True),
+          "weights": w}
     a = chunk_features(X, off, Y, d, **kw)
     b = chunk_features(X @ T + c, off, Y, d, **kw)
     ca, cb = certify(a), certify(b)
@@ -451,7 +453,7 @@ def test_heads_of_bias_terms_far_from_the_origin(tmp_path: Path, capsys: pytest.
     uncentred score_bias ~ 1e12 rounds), in numpy, from .h5 and .npz, and through torch; the function change that
     export-heads and --fewest report is measured on the heads written; `compare` takes the model and its heads in
     either order (it failed with exit 3)."""
-    ds, teacher = synthetic.generate_teacher(2, 1, 300, "2:6", seed=5, bias=True)
+    ds, teacher = synthetic.generate_teacher(2, 1, 300, "2:6", seed=5, read=ReadSpec(bias_terms=True))
     Xs = ds.tokens + shift
     X0 = Xs - shift  # exact (Sterbenz): the shifted file's tokens back at the origin
     off = ds.offsets

@@ -36,6 +36,7 @@ from mhla_cli.solve.probes import certify_probes
 from mhla_cli.statistics.features import Features
 from mhla_cli.statistics.stream import chunk_features, featurize
 from mhla_cli.errors import InputError
+from mhla_cli.samples import ReadSpec, samples_of
 
 
 def windows(rng: np.random.Generator, n_seq: int, d: int, lo: int = 1, hi: int = 8) -> tuple[np.ndarray, np.ndarray]:
@@ -212,7 +213,7 @@ def test_windows_of_length_one_are_last_token_samples(tmp_path: Path) -> None:
     X = rng.standard_normal((40, 3))
     Y = rng.standard_normal((40, 3))
     off = np.arange(41)
-    a, b, c = (chunk_features(X, off, Y, 3, per_position=pp, attention=att, basis="identity")
+    a, b, c = (chunk_features(X, off, Y, 3, read=ReadSpec(samples_of(pp, att)), basis="identity")
                for pp, att in ((False, None), (True, "causal"), (True, "bidirectional")))
     assert (a.samples, b.samples, c.samples) == (LAST, CAUSAL, BIDIRECTIONAL)
     for f in (b, c):
@@ -231,8 +232,8 @@ def test_masking_all_but_the_last_position_gives_the_last_token_statistics(tmp_p
     Y = rng.standard_normal((X.shape[0], 3))
     w = np.zeros(X.shape[0])
     w[off[1:] - 1] = 1.0
-    bi = chunk_features(X, off, Y, 3, weights=w, per_position=True, attention="bidirectional", normalize="length")
-    last = chunk_features(X, off, Y[off[1:] - 1], 3, normalize="length")
+    bi = chunk_features(X, off, Y, 3, weights=w, read=ReadSpec(samples_of(True, "bidirectional"), "length"))
+    last = chunk_features(X, off, Y[off[1:] - 1], 3, read=ReadSpec(samples_of(False), "length"))
     for k in ("gram", "moments", "target_gram", "token_gram", "last_token_gram"):
         assert relerr(getattr(bi, k), getattr(last, k)) < 1e-12, k
     assert (bi.n_samples, bi.weight, bi.token_weight) == (last.n_samples, last.weight, last.token_weight)
@@ -246,8 +247,8 @@ def test_a_constant_window_and_few_windows(tmp_path: Path) -> None:
     d = 3
     X, off = rng.standard_normal((4 * 20, d)), np.arange(5) * 20  # 4 windows < q = 6 pair coordinates
     Y = rng.standard_normal((X.shape[0], d))
-    bi = certify(chunk_features(X, off, Y, d, per_position=True, attention="bidirectional"))
-    causal = certify(chunk_features(X, off, Y, d, per_position=True))
+    bi = certify(chunk_features(X, off, Y, d, read=ReadSpec(samples_of(True, "bidirectional"))))
+    causal = certify(chunk_features(X, off, Y, d, read=ReadSpec(samples_of(True))))
     assert not bi.identifiable and bi.rank <= 4 * d
     assert causal.identifiable
 
@@ -326,7 +327,7 @@ def test_partial_fit_equals_the_fit_of_the_concatenation(data: Data, cuts: list[
 
 
 def _teacher_file(tmp_path: Path, name: str, attention: str | None, n: int = 40, seed: int = 1) -> Path:
-    ds, _ = synthetic.generate_teacher(3, 2, n, "2:8", seed=seed, per_position=True, attention="bidirectional")
+    ds, _ = synthetic.generate_teacher(3, 2, n, "2:8", seed=seed, read=ReadSpec(samples_of(True, "bidirectional")))
     return write(tmp_path / name, attention=attention, tokens=ds.tokens, offsets=ds.offsets, targets=ds.targets)
 
 

@@ -17,6 +17,7 @@ from mhla_cli.model import synthetic
 from mhla_cli.cli import run
 from mhla_cli.model.heads import p_from_heads
 from mhla_cli.statistics.stream import Features, featurize
+from mhla_cli.samples import ReadSpec, samples_of
 
 
 def ref_H(X: np.ndarray, normalize: str = "none") -> np.ndarray:
@@ -155,7 +156,7 @@ def test_fit_recovers_causal_teacher_from_few_sequences(tmp_path: Path, capsys: 
                                                          ) -> None:
     """10 ragged sequences (N < psi = 18), T >= psi positions: certified, p recovered to 1e-8."""
     d = 3
-    ds, teacher = synthetic.generate_teacher(d, 2, 10, "3:12", seed=5, per_position=True)
+    ds, teacher = synthetic.generate_teacher(d, 2, 10, "3:12", seed=5, read=ReadSpec(samples_of(True)))
     assert ds.n_samples < 18 <= ds.tokens.shape[0]
     data = tmp_path / "ar.h5"
     ds.save(data, dtype="float64")
@@ -271,7 +272,8 @@ def test_causal_bad_inputs(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -
 
 def test_folds_keep_normalisation(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """A features file with stored folds records --normalize; a fit from it predicts with it."""
-    ds, teacher = synthetic.generate_teacher(2, 1, 40, "2:6", seed=8, per_position=True, normalize="length")
+    ds, teacher = synthetic.generate_teacher(2, 1, 40, "2:6", seed=8,
+                                             read=ReadSpec(samples_of(True), normalize="length"))
     data = tmp_path / "ar.h5"
     ds.save(data, dtype="float64")
     feats = tmp_path / "f.h5"

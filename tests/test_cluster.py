@@ -23,6 +23,7 @@ from mhla_cli.cli import run
 from mhla_cli.model import synthetic
 from mhla_cli.model.model import Model
 from mhla_cli.numerics import numerical_tolerance
+from mhla_cli.samples import ReadSpec, samples_of
 from mhla_cli.solve import cluster
 from mhla_cli.solve.certificate import certify
 from mhla_cli.solve.lstsq import fit as fit_one
@@ -99,16 +100,17 @@ def test_per_position_layouts_equal_one_machine(local, tmp_path: Path, capsys: p
     """Bidirectional and causal files (weights per position, --normalize length, --bias-terms): the tiled Gram,
     the verdict, lambda_min and coef of the cluster are those of one machine, through the CLI's options."""
     cl, client = local
-    ds, _ = synthetic.generate_teacher(4, 2, 150, "3:8", seed=7, per_position=True, attention=attention,
-                                       normalize=normalize, bias=bias)
+    ds, _ = synthetic.generate_teacher(4, 2, 150, "3:8", seed=7,
+                                       read=ReadSpec(samples_of(True, attention), normalize=normalize, bias_terms=bias))
     if weighted:
         ds.weights = np.random.default_rng(1).uniform(0.0, 2.0, ds.tokens.shape[0])
         ds.weights[::5] = 0.0
     path = tmp_path / "pp.h5"
     ds.save(path, dtype="float64")
     one = featurize(path, spans="off", normalize=normalize, bias_terms=bias)
-    stats = tiled_statistics.accumulate(path, client, chunk_size=37, normalize=normalize, tile_features=2 * one.d,
-                                  bias_terms=bias)
+    stats = tiled_statistics.accumulate(path, client, chunk_size=37, read=ReadSpec(normalize=normalize,
+                                                                                   bias_terms=bias),
+                                        tile_features=2 * one.d)
     assert stats.matrix.nb > 1 and stats.sums.samples is one.samples and stats.sums.bias_terms == bias
     gram = np.zeros((stats.matrix.n, stats.matrix.n))
     o = stats.matrix.offsets

@@ -14,6 +14,7 @@ from mhla_cli import MHLA, InputError
 from mhla_cli.cli import run
 from mhla_cli.model.forward import forward_heads, predict, predict_causal
 from mhla_cli.model.model import Model
+from mhla_cli.samples import ReadSpec, samples_of
 
 
 def _features(X: np.ndarray, normalize: str = "none") -> np.ndarray:
@@ -64,8 +65,8 @@ def test_input_forms_agree(ragged: synthetic.Dataset) -> None:
 
 @pytest.mark.parametrize("normalize,per_position", [("none", False), ("length", False), ("length", True)])
 def test_three_partial_fits_equal_one_fit(normalize: str, per_position: bool) -> None:
-    ds, _ = synthetic.generate_teacher(3, 2, 240, seq_len=(4, 20), noise=0.2, seed=7, per_position=per_position,
-                                       normalize=normalize)
+    ds, _ = synthetic.generate_teacher(3, 2, 240, seq_len=(4, 20), noise=0.2, seed=7,
+                                       read=ReadSpec(samples_of(per_position), normalize=normalize))
     # different units per coordinate: the basis fixed by chunk 1 must serve every chunk
     scale = np.array([1e-3, 1.0, 50.0])
     tokens = ds.tokens * scale
@@ -118,7 +119,7 @@ def test_predict_and_score(ragged: synthetic.Dataset) -> None:
 
 
 def test_per_position_predicts_every_prefix() -> None:
-    ds, _ = synthetic.generate_teacher(2, 1, 80, seq_len=(3, 9), seed=5, per_position=True)
+    ds, _ = synthetic.generate_teacher(2, 1, 80, seq_len=(3, 9), seed=5, read=ReadSpec(samples_of(True)))
     est = MHLA(per_position=True).fit(ds.tokens, ds.targets, offsets=ds.offsets)
     out = est.predict(ds.tokens, offsets=ds.offsets)
     assert out.shape == ds.targets.shape
@@ -209,7 +210,7 @@ def test_bad_inputs(ragged: synthetic.Dataset) -> None:
 def test_to_torch_equals_predict(ragged: synthetic.Dataset) -> None:
     torch = pytest.importorskip("torch")
     for normalize in ("none", "length"):
-        ds, _ = synthetic.generate_teacher(3, 2, 120, seq_len=11, noise=0.1, seed=9, normalize=normalize)
+        ds, _ = synthetic.generate_teacher(3, 2, 120, seq_len=11, noise=0.1, seed=9, read=ReadSpec(normalize=normalize))
         X = ds.tokens.reshape(120, 11, 3)
         est = MHLA(normalize=normalize).fit(X, ds.targets)
         module = est.to_torch()

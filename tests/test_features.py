@@ -14,6 +14,7 @@ from _reference import canonical, ratio
 from _records import ragged_data, weighted_features
 from mhla_cli.statistics.features import Features
 from mhla_cli.statistics.stream import chunk_features
+from mhla_cli.samples import ReadSpec, samples_of
 
 
 def test_repr_is_short_and_shows_no_arrays() -> None:
@@ -41,7 +42,7 @@ def test_weight_totals_are_sums_that_add_subtract_and_round_trip(tmp_path: Path)
     X2, off2, _ = ragged_data(12, n=20)
     wp = np.random.default_rng(6).uniform(0.0, 2.0, int(off2[-1]))
     y2 = np.random.default_rng(7).standard_normal((int(off2[-1]), 3))
-    g = chunk_features(X2, off2, y2, 3, weights=wp, per_position=True)
+    g = chunk_features(X2, off2, y2, 3, weights=wp, read=ReadSpec(samples_of(True)))
     prefix_len = np.concatenate([np.arange(1, b - a + 1) for a, b in zip(off2[:-1], off2[1:])])
     assert abs(g.token_weight - wp @ prefix_len) <= 1e-12 * (wp @ prefix_len) and abs(g.weight - wp.sum()) <= 1e-12 * wp.sum()
     # unweighted last-token data: the counts

@@ -64,7 +64,7 @@ def test_read_refuses_a_broken_dataset(tmp_path: Path, value: np.ndarray, block:
         f["basis_gram"] = value
     with h5py.File(tmp_path / "g.h5", "r") as f:
         with pytest.raises(InputError, match=match):
-            DenseGram.read(f, tmp_path / "g.h5", 3, 2, block=block)
+            DenseGram.from_file(f, tmp_path / "g.h5", 3, 2, block=block)
 
 
 def test_read_returns_the_stored_gram(tmp_path: Path) -> None:
@@ -73,4 +73,4 @@ def test_read_returns_the_stored_gram(tmp_path: Path) -> None:
         f["basis_gram"] = G
     with h5py.File(tmp_path / "g.h5", "r") as f:
         for block in (False, True):
-            assert np.array_equal(DenseGram.read(f, tmp_path / "g.h5", 3, 2, block=block).held, G)
+            assert np.array_equal(DenseGram.from_file(f, tmp_path / "g.h5", 3, 2, block=block).held, G)

@@ -73,12 +73,12 @@ def test_read_refuses_a_broken_dataset(tmp_path: Path, change, match: str) -> No
     p, _ = pairs_gram()
     path = _file(tmp_path, *change(p.held.K))
     with h5py.File(path, "r") as f, pytest.raises(InputError, match=match):
-        PairsGram.read(f, path, 3, 2)
+        PairsGram.from_file(f, path, 3, 2)
 
 
 def test_read_returns_the_stored_entries(tmp_path: Path) -> None:
     p, G = pairs_gram()
     path = _file(tmp_path, p.held.K, PAIRS_FORMAT)
     with h5py.File(path, "r") as f:
-        back = PairsGram.read(f, path, 3, 2)
+        back = PairsGram.from_file(f, path, 3, 2)
     assert np.array_equal(back.held.K, p.held.K) and np.abs(back.expand() - G).max() <= 1e-13 * np.abs(G).max()

@@ -14,6 +14,7 @@ from mhla_cli.model import synthetic
 from mhla_cli import featurize
 from mhla_cli.errors import InputError
 from mhla_cli.statistics.stream import Features
+from mhla_cli.samples import ReadSpec
 
 
 def rel(a: np.ndarray, b: np.ndarray) -> float:
@@ -78,7 +79,7 @@ def test_export_heads_dispatch(one_head: tuple[Features, np.ndarray]) -> None:
 
 @pytest.mark.parametrize("normalize", ["none", "length"])
 def test_normalisation_is_propagated(tmp_path: Path, normalize: str) -> None:
-    ds, teacher = synthetic.generate_teacher(2, 1, 60, "2:6", seed=5, normalize=normalize)
+    ds, teacher = synthetic.generate_teacher(2, 1, 60, "2:6", seed=5, read=ReadSpec(normalize=normalize))
     path = tmp_path / "d.h5"
     ds.save(path, dtype="float64")
     feats = featurize(path, normalize=normalize)

@@ -23,6 +23,7 @@ from mhla_cli.solve.probes import certify_probes
 from mhla_cli.solve.certificate import certify
 from mhla_cli.solve.lstsq import fit
 from mhla_cli.statistics.stream import chunk_features, featurize
+from mhla_cli.samples import ReadSpec, samples_of
 
 
 
@@ -107,7 +108,7 @@ def test_block_lanczos_estimates_are_unit_free_and_match_the_reference(
         return chunk_features(data.tokens[tok], np.concatenate([[0], np.cumsum(lens)]).astype(np.int64),
                               data.targets[rows], data.d,
                               weights=None if data.weights is None else data.weights[rows],
-                              per_position=data.per_position, normalize=data.normalize)
+                              read=ReadSpec(samples_of(data.per_position), data.normalize))
 
     same_certificate(certify(part(np.random.default_rng(pseed).permutation(N))), cert, rel=1e-8)
     chunks = [part(np.arange(a, min(N, a + chunk))) for a in range(0, N, chunk)]

@@ -247,6 +247,22 @@ STRUCTURAL = [
     Structural("reduce drops the compatibility record", "mhla_cli.model.reduce", "apply_reduction",
                lambda n: isinstance(n, ast.If) and "COMPAT_ATTR" in ast.unparse(n.test), lambda n: ast.Pass(),
                tests=("tests/test_convert_activations.py", "-k", "where_a_model")),
+    # issue 44, item 3: a storage writes and reads its own datasets of a features file (the file asks the storage)
+    Structural("storage dispatch: a form's datasets written but claimed by no storage on load",
+               "mhla_cli.statistics.storage.gram_storage", "file_storages", lambda n: _calls(n, "any"),
+               lambda n: ast.Constant(False), tests=("tests/test_gram_storage.py",)),
+    Structural("storage dispatch: the Gram written in the full form whatever the form asked",
+               "mhla_cli.statistics.files.features_file", "FeaturesFile.datasets", lambda n: _calls(n, "file_form"),
+               lambda n: _replace_arg(n, 0, _expr("FULL_FORM")), tests=("tests/test_gram_storage.py",)),
+    Structural("storage dispatch: the own gram written by every form", "mhla_cli.statistics.files.features_file",
+               "FeaturesFile.datasets", lambda n: isinstance(n, ast.Attribute) and n.attr == "own_gram_in_file",
+               lambda n: ast.Constant(True), tests=("tests/test_gram_storage.py",)),
+    Structural("storage dispatch: a form's datasets not counted before a load", "mhla_cli.statistics.files.features_file",
+               "expect_features", lambda n: _calls(n, "load_bytes"), lambda n: ast.Constant(0),
+               tests=("tests/test_gram_storage.py",)),
+    Structural("storage dispatch: the full form's Gram not written", "mhla_cli.statistics.storage.gram_dense",
+               "DenseGram.file_data", lambda n: isinstance(n, ast.Return), lambda n: ast.Return(_expr("{}")),
+               tests=("tests/test_gram_storage.py",)),
 ]
 
 # Every check of export-heads, spectrum and compare evaluated in the tokens' own coordinates (or on the
@@ -432,7 +448,7 @@ NEW_CODE = [
          "range(i0, n, tile)", "range(i0 + tile, n, tile)", GRAM_TESTS),
     _net("pairs Gram: a sum keeps only the other's entries", "statistics.storage.gram_pairs", "PairsGram.add",
          "self.held.K += other.held.K", "self.held.K = other.held.K", GRAM_TESTS),
-    _net("pairs Gram: the dataset's shape not checked", "statistics.storage.gram_pairs", "PairsGram.read",
+    _net("pairs Gram: the dataset's shape not checked", "statistics.storage.gram_pairs", "PairsGram.from_file",
          "K.shape != symgram.pairs_shape(q, r)", "False", GRAM_TESTS),
     _net("own Gram: overflow not refused", "statistics.storage.gram_storage", "own_of", "not own.all_finite()", "False",
          GRAM_TESTS),

@@ -21,6 +21,7 @@ from conftest import unseal
 from mhla_cli.model.forward import Predictions
 from mhla_cli.model.scores import SST_RESOLUTION, Spread, r2, r2_of, sst_from_sums
 from mhla_cli.statistics.stream import Features
+from mhla_cli.samples import ReadSpec, samples_of
 
 
 def np_r2(pred: np.ndarray, y: np.ndarray, w: np.ndarray | None = None) -> float:
@@ -184,7 +185,7 @@ def test_old_features_file_reports_r2_null(tmp_path: Path, capsys: pytest.Captur
 def test_causal_per_position_predict_r2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     from mhla_cli.model import synthetic
 
-    ds, _ = synthetic.generate_teacher(2, 1, 60, seq_len=(2, 6), seed=6, per_position=True, noise=0.3)
+    ds, _ = synthetic.generate_teacher(2, 1, 60, seq_len=(2, 6), seed=6, noise=0.3, read=ReadSpec(samples_of(True)))
     data = tmp_path / "ar.h5"
     ds.save(data, dtype="float64")
     model = tmp_path / "m.h5"

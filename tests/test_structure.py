@@ -25,6 +25,7 @@ from mhla_cli.solve.domains import OBSERVED
 from mhla_cli.statistics.stream import chunk_features
 from mhla_cli.statistics.structure import Structure, find_structure, partial_traces
 from conftest import unseal
+from mhla_cli.samples import ReadSpec, samples_of
 
 EPS = float(np.finfo(np.float64).eps)
 
@@ -83,7 +84,7 @@ def _cases() -> dict[str, dict]:
 
 def _feats(case: dict):
     return chunk_features(case["tokens"], case["offsets"], case.get("targets"), case["tokens"].shape[1],
-                          weights=case.get("weights"), per_position=case.get("per_position", False))
+                          weights=case.get("weights"), read=ReadSpec(samples_of(case.get("per_position", False))))
 
 
 def _ref(case: dict, own_basis: bool = False) -> dict:

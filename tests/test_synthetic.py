@@ -10,6 +10,7 @@ import pytest
 
 from mhla_cli.model import synthetic
 from mhla_cli.errors import InputError
+from mhla_cli.samples import ReadSpec, samples_of
 
 
 def np_forward(V: np.ndarray, Q: np.ndarray, X: np.ndarray, length_norm: bool = False) -> np.ndarray:
@@ -44,7 +45,8 @@ def test_teacher_lengths_within_range_and_noise() -> None:
 
 
 def test_teacher_per_position_and_length_normalisation() -> None:
-    ds, teacher = synthetic.generate_teacher(2, 2, 8, "1:5", seed=3, per_position=True, normalize="length")
+    ds, teacher = synthetic.generate_teacher(2, 2, 8, "1:5", seed=3,
+                                             read=ReadSpec(samples_of(True), normalize="length"))
     assert teacher.info["normalize"] == "length"
     assert ds.targets.shape == ds.tokens.shape
     want = []
@@ -118,7 +120,7 @@ def test_parse_seq_len() -> None:
     lambda: synthetic.generate_teacher(2, 0, 10),
     lambda: synthetic.generate_teacher(2, 1, 0),
     lambda: synthetic.generate_teacher(2, 1, 10, noise=-0.1),
-    lambda: synthetic.generate_teacher(2, 1, 10, normalize="rms"),
+    lambda: synthetic.generate_teacher(2, 1, 10, read=ReadSpec(normalize="rms")),
     lambda: synthetic.generate_teacher(2, 1, 10, seq_len="4:2"),
     lambda: synthetic.generate_assoc(0, 10),
     lambda: synthetic.generate_assoc(2, 0),

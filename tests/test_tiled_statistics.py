@@ -13,6 +13,7 @@ import _reference as ref
 from mhla_cli.errors import InputError
 from mhla_cli.io.tokens import inspect_tokens
 from mhla_cli.model import synthetic
+from mhla_cli.samples import ReadSpec, samples_of
 from mhla_cli.statistics.distributed import tiled_statistics
 from mhla_cli.statistics.stream import featurize
 from conftest import gather_tiles
@@ -36,8 +37,9 @@ KINDS = {"last": (None, "none", False, False), "causal": ("causal", "none", Fals
 def dataset(tmp_path: Path, kind: str, d: int = 4, n: int = 160, seed: int = 0) -> tuple[Path, synthetic.Dataset]:
     attention, normalize, weighted, bias = KINDS[kind]
     rng = np.random.default_rng(seed)
-    ds, _ = synthetic.generate_teacher(d, 2, n, "2:7", seed=seed, per_position=attention is not None,
-                                       attention=attention, normalize=normalize, bias=bias)
+    ds, _ = synthetic.generate_teacher(d, 2, n, "2:7", seed=seed,
+                                       read=ReadSpec(samples_of(attention is not None, attention),
+                                                     normalize=normalize, bias_terms=bias))
     if weighted:  # per sequence, or per position for per-position data; some of them 0
         ds.weights = rng.uniform(0.0, 2.0, n if attention is None else ds.tokens.shape[0])
         ds.weights[::7] = 0.0
@@ -53,8 +55,9 @@ def test_tiles_equal_materialised_canonical_features(client, tmp_path: Path, kin
     attention, normalize, _, bias = KINDS[kind]
     path, ds = dataset(tmp_path, kind)
     d = 4 + int(bias)
-    stats = tiled_statistics.accumulate(path, client, chunk_size=23, normalize=normalize, tile_features=2 * d,
-                                  bias_terms=bias)
+    stats = tiled_statistics.accumulate(path, client, chunk_size=23, read=ReadSpec(normalize=normalize,
+                                                                                   bias_terms=bias),
+                                        tile_features=2 * d)
     feats = stats.sums
     tokens, targets = ds.tokens, ds.targets
     if bias:  # the reader's tokens (x, 1) and targets (y, 0) (docs/bias_terms.md)

@@ -20,6 +20,7 @@ from mhla_cli.cli import run
 from mhla_cli.model.forward import forward_heads
 from mhla_cli.model.model import Model
 from mhla_cli.solve.witness import MIN_FUNCTION_CHANGE, ROUNDING, Witness
+from mhla_cli.samples import ReadSpec, samples_of
 
 
 def np_features(X: np.ndarray) -> np.ndarray:
@@ -297,7 +298,7 @@ def test_the_library_refuses_what_the_witness_does_not_support(tmp_path: Path) -
     with pytest.raises(WitnessRefused, match="a witness needs targets") as exc:
         check_witness_input(untargeted)
     assert exc.value.rule == "targets" and exc.value.path == str(untargeted)
-    causal, _ = synthetic.generate_teacher(2, 1, 10, "2:6", seed=8, per_position=True)
+    causal, _ = synthetic.generate_teacher(2, 1, 10, "2:6", seed=8, read=ReadSpec(samples_of(True)))
     causal_file = tmp_path / "c.h5"
     causal.save(causal_file)
     with pytest.raises(WitnessRefused, match="per-position data") as exc:

@@ -17,6 +17,7 @@ from mhla_cli.solve.certificate import certify
 from mhla_cli.statistics.distributed import tiled_statistics
 from mhla_cli.statistics.files import zarr_store
 from mhla_cli.statistics.stream import featurize, load_features
+from mhla_cli.samples import ReadSpec, samples_of
 
 distributed = pytest.importorskip("dask.distributed")
 zarr = pytest.importorskip("zarr")
@@ -70,8 +71,8 @@ def test_layout_and_bias_terms_round_trip_and_merge(local, tmp_path: Path) -> No
     """A bidirectional file with the bias terms: the store records the layout and the bias terms (as an HDF5
     features file does), shards of it merge into the whole, and both read back as one machine's statistics."""
     cl, _ = local
-    ds, _ = synthetic.generate_teacher(3, 2, 90, "2:6", seed=12, per_position=True, attention="bidirectional",
-                                       bias=True)
+    ds, _ = synthetic.generate_teacher(3, 2, 90, "2:6", seed=12,
+                                       read=ReadSpec(samples_of(True, "bidirectional"), bias_terms=True))
     path = tmp_path / "enc.h5"
     ds.save(path, dtype="float64")
     opts = ["--scheduler", cl.scheduler_address, "--bias-terms", "--chunk-size", "17", "-q"]

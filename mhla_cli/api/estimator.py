@@ -27,7 +27,7 @@ from ..errors import InputError
 from ..feature_map import check_normalize
 from ..model.forward import predict as forward_predict
 from ..model.forward import predict_samples
-from ..samples import CAUSAL, Samples, check_attention, samples_of
+from ..samples import CAUSAL, ReadSpec, Samples, check_attention, samples_of
 from ..model.model import Model, token_dim
 from ..solve.certificate import Certificate, certify
 from ..statistics.stream import Features, chunk_features
@@ -201,6 +201,11 @@ class MHLA:
         return samples_of(bool(self.per_position), self.attention)
 
     @property
+    def _read(self) -> ReadSpec:
+        """The parameters normalize, per_position, attention and bias_terms as one read specification."""
+        return ReadSpec(self._samples, self.normalize, bool(self.bias_terms))
+
+    @property
     def _auto(self) -> bool:
         return any(isinstance(v, str) and v == "auto" for v in (self.heads, self.nuclear, self.ridge))
 
@@ -272,9 +277,7 @@ class MHLA:
                    ) -> list[tuple[int, Features]]:
         """Features of the chunk, each part in its own whitening (one part; with 'auto', one part per CV
         fold: sequence i of all those seen -> fold i mod cv)."""
-        kw: dict[str, Any] = {"per_position": bool(self.per_position), "normalize": self.normalize, "basis": "auto",
-                              "device": self.device, "attention": self.attention if self.per_position else None,
-                              "bias_terms": bool(self.bias_terms)}
+        kw: dict[str, Any] = {"read": self._read, "basis": "auto", "device": self.device}
         if not self._auto:
             return [(0, chunk_features(tokens, off, y, d, weights=w, **kw))]
         K = int(self.cv)

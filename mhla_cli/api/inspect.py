@@ -17,7 +17,7 @@ from mhla_cli.model.export import load_heads
 from mhla_cli.model.heads import Heads
 from mhla_cli.model.model import Model
 from mhla_cli.statistics.files import zarr_store
-from mhla_cli.statistics.files.features_file import PAIRS_DATASET
+from mhla_cli.statistics.storage import gram_storage
 from mhla_cli.statistics.stream import Features, default_chunk_size
 from mhla_cli.io.tokens import TokensInfo, check_finite, check_weights, inspect_tokens, iter_chunks
 
@@ -94,12 +94,14 @@ def inspect_file(path: str | os.PathLike) -> dict[str, Any]:
 
 def gram_form(path: str | os.PathLike) -> str:
     """How a features file stores its Gram: "full" ('gram' and 'basis_gram', psi x psi each), "compact"
-    (the distinct entries only, `featurize --compact`), and "block" / "compact block" for the block
+    (the distinct entries only, `featurize --compact`) or another registered storage's form (its `form`,
+    mhla_cli.statistics.storage.gram_storage), and "block" / "compact block" / "<form> block" for the block
     on the data's spans."""
     with formats.open_input(path) as f:
-        form = "compact" if PAIRS_DATASET in f else "full"
+        found = gram_storage.file_storages(f)
+        form = found[0].form if found and found[0].form is not None else "full"
         if "span_pairs" in f:
-            form = "compact block" if form == "compact" else "block"
+            form = "block" if form == "full" else f"{form} block"
     return form
 
 

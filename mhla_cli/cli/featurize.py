@@ -143,8 +143,8 @@ def _featurize_store(data: Path, out: str, scheduler: str, shard: str | None, ch
     zarr_store.check_output(out, (data,))
     require_dask(scheduler)
     with make_map(scheduler=scheduler) as pmap, working(f"featurize on the cluster {scheduler}: the tiled Gram", quiet):
-        stats = tiled_statistics.accumulate(data, pmap.client, chunk_size=chunk_size, normalize=read.normalize,
-                                      shard=parse_shard(shard), attention=read.layout, bias_terms=read.bias_terms)
+        stats = tiled_statistics.accumulate(data, pmap.client, chunk_size=chunk_size, read=read,
+                                            shard=parse_shard(shard))
         try:
             zarr_store.save(stats, out, inputs=(data,))
         finally:

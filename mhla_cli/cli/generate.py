@@ -11,6 +11,7 @@ from ..model import synthetic
 from ..errors import InputError
 from ..model.export import save_heads
 from ..feature_map import check_normalize
+from ..samples import ReadSpec, samples_of
 from .console import emit_json, say
 from .help import HelpGroup
 from .options import AttentionOpt, JsonOpt, NormalizeOpt, OutOpt, QuietOpt, check_hdf5_output, check_heads_output
@@ -66,8 +67,8 @@ def generate_teacher_cmd(
         if Path(teacher_out).resolve() == Path(output).resolve():
             raise InputError("--teacher-out must differ from -o", teacher_out)
     ds, teacher = synthetic.generate_teacher(dim, heads, n_samples, seq_len, noise, seed, dtype=dtype,
-                                             per_position=per_position, normalize=normalize, attention=attention,
-                                             bias=bias)
+                                             read=ReadSpec(samples_of(per_position, attention),
+                                                           normalize=normalize, bias_terms=bias))
     attrs = {"generator": "teacher", "seed": seed, "noise": noise, "n_heads": heads,
              "per_position": int(per_position), "normalize": normalize}
     if bias:

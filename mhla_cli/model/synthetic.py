@@ -10,9 +10,8 @@ import numpy as np
 from ..io import formats
 from ..errors import InputError
 from .heads import Heads
-from ..feature_map import check_normalize
 from .forward import predict, predict_samples
-from ..samples import samples_of
+from ..samples import LAST, ReadSpec, Samples, samples_of
 
 
 @dataclass
@@ -96,21 +95,23 @@ def random_teacher(d: int, n_heads: int, rng: np.random.Generator, bias: bool = 
 
 
 def generate_teacher(d: int, n_heads: int, n_samples: int, seq_len: str | int | tuple[int, int] = 100,
-                     noise: float = 0.0, seed: int = 0, dtype: str = "float64", per_position: bool = False,
-                     normalize: str = "none", attention: str | None = None, bias: bool = False
+                     noise: float = 0.0, seed: int = 0, dtype: str = "float64", read: ReadSpec | None = None
                      ) -> tuple[Dataset, Heads]:
     """Gaussian tokens N(0, I), targets from a random H-head teacher scaled so outputs have RMS 1.
 
     Tokens are rounded to `dtype` before the targets are computed, so that data stored in that
-    dtype are exactly realisable. `per_position`: targets (T, d), the teacher's output at every
-    position: of every prefix (`attention` "causal", the default: an autoregressive teacher), or with
-    the whole sequence's S ("bidirectional": an encoder's teacher); the dataset records the attention.
-    `normalize="length"`: the teacher divides S by the number of tokens (recorded in the teacher's heads).
-    `bias`: a teacher with bias terms (docs/bias_terms.md): head h outputs sum_i (V_h x_i + value_bias_h)
+    dtype are exactly realisable. `read` (mhla_cli.samples.ReadSpec; None: last-token samples, S not
+    normalised, no bias terms): with a per-position layout, targets (T, d), the teacher's output at every
+    position: of every prefix ("causal": an autoregressive teacher), or with the whole sequence's S
+    ("bidirectional": an encoder's teacher); the dataset records the attention. `read.normalize` "length":
+    the teacher divides S by the number of tokens (recorded in the teacher's heads). `read.bias_terms`: a
+    teacher with bias terms (docs/bias_terms.md): head h outputs sum_i (V_h x_i + value_bias_h)
     (x_i^T Q_h x_t + score_key_h . x_i + score_query_h . x_t + score_bias_h), which `--bias-terms` fits exactly.
     """
-    check_normalize(normalize)
-    samples = samples_of(per_position, attention)
+    read = ReadSpec(LAST) if read is None else read
+    layout, normalize, bias = read.layout, read.normalize or "none", read.bias_terms
+    samples = layout if isinstance(layout, Samples) else samples_of(layout is not None, layout)
+    per_position = samples.per_position
     if d < 1 or n_heads < 1 or n_samples < 1:
         raise InputError("dim, heads and n_samples must be >= 1")
     if noise < 0:

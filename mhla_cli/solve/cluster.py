@@ -35,6 +35,7 @@ from mhla_cli.model.heads import W_from_p
 from mhla_cli.model import scores
 from mhla_cli.model.model import Model
 from mhla_cli.numerics import lambda_min_of_verdict, mse_resolution, numerical_tolerance
+from mhla_cli.samples import ReadSpec
 from mhla_cli.statistics import basis as basis_mod
 from mhla_cli.statistics.distributed import parallel
 from mhla_cli.statistics.distributed import tiled_statistics
@@ -108,8 +109,9 @@ def open_statistics(data: Any, scheduler: Any = None, chunk_size: int | None = N
             if bias_terms and not stats.sums.bias_terms:
                 raise InputError("was featurized without --bias-terms; featurize it again with them", data)
         else:
-            stats = tiled_statistics.accumulate(data, client, chunk_size=chunk_size, normalize=normalize or "none",
-                                          tile_features=tile_features, attention=attention, bias_terms=bias_terms)
+            stats = tiled_statistics.accumulate(data, client, chunk_size=chunk_size,
+                                                read=ReadSpec(attention, normalize or "none", bias_terms),
+                                                tile_features=tile_features)
         try:
             yield stats
         finally:

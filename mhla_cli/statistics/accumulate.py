@@ -25,10 +25,10 @@ from mhla_cli.linalg import symgram
 from mhla_cli.numerics import SINGULAR_BASIS_COND
 from mhla_cli.linalg.backends import MIN_THREADED_WIDTH, PANEL_BYTES, _single_blas_thread, get_backend, gram_parts
 from mhla_cli.errors import InputError
-from mhla_cli.feature_map import check_normalize, n_features, pair_index
+from mhla_cli.feature_map import n_features, pair_index
 from mhla_cli.linalg.memory import check_floor
 from mhla_cli.kernels import _BLOCK_ELEMENTS, sequence_moments
-from mhla_cli.samples import LAST, Samples, samples_of
+from mhla_cli.samples import LAST, ReadSpec, Samples, samples_of
 from mhla_cli.statistics.affine_sums import AffineSums, split_targets
 from mhla_cli.statistics.features import Features, check_overflow
 
@@ -383,7 +383,7 @@ class _Accumulator:
                        target_gram=target_gram, token_dtype=token_dtype,
                        basis=self.basis, basis_gram=gram_b, basis_moments=moments,
                        basis_token_gram=self.basis_token_gram, basis_last_token_gram=self.basis_last_token_gram,
-                       samples=self.samples, normalize=self.normalize, n_sequences=self.n_sequences,
+                       read=ReadSpec(self.samples, self.normalize), n_sequences=self.n_sequences,
                        target_sum=target_sum,
                        weight_sum=self.weight_sum, token_weight_sum=self.token_weight_sum, affine=affine)
         if self.spans is not None:
@@ -392,21 +392,25 @@ class _Accumulator:
 
 
 def chunk_features(tokens: np.ndarray, offsets: np.ndarray, targets: np.ndarray | None, d: int,
-                   weights: np.ndarray | None = None, per_position: bool = False,
-                   normalize: str = "none", basis: np.ndarray | str | None = "auto",
-                   device: str | None = None, attention: str | None = None, bias_terms: bool = False) -> Features:
-    """Statistics of one in-memory chunk (tokens (t, d), offsets from 0, targets (B, d) or None).
+                   weights: np.ndarray | None = None, read: ReadSpec | None = None,
+                   basis: np.ndarray | str | None = "auto", device: str | None = None) -> Features:
+    """Statistics of one in-memory chunk (tokens (t, d), offsets from 0, targets (B, d) or None), read as
+    `read` says (mhla_cli.samples.ReadSpec: the layout, the normalisation, the bias terms; None: last-token
+    samples, S not normalised, no bias terms).
 
-    With `per_position` every position is a sample: targets (t, d), weights (t,) (mhla_cli.samples:
-    `attention` "causal", the default, reads S of the prefix X[:t], "bidirectional" of the whole window);
-    otherwise targets (B, d), weights (B,). `normalize="length"` divides S by its number of tokens.
+    With a per-position layout every position is a sample: targets (t, d), weights (t,) (mhla_cli.samples:
+    "causal" reads S of the prefix X[:t], "bidirectional" of the whole window); with LAST (or no layout)
+    targets (B, d), weights (B,). `read.normalize` "length" divides S by its number of tokens.
     `basis`: the basis accumulated in ("auto": the whitening of the chunk's own tokens; an array;
     None or "identity": the tokens' own coordinates); the result is then changed exactly to the
     whitening of the chunk's token Gram (`Features.canonical`). `device` (mhla_cli.linalg.device): where the
-    features and their Gram are built. `bias_terms`: the statistics of the tokens (x, 1) and the targets (y, 0)
-    (docs/bias_terms.md; the result's d is d + 1).
+    features and their Gram are built. `read.bias_terms`: the statistics of the tokens (x, 1) and the targets
+    (y, 0) (docs/bias_terms.md; the result's d is d + 1).
     """
-    check_normalize(normalize)
+    read = ReadSpec(LAST) if read is None else read
+    layout = read.layout
+    samples = layout if isinstance(layout, Samples) else samples_of(layout is not None, layout)
+    normalize, bias_terms = read.normalize or "none", read.bias_terms
     tokens = np.asarray(tokens)
     if bias_terms:
         tokens, targets, d = bias_mod.with_constant(tokens), bias_mod.pad_targets(targets), d + 1
@@ -416,7 +420,6 @@ def chunk_features(tokens: np.ndarray, offsets: np.ndarray, targets: np.ndarray 
     if basis is None:
         X = tokens.astype(np.float64)
         basis = basis_mod.whitening(X.T @ X, X.shape[0])
-    samples = samples_of(per_position, attention)
     acc = _Accumulator(d, targets is not None, basis, samples=samples, normalize=normalize, device=device)
     acc.add(tokens, np.asarray(offsets, dtype=np.int64),
             None if targets is None else np.asarray(targets, dtype=np.float64),

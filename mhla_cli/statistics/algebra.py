@@ -109,12 +109,11 @@ class FeaturesAlgebra:
         """Statistics of the samples in `self` but not in `part` (every sum subtracts)."""
         self.expand()
         part.expand()
-        out = type(self)(d=self.d, n_samples=self.n_samples - part.n_samples, n_tokens=self.n_tokens - part.n_tokens,
-                         token_dtype=self.token_dtype, normalize=self.normalize, samples=self.samples,
-                         bias_terms=self.bias_terms,
-                         weight_sum=self.weight - part.weight, token_weight_sum=self.token_weight - part.token_weight,
-                         **{k: None if getattr(self, k) is None else getattr(self, k) - getattr(part, k)
-                            for k in self.SUMS})
+        out = self.with_sums(n_samples=self.n_samples - part.n_samples, n_tokens=self.n_tokens - part.n_tokens,
+                             n_sequences=None, weight_sum=self.weight - part.weight,
+                             token_weight_sum=self.token_weight - part.token_weight,
+                             **{k: None if getattr(self, k) is None else getattr(self, k) - getattr(part, k)
+                                for k in self.SUMS})
         if self.target_sum is not None and part.target_sum is not None:
             out.target_sum = self.target_sum - part.target_sum
         if self.basis is not None and part.basis is not None:
@@ -132,7 +131,7 @@ class FeaturesAlgebra:
     def __add__(self, other: Features) -> Features:
         total = type(self).zeros(self.d, self.has_targets,
                                  self.token_dtype if self.token_dtype == other.token_dtype else "float64")
-        total.normalize, total.samples, total.bias_terms = self.normalize, self.samples, self.bias_terms
+        total.read = self.read
         total.n_sequences = 0 if self.n_sequences is not None and other.n_sequences is not None else None
         add_into(total, self)
         add_into(total, other)

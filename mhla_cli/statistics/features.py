@@ -19,7 +19,7 @@ mixed into the class.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -34,8 +34,6 @@ from mhla_cli.statistics.storage import gram_storage
 from mhla_cli.statistics.affine_sums import AffineSums
 from mhla_cli.statistics.algebra import FeaturesAlgebra
 from mhla_cli.statistics.files.features_file import _DERIVED, FeaturesFile, StoredGram
-from mhla_cli.statistics.storage import gram_dense  # noqa: F401
-from mhla_cli.statistics.storage import gram_pairs  # noqa: F401  (the storages a record holds in one process: registered)
 
 
 class _OwnGram:
@@ -91,7 +89,7 @@ class Features(FeaturesAlgebra, FeaturesFile):
 
     `a + b` and `a.add(b)` sum two records (parts in other bases are changed into the whitening of their
     sum: mhla_cli.statistics.algebra); `save` writes a features file (format version 6; `compact=True`: the
-    Gram as its distinct entries) and `load` reads versions 1-6 (mhla_cli.statistics.files.features_file);
+    Gram as its distinct entries; `form=`: a registered storage's form) and `load` reads versions 1-6 (mhla_cli.statistics.files.features_file);
     `on_spans`: only the block on the data's spans is held (`span_pairs`, `span_last`, no `gram` /
     `moments`), which `expand()` turns into every feature. `mhla_cli.Features` is this class.
     """
@@ -116,11 +114,13 @@ class Features(FeaturesAlgebra, FeaturesFile):
     basis_moments: np.ndarray | None = None
     basis_token_gram: np.ndarray | None = None
     basis_last_token_gram: np.ndarray | None = None
-    # What a sample was (mhla_cli.samples): LAST, CAUSAL (every weighted prefix X[:t]) or BIDIRECTIONAL
-    # (every weighted position, S of the whole window); docs/tokens.md, "Per-position data".
-    samples: Samples = LAST
-    # "none", or "length": S divided by the number of tokens of the prefix / sequence.
-    normalize: str = "none"
+    # How the tokens were read (mhla_cli.samples.ReadSpec), one sub-record: what a sample was (`samples`:
+    # LAST, CAUSAL (every weighted prefix X[:t]) or BIDIRECTIONAL (every weighted position, S of the whole
+    # window); docs/tokens.md, "Per-position data"), the normalisation of S (`normalize`: "none", or
+    # "length": S divided by the number of tokens of the prefix / sequence) and the bias terms
+    # (`bias_terms`, docs/bias_terms.md: the statistics are those of the tokens (x, 1) and the targets
+    # (y, 0), so that `d` counts the constant coordinate and the last target is the padded 0).
+    read: ReadSpec = ReadSpec(LAST)
     # Sequences read (the unit of sample ranges and shards); None when unknown (older files).
     n_sequences: int | None = None
     # The data's spans (mhla_cli.statistics.structure), when featurize accumulated only the block on them:
@@ -142,9 +142,6 @@ class Features(FeaturesAlgebra, FeaturesFile):
     # n_tokens, i.e. unweighted last-token data (`__post_init__`).
     weight_sum: float | None = None
     token_weight_sum: float | None = None
-    # The bias terms (docs/bias_terms.md): the statistics are those of the tokens (x, 1) and the targets
-    # (y, 0), so that `d` counts the constant coordinate and the last target is the padded 0.
-    bias_terms: bool = False
     # The token-wise affine block of the wide tokens (mhla_cli.statistics.affine_sums: `featurize --affine-from`),
     # its cross sums' rows in the coordinates of basis_moments; None without it.
     affine: AffineSums | None = None
@@ -167,9 +164,31 @@ class Features(FeaturesAlgebra, FeaturesFile):
         return self.samples.per_position
 
     @property
-    def read(self) -> ReadSpec:
-        """How the tokens were read (mhla_cli.samples.ReadSpec): the layout, the normalisation, the bias terms."""
-        return ReadSpec(self.samples, self.normalize, self.bias_terms)
+    def samples(self) -> Samples:
+        """What a sample was (mhla_cli.samples), of `read`."""
+        return self.read.layout  # type: ignore[return-value]  # a record's layout is always a Samples
+
+    @samples.setter
+    def samples(self, value: Samples) -> None:
+        self.read = replace(self.read, layout=value)
+
+    @property
+    def normalize(self) -> str:
+        """The normalisation of S, of `read`."""
+        return self.read.normalize  # type: ignore[return-value]  # a record's normalisation is always known
+
+    @normalize.setter
+    def normalize(self, value: str) -> None:
+        self.read = replace(self.read, normalize=value)
+
+    @property
+    def bias_terms(self) -> bool:
+        """The statistics are those of the tokens (x, 1) (the bias terms), of `read`."""
+        return self.read.bias_terms
+
+    @bias_terms.setter
+    def bias_terms(self, value: bool) -> None:
+        self.read = replace(self.read, bias_terms=value)
 
     def __repr__(self) -> str:  # the shapes and counts, not the psi x psi sums
         return (f"Features(d={self.d}, n_features={self.n_features}, n_samples={self.n_samples}, "
@@ -253,21 +272,26 @@ class Features(FeaturesAlgebra, FeaturesFile):
         return gram_storage.own_of(self.gram_storage, self.basis)
 
     def copy(self) -> Features:
-        """A deep copy of the sums (metadata shared)."""
+        """A deep copy of the sums (metadata shared): `dataclasses.replace` with the arrays copied (a field
+        added later is carried as it is), the basis Gram in the form it is held in, a lazy own gram lazy."""
         arrays = {k: None if getattr(self, k) is None else np.array(getattr(self, k))
-                  for k in (*self.SUMS, "basis", *self.BASIS_SUMS, "span_pairs", "span_last")
+                  for k in (*self.SUMS, "basis", *self.BASIS_SUMS, "span_pairs", "span_last", "target_sum")
                   if k not in ("gram", "basis_gram")}
         storage = self.gram_storage
-        arrays["basis_gram"] = None if storage is None else storage.copy()  # in the form it is held in
         raw = self._gram_raw
-        arrays["gram"] = np.array(raw) if isinstance(raw, np.ndarray) else raw  # a lazy gram stays lazy
-        return Features(d=self.d, n_samples=self.n_samples, n_tokens=self.n_tokens, token_dtype=self.token_dtype,
-                        sample_range=self.sample_range, source=self.source, extra_attrs=dict(self.extra_attrs),
-                        samples=self.samples, normalize=self.normalize, n_sequences=self.n_sequences,
-                        target_sum=None if self.target_sum is None else np.array(self.target_sum),
-                        weight_sum=self.weight_sum,
-                        token_weight_sum=self.token_weight_sum, bias_terms=self.bias_terms,
-                        affine=None if self.affine is None else self.affine.copy(), **arrays)
+        return replace(self, **arrays, basis_gram=None if storage is None else storage.copy(),
+                       gram=np.array(raw) if isinstance(raw, np.ndarray) else raw,
+                       extra_attrs=dict(self.extra_attrs), factor_cache={},
+                       affine=None if self.affine is None else self.affine.copy())
+
+    def with_sums(self, **fields: Any) -> Features:
+        """A record of the same data description as this one (d, `read`, counts, weight totals, token dtype,
+        sequences read) holding other sums: `fields` (sums and any other field), every sum, the basis, the
+        spans, the affine block and the provenance not given left out (None or empty)."""
+        cleared: dict[str, Any] = {k: None for k in (*self.SUMS, "basis", *self.BASIS_SUMS, "span_pairs",
+                                                      "span_last", "target_sum", "affine", "sample_range", "source")}
+        cleared.update(extra_attrs={}, factor_cache={})
+        return replace(self, **{**cleared, **fields})
 
     @classmethod
     def zeros(cls, d: int, has_targets: bool, token_dtype: str = "float64") -> Features:

@@ -148,14 +148,12 @@ def load_folds(path: str | os.PathLike, total: Features | None = None) -> list[F
             "basis": arrs["fold_basis"][k].astype(np.float64),
             **{s: arrs[f"fold_{s}"][k].astype(np.float64) if f"fold_{s}" in arrs else None
                for s in Features.BASIS_SUMS}}
-        folds.append(Features(d=d, n_samples=int(n[k]), n_tokens=int(arrs["fold_n_tokens"][k]),
-                              weight_sum=float(arrs["fold_weight_sum"][k]),
-                              token_weight_sum=float(arrs["fold_token_weight_sum"][k]),
-                              **{s: arrs[f"fold_{s}"][k].astype(np.float64) for s in Features.SUMS},
-                              token_dtype=total.token_dtype,
-                              sample_range=(int(arrs["fold_ranges"][k][0]), int(arrs["fold_ranges"][k][1])),
-                              samples=total.samples, normalize=total.normalize, bias_terms=total.bias_terms,
-                              **canonical))
+        folds.append(total.with_sums(n_samples=int(n[k]), n_tokens=int(arrs["fold_n_tokens"][k]),
+                                     weight_sum=float(arrs["fold_weight_sum"][k]),
+                                     token_weight_sum=float(arrs["fold_token_weight_sum"][k]),
+                                     **{s: arrs[f"fold_{s}"][k].astype(np.float64) for s in Features.SUMS},
+                                     sample_range=(int(arrs["fold_ranges"][k][0]), int(arrs["fold_ranges"][k][1])),
+                                     n_sequences=None, **canonical))
     return folds
 
 

@@ -24,18 +24,15 @@ def whitened(feats: Features, A: np.ndarray) -> Features:
     feats.to_basis(A)
     inv = 1.0 / feature_scale(feats.d)
     gram_b, moments_b = feats.basis_gram, feats.basis_moments
-    return Features(d=feats.d, n_samples=feats.n_samples, n_tokens=feats.n_tokens,
-                    gram=gram_b * inv[:, None] * inv[None, :], token_gram=np.array(feats.basis_token_gram),
-                    last_token_gram=np.array(feats.basis_last_token_gram),
-                    moments=None if moments_b is None else moments_b * inv[:, None],
-                    target_gram=None if feats.target_gram is None else np.array(feats.target_gram),
-                    token_dtype=feats.token_dtype, samples=feats.samples, normalize=feats.normalize,
-                    n_sequences=feats.n_sequences, basis=np.eye(feats.d), basis_gram=np.array(gram_b),
-                    basis_moments=None if moments_b is None else np.array(moments_b),
-                    basis_token_gram=np.array(feats.basis_token_gram),
-                    basis_last_token_gram=np.array(feats.basis_last_token_gram),
-                    target_sum=None if feats.target_sum is None else np.array(feats.target_sum),
-                    weight_sum=feats.weight, token_weight_sum=feats.token_weight)
+    return feats.with_sums(gram=gram_b * inv[:, None] * inv[None, :], token_gram=np.array(feats.basis_token_gram),
+                           last_token_gram=np.array(feats.basis_last_token_gram),
+                           moments=None if moments_b is None else moments_b * inv[:, None],
+                           target_gram=None if feats.target_gram is None else np.array(feats.target_gram),
+                           basis=np.eye(feats.d), basis_gram=np.array(gram_b),
+                           basis_moments=None if moments_b is None else np.array(moments_b),
+                           basis_token_gram=np.array(feats.basis_token_gram),
+                           basis_last_token_gram=np.array(feats.basis_last_token_gram),
+                           target_sum=None if feats.target_sum is None else np.array(feats.target_sum))
 
 
 def to_tokens(coef_c: np.ndarray, W_c: np.ndarray, A: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

@@ -40,7 +40,6 @@ import numpy as np
 from mhla_cli.statistics import basis as basis_mod
 from mhla_cli.statistics.distributed import parallel
 from mhla_cli.errors import InputError
-from mhla_cli.feature_map import check_normalize
 from mhla_cli.io import formats
 from mhla_cli.io.tokens import TokensInfo, inspect_tokens, iter_chunks, read_as, require_square, with_bias_terms
 from mhla_cli.linalg import symgram
@@ -49,6 +48,7 @@ from mhla_cli.linalg.factorization import Factorization
 from mhla_cli.linalg.tiled_matrix import TiledMatrix
 from mhla_cli.statistics.storage.gram_tiled import TiledGram
 from mhla_cli.statistics.distributed.scheduler import check_worker_memory
+from mhla_cli.samples import ReadSpec
 from mhla_cli.statistics.features import Features
 from mhla_cli.statistics.shards import shard_samples, work_ranges
 from mhla_cli.statistics.structure import Structure
@@ -140,16 +140,17 @@ def _stamp(path: str) -> tuple[int, int]:
     return st.st_size, st.st_mtime_ns
 
 
-def accumulate(path: str | os.PathLike, client: Any, chunk_size: int | None = None, normalize: str = "none",
-               shard: tuple[int, int] | None = None, tile_features: int | None = None, attention: str | None = None,
-               bias_terms: bool = False) -> TiledStatistics:
+def accumulate(path: str | os.PathLike, client: Any, chunk_size: int | None = None, read: ReadSpec | None = None,
+               shard: tuple[int, int] | None = None, tile_features: int | None = None) -> TiledStatistics:
     """The statistics of the tokens file `path` (of its --shard i/M) on the Dask `client`'s cluster
-    (module docstring), its samples read with `attention` and `bias_terms` as statistics.stream.featurize
-    reads them. The basis is the whitening of the whole file's tokens, so that every shard of one file is
-    accumulated in the same basis and their tiles add (`zarr_store.merge`)."""
-    check_normalize(normalize)
-    info = read_as(inspect_tokens(path), attention)
-    if bias_terms:
+    (module docstring), its samples read as `read` says (mhla_cli.samples.ReadSpec: the layout, the
+    normalisation, the bias terms; None: as the file says, S not normalised, no bias terms) as
+    statistics.stream.featurize reads them. The basis is the whitening of the whole file's tokens, so that
+    every shard of one file is accumulated in the same basis and their tiles add (`zarr_store.merge`)."""
+    read = ReadSpec() if read is None else read
+    normalize = read.normalize or "none"
+    info = read_as(inspect_tokens(path), read.layout)
+    if read.bias_terms:
         info = with_bias_terms(info)
     check_floor(info.d, path, "featurize")
     require_square(info, "featurize")
@@ -199,9 +200,9 @@ def _record(part: Features, info: TokensInfo, path: str | os.PathLike, sample_ra
                      last_token_gram=part.last_token_gram, moments=own, target_gram=part.target_gram,
                      token_dtype=info.dtype, sample_range=sample_range, basis=np.array(A),
                      basis_moments=moments, basis_token_gram=part.basis_token_gram,
-                     basis_last_token_gram=part.basis_last_token_gram, samples=part.samples,
-                     normalize=part.normalize, n_sequences=part.n_sequences, target_sum=part.target_sum,
-                     weight_sum=part.weight, token_weight_sum=part.token_weight, bias_terms=info.constant)
+                     basis_last_token_gram=part.basis_last_token_gram,
+                     read=ReadSpec(part.samples, part.normalize, info.constant), n_sequences=part.n_sequences,
+                     target_sum=part.target_sum, weight_sum=part.weight, token_weight_sum=part.token_weight)
     feats.source = dict(formats.source_identity(path), n_samples=info.n_samples)
     feats.extra_attrs.update(basis_passes=passes, basis_correction_cond=float(cond), span_passes=0)
     if shard is not None:

@@ -25,10 +25,9 @@ from mhla_cli.errors import InputError
 from mhla_cli.feature_map import n_features
 from mhla_cli.numerics import ORTHONORMAL_TOL, SINGULAR_BASIS_COND
 from mhla_cli.io.formats import read_normalize
-from mhla_cli.samples import from_attrs
+from mhla_cli.samples import ReadSpec, from_attrs
 from mhla_cli.statistics.storage import gram_storage
 from mhla_cli.statistics.affine_sums import read_affine
-from mhla_cli.statistics.storage.gram_pairs import PAIRS_FORMAT  # noqa: F401  (tests read the format of the pairs dataset here)
 
 # The sums on the tokens' own features (datasets of docs/formats_features.md), and those in the basis.
 SUMS = ("gram", "moments", "target_gram", "token_gram", "last_token_gram")
@@ -45,34 +44,36 @@ CANONICAL_FORMAT = 3
 # sum w and token_weight_sum = sum w n: Lambda~ and G carry no units of the weights).
 WEIGHTS_FORMAT = 5
 WEIGHT_ATTRS = ("weight_sum", "token_weight_sum")
-# PAIRS_FORMAT (mhla_cli.statistics.storage.gram_pairs): the format version from which a features file may hold the
-# canonical Gram as its distinct entries only (`featurize --compact`: 'basis_gram_pairs', K of
-# mhla_cli.linalg.symgram, and no 'gram' nor 'basis_gram'; both are derived on load).
-# The dataset of a compact features file (`Features.save(compact=True)`).
-PAIRS_DATASET = formats.PAIRS_DATASET
+# The forms of the canonical Gram in a features file (the `form` of a storage,
+# mhla_cli.statistics.storage.gram_storage): "full" by default, "compact" with `compact=True` (its
+# distinct entries only, from format version 5: mhla_cli.statistics.storage.gram_pairs).
+FULL_FORM = "full"
+COMPACT_FORM = "compact"
 
 
 class FeaturesFile:
     """The file of a `Features` record (mixed into it): its layout, `save` and `load`."""
 
-    def datasets(self, compact: bool = False) -> dict[str, np.ndarray | formats.Deferred | None]:
-        """The datasets of a features file (docs/formats_features.md). `compact`: the canonical Gram as its
-        distinct entries only (PAIRS_DATASET), without 'gram' and 'basis_gram'. The psi x psi ones are
-        `formats.Deferred`: derived from the held form when written, one at a time, and not kept."""
+    def datasets(self, compact: bool = False, form: str | None = None
+                 ) -> dict[str, np.ndarray | formats.Deferred | None]:
+        """The datasets of a features file (docs/formats_features.md). The canonical Gram is written by the
+        storage of `form` (mhla_cli.statistics.storage.gram_storage.file_form: "full", 'basis_gram' beside the
+        own 'gram'; `compact`: "compact", its distinct entries only; or a registered storage's form). The
+        psi x psi ones are `formats.Deferred`: derived from the held form when written, one at a time, and
+        not kept."""
+        writer = gram_storage.file_form(form if form is not None else COMPACT_FORM if compact else FULL_FORM)
         self.finalize()
         self.canonical()
         own = self._gram_raw  # None for a block on the data's spans
-        data = {"gram": None if compact or own is None else own if isinstance(own, np.ndarray)
+        data = {"gram": None if not writer.own_gram_in_file or own is None else own if isinstance(own, np.ndarray)
                 else self._own_gram_to_write(),
                 "moments": self.moments, "target_gram": self.target_gram,
                 "token_gram": self.token_gram, "last_token_gram": self.last_token_gram}
         data.update(basis=self.basis, **{k: getattr(self, k) for k in self.BASIS_SUMS if k != "basis_gram"})
-        storage = self.gram_storage  # the basis Gram as its storage writes it (mhla_cli.statistics.storage.gram_storage)
-        if compact:
-            data["basis_gram"] = None
-            data[PAIRS_DATASET] = None if storage is None else storage.pairs(*self.factor_sizes())
-        else:
-            data["basis_gram"] = None if storage is None else storage.written()
+        data["basis_gram"] = None  # the basis Gram as the storage of the form writes it
+        storage = self.gram_storage
+        if storage is not None:
+            data.update(writer.file_data(storage, *self.factor_sizes()))
         data.update(span_pairs=self.span_pairs, span_last=self.span_last)  # None (not written) unless reduced
         data["target_sum"] = self.target_sum  # None (not written) when unknown
         if self.affine is not None:  # the affine block (mhla_cli.statistics.affine_sums)
@@ -89,10 +90,11 @@ class FeaturesFile:
 
     def save(self, path: str | os.PathLike, inputs: tuple[str | os.PathLike, ...] = (),
              extra: dict[str, np.ndarray] | None = None, extra_attrs: dict[str, Any] | None = None,
-             compact: bool = False) -> None:
+             compact: bool = False, form: str | None = None) -> None:
         """Write a features file atomically (`extra` datasets and attributes beside, e.g. per-fold sums);
-        `compact`: the Gram as its distinct entries only (`datasets`)."""
-        formats.write_file(path, "features", {**self.datasets(compact), **(extra or {})},
+        `compact`: the Gram as its distinct entries only; `form`: the Gram in a registered storage's form
+        (`datasets`)."""
+        formats.write_file(path, "features", {**self.datasets(compact, form), **(extra or {})},
                            {**self.file_attrs(), **(extra_attrs or {})}, inputs)
 
     def factor_sizes(self) -> tuple[int, int]:
@@ -133,8 +135,10 @@ class FeaturesFile:
             t = formats.read_attr_int(f, "n_tokens", path)
             psi = n_features(d)
             reduced = "span_pairs" in f or "span_last" in f  # only the block on the data's spans
-            # a compact file: the own gram is derived from the basis sums when used (`finalize`)
-            gram = None if reduced else _DERIVED if PAIRS_DATASET in f else _stored_gram(f, path, d, psi)
+            # a file whose form holds no own gram: derived from the basis sums when used (`finalize`)
+            stored = gram_storage.file_storage(f, path)
+            gram = None if reduced else _stored_gram(f, path, d, psi) if stored is None or stored.own_gram_in_file \
+                else _DERIVED
             tg = formats.read_array(f, "token_gram", path).astype(np.float64)
             lg = formats.read_array(f, "last_token_gram", path).astype(np.float64)
             for name, arr in (("token_gram", tg), ("last_token_gram", lg)):
@@ -158,7 +162,8 @@ class FeaturesFile:
             if "sample_lo" in f.attrs and "sample_hi" in f.attrs:
                 rng = (int(f.attrs["sample_lo"]), int(f.attrs["sample_hi"]))
             source = json.loads(f.attrs["source"]) if "source" in f.attrs else None
-            sums = _load_basis(f, path, d, has_targets, tg, lg) if not reduced else _load_block(f, path, d, has_targets)
+            sums = _load_basis(f, path, d, has_targets, tg, lg, stored) if not reduced \
+                else _load_block(f, path, d, has_targets, stored)
             dtype = f.attrs.get("token_dtype", "float64")
             dtype = dtype.decode() if isinstance(dtype, bytes) else str(dtype)
             normalize = read_normalize(f, path)
@@ -181,9 +186,9 @@ class FeaturesFile:
                     extra[k] = v.decode() if isinstance(v, bytes) else (v.item() if hasattr(v, "item") else v)
         return cls(d=d, n_samples=n, n_tokens=t, gram=gram, token_gram=tg, last_token_gram=lg,
                    moments=moments, target_gram=target_gram, token_dtype=dtype, sample_range=rng,
-                   source=source, extra_attrs=extra, samples=samples, normalize=normalize,
+                   source=source, extra_attrs=extra, read=ReadSpec(samples, normalize, bias_terms),
                    n_sequences=n_seq, target_sum=t_sum, weight_sum=weights[0],
-                   token_weight_sum=weights[1], bias_terms=bias_terms, affine=affine, **sums)
+                   token_weight_sum=weights[1], affine=affine, **sums)
 
 
 def expect_features(f: h5py.File, path: str | os.PathLike) -> None:
@@ -192,9 +197,9 @@ def expect_features(f: h5py.File, path: str | os.PathLike) -> None:
     formats.expect_kind(f, path, "features")
     if "d" in f.attrs:
         d = formats.read_attr_int(f, "d", path)
-        # a compact file: its distinct entries are read, then expanded
-        pairs = 8 * int(np.prod(f[PAIRS_DATASET].shape)) if PAIRS_DATASET in f else 0
-        check_load(d, formats.stored_block(f), pairs, path)
+        # a form other than the full array: its datasets are read, then expanded
+        stored = gram_storage.file_storage(f, path)
+        check_load(d, formats.stored_block(f), 0 if stored is None else stored.load_bytes(f), path)
 
 
 def _load_target_sum(f: h5py.File, path: str | os.PathLike, d: int) -> np.ndarray | None:
@@ -241,7 +246,7 @@ def _load_weights(f: h5py.File, path: str | os.PathLike, n: int, t: int, per_pos
 
 
 def _load_basis(f: h5py.File, path: str | os.PathLike, d: int, has_targets: bool, tg: np.ndarray,
-                lg: np.ndarray) -> dict[str, np.ndarray | None]:
+                lg: np.ndarray, stored: type[gram_storage.GramStorage] | None) -> dict[str, np.ndarray | None]:
     """The basis and its canonical sums; {} for version-1 files (`ensure_basis` derives them).
 
     Version-2 files stored basis_gram / basis_moments in upper-triangle coordinates and no basis token
@@ -251,10 +256,9 @@ def _load_basis(f: h5py.File, path: str | os.PathLike, d: int, has_targets: bool
     if not names:
         return {}
     version = int(f.attrs.get("mhla_format_version", 2))
-    stored = _gram_storage_of(f, path)
-    if stored is not None and stored.dataset not in names:
-        names.append(stored.dataset)
-    need = ["basis", "basis_gram" if stored is None else stored.dataset] + (["basis_moments"] if has_targets else [])
+    held = ["basis_gram"] if stored is None else list(stored.file_datasets)  # the Gram's datasets, by its storage
+    names += [k for k in held if k not in names and k in f]
+    need = ["basis", *held] + (["basis_moments"] if has_targets else [])
     if version >= CANONICAL_FORMAT:
         need += ["basis_token_gram", "basis_last_token_gram"]
     missing = [k for k in need if k not in f]
@@ -266,7 +270,7 @@ def _load_basis(f: h5py.File, path: str | os.PathLike, d: int, has_targets: bool
         raise InputError(f"'basis' has shape {A.shape}, expected ({d}, {d})", path)
     if not np.isfinite(A).all() or basis_mod.row_scaled_cond(A) > SINGULAR_BASIS_COND:
         raise InputError("'basis' is singular; the file is corrupted", path)
-    gb = stored.read(f, path, psi // d, d)  # validated by its storage
+    gb = stored.from_file(f, path, psi // d, d)  # validated by its storage
     mb = None
     if has_targets:
         mb = formats.read_array(f, "basis_moments", path).astype(np.float64)
@@ -290,12 +294,12 @@ def _load_basis(f: h5py.File, path: str | os.PathLike, d: int, has_targets: bool
             "basis_last_token_gram": blg}
 
 
-def _load_block(f: h5py.File, path: str | os.PathLike, d: int, has_targets: bool) -> dict[str, np.ndarray | None]:
+def _load_block(f: h5py.File, path: str | os.PathLike, d: int, has_targets: bool,
+                stored: type[gram_storage.GramStorage] | None) -> dict[str, np.ndarray | None]:
     """The basis, the data's spans and the block sums of a file featurized on the spans (format >= 4)."""
-    stored = _gram_storage_of(f, path)
     need = ["basis", "span_pairs", "span_last", "basis_token_gram", "basis_last_token_gram"]
     need += ["basis_moments"] if has_targets else []
-    missing = [k for k in [*need, "basis_gram" if stored is None else stored.dataset] if k not in f]
+    missing = [k for k in [*need, *(["basis_gram"] if stored is None else stored.file_datasets)] if k not in f]
     if missing:
         raise InputError(f"holds the block on the data's spans but no {', '.join(missing)}; the file is "
                          "incomplete", path)
@@ -310,7 +314,7 @@ def _load_block(f: h5py.File, path: str | os.PathLike, d: int, has_targets: bool
                 or np.abs(M.T @ M - np.eye(M.shape[1])).max() > ORTHONORMAL_TOL:
             raise InputError(f"'{name}' must have orthonormal columns of length {rows}, got shape {M.shape}", path)
     n = E.shape[1] * F.shape[1]
-    out["basis_gram"] = stored.read(f, path, E.shape[1], F.shape[1], block=True)  # validated by its storage
+    out["basis_gram"] = stored.from_file(f, path, E.shape[1], F.shape[1], block=True)  # validated by its storage
     mb = out["basis_moments"]
     if mb is not None and mb.shape != (n, d):
         raise InputError(f"'basis_moments' has shape {mb.shape}, expected ({n}, {d})", path)
@@ -319,15 +323,6 @@ def _load_block(f: h5py.File, path: str | os.PathLike, d: int, has_targets: bool
             raise InputError(f"'{name}' has shape {out[name].shape} or non-finite values, expected finite ({d}, {d})",
                              path)
     return out
-
-
-def _gram_storage_of(f: h5py.File, path: str | os.PathLike) -> type[gram_storage.GramStorage] | None:
-    """The storage of the canonical Gram of a features file (by its dataset), None when it has none; a file
-    with two forms of it is refused."""
-    found = gram_storage.file_storages(f)
-    if len(found) > 1:
-        raise InputError(f"has both {' and '.join(sorted(repr(c.dataset) for c in found))}; the file is corrupted", path)
-    return found[0] if found else None
 
 
 class _Derived:

@@ -43,7 +43,7 @@ from mhla_cli.linalg.memory import check_load
 from mhla_cli.linalg.task_graph import Stored
 from mhla_cli.linalg.tiled_matrix import TiledMatrix
 from mhla_cli.numerics import SINGULAR_BASIS_COND
-from mhla_cli.samples import Samples, from_attrs
+from mhla_cli.samples import ReadSpec, Samples, from_attrs
 from mhla_cli.statistics.features import Features
 from mhla_cli.statistics.files.features_file import EXTRA_ATTRS, WEIGHT_ATTRS
 from mhla_cli.statistics.distributed.tiled_statistics import TiledStatistics
@@ -241,8 +241,8 @@ def _sums(g: Any, attrs: dict[str, Any], url: str, part: bool = False) -> tuple[
                      source=json.loads(attrs["source"]) if "source" in attrs else None, extra_attrs=extra,
                      basis=A, basis_moments=arrays["basis_moments"], basis_token_gram=arrays["basis_token_gram"],
                      basis_last_token_gram=arrays["basis_last_token_gram"],
-                     samples=from_attrs(attrs, url), bias_terms=formats.read_bias_terms(attrs, url),
-                     normalize=formats.read_normalize(_Attrs(attrs), url),
+                     read=ReadSpec(layout=from_attrs(attrs, url), bias_terms=formats.read_bias_terms(attrs, url),
+                                   normalize=formats.read_normalize(_Attrs(attrs), url)),
                      n_sequences=int(attrs["n_sequences"]) if "n_sequences" in attrs else None,
                      target_sum=arrays["target_sum"], weight_sum=weights[0], token_weight_sum=weights[1])
     if feats.moments is None and feats.basis_moments is not None:

@@ -14,7 +14,7 @@ from mhla_cli.io import formats
 from mhla_cli.linalg import symgram
 from mhla_cli.numerics import SYMMETRY_TOL
 from mhla_cli.statistics import basis as basis_mod
-from mhla_cli.statistics.storage.gram_storage import GramStorage, register
+from mhla_cli.statistics.storage.gram_storage import GramStorage
 
 if TYPE_CHECKING:
     import h5py
@@ -22,15 +22,21 @@ if TYPE_CHECKING:
 __all__ = ["DenseGram", "is_symmetric"]
 
 
-@register
 class DenseGram(GramStorage):
-    """The Gram as an n x n array (`held`), changed in its own memory where it may be."""
+    """The Gram as an n x n array (`held`), changed in its own memory where it may be. In a features file:
+    the form "full", 'basis_gram' beside the own 'gram'."""
 
-    dataset = "basis_gram"
+    form = "full"
+    file_datasets = ("basis_gram",)
+    own_gram_in_file = True
 
     @classmethod
     def holds(cls, obj: Any) -> bool:
         return isinstance(obj, np.ndarray)
+
+    @classmethod
+    def of_array(cls, G: np.ndarray, q: int, r: int) -> DenseGram:
+        return DenseGram(np.array(G, dtype=np.float64))
 
     def all_finite(self) -> bool:
         return formats.all_finite(self.held)
@@ -61,7 +67,15 @@ class DenseGram(GramStorage):
         return formats.Deferred(lambda: transform(self).expand(), 8 * n * n)
 
     @classmethod
-    def read(cls, f: h5py.File, path: str | os.PathLike, q: int, r: int, block: bool = False) -> DenseGram:
+    def file_data(cls, storage: GramStorage, q: int, r: int) -> dict[str, Any]:
+        return {"basis_gram": storage.written()}
+
+    @classmethod
+    def load_bytes(cls, f: h5py.File) -> int:
+        return 0  # read as the expanded Gram itself
+
+    @classmethod
+    def from_file(cls, f: h5py.File, path: str | os.PathLike, q: int, r: int, block: bool = False) -> DenseGram:
         n = q * r
         if block:
             gb = formats.read_array(f, "basis_gram", path).astype(np.float64)

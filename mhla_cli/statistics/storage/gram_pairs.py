@@ -13,7 +13,7 @@ import numpy as np
 from mhla_cli.errors import InputError
 from mhla_cli.io import formats
 from mhla_cli.linalg import symgram
-from mhla_cli.statistics.storage.gram_storage import GramStorage, register, wrap
+from mhla_cli.statistics.storage.gram_storage import GramStorage, wrap
 
 if TYPE_CHECKING:
     import h5py
@@ -25,15 +25,20 @@ __all__ = ["PAIRS_FORMAT", "PairsGram"]
 PAIRS_FORMAT = 5
 
 
-@register
 class PairsGram(GramStorage):
-    """The Gram held as its distinct entries (`held`: a symgram.Pairs); changed on its two factors."""
+    """The Gram held as its distinct entries (`held`: a symgram.Pairs); changed on its two factors. In a
+    features file: the form "compact", 'basis_gram_pairs' alone (the own 'gram' derived on load)."""
 
-    dataset = formats.PAIRS_DATASET
+    form = "compact"
+    file_datasets = (formats.PAIRS_DATASET,)
 
     @classmethod
     def holds(cls, obj: Any) -> bool:
         return isinstance(obj, symgram.Pairs)
+
+    @classmethod
+    def of_array(cls, G: np.ndarray, q: int, r: int) -> PairsGram:
+        return PairsGram(symgram.Pairs(symgram.pairs_from_gram(np.asarray(G, dtype=np.float64), q, r), q, r))
 
     def all_finite(self) -> bool:
         return formats.all_finite(self.held.K)  # the Gram's entries are K's
@@ -70,7 +75,11 @@ class PairsGram(GramStorage):
                                 shape=(n, n))
 
     @classmethod
-    def read(cls, f: h5py.File, path: str | os.PathLike, q: int, r: int, block: bool = False) -> PairsGram:
+    def file_data(cls, storage: GramStorage, q: int, r: int) -> dict[str, Any]:
+        return {formats.PAIRS_DATASET: storage.pairs(q, r)}
+
+    @classmethod
+    def from_file(cls, f: h5py.File, path: str | os.PathLike, q: int, r: int, block: bool = False) -> PairsGram:
         """Validated: format version, shape, finite values."""
         name = formats.PAIRS_DATASET
         version = int(f.attrs.get("mhla_format_version", 2))

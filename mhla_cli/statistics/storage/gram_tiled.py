@@ -19,21 +19,27 @@ import numpy as np
 from mhla_cli.errors import InputError
 from mhla_cli.io import formats
 from mhla_cli.linalg.factorization import Factorization
-from mhla_cli.linalg.tiled_matrix import TiledMatrix
-from mhla_cli.statistics.storage.gram_storage import GramStorage, register
+from mhla_cli.linalg.tiled_matrix import TiledMatrix, tile_offsets
+from mhla_cli.statistics.storage.gram_storage import GramStorage
 
 __all__ = ["TiledGram"]
 
 
-@register
 class TiledGram(GramStorage):
-    """The Gram as the lower tiles of a TiledMatrix (`held`); tiles are never changed in place."""
-
-    dataset = None  # written as a Zarr store (zarr_store.save), not to a features file
+    """The Gram as the lower tiles of a TiledMatrix (`held`); tiles are never changed in place. No form of a
+    features file: written as a Zarr store (zarr_store.save)."""
 
     @classmethod
     def holds(cls, obj: Any) -> bool:
         return isinstance(obj, TiledMatrix)
+
+    @classmethod
+    def of_array(cls, G: np.ndarray, q: int, r: int) -> TiledGram:
+        """Tiles of r rows (one pair factor each), run on dask's threaded scheduler (no client)."""
+        o = tile_offsets([r] * q)
+        tiles = {(i, j): np.array(G[o[i]:o[i + 1], o[j]:o[j + 1]], dtype=np.float64)
+                 for i in range(q) for j in range(i + 1)}
+        return TiledGram(TiledMatrix(None, tiles, [r] * q))
 
     def _map(self, kind: str, fn: Callable[..., Any], *others: TiledGram) -> TiledGram:
         """A TiledMatrix of fn(tile, other tiles...) per tile, one task each (TiledMatrix.tilewise)."""
