@@ -903,7 +903,10 @@ def _api_object(name: str, section: str):  # noqa: ANN202 (a module, class, func
     parts = name.split(".")
     mods = {m.name.rsplit(".", 1)[-1]: m.name for m in pkgutil.walk_packages(mhla_cli.__path__, "mhla_cli.")}
     if len(parts) > 1 and parts[0] in mods:
-        bases.append((importlib.import_module(mods[parts[0]]), parts[1:]))
+        try:
+            bases.append((importlib.import_module(mods[parts[0]]), parts[1:]))
+        except ImportError:  # a module of an optional extra (mhla_cli.model.splice: torch) not installed here
+            return None
     for base in bases:
         obj, rest = (base if isinstance(base, tuple) else (base, parts))
         try:

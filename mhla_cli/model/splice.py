@@ -77,7 +77,7 @@ class Replacement(nn.Module):
     """
 
     def __init__(self, heads: Heads | str | os.PathLike, layout: str | Samples | None = None,
-                 offset: Any = None, reduction: Any = None, dtype: Any = torch.float64) -> None:
+                 offset: Any = None, reduction: Any = None, dtype: Any = None) -> None:
         super().__init__()
         h = load_heads_any(heads)
         if reduction is not None:
@@ -87,6 +87,7 @@ class Replacement(nn.Module):
             h = unreduce_heads(h, red)
         self.heads = h
         self.layout = _layout(h, layout)
+        dtype = torch.float64 if dtype is None else dtype
         self.module = h.to_torch(dtype)
         self.d, self.d_out = h.d, h.d_out
         if offset is not None and np.shape(offset) != (h.d_out,):
