@@ -381,3 +381,72 @@ def test_acceptance_minilm_head_fitted_through_the_cli_and_spliced_back(tmp_path
         keep = mask[b] == 1
         ref = _reference(heads, X[b][keep], causal=False)
         assert np.abs(C[b][keep] - ref).max() <= ACCEPT_TOL * np.abs(ref).max()
+
+
+# The hooks examples/real_model.py had before it used the library (copied as they were): the reference of its
+# numbers, which must not change.
+def _old_head_hook(sl, fn):
+    def hook(module, args, output):
+        context, X = args[0], args[1]
+        new = context.clone()
+        new[:, :, sl] = torch.from_numpy(fn(X.double().numpy())).to(context.dtype)
+        return module.LayerNorm(module.dropout(module.dense(new)) + X)
+    return hook
+
+
+def _old_layer_hook(fn):
+    def hook(module, args, output):
+        X = args[1]
+        y = torch.from_numpy(fn(X.double().numpy())).to(X.dtype)
+        return module.LayerNorm(module.dropout(y + module.dense.bias) + X)
+    return hook
+
+
+def _old_embeddings(model, batches, hooked=None):
+    handle = hooked[0].register_forward_hook(hooked[1]) if hooked is not None else None
+    out = np.zeros((sum(len(idx) for idx, _ in batches), model.config.hidden_size))
+    try:
+        for idx, batch in batches:
+            with torch.no_grad():
+                h = model(input_ids=batch).last_hidden_state.double()
+            e = h.mean(dim=1)
+            out[idx] = (e / e.norm(dim=1, keepdim=True)).numpy()
+    finally:
+        if handle is not None:
+            handle.remove()
+    return out
+
+
+def test_examples_replacements_equal_their_old_hooks():
+    """examples/real_model.py's `replace` (splice + judge) gives the numbers its own hooks gave (cosines, scipy's
+    Spearman of the pair similarities) on a tiny BERT, for a head and a layer, a numpy function and fitted heads."""
+    from conftest import load_example
+    from scipy.stats import spearmanr
+
+    mod = load_example(ROOT / "examples" / "real_model.py", "real_model_splice")
+    model = _bert()
+    rng = np.random.default_rng(5)
+    batches = [([0, 2, 4], torch.tensor([[1, 5, 6, 7, 2]] * 3) + torch.tensor([[0], [1], [2]])),
+               ([1, 3], torch.tensor([[1, 9, 10, 2], [1, 11, 12, 2]]))]
+    base = _old_embeddings(model, batches)
+    i, j = np.triu_indices(5, 1)
+    M = rng.normal(size=(D, DH)) * 0.5
+    heads = _heads(DH, bias=True, factored=True)
+    heads.info["attention"] = "bidirectional"
+    for head, width, old in ((2, DH, lambda fn: _old_head_hook(slice(2 * DH, 3 * DH), fn)), (None, D, _old_layer_hook)):
+        W = M if width == DH else rng.normal(size=(D, D)) * 0.2
+
+        def fn(X, W=W):
+            return np.tanh(X @ W)
+
+        cases = {"numpy": (mod.numpy_replacement(fn), fn)}
+        if head is not None:
+            cases["heads"] = (Replacement(heads), lambda X: Replacement(heads)(torch.as_tensor(X)).detach().numpy())
+        got = mod.replace(model, batches, 1, head, {k: v[0] for k, v in cases.items()})
+        for kind, (_, numpy_fn) in cases.items():
+            emb = _old_embeddings(model, batches, (model.encoder.layer[1].attention.output, old(numpy_fn)))
+            cos = (emb * base).sum(axis=1)
+            rho = spearmanr((base[i] * base[j]).sum(1), (emb[i] * emb[j]).sum(1)).statistic
+            assert abs(got[kind]["mean_cosine"] - cos.mean()) <= 1e-12
+            assert abs(got[kind]["min_cosine"] - cos.min()) <= 1e-12
+            assert abs(got[kind]["spearman"] - rho) <= 1e-12
