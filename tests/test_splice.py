@@ -154,6 +154,8 @@ def test_layer_spliced_equals_numpy_forward_plus_bias(arch):
     layer = 0
     proj = model.encoder.layer[layer].attention.output.dense if arch == "bert" else model.h[layer].attn.c_proj
     att = model.encoder.layer[layer].attention.self if arch == "bert" else model.h[layer].attn
+    with torch.no_grad():
+        proj.bias.normal_()  # initialised to 0: the bias added must show
     h = _heads(D, bias=True, affine=True, seed=3)
     with torch.no_grad(), splice(model, h, layer, layout="causal" if causal else "bidirectional"):
         xs, hx = _capture(model, att, pre=True)
