@@ -83,15 +83,19 @@ class Replacement(nn.Module):
         if reduction is not None:
             from .reduce import Reduction, unreduce_heads
 
-            red = reduction if isinstance(reduction, Reduction) else Reduction(*(np.asarray(m) for m in reduction))
+            if not isinstance(reduction, Reduction):
+                P, U = reduction
+                reduction = Reduction(np.asarray(P, dtype=np.float64), np.asarray(U, dtype=np.float64))
+            red = reduction
             h = unreduce_heads(h, red)
         self.heads = h
         self.layout = _layout(h, layout)
         dtype = torch.float64 if dtype is None else dtype
-        self.module = h.to_torch(dtype)
+        self.module: Any = h.to_torch(dtype)
         self.d, self.d_out = h.d, h.d_out
         if offset is not None and np.shape(offset) != (h.d_out,):
             raise InputError(f"offset has shape {np.shape(offset)}, expected ({h.d_out},) (the heads' outputs)")
+        self.offset: torch.Tensor | None
         self.register_buffer("offset", None if offset is None else torch.as_tensor(
             np.asarray(offset, dtype=np.float64)).to(dtype))
 
@@ -219,8 +223,8 @@ class Splice:
         if y.shape[-1] != dh:
             raise InputError(f"the replacement outputs {y.shape[-1]} dimensions but a head of layer {self.layer} has "
                              f"{dh}")
-        new = context.clone()
-        new[..., self.head * dh:(self.head + 1) * dh] = y.to(context.dtype)
+        new, h = context.clone(), int(self.head or 0)
+        new[..., h * dh:(h + 1) * dh] = y.to(context.dtype)
         return (new, *args[1:])
 
     def _layer_hook(self, module: Any, args: tuple, output: torch.Tensor) -> torch.Tensor:
@@ -270,7 +274,7 @@ def ablate(model: Any, layer: int, head: int | None = None, mean: Any = None) ->
                   label="mean-ablated" if mean is not None else "zero-ablated")
 
 
-def tl_hooks(replacement: Replacement | Callable[..., Any], layer: int, head: int | None = None, *,
+def tl_hooks(replacement: Callable[..., Any], layer: int, head: int | None = None, *,
              input_hook: str | None = None, output_hook: str | None = None, attention_mask: Any = None,
              bias: Any = None) -> list[tuple[str, Callable[..., Any]]]:
     """The replacement as TransformerLens hook functions for `model.run_with_hooks(fwd_hooks=...)`: the first
