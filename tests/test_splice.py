@@ -124,7 +124,10 @@ def test_head_spliced_equals_numpy_forward(arch, case):
         with splice(model, h, layer, head, offset=offset):
             xs, hx = _capture(model, att, pre=True)
             ctx, hc = _capture(model, proj, pre=True)  # registered after the splice's: sees the new context
-            model(input_ids=ids, attention_mask=mask)
+            if arch == "bert":  # the mask given by position (BertModel's second argument)
+                model(ids, mask)
+            else:
+                model(input_ids=ids, attention_mask=mask)
             hx.remove()
             hc.remove()
     X, C, C0 = xs["v"].double().numpy(), ctx["v"].double().numpy(), base_ctx["v"].double().numpy()

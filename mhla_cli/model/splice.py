@@ -13,6 +13,7 @@ splice). `tl_hooks` gives the same replacement as TransformerLens hook functions
 
 from __future__ import annotations
 
+import inspect
 import os
 from collections.abc import Callable
 from typing import Any
@@ -177,9 +178,13 @@ class Splice:
             raise RuntimeError("this splice is attached already")
         st = self._state
 
+        # the position of attention_mask among the model's arguments (GPT-2's second is past_key_values)
+        names = list(inspect.signature(self.model.forward).parameters)
+        at = names.index("attention_mask") if "attention_mask" in names else None
+
         def model_pre(module: Any, args: tuple, kwargs: dict) -> None:
-            mask = kwargs.get("attention_mask", args[1] if len(args) > 1 else None)
-            st["mask"] = None if mask is None or mask.dim() != 2 else mask
+            mask = kwargs.get("attention_mask", args[at] if at is not None and len(args) > at else None)
+            st["mask"] = mask if isinstance(mask, torch.Tensor) and mask.dim() == 2 else None
 
         def attention_pre(module: Any, args: tuple, kwargs: dict) -> None:
             st["X"] = args[0] if args else kwargs["hidden_states"]
