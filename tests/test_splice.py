@@ -40,6 +40,13 @@ def _gpt2(lm: bool = False):
     return (transformers.GPT2LMHeadModel if lm else transformers.GPT2Model)(cfg).eval()
 
 
+def _llama():
+    cfg = transformers.LlamaConfig(vocab_size=50, hidden_size=D, num_hidden_layers=2, num_attention_heads=N_HEADS,
+                                   num_key_value_heads=2, intermediate_size=32, max_position_embeddings=32)
+    torch.manual_seed(0)
+    return transformers.LlamaModel(cfg).eval()
+
+
 def _heads(d_out: int, bias: bool = False, factored: bool = False, affine: bool = False, seed: int = 0,
            normalize: str = "none") -> Heads:
     rng = np.random.default_rng(seed)
@@ -106,14 +113,16 @@ CASES = [dict(), dict(bias=True), dict(factored=True), dict(affine=True), dict(b
 
 
 @pytest.mark.parametrize("case", CASES)
-@pytest.mark.parametrize("arch", ["bert", "gpt2", "gpt2-left"])
+@pytest.mark.parametrize("arch", ["bert", "gpt2", "gpt2-left", "llama"])
 def test_head_spliced_equals_numpy_forward(arch, case):
-    model = _bert() if arch == "bert" else _gpt2()
+    model = _bert() if arch == "bert" else _llama() if arch == "llama" else _gpt2()
     causal = arch != "bert"
     ids, mask = _batch(left=arch == "gpt2-left")
     layer, head = 1, 2
-    att = model.encoder.layer[layer].attention.self if arch == "bert" else model.h[layer].attn
-    proj = model.encoder.layer[layer].attention.output.dense if arch == "bert" else model.h[layer].attn.c_proj
+    att, proj = {"bert": lambda: (model.encoder.layer[layer].attention.self,
+                                  model.encoder.layer[layer].attention.output.dense),
+                 "llama": lambda: (model.layers[layer].self_attn, model.layers[layer].self_attn.o_proj)}.get(
+        arch, lambda: (model.h[layer].attn, model.h[layer].attn.c_proj))()
     h = _heads(DH, **case)
     h.info["attention"] = "causal" if causal else "bidirectional"
     with torch.no_grad():
@@ -455,3 +464,15 @@ def test_examples_replacements_equal_their_old_hooks():
             assert abs(got[kind]["mean_cosine"] - cos.mean()) <= 1e-12
             assert abs(got[kind]["min_cosine"] - cos.min()) <= 1e-12
             assert abs(got[kind]["spearman"] - rho) <= 1e-12
+
+
+def test_import_mhla_cli_imports_no_torch():
+    """The splice is optional: `import mhla_cli` (and its model package) loads neither torch nor transformers."""
+    import subprocess
+    import sys
+
+    code = ("import sys, mhla_cli, mhla_cli.model, mhla_cli.model.heads; "
+            "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT)
+    assert out.stdout.strip() == "[]"
+
