@@ -221,6 +221,8 @@ def test_refusals():
         model(input_ids=ids, attention_mask=mask)
     with pytest.raises(InputError, match="offset"):
         Replacement(h, layout="causal", offset=np.zeros(3))
+    with pytest.raises(InputError, match="has its own"):  # not silently dropped
+        splice(model, Replacement(h, layout="causal"), 0, 1, offset=np.zeros(DH))
 
 
 def test_reduction_puts_reduced_heads_back():
