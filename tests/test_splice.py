@@ -321,11 +321,20 @@ def test_tl_hooks_equal_the_module(tmp_path):
 
     hooks = tl_hooks(Replacement(h), layer=1, head=2)
     names = ("blocks.1.ln1.hook_normalized", "blocks.1.attn.hook_z")
+    wide = _heads(D, bias=True, seed=2)
+    wide.info["attention"] = "causal"
     with torch.no_grad():
+        model.transformer.h[1].attn.c_proj.bias.normal_()
         logits = bridge.run_with_hooks(ids, fwd_hooks=hooks + [(n, after(n)) for n in names])
         with splice(model, h, 1, 2):
             want = model(input_ids=ids).logits
+        # the whole layer: hook_attn_out (with b_O) against the splice of the projection's output (its bias added)
+        layer = bridge.run_with_hooks(ids, fwd_hooks=tl_hooks(Replacement(wide), 1, bias=model.transformer.h[1].attn.c_proj.bias))
+        with splice(model, wide, 1):
+            want_layer = model(input_ids=ids).logits
     assert torch.allclose(logits, want, rtol=0, atol=F32_TOL * float(want.abs().max()))
+    assert torch.allclose(layer, want_layer, rtol=0, atol=F32_TOL * float(want_layer.abs().max()))
+    assert not torch.allclose(layer, want, rtol=0, atol=1e-3)
     X, Z = seen["blocks.1.ln1.hook_normalized"].double().numpy(), seen["blocks.1.attn.hook_z"].double().numpy()
     Z = Z.reshape(*Z.shape[:2], N_HEADS, DH)
     for b in range(2):
