@@ -27,7 +27,7 @@ except ImportError:  # pragma: no cover - the message names the extra
     raise ImportError("mhla_cli.model.splice needs PyTorch: pip install 'torch>=2.1' (mhla's [torch] extra)") from None
 
 from ..errors import InputError
-from ..samples import Samples, fitted_layout, named
+from ..samples import BIDIRECTIONAL, CAUSAL, Samples, fitted_layout, named
 from .heads import Heads
 
 # Where a Hugging Face model keeps its layers (the first path that exists), and in each layer the attention module
@@ -101,13 +101,13 @@ class Replacement(nn.Module):
             np.asarray(offset, dtype=np.float64)).to(dtype))
 
     @classmethod
-    def constant(cls, value: Any, d: int, layout: str = "bidirectional") -> Replacement:
+    def constant(cls, value: Any, d: int, layout: str | Samples | None = None) -> Replacement:
         """The replacement that outputs `value` (d_out,) at every unmasked position of d-dim tokens (an ablation:
         zero, or the mean output)."""
         value = np.asarray(value, dtype=np.float64)
         zero = Heads(V=np.zeros((1, 1, 1)), Q=np.zeros((1, 1, 1)), P=np.zeros((int(d), 1)),
                      U=np.zeros((value.size, 1)))
-        return cls(zero, layout=layout, offset=value)
+        return cls(zero, layout=BIDIRECTIONAL if layout is None else layout, offset=value)
 
     def extra_repr(self) -> str:
         return f"d={self.d}, d_out={self.d_out}, layout={self.layout.name!r}"
@@ -336,7 +336,7 @@ def replacement_arrays(rep: Replacement) -> dict[str, np.ndarray]:
 
 def replacement_config(rep: Replacement, layer: int, head: int | None) -> dict[str, Any]:
     """The config of the replacement file: the hook points it reads and replaces, its layout and widths."""
-    if rep.layout.name not in ("bidirectional", "causal"):
+    if rep.layout not in (BIDIRECTIONAL, CAUSAL):
         raise InputError(f"a replacement file holds a bidirectional or causal replacement, not {rep.layout.name!r}")
     h = rep.heads
     what = "head" if head is not None else "layer"
