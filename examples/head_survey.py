@@ -32,7 +32,8 @@ Per head (d = 8) and per whole layer (d = 8 and 16), library calls of what the c
 
 and beside each, in numpy on the same folds: the token-wise affine map of the full 384-dim token
 [x_t, 1] (closed form, ridge by CV: the "Neural Block Linearization" baseline), the mean output of the
-training positions and zero. Back in the model (real_model's hooks): the best head and each whole
+training positions and zero. Back in the model (mhla_cli.model.splice, judged by mhla_cli.model.judge): the
+best head and each whole
 layer replaced at every position of held-out windows by the MHLA (reduced coordinates, plus the
 training mean in the output directions the reduction drops), the affine maps, the mean and zero:
 the cosines of the sentence embeddings to the original model's and the Spearman correlation of the
@@ -65,11 +66,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # examples/: real_mode
 
 from real_model import (  # noqa: E402
     HELDOUT_TEXTS, LICENSES, N_FOLDS, QUICK_STRIDE, REPLACE_ROWS, TRAIN_TEXTS, FoldStats, Linear, accumulate,
-    affine_features, affine_fn, attention_output, check_head, const_fn, head_hook, last_text, layer_hook,
-    length_batches, load_model, mhla_fn, predict_rows, r2, read_texts, replace,
-    replacement_windows, ridge_cv, save_png, sentence_embeddings, text_windows)
+    affine_features, affine_fn, attention_output, check_head, const_fn, last_text, length_batches, load_model,
+    numpy_replacement, predict_rows, r2, read_texts, replace, replacement_windows, ridge_cv, save_png, text_windows)
 
-from mhla_cli import certify, fit, load_function, reduce_tokens, write_tokens  # noqa: E402
+from mhla_cli import certify, export_heads, fit, load_function, reduce_tokens, write_tokens  # noqa: E402
 from mhla_cli.model.forward import predict_file  # noqa: E402
 from mhla_cli.model.reduce import Reduction, apply_reduction, second_moments, top_eigenvectors  # noqa: E402
 from mhla_cli.statistics.folds import featurize_folds  # noqa: E402
@@ -232,10 +232,11 @@ def survey_layer(wd: Path, train: Split, test: Split, li: int, n_heads: int, arg
 def replace_in_model(tokenizer, model, train: Split, test: Split, best: dict, layer_d: int, count: int | None,
                      keep: dict) -> list[dict]:
     """The best head, then each whole layer, replaced at every position of held-out windows by the MHLA, the
-    affine maps, the mean output and zero (real_model's hooks)."""
+    affine maps, the mean output and zero (mhla_cli.model.splice; judged by mhla_cli.model.judge)."""
+    from mhla_cli.model.splice import Replacement
+
     picked = replacement_windows(len(test.window_ids), count)
     batches = length_batches(tokenizer, [test.window_ids[i] for i in picked])
-    base = sentence_embeddings(model, batches)
     D = model.config.hidden_size
     out = []
     cases = [(best["layer"], f"L{best['layer']}_h{best['head']}")] + [
@@ -252,12 +253,14 @@ def replace_in_model(tokenizer, model, train: Split, test: Split, best: dict, la
         sel = np.zeros((2 * D, rows.stop - rows.start))
         sel[rows] = np.eye(rows.stop - rows.start)
         every = ridge_cv(keep[("stats", li)], T=sel)  # the affine map of all the outputs
-        fns = {"mhla": mhla_fn(load_function(k.model), k.P, U, off),
-               "affine": affine_fn(keep[("affine", tag)], U, off), "affine_all": affine_fn(every, None, 0.0),
-               "mean": const_fn(mean), "zero": const_fn(np.zeros_like(mean))}
+        # the MHLA: its heads in reduced coordinates put back by the maps (P, U) (factored heads), spliced in
+        mhla = Replacement(export_heads(load_function(k.model)), layout="bidirectional", offset=off,
+                           reduction=(k.P, U))
+        fns = {"mhla": mhla, **{name: numpy_replacement(f) for name, f in (
+            ("affine", affine_fn(keep[("affine", tag)], U, off)), ("affine_all", affine_fn(every, None, 0.0)),
+            ("mean", const_fn(mean)), ("zero", const_fn(np.zeros_like(mean))))}}
         head = "_h" in tag
-        make = (lambda fn, s=rows: head_hook(s, fn)) if head else layer_hook
-        res = replace(model, batches, base, attention_output(model, li), make, fns)
+        res = replace(model, batches, li, best["head"] if head else None, fns)
         what = f"layer {li} head {best['head']}" if head else f"layer {li} (d = {layer_d})"
         out.append({"replaced": what, "layer": li, "head": best["head"] if head else None,
                     "d": k.P.shape[1], "n_windows": len(picked), **res})

@@ -52,13 +52,13 @@ the same 5 contiguous folds, each fold's statistics subtracted from the total, `
 penalties from 1e-8 to 10 times lambda_max, `predict` on the fold's windows, the lowest mean MSE.
 
 Back into the transformer (the CV-ridge case with the best held-out R^2 at every position, or
---replace-d / --replace-normalize): a forward hook on the layer's BertSelfOutput replaces the head's
-32 output columns at every position of the held-out windows by the MHLA (evaluated in reduced
-coordinates: x~ = P^T x, y = U y~, plus the training mean in the output directions the reduction
-drops), by the affine maps, by the head's mean output, or by zero. The script reports the mean and
-worst cosine of the sentence embeddings (mean pooling, L2-normalised, as sentence-transformers) to
-the original model's, and the Spearman correlation of the pairwise similarities of the held-out
-windows with the original model's. The heads in the model's coordinates (`mhla export-heads
+--replace-d / --replace-normalize): `mhla_cli.model.splice.splice` puts in place of the head's 32
+output columns at every position of the held-out windows the MHLA (the heads of `mhla export-heads
+--unreduce` as a `Replacement`, evaluated in reduced coordinates: x~ = P^T x, y = U y~, plus the training
+mean in the output directions the reduction drops), the affine maps, the head's mean output, or zero.
+`mhla_cli.model.judge.judge` reports the mean and worst cosine of the sentence embeddings (mean pooling,
+L2-normalised, as sentence-transformers) to the original model's, and the Spearman correlation of the
+pairwise similarities of the held-out windows with the original model's. The heads in the model's coordinates (`mhla export-heads
 --unreduce`) are checked against the reduced model on a few windows.
 
 Run:  python examples/real_model.py --png real_model.png    (needs the `examples` and `plot` extras)
@@ -553,61 +553,12 @@ def red_share(path: Path) -> float:
 # Back into the transformer
 
 
-def sentence_embeddings(model, batches: list, hooked: tuple | None = None) -> np.ndarray:
-    """Mean-pooled, L2-normalised last hidden states (sentence-transformers' pooling) of every window, in
-    window order, with hooked = (module, forward hook) in place if given."""
+def numpy_replacement(fn: Callable[[np.ndarray], np.ndarray]):
+    """A numpy function of the layer's input X (b, n, D) -> (b, n, k) as a replacement `splice` takes (the tokens
+    in float64; no padding enters the model here, so no mask)."""
     import torch
 
-    handle = hooked[0].register_forward_hook(hooked[1]) if hooked is not None else None
-    n = sum(len(idx) for idx, _ in batches)
-    out = np.zeros((n, model.config.hidden_size))
-    try:
-        for idx, batch in batches:
-            with torch.no_grad():
-                h = model(input_ids=batch).last_hidden_state.double()
-            e = h.mean(dim=1)
-            out[idx] = (e / e.norm(dim=1, keepdim=True)).numpy()
-    finally:
-        if handle is not None:
-            handle.remove()
-    return out
-
-
-def head_hook(sl: slice, fn: Callable[[np.ndarray], np.ndarray]):
-    """A forward hook on BertSelfOutput that replaces one head's columns of the context by fn(X) (the
-    layer's input (b, n, 384) -> (b, n, 32)) at every position, then applies W_O, b_O and LayerNorm."""
-    import torch
-
-    def hook(module, args, output):
-        context, X = args[0], args[1]
-        new = context.clone()
-        new[:, :, sl] = torch.from_numpy(fn(X.double().numpy())).to(context.dtype)
-        return module.LayerNorm(module.dropout(module.dense(new)) + X)
-    return hook
-
-
-def layer_hook(fn: Callable[[np.ndarray], np.ndarray]):
-    """A forward hook on BertSelfOutput that replaces the layer's attention output W_O context (before
-    b_O, the residual and LayerNorm) by fn(X) (the layer's input (b, n, 384) -> (b, n, 384))."""
-    import torch
-
-    def hook(module, args, output):
-        X = args[1]
-        y = torch.from_numpy(fn(X.double().numpy())).to(X.dtype)
-        return module.LayerNorm(module.dropout(y + module.dense.bias) + X)
-    return hook
-
-
-def mhla_fn(fitted, P: np.ndarray, U: np.ndarray, offset: np.ndarray) -> Callable[[np.ndarray], np.ndarray]:
-    """The MHLA in reduced coordinates at every position of each window: X (b, n, D) -> U mhla(X P) + offset
-    (the window's whole S: bidirectional), so that it costs what the reduced heads cost."""
-    from mhla_cli import predict
-
-    def fn(X: np.ndarray) -> np.ndarray:
-        b, n, _ = X.shape
-        _, outs = predict(fitted, (X @ P).reshape(b * n, -1), np.arange(b + 1) * n, all_positions=True)
-        return (outs @ U.T + offset).reshape(b, n, -1)
-    return fn
+    return lambda X, mask=None: torch.from_numpy(fn(X.double().numpy()))
 
 
 def affine_fn(lin: Linear, U: np.ndarray | None, offset: np.ndarray) -> Callable[[np.ndarray], np.ndarray]:
@@ -626,22 +577,6 @@ def const_fn(value: np.ndarray) -> Callable[[np.ndarray], np.ndarray]:
     return lambda X: np.broadcast_to(value, X.shape[:2] + value.shape).copy()
 
 
-def pair_similarities(emb: np.ndarray) -> np.ndarray:
-    """The cosine similarity of every pair of windows i < j (the embeddings are L2-normalised)."""
-    i, j = np.triu_indices(len(emb), 1)
-    return np.einsum("ij,ij->i", emb[i], emb[j])
-
-
-def compare_embeddings(base: np.ndarray, emb: np.ndarray, base_pairs: np.ndarray) -> dict:
-    """Mean and worst cosine of each window's embedding to the original, and the Spearman correlation of
-    the pairwise similarities with the original's."""
-    from scipy.stats import spearmanr
-
-    cos = (emb * base).sum(axis=1)
-    rho = spearmanr(base_pairs, pair_similarities(emb)).statistic
-    return {"mean_cosine": float(cos.mean()), "min_cosine": float(cos.min()), "spearman": float(rho)}
-
-
 def replacement_windows(n: int, count: int | None) -> np.ndarray:
     """`count` held-out windows evenly spread over all of them (every held-out text), or all."""
     if count is None or count >= n:
@@ -654,11 +589,18 @@ REPLACE_ROWS = (("mhla", "the MHLA"), ("affine", "the affine map (d outputs)"),
                 ("affine_all", "the affine map (all outputs)"), ("mean", "the mean output"), ("zero", "zero (ablated)"))
 
 
-def replace(model, batches: list, base: np.ndarray, module, make_hook: Callable, fns: dict) -> dict:
-    """The embeddings with each replacement of fns {kind: fn} hooked in, compared with the original."""
-    pairs = pair_similarities(base)
-    return {kind: compare_embeddings(base, sentence_embeddings(model, batches, (module, make_hook(fn))), pairs)
-            for kind, fn in fns.items()}
+def replace(model, batches: list, layer: int, head: int | None, fns: dict) -> dict:
+    """The model with each replacement of fns {kind: replacement} spliced in place of the head (None: the layer's
+    attention output; mhla_cli.model.splice), judged against the original (mhla_cli.model.judge)."""
+    from mhla_cli.model.judge import judge
+    from mhla_cli.model.splice import splice
+
+    inputs = [{"input_ids": ids} for _, ids in batches]
+    out = {}
+    for kind, fn in fns.items():
+        j = judge(model, splice(model, fn, layer, head), batches=inputs)
+        out[kind] = {"mean_cosine": j.mean_cosine, "min_cosine": j.worst_cosine, "spearman": j.spearman}
+    return out
 
 
 def replace_head(run: Runner, tokenizer, model, layer: int, head: int, d: int, normalize: str, red: Reduced,
@@ -666,6 +608,7 @@ def replace_head(run: Runner, tokenizer, model, layer: int, head: int, d: int, n
     """The head replaced at every position of held-out windows by the CV-ridge MHLA, the affine maps, its mean
     output and zero: cosines and Spearman of the sentence embeddings against the original model's."""
     from mhla_cli import load_function, predict
+    from mhla_cli.model.splice import Replacement
 
     tag = f"d{d}_{normalize}"
     run("export-heads", f"model_cv_{tag}.h5", "-o", f"heads384_{tag}.h5", "--unreduce", f"train_d{d}.h5")
@@ -686,11 +629,10 @@ def replace_head(run: Runner, tokenizer, model, layer: int, head: int, d: int, n
 
     picked = replacement_windows(len(test.window_ids), count)
     batches = length_batches(tokenizer, [test.window_ids[i] for i in picked])
-    base = sentence_embeddings(model, batches)
-    fns = {"mhla": mhla_fn(fitted, P, U, off), "affine": affine_fn(aff_d, U, off),
-           "affine_all": affine_fn(aff_all, None, np.zeros(dh)), "mean": const_fn(mean), "zero": const_fn(np.zeros(dh))}
-    sl = slice(head * dh, (head + 1) * dh)
-    res = replace(model, batches, base, attention_output(model, layer), lambda fn: head_hook(sl, fn), fns)
+    fns = {"mhla": Replacement(wide, offset=off), **{k: numpy_replacement(f) for k, f in (
+        ("affine", affine_fn(aff_d, U, off)), ("affine_all", affine_fn(aff_all, None, np.zeros(dh))),
+        ("mean", const_fn(mean)), ("zero", const_fn(np.zeros(dh))))}}
+    res = replace(model, batches, layer, head, fns)
     return {"d": d, "normalize": normalize, "n_windows": len(picked), "n_pairs": len(picked) * (len(picked) - 1) // 2,
             "unreduce_max_rel_error": unreduce_error, "heads_file": f"heads384_{tag}.h5", "n_heads": wide.n_heads,
             **res}

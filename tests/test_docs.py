@@ -666,14 +666,15 @@ def test_edited_number_fails(path, tmp_path_factory):
 
 
 def _has_fast_outputs(doc: Doc) -> bool:
-    """Whether an output block of the doc belongs to a run block that runs without -m slow."""
+    """Whether an output block of the doc belongs to a run block that runs without -m slow (and whose
+    required modules are installed)."""
     last, blocks = None, {b.name: b for b in doc.blocks}
     for b in doc.blocks:
         if b.kind == "run":
             last = b
         if b.kind == "output":
             src = blocks.get(b.opts["of"]) if "of" in b.opts else last
-            if src is not None and not src.slow:
+            if src is not None and not src.slow and not missing_modules(src):
                 return True
     return False
 
@@ -903,7 +904,10 @@ def _api_object(name: str, section: str):  # noqa: ANN202 (a module, class, func
     parts = name.split(".")
     mods = {m.name.rsplit(".", 1)[-1]: m.name for m in pkgutil.walk_packages(mhla_cli.__path__, "mhla_cli.")}
     if len(parts) > 1 and parts[0] in mods:
-        bases.append((importlib.import_module(mods[parts[0]]), parts[1:]))
+        try:
+            bases.append((importlib.import_module(mods[parts[0]]), parts[1:]))
+        except ImportError:  # a module of an optional extra (mhla_cli.model.splice: torch) not installed here
+            return None
     for base in bases:
         obj, rest = (base if isinstance(base, tuple) else (base, parts))
         try:

@@ -277,23 +277,9 @@ def test_affine_ridge_cv_folds_are_numpy_least_squares(run):
     assert grid[0] == 0 and ridge == grid[np.argmin(err.mean(axis=1))] and np.isfinite(err).all()
 
 
-def test_spearman_and_pairs_against_numpy():
+def test_replacement_windows_spread_over_the_held_out_windows():
+    """The replacement's windows (its cosines and Spearman are mhla_cli.model.judge's: tests/test_judge.py)."""
     mod = _example()
-    rng = np.random.default_rng(1)
-    base = rng.normal(size=(30, 5))
-    base /= np.linalg.norm(base, axis=1, keepdims=True)
-    emb = base + 0.3 * rng.normal(size=base.shape)
-    emb /= np.linalg.norm(emb, axis=1, keepdims=True)
-    pairs = mod.pair_similarities(base)
-    i, j = np.triu_indices(30, 1)
-    assert np.allclose(pairs, [base[a] @ base[b] for a, b in zip(i, j)])
-    got = mod.compare_embeddings(base, emb, pairs)
-    ra = np.argsort(np.argsort(pairs))
-    rb = np.argsort(np.argsort(mod.pair_similarities(emb)))
-    assert abs(got["spearman"] - np.corrcoef(ra, rb)[0, 1]) <= 1e-12
-    cos = (emb * base).sum(axis=1)
-    assert got["mean_cosine"] == pytest.approx(cos.mean()) and got["min_cosine"] == pytest.approx(cos.min())
-    assert 0 < got["spearman"] < 1
     assert mod.replacement_windows(10, None).tolist() == list(range(10))
     picked = mod.replacement_windows(100, 7)
     assert picked[0] == 0 and picked[-1] == 99 and len(picked) == 7
@@ -327,8 +313,8 @@ def _softmax_heads(attn, X: np.ndarray, heads: range, dh: int = 32) -> np.ndarra
 
 
 @pytest.mark.slow
-def test_hooks_replace_what_they_say():
-    """A head or a whole layer replaced by its own exact output leaves the sentence embeddings as they were;
+def test_splices_replace_what_they_say():
+    """A head or a whole layer spliced in (mhla_cli.model.splice) as its own exact output leaves the sentence embeddings as they were;
     replaced by zero, they change."""
     if not (LICENSES / "Apache-2.0").is_file():
         pytest.skip(f"{LICENSES}: Debian's licence texts are not here")
@@ -336,19 +322,23 @@ def test_hooks_replace_what_they_say():
     tok, model = mod.load_model()
     wins = mod.text_windows(tok, mod.read_texts(("Apache-2.0",), LICENSES), 40, 8, 32, 24)
     batches = mod.length_batches(tok, wins)
-    base = mod.sentence_embeddings(model, batches)
+    from mhla_cli.model.judge import run_model
+    from mhla_cli.model.splice import splice
+
+    inputs = [{"input_ids": ids} for _, ids in batches]
+    base, _ = run_model(model, inputs)
     layer, head = 1, 10
     module = mod.attention_output(model, layer)
     attn = model.encoder.layer[layer].attention.self
     W_O = module.dense.weight.detach().double().numpy()
-    sl = slice(head * 32, head * 32 + 32)
-    exact_head = mod.head_hook(sl, lambda X: _softmax_heads(attn, X, range(head, head + 1)))
-    exact_layer = mod.layer_hook(lambda X: _softmax_heads(attn, X, range(12)) @ W_O.T)
-    for hook in (exact_head, exact_layer):
-        emb = mod.sentence_embeddings(model, batches, (module, hook))
+    exact_head = mod.numpy_replacement(lambda X: _softmax_heads(attn, X, range(head, head + 1)))
+    exact_layer = mod.numpy_replacement(lambda X: _softmax_heads(attn, X, range(12)) @ W_O.T)
+    for fn, h in ((exact_head, head), (exact_layer, None)):
+        emb, _ = run_model(splice(model, fn, layer, h), inputs)
         assert np.abs(emb - base).max() <= SAME_EMBEDDING_TOL
-    for hook in (mod.head_hook(sl, mod.const_fn(np.zeros(32))), mod.layer_hook(mod.const_fn(np.zeros(384)))):
-        emb = mod.sentence_embeddings(model, batches, (module, hook))
+    for fn, h in ((mod.numpy_replacement(mod.const_fn(np.zeros(32))), head),
+                  (mod.numpy_replacement(mod.const_fn(np.zeros(384))), None)):
+        emb, _ = run_model(splice(model, fn, layer, h), inputs)
         assert np.abs(emb - base).max() > 100 * SAME_EMBEDDING_TOL
     # the capture is the head's output at every position, and the layer's input
     cap = mod.capture(tok, model, wins[:5], layer, head)

@@ -263,6 +263,22 @@ STRUCTURAL = [
     Structural("storage dispatch: the full form's Gram not written", "mhla_cli.statistics.storage.gram_dense",
                "DenseGram.file_data", lambda n: isinstance(n, ast.Return), lambda n: ast.Return(_expr("{}")),
                tests=("tests/test_gram_storage.py",)),
+    # issue 46, items 2-3: fitted heads spliced into a Hugging Face model (mhla_cli/model/splice.py) and judged there
+    # (mhla_cli/model/judge.py)
+    Structural("splice: the padding mask not passed on", "mhla_cli.model.splice", "Splice.outputs",
+               lambda n: isinstance(n, ast.Return) and ast.unparse(n) == "return self.replacement(X, mask)",
+               lambda n: ast.Return(_expr("self.replacement(X, None)")),
+               tests=("tests/test_splice.py", "-k", "spliced_equals_numpy and bert")),
+    Structural("splice: the context manager keeps its hooks", "mhla_cli.model.splice", "Splice.__exit__",
+               lambda n: isinstance(n, ast.Expr) and ast.unparse(n) == "self.remove()", lambda n: None,
+               tests=("tests/test_splice.py", "-k", "restores")),
+    Structural("splice of a layer: the projection's bias not added", "mhla_cli.model.splice", "Splice._layer_hook",
+               lambda n: isinstance(n, ast.Return) and "bias" in ast.unparse(n), lambda n: ast.Return(_expr("y")),
+               tests=("tests/test_splice.py", "-k", "layer_spliced")),
+    Structural("judge: the embeddings pooled over the padding too", "mhla_cli.model.judge", "run_model",
+               lambda n: _assigns(n, "w"), lambda n: ast.Assign(n.targets, _expr(
+                   "torch.ones_like(mask).to(torch.float64).unsqueeze(-1)")),
+               tests=("tests/test_judge.py", "-k", "cosines")),
 ]
 
 # Every check of export-heads, spectrum and compare evaluated in the tokens' own coordinates (or on the

@@ -13,6 +13,10 @@ The package, by job:
 - `directions`: the token directions of `reduce --method` (PCA, supervised, weights) from second moments;
 - `synthetic`: teachers and data;
 - `compare`: the distance between two functions;
+- `splice`: fitted heads spliced into a Hugging Face model in place of a head or a layer (a module, a context
+  manager, TransformerLens hooks, a safetensors replacement file; optional: torch);
+- `judge`: the original model against the spliced one (embeddings' cosines, Spearman, loss recovered; optional:
+  torch);
 - `canonical`: a function in the canonical coordinates of its data (heads found there, changes measured
   on it).
 """

@@ -55,6 +55,8 @@ def overlaps(a: str | os.PathLike, b: str | os.PathLike) -> bool:
 # form carry the metadata format = "mhla-heads" (model.export.FORMAT_NAME); a PNG mhla drew, the text chunk
 # Software = "mhla ..." (PNG_SOFTWARE, solve.spectrum.plot_spectrum). The first MARK_BYTES of a file are read.
 HEADS_MARK = "mhla-heads"
+# ... and "replacement" for a spliced replacement in .safetensors form (mhla_cli.model.splice.save_replacement).
+REPLACEMENT_MARK = "mhla-replacement"
 PNG_SOFTWARE = "mhla"
 MARK_BYTES = 1 << 16
 
@@ -78,8 +80,11 @@ def written_kind(path: str | os.PathLike) -> str | None:
                 return "heads" if str(np.load(fh, allow_pickle=False)) == HEADS_MARK else None
         except (zipfile.BadZipFile, OSError, KeyError, ValueError):
             return None
-    if len(head) > 8 and head[8:9] == b"{" and f'"{HEADS_MARK}"'.encode() in head[8:8 + int.from_bytes(head[:8], "little")]:
-        return "heads"
+    if len(head) > 8 and head[8:9] == b"{":
+        header = head[8:8 + int.from_bytes(head[:8], "little")]
+        for mark, kind in ((HEADS_MARK, "heads"), (REPLACEMENT_MARK, "replacement")):
+            if f'"{mark}"'.encode() in header:
+                return kind
     if head.startswith(b"\x89PNG") and b"tEXtSoftware\x00" + PNG_SOFTWARE.encode() in head:
         return "plot"
     return None
