@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 
 from mhla_cli.statistics.features import Features
-from mhla_cli.statistics.stream import chunk_features
+from mhla_cli.statistics.accumulate import chunk_features
 
 
 def ragged_data(seed: int, n: int = 60, d: int = 3, scale: np.ndarray | float = 1.0):

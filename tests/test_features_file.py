@@ -16,8 +16,9 @@ from _records import ragged_data, weighted_features
 from conftest import unseal
 from mhla_cli.errors import InputError
 from mhla_cli.statistics.features import Features
-from mhla_cli.statistics.files.features_file import PAIRS_DATASET, PAIRS_FORMAT
-from mhla_cli.statistics.stream import chunk_features
+from mhla_cli.statistics.files.features_file import PAIRS_DATASET
+from mhla_cli.statistics.storage.gram_pairs import PAIRS_FORMAT
+from mhla_cli.statistics.accumulate import chunk_features
 
 
 def _write_features(tmp_path: Path) -> Path:

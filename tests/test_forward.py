@@ -402,7 +402,7 @@ def test_fit_predicts_the_teacher_at_extreme_conditioning(tmp_path: Path, std: f
     from mhla_cli.model import synthetic
     from mhla_cli.solve.certificate import certify
     from mhla_cli.solve.lstsq import fit
-    from mhla_cli.statistics.stream import chunk_features
+    from mhla_cli.statistics.accumulate import chunk_features
 
     rng = np.random.default_rng(41)
     d, N = 3, 420

@@ -10,7 +10,7 @@ import pytest
 import _reference
 from conftest import relerr, write_tokens
 from mhla_cli import featurize
-from mhla_cli.statistics.stream import Features
+from mhla_cli.statistics.features import Features
 
 
 def reference(tokens: np.ndarray, offsets: np.ndarray, y: np.ndarray) -> dict[str, np.ndarray]:

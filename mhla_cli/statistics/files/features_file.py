@@ -82,7 +82,7 @@ class FeaturesFile:
     def _own_gram_to_write(self) -> formats.Deferred:
         """The own gram for the file, made when written: derived from the basis Gram through its storage
         (from distinct entries a block of rows at a time, never held whole), or read if stored; not kept."""
-        if self._gram_raw is _DERIVED:
+        if self._gram_raw is DERIVED:
             return self.gram_storage.written(lambda g: gram_storage.own_of(g, self.basis))
         n = self.n_features
         return formats.Deferred(lambda: self.gram, 8 * n * n)
@@ -134,7 +134,7 @@ class FeaturesFile:
             psi = n_features(d)
             reduced = "span_pairs" in f or "span_last" in f  # only the block on the data's spans
             # a compact file: the own gram is derived from the basis sums when used (`finalize`)
-            gram = None if reduced else _DERIVED if PAIRS_DATASET in f else _stored_gram(f, path, d, psi)
+            gram = None if reduced else DERIVED if PAIRS_DATASET in f else _stored_gram(f, path, d, psi)
             tg = formats.read_array(f, "token_gram", path).astype(np.float64)
             lg = formats.read_array(f, "last_token_gram", path).astype(np.float64)
             for name, arr in (("token_gram", tg), ("last_token_gram", lg)):
@@ -337,10 +337,10 @@ class _Derived:
         return "<gram derived from the basis sums when used>"
 
     def __reduce__(self) -> str:
-        return "_DERIVED"  # unpickled as the module's one instance (`_get_gram` tests identity)
+        return "DERIVED"  # unpickled as the module's one instance (`_get_gram` tests identity)
 
 
-_DERIVED = _Derived()
+DERIVED = _Derived()
 
 
 class StoredGram:
