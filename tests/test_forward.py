@@ -480,6 +480,22 @@ def test_formats_md_gives_one_weighted_mse_and_predict_follows_it(tmp_path: Path
 SCORE_ROUNDING = 1e-10
 
 
+def test_contradicting_output_layouts_are_refused(tmp_path: Path) -> None:
+    """causal with all_positions, or a layout beside either, is an InputError naming both, before any output."""
+    from mhla_cli import write_tokens
+    from mhla_cli.samples import CAUSAL
+
+    rng = np.random.default_rng(5)
+    fn = Heads(V=rng.standard_normal((1, 2, 2)), Q=rng.standard_normal((1, 2, 2)), info={"normalize": "none"})
+    data = tmp_path / "d.h5"
+    write_tokens(data, [rng.standard_normal((3, 2))], targets=rng.standard_normal((1, 2)))
+    with pytest.raises(InputError, match="causal and all_positions cannot be combined"):
+        forward.predict_file(fn, data, causal=True, all_positions=True)
+    with pytest.raises(InputError, match="beside causal or all_positions"):
+        forward.predict_file(fn, data, all_positions=True, layout=CAUSAL)
+    assert forward.predict_file(fn, data, causal=True, layout=CAUSAL).n_samples == 1  # the same layout twice
+
+
 @pytest.mark.parametrize("attention", ["bidirectional", None, "causal"])
 def test_all_positions_scores_per_position_targets(attention: str | None, tmp_path: Path,
                                                    capsys: pytest.CaptureFixture[str]) -> None:

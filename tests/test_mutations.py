@@ -295,6 +295,13 @@ OWN_COORDINATES = [
                tests=("tests/test_convert.py", "-k", "one_or_two_at_a_time")),
     Structural("too wide tokens: reduce to the largest d memory allows", "mhla_cli.linalg.memory", "check_floor",
                lambda n: _calls(n, "min"), lambda n: _expr("fits"), tests=("tests/test_memory.py", "-k", "floor")),
+    Structural("causal beside all_positions not refused", "mhla_cli.model.forward.stream", "_output_layout",
+               lambda n: isinstance(n, ast.If) and ast.unparse(n.test) == "all_positions and causal",
+               lambda n: None, tests=("tests/test_forward.py", "-k", "contradicting_output_layouts")),
+    Structural("per-position targets of a decoder scored against the whole window", "mhla_cli.model.forward.stream",
+               "_scored_info", lambda n: isinstance(n, ast.Return) and "has_targets=False" in ast.unparse(n),
+               lambda n: ast.parse("return (info, None)").body[0],
+               tests=("tests/test_forward.py", "-k", "all_positions_scores_per_position_targets")),
 ]
 
 # ---------------------------------------------------------------------------------------------
