@@ -163,10 +163,12 @@ def test_unknown_device_refused(bad: str, tmp_path: Path) -> None:
 
 
 def test_device_memory_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    from mhla_cli.linalg.backends import NUMPY, TorchBackend
+
     monkeypatch.setattr(device_mod, "free_bytes", lambda device: 2**20)
     with pytest.raises(InputError, match="GiB on cuda"):
-        device_mod.check_device_memory("cuda", 2**31, "featurize")
-    device_mod.check_device_memory(None, 2**40, "featurize")  # the numpy path: the host's check applies
+        device_mod.check_device_memory(TorchBackend("cuda"), 2**31, "featurize")
+    device_mod.check_device_memory(NUMPY, 2**40, "featurize")  # the numpy path: the host's check applies
 @needs_torch
 def test_cuda_without_gpu_refused_before_work(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                               capsys: pytest.CaptureFixture[str]) -> None:

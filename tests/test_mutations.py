@@ -302,6 +302,9 @@ OWN_COORDINATES = [
                "_scored_info", lambda n: isinstance(n, ast.Return) and "has_targets=False" in ast.unparse(n),
                lambda n: ast.parse("return (info, None)").body[0],
                tests=("tests/test_forward.py", "-k", "all_positions_scores_per_position_targets")),
+    Structural("--affine-from accumulated on a torch device", "mhla_cli.statistics.stream", "_wide_source",
+               lambda n: isinstance(n, ast.If) and ast.unparse(n.test) == "not isinstance(backend, NumpyBackend)",
+               lambda n: None, tests=("tests/test_stream.py", "-k", "affine_from_on_a_device")),
 ]
 
 # ---------------------------------------------------------------------------------------------

@@ -18,6 +18,7 @@ import numpy as np
 
 from mhla_cli.statistics import basis as basis_mod
 from mhla_cli.linalg import device as device_mod
+from mhla_cli.linalg.backends import Backend, NumpyBackend, get_backend
 from mhla_cli.io import formats
 from mhla_cli.statistics.distributed import parallel
 from mhla_cli.statistics import ranges as ranges_mod
@@ -80,8 +81,8 @@ def featurize(path: str | os.PathLike, chunk_size: int | None = None,
     spans from statistics.spans.SPANS_MIN_FEATURES features on.
     """
     normalize = (read := read or ReadSpec(attention, normalize, bias_terms)).normalize or "none"
-    info, device = _checked(path, read, spans, device)
-    wide = _wide_source(affine_from, info, device, path)
+    info, backend = _checked(path, read, spans, device)
+    wide = _wide_source(affine_from, info, backend, path)
     serial = map is None and workers <= 1 and scheduler is None
     # every feature for sure: refused before any work (a pool's workers are counted once it is made);
     # otherwise after the cheap span pass, with the block it found
@@ -96,15 +97,15 @@ def featurize(path: str | os.PathLike, chunk_size: int | None = None,
     found, A, span_passes = find_spans(info, A, (lo, hi), size, normalize, spans)
     spans_in = partial(_spans_in, found, A)
     if serial:
-        _check_serial_memory(info, path, chunk_size, size, spans_block(found), device, host=not whole)
+        _check_serial_memory(info, path, chunk_size, size, spans_block(found), backend, host=not whole)
 
         def run(A: np.ndarray) -> Features:
             return ranges_mod.accumulate_range(info, (lo, hi), size, progress=progress, normalize=normalize, basis=A,
-                                         finalize=False, spans=spans_in(A), device=device, wide=wide)
+                                         finalize=False, spans=spans_in(A), device=backend.device, wide=wide)
         feats = _in_whitening(run, A)
     else:
         with parallel.make_map(workers=workers, scheduler=scheduler, map=map) as pmap:
-            _check_workers_memory(info, path, chunk_size, size, pmap.local_copies, spans_block(found), device)
+            _check_workers_memory(info, path, chunk_size, size, pmap.local_copies, spans_block(found), backend)
             # workers (possibly on other hosts) open the file themselves: give them an absolute path
             winfo = replace(info, path=os.path.abspath(info.path))
             sample_ranges = work_ranges(lo, hi, size, pmap.n_workers)
@@ -112,7 +113,7 @@ def featurize(path: str | os.PathLike, chunk_size: int | None = None,
             def run(A: np.ndarray) -> Features:
                 return accumulate_ranges(winfo, sample_ranges, map=pmap, chunk_size=size, progress=progress,
                                     normalize=normalize, basis=A, finalize=False, spans=spans_in(A),
-                                    device=device, wide=_absolute(wide))
+                                    device=backend.device, wide=_absolute(wide))
             feats = _in_whitening(run, A)
     feats.extra_attrs["span_passes"] = span_passes
     if feats.affine is not None and wide is not None:
@@ -120,12 +121,12 @@ def featurize(path: str | os.PathLike, chunk_size: int | None = None,
     return _finished(feats, info, path, (lo, hi), shard)
 
 
-def _wide_source(affine_from: str | os.PathLike | None, info: TokensInfo, device: str | None,
+def _wide_source(affine_from: str | os.PathLike | None, info: TokensInfo, backend: Backend,
                  path: str | os.PathLike) -> WideSource | None:
     """The wide tokens file `affine_from` (None: none), its basis estimated: the sums accumulate nearly whitened."""
     if affine_from is None:
         return None
-    if device is not None:
+    if not isinstance(backend, NumpyBackend):
         raise InputError("--affine-from accumulates on the CPU: featurize without --device", path)
     wide = WideSource.open(affine_from, path)
     return replace(wide, basis=wide.estimate_basis(info.samples))
@@ -137,26 +138,26 @@ def _absolute(wide: WideSource | None) -> WideSource | None:
 
 
 def _checked(path: str | os.PathLike, read: ReadSpec, spans: str, device: str | None
-             ) -> tuple[TokensInfo, str | None]:
+             ) -> tuple[TokensInfo, Backend]:
     """featurize's options and file checked before any work: (the tokens file's info, read as `read` says; the
-    device)."""
+    backend of the device, mhla_cli.linalg.backends)."""
     check_normalize(read.normalize or "none")
     check_spans(spans)
-    device = device_mod.check_device(device, path)
+    backend = get_backend(device_mod.check_device(device, path))  # None resolved here, once
     info = tokens_info(path, read)
     check_floor(info.d, path, "featurize")  # wide tokens: before anything of their size
     require_square(info, "featurize")
-    return info, device
+    return info, backend
 
 
 def _check_serial_memory(info: TokensInfo, path: str | os.PathLike, chunk_size: int | None, size: int,
-                         block: int | None, device: str | None, host: bool = True) -> None:
+                         block: int | None, backend: Backend, host: bool = True) -> None:
     """Refuse a serial pass of `block` features (None: all) that exceeds the device's memory, or with
     `host` the host's (once the span pass has told the block; a pass of every feature for sure was
     checked before any work)."""
     if host:
         check_memory(info.d, path=path, need=featurize_need(info, chunk_size, block=block), what="featurize")
-    device_mod.check_device_memory(device, device_pass_bytes(info, size, block), "featurize", path)
+    device_mod.check_device_memory(backend, device_pass_bytes(info, size, block), "featurize", path)
 
 
 def _spans_in(found: tuple[np.ndarray, np.ndarray] | None, A: np.ndarray,
@@ -170,13 +171,13 @@ def _spans_in(found: tuple[np.ndarray, np.ndarray] | None, A: np.ndarray,
 
 
 def _check_workers_memory(info: TokensInfo, path: str | os.PathLike, chunk_size: int | None, size: int,
-                          copies: int, block: int | None, device: str | None) -> None:
+                          copies: int, block: int | None, backend: Backend) -> None:
     """Refuse a parallel pass whose `copies` local workers exceed the host's or the device's memory."""
     check_memory(info.d, copies=copies, path=path, need=featurize_need(info, chunk_size, copies, block=block),
                  what="featurize")
     # each worker holds its own Gram on its device (device.worker_device)
     device_mod.check_device_memory(
-        device, device_mod.workers_per_device(device, copies) * device_pass_bytes(info, size, block),
+        backend, device_mod.workers_per_device(backend.device, copies) * device_pass_bytes(info, size, block),
         f"featurize ({copies} workers)", path)
 
 

@@ -418,7 +418,7 @@ def predict_range(coef: np.ndarray, info: Any, layout: Samples | None, sample_ra
         check_finite(tokens, offsets, targets, a, info.path)
         check_weights(weights, offsets, a, info.per_position, info.path)
         pred, outputs = predict_chunk(coef, in_basis(tokens, basis), offsets, layout, normalize,
-                                      device=None if device is None else worker_device(device))
+                                      device=worker_device(device))
         if affine is not None:  # the affine map of the wide tokens at the last token (and every position)
             aff = _affine_range(affine, a, offsets)
             pred = pred + aff[offsets[1:] - 1]
