@@ -86,7 +86,8 @@ def test_affine_from_on_a_device_is_refused(tmp_path: Path) -> None:
     from mhla_cli.errors import InputError
 
     rng = np.random.default_rng(3)
-    path = write_tokens(tmp_path / "d.h5", rng.standard_normal((8, 2)), np.array([0, 3, 8]), rng.standard_normal((2, 2)))
+    X, offsets, Y = rng.standard_normal((8, 2)), np.array([0, 3, 8]), rng.standard_normal((2, 2))
+    path = write_tokens(tmp_path / "d.h5", X, offsets, Y)
     with pytest.raises(InputError, match="accumulates on the CPU"):
         featurize(path, device="torch:cpu", affine_from=tmp_path / "wide.h5")
     with pytest.raises(InputError) as err:

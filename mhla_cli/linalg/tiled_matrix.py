@@ -21,9 +21,9 @@ references to a Zarr store that the tasks read). Every task reads and writes a f
   its tile and two factor tiles and makes a new tile). A failed potrf (LAPACK's info > 0) is the proof
   that the matrix is not positive definite: the task returns `NotPositiveDefinite`, passed on by the
   tasks after it, and `cholesky` returns None with the column where it failed.
-  dask.array.linalg.cholesky (measured against it in benchmarks/bench_distributed.py) reads the upper tiles too, forms every product L_ip L_kp^T of a
-  tile's update as its own tile and sums them in one task (up to nb + 1 tiles held at once), and
-  writes the transposed factor beside the factor: docs/cluster.md gives the measurement;
+  dask.array.linalg.cholesky (measured against it in benchmarks/bench_distributed.py) reads the upper tiles too,
+  forms every product L_ip L_kp^T of a tile's update as its own tile and sums them in one task (up to nb + 1 tiles
+  held at once), and writes the transposed factor beside the factor: docs/cluster.md gives the measurement;
 - a product Lambda X reads each lower tile once for both of its blocks (A_ij X_j and A_ij^T X_i);
 - a triangular solve with the factor is a chain of small gemm tasks down the tile rows and a trsm
   on each diagonal tile, forward and then backward.
