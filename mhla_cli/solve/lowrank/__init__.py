@@ -20,7 +20,7 @@ The package, by job:
 - `_gauss_newton`: the Gauss-Newton normal equations and their damped solve;
 - `_whitened`: the statistics of the whitened tokens, in which the fits run;
 - `_solver`: the record every iterative solver returns, and its warning texts;
-- `_numerics`: float64 epsilon and one BLAS thread for small solves.
+- `_numerics`: one BLAS thread for small solves (EPS lives in mhla_cli.numerics).
 """
 
 from __future__ import annotations
