@@ -48,10 +48,43 @@ sys.path.insert(0, os.path.dirname(HERE))
 from _common import OUT, machine, table  # noqa: E402
 
 from mhla_cli.feature_map import n_features  # noqa: E402
-from mhla_cli.linalg.tiled_matrix import TiledMatrix, cholesky_task_count, library_cholesky  # noqa: E402
+from mhla_cli.linalg.tiled_matrix import TiledMatrix  # noqa: E402
 
 
 # ------------------------------------------------------------------------------------ helpers
+
+
+def cholesky_task_count(nb: int) -> dict[str, int]:
+    """Tasks of the blocked Cholesky of nb tile rows: potrf, trsm and the trailing updates."""
+    return {"potrf": nb, "trsm": nb * (nb - 1) // 2, "update": sum((nb - k - 1) * (nb - k) // 2 for k in range(nb))}
+
+
+def library_cholesky(matrix: TiledMatrix, shift: float = 0.0) -> tuple[Any, int]:
+    """The baseline: dask.array.linalg.cholesky of the matrix - shift I, the symmetric matrix as a dask array
+    (upper tiles the transposes of the lower ones), the lower factor persisted; (its futures by tile, the
+    graph's task count)."""
+    import itertools
+    import uuid
+
+    import dask.array as da
+    from dask.highlevelgraph import HighLevelGraph
+    from distributed import futures_of, wait
+
+    name = f"mhla-symmetric-{uuid.uuid4().hex}"
+    nb, sizes = matrix.nb, matrix.sizes
+    dsk: dict[Any, Any] = {}
+    for i, j in itertools.product(range(nb), repeat=2):
+        dsk[name, i, j] = matrix.tiles[i, j] if i >= j else (np.transpose, matrix.tiles[j, i])
+    a = da.Array(HighLevelGraph.from_collections(name, dsk, dependencies=[]), name,
+                 chunks=(tuple(sizes), tuple(sizes)), dtype=np.float64)
+    if shift:
+        a = a - shift * da.eye(matrix.n, chunks=sizes[0], dtype=np.float64)
+    lower = da.linalg.cholesky(a, lower=True)
+    tasks = len(dict(lower.__dask_graph__()))
+    lower = matrix.client.persist(lower)
+    wait(lower)
+    futures = futures_of(lower)
+    return {(int(f.key[1]), int(f.key[2])): f for f in futures if int(f.key[1]) >= int(f.key[2])}, tasks
 
 
 def cluster(workers: int, memory_limit: str | None = None) -> tuple[Any, Any]:

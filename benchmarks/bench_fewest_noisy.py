@@ -23,7 +23,7 @@ from mhla_cli.model import synthetic
 from mhla_cli import fit  # noqa: E402
 from mhla_cli.solve.lowrank import fewest_heads  # noqa: E402
 from mhla_cli.solve.lowrank import generic_rank  # noqa: E402
-from mhla_cli.statistics.stream import chunk_features  # noqa: E402
+from mhla_cli.statistics.accumulate import chunk_features  # noqa: E402
 
 
 def main() -> None:

@@ -1,7 +1,7 @@
 """Issue 17 ("A GPU path") benchmark: the device path against the device's own float64 matmul and
 against the CPU path, all measured in the same run on the same machine (printed with the tables).
 
-1. The Gram: the pass of `featurize --device DEV` (`stream.accumulate_range`: reading, the per-sequence
+1. The Gram: the pass of `featurize --device DEV` (`ranges.accumulate_range`: reading, the per-sequence
    moments on the host, the transfers, the device's GEMMs and the Gram's way back) at d = 32
    (psi = 16896, the features' Gram 2.3 GB) in GFLOP/s (N psi (psi + 1) / wall, the flops of the
    syrk of the N x psi feature matrix; the device
@@ -84,7 +84,8 @@ def main() -> int:
         print("bench_gpu: torch is not installed (the project's `gpu` extra): nothing measured")
         return 0
     from mhla_cli.linalg import device as device_mod
-    from mhla_cli.statistics import stream
+    from mhla_cli.io.tokens import inspect_tokens
+    from mhla_cli.statistics import ranges, stream
     from mhla_cli.feature_map import n_features
     from mhla_cli.errors import InputError
 
@@ -102,12 +103,12 @@ def main() -> int:
 
     # 1. the Gram
     data = tokens_file(n_big, seq_len, d_big)
-    info = stream.inspect_tokens(data)
+    info = inspect_tokens(data)
     psi = n_features(d_big)
-    rows = stream.default_chunk_size(info)
+    rows = ranges.default_chunk_size(info)
     peak = bare_matmul_gflops(torch, dev, rows, psi + d_big)
-    A = stream.estimate_basis(info)
-    part, wall_pass = timed(lambda: stream.accumulate_range(info, (0, n_big), basis=A, finalize=False,
+    A = ranges.estimate_basis(info)
+    part, wall_pass = timed(lambda: ranges.accumulate_range(info, (0, n_big), basis=A, finalize=False,
                                                        device=args.device))
     del part
     gflops = n_big * psi * (psi + 1) / wall_pass / 1e9

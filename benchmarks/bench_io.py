@@ -17,7 +17,8 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _common import OUT, best_of, drop_cache_note, machine, mhla_cmd, run_timed, table, tokens_file  # noqa: E402
 
-from mhla_cli.statistics.stream import default_chunk_size, featurize  # noqa: E402
+from mhla_cli.statistics.ranges import default_chunk_size  # noqa: E402
+from mhla_cli.statistics.stream import featurize  # noqa: E402
 from mhla_cli.io.tokens import inspect_tokens
 
 

@@ -71,13 +71,13 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _common import OUT, machine, mhla_cmd, table  # noqa: E402
 
 from mhla_cli.model import synthetic  # noqa: E402
-from mhla_cli.linalg.factorization import POTRF_THREADED_MAX  # noqa: E402
+from mhla_cli.linalg.backends import POTRF_THREADED_MAX  # noqa: E402
 from mhla_cli.feature_map import n_features  # noqa: E402
-from mhla_cli.statistics.stream import default_chunk_size  # noqa: E402
+from mhla_cli.statistics.ranges import default_chunk_size  # noqa: E402
 from mhla_cli.io.tokens import inspect_tokens  # noqa: E402
 
 try:
-    from mhla_cli.statistics.stream import MIN_THREADED_WIDTH
+    from mhla_cli.linalg.backends import MIN_THREADED_WIDTH
 except ImportError:  # pragma: no cover
     MIN_THREADED_WIDTH = 1024
 

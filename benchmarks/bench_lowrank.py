@@ -36,7 +36,8 @@ from mhla_cli.model import synthetic
 from mhla_cli.feature_map import n_features
 from mhla_cli.model.forward import predict
 from mhla_cli.solve.lstsq import fit
-from mhla_cli.statistics.stream import chunk_features
+from mhla_cli.statistics.accumulate import chunk_features
+from mhla_cli.model.heads import Heads
 
 SEQ = 20
 N_TEST = 2000
@@ -44,7 +45,7 @@ NOISE = 0.05
 METHODS = ("lstsq", "ridge", "nuclear", "factorised")
 
 
-def data(d: int, H: int, N: int, noise: float, seed: int) -> tuple[synthetic.Dataset, synthetic.Heads]:
+def data(d: int, H: int, N: int, noise: float, seed: int) -> tuple[synthetic.Dataset, Heads]:
     return synthetic.generate_teacher(d, H, N, SEQ, noise=noise, seed=seed)
 
 

@@ -16,7 +16,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _common import OUT, machine, mhla_cmd, table, tokens_file  # noqa: E402
 
 from mhla_cli.feature_map import n_features  # noqa: E402
-from mhla_cli.statistics.stream import default_chunk_size  # noqa: E402
+from mhla_cli.statistics.ranges import default_chunk_size  # noqa: E402
 from mhla_cli.io.tokens import inspect_tokens
 
 WRAP = ("import json, resource, subprocess, sys, time; t = time.perf_counter(); "

@@ -21,7 +21,7 @@ import time
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from mhla_cli.linalg.task_graph import Spill, _write  # noqa: E402
+from mhla_cli.linalg.task_graph import Spill, write_tile  # noqa: E402
 from mhla_cli.linalg.tiled_matrix import TiledMatrix  # noqa: E402
 
 
@@ -44,7 +44,7 @@ def main(mode: str, n: int, ts: int) -> None:
     d = tempfile.mkdtemp()
     try:
         if mode == "spill":
-            tiles = {(i, j): _write(Spill(os.path.join(d, "in", f"{i}-{j}")), tile(i, j, ts, n))
+            tiles = {(i, j): write_tile(Spill(os.path.join(d, "in", f"{i}-{j}")), tile(i, j, ts, n))
                      for i in range(nb) for j in range(i + 1)}
             m = TiledMatrix(None, tiles, [ts] * nb, spill=os.path.join(d, "spill"))
         else:

@@ -16,7 +16,8 @@ if str(ROOT) not in sys.path:  # `python experiments/X.py` puts experiments/ fir
 
 OUT = ROOT / "experiments" / "out"
 
-from mhla_cli.statistics.stream import Features, chunk_features  # noqa: E402
+from mhla_cli.statistics.features import Features  # noqa: E402
+from mhla_cli.statistics.accumulate import chunk_features  # noqa: E402
 from mhla_cli.model.synthetic import Dataset  # noqa: E402
 
 

@@ -39,7 +39,7 @@ from _common import (
 
 from mhla_cli import certify, fit, n_features, p_from_heads
 from mhla_cli.model.forward import predict_causal
-from mhla_cli.statistics.stream import chunk_features
+from mhla_cli.statistics.accumulate import chunk_features
 from mhla_cli.model.synthetic import Dataset, generate_teacher
 from mhla_cli.samples import CAUSAL, ReadSpec, samples_of
 

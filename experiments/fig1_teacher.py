@@ -26,6 +26,7 @@ import numpy as np
 from _common import add_doc_image_flag, doc_images, Timer, env_note, features_of, fmt, limit_threads, markdown_table, savefig, write_json
 from mhla_cli.model import synthetic
 from mhla_cli import export_heads, fit, predict
+from mhla_cli.model.heads import Heads
 
 SETUPS = ((2, 512), (4, 2048))
 PAPER = {  # what the paper's Fig. 1 shows (read off the plots; see docs/reproduction.md)
@@ -36,12 +37,12 @@ PAPER = {  # what the paper's Fig. 1 shows (read off the plots; see docs/reprodu
 }
 
 
-def make_data(d: int, N: int, seed: int, seq_len: int = 100) -> tuple[synthetic.Dataset, synthetic.Heads]:
+def make_data(d: int, N: int, seed: int, seq_len: int = 100) -> tuple[synthetic.Dataset, Heads]:
     """Teacher data of Fig. 1: a d^2-head random teacher (generic W), Gaussian tokens, float64 in memory."""
     return synthetic.generate_teacher(d, d * d, N, seq_len, seed=seed)
 
 
-def closed_form(ds: synthetic.Dataset, teacher: synthetic.Heads | None = None,
+def closed_form(ds: synthetic.Dataset, teacher: Heads | None = None,
                 fewest: bool = False) -> dict[str, Any]:
     """Algorithm 1 in-process: statistics, least squares, heads; MSE of the exported heads on the data.
 

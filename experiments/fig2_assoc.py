@@ -39,7 +39,7 @@ from mhla_cli.model import synthetic
 from mhla_cli import certify, fit, predict
 from mhla_cli.statistics.basis import pair_map
 from mhla_cli.solve.domains import domain_map, observed_bases
-from mhla_cli.statistics.stream import Features
+from mhla_cli.statistics.features import Features
 
 KEYS = 4
 FRACTIONS = (0.95, 0.96, 0.97, 0.98, 0.99, 1.0)

@@ -45,7 +45,7 @@ THRESHOLDS = (1e-4, 1e-8, 1e-12)
 
 def sequence_stats(tokens: np.ndarray, offsets: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
     """S = X^T X (N, d, d) and last tokens (N, d) in float64, from (N, n, d) or (T, d) + offsets."""
-    from mhla_cli.statistics.stream import sequence_moments
+    from mhla_cli.kernels import sequence_moments
 
     tokens = np.asarray(tokens, dtype=np.float64)
     if tokens.ndim == 3:

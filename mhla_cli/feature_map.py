@@ -50,12 +50,6 @@ def feature_index(d: int) -> np.ndarray:
     return idx
 
 
-def feature_name(d: int, f: int) -> str:
-    """Human-readable name of feature f, e.g. ``S[0,2]*x_n[1]``."""
-    j, k, l = feature_index(d)[f]
-    return f"S[{j},{k}]*x_n[{l}]"
-
-
 def features_from_moments(S: np.ndarray, last: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
     """H for a batch: S (B, d, d) token Gram matrices and last tokens (B, d) -> (B, psi) float64."""
     B, d, _ = S.shape

@@ -46,7 +46,7 @@ def _sequence_moments(tokens: np.ndarray, offsets: np.ndarray, out: np.ndarray |
         if X.dtype == np.float64:
             np.matmul(X.transpose(0, 2, 1), X, out=S)
         else:
-            step = max(1, _BLOCK_ELEMENTS // (X.shape[1] * d))
+            step = max(1, BLOCK_ELEMENTS // (X.shape[1] * d))
             work = np.empty((min(step, B), X.shape[1], d))
             for a in range(0, B, step):
                 b = min(B, a + step)
@@ -155,4 +155,4 @@ def position_numbers(offsets: np.ndarray) -> np.ndarray:
 
 
 # float64 elements per conversion block in sequence_moments (512 KiB: stays in cache for the product)
-_BLOCK_ELEMENTS = 1 << 16
+BLOCK_ELEMENTS = 1 << 16

@@ -1,9 +1,10 @@
 """The numerics' constants: EPS once, and every tolerance of the certificate, the fit and the loaders.
 
 Each cut is a named constant here, documented with the reason for its value; the other modules import
-them (their old names stay importable there), the CLI help and docs/certificate.md quote them from here
-(tests/test_docs.py checks the quotes), and tests/test_numerics.py puts a case at 1e-2 x and at 1e2 x
-of each cut against plain numpy on materialised features (tests/_reference.py).
+them from here (their one home: tests/test_numerics.py checks that no module assigns them again), the CLI
+help and docs/certificate.md quote them from here (tests/test_docs.py checks the quotes), and
+tests/test_numerics.py puts a case at 1e-2 x and at 1e2 x of each cut against plain numpy on materialised
+features (tests/_reference.py).
 """
 
 from __future__ import annotations

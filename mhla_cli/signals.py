@@ -28,11 +28,6 @@ _TERM_SIGNALS = tuple(getattr(signal, n) for n in ("SIGTERM", "SIGHUP") if hasat
 _signal_received: int | None = None
 
 
-def interrupted_signal() -> int | None:
-    """The signal received inside the current `sigterm_as_exception` block, if any."""
-    return _signal_received
-
-
 def check_interrupted() -> None:
     """Raise `Interrupted` if a signal arrived (even if its exception was swallowed somewhere)."""
     if _signal_received is not None:

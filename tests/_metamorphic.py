@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from _reference import canonical
 from mhla_cli.model import synthetic
-from mhla_cli.statistics.stream import chunk_features
+from mhla_cli.statistics.accumulate import chunk_features
 from mhla_cli.samples import ReadSpec, samples_of
 
 SETTINGS = settings(max_examples=30, deadline=None, derandomize=True,

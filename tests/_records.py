@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 
 from mhla_cli.statistics.features import Features
-from mhla_cli.statistics.stream import chunk_features
+from mhla_cli.statistics.accumulate import chunk_features
 from mhla_cli.samples import ReadSpec, samples_of
 
 

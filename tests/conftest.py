@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from mhla_cli.model import synthetic
-from mhla_cli.statistics.stream import Features
+from mhla_cli.statistics.features import Features
 
 STATS = ("gram", "moments", "target_gram", "token_gram", "last_token_gram")
 

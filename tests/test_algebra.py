@@ -12,7 +12,7 @@ from conftest import relerr
 from _records import ragged_data
 from mhla_cli.statistics import basis
 from mhla_cli.statistics.algebra import add_into
-from mhla_cli.statistics.stream import chunk_features
+from mhla_cli.statistics.accumulate import chunk_features
 
 
 def test_adding_parts_in_unlike_bases_equals_the_whole() -> None:

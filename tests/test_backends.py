@@ -15,7 +15,7 @@ from conftest import relerr
 from mhla_cli.errors import InputError
 from mhla_cli.linalg import backends
 from mhla_cli.linalg.factorization import Factorization
-from mhla_cli.statistics.accumulate import _Accumulator
+from mhla_cli.statistics.accumulate import Accumulator
 
 BACKENDS = ["cpu"] + (["torch:cpu"] if importlib.util.find_spec("torch") is not None else [])
 
@@ -156,7 +156,7 @@ def test_gram_accumulation_equals_the_numpy_backend(backend: backends.Backend, d
     w = rng.uniform(0.5, 2.0, size=30)
     parts = []
     for dev in ("cpu", backend):
-        acc = _Accumulator(d, True, np.eye(d), device=None if dev == "cpu" else backend.device)
+        acc = Accumulator(d, True, np.eye(d), device=None if dev == "cpu" else backend.device)
         for a in range(0, 30, 7):
             b = min(30, a + 7)
             acc.add(X[off[a]:off[b]], off[a:b + 1] - off[a], Y[a:b], weights=w[a:b])

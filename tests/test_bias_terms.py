@@ -35,7 +35,8 @@ from mhla_cli.samples import samples_of
 from mhla_cli.solve.certificate import certify
 from mhla_cli.statistics.features import Features
 from mhla_cli.statistics.merge import merge_features
-from mhla_cli.statistics.stream import chunk_features, featurize
+from mhla_cli.statistics.accumulate import chunk_features
+from mhla_cli.statistics.stream import featurize
 from mhla_cli.samples import ReadSpec, samples_of
 
 LAYOUTS = ("last", "causal", "bidirectional")

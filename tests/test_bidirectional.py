@@ -34,7 +34,8 @@ from mhla_cli.solve.certificate import certify
 from mhla_cli.solve.lstsq import fit
 from mhla_cli.solve.probes import certify_probes
 from mhla_cli.statistics.features import Features
-from mhla_cli.statistics.stream import chunk_features, featurize
+from mhla_cli.statistics.accumulate import chunk_features
+from mhla_cli.statistics.stream import featurize
 from mhla_cli.errors import InputError
 from mhla_cli.samples import ReadSpec, samples_of
 

@@ -33,7 +33,7 @@ from mhla_cli.model.model import Model
 from mhla_cli.numerics import EPS, FEWEST_TOL, LAMBDA_FLOOR_FRACTION
 from mhla_cli.solve.lstsq import fit
 from mhla_cli.solve.spectrum import spectrum
-from mhla_cli.statistics.stream import chunk_features
+from mhla_cli.statistics.accumulate import chunk_features
 from conftest import unseal
 
 # Two reported relative changes agree when within CHANGE_AGREE of each other (relative), or when both are

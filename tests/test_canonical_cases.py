@@ -18,7 +18,7 @@ from mhla_cli.cli import run
 from mhla_cli.model.forward import forward_heads
 from mhla_cli.solve.certificate import certify
 from mhla_cli.solve.lstsq import fit
-from mhla_cli.statistics.stream import chunk_features
+from mhla_cli.statistics.accumulate import chunk_features
 
 
 def rotation(d: int, seed: int) -> np.ndarray:

@@ -16,7 +16,8 @@ import pytest
 from mhla_cli.model import synthetic
 from mhla_cli.cli import run
 from mhla_cli.model.heads import p_from_heads
-from mhla_cli.statistics.stream import Features, featurize
+from mhla_cli.statistics.features import Features
+from mhla_cli.statistics.stream import featurize
 from mhla_cli.samples import ReadSpec, samples_of
 
 

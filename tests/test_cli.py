@@ -443,7 +443,8 @@ def test_lazy_public_names_resolve() -> None:
 
 
 def test_version_fast_path_and_help_list_every_command(capsys: pytest.CaptureFixture[str]) -> None:
-    from mhla_cli.cli import COMMANDS, app
+    from mhla_cli.cli.registry import COMMANDS
+    from mhla_cli.cli import app
 
     assert run(["--version"]) == 0 and capsys.readouterr().out == f"mhla {__version__}\n"
     assert run(["--help"]) == 0

@@ -49,7 +49,7 @@ def test_compare_on_data_evaluates_a_model_where_it_was_solved(tmp_path: Path) -
     canonical coordinates, as predict does: it equals the teacher there to 1e-8."""
     from mhla_cli.model.forward import predict
     from mhla_cli.solve.lstsq import fit
-    from mhla_cli.statistics.stream import chunk_features
+    from mhla_cli.statistics.accumulate import chunk_features
 
     rng = np.random.default_rng(41)
     d, N = 3, 420

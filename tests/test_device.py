@@ -23,6 +23,8 @@ from mhla_cli.statistics import accumulate, stream
 from mhla_cli.cli import run as main
 from mhla_cli.errors import InputError
 from mhla_cli.api.estimator import MHLA
+from mhla_cli.statistics.ranges import accumulate_range
+from mhla_cli.io.tokens import inspect_tokens
 
 from conftest import relerr
 
@@ -99,10 +101,10 @@ def test_factorization_paths_equal_numpy(dense_max: int, tmp_path: Path, monkeyp
     singular Lambda~ (N < psi: the null space and the minimum-norm fit from torch's eigh)."""
     monkeypatch.setattr(factorization, "DENSE_MAX", dense_max)
     path, _ = _data("ragged", tmp_path)
-    info = stream.inspect_tokens(path)
+    info = inspect_tokens(path)
     for n in (400, 20):  # identifiable; then N = 20 < psi = 40: singular
-        a = stream.accumulate_range(info, (0, n))
-        b = stream.accumulate_range(info, (0, n), device=DEV)
+        a = accumulate_range(info, (0, n))
+        b = accumulate_range(info, (0, n), device=DEV)
         ca, cb = certificate.certify(a), certificate.certify(b, device=DEV)
         assert ca.identifiable == cb.identifiable == (n == 400)
         assert ca.rank == cb.rank
@@ -161,10 +163,12 @@ def test_unknown_device_refused(bad: str, tmp_path: Path) -> None:
 
 
 def test_device_memory_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    from mhla_cli.linalg.backends import NUMPY, TorchBackend
+
     monkeypatch.setattr(device_mod, "free_bytes", lambda device: 2**20)
     with pytest.raises(InputError, match="GiB on cuda"):
-        device_mod.check_device_memory("cuda", 2**31, "featurize")
-    device_mod.check_device_memory(None, 2**40, "featurize")  # the numpy path: the host's check applies
+        device_mod.check_device_memory(TorchBackend("cuda"), 2**31, "featurize")
+    device_mod.check_device_memory(NUMPY, 2**40, "featurize")  # the numpy path: the host's check applies
 @needs_torch
 def test_cuda_without_gpu_refused_before_work(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                               capsys: pytest.CaptureFixture[str]) -> None:
@@ -267,7 +271,7 @@ def test_device_equals_numpy_over_a_family() -> None:
         w = rng.uniform(0.5, 2.0, size=n_seq) if weighted else None
         parts = []
         for dev in (None, DEV):
-            acc = accumulate._Accumulator(d, True, np.eye(d), normalize=normalize, device=dev)
+            acc = accumulate.Accumulator(d, True, np.eye(d), normalize=normalize, device=dev)
             for a in range(0, n_seq, chunk):
                 b = min(n_seq, a + chunk)
                 acc.add(X[off[a]:off[b]], off[a:b + 1] - off[a], Y[a:b], weights=None if w is None else w[a:b])
@@ -362,7 +366,7 @@ def test_device_verdict_is_proven_by_a_shifted_cholesky(dense_max: int, tmp_path
         assert c.proof == ("cholesky of Lambda~ - t I" if factor < 1 else "cholesky of Lambda~ - t I failed")
     # singular (N = 20 < psi = 40) with a ridge of 1e-30: the minimum-norm fit, not rounding / 1e-30
     n = 20
-    feats = stream.accumulate_range(stream.inspect_tokens(path), (0, n), device=DEV)
+    feats = accumulate_range(inspect_tokens(path), (0, n), device=DEV)
     m = lstsq.fit(feats, ridge=1e-30, device=DEV)
     ref = _reference.canonical(X[:off[n]], off[:n + 1], y[:n])
     seqs = [X[a:b] for a, b in zip(off[:n], off[1:n + 1])]

@@ -882,7 +882,7 @@ _API_GAPS = {
     "MHLA": {"bias_terms"}, "learn.check_fit_file": {"attention", "bias_terms"},
     "load_features": {"attention", "bias_terms", "affine_from", "read"}, "predict": {"wide", "layout"},
     "forward.predict_samples": {"wide"}, "folds.load_for_cv": {"attention", "bias_terms", "read"},
-    "stream.chunk_features": {"device"}, "Heads.from_arrays": {"bias", "affine", "maps"},
+    "accumulate.chunk_features": {"device"}, "Heads.from_arrays": {"bias", "affine", "maps"},
     "spectrum.spectrum": {"W", "max_iter", "tol"}, "spectrum.outlier_heads": {"spec", "max_iter"},
     "parallel.make_map": {"backend", "timeout"}, "forward_heads": {"layout"},
 }

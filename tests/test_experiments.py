@@ -123,7 +123,7 @@ def test_fig2_observed_distance_when_tokens_span_a_proper_subspace() -> None:
     tokens = np.concatenate(seqs)
     offsets = np.arange(N + 1) * n
     targets = rng.standard_normal((N, d))
-    from mhla_cli.statistics.stream import chunk_features
+    from mhla_cli.statistics.accumulate import chunk_features
 
     feats = chunk_features(tokens, offsets, targets, d)
     P = fig2_assoc.observed_projector(feats)

@@ -20,7 +20,7 @@ from mhla_cli.solve.probes import certify_probes
 from mhla_cli.solve.certificate import certify
 from mhla_cli.solve.domains import factorize
 from mhla_cli.solve.lstsq import fit
-from mhla_cli.statistics.stream import chunk_features
+from mhla_cli.statistics.accumulate import chunk_features
 
 
 def _cases() -> dict[str, tuple]:

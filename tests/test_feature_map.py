@@ -36,4 +36,3 @@ def test_feature_order_is_j_then_k_then_l() -> None:
     idx = features.feature_index(3)
     assert [tuple(r) for r in idx[:4]] == [(0, 0, 0), (0, 0, 1), (0, 0, 2), (0, 1, 0)]
     assert tuple(idx[-1]) == (2, 2, 2)
-    assert features.feature_name(3, 4) == "S[0,1]*x_n[1]"

@@ -13,7 +13,7 @@ import numpy as np
 from _reference import canonical, ratio
 from _records import ragged_data, weighted_features
 from mhla_cli.statistics.features import Features
-from mhla_cli.statistics.stream import chunk_features
+from mhla_cli.statistics.accumulate import chunk_features
 from mhla_cli.samples import ReadSpec, samples_of
 
 
@@ -66,10 +66,10 @@ def test_weight_totals_are_sums_that_add_subtract_and_round_trip(tmp_path: Path)
 
 def test_the_record_has_its_algebra_and_its_file() -> None:
     from mhla_cli import Features as public
-    from mhla_cli.statistics import algebra, stream
+    from mhla_cli.statistics import algebra
     from mhla_cli.statistics.files import features_file
 
-    assert Features is public is stream.Features
+    assert Features is public
     assert issubclass(Features, algebra.FeaturesAlgebra) and issubclass(Features, features_file.FeaturesFile)
     f = Features.zeros(2, True)
     assert f.gram.shape == (f.n_features, f.n_features) and f._gram_raw is f.gram  # the field, held

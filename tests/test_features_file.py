@@ -19,7 +19,7 @@ from mhla_cli.statistics.features import Features
 from mhla_cli.io.formats import PAIRS_DATASET
 from mhla_cli.statistics.storage.gram_pairs import PAIRS_FORMAT
 from mhla_cli.statistics.files import features_file  # noqa: F401  (the module under test, through Features)
-from mhla_cli.statistics.stream import chunk_features
+from mhla_cli.statistics.accumulate import chunk_features
 
 
 def _write_features(tmp_path: Path) -> Path:

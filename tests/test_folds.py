@@ -16,7 +16,8 @@ from mhla_cli.model import synthetic
 from mhla_cli.errors import InputError
 from mhla_cli.statistics.folds import featurize_folds, load_folds, load_for_cv, save_with_folds
 from mhla_cli.solve.lstsq import fit
-from mhla_cli.statistics.stream import Features, featurize
+from mhla_cli.statistics.features import Features
+from mhla_cli.statistics.stream import featurize
 from conftest import unseal
 
 

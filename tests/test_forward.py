@@ -402,7 +402,7 @@ def test_fit_predicts_the_teacher_at_extreme_conditioning(tmp_path: Path, std: f
     from mhla_cli.model import synthetic
     from mhla_cli.solve.certificate import certify
     from mhla_cli.solve.lstsq import fit
-    from mhla_cli.statistics.stream import chunk_features
+    from mhla_cli.statistics.accumulate import chunk_features
 
     rng = np.random.default_rng(41)
     d, N = 3, 420
@@ -478,6 +478,22 @@ def test_formats_md_gives_one_weighted_mse_and_predict_follows_it(tmp_path: Path
 
 # Relative error of the scores of one function summed in different orders (float64).
 SCORE_ROUNDING = 1e-10
+
+
+def test_contradicting_output_layouts_are_refused(tmp_path: Path) -> None:
+    """causal with all_positions, or a layout beside either, is an InputError naming both, before any output."""
+    from mhla_cli import write_tokens
+    from mhla_cli.samples import CAUSAL
+
+    rng = np.random.default_rng(5)
+    fn = Heads(V=rng.standard_normal((1, 2, 2)), Q=rng.standard_normal((1, 2, 2)), info={"normalize": "none"})
+    data = tmp_path / "d.h5"
+    write_tokens(data, [rng.standard_normal((3, 2))], targets=rng.standard_normal((1, 2)))
+    with pytest.raises(InputError, match="causal and all_positions cannot be combined"):
+        forward.predict_file(fn, data, causal=True, all_positions=True)
+    with pytest.raises(InputError, match="beside causal or all_positions"):
+        forward.predict_file(fn, data, all_positions=True, layout=CAUSAL)
+    assert forward.predict_file(fn, data, causal=True, layout=CAUSAL).n_samples == 1  # the same layout twice
 
 
 @pytest.mark.parametrize("attention", ["bidirectional", None, "causal"])

@@ -19,7 +19,7 @@ from mhla_cli.statistics.storage import gram_storage
 from mhla_cli.statistics.features import Features
 from mhla_cli.statistics.storage.gram_dense import DenseGram
 from mhla_cli.statistics.storage.gram_pairs import PairsGram
-from mhla_cli.statistics.stream import chunk_features
+from mhla_cli.statistics.accumulate import chunk_features
 from mhla_cli.io import formats
 
 D = 3

@@ -13,7 +13,7 @@ from mhla_cli.solve import lstsq
 from mhla_cli.model import synthetic
 from mhla_cli import featurize
 from mhla_cli.errors import InputError
-from mhla_cli.statistics.stream import Features
+from mhla_cli.statistics.features import Features
 from mhla_cli.samples import ReadSpec
 
 

@@ -9,14 +9,17 @@ import numpy as np
 import pytest
 
 from mhla_cli.solve import lowrank
+from mhla_cli.solve.lowrank._gauss_newton import _normal_parts
+from mhla_cli.solve.lowrank._params import _jacobians, _p_of
 from mhla_cli.model import synthetic
 from mhla_cli.cli import run
-from mhla_cli.feature_map import n_features
+from mhla_cli.feature_map import n_features, pair_index
 from mhla_cli.statistics.folds import load_folds
-from mhla_cli.model.heads import Heads, p_from_W
+from mhla_cli.model.heads import Heads, W_from_p, p_from_W
 from mhla_cli.model.model import Model
 from mhla_cli.solve.lstsq import fit
-from mhla_cli.statistics.stream import Features, chunk_features
+from mhla_cli.statistics.features import Features
+from mhla_cli.statistics.accumulate import chunk_features
 
 
 def _np_features(X: np.ndarray) -> np.ndarray:
@@ -54,7 +57,7 @@ def test_adjoint_and_projection() -> None:
     # the projection is orthogonal: W - Wp is in the row space of A (orthogonal to the kernel)
     N = W - Wp
     K = rng.standard_normal((d * d, d * d))
-    K = K - lowrank.W_from_p(p_from_W(K))  # a kernel element (antisymmetric in (j, k))
+    K = K - W_from_p(p_from_W(K))  # a kernel element (antisymmetric in (j, k))
     assert np.abs(p_from_W(K)).max() < 1e-12
     assert abs(np.sum(N * K)) < 1e-10
 
@@ -65,13 +68,13 @@ def test_normal_parts_match_dense_jacobian() -> None:
     ds, _ = synthetic.generate_teacher(d, 2, 60, 5, noise=0.1, seed=1)
     feats = _feats(ds, d)
     Vm, Qm = rng.standard_normal((H, d * d)), rng.standard_normal((H, d * d))
-    p = lowrank._p_of(Vm, Qm)
-    JV, JQ = lowrank._jacobians(Vm, Qm)
+    p = _p_of(Vm, Qm)
+    JV, JQ = _jacobians(Vm, Qm)
     J = np.hstack([JV, JQ])
     Gb = np.kron(np.eye(d), feats.gram)
     Hd = (2 / feats.n_samples) * J.T @ Gb @ J
     gd = (2 / feats.n_samples) * J.T @ (p @ feats.gram - feats.moments.T).ravel()
-    HVV, HQQ, HVQ, gV, gQ = lowrank._normal_parts(feats, Vm, Qm, p @ feats.gram - feats.moments.T)
+    HVV, HQQ, HVQ, gV, gQ = _normal_parts(feats, Vm, Qm, p @ feats.gram - feats.moments.T)
     Hf = np.block([[HVV, HVQ], [HVQ.T, HQQ]])
     assert np.abs(Hf - Hd).max() <= 1e-12 * np.abs(Hd).max()
     assert np.abs(np.concatenate([gV, gQ]) - gd).max() <= 1e-12 * np.abs(gd).max()
@@ -272,7 +275,7 @@ def test_lower_bound_is_about_the_tolerance() -> None:
     assert lowrank.head_lower_bound(coef + 1e-5 * n * E, tol=1e-8)["lower_bound"] == 4
     # off-diagonal-only p: every B_j is 0, a random direction still sees it
     P = np.zeros_like(coef).reshape(4, -1, 4)
-    j, k = lowrank.pair_index(4)
+    j, k = pair_index(4)
     P[:, j < k, :] = rng.standard_normal((4, int((j < k).sum()), 4))
     lb = lowrank.head_lower_bound(P.reshape(4, -1))
     assert lb["block_ranks"] == [0] * 4 and lb["lower_bound"] == 4

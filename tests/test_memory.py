@@ -15,6 +15,9 @@ from mhla_cli.cli import run
 from mhla_cli.errors import InputError
 from mhla_cli.feature_map import n_features
 from mhla_cli.statistics.features import Features
+from mhla_cli.statistics.accumulate import chunk_features
+from mhla_cli.io.tokens import inspect_tokens
+from mhla_cli.statistics.ranges import featurize_need
 
 
 def test_check_memory_names_the_largest_d() -> None:
@@ -85,8 +88,8 @@ def test_refused_before_any_work(command: str, files: tuple[Path, Path], tmp_pat
                                  monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
     tokens, feats = files
     out = tmp_path / "out.h5"
-    info = stream.inspect_tokens(tokens)
-    source, need = {"featurize": (tokens, stream.featurize_need(info)),
+    info = inspect_tokens(tokens)
+    source, need = {"featurize": (tokens, featurize_need(info)),
                     "certify": (feats, stream.solve_need(feats)[1]),
                     "fit": (feats, stream.solve_need(feats, command="fit")[1])}[command]
     monkeypatch.setattr(memory, "_available_memory", lambda: need(2) + 1)  # room for d = 2 only
@@ -102,8 +105,8 @@ def test_certify_and_fit_of_tokens_count_the_pass_and_the_solve(files: tuple[Pat
                                                                 capsys: pytest.CaptureFixture[str]) -> None:
     tokens, _ = files
     d, need = stream.solve_need(tokens)
-    info = stream.inspect_tokens(tokens)
-    assert need(d) >= stream.featurize_need(info, derive=False)(d)
+    info = inspect_tokens(tokens)
+    assert need(d) >= featurize_need(info, derive=False)(d)
     assert need(d) >= memory.solve_bytes(d, memory.solve_kind(d, info.n_samples))
     monkeypatch.setattr(memory, "_available_memory", lambda: need(2) + 1)
     _no_work(monkeypatch)
@@ -123,8 +126,8 @@ def test_a_ridge_fit_needs_more(files: tuple[Path, Path], tmp_path: Path, monkey
 
 def test_workers_count_their_accumulators(files: tuple[Path, Path], monkeypatch: pytest.MonkeyPatch) -> None:
     tokens, _ = files
-    info = stream.inspect_tokens(tokens)
-    one, two = stream.featurize_need(info), stream.featurize_need(info, workers=2)
+    info = inspect_tokens(tokens)
+    one, two = featurize_need(info), featurize_need(info, workers=2)
     assert two(3) > one(3)
     monkeypatch.setenv("MHLA_PARALLEL_BACKEND", "thread")
     monkeypatch.setattr(memory, "_available_memory", lambda: two(2) + 1)
@@ -135,7 +138,7 @@ def test_workers_count_their_accumulators(files: tuple[Path, Path], monkeypatch:
 
 def test_a_job_that_fits_runs(files: tuple[Path, Path], monkeypatch: pytest.MonkeyPatch) -> None:
     tokens, _ = files
-    need = stream.featurize_need(stream.inspect_tokens(tokens))
+    need = featurize_need(inspect_tokens(tokens))
     monkeypatch.setattr(memory, "_available_memory", lambda: need(3))
     feats = stream.featurize(tokens)
     assert feats.d == 3 and np.isfinite(feats.gram).all()
@@ -201,9 +204,10 @@ def test_featurize_derives_the_own_gram_when_used(files: tuple[Path, Path]) -> N
 
     tokens, _ = files
     feats = stream.featurize(tokens)
-    assert feats._gram_raw is features_file._DERIVED and feats.moments is not None
-    want = basis.gram_from_basis(feats.basis, feats.basis_gram)
-    assert np.array_equal(feats.gram, want) and feats._gram_raw is feats.gram
+    assert feats._gram_raw is features_file.DERIVED and feats.moments is not None
+    M = basis.feature_map(feats.basis)  # H(X A) = M H(X): the own Gram is M^-1 G_b M^-T
+    want = np.linalg.solve(M, np.linalg.solve(M, feats.basis_gram).T)
+    assert np.abs(feats.gram - want).max() <= 1e-10 * np.abs(want).max() and feats._gram_raw is feats.gram
 
 
 # ------------------------------------------------------------- wide tokens, refused up front
@@ -246,7 +250,7 @@ def test_library_entry_points_check_the_floor(files: tuple[Path, Path], monkeypa
     with pytest.raises(InputError, match="mhla reduce"):
         stream.solve_need(tokens)
     with pytest.raises(InputError, match="mhla reduce|not even d = 1"):
-        stream.chunk_features(np.ones((4, 3)), np.array([0, 2, 4]), None, 3)
+        chunk_features(np.ones((4, 3)), np.array([0, 2, 4]), None, 3)
 
 
 @pytest.fixture(scope="module")

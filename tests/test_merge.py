@@ -13,7 +13,8 @@ from mhla_cli.model import synthetic
 from mhla_cli.cli import run
 from mhla_cli.errors import InputError
 from mhla_cli.statistics.merge import merge_features
-from mhla_cli.statistics.stream import Features, featurize
+from mhla_cli.statistics.features import Features
+from mhla_cli.statistics.stream import featurize
 
 @pytest.fixture(scope="module")
 def data(tmp_path_factory: pytest.TempPathFactory) -> Path:

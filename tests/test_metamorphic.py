@@ -22,7 +22,8 @@ from _reference import canonical, min_norm_function, predict_canonical, predict_
 from mhla_cli.solve.probes import certify_probes
 from mhla_cli.solve.certificate import certify
 from mhla_cli.solve.lstsq import fit
-from mhla_cli.statistics.stream import chunk_features, featurize
+from mhla_cli.statistics.accumulate import chunk_features
+from mhla_cli.statistics.stream import featurize
 from mhla_cli.samples import ReadSpec, samples_of
 
 

@@ -127,7 +127,7 @@ def test_model_files_before_canonical_coef_are_read_and_broken_ones_refused(tmp_
     with only one of them, or with coef_b in basis disagreeing with coef, is refused."""
     from mhla_cli.model import forward
     from mhla_cli.solve.lstsq import fit
-    from mhla_cli.statistics.stream import chunk_features
+    from mhla_cli.statistics.accumulate import chunk_features
 
     rng = np.random.default_rng(2)
     X = rng.standard_normal((60, 2)) * np.array([1.0, 30.0])

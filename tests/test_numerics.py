@@ -360,27 +360,25 @@ def test_the_help_quotes_the_constants(capsys) -> None:
     assert f"tolerance {numerics.RANK_RULE} (eps = {numerics.EPS:.4g})" in out
 
 
-def test_old_homes_of_the_constants_still_import() -> None:
-    from mhla_cli.linalg import factorization
-    from mhla_cli.solve import probes
-    from mhla_cli.solve import spectrum
+def test_constants_have_one_home() -> None:
+    """Every constant of mhla_cli.numerics is assigned there only: the modules that use one import it."""
+    import ast
+    from pathlib import Path
+
     from mhla_cli import numerics
 
-    assert probes.DETERMINED_TOL == numerics.DETERMINED_TOL and factorization.LANCZOS_TOL == numerics.LANCZOS_TOL
-    from mhla_cli.linalg import krylov
-
-    assert krylov.LANCZOS_TOL == numerics.LANCZOS_TOL
-    assert spectrum.NONZERO_REL == numerics.NONZERO_REL
-    from mhla_cli.model import model
-    from mhla_cli.model import scores
-    from mhla_cli.io import tokens
-    from mhla_cli.solve.lowrank import _numerics
-
-    assert basis.UNRESOLVED_REL == numerics.UNRESOLVED_REL == numerics.EPS
-    assert basis.EQUILIBRATE_RATIO == numerics.EQUILIBRATE_RATIO and basis.CANONICAL_TOL == numerics.CANONICAL_TOL
-    assert model.CANONICAL_COEF_TOL == numerics.CANONICAL_COEF_TOL and tokens.MAX_EXACT_INT == numerics.MAX_EXACT_INT
-    assert scores.SST_RESOLUTION == numerics.SST_RESOLUTION and spectrum.RELIABLE_GAP == numerics.RELIABLE_GAP
-    assert scores.EPS == _numerics.EPS == numerics.EPS
+    names = {n for n in vars(numerics) if n.isupper()}
+    assert {"DETERMINED_TOL", "LANCZOS_TOL", "EPS", "EQUILIBRATE_RATIO", "MAX_EXACT_INT"} <= names
+    package = Path(numerics.__file__).parent
+    again = []
+    for path in sorted(package.rglob("*.py")):
+        if path.name == "numerics.py" and path.parent == package:
+            continue
+        for node in ast.parse(path.read_text(encoding="utf-8")).body:
+            targets = node.targets if isinstance(node, ast.Assign) else [getattr(node, "target", None)]
+            again += [f"{path.relative_to(package)}: {t.id}" for t in targets
+                      if isinstance(t, ast.Name) and t.id in names]
+    assert not again, again
 
 
 # --------------------------------------------------------------------------------------------
@@ -392,7 +390,7 @@ def test_old_homes_of_the_constants_still_import() -> None:
 import _reference  # noqa: E402
 
 from mhla_cli import numerics  # noqa: E402, F401
-from mhla_cli.statistics.stream import chunk_features  # noqa: E402
+from mhla_cli.statistics.accumulate import chunk_features  # noqa: E402
 from conftest import unseal  # noqa: E402
 
 EPS64 = float(np.finfo(np.float64).eps)

@@ -14,11 +14,14 @@ from conftest import assert_same_stats, relerr
 from mhla_cli.linalg import memory
 from mhla_cli.statistics.distributed import parallel
 from mhla_cli.statistics import stream
+from mhla_cli.io.tokens import inspect_tokens
+from mhla_cli.statistics.ranges import accumulate_range, featurize_need
 from mhla_cli.model import synthetic
 from mhla_cli.cli import run
 from mhla_cli.model.forward import predict_file
 from mhla_cli.solve.lstsq import fit
-from mhla_cli.statistics.stream import Features, featurize
+from mhla_cli.statistics.features import Features
+from mhla_cli.statistics.stream import featurize
 
 @pytest.fixture(scope="module")
 def data(tmp_path_factory: pytest.TempPathFactory) -> Path:
@@ -164,8 +167,8 @@ def test_featurize_and_fit_refuse_a_d_that_does_not_fit(data: Path, serial: Feat
                                                          capsys: pytest.CaptureFixture[str]) -> None:
     feats = tmp_path / "feats.h5"
     serial.save(feats)
-    info = stream.inspect_tokens(data)
-    for args, need in ((["featurize", str(data), "-o", str(tmp_path / "f.h5")], stream.featurize_need(info)),
+    info = inspect_tokens(data)
+    for args, need in ((["featurize", str(data), "-o", str(tmp_path / "f.h5")], featurize_need(info)),
                        (["fit", str(feats), "-o", str(tmp_path / "m.h5")], stream.solve_need(feats, command="fit")[1]),
                        (["certify", str(data)], stream.solve_need(data)[1])):
         budget = need(2) + 1  # d = 3 data, room for d = 2 only
@@ -190,7 +193,7 @@ def test_interrupt_stops_thread_workers(data: Path, serial: Features, monkeypatc
     parallel.CANCEL.set()
     try:
         with pytest.raises(parallel.Cancelled):
-            stream.accumulate_range(stream.inspect_tokens(data), (0, 211), 10)
+            accumulate_range(inspect_tokens(data), (0, 211), 10)
     finally:
         parallel.CANCEL.clear()
     assert_same_stats(featurize(data, chunk_size=13, workers=2), serial)

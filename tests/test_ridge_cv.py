@@ -18,7 +18,7 @@ from mhla_cli.model.forward import predict
 from mhla_cli.cli import run
 from mhla_cli.api.estimator import MHLA
 from mhla_cli.solve.ridge_cv import GRID_HI, GRID_LO, N_GRID, cv_ridge, ridge_grid
-from mhla_cli.statistics.stream import chunk_features
+from mhla_cli.statistics.accumulate import chunk_features
 
 EPS = np.finfo(np.float64).eps
 

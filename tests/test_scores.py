@@ -19,8 +19,9 @@ from mhla_cli.cli import run
 from mhla_cli.api.estimator import MHLA
 from conftest import unseal
 from mhla_cli.model.forward import Predictions
-from mhla_cli.model.scores import SST_RESOLUTION, Spread, r2, r2_of, sst_from_sums
-from mhla_cli.statistics.stream import Features
+from mhla_cli.numerics import SST_RESOLUTION
+from mhla_cli.model.scores import Spread, r2, r2_of, sst_from_sums
+from mhla_cli.statistics.features import Features
 from mhla_cli.samples import ReadSpec, samples_of
 
 
@@ -81,7 +82,7 @@ def test_spread_merges_exactly_and_r2_is_numpy() -> None:
     # the sums' form: tr(T) - ||s||^2 / W
     T = (w[:, None] * y).T @ y
     sst, energy = sst_from_sums(T, w @ y, float(w.sum()))
-    assert sst == pytest.approx(whole.sst, rel=1e-9) and energy == pytest.approx(whole.sum_squares, rel=1e-12)
+    assert sst == pytest.approx(whole.sst, rel=1e-9) and energy == pytest.approx(float(w @ (y ** 2).sum(1)), rel=1e-12)
 
 
 def test_scikit_learn_r2_is_the_variance_weighted_one() -> None:
@@ -147,7 +148,7 @@ def test_features_target_sum_and_fit_train_r2(tmp_path: Path, capsys: pytest.Cap
 
 
 def test_target_sum_merges_and_subtracts(tmp_path: Path) -> None:
-    from mhla_cli.statistics.stream import chunk_features
+    from mhla_cli.statistics.accumulate import chunk_features
 
     rng = np.random.default_rng(4)
     X, off, _, Y = _data(rng, N=40)

@@ -228,7 +228,7 @@ def test_swallowed_signal_still_stops_the_output(small: Path, tmp_path: Path, mo
     assert run(["featurize", str(small), "-o", str(out), "-q"]) == 143
     assert capsys.readouterr().err.strip() == "mhla: terminated"
     assert not out.exists() and not _temps(out)
-    assert signals.interrupted_signal() is None  # reset once the run is over
+    assert signals._signal_received is None  # reset once the run is over
 
 
 def test_signal_in_a_finalizer_is_not_printed(capsys) -> None:
@@ -249,7 +249,7 @@ def test_signal_in_a_finalizer_is_not_printed(capsys) -> None:
         next(g)
         del g
         gc.collect()
-        assert signals.interrupted_signal() == signal.SIGTERM
+        assert signals._signal_received == signal.SIGTERM
         with pytest.raises(signals.Interrupted):
             signals.check_interrupted()
     assert capsys.readouterr().err == ""

@@ -14,8 +14,9 @@ from mhla_cli.cli import run
 from mhla_cli.model.heads import Heads
 from mhla_cli.solve.lstsq import fit
 from mhla_cli.solve.lowrank import generic_rank
-from mhla_cli.solve.spectrum import RELIABLE_GAP, count_reliability, effective_rank, outlier_gap, spectrum
-from mhla_cli.statistics.stream import chunk_features
+from mhla_cli.numerics import RELIABLE_GAP
+from mhla_cli.solve.spectrum import count_reliability, effective_rank, outlier_gap, spectrum
+from mhla_cli.statistics.accumulate import chunk_features
 
 
 @pytest.fixture(scope="module")

@@ -10,7 +10,7 @@ import pytest
 import _reference
 from conftest import relerr, write_tokens
 from mhla_cli import featurize
-from mhla_cli.statistics.stream import Features
+from mhla_cli.statistics.features import Features
 
 
 def reference(tokens: np.ndarray, offsets: np.ndarray, y: np.ndarray) -> dict[str, np.ndarray]:
@@ -77,3 +77,19 @@ def test_data_kind_routes_a_store_and_files(tmp_path: Path) -> None:
     (tmp_path / "plain").mkdir()
     with pytest.raises(InputError, match="is a directory"):
         data_kind(tmp_path / "plain")
+
+
+def test_affine_from_on_a_device_is_refused(tmp_path: Path) -> None:
+    """--affine-from accumulates with numpy on the host: a torch device (torch on the CPU too) is refused before
+    the wide file is opened; on the host the same call reads it (here: a file that is not there)."""
+    pytest.importorskip("torch")
+    from mhla_cli.errors import InputError
+
+    rng = np.random.default_rng(3)
+    X, offsets, Y = rng.standard_normal((8, 2)), np.array([0, 3, 8]), rng.standard_normal((2, 2))
+    path = write_tokens(tmp_path / "d.h5", X, offsets, Y)
+    with pytest.raises(InputError, match="accumulates on the CPU"):
+        featurize(path, device="torch:cpu", affine_from=tmp_path / "wide.h5")
+    with pytest.raises(InputError) as err:
+        featurize(path, affine_from=tmp_path / "wide.h5")
+    assert "accumulates on the CPU" not in str(err.value)

@@ -22,7 +22,7 @@ from mhla_cli.solve.certificate import certify
 from mhla_cli.solve.domains import factorize
 from mhla_cli.solve.lstsq import fit
 from mhla_cli.solve.domains import OBSERVED
-from mhla_cli.statistics.stream import chunk_features
+from mhla_cli.statistics.accumulate import chunk_features
 from mhla_cli.statistics.structure import Structure, find_structure, partial_traces
 from conftest import unseal
 from mhla_cli.samples import ReadSpec, samples_of

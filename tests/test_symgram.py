@@ -14,10 +14,12 @@ from hypothesis import strategies as st
 import _reference as ref
 from conftest import assert_same_stats, relerr, write_tokens
 from mhla_cli.linalg import backends
-from mhla_cli.statistics import accumulate, stream
+from mhla_cli.statistics import accumulate
 from mhla_cli.linalg import symgram
 from mhla_cli import featurize
 from mhla_cli.io.tokens import inspect_tokens
+from mhla_cli.statistics.ranges import accumulate_range
+from mhla_cli.linalg.backends import MIN_THREADED_WIDTH
 
 # the gram derived from K against the materialised reference (issue 24)
 TOL = 1e-13
@@ -311,7 +313,7 @@ def test_reduction_equals_the_reference(tmp_path: Path, kernel: str, kind: str, 
     y = data["targets"].reshape(-1, d)
     G, M, n = _reference_gram(X, off, A, info.per_position, data.get("weights"), normalize, y)
     for chunk in (3, None):  # several chunks (the empty chunks of zero weights among them), one chunk
-        f = stream.accumulate_range(info, (0, info.n_samples), chunk, normalize=normalize, basis=A, finalize=False)
+        f = accumulate_range(info, (0, info.n_samples), chunk, normalize=normalize, basis=A, finalize=False)
         assert f.n_samples == n
         assert relerr(f.basis_gram, G) < TOL and relerr(f.basis_moments, M) < TOL
         assert np.array_equal(f.basis_gram, f.basis_gram.T)
@@ -328,7 +330,7 @@ def test_reduction_on_spans_equals_the_reference(tmp_path: Path, kernel: str, ki
     X = data["tokens"].astype(np.float64)
     G, M, n = _reference_gram(X, data["offsets"], np.eye(d), info.per_position, data.get("weights"), "none",
                               data["targets"], spans=(E, F))
-    f = stream.accumulate_range(info, (0, info.n_samples), 4, basis=np.eye(d), finalize=False, spans=(E, F))
+    f = accumulate_range(info, (0, info.n_samples), 4, basis=np.eye(d), finalize=False, spans=(E, F))
     assert f.on_spans and f.n_samples == n
     assert relerr(f.basis_gram, G) < TOL and relerr(f.basis_moments, M) < TOL
 
@@ -338,8 +340,8 @@ def test_empty_range_and_all_zero_weights(tmp_path: Path, kernel: str) -> None:
     data = _data("weighted", 2, rng)
     data["weights"][:10] = 0.0
     info = inspect_tokens(_write(tmp_path / "t.h5", data))
-    empty = stream.accumulate_range(info, (4, 4), basis=np.eye(2), finalize=False)
-    zero = stream.accumulate_range(info, (0, 10), 3, basis=np.eye(2), finalize=False)  # every weight 0
+    empty = accumulate_range(info, (4, 4), basis=np.eye(2), finalize=False)
+    zero = accumulate_range(info, (0, 10), 3, basis=np.eye(2), finalize=False)  # every weight 0
     for f in (empty, zero):
         assert f.n_samples == 0 and not f.basis_gram.any() and not f.basis_moments.any()
         assert f.basis_gram.shape == (6, 6)  # psi = d^2 (d + 1) / 2
@@ -356,10 +358,10 @@ def test_at_the_rule_width_without_forcing(tmp_path: Path) -> None:
     w[::5] = 0.0
     path = _write(tmp_path / "t.h5", {"tokens": X, "offsets": off, "targets": y, "weights": w})
     info = inspect_tokens(path)
-    acc = accumulate._Accumulator(d, True)
+    acc = accumulate.Accumulator(d, True)
     assert acc._gram._pairs is not None
     G, M, n = _reference_gram(X, off, np.eye(d), False, w, "none", y)
-    f = stream.accumulate_range(info, (0, 40), 7, basis=np.eye(d), finalize=False)
+    f = accumulate_range(info, (0, 40), 7, basis=np.eye(d), finalize=False)
     assert relerr(f.basis_gram, G) < TOL and relerr(f.basis_moments, M) < TOL and f.n_samples == n
 
 
@@ -399,23 +401,23 @@ def test_device_reduction_equals_the_reference(tmp_path: Path, kernel: str, kind
                                                                        if data["tokens"].ndim == 3 else 1))
     G, M, n = _reference_gram(X, off, np.eye(d), info.per_position, data.get("weights"), "length",
                               data["targets"].reshape(-1, d))
-    f = stream.accumulate_range(info, (0, info.n_samples), 5, normalize="length", basis=np.eye(d), finalize=False,
+    f = accumulate_range(info, (0, info.n_samples), 5, normalize="length", basis=np.eye(d), finalize=False,
                            device="torch:cpu")
     assert f.n_samples == n and relerr(f.basis_gram, G) < TOL and relerr(f.basis_moments, M) < TOL
     E = np.linalg.qr(rng.standard_normal((6, 3)))[0]
     F = np.linalg.qr(rng.standard_normal((3, 2)))[0]
     Gs, Ms, _ = _reference_gram(X, off, np.eye(d), info.per_position, data.get("weights"), "none",
                                 data["targets"].reshape(-1, d), spans=(E, F))
-    g = stream.accumulate_range(info, (0, info.n_samples), 5, basis=np.eye(d), finalize=False, spans=(E, F),
+    g = accumulate_range(info, (0, info.n_samples), 5, basis=np.eye(d), finalize=False, spans=(E, F),
                            device="torch:cpu")
     assert relerr(g.basis_gram, Gs) < TOL and relerr(g.basis_moments, Ms) < TOL
 
 
 def test_a_wide_block_with_threaded_panels_equals_the_syrk(tmp_path: Path, monkeypatch) -> None:
-    """d = 13 (psi + d >= accumulate.MIN_THREADED_WIDTH): the panels go over Python threads; the statistics
+    """d = 13 (psi + d >= MIN_THREADED_WIDTH): the panels go over Python threads; the statistics
     equal those of the syrk path."""
     d = 13
-    assert symgram.n_pairs(d) * d + d >= accumulate.MIN_THREADED_WIDTH
+    assert symgram.n_pairs(d) * d + d >= MIN_THREADED_WIDTH
     rng = np.random.default_rng(12)
     X, y = rng.standard_normal((150, 4, d)), rng.standard_normal((150, d))
     path = write_tokens(tmp_path / "w.h5", X, None, y)

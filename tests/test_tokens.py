@@ -197,7 +197,7 @@ def test_integer_tokens_float64_cannot_hold_are_refused(tmp_path: Path, capsys: 
     sample; 2^53 itself (exact) is accepted."""
     from mhla_cli import MHLA
     from mhla_cli.cli import run
-    from mhla_cli.io.tokens import MAX_EXACT_INT
+    from mhla_cli.numerics import MAX_EXACT_INT
 
     rng = np.random.default_rng(4)
     X = rng.integers(0, 50, size=(40, 3, 2)).astype(dtype)

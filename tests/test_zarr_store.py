@@ -18,6 +18,7 @@ from mhla_cli.statistics.distributed import tiled_statistics
 from mhla_cli.statistics.files import zarr_store
 from mhla_cli.statistics.stream import featurize, load_features
 from mhla_cli.samples import ReadSpec, samples_of
+from mhla_cli.statistics.files.store_location import is_store
 
 distributed = pytest.importorskip("dask.distributed")
 zarr = pytest.importorskip("zarr")
@@ -190,7 +191,7 @@ def test_a_store_at_an_fsspec_url(local, data: Path) -> None:
     zarr_store.save(stats, url)
     back = load_features(url)
     assert np.abs(spectrum(back) - spectrum(featurize(data, spans="off"))).max() <= 1e-12 * spectrum(back)[-1]
-    assert zarr_store.is_store(url) and not zarr_store.is_store("feats.h5")
+    assert is_store(url) and not is_store("feats.h5")
 
 
 def test_an_empty_shard_merges(local, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -30,8 +30,9 @@ from ..model.forward import predict_samples
 from ..samples import CAUSAL, ReadSpec, Samples, check_attention, samples_of
 from ..model.model import Model, token_dim
 from ..solve.certificate import Certificate, certify
-from ..statistics.stream import Features, chunk_features
-from ..io.tokens import MAX_EXACT_INT
+from mhla_cli.statistics.features import Features
+from mhla_cli.statistics.accumulate import chunk_features
+from mhla_cli.numerics import MAX_EXACT_INT
 
 _PARAMS = ("ridge", "heads", "nuclear", "domain", "normalize", "per_position", "weight_decay", "restarts", "seed",
            "min_eig", "cv", "device", "attention", "bias_terms")

@@ -16,9 +16,10 @@ from mhla_cli.errors import InputError
 from mhla_cli.model.export import load_heads
 from mhla_cli.model.heads import Heads
 from mhla_cli.model.model import Model
-from mhla_cli.statistics.files import zarr_store
+from mhla_cli.statistics.files import store_location, zarr_store
 from mhla_cli.statistics.storage import gram_storage
-from mhla_cli.statistics.stream import Features, default_chunk_size
+from mhla_cli.statistics.features import Features
+from mhla_cli.statistics.ranges import default_chunk_size
 from mhla_cli.io.tokens import TokensInfo, check_finite, check_weights, inspect_tokens, iter_chunks
 
 
@@ -39,9 +40,9 @@ def inspect_file(path: str | os.PathLike) -> dict[str, Any]:
     plus kind-specific fields (d, n_samples, ...); `error` is the message the commands would give
     (``<path>: <what is wrong>``) and `valid` is False when there is one.
     """
-    if zarr_store.is_store(path):  # a features store tiled by a cluster
+    if store_location.is_store(path):  # a features store tiled by a cluster
         try:
-            zarr_store.require_zarr()
+            store_location.require_zarr()
         except InputError as exc:
             return {"path": str(path), "kind": None, "valid": False, "datasets": {}, "attrs": {}, "error": str(exc)}
         return zarr_store.inspect(path)

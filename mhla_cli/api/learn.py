@@ -30,9 +30,10 @@ from mhla_cli.statistics.basis import feature_scale
 from mhla_cli.model.model import Model, affine_of
 from mhla_cli.samples import ReadSpec, layout_info
 from mhla_cli.statistics.folds import load_folds
-from mhla_cli.statistics.stream import Features, check_solve_memory, data_kind
+from mhla_cli.statistics.features import Features
+from mhla_cli.statistics.stream import check_solve_memory, data_kind
 from mhla_cli.statistics.distributed.tiled_statistics import TiledStatistics
-from mhla_cli.statistics.files.zarr_store import is_store
+from mhla_cli.statistics.files.store_location import is_store
 
 
 class RequestError(InputError):

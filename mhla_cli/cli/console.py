@@ -17,7 +17,7 @@ from rich.console import Console
 
 if TYPE_CHECKING:
     from ..samples import ReadSpec
-    from ..statistics.stream import Features
+    from mhla_cli.statistics.features import Features
 
 err_console = Console(stderr=True, highlight=False, soft_wrap=True)
 

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Annotated
 
 import typer
 
 from ..errors import InputError
 from ..io import convert as convert_mod
+from ..io.tokens import TokensInfo
 from .console import emit_json, progress_bar, say
 from .options import LAYOUT_OPTION, ChunkOpt, JsonOpt, OutOpt, QuietOpt
 
@@ -87,6 +89,12 @@ def convert_cmd(
         info = convert_mod.convert_files(inputs, output, chunk_size=chunk_size, progress=advance, mask=mask,
                                          keys=key, attention=attention,
                                          compatibility_mode=None if compat is None else compat == "on")
+    _report(info, output, inputs, attention, json_out, quiet)
+
+
+def _report(info: TokensInfo, output: Path, inputs: list[str], attention: str | None, json_out: bool,
+            quiet: bool) -> None:
+    """The summary of a conversion: one line on stderr, the --json object on stdout."""
     summary = {"output": str(output),
                "inputs": [str(p) for _, p in map(convert_mod.parse_input, convert_mod.expand_inputs(inputs))],
                "layout": info.layout, "n_samples": info.n_samples, "d": info.d, "n_tokens": info.n_tokens,

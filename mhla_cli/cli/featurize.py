@@ -13,9 +13,12 @@ from mhla_cli.feature_map import check_normalize
 from mhla_cli.statistics.folds import featurize_folds, save_with_folds
 from mhla_cli.statistics.merge import merge_features
 from mhla_cli.statistics.distributed.parallel import make_map
-from mhla_cli.statistics.stream import Features, check_spans, featurize, shard_samples
+from mhla_cli.statistics.features import Features
+from mhla_cli.statistics.spans import check_spans
+from mhla_cli.statistics.stream import featurize
+from mhla_cli.statistics.shards import shard_samples
 from mhla_cli.io.tokens import inspect_tokens
-from mhla_cli.statistics.files.zarr_store import is_store
+from mhla_cli.statistics.files.store_location import is_store
 from mhla_cli.cli.console import emit_json, fmt, progress_bar, say, say_samples, warn, working
 from mhla_cli.cli.options import AffineFromOpt, AttentionOpt, BiasTermsOpt, ChunkOpt, DeviceOpt, JsonOpt, NormalizeOpt, OutOpt, QuietOpt, SchedulerTimeoutOpt, check_hdf5_output, data_location, on_cluster, parse_shard, require_optional
 

@@ -21,7 +21,8 @@ from mhla_cli.api.learn import RequestError, check_export_options, check_fit_fil
 from mhla_cli.solve.lowrank import convergence_warning, fewest_message, hit_limit
 from mhla_cli.model.model import Model, load_function
 from mhla_cli.solve.spectrum import UnreliableHeadCount, plot_spectrum, pyplot, spectrum, text_histogram
-from mhla_cli.statistics.stream import Features, data_kind
+from mhla_cli.statistics.features import Features
+from mhla_cli.statistics.stream import data_kind
 from mhla_cli.io.tokens import inspect_tokens
 from mhla_cli.cli.console import BOUND_SIGNS, emit_json, fmt, load_with_progress, progress_bar, say, say_samples, warn, working
 from mhla_cli.cli.options import AffineFromOpt, AttentionOpt, BiasTermsOpt, ChunkOpt, DeviceOpt, about, JsonOpt, NormalizeOpt, OutOpt, QuietOpt, SchedulerTimeoutOpt, check_heads_output, check_hdf5_output, check_scheduler_timeout, on_cluster, parse_auto, require_optional
@@ -146,7 +147,7 @@ def _fit_cluster(data: Path, output: Path, scheduler: str, ridge: Any, read: Rea
     """`fit --scheduler`: least squares with the Gram tiled on a Dask cluster (mhla_cli.solve.cluster); the
     model file is written only when the fit succeeded."""
     from mhla_cli.solve.cluster import ClusterRefused, fit as fit_on_cluster
-    from mhla_cli.statistics.files.zarr_store import is_store
+    from mhla_cli.statistics.files.store_location import is_store
     from mhla_cli.cli.featurize import require_dask
     from mhla_cli.cli.options import data_location
 

@@ -197,8 +197,8 @@ def check_heads_output(path: Path, inputs: tuple[Path | None, ...] = ()) -> str:
 
     fmt = heads_format(path)
     if fmt == "safetensors":
-        from mhla_cli.model.export import _safetensors  # the library's own refusal, with its install hint
-        require_optional("safetensors.numpy", _safetensors)
+        from mhla_cli.model.export import safetensors_module  # the library's own refusal, with its install hint
+        require_optional("safetensors.numpy", safetensors_module)
     formats.check_output_path(path, tuple(i for i in inputs if i is not None), "heads")
     return fmt
 

@@ -46,7 +46,7 @@ def _scipy_linalg() -> Any:
     return scipy.linalg
 
 
-def _lapack_threads(n: int) -> Any:
+def lapack_threads(n: int) -> Any:
     """Context: one BLAS thread for a decomposition of order n > POTRF_THREADED_MAX, else nothing."""
     if n <= POTRF_THREADED_MAX:
         return contextlib.nullcontext()
@@ -119,7 +119,7 @@ def cholesky(a: np.ndarray, overwrite_a: bool = False) -> Any:
     # LAPACK factors a as it lies (a C-ordered a through its transpose: upper U, U^T U = a) instead of
     # after a transposing copy
     f, c_order = _fortran_view(a)
-    with _lapack_threads(a.shape[0]):
+    with lapack_threads(a.shape[0]):
         return _scipy_linalg().cho_factor(f, lower=not c_order, overwrite_a=overwrite_a, check_finite=False)
 
 
@@ -267,13 +267,13 @@ class HostMatrix:
 # held by another process, which costs a narrow syrk far more than its flops; wider blocks amortise
 # the wait.
 MIN_THREADED_WIDTH = 1024
-# Work array of one panel of the accumulator's update (`_Accumulator._syrk`).
+# Work array of one panel of the accumulator's update (`Accumulator._syrk`).
 PANEL_BYTES = 32 * 2**20
 
 _CONTROLLER: Any = None
 
 
-def _single_blas_thread() -> Any:
+def single_blas_thread() -> Any:
     """Context limiting BLAS to one thread (tiny per-sequence products gain nothing from more)."""
     global _CONTROLLER
     if _CONTROLLER is None:
@@ -317,11 +317,11 @@ class HostGram:
             # a wide block shares its panels out over as many Python threads as BLAS has threads
             # (each panel's GEMM on one BLAS thread: symgram.SymGram.add); a narrow one runs on one
             wide = self.width >= MIN_THREADED_WIDTH
-            with contextlib.nullcontext() if wide else _single_blas_thread():
+            with contextlib.nullcontext() if wide else single_blas_thread():
                 self._pairs.add(upper_t, last_t, targets_t, threads=_blas_threads() if wide else 1)
             return
         R = upper_t.shape[1]
-        with _single_blas_thread():  # elementwise work and small products
+        with single_blas_thread():  # elementwise work and small products
             Ft = symgram.work_array(self._bufs, "F", self.width, R)
             if self.spans is not None:  # the block coordinates E^T s and F^T x_n
                 upper_t, last_t = self.spans[0].T @ upper_t, self.spans[1].T @ last_t
@@ -343,11 +343,11 @@ class HostGram:
             upper_t, xx = E.T @ upper_t, F.T @ xx @ F
             xy = None if xy is None else F.T @ xy
         wide = self.width >= MIN_THREADED_WIDTH
-        with contextlib.nullcontext() if wide else _single_blas_thread():
+        with contextlib.nullcontext() if wide else single_blas_thread():
             self._pairs.add_windows(upper_t, xx, xy, yy, threads=_blas_threads() if wide else 1)
 
     def pipeline(self) -> Any:
-        """The pass's block around its loop over chunks (statistics.ranges._add_chunks): a wide block
+        """The pass's block around its loop over chunks (statistics.ranges.add_chunks): a wide block
         of K overlaps each chunk's GEMMs with the next chunk's preparation (symgram.SymGram.pipeline, on
         the BLAS threads there are now); otherwise nothing. Only on the main thread: passes on worker
         threads of one process (a Dask client's threads) would set and restore the process-wide BLAS limit
@@ -368,7 +368,7 @@ class HostGram:
         W = self.width
         if W == 0:
             return
-        with contextlib.nullcontext() if W >= MIN_THREADED_WIDTH else _single_blas_thread():
+        with contextlib.nullcontext() if W >= MIN_THREADED_WIDTH else single_blas_thread():
             if self.G is None:
                 self.G = np.zeros((W, W))
             if W <= POTRF_THREADED_MAX:

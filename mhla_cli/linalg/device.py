@@ -21,7 +21,7 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import threading
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -122,13 +122,20 @@ def free_bytes(device: str) -> int | None:
     return int(free)
 
 
-def check_device_memory(device: str | None, need: int, what: str, path: str | os.PathLike | None = None) -> None:
-    """Refuse up front a job whose device arrays (`need` bytes) exceed the device's free memory."""
-    if device is None:
-        return
-    free = free_bytes(device)
+class DeviceMemory(Protocol):
+    """Where arrays are held (a backends.Backend): its device spelling and its free memory (None: the host's,
+    which the host's memory check covers)."""
+
+    device: str | None
+
+    def free_bytes(self) -> int | None: ...
+
+
+def check_device_memory(backend: DeviceMemory, need: int, what: str, path: str | os.PathLike | None = None) -> None:
+    """Refuse up front a job whose arrays on the backend (`need` bytes) exceed its free memory."""
+    free = backend.free_bytes()
     if free is not None and need > free:
-        raise InputError(f"{what} needs about {need / 2**30:.1f} GiB on {device}, more than its "
+        raise InputError(f"{what} needs about {need / 2**30:.1f} GiB on {backend.device}, more than its "
                          f"{free / 2**30:.1f} GiB of free memory", path)
 
 

@@ -35,7 +35,7 @@ import numpy as np
 from ..errors import InputError
 from ..numerics import EPS, LANCZOS_TOL, REFINE_MAX_RHO, numerical_tolerance
 from . import krylov
-from .backends import POTRF_THREADED_MAX, _lapack_threads, cholesky, get_backend
+from .backends import POTRF_THREADED_MAX, lapack_threads, cholesky, get_backend
 
 __all__ = ["DENSE_MAX", "Factorization", "NoEigensolver", "POTRF_THREADED_MAX", "cholesky"]
 
@@ -128,7 +128,7 @@ class Factorization:
             if self._c._we is not None:
                 return self._c._we
             self._eigensolver("every eigenvalue")
-            with self._timed("eigenvalues"), _lapack_threads(self.n):
+            with self._timed("eigenvalues"), lapack_threads(self.n):
                 self._c._w = self._matrix().eigvalsh() * self.scale
         return self._c._w
 
@@ -148,7 +148,7 @@ class Factorization:
         """Eigenvalues and orthonormal eigenvectors (computed once)."""
         if self._c._v is None:
             self._eigensolver("the eigenvectors")
-            with self._timed("eigenvectors"), _lapack_threads(self.n):
+            with self._timed("eigenvectors"), lapack_threads(self.n):
                 w, self._c._v = self._matrix().eigh()
                 self._c._we = w * self.scale
         return self._c._we, self._c._v  # type: ignore[return-value]
@@ -173,7 +173,7 @@ class Factorization:
             w, v = self._c._null[min(done)]
             keep = w <= threshold
             return w[keep], v[:, keep]
-        with self._timed("null space"), _lapack_threads(self.n):
+        with self._timed("null space"), lapack_threads(self.n):
             w, v = self._matrix().eigh_below(threshold / self.scale)
             w = w * self.scale
         self._c._null[threshold] = (w, v)

@@ -49,13 +49,13 @@ class Spill:
 
 
 def read_spilled(path: str) -> np.ndarray:
-    """A tile written by `_write`: the Zarr array at path, read whole."""
+    """A tile written by `write_tile`: the Zarr array at path, read whole."""
     import zarr
 
     return np.asarray(zarr.open_array(store=path, mode="r")[...], dtype=np.float64)
 
 
-def _write(spill: Spill, a: np.ndarray) -> Stored:
+def write_tile(spill: Spill, a: np.ndarray) -> Stored:
     """Write the tile a to its own Zarr array (one chunk, uncompressed: a scratch copy) and return its reference."""
     import zarr
 
@@ -70,7 +70,7 @@ def _call(fn: Callable[..., Any], out: Spill | None, *args: Any) -> Any:
     there and its reference returned (anything else, e.g. a failure passed on, is returned as it is)."""
     result = fn(*(a.load() if isinstance(a, Stored) else a for a in args))
     if out is not None and isinstance(result, np.ndarray):
-        return _write(out, result)
+        return write_tile(out, result)
     return result
 
 

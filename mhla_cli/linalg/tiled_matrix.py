@@ -21,10 +21,9 @@ references to a Zarr store that the tasks read). Every task reads and writes a f
   its tile and two factor tiles and makes a new tile). A failed potrf (LAPACK's info > 0) is the proof
   that the matrix is not positive definite: the task returns `NotPositiveDefinite`, passed on by the
   tasks after it, and `cholesky` returns None with the column where it failed.
-  dask.array.linalg.cholesky (`library_cholesky`, kept for the measurement in
-  benchmarks/bench_distributed.py) reads the upper tiles too, forms every product L_ip L_kp^T of a
-  tile's update as its own tile and sums them in one task (up to nb + 1 tiles held at once), and
-  writes the transposed factor beside the factor: docs/cluster.md gives the measurement;
+  dask.array.linalg.cholesky (measured against it in benchmarks/bench_distributed.py) reads the upper tiles too,
+  forms every product L_ip L_kp^T of a tile's update as its own tile and sums them in one task (up to nb + 1 tiles
+  held at once), and writes the transposed factor beside the factor: docs/cluster.md gives the measurement;
 - a product Lambda X reads each lower tile once for both of its blocks (A_ij X_j and A_ij^T X_i);
 - a triangular solve with the factor is a chain of small gemm tasks down the tile rows and a trsm
   on each diagonal tile, forward and then backward.
@@ -41,11 +40,9 @@ vectors (k = the Lanczos block, or d right-hand sides) come back to the caller: 
 
 from __future__ import annotations
 
-import itertools
 import os
 import shutil
 import time
-import uuid
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -53,8 +50,7 @@ import numpy as np
 
 from . import task_graph
 
-__all__ = ["NotPositiveDefinite", "TiledFactor", "TiledMatrix", "cholesky_task_count", "library_cholesky",
-           "tile_offsets"]
+__all__ = ["NotPositiveDefinite", "TiledFactor", "TiledMatrix", "tile_offsets"]
 
 
 class NotPositiveDefinite(ArithmeticError):
@@ -74,11 +70,6 @@ class NotPositiveDefinite(ArithmeticError):
 def tile_offsets(sizes: Sequence[int]) -> np.ndarray:
     """The first row of every tile and n at the end: (nb + 1,) int64."""
     return np.concatenate([[0], np.cumsum(np.asarray(sizes, dtype=np.int64))])
-
-
-def cholesky_task_count(nb: int) -> dict[str, int]:
-    """Tasks of the blocked Cholesky of nb tile rows: potrf, trsm and the trailing updates."""
-    return {"potrf": nb, "trsm": nb * (nb - 1) // 2, "update": sum((nb - k - 1) * (nb - k) // 2 for k in range(nb))}
 
 
 # --------------------------------------------------------------------------------------------
@@ -165,10 +156,6 @@ def _trsm_left(l: np.ndarray, b: np.ndarray, transpose: bool) -> np.ndarray:
     from scipy.linalg import blas
 
     return blas.dtrsm(1.0, l, np.array(b, dtype=np.float64, order="F"), lower=1, trans_a=1 if transpose else 0)
-
-
-def _transpose(a: np.ndarray) -> np.ndarray:
-    return np.ascontiguousarray(a.T)
 
 
 # --------------------------------------------------------------------------------------------
@@ -395,28 +382,3 @@ class TiledFactor:
     def release(self) -> None:
         task_graph.release(self.tiles.values())
         self.tiles = {}
-
-
-def library_cholesky(matrix: TiledMatrix, shift: float = 0.0) -> tuple[Any, int]:
-    """dask.array.linalg.cholesky of the matrix - shift I (for the measurement of benchmarks/
-    bench_distributed.py): the symmetric matrix as a dask array (upper tiles the transposes of the lower
-    ones), the lower factor persisted; (its futures by tile, the graph's task count)."""
-    import dask.array as da
-    from dask.highlevelgraph import HighLevelGraph
-    from distributed import futures_of, wait
-
-    name = f"mhla-symmetric-{uuid.uuid4().hex}"
-    nb, sizes = matrix.nb, matrix.sizes
-    dsk: dict[Any, Any] = {}
-    for i, j in itertools.product(range(nb), repeat=2):
-        dsk[name, i, j] = matrix.tiles[i, j] if i >= j else (_transpose, matrix.tiles[j, i])
-    a = da.Array(HighLevelGraph.from_collections(name, dsk, dependencies=[]), name,
-                 chunks=(tuple(sizes), tuple(sizes)), dtype=np.float64)
-    if shift:
-        a = a - shift * da.eye(matrix.n, chunks=sizes[0], dtype=np.float64)
-    lower = da.linalg.cholesky(a, lower=True)
-    tasks = len(dict(lower.__dask_graph__()))
-    lower = matrix.client.persist(lower)
-    wait(lower)
-    futures = futures_of(lower)
-    return {(int(f.key[1]), int(f.key[2])): f for f in futures if int(f.key[1]) >= int(f.key[2])}, tasks

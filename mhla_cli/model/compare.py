@@ -27,7 +27,7 @@ from .canonical import coef_in_basis, data_gram
 from .model import Model, affine_of, bias_terms_of, coef_of, normalize_of
 from .forward import (DIRECT_COEF_BYTES, direct, evaluated, fitted_samples, in_basis, in_width, out_width,
                       predict_chunk, sample_outputs)
-from ..statistics.stream import default_chunk_size
+from mhla_cli.statistics.ranges import default_chunk_size
 from ..io.tokens import check_finite, inspect_tokens, iter_chunks, with_bias_terms
 from ..samples import LAST, LAYOUTS, Samples
 

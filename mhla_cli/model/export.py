@@ -66,7 +66,7 @@ def _metadata(heads: Heads) -> dict[str, str]:
     return meta
 
 
-def _safetensors() -> Any:
+def safetensors_module() -> Any:
     try:
         import safetensors.numpy as st
     except ImportError:
@@ -84,7 +84,7 @@ def save_heads(heads: Heads, path: str | os.PathLike, inputs: tuple[str | os.Pat
     if fmt == "hdf5":
         heads.save(path, inputs=inputs)
         return
-    st = _safetensors() if fmt == "safetensors" else None
+    st = safetensors_module() if fmt == "safetensors" else None
     formats.check_output_path(path, inputs, "heads")
     arrays = {k: np.ascontiguousarray(v, dtype=np.float64)
               for k, v in {"V": heads.V, "Q": heads.Q, **heads.bias_arrays(), **heads.affine_arrays(),
@@ -125,7 +125,7 @@ def load_heads(path: str | os.PathLike) -> Heads:
         meta = {k: str(v) for k, v in arrays.items()
                 if k not in ("V", "Q", *BIAS_ARRAYS, *AFFINE_ARRAYS, *MAP_ARRAYS) and v.ndim == 0}
     else:
-        _safetensors()  # a clear message when the optional package is missing
+        safetensors_module()  # a clear message when the optional package is missing
         try:
             from safetensors import safe_open
 

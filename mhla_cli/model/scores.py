@@ -132,11 +132,6 @@ class Spread:
         """sum w ||y - mean||^2 in the targets' own units (0 where it underflows float64)."""
         return float(np.ldexp(self.m2, 2 * self.exp))
 
-    @property
-    def sum_squares(self) -> float:
-        """The energy sum w ||y||^2 in the targets' own units."""
-        return float(np.ldexp(self.energy, 2 * self.exp))
-
     def mse(self, d: int) -> float:
         """The weighted MSE per output, sum w ||yhat - y||^2 / (d sum w)."""
         return float(np.ldexp(self.sse / ((self.weight if self.weight > 0 else 1.0) * d), 2 * self.exp))

@@ -362,9 +362,9 @@ def save_replacement(path: str | os.PathLike, replacement: Replacement, layer: i
     import json
 
     from ..io import formats
-    from .export import _safetensors
+    from .export import safetensors_module
 
-    st = _safetensors()
+    st = safetensors_module()
     if not str(path).endswith(".safetensors"):
         raise InputError("a replacement file is a .safetensors file: give a name ending in .safetensors", path)
     formats.check_output_path(path, (), "replacement")

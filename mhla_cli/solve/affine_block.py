@@ -195,7 +195,7 @@ def fit(feats: Features, ridge: float = 0.0, device: str | None = None) -> Model
     """Least squares over the extended features (lstsq.fit's rules: ridge in the units of the reported lambda_max,
     the minimum norm in the canonical coordinates of both blocks). The model holds the MHLA's coef as lstsq.fit does
     and `affine_coef` (d, D + 1): the affine map y = affine_coef (x_wide, 1) in the wide tokens' own coordinates."""
-    from .lstsq import _solve
+    from .lstsq import solve_system as _solve
 
     if not feats.has_targets:
         raise InputError("the data have no 'targets': fit needs (X, y) pairs")

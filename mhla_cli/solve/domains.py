@@ -326,7 +326,8 @@ def observed_bases(feats: Features) -> tuple[np.ndarray, np.ndarray]:
 
 
 def _check_device_memory(fac: Factorization) -> None:
-    device_mod.check_device_memory(fac.device, DEVICE_COPIES * 8 * fac.n ** 2, f"the factorization of {fac.n} features")
+    device_mod.check_device_memory(fac.backend, DEVICE_COPIES * 8 * fac.n ** 2,
+                                   f"the factorization of {fac.n} features")
 
 
 def _orthogonal(R: np.ndarray) -> bool:

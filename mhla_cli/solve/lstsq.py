@@ -48,7 +48,7 @@ def fit(feats: Features, ridge: float = 0.0, device: str | None = None) -> Model
     block_pd = lmax > 0 and fac.proves_above(tol)
     lmin = fac.lambda_min()
     t_solve = time.perf_counter()
-    coef_b = st.embed(_solve(fac, rhs, ridge, tol, block_pd)).T
+    coef_b = st.embed(solve_system(fac, rhs, ridge, tol, block_pd)).T
     with np.errstate(over="ignore", invalid="ignore"):  # coefficients that overflow: refused by api.learn
         coef = basis_mod.coef_from_basis(A, coef_b)
     seconds = {**fac.seconds, "solve": time.perf_counter() - t_solve}
@@ -75,7 +75,7 @@ def fit(feats: Features, ridge: float = 0.0, device: str | None = None) -> Model
                  gram_pairs=K, gram_spans=None if E is None else (E, F))
 
 
-def _solve(fac: Factorization, rhs: np.ndarray, ridge: float, tol: float, block_pd: bool) -> np.ndarray:
+def solve_system(fac: Factorization, rhs: np.ndarray, ridge: float, tol: float, block_pd: bool) -> np.ndarray:
     """The block's solution of (Lambda~ + ridge I) x = rhs: ridge, Cholesky or minimum norm."""
     sol = None
     if ridge > 0:

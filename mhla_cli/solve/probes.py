@@ -36,13 +36,14 @@ from ..feature_map import n_features
 from ..numerics import EPS, UNRESOLVED_PROBE_FACTOR, numerical_tolerance
 from .domains import Domain, get_domain
 from ..statistics.structure import Structure
-from ..statistics.stream import Features, default_chunk_size
+from mhla_cli.statistics.features import Features
+from mhla_cli.statistics.ranges import default_chunk_size
 from ..io.tokens import TokensInfo, check_finite, check_weights, inspect_tokens, iter_chunks, read_as, with_bias_terms
 from ..samples import Samples
 
 # A probe is determined when the relative component of its feature vector in gram's numerical
 # null space is at most DETERMINED_TOL (mhla_cli.numerics; the null space of the full-domain certificate).
-from ..numerics import DETERMINED_TOL  # noqa: E402  (importable from here, its old home)
+from ..numerics import DETERMINED_TOL  # noqa: E402
 
 
 @dataclass

@@ -54,7 +54,10 @@ from ..model.forward import predict_chunk
 from .certificate import Certificate, certify
 from .domains import Domain, get_domain
 from .lstsq import fit, train_mse
-from ..statistics.stream import Features, data_kind, default_chunk_size, sequence_moments
+from mhla_cli.statistics.features import Features
+from mhla_cli.statistics.stream import data_kind
+from mhla_cli.statistics.ranges import default_chunk_size
+from mhla_cli.kernels import sequence_moments
 from ..io.tokens import inspect_tokens, iter_chunks, require_square
 from ..numerics import EPS, W_COEF_TOL
 

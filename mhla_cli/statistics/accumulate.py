@@ -1,4 +1,4 @@
-"""The accumulator of one pass: running sums of a chunk stream in one basis (`_Accumulator`), and
+"""The accumulator of one pass: running sums of a chunk stream in one basis (`Accumulator`), and
 the statistics of one in-memory chunk (`chunk_features`).
 
 Per chunk the tokens are transformed to the pass's basis (X A), the per-sequence (X A)^T (X A) are
@@ -23,11 +23,11 @@ from mhla_cli import bias_terms as bias_mod
 from mhla_cli.linalg import device as device_mod
 from mhla_cli.linalg import symgram
 from mhla_cli.numerics import SINGULAR_BASIS_COND
-from mhla_cli.linalg.backends import MIN_THREADED_WIDTH, PANEL_BYTES, _single_blas_thread, get_backend, gram_parts
+from mhla_cli.linalg.backends import MIN_THREADED_WIDTH, PANEL_BYTES, single_blas_thread, get_backend, gram_parts
 from mhla_cli.errors import InputError
 from mhla_cli.feature_map import n_features, pair_index
 from mhla_cli.linalg.memory import check_floor
-from mhla_cli.kernels import _BLOCK_ELEMENTS, sequence_moments
+from mhla_cli.kernels import BLOCK_ELEMENTS, sequence_moments
 from mhla_cli.samples import LAST, ReadSpec, Samples, samples_of
 from mhla_cli.statistics.affine_sums import AffineSums, split_targets
 from mhla_cli.statistics.features import Features, check_overflow
@@ -35,7 +35,7 @@ from mhla_cli.statistics.features import Features, check_overflow
 __all__ = ["MIN_THREADED_WIDTH", "PANEL_BYTES", "chunk_features"]
 
 
-class _Accumulator:
+class Accumulator:
     """Running sums of one pass in one basis A, with reusable work buffers.
 
     Per chunk the tokens are transformed first (X A, a d x d product per token: docs/certificate.md), the features are those of X A in canonical coordinates
@@ -176,7 +176,7 @@ class _Accumulator:
         d = self.d
         X = tokens.reshape(B, n, d)
         S = self._buf("S", B, (d, d))
-        step = max(1, _BLOCK_ELEMENTS // (n * d))
+        step = max(1, BLOCK_ELEMENTS // (n * d))
         work = self._buf("W", min(step, B) * n, (d,))
         work_b = self._buf("Wb", min(step, B) * n, (d,)) if self._transform else work
         for a in range(0, B, step):
@@ -232,7 +232,7 @@ class _Accumulator:
             share = min(0.95, max(0.05, m / (m + s)))
         moments_done = None if tick is None else (lambda k: tick(share * k / B))
         # errstate: NaN / Inf tokens are reported by `check`, not as numpy warnings
-        with _single_blas_thread(), np.errstate(invalid="ignore", over="ignore"):
+        with single_blas_thread(), np.errstate(invalid="ignore", over="ignore"):
             lengths = np.diff(offsets)
             if (lengths == lengths[0]).all() and offsets[0] == 0 and tokens.shape[0] == offsets[-1]:
                 S, last = self._equal_moments(tokens, B, int(lengths[0]), check, moments_done)
@@ -271,7 +271,7 @@ class _Accumulator:
         B = offsets.size - 1
         T = int(offsets[-1])
         c, query_rows, query_weights = self.samples.token_weights(offsets, weights)
-        with _single_blas_thread(), np.errstate(invalid="ignore", over="ignore"):
+        with single_blas_thread(), np.errstate(invalid="ignore", over="ignore"):
             X, Xb = self._basis_tokens(tokens)
             rows = self.samples.rows(Xb, offsets, weights, targets)
             if rows.token_grams is None:
@@ -327,7 +327,7 @@ class _Accumulator:
         upper_t (q, R) canonical S entries, last_t (d, R), targets_t (d, R) or None; in a span pass, the
         two partial traces instead."""
         if self.traces is not None:  # sum w ||x||^2 s s^T and sum w ||s||^2 x x^T (last_t holds sqrt(w) x)
-            with _single_blas_thread():
+            with single_blas_thread():
                 nx = np.einsum("ij,ij->j", last_t, last_t)
                 ns = np.einsum("ij,ij->j", upper_t, upper_t)
                 self.traces[0][...] += (upper_t * nx) @ upper_t.T
@@ -341,7 +341,7 @@ class _Accumulator:
         Gram; upper (R, q) canonical S entries. In a span pass the two partial traces instead:
         sum tr(xx) s s^T and sum ||s||^2 xx."""
         if self.traces is not None:
-            with _single_blas_thread():
+            with single_blas_thread():
                 tr = np.einsum("rii->r", rows.xx)
                 ns = np.einsum("ij,ij->i", upper, upper)
                 self.traces[0][...] += (upper.T * tr) @ upper
@@ -416,11 +416,11 @@ def chunk_features(tokens: np.ndarray, offsets: np.ndarray, targets: np.ndarray 
         tokens, targets, d = bias_mod.with_constant(tokens), bias_mod.pad_targets(targets), d + 1
     check_floor(d, what="featurize")
     device = device_mod.check_device(device)
-    basis = _basis_option(basis, d, None)
+    basis = basis_option(basis, d, None)
     if basis is None:
         X = tokens.astype(np.float64)
         basis = basis_mod.whitening(X.T @ X, X.shape[0])
-    acc = _Accumulator(d, targets is not None, basis, samples=samples, normalize=normalize, device=device)
+    acc = Accumulator(d, targets is not None, basis, samples=samples, normalize=normalize, device=device)
     acc.add(tokens, np.asarray(offsets, dtype=np.int64),
             None if targets is None else np.asarray(targets, dtype=np.float64),
             weights=None if weights is None else np.asarray(weights, dtype=np.float64))
@@ -430,7 +430,7 @@ def chunk_features(tokens: np.ndarray, offsets: np.ndarray, targets: np.ndarray 
     return feats.canonical().finalize()
 
 
-def _basis_option(basis: np.ndarray | str | None, d: int, path: str | os.PathLike | None) -> np.ndarray | None:
+def basis_option(basis: np.ndarray | str | None, d: int, path: str | os.PathLike | None) -> np.ndarray | None:
     """A `basis` argument -> the (d, d) array to accumulate in, or None for "auto" (estimate it)."""
     if isinstance(basis, str):
         if basis == "auto":

@@ -27,7 +27,7 @@ import numpy as np
 
 from mhla_cli.feature_map import pair_index
 
-from mhla_cli.numerics import CANONICAL_TOL, EPS, EQUILIBRATE_RATIO, UNRESOLVED_REL  # noqa: F401  (old homes)
+from mhla_cli.numerics import CANONICAL_TOL, EQUILIBRATE_RATIO, UNRESOLVED_REL
 
 # A basis change of the sums by C amplifies their rounding by about cond(C)^6 (the features are
 # cubic, the Gram quadratic in them): up to this condition number (4^6 ~ 4e3 -> ~1e-12 relative) the
@@ -400,11 +400,6 @@ def gram_to_basis(A: np.ndarray, gram: np.ndarray) -> np.ndarray:
     return _congruence(*_to_basis_factors(A), gram)
 
 
-def gram_from_basis(A: np.ndarray, gram_b: np.ndarray) -> np.ndarray:
-    """M_A^-1 gram_b M_A^-T: the Gram of the tokens' own features from the canonical one."""
-    return _congruence(*_from_basis_factors(A), gram_b)
-
-
 def coef_from_basis(A: np.ndarray, coef_b: np.ndarray) -> np.ndarray:
     """p = p_b M_A: coefficients (m, psi) on the tokens' own features."""
     P, R = _to_basis_factors(A)
@@ -415,18 +410,6 @@ def coef_to_basis(A: np.ndarray, coef: np.ndarray) -> np.ndarray:
     """p_b = p M_A^-1 (the inverse of `coef_from_basis`)."""
     P, R = _from_basis_factors(A)
     return _apply_rows(P.T, R.T, np.ascontiguousarray(coef.T)).T
-
-
-def change_by(C: np.ndarray, gram_b: np.ndarray, moments_b: np.ndarray | None, overwrite: bool = False
-              ) -> tuple[np.ndarray, np.ndarray | None]:
-    """Canonical sums of X A -> of X A C: O_C gram_b O_C^T and O_C moments_b (exact up to rounding).
-
-    `overwrite`: the new gram is formed in gram_b's memory (no psi x psi copy).
-    """
-    P, R = orth_pair_map(C), C.T
-    g = _congruence(P, R, gram_b, overwrite=overwrite)
-    m = None if moments_b is None else _apply_rows(P, R, moments_b)
-    return g, m
 
 
 def transition(A_from: np.ndarray, A_to: np.ndarray) -> np.ndarray:

@@ -33,7 +33,7 @@ from mhla_cli.statistics.files import features_file
 from mhla_cli.statistics.storage import gram_storage
 from mhla_cli.statistics.affine_sums import AffineSums
 from mhla_cli.statistics.algebra import FeaturesAlgebra
-from mhla_cli.statistics.files.features_file import _DERIVED, FeaturesFile, StoredGram
+from mhla_cli.statistics.files.features_file import DERIVED, FeaturesFile, StoredGram
 
 
 class _OwnGram:
@@ -47,7 +47,7 @@ class _OwnGram:
         g = obj.__dict__.get("_gram")
         if isinstance(g, StoredGram):
             g = obj.__dict__["_gram"] = g.read()
-        elif g is _DERIVED:
+        elif g is DERIVED:
             g = obj.__dict__["_gram"] = obj._derive_gram()
         return g
 
@@ -213,7 +213,7 @@ class Features(FeaturesAlgebra, FeaturesFile):
 
     @property
     def _gram_raw(self) -> Any:
-        """`gram` as held: an array, None (not derived yet), _DERIVED or a StoredGram (read when used)."""
+        """`gram` as held: an array, None (not derived yet), DERIVED or a StoredGram (read when used)."""
         return self.__dict__.get("_gram")
 
     @property
@@ -258,7 +258,7 @@ class Features(FeaturesAlgebra, FeaturesFile):
             if self.basis_moments is not None:
                 with np.errstate(over="ignore", invalid="ignore"):
                     self.moments = basis_mod.features_from_basis(self.basis, self.basis_moments)
-            self.gram = _DERIVED
+            self.gram = DERIVED
             check_overflow(self, "the data", None)
         return self
 

@@ -18,7 +18,7 @@ from mhla_cli.errors import InputError
 from mhla_cli.linalg.memory import check_memory, merge_bytes
 from mhla_cli.samples import LAST, Samples, from_attrs
 from mhla_cli.statistics.features import Features
-from mhla_cli.statistics.files import zarr_store
+from mhla_cli.statistics.files import store_location, zarr_store
 from mhla_cli.statistics.files.features_file import expect_features
 
 
@@ -79,7 +79,7 @@ class MergeResult:
 def read_part_info(path: str | os.PathLike) -> PartInfo:
     """The sample ranges and source of a features file (or Zarr features store), with a clear error if it
     has none."""
-    if zarr_store.is_store(path):
+    if store_location.is_store(path):
         d, n, ranges, source, shard, normalize, n_seq, samples, bias_terms = zarr_store.part_info(path)
         _check_ranges(ranges, n_seq, path)
         return PartInfo(str(path), d, n, ranges, source, shard, normalize, samples, bias_terms)

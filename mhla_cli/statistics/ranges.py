@@ -26,7 +26,8 @@ from mhla_cli.feature_map import check_normalize, n_features
 from mhla_cli.linalg import device as device_mod
 from mhla_cli.linalg import symgram
 from mhla_cli.linalg.memory import block_featurize_bytes, featurize_bytes
-from mhla_cli.statistics.accumulate import PANEL_BYTES, _Accumulator
+from mhla_cli.linalg.backends import PANEL_BYTES
+from mhla_cli.statistics.accumulate import Accumulator
 from mhla_cli.statistics.distributed.parallel import CANCEL, Cancelled
 from mhla_cli.statistics.algebra import add_into
 from mhla_cli.statistics.affine_sums import WideSource
@@ -103,13 +104,13 @@ def featurize_need(info: TokensInfo, chunk_size: int | None = None, workers: int
     return need
 
 
-def _add_chunks(acc: _Accumulator, info: TokensInfo, sample_range: tuple[int, int], chunk_size: int | None = None,
+def add_chunks(acc: Accumulator, info: TokensInfo, sample_range: tuple[int, int], chunk_size: int | None = None,
                 progress: Callable[[int], None] | None = None, prefetch: bool = True,
                 wide: WideSource | None = None) -> None:
     """Read samples [lo, hi) in chunks, validate each and add it to `acc`.
 
     `progress(n)` gets the samples of every chunk, in up to PROGRESS_STEPS parts when the chunk reports
-    its work as it goes (`_Accumulator.add`'s tick), so that a bar moves within the large chunks of a
+    its work as it goes (`Accumulator.add`'s tick), so that a bar moves within the large chunks of a
     big file; the parts of a chunk sum to its samples, and nothing else depends on them.
     `wide`: the wide tokens read in lockstep, whose rows f = (x_wide, 1) at every sample's query go beside the
     targets (mhla_cli.statistics.affine_sums).
@@ -141,7 +142,7 @@ def _add_chunks(acc: _Accumulator, info: TokensInfo, sample_range: tuple[int, in
                 progress(b - a - told[0])
 
 
-# A chunk's progress is reported in at most this many parts (`_add_chunks`).
+# A chunk's progress is reported in at most this many parts (`add_chunks`).
 PROGRESS_STEPS = 64
 
 
@@ -166,9 +167,9 @@ def accumulate_range(info: TokensInfo, sample_range: tuple[int, int], chunk_size
     """
     lo, hi = sample_range
     device = device_mod.worker_device(device)
-    acc = _Accumulator(info.d, info.has_targets, basis, samples=info.samples, normalize=check_normalize(normalize),
+    acc = Accumulator(info.d, info.has_targets, basis, samples=info.samples, normalize=check_normalize(normalize),
                        spans=spans, device=device, n_affine=0 if wide is None else wide.width + 1)
-    _add_chunks(acc, info, sample_range, chunk_size, progress, prefetch, wide)
+    add_chunks(acc, info, sample_range, chunk_size, progress, prefetch, wide)
     total = acc.result(info.dtype)
     if wide is not None:  # the sums are of f_b = A_w^T f (mhla_cli.statistics.affine_sums)
         total.affine.basis, total.affine.P, total.affine.source = wide.basis, wide.P, wide.identity or None
@@ -287,7 +288,7 @@ def accumulate_ranges(info: TokensInfo, sample_ranges: Sequence[tuple[int, int]]
         if progress is not None and not threads:
             progress(part.n_sequences if part.n_sequences is not None else part.n_samples)
     if total is None:
-        total = _Accumulator(info.d, info.has_targets, basis, samples=info.samples, normalize=normalize, spans=spans,
+        total = Accumulator(info.d, info.has_targets, basis, samples=info.samples, normalize=normalize, spans=spans,
                              n_affine=0 if wide is None else wide.width + 1).result(info.dtype)
     if finalize:
         total.canonical().finalize()

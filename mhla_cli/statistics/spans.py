@@ -12,9 +12,9 @@ from mhla_cli.statistics import structure as structure_mod
 from mhla_cli.errors import InputError
 from mhla_cli.feature_map import check_normalize, n_features
 from mhla_cli.linalg.memory import check_floor
-from mhla_cli.statistics.accumulate import _Accumulator
+from mhla_cli.statistics.accumulate import Accumulator
 from mhla_cli.statistics.features import Features
-from mhla_cli.statistics.ranges import _add_chunks
+from mhla_cli.statistics.ranges import add_chunks
 from mhla_cli.io.tokens import TokensInfo
 
 __all__ = ["SPANS", "SPANS_MIN_FEATURES", "SPANS_PROBE_MARGIN", "SPANS_PROBE_PER_PAIR", "SPANS_SHARE",
@@ -52,8 +52,8 @@ def span_traces(info: TokensInfo, sample_range: tuple[int, int], A: np.ndarray, 
 
     A cheap pass: O(q^2) per sample instead of the Gram's O(psi^2).
     """
-    acc = _Accumulator(info.d, False, A, samples=info.samples, normalize=check_normalize(normalize), traces=True)
-    _add_chunks(acc, info, sample_range, chunk_size)
+    acc = Accumulator(info.d, False, A, samples=info.samples, normalize=check_normalize(normalize), traces=True)
+    add_chunks(acc, info, sample_range, chunk_size)
     tp, tl = acc.traces  # type: ignore[misc]
     return 0.5 * (tp + tp.T), 0.5 * (tl + tl.T), acc.result(info.dtype)
 
@@ -122,6 +122,6 @@ def probe_blocks(info: TokensInfo) -> list[tuple[int, int]] | None:
     return probe
 
 
-def _block(found: tuple[np.ndarray, np.ndarray] | None) -> int | None:
+def spans_block(found: tuple[np.ndarray, np.ndarray] | None) -> int | None:
     """Features of the block on the data's spans (None: all psi)."""
     return None if found is None else int(found[0].shape[1] * found[1].shape[1])

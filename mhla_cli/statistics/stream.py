@@ -4,7 +4,7 @@
 one accumulation `accumulate_range` serially or over workers (mhla_cli.statistics.distributed.parallel), and ends in the
 whitening of all the data read (mhla_cli.statistics.basis). The jobs live in their own modules: per-chunk
 kernels (kernels), the accumulator (accumulate), chunk sizing and the span passes (spans), shards
-(shards); their names used elsewhere are re-exported here.
+(shards); callers import those names from their own modules.
 """
 
 from __future__ import annotations
@@ -18,30 +18,25 @@ import numpy as np
 
 from mhla_cli.statistics import basis as basis_mod
 from mhla_cli.linalg import device as device_mod
+from mhla_cli.linalg.backends import Backend, NumpyBackend, get_backend
 from mhla_cli.io import formats
 from mhla_cli.statistics.distributed import parallel
 from mhla_cli.statistics import ranges as ranges_mod
 from mhla_cli.statistics import spans as spans_mod
 from mhla_cli.statistics import structure as structure_mod
-from mhla_cli.statistics.files import zarr_store
+from mhla_cli.statistics.files import store_location, zarr_store
 from mhla_cli.errors import InputError
 from mhla_cli.feature_map import check_normalize, n_features
 from mhla_cli.linalg.memory import check_floor, check_memory, solve_need_of
 from mhla_cli.samples import ReadSpec, Samples, check_attention
-from mhla_cli.statistics.accumulate import MIN_THREADED_WIDTH, _basis_option, chunk_features
-from mhla_cli.kernels import position_numbers, prefix_moments, sequence_moments
-from mhla_cli.statistics.shards import shard_range, shard_samples, work_ranges
-from mhla_cli.statistics.ranges import default_chunk_size, device_pass_bytes, estimate_basis, featurize_need, accumulate_range, accumulate_ranges
-from mhla_cli.statistics.spans import _block, check_spans, find_spans
+from mhla_cli.statistics.accumulate import basis_option
+from mhla_cli.statistics.shards import shard_samples, work_ranges
+from mhla_cli.statistics.ranges import default_chunk_size, device_pass_bytes, featurize_need, accumulate_ranges
+from mhla_cli.statistics.spans import spans_block, check_spans, find_spans
 from mhla_cli.statistics.affine_sums import WideSource
 from mhla_cli.statistics.features import Features, check_overflow
 from mhla_cli.io.tokens import TokensInfo, inspect_tokens, read_as, require_square, with_bias_terms
 
-__all__ = ["Features", "MIN_THREADED_WIDTH", "check_solve_memory", "check_spans", "chunk_features",
-           "default_chunk_size", "device_pass_bytes", "estimate_basis", "featurize", "featurize_need",
-           "check_affine_of", "check_attention_of", "check_bias_terms_of", "data_kind", "find_spans", "tokens_info",
-           "load_features", "position_numbers", "prefix_moments", "accumulate_range", "accumulate_ranges",
-           "sequence_moments", "shard_range", "shard_samples", "solve_need", "work_ranges"]
 
 
 def featurize(path: str | os.PathLike, chunk_size: int | None = None,
@@ -86,20 +81,15 @@ def featurize(path: str | os.PathLike, chunk_size: int | None = None,
     spans from statistics.spans.SPANS_MIN_FEATURES features on.
     """
     normalize = (read := read or ReadSpec(attention, normalize, bias_terms)).normalize or "none"
-    info, device = _checked(path, read, spans, device)
-    wide = None
-    if affine_from is not None:
-        if device is not None:
-            raise InputError("--affine-from accumulates on the CPU: featurize without --device", path)
-        wide = WideSource.open(affine_from, path)
-        wide = replace(wide, basis=wide.estimate_basis(info.samples))  # the sums accumulated nearly whitened
+    info, backend = _checked(path, read, spans, device)
+    wide = _wide_source(affine_from, info, backend, path)
     serial = map is None and workers <= 1 and scheduler is None
     # every feature for sure: refused before any work (a pool's workers are counted once it is made);
     # otherwise after the cheap span pass, with the block it found
     whole = spans == "off" or (spans == "auto" and n_features(info.d) < spans_mod.SPANS_MIN_FEATURES)
     if serial and whole:
         check_memory(info.d, path=path, need=featurize_need(info, chunk_size), what="featurize")
-    A = _basis_option(basis, info.d, path)
+    A = basis_option(basis, info.d, path)
     lo, hi = shard_samples(info.n_samples, shard, path)
     A = ranges_mod.estimate_basis(info, (lo, hi) if shard is None else None) if A is None else A
     size = chunk_size or default_chunk_size(info, 0 if wide is None else wide.width)
@@ -107,15 +97,15 @@ def featurize(path: str | os.PathLike, chunk_size: int | None = None,
     found, A, span_passes = find_spans(info, A, (lo, hi), size, normalize, spans)
     spans_in = partial(_spans_in, found, A)
     if serial:
-        _check_serial_memory(info, path, chunk_size, size, _block(found), device, host=not whole)
+        _check_serial_memory(info, path, chunk_size, size, spans_block(found), backend, host=not whole)
 
         def run(A: np.ndarray) -> Features:
             return ranges_mod.accumulate_range(info, (lo, hi), size, progress=progress, normalize=normalize, basis=A,
-                                         finalize=False, spans=spans_in(A), device=device, wide=wide)
+                                         finalize=False, spans=spans_in(A), device=backend.device, wide=wide)
         feats = _in_whitening(run, A)
     else:
         with parallel.make_map(workers=workers, scheduler=scheduler, map=map) as pmap:
-            _check_workers_memory(info, path, chunk_size, size, pmap.local_copies, _block(found), device)
+            _check_workers_memory(info, path, chunk_size, size, pmap.local_copies, spans_block(found), backend)
             # workers (possibly on other hosts) open the file themselves: give them an absolute path
             winfo = replace(info, path=os.path.abspath(info.path))
             sample_ranges = work_ranges(lo, hi, size, pmap.n_workers)
@@ -123,12 +113,23 @@ def featurize(path: str | os.PathLike, chunk_size: int | None = None,
             def run(A: np.ndarray) -> Features:
                 return accumulate_ranges(winfo, sample_ranges, map=pmap, chunk_size=size, progress=progress,
                                     normalize=normalize, basis=A, finalize=False, spans=spans_in(A),
-                                    device=device, wide=_absolute(wide))
+                                    device=backend.device, wide=_absolute(wide))
             feats = _in_whitening(run, A)
     feats.extra_attrs["span_passes"] = span_passes
-    if feats.affine is not None:
+    if feats.affine is not None and wide is not None:
         feats.affine.source, feats.affine.P, feats.affine.basis = wide.identity, wide.P, wide.basis
     return _finished(feats, info, path, (lo, hi), shard)
+
+
+def _wide_source(affine_from: str | os.PathLike | None, info: TokensInfo, backend: Backend,
+                 path: str | os.PathLike) -> WideSource | None:
+    """The wide tokens file `affine_from` (None: none), its basis estimated: the sums accumulate nearly whitened."""
+    if affine_from is None:
+        return None
+    if not isinstance(backend, NumpyBackend):
+        raise InputError("--affine-from accumulates on the CPU: featurize without --device", path)
+    wide = WideSource.open(affine_from, path)
+    return replace(wide, basis=wide.estimate_basis(info.samples))
 
 
 def _absolute(wide: WideSource | None) -> WideSource | None:
@@ -137,26 +138,26 @@ def _absolute(wide: WideSource | None) -> WideSource | None:
 
 
 def _checked(path: str | os.PathLike, read: ReadSpec, spans: str, device: str | None
-             ) -> tuple[TokensInfo, str | None]:
+             ) -> tuple[TokensInfo, Backend]:
     """featurize's options and file checked before any work: (the tokens file's info, read as `read` says; the
-    device)."""
+    backend of the device, mhla_cli.linalg.backends)."""
     check_normalize(read.normalize or "none")
     check_spans(spans)
-    device = device_mod.check_device(device, path)
+    backend = get_backend(device_mod.check_device(device, path))  # None resolved here, once
     info = tokens_info(path, read)
     check_floor(info.d, path, "featurize")  # wide tokens: before anything of their size
     require_square(info, "featurize")
-    return info, device
+    return info, backend
 
 
 def _check_serial_memory(info: TokensInfo, path: str | os.PathLike, chunk_size: int | None, size: int,
-                         block: int | None, device: str | None, host: bool = True) -> None:
+                         block: int | None, backend: Backend, host: bool = True) -> None:
     """Refuse a serial pass of `block` features (None: all) that exceeds the device's memory, or with
     `host` the host's (once the span pass has told the block; a pass of every feature for sure was
     checked before any work)."""
     if host:
         check_memory(info.d, path=path, need=featurize_need(info, chunk_size, block=block), what="featurize")
-    device_mod.check_device_memory(device, device_pass_bytes(info, size, block), "featurize", path)
+    device_mod.check_device_memory(backend, device_pass_bytes(info, size, block), "featurize", path)
 
 
 def _spans_in(found: tuple[np.ndarray, np.ndarray] | None, A: np.ndarray,
@@ -170,13 +171,13 @@ def _spans_in(found: tuple[np.ndarray, np.ndarray] | None, A: np.ndarray,
 
 
 def _check_workers_memory(info: TokensInfo, path: str | os.PathLike, chunk_size: int | None, size: int,
-                          copies: int, block: int | None, device: str | None) -> None:
+                          copies: int, block: int | None, backend: Backend) -> None:
     """Refuse a parallel pass whose `copies` local workers exceed the host's or the device's memory."""
     check_memory(info.d, copies=copies, path=path, need=featurize_need(info, chunk_size, copies, block=block),
                  what="featurize")
     # each worker holds its own Gram on its device (device.worker_device)
     device_mod.check_device_memory(
-        device, device_mod.workers_per_device(device, copies) * device_pass_bytes(info, size, block),
+        backend, device_mod.workers_per_device(backend.device, copies) * device_pass_bytes(info, size, block),
         f"featurize ({copies} workers)", path)
 
 
@@ -218,7 +219,7 @@ def _in_whitening(run: Callable[[np.ndarray], Features], A: np.ndarray) -> Featu
 def data_kind(path: str | os.PathLike) -> str:
     """The kind of a data argument: "features" for a Zarr features store (read whole on one machine by
     `load_features`, or tiled on a cluster), else the HDF5 file's kind (io.formats.kind_of)."""
-    return "features" if zarr_store.is_store(path) else formats.kind_of(path)
+    return "features" if store_location.is_store(path) else formats.kind_of(path)
 
 
 def tokens_info(path: str | os.PathLike, read: ReadSpec | None = None) -> TokensInfo:
@@ -237,7 +238,7 @@ def solve_need(path: str | os.PathLike, ridge: float = 0.0, lowrank: bool = Fals
 
     The file's facts are read here; the policy is mhla_cli.linalg.memory.solve_need_of (the linalg layer
     reads no files: io and the featurize pass's own need sit above it)."""
-    if zarr_store.is_store(path):  # read whole on one machine (zarr_store.load_features)
+    if store_location.is_store(path):  # read whole on one machine (zarr_store.load_features)
         d, n = zarr_store.dims(path)
         return d, solve_need_of(d, n, ridge, lowrank, command)
     kind = formats.kind_of(path)
@@ -319,7 +320,7 @@ def load_features(path: str | os.PathLike, chunk_size: int | None = None, normal
         attention, normalize, bias_terms = read.layout, read.normalize, read.bias_terms
     if normalize is not None:
         check_normalize(normalize)
-    store = zarr_store.is_store(path)
+    store = store_location.is_store(path)
     kind = data_kind(path)
     if kind == "features":
         feats = zarr_store.load_features(path) if store else Features.load(path)

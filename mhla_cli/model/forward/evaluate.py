@@ -17,7 +17,7 @@ from ..heads import Heads
 from ..model import Model, affine_of, bias_terms_of, coef_of, evaluation_of, normalize_of
 from ...statistics.affine_sums import affine_rows
 from ...samples import BIDIRECTIONAL, CAUSAL, LAST, Samples, fitted_layout
-from ...statistics.stream import sequence_moments
+from mhla_cli.kernels import sequence_moments
 from ...bias_terms import with_constant
 
 

@@ -15,13 +15,14 @@ from ...feature_map import features_from_moments
 from ..heads import Heads
 from ...numerics import EPS
 from ..model import Model, affine_of, bias_terms_of, coef_of
-from ...statistics.stream import default_chunk_size, sequence_moments
+from mhla_cli.statistics.ranges import default_chunk_size
+from mhla_cli.kernels import sequence_moments
 from ...io.tokens import (
     check_finite,
     iter_chunks,
 )
 from .evaluate import HeadsFn, in_width, out_width
-from .stream import _function_and_data
+from .stream import function_and_data
 
 
 
@@ -137,7 +138,7 @@ def rollout_file(fn: Model | Heads, data: str | os.PathLike, out: str | os.PathL
     if affine_of(fn) is not None:
         raise InputError("a rollout appends outputs as tokens; a function with the affine map of the wide tokens "
                          "needs wide tokens the rollout does not make", data)
-    coef, normalize, info = _function_and_data(fn, data)
+    coef, normalize, info = function_and_data(fn, data)
     if isinstance(coef, HeadsFn):
         if out_width(coef) != in_width(coef):
             raise InputError(f"the heads map d = {in_width(coef)} tokens to {out_width(coef)}-dim outputs: a rollout "

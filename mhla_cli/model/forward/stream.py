@@ -24,7 +24,7 @@ from mhla_cli.statistics.affine_sums import WideSource
 from mhla_cli.statistics.distributed.parallel import SerialMap, ThreadMap, make_map
 from mhla_cli.model.scores import Spread
 from mhla_cli.samples import BIDIRECTIONAL, CAUSAL, LAST, Samples
-from mhla_cli.statistics.stream import default_chunk_size
+from mhla_cli.statistics.ranges import default_chunk_size
 from mhla_cli.io.tokens import TokensInfo, check_finite, check_weights, inspect_tokens, iter_chunks, read_as, chunk_ranges, with_bias_terms
 from mhla_cli.model.forward.evaluate import DIRECT_CHUNK_BYTES, HeadsFn, evaluated, fitted_samples, function_of, in_basis, in_width, out_width, predict_chunk, sample_outputs
 
@@ -122,7 +122,7 @@ def _check_capture(fn: Model | Heads, data: str | os.PathLike) -> None:
                          data)
 
 
-def _function_and_data(fn: Model | Heads, data: str | os.PathLike
+def function_and_data(fn: Model | Heads, data: str | os.PathLike
                        ) -> tuple[np.ndarray | HeadsFn, str, TokensInfo]:
     """coef (own coordinates; or a HeadsFn) and normalisation of `fn`, and the layout of the tokens file
     `data` (same d checked, and the targets' width against the outputs')."""
@@ -303,36 +303,11 @@ def predict_file(fn: Model | Heads, data: str | os.PathLike, out: str | os.PathL
     """
     device = check_device(device, data)
     affine = _affine_source(fn, data, affine_from)
-    if all_positions and causal:
-        raise InputError("causal and all_positions cannot be combined: causal is the masked (prefix) "
-                         "output at every position, all_positions the unmasked one")
-    if (causal or all_positions) and layout not in (None, CAUSAL if causal else BIDIRECTIONAL):
-        raise InputError(f"the layout {layout} was asked beside causal or all_positions: give one of them")
-    layout = CAUSAL if causal else layout
-    if layout is not None and not layout.per_position:
-        layout = None  # the last-token outputs: the predictions themselves
-    fitted = fitted_samples(fn)
-    if layout is not None and fitted.predicts_every_position and layout != fitted:
-        raise InputError(f"the model was fitted on {fitted.name} samples ({fitted.words}): "
-                         f"{'--causal' if layout == CAUSAL else layout.name} would evaluate it on {layout.words}; "
-                         f"its outputs at every position are written without {'--causal' if causal else 'a layout'}")
-    _, normalize, info = _function_and_data(fn, data)
+    layout, fitted, samples = _output_layout(fn, layout, causal, all_positions)
+    _, normalize, info = function_and_data(fn, data)
     coef, A = evaluated(fn)  # evaluated where it was solved (Model.evaluation), or the heads directly
     d = out_width(coef)
-    # the outputs at every position: in the layout asked (of the prefixes with causal), with the whole window's S
-    # (all_positions), or in the layout the model was fitted on
-    samples = (layout if layout is not None else BIDIRECTIONAL if all_positions and not fitted.predicts_every_position
-               else fitted if fitted.predicts_every_position else None)
-    # per-position targets are scored against those outputs: always in the layout asked or fitted on (data marked
-    # with another attention: refused); with all_positions when the targets are of an encoder's window (the
-    # file's attribute that layout's, or none), not against a decoder's prefixes (another attribute)
-    scored_as = None
-    if info.per_position and samples is not None and (
-            layout is not None or fitted.predicts_every_position or info.attention in (None, samples.attention)):
-        scored_as = samples.attention
-        info = read_as(info, samples)
-    elif info.per_position:
-        info = dataclasses.replace(info, has_targets=False)  # per-position targets: no per-sequence MSE
+    info, scored_as = _scored_info(info, layout, fitted, samples)
     if isinstance(coef, HeadsFn):
         device = None  # heads evaluated directly run on the CPU
     todo = chunk_ranges(0, info.n_samples, _predict_chunk_size(coef, info, chunk_size))
@@ -362,6 +337,45 @@ def predict_file(fn: Model | Heads, data: str | os.PathLike, out: str | os.PathL
         result.r2 = spread.r2()  # None when the scored targets do not vary (mhla_cli.model.scores)
         result.n_scored = count
     return result
+
+
+def _output_layout(fn: Model | Heads, layout: Samples | None, causal: bool, all_positions: bool
+                   ) -> tuple[Samples | None, Samples, Samples | None]:
+    """The layout asked (None: the last-token outputs), the one `fn` was fitted on, and the layout of the outputs
+    at every position (None: none): the one asked (of the prefixes with causal), the whole window's
+    (all_positions), or the one the model was fitted on; the combinations that contradict one another refused."""
+    if all_positions and causal:
+        raise InputError("causal and all_positions cannot be combined: causal is the masked (prefix) "
+                         "output at every position, all_positions the unmasked one")
+    if (causal or all_positions) and layout not in (None, CAUSAL if causal else BIDIRECTIONAL):
+        raise InputError(f"the layout {layout} was asked beside causal or all_positions: give one of them")
+    layout = CAUSAL if causal else layout
+    if layout is not None and not layout.per_position:
+        layout = None  # the last-token outputs: the predictions themselves
+    fitted = fitted_samples(fn)
+    if layout is not None and fitted.predicts_every_position and layout != fitted:
+        raise InputError(f"the model was fitted on {fitted.name} samples ({fitted.words}): "
+                         f"{'--causal' if layout == CAUSAL else layout.name} would evaluate it on {layout.words}; "
+                         f"its outputs at every position are written without {'--causal' if causal else 'a layout'}")
+    samples = (layout if layout is not None else BIDIRECTIONAL if all_positions and not fitted.predicts_every_position
+               else fitted if fitted.predicts_every_position else None)
+    return layout, fitted, samples
+
+
+def _scored_info(info: TokensInfo, layout: Samples | None, fitted: Samples, samples: Samples | None
+                 ) -> tuple[TokensInfo, str | None]:
+    """The data as scored, and the attention their per-position targets are scored in (None: per sequence).
+
+    Per-position targets are scored against the outputs at every position: always in the layout asked or fitted
+    on (data marked with another attention: refused); with all_positions when the targets are of an encoder's
+    window (the file's attribute that layout's, or none), not against a decoder's prefixes (another attribute).
+    """
+    if info.per_position and samples is not None and (
+            layout is not None or fitted.predicts_every_position or info.attention in (None, samples.attention)):
+        return read_as(info, samples), samples.attention
+    if info.per_position:
+        return dataclasses.replace(info, has_targets=False), None  # per-position targets: no per-sequence MSE
+    return info, None
 
 
 def _affine_source(fn: Model | Heads, data: str | os.PathLike, affine_from: str | os.PathLike | None
@@ -420,7 +434,7 @@ def predict_range(coef: np.ndarray, info: Any, layout: Samples | None, sample_ra
         check_finite(tokens, offsets, targets, a, info.path)
         check_weights(weights, offsets, a, info.per_position, info.path)
         pred, outputs = predict_chunk(coef, in_basis(tokens, basis), offsets, layout, normalize,
-                                      device=None if device is None else worker_device(device))
+                                      device=worker_device(device))
         if affine is not None:  # the affine map of the wide tokens at the last token (and every position)
             aff = _affine_range(affine, a, offsets)
             pred = pred + aff[offsets[1:] - 1]

@@ -20,48 +20,34 @@ The package, by job:
 - `_gauss_newton`: the Gauss-Newton normal equations and their damped solve;
 - `_whitened`: the statistics of the whitened tokens, in which the fits run;
 - `_solver`: the record every iterative solver returns, and its warning texts;
-- `_numerics`: float64 epsilon and one BLAS thread for small solves.
+- `_numerics`: one BLAS thread for small solves (EPS lives in mhla_cli.numerics).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-# The package's modules, one job each; their public names are re-exported here, so that callers use
-# `lowrank.<name>` or `from mhla_cli.solve.lowrank import <name>` whichever module defines it.
+# The package's public API: the names callers outside the package use, each defined in one of its modules;
+# the private helpers stay in their modules (import them from there).
 from ...errors import InputError
-from ...feature_map import n_features, pair_index
-from ...model.heads import Heads, W_from_p, heads_from_W, p_from_W
 from ...model.model import Model
-from ..lstsq import fit, train_mse
-from ...statistics.stream import Features
-from ._gauss_newton import _damped_solve, _normal_parts, _structure
-from ._whitened import to_tokens, whitened
 from ...statistics.basis import feature_scale
-from ._numerics import EPS, _serial_blas
-from ._params import _balance, _heads_from_svd, _jacobians, _p_of, _pack, _to_heads, _unpack
-from ._solver import convergence_warning, hit_limit, solver_info, solver_warnings
-from .affine import _check_coef, _p_index, min_nuclear_W, nuclear_norm, p_adjoint, project_affine, svt
-from .cv import _cv_table, _minus, _pick, cv_heads, cv_nuclear
-from .factorised import _als_lm, _factorised_objective, _solve_psd, fit_factorised
-from .fewest import (_START_SCALES, _Metric, _random_start, _rel_err, fewest_heads, fewest_message, generic_rank,
-                     head_lower_bound, polish_heads)
-from .losses import _need_targets, mse, sse
-from .nuclear import _lipschitz, fit_nuclear, nuclear_lambda_max
-from .result import LowRankFit
-
+from ...statistics.features import Features
+from ..lstsq import fit
+from ._solver import convergence_warning, hit_limit, solver_warnings
+from ._whitened import to_tokens, whitened
+from .affine import min_nuclear_W, nuclear_norm, p_adjoint, project_affine
+from .cv import cv_heads, cv_nuclear
+from .factorised import fit_factorised
+from .fewest import fewest_heads, fewest_message, generic_rank, head_lower_bound, polish_heads
+from .losses import _need_targets, mse
+from .nuclear import fit_nuclear, nuclear_lambda_max
 
 __all__ = [
-    "EPS", "Features", "Heads", "InputError", "LowRankFit", "Model", "W_from_p", "_Metric", "_START_SCALES",
-    "_als_lm", "_balance", "_check_coef", "_cv_table", "_damped_solve", "_factorised_objective",
-    "_heads_from_svd", "_jacobians", "_lipschitz", "_minus", "_need_targets", "_normal_parts", "_p_index",
-    "_p_of", "_pack", "_pick", "_random_start", "_rel_err", "_serial_blas", "_solve_psd", "_structure",
-    "_to_heads", "_unpack", "convergence_warning", "cv_heads", "cv_nuclear", "fewest_heads",
-    "fewest_message", "fit", "fit_factorised", "fit_model", "fit_nuclear", "generic_rank",
-    "head_lower_bound", "heads_from_W", "hit_limit", "min_nuclear_W", "mse", "n_features",
-    "nuclear_lambda_max", "nuclear_norm", "p_adjoint", "p_from_W", "pair_index", "polish_heads",
-    "project_affine", "solver_info", "solver_warnings", "sse", "svt", "train_mse"
-]  # every name the single-module lowrank had (public and private), re-exported
+    "convergence_warning", "cv_heads", "cv_nuclear", "fewest_heads", "fewest_message", "fit_factorised", "fit_model",
+    "fit_nuclear", "generic_rank", "head_lower_bound", "hit_limit", "min_nuclear_W", "mse", "nuclear_lambda_max",
+    "nuclear_norm", "p_adjoint", "polish_heads", "project_affine", "solver_warnings",
+]
 
 
 def fit_model(feats: Features, heads: int | str | None = None, nuclear: float | str | None = None,

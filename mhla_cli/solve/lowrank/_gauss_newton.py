@@ -10,7 +10,7 @@ import warnings
 import numpy as np
 
 from ...feature_map import pair_index
-from ...statistics.stream import Features
+from mhla_cli.statistics.features import Features
 
 
 def _damped_solve(A: np.ndarray, b: np.ndarray) -> np.ndarray:

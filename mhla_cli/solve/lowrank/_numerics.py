@@ -1,4 +1,4 @@
-"""What the low-rank solvers share numerically: float64 epsilon and one BLAS thread for small solves."""
+"""What the low-rank solvers share numerically: one BLAS thread for small solves."""
 
 from __future__ import annotations
 
@@ -7,8 +7,6 @@ from collections.abc import Callable
 from typing import Any
 
 from threadpoolctl import threadpool_limits
-
-from ...numerics import EPS  # noqa: F401  (one home: mhla_cli.numerics; lowrank modules import it here)
 
 
 def _serial_blas(fn: Callable) -> Callable:

@@ -7,7 +7,7 @@ from typing import Any
 import numpy as np
 
 from ...errors import InputError
-from ...statistics.stream import Features
+from mhla_cli.statistics.features import Features
 from ..ridge_cv import cv_floor
 from ._numerics import _serial_blas
 from .factorised import fit_factorised

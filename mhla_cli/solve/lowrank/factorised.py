@@ -9,9 +9,10 @@ import numpy as np
 from ...errors import InputError
 from ...model.heads import W_from_p, p_from_W
 from ..lstsq import fit
-from ...statistics.stream import Features
+from mhla_cli.statistics.features import Features
 from ._gauss_newton import _damped_solve, _normal_parts
-from ._numerics import EPS, _serial_blas
+from mhla_cli.numerics import EPS
+from ._numerics import _serial_blas
 from ._params import _balance, _heads_from_svd, _p_of, _pack, _to_heads, _unpack
 from ._solver import solver_info
 from .affine import min_nuclear_W

@@ -15,7 +15,8 @@ from ...model.heads import Heads, W_from_p, heads_from_W, p_from_W
 from ...numerics import FEWEST_TOL
 from ...statistics.basis import feature_scale
 from ._gauss_newton import _damped_solve, _normal_parts
-from ._numerics import EPS, _serial_blas
+from mhla_cli.numerics import EPS
+from ._numerics import _serial_blas
 from ._params import _balance, _heads_from_svd, _p_of, _pack, _unpack
 from ._solver import solver_info
 from .affine import _check_coef, min_nuclear_W

@@ -6,7 +6,7 @@ import numpy as np
 
 from ...errors import InputError
 from ..lstsq import train_mse
-from ...statistics.stream import Features
+from mhla_cli.statistics.features import Features
 
 
 def sse(feats: Features, coef: np.ndarray) -> float:

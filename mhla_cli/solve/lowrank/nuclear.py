@@ -6,8 +6,9 @@ import numpy as np
 
 from ...errors import InputError
 from ...model.heads import p_from_W
-from ...statistics.stream import Features
-from ._numerics import EPS, _serial_blas
+from mhla_cli.statistics.features import Features
+from mhla_cli.numerics import EPS
+from ._numerics import _serial_blas
 from ._solver import solver_info
 from .affine import p_adjoint, svt
 from .losses import _need_targets, mse, sse

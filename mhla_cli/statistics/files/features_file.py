@@ -83,7 +83,7 @@ class FeaturesFile:
     def _own_gram_to_write(self) -> formats.Deferred:
         """The own gram for the file, made when written: derived from the basis Gram through its storage
         (from distinct entries a block of rows at a time, never held whole), or read if stored; not kept."""
-        if self._gram_raw is _DERIVED:
+        if self._gram_raw is DERIVED:
             return self.gram_storage.written(lambda g: gram_storage.own_of(g, self.basis))
         n = self.n_features
         return formats.Deferred(lambda: self.gram, 8 * n * n)
@@ -138,7 +138,7 @@ class FeaturesFile:
             # a file whose form holds no own gram: derived from the basis sums when used (`finalize`)
             stored = gram_storage.file_storage(f, path)
             gram = None if reduced else _stored_gram(f, path, d, psi) if stored is None or stored.own_gram_in_file \
-                else _DERIVED
+                else DERIVED
             tg = formats.read_array(f, "token_gram", path).astype(np.float64)
             lg = formats.read_array(f, "last_token_gram", path).astype(np.float64)
             for name, arr in (("token_gram", tg), ("last_token_gram", lg)):
@@ -332,10 +332,10 @@ class _Derived:
         return "<gram derived from the basis sums when used>"
 
     def __reduce__(self) -> str:
-        return "_DERIVED"  # unpickled as the module's one instance (`_get_gram` tests identity)
+        return "DERIVED"  # unpickled as the module's one instance (`_get_gram` tests identity)
 
 
-_DERIVED = _Derived()
+DERIVED = _Derived()
 
 
 class StoredGram:
