@@ -45,9 +45,9 @@ def feature_index(d: int) -> np.ndarray:
     idx[:, :, 0] = j[:, None]
     idx[:, :, 1] = k[:, None]
     idx[:, :, 2] = np.arange(d)[None, :]
-    idx = idx.reshape(-1, 3)
-    idx.setflags(write=False)
-    return idx
+    flat = idx.reshape(-1, 3)
+    flat.setflags(write=False)
+    return flat
 
 
 def feature_name(d: int, f: int) -> str:

@@ -259,7 +259,7 @@ def apply_reduction(red: Reduction, data: str | os.PathLike, out: str | os.PathL
             _write_maps(fout, red, inputs, data)
             if info.attention is not None:  # how the per-position samples read the window: kept
                 fout.attrs["attention"] = info.attention
-            n = int(info.seq_len) if dense else 0
+            n = info.dense_len if dense else 0
             dt = fout.create_dataset("tokens", (N, n, d) if dense else (T, d), dtype="f8")
             dy = None
             if info.has_targets:
@@ -303,7 +303,7 @@ def _reduce_chunks(red: Reduction, info: TokensInfo, data: str | os.PathLike, dt
     None without targets), in the layout of the source (dense (N, n, d) or ragged (T, d)), and `digests` (N, 2)
     the fingerprint of every window of `data` read (formats.window_digests: --affine-from checks each)."""
     dense, d = info.layout == "dense", red.dim
-    n = int(info.seq_len) if dense else 0
+    n = info.dense_len if dense else 0
     pos = 0
     for a, b, tokens, offsets, targets, weights in iter_chunks(info, (0, info.n_samples), size, with_weights=True):
         check_finite(tokens, offsets, targets, a, data)
