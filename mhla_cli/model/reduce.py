@@ -317,6 +317,7 @@ def _reduce_chunks(red: Reduction, info: TokensInfo, data: str | os.PathLike, dt
         else:
             dt[pos:pos + t] = Z
         if dy is not None and targets is not None:
+            assert red.U is not None  # dy: the reduction maps the targets
             W = np.asarray(targets, dtype=np.float64) @ red.U
             if not info.per_position:
                 dy[a:b] = W

@@ -201,7 +201,7 @@ def sample_outputs(coef: np.ndarray | HeadsFn, tokens: np.ndarray, offsets: np.n
     outs = []
     for s, e in _blocks(offsets):
         r0, r1 = int(offsets[s]), int(offsets[e])
-        if heads:  # sum_h V_h (S (Q_h x)) row by row: no (rows, d_out, d) array; factored: of x~ = P^T x, then U
+        if isinstance(coef, HeadsFn):  # sum_h V_h (S (Q_h x)) row by row: no (rows, d_out, d) array; factored: of x~ = P^T x, then U
             q = samples.queries(coef.reduce(tokens[r0:r1]), offsets[s:e + 1] - r0, normalize)
             S = q.sample_upper()[:, full]
             qx = np.einsum("hcl,rl->rhc", Q, q.x, optimize=True)
@@ -318,9 +318,10 @@ def predict(fn: Model | Heads | np.ndarray, tokens: np.ndarray, offsets: np.ndar
     pred, outputs = predict_chunk(coef, in_basis(tokens, A), offsets, layout,
                                   normalize_of(fn), device=check_device(device))
     pred = _with_affine(fn, pred, wide, offsets, False)
-    if outputs is not None:
-        outputs = _with_affine(fn, outputs, wide, offsets, layout.per_position)
-    return pred if layout is None else (pred, outputs)
+    if layout is None:
+        return pred
+    assert outputs is not None  # a layout's outputs
+    return pred, _with_affine(fn, outputs, wide, offsets, layout.per_position)
 
 
 def in_basis(tokens: np.ndarray, A: np.ndarray | None) -> np.ndarray:
