@@ -73,7 +73,8 @@ def cubic_features(X: np.ndarray) -> np.ndarray:
     if X.ndim != 2 or X.shape[0] < 1:
         raise ValueError("X must have shape (n, d) with n >= 1")
     S = X.T @ X
-    return features_from_moments(S[None], X[-1][None])[0]
+    out: np.ndarray = features_from_moments(S[None], X[-1][None])[0]
+    return out
 
 
 NORMALIZATIONS = ("none", "length")

@@ -321,7 +321,7 @@ class MHLA:
 
     # ------------------------------------------------------------------ prediction
     def _fitted(self) -> Model:
-        model = getattr(self, "model_", None)
+        model: Model | None = getattr(self, "model_", None)
         if model is None:
             raise InputError("this MHLA is not fitted yet: call fit() or partial_fit() first")
         return model

@@ -55,7 +55,8 @@ def W_from_p(coef: np.ndarray) -> np.ndarray:
 def W_from_heads(V: np.ndarray, Q: np.ndarray) -> np.ndarray:
     """W = sum_h vec(V_h) vec(Q_h)^T with row-major vec."""
     H, d, _ = V.shape
-    return V.reshape(H, d * d).T @ Q.reshape(H, d * d)
+    W: np.ndarray = V.reshape(H, d * d).T @ Q.reshape(H, d * d)
+    return W
 
 
 def p_from_heads(V: np.ndarray, Q: np.ndarray) -> np.ndarray:
@@ -72,7 +73,8 @@ def coef_of_heads(V: np.ndarray, Q: np.ndarray) -> np.ndarray:
     j, k = pair_index(d)
     P = W4[:, j, k, :] + W4[:, k, j, :]
     P[:, j == k, :] *= 0.5
-    return P.reshape(V.shape[1], -1)
+    out: np.ndarray = P.reshape(V.shape[1], -1)
+    return out
 
 
 def coef_inner(Va: np.ndarray, Qa: np.ndarray, Vb: np.ndarray, Qb: np.ndarray,

@@ -42,7 +42,8 @@ def forward_heads(V: np.ndarray, Q: np.ndarray, X: np.ndarray, all_positions: bo
     S = X.T @ X
     if normalize == "length":
         S = S / X.shape[0]
-    return np.einsum("hab,bc,hcl,l->a", V, S, Q, X[-1], optimize=True)
+    out: np.ndarray = np.einsum("hab,bc,hcl,l->a", V, S, Q, X[-1], optimize=True)
+    return out
 
 
 class HeadsFn(tuple):
@@ -291,7 +292,8 @@ def _with_affine(fn: Model | Heads | np.ndarray, out: np.ndarray, wide: np.ndarr
     if wide.shape != (int(offsets[-1]), affine.shape[1] - 1):
         raise InputError(f"the wide tokens have shape {wide.shape}, expected "
                          f"({int(offsets[-1])}, {affine.shape[1] - 1})")
-    return out + affine_rows(wide, offsets, CAUSAL if per_position else LAST) @ affine.T
+    total: np.ndarray = out + affine_rows(wide, offsets, CAUSAL if per_position else LAST) @ affine.T
+    return total
 
 
 def _tokens_of(fn: Model | Heads | np.ndarray, tokens: np.ndarray) -> np.ndarray:
@@ -328,4 +330,5 @@ def in_basis(tokens: np.ndarray, A: np.ndarray | None) -> np.ndarray:
     """The tokens X A a model evaluates (Model.evaluation); X itself for A None."""
     if A is None:
         return tokens
-    return np.asarray(tokens, dtype=np.float64) @ A
+    out: np.ndarray = np.asarray(tokens, dtype=np.float64) @ A
+    return out

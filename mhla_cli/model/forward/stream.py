@@ -81,7 +81,8 @@ def _affine_range(affine: tuple[WideSource, np.ndarray], a: int, offsets: np.nda
     wide, C = affine
     sample_range = (a, a + offsets.size - 1)
     chunk = next(wide.chunks(sample_range, sample_range[1] - sample_range[0], prefetch=False))
-    return wide.rows(chunk, a, offsets, CAUSAL) @ C.T
+    out: np.ndarray = wide.rows(chunk, a, offsets, CAUSAL) @ C.T
+    return out
 
 
 def causal_range(coef: np.ndarray | HeadsFn, info: Any, normalize: str, sample_range: tuple[int, int],
