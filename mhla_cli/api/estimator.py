@@ -144,6 +144,22 @@ class MHLA:
     whitening of all the tokens seen), `model_` (Model, with `info`).
     """
 
+    # the parameters (_PARAMS), set by __init__ and set_params
+    ridge: float | str
+    heads: int | str | None
+    nuclear: float | str | None
+    domain: str
+    normalize: str
+    per_position: bool
+    weight_decay: float
+    restarts: int
+    seed: int
+    min_eig: float
+    cv: int
+    device: str
+    attention: str | Samples
+    bias_terms: bool
+
     def __init__(self, ridge: float = 0.0, heads: int | str | None = None, nuclear: float | str | None = None,
                  domain: str = "full", normalize: str = "none", per_position: bool = False,
                  weight_decay: float = 0.0, restarts: int = 10, seed: int = 0, min_eig: float = 0.0,
@@ -207,7 +223,7 @@ class MHLA:
     def _reset(self) -> None:
         for k in ("coef_", "W_", "heads_", "certificate_", "n_samples_", "n_features_in_", "features_", "model_"):
             self.__dict__.pop(k, None)
-        self._folds: list[Features] | None = None
+        self._folds: list[Features | None] | None = None  # per CV fold (None: no sample in it yet)
         self._total: Features | None = None  # the sums of all chunks seen
         self._config: tuple[Any, ...] | None = None
         self._n_seen = 0
@@ -255,10 +271,12 @@ class MHLA:
             _check_normal_weights(w)
         parts = self._featurize(tokens, off, y, w, d)
         total = self._total
-        folds = None if not self._auto else list(self._folds or [None] * int(self.cv))
+        empty: list[Features | None] = [None] * int(self.cv)
+        folds = None if not self._auto else list(self._folds or empty)
         for k, part in parts:  # `+` makes new objects: nothing fitted so far is changed in place
             if folds is not None:
-                folds[k] = part if folds[k] is None else folds[k] + part
+                held = folds[k]
+                folds[k] = part if held is None else held + part
             total = part if total is None else total + part
         if total is None or total.n_samples == 0:
             raise InputError("every sample weight is 0: there is no sample to learn from")

@@ -335,9 +335,9 @@ def _apply_rows_inplace(P: np.ndarray, R: np.ndarray, X: np.ndarray) -> None:
     work = np.empty(pairs * d * m)
     for p0 in range(0, q, pairs):
         p1 = min(q, p0 + pairs)
-        w = work[:(p1 - p0) * d * m].reshape(p1 - p0, d, m)
-        np.matmul(R, X3[p0:p1], out=w)
-        X3[p0:p1] = w
+        w3 = work[:(p1 - p0) * d * m].reshape(p1 - p0, d, m)
+        np.matmul(R, X3[p0:p1], out=w3)
+        X3[p0:p1] = w3
 
 
 def _transpose_inplace(G: np.ndarray, tile: int = _TILE) -> None:

@@ -91,11 +91,11 @@ def find_spans(info: TokensInfo, A: np.ndarray, sample_range: tuple[int, int], c
             st = structure_mod.from_traces(tp, tl, margin)
             if not st.on_spans or st.n > share * psi:
                 return None, A, 0
-    tp, tl, part = span_traces(info, sample_range, A, chunk_size, normalize)
+    tp, tl, sums = span_traces(info, sample_range, A, chunk_size, normalize)
     passes = 1
-    C, cond = part.correction()
+    C, cond = sums.correction()
     if C is not None and cond > basis_mod.CHANGE_COND:
-        A = basis_mod.round32(part.basis @ C)
+        A = basis_mod.round32(sums.basis @ C)
         tp, tl, _ = span_traces(info, sample_range, A, chunk_size, normalize)
         passes = 2
     st = structure_mod.from_traces(tp, tl)

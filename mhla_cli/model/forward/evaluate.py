@@ -42,8 +42,8 @@ def forward_heads(V: np.ndarray, Q: np.ndarray, X: np.ndarray, all_positions: bo
     S = X.T @ X
     if normalize == "length":
         S = S / X.shape[0]
-    out: np.ndarray = np.einsum("hab,bc,hcl,l->a", V, S, Q, X[-1], optimize=True)
-    return out
+    last: np.ndarray = np.einsum("hab,bc,hcl,l->a", V, S, Q, X[-1], optimize=True)
+    return last
 
 
 class HeadsFn(tuple):
