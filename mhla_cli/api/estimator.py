@@ -354,7 +354,7 @@ class MHLA:
             raise InputError(f"the sequences have d = {tokens.shape[1]} but the model has d = {token_dim(model)}")
         if self.per_position:
             return predict_samples(model, tokens, off, self._samples)
-        return forward_predict(model, tokens, off, device=self.device)  # type: ignore[return-value]
+        return forward_predict(model, tokens, off, device=self.device)  # type: ignore[return-value]  # no layout: the last-token outputs
 
     def score(self, sequences: Any, targets: Any, offsets: Any = None, sample_weight: Any = None) -> float:
         """Coefficient of determination R^2 = 1 - SSE / SST over all d outputs, SST about the targets'

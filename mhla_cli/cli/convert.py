@@ -71,7 +71,7 @@ def convert_cmd(
 
     Example: mhla convert data.npz -o data.h5 && mhla certify data.h5
     """
-    with progress_bar("convert", None, quiet) as advance:  # type: ignore[arg-type]
+    with progress_bar("convert", None, quiet) as advance:  # type: ignore[arg-type]  # None: no known total
         info = convert_mod.convert_files(inputs, output, chunk_size=chunk_size, progress=advance, mask=mask,
                                          keys=key, attention=attention)
     summary = {"output": str(output),

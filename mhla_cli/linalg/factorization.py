@@ -154,7 +154,7 @@ class Factorization:
             with self._timed("eigenvectors"), _lapack_threads(self.n):
                 w, self._c._v = self._matrix().eigh()
                 self._c._we = w * self.scale
-        return self._c._we, self._c._v  # type: ignore[return-value]
+        return self._c._we, self._c._v  # type: ignore[return-value]  # both set together
 
     def null_space(self, threshold: float) -> tuple[np.ndarray, np.ndarray]:
         """The eigenpairs with eigenvalue <= threshold (ascending): LAPACK's selected eigenvectors

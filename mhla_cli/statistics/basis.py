@@ -441,7 +441,7 @@ def same(a: np.ndarray | None, b: np.ndarray | None) -> bool:
     """Two bases are the same (None is the identity)."""
     if a is None and b is None:
         return True
-    d = (a if a is not None else b).shape[0]  # type: ignore[union-attr]
+    d = (a if a is not None else b).shape[0]  # type: ignore[union-attr]  # not both None (above)
     a = np.eye(d) if a is None else a
     b = np.eye(d) if b is None else b
     return bool(np.array_equal(a, b))

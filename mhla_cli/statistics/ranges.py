@@ -275,7 +275,7 @@ def accumulate_ranges(info: TokensInfo, sample_ranges: Sequence[tuple[int, int]]
             if raised:  # the callback raised (e.g. to interrupt): it is not called again
                 return
             try:
-                progress(n)  # type: ignore[misc]
+                progress(n)  # type: ignore[misc]  # progress: not None where locked is used
             except BaseException:
                 raised.append(True)
                 raise

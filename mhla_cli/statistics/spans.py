@@ -54,7 +54,7 @@ def span_traces(info: TokensInfo, sample_range: tuple[int, int], A: np.ndarray, 
     """
     acc = _Accumulator(info.d, False, A, samples=info.samples, normalize=check_normalize(normalize), traces=True)
     _add_chunks(acc, info, sample_range, chunk_size)
-    tp, tl = acc.traces  # type: ignore[misc]
+    tp, tl = acc.traces  # type: ignore[misc]  # traces=True: the traces are set
     return 0.5 * (tp + tp.T), 0.5 * (tl + tl.T), acc.result(info.dtype)
 
 

@@ -55,7 +55,7 @@ def positions_range(coef: np.ndarray | HeadsFn, info: Any, samples: Samples, nor
     done = [0]
 
     def step(k: int) -> None:
-        progress(k - done[0])  # type: ignore[misc]
+        progress(k - done[0])  # type: ignore[misc]  # progress: not None where step is used
         done[0] = k
 
     lo, hi = sample_range
