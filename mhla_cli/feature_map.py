@@ -45,9 +45,9 @@ def feature_index(d: int) -> np.ndarray:
     idx[:, :, 0] = j[:, None]
     idx[:, :, 1] = k[:, None]
     idx[:, :, 2] = np.arange(d)[None, :]
-    idx = idx.reshape(-1, 3)
-    idx.setflags(write=False)
-    return idx
+    flat = idx.reshape(-1, 3)
+    flat.setflags(write=False)
+    return flat
 
 
 def features_from_moments(S: np.ndarray, last: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
@@ -67,7 +67,8 @@ def cubic_features(X: np.ndarray) -> np.ndarray:
     if X.ndim != 2 or X.shape[0] < 1:
         raise ValueError("X must have shape (n, d) with n >= 1")
     S = X.T @ X
-    return features_from_moments(S[None], X[-1][None])[0]
+    out: np.ndarray = features_from_moments(S[None], X[-1][None])[0]
+    return out
 
 
 NORMALIZATIONS = ("none", "length")

@@ -191,7 +191,7 @@ def observed_span_tol(d: int, count: int, eps_in: float) -> float:
     return max(OBSERVED_SPAN_FACTOR * d * EPS * math.sqrt(max(count, 1)), d * eps_in**2)
 
 
-def mse_resolution(n_features: int, scale: float, n_samples: int, d: int) -> float:
+def mse_resolution(n_features: int, scale: float, n_samples: float, d: int) -> float:
     """The float64 resolution of the train MSE from the sums (see MSE_RESOLUTION_FACTOR), at least
     TARGET_SQUARES_FLOOR / d (the squares' own floor)."""
     return max(MSE_RESOLUTION_FACTOR * n_features * EPS * scale / (max(n_samples, 1) * d), TARGET_SQUARES_FLOOR / d)

@@ -328,7 +328,7 @@ class _Bidirectional(Samples):
 
     def queries(self, X: np.ndarray, offsets: np.ndarray, normalize: str = "none") -> Queries:
         upper, _ = _windows(X, offsets, normalize)
-        lengths = np.diff(np.asarray(offsets, dtype=np.int64))
+        lengths: np.ndarray = np.diff(np.asarray(offsets, dtype=np.int64))
         return Queries(upper, np.asarray(X, dtype=np.float64), np.repeat(np.arange(lengths.size), lengths))
 
     def token_weights(self, offsets: np.ndarray, weights: np.ndarray | None
@@ -363,7 +363,7 @@ class _Bidirectional(Samples):
         if weights is not None:  # windows whose every position weighs 0 add nothing
             keep = np.flatnonzero(total > 0)
             if keep.size < lengths.size:
-                out.upper, out.lengths, out.xx = out.upper[keep], lengths[keep], out.xx[keep]
+                out.upper, out.lengths, out.xx = out.upper[keep], lengths[keep], xx[keep]
                 out.xy = None if out.xy is None else out.xy[keep]
         return out
 

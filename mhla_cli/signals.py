@@ -43,7 +43,7 @@ def sigterm_as_exception(sigint: bool = True) -> Iterator[None]:
     files is ignored, so the cleanup finishes.
     """
     global _signal_received
-    fired = []
+    fired: list[int] = []
     _signal_received = None
 
     def handler(signum: int, frame: Any) -> None:  # noqa: ARG001

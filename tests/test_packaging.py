@@ -205,3 +205,42 @@ def test_the_version_is_written_once() -> None:
     assert headings[0] == ("Unreleased", "")
     version, date = headings[1]
     assert version == __version__ and re.fullmatch(r" - \d{4}-\d{2}-\d{2}", date), headings[1]
+
+
+def _mypy_config() -> dict:
+    tomllib = pytest.importorskip("tomllib")  # Python >= 3.11
+    return tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["mypy"]
+
+
+def test_ci_runs_the_linter_and_the_type_checker() -> None:
+    """.ci/run runs `ruff check .` then `mypy` (its settings from pyproject.toml), both from the lint extra."""
+    lines = [ln.strip() for ln in (ROOT / ".ci" / "run").read_text().splitlines()]
+    assert 'pip install --quiet -e ".[lint]"' in lines
+    assert lines.index('pip install --quiet -e ".[lint]"') < lines.index("ruff check .") < lines.index("mypy")
+    tomllib = pytest.importorskip("tomllib")
+    lint = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]["lint"]
+    assert any(req.startswith("ruff") for req in lint) and any(req.startswith("mypy") for req in lint)
+
+
+def test_mypy_is_strict_on_the_public_api() -> None:
+    """[tool.mypy] checks the package, and the modules that define mhla_cli's public names (and mhla_cli)
+    get the strict flags: a new public name's module cannot be left out."""
+    import mhla_cli
+
+    config = _mypy_config()
+    assert config["files"] == ["mhla_cli"] and config["check_untyped_defs"] and config["warn_unused_ignores"]
+    strict = [o for o in config["overrides"] if o.get("disallow_untyped_defs")]
+    assert len(strict) == 1
+    for flag in ("disallow_untyped_defs", "disallow_incomplete_defs", "warn_return_any", "no_implicit_optional",
+                 "strict_equality"):
+        assert strict[0][flag] is True, flag
+    defining = {getattr(mhla_cli, name).__module__ for name in mhla_cli._EXPORTS}
+    assert set(strict[0]["module"]) == defining | {"mhla_cli"}
+
+
+@pytest.mark.slow
+def test_mypy_passes() -> None:
+    """`mypy` as .ci/run runs it (minutes: slow)."""
+    pytest.importorskip("mypy")
+    proc = subprocess.run([sys.executable, "-m", "mypy"], capture_output=True, text=True, cwd=ROOT, timeout=1800)
+    assert proc.returncode == 0, proc.stdout[-4000:]

@@ -145,6 +145,22 @@ class MHLA:
     whitening of all the tokens seen), `model_` (Model, with `info`).
     """
 
+    # the parameters (_PARAMS), set by __init__ and set_params
+    ridge: float | str
+    heads: int | str | None
+    nuclear: float | str | None
+    domain: str
+    normalize: str
+    per_position: bool
+    weight_decay: float
+    restarts: int
+    seed: int
+    min_eig: float
+    cv: int
+    device: str
+    attention: str | Samples
+    bias_terms: bool
+
     def __init__(self, ridge: float = 0.0, heads: int | str | None = None, nuclear: float | str | None = None,
                  domain: str = "full", normalize: str = "none", per_position: bool = False,
                  weight_decay: float = 0.0, restarts: int = 10, seed: int = 0, min_eig: float = 0.0,
@@ -213,7 +229,7 @@ class MHLA:
     def _reset(self) -> None:
         for k in ("coef_", "W_", "heads_", "certificate_", "n_samples_", "n_features_in_", "features_", "model_"):
             self.__dict__.pop(k, None)
-        self._folds: list[Features] | None = None
+        self._folds: list[Features | None] | None = None  # per CV fold (None: no sample in it yet)
         self._total: Features | None = None  # the sums of all chunks seen
         self._config: tuple[Any, ...] | None = None
         self._n_seen = 0
@@ -261,10 +277,12 @@ class MHLA:
             _check_normal_weights(w)
         parts = self._featurize(tokens, off, y, w, d)
         total = self._total
-        folds = None if not self._auto else list(self._folds or [None] * int(self.cv))
+        empty: list[Features | None] = [None] * int(self.cv)
+        folds = None if not self._auto else list(self._folds or empty)
         for k, part in parts:  # `+` makes new objects: nothing fitted so far is changed in place
             if folds is not None:
-                folds[k] = part if folds[k] is None else folds[k] + part
+                held = folds[k]
+                folds[k] = part if held is None else held + part
             total = part if total is None else total + part
         if total is None or total.n_samples == 0:
             raise InputError("every sample weight is 0: there is no sample to learn from")
@@ -325,7 +343,7 @@ class MHLA:
 
     # ------------------------------------------------------------------ prediction
     def _fitted(self) -> Model:
-        model = getattr(self, "model_", None)
+        model: Model | None = getattr(self, "model_", None)
         if model is None:
             raise InputError("this MHLA is not fitted yet: call fit() or partial_fit() first")
         return model
@@ -340,7 +358,7 @@ class MHLA:
             raise InputError(f"the sequences have d = {tokens.shape[1]} but the model has d = {token_dim(model)}")
         if self.per_position:
             return predict_samples(model, tokens, off, self._samples)
-        return forward_predict(model, tokens, off, device=self.device)  # type: ignore[return-value]
+        return forward_predict(model, tokens, off, device=self.device)  # type: ignore[return-value]  # no layout: the last-token outputs
 
     def score(self, sequences: Any, targets: Any, offsets: Any = None, sample_weight: Any = None) -> float:
         """Coefficient of determination R^2 = 1 - SSE / SST over all d outputs, SST about the targets'

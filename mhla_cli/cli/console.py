@@ -159,7 +159,7 @@ def say_samples(feats: Features, data: Path, attention: str | None, quiet: bool)
 
 
 # How lambda_min is written where its estimate contradicted the proven verdict (numerics.lambda_min_of_verdict).
-BOUND_SIGNS = {"at_most": "<=", "above": ">"}
+BOUND_SIGNS: dict[str | None, str] = {"at_most": "<=", "above": ">"}
 
 
 def load_with_progress(path: Path, chunk_size: int | None, quiet: bool, read: ReadSpec | None = None,

@@ -85,7 +85,7 @@ def convert_cmd(
     """
     if compat not in (None, "on", "off"):
         raise InputError(f"--compatibility-mode {compat}: expected on or off")
-    with progress_bar("convert", None, quiet) as advance:  # type: ignore[arg-type]
+    with progress_bar("convert", None, quiet) as advance:  # type: ignore[arg-type]  # None: no known total
         info = convert_mod.convert_files(inputs, output, chunk_size=chunk_size, progress=advance, mask=mask,
                                          keys=key, attention=attention,
                                          compatibility_mode=None if compat is None else compat == "on")

@@ -60,7 +60,7 @@ def generate_teacher_cmd(
         raise InputError("--attention applies to per-position targets: add --per-position")
     if dtype not in ("float32", "float64"):
         raise InputError(f"--dtype must be float32 or float64, got {dtype}")
-    normalize = check_normalize(normalize or "none")
+    norm = check_normalize(normalize or "none")
     check_hdf5_output(output, (), "a tokens file", "tokens")
     if teacher_out is not None:
         check_heads_output(teacher_out)
@@ -68,9 +68,9 @@ def generate_teacher_cmd(
             raise InputError("--teacher-out must differ from -o", teacher_out)
     ds, teacher = synthetic.generate_teacher(dim, heads, n_samples, seq_len, noise, seed, dtype=dtype,
                                              read=ReadSpec(samples_of(per_position, attention),
-                                                           normalize=normalize, bias_terms=bias))
+                                                           normalize=norm, bias_terms=bias))
     attrs = {"generator": "teacher", "seed": seed, "noise": noise, "n_heads": heads,
-             "per_position": int(per_position), "normalize": normalize}
+             "per_position": int(per_position), "normalize": norm}
     if bias:
         attrs["bias"] = 1
     ds.save(output, dtype=dtype, attrs=attrs)
@@ -78,7 +78,7 @@ def generate_teacher_cmd(
         save_heads(teacher, teacher_out)  # HDF5, .npz or .safetensors by the suffix
     summary = {"output": str(output), "n_samples": ds.n_samples, "d": dim, "n_tokens": int(ds.offsets[-1]),
                "n_heads": heads, "teacher": str(teacher_out) if teacher_out else None,
-               "per_position": per_position, "attention": ds.attention, "normalize": normalize, "bias": bias}
+               "per_position": per_position, "attention": ds.attention, "normalize": norm, "bias": bias}
     say(f"wrote {output}: N = {ds.n_samples} sequences, d = {dim}, {summary['n_tokens']} tokens"
         + (f"; teacher ({heads} heads" + (" with biases" if bias else "") + f") in {teacher_out}"
            if teacher_out else ""), quiet)

@@ -56,7 +56,7 @@ def inspect_cmd(
 def _manifest_words(value: object) -> str:
     """The manifest in a few words (its checksums are in --json)."""
     try:
-        m = json.loads(value) if isinstance(value, str) else dict(value)  # type: ignore[call-overload]
+        m = json.loads(value) if isinstance(value, str) else dict(value)  # type: ignore[call-overload]  # an attribute mapping
         return (f"{m.get('hash', '?')} of {len(m.get('datasets', {}))} datasets"
                 + (f", {len(m['tiles'])} tiles" if m.get("tiles") else "") + " and the header (--json: the checksums)")
     except (TypeError, ValueError):

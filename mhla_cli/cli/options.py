@@ -6,7 +6,7 @@ import importlib
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, TypeVar, overload
 
 import math
 
@@ -88,7 +88,14 @@ ChunkOpt = Annotated[int | None, typer.Option("--chunk-size", min=1,
                                               help="Samples per chunk (default: sized to ~64 MiB of buffers).")]
 
 
-def parse_auto(value: str | None, name: str, kind: type) -> int | float | str | None:
+_Number = TypeVar("_Number", int, float)
+
+
+@overload
+def parse_auto(value: str, name: str, kind: type[_Number]) -> _Number | str: ...
+@overload
+def parse_auto(value: str | None, name: str, kind: type[_Number]) -> _Number | str | None: ...
+def parse_auto(value: str | None, name: str, kind: type[_Number]) -> _Number | str | None:
     """'auto', None, or a number of `kind` (int or float) from a CLI string."""
     if value is None:
         return None

@@ -67,6 +67,12 @@ class TokensInfo:
         return self.d if self.d_out is None else int(self.d_out)
 
     @property
+    def dense_len(self) -> int:
+        """The positions of every sample of the dense layout (`seq_len`, which it always has)."""
+        assert self.seq_len is not None, "dense_len of a ragged layout"
+        return int(self.seq_len)
+
+    @property
     def stored_d(self) -> int:
         """Width of the tokens as stored (`d` less the appended constant coordinate)."""
         return self.d - int(self.constant)
@@ -289,7 +295,7 @@ def _read_positions(f: h5py.File, name: str, info: TokensInfo, lo: int, hi: int,
     if info.layout == "dense" and ds.ndim >= 2 and ds.shape[1] == info.seq_len and ds.shape[0] == info.n_samples \
             and (ds.ndim == 3 or name == "weights"):
         return np.asarray(ds[lo:hi])
-    t0 = lo * int(info.seq_len) if info.layout == "dense" else int(f["offsets"][lo])
+    t0 = lo * info.dense_len if info.layout == "dense" else int(f["offsets"][lo])
     return np.asarray(ds[t0:t0 + int(offsets[-1])])
 
 
@@ -374,7 +380,7 @@ class ReadBuffers:
 
 
 def read_chunk(f: h5py.File, info: TokensInfo, a: int, b: int, bufs: ReadBuffers,
-                with_weights: bool = False) -> tuple[np.ndarray, ...]:
+                with_weights: bool = False) -> tuple[Any, ...]:  # (tokens, offsets, targets[, weights]) (targets, weights: or None)
     """Samples [a, b) (tokens (t, d) in the stored dtype, offsets from 0, float64 targets) into `bufs`.
 
     Tokens keep their stored dtype (half the bytes of float64 for float32); `sequence_moments`
@@ -388,7 +394,7 @@ def read_chunk(f: h5py.File, info: TokensInfo, a: int, b: int, bufs: ReadBuffers
         # 64-bit integers stay integers (any byte order): check_exact_ints sees the stored values
         tok_dtype = np.dtype(f"{dt.kind}8")
     if info.layout == "dense":
-        n = int(info.seq_len)
+        n = info.dense_len
         dest = bufs.get("tokens", (b - a, n, d), tok_dtype)
         if b > a:
             f["tokens"].read_direct(dest, np.s_[a:b])
@@ -410,7 +416,7 @@ def read_chunk(f: h5py.File, info: TokensInfo, a: int, b: int, bufs: ReadBuffers
         targets = bufs.get("targets", (int(offsets[-1]), e))
         if b > a:
             if info.layout == "dense":
-                f["targets"].read_direct(targets.reshape(b - a, int(info.seq_len), e), np.s_[a:b])
+                f["targets"].read_direct(targets.reshape(b - a, info.dense_len, e), np.s_[a:b])
             else:
                 t0 = int(f["offsets"][a])
                 f["targets"].read_direct(targets, np.s_[t0:t0 + int(offsets[-1])])

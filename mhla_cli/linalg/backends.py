@@ -492,7 +492,7 @@ class TorchBackend(Backend):
     """torch on a device ("cuda", "cuda:I", "torch:cpu": mhla_cli.linalg.device), float64 throughout."""
 
     def __init__(self, device: str) -> None:
-        self.device = device
+        self.device: str = device
 
     def matrix(self, a: Any) -> Any:
         """One copy of a on the device (`device.DeviceMatrix`)."""

@@ -270,7 +270,7 @@ class DevicePairs(DeviceGram):
         for a in range(0, n, step):
             b = min(n, a + step)
             self.K[a:b].addmm_(u[self._ia[a:b]] * u[self._ib[a:b]], V.T)
-        if self.M is not None and y is not None:
+        if self.M is not None and self.Y is not None and y is not None:
             Z = (x[:, None, :] * y[None, :, :]).reshape(self.r * self.nt, R)
             self.M.addmm_(u, Z.T)
             self.Y.addmm_(y, y.T)
@@ -305,6 +305,7 @@ class DevicePairs(DeviceGram):
             b = min(n, a + step)
             self.K[a:b].addmm_(u[self._ia[a:b]] * u[self._ib[a:b]], V.T)
         if z is not None:
+            assert self.M is not None  # z is None without the moments
             self.M.addmm_(u, z.reshape(R, self.r * self.nt))
             if yy is not None:
                 self.Y += t.as_tensor(np.asarray(yy, dtype=np.float64)).to(self.dev)
@@ -315,7 +316,7 @@ class DevicePairs(DeviceGram):
 
         out = SymGram(self.q, self.r, self.nt)
         out.K = self.K.cpu().numpy()
-        if self.M is not None:
+        if self.M is not None and self.Y is not None:
             out.M, out.Y = self.M.cpu().numpy(), self.Y.cpu().numpy()
         self.K = self.M = self.Y = None
         return out

@@ -74,7 +74,9 @@ class Factorization:
         # device (mhla_cli.linalg.backends): where the decompositions run (on a device lam is copied once)
         self.device = device
         self.backend = get_backend(device)
-        self.n = int((lam if matrix is None else matrix).shape[0])
+        source = lam if matrix is None else matrix
+        assert source is not None, "a Factorization of lam or of a backend matrix"
+        self.n = int(source.shape[0])
         self.n_full = self.n if n_full is None else int(n_full)
         self.structure: Any = None  # mhla_cli.statistics.structure.Structure of the block, set by solve.domains.factorize
         self._c = _Cache()  # the decompositions, shared by `share`
@@ -114,6 +116,7 @@ class Factorization:
     def _matrix(self) -> Any:
         """The backend's matrix of lam (backends.HostMatrix, device.DeviceMatrix), made once."""
         if self._c._dm is None:
+            assert self.lam is not None  # a Factorization of a backend matrix has _dm from the start
             self._c._dm = self.backend.matrix(self.lam)
         return self._c._dm
 
@@ -151,13 +154,14 @@ class Factorization:
             with self._timed("eigenvectors"), lapack_threads(self.n):
                 w, self._c._v = self._matrix().eigh()
                 self._c._we = w * self.scale
-        return self._c._we, self._c._v  # type: ignore[return-value]
+        return self._c._we, self._c._v  # type: ignore[return-value]  # both set together
 
     def null_space(self, threshold: float) -> tuple[np.ndarray, np.ndarray]:
         """The eigenpairs with eigenvalue <= threshold (ascending): LAPACK's selected eigenvectors
         (dsyevr over (-inf, threshold]: the tridiagonal reduction and only those vectors, not all).
         A smaller threshold than one computed before is served from it."""
         if self._c._v is not None:
+            assert self._c._we is not None  # set with _v
             keep = self._c._we <= threshold
             return self._c._we[keep], self._c._v[:, keep]
         if self.n == 0 or (self._c._lmin is not None and self._c._lmin > threshold) or (

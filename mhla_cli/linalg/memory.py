@@ -100,15 +100,17 @@ def check_load(d: int, block: int | None = None, pairs_bytes: int = 0,
     before anything large is read: `load_bytes(d)`, or for a file that holds only the block on the
     data's spans (`block` features) that n x n block; a compact file also holds its distinct entries
     (`pairs_bytes`) while they are expanded."""
-    need = load_bytes
+    need: Callable[[int], int] = load_bytes
     if block is not None:  # only the block on the data's spans is stored
-        def need(k: int) -> int:
+        def block_need(k: int) -> int:
             return 8 * block * block + SLACK_BYTES if k == d else load_bytes(k)
+        need = block_need
     if pairs_bytes:  # a compact file: its distinct entries are read, then expanded
         base = need
 
-        def need(k: int) -> int:
+        def pairs_need(k: int) -> int:
             return base(k) + (pairs_bytes if k == d else 0)
+        need = pairs_need
     check_memory(d, path=path, need=need, what="loading the statistics")
 
 

@@ -182,6 +182,7 @@ class SymGram:
         _pair_products(x_t, Vt)
 
         def moments() -> None:
+            assert self.M is not None and self.Y is not None and y_t is not None  # called only then
             Z = self._buf("Z", d * self.t, R).reshape(d, self.t, R)
             np.multiply(x_t[:, None, :], y_t[None, :, :], out=Z)
             self.M += s_t @ Z.reshape(d * self.t, R).T
@@ -217,6 +218,7 @@ class SymGram:
             yy_sum = np.array(yy, dtype=np.float64) if yy is not None else None
 
             def moments() -> None:
+                assert self.M is not None and self.Y is not None  # called only with moments (self.t > 0)
                 self.M += s_t @ Zt.T
                 if yy_sum is not None:
                     self.Y += yy_sum
@@ -247,7 +249,8 @@ class SymGram:
         tasks = [(rows, i) for i, (_, _, _, rows) in enumerate(panels)]
         if moments is not None:
             tasks.append((q * self.d * self.t // max(Vt.shape[0], 1), -1))  # -1: the moments
-        load, share = [0] * n, [[] for _ in range(n)]
+        load = [0] * n
+        share: list[list[int]] = [[] for _ in range(n)]
         for cost, i in sorted(tasks, reverse=True):
             k = load.index(min(load))
             load[k] += cost
@@ -333,12 +336,12 @@ def gram_rows(K: np.ndarray, q: int, d: int, out: np.ndarray | None = None, rows
         raise ValueError(f"K has shape {K.shape}, expected {pairs_shape(q, d)}")
     n = q * d
     k = max(1, int(rows) // max(d, 1))
-    work = None if out is not None else np.empty((min(k, q) * d, n))
+    work = out if out is not None else np.empty((min(k, q) * d, n))
     Pq, Pd = pair_positions(q), pair_positions(d)
     pairs = np.empty((q, K.shape[1]))
     for a0 in range(0, q, k):
         a1 = min(q, a0 + k)
-        block = out[a0 * d:a1 * d] if out is not None else work[:(a1 - a0) * d]
+        block = work[a0 * d:a1 * d] if out is not None else work[:(a1 - a0) * d]
         for a in range(a0, a1):
             np.take(K, Pq[a], axis=0, out=pairs)  # (q, d(d+1)/2): the pairs (a, b) for every b, in cache
             for l in range(d):  # row (a, l), contiguous: G[(a,l), (b,m)] = pairs[b, (l, m)]

@@ -143,6 +143,7 @@ def _row_sum(parts: list[tuple[np.ndarray, np.ndarray | None]], sides: list[int]
     for part, side in zip(parts, sides):
         block = part[side]
         total = np.array(block) if total is None else total + block
+    assert total is not None  # every block row has its diagonal tile
     return total
 
 

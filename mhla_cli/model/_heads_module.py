@@ -36,6 +36,13 @@ class HeadsModule(nn.Module, HeadShapes):
     weight x_wide + bias at every query.
     """
 
+    # the buffers (register_buffer) and the optional parameters, for the type checker
+    P: torch.Tensor | None
+    U: torch.Tensor | None
+    centre: torch.Tensor | None
+    affine_weight: nn.Parameter | None
+    affine_bias: nn.Parameter | None
+
     def __init__(self, V: np.ndarray, Q: np.ndarray, normalize: str = "none", dtype: Any = torch.float64,
                  constant: bool = False, affine: tuple[np.ndarray, np.ndarray] | None = None,
                  maps: tuple[np.ndarray, np.ndarray] | None = None, centre: np.ndarray | None = None) -> None:
@@ -92,6 +99,7 @@ class HeadsModule(nn.Module, HeadShapes):
                 wide = X
             if wide.shape[:2] != X.shape[:2] or wide.shape[-1] != D:
                 raise ValueError(f"expected wide tokens {tuple(X.shape[:2]) + (D,)}, got shape {tuple(wide.shape)}")
+            assert self.affine_bias is not None  # set with affine_weight
             aff = wide.to(self.affine_weight.dtype) @ self.affine_weight.T + self.affine_bias
             if mask is not None:
                 aff = aff * mask.unsqueeze(-1)

@@ -159,6 +159,7 @@ def training_data_change(a: Model | Heads | np.ndarray, b: Model | Heads | np.nd
             except InputError:
                 break
             gram = data_gram(ref)
+            assert gram is not None  # a model with its gram_pairs and basis
             diff, base = gram.sq(xa - xb), gram.sq(xb)
             change = float(np.sqrt(diff / base)) if base > 0 else (0.0 if diff == 0 else float("inf"))
             ident = ref.info.get("identifiable")

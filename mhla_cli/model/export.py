@@ -93,10 +93,12 @@ def save_heads(heads: Heads, path: str | os.PathLike, inputs: tuple[str | os.Pat
     with formats.atomic_path(path) as tmp:
         if fmt == "npz":
             with open(tmp, "wb") as f:  # a file object: np.savez would append .npz to a name
-                np.savez(f, **arrays, **{k: np.array(v) for k, v in meta.items()})
+                named: dict[str, Any] = {**arrays, **{k: np.array(v) for k, v in meta.items()}}
+                np.savez(f, **named)
         else:
             if inputs:
                 meta["mhla_inputs"] = json.dumps([formats.source_identity(i) for i in inputs])
+            assert st is not None  # fmt == "safetensors"
             st.save_file(arrays, str(tmp), metadata=meta)
 
 

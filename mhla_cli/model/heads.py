@@ -55,7 +55,8 @@ def W_from_p(coef: np.ndarray) -> np.ndarray:
 def W_from_heads(V: np.ndarray, Q: np.ndarray) -> np.ndarray:
     """W = sum_h vec(V_h) vec(Q_h)^T with row-major vec."""
     H, d, _ = V.shape
-    return V.reshape(H, d * d).T @ Q.reshape(H, d * d)
+    W: np.ndarray = V.reshape(H, d * d).T @ Q.reshape(H, d * d)
+    return W
 
 
 def p_from_heads(V: np.ndarray, Q: np.ndarray) -> np.ndarray:
@@ -72,7 +73,8 @@ def coef_of_heads(V: np.ndarray, Q: np.ndarray) -> np.ndarray:
     j, k = pair_index(d)
     P = W4[:, j, k, :] + W4[:, k, j, :]
     P[:, j == k, :] *= 0.5
-    return P.reshape(V.shape[1], -1)
+    out: np.ndarray = P.reshape(V.shape[1], -1)
+    return out
 
 
 def coef_inner(Va: np.ndarray, Qa: np.ndarray, Vb: np.ndarray, Qb: np.ndarray,
@@ -170,12 +172,18 @@ class Heads(HeadShapes):
         centre = {} if self.token_centre is None else {CENTRE_ARRAY: self.token_centre}
         return {**{k: getattr(self, k) for k in BIAS_ARRAYS}, **centre}
 
+    def _maps(self) -> tuple[np.ndarray, np.ndarray] | None:
+        """(P, U) of factored heads (set together); None for heads that are not factored."""
+        if self.P is None:
+            return None
+        assert self.U is not None, "P and U are set together"
+        return self.P, self.U
+
     def map_arrays(self) -> dict[str, np.ndarray]:
         """The maps of factored heads by name (`MAP_ARRAYS`: reduce_P (d, r), reduce_U (d_out, r_out)); {} for
         heads that are not factored."""
-        if self.P is None:
-            return {}
-        return {"reduce_P": self.P, "reduce_U": self.U}
+        maps = self._maps()
+        return {} if maps is None else {"reduce_P": maps[0], "reduce_U": maps[1]}
 
     def augmented(self) -> tuple[np.ndarray, np.ndarray]:
         """(V~ (H, d_out, d + 1), Q~ (H, d + 1, d + 1)): the heads of the tokens (x, 1) that compute these heads
@@ -200,33 +208,36 @@ class Heads(HeadShapes):
         if self.token_centre is None:
             return self
         V, Q = self.augmented()
-        parts = split_heads(V, Q)
+        parts: dict[str, Any] = split_heads(V, Q)
         return dataclasses.replace(self, V=parts.pop("V"), Q=parts.pop("Q"), token_centre=None, **parts)
 
-    def augmented_maps(self) -> tuple[np.ndarray, np.ndarray] | None:
+    def augmented_maps(self) -> tuple[np.ndarray, np.ndarray | None] | None:
         """The maps (P~, U) of the `augmented` heads of factored heads: P~ = [[P, 0], [0, 1]] takes the tokens
         (x, 1) to (P^T x, 1) with the bias terms, P itself without; None for heads that are not factored."""
         if self.token_centre is not None:  # (x, 1) -> (x P - c, 1): the tokens of `augmented_centred`
             return centring(self.token_centre, self.P), self.U
-        if self.P is None:
+        maps = self._maps()
+        if maps is None:
             return None
         if not self.bias_terms:
-            return self.P, self.U
-        D, r = self.P.shape
+            return maps
+        P, U = maps
+        D, r = P.shape
         Pa = np.zeros((D + 1, r + 1))
-        Pa[:D, :r], Pa[D, r] = self.P, 1.0
-        return Pa, self.U
+        Pa[:D, :r], Pa[D, r] = P, 1.0
+        return Pa, U
 
     def dense(self) -> Heads:
         """These heads with d x d matrices: factored heads as V = U V_h P^T (H, d_out, d), Q = P Q_h P^T (H, d, d)
         and their bias terms value_bias -> U b_v, score_key -> P c, score_query -> P r (the same function; d^2
         numbers a head instead of r^2, and evaluating them costs d / r times more per token and (d / r)^2 per
         window); the heads themselves when they are not factored."""
-        if self.P is None:
+        maps = self._maps()
+        if maps is None:
             return self
         if self.token_centre is not None:
             return self.uncentred().dense()
-        P, U = self.P, self.U
+        P, U = maps
         bias = {}
         if self.bias_terms:
             bias = {"value_bias": self.value_bias @ U.T, "score_key": self.score_key @ P.T,
@@ -274,9 +285,15 @@ class Heads(HeadShapes):
 
     def affine_arrays(self) -> dict[str, np.ndarray]:
         """The affine map's arrays by name ({} without it): affine_weight (d_out, D), affine_bias (d_out,)."""
+        affine = self._affine()
+        return {} if affine is None else {"affine_weight": affine[0], "affine_bias": affine[1]}
+
+    def _affine(self) -> tuple[np.ndarray, np.ndarray] | None:
+        """(affine_weight, affine_bias) of the affine map (set together); None without it."""
         if self.affine_weight is None:
-            return {}
-        return {"affine_weight": self.affine_weight, "affine_bias": self.affine_bias}
+            return None
+        assert self.affine_bias is not None, "affine_weight and affine_bias are set together"
+        return self.affine_weight, self.affine_bias
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> Heads:
@@ -395,9 +412,7 @@ class Heads(HeadShapes):
 
         V, Q = self.augmented_centred()  # with the bias terms: the heads of the tokens (x - c, 1)
         return HeadsModule(V, Q, str(self.info.get("normalize", "none")), torch.float64 if dtype is None else dtype,
-                           constant=self.bias_terms, affine=None if self.affine_weight is None else
-                           (self.affine_weight, self.affine_bias),
-                           maps=None if self.P is None else (self.P, self.U), centre=self.token_centre)
+                           constant=self.bias_terms, affine=self._affine(), maps=self._maps(), centre=self.token_centre)
 
 
 def _read_maps(maps: dict[str, Any], shape: tuple[int, ...], path: str | os.PathLike | None

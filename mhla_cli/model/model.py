@@ -76,7 +76,7 @@ class Model:
         """Write a model file atomically; refused (InputError, nothing written) when a reader would refuse
         it (`check_readable`: the same checks as `load`)."""
         self.check_readable()
-        attrs = {"d": self.d, "n_features": n_features(self.d)}
+        attrs: dict[str, Any] = {"d": self.d, "n_features": n_features(self.d)}
         for k in _SAVED_INFO:
             if k in self.info and self.info[k] is not None:
                 attrs[k] = self.info[k]
@@ -333,6 +333,7 @@ def affine_of(fn: Model | Heads | np.ndarray) -> np.ndarray | None:
         a = fn.affine_coef
         return None if a is None else (a[:-1] if bias_terms_of(fn) else a)
     if isinstance(fn, Heads) and fn.affine_weight is not None:
+        assert fn.affine_bias is not None  # set with affine_weight
         return np.hstack([fn.affine_weight, fn.affine_bias[:, None]])
     return None
 

@@ -261,7 +261,7 @@ def apply_reduction(red: Reduction, data: str | os.PathLike, out: str | os.PathL
                 fout.attrs["attention"] = info.attention
             if formats.COMPAT_ATTR in fin.attrs:  # the TransformerLens mode the activations were captured in: kept
                 fout.attrs[formats.COMPAT_ATTR] = fin.attrs[formats.COMPAT_ATTR]
-            n = int(info.seq_len) if dense else 0
+            n = info.dense_len if dense else 0
             dt = fout.create_dataset("tokens", (N, n, d) if dense else (T, d), dtype="f8")
             dy = None
             if info.has_targets:
@@ -305,7 +305,7 @@ def _reduce_chunks(red: Reduction, info: TokensInfo, data: str | os.PathLike, dt
     None without targets), in the layout of the source (dense (N, n, d) or ragged (T, d)), and `digests` (N, 2)
     the fingerprint of every window of `data` read (formats.window_digests: --affine-from checks each)."""
     dense, d = info.layout == "dense", red.dim
-    n = int(info.seq_len) if dense else 0
+    n = info.dense_len if dense else 0
     pos = 0
     for a, b, tokens, offsets, targets, weights in iter_chunks(info, (0, info.n_samples), size, with_weights=True):
         check_finite(tokens, offsets, targets, a, data)
@@ -319,6 +319,7 @@ def _reduce_chunks(red: Reduction, info: TokensInfo, data: str | os.PathLike, dt
         else:
             dt[pos:pos + t] = Z
         if dy is not None and targets is not None:
+            assert red.U is not None  # dy: the reduction maps the targets
             W = np.asarray(targets, dtype=np.float64) @ red.U
             if not info.per_position:
                 dy[a:b] = W

@@ -115,6 +115,7 @@ class Spread:
         exp = max(self.exp, other.exp)
         (m2a, ea, sa), (m2b, eb, sb) = self._at(exp), other._at(exp)
         W = self.weight + other.weight
+        assert self.mean is not None and other.mean is not None  # a spread of weight > 0 has its mean
         delta = other.mean - self.mean
         mean = self.mean + delta * (other.weight / W)
         ds = np.ldexp(delta, -exp)

@@ -31,7 +31,7 @@ class Dataset:
 
     @property
     def per_position(self) -> bool:
-        return self.targets.shape[0] == self.tokens.shape[0] and self.tokens.shape[0] != self.n_samples
+        return bool(self.targets.shape[0] == self.tokens.shape[0] and self.tokens.shape[0] != self.n_samples)
 
     @property
     def n_samples(self) -> int:
@@ -155,7 +155,8 @@ def _random_orthogonal(rng: np.random.Generator, k: int, m: int) -> np.ndarray:
     """m random k x k orthogonal matrices (Haar, via QR with sign correction)."""
     A = rng.standard_normal((m, k, k))
     Qm, R = np.linalg.qr(A)
-    return Qm * np.sign(np.diagonal(R, axis1=1, axis2=2))[:, None, :]
+    out: np.ndarray = Qm * np.sign(np.diagonal(R, axis1=1, axis2=2))[:, None, :]
+    return out
 
 
 def generate_assoc(keys: int, n_samples: int, orthogonal_fraction: float = 0.0, seed: int = 0,

@@ -61,6 +61,7 @@ def held_elsewhere(feats: Features) -> np.ndarray | None:
     the bias terms and normalize="length" its features n x_t / n and n / n are x_t = P^T x_wide (the reduced tokens
     are x_wide P, `mhla reduce`) and 1: L = [[P, 0], [0, 1]] (the constant alone when P is unknown)."""
     aff = feats.affine
+    assert aff is not None  # statistics with the affine block
     if not (feats.bias_terms and feats.normalize == "length"):
         return None
     a = aff.width + 1
@@ -78,6 +79,7 @@ def block_map(feats: Features, W: float) -> np.ndarray:
     the MHLA's block holds already (`held_elsewhere`: no direction twice), so that f~ keeps the identity Gram and
     changes orthogonally under an invertible affine map of the wide tokens (and a map of the reduced ones)."""
     aff = feats.affine
+    assert aff is not None  # statistics with the affine block
     Af = basis_mod.whitening(aff.gram, W, round32=False)
     L = held_elsewhere(feats)
     if L is None:
@@ -122,6 +124,7 @@ def _rhs(feats: Features, ext: Extended) -> np.ndarray:
     """The extended canonical moments [m~; A_f^T sum w f y^T / sum w] (n + k, e) in the block's coordinates."""
     W = feats.weight if feats.weight > 0 else 1.0
     _, _, moments_b = feats.solver_stats()
+    assert moments_b is not None and feats.affine is not None and feats.affine.moments is not None  # targets
     st = ext.fac0.structure
     mc = moments_b / W if feats.on_spans else st.restrict(moments_b / W)
     mf = ext.B.T @ feats.affine.moments / W
@@ -202,6 +205,7 @@ def fit(feats: Features, ridge: float = 0.0, device: str | None = None) -> Model
     if ridge < 0 or not np.isfinite(ridge):
         raise InputError(f"ridge must be a finite number >= 0, got {ridge}")
     A, _, _ = feats.solver_stats()
+    assert feats.affine is not None and feats.target_gram is not None  # the affine block, has_targets
     ext = extended(feats, device)
     fac, st = ext.fac, ext.fac0.structure
     rhs = _rhs(feats, ext)

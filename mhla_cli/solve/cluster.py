@@ -166,6 +166,7 @@ def _fit(stats: TiledStatistics, ridge: float, path: Any) -> Model:
     if feats.target_gram is None or feats.basis_moments is None:
         raise ClusterRefused("targets", path)
     A, psi, N = feats.basis, feats.n_features, feats.n_samples
+    assert A is not None and feats.basis_moments is not None  # tiled statistics: in their basis, with targets
     W = feats.weight or 1.0
     fac = factorization(stats)
     lmax, tol, _ = threshold_of(fac)
@@ -179,6 +180,7 @@ def _fit(stats: TiledStatistics, ridge: float, path: Any) -> Model:
     rhs = feats.basis_moments / W
     t0 = time.perf_counter()
     sol = fac.ridge_solve(rhs, ridge, tol) if ridge > 0 else fac.solve(rhs)
+    assert sol is not None  # without a ridge the block was proven positive definite above
     coef_b = sol.T
     coef = basis_mod.coef_from_basis(A, coef_b)
     seconds = {**fac.seconds, **stats.matrix.seconds, "solve": time.perf_counter() - t0}
@@ -210,6 +212,7 @@ def _train_mse(stats: TiledStatistics, pb: np.ndarray) -> tuple[float, float]:
     is no output: the mean is over n_outputs = d - 1 of them), as one machine's."""
     feats = stats.sums
     N, d = (feats.weight if feats.weight > 0 else 1.0), feats.n_outputs
+    assert feats.basis_moments is not None and feats.target_gram is not None  # with targets
     quad = float(np.sum(stats.matrix.matmat(np.ascontiguousarray(pb.T)) * pb.T))
     sse = quad - 2 * float(np.einsum("ij,ji->", pb, feats.basis_moments)) + float(np.trace(feats.target_gram))
     scale = float(np.trace(feats.target_gram)) + quad

@@ -65,6 +65,7 @@ class Domain:
     def map(self, feats: Features) -> np.ndarray:
         """T: H (tokens' own feature coordinates) -> the domain's features (T = T_b M_A)."""
         T, A = self.map_b(feats), feats.basis
+        assert A is not None  # factorized: the statistics are in their basis
         return basis_mod.feature_map(A) if T is None else basis_mod.coef_from_basis(A, T)
 
     def row_maps(self, feats: Features) -> tuple[np.ndarray, np.ndarray] | None:
@@ -134,7 +135,9 @@ class Full(Domain):
     def _factorize(self, feats: Features, device: str | None) -> Factorization:
         # Lambda~ = basis_gram / sum w, held as the sums and the scale 1 / sum w (no psi x psi copy)
         gram_b, scale = feats.basis_gram, 1.0 / (feats.weight if feats.weight > 0 else 1.0)
+        assert gram_b is not None  # in their basis (solver_stats)
         if feats.on_spans:  # featurize held only the block on the data's spans
+            assert feats.span_pairs is not None and feats.span_last is not None
             st = structure_mod.Structure(_complete(feats.span_pairs), _complete(feats.span_last),
                                          feats.span_pairs.shape[1], feats.span_last.shape[1])
             fac = Factorization(gram_b, st.n_full, scale, device)
@@ -185,6 +188,7 @@ class Full(Domain):
 
     def unresolved(self, feats: Features) -> int:
         # counted where the whitening left them, in the canonical coordinates (as certify --on counts them)
+        assert feats.basis_token_gram is not None  # in their basis
         return basis_mod.unresolved_canonical(feats.basis_token_gram)
 
 
@@ -222,6 +226,7 @@ class Observed(Domain):
             st_o = structure_mod.Structure(_complete(pm @ full.structure.E), _complete(tm @ full.structure.F),
                                            full.structure.a, full.structure.b)
             return full.share(st_o.n_full, st_o)
+        assert full.lam is not None  # the full domain's factorization holds its matrix
         fac = Factorization(kron_congruence(R1, R2, full.lam), st_o.n_full, full.scale, device)
         fac.structure = st_o
         _check_device_memory(fac)
@@ -310,6 +315,7 @@ def _observed_bases_b(feats: Features) -> tuple[np.ndarray, np.ndarray]:
 
     feats.canonical()  # token_gram and last_token_gram in the canonical basis (A^T G A, accumulated from X A)
     tg, lg = feats.basis_token_gram, feats.basis_last_token_gram
+    assert tg is not None and lg is not None  # canonical()
     return range_basis(tg, rel(feats.n_tokens)), range_basis(lg, rel(feats.n_samples))
 
 
@@ -320,6 +326,7 @@ def observed_bases(feats: Features) -> tuple[np.ndarray, np.ndarray]:
     """
     B, C = _observed_bases_b(feats)
     A = feats.basis
+    assert A is not None  # canonical()
     # column vectors: x_b = A^T x, so a subspace spanned by B_b is spanned by A^-T B_b
     AinvT = np.linalg.inv(A).T
     return np.linalg.qr(AinvT @ B)[0], np.linalg.qr(AinvT @ C)[0]

@@ -35,6 +35,7 @@ def fit(feats: Features, ridge: float = 0.0, device: str | None = None) -> Model
         raise InputError("the statistics hold the affine block of the wide tokens: fit the extended features "
                          "(mhla_cli.solve.affine_block.fit, `mhla fit`)")
     A, _, moments_b = feats.solver_stats()
+    assert moments_b is not None  # has_targets
     N = feats.n_samples
     W = feats.weight if feats.weight > 0 else 1.0  # sum w: the normaliser of Lambda~ and m~
     psi = feats.n_features
@@ -72,7 +73,7 @@ def fit(feats: Features, ridge: float = 0.0, device: str | None = None) -> Model
         info["bias_terms"] = True
     K, E, F = gram_pairs_of(feats)
     return Model(coef=coef, W=W_from_p(coef), d=feats.d, info=info, coef_b=coef_b, basis=np.array(A),
-                 gram_pairs=K, gram_spans=None if E is None else (E, F))
+                 gram_pairs=K, gram_spans=None if E is None or F is None else (E, F))
 
 
 def solve_system(fac: Factorization, rhs: np.ndarray, ridge: float, tol: float, block_pd: bool) -> np.ndarray:
@@ -111,7 +112,9 @@ def _train_mse_b(feats: Features, pb: np.ndarray) -> tuple[float, float]:
     # sum w: the weighted mean; per output of the targets' own width (the bias terms' padded 0 is none)
     N, d = (feats.weight if feats.weight > 0 else 1.0), feats.n_outputs
     _, gram_b, moments_b = feats.solver_stats()
+    assert moments_b is not None and feats.target_gram is not None  # statistics with targets
     if feats.on_spans:
+        assert feats.span_pairs is not None and feats.span_last is not None  # held on the data's spans
         pb = basis_mod.kron_apply(feats.span_pairs.T, feats.span_last.T, np.ascontiguousarray(pb.T)).T
     quad = float(np.sum((pb @ gram_b) * pb))
     sse = quad - 2 * float(np.einsum("ij,ji->", pb, moments_b)) + float(np.trace(feats.target_gram))

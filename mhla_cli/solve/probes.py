@@ -90,6 +90,7 @@ def null_space(feats: Features, domain: str | Domain = "full") -> NullSpace:
     # a property of the data's tokens, whatever the domain: the whitening could not scale them
     # counted in the canonical coordinates, where the whitening left them (basis.unresolved_canonical)
     Gb = feats.basis_token_gram
+    assert Gb is not None  # factorized: the statistics are in their basis
     unresolved = basis_mod.unresolved_directions(Gb, basis_mod.unresolved_canonical(Gb))
     return NullSpace(basis=basis, lambda_max=lmax, threshold=tol, token_basis=A, structure=st,
                      row_maps=dom.row_maps(feats), domain=dom.name, unresolved=unresolved)

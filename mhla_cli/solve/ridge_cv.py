@@ -37,6 +37,7 @@ CV_FLOOR = 1e-14
 
 def cv_floor(total: Features) -> float:
     """The held-out MSE indistinguishable from 0: CV_FLOOR times the mean target energy per output."""
+    assert total.target_gram is not None  # statistics with targets
     return CV_FLOOR * float(np.trace(total.target_gram)) / (total.weight * total.n_outputs)
 
 
@@ -56,6 +57,7 @@ def fold_path(train: Features, val: Features, grid: np.ndarray) -> np.ndarray:
     N, psi = train.weight, train.n_features  # sum w: Lambda~ and m~ carry no units of the weights
     fac = FULL.factorize(train)
     st = fac.structure
+    assert train.basis_moments is not None  # statistics with targets, in their basis
     rhs = st.restrict(train.basis_moments / N)
     w, V = fac.eigh()  # of Lambda~ on the block of the data's spans (every other direction an exact null)
     tol = numerical_tolerance(fac.lambda_max(), psi)

@@ -170,7 +170,8 @@ def _probe(feats: Features, v: np.ndarray, dom: Domain, n: int, seed: int) -> tu
     d = feats.d
     rng = np.random.default_rng(seed)
     basis = dom.inputs(feats)
-    best, best_val = None, -1.0
+    best: np.ndarray | None = None
+    best_val = -1.0
     for _ in range(N_PROBES):
         X = rng.standard_normal((n, d))
         if basis is not None:  # an input of the domain: tokens in span B, the last token in span C
@@ -179,6 +180,7 @@ def _probe(feats: Features, v: np.ndarray, dom: Domain, n: int, seed: int) -> tu
         val = abs(float(v @ cubic_features(X))) / max(float(np.linalg.norm(X)), 1e-300) ** 3
         if val > best_val:
             best, best_val = X, val
+    assert best is not None  # N_PROBES > 0 probes, each of a value >= 0
     where = dom.probe_description()
     desc = (f"the one of {N_PROBES} random sequences of length {n} ({where}; numpy default_rng({seed})) with "
             f"the largest |v^T H(X)| / ||X||^3, stored as witness_tokens")
@@ -199,6 +201,7 @@ def _stats_terms(feats: Features, pa: np.ndarray, v: np.ndarray, u: np.ndarray) 
     """
     feats.expand()  # every feature (a block on the data's spans is expanded)
     G, M = feats.gram, feats.moments
+    assert G is not None and M is not None and feats.target_gram is not None  # checked by `witness`
     gamma = _gamma(feats)
     s = np.sqrt(np.maximum(np.diag(G), 0.0))
     vs = float(np.abs(v) @ s)
@@ -319,6 +322,7 @@ def make_witness(feats: Features, data: str | os.PathLike | None = None, cert: C
     device = cert.device if device is None and cert is not None else device
     feats, cert = _prepare(feats, data, cert, device, domain)
     d, W = feats.d, (feats.weight if feats.weight > 0 else 1.0)  # sum w: the MSE's normaliser (lstsq.train_mse)
+    assert feats.target_gram is not None  # checked by `witness`
     Nd = W * d
     model_a = fit(feats, device=device)
     pa = model_a.coef
@@ -330,7 +334,7 @@ def make_witness(feats: Features, data: str | os.PathLike | None = None, cert: C
     mse_a, res_a = train_mse(feats, pa)
     st = _stats_terms(feats, pa, v, u)
     tokens_file = data is not None and data_kind(data) == "tokens"
-    terms = _data_terms(data, pa, v, u, chunk_size) if tokens_file else st
+    terms = _data_terms(data, pa, v, u, chunk_size) if data is not None and tokens_file else st
     gap = _Gap(terms, res_a, Nd)
     c_round = gap.largest_at_rounding(ref)
     indistinguishable = c_round >= MIN_FUNCTION_CHANGE * ref
@@ -343,7 +347,8 @@ def make_witness(feats: Features, data: str | os.PathLike | None = None, cert: C
     dist = _stats_check(pa, pb, c, claimed, res, (mse_a, res_a, mse_b, res_b), st, Nd, problems)
     X, probe = _probe(feats, v, get_domain(cert.domain), seq_len or max(2, d + 1), seed)
     pred = _probe_check(pa, pb, X, c * abs(float(v @ cubic_features(X))), problems)
-    extra = _data_recheck(data, pa, pb, chunk_size, c, claimed, res, terms, Nd, problems) if tokens_file else {}
+    extra = (_data_recheck(data, pa, pb, chunk_size, c, claimed, res, terms, Nd, problems)
+             if data is not None and tokens_file else {})
     y2 = float(np.trace(feats.target_gram)) / Nd
     loss_scale = y2 if y2 > 0 else max(mse_b, res)
     info: dict[str, Any] = {
@@ -384,7 +389,7 @@ def _prepare(feats: Features, data: str | os.PathLike | None, cert: Certificate 
                          "there is no witness")
     if cert.null_vectors is None or cert.null_vectors.shape[1] == 0:
         raise InputError(f"no null direction of gram on the {cert.domain} domain to build a witness from")
-    if not all(np.isfinite(x).all() for x in (feats.gram, feats.moments, feats.target_gram)):
+    if not all(x is not None and np.isfinite(x).all() for x in (feats.gram, feats.moments, feats.target_gram)):
         raise InputError("the statistics are not finite (values too large for float64): no witness")
     return feats, cert
 

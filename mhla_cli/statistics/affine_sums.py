@@ -117,6 +117,7 @@ class AffineSums:
         self.gram += sign * other.gram
         self.total += sign * other.total
         if self.moments is not None:
+            assert other.moments is not None  # parts of the same data have the same sums
             self.moments += sign * other.moments
 
     def check_addable(self, other: AffineSums | None) -> None:
@@ -197,10 +198,11 @@ def affine_rows(wide: np.ndarray, offsets: np.ndarray, samples: Samples) -> np.n
 
 
 def split_targets(moments: np.ndarray | None, target_gram: np.ndarray | None, target_sum: np.ndarray | None,
-                  n_targets: int, has_targets: bool) -> tuple[Any, Any, Any, tuple[np.ndarray, ...]]:
+                  n_targets: int, has_targets: bool) -> tuple[Any, Any, Any, tuple[np.ndarray | None, ...]]:
     """The sums of a pass whose targets were [y, f] split into those of y (moments, target_gram,
     target_sum; None without targets) and the affine block's (cross, gram, moments (a, e) or None, total)."""
     e = n_targets
+    assert moments is not None and target_gram is not None and target_sum is not None  # f is a target of the pass
     cross, gram, total = moments[:, e:], target_gram[e:, e:], target_sum[e:]
     if not has_targets:
         return None, None, None, (cross, gram, None, total)

@@ -335,9 +335,9 @@ def _apply_rows_inplace(P: np.ndarray, R: np.ndarray, X: np.ndarray) -> None:
     work = np.empty(pairs * d * m)
     for p0 in range(0, q, pairs):
         p1 = min(q, p0 + pairs)
-        w = work[:(p1 - p0) * d * m].reshape(p1 - p0, d, m)
-        np.matmul(R, X3[p0:p1], out=w)
-        X3[p0:p1] = w
+        w3 = work[:(p1 - p0) * d * m].reshape(p1 - p0, d, m)
+        np.matmul(R, X3[p0:p1], out=w3)
+        X3[p0:p1] = w3
 
 
 def _transpose_inplace(G: np.ndarray, tile: int = _TILE) -> None:
@@ -424,7 +424,7 @@ def same(a: np.ndarray | None, b: np.ndarray | None) -> bool:
     """Two bases are the same (None is the identity)."""
     if a is None and b is None:
         return True
-    d = (a if a is not None else b).shape[0]  # type: ignore[union-attr]
+    d = (a if a is not None else b).shape[0]  # type: ignore[union-attr]  # not both None (above)
     a = np.eye(d) if a is None else a
     b = np.eye(d) if b is None else b
     return bool(np.array_equal(a, b))

@@ -135,6 +135,7 @@ def load_folds(path: str | os.PathLike, total: Features | None = None) -> list[F
             raise InputError(f"'{name}' {arrs[name].tolist()} must be > 0 (0 for a fold of no sample, "
                              f"fold_n_samples {n.tolist()})", path)
     gsum = arrs["fold_gram"].sum(axis=0)
+    assert total.gram is not None  # read with the file
     scale = max(float(np.abs(total.gram).max()), 1e-300)
     if not np.allclose(gsum, total.gram, rtol=0, atol=FOLD_SUM_TOL * scale):
         raise InputError("the fold grams do not sum to 'gram'; the file is inconsistent", path)
@@ -162,6 +163,7 @@ def _check_fold_bases(arrs: dict[str, np.ndarray], total: Features, path: str | 
     total's basis, sum to the total's (FOLD_SUM_TOL of its largest entry)."""
     total.ensure_basis()
     acc = np.zeros((total.d, total.d))
+    assert total.basis is not None and total.basis_token_gram is not None  # read with the file
     for k, A in enumerate(arrs["fold_basis"]):
         if basis_mod.row_scaled_cond(A) > SINGULAR_BASIS_COND:
             raise InputError(f"'fold_basis' of fold {k} is singular; the file is corrupted", path)
@@ -182,6 +184,7 @@ def check_own_folds(total: Features, path: str | os.PathLike | None = None) -> N
     Accepted up to OWN_FOLDS_COND (mhla_cli.numerics), else refused: such units need the folds'
     canonical sums, which `featurize --folds` writes."""
     total.ensure_basis()
+    assert total.basis is not None  # ensure_basis
     cond = basis_mod.row_scaled_cond(total.basis)
     if not cond <= OWN_FOLDS_COND:
         raise InputError(f"holds the folds' sums in the tokens' own coordinates only (written before the folds' "

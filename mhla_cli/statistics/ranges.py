@@ -123,7 +123,7 @@ def add_chunks(acc: Accumulator, info: TokensInfo, sample_range: tuple[int, int]
             if CANCEL.is_set():
                 raise Cancelled("the reduction was cancelled")
             check_weights(weights, offsets, a, per_position, info.path)
-            if wide_chunks is not None:  # [y, f]: the affine block rides beside the targets
+            if wide is not None and wide_chunks is not None:  # [y, f]: the affine block rides beside the targets
                 f = wide.rows(next(wide_chunks), a, offsets, info.samples)
                 targets = f if not acc.has_targets else np.hstack([targets, f])
             elif not acc.has_targets:
@@ -132,11 +132,12 @@ def add_chunks(acc: Accumulator, info: TokensInfo, sample_range: tuple[int, int]
 
             def tick(f: float, n: int = b - a, told: list[int] = told) -> None:
                 k = min(n - 1, int(f * n))
+                assert progress is not None  # a tick is passed only with progress
                 if k - told[0] >= max(1, n // PROGRESS_STEPS):
                     progress(k - told[0])
                     told[0] = k
             acc.add(tokens, offsets, targets,
-                    check=lambda top, a=a, t=tokens, o=offsets, y=targets: check_chunk(info, a, t, o, y, top),
+                    check=partial(check_chunk, info, a, tokens, offsets, targets),
                     weights=weights, tick=None if progress is None else tick)
             if progress is not None:
                 progress(b - a - told[0])
@@ -172,6 +173,7 @@ def accumulate_range(info: TokensInfo, sample_range: tuple[int, int], chunk_size
     add_chunks(acc, info, sample_range, chunk_size, progress, prefetch, wide)
     total = acc.result(info.dtype)
     if wide is not None:  # the sums are of f_b = A_w^T f (mhla_cli.statistics.affine_sums)
+        assert total.affine is not None  # accumulated with n_affine > 0
         total.affine.basis, total.affine.P, total.affine.source = wide.basis, wide.P, wide.identity or None
     check_overflow(total, f"samples {lo}..{hi}", info.path)
     if finalize:
@@ -228,13 +230,14 @@ def estimate_basis(info: TokensInfo, sample_range: tuple[int, int] | None = None
     """
     exact = sample_range is not None and exact_basis(info, sample_range)
     if exact:
+        assert sample_range is not None  # exact only for a range
         lo, hi = sample_range
         per = basis_mod.block_samples(info.n_samples, info.n_tokens)  # the sample's blocks: small buffers
         blocks = [(a, min(hi, a + per)) for a in range(lo, hi, per)]
     else:
         blocks = basis_mod.sample_blocks(info.n_samples, info.n_tokens)
     G = np.zeros((info.d, info.d))
-    count = 0
+    count: float = 0
     bufs = ReadBuffers()
     with formats.open_input(info.path) as f, np.errstate(invalid="ignore", over="ignore"):
         for a, b in blocks:
@@ -266,14 +269,14 @@ def accumulate_ranges(info: TokensInfo, sample_ranges: Sequence[tuple[int, int]]
     """
     total: Features | None = None
     threads = progress is not None and isinstance(map, parallel.ThreadMap)
-    lock, raised = threading.Lock(), []
+    lock, raised = threading.Lock(), list[bool]()
 
     def locked(n: int) -> None:
         with lock:
             if raised:  # the callback raised (e.g. to interrupt): it is not called again
                 return
             try:
-                progress(n)  # type: ignore[misc]
+                progress(n)  # type: ignore[misc]  # progress: not None where locked is used
             except BaseException:
                 raised.append(True)
                 raise

@@ -54,7 +54,7 @@ def span_traces(info: TokensInfo, sample_range: tuple[int, int], A: np.ndarray, 
     """
     acc = Accumulator(info.d, False, A, samples=info.samples, normalize=check_normalize(normalize), traces=True)
     add_chunks(acc, info, sample_range, chunk_size)
-    tp, tl = acc.traces  # type: ignore[misc]
+    tp, tl = acc.traces  # type: ignore[misc]  # traces=True: the traces are set
     return 0.5 * (tp + tp.T), 0.5 * (tl + tl.T), acc.result(info.dtype)
 
 
@@ -91,11 +91,11 @@ def find_spans(info: TokensInfo, A: np.ndarray, sample_range: tuple[int, int], c
             st = structure_mod.from_traces(tp, tl, margin)
             if not st.on_spans or st.n > share * psi:
                 return None, A, 0
-    tp, tl, part = span_traces(info, sample_range, A, chunk_size, normalize)
+    tp, tl, sums = span_traces(info, sample_range, A, chunk_size, normalize)
     passes = 1
-    C, cond = part.correction()
+    C, cond = sums.correction()
     if C is not None and cond > basis_mod.CHANGE_COND:
-        A = basis_mod.round32(part.basis @ C)
+        A = basis_mod.round32(sums.basis @ C)
         tp, tl, _ = span_traces(info, sample_range, A, chunk_size, normalize)
         passes = 2
     st = structure_mod.from_traces(tp, tl)

@@ -116,7 +116,8 @@ def featurize(path: str | os.PathLike, chunk_size: int | None = None,
                                     device=backend.device, wide=_absolute(wide))
             feats = _in_whitening(run, A)
     feats.extra_attrs["span_passes"] = span_passes
-    if feats.affine is not None and wide is not None:
+    if feats.affine is not None:
+        assert wide is not None  # the affine block is of the wide tokens
         feats.affine.source, feats.affine.P, feats.affine.basis = wide.identity, wide.P, wide.basis
     return _finished(feats, info, path, (lo, hi), shard)
 

@@ -11,7 +11,7 @@ from typing import Any
 import h5py
 
 from ._roles import NAMES
-from ._source import Reader, _Source
+from ._source import Reader, _rows_of, _Source
 from .. import formats
 from ...errors import InputError
 
@@ -37,7 +37,7 @@ def hdf5_sources(path: Path, stack: ExitStack) -> list[_Source]:
     def visit(name: str, obj: Any) -> None:
         if isinstance(obj, h5py.Dataset) and obj.ndim >= 1:
             out.append(_Source(name.replace("/", "."), tuple(int(s) for s in obj.shape), obj.dtype,
-                               lambda a, b, ds=obj: ds[a:b], str(path)))
+                               _rows_of(obj), str(path)))
 
     f.visititems(visit)
     return out

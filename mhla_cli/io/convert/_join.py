@@ -125,6 +125,6 @@ def _join(parts: list[_Part]) -> list[_Source]:
         total += int(o[-1]) if o.size else 0
     for name in names:
         out.append(_concat(name, flat[name]))
-    off = np.concatenate(offs)
-    out.append(_array_source("offsets", off, " + ".join(p.label for p in parts)))
+    offsets = np.concatenate(offs)
+    out.append(_array_source("offsets", offsets, " + ".join(p.label for p in parts)))
     return out

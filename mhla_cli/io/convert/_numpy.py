@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from ._source import Reader, _check_size, _raw_reader, _Source
+from ._source import Reader, _check_size, _raw_reader, _rows_of, _Source
 from ...errors import InputError
 
 # Bytes skipped at once when a compressed stream moves forward.
@@ -125,7 +125,7 @@ def npz_sources(path: Path, stack: ExitStack) -> list[_Source]:
             # column-major and compressed: rows cannot be streamed, so this member is loaded whole
             with zf.open(info.filename) as fh:
                 arr = np.lib.format.read_array(fh, allow_pickle=False)
-            out.append(_Source(name, stream.shape, stream.dtype, lambda a, b, arr=arr: arr[a:b], str(path)))
+            out.append(_Source(name, stream.shape, stream.dtype, _rows_of(arr), str(path)))
         else:
             out.append(_Source(name, stream.shape, stream.dtype, stream.read, str(path)))
     return out

@@ -105,10 +105,11 @@ def _head(s: _Source, pick: Pick) -> _Source:
         raise InputError(f"--key {pick}: '{s.name}' has shape {s.shape}; NAME[h] picks a head of an array of 4 axes "
                          "[batch, pos, head, d]", s.label)
     H = s.shape[-2]
-    if pick.head != "sum" and not int(pick.head) < H:  # type: ignore[arg-type]
+    if pick.head != "sum" and not int(pick.head) < H:
         raise InputError(f"--key {pick}: '{s.name}' has {H} heads (shape {s.shape}): heads are 0..{H - 1}", s.label)
     shape = s.shape[:-2] + s.shape[-1:]
     dtype = np.dtype(np.float64) if pick.head == "sum" else s.dtype
+    head = -1 if pick.head == "sum" else int(pick.head)  # the head's index on axis 2 (-1: the sum)
     step = max(1, _HEAD_BYTES // max(1, s.row_bytes))
 
     def read(a: int, b: int) -> np.ndarray:
@@ -117,7 +118,7 @@ def _head(s: _Source, pick: Pick) -> _Source:
             hi = min(b, lo + step)
             rows = np.asarray(s.read(lo, hi))
             out[lo - a:hi - a] = (rows.sum(axis=-2, dtype=np.float64) if pick.head == "sum"
-                                  else rows[..., int(pick.head), :])  # type: ignore[arg-type]
+                                  else np.take(rows, head, axis=2))  # rows (batch, pos, head, d)
         return out
 
     return _Source(pick.role, shape, dtype, read, s.label)

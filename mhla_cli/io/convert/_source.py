@@ -17,6 +17,7 @@ from collections.abc import Callable
 from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -68,7 +69,7 @@ def _raw_reader(path: Path, offset: int, shape: tuple[int, ...], dtype: np.dtype
         if out.nbytes:
             with open(path, "rb", buffering=0) as fh:
                 fh.seek(offset + a * row_bytes)
-                view = memoryview(out.reshape(-1).view(np.uint8))
+                view = out.reshape(-1).view(np.uint8).data
                 got = 0
                 while got < out.nbytes:
                     n = fh.readinto(view[got:])
@@ -84,6 +85,11 @@ def _check_size(path: Path, end: int) -> None:
     size = path.stat().st_size
     if end > size:
         raise InputError(f"is truncated: the header describes {end} bytes, the file has {size}", path)
+
+
+def _rows_of(arr: Any) -> Callable[[int, int], np.ndarray]:
+    """The reader of rows [a, b) of an in-memory array or an h5py dataset."""
+    return lambda a, b: arr[a:b]
 
 
 def _array_source(name: str, arr: np.ndarray, label: str) -> _Source:

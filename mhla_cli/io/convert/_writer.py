@@ -48,7 +48,7 @@ def _plan(f: h5py.File, info: tokens_mod.TokensInfo, rows: int, chunk_size: int 
     """(a, b, offsets[a..b]) for chunks of samples of about `rows` token rows (at least one sample)."""
     N = info.n_samples
     if info.layout == "dense":
-        n = int(info.seq_len)
+        n = info.dense_len
         step = chunk_size or max(1, rows // n)
         for a, b in tokens_mod.chunk_ranges(0, N, step):
             yield a, b, np.arange(a, b + 1, dtype=np.int64) * n

@@ -53,7 +53,7 @@ class Hasher:
         self.h.update(repr(tuple(int(s) for s in shape)).encode())
 
     def update(self, block: np.ndarray) -> None:
-        self.h.update(memoryview(_canonical(block)).cast("B"))
+        self.h.update(_canonical(block).data.cast("B"))
 
     def hexdigest(self) -> str:
         return self.h.hexdigest()

@@ -232,7 +232,7 @@ def atomic_path(out: str | os.PathLike) -> Iterator[Path]:
             # keep them (referenced by the traceback) alive; the CLI leaves through os._exit.
             _hdf5_write_failed = True
             _failed_writes.append(exc)
-        reason = _h5_reason(exc) if from_h5py or not getattr(exc, "strerror", None) else exc.strerror
+        reason = _h5_reason(exc) if from_h5py or not getattr(exc, "strerror", None) else getattr(exc, "strerror")
         raise InputError(f"cannot write output ({reason}); nothing was written", o) from None
     except BaseException:
         with shield_signals(), contextlib.suppress(OSError):

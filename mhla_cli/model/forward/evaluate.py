@@ -42,7 +42,8 @@ def forward_heads(V: np.ndarray, Q: np.ndarray, X: np.ndarray, all_positions: bo
     S = X.T @ X
     if normalize == "length":
         S = S / X.shape[0]
-    return np.einsum("hab,bc,hcl,l->a", V, S, Q, X[-1], optimize=True)
+    last: np.ndarray = np.einsum("hab,bc,hcl,l->a", V, S, Q, X[-1], optimize=True)
+    return last
 
 
 class HeadsFn(tuple):
@@ -201,7 +202,7 @@ def sample_outputs(coef: np.ndarray | HeadsFn, tokens: np.ndarray, offsets: np.n
     outs = []
     for s, e in _blocks(offsets):
         r0, r1 = int(offsets[s]), int(offsets[e])
-        if heads:  # sum_h V_h (S (Q_h x)) row by row: no (rows, d_out, d) array; factored: of x~ = P^T x, then U
+        if isinstance(coef, HeadsFn):  # sum_h V_h (S (Q_h x)) row by row: no (rows, d_out, d) array; factored: of x~ = P^T x, then U
             q = samples.queries(coef.reduce(tokens[r0:r1]), offsets[s:e + 1] - r0, normalize)
             S = q.sample_upper()[:, full]
             qx = np.einsum("hcl,rl->rhc", Q, q.x, optimize=True)
@@ -291,7 +292,8 @@ def _with_affine(fn: Model | Heads | np.ndarray, out: np.ndarray, wide: np.ndarr
     if wide.shape != (int(offsets[-1]), affine.shape[1] - 1):
         raise InputError(f"the wide tokens have shape {wide.shape}, expected "
                          f"({int(offsets[-1])}, {affine.shape[1] - 1})")
-    return out + affine_rows(wide, offsets, CAUSAL if per_position else LAST) @ affine.T
+    total: np.ndarray = out + affine_rows(wide, offsets, CAUSAL if per_position else LAST) @ affine.T
+    return total
 
 
 def _tokens_of(fn: Model | Heads | np.ndarray, tokens: np.ndarray) -> np.ndarray:
@@ -318,13 +320,15 @@ def predict(fn: Model | Heads | np.ndarray, tokens: np.ndarray, offsets: np.ndar
     pred, outputs = predict_chunk(coef, in_basis(tokens, A), offsets, layout,
                                   normalize_of(fn), device=check_device(device))
     pred = _with_affine(fn, pred, wide, offsets, False)
-    if outputs is not None:
-        outputs = _with_affine(fn, outputs, wide, offsets, layout.per_position)
-    return pred if layout is None else (pred, outputs)
+    if layout is None:
+        return pred
+    assert outputs is not None  # a layout's outputs
+    return pred, _with_affine(fn, outputs, wide, offsets, layout.per_position)
 
 
 def in_basis(tokens: np.ndarray, A: np.ndarray | None) -> np.ndarray:
     """The tokens X A a model evaluates (Model.evaluation); X itself for A None."""
     if A is None:
         return tokens
-    return np.asarray(tokens, dtype=np.float64) @ A
+    out: np.ndarray = np.asarray(tokens, dtype=np.float64) @ A
+    return out

@@ -55,7 +55,7 @@ def positions_range(coef: np.ndarray | HeadsFn, info: Any, samples: Samples, nor
     done = [0]
 
     def step(k: int) -> None:
-        progress(k - done[0])  # type: ignore[misc]
+        progress(k - done[0])  # type: ignore[misc]  # progress: not None where step is used
         done[0] = k
 
     lo, hi = sample_range
@@ -81,7 +81,8 @@ def _affine_range(affine: tuple[WideSource, np.ndarray], a: int, offsets: np.nda
     wide, C = affine
     sample_range = (a, a + offsets.size - 1)
     chunk = next(wide.chunks(sample_range, sample_range[1] - sample_range[0], prefetch=False))
-    return wide.rows(chunk, a, offsets, CAUSAL) @ C.T
+    out: np.ndarray = wide.rows(chunk, a, offsets, CAUSAL) @ C.T
+    return out
 
 
 def causal_range(coef: np.ndarray | HeadsFn, info: Any, normalize: str, sample_range: tuple[int, int],
@@ -93,7 +94,7 @@ def causal_range(coef: np.ndarray | HeadsFn, info: Any, normalize: str, sample_r
 
 def _one_at_a_time(progress: Callable[[int], None]) -> Callable[[int], None]:
     """`progress` for worker threads: one call at a time, and never again once it raised (an interrupt)."""
-    lock, raised = threading.Lock(), []
+    lock, raised = threading.Lock(), list[bool]()
 
     def call(n: int) -> None:
         with lock:
@@ -248,7 +249,7 @@ def _range_task(coef: np.ndarray | HeadsFn, info: TokensInfo, pmap: Any, normali
     # for a caller's map) each range tells its blocks as they finish, one call at a time
     ticks = progress is not None and isinstance(pmap, (SerialMap, ThreadMap))
     return partial(positions_range, coef, winfo, samples, normalize,
-                   progress=_one_at_a_time(progress) if ticks else None, basis=basis, affine=affine), ticks
+                   progress=_one_at_a_time(progress) if ticks and progress is not None else None, basis=basis, affine=affine), ticks
 
 
 def _write_predictions(out: str | os.PathLike, inputs: tuple[str | os.PathLike, ...], meta: dict[str, Any],
@@ -416,7 +417,7 @@ def _check_not_reduced(fn: Model | Heads, d: int, data: str | os.PathLike) -> No
                      f"({wide}), with no --affine-from", data)
 
 
-def predict_range(coef: np.ndarray, info: Any, layout: Samples | None, sample_range: tuple[int, int],
+def predict_range(coef: np.ndarray | HeadsFn, info: Any, layout: Samples | None, sample_range: tuple[int, int],
                  normalize: str = "none", device: str | None = None, basis: np.ndarray | None = None,
                  affine: tuple[WideSource, np.ndarray] | None = None
                  ) -> tuple[np.ndarray, np.ndarray | None, np.ndarray, int, Spread]:

@@ -69,6 +69,7 @@ def fit_model(feats: Features, heads: int | str | None = None, nuclear: float | 
                          "of the data (mhla_cli.statistics.folds)")
     base = fit(feats)
     A = base.basis
+    assert A is not None  # a least-squares fit has its basis
     wfeats = whitened(feats, A)
     wfolds = None if not folds else [whitened(f.copy(), A) for f in folds]
     info = dict(base.info)
@@ -83,6 +84,7 @@ def fit_model(feats: Features, heads: int | str | None = None, nuclear: float | 
         if nuclear == "auto":
             cv = cv_nuclear(wfeats, wfolds)
             nuclear = cv["chosen"]
+        assert nuclear is not None  # exactly one of heads and nuclear
         res = fit_nuclear(wfeats, float(nuclear))
         res.info["n_heads"] = res.info["rank"]
     info.update(res.info)
@@ -92,6 +94,7 @@ def fit_model(feats: Features, heads: int | str | None = None, nuclear: float | 
     info["basis"] = "canonical"
     if cv is not None:
         info["cv"] = cv
+        assert folds is not None  # a cv needs them
         info["n_folds"] = len(folds)
     coef, W, coef_b = to_tokens(res.coef, res.W, A)
     return Model(coef=coef, W=W, d=feats.d, info=info, coef_b=coef_b, basis=A, gram_pairs=base.gram_pairs,

@@ -6,11 +6,21 @@ Shared by the Levenberg-Marquardt loops of `fewest.polish_heads` and `factorised
 from __future__ import annotations
 
 import warnings
+from typing import Protocol
 
 import numpy as np
 
 from ...feature_map import pair_index
-from mhla_cli.statistics.features import Features
+
+
+class GramSums(Protocol):
+    """What `_normal_parts` reads of the statistics (Features, or fewest._Metric standing in for them)."""
+
+    @property
+    def gram(self) -> np.ndarray | None: ...
+
+    @property
+    def weight(self) -> float: ...
 
 
 def _damped_solve(A: np.ndarray, b: np.ndarray) -> np.ndarray:
@@ -45,7 +55,7 @@ def _structure(Vm: np.ndarray, Qm: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return P, R
 
 
-def _normal_parts(feats: Features, Vm: np.ndarray, Qm: np.ndarray, Rp: np.ndarray
+def _normal_parts(feats: GramSums, Vm: np.ndarray, Qm: np.ndarray, Rp: np.ndarray
                   ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """Gauss-Newton blocks of the data term (1/N) sum_i ||p H_i - y_i||^2 and J^T applied to Rp.
 
@@ -58,13 +68,15 @@ def _normal_parts(feats: Features, Vm: np.ndarray, Qm: np.ndarray, Rp: np.ndarra
     npair = d * (d + 1) // 2
     psi = npair * d
     c = 2.0 / feats.weight  # sum w (Features.weight): the mean loss
+    G = feats.gram
+    assert G is not None  # every feature (expanded)
     P, R = _structure(Vm, Qm)
     Rf = R.transpose(1, 2, 0, 3).reshape(psi, H * d)  # rows (i, l), cols (h, j')
-    GR = (feats.gram @ Rf).reshape(npair, d, H, d)  # [i', l', h, j]
+    GR = (G @ Rf).reshape(npair, d, H, d)  # [i', l', h, j]
     B = (Rf.T @ GR.reshape(psi, H * d)).reshape(H, d, H, d)
     H_VV = np.einsum("hjgk,ab->hajgbk", B, np.eye(d)).reshape(H * dd, H * dd)
     # X[h,a,k, l,i',m] = sum_i P[h,a,i,k] G4[i,l,i',m], G4 = gram reshaped (npair, d, npair, d)
-    X = P.transpose(0, 1, 3, 2).reshape(H * d * d, npair) @ feats.gram.reshape(npair, d * psi)
+    X = P.transpose(0, 1, 3, 2).reshape(H * d * d, npair) @ G.reshape(npair, d * psi)
     X = X.reshape(H, d, d, d, npair, d)
     # H_QQ[h,k,l, g,n,m] = sum_{a,i'} X[h,a,k,l,i',m] P[g,a,i',n]
     XQ = X.transpose(0, 2, 3, 5, 1, 4).reshape(H * d * d * d, d * npair) @ P.transpose(1, 2, 0, 3).reshape(

@@ -14,14 +14,14 @@ def solver_info(name: str, converged: bool, iterations: int, max_iter: int, fina
 
 def hit_limit(info: dict[str, Any] | None) -> bool:
     """True when an iterative solver's record says it stopped at its iteration limit, unconverged."""
-    return bool(info) and not info.get("converged", True) and info.get("iterations", 0) >= info.get("max_iter", 0)
+    return info is not None and bool(info) and not info.get("converged", True) and info.get("iterations", 0) >= info.get("max_iter", 0)
 
 
 def solver_warnings(info: dict[str, Any]) -> list[str]:
     """Warnings for a fit/heads info dict: its solver record, and CV fits that stopped at their limit."""
     out = []
     solver = info.get("solver")
-    if hit_limit(solver):
+    if solver is not None and hit_limit(solver):
         out.append(convergence_warning(solver))
     cv = info.get("cv") or {}
     if cv.get("unconverged_fits"):

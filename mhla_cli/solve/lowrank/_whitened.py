@@ -24,6 +24,7 @@ def whitened(feats: Features, A: np.ndarray) -> Features:
     feats.to_basis(A)
     inv = 1.0 / feature_scale(feats.d)
     gram_b, moments_b = feats.basis_gram, feats.basis_moments
+    assert gram_b is not None  # to_basis
     return feats.with_sums(gram=gram_b * inv[:, None] * inv[None, :], token_gram=np.array(feats.basis_token_gram),
                            last_token_gram=np.array(feats.basis_last_token_gram),
                            moments=None if moments_b is None else moments_b * inv[:, None],

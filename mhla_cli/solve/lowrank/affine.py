@@ -34,7 +34,7 @@ def _p_index(d: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np
     out = tuple(np.ascontiguousarray(x) for x in (r1, c1, r2, c2, m))
     for x in out:
         x.setflags(write=False)
-    return out  # type: ignore[return-value]
+    return out  # type: ignore[return-value]  # the five arrays
 
 
 def p_adjoint(R: np.ndarray) -> np.ndarray:

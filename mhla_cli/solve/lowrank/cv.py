@@ -27,7 +27,7 @@ def _pick(scores: list[tuple[float, float, float]], prefer_last: bool, floor: fl
     return max(ok) if prefer_last else min(ok)
 
 
-def _cv_table(params: list[float], errs: np.ndarray) -> list[tuple[float, float, float]]:
+def _cv_table(params: list[int] | list[float], errs: np.ndarray) -> list[tuple[float, float, float]]:
     K = errs.shape[1]
     return [(float(p), float(errs[i].mean()), float(errs[i].std(ddof=1) / np.sqrt(K)) if K > 1 else 0.0)
             for i, p in enumerate(params)]

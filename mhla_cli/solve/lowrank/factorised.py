@@ -43,6 +43,7 @@ def _als_lm(feats: Features, Vm: np.ndarray, Qm: np.ndarray, wd: float, als_swee
     f = _factorised_objective(feats, Vm, Qm, wd)
     mu = 1e-4
     it = 0
+    assert feats.target_gram is not None  # has_targets
     f0 = max(float(np.trace(feats.target_gram)) / feats.weight, 1e-300)
     stop = "max_iter"
     res = float("inf")
@@ -68,6 +69,7 @@ def _als(feats: Features, Vm: np.ndarray, Qm: np.ndarray, wd: float, sweeps: int
     """`sweeps` alternating exact solves for V then Q (each a ridge-wd least squares), balanced after each."""
     H, dd = Vm.shape
     nblk = H * dd
+    assert feats.moments is not None  # has_targets
     Mt = feats.moments.T
     for _ in range(sweeps):
         HVV, _, _, bV, _ = _normal_parts(feats, Vm, Qm, Mt)
@@ -82,6 +84,7 @@ def _system(feats: Features, Vm: np.ndarray, Qm: np.ndarray, wd: float) -> tuple
     """The Gauss-Newton matrix (with the weight decay) and the gradient of the objective at (Vm, Qm)."""
     nblk = Vm.size
     p = _p_of(Vm, Qm)
+    assert feats.gram is not None and feats.moments is not None  # expanded, has_targets
     HVV, HQQ, HVQ, gV, gQ = _normal_parts(feats, Vm, Qm, p @ feats.gram - feats.moments.T)
     Hs = np.block([[HVV, HVQ], [HVQ.T, HQQ]]) + wd * np.eye(2 * nblk)
     return Hs, np.concatenate([gV, gQ]) + wd * _pack(Vm, Qm)
@@ -174,6 +177,7 @@ def fit_factorised(feats: Features, n_heads: int, weight_decay: float = 0.0, res
         starts.append(("random", V0 * c, Q0 * c))
     starts = starts[:restarts]
     results = []
+    assert feats.target_gram is not None  # has_targets
     floor = 1e-26 * float(np.trace(feats.target_gram)) / feats.weight
     for name, V0, Q0 in starts:
         Vm, Qm, f, it, sinfo = _als_lm(feats, V0, Q0, weight_decay, als_sweeps, max_iter, tol)

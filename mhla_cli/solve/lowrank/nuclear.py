@@ -36,6 +36,7 @@ def nuclear_lambda_max(feats: Features) -> float:
     """The smallest LAMBDA for which W = 0 is optimal: ||grad at 0||_2 = (2/N) ||A^T M^T||_2."""
     feats.expand()  # every feature (a block on the data's spans is expanded)
     _need_targets(feats)
+    assert feats.moments is not None  # has_targets
     G0 = (2.0 / feats.weight) * p_adjoint(feats.moments.T)
     return float(np.linalg.norm(G0, 2))
 
@@ -55,6 +56,7 @@ def fit_nuclear(feats: Features, lam: float, max_iter: int = 5000, tol: float = 
         raise InputError(f"the nuclear-norm weight must be a finite number >= 0, got {lam}")
     d = feats.d
     N = feats.weight  # sum w (Features.weight): the mean loss
+    assert feats.gram is not None and feats.moments is not None  # expanded, has_targets
     G, Mt = feats.gram, feats.moments.T
     L = _lipschitz(G, d) * 2.0 / N
     W = np.zeros((d * d, d * d)) if W0 is None else np.array(W0, dtype=np.float64)

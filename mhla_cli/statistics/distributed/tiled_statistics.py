@@ -170,6 +170,7 @@ def accumulate(path: str | os.PathLike, client: Any, chunk_size: int | None = No
         cond, passes = 1.0, 0
         for passes in range(1, BASIS_PASSES + 1):
             whole = small(A, (0, info.n_samples))
+            assert whole.basis_token_gram is not None  # accumulated in the basis A
             C, c = basis_mod.correction(whole.basis_token_gram, whole.token_weight)
             cond = max(cond, c) if passes == 1 else cond
             if C is None:
@@ -281,6 +282,7 @@ def _rows(tokens: np.ndarray, offsets: np.ndarray, targets: np.ndarray | None, w
     if rows.xx is not None:
         V = np.take(rows.xx.reshape(rows.n_rows, d * d), jl * d + jm, axis=1).T
     else:
+        assert rows.x is not None  # one sample per row
         x = rows.x if rows.w is None else rows.x * np.sqrt(rows.w)[:, None]
         V = (x[:, jl] * x[:, jm]).T
     return np.ascontiguousarray(upper.T), np.ascontiguousarray(V), rows

@@ -140,6 +140,9 @@ def commit(tmp: str, where: str, verify: Callable[[str], None]) -> None:
     check_replaceable(where)
     aside = _sibling(where, "old-mhla")
     moved = _exists(where)
+    target: str | Path
+    src: str | Path
+    old: str | Path
     if is_local(where):
         target, src, old = local_path(where), local_path(tmp), local_path(aside)
         move: Callable[[Any, Any], None] = os.replace

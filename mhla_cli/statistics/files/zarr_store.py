@@ -224,7 +224,8 @@ def _sums(g: Any, attrs: dict[str, Any], url: str, part: bool = False) -> tuple[
                                             ("last_token_gram", dd, True), ("basis_moments", (psi, d), has_targets),
                                             ("moments", (psi, d), False), ("target_gram", dd, has_targets),
                                             ("target_sum", (d,), False))}
-    A = arrays["basis"]
+    A, token_gram, last_token_gram = arrays["basis"], arrays["token_gram"], arrays["last_token_gram"]
+    assert A is not None and token_gram is not None and last_token_gram is not None  # required: read or refused
     if basis_mod.row_scaled_cond(A) > SINGULAR_BASIS_COND:
         raise InputError("'basis' is singular; the store is corrupted", url)
     n, t = int(attrs["n_samples"]), int(attrs["n_tokens"])
@@ -235,8 +236,8 @@ def _sums(g: Any, attrs: dict[str, Any], url: str, part: bool = False) -> tuple[
         raise InputError(f"weight totals {weights}: expected finite numbers > 0 (0 with no sample)", url)
     extra = {k: attrs[k] for k in EXTRA_ATTRS if k in attrs}
     feats = Features(d=d, n_samples=n, n_tokens=t, gram=None, moments=arrays["moments"],
-                     target_gram=arrays["target_gram"], token_gram=arrays["token_gram"],
-                     last_token_gram=arrays["last_token_gram"], token_dtype=str(attrs.get("token_dtype", "float64")),
+                     target_gram=arrays["target_gram"], token_gram=token_gram,
+                     last_token_gram=last_token_gram, token_dtype=str(attrs.get("token_dtype", "float64")),
                      sample_range=(int(attrs["sample_lo"]), int(attrs["sample_hi"])) if "sample_lo" in attrs else None,
                      source=json.loads(attrs["source"]) if "source" in attrs else None, extra_attrs=extra,
                      basis=A, basis_moments=arrays["basis_moments"], basis_token_gram=arrays["basis_token_gram"],
@@ -365,6 +366,7 @@ def sum_stores(paths: list[Any], out: Any, extra_attrs: dict[str, Any], source: 
         if feats.d != total.d or s != side:
             raise InputError(f"has d = {feats.d} and tiles of {s} features, but {url0} d = {total.d} and {side}: "
                              "parts of different data", url)
+        assert feats.basis is not None and total.basis is not None  # a store's statistics are in their basis
         if not np.array_equal(feats.basis, total.basis):
             raise InputError(f"is in another basis than {url0}: stores add tile by tile only in one basis; featurize "
                              "the shards of one tokens file on a cluster (they share the file's whitening)", url)
@@ -375,6 +377,7 @@ def sum_stores(paths: list[Any], out: Any, extra_attrs: dict[str, Any], source: 
         total.add(feats)
     if total.n_samples == 0:
         raise InputError("every weight of every part is 0: there is no sample to learn from", url0)
+    assert total.basis is not None  # a store's statistics are in their basis
     if total.basis_moments is not None:
         total.moments = basis_mod.features_from_basis(total.basis, total.basis_moments)
     total.source, total.sample_range, total.extra_attrs = source, sample_range, dict(extra_attrs)
@@ -392,6 +395,7 @@ def sum_stores(paths: list[Any], out: Any, extra_attrs: dict[str, Any], source: 
                 for src, u, m in srcs:
                     tile = _tile(src, i, j, side, manifest.tile_digest(m, i, j), u)
                     acc = tile if acc is None else acc + tile
+                assert acc is not None  # at least one part
                 if not formats.all_finite(acc):
                     raise InputError(f"the sum of tile ({i}, {j}) is not finite; a part is "
                                      "corrupted or the sums overflow float64")
