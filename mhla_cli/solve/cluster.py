@@ -42,7 +42,7 @@ from mhla_cli.statistics.files import zarr_store
 from mhla_cli.statistics.distributed.scheduler import check_worker_memory
 from mhla_cli.statistics.distributed.tiled_statistics import TiledStatistics
 
-__all__ = ["ClusterRefused", "factorization", "fit", "open_statistics"]
+__all__ = ["ClusterRefused", "factorization", "fit_tiled", "open_statistics"]
 
 
 class ClusterRefused(InputError):
@@ -63,12 +63,16 @@ RULES = {
     "domain": "the observed domain needs the spans of the tokens and a change of the tiles' coordinates; "
               "certify it on one machine",
     "hdf5_features": "an HDF5 features file is the single-machine form of the statistics: certify or fit it "
-                     "without a scheduler, or featurize the tokens on the cluster into a Zarr store "
-                     "(featurize --scheduler ... -o FEATS.zarr)",
+                     "without a scheduler, or featurize the tokens on the cluster into a Zarr store",
     "kind": "is not a tokens file or a Zarr features store",
     "targets": "the data have no 'targets': fit needs (X, y) pairs",
-    "affine": "--affine-from cannot run on a cluster: the affine block of the wide tokens is accumulated and "
-              "solved beside the Gram in one process, not tiled; featurize, certify and fit it without --scheduler",
+    "affine": "the affine block of the wide tokens cannot run on a cluster: it is accumulated and solved beside "
+              "the Gram in one process, not tiled; featurize, certify and fit it without a scheduler",
+    "in_memory": "statistics in memory are certified and fitted on one machine: give no scheduler (a cluster "
+                 "takes a tokens file, a Zarr features store or statistics tiled there)",
+    "device": "on a cluster the factorization runs on the workers' CPUs: give no device",
+    "solver": "on a cluster the fit is least squares with a ridge >= 0 on the workers' CPUs: no heads, nuclear, "
+              "'auto' or device",
 }
 
 
@@ -106,7 +110,7 @@ def open_statistics(data: Any, scheduler: Any = None, chunk_size: int | None = N
                 raise InputError(f"holds {stats.sums.samples.words}, not attention '{attention}'; featurize it again "
                                  "with the attention wanted", data)
             if bias_terms and not stats.sums.bias_terms:
-                raise InputError("was featurized without --bias-terms; featurize it again with them", data)
+                raise InputError("was featurized without the bias terms; featurize it again with them", data)
         else:
             stats = tiled_statistics.accumulate(data, client, chunk_size=chunk_size, normalize=normalize or "none",
                                           tile_features=tile_features, attention=attention, bias_terms=bias_terms)
@@ -146,20 +150,14 @@ def failure_reason(fac: Factorization, threshold: float, below_margin: bool = Fa
             "eigendecomposition: certify on one machine to see them")
 
 
-def fit(data: Any, scheduler: Any = None, ridge: float = 0.0, chunk_size: int | None = None,
-        normalize: str | None = None, tile_features: int | None = None, attention: str | None = None,
-        bias_terms: bool = False) -> Model:
+def fit_tiled(stats: TiledStatistics, ridge: float = 0.0, path: str | os.PathLike | None = None) -> Model:
     """Least squares over p (Algorithm 1, step 1) with the Gram tiled on a cluster: the model a
     single-machine fit (solve.lstsq.fit) makes, from a Cholesky of Lambda~ - t I (the verdict, reused
-    with iterative refinement) or of Lambda~ + ridge I; `data` and `scheduler` as in `open_statistics`.
-    The minimum-norm fit of data that do not determine the function is refused (ClusterRefused)."""
+    with iterative refinement) or of Lambda~ + ridge I (`open_statistics` gives `stats`; `path` names the data in
+    errors). The minimum-norm fit of data that do not determine the function is refused (ClusterRefused)."""
     if not np.isfinite(ridge) or ridge < 0:
         raise InputError(f"ridge must be a finite number >= 0, got {ridge}")
-    with open_statistics(data, scheduler, chunk_size, normalize, tile_features, attention, bias_terms) as stats:
-        return _fit(stats, float(ridge), data if isinstance(data, (str, os.PathLike)) else None)
-
-
-def _fit(stats: TiledStatistics, ridge: float, path: Any) -> Model:
+    ridge = float(ridge)
     feats = stats.sums
     if feats.target_gram is None or feats.basis_moments is None:
         raise ClusterRefused("targets", path)

@@ -87,12 +87,7 @@ def featurize(path: str | os.PathLike, chunk_size: int | None = None,
     """
     normalize = (read := read or ReadSpec(attention, normalize, bias_terms)).normalize or "none"
     info, device = _checked(path, read, spans, device)
-    wide = None
-    if affine_from is not None:
-        if device is not None:
-            raise InputError("--affine-from accumulates on the CPU: featurize without --device", path)
-        wide = WideSource.open(affine_from, path)
-        wide = replace(wide, basis=wide.estimate_basis(info.samples))  # the sums accumulated nearly whitened
+    wide = None if affine_from is None else _wide_source(affine_from, path, info, device)
     serial = map is None and workers <= 1 and scheduler is None
     # every feature for sure: refused before any work (a pool's workers are counted once it is made);
     # otherwise after the cheap span pass, with the block it found
@@ -129,6 +124,16 @@ def featurize(path: str | os.PathLike, chunk_size: int | None = None,
     if feats.affine is not None:
         feats.affine.source, feats.affine.P, feats.affine.basis = wide.identity, wide.P, wide.basis
     return _finished(feats, info, path, (lo, hi), shard)
+
+
+def _wide_source(affine_from: str | os.PathLike, path: str | os.PathLike, info: TokensInfo, device: str | None
+                 ) -> WideSource:
+    """The wide tokens of the affine block, with the basis its sums accumulate in (nearly whitened)."""
+    if device is not None:
+        raise InputError("the affine block of the wide tokens accumulates on the CPU: featurize it without a device",
+                         path)
+    wide = WideSource.open(affine_from, path)
+    return replace(wide, basis=wide.estimate_basis(info.samples))
 
 
 def _absolute(wide: WideSource | None) -> WideSource | None:
