@@ -29,6 +29,11 @@ REMEDY_WORDS = {
     "cluster": "the scheduler argument (docs/cluster.md)",
     "no_cluster": "without a scheduler",
     "cpu": "device 'cpu'",
+    "bias_terms": "bias_terms=True",
+    "affine_from": "affine_from",
+    "attention": "the same attention",
+    "folds": "featurize_folds and save_with_folds",
+    "like": "mhla_cli.reduce_tokens({wide}, NEW.h5, like={reduced})",
 }
 
 

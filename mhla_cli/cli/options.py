@@ -79,6 +79,11 @@ REMEDY_OPTIONS = {
     "cluster": "--scheduler (docs/cluster.md)",
     "no_cluster": "without --scheduler",
     "cpu": "--device cpu",
+    "bias_terms": "--bias-terms",
+    "affine_from": "--affine-from",
+    "attention": "the same --attention",
+    "folds": "`mhla featurize DATA -o FEATS --folds K`",
+    "like": "`mhla reduce {wide} --like {reduced} -o NEW.h5`",
 }
 
 
