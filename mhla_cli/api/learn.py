@@ -1,4 +1,9 @@
-"""Which fit and which head export to run: the library side of `mhla fit` and `mhla export-heads`.
+"""Which certificate, fit and head export to run: the library side of `mhla certify`, `fit` and `export-heads`.
+
+`certify` and `fit` are the one entry point of each verb: they take statistics of any storage (a `Features` record,
+dense or pairs; statistics tiled on a Dask cluster; a features file, a Zarr store or a tokens file, with `scheduler`
+on a cluster), with or without the affine block of the wide tokens, and pick the solver (mhla_cli.solve.certificate,
+mhla_cli.solve.affine_block, mhla_cli.solve.cluster, mhla_cli.solve.lstsq, mhla_cli.solve.lowrank).
 
 `fit` is least squares (Algorithm 1) by default, a factorised fit with `heads` heads, or a
 nuclear-norm fit with weight `nuclear`; "auto" chooses H or the weight by K-fold cross-validation

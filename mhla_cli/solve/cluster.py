@@ -6,7 +6,7 @@ their d x d sums and the psi x d moments, the tiles stay on the workers. The fac
 single-machine one (mhla_cli.linalg.factorization) over a linalg.tiled_matrix.TiledMatrix:
 
 - the verdict is the Cholesky of Lambda~ - t I over the tiles, t the certificate's threshold
-  (certificate.certify), proven by inertia as on one machine; when it fails the data are not
+  (certificate.certify_tiled), proven by inertia as on one machine; when it fails the data are not
   identifiable, and the column where it failed is the reason;
 - lambda_max is block Lanczos on Lambda~, lambda_min block Lanczos on (Lambda~ - t I)^-1 through the
   distributed factor (or, when the Cholesky failed, on lambda_max I - Lambda~): estimates, with their
@@ -129,7 +129,7 @@ def factorization(stats: TiledStatistics) -> Factorization:
 
 def threshold_of(fac: Factorization, min_eig: float = 0.0) -> tuple[float, float, float]:
     """(lambda_max, the numerical tolerance, the threshold t = the larger of it and min_eig) as
-    certificate.certify takes them."""
+    certificate.certify_tiled takes them."""
     lmax = fac.lambda_max()
     tol = numerical_tolerance(lmax, fac.n_full)
     return lmax, tol, max(tol, float(min_eig))
