@@ -227,7 +227,7 @@ def on_cluster(path: str, client: Any, tile: int | None) -> dict[str, Any]:
     from distributed import get_task_stream
 
     from mhla_cli.solve import cluster as cluster_mod
-    from mhla_cli.solve.certificate import certify
+    from mhla_cli import certify
 
     out: dict[str, Any] = {}
     reset_peaks(client)
@@ -307,7 +307,7 @@ def once_on_cluster(path: str, client: Any, tile: int | None) -> dict[str, Any]:
     from distributed import get_task_stream
 
     from mhla_cli.solve import cluster as cluster_mod
-    from mhla_cli.solve.certificate import certify
+    from mhla_cli import certify
     from mhla_cli.statistics.distributed import tiled_statistics
 
     out: dict[str, Any] = {}

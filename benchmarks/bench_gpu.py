@@ -60,7 +60,7 @@ def solve_times(feats, where: str) -> dict:
     """certify then fit (which reuses certify's factorization) of fresh statistics on `where`."""
     from mhla_cli.solve import certificate, lstsq
 
-    cert, tc = timed(lambda: certificate.certify(feats, device=where))
+    cert, tc = timed(lambda: certificate.certify_features(feats, device=where))
     _, tf = timed(lambda: lstsq.fit(feats, device=where))
     return {"certify_s": tc, "fit_s": tf, "identifiable": cert.identifiable,
             "lambda_min": cert.lambda_min, "lambda_max": cert.lambda_max}

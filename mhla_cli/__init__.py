@@ -3,7 +3,7 @@
 Library API (each CLI command is a thin layer over these):
 
     feats = featurize("data.h5")            # Features: gram, moments, ... (streamed, float64)
-    cert = certify(feats)                   # Certificate: identifiable, lambda_min, ...
+    cert = certify(feats)                   # Certificate: identifiable, lambda_min, ... (any storage, scheduler=)
     model = fit(feats)                      # Model: coef p (d, psi) and min-norm W (heads=, nuclear=: low rank)
     heads = export_heads(model)             # Heads: V, Q (H, d, d) (fewest=True: the fewest heads)
     yhat = predict(heads, tokens)           # in-memory forward pass
@@ -48,9 +48,9 @@ _EXPORTS = {
     "forward_heads": "model.forward", "predict": "model.forward", "predict_file": "model.forward",
     "Heads": "model.heads", "W_from_heads": "model.heads", "W_from_p": "model.heads", "heads_from_W": "model.heads",
     "p_from_heads": "model.heads", "p_from_W": "model.heads",
-    "export_heads": "api.learn", "fit": "api.learn",
+    "certify": "api.learn", "export_heads": "api.learn", "fit": "api.learn",
     "Model": "model.model", "load_function": "model.model",
-    "Certificate": "solve.certificate", "certify": "solve.certificate",
+    "Certificate": "solve.certificate",
     "Reduction": "model.reduce", "load_reduction": "model.reduce", "reduce_tokens": "model.reduce",
     "Features": "statistics.features", "featurize": "statistics.stream", "load_features": "statistics.stream", "accumulate_range": "statistics.ranges",
     "Dataset": "model.synthetic", "generate_assoc": "model.synthetic", "generate_teacher": "model.synthetic",
@@ -77,10 +77,10 @@ if TYPE_CHECKING:  # the same names for type checkers and the layout test's re-e
     from .feature_map import cubic_features, feature_index, n_features
     from .model.forward import forward_heads, predict, predict_file
     from .model.heads import Heads, W_from_heads, W_from_p, heads_from_W, p_from_heads, p_from_W
-    from .api.learn import export_heads, fit
+    from .api.learn import certify, export_heads, fit
     from .model.model import Model, load_function
     from .model.reduce import Reduction, load_reduction, reduce_tokens
-    from .solve.certificate import Certificate, certify
+    from .solve.certificate import Certificate
     from .statistics.features import Features
     from .statistics.ranges import accumulate_range
     from .statistics.stream import featurize, load_features

@@ -32,7 +32,7 @@ from mhla_cli.model.model import Model
 from mhla_cli.model.reduce import load_reduction, reduce_tokens, unreduce_heads
 from mhla_cli.samples import LAST, ReadSpec, samples_of
 from mhla_cli.solve import affine_block
-from mhla_cli.solve.certificate import certify as mhla_certify
+from mhla_cli.solve.certificate import certify_features as mhla_certify
 from mhla_cli.solve.lstsq import fit as lstsq_fit
 from mhla_cli.statistics.affine_sums import WideSource
 from mhla_cli.statistics.ranges import estimate_basis, accumulate_range

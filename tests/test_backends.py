@@ -12,7 +12,8 @@ import pytest
 
 import _reference
 from conftest import relerr
-from mhla_cli.errors import InputError
+from mhla_cli.cli.options import in_options
+from mhla_cli.errors import Refused
 from mhla_cli.linalg import backends
 from mhla_cli.linalg.factorization import Factorization
 from mhla_cli.statistics.accumulate import Accumulator
@@ -186,8 +187,11 @@ def test_lapack_indexing_is_checked_above_46340() -> None:
     assert n * n < 2**31 <= (n + 1) ** 2
     old = {"scipy": "1.12.0", "ilp64": False, "library": "scipy-openblas 0.3.21"}
     backends.check_lapack_indexing(n, old)
-    with pytest.raises(InputError, match=r"n = 46341 > 46340 needs 64-bit indexing.*--scheduler \(docs/cluster.md\)"):
+    with pytest.raises(Refused, match=r"n = 46341 > 46340 needs 64-bit indexing") as exc:
         backends.check_lapack_indexing(n + 1, old)
+    # the library names no option; the CLI words the remedy in its own
+    assert exc.value.remedies == {"cluster": {}} and "--" not in str(exc.value)
+    assert str(in_options(exc.value)).endswith("--scheduler (docs/cluster.md)")
     backends.check_lapack_indexing(n + 1, {**old, "ilp64": True})
     backends.check_lapack_indexing(n + 1, {**old, "scipy": "1.13.0"})
     info = backends.lapack_indexing()  # this machine's, as scipy and numpy report it

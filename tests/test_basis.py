@@ -21,7 +21,7 @@ from mhla_cli.model import synthetic
 from mhla_cli.cli import run
 from mhla_cli.statistics.merge import merge_features
 from mhla_cli.model.forward import forward_heads
-from mhla_cli.solve.certificate import certify
+from mhla_cli import certify
 from mhla_cli.solve.lstsq import fit
 from mhla_cli.statistics.features import Features
 from mhla_cli.statistics.stream import featurize

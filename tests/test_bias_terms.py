@@ -32,7 +32,7 @@ from mhla_cli.model.forward import predict, predict_file, predict_samples
 from mhla_cli.model.model import Model
 from mhla_cli.model.reduce import Reduction, unreduce_heads
 from mhla_cli.samples import samples_of
-from mhla_cli.solve.certificate import certify
+from mhla_cli import certify
 from mhla_cli.statistics.features import Features
 from mhla_cli.statistics.merge import merge_features
 from mhla_cli.statistics.accumulate import chunk_features

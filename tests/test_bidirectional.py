@@ -30,7 +30,7 @@ from mhla_cli.model import synthetic
 from mhla_cli.model.forward import forward_heads, predict_file, predict_samples
 from mhla_cli.model.heads import Heads
 from mhla_cli.samples import BIDIRECTIONAL, CAUSAL, LAST
-from mhla_cli.solve.certificate import certify
+from mhla_cli import certify
 from mhla_cli.solve.lstsq import fit
 from mhla_cli.solve.probes import certify_probes
 from mhla_cli.statistics.features import Features

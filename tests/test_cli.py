@@ -361,7 +361,7 @@ def test_json_error_object_on_usage_errors_and_internal_errors(tmp_path: Path, c
 
     def boom(*a, **k):
         raise RuntimeError("a bug")
-    monkeypatch.setattr(mhla_cli.solve.certificate, "certify", boom)  # the command imports it when it runs
+    monkeypatch.setattr(mhla_cli.solve.certificate, "certify_features", boom)  # the command imports it when it runs
     monkeypatch.delenv("MHLA_DEBUG", raising=False)
     obj = cli_json(capsys, ["certify", str(data), "--json"], code=3)
     assert obj["exit_code"] == 3 and "internal error: RuntimeError: a bug" in obj["error"]

@@ -25,7 +25,7 @@ from mhla_cli.model.model import Model
 from mhla_cli.numerics import numerical_tolerance
 from mhla_cli.samples import ReadSpec, samples_of
 from mhla_cli.solve import cluster
-from mhla_cli.solve.certificate import certify
+from mhla_cli import certify
 from mhla_cli.solve.lstsq import fit as fit_one
 from mhla_cli.statistics.distributed import tiled_statistics
 from mhla_cli.statistics.stream import featurize
@@ -64,7 +64,7 @@ def test_cluster_equals_one_machine(local, tmp_path: Path, capsys: pytest.Captur
     assert abs(c2.lambda_max - lam[-1]) <= 1e-7 * lam[-1]
     assert c2.rank == c1.rank and c2.threshold == pytest.approx(c1.threshold, rel=1e-6)
     assert set(c2.estimated) == {"lambda_min", "lambda_max"} and all(r["converged"] for r in c2.estimates.values())
-    m1, m2 = fit_one(one), cluster.fit(stats)
+    m1, m2 = fit_one(one), api_fit(stats)
     assert np.abs(m2.coef - m1.coef).max() <= 1e-10 * np.abs(m1.coef).max()
     assert m2.info["identifiable"] and m2.info["rank"] == one.n_features
     # the CLI: the same model file a single-machine fit writes (export-heads and predict read it)
@@ -124,7 +124,7 @@ def test_per_position_layouts_equal_one_machine(local, tmp_path: Path, capsys: p
     c1, c2 = certify(one), certify(stats)
     assert c1.identifiable and c2.identifiable
     assert abs(c2.lambda_min - c1.lambda_min) <= 1e-8 * c1.lambda_min
-    m1, m2 = fit_one(one), cluster.fit(stats)
+    m1, m2 = fit_one(one), api_fit(stats)
     assert np.abs(m2.coef - m1.coef).max() <= 1e-10 * np.abs(m1.coef).max()
     # the CLI with the options: the model records the layout and the bias terms as one machine's does
     opts = ["--attention", attention, "--normalize", normalize] + (["--bias-terms"] if bias else [])
@@ -356,7 +356,7 @@ def test_a_killed_worker_changes_nothing(tmp_path: Path, when: tuple[str, int]) 
         def run_once() -> tuple:
             stats = tiled_statistics.accumulate(path, client, chunk_size=20, tile_features=25)
             cert = certify(stats)
-            model = cluster.fit(stats)
+            model = api_fit(stats)
             stats.release()
             return cert, model
         c0, m0 = run_once()
@@ -401,7 +401,7 @@ def test_above_psi_4096_with_workers_smaller_than_the_gram(tmp_path: Path) -> No
         stats = tiled_statistics.accumulate(path, client)
         assert stats.matrix.nb > 1
         c2 = certify(stats)
-        m2 = cluster.fit(stats)
+        m2 = api_fit(stats)
         peaks = list(client.run(_peak_mib).values())
         stats.release()
     finally:

@@ -85,7 +85,7 @@ def test_featurize_certify_fit_equal_numpy(kind: str, tmp_path: Path) -> None:
     assert a.n_samples == b.n_samples and a.n_tokens == b.n_tokens
     for k in ("gram", "moments", "target_gram", "basis_gram", "basis_moments", "token_gram"):
         assert relerr(getattr(b, k), getattr(a, k)) < 1e-12, k
-    ca, cb = certificate.certify(a), certificate.certify(b, device=DEV)
+    ca, cb = certificate.certify_features(a), certificate.certify_features(b, device=DEV)
     assert ca.identifiable == cb.identifiable and ca.rank == cb.rank
     assert abs(ca.lambda_min - cb.lambda_min) <= 1e-12 * ca.lambda_max
     assert abs(ca.lambda_max - cb.lambda_max) <= 1e-12 * ca.lambda_max
@@ -105,7 +105,7 @@ def test_factorization_paths_equal_numpy(dense_max: int, tmp_path: Path, monkeyp
     for n in (400, 20):  # identifiable; then N = 20 < psi = 40: singular
         a = accumulate_range(info, (0, n))
         b = accumulate_range(info, (0, n), device=DEV)
-        ca, cb = certificate.certify(a), certificate.certify(b, device=DEV)
+        ca, cb = certificate.certify_features(a), certificate.certify_features(b, device=DEV)
         assert ca.identifiable == cb.identifiable == (n == 400)
         assert ca.rank == cb.rank
         assert abs(ca.lambda_min - cb.lambda_min) <= 1e-12 * ca.lambda_max
@@ -125,7 +125,7 @@ def test_spans_block_on_device(tmp_path: Path) -> None:
     b = stream.featurize(path, spans="on", device=DEV)
     assert a.on_spans and b.on_spans
     assert relerr(b.basis_gram, a.basis_gram) < 1e-12
-    ca, cb = certificate.certify(a), certificate.certify(b, device=DEV)
+    ca, cb = certificate.certify_features(a), certificate.certify_features(b, device=DEV)
     assert ca.identifiable == cb.identifiable and ca.rank == cb.rank and ca.span_features == cb.span_features
     assert abs(ca.lambda_min - cb.lambda_min) <= 1e-12 * ca.lambda_max
 
@@ -280,7 +280,7 @@ def test_device_equals_numpy_over_a_family() -> None:
         for k in ("basis_gram", "basis_moments", "target_gram", "basis_token_gram"):
             x, y = getattr(a, k), getattr(b, k)
             assert np.abs(x - y).max() <= 1e-12 * max(np.abs(x).max(), 1e-300), k
-        ca, cb = certificate.certify(a.canonical()), certificate.certify(b.canonical(), device=DEV)
+        ca, cb = certificate.certify_features(a.canonical()), certificate.certify_features(b.canonical(), device=DEV)
         assert ca.identifiable == cb.identifiable and ca.rank == cb.rank
         assert abs(ca.lambda_min - cb.lambda_min) <= 1e-10 * max(ca.lambda_max, 1e-300)
 
@@ -322,14 +322,14 @@ def test_device_certificates_equal_the_materialised_reference(kind: str, tmp_pat
     pp, w = kind == "per_position", extra.get("weights")
     ref = _reference.canonical(X, off, extra["targets"], per_position=pp, weights=w, normalize=normalize,
                                A=feats.basis)
-    full = certificate.certify(feats, device=DEV)
+    full = certificate.certify_features(feats, device=DEV)
     wr = ref["eigenvalues"]
     tol = wr.size * np.finfo(np.float64).eps * wr[-1]
     # Lambda~ = sum w Ht Ht^T / sum w in both (weights without units): the same scale
     scale = full.lambda_max / wr[-1]
     assert abs(scale - 1) <= 1e-10
     assert not full.identifiable and full.rank == int((wr > tol).sum())
-    obs = certificate.certify(feats, domain="observed", device=DEV)
+    obs = certificate.certify_features(feats, domain="observed", device=DEV)
     wo, r, s = _reference.observed_eigenvalues(X, off, feats.basis, per_position=pp, weights=w,
                                                normalize=normalize)
     assert (obs.dim_tokens, obs.dim_last_tokens, obs.n_features) == (r, s, wo.size) == (3, 2, 12)
@@ -361,7 +361,7 @@ def test_device_verdict_is_proven_by_a_shifted_cholesky(dense_max: int, tmp_path
     w = _reference.canonical(X, off, y)["eigenvalues"]
     for factor in (0.5, 2.0):
         feats = stream.featurize(path, device=DEV)
-        c = certificate.certify(feats, min_eig=factor * w[0], device=DEV)
+        c = certificate.certify_features(feats, min_eig=factor * w[0], device=DEV)
         assert c.identifiable is (factor < 1) and abs(c.lambda_min - w[0]) <= 1e-9 * w[0]
         assert c.proof == ("cholesky of Lambda~ - t I" if factor < 1 else "cholesky of Lambda~ - t I failed")
     # singular (N = 20 < psi = 40) with a ridge of 1e-30: the minimum-norm fit, not rounding / 1e-30

@@ -74,3 +74,20 @@ def test_errors_about_a_file_name_it(tmp_path: Path, capsys: pytest.CaptureFixtu
         assert run(["fit", str(data), "-o", str(path), "-q"]) == 0
     line = _one_error(capsys, ["compare", str(a), str(b)])
     assert line == f"mhla: error: {a}: the models have different d (2 here, 3 in {b}): nothing to compare"
+
+
+def test_a_refusal_carries_its_remedy_for_the_caller_to_word() -> None:
+    """errors.Refused: the library's message names no option of the command line; the CLI words the same remedies in
+    its options (cli.options.REMEDY_OPTIONS, one entry for each of the library's), the file named alike."""
+    from mhla_cli.cli.options import REMEDY_OPTIONS, in_options
+    from mhla_cli.errors import REMEDY_WORDS, InputError, Refused
+
+    assert set(REMEDY_OPTIONS) == set(REMEDY_WORDS)
+    exc = Refused("too wide: map them first: {reduce}; or {cluster}", "t.h5", reduce={"tokens": "t.h5", "dim": 8},
+                  cluster={})
+    assert isinstance(exc, InputError) and exc.path == "t.h5"
+    assert str(exc) == ("t.h5: too wide: map them first: mhla_cli.reduce_tokens(t.h5, REDUCED, dim=8); or the "
+                        "scheduler argument (docs/cluster.md)")
+    assert str(in_options(exc)) == ("t.h5: too wide: map them first: mhla reduce t.h5 -o REDUCED.h5 --dim 8; or "
+                                    "--scheduler (docs/cluster.md)")
+    assert all("--" not in REMEDY_WORDS[k] for k in REMEDY_WORDS)

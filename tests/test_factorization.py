@@ -17,7 +17,7 @@ from mhla_cli.model import synthetic
 
 import _reference
 from mhla_cli.solve.probes import certify_probes
-from mhla_cli.solve.certificate import certify
+from mhla_cli import certify
 from mhla_cli.solve.domains import factorize
 from mhla_cli.solve.lstsq import fit
 from mhla_cli.statistics.accumulate import chunk_features

@@ -13,7 +13,8 @@ from hypothesis import strategies as st
 
 from mhla_cli.io import formats
 from mhla_cli.model import synthetic
-from mhla_cli.errors import InputError
+from mhla_cli.cli.options import in_options
+from mhla_cli.errors import InputError, Refused
 from mhla_cli.statistics.folds import featurize_folds, load_folds, load_for_cv, save_with_folds
 from mhla_cli.solve.lstsq import fit
 from mhla_cli.statistics.features import Features
@@ -291,8 +292,9 @@ def test_cut_own_folds_cond(tmp_path: Path, factor: float) -> None:
         assert got["chosen"] == want_cv["chosen"]
         assert abs(got["cv_mse"] - want_cv["cv_mse"]) <= 1e-6 * want_cv["cv_mse"]
     else:
-        with pytest.raises(InputError, match="own coordinates only.*featurize DATA -o FEATS --folds K"):
+        with pytest.raises(Refused, match="own coordinates only.*featurize_folds") as exc:
             load_for_cv(feats)
+        assert "featurize DATA -o FEATS --folds K" in str(in_options(exc.value))  # the CLI's words
 
 
 def test_load_folds_refuses_inconsistent_fold_bases(data: tuple[Path, synthetic.Dataset], tmp_path: Path) -> None:

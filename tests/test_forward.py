@@ -400,7 +400,7 @@ def test_fit_predicts_the_teacher_at_extreme_conditioning(tmp_path: Path, std: f
     through a model file and through predict_file; the file keeps `coef` = p_b M_A for h5py users."""
     from _reference import canonical, min_norm_function, predict_canonical, ratio
     from mhla_cli.model import synthetic
-    from mhla_cli.solve.certificate import certify
+    from mhla_cli import certify
     from mhla_cli.solve.lstsq import fit
     from mhla_cli.statistics.accumulate import chunk_features
 

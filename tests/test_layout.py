@@ -28,6 +28,11 @@
 5. Every package's `__init__` docstring maps its modules: one line ``- `name`: what it does`` for each
    module and subpackage in its directory (private ones too; not `__init__` / `__main__`), and no line
    for a name that is not there.
+6. No module over MAX_MODULE_LINES lines and no function (or method, or typer command with its option
+   signature and help) over MAX_FUNCTION_LINES lines, from its `def` to its last line.
+7. The library layers (every module outside `mhla_cli/cli/`) name no option of the command line in their
+   string literals (docstrings apart): an error of the library says what is wrong and carries a
+   machine-readable remedy (a rule, a cause, a subclass), and the CLI words it in its options.
 """
 
 from __future__ import annotations
@@ -583,8 +588,6 @@ def test_no_module_is_longer_than_the_limit() -> None:
 
 # A function longer than this (def line to last line, docstring included) is more than one job: split it by job.
 MAX_FUNCTION_LINES = 80
-# The commands still over it, to be split (issue 44); a name here that is no longer long fails the test.
-LONG_FUNCTIONS_TO_SPLIT = {"cli/certify.py::certify_cmd", "cli/featurize.py::featurize_cmd", "cli/fit.py::fit_cmd"}
 
 
 def long_functions(package_dir: Path, limit: int = MAX_FUNCTION_LINES) -> dict[str, int]:
@@ -599,9 +602,7 @@ def long_functions(package_dir: Path, limit: int = MAX_FUNCTION_LINES) -> dict[s
 
 
 def test_no_function_is_longer_than_the_limit(tmp_path: Path) -> None:
-    long = long_functions(PACKAGE)
-    assert not set(long) - LONG_FUNCTIONS_TO_SPLIT, {k: v for k, v in long.items() if k not in LONG_FUNCTIONS_TO_SPLIT}
-    assert not LONG_FUNCTIONS_TO_SPLIT - set(long), f"no longer long: {LONG_FUNCTIONS_TO_SPLIT - set(long)}"
+    assert long_functions(PACKAGE) == {}
     pkg = _write_package(tmp_path, {"pkg/__init__.py": "", "pkg/a.py": (
         "def short():\n" + "    x = 1\n" * 79 + "\n\nclass C:\n    def long(self):\n" + "        x = 1\n" * 80)})
     assert long_functions(pkg) == {"a.py::long": 81}
@@ -749,3 +750,51 @@ def test_import_path_errors_on_a_synthetic_package(tmp_path: Path) -> None:
         "pkg/user.py:7: the private _g of pkg.base",
         "test_part.py:2: the private _g of pkg.base",
     ]
+
+
+# `--name` in a string: an option of the command line (not a negative number or a rule of dashes).
+_OPTION = re.compile(r"(?<![\w-])--[a-z][a-z0-9-]*")
+
+
+def option_names(root: Path, skip: tuple[str, ...] = ("cli",)) -> list[str]:
+    """Every string literal of the modules under `root` (but the folders `skip`; docstrings apart) that names an
+    option of the command line, as `path:line: --option`."""
+    out = []
+    for path in sorted(root.rglob("*.py")):
+        rel = path.relative_to(root)
+        if rel.parts[0] in skip:
+            continue
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        docs = {id(n.body[0].value) for n in ast.walk(tree)
+                if isinstance(n, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and n.body
+                and isinstance(n.body[0], ast.Expr) and isinstance(n.body[0].value, ast.Constant)}
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docs:
+                out += [f"{root.name}/{rel}:{node.lineno}: {m}" for m in _OPTION.findall(node.value)]
+    return out
+
+
+# Library modules whose messages still name options of the command line (issue 44: to be worded by the CLI, as
+# mhla_cli.errors.Refused and solve.cluster.ClusterRefused are). Shrink it; never grow it: linalg/, solve/, the
+# distributed statistics and the other modules are clean, and tested so.
+OPTION_NAMES_ALLOWED = {
+    "api/learn.py", "io/convert/_driver.py", "io/convert/_masks.py", "io/convert/_roles.py",
+    "io/convert/_writer.py", "io/tokens.py", "model/canonical.py", "model/compare.py", "model/directions.py",
+    "model/forward/evaluate.py", "model/forward/stream.py", "model/heads.py", "model/reduce.py",
+    "statistics/algebra.py", "statistics/storage/gram_tiled.py",
+}
+
+
+def test_the_library_names_no_option_of_the_command_line() -> None:
+    found = [hit for hit in option_names(PACKAGE) if hit.split(":")[0].removeprefix("mhla_cli/")
+             not in OPTION_NAMES_ALLOWED]
+    assert not found, found
+
+
+def test_option_names_on_a_synthetic_package(tmp_path: Path) -> None:
+    pkg = tmp_path / "pkg"
+    (pkg / "cli").mkdir(parents=True)
+    (pkg / "cli" / "a.py").write_text('X = "give --ridge"\n')
+    (pkg / "b.py").write_text('"""Mentions --ridge in its docstring."""\nY = "x --- y, -1 --2"\n'
+                              'def f():\n    raise ValueError("use --scheduler-timeout SECONDS")\n')
+    assert option_names(pkg) == ["pkg/b.py:4: --scheduler-timeout"]

@@ -8,6 +8,7 @@ import h5py
 import numpy as np
 import pytest
 
+import _reference as ref
 import mhla_cli
 from mhla_cli.solve import lstsq
 from mhla_cli.model import synthetic
@@ -140,3 +141,115 @@ def test_fit_and_export_rules_are_the_librarys(tmp_path: Path, capsys: pytest.Ca
         want = FLAG_WORDS[rule] if path is None else f"{path}: {FLAG_WORDS[rule]}"
         assert capsys.readouterr().err.strip() == f"mhla: error: {want}"
         assert not out.exists()
+
+
+# ---------------------------------------------------------------------------------------------
+# one `certify` and one `fit` for statistics of every storage (mhla_cli.api.learn)
+
+def _lower_tiles(G: np.ndarray, side: int) -> tuple[dict[tuple[int, int], np.ndarray], list[int]]:
+    sizes = [side] * (G.shape[0] // side)
+    o = np.concatenate([[0], np.cumsum(sizes)])
+    return ({(i, j): np.ascontiguousarray(G[o[i]:o[i + 1], o[j]:o[j + 1]]) for i in range(len(sizes))
+             for j in range(i + 1)}, sizes)
+
+
+@pytest.fixture(scope="module")
+def teacher_file(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, np.ndarray, np.ndarray, np.ndarray]:
+    """A d = 3 teacher's tokens file (ragged, last-token samples) and its tokens, offsets, targets."""
+    ds, _ = synthetic.generate_teacher(3, 2, 150, "2:7", seed=11)
+    path = tmp_path_factory.mktemp("dispatch") / "data.h5"
+    ds.save(path, dtype="float64")
+    with h5py.File(path) as f:
+        X = f["tokens"][...]
+        off = f["offsets"][...] if "offsets" in f else np.arange(X.shape[0] + 1) * X.shape[1]
+        Y = f["targets"][...]
+    return path, X.reshape(-1, X.shape[-1]), off, Y
+
+
+def _storages(path: Path) -> dict[str, object]:
+    """The same statistics held dense, as pairs (symgram.Pairs), tiled (dask's threaded scheduler, no cluster),
+    and as the features file and the tokens file themselves."""
+    from mhla_cli.linalg import symgram
+    from mhla_cli.linalg.tiled_matrix import TiledMatrix
+    from mhla_cli.statistics.distributed.tiled_statistics import TiledStatistics
+
+    dense = featurize(path, spans="off")
+    G = np.asarray(dense.solver_stats()[1])  # the canonical Gram (basis_gram)
+    d = dense.d
+    q = d * (d + 1) // 2
+    pairs = dense.copy()
+    pairs.basis_gram = symgram.Pairs(symgram.pairs_from_gram(G, q, d), q, d)
+    sums = dense.copy()
+    sums.basis_gram = None
+    tiles, sizes = _lower_tiles(G, 2 * d)  # two pairs a tile
+    tiled = TiledStatistics(sums, TiledMatrix(None, tiles, sizes), 2)
+    feats_file = path.with_name("feats.h5")
+    dense.save(feats_file)
+    return {"dense": dense, "pairs": pairs, "tiled": tiled, "features file": feats_file, "tokens file": path}
+
+
+def test_one_certify_and_one_fit_for_every_storage(teacher_file: tuple) -> None:
+    """mhla_cli.certify and mhla_cli.fit give the numpy reference's verdict, lambda_min and coef for the same data
+    held dense, as pairs, tiled on dask's threaded scheduler (no cluster), and as a features or tokens file."""
+    from mhla_cli.model.model import Model
+
+    path, X, off, Y = teacher_file
+    stats = _storages(path)
+    assert stats["pairs"].gram_storage.__class__.__name__ == "PairsGram"
+    A = stats["dense"].basis
+    lam = ref.canonical(X, off, A=A)["eigenvalues"]
+    H = np.stack([ref.features(X[a:b]) for a, b in zip(off[:-1], off[1:])])
+    p = np.linalg.lstsq(H, Y, rcond=None)[0].T  # identifiable: the one least-squares solution
+    for name, s in stats.items():
+        cert = mhla_cli.certify(s)
+        assert cert.identifiable and cert.proof == "cholesky of Lambda~ - t I", name
+        assert abs(cert.lambda_min - lam[0]) <= 1e-8 * lam[0], name
+        assert abs(cert.lambda_max - lam[-1]) <= 1e-7 * lam[-1], name
+        assert bool(cert.tasks) == (name == "tiled"), name  # the tiled path ran over the tiles
+        model = mhla_cli.fit(s)
+        assert isinstance(model, Model) and rel(model.coef, p) <= 1e-8, name
+        assert model.info["identifiable"], name
+    ridge = {name: mhla_cli.fit(stats[name], ridge=1e-2).coef for name in ("dense", "tiled")}
+    assert rel(ridge["tiled"], ridge["dense"]) <= 1e-10 and rel(ridge["dense"], p) > 1e-6
+
+
+def test_statistics_in_memory_with_a_scheduler_are_refused(teacher_file: tuple) -> None:
+    """A cluster takes a file or tiled statistics: Features in memory with a scheduler are refused before any work
+    (no connection is tried), in the library's words (no option of the CLI)."""
+    from mhla_cli.solve.cluster import ClusterRefused
+
+    feats = featurize(teacher_file[0], spans="off")
+    for call in (lambda: mhla_cli.certify(feats, scheduler="tcp://127.0.0.1:9"),
+                 lambda: mhla_cli.fit(feats, scheduler="tcp://127.0.0.1:9")):
+        with pytest.raises(ClusterRefused, match="on one machine") as exc:
+            call()
+        assert exc.value.rule == "in_memory" and "--" not in str(exc.value)
+
+
+def test_one_certify_and_one_fit_with_the_affine_block(tmp_path: Path) -> None:
+    """The same call certifies and fits the extended features when the statistics hold the affine block of the
+    wide tokens (a Features record, or the tokens file with affine_from): the fit is numpy's least squares over
+    [H(X), (x_wide, 1)], the certificate counts both blocks."""
+    from mhla_cli.model.reduce import reduce_tokens
+
+    rng = np.random.default_rng(5)
+    off = np.concatenate([[0], np.cumsum(rng.integers(2, 7, size=80))]).astype(np.int64)
+    T, D = int(off[-1]), 4
+    Xw = rng.standard_normal((T, D)) @ rng.standard_normal((D, D)) / 2 + 0.3
+    with h5py.File(tmp_path / "wide.h5", "w") as f:
+        f["tokens"], f["offsets"], f["targets"] = Xw, off, rng.standard_normal((off.size - 1, D))
+    reduce_tokens(tmp_path / "wide.h5", tmp_path / "red.h5", dim=2)
+    with h5py.File(tmp_path / "red.h5") as f:
+        Xr, Yr = f["tokens"][...], f["targets"][...]
+    feats = featurize(tmp_path / "red.h5", affine_from=tmp_path / "wide.h5")
+    rows = np.stack([np.concatenate([ref.features(Xr[a:b]), Xw[b - 1], [1.0]]) for a, b in zip(off[:-1], off[1:])])
+    sol = np.linalg.lstsq(rows, Yr, rcond=None)[0].T
+    psi = feats.n_features
+    for s, kw in ((feats, {}), (tmp_path / "red.h5", {"affine_from": tmp_path / "wide.h5"})):
+        cert = mhla_cli.certify(s, **kw)
+        assert cert.n_features == psi + D + 1 and cert.identifiable
+        model = mhla_cli.fit(s, **kw)
+        assert model.affine_coef is not None
+        assert rel(model.coef, sol[:, :psi]) <= 1e-7 and rel(model.affine_coef, sol[:, psi:]) <= 1e-7
+    with pytest.raises(InputError, match="full domain"):
+        mhla_cli.certify(feats, domain="observed")

@@ -12,7 +12,8 @@ from mhla_cli.linalg import memory
 from mhla_cli.statistics import ranges, stream
 from mhla_cli.model import synthetic
 from mhla_cli.cli import run
-from mhla_cli.errors import InputError
+from mhla_cli.cli.options import in_options
+from mhla_cli.errors import InputError, Refused
 from mhla_cli.feature_map import n_features
 from mhla_cli.statistics.features import Features
 from mhla_cli.statistics.accumulate import chunk_features
@@ -219,9 +220,12 @@ def test_floor_cut_and_message() -> None:
     d = 40
     need = memory.floor_bytes(d)
     memory.check_floor(d, "t.h5", budget_bytes=need)  # just inside: no error
-    with pytest.raises(InputError) as exc:
+    with pytest.raises(Refused) as exc:
         memory.check_floor(d, "t.h5", "featurize", budget_bytes=need - 1)
-    msg = str(exc.value)
+    # the library names no option: its remedy is machine-readable, the CLI words it in its options
+    assert exc.value.remedies == {"reduce": {"tokens": "t.h5", "dim": memory.SUGGESTED_DIM}}
+    assert "--" not in str(exc.value) and f"reduce_tokens(t.h5, REDUCED, dim={memory.SUGGESTED_DIM})" in str(exc.value)
+    msg = str(in_options(exc.value))
     fits = memory.largest_d(need - 1, below=d)
     assert memory.featurize_bytes(fits) <= need - 1 < memory.featurize_bytes(fits + 1)
     assert f"d = {d} needs psi = {n_features(d)} features and at least {need / 2**30:.1f} GiB for featurize" in msg
@@ -232,10 +236,10 @@ def test_floor_cut_and_message() -> None:
                           f"-o REDUCED.h5 --dim {memory.SUGGESTED_DIM} ")
     assert msg.index("mhla reduce") < msg.index("GiB")
     small = memory.floor_bytes(memory.SUGGESTED_DIM + 5)
-    with pytest.raises(InputError, match=r"--dim (\d+) ") as exc:
+    with pytest.raises(Refused) as exc:
         memory.check_floor(d, "t.h5", budget_bytes=small)
     k = memory.largest_d(small, below=d)
-    assert k < memory.SUGGESTED_DIM and f"--dim {k} " in str(exc.value)
+    assert k < memory.SUGGESTED_DIM and f"--dim {k} " in str(in_options(exc.value))
     # below every command's own need: the floor never refuses what the full check lets through
     for k in (3, 8, 16, 24):
         assert memory.floor_bytes(k) <= memory.featurize_bytes(k)
@@ -247,9 +251,9 @@ def test_library_entry_points_check_the_floor(files: tuple[Path, Path], monkeypa
     _no_work(monkeypatch)
     with pytest.raises(InputError, match="at least .* GiB for featurize"):
         stream.featurize(tokens)
-    with pytest.raises(InputError, match="mhla reduce"):
+    with pytest.raises(InputError, match="reduce_tokens"):
         stream.solve_need(tokens)
-    with pytest.raises(InputError, match="mhla reduce|not even d = 1"):
+    with pytest.raises(InputError, match="reduce_tokens|not even d = 1"):
         chunk_features(np.ones((4, 3)), np.array([0, 2, 4]), None, 3)
 
 

@@ -147,7 +147,7 @@ def test_zero_weight_sequences_and_scaled_weights_change_no_number(tmp_path: Pat
 
     from _reference import canonical, predict_canonical, predict_own, ratio, min_norm_function
     from mhla_cli.statistics.folds import featurize_folds, load_folds, save_with_folds
-    from mhla_cli.solve.certificate import certify
+    from mhla_cli import certify
     from mhla_cli.solve.lstsq import fit
 
     rng = np.random.default_rng(23)

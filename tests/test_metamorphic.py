@@ -20,7 +20,7 @@ from _metamorphic import (FILE_SETTINGS, SETTINGS, Data, check_partial_fit, data
                           probes, same_certificate, transform)
 from _reference import canonical, min_norm_function, predict_canonical, predict_own, ratio
 from mhla_cli.solve.probes import certify_probes
-from mhla_cli.solve.certificate import certify
+from mhla_cli import certify
 from mhla_cli.solve.lstsq import fit
 from mhla_cli.statistics.accumulate import chunk_features
 from mhla_cli.statistics.stream import featurize

@@ -105,6 +105,8 @@ def _returns_first(source: str) -> Callable[[ast.AST], ast.AST]:
     return change
 
 
+DISPATCH_TESTS = ("tests/test_learn.py", "-k", "storage or affine_block or in_memory")
+
 STRUCTURAL = [
     Structural("structure cut x1e6", "mhla_cli.statistics.structure", "from_traces",
                lambda n: _assigns(n, "cut"), lambda n: ast.Assign(n.targets, _times(1e6, n.value))),
@@ -114,10 +116,10 @@ STRUCTURAL = [
                lambda n: isinstance(n, ast.AugAssign) and _is_name(n.target, "weight"), lambda n: ast.Pass()),
     Structural("observed-span rule 1e-6", "mhla_cli.numerics", "observed_span_tol",
                lambda n: isinstance(n, ast.Return), lambda n: ast.Return(ast.Constant(1e-6))),
-    Structural("certify's tolerance with the block's n", "mhla_cli.solve.certificate", "certify",
+    Structural("certify's tolerance with the block's n", "mhla_cli.solve.certificate", "certify_features",
                lambda n: _calls(n, "numerical_tolerance") and len(n.args) == 2,
                lambda n: _replace_arg(n, 1, _expr("fac.n"))),
-    Structural("the verdict from either proof string", "mhla_cli.solve.certificate", "certify",
+    Structural("the verdict from either proof string", "mhla_cli.solve.certificate", "certify_features",
                lambda n: _assigns(n, "identifiable"), lambda n: ast.Assign(n.targets, _expr("proof.startswith('cholesky')"))),
     Structural("train MSE without tr(target_gram)", "mhla_cli.solve.lstsq", "_train_mse_b",
                lambda n: _assigns(n, "sse") and isinstance(n.value, ast.BinOp) and isinstance(n.value.op, ast.Add),
@@ -148,7 +150,7 @@ STRUCTURAL = [
     Structural("heads of bias terms written uncentred", "mhla_cli.api.learn", "export_heads",
                lambda n: _assigns(n, "centre"), lambda n: ast.Pass(),
                tests=("tests/test_bias_terms.py", "-k", "far_from")),
-    Structural("fit's R^2 without the scoring pass", "mhla_cli.cli.fit", "fit_cmd",
+    Structural("fit's R^2 without the scoring pass", "mhla_cli.cli.fit", "_fit",
                lambda n: isinstance(n, ast.If) and "targets_underflow" in ast.unparse(n.test),
                lambda n: None, tests=("tests/test_scores.py", "-k", "any_target_scale")),
     # issue 43, items 4 and 5: the cluster reports what one machine reports; compare and probes at every position
@@ -279,6 +281,22 @@ STRUCTURAL = [
                lambda n: _assigns(n, "w"), lambda n: ast.Assign(n.targets, _expr(
                    "torch.ones_like(mask).to(torch.float64).unsqueeze(-1)")),
                tests=("tests/test_judge.py", "-k", "cosines")),
+    # issue 44: one certify and one fit (mhla_cli.api.learn) for every storage, with or without the affine block
+    Structural("the one certify ignores the affine block", "mhla_cli.api.learn", "certify",
+               lambda n: isinstance(n, ast.If) and ast.unparse(n.test) == "feats.affine is None",
+               lambda n: ast.If(ast.Constant(True), n.body, n.orelse), tests=DISPATCH_TESTS),
+    Structural("the one fit ignores the affine block", "mhla_cli.api.learn", "_fit_in_memory",
+               lambda n: isinstance(n, ast.If) and ast.unparse(n.test) == "feats.affine is not None",
+               lambda n: ast.If(ast.Constant(False), n.body, n.orelse), tests=DISPATCH_TESTS),
+    Structural("the one certify takes tiled statistics for statistics in memory", "mhla_cli.api.learn", "certify",
+               lambda n: isinstance(n, ast.BoolOp) and "TiledStatistics" in ast.unparse(n),
+               lambda n: n.values[0], tests=DISPATCH_TESTS),
+    Structural("the one fit takes tiled statistics for statistics in memory", "mhla_cli.api.learn", "fit",
+               lambda n: isinstance(n, ast.BoolOp) and "TiledStatistics" in ast.unparse(n),
+               lambda n: n.values[0], tests=DISPATCH_TESTS),
+    Structural("statistics in memory sent to a cluster", "mhla_cli.api.learn", "_check_tiled",
+               lambda n: isinstance(n, ast.If) and ast.unparse(n.test) == "isinstance(data, Features)",
+               lambda n: None, tests=DISPATCH_TESTS),
 ]
 
 # Every check of export-heads, spectrum and compare evaluated in the tokens' own coordinates (or on the
@@ -509,7 +527,7 @@ NEW_CODE = [
          "aff.cross @ B / W", "aff.cross @ B", AFFINE_TESTS),
     _net("affine block: its moments not divided by the weight", "solve.affine_block", "_rhs",
          "ext.B.T @ feats.affine.moments / W", "ext.B.T @ feats.affine.moments", AFFINE_TESTS),
-    _net("affine block: the map without the wide basis", "solve.affine_block", "fit",
+    _net("affine block: the map without the wide basis", "solve.affine_block", "fit_extended",
          "feats.affine.f_basis @ ext.B @ sol[n:]", "ext.B @ sol[n:]", AFFINE_TESTS),
     _net("affine block: what the MHLA holds counted twice", "solve.affine_block", "block_map", "Af @ Q", "Af",
          AFFINE_TESTS),

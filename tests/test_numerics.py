@@ -17,7 +17,8 @@ import pytest
 from mhla_cli.model import synthetic
 from mhla_cli.cli import run
 from mhla_cli.numerics import EPS, lambda_min_of_verdict, numerical_tolerance
-from mhla_cli.solve.certificate import Certificate, certify
+from mhla_cli import certify
+from mhla_cli.solve.certificate import Certificate
 from mhla_cli.solve.lstsq import fit
 from mhla_cli.statistics.stream import featurize
 from mhla_cli.statistics.features import Features

@@ -14,7 +14,7 @@ from mhla_cli.feature_map import cubic_features, n_features
 from mhla_cli.model.heads import p_from_heads
 from mhla_cli.model.forward import predict
 from mhla_cli.numerics import EPS
-from mhla_cli.solve.certificate import certify
+from mhla_cli import certify
 from mhla_cli.solve.lstsq import fit
 from mhla_cli.statistics.stream import featurize
 from mhla_cli.model.synthetic import random_teacher

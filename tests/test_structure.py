@@ -18,7 +18,7 @@ from mhla_cli.model import synthetic
 from mhla_cli.statistics.basis import kron_apply
 from mhla_cli.feature_map import n_features
 from mhla_cli.solve.probes import certify_probes
-from mhla_cli.solve.certificate import certify
+from mhla_cli import certify
 from mhla_cli.solve.domains import factorize
 from mhla_cli.solve.lstsq import fit
 from mhla_cli.solve.domains import OBSERVED

@@ -126,7 +126,7 @@ def test_a_store_factors_out_of_core(tmp_path: Path) -> None:
     same statistics (statistics.stream.featurize on one machine)."""
     pytest.importorskip("zarr")
     from mhla_cli.model import synthetic
-    from mhla_cli.solve.certificate import certify
+    from mhla_cli import certify
     from mhla_cli.statistics.files import zarr_store
     from mhla_cli.statistics.stream import featurize
     from mhla_cli.statistics.distributed.tiled_statistics import TiledStatistics

@@ -32,7 +32,7 @@ from mhla_cli.samples import (
     named,
     register,
 )
-from mhla_cli.solve.certificate import certify
+from mhla_cli import certify
 from mhla_cli.statistics.stream import featurize
 
 PACKAGE = Path(__file__).resolve().parent.parent / "mhla_cli"

@@ -333,7 +333,7 @@ def test_make_witness_leaves_the_callers_statistics_and_keeps_the_device(tmp_pat
             return real(*a, **{**k, "device": None})  # the device asked for is recorded, numpy runs
         return call
 
-    monkeypatch.setattr(witness, "certify", spy("certify", witness.certify))
+    monkeypatch.setattr(witness, "certify_features", spy("certify", witness.certify_features))
     monkeypatch.setattr(witness, "fit", spy("fit", witness.fit))
     cert.device = "cuda"  # as if certified there: the witness asks for that device
     wit = witness.make_witness(red, data=data, cert=cert)

@@ -13,7 +13,7 @@ from mhla_cli.cli import run
 from mhla_cli.errors import InputError
 from mhla_cli.io.formats import manifest
 from mhla_cli.model import synthetic
-from mhla_cli.solve.certificate import certify
+from mhla_cli import certify
 from mhla_cli.statistics.distributed import tiled_statistics
 from mhla_cli.statistics.files import zarr_store
 from mhla_cli.statistics.stream import featurize, load_features

@@ -2,7 +2,8 @@
 
 The package, by job:
 
-- `learn`: fit / export_heads as the commands run them;
+- `learn`: the one `certify` and the one `fit` for statistics of every storage, and `export_heads`, as the commands
+  run them;
 - `estimator`: the scikit-learn-style `MHLA`;
 - `inspect`: what a file holds.
 """

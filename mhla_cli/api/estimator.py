@@ -29,7 +29,7 @@ from ..model.forward import predict as forward_predict
 from ..model.forward import predict_samples
 from ..samples import CAUSAL, ReadSpec, Samples, check_attention, samples_of
 from ..model.model import Model, token_dim
-from ..solve.certificate import Certificate, certify
+from ..solve.certificate import Certificate
 from mhla_cli.statistics.features import Features
 from mhla_cli.statistics.accumulate import chunk_features
 from mhla_cli.numerics import MAX_EXACT_INT
@@ -336,7 +336,7 @@ class MHLA:
         self.coef_ = model.coef
         self.W_ = model.W
         self.heads_ = heads
-        self.certificate_: Certificate = certify(feats, min_eig=float(self.min_eig), domain=self.domain,
+        self.certificate_: Certificate = learn.certify(feats, min_eig=float(self.min_eig), domain=self.domain,
                                                       device=self.device)
         self.n_samples_ = int(feats.n_samples)
         self.n_features_in_ = int(feats.d) - int(feats.bias_terms)  # scikit-learn's name: the token dimension d

@@ -1,4 +1,9 @@
-"""Which fit and which head export to run: the library side of `mhla fit` and `mhla export-heads`.
+"""Which certificate, fit and head export to run: the library side of `mhla certify`, `fit` and `export-heads`.
+
+`certify` and `fit` are the one entry point of each verb: they take statistics of any storage (a `Features` record,
+dense or pairs; statistics tiled on a Dask cluster; a features file, a Zarr store or a tokens file, with `scheduler`
+on a cluster), with or without the affine block of the wide tokens, and pick the solver (mhla_cli.solve.certificate,
+mhla_cli.solve.affine_block, mhla_cli.solve.cluster, mhla_cli.solve.lstsq, mhla_cli.solve.lowrank).
 
 `fit` is least squares (Algorithm 1) by default, a factorised fit with `heads` heads, or a
 nuclear-norm fit with weight `nuclear`; "auto" chooses H or the weight by K-fold cross-validation
@@ -8,8 +13,9 @@ outliers (`max_heads="auto"`), or the fewest heads computing the same function (
 
 from __future__ import annotations
 
+import contextlib
 import os
-from typing import Any
+from typing import Any, Union
 
 import numpy as np
 
@@ -31,7 +37,7 @@ from mhla_cli.model.model import Model, affine_of
 from mhla_cli.samples import ReadSpec, layout_info
 from mhla_cli.statistics.folds import load_folds
 from mhla_cli.statistics.features import Features
-from mhla_cli.statistics.stream import check_solve_memory, data_kind
+from mhla_cli.statistics.stream import check_solve_memory, data_kind, load_features
 from mhla_cli.statistics.distributed.tiled_statistics import TiledStatistics
 from mhla_cli.statistics.files.store_location import is_store
 
@@ -55,19 +61,77 @@ RULES = {
     "fewest_with_max_heads": "fewest and max_heads cannot be combined",
     "affine_least_squares": "the affine block of the wide tokens is fitted by least squares with a given ridge (not "
                             "'auto', no heads or nuclear)",
+    "affine_domain": "the certificate of the affine block of the wide tokens is of the full domain: certify without "
+                     "a domain",
 }
 
 
-def certify(feats: Features, min_eig: float = 0.0, domain: str = "full", device: str | None = None
-            ) -> certificate.Certificate:
-    """The certificate of the statistics (mhla_cli.solve.certificate), of the extended features when they hold the
-    affine block of the wide tokens (mhla_cli.solve.affine_block: the full domain only)."""
+Statistics = Union[Features, TiledStatistics, str, os.PathLike]  # what `certify` and `fit` take
+
+
+def certify(data: Statistics, min_eig: float = 0.0, domain: str | domains.Domain = "full", device: str | None = None,
+            scheduler: Any = None, *, read: ReadSpec | None = None, chunk_size: int | None = None,
+            affine_from: str | os.PathLike | None = None) -> certificate.Certificate:
+    """Certify that the data determine the learned function (Lemma 2.3): the one `certify` of every storage.
+
+    `data`: statistics in memory (a `Features` record, dense or pairs; with the affine block of the wide tokens its
+    extended features are certified, mhla_cli.solve.affine_block, on the full domain), statistics tiled on a cluster
+    (mhla_cli.statistics.distributed.tiled_statistics.TiledStatistics), or a file: a features file or a tokens file
+    (read as `read` says, mhla_cli.samples.ReadSpec, in chunks of `chunk_size`, with the wide tokens
+    `affine_from`), or, with `scheduler` (a Dask scheduler address, "local[:K]" or a dask.distributed Client), a
+    tokens file or a Zarr features store whose Gram is tiled on the cluster's workers (mhla_cli.solve.cluster;
+    docs/cluster.md): the verdict is then a Cholesky over the tiles, lambda_min and lambda_max Lanczos estimates,
+    `rank` None unless identifiable and `tasks` the tasks submitted.
+
+    The eigenvalues are those of the canonical Lambda~ (mhla_cli.solve.certificate.certify_features: unit-free);
+    `domain`: "full", "observed" or a mhla_cli.solve.domains.Domain; `device`: where the factorization runs
+    (mhla_cli.linalg.device). Returns a `Certificate`: `identifiable`, `lambda_min`, `lambda_max`, `rank`,
+    `reasons`, `to_dict()`; `min_eig` is in the units of lambda_min.
+    """
+    if min_eig < 0 or not np.isfinite(min_eig):
+        raise InputError(f"min_eig must be a finite number >= 0, got {min_eig}")
+    if scheduler is not None or isinstance(data, TiledStatistics):
+        _check_tiled(data, affine_from, domain=domain, device=device)
+        with _tiled(data, scheduler, read, chunk_size) as stats:
+            return certificate.certify_tiled(stats, float(min_eig))
+    feats = _in_memory(data, read, chunk_size, device, affine_from)
     if feats.affine is None:
-        return certificate.certify(feats, min_eig=min_eig, domain=domain, device=device)
+        return certificate.certify_features(feats, min_eig=min_eig, domain=domain, device=device)
     if domains.get_domain(domain).name != "full":
-        raise InputError("the certificate of the affine block of the wide tokens is of the full domain: certify "
-                         "without --domain")
-    return affine_block.certify(feats, min_eig=min_eig, device=device)
+        raise RequestError("affine_domain")
+    return affine_block.certify_extended(feats, min_eig=min_eig, device=device)
+
+
+def _check_tiled(data: Any, affine_from: Any, domain: str | domains.Domain = "full", device: str | None = None
+                 ) -> None:
+    """What a cluster's certificate or fit refuses before any work (mhla_cli.solve.cluster.ClusterRefused)."""
+    if isinstance(data, Features):
+        raise cluster.ClusterRefused("affine" if data.affine is not None else "in_memory")
+    if affine_from is not None:
+        raise cluster.ClusterRefused("affine", affine_from)
+    if domains.get_domain(domain).name != "full":
+        raise cluster.ClusterRefused("domain")
+    if device is not None:
+        raise cluster.ClusterRefused("device")
+
+
+def _tiled(data: Any, scheduler: Any, read: ReadSpec | None, chunk_size: int | None
+           ) -> contextlib.AbstractContextManager[TiledStatistics]:
+    """The statistics of `data` tiled on the cluster of `scheduler`, released on exit (cluster.open_statistics)."""
+    read = read or ReadSpec(normalize=None)
+    return cluster.open_statistics(data, scheduler, chunk_size=chunk_size, normalize=read.normalize,
+                                   attention=read.attention, bias_terms=read.bias_terms)
+
+
+def _in_memory(data: Any, read: ReadSpec | None, chunk_size: int | None, device: str | None,
+               affine_from: str | os.PathLike | None) -> Features:
+    """`data` as statistics in memory: a Features record as it is, a file loaded (statistics.stream.load_features)."""
+    if isinstance(data, Features):
+        if affine_from is not None and data.affine is None:
+            raise InputError("the statistics have no affine block: featurize them with the wide tokens (affine_from)")
+        return data
+    return load_features(data, chunk_size=chunk_size, device=device, affine_from=affine_from,
+                         read=read or ReadSpec(normalize=None))
 
 
 def needs_folds(ridge: float | str = 0.0, heads: int | str | None = None, nuclear: float | str | None = None
@@ -108,21 +172,23 @@ def check_fit_file(data: str | os.PathLike, ridge: float | str = 0.0, heads: int
             raise RequestError("auto_with_normalize")
 
 
-def fit(feats: Features | Any, ridge: float | str = 0.0, heads: int | str | None = None,
+def fit(data: Statistics, ridge: float | str = 0.0, heads: int | str | None = None,
         nuclear: float | str | None = None, weight_decay: float = 0.0, restarts: int = 10, seed: int = 0,
-        folds: list[Features] | None = None, device: str | None = None, scheduler: Any = None) -> Model:
-    """Fit a model from the statistics `feats`.
+        folds: list[Features] | None = None, device: str | None = None, scheduler: Any = None, *,
+        read: ReadSpec | None = None, chunk_size: int | None = None,
+        affine_from: str | os.PathLike | None = None) -> Model:
+    """Fit a model from the statistics `data` (of any storage, as `certify` takes them): the one `fit`.
 
     heads=H (or "auto") and nuclear=LAMBDA (or "auto") select the low-rank fits (mhla_cli.solve.lowrank);
     ridge="auto" the least-squares ridge by cross-validation (mhla_cli.solve.ridge_cv, info["ridge_cv"]);
     "auto" needs `folds`, the statistics of K disjoint parts of the data (mhla_cli.statistics.folds). The model
     records the normalisation of the statistics. `device` (mhla_cli.linalg.device): where the least-squares
-    factorization runs (the low-rank fits run on the CPU).
+    factorization runs (the low-rank fits run on the CPU). Statistics with the affine block of the wide tokens
+    are fitted by least squares over the extended features (mhla_cli.solve.affine_block).
 
-    `scheduler` (a Dask scheduler address, "local[:K]" or a dask.distributed Client): least squares on that
-    cluster with the Gram tiled on its workers (mhla_cli.solve.cluster.fit; a ridge > 0 or none), `feats`
-    then a tokens file, a Zarr features store or statistics tiled there (statistics.distributed.tiled_statistics); data that
-    do not determine the function raise mhla_cli.solve.cluster.ClusterRefused there without a ridge.
+    With `scheduler`, or statistics tiled on a cluster: least squares with the Gram tiled on its workers
+    (mhla_cli.solve.cluster.fit_tiled; a ridge > 0 or none); data that do not determine the function raise
+    mhla_cli.solve.cluster.ClusterRefused there without a ridge.
 
     Least squares (the default) is solved in the canonical coordinates: the minimum-norm solution of
     singular data and `ridge`, in the units of the certificate's `lambda_max`, are unit-free. Returns a
@@ -136,34 +202,14 @@ def fit(feats: Features | Any, ridge: float | str = 0.0, heads: int | str | None
         if len(folds) < 2:
             raise InputError(f"cross-validation needs at least 2 folds that hold samples; {len(skipped)} of the "
                              f"{len(folds) + len(skipped)} folds have every weight 0")
-    if scheduler is not None or isinstance(feats, TiledStatistics):
+    if scheduler is not None or isinstance(data, TiledStatistics):
         if heads is not None or nuclear is not None or ridge == "auto" or device is not None:
-            raise InputError("on a cluster the fit is least squares with a ridge >= 0 on the workers' CPUs: no "
-                             "heads, nuclear, 'auto' or device")
-        return cluster.fit(feats, scheduler, ridge=float(ridge))
-    if feats.affine is not None:  # the extended features (mhla_cli.solve.affine_block)
-        if heads is not None or nuclear is not None or ridge == "auto":
-            raise RequestError("affine_least_squares")
-        model = affine_block.fit(feats, ridge=float(ridge), device=device)
-    elif heads is None and nuclear is None:
-        cv = None
-        if ridge == "auto":
-            if not folds:
-                raise InputError("ridge 'auto' needs per-fold statistics (cross-validation folds)")
-            cv = ridge_cv.cv_ridge(feats, folds)
-            ridge = cv["chosen"]
-        model = lstsq.fit(feats, ridge=float(ridge), device=device)
-        if cv is not None:
-            model.info["ridge_cv"] = cv
-        if not model.info["identifiable"]:
-            # the data may still determine the function on the inputs they span (`fit_warnings` says so);
-            # when their tokens and last tokens span R^d the observed domain is the full one
-            B, C = domains.observed_bases(feats)
-            model.info["identifiable_observed"] = (min(B.shape[1], C.shape[1]) < feats.d
-                                                   and certificate.certify(feats, domain="observed", device=device).identifiable)
-    else:
-        model = lowrank.fit_model(feats, heads=heads, nuclear=nuclear, weight_decay=weight_decay,
-                                  restarts=restarts, seed=seed, folds=folds)
+            raise cluster.ClusterRefused("solver")
+        _check_tiled(data, affine_from)
+        with _tiled(data, scheduler, read, chunk_size) as stats:
+            return cluster.fit_tiled(stats, float(ridge), data if isinstance(data, (str, os.PathLike)) else None)
+    feats = _in_memory(data, read, chunk_size, device, affine_from)
+    model = _fit_in_memory(feats, ridge, heads, nuclear, weight_decay, restarts, seed, folds, device)
     model.info["normalize"] = feats.normalize
     model.info.update(feats.samples.fit_attrs())  # per-position samples: how they read the window
     if feats.source is not None:  # the data's identity (with their reduction's maps: export-heads --unreduce)
@@ -174,6 +220,36 @@ def fit(feats: Features | Any, ridge: float | str = 0.0, heads: int | str | None
     if scores.targets_underflow(feats):
         model.info["targets_underflow"] = True  # fit_warnings says why the train R^2 is null
     check_representable(model, feats)
+    return model
+
+
+def _fit_in_memory(feats: Features, ridge: float | str, heads: int | str | None, nuclear: float | str | None,
+                   weight_decay: float, restarts: int, seed: int, folds: list[Features] | None,
+                   device: str | None) -> Model:
+    """The fit of statistics in memory: of the extended features, least squares (ridge 'auto' by CV) or low rank."""
+    if feats.affine is not None:  # the extended features (mhla_cli.solve.affine_block)
+        if heads is not None or nuclear is not None or ridge == "auto":
+            raise RequestError("affine_least_squares")
+        return affine_block.fit_extended(feats, ridge=float(ridge), device=device)
+    if heads is not None or nuclear is not None:
+        return lowrank.fit_model(feats, heads=heads, nuclear=nuclear, weight_decay=weight_decay,
+                                 restarts=restarts, seed=seed, folds=folds)
+    cv = None
+    if ridge == "auto":
+        if not folds:
+            raise InputError("ridge 'auto' needs per-fold statistics (cross-validation folds)")
+        cv = ridge_cv.cv_ridge(feats, folds)
+        ridge = cv["chosen"]
+    model = lstsq.fit(feats, ridge=float(ridge), device=device)
+    if cv is not None:
+        model.info["ridge_cv"] = cv
+    if not model.info["identifiable"]:
+        # the data may still determine the function on the inputs they span (`fit_warnings` says so);
+        # when their tokens and last tokens span R^d the observed domain is the full one
+        B, C = domains.observed_bases(feats)
+        model.info["identifiable_observed"] = (
+            min(B.shape[1], C.shape[1]) < feats.d
+            and certificate.certify_features(feats, domain="observed", device=device).identifiable)
     return model
 
 

@@ -143,9 +143,10 @@ def run(argv: list[str] | None = None) -> int:
         return _print_version()
     import typer
 
-    from ..errors import InputError
+    from ..errors import InputError, Refused
     from ..signals import Interrupted, check_interrupted, sigterm_as_exception
     from .console import emit_error_json, start_json_run
+    from .options import in_options
 
     start_json_run(args)  # and the command line for the outputs' provenance, set when a command runs
     try:
@@ -158,6 +159,8 @@ def run(argv: list[str] | None = None) -> int:
         if code:
             emit_error_json(f"exit code {code}", code)
         return code
+    except Refused as exc:  # its remedies in the words of the options
+        return _error(str(in_options(exc)), 2, exc.path)
     except InputError as exc:
         return _error(str(exc), 2, exc.path)
     except Interrupted as exc:

@@ -11,8 +11,9 @@ import typer
 from ..errors import InputError
 from ..numerics import DETERMINED_TOL, EPS, RANK_RULE, quote
 from .console import BOUND_SIGNS, emit_json, fmt, load_with_progress, progress_bar, say, warn, working
-from .options import (AffineFromOpt, AttentionOpt, BiasTermsOpt, ChunkOpt, DeviceOpt, JsonOpt, NormalizeOpt, QuietOpt,
-                      SchedulerTimeoutOpt, about, check_hdf5_output, check_scheduler_timeout, on_cluster)
+from .options import (CLUSTER_WORDS, AffineFromOpt, AttentionOpt, BiasTermsOpt, ChunkOpt, DeviceOpt, JsonOpt,
+                      NormalizeOpt, QuietOpt, SchedulerTimeoutOpt, about, check_hdf5_output, check_scheduler_timeout,
+                      on_cluster, statistics_for)
 
 if TYPE_CHECKING:
     from ..samples import ReadSpec
@@ -80,31 +81,36 @@ def certify_cmd(
 
     Example (a Dask cluster): mhla certify data.h5 --scheduler tcp://10.0.0.5:8786 --json
     """
-    # over 60 lines for its option signature and help only: the body parses the option rules and calls
-    # _certify or _certify_on. The library here, not at the top: `mhla certify --help` and completion
-    # load only the parser
+    from ..samples import ReadSpec  # the layouts need NumPy: not for --help
+
+    dev = _check_options(data, min_eig, domain, witness, on, report, affine_from, device, scheduler, scheduler_timeout)
+    read = ReadSpec(attention, normalize, bias_terms)  # how a tokens file is read (None: as the data say)
+    if on is not None:
+        _certify_on(data, on, report, read, chunk_size, json_out, quiet, dev)
+        return
+    with on_cluster(scheduler, scheduler_timeout, data):
+        _certify(data, min_eig, domain, witness, read, chunk_size, json_out, quiet, dev, affine_from, scheduler)
+
+
+def _check_options(data: Path, min_eig: float, domain: str, witness: Path | None, on: Path | None,
+                   report: Path | None, affine_from: Path | None, device: str, scheduler: str | None,
+                   scheduler_timeout: float | None) -> str | None:
+    """The rules of certify's options, before any work (the library here, not at the top: `mhla certify --help`
+    and completion load only the parser); the device."""
     from ..linalg.device import check_device
     from ..solve.domains import check_domain
     from ..io.tokens import inspect_tokens
 
     check_domain(domain)
     dev = check_device(device, data)
-    from ..samples import ReadSpec  # the layouts need NumPy: not for --help
-
-    read = ReadSpec(attention, normalize, bias_terms)  # how a tokens file is read (None: as the data say)
+    check_scheduler_timeout(scheduler, scheduler_timeout)
     if scheduler is not None:
         if affine_from is not None:
-            from ..solve.cluster import ClusterRefused
-
-            raise ClusterRefused("affine", affine_from)
+            raise InputError(CLUSTER_WORDS["affine"], affine_from)
         if witness is not None or on is not None or domain != "full" or dev is not None:
             raise InputError("--scheduler certifies the full domain on the cluster's CPUs: it cannot be combined "
                              "with --witness, --on, --domain observed or --device (they need an eigendecomposition "
                              "or one machine)")
-        with on_cluster(scheduler, scheduler_timeout, data):
-            _certify_cluster(data, scheduler, min_eig, read, chunk_size, json_out, quiet)
-        return
-    check_scheduler_timeout(scheduler, scheduler_timeout)
     if on is None and report is not None:
         raise InputError("-o/--output REPORT is the report of --on PROBES; give --on")
     if affine_from is not None and (on is not None or witness is not None or domain != "full"):
@@ -117,9 +123,7 @@ def certify_cmd(
         if report is not None:
             check_hdf5_output(report, (data, on), "the report", "probes")
         inspect_tokens(on)
-        _certify_on(data, on, report, read, chunk_size, json_out, quiet, dev)
-        return
-    _certify(data, min_eig, domain, witness, read, chunk_size, json_out, quiet, dev, affine_from)
+    return dev
 
 
 # The witness's rules (mhla_cli.solve.witness.WitnessRefused.rule) in the words of the command's options.
@@ -143,8 +147,9 @@ def _witness_rules(data: Path, check: Callable[[], None]) -> None:
 
 def _certify(data: Path, min_eig: float, domain: str, witness: Path | None, read: ReadSpec,
              chunk_size: int | None, json_out: bool, quiet: bool, device: str | None,
-             affine_from: Path | None = None) -> None:
-    """The certificate of `data` (and --witness): its text, its JSON, exit 1 when not identifiable."""
+             affine_from: Path | None = None, scheduler: str | None = None) -> None:
+    """The certificate of `data` (and --witness), by the library's one `certify` on one machine or on the cluster
+    of `scheduler`: its text, its JSON, exit 1 when not identifiable."""
     from ..api.learn import certify
     from ..solve.witness import check_witness_features, check_witness_input
     from ..statistics.stream import check_solve_memory
@@ -152,19 +157,35 @@ def _certify(data: Path, min_eig: float, domain: str, witness: Path | None, read
     if witness is not None:
         check_hdf5_output(witness, (data,), "the witness file", "model")
         _witness_rules(data, lambda: check_witness_input(data))
-    check_solve_memory(data, "certify", chunk_size=chunk_size, read=read)
-    feats, _, seconds = load_with_progress(data, chunk_size, quiet, read, device, affine_from)
-    if feats.affine is not None and (witness is not None or domain != "full"):
-        raise InputError("the statistics hold the affine block of the wide tokens: certify them on the full domain, "
-                         "without --witness", data)
+    if scheduler is None:
+        check_solve_memory(data, "certify", chunk_size=chunk_size, read=read)
+    stats, seconds = statistics_for(data, scheduler, chunk_size, quiet, read, device, affine_from)
     if witness is not None:
-        _witness_rules(data, lambda: check_witness_features(feats))
-    with working(f"certify: factorizing the canonical Lambda~ ({feats.n_features} features)", quiet):
-        cert = certify(feats, min_eig=min_eig, domain=domain, device=device)
+        _witness_rules(data, lambda: check_witness_features(stats))
+    with working(f"certify on the cluster {scheduler}: the tiled Gram and its Cholesky" if scheduler else
+                 f"certify: factorizing the canonical Lambda~ ({stats.n_features} features)", quiet):
+        cert = certify(stats, min_eig=min_eig, domain=domain, device=device, scheduler=scheduler, read=read,
+                       chunk_size=chunk_size)
     out = _cert_json(cert, data, seconds)
-    out["attention"] = feats.samples.attention  # per-position samples: how they read the window
-    out["bias_terms"] = feats.bias_terms
-    out["affine_width"] = None if feats.affine is None else feats.affine.width
+    if cert.tasks:  # on a cluster
+        out.update(input=stats, scheduler=scheduler)
+        _say_tiled(cert, stats, quiet)
+    else:
+        out.update(attention=stats.samples.attention, bias_terms=stats.bias_terms,
+                   affine_width=None if stats.affine is None else stats.affine.width)
+        _say_certificate(cert, data, domain, quiet)
+    if witness is not None and not cert.identifiable:
+        out["witness"] = _write_witness(stats, data, cert, witness, chunk_size, quiet)
+    elif witness is not None:
+        warn("the data certify: no witness to write")
+    if json_out:
+        emit_json(out)
+    if not cert.identifiable:
+        raise typer.Exit(1)
+
+
+def _say_certificate(cert: Any, data: Path, domain: str, quiet: bool) -> None:
+    """What `mhla certify` says of a certificate made on one machine."""
     verdict = "identifiable" if cert.identifiable else "NOT identifiable"
     say(f"{data}: {verdict} on the {domain} domain: {lambda_min_text(cert, '=')}, "
         f"lambda_max = {fmt(cert.lambda_max)}, threshold = {fmt(cert.threshold)}, rank {cert.rank}/"
@@ -174,14 +195,6 @@ def _certify(data: Path, min_eig: float, domain: str, witness: Path | None, read
             f"{cert.n_features} reduced features", quiet)
     for r in cert.reasons:
         say(f"  - {r}", quiet)
-    if witness is not None and not cert.identifiable:
-        out["witness"] = _write_witness(feats, data, cert, witness, chunk_size, quiet)
-    elif witness is not None:
-        warn("the data certify: no witness to write")
-    if json_out:
-        emit_json(out)
-    if not cert.identifiable:
-        raise typer.Exit(1)
 
 
 def lambda_min_text(cert: Any, sign: str) -> str:
@@ -193,23 +206,8 @@ def lambda_min_text(cert: Any, sign: str) -> str:
             f"{fmt(cert.lambda_min_estimate)} is not resolved against the threshold; the proven verdict stands)")
 
 
-def _certify_cluster(data: Path, scheduler: str, min_eig: float, read: ReadSpec, chunk_size: int | None,
-                     json_out: bool, quiet: bool) -> None:
-    """`certify --scheduler`: the certificate with the Gram tiled on a Dask cluster (mhla_cli.solve.cluster)."""
-    from ..solve.certificate import certify
-    from ..solve.cluster import open_statistics
-    from .featurize import require_dask
-    from .options import data_location
-
-    where = data_location(data)
-    require_dask(scheduler)
-    with working(f"certify on the cluster {scheduler}: the tiled Gram and its Cholesky", quiet):
-        with open_statistics(where, scheduler, chunk_size=chunk_size, normalize=read.normalize,
-                             attention=read.attention, bias_terms=read.bias_terms) as stats:
-            cert = certify(stats, min_eig=min_eig)
-    out = _cert_json(cert, data, {})
-    out["input"] = where
-    out["scheduler"] = scheduler
+def _say_tiled(cert: Any, where: str, quiet: bool) -> None:
+    """What `mhla certify --scheduler` says of a certificate made over the tiles (mhla_cli.solve.cluster)."""
     verdict = "identifiable" if cert.identifiable else "NOT identifiable"
     rank = f"rank {cert.rank}/{cert.n_features}" if cert.rank is not None else \
         f"rank not counted (an eigendecomposition) of {cert.n_features}"
@@ -222,10 +220,6 @@ def _certify_cluster(data: Path, scheduler: str, min_eig: float, read: ReadSpec,
                  f"{fmt(rec.get('relative_residual'))}); the verdict is the Cholesky's and stands")
     for r in cert.reasons:
         say(f"  - {r}", quiet)
-    if json_out:
-        emit_json(out)
-    if not cert.identifiable:
-        raise typer.Exit(1)
 
 
 def _cert_json(cert: Any, data: Path, seconds: dict[str, float]) -> dict[str, Any]:

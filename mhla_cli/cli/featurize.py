@@ -20,7 +20,7 @@ from mhla_cli.statistics.shards import shard_samples
 from mhla_cli.io.tokens import inspect_tokens
 from mhla_cli.statistics.files.store_location import is_store
 from mhla_cli.cli.console import emit_json, fmt, progress_bar, say, say_samples, warn, working
-from mhla_cli.cli.options import AffineFromOpt, AttentionOpt, BiasTermsOpt, ChunkOpt, DeviceOpt, JsonOpt, NormalizeOpt, OutOpt, QuietOpt, SchedulerTimeoutOpt, check_hdf5_output, data_location, on_cluster, parse_shard, require_optional
+from mhla_cli.cli.options import CLUSTER_WORDS, AffineFromOpt, AttentionOpt, BiasTermsOpt, ChunkOpt, DeviceOpt, JsonOpt, NormalizeOpt, OutOpt, QuietOpt, SchedulerTimeoutOpt, check_hdf5_output, data_location, on_cluster, parse_shard, require_dask
 
 if TYPE_CHECKING:
     from mhla_cli.samples import ReadSpec
@@ -90,42 +90,27 @@ def featurize_cmd(
 
     Example (a Dask cluster): mhla featurize data.h5 --scheduler tcp://10.0.0.5:8786 -o s3://bucket/feats.zarr
     """
-    if scheduler is not None and workers != 1:
-        raise InputError("--workers and --scheduler cannot be combined (the Dask cluster sets the workers)")
     from mhla_cli.samples import ReadSpec  # the layouts need NumPy: not for --help
 
     read = ReadSpec(attention, check_normalize(normalize or "none"), bias_terms)  # how the tokens file is read
-    if is_store(data_location(output)):
-        if scheduler is None:
-            raise InputError("a Zarr store is written by the workers of a Dask cluster: give --scheduler (or write "
-                             "-o FEATS.h5 on one machine)", output)
-        if folds is not None or compact or device != "cpu" or spans == "on":
-            raise InputError("a Zarr store holds every feature, tiled: it cannot be combined with --folds, "
-                             "--compact, --device or --spans on", output)
-        if affine_from is not None:
-            from mhla_cli.solve.cluster import ClusterRefused
-
-            raise ClusterRefused("affine", affine_from)
+    store = is_store(data_location(output))
+    dev = _check_options(data, output, store, folds, workers, scheduler, affine_from, device, compact, spans)
+    if store:
         with on_cluster(scheduler, scheduler_timeout, data):
             _featurize_store(data, data_location(output), scheduler, shard, chunk_size, read, json_out, quiet)
         return
     # the pool (workers or a scheduler) and the wide tokens of the affine block, beside the ReadSpec
     pool: dict[str, Any] = {"workers": workers, "scheduler": scheduler}
     if affine_from is not None:
-        if folds is not None:
-            raise InputError("--affine-from and --folds cannot be combined (the affine block is fitted with a given "
-                             "--ridge)")
         pool["affine_from"] = affine_from
-    dev = check_device(device, data)
-    if dev is not None and folds is not None:
-        raise InputError("--folds runs on the CPU: featurize the folds without --device")
-    if compact and folds is not None:
-        raise InputError("--compact and --folds cannot be combined (the folds' sums are stored whole)")
-    check_hdf5_output(output, (data, affine_from), "a features file", "features")
-    if scheduler is not None:
-        require_dask(scheduler)
     with on_cluster(scheduler, scheduler_timeout, data):
         feats, fold_feats = _featurize(data, shard, folds, chunk_size, spans, dev, read, pool, quiet)
+    _write(feats, fold_feats, data, output, affine_from, compact, attention, json_out, quiet)
+
+
+def _write(feats: Features, fold_feats: list[Features] | None, data: Path, output: Path, affine_from: Path | None,
+           compact: bool, attention: str | None, json_out: bool, quiet: bool) -> None:
+    """Write the features file (with its folds), and say what it holds (its JSON record)."""
     if fold_feats is not None:
         save_with_folds(feats, fold_feats, output, inputs=(data,))
     else:
@@ -134,6 +119,37 @@ def featurize_cmd(
     say_samples(feats, data, attention, quiet)
     if json_out:
         emit_json(_featurize_record(feats, output, compact))
+
+
+def _check_options(data: Path, output: Path, store: bool, folds: int | None, workers: int, scheduler: str | None,
+                   affine_from: Path | None, device: str, compact: bool, spans: str) -> str | None:
+    """The rules of featurize's options, before any work (a Zarr store `output` is written on a cluster); the
+    device."""
+    if scheduler is not None and workers != 1:
+        raise InputError("--workers and --scheduler cannot be combined (the Dask cluster sets the workers)")
+    if store:
+        if scheduler is None:
+            raise InputError("a Zarr store is written by the workers of a Dask cluster: give --scheduler (or write "
+                             "-o FEATS.h5 on one machine)", output)
+        if folds is not None or compact or device != "cpu" or spans == "on":
+            raise InputError("a Zarr store holds every feature, tiled: it cannot be combined with --folds, "
+                             "--compact, --device or --spans on", output)
+        if affine_from is not None:
+            raise InputError(CLUSTER_WORDS["affine"], affine_from)
+        return None
+    if affine_from is not None and folds is not None:
+        raise InputError("--affine-from and --folds cannot be combined (the affine block is fitted with a given "
+                         "--ridge)")
+    dev = check_device(device, data)
+    if dev is not None and affine_from is not None:
+        raise InputError("--affine-from accumulates on the CPU: featurize without --device")
+    if dev is not None and folds is not None:
+        raise InputError("--folds runs on the CPU: featurize the folds without --device")
+    if compact and folds is not None:
+        raise InputError("--compact and --folds cannot be combined (the folds' sums are stored whole)")
+    check_hdf5_output(output, (data, affine_from), "a features file", "features")
+    require_dask(scheduler)
+    return dev
 
 
 def _featurize_store(data: Path, out: str, scheduler: str, shard: str | None, chunk_size: int | None,
@@ -269,14 +285,6 @@ def _merge_stores(parts: list[Path], out: str, allow_partial: bool, json_out: bo
         quiet)
     if json_out:
         emit_json({"output": out, **merged.to_dict()})
-
-
-def require_dask(scheduler: str) -> None:
-    """--scheduler needs Dask: refused before any work when it is missing (parallel.make_map's message)."""
-    def refuse() -> None:
-        with make_map(scheduler=scheduler):
-            pass
-    require_optional("dask.distributed", refuse)
 
 
 def register(app: typer.Typer) -> None:

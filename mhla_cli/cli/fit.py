@@ -22,10 +22,11 @@ from mhla_cli.solve.lowrank import convergence_warning, fewest_message, hit_limi
 from mhla_cli.model.model import Model, load_function
 from mhla_cli.solve.spectrum import UnreliableHeadCount, plot_spectrum, pyplot, spectrum, text_histogram
 from mhla_cli.statistics.features import Features
+from mhla_cli.statistics.files.store_location import is_store
 from mhla_cli.statistics.stream import data_kind
 from mhla_cli.io.tokens import inspect_tokens
-from mhla_cli.cli.console import BOUND_SIGNS, emit_json, fmt, load_with_progress, progress_bar, say, say_samples, warn, working
-from mhla_cli.cli.options import AffineFromOpt, AttentionOpt, BiasTermsOpt, ChunkOpt, DeviceOpt, about, JsonOpt, NormalizeOpt, OutOpt, QuietOpt, SchedulerTimeoutOpt, check_heads_output, check_hdf5_output, check_scheduler_timeout, on_cluster, parse_auto, require_optional
+from mhla_cli.cli.console import BOUND_SIGNS, emit_json, fmt, progress_bar, say, say_samples, warn, working
+from mhla_cli.cli.options import CLUSTER_WORDS, AffineFromOpt, AttentionOpt, BiasTermsOpt, ChunkOpt, DeviceOpt, about, JsonOpt, NormalizeOpt, OutOpt, QuietOpt, SchedulerTimeoutOpt, check_heads_output, check_hdf5_output, check_scheduler_timeout, data_location, on_cluster, parse_auto, require_optional, statistics_for
 
 if TYPE_CHECKING:
     from mhla_cli.samples import ReadSpec
@@ -85,46 +86,20 @@ def fit_cmd(
 
     Example (a Dask cluster): mhla fit data.h5 --scheduler tcp://10.0.0.5:8786 -o model.h5 --ridge 1e-6
     """
-    check_hdf5_output(output, (data, affine_from), "a model file", "model")
-    if scheduler is not None and affine_from is not None:
-        from mhla_cli.solve.cluster import ClusterRefused
-
-        raise ClusterRefused("affine", affine_from)
-    if affine_from is not None and (heads is not None or nuclear is not None or ridge.strip().lower() == "auto"):
-        raise InputError(FLAG_WORDS["affine_least_squares"])
-    dev = check_device(device, data)
     from mhla_cli.samples import ReadSpec  # the layouts need NumPy: not for --help
 
+    h, lam, r, dev = _check_options(data, output, ridge, heads, nuclear, normalize, attention, bias_terms,
+                                    affine_from, chunk_size, device, scheduler, scheduler_timeout)
     read = ReadSpec(attention, normalize, bias_terms)  # how a tokens file is read (None: as the data say)
-    if scheduler is not None:
-        if heads is not None or nuclear is not None or ridge.strip().lower() == "auto" or dev is not None:
-            raise InputError("--scheduler fits least squares (with a --ridge l > 0, or none) on the cluster's CPUs: "
-                             "it cannot be combined with --heads, --nuclear, --ridge auto or --device")
-        with on_cluster(scheduler, scheduler_timeout, data):
-            _fit_cluster(data, output, scheduler, parse_auto(ridge, "--ridge", float), read, chunk_size, json_out,
-                         quiet)
-        return
-    check_scheduler_timeout(scheduler, scheduler_timeout)
-    check_fit_targets(data)
-    h, lam = parse_auto(heads, "--heads", int), parse_auto(nuclear, "--nuclear", float)
-    r = parse_auto(ridge, "--ridge", float)
-    with in_flags():
-        check_fit_file(data, ridge=r, heads=h, nuclear=lam, normalize=normalize, chunk_size=chunk_size,
-                       attention=attention, bias_terms=bias_terms)
-    feats, fold_feats, load_seconds = _load_for_fit(data, needs_folds(r, h, lam), chunk_size, quiet, read, dev,
-                                                    affine_from)
-    with working(f"fit: solving on the canonical Lambda~ ({feats.n_features} features)", quiet):
-        with about(data):  # e.g. a features file without targets
-            model = fit(feats, ridge=r, heads=h, nuclear=lam, weight_decay=weight_decay, restarts=restarts,
-                        seed=seed, folds=fold_feats, device=dev)
-    if model.info.get("targets_underflow") and data_kind(data) == "tokens":
-        # the statistics' squares underflow: R^2 and the MSE from a scoring pass over the data, as predict does
-        with working("fit: scoring the data (the targets' squares underflow the statistics)", quiet):
-            model.info.update(score_on_data(model, data, chunk_size, affine_from))
+    with about(data), on_cluster(scheduler, scheduler_timeout, data):  # about: e.g. a features file without targets
+        model, load_seconds = _fit(data, r, h, lam, weight_decay, restarts, seed, read, chunk_size, dev, affine_from,
+                                   scheduler, quiet)
     model.save(output, inputs=(data,) + ((affine_from,) if affine_from is not None else ()))
     info = dict(model.info)
     info["output"] = str(output)
     info["seconds"] = {**load_seconds, **info.get("seconds", {})}
+    if "tasks" in info:  # on a cluster
+        info.update(input=data_location(data), scheduler=scheduler)
     _say_fit(info, output, h is not None or lam is not None, quiet)
     for w in fit_warnings(info, ridge_name="--ridge"):
         warn(w)
@@ -132,47 +107,52 @@ def fit_cmd(
         emit_json(info)
 
 
-# The cluster's refusals (mhla_cli.solve.cluster.RULES) in the words of the flags.
-CLUSTER_WORDS = {
-    "minimum_norm": "the data do not determine the function (the Cholesky of Lambda~ - t I over the tiles failed): "
-                    "their minimum-norm fit needs an eigendecomposition, which has no distributed form; fit with "
-                    "--ridge L (L > 0: a Cholesky of Lambda~ + L I on the cluster), or without --scheduler",
-    "small_ridge": "--ridge at or below the numerical tolerance is the minimum-norm fit, which needs an "
-                   "eigendecomposition: with --scheduler give a larger --ridge, or fit without --scheduler",
-}
-
-
-def _fit_cluster(data: Path, output: Path, scheduler: str, ridge: Any, read: ReadSpec, chunk_size: int | None,
-                 json_out: bool, quiet: bool) -> None:
-    """`fit --scheduler`: least squares with the Gram tiled on a Dask cluster (mhla_cli.solve.cluster); the
-    model file is written only when the fit succeeded."""
-    from mhla_cli.solve.cluster import ClusterRefused, fit as fit_on_cluster
-    from mhla_cli.statistics.files.store_location import is_store
-    from mhla_cli.cli.featurize import require_dask
-    from mhla_cli.cli.options import data_location
-
-    where = data_location(data)
-    require_dask(scheduler)
-    if not is_store(where):
+def _check_options(data: Path, output: Path, ridge: str, heads: str | None, nuclear: str | None,
+                   normalize: str | None, attention: str | None, bias_terms: bool, affine_from: Path | None,
+                   chunk_size: int | None, device: str, scheduler: str | None, scheduler_timeout: float | None
+                   ) -> tuple[Any, Any, Any, str | None]:
+    """The rules of fit's options, before any work: the parsed --heads, --nuclear, --ridge and the device."""
+    check_hdf5_output(output, (data, affine_from), "a model file", "model")
+    if scheduler is not None and affine_from is not None:
+        raise InputError(CLUSTER_WORDS["affine"], affine_from)
+    auto = ridge.strip().lower() == "auto"
+    if affine_from is not None and (heads is not None or nuclear is not None or auto):
+        raise InputError(FLAG_WORDS["affine_least_squares"])
+    dev = check_device(device, data)
+    check_scheduler_timeout(scheduler, scheduler_timeout)
+    if scheduler is not None and (heads is not None or nuclear is not None or auto or dev is not None):
+        raise InputError("--scheduler fits least squares (with a --ridge l > 0, or none) on the cluster's CPUs: "
+                         "it cannot be combined with --heads, --nuclear, --ridge auto or --device")
+    if not is_store(data_location(data)):
         check_fit_targets(data)
-    with working(f"fit on the cluster {scheduler}: the tiled Gram, its Cholesky and the triangular solves", quiet):
-        try:
-            model = fit_on_cluster(where, scheduler, ridge=float(ridge), chunk_size=chunk_size,
-                                   normalize=read.normalize, attention=read.attention, bias_terms=read.bias_terms)
-        except ClusterRefused as exc:
-            if exc.rule in CLUSTER_WORDS:
-                raise InputError(CLUSTER_WORDS[exc.rule], where) from None
-            raise
-    model.save(output, inputs=(data,))
-    info = dict(model.info)
-    info["output"] = str(output)
-    info["input"] = where
-    info["scheduler"] = scheduler
-    _say_fit(info, output, False, quiet)
-    for w in fit_warnings(info, ridge_name="--ridge"):
-        warn(w)
-    if json_out:
-        emit_json(info)
+    h, lam = parse_auto(heads, "--heads", int), parse_auto(nuclear, "--nuclear", float)
+    r = parse_auto(ridge, "--ridge", float)
+    if scheduler is None:  # the memory of one machine, and the folds 'auto' needs
+        with in_flags():
+            check_fit_file(data, ridge=r, heads=h, nuclear=lam, normalize=normalize, chunk_size=chunk_size,
+                           attention=attention, bias_terms=bias_terms)
+    return h, lam, r, dev
+
+
+def _fit(data: Path, r: Any, h: Any, lam: Any, weight_decay: float, restarts: int, seed: int, read: ReadSpec,
+         chunk_size: int | None, device: str | None, affine_from: Path | None, scheduler: str | None, quiet: bool
+         ) -> tuple[Model, dict[str, float]]:
+    """The model of `data` by the library's one `fit`, on one machine or on the cluster of `scheduler`, with the
+    seconds of its load; a model whose statistics' squares underflow is scored on its tokens file."""
+    fold_feats = None
+    if needs_folds(r, h, lam):
+        stats, fold_feats, load_seconds = _load_for_cv(data, chunk_size, quiet, read)
+    else:
+        stats, load_seconds = statistics_for(data, scheduler, chunk_size, quiet, read, device, affine_from)
+    with working(f"fit on the cluster {scheduler}: the tiled Gram, its Cholesky and the triangular solves"
+                 if scheduler else f"fit: solving on the canonical Lambda~ ({stats.n_features} features)", quiet):
+        model = fit(stats, ridge=r, heads=h, nuclear=lam, weight_decay=weight_decay, restarts=restarts, seed=seed,
+                    folds=fold_feats, device=device, scheduler=scheduler, read=read, chunk_size=chunk_size)
+    if model.info.get("targets_underflow") and data_kind(data) == "tokens":
+        # the statistics' squares underflow: R^2 and the MSE from a scoring pass over the data, as predict does
+        with working("fit: scoring the data (the targets' squares underflow the statistics)", quiet):
+            model.info.update(score_on_data(model, data, chunk_size, affine_from))
+    return model, load_seconds
 
 
 # The library's rules of a fit or export request (api.learn.RULES) in the words of the flags.
@@ -185,6 +165,7 @@ FLAG_WORDS = {
     "fewest_with_max_heads": "--fewest and --max-heads cannot be combined",
     "affine_least_squares": "--affine-from is fitted by least squares with a given --ridge L (not auto, no --heads "
                             "or --nuclear)",
+    "affine_domain": "the certificate with --affine-from is of the full domain: certify without --domain",
 }
 
 
@@ -197,14 +178,9 @@ def in_flags() -> Iterator[None]:
         raise InputError(FLAG_WORDS[exc.rule], exc.path) from None
 
 
-def _load_for_fit(data: Path, folds: bool, chunk_size: int | None, quiet: bool, read: ReadSpec,
-                  device: str | None, affine_from: Path | None = None
-                  ) -> tuple[Features, list[Features] | None, dict[str, float]]:
-    """The statistics of `data` read as `read` says, with their per-fold statistics when `folds` ('auto'), and the
-    seconds."""
-    if not folds:
-        feats, _, load_seconds = load_with_progress(data, chunk_size, quiet, read, device, affine_from)
-        return feats, None, load_seconds
+def _load_for_cv(data: Path, chunk_size: int | None, quiet: bool, read: ReadSpec
+                 ) -> tuple[Features, list[Features], dict[str, float]]:
+    """The statistics of `data` read as `read` says with their per-fold statistics ('auto'), and the seconds."""
     t0 = time.perf_counter()
     with progress_bar("featurize", inspect_tokens(data).n_samples
                       if data_kind(data) == "tokens" else 0, quiet) as advance:

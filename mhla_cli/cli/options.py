@@ -6,13 +6,16 @@ import importlib
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Annotated, Any, Literal, TypeVar, overload
+from typing import TYPE_CHECKING, Annotated, Any, Literal, TypeVar, overload
 
 import math
 
 import typer
 
-from mhla_cli.errors import InputError
+from mhla_cli.errors import InputError, Refused
+
+if TYPE_CHECKING:
+    from mhla_cli.samples import ReadSpec
 
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print one JSON object on stdout.")]
 
@@ -54,6 +57,41 @@ CLUSTER_REMEDIES = {
 }
 
 
+# The cluster's refusals (mhla_cli.solve.cluster.ClusterRefused.rule) in the words of the options; a rule not here
+# is said in the library's words.
+CLUSTER_WORDS = {
+    "minimum_norm": "the data do not determine the function (the Cholesky of Lambda~ - t I over the tiles failed): "
+                    "their minimum-norm fit needs an eigendecomposition, which has no distributed form; fit with "
+                    "--ridge L (L > 0: a Cholesky of Lambda~ + L I on the cluster), or without --scheduler",
+    "small_ridge": "--ridge at or below the numerical tolerance is the minimum-norm fit, which needs an "
+                   "eigendecomposition: with --scheduler give a larger --ridge, or fit without --scheduler",
+    "hdf5_features": "an HDF5 features file is the single-machine form of the statistics: certify or fit it "
+                     "without --scheduler, or featurize the tokens on the cluster into a Zarr store "
+                     "(featurize --scheduler ... -o FEATS.zarr)",
+    "affine": "--affine-from cannot run on a cluster: the affine block of the wide tokens is accumulated and "
+              "solved beside the Gram in one process, not tiled; featurize, certify and fit it without --scheduler",
+}
+
+
+# The remedies of the library's refusals (mhla_cli.errors.Refused) in the words of the options.
+REMEDY_OPTIONS = {
+    "reduce": "mhla reduce {tokens} -o REDUCED.h5 --dim {dim}",
+    "cluster": "--scheduler (docs/cluster.md)",
+    "no_cluster": "without --scheduler",
+    "cpu": "--device cpu",
+    "bias_terms": "--bias-terms",
+    "affine_from": "--affine-from",
+    "attention": "the same --attention",
+    "folds": "`mhla featurize DATA -o FEATS --folds K`",
+    "like": "`mhla reduce {wide} --like {reduced} -o NEW.h5`",
+}
+
+
+def in_options(exc: Refused) -> Refused:
+    """The library's refusal with its remedies in the words of the options (REMEDY_OPTIONS), same file."""
+    return Refused(exc.worded(REMEDY_OPTIONS), exc.path)
+
+
 def check_scheduler_timeout(scheduler: str | None, timeout: float | None) -> None:
     """--scheduler-timeout: a finite number of seconds > 0, and only with --scheduler (before any work)."""
     if timeout is not None and scheduler is None:
@@ -65,12 +103,15 @@ def check_scheduler_timeout(scheduler: str | None, timeout: float | None) -> Non
 @contextmanager
 def on_cluster(scheduler: str | None, timeout: float | None, data: Any = None) -> Iterator[None]:
     """A command's work on the cluster of --scheduler, its waits bounded by --scheduler-timeout: a refusal of
-    the cluster (statistics.distributed.scheduler.SchedulerError) gains its remedy (`CLUSTER_REMEDIES`), and an error that
+    the cluster (statistics.distributed.scheduler.SchedulerError) gains its remedy (`CLUSTER_REMEDIES`), what the
+    cluster's solve does not do (solve.cluster.ClusterRefused) is said in the options' words (`CLUSTER_WORDS`), and an
+    error that
     names no file (a store's chunk that cannot be decoded) names `data`. Without a scheduler: nothing."""
     check_scheduler_timeout(scheduler, timeout)
     if scheduler is None:
         yield
         return
+    from mhla_cli.solve.cluster import ClusterRefused
     from mhla_cli.statistics.distributed.scheduler import SchedulerError, scheduler_timeout
 
     with scheduler_timeout(timeout) as t:
@@ -78,6 +119,14 @@ def on_cluster(scheduler: str | None, timeout: float | None, data: Any = None) -
             yield
         except SchedulerError as exc:
             raise InputError(f"{exc}; {CLUSTER_REMEDIES[exc.cause].format(t=t)}") from None
+        except ClusterRefused as exc:
+            if exc.rule not in CLUSTER_WORDS:
+                raise
+            raise InputError(CLUSTER_WORDS[exc.rule], exc.path if exc.path is not None else data) from None
+        except Refused as exc:
+            if exc.path is None and data is not None:
+                raise Refused(exc.template, data, **exc.remedies) from None
+            raise
         except InputError as exc:
             if exc.path is None and data is not None:
                 raise InputError(str(exc), data) from None
@@ -216,6 +265,10 @@ def about(path: Path) -> Iterator[None]:
     memory (e.g. statistics without targets) becomes ``<path>: ...``."""
     try:
         yield
+    except Refused as exc:
+        if exc.path is None:
+            raise Refused(exc.template, path, **exc.remedies) from None
+        raise
     except InputError as exc:
         if exc.path is None:
             raise InputError(str(exc), path) from None
@@ -264,3 +317,30 @@ def check_common_params(ctx: Any) -> None:
     cores = available_cores()
     if isinstance(workers, int) and workers > cores:
         warn(f"--workers {workers} is more than the {cores} cores available here: the workers share them")
+
+
+def require_dask(scheduler: str | None) -> None:
+    """--scheduler needs Dask: refused before any work when it is missing (parallel.make_map's message)."""
+    if scheduler is None:
+        return
+    from mhla_cli.statistics.distributed.parallel import make_map
+
+    def refuse() -> None:
+        with make_map(scheduler=scheduler):
+            pass
+    require_optional("dask.distributed", refuse)
+
+
+def statistics_for(path: Path, scheduler: str | None, chunk_size: int | None, quiet: bool, read: ReadSpec,
+                   device: str | None, affine_from: Path | None = None) -> tuple[Any, dict[str, float]]:
+    """What a command hands the library's `certify` / `fit` (mhla_cli.api.learn), and the seconds of its load: on
+    one machine the statistics loaded under a progress bar (`load_with_progress`); with a scheduler the data's
+    location, which the cluster's workers read (Dask: refused before any work when it is missing)."""
+    from .console import load_with_progress
+
+    if scheduler is not None:
+        require_dask(scheduler)
+        return data_location(path), {}
+    feats, _, seconds = load_with_progress(path, chunk_size, quiet, read, device, affine_from)
+    return feats, seconds
+

@@ -24,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import InputError
+from ..errors import Refused
 from . import device as device_mod
 from ..feature_map import features_from_moments, pair_index
 from . import symgram
@@ -105,10 +105,10 @@ def check_lapack_indexing(n: int, info: dict[str, Any] | None = None) -> None:
     version = tuple(int(x) for x in re.findall(r"\d+", str(info.get("scipy", "0")))[:2])
     if version >= SCIPY_LARGE_POTRF:
         return
-    raise InputError(f"a Cholesky of order n = {n} > {LP64_MAX_N} needs 64-bit indexing, which SciPy "
-                     f"{info.get('scipy')} with an LP64 LAPACK ({info.get('library')}) lacks (its Cholesky crashed "
-                     "there before SciPy 1.13); upgrade SciPy, or keep the Gram tiled on a Dask cluster's workers: "
-                     "--scheduler (docs/cluster.md)")
+    raise Refused(f"a Cholesky of order n = {n} > {LP64_MAX_N} needs 64-bit indexing, which SciPy "
+                  f"{info.get('scipy')} with an LP64 LAPACK ({info.get('library')}) lacks (its Cholesky crashed "
+                  "there before SciPy 1.13); upgrade SciPy, or keep the Gram tiled on a Dask cluster's workers: "
+                  "{cluster}", cluster={})
 
 
 def cholesky(a: np.ndarray, overwrite_a: bool = False) -> Any:

@@ -25,7 +25,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from ..errors import InputError
+from ..errors import InputError, Refused
 
 DEVICES_HELP = "cpu (numpy, the default), cuda, cuda:I (torch on a GPU), torch:cpu (the torch path on the CPU)"
 
@@ -69,8 +69,8 @@ def check_device(device: str | None, path: str | os.PathLike | None = None) -> s
     torch = _torch(device, path)
     if not torch.cuda.is_available():
         build = ("a CPU-only build" if torch.version.cuda is None else f"built with CUDA {torch.version.cuda}")
-        raise InputError(f"device {device!r}: no CUDA GPU is available to PyTorch (torch {torch.__version__}, "
-                         f"{build}); use --device cpu", path)
+        raise Refused(f"device {device!r}: no CUDA GPU is available to PyTorch (torch {torch.__version__}, "
+                      f"{build}); use {{cpu}}", path, cpu={})
     count = torch.cuda.device_count()
     if index is not None and index >= count:
         raise InputError(f"device {device!r}: there are {count} CUDA GPUs (cuda:0..cuda:{count - 1})", path)

@@ -32,7 +32,7 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import InputError
+from ..errors import Refused
 from ..numerics import EPS, LANCZOS_TOL, REFINE_MAX_RHO, numerical_tolerance
 from . import krylov
 from .backends import POTRF_THREADED_MAX, lapack_threads, cholesky, get_backend
@@ -46,13 +46,13 @@ __all__ = ["DENSE_MAX", "Factorization", "NoEigensolver", "POTRF_THREADED_MAX", 
 DENSE_MAX = 4096
 
 
-class NoEigensolver(InputError):
+class NoEigensolver(Refused):
     """What needs an eigendecomposition, asked of a matrix whose backend has none (a matrix on a Dask
     cluster: mhla_cli.linalg.tiled_matrix); `what` names it."""
 
     def __init__(self, what: str) -> None:
         super().__init__(f"{what} needs an eigendecomposition of Lambda~, which has no distributed form; "
-                         "run it on one machine (without --scheduler)")
+                         "run it on one machine ({no_cluster})", no_cluster={})
         self.what = what
 
 

@@ -28,7 +28,7 @@ import os
 from collections.abc import Callable
 
 from . import krylov, symgram
-from ..errors import InputError
+from ..errors import InputError, Refused
 from ..feature_map import n_features
 
 # Room for what the counts leave out: small work arrays and read buffers, allocator slack.
@@ -176,16 +176,17 @@ def largest_d(budget_bytes: int, need: Callable[[int], int] | None = None, below
 SUGGESTED_DIM = 8
 
 
-def reduce_hint(fits: int, tokens: str | os.PathLike | None = None) -> str:
-    """The advice of a refusal for too wide tokens: map them (the file `tokens`) to `fits` dimensions."""
+def reduce_hint(fits: int) -> str:
+    """The advice of a refusal for too wide tokens: map them to `fits` dimensions (the slot {reduce} of a
+    errors.Refused)."""
     if not fits:
         return ""
-    return f"; map the tokens to fewer dimensions first: mhla reduce {tokens or 'TOKENS'} -o REDUCED.h5 --dim {fits}"
+    return "; map the tokens to fewer dimensions first: {reduce}"
 
 
 # The advice of every refusal of a psi x psi job that would exceed this machine: the cluster path, whose
-# Gram stays tiled on the workers (mhla_cli.solve.cluster).
-CLUSTER_HINT = "; or keep the Gram tiled on a Dask cluster's workers: --scheduler (docs/cluster.md)"
+# Gram stays tiled on the workers (mhla_cli.solve.cluster; the slot {cluster} of a errors.Refused).
+CLUSTER_HINT = "; or keep the Gram tiled on a Dask cluster's workers: {cluster}"
 
 
 def check_floor(d: int, path: str | os.PathLike | None = None, what: str = "the psi x psi statistics",
@@ -204,10 +205,10 @@ def check_floor(d: int, path: str | os.PathLike | None = None, what: str = "the 
             f"than the {budget_bytes / 2**30:.1f} GiB of memory available")
     if not fits:
         raise InputError(f"{fact}; not even d = 1 fits", path)
-    raise InputError(
-        f"the tokens are too wide (d = {d}): map them to a few dimensions first: mhla reduce {path or 'TOKENS'} -o "
-        f"REDUCED.h5 --dim {min(SUGGESTED_DIM, fits)} (a transformer's heads are fitted at d = 4 to 16: "
-        f"docs/real_model.md); {fact} (the largest d that fits is {fits}, a memory limit, not a sensible d)", path)
+    raise Refused(
+        f"the tokens are too wide (d = {d}): map them to a few dimensions first: {{reduce}} (a transformer's heads are "
+        f"fitted at d = 4 to 16: docs/real_model.md); {fact} (the largest d that fits is {fits}, a memory limit, not "
+        "a sensible d)", path, reduce={"tokens": path or "TOKENS", "dim": min(SUGGESTED_DIM, fits)})
 
 
 def check_memory(d: int, budget_bytes: int | None = None, copies: int = 1,
@@ -228,11 +229,14 @@ def check_memory(d: int, budget_bytes: int | None = None, copies: int = 1,
     if total > budget_bytes:
         fits = largest_d(budget_bytes, need, below=d)
         who = f" ({copies} workers)" if copies > 1 else ""
-        raise InputError(
+        remedies: dict[str, dict[str, object]] = {"cluster": {}}
+        if fits:
+            remedies["reduce"] = {"tokens": "TOKENS", "dim": fits}
+        raise Refused(
             f"d = {d} needs psi = {n_features(d)} features and about {total / 2**30:.1f} GiB for {what}{who}, "
             f"more than the {budget_bytes / 2**30:.1f} GiB of memory available; "
             + (f"the largest d that fits is {fits}" if fits else "not even d = 1 fits") + reduce_hint(fits)
-            + CLUSTER_HINT, path)
+            + CLUSTER_HINT, path, **remedies)
 
 
 def _available_memory() -> int:

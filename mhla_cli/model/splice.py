@@ -61,8 +61,8 @@ def load_heads_any(heads: Heads | str | os.PathLike) -> Heads:
 
     fn = load_function(heads)
     if not isinstance(fn, Heads):
-        raise InputError("is a model file: splice its heads (mhla export-heads MODEL -o heads.h5, with --unreduce "
-                         "REDUCED for heads fitted on reduced tokens)", heads)
+        raise InputError("is a model file: splice its heads (mhla export-heads MODEL -o heads.h5, put back in "
+                         "the wide coordinates for heads fitted on reduced tokens)", heads)
     return fn
 
 

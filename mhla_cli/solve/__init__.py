@@ -3,10 +3,13 @@
 The package, by job:
 
 - `domains`: the full and observed certificate domains (map, dimensions, names, factorization);
-- `certificate`: `certify`, `Certificate` and its explanation;
+- `certificate`: `Certificate`, the certificate of statistics in memory (`certify_features`) or tiled on a cluster
+  (`certify_tiled`), and its explanation;
 - `lstsq`: the least-squares / ridge fit;
-- `affine_block`: the certificate and the fit with the token-wise affine block of the wide tokens;
-- `cluster`: certify and fit with the Gram tiled on a Dask cluster (the identifiable path);
+- `affine_block`: the certificate and the fit of the features extended by the token-wise affine block of the wide
+  tokens (`certify_extended`, `fit_extended`);
+- `cluster`: the statistics tiled on a Dask cluster and their fit (`open_statistics`, `fit_tiled`: the identifiable
+  path);
 - `probes`: certificates on probe sequences;
 - `witness`: a counterexample pair of functions;
 - `ridge_cv`: `--ridge auto` by K-fold cross-validation;

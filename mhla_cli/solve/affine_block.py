@@ -32,7 +32,7 @@ from ..statistics.features import Features
 from .certificate import Certificate
 from .domains import FULL
 
-__all__ = ["Extended", "block_map", "certify", "extended", "fit", "held_elsewhere"]
+__all__ = ["Extended", "block_map", "certify_extended", "extended", "fit_extended", "held_elsewhere"]
 
 
 @dataclass
@@ -94,7 +94,7 @@ def block_map(feats: Features, W: float) -> np.ndarray:
 def extended(feats: Features, device: str | None = None) -> Extended:
     """The factorization of the extended canonical Lambda~ (cached on feats.factor_cache["affine"])."""
     if feats.affine is None:
-        raise InputError("the statistics have no affine block: featurize with --affine-from")
+        raise InputError("the statistics have no affine block: featurize them with the wide tokens (affine_from)")
     feats.canonical()
     cached = feats.factor_cache.get("affine")
     fac0 = FULL.factorize(feats, device)
@@ -131,7 +131,7 @@ def _rhs(feats: Features, ext: Extended) -> np.ndarray:
     return np.vstack([mc, mf])
 
 
-def certify(feats: Features, min_eig: float = 0.0, device: str | None = None) -> Certificate:
+def certify_extended(feats: Features, min_eig: float = 0.0, device: str | None = None) -> Certificate:
     """The certificate of the extended features (module docstring) on the full domain: every input of the reduced
     tokens and every wide token. Its reasons, when the data do not certify, say how the null directions split
     between the MHLA's features and the affine block."""
@@ -194,7 +194,7 @@ def _reasons(feats: Features, cert: Certificate, ext: Extended, threshold: float
     return reasons
 
 
-def fit(feats: Features, ridge: float = 0.0, device: str | None = None) -> Model:
+def fit_extended(feats: Features, ridge: float = 0.0, device: str | None = None) -> Model:
     """Least squares over the extended features (lstsq.fit's rules: ridge in the units of the reported lambda_max,
     the minimum norm in the canonical coordinates of both blocks). The model holds the MHLA's coef as lstsq.fit does
     and `affine_coef` (d, D + 1): the affine map y = affine_coef (x_wide, 1) in the wide tokens' own coordinates."""

@@ -1,8 +1,10 @@
 """The identifiability certificate of Lemma 2.3 and its explanation.
 
-`certify` factorizes the canonical Lambda~ restricted to a certificate domain (mhla_cli.solve.domains:
-the full one, the observed one, ...), proves the verdict by a Cholesky of Lambda~ - t I, and, when the
-data do not certify, explains why: which features the null space holds and what leaves them free.
+`certify_features` factorizes the canonical Lambda~ of statistics in memory restricted to a certificate domain
+(mhla_cli.solve.domains: the full one, the observed one, ...), proves the verdict by a Cholesky of Lambda~ - t I,
+and, when the data do not certify, explains why: which features the null space holds and what leaves them free.
+`certify_tiled` does the same over statistics tiled on a cluster (mhla_cli.solve.cluster). The public `certify`
+(mhla_cli.api.learn) picks one of them, or the affine block's (mhla_cli.solve.affine_block).
 """
 
 from __future__ import annotations
@@ -112,9 +114,10 @@ class Certificate:
         return self
 
 
-def certify(feats: Features | Any, min_eig: float = 0.0, domain: str | Domain = "full", device: str | None = None,
-            scheduler: Any = None) -> Certificate:
-    """Certify that the data determine the learned function (on R^d, or on the observed subspaces).
+def certify_features(feats: Features, min_eig: float = 0.0, domain: str | Domain = "full", device: str | None = None
+                     ) -> Certificate:
+    """Certify that the statistics in memory (the MHLA's features, dense or pairs) determine the learned function
+    (on R^d, or on the observed subspaces).
 
     The eigenvalues are those of the canonical Lambda~ = sum w Ht Ht^T / sum w: the features of the
     whitened tokens X A (A^T G A = I, G = sum w S / sum w n, n the sample's token count: for
@@ -127,23 +130,15 @@ def certify(feats: Features | Any, min_eig: float = 0.0, domain: str | Domain = 
     (orthonormal columns), for the observed domain in the observed-domain coordinates (map them with
     `domain_map(feats, "observed")[0].T`). `device`: where the factorization runs (mhla_cli.linalg.device).
 
-    `scheduler` (a Dask scheduler address, "local[:K]" or a dask.distributed Client): certify on that
-    cluster, the Gram tiled on its workers (mhla_cli.solve.cluster); `feats` is then a tokens file, a Zarr
-    features store or statistics already tiled there (mhla_cli.statistics.distributed.tiled_statistics.TiledStatistics;
-    docs/cluster.md, "The Gram on the cluster"): the certificate's `rank` is then None unless identifiable,
-    and `tasks` holds the tasks submitted, by kind.
-
     Returns a `Certificate`: `identifiable`, `lambda_min`, `lambda_max` (the eigenvalues of the canonical
     Lambda~, the same for tokens in any units: docs/certificate.md), `rank`, `reasons`, `to_dict()`;
     `min_eig` is in the same units.
     """
     if min_eig < 0 or not np.isfinite(min_eig):
         raise InputError(f"min_eig must be a finite number >= 0, got {min_eig}")
-    if scheduler is not None or isinstance(feats, TiledStatistics):
-        return _certify_tiled(feats, float(min_eig), domain, device, scheduler)
     if feats.affine is not None:  # a certificate of the MHLA's features alone would leave the block out
         raise InputError("the statistics hold the affine block of the wide tokens: certify the extended features "
-                         "(mhla_cli.solve.affine_block.certify, `mhla certify`)")
+                         "(mhla_cli.certify)")
     dom = get_domain(domain)
     A, _, _ = feats.solver_stats()
     fac = dom.factorize(feats, device)
@@ -170,34 +165,33 @@ def certify(feats: Features | Any, min_eig: float = 0.0, domain: str | Domain = 
     return cert
 
 
-def _certify_tiled(data: Any, min_eig: float, domain: str | Domain, device: str | None, scheduler: Any
-                   ) -> Certificate:
-    """`certify` on a cluster (mhla_cli.solve.cluster): the verdict by a Cholesky of Lambda~ - t I over the
-    tiles, lambda_min and lambda_max estimated by Lanczos; the explanation of a failure is its column."""
-    if get_domain(domain).name != "full":
-        raise cluster.ClusterRefused("domain")
-    if device is not None:
-        raise InputError("on a cluster the factorization runs on the workers' CPUs: give no device")
-    with cluster.open_statistics(data, scheduler) as stats:
-        feats = stats.sums
-        fac = cluster.factorization(stats)
-        d, m = feats.d, fac.n_full
-        lmax, tol, threshold = cluster.threshold_of(fac, min_eig)
-        proof = _proof(feats, fac, lmax, threshold)
-        identifiable = proof == "cholesky of Lambda~ - t I"
-        lmin = fac.lambda_min()
-        cert = Certificate(identifiable, lmin, lmax, m if identifiable else None, m, feats.n_samples, threshold, tol, min_eig, "full", d, d, span_features=m, span_pairs=m // d, span_last_tokens=d,
-                           proof=proof, estimated=["lambda_min", "lambda_max"]).bound_lambda_min()
-        if not identifiable:
-            cert.reasons = _count_reasons(feats, cert, 0)
-            if proof == "cholesky of Lambda~ - t I failed":
-                cert.reasons.append(cluster.failure_reason(fac, threshold, below_margin=threshold > tol and lmin > tol))
-            elif proof == "all features are zero":
-                cert.reasons = ["all features are zero: the data carry no information"]
-        cert.seconds = {**fac.seconds, **stats.matrix.seconds}
-        cert.estimates = {k: dict(v) for k, v in fac.iterations.items() if k in cert.estimated}
-        cert.tasks = dict(stats.matrix.tasks)
-        return cert
+def certify_tiled(stats: TiledStatistics, min_eig: float = 0.0) -> Certificate:
+    """The certificate of the full domain of statistics tiled on a cluster (mhla_cli.solve.cluster): the verdict
+    by a Cholesky of Lambda~ - t I over the tiles, lambda_min and lambda_max estimated by Lanczos; the explanation
+    of a failure is its column. Its `rank` is None unless identifiable, and `tasks` holds the tasks submitted, by
+    kind (docs/cluster.md, "The Gram on the cluster")."""
+    if min_eig < 0 or not np.isfinite(min_eig):
+        raise InputError(f"min_eig must be a finite number >= 0, got {min_eig}")
+    min_eig = float(min_eig)
+    feats = stats.sums
+    fac = cluster.factorization(stats)
+    d, m = feats.d, fac.n_full
+    lmax, tol, threshold = cluster.threshold_of(fac, min_eig)
+    proof = _proof(feats, fac, lmax, threshold)
+    identifiable = proof == "cholesky of Lambda~ - t I"
+    lmin = fac.lambda_min()
+    cert = Certificate(identifiable, lmin, lmax, m if identifiable else None, m, feats.n_samples, threshold, tol,
+                       min_eig, "full", d, d, span_features=m, span_pairs=m // d, span_last_tokens=d, proof=proof, estimated=["lambda_min", "lambda_max"]).bound_lambda_min()
+    if not identifiable:
+        cert.reasons = _count_reasons(feats, cert, 0)
+        if proof == "cholesky of Lambda~ - t I failed":
+            cert.reasons.append(cluster.failure_reason(fac, threshold, below_margin=threshold > tol and lmin > tol))
+        elif proof == "all features are zero":
+            cert.reasons = ["all features are zero: the data carry no information"]
+    cert.seconds = {**fac.seconds, **stats.matrix.seconds}
+    cert.estimates = {k: dict(v) for k, v in fac.iterations.items() if k in cert.estimated}
+    cert.tasks = dict(stats.matrix.tasks)
+    return cert
 
 
 def _proof(feats: Features, fac: Factorization, lmax: float, threshold: float) -> str:

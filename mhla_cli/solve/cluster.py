@@ -6,7 +6,7 @@ their d x d sums and the psi x d moments, the tiles stay on the workers. The fac
 single-machine one (mhla_cli.linalg.factorization) over a linalg.tiled_matrix.TiledMatrix:
 
 - the verdict is the Cholesky of Lambda~ - t I over the tiles, t the certificate's threshold
-  (certificate.certify), proven by inertia as on one machine; when it fails the data are not
+  (certificate.certify_tiled), proven by inertia as on one machine; when it fails the data are not
   identifiable, and the column where it failed is the reason;
 - lambda_max is block Lanczos on Lambda~, lambda_min block Lanczos on (Lambda~ - t I)^-1 through the
   distributed factor (or, when the Cholesky failed, on lambda_max I - Lambda~): estimates, with their
@@ -43,7 +43,7 @@ from mhla_cli.statistics.files import zarr_store
 from mhla_cli.statistics.distributed.scheduler import check_worker_memory
 from mhla_cli.statistics.distributed.tiled_statistics import TiledStatistics
 
-__all__ = ["ClusterRefused", "factorization", "fit", "open_statistics"]
+__all__ = ["ClusterRefused", "factorization", "fit_tiled", "open_statistics"]
 
 
 class ClusterRefused(InputError):
@@ -64,12 +64,16 @@ RULES = {
     "domain": "the observed domain needs the spans of the tokens and a change of the tiles' coordinates; "
               "certify it on one machine",
     "hdf5_features": "an HDF5 features file is the single-machine form of the statistics: certify or fit it "
-                     "without a scheduler, or featurize the tokens on the cluster into a Zarr store "
-                     "(featurize --scheduler ... -o FEATS.zarr)",
+                     "without a scheduler, or featurize the tokens on the cluster into a Zarr store",
     "kind": "is not a tokens file or a Zarr features store",
     "targets": "the data have no 'targets': fit needs (X, y) pairs",
-    "affine": "--affine-from cannot run on a cluster: the affine block of the wide tokens is accumulated and "
-              "solved beside the Gram in one process, not tiled; featurize, certify and fit it without --scheduler",
+    "affine": "the affine block of the wide tokens cannot run on a cluster: it is accumulated and solved beside "
+              "the Gram in one process, not tiled; featurize, certify and fit it without a scheduler",
+    "in_memory": "statistics in memory are certified and fitted on one machine: give no scheduler (a cluster "
+                 "takes a tokens file, a Zarr features store or statistics tiled there)",
+    "device": "on a cluster the factorization runs on the workers' CPUs: give no device",
+    "solver": "on a cluster the fit is least squares with a ridge >= 0 on the workers' CPUs: no heads, nuclear, "
+              "'auto' or device",
 }
 
 
@@ -107,7 +111,7 @@ def open_statistics(data: Any, scheduler: Any = None, chunk_size: int | None = N
                 raise InputError(f"holds {stats.sums.samples.words}, not attention '{attention}'; featurize it again "
                                  "with the attention wanted", data)
             if bias_terms and not stats.sums.bias_terms:
-                raise InputError("was featurized without --bias-terms; featurize it again with them", data)
+                raise InputError("was featurized without the bias terms; featurize it again with them", data)
         else:
             stats = tiled_statistics.accumulate(data, client, chunk_size=chunk_size,
                                                 read=ReadSpec(attention, normalize or "none", bias_terms),
@@ -127,7 +131,7 @@ def factorization(stats: TiledStatistics) -> Factorization:
 
 def threshold_of(fac: Factorization, min_eig: float = 0.0) -> tuple[float, float, float]:
     """(lambda_max, the numerical tolerance, the threshold t = the larger of it and min_eig) as
-    certificate.certify takes them."""
+    certificate.certify_tiled takes them."""
     lmax = fac.lambda_max()
     tol = numerical_tolerance(lmax, fac.n_full)
     return lmax, tol, max(tol, float(min_eig))
@@ -148,20 +152,14 @@ def failure_reason(fac: Factorization, threshold: float, below_margin: bool = Fa
             "eigendecomposition: certify on one machine to see them")
 
 
-def fit(data: Any, scheduler: Any = None, ridge: float = 0.0, chunk_size: int | None = None,
-        normalize: str | None = None, tile_features: int | None = None, attention: str | None = None,
-        bias_terms: bool = False) -> Model:
+def fit_tiled(stats: TiledStatistics, ridge: float = 0.0, path: str | os.PathLike | None = None) -> Model:
     """Least squares over p (Algorithm 1, step 1) with the Gram tiled on a cluster: the model a
     single-machine fit (solve.lstsq.fit) makes, from a Cholesky of Lambda~ - t I (the verdict, reused
-    with iterative refinement) or of Lambda~ + ridge I; `data` and `scheduler` as in `open_statistics`.
-    The minimum-norm fit of data that do not determine the function is refused (ClusterRefused)."""
+    with iterative refinement) or of Lambda~ + ridge I (`open_statistics` gives `stats`; `path` names the data in
+    errors). The minimum-norm fit of data that do not determine the function is refused (ClusterRefused)."""
     if not np.isfinite(ridge) or ridge < 0:
         raise InputError(f"ridge must be a finite number >= 0, got {ridge}")
-    with open_statistics(data, scheduler, chunk_size, normalize, tile_features, attention, bias_terms) as stats:
-        return _fit(stats, float(ridge), data if isinstance(data, (str, os.PathLike)) else None)
-
-
-def _fit(stats: TiledStatistics, ridge: float, path: Any) -> Model:
+    ridge = float(ridge)
     feats = stats.sums
     if feats.target_gram is None or feats.basis_moments is None:
         raise ClusterRefused("targets", path)

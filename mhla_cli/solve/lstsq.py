@@ -33,7 +33,7 @@ def fit(feats: Features, ridge: float = 0.0, device: str | None = None) -> Model
         raise InputError(f"ridge must be a finite number >= 0, got {ridge}")
     if feats.affine is not None:  # a fit of the MHLA's features alone would leave the block out
         raise InputError("the statistics hold the affine block of the wide tokens: fit the extended features "
-                         "(mhla_cli.solve.affine_block.fit, `mhla fit`)")
+                         "(mhla_cli.fit)")
     A, _, moments_b = feats.solver_stats()
     assert moments_b is not None  # has_targets
     N = feats.n_samples

@@ -76,7 +76,7 @@ def count_reliability(s: np.ndarray, k: int, converged: bool | None) -> tuple[bo
         return True, None
     return False, (f"the minimum-nuclear-norm W did not converge, and the {k} value(s) above the threshold do not "
                    f"stand apart from the rest (s_{k} / s_{k + 1} = {gap:.3g} < {RELIABLE_GAP:g}): no head count is "
-                   "reliable (`mhla spectrum MODEL --max-iter N` shows whether more iterations give one)")
+                   "reliable (`mhla spectrum MODEL` with a larger iteration limit shows whether more iterations give one)")
 
 
 def effective_rank(s: np.ndarray) -> float:

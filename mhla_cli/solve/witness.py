@@ -51,7 +51,7 @@ from ..feature_map import cubic_features, features_from_moments
 from ..model.heads import W_from_p, p_from_W
 from ..model.model import Model
 from ..model.forward import predict_chunk
-from .certificate import Certificate, certify
+from .certificate import Certificate, certify_features
 from .domains import Domain, get_domain
 from .lstsq import fit, train_mse
 from mhla_cli.statistics.features import Features
@@ -379,11 +379,11 @@ def _prepare(feats: Features, data: str | os.PathLike | None, cert: Certificate 
         # as they are), and the same certificate of the expanded sums
         feats = feats.copy().expand()
         if cert is not None:
-            cert = certify(feats, min_eig=cert.min_eig, domain=cert.domain, device=device)
+            cert = certify_features(feats, min_eig=cert.min_eig, domain=cert.domain, device=device)
     feats.expand()
     if not feats.has_targets:
         raise WitnessRefused("targets", "a witness needs targets: the two models are compared by their training loss")
-    cert = certify(feats, domain=domain, device=device) if cert is None else cert
+    cert = certify_features(feats, domain=domain, device=device) if cert is None else cert
     if cert.identifiable:
         raise InputError("the data certify (identifiable): no two different functions fit them equally; "
                          "there is no witness")

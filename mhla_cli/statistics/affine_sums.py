@@ -40,7 +40,7 @@ from typing import Any
 import numpy as np
 
 from mhla_cli.statistics import basis as basis_mod
-from mhla_cli.errors import InputError
+from mhla_cli.errors import InputError, Refused
 from mhla_cli.numerics import SINGULAR_BASIS_COND
 from mhla_cli.io import formats
 from mhla_cli.io.tokens import TokensInfo, check_finite, inspect_tokens, iter_chunks
@@ -123,8 +123,8 @@ class AffineSums:
     def check_addable(self, other: AffineSums | None) -> None:
         """Refuse sums of different wide tokens (width or source)."""
         if other is None:
-            raise InputError("cannot add statistics with and without the affine block (--affine-from): featurize every "
-                             "part with the same --affine-from")
+            raise Refused("cannot add statistics with and without the affine block ({affine_from}): featurize every "
+                          "part with the same {affine_from}", affine_from={})
         if other.width != self.width:
             raise InputError(f"cannot add affine blocks of wide tokens of width {self.width} and {other.width}")
         a, b = (self.source or {}).get("fingerprint"), (other.source or {}).get("fingerprint")
@@ -237,8 +237,8 @@ class WideSource:
         red = inspect_tokens(reduced)
         with formats.open_input(reduced) as f:
             if "reduce_P" not in f:
-                raise InputError("records no reduction (no dataset 'reduce_P'): --affine-from needs the output of "
-                                 "mhla reduce and the tokens file it read", reduced)
+                raise Refused("records no reduction (no dataset 'reduce_P'): {affine_from} needs the output of "
+                              "mhla reduce and the tokens file it read", reduced, affine_from={})
             try:
                 inputs = json.loads(_text(f.attrs.get("mhla_inputs", "[]")))
             except ValueError:
@@ -250,14 +250,14 @@ class WideSource:
         made_from = inputs[0] if inputs and isinstance(inputs[0], dict) else {}
         keys = ("fingerprint", "fingerprint_scope")
         if not made_from.get("fingerprint") or any(made_from.get(k) != ident.get(k) for k in keys):
-            raise InputError(f"was reduced from {made_from.get('name', '?')} (fingerprint "
-                             f"{str(made_from.get('fingerprint', '?'))[:12]}), not from {wide} (fingerprint "
-                             f"{str(ident['fingerprint'])[:12]}): --affine-from takes the tokens file mhla reduce read",
-                             reduced)
+            raise Refused(f"was reduced from {made_from.get('name', '?')} (fingerprint "
+                          f"{str(made_from.get('fingerprint', '?'))[:12]}), not from {wide} (fingerprint "
+                          f"{str(ident['fingerprint'])[:12]}): {{affine_from}} takes the tokens file mhla reduce read",
+                          reduced, affine_from={})
         if not has_digests and made_from.get("fingerprint_scope") not in COMPLETE_SCOPES:
-            raise InputError(f"records only a sampled fingerprint of {made_from.get('name', '?')} (an older mhla "
-                             "reduce) and no fingerprint of each of its windows: make it again with `mhla reduce "
-                             f"{wide} --like {reduced} -o NEW.h5` and use NEW.h5", reduced)
+            raise Refused(f"records only a sampled fingerprint of {made_from.get('name', '?')} (an older mhla "
+                          "reduce) and no fingerprint of each of its windows: make it again with {like} and use "
+                          "NEW.h5", reduced, like={"wide": str(wide), "reduced": str(reduced)})
         info = inspect_tokens(wide)
         if (info.n_samples, info.n_tokens) != (red.n_samples, red.n_tokens):
             raise InputError(f"has {info.n_samples} sequences of {info.n_tokens} tokens but {reduced} has "
@@ -287,10 +287,10 @@ class WideSource:
         """Refuse wide windows whose digests differ from those `mhla reduce` recorded (first one named)."""
         bad = np.flatnonzero((have != want).any(axis=1))
         if bad.size:
-            raise InputError(f"window {a + int(bad[0])} (and {bad.size - 1} more of samples {a}..{a + len(have) - 1})"
-                             f" is not the window mhla reduce read to make {self.digests} (its content fingerprint "
-                             "differs): --affine-from takes the tokens file mhla reduce read, unchanged",
-                             self.info.path)
+            raise Refused(f"window {a + int(bad[0])} (and {bad.size - 1} more of samples {a}..{a + len(have) - 1})"
+                          f" is not the window mhla reduce read to make {self.digests} (its content fingerprint "
+                          "differs): {affine_from} takes the tokens file mhla reduce read, unchanged",
+                          self.info.path, affine_from={})
 
     def rows(self, chunk: tuple[int, int, np.ndarray, np.ndarray], a: int, offsets: np.ndarray,
              samples: Samples, raw: bool = False) -> np.ndarray:

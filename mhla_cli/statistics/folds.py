@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 
 from mhla_cli.io import formats
-from mhla_cli.errors import InputError
+from mhla_cli.errors import InputError, Refused
 from mhla_cli.samples import ReadSpec, Samples
 from mhla_cli.feature_map import n_features
 from mhla_cli.numerics import FOLD_SUM_TOL, OWN_FOLDS_COND, SINGULAR_BASIS_COND
@@ -187,10 +187,10 @@ def check_own_folds(total: Features, path: str | os.PathLike | None = None) -> N
     assert total.basis is not None  # ensure_basis
     cond = basis_mod.row_scaled_cond(total.basis)
     if not cond <= OWN_FOLDS_COND:
-        raise InputError(f"holds the folds' sums in the tokens' own coordinates only (written before the folds' "
-                         f"canonical sums): in these token units (whitening of condition {cond:.3g} > "
-                         f"{OWN_FOLDS_COND:g}, rows scaled alike) they cannot give each fold's canonical "
-                         "statistics exactly; run `mhla featurize DATA -o FEATS --folds K` again", path)
+        raise Refused(f"holds the folds' sums in the tokens' own coordinates only (written before the folds' "
+                      f"canonical sums): in these token units (whitening of condition {cond:.3g} > "
+                      f"{OWN_FOLDS_COND:g}, rows scaled alike) they cannot give each fold's canonical "
+                      "statistics exactly; run {folds} again", path, folds={})
 
 
 def load_for_cv(path: str | os.PathLike, n_folds: int = 5, chunk_size: int | None = None,

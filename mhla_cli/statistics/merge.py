@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from mhla_cli.io import formats
-from mhla_cli.errors import InputError
+from mhla_cli.errors import InputError, Refused
 from mhla_cli.linalg.memory import check_memory, merge_bytes
 from mhla_cli.samples import LAST, Samples, from_attrs
 from mhla_cli.statistics.features import Features
@@ -132,9 +132,9 @@ def plan_merge(paths: list[str | os.PathLike], allow_partial: bool = False) -> M
     first = parts[0]
     for p in parts[1:]:
         if p.bias_terms != first.bias_terms:
-            raise InputError(f"was featurized {'with' if p.bias_terms else 'without'} --bias-terms but {first.path} "
-                             f"{'without' if p.bias_terms else 'with'}: the statistics do not add up (featurize every "
-                             "shard with the same --bias-terms)", p.path)
+            raise Refused(f"was featurized {'with' if p.bias_terms else 'without'} {{bias_terms}} but {first.path} "
+                          f"{'without' if p.bias_terms else 'with'}: the statistics do not add up (featurize every "
+                          "shard with the same {bias_terms})", p.path, bias_terms={})
         if p.d != first.d:
             raise InputError(f"has d = {p.d} but {first.path} has d = {first.d}: parts of different data", p.path)
         if p.normalize != first.normalize:
@@ -142,9 +142,9 @@ def plan_merge(paths: list[str | os.PathLike], allow_partial: bool = False) -> M
                              f"{first.normalize}: the statistics of different normalisations do not add up",
                              p.path)
         if p.samples != first.samples:
-            raise InputError(f"holds {p.samples.name} samples but {first.path} {first.samples.name} samples: the "
-                             "statistics of different sample layouts do not add up (featurize every shard with the "
-                             "same --attention)", p.path)
+            raise Refused(f"holds {p.samples.name} samples but {first.path} {first.samples.name} samples: the "
+                          "statistics of different sample layouts do not add up (featurize every shard with "
+                          "{attention})", p.path, attention={})
         if not _same_source(p.source, first.source):
             raise InputError(
                 f"comes from a different source than {first.path}: {_describe(p.source)} vs "

@@ -25,7 +25,7 @@ from mhla_cli.statistics import ranges as ranges_mod
 from mhla_cli.statistics import spans as spans_mod
 from mhla_cli.statistics import structure as structure_mod
 from mhla_cli.statistics.files import store_location, zarr_store
-from mhla_cli.errors import InputError
+from mhla_cli.errors import InputError, Refused
 from mhla_cli.feature_map import check_normalize, n_features
 from mhla_cli.linalg.memory import check_floor, check_memory, solve_need_of
 from mhla_cli.samples import ReadSpec, Samples, check_attention
@@ -116,10 +116,15 @@ def featurize(path: str | os.PathLike, chunk_size: int | None = None,
                                     device=backend.device, wide=_absolute(wide))
             feats = _in_whitening(run, A)
     feats.extra_attrs["span_passes"] = span_passes
+    _stamp_affine(feats, wide)
+    return _finished(feats, info, path, (lo, hi), shard)
+
+
+def _stamp_affine(feats: Features, wide: WideSource | None) -> None:
+    """The affine block's record of the wide tokens it came from: their identity, the map P and the basis."""
     if feats.affine is not None:
         assert wide is not None  # the affine block is of the wide tokens
         feats.affine.source, feats.affine.P, feats.affine.basis = wide.identity, wide.P, wide.basis
-    return _finished(feats, info, path, (lo, hi), shard)
 
 
 def _wide_source(affine_from: str | os.PathLike | None, info: TokensInfo, backend: Backend,
@@ -128,7 +133,8 @@ def _wide_source(affine_from: str | os.PathLike | None, info: TokensInfo, backen
     if affine_from is None:
         return None
     if not isinstance(backend, NumpyBackend):
-        raise InputError("--affine-from accumulates on the CPU: featurize without --device", path)
+        raise InputError("the affine block of the wide tokens accumulates on the CPU: featurize it without a device",
+                         path)
     wide = WideSource.open(affine_from, path)
     return replace(wide, basis=wide.estimate_basis(info.samples))
 
@@ -288,8 +294,8 @@ def check_bias_terms_of(feats: Features, bias_terms: bool | None, path: str | os
     """Refuse a features file featurized without the bias terms when they are asked (None / False: nothing
     asked; a file with them is read as it is)."""
     if bias_terms and not feats.bias_terms:
-        raise InputError("--bias-terms was asked but the statistics were featurized without them; featurize the "
-                         "tokens file again with --bias-terms", path)
+        raise Refused("{bias_terms} was asked but the statistics were featurized without them; featurize the "
+                      "tokens file again with {bias_terms}", path, bias_terms={})
 
 
 def check_affine_of(feats: Features, affine_from: str | os.PathLike | None, path: str | os.PathLike | None = None
@@ -299,8 +305,8 @@ def check_affine_of(feats: Features, affine_from: str | os.PathLike | None, path
     if affine_from is None:
         return
     if feats.affine is None:
-        raise InputError("--affine-from was asked but the statistics were featurized without it; featurize the "
-                         "reduced tokens file again with --affine-from", path)
+        raise Refused("{affine_from} was asked but the statistics were featurized without it; featurize the "
+                      "reduced tokens file again with {affine_from}", path, affine_from={})
     have = (feats.affine.source or {}).get("fingerprint")
     ident = formats.source_identity(affine_from)
     if have is not None and have != ident.get("fingerprint"):

@@ -35,7 +35,7 @@ from mhla_cli.statistics import basis as basis_mod
 from mhla_cli.statistics.files import store_location
 from mhla_cli.statistics.files.store_location import SUFFIX, check_output, is_store, require_zarr, store_kind
 from mhla_cli.statistics.files.store_location import location as _url, temporary as _temporary
-from mhla_cli.errors import InputError
+from mhla_cli.errors import InputError, Refused
 from mhla_cli.feature_map import n_features
 from mhla_cli.io import formats
 from mhla_cli.io.formats import manifest
@@ -283,8 +283,8 @@ def load_tiled(path: Any, client: Any = None, spill: str | os.PathLike | None = 
     _tiles_array(g, psi, side, url)
     C, _ = feats.correction()
     if C is not None:
-        raise InputError("its sums are not in the whitening of their own tokens (a partial merge of shards): "
-                         "certify or fit it on one machine (without --scheduler), or merge every shard", url)
+        raise Refused("its sums are not in the whitening of their own tokens (a partial merge of shards): "
+                      "certify or fit it on one machine ({no_cluster}), or merge every shard", url, no_cluster={})
     nb = psi // side
     man = attrs[manifest.MANIFEST_ATTR]
     if client is None:
