@@ -143,7 +143,7 @@ def needs_folds(ridge: float | str = 0.0, heads: int | str | None = None, nuclea
 def check_fit_options(ridge: float | str = 0.0, heads: int | str | None = None,
                       nuclear: float | str | None = None) -> None:
     """The ridge penalty belongs to least squares: RequestError("ridge_with_lowrank") with heads or nuclear."""
-    if (heads is not None or nuclear is not None) and (ridge == "auto" or ridge > 0):
+    if (heads is not None or nuclear is not None) and (ridge == "auto" or float(ridge) > 0):
         raise RequestError("ridge_with_lowrank")
 
 
@@ -161,7 +161,7 @@ def check_fit_file(data: str | os.PathLike, ridge: float | str = 0.0, heads: int
     without them) and a normalisation that only a featurize with folds can apply."""
     check_fit_options(ridge, heads, nuclear)
     # 'auto': the folds' eigendecompositions need about a ridge solve's memory
-    check_solve_memory(data, "fit", ridge=1.0 if ridge == "auto" else ridge,
+    check_solve_memory(data, "fit", ridge=1.0 if ridge == "auto" else float(ridge),
                        lowrank=heads is not None or nuclear is not None, chunk_size=chunk_size,
                        read=ReadSpec(attention, normalize, bias_terms))
     if needs_folds(ridge, heads, nuclear):
@@ -354,15 +354,18 @@ def export_heads(model: Model, tol: float = 1e-12, max_heads: int | str | None =
     bias = bool(model.info.get("bias_terms"))
     if bias and fn.basis is not None:  # centred heads: float64 accuracy however far the tokens are from 0
         fn.centre = token_mean(fn.basis)
+    heads: Heads
     if fewest:
         heads = lowrank.fewest_heads(fn)
     elif max_heads == "auto":
         heads = spectrum.outlier_heads(fn)
     else:
+        assert not isinstance(max_heads, str)  # check_export_options refused every string but "auto"
         heads = canonical.truncated_heads(fn, tol=tol, max_heads=max_heads)
     if bias:  # heads of the tokens (x, 1): the heads of x and their bias terms
         heads = heads_mod.with_bias_terms(heads, centre=fn.centre)
         # the change of the function measured on the heads as written (the arrays, in the form predict evaluates)
+        assert fn.basis is not None  # a fitted model holds the basis of its data
         c = canonical.coef_in_basis(heads, fn.basis) * feature_scale(fn.d)[None, :] / fn.scale
         heads.info.update(fn.record(c))
     affine = affine_of(model)

@@ -96,6 +96,7 @@ def featurize_cmd(
     store = is_store(data_location(output))
     dev = _check_options(data, output, store, folds, workers, scheduler, affine_from, device, compact, spans)
     if store:
+        assert scheduler is not None  # _check_options: a store is written on a cluster
         with on_cluster(scheduler, scheduler_timeout, data):
             _featurize_store(data, data_location(output), scheduler, shard, chunk_size, read, json_out, quiet)
         return
@@ -210,6 +211,7 @@ def _say_featurize(feats: Features, output: Path, quiet: bool) -> None:
             f"{fmt(feats.extra_attrs['basis_correction_cond'])}): the pass was redone in the whitening of all "
             "the tokens", quiet)
     if feats.on_spans:
+        assert feats.gram_storage is not None and feats.span_pairs is not None and feats.span_last is not None
         block = feats.gram_storage.n
         say(f"  only the block on the data's spans was accumulated: {block} of {psi} features (the "
             f"S matrices span {feats.span_pairs.shape[1]} of {psi // feats.d} dimensions, the last tokens "
@@ -220,7 +222,8 @@ def _say_featurize(feats: Features, output: Path, quiet: bool) -> None:
 def _featurize_record(feats: Features, output: Path, compact: bool) -> dict[str, Any]:
     """The `mhla featurize --json` record."""
     return {"output": str(output), "d": feats.d, "n_features": feats.n_features,
-            "span_features": feats.gram_storage.n if feats.on_spans else feats.n_features,
+            "span_features": feats.gram_storage.n if feats.on_spans and feats.gram_storage is not None
+            else feats.n_features,
             "span_passes": int(feats.extra_attrs.get("span_passes", 0)), "n_samples": feats.n_samples,
             "n_tokens": feats.n_tokens, "has_targets": feats.has_targets,
             "per_position": feats.per_position, "attention": feats.samples.attention, "normalize": feats.normalize,

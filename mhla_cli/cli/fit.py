@@ -356,6 +356,7 @@ def spectrum_cmd(
     if not spec.count_reliable:  # one warning: no count (exit 1 below)
         warn(f"{model_path}: {spec.reason}")
     elif spec.converged is False:  # one warning: the count stands on its gap
+        assert spec.solver is not None  # converged is False only for an iterative solver's record
         warn(convergence_warning(spec.solver, "the minimum-nuclear-norm W") + f"; the head count is kept: its "
              f"heads stand {fmt(spec.gap)}x above the rest")
     count = "no reliable count of" if spec.n_outliers is None else str(spec.n_outliers)

@@ -214,7 +214,8 @@ def _proof(feats: Features, fac: Factorization, lmax: float, threshold: float) -
 
 def _current(feats: Features, domain: str, fac: Factorization) -> Factorization:
     """fac, if it is still the factorization of feats' sums (they are summed and changed in place)."""
-    if feats.factor_cache.get(domain) is not fac:
+    cached: Factorization | None = feats.factor_cache.get(domain)
+    if cached is not fac:
         raise InputError("the statistics changed after this certificate was made: certify them again")
     return fac
 

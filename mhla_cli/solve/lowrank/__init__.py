@@ -25,7 +25,6 @@ The package, by job:
 
 from __future__ import annotations
 
-from typing import Any
 
 # The package's public API: the names callers outside the package use, each defined in one of its modules;
 # the private helpers stay in their modules (import them from there).
@@ -52,7 +51,7 @@ __all__ = [
 
 def fit_model(feats: Features, heads: int | str | None = None, nuclear: float | str | None = None,
               weight_decay: float = 0.0, restarts: int = 10, seed: int = 0,
-              folds: list[Features] | None = None) -> Any:
+              folds: list[Features] | None = None) -> Model:
     """A factorised (`heads`) or nuclear-norm (`nuclear`) fit as a model.Model; 'auto' picks by K-fold CV.
 
     The fits run on the statistics of the whitened tokens X A (A the canonical basis of the least-squares
