@@ -101,9 +101,8 @@ def featurize_cmd(
             _featurize_store(data, data_location(output), scheduler, shard, chunk_size, read, json_out, quiet)
         return
     # the pool (workers or a scheduler) and the wide tokens of the affine block, beside the ReadSpec
-    pool: dict[str, Any] = {"workers": workers, "scheduler": scheduler}
-    if affine_from is not None:
-        pool["affine_from"] = affine_from
+    pool: dict[str, Any] = {"workers": workers, "scheduler": scheduler,
+                            **({} if affine_from is None else {"affine_from": affine_from})}
     with on_cluster(scheduler, scheduler_timeout, data):
         feats, fold_feats = _featurize(data, shard, folds, chunk_size, spans, dev, read, pool, quiet)
     _write(feats, fold_feats, data, output, affine_from, compact, attention, json_out, quiet)
