@@ -259,11 +259,14 @@ def splice(model: Any, heads: Heads | str | os.PathLike | Callable[..., Any], la
         n_heads = int(getattr(cfg, "num_attention_heads", None) or getattr(cfg, "n_head", 0) or 0)
     if head is not None and not 0 <= int(head) < max(n_heads, 1):
         raise InputError(f"head {head}: layer {layer} has {n_heads} heads (0 to {n_heads - 1})")
-    given = callable(heads) and not isinstance(heads, Heads)
-    if given and (layout is not None or offset is not None or reduction is not None):
-        raise InputError("layout=, offset= and reduction= are the heads' (splice(model, heads, ...) or Replacement(heads, "
-                         "...)); a replacement given as a module or function has its own")
-    rep = heads if given else Replacement(heads, layout=layout, offset=offset, reduction=reduction)
+    rep: Callable[..., Any]
+    if callable(heads) and not isinstance(heads, Heads):  # a replacement given as a module or function
+        if layout is not None or offset is not None or reduction is not None:
+            raise InputError("layout=, offset= and reduction= are the heads' (splice(model, heads, ...) or "
+                             "Replacement(heads, ...)); a replacement given as a module or function has its own")
+        rep = heads
+    else:
+        rep = Replacement(heads, layout=layout, offset=offset, reduction=reduction)
     return Splice(model, rep, layer, None if head is None else int(head), attention, projection, n_heads, label)
 
 

@@ -67,6 +67,7 @@ def fold_path(train: Features, val: Features, grid: np.ndarray) -> np.ndarray:
     v = val.copy().to_basis(A)  # the held-out sums in the training coordinates
     G = st.compress(v.basis_gram)
     M = st.restrict(v.basis_moments)
+    assert v.target_gram is not None  # statistics with targets
     energy = float(np.trace(v.target_gram))
     out = np.empty(grid.size)
     for i, r in enumerate(grid):

@@ -4,6 +4,7 @@ The package, by job. The record and its algebra:
 
 - `features`: the `Features` record;
 - `algebra`: its sums and its change of basis;
+- `record_fields`: the record's fields as its mixins (`algebra`, `files.features_file`) see them, for mypy;
 - `basis`: canonical coordinates, the whitening A of the data's own tokens;
 - `structure`: the data's own symmetries that shrink psi (the spans, from partial traces);
 - `affine_sums`: the sums of the token-wise affine block of the wide tokens;

@@ -61,7 +61,8 @@ class Accumulator:
         self.psi = n_features(d)
         # spans (E (q, a), F (d, b)): accumulate only the block features (E^T s) (x) (F^T x_n)
         # (mhla_cli.statistics.structure); nf features in all
-        self.spans = None if spans is None else tuple(np.ascontiguousarray(m, dtype=np.float64) for m in spans)
+        self.spans = None if spans is None else (np.ascontiguousarray(spans[0], dtype=np.float64),
+                                                 np.ascontiguousarray(spans[1], dtype=np.float64))
         self.nf = self.psi if spans is None else int(spans[0].shape[1] * spans[1].shape[1])
         # traces: accumulate only the two partial traces of the canonical Gram (`find_spans`)
         self.traces = (np.zeros((self.psi // d, self.psi // d)), np.zeros((d, d))) if traces else None
@@ -78,7 +79,8 @@ class Accumulator:
         # DevicePairs); the token-side work (S, the token Grams, the traces of a span pass) stays here
         self.backend = get_backend(None if traces else device)
         self.device = self.backend.device
-        factors = (self.psi // d, d) if spans is None else (self.spans[0].shape[1], self.spans[1].shape[1])
+        factors: tuple[int, int] = (self.psi // d, d) if self.spans is None \
+            else (self.spans[0].shape[1], self.spans[1].shape[1])
         self._gram: Any = None if traces else self.backend.gram(*factors, self.n_targets, self.width,
                                                                self.nf, self.spans, pairs=samples.window_rows)
         self._bufs: dict[str, np.ndarray] = {}
@@ -284,6 +286,7 @@ class Accumulator:
                 upper /= rows.lengths[:, None]
             R = rows.n_rows
             if R and rows.xx is None:
+                assert rows.x is not None, "rows of one sample each hold its query token"
                 block = self._transposed_rows(upper, rows.x, rows.y, rows.w)
         if R and rows.xx is None:
             self._add_target_sum(rows.y, rows.w)

@@ -198,7 +198,8 @@ def affine_rows(wide: np.ndarray, offsets: np.ndarray, samples: Samples) -> np.n
 
 
 def split_targets(moments: np.ndarray | None, target_gram: np.ndarray | None, target_sum: np.ndarray | None,
-                  n_targets: int, has_targets: bool) -> tuple[Any, Any, Any, tuple[np.ndarray | None, ...]]:
+                  n_targets: int, has_targets: bool
+                  ) -> tuple[Any, Any, Any, tuple[np.ndarray, np.ndarray, np.ndarray | None, np.ndarray]]:
     """The sums of a pass whose targets were [y, f] split into those of y (moments, target_gram,
     target_sum; None without targets) and the affine block's (cross, gram, moments (a, e) or None, total)."""
     e = n_targets

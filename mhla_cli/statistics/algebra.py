@@ -6,13 +6,14 @@ mhla_cli.statistics.basis); `change_basis` moves them to X A C exactly (up to ro
 to the whitening of the data's own token Gram, and parts in different bases are added in the
 whitening of their sum. A block on the data's spans (`on_spans`) changes by the spans' R factors and
 is `expand`ed when the spans of two parts differ. `FeaturesAlgebra` is mixed into
-mhla_cli.statistics.features.Features (which imports this module, so the annotations name `Features`
-without importing it).
+mhla_cli.statistics.features.Features (which imports this module, so it cannot import Features back): its
+methods return `Self`, the functions here take `FeaturesAlgebra`, and the record's fields are declared for the
+type checker by its base, mhla_cli.statistics.record_fields.FeaturesFields.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Self
 
 import numpy as np
 
@@ -20,47 +21,53 @@ from mhla_cli.statistics import basis as basis_mod
 from mhla_cli.errors import InputError
 from mhla_cli.linalg.memory import check_memory
 from mhla_cli.statistics.files.features_file import BASIS_SUMS, StoredGram
+from mhla_cli.statistics.record_fields import FeaturesFields
 from mhla_cli.statistics.structure import change as structure_change
 
 # The basis sums other than basis_gram (held by its storage, mhla_cli.statistics.storage.gram_storage: `_add_basis_gram`).
 _OTHER_BASIS_SUMS = tuple(k for k in BASIS_SUMS if k != "basis_gram")
 
 
-class FeaturesAlgebra:
+class FeaturesAlgebra(FeaturesFields):
     """The algebra of a `Features` record (mixed into it): the basis, sums and differences."""
 
-    def expand(self) -> Features:
+    def expand(self) -> Self:
         """In place: the full psi x psi sums from the block on the data's spans (exact: the sums are
         zero outside it), and the own-coordinate ones; for consumers that need every feature."""
         if self.on_spans:
             check_memory(self.d)
-            E, F = self.span_pairs, self.span_last
-            self.basis_gram = self.gram_storage.congruence(E, F, overwrite=True)
+            E, F, storage = self.span_pairs, self.span_last, self.gram_storage
+            assert E is not None and F is not None and storage is not None, "a block holds its spans and Gram"
+            self.basis_gram = storage.congruence(E, F, overwrite=True)
             _map_rows(self, lambda m: basis_mod.kron_apply(E, F, m))
             self.span_pairs = self.span_last = None
             self.factor_cache.clear()
         return self.finalize()
 
-    def ensure_basis(self) -> Features:
+    def ensure_basis(self) -> Self:
         """Give statistics known only on the own features the basis A = I (canonical coordinates)."""
         if self.basis is None:
             eye = np.eye(self.d)
             self.basis = eye
-            self.basis_gram = basis_mod.gram_to_basis(eye, self.gram)
+            gram = self.gram
+            assert gram is not None, "statistics without a basis hold their own gram"
+            self.basis_gram = basis_mod.gram_to_basis(eye, gram)
             self.basis_moments = None if self.moments is None else basis_mod.features_to_basis(eye, self.moments)
             self.basis_token_gram = self.token_gram.copy()
             self.basis_last_token_gram = self.last_token_gram.copy()
         return self
 
-    def change_basis(self, C: np.ndarray) -> Features:
+    def change_basis(self, C: np.ndarray) -> Self:
         """In place: the basis sums of X A -> of X A C (exact up to rounding; the own sums stay)."""
         self.ensure_basis()
         self.factor_cache.clear()
         if self.on_spans:
             # s -> P_C s, x -> C^T x map span E to P_C E = U1 R1 and F to C^T F = U2 R2 (QR): the block
             # coordinates change by R1 (x) R2 (mhla_cli.statistics.structure)
-            U1, U2, R1, R2 = structure_change(self.span_pairs, self.span_last, basis_mod.orth_pair_map(C), C.T)
-            self.basis_gram = self.gram_storage.congruence(R1, R2, overwrite=True)
+            E, F, storage = self.span_pairs, self.span_last, self.gram_storage
+            assert E is not None and F is not None and storage is not None, "a block holds its spans and Gram"
+            U1, U2, R1, R2 = structure_change(E, F, basis_mod.orth_pair_map(C), C.T)
+            self.basis_gram = storage.congruence(R1, R2, overwrite=True)
             _map_rows(self, lambda m: basis_mod.kron_apply(R1, R2, m))
             self.span_pairs, self.span_last = U1, U2
         else:
@@ -74,21 +81,23 @@ class FeaturesAlgebra:
         self.basis = self.basis @ C
         return self
 
-    def to_basis(self, A: np.ndarray) -> Features:
+    def to_basis(self, A: np.ndarray) -> Self:
         """In place: the basis sums in basis A."""
-        self.ensure_basis()
-        if not basis_mod.same(self.basis, A):
-            self.change_basis(basis_mod.transition(self.basis, A))
+        own = self.ensure_basis().basis
+        assert own is not None, "ensure_basis gives the record a basis"
+        if not basis_mod.same(own, A):
+            self.change_basis(basis_mod.transition(own, A))
             self.basis = np.array(A, dtype=np.float64)
         return self
 
 
     def correction(self) -> tuple[np.ndarray | None, float]:
         """(C, cond C) that makes the basis the whitening of the data (None: it already is)."""
-        self.ensure_basis()
-        return basis_mod.correction(self.basis_token_gram, self.token_weight)
+        G = self.ensure_basis().basis_token_gram
+        assert G is not None, "ensure_basis gives the record its basis token Gram"
+        return basis_mod.correction(G, self.token_weight)
 
-    def canonical(self) -> Features:
+    def canonical(self) -> Self:
         """In place: the basis becomes the whitening of this data's token Gram (A^T G A = I); returns self."""
         C, _ = self.correction()
         if C is not None:
@@ -100,12 +109,12 @@ class FeaturesAlgebra:
         self.canonical()
         return self.basis, self.basis_gram, self.basis_moments  # type: ignore[return-value]
 
-    def add(self, other: Features) -> Features:
+    def add(self, other: FeaturesAlgebra) -> Self:
         """self += other (counts and every sum), in place; returns self."""
         add_into(self, other)
         return self
 
-    def __sub__(self, part: Features) -> Features:
+    def __sub__(self, part: FeaturesAlgebra) -> Self:
         """Statistics of the samples in `self` but not in `part` (every sum subtracts)."""
         self.expand()
         part.expand()
@@ -124,11 +133,12 @@ class FeaturesAlgebra:
                 setattr(out, k, None if a is None else a - b)
             if self.affine is not None:
                 self.affine.check_addable(other.affine)
+                assert other.affine is not None, "check_addable refuses a part without the affine block"
                 out.affine = self.affine.copy()
                 out.affine.add(other.affine, -1.0)
         return out
 
-    def __add__(self, other: Features) -> Features:
+    def __add__(self, other: FeaturesAlgebra) -> Self:
         total = type(self).zeros(self.d, self.has_targets,
                                  self.token_dtype if self.token_dtype == other.token_dtype else "float64")
         total.read = self.read
@@ -142,7 +152,7 @@ class FeaturesAlgebra:
         return total
 
 
-def add_into(acc: Features, part: Features) -> None:
+def add_into(acc: FeaturesAlgebra, part: FeaturesAlgebra) -> None:
     """acc += part (counts and every sum), in place.
 
     Parts in the same basis add exactly. Otherwise both are changed into the whitening of their sum
@@ -175,6 +185,7 @@ def add_into(acc: Features, part: Features) -> None:
             if a is not None:
                 a += getattr(part, k)
         if acc.affine is not None:
+            assert part.affine is not None, "_check_addable refuses a part without the affine block"
             acc.affine.add(part.affine)
     acc.n_samples += part.n_samples
     acc.n_tokens += part.n_tokens
@@ -183,19 +194,20 @@ def add_into(acc: Features, part: Features) -> None:
     _add_own_sums(acc, part)
 
 
-def is_empty(feats: Features) -> bool:
+def is_empty(feats: FeaturesAlgebra) -> bool:
     """Statistics of no sample (a shard, fold or chunk whose weights are all 0): their sums are all 0."""
     return feats.n_samples == 0 and feats.n_tokens == 0 and feats.weight == 0 and feats.token_weight == 0
 
 
-def _add_basis_gram(acc: Features, part: Features) -> None:
+def _add_basis_gram(acc: FeaturesAlgebra, part: FeaturesAlgebra) -> None:
     """acc.basis_gram += part.basis_gram (same basis and block), through the Gram's storage (as distinct
     entries when both are held so, else as arrays; tile by tile on a cluster)."""
     if acc.gram_storage is not None:
+        assert part.gram_storage is not None, "a part in the same basis holds its basis Gram too"
         acc.basis_gram = acc.gram_storage.add(part.gram_storage)
 
 
-def _map_rows(feats: Features, fn: Any) -> None:
+def _map_rows(feats: FeaturesAlgebra, fn: Any) -> None:
     """In place: the rows of the sums on the MHLA's features (basis_moments, and the affine block's cross sums,
     mhla_cli.statistics.affine_sums) through `fn`, the map of their coordinates."""
     if feats.basis_moments is not None:
@@ -204,7 +216,7 @@ def _map_rows(feats: Features, fn: Any) -> None:
         feats.affine.map_rows(fn)
 
 
-def _check_addable(acc: Features, part: Features) -> None:
+def _check_addable(acc: FeaturesAlgebra, part: FeaturesAlgebra) -> None:
     """Refuse to add statistics of different data shapes, targets, normalisations or modes."""
     if part.bias_terms != acc.bias_terms:
         with_, without = ("the part", "the sum") if part.bias_terms else ("the sum", "the part")
@@ -228,7 +240,7 @@ def _check_addable(acc: Features, part: Features) -> None:
                          "samples: featurize every part with the same --attention (and per-position targets or not)")
 
 
-def _adopt_basis(acc: Features, part: Features) -> None:
+def _adopt_basis(acc: FeaturesAlgebra, part: FeaturesAlgebra) -> None:
     """An empty acc takes the part's basis, with zero basis sums of the part's shapes."""
     acc.basis = np.array(part.basis)
     acc.affine = None if part.affine is None else part.affine.zeros_like()
@@ -239,7 +251,7 @@ def _adopt_basis(acc: Features, part: Features) -> None:
         setattr(acc, k, None if v is None else np.zeros_like(v))
 
 
-def _common_spans(acc: Features, part: Features) -> Features:
+def _common_spans(acc: FeaturesAlgebra, part: FeaturesAlgebra) -> FeaturesAlgebra:
     """Blocks on the data's spans (one or both reduced): the same spans add block by block; otherwise
     acc is expanded, and the part returned expanded (a copy), so that the full sums add."""
     if part.on_spans and acc.basis is None and acc.n_samples == 0 and acc.n_tokens == 0:
@@ -248,7 +260,7 @@ def _common_spans(acc: Features, part: Features) -> Features:
         acc.gram = acc.moments = None
         _adopt_basis(acc, part)
     same = (acc.on_spans and part.on_spans and basis_mod.same(acc.basis, part.basis)
-            and np.array_equal(acc.span_pairs, part.span_pairs) and np.array_equal(acc.span_last, part.span_last))
+            and _equal(acc.span_pairs, part.span_pairs) and _equal(acc.span_last, part.span_last))
     if not same:  # different spans: add the full sums (the union of the spans)
         acc.expand()
         if part.on_spans:
@@ -256,7 +268,12 @@ def _common_spans(acc: Features, part: Features) -> Features:
     return part
 
 
-def _common_basis(acc: Features, part: Features) -> Features:
+def _equal(a: np.ndarray | None, b: np.ndarray | None) -> bool:
+    """Both held and equal (the spans of two blocks)."""
+    return a is not None and b is not None and np.array_equal(a, b)
+
+
+def _common_basis(acc: FeaturesAlgebra, part: FeaturesAlgebra) -> FeaturesAlgebra:
     """Bring acc and the part to one basis (acc's, or the whitening of their sum); the part returned
     (a copy when it had to change)."""
     raw = acc._gram_raw
@@ -272,6 +289,7 @@ def _common_basis(acc: Features, part: Features) -> Features:
         if not basis_mod.same(acc.basis, part.basis):
             part = part.copy()
             # the token Gram of the sum in acc's basis (X A_acc = X A_part Cp), then its whitening A_acc C
+            assert acc.basis is not None and part.basis is not None, "ensure_basis gives both a basis"
             Cp = basis_mod.transition(part.basis, acc.basis)
             G = acc.basis_token_gram + Cp.T @ part.basis_token_gram @ Cp
             C = basis_mod.whitening(G, acc.token_weight + part.token_weight, round32=False)
@@ -280,13 +298,15 @@ def _common_basis(acc: Features, part: Features) -> Features:
     return part
 
 
-def _add_own_sums(acc: Features, part: Features) -> None:
+def _add_own_sums(acc: FeaturesAlgebra, part: FeaturesAlgebra) -> None:
     """acc's sums on the tokens' own features += the part's (a gram derived from the basis sums is
     derived again for the sum, when both were finalized)."""
     known = (np.ndarray, StoredGram)
     ga, gp = acc._gram_raw, part._gram_raw
     if isinstance(ga, known) and isinstance(gp, known):
-        acc.gram += part.gram  # both known (a stored one is read): the own sums add
+        own_a, own_p = acc.gram, part.gram  # both known (a stored one is read and kept): the own sums add
+        assert own_a is not None and own_p is not None, "a known gram reads as an array"
+        own_a += own_p
         if acc.moments is not None and part.moments is not None:
             acc.moments += part.moments
     else:  # derived from the basis sums by finalize()

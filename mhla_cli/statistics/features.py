@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any, Self
 
 import numpy as np
 
@@ -31,6 +31,7 @@ from mhla_cli.feature_map import n_features
 from mhla_cli.samples import LAST, ReadSpec, Samples
 from mhla_cli.statistics.files import features_file
 from mhla_cli.statistics.storage import gram_storage
+from mhla_cli.statistics.storage.gram_storage import GramStorage
 from mhla_cli.statistics.affine_sums import AffineSums
 from mhla_cli.statistics.algebra import FeaturesAlgebra
 from mhla_cli.statistics.files.features_file import DERIVED, FeaturesFile, StoredGram
@@ -65,7 +66,7 @@ class _BasisGram:
     def __get__(self, obj: Features | None, owner: type | None = None) -> np.ndarray | None:
         if obj is None:  # the dataclass default
             return None
-        storage = obj.__dict__.get("_basis_gram")
+        storage: gram_storage.GramStorage | None = obj.__dict__.get("_basis_gram")
         if storage is None:
             return None
         g = storage.expand()
@@ -97,9 +98,13 @@ class Features(FeaturesAlgebra, FeaturesFile):
     d: int
     n_samples: int
     n_tokens: int
-    gram: np.ndarray | None = _OwnGram()  # type: ignore[assignment]  # not a default: a required field, read or derived when used
-    token_gram: np.ndarray
-    last_token_gram: np.ndarray
+    if TYPE_CHECKING:  # for mypy, the descriptor: read, an array or None; set, any form it holds
+        gram: _OwnGram = _OwnGram()
+    else:  # not a default: a required field, read or derived when used (_OwnGram.__get__(None) raises)
+        gram: np.ndarray | None = _OwnGram()
+    # mypy takes gram's descriptor for a default, which the dataclass does not (_OwnGram.__get__)
+    token_gram: np.ndarray  # type: ignore[misc]
+    last_token_gram: np.ndarray  # type: ignore[misc]
     moments: np.ndarray | None = None
     target_gram: np.ndarray | None = None
     token_dtype: str = "float64"
@@ -110,7 +115,10 @@ class Features(FeaturesAlgebra, FeaturesFile):
     # sums are known (format version 1, per-fold sums); `ensure_basis` then takes A = I.
     basis: np.ndarray | None = None
     # default None; held by a Gram storage (`gram_storage`: an array, its distinct entries, tiles)
-    basis_gram: np.ndarray | None = _BasisGram()  # type: ignore[assignment]
+    if TYPE_CHECKING:  # for mypy, the descriptor: read, an array or None; set, any form a storage wraps
+        basis_gram: _BasisGram = _BasisGram()
+    else:
+        basis_gram: np.ndarray | None = _BasisGram()
     basis_moments: np.ndarray | None = None
     basis_token_gram: np.ndarray | None = None
     basis_last_token_gram: np.ndarray | None = None
@@ -217,7 +225,7 @@ class Features(FeaturesAlgebra, FeaturesFile):
         return self.__dict__.get("_gram")
 
     @property
-    def gram_storage(self) -> gram_storage.GramStorage | None:
+    def gram_storage(self) -> GramStorage | None:
         """Where `basis_gram` lives (mhla_cli.statistics.storage.gram_storage), or None."""
         return self.__dict__.get("_basis_gram")
 
@@ -228,7 +236,7 @@ class Features(FeaturesAlgebra, FeaturesFile):
         storage = self.gram_storage
         return None if storage is None else storage.held
 
-    def expand_held(self) -> Features:
+    def expand_held(self) -> Self:
         """Expand a basis Gram held in another form than an array now rather than when first read (so
         that a command times it with the load); returns self."""
         self.basis_gram  # noqa: B018  (the descriptor expands and keeps it)
@@ -237,8 +245,9 @@ class Features(FeaturesAlgebra, FeaturesFile):
     @property
     def lambda_d(self) -> np.ndarray:
         """Lambda_D = gram / sum w on the tokens' own features (the certificate uses `solver_stats`)."""
-        self.expand()
-        return self.gram / (self.weight if self.weight > 0 else 1.0)
+        gram = self.expand().gram
+        assert gram is not None, "expand derives the own gram"
+        return gram / (self.weight if self.weight > 0 else 1.0)
 
     @property
     def weight(self) -> float:
@@ -250,12 +259,13 @@ class Features(FeaturesAlgebra, FeaturesFile):
         """sum_i w_i n_i: the normaliser of the token Gram, G = token_gram / token_weight."""
         return float(self.token_weight_sum)  # type: ignore[arg-type]
 
-    def finalize(self) -> Features:
+    def finalize(self) -> Self:
         """Derive `moments` (tokens' own coordinates) from the basis sums, if not yet done; `gram` is
         derived from them when first used (a psi x psi matrix that certify and fit never need);
         not for a block on the data's spans (`expand` does)."""
         if self._gram_raw is None and not self.on_spans:
             if self.basis_moments is not None:
+                assert self.basis is not None, "basis sums come with their basis"
                 with np.errstate(over="ignore", invalid="ignore"):
                     self.moments = basis_mod.features_from_basis(self.basis, self.basis_moments)
             self.gram = DERIVED
@@ -267,14 +277,16 @@ class Features(FeaturesAlgebra, FeaturesFile):
         storage (on the two factors when the basis Gram is held as its distinct entries)."""
         return self.own_storage().expand()
 
-    def own_storage(self) -> gram_storage.GramStorage:
+    def own_storage(self) -> GramStorage:
         """The own-coordinate gram in the form the basis Gram is held in (the congruence by M_A^-1)."""
-        return gram_storage.own_of(self.gram_storage, self.basis)
+        storage, A = self.gram_storage, self.basis
+        assert storage is not None and A is not None, "a gram derived from the basis sums has them"
+        return gram_storage.own_of(storage, A)
 
-    def copy(self) -> Features:
+    def copy(self) -> Self:
         """A deep copy of the sums (metadata shared): `dataclasses.replace` with the arrays copied (a field
         added later is carried as it is), the basis Gram in the form it is held in, a lazy own gram lazy."""
-        arrays = {k: None if getattr(self, k) is None else np.array(getattr(self, k))
+        arrays: dict[str, Any] = {k: None if getattr(self, k) is None else np.array(getattr(self, k))
                   for k in (*self.SUMS, "basis", *self.BASIS_SUMS, "span_pairs", "span_last", "target_sum")
                   if k not in ("gram", "basis_gram")}
         storage = self.gram_storage
@@ -284,7 +296,7 @@ class Features(FeaturesAlgebra, FeaturesFile):
                        extra_attrs=dict(self.extra_attrs), factor_cache={},
                        affine=None if self.affine is None else self.affine.copy())
 
-    def with_sums(self, **fields: Any) -> Features:
+    def with_sums(self, **fields: Any) -> Self:
         """A record of the same data description as this one (d, `read`, counts, weight totals, token dtype,
         sequences read) holding other sums: `fields` (sums and any other field), every sum, the basis, the
         spans, the affine block and the provenance not given left out (None or empty)."""
@@ -294,7 +306,7 @@ class Features(FeaturesAlgebra, FeaturesFile):
         return replace(self, **{**cleared, **fields})
 
     @classmethod
-    def zeros(cls, d: int, has_targets: bool, token_dtype: str = "float64") -> Features:
+    def zeros(cls, d: int, has_targets: bool, token_dtype: str = "float64") -> Self:
         psi = n_features(d)
         return cls(d=d, n_samples=0, n_tokens=0, gram=np.zeros((psi, psi)),
                    token_gram=np.zeros((d, d)), last_token_gram=np.zeros((d, d)),

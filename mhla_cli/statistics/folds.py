@@ -81,7 +81,11 @@ def save_with_folds(total: Features, folds: list[Features], path: str | os.PathL
                 fold_weight_sum=np.array([f.weight for f in folds]),
                 fold_token_weight_sum=np.array([f.token_weight for f in folds]))
     canon = [f.canonical() if not f.on_spans else f.copy().expand().canonical() for f in folds]
-    data["fold_basis"] = np.stack([f.basis for f in canon])
+    bases = []
+    for f in canon:
+        assert f.basis is not None, "canonical gives the record its basis"
+        bases.append(f.basis)
+    data["fold_basis"] = np.stack(bases)
     data.update({f"fold_{k}": np.stack([getattr(f, k) for f in canon]) for k in Features.BASIS_SUMS})
     total.save(path, inputs, extra=data, extra_attrs={"n_folds": len(folds)})
 

@@ -1,7 +1,8 @@
 """The features file: `Features.save` / `Features.load` (formats 1-5, the compact form) and their refusals.
 
 docs/formats_features.md describes the file. `FeaturesFile` is mixed into mhla_cli.statistics.features.Features
-(which imports this module, so the annotations name `Features` without importing it): `datasets` and
+(which imports this module; the record's fields are declared for the type checker by the base
+mhla_cli.statistics.record_fields.FeaturesFields, and `load` returns `Self`): `datasets` and
 `file_attrs` lay the record out, `load` reads and validates a file of any format version (1: own sums
 only; 2: basis sums in upper-triangle coordinates, converted; 3: canonical basis sums; 4: may hold
 only the block on the data's spans; 5: the weight totals, and the compact form). The own psi x psi 'gram' of a file is validated
@@ -13,7 +14,7 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Any
+from typing import Any, Self
 
 import h5py
 import numpy as np
@@ -28,6 +29,7 @@ from mhla_cli.io.formats import read_normalize
 from mhla_cli.samples import ReadSpec, from_attrs
 from mhla_cli.statistics.storage import gram_storage
 from mhla_cli.statistics.affine_sums import read_affine
+from mhla_cli.statistics.record_fields import FeaturesFields
 
 # The sums on the tokens' own features (datasets of docs/formats_features.md), and those in the basis.
 SUMS = ("gram", "moments", "target_gram", "token_gram", "last_token_gram")
@@ -51,7 +53,7 @@ FULL_FORM = "full"
 COMPACT_FORM = "compact"
 
 
-class FeaturesFile:
+class FeaturesFile(FeaturesFields):
     """The file of a `Features` record (mixed into it): its layout, `save` and `load`."""
 
     def datasets(self, compact: bool = False, form: str | None = None
@@ -80,11 +82,13 @@ class FeaturesFile:
             data.update(self.affine.datasets())
         return data
 
-    def _own_gram_to_write(self) -> formats.Deferred:
+    def _own_gram_to_write(self) -> formats.Deferred | np.ndarray:
         """The own gram for the file, made when written: derived from the basis Gram through its storage
         (from distinct entries a block of rows at a time, never held whole), or read if stored; not kept."""
         if self._gram_raw is DERIVED:
-            return self.gram_storage.written(lambda g: gram_storage.own_of(g, self.basis))
+            storage, A = self.gram_storage, self.basis
+            assert storage is not None and A is not None, "a gram derived from the basis sums has them"
+            return storage.written(lambda g: gram_storage.own_of(g, A))
         n = self.n_features
         return formats.Deferred(lambda: self.gram, 8 * n * n)
 
@@ -101,7 +105,9 @@ class FeaturesFile:
         """(q, r): the lengths of the pair factor and of the token factor of the basis features
         (d(d+1)/2 and d; the spans' widths for a block), for mhla_cli.linalg.symgram."""
         if self.on_spans:
-            return int(self.span_pairs.shape[1]), int(self.span_last.shape[1])
+            E, F = self.span_pairs, self.span_last
+            assert E is not None and F is not None, "a block on the spans holds both of them (on_spans)"
+            return int(E.shape[1]), int(F.shape[1])
         return n_features(self.d) // self.d, self.d
 
     def file_attrs(self) -> dict[str, Any]:
@@ -125,7 +131,7 @@ class FeaturesFile:
         return attrs
 
     @classmethod
-    def load(cls, path: str | os.PathLike, part: bool = False) -> Features:
+    def load(cls, path: str | os.PathLike, part: bool = False) -> Self:
         """Read and validate a features file. `part`: it may be an empty part (a shard or fold whose weights are
         all 0: no samples, zero sums), which adds nothing (`merge`); otherwise a file without samples is refused."""
         with formats.open_input(path) as f:
@@ -246,7 +252,7 @@ def _load_weights(f: h5py.File, path: str | os.PathLike, n: int, t: int, per_pos
 
 
 def _load_basis(f: h5py.File, path: str | os.PathLike, d: int, has_targets: bool, tg: np.ndarray,
-                lg: np.ndarray, stored: type[gram_storage.GramStorage] | None) -> dict[str, np.ndarray | None]:
+                lg: np.ndarray, stored: type[gram_storage.GramStorage] | None) -> dict[str, Any]:
     """The basis and its canonical sums; {} for version-1 files (`ensure_basis` derives them).
 
     Version-2 files stored basis_gram / basis_moments in upper-triangle coordinates and no basis token
@@ -270,6 +276,7 @@ def _load_basis(f: h5py.File, path: str | os.PathLike, d: int, has_targets: bool
         raise InputError(f"'basis' has shape {A.shape}, expected ({d}, {d})", path)
     if not np.isfinite(A).all() or basis_mod.row_scaled_cond(A) > SINGULAR_BASIS_COND:
         raise InputError("'basis' is singular; the file is corrupted", path)
+    assert stored is not None, "the file holds the Gram's datasets (none missing), so a storage claims them"
     gb = stored.from_file(f, path, psi // d, d)  # validated by its storage
     mb = None
     if has_targets:
@@ -295,7 +302,7 @@ def _load_basis(f: h5py.File, path: str | os.PathLike, d: int, has_targets: bool
 
 
 def _load_block(f: h5py.File, path: str | os.PathLike, d: int, has_targets: bool,
-                stored: type[gram_storage.GramStorage] | None) -> dict[str, np.ndarray | None]:
+                stored: type[gram_storage.GramStorage] | None) -> dict[str, Any]:
     """The basis, the data's spans and the block sums of a file featurized on the spans (format >= 4)."""
     need = ["basis", "span_pairs", "span_last", "basis_token_gram", "basis_last_token_gram"]
     need += ["basis_moments"] if has_targets else []
@@ -304,9 +311,11 @@ def _load_block(f: h5py.File, path: str | os.PathLike, d: int, has_targets: bool
         raise InputError(f"holds the block on the data's spans but no {', '.join(missing)}; the file is "
                          "incomplete", path)
     q = d * (d + 1) // 2
-    out: dict[str, np.ndarray | None] = {k: formats.read_array(f, k, path).astype(np.float64) for k in need}
+    out: dict[str, Any] = {k: formats.read_array(f, k, path).astype(np.float64) for k in need}
     out.setdefault("basis_moments", None)
-    A, E, F = out["basis"], out["span_pairs"], out["span_last"]
+    A: np.ndarray = out["basis"]
+    E: np.ndarray = out["span_pairs"]
+    F: np.ndarray = out["span_last"]
     if A.shape != (d, d) or not np.isfinite(A).all() or basis_mod.row_scaled_cond(A) > SINGULAR_BASIS_COND:
         raise InputError(f"'basis' has shape {A.shape} or is singular, expected an invertible ({d}, {d})", path)
     for name, M, rows in (("span_pairs", E, q), ("span_last", F, d)):
@@ -314,6 +323,7 @@ def _load_block(f: h5py.File, path: str | os.PathLike, d: int, has_targets: bool
                 or np.abs(M.T @ M - np.eye(M.shape[1])).max() > ORTHONORMAL_TOL:
             raise InputError(f"'{name}' must have orthonormal columns of length {rows}, got shape {M.shape}", path)
     n = E.shape[1] * F.shape[1]
+    assert stored is not None, "the file holds the Gram's datasets (none missing), so a storage claims them"
     out["basis_gram"] = stored.from_file(f, path, E.shape[1], F.shape[1], block=True)  # validated by its storage
     mb = out["basis_moments"]
     if mb is not None and mb.shape != (n, d):

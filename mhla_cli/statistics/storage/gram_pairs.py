@@ -55,7 +55,9 @@ class PairsGram(GramStorage):
             return self
         g = self.expand()  # forms that differ add as arrays
         g += other.expand()
-        return wrap(g)
+        out = wrap(g)
+        assert out is not None, "an array is held by a storage"
+        return out
 
     def congruence(self, P: np.ndarray, R: np.ndarray, overwrite: bool = False) -> PairsGram:
         return PairsGram(self.held.congruence(P, R, overwrite=overwrite))
