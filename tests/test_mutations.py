@@ -8,6 +8,9 @@ Two kinds of mutant, neither tied to the wording of the code:
 - a structural mutant: one AST node of one function (by its qualified name), found by its shape and
   replaced; the module is compiled from the mutated tree in that fresh interpreter (an import hook).
 A target that is missing, or found more than once, fails loudly: the test never passes by skipping.
+A mutant whose tests need an optional extra names it (`requires`): the main run sets it aside when the extra
+is missing and `test_every_mutation_needing_extras_fails_its_tests` (.ci/run's torch phase, every extra
+installed) runs those; a selection in which no test runs (every one skipped) is an error, not a pass.
 
 Each mutant runs its tests (`pytest -x`) in a subprocess: killed when pytest exits 1. The same tests
 first pass on the unmutated code (so a mutant applied to the code by hand fails this test too). The cut
@@ -62,6 +65,7 @@ class Structural:
     match: Callable[[ast.AST], bool] = field(compare=False)
     change: Callable[[ast.AST], ast.AST | None] = field(compare=False)
     tests: tuple[str, ...] = BOUNDARY
+    requires: tuple[str, ...] = ()  # the optional modules its tests need (torch, transformers, ...)
 
 
 def _is_name(node: ast.AST, name: str) -> bool:
@@ -678,6 +682,26 @@ class _MutantFinder(importlib.abc.MetaPathFinder):
         return importlib.util.spec_from_file_location(fullname, self.path, loader=self.loader)
 
 
+# child's exit code when every selected test was skipped (or none collected): the mutant was not tested
+NOTHING_RAN = 98
+
+
+class _Ran:
+    """A pytest plugin counting the tests whose call phase ran (passed or failed, not skipped)."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def pytest_runtest_logreport(self, report) -> None:  # noqa: ANN001
+        if report.when == "call" and report.outcome in ("passed", "failed"):
+            self.calls += 1
+
+
+def missing_requirements(m: Constant | Structural) -> list[str]:
+    """The optional modules a mutant's tests need that are not installed."""
+    return [r for r in getattr(m, "requires", ()) if importlib.util.find_spec(r) is None]
+
+
 def child(index: int, pytest_args: list[str]) -> int:
     """In a fresh interpreter: apply mutant `index` (-1: none), run pytest; 1 when a test failed (killed),
     0 when all passed, 97 when the mutant did not reach the code it targets."""
@@ -694,7 +718,11 @@ def child(index: int, pytest_args: list[str]) -> int:
             print(f"mutation: {m.module} was imported before the mutant", flush=True)
             return 97
         sys.meta_path.insert(0, _MutantFinder(m.module, mutated_tree(m), _module_path(m.module)))
-    code = int(pytest.main(["-q", "-x", "-p", "no:cacheprovider", *pytest_args]))
+    ran = _Ran()
+    code = int(pytest.main(["-q", "-x", "-p", "no:cacheprovider", *pytest_args], plugins=[ran]))
+    if code in (0, 5) and ran.calls == 0:  # all skipped (an optional module missing), or none collected: not run
+        print("mutation: no test ran (all skipped)", flush=True)
+        return NOTHING_RAN
     if isinstance(m, Constant):
         stale = [name for name, mod in list(sys.modules.items()) if name.startswith("mhla_cli")
                  and getattr(mod, m.name, new) is not new and getattr(mod, m.name, new) == old]
@@ -749,24 +777,44 @@ def test_a_structural_mutant_changes_the_code() -> None:
     assert "np.argmin(np.maximum(mean, floor))" not in after
 
 
-@pytest.mark.slow
-def test_every_mutation_fails_its_tests() -> None:
+def _run_mutants(mutants: list[tuple[int, Constant | Structural]]) -> None:
+    """Each mutant's tests pass on the code as it is and fail on the mutant (pytest exit 1); the table printed."""
     t0 = time.perf_counter()
-    for tests in dict.fromkeys(m.tests for m in MUTANTS):  # the unmutated code passes every selection
+    for tests in dict.fromkeys(m.tests for _, m in mutants):  # the unmutated code passes every selection
         code, tail = run_mutant(-1, tests)
-        assert code == 0, f"the tests {tests} fail on the code as it is: {tail}"
+        assert code == 0, f"the tests {tests} fail (or none of them runs) on the code as it is: {tail}"
     killed, lines, broken = {}, [], []
-    for i, m in enumerate(MUTANTS):
+    for i, m in mutants:
         check_target(m)
         code, tail = run_mutant(i, m.tests)
         if code not in (0, 1):
             broken.append(f"{m.label}: exit {code} ({tail})")
         killed[m.label] = code == 1
         lines.append(f"{m.label}: {'killed' if code == 1 else 'SURVIVED'} ({tail})")
-    print("\n".join(lines) + f"\n{len(MUTANTS)} mutants in {time.perf_counter() - t0:.0f} s")
+    print("\n".join(lines) + f"\n{len(mutants)} mutants in {time.perf_counter() - t0:.0f} s")
     assert not broken, "\n".join(broken)
     survivors = [n for n, k in killed.items() if not k and n not in EQUIVALENT]
     assert not survivors, "\n".join(lines)
+
+
+@pytest.mark.slow
+def test_every_mutation_fails_its_tests() -> None:
+    """Every mutant whose tests' optional modules are installed (the others: the test below)."""
+    aside = [m.label for m in MUTANTS if missing_requirements(m)]
+    if aside:
+        print(f"{len(aside)} mutants set aside (their tests need an optional module not installed here; "
+              "test_every_mutation_needing_extras_fails_its_tests runs them)")
+    _run_mutants([(i, m) for i, m in enumerate(MUTANTS) if not missing_requirements(m)])
+
+
+@pytest.mark.slow
+def test_every_mutation_needing_extras_fails_its_tests() -> None:
+    """The mutants whose tests need optional modules (.ci/run's torch phase installs them all): a missing one
+    fails here, it is not skipped."""
+    needing = [(i, m) for i, m in enumerate(MUTANTS) if getattr(m, "requires", ())]
+    missing = sorted({r for _, m in needing for r in missing_requirements(m)})
+    assert not missing, f"the mutants' tests need {missing}: install them (the hf and lens extras)"
+    _run_mutants(needing)
 
 
 if __name__ == "__main__":  # the table: python tests/test_mutations.py [LABEL ...]
