@@ -67,8 +67,9 @@ REMEDY_WORDS = {
     "certify_observed": "mhla_cli.certify(..., domain='observed')",
 }
 
-# A slot of a template: `{name}`, or `{name:arg}` whose `arg` fills the word's `{}` (an option's value).
-_SLOT = re.compile(r"\{(\w+)(?::([^{}]*))?\}")
+# A slot of a template: `{name}`, or `{name:arg}` whose `arg` fills the word's `{}` (an option's value, which may
+# hold braces one deep: a user's `--key t={x}`).
+_SLOT = re.compile(r"\{(\w+)(?::((?:[^{}]|\{[^{}]*\})*))?\}")
 
 
 class Refused(InputError):

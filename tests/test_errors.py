@@ -105,6 +105,8 @@ def test_a_slot_takes_the_value_of_its_option_and_survives_pickling() -> None:
                   key={}, keys={})
     assert str(exc) == "x.pt: keys=['tokens=NAME'] and keys=['targets=NAME']: keys twice; {other} {'a': 1} {dim}"
     assert str(in_options(exc)) == "x.pt: --key tokens=NAME and --key targets=NAME: --key twice; {other} {'a': 1} {dim}"
+    odd = Refused("{key:t={x}}: expected ROLE=NAME", key={})  # a value with braces, as the user typed it
+    assert (str(odd), str(in_options(odd))) == ("keys=['t={x}']: expected ROLE=NAME", "--key t={x}: expected ROLE=NAME")
     back = pickle.loads(pickle.dumps(exc))
     assert (type(back), back.template, back.remedies, back.path) == (Refused, exc.template, exc.remedies, "x.pt")
     assert str(in_options(back)) == str(in_options(exc))
