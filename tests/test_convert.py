@@ -758,3 +758,16 @@ def test_bfloat16_is_read_exactly_and_tuples_are_refused_clearly(tmp_path: Path,
     torch.save([torch.from_numpy(s) for s in seqs], tmp_path / "l.pt")
     assert run(["convert", str(tmp_path / "l.pt"), "-o", str(tmp_path / "l.h5"), "-q"]) == 0
     assert np.array_equal(_read(tmp_path / "l.h5")["tokens"], np.concatenate(seqs))
+
+
+def test_a_refusal_relabelled_keeps_its_remedies(tmp_path: Path) -> None:
+    """The reader's refusal of the temporary output, said of the inputs, still words its remedy per caller."""
+    from mhla_cli.cli.options import in_options
+    from mhla_cli.errors import Refused
+    from mhla_cli.io.convert._writer import _relabel
+
+    tmp = tmp_path / "out.h5.tmp"
+    exc = _relabel(Refused("map them with {reduce}", tmp, reduce={"tokens": "a.pt", "dim": "K"}), tmp, "a.pt")
+    assert isinstance(exc, Refused) and exc.path == "a.pt"
+    assert str(exc) == "a.pt: map them with mhla_cli.reduce_tokens(a.pt, REDUCED, dim=K)"
+    assert str(in_options(exc)) == "a.pt: map them with mhla reduce a.pt -o REDUCED.h5 --dim K"

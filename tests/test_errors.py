@@ -91,3 +91,22 @@ def test_a_refusal_carries_its_remedy_for_the_caller_to_word() -> None:
     assert str(in_options(exc)) == ("t.h5: too wide: map them first: mhla reduce t.h5 -o REDUCED.h5 --dim 8; or "
                                     "--scheduler (docs/cluster.md)")
     assert all("--" not in REMEDY_WORDS[k] for k in REMEDY_WORDS)
+
+
+def test_a_slot_takes_the_value_of_its_option_and_survives_pickling() -> None:
+    """`{name:arg}` fills the word's `{}` with `arg` (one remedy, several values); a slot of no remedy and other
+    braces stay as written; a pickled refusal (a worker's) keeps its template, remedies and file."""
+    import pickle
+
+    from mhla_cli.cli.options import in_options
+    from mhla_cli.errors import Refused
+
+    exc = Refused("{key:tokens=NAME} and {key:targets=NAME}: {keys} twice; {other} {'a': 1} {dim}", "x.pt",
+                  key={}, keys={})
+    assert str(exc) == "x.pt: keys=['tokens=NAME'] and keys=['targets=NAME']: keys twice; {other} {'a': 1} {dim}"
+    assert str(in_options(exc)) == "x.pt: --key tokens=NAME and --key targets=NAME: --key twice; {other} {'a': 1} {dim}"
+    odd = Refused("{key:t={x}}: expected ROLE=NAME", key={})  # a value with braces, as the user typed it
+    assert (str(odd), str(in_options(odd))) == ("keys=['t={x}']: expected ROLE=NAME", "--key t={x}: expected ROLE=NAME")
+    back = pickle.loads(pickle.dumps(exc))
+    assert (type(back), back.template, back.remedies, back.path) == (Refused, exc.template, exc.remedies, "x.pt")
+    assert str(in_options(back)) == str(in_options(exc))

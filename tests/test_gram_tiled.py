@@ -80,7 +80,7 @@ def test_what_would_gather_or_mix_the_tiles_is_refused() -> None:
     for call, match in ((s.expand, "gathered into one process"), (lambda: s.pairs(6, 3), "gathered"),
                         (lambda: s.congruence(np.eye(6), np.eye(3)), "change of basis"),
                         (s.written, "Zarr store"),
-                        (lambda: s.add(gram_storage.wrap(gram(4))), "--scheduler"),
+                        (lambda: s.add(gram_storage.wrap(gram(4))), "on the cluster \\(the scheduler argument\\)"),
                         (lambda: s.factorization(device="cuda"), "on the workers")):
         with pytest.raises(InputError, match=match):
             call()

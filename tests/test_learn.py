@@ -253,3 +253,17 @@ def test_one_certify_and_one_fit_with_the_affine_block(tmp_path: Path) -> None:
         assert rel(model.coef, sol[:, :psi]) <= 1e-7 and rel(model.affine_coef, sol[:, psi:]) <= 1e-7
     with pytest.raises(InputError, match="full domain"):
         mhla_cli.certify(feats, domain="observed")
+
+
+def test_fit_warnings_word_their_remedy_for_the_caller() -> None:
+    """A fit the data determine only on the observed domain: the library's warning names the library's call, the
+    CLI's (words=REMEDY_OPTIONS) its option."""
+    from mhla_cli.api.learn import fit_warnings
+    from mhla_cli.cli.options import REMEDY_OPTIONS
+
+    info = {"identifiable": False, "identifiable_observed": True, "n_samples": 3, "n_features": 9, "ridge": 0.0}
+    lib, cli = fit_warnings(info), fit_warnings(info, words=REMEDY_OPTIONS)
+    assert "mhla_cli.certify(..., domain='observed')" in lib[0] and "--" not in lib[0]
+    assert "`mhla certify --domain observed`" in cli[0]
+    assert lib[0].replace("mhla_cli.certify(..., domain='observed')", "") == \
+        cli[0].replace("`mhla certify --domain observed`", "")

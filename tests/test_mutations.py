@@ -559,6 +559,15 @@ NEW_CODE = [
          "S += y[:, :, None] * y[:, None, :]", None, FORWARD_TESTS),
     _net("predict on a file: the wide tokens' map not added", "model.forward.stream", "positions_range",
          "outputs = outputs + _affine_range(affine, a, offsets)", None, AFFINE_TESTS),
+    # issue 44, item 2: the library's refusals keep their remedies for the CLI to word in its options
+    _net("a pickled refusal loses its remedies", "errors", "Refused.__reduce__",
+         "return (_refused, (self.template, self.path, self.remedies))", "return (InputError, (str(self),))",
+         ("tests/test_errors.py", "-k", "pickling")),
+    _net("a convert refusal relabelled without its remedies", "io.convert._writer", "_relabel",
+         "if isinstance(exc, Refused):\n    return Refused(exc.template, where, **exc.remedies)", None,
+         ("tests/test_convert.py", "-k", "relabelled")),
+    _net("fit warnings in fixed words", "api.learn", "fit_warnings", "words['certify_observed']",
+         "REMEDY_WORDS['certify_observed']", ("tests/test_learn.py", "-k", "fit_warnings_word")),
 ]
 
 

@@ -381,7 +381,7 @@ def test_supervised_needs_targets_and_a_scored_sample(tmp_path: Path) -> None:
     seqs, Y = _data()
     path = tmp_path / "x.h5"
     write_tokens(path, seqs)
-    with pytest.raises(InputError, match="--method supervised needs targets"):
+    with pytest.raises(InputError, match="method='supervised' needs targets"):
         reduce_mod.reduce_tokens(path, tmp_path / "r.h5", dim=2, method="supervised")
     zero = tmp_path / "zero.h5"
     write_tokens(zero, seqs, targets=Y, weights=np.zeros(N))

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+from collections.abc import Mapping
 from typing import Any, Union
 
 import numpy as np
@@ -28,7 +29,7 @@ from mhla_cli.solve import ridge_cv
 from mhla_cli.model import scores
 from mhla_cli.solve import affine_block, certificate, cluster, domains, lstsq
 from mhla_cli.solve import spectrum
-from mhla_cli.errors import InputError
+from mhla_cli.errors import REMEDY_WORDS, InputError
 from mhla_cli.numerics import TARGET_SQUARES_FLOOR
 from mhla_cli.bias_terms import token_mean
 from mhla_cli.model.heads import Heads
@@ -290,8 +291,10 @@ def check_representable(model: Model, feats: Features) -> None:
             "toward 1 (e.g. divide each coordinate by its standard deviation) and fit again") from None
 
 
-def fit_warnings(info: dict[str, Any], ridge_name: str = "a ridge penalty") -> list[str]:
-    """The warnings a fit deserves (the CLI prints them, the estimator raises them with warnings.warn).
+def fit_warnings(info: dict[str, Any], ridge_name: str = "a ridge penalty",
+                 words: Mapping[str, str] = REMEDY_WORDS) -> list[str]:
+    """The warnings a fit deserves (the CLI prints them, the estimator raises them with warnings.warn), their
+    remedies in `words` (mhla_cli.errors.REMEDY_WORDS; the CLI's: its options).
 
     Low-rank fits: their solver records; least squares: data that do not determine the function
     (the minimum-norm or ridge solution was returned; named when they do determine it on the observed
@@ -315,8 +318,8 @@ def fit_warnings(info: dict[str, Any], ridge_name: str = "a ridge penalty") -> l
         if info.get("identifiable_observed"):
             # every least-squares solution gives the same outputs on the observed domain
             return small + [text + "; they do determine it on the observed domain (inputs whose tokens lie in the span of "
-                    "the data's tokens and whose last token lies in that of their last tokens; `mhla certify "
-                    "--domain observed`): " + (f"without {ridge_name}, its predictions there would be exact (those "
+                    "the data's tokens and whose last token lies in that of their last tokens; "
+                    + words["certify_observed"] + "): " + (f"without {ridge_name}, its predictions there would be exact (those "
                                                "of every least-squares fit)" if ridge > 0 else
                                                "its predictions there are exact (those of every least-squares "
                                                "fit); elsewhere the minimum norm picks one of many")]

@@ -26,7 +26,7 @@ from mhla_cli.statistics.files.store_location import is_store
 from mhla_cli.statistics.stream import data_kind
 from mhla_cli.io.tokens import inspect_tokens
 from mhla_cli.cli.console import BOUND_SIGNS, emit_json, fmt, progress_bar, say, say_samples, warn, working
-from mhla_cli.cli.options import CLUSTER_WORDS, AffineFromOpt, AttentionOpt, BiasTermsOpt, ChunkOpt, DeviceOpt, about, JsonOpt, NormalizeOpt, OutOpt, QuietOpt, SchedulerTimeoutOpt, check_heads_output, check_hdf5_output, check_scheduler_timeout, data_location, on_cluster, parse_auto, require_optional, statistics_for
+from mhla_cli.cli.options import CLUSTER_WORDS, REMEDY_OPTIONS, AffineFromOpt, AttentionOpt, BiasTermsOpt, ChunkOpt, DeviceOpt, about, JsonOpt, NormalizeOpt, OutOpt, QuietOpt, SchedulerTimeoutOpt, check_heads_output, check_hdf5_output, check_scheduler_timeout, data_location, on_cluster, parse_auto, require_optional, statistics_for
 
 if TYPE_CHECKING:
     from mhla_cli.samples import ReadSpec
@@ -101,7 +101,7 @@ def fit_cmd(
     if "tasks" in info:  # on a cluster
         info.update(input=data_location(data), scheduler=scheduler)
     _say_fit(info, output, h is not None or lam is not None, quiet)
-    for w in fit_warnings(info, ridge_name="--ridge"):
+    for w in fit_warnings(info, ridge_name="--ridge", words=REMEDY_OPTIONS):
         warn(w)
     if json_out:
         emit_json(info)

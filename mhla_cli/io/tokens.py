@@ -19,7 +19,7 @@ import h5py
 import numpy as np
 
 from . import formats
-from ..errors import InputError
+from ..errors import InputError, Refused
 from ..samples import LAST, Samples, check_attention, from_attrs, samples_of
 from ..signals import check_interrupted
 
@@ -191,9 +191,9 @@ def require_square(info: TokensInfo, what: str) -> None:
     """Refuse (one line naming `mhla reduce`) a file whose targets are not as wide as its tokens, for
     `what`, a job that needs equal widths (the MHLA maps R^d to R^d)."""
     if info.has_targets and info.out_dim != info.d:
-        raise InputError(f"the targets are {info.out_dim} wide but the tokens d = {info.d}: {what} needs targets "
-                         f"of the tokens' width; map both to the same dimension with mhla reduce "
-                         f"{info.path} -o REDUCED.h5 --dim K", info.path)
+        raise Refused(f"the targets are {info.out_dim} wide but the tokens d = {info.d}: {what} needs targets "
+                      "of the tokens' width; map both to the same dimension with {reduce}", info.path,
+                      reduce={"tokens": info.path, "dim": "K"})
 
 
 def _targets_layout(shape: tuple[int, ...], layout: str, N: int, T: int, d: int, seq_len: int | None,

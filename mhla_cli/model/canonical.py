@@ -31,7 +31,7 @@ from typing import Any
 import numpy as np
 
 from ..bias_terms import centred_basis
-from ..errors import InputError
+from ..errors import InputError, Refused
 from ..feature_map import n_features
 from ..linalg import symgram
 from ..numerics import LAMBDA_FLOOR_FRACTION, numerical_tolerance
@@ -200,11 +200,11 @@ def coef_in_basis(fn: Any, A: np.ndarray) -> np.ndarray:
         return kron_apply(orth_pair_map(Ci).T, Ci, np.ascontiguousarray(fn.coef_b.T)).T
     if isinstance(fn, Heads):
         if fn.factored or fn.d_out != fn.d:
-            raise InputError(_no_coef(fn) + " on d x d features")
+            raise Refused(_no_coef(fn) + " on d x d features", unreduced={})
         if fn.bias_terms:  # the heads of the tokens (x, 1) (centred: of (x - c, 1), Z = (x - c, 1) A_c)
             if A.shape[0] != fn.d + 1:
-                raise InputError(f"heads with the bias terms take the tokens (x, 1) of width {fn.d + 1}, not "
-                                 f"{A.shape[0]}: compare them with a model fitted with --bias-terms")
+                raise Refused(f"heads with the bias terms take the tokens (x, 1) of width {fn.d + 1}, not "
+                              f"{A.shape[0]}: compare them with a model fitted with {{bias_terms}}", bias_terms={})
             Ac = A if fn.token_centre is None else centred_basis(A, fn.token_centre)
             Vc, Qc = heads_in_basis(*fn.augmented_centred(), Ac)
             p = coef_of_heads(Vc, Qc) / D
@@ -344,7 +344,8 @@ def canonical_function(fn: Any) -> CanonicalFunction:
         c, W = fn.coef, fn.W
     elif isinstance(fn, Heads):
         if fn.factored or fn.d_out != fn.d:
-            raise InputError(_no_coef(fn) + " (d, psi) on d x d features; they are evaluated directly")
+            raise Refused(_no_coef(fn) + " (d, psi) on d x d features; they are evaluated directly",
+                          unreduced={})
         c, W = fn.coef, W_from_heads(fn.V, fn.Q)
     else:
         c = np.asarray(fn, dtype=np.float64)
@@ -363,8 +364,8 @@ def canonical_function(fn: Any) -> CanonicalFunction:
 def _no_coef(heads: Heads) -> str:
     """The words for heads without a coef: factored ones (export-heads --unreduce) or rectangular ones."""
     if heads.factored:
-        return (f"factored heads ({heads.d}-dim tokens through {heads.reduced_dim} coordinates, mhla export-heads "
-                "--unreduce; the model they were exported from has it) have no coef")
+        return (f"factored heads ({heads.d}-dim tokens through {heads.reduced_dim} coordinates, {{unreduced}}; "
+                "the model they were exported from has it) have no coef")
     return f"heads with {heads.d_out}-dim outputs of {heads.d}-dim tokens have no coef"
 
 

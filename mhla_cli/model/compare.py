@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import InputError
+from ..errors import InputError, Refused
 from ..feature_map import n_features
 from .heads import Heads, coef_inner, coef_of_heads
 from .canonical import coef_in_basis, data_gram
@@ -194,8 +194,8 @@ def prediction_difference(a: Model | Heads | np.ndarray, b: Model | Heads | np.n
     `scored_as`, `n_scored` rows of d_out outputs); each model evaluated as `predict` evaluates it
     (Model.evaluation)."""
     if affine_of(a) is not None or affine_of(b) is not None:
-        raise InputError("comparing predictions of functions with the affine map of the wide tokens needs the wide "
-                         "tokens: predict each (`mhla predict --affine-from`) and compare the outputs", data)
+        raise Refused("comparing predictions of functions with the affine map of the wide tokens needs the wide "
+                      "tokens: predict each ({predict_wide}) and compare the outputs", data, predict_wide={})
     (pa, basis_a), (pb, basis_b) = evaluated(a), evaluated(b)
     norm = normalize_of(a)
     layouts = scored_layouts(a, b)

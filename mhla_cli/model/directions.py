@@ -30,7 +30,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..errors import InputError
+from ..errors import InputError, Refused
 from ..io.convert import READERS
 
 __all__ = ["RANK_RTOL", "WEIGHT_KEYS", "WHITEN_RTOL", "Whitening", "load_read_weights", "sign_columns", "supervised",
@@ -112,9 +112,9 @@ def _complete(wh: Whitening, U: np.ndarray, d: int) -> np.ndarray:
 def _directions(wh: Whitening, M: np.ndarray, d: int, what: str, path: str | os.PathLike | None
                 ) -> tuple[np.ndarray, float]:
     if d > wh.rank:
-        raise InputError(f"--dim {d} is more than the {wh.rank} dimensions the tokens span ({what}: the eigenvalues "
-                         f"of their second moment above {WHITEN_RTOL:g} times the largest): use --dim <= {wh.rank} "
-                         "or --method pca", path)
+        raise Refused(f"{{dim:{d}}} is more than the {wh.rank} dimensions the tokens span ({what}: the eigenvalues "
+                      f"of their second moment above {WHITEN_RTOL:g} times the largest): use {{dim_opt}} <= {wh.rank} "
+                      "or {method:pca}", path, dim={}, dim_opt={}, method={})
     U, share = top_reads(M, d)
     return sign_columns(wh.readings(_complete(wh, U, d))), share
 
@@ -145,7 +145,8 @@ def load_read_weights(path: str | os.PathLike, D: int) -> np.ndarray:
     p = Path(path)
     suffix = p.suffix.lower()
     if suffix not in WEIGHT_SUFFIXES:
-        raise InputError(f"--weights takes a {' or '.join(WEIGHT_SUFFIXES)} file, not {suffix or 'no suffix'}", path)
+        raise Refused(f"{{weights}} takes a {' or '.join(WEIGHT_SUFFIXES)} file, not {suffix or 'no suffix'}", path,
+                      weights={})
     if not p.is_file():
         raise InputError("no such file", path)
     reader = next(r for r in READERS if suffix in r.suffixes)
@@ -153,23 +154,23 @@ def load_read_weights(path: str | os.PathLike, D: int) -> np.ndarray:
         sources = {s.name: s for s in reader.sources(p, stack)}
         other = sorted(set(sources) - set(WEIGHT_KEYS))
         if other:
-            raise InputError(f"--weights holds {other[0]!r}; it takes only the arrays {', '.join(WEIGHT_KEYS)} "
-                             f"(each (k, {D}) or stacked (m, k, {D}): the matrices the head reads the token through)",
-                             path)
+            raise Refused(f"{{weights}} holds {other[0]!r}; it takes only the arrays {', '.join(WEIGHT_KEYS)} "
+                          f"(each (k, {D}) or stacked (m, k, {D}): the matrices the head reads the token through)",
+                          path, weights={})
         if not sources:
-            raise InputError(f"--weights holds no array (expected {', '.join(WEIGHT_KEYS)})", path)
+            raise Refused(f"{{weights}} holds no array (expected {', '.join(WEIGHT_KEYS)})", path, weights={})
         parts = []
         for name in (k for k in WEIGHT_KEYS if k in sources):
             src = sources[name]
             if len(src.shape) not in (2, 3) or src.shape[-1] != D or 0 in src.shape:
                 hint = " (a (D, k) array, e.g. TransformerLens's W_Q[layer, head], is the transpose: save W.T)" \
                     if len(src.shape) in (2, 3) and src.shape[-2] == D else ""
-                raise InputError(f"--weights array {name!r} has shape {tuple(src.shape)}, expected (k, {D}) or "
-                                 f"(m, k, {D}): rows that read the {D}-wide token{hint}", path)
+                raise Refused(f"{{weights}} array {name!r} has shape {tuple(src.shape)}, expected (k, {D}) or "
+                              f"(m, k, {D}): rows that read the {D}-wide token{hint}", path, weights={})
             if src.dtype.kind not in "fiu":
-                raise InputError(f"--weights array {name!r} has dtype {src.dtype}, expected numbers", path)
+                raise Refused(f"{{weights}} array {name!r} has dtype {src.dtype}, expected numbers", path, weights={})
             parts.append(np.asarray(src.read(0, src.shape[0]), dtype=np.float64).reshape(-1, D))
     W = np.vstack(parts)
     if not np.isfinite(W).all():
-        raise InputError("--weights holds NaN or Inf", path)
+        raise Refused("{weights} holds NaN or Inf", path, weights={})
     return W

@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 
 from ..io import formats
-from ..errors import InputError
+from ..errors import InputError, Refused
 from ..feature_map import n_features, pair_index
 from ._head_shapes import HeadShapes
 from ..bias_terms import BIAS_ARRAYS, CENTRE_ARRAY, augmented_heads, centring, split_heads
@@ -254,8 +254,8 @@ class Heads(HeadShapes):
     @property
     def coef(self) -> np.ndarray:
         if self.P is not None:
-            raise InputError(f"factored heads (d = {self.d} tokens through d = {self.reduced_dim}, mhla export-heads "
-                             "--unreduce) have no coef (d, psi); they are evaluated directly")
+            raise Refused(f"factored heads (d = {self.d} tokens through d = {self.reduced_dim}, {{unreduced}}) have "
+                          "no coef (d, psi); they are evaluated directly", unreduced={})
         if self.d_out != self.d:
             raise InputError(f"heads with {self.d_out}-dim outputs of {self.d}-dim tokens have no coef (d, psi) "
                              "on d x d features; they are evaluated directly")

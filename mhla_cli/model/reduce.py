@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from ..io import formats
-from ..errors import InputError
+from ..errors import InputError, Refused
 from . import directions
 from .heads import Heads
 from ..io.tokens import TokensInfo, check_finite, check_weights, inspect_tokens, iter_chunks
@@ -121,8 +121,8 @@ def scored_moments(data: str | os.PathLike, chunk_size: int | None = None,
     weights; sum y y^T over every target row as `second_moments`; the file's layout): one streaming pass, float64."""
     info = inspect_tokens(data)
     if not info.has_targets:
-        raise InputError("--method supervised needs targets (the directions of the tokens that predict them): the "
-                         "file has none; use --method pca or --method weights", data)
+        raise Refused("{method:supervised} needs targets (the directions of the tokens that predict them): the "
+                      "file has none; use {method:pca} or {method:weights}", data, method={})
     Cxx, Cxy = np.zeros((info.d, info.d)), np.zeros((info.d, info.out_dim))
     Gy, wsum = np.zeros((info.out_dim, info.out_dim)), 0.0
     for a, b, tokens, offsets, targets, weights in iter_chunks(info, (0, info.n_samples), _chunk(info, chunk_size),
@@ -162,13 +162,14 @@ def top_eigenvectors(G: np.ndarray, k: int) -> tuple[np.ndarray, float]:
 
 def _check_dim(dim: int, info: TokensInfo, path: str | os.PathLike) -> None:
     if dim < 1:
-        raise InputError(f"--dim must be >= 1, got {dim}")
+        raise Refused(f"{{dim_opt}} must be >= 1, got {dim}", dim_opt={})
     if dim > info.d:
-        raise InputError(f"--dim {dim} is more than the tokens' width D = {info.d}: a reduction keeps at most D "
-                         "dimensions", path)
+        raise Refused(f"{{dim:{dim}}} is more than the tokens' width D = {info.d}: a reduction keeps at most D "
+                      "dimensions", path, dim={})
     if info.has_targets and dim > info.out_dim:
-        raise InputError(f"--dim {dim} is more than the targets' width D_out = {info.out_dim}: the MHLA maps R^d "
-                         f"to R^d, so the targets need at least d dimensions (use --dim <= {info.out_dim})", path)
+        raise Refused(f"{{dim:{dim}}} is more than the targets' width D_out = {info.out_dim}: the MHLA maps R^d "
+                      f"to R^d, so the targets need at least d dimensions (use {{dim_opt}} <= {info.out_dim})", path,
+                      dim={}, dim_opt={})
 
 
 def fit_reduction(data: str | os.PathLike, dim: int, chunk_size: int | None = None,
@@ -182,7 +183,7 @@ def fit_reduction(data: str | os.PathLike, dim: int, chunk_size: int | None = No
     if method == "supervised":
         Cxx, Cxy, wsum, Gt, info = scored_moments(data, chunk_size, progress)
         if not wsum > 0:
-            raise InputError("every sample weighs 0: --method supervised has no scored sample", data)
+            raise Refused("every sample weighs 0: {method:supervised} has no scored sample", data, method={})
         P, ps = directions.supervised(Cxx / wsum, Cxy / wsum, dim, data)
         Ut, uts = top_eigenvectors(Gt, dim)
         return Reduction(P, Ut, ps, uts, str(data), method)
@@ -198,10 +199,11 @@ def fit_reduction(data: str | os.PathLike, dim: int, chunk_size: int | None = No
 
 def _check_method(method: str, weights: str | os.PathLike | None) -> None:
     if method not in METHODS:
-        raise InputError(f"--method {method!r}: expected one of {', '.join(METHODS)}")
+        raise Refused(f"{{method_opt}} {method!r}: expected one of {', '.join(METHODS)}", method_opt={})
     if (method == "weights") != (weights is not None):
-        raise InputError("--method weights needs --weights FILE (the matrices the head reads the token through)"
-                         if weights is None else f"--weights goes with --method weights, not --method {method}")
+        raise Refused("{method:weights} needs {weights_file} (the matrices the head reads the token through)"
+                      if weights is None else f"{{weights}} goes with {{method:weights}}, not {{method:{method}}}",
+                      method={}, weights_file={}, weights={})
 
 
 def load_reduction(path: str | os.PathLike) -> Reduction:
@@ -352,12 +354,13 @@ def reduce_tokens(data: str | os.PathLike, out: str | os.PathLike, dim: int | No
     `progress(n)` is told the sequences of each chunk (two passes when fitting: moments, then output).
     """
     if (dim is None) == (like is None):
-        raise InputError("give exactly one of --dim (fit the maps on DATA) and --like (apply those of a reduced "
-                         "file)")
+        raise Refused("give exactly one of {dim_opt} (fit the maps on DATA) and {like_opt} (apply those of a reduced "
+                      "file)", dim_opt={}, like_opt={})
     if like is not None:
         if method is not None or weights is not None:
-            raise InputError("--method and --weights choose the maps fitted on DATA; --like applies those of a "
-                             "reduced file (its method is recorded there): give one or the other")
+            raise Refused("{method_opt} and {weights} choose the maps fitted on DATA; {like_opt} applies those of a "
+                          "reduced file (its method is recorded there): give one or the other", method_opt={},
+                          weights={}, like_opt={})
         red = load_reduction(like)
     else:
         assert dim is not None
@@ -409,16 +412,16 @@ def check_unreduce(model: Any, reduced: str | os.PathLike, model_path: str | os.
         fitted = source.get("reduction") or {}
         name = source.get("name", "?")
         if fitted.get("maps") is None:
-            raise InputError(f"{model_path} was fitted on {name}, which mhla reduce did not write (it records no "
-                             f"maps): its heads are not in the coordinates of {reduced}; --unreduce takes the file "
-                             "mhla reduce wrote for the model's training data", reduced)
+            raise Refused(f"{model_path} was fitted on {name}, which mhla reduce did not write (it records no "
+                          f"maps): its heads are not in the coordinates of {reduced}; {{unreduce_opt}} takes the file "
+                          "mhla reduce wrote for the model's training data", reduced, unreduce_opt={})
         if fitted.get("dim") is not None and have.get("dim") is not None and fitted["dim"] != have["dim"]:
             raise InputError(f"the heads have d = {fitted['dim']} but the reduction maps to d = {have['dim']}",
                              reduced)
         if fitted["maps"] != have.get("maps"):
-            raise InputError(f"holds other maps (reduce_P, reduce_U: {str(have.get('maps'))[:12]}) than the reduction "
-                             f"of {name} that {model_path} was fitted on ({fitted['maps'][:12]}): give --unreduce "
-                             f"{name}, or a file reduced with `mhla reduce ... --like` it", reduced)
+            raise Refused(f"holds other maps (reduce_P, reduce_U: {str(have.get('maps'))[:12]}) than the reduction "
+                          f"of {name} that {model_path} was fitted on ({fitted['maps'][:12]}): give {{unreduce_opt}} "
+                          f"{name}, or a file reduced with {{like_it}} it", reduced, unreduce_opt={}, like_it={})
         return None
     first = (formats.recorded_inputs(model_path)[:1] or [{}])[0]
     if first.get("fingerprint") and first.get("fingerprint") == ident.get("fingerprint"):

@@ -18,7 +18,7 @@ from typing import Any, Self
 import numpy as np
 
 from mhla_cli.statistics import basis as basis_mod
-from mhla_cli.errors import InputError
+from mhla_cli.errors import InputError, Refused
 from mhla_cli.linalg.memory import check_memory
 from mhla_cli.statistics.files.features_file import BASIS_SUMS, StoredGram
 from mhla_cli.statistics.record_fields import FeaturesFields
@@ -220,8 +220,8 @@ def _check_addable(acc: FeaturesAlgebra, part: FeaturesAlgebra) -> None:
     """Refuse to add statistics of different data shapes, targets, normalisations or modes."""
     if part.bias_terms != acc.bias_terms:
         with_, without = ("the part", "the sum") if part.bias_terms else ("the sum", "the part")
-        raise InputError(f"cannot add statistics with and without the bias terms ({with_} has them, {without} "
-                         "not): featurize every part with the same --bias-terms")
+        raise Refused(f"cannot add statistics with and without the bias terms ({with_} has them, {without} "
+                      "not): featurize every part with the same {bias_terms_opt}", bias_terms_opt={})
     if part.d != acc.d:
         raise InputError(f"cannot add statistics of d = {acc.d} and d = {part.d}")
     if part.has_targets != acc.has_targets:
@@ -231,13 +231,14 @@ def _check_addable(acc: FeaturesAlgebra, part: FeaturesAlgebra) -> None:
                          f"{part.normalize}): featurize every part with the same normalisation")
     empty = acc.n_samples == 0 and acc.n_tokens == 0 and acc.basis is None
     if (part.affine is None) != (acc.affine is None) and not (empty and acc.affine is None):
-        raise InputError("cannot add statistics with and without the affine block (--affine-from): featurize every "
-                         "part with the same --affine-from")
+        raise Refused("cannot add statistics with and without the affine block ({affine_from}): featurize every "
+                      "part with the same {affine_from}", affine_from={})
     if part.affine is not None and acc.affine is not None:
         acc.affine.check_addable(part.affine)
     if part.samples != acc.samples:
-        raise InputError(f"cannot add statistics of {part.samples.name} samples to statistics of {acc.samples.name} "
-                         "samples: featurize every part with the same --attention (and per-position targets or not)")
+        raise Refused(f"cannot add statistics of {part.samples.name} samples to statistics of {acc.samples.name} "
+                      "samples: featurize every part with {attention} (and per-position targets or not)",
+                      attention={})
 
 
 def _adopt_basis(acc: FeaturesAlgebra, part: FeaturesAlgebra) -> None:

@@ -20,7 +20,7 @@ from ..formats import COMPAT_ATTR
 from ._source import _Source
 from ._writer import _write
 from .. import tokens as tokens_mod
-from ...errors import InputError
+from ...errors import InputError, Refused
 
 
 def parse_input(spec: str | os.PathLike) -> tuple[str | None, Path]:
@@ -170,7 +170,7 @@ def convert_files(inputs: Sequence[str | os.PathLike], output: str | os.PathLike
         for pick in keymap.values():
             if pick.name not in held:
                 listed = ", ".join(repr(n) for n in sorted(held)[:8]) + (", ..." if len(held) > 8 else "")
-                raise InputError(f"--key {pick}: no input holds an array '{pick.name}' (they hold {listed})")
+                raise Refused(f"{{key:{pick}}}: no input holds an array '{pick.name}' (they hold {listed})", key={})
         per_file = [(p, *_pick(srcs, keymap, mask)) for p, srcs in raw]
         holders = [p for p, srcs, _ in per_file if any(s.name == "tokens" for s in srcs)]
         if len(holders) > 1 and not plain:

@@ -12,7 +12,7 @@ import numpy as np
 from ._roles import MASK_NAMES
 from ._source import _array_source, _Source
 from .. import formats
-from ...errors import InputError
+from ...errors import InputError, Refused
 
 # Bytes of mask rows read at once while counting a padded file's lengths.
 _MASK_BYTES = 16 << 20
@@ -84,8 +84,8 @@ def _apply_mask(sources: list[_Source], mask_name: str | None, label: str, expli
     if mask_name is None:
         found = [m for m in MASK_NAMES if m in by]
         if len(found) > 1:
-            raise InputError(f"both {' and '.join(repr(f) for f in found)}: give one padding mask (or name it with "
-                             "--mask NAME)", label)
+            raise Refused(f"both {' and '.join(repr(f) for f in found)}: give one padding mask (or name it with "
+                          "{mask:NAME})", label, mask={})
         mask_name = found[0] if found else None
     if mask_name is None:
         return sources

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ._source import _Source
-from ...errors import InputError
+from ...errors import InputError, Refused
 
 NAMES = ("tokens", "offsets", "targets", "weights")
 # Names of a model's activations read as the tokens when no array is named `tokens` (Hugging Face).
@@ -66,24 +66,24 @@ def parse_keys(keys: Sequence[str] | None) -> dict[str, Pick]:
     for k in keys or ():
         role, sep, spec = str(k).partition("=")
         if not sep or not spec or role not in ROLES:
-            raise InputError(f"--key {k}: expected ROLE=NAME with ROLE one of {', '.join(ROLES)} (e.g. "
-                             "--key tokens=hidden, --key targets=blocks.3.attn.hook_result[5])")
+            raise Refused(f"{{key:{k}}}: expected ROLE=NAME with ROLE one of {', '.join(ROLES)} (e.g. "
+                          "{key:tokens=hidden}, {key:targets=blocks.3.attn.hook_result[5]})", key={})
         name, head = spec, None
         m = _SELECTOR.match(spec)
         if m:
             name, sel = m["name"], m["sel"].strip()
             if sel != "sum" and not sel.isdigit():
-                raise InputError(f"--key {k}: [{sel}] picks heads: a head's number (NAME[3]) or the sum over the "
-                                 "heads (NAME[sum])")
+                raise Refused(f"{{key:{k}}}: [{sel}] picks heads: a head's number (NAME[3]) or the sum over the "
+                              "heads (NAME[sum])", key={})
             if role in ("offsets", "mask"):
-                raise InputError(f"--key {k}: [{sel}] picks heads of tokens, targets or weights, not of {role}")
+                raise Refused(f"{{key:{k}}}: [{sel}] picks heads of tokens, targets or weights, not of {role}", key={})
             head = "sum" if sel == "sum" else int(sel)
         pick = Pick(role, name, head)
         if role in out:
-            raise InputError(f"--key: more than one array given the role {role} ({out[role]} and {pick})")
+            raise Refused(f"{{keys}}: more than one array given the role {role} ({out[role]} and {pick})", keys={})
         same = [p for p in out.values() if (p.name, p.head) == (name, head)]
         if same:
-            raise InputError(f"--key: '{spec}' is given two roles ({same[0].role} and {role})")
+            raise Refused(f"{{keys}}: '{spec}' is given two roles ({same[0].role} and {role})", keys={})
         out[role] = pick
     return out
 
@@ -97,16 +97,17 @@ def _head(s: _Source, pick: Pick) -> _Source:
     """The array `s` under its role: whole, one head, or summed over the heads (axis 2 of 4)."""
     if pick.head is None:
         if len(s.shape) == 4 and pick.role in ("tokens", "targets"):
-            raise InputError(f"'{s.name}' has shape {s.shape}, with an axis of {s.shape[-2]} heads: pick one head "
-                             f"with --key {pick.role}={s.name}[h] (h = 0..{s.shape[-2] - 1}) or their sum with "
-                             f"--key {pick.role}={s.name}[sum]", s.label)
+            raise Refused(f"'{s.name}' has shape {s.shape}, with an axis of {s.shape[-2]} heads: pick one head "
+                          f"with {{key:{pick.role}={s.name}[h]}} (h = 0..{s.shape[-2] - 1}) or their sum with "
+                          f"{{key:{pick.role}={s.name}[sum]}}", s.label, key={})
         return dataclasses.replace(s, name=pick.role, spare=False)
     if len(s.shape) != 4:  # (N, n, d) has no head axis: its axis -2 is the positions
-        raise InputError(f"--key {pick}: '{s.name}' has shape {s.shape}; NAME[h] picks a head of an array of 4 axes "
-                         "[batch, pos, head, d]", s.label)
+        raise Refused(f"{{key:{pick}}}: '{s.name}' has shape {s.shape}; NAME[h] picks a head of an array of 4 axes "
+                      "[batch, pos, head, d]", s.label, key={})
     H = s.shape[-2]
     if pick.head != "sum" and not int(pick.head) < H:
-        raise InputError(f"--key {pick}: '{s.name}' has {H} heads (shape {s.shape}): heads are 0..{H - 1}", s.label)
+        raise Refused(f"{{key:{pick}}}: '{s.name}' has {H} heads (shape {s.shape}): heads are 0..{H - 1}", s.label,
+                      key={})
     shape = s.shape[:-2] + s.shape[-1:]
     dtype = np.dtype(np.float64) if pick.head == "sum" else s.dtype
     head = -1 if pick.head == "sum" else int(pick.head)  # the head's index on axis 2 (-1: the sum)
@@ -155,20 +156,20 @@ def _check_names(sources: list[_Source], where: str) -> list[_Source]:
     names = [s.name for s in sources]
     if "tokens" not in names and spare:  # a store of hooks: say how to pick them before anything else
         listed = ", ".join(repr(n) for n in spare[:4]) + (f", ... ({len(spare)} in all)" if len(spare) > 4 else "")
-        raise InputError(f"no 'tokens' array: pick the activations with --key tokens=NAME and --key targets=NAME "
-                         f"(NAME[h]: head h of a [batch, pos, head, d] hook; NAME[sum]: their sum) from {listed}",
-                         where)
+        raise Refused(f"no 'tokens' array: pick the activations with {{key:tokens=NAME}} and {{key:targets=NAME}} "
+                      f"(NAME[h]: head h of a [batch, pos, head, d] hook; NAME[sum]: their sum) from {listed}",
+                      where, key={})
     dup = sorted({n for n in names if names.count(n) > 1})
     if dup:
         raise InputError(f"more than one array named {', '.join(repr(d) for d in dup)}", where)
     unknown = [n for n in names if n not in NAMES]
     if unknown:
-        raise InputError(f"unknown array{'s' if len(unknown) > 1 else ''} {', '.join(repr(u) for u in unknown)}: "
-                         "a tokens file holds only tokens, offsets, targets and weights (rename the arrays, map "
-                         "them with --key ROLE=NAME, or name a .npy file NAME=FILE)", where)
+        raise Refused(f"unknown array{'s' if len(unknown) > 1 else ''} {', '.join(repr(u) for u in unknown)}: "
+                      "a tokens file holds only tokens, offsets, targets and weights (rename the arrays, map "
+                      "them with {key:ROLE=NAME}, or name a .npy file NAME=FILE)", where, key={})
     if "tokens" not in names:
         found = ", ".join(repr(n) for n in names) or "nothing"
-        raise InputError(f"no 'tokens' array (found {found}; name one with --key tokens=NAME)", where)
+        raise Refused(f"no 'tokens' array (found {found}; name one with {{key:tokens=NAME}})", where, key={})
     return sources
 
 
@@ -180,15 +181,16 @@ def compat_record(sources: list[_Source], option: bool | None, where: str) -> st
     values = set(said.values()) | ({option} if option is not None else set())
     if len(values) > 1:
         told = [f"{label}: {'on' if v else 'off'}" for label, v in said.items()]
-        told += [f"--compatibility-mode {'on' if option else 'off'}"] if option is not None else []
-        raise InputError(f"the records of TransformerLens's compatibility mode disagree ({'; '.join(told)}): "
-                         "activations of both kinds differ (hook_z by the value bias) and cannot be one file", where)
+        told += [f"{{compat_{'on' if option else 'off'}}}"] if option is not None else []
+        raise Refused(f"the records of TransformerLens's compatibility mode disagree ({'; '.join(told)}): "
+                      "activations of both kinds differ (hook_z by the value bias) and cannot be one file", where,
+                      compat_on={}, compat_off={})
     if values:
         return "on" if values.pop() else "off"
     bridge = next((s.name for s in sources if BRIDGE_HOOK.match(s.name)), None)
     if bridge is not None:
-        raise InputError(f"a TransformerLens 4 TransformerBridge cache ('{bridge}'), without a record of whether "
-                         f"compatibility mode was on (its hook_z differ by the value bias): save "
-                         f"'{COMPAT_KEY}': bridge.compatibility_mode in the dict, or give --compatibility-mode on|off",
-                         where)
+        raise Refused(f"a TransformerLens 4 TransformerBridge cache ('{bridge}'), without a record of whether "
+                      f"compatibility mode was on (its hook_z differ by the value bias): save "
+                      f"'{COMPAT_KEY}': bridge.compatibility_mode in the dict, or give {{compat_either}}",
+                      where, compat_either={})
     return None

@@ -25,7 +25,7 @@ from ._source import _Source
 from ._values import _value_sources
 from .. import formats
 from .. import tokens as tokens_mod
-from ...errors import InputError
+from ...errors import InputError, Refused
 from ...samples import attentions
 
 # Output suffixes that name another format (an output's suffix means its format).
@@ -40,6 +40,8 @@ def _relabel(exc: InputError, tmp: Path, where: str) -> InputError:
     """The reader's error about the temporary output, said of the inputs it was made from."""
     if exc.path != str(tmp):
         return exc
+    if isinstance(exc, Refused):
+        return Refused(exc.template, where, **exc.remedies)
     return InputError(str(exc)[len(exc.path) + 2:], where)
 
 
@@ -81,12 +83,12 @@ def _attention(info: tokens_mod.TokensInfo, attention: str | None, required: boo
     if attention is not None and not per_position:
         what = ("the targets are per sequence (N, e): the last position is the query" if info.has_targets
                 else "there are no targets")
-        raise InputError(f"--attention {attention} is for per-position targets, but {what}; drop --attention",
-                         where)
+        raise Refused(f"{{attention_is:{attention}}} is for per-position targets, but {what}; drop {{attention_opt}}",
+                      where, attention_is={}, attention_opt={})
     if attention is None and per_position and required:
-        raise InputError("the targets are per position: say how the model's attention ran, --attention causal (a "
-                         "decoder: position t sees the positions up to t) or --attention bidirectional (an encoder, "
-                         "BERT-style: every position sees the whole window)", where)
+        raise Refused("the targets are per position: say how the model's attention ran, {attention_is:causal} (a "
+                      "decoder: position t sees the positions up to t) or {attention_is:bidirectional} (an encoder, "
+                      "BERT-style: every position sees the whole window)", where, attention_is={})
     return attention
 
 

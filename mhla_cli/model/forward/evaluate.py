@@ -11,7 +11,7 @@ import numpy as np
 
 from ...linalg.backends import get_backend
 from ...linalg.device import check_device
-from ...errors import InputError
+from ...errors import InputError, Refused
 from ...feature_map import d_of_psi
 from ..heads import Heads
 from ..model import Model, affine_of, bias_terms_of, coef_of, evaluation_of, normalize_of
@@ -285,8 +285,8 @@ def _with_affine(fn: Model | Heads | np.ndarray, out: np.ndarray, wide: np.ndarr
             raise InputError("wide tokens were given but the function has no affine map of them")
         return out
     if wide is None:
-        raise InputError(f"the function adds an affine map of the wide tokens (width {affine.shape[1] - 1}): give them "
-                         "(wide=, or --affine-from)")
+        raise Refused(f"the function adds an affine map of the wide tokens (width {affine.shape[1] - 1}): give them "
+                      "({wide})", wide={})
     wide = np.asarray(wide, dtype=np.float64)
     wide = wide.reshape(-1, wide.shape[-1])
     if wide.shape != (int(offsets[-1]), affine.shape[1] - 1):

@@ -16,7 +16,7 @@ import numpy as np
 
 from mhla_cli.io import formats
 from mhla_cli.linalg.device import check_device, worker_device
-from mhla_cli.errors import InputError
+from mhla_cli.errors import InputError, Refused
 from mhla_cli.feature_map import check_normalize
 from mhla_cli.model.heads import Heads
 from mhla_cli.model.model import Model, affine_of, bias_terms_of, normalize_of
@@ -138,8 +138,8 @@ def function_and_data(fn: Model | Heads, data: str | os.PathLike
         raise InputError(f"the data have d = {info.stored_d} but the model has d = "
                          f"{in_width(coef) - int(info.constant)}", data)
     if info.has_targets and info.out_dim != out_width(coef):
-        raise InputError(f"the targets are {info.out_dim} wide but the model's outputs {out_width(coef)}: map the "
-                         "targets as the model's were (mhla reduce --like)", data)
+        raise Refused(f"the targets are {info.out_dim} wide but the model's outputs {out_width(coef)}: map the "
+                      "targets as the model's were ({like_reduced})", data, like_reduced={})
     return coef, normalize, info
 
 
@@ -355,9 +355,10 @@ def _output_layout(fn: Model | Heads, layout: Samples | None, causal: bool, all_
         layout = None  # the last-token outputs: the predictions themselves
     fitted = fitted_samples(fn)
     if layout is not None and fitted.predicts_every_position and layout != fitted:
-        raise InputError(f"the model was fitted on {fitted.name} samples ({fitted.words}): "
-                         f"{'--causal' if layout == CAUSAL else layout.name} would evaluate it on {layout.words}; "
-                         f"its outputs at every position are written without {'--causal' if causal else 'a layout'}")
+        raise Refused(f"the model was fitted on {fitted.name} samples ({fitted.words}): "
+                      f"{'{causal}' if layout == CAUSAL else layout.name} would evaluate it on {layout.words}; "
+                      f"its outputs at every position are written without {'{causal}' if causal else 'a layout'}",
+                      causal={})
     samples = (layout if layout is not None else BIDIRECTIONAL if all_positions and not fitted.predicts_every_position
                else fitted if fitted.predicts_every_position else None)
     return layout, fitted, samples
@@ -388,7 +389,8 @@ def _affine_source(fn: Model | Heads, data: str | os.PathLike, affine_from: str 
         _check_not_reduced(fn, inspect_tokens(data).d, data)
     if affine is None:
         if affine_from is not None:
-            raise InputError("--affine-from was given but the function has no affine map of the wide tokens", data)
+            raise Refused("{affine_from} was given but the function has no affine map of the wide tokens", data,
+                          affine_from={})
         return None
     D = affine.shape[1] - 1
     if affine_from is not None:
@@ -396,8 +398,8 @@ def _affine_source(fn: Model | Heads, data: str | os.PathLike, affine_from: str 
     else:
         info = inspect_tokens(data)
         if info.d != D:
-            raise InputError(f"the function adds an affine map of the wide tokens (width {D}): give the tokens file "
-                             "that mhla reduce read to make this one (--affine-from WIDE.h5)", data)
+            raise Refused(f"the function adds an affine map of the wide tokens (width {D}): give the tokens file "
+                          "that mhla reduce read to make this one ({affine_file:WIDE.h5})", data, affine_file={})
         wide = WideSource(dataclasses.replace(info, has_targets=False, has_weights=False, samples=LAST, d_out=None), {})
     if wide.width != D:
         raise InputError(f"the wide tokens are {wide.width} wide but the function's affine map takes {D}", affine_from)
@@ -412,9 +414,9 @@ def _check_not_reduced(fn: Model | Heads, d: int, data: str | os.PathLike) -> No
         return
     made_from = [i.get("name") for i in formats.recorded_inputs(data) if i.get("name")]
     wide = f"{made_from[0]}, the file mhla reduce read to make this one" if made_from else "the file mhla reduce read"
-    raise InputError(f"these heads were put back into the {fn.P.shape[0]}-wide coordinates (export-heads --unreduce) "
-                     f"but the tokens are the {d}-wide reduced ones: predict the {fn.P.shape[0]}-wide tokens file "
-                     f"({wide}), with no --affine-from", data)
+    raise Refused(f"these heads were put back into the {fn.P.shape[0]}-wide coordinates ({{unreduced_heads}}) "
+                  f"but the tokens are the {d}-wide reduced ones: predict the {fn.P.shape[0]}-wide tokens file "
+                  f"({wide}), with no {{affine_from}}", data, unreduced_heads={}, affine_from={})
 
 
 def predict_range(coef: np.ndarray | HeadsFn, info: Any, layout: Samples | None, sample_range: tuple[int, int],

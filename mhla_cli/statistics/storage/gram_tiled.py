@@ -16,7 +16,7 @@ from typing import Any, NoReturn
 
 import numpy as np
 
-from mhla_cli.errors import InputError
+from mhla_cli.errors import InputError, Refused
 from mhla_cli.io import formats
 from mhla_cli.linalg.factorization import Factorization
 from mhla_cli.linalg.tiled_matrix import TiledMatrix, tile_offsets
@@ -66,8 +66,8 @@ class TiledGram(GramStorage):
 
     def add(self, other: GramStorage) -> TiledGram:
         if not isinstance(other, TiledGram):
-            raise InputError("cannot add a Gram held in one process to one tiled on a cluster: accumulate both "
-                             "on the cluster (--scheduler)")
+            raise Refused("cannot add a Gram held in one process to one tiled on a cluster: accumulate both "
+                          "on the cluster ({scheduler})", scheduler={})
         return self._map("add", np.add, other)
 
     def congruence(self, P: np.ndarray, R: np.ndarray, overwrite: bool = False) -> NoReturn:
@@ -83,12 +83,12 @@ class TiledGram(GramStorage):
     def factorization(self, scale: float = 1.0, n_full: int | None = None, device: str | None = None
                       ) -> Factorization:
         if device not in (None, "cpu"):
-            raise InputError(f"--device {device}: a Gram tiled on a cluster is factorized on the workers")
+            raise Refused(f"{{device:{device}}}: a Gram tiled on a cluster is factorized on the workers", device={})
         return Factorization(None, n_full, scale, matrix=self.held)
 
     def written(self, transform: Callable[[GramStorage], GramStorage] | None = None) -> NoReturn:
-        raise InputError("a Gram tiled on a cluster is written as a Zarr store (featurize --scheduler ... "
-                         "-o FEATS.zarr), not to an HDF5 features file")
+        raise Refused("a Gram tiled on a cluster is written as a Zarr store ({tiled_store}), not to an HDF5 "
+                      "features file", tiled_store={})
 
 
 def _refuse_gather(what: str) -> NoReturn:
