@@ -260,21 +260,121 @@ def test_an_mhla_plus_an_affine_map_of_the_wide_token_is_fitted_exactly(tmp_path
     assert learn_fit(featurize(red)).info["train_r2"] < 0.9
 
 
-def test_wide_tokens_with_a_linear_constraint_never_certify(tmp_path: Path) -> None:
-    """A layer norm's output satisfies sum_j x_j / g_j = const: (x_wide, 1) is collinear, the affine map is not
-    identifiable, and the certificate says where its null direction lies."""
+def layer_normed(rng: np.random.Generator, T: int, D: int) -> tuple[np.ndarray, np.ndarray, float]:
+    """LayerNorm of random vectors with a gain g and a shift b: (x - b) / g is centred and of norm 1, so every token
+    lies on the hyperplane a^T x = c, a = (1 / g) / |1 / g|, c = a^T b. Returns (X, a, c)."""
+    Z = rng.standard_normal((T, D)) @ rng.standard_normal((D, D))
+    Z -= Z.mean(axis=1, keepdims=True)
+    Z /= np.linalg.norm(Z, axis=1, keepdims=True)
+    g, b = rng.uniform(0.5, 2.0, D), rng.standard_normal(D)
+    a = (1.0 / g) / np.linalg.norm(1.0 / g)
+    return Z * g + b, a, float(a @ b)
+
+
+def hull_spectrum(s: dict, layout: str) -> np.ndarray:
+    """The reference spectrum on the wide tokens' affine hull: ref_spectrum's canonical MHLA features beside f
+    whitened on the range of its weighted second moment (numpy's eigh, the null direction dropped)."""
+    smp = [(Xs, xw, wt) for Xs, xw, wt, _ in samples(s, layout, w=s["w"])]
+    G = sum(wt * Xs.T @ Xs for Xs, _, wt in smp) / sum(wt * Xs.shape[0] for Xs, _, wt in smp)
+    A = ref.inv_sqrt(G)
+    Ht = np.array([ref.canonical_features(Xs @ A) for Xs, _, wt in smp if wt > 0])
+    F = np.array([np.append(xw, 1.0) for _, xw, wt in smp if wt > 0])
+    wv = np.array([wt for _, _, wt in smp if wt > 0])
+    ev, V = np.linalg.eigh((F * wv[:, None]).T @ F / wv.sum())
+    keep = ev > 1e-9 * ev[-1]
+    Z = np.hstack([Ht, F @ (V[:, keep] / np.sqrt(ev[keep]))])
+    return np.linalg.eigvalsh((Z * wv[:, None]).T @ Z / wv.sum())
+
+
+@pytest.mark.parametrize("layout", ["last", "bidirectional"])
+def test_layer_normed_wide_tokens_certify_on_their_affine_hull(tmp_path: Path, layout: str) -> None:
+    """A layer norm's output lies on a^T x = c: (x_wide, 1) is collinear and the affine map is determined only up to
+    a multiple of a^T x - c. The certificate names that hyperplane, proves the rest (the numpy spectrum of the
+    features with f whitened on its range), and the fit's condition number is that spectrum's."""
+    rng = np.random.default_rng(5)
+    off = windows(rng, 70)
+    X, a, c = layer_normed(rng, int(off[-1]), 5)
+    s = setup(tmp_path, layout, 9, X=X, off=off)
+    f = featurize(s["red"], affine_from=s["wide"])
+    cert = learn_certify(f)
+    want = hull_spectrum(s, layout)
+    assert cert.identifiable and cert.n_features == want.size == 6 + 5, cert
+    (plane,) = cert.hyperplanes
+    assert abs(float(np.dot(plane["normal"], a))) >= 1 - 1e-10 and abs(plane["offset"] - c) < 1e-9
+    assert "hyperplane a^T x" in cert.notes[0] and cert.to_dict()["hyperplanes"] == cert.hyperplanes
+    assert relerr(cert.lambda_min, want[0]) < 1e-8 and relerr(cert.lambda_max, want[-1]) < 1e-8
+    model = learn_fit(f)
+    assert model.info["identifiable"] and np.isfinite(model.info["condition_number"])
+    assert relerr(model.info["condition_number"], want[-1] / want[0]) < 1e-8
+    assert model.info["affine_hyperplanes"] == cert.hyperplanes
+    # the fitted function on held-out tokens of the hull is numpy's least squares on [H(X), x_wide, 1]
+    H, _, rs = design(s, layout, "none")
+    coef = np.linalg.lstsq(H, s["Yr"][rs], rcond=None)[0].T
+    offh = windows(np.random.default_rng(7), 10, 1, 9)
+    Xh = 0.5 * (X[: int(offh[-1])] + X[1: int(offh[-1]) + 1])  # affine combinations stay on the hull
+    Xrh = Xh @ s["red_map"].P
+    pp = layout != "last"
+    want_p = np.array([coef @ np.concatenate([ref.features(Xs), xw, [1.0]])
+                       for Xs, xw, _, _ in samples(s, layout, X=Xh, Xr=Xrh, off=offh)])
+    got = predict_samples(model, Xrh, offh, samples_of(pp, layout if pp else "causal"), wide=Xh)
+    assert relerr(got, want_p) < 1e-7
+
+
+def test_a_hyperplane_under_badly_scaled_coordinates_is_named(tmp_path: Path) -> None:
+    """sum_j x_j = 2 mapped by X M + 3 i (a rotated direction 1e-4 of the others, a shift): the hyperplane is
+    M^-1 1 . x = 2 + 3 i 1^T M^-1 1, found in the nearly whitened sums whatever the scales."""
     rng = np.random.default_rng(5)
     off = windows(rng, 60)
     X = wide_tokens(rng, int(off[-1]), 5)
     X[:, -1] = 2.0 - X[:, :-1].sum(axis=1)
-    # also badly scaled: a rotated direction 1e-4 of the others and a shift (whitening the raw sums after the fact
-    # would lift the null direction above the threshold; the sums are accumulated nearly whitened)
     for i, M in enumerate((np.eye(5), transform(5, 1e4, 3))):
         (tmp_path / str(i)).mkdir()
         s = setup(tmp_path / str(i), "causal", 9, X=X @ M + 3.0 * i, off=off)
         cert = learn_certify(featurize(s["red"], affine_from=s["wide"]))
-        assert not cert.identifiable and cert.lambda_min <= cert.threshold
-        assert any("affine block" in r for r in cert.reasons)
+        v = np.linalg.solve(M, np.ones(5))
+        (plane,) = cert.hyperplanes
+        assert cert.identifiable and abs(float(np.dot(plane["normal"], v / np.linalg.norm(v)))) >= 1 - 1e-10
+
+
+def test_a_hyperplane_with_a_collinearity_across_the_blocks_does_not_certify(tmp_path: Path, capsys) -> None:
+    """Windows of one length n with the bias terms: n x_t = n P^T x_wide is held by both blocks; on layer-normed
+    tokens the hyperplane is named and the rest is still not determined: exit 1. Without the bias terms: exit 0."""
+    rng = np.random.default_rng(8)
+    off = np.arange(0, 61 * 5, 5)
+    X, a, _ = layer_normed(rng, int(off[-1]), 4)
+    s = setup(tmp_path, "bidirectional", 3, D=4, X=X, off=off)
+    cert = learn_certify(featurize(s["red"], bias_terms=True, affine_from=s["wide"]))
+    assert not cert.identifiable and len(cert.hyperplanes) == 1
+    assert abs(float(np.dot(cert.hyperplanes[0]["normal"], a))) >= 1 - 1e-10
+    red, wide = str(s["red"]), str(s["wide"])
+    assert run(["featurize", red, "-o", str(tmp_path / "b.h5"), "--affine-from", wide, "--bias-terms", "-q"]) == 0
+    assert run(["certify", str(tmp_path / "b.h5")]) == 1
+    assert "lie on the hyperplane" in "".join(capsys.readouterr())
+    assert run(["featurize", red, "-o", str(tmp_path / "f.h5"), "--affine-from", wide, "-q"]) == 0
+    assert run(["certify", str(tmp_path / "f.h5")]) == 0
+    assert "the affine map is determined up to that direction" in "".join(capsys.readouterr())
+
+
+@pytest.mark.parametrize("side", [1 - 1e-3, 1 + 1e-3])
+def test_hull_cut_is_affine_hull_tol(side: float) -> None:
+    """A direction of f's moment at the cut affine_hull_tol(k, N) of the largest (just inside: a hyperplane) or just
+    outside it (a direction of the data)."""
+    from types import SimpleNamespace
+
+    from mhla_cli.numerics import affine_hull_tol
+
+    k, N = 6, 400
+    w = np.linspace(1.0, 2.0, k)
+    w[0] = side * affine_hull_tol(k, N) * w[-1]
+    Q = np.linalg.qr(np.random.default_rng(1).standard_normal((k, k)))[0]
+    feats = SimpleNamespace(affine=SimpleNamespace(gram=3.0 * (Q * w) @ Q.T, f_basis=np.eye(k)), n_samples=N)
+    hull = affine_block.affine_hull(feats, 3.0)  # type: ignore[arg-type]
+    if side < 1:
+        assert hull is not None and hull[0].shape == (k, k - 1) and len(hull[1]) == 1
+        v = Q[:, 0] / np.linalg.norm(Q[:-1, 0])
+        assert abs(float(np.dot(hull[1][0].normal, v[:-1]))) >= 1 - 1e-10
+    else:
+        assert hull is None
 
 
 def test_bias_terms_with_length_normalisation_hold_the_reduced_coordinates(tmp_path: Path) -> None:

@@ -567,7 +567,8 @@ def _quoted_constants() -> list[str]:
 
 
 # the constants whose cut tests live beside their module rather than in tests/test_numerics.py
-CUT_TESTS = {"OWN_FOLDS_COND": ("tests/test_folds.py", "-k", "cut_")}
+CUT_TESTS = {"OWN_FOLDS_COND": ("tests/test_folds.py", "-k", "cut_"),
+             "AFFINE_HULL_FACTOR": ("tests/test_affine_block.py", "-k", "hull_cut")}
 # named tolerances outside numerics, each with the tests of its module
 OTHER_CONSTANTS = [("mhla_cli.solve.ridge_cv", "CV_FLOOR", ("tests/test_ridge_cv.py",)),
                    ("mhla_cli.io.tokens", "MIN_WEIGHT", ("tests/test_tokens.py", "-k", "cut_"))]
