@@ -35,6 +35,7 @@ from mhla_cli.solve import affine_block
 from mhla_cli.solve.certificate import certify_features as mhla_certify
 from mhla_cli.solve.lstsq import fit as lstsq_fit
 from mhla_cli.statistics.affine_sums import WideSource
+from mhla_cli.statistics.folds import load_for_cv
 from mhla_cli.statistics.ranges import estimate_basis, accumulate_range
 from mhla_cli.statistics.stream import featurize, tokens_info
 
@@ -517,3 +518,48 @@ def test_the_block_on_the_data_s_spans_gives_the_same_answer(tmp_path: Path) -> 
     pa = predict_samples(learn_fit(on), Xrh, offh, smp, wide=Xh)
     pb = predict_samples(learn_fit(off_), Xrh, offh, smp, wide=Xh)
     assert relerr(pa, pb) < 1e-8
+
+
+# --------------------------------------------------------------------------------------------
+# the ridge by cross-validation of the extended features
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("hull", [False, True])
+def test_ridge_auto_is_numpy_s_cross_validation(tmp_path: Path, hull: bool, capsys) -> None:
+    """fit --ridge auto with --affine-from: K-fold CV of the extended features (each training fold in its own
+    canonical coordinates, f whitened on its range), the same curve and ridge as the numpy reference."""
+    rng = np.random.default_rng(21)
+    off = windows(rng, 90, 2, 6)
+    T, N, D = int(off[-1]), 90, 5
+    X = layer_normed(rng, T, D)[0] if hull else wide_tokens(rng, T, D)
+    Xq = X[off[1:] - 1]
+    Y = Xq @ rng.standard_normal((D, D)) + 0.5 * rng.standard_normal((N, D))
+    s = setup(tmp_path, "last", 4, D=D, X=X, off=off, Y=Y)
+    total, folds = load_for_cv(s["red"], 5, affine_from=s["wide"])  # the command line's K
+    model = learn_fit(total, ridge="auto", folds=folds)
+    cv = model.info["ridge_cv"]
+    grid = np.array([row["ridge"] for row in cv["table"]])
+    want = ref.affine_ridge_cv_path(s["Xr"], off, s["Yr"], X, 5, grid).mean(axis=1)
+    got = np.array([row["cv_mse"] for row in cv["table"]])
+    assert relerr(got, want) < 1e-8
+    assert cv["chosen"] == grid[int(np.argmin(want))] and model.info["ridge"] == cv["chosen"]
+    assert relerr(model.info["lambda_max"], cv["lambda_max"]) < 1e-12
+    # the command line: the same choice
+    assert run(["fit", str(s["red"]), "-o", str(tmp_path / "m.h5"), "--affine-from", str(s["wide"]),
+                "--ridge", "auto", "--json", "-q"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert abs(out["ridge"] - cv["chosen"]) <= 1e-12 * cv["chosen"]
+    # featurize --folds with the wide tokens stores each fold's affine block: fitting that file chooses alike
+    feats = tmp_path / "f.h5"
+    assert run(["featurize", str(s["red"]), "-o", str(feats), "--affine-from", str(s["wide"]), "--folds", "5",
+                "-q"]) == 0
+    assert run(["fit", str(feats), "-o", str(tmp_path / "m2.h5"), "--ridge", "auto", "--json", "-q"]) == 0
+    out2 = json.loads(capsys.readouterr().out)
+    assert abs(out2["ridge"] - cv["chosen"]) <= 1e-12 * cv["chosen"]
+    assert relerr(np.array(out2["ridge_cv"]["table"][3]["cv_mse"]), np.array(want[3])) < 1e-8
+    # a features file of the block without its folds' blocks is refused, not cross-validated without them
+    with h5py.File(feats, "a") as f:
+        del f["fold_affine_gram"]
+    assert run(["fit", str(feats), "-o", str(tmp_path / "m3.h5"), "--ridge", "auto"]) == 2
+    assert "fold_affine_gram" in capsys.readouterr().err

@@ -39,7 +39,8 @@ from .certificate import Certificate
 from .domains import FULL
 
 __all__ = ["Extended", "Hyperplane", "affine_hull", "block_map", "certify_extended", "extended", "fit_extended",
-           "held_elsewhere", "hull_note"]
+           "held_elsewhere", "held_out_sums",
+           "extended_moments", "hull_note"]
 
 
 @dataclass
@@ -185,6 +186,28 @@ def _rhs(feats: Features, ext: Extended) -> np.ndarray:
     mc = moments_b / W if feats.on_spans else st.restrict(moments_b / W)
     mf = ext.B.T @ feats.affine.moments / W
     return np.vstack([mc, mf])
+
+
+def held_out_sums(val: Features, ext: Extended) -> tuple[np.ndarray, np.ndarray]:
+    """(G, M): the extended Gram and moments of the held-out statistics `val` (raw sums, not divided by their weight)
+    in the coordinates of a training fit's `ext`: `val` in the training basis (to_basis), its affine sums in the
+    training's f_b (the same estimate for every fold: affine_sums.WideSource.estimate_basis) mapped by ext.B."""
+    aff = val.affine
+    assert aff is not None and aff.moments is not None and val.basis_gram is not None  # the block, with targets
+    assert val.basis_moments is not None  # in a basis, with targets
+    st, B = ext.fac0.structure, ext.B
+    cross = aff.cross @ B
+    CA = cross if val.on_spans else st.restrict(cross)
+    G11 = st.compress(val.basis_gram)
+    G22 = B.T @ aff.gram @ B
+    G = np.block([[G11, CA], [CA.T, 0.5 * (G22 + G22.T)]])
+    M = np.vstack([st.restrict(val.basis_moments), B.T @ aff.moments])
+    return G, M
+
+
+def extended_moments(feats: Features, ext: Extended) -> np.ndarray:
+    """The right-hand side of the extended normal equations (`_rhs`)."""
+    return _rhs(feats, ext)
 
 
 def certify_extended(feats: Features, min_eig: float = 0.0, device: str | None = None) -> Certificate:
