@@ -321,6 +321,40 @@ def test_layer_normed_wide_tokens_certify_on_their_affine_hull(tmp_path: Path, l
     assert relerr(got, want_p) < 1e-7
 
 
+def test_layer_normed_wide_tokens_with_bias_terms_and_length_normalisation(tmp_path: Path) -> None:
+    """The bias terms hold x_t = P^T x_wide and 1 already: the block keeps the rest of the hull's functions (D - d - 1
+    features: the constant is a^T x / c there) and certifies; its function is numpy least squares on
+    [expanded bias features, x_wide, 1] on held-out tokens of the hull."""
+    rng = np.random.default_rng(6)
+    off = windows(rng, 70)
+    X, a, _ = layer_normed(rng, int(off[-1]), 6)
+    s = setup(tmp_path, "bidirectional", 8, D=6, d=2, X=X, off=off)
+    f = featurize(s["red"], normalize="length", bias_terms=True, affine_from=s["wide"])
+    cert = learn_certify(f)
+    assert cert.identifiable and cert.n_features == 18 + 3, cert  # psi of (x, 1) at d = 2, D - d - 1
+    assert abs(float(np.dot(cert.hyperplanes[0]["normal"], a))) >= 1 - 1e-10
+    model = learn_fit(f)
+    rows, rs = [], []
+    for Xs, xw, _, r in samples(s, "bidirectional"):
+        rows.append(np.concatenate([ref.expanded_features(Xs, "length")[0], xw, [1.0]]))
+        rs.append(r)
+    coef = np.linalg.lstsq(np.array(rows), s["Yr"][rs], rcond=None)[0].T
+    offh = windows(np.random.default_rng(4), 10, 1, 9)
+    Xh = 0.5 * (X[: int(offh[-1])] + X[2: int(offh[-1]) + 2])
+    Xrh = Xh @ s["red_map"].P
+    want = np.array([coef @ np.concatenate([ref.expanded_features(Xs, "length")[0], xw, [1.0]])
+                     for Xs, xw, _, _ in samples(s, "bidirectional", X=Xh, Xr=Xrh, off=offh)])
+    got = predict_samples(model, Xrh, offh, samples_of(True, "bidirectional"), wide=Xh)
+    assert relerr(got, want) < 1e-7 and np.isfinite(model.info["condition_number"])
+    # the block's features are uncorrelated on the data with the functions the bias terms hold (x_t and 1)
+    W = f.weight
+    B = affine_block.block_map(f, W)
+    held = np.linalg.solve(f.affine.f_basis, affine_block.held_elsewhere(f))
+    Gb = f.affine.gram / W
+    corr = (B.T @ Gb @ held) / np.sqrt(np.diag(held.T @ Gb @ held))  # B's features have unit variance
+    assert np.abs(corr).max() <= 1e-9, corr
+
+
 def test_a_hyperplane_under_badly_scaled_coordinates_is_named(tmp_path: Path) -> None:
     """sum_j x_j = 2 mapped by X M + 3 i (a rotated direction 1e-4 of the others, a shift): the hyperplane is
     M^-1 1 . x = 2 + 3 i 1^T M^-1 1, found in the nearly whitened sums whatever the scales."""
@@ -362,11 +396,9 @@ def test_hull_cut_is_affine_hull_tol(side: float) -> None:
     outside it (a direction of the data)."""
     from types import SimpleNamespace
 
-    from mhla_cli.numerics import affine_hull_tol
-
     k, N = 6, 400
     w = np.linspace(1.0, 2.0, k)
-    w[0] = side * affine_hull_tol(k, N) * w[-1]
+    w[0] = side * 1.0 * k * 2.0 ** -52 * np.sqrt(N) * w[-1]  # AFFINE_HULL_FACTOR (1, docs/certificate.md)
     Q = np.linalg.qr(np.random.default_rng(1).standard_normal((k, k)))[0]
     feats = SimpleNamespace(affine=SimpleNamespace(gram=3.0 * (Q * w) @ Q.T, f_basis=np.eye(k)), n_samples=N)
     hull = affine_block.affine_hull(feats, 3.0)  # type: ignore[arg-type]
