@@ -202,6 +202,10 @@ def _say_fit(info: dict[str, Any], output: Path, lowrank_fit: bool, quiet: bool)
     lmin = f"{BOUND_SIGNS.get(info.get('lambda_min_bound'), '=')} {fmt(info['lambda_min'])}"
     say(f"wrote {output}: {mse_text}, lambda_min {lmin}, "
         f"condition number = {fmt(info['condition_number'])}", quiet)
+    if info.get("affine_hyperplanes"):
+        n = len(info["affine_hyperplanes"])
+        say(f"  the wide tokens lie on {n} hyperplane(s) a^T x = c (`mhla certify` names them): the affine map is "
+            "fitted, and the condition number taken, on their affine hull", quiet)
     if lowrank_fit:
         say(f"  {info['method']} fit: {info['n_heads']} head(s), final objective {fmt(info['objective'])}"
             + (f" (CV over {info['n_folds']} folds chose {info['cv']['chosen']:.4g})" if "cv" in info else "")
