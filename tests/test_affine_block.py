@@ -388,6 +388,9 @@ def test_a_hyperplane_with_a_collinearity_across_the_blocks_does_not_certify(tmp
     assert run(["featurize", red, "-o", str(tmp_path / "f.h5"), "--affine-from", wide, "-q"]) == 0
     assert run(["certify", str(tmp_path / "f.h5")]) == 0
     assert "the affine map is determined up to that direction" in "".join(capsys.readouterr())
+    assert run(["fit", str(tmp_path / "f.h5"), "-o", str(tmp_path / "m.h5")]) == 0
+    said = "".join(capsys.readouterr())
+    assert "condition number = inf" not in said and "lie on 1 hyperplane(s)" in said
 
 
 @pytest.mark.parametrize("side", [1 - 1e-3, 1 + 1e-3])
@@ -403,11 +406,11 @@ def test_hull_cut_is_affine_hull_tol(side: float) -> None:
     feats = SimpleNamespace(affine=SimpleNamespace(gram=3.0 * (Q * w) @ Q.T, f_basis=np.eye(k)), n_samples=N)
     hull = affine_block.affine_hull(feats, 3.0)  # type: ignore[arg-type]
     if side < 1:
-        assert hull is not None and hull[0].shape == (k, k - 1) and len(hull[1]) == 1
+        assert hull[0] is not None and hull[0].shape == (k, k - 1) and len(hull[1]) == 1
         v = Q[:, 0] / np.linalg.norm(Q[:-1, 0])
         assert abs(float(np.dot(hull[1][0].normal, v[:-1]))) >= 1 - 1e-10
     else:
-        assert hull is None
+        assert hull[0] is None and hull[1] == []
 
 
 def test_bias_terms_with_length_normalisation_hold_the_reduced_coordinates(tmp_path: Path) -> None:

@@ -534,7 +534,7 @@ NEW_CODE = [
          AFFINE_TESTS),
     # the wide tokens' hyperplanes and the CV of the extended features (issue 46, item 4)
     _net("affine block: the wide tokens' hyperplanes not left out", "solve.affine_block", "block_map",
-         "basis_mod.whitening(aff.gram, W, round32=False) if hull is None else hull[0]",
+         "basis_mod.whitening(aff.gram, W, round32=False) if R is None else R",
          "basis_mod.whitening(aff.gram, W, round32=False)", HULL_TESTS),
     _net("affine hull: the hyperplane's offset of the wrong sign", "solve.affine_block", "affine_hull",
          "-float(v[-1])", "float(v[-1])", HULL_TESTS),

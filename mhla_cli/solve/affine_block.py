@@ -85,21 +85,22 @@ class Hyperplane:
         return f"a^T x = {self.offset:.6g} (|a| = 1; {entries}{more})"
 
 
-def affine_hull(feats: Features, W: float) -> tuple[np.ndarray, list[Hyperplane]] | None:
-    """(R, planes) when the wide tokens lie on hyperplanes, else None. R (D + 1, r) whitens the accumulated f_b's
+def affine_hull(feats: Features, W: float) -> tuple[np.ndarray | None, list[Hyperplane]]:
+    """(R, planes): where the wide tokens lie on hyperplanes, R (D + 1, r) whitens the accumulated f_b's
     second moment on its range (R^T (sum w f_b f_b^T / sum w) R = I: the eigenvalues above affine_hull_tol of the
     largest); the eigenvectors u below it are the functions u^T f_b = (A_w u)^T f that vanish on the data, each
-    named as the hyperplane a^T x = c of v = A_w u = (a, -c) (orthonormalised in f's coordinates first)."""
+    named as the hyperplane a^T x = c of v = A_w u = (a, -c) (orthonormalised in f's coordinates first). (None, [])
+    where they lie on none."""
     aff = feats.affine
     assert aff is not None  # statistics with the affine block
     G = aff.gram / W
     w, V = np.linalg.eigh(0.5 * (G + G.T))
     top = float(w[-1])
     if not np.isfinite(top) or top <= 0.0:
-        return None
+        return None, []
     null = w <= affine_hull_tol(G.shape[0], feats.n_samples) * top
     if not null.any():
-        return None
+        return None, []
     Nf = np.linalg.qr(aff.f_basis @ V[:, null])[0]
     planes = []
     for v in Nf.T:
@@ -126,23 +127,25 @@ def held_elsewhere(feats: Features) -> np.ndarray | None:
     return L
 
 
-def block_map(feats: Features, W: float) -> np.ndarray:
+def block_map(feats: Features, W: float, hull: tuple[np.ndarray | None, list[Hyperplane]] | None = None
+              ) -> np.ndarray:
     """B (D + 1, k): the affine block's features f~ = B^T f_b of the accumulated f_b = A_w^T f
     (mhla_cli.statistics.affine_sums). B = A_f, the whitening of f_b's second moment (A_f^T (sum w f_b f_b^T / sum w)
     A_f = I: well conditioned, A_w whitens f nearly), restricted to the orthogonal complement there of the functions
     the MHLA's block holds already (`held_elsewhere`: no direction twice), so that f~ keeps the identity Gram and
-    changes orthogonally under an invertible affine map of the wide tokens (and a map of the reduced ones)."""
+    changes orthogonally under an invertible affine map of the wide tokens (and a map of the reduced ones). Where the
+    wide tokens lie on hyperplanes A_f whitens f_b on the range of its moment (`affine_hull`, computed unless given)."""
     aff = feats.affine
     assert aff is not None  # statistics with the affine block
-    hull = affine_hull(feats, W)
-    Af = basis_mod.whitening(aff.gram, W, round32=False) if hull is None else hull[0]
+    R = (affine_hull(feats, W) if hull is None else hull)[0]
+    Af = basis_mod.whitening(aff.gram, W, round32=False) if R is None else R
     L = held_elsewhere(feats)
     if L is None:
         return Af
     # the functions L^T f = (A_f^+ A_w^-1 L)^T f~_all on the data: their directions in the whitened coordinates, and
     # the complement (A_f^+ = A_f^-1 without hyperplanes; on the hull, the pseudo-inverse maps f_b to the range)
     Lb = np.linalg.solve(aff.f_basis, L)
-    U = np.linalg.solve(Af, Lb) if hull is None else np.linalg.pinv(Af) @ Lb
+    U = np.linalg.solve(Af, Lb) if R is None else np.linalg.pinv(Af) @ Lb
     Q = np.linalg.qr(U, mode="complete")[0][:, U.shape[1]:]
     return Af @ Q
 
@@ -160,7 +163,8 @@ def extended(feats: Features, device: str | None = None) -> Extended:
     st = fac0.structure
     G = np.asarray(fac0.lam) * fac0.scale
     aff = feats.affine
-    B = block_map(feats, W)
+    hull = affine_hull(feats, W)
+    B = block_map(feats, W, hull)
     cross = aff.cross @ B / W
     CA = cross if feats.on_spans else st.restrict(cross)
     Gf = B.T @ (aff.gram / W) @ B
@@ -171,8 +175,7 @@ def extended(feats: Features, device: str | None = None) -> Extended:
     M[n:, :n] = CA.T
     M[n:, n:] = 0.5 * (Gf + Gf.T)
     fac = Factorization(M, n + k, 1.0, device)
-    hull = affine_hull(feats, W)
-    ext = Extended(fac, fac0, B, [] if hull is None else hull[1])
+    ext = Extended(fac, fac0, B, hull[1])
     feats.factor_cache["affine"] = ext
     return ext
 
