@@ -61,6 +61,12 @@ MSE_RESOLUTION_FACTOR = 8.0
 # scale-free (mhla_cli.model.scores.Spread). Not a tolerance: float64's range.
 TARGET_SQUARES_FLOOR = sys.float_info.min / EPS
 
+# The wide tokens' affine hull (solve.affine_block.affine_hull): a direction of the nearly whitened second moment of
+# f = (x_wide, 1) over `count` queries whose eigenvalue is at or below AFFINE_HULL_FACTOR * (D + 1) * EPS * sqrt(count)
+# of the largest is a hyperplane the tokens lie on (float64 rounding of the sums adds like a random walk, as for
+# OBSERVED_SPAN_FACTOR).
+AFFINE_HULL_FACTOR = 1.0
+
 # A stored or given token basis A with condition number above this is refused as singular.
 SINGULAR_BASIS_COND = 1e12
 
@@ -191,6 +197,11 @@ def observed_span_tol(d: int, count: int, eps_in: float) -> float:
     return max(OBSERVED_SPAN_FACTOR * d * EPS * math.sqrt(max(count, 1)), d * eps_in**2)
 
 
+def affine_hull_tol(k: int, count: int) -> float:
+    """The relative eigenvalue cut of the wide tokens' hyperplanes: AFFINE_HULL_FACTOR * k * EPS * sqrt(count)."""
+    return AFFINE_HULL_FACTOR * k * EPS * math.sqrt(max(count, 1))
+
+
 def mse_resolution(n_features: int, scale: float, n_samples: float, d: int) -> float:
     """The float64 resolution of the train MSE from the sums (see MSE_RESOLUTION_FACTOR), at least
     TARGET_SQUARES_FLOOR / d (the squares' own floor)."""
@@ -200,6 +211,7 @@ def mse_resolution(n_features: int, scale: float, n_samples: float, d: int) -> f
 # The constants that docs/certificate.md quotes (tests/test_docs.py checks each quote against this table).
 QUOTED = {
     "RANK_FACTOR": RANK_FACTOR, "STRUCTURE_FACTOR": STRUCTURE_FACTOR, "OBSERVED_SPAN_FACTOR": OBSERVED_SPAN_FACTOR,
+    "AFFINE_HULL_FACTOR": AFFINE_HULL_FACTOR,
     "DETERMINED_TOL": DETERMINED_TOL, "UNRESOLVED_PROBE_FACTOR": UNRESOLVED_PROBE_FACTOR, "LANCZOS_TOL": LANCZOS_TOL, "MSE_RESOLUTION_FACTOR": MSE_RESOLUTION_FACTOR,
     "SINGULAR_BASIS_COND": SINGULAR_BASIS_COND, "SYMMETRY_TOL": SYMMETRY_TOL, "ORTHOGONAL_TOL": ORTHOGONAL_TOL,
     "DEAD_WEIGHT_TOL": DEAD_WEIGHT_TOL, "NONZERO_REL": NONZERO_REL, "REFINE_MAX_RHO": REFINE_MAX_RHO,

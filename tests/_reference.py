@@ -226,3 +226,32 @@ def biased_heads_output(V: np.ndarray, Q: np.ndarray, value_bias: np.ndarray, sc
             score = xi @ Q[h] @ X[t] + score_key[h] @ xi + score_query[h] @ X[t] + score_bias[h]
             out += (V[h] @ xi + value_bias[h]) * score
     return out / (X.shape[0] if normalize == "length" else 1.0)
+
+
+def affine_ridge_cv_path(X: np.ndarray, off: np.ndarray, Y: np.ndarray, Xw: np.ndarray, K: int,
+                         grid: np.ndarray) -> np.ndarray:
+    """ridge_cv_path of the extended features [Ht, f~] of last-token samples: Ht the training fold's canonical
+    features, f = (x_wide, 1) of the query whitened by the training fold's second moment of f on its range
+    (eigenvalues at or below 1e-9 of the largest dropped: the wide tokens' hyperplanes)."""
+    eps = np.finfo(np.float64).eps
+    N, d = Y.shape
+    cuts = np.linspace(0, N, K + 1).astype(int)
+    seqs = [np.asarray(X[off[i]:off[i + 1]], dtype=np.float64) for i in range(N)]
+    F = np.hstack([Xw[np.asarray(off[1:]) - 1], np.ones((N, 1))])
+    out = np.empty((grid.size, K))
+    for k, (a, b) in enumerate(zip(cuts[:-1], cuts[1:])):
+        tr = [i for i in range(N) if not a <= i < b]
+        A = inv_sqrt(sum(seqs[i].T @ seqs[i] for i in tr) / sum(seqs[i].shape[0] for i in tr))
+        ev, U = np.linalg.eigh(F[tr].T @ F[tr] / len(tr))
+        keep = ev > 1e-9 * ev[-1]
+        Af = U[:, keep] / np.sqrt(ev[keep])
+        Z = np.hstack([np.stack([canonical_features(seqs[i] @ A) for i in tr]), F[tr] @ Af])
+        lam, m = Z.T @ Z / len(tr), Z.T @ Y[tr] / len(tr)
+        w, V = np.linalg.eigh(lam)
+        keep = w > lam.shape[0] * eps * w[-1]
+        w, V = w[keep], V[:, keep]
+        Zv = np.hstack([np.stack([canonical_features(seqs[i] @ A) for i in range(a, b)]), F[a:b] @ Af])
+        for g, r in enumerate(grid):
+            pb = V @ ((V.T @ m) / (w + r)[:, None])
+            out[g, k] = ((Zv @ pb - Y[a:b]) ** 2).sum() / ((b - a) * d)
+    return out

@@ -35,6 +35,7 @@ from mhla_cli.solve import affine_block
 from mhla_cli.solve.certificate import certify_features as mhla_certify
 from mhla_cli.solve.lstsq import fit as lstsq_fit
 from mhla_cli.statistics.affine_sums import WideSource
+from mhla_cli.statistics.folds import load_for_cv
 from mhla_cli.statistics.ranges import estimate_basis, accumulate_range
 from mhla_cli.statistics.stream import featurize, tokens_info
 
@@ -260,21 +261,156 @@ def test_an_mhla_plus_an_affine_map_of_the_wide_token_is_fitted_exactly(tmp_path
     assert learn_fit(featurize(red)).info["train_r2"] < 0.9
 
 
-def test_wide_tokens_with_a_linear_constraint_never_certify(tmp_path: Path) -> None:
-    """A layer norm's output satisfies sum_j x_j / g_j = const: (x_wide, 1) is collinear, the affine map is not
-    identifiable, and the certificate says where its null direction lies."""
+def layer_normed(rng: np.random.Generator, T: int, D: int) -> tuple[np.ndarray, np.ndarray, float]:
+    """LayerNorm of random vectors with a gain g and a shift b: (x - b) / g is centred and of norm 1, so every token
+    lies on the hyperplane a^T x = c, a = (1 / g) / |1 / g|, c = a^T b. Returns (X, a, c)."""
+    Z = rng.standard_normal((T, D)) @ rng.standard_normal((D, D))
+    Z -= Z.mean(axis=1, keepdims=True)
+    Z /= np.linalg.norm(Z, axis=1, keepdims=True)
+    g, b = rng.uniform(0.5, 2.0, D), rng.standard_normal(D)
+    a = (1.0 / g) / np.linalg.norm(1.0 / g)
+    return Z * g + b, a, float(a @ b)
+
+
+def hull_spectrum(s: dict, layout: str) -> np.ndarray:
+    """The reference spectrum on the wide tokens' affine hull: ref_spectrum's canonical MHLA features beside f
+    whitened on the range of its weighted second moment (numpy's eigh, the null direction dropped)."""
+    smp = [(Xs, xw, wt) for Xs, xw, wt, _ in samples(s, layout, w=s["w"])]
+    G = sum(wt * Xs.T @ Xs for Xs, _, wt in smp) / sum(wt * Xs.shape[0] for Xs, _, wt in smp)
+    A = ref.inv_sqrt(G)
+    Ht = np.array([ref.canonical_features(Xs @ A) for Xs, _, wt in smp if wt > 0])
+    F = np.array([np.append(xw, 1.0) for _, xw, wt in smp if wt > 0])
+    wv = np.array([wt for _, _, wt in smp if wt > 0])
+    ev, V = np.linalg.eigh((F * wv[:, None]).T @ F / wv.sum())
+    keep = ev > 1e-9 * ev[-1]
+    Z = np.hstack([Ht, F @ (V[:, keep] / np.sqrt(ev[keep]))])
+    return np.linalg.eigvalsh((Z * wv[:, None]).T @ Z / wv.sum())
+
+
+@pytest.mark.parametrize("layout", ["last", "bidirectional"])
+def test_layer_normed_wide_tokens_certify_on_their_affine_hull(tmp_path: Path, layout: str) -> None:
+    """A layer norm's output lies on a^T x = c: (x_wide, 1) is collinear and the affine map is determined only up to
+    a multiple of a^T x - c. The certificate names that hyperplane, proves the rest (the numpy spectrum of the
+    features with f whitened on its range), and the fit's condition number is that spectrum's."""
+    rng = np.random.default_rng(5)
+    off = windows(rng, 70)
+    X, a, c = layer_normed(rng, int(off[-1]), 5)
+    s = setup(tmp_path, layout, 9, X=X, off=off)
+    f = featurize(s["red"], affine_from=s["wide"])
+    cert = learn_certify(f)
+    want = hull_spectrum(s, layout)
+    assert cert.identifiable and cert.n_features == want.size == 6 + 5, cert
+    (plane,) = cert.hyperplanes
+    assert abs(float(np.dot(plane["normal"], a))) >= 1 - 1e-10 and abs(plane["offset"] - c) < 1e-9
+    assert "hyperplane a^T x" in cert.notes[0] and cert.to_dict()["hyperplanes"] == cert.hyperplanes
+    assert relerr(cert.lambda_min, want[0]) < 1e-8 and relerr(cert.lambda_max, want[-1]) < 1e-8
+    model = learn_fit(f)
+    assert model.info["identifiable"] and np.isfinite(model.info["condition_number"])
+    assert relerr(model.info["condition_number"], want[-1] / want[0]) < 1e-8
+    assert model.info["affine_hyperplanes"] == cert.hyperplanes
+    # the fitted function on held-out tokens of the hull is numpy's least squares on [H(X), x_wide, 1]
+    H, _, rs = design(s, layout, "none")
+    coef = np.linalg.lstsq(H, s["Yr"][rs], rcond=None)[0].T
+    offh = windows(np.random.default_rng(7), 10, 1, 9)
+    Xh = 0.5 * (X[: int(offh[-1])] + X[1: int(offh[-1]) + 1])  # affine combinations stay on the hull
+    Xrh = Xh @ s["red_map"].P
+    pp = layout != "last"
+    want_p = np.array([coef @ np.concatenate([ref.features(Xs), xw, [1.0]])
+                       for Xs, xw, _, _ in samples(s, layout, X=Xh, Xr=Xrh, off=offh)])
+    got = predict_samples(model, Xrh, offh, samples_of(pp, layout if pp else "causal"), wide=Xh)
+    assert relerr(got, want_p) < 1e-7
+
+
+def test_layer_normed_wide_tokens_with_bias_terms_and_length_normalisation(tmp_path: Path) -> None:
+    """The bias terms hold x_t = P^T x_wide and 1 already: the block keeps the rest of the hull's functions (D - d - 1
+    features: the constant is a^T x / c there) and certifies; its function is numpy least squares on
+    [expanded bias features, x_wide, 1] on held-out tokens of the hull."""
+    rng = np.random.default_rng(6)
+    off = windows(rng, 70)
+    X, a, _ = layer_normed(rng, int(off[-1]), 6)
+    s = setup(tmp_path, "bidirectional", 8, D=6, d=2, X=X, off=off)
+    f = featurize(s["red"], normalize="length", bias_terms=True, affine_from=s["wide"])
+    cert = learn_certify(f)
+    assert cert.identifiable and cert.n_features == 18 + 3, cert  # psi of (x, 1) at d = 2, D - d - 1
+    assert abs(float(np.dot(cert.hyperplanes[0]["normal"], a))) >= 1 - 1e-10
+    model = learn_fit(f)
+    rows, rs = [], []
+    for Xs, xw, _, r in samples(s, "bidirectional"):
+        rows.append(np.concatenate([ref.expanded_features(Xs, "length")[0], xw, [1.0]]))
+        rs.append(r)
+    coef = np.linalg.lstsq(np.array(rows), s["Yr"][rs], rcond=None)[0].T
+    offh = windows(np.random.default_rng(4), 10, 1, 9)
+    Xh = 0.5 * (X[: int(offh[-1])] + X[2: int(offh[-1]) + 2])
+    Xrh = Xh @ s["red_map"].P
+    want = np.array([coef @ np.concatenate([ref.expanded_features(Xs, "length")[0], xw, [1.0]])
+                     for Xs, xw, _, _ in samples(s, "bidirectional", X=Xh, Xr=Xrh, off=offh)])
+    got = predict_samples(model, Xrh, offh, samples_of(True, "bidirectional"), wide=Xh)
+    assert relerr(got, want) < 1e-7 and np.isfinite(model.info["condition_number"])
+    # the block's features are uncorrelated on the data with the functions the bias terms hold (x_t and 1)
+    W = f.weight
+    B = affine_block.block_map(f, W)
+    held = np.linalg.solve(f.affine.f_basis, affine_block.held_elsewhere(f))
+    Gb = f.affine.gram / W
+    corr = (B.T @ Gb @ held) / np.sqrt(np.diag(held.T @ Gb @ held))  # B's features have unit variance
+    assert np.abs(corr).max() <= 1e-9, corr
+
+
+def test_a_hyperplane_under_badly_scaled_coordinates_is_named(tmp_path: Path) -> None:
+    """sum_j x_j = 2 mapped by X M + 3 i (a rotated direction 1e-4 of the others, a shift): the hyperplane is
+    M^-1 1 . x = 2 + 3 i 1^T M^-1 1, found in the nearly whitened sums whatever the scales."""
     rng = np.random.default_rng(5)
     off = windows(rng, 60)
     X = wide_tokens(rng, int(off[-1]), 5)
     X[:, -1] = 2.0 - X[:, :-1].sum(axis=1)
-    # also badly scaled: a rotated direction 1e-4 of the others and a shift (whitening the raw sums after the fact
-    # would lift the null direction above the threshold; the sums are accumulated nearly whitened)
     for i, M in enumerate((np.eye(5), transform(5, 1e4, 3))):
         (tmp_path / str(i)).mkdir()
         s = setup(tmp_path / str(i), "causal", 9, X=X @ M + 3.0 * i, off=off)
         cert = learn_certify(featurize(s["red"], affine_from=s["wide"]))
-        assert not cert.identifiable and cert.lambda_min <= cert.threshold
-        assert any("affine block" in r for r in cert.reasons)
+        v = np.linalg.solve(M, np.ones(5))
+        (plane,) = cert.hyperplanes
+        assert cert.identifiable and abs(float(np.dot(plane["normal"], v / np.linalg.norm(v)))) >= 1 - 1e-10
+
+
+def test_a_hyperplane_with_a_collinearity_across_the_blocks_does_not_certify(tmp_path: Path, capsys) -> None:
+    """Windows of one length n with the bias terms: n x_t = n P^T x_wide is held by both blocks; on layer-normed
+    tokens the hyperplane is named and the rest is still not determined: exit 1. Without the bias terms: exit 0."""
+    rng = np.random.default_rng(8)
+    off = np.arange(0, 61 * 5, 5)
+    X, a, _ = layer_normed(rng, int(off[-1]), 4)
+    s = setup(tmp_path, "bidirectional", 3, D=4, X=X, off=off)
+    cert = learn_certify(featurize(s["red"], bias_terms=True, affine_from=s["wide"]))
+    assert not cert.identifiable and len(cert.hyperplanes) == 1
+    assert abs(float(np.dot(cert.hyperplanes[0]["normal"], a))) >= 1 - 1e-10
+    red, wide = str(s["red"]), str(s["wide"])
+    assert run(["featurize", red, "-o", str(tmp_path / "b.h5"), "--affine-from", wide, "--bias-terms", "-q"]) == 0
+    assert run(["certify", str(tmp_path / "b.h5")]) == 1
+    assert "lie on the hyperplane" in "".join(capsys.readouterr())
+    assert run(["featurize", red, "-o", str(tmp_path / "f.h5"), "--affine-from", wide, "-q"]) == 0
+    assert run(["certify", str(tmp_path / "f.h5")]) == 0
+    assert "the affine map is determined up to that direction" in "".join(capsys.readouterr())
+    assert run(["fit", str(tmp_path / "f.h5"), "-o", str(tmp_path / "m.h5")]) == 0
+    said = "".join(capsys.readouterr())
+    assert "condition number = inf" not in said and "lie on 1 hyperplane(s)" in said
+
+
+@pytest.mark.parametrize("side", [1 - 1e-3, 1 + 1e-3])
+def test_hull_cut_is_affine_hull_tol(side: float) -> None:
+    """A direction of f's moment at the cut affine_hull_tol(k, N) of the largest (just inside: a hyperplane) or just
+    outside it (a direction of the data)."""
+    from types import SimpleNamespace
+
+    k, N = 6, 400
+    w = np.linspace(1.0, 2.0, k)
+    w[0] = side * 1.0 * k * 2.0 ** -52 * np.sqrt(N) * w[-1]  # AFFINE_HULL_FACTOR (1, docs/certificate.md)
+    Q = np.linalg.qr(np.random.default_rng(1).standard_normal((k, k)))[0]
+    feats = SimpleNamespace(affine=SimpleNamespace(gram=3.0 * (Q * w) @ Q.T, f_basis=np.eye(k)), n_samples=N)
+    hull = affine_block.affine_hull(feats, 3.0)  # type: ignore[arg-type]
+    if side < 1:
+        assert hull[0] is not None and hull[0].shape == (k, k - 1) and len(hull[1]) == 1
+        v = Q[:, 0] / np.linalg.norm(Q[:-1, 0])
+        assert abs(float(np.dot(hull[1][0].normal, v[:-1]))) >= 1 - 1e-10
+    else:
+        assert hull[0] is None and hull[1] == []
 
 
 def test_bias_terms_with_length_normalisation_hold_the_reduced_coordinates(tmp_path: Path) -> None:
@@ -417,3 +553,48 @@ def test_the_block_on_the_data_s_spans_gives_the_same_answer(tmp_path: Path) -> 
     pa = predict_samples(learn_fit(on), Xrh, offh, smp, wide=Xh)
     pb = predict_samples(learn_fit(off_), Xrh, offh, smp, wide=Xh)
     assert relerr(pa, pb) < 1e-8
+
+
+# --------------------------------------------------------------------------------------------
+# the ridge by cross-validation of the extended features
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("hull", [False, True])
+def test_ridge_auto_is_numpy_s_cross_validation(tmp_path: Path, hull: bool, capsys) -> None:
+    """fit --ridge auto with --affine-from: K-fold CV of the extended features (each training fold in its own
+    canonical coordinates, f whitened on its range), the same curve and ridge as the numpy reference."""
+    rng = np.random.default_rng(21)
+    off = windows(rng, 90, 2, 6)
+    T, N, D = int(off[-1]), 90, 5
+    X = layer_normed(rng, T, D)[0] if hull else wide_tokens(rng, T, D)
+    Xq = X[off[1:] - 1]
+    Y = Xq @ rng.standard_normal((D, D)) + 0.5 * rng.standard_normal((N, D))
+    s = setup(tmp_path, "last", 4, D=D, X=X, off=off, Y=Y)
+    total, folds = load_for_cv(s["red"], 5, affine_from=s["wide"])  # the command line's K
+    model = learn_fit(total, ridge="auto", folds=folds)
+    cv = model.info["ridge_cv"]
+    grid = np.array([row["ridge"] for row in cv["table"]])
+    want = ref.affine_ridge_cv_path(s["Xr"], off, s["Yr"], X, 5, grid).mean(axis=1)
+    got = np.array([row["cv_mse"] for row in cv["table"]])
+    assert relerr(got, want) < 1e-8
+    assert cv["chosen"] == grid[int(np.argmin(want))] and model.info["ridge"] == cv["chosen"]
+    assert relerr(model.info["lambda_max"], cv["lambda_max"]) < 1e-12
+    # the command line: the same choice
+    assert run(["fit", str(s["red"]), "-o", str(tmp_path / "m.h5"), "--affine-from", str(s["wide"]),
+                "--ridge", "auto", "--json", "-q"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert abs(out["ridge"] - cv["chosen"]) <= 1e-12 * cv["chosen"]
+    # featurize --folds with the wide tokens stores each fold's affine block: fitting that file chooses alike
+    feats = tmp_path / "f.h5"
+    assert run(["featurize", str(s["red"]), "-o", str(feats), "--affine-from", str(s["wide"]), "--folds", "5",
+                "-q"]) == 0
+    assert run(["fit", str(feats), "-o", str(tmp_path / "m2.h5"), "--ridge", "auto", "--json", "-q"]) == 0
+    out2 = json.loads(capsys.readouterr().out)
+    assert abs(out2["ridge"] - cv["chosen"]) <= 1e-12 * cv["chosen"]
+    assert relerr(np.array(out2["ridge_cv"]["table"][3]["cv_mse"]), np.array(want[3])) < 1e-8
+    # a features file of the block without its folds' blocks is refused, not cross-validated without them
+    with h5py.File(feats, "a") as f:
+        del f["fold_affine_gram"]
+    assert run(["fit", str(feats), "-o", str(tmp_path / "m3.h5"), "--ridge", "auto"]) == 2
+    assert "fold_affine_gram" in capsys.readouterr().err

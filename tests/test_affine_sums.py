@@ -191,10 +191,9 @@ def test_the_wide_file_must_be_the_one_reduce_read(tmp_path: Path, capsys: pytes
     featurize(red).save(tmp_path / "plain.h5")
     assert run(["certify", str(tmp_path / "plain.h5"), "--affine-from", str(wide)]) == 2
     assert "without it" in capsys.readouterr().err
-    # --folds, --device and --on are refused with it, before any work
-    assert run(["featurize", str(red), "-o", str(tmp_path / "g.h5"), "--affine-from", str(wide), "--folds", "2"]) == 2
+    # --domain is refused with it, before any work (--folds and --ridge auto: tests/test_affine_block.py)
     assert run(["certify", str(red), "--affine-from", str(wide), "--domain", "observed"]) == 2
-    assert run(["fit", str(red), "-o", str(tmp_path / "m.h5"), "--affine-from", str(wide), "--ridge", "auto"]) == 2
+    assert run(["fit", str(red), "-o", str(tmp_path / "m.h5"), "--affine-from", str(wide), "--heads", "2"]) == 2
     capsys.readouterr()
 
 

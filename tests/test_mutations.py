@@ -422,6 +422,7 @@ TILED_TESTS = ("tests/test_tiled_matrix.py", "-k", "blocked_cholesky or fails_ex
 GRAM_TILED_TESTS = ("tests/test_gram_tiled.py", "-k", "sum_copy or factorization_over or what_would")
 AFFINE_TESTS = ("tests/test_affine_sums.py", "tests/test_affine_block.py", "-k",
                 "match_numpy or take_the_query or another_basis or fitted_exactly or hold_the_reduced or predict_files")
+HULL_TESTS = ("tests/test_affine_block.py", "-k", "hull or hyperplane or layer_normed or ridge_auto")
 FORWARD_TESTS = ("tests/test_forward.py", "-k", "reproduces or matches_reference or layouts_and or every_prefix or "
                  "rectangular_heads or wide_square or rollout_equals")
 
@@ -535,6 +536,24 @@ NEW_CODE = [
          "feats.affine.f_basis @ ext.B @ sol[n:]", "ext.B @ sol[n:]", AFFINE_TESTS),
     _net("affine block: what the MHLA holds counted twice", "solve.affine_block", "block_map", "Af @ Q", "Af",
          AFFINE_TESTS),
+    # the wide tokens' hyperplanes and the CV of the extended features (issue 46, item 4)
+    _net("affine block: the wide tokens' hyperplanes not left out", "solve.affine_block", "block_map",
+         "basis_mod.whitening(aff.gram, W, round32=False) if R is None else R",
+         "basis_mod.whitening(aff.gram, W, round32=False)", HULL_TESTS),
+    _net("affine hull: the hyperplane's offset of the wrong sign", "solve.affine_block", "affine_hull",
+         "-float(v[-1])", "float(v[-1])", HULL_TESTS),
+    _net("affine hull: the held functions without the pseudo-inverse", "solve.affine_block", "block_map",
+         "np.linalg.pinv(Af) @ Lb", "Af.T @ Lb", HULL_TESTS),
+    _net("affine hull: the certificate names no hyperplane", "solve.affine_block", "certify_extended",
+         "cert.hyperplanes = [h.to_dict() for h in ext.hull]", None, HULL_TESTS),
+    _net("affine CV: the MHLA's fold path for the extended features", "solve.ridge_cv", "cv_ridge",
+         "extended_path if extended else fold_path", "fold_path", HULL_TESTS),
+    _net("affine CV: the held-out cross sums left out", "solve.affine_block", "held_out_sums",
+         "aff.cross @ B", "0.0 * aff.cross @ B", HULL_TESTS),
+    _net("affine CV: the held-out moments of the block left out", "solve.affine_block", "held_out_sums",
+         "B.T @ aff.moments", "0.0 * (B.T @ aff.moments)", HULL_TESTS),
+    _net("affine folds: a stored fold without its block", "statistics.folds", "load_folds",
+         "folds[-1].affine = affine[k]", None, HULL_TESTS),
     _net("affine rows of last-token samples: the first token for the last", "statistics.affine_sums", "affine_rows",
          "np.asarray(offsets[1:], dtype=np.int64) - 1", "np.asarray(offsets[:-1], dtype=np.int64)", AFFINE_TESTS),
     _net("affine sums: the total not changed with the basis", "statistics.affine_sums", "AffineSums.to_f_basis",
@@ -580,7 +599,8 @@ def _quoted_constants() -> list[str]:
 
 
 # the constants whose cut tests live beside their module rather than in tests/test_numerics.py
-CUT_TESTS = {"OWN_FOLDS_COND": ("tests/test_folds.py", "-k", "cut_")}
+CUT_TESTS = {"OWN_FOLDS_COND": ("tests/test_folds.py", "-k", "cut_"),
+             "AFFINE_HULL_FACTOR": ("tests/test_affine_block.py", "-k", "hull_cut")}
 # named tolerances outside numerics, each with the tests of its module
 OTHER_CONSTANTS = [("mhla_cli.solve.ridge_cv", "CV_FLOOR", ("tests/test_ridge_cv.py",)),
                    ("mhla_cli.io.tokens", "MIN_WEIGHT", ("tests/test_tokens.py", "-k", "cut_"))]

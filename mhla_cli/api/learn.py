@@ -60,8 +60,8 @@ RULES = {
     "auto_with_normalize": "'auto' with a normalisation: featurize the folds with it first (featurize_folds(..., "
                            "normalize=...)), then fit those statistics",
     "fewest_with_max_heads": "fewest and max_heads cannot be combined",
-    "affine_least_squares": "the affine block of the wide tokens is fitted by least squares with a given ridge (not "
-                            "'auto', no heads or nuclear)",
+    "affine_least_squares": "the affine block of the wide tokens is fitted by least squares (a given ridge or "
+                            "'auto'; no heads or nuclear)",
     "affine_domain": "the certificate of the affine block of the wide tokens is of the full domain: certify without "
                      "a domain",
 }
@@ -229,9 +229,18 @@ def _fit_in_memory(feats: Features, ridge: float | str, heads: int | str | None,
                    device: str | None) -> Model:
     """The fit of statistics in memory: of the extended features, least squares (ridge 'auto' by CV) or low rank."""
     if feats.affine is not None:  # the extended features (mhla_cli.solve.affine_block)
-        if heads is not None or nuclear is not None or ridge == "auto":
+        if heads is not None or nuclear is not None:
             raise RequestError("affine_least_squares")
-        return affine_block.fit_extended(feats, ridge=float(ridge), device=device)
+        cv = None
+        if ridge == "auto":
+            if not folds:
+                raise InputError("ridge 'auto' needs per-fold statistics (cross-validation folds)")
+            cv = ridge_cv.cv_ridge(feats, folds)
+            ridge = cv["chosen"]
+        model = affine_block.fit_extended(feats, ridge=float(ridge), device=device)
+        if cv is not None:
+            model.info["ridge_cv"] = cv
+        return model
     if heads is not None or nuclear is not None:
         return lowrank.fit_model(feats, heads=heads, nuclear=nuclear, weight_decay=weight_decay,
                                  restarts=restarts, seed=seed, folds=folds)

@@ -193,6 +193,8 @@ def _say_certificate(cert: Any, data: Path, domain: str, quiet: bool) -> None:
     if domain == "observed":
         say(f"  observed domain: dim U = {cert.dim_tokens}, dim U_n = {cert.dim_last_tokens}, "
             f"{cert.n_features} reduced features", quiet)
+    for note in getattr(cert, "notes", []):
+        say(f"  {note}", quiet)
     for r in cert.reasons:
         say(f"  - {r}", quiet)
 

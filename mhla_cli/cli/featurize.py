@@ -137,9 +137,6 @@ def _check_options(data: Path, output: Path, store: bool, folds: int | None, wor
         if affine_from is not None:
             raise InputError(CLUSTER_WORDS["affine"], affine_from)
         return None
-    if affine_from is not None and folds is not None:
-        raise InputError("--affine-from and --folds cannot be combined (the affine block is fitted with a given "
-                         "--ridge)")
     dev = check_device(device, data)
     if dev is not None and affine_from is not None:
         raise InputError("--affine-from accumulates on the CPU: featurize without --device")

@@ -116,7 +116,7 @@ def _check_options(data: Path, output: Path, ridge: str, heads: str | None, nucl
     if scheduler is not None and affine_from is not None:
         raise InputError(CLUSTER_WORDS["affine"], affine_from)
     auto = ridge.strip().lower() == "auto"
-    if affine_from is not None and (heads is not None or nuclear is not None or auto):
+    if affine_from is not None and (heads is not None or nuclear is not None):
         raise InputError(FLAG_WORDS["affine_least_squares"])
     dev = check_device(device, data)
     check_scheduler_timeout(scheduler, scheduler_timeout)
@@ -141,7 +141,7 @@ def _fit(data: Path, r: Any, h: Any, lam: Any, weight_decay: float, restarts: in
     seconds of its load; a model whose statistics' squares underflow is scored on its tokens file."""
     fold_feats = None
     if needs_folds(r, h, lam):
-        stats, fold_feats, load_seconds = _load_for_cv(data, chunk_size, quiet, read)
+        stats, fold_feats, load_seconds = _load_for_cv(data, chunk_size, quiet, read, affine_from)
     else:
         stats, load_seconds = statistics_for(data, scheduler, chunk_size, quiet, read, device, affine_from)
     with working(f"fit on the cluster {scheduler}: the tiled Gram, its Cholesky and the triangular solves"
@@ -163,8 +163,7 @@ FLAG_WORDS = {
     "auto_with_normalize": "'auto' with --normalize: featurize first, e.g. `mhla featurize DATA -o FEATS "
                            "--folds 5 --normalize length`, then fit FEATS",
     "fewest_with_max_heads": "--fewest and --max-heads cannot be combined",
-    "affine_least_squares": "--affine-from is fitted by least squares with a given --ridge L (not auto, no --heads "
-                            "or --nuclear)",
+    "affine_least_squares": "--affine-from is fitted by least squares (--ridge L or auto; no --heads or --nuclear)",
     "affine_domain": "the certificate with --affine-from is of the full domain: certify without --domain",
 }
 
@@ -178,13 +177,14 @@ def in_flags() -> Iterator[None]:
         raise InputError(FLAG_WORDS[exc.rule], exc.path) from None
 
 
-def _load_for_cv(data: Path, chunk_size: int | None, quiet: bool, read: ReadSpec
+def _load_for_cv(data: Path, chunk_size: int | None, quiet: bool, read: ReadSpec, affine_from: Path | None = None
                  ) -> tuple[Features, list[Features], dict[str, float]]:
     """The statistics of `data` read as `read` says with their per-fold statistics ('auto'), and the seconds."""
     t0 = time.perf_counter()
     with progress_bar("featurize", inspect_tokens(data).n_samples
                       if data_kind(data) == "tokens" else 0, quiet) as advance:
-        feats, fold_feats = load_for_cv(data, chunk_size=chunk_size, progress=advance, read=read)
+        feats, fold_feats = load_for_cv(data, chunk_size=chunk_size, progress=advance, read=read,
+                                        affine_from=affine_from)
         feats.expand_held()
     say_samples(feats, data, read.attention, quiet)
     return feats, fold_feats, {"load": time.perf_counter() - t0}
@@ -202,6 +202,10 @@ def _say_fit(info: dict[str, Any], output: Path, lowrank_fit: bool, quiet: bool)
     lmin = f"{BOUND_SIGNS.get(info.get('lambda_min_bound'), '=')} {fmt(info['lambda_min'])}"
     say(f"wrote {output}: {mse_text}, lambda_min {lmin}, "
         f"condition number = {fmt(info['condition_number'])}", quiet)
+    if info.get("affine_hyperplanes"):
+        n = len(info["affine_hyperplanes"])
+        say(f"  the wide tokens lie on {n} hyperplane(s) a^T x = c (`mhla certify` names them): the affine map is "
+            "fitted, and the condition number taken, on their affine hull", quiet)
     if lowrank_fit:
         say(f"  {info['method']} fit: {info['n_heads']} head(s), final objective {fmt(info['objective'])}"
             + (f" (CV over {info['n_folds']} folds chose {info['cv']['chosen']:.4g})" if "cv" in info else "")

@@ -13,12 +13,18 @@ does not depend on the units of either. The verdict is proven as the MHLA's (a C
 mhla_cli.linalg.factorization), on the block of the MHLA's features on the data's spans (the rest are exact nulls)
 beside the affine block. With the bias terms and normalize="length" the bias terms hold the constant already (n / n):
 the affine block is then x_wide alone (no column of ones twice).
+
+Wide tokens on a hyperplane a^T x = c (a layer norm's output: centred, so 1^T x = 0 before its gain and shift) make
+(x_wide, 1) collinear: the function (a, -c)^T f vanishes on every token, and no data can tell the affine maps that
+differ by it apart. The block is then whitened on the range of f's second moment only (`affine_hull`): its features
+are those of the function restricted to the wide tokens' affine hull, the certificate names each such hyperplane
+(`Hyperplane`) and proves the rest by the same Cholesky, and the fit's condition number is that of the restriction.
 """
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -26,13 +32,15 @@ from ..errors import InputError
 from ..linalg.factorization import Factorization
 from ..model.heads import W_from_p
 from ..model.model import Model
-from ..numerics import lambda_min_of_verdict, mse_resolution, numerical_tolerance
+from ..numerics import affine_hull_tol, lambda_min_of_verdict, mse_resolution, numerical_tolerance
 from ..statistics import basis as basis_mod
 from ..statistics.features import Features
 from .certificate import Certificate
 from .domains import FULL
 
-__all__ = ["Extended", "block_map", "certify_extended", "extended", "fit_extended", "held_elsewhere"]
+__all__ = ["Extended", "Hyperplane", "affine_hull", "block_map", "certify_extended", "extended", "fit_extended",
+           "held_elsewhere", "held_out_sums",
+           "extended_moments", "hull_note"]
 
 
 @dataclass
@@ -44,6 +52,8 @@ class Extended:
     fac: Factorization
     fac0: Factorization
     B: np.ndarray
+    # the hyperplanes the wide tokens lie on (`affine_hull`): the directions the block leaves out
+    hull: list[Hyperplane] = field(default_factory=list)
 
     @property
     def n(self) -> int:
@@ -54,6 +64,51 @@ class Extended:
     def n_full(self) -> int:
         """Every feature: psi of the MHLA and the affine block's k."""
         return int(self.fac0.n_full + self.B.shape[1])
+
+
+@dataclass
+class Hyperplane:
+    """A hyperplane a^T x = c (|a| = 1) that every query's wide token lies on: the function (a, -c)^T (x_wide, 1)
+    vanishes on the data, so the affine map is determined only up to a multiple of it."""
+
+    normal: np.ndarray
+    offset: float
+
+    def to_dict(self) -> dict[str, object]:
+        return {"normal": [float(v) for v in self.normal], "offset": float(self.offset)}
+
+    def describe(self, shown: int = 4) -> str:
+        """'a^T x = c (a: [...])' with the largest `shown` entries of a."""
+        top = np.argsort(-np.abs(self.normal), kind="stable")[:shown]
+        entries = ", ".join(f"a[{i}] = {self.normal[i]:.4g}" for i in sorted(top))
+        more = ", ..." if self.normal.size > shown else ""
+        return f"a^T x = {self.offset:.6g} (|a| = 1; {entries}{more})"
+
+
+def affine_hull(feats: Features, W: float) -> tuple[np.ndarray | None, list[Hyperplane]]:
+    """(R, planes): where the wide tokens lie on hyperplanes, R (D + 1, r) whitens the accumulated f_b's
+    second moment on its range (R^T (sum w f_b f_b^T / sum w) R = I: the eigenvalues above affine_hull_tol of the
+    largest); the eigenvectors u below it are the functions u^T f_b = (A_w u)^T f that vanish on the data, each
+    named as the hyperplane a^T x = c of v = A_w u = (a, -c) (orthonormalised in f's coordinates first). (None, [])
+    where they lie on none."""
+    aff = feats.affine
+    assert aff is not None  # statistics with the affine block
+    G = aff.gram / W
+    w, V = np.linalg.eigh(0.5 * (G + G.T))
+    top = float(w[-1])
+    if not np.isfinite(top) or top <= 0.0:
+        return None, []
+    null = w <= affine_hull_tol(G.shape[0], feats.n_samples) * top
+    if not null.any():
+        return None, []
+    Nf = np.linalg.qr(aff.f_basis @ V[:, null])[0]
+    planes = []
+    for v in Nf.T:
+        a, c = v[:-1], -float(v[-1])
+        norm = float(np.linalg.norm(a))
+        sign = -1.0 if a[int(np.argmax(np.abs(a)))] < 0 else 1.0
+        planes.append(Hyperplane(sign * a / norm, sign * c / norm))
+    return V[:, ~null] / np.sqrt(w[~null]), planes
 
 
 def held_elsewhere(feats: Features) -> np.ndarray | None:
@@ -72,21 +127,25 @@ def held_elsewhere(feats: Features) -> np.ndarray | None:
     return L
 
 
-def block_map(feats: Features, W: float) -> np.ndarray:
+def block_map(feats: Features, W: float, hull: tuple[np.ndarray | None, list[Hyperplane]] | None = None
+              ) -> np.ndarray:
     """B (D + 1, k): the affine block's features f~ = B^T f_b of the accumulated f_b = A_w^T f
     (mhla_cli.statistics.affine_sums). B = A_f, the whitening of f_b's second moment (A_f^T (sum w f_b f_b^T / sum w)
     A_f = I: well conditioned, A_w whitens f nearly), restricted to the orthogonal complement there of the functions
     the MHLA's block holds already (`held_elsewhere`: no direction twice), so that f~ keeps the identity Gram and
-    changes orthogonally under an invertible affine map of the wide tokens (and a map of the reduced ones)."""
+    changes orthogonally under an invertible affine map of the wide tokens (and a map of the reduced ones). Where the
+    wide tokens lie on hyperplanes A_f whitens f_b on the range of its moment (`affine_hull`, computed unless given)."""
     aff = feats.affine
     assert aff is not None  # statistics with the affine block
-    Af = basis_mod.whitening(aff.gram, W, round32=False)
+    R = (affine_hull(feats, W) if hull is None else hull)[0]
+    Af = basis_mod.whitening(aff.gram, W, round32=False) if R is None else R
     L = held_elsewhere(feats)
     if L is None:
         return Af
-    # the functions L^T f = (A_f^-1 A_w^-1 L)^T f~_all: their directions in the whitened coordinates, and the
-    # complement
-    U = np.linalg.solve(Af, np.linalg.solve(aff.f_basis, L))
+    # the functions L^T f = (A_f^+ A_w^-1 L)^T f~_all on the data: their directions in the whitened coordinates, and
+    # the complement (A_f^+ = A_f^-1 without hyperplanes; on the hull, the pseudo-inverse maps f_b to the range)
+    Lb = np.linalg.solve(aff.f_basis, L)
+    U = np.linalg.solve(Af, Lb) if R is None else np.linalg.pinv(Af) @ Lb
     Q = np.linalg.qr(U, mode="complete")[0][:, U.shape[1]:]
     return Af @ Q
 
@@ -104,7 +163,8 @@ def extended(feats: Features, device: str | None = None) -> Extended:
     st = fac0.structure
     G = np.asarray(fac0.lam) * fac0.scale
     aff = feats.affine
-    B = block_map(feats, W)
+    hull = affine_hull(feats, W)
+    B = block_map(feats, W, hull)
     cross = aff.cross @ B / W
     CA = cross if feats.on_spans else st.restrict(cross)
     Gf = B.T @ (aff.gram / W) @ B
@@ -115,7 +175,7 @@ def extended(feats: Features, device: str | None = None) -> Extended:
     M[n:, :n] = CA.T
     M[n:, n:] = 0.5 * (Gf + Gf.T)
     fac = Factorization(M, n + k, 1.0, device)
-    ext = Extended(fac, fac0, B)
+    ext = Extended(fac, fac0, B, hull[1])
     feats.factor_cache["affine"] = ext
     return ext
 
@@ -129,6 +189,28 @@ def _rhs(feats: Features, ext: Extended) -> np.ndarray:
     mc = moments_b / W if feats.on_spans else st.restrict(moments_b / W)
     mf = ext.B.T @ feats.affine.moments / W
     return np.vstack([mc, mf])
+
+
+def held_out_sums(val: Features, ext: Extended) -> tuple[np.ndarray, np.ndarray]:
+    """(G, M): the extended Gram and moments of the held-out statistics `val` (raw sums, not divided by their weight)
+    in the coordinates of a training fit's `ext`: `val` in the training basis (to_basis), its affine sums in the
+    training's f_b (the same estimate for every fold: affine_sums.WideSource.estimate_basis) mapped by ext.B."""
+    aff = val.affine
+    assert aff is not None and aff.moments is not None and val.basis_gram is not None  # the block, with targets
+    assert val.basis_moments is not None  # in a basis, with targets
+    st, B = ext.fac0.structure, ext.B
+    cross = aff.cross @ B
+    CA = cross if val.on_spans else st.restrict(cross)
+    G11 = st.compress(val.basis_gram)
+    G22 = B.T @ aff.gram @ B
+    G = np.block([[G11, CA], [CA.T, 0.5 * (G22 + G22.T)]])
+    M = np.vstack([st.restrict(val.basis_moments), B.T @ aff.moments])
+    return G, M
+
+
+def extended_moments(feats: Features, ext: Extended) -> np.ndarray:
+    """The right-hand side of the extended normal equations (`_rhs`)."""
+    return _rhs(feats, ext)
 
 
 def certify_extended(feats: Features, min_eig: float = 0.0, device: str | None = None) -> Certificate:
@@ -162,10 +244,22 @@ def certify_extended(feats: Features, min_eig: float = 0.0, device: str | None =
                        span_features=st.n + ext.B.shape[1], span_pairs=st.a, span_last_tokens=st.b, proof=proof,
                        estimated=[] if fac.known_eigenvalues() is not None else ["lambda_min", "lambda_max"],
                        device=fac.device).bound_lambda_min()
+    if ext.hull:
+        cert.hyperplanes = [h.to_dict() for h in ext.hull]
+        cert.notes = [hull_note(ext.hull)]
     if not identifiable:
         cert.reasons = _reasons(feats, cert, ext, threshold)
     cert.seconds = dict(fac.seconds)
     return cert
+
+
+def hull_note(hull: list[Hyperplane]) -> str:
+    """What the hyperplanes of the wide tokens mean for the certificate (module docstring)."""
+    planes = "; ".join(h.describe() for h in hull)
+    which = "that direction" if len(hull) == 1 else f"those {len(hull)} directions"
+    return (f"the wide tokens lie on {'the hyperplane' if len(hull) == 1 else 'the hyperplanes'} {planes}: the affine "
+            f"map is determined up to {which} (a multiple of a^T x - c, zero on every such token); the verdict is of "
+            "the function on the tokens' affine hull")
 
 
 def _reasons(feats: Features, cert: Certificate, ext: Extended, threshold: float) -> list[str]:
@@ -184,9 +278,9 @@ def _reasons(feats: Features, cert: Certificate, ext: Extended, threshold: float
             on_affine = float(np.einsum("ij,ij->", N[ext.n:], N[ext.n:])) / N.shape[1]
             reasons.append(f"{N.shape[1]} direction(s) of the extended features are excited less than the threshold "
                            f"{threshold:.3g}: {100 * (1 - on_affine):.3g} % of their weight on the MHLA's features, "
-                           f"{100 * on_affine:.3g} % on the affine block of the wide token (weight there: its "
-                           "coordinates collinear in the data, e.g. under a layer norm's constraint, or with the MHLA's "
-                           "terms)")
+                           f"{100 * on_affine:.3g} % on the affine block of the wide token (weight there: the block "
+                           "collinear with the MHLA's terms, or its coordinates nearly collinear in the data; exact "
+                           "hyperplanes of the wide tokens are left out already)")
         elif cert.proof == "cholesky of Lambda~ - t I failed":
             est = cert.lambda_min if cert.lambda_min_estimate is None else cert.lambda_min_estimate
             reasons.append(f"the Cholesky of Lambda~ - t I (t = {threshold:.3g}) failed although lambda_min is "
@@ -243,6 +337,8 @@ def fit_extended(feats: Features, ridge: float = 0.0, device: str | None = None)
         info["lambda_min_bound"] = bound
     if feats.bias_terms:
         info["bias_terms"] = True
+    if ext.hull:
+        info["affine_hyperplanes"] = [h.to_dict() for h in ext.hull]
     if feats.affine.source is not None:
         info["affine_source"] = dict(feats.affine.source)
     return Model(coef=coef, W=W_from_p(coef), d=feats.d, info=info, coef_b=coef_b, basis=np.array(A),

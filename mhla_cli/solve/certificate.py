@@ -72,6 +72,10 @@ class Certificate:
     # estimate agrees and is lambda_min), and the estimate itself
     lambda_min_bound: str | None = None
     lambda_min_estimate: float | None = None
+    # the hyperplanes a^T x = c the wide tokens lie on (solve.affine_block.affine_hull: the affine map is certified on
+    # their affine hull, up to these directions) and what they mean, said beside the verdict
+    hyperplanes: list[dict[str, Any]] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
 
     @property
     def null_vectors(self) -> np.ndarray | None:
@@ -104,6 +108,7 @@ class Certificate:
             "lambda_min_bound": self.lambda_min_bound,
             **({"lambda_min_estimate": self.lambda_min_estimate} if self.lambda_min_bound else {}),
             **({"tasks": dict(self.tasks)} if self.tasks else {}),
+            **({"hyperplanes": list(self.hyperplanes), "notes": list(self.notes)} if self.hyperplanes else {}),
         }
 
     def bound_lambda_min(self) -> Certificate:

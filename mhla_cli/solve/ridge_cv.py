@@ -6,7 +6,9 @@ eigendecomposition Lambda~ = V diag(lambda) V^T per fold gives the ridge solutio
 p_b(r)^T = V diag(1 / (lambda + r)) V^T m~, with eigenvalues at or below the certificate's numerical
 tolerance taken as exact zeros (so r = 0 is the minimum-norm least-squares fit, lstsq.fit's). Each
 held-out error comes from the held-out fold's statistics in the same coordinates, never from features:
-SSE = tr(p_b G_val p_b^T) - 2 tr(p_b M_val) + tr(T_val).
+SSE = tr(p_b G_val p_b^T) - 2 tr(p_b M_val) + tr(T_val). Statistics with the affine block of the wide tokens are
+cross-validated the same way on their extended features (mhla_cli.solve.affine_block: `extended_path`), the
+ridge in the units of the extended lambda_max (the fit's).
 
 The grid: r = 0 (least squares) and N_GRID values log-spaced from GRID_LO to GRID_HI times the total's
 lambda_max (the certificate's; `--ridge` is in those units). The rule: the minimum of the mean
@@ -20,6 +22,7 @@ from typing import Any
 
 import numpy as np
 
+from . import affine_block
 from .domains import FULL
 from ..errors import InputError
 from ..numerics import numerical_tolerance
@@ -77,6 +80,29 @@ def fold_path(train: Features, val: Features, grid: np.ndarray) -> np.ndarray:
     return out
 
 
+def extended_path(train: Features, val: Features, grid: np.ndarray) -> np.ndarray:
+    """`fold_path` of the extended features (the MHLA's and the affine block: affine_block.extended), from one
+    eigendecomposition of the training fold's extended Lambda~; the held-out sums in its coordinates."""
+    A, _, _ = train.solver_stats()
+    ext = affine_block.extended(train)
+    fac = ext.fac
+    rhs = affine_block.extended_moments(train, ext)
+    w, V = fac.eigh()
+    keep = w > numerical_tolerance(fac.lambda_max(), ext.n_full)
+    w, V = w[keep], V[:, keep]
+    c = V.T @ rhs
+    v = val.copy().to_basis(A)
+    assert v.affine is not None and train.affine is not None and v.target_gram is not None  # the block, targets
+    v.affine.to_f_basis(train.affine.f_basis)
+    G, M = affine_block.held_out_sums(v, ext)
+    energy = float(np.trace(v.target_gram))
+    out = np.empty(grid.size)
+    for i, r in enumerate(grid):
+        sol = V @ (c / (w + r)[:, None])
+        out[i] = max(float(np.sum((G @ sol) * sol)) - 2.0 * float(np.sum(sol * M)) + energy, 0.0)
+    return out
+
+
 def weighted_folds(folds: list[Features]) -> tuple[list[Features], list[int]]:
     """(the folds that hold samples, the indices of those that hold none): a fold whose weights are all 0 holds
     no held-out error to measure and changes no training sum, so cross-validation skips it (and says so)."""
@@ -92,14 +118,16 @@ def cv_ridge(total: Features, folds: list[Features], n_grid: int = N_GRID) -> di
         raise InputError("cross-validation needs at least 2 folds")
     if not total.has_targets or any(not f.has_targets for f in folds):
         raise InputError("cross-validation needs targets in every fold")
-    lmax = FULL.factorize(total).lambda_max()
+    extended = total.affine is not None
+    lmax = (affine_block.extended(total).fac if extended else FULL.factorize(total)).lambda_max()
+    path = extended_path if extended else fold_path
     grid = ridge_grid(lmax, n_grid)
     errs = np.empty((grid.size, len(folds)))
     for k, fold in enumerate(folds):
         if fold.n_samples < 1 or fold.n_samples >= total.n_samples:
             raise InputError(f"fold {k} has {fold.n_samples} of the {total.n_samples} samples: every fold needs "
                              "samples, and so does the rest")
-        errs[:, k] = fold_path(total - fold, fold, grid) / (fold.weight * total.n_outputs)  # weighted means
+        errs[:, k] = path(total - fold, fold, grid) / (fold.weight * total.n_outputs)  # weighted means
     mean = errs.mean(axis=1)
     se = errs.std(axis=1, ddof=1) / np.sqrt(len(folds))
     floor = cv_floor(total)

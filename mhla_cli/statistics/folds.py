@@ -15,6 +15,11 @@ the same data), so a folds file gives the folds' canonical statistics exactly as
 in any units of the tokens. The own-coordinate fold sums alone (files written before FOLD_BASIS) are
 accepted only where the change from them is itself well conditioned (`check_own_folds`,
 numerics.OWN_FOLDS_COND).
+
+Statistics with the affine block of the wide tokens (mhla_cli.statistics.affine_sums) store each fold's block beside
+its canonical sums: fold_affine_cross (K, psi, D + 1) (rows in the fold's basis, as fold_basis_moments),
+fold_affine_gram (K, D + 1, D + 1), fold_affine_moments (K, D + 1, d) and fold_affine_sum (K, D + 1) (FOLD_AFFINE),
+all in the total's f_basis (the one estimate of the wide file every fold is accumulated in).
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ from mhla_cli.feature_map import n_features
 from mhla_cli.numerics import FOLD_SUM_TOL, OWN_FOLDS_COND, SINGULAR_BASIS_COND
 from mhla_cli.statistics import basis as basis_mod
 from mhla_cli.statistics.storage.gram_dense import is_symmetric as _is_symmetric
+from mhla_cli.statistics.affine_sums import AffineSums
 from mhla_cli.statistics.features import Features
 from mhla_cli.statistics.stream import check_attention_of, check_bias_terms_of, featurize
 from mhla_cli.io.tokens import inspect_tokens
@@ -41,6 +47,8 @@ FOLD_DATASETS = (*(f"fold_{k}" for k in Features.SUMS), "fold_n_samples", "fold_
 FOLD_WEIGHTS = ("fold_weight_sum", "fold_token_weight_sum")
 # Each fold's canonical sums and their basis (written by save_with_folds; older files lack them).
 FOLD_BASIS = ("fold_basis", *(f"fold_{k}" for k in Features.BASIS_SUMS))
+# Each fold's affine block (with --affine-from): its sums, AffineSums' fields.
+FOLD_AFFINE = ("fold_affine_cross", "fold_affine_gram", "fold_affine_moments", "fold_affine_sum")
 
 
 def featurize_folds(path: str | os.PathLike, n_folds: int, chunk_size: int | None = None,
@@ -48,7 +56,8 @@ def featurize_folds(path: str | os.PathLike, n_folds: int, chunk_size: int | Non
                     ) -> tuple[Features, list[Features]]:
     """Statistics of each of `n_folds` contiguous sample ranges of a tokens file, and their sum.
 
-    Each fold is stream.featurize(shard=(k, n_folds)); `parallel` (workers, scheduler, map) is passed on.
+    Each fold is stream.featurize(shard=(k, n_folds)); `parallel` (workers, scheduler, map, read, affine_from) is
+    passed on.
     """
     info = inspect_tokens(path)
     if n_folds < 2:
@@ -87,7 +96,44 @@ def save_with_folds(total: Features, folds: list[Features], path: str | os.PathL
         bases.append(f.basis)
     data["fold_basis"] = np.stack(bases)
     data.update({f"fold_{k}": np.stack([getattr(f, k) for f in canon]) for k in Features.BASIS_SUMS})
+    if total.affine is not None:
+        data.update(_affine_folds(total, canon))
     total.save(path, inputs, extra=data, extra_attrs={"n_folds": len(folds)})
+
+
+def _affine_folds(total: Features, canon: list[Features]) -> dict[str, np.ndarray]:
+    """The folds' affine blocks (FOLD_AFFINE) in the total's f_basis, their rows in each fold's canonical basis."""
+    assert total.affine is not None  # statistics with the affine block
+    blocks = []
+    for f in canon:
+        if f.affine is None or f.affine.moments is None:
+            raise InputError("every fold needs the affine block of the wide tokens and targets")
+        aff = f.affine.copy()
+        aff.to_f_basis(total.affine.f_basis)
+        blocks.append(aff)
+    return {"fold_affine_cross": np.stack([a.cross for a in blocks]),
+            "fold_affine_gram": np.stack([a.gram for a in blocks]),
+            "fold_affine_moments": np.stack([a.moments for a in blocks if a.moments is not None]),
+            "fold_affine_sum": np.stack([a.total for a in blocks])}
+
+
+def _read_affine_folds(f: Any, total: Features, K: int, path: str | os.PathLike) -> list[AffineSums] | None:
+    """The folds' affine blocks of an open features file (None when the total has none), validated."""
+    aff = total.affine
+    if aff is None:
+        return None
+    if not all(k in f for k in FOLD_AFFINE) or "fold_basis" not in f:
+        raise InputError("holds the affine block of the wide tokens but not its per-fold sums (featurize the folds "
+                         "with the wide tokens)", path)
+    a, psi, e = aff.width + 1, n_features(total.d), total.n_outputs
+    shapes = {"fold_affine_cross": (K, psi, a), "fold_affine_gram": (K, a, a), "fold_affine_moments": (K, a, e),
+              "fold_affine_sum": (K, a)}
+    arrs = {k: formats.read_array(f, k, path).astype(np.float64) for k in FOLD_AFFINE}
+    for k, shape in shapes.items():
+        if arrs[k].shape != shape or not np.isfinite(arrs[k]).all():
+            raise InputError(f"'{k}' has shape {arrs[k].shape} or is not finite, expected {shape}", path)
+    return [AffineSums(arrs["fold_affine_cross"][k], arrs["fold_affine_gram"][k], arrs["fold_affine_moments"][k],
+                       arrs["fold_affine_sum"][k], aff.width, aff.source, aff.P, aff.basis) for k in range(K)]
 
 
 def load_folds(path: str | os.PathLike, total: Features | None = None) -> list[Features] | None:
@@ -115,6 +161,7 @@ def load_folds(path: str | os.PathLike, total: Features | None = None) -> list[F
             if name == "fold_basis_moments" and not total.has_targets:
                 continue
             arrs[name] = formats.read_array(f, name, path)
+        affine = _read_affine_folds(f, total, arrs["fold_gram"].shape[0], path)
     K = arrs["fold_gram"].shape[0]
     expect = {"fold_gram": (K, psi, psi), "fold_moments": (K, psi, d), "fold_target_gram": (K, d, d),
               "fold_token_gram": (K, d, d), "fold_last_token_gram": (K, d, d), "fold_n_samples": (K,),
@@ -159,6 +206,8 @@ def load_folds(path: str | os.PathLike, total: Features | None = None) -> list[F
                                      **{s: arrs[f"fold_{s}"][k].astype(np.float64) for s in Features.SUMS},
                                      sample_range=(int(arrs["fold_ranges"][k][0]), int(arrs["fold_ranges"][k][1])),
                                      n_sequences=None, **canonical))
+        if affine is not None:
+            folds[-1].affine = affine[k]
     return folds
 
 
@@ -199,11 +248,13 @@ def check_own_folds(total: Features, path: str | os.PathLike | None = None) -> N
 
 def load_for_cv(path: str | os.PathLike, n_folds: int = 5, chunk_size: int | None = None,
                 progress: Callable[[int], None] | None = None, attention: str | Samples | None = None,
-                bias_terms: bool = False, read: ReadSpec | None = None) -> tuple[Features, list[Features]]:
+                bias_terms: bool = False, read: ReadSpec | None = None,
+                affine_from: str | os.PathLike | None = None) -> tuple[Features, list[Features]]:
     """Whole-file and per-fold statistics: from a features file's stored folds, or computed from a tokens file
     (its per-position samples read with `attention`, which a features file's must match; with the bias terms
-    when asked, which a features file must hold). `read` (mhla_cli.samples.ReadSpec), given, replaces `attention`
-    and `bias_terms` (its normalisation is not applied here)."""
+    when asked, which a features file must hold; with the affine block of the wide tokens `affine_from`, a tokens
+    file's folds alone). `read` (mhla_cli.samples.ReadSpec), given, replaces `attention` and `bias_terms` (its
+    normalisation is not applied here)."""
     if read is not None:
         attention, bias_terms = read.layout, read.bias_terms
     kind = formats.kind_of(path)
@@ -211,6 +262,8 @@ def load_for_cv(path: str | os.PathLike, n_folds: int = 5, chunk_size: int | Non
         total = Features.load(path)
         check_attention_of(total, attention, path)
         check_bias_terms_of(total, bias_terms, path)
+        if affine_from is not None and total.affine is None:
+            raise InputError("holds no affine block of the wide tokens: featurize them with the wide tokens", path)
         folds = load_folds(path, total)
         if folds is None:
             raise InputError("has no per-fold statistics, which 'auto' needs (write them with "
@@ -218,5 +271,5 @@ def load_for_cv(path: str | os.PathLike, n_folds: int = 5, chunk_size: int | Non
         return total, folds
     if kind == "tokens":
         return featurize_folds(path, n_folds, chunk_size=chunk_size, progress=progress,
-                               read=ReadSpec(attention, "none", bias_terms))
+                               read=ReadSpec(attention, "none", bias_terms), affine_from=affine_from)
     raise InputError(f"is a {kind} file, expected a tokens or features file", path)
