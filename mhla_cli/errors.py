@@ -47,7 +47,7 @@ REMEDY_WORDS = {
     "bias_terms_opt": "bias_terms",
     "affine_file": "affine_from='{}'",
     "wide": "wide=",
-    "causal": "causal=True",
+    "causal_flag": "causal=True",
     "dim_opt": "dim",
     "dim": "dim={}",
     "method_opt": "method",

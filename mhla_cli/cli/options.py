@@ -95,7 +95,7 @@ REMEDY_OPTIONS = {
     "bias_terms_opt": "--bias-terms",
     "affine_file": "--affine-from {}",
     "wide": "wide=, or --affine-from",
-    "causal": "--causal",
+    "causal_flag": "--causal",
     "dim_opt": "--dim",
     "dim": "--dim {}",
     "method_opt": "--method",

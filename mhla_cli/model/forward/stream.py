@@ -356,9 +356,9 @@ def _output_layout(fn: Model | Heads, layout: Samples | None, causal: bool, all_
     fitted = fitted_samples(fn)
     if layout is not None and fitted.predicts_every_position and layout != fitted:
         raise Refused(f"the model was fitted on {fitted.name} samples ({fitted.words}): "
-                      f"{'{causal}' if layout == CAUSAL else layout.name} would evaluate it on {layout.words}; "
-                      f"its outputs at every position are written without {'{causal}' if causal else 'a layout'}",
-                      causal={})
+                      f"{'{causal_flag}' if layout == CAUSAL else layout.name} would evaluate it on {layout.words}; "
+                      f"its outputs at every position are written without {'{causal_flag}' if causal else 'a layout'}",
+                      causal_flag={})
     samples = (layout if layout is not None else BIDIRECTIONAL if all_positions and not fitted.predicts_every_position
                else fitted if fitted.predicts_every_position else None)
     return layout, fitted, samples
