@@ -159,10 +159,7 @@ TOKEN_CASES: dict[str, Callable[[Base, Path], tuple[Path, str]]] = {
     "huge_tokens": _huge_tokens,
     "targets_shape": lambda b, p: (h5(p, tokens=b.tokens, offsets=b.offsets, targets=np.ones((40, 2, 1))),
                                    r"'targets' has shape \(40, 2, 1\), expected \(N, d\) = \(40, 2\)"),
-    # targets of another width are a valid file (for mhla reduce), refused by the jobs needing equal widths
-    "targets_width": lambda b, p: (h5(p, tokens=b.tokens, offsets=b.offsets, targets=np.ones((40, 3))),
-                                   r"the targets are 3 wide but the tokens d = 2: \w+ needs targets of the "
-                                   r"tokens' width; map both to the same dimension with mhla reduce "),
+    # targets of another width are a valid file: fitted at their width (tests/test_output_width.py)
     "targets_wrong_n": lambda b, p: (h5(p, tokens=b.tokens, offsets=b.offsets, targets=b.targets[:-1]),
                                      r"'targets' has shape \(39, 2\), expected \(N, d\) = \(40, 2\)"),
     "truncated": _truncated,

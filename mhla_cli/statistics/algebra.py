@@ -130,7 +130,8 @@ class FeaturesAlgebra:
 
     def __add__(self, other: Features) -> Features:
         total = type(self).zeros(self.d, self.has_targets,
-                                 self.token_dtype if self.token_dtype == other.token_dtype else "float64")
+                                 self.token_dtype if self.token_dtype == other.token_dtype else "float64",
+                                 d_out=self.d_out)
         total.read = self.read
         total.n_sequences = 0 if self.n_sequences is not None and other.n_sequences is not None else None
         add_into(total, self)
@@ -214,6 +215,8 @@ def _check_addable(acc: Features, part: Features) -> None:
         raise InputError(f"cannot add statistics of d = {acc.d} and d = {part.d}")
     if part.has_targets != acc.has_targets:
         raise InputError("cannot add statistics with and without targets")
+    if part.d_out != acc.d_out:
+        raise InputError(f"cannot add statistics of targets {acc.d_out} and {part.d_out} wide")
     if part.normalize != acc.normalize:
         raise InputError(f"cannot add statistics with different normalisations ({acc.normalize} and "
                          f"{part.normalize}): featurize every part with the same normalisation")

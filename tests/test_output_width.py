@@ -1,0 +1,143 @@
+"""Targets of any width D_out (a head's or a layer's own output beside d-dim tokens): featurize, fit, certify,
+export-heads, predict and `to_torch` against plain numpy on materialised features (tests/_reference.py), and
+metamorphic: an invertible map of the output coordinates maps the fit and leaves the certificate as it is."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import _reference as ref
+from conftest import write_tokens
+from mhla_cli import bias_terms as bias_mod
+from mhla_cli.api.learn import RequestError, certify, export_heads, fit
+from mhla_cli.cli import run
+from mhla_cli.model.forward.evaluate import predict
+from mhla_cli.samples import BIDIRECTIONAL
+from mhla_cli.statistics.stream import featurize
+
+D = 3
+LSTSQ_TOL = 1e-8
+
+
+def data(tmp_path: Path, e: int, per_position: bool = False, seed: int = 0, n: int = 150
+         ) -> tuple[Path, np.ndarray, np.ndarray, np.ndarray]:
+    """A tokens file of d = 3 tokens with targets `e` wide (a random function of the features, plus noise);
+    (path, tokens, offsets, targets)."""
+    rng = np.random.default_rng(seed)
+    lens = rng.integers(2 if per_position else 1, 8, n)
+    off = np.concatenate([[0], np.cumsum(lens)]).astype(np.int64)
+    X = rng.standard_normal((int(off[-1]), D))
+    smp = ref.samples(X, off, per_position, attention="bidirectional")
+    H = np.stack([ref.features(Z) for Z, _, _ in smp])
+    Y = H @ rng.standard_normal((e, H.shape[1])).T + 0.01 * rng.standard_normal((H.shape[0], e))
+    path = write_tokens(tmp_path / f"w{e}.h5", X, off, Y)
+    if per_position:
+        import h5py
+
+        with h5py.File(path, "a") as f:
+            f.attrs["attention"] = "bidirectional"
+    return path, X, off, Y
+
+
+def lstsq_coef(X: np.ndarray, off: np.ndarray, Y: np.ndarray, per_position: bool = False,
+               bias: bool = False) -> np.ndarray:
+    """numpy's lstsq of the materialised own features H(X) -> Y: coef (D_out, psi)."""
+    if bias:
+        X, Y = bias_mod.with_constant(X), bias_mod.pad_targets(Y)
+    smp = ref.samples(X, off, per_position, attention="bidirectional")
+    H = np.stack([ref.features(Z) for Z, _, _ in smp])
+    return np.linalg.lstsq(H, Y[[r for _, _, r in smp]], rcond=None)[0].T
+
+
+@pytest.mark.parametrize("e", [1, D - 1, D + 3])
+def test_fit_of_any_output_width_is_numpys_lstsq(tmp_path: Path, e: int) -> None:
+    """featurize + fit equal numpy's lstsq of H(X) -> Y; the certificate is the one of the Gram, whatever D_out."""
+    path, X, off, Y = data(tmp_path, e)
+    feats = featurize(path)
+    assert feats.d_out == feats.n_outputs == e and feats.basis_moments.shape[1] == e
+    model = fit(feats)
+    p = lstsq_coef(X, off, Y)
+    assert model.coef.shape == (e, p.shape[1]) and model.W.shape == (e * D, D * D)
+    assert ref.ratio(model.coef, p) <= LSTSQ_TOL
+    square = featurize(data(tmp_path / "..", D)[0]) if e != D else feats
+    a, b = certify(feats), certify(square)
+    assert a.identifiable and abs(a.lambda_min - b.lambda_min) <= 1e-12 * b.lambda_min
+    # R^2 over the D_out outputs
+    pred = predict(model, X, off)
+    resid = Y - pred
+    r2 = 1.0 - (resid ** 2).sum() / ((Y - Y.mean(axis=0)) ** 2).sum()
+    assert abs(model.info["train_r2"] - r2) <= 1e-9
+    assert abs(model.info["train_mse"] - (resid ** 2).mean()) <= 1e-9 * (resid ** 2).mean()
+
+
+@pytest.mark.parametrize("e", [1, D + 3])
+def test_heads_predict_and_torch_reproduce_the_function(tmp_path: Path, e: int) -> None:
+    """export-heads gives V_h (D_out, d) heads of the same function; predict of model and heads and to_torch
+    equal the numpy forward H(X) p^T."""
+    path, X, off, Y = data(tmp_path, e)
+    model = fit(featurize(path))
+    heads = export_heads(model)
+    assert heads.V.shape[1:] == (e, D) and heads.Q.shape[1:] == (D, D)
+    want = np.stack([ref.features(X[a:b]) for a, b in zip(off[:-1], off[1:])]) @ model.coef.T
+    for fn in (model, heads):
+        assert ref.ratio(predict(fn, X, off), want) <= 1e-10
+    torch = pytest.importorskip("torch")
+    module = heads.to_torch()
+    out = np.stack([module(torch.as_tensor(X[a:b])).detach().numpy() for a, b in zip(off[:-1], off[1:])])
+    assert ref.ratio(out, want) <= 1e-10
+
+
+def test_bias_terms_with_another_output_width(tmp_path: Path) -> None:
+    """The bias terms pad every target (y, 0): D_out + 1 outputs, the last exactly 0; the heads and their bias
+    terms compute the fitted function."""
+    path, X, off, Y = data(tmp_path, D + 2)
+    model = fit(featurize(path, bias_terms=True))
+    p = lstsq_coef(X, off, Y, bias=True)
+    assert model.coef.shape[0] == D + 3 and not model.coef[-1].any()
+    assert ref.ratio(model.coef, p) <= LSTSQ_TOL
+    heads = export_heads(model)
+    assert heads.V.shape[1:] == (D + 2, D) and heads.value_bias.shape[1] == D + 2
+    want = np.stack([ref.features(bias_mod.with_constant(X[a:b])) for a, b in zip(off[:-1], off[1:])]) \
+        @ model.coef.T
+    assert ref.ratio(predict(heads, X, off), want[:, :-1]) <= 1e-9
+
+
+def test_per_position_bidirectional_targets_of_another_width(tmp_path: Path) -> None:
+    path, X, off, Y = data(tmp_path, D + 1, per_position=True, n=60)
+    model = fit(featurize(path))
+    assert ref.ratio(model.coef, lstsq_coef(X, off, Y, per_position=True)) <= LSTSQ_TOL
+    _, outputs = predict(model, X, off, layout=BIDIRECTIONAL)
+    smp = ref.samples(X, off, True, attention="bidirectional")
+    want = np.stack([ref.features(Z) for Z, _, _ in smp]) @ model.coef.T
+    assert ref.ratio(outputs, want) <= 1e-10
+
+
+def test_an_invertible_map_of_the_outputs_maps_the_fit(tmp_path: Path) -> None:
+    """Y -> Y M maps coef p to M^T p (the fit is linear in the targets) and leaves the certificate as it is."""
+    path, X, off, Y = data(tmp_path, D + 2)
+    M = np.random.default_rng(5).standard_normal((D + 2, D + 2)) + 3 * np.eye(D + 2)
+    mapped = write_tokens(tmp_path / "mapped.h5", X, off, Y @ M)
+    a, b = featurize(path), featurize(mapped)
+    assert ref.ratio(fit(b).coef, M.T @ fit(a).coef) <= LSTSQ_TOL
+    ca, cb = certify(a), certify(b)
+    assert (ca.identifiable, ca.rank) == (cb.identifiable, cb.rank)
+    assert abs(ca.lambda_min - cb.lambda_min) <= 1e-12 * ca.lambda_min
+
+
+def test_low_rank_fits_of_another_width_are_refused(tmp_path: Path, capsys) -> None:
+    path, *_ = data(tmp_path, D + 1)
+    feats = featurize(path)
+    for kw in ({"heads": 2}, {"nuclear": 0.1}):
+        with pytest.raises(RequestError) as exc:
+            fit(feats, **kw)
+        assert exc.value.rule == "lowrank_width"
+    with pytest.raises(RequestError) as exc:
+        export_heads(fit(feats), fewest=True)
+    assert exc.value.rule == "fewest_width"
+    # the command line: one line naming the option, exit 2, before any work
+    assert run(["fit", str(path), "-o", str(tmp_path / "m.h5"), "--heads", "2"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--heads and --nuclear need targets as wide as the tokens" in err[0]
