@@ -297,6 +297,23 @@ STRUCTURAL = [
     Structural("statistics in memory sent to a cluster", "mhla_cli.api.learn", "_check_tiled",
                lambda n: isinstance(n, ast.If) and ast.unparse(n.test) == "isinstance(data, Features)",
                lambda n: None, tests=DISPATCH_TESTS),
+    # targets of any width D_out (tests/test_output_width.py)
+    Structural("the accumulator's targets d wide", "mhla_cli.statistics.accumulate", "Accumulator.__init__",
+               lambda n: _assigns(n, "d_out"), lambda n: ast.Assign(n.targets, _expr("d")),
+               tests=("tests/test_output_width.py", "-k", "numpys_lstsq")),
+    Structural("statistics of different output widths added", "mhla_cli.statistics.algebra", "_check_addable",
+               lambda n: isinstance(n, ast.If) and ast.unparse(n.test) == "part.d_out != acc.d_out",
+               lambda n: None, tests=("tests/test_output_width.py", "-k", "do_not_add")),
+    Structural("low-rank fits of another output width not refused", "mhla_cli.api.learn", "_fit_in_memory",
+               lambda n: isinstance(n, ast.If) and ast.unparse(n.test) == "feats.d_out != feats.d",
+               lambda n: None, tests=("tests/test_output_width.py", "-k", "low_rank")),
+    Structural("fewest heads of another output width not refused", "mhla_cli.api.learn", "export_heads",
+               lambda n: isinstance(n, ast.If) and ast.unparse(n.test) == "fn.coef.shape[0] != fn.d",
+               lambda n: None, tests=("tests/test_output_width.py", "-k", "low_rank")),
+    Structural("kept targets mapped by U", "mhla_cli.model.reduce", "_reduce_chunks",
+               lambda n: isinstance(n, ast.If) and ast.unparse(n.test) == "not red.keep_targets",
+               lambda n: ast.If(ast.Constant(True), n.body, n.orelse),
+               tests=("tests/test_output_width.py", "-k", "keep_targets")),
 ]
 
 # Every check of export-heads, spectrum and compare evaluated in the tokens' own coordinates (or on the

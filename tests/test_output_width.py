@@ -141,3 +141,60 @@ def test_low_rank_fits_of_another_width_are_refused(tmp_path: Path, capsys) -> N
     assert run(["fit", str(path), "-o", str(tmp_path / "m.h5"), "--heads", "2"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "--heads and --nuclear need targets as wide as the tokens" in err[0]
+
+
+def test_predict_refuses_targets_of_another_width_than_the_models_outputs(tmp_path: Path, capsys) -> None:
+    """A model of D_out outputs scored on targets of another width: one line, exit 2."""
+    path, X, off, Y = data(tmp_path, D + 1)
+    model_path = tmp_path / "m.h5"
+    assert run(["fit", str(path), "-o", str(model_path)]) == 0
+    other = write_tokens(tmp_path / "other.h5", X, off, Y[:, :2])
+    capsys.readouterr()
+    assert run(["predict", str(model_path), str(other), "-o", str(tmp_path / "p.h5")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "the targets are 2 wide but the model's outputs 4" in err[0]
+
+
+def test_reduce_keep_targets_then_unreduce_is_the_fit_on_the_mapped_tokens(tmp_path: Path) -> None:
+    """reduce keeping the targets (tokens X -> X P only), fit at the targets' full width, heads put back: on wide
+    tokens they compute numpy's lstsq fit of H(X P) -> Y evaluated at X P."""
+    from mhla_cli.model import reduce as reduce_mod
+
+    rng = np.random.default_rng(3)
+    n, wide, e = 150, 6, 5
+    lens = rng.integers(1, 8, n)
+    off = np.concatenate([[0], np.cumsum(lens)]).astype(np.int64)
+    Xw = rng.standard_normal((int(off[-1]), wide)) * np.linspace(2.0, 0.3, wide)
+    Y = rng.standard_normal((n, e))
+    path = write_tokens(tmp_path / "wide.h5", Xw, off, Y)
+    out = tmp_path / "red.h5"
+    red = reduce_mod.reduce_tokens(path, out, dim=D, keep_targets=True)
+    assert red.U is None and red.keep_targets and reduce_mod.load_reduction(out).keep_targets
+    import h5py
+
+    with h5py.File(out) as f:
+        assert np.array_equal(f["targets"][...], Y)  # copied unreduced
+    model = fit(featurize(out))
+    Z = Xw @ red.P
+    p = lstsq_coef(Z, off, Y)
+    assert model.coef.shape == (e, p.shape[1]) and ref.ratio(model.coef, p) <= LSTSQ_TOL
+    heads = reduce_mod.unreduce_heads(export_heads(model), reduce_mod.load_reduction(out), out)
+    want = np.stack([ref.features(Z[a:b]) for a, b in zip(off[:-1], off[1:])]) @ p.T
+    assert ref.ratio(predict(heads, Xw, off), want) <= 1e-9
+    # the command line: --keep-targets, then fit and export-heads --unreduce
+    assert run(["reduce", str(path), "-o", str(tmp_path / "cli.h5"), "--dim", str(D), "--keep-targets"]) == 0
+    assert run(["fit", str(tmp_path / "cli.h5"), "-o", str(tmp_path / "m.h5")]) == 0
+    assert run(["export-heads", str(tmp_path / "m.h5"), "-o", str(tmp_path / "h.h5"), "--unreduce",
+                str(tmp_path / "cli.h5")]) == 0
+    assert run(["predict", str(tmp_path / "h.h5"), str(path), "-o", str(tmp_path / "p.h5")]) == 0
+    with h5py.File(tmp_path / "p.h5") as f:
+        assert ref.ratio(f["predictions"][...], want) <= 1e-9
+
+
+def test_statistics_of_different_output_widths_do_not_add(tmp_path: Path) -> None:
+    from mhla_cli.errors import InputError
+
+    a = featurize(data(tmp_path, 2)[0])
+    b = featurize(data(tmp_path, 4)[0])
+    with pytest.raises(InputError, match="cannot add statistics of targets 2 and 4 wide"):
+        a + b
