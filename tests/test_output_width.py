@@ -198,3 +198,20 @@ def test_statistics_of_different_output_widths_do_not_add(tmp_path: Path) -> Non
     b = featurize(data(tmp_path, 4)[0])
     with pytest.raises(InputError, match="cannot add statistics of targets 2 and 4 wide"):
         a + b
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_tiled_statistics_of_another_width_fit_as_one_machine(client, tmp_path: Path, bias: bool) -> None:
+    """The Gram tiled on a Dask cluster: the D_out-wide sums and the fit on the cluster are one machine's."""
+    pytest.importorskip("dask.distributed")
+    from mhla_cli.samples import ReadSpec
+    from mhla_cli.statistics.distributed import tiled_statistics
+
+    path, *_ = data(tmp_path, D + 2)
+    stats = tiled_statistics.accumulate(path, client, chunk_size=23, read=ReadSpec(bias_terms=bias),
+                                        tile_features=2 * (D + int(bias)))
+    one = featurize(path, spans="off", bias_terms=bias)
+    for k in ("target_gram", "target_sum"):
+        assert ref.ratio(getattr(stats.sums, k), getattr(one, k)) <= 1e-12
+    ridge = 1e-9 if bias else 0.0
+    assert ref.ratio(fit(stats, ridge=ridge).coef, fit(one, ridge=ridge).coef) <= 1e-9
