@@ -215,3 +215,20 @@ def test_tiled_statistics_of_another_width_fit_as_one_machine(client, tmp_path: 
         assert ref.ratio(getattr(stats.sums, k), getattr(one, k)) <= 1e-12
     ridge = 1e-9 if bias else 0.0
     assert ref.ratio(fit(stats, ridge=ridge).coef, fit(one, ridge=ridge).coef) <= 1e-9
+
+
+def test_a_zarr_store_of_another_width_round_trips(local, tmp_path: Path) -> None:
+    """featurize on a cluster into a Zarr store: the D_out-wide moments read back (whole or tiled) are one
+    machine's, and the fit of the store is numpy's lstsq."""
+    pytest.importorskip("zarr")
+    from mhla_cli.statistics.files.zarr_store import load_features
+
+    cl, _ = local
+    path, X, off, Y = data(tmp_path, D + 2)
+    out = tmp_path / "f.zarr"
+    assert run(["featurize", str(path), "--scheduler", cl.scheduler_address, "-o", str(out), "-q"]) == 0
+    back, one = load_features(out), featurize(path, spans="off")
+    for k in ("target_gram", "moments", "target_sum"):
+        assert ref.ratio(getattr(back, k), getattr(one, k)) <= 1e-11, k
+    assert ref.ratio(fit(back).coef, lstsq_coef(X, off, Y)) <= LSTSQ_TOL
+    assert run(["fit", str(out), "-o", str(tmp_path / "m.h5"), "--scheduler", cl.scheduler_address, "-q"]) == 0
