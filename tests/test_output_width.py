@@ -232,3 +232,13 @@ def test_a_zarr_store_of_another_width_round_trips(local, tmp_path: Path) -> Non
         assert ref.ratio(getattr(back, k), getattr(one, k)) <= 1e-11, k
     assert ref.ratio(fit(back).coef, lstsq_coef(X, off, Y)) <= LSTSQ_TOL
     assert run(["fit", str(out), "-o", str(tmp_path / "m.h5"), "--scheduler", cl.scheduler_address, "-q"]) == 0
+
+
+def test_a_model_of_another_width_compares_with_its_heads(tmp_path: Path) -> None:
+    """compare: the model and its exported heads (V_h D_out x d) are one function; a truncation is another."""
+    from mhla_cli.model.compare import function_distance
+
+    path, *_ = data(tmp_path, D + 2)
+    model = fit(featurize(path))
+    assert function_distance(model, export_heads(model)).relative_distance <= 1e-12
+    assert function_distance(model, export_heads(model, max_heads=1)).relative_distance > 1e-3
