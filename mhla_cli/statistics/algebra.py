@@ -131,7 +131,7 @@ class FeaturesAlgebra:
     def __add__(self, other: Features) -> Features:
         total = type(self).zeros(self.d, self.has_targets,
                                  self.token_dtype if self.token_dtype == other.token_dtype else "float64",
-                                 d_out=self.d_out)
+                                 d_out=other.d_out)  # add_into refuses another width
         total.read = self.read
         total.n_sequences = 0 if self.n_sequences is not None and other.n_sequences is not None else None
         add_into(total, self)
