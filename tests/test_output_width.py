@@ -196,7 +196,7 @@ def test_statistics_of_different_output_widths_do_not_add(tmp_path: Path) -> Non
 
     a = featurize(data(tmp_path, 2)[0])
     b = featurize(data(tmp_path, 4)[0])
-    with pytest.raises(InputError, match="cannot add statistics of targets 2 and 4 wide"):
+    with pytest.raises(InputError, match="cannot add statistics of targets (2 and 4|4 and 2) wide"):
         a + b
 
 
