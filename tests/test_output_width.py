@@ -242,3 +242,19 @@ def test_a_model_of_another_width_compares_with_its_heads(tmp_path: Path) -> Non
     model = fit(featurize(path))
     assert function_distance(model, export_heads(model)).relative_distance <= 1e-12
     assert function_distance(model, export_heads(model, max_heads=1)).relative_distance > 1e-3
+
+
+def test_the_estimator_fits_targets_of_any_width() -> None:
+    """MHLA (scikit-learn style): D_out-wide targets give numpy's lstsq; later chunks keep the first's width."""
+    from mhla_cli import MHLA
+    from mhla_cli.errors import InputError
+
+    rng = np.random.default_rng(0)
+    seqs = [rng.standard_normal((int(rng.integers(1, 8)), D)) for _ in range(150)]
+    Y = rng.standard_normal((150, D + 2))
+    est = MHLA().fit(seqs, Y)
+    H = np.stack([ref.features(s) for s in seqs])
+    p = np.linalg.lstsq(H, Y, rcond=None)[0].T
+    assert ref.ratio(est.predict(seqs), H @ p.T) <= LSTSQ_TOL
+    with pytest.raises(InputError, match=r"targets have shape \(150, 2\), expected \(150, 5\)"):
+        est.partial_fit(seqs, Y[:, :2])
