@@ -131,7 +131,7 @@ class FeaturesAlgebra:
     def __add__(self, other: Features) -> Features:
         total = type(self).zeros(self.d, self.has_targets,
                                  self.token_dtype if self.token_dtype == other.token_dtype else "float64",
-                                 d_out=other.d_out)  # add_into refuses another width
+                                 d_out=_out_width(self))  # add_into refuses another width
         total.read = self.read
         total.n_sequences = 0 if self.n_sequences is not None and other.n_sequences is not None else None
         add_into(total, self)
@@ -141,6 +141,11 @@ class FeaturesAlgebra:
                                   max(self.sample_range[1], other.sample_range[1]))
         total.source = self.source
         return total
+
+
+def _out_width(feats: Any) -> int:
+    """The targets' width D_out of statistics (`Features.d_out`; the mixin's self is a Features)."""
+    return int(feats.d_out)
 
 
 def add_into(acc: Features, part: Features) -> None:
