@@ -258,3 +258,12 @@ def test_the_estimator_fits_targets_of_any_width() -> None:
     assert ref.ratio(est.predict(seqs), H @ p.T) <= LSTSQ_TOL
     with pytest.raises(InputError, match=r"targets have shape \(150, 2\), expected \(150, 5\)"):
         est.partial_fit(seqs, Y[:, :2])
+
+
+def test_a_rollout_of_a_model_of_another_width_is_refused(tmp_path: Path, capsys) -> None:
+    path, *_ = data(tmp_path, D + 2)
+    assert run(["fit", str(path), "-o", str(tmp_path / "m.h5"), "-q"]) == 0
+    capsys.readouterr()
+    assert run(["rollout", str(tmp_path / "m.h5"), str(path), "-o", str(tmp_path / "r.h5"), "--steps", "2"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "maps d = 3 tokens to 5-dim outputs" in err[0]
