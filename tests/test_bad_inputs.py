@@ -159,10 +159,7 @@ TOKEN_CASES: dict[str, Callable[[Base, Path], tuple[Path, str]]] = {
     "huge_tokens": _huge_tokens,
     "targets_shape": lambda b, p: (h5(p, tokens=b.tokens, offsets=b.offsets, targets=np.ones((40, 2, 1))),
                                    r"'targets' has shape \(40, 2, 1\), expected \(N, d\) = \(40, 2\)"),
-    # targets of another width are a valid file (for mhla reduce), refused by the jobs needing equal widths
-    "targets_width": lambda b, p: (h5(p, tokens=b.tokens, offsets=b.offsets, targets=np.ones((40, 3))),
-                                   r"the targets are 3 wide but the tokens d = 2: \w+ needs targets of the "
-                                   r"tokens' width; map both to the same dimension with mhla reduce "),
+    # targets of another width are a valid file: fitted at their width (tests/test_output_width.py)
     "targets_wrong_n": lambda b, p: (h5(p, tokens=b.tokens, offsets=b.offsets, targets=b.targets[:-1]),
                                      r"'targets' has shape \(39, 2\), expected \(N, d\) = \(40, 2\)"),
     "truncated": _truncated,
@@ -192,7 +189,7 @@ FEATURE_CASES = {
     "gram_not_psi": _features(replace("gram", np.eye(5)), r"'gram' has shape \(5, 5\), expected \(psi, psi\) = \(6, 6\)"),
     "gram_not_symmetric": _features(replace("gram", np.triu(np.ones((6, 6)))), r"'gram' is not symmetric"),
     "gram_nan": _features(replace("gram", np.full((6, 6), np.nan)), r"'gram' contains NaN or Inf"),
-    "moments_shape": _features(replace("moments", np.ones((6, 3))), r"'moments' has shape \(6, 3\), expected \(6, 2\)"),
+    "moments_shape": _features(replace("moments", np.ones((5, 2))), r"'moments' has shape \(5, 2\), expected \(6, 2\)"),
     "features_truncated": lambda b, p: (p.write_bytes(b.feats.read_bytes()[:1500]) and p, r"truncated or corrupted"),
     "d_too_large": _huge_features,
 }
@@ -201,7 +198,7 @@ MODEL_CASES = {
     "W_vs_coef": lambda b, p: (copy_with(b.model, p, replace("W", np.ones((4, 4)))),
                                r"'W' and 'coef' describe different functions"),
     "W_shape": lambda b, p: (copy_with(b.model, p, replace("W", np.ones((9, 9)))),
-                             r"'W' has shape \(9, 9\), expected \(d\^2, d\^2\) = \(4, 4\)"),
+                             r"'W' has shape \(9, 9\), expected \(D_out d, d\^2\) = \(4, 4\)"),
     "coef_not_psi": lambda b, p: (copy_with(b.model, p, replace("coef", np.ones((2, 5)))),
                                   r"'coef' has 5 feature columns, which is not d\^2\(d\+1\)/2"),
 }
@@ -283,9 +280,7 @@ def test_bad_tokens(case: str, command: str, base: Base, tmp_path: Path, capsys)
         code = run(argv)
         assert code == (1 if command == "certify" else 0), capsys.readouterr().err
         return
-    if case == "targets_width" and command == "predict":
-        pattern = r"the targets are 3 wide but the model's outputs 2: map the targets as the model's were"
-    if command == "inspect" and case in ("d_too_large", "targets_width"):
+    if command == "inspect" and case == "d_too_large":
         pytest.skip("inspect validates the file, not the machine's memory")
     blamed: Path | None = bad
     if case == "d_too_large" and command != "predict":

@@ -182,7 +182,7 @@ def test_bad_inputs(ragged: synthetic.Dataset) -> None:
     bad[5, 1] = np.nan
     with pytest.raises(InputError, match="NaN or Inf"):
         MHLA().fit(bad, ragged.targets, offsets=ragged.offsets)
-    with pytest.raises(InputError, match=r"targets have shape \(299, 3\), expected \(300, 3\)"):
+    with pytest.raises(InputError, match=r"targets have shape \(299, 3\), expected \(300, D_out\)"):
         MHLA().fit(seqs, ragged.targets[:-1])
     with pytest.raises(InputError, match="real numbers"):
         MHLA().fit(np.array([["a", "b"]]), ragged.targets[:1], offsets=[0, 1])

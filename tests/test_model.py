@@ -70,7 +70,7 @@ def test_inconsistent_or_malformed_model_files_are_refused(tmp_path: Path) -> No
         "mismatch": (dict(coef=m.coef, W=W), "describe different functions"),
         "W_shape": (dict(coef=m.coef, W=np.zeros((3, 3))), r"'W' has shape \(3, 3\)"),
         "psi": (dict(coef=np.ones((2, 7))), "not d\\^2\\(d\\+1\\)/2"),
-        "rows": (dict(coef=np.ones((3, 6))), r"'coef' has shape \(3, 6\)"),
+        "rows": (dict(coef=np.ones((0, 6))), r"'coef' has shape \(0, 6\)"),
         "rank1": (dict(coef=np.ones(6)), r"'coef' has shape \(6,\)"),
         "nan": (dict(coef=np.full((2, 6), np.nan)), "NaN or Inf"),
     }

@@ -14,6 +14,7 @@ from mhla_cli.model import reduce as reduce_mod
 from mhla_cli import write_tokens
 from mhla_cli.cli import run
 from mhla_cli.errors import InputError
+from mhla_cli.io.tokens import inspect_tokens
 from mhla_cli.api.learn import export_heads
 from mhla_cli.model.model import Model
 from mhla_cli.model.reduce import unreduce_heads
@@ -181,18 +182,16 @@ def test_like_of_other_widths_exit_2(data: tuple[Path, list[np.ndarray], np.ndar
     assert not (tmp_path / "o.h5").exists()
 
 
-def test_targets_of_another_width_are_a_valid_file_refused_by_fit(data: tuple[Path, list[np.ndarray], np.ndarray],
-                                                                 tmp_path: Path,
-                                                                 capsys: pytest.CaptureFixture[str]) -> None:
+def test_targets_of_another_width_are_a_valid_file(data: tuple[Path, list[np.ndarray], np.ndarray],
+                                                   tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Fitted at their own width (tests/test_output_width.py); a reduction keeping them copies them as they are."""
     path, _, _ = data
     capsys.readouterr()
     assert run(["inspect", str(path), "--json"]) == 0
-    capsys.readouterr()
-    for argv in (["fit", str(path), "-o", str(tmp_path / "m.h5")], ["certify", str(path)],
-                 ["featurize", str(path), "-o", str(tmp_path / "f.h5")]):
-        assert run(argv) == 2
-        err = capsys.readouterr().err.strip().splitlines()
-        assert len(err) == 1 and "the targets are 6 wide but the tokens d = 24" in err[0] and "mhla reduce" in err[0]
+    assert run(["reduce", str(path), "-o", str(tmp_path / "k.h5"), "--dim", "8", "--keep-targets", "-q"]) == 0
+    assert inspect_tokens(tmp_path / "k.h5").out_dim == 6 and reduce_mod.load_reduction(tmp_path / "k.h5").U is None
+    assert run(["reduce", str(path), "-o", str(tmp_path / "k2.h5"), "--like", str(tmp_path / "k.h5"),
+                "--keep-targets"]) == 2
 
 
 def test_json_summary(data: tuple[Path, list[np.ndarray], np.ndarray], tmp_path: Path,

@@ -109,8 +109,9 @@ def _real(a: Any, what: str) -> np.ndarray:
     return arr.astype(np.float64)
 
 
-def _as_targets(targets: Any, n_rows: int, d: int, per_position: bool) -> np.ndarray:
-    """Targets (rows, d) float64: one row per sequence, or per token with per_position."""
+def _as_targets(targets: Any, n_rows: int, d: int | None, per_position: bool) -> np.ndarray:
+    """Targets (rows, d) float64: one row per sequence, or per token with per_position; d None: of any width
+    D_out >= 1 (a first chunk: its width is then the model's output width)."""
     unit = "token (per_position=True)" if per_position else "sequence"
     if isinstance(targets, (list, tuple)) and targets and np.ndim(targets[0]) == 2:
         y = np.concatenate([_real(t, f"targets[{i}]") for i, t in enumerate(targets)], axis=0)
@@ -118,8 +119,9 @@ def _as_targets(targets: Any, n_rows: int, d: int, per_position: bool) -> np.nda
         y = _real(targets, "targets")
     if y.ndim == 3:
         y = y.reshape(-1, y.shape[-1])
-    if y.shape != (n_rows, d):
-        raise InputError(f"targets have shape {y.shape}, expected ({n_rows}, {d}): one d-vector per {unit}")
+    if y.ndim != 2 or y.shape[0] != n_rows or y.shape[1] < 1 or (d is not None and y.shape[1] != d):
+        want = "D_out" if d is None else d
+        raise InputError(f"targets have shape {y.shape}, expected ({n_rows}, {want}): one {want}-vector per {unit}")
     if not np.isfinite(y).all():
         raise InputError("targets contain NaN or Inf")
     return y
@@ -267,7 +269,8 @@ class MHLA:
             raise InputError(f"this chunk has d = {d} but the earlier chunks have d = {seen.d - int(seen.bias_terms)}")
         per_pos = bool(self.per_position)
         n_rows = tokens.shape[0] if per_pos else off.size - 1
-        y = _as_targets(targets, n_rows, d, per_pos)
+        # the targets' width: any for a first chunk, that of the earlier chunks after it
+        y = _as_targets(targets, n_rows, None if seen is None else seen.n_outputs, per_pos)
         w = None
         if sample_weight is not None:
             w = _real(sample_weight, "sample_weight").reshape(-1)

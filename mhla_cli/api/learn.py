@@ -62,6 +62,10 @@ RULES = {
     "fewest_with_max_heads": "fewest and max_heads cannot be combined",
     "affine_least_squares": "the affine block of the wide tokens is fitted by least squares (a given ridge or "
                             "'auto'; no heads or nuclear)",
+    "lowrank_width": "the low-rank fits (heads, nuclear) need targets as wide as the tokens; fit targets of another "
+                     "width by least squares (any ridge, or 'auto')",
+    "fewest_width": "fewest needs a model whose outputs are as wide as its tokens; export the heads of a model of "
+                    "another output width by the SVD of W (tol, max_heads)",
     "affine_domain": "the certificate of the affine block of the wide tokens is of the full domain: certify without "
                      "a domain",
 }
@@ -161,6 +165,10 @@ def check_fit_file(data: str | os.PathLike, ridge: float | str = 0.0, heads: int
     its memory (statistics.stream.check_solve_memory), and for 'auto' the folds it needs (a features file
     without them) and a normalisation that only a featurize with folds can apply."""
     check_fit_options(ridge, heads, nuclear)
+    if (heads is not None or nuclear is not None) and data_kind(data) == "tokens":
+        info = inspect_tokens(data)
+        if info.has_targets and info.out_dim != info.d:  # refused before any work (`_fit_in_memory` again)
+            raise RequestError("lowrank_width", data)
     # 'auto': the folds' eigendecompositions need about a ridge solve's memory
     check_solve_memory(data, "fit", ridge=1.0 if ridge == "auto" else float(ridge),
                        lowrank=heads is not None or nuclear is not None, chunk_size=chunk_size,
@@ -242,6 +250,8 @@ def _fit_in_memory(feats: Features, ridge: float | str, heads: int | str | None,
             model.info["ridge_cv"] = cv
         return model
     if heads is not None or nuclear is not None:
+        if feats.d_out != feats.d:  # the low-rank solvers factor square W (mhla_cli.solve.lowrank)
+            raise RequestError("lowrank_width")
         return lowrank.fit_model(feats, heads=heads, nuclear=nuclear, weight_decay=weight_decay,
                                  restarts=restarts, seed=seed, folds=folds)
     cv = None
@@ -368,6 +378,8 @@ def export_heads(model: Model, tol: float = 1e-12, max_heads: int | str | None =
         fn.centre = token_mean(fn.basis)
     heads: Heads
     if fewest:
+        if fn.coef.shape[0] != fn.d:  # the fewest-heads search factors square W (mhla_cli.solve.lowrank)
+            raise RequestError("fewest_width")
         heads = lowrank.fewest_heads(fn)
     elif max_heads == "auto":
         heads = spectrum.outlier_heads(fn)

@@ -145,7 +145,8 @@ def _fit(data: Path, r: Any, h: Any, lam: Any, weight_decay: float, restarts: in
     else:
         stats, load_seconds = statistics_for(data, scheduler, chunk_size, quiet, read, device, affine_from)
     with working(f"fit on the cluster {scheduler}: the tiled Gram, its Cholesky and the triangular solves"
-                 if scheduler else f"fit: solving on the canonical Lambda~ ({stats.n_features} features)", quiet):
+                 if scheduler else f"fit: solving on the canonical Lambda~ ({stats.n_features} features)", quiet), \
+            in_flags():
         model = fit(stats, ridge=r, heads=h, nuclear=lam, weight_decay=weight_decay, restarts=restarts, seed=seed,
                     folds=fold_feats, device=device, scheduler=scheduler, read=read, chunk_size=chunk_size)
     if model.info.get("targets_underflow") and data_kind(data) == "tokens":
@@ -164,6 +165,10 @@ FLAG_WORDS = {
                            "--folds 5 --normalize length`, then fit FEATS",
     "fewest_with_max_heads": "--fewest and --max-heads cannot be combined",
     "affine_least_squares": "--affine-from is fitted by least squares (--ridge L or auto; no --heads or --nuclear)",
+    "lowrank_width": "--heads and --nuclear need targets as wide as the tokens; fit targets of another width by "
+                     "least squares (without --heads / --nuclear)",
+    "fewest_width": "--fewest needs a model whose outputs are as wide as its tokens; export without --fewest "
+                    "(--max-heads H keeps the strongest heads)",
     "affine_domain": "the certificate with --affine-from is of the full domain: certify without --domain",
 }
 

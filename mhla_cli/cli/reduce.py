@@ -32,6 +32,10 @@ def reduce_cmd(
         "token through, named W, W_Q, W_K or W_V, each (k, D) (rows read the token: W x) or stacked (m, k, D). "
         "Example: --method weights --weights qkv.npz",
         show_default=False)] = None,
+    keep_targets: Annotated[bool, typer.Option(
+        "--keep-targets", help="Reduce the tokens only: the targets are copied at their own width D_out (no U), so "
+        "that fit, certify, predict and export-heads --unreduce work on the full output (a head's 32-dim or a "
+        "layer's 384-dim output), with no output-reduction ceiling.")] = False,
     chunk_size: ChunkOpt = None,
     json_out: JsonOpt = False,
     quiet: QuietOpt = False,
@@ -60,10 +64,10 @@ def reduce_cmd(
     passes = 1 if like is not None else 2
     with progress_bar("reduce", passes * info.n_samples, quiet) as advance:
         red = reduce_mod.reduce_tokens(data, output, dim=dim, like=like, chunk_size=chunk_size, progress=advance,
-                                       method=method, weights=weights)
+                                       method=method, weights=weights, keep_targets=keep_targets)
     summary = {"output": str(output), "input": str(data), "like": None if like is None else str(like),
                "d": red.dim, "D": int(red.P.shape[0]), "D_out": None if red.U is None else int(red.U.shape[0]),
-               "method": red.method, "weights": red.weights, "share_of": reduce_mod.METHODS[red.method],
+               "keep_targets": red.keep_targets, "method": red.method, "weights": red.weights, "share_of": reduce_mod.METHODS[red.method],
                "token_share": red.token_share, "target_share": red.target_share, "n_samples": info.n_samples}
     shares = (f"{red.method}: keeps {red.token_share:.4g} of {reduce_mod.METHODS[red.method]}"
               if red.token_share is not None else "")
@@ -74,6 +78,7 @@ def reduce_cmd(
     src = f" (the maps of {like})" if like is not None else ""
     say(f"wrote {output}: N = {info.n_samples} sequences, tokens {info.d} -> {red.dim}"
         + (f", targets {red.U.shape[0]} -> {red.dim}" if red.U is not None and info.has_targets else "")
+        + (f", targets kept at width {info.out_dim}" if red.keep_targets and info.has_targets else "")
         + src + (f"; {shares}" if shares else ""), quiet)
     if json_out:
         emit_json(summary)

@@ -401,16 +401,16 @@ class DeviceFactor:
 
 def predict_last(coef: np.ndarray, upper: np.ndarray, last: np.ndarray, device: str) -> np.ndarray:
     """Last-token predictions H coef^T on the device without forming H: upper (B, q) the S entries
-    j <= k, last (B, d), coef (d, psi) in the features' (pair, l) order; returns (B, d) float64.
+    j <= k, last (B, d), coef (D_out, psi) in the features' (pair, l) order; returns (B, D_out) float64.
 
     pred[b, a] = sum_l (sum_p upper[b, p] coef[a, p, l]) last[b, l]: one GEMM (B x q) (q x d^2), then
     a batched contraction with the last tokens."""
     t = _torch()
     dev = torch_device(device)
-    d = coef.shape[0]
+    e, d = coef.shape[0], last.shape[1]  # the outputs' width D_out and the tokens' d
     q = upper.shape[1]
-    P = t.as_tensor(np.ascontiguousarray(coef, dtype=np.float64)).to(dev).reshape(d, q, d)
+    P = t.as_tensor(np.ascontiguousarray(coef, dtype=np.float64)).to(dev).reshape(e, q, d)
     U = t.as_tensor(np.ascontiguousarray(upper, dtype=np.float64)).to(dev)
     x = t.as_tensor(np.ascontiguousarray(last, dtype=np.float64)).to(dev)
-    M = (U @ P.permute(1, 0, 2).reshape(q, d * d)).reshape(-1, d, d)  # M[b, a, l]
+    M = (U @ P.permute(1, 0, 2).reshape(q, e * d)).reshape(-1, e, d)  # M[b, a, l]
     return t.bmm(M, x[:, :, None])[:, :, 0].cpu().numpy()

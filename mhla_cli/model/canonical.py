@@ -36,7 +36,7 @@ from ..feature_map import n_features
 from ..linalg import symgram
 from ..numerics import LAMBDA_FLOOR_FRACTION, numerical_tolerance
 from ..statistics.basis import feature_scale, kron_apply, orth_pair_map, transition
-from .heads import Heads, W_from_heads, W_from_p, coef_of_heads, heads_from_W, p_from_heads
+from .heads import Heads, W_from_heads, W_from_p, coef_of_heads, d_of_coef, heads_from_W, p_from_heads
 
 __all__ = ["CanonicalFunction", "DataGram", "canonical_function", "coef_in_basis", "data_gram", "gram_pairs_of",
            "heads_in_basis", "map_W", "truncated_heads"]
@@ -199,7 +199,7 @@ def coef_in_basis(fn: Any, A: np.ndarray) -> np.ndarray:
         Ci = np.linalg.inv(transition(fn.basis, A))
         return kron_apply(orth_pair_map(Ci).T, Ci, np.ascontiguousarray(fn.coef_b.T)).T
     if isinstance(fn, Heads):
-        if fn.factored or fn.d_out != fn.d:
+        if fn.factored:
             raise Refused(_no_coef(fn) + " on d x d features", unreduced={})
         if fn.bias_terms:  # the heads of the tokens (x, 1) (centred: of (x - c, 1), Z = (x - c, 1) A_c)
             if A.shape[0] != fn.d + 1:
@@ -236,7 +236,7 @@ class CanonicalFunction:
 
     @property
     def d(self) -> int:
-        return int(self.coef.shape[0])
+        return d_of_coef(self.coef)
 
     @property
     def coordinates(self) -> str:
@@ -296,11 +296,11 @@ class CanonicalFunction:
                 "coordinates": self.coordinates}
 
     def heads(self, Vm: np.ndarray, Qm: np.ndarray) -> Heads:
-        """Heads of these coordinates (Vm, Qm (H, d^2), scaled like `coef`) as heads of the tokens X:
+        """Heads of these coordinates (Vm (H, D_out d), Qm (H, d^2), scaled like `coef`) as heads of the tokens X:
         V_h = V^c_h A^T, Q_h = A Q^c_h A^T times the scale, each head balanced (||V_h|| = ||Q_h||, the same
         W); InputError when an entry exceeds float64 in the tokens' units."""
         d, H = self.d, Vm.shape[0]
-        V = np.array(Vm, dtype=np.float64).reshape(H, d, d)  # copies: balanced in place below
+        V = np.array(Vm, dtype=np.float64).reshape(H, -1, d)  # (H, D_out, d); copies: balanced in place below
         Q = np.array(Qm, dtype=np.float64).reshape(H, d, d)
         e = 0  # the exponent of 2 the heads' product carries beyond V, Q
         if self.basis is not None:
@@ -343,15 +343,16 @@ def canonical_function(fn: Any) -> CanonicalFunction:
     elif isinstance(fn, Model):
         c, W = fn.coef, fn.W
     elif isinstance(fn, Heads):
-        if fn.factored or fn.d_out != fn.d:
+        if fn.factored:
             raise Refused(_no_coef(fn) + " (d, psi) on d x d features; they are evaluated directly",
                           unreduced={})
         c, W = fn.coef, W_from_heads(fn.V, fn.Q)
     else:
         c = np.asarray(fn, dtype=np.float64)
-        d = c.shape[0] if c.ndim == 2 else 0
-        if c.ndim != 2 or c.shape != (d, n_features(d)):
-            raise InputError(f"coef must have shape (d, psi), got {c.shape}")
+        try:
+            d_of_coef(c)
+        except ValueError as exc:
+            raise InputError(str(exc)) from None
         W = W_from_p(c)
     c = np.asarray(c, dtype=np.float64)
     if not np.isfinite(c).all():

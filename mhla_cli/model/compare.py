@@ -138,7 +138,10 @@ def function_distance(a: Model | Heads | np.ndarray, b: Model | Heads | np.ndarr
         return Distance.of(dist, float(np.hypot(core.norm_a, np.linalg.norm(fa))),
                            float(np.hypot(core.norm_b, np.linalg.norm(fb))))
     square = all(not isinstance(f, Heads) or f.d_out == f.d for f in (a, b))
-    if (direct(a) is not None or direct(b) is not None) and not (bias_terms_of(a) and square):
+    # a model (whose coef exists) beside unfactored heads of any output width: compared on their (D_out, psi) coef
+    with_model = not all(isinstance(f, Heads) for f in (a, b)) and \
+        not any(isinstance(f, Heads) and f.factored for f in (a, b))
+    if (direct(a) is not None or direct(b) is not None) and not (bias_terms_of(a) and square) and not with_model:
         return _heads_distance(a, b)
     pa, pb = coef_of(a), coef_of(b)
     if pa.shape != pb.shape:

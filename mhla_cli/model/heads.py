@@ -20,42 +20,53 @@ from ..samples import layout_info
 AFFINE_ARRAYS = ("affine_weight", "affine_bias")
 
 
-def _d_of_W(W: np.ndarray) -> int:
-    d = int(round(np.sqrt(W.shape[0])))
-    if W.shape != (d * d, d * d):
-        raise ValueError(f"W must have shape (d^2, d^2), got {W.shape}")
+def _dims_of_W(W: np.ndarray) -> tuple[int, int]:
+    """(D_out, d) of W (D_out d, d^2): the outputs' and the tokens' widths."""
+    d = int(round(np.sqrt(W.shape[1]))) if W.ndim == 2 else 0
+    if W.ndim != 2 or d < 1 or W.shape[1] != d * d or W.shape[0] % d or W.shape[0] == 0:
+        raise ValueError(f"W must have shape (D_out d, d^2), got {W.shape}")
+    return W.shape[0] // d, d
+
+
+def d_of_coef(coef: np.ndarray) -> int:
+    """The tokens' width d of coef p (D_out, psi), psi = d^2 (d + 1) / 2 (ValueError for another psi)."""
+    psi = int(np.shape(coef)[-1])
+    d = 1
+    while n_features(d) < psi:
+        d += 1
+    if np.ndim(coef) != 2 or n_features(d) != psi or np.shape(coef)[0] < 1:
+        raise ValueError(f"coef must have shape (D_out, psi), psi = d^2(d+1)/2, got {np.shape(coef)}")
     return d
 
 
 def p_from_W(W: np.ndarray) -> np.ndarray:
-    """coef p (d, psi): p[a,(j,k,l)] = W[a*d+j, k*d+l] + W[a*d+k, j*d+l] (j < k), W[a*d+j, j*d+l] (j = k)."""
-    d = _d_of_W(W)
-    W4 = np.asarray(W, dtype=np.float64).reshape(d, d, d, d)  # [a, j, k, l]
+    """coef p (D_out, psi): p[a,(j,k,l)] = W[a*d+j, k*d+l] + W[a*d+k, j*d+l] (j < k), W[a*d+j, j*d+l] (j = k)."""
+    e, d = _dims_of_W(W)
+    W4 = np.asarray(W, dtype=np.float64).reshape(e, d, d, d)  # [a, j, k, l]
     j, k = pair_index(d)
     P = W4[:, j, k, :] + W4[:, k, j, :]
     P[:, j == k, :] *= 0.5
-    return P.reshape(d, -1)
+    return P.reshape(e, -1)
 
 
 def W_from_p(coef: np.ndarray) -> np.ndarray:
-    """The minimum-Frobenius-norm W with p(W) = coef: each off-diagonal coefficient split equally."""
+    """The minimum-Frobenius-norm W (D_out d, d^2) with p(W) = coef: each off-diagonal coefficient split
+    equally."""
     coef = np.asarray(coef, dtype=np.float64)
-    d = coef.shape[0]
-    if coef.shape != (d, n_features(d)):
-        raise ValueError(f"coef must have shape (d, psi) = ({d}, {n_features(d)}), got {coef.shape}")
+    d, e = d_of_coef(coef), coef.shape[0]
     j, k = pair_index(d)
-    P = coef.reshape(d, j.size, d)
-    W4 = np.zeros((d, d, d, d))
+    P = coef.reshape(e, j.size, d)
+    W4 = np.zeros((e, d, d, d))
     half = np.where(j == k, 1.0, 0.5)[None, :, None] * P
     W4[:, j, k, :] = half
     W4[:, k, j, :] = half
-    return W4.reshape(d * d, d * d)
+    return W4.reshape(e * d, d * d)
 
 
 def W_from_heads(V: np.ndarray, Q: np.ndarray) -> np.ndarray:
-    """W = sum_h vec(V_h) vec(Q_h)^T with row-major vec."""
-    H, d, _ = V.shape
-    W: np.ndarray = V.reshape(H, d * d).T @ Q.reshape(H, d * d)
+    """W = sum_h vec(V_h) vec(Q_h)^T with row-major vec (V (H, D_out, d), Q (H, d, d))."""
+    H, e, d = V.shape
+    W: np.ndarray = V.reshape(H, e * d).T @ Q.reshape(H, d * d)
     return W
 
 
@@ -256,13 +267,10 @@ class Heads(HeadShapes):
         if self.P is not None:
             raise Refused(f"factored heads (d = {self.d} tokens through d = {self.reduced_dim}, {{unreduced}}) have "
                           "no coef (d, psi); they are evaluated directly", unreduced={})
-        if self.d_out != self.d:
-            raise InputError(f"heads with {self.d_out}-dim outputs of {self.d}-dim tokens have no coef (d, psi) "
-                             "on d x d features; they are evaluated directly")
         if self.bias_terms:  # the coef of a model with the bias terms: of the tokens (x, 1), the padded output 0
             p = coef_of_heads(*self.augmented())
             return np.vstack([p, np.zeros((1, p.shape[1]))])
-        return p_from_heads(self.V, self.Q)
+        return coef_of_heads(self.V, self.Q)  # (D_out, psi): rectangular heads too
 
     def save(self, path: str | os.PathLike, inputs: tuple[str | os.PathLike, ...] = ()) -> None:
         """Write a heads file atomically."""
@@ -445,20 +453,20 @@ def check_widths(heads: Heads, widths: dict[str, int], path: str | os.PathLike |
 
 def heads_from_W(W: np.ndarray, tol: float = 1e-12, max_heads: int | None = None
                  ) -> tuple[Heads, np.ndarray]:
-    """SVD of W into heads V_h = sqrt(s_h) U_h, Q_h = sqrt(s_h) V_h^T (reshaped d x d).
+    """SVD of W (D_out d, d^2) into heads V_h = sqrt(s_h) U_h, Q_h = sqrt(s_h) V_h^T (reshaped D_out x d, d x d).
 
     Keeps singular values s_h > tol * s_max, at most `max_heads` of them (always at least one).
     Returns the heads and all singular values.
     """
-    d = _d_of_W(W)
-    U, s, Vt = np.linalg.svd(W)
+    e, d = _dims_of_W(W)
+    U, s, Vt = np.linalg.svd(W, full_matrices=False)
     smax = float(s[0]) if s.size else 0.0
     keep = int((s > tol * smax).sum()) if smax > 0 else 0
     if max_heads is not None:
         keep = min(keep, int(max_heads))
     keep = max(keep, 1)
     r = np.sqrt(s[:keep])
-    V = (U[:, :keep] * r).T.reshape(keep, d, d)
+    V = (U[:, :keep] * r).T.reshape(keep, e, d)
     Q = (Vt[:keep].T * r).T.reshape(keep, d, d)
     return Heads(V=V, Q=Q), s
 
@@ -482,8 +490,9 @@ def read_bias_arrays(arrays: dict[str, Any], flagged: bool, path: str | os.PathL
 def with_bias_terms(heads: Heads, centre: np.ndarray | None = None) -> Heads:
     """Heads of the tokens (x, 1) with the padded output (V (H, d + 1, d + 1), Q (H, d + 1, d + 1): the SVD of
     a bias-terms model's W) as heads of the tokens with their bias terms (mhla_cli.bias_terms.split_heads),
-    the padded output dropped; info kept. `centre`: the heads are of the tokens (x - centre, 1) (centred heads)."""
-    V = heads.V[:, :-1, :] if heads.V.shape[1] == heads.V.shape[2] else heads.V
+    the padded output dropped; info kept. `centre`: the heads are of the tokens (x - centre, 1) (centred heads).
+    The targets of a bias-terms fit are always padded (y, 0), whatever their width: the last output is dropped."""
+    V = heads.V[:, :-1, :]
     parts = split_heads(V, heads.Q)
     out = Heads(V=parts.pop("V"), Q=parts.pop("Q"), info=dict(heads.info), **parts,
                 token_centre=None if centre is None else np.array(centre, dtype=np.float64))

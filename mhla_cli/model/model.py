@@ -16,7 +16,7 @@ from ..errors import InputError
 from ..feature_map import n_features
 from ..samples import check_attention, layout_info
 from .export import load_heads
-from .heads import Heads, W_from_p, p_from_W
+from .heads import Heads, W_from_p, d_of_coef, p_from_W
 from ..numerics import CANONICAL_COEF_TOL, ORTHONORMAL_TOL, SINGULAR_BASIS_COND, W_COEF_TOL
 
 
@@ -126,14 +126,16 @@ class Model:
             if coef.ndim != 2:
                 raise InputError(f"'coef' has shape {coef.shape}, expected (d, psi)", path)
             d = formats.d_from_psi_shape(coef.shape, path, "coef")
-            if coef.shape[0] != d:
-                raise InputError(f"'coef' has shape {coef.shape}, expected (d, psi) = ({d}, {n_features(d)})", path)
+            e = coef.shape[0]  # the outputs' width D_out (d, or a head's / layer's own output width)
+            if e < 1:
+                raise InputError(f"'coef' has shape {coef.shape}, expected (D_out, psi) = (D_out, {n_features(d)})",
+                                 path)
             if not np.isfinite(coef).all():
                 raise InputError("'coef' contains NaN or Inf", path)
             if "W" in f:
                 W = formats.read_array(f, "W", path).astype(np.float64)
-                if W.shape != (d * d, d * d):
-                    raise InputError(f"'W' has shape {W.shape}, expected (d^2, d^2) = ({d*d}, {d*d}) "
+                if W.shape != (e * d, d * d):
+                    raise InputError(f"'W' has shape {W.shape}, expected (D_out d, d^2) = ({e*d}, {d*d}) "
                                      f"to match coef", path)
                 _check_w(W, coef, path)
             else:
@@ -198,7 +200,7 @@ def _check_canonical(coef: np.ndarray, coef_b: np.ndarray, basis: np.ndarray, pa
     the function coef (CANONICAL_COEF_TOL of its largest entry)."""
     from ..statistics.basis import coef_from_basis, row_scaled_cond
 
-    d = coef.shape[0]
+    d = d_of_coef(coef)
     if coef_b.shape != coef.shape or not np.isfinite(coef_b).all():
         raise InputError(f"'canonical_coef' has shape {coef_b.shape} or non-finite values, expected finite "
                          f"{coef.shape}", path)
@@ -224,7 +226,7 @@ def _load_data_gram(f: Any, path: str | os.PathLike, coef_b: np.ndarray | None
         return None, None, None
     if coef_b is None:
         raise InputError(f"has '{have[0]}' but no 'canonical_coef' and 'canonical_basis'; the file is incomplete", path)
-    d = coef_b.shape[0]
+    d, e = d_of_coef(coef_b), coef_b.shape[0]
     pairs, spans = _load_gram_pairs(f, path, d) if "canonical_gram_pairs" in f else (None, None)
     if spans is None and any(k in f for k in names[1:3]):
         raise InputError("has 'canonical_span_pairs' or 'canonical_span_last' without the other or without "
@@ -232,9 +234,9 @@ def _load_data_gram(f: Any, path: str | os.PathLike, coef_b: np.ndarray | None
     W_b = None
     if "canonical_W" in f:
         W_b = formats.read_array(f, "canonical_W", path).astype(np.float64)
-        if W_b.shape != (d * d, d * d) or not np.isfinite(W_b).all():
+        if W_b.shape != (e * d, d * d) or not np.isfinite(W_b).all():
             raise InputError(f"'canonical_W' has shape {W_b.shape} or non-finite values, expected finite "
-                             f"({d * d}, {d * d})", path)
+                             f"({e * d}, {d * d})", path)
         from ..statistics.basis import feature_scale
 
         c = coef_b * feature_scale(d)[None, :]

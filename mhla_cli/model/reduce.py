@@ -54,6 +54,9 @@ CHUNK_BYTES = 16 << 20
 # Rows of offsets / weights copied per block.
 _BLOCK = 1 << 20
 # The methods of `mhla reduce --method` and what the share each records (`reduce_token_share`) is a share of.
+# The attribute of a reduced file whose targets were kept at their own width (no targets' map 'reduce_U').
+KEPT_ATTR = "reduce_keeps_targets"
+
 METHODS = {"pca": "the tokens' second moment",
            "supervised": "the mean square of the linear read's prediction of the targets",
            "weights": "the mean square of W x over the tokens"}
@@ -73,6 +76,7 @@ class Reduction:
     source: str | None = None  # the file the maps were fitted on
     method: str = "pca"  # how P was chosen (METHODS); token_share is a share of METHODS[method]
     weights: str | None = None  # the --weights file of method "weights"
+    keep_targets: bool = False  # the targets copied unreduced (U None): the fit is at their full width D_out
 
     @property
     def dim(self) -> int:
@@ -160,13 +164,13 @@ def top_eigenvectors(G: np.ndarray, k: int) -> tuple[np.ndarray, float]:
     return top, share
 
 
-def _check_dim(dim: int, info: TokensInfo, path: str | os.PathLike) -> None:
+def _check_dim(dim: int, info: TokensInfo, path: str | os.PathLike, keep_targets: bool = False) -> None:
     if dim < 1:
         raise Refused(f"{{dim_opt}} must be >= 1, got {dim}", dim_opt={})
     if dim > info.d:
         raise Refused(f"{{dim:{dim}}} is more than the tokens' width D = {info.d}: a reduction keeps at most D "
                       "dimensions", path, dim={})
-    if info.has_targets and dim > info.out_dim:
+    if info.has_targets and dim > info.out_dim and not keep_targets:  # kept targets: any width
         raise Refused(f"{{dim:{dim}}} is more than the targets' width D_out = {info.out_dim}: the MHLA maps R^d "
                       f"to R^d, so the targets need at least d dimensions (use {{dim_opt}} <= {info.out_dim})", path,
                       dim={}, dim_opt={})
@@ -174,27 +178,28 @@ def _check_dim(dim: int, info: TokensInfo, path: str | os.PathLike) -> None:
 
 def fit_reduction(data: str | os.PathLike, dim: int, chunk_size: int | None = None,
                   progress: Callable[[int], None] | None = None, method: str = "pca",
-                  weights: str | os.PathLike | None = None) -> Reduction:
+                  weights: str | os.PathLike | None = None, keep_targets: bool = False) -> Reduction:
     """The maps P, U of `data` to `dim` dimensions: U the targets' top eigenvectors, P by `method` (METHODS: the
-    tokens' top eigenvectors; `supervised`; `weights`, reading the matrices of the file `weights`)."""
+    tokens' top eigenvectors; `supervised`; `weights`, reading the matrices of the file `weights`).
+    `keep_targets`: no U, the targets are kept at their own width D_out (only the tokens are reduced)."""
     info = inspect_tokens(data)
     _check_method(method, weights)
-    _check_dim(dim, info, data)
+    _check_dim(dim, info, data, keep_targets)
     if method == "supervised":
         Cxx, Cxy, wsum, Gt, info = scored_moments(data, chunk_size, progress)
         if not wsum > 0:
             raise Refused("every sample weighs 0: {method:supervised} has no scored sample", data, method={})
         P, ps = directions.supervised(Cxx / wsum, Cxy / wsum, dim, data)
-        Ut, uts = top_eigenvectors(Gt, dim)
-        return Reduction(P, Ut, ps, uts, str(data), method)
+        Ut, uts = (None, None) if keep_targets else top_eigenvectors(Gt, dim)
+        return Reduction(P, Ut, ps, uts, str(data), method, keep_targets=keep_targets)
     W = None if weights is None else directions.load_read_weights(weights, info.d)
     Gx, Gy, info = second_moments(data, chunk_size, progress)
     if W is None:
         P, ps = top_eigenvectors(Gx, dim)
     else:
         P, ps = directions.weight_directions(W, Gx / max(1, info.n_tokens), dim, data)
-    U, us = (None, None) if Gy is None else top_eigenvectors(Gy, dim)
-    return Reduction(P, U, ps, us, str(data), method, None if weights is None else str(weights))
+    U, us = (None, None) if Gy is None or keep_targets else top_eigenvectors(Gy, dim)
+    return Reduction(P, U, ps, us, str(data), method, None if weights is None else str(weights), keep_targets)
 
 
 def _check_method(method: str, weights: str | os.PathLike | None) -> None:
@@ -220,20 +225,24 @@ def load_reduction(path: str | os.PathLike) -> Reduction:
         ts = f.attrs.get("reduce_token_share")
         us = f.attrs.get("reduce_target_share")
         src = f.attrs.get("reduce_source")
+        kept = f.attrs.get(KEPT_ATTR, 0)
+        if kept not in (0, 1) or (kept and U is not None):
+            raise InputError(f"attribute '{KEPT_ATTR}' is {kept!r} beside 'reduce_U' {U is not None}, expected 1 "
+                             "without 'reduce_U' or 0; the file is corrupted", path)
     if P.ndim != 2 or (U is not None and (U.ndim != 2 or U.shape[1] != P.shape[1])):
         raise InputError(f"'reduce_P' {P.shape} and 'reduce_U' {None if U is None else U.shape} are not maps to one "
                          "dimension d; the file is corrupted", path)
     if method not in METHODS:
         raise InputError(f"attribute 'reduce_method' is {method!r}, expected one of {', '.join(METHODS)}", path)
     return Reduction(P, U, None if ts is None else float(ts), None if us is None else float(us),
-                     None if src is None else str(src), method, None if wsrc is None else str(wsrc))
+                     None if src is None else str(src), method, None if wsrc is None else str(wsrc), bool(kept))
 
 
 def _check_like(red: Reduction, info: TokensInfo, data: str | os.PathLike, like: str | os.PathLike) -> None:
     if red.P.shape[0] != info.d:
         raise InputError(f"the tokens have width D = {info.d} but the reduction of {like} maps D = {red.P.shape[0]}",
                          data)
-    if info.has_targets:
+    if info.has_targets and not red.keep_targets:
         if red.U is None:
             raise InputError(f"the data have targets but the reduction of {like} has no targets' map", data)
         if red.U.shape[0] != info.out_dim:
@@ -267,7 +276,8 @@ def apply_reduction(red: Reduction, data: str | os.PathLike, out: str | os.PathL
             dt = fout.create_dataset("tokens", (N, n, d) if dense else (T, d), dtype="f8")
             dy = None
             if info.has_targets:
-                shape = ((N, n, d) if dense else (T, d)) if info.per_position else (N, d)
+                e = info.out_dim if red.keep_targets else d  # the targets' width in OUT
+                shape = ((N, n, e) if dense else (T, e)) if info.per_position else (N, e)
                 dy = fout.create_dataset("targets", shape, dtype="f8")
             for name in ("offsets", "weights"):
                 if name in fin:
@@ -299,6 +309,8 @@ def _write_maps(fout: h5py.File, red: Reduction, inputs: tuple[str | os.PathLike
     fout.create_dataset("reduce_P", data=red.P)
     if red.U is not None:
         fout.create_dataset("reduce_U", data=red.U)
+    if red.keep_targets:
+        fout.attrs[KEPT_ATTR] = 1
 
 
 def _reduce_chunks(red: Reduction, info: TokensInfo, data: str | os.PathLike, dt: Any, dy: Any, size: int,
@@ -321,12 +333,15 @@ def _reduce_chunks(red: Reduction, info: TokensInfo, data: str | os.PathLike, dt
         else:
             dt[pos:pos + t] = Z
         if dy is not None and targets is not None:
-            assert red.U is not None  # dy: the reduction maps the targets
-            W = np.asarray(targets, dtype=np.float64) @ red.U
+            W = np.asarray(targets, dtype=np.float64)
+            if not red.keep_targets:
+                assert red.U is not None  # dy: the reduction maps the targets
+                W = W @ red.U
+            e = W.shape[1]
             if not info.per_position:
                 dy[a:b] = W
             elif dense:
-                dy[a:b] = W.reshape(b - a, n, d)
+                dy[a:b] = W.reshape(b - a, n, e)
             else:
                 dy[pos:pos + t] = W
         pos += t
@@ -337,7 +352,7 @@ def _reduce_chunks(red: Reduction, info: TokensInfo, data: str | os.PathLike, dt
 def reduce_tokens(data: str | os.PathLike, out: str | os.PathLike, dim: int | None = None,
                   like: str | os.PathLike | None = None, chunk_size: int | None = None,
                   progress: Callable[[int], None] | None = None, method: str | None = None,
-                  weights: str | os.PathLike | None = None) -> Reduction:
+                  weights: str | os.PathLike | None = None, keep_targets: bool = False) -> Reduction:
     """`mhla reduce`: fit the maps of `data` to `dim` dimensions by `method` (METHODS; None: "pca"; "weights" reads
     the matrices of the file `weights`), or take those recorded in `like`, a reduced tokens file, and write the
     reduced tokens file `out`. Returns the maps applied.
@@ -349,7 +364,8 @@ def reduce_tokens(data: str | os.PathLike, out: str | os.PathLike, dim: int | No
     sum w x x^T and sum w x y^T over the scored samples), "weights" the directions that keep W x in mean
     square (docs/tokens.md, "Which token directions"; the math in `mhla_cli.model.directions`). `out` holds the tokens X P, the targets Y U
     and both maps (`reduce_P`, `reduce_U`, with the shares of the second moments they keep); `like=` a
-    reduced file applies its maps bit for bit (held-out data).
+    reduced file applies its maps bit for bit (held-out data). `keep_targets`: the targets are copied at their own
+    width D_out (no U; the fit is then at full output width, and `unreduce_heads` maps back only the tokens).
 
     `progress(n)` is told the sequences of each chunk (two passes when fitting: moments, then output).
     """
@@ -357,6 +373,9 @@ def reduce_tokens(data: str | os.PathLike, out: str | os.PathLike, dim: int | No
         raise Refused("give exactly one of {dim_opt} (fit the maps on DATA) and {like_opt} (apply those of a reduced "
                       "file)", dim_opt={}, like_opt={})
     if like is not None:
+        if keep_targets:
+            raise InputError("keep_targets chooses the maps fitted on DATA; like applies those of a reduced file "
+                             "(which records whether it kept the targets): give one or the other")
         if method is not None or weights is not None:
             raise Refused("{method_opt} and {weights} choose the maps fitted on DATA; {like_opt} applies those of a "
                           "reduced file (its method is recorded there): give one or the other", method_opt={},
@@ -367,7 +386,7 @@ def reduce_tokens(data: str | os.PathLike, out: str | os.PathLike, dim: int | No
         _check_method(method or "pca", weights)
         formats.check_hdf5_suffix(out, "a tokens file")
         formats.check_output_path(out, (data,), "tokens")
-        red = fit_reduction(data, int(dim), chunk_size, progress, method or "pca", weights)
+        red = fit_reduction(data, int(dim), chunk_size, progress, method or "pca", weights, keep_targets)
     apply_reduction(red, data, out, chunk_size, progress, like)
     return red
 
@@ -381,19 +400,25 @@ def unreduce_heads(heads: Heads, red: Reduction, path: str | os.PathLike | None 
     affine_weight (D_out, D). `dense`: the same function as d x d matrices, V_full = U V_h P^T (H, D_out, D)
     and Q_full = P Q_h P^T (H, D, D) (`Heads.dense`). `path`: the reduced file, for messages. `predict`,
     `compare`, `save_heads` and `to_torch` take the factored heads."""
-    if red.U is None:
+    if red.U is None and not red.keep_targets:
         raise InputError("records no targets' map 'reduce_U': the outputs cannot be mapped back", path)
     d = red.dim
-    if heads.factored or heads.d != d or heads.d_out != d:
+    if heads.factored or heads.d != d or (heads.d_out != d and not red.keep_targets):
         raise InputError(f"the heads have d = {heads.d} but the reduction maps to d = {d}", path)
+    # targets kept unreduced: the outputs are already in the model's coordinates (U = I)
+    U = np.eye(heads.d_out) if red.U is None else red.U
+    if U.shape[1] != heads.d_out:
+        raise InputError(f"the heads have {heads.d_out}-dim outputs but the reduction maps targets to "
+                         f"{U.shape[1]}", path)
     info = dict(heads.info)
     info["unreduced"] = str(path) if path is not None else "yes"
     affine = {}
     if heads.affine_weight is not None:  # the affine map of the wide tokens: its outputs mapped back by U
-        affine = {"affine_weight": np.ascontiguousarray(red.U @ heads.affine_weight),
-                  "affine_bias": np.ascontiguousarray(red.U @ heads.affine_bias)}
+        assert heads.affine_bias is not None  # set with affine_weight
+        affine = {"affine_weight": np.ascontiguousarray(U @ heads.affine_weight),
+                  "affine_bias": np.ascontiguousarray(U @ heads.affine_bias)}
     out = Heads(V=np.array(heads.V), Q=np.array(heads.Q), info=info, P=np.ascontiguousarray(red.P),
-                U=np.ascontiguousarray(red.U), **heads.bias_arrays(), **affine)
+                U=np.ascontiguousarray(U), **heads.bias_arrays(), **affine)
     return out.dense() if dense else out
 
 

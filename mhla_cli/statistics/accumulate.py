@@ -51,7 +51,8 @@ class Accumulator:
 
     def __init__(self, d: int, has_targets: bool, basis: np.ndarray | None = None, samples: Samples = LAST,
                  normalize: str = "none", spans: tuple[np.ndarray, np.ndarray] | None = None,
-                 traces: bool = False, device: str | None = None, n_affine: int = 0) -> None:
+                 traces: bool = False, device: str | None = None, n_affine: int = 0,
+                 d_out: int | None = None) -> None:
         self.samples = samples  # what a sample is (mhla_cli.samples: its rows, see _add_rows)
         self.normalize = normalize
         self.n_sequences = 0
@@ -72,7 +73,9 @@ class Accumulator:
         # the affine block (mhla_cli.statistics.affine_sums): its n_affine features f ride beside the targets,
         # [y, f], so that the one Gram of [Ht | y | f] holds its sums too; `result` splits them off
         self.n_affine = int(n_affine)
-        self.n_targets = (d if has_targets else 0) + self.n_affine
+        # the targets' width D_out (None: d); the Gram of the features does not depend on it
+        self.d_out = d if d_out is None else int(d_out)
+        self.n_targets = (self.d_out if has_targets else 0) + self.n_affine
         self.width = self.nf + self.n_targets
         # the backend (mhla_cli.linalg.backends, resolved once from `device`) accumulates the features'
         # Gram (host: backends.HostGram, a syrk or the Gram's distinct entries; torch: device.DeviceGram /
@@ -376,8 +379,8 @@ class Accumulator:
         gram_b, moments, target_gram = gram_parts(out, self.width, self.nf, self.n_targets > 0)
         target_sum, affine = self.target_sum, None
         if self.n_affine:  # [y, f] -> y's sums and the affine block's (mhla_cli.statistics.affine_sums)
-            moments, target_gram, target_sum, parts = split_targets(moments, target_gram, target_sum, d,
-                                                                    self.has_targets)
+            moments, target_gram, target_sum, parts = split_targets(moments, target_gram, target_sum,
+                                                                    self.d_out, self.has_targets)
             affine = AffineSums(*parts, width=self.n_affine - 1)
         token_gram = self.token_gram + self._from_basis(self._derived_token_gram)
         self.last_token_gram += self._from_basis(self._derived_last_token_gram)
@@ -423,7 +426,8 @@ def chunk_features(tokens: np.ndarray, offsets: np.ndarray, targets: np.ndarray 
     if basis is None:
         X = tokens.astype(np.float64)
         basis = basis_mod.whitening(X.T @ X, X.shape[0])
-    acc = Accumulator(d, targets is not None, basis, samples=samples, normalize=normalize, device=device)
+    d_out = None if targets is None else int(np.shape(targets)[-1])
+    acc = Accumulator(d, targets is not None, basis, samples=samples, normalize=normalize, device=device, d_out=d_out)
     acc.add(tokens, np.asarray(offsets, dtype=np.int64),
             None if targets is None else np.asarray(targets, dtype=np.float64),
             weights=None if weights is None else np.asarray(weights, dtype=np.float64))

@@ -140,7 +140,8 @@ class FeaturesAlgebra(FeaturesFields):
 
     def __add__(self, other: FeaturesAlgebra) -> Self:
         total = type(self).zeros(self.d, self.has_targets,
-                                 self.token_dtype if self.token_dtype == other.token_dtype else "float64")
+                                 self.token_dtype if self.token_dtype == other.token_dtype else "float64",
+                                 d_out=_out_width(self))  # add_into refuses another width
         total.read = self.read
         total.n_sequences = 0 if self.n_sequences is not None and other.n_sequences is not None else None
         add_into(total, self)
@@ -150,6 +151,11 @@ class FeaturesAlgebra(FeaturesFields):
                                   max(self.sample_range[1], other.sample_range[1]))
         total.source = self.source
         return total
+
+
+def _out_width(feats: Any) -> int:
+    """The targets' width D_out of statistics (`Features.d_out`; the mixin's self is a Features)."""
+    return int(feats.d_out)
 
 
 def add_into(acc: FeaturesAlgebra, part: FeaturesAlgebra) -> None:
@@ -226,6 +232,8 @@ def _check_addable(acc: FeaturesAlgebra, part: FeaturesAlgebra) -> None:
         raise InputError(f"cannot add statistics of d = {acc.d} and d = {part.d}")
     if part.has_targets != acc.has_targets:
         raise InputError("cannot add statistics with and without targets")
+    if part.d_out != acc.d_out:
+        raise InputError(f"cannot add statistics of targets {acc.d_out} and {part.d_out} wide")
     if part.normalize != acc.normalize:
         raise InputError(f"cannot add statistics with different normalisations ({acc.normalize} and "
                          f"{part.normalize}): featurize every part with the same normalisation")

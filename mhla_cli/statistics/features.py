@@ -210,9 +210,15 @@ class Features(FeaturesAlgebra, FeaturesFile):
         return self.target_gram is not None
 
     @property
+    def d_out(self) -> int:
+        """The width D_out of the targets the moments hold (any width; d without targets), the padded 0
+        of the bias terms included."""
+        return self.d if self.target_gram is None else int(self.target_gram.shape[0])
+
+    @property
     def n_outputs(self) -> int:
-        """The targets' own width: d, or d - 1 with the bias terms (the padded 0 is not an output)."""
-        return self.d - int(self.bias_terms)
+        """The targets' own width: D_out, or D_out - 1 with the bias terms (the padded 0 is not an output)."""
+        return self.d_out - int(self.bias_terms)
 
     @property
     def on_spans(self) -> bool:
@@ -306,13 +312,13 @@ class Features(FeaturesAlgebra, FeaturesFile):
         return replace(self, **{**cleared, **fields})
 
     @classmethod
-    def zeros(cls, d: int, has_targets: bool, token_dtype: str = "float64") -> Self:
-        psi = n_features(d)
+    def zeros(cls, d: int, has_targets: bool, token_dtype: str = "float64", d_out: int | None = None) -> Self:
+        psi, e = n_features(d), d if d_out is None else int(d_out)  # e: the targets' width D_out
         return cls(d=d, n_samples=0, n_tokens=0, gram=np.zeros((psi, psi)),
                    token_gram=np.zeros((d, d)), last_token_gram=np.zeros((d, d)),
-                   moments=np.zeros((psi, d)) if has_targets else None,
-                   target_gram=np.zeros((d, d)) if has_targets else None, token_dtype=token_dtype,
-                   target_sum=np.zeros(d) if has_targets else None)
+                   moments=np.zeros((psi, e)) if has_targets else None,
+                   target_gram=np.zeros((e, e)) if has_targets else None, token_dtype=token_dtype,
+                   target_sum=np.zeros(e) if has_targets else None)
 
 
 def check_overflow(feats: Features, what: str, path: str | os.PathLike | None) -> None:

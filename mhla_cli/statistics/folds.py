@@ -2,13 +2,13 @@
 
 Fold k is the k-th contiguous sample range (stream.shard_range); its statistics are computed with
 stream.featurize(shard=(k, K)) and the folds sum to the whole-file statistics. A features file
-with folds holds, next to the usual datasets, fold_gram (K, psi, psi), fold_moments (K, psi, d),
-fold_target_gram (K, d, d), fold_token_gram (K, d, d), fold_last_token_gram (K, d, d),
+with folds holds, next to the usual datasets, fold_gram (K, psi, psi), fold_moments (K, psi, D_out),
+fold_target_gram (K, D_out, D_out), fold_token_gram (K, d, d), fold_last_token_gram (K, d, d),
 fold_n_samples (K,), fold_n_tokens (K,), fold_weight_sum (K,), fold_token_weight_sum (K,) (the weight
 totals, features.Features) and fold_ranges (K, 2), plus the attribute n_folds.
 
 Each fold's canonical sums are stored as featurize computed them, in the fold's own whitening:
-fold_basis (K, d, d), fold_basis_gram (K, psi, psi), fold_basis_moments (K, psi, d),
+fold_basis (K, d, d), fold_basis_gram (K, psi, psi), fold_basis_moments (K, psi, D_out),
 fold_basis_token_gram and fold_basis_last_token_gram (K, d, d) (FOLD_BASIS). Cross-validation trains on
 total - fold k; those sums change to the total's basis by a well-conditioned change (both bases whiten
 the same data), so a folds file gives the folds' canonical statistics exactly as the tokens file does,
@@ -143,7 +143,7 @@ def load_folds(path: str | os.PathLike, total: Features | None = None) -> list[F
     (older files) the own-coordinate sums, where `check_own_folds` allows them.
     """
     total = (Features.load(path) if total is None else total).expand()
-    d, psi = total.d, n_features(total.d)
+    d, psi, e = total.d, n_features(total.d), total.d_out  # e: the targets' width D_out
     with formats.open_input(path) as f:
         if "fold_gram" not in f:
             return None
@@ -163,11 +163,11 @@ def load_folds(path: str | os.PathLike, total: Features | None = None) -> list[F
             arrs[name] = formats.read_array(f, name, path)
         affine = _read_affine_folds(f, total, arrs["fold_gram"].shape[0], path)
     K = arrs["fold_gram"].shape[0]
-    expect = {"fold_gram": (K, psi, psi), "fold_moments": (K, psi, d), "fold_target_gram": (K, d, d),
+    expect = {"fold_gram": (K, psi, psi), "fold_moments": (K, psi, e), "fold_target_gram": (K, e, e),
               "fold_token_gram": (K, d, d), "fold_last_token_gram": (K, d, d), "fold_n_samples": (K,),
               "fold_n_tokens": (K,), "fold_ranges": (K, 2), "fold_weight_sum": (K,), "fold_token_weight_sum": (K,)}
     if present:
-        expect.update(fold_basis=(K, d, d), fold_basis_gram=(K, psi, psi), fold_basis_moments=(K, psi, d),
+        expect.update(fold_basis=(K, d, d), fold_basis_gram=(K, psi, psi), fold_basis_moments=(K, psi, e),
                       fold_basis_token_gram=(K, d, d), fold_basis_last_token_gram=(K, d, d))
     for name, shape in expect.items():
         if name not in arrs:

@@ -169,7 +169,7 @@ def accumulate_range(info: TokensInfo, sample_range: tuple[int, int], chunk_size
     lo, hi = sample_range
     device = device_mod.worker_device(device)
     acc = Accumulator(info.d, info.has_targets, basis, samples=info.samples, normalize=check_normalize(normalize),
-                       spans=spans, device=device, n_affine=0 if wide is None else wide.width + 1)
+                       spans=spans, d_out=info.out_dim, device=device, n_affine=0 if wide is None else wide.width + 1)
     add_chunks(acc, info, sample_range, chunk_size, progress, prefetch, wide)
     total = acc.result(info.dtype)
     if wide is not None:  # the sums are of f_b = A_w^T f (mhla_cli.statistics.affine_sums)
@@ -292,7 +292,7 @@ def accumulate_ranges(info: TokensInfo, sample_ranges: Sequence[tuple[int, int]]
             progress(part.n_sequences if part.n_sequences is not None else part.n_samples)
     if total is None:
         total = Accumulator(info.d, info.has_targets, basis, samples=info.samples, normalize=normalize, spans=spans,
-                             n_affine=0 if wide is None else wide.width + 1).result(info.dtype)
+                             d_out=info.out_dim, n_affine=0 if wide is None else wide.width + 1).result(info.dtype)
     if finalize:
         total.canonical().finalize()
     total.token_dtype = info.dtype

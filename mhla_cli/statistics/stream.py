@@ -35,7 +35,7 @@ from mhla_cli.statistics.ranges import default_chunk_size, device_pass_bytes, fe
 from mhla_cli.statistics.spans import spans_block, check_spans, find_spans
 from mhla_cli.statistics.affine_sums import WideSource
 from mhla_cli.statistics.features import Features, check_overflow
-from mhla_cli.io.tokens import TokensInfo, inspect_tokens, read_as, require_square, with_bias_terms
+from mhla_cli.io.tokens import TokensInfo, inspect_tokens, read_as, with_bias_terms
 
 
 
@@ -152,8 +152,7 @@ def _checked(path: str | os.PathLike, read: ReadSpec, spans: str, device: str | 
     check_spans(spans)
     backend = get_backend(device_mod.check_device(device, path))  # None resolved here, once
     info = tokens_info(path, read)
-    check_floor(info.d, path, "featurize")  # wide tokens: before anything of their size
-    require_square(info, "featurize")
+    check_floor(info.d, path, "featurize")  # wide tokens: before anything of their size (targets of any width)
     return info, backend
 
 
@@ -258,7 +257,6 @@ def solve_need(path: str | os.PathLike, ridge: float = 0.0, lowrank: bool = Fals
     if kind == "tokens":
         info = tokens_info(path, read)
         check_floor(info.d, path, command)
-        require_square(info, command)
         if n_features(info.d) >= spans_mod.SPANS_MIN_FEATURES and not lowrank:
             return None  # featurize may find a block on the data's spans: it checks its pass itself
         n = info.samples.count(info.n_samples, info.n_tokens)

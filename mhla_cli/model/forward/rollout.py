@@ -12,7 +12,7 @@ import numpy as np
 from ...io import formats
 from ...errors import InputError
 from ...feature_map import features_from_moments
-from ..heads import Heads
+from ..heads import Heads, d_of_coef
 from ...numerics import EPS
 from ..model import Model, affine_of, bias_terms_of, coef_of
 from mhla_cli.statistics.ranges import default_chunk_size
@@ -145,6 +145,9 @@ def rollout_file(fn: Model | Heads, data: str | os.PathLike, out: str | os.PathL
                              "appends outputs as tokens, so they need equal widths", data)
         coef = coef_of(fn)
     d = coef.shape[0]
+    if d != d_of_coef(coef):  # a model of targets of another width (D_out != d)
+        raise InputError(f"the model maps d = {d_of_coef(coef)} tokens to {d}-dim outputs: a rollout appends outputs "
+                         "as tokens, so they need equal widths", data)
     C = None if codebook is None else load_codebook(codebook, d)
     formats.check_hdf5_suffix(out, "a tokens file")
     o = formats.check_output_path(out, (data, *inputs, *((codebook,) if codebook is not None else ())), "tokens")

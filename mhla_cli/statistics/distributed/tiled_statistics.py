@@ -41,7 +41,7 @@ from mhla_cli.statistics import basis as basis_mod
 from mhla_cli.statistics.distributed import parallel
 from mhla_cli.errors import InputError
 from mhla_cli.io import formats
-from mhla_cli.io.tokens import TokensInfo, inspect_tokens, iter_chunks, read_as, require_square, with_bias_terms
+from mhla_cli.io.tokens import TokensInfo, inspect_tokens, iter_chunks, read_as, with_bias_terms
 from mhla_cli.linalg import symgram
 from mhla_cli.linalg.memory import check_floor
 from mhla_cli.linalg.factorization import Factorization
@@ -153,7 +153,6 @@ def accumulate(path: str | os.PathLike, client: Any, chunk_size: int | None = No
     if read.bias_terms:
         info = with_bias_terms(info)
     check_floor(info.d, path, "featurize")
-    require_square(info, "featurize")
     lo, hi = shard_samples(info.n_samples, shard, path)
     winfo = replace(info, path=os.path.abspath(info.path))  # the workers open the file themselves
     size = chunk_size or default_chunk_size(info)

@@ -151,25 +151,26 @@ class FeaturesFile(FeaturesFields):
                 if arr.shape != (d, d):
                     raise InputError(f"'{name}' has shape {arr.shape}, expected ({d}, {d})", path)
             moments = target_gram = None
+            e = _out_width(f, path, d)  # the targets' width D_out (the moments' columns)
             if "moments" in f and not reduced:
                 moments = formats.read_array(f, "moments", path).astype(np.float64, copy=False)
-                if moments.shape != (psi, d):
-                    raise InputError(f"'moments' has shape {moments.shape}, expected ({psi}, {d})", path)
+                if moments.shape != (psi, e):
+                    raise InputError(f"'moments' has shape {moments.shape}, expected ({psi}, {e})", path)
             has_targets = "basis_moments" in f if reduced else moments is not None
             if has_targets:
                 if "target_gram" not in f:
                     raise InputError("has moments but no 'target_gram'", path)
                 target_gram = formats.read_array(f, "target_gram", path).astype(np.float64)
-                if target_gram.shape != (d, d):
-                    raise InputError(f"'target_gram' has shape {target_gram.shape}, expected ({d}, {d})", path)
+                if target_gram.shape != (e, e):
+                    raise InputError(f"'target_gram' has shape {target_gram.shape}, expected ({e}, {e})", path)
             if n < 1 and not (part and n == 0):
                 raise InputError(f"n_samples = {n}: no samples", path)
             rng = None
             if "sample_lo" in f.attrs and "sample_hi" in f.attrs:
                 rng = (int(f.attrs["sample_lo"]), int(f.attrs["sample_hi"]))
             source = json.loads(f.attrs["source"]) if "source" in f.attrs else None
-            sums = _load_basis(f, path, d, has_targets, tg, lg, stored) if not reduced \
-                else _load_block(f, path, d, has_targets, stored)
+            sums = _load_basis(f, path, d, has_targets, tg, lg, stored, e) if not reduced \
+                else _load_block(f, path, d, has_targets, stored, e)
             dtype = f.attrs.get("token_dtype", "float64")
             dtype = dtype.decode() if isinstance(dtype, bytes) else str(dtype)
             normalize = read_normalize(f, path)
@@ -182,8 +183,8 @@ class FeaturesFile(FeaturesFields):
             spans = [f[k].shape for k in ("span_pairs", "span_last") if k in f]
             nf = int(spans[0][1] * spans[1][1]) if reduced and len(spans) == 2 and all(len(s) == 2 for s in spans) \
                 else psi
-            affine = read_affine(f, path, nf, d if has_targets else None)
-            t_sum = _load_target_sum(f, path, d) if has_targets else None
+            affine = read_affine(f, path, nf, e if has_targets else None)
+            t_sum = _load_target_sum(f, path, e) if has_targets else None
             weights = _load_weights(f, path, n, t, samples.per_position, n_seq, empty=n == 0)
             extra = {}
             for k in EXTRA_ATTRS:
@@ -208,8 +209,19 @@ def expect_features(f: h5py.File, path: str | os.PathLike) -> None:
         check_load(d, formats.stored_block(f), 0 if stored is None else stored.load_bytes(f), path)
 
 
+def _out_width(f: h5py.File, path: str | os.PathLike, d: int) -> int:
+    """The targets' width D_out: the columns of 'moments' (or of 'basis_moments'); d without targets."""
+    for name in ("moments", "basis_moments"):
+        if name in f and isinstance(f[name], h5py.Dataset):
+            shape = f[name].shape
+            if len(shape) != 2 or shape[1] < 1:
+                raise InputError(f"'{name}' has shape {shape}, expected (psi, D_out) with D_out >= 1", path)
+            return int(shape[1])
+    return d
+
+
 def _load_target_sum(f: h5py.File, path: str | os.PathLike, d: int) -> np.ndarray | None:
-    """target_sum (d,), validated; None in files without it."""
+    """target_sum (D_out,), validated; None in files without it."""
     if "target_sum" not in f:
         return None
     s = formats.read_array(f, "target_sum", path).astype(np.float64)
@@ -252,8 +264,9 @@ def _load_weights(f: h5py.File, path: str | os.PathLike, n: int, t: int, per_pos
 
 
 def _load_basis(f: h5py.File, path: str | os.PathLike, d: int, has_targets: bool, tg: np.ndarray,
-                lg: np.ndarray, stored: type[gram_storage.GramStorage] | None) -> dict[str, Any]:
-    """The basis and its canonical sums; {} for version-1 files (`ensure_basis` derives them).
+                lg: np.ndarray, stored: type[gram_storage.GramStorage] | None, e: int) -> dict[str, Any]:
+    """The basis and its canonical sums (moments of targets `e` wide); {} for version-1 files (`ensure_basis` derives
+    them).
 
     Version-2 files stored basis_gram / basis_moments in upper-triangle coordinates and no basis token
     Grams: they are converted here (D gram D, D moments; A^T G A).
@@ -281,8 +294,8 @@ def _load_basis(f: h5py.File, path: str | os.PathLike, d: int, has_targets: bool
     mb = None
     if has_targets:
         mb = formats.read_array(f, "basis_moments", path).astype(np.float64)
-        if mb.shape != (psi, d):
-            raise InputError(f"'basis_moments' has shape {mb.shape}, expected ({psi}, {d})", path)
+        if mb.shape != (psi, e):
+            raise InputError(f"'basis_moments' has shape {mb.shape}, expected ({psi}, {e})", path)
     if version < CANONICAL_FORMAT:
         D = basis_mod.feature_scale(d)
         g = gb.expand()  # held dense: a file of this version has no other form
@@ -302,8 +315,9 @@ def _load_basis(f: h5py.File, path: str | os.PathLike, d: int, has_targets: bool
 
 
 def _load_block(f: h5py.File, path: str | os.PathLike, d: int, has_targets: bool,
-                stored: type[gram_storage.GramStorage] | None) -> dict[str, Any]:
-    """The basis, the data's spans and the block sums of a file featurized on the spans (format >= 4)."""
+                stored: type[gram_storage.GramStorage] | None, e: int) -> dict[str, Any]:
+    """The basis, the data's spans and the block sums of a file featurized on the spans (format >= 4;
+    targets `e` wide)."""
     need = ["basis", "span_pairs", "span_last", "basis_token_gram", "basis_last_token_gram"]
     need += ["basis_moments"] if has_targets else []
     missing = [k for k in [*need, *(["basis_gram"] if stored is None else stored.file_datasets)] if k not in f]
@@ -326,8 +340,8 @@ def _load_block(f: h5py.File, path: str | os.PathLike, d: int, has_targets: bool
     assert stored is not None, "the file holds the Gram's datasets (none missing), so a storage claims them"
     out["basis_gram"] = stored.from_file(f, path, E.shape[1], F.shape[1], block=True)  # validated by its storage
     mb = out["basis_moments"]
-    if mb is not None and mb.shape != (n, d):
-        raise InputError(f"'basis_moments' has shape {mb.shape}, expected ({n}, {d})", path)
+    if mb is not None and mb.shape != (n, e):
+        raise InputError(f"'basis_moments' has shape {mb.shape}, expected ({n}, {e})", path)
     for name in ("basis_token_gram", "basis_last_token_gram"):
         if out[name].shape != (d, d) or not np.isfinite(out[name]).all():
             raise InputError(f"'{name}' has shape {out[name].shape} or non-finite values, expected finite ({d}, {d})",

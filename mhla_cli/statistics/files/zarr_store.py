@@ -218,12 +218,13 @@ def _sums(g: Any, attrs: dict[str, Any], url: str, part: bool = False) -> tuple[
         manifest.check_names(man, {k: tuple(g[k].shape) for k in g.array_keys() if k != TILES}, url, store=True)
     has_targets = "basis_moments" in g
     dd = (d, d)
+    e = int(g["basis_moments"].shape[-1]) if has_targets else d  # the targets' width D_out
     arrays = {name: _array(g, name, shape, url, required, man)
               for name, shape, required in (("basis", dd, True), ("basis_token_gram", dd, True),
                                             ("basis_last_token_gram", dd, True), ("token_gram", dd, True),
-                                            ("last_token_gram", dd, True), ("basis_moments", (psi, d), has_targets),
-                                            ("moments", (psi, d), False), ("target_gram", dd, has_targets),
-                                            ("target_sum", (d,), False))}
+                                            ("last_token_gram", dd, True), ("basis_moments", (psi, e), has_targets),
+                                            ("moments", (psi, e), False), ("target_gram", (e, e), has_targets),
+                                            ("target_sum", (e,), False))}
     A, token_gram, last_token_gram = arrays["basis"], arrays["token_gram"], arrays["last_token_gram"]
     assert A is not None and token_gram is not None and last_token_gram is not None  # required: read or refused
     if basis_mod.row_scaled_cond(A) > SINGULAR_BASIS_COND:
