@@ -32,7 +32,6 @@ import numpy as np
 
 from ..bias_terms import centred_basis
 from ..errors import InputError, Refused
-from ..feature_map import n_features
 from ..linalg import symgram
 from ..numerics import LAMBDA_FLOOR_FRACTION, numerical_tolerance
 from ..statistics.basis import feature_scale, kron_apply, orth_pair_map, transition
