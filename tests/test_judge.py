@@ -13,7 +13,7 @@ transformers = pytest.importorskip("transformers")
 
 from mhla_cli import InputError  # noqa: E402
 from mhla_cli.model.heads import Heads  # noqa: E402
-from mhla_cli.model.judge import LOSS_GAP_MIN, Judgement, judge, spearman  # noqa: E402
+from mhla_cli.model.judge import LOSS_GAP_MIN, Judgement, judge, loss_recovered, spearman  # noqa: E402
 from mhla_cli.model.splice import ablate, splice  # noqa: E402
 
 TOL = 1e-9
@@ -117,3 +117,11 @@ def test_spearman_with_ties_equals_scipy(seed):
     a, b = rng.integers(0, 4, 30).astype(float), rng.normal(size=30)
     assert abs(spearman(a, b) - spearmanr(a, b).statistic) <= TOL
     assert spearman(np.ones(5), b[:5]) is None and spearman(a[:1], b[:1]) is None
+
+
+def test_loss_recovered_at_its_cut() -> None:
+    """Just outside LOSS_GAP_MIN the ratio is defined (and exact); just inside it is None."""
+    gap = 2 * LOSS_GAP_MIN
+    assert loss_recovered(3.0, 3.0 + gap / 4, 3.0 + gap) == pytest.approx(0.75, rel=1e-3)
+    assert loss_recovered(3.0, 3.0, 3.0 + LOSS_GAP_MIN / 2) is None
+    assert loss_recovered(2.0, 2.5, 3.0) == 0.5 and loss_recovered(2.0, 3.0, 3.0) == 0.0

@@ -232,6 +232,17 @@ def fit(data: Statistics, ridge: float | str = 0.0, heads: int | str | None = No
     return model
 
 
+def _chosen_ridge(feats: Features, ridge: float | str, folds: list[Features] | None
+                  ) -> tuple[float, dict[str, Any] | None]:
+    """The ridge of a least-squares fit: `ridge` itself, or for 'auto' the one K-fold CV chooses (with its record)."""
+    if ridge != "auto":
+        return float(ridge), None
+    if not folds:
+        raise InputError("ridge 'auto' needs per-fold statistics (cross-validation folds)")
+    cv = ridge_cv.cv_ridge(feats, folds)
+    return float(cv["chosen"]), cv
+
+
 def _fit_in_memory(feats: Features, ridge: float | str, heads: int | str | None, nuclear: float | str | None,
                    weight_decay: float, restarts: int, seed: int, folds: list[Features] | None,
                    device: str | None) -> Model:
@@ -239,13 +250,8 @@ def _fit_in_memory(feats: Features, ridge: float | str, heads: int | str | None,
     if feats.affine is not None:  # the extended features (mhla_cli.solve.affine_block)
         if heads is not None or nuclear is not None:
             raise RequestError("affine_least_squares")
-        cv = None
-        if ridge == "auto":
-            if not folds:
-                raise InputError("ridge 'auto' needs per-fold statistics (cross-validation folds)")
-            cv = ridge_cv.cv_ridge(feats, folds)
-            ridge = cv["chosen"]
-        model = affine_block.fit_extended(feats, ridge=float(ridge), device=device)
+        ridge, cv = _chosen_ridge(feats, ridge, folds)
+        model = affine_block.fit_extended(feats, ridge=ridge, device=device)
         if cv is not None:
             model.info["ridge_cv"] = cv
         return model
@@ -254,13 +260,8 @@ def _fit_in_memory(feats: Features, ridge: float | str, heads: int | str | None,
             raise RequestError("lowrank_width")
         return lowrank.fit_model(feats, heads=heads, nuclear=nuclear, weight_decay=weight_decay,
                                  restarts=restarts, seed=seed, folds=folds)
-    cv = None
-    if ridge == "auto":
-        if not folds:
-            raise InputError("ridge 'auto' needs per-fold statistics (cross-validation folds)")
-        cv = ridge_cv.cv_ridge(feats, folds)
-        ridge = cv["chosen"]
-    model = lstsq.fit(feats, ridge=float(ridge), device=device)
+    ridge, cv = _chosen_ridge(feats, ridge, folds)
+    model = lstsq.fit(feats, ridge=ridge, device=device)
     if cv is not None:
         model.info["ridge_cv"] = cv
     if not model.info["identifiable"]:

@@ -117,6 +117,13 @@ def spearman(a: np.ndarray, b: np.ndarray) -> float | None:
     return None if den == 0.0 else float(ra @ rb) / den
 
 
+def loss_recovered(original: float, spliced: float, ablated: float) -> float | None:
+    """(L_ablated - L_spliced) / (L_ablated - L_original): 1 when the splice keeps the model's loss, 0 when it is
+    no better than the ablation; None when the ablation changes the loss by less than LOSS_GAP_MIN."""
+    gap = ablated - original
+    return None if abs(gap) < LOSS_GAP_MIN else (ablated - spliced) / gap
+
+
 def judge(original: Any, spliced: Any, texts: Sequence[str] | None = None, tokenizer: Any = None, *,
           ablated: Any = None, batches: Sequence[dict] | None = None, batch_size: int = BATCH_SIZE) -> Judgement:
     """The spliced model against the original on `texts` (tokenized by `tokenizer`, padded batches of `batch_size`)
@@ -133,9 +140,8 @@ def judge(original: Any, spliced: Any, texts: Sequence[str] | None = None, token
     if ablated is not None and loss_o is not None and loss_s is not None:
         _, loss_a = run_model(ablated, bs)
         lo, ls, la = (v[0] / v[1] for v in (loss_o, loss_s, loss_a))  # type: ignore[index]
-        gap = la - lo
         losses = {"loss_original": lo, "loss_spliced": ls, "loss_ablated": la,
-                  "loss_recovered": None if abs(gap) < LOSS_GAP_MIN else (la - ls) / gap,
+                  "loss_recovered": loss_recovered(lo, ls, la),
                   "ablation": getattr(ablated, "label", "ablated")}
     elif loss_o is not None and loss_s is not None:
         losses = {"loss_original": loss_o[0] / loss_o[1], "loss_spliced": loss_s[0] / loss_s[1]}
