@@ -514,6 +514,37 @@ def test_maps_of_the_wide_and_the_reduced_tokens_change_no_certificate_and_no_fu
         assert relerr(pb, pa) < 1e-5
 
 
+@pytest.mark.parametrize("layout", ["last", "bidirectional"])
+@pytest.mark.parametrize("cond", [1.0, 1e3])
+def test_an_affine_map_of_layer_normed_wide_tokens_moves_the_hyperplane_and_nothing_else(
+        tmp_path: Path, layout: str, cond: float) -> None:
+    """x_wide -> x_wide T + c maps the hull {a^T x = c0} to the hull with the normal T^-1 a (normalised): the certificate
+    names that hyperplane, its eigenvalues and the fitted function on held-out tokens of the hull do not move."""
+    rng = np.random.default_rng(11)
+    off = windows(rng, 70)
+    X, a, _ = layer_normed(rng, int(off[-1]), 5)
+    s = setup(tmp_path, layout, 9, X=X, off=off)
+    T, c = transform(5, cond, 3), rng.standard_normal(5)
+    Y = s["Yr"]
+    moved = write(tmp_path / "moved.h5", layout, X @ T + c, off, Y)
+    P = s["red_map"].P
+    fa = extended_features(s["red"], s["wide"], "none", P)
+    fb = extended_features(s["red"], moved, "none", np.linalg.solve(T, P))  # x_r = x P = (x' - c) T^-1 P
+    ca, cb = learn_certify(fa), learn_certify(fb)
+    assert ca.identifiable and cb.identifiable and ca.n_features == cb.n_features
+    assert relerr(cb.lambda_min, ca.lambda_min) < 1e-6 and relerr(cb.lambda_max, ca.lambda_max) < 1e-7
+    (plane,) = cb.hyperplanes
+    a_moved = np.linalg.solve(T, a)
+    assert abs(float(np.dot(plane["normal"], a_moved / np.linalg.norm(a_moved)))) >= 1 - 1e-8
+    offh = windows(np.random.default_rng(7), 10, 1, 9)
+    Xh = 0.5 * (X[: int(offh[-1])] + X[1: int(offh[-1]) + 1])  # affine combinations stay on the hull
+    Xrh = Xh @ P
+    smp = samples_of(layout != "last", None if layout == "last" else layout)
+    pa = predict_samples(learn_fit(fa), Xrh, offh, smp, wide=Xh)
+    pb = predict_samples(learn_fit(fb), Xrh, offh, smp, wide=Xh @ T + c)
+    assert relerr(pb, pa) < 1e-6
+
+
 def test_a_collinearity_across_the_blocks_never_certifies_however_the_wide_tokens_are_scaled(tmp_path: Path) -> None:
     """Windows of one length n with the bias terms (no normalisation): n x_t = n P^T x_wide, a direction of the MHLA's
     block that the affine block holds too. Exact: never certified, also when the wide coordinates have wildly
