@@ -93,7 +93,7 @@ def test_refused_before_any_work(command: str, files: tuple[Path, Path], tmp_pat
     source, need = {"featurize": (tokens, featurize_need(info)),
                     "certify": (feats, stream.solve_need(feats)[1]),
                     "fit": (feats, stream.solve_need(feats, command="fit")[1])}[command]
-    monkeypatch.setattr(memory, "_available_memory", lambda: need(2) + 1)  # room for d = 2 only
+    monkeypatch.setattr(memory, "available_memory", lambda: need(2) + 1)  # room for d = 2 only
     _no_work(monkeypatch)
     argv = {"featurize": ["featurize", str(tokens), "-o", str(out)], "certify": ["certify", str(feats)],
             "fit": ["fit", str(feats), "-o", str(out)]}[command]
@@ -109,7 +109,7 @@ def test_certify_and_fit_of_tokens_count_the_pass_and_the_solve(files: tuple[Pat
     info = inspect_tokens(tokens)
     assert need(d) >= featurize_need(info, derive=False)(d)
     assert need(d) >= memory.solve_bytes(d, memory.solve_kind(d, info.n_samples))
-    monkeypatch.setattr(memory, "_available_memory", lambda: need(2) + 1)
+    monkeypatch.setattr(memory, "available_memory", lambda: need(2) + 1)
     _no_work(monkeypatch)
     _refused(capsys, ["certify", str(tokens)], tokens, "certify")
     _refused(capsys, ["fit", str(tokens), "-o", str(tmp_path / "m.h5")], tokens, "fit")
@@ -121,7 +121,7 @@ def test_a_ridge_fit_needs_more(files: tuple[Path, Path], tmp_path: Path, monkey
     plain = stream.solve_need(feats)[1](3)
     ridge = stream.solve_need(feats, ridge=0.5)[1]
     assert ridge(3) > plain
-    monkeypatch.setattr(memory, "_available_memory", lambda: ridge(2) + 1)
+    monkeypatch.setattr(memory, "available_memory", lambda: ridge(2) + 1)
     _refused(capsys, ["fit", str(feats), "-o", str(tmp_path / "m.h5"), "--ridge", "0.5"], feats, "fit")
 
 
@@ -131,7 +131,7 @@ def test_workers_count_their_accumulators(files: tuple[Path, Path], monkeypatch:
     one, two = featurize_need(info), featurize_need(info, workers=2)
     assert two(3) > one(3)
     monkeypatch.setenv("MHLA_PARALLEL_BACKEND", "thread")
-    monkeypatch.setattr(memory, "_available_memory", lambda: two(2) + 1)
+    monkeypatch.setattr(memory, "available_memory", lambda: two(2) + 1)
     with pytest.raises(InputError, match=r"for featurize \(2 workers\).*largest d that fits is 2") as exc:
         stream.featurize(tokens, workers=2)
     assert exc.value.path is not None and Path(exc.value.path) == tokens
@@ -140,7 +140,7 @@ def test_workers_count_their_accumulators(files: tuple[Path, Path], monkeypatch:
 def test_a_job_that_fits_runs(files: tuple[Path, Path], monkeypatch: pytest.MonkeyPatch) -> None:
     tokens, _ = files
     need = featurize_need(inspect_tokens(tokens))
-    monkeypatch.setattr(memory, "_available_memory", lambda: need(3))
+    monkeypatch.setattr(memory, "available_memory", lambda: need(3))
     feats = stream.featurize(tokens)
     assert feats.d == 3 and np.isfinite(feats.gram).all()
 
@@ -149,7 +149,7 @@ def test_loading_features_is_refused_up_front(files: tuple[Path, Path], monkeypa
     """memory.check_load (the policy features_file.expect_features applies before reading): the psi x psi
     basis_gram, or only the stored block on the data's spans, plus a compact file's distinct entries."""
     _, feats = files
-    monkeypatch.setattr(memory, "_available_memory", lambda: memory.load_bytes(2) + 1)
+    monkeypatch.setattr(memory, "available_memory", lambda: memory.load_bytes(2) + 1)
     with pytest.raises(InputError, match=r"d = 3 needs psi = 18 features .* GiB for loading the statistics, "
                                          r".*largest d that fits is 2") as exc:
         Features.load(feats)
@@ -247,7 +247,7 @@ def test_floor_cut_and_message() -> None:
 
 def test_library_entry_points_check_the_floor(files: tuple[Path, Path], monkeypatch: pytest.MonkeyPatch) -> None:
     tokens, _ = files
-    monkeypatch.setattr(memory, "_available_memory", lambda: memory.floor_bytes(3) - 1)
+    monkeypatch.setattr(memory, "available_memory", lambda: memory.floor_bytes(3) - 1)
     _no_work(monkeypatch)
     with pytest.raises(InputError, match="at least .* GiB for featurize"):
         stream.featurize(tokens)

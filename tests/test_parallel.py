@@ -172,7 +172,7 @@ def test_featurize_and_fit_refuse_a_d_that_does_not_fit(data: Path, serial: Feat
                        (["fit", str(feats), "-o", str(tmp_path / "m.h5")], stream.solve_need(feats, command="fit")[1]),
                        (["certify", str(data)], stream.solve_need(data)[1])):
         budget = need(2) + 1  # d = 3 data, room for d = 2 only
-        monkeypatch.setattr(memory, "_available_memory", lambda budget=budget: budget)
+        monkeypatch.setattr(memory, "available_memory", lambda budget=budget: budget)
         assert run(args) == 2
         err = capsys.readouterr().err
         assert "largest d that fits is 2" in err, (args, err)

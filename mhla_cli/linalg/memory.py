@@ -196,7 +196,7 @@ def check_floor(d: int, path: str | os.PathLike | None = None, what: str = "the 
     `SUGGESTED_DIM` dimensions (fewer if the machine takes fewer), then the memory fact (d, psi, the
     memory needed, the largest d whose featurize fits). Cheap: call it first in every such command."""
     if budget_bytes is None:
-        budget_bytes = _available_memory()
+        budget_bytes = available_memory()
     total = floor_bytes(d)
     if total <= budget_bytes:
         return
@@ -220,7 +220,7 @@ def check_memory(d: int, budget_bytes: int | None = None, copies: int = 1,
     process on this machine); `what` names the job in the message.
     """
     if budget_bytes is None:
-        budget_bytes = _available_memory()
+        budget_bytes = available_memory()
     copies = max(1, int(copies))
     if need is None:
         def need(k: int) -> int:
@@ -239,7 +239,8 @@ def check_memory(d: int, budget_bytes: int | None = None, copies: int = 1,
             + CLUSTER_HINT, path, **remedies)
 
 
-def _available_memory() -> int:
+def available_memory() -> int:
+    """The bytes of memory available now (MemAvailable; the physical memory where /proc is missing)."""
     try:
         with open("/proc/meminfo") as fh:
             for line in fh:

@@ -17,6 +17,8 @@ The package, by job:
   manager, TransformerLens hooks, a safetensors replacement file; optional: torch);
 - `judge`: the original model against the spliced one (embeddings' cosines, Spearman, loss recovered; optional:
   torch);
+- `heads_sum`: a layer as a sum of blocks of factored heads, each on its own token map (`HeadsSum`: predict, save,
+  a torch module; `sum_of_blocks` of blocks fitted one by one);
 - `canonical`: a function in the canonical coordinates of its data (heads found there, changes measured
   on it).
 """

@@ -130,6 +130,50 @@ class Replacement(nn.Module):
         return out[0] if single else out
 
 
+class BlocksReplacement(nn.Module):
+    """A sum of blocks (mhla_cli.model.heads_sum.HeadsSum) as a replacement: forward(X, attention_mask=None) -> (B, n,
+    D_out), the sum of every block's `Replacement`, the affine map of the token and `offset` at every unmasked
+    position (masked positions output 0)."""
+
+    def __init__(self, blocks: Any, layout: str | Samples | None = None, offset: Any = None, dtype: Any = None
+                 ) -> None:
+        super().__init__()
+        dtype = torch.float64 if dtype is None else dtype
+        self.parts = nn.ModuleList([Replacement(h, layout=layout, dtype=dtype) for h in blocks.parts])
+        first = self.parts[0]
+        self.layout, self.d, self.d_out = first.layout, first.d, first.d_out
+        self.weight: torch.Tensor | None
+        self.bias: torch.Tensor | None
+        affine = blocks.affine_weight is not None
+        self.register_buffer("weight", torch.as_tensor(blocks.affine_weight).to(dtype) if affine else None)
+        self.register_buffer("bias", torch.as_tensor(blocks.affine_bias).to(dtype) if affine else None)
+        if offset is not None and np.shape(offset) != (self.d_out,):
+            raise InputError(f"offset has shape {np.shape(offset)}, expected ({self.d_out},) (the blocks' outputs)")
+        self.offset: torch.Tensor | None
+        self.register_buffer("offset", None if offset is None else torch.as_tensor(
+            np.asarray(offset, dtype=np.float64)).to(dtype))
+
+    def extra_repr(self) -> str:
+        return f"blocks={len(self.parts)}, d={self.d}, d_out={self.d_out}, layout={self.layout.name!r}"
+
+    def forward(self, X: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        out = sum(part(X, attention_mask) for part in self.parts)
+        assert isinstance(out, torch.Tensor)
+        add = None
+        if self.weight is not None:
+            assert self.bias is not None  # set with the weight
+            add = X.to(self.weight.dtype) @ self.weight.T + self.bias
+        if self.offset is not None:
+            add = self.offset if add is None else add + self.offset
+        if add is not None:
+            add = add.expand_as(out)
+            if attention_mask is not None:
+                mask = torch.as_tensor(attention_mask, device=X.device).to(out.dtype)
+                add = add * mask.unsqueeze(-1)
+            out = out + add
+        return out
+
+
 def _path(obj: Any, dotted: str) -> Any:
     for part in dotted.split("."):
         obj = obj[int(part)] if part.isdigit() else getattr(obj, part, None)
@@ -265,6 +309,10 @@ def splice(model: Any, heads: Heads | str | os.PathLike | Callable[..., Any], la
             raise InputError("layout=, offset= and reduction= are the heads' (splice(model, heads, ...) or "
                              "Replacement(heads, ...)); a replacement given as a module or function has its own")
         rep = heads
+    elif hasattr(heads, "parts") and not isinstance(heads, (str, os.PathLike)):  # a sum of blocks (model.heads_sum)
+        if reduction is not None:
+            raise InputError("reduction= is for reduced heads; the blocks of a sum are in the model's coordinates")
+        rep = BlocksReplacement(heads, layout=layout, offset=offset)
     else:
         rep = Replacement(heads, layout=layout, offset=offset, reduction=reduction)
     return Splice(model, rep, layer, None if head is None else int(head), attention, projection, n_heads, label)

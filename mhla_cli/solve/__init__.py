@@ -8,6 +8,8 @@ The package, by job:
 - `lstsq`: the least-squares / ridge fit;
 - `affine_block`: the certificate and the fit of the features extended by the token-wise affine block of the wide
   tokens (`certify_extended`, `fit_extended`);
+- `blocks`: a sum of MHLA blocks, each on its own token map: the joint statistics over a tokens file, their
+  certificate and least squares (`block_statistics`, `certify_blocks`, `fit_blocks`);
 - `cluster`: the statistics tiled on a Dask cluster and their fit (`open_statistics`, `fit_tiled`: the identifiable
   path);
 - `probes`: certificates on probe sequences;

@@ -30,7 +30,7 @@ MANIFEST_ATTR = "mhla_manifest"
 MANIFEST_FORMAT = 6
 # The kinds of file whose writer (formats.write_file) seals them; tokens and predictions files carry none (a
 # user's tokens file has none either: they are checked finite as they stream).
-MANIFEST_KINDS = ("features", "model", "heads", "probes")
+MANIFEST_KINDS = ("features", "model", "heads", "probes", "blocks")
 HASH = "sha256"
 # Arrays larger than this are hashed a block of rows at a time.
 HASH_BLOCK_BYTES = 16 << 20

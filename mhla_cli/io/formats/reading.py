@@ -33,7 +33,7 @@ FORMAT_NAME = "mhla"
 FORMAT_VERSION = 6
 # The dataset of those distinct entries in a compact features file (mhla_cli.statistics.files.features_file, docs/formats.md).
 PAIRS_DATASET = "basis_gram_pairs"
-KINDS: tuple[str, ...] = ("tokens", "features", "model", "heads", "predictions")
+KINDS: tuple[str, ...] = ("tokens", "features", "model", "heads", "predictions", "blocks")
 
 
 def _version() -> str:
