@@ -10,7 +10,8 @@ least squares, the ridge and the certificate are those of one Gram of m = sum_b 
 features. Its cost is that of one MHLA of m features: m^2 per sample in the pass, m^3 in the solve.
 
 Coordinates. Block b's features are those of its whitened tokens Z_b = X P_b A_b (A_b the whitening of
-P_b^T (sum x x^T) P_b: mhla_cli.statistics.basis.whitening) in orthonormal pair coordinates; the affine block is
+P_b^T G P_b, G = sum_i w_i S_i / sum_i w_i n_i the metric of the canonical coordinates:
+mhla_cli.statistics.basis) in orthonormal pair coordinates; the affine block is
 (x, 1) whitened by its second moment over the queries (on its range: tokens on a hyperplane, such as a layer norm's
 output, leave that direction out, as mhla_cli.solve.affine_block does). An invertible map of a block's reduced
 tokens changes its features orthogonally, so the spectrum of Lambda~ = sum w phi phi^T / sum w, the verdict and
@@ -36,7 +37,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import InputError
-from ..io.tokens import TokensInfo, check_finite, check_weights, chunk_ranges, inspect_tokens, iter_chunks, read_as
+from ..io.tokens import TokensInfo, check_finite, check_weights, inspect_tokens, iter_chunks, read_as
 from ..linalg.factorization import Factorization
 from ..linalg.memory import SLACK_BYTES, available_memory
 from ..model.heads_sum import HeadsSum
@@ -138,21 +139,26 @@ def _chunk(info: TokensInfo, m: int, chunk_size: int | None) -> int:
     return max(1, int(ROWS_BYTES // (8 * per_seq * max(m, info.d, info.out_dim))))
 
 
-def _token_pass(info: TokensInfo, size: int, affine: bool) -> tuple[np.ndarray, np.ndarray | None, int]:
-    """(sum x x^T over every token, sum w f f^T of f = (x, 1) over the queries or None, the number of tokens)."""
+def _token_pass(info: TokensInfo, size: int, affine: bool) -> tuple[np.ndarray, np.ndarray | None, float]:
+    """(sum_i w_i S_i over the samples = sum_tokens c x x^T, sum w f f^T of f = (x, 1) over the queries or None,
+    sum_i w_i n_i): the metric of the canonical coordinates (G / sum w n, as mhla_cli.statistics.basis takes it)
+    and the affine block's second moment."""
     D = info.d
     Gx = np.zeros((D, D))
     Gf = np.zeros((D + 1, D + 1)) if affine else None
+    total = 0.0
     for a, _, tokens, offsets, targets, weights in iter_chunks(info, (0, info.n_samples), size, with_weights=True):
         check_finite(tokens, offsets, targets, a, info.path)
         check_weights(weights, offsets, a, info.per_position, info.path)
         X = np.asarray(tokens, dtype=np.float64)
-        Gx += X.T @ X
+        c, rows, w = info.samples.token_weights(np.asarray(offsets), weights)
+        Gx += (X if c is None else X * c[:, None]).T @ X
+        total += float(X.shape[0] if c is None else c.sum())
         if Gf is not None:
-            _, rows, w = info.samples.token_weights(offsets, weights)
-            F = np.hstack([X if rows is None else X[rows], np.ones((X.shape[0] if rows is None else rows.size, 1))])
+            Xq = X if rows is None else X[rows]
+            F = np.hstack([Xq, np.ones((Xq.shape[0], 1))])
             Gf += (F if w is None else F * w[:, None]).T @ F
-    return Gx, Gf, info.n_tokens
+    return Gx, Gf, total
 
 
 def _affine_whitening(Gf: np.ndarray, n_samples: int) -> np.ndarray:
@@ -226,11 +232,11 @@ def block_statistics(data: str | os.PathLike, maps: Sequence[Any], read: ReadSpe
     _check_memory(m, info.out_dim, int(folds), data)
     t0 = time.perf_counter()
     size = _chunk(info, m, chunk_size)
-    Gx, Gf, n_tokens = _token_pass(info, size, affine)
+    Gx, Gf, token_weight = _token_pass(info, size, affine)
     if progress is not None:
         progress(info.n_samples)
-    bases = [basis_mod.whitening(p.T @ Gx @ p, n_tokens, round32=False) for p in P]
-    Af = None if Gf is None else _affine_whitening(Gf, n_tokens)
+    bases = [basis_mod.whitening(p.T @ Gx @ p, token_weight, round32=False) for p in P]
+    Af = None if Gf is None else _affine_whitening(Gf, info.n_tokens)
     m = sum(sizes) + (0 if Af is None else Af.shape[1])
     t1 = time.perf_counter()
     whitened = [p @ A for p, A in zip(P, bases)]
@@ -239,7 +245,7 @@ def block_statistics(data: str | os.PathLike, maps: Sequence[Any], read: ReadSpe
     G, M, YY = (sum(s[i] for s in sums) for i in range(3))
     return BlockStatistics(
         maps=P, bases=bases, affine_map=Af, gram=G, moments=M, target_gram=YY,
-        weight=float(sum(s[3] for s in sums)), n_samples=int(sum(s[4] for s in sums)), n_tokens=int(n_tokens),
+        weight=float(sum(s[3] for s in sums)), n_samples=int(sum(s[4] for s in sums)), n_tokens=int(info.n_tokens),
         layout=info.samples, normalize=normalize, folds=sums if folds else [], source=str(data),
         seconds={"moments": t1 - t0, "sums": time.perf_counter() - t1})
 
