@@ -204,6 +204,9 @@ def test_overlap_cut():
         Q = np.column_stack([u, (u + eps * v) / np.linalg.norm(u + eps * v)])
         assert overlap(maps) == pytest.approx(np.linalg.svd(Q, compute_uv=False)[-1], rel=1e-6)
         assert (overlap(maps) < OVERLAP_TOL) == shared
+    # what the cut is for: a direction shared to rounding is an overlap, one tilted by 1e-3 is not
+    for eps, shared in ((1e-9, True), (1e-3, False)):
+        assert (overlap([u[:, None], (u + eps * v)[:, None]]) < OVERLAP_TOL) == shared
     assert overlap([np.eye(4)[:, :2], np.eye(4)[:, 2:]]) == pytest.approx(1.0)
     assert overlap([np.eye(3)[:, :2], np.eye(3)[:, 1:]]) == 0.0  # more columns than dimensions
 
@@ -215,7 +218,8 @@ def test_map_condition_cut(tmp_path):
     u = np.array([1.0, 0.0, 0.0])
     v = np.array([0.0, 1.0, 0.0])
     # two unit columns at angle a: condition ~ 2 / a
-    for a, ok in ((2 / MAP_COND_MAX * 0.5, False), (2 / MAP_COND_MAX * 2.0, True)):
+    # just outside and inside the cut, and what it is for: a condition of 1e6 is a block, 1e10 the same column twice
+    for a, ok in ((2 / MAP_COND_MAX * 0.5, False), (2 / MAP_COND_MAX * 2.0, True), (2e-6, True), (2e-10, False)):
         P = np.column_stack([u, np.cos(a) * u + np.sin(a) * v])
         if ok:
             block_statistics(p, [P])

@@ -30,7 +30,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import pytest
@@ -437,6 +437,8 @@ def _net(label: str, module: str, function: str, old: str, new: str | None, test
 
 
 SAMPLES_TESTS = ("tests/test_samples.py",)
+BLOCKS_TESTS = ("tests/test_blocks.py",)
+HEADS_SUM_TESTS = ("tests/test_heads_sum.py",)
 KERNELS_TESTS = ("tests/test_kernels.py", "tests/test_samples.py")
 BIAS_TESTS = ("tests/test_bias_terms.py", "-k", "heads_and_their or unreduced or far_from or names_of")
 ACCUMULATE_TESTS = ("tests/test_accumulate.py", "tests/test_stream.py", "tests/test_bidirectional.py",
@@ -611,6 +613,31 @@ NEW_CODE = [
          ("tests/test_convert.py", "-k", "relabelled")),
     _net("fit warnings in fixed words", "api.learn", "fit_warnings", "words['certify_observed']",
          "REMEDY_WORDS['certify_observed']", ("tests/test_learn.py", "-k", "fit_warnings_word")),
+    # issue 45, item 3: a layer as a sum of blocks
+    _net("blocks: the features not in orthonormal pair coordinates", "solve.blocks", "sample_features",
+         "q.sample_upper() * basis_mod.pair_scale(d)", "q.sample_upper()", BLOCKS_TESTS),
+    _net("blocks: the heads from the orthonormal coefficients", "solve.blocks", "_block_heads",
+         "coef_orth * basis_mod.feature_scale(d)[None, :]", "coef_orth", BLOCKS_TESTS),
+    _net("blocks: the metric of every token alike", "solve.blocks", "_token_pass",
+         "(X if c is None else X * c[:, None]).T @ X", "X.T @ X", BLOCKS_TESTS),
+    _net("blocks: the samples' weights left out", "solve.blocks", "_fold_sums", "F * w[:, None]", "F",
+         BLOCKS_TESTS),
+    _net("blocks: overlapping blocks not named", "solve.blocks", "_reasons",
+         "len(stats.maps) > 1 and overlap(stats.maps) < OVERLAP_TOL", "False", BLOCKS_TESTS),
+    _net("blocks: the memory not checked", "solve.blocks", "block_statistics",
+         "_check_memory(m, info.out_dim, int(folds), data)", None, BLOCKS_TESTS),
+    _net("blocks: the bias terms read as none", "solve.blocks", "block_statistics", "read.bias_terms", "False",
+         BLOCKS_TESTS),
+    _net("blocks CV: the held-out targets' energy left out", "solve.blocks", "cv_ridge_blocks",
+         "float(np.trace(YYv))", "0.0", BLOCKS_TESTS),
+    _net("blocks: the affine map left out of the sum", "model.heads_sum", "HeadsSum.predict",
+         "out = out + q @ self.affine_weight.T + self.affine_bias", None, HEADS_SUM_TESTS),
+    _net("blocks: the output maps not applied", "model.heads_sum", "sum_of_blocks", "O @ h.U", "h.U",
+         HEADS_SUM_TESTS),
+    _net("blocks: blocks of other widths summed", "model.heads_sum", "HeadsSum.__post_init__",
+         "(h.d, h.d_out) != (D, e)", "False", HEADS_SUM_TESTS),
+    replace(_net("blocks: the padding gains the affine map", "model.splice", "BlocksReplacement.forward",
+                             "add = add * mask.unsqueeze(-1)", None, HEADS_SUM_TESTS), requires=("torch",)),
 ]
 
 
@@ -627,7 +654,9 @@ CUT_TESTS = {"OWN_FOLDS_COND": ("tests/test_folds.py", "-k", "cut_"),
              "AFFINE_HULL_FACTOR": ("tests/test_affine_block.py", "-k", "hull_cut")}
 # named tolerances outside numerics, each with the tests of its module
 OTHER_CONSTANTS = [("mhla_cli.solve.ridge_cv", "CV_FLOOR", ("tests/test_ridge_cv.py",)),
-                   ("mhla_cli.io.tokens", "MIN_WEIGHT", ("tests/test_tokens.py", "-k", "cut_"))]
+                   ("mhla_cli.io.tokens", "MIN_WEIGHT", ("tests/test_tokens.py", "-k", "cut_")),
+                   ("mhla_cli.solve.blocks", "MAP_COND_MAX", BLOCKS_TESTS + ("-k", "cut")),
+                   ("mhla_cli.solve.blocks", "OVERLAP_TOL", BLOCKS_TESTS + ("-k", "cut"))]
 
 CONSTANTS = [Constant("mhla_cli.numerics", name, f, CUT_TESTS.get(name, BOUNDARY))
              for name in _quoted_constants() for f in (1e4, 1e-4)] + \
