@@ -63,9 +63,9 @@ class HeadsSum:
         if (self.affine_weight is None) != (self.affine_bias is None):
             raise InputError("affine_weight and affine_bias are given together")
         if self.affine_weight is not None and (np.shape(self.affine_weight) != (e, D)
-                                               or np.shape(self.affine_bias) != (e,)):
+                                               or np.shape(np.asarray(self.affine_bias)) != (e,)):
             raise InputError(f"the affine map must be ({e}, {D}) and ({e},), got {np.shape(self.affine_weight)} "
-                             f"and {np.shape(self.affine_bias)}")
+                             f"and {np.shape(np.asarray(self.affine_bias))}")
 
     @property
     def d(self) -> int:
@@ -133,7 +133,7 @@ class HeadsSum:
         for b, h in enumerate(self.parts):
             arrays.update({f"{k}_{b}": np.ascontiguousarray(v, dtype=np.float64)
                            for k, v in zip(BLOCK_ARRAYS, (h.V, h.Q, h.P, h.U))})
-        if self.affine_weight is not None:
+        if self.affine_weight is not None and self.affine_bias is not None:
             arrays.update({"affine_weight": self.affine_weight, "affine_bias": self.affine_bias})
         attrs = {"n_blocks": self.n_blocks, "d": self.d, "d_out": self.d_out, "normalize": self.normalize,
                  **layout_info(self.parts[0].info)}

@@ -139,9 +139,9 @@ class BlocksReplacement(nn.Module):
                  ) -> None:
         super().__init__()
         dtype = torch.float64 if dtype is None else dtype
-        self.parts = nn.ModuleList([Replacement(h, layout=layout, dtype=dtype) for h in blocks.parts])
-        first = self.parts[0]
-        self.layout, self.d, self.d_out = first.layout, first.d, first.d_out
+        parts = [Replacement(h, layout=layout, dtype=dtype) for h in blocks.parts]
+        self.parts = nn.ModuleList(parts)
+        self.layout, self.d, self.d_out = parts[0].layout, parts[0].d, parts[0].d_out
         self.weight: torch.Tensor | None
         self.bias: torch.Tensor | None
         affine = blocks.affine_weight is not None

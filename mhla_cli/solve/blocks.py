@@ -242,7 +242,9 @@ def block_statistics(data: str | os.PathLike, maps: Sequence[Any], read: ReadSpe
     whitened = [p @ A for p, A in zip(P, bases)]
     normalize = read.normalize or "none"
     sums = [_fold_sums(info, lo, hi, size, whitened, normalize, Af, m, progress) for lo, hi in fold_ranges]
-    G, M, YY = (sum(s[i] for s in sums) for i in range(3))
+    G = np.sum([s[0] for s in sums], axis=0)
+    M = np.sum([s[1] for s in sums], axis=0)
+    YY = np.sum([s[2] for s in sums], axis=0)
     return BlockStatistics(
         maps=P, bases=bases, affine_map=Af, gram=G, moments=M, target_gram=YY,
         weight=float(sum(s[3] for s in sums)), n_samples=int(sum(s[4] for s in sums)), n_tokens=int(info.n_tokens),
@@ -383,7 +385,8 @@ def fit_blocks(stats: BlockStatistics, ridge: float | str = 0.0) -> HeadsSum:
         if ridge != "auto":
             raise InputError(f"ridge must be a number >= 0 or 'auto', got {ridge!r}")
         cv = cv_ridge_blocks(stats)
-        ridge = cv["chosen"]
+        ridge = float(cv["chosen"])
+    ridge = float(ridge)
     if ridge < 0 or not np.isfinite(ridge):
         raise InputError(f"ridge must be a finite number >= 0, got {ridge}")
     W = stats.weight if stats.weight > 0 else 1.0
