@@ -113,6 +113,19 @@ def test_per_position_bidirectional_targets_of_another_width(tmp_path: Path) -> 
     smp = ref.samples(X, off, True, attention="bidirectional")
     want = np.stack([ref.features(Z) for Z, _, _ in smp]) @ model.coef.T
     assert ref.ratio(outputs, want) <= 1e-10
+    # to_torch at every position of a padded batch: the D_out outputs of every unmasked position, 0 elsewhere
+    torch = pytest.importorskip("torch")
+    lens = np.diff(off)
+    batch = torch.zeros((lens.size, int(lens.max()), D), dtype=torch.float64)
+    mask = torch.zeros((lens.size, int(lens.max())))
+    for i, (a, b) in enumerate(zip(off[:-1], off[1:])):
+        batch[i, : b - a], mask[i, : b - a] = torch.as_tensor(X[a:b]), 1
+    with torch.no_grad():
+        out = export_heads(model).to_torch()(batch, layout=BIDIRECTIONAL, attention_mask=mask).numpy()
+    assert out.shape[-1] == D + 1
+    got = np.concatenate([out[i, : b - a] for i, (a, b) in enumerate(zip(off[:-1], off[1:]))])
+    assert ref.ratio(got, want) <= 1e-10
+    assert not any(out[i, b - a:].any() for i, (a, b) in enumerate(zip(off[:-1], off[1:])))
 
 
 def test_an_invertible_map_of_the_outputs_maps_the_fit(tmp_path: Path) -> None:
@@ -189,6 +202,29 @@ def test_reduce_keep_targets_then_unreduce_is_the_fit_on_the_mapped_tokens(tmp_p
     assert run(["predict", str(tmp_path / "h.h5"), str(path), "-o", str(tmp_path / "p.h5")]) == 0
     with h5py.File(tmp_path / "p.h5") as f:
         assert ref.ratio(f["predictions"][...], want) <= 1e-9
+
+
+def test_the_affine_block_with_targets_kept_at_full_width(tmp_path: Path) -> None:
+    """reduce --keep-targets, then the fit with the affine block of the wide tokens: numpy's lstsq of
+    [H(X P), x_wide, 1] -> Y at the targets' full width (the fitted values, unique whatever the coordinates)."""
+    from mhla_cli.model import reduce as reduce_mod
+
+    rng = np.random.default_rng(4)
+    n, wide, e = 160, 6, 5
+    lens = rng.integers(1, 8, n)
+    off = np.concatenate([[0], np.cumsum(lens)]).astype(np.int64)
+    Xw = rng.standard_normal((int(off[-1]), wide))
+    Y = rng.standard_normal((n, e)) + Xw[off[1:] - 1] @ rng.standard_normal((wide, e))
+    path = write_tokens(tmp_path / "wide.h5", Xw, off, Y)
+    out = tmp_path / "red.h5"
+    red = reduce_mod.reduce_tokens(path, out, dim=D, keep_targets=True)
+    model = fit(featurize(out, affine_from=path))
+    Z = Xw @ red.P
+    F = np.stack([np.concatenate([ref.features(Z[a:b]), Xw[b - 1], [1.0]]) for a, b in zip(off[:-1], off[1:])])
+    coef = np.linalg.lstsq(F, Y, rcond=None)[0]
+    assert model.affine_coef.shape == (e, wide + 1)
+    got = predict(model, Z, off, wide=Xw)
+    assert ref.ratio(got, F @ coef) <= 1e-8
 
 
 def test_statistics_of_different_output_widths_do_not_add(tmp_path: Path) -> None:
