@@ -615,7 +615,7 @@ NEW_CODE = [
          "REMEDY_WORDS['certify_observed']", ("tests/test_learn.py", "-k", "fit_warnings_word")),
     # issue 45, item 3: a layer as a sum of blocks
     _net("blocks: the features not in orthonormal pair coordinates", "solve.blocks", "sample_features",
-         "q.sample_upper() * basis_mod.pair_scale(d)", "q.sample_upper()", BLOCKS_TESTS),
+         "q.sample_upper() * basis_mod.pair_scale(M.shape[1])", "q.sample_upper()", BLOCKS_TESTS),
     _net("blocks: the heads from the orthonormal coefficients", "solve.blocks", "_block_heads",
          "coef_orth * basis_mod.feature_scale(d)[None, :]", "coef_orth", BLOCKS_TESTS),
     _net("blocks: the metric of every token alike", "solve.blocks", "_token_pass",

@@ -46,6 +46,7 @@ from ..numerics import affine_hull_tol, lambda_min_of_verdict, numerical_toleran
 from ..samples import ReadSpec, Samples
 from ..statistics import basis as basis_mod
 from .certificate import Certificate
+from .lstsq import solve_system
 from .ridge_cv import CV_FLOOR, ridge_grid
 
 __all__ = ["BlockStatistics", "block_statistics", "certify_blocks", "fit_blocks", "MAP_COND_MAX", "OVERLAP_TOL"]
@@ -178,15 +179,11 @@ def sample_features(X: np.ndarray, offsets: np.ndarray, maps: Sequence[np.ndarra
     """(R, m): every sample's concatenated features of a chunk (tokens X (t, D), offsets from 0): block b's of the
     tokens X maps[b] in orthonormal pair coordinates, then the affine block's (x, 1) affine_map of the queries."""
     parts = []
-    x = None
     for M in maps:
         q = layout.queries(X @ M, offsets, normalize)
-        d = M.shape[1]
-        upper = q.sample_upper() * basis_mod.pair_scale(d)
+        upper = q.sample_upper() * basis_mod.pair_scale(M.shape[1])
         parts.append((upper[:, :, None] * q.x[:, None, :]).reshape(upper.shape[0], -1))
-        x = q
     if affine_map is not None:
-        assert x is not None  # at least one block
         rows = layout.queries(X, offsets, normalize).x
         parts.append(np.hstack([rows, np.ones((rows.shape[0], 1))]) @ affine_map)
     return np.hstack(parts)
@@ -334,8 +331,6 @@ def _reasons(stats: BlockStatistics, cert: Certificate, fac: Factorization, thre
 def _solve(G: np.ndarray, M: np.ndarray, W: float, ridge: float) -> tuple[np.ndarray, Factorization, bool]:
     """The solution of (Lambda~ + ridge I) sol = M / W (minimum norm where singular), its factorization and
     whether Lambda~ is proven positive definite."""
-    from .lstsq import solve_system
-
     fac = Factorization(G, G.shape[0], 1.0 / W)
     lmax = fac.lambda_max()
     tol = numerical_tolerance(lmax, G.shape[0])
