@@ -11,7 +11,6 @@ are reduced files of `mhla reduce --method weights`, whose token map spans the r
 from __future__ import annotations
 
 import json
-import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -22,7 +21,6 @@ import pytest
 
 import mhla_cli
 from mhla_cli import block_statistics, forward_heads, load_blocks, load_reduction, write_tokens
-from mhla_cli.api.learn import RequestError
 from mhla_cli.cli import run
 from mhla_cli.samples import BIDIRECTIONAL, ReadSpec
 
@@ -304,17 +302,3 @@ def test_an_earlier_blocks_file_is_replaced(files: Files, tmp_path: Path, capsys
     first = load_blocks(out)
     _json(capsys, ["fit", str(files.wide), "-o", str(out), *_blocks(files, "b0", "b1")])
     assert first.n_blocks == 1 and load_blocks(out).n_blocks == 2
-
-
-def test_the_dispatcher_refuses_what_a_sum_of_blocks_does_not_take(files: Files) -> None:
-    stats = _library(files, files.wide, ("b0",))
-    for kw in ({"heads": 2}, {"nuclear": 1.0}, {"folds": [stats]}):
-        with pytest.raises(RequestError) as exc:
-            mhla_cli.fit(stats, **kw)  # type: ignore[arg-type]
-        assert exc.value.rule == "blocks_least_squares"
-    for call in (lambda: mhla_cli.fit(stats, device="cuda"), lambda: mhla_cli.certify(stats, domain="observed"),
-                 lambda: mhla_cli.certify(stats, scheduler="local"), lambda: mhla_cli.fit(stats, chunk_size=7)):
-        with pytest.raises(RequestError) as exc:
-            call()
-        assert exc.value.rule == "blocks_in_memory"
-        assert not re.search(r"--\w", str(exc.value))  # the library names no option of the command line

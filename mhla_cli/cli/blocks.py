@@ -93,13 +93,15 @@ def _features_text(rec: dict[str, Any]) -> str:
     return f"features per block {' + '.join(sizes)} = {rec['n_features']}"
 
 
-def fit_blocks_cmd(data: Path, output: Path, blocks: list[Path], affine: bool, folds: int | None, ridge: str,
+def fit_blocks_cmd(data: Path, output: Path, blocks: list[Path] | None, affine: bool, folds: int | None, ridge: str,
                    normalize: str | None, attention: str | None, chunk_size: int | None, json_out: bool,
                    quiet: bool) -> None:
     """`mhla fit DATA -o OUT --blocks MAPS ...`: the sum of blocks fitted jointly, written as a blocks file."""
     from ..api.learn import fit
     from ..model.forward import predict_file
 
+    check_not_blocks(blocks, affine, folds)
+    assert blocks  # check_not_blocks refused the others
     check_given(FIT_OPTIONS, "a sum of blocks (--blocks)", data)
     check_hdf5_output(output, (data, *blocks), "a blocks file", "blocks")
     r = parse_auto(ridge, "--ridge", float)

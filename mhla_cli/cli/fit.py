@@ -25,7 +25,7 @@ from mhla_cli.statistics.features import Features
 from mhla_cli.statistics.files.store_location import is_store
 from mhla_cli.statistics.stream import data_kind
 from mhla_cli.io.tokens import inspect_tokens
-from mhla_cli.cli.blocks import AffineOpt, BlocksOpt, FoldsOpt, check_not_blocks, export_blocks_cmd, fit_blocks_cmd
+from mhla_cli.cli.blocks import AffineOpt, BlocksOpt, FoldsOpt, export_blocks_cmd, fit_blocks_cmd
 from mhla_cli.cli.console import BOUND_SIGNS, emit_json, fmt, progress_bar, say, say_samples, warn, working
 from mhla_cli.cli.options import CLUSTER_WORDS, REMEDY_OPTIONS, AffineFromOpt, AttentionOpt, BiasTermsOpt, ChunkOpt, DeviceOpt, about, JsonOpt, NormalizeOpt, OutOpt, QuietOpt, SchedulerTimeoutOpt, check_heads_output, check_hdf5_output, check_scheduler_timeout, data_location, on_cluster, parse_auto, require_optional, statistics_for
 
@@ -90,14 +90,12 @@ def fit_cmd(
 
     Example (a Dask cluster): mhla fit data.h5 --scheduler tcp://10.0.0.5:8786 -o model.h5 --ridge 1e-6
 
-    Example (a layer as a sum of blocks, docs/blocks.md): mhla fit layer.h5 -o sum.h5 --blocks h0.h5 --blocks h1.h5
+    Example (a layer as a sum of blocks): mhla fit layer.h5 -o sum.h5 --blocks h0.h5 --blocks h1.h5
     """
     from mhla_cli.samples import ReadSpec  # the layouts need NumPy: not for --help
 
-    check_not_blocks(blocks, affine, folds)
-    if blocks:
-        return fit_blocks_cmd(data, output, blocks, affine, folds, ridge, normalize, attention, chunk_size, json_out,
-                              quiet)
+    if blocks or affine or folds is not None:  # a sum of blocks (docs/blocks.md): --affine and --folds are its own
+        return fit_blocks_cmd(data, output, blocks, affine, folds, ridge, normalize, attention, chunk_size, json_out, quiet)
     h, lam, r, dev = _check_options(data, output, ridge, heads, nuclear, normalize, attention, bias_terms,
                                     affine_from, chunk_size, device, scheduler, scheduler_timeout)
     read = ReadSpec(attention, normalize, bias_terms)  # how a tokens file is read (None: as the data say)
