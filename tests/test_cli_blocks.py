@@ -139,6 +139,21 @@ def test_a_per_position_sum_predicts_at_every_position(files: Files, tmp_path: P
     np.testing.assert_allclose(outputs, lib.predict(files.tokens, files.offsets), rtol=0, atol=1e-10)
 
 
+def test_normalize_length_is_the_librarys(files: Files, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "sum.h5"
+    rec = _json(capsys, ["fit", str(files.wide), "-o", str(out), *_blocks(files, "b0", "b1"), "--affine",
+                         "--normalize", "length"])
+    lib = mhla_cli.fit(_library(files, files.wide, read=ReadSpec(normalize="length"), affine=True))
+    assert rec["normalize"] == "length" == load_blocks(out).normalize
+    assert rec["train_mse"] == pytest.approx(lib.info["train_mse"], rel=1e-12)
+    pred = _json(capsys, ["predict", str(out), str(files.wide), "-o", str(tmp_path / "p.h5")])
+    assert pred["normalize"] == "length" and pred["mse"] == pytest.approx(rec["train_mse"], rel=1e-9)
+    assert pred["r2"] == rec["train_r2"]
+    with h5py.File(tmp_path / "p.h5", "r") as f:
+        np.testing.assert_allclose(f["predictions"][()], lib.predict(files.tokens, files.offsets), rtol=0,
+                                   atol=1e-10)
+
+
 @pytest.mark.parametrize("affine", [False, True])
 def test_certify_is_the_librarys_certificate(files: Files, affine: bool, capsys: pytest.CaptureFixture[str]) -> None:
     rec = _json(capsys, ["certify", str(files.wide), *_blocks(files, "b0", "b1"), *(["--affine"] if affine else [])])

@@ -53,6 +53,17 @@ def check_given(allowed: set[str], what: str, path: Path) -> None:
             raise InputError(f"{name} does not apply to {what}", path)
 
 
+def is_blocks_file(path: Path) -> bool:
+    """Whether `path` is a blocks file (`mhla fit --blocks`); a file that cannot be read as mhla's HDF5 (heads in
+    .npz form, a damaged file) is left to the command's own reader, which says what it is."""
+    from ..io.formats import kind_of
+
+    try:
+        return kind_of(path) == "blocks"
+    except InputError:
+        return False
+
+
 def check_not_blocks(blocks: list[Path] | None, affine: bool, folds: int | None) -> None:
     """--affine and --folds are options of --blocks."""
     if not blocks and (affine or folds is not None):

@@ -25,7 +25,7 @@ from mhla_cli.statistics.features import Features
 from mhla_cli.statistics.files.store_location import is_store
 from mhla_cli.statistics.stream import data_kind
 from mhla_cli.io.tokens import inspect_tokens
-from mhla_cli.cli.blocks import AffineOpt, BlocksOpt, FoldsOpt, export_blocks_cmd, fit_blocks_cmd
+from mhla_cli.cli.blocks import AffineOpt, BlocksOpt, FoldsOpt, export_blocks_cmd, is_blocks_file, fit_blocks_cmd
 from mhla_cli.cli.console import BOUND_SIGNS, emit_json, fmt, progress_bar, say, say_samples, warn, working
 from mhla_cli.cli.options import CLUSTER_WORDS, REMEDY_OPTIONS, AffineFromOpt, AttentionOpt, BiasTermsOpt, ChunkOpt, DeviceOpt, about, JsonOpt, NormalizeOpt, OutOpt, QuietOpt, SchedulerTimeoutOpt, check_heads_output, check_hdf5_output, check_scheduler_timeout, data_location, on_cluster, parse_auto, require_optional, statistics_for
 
@@ -272,7 +272,7 @@ def export_heads_cmd(
     Example: mhla export-heads m8.h5 -o heads384.safetensors --unreduce h8.h5
     """
     check_heads_output(output, (model_path,))  # the suffix names the format: an unknown one is refused
-    if formats.kind_of(model_path) == "blocks":  # a sum of blocks: its dense heads
+    if is_blocks_file(model_path):  # a sum of blocks: its dense heads
         return export_blocks_cmd(model_path, output, json_out, quiet)
     mh = parse_auto(max_heads, "--max-heads", int)
     with in_flags():

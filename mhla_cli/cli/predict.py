@@ -14,8 +14,7 @@ from ..model.model import load_function, normalize_of, token_dim
 from ..model.compare import compare
 from ..io.tokens import inspect_tokens
 from ..samples import BIDIRECTIONAL, CAUSAL, LAST, layout_class
-from ..io.formats import kind_of
-from .blocks import predict_blocks_cmd
+from .blocks import is_blocks_file, predict_blocks_cmd
 from .console import emit_json, fmt, progress_bar, say, warn
 from .options import ChunkOpt, DeviceOpt, JsonOpt, OutOpt, QuietOpt, check_hdf5_output
 
@@ -69,7 +68,7 @@ def predict_cmd(
     Example (a blocks file of `mhla fit --blocks`): mhla predict sum.h5 layer.h5 -o pred.h5 --json
     """
     check_hdf5_output(output, (model_path, data, affine_from), "a predictions file", "predictions")
-    if kind_of(model_path) == "blocks":  # a sum of blocks: its outputs in the layout it was fitted on
+    if is_blocks_file(model_path):  # a sum of blocks: its outputs in the layout it was fitted on
         return predict_blocks_cmd(model_path, data, output, chunk_size, workers, json_out, quiet)
     if causal and all_positions:
         raise InputError("--causal and --all-positions cannot be combined: --causal outputs the masked "
