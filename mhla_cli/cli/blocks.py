@@ -84,9 +84,16 @@ def _statistics(data: Path, blocks: list[Path], affine: bool, folds: int, normal
         raise InputError("--blocks reads a tokens file of the wide tokens (a sum of blocks keeps no statistics "
                          "file): give the tokens file", data)
     maps = block_maps(blocks, data)
-    with progress_bar("blocks", 2 * inspect_tokens(data).n_samples, quiet) as advance:
-        return block_statistics(data, maps, read=ReadSpec(attention, normalize), affine=affine, folds=folds,
-                                chunk_size=chunk_size, progress=advance)
+    info = inspect_tokens(data)
+    with progress_bar("blocks", 2 * info.n_samples, quiet) as advance:
+        stats = block_statistics(data, maps, read=ReadSpec(attention, normalize), affine=affine, folds=folds,
+                                 chunk_size=chunk_size, progress=advance)
+    if stats.layout.per_position:
+        say(f"  samples: {stats.layout.words}", quiet)
+        if attention is None and info.attention is None:  # shown with --quiet too: the layout decides the sum
+            warn(f"{data} has per-position targets and no 'attention' attribute: read as causal by default (a "
+                 "decoder's prefixes); --attention bidirectional reads an encoder's windows")
+    return stats
 
 
 def _record(stats: BlockStatistics, data: Path, blocks: list[Path]) -> dict[str, Any]:
@@ -95,6 +102,10 @@ def _record(stats: BlockStatistics, data: Path, blocks: list[Path]) -> dict[str,
             "block_features": stats.sizes, "affine": stats.affine_map is not None, "n_features": stats.n_features,
             "n_samples": stats.n_samples, "n_tokens": stats.n_tokens, "normalize": stats.normalize,
             "attention": stats.layout.attention}
+
+
+def _blocks_text(n: int) -> str:
+    return f"{n} block" + ("" if n == 1 else "s")
 
 
 def _features_text(rec: dict[str, Any]) -> str:
@@ -132,7 +143,7 @@ def fit_blocks_cmd(data: Path, output: Path, blocks: list[Path] | None, affine: 
            "ridge_cv": info.get("cv"), "train_mse": info["train_mse"], "train_r2": scores.r2,
            "n_heads": heads_sum.n_heads, "seconds": {**info["seconds"], "total": time.perf_counter() - t0}}
     verdict = "identifiable" if out["identifiable"] else "NOT identifiable"
-    say(f"wrote {output}: a sum of {len(blocks)} blocks, {heads_sum.n_heads} heads; the joint features are {verdict} "
+    say(f"wrote {output}: a sum of {_blocks_text(len(blocks))}, {heads_sum.n_heads} heads; the joint features are {verdict} "
         f"(lambda_min = {fmt(out['lambda_min'])}); {_features_text(out)}", quiet,
         style="green" if out["identifiable"] else "red")
     cv = out["ridge_cv"]
@@ -163,7 +174,7 @@ def certify_blocks_cmd(data: Path, blocks: list[Path], affine: bool, min_eig: fl
     out = {**cert.to_dict(), **_record(stats, data, blocks),
            "seconds": {**stats.seconds, **cert.seconds, "total": time.perf_counter() - t0}}
     verdict = "identifiable" if cert.identifiable else "NOT identifiable"
-    say(f"{data}: a sum of {len(blocks)} blocks is {verdict}: lambda_min = {fmt(cert.lambda_min)}, lambda_max = "
+    say(f"{data}: a sum of {_blocks_text(len(blocks))} is {verdict}: lambda_min = {fmt(cert.lambda_min)}, lambda_max = "
         f"{fmt(cert.lambda_max)}, threshold = {fmt(cert.threshold)}, rank {cert.rank}/{cert.n_features}, "
         f"N = {cert.n_samples}; {_features_text(out)}", quiet, style="green" if cert.identifiable else "red")
     for r in cert.reasons:
@@ -187,7 +198,7 @@ def predict_blocks_cmd(model_path: Path, data: Path, output: Path, chunk_size: i
         res = predict_file(heads_sum, data, output, chunk_size=chunk_size, progress=advance, inputs=(model_path,),
                            workers=workers)
     every = heads_sum.layout.per_position
-    say(f"wrote {output}: {res.n_samples} predictions of a sum of {heads_sum.n_blocks} blocks"
+    say(f"wrote {output}: {res.n_samples} predictions of a sum of {_blocks_text(heads_sum.n_blocks)}"
         + (f", the outputs at {heads_sum.layout.words}" if every else "")
         + (f"; MSE against targets = {fmt(res.mse)} over {res.n_scored} "
            + ("sequences" if res.scored_as == "sequences" else "positions") + f", R^2 = {fmt(res.r2)}"
@@ -209,7 +220,7 @@ def export_blocks_cmd(model_path: Path, output: Path, json_out: bool, quiet: boo
     save_heads(heads, output, inputs=(model_path,))
     out = {"output": str(output), "input": str(model_path), "n_blocks": heads_sum.n_blocks,
            "n_heads": heads.n_heads, "d": heads.d, "d_out": heads.d_out}
-    say(f"wrote {output}: the {heads.n_heads} heads of a sum of {heads_sum.n_blocks} blocks as one MHLA of "
+    say(f"wrote {output}: the {heads.n_heads} heads of a sum of {_blocks_text(heads_sum.n_blocks)} as one MHLA of "
         f"d = {heads.d} -> d_out = {heads.d_out} (V (H, d_out, d), Q (H, d, d))", quiet)
     if json_out:
         emit_json(out)

@@ -178,6 +178,9 @@ FLAG_WORDS = {
     "fewest_width": "--fewest needs a model whose outputs are as wide as its tokens; export without --fewest "
                     "(--max-heads H keeps the strongest heads)",
     "affine_domain": "the certificate with --affine-from is of the full domain: certify without --domain",
+    "blocks_least_squares": "--blocks is fitted by least squares (--ridge L or auto, --folds K; no --heads or --nuclear)",
+    "blocks_in_memory": "--blocks is certified and fitted on one machine's CPU, on the full domain: no --scheduler, "
+                        "--device or --domain",
 }
 
 
