@@ -10,6 +10,8 @@ Library API (each CLI command is a thin layer over these):
     write_tokens("data.h5", sequences, targets=Y)  # a tokens file from arrays (convert_files: from files)
     red = reduce_tokens("wide.h5", "r8.h5", dim=8)   # Reduction: maps P, U of wide tokens / targets to d = 8
     est = MHLA().fit(sequences, targets)    # scikit-learn-style estimator (mhla_cli.api.estimator)
+    stats = block_statistics("layer.h5", [P0, P1])  # a layer as a sum of blocks, block b on tokens X P_b
+    layer = fit(stats)                      # HeadsSum (certify(stats): the joint certificate; docs/blocks.md)
 
 The package, by layer (lowest first; a module imports only from its own layer or a lower one, and each
 subpackage's docstring maps its modules):
@@ -55,6 +57,8 @@ _EXPORTS = {
     "Features": "statistics.features", "featurize": "statistics.stream", "load_features": "statistics.stream", "accumulate_range": "statistics.ranges",
     "Dataset": "model.synthetic", "generate_assoc": "model.synthetic", "generate_teacher": "model.synthetic",
     "MHLA": "api.estimator",
+    "BlockStatistics": "solve.blocks", "block_statistics": "solve.blocks",
+    "HeadsSum": "model.heads_sum", "load_blocks": "model.heads_sum", "sum_of_blocks": "model.heads_sum",
 }
 
 
@@ -85,10 +89,13 @@ if TYPE_CHECKING:  # the same names for type checkers and the layout test's re-e
     from .statistics.ranges import accumulate_range
     from .statistics.stream import featurize, load_features
     from .model.synthetic import Dataset, generate_assoc, generate_teacher
+    from .solve.blocks import BlockStatistics, block_statistics
+    from .model.heads_sum import HeadsSum, load_blocks, sum_of_blocks
 
 __all__ = [
     "Certificate", "Dataset", "MHLA", "Features", "Heads", "InputError", "MhlaError", "Model", "Reduction", "W_from_heads",
     "W_from_p", "__version__", "certify", "convert_files", "cubic_features", "export_heads", "feature_index", "featurize",
     "fit", "forward_heads", "generate_assoc", "generate_teacher", "heads_from_W", "load_features", "load_function",
     "load_reduction", "n_features", "p_from_W", "p_from_heads", "predict", "predict_file", "accumulate_range", "reduce_tokens", "write_tokens",
+    "BlockStatistics", "HeadsSum", "block_statistics", "load_blocks", "sum_of_blocks",
 ]

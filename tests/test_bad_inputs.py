@@ -665,7 +665,9 @@ def _outputs(base: Base, d: Path) -> list[tuple[list[str], Path, str]]:
     gen = ["--dim", "2", "--heads", "1", "--n-samples", "5"]
     np.save(d / "x.npy", np.random.default_rng(0).standard_normal((6, 3, 2)))
     o = {name: d / name for name in ("f.h5", "m.h5", "model.h5", "h.h5", "h.npz", "h.safetensors", "p.h5", "r.h5",
-                                     "t.h5", "teacher.h5", "a.h5", "w.h5", "rep.h5", "s.png", "c.h5", "red.h5")}
+                                     "t.h5", "teacher.h5", "a.h5", "w.h5", "rep.h5", "s.png", "c.h5", "red.h5", "b.h5")}
+    if not (d / "maps.h5").exists():  # a block's token map (mhla fit --blocks)
+        assert run(["reduce", str(base.data), "--dim", "1", "-o", str(d / "maps.h5"), "-q"]) == 0
     cases = [
         (["featurize", str(base.data), "-o", str(o["f.h5"])], o["f.h5"], "features"),
         (["merge", str(base.feats), "-o", str(o["m.h5"])], o["m.h5"], "features"),
@@ -682,6 +684,7 @@ def _outputs(base: Base, d: Path) -> list[tuple[list[str], Path, str]]:
         (["certify", str(base.data), "--on", str(base.data), "-o", str(o["rep.h5"])], o["rep.h5"], "probes"),
         (["convert", str(d / "x.npy"), "-o", str(o["c.h5"])], o["c.h5"], "tokens"),
         (["reduce", str(base.data), "--dim", "1", "-o", str(o["red.h5"])], o["red.h5"], "tokens"),
+        (["fit", str(base.data), "-o", str(o["b.h5"]), "--blocks", str(d / "maps.h5")], o["b.h5"], "blocks"),
     ]
     if importlib.util.find_spec("safetensors") is not None:
         cases.append((["export-heads", str(base.model), "-o", str(o["h.safetensors"])], o["h.safetensors"], "heads"))

@@ -48,13 +48,15 @@ def files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     ds, _ = synthetic.generate_teacher(D, 2, 200, "2:7", seed=3)
     t = root / "t.h5"
     ds.save(t, dtype="float64")
-    p = {k: root / f"{k}.h5" for k in ("features", "model", "heads", "probes", "reduced", "rfeatures", "rmodel")}
+    p = {k: root / f"{k}.h5" for k in ("features", "model", "heads", "probes", "reduced", "rfeatures", "rmodel",
+                                      "blocks")}
     for args in (["featurize", str(t), "-o", str(p["features"])], ["fit", str(p["features"]), "-o", str(p["model"])],
                  ["export-heads", str(p["model"]), "-o", str(p["heads"])],
                  ["certify", str(p["features"]), "--on", str(t), "-o", str(p["probes"])],
                  ["reduce", str(t), "--dim", "2", "-o", str(p["reduced"])],
                  ["featurize", str(p["reduced"]), "-o", str(p["rfeatures"])],
-                 ["fit", str(p["rfeatures"]), "-o", str(p["rmodel"])]):
+                 ["fit", str(p["rfeatures"]), "-o", str(p["rmodel"])],
+                 ["fit", str(t), "-o", str(p["blocks"]), "--blocks", str(p["reduced"])]):
         assert run([*args, "-q"]) in (0, 1), args
     return {"tokens": t, **p}
 
@@ -73,6 +75,12 @@ def _answer(kind: str, path: Path, files: dict[str, Path], out: Path,
     if kind in ("model", "heads"):
         code, _ = _cli(capsys, ["predict", str(path), str(t), "-o", str(out)])
         return code, _arrays(out)["predictions"] if code == 0 else None
+    if kind == "blocks":  # a sum of blocks (mhla fit --blocks): its predictions and its dense heads
+        code, _ = _cli(capsys, ["predict", str(path), str(t), "-o", str(out)])
+        pred = _arrays(out)["predictions"] if code == 0 else None
+        heads = out.with_name(f"heads-{out.name}")
+        c2, _ = _cli(capsys, ["export-heads", str(path), "-o", str(heads)])
+        return (code if code == c2 else -1), (pred, _arrays(heads) if c2 == 0 else None)  # -1: one of them refused
     if kind == "probes":
         code, rep = _cli(capsys, ["inspect", str(path)])
         return code, (rep.get("valid"), rep.get("n_samples"), rep.get("n_undetermined"))
@@ -150,7 +158,7 @@ def _pieces(path: Path, what: str) -> list[str | None]:
 # absence, damage and NaN are tried; every file mhla writes is tried with every edit too.
 KINDS = {"tokens": ("delete", "nan", "rows", "truncate", "delete-attr"),
          **{k: ("delete", "nan", "edit", "rows", "truncate", "delete-attr", "edit-attr")
-            for k in ("features", "model", "heads", "probes", "reduced")}}
+            for k in ("features", "model", "heads", "probes", "reduced", "blocks")}}
 
 
 @pytest.mark.parametrize("kind,what", [(k, w) for k, ws in KINDS.items() for w in ws])

@@ -267,3 +267,35 @@ def test_fit_warnings_word_their_remedy_for_the_caller() -> None:
     assert "`mhla certify --domain observed`" in cli[0]
     assert lib[0].replace("mhla_cli.certify(..., domain='observed')", "") == \
         cli[0].replace("`mhla certify --domain observed`", "")
+
+
+# ------------------------------------------------------------------- a sum of blocks (mhla_cli.solve.blocks)
+
+
+def test_certify_and_fit_take_a_sum_of_blocks_statistics(tmp_path: Path) -> None:
+    """The one dispatcher of each verb sends a sum of blocks' statistics to mhla_cli.solve.blocks (the same
+    certificate and fit as certify_blocks / fit_blocks), and refuses what does not apply to them."""
+    from mhla_cli.api.learn import RequestError
+    from mhla_cli.solve.blocks import certify_blocks, fit_blocks
+
+    rng = np.random.default_rng(0)
+    X, Y = rng.standard_normal((60, 4, 3)), rng.standard_normal((60, 2))
+    mhla_cli.write_tokens(tmp_path / "t.h5", X, targets=Y)
+    stats = mhla_cli.block_statistics(tmp_path / "t.h5", [np.eye(3)[:, :2], np.eye(3)[:, 2:]], folds=3)
+    assert isinstance(stats, mhla_cli.BlockStatistics)
+    got_cert, want_cert = (c.to_dict() for c in (mhla_cli.certify(stats), certify_blocks(stats)))
+    assert got_cert.pop("seconds") is not None and want_cert.pop("seconds") is not None
+    assert got_cert == want_cert
+    got, want = mhla_cli.fit(stats, ridge="auto"), fit_blocks(stats, ridge="auto")
+    assert isinstance(got, mhla_cli.HeadsSum) and got.info["ridge"] == want.info["ridge"]
+    assert np.array_equal(got.predict(X), want.predict(X))
+    for kw in ({"heads": 2}, {"nuclear": 1.0}, {"folds": [featurize(tmp_path / "t.h5")]}):
+        with pytest.raises(RequestError) as exc:
+            mhla_cli.fit(stats, **kw)  # type: ignore[arg-type]
+        assert exc.value.rule == "blocks_least_squares"
+    for call in (lambda: mhla_cli.fit(stats, device="cuda"), lambda: mhla_cli.certify(stats, domain="observed"),
+                 lambda: mhla_cli.certify(stats, scheduler="local"), lambda: mhla_cli.fit(stats, chunk_size=7),
+                 lambda: mhla_cli.certify(stats, affine_from=tmp_path / "t.h5")):
+        with pytest.raises(RequestError) as exc:
+            call()
+        assert exc.value.rule == "blocks_in_memory"

@@ -325,6 +325,25 @@ STRUCTURAL = [
                lambda n: isinstance(n, ast.If) and ast.unparse(n.test) == "not red.keep_targets",
                lambda n: ast.If(ast.Constant(True), n.body, n.orelse),
                tests=("tests/test_output_width.py", "-k", "keep_targets")),
+    # issue 45, item 3: a sum of blocks through the one dispatcher of each verb and on the command line
+    Structural("blocks: certify not sent to certify_blocks", "mhla_cli.api.learn", "certify",
+               lambda n: isinstance(n, ast.If) and ast.unparse(n.test) == "isinstance(data, BlockStatistics)",
+               lambda n: None, tests=("tests/test_learn.py", "-k", "sum_of_blocks")),
+    Structural("blocks: fit not sent to fit_blocks", "mhla_cli.api.learn", "fit",
+               lambda n: isinstance(n, ast.If) and ast.unparse(n.test) == "isinstance(data, BlockStatistics)",
+               lambda n: None, tests=("tests/test_cli_blocks.py", "-k", "fit_writes")),
+    Structural("blocks: the options of another storage accepted", "mhla_cli.api.learn", "_check_blocks_request",
+               lambda n: isinstance(n, ast.If) and "in_memory.values()" in ast.unparse(n.test),
+               lambda n: None, tests=("tests/test_learn.py", "-k", "sum_of_blocks")),
+    Structural("blocks: a map of another width not named", "mhla_cli.api.learn", "block_maps",
+               lambda n: isinstance(n, ast.If) and ast.unparse(n.test) == "P.shape[0] != D",
+               lambda n: None, tests=("tests/test_cli_blocks.py", "-k", "cannot_be_blocks")),
+    Structural("blocks CLI: an option that does not apply accepted", "mhla_cli.cli.blocks", "check_given",
+               lambda n: isinstance(n, ast.If) and "allowed" in ast.unparse(n.test),
+               lambda n: None, tests=("tests/test_cli_blocks.py", "-k", "do_not_apply")),
+    Structural("blocks predict: no outputs at every position", "mhla_cli.model.forward.stream", "_predict_sum_file",
+               lambda n: _assigns(n, "samples"), lambda n: ast.Assign(n.targets, ast.Constant(None)),
+               tests=("tests/test_cli_blocks.py", "-k", "every_position")),
 ]
 
 # Every check of export-heads, spectrum and compare evaluated in the tokens' own coordinates (or on the
@@ -697,7 +716,8 @@ def _function(tree: ast.Module, qualname: str) -> ast.FunctionDef:
         for child in ast.iter_child_nodes(node):
             if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
                 name = f"{prefix}{child.name}"
-                if name == qualname and not isinstance(child, ast.ClassDef):
+                stub = any(_is_name(d, "overload") for d in getattr(child, "decorator_list", ()))  # no code
+                if name == qualname and not isinstance(child, ast.ClassDef) and not stub:
                     found.append(child)
                 walk(child, name + ".")
     walk(tree, "")

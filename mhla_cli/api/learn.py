@@ -2,8 +2,9 @@
 
 `certify` and `fit` are the one entry point of each verb: they take statistics of any storage (a `Features` record,
 dense or pairs; statistics tiled on a Dask cluster; a features file, a Zarr store or a tokens file, with `scheduler`
-on a cluster), with or without the affine block of the wide tokens, and pick the solver (mhla_cli.solve.certificate,
-mhla_cli.solve.affine_block, mhla_cli.solve.cluster, mhla_cli.solve.lstsq, mhla_cli.solve.lowrank).
+on a cluster), with or without the affine block of the wide tokens, or the joint statistics of a sum of blocks
+(`BlockStatistics`), and pick the solver (mhla_cli.solve.certificate, mhla_cli.solve.affine_block,
+mhla_cli.solve.cluster, mhla_cli.solve.lstsq, mhla_cli.solve.lowrank, mhla_cli.solve.blocks).
 
 `fit` is least squares (Algorithm 1) by default, a factorised fit with `heads` heads, or a
 nuclear-norm fit with weight `nuclear`; "auto" chooses H or the weight by K-fold cross-validation
@@ -15,8 +16,8 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Mapping
-from typing import Any, Union
+from collections.abc import Mapping, Sequence
+from typing import Any, Union, overload
 
 import numpy as np
 
@@ -28,6 +29,8 @@ from mhla_cli.solve import lowrank
 from mhla_cli.solve import ridge_cv
 from mhla_cli.model import scores
 from mhla_cli.solve import affine_block, certificate, cluster, domains, lstsq
+from mhla_cli.solve.blocks import BlockStatistics, certify_blocks, fit_blocks
+from mhla_cli.model.heads_sum import HeadsSum
 from mhla_cli.solve import spectrum
 from mhla_cli.errors import REMEDY_WORDS, InputError
 from mhla_cli.numerics import TARGET_SQUARES_FLOOR
@@ -68,10 +71,15 @@ RULES = {
                     "another output width by the SVD of W (tol, max_heads)",
     "affine_domain": "the certificate of the affine block of the wide tokens is of the full domain: certify without "
                      "a domain",
+    "blocks_least_squares": "a sum of blocks is fitted by least squares over the blocks' joint features (a given "
+                            "ridge or 'auto'; no heads, nuclear or folds: its statistics hold their own folds)",
+    "blocks_in_memory": "the joint statistics of a sum of blocks are certified and fitted in memory on the CPU, on "
+                        "the full domain (no scheduler, device, domain, read, chunk_size or affine_from: they were "
+                        "given to block_statistics)",
 }
 
 
-Statistics = Union[Features, TiledStatistics, str, os.PathLike]  # what `certify` and `fit` take
+Statistics = Union[Features, TiledStatistics, BlockStatistics, str, os.PathLike]  # what `certify` and `fit` take
 
 
 def certify(data: Statistics, min_eig: float = 0.0, domain: str | domains.Domain = "full", device: str | None = None,
@@ -92,9 +100,16 @@ def certify(data: Statistics, min_eig: float = 0.0, domain: str | domains.Domain
     `domain`: "full", "observed" or a mhla_cli.solve.domains.Domain; `device`: where the factorization runs
     (mhla_cli.linalg.device). Returns a `Certificate`: `identifiable`, `lambda_min`, `lambda_max`, `rank`,
     `reasons`, `to_dict()`; `min_eig` is in the units of lambda_min.
+
+    The joint statistics of a sum of blocks (mhla_cli.solve.blocks.block_statistics) are certified by the Cholesky
+    of their joint Lambda~ (mhla_cli.solve.blocks.certify_blocks; overlapping blocks are named in `reasons`).
     """
     if min_eig < 0 or not np.isfinite(min_eig):
         raise InputError(f"min_eig must be a finite number >= 0, got {min_eig}")
+    if isinstance(data, BlockStatistics):
+        _check_blocks_request(domain=domain, device=device, scheduler=scheduler, read=read, chunk_size=chunk_size,
+                              affine_from=affine_from)
+        return certify_blocks(data, min_eig=float(min_eig))
     if scheduler is not None or isinstance(data, TiledStatistics):
         _check_tiled(data, affine_from, domain=domain, device=device)
         with _tiled(data, scheduler, read, chunk_size) as stats:
@@ -105,6 +120,17 @@ def certify(data: Statistics, min_eig: float = 0.0, domain: str | domains.Domain
     if domains.get_domain(domain).name != "full":
         raise RequestError("affine_domain")
     return affine_block.certify_extended(feats, min_eig=min_eig, device=device)
+
+
+def _check_blocks_request(heads: Any = None, nuclear: Any = None, folds: Any = None, domain: Any = "full",
+                          **in_memory: Any) -> None:
+    """What `certify` and `fit` refuse of a sum of blocks' statistics, before any work (RequestError): the
+    low-rank fits and folds given apart ("blocks_least_squares"), and any option of another storage
+    ("blocks_in_memory": `in_memory` all None, the domain the full one)."""
+    if heads is not None or nuclear is not None or folds:
+        raise RequestError("blocks_least_squares")
+    if domains.get_domain(domain).name != "full" or any(v is not None for v in in_memory.values()):
+        raise RequestError("blocks_in_memory")
 
 
 def _check_tiled(data: Any, affine_from: Any, domain: str | domains.Domain = "full", device: str | None = None
@@ -137,6 +163,23 @@ def _in_memory(data: Any, read: ReadSpec | None, chunk_size: int | None, device:
         return data
     return load_features(data, chunk_size=chunk_size, device=device, affine_from=affine_from,
                          read=read or ReadSpec(normalize=None))
+
+
+def block_maps(paths: Sequence[str | os.PathLike], data: str | os.PathLike) -> list[np.ndarray]:
+    """The token maps P_b (D, d_b) of a sum of blocks over the tokens file `data`: each the token map a reduced
+    file records (mhla_cli.model.reduce.load_reduction), refused (naming that file) when it takes tokens of
+    another width than the data's."""
+    from mhla_cli.model.reduce import load_reduction
+
+    D = inspect_tokens(data).d
+    maps = []
+    for path in paths:
+        P = load_reduction(path).P
+        if P.shape[0] != D:
+            raise InputError(f"its token map takes {P.shape[0]}-dim tokens but {data} has {D}-dim tokens: give the "
+                             "reduced files of these tokens (their maps P are D x d_b)", path)
+        maps.append(P)
+    return maps
 
 
 def needs_folds(ridge: float | str = 0.0, heads: int | str | None = None, nuclear: float | str | None = None
@@ -181,11 +224,24 @@ def check_fit_file(data: str | os.PathLike, ridge: float | str = 0.0, heads: int
             raise RequestError("auto_with_normalize")
 
 
+_NotBlocks = Union[Features, TiledStatistics, str, os.PathLike]
+
+
+@overload
+def fit(data: BlockStatistics, ridge: float | str = ..., heads: int | str | None = ..., nuclear: float | str | None = ...,
+        weight_decay: float = ..., restarts: int = ..., seed: int = ..., folds: list[Features] | None = ...,
+        device: str | None = ..., scheduler: Any = ..., *, read: ReadSpec | None = ..., chunk_size: int | None = ...,
+        affine_from: str | os.PathLike | None = ...) -> HeadsSum: ...
+@overload
+def fit(data: _NotBlocks, ridge: float | str = ..., heads: int | str | None = ..., nuclear: float | str | None = ...,
+        weight_decay: float = ..., restarts: int = ..., seed: int = ..., folds: list[Features] | None = ...,
+        device: str | None = ..., scheduler: Any = ..., *, read: ReadSpec | None = ..., chunk_size: int | None = ...,
+        affine_from: str | os.PathLike | None = ...) -> Model: ...
 def fit(data: Statistics, ridge: float | str = 0.0, heads: int | str | None = None,
         nuclear: float | str | None = None, weight_decay: float = 0.0, restarts: int = 10, seed: int = 0,
         folds: list[Features] | None = None, device: str | None = None, scheduler: Any = None, *,
         read: ReadSpec | None = None, chunk_size: int | None = None,
-        affine_from: str | os.PathLike | None = None) -> Model:
+        affine_from: str | os.PathLike | None = None) -> Model | HeadsSum:
     """Fit a model from the statistics `data` (of any storage, as `certify` takes them): the one `fit`.
 
     heads=H (or "auto") and nuclear=LAMBDA (or "auto") select the low-rank fits (mhla_cli.solve.lowrank);
@@ -203,7 +259,15 @@ def fit(data: Statistics, ridge: float | str = 0.0, heads: int | str | None = No
     singular data and `ridge`, in the units of the certificate's `lambda_max`, are unit-free. Returns a
     `Model` (`coef` (d, psi) on the tokens' own features, `W` (d^2, d^2), `info`: "basis": "canonical" for
     least squares). It does not warn: `mhla fit` and `MHLA` turn `info` into warnings (`fit_warnings`).
+
+    The joint statistics of a sum of blocks (mhla_cli.solve.blocks.block_statistics) are fitted by least squares
+    over their joint features (mhla_cli.solve.blocks.fit_blocks; ridge "auto" over their own folds): a
+    `HeadsSum`, whose info["identifiable"] is the joint certificate's verdict.
     """
+    if isinstance(data, BlockStatistics):
+        _check_blocks_request(heads, nuclear, folds, device=device, scheduler=scheduler, read=read,
+                              chunk_size=chunk_size, affine_from=affine_from)
+        return fit_blocks(data, ridge=ridge)
     check_fit_options(ridge, heads, nuclear)
     skipped: list[int] = []
     if folds:  # folds of no weight (every weight 0) are skipped: they hold no held-out error

@@ -16,6 +16,7 @@ The package, by job (a command module parses options, calls the library and form
 - `certify`: `mhla certify` (the witness, certificates on given inputs);
 - `fit`: `mhla fit`, `mhla export-heads` and `mhla spectrum`;
 - `predict`: `mhla predict`, `mhla rollout` and `mhla compare`;
+- `blocks`: a layer as a sum of blocks: `fit` / `certify --blocks`, `predict` / `export-heads` of a blocks file;
 - `inspect`: `mhla inspect`.
 """
 

@@ -10,6 +10,7 @@ import typer
 
 from ..errors import InputError
 from ..numerics import DETERMINED_TOL, EPS, RANK_RULE, quote
+from .blocks import AffineOpt, BlocksOpt, certify_blocks_cmd, check_not_blocks
 from .console import BOUND_SIGNS, emit_json, fmt, load_with_progress, progress_bar, say, warn, working
 from .options import (CLUSTER_WORDS, AffineFromOpt, AttentionOpt, BiasTermsOpt, ChunkOpt, DeviceOpt, JsonOpt,
                       NormalizeOpt, QuietOpt, SchedulerTimeoutOpt, about, check_hdf5_output, check_scheduler_timeout,
@@ -53,6 +54,8 @@ def certify_cmd(
         "verdict is a Cholesky of Lambda~ - t I over the tiles, lambda_min and lambda_max Lanczos estimates "
         "(docs/cluster.md). Example: --scheduler local:4")] = None,
     scheduler_timeout: SchedulerTimeoutOpt = None,
+    blocks: BlocksOpt = None,
+    affine: AffineOpt = False,
     json_out: JsonOpt = False,
     quiet: QuietOpt = False,
 ) -> None:
@@ -80,9 +83,14 @@ def certify_cmd(
     Example (with the wide token's affine map): mhla certify h8.h5 --affine-from hidden384.h5
 
     Example (a Dask cluster): mhla certify data.h5 --scheduler tcp://10.0.0.5:8786 --json
+
+    Example (a layer as a sum of blocks, docs/blocks.md): mhla certify layer.h5 --blocks h0.h5 --blocks h1.h5 --affine
     """
     from ..samples import ReadSpec  # the layouts need NumPy: not for --help
 
+    check_not_blocks(blocks, affine, None)
+    if blocks:
+        return certify_blocks_cmd(data, blocks, affine, min_eig, normalize, attention, chunk_size, json_out, quiet)
     dev = _check_options(data, min_eig, domain, witness, on, report, affine_from, device, scheduler, scheduler_timeout)
     read = ReadSpec(attention, normalize, bias_terms)  # how a tokens file is read (None: as the data say)
     if on is not None:

@@ -25,6 +25,7 @@ from mhla_cli.statistics.features import Features
 from mhla_cli.statistics.files.store_location import is_store
 from mhla_cli.statistics.stream import data_kind
 from mhla_cli.io.tokens import inspect_tokens
+from mhla_cli.cli.blocks import AffineOpt, BlocksOpt, FoldsOpt, export_blocks_cmd, is_blocks_file, fit_blocks_cmd
 from mhla_cli.cli.console import BOUND_SIGNS, emit_json, fmt, progress_bar, say, say_samples, warn, working
 from mhla_cli.cli.options import CLUSTER_WORDS, REMEDY_OPTIONS, AffineFromOpt, AttentionOpt, BiasTermsOpt, ChunkOpt, DeviceOpt, about, JsonOpt, NormalizeOpt, OutOpt, QuietOpt, SchedulerTimeoutOpt, check_heads_output, check_hdf5_output, check_scheduler_timeout, data_location, on_cluster, parse_auto, require_optional, statistics_for
 
@@ -62,6 +63,9 @@ def fit_cmd(
         "solves with the Cholesky factor of Lambda~ - t I (or of Lambda~ + l I with --ridge l), and MODEL is the "
         "file a fit on one machine writes. Data that do not determine the function need --ridge there (docs/cluster.md).")] = None,
     scheduler_timeout: SchedulerTimeoutOpt = None,
+    blocks: BlocksOpt = None,
+    affine: AffineOpt = False,
+    folds: FoldsOpt = None,
     json_out: JsonOpt = False,
     quiet: QuietOpt = False,
 ) -> None:
@@ -85,9 +89,13 @@ def fit_cmd(
     (then `mhla predict model.h5 h8.h5 -o p.h5 --affine-from hidden384.h5`)
 
     Example (a Dask cluster): mhla fit data.h5 --scheduler tcp://10.0.0.5:8786 -o model.h5 --ridge 1e-6
+
+    Example (a layer as a sum of blocks): mhla fit layer.h5 -o sum.h5 --blocks h0.h5 --blocks h1.h5
     """
     from mhla_cli.samples import ReadSpec  # the layouts need NumPy: not for --help
 
+    if blocks or affine or folds is not None:  # a sum of blocks (docs/blocks.md): --affine and --folds are its own
+        return fit_blocks_cmd(data, output, blocks, affine, folds, ridge, normalize, attention, chunk_size, json_out, quiet)
     h, lam, r, dev = _check_options(data, output, ridge, heads, nuclear, normalize, attention, bias_terms,
                                     affine_from, chunk_size, device, scheduler, scheduler_timeout)
     read = ReadSpec(attention, normalize, bias_terms)  # how a tokens file is read (None: as the data say)
@@ -170,6 +178,9 @@ FLAG_WORDS = {
     "fewest_width": "--fewest needs a model whose outputs are as wide as its tokens; export without --fewest "
                     "(--max-heads H keeps the strongest heads)",
     "affine_domain": "the certificate with --affine-from is of the full domain: certify without --domain",
+    "blocks_least_squares": "--blocks is fitted by least squares (--ridge L or auto, --folds K; no --heads or --nuclear)",
+    "blocks_in_memory": "--blocks is certified and fitted on one machine's CPU, on the full domain: no --scheduler, "
+                        "--device or --domain",
 }
 
 
@@ -223,7 +234,8 @@ def _say_fit(info: dict[str, Any], output: Path, lowrank_fit: bool, quiet: bool)
 
 
 def export_heads_cmd(
-    model_path: Annotated[Path, typer.Argument(metavar="MODEL", help="Model file from `mhla fit`.")],
+    model_path: Annotated[Path, typer.Argument(metavar="MODEL", help="Model file from `mhla fit` (or a blocks file of "
+                                                "`mhla fit --blocks`: the dense heads of the sum).")],
     output: Annotated[Path, typer.Option("--output", "-o", help="Output heads file, its format named by the "
                                          "suffix: .h5 / .hdf5 / .hdf (HDF5), .npz (NumPy) or .safetensors (needs "
                                          "the safetensors extra); written atomically. Example: -o heads.npz")],
@@ -263,6 +275,8 @@ def export_heads_cmd(
     Example: mhla export-heads m8.h5 -o heads384.safetensors --unreduce h8.h5
     """
     check_heads_output(output, (model_path,))  # the suffix names the format: an unknown one is refused
+    if is_blocks_file(model_path):  # a sum of blocks: its dense heads
+        return export_blocks_cmd(model_path, output, json_out, quiet)
     mh = parse_auto(max_heads, "--max-heads", int)
     with in_flags():
         check_export_options(mh, fewest)

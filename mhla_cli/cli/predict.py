@@ -14,12 +14,13 @@ from ..model.model import load_function, normalize_of, token_dim
 from ..model.compare import compare
 from ..io.tokens import inspect_tokens
 from ..samples import BIDIRECTIONAL, CAUSAL, LAST, layout_class
+from .blocks import is_blocks_file, predict_blocks_cmd
 from .console import emit_json, fmt, progress_bar, say, warn
 from .options import ChunkOpt, DeviceOpt, JsonOpt, OutOpt, QuietOpt, check_hdf5_output
 
 
 def predict_cmd(
-    model_path: Annotated[Path, typer.Argument(metavar="MODEL|HEADS", help="Model or heads file.")],
+    model_path: Annotated[Path, typer.Argument(metavar="MODEL|HEADS", help="Model, heads or blocks file.")],
     data: Annotated[Path, typer.Argument(help="Tokens file.")],
     output: OutOpt,
     all_positions: Annotated[bool, typer.Option("--all-positions", help="Also write the unmasked output at every "
@@ -63,8 +64,12 @@ def predict_cmd(
     pred.h5 --all-positions --json
 
     Example (a GPU): mhla predict model.h5 data.h5 -o pred.h5 --device cuda
+
+    Example (a blocks file of `mhla fit --blocks`): mhla predict sum.h5 layer.h5 -o pred.h5 --json
     """
     check_hdf5_output(output, (model_path, data, affine_from), "a predictions file", "predictions")
+    if is_blocks_file(model_path):  # a sum of blocks: its outputs in the layout it was fitted on
+        return predict_blocks_cmd(model_path, data, output, chunk_size, workers, json_out, quiet)
     if causal and all_positions:
         raise InputError("--causal and --all-positions cannot be combined: --causal outputs the masked "
                          "(prefix) output at every position, --all-positions the unmasked one")

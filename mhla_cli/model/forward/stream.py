@@ -9,7 +9,7 @@ import os
 import threading
 from collections.abc import Callable
 from functools import partial
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import h5py
 import numpy as np
@@ -26,6 +26,8 @@ from mhla_cli.model.scores import Spread
 from mhla_cli.samples import BIDIRECTIONAL, CAUSAL, LAST, Samples
 from mhla_cli.statistics.ranges import default_chunk_size
 from mhla_cli.io.tokens import TokensInfo, check_finite, check_weights, inspect_tokens, iter_chunks, read_as, chunk_ranges, with_bias_terms
+if TYPE_CHECKING:
+    from mhla_cli.model.heads_sum import HeadsSum
 from mhla_cli.model.forward.evaluate import DIRECT_CHUNK_BYTES, HeadsFn, evaluated, fitted_samples, function_of, in_basis, in_width, out_width, predict_chunk, sample_outputs
 
 
@@ -265,7 +267,7 @@ def _write_predictions(out: str | os.PathLike, inputs: tuple[str | os.PathLike, 
             return run(fout)
 
 
-def predict_file(fn: Model | Heads, data: str | os.PathLike, out: str | os.PathLike | None = None,
+def predict_file(fn: Model | Heads | HeadsSum, data: str | os.PathLike, out: str | os.PathLike | None = None,
                  all_positions: bool = False, chunk_size: int | None = None,
                  progress: Callable[[int], None] | None = None,
                  inputs: tuple[str | os.PathLike, ...] = (), workers: int = 1,
@@ -301,8 +303,15 @@ def predict_file(fn: Model | Heads, data: str | os.PathLike, out: str | os.PathL
     A function with the token-wise affine map of the wide tokens (mhla_cli.solve.affine_block) reads them from
     `affine_from`, the tokens file `mhla reduce` read to make `data` (checked), or from `data` itself when its
     tokens are that wide (heads put back in the model's coordinates by `export-heads --unreduce`).
+    A sum of blocks (mhla_cli.model.heads_sum.HeadsSum) writes its outputs in the layout it was fitted on
+    (`_predict_sum_file`).
     """
     device = check_device(device, data)
+    if not isinstance(fn, (Model, Heads)):
+        if causal or all_positions or affine_from is not None or device is not None or layout not in (None, fn.layout):
+            raise InputError("a sum of blocks is evaluated on the CPU in the layout it was fitted on, its affine map "
+                             "on the tokens themselves: no causal, all_positions, layout, device or affine_from")
+        return _predict_sum_file(fn, data, out, chunk_size, progress, (*inputs,), workers, map)
     affine = _affine_source(fn, data, affine_from)
     layout, fitted, samples = _output_layout(fn, layout, causal, all_positions)
     _, normalize, info = function_and_data(fn, data)
@@ -443,5 +452,59 @@ def predict_range(coef: np.ndarray | HeadsFn, info: Any, layout: Samples | None,
             pred = pred + aff[offsets[1:] - 1]
             outputs = None if outputs is None else outputs + aff
         count, spread = scored(pred, targets, weights) if targets is not None else (0, Spread())
+        return pred, outputs, offsets.copy(), count, spread
+    raise ValueError("empty sample range")
+
+
+def _predict_sum_file(fn: HeadsSum, data: str | os.PathLike, out: str | os.PathLike | None, chunk_size: int | None,
+                      progress: Callable[[int], None] | None, inputs: tuple[str | os.PathLike, ...], workers: int,
+                      map: Callable[..., Any] | None) -> Predictions:  # noqa: A002
+    """`predict_file` of a sum of blocks: `predictions` (N, D_out) at the last tokens and, for a per-position
+    layout, `outputs` (T, D_out) at every sample of it (scored against per-position targets), written by the same
+    writer as a model's."""
+    info = inspect_tokens(data)
+    if info.d != fn.d:
+        raise InputError(f"the data have d = {info.d} but the blocks take {fn.d}-dim tokens", data)
+    if info.has_targets and info.out_dim != fn.d_out:
+        raise InputError(f"the targets are {info.out_dim} wide but the blocks' outputs {fn.d_out}", data)
+    samples = fn.layout if fn.layout.per_position else None
+    info, scored_as = _scored_info(info, samples, fn.layout, samples)
+    per_seq = 8 * max(1.0, info.n_tokens / max(1, info.n_samples)) * (fn.d + 2 * fn.d_out + max(
+        h.reduced_dim for h in fn.parts) ** 2)
+    todo = chunk_ranges(0, info.n_samples, chunk_size or int(max(1, min(info.n_samples, DIRECT_CHUNK_BYTES // per_seq))))
+
+    def run(target: h5py.File | None) -> tuple[tuple[Any, Any, Any], tuple[int, Spread]]:
+        sinks = _sinks(target, info, fn.d_out, samples is not None)
+        with make_map(workers=workers, map=map) as pmap:
+            winfo = info if pmap.n_workers == 1 else dataclasses.replace(info, path=os.path.abspath(info.path))
+            return sinks, _predict_ranges(partial(sum_range, fn, winfo, samples), todo, pmap, sinks, progress)
+
+    result = Predictions(info.n_samples, fn.d_out, fn.normalize)
+    if out is not None:
+        meta = {"d": fn.d_out, "n_samples": info.n_samples, "normalize": fn.normalize, CAUSAL.name: int(samples == CAUSAL),
+                **(samples.fit_attrs() if samples is not None else {})}
+        _, (count, spread) = _write_predictions(out, (data, *inputs), meta, run)
+    else:
+        (result.predictions, result.outputs, result.offsets), (count, spread) = run(None)
+    if info.has_targets:
+        result.scored_as, result.mse, result.r2, result.n_scored = scored_as or "sequences", spread.mse(
+            fn.d_out), spread.r2(), count
+    return result
+
+
+def sum_range(fn: HeadsSum, info: TokensInfo, samples: Samples | None, sample_range: tuple[int, int]
+              ) -> tuple[np.ndarray, np.ndarray | None, np.ndarray, int, Spread]:
+    """`predict_range` of a sum of blocks (HeadsSum.predict): (pred (B, D_out), the outputs at every sample of
+    `samples` or None, offsets, count, the scored targets' Spread)."""
+    lo, hi = sample_range
+    for a, _b, tokens, offsets, targets, weights in iter_chunks(info, (lo, hi), hi - lo, prefetch=False,
+                                                                with_weights=True):
+        check_finite(tokens, offsets, targets, a, info.path)
+        check_weights(weights, offsets, a, info.per_position, info.path)
+        X = np.asarray(tokens, dtype=np.float64)
+        outputs = None if samples is None else fn.predict(X, offsets, layout=samples)
+        pred = fn.predict(X, offsets, layout=LAST) if outputs is None else outputs[offsets[1:] - 1]
+        count, spread = (0, Spread()) if targets is None else scored(
+            outputs if info.per_position and outputs is not None else pred, targets, weights)
         return pred, outputs, offsets.copy(), count, spread
     raise ValueError("empty sample range")
