@@ -113,6 +113,10 @@ def test_affine_block_and_weights_equal_numpy(tmp_path):
     coef = _lstsq_fit(F[w > 0], w[w > 0], Y[row][w > 0])
     assert _rel(fn.predict(X, off)[row], F @ coef) < 1e-8
     assert fn.affine_weight.shape == (3, 6) and fn.affine_bias.shape == (3,)
+    # the affine block is whitened in Lambda~'s own scale: its diagonal block is I (the blocks' are near I)
+    stats = block_statistics(p, maps, ReadSpec(normalize="length"), affine=True)
+    k = stats.affine_map.shape[1]
+    assert k == 7 and np.allclose(stats.gram[-k:, -k:] / stats.weight, np.eye(k), atol=1e-10)
 
 
 def _canonical_lambda(X, off, maps, attention="bidirectional", normalize="length"):

@@ -141,13 +141,13 @@ def _chunk(info: TokensInfo, m: int, chunk_size: int | None) -> int:
 
 
 def _token_pass(info: TokensInfo, size: int, affine: bool) -> tuple[np.ndarray, np.ndarray | None, float]:
-    """(sum_i w_i S_i over the samples = sum_tokens c x x^T, sum w f f^T of f = (x, 1) over the queries or None,
-    sum_i w_i n_i): the metric of the canonical coordinates (G / sum w n, as mhla_cli.statistics.basis takes it)
-    and the affine block's second moment."""
+    """(sum_i w_i S_i over the samples = sum_tokens c x x^T, the second moment sum w f f^T / sum w of f = (x, 1)
+    over the queries or None, sum_i w_i n_i): the metric of the canonical coordinates (G / sum w n, as
+    mhla_cli.statistics.basis takes it) and the affine block's second moment."""
     D = info.d
     Gx = np.zeros((D, D))
     Gf = np.zeros((D + 1, D + 1)) if affine else None
-    total = 0.0
+    total, query_weight = 0.0, 0.0
     for a, _, tokens, offsets, targets, weights in iter_chunks(info, (0, info.n_samples), size, with_weights=True):
         check_finite(tokens, offsets, targets, a, info.path)
         check_weights(weights, offsets, a, info.per_position, info.path)
@@ -159,11 +159,13 @@ def _token_pass(info: TokensInfo, size: int, affine: bool) -> tuple[np.ndarray, 
             Xq = X if rows is None else X[rows]
             F = np.hstack([Xq, np.ones((Xq.shape[0], 1))])
             Gf += (F if w is None else F * w[:, None]).T @ F
-    return Gx, Gf, total
+            query_weight += float(F.shape[0] if w is None else w.sum())
+    return Gx, None if Gf is None else Gf / max(query_weight, 1e-300), total
 
 
 def _affine_whitening(Gf: np.ndarray, n_samples: int) -> np.ndarray:
-    """A_f (D + 1, k): whitens (x, 1) by its second moment on its range (directions below affine_hull_tol of the
+    """A_f (D + 1, k): whitens (x, 1) by its second moment Gf (sum w f f^T / sum w, so that the block's part of
+    Lambda~ is I, as every block's is near I) on its range (directions below affine_hull_tol of the
     largest eigenvalue are the hyperplanes the tokens lie on, left out)."""
     w, V = np.linalg.eigh(0.5 * (Gf + Gf.T))
     top = float(w[-1])
