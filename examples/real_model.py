@@ -631,6 +631,8 @@ def print_reductions(cases: list[dict], alone: dict, layer: int, head: int) -> N
         for d, method in best[key].items():
             c = next(c for c in cases if (c["d"], c["method"]) == (d, method))
             print(f"chosen by CV, {name}, d = {d}: {method}, held-out R^2 {fmt(c[key]['r2'])}")
+        c = min(cases, key=lambda c: c[key]["cv_mse"])
+        print(f"chosen by CV over every d, {name}: {c['method']} at d = {c['d']}, held-out R^2 {fmt(c[key]['r2'])}")
     print()
 
 
@@ -1019,7 +1021,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--replace-windows", type=int, default=1000,
                     help="held-out windows of the replacement test, evenly spread (default: 1000)")
     ap.add_argument("--no-replace", action="store_true", help="only the tables: no replacement in the model")
-    ap.add_argument("--png", type=Path, default=None, help="draw the R^2 against d and what each block adds")
+    ap.add_argument("--png", type=Path, default=None, help="draw the R^2 against d and what each block adds; the reductions table's R^2 against d "
+                         "per reduction goes beside it, as NAME_reductions.png")
     ap.add_argument("--json", action="store_true", help="print one JSON object instead of the tables")
     ap.add_argument("--reduction", nargs="+", default=list(REDUCTIONS), choices=REDUCTIONS,
                     help="the token directions of the table of the head's full output (mhla reduce --method "
