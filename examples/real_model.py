@@ -63,8 +63,8 @@ the head's targets kept at their full 32 dimensions (no output reduction), `weig
 W_K, W_V rows (qkv.npz, from the model's weights): held-out R^2 of the head's full output at every position of the
 MHLA and of the MHLA + affine map of the full token, beside the affine map alone (numpy, CV ridge), with the seconds
 of each fit (the training file's reduction + featurize + fit, wall clock) and the training positions it used. The
-reduction is chosen on the training windows: the lowest CV error of `fit --ridge auto` (the same 32-dim targets
-and folds for every method).
+reduction is chosen on the training windows, at each d and over every d: the lowest CV error of `fit --ridge auto`
+(the same 32-dim targets and folds for every method).
 
 Back into the transformer (the CV-ridge case with the best held-out R^2 at every position, or
 --replace-d / --replace-normalize): `mhla_cli.model.splice.splice` puts in place of the head's 32
@@ -511,7 +511,7 @@ def what_each_adds(wd: Path, row: dict, base: dict, d: int, normalize: str, last
 
 # `mhla reduce --method` of the reductions table (--reduction): the token directions of the fits at full width.
 REDUCTIONS = ("pca", "supervised", "weights")
-# Its blocks of features: a name and whether the affine block of the wide token stands beside the MHLA.
+# Its blocks of features: a key (of the JSON), a name and whether the affine block of the wide token stands beside the MHLA.
 RED_BLOCKS = (("mhla", "MHLA", False), ("mhla_affine", "MHLA + affine map", True))
 
 

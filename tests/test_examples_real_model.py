@@ -5,7 +5,10 @@ wheel) and Debian's licence texts; skipped without them. The references are inde
 and of mhla: numpy's lstsq on the per-position features materialised from the tokens files it wrote
 (every position t of a window with the whole window's S), the ridge solved by numpy on the canonical
 features (tests/_reference.py), direct solves of the affine map for every fold and penalty, the
-linear-attention output of a head with biases, and the softmax head recomputed from the layer's weights.
+linear-attention output of a head with biases, and the softmax head recomputed from the layer's weights. The
+reductions table (the head's full 32-dim output on the token directions of each `mhla reduce --method`): each
+method's span against numpy's top directions (eigh of the tokens' second moment, of the pencils of the least-squares
+map and of the head's W_Q, W_K, W_V rows) by principal angles, and each R^2 against numpy's lstsq / ridge.
 """
 
 from __future__ import annotations
