@@ -51,6 +51,21 @@ the affine block (`--ridge auto` is refused there); the example chooses it as `-
 the same 5 contiguous folds, each fold's statistics subtracted from the total, `fit` at 0 and 12
 penalties from 1e-8 to 10 times lambda_max, `predict` on the fold's windows, the lowest mean MSE.
 
+Which token directions (--reduction, the table printed first; --tables reductions prints only it): for each method
+M of `mhla reduce --method pca|supervised|weights` and each d,
+
+    mhla reduce train384.h5 -o train_M_d{d}.h5 --dim d --method M --keep-targets [--weights qkv.npz]
+    mhla reduce heldout384.h5 --like train_M_d{d}.h5 -o heldout_M_d{d}.h5
+    featurize_folds(train_M_d{d}.h5, 5 [, affine_from="train384.h5"]); fit(total, ridge="auto", folds=folds)
+    predict_file(model, heldout_M_d{d}.h5 [, affine_from="heldout384.h5"])
+
+the head's targets kept at their full 32 dimensions (no output reduction), `weights` reading the head's own W_Q,
+W_K, W_V rows (qkv.npz, from the model's weights): held-out R^2 of the head's full output at every position of the
+MHLA and of the MHLA + affine map of the full token, beside the affine map alone (numpy, CV ridge), with the seconds
+of each fit (the training file's reduction + featurize + fit, wall clock) and the training positions it used. The
+reduction is chosen on the training windows, at each d and over every d: the lowest CV error of `fit --ridge auto`
+(the same 32-dim targets and folds for every method).
+
 Back into the transformer (the CV-ridge case with the best held-out R^2 at every position, or
 --replace-d / --replace-normalize): `mhla_cli.model.splice.splice` puts in place of the head's 32
 output columns at every position of the held-out windows the MHLA (the heads of `mhla export-heads
@@ -491,6 +506,168 @@ def what_each_adds(wd: Path, row: dict, base: dict, d: int, normalize: str, last
 
 
 # --------------------------------------------------------------------------------------------------
+# Which token directions: the head's full output fitted on the d directions each reduction keeps
+
+
+# `mhla reduce --method` of the reductions table (--reduction): the token directions of the fits at full width.
+REDUCTIONS = ("pca", "supervised", "weights")
+# Its blocks of features: a key (of the JSON), a name and whether the affine block of the wide token stands beside the MHLA.
+RED_BLOCKS = (("mhla", "MHLA", False), ("mhla_affine", "MHLA + affine map", True))
+
+
+def head_read_weights(model, layer: int, head: int, path: Path) -> Path:
+    """The head's W_Q, W_K, W_V (each 32 x 384, rows read the token: W x) from the model's weights, written
+    atomically as the .npz `mhla reduce --method weights --weights` takes (the biases are no directions)."""
+    attn = model.encoder.layer[layer].attention.self
+    dh = model.config.hidden_size // model.config.num_attention_heads
+    sl = slice(head * dh, (head + 1) * dh)
+    arrays = {k: getattr(attn, m).weight.detach().double().numpy()[sl]
+              for k, m in (("W_Q", "query"), ("W_K", "key"), ("W_V", "value"))}
+    tmp = path.with_name(f".{path.stem}.tmp.npz")
+    try:
+        np.savez(tmp, **arrays)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return path
+
+
+def affine_alone(train: Captured, test: Captured) -> dict:
+    """The affine map of the full token [x_t, 1] to the head's full 32-dim output (numpy, CV ridge: NBL's baseline):
+    held-out R^2 at every position, the seconds of its fit (moments and solve) and the positions it used."""
+    t0 = time.perf_counter()
+    Y = np.concatenate(train.outputs).astype(np.float64)
+    lin = ridge_cv(accumulate(affine_features(train.tokens), Y, train.offsets))
+    seconds = time.perf_counter() - t0
+    pred = predict_rows(lin, affine_features(test.tokens), len(test.tokens))
+    return {"r2": r2(np.concatenate(test.outputs), pred), "seconds": seconds, "n_train": len(Y),
+            "n_features": lin.n_features, "ridge": lin.ridge}
+
+
+def fit_block(wd: Path, train_h5: Path, test_h5: Path, normalize: str, affine: bool) -> dict:
+    """featurize (5 folds) and `fit --ridge auto` of the reduced training file at full output width, timed; its
+    held-out R^2, and the least-squares fit's (not timed: the tests' reference)."""
+    from mhla_cli import fit, predict_file
+    from mhla_cli.statistics.folds import featurize_folds
+
+    wide = {"affine_from": wd / "train384.h5"} if affine else {}
+    held = {"affine_from": wd / "heldout384.h5"} if affine else {}
+    t0 = time.perf_counter()
+    total, folds = featurize_folds(train_h5, N_FOLDS, normalize=normalize, **wide)
+    model = fit(total, ridge="auto", folds=folds)
+    seconds = time.perf_counter() - t0
+    lstsq = fit(total)
+    pred, pred_ls = predict_file(model, test_h5, **held), predict_file(lstsq, test_h5, **held)
+    _, _, y, _ = read_tokens(test_h5)
+    return {"n_features": int(model.info["n_features"]), "n_train": int(total.n_samples),
+            "ridge": float(model.info["ridge"]), "cv_mse": float(model.info["ridge_cv"]["cv_mse"]),
+            "r2": float(pred.r2), "r2_check": r2(y, pred.outputs), "r2_lstsq": float(pred_ls.r2),
+            "r2_train_lstsq": float(lstsq.info["train_r2"]), "identifiable": bool(lstsq.info["identifiable"]),
+            "seconds_fit": seconds}
+
+
+def reduction_case(wd: Path, method: str, d: int, normalize: str, weights: Path | None) -> dict:
+    """`mhla reduce --method M --dim d --keep-targets` of the wide files (the head's output stays 32-dim), then the
+    MHLA and the MHLA + affine map fitted on it; seconds = the reduction of the training file + featurize + fit."""
+    from mhla_cli import reduce_tokens
+
+    train_h5, test_h5 = wd / f"train_{method}_d{d}.h5", wd / f"heldout_{method}_d{d}.h5"
+    t0 = time.perf_counter()
+    red = reduce_tokens(wd / "train384.h5", train_h5, dim=d, method=method,
+                        weights=weights if method == "weights" else None, keep_targets=True)
+    t_reduce = time.perf_counter() - t0
+    reduce_tokens(wd / "heldout384.h5", test_h5, like=train_h5)
+    out = {"method": method, "d": d, "normalize": normalize, "share": red.token_share, "seconds_reduce": t_reduce}
+    for key, _, affine in RED_BLOCKS:
+        block = fit_block(wd, train_h5, test_h5, normalize, affine)
+        out[key] = {**block, "seconds": t_reduce + block["seconds_fit"]}
+    return out
+
+
+def best_by_cv(cases: list[dict]) -> dict[str, dict[int, str]]:
+    """{block: {d: the method whose fit has the lowest CV error on the training windows}} (the same 32-dim targets
+    and folds for every method, so their CV errors compare)."""
+    return {key: {d: min((c for c in cases if c["d"] == d), key=lambda c: c[key]["cv_mse"])["method"]
+                  for d in sorted({c["d"] for c in cases})} for key, _, _ in RED_BLOCKS}
+
+
+# The reductions table, in two tables that fit the docs' page (docs/real_model.md): quality beside cost, then what
+# each fit kept and how the cross-validation on the training windows ranks the token directions.
+RED_HEADS = (("d", "token directions", "R2 MHLA", "s", "R2 MHLA + affine map", "s, + affine", "R2 affine map alone",
+              "s, affine alone", "training positions"),
+             ("d", "token directions", "share kept", "features", "features, + affine", "CV MSE", "CV MSE, + affine",
+              "chosen by CV"))
+
+
+def reductions_table(cases: list[dict], alone: dict) -> str:
+    """One row per d and token directions (`RED_HEADS`): held-out R^2 of the head's full output, the seconds and
+    positions of each fit; then the share kept, the features, the CV errors and the choice by CV."""
+    best = best_by_cv(cases)
+    out = []
+    for k, head in enumerate(RED_HEADS):
+        lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+        for c in sorted(cases, key=lambda c: (c["d"], REDUCTIONS.index(c["method"]))):
+            m, a = c["mhla"], c["mhla_affine"]
+            chosen = ", ".join(name for key, name, _ in RED_BLOCKS if best[key][c["d"]] == c["method"]) or "-"
+            cells = ((fmt(m["r2"]), f"{m['seconds']:.1f}", fmt(a["r2"]), f"{a['seconds']:.1f}", fmt(alone["r2"]),
+                      f"{alone['seconds']:.1f}", m["n_train"]) if k == 0 else
+                     (fmt(c["share"]), m["n_features"], a["n_features"], f"{m['cv_mse']:.4e}", f"{a['cv_mse']:.4e}",
+                      chosen))
+            lines.append("| " + " | ".join(str(x) for x in (c["d"], c["method"]) + cells) + " |")
+        out.append("\n".join(lines))
+    return "\n\n".join(out)
+
+
+def print_reductions(cases: list[dict], alone: dict, layer: int, head: int) -> None:
+    """The reductions table with its heading, and the choice by CV at each d."""
+    normalize = cases[0]["normalize"]
+    print(f"all-MiniLM-L6-v2, layer {layer}, head {head}: held-out R^2 of the head's full 32-dim output at every "
+          f"position, the tokens reduced to d directions (mhla reduce --method M --keep-targets; normalize "
+          f"{normalize}; ridge by {N_FOLDS}-fold CV); s: seconds of the fit (reduce + featurize + fit; the affine "
+          f"map alone: numpy moments + solve) from the training positions")
+    print(reductions_table(cases, alone))
+    best = best_by_cv(cases)
+    for key, name, _ in RED_BLOCKS:
+        for d, method in best[key].items():
+            c = next(c for c in cases if (c["d"], c["method"]) == (d, method))
+            print(f"chosen by CV, {name}, d = {d}: {method}, held-out R^2 {fmt(c[key]['r2'])}")
+        c = min(cases, key=lambda c: c[key]["cv_mse"])
+        print(f"chosen by CV over every d, {name}: {c['method']} at d = {c['d']}, held-out R^2 {fmt(c[key]['r2'])}")
+    print()
+
+
+def reductions_png(path: Path) -> Path:
+    """The reductions picture beside --png: NAME.png -> NAME_reductions.png."""
+    path = Path(path)
+    return path.with_name(f"{path.stem}_reductions{path.suffix or '.png'}")
+
+
+def reductions_figure(cases: list[dict], alone: dict, layer: int, head: int, path: Path) -> None:
+    """Held-out R^2 of the head's full output against d, per reduction (MHLA; MHLA + affine map), and the affine map
+    alone (PNG, written atomically)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(5.4, 3.8))
+    ds = sorted({c["d"] for c in cases})
+    for k, method in enumerate(m for m in REDUCTIONS if any(c["method"] == m for c in cases)):
+        by = {c["d"]: c for c in cases if c["method"] == method}
+        color = f"C{k}"
+        ax.plot(ds, [by[d]["mhla"]["r2"] for d in ds], "o-", color=color, label=f"MHLA, {method}")
+        ax.plot(ds, [by[d]["mhla_affine"]["r2"] for d in ds], "s--", color=color, label=f"MHLA + affine map, {method}")
+    ax.axhline(alone["r2"], color="gray", ls=":", label="affine map of the 384-dim token alone")
+    ax.set_xticks(ds)
+    ax.set_xlabel("d (token directions kept)")
+    ax.set_ylabel("held-out R$^2$ of the 32-dim output")
+    ax.set_title(f"layer {layer} head {head}: the head's full output, every position", fontsize=9)
+    ax.legend(fontsize=7, loc="lower right")
+    fig.tight_layout()
+    save_png(fig, path, dpi=90)
+
+
+# --------------------------------------------------------------------------------------------------
 # The mhla commands
 
 
@@ -844,11 +1021,22 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--replace-windows", type=int, default=1000,
                     help="held-out windows of the replacement test, evenly spread (default: 1000)")
     ap.add_argument("--no-replace", action="store_true", help="only the tables: no replacement in the model")
-    ap.add_argument("--png", type=Path, default=None, help="draw the R^2 against d and what each block adds")
+    ap.add_argument("--png", type=Path, default=None, help="draw the R^2 against d and what each block adds; the reductions table's R^2 against d "
+                         "per reduction goes beside it, as NAME_reductions.png")
     ap.add_argument("--json", action="store_true", help="print one JSON object instead of the tables")
+    ap.add_argument("--reduction", nargs="+", default=list(REDUCTIONS), choices=REDUCTIONS,
+                    help="the token directions of the table of the head's full output (mhla reduce --method "
+                         "--keep-targets; default: all three)")
+    ap.add_argument("--reduction-normalize", choices=["none", "length"], default="length",
+                    help="the normalisation of that table's fits (default: length)")
+    ap.add_argument("--tables", nargs="+", default=["fits", "reductions"], choices=["fits", "reductions"],
+                    help="fits: the tables of the PCA reduction of tokens and outputs, the baselines, the blocks "
+                         "and the replacement; reductions: the head's full output per token directions (default: "
+                         "both)")
     args = ap.parse_args(argv)
     ds = args.d if args.d is not None else ([4, 8] if args.quick else [4, 8, 12, 16])
     adds_d = args.adds_d if args.adds_d is not None else ([8] if args.quick else [8, 12])
+    adds_d = adds_d if "fits" in args.tables else []
     if not all(1 <= d <= 32 for d in ds + adds_d):
         ap.error("--d, --adds-d: 1 to 32 (the head's output has 32 dimensions)")
     if not set(adds_d) <= set(ds):
@@ -884,8 +1072,14 @@ def main(argv: list[str] | None = None) -> dict:
         write_tokens(wd / "train384_last.h5", train.tokens, targets=train.outputs, weights=weights, **att)
         test_out = np.concatenate(test.outputs).astype(np.float64)
         last = last_text(test.offsets)
+        reds, alone, t3 = [], None, time.perf_counter()
+        if "reductions" in args.tables:
+            alone = affine_alone(train, test)
+            qkv = head_read_weights(model, args.layer, args.head, wd / "qkv.npz") if "weights" in args.reduction else None
+            reds = [reduction_case(wd, m, d, args.reduction_normalize, qkv) for d in ds for m in args.reduction]
+        t_reds = time.perf_counter() - t3
         rows, reduced = [], {}
-        for d in ds:
+        for d in (ds if "fits" in args.tables else []):
             reduced[d] = red = reduce_windows(run, d)
             for normalize in args.normalize:
                 rows.append(run_case(run, d, normalize, red, test_out, last))
@@ -894,12 +1088,12 @@ def main(argv: list[str] | None = None) -> dict:
         base, affine_maps = baselines(train, test, reduced)
         t_numpy = time.perf_counter() - t1
         t2 = time.perf_counter()
-        adds = [a for d in adds_d for n in args.normalize
+        adds = [a for d in (adds_d if rows else []) for n in args.normalize
                 for a in what_each_adds(wd, next(r for r in rows if (r["d"], r["normalize"]) == (d, n)), base[d], d, n,
                                         last)]
         t_adds = time.perf_counter() - t2
         replaced = None
-        if not args.no_replace:
+        if rows and not args.no_replace:
             best = max(rows, key=lambda r: r["r2_heldout_cv"])
             d_r = args.replace_d if args.replace_d is not None else best["d"]
             n_r = args.replace_normalize or (best["normalize"] if args.replace_d is None else args.normalize[0])
@@ -912,12 +1106,18 @@ def main(argv: list[str] | None = None) -> dict:
     result = {"layer": args.layer, "head": args.head, "stride": stride, "n_train": len(train.tokens),
               "n_heldout": len(test.tokens), "n_train_positions": n_pos, "n_heldout_positions": n_pos_test,
               "rows": rows, "baselines": {str(d): v for d, v in base.items()}, "adds": adds, "replaced": replaced,
-              "seconds": seconds, "seconds_numpy": t_numpy, "seconds_adds": t_adds}
-    if args.png is not None:
+              "seconds": seconds, "seconds_numpy": t_numpy, "seconds_adds": t_adds,
+              "reductions": reds, "affine_alone": alone, "seconds_reductions": t_reds}
+    if args.png is not None and rows:
         figure({**result, "baselines": base}, args.png)
+    if args.png is not None and reds:
+        reductions_figure(reds, alone, args.layer, args.head, reductions_png(args.png))
     if args.json:
         print(json.dumps(result))
-    else:
+        return result
+    if reds:
+        print_reductions(reds, alone, args.layer, args.head)
+    if rows:
         print(f"all-MiniLM-L6-v2, layer {args.layer}, head {args.head}: {len(train.tokens)} training windows "
               f"({n_pos} positions), {len(test.tokens)} held-out ({n_pos_test} positions); R^2 of the MHLA "
               f"fitted at every position (bidirectional), least squares and CV ridge")
@@ -940,7 +1140,8 @@ def main(argv: list[str] | None = None) -> dict:
                   f"{replaced['normalize']}, CV ridge, {replaced['n_heads']} heads; in the model's coordinates "
                   f"they match the reduced model to {replaced['unreduce_max_rel_error']:.1e})")
             print(replacement_table(replaced))
-        print(f"\n{seconds:.0f} s ({t_numpy:.0f} s of numpy baselines, {t_adds:.0f} s of the blocks' fits)")
+    print(f"\n{seconds:.0f} s ({t_numpy:.0f} s of numpy baselines, {t_adds:.0f} s of the blocks' fits, "
+          f"{t_reds:.0f} s of the reductions table)")
     return result
 
 

@@ -5,7 +5,10 @@ wheel) and Debian's licence texts; skipped without them. The references are inde
 and of mhla: numpy's lstsq on the per-position features materialised from the tokens files it wrote
 (every position t of a window with the whole window's S), the ridge solved by numpy on the canonical
 features (tests/_reference.py), direct solves of the affine map for every fold and penalty, the
-linear-attention output of a head with biases, and the softmax head recomputed from the layer's weights.
+linear-attention output of a head with biases, and the softmax head recomputed from the layer's weights. The
+reductions table (the head's full 32-dim output on the token directions of each `mhla reduce --method`): each
+method's span against numpy's top directions (eigh of the tokens' second moment, of the pencils of the least-squares
+map and of the head's W_Q, W_K, W_V rows) by principal angles, and each R^2 against numpy's lstsq / ridge.
 """
 
 from __future__ import annotations
@@ -354,3 +357,116 @@ def test_windows_are_deterministic_and_cover_the_lengths():
     assert all(x == ids[4 * i:4 * i + len(x)] for i, x in enumerate(w))
     assert {len(x) for x in w} <= set(range(8, 33)) and len({len(x) for x in w}) > 10
     assert mod.fold_ranges(10, 5) == [(0, 2), (2, 4), (4, 6), (6, 8), (8, 10)]
+
+
+# principal angles between the span of an example's token map and numpy's (the maps' spans, not their bases)
+SPAN_TOL = 1e-8
+
+
+def _span_angle(A: np.ndarray, B: np.ndarray) -> float:
+    """The largest principal angle between the column spans of A and B (numpy: QR, then the SVD's sines)."""
+    Qa, Qb = np.linalg.qr(A)[0], np.linalg.qr(B)[0]
+    return float(np.linalg.norm(Qb - Qa @ (Qa.T @ Qb), 2))
+
+
+def _top_generalized(A: np.ndarray, B: np.ndarray, d: int) -> np.ndarray:
+    """The top-d eigenvectors of the pencil (A, B), B positive definite: A p = s B p (scipy-free: B^(-1/2) A
+    B^(-1/2) by numpy's eigh)."""
+    w, V = np.linalg.eigh(B)
+    Bh = V / np.sqrt(w) @ V.T
+    _, E = np.linalg.eigh(Bh @ A @ Bh)
+    return Bh @ E[:, ::-1][:, :d]
+
+
+@pytest.mark.slow
+def test_reductions_are_numpy_top_directions(run):
+    """pca: the top eigenvectors of sum x x^T; supervised: max |C_xy^T p|^2 / p^T C p (reduced-rank regression,
+    the top-d of the token-wise least-squares map in the whitened metric); weights: max mean |W x|^2 kept, i.e.
+    W^T W C p = s p with W the head's W_Q, W_K, W_V rows from the model; compared by principal angles."""
+    mod, wd, result, _ = run
+    X, _, Y, _ = _read(wd / "train384.h5")
+    C, Cxy = X.T @ X / len(X), X.T @ Y / len(X)
+    _, model = mod.load_model()
+    attn = model.encoder.layer[1].attention.self
+    W = np.vstack([getattr(attn, m).weight.detach().double().numpy()[320:352] for m in ("query", "key", "value")])
+    want = {"pca": np.linalg.eigh(C)[1][:, ::-1][:, :3], "supervised": _top_generalized(Cxy @ Cxy.T, C, 3),
+            "weights": _top_generalized(C @ W.T @ W @ C, C, 3)}
+    cases = result["reductions"]
+    assert sorted(c["method"] for c in cases) == sorted(want) and {c["d"] for c in cases} == {3}
+    for c in cases:
+        with h5py.File(wd / f"train_{c['method']}_d3.h5", "r") as f:
+            P = f["reduce_P"][...]
+            assert "reduce_U" not in f and f["targets"].shape == (len(X), 32)  # the head's output at full width
+            assert np.array_equal(f["targets"][...], Y) and f.attrs["reduce_method"] == c["method"]
+        with h5py.File(wd / f"heldout_{c['method']}_d3.h5", "r") as f:
+            assert np.array_equal(f["reduce_P"][...], P)
+        assert _span_angle(P, want[c["method"]]) <= SPAN_TOL, c["method"]
+    assert _span_angle(want["supervised"], want["pca"]) > 0.1  # the methods choose different directions
+    with np.load(wd / "qkv.npz") as z:
+        assert np.array_equal(np.vstack([z["W_Q"], z["W_K"], z["W_V"]]), W)
+
+
+@pytest.mark.slow
+def test_full_width_r2_is_numpy(run):
+    """Each reduction's fits of the head's full 32-dim output: the MHLA's CV-ridge and least-squares R^2 are numpy's
+    ridge / lstsq on the materialised features of every position, the MHLA + affine map's least squares numpy's
+    lstsq on [S (x) x_t | x_wide, 1], the affine map alone numpy's CV ridge; every number is finite."""
+    from mhla_cli.solve.ridge_cv import ridge_grid
+
+    mod, wd, result, _ = run
+    wide, toff, ty, _ = _read(wd / "train384.h5")
+    wte, soff, sy, _ = _read(wd / "heldout384.h5")
+    ones, ones_t = np.ones((len(wide), 1)), np.ones((len(wte), 1))
+    for c in result["reductions"]:
+        assert c["normalize"] == "length"
+        tr, _, y, _ = _read(wd / f"train_{c['method']}_d3.h5")
+        te, _, yt, _ = _read(wd / f"heldout_{c['method']}_d3.h5")
+        assert np.array_equal(y, ty) and np.array_equal(yt, sy)
+        m, a = c["mhla"], c["mhla_affine"]
+        F, Ft = _positions(tr, toff, "length"), _positions(te, soff, "length")
+        coef, *_ = np.linalg.lstsq(F, ty, rcond=None)
+        assert m["n_features"] == 18 and m["n_train"] == len(ty)
+        assert abs(m["r2_lstsq"] - _r2(sy, Ft @ coef)) <= R2_TOL and abs(m["r2_train_lstsq"] - _r2(ty, F @ coef)) <= R2_TOL
+        can = ref.canonical(tr, toff, ty, per_position=True, normalize="length", attention="bidirectional")
+        Zs = [X for X, _, _ in ref.samples(te, soff, per_position=True, attention="bidirectional")]
+        pcv = ref.predict_canonical(ref.ridge_function(can, m["ridge"]), can["A"], Zs, "length")
+        assert abs(m["r2"] - _r2(sy, pcv)) <= R2_TOL and abs(m["r2_check"] - m["r2"]) <= R2_TOL
+        train_r2, held_r2 = _lstsq_r2(np.hstack([F, wide, ones]), ty, np.hstack([Ft, wte, ones_t]), sy)
+        assert abs(a["r2_lstsq"] - held_r2) <= R2_TOL and abs(a["r2_train_lstsq"] - train_r2) <= R2_TOL
+        assert abs(a["r2_check"] - a["r2"]) <= R2_TOL and a["n_features"] == 18 + 385 - 1  # less the hyperplane
+        for block in (m, a):
+            assert all(np.isfinite(v) for v in block.values() if not isinstance(v, bool))
+            assert block["seconds"] >= c["seconds_reduce"] > 0
+    alone = result["affine_alone"]
+    F = np.hstack([wide, ones])
+    err, grid, scale = _ridge_cv_direct(F, ty, toff, ridge_grid)
+    r = grid[int(np.argmin(err.mean(axis=1)))]
+    A = F / scale
+    B = (np.linalg.lstsq(A, ty, rcond=None)[0] if r == 0 else
+         np.linalg.solve(A.T @ A / len(A) + r * np.eye(A.shape[1]), A.T @ ty / len(A)))
+    assert abs(alone["r2"] - _r2(sy, np.hstack([wte, ones_t]) / scale @ B)) <= R2_TOL
+    assert alone["n_train"] == len(ty) and np.isfinite(alone["seconds"])
+    png = (wd / "real_reductions.png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) < 100_000
+
+
+def test_best_by_cv_takes_the_lowest_cv_error_and_the_table_marks_it():
+    mod = _example()
+    blocks = [key for key, _, _ in mod.RED_BLOCKS]
+
+    def case(method, d, cv):
+        return {"method": method, "d": d, "normalize": "length", "share": 0.5, "seconds_reduce": 0.1,
+                **{k: {"cv_mse": cv[i], "r2": 0.1 * (i + 1), "n_features": 18, "seconds": 1.0, "n_train": 10}
+                   for i, k in enumerate(blocks)}}
+
+    cases = [case("pca", 3, (2.0, 1.0)), case("supervised", 3, (1.0, 3.0)), case("weights", 3, (1.5, 0.5)),
+             case("pca", 4, (0.2, 0.1)), case("supervised", 4, (0.3, 0.3)), case("weights", 4, (0.4, 0.2))]
+    assert mod.best_by_cv(cases) == {blocks[0]: {3: "supervised", 4: "pca"}, blocks[1]: {3: "weights", 4: "pca"}}
+    quality, kept = mod.reductions_table(cases, {"r2": 0.3, "seconds": 0.5}).split("\n\n")
+    assert [len(t.splitlines()[0].split(" | ")) for t in (quality, kept)] == [len(h) for h in mod.RED_HEADS]
+    assert all(r.endswith(" | 0.3000 | 0.5 | 10 |") for r in quality.splitlines()[2:])
+    rows = {tuple(r.split(" | ")[:2]): r.split(" | ")[-1] for r in kept.splitlines()[2:]}
+    assert rows == {("| 3", "pca"): "- |", ("| 3", "supervised"): "MHLA |", ("| 3", "weights"): "MHLA + affine map |",
+                    ("| 4", "pca"): "MHLA, MHLA + affine map |", ("| 4", "supervised"): "- |",
+                    ("| 4", "weights"): "- |"}
+    assert mod.reductions_png(Path("out/real.png")) == Path("out/real_reductions.png")
