@@ -1,4 +1,4 @@
-"""A survey of every head and every whole attention layer of a real transformer: how much one MHLA layer explains.
+"""Which attention layers of a real transformer can be replaced without training, and a survey of every head.
 
 The model, text, windows and train / held-out split are those of examples/real_model.py (imported from
 it): all-MiniLM-L6-v2 (6 layers of 12 heads of 32 dimensions, hidden size 384) from the files of the
@@ -9,21 +9,29 @@ One forward pass of the whole model per batch of windows: a forward hook on ever
 output module (BertSelfOutput, called with the 12 heads' outputs and the layer's input) records, at
 every position of every window, the tokens that enter the layer (384-dim), the 12 heads' outputs
 before W_O (a head's output is its 32 columns, as in real_model.py) and the layer's attention output
-W_O (heads' outputs), before b_O, the residual and LayerNorm: the sum of its 12 heads through W_O,
-what one MHLA of up to d^2 heads stands in for. Every head is checked against a numpy softmax
-recomputed from the layer's weights at every position (real_model.check_head).
+W_O (heads' outputs), before b_O, the residual and LayerNorm. Every head is checked against a numpy
+softmax recomputed from the layer's weights at every position (real_model.check_head).
 
-Per layer the windows are written at the model's widths with per-position targets and attention =
-"bidirectional" (train384_L{l}.h5, heldout384_L{l}.h5: 384-dim tokens, 768-dim targets: the 12 heads'
+The verdict (examples/layer_verdict.py), per layer, on the same held-out windows: the MHLA as a sum of per-head
+blocks (head h on --head-d token directions of its own, `supervised` on its 32-dim output or `weights` on its rows
+of W_Q, W_K, W_V, chosen by CV on the training folds; outputs at full width, then through W_O), one MHLA on the
+whole layer (--layer-d, the best by CV of pca / supervised / weights), the blocks plus the affine map of the full
+token fitted on their training residual, NBL's affine map of [x_t, 1], the mean output and deletion: held-out R^2
+of the layer's 384-dim output at every position, the seconds and training positions of each fit, and back in the
+model (mhla_cli.model.splice, judged by mhla_cli.model.judge on --replace-windows held-out windows) the mean and
+worst cosine of the sentence embeddings and the Spearman correlation of the pairs' similarities; a layer is safe to
+replace when an mhla row keeps both above layer_verdict's SAFE_MEAN_COSINE and SAFE_SPEARMAN. --png draws the held-out
+R^2 of layer --curve-layer against d per reduction.
+
+The grid (unless --no-grid): per layer the windows are written at the model's widths with per-position targets and
+attention = "bidirectional" (train384_L{l}.h5, heldout384_L{l}.h5: 384-dim tokens, 768-dim targets: the 12 heads'
 outputs side by side, then the layer's attention output). mhla_cli.model.reduce accumulates their
 uncentered second moments in one streaming pass (`second_moments`); the token map P is the top-d
 eigenvectors of the tokens' moment (every head of a layer sees the same tokens), head h's output map
-U_h those of head h's 32 x 32 block of the targets' moment, and the layer's those of the last
-384 x 384 block (each the moment `mhla reduce --dim d` takes of a file holding only those targets).
-The reduced files (train_L{l}_h{h}.h5, train_L{l}_layer_d{d}.h5) record P and U (768 x d, 0 outside
-the block), and the held-out windows take the same maps (`mhla reduce --like`).
-
-Per head (d = 8) and per whole layer (d = 8 and 16), library calls of what the commands do:
+U_h those of head h's 32 x 32 block of the targets' moment (each the moment `mhla reduce --dim d` takes of a file
+holding only those targets). The reduced files (train_L{l}_h{h}.h5) record P and U (768 x d, 0 outside the block),
+and the held-out windows take the same maps (`mhla reduce --like`). Per head (d = --d), library calls of what the
+commands do:
 
     featurize train.h5 --folds 5 --normalize length   (featurize_folds; every position, bidirectional)
     certify (full domain)                             (certify(total))
@@ -32,12 +40,7 @@ Per head (d = 8) and per whole layer (d = 8 and 16), library calls of what the c
 
 and beside each, in numpy on the same folds: the token-wise affine map of the full 384-dim token
 [x_t, 1] (closed form, ridge by CV: the "Neural Block Linearization" baseline), the mean output of the
-training positions and zero. Back in the model (mhla_cli.model.splice, judged by mhla_cli.model.judge): the
-best head and each whole
-layer replaced at every position of held-out windows by the MHLA (reduced coordinates, plus the
-training mean in the output directions the reduction drops), the affine maps, the mean and zero:
-the cosines of the sentence embeddings to the original model's and the Spearman correlation of the
-pairwise similarities.
+training positions and zero.
 
 Run:  python examples/head_survey.py --png head_survey.png     (needs the `examples` and `plot` extras)
       python examples/head_survey.py --quick                    (every 40th window start: a few minutes)
@@ -50,6 +53,7 @@ import json
 import os
 import sys
 import tempfile
+import textwrap
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -65,7 +69,7 @@ import numpy as np  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # examples/: real_model.py beside this file
 
 from layer_verdict import (  # noqa: E402
-    SAFE_MEAN_COSINE, SAFE_SPEARMAN, curve_table, layer_data, r2_curve, reductions_table, safe_lines, verdict_layer,
+    HEAD_METHODS, SAFE_MEAN_COSINE, SAFE_SPEARMAN, curve_table, layer_data, r2_curve, reductions_table, safe_lines, verdict_layer,
     verdict_table)
 from real_model import (  # noqa: E402
     HELDOUT_TEXTS, LICENSES, N_FOLDS, QUICK_STRIDE, TRAIN_TEXTS, FoldStats, Linear, accumulate, affine_features,
@@ -276,13 +280,14 @@ def heatmap(rows: list[dict], n_layers: int, n_heads: int, path: Path, title: st
 
     n_maps = 2 if rows else 0  # the grid's heatmaps (not with --no-grid)
     n = n_maps + (1 if curve else 0)
-    fig, axes = plt.subplots(1, max(n, 1), figsize=(5.5 * max(n, 1), 4.4), layout="constrained", squeeze=False)
+    width = max(5.5 * n, 7.0)
+    fig, axes = plt.subplots(1, max(n, 1), figsize=(width, 4.6), layout="constrained", squeeze=False)
     axes = list(axes[0])
     if n_maps:
         grid_maps(fig, axes[:2], rows, n_layers, n_heads)
     if curve:
         curve_axes(axes[-1], curve, curve_affine, curve_layer)
-    fig.suptitle(title, fontsize=9)
+    fig.suptitle(textwrap.fill(title, int(12 * width)), fontsize=9)
     save_png(fig, path, dpi=80)
 
 
@@ -295,6 +300,10 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
                     help="token directions of each head's block in the verdict (default: 8)")
     ap.add_argument("--layer-d", type=int, default=8,
                     help="token directions of the one-block MHLA of a whole layer in the verdict (default: 8)")
+    ap.add_argument("--layers", type=int, nargs="+", default=None,
+                    help="the layers of the verdict and the grid (default: every layer)")
+    ap.add_argument("--head-methods", nargs="+", choices=HEAD_METHODS, default=list(HEAD_METHODS),
+                    help="the reductions each head's block is fitted with, the best by CV kept (default: both)")
     ap.add_argument("--curve-layer", type=int, default=1, help="the layer of the R^2-against-d picture (default: 1)")
     ap.add_argument("--curve-d", type=int, nargs="*", default=[2, 4, 8],
                     help="the d of the R^2-against-d picture (default: 2 4 8; none: no picture of it)")
@@ -327,18 +336,18 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
-def judge_layers(tokenizer, model, test: Split, fns: list[dict], count: int | None) -> list[dict]:
+def judge_layers(tokenizer, model, test: Split, fns: list[tuple[int, dict]], count: int | None) -> list[dict]:
     """Each layer replaced by each verdict row at every position of the held-out windows (splice + judge)."""
     picked = replacement_windows(len(test.window_ids), count)
     batches = length_batches(tokenizer, [test.window_ids[i] for i in picked])
-    return [{"n_windows": len(picked), **replace(model, batches, li, None, f)} for li, f in enumerate(fns)]
+    return [{"n_windows": len(picked), **replace(model, batches, li, None, f)} for li, f in fns]
 
 
 def run_layers(wd: Path, train: Split, test: Split, model, args) -> tuple[list[dict], list[dict], list[dict], dict]:
     """Per layer the grid of heads (unless --no-grid) and the verdict rows; the R^2-against-d curve of one layer."""
     n_layers, n_heads = model.config.num_hidden_layers, model.config.num_attention_heads
     heads, verdicts, fns, curve = [], [], [], {}
-    for li in range(n_layers):
+    for li in range(n_layers) if args.layers is None else args.layers:
         t1 = time.perf_counter()
         if not args.no_grid:
             heads += survey_layer(wd, train, test, li, n_heads, args, {})
@@ -346,7 +355,7 @@ def run_layers(wd: Path, train: Split, test: Split, model, args) -> tuple[list[d
         L = layer_data(train, test, li, model, W_O)
         v, f = verdict_layer(wd, L, args)
         verdicts.append(v)
-        fns.append(f)
+        fns.append((li, f))
         if li == args.curve_layer and args.curve_d:
             curve = {"layer": li, "rows": r2_curve(wd, L, args.curve_d, args, v)}
         print(f"  layer {li}: {time.perf_counter() - t1:.0f} s", file=sys.stderr)
@@ -435,7 +444,7 @@ def main(argv: list[str] | None = None) -> dict:
     if args.png is not None:
         title = (f"all-MiniLM-L6-v2: held-out R$^2$ at every position ({n_train} training / {n_test} held-out windows;"
                  f" normalize {args.normalize}, CV ridge)")
-        aff = verdicts[curve["layer"]]["rows"]["affine"]["r2"] if curve else 0.0
+        aff = next(v["rows"]["affine"]["r2"] for v in verdicts if v["layer"] == curve["layer"]) if curve else 0.0
         heatmap(heads, n_layers, n_heads, args.png, title, curve.get("rows"), aff, curve.get("layer", 0))
     result = {"d": args.d, "head_d": args.head_d, "layer_d": args.layer_d, "normalize": args.normalize,
               "n_folds": args.folds, "stride": stride, "n_train": n_train, "n_heldout": n_test,

@@ -232,16 +232,17 @@ def fit_blocks(wd: Path, L: LayerData, d: int, args, train_pred: bool) -> tuple[
     the parts of each method."""
     n_heads = len(L.reads)
     dh = L.D // n_heads
-    chosen, every = [], {m: [] for m in HEAD_METHODS}
+    methods = tuple(getattr(args, "head_methods", HEAD_METHODS))
+    chosen, every = [], {m: [] for m in methods}
     for h in range(n_heads):
         cols = slice(h * dh, (h + 1) * dh)
         maps = {m: (lambda m=m, cols=cols, W=L.reads[h]: token_map(m, L.Gx, L.Cxy[:, cols], L.n, W, d))
-                for m in HEAD_METHODS}
+                for m in methods}
         Ytr, Yte = L.targets(cols)
-        best, parts = best_part(wd, f"L{L.layer}_h{h}_d{d}", HEAD_METHODS, maps, L.Xtr, L.Xte, Ytr, Yte, L.offsets,
+        best, parts = best_part(wd, f"L{L.layer}_h{h}_d{d}", methods, maps, L.Xtr, L.Xte, Ytr, Yte, L.offsets,
                                 args, train_pred)
         chosen.append(best)
-        for m in HEAD_METHODS:
+        for m in methods:
             every[m].append(parts[m])
     return chosen, every
 
@@ -372,12 +373,13 @@ def safe_lines(verdicts: list[dict], judged: list[dict]) -> list[str]:
 
 def reductions_table(verdicts: list[dict]) -> str:
     """Markdown: held-out R^2 of the layer's output per reduction, and the reductions the CV chose."""
-    head = ("layer", *(f"blocks, {m}" for m in HEAD_METHODS), "blocks, chosen by CV",
+    methods = list(verdicts[0]["blocks_by_method"]) if verdicts else []
+    head = ("layer", *(f"blocks, {m}" for m in methods), "blocks, chosen by CV",
             *(f"one block, {m}" for m in LAYER_METHODS), "one block chosen by CV")
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for v in verdicts:
-        counts = ", ".join(f"{v['head_methods'].count(m)} {m}" for m in HEAD_METHODS)
-        cells = [f"{v['blocks_by_method'][m]:.4f}" for m in HEAD_METHODS]
+        counts = ", ".join(f"{v['head_methods'].count(m)} {m}" for m in methods)
+        cells = [f"{v['blocks_by_method'][m]:.4f}" for m in methods]
         cells += [f"{v['rows']['blocks']['r2']:.4f} ({counts})"]
         cells += [f"{v['layer_by_method'][m]:.4f}" for m in LAYER_METHODS] + [v["layer_method"]]
         lines.append(f"| {v['layer']} | " + " | ".join(cells) + " |")
@@ -385,7 +387,8 @@ def reductions_table(verdicts: list[dict]) -> str:
 
 
 def curve_table(curve: list[dict]) -> str:
-    keys = [*(f"blocks_{m}" for m in HEAD_METHODS), "blocks_cv", *(f"layer_{m}" for m in LAYER_METHODS)]
+    keys = [*(f"blocks_{m}" for m in HEAD_METHODS if f"blocks_{m}" in curve[0]), "blocks_cv",
+            *(f"layer_{m}" for m in LAYER_METHODS)]
     lines = ["| d | " + " | ".join(k.replace("_", ", ") for k in keys) + " |", "|---|" + "---|" * len(keys)]
     for r in curve:
         lines.append(f"| {r['d']} | " + " | ".join(f"{r[k]:.4f}" for k in keys) + " |")
@@ -395,8 +398,8 @@ def curve_table(curve: list[dict]) -> str:
 def curve_axes(ax, curve: list[dict], affine: float, layer: int) -> None:
     """Held-out R^2 of the layer's output against d, one line per reduction; NBL's affine map as a level."""
     ds = [r["d"] for r in curve]
-    for key, style in [*((f"layer_{m}", "--") for m in LAYER_METHODS), *((f"blocks_{m}", "-") for m in HEAD_METHODS),
-                       ("blocks_cv", "-")]:
+    for key, style in [*((f"layer_{m}", "--") for m in LAYER_METHODS),
+                       *((f"blocks_{m}", "-") for m in HEAD_METHODS if f"blocks_{m}" in curve[0]), ("blocks_cv", "-")]:
         kind, m = key.split("_")
         label = f"{'per-head blocks' if kind == 'blocks' else 'one block'}, {'CV choice' if m == 'cv' else m}"
         ax.plot(ds, [r[key] for r in curve], style, marker="o", ms=3, lw=2.2 if m == "cv" else 1.2, label=label)
