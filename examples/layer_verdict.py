@@ -8,7 +8,7 @@ ones, side by side:
   mhla_cli.model.directions: `supervised` on the head's own 32-dim output z_h, and `weights` on the head's rows of
   W_Q, W_K, W_V stacked), each fitted at the head's full output width (what `mhla reduce --keep-targets` writes),
   ridge by CV, and the reduction of each head chosen by its CV error on the training folds; the layer's output is
-  sum_h W_O[:, 32h:32h+32] zhat_h (`layer_of_heads`).
+  sum_h W_O[:, 32h:32h+32] zhat_h (`layer_of_heads`: mhla_cli.sum_of_blocks, a HeadsSum).
 - `layer`: one MHLA on the whole layer's 384-dim output, the best by CV of pca / supervised / weights.
 - `blocks_affine`: `blocks` plus the affine map of the full token [x_t, 1] fitted (closed form, ridge by CV) on the
   training residual of the block sum.
@@ -20,7 +20,6 @@ Each row records its held-out R^2 of the layer's full 384-dim output at every po
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,7 +28,7 @@ import numpy as np
 
 from real_model import accumulate, affine_features, predict_rows, r2, ridge_cv
 
-from mhla_cli import export_heads, fit, write_tokens
+from mhla_cli import HeadsSum, export_heads, fit, sum_of_blocks, write_tokens
 from mhla_cli.model import directions
 from mhla_cli.model.forward import predict_file
 from mhla_cli.model.heads import Heads
@@ -69,56 +68,12 @@ class Part:
     model_path: Path
 
 
-class LayerOfHeads:
-    """A sum of factored heads (one block per attention head, each with its own P and U = W_O's slice U_h) on the
-    layer's input tokens: `predict` at every position, `module()` a torch callable for mhla_cli.model.splice."""
-
-    def __init__(self, heads: list[Heads]) -> None:
-        self.heads = heads
-
-    def module(self):
-        """torch: X (B, n, D) [, attention_mask] -> the sum of the blocks' outputs (B, n, D_out), float64."""
-        import torch
-
-        from mhla_cli.model.splice import Replacement
-
-        class Summed(torch.nn.Module):
-            def __init__(self, parts: list[Heads]) -> None:
-                super().__init__()
-                self.parts = torch.nn.ModuleList([Replacement(h, layout="bidirectional") for h in parts])
-
-            def forward(self, X, attention_mask=None):
-                return sum(p(X, attention_mask) for p in self.parts)
-
-        return Summed(self.heads)
-
-    def predict(self, windows: list[np.ndarray]) -> np.ndarray:
-        """The outputs at every position of every window (bidirectional: S of the whole window), stacked."""
-        import torch
-
-        mod = self.module()
-        lengths = np.array([len(w) for w in windows])
-        starts = np.concatenate([[0], np.cumsum(lengths)])
-        out = np.zeros((int(starts[-1]), self.heads[0].d_out))
-        with torch.no_grad():
-            for n in np.unique(lengths):
-                idx = np.flatnonzero(lengths == n)
-                X = torch.from_numpy(np.stack([np.asarray(windows[i], dtype=np.float64) for i in idx]))
-                Y = mod(X).numpy()
-                for r, i in enumerate(idx):
-                    out[starts[i]:starts[i + 1]] = Y[r]
-        return out
-
-
-def layer_of_heads(parts: list[Heads], W_O: np.ndarray) -> LayerOfHeads:
-    """The layer as the sum of its heads' blocks: head h's factored heads (outputs z_h, 32-dim) with U set to
-    W_O[:, 32h:32h+32] @ U, so that the sum is sum_h W_O_h zhat_h."""
+def layer_of_heads(parts: list[Heads], W_O: np.ndarray) -> HeadsSum:
+    """The layer as the sum of its heads' blocks (mhla_cli.sum_of_blocks): head h's factored heads (outputs z_h,
+    32-dim) through W_O[:, 32h:32h+32], so that the sum is sum_h W_O_h zhat_h; `predict` at every position,
+    `to_torch()` the module mhla_cli.model.splice puts in the model."""
     dh = W_O.shape[1] // len(parts)
-    out = []
-    for h, part in enumerate(parts):
-        assert part.U is not None and part.U.shape[0] == dh, "factored heads of one head's output"
-        out.append(dataclasses.replace(part, U=np.ascontiguousarray(W_O[:, h * dh:(h + 1) * dh] @ part.U)))
-    return LayerOfHeads(out)
+    return sum_of_blocks(parts, [W_O[:, h * dh:(h + 1) * dh] for h in range(len(parts))])
 
 
 def moments(X: np.ndarray, Y: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -278,7 +233,7 @@ def verdict_layer(wd: Path, L: LayerData, args) -> tuple[dict, dict]:
     Ytr, Yte = L.targets(slice(L.D, 2 * L.D))
     chosen, every = fit_blocks(wd, L, args.head_d, args, train_pred=True)
     blocks = layer_of_heads([p.heads for p in chosen], L.W_O)
-    pred_b = blocks.predict(L.windows[1])
+    pred_b = blocks.predict(np.concatenate(L.windows[1]), L.offsets[1])
     blocks_s = L.moments_seconds + sum(p.seconds for ps in every.values() for p in ps)
     t0 = time.perf_counter()
     resid = Ytr - sum_through(chosen, L.W_O, "pred_tr")
@@ -304,7 +259,7 @@ def verdict_layer(wd: Path, L: LayerData, args) -> tuple[dict, dict]:
     if args.keep_wide:  # what the test recomputes in numpy
         np.savez(wd / f"verdict_L{L.layer}.npz", pred_blocks=pred_b, P=np.stack([p.P for p in chosen]),
                  methods=np.array(out["head_methods"]))
-    blocks_mod = blocks.module()
+    blocks_mod = blocks.to_torch()
     aff_r = numpy_replacement(affine_fn(lin_r, None, 0.0))
     fns = {"blocks": blocks_mod, "layer": Replacement(best_l.heads, layout="bidirectional"),
            "blocks_affine": lambda X, mask=None: blocks_mod(X, mask) + aff_r(X, mask),
