@@ -241,9 +241,11 @@ def block_statistics(data: str | os.PathLike, maps: Sequence[Any], read: ReadSpe
     whitened = [p @ A for p, A in zip(P, bases)]
     normalize = read.normalize or "none"
     sums = [_fold_sums(info, lo, hi, size, whitened, normalize, Af, m, progress) for lo, hi in fold_ranges]
-    G = np.sum([s[0] for s in sums], axis=0)
-    M = np.sum([s[1] for s in sums], axis=0)
-    YY = np.sum([s[2] for s in sums], axis=0)
+    G, M, YY = (a.copy() for a in sums[0][:3]) if folds else sums[0][:3]  # the total, added in place (no stack)
+    for s in sums[1:]:
+        G += s[0]
+        M += s[1]
+        YY += s[2]
     return BlockStatistics(
         maps=P, bases=bases, affine_map=Af, gram=G, moments=M, target_gram=YY,
         weight=float(sum(s[3] for s in sums)), n_samples=int(sum(s[4] for s in sums)), n_tokens=int(info.n_tokens),
