@@ -640,7 +640,7 @@ NEW_CODE = [
     _net("blocks: the metric of every token alike", "solve.blocks", "_token_pass",
          "(X if c is None else X * c[:, None]).T @ X", "X.T @ X", BLOCKS_TESTS),
     _net("blocks: the affine block whitened by its sum, not its mean", "solve.blocks", "_token_pass",
-         "Gf / max(query_weight, 1e-300)", "Gf", BLOCKS_TESTS),
+         "Gf / (query_weight if query_weight > 0 else 1.0)", "Gf", BLOCKS_TESTS),
     _net("blocks: the samples' weights left out", "solve.blocks", "_fold_sums", "F * w[:, None]", "F",
          BLOCKS_TESTS),
     _net("blocks: overlapping blocks not named", "solve.blocks", "_reasons",

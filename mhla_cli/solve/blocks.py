@@ -160,7 +160,7 @@ def _token_pass(info: TokensInfo, size: int, affine: bool) -> tuple[np.ndarray, 
             F = np.hstack([Xq, np.ones((Xq.shape[0], 1))])
             Gf += (F if w is None else F * w[:, None]).T @ F
             query_weight += float(F.shape[0] if w is None else w.sum())
-    return Gx, None if Gf is None else Gf / max(query_weight, 1e-300), total
+    return Gx, None if Gf is None else Gf / (query_weight if query_weight > 0 else 1.0), total
 
 
 def _affine_whitening(Gf: np.ndarray, n_samples: int) -> np.ndarray:
@@ -332,14 +332,14 @@ def _reasons(stats: BlockStatistics, cert: Certificate, fac: Factorization, thre
     return out
 
 
-def _solve(G: np.ndarray, M: np.ndarray, W: float, ridge: float) -> tuple[np.ndarray, Factorization, bool]:
-    """The solution of (Lambda~ + ridge I) sol = M / W (minimum norm where singular), its factorization and
-    whether Lambda~ is proven positive definite."""
+def _solve(G: np.ndarray, M: np.ndarray, W: float, ridge: float) -> tuple[np.ndarray, Factorization, float, bool]:
+    """The solution of (Lambda~ + ridge I) sol = M / W (minimum norm where singular), its factorization, the
+    numerical tolerance of its eigenvalues and whether Lambda~ is proven positive definite."""
     fac = Factorization(G, G.shape[0], 1.0 / W)
     lmax = fac.lambda_max()
     tol = numerical_tolerance(lmax, G.shape[0])
     pd = lmax > 0 and fac.proves_above(tol)
-    return solve_system(fac, M / W, ridge, tol, pd), fac, pd
+    return solve_system(fac, M / W, ridge, tol, pd), fac, tol, pd
 
 
 def cv_ridge_blocks(stats: BlockStatistics) -> dict[str, Any]:
@@ -389,7 +389,7 @@ def fit_blocks(stats: BlockStatistics, ridge: float | str = 0.0) -> HeadsSum:
     if ridge < 0 or not np.isfinite(ridge):
         raise InputError(f"ridge must be a finite number >= 0, got {ridge}")
     W = stats.weight if stats.weight > 0 else 1.0
-    sol, fac, pd = _solve(stats.gram, stats.moments, W, float(ridge))
+    sol, fac, tol, pd = _solve(stats.gram, stats.moments, W, ridge)
     sse = float(np.sum(sol * (stats.gram @ sol))) - 2 * float(np.sum(sol * stats.moments)) + float(
         np.trace(stats.target_gram))
     e = stats.moments.shape[1]
@@ -402,12 +402,12 @@ def fit_blocks(stats: BlockStatistics, ridge: float | str = 0.0) -> HeadsSum:
     if stats.affine_map is not None:
         Wf = (stats.affine_map @ sol[start:]).T  # y = sol_f^T A_f^T (x, 1)
         affine = {"affine_weight": np.ascontiguousarray(Wf[:, :-1]), "affine_bias": np.ascontiguousarray(Wf[:, -1])}
-    lmin, bound = lambda_min_of_verdict(fac.lambda_min(), numerical_tolerance(fac.lambda_max(), stats.n_features),
-                                        bool(pd and stats.n_samples >= stats.n_features))
+    identifiable = bool(pd and stats.n_samples >= stats.n_features)
+    lmin, bound = lambda_min_of_verdict(fac.lambda_min(), tol, identifiable)
     out_info: dict[str, Any] = {
-        **info, "ridge": float(ridge), "train_mse": max(sse, 0.0) / (W * e), "n_features": stats.n_features,
+        **info, "ridge": ridge, "train_mse": max(sse, 0.0) / (W * e), "n_features": stats.n_features,
         "block_features": stats.sizes, "n_samples": stats.n_samples, "n_tokens": stats.n_tokens,
-        "identifiable": bool(pd and stats.n_samples >= stats.n_features), "lambda_min": lmin,
+        "identifiable": identifiable, "lambda_min": lmin,
         "lambda_max": fac.lambda_max(), "seconds": {**stats.seconds, "solve": time.perf_counter() - t0},
         "fitted": "jointly"}
     if bound is not None:
